@@ -1,0 +1,102 @@
+//! The device primitives a backend gives the ring.
+//!
+//! A backend names five things (static dispatch, associated types): the backend
+//! handle itself (a cheap `Clone` over an `Arc`), page-locked host buffers, device
+//! slots, and events. The ring uses nothing else, so a new backend is this trait
+//! plus the conformance suite in `tests/`.
+//!
+//! The model of execution is CUDA's: one *copy stream* that runs host-to-device
+//! copies in order, one *compute stream* where the model's kernels run, and events
+//! between them. A backend whose compute is synchronous host code (the simulated
+//! backend, candle's CPU device) treats the calling thread as its compute stream.
+
+use crate::error::Result;
+
+/// Free and total device memory, in bytes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MemoryInfo {
+    /// Bytes free on the device.
+    pub free: u64,
+    /// Bytes in all.
+    pub total: u64,
+}
+
+/// Device primitives for streaming immutable weights host → device.
+///
+/// Protocol (the ring keeps it; the simulated backend checks it):
+/// 1. a slot is read by compute only after [`compute_wait`](Self::compute_wait) on
+///    the event of the copy that filled it;
+/// 2. a copy into a slot that compute has read is issued with `after` set to an
+///    event recorded by [`record_compute`](Self::record_compute) after the last read;
+/// 3. nothing in the steady state blocks the host;
+/// 4. there is no device-to-host copy of weights: the trait has none.
+///
+/// Memory safety does not depend on the protocol: a backend keeps every host buffer
+/// and slot handed to an asynchronous copy alive until that copy has finished
+/// (host buffers are shared `Arc`s; freeing a slot is ordered after its copies).
+pub trait OffloadBackend: Clone + Send + Sync + 'static {
+    /// Page-locked (where the backend can) host memory, written once, then immutable.
+    type HostBuffer: Send + Sync + 'static;
+    /// Device memory holding one block's bytes.
+    type Slot: Send + 'static;
+    /// A point on a stream that other work can wait for.
+    type Event: Clone + Send + Sync + 'static;
+
+    /// Short backend name for errors and metrics (`"sim"`, `"cuda"`, …).
+    fn name(&self) -> &'static str;
+
+    /// Allocate `bytes` of host memory (page-locked where possible), let `fill`
+    /// write every byte once, and freeze it. `purpose` names the block for errors.
+    fn alloc_host(
+        &self,
+        bytes: usize,
+        purpose: &str,
+        fill: &mut dyn FnMut(&mut [u8]) -> Result<()>,
+    ) -> Result<Self::HostBuffer>;
+
+    /// Read access to a frozen host buffer (used for resident reference runs and
+    /// checks, never on the streaming path).
+    fn host_bytes<'a>(&self, buffer: &'a Self::HostBuffer) -> &'a [u8];
+
+    /// Whether host buffers from this backend are page-locked.
+    fn host_is_pinned(&self) -> bool;
+
+    /// Allocate a device slot of `bytes`. `purpose` names the block for errors.
+    fn alloc_slot(&self, bytes: usize, purpose: &str) -> Result<Self::Slot>;
+
+    /// Release a slot once `after` (an event recorded after its last use) has
+    /// completed. Never blocks the host.
+    fn free_slot(&self, slot: Self::Slot, after: Option<&Self::Event>) -> Result<()>;
+
+    /// Enqueue on the copy stream: wait for `after` (if any), then copy the first
+    /// `bytes` of `src` into `dst`. Returns an event that completes with the copy.
+    fn copy_to_slot(
+        &self,
+        src: &Self::HostBuffer,
+        dst: &mut Self::Slot,
+        bytes: usize,
+        after: Option<&Self::Event>,
+    ) -> Result<Self::Event>;
+
+    /// Make the compute stream wait for `event` before any later work.
+    /// The host does not wait (except where compute is host code).
+    fn compute_wait(&self, event: &Self::Event) -> Result<()>;
+
+    /// Record an event on the compute stream after all work enqueued so far.
+    fn record_compute(&self) -> Result<Self::Event>;
+
+    /// Block the host until both streams are idle. Used at teardown and on
+    /// errors, never in the steady state.
+    fn synchronize(&self) -> Result<()>;
+
+    /// Report an error the device raised asynchronously since the last call
+    /// (CUDA's deferred errors). Called at step boundaries; never blocks.
+    fn poll_error(&self) -> Result<()> {
+        Ok(())
+    }
+
+    /// Free and total device memory.
+    fn memory_info(&self) -> Result<MemoryInfo> {
+        Err(crate::Error::unsupported(self.name(), "memory_info"))
+    }
+}

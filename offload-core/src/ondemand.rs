@@ -1,0 +1,85 @@
+//! On-demand components (a VAE, a text encoder used once per prompt): copied whole
+//! to the device before use and released after, through the same primitives.
+
+use crate::backend::OffloadBackend;
+use crate::discovery::BlockId;
+use crate::error::Result;
+use crate::store::HostStore;
+use crate::tensor::BlockLayout;
+use std::sync::Arc;
+
+/// A component loaded whole onto the device. Dropping it (or
+/// [`release`](Self::release)) frees its slots after an event recorded on the
+/// compute stream, so kernels already enqueued finish first.
+pub struct OnDemand<B: OffloadBackend> {
+    backend: B,
+    store: Arc<HostStore<B>>,
+    slots: Vec<B::Slot>,
+    non_block: Option<B::Slot>,
+}
+
+impl<B: OffloadBackend> OnDemand<B> {
+    /// Copy every block of `store` to the device and make compute wait for the
+    /// copies. Transactional: on error everything allocated is released.
+    pub fn load(backend: B, store: Arc<HostStore<B>>) -> Result<Self> {
+        let _span = tracing::info_span!("on_demand_load", component = %store.component()).entered();
+        let mut me = OnDemand { backend, store: store.clone(), slots: Vec::new(), non_block: None };
+        let all = store.blocks().iter().chain(store.non_block());
+        for (i, b) in all.enumerate() {
+            let mut slot = me.backend.alloc_slot(b.bytes(), &format!("{}/{} (on demand)", store.component(), b.id))?;
+            let copied = me.backend.copy_to_slot(&b.buffer, &mut slot, b.bytes(), None).and_then(|ev| me.backend.compute_wait(&ev));
+            if i < store.blocks().len() {
+                me.slots.push(slot);
+            } else {
+                me.non_block = Some(slot);
+            }
+            copied?;
+        }
+        Ok(me)
+    }
+
+    /// Block `id`: its layout and slot.
+    pub fn block(&self, id: &BlockId) -> Option<(&BlockLayout, &B::Slot)> {
+        let i = self.store.position(id)?;
+        Some((&self.store.blocks()[i].layout, &self.slots[i]))
+    }
+
+    /// The non-block tensors: their layout and slot.
+    pub fn non_block(&self) -> Option<(&BlockLayout, &B::Slot)> {
+        Some((&self.store.non_block()?.layout, self.non_block.as_ref()?))
+    }
+
+    /// Device bytes held.
+    pub fn device_bytes(&self) -> u64 {
+        self.store.host_bytes()
+    }
+
+    fn free_all(&mut self) -> Result<()> {
+        let after = self.backend.record_compute();
+        let ev = after.as_ref().ok();
+        if ev.is_none() {
+            let _ = self.backend.synchronize();
+        }
+        let mut first_err = None;
+        for s in self.slots.drain(..).chain(self.non_block.take()) {
+            if let Err(e) = self.backend.free_slot(s, ev) {
+                first_err.get_or_insert(e);
+            }
+        }
+        after.map(drop)?;
+        first_err.map_or(Ok(()), Err)
+    }
+
+    /// Release the device copy once the kernels enqueued so far have run.
+    pub fn release(mut self) -> Result<()> {
+        self.free_all()
+    }
+}
+
+impl<B: OffloadBackend> Drop for OnDemand<B> {
+    fn drop(&mut self) {
+        if let Err(e) = self.free_all() {
+            tracing::warn!("releasing on-demand component {:?}: {e}", self.store.component());
+        }
+    }
+}

@@ -1,0 +1,275 @@
+//! Plans (what the user declares) and the resolver that applies a plan to a
+//! concrete inventory. The result, a [`ResolvedPlan`], is pure data: no device work.
+
+use crate::discovery::{BlockId, ComponentInventory};
+use crate::error::{Error, Result};
+use crate::tensor::BlockLayout;
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, HashMap, HashSet};
+
+/// How a component's blocks are held.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Strategy {
+    /// Every block stays on the device.
+    Resident,
+    /// Blocks stream through a ring of `depth + 1` slots (some may stay resident).
+    #[default]
+    Layerwise,
+    /// The whole component is copied before use and released after (a VAE, a text encoder).
+    OnDemand,
+}
+
+/// The plan of one component.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ComponentPlan {
+    /// How its blocks are held.
+    pub strategy: Strategy,
+    /// Blocks in flight ahead of the one computing (`d ≥ 1`).
+    pub prefetch_depth: usize,
+    /// Hard limit on device bytes for this component's weights, if any.
+    pub device_budget_bytes: Option<u64>,
+    /// Blocks kept on the device for good (`"double_blocks.3"`).
+    pub resident_blocks: Vec<String>,
+}
+
+impl Default for ComponentPlan {
+    fn default() -> Self {
+        ComponentPlan { strategy: Strategy::Layerwise, prefetch_depth: 1, device_budget_bytes: None, resident_blocks: Vec::new() }
+    }
+}
+
+/// What the user declares, per component; components not named take `default`.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Plan {
+    /// The plan of components not named in `components`.
+    pub default: ComponentPlan,
+    /// Per-component plans.
+    pub components: BTreeMap<String, ComponentPlan>,
+}
+
+impl Plan {
+    /// Every component streams layer by layer with depth 1.
+    pub fn layerwise() -> Self {
+        Plan::default()
+    }
+
+    /// Every component stays resident.
+    pub fn resident() -> Self {
+        Plan { default: ComponentPlan { strategy: Strategy::Resident, ..Default::default() }, ..Default::default() }
+    }
+
+    /// Set the default prefetch depth.
+    pub fn prefetch_depth(mut self, depth: usize) -> Self {
+        self.default.prefetch_depth = depth;
+        self
+    }
+
+    /// Set the default device budget in GiB.
+    pub fn device_budget_gib(mut self, gib: f64) -> Self {
+        self.default.device_budget_bytes = Some((gib * (1u64 << 30) as f64) as u64);
+        self
+    }
+
+    /// Set the plan of one component.
+    pub fn component(mut self, name: impl Into<String>, plan: ComponentPlan) -> Self {
+        self.components.insert(name.into(), plan);
+        self
+    }
+
+    /// The plan that applies to `component`.
+    pub fn for_component(&self, component: &str) -> &ComponentPlan {
+        self.components.get(component).unwrap_or(&self.default)
+    }
+}
+
+/// A plan applied to one component's inventory.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ResolvedComponent {
+    /// Component name.
+    pub name: String,
+    /// Strategy.
+    pub strategy: Strategy,
+    /// Prefetch depth (≥ 1).
+    pub depth: usize,
+    /// Every block with its size, in inventory order.
+    pub blocks: Vec<(BlockId, usize)>,
+    /// Blocks kept resident (all of them for [`Strategy::Resident`]).
+    pub resident: Vec<BlockId>,
+    /// Largest streamed block, bytes.
+    pub largest_streamed_bytes: usize,
+    /// Upper bound on device bytes for weights: `(d + 1) ×` largest streamed block
+    /// plus resident blocks plus non-block tensors.
+    pub device_weight_bound: u64,
+    /// Non-block tensor bytes (resident).
+    pub non_block_bytes: u64,
+    /// The budget, if any.
+    pub budget: Option<u64>,
+}
+
+impl ResolvedComponent {
+    /// Whether block `id` stays resident.
+    pub fn is_resident(&self, id: &BlockId) -> bool {
+        self.strategy == Strategy::Resident || self.resident.contains(id)
+    }
+
+    /// Bytes streamed per pass over every block.
+    pub fn streamed_bytes_per_pass(&self) -> u64 {
+        self.blocks.iter().filter(|(id, _)| !self.is_resident(id)).map(|(_, b)| *b as u64).sum()
+    }
+}
+
+/// A plan applied to a model: pure data.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ResolvedPlan {
+    /// One entry per component of the inventory.
+    pub components: Vec<ResolvedComponent>,
+}
+
+impl ResolvedPlan {
+    /// The resolved component named `name`.
+    pub fn component(&self, name: &str) -> Option<&ResolvedComponent> {
+        self.components.iter().find(|c| c.name == name)
+    }
+}
+
+fn layout_bytes(inv: &ComponentInventory) -> Result<Vec<(BlockId, usize)>> {
+    inv.blocks().map(|b| Ok((b.id.clone(), BlockLayout::new(b.tensors.clone())?.bytes))).collect()
+}
+
+/// Apply `plan` to the components of `inventory`.
+///
+/// Errors name what is wrong: a plan for a component the model lacks, a component
+/// or tensor owned twice, a resident block that does not exist or is named twice,
+/// a depth of 0, a budget below `(d + 1) ×` the largest streamed block plus the
+/// resident set.
+pub fn resolve(plan: &Plan, inventory: &[ComponentInventory]) -> Result<ResolvedPlan> {
+    let mut names = HashSet::new();
+    let mut owner: HashMap<&str, String> = HashMap::new();
+    for c in inventory {
+        if !names.insert(c.name.as_str()) {
+            return Err(Error::Plan(format!("component {:?} appears twice in the inventory", c.name)));
+        }
+        for b in c.blocks() {
+            for t in &b.tensors {
+                if let Some(prev) = owner.insert(t.name.as_str(), format!("{}/{}", c.name, b.id)) {
+                    return Err(Error::Plan(format!("tensor {:?} is owned by both {prev} and {}/{}", t.name, c.name, b.id)));
+                }
+            }
+        }
+    }
+    for name in plan.components.keys() {
+        if !names.contains(name.as_str()) {
+            let known: Vec<_> = inventory.iter().map(|c| c.name.as_str()).collect();
+            return Err(Error::Plan(format!("plan names component {name:?}, the model has {known:?}")));
+        }
+    }
+    let mut components = Vec::new();
+    for inv in inventory {
+        let cp = plan.for_component(&inv.name);
+        let c = &inv.name;
+        if cp.prefetch_depth == 0 {
+            return Err(Error::Plan(format!("component {c:?}: prefetch_depth must be at least 1")));
+        }
+        let blocks = layout_bytes(inv)?;
+        let size: HashMap<&BlockId, usize> = blocks.iter().map(|(id, b)| (id, *b)).collect();
+        let mut resident = Vec::new();
+        for r in &cp.resident_blocks {
+            let id = BlockId::parse(r).filter(|id| size.contains_key(id)).ok_or_else(|| Error::Plan(format!("component {c:?}: resident block {r:?} does not exist")))?;
+            if resident.contains(&id) {
+                return Err(Error::Plan(format!("component {c:?}: resident block {r:?} named twice")));
+            }
+            resident.push(id);
+        }
+        if cp.strategy == Strategy::Resident {
+            resident = blocks.iter().map(|(id, _)| id.clone()).collect();
+        }
+        let non_block_bytes = BlockLayout::new(inv.non_block.clone())?.bytes as u64;
+        let resident_bytes: u64 = resident.iter().map(|id| size[id] as u64).sum();
+        let largest_streamed_bytes = blocks.iter().filter(|(id, _)| !resident.contains(id)).map(|(_, b)| *b).max().unwrap_or(0);
+        let device_weight_bound = match cp.strategy {
+            Strategy::Layerwise => (cp.prefetch_depth as u64 + 1) * largest_streamed_bytes as u64 + resident_bytes + non_block_bytes,
+            Strategy::Resident | Strategy::OnDemand => blocks.iter().map(|(_, b)| *b as u64).sum::<u64>() + non_block_bytes,
+        };
+        if cp.strategy == Strategy::Layerwise && blocks.len() < 2 {
+            return Err(Error::Plan(format!("component {c:?}: layerwise streaming needs at least 2 blocks, it has {}", blocks.len())));
+        }
+        if let Some(budget) = cp.device_budget_bytes {
+            if device_weight_bound > budget {
+                return Err(Error::Plan(format!(
+                    "component {c:?}: device budget {budget} bytes is below what the plan needs: {device_weight_bound} bytes \
+                     ((d + 1) = {} × largest streamed block {largest_streamed_bytes} + resident {resident_bytes} + non-block {non_block_bytes})",
+                    cp.prefetch_depth + 1
+                )));
+            }
+        }
+        components.push(ResolvedComponent {
+            name: c.clone(),
+            strategy: cp.strategy,
+            depth: cp.prefetch_depth,
+            blocks,
+            resident,
+            largest_streamed_bytes,
+            device_weight_bound,
+            non_block_bytes,
+            budget: cp.device_budget_bytes,
+        });
+    }
+    Ok(ResolvedPlan { components })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::discovery::{BlockDiscovery, NameDiscovery};
+    use crate::tensor::{DType, TensorSpec};
+
+    fn inv(name: &str, blocks: usize, elems: usize) -> ComponentInventory {
+        let t: Vec<_> = (0..blocks).map(|i| TensorSpec::new(format!("{name}_blocks.{i}.w"), DType::U8, [elems])).collect();
+        NameDiscovery.discover(name, &t).unwrap()
+    }
+
+    #[test]
+    fn budget_below_ring_is_an_error_naming_sizes() {
+        let i = [inv("transformer", 4, 1024)];
+        let plan = Plan::layerwise().prefetch_depth(2).component("transformer", ComponentPlan { device_budget_bytes: Some(2048), prefetch_depth: 2, ..Default::default() });
+        let e = resolve(&plan, &i).unwrap_err().to_string();
+        assert!(e.contains("transformer") && e.contains("3072"), "{e}");
+        let ok = Plan::layerwise().component("transformer", ComponentPlan { device_budget_bytes: Some(2048), ..Default::default() });
+        let r = resolve(&ok, &i).unwrap();
+        assert_eq!(r.components[0].device_weight_bound, 2048);
+        assert_eq!(r.components[0].streamed_bytes_per_pass(), 4096);
+    }
+
+    #[test]
+    fn unknown_component_and_bad_resident_blocks() {
+        let i = [inv("transformer", 4, 16)];
+        let e = resolve(&Plan::layerwise().component("vae", ComponentPlan::default()), &i).unwrap_err().to_string();
+        assert!(e.contains("\"vae\""), "{e}");
+        let p = Plan::layerwise().component("transformer", ComponentPlan { resident_blocks: vec!["transformer_blocks.9".into()], ..Default::default() });
+        assert!(resolve(&p, &i).unwrap_err().to_string().contains("transformer_blocks.9"));
+        let p = Plan::layerwise().component("transformer", ComponentPlan { resident_blocks: vec!["transformer_blocks.1".into(), "transformer_blocks.1".into()], ..Default::default() });
+        assert!(resolve(&p, &i).unwrap_err().to_string().contains("twice"));
+        assert!(resolve(&Plan::layerwise().prefetch_depth(0), &i).is_err());
+    }
+
+    #[test]
+    fn tensor_owned_twice_and_component_twice() {
+        let a = inv("a", 2, 4);
+        let mut b = a.clone();
+        b.name = "b".into();
+        let e = resolve(&Plan::layerwise(), &[a.clone(), b]).unwrap_err().to_string();
+        assert!(e.contains("owned by both"), "{e}");
+        let e = resolve(&Plan::layerwise(), &[a.clone(), a]).unwrap_err().to_string();
+        assert!(e.contains("twice"), "{e}");
+    }
+
+    #[test]
+    fn one_block_cannot_stream() {
+        let e = resolve(&Plan::layerwise(), &[inv("t", 1, 4)]);
+        // A single-index stack is not discovered as a stack at all, so there are no blocks.
+        assert!(e.unwrap_err().to_string().contains("at least 2 blocks"));
+    }
+}

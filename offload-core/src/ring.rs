@@ -1,0 +1,504 @@
+//! The ring scheduler, generic over the backend.
+//!
+//! `d + 1` slots, each the size of the largest streamed block. When block `b` is
+//! asked for, the ring makes sure `b` is in a slot (a prefetch hit, or a miss
+//! fetched on demand), issues copies of the next `d` blocks of the learned order
+//! into the other slots — each copy waiting on the event recorded after the slot's
+//! previous block ran — and makes the compute stream wait for `b`'s copy. Dropping
+//! the [`BlockGuard`] records the event that frees `b`'s slot.
+//!
+//! The order is learned: for every block the ring remembers which block was asked
+//! for after it last time (initially the declaration order, wrapping from the last
+//! block to the first). A request the order did not predict is a miss: served
+//! correctly, counted, and the order updated (a retrace).
+
+use crate::backend::OffloadBackend;
+use crate::discovery::BlockId;
+use crate::error::{Error, Result};
+use crate::hook::{BlockContext, BlockSource, Hook};
+use crate::metrics::StepMetrics;
+use crate::plan::{ResolvedComponent, Strategy};
+use crate::store::HostStore;
+use crate::tensor::BlockLayout;
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Deliberate protocol breaks, so tests can show that the conformance cases
+/// catch a broken ring. Only settable with the `sabotage` feature.
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Sabotage {
+    /// Keep the protocol.
+    #[default]
+    None,
+    /// Invariant 1: let compute read a slot without waiting for its copy.
+    SkipComputeWait,
+    /// Invariant 2: copy into a slot without waiting for its last use.
+    SkipFreeWait,
+    /// Invariant 3: synchronize the host on every block.
+    SyncEveryBlock,
+    /// Invariant 5: allocate one slot more than `d + 1`.
+    ExtraSlot,
+    /// Invariant 7: on a miss, serve the predicted block instead of the one asked for.
+    TrustPrediction,
+    /// Invariant 8: leak device slots when building the ring fails.
+    LeakOnError,
+}
+
+struct SlotState<B: OffloadBackend> {
+    slot: B::Slot,
+    holds: Option<usize>,
+    ready: Option<B::Event>,
+    free_after: Option<B::Event>,
+    stamp: u64,
+}
+
+#[derive(Clone, Copy)]
+enum Loc {
+    Stream(usize),
+    Resident(usize),
+}
+
+/// A component's blocks streaming through `d + 1` device slots.
+pub struct Ring<B: OffloadBackend> {
+    backend: B,
+    store: Arc<HostStore<B>>,
+    depth: usize,
+    slots: Vec<SlotState<B>>,
+    resident: Vec<(usize, B::Slot)>,
+    resident_of: Vec<Option<usize>>,
+    non_block: Option<B::Slot>,
+    next: Vec<usize>,
+    prev: Option<usize>,
+    clock: u64,
+    hooks: Vec<Box<dyn Hook>>,
+    step: StepMetrics,
+    total: StepMetrics,
+    sticky: Option<Error>,
+    sabotage: Sabotage,
+    closed: bool,
+}
+
+impl<B: OffloadBackend> Ring<B> {
+    /// Build the ring of one component: allocate its slots, copy its resident
+    /// blocks and non-block tensors, and start prefetching the first blocks.
+    ///
+    /// Transactional: on any error every slot allocated so far is released and the
+    /// host store is untouched.
+    pub fn new(backend: B, store: Arc<HostStore<B>>, plan: &ResolvedComponent) -> Result<Self> {
+        Self::build(backend, store, plan, Sabotage::None)
+    }
+
+    /// [`Ring::new`] with a deliberate protocol break (tests only).
+    #[cfg(feature = "sabotage")]
+    #[doc(hidden)]
+    pub fn with_sabotage(backend: B, store: Arc<HostStore<B>>, plan: &ResolvedComponent, sabotage: Sabotage) -> Result<Self> {
+        Self::build(backend, store, plan, sabotage)
+    }
+
+    fn build(backend: B, store: Arc<HostStore<B>>, plan: &ResolvedComponent, sabotage: Sabotage) -> Result<Self> {
+        let _span = tracing::info_span!("ring_new", component = %plan.name, depth = plan.depth).entered();
+        if plan.strategy == Strategy::OnDemand {
+            return Err(Error::Plan(format!("component {:?} is planned on demand: load it with OnDemand, not a Ring", plan.name)));
+        }
+        if plan.name != store.component() {
+            return Err(Error::Plan(format!("plan is for component {:?}, store holds {:?}", plan.name, store.component())));
+        }
+        if plan.depth == 0 {
+            return Err(Error::Plan(format!("component {:?}: prefetch depth must be at least 1", plan.name)));
+        }
+        let n = store.blocks().len();
+        let mut resident_of = vec![None; n];
+        let mut ring = Ring {
+            backend,
+            store: store.clone(),
+            depth: plan.depth,
+            slots: Vec::new(),
+            resident: Vec::new(),
+            resident_of: Vec::new(),
+            non_block: None,
+            next: (0..n).map(|i| (i + 1) % n.max(1)).collect(),
+            prev: None,
+            clock: 0,
+            hooks: Vec::new(),
+            step: StepMetrics { component: plan.name.clone(), host_bytes: store.host_bytes(), ..Default::default() },
+            total: StepMetrics::default(),
+            sticky: None,
+            sabotage,
+            closed: false,
+        };
+        let result = (|| {
+            for (i, b) in store.blocks().iter().enumerate() {
+                if plan.is_resident(&b.id) {
+                    let slot = ring.load_whole(&b.buffer, b.bytes(), &format!("{}/{} (resident)", plan.name, b.id))?;
+                    resident_of[i] = Some(ring.resident.len());
+                    ring.resident.push((i, slot));
+                }
+            }
+            if let Some(nb) = store.non_block() {
+                ring.non_block = Some(ring.load_whole(&nb.buffer, nb.bytes(), &format!("{}/non-block tensors", plan.name))?);
+            }
+            ring.resident_of = resident_of;
+            let streamed = ring.resident_of.iter().filter(|r| r.is_none()).count();
+            let largest = store.blocks().iter().enumerate().filter(|(i, _)| ring.resident_of[*i].is_none()).map(|(_, b)| b.bytes()).max().unwrap_or(0);
+            let mut count = (ring.depth + 1).min(streamed);
+            if ring.sabotage == Sabotage::ExtraSlot {
+                count += 1;
+            }
+            for k in 0..count {
+                let slot = ring.alloc(largest, &format!("{}/slot {k}", plan.name))?;
+                ring.slots.push(SlotState { slot, holds: None, ready: None, free_after: None, stamp: 0 });
+            }
+            ring.warm()
+        })();
+        match result {
+            Ok(()) => Ok(ring),
+            Err(e) => {
+                if ring.sabotage == Sabotage::LeakOnError {
+                    std::mem::forget(ring);
+                } else {
+                    ring.release_all();
+                    ring.closed = true;
+                }
+                Err(e)
+            }
+        }
+    }
+
+    fn alloc(&mut self, bytes: usize, purpose: &str) -> Result<B::Slot> {
+        let slot = self.backend.alloc_slot(bytes, purpose)?;
+        self.step.device_weight_bytes += bytes as u64;
+        self.step.peak_device_weight_bytes = self.step.peak_device_weight_bytes.max(self.step.device_weight_bytes);
+        Ok(slot)
+    }
+
+    fn load_whole(&mut self, buffer: &B::HostBuffer, bytes: usize, purpose: &str) -> Result<B::Slot> {
+        let mut slot = self.alloc(bytes, purpose)?;
+        let copied = self.backend.copy_to_slot(buffer, &mut slot, bytes, None).and_then(|ready| self.backend.compute_wait(&ready));
+        if let Err(e) = copied {
+            let _ = self.backend.synchronize();
+            let _ = self.backend.free_slot(slot, None);
+            return Err(e);
+        }
+        self.step.bytes_copied += bytes as u64;
+        self.step.copies += 1;
+        Ok(slot)
+    }
+
+    fn warm(&mut self) -> Result<()> {
+        let Some(first) = (0..self.next.len()).find(|&i| self.resident_of[i].is_none()) else {
+            return Ok(());
+        };
+        let s = self.victim(&[]);
+        self.load(s, first)?;
+        self.prefetch(first, s)
+    }
+
+    /// The next `count` streamed blocks after `from` in the learned order.
+    fn chain(&self, from: usize, count: usize) -> Vec<usize> {
+        let mut out = Vec::with_capacity(count);
+        let mut b = from;
+        for _ in 0..self.next.len() {
+            if out.len() == count {
+                break;
+            }
+            b = self.next[b];
+            if b == from {
+                break;
+            }
+            if self.resident_of[b].is_none() && !out.contains(&b) {
+                out.push(b);
+            }
+        }
+        out
+    }
+
+    /// The least recently used slot holding none of `keep`, not `except`.
+    fn victim_except(&self, keep: &[usize], except: Option<usize>) -> usize {
+        let candidates = self.slots.iter().enumerate().filter(|(i, s)| Some(*i) != except && s.holds.is_none_or(|b| !keep.contains(&b)));
+        candidates.min_by_key(|(_, s)| (s.holds.is_some(), s.stamp)).map(|(i, _)| i).unwrap_or(0)
+    }
+
+    fn victim(&self, keep: &[usize]) -> usize {
+        self.victim_except(keep, None)
+    }
+
+    fn load(&mut self, s: usize, b: usize) -> Result<()> {
+        let store = self.store.clone();
+        let block = &store.blocks()[b];
+        let after = if self.sabotage == Sabotage::SkipFreeWait { None } else { self.slots[s].free_after.clone() };
+        let st = &mut self.slots[s];
+        st.holds = None;
+        st.ready = None;
+        let ready = self.backend.copy_to_slot(&block.buffer, &mut st.slot, block.bytes(), after.as_ref())?;
+        st.holds = Some(b);
+        st.ready = Some(ready);
+        self.clock += 1;
+        st.stamp = self.clock;
+        self.step.bytes_copied += block.bytes() as u64;
+        self.step.copies += 1;
+        Ok(())
+    }
+
+    fn prefetch(&mut self, b: usize, current: usize) -> Result<()> {
+        let chain = self.chain(b, self.depth);
+        for &c in &chain {
+            if self.slots.iter().any(|s| s.holds == Some(c)) {
+                continue;
+            }
+            let mut keep = chain.clone();
+            keep.push(b);
+            let s = self.victim_except(&keep, Some(current));
+            if s == current || self.slots[s].holds.is_some_and(|h| keep.contains(&h)) {
+                break;
+            }
+            self.load(s, c)?;
+        }
+        Ok(())
+    }
+
+    /// Number of blocks in the component.
+    pub fn len(&self) -> usize {
+        self.next.len()
+    }
+
+    /// Whether the component has no blocks.
+    pub fn is_empty(&self) -> bool {
+        self.next.is_empty()
+    }
+
+    /// The backend.
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    /// The host store.
+    pub fn store(&self) -> &Arc<HostStore<B>> {
+        &self.store
+    }
+
+    /// The prefetch depth.
+    pub fn depth(&self) -> usize {
+        self.depth
+    }
+
+    /// The resident non-block tensors: their layout and slot.
+    pub fn non_block(&self) -> Option<(&BlockLayout, &B::Slot)> {
+        Some((&self.store.non_block()?.layout, self.non_block.as_ref()?))
+    }
+
+    /// Add a hook, called around every block.
+    pub fn add_hook(&mut self, hook: Box<dyn Hook>) {
+        self.hooks.push(hook);
+    }
+
+    /// The block `index` of `stack`, on the device, ready for compute.
+    pub fn block(&mut self, stack: &str, index: usize) -> Result<BlockGuard<'_, B>> {
+        let id = BlockId::new(stack, index);
+        let b = self.store.position(&id).ok_or_else(|| Error::UnknownBlock { component: self.store.component().to_owned(), stack: stack.to_owned(), index })?;
+        self.block_at(b)
+    }
+
+    /// The block at position `b` of the store's block list.
+    pub fn block_at(&mut self, b: usize) -> Result<BlockGuard<'_, B>> {
+        if let Some(e) = self.sticky.take() {
+            return Err(e);
+        }
+        if self.closed {
+            return Err(Error::Protocol(format!("ring of {:?} is closed", self.store.component())));
+        }
+        if b >= self.next.len() {
+            return Err(Error::Protocol(format!("component {:?} has {} blocks, asked for position {b}", self.store.component(), self.next.len())));
+        }
+        if self.sabotage == Sabotage::SyncEveryBlock {
+            self.backend.synchronize()?;
+        }
+        if let Some(p) = self.prev.replace(b) {
+            if self.next[p] != b {
+                self.next[p] = b;
+                self.step.retraces += 1;
+            }
+        }
+        self.step.blocks += 1;
+        let (loc, source) = if let Some(r) = self.resident_of[b] {
+            self.step.resident_hits += 1;
+            (Loc::Resident(r), BlockSource::Resident)
+        } else {
+            let (s, source) = match self.slots.iter().position(|s| s.holds == Some(b)) {
+                Some(s) => {
+                    self.step.prefetch_hits += 1;
+                    (s, BlockSource::Prefetched)
+                }
+                None => {
+                    self.step.misses += 1;
+                    tracing::debug!(component = %self.store.component(), block = %self.store.blocks()[b].id, "miss: block fetched on demand");
+                    let keep = self.chain(b, self.depth);
+                    let s = self.victim(&keep);
+                    if self.sabotage == Sabotage::TrustPrediction && self.slots[s].holds.is_some() {
+                        (s, BlockSource::OnDemand)
+                    } else {
+                        self.load(s, b)?;
+                        (s, BlockSource::OnDemand)
+                    }
+                }
+            };
+            self.clock += 1;
+            self.slots[s].stamp = self.clock;
+            self.prefetch(b, s)?;
+            if self.sabotage != Sabotage::SkipComputeWait {
+                if let Some(ready) = self.slots[s].ready.clone() {
+                    let t = Instant::now();
+                    self.backend.compute_wait(&ready)?;
+                    self.step.host_wait_s += t.elapsed().as_secs_f64();
+                }
+            }
+            (Loc::Stream(s), source)
+        };
+        let store = self.store.clone();
+        let hb = &store.blocks()[b];
+        let ctx = BlockContext { component: store.component(), block: &hb.id, bytes: hb.bytes(), source };
+        for h in &mut self.hooks {
+            h.pre_forward(&ctx);
+        }
+        Ok(BlockGuard { ring: self, block: b, loc, source, done: false })
+    }
+
+    fn release(&mut self, b: usize, loc: Loc, source: BlockSource) -> Result<()> {
+        let store = self.store.clone();
+        let hb = &store.blocks()[b];
+        let ctx = BlockContext { component: store.component(), block: &hb.id, bytes: hb.bytes(), source };
+        for h in self.hooks.iter_mut().rev() {
+            h.post_forward(&ctx);
+        }
+        if let Loc::Stream(s) = loc {
+            match self.backend.record_compute() {
+                Ok(ev) => self.slots[s].free_after = Some(ev),
+                Err(e) => {
+                    // Without the event the slot's last use is unknown: wait for
+                    // everything (an error path, so a host sync is acceptable).
+                    self.slots[s].free_after = None;
+                    let _ = self.backend.synchronize();
+                    return Err(e);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Close the current step: return its metrics and add them to the total.
+    /// Reports any error the device raised asynchronously during the step.
+    pub fn end_step(&mut self) -> Result<StepMetrics> {
+        if let Some(e) = self.sticky.take() {
+            return Err(e);
+        }
+        self.backend.poll_error()?;
+        let step = self.step.clone();
+        self.total.component = step.component.clone();
+        self.total.accumulate(&step);
+        tracing::info!(metrics = %step, "offload step");
+        self.step = StepMetrics {
+            component: step.component.clone(),
+            device_weight_bytes: step.device_weight_bytes,
+            peak_device_weight_bytes: step.device_weight_bytes,
+            host_bytes: step.host_bytes,
+            ..Default::default()
+        };
+        Ok(step)
+    }
+
+    /// Metrics of every closed step, plus the open one.
+    pub fn metrics(&self) -> StepMetrics {
+        let mut t = self.total.clone();
+        t.component = self.step.component.clone();
+        t.accumulate(&self.step);
+        t
+    }
+
+    fn release_all(&mut self) {
+        let _ = self.backend.synchronize();
+        for s in self.slots.drain(..) {
+            let _ = self.backend.free_slot(s.slot, None);
+        }
+        for (_, s) in self.resident.drain(..) {
+            let _ = self.backend.free_slot(s, None);
+        }
+        if let Some(s) = self.non_block.take() {
+            let _ = self.backend.free_slot(s, None);
+        }
+        self.step.device_weight_bytes = 0;
+    }
+
+    /// Wait for outstanding work and release every slot. The host store is
+    /// untouched; a new ring can be built from it.
+    pub fn close(mut self) -> Result<()> {
+        let r = self.backend.synchronize();
+        self.release_all();
+        self.closed = true;
+        r
+    }
+}
+
+impl<B: OffloadBackend> Drop for Ring<B> {
+    fn drop(&mut self) {
+        if !self.closed {
+            self.release_all();
+        }
+    }
+}
+
+/// A block on the device, ready for compute. Dropping it (or [`finish`](Self::finish))
+/// records the event after which its slot may be reused; enqueue every kernel
+/// that reads the block before that.
+pub struct BlockGuard<'r, B: OffloadBackend> {
+    ring: &'r mut Ring<B>,
+    block: usize,
+    loc: Loc,
+    source: BlockSource,
+    done: bool,
+}
+
+impl<B: OffloadBackend> BlockGuard<'_, B> {
+    /// The block's id.
+    pub fn id(&self) -> &BlockId {
+        &self.ring.store.blocks()[self.block].id
+    }
+
+    /// Where each tensor sits in the slot.
+    pub fn layout(&self) -> &BlockLayout {
+        &self.ring.store.blocks()[self.block].layout
+    }
+
+    /// The device slot holding the block.
+    pub fn slot(&self) -> &B::Slot {
+        match self.loc {
+            Loc::Stream(s) => &self.ring.slots[s].slot,
+            Loc::Resident(r) => &self.ring.resident[r].1,
+        }
+    }
+
+    /// How the block reached the device.
+    pub fn source(&self) -> BlockSource {
+        self.source
+    }
+
+    /// The backend.
+    pub fn backend(&self) -> &B {
+        &self.ring.backend
+    }
+
+    /// Release the block, reporting an error (dropping stores it for the next call).
+    pub fn finish(mut self) -> Result<()> {
+        self.done = true;
+        self.ring.release(self.block, self.loc, self.source)
+    }
+}
+
+impl<B: OffloadBackend> Drop for BlockGuard<'_, B> {
+    fn drop(&mut self) {
+        if !self.done {
+            if let Err(e) = self.ring.release(self.block, self.loc, self.source) {
+                self.ring.sticky = Some(e);
+            }
+        }
+    }
+}

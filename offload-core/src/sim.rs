@@ -1,0 +1,397 @@
+//! The simulated backend: a device made of host memory, with a copy stream on a
+//! worker thread whose copies finish after random delays. It poisons released
+//! and in-flight slots and records a violation whenever the protocol is broken:
+//!
+//! - a slot read by compute before compute waited for the copy that filled it
+//!   (invariant 1, "ready before read");
+//! - a copy into, or release of, a slot not ordered after its last read
+//!   (invariant 2, "free after last use");
+//! - device memory beyond a configured capacity (invariant 5), reported as an
+//!   out-of-memory error.
+//!
+//! Compute is the calling thread: [`SimBackend::read_slot`] is a kernel reading
+//! a slot, [`OffloadBackend::compute_wait`] blocks the caller until the copy is
+//! done (so the simulated compute stream really waits).
+
+use crate::backend::{MemoryInfo, OffloadBackend};
+use crate::error::{Error, Result};
+use rand::{Rng, SeedableRng};
+use std::collections::HashMap;
+use std::sync::mpsc::{channel, Sender};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::Duration;
+
+/// Byte written into released slots and slots with a copy in flight.
+pub const POISON: u8 = 0xDB;
+
+/// How the simulated device behaves.
+#[derive(Clone, Debug)]
+pub struct SimConfig {
+    /// Each copy finishes after a random delay in `0..=max_copy_delay_us`.
+    pub max_copy_delay_us: u64,
+    /// Seed of the delay generator.
+    pub seed: u64,
+    /// Device capacity in bytes; allocation beyond it is out of memory.
+    pub device_bytes: u64,
+    /// Fail the n-th slot allocation (0-based), for transactional tests.
+    pub fail_alloc_at: Option<u64>,
+}
+
+impl Default for SimConfig {
+    fn default() -> Self {
+        SimConfig { max_copy_delay_us: 200, seed: 0x0ff1_0ad, device_bytes: 1 << 40, fail_alloc_at: None }
+    }
+}
+
+impl SimConfig {
+    /// No delays: copies still run on the worker thread, as fast as memcpy.
+    pub fn fast() -> Self {
+        SimConfig { max_copy_delay_us: 0, ..Default::default() }
+    }
+}
+
+/// Counters of the simulated device.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SimStats {
+    /// Device bytes allocated now.
+    pub live_bytes: u64,
+    /// Peak of `live_bytes`.
+    pub peak_bytes: u64,
+    /// Slots allocated now.
+    pub live_slots: u64,
+    /// Host-to-device copies.
+    pub copies: u64,
+    /// Bytes copied host to device.
+    pub bytes_copied: u64,
+    /// Host synchronisations (`synchronize` calls).
+    pub syncs: u64,
+    /// Device-to-host copies of weights (the trait has none; kept to prove it).
+    pub d2h_copies: u64,
+    /// Protocol violations seen, in order.
+    pub violations: Vec<String>,
+}
+
+/// A page of host memory standing in for a pinned host buffer.
+pub struct SimHost(Arc<[u8]>);
+
+/// A slot of simulated device memory.
+pub struct SimSlot {
+    id: u64,
+    bytes: usize,
+    mem: Arc<Mutex<Vec<u8>>>,
+}
+
+/// An event on the simulated copy or compute stream.
+#[derive(Clone)]
+pub struct SimEvent(Arc<EventInner>);
+
+struct EventInner {
+    tick: u64,
+    /// For a copy event, the slot it fills.
+    slot: Option<u64>,
+    done: Mutex<bool>,
+    cv: Condvar,
+}
+
+impl SimEvent {
+    fn new(tick: u64, slot: Option<u64>, done: bool) -> Self {
+        SimEvent(Arc::new(EventInner { tick, slot, done: Mutex::new(done), cv: Condvar::new() }))
+    }
+    fn set(&self) {
+        let mut d = lock(&self.0.done);
+        *d = true;
+        self.0.cv.notify_all();
+    }
+    fn wait(&self) {
+        let mut d = lock(&self.0.done);
+        while !*d {
+            d = self.0.cv.wait(d).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+    /// Whether the event has completed.
+    pub fn is_done(&self) -> bool {
+        *lock(&self.0.done)
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+#[derive(Default)]
+struct SlotInfo {
+    bytes: u64,
+    last_copy_tick: Option<u64>,
+    waited_tick: u64,
+    last_read_tick: Option<u64>,
+}
+
+#[derive(Default)]
+struct State {
+    tick: u64,
+    next_slot: u64,
+    allocs: u64,
+    sync_tick: u64,
+    slots: HashMap<u64, SlotInfo>,
+    stats: SimStats,
+}
+
+struct Pending {
+    count: Mutex<u64>,
+    cv: Condvar,
+}
+
+struct Job {
+    after: Option<SimEvent>,
+    src: Arc<[u8]>,
+    dst: Arc<Mutex<Vec<u8>>>,
+    bytes: usize,
+    delay_us: u64,
+    done: SimEvent,
+}
+
+struct Inner {
+    cfg: SimConfig,
+    state: Mutex<State>,
+    pending: Arc<Pending>,
+    tx: Mutex<Sender<Job>>,
+    rng: Mutex<rand::rngs::StdRng>,
+}
+
+/// The simulated backend. Cheap to clone (an `Arc`).
+#[derive(Clone)]
+pub struct SimBackend {
+    inner: Arc<Inner>,
+}
+
+impl SimBackend {
+    /// A simulated device with `cfg`.
+    pub fn new(cfg: SimConfig) -> Self {
+        let (tx, rx) = channel::<Job>();
+        let pending = Arc::new(Pending { count: Mutex::new(0), cv: Condvar::new() });
+        let p = pending.clone();
+        std::thread::Builder::new()
+            .name("offload-sim-copy".into())
+            .spawn(move || {
+                for job in rx {
+                    if let Some(a) = &job.after {
+                        a.wait();
+                    }
+                    if job.delay_us > 0 {
+                        std::thread::sleep(Duration::from_micros(job.delay_us));
+                    }
+                    lock(&job.dst)[..job.bytes].copy_from_slice(&job.src[..job.bytes]);
+                    job.done.set();
+                    let mut c = lock(&p.count);
+                    *c -= 1;
+                    p.cv.notify_all();
+                }
+            })
+            .map(drop)
+            .unwrap_or_else(|e| tracing::error!("cannot start the simulated copy thread: {e}"));
+        let rng = rand::rngs::StdRng::seed_from_u64(cfg.seed);
+        SimBackend { inner: Arc::new(Inner { cfg, state: Mutex::default(), pending, tx: Mutex::new(tx), rng: Mutex::new(rng) }) }
+    }
+
+    /// A simulated device with the default configuration.
+    pub fn default_device() -> Self {
+        Self::new(SimConfig::default())
+    }
+
+    /// Counters so far.
+    pub fn stats(&self) -> SimStats {
+        lock(&self.inner.state).stats.clone()
+    }
+
+    /// Reset the peak-memory and traffic counters (not the violations).
+    pub fn reset_counters(&self) {
+        let mut st = lock(&self.inner.state);
+        st.stats.peak_bytes = st.stats.live_bytes;
+        st.stats.copies = 0;
+        st.stats.bytes_copied = 0;
+        st.stats.syncs = 0;
+    }
+
+    /// `Ok` if no violation was seen, else the first ones.
+    pub fn check(&self) -> Result<()> {
+        let v = &lock(&self.inner.state).stats.violations;
+        if v.is_empty() {
+            Ok(())
+        } else {
+            Err(Error::Protocol(format!("{} violation(s); first: {}", v.len(), v[..v.len().min(3)].join("; "))))
+        }
+    }
+
+    fn violate(st: &mut State, what: String) {
+        tracing::error!("simulated device: {what}");
+        st.stats.violations.push(what);
+    }
+
+    fn covered(st: &State, info: &SlotInfo, after: Option<&SimEvent>) -> bool {
+        match info.last_read_tick {
+            None => true,
+            Some(r) => st.sync_tick > r || after.is_some_and(|a| a.0.slot.is_none() && a.0.tick > r),
+        }
+    }
+
+    /// Run `kernel` over the bytes of `slot`, as a compute kernel would read it.
+    /// Records a violation if compute did not wait for the copy that filled it.
+    pub fn read_slot<R>(&self, slot: &SimSlot, kernel: impl FnOnce(&[u8]) -> R) -> R {
+        {
+            let mut st = lock(&self.inner.state);
+            st.tick += 1;
+            let tick = st.tick;
+            let Some(info) = st.slots.get_mut(&slot.id) else {
+                Self::violate(&mut st, format!("slot {} read after release", slot.id));
+                return kernel(&lock(&slot.mem)[..slot.bytes]);
+            };
+            info.last_read_tick = Some(tick);
+            let ok = info.last_copy_tick.is_none_or(|c| info.waited_tick >= c);
+            if !ok {
+                let id = slot.id;
+                Self::violate(&mut st, format!("slot {id} read before compute waited for its copy (invariant 1)"));
+            }
+        }
+        kernel(&lock(&slot.mem)[..slot.bytes])
+    }
+
+    /// Bytes of a slot, as a test would inspect them (not a weight copy-back:
+    /// it does not count as a read by compute).
+    pub fn peek_slot(&self, slot: &SimSlot) -> Vec<u8> {
+        lock(&slot.mem).clone()
+    }
+}
+
+impl OffloadBackend for SimBackend {
+    type HostBuffer = SimHost;
+    type Slot = SimSlot;
+    type Event = SimEvent;
+
+    fn name(&self) -> &'static str {
+        "sim"
+    }
+
+    fn alloc_host(&self, bytes: usize, _purpose: &str, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<SimHost> {
+        let mut v = vec![0u8; bytes];
+        fill(&mut v)?;
+        Ok(SimHost(v.into()))
+    }
+
+    fn host_bytes<'a>(&self, buffer: &'a SimHost) -> &'a [u8] {
+        &buffer.0
+    }
+
+    fn host_is_pinned(&self) -> bool {
+        false
+    }
+
+    fn alloc_slot(&self, bytes: usize, purpose: &str) -> Result<SimSlot> {
+        let mut st = lock(&self.inner.state);
+        let n = st.allocs;
+        st.allocs += 1;
+        if self.inner.cfg.fail_alloc_at == Some(n) {
+            return Err(Error::Injected(format!("allocation {n} ({bytes} bytes for {purpose})")));
+        }
+        let free = self.inner.cfg.device_bytes.saturating_sub(st.stats.live_bytes);
+        if bytes as u64 > free {
+            return Err(Error::OutOfDeviceMemory { backend: "sim".into(), requested: bytes as u64, free, purpose: purpose.into() });
+        }
+        let id = st.next_slot;
+        st.next_slot += 1;
+        st.slots.insert(id, SlotInfo { bytes: bytes as u64, ..Default::default() });
+        st.stats.live_bytes += bytes as u64;
+        st.stats.live_slots += 1;
+        st.stats.peak_bytes = st.stats.peak_bytes.max(st.stats.live_bytes);
+        Ok(SimSlot { id, bytes, mem: Arc::new(Mutex::new(vec![POISON; bytes])) })
+    }
+
+    fn free_slot(&self, slot: SimSlot, after: Option<&SimEvent>) -> Result<()> {
+        let mut st = lock(&self.inner.state);
+        let Some(info) = st.slots.remove(&slot.id) else {
+            return Err(Error::Protocol(format!("slot {} released twice", slot.id)));
+        };
+        if !Self::covered(&st, &info, after) {
+            Self::violate(&mut st, format!("slot {} released before its last use (invariant 2)", slot.id));
+        }
+        st.stats.live_bytes -= info.bytes;
+        st.stats.live_slots -= 1;
+        drop(st);
+        // The copy thread may still hold the memory; poison what it leaves.
+        lock(&slot.mem).fill(POISON);
+        Ok(())
+    }
+
+    fn copy_to_slot(&self, src: &SimHost, dst: &mut SimSlot, bytes: usize, after: Option<&SimEvent>) -> Result<SimEvent> {
+        if bytes > src.0.len() || bytes > dst.bytes {
+            return Err(Error::Protocol(format!("copy of {bytes} bytes from a {}-byte buffer into a {}-byte slot", src.0.len(), dst.bytes)));
+        }
+        let done = {
+            let mut st = lock(&self.inner.state);
+            st.tick += 1;
+            let tick = st.tick;
+            let Some(info) = st.slots.get(&dst.id) else {
+                return Err(Error::Protocol(format!("copy into released slot {}", dst.id)));
+            };
+            if !Self::covered(&st, info, after) {
+                let id = dst.id;
+                Self::violate(&mut st, format!("slot {id} overwritten before its last use (invariant 2)"));
+            }
+            if let Some(info) = st.slots.get_mut(&dst.id) {
+                info.last_copy_tick = Some(tick);
+                info.last_read_tick = None;
+            }
+            st.stats.copies += 1;
+            st.stats.bytes_copied += bytes as u64;
+            SimEvent::new(tick, Some(dst.id), false)
+        };
+        let delay_us = match self.inner.cfg.max_copy_delay_us {
+            0 => 0,
+            m => lock(&self.inner.rng).gen_range(0..=m),
+        };
+        // Until the copy lands the slot holds garbage: poison it now so an early
+        // read sees poison, not the previous block's bytes.
+        if after.is_none_or(|a| a.is_done()) {
+            lock(&dst.mem)[..bytes].fill(POISON);
+        }
+        *lock(&self.inner.pending.count) += 1;
+        let job = Job { after: after.cloned(), src: src.0.clone(), dst: dst.mem.clone(), bytes, delay_us, done: done.clone() };
+        lock(&self.inner.tx).send(job).map_err(|_| Error::device("sim", "copy", "the copy thread is gone"))?;
+        Ok(done)
+    }
+
+    fn compute_wait(&self, event: &SimEvent) -> Result<()> {
+        event.wait();
+        if let Some(slot) = event.0.slot {
+            let mut st = lock(&self.inner.state);
+            if let Some(info) = st.slots.get_mut(&slot) {
+                info.waited_tick = info.waited_tick.max(event.0.tick);
+            }
+        }
+        Ok(())
+    }
+
+    fn record_compute(&self) -> Result<SimEvent> {
+        let mut st = lock(&self.inner.state);
+        st.tick += 1;
+        Ok(SimEvent::new(st.tick, None, true))
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        let p = &self.inner.pending;
+        let mut c = lock(&p.count);
+        while *c > 0 {
+            c = p.cv.wait(c).unwrap_or_else(|e| e.into_inner());
+        }
+        drop(c);
+        let mut st = lock(&self.inner.state);
+        st.tick += 1;
+        st.sync_tick = st.tick;
+        st.stats.syncs += 1;
+        Ok(())
+    }
+
+    fn memory_info(&self) -> Result<MemoryInfo> {
+        let st = lock(&self.inner.state);
+        Ok(MemoryInfo { free: self.inner.cfg.device_bytes - st.stats.live_bytes, total: self.inner.cfg.device_bytes })
+    }
+}

@@ -1,0 +1,184 @@
+//! Where tensor bytes come from when the host store is built: memory, or a
+//! safetensors file read block by block (no second full copy of the model).
+
+use crate::error::{Error, Result};
+use crate::tensor::{DType, TensorSpec};
+use serde::de::{Deserializer, MapAccess, Visitor};
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+/// A set of named tensors whose bytes can be read into a destination buffer.
+pub trait TensorSource {
+    /// Every tensor, in source order.
+    fn specs(&self) -> &[TensorSpec];
+    /// Write the bytes of tensor `index` (of [`specs`](Self::specs)) into `dst`,
+    /// whose length is exactly the tensor's size.
+    fn read_into(&self, index: usize, dst: &mut [u8]) -> Result<()>;
+}
+
+/// Tensors held in memory (tests, models built in code).
+#[derive(Clone, Debug, Default)]
+pub struct MemoryTensors {
+    specs: Vec<TensorSpec>,
+    data: Vec<Vec<u8>>,
+}
+
+impl MemoryTensors {
+    /// An empty set.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Add a tensor; its bytes must match its shape and dtype.
+    pub fn push(&mut self, spec: TensorSpec, bytes: Vec<u8>) -> Result<()> {
+        let want = spec.nbytes()?;
+        if bytes.len() != want {
+            return Err(Error::BadTensor {
+                tensor: spec.name,
+                fault: format!("{} bytes given, shape and dtype need {want}", bytes.len()),
+            });
+        }
+        self.specs.push(spec);
+        self.data.push(bytes);
+        Ok(())
+    }
+
+    /// The bytes of the tensor named `name`.
+    pub fn bytes(&self, name: &str) -> Option<&[u8]> {
+        self.specs.iter().position(|s| s.name == name).map(|i| self.data[i].as_slice())
+    }
+}
+
+impl TensorSource for MemoryTensors {
+    fn specs(&self) -> &[TensorSpec] {
+        &self.specs
+    }
+    fn read_into(&self, index: usize, dst: &mut [u8]) -> Result<()> {
+        dst.copy_from_slice(&self.data[index]);
+        Ok(())
+    }
+}
+
+/// A safetensors checkpoint: the header is parsed and checked at open; tensor
+/// bytes are read with positioned reads straight into the destination (a pinned
+/// block buffer), so the model is never held twice in memory.
+#[derive(Debug)]
+pub struct SafetensorsFile {
+    path: PathBuf,
+    file: File,
+    specs: Vec<TensorSpec>,
+    /// Absolute file offsets of each tensor's data.
+    offsets: Vec<u64>,
+}
+
+struct Entries(Vec<(String, serde_json::Value)>);
+
+impl<'de> serde::Deserialize<'de> for Entries {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = Entries;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> std::result::Result<Entries, A::Error> {
+                let mut v = Vec::new();
+                while let Some(e) = map.next_entry()? {
+                    v.push(e);
+                }
+                Ok(Entries(v))
+            }
+        }
+        d.deserialize_map(V)
+    }
+}
+
+/// Largest header accepted (the format's own limit is 100 MB).
+const MAX_HEADER: u64 = 100 << 20;
+
+impl SafetensorsFile {
+    /// Open `path` and check its header: dtypes known, shapes agree with byte
+    /// ranges, ranges inside the file and not overlapping, names unique.
+    pub fn open(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref().to_path_buf();
+        let io = |source| Error::Io { path: path.clone(), source };
+        let bad = |tensor: &str, fault: String| Error::BadCheckpoint { path: path.clone(), tensor: tensor.to_owned(), fault };
+        let file = File::open(&path).map_err(io)?;
+        let len = file.metadata().map_err(io)?.len();
+        if len < 8 {
+            return Err(bad("", format!("file is {len} bytes, shorter than the 8-byte header length")));
+        }
+        let mut n = [0u8; 8];
+        file.read_exact_at(&mut n, 0).map_err(io)?;
+        let n = u64::from_le_bytes(n);
+        if n > MAX_HEADER || n > len - 8 {
+            return Err(bad("", format!("header length {n} runs past the end of the {len}-byte file")));
+        }
+        let mut header = vec![0u8; n as usize];
+        file.read_exact_at(&mut header, 8).map_err(io)?;
+        let entries: Entries = serde_json::from_slice(&header).map_err(|e| bad("", format!("header is not valid JSON: {e}")))?;
+        let data_start = 8 + n;
+        let data_len = len - data_start;
+        let mut specs = Vec::new();
+        let mut ranges: Vec<(u64, u64, usize)> = Vec::new();
+        let mut names = std::collections::HashSet::new();
+        for (name, v) in entries.0 {
+            if name == "__metadata__" {
+                continue;
+            }
+            if !names.insert(name.clone()) {
+                return Err(bad(&name, "named twice in the header".into()));
+            }
+            let dtype_s = v.get("dtype").and_then(|d| d.as_str()).ok_or_else(|| bad(&name, "no dtype".into()))?;
+            let dtype = DType::parse(dtype_s).ok_or_else(|| bad(&name, format!("unknown dtype {dtype_s:?}")))?;
+            let shape: Vec<usize> = v
+                .get("shape")
+                .and_then(|s| s.as_array())
+                .and_then(|a| a.iter().map(|d| d.as_u64().map(|d| d as usize)).collect())
+                .ok_or_else(|| bad(&name, "shape is missing or not a list of sizes".into()))?;
+            let offs: Vec<u64> = v
+                .get("data_offsets")
+                .and_then(|s| s.as_array())
+                .and_then(|a| a.iter().map(|d| d.as_u64()).collect())
+                .filter(|o: &Vec<u64>| o.len() == 2)
+                .ok_or_else(|| bad(&name, "data_offsets is missing or not [begin, end]".into()))?;
+            let (a, b) = (offs[0], offs[1]);
+            if a > b || b > data_len {
+                return Err(bad(&name, format!("data_offsets [{a}, {b}] outside the {data_len} bytes of data")));
+            }
+            let spec = TensorSpec::new(name.clone(), dtype, shape);
+            let nbytes = spec.nbytes().map_err(|e| bad(&name, e.to_string()))?;
+            if (b - a) as usize != nbytes {
+                return Err(bad(&name, format!("shape {:?} of {dtype_s} needs {nbytes} bytes, data_offsets give {}", spec.shape, b - a)));
+            }
+            ranges.push((a, b, specs.len()));
+            specs.push(spec);
+        }
+        ranges.sort_unstable();
+        for w in ranges.windows(2) {
+            if w[1].0 < w[0].1 {
+                return Err(bad(&specs[w[1].2].name, format!("bytes overlap tensor {:?}", specs[w[0].2].name)));
+            }
+        }
+        let mut offsets = vec![0; specs.len()];
+        for (a, _, i) in ranges {
+            offsets[i] = data_start + a;
+        }
+        Ok(SafetensorsFile { path, file, specs, offsets })
+    }
+
+    /// The file's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl TensorSource for SafetensorsFile {
+    fn specs(&self) -> &[TensorSpec] {
+        &self.specs
+    }
+    fn read_into(&self, index: usize, dst: &mut [u8]) -> Result<()> {
+        self.file.read_exact_at(dst, self.offsets[index]).map_err(|source| Error::Io { path: self.path.clone(), source })
+    }
+}

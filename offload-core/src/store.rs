@@ -1,0 +1,126 @@
+//! The host store: per block one contiguous, exactly sized, immutable buffer
+//! (page-locked where the backend can), every tensor at a 256-byte-aligned offset.
+
+use crate::backend::OffloadBackend;
+use crate::discovery::{BlockId, ComponentInventory};
+use crate::error::{Error, Result};
+use crate::source::TensorSource;
+use crate::tensor::BlockLayout;
+use std::collections::HashMap;
+
+/// One block in host memory.
+pub struct HostBlock<B: OffloadBackend> {
+    /// Where it sits in the model.
+    pub id: BlockId,
+    /// Where each tensor sits in the buffer.
+    pub layout: BlockLayout,
+    /// The bytes.
+    pub buffer: B::HostBuffer,
+}
+
+impl<B: OffloadBackend> HostBlock<B> {
+    /// Buffer size in bytes.
+    pub fn bytes(&self) -> usize {
+        self.layout.bytes
+    }
+}
+
+/// A component's weights in host memory: its blocks, and its non-block tensors
+/// as one more buffer. Built once, immutable after.
+pub struct HostStore<B: OffloadBackend> {
+    component: String,
+    blocks: Vec<HostBlock<B>>,
+    non_block: Option<HostBlock<B>>,
+    index: HashMap<BlockId, usize>,
+    pinned: bool,
+}
+
+impl<B: OffloadBackend> HostStore<B> {
+    /// Build the store of `inventory` from `source`, one block at a time: each
+    /// block's tensors are read straight into its host buffer.
+    pub fn build(backend: &B, inventory: &ComponentInventory, source: &dyn TensorSource) -> Result<Self> {
+        let _span = tracing::info_span!("host_store_build", component = %inventory.name).entered();
+        let by_name: HashMap<&str, usize> = source.specs().iter().enumerate().map(|(i, s)| (s.name.as_str(), i)).collect();
+        let load = |id: BlockId, specs: &[crate::tensor::TensorSpec]| -> Result<HostBlock<B>> {
+            let layout = BlockLayout::new(specs.to_vec())?;
+            let mut indices = Vec::with_capacity(specs.len());
+            for (t, placed) in specs.iter().zip(&layout.tensors) {
+                let i = *by_name.get(t.name.as_str()).ok_or_else(|| Error::BadTensor {
+                    tensor: t.name.clone(),
+                    fault: "the model expects it but the source lacks it".into(),
+                })?;
+                let have = &source.specs()[i];
+                if have.dtype != t.dtype || have.shape != t.shape {
+                    return Err(Error::BadTensor {
+                        tensor: t.name.clone(),
+                        fault: format!("expected {:?} {:?}, source has {:?} {:?}", t.dtype, t.shape, have.dtype, have.shape),
+                    });
+                }
+                indices.push((i, placed.offset, placed.nbytes));
+            }
+            let purpose = format!("{}/{}", inventory.name, id);
+            let buffer = backend.alloc_host(layout.bytes, &purpose, &mut |dst| {
+                let mut end = 0;
+                for &(i, off, n) in &indices {
+                    dst[end..off].fill(0);
+                    source.read_into(i, &mut dst[off..off + n])?;
+                    end = off + n;
+                }
+                Ok(())
+            })?;
+            Ok(HostBlock { id, layout, buffer })
+        };
+        let mut blocks = Vec::new();
+        let mut index = HashMap::new();
+        for b in inventory.blocks() {
+            index.insert(b.id.clone(), blocks.len());
+            blocks.push(load(b.id.clone(), &b.tensors)?);
+        }
+        let non_block = if inventory.non_block.is_empty() {
+            None
+        } else {
+            Some(load(BlockId::new("<non-block>", 0), &inventory.non_block)?)
+        };
+        Ok(HostStore { component: inventory.name.clone(), blocks, non_block, index, pinned: backend.host_is_pinned() })
+    }
+
+    /// Component name.
+    pub fn component(&self) -> &str {
+        &self.component
+    }
+
+    /// Blocks in inventory order.
+    pub fn blocks(&self) -> &[HostBlock<B>] {
+        &self.blocks
+    }
+
+    /// The non-block tensors, if any.
+    pub fn non_block(&self) -> Option<&HostBlock<B>> {
+        self.non_block.as_ref()
+    }
+
+    /// Position of block `id` in [`blocks`](Self::blocks).
+    pub fn position(&self, id: &BlockId) -> Option<usize> {
+        self.index.get(id).copied()
+    }
+
+    /// Host bytes held (block buffers plus the non-block buffer).
+    pub fn host_bytes(&self) -> u64 {
+        self.blocks.iter().chain(self.non_block.iter()).map(|b| b.bytes() as u64).sum()
+    }
+
+    /// Tensor bytes without alignment padding: the model's own size.
+    pub fn payload_bytes(&self) -> u64 {
+        self.blocks.iter().chain(self.non_block.iter()).map(|b| b.layout.payload_bytes() as u64).sum()
+    }
+
+    /// Whether the buffers are page-locked.
+    pub fn is_pinned(&self) -> bool {
+        self.pinned
+    }
+
+    /// The largest block, in bytes.
+    pub fn largest_block_bytes(&self) -> usize {
+        self.blocks.iter().map(|b| b.bytes()).max().unwrap_or(0)
+    }
+}

@@ -1,0 +1,158 @@
+//! Tensor descriptions: dtype, shape, and where a tensor sits inside a block.
+
+use crate::error::{Error, Result};
+use serde::{Deserialize, Serialize};
+
+/// Element types found in checkpoints. Names follow safetensors.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[allow(missing_docs, non_camel_case_types)]
+pub enum DType {
+    BOOL,
+    U8,
+    I8,
+    I16,
+    U16,
+    F16,
+    BF16,
+    I32,
+    U32,
+    F32,
+    F64,
+    I64,
+    U64,
+    F8_E4M3,
+    F8_E5M2,
+}
+
+impl DType {
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        use DType::*;
+        match self {
+            BOOL | U8 | I8 | F8_E4M3 | F8_E5M2 => 1,
+            I16 | U16 | F16 | BF16 => 2,
+            I32 | U32 | F32 => 4,
+            F64 | I64 | U64 => 8,
+        }
+    }
+
+    /// Parse a safetensors dtype name (`"BF16"`, `"F32"`, …).
+    pub fn parse(name: &str) -> Option<DType> {
+        use DType::*;
+        Some(match name {
+            "BOOL" => BOOL,
+            "U8" => U8,
+            "I8" => I8,
+            "I16" => I16,
+            "U16" => U16,
+            "F16" => F16,
+            "BF16" => BF16,
+            "I32" => I32,
+            "U32" => U32,
+            "F32" => F32,
+            "F64" => F64,
+            "I64" => I64,
+            "U64" => U64,
+            "F8_E4M3" => F8_E4M3,
+            "F8_E5M2" => F8_E5M2,
+            _ => return None,
+        })
+    }
+}
+
+/// A tensor's name, dtype and shape (contiguous, row-major).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TensorSpec {
+    /// Full name as in the checkpoint (`double_blocks.7.img_attn.qkv.weight`).
+    pub name: String,
+    /// Element type.
+    pub dtype: DType,
+    /// Shape; strides are row-major contiguous.
+    pub shape: Vec<usize>,
+}
+
+impl TensorSpec {
+    /// A new spec.
+    pub fn new(name: impl Into<String>, dtype: DType, shape: impl Into<Vec<usize>>) -> Self {
+        TensorSpec {
+            name: name.into(),
+            dtype,
+            shape: shape.into(),
+        }
+    }
+
+    /// Number of elements (1 for a scalar), or an error naming the tensor on overflow.
+    pub fn numel(&self) -> Result<usize> {
+        self.shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d)).ok_or_else(|| Error::BadTensor {
+            tensor: self.name.clone(),
+            fault: format!("shape {:?} overflows", self.shape),
+        })
+    }
+
+    /// Size in bytes, or an error naming the tensor on overflow.
+    pub fn nbytes(&self) -> Result<usize> {
+        self.numel()?.checked_mul(self.dtype.size()).ok_or_else(|| Error::BadTensor {
+            tensor: self.name.clone(),
+            fault: format!("shape {:?} overflows", self.shape),
+        })
+    }
+}
+
+/// A tensor placed in a block's buffer.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PlacedTensor {
+    /// The tensor.
+    pub spec: TensorSpec,
+    /// Byte offset in the block buffer (a multiple of [`TENSOR_ALIGN`]).
+    pub offset: usize,
+    /// Size in bytes.
+    pub nbytes: usize,
+}
+
+/// Alignment of every tensor inside a block buffer, in bytes.
+pub const TENSOR_ALIGN: usize = 256;
+
+/// Round `n` up to a multiple of [`TENSOR_ALIGN`].
+pub fn align_up(n: usize) -> usize {
+    n.div_ceil(TENSOR_ALIGN) * TENSOR_ALIGN
+}
+
+/// Where every tensor of one block lives inside the block's contiguous buffer.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BlockLayout {
+    /// Tensors, in checkpoint order, at increasing aligned offsets.
+    pub tensors: Vec<PlacedTensor>,
+    /// Exact buffer size: the end of the last tensor.
+    pub bytes: usize,
+}
+
+impl BlockLayout {
+    /// Lay tensors out one after another at 256-byte-aligned offsets; the size is
+    /// exactly the end of the last tensor (no rounding beyond alignment).
+    pub fn new(specs: Vec<TensorSpec>) -> Result<Self> {
+        let mut offset = 0usize;
+        let mut tensors = Vec::with_capacity(specs.len());
+        let mut end = 0usize;
+        for spec in specs {
+            let nbytes = spec.nbytes()?;
+            offset = align_up(offset);
+            tensors.push(PlacedTensor { spec, offset, nbytes });
+            end = offset + nbytes;
+            offset = end;
+        }
+        Ok(BlockLayout { tensors, bytes: end })
+    }
+
+    /// The tensor named `name` (full name or the part after the block prefix).
+    pub fn get(&self, name: &str) -> Option<&PlacedTensor> {
+        self.tensors
+            .iter()
+            .find(|t| t.spec.name == name)
+            .or_else(|| self.tensors.iter().find(|t| t.spec.name.ends_with(name) && t.spec.name[..t.spec.name.len() - name.len()].ends_with('.')))
+    }
+
+    /// Sum of tensor sizes without alignment padding.
+    pub fn payload_bytes(&self) -> usize {
+        self.tensors.iter().map(|t| t.nbytes).sum()
+    }
+}

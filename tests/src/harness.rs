@@ -1,0 +1,62 @@
+//! What a backend provides to be run by the conformance suite.
+
+use offload_core::{OffloadBackend, Result};
+
+/// Why a case did not pass.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CaseError {
+    /// The backend's hardware or library is missing here.
+    Skip(String),
+    /// The case failed.
+    Fail(String),
+}
+
+impl<E: std::fmt::Display> From<E> for CaseError {
+    fn from(e: E) -> Self {
+        CaseError::Fail(e.to_string())
+    }
+}
+
+/// A case's outcome.
+pub type Outcome = std::result::Result<(), CaseError>;
+
+/// Fail with `msg` unless `cond`.
+#[macro_export]
+macro_rules! ensure {
+    ($cond:expr, $($fmt:tt)+) => {
+        if !$cond {
+            return Err($crate::CaseError::Fail(format!($($fmt)+)));
+        }
+    };
+}
+
+/// A backend as the conformance suite drives it: the backend itself plus a small
+/// compute kernel (a fold over a block's bytes into an on-device accumulator) and
+/// the counters the cases check.
+pub trait Harness: 'static {
+    /// The backend under test.
+    type B: OffloadBackend;
+    /// The on-device accumulator (an activation, read back at the end).
+    type Acc;
+    /// Row name in the conformance table.
+    const NAME: &'static str;
+
+    /// A fresh backend, or [`CaseError::Skip`] saying why there is none here.
+    fn backend() -> std::result::Result<Self::B, CaseError>;
+    /// A new accumulator holding [`crate::model::SEED`].
+    fn new_acc(b: &Self::B) -> Result<Self::Acc>;
+    /// Enqueue on the compute stream: `acc = fold_combine(acc, block_hash(slot[..bytes]))`.
+    fn fold(b: &Self::B, acc: &mut Self::Acc, slot: &<Self::B as OffloadBackend>::Slot, bytes: usize) -> Result<()>;
+    /// Read the accumulator back to the host (waits for compute).
+    fn read(b: &Self::B, acc: &Self::Acc) -> Result<u64>;
+    /// Protocol violations the backend detected itself (only the simulated one can).
+    fn violations(b: &Self::B) -> Vec<String>;
+    /// Device bytes allocated through the backend now.
+    fn live_bytes(b: &Self::B) -> u64;
+    /// Peak of `live_bytes` since the last [`reset_peak`](Self::reset_peak).
+    fn peak_bytes(b: &Self::B) -> u64;
+    /// Restart the peak.
+    fn reset_peak(b: &Self::B);
+    /// Host synchronisations so far.
+    fn host_syncs(b: &Self::B) -> u64;
+}

@@ -1,0 +1,94 @@
+//! The conformance suite of `offload`: every case is written once, generic over a
+//! [`Harness`], and instantiated per backend by [`conformance_tests!`].
+//!
+//! A case that needs hardware it cannot find prints `SKIPPED: <why>` and passes,
+//! unless `OFFLOAD_REQUIRE_DEVICE=1`, where it fails.
+
+pub mod cases;
+pub mod harness;
+pub mod model;
+pub mod sim_harness;
+
+pub use harness::{CaseError, Harness, Outcome};
+
+/// Whether a missing device is a failure (`OFFLOAD_REQUIRE_DEVICE=1`).
+pub fn device_required() -> bool {
+    std::env::var("OFFLOAD_REQUIRE_DEVICE").is_ok_and(|v| v == "1")
+}
+
+/// The result of one case in the table.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Verdict {
+    /// Passed.
+    Pass,
+    /// Failed, with why.
+    Fail(String),
+    /// Skipped, with why.
+    Skipped(String),
+}
+
+/// Run every case of harness `H`; a skip becomes a failure when the device is required.
+pub fn run_suite<H: Harness>() -> Vec<(&'static str, &'static str, Verdict)> {
+    cases::all::<H>()
+        .into_iter()
+        .map(|c| {
+            let v = match (c.run)(offload_core::ring::Sabotage::None) {
+                Ok(()) => Verdict::Pass,
+                Err(CaseError::Fail(m)) => Verdict::Fail(m),
+                Err(CaseError::Skip(w)) if device_required() => Verdict::Fail(format!("device required: {w}")),
+                Err(CaseError::Skip(w)) => Verdict::Skipped(w),
+            };
+            (c.name, c.invariant, v)
+        })
+        .collect()
+}
+
+/// Turn an outcome into a test result: panic on failure; print `SKIPPED` on a skip,
+/// or panic when `OFFLOAD_REQUIRE_DEVICE=1`.
+pub fn report(name: &str, outcome: Outcome) {
+    match outcome {
+        Ok(()) => {}
+        Err(CaseError::Fail(m)) => panic!("{name}: {m}"),
+        Err(CaseError::Skip(w)) if device_required() => panic!("{name}: OFFLOAD_REQUIRE_DEVICE=1 but {w}"),
+        Err(CaseError::Skip(w)) => println!("SKIPPED: {name}: {w}"),
+    }
+}
+
+/// Instantiate every conformance case as a `#[test]` for a harness:
+/// `conformance_tests!(sim, offload_tests::sim_harness::Sim);` gives `sim::ready_before_read`, ….
+#[macro_export]
+macro_rules! conformance_tests {
+    ($module:ident, $harness:ty) => {
+        mod $module {
+            use $crate::cases::all;
+            fn run(name: &str) {
+                let case = all::<$harness>().into_iter().find(|c| c.name == name).expect("case exists");
+                $crate::report(name, (case.run)(offload_core::ring::Sabotage::None));
+            }
+            #[test]
+            fn ready_before_read() { run("ready_before_read") }
+            #[test]
+            fn free_after_last_use() { run("free_after_last_use") }
+            #[test]
+            fn no_host_sync_steady_state() { run("no_host_sync_steady_state") }
+            #[test]
+            fn no_weight_copy_back() { run("no_weight_copy_back") }
+            #[test]
+            fn bounded_device_memory() { run("bounded_device_memory") }
+            #[test]
+            fn bitwise_equal() { run("bitwise_equal") }
+            #[test]
+            fn order_learned() { run("order_learned") }
+            #[test]
+            fn transactional() { run("transactional") }
+            #[test]
+            fn one_host_copy() { run("one_host_copy") }
+            #[test]
+            fn on_demand_component() { run("on_demand_component") }
+            #[test]
+            fn safetensors_source() { run("safetensors_source") }
+            #[test]
+            fn every_case_is_instantiated() { assert_eq!(all::<$harness>().len(), 11) }
+        }
+    };
+}

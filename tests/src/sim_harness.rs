@@ -1,0 +1,44 @@
+//! The simulated backend's row: compute is host code reading the slot.
+
+use crate::harness::{CaseError, Harness};
+use crate::model::{block_hash, fold_combine, SEED};
+use offload_core::sim::{SimBackend, SimConfig, SimSlot};
+use offload_core::Result;
+
+/// The simulated backend with random copy delays.
+pub struct Sim;
+
+impl Harness for Sim {
+    type B = SimBackend;
+    type Acc = u64;
+    const NAME: &'static str = "sim";
+
+    fn backend() -> std::result::Result<SimBackend, CaseError> {
+        Ok(SimBackend::new(SimConfig::default()))
+    }
+    fn new_acc(_: &SimBackend) -> Result<u64> {
+        Ok(SEED)
+    }
+    fn fold(b: &SimBackend, acc: &mut u64, slot: &SimSlot, bytes: usize) -> Result<()> {
+        *acc = fold_combine(*acc, b.read_slot(slot, |m| block_hash(&m[..bytes])));
+        Ok(())
+    }
+    fn read(_: &SimBackend, acc: &u64) -> Result<u64> {
+        Ok(*acc)
+    }
+    fn violations(b: &SimBackend) -> Vec<String> {
+        b.stats().violations
+    }
+    fn live_bytes(b: &SimBackend) -> u64 {
+        b.stats().live_bytes
+    }
+    fn peak_bytes(b: &SimBackend) -> u64 {
+        b.stats().peak_bytes
+    }
+    fn reset_peak(b: &SimBackend) {
+        b.reset_counters()
+    }
+    fn host_syncs(b: &SimBackend) -> u64 {
+        b.stats().syncs
+    }
+}

@@ -1,0 +1,3 @@
+//! The conformance suite, one module per backend (`cargo test -p offload-tests sim::`).
+
+offload_tests::conformance_tests!(sim, offload_tests::sim_harness::Sim);

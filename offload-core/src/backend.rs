@@ -47,12 +47,7 @@ pub trait OffloadBackend: Clone + Send + Sync + 'static {
 
     /// Allocate `bytes` of host memory (page-locked where possible), let `fill`
     /// write every byte once, and freeze it. `purpose` names the block for errors.
-    fn alloc_host(
-        &self,
-        bytes: usize,
-        purpose: &str,
-        fill: &mut dyn FnMut(&mut [u8]) -> Result<()>,
-    ) -> Result<Self::HostBuffer>;
+    fn alloc_host(&self, bytes: usize, purpose: &str, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<Self::HostBuffer>;
 
     /// Read access to a frozen host buffer (used for resident reference runs and
     /// checks, never on the streaming path).
@@ -70,13 +65,7 @@ pub trait OffloadBackend: Clone + Send + Sync + 'static {
 
     /// Enqueue on the copy stream: wait for `after` (if any), then copy the first
     /// `bytes` of `src` into `dst`. Returns an event that completes with the copy.
-    fn copy_to_slot(
-        &self,
-        src: &Self::HostBuffer,
-        dst: &mut Self::Slot,
-        bytes: usize,
-        after: Option<&Self::Event>,
-    ) -> Result<Self::Event>;
+    fn copy_to_slot(&self, src: &Self::HostBuffer, dst: &mut Self::Slot, bytes: usize, after: Option<&Self::Event>) -> Result<Self::Event>;
 
     /// Make the compute stream wait for `event` before any later work.
     /// The host does not wait (except where compute is host code).

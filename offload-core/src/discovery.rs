@@ -18,7 +18,10 @@ pub struct BlockId {
 impl BlockId {
     /// A new id.
     pub fn new(stack: impl Into<String>, index: usize) -> Self {
-        BlockId { stack: stack.into(), index }
+        BlockId {
+            stack: stack.into(),
+            index,
+        }
     }
 
     /// Parse `"<stack>.<index>"`.
@@ -96,7 +99,9 @@ pub struct DeclaredStacks {
 impl DeclaredStacks {
     /// Stacks named by `prefixes`.
     pub fn new<S: Into<String>>(prefixes: impl IntoIterator<Item = S>) -> Self {
-        DeclaredStacks { stacks: prefixes.into_iter().map(Into::into).collect() }
+        DeclaredStacks {
+            stacks: prefixes.into_iter().map(Into::into).collect(),
+        }
     }
 }
 
@@ -116,13 +121,21 @@ fn check_unique(tensors: &[TensorSpec]) -> Result<()> {
     let mut seen = HashSet::new();
     for t in tensors {
         if !seen.insert(t.name.as_str()) {
-            return Err(Error::BadTensor { tensor: t.name.clone(), fault: "named twice".into() });
+            return Err(Error::BadTensor {
+                tensor: t.name.clone(),
+                fault: "named twice".into(),
+            });
         }
     }
     Ok(())
 }
 
-fn assemble(component: &str, order: Vec<String>, mut groups: HashMap<String, BTreeMap<usize, Vec<TensorSpec>>>, non_block: Vec<TensorSpec>) -> ComponentInventory {
+fn assemble(
+    component: &str,
+    order: Vec<String>,
+    mut groups: HashMap<String, BTreeMap<usize, Vec<TensorSpec>>>,
+    non_block: Vec<TensorSpec>,
+) -> ComponentInventory {
     let stacks = order
         .into_iter()
         .map(|name| {
@@ -130,12 +143,19 @@ fn assemble(component: &str, order: Vec<String>, mut groups: HashMap<String, BTr
                 .remove(&name)
                 .unwrap_or_default()
                 .into_iter()
-                .map(|(index, tensors)| BlockSpec { id: BlockId::new(name.clone(), index), tensors })
+                .map(|(index, tensors)| BlockSpec {
+                    id: BlockId::new(name.clone(), index),
+                    tensors,
+                })
                 .collect();
             StackSpec { name, blocks }
         })
         .collect();
-    ComponentInventory { name: component.to_owned(), stacks, non_block }
+    ComponentInventory {
+        name: component.to_owned(),
+        stacks,
+        non_block,
+    }
 }
 
 impl BlockDiscovery for NameDiscovery {
@@ -148,7 +168,12 @@ impl BlockDiscovery for NameDiscovery {
                 if !groups.contains_key(stack) {
                     order.push(stack.to_owned());
                 }
-                groups.entry(stack.to_owned()).or_default().entry(index).or_default().push(t.clone());
+                groups
+                    .entry(stack.to_owned())
+                    .or_default()
+                    .entry(index)
+                    .or_default()
+                    .push(t.clone());
             }
         }
         let mut non_block = Vec::new();
@@ -164,7 +189,11 @@ impl BlockDiscovery for NameDiscovery {
             }
         }
         // Non-block tensors in checkpoint order.
-        let blocked: HashSet<&str> = groups.values().flat_map(|g| g.values().flatten()).map(|t| t.name.as_str()).collect();
+        let blocked: HashSet<&str> = groups
+            .values()
+            .flat_map(|g| g.values().flatten())
+            .map(|t| t.name.as_str())
+            .collect();
         let non_block_names: HashSet<String> = non_block.iter().map(|t| t.name.clone()).collect();
         let non_block = tensors
             .iter()
@@ -194,9 +223,13 @@ impl BlockDiscovery for DeclaredStacks {
             non_block.push(t.clone());
         }
         for stack in &self.stacks {
-            let g = groups.get(stack).ok_or_else(|| Error::Plan(format!("component {component:?}: declared stack {stack:?} has no tensors")))?;
+            let g = groups
+                .get(stack)
+                .ok_or_else(|| Error::Plan(format!("component {component:?}: declared stack {stack:?} has no tensors")))?;
             if let Some(missing) = (0..g.len()).find(|i| !g.contains_key(i)) {
-                return Err(Error::Plan(format!("component {component:?}: stack {stack:?} has no block {missing} but has later ones")));
+                return Err(Error::Plan(format!(
+                    "component {component:?}: stack {stack:?} has no block {missing} but has later ones"
+                )));
             }
         }
         Ok(assemble(component, self.stacks.clone(), groups, non_block))
@@ -230,7 +263,15 @@ mod tests {
         let tensors: Vec<_> = names.iter().map(|n| t(n)).collect();
         let inv = NameDiscovery.discover("transformer", &tensors).unwrap();
         let stacks: Vec<_> = inv.stacks.iter().map(|s| (s.name.as_str(), s.blocks.len())).collect();
-        assert_eq!(stacks, [("double_blocks", 2), ("single_blocks", 2), ("transformer_blocks", 2), ("model.layers", 2)]);
+        assert_eq!(
+            stacks,
+            [
+                ("double_blocks", 2),
+                ("single_blocks", 2),
+                ("transformer_blocks", 2),
+                ("model.layers", 2)
+            ]
+        );
         assert_eq!(inv.stacks[0].blocks[0].tensors.len(), 2);
         let nb: Vec<_> = inv.non_block.iter().map(|t| t.name.as_str()).collect();
         assert_eq!(nb, ["img_in.weight", "final_layer.adaLN_modulation.1.weight"]);

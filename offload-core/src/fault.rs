@@ -39,7 +39,10 @@ pub struct FaultInjector<B> {
 impl<B: OffloadBackend> FaultInjector<B> {
     /// Wrap `inner`, with no fault armed.
     pub fn new(inner: B) -> Self {
-        FaultInjector { inner, counters: Arc::default() }
+        FaultInjector {
+            inner,
+            counters: Arc::default(),
+        }
     }
 
     /// The wrapped backend.

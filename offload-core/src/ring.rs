@@ -99,10 +99,17 @@ impl<B: OffloadBackend> Ring<B> {
     fn build(backend: B, store: Arc<HostStore<B>>, plan: &ResolvedComponent, sabotage: Sabotage) -> Result<Self> {
         let _span = tracing::info_span!("ring_new", component = %plan.name, depth = plan.depth).entered();
         if plan.strategy == Strategy::OnDemand {
-            return Err(Error::Plan(format!("component {:?} is planned on demand: load it with OnDemand, not a Ring", plan.name)));
+            return Err(Error::Plan(format!(
+                "component {:?} is planned on demand: load it with OnDemand, not a Ring",
+                plan.name
+            )));
         }
         if plan.name != store.component() {
-            return Err(Error::Plan(format!("plan is for component {:?}, store holds {:?}", plan.name, store.component())));
+            return Err(Error::Plan(format!(
+                "plan is for component {:?}, store holds {:?}",
+                plan.name,
+                store.component()
+            )));
         }
         if plan.depth == 0 {
             return Err(Error::Plan(format!("component {:?}: prefetch depth must be at least 1", plan.name)));
@@ -121,7 +128,11 @@ impl<B: OffloadBackend> Ring<B> {
             prev: None,
             clock: 0,
             hooks: Vec::new(),
-            step: StepMetrics { component: plan.name.clone(), host_bytes: store.host_bytes(), ..Default::default() },
+            step: StepMetrics {
+                component: plan.name.clone(),
+                host_bytes: store.host_bytes(),
+                ..Default::default()
+            },
             total: StepMetrics::default(),
             sticky: None,
             sabotage,
@@ -140,14 +151,27 @@ impl<B: OffloadBackend> Ring<B> {
             }
             ring.resident_of = resident_of;
             let streamed = ring.resident_of.iter().filter(|r| r.is_none()).count();
-            let largest = store.blocks().iter().enumerate().filter(|(i, _)| ring.resident_of[*i].is_none()).map(|(_, b)| b.bytes()).max().unwrap_or(0);
+            let largest = store
+                .blocks()
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| ring.resident_of[*i].is_none())
+                .map(|(_, b)| b.bytes())
+                .max()
+                .unwrap_or(0);
             let mut count = (ring.depth + 1).min(streamed);
             if ring.sabotage == Sabotage::ExtraSlot {
                 count += 1;
             }
             for k in 0..count {
                 let slot = ring.alloc(largest, &format!("{}/slot {k}", plan.name))?;
-                ring.slots.push(SlotState { slot, holds: None, ready: None, free_after: None, stamp: 0 });
+                ring.slots.push(SlotState {
+                    slot,
+                    holds: None,
+                    ready: None,
+                    free_after: None,
+                    stamp: 0,
+                });
             }
             ring.warm()
         })();
@@ -174,7 +198,10 @@ impl<B: OffloadBackend> Ring<B> {
 
     fn load_whole(&mut self, buffer: &B::HostBuffer, bytes: usize, purpose: &str) -> Result<B::Slot> {
         let mut slot = self.alloc(bytes, purpose)?;
-        let copied = self.backend.copy_to_slot(buffer, &mut slot, bytes, None).and_then(|ready| self.backend.compute_wait(&ready));
+        let copied = self
+            .backend
+            .copy_to_slot(buffer, &mut slot, bytes, None)
+            .and_then(|ready| self.backend.compute_wait(&ready));
         if let Err(e) = copied {
             let _ = self.backend.synchronize();
             let _ = self.backend.free_slot(slot, None);
@@ -215,8 +242,15 @@ impl<B: OffloadBackend> Ring<B> {
 
     /// The least recently used slot holding none of `keep`, not `except`.
     fn victim_except(&self, keep: &[usize], except: Option<usize>) -> usize {
-        let candidates = self.slots.iter().enumerate().filter(|(i, s)| Some(*i) != except && s.holds.is_none_or(|b| !keep.contains(&b)));
-        candidates.min_by_key(|(_, s)| (s.holds.is_some(), s.stamp)).map(|(i, _)| i).unwrap_or(0)
+        let candidates = self
+            .slots
+            .iter()
+            .enumerate()
+            .filter(|(i, s)| Some(*i) != except && s.holds.is_none_or(|b| !keep.contains(&b)));
+        candidates
+            .min_by_key(|(_, s)| (s.holds.is_some(), s.stamp))
+            .map(|(i, _)| i)
+            .unwrap_or(0)
     }
 
     fn victim(&self, keep: &[usize]) -> usize {
@@ -226,11 +260,17 @@ impl<B: OffloadBackend> Ring<B> {
     fn load(&mut self, s: usize, b: usize) -> Result<()> {
         let store = self.store.clone();
         let block = &store.blocks()[b];
-        let after = if self.sabotage == Sabotage::SkipFreeWait { None } else { self.slots[s].free_after.clone() };
+        let after = if self.sabotage == Sabotage::SkipFreeWait {
+            None
+        } else {
+            self.slots[s].free_after.clone()
+        };
         let st = &mut self.slots[s];
         st.holds = None;
         st.ready = None;
-        let ready = self.backend.copy_to_slot(&block.buffer, &mut st.slot, block.bytes(), after.as_ref())?;
+        let ready = self
+            .backend
+            .copy_to_slot(&block.buffer, &mut st.slot, block.bytes(), after.as_ref())?;
         st.holds = Some(b);
         st.ready = Some(ready);
         self.clock += 1;
@@ -295,7 +335,11 @@ impl<B: OffloadBackend> Ring<B> {
     /// The block `index` of `stack`, on the device, ready for compute.
     pub fn block(&mut self, stack: &str, index: usize) -> Result<BlockGuard<'_, B>> {
         let id = BlockId::new(stack, index);
-        let b = self.store.position(&id).ok_or_else(|| Error::UnknownBlock { component: self.store.component().to_owned(), stack: stack.to_owned(), index })?;
+        let b = self.store.position(&id).ok_or_else(|| Error::UnknownBlock {
+            component: self.store.component().to_owned(),
+            stack: stack.to_owned(),
+            index,
+        })?;
         self.block_at(b)
     }
 
@@ -308,7 +352,11 @@ impl<B: OffloadBackend> Ring<B> {
             return Err(Error::Protocol(format!("ring of {:?} is closed", self.store.component())));
         }
         if b >= self.next.len() {
-            return Err(Error::Protocol(format!("component {:?} has {} blocks, asked for position {b}", self.store.component(), self.next.len())));
+            return Err(Error::Protocol(format!(
+                "component {:?} has {} blocks, asked for position {b}",
+                self.store.component(),
+                self.next.len()
+            )));
         }
         if self.sabotage == Sabotage::SyncEveryBlock {
             self.backend.synchronize()?;
@@ -356,17 +404,33 @@ impl<B: OffloadBackend> Ring<B> {
         };
         let store = self.store.clone();
         let hb = &store.blocks()[b];
-        let ctx = BlockContext { component: store.component(), block: &hb.id, bytes: hb.bytes(), source };
+        let ctx = BlockContext {
+            component: store.component(),
+            block: &hb.id,
+            bytes: hb.bytes(),
+            source,
+        };
         for h in &mut self.hooks {
             h.pre_forward(&ctx);
         }
-        Ok(BlockGuard { ring: self, block: b, loc, source, done: false })
+        Ok(BlockGuard {
+            ring: self,
+            block: b,
+            loc,
+            source,
+            done: false,
+        })
     }
 
     fn release(&mut self, b: usize, loc: Loc, source: BlockSource) -> Result<()> {
         let store = self.store.clone();
         let hb = &store.blocks()[b];
-        let ctx = BlockContext { component: store.component(), block: &hb.id, bytes: hb.bytes(), source };
+        let ctx = BlockContext {
+            component: store.component(),
+            block: &hb.id,
+            bytes: hb.bytes(),
+            source,
+        };
         for h in self.hooks.iter_mut().rev() {
             h.post_forward(&ctx);
         }

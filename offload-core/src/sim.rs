@@ -39,14 +39,22 @@ pub struct SimConfig {
 
 impl Default for SimConfig {
     fn default() -> Self {
-        SimConfig { max_copy_delay_us: 200, seed: 0x0ff1_0ad, device_bytes: 1 << 40, fail_alloc_at: None }
+        SimConfig {
+            max_copy_delay_us: 200,
+            seed: 0x00ff_10ad,
+            device_bytes: 1 << 40,
+            fail_alloc_at: None,
+        }
     }
 }
 
 impl SimConfig {
     /// No delays: copies still run on the worker thread, as fast as memcpy.
     pub fn fast() -> Self {
-        SimConfig { max_copy_delay_us: 0, ..Default::default() }
+        SimConfig {
+            max_copy_delay_us: 0,
+            ..Default::default()
+        }
     }
 }
 
@@ -95,7 +103,12 @@ struct EventInner {
 
 impl SimEvent {
     fn new(tick: u64, slot: Option<u64>, done: bool) -> Self {
-        SimEvent(Arc::new(EventInner { tick, slot, done: Mutex::new(done), cv: Condvar::new() }))
+        SimEvent(Arc::new(EventInner {
+            tick,
+            slot,
+            done: Mutex::new(done),
+            cv: Condvar::new(),
+        }))
     }
     fn set(&self) {
         let mut d = lock(&self.0.done);
@@ -168,7 +181,10 @@ impl SimBackend {
     /// A simulated device with `cfg`.
     pub fn new(cfg: SimConfig) -> Self {
         let (tx, rx) = channel::<Job>();
-        let pending = Arc::new(Pending { count: Mutex::new(0), cv: Condvar::new() });
+        let pending = Arc::new(Pending {
+            count: Mutex::new(0),
+            cv: Condvar::new(),
+        });
         let p = pending.clone();
         std::thread::Builder::new()
             .name("offload-sim-copy".into())
@@ -190,7 +206,15 @@ impl SimBackend {
             .map(drop)
             .unwrap_or_else(|e| tracing::error!("cannot start the simulated copy thread: {e}"));
         let rng = rand::rngs::StdRng::seed_from_u64(cfg.seed);
-        SimBackend { inner: Arc::new(Inner { cfg, state: Mutex::default(), pending, tx: Mutex::new(tx), rng: Mutex::new(rng) }) }
+        SimBackend {
+            inner: Arc::new(Inner {
+                cfg,
+                state: Mutex::default(),
+                pending,
+                tx: Mutex::new(tx),
+                rng: Mutex::new(rng),
+            }),
+        }
     }
 
     /// A simulated device with the default configuration.
@@ -218,7 +242,11 @@ impl SimBackend {
         if v.is_empty() {
             Ok(())
         } else {
-            Err(Error::Protocol(format!("{} violation(s); first: {}", v.len(), v[..v.len().min(3)].join("; "))))
+            Err(Error::Protocol(format!(
+                "{} violation(s); first: {}",
+                v.len(),
+                v[..v.len().min(3)].join("; ")
+            )))
         }
     }
 
@@ -294,15 +322,30 @@ impl OffloadBackend for SimBackend {
         }
         let free = self.inner.cfg.device_bytes.saturating_sub(st.stats.live_bytes);
         if bytes as u64 > free {
-            return Err(Error::OutOfDeviceMemory { backend: "sim".into(), requested: bytes as u64, free, purpose: purpose.into() });
+            return Err(Error::OutOfDeviceMemory {
+                backend: "sim".into(),
+                requested: bytes as u64,
+                free,
+                purpose: purpose.into(),
+            });
         }
         let id = st.next_slot;
         st.next_slot += 1;
-        st.slots.insert(id, SlotInfo { bytes: bytes as u64, ..Default::default() });
+        st.slots.insert(
+            id,
+            SlotInfo {
+                bytes: bytes as u64,
+                ..Default::default()
+            },
+        );
         st.stats.live_bytes += bytes as u64;
         st.stats.live_slots += 1;
         st.stats.peak_bytes = st.stats.peak_bytes.max(st.stats.live_bytes);
-        Ok(SimSlot { id, bytes, mem: Arc::new(Mutex::new(vec![POISON; bytes])) })
+        Ok(SimSlot {
+            id,
+            bytes,
+            mem: Arc::new(Mutex::new(vec![POISON; bytes])),
+        })
     }
 
     fn free_slot(&self, slot: SimSlot, after: Option<&SimEvent>) -> Result<()> {
@@ -323,7 +366,11 @@ impl OffloadBackend for SimBackend {
 
     fn copy_to_slot(&self, src: &SimHost, dst: &mut SimSlot, bytes: usize, after: Option<&SimEvent>) -> Result<SimEvent> {
         if bytes > src.0.len() || bytes > dst.bytes {
-            return Err(Error::Protocol(format!("copy of {bytes} bytes from a {}-byte buffer into a {}-byte slot", src.0.len(), dst.bytes)));
+            return Err(Error::Protocol(format!(
+                "copy of {bytes} bytes from a {}-byte buffer into a {}-byte slot",
+                src.0.len(),
+                dst.bytes
+            )));
         }
         let done = {
             let mut st = lock(&self.inner.state);
@@ -354,8 +401,17 @@ impl OffloadBackend for SimBackend {
             lock(&dst.mem)[..bytes].fill(POISON);
         }
         *lock(&self.inner.pending.count) += 1;
-        let job = Job { after: after.cloned(), src: src.0.clone(), dst: dst.mem.clone(), bytes, delay_us, done: done.clone() };
-        lock(&self.inner.tx).send(job).map_err(|_| Error::device("sim", "copy", "the copy thread is gone"))?;
+        let job = Job {
+            after: after.cloned(),
+            src: src.0.clone(),
+            dst: dst.mem.clone(),
+            bytes,
+            delay_us,
+            done: done.clone(),
+        };
+        lock(&self.inner.tx)
+            .send(job)
+            .map_err(|_| Error::device("sim", "copy", "the copy thread is gone"))?;
         Ok(done)
     }
 
@@ -392,6 +448,9 @@ impl OffloadBackend for SimBackend {
 
     fn memory_info(&self) -> Result<MemoryInfo> {
         let st = lock(&self.inner.state);
-        Ok(MemoryInfo { free: self.inner.cfg.device_bytes - st.stats.live_bytes, total: self.inner.cfg.device_bytes })
+        Ok(MemoryInfo {
+            free: self.inner.cfg.device_bytes - st.stats.live_bytes,
+            total: self.inner.cfg.device_bytes,
+        })
     }
 }

@@ -81,7 +81,13 @@ impl<B: OffloadBackend> HostStore<B> {
         } else {
             Some(load(BlockId::new("<non-block>", 0), &inventory.non_block)?)
         };
-        Ok(HostStore { component: inventory.name.clone(), blocks, non_block, index, pinned: backend.host_is_pinned() })
+        Ok(HostStore {
+            component: inventory.name.clone(),
+            blocks,
+            non_block,
+            index,
+            pinned: backend.host_is_pinned(),
+        })
     }
 
     /// Component name.
@@ -111,7 +117,11 @@ impl<B: OffloadBackend> HostStore<B> {
 
     /// Tensor bytes without alignment padding: the model's own size.
     pub fn payload_bytes(&self) -> u64 {
-        self.blocks.iter().chain(self.non_block.iter()).map(|b| b.layout.payload_bytes() as u64).sum()
+        self.blocks
+            .iter()
+            .chain(self.non_block.iter())
+            .map(|b| b.layout.payload_bytes() as u64)
+            .sum()
     }
 
     /// Whether the buffers are page-locked.

@@ -83,10 +83,13 @@ impl TensorSpec {
 
     /// Number of elements (1 for a scalar), or an error naming the tensor on overflow.
     pub fn numel(&self) -> Result<usize> {
-        self.shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d)).ok_or_else(|| Error::BadTensor {
-            tensor: self.name.clone(),
-            fault: format!("shape {:?} overflows", self.shape),
-        })
+        self.shape
+            .iter()
+            .try_fold(1usize, |a, &d| a.checked_mul(d))
+            .ok_or_else(|| Error::BadTensor {
+                tensor: self.name.clone(),
+                fault: format!("shape {:?} overflows", self.shape),
+            })
     }
 
     /// Size in bytes, or an error naming the tensor on overflow.
@@ -145,10 +148,11 @@ impl BlockLayout {
 
     /// The tensor named `name` (full name or the part after the block prefix).
     pub fn get(&self, name: &str) -> Option<&PlacedTensor> {
-        self.tensors
-            .iter()
-            .find(|t| t.spec.name == name)
-            .or_else(|| self.tensors.iter().find(|t| t.spec.name.ends_with(name) && t.spec.name[..t.spec.name.len() - name.len()].ends_with('.')))
+        self.tensors.iter().find(|t| t.spec.name == name).or_else(|| {
+            self.tensors
+                .iter()
+                .find(|t| t.spec.name.ends_with(name) && t.spec.name[..t.spec.name.len() - name.len()].ends_with('.'))
+        })
     }
 
     /// Sum of tensor sizes without alignment padding.

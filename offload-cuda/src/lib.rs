@@ -1,1 +1,1 @@
-//! offload-cuda
+//! offload-cuda: being written.

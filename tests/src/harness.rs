@@ -24,6 +24,7 @@ pub type Outcome = std::result::Result<(), CaseError>;
 #[macro_export]
 macro_rules! ensure {
     ($cond:expr, $($fmt:tt)+) => {
+        #[allow(clippy::neg_cmp_op_on_partial_ord)]
         if !$cond {
             return Err($crate::CaseError::Fail(format!($($fmt)+)));
         }

@@ -66,29 +66,53 @@ macro_rules! conformance_tests {
                 $crate::report(name, (case.run)(offload_core::ring::Sabotage::None));
             }
             #[test]
-            fn ready_before_read() { run("ready_before_read") }
+            fn ready_before_read() {
+                run("ready_before_read")
+            }
             #[test]
-            fn free_after_last_use() { run("free_after_last_use") }
+            fn free_after_last_use() {
+                run("free_after_last_use")
+            }
             #[test]
-            fn no_host_sync_steady_state() { run("no_host_sync_steady_state") }
+            fn no_host_sync_steady_state() {
+                run("no_host_sync_steady_state")
+            }
             #[test]
-            fn no_weight_copy_back() { run("no_weight_copy_back") }
+            fn no_weight_copy_back() {
+                run("no_weight_copy_back")
+            }
             #[test]
-            fn bounded_device_memory() { run("bounded_device_memory") }
+            fn bounded_device_memory() {
+                run("bounded_device_memory")
+            }
             #[test]
-            fn bitwise_equal() { run("bitwise_equal") }
+            fn bitwise_equal() {
+                run("bitwise_equal")
+            }
             #[test]
-            fn order_learned() { run("order_learned") }
+            fn order_learned() {
+                run("order_learned")
+            }
             #[test]
-            fn transactional() { run("transactional") }
+            fn transactional() {
+                run("transactional")
+            }
             #[test]
-            fn one_host_copy() { run("one_host_copy") }
+            fn one_host_copy() {
+                run("one_host_copy")
+            }
             #[test]
-            fn on_demand_component() { run("on_demand_component") }
+            fn on_demand_component() {
+                run("on_demand_component")
+            }
             #[test]
-            fn safetensors_source() { run("safetensors_source") }
+            fn safetensors_source() {
+                run("safetensors_source")
+            }
             #[test]
-            fn every_case_is_instantiated() { assert_eq!(all::<$harness>().len(), 11) }
+            fn every_case_is_instantiated() {
+                assert_eq!(all::<$harness>().len(), 11)
+            }
         }
     };
 }

@@ -1,1 +1,227 @@
-fn main(){}
+//! `cargo xtask <command>`: the project's tasks, in plain Rust with `std::process`.
+
+mod tidy;
+
+use std::path::{Path, PathBuf};
+use std::process::{exit, Command};
+
+const HELP: &str = "\
+cargo xtask <command>
+
+  ci                        everything CI runs: lint, every test, the conformance table (the README's test command)
+  demo [-- ARGS]            the main job: a Flux-shaped model streamed block by block (CPU: simulated device)
+  conformance [--backend sim|cuda|candle|tch|all]
+                            the conformance table, cases x backends
+  lint                      cargo fmt --check, clippy -D warnings, tidy
+  bench [--backend sim]     host-side cost per block (criterion); writes bench/results/<date>-sim-host-cost.json
+  gpu-bundle                build the CUDA binaries and a run script into .bundle/ for the GPU runner
+";
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| PathBuf::from("."))
+}
+
+fn cargo() -> Command {
+    let mut c = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+    c.current_dir(root());
+    c
+}
+
+fn run(mut c: Command) -> Result<(), String> {
+    eprintln!("$ {c:?}");
+    let st = c.status().map_err(|e| format!("cannot start {c:?}: {e}"))?;
+    if st.success() {
+        Ok(())
+    } else {
+        Err(format!("{c:?} failed: {st}"))
+    }
+}
+
+fn flag(args: &[String], name: &str) -> Option<String> {
+    args.iter().position(|a| a == name).and_then(|i| args.get(i + 1).cloned())
+}
+
+fn lint() -> Result<(), String> {
+    let mut c = cargo();
+    c.args(["fmt", "--all", "--check"]);
+    run(c)?;
+    let mut c = cargo();
+    c.args([
+        "clippy",
+        "--workspace",
+        "--all-targets",
+        "--features",
+        "offload/sim",
+        "--",
+        "-D",
+        "warnings",
+    ]);
+    run(c)?;
+    let problems = tidy::check(&root());
+    if problems.is_empty() {
+        eprintln!("tidy: ok");
+        Ok(())
+    } else {
+        Err(format!("tidy:\n  {}", problems.join("\n  ")))
+    }
+}
+
+fn conformance(args: &[String]) -> Result<(), String> {
+    let backend = flag(args, "--backend").unwrap_or_else(|| "sim".into());
+    let mut c = cargo();
+    c.args(["run", "--release", "-q", "-p", "offload-tests", "--bin", "conformance"]);
+    let features: Vec<&str> = backend.split(',').filter(|b| *b == "cuda").collect();
+    if backend == "all" {
+        c.args(["--features", "cuda"]);
+    } else if !features.is_empty() {
+        c.args(["--features", &features.join(",")]);
+    }
+    c.args(["--", "--backend", &backend]);
+    run(c)
+}
+
+fn today() -> String {
+    let out = Command::new("date").args(["-u", "+%Y-%m-%d"]).output().ok();
+    out.map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+        .unwrap_or_else(|| "unknown-date".into())
+}
+
+fn commit() -> String {
+    let out = Command::new("git")
+        .args(["rev-parse", "--short=12", "HEAD"])
+        .current_dir(root())
+        .output()
+        .ok();
+    out.map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+        .unwrap_or_default()
+}
+
+fn bench(args: &[String]) -> Result<(), String> {
+    let backend = flag(args, "--backend").unwrap_or_else(|| "sim".into());
+    if backend != "sim" {
+        return Err(format!(
+            "the {backend} benchmark runs on the GPU runner: build it with `cargo xtask gpu-bundle` and run .bundle/run.sh there"
+        ));
+    }
+    let mut c = cargo();
+    c.args([
+        "bench",
+        "-p",
+        "offload-core",
+        "--features",
+        "sim",
+        "--bench",
+        "host_cost",
+        "--",
+        "--noplot",
+    ]);
+    run(c)?;
+    let mut cases = Vec::new();
+    for backend in ["null", "sim"] {
+        for depth in ["d1", "d2"] {
+            let p = root().join(format!(
+                "target/criterion/ring_host_cost_per_block/{backend}/{depth}/new/estimates.json"
+            ));
+            let text = std::fs::read_to_string(&p).map_err(|e| format!("{}: {e}", p.display()))?;
+            let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| format!("{}: {e}", p.display()))?;
+            let ns = |k: &str| v[k]["point_estimate"].as_f64().unwrap_or(f64::NAN);
+            cases.push(serde_json::json!({
+                "backend": backend, "depth": depth[1..].parse::<u32>().unwrap_or(0),
+                "host_cost_per_block_us": ns("median") / 1e3,
+                "mean_us": ns("mean") / 1e3,
+                "target_us": 10.0,
+                "meets_target": ns("median") / 1e3 <= 10.0,
+            }));
+        }
+    }
+    let date = today();
+    let doc = serde_json::json!({
+        "date": date, "commit": commit(), "gpu": "none", "backend": "sim", "model": "flux-shaped, 19+19 blocks (tiny tensors)",
+        "what": "host-side cost per block: Ring::block_at + guard release, criterion median",
+        "cases": cases,
+    });
+    let out = root().join(format!("bench/results/{date}-sim-host-cost.json"));
+    std::fs::write(&out, serde_json::to_string_pretty(&doc).unwrap_or_default() + "\n").map_err(|e| format!("{}: {e}", out.display()))?;
+    println!("{}", serde_json::to_string_pretty(&doc).unwrap_or_default());
+    println!("wrote {}", out.display());
+    Ok(())
+}
+
+fn demo(args: &[String]) -> Result<(), String> {
+    let mut c = cargo();
+    c.args(["run", "--release", "-q", "--example", "flux_demo", "--features", "sim", "--"]);
+    c.args(args.iter().skip_while(|a| *a == "--"));
+    run(c)
+}
+
+fn gpu_bundle() -> Result<(), String> {
+    let dir = root().join(".bundle");
+    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+    let mut c = cargo();
+    c.args([
+        "build",
+        "--profile",
+        "bundle",
+        "-p",
+        "offload-tests",
+        "--features",
+        "cuda",
+        "--bin",
+        "conformance",
+    ]);
+    run(c)?;
+    let mut c = cargo();
+    c.args(["build", "--profile", "bundle", "-p", "offload-cuda", "--example", "cuda_bench"]);
+    run(c)?;
+    for (from, to) in [
+        ("target/bundle/conformance", "conformance"),
+        ("target/bundle/examples/cuda_bench", "cuda_bench"),
+    ] {
+        std::fs::copy(root().join(from), dir.join(to)).map_err(|e| format!("{from}: {e}"))?;
+    }
+    for f in ["bench/anchors/diffusers_group_offload.py", "bench/gpu-run.sh"] {
+        let p = root().join(f);
+        if p.exists() {
+            let name = p.file_name().map(|n| n.to_owned()).unwrap_or_default();
+            std::fs::copy(&p, dir.join(name)).map_err(|e| format!("{f}: {e}"))?;
+        }
+    }
+    println!("bundle ready in {} (carry `.bundle`, run `bash .bundle/gpu-run.sh`)", dir.display());
+    Ok(())
+}
+
+fn ci() -> Result<(), String> {
+    lint()?;
+    let mut c = cargo();
+    c.args(["test", "--workspace", "--all-targets"]);
+    run(c)?;
+    let mut c = cargo();
+    c.args(["test", "--workspace", "--doc", "--features", "offload-core/sim"]);
+    run(c)?;
+    conformance(&["--backend".into(), "sim,cuda".into()])
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let rest = args.get(1..).unwrap_or(&[]).to_vec();
+    let r = match args.first().map(String::as_str) {
+        Some("ci") => ci(),
+        Some("demo") => demo(&rest),
+        Some("conformance") => conformance(&rest),
+        Some("lint") => lint(),
+        Some("bench") => bench(&rest),
+        Some("gpu-bundle") => gpu_bundle(),
+        Some("help" | "--help" | "-h") | None => {
+            print!("{HELP}");
+            Ok(())
+        }
+        Some(other) => Err(format!("unknown command {other:?}\n\n{HELP}")),
+    };
+    if let Err(e) = r {
+        eprintln!("xtask: {e}");
+        exit(1);
+    }
+}

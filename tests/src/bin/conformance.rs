@@ -1,0 +1,107 @@
+//! `conformance [--backend sim|cuda|candle|tch|all] [--json PATH]`: run the
+//! conformance suite and print a table of cases × backends.
+
+use offload_tests::{run_suite, Verdict};
+use std::collections::BTreeMap;
+
+type Row = Vec<(&'static str, &'static str, Verdict)>;
+
+fn suite(backend: &str) -> Option<Row> {
+    match backend {
+        "sim" => Some(run_suite::<offload_tests::sim_harness::Sim>()),
+        #[cfg(feature = "cuda")]
+        "cuda" => Some(run_suite::<offload_tests::cuda_harness::Cuda>()),
+        _ => None,
+    }
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let mut backends = vec!["sim".to_owned()];
+    let mut json = None;
+    let mut i = 0;
+    while i < args.len() {
+        match (args[i].as_str(), args.get(i + 1)) {
+            ("--backend", Some(b)) if b == "all" => backends = ["sim", "cuda", "candle", "tch"].map(String::from).to_vec(),
+            ("--backend", Some(b)) => backends = b.split(',').map(String::from).collect(),
+            ("--json", Some(p)) => json = Some(p.clone()),
+            _ => {
+                eprintln!("usage: conformance [--backend sim|cuda|candle|tch|all|a,b] [--json PATH]");
+                std::process::exit(2);
+            }
+        }
+        i += 2;
+    }
+    let mut columns: Vec<(String, Row)> = Vec::new();
+    for b in &backends {
+        let row = suite(b).unwrap_or_else(|| {
+            let why = format!("backend {b} not built into this binary (build with --features {b})");
+            let required = offload_tests::device_required();
+            offload_tests::cases::all::<offload_tests::sim_harness::Sim>()
+                .into_iter()
+                .map(|c| {
+                    (
+                        c.name,
+                        c.invariant,
+                        if required {
+                            Verdict::Fail(why.clone())
+                        } else {
+                            Verdict::Skipped(why.clone())
+                        },
+                    )
+                })
+                .collect()
+        });
+        columns.push((b.clone(), row));
+    }
+    let names: Vec<(&str, &str)> = columns[0].1.iter().map(|(n, inv, _)| (*n, *inv)).collect();
+    print!("{:<28} {:>5}", "case", "inv.");
+    for (b, _) in &columns {
+        print!("  {b:<8}");
+    }
+    println!();
+    let mut failed = 0;
+    let mut notes = Vec::new();
+    let mut out = BTreeMap::new();
+    for (k, (name, inv)) in names.iter().enumerate() {
+        print!("{name:<28} {inv:>5}");
+        for (b, row) in &columns {
+            let (cell, note) = match &row[k].2 {
+                Verdict::Pass => ("pass", None),
+                Verdict::Fail(m) => {
+                    failed += 1;
+                    ("FAIL", Some(m.clone()))
+                }
+                Verdict::Skipped(w) => ("skipped", Some(w.clone())),
+            };
+            print!("  {cell:<8}");
+            if let Some(n) = note {
+                let line = format!("{b}: {n}");
+                if !notes.contains(&line) {
+                    notes.push(line);
+                }
+            }
+            out.insert(
+                format!("{b}/{name}"),
+                serde_json::json!({"verdict": cell, "note": format!("{:?}", row[k].2)}),
+            );
+        }
+        println!();
+    }
+    for n in &notes {
+        println!("  {n}");
+    }
+    let total: usize = columns.iter().map(|(_, r)| r.len()).sum();
+    let passed = columns.iter().flat_map(|(_, r)| r).filter(|c| c.2 == Verdict::Pass).count();
+    let skipped = total - passed - failed;
+    println!("conformance: {passed} passed, {failed} failed, {skipped} skipped");
+    if let Some(p) = json {
+        let doc = serde_json::json!({"backends": backends, "cases": out, "passed": passed, "failed": failed, "skipped": skipped});
+        if let Err(e) = std::fs::write(&p, serde_json::to_string_pretty(&doc).unwrap_or_default()) {
+            eprintln!("writing {p}: {e}");
+        }
+    }
+    if failed > 0 {
+        std::process::exit(1);
+    }
+}

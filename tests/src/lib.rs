@@ -5,6 +5,8 @@
 //! unless `OFFLOAD_REQUIRE_DEVICE=1`, where it fails.
 
 pub mod cases;
+#[cfg(feature = "cuda")]
+pub mod cuda_harness;
 pub mod harness;
 pub mod model;
 pub mod sim_harness;
@@ -50,7 +52,12 @@ pub fn report(name: &str, outcome: Outcome) {
         Ok(()) => {}
         Err(CaseError::Fail(m)) => panic!("{name}: {m}"),
         Err(CaseError::Skip(w)) if device_required() => panic!("{name}: OFFLOAD_REQUIRE_DEVICE=1 but {w}"),
-        Err(CaseError::Skip(w)) => println!("SKIPPED: {name}: {w}"),
+        Err(CaseError::Skip(w)) => {
+            // Straight to the process's stderr, past the test harness's capture,
+            // so a skip is visible in every log.
+            use std::io::Write;
+            let _ = writeln!(std::io::stderr(), "SKIPPED: {name}: {w}");
+        }
     }
 }
 

@@ -1,3 +1,6 @@
 //! The conformance suite, one module per backend (`cargo test -p offload-tests sim::`).
 
 offload_tests::conformance_tests!(sim, offload_tests::sim_harness::Sim);
+
+#[cfg(feature = "cuda")]
+offload_tests::conformance_tests!(cuda, offload_tests::cuda_harness::Cuda);

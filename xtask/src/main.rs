@@ -201,6 +201,19 @@ fn ci() -> Result<(), String> {
     let mut c = cargo();
     c.args(["test", "--workspace", "--doc", "--features", "offload-core/sim"]);
     run(c)?;
+    // The CUDA row builds everywhere (run-time loading) and skips visibly without a GPU.
+    let mut c = cargo();
+    c.args([
+        "test",
+        "-p",
+        "offload-tests",
+        "--features",
+        "cuda",
+        "--test",
+        "conformance",
+        "cuda::",
+    ]);
+    run(c)?;
     conformance(&["--backend".into(), "sim,cuda".into()])
 }
 

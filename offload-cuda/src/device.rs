@@ -1,0 +1,282 @@
+//! The CUDA backend handle: a context, a copy stream and a compute stream.
+
+use crate::error::{driver, is_oom, BACKEND};
+use crate::memory::{CudaSlot, PinnedHost};
+use cudarc::driver::{result, sys, CudaContext, CudaEvent, CudaStream};
+use offload_core::{Error, MemoryInfo, OffloadBackend, Result};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+pub(crate) struct Shared {
+    pub(crate) ctx: Arc<CudaContext>,
+    pub(crate) copy: Arc<CudaStream>,
+    pub(crate) compute: Arc<CudaStream>,
+    pub(crate) live_bytes: AtomicU64,
+    pub(crate) peak_bytes: AtomicU64,
+    pub(crate) pinned_bytes: AtomicU64,
+    pub(crate) syncs: AtomicU64,
+    pub(crate) copies: AtomicU64,
+    pub(crate) bytes_copied: AtomicU64,
+}
+
+/// Counters of a [`CudaBackend`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CudaCounters {
+    /// Slot bytes allocated now.
+    pub live_bytes: u64,
+    /// Peak of `live_bytes` since the last reset.
+    pub peak_bytes: u64,
+    /// Page-locked host bytes held by this backend's buffers.
+    pub pinned_bytes: u64,
+    /// Host synchronisations through [`OffloadBackend::synchronize`].
+    pub syncs: u64,
+    /// Host-to-device copies issued.
+    pub copies: u64,
+    /// Bytes copied host to device.
+    pub bytes_copied: u64,
+}
+
+/// The raw CUDA backend. Cheap to clone (an `Arc`).
+///
+/// Copies run on a non-blocking copy stream; the model computes on the compute
+/// stream ([`compute_stream`](Self::compute_stream)): enqueue every kernel that
+/// reads a block there.
+#[derive(Clone)]
+pub struct CudaBackend {
+    pub(crate) shared: Arc<Shared>,
+}
+
+/// Whether the CUDA driver library can be loaded on this machine.
+pub fn driver_present() -> bool {
+    // SAFETY: only tries to open the driver library; no CUDA call is made.
+    unsafe { sys::is_culib_present() }
+}
+
+impl CudaBackend {
+    /// The backend on device `ordinal`, computing on a new non-blocking stream.
+    ///
+    /// Returns [`Error::Unsupported`] where no CUDA driver is installed, and a
+    /// device error where there is no such device.
+    pub fn new(ordinal: usize) -> Result<Self> {
+        let ctx = Self::context(ordinal)?;
+        let compute = ctx.new_stream().map_err(|e| driver("creating the compute stream", e))?;
+        Self::with_compute_stream(ctx, compute)
+    }
+
+    /// The primary context of device `ordinal`, with cudarc's per-slice event
+    /// tracking turned off (the ring orders its streams itself).
+    pub fn context(ordinal: usize) -> Result<Arc<CudaContext>> {
+        if !driver_present() {
+            return Err(Error::unsupported(BACKEND, "no CUDA driver library (libcuda.so) on this machine"));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(|e| driver(format!("opening device {ordinal}"), e))?;
+        // SAFETY: called before this backend allocates anything; the ring orders
+        // every use of its memory with its own events.
+        unsafe { ctx.disable_event_tracking() };
+        Ok(ctx)
+    }
+
+    /// The backend on `ctx`, computing on `compute` (for frameworks that own
+    /// their compute stream). A new non-blocking copy stream is created.
+    pub fn with_compute_stream(ctx: Arc<CudaContext>, compute: Arc<CudaStream>) -> Result<Self> {
+        let copy = ctx.new_stream().map_err(|e| driver("creating the copy stream", e))?;
+        // Keep freed slots in the pool instead of returning them to the driver.
+        // SAFETY: the device handle comes from a live context; `threshold` outlives the call.
+        unsafe {
+            let mut pool = std::mem::MaybeUninit::uninit();
+            sys::cuDeviceGetDefaultMemPool(pool.as_mut_ptr(), ctx.cu_device())
+                .result()
+                .map_err(|e| driver("getting the memory pool", e))?;
+            let mut threshold = u64::MAX;
+            sys::cuMemPoolSetAttribute(
+                pool.assume_init(),
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                &mut threshold as *mut u64 as *mut _,
+            )
+            .result()
+            .map_err(|e| driver("setting the pool's release threshold", e))?;
+        }
+        let shared = Shared {
+            ctx,
+            copy,
+            compute,
+            live_bytes: AtomicU64::new(0),
+            peak_bytes: AtomicU64::new(0),
+            pinned_bytes: AtomicU64::new(0),
+            syncs: AtomicU64::new(0),
+            copies: AtomicU64::new(0),
+            bytes_copied: AtomicU64::new(0),
+        };
+        Ok(CudaBackend { shared: Arc::new(shared) })
+    }
+
+    /// The context.
+    pub fn ctx(&self) -> &Arc<CudaContext> {
+        &self.shared.ctx
+    }
+
+    /// The stream the model computes on.
+    pub fn compute_stream(&self) -> &Arc<CudaStream> {
+        &self.shared.compute
+    }
+
+    /// The stream copies run on.
+    pub fn copy_stream(&self) -> &Arc<CudaStream> {
+        &self.shared.copy
+    }
+
+    /// Counters so far.
+    pub fn counters(&self) -> CudaCounters {
+        let s = &self.shared;
+        CudaCounters {
+            live_bytes: s.live_bytes.load(Ordering::Relaxed),
+            peak_bytes: s.peak_bytes.load(Ordering::Relaxed),
+            pinned_bytes: s.pinned_bytes.load(Ordering::Relaxed),
+            syncs: s.syncs.load(Ordering::Relaxed),
+            copies: s.copies.load(Ordering::Relaxed),
+            bytes_copied: s.bytes_copied.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Restart the peak at the current live bytes.
+    pub fn reset_peak(&self) {
+        let s = &self.shared;
+        s.peak_bytes.store(s.live_bytes.load(Ordering::Relaxed), Ordering::Relaxed);
+    }
+
+    fn bind(&self) -> Result<()> {
+        self.shared.ctx.bind_to_thread().map_err(|e| driver("binding the context", e))
+    }
+}
+
+impl OffloadBackend for CudaBackend {
+    type HostBuffer = PinnedHost;
+    type Slot = CudaSlot;
+    type Event = Arc<CudaEvent>;
+
+    fn name(&self) -> &'static str {
+        BACKEND
+    }
+
+    fn alloc_host(&self, bytes: usize, purpose: &str, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<PinnedHost> {
+        PinnedHost::new(self.shared.clone(), bytes, fill, purpose)
+    }
+
+    fn host_bytes<'a>(&self, buffer: &'a PinnedHost) -> &'a [u8] {
+        buffer.as_slice()
+    }
+
+    fn host_is_pinned(&self) -> bool {
+        true
+    }
+
+    fn alloc_slot(&self, bytes: usize, purpose: &str) -> Result<CudaSlot> {
+        self.bind()?;
+        let ptr = if bytes == 0 {
+            0
+        } else {
+            // SAFETY: allocation on a live stream; the slot frees it (stream-ordered) on drop.
+            match unsafe { result::malloc_async(self.shared.copy.cu_stream(), bytes) } {
+                Ok(p) => p,
+                Err(e) if is_oom(&e) => {
+                    let free = self.shared.ctx.mem_get_info().map(|(f, _)| f as u64).unwrap_or(0);
+                    return Err(Error::OutOfDeviceMemory {
+                        backend: BACKEND.into(),
+                        requested: bytes as u64,
+                        free,
+                        purpose: purpose.into(),
+                    });
+                }
+                Err(e) => return Err(driver(format!("allocating {bytes} bytes for {purpose}"), e)),
+            }
+        };
+        let s = &self.shared;
+        let live = s.live_bytes.fetch_add(bytes as u64, Ordering::Relaxed) + bytes as u64;
+        s.peak_bytes.fetch_max(live, Ordering::Relaxed);
+        Ok(CudaSlot {
+            ptr,
+            len: bytes,
+            last_copy: None,
+            shared: s.clone(),
+        })
+    }
+
+    fn free_slot(&self, slot: CudaSlot, after: Option<&Arc<CudaEvent>>) -> Result<()> {
+        if let Some(ev) = after {
+            self.bind()?;
+            self.shared.compute.wait(ev).map_err(|e| driver("ordering a slot's release", e))?;
+        }
+        drop(slot);
+        Ok(())
+    }
+
+    fn copy_to_slot(&self, src: &PinnedHost, dst: &mut CudaSlot, bytes: usize, after: Option<&Arc<CudaEvent>>) -> Result<Arc<CudaEvent>> {
+        if bytes > src.len() || bytes > dst.len {
+            return Err(Error::Protocol(format!(
+                "copy of {bytes} bytes from a {}-byte buffer into a {}-byte slot",
+                src.len(),
+                dst.len
+            )));
+        }
+        self.bind()?;
+        let s = &self.shared;
+        if let Some(ev) = after {
+            s.copy
+                .wait(ev)
+                .map_err(|e| driver("copy stream waiting for a slot's last use", e))?;
+        }
+        if bytes > 0 {
+            // SAFETY: `src` is pinned and stays alive until the copy stream has
+            // drained (its Drop synchronizes the copy stream); `dst` holds `bytes`
+            // and its free is ordered after this copy's event (`last_copy`).
+            unsafe { sys::cuMemcpyHtoDAsync_v2(dst.ptr, src.ptr() as *const _, bytes, s.copy.cu_stream()) }
+                .result()
+                .map_err(|e| driver(format!("copying {bytes} bytes to the device"), e))?;
+        }
+        let ev = Arc::new(s.copy.record_event(None).map_err(|e| driver("recording a copy event", e))?);
+        dst.last_copy = Some(ev.clone());
+        s.copies.fetch_add(1, Ordering::Relaxed);
+        s.bytes_copied.fetch_add(bytes as u64, Ordering::Relaxed);
+        Ok(ev)
+    }
+
+    fn compute_wait(&self, event: &Arc<CudaEvent>) -> Result<()> {
+        self.shared
+            .compute
+            .wait(event)
+            .map_err(|e| driver("compute stream waiting for a copy", e))
+    }
+
+    fn record_compute(&self) -> Result<Arc<CudaEvent>> {
+        Ok(Arc::new(
+            self.shared
+                .compute
+                .record_event(None)
+                .map_err(|e| driver("recording a compute event", e))?,
+        ))
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        self.shared.syncs.fetch_add(1, Ordering::Relaxed);
+        self.shared
+            .copy
+            .synchronize()
+            .map_err(|e| driver("synchronizing the copy stream", e))?;
+        self.shared
+            .compute
+            .synchronize()
+            .map_err(|e| driver("synchronizing the compute stream", e))
+    }
+
+    fn poll_error(&self) -> Result<()> {
+        self.shared.ctx.check_err().map_err(|e| driver("a deferred driver error", e))
+    }
+
+    fn memory_info(&self) -> Result<MemoryInfo> {
+        let (free, total) = self.shared.ctx.mem_get_info().map_err(|e| driver("cuMemGetInfo", e))?;
+        Ok(MemoryInfo {
+            free: free as u64,
+            total: total as u64,
+        })
+    }
+}

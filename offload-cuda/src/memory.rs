@@ -1,0 +1,136 @@
+//! Page-locked host buffers and device slots. Each owns its memory and frees it
+//! only once no asynchronous copy can still touch it.
+
+use crate::device::Shared;
+use crate::error::driver;
+use cudarc::driver::{result, sys, CudaEvent};
+use offload_core::Result;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+/// Page-locked (not write-combined) host memory holding one block, immutable after it is filled.
+pub struct PinnedHost {
+    ptr: *mut u8,
+    len: usize,
+    shared: Arc<Shared>,
+}
+
+// SAFETY: the buffer is plain bytes owned by this value; after `fill` it is never
+// written again, so shared references from several threads only read it.
+unsafe impl Send for PinnedHost {}
+// SAFETY: as above: immutable after construction, so `&PinnedHost` is safe to share.
+unsafe impl Sync for PinnedHost {}
+
+impl PinnedHost {
+    pub(crate) fn new(shared: Arc<Shared>, len: usize, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>, purpose: &str) -> Result<Self> {
+        shared.ctx.bind_to_thread().map_err(|e| driver("bind context", e))?;
+        let ptr = if len == 0 {
+            std::ptr::null_mut()
+        } else {
+            // SAFETY: a plain allocation of `len` bytes; the pointer is checked by the driver's result.
+            let p = unsafe { result::malloc_host(len, sys::CU_MEMHOSTALLOC_PORTABLE) };
+            p.map_err(|e| offload_core::Error::HostAlloc {
+                backend: "cuda".into(),
+                requested: len as u64,
+                purpose: purpose.to_owned(),
+                reason: format!("cuMemHostAlloc: {e}"),
+            })? as *mut u8
+        };
+        let me = PinnedHost { ptr, len, shared };
+        if len > 0 {
+            // SAFETY: `ptr` points to `len` bytes we own exclusively until `me` is returned.
+            let bytes = unsafe { std::slice::from_raw_parts_mut(me.ptr, me.len) };
+            fill(bytes)?;
+        }
+        me.shared.pinned_bytes.fetch_add(len as u64, Ordering::Relaxed);
+        Ok(me)
+    }
+
+    /// The bytes.
+    pub fn as_slice(&self) -> &[u8] {
+        if self.len == 0 {
+            return &[];
+        }
+        // SAFETY: `ptr` is valid for `len` bytes for as long as `self` lives and is
+        // never written after construction.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+
+    pub(crate) fn ptr(&self) -> *const u8 {
+        self.ptr
+    }
+
+    /// Size in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the buffer is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl Drop for PinnedHost {
+    fn drop(&mut self) {
+        if self.ptr.is_null() {
+            return;
+        }
+        // A copy from this buffer may still be queued: wait for the copy stream
+        // (teardown only, never on the streaming path).
+        let _ = self.shared.copy.synchronize();
+        // SAFETY: `ptr` came from cuMemHostAlloc and no copy can read it any more.
+        if let Err(e) = unsafe { result::free_host(self.ptr as *mut _) } {
+            tracing::warn!("cuMemFreeHost: {e}");
+        }
+        self.shared.pinned_bytes.fetch_sub(self.len as u64, Ordering::Relaxed);
+    }
+}
+
+/// Device memory for one block, from the stream-ordered pool. Dropping it frees
+/// the memory on the compute stream after the last copy into it.
+pub struct CudaSlot {
+    pub(crate) ptr: sys::CUdeviceptr,
+    pub(crate) len: usize,
+    pub(crate) last_copy: Option<Arc<CudaEvent>>,
+    pub(crate) shared: Arc<Shared>,
+}
+
+impl CudaSlot {
+    /// Device address of the slot's first byte.
+    pub fn device_ptr(&self) -> sys::CUdeviceptr {
+        self.ptr
+    }
+
+    /// Capacity in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the slot has no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl Drop for CudaSlot {
+    fn drop(&mut self) {
+        let sh = &self.shared;
+        let r = sh.ctx.bind_to_thread().and_then(|()| {
+            if let Some(ev) = &self.last_copy {
+                sh.compute.wait(ev)?;
+            }
+            if self.len > 0 {
+                // SAFETY: `ptr` came from cuMemAllocAsync; the free is ordered on the
+                // compute stream after its reads (the ring's protocol) and after the
+                // last copy into it (the wait above).
+                unsafe { result::free_async(self.ptr, sh.compute.cu_stream()) }?;
+            }
+            Ok(())
+        });
+        if let Err(e) = r {
+            tracing::warn!("freeing a {}-byte slot: {e}", self.len);
+        }
+        sh.live_bytes.fetch_sub(self.len as u64, Ordering::Relaxed);
+    }
+}

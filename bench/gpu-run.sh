@@ -10,6 +10,10 @@ export OFFLOAD_REQUIRE_DEVICE=1 BENCH_DATE=${BENCH_DATE:-$(date -u +%F)}
 COMMIT=${COMMIT:-unknown}
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/nvidia-smi.txt"
 echo "== conformance"; "$B/conformance" --backend sim,cuda --json "$OUT/conformance-cuda.json" 2>&1 | tee "$OUT/conformance-cuda.txt"
+if [ "${RACECHECK:-0}" = 1 ] && command -v compute-sanitizer >/dev/null; then
+  echo "== racecheck (our kernels; cuBLAS's nvjet kernels excluded)"
+  timeout 150 compute-sanitizer --tool racecheck --kernel-name-exclude kns=nvjet "$B/cuda_bench" --double 1 --single 2 --resolutions 256 --depths 1 --steps 1 --out /tmp/san.json 2>&1 | tail -6 | tee "$OUT/racecheck.txt"
+fi
 if [ "${SANITIZE:-1}" = 1 ] && command -v compute-sanitizer >/dev/null; then
   echo "== compute-sanitizer"
   { compute-sanitizer --tool memcheck --leak-check full "$B/conformance" --backend cuda 2>&1 | tail -25
@@ -27,7 +31,7 @@ if [ "${ANCHORS:-1}" = 1 ]; then
   echo "== diffusers anchor"
   if [ -d "$B/../.whl" ]; then python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$B"/../.whl/*.whl && export PYTHONPATH=/tmp/site; fi
   L=""; [ "${SMOKE:-0}" = 1 ] && L="--layers 2 --single-layers 4 --resolutions 1024 --steps 2"
-  python3 "$B/diffusers_group_offload.py" --modes resident,block_stream $L --out "$OUT/diffusers-block.json" 2>&1 | tail -12
-  [ "${SMOKE:-0}" = 1 ] || python3 "$B/diffusers_group_offload.py" --modes leaf_stream --out "$OUT/diffusers-leaf.json" 2>&1 | tail -6
+  timeout ${ANCHOR_TIMEOUT:-270} python3 "$B/diffusers_group_offload.py" --modes resident,block_stream $L --out "$OUT/diffusers-block.json" 2>&1 | tail -12
+  [ "${SMOKE:-0}" = 1 ] || timeout ${ANCHOR_TIMEOUT:-200} python3 "$B/diffusers_group_offload.py" --modes leaf_stream --out "$OUT/diffusers-leaf.json" 2>&1 | tail -6
 fi
 echo "== done"

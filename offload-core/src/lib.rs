@@ -66,7 +66,7 @@ pub use fault::{FaultInjector, FaultKind};
 pub use hook::{BlockContext, BlockSource, Hook, TraceRecorder};
 pub use metrics::StepMetrics;
 pub use ondemand::OnDemand;
-pub use plan::{resolve, ComponentPlan, Plan, ResolvedComponent, ResolvedPlan, Strategy};
+pub use plan::{resolve, ComponentPlan, PinFallback, Plan, ResidentPolicy, ResolvedComponent, ResolvedPlan, Strategy};
 pub use ring::{BlockGuard, Ring};
 pub use source::{MemoryTensors, SafetensorsFile, TensorSource};
 pub use store::{HostBlock, HostStore};

@@ -20,6 +20,32 @@ pub enum Strategy {
     OnDemand,
 }
 
+/// How the planner picks the blocks that stay resident under a budget.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ResidentPolicy {
+    /// The planner chooses how many and which (spread evenly over the ring).
+    #[default]
+    Auto,
+    /// The first blocks of the ring.
+    Leading,
+    /// Blocks spread evenly over the ring.
+    Strided,
+    /// Exactly `resident_blocks`, nothing added.
+    Explicit,
+}
+
+/// What to do when host memory cannot be page-locked.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PinFallback {
+    /// Fail with an error naming the block and the bytes asked for.
+    #[default]
+    Fail,
+    /// Use pageable memory for that block, with a warning (copies are slower).
+    Pageable,
+}
+
 /// The plan of one component.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -30,6 +56,14 @@ pub struct ComponentPlan {
     pub prefetch_depth: usize,
     /// Hard limit on device bytes for this component's weights, if any.
     pub device_budget_bytes: Option<u64>,
+    /// Alternatively: the device's free memory minus this margin, at plan time.
+    pub device_budget_free_minus_bytes: Option<u64>,
+    /// Limit on page-locked host bytes, if any.
+    pub host_pin_budget_bytes: Option<u64>,
+    /// When pinning fails or the pin budget is spent.
+    pub pin_fallback: PinFallback,
+    /// How the planner chooses resident blocks.
+    pub resident_policy: ResidentPolicy,
     /// Blocks kept on the device for good (`"double_blocks.3"`).
     pub resident_blocks: Vec<String>,
 }
@@ -40,6 +74,10 @@ impl Default for ComponentPlan {
             strategy: Strategy::Layerwise,
             prefetch_depth: 1,
             device_budget_bytes: None,
+            device_budget_free_minus_bytes: None,
+            host_pin_budget_bytes: None,
+            pin_fallback: PinFallback::Fail,
+            resident_policy: ResidentPolicy::Auto,
             resident_blocks: Vec::new(),
         }
     }

@@ -25,6 +25,7 @@
 
 mod device;
 mod error;
+pub mod fold;
 mod memory;
 
 pub use cudarc;

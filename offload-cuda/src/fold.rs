@@ -1,0 +1,103 @@
+//! A small compute kernel for proving the backend: an order-dependent fold of a
+//! block's bytes into an on-device accumulator (a parallel hash of the slot with
+//! 64-bit atomics, then a sequential combine). The conformance suite runs it as
+//! the "model": reading a slot early, late or in the wrong order changes the result.
+
+use crate::device::CudaBackend;
+use crate::memory::CudaSlot;
+use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::nvrtc;
+use offload_core::{Error, Result};
+use std::sync::OnceLock;
+
+const KERNELS: &str = r#"
+typedef unsigned long long u64;
+__device__ u64 mix(u64 w, u64 i) {
+    u64 x = (w + i * 0x9E3779B97F4A7C15ull) * 0xBF58476D1CE4E5B9ull;
+    return x ^ (x >> 31);
+}
+extern "C" __global__ void block_hash(const unsigned char* p, u64 bytes, u64* acc) {
+    u64 words = (bytes + 7) / 8;
+    u64 sum = 0;
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < words; i += (u64)gridDim.x * blockDim.x) {
+        u64 w = 0;
+        u64 n = bytes - i * 8 < 8 ? bytes - i * 8 : 8;
+        for (u64 k = 0; k < n; k++) w |= ((u64)p[i * 8 + k]) << (8 * k);
+        sum += mix(w, i);
+    }
+    atomicAdd(&acc[1], sum);
+}
+extern "C" __global__ void fold_combine(u64* acc) {
+    u64 a = acc[0];
+    a = ((a << 7) | (a >> 57)) ^ acc[1];
+    acc[0] = a * 0x9E3779B97F4A7C15ull;
+    acc[1] = 0;
+}
+"#;
+
+fn ptx() -> std::result::Result<&'static nvrtc::Ptx, String> {
+    static PTX: OnceLock<std::result::Result<nvrtc::Ptx, String>> = OnceLock::new();
+    PTX.get_or_init(|| nvrtc::compile_ptx(KERNELS).map_err(|e| format!("NVRTC: {e}")))
+        .as_ref()
+        .map_err(Clone::clone)
+}
+
+fn dev(during: &str, e: impl std::fmt::Display) -> Error {
+    Error::device("cuda", during, e)
+}
+
+/// The fold: `acc = (rotl(acc, 7) ^ Σ mix(word_i, i)) · K` per block, on the compute stream.
+pub struct FoldKernel {
+    acc: CudaSlice<u64>,
+    hash: CudaFunction,
+    combine: CudaFunction,
+}
+
+impl FoldKernel {
+    /// Compile (once per process) and load the kernels; the accumulator starts at `seed`.
+    pub fn new(b: &CudaBackend, seed: u64) -> Result<Self> {
+        let ptx = ptx().map_err(|e| dev("compiling the fold kernels", e))?;
+        let module = b.ctx().load_module(ptx.clone()).map_err(|e| dev("loading the fold kernels", e))?;
+        let hash = module.load_function("block_hash").map_err(|e| dev("block_hash", e))?;
+        let combine = module.load_function("fold_combine").map_err(|e| dev("fold_combine", e))?;
+        let acc = b.compute_stream().clone_htod(&[seed, 0u64]).map_err(|e| dev("accumulator", e))?;
+        Ok(FoldKernel { acc, hash, combine })
+    }
+
+    /// Enqueue the fold of the first `bytes` of `slot` on the compute stream.
+    pub fn fold(&mut self, b: &CudaBackend, slot: &CudaSlot, bytes: usize) -> Result<()> {
+        if bytes > slot.len() {
+            return Err(Error::Protocol(format!("fold of {bytes} bytes over a {}-byte slot", slot.len())));
+        }
+        let s = b.compute_stream();
+        let ptr = slot.device_ptr();
+        let n = bytes as u64;
+        let words = bytes.div_ceil(8) as u32;
+        let cfg = LaunchConfig {
+            grid_dim: (words.div_ceil(256).clamp(1, 1024), 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: `ptr` addresses at least `bytes` device bytes (checked above) of a
+        // slot the caller keeps alive; the accumulator holds two u64.
+        unsafe { s.launch_builder(&self.hash).arg(&ptr).arg(&n).arg(&mut self.acc).launch(cfg) }
+            .map_err(|e| dev("block_hash launch", e))?;
+        let one = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (1, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the accumulator holds two u64.
+        unsafe { s.launch_builder(&self.combine).arg(&mut self.acc).launch(one) }.map_err(|e| dev("fold_combine launch", e))?;
+        Ok(())
+    }
+
+    /// Read the accumulator back (an activation, not a weight; waits for compute).
+    pub fn read(&self, b: &CudaBackend) -> Result<u64> {
+        let v = b
+            .compute_stream()
+            .clone_dtoh(&self.acc)
+            .map_err(|e| dev("reading the accumulator", e))?;
+        Ok(v[0])
+    }
+}

@@ -1,0 +1,133 @@
+//! The cost model: per block bytes and compute time, and host-to-device bandwidth.
+//! It predicts the step time of a plan by replaying the ring's schedule.
+
+use offload_core::{BlockLayout, ComponentInventory, Result};
+use serde::{Deserialize, Serialize};
+
+/// One block's cost.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct BlockCost {
+    /// `"<stack>.<index>"`.
+    pub id: String,
+    /// Bytes streamed when the block is not resident.
+    pub bytes: u64,
+    /// Compute time of the block's forward, seconds.
+    pub compute_s: f64,
+}
+
+/// Calibration: what a short pass through a backend measured. Save it as JSON and
+/// reload it to plan without the device.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct CostModel {
+    /// Pinned host-to-device bandwidth, bytes per second.
+    pub bandwidth_bytes_per_s: f64,
+    /// Blocks in ring order (the order they run in a step).
+    pub blocks: Vec<BlockCost>,
+    /// Resident non-block bytes.
+    #[serde(default)]
+    pub non_block_bytes: u64,
+    /// Where the numbers come from (device name, date), free text.
+    #[serde(default)]
+    pub source: String,
+}
+
+impl CostModel {
+    /// A model from an inventory's block sizes, with no compute time known
+    /// (predictions are then pure transfer times) at `bandwidth_bytes_per_s`.
+    pub fn from_inventory(inventory: &ComponentInventory, bandwidth_bytes_per_s: f64) -> Result<Self> {
+        let blocks = inventory
+            .blocks()
+            .map(|b| {
+                Ok(BlockCost {
+                    id: b.id.to_string(),
+                    bytes: BlockLayout::new(b.tensors.clone())?.bytes as u64,
+                    compute_s: 0.0,
+                })
+            })
+            .collect::<Result<_>>()?;
+        let non_block_bytes = BlockLayout::new(inventory.non_block.clone())?.bytes as u64;
+        Ok(CostModel {
+            bandwidth_bytes_per_s,
+            blocks,
+            non_block_bytes,
+            source: "block sizes only".into(),
+        })
+    }
+
+    /// Read a calibration saved with [`to_json`](Self::to_json).
+    pub fn from_json(text: &str) -> std::result::Result<Self, serde_json::Error> {
+        serde_json::from_str(text)
+    }
+
+    /// The calibration as JSON.
+    pub fn to_json(&self) -> String {
+        serde_json::to_string_pretty(self).unwrap_or_default()
+    }
+
+    /// Total compute per step, seconds (the resident step).
+    pub fn compute_s(&self) -> f64 {
+        self.blocks.iter().map(|b| b.compute_s).sum()
+    }
+
+    /// Total block bytes.
+    pub fn total_bytes(&self) -> u64 {
+        self.blocks.iter().map(|b| b.bytes).sum()
+    }
+
+    /// The analytical bound of a plan: `max(compute, streamed bytes ÷ bandwidth)`.
+    pub fn bound_s(&self, resident: &[bool]) -> f64 {
+        let streamed: u64 = self.blocks.iter().zip(resident).filter(|(_, r)| !**r).map(|(b, _)| b.bytes).sum();
+        self.compute_s().max(streamed as f64 / self.bandwidth_bytes_per_s)
+    }
+
+    /// Device bytes for weights under a plan: `(d + 1) ×` the largest streamed
+    /// block, plus resident blocks, plus non-block tensors.
+    pub fn device_bytes(&self, resident: &[bool], depth: usize) -> u64 {
+        let largest = self
+            .blocks
+            .iter()
+            .zip(resident)
+            .filter(|(_, r)| !**r)
+            .map(|(b, _)| b.bytes)
+            .max()
+            .unwrap_or(0);
+        let res: u64 = self.blocks.iter().zip(resident).filter(|(_, r)| **r).map(|(b, _)| b.bytes).sum();
+        (depth as u64 + 1) * largest + res + self.non_block_bytes
+    }
+
+    /// Predict the steady-state step time by replaying the ring's schedule over
+    /// three steps: `d + 1` slots; the copy of a streamed block starts when the
+    /// copy stream is free and its slot's previous block has computed; a block
+    /// computes when the previous one has and its copy has landed.
+    pub fn simulate_s(&self, resident: &[bool], depth: usize) -> f64 {
+        let n = self.blocks.len();
+        if n == 0 {
+            return 0.0;
+        }
+        let slots = depth + 1;
+        let mut copy_free = 0.0f64;
+        let mut compute_end = 0.0f64;
+        // Compute-end times of the streamed blocks, in streaming order.
+        let mut streamed_end: Vec<f64> = Vec::new();
+        let mut step_ends = Vec::new();
+        for _step in 0..3 {
+            for (i, b) in self.blocks.iter().enumerate() {
+                let ready = if resident[i] {
+                    0.0
+                } else {
+                    let k = streamed_end.len();
+                    let slot_free = if k >= slots { streamed_end[k - slots] } else { 0.0 };
+                    let start = copy_free.max(slot_free);
+                    copy_free = start + b.bytes as f64 / self.bandwidth_bytes_per_s;
+                    copy_free
+                };
+                compute_end = compute_end.max(ready) + b.compute_s;
+                if !resident[i] {
+                    streamed_end.push(compute_end);
+                }
+            }
+            step_ends.push(compute_end);
+        }
+        step_ends[2] - step_ends[1]
+    }
+}

@@ -12,7 +12,10 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm 
 echo "== conformance"; "$B/conformance" --backend sim,cuda --json "$OUT/conformance-cuda.json" 2>&1 | tee "$OUT/conformance-cuda.txt"
 if [ "${RACECHECK:-0}" = 1 ] && command -v compute-sanitizer >/dev/null; then
   echo "== racecheck (our kernels; cuBLAS's nvjet kernels excluded)"
-  timeout 150 compute-sanitizer --tool racecheck --kernel-name-exclude kns=nvjet "$B/cuda_bench" --double 1 --single 2 --resolutions 256 --depths 1 --steps 1 --out /tmp/san.json 2>&1 | tail -6 | tee "$OUT/racecheck.txt"
+  { timeout 120 compute-sanitizer --tool racecheck "$B/conformance" --backend cuda 2>&1 | tail -4
+    timeout 120 compute-sanitizer --tool racecheck "$B/cuda_bench" --no-gemm --double 1 --single 2 --resolutions 256 --depths 1 --steps 1 --out /tmp/san.json 2>&1 | tail -4
+    timeout 120 compute-sanitizer --tool memcheck "$B/cuda_bench" --no-gemm --double 1 --single 2 --resolutions 256 --depths 1 --steps 1 --out /tmp/san.json 2>&1 | tail -4
+  } | tee "$OUT/racecheck.txt"
 fi
 if [ "${SANITIZE:-1}" = 1 ] && command -v compute-sanitizer >/dev/null; then
   echo "== compute-sanitizer"
@@ -25,7 +28,7 @@ fi
 if [ "${SMOKE:-0}" = 1 ]; then
   "$B/cuda_bench" --double 2 --single 4 --resolutions 1024 --steps 2 --commit "$COMMIT" --out "$OUT/cuda-smoke.json" 2>&1 | tail -20
 else
-  echo "== cuda bench"; "$B/cuda_bench" --steps "${STEPS:-5}" --commit "$COMMIT" --out "$OUT/cuda-flux.json" 2>&1 | tee "$OUT/cuda-bench.txt"
+  echo "== cuda bench"; "$B/cuda_bench" --steps "${STEPS:-5}" ${BENCH_ARGS:-} --commit "$COMMIT" --out "$OUT/${BENCH_OUT:-cuda-flux.json}" 2>&1 | tee "$OUT/cuda-bench.txt"
 fi
 if [ "${ANCHORS:-1}" = 1 ]; then
   echo "== diffusers anchor"

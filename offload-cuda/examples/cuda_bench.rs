@@ -14,9 +14,15 @@ use cudarc::driver::{sys, CudaEvent, CudaFunction, CudaSlice, CudaStream, Launch
 use offload_core::{
     resolve, BlockDiscovery, DType, DeclaredStacks, Error, HostStore, OffloadBackend, Plan, Result, Ring, TensorSource, TensorSpec,
 };
+use offload_core::{ComponentPlan, ResidentPolicy};
 use offload_cuda::{CudaBackend, CudaBlockExt};
+use offload_plan::{BlockCost, CostModel};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
+
+/// `--no-gemm`: skip cuBLAS (for compute-sanitizer runs over this crate's own kernels).
+static SKIP_GEMM: AtomicBool = AtomicBool::new(false);
 
 const H: usize = 3072;
 const MLP: usize = 12288;
@@ -241,6 +247,9 @@ impl Model {
     /// Row-major `Y[n, out] (ld ldy) = X[n, k] (ld ldx) · W[out, k]ᵀ`.
     #[allow(clippy::too_many_arguments)]
     fn gemm(&self, y: u64, ldy: usize, x: u64, ldx: usize, w: u64, n: usize, out: usize, k: usize) -> Result<()> {
+        if SKIP_GEMM.load(Ordering::Relaxed) {
+            return Ok(());
+        }
         let (alpha, beta) = (1.0f32, 0.0f32);
         // SAFETY: the pointers address live device buffers of the sizes given
         // (weights in a slot the ring holds, activations allocated above).
@@ -368,36 +377,39 @@ impl Model {
         let t = a.t;
         let (alpha, beta) = (1.0f32, 0.0f32);
         let s = ptr(&a.s);
+        let skip = SKIP_GEMM.load(Ordering::Relaxed);
         let (q, k, v) = (qkv, qkv + 2 * H as u64, qkv + 4 * H as u64);
-        // SAFETY: strided batched GEMMs over live buffers: scores hold HEADS × T × T.
-        unsafe {
-            blas::gemm_strided_batched_ex(
-                *self.blas.handle(),
-                bsys::cublasOperation_t::CUBLAS_OP_T,
-                bsys::cublasOperation_t::CUBLAS_OP_N,
-                t as i32,
-                t as i32,
-                HD as i32,
-                &alpha as *const f32 as *const _,
-                k as *const _,
-                bsys::cudaDataType::CUDA_R_16BF,
-                ld as i32,
-                HD as i64,
-                q as *const _,
-                bsys::cudaDataType::CUDA_R_16BF,
-                ld as i32,
-                HD as i64,
-                &beta as *const f32 as *const _,
-                s as *mut _,
-                bsys::cudaDataType::CUDA_R_16BF,
-                t as i32,
-                (t * t) as i64,
-                HEADS as i32,
-                bsys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                bsys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-            )
+        if !skip {
+            // SAFETY: strided batched GEMMs over live buffers: scores hold HEADS × T × T.
+            unsafe {
+                blas::gemm_strided_batched_ex(
+                    *self.blas.handle(),
+                    bsys::cublasOperation_t::CUBLAS_OP_T,
+                    bsys::cublasOperation_t::CUBLAS_OP_N,
+                    t as i32,
+                    t as i32,
+                    HD as i32,
+                    &alpha as *const f32 as *const _,
+                    k as *const _,
+                    bsys::cudaDataType::CUDA_R_16BF,
+                    ld as i32,
+                    HD as i64,
+                    q as *const _,
+                    bsys::cudaDataType::CUDA_R_16BF,
+                    ld as i32,
+                    HD as i64,
+                    &beta as *const f32 as *const _,
+                    s as *mut _,
+                    bsys::cudaDataType::CUDA_R_16BF,
+                    t as i32,
+                    (t * t) as i64,
+                    HEADS as i32,
+                    bsys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                    bsys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                )
+            }
+            .map_err(|e| dev("QK^T", e))?;
         }
-        .map_err(|e| dev("QK^T", e))?;
         let (cols, scale) = (t as i64, 1.0f32 / (HD as f32).sqrt());
         let cfg = LaunchConfig {
             grid_dim: ((HEADS * t) as u32, 1, 1),
@@ -415,35 +427,37 @@ impl Model {
         }
         .map_err(|e| dev("softmax", e))?;
         let o = ptr(&a.o);
-        // SAFETY: as above; `o` holds T × H.
-        unsafe {
-            blas::gemm_strided_batched_ex(
-                *self.blas.handle(),
-                bsys::cublasOperation_t::CUBLAS_OP_N,
-                bsys::cublasOperation_t::CUBLAS_OP_N,
-                HD as i32,
-                t as i32,
-                t as i32,
-                &alpha as *const f32 as *const _,
-                v as *const _,
-                bsys::cudaDataType::CUDA_R_16BF,
-                ld as i32,
-                HD as i64,
-                s as *const _,
-                bsys::cudaDataType::CUDA_R_16BF,
-                t as i32,
-                (t * t) as i64,
-                &beta as *const f32 as *const _,
-                o as *mut _,
-                bsys::cudaDataType::CUDA_R_16BF,
-                H as i32,
-                HD as i64,
-                HEADS as i32,
-                bsys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                bsys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-            )
+        if !skip {
+            // SAFETY: as above; `o` holds T × H.
+            unsafe {
+                blas::gemm_strided_batched_ex(
+                    *self.blas.handle(),
+                    bsys::cublasOperation_t::CUBLAS_OP_N,
+                    bsys::cublasOperation_t::CUBLAS_OP_N,
+                    HD as i32,
+                    t as i32,
+                    t as i32,
+                    &alpha as *const f32 as *const _,
+                    v as *const _,
+                    bsys::cudaDataType::CUDA_R_16BF,
+                    ld as i32,
+                    HD as i64,
+                    s as *const _,
+                    bsys::cudaDataType::CUDA_R_16BF,
+                    t as i32,
+                    (t * t) as i64,
+                    &beta as *const f32 as *const _,
+                    o as *mut _,
+                    bsys::cudaDataType::CUDA_R_16BF,
+                    H as i32,
+                    HD as i64,
+                    HEADS as i32,
+                    bsys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                    bsys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                )
+            }
+            .map_err(|e| dev("PV", e))?;
         }
-        .map_err(|e| dev("PV", e))?;
         Ok(())
     }
 
@@ -613,6 +627,8 @@ impl Model {
 struct StepTiming {
     step_s: f64,
     stall_s: f64,
+    /// Per block: compute time (from the end of its wait to the start of the next block's).
+    block_compute_s: Vec<f64>,
 }
 
 fn timing_event(be: &CudaBackend) -> Result<CudaEvent> {
@@ -687,12 +703,16 @@ fn run_steps(
     let mut out = Vec::new();
     for (k, st) in stalls.iter().enumerate() {
         let mut stall_s = 0.0;
-        for (b, e) in st {
+        let mut block_compute_s = Vec::with_capacity(st.len());
+        for (j, (b, e)) in st.iter().enumerate() {
             stall_s += elapsed(b, e)?;
+            let next = if j + 1 < st.len() { &st[j + 1].0 } else { &bounds[k + 1] };
+            block_compute_s.push(elapsed(e, next)?);
         }
         out.push(StepTiming {
             step_s: elapsed(&bounds[k], &bounds[k + 1])?,
             stall_s,
+            block_compute_s,
         });
     }
     Ok(out)
@@ -728,6 +748,12 @@ fn run() -> Result<()> {
     let double = arg_list(&args, "--double", "19")[0];
     let single = arg_list(&args, "--single", "38")[0];
     let out = args.iter().position(|a| a == "--out").and_then(|i| args.get(i + 1)).cloned();
+    let budgets: Vec<usize> = if args.iter().any(|a| a == "--budgets") {
+        arg_list(&args, "--budgets", "")
+    } else {
+        Vec::new()
+    };
+    SKIP_GEMM.store(args.iter().any(|a| a == "--no-gemm"), Ordering::Relaxed);
     let commit = args
         .iter()
         .position(|a| a == "--commit")
@@ -811,6 +837,51 @@ fn run() -> Result<()> {
         let (rt, rout, rpeak, _) = run_plan(&Plan::resident(), &mut a)?;
         let resident_s = median(rt.iter().map(|s| s.step_s).collect());
         eprintln!("{res}x{res}: resident step {:.4} s", resident_s);
+        // Calibration from the resident run: per-block compute (median over steps) and the bandwidth.
+        let cost = CostModel {
+            bandwidth_bytes_per_s: bandwidth,
+            blocks: store
+                .blocks()
+                .iter()
+                .enumerate()
+                .map(|(j, b)| BlockCost {
+                    id: b.id.to_string(),
+                    bytes: b.bytes() as u64,
+                    compute_s: median(rt.iter().map(|s| s.block_compute_s[j]).collect()),
+                })
+                .collect(),
+            non_block_bytes: 0,
+            source: format!("{gpu}, {res}x{res}, resident run of this benchmark"),
+        };
+        for &gib in &budgets {
+            let budget = (gib as u64) << 30;
+            let choice = offload_plan::plan(&cost, budget, 1, ResidentPolicy::Auto)?;
+            let resident_blocks: Vec<String> = choice.resident_ids(&cost).iter().map(|s| s.to_string()).collect();
+            let cp = ComponentPlan {
+                device_budget_bytes: Some(budget),
+                resident_blocks: resident_blocks.clone(),
+                ..Default::default()
+            };
+            let (st, sout, speak, m) = run_plan(&Plan::layerwise().component("transformer", cp), &mut a)?;
+            let streamed_s = median(st.iter().map(|s| s.step_s).collect());
+            let bound = resident_s.max(choice.streamed_bytes as f64 / bandwidth);
+            let err = (streamed_s - choice.predicted_step_s) / choice.predicted_step_s;
+            eprintln!(
+                "{res}x{res} budget {gib} GiB: {} resident, streamed {:.4} s, predicted {:.4} s ({:+.1} %), bound {:.4} s, ratio {:.4}, peak {:.2} GiB, bitwise_equal {}",
+                resident_blocks.len(), streamed_s, choice.predicted_step_s, err * 100.0, bound, streamed_s / bound, speak as f64 / (1u64 << 30) as f64, sout == rout
+            );
+            cases.push(serde_json::json!({
+                "resolution": res, "tokens": t, "batch": 1, "depth": 1, "budget_bytes": budget,
+                "resident_blocks": resident_blocks, "step_resident_s": resident_s, "step_streamed_s": streamed_s,
+                "steps_streamed_s": st.iter().map(|s| s.step_s).collect::<Vec<_>>(),
+                "predicted_step_s": choice.predicted_step_s, "prediction_error": err, "within_10pct_of_prediction": err.abs() <= 0.10,
+                "bandwidth_gbps": bandwidth / 1e9, "streamed_bytes": choice.streamed_bytes,
+                "bound_s": bound, "ratio_to_bound": streamed_s / bound,
+                "exposed_stall_s": median(st.iter().map(|s| s.stall_s).collect()),
+                "peak_device_bytes": speak, "planned_device_bytes": choice.device_bytes, "peak_within_budget": speak <= budget,
+                "bitwise_equal": sout == rout, "misses": m.misses,
+            }));
+        }
         for &d in &depths {
             let (st, sout, speak, m) = run_plan(&Plan::layerwise().prefetch_depth(d), &mut a)?;
             let streamed_s = median(st.iter().map(|s| s.step_s).collect());
@@ -847,7 +918,7 @@ fn run() -> Result<()> {
         "date": std::env::var("BENCH_DATE").unwrap_or_default(), "commit": commit, "gpu": gpu, "backend": "cuda",
         "model": format!("flux-dev-shaped: {double} double + {single} single blocks, hidden {H}, mlp {MLP}, bf16, random weights"),
         "block_bytes_total": total_bytes, "largest_block_bytes": store.largest_block_bytes(),
-        "cases": cases, "anchors": [],
+        "cases": cases, "anchors": [], "no_gemm": SKIP_GEMM.load(Ordering::Relaxed),
     });
     let text = serde_json::to_string_pretty(&doc).unwrap_or_default();
     match out {

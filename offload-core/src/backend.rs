@@ -21,6 +21,15 @@ pub struct MemoryInfo {
     pub total: u64,
 }
 
+/// The two streams of the execution model.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum StreamKind {
+    /// Where host-to-device copies run.
+    Copy,
+    /// Where the model computes.
+    Compute,
+}
+
 /// Device primitives for streaming immutable weights host → device.
 ///
 /// Protocol (the ring keeps it; the simulated backend checks it):
@@ -82,6 +91,17 @@ pub trait OffloadBackend: Clone + Send + Sync + 'static {
     /// (CUDA's deferred errors). Called at step boundaries; never blocks.
     fn poll_error(&self) -> Result<()> {
         Ok(())
+    }
+
+    /// Record a timing event on stream `on` (for the timeline and the stall
+    /// metrics, only when they are enabled). `None` where the backend cannot time.
+    fn record_timing(&self, _on: StreamKind) -> Result<Option<Self::Event>> {
+        Ok(None)
+    }
+
+    /// Seconds between two timing events (may wait for both to complete).
+    fn elapsed_s(&self, _from: &Self::Event, _to: &Self::Event) -> Result<Option<f64>> {
+        Ok(None)
     }
 
     /// Free and total device memory.

@@ -58,8 +58,9 @@ pub mod sim;
 pub mod source;
 pub mod store;
 pub mod tensor;
+pub mod timeline;
 
-pub use backend::{MemoryInfo, OffloadBackend};
+pub use backend::{MemoryInfo, OffloadBackend, StreamKind};
 pub use discovery::{BlockDiscovery, BlockId, BlockSpec, ComponentInventory, DeclaredStacks, NameDiscovery, StackSpec};
 pub use error::{Error, Result};
 pub use fault::{FaultInjector, FaultKind};
@@ -71,3 +72,4 @@ pub use ring::{BlockGuard, Ring};
 pub use source::{MemoryTensors, SafetensorsFile, TensorSource};
 pub use store::{HostBlock, HostStore};
 pub use tensor::{align_up, BlockLayout, DType, PlacedTensor, TensorSpec, TENSOR_ALIGN};
+pub use timeline::{Span, Timeline};

@@ -30,6 +30,32 @@ pub struct StepMetrics {
     pub peak_device_weight_bytes: u64,
     /// Host bytes of the component's store.
     pub host_bytes: u64,
+    /// Of those, page-locked.
+    pub host_pinned_bytes: u64,
+    /// Host wall-clock seconds of the step (between `end_step` calls).
+    pub step_wall_s: f64,
+    /// Device seconds the compute stream waited for copies (timeline enabled only).
+    pub exposed_stall_s: Option<f64>,
+    /// Device seconds the copy stream was busy (timeline enabled only).
+    pub copy_busy_s: Option<f64>,
+}
+
+impl StepMetrics {
+    /// Bytes copied per second of step wall time, in GB/s.
+    pub fn achieved_gbps(&self) -> f64 {
+        if self.step_wall_s > 0.0 {
+            self.bytes_copied as f64 / self.step_wall_s / 1e9
+        } else {
+            0.0
+        }
+    }
+
+    /// Share of copy time hidden behind compute: `1 − stall ÷ copy time`
+    /// (timeline enabled only).
+    pub fn hidden_copy_share(&self) -> Option<f64> {
+        let (stall, busy) = (self.exposed_stall_s?, self.copy_busy_s?);
+        (busy > 0.0).then(|| (1.0 - stall / busy).clamp(0.0, 1.0))
+    }
 }
 
 impl StepMetrics {
@@ -46,6 +72,14 @@ impl StepMetrics {
         self.device_weight_bytes = other.device_weight_bytes;
         self.peak_device_weight_bytes = self.peak_device_weight_bytes.max(other.peak_device_weight_bytes);
         self.host_bytes = other.host_bytes;
+        self.host_pinned_bytes = other.host_pinned_bytes;
+        self.step_wall_s += other.step_wall_s;
+        let add = |a: Option<f64>, b: Option<f64>| match (a, b) {
+            (None, None) => None,
+            (a, b) => Some(a.unwrap_or(0.0) + b.unwrap_or(0.0)),
+        };
+        self.exposed_stall_s = add(self.exposed_stall_s, other.exposed_stall_s);
+        self.copy_busy_s = add(self.copy_busy_s, other.copy_busy_s);
     }
 }
 
@@ -58,7 +92,7 @@ impl std::fmt::Display for StepMetrics {
         write!(
             f,
             "{}: {} blocks ({} prefetched, {} resident, {} misses, {} retraces), {:.1} MiB in {} copies, \
-             device weights {:.1} MiB (peak {:.1} MiB), host {:.1} MiB",
+             device weights {:.1} MiB (peak {:.1} MiB), host {:.1} MiB ({:.1} MiB pinned), {:.2} GB/s over {:.4} s",
             self.component,
             self.blocks,
             self.prefetch_hits,
@@ -69,7 +103,14 @@ impl std::fmt::Display for StepMetrics {
             self.copies,
             mib(self.device_weight_bytes),
             mib(self.peak_device_weight_bytes),
-            mib(self.host_bytes)
-        )
+            mib(self.host_bytes),
+            mib(self.host_pinned_bytes),
+            self.achieved_gbps(),
+            self.step_wall_s
+        )?;
+        if let (Some(stall), Some(share)) = (self.exposed_stall_s, self.hidden_copy_share()) {
+            write!(f, ", exposed stall {stall:.4} s, {:.0} % of copy time hidden", share * 100.0)?;
+        }
+        Ok(())
     }
 }

@@ -12,7 +12,7 @@
 //! block to the first). A request the order did not predict is a miss: served
 //! correctly, counted, and the order updated (a retrace).
 
-use crate::backend::OffloadBackend;
+use crate::backend::{OffloadBackend, StreamKind};
 use crate::discovery::BlockId;
 use crate::error::{Error, Result};
 use crate::hook::{BlockContext, BlockSource, Hook};
@@ -20,6 +20,7 @@ use crate::metrics::StepMetrics;
 use crate::plan::{ResolvedComponent, Strategy};
 use crate::store::HostStore;
 use crate::tensor::BlockLayout;
+use crate::timeline::{Span, Timeline};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -53,6 +54,20 @@ struct SlotState<B: OffloadBackend> {
     stamp: u64,
 }
 
+struct PendingSpan<B: OffloadBackend> {
+    name: String,
+    stream: &'static str,
+    start: B::Event,
+    end: B::Event,
+}
+
+struct TimelineState<B: OffloadBackend> {
+    origin: B::Event,
+    pending: Vec<PendingSpan<B>>,
+    block_start: Option<B::Event>,
+    collected: Timeline,
+}
+
 #[derive(Clone, Copy)]
 enum Loc {
     Stream(usize),
@@ -77,6 +92,8 @@ pub struct Ring<B: OffloadBackend> {
     sticky: Option<Error>,
     sabotage: Sabotage,
     closed: bool,
+    timeline: Option<TimelineState<B>>,
+    step_started: Instant,
 }
 
 impl<B: OffloadBackend> Ring<B> {
@@ -137,7 +154,10 @@ impl<B: OffloadBackend> Ring<B> {
             sticky: None,
             sabotage,
             closed: false,
+            timeline: None,
+            step_started: Instant::now(),
         };
+        ring.step.host_pinned_bytes = if store.is_pinned() { store.host_bytes() } else { 0 };
         let result = (|| {
             for (i, b) in store.blocks().iter().enumerate() {
                 if plan.is_resident(&b.id) {
@@ -265,12 +285,17 @@ impl<B: OffloadBackend> Ring<B> {
         } else {
             self.slots[s].free_after.clone()
         };
+        let t0 = self.timing(StreamKind::Copy)?;
         let st = &mut self.slots[s];
         st.holds = None;
         st.ready = None;
         let ready = self
             .backend
             .copy_to_slot(&block.buffer, &mut st.slot, block.bytes(), after.as_ref())?;
+        if let Some(start) = t0 {
+            self.push_span(format!("copy {}", block.id), "copy", start, StreamKind::Copy)?;
+        }
+        let st = &mut self.slots[s];
         st.holds = Some(b);
         st.ready = Some(ready);
         self.clock += 1;
@@ -395,13 +420,24 @@ impl<B: OffloadBackend> Ring<B> {
             self.prefetch(b, s)?;
             if self.sabotage != Sabotage::SkipComputeWait {
                 if let Some(ready) = self.slots[s].ready.clone() {
+                    let w0 = self.timing(StreamKind::Compute)?;
                     let t = Instant::now();
                     self.backend.compute_wait(&ready)?;
                     self.step.host_wait_s += t.elapsed().as_secs_f64();
+                    if let Some(start) = w0 {
+                        let id = self.store.blocks()[b].id.clone();
+                        self.push_span(format!("wait {id}"), "compute", start, StreamKind::Compute)?;
+                    }
                 }
             }
             (Loc::Stream(s), source)
         };
+        if self.timeline.is_some() {
+            let start = self.timing(StreamKind::Compute)?;
+            if let Some(tl) = &mut self.timeline {
+                tl.block_start = start;
+            }
+        }
         let store = self.store.clone();
         let hb = &store.blocks()[b];
         let ctx = BlockContext {
@@ -434,6 +470,9 @@ impl<B: OffloadBackend> Ring<B> {
         for h in self.hooks.iter_mut().rev() {
             h.post_forward(&ctx);
         }
+        if let Some(start) = self.timeline.as_mut().and_then(|tl| tl.block_start.take()) {
+            self.push_span(format!("compute {}", hb.id), "compute", start, StreamKind::Compute)?;
+        }
         if let Loc::Stream(s) = loc {
             match self.backend.record_compute() {
                 Ok(ev) => self.slots[s].free_after = Some(ev),
@@ -449,6 +488,42 @@ impl<B: OffloadBackend> Ring<B> {
         Ok(())
     }
 
+    fn timing(&self, on: StreamKind) -> Result<Option<B::Event>> {
+        if self.timeline.is_none() {
+            return Ok(None);
+        }
+        self.backend.record_timing(on)
+    }
+
+    fn push_span(&mut self, name: String, stream: &'static str, start: B::Event, on: StreamKind) -> Result<()> {
+        let end = self.backend.record_timing(on)?;
+        if let (Some(tl), Some(end)) = (&mut self.timeline, end) {
+            tl.pending.push(PendingSpan { name, stream, start, end });
+        }
+        Ok(())
+    }
+
+    /// Record a timeline of both streams from now on, and the exposed stall and
+    /// copy-busy metrics. Costs a few timing events per block and, at each
+    /// [`end_step`](Self::end_step), a wait for them: leave it off when timing
+    /// the steady state. A no-op on backends that cannot time.
+    pub fn enable_timeline(&mut self) -> Result<()> {
+        if let Some(origin) = self.backend.record_timing(StreamKind::Compute)? {
+            self.timeline = Some(TimelineState {
+                origin,
+                pending: Vec::new(),
+                block_start: None,
+                collected: Timeline::default(),
+            });
+        }
+        Ok(())
+    }
+
+    /// The timeline recorded so far (closed steps), if enabled.
+    pub fn timeline(&self) -> Option<&Timeline> {
+        self.timeline.as_ref().map(|t| &t.collected)
+    }
+
     /// Close the current step: return its metrics and add them to the total.
     /// Reports any error the device raised asynchronously during the step.
     pub fn end_step(&mut self) -> Result<StepMetrics> {
@@ -456,6 +531,33 @@ impl<B: OffloadBackend> Ring<B> {
             return Err(e);
         }
         self.backend.poll_error()?;
+        self.step.step_wall_s = self.step_started.elapsed().as_secs_f64();
+        self.step_started = Instant::now();
+        if let Some(tl) = &mut self.timeline {
+            let (mut stall, mut busy) = (0.0, 0.0);
+            for p in tl.pending.drain(..) {
+                let (Some(start_s), Some(dur_s)) = (
+                    self.backend.elapsed_s(&tl.origin, &p.start)?,
+                    self.backend.elapsed_s(&p.start, &p.end)?,
+                ) else {
+                    continue;
+                };
+                if p.stream == "copy" {
+                    busy += dur_s;
+                } else if p.name.starts_with("wait ") {
+                    stall += dur_s;
+                }
+                tl.collected.spans.push(Span {
+                    name: p.name,
+                    stream: p.stream,
+                    component: self.step.component.clone(),
+                    start_s,
+                    dur_s,
+                });
+            }
+            self.step.exposed_stall_s = Some(stall);
+            self.step.copy_busy_s = Some(busy);
+        }
         let step = self.step.clone();
         self.total.component = step.component.clone();
         self.total.accumulate(&step);
@@ -465,6 +567,7 @@ impl<B: OffloadBackend> Ring<B> {
             device_weight_bytes: step.device_weight_bytes,
             peak_device_weight_bytes: step.device_weight_bytes,
             host_bytes: step.host_bytes,
+            host_pinned_bytes: step.host_pinned_bytes,
             ..Default::default()
         };
         Ok(step)

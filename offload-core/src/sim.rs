@@ -13,13 +13,13 @@
 //! a slot, [`OffloadBackend::compute_wait`] blocks the caller until the copy is
 //! done (so the simulated compute stream really waits).
 
-use crate::backend::{MemoryInfo, OffloadBackend};
+use crate::backend::{MemoryInfo, OffloadBackend, StreamKind};
 use crate::error::{Error, Result};
 use rand::{Rng, SeedableRng};
 use std::collections::HashMap;
 use std::sync::mpsc::{channel, Sender};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Byte written into released slots and slots with a copy in flight.
 pub const POISON: u8 = 0xDB;
@@ -98,22 +98,30 @@ struct EventInner {
     /// For a copy event, the slot it fills.
     slot: Option<u64>,
     done: Mutex<bool>,
+    at: Mutex<Option<Instant>>,
     cv: Condvar,
 }
 
 impl SimEvent {
     fn new(tick: u64, slot: Option<u64>, done: bool) -> Self {
+        let at = Mutex::new(done.then(Instant::now));
         SimEvent(Arc::new(EventInner {
             tick,
             slot,
             done: Mutex::new(done),
+            at,
             cv: Condvar::new(),
         }))
     }
     fn set(&self) {
+        *lock(&self.0.at) = Some(Instant::now());
         let mut d = lock(&self.0.done);
         *d = true;
         self.0.cv.notify_all();
+    }
+    fn completed_at(&self) -> Option<Instant> {
+        self.wait();
+        *lock(&self.0.at)
     }
     fn wait(&self) {
         let mut d = lock(&self.0.done);
@@ -444,6 +452,42 @@ impl OffloadBackend for SimBackend {
         st.sync_tick = st.tick;
         st.stats.syncs += 1;
         Ok(())
+    }
+
+    fn record_timing(&self, on: StreamKind) -> Result<Option<SimEvent>> {
+        let tick = {
+            let mut st = lock(&self.inner.state);
+            st.tick += 1;
+            st.tick
+        };
+        match on {
+            // Compute is the calling thread: the event completes now.
+            StreamKind::Compute => Ok(Some(SimEvent::new(tick, None, true))),
+            // On the copy stream: a marker the copy thread completes in order.
+            StreamKind::Copy => {
+                let done = SimEvent::new(tick, None, false);
+                *lock(&self.inner.pending.count) += 1;
+                let job = Job {
+                    after: None,
+                    src: Arc::from(Vec::new()),
+                    dst: Arc::new(Mutex::new(Vec::new())),
+                    bytes: 0,
+                    delay_us: 0,
+                    done: done.clone(),
+                };
+                lock(&self.inner.tx)
+                    .send(job)
+                    .map_err(|_| Error::device("sim", "timing", "the copy thread is gone"))?;
+                Ok(Some(done))
+            }
+        }
+    }
+
+    fn elapsed_s(&self, from: &SimEvent, to: &SimEvent) -> Result<Option<f64>> {
+        Ok(match (from.completed_at(), to.completed_at()) {
+            (Some(a), Some(b)) => Some(b.saturating_duration_since(a).as_secs_f64()),
+            _ => None,
+        })
     }
 
     fn memory_info(&self) -> Result<MemoryInfo> {

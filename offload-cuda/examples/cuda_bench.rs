@@ -14,7 +14,7 @@ use cudarc::driver::{sys, CudaEvent, CudaFunction, CudaSlice, CudaStream, Launch
 use offload_core::{
     resolve, BlockDiscovery, DType, DeclaredStacks, Error, HostStore, OffloadBackend, Plan, Result, Ring, TensorSource, TensorSpec,
 };
-use offload_core::{ComponentPlan, ResidentPolicy};
+use offload_core::{ComponentPlan, ResidentPolicy, Strategy};
 use offload_cuda::{CudaBackend, CudaBlockExt};
 use offload_plan::{BlockCost, CostModel};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -754,6 +754,9 @@ fn run() -> Result<()> {
         Vec::new()
     };
     SKIP_GEMM.store(args.iter().any(|a| a == "--no-gemm"), Ordering::Relaxed);
+    let trace = args.iter().position(|a| a == "--trace").and_then(|i| args.get(i + 1)).cloned();
+    let traced = std::cell::Cell::new(false);
+    let timeline_metrics: std::cell::RefCell<Option<offload_core::StepMetrics>> = std::cell::RefCell::new(None);
     let commit = args
         .iter()
         .position(|a| a == "--commit")
@@ -830,6 +833,23 @@ fn run() -> Result<()> {
             let times = run_steps(&model, &mut ring, a, double, single, steps)?;
             let m = ring.metrics();
             let outv = be.compute_stream().clone_dtoh(&a.x).map_err(|e| dev("read output", e))?;
+            // One more step with the timeline on (after the timed ones, which it would perturb).
+            if let (Some(path), Strategy::Layerwise) = (&trace, rc.strategy) {
+                if rc.depth == 1 && rc.resident.is_empty() && !traced.get() {
+                    traced.set(true);
+                    ring.enable_timeline()?;
+                    enqueue_step(&model, &mut ring, a, double, single)?;
+                    let tm = ring.end_step()?;
+                    eprintln!("timeline step: {tm}");
+                    if let Some(tl) = ring.timeline() {
+                        tl.write_chrome_trace(path).map_err(|e| Error::Io {
+                            path: path.into(),
+                            source: e,
+                        })?;
+                    }
+                    *timeline_metrics.borrow_mut() = Some(tm);
+                }
+            }
             ring.close()?;
             be.synchronize()?;
             Ok((times, outv, be.counters().peak_bytes - base, m))
@@ -918,7 +938,11 @@ fn run() -> Result<()> {
         "date": std::env::var("BENCH_DATE").unwrap_or_default(), "commit": commit, "gpu": gpu, "backend": "cuda",
         "model": format!("flux-dev-shaped: {double} double + {single} single blocks, hidden {H}, mlp {MLP}, bf16, random weights"),
         "block_bytes_total": total_bytes, "largest_block_bytes": store.largest_block_bytes(),
-        "cases": cases, "anchors": [], "no_gemm": SKIP_GEMM.load(Ordering::Relaxed),
+        "cases": cases, "anchors": [],
+        "timeline_step": timeline_metrics.borrow().as_ref().map(|m| serde_json::json!({
+            "resolution": resolutions.first(), "depth": 1, "exposed_stall_s": m.exposed_stall_s, "copy_busy_s": m.copy_busy_s,
+            "hidden_copy_share": m.hidden_copy_share(), "bytes_copied": m.bytes_copied, "note": "one extra step with the timeline on; trace file written beside this JSON",
+        })), "no_gemm": SKIP_GEMM.load(Ordering::Relaxed),
     });
     let text = serde_json::to_string_pretty(&doc).unwrap_or_default();
     match out {

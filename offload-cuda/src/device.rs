@@ -3,7 +3,7 @@
 use crate::error::{driver, is_oom, BACKEND};
 use crate::memory::{CudaSlot, PinnedHost};
 use cudarc::driver::{result, sys, CudaContext, CudaEvent, CudaStream};
-use offload_core::{Error, MemoryInfo, OffloadBackend, Result};
+use offload_core::{Error, MemoryInfo, OffloadBackend, Result, StreamKind};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -270,6 +270,23 @@ impl OffloadBackend for CudaBackend {
 
     fn poll_error(&self) -> Result<()> {
         self.shared.ctx.check_err().map_err(|e| driver("a deferred driver error", e))
+    }
+
+    fn record_timing(&self, on: StreamKind) -> Result<Option<Arc<CudaEvent>>> {
+        let stream = match on {
+            StreamKind::Copy => &self.shared.copy,
+            StreamKind::Compute => &self.shared.compute,
+        };
+        let ev = stream
+            .record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(|e| driver("recording a timing event", e))?;
+        Ok(Some(Arc::new(ev)))
+    }
+
+    fn elapsed_s(&self, from: &Arc<CudaEvent>, to: &Arc<CudaEvent>) -> Result<Option<f64>> {
+        Ok(Some(
+            from.elapsed_ms(to).map_err(|e| driver("reading a timing event", e))? as f64 / 1e3,
+        ))
     }
 
     fn memory_info(&self) -> Result<MemoryInfo> {

@@ -1,0 +1,98 @@
+//! Metrics and the timeline: the Chrome trace a ring writes parses, has one
+//! compute span per block served on the compute thread and one copy span per
+//! copy on the copy thread, and the stall metrics agree with the spans.
+
+use offload_core::sim::{SimBackend, SimConfig};
+use offload_core::{resolve, HostStore, Plan, Ring};
+use offload_tests::model::{ModelShape, TestModel};
+use std::sync::Arc;
+
+#[test]
+fn chrome_trace_parses_and_matches_the_metrics() {
+    let model = TestModel::random(
+        &ModelShape {
+            stacks: vec![4, 4],
+            ..Default::default()
+        },
+        5,
+    );
+    let backend = SimBackend::new(SimConfig {
+        max_copy_delay_us: 400,
+        ..Default::default()
+    });
+    let store = Arc::new(HostStore::build(&backend, &model.inventory, &model.tensors).unwrap());
+    let rc = resolve(&Plan::layerwise(), std::slice::from_ref(&model.inventory))
+        .unwrap()
+        .components
+        .remove(0);
+    let mut ring = Ring::new(backend.clone(), store, &rc).unwrap();
+    ring.enable_timeline().unwrap();
+    let copies_before = ring.metrics().copies;
+    let mut last = None;
+    for _ in 0..2 {
+        for b in 0..model.len() {
+            let g = ring.block_at(b).unwrap();
+            backend.read_slot(g.slot(), |m| std::hint::black_box(m.len()));
+            std::thread::sleep(std::time::Duration::from_micros(100));
+            g.finish().unwrap();
+        }
+        last = Some(ring.end_step().unwrap());
+    }
+    let m = last.unwrap();
+    let stall = m.exposed_stall_s.expect("stall measured");
+    let busy = m.copy_busy_s.expect("copy time measured");
+    assert!(busy > 0.0 && stall >= 0.0);
+    let share = m.hidden_copy_share().unwrap();
+    assert!((0.0..=1.0).contains(&share));
+    assert!(m.achieved_gbps() > 0.0 && m.step_wall_s > 0.0);
+    assert!(m.to_string().contains("of copy time hidden"), "{m}");
+
+    let tl = ring.timeline().unwrap();
+    let path = std::env::temp_dir().join(format!("offload-trace-{}.json", std::process::id()));
+    tl.write_chrome_trace(&path).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let _ = std::fs::remove_file(&path);
+    let events = v["traceEvents"].as_array().unwrap();
+    let complete: Vec<_> = events.iter().filter(|e| e["ph"] == "X").collect();
+    let computes = complete
+        .iter()
+        .filter(|e| e["tid"] == 2 && e["name"].as_str().unwrap().starts_with("compute "))
+        .count();
+    let copies = complete
+        .iter()
+        .filter(|e| e["tid"] == 1 && e["name"].as_str().unwrap().starts_with("copy "))
+        .count();
+    assert_eq!(computes, 2 * model.len(), "one compute span per block served");
+    assert_eq!(
+        copies as u64,
+        ring.metrics().copies - copies_before,
+        "one copy span per copy after enabling"
+    );
+    for e in &complete {
+        assert!(e["ts"].as_f64().unwrap() >= 0.0 && e["dur"].as_f64().unwrap() >= 0.0);
+    }
+    // The wait spans of both steps add up to at least the last step's stall.
+    let all_stall: f64 = tl.spans.iter().filter(|s| s.name.starts_with("wait ")).map(|s| s.dur_s).sum();
+    assert!(all_stall >= stall - 1e-9 && (tl.total_s("copy", "copy ") - ring.metrics().copy_busy_s.unwrap()).abs() < 1e-9);
+}
+
+#[test]
+fn timeline_off_records_nothing() {
+    let model = TestModel::random(
+        &ModelShape {
+            stacks: vec![3],
+            ..Default::default()
+        },
+        6,
+    );
+    let backend = SimBackend::new(SimConfig::fast());
+    let store = Arc::new(HostStore::build(&backend, &model.inventory, &model.tensors).unwrap());
+    let rc = resolve(&Plan::layerwise(), std::slice::from_ref(&model.inventory))
+        .unwrap()
+        .components
+        .remove(0);
+    let mut ring = Ring::new(backend, store, &rc).unwrap();
+    drop(ring.block_at(0).unwrap());
+    let m = ring.end_step().unwrap();
+    assert!(ring.timeline().is_none() && m.exposed_stall_s.is_none() && m.hidden_copy_share().is_none());
+}

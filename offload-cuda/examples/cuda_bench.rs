@@ -649,7 +649,7 @@ fn enqueue_step(
     a: &mut Acts,
     double: usize,
     single: usize,
-) -> Result<Vec<(CudaEvent, CudaEvent)>> {
+) -> Result<(Vec<(CudaEvent, CudaEvent)>, offload_core::StepMetrics)> {
     let be = &model.be;
     let s = be.compute_stream();
     s.memcpy_dtod(&a.x0, &mut a.x).map_err(|e| dev("reset x", e))?;
@@ -674,8 +674,8 @@ fn enqueue_step(
             block.finish()?;
         }
     }
-    ring.end_step()?;
-    Ok(stalls)
+    let metrics = ring.end_step()?;
+    Ok((stalls, metrics))
 }
 
 /// A warm-up step, then `steps` steps enqueued back to back (no host sync between
@@ -695,7 +695,7 @@ fn run_steps(
     bounds[0].record(s).map_err(|e| dev("record", e))?;
     let mut stalls = Vec::new();
     for _ in 0..steps {
-        stalls.push(enqueue_step(model, ring, a, double, single)?);
+        stalls.push(enqueue_step(model, ring, a, double, single)?.0);
         let e = timing_event(&model.be)?;
         e.record(s).map_err(|e| dev("record", e))?;
         bounds.push(e);
@@ -838,8 +838,7 @@ fn run() -> Result<()> {
                 if rc.depth == 1 && rc.resident.is_empty() && !traced.get() {
                     traced.set(true);
                     ring.enable_timeline()?;
-                    enqueue_step(&model, &mut ring, a, double, single)?;
-                    let tm = ring.end_step()?;
+                    let (_, tm) = enqueue_step(&model, &mut ring, a, double, single)?;
                     eprintln!("timeline step: {tm}");
                     if let Some(tl) = ring.timeline() {
                         tl.write_chrome_trace(path).map_err(|e| Error::Io {
@@ -873,6 +872,13 @@ fn run() -> Result<()> {
             non_block_bytes: 0,
             source: format!("{gpu}, {res}x{res}, resident run of this benchmark"),
         };
+        if let Some(dir) = out.as_ref().and_then(|o| std::path::Path::new(o).parent()) {
+            let p = dir.join(format!("calibration-{res}.json"));
+            std::fs::write(&p, cost.to_json()).map_err(|e| Error::Io {
+                path: p.clone(),
+                source: e,
+            })?;
+        }
         for &gib in &budgets {
             let budget = (gib as u64) << 30;
             let choice = offload_plan::plan(&cost, budget, 1, ResidentPolicy::Auto)?;
@@ -891,7 +897,7 @@ fn run() -> Result<()> {
                 resident_blocks.len(), streamed_s, choice.predicted_step_s, err * 100.0, bound, streamed_s / bound, speak as f64 / (1u64 << 30) as f64, sout == rout
             );
             cases.push(serde_json::json!({
-                "resolution": res, "tokens": t, "batch": 1, "depth": 1, "budget_bytes": budget,
+                "resolution": res, "tokens": t, "batch": 1, "depth": choice.depth, "budget_bytes": budget,
                 "resident_blocks": resident_blocks, "step_resident_s": resident_s, "step_streamed_s": streamed_s,
                 "steps_streamed_s": st.iter().map(|s| s.step_s).collect::<Vec<_>>(),
                 "predicted_step_s": choice.predicted_step_s, "prediction_error": err, "within_10pct_of_prediction": err.abs() <= 0.10,

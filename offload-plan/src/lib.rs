@@ -25,7 +25,7 @@ pub mod planner;
 
 pub use cost::{BlockCost, CostModel};
 pub use offload_core::{ComponentPlan, PinFallback, Plan, ResidentPolicy, Strategy};
-pub use planner::{plan, Choice};
+pub use planner::{best_bound, plan, plan_heuristic, Choice, EXHAUSTIVE_MAX};
 
 /// Why a plan could not be read or written.
 #[derive(Debug, thiserror::Error)]

@@ -98,19 +98,187 @@ fn subset_sum(classes: &[(u64, u64)], cap: u64) -> (Vec<u64>, bool) {
     }
 }
 
-/// Pick `k` of the positions `idx` (ring order) by `policy`.
-fn place(idx: &[usize], k: usize, policy: ResidentPolicy) -> Vec<usize> {
-    match policy {
-        ResidentPolicy::Leading => idx[..k].to_vec(),
+/// Where the resident blocks of a size class go.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Placement {
+    /// Spread evenly over the ring.
+    Strided,
+    /// The first of the class.
+    Leading,
+    /// The last of the class.
+    Trailing,
+    /// None beyond the blocks too large for a slot (an explicit plan).
+    Nothing,
+}
+
+/// Resident counts per class to try: the bound-optimal fill and, when `variants`,
+/// fewer (every combination when few, else a ladder per class), since fewer
+/// residents can let a deeper or better-spread ring overlap more.
+fn count_variants(max: &[u64], variants: bool) -> Vec<Vec<u64>> {
+    if !variants {
+        return vec![max.to_vec()];
+    }
+    let combos: u64 = max
+        .iter()
+        .map(|&m| m + 1)
+        .try_fold(1u64, |a, c| a.checked_mul(c))
+        .unwrap_or(u64::MAX);
+    let per_class: Vec<Vec<u64>> = max
+        .iter()
+        .map(|&m| {
+            if combos <= 1024 {
+                (0..=m).collect()
+            } else {
+                let mut v = vec![m, m.saturating_sub(1), m.saturating_sub(2), m * 3 / 4, m / 2, m / 4, 0];
+                v.sort_unstable();
+                v.dedup();
+                v
+            }
+        })
+        .collect();
+    let mut out = vec![Vec::new()];
+    for options in &per_class {
+        out = out
+            .iter()
+            .flat_map(|prefix| options.iter().map(move |&k| [prefix.clone(), vec![k]].concat()))
+            .collect();
+    }
+    out
+}
+
+/// Pick `k` of the positions `idx` (ring order) by `placement`.
+fn place(idx: &[usize], k: usize, placement: Placement) -> Vec<usize> {
+    match placement {
+        Placement::Nothing => Vec::new(),
+        Placement::Leading => idx[..k].to_vec(),
+        Placement::Trailing => idx[idx.len() - k..].to_vec(),
         _ => (0..k)
             .map(|i| idx[(i * idx.len()) / k.max(1) + (idx.len() / k.max(1)) / 2])
             .collect(),
     }
 }
 
-/// Choose the resident set for `model` under `budget` device bytes at prefetch
-/// depth `depth`. Errors name the smallest budget that could work.
-pub fn plan(model: &CostModel, budget: u64, depth: usize, policy: ResidentPolicy) -> Result<Choice> {
+/// Deepest prefetch the planner tries beyond the plan's depth.
+const EXTRA_DEPTH: usize = 3;
+
+/// Choose the resident set and the prefetch depth (at least `min_depth`) for
+/// `model` under `budget` device bytes, minimising the replayed step time.
+///
+/// For each depth from `min_depth` to `min_depth + 3` the candidates are the
+/// bound-optimal fills of [`best_bound`] for each slot size, placed by the policy
+/// (`auto` tries strided, leading and trailing placements); the replay of the
+/// ring's schedule ([`CostModel::simulate_s`]) picks among them. Errors name the
+/// smallest budget that could work.
+pub fn plan(model: &CostModel, budget: u64, min_depth: usize, policy: ResidentPolicy) -> Result<Choice> {
+    if model.blocks.len() <= EXHAUSTIVE_MAX && matches!(policy, ResidentPolicy::Auto) {
+        if let Some(c) = exhaustive(model, budget, min_depth) {
+            return Ok(c);
+        }
+    }
+    plan_heuristic(model, budget, min_depth, policy)
+}
+
+/// Inventories up to this many blocks are planned by exhaustive search.
+pub const EXHAUSTIVE_MAX: usize = 12;
+
+fn choice(model: &CostModel, resident: Vec<bool>, depth: usize, exact: bool) -> Choice {
+    let all = resident.iter().all(|r| *r);
+    Choice {
+        depth,
+        device_bytes: if all {
+            model.total_bytes() + model.non_block_bytes
+        } else {
+            model.device_bytes(&resident, depth)
+        },
+        predicted_step_s: model.simulate_s(&resident, depth),
+        resident_step_s: model.compute_s(),
+        streamed_bytes: model.blocks.iter().zip(&resident).filter(|(_, r)| !**r).map(|(b, _)| b.bytes).sum(),
+        bound_s: model.bound_s(&resident),
+        resident,
+        exact,
+    }
+}
+
+/// Every resident subset at every depth from `min_depth` to `min_depth + 3`.
+fn exhaustive(model: &CostModel, budget: u64, min_depth: usize) -> Option<Choice> {
+    let n = model.blocks.len();
+    let mut best: Option<Choice> = None;
+    for depth in min_depth..=min_depth + EXTRA_DEPTH {
+        for mask in 0u64..(1 << n) {
+            let resident: Vec<bool> = (0..n).map(|i| mask >> i & 1 == 1).collect();
+            let c = choice(model, resident, depth, true);
+            if c.device_bytes > budget {
+                continue;
+            }
+            if best.as_ref().is_none_or(|b| {
+                c.predicted_step_s < b.predicted_step_s - 1e-9
+                    || ((c.predicted_step_s - b.predicted_step_s).abs() <= 1e-9 && c.device_bytes < b.device_bytes)
+            }) {
+                best = Some(c);
+            }
+        }
+    }
+    best
+}
+
+/// The heuristic planner (used above [`EXHAUSTIVE_MAX`] blocks): see [`plan`].
+pub fn plan_heuristic(model: &CostModel, budget: u64, min_depth: usize, policy: ResidentPolicy) -> Result<Choice> {
+    let placements: &[Placement] = match policy {
+        ResidentPolicy::Auto => &[Placement::Strided, Placement::Leading, Placement::Trailing],
+        ResidentPolicy::Leading => &[Placement::Leading],
+        ResidentPolicy::Strided => &[Placement::Strided],
+        ResidentPolicy::Explicit => &[Placement::Nothing],
+    };
+    let mut best: Option<Choice> = None;
+    let mut first_err = None;
+    for depth in min_depth..=min_depth + EXTRA_DEPTH {
+        for &placement in placements {
+            for c in candidates(model, budget, depth, placement, true) {
+                match c {
+                    Ok(c) => {
+                        let better = best.as_ref().is_none_or(|b| {
+                            c.predicted_step_s < b.predicted_step_s - 1e-9
+                                || ((c.predicted_step_s - b.predicted_step_s).abs() <= 1e-9 && c.device_bytes < b.device_bytes)
+                        });
+                        if better {
+                            best = Some(c);
+                        }
+                    }
+                    Err(e) => {
+                        first_err.get_or_insert(e);
+                    }
+                }
+            }
+        }
+        if policy == ResidentPolicy::Explicit {
+            break;
+        }
+    }
+    best.ok_or_else(|| first_err.unwrap_or_else(|| Error::Plan("no plan".into())))
+}
+
+/// The plan that minimises the analytical bound `max(compute, streamed ÷ bandwidth)`
+/// at exactly `depth`, placed strided. Exact (see the module docs); the property
+/// tests hold it to brute force.
+pub fn best_bound(model: &CostModel, budget: u64, depth: usize) -> Result<Choice> {
+    candidates(model, budget, depth, Placement::Strided, false)
+        .into_iter()
+        .collect::<Result<Vec<_>>>()?
+        .into_iter()
+        .min_by(|a, b| a.bound_s.total_cmp(&b.bound_s).then(a.device_bytes.cmp(&b.device_bytes)))
+        .ok_or_else(|| Error::Plan("no plan".into()))
+}
+
+/// The bound-optimal fill for each slot size at `depth`, placed by `placement`;
+/// an error if nothing fits.
+fn candidates(model: &CostModel, budget: u64, depth: usize, placement: Placement, variants: bool) -> Vec<Result<Choice>> {
+    match bound_fills(model, budget, depth, placement, variants) {
+        Ok(v) => v.into_iter().map(Ok).collect(),
+        Err(e) => vec![Err(e)],
+    }
+}
+
+fn bound_fills(model: &CostModel, budget: u64, depth: usize, placement: Placement, variants: bool) -> Result<Vec<Choice>> {
     if depth == 0 {
         return Err(Error::Plan("prefetch depth must be at least 1".into()));
     }
@@ -119,10 +287,10 @@ pub fn plan(model: &CostModel, budget: u64, depth: usize, policy: ResidentPolicy
     let mut sizes: Vec<u64> = model.blocks.iter().map(|b| b.bytes).collect();
     sizes.sort_unstable();
     sizes.dedup();
-    let mut best: Option<(f64, u64, Vec<bool>, bool)> = None;
-    let mut candidates: Vec<u64> = sizes.clone();
-    candidates.push(0);
-    for &s in &candidates {
+    let mut out: Vec<Choice> = Vec::new();
+    let mut thresholds: Vec<u64> = sizes.clone();
+    thresholds.push(0);
+    for &s in &thresholds {
         // s = 0: every block resident (no slots).
         let forced: u64 = model.blocks.iter().filter(|b| s == 0 || b.bytes > s).map(|b| b.bytes).sum();
         let slots = if s == 0 { 0 } else { (depth as u64 + 1) * s };
@@ -136,51 +304,44 @@ pub fn plan(model: &CostModel, budget: u64, depth: usize, policy: ResidentPolicy
             }
         }
         let class_list: Vec<(u64, u64)> = classes.iter().map(|(&size, v)| (size, v.len() as u64)).collect();
-        let (counts, exact) = if policy == ResidentPolicy::Explicit {
-            (vec![0; class_list.len()], true)
-        } else {
-            subset_sum(&class_list, cap)
+        let (max_counts, exact) = match placement {
+            Placement::Nothing => (vec![0; class_list.len()], true),
+            _ => subset_sum(&class_list, cap),
         };
-        let mut resident: Vec<bool> = model.blocks.iter().map(|b| s == 0 || b.bytes > s).collect();
-        for ((_, idx), &k) in classes.iter().zip(&counts) {
-            for i in place(idx, k as usize, policy) {
-                resident[i] = true;
+        for counts in count_variants(&max_counts, variants) {
+            let mut resident: Vec<bool> = model.blocks.iter().map(|b| s == 0 || b.bytes > s).collect();
+            for ((_, idx), &k) in classes.iter().zip(&counts) {
+                for i in place(idx, k as usize, placement) {
+                    resident[i] = true;
+                }
             }
-        }
-        if model.device_bytes(&resident, depth) > budget && resident.iter().any(|r| !r) {
-            continue;
-        }
-        let bound = model.bound_s(&resident);
-        let res_bytes: u64 = model.blocks.iter().zip(&resident).filter(|(_, r)| **r).map(|(b, _)| b.bytes).sum();
-        let better = match &best {
-            None => true,
-            Some((b, rb, _, _)) => bound < *b - 1e-12 || ((bound - *b).abs() <= 1e-12 && res_bytes < *rb),
-        };
-        if better {
-            best = Some((bound, res_bytes, resident, exact));
+            if model.device_bytes(&resident, depth) > budget && resident.iter().any(|r| !r) {
+                continue;
+            }
+            let streamed_bytes = model.blocks.iter().zip(&resident).filter(|(_, r)| !**r).map(|(b, _)| b.bytes).sum();
+            out.push(Choice {
+                depth,
+                device_bytes: if resident.iter().all(|r| *r) {
+                    all_resident
+                } else {
+                    model.device_bytes(&resident, depth)
+                },
+                predicted_step_s: model.simulate_s(&resident, depth),
+                resident_step_s: model.compute_s(),
+                streamed_bytes,
+                bound_s: model.bound_s(&resident),
+                resident,
+                exact,
+            });
         }
     }
-    let Some((bound_s, _, resident, exact)) = best else {
+    if out.is_empty() {
         let smallest = sizes.first().copied().unwrap_or(0);
         let need = ((depth as u64 + 1) * sizes.last().copied().unwrap_or(0) + model.non_block_bytes).min(all_resident);
         return Err(Error::Plan(format!(
             "device budget {budget} bytes fits no plan of {n} blocks at depth {depth}: streaming needs at least {need} bytes \
              ((d + 1) × largest block + non-block; smallest block {smallest})"
         )));
-    };
-    let streamed_bytes = model.blocks.iter().zip(&resident).filter(|(_, r)| !**r).map(|(b, _)| b.bytes).sum();
-    Ok(Choice {
-        depth,
-        device_bytes: if resident.iter().all(|r| *r) {
-            all_resident
-        } else {
-            model.device_bytes(&resident, depth)
-        },
-        predicted_step_s: model.simulate_s(&resident, depth),
-        resident_step_s: model.compute_s(),
-        streamed_bytes,
-        bound_s,
-        resident,
-        exact,
-    })
+    }
+    Ok(out)
 }

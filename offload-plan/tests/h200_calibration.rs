@@ -1,0 +1,53 @@
+//! The schedule replay against what the H200 measured: the calibration comes from
+//! the timeline of a cuda bench run (per-block compute spans, bandwidth of the same
+//! run); the plans and measured steps from `bench/results/2026-11-29-cuda-planner-v1.json`.
+
+use offload_plan::CostModel;
+
+fn load(name: &str) -> String {
+    std::fs::read_to_string(format!("{}/../bench/results/{name}", env!("CARGO_MANIFEST_DIR"))).expect("committed result")
+}
+
+#[test]
+fn replay_predicts_the_measured_steps_within_ten_percent() {
+    let m = CostModel::from_json(&load("2026-11-29-h200-flux-1024-calibration.json")).unwrap();
+    let run: serde_json::Value = serde_json::from_str(&load("2026-11-29-cuda-planner-v1.json")).unwrap();
+    let mut checked = 0;
+    for case in run["cases"].as_array().unwrap() {
+        let resident: Vec<String> = case["resident_blocks"]
+            .as_array()
+            .map(|a| a.iter().map(|s| s.as_str().unwrap().to_owned()).collect())
+            .unwrap_or_default();
+        let mask: Vec<bool> = m.blocks.iter().map(|b| resident.contains(&b.id)).collect();
+        let predicted = m.simulate_s(&mask, case["depth"].as_u64().unwrap() as usize);
+        let measured = case["step_streamed_s"].as_f64().unwrap();
+        println!("{} resident: predicted {predicted:.4} s, measured {measured:.4} s", resident.len());
+        assert!(
+            (predicted - measured).abs() / measured < 0.10,
+            "predicted {predicted}, measured {measured}"
+        );
+        checked += 1;
+    }
+    assert_eq!(checked, 4);
+}
+
+#[test]
+fn planner_on_the_h200_calibration() {
+    // What the planner predicts for the Flux-dev-shaped model at 1024² (bench/NOTES.md).
+    let m = CostModel::from_json(&load("2026-11-29-h200-flux-1024-calibration.json")).unwrap();
+    let resident = m.compute_s();
+    let mut last = f64::INFINITY;
+    for gib in [4u64, 8, 12, 16] {
+        let c = offload_plan::plan(&m, gib << 30, 1, offload_core::ResidentPolicy::Auto).unwrap();
+        println!(
+            "{gib} GiB: depth {}, predicted {:.4} s, bound {:.4} s",
+            c.depth, c.predicted_step_s, c.bound_s
+        );
+        assert!(c.device_bytes <= gib << 30);
+        assert!(c.predicted_step_s <= last + 1e-9, "more budget never predicts slower");
+        assert!(c.predicted_step_s >= c.bound_s.max(resident) - 1e-9, "no plan beats its bound");
+        last = c.predicted_step_s;
+    }
+    // From 12 GiB on, the model runs at resident speed.
+    assert!(last <= resident * 1.001, "{last} vs {resident}");
+}

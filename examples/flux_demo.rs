@@ -25,17 +25,7 @@ struct Cfg {
 }
 
 fn parse_args() -> Cfg {
-    let mut c = Cfg {
-        hidden: 192,
-        heads: 3,
-        mlp: 768,
-        double: 4,
-        single: 8,
-        img_tokens: 96,
-        txt_tokens: 16,
-        steps: 3,
-        depth: 1,
-    };
+    let mut c = Cfg { hidden: 192, heads: 3, mlp: 768, double: 4, single: 8, img_tokens: 96, txt_tokens: 16, steps: 3, depth: 1 };
     let args: Vec<String> = std::env::args().collect();
     let mut i = 1;
     while i + 1 < args.len() {
@@ -98,9 +88,7 @@ fn flux_tensors(c: &Cfg, seed: u64) -> Result<MemoryTensors> {
     for (name, shape) in specs {
         let fan_in = *shape.last().unwrap_or(&1) as f32;
         let n: usize = shape.iter().product();
-        let bytes: Vec<u8> = (0..n)
-            .flat_map(|_| (rng.gen_range(-1.0f32..1.0) / fan_in.sqrt()).to_le_bytes())
-            .collect();
+        let bytes: Vec<u8> = (0..n).flat_map(|_| (rng.gen_range(-1.0f32..1.0) / fan_in.sqrt()).to_le_bytes()).collect();
         t.push(TensorSpec::new(name, DType::F32, shape), bytes)?;
     }
     Ok(t)
@@ -115,10 +103,7 @@ struct Weights<'a> {
 impl Weights<'_> {
     fn get(&self, name: &str) -> Vec<f32> {
         let t = self.layout.get(name).unwrap_or_else(|| panic!("tensor {name} missing from block"));
-        self.bytes[t.offset..t.offset + t.nbytes]
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect()
+        self.bytes[t.offset..t.offset + t.nbytes].chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
     }
     /// `x [n, in] · Wᵀ + b` with `W [out, in]`.
     fn linear(&self, x: &[f32], n: usize, name: &str) -> Vec<f32> {
@@ -164,12 +149,7 @@ fn silu(x: f32) -> f32 {
 fn modulate(x: &[f32], h: usize, shift: &[f32], scale: &[f32]) -> Vec<f32> {
     layer_norm(x, h)
         .chunks(h)
-        .flat_map(|r| {
-            r.iter()
-                .enumerate()
-                .map(|(j, v)| v * (1.0 + scale[j]) + shift[j])
-                .collect::<Vec<_>>()
-        })
+        .flat_map(|r| r.iter().enumerate().map(|(j, v)| v * (1.0 + scale[j]) + shift[j]).collect::<Vec<_>>())
         .collect()
 }
 
@@ -223,11 +203,7 @@ fn double_block(c: &Cfg, w: &Weights, img: &mut Vec<f32>, txt: &mut Vec<f32>, ve
         for (k, v) in x.iter_mut().enumerate() {
             *v += g1[k % h] * proj[k];
         }
-        let hid: Vec<f32> = w
-            .linear(&modulate(x, h, &m(md, 3), &m(md, 4)), n, &format!("{s}_mlp.0"))
-            .into_iter()
-            .map(gelu)
-            .collect();
+        let hid: Vec<f32> = w.linear(&modulate(x, h, &m(md, 3), &m(md, 4)), n, &format!("{s}_mlp.0")).into_iter().map(gelu).collect();
         let out = w.linear(&hid, n, &format!("{s}_mlp.2"));
         let g2 = m(md, 5);
         for (k, v) in x.iter_mut().enumerate() {
@@ -263,16 +239,12 @@ fn step(c: &Cfg, ring: &mut Ring<SimBackend>, backend: &SimBackend, img0: &[f32]
     let (mut img, mut txt) = (img0.to_vec(), txt0.to_vec());
     for i in 0..c.double {
         let b = ring.block("double_blocks", i)?;
-        backend.read_slot(b.slot(), |bytes| {
-            double_block(c, &Weights { layout: b.layout(), bytes }, &mut img, &mut txt, vec)
-        });
+        backend.read_slot(b.slot(), |bytes| double_block(c, &Weights { layout: b.layout(), bytes }, &mut img, &mut txt, vec));
     }
     let mut x: Vec<f32> = txt.into_iter().chain(img).collect();
     for i in 0..c.single {
         let b = ring.block("single_blocks", i)?;
-        backend.read_slot(b.slot(), |bytes| {
-            single_block(c, &Weights { layout: b.layout(), bytes }, &mut x, vec)
-        });
+        backend.read_slot(b.slot(), |bytes| single_block(c, &Weights { layout: b.layout(), bytes }, &mut x, vec));
     }
     Ok(x)
 }
@@ -301,17 +273,10 @@ fn main() -> Result<()> {
     );
     let mut rng = rand::rngs::StdRng::seed_from_u64(7);
     let mut rand_vec = |n: usize| (0..n).map(|_| rng.gen_range(-1.0f32..1.0)).collect::<Vec<f32>>();
-    let (img, txt, vec) = (
-        rand_vec(c.img_tokens * c.hidden),
-        rand_vec(c.txt_tokens * c.hidden),
-        rand_vec(c.hidden),
-    );
+    let (img, txt, vec) = (rand_vec(c.img_tokens * c.hidden), rand_vec(c.txt_tokens * c.hidden), rand_vec(c.hidden));
 
     let mut outputs = Vec::new();
-    for (label, plan) in [
-        ("resident", Plan::resident()),
-        ("offloaded", Plan::layerwise().prefetch_depth(c.depth)),
-    ] {
+    for (label, plan) in [("resident", Plan::resident()), ("offloaded", Plan::layerwise().prefetch_depth(c.depth))] {
         let rc = resolve(&plan, std::slice::from_ref(&inventory))?.components.remove(0);
         backend.reset_counters();
         let mut ring = Ring::new(backend.clone(), store.clone(), &rc)?;
@@ -327,12 +292,7 @@ fn main() -> Result<()> {
         times.sort_by(f64::total_cmp);
         let median = times[times.len() / 2];
         let peak = backend.stats().peak_bytes;
-        println!(
-            "\n[{label}] step {:.1} ms (median of {}), peak device bytes for weights {:.2} MiB",
-            median * 1e3,
-            c.steps,
-            mib(peak)
-        );
+        println!("\n[{label}] step {:.1} ms (median of {}), peak device bytes for weights {:.2} MiB", median * 1e3, c.steps, mib(peak));
         println!("  last step: {metrics}");
         ring.close()?;
         backend.check()?;

@@ -57,8 +57,7 @@ fn flux_like_tensors(blocks: usize) -> MemoryTensors {
     for stack in ["double_blocks", "single_blocks"] {
         for i in 0..blocks {
             for name in ["attn.qkv.weight", "attn.proj.weight", "mlp.0.weight", "mlp.2.weight", "norm.scale"] {
-                t.push(TensorSpec::new(format!("{stack}.{i}.{name}"), DType::BF16, [8, 8]), vec![1; 128])
-                    .expect("sizes agree");
+                t.push(TensorSpec::new(format!("{stack}.{i}.{name}"), DType::BF16, [8, 8]), vec![1; 128]).expect("sizes agree");
             }
         }
     }
@@ -72,10 +71,7 @@ fn bench_backend<B: OffloadBackend>(c: &mut Criterion, name: &str, backend: B) {
     let mut g = c.benchmark_group("ring_host_cost_per_block");
     g.throughput(Throughput::Elements(1));
     for depth in [1usize, 2] {
-        let rc = resolve(&Plan::layerwise().prefetch_depth(depth), std::slice::from_ref(&inv))
-            .expect("plan")
-            .components
-            .remove(0);
+        let rc = resolve(&Plan::layerwise().prefetch_depth(depth), std::slice::from_ref(&inv)).expect("plan").components.remove(0);
         let mut ring = Ring::new(backend.clone(), store.clone(), &rc).expect("ring");
         let n = ring.len();
         let mut b = 0;

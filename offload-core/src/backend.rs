@@ -58,6 +58,19 @@ pub trait OffloadBackend: Clone + Send + Sync + 'static {
     /// write every byte once, and freeze it. `purpose` names the block for errors.
     fn alloc_host(&self, bytes: usize, purpose: &str, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<Self::HostBuffer>;
 
+    /// Like [`alloc_host`](Self::alloc_host) but in ordinary pageable memory: the
+    /// fallback when page-locking fails or the pin budget is spent (copies from it
+    /// are slower and may not overlap).
+    fn alloc_host_pageable(&self, bytes: usize, purpose: &str, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<Self::HostBuffer> {
+        let _ = (bytes, fill);
+        Err(crate::Error::unsupported(self.name(), format!("pageable host memory (for {purpose})")))
+    }
+
+    /// Whether `buffer` is page-locked.
+    fn is_pinned(&self, _buffer: &Self::HostBuffer) -> bool {
+        self.host_is_pinned()
+    }
+
     /// Read access to a frozen host buffer (used for resident reference runs and
     /// checks, never on the streaming path).
     fn host_bytes<'a>(&self, buffer: &'a Self::HostBuffer) -> &'a [u8];

@@ -18,10 +18,7 @@ pub struct BlockId {
 impl BlockId {
     /// A new id.
     pub fn new(stack: impl Into<String>, index: usize) -> Self {
-        BlockId {
-            stack: stack.into(),
-            index,
-        }
+        BlockId { stack: stack.into(), index }
     }
 
     /// Parse `"<stack>.<index>"`.
@@ -99,9 +96,7 @@ pub struct DeclaredStacks {
 impl DeclaredStacks {
     /// Stacks named by `prefixes`.
     pub fn new<S: Into<String>>(prefixes: impl IntoIterator<Item = S>) -> Self {
-        DeclaredStacks {
-            stacks: prefixes.into_iter().map(Into::into).collect(),
-        }
+        DeclaredStacks { stacks: prefixes.into_iter().map(Into::into).collect() }
     }
 }
 
@@ -121,10 +116,7 @@ fn check_unique(tensors: &[TensorSpec]) -> Result<()> {
     let mut seen = HashSet::new();
     for t in tensors {
         if !seen.insert(t.name.as_str()) {
-            return Err(Error::BadTensor {
-                tensor: t.name.clone(),
-                fault: "named twice".into(),
-            });
+            return Err(Error::BadTensor { tensor: t.name.clone(), fault: "named twice".into() });
         }
     }
     Ok(())
@@ -143,19 +135,12 @@ fn assemble(
                 .remove(&name)
                 .unwrap_or_default()
                 .into_iter()
-                .map(|(index, tensors)| BlockSpec {
-                    id: BlockId::new(name.clone(), index),
-                    tensors,
-                })
+                .map(|(index, tensors)| BlockSpec { id: BlockId::new(name.clone(), index), tensors })
                 .collect();
             StackSpec { name, blocks }
         })
         .collect();
-    ComponentInventory {
-        name: component.to_owned(),
-        stacks,
-        non_block,
-    }
+    ComponentInventory { name: component.to_owned(), stacks, non_block }
 }
 
 impl BlockDiscovery for NameDiscovery {
@@ -168,12 +153,7 @@ impl BlockDiscovery for NameDiscovery {
                 if !groups.contains_key(stack) {
                     order.push(stack.to_owned());
                 }
-                groups
-                    .entry(stack.to_owned())
-                    .or_default()
-                    .entry(index)
-                    .or_default()
-                    .push(t.clone());
+                groups.entry(stack.to_owned()).or_default().entry(index).or_default().push(t.clone());
             }
         }
         let mut non_block = Vec::new();
@@ -189,17 +169,10 @@ impl BlockDiscovery for NameDiscovery {
             }
         }
         // Non-block tensors in checkpoint order.
-        let blocked: HashSet<&str> = groups
-            .values()
-            .flat_map(|g| g.values().flatten())
-            .map(|t| t.name.as_str())
-            .collect();
+        let blocked: HashSet<&str> = groups.values().flat_map(|g| g.values().flatten()).map(|t| t.name.as_str()).collect();
         let non_block_names: HashSet<String> = non_block.iter().map(|t| t.name.clone()).collect();
-        let non_block = tensors
-            .iter()
-            .filter(|t| !blocked.contains(t.name.as_str()) || non_block_names.contains(&t.name))
-            .cloned()
-            .collect();
+        let non_block =
+            tensors.iter().filter(|t| !blocked.contains(t.name.as_str()) || non_block_names.contains(&t.name)).cloned().collect();
         Ok(assemble(component, kept, groups, non_block))
     }
 }
@@ -227,9 +200,7 @@ impl BlockDiscovery for DeclaredStacks {
                 .get(stack)
                 .ok_or_else(|| Error::Plan(format!("component {component:?}: declared stack {stack:?} has no tensors")))?;
             if let Some(missing) = (0..g.len()).find(|i| !g.contains_key(i)) {
-                return Err(Error::Plan(format!(
-                    "component {component:?}: stack {stack:?} has no block {missing} but has later ones"
-                )));
+                return Err(Error::Plan(format!("component {component:?}: stack {stack:?} has no block {missing} but has later ones")));
             }
         }
         Ok(assemble(component, self.stacks.clone(), groups, non_block))
@@ -263,15 +234,7 @@ mod tests {
         let tensors: Vec<_> = names.iter().map(|n| t(n)).collect();
         let inv = NameDiscovery.discover("transformer", &tensors).unwrap();
         let stacks: Vec<_> = inv.stacks.iter().map(|s| (s.name.as_str(), s.blocks.len())).collect();
-        assert_eq!(
-            stacks,
-            [
-                ("double_blocks", 2),
-                ("single_blocks", 2),
-                ("transformer_blocks", 2),
-                ("model.layers", 2)
-            ]
-        );
+        assert_eq!(stacks, [("double_blocks", 2), ("single_blocks", 2), ("transformer_blocks", 2), ("model.layers", 2)]);
         assert_eq!(inv.stacks[0].blocks[0].tensors.len(), 2);
         let nb: Vec<_> = inv.non_block.iter().map(|t| t.name.as_str()).collect();
         assert_eq!(nb, ["img_in.weight", "final_layer.adaLN_modulation.1.weight"]);

@@ -101,18 +101,11 @@ pub enum Error {
 impl Error {
     /// An [`Error::Unsupported`] for `backend`.
     pub fn unsupported(backend: &str, what: impl Into<String>) -> Self {
-        Error::Unsupported {
-            backend: backend.to_owned(),
-            what: what.into(),
-        }
+        Error::Unsupported { backend: backend.to_owned(), what: what.into() }
     }
 
     /// An [`Error::Device`] for `backend`.
     pub fn device(backend: &str, during: impl Into<String>, message: impl std::fmt::Display) -> Self {
-        Error::Device {
-            backend: backend.to_owned(),
-            during: during.into(),
-            message: message.to_string(),
-        }
+        Error::Device { backend: backend.to_owned(), during: during.into(), message: message.to_string() }
     }
 }

@@ -39,10 +39,7 @@ pub struct FaultInjector<B> {
 impl<B: OffloadBackend> FaultInjector<B> {
     /// Wrap `inner`, with no fault armed.
     pub fn new(inner: B) -> Self {
-        FaultInjector {
-            inner,
-            counters: Arc::default(),
-        }
+        FaultInjector { inner, counters: Arc::default() }
     }
 
     /// The wrapped backend.
@@ -89,6 +86,18 @@ impl<B: OffloadBackend> OffloadBackend for FaultInjector<B> {
     fn alloc_host(&self, bytes: usize, purpose: &str, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<Self::HostBuffer> {
         self.tick(FaultKind::HostAlloc, purpose)?;
         self.inner.alloc_host(bytes, purpose, fill)
+    }
+    fn alloc_host_pageable(&self, bytes: usize, purpose: &str, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<Self::HostBuffer> {
+        self.inner.alloc_host_pageable(bytes, purpose, fill)
+    }
+    fn is_pinned(&self, buffer: &Self::HostBuffer) -> bool {
+        self.inner.is_pinned(buffer)
+    }
+    fn record_timing(&self, on: crate::StreamKind) -> Result<Option<Self::Event>> {
+        self.inner.record_timing(on)
+    }
+    fn elapsed_s(&self, from: &Self::Event, to: &Self::Event) -> Result<Option<f64>> {
+        self.inner.elapsed_s(from, to)
     }
     fn host_bytes<'a>(&self, buffer: &'a Self::HostBuffer) -> &'a [u8] {
         self.inner.host_bytes(buffer)

@@ -23,21 +23,11 @@ impl<B: OffloadBackend> OnDemand<B> {
     /// copies. Transactional: on error everything allocated is released.
     pub fn load(backend: B, store: Arc<HostStore<B>>) -> Result<Self> {
         let _span = tracing::info_span!("on_demand_load", component = %store.component()).entered();
-        let mut me = OnDemand {
-            backend,
-            store: store.clone(),
-            slots: Vec::new(),
-            non_block: None,
-        };
+        let mut me = OnDemand { backend, store: store.clone(), slots: Vec::new(), non_block: None };
         let all = store.blocks().iter().chain(store.non_block());
         for (i, b) in all.enumerate() {
-            let mut slot = me
-                .backend
-                .alloc_slot(b.bytes(), &format!("{}/{} (on demand)", store.component(), b.id))?;
-            let copied = me
-                .backend
-                .copy_to_slot(&b.buffer, &mut slot, b.bytes(), None)
-                .and_then(|ev| me.backend.compute_wait(&ev));
+            let mut slot = me.backend.alloc_slot(b.bytes(), &format!("{}/{} (on demand)", store.component(), b.id))?;
+            let copied = me.backend.copy_to_slot(&b.buffer, &mut slot, b.bytes(), None).and_then(|ev| me.backend.compute_wait(&ev));
             if i < store.blocks().len() {
                 me.slots.push(slot);
             } else {

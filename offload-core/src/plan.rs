@@ -101,13 +101,7 @@ impl Plan {
 
     /// Every component stays resident.
     pub fn resident() -> Self {
-        Plan {
-            default: ComponentPlan {
-                strategy: Strategy::Resident,
-                ..Default::default()
-            },
-            ..Default::default()
-        }
+        Plan { default: ComponentPlan { strategy: Strategy::Resident, ..Default::default() }, ..Default::default() }
     }
 
     /// Set the default prefetch depth.
@@ -166,11 +160,7 @@ impl ResolvedComponent {
 
     /// Bytes streamed per pass over every block.
     pub fn streamed_bytes_per_pass(&self) -> u64 {
-        self.blocks
-            .iter()
-            .filter(|(id, _)| !self.is_resident(id))
-            .map(|(_, b)| *b as u64)
-            .sum()
+        self.blocks.iter().filter(|(id, _)| !self.is_resident(id)).map(|(_, b)| *b as u64).sum()
     }
 }
 
@@ -189,9 +179,7 @@ impl ResolvedPlan {
 }
 
 fn layout_bytes(inv: &ComponentInventory) -> Result<Vec<(BlockId, usize)>> {
-    inv.blocks()
-        .map(|b| Ok((b.id.clone(), BlockLayout::new(b.tensors.clone())?.bytes)))
-        .collect()
+    inv.blocks().map(|b| Ok((b.id.clone(), BlockLayout::new(b.tensors.clone())?.bytes))).collect()
 }
 
 /// Apply `plan` to the components of `inventory`.
@@ -210,10 +198,7 @@ pub fn resolve(plan: &Plan, inventory: &[ComponentInventory]) -> Result<Resolved
         for b in c.blocks() {
             for t in &b.tensors {
                 if let Some(prev) = owner.insert(t.name.as_str(), format!("{}/{}", c.name, b.id)) {
-                    return Err(Error::Plan(format!(
-                        "tensor {:?} is owned by both {prev} and {}/{}",
-                        t.name, c.name, b.id
-                    )));
+                    return Err(Error::Plan(format!("tensor {:?} is owned by both {prev} and {}/{}", t.name, c.name, b.id)));
                 }
             }
         }
@@ -248,21 +233,13 @@ pub fn resolve(plan: &Plan, inventory: &[ComponentInventory]) -> Result<Resolved
         }
         let non_block_bytes = BlockLayout::new(inv.non_block.clone())?.bytes as u64;
         let resident_bytes: u64 = resident.iter().map(|id| size[id] as u64).sum();
-        let largest_streamed_bytes = blocks
-            .iter()
-            .filter(|(id, _)| !resident.contains(id))
-            .map(|(_, b)| *b)
-            .max()
-            .unwrap_or(0);
+        let largest_streamed_bytes = blocks.iter().filter(|(id, _)| !resident.contains(id)).map(|(_, b)| *b).max().unwrap_or(0);
         let device_weight_bound = match cp.strategy {
             Strategy::Layerwise => (cp.prefetch_depth as u64 + 1) * largest_streamed_bytes as u64 + resident_bytes + non_block_bytes,
             Strategy::Resident | Strategy::OnDemand => blocks.iter().map(|(_, b)| *b as u64).sum::<u64>() + non_block_bytes,
         };
         if cp.strategy == Strategy::Layerwise && blocks.len() < 2 {
-            return Err(Error::Plan(format!(
-                "component {c:?}: layerwise streaming needs at least 2 blocks, it has {}",
-                blocks.len()
-            )));
+            return Err(Error::Plan(format!("component {c:?}: layerwise streaming needs at least 2 blocks, it has {}", blocks.len())));
         }
         if let Some(budget) = cp.device_budget_bytes {
             if device_weight_bound > budget {
@@ -295,32 +272,19 @@ mod tests {
     use crate::tensor::{DType, TensorSpec};
 
     fn inv(name: &str, blocks: usize, elems: usize) -> ComponentInventory {
-        let t: Vec<_> = (0..blocks)
-            .map(|i| TensorSpec::new(format!("{name}_blocks.{i}.w"), DType::U8, [elems]))
-            .collect();
+        let t: Vec<_> = (0..blocks).map(|i| TensorSpec::new(format!("{name}_blocks.{i}.w"), DType::U8, [elems])).collect();
         NameDiscovery.discover(name, &t).unwrap()
     }
 
     #[test]
     fn budget_below_ring_is_an_error_naming_sizes() {
         let i = [inv("transformer", 4, 1024)];
-        let plan = Plan::layerwise().prefetch_depth(2).component(
-            "transformer",
-            ComponentPlan {
-                device_budget_bytes: Some(2048),
-                prefetch_depth: 2,
-                ..Default::default()
-            },
-        );
+        let plan = Plan::layerwise()
+            .prefetch_depth(2)
+            .component("transformer", ComponentPlan { device_budget_bytes: Some(2048), prefetch_depth: 2, ..Default::default() });
         let e = resolve(&plan, &i).unwrap_err().to_string();
         assert!(e.contains("transformer") && e.contains("3072"), "{e}");
-        let ok = Plan::layerwise().component(
-            "transformer",
-            ComponentPlan {
-                device_budget_bytes: Some(2048),
-                ..Default::default()
-            },
-        );
+        let ok = Plan::layerwise().component("transformer", ComponentPlan { device_budget_bytes: Some(2048), ..Default::default() });
         let r = resolve(&ok, &i).unwrap();
         assert_eq!(r.components[0].device_weight_bound, 2048);
         assert_eq!(r.components[0].streamed_bytes_per_pass(), 4096);
@@ -329,24 +293,14 @@ mod tests {
     #[test]
     fn unknown_component_and_bad_resident_blocks() {
         let i = [inv("transformer", 4, 16)];
-        let e = resolve(&Plan::layerwise().component("vae", ComponentPlan::default()), &i)
-            .unwrap_err()
-            .to_string();
+        let e = resolve(&Plan::layerwise().component("vae", ComponentPlan::default()), &i).unwrap_err().to_string();
         assert!(e.contains("\"vae\""), "{e}");
-        let p = Plan::layerwise().component(
-            "transformer",
-            ComponentPlan {
-                resident_blocks: vec!["transformer_blocks.9".into()],
-                ..Default::default()
-            },
-        );
+        let p = Plan::layerwise()
+            .component("transformer", ComponentPlan { resident_blocks: vec!["transformer_blocks.9".into()], ..Default::default() });
         assert!(resolve(&p, &i).unwrap_err().to_string().contains("transformer_blocks.9"));
         let p = Plan::layerwise().component(
             "transformer",
-            ComponentPlan {
-                resident_blocks: vec!["transformer_blocks.1".into(), "transformer_blocks.1".into()],
-                ..Default::default()
-            },
+            ComponentPlan { resident_blocks: vec!["transformer_blocks.1".into(), "transformer_blocks.1".into()], ..Default::default() },
         );
         assert!(resolve(&p, &i).unwrap_err().to_string().contains("twice"));
         assert!(resolve(&Plan::layerwise().prefetch_depth(0), &i).is_err());

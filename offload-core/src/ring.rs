@@ -116,17 +116,10 @@ impl<B: OffloadBackend> Ring<B> {
     fn build(backend: B, store: Arc<HostStore<B>>, plan: &ResolvedComponent, sabotage: Sabotage) -> Result<Self> {
         let _span = tracing::info_span!("ring_new", component = %plan.name, depth = plan.depth).entered();
         if plan.strategy == Strategy::OnDemand {
-            return Err(Error::Plan(format!(
-                "component {:?} is planned on demand: load it with OnDemand, not a Ring",
-                plan.name
-            )));
+            return Err(Error::Plan(format!("component {:?} is planned on demand: load it with OnDemand, not a Ring", plan.name)));
         }
         if plan.name != store.component() {
-            return Err(Error::Plan(format!(
-                "plan is for component {:?}, store holds {:?}",
-                plan.name,
-                store.component()
-            )));
+            return Err(Error::Plan(format!("plan is for component {:?}, store holds {:?}", plan.name, store.component())));
         }
         if plan.depth == 0 {
             return Err(Error::Plan(format!("component {:?}: prefetch depth must be at least 1", plan.name)));
@@ -145,11 +138,7 @@ impl<B: OffloadBackend> Ring<B> {
             prev: None,
             clock: 0,
             hooks: Vec::new(),
-            step: StepMetrics {
-                component: plan.name.clone(),
-                host_bytes: store.host_bytes(),
-                ..Default::default()
-            },
+            step: StepMetrics { component: plan.name.clone(), host_bytes: store.host_bytes(), ..Default::default() },
             total: StepMetrics::default(),
             sticky: None,
             sabotage,
@@ -157,7 +146,7 @@ impl<B: OffloadBackend> Ring<B> {
             timeline: None,
             step_started: Instant::now(),
         };
-        ring.step.host_pinned_bytes = if store.is_pinned() { store.host_bytes() } else { 0 };
+        ring.step.host_pinned_bytes = store.pinned_bytes();
         let result = (|| {
             for (i, b) in store.blocks().iter().enumerate() {
                 if plan.is_resident(&b.id) {
@@ -185,13 +174,7 @@ impl<B: OffloadBackend> Ring<B> {
             }
             for k in 0..count {
                 let slot = ring.alloc(largest, &format!("{}/slot {k}", plan.name))?;
-                ring.slots.push(SlotState {
-                    slot,
-                    holds: None,
-                    ready: None,
-                    free_after: None,
-                    stamp: 0,
-                });
+                ring.slots.push(SlotState { slot, holds: None, ready: None, free_after: None, stamp: 0 });
             }
             ring.warm()
         })();
@@ -218,10 +201,7 @@ impl<B: OffloadBackend> Ring<B> {
 
     fn load_whole(&mut self, buffer: &B::HostBuffer, bytes: usize, purpose: &str) -> Result<B::Slot> {
         let mut slot = self.alloc(bytes, purpose)?;
-        let copied = self
-            .backend
-            .copy_to_slot(buffer, &mut slot, bytes, None)
-            .and_then(|ready| self.backend.compute_wait(&ready));
+        let copied = self.backend.copy_to_slot(buffer, &mut slot, bytes, None).and_then(|ready| self.backend.compute_wait(&ready));
         if let Err(e) = copied {
             let _ = self.backend.synchronize();
             let _ = self.backend.free_slot(slot, None);
@@ -262,15 +242,8 @@ impl<B: OffloadBackend> Ring<B> {
 
     /// The least recently used slot holding none of `keep`, not `except`.
     fn victim_except(&self, keep: &[usize], except: Option<usize>) -> usize {
-        let candidates = self
-            .slots
-            .iter()
-            .enumerate()
-            .filter(|(i, s)| Some(*i) != except && s.holds.is_none_or(|b| !keep.contains(&b)));
-        candidates
-            .min_by_key(|(_, s)| (s.holds.is_some(), s.stamp))
-            .map(|(i, _)| i)
-            .unwrap_or(0)
+        let candidates = self.slots.iter().enumerate().filter(|(i, s)| Some(*i) != except && s.holds.is_none_or(|b| !keep.contains(&b)));
+        candidates.min_by_key(|(_, s)| (s.holds.is_some(), s.stamp)).map(|(i, _)| i).unwrap_or(0)
     }
 
     fn victim(&self, keep: &[usize]) -> usize {
@@ -280,18 +253,12 @@ impl<B: OffloadBackend> Ring<B> {
     fn load(&mut self, s: usize, b: usize) -> Result<()> {
         let store = self.store.clone();
         let block = &store.blocks()[b];
-        let after = if self.sabotage == Sabotage::SkipFreeWait {
-            None
-        } else {
-            self.slots[s].free_after.clone()
-        };
+        let after = if self.sabotage == Sabotage::SkipFreeWait { None } else { self.slots[s].free_after.clone() };
         let t0 = self.timing(StreamKind::Copy)?;
         let st = &mut self.slots[s];
         st.holds = None;
         st.ready = None;
-        let ready = self
-            .backend
-            .copy_to_slot(&block.buffer, &mut st.slot, block.bytes(), after.as_ref())?;
+        let ready = self.backend.copy_to_slot(&block.buffer, &mut st.slot, block.bytes(), after.as_ref())?;
         if let Some(start) = t0 {
             self.push_span(format!("copy {}", block.id), "copy", start, StreamKind::Copy)?;
         }
@@ -440,33 +407,17 @@ impl<B: OffloadBackend> Ring<B> {
         }
         let store = self.store.clone();
         let hb = &store.blocks()[b];
-        let ctx = BlockContext {
-            component: store.component(),
-            block: &hb.id,
-            bytes: hb.bytes(),
-            source,
-        };
+        let ctx = BlockContext { component: store.component(), block: &hb.id, bytes: hb.bytes(), source };
         for h in &mut self.hooks {
             h.pre_forward(&ctx);
         }
-        Ok(BlockGuard {
-            ring: self,
-            block: b,
-            loc,
-            source,
-            done: false,
-        })
+        Ok(BlockGuard { ring: self, block: b, loc, source, done: false })
     }
 
     fn release(&mut self, b: usize, loc: Loc, source: BlockSource) -> Result<()> {
         let store = self.store.clone();
         let hb = &store.blocks()[b];
-        let ctx = BlockContext {
-            component: store.component(),
-            block: &hb.id,
-            bytes: hb.bytes(),
-            source,
-        };
+        let ctx = BlockContext { component: store.component(), block: &hb.id, bytes: hb.bytes(), source };
         for h in self.hooks.iter_mut().rev() {
             h.post_forward(&ctx);
         }
@@ -509,12 +460,7 @@ impl<B: OffloadBackend> Ring<B> {
     /// the steady state. A no-op on backends that cannot time.
     pub fn enable_timeline(&mut self) -> Result<()> {
         if let Some(origin) = self.backend.record_timing(StreamKind::Compute)? {
-            self.timeline = Some(TimelineState {
-                origin,
-                pending: Vec::new(),
-                block_start: None,
-                collected: Timeline::default(),
-            });
+            self.timeline = Some(TimelineState { origin, pending: Vec::new(), block_start: None, collected: Timeline::default() });
         }
         Ok(())
     }
@@ -536,10 +482,9 @@ impl<B: OffloadBackend> Ring<B> {
         if let Some(tl) = &mut self.timeline {
             let (mut stall, mut busy) = (0.0, 0.0);
             for p in tl.pending.drain(..) {
-                let (Some(start_s), Some(dur_s)) = (
-                    self.backend.elapsed_s(&tl.origin, &p.start)?,
-                    self.backend.elapsed_s(&p.start, &p.end)?,
-                ) else {
+                let (Some(start_s), Some(dur_s)) =
+                    (self.backend.elapsed_s(&tl.origin, &p.start)?, self.backend.elapsed_s(&p.start, &p.end)?)
+                else {
                     continue;
                 };
                 if p.stream == "copy" {
@@ -547,13 +492,7 @@ impl<B: OffloadBackend> Ring<B> {
                 } else if p.name.starts_with("wait ") {
                     stall += dur_s;
                 }
-                tl.collected.spans.push(Span {
-                    name: p.name,
-                    stream: p.stream,
-                    component: self.step.component.clone(),
-                    start_s,
-                    dur_s,
-                });
+                tl.collected.spans.push(Span { name: p.name, stream: p.stream, component: self.step.component.clone(), start_s, dur_s });
             }
             self.step.exposed_stall_s = Some(stall);
             self.step.copy_busy_s = Some(busy);

@@ -35,26 +35,20 @@ pub struct SimConfig {
     pub device_bytes: u64,
     /// Fail the n-th slot allocation (0-based), for transactional tests.
     pub fail_alloc_at: Option<u64>,
+    /// Page-locked host memory available; `alloc_host` beyond it fails.
+    pub pinned_host_bytes: Option<u64>,
 }
 
 impl Default for SimConfig {
     fn default() -> Self {
-        SimConfig {
-            max_copy_delay_us: 200,
-            seed: 0x00ff_10ad,
-            device_bytes: 1 << 40,
-            fail_alloc_at: None,
-        }
+        SimConfig { max_copy_delay_us: 200, seed: 0x00ff_10ad, device_bytes: 1 << 40, fail_alloc_at: None, pinned_host_bytes: None }
     }
 }
 
 impl SimConfig {
     /// No delays: copies still run on the worker thread, as fast as memcpy.
     pub fn fast() -> Self {
-        SimConfig {
-            max_copy_delay_us: 0,
-            ..Default::default()
-        }
+        SimConfig { max_copy_delay_us: 0, ..Default::default() }
     }
 }
 
@@ -77,10 +71,12 @@ pub struct SimStats {
     pub d2h_copies: u64,
     /// Protocol violations seen, in order.
     pub violations: Vec<String>,
+    /// "Page-locked" host bytes handed out (never returned: the sim does not track host frees).
+    pub pinned_bytes: u64,
 }
 
-/// A page of host memory standing in for a pinned host buffer.
-pub struct SimHost(Arc<[u8]>);
+/// Host memory standing in for a pinned (or, as a fallback, pageable) buffer.
+pub struct SimHost(Arc<[u8]>, bool);
 
 /// A slot of simulated device memory.
 pub struct SimSlot {
@@ -105,13 +101,7 @@ struct EventInner {
 impl SimEvent {
     fn new(tick: u64, slot: Option<u64>, done: bool) -> Self {
         let at = Mutex::new(done.then(Instant::now));
-        SimEvent(Arc::new(EventInner {
-            tick,
-            slot,
-            done: Mutex::new(done),
-            at,
-            cv: Condvar::new(),
-        }))
+        SimEvent(Arc::new(EventInner { tick, slot, done: Mutex::new(done), at, cv: Condvar::new() }))
     }
     fn set(&self) {
         *lock(&self.0.at) = Some(Instant::now());
@@ -189,10 +179,7 @@ impl SimBackend {
     /// A simulated device with `cfg`.
     pub fn new(cfg: SimConfig) -> Self {
         let (tx, rx) = channel::<Job>();
-        let pending = Arc::new(Pending {
-            count: Mutex::new(0),
-            cv: Condvar::new(),
-        });
+        let pending = Arc::new(Pending { count: Mutex::new(0), cv: Condvar::new() });
         let p = pending.clone();
         std::thread::Builder::new()
             .name("offload-sim-copy".into())
@@ -214,15 +201,7 @@ impl SimBackend {
             .map(drop)
             .unwrap_or_else(|e| tracing::error!("cannot start the simulated copy thread: {e}"));
         let rng = rand::rngs::StdRng::seed_from_u64(cfg.seed);
-        SimBackend {
-            inner: Arc::new(Inner {
-                cfg,
-                state: Mutex::default(),
-                pending,
-                tx: Mutex::new(tx),
-                rng: Mutex::new(rng),
-            }),
-        }
+        SimBackend { inner: Arc::new(Inner { cfg, state: Mutex::default(), pending, tx: Mutex::new(tx), rng: Mutex::new(rng) }) }
     }
 
     /// A simulated device with the default configuration.
@@ -250,11 +229,7 @@ impl SimBackend {
         if v.is_empty() {
             Ok(())
         } else {
-            Err(Error::Protocol(format!(
-                "{} violation(s); first: {}",
-                v.len(),
-                v[..v.len().min(3)].join("; ")
-            )))
+            Err(Error::Protocol(format!("{} violation(s); first: {}", v.len(), v[..v.len().min(3)].join("; "))))
         }
     }
 
@@ -307,10 +282,38 @@ impl OffloadBackend for SimBackend {
         "sim"
     }
 
-    fn alloc_host(&self, bytes: usize, _purpose: &str, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<SimHost> {
+    fn alloc_host(&self, bytes: usize, purpose: &str, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<SimHost> {
+        {
+            let mut st = lock(&self.inner.state);
+            if let Some(cap) = self.inner.cfg.pinned_host_bytes {
+                let free = cap.saturating_sub(st.stats.pinned_bytes);
+                if bytes as u64 > free {
+                    return Err(Error::HostAlloc {
+                        backend: "sim".into(),
+                        requested: bytes as u64,
+                        purpose: purpose.into(),
+                        reason: format!("page-locked memory exhausted ({free} bytes left)"),
+                    });
+                }
+            }
+            st.stats.pinned_bytes += bytes as u64;
+        }
+        let mut v = vec![0u8; bytes];
+        if let Err(e) = fill(&mut v) {
+            lock(&self.inner.state).stats.pinned_bytes -= bytes as u64;
+            return Err(e);
+        }
+        Ok(SimHost(v.into(), true))
+    }
+
+    fn alloc_host_pageable(&self, bytes: usize, _purpose: &str, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<SimHost> {
         let mut v = vec![0u8; bytes];
         fill(&mut v)?;
-        Ok(SimHost(v.into()))
+        Ok(SimHost(v.into(), false))
+    }
+
+    fn is_pinned(&self, buffer: &SimHost) -> bool {
+        buffer.1
     }
 
     fn host_bytes<'a>(&self, buffer: &'a SimHost) -> &'a [u8] {
@@ -318,7 +321,7 @@ impl OffloadBackend for SimBackend {
     }
 
     fn host_is_pinned(&self) -> bool {
-        false
+        true
     }
 
     fn alloc_slot(&self, bytes: usize, purpose: &str) -> Result<SimSlot> {
@@ -330,30 +333,15 @@ impl OffloadBackend for SimBackend {
         }
         let free = self.inner.cfg.device_bytes.saturating_sub(st.stats.live_bytes);
         if bytes as u64 > free {
-            return Err(Error::OutOfDeviceMemory {
-                backend: "sim".into(),
-                requested: bytes as u64,
-                free,
-                purpose: purpose.into(),
-            });
+            return Err(Error::OutOfDeviceMemory { backend: "sim".into(), requested: bytes as u64, free, purpose: purpose.into() });
         }
         let id = st.next_slot;
         st.next_slot += 1;
-        st.slots.insert(
-            id,
-            SlotInfo {
-                bytes: bytes as u64,
-                ..Default::default()
-            },
-        );
+        st.slots.insert(id, SlotInfo { bytes: bytes as u64, ..Default::default() });
         st.stats.live_bytes += bytes as u64;
         st.stats.live_slots += 1;
         st.stats.peak_bytes = st.stats.peak_bytes.max(st.stats.live_bytes);
-        Ok(SimSlot {
-            id,
-            bytes,
-            mem: Arc::new(Mutex::new(vec![POISON; bytes])),
-        })
+        Ok(SimSlot { id, bytes, mem: Arc::new(Mutex::new(vec![POISON; bytes])) })
     }
 
     fn free_slot(&self, slot: SimSlot, after: Option<&SimEvent>) -> Result<()> {
@@ -409,17 +397,8 @@ impl OffloadBackend for SimBackend {
             lock(&dst.mem)[..bytes].fill(POISON);
         }
         *lock(&self.inner.pending.count) += 1;
-        let job = Job {
-            after: after.cloned(),
-            src: src.0.clone(),
-            dst: dst.mem.clone(),
-            bytes,
-            delay_us,
-            done: done.clone(),
-        };
-        lock(&self.inner.tx)
-            .send(job)
-            .map_err(|_| Error::device("sim", "copy", "the copy thread is gone"))?;
+        let job = Job { after: after.cloned(), src: src.0.clone(), dst: dst.mem.clone(), bytes, delay_us, done: done.clone() };
+        lock(&self.inner.tx).send(job).map_err(|_| Error::device("sim", "copy", "the copy thread is gone"))?;
         Ok(done)
     }
 
@@ -475,9 +454,7 @@ impl OffloadBackend for SimBackend {
                     delay_us: 0,
                     done: done.clone(),
                 };
-                lock(&self.inner.tx)
-                    .send(job)
-                    .map_err(|_| Error::device("sim", "timing", "the copy thread is gone"))?;
+                lock(&self.inner.tx).send(job).map_err(|_| Error::device("sim", "timing", "the copy thread is gone"))?;
                 Ok(Some(done))
             }
         }
@@ -492,9 +469,6 @@ impl OffloadBackend for SimBackend {
 
     fn memory_info(&self) -> Result<MemoryInfo> {
         let st = lock(&self.inner.state);
-        Ok(MemoryInfo {
-            free: self.inner.cfg.device_bytes - st.stats.live_bytes,
-            total: self.inner.cfg.device_bytes,
-        })
+        Ok(MemoryInfo { free: self.inner.cfg.device_bytes - st.stats.live_bytes, total: self.inner.cfg.device_bytes })
     }
 }

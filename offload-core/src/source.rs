@@ -15,6 +15,10 @@ pub trait TensorSource {
     /// Write the bytes of tensor `index` (of [`specs`](Self::specs)) into `dst`,
     /// whose length is exactly the tensor's size.
     fn read_into(&self, index: usize, dst: &mut [u8]) -> Result<()>;
+    /// Where the tensors come from, for errors (`"checkpoint /path/m.safetensors"`).
+    fn origin(&self) -> String {
+        "the tensors given".into()
+    }
 }
 
 /// Tensors held in memory (tests, models built in code).
@@ -34,10 +38,7 @@ impl MemoryTensors {
     pub fn push(&mut self, spec: TensorSpec, bytes: Vec<u8>) -> Result<()> {
         let want = spec.nbytes()?;
         if bytes.len() != want {
-            return Err(Error::BadTensor {
-                tensor: spec.name,
-                fault: format!("{} bytes given, shape and dtype need {want}", bytes.len()),
-            });
+            return Err(Error::BadTensor { tensor: spec.name, fault: format!("{} bytes given, shape and dtype need {want}", bytes.len()) });
         }
         self.specs.push(spec);
         self.data.push(bytes);
@@ -102,15 +103,8 @@ impl SafetensorsFile {
     /// ranges, ranges inside the file and not overlapping, names unique.
     pub fn open(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref().to_path_buf();
-        let io = |source| Error::Io {
-            path: path.clone(),
-            source,
-        };
-        let bad = |tensor: &str, fault: String| Error::BadCheckpoint {
-            path: path.clone(),
-            tensor: tensor.to_owned(),
-            fault,
-        };
+        let io = |source| Error::Io { path: path.clone(), source };
+        let bad = |tensor: &str, fault: String| Error::BadCheckpoint { path: path.clone(), tensor: tensor.to_owned(), fault };
         let file = File::open(&path).map_err(io)?;
         let len = file.metadata().map_err(io)?.len();
         if len < 8 {
@@ -137,10 +131,7 @@ impl SafetensorsFile {
             if !names.insert(name.clone()) {
                 return Err(bad(&name, "named twice in the header".into()));
             }
-            let dtype_s = v
-                .get("dtype")
-                .and_then(|d| d.as_str())
-                .ok_or_else(|| bad(&name, "no dtype".into()))?;
+            let dtype_s = v.get("dtype").and_then(|d| d.as_str()).ok_or_else(|| bad(&name, "no dtype".into()))?;
             let dtype = DType::parse(dtype_s).ok_or_else(|| bad(&name, format!("unknown dtype {dtype_s:?}")))?;
             let shape: Vec<usize> = v
                 .get("shape")
@@ -160,14 +151,7 @@ impl SafetensorsFile {
             let spec = TensorSpec::new(name.clone(), dtype, shape);
             let nbytes = spec.nbytes().map_err(|e| bad(&name, e.to_string()))?;
             if (b - a) as usize != nbytes {
-                return Err(bad(
-                    &name,
-                    format!(
-                        "shape {:?} of {dtype_s} needs {nbytes} bytes, data_offsets give {}",
-                        spec.shape,
-                        b - a
-                    ),
-                ));
+                return Err(bad(&name, format!("shape {:?} of {dtype_s} needs {nbytes} bytes, data_offsets give {}", spec.shape, b - a)));
             }
             ranges.push((a, b, specs.len()));
             specs.push(spec);
@@ -182,12 +166,7 @@ impl SafetensorsFile {
         for (a, _, i) in ranges {
             offsets[i] = data_start + a;
         }
-        Ok(SafetensorsFile {
-            path,
-            file,
-            specs,
-            offsets,
-        })
+        Ok(SafetensorsFile { path, file, specs, offsets })
     }
 
     /// The file's path.
@@ -200,10 +179,10 @@ impl TensorSource for SafetensorsFile {
     fn specs(&self) -> &[TensorSpec] {
         &self.specs
     }
+    fn origin(&self) -> String {
+        format!("checkpoint {}", self.path.display())
+    }
     fn read_into(&self, index: usize, dst: &mut [u8]) -> Result<()> {
-        self.file.read_exact_at(dst, self.offsets[index]).map_err(|source| Error::Io {
-            path: self.path.clone(),
-            source,
-        })
+        self.file.read_exact_at(dst, self.offsets[index]).map_err(|source| Error::Io { path: self.path.clone(), source })
     }
 }

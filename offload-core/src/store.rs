@@ -4,9 +4,26 @@
 use crate::backend::OffloadBackend;
 use crate::discovery::{BlockId, ComponentInventory};
 use crate::error::{Error, Result};
+use crate::plan::{ComponentPlan, PinFallback};
 use crate::source::TensorSource;
 use crate::tensor::BlockLayout;
 use std::collections::HashMap;
+
+/// How the host store page-locks its buffers.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PinOptions {
+    /// Page-lock at most this many bytes (`None`: no limit).
+    pub budget_bytes: Option<u64>,
+    /// What to do when pinning fails or the budget is spent.
+    pub fallback: PinFallback,
+}
+
+impl PinOptions {
+    /// The pin settings of a component's plan.
+    pub fn from_plan(plan: &ComponentPlan) -> Self {
+        PinOptions { budget_bytes: plan.host_pin_budget_bytes, fallback: plan.pin_fallback }
+    }
+}
 
 /// One block in host memory.
 pub struct HostBlock<B: OffloadBackend> {
@@ -32,13 +49,21 @@ pub struct HostStore<B: OffloadBackend> {
     blocks: Vec<HostBlock<B>>,
     non_block: Option<HostBlock<B>>,
     index: HashMap<BlockId, usize>,
-    pinned: bool,
+    pinned_bytes: u64,
 }
 
 impl<B: OffloadBackend> HostStore<B> {
     /// Build the store of `inventory` from `source`, one block at a time: each
     /// block's tensors are read straight into its host buffer.
     pub fn build(backend: &B, inventory: &ComponentInventory, source: &dyn TensorSource) -> Result<Self> {
+        Self::build_with(backend, inventory, source, PinOptions::default())
+    }
+
+    /// [`build`](Self::build) with a pin budget and a fallback to pageable memory.
+    /// On any error, everything built so far is released and nothing is kept.
+    pub fn build_with(backend: &B, inventory: &ComponentInventory, source: &dyn TensorSource, pin: PinOptions) -> Result<Self> {
+        let pinned_left = std::cell::Cell::new(pin.budget_bytes.unwrap_or(u64::MAX));
+        let pinned_bytes = std::cell::Cell::new(0u64);
         let _span = tracing::info_span!("host_store_build", component = %inventory.name).entered();
         let by_name: HashMap<&str, usize> = source.specs().iter().enumerate().map(|(i, s)| (s.name.as_str(), i)).collect();
         let load = |id: BlockId, specs: &[crate::tensor::TensorSpec]| -> Result<HostBlock<B>> {
@@ -47,19 +72,19 @@ impl<B: OffloadBackend> HostStore<B> {
             for (t, placed) in specs.iter().zip(&layout.tensors) {
                 let i = *by_name.get(t.name.as_str()).ok_or_else(|| Error::BadTensor {
                     tensor: t.name.clone(),
-                    fault: "the model expects it but the source lacks it".into(),
+                    fault: format!("the model expects it but {} lacks it", source.origin()),
                 })?;
                 let have = &source.specs()[i];
                 if have.dtype != t.dtype || have.shape != t.shape {
                     return Err(Error::BadTensor {
                         tensor: t.name.clone(),
-                        fault: format!("expected {:?} {:?}, source has {:?} {:?}", t.dtype, t.shape, have.dtype, have.shape),
+                        fault: format!("expected {:?} {:?}, {} has {:?} {:?}", t.dtype, t.shape, source.origin(), have.dtype, have.shape),
                     });
                 }
                 indices.push((i, placed.offset, placed.nbytes));
             }
             let purpose = format!("{}/{}", inventory.name, id);
-            let buffer = backend.alloc_host(layout.bytes, &purpose, &mut |dst| {
+            let mut fill = |dst: &mut [u8]| {
                 let mut end = 0;
                 for &(i, off, n) in &indices {
                     dst[end..off].fill(0);
@@ -67,7 +92,35 @@ impl<B: OffloadBackend> HostStore<B> {
                     end = off + n;
                 }
                 Ok(())
-            })?;
+            };
+            let bytes = layout.bytes as u64;
+            let pageable = |why: String, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>| {
+                tracing::warn!("{purpose}: {why}; using pageable host memory (slower copies)");
+                backend.alloc_host_pageable(layout.bytes, &purpose, fill)
+            };
+            let buffer = if bytes > pinned_left.get() {
+                match pin.fallback {
+                    PinFallback::Pageable => pageable(format!("pin budget spent ({} bytes left)", pinned_left.get()), &mut fill)?,
+                    PinFallback::Fail => {
+                        return Err(Error::HostAlloc {
+                            backend: backend.name().into(),
+                            requested: bytes,
+                            purpose,
+                            reason: format!("the plan's pin budget has {} bytes left", pinned_left.get()),
+                        })
+                    }
+                }
+            } else {
+                match backend.alloc_host(layout.bytes, &purpose, &mut fill) {
+                    Ok(b) => b,
+                    Err(e @ Error::HostAlloc { .. }) if pin.fallback == PinFallback::Pageable => pageable(e.to_string(), &mut fill)?,
+                    Err(e) => return Err(e),
+                }
+            };
+            if backend.is_pinned(&buffer) {
+                pinned_left.set(pinned_left.get() - bytes);
+                pinned_bytes.set(pinned_bytes.get() + bytes);
+            }
             Ok(HostBlock { id, layout, buffer })
         };
         let mut blocks = Vec::new();
@@ -76,18 +129,9 @@ impl<B: OffloadBackend> HostStore<B> {
             index.insert(b.id.clone(), blocks.len());
             blocks.push(load(b.id.clone(), &b.tensors)?);
         }
-        let non_block = if inventory.non_block.is_empty() {
-            None
-        } else {
-            Some(load(BlockId::new("<non-block>", 0), &inventory.non_block)?)
-        };
-        Ok(HostStore {
-            component: inventory.name.clone(),
-            blocks,
-            non_block,
-            index,
-            pinned: backend.host_is_pinned(),
-        })
+        let non_block =
+            if inventory.non_block.is_empty() { None } else { Some(load(BlockId::new("<non-block>", 0), &inventory.non_block)?) };
+        Ok(HostStore { component: inventory.name.clone(), blocks, non_block, index, pinned_bytes: pinned_bytes.get() })
     }
 
     /// Component name.
@@ -117,16 +161,17 @@ impl<B: OffloadBackend> HostStore<B> {
 
     /// Tensor bytes without alignment padding: the model's own size.
     pub fn payload_bytes(&self) -> u64 {
-        self.blocks
-            .iter()
-            .chain(self.non_block.iter())
-            .map(|b| b.layout.payload_bytes() as u64)
-            .sum()
+        self.blocks.iter().chain(self.non_block.iter()).map(|b| b.layout.payload_bytes() as u64).sum()
     }
 
-    /// Whether the buffers are page-locked.
+    /// Whether every buffer is page-locked.
     pub fn is_pinned(&self) -> bool {
-        self.pinned
+        self.pinned_bytes == self.host_bytes()
+    }
+
+    /// Page-locked bytes.
+    pub fn pinned_bytes(&self) -> u64 {
+        self.pinned_bytes
     }
 
     /// The largest block, in bytes.

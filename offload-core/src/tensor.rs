@@ -74,11 +74,7 @@ pub struct TensorSpec {
 impl TensorSpec {
     /// A new spec.
     pub fn new(name: impl Into<String>, dtype: DType, shape: impl Into<Vec<usize>>) -> Self {
-        TensorSpec {
-            name: name.into(),
-            dtype,
-            shape: shape.into(),
-        }
+        TensorSpec { name: name.into(), dtype, shape: shape.into() }
     }
 
     /// Number of elements (1 for a scalar), or an error naming the tensor on overflow.
@@ -86,18 +82,14 @@ impl TensorSpec {
         self.shape
             .iter()
             .try_fold(1usize, |a, &d| a.checked_mul(d))
-            .ok_or_else(|| Error::BadTensor {
-                tensor: self.name.clone(),
-                fault: format!("shape {:?} overflows", self.shape),
-            })
+            .ok_or_else(|| Error::BadTensor { tensor: self.name.clone(), fault: format!("shape {:?} overflows", self.shape) })
     }
 
     /// Size in bytes, or an error naming the tensor on overflow.
     pub fn nbytes(&self) -> Result<usize> {
-        self.numel()?.checked_mul(self.dtype.size()).ok_or_else(|| Error::BadTensor {
-            tensor: self.name.clone(),
-            fault: format!("shape {:?} overflows", self.shape),
-        })
+        self.numel()?
+            .checked_mul(self.dtype.size())
+            .ok_or_else(|| Error::BadTensor { tensor: self.name.clone(), fault: format!("shape {:?} overflows", self.shape) })
     }
 }
 
@@ -149,9 +141,7 @@ impl BlockLayout {
     /// The tensor named `name` (full name or the part after the block prefix).
     pub fn get(&self, name: &str) -> Option<&PlacedTensor> {
         self.tensors.iter().find(|t| t.spec.name == name).or_else(|| {
-            self.tensors
-                .iter()
-                .find(|t| t.spec.name.ends_with(name) && t.spec.name[..t.spec.name.len() - name.len()].ends_with('.'))
+            self.tensors.iter().find(|t| t.spec.name.ends_with(name) && t.spec.name[..t.spec.name.len() - name.len()].ends_with('.'))
         })
     }
 

@@ -69,10 +69,6 @@ impl Timeline {
 
     /// Total duration of spans on `stream` whose name starts with `prefix`.
     pub fn total_s(&self, stream: &str, prefix: &str) -> f64 {
-        self.spans
-            .iter()
-            .filter(|s| s.stream == stream && s.name.starts_with(prefix))
-            .map(|s| s.dur_s)
-            .sum()
+        self.spans.iter().filter(|s| s.stream == stream && s.name.starts_with(prefix)).map(|s| s.dur_s).sum()
     }
 }

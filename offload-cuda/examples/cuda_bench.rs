@@ -232,11 +232,7 @@ struct Model {
 }
 
 fn grid(n: usize) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: (n.div_ceil(256).clamp(1, 65535) as u32, 1, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
-    }
+    LaunchConfig { grid_dim: (n.div_ceil(256).clamp(1, 65535) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }
 }
 
 impl Model {
@@ -297,15 +293,7 @@ impl Model {
         let (rows, cols, ld, gf) = (n as i64, out as i32, ldy as i32, gelu_from as i32);
         // SAFETY: `y` holds `n` rows of `ldy` bf16, `bias` holds `out` bf16.
         unsafe {
-            self.stream()
-                .launch_builder(&self.k.bias_act)
-                .arg(&y)
-                .arg(&bias)
-                .arg(&rows)
-                .arg(&cols)
-                .arg(&ld)
-                .arg(&gf)
-                .launch(grid(n * out))
+            self.stream().launch_builder(&self.k.bias_act).arg(&y).arg(&bias).arg(&rows).arg(&cols).arg(&ld).arg(&gf).launch(grid(n * out))
         }
         .map_err(|e| dev("bias_act", e))?;
         Ok(())
@@ -313,23 +301,10 @@ impl Model {
 
     fn modulate(&self, out: u64, x: u64, rows: usize, shift: u64, scale: u64) -> Result<()> {
         let cols = H as i32;
-        let cfg = LaunchConfig {
-            grid_dim: (rows as u32, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
         // SAFETY: `x` and `out` hold `rows × H` bf16; shift and scale hold H bf16.
-        unsafe {
-            self.stream()
-                .launch_builder(&self.k.modulate)
-                .arg(&out)
-                .arg(&x)
-                .arg(&cols)
-                .arg(&shift)
-                .arg(&scale)
-                .launch(cfg)
-        }
-        .map_err(|e| dev("modulate_ln", e))?;
+        unsafe { self.stream().launch_builder(&self.k.modulate).arg(&out).arg(&x).arg(&cols).arg(&shift).arg(&scale).launch(cfg) }
+            .map_err(|e| dev("modulate_ln", e))?;
         Ok(())
     }
 
@@ -340,15 +315,7 @@ impl Model {
         let (r, l, c, h) = (rows as i64, ld as i32, col0 as i32, HEADS as i32);
         // SAFETY: `y` holds `rows × ld` bf16 with 24 heads of 128 from `col0`; scale holds 128.
         unsafe {
-            self.stream()
-                .launch_builder(&self.k.rms)
-                .arg(&y)
-                .arg(&r)
-                .arg(&l)
-                .arg(&c)
-                .arg(&h)
-                .arg(&scale)
-                .launch(grid(rows * HEADS * 32))
+            self.stream().launch_builder(&self.k.rms).arg(&y).arg(&r).arg(&l).arg(&c).arg(&h).arg(&scale).launch(grid(rows * HEADS * 32))
         }
         .map_err(|e| dev("rms_heads", e))?;
         Ok(())
@@ -357,18 +324,8 @@ impl Model {
     fn residual(&self, x: u64, y: u64, gate: u64, rows: usize, ldy: usize) -> Result<()> {
         let (r, c, l) = (rows as i64, H as i32, ldy as i32);
         // SAFETY: `x` holds `rows × H`, `y` `rows × ldy` bf16, gate H bf16.
-        unsafe {
-            self.stream()
-                .launch_builder(&self.k.residual)
-                .arg(&x)
-                .arg(&y)
-                .arg(&gate)
-                .arg(&r)
-                .arg(&c)
-                .arg(&l)
-                .launch(grid(rows * H))
-        }
-        .map_err(|e| dev("gated_residual", e))?;
+        unsafe { self.stream().launch_builder(&self.k.residual).arg(&x).arg(&y).arg(&gate).arg(&r).arg(&c).arg(&l).launch(grid(rows * H)) }
+            .map_err(|e| dev("gated_residual", e))?;
         Ok(())
     }
 
@@ -411,21 +368,10 @@ impl Model {
             .map_err(|e| dev("QK^T", e))?;
         }
         let (cols, scale) = (t as i64, 1.0f32 / (HD as f32).sqrt());
-        let cfg = LaunchConfig {
-            grid_dim: ((HEADS * t) as u32, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = LaunchConfig { grid_dim: ((HEADS * t) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
         // SAFETY: scores hold HEADS × T rows of T bf16.
-        unsafe {
-            self.stream()
-                .launch_builder(&self.k.softmax)
-                .arg(&s)
-                .arg(&cols)
-                .arg(&scale)
-                .launch(cfg)
-        }
-        .map_err(|e| dev("softmax", e))?;
+        unsafe { self.stream().launch_builder(&self.k.softmax).arg(&s).arg(&cols).arg(&scale).launch(cfg) }
+            .map_err(|e| dev("softmax", e))?;
         let o = ptr(&a.o);
         if !skip {
             // SAFETY: as above; `o` holds T × H.
@@ -469,34 +415,12 @@ impl Model {
         let streams = [("txt", 0usize, TXT), ("img", TXT, ni)];
         for (k, (s, row0, n)) in streams.iter().enumerate() {
             let m = modv + (k * 6 * H) as u64 * e;
-            self.linear(
-                m,
-                6 * H,
-                svec,
-                H,
-                w(&format!("{s}_mod.lin.weight"))?,
-                w(&format!("{s}_mod.lin.bias"))?,
-                1,
-                6 * H,
-                H,
-                NO_GELU,
-            )?;
+            self.linear(m, 6 * H, svec, H, w(&format!("{s}_mod.lin.weight"))?, w(&format!("{s}_mod.lin.bias"))?, 1, 6 * H, H, NO_GELU)?;
             let x = ptr(&a.x) + (row0 * H) as u64 * e;
             let xm = ptr(&a.xm) + (row0 * H) as u64 * e;
             self.modulate(xm, x, *n, m, m + H as u64 * e)?;
             let y = ptr(&a.y) + (row0 * 3 * H) as u64 * e;
-            self.linear(
-                y,
-                3 * H,
-                xm,
-                H,
-                w(&format!("{s}_attn.qkv.weight"))?,
-                w(&format!("{s}_attn.qkv.bias"))?,
-                *n,
-                3 * H,
-                H,
-                NO_GELU,
-            )?;
+            self.linear(y, 3 * H, xm, H, w(&format!("{s}_attn.qkv.weight"))?, w(&format!("{s}_attn.qkv.bias"))?, *n, 3 * H, H, NO_GELU)?;
             self.rms(y, *n, 3 * H, 0, w(&format!("{s}_attn.norm.query_norm.scale"))?)?;
             self.rms(y, *n, 3 * H, H, w(&format!("{s}_attn.norm.key_norm.scale"))?)?;
         }
@@ -507,46 +431,13 @@ impl Model {
             let x = ptr(&a.x) + (row0 * H) as u64 * e;
             let o = ptr(&a.o) + (row0 * H) as u64 * e;
             let tmp2 = ptr(&a.tmp2);
-            self.linear(
-                tmp2,
-                H,
-                o,
-                H,
-                w(&format!("{s}_attn.proj.weight"))?,
-                w(&format!("{s}_attn.proj.bias"))?,
-                *n,
-                H,
-                H,
-                NO_GELU,
-            )?;
+            self.linear(tmp2, H, o, H, w(&format!("{s}_attn.proj.weight"))?, w(&format!("{s}_attn.proj.bias"))?, *n, H, H, NO_GELU)?;
             self.residual(x, tmp2, m + 2 * H as u64 * e, *n, H)?;
             let xm = ptr(&a.xm);
             self.modulate(xm, x, *n, m + 3 * H as u64 * e, m + 4 * H as u64 * e)?;
             let tmp = ptr(&a.tmp);
-            self.linear(
-                tmp,
-                MLP,
-                xm,
-                H,
-                w(&format!("{s}_mlp.0.weight"))?,
-                w(&format!("{s}_mlp.0.bias"))?,
-                *n,
-                MLP,
-                H,
-                0,
-            )?;
-            self.linear(
-                tmp2,
-                H,
-                tmp,
-                MLP,
-                w(&format!("{s}_mlp.2.weight"))?,
-                w(&format!("{s}_mlp.2.bias"))?,
-                *n,
-                H,
-                MLP,
-                NO_GELU,
-            )?;
+            self.linear(tmp, MLP, xm, H, w(&format!("{s}_mlp.0.weight"))?, w(&format!("{s}_mlp.0.bias"))?, *n, MLP, H, 0)?;
+            self.linear(tmp2, H, tmp, MLP, w(&format!("{s}_mlp.2.weight"))?, w(&format!("{s}_mlp.2.bias"))?, *n, H, MLP, NO_GELU)?;
             self.residual(x, tmp2, m + 5 * H as u64 * e, *n, H)?;
         }
         Ok(())
@@ -557,18 +448,7 @@ impl Model {
         let e = 2u64;
         let (m, x, xm, y) = (ptr(&a.modv), ptr(&a.x), ptr(&a.xm), ptr(&a.y));
         let ld = 3 * H + MLP;
-        self.linear(
-            m,
-            3 * H,
-            ptr(&a.svec),
-            H,
-            w("modulation.lin.weight")?,
-            w("modulation.lin.bias")?,
-            1,
-            3 * H,
-            H,
-            NO_GELU,
-        )?;
+        self.linear(m, 3 * H, ptr(&a.svec), H, w("modulation.lin.weight")?, w("modulation.lin.bias")?, 1, 3 * H, H, NO_GELU)?;
         self.modulate(xm, x, t, m, m + H as u64 * e)?;
         self.linear(y, ld, xm, H, w("linear1.weight")?, w("linear1.bias")?, t, ld, H, 3 * H)?;
         self.rms(y, t, ld, 0, w("norm.query_norm.scale")?)?;
@@ -579,15 +459,7 @@ impl Model {
         let (ldd, lds, rows, cols) = (ld as i32, H as i32, t as i64, H as i32);
         // SAFETY: `y` holds T × ld bf16 and `o` T × H.
         unsafe {
-            self.stream()
-                .launch_builder(&self.k.copy_cols)
-                .arg(&yv)
-                .arg(&ldd)
-                .arg(&o)
-                .arg(&lds)
-                .arg(&rows)
-                .arg(&cols)
-                .launch(grid(t * H))
+            self.stream().launch_builder(&self.k.copy_cols).arg(&yv).arg(&ldd).arg(&o).arg(&lds).arg(&rows).arg(&cols).launch(grid(t * H))
         }
         .map_err(|e| dev("copy_cols", e))?;
         let tmp2 = ptr(&a.tmp2);
@@ -632,9 +504,7 @@ struct StepTiming {
 }
 
 fn timing_event(be: &CudaBackend) -> Result<CudaEvent> {
-    be.ctx()
-        .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
-        .map_err(|e| dev("event", e))
+    be.ctx().new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(|e| dev("event", e))
 }
 
 fn elapsed(a: &CudaEvent, b: &CudaEvent) -> Result<f64> {
@@ -709,11 +579,7 @@ fn run_steps(
             let next = if j + 1 < st.len() { &st[j + 1].0 } else { &bounds[k + 1] };
             block_compute_s.push(elapsed(e, next)?);
         }
-        out.push(StepTiming {
-            step_s: elapsed(&bounds[k], &bounds[k + 1])?,
-            stall_s,
-            block_compute_s,
-        });
+        out.push(StepTiming { step_s: elapsed(&bounds[k], &bounds[k + 1])?, stall_s, block_compute_s });
     }
     Ok(out)
 }
@@ -724,12 +590,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 fn arg_list(args: &[String], name: &str, default: &str) -> Vec<usize> {
-    let v = args
-        .iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1))
-        .map(String::as_str)
-        .unwrap_or(default);
+    let v = args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).map(String::as_str).unwrap_or(default);
     v.split(',').filter_map(|x| x.trim().parse().ok()).collect()
 }
 
@@ -748,21 +609,12 @@ fn run() -> Result<()> {
     let double = arg_list(&args, "--double", "19")[0];
     let single = arg_list(&args, "--single", "38")[0];
     let out = args.iter().position(|a| a == "--out").and_then(|i| args.get(i + 1)).cloned();
-    let budgets: Vec<usize> = if args.iter().any(|a| a == "--budgets") {
-        arg_list(&args, "--budgets", "")
-    } else {
-        Vec::new()
-    };
+    let budgets: Vec<usize> = if args.iter().any(|a| a == "--budgets") { arg_list(&args, "--budgets", "") } else { Vec::new() };
     SKIP_GEMM.store(args.iter().any(|a| a == "--no-gemm"), Ordering::Relaxed);
     let trace = args.iter().position(|a| a == "--trace").and_then(|i| args.get(i + 1)).cloned();
     let traced = std::cell::Cell::new(false);
     let timeline_metrics: std::cell::RefCell<Option<offload_core::StepMetrics>> = std::cell::RefCell::new(None);
-    let commit = args
-        .iter()
-        .position(|a| a == "--commit")
-        .and_then(|i| args.get(i + 1))
-        .cloned()
-        .unwrap_or_default();
+    let commit = args.iter().position(|a| a == "--commit").and_then(|i| args.get(i + 1)).cloned().unwrap_or_default();
 
     let be = CudaBackend::new(0)?;
     let gpu = be.ctx().name().unwrap_or_default();
@@ -783,10 +635,7 @@ fn run() -> Result<()> {
     let model = Model { be: be.clone(), blas, k };
 
     let t0 = Instant::now();
-    let source = RandomWeights {
-        specs: flux_specs(double, single),
-        seed: 0xF1_0D_E5,
-    };
+    let source = RandomWeights { specs: flux_specs(double, single), seed: 0xF1_0D_E5 };
     let inventory = DeclaredStacks::new(["double_blocks", "single_blocks"]).discover("transformer", source.specs())?;
     let store = Arc::new(HostStore::build(&be, &inventory, &source)?);
     let total_bytes = store.host_bytes();
@@ -841,10 +690,7 @@ fn run() -> Result<()> {
                     let (_, tm) = enqueue_step(&model, &mut ring, a, double, single)?;
                     eprintln!("timeline step: {tm}");
                     if let Some(tl) = ring.timeline() {
-                        tl.write_chrome_trace(path).map_err(|e| Error::Io {
-                            path: path.into(),
-                            source: e,
-                        })?;
+                        tl.write_chrome_trace(path).map_err(|e| Error::Io { path: path.into(), source: e })?;
                     }
                     *timeline_metrics.borrow_mut() = Some(tm);
                 }
@@ -874,20 +720,13 @@ fn run() -> Result<()> {
         };
         if let Some(dir) = out.as_ref().and_then(|o| std::path::Path::new(o).parent()) {
             let p = dir.join(format!("calibration-{res}.json"));
-            std::fs::write(&p, cost.to_json()).map_err(|e| Error::Io {
-                path: p.clone(),
-                source: e,
-            })?;
+            std::fs::write(&p, cost.to_json()).map_err(|e| Error::Io { path: p.clone(), source: e })?;
         }
         for &gib in &budgets {
             let budget = (gib as u64) << 30;
             let choice = offload_plan::plan(&cost, budget, 1, ResidentPolicy::Auto)?;
             let resident_blocks: Vec<String> = choice.resident_ids(&cost).iter().map(|s| s.to_string()).collect();
-            let cp = ComponentPlan {
-                device_budget_bytes: Some(budget),
-                resident_blocks: resident_blocks.clone(),
-                ..Default::default()
-            };
+            let cp = ComponentPlan { device_budget_bytes: Some(budget), resident_blocks: resident_blocks.clone(), ..Default::default() };
             let (st, sout, speak, m) = run_plan(&Plan::layerwise().component("transformer", cp), &mut a)?;
             let streamed_s = median(st.iter().map(|s| s.step_s).collect());
             let bound = resident_s.max(choice.streamed_bytes as f64 / bandwidth);

@@ -162,6 +162,14 @@ impl OffloadBackend for CudaBackend {
         PinnedHost::new(self.shared.clone(), bytes, fill, purpose)
     }
 
+    fn alloc_host_pageable(&self, bytes: usize, _purpose: &str, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<PinnedHost> {
+        PinnedHost::new_pageable(self.shared.clone(), bytes, fill)
+    }
+
+    fn is_pinned(&self, buffer: &PinnedHost) -> bool {
+        buffer.is_pinned()
+    }
+
     fn host_bytes<'a>(&self, buffer: &'a PinnedHost) -> &'a [u8] {
         buffer.as_slice()
     }
@@ -193,12 +201,7 @@ impl OffloadBackend for CudaBackend {
         let s = &self.shared;
         let live = s.live_bytes.fetch_add(bytes as u64, Ordering::Relaxed) + bytes as u64;
         s.peak_bytes.fetch_max(live, Ordering::Relaxed);
-        Ok(CudaSlot {
-            ptr,
-            len: bytes,
-            last_copy: None,
-            shared: s.clone(),
-        })
+        Ok(CudaSlot { ptr, len: bytes, last_copy: None, shared: s.clone() })
     }
 
     fn free_slot(&self, slot: CudaSlot, after: Option<&Arc<CudaEvent>>) -> Result<()> {
@@ -212,18 +215,12 @@ impl OffloadBackend for CudaBackend {
 
     fn copy_to_slot(&self, src: &PinnedHost, dst: &mut CudaSlot, bytes: usize, after: Option<&Arc<CudaEvent>>) -> Result<Arc<CudaEvent>> {
         if bytes > src.len() || bytes > dst.len {
-            return Err(Error::Protocol(format!(
-                "copy of {bytes} bytes from a {}-byte buffer into a {}-byte slot",
-                src.len(),
-                dst.len
-            )));
+            return Err(Error::Protocol(format!("copy of {bytes} bytes from a {}-byte buffer into a {}-byte slot", src.len(), dst.len)));
         }
         self.bind()?;
         let s = &self.shared;
         if let Some(ev) = after {
-            s.copy
-                .wait(ev)
-                .map_err(|e| driver("copy stream waiting for a slot's last use", e))?;
+            s.copy.wait(ev).map_err(|e| driver("copy stream waiting for a slot's last use", e))?;
         }
         if bytes > 0 {
             // SAFETY: `src` is pinned and stays alive until the copy stream has
@@ -241,31 +238,17 @@ impl OffloadBackend for CudaBackend {
     }
 
     fn compute_wait(&self, event: &Arc<CudaEvent>) -> Result<()> {
-        self.shared
-            .compute
-            .wait(event)
-            .map_err(|e| driver("compute stream waiting for a copy", e))
+        self.shared.compute.wait(event).map_err(|e| driver("compute stream waiting for a copy", e))
     }
 
     fn record_compute(&self) -> Result<Arc<CudaEvent>> {
-        Ok(Arc::new(
-            self.shared
-                .compute
-                .record_event(None)
-                .map_err(|e| driver("recording a compute event", e))?,
-        ))
+        Ok(Arc::new(self.shared.compute.record_event(None).map_err(|e| driver("recording a compute event", e))?))
     }
 
     fn synchronize(&self) -> Result<()> {
         self.shared.syncs.fetch_add(1, Ordering::Relaxed);
-        self.shared
-            .copy
-            .synchronize()
-            .map_err(|e| driver("synchronizing the copy stream", e))?;
-        self.shared
-            .compute
-            .synchronize()
-            .map_err(|e| driver("synchronizing the compute stream", e))
+        self.shared.copy.synchronize().map_err(|e| driver("synchronizing the copy stream", e))?;
+        self.shared.compute.synchronize().map_err(|e| driver("synchronizing the compute stream", e))
     }
 
     fn poll_error(&self) -> Result<()> {
@@ -277,23 +260,16 @@ impl OffloadBackend for CudaBackend {
             StreamKind::Copy => &self.shared.copy,
             StreamKind::Compute => &self.shared.compute,
         };
-        let ev = stream
-            .record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
-            .map_err(|e| driver("recording a timing event", e))?;
+        let ev = stream.record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(|e| driver("recording a timing event", e))?;
         Ok(Some(Arc::new(ev)))
     }
 
     fn elapsed_s(&self, from: &Arc<CudaEvent>, to: &Arc<CudaEvent>) -> Result<Option<f64>> {
-        Ok(Some(
-            from.elapsed_ms(to).map_err(|e| driver("reading a timing event", e))? as f64 / 1e3,
-        ))
+        Ok(Some(from.elapsed_ms(to).map_err(|e| driver("reading a timing event", e))? as f64 / 1e3))
     }
 
     fn memory_info(&self) -> Result<MemoryInfo> {
         let (free, total) = self.shared.ctx.mem_get_info().map_err(|e| driver("cuMemGetInfo", e))?;
-        Ok(MemoryInfo {
-            free: free as u64,
-            total: total as u64,
-        })
+        Ok(MemoryInfo { free: free as u64, total: total as u64 })
     }
 }

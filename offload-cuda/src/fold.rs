@@ -37,9 +37,7 @@ extern "C" __global__ void fold_combine(u64* acc) {
 
 fn ptx() -> std::result::Result<&'static nvrtc::Ptx, String> {
     static PTX: OnceLock<std::result::Result<nvrtc::Ptx, String>> = OnceLock::new();
-    PTX.get_or_init(|| nvrtc::compile_ptx(KERNELS).map_err(|e| format!("NVRTC: {e}")))
-        .as_ref()
-        .map_err(Clone::clone)
+    PTX.get_or_init(|| nvrtc::compile_ptx(KERNELS).map_err(|e| format!("NVRTC: {e}"))).as_ref().map_err(Clone::clone)
 }
 
 fn dev(during: &str, e: impl std::fmt::Display) -> Error {
@@ -73,20 +71,12 @@ impl FoldKernel {
         let ptr = slot.device_ptr();
         let n = bytes as u64;
         let words = bytes.div_ceil(8) as u32;
-        let cfg = LaunchConfig {
-            grid_dim: (words.div_ceil(256).clamp(1, 1024), 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = LaunchConfig { grid_dim: (words.div_ceil(256).clamp(1, 1024), 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
         // SAFETY: `ptr` addresses at least `bytes` device bytes (checked above) of a
         // slot the caller keeps alive; the accumulator holds two u64.
         unsafe { s.launch_builder(&self.hash).arg(&ptr).arg(&n).arg(&mut self.acc).launch(cfg) }
             .map_err(|e| dev("block_hash launch", e))?;
-        let one = LaunchConfig {
-            grid_dim: (1, 1, 1),
-            block_dim: (1, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let one = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1, 1, 1), shared_mem_bytes: 0 };
         // SAFETY: the accumulator holds two u64.
         unsafe { s.launch_builder(&self.combine).arg(&mut self.acc).launch(one) }.map_err(|e| dev("fold_combine launch", e))?;
         Ok(())
@@ -94,10 +84,7 @@ impl FoldKernel {
 
     /// Read the accumulator back (an activation, not a weight; waits for compute).
     pub fn read(&self, b: &CudaBackend) -> Result<u64> {
-        let v = b
-            .compute_stream()
-            .clone_dtoh(&self.acc)
-            .map_err(|e| dev("reading the accumulator", e))?;
+        let v = b.compute_stream().clone_dtoh(&self.acc).map_err(|e| dev("reading the accumulator", e))?;
         Ok(v[0])
     }
 }

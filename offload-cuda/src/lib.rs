@@ -37,10 +37,7 @@ use offload_core::{BlockGuard, BlockLayout, Error, OffloadBackend, Result};
 /// The device address of tensor `name` (full name, or the part after the block
 /// prefix) of a block laid out as `layout` in `slot`.
 pub fn tensor_ptr(slot: &CudaSlot, layout: &BlockLayout, name: &str) -> Result<u64> {
-    let t = layout.get(name).ok_or_else(|| Error::BadTensor {
-        tensor: name.to_owned(),
-        fault: "not in this block".into(),
-    })?;
+    let t = layout.get(name).ok_or_else(|| Error::BadTensor { tensor: name.to_owned(), fault: "not in this block".into() })?;
     Ok(slot.device_ptr() + t.offset as u64)
 }
 
@@ -58,11 +55,7 @@ impl<B: OffloadBackend<Slot = CudaSlot>> CudaBlockExt for BlockGuard<'_, B> {
     }
     fn tensor_ptrs(&self) -> Vec<(&str, u64)> {
         let base = self.slot().device_ptr();
-        self.layout()
-            .tensors
-            .iter()
-            .map(|t| (t.spec.name.as_str(), base + t.offset as u64))
-            .collect()
+        self.layout().tensors.iter().map(|t| (t.spec.name.as_str(), base + t.offset as u64)).collect()
     }
 }
 

@@ -8,10 +8,13 @@ use offload_core::Result;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-/// Page-locked (not write-combined) host memory holding one block, immutable after it is filled.
+/// Page-locked (not write-combined) host memory holding one block, immutable
+/// after it is filled; or, as the plan's fallback, ordinary pageable memory.
 pub struct PinnedHost {
     ptr: *mut u8,
     len: usize,
+    /// `Some` when the buffer is pageable (it owns the bytes `ptr` points into).
+    pageable: Option<Box<[u8]>>,
     shared: Arc<Shared>,
 }
 
@@ -36,7 +39,7 @@ impl PinnedHost {
                 reason: format!("cuMemHostAlloc: {e}"),
             })? as *mut u8
         };
-        let me = PinnedHost { ptr, len, shared };
+        let me = PinnedHost { ptr, len, pageable: None, shared };
         if len > 0 {
             // SAFETY: `ptr` points to `len` bytes we own exclusively until `me` is returned.
             let bytes = unsafe { std::slice::from_raw_parts_mut(me.ptr, me.len) };
@@ -44,6 +47,18 @@ impl PinnedHost {
         }
         me.shared.pinned_bytes.fetch_add(len as u64, Ordering::Relaxed);
         Ok(me)
+    }
+
+    pub(crate) fn new_pageable(shared: Arc<Shared>, len: usize, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<Self> {
+        let mut bytes = vec![0u8; len].into_boxed_slice();
+        fill(&mut bytes)?;
+        let ptr = bytes.as_mut_ptr();
+        Ok(PinnedHost { ptr, len, pageable: Some(bytes), shared })
+    }
+
+    /// Whether the buffer is page-locked.
+    pub fn is_pinned(&self) -> bool {
+        self.pageable.is_none()
     }
 
     /// The bytes.
@@ -74,6 +89,11 @@ impl PinnedHost {
 impl Drop for PinnedHost {
     fn drop(&mut self) {
         if self.ptr.is_null() {
+            return;
+        }
+        if self.pageable.is_some() {
+            // The copy stream may still read the boxed bytes: drain it before they go.
+            let _ = self.shared.copy.synchronize();
             return;
         }
         // A copy from this buffer may still be queued: wait for the copy stream

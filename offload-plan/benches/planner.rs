@@ -14,15 +14,8 @@ fn planner(c: &mut Criterion) {
             compute_s: 0.002 + (i % 7) as f64 * 1e-4,
         })
         .collect();
-    let m = CostModel {
-        bandwidth_bytes_per_s: 54e9,
-        blocks,
-        non_block_bytes: 1 << 30,
-        source: "bench".into(),
-    };
-    c.bench_function("planner_200_blocks", |b| {
-        b.iter(|| plan(&m, 24 << 30, 2, ResidentPolicy::Auto).expect("fits"))
-    });
+    let m = CostModel { bandwidth_bytes_per_s: 54e9, blocks, non_block_bytes: 1 << 30, source: "bench".into() };
+    c.bench_function("planner_200_blocks", |b| b.iter(|| plan(&m, 24 << 30, 2, ResidentPolicy::Auto).expect("fits")));
 }
 
 criterion_group!(benches, planner);

@@ -37,21 +37,10 @@ impl CostModel {
     pub fn from_inventory(inventory: &ComponentInventory, bandwidth_bytes_per_s: f64) -> Result<Self> {
         let blocks = inventory
             .blocks()
-            .map(|b| {
-                Ok(BlockCost {
-                    id: b.id.to_string(),
-                    bytes: BlockLayout::new(b.tensors.clone())?.bytes as u64,
-                    compute_s: 0.0,
-                })
-            })
+            .map(|b| Ok(BlockCost { id: b.id.to_string(), bytes: BlockLayout::new(b.tensors.clone())?.bytes as u64, compute_s: 0.0 }))
             .collect::<Result<_>>()?;
         let non_block_bytes = BlockLayout::new(inventory.non_block.clone())?.bytes as u64;
-        Ok(CostModel {
-            bandwidth_bytes_per_s,
-            blocks,
-            non_block_bytes,
-            source: "block sizes only".into(),
-        })
+        Ok(CostModel { bandwidth_bytes_per_s, blocks, non_block_bytes, source: "block sizes only".into() })
     }
 
     /// Read a calibration saved with [`to_json`](Self::to_json).
@@ -83,14 +72,7 @@ impl CostModel {
     /// Device bytes for weights under a plan: `(d + 1) ×` the largest streamed
     /// block, plus resident blocks, plus non-block tensors.
     pub fn device_bytes(&self, resident: &[bool], depth: usize) -> u64 {
-        let largest = self
-            .blocks
-            .iter()
-            .zip(resident)
-            .filter(|(_, r)| !**r)
-            .map(|(b, _)| b.bytes)
-            .max()
-            .unwrap_or(0);
+        let largest = self.blocks.iter().zip(resident).filter(|(_, r)| !**r).map(|(b, _)| b.bytes).max().unwrap_or(0);
         let res: u64 = self.blocks.iter().zip(resident).filter(|(_, r)| **r).map(|(b, _)| b.bytes).sum();
         (depth as u64 + 1) * largest + res + self.non_block_bytes
     }

@@ -119,11 +119,7 @@ mod tests {
     fn round_trip() {
         let plan = Plan::layerwise().prefetch_depth(2).device_budget_gib(12.0).component(
             "vae",
-            ComponentPlan {
-                strategy: Strategy::OnDemand,
-                resident_policy: ResidentPolicy::Leading,
-                ..Default::default()
-            },
+            ComponentPlan { strategy: Strategy::OnDemand, resident_policy: ResidentPolicy::Leading, ..Default::default() },
         );
         let text = to_toml(&plan).unwrap();
         assert_eq!(from_toml(&text).unwrap(), plan);
@@ -133,13 +129,9 @@ mod tests {
     fn bad_values_name_the_line_and_key() {
         let e = from_toml("[default]\nstrategy = \"sideways\"\n").unwrap_err().to_string();
         assert!(e.contains("line 2") && e.contains("sideways"), "{e}");
-        let e = from_toml("[default]\n\n[components.vae]\nstrategy = \"on_demand\"\nprefetch_depth = 0\n")
-            .unwrap_err()
-            .to_string();
+        let e = from_toml("[default]\n\n[components.vae]\nstrategy = \"on_demand\"\nprefetch_depth = 0\n").unwrap_err().to_string();
         assert!(e.contains("line 5") && e.contains("components.vae.prefetch_depth"), "{e}");
-        let e = from_toml("[components.t]\nresident_blocks = [\"blocks\"]\n")
-            .unwrap_err()
-            .to_string();
+        let e = from_toml("[components.t]\nresident_blocks = [\"blocks\"]\n").unwrap_err().to_string();
         assert!(e.contains("line 2") && e.contains("resident_blocks"), "{e}");
         let e = from_toml("[components.t]\ncolour = 3\n").unwrap_err().to_string();
         assert!(e.contains("colour"), "{e}");

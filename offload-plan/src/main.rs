@@ -23,20 +23,11 @@ fn gib(b: u64) -> f64 {
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let opt = |name: &str| args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).cloned();
-    let Some(path) = args.first().filter(|a| !a.starts_with("--")) else {
-        fail(USAGE)
-    };
-    let budget_gib: f64 = opt("--budget-gib")
-        .unwrap_or_else(|| fail(USAGE))
-        .parse()
-        .unwrap_or_else(|e| fail(format!("--budget-gib: {e}")));
-    let depth: usize = opt("--depth")
-        .map(|d| d.parse().unwrap_or_else(|e| fail(format!("--depth: {e}"))))
-        .unwrap_or(1);
-    let bandwidth: f64 = opt("--bandwidth-gbps")
-        .map(|d| d.parse().unwrap_or_else(|e| fail(format!("--bandwidth-gbps: {e}"))))
-        .unwrap_or(25.0)
-        * 1e9;
+    let Some(path) = args.first().filter(|a| !a.starts_with("--")) else { fail(USAGE) };
+    let budget_gib: f64 = opt("--budget-gib").unwrap_or_else(|| fail(USAGE)).parse().unwrap_or_else(|e| fail(format!("--budget-gib: {e}")));
+    let depth: usize = opt("--depth").map(|d| d.parse().unwrap_or_else(|e| fail(format!("--depth: {e}")))).unwrap_or(1);
+    let bandwidth: f64 =
+        opt("--bandwidth-gbps").map(|d| d.parse().unwrap_or_else(|e| fail(format!("--bandwidth-gbps: {e}")))).unwrap_or(25.0) * 1e9;
     let policy = match opt("--policy").as_deref() {
         None | Some("auto") => ResidentPolicy::Auto,
         Some("leading") => ResidentPolicy::Leading,
@@ -55,11 +46,8 @@ fn main() {
     };
     println!("{path}: component {component:?}");
     for s in &inventory.stacks {
-        let sizes: Vec<u64> = s
-            .blocks
-            .iter()
-            .filter_map(|b| model.blocks.iter().find(|c| c.id == b.id.to_string()).map(|c| c.bytes))
-            .collect();
+        let sizes: Vec<u64> =
+            s.blocks.iter().filter_map(|b| model.blocks.iter().find(|c| c.id == b.id.to_string()).map(|c| c.bytes)).collect();
         let (min, max) = (sizes.iter().min().copied().unwrap_or(0), sizes.iter().max().copied().unwrap_or(0));
         println!(
             "  stack {:<24} {:>4} blocks, {:.3}–{:.3} GiB each, {:.2} GiB",
@@ -70,11 +58,7 @@ fn main() {
             gib(sizes.iter().sum())
         );
     }
-    println!(
-        "  non-block tensors: {} ({:.3} GiB, resident)",
-        inventory.non_block.len(),
-        gib(model.non_block_bytes)
-    );
+    println!("  non-block tensors: {} ({:.3} GiB, resident)", inventory.non_block.len(), gib(model.non_block_bytes));
     println!(
         "  blocks in all: {:.2} GiB; bandwidth {:.1} GB/s ({})",
         gib(model.total_bytes()),
@@ -95,11 +79,7 @@ fn main() {
     if !ids.is_empty() && ids.len() < model.blocks.len() {
         println!("    {}", ids.join(", "));
     }
-    println!(
-        "  streamed per step: {:.2} GiB; device bytes for weights: {:.2} GiB",
-        gib(choice.streamed_bytes),
-        gib(choice.device_bytes)
-    );
+    println!("  streamed per step: {:.2} GiB; device bytes for weights: {:.2} GiB", gib(choice.streamed_bytes), gib(choice.device_bytes));
     if model.compute_s() > 0.0 {
         println!(
             "  predicted step {:.4} s vs resident {:.4} s ({:.2}×); bound {:.4} s",

@@ -42,24 +42,14 @@ pub struct Choice {
 impl Choice {
     /// Names of the resident blocks.
     pub fn resident_ids<'a>(&self, model: &'a CostModel) -> Vec<&'a str> {
-        model
-            .blocks
-            .iter()
-            .zip(&self.resident)
-            .filter(|(_, r)| **r)
-            .map(|(b, _)| b.id.as_str())
-            .collect()
+        model.blocks.iter().zip(&self.resident).filter(|(_, r)| **r).map(|(b, _)| b.id.as_str()).collect()
     }
 }
 
 /// Maximise `Σ k_j · size_j ≤ cap` with `0 ≤ k_j ≤ count_j`. Returns the counts and
 /// whether the search was exhaustive.
 fn subset_sum(classes: &[(u64, u64)], cap: u64) -> (Vec<u64>, bool) {
-    let combos: u64 = classes
-        .iter()
-        .map(|&(_, c)| c + 1)
-        .try_fold(1u64, |a, c| a.checked_mul(c))
-        .unwrap_or(u64::MAX);
+    let combos: u64 = classes.iter().map(|&(_, c)| c + 1).try_fold(1u64, |a, c| a.checked_mul(c)).unwrap_or(u64::MAX);
     if combos <= EXACT_LIMIT {
         let mut best = (0u64, vec![0u64; classes.len()]);
         let mut k = vec![0u64; classes.len()];
@@ -118,11 +108,7 @@ fn count_variants(max: &[u64], variants: bool) -> Vec<Vec<u64>> {
     if !variants {
         return vec![max.to_vec()];
     }
-    let combos: u64 = max
-        .iter()
-        .map(|&m| m + 1)
-        .try_fold(1u64, |a, c| a.checked_mul(c))
-        .unwrap_or(u64::MAX);
+    let combos: u64 = max.iter().map(|&m| m + 1).try_fold(1u64, |a, c| a.checked_mul(c)).unwrap_or(u64::MAX);
     let per_class: Vec<Vec<u64>> = max
         .iter()
         .map(|&m| {
@@ -138,10 +124,7 @@ fn count_variants(max: &[u64], variants: bool) -> Vec<Vec<u64>> {
         .collect();
     let mut out = vec![Vec::new()];
     for options in &per_class {
-        out = out
-            .iter()
-            .flat_map(|prefix| options.iter().map(move |&k| [prefix.clone(), vec![k]].concat()))
-            .collect();
+        out = out.iter().flat_map(|prefix| options.iter().map(move |&k| [prefix.clone(), vec![k]].concat())).collect();
     }
     out
 }
@@ -152,9 +135,7 @@ fn place(idx: &[usize], k: usize, placement: Placement) -> Vec<usize> {
         Placement::Nothing => Vec::new(),
         Placement::Leading => idx[..k].to_vec(),
         Placement::Trailing => idx[idx.len() - k..].to_vec(),
-        _ => (0..k)
-            .map(|i| idx[(i * idx.len()) / k.max(1) + (idx.len() / k.max(1)) / 2])
-            .collect(),
+        _ => (0..k).map(|i| idx[(i * idx.len()) / k.max(1) + (idx.len() / k.max(1)) / 2]).collect(),
     }
 }
 
@@ -185,11 +166,7 @@ fn choice(model: &CostModel, resident: Vec<bool>, depth: usize, exact: bool) -> 
     let all = resident.iter().all(|r| *r);
     Choice {
         depth,
-        device_bytes: if all {
-            model.total_bytes() + model.non_block_bytes
-        } else {
-            model.device_bytes(&resident, depth)
-        },
+        device_bytes: if all { model.total_bytes() + model.non_block_bytes } else { model.device_bytes(&resident, depth) },
         predicted_step_s: model.simulate_s(&resident, depth),
         resident_step_s: model.compute_s(),
         streamed_bytes: model.blocks.iter().zip(&resident).filter(|(_, r)| !**r).map(|(b, _)| b.bytes).sum(),
@@ -321,11 +298,7 @@ fn bound_fills(model: &CostModel, budget: u64, depth: usize, placement: Placemen
             let streamed_bytes = model.blocks.iter().zip(&resident).filter(|(_, r)| !**r).map(|(b, _)| b.bytes).sum();
             out.push(Choice {
                 depth,
-                device_bytes: if resident.iter().all(|r| *r) {
-                    all_resident
-                } else {
-                    model.device_bytes(&resident, depth)
-                },
+                device_bytes: if resident.iter().all(|r| *r) { all_resident } else { model.device_bytes(&resident, depth) },
                 predicted_step_s: model.simulate_s(&resident, depth),
                 resident_step_s: model.compute_s(),
                 streamed_bytes,

@@ -11,10 +11,7 @@ fn write_checkpoint(path: &std::path::Path) {
             safetensors::tensor::TensorView::new(safetensors::Dtype::U8, vec![4096], d).unwrap(),
         ));
     }
-    views.push((
-        "proj_out.weight".to_owned(),
-        safetensors::tensor::TensorView::new(safetensors::Dtype::U8, vec![512], &data[6]).unwrap(),
-    ));
+    views.push(("proj_out.weight".to_owned(), safetensors::tensor::TensorView::new(safetensors::Dtype::U8, vec![512], &data[6]).unwrap()));
     safetensors::serialize_to_file(views, &None, path).unwrap();
 }
 
@@ -28,29 +25,17 @@ fn plans_a_checkpoint_and_writes_toml() {
     // 24 KiB of blocks; a budget of 20 KiB at d = 1 keeps 2 blocks resident… or more.
     let budget = (20.0 * 1024.0) / (1u64 << 30) as f64;
     let o = Command::new(env!("CARGO_BIN_EXE_offload-plan"))
-        .args([
-            ckpt.to_str().unwrap(),
-            "--budget-gib",
-            &budget.to_string(),
-            "--write",
-            out.to_str().unwrap(),
-        ])
+        .args([ckpt.to_str().unwrap(), "--budget-gib", &budget.to_string(), "--write", out.to_str().unwrap()])
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&o.stdout);
     assert!(o.status.success(), "{stdout}{}", String::from_utf8_lossy(&o.stderr));
-    assert!(
-        stdout.contains("stack transformer_blocks") && stdout.contains("6 blocks"),
-        "{stdout}"
-    );
+    assert!(stdout.contains("stack transformer_blocks") && stdout.contains("6 blocks"), "{stdout}");
     assert!(stdout.contains("resident blocks: 2 of 6"), "{stdout}");
     let plan = offload_plan::from_toml(&std::fs::read_to_string(&out).unwrap()).unwrap();
     assert_eq!(plan.components["transformer"].resident_blocks.len(), 2);
     // A budget too small for two slots is an error naming what is needed.
-    let o = Command::new(env!("CARGO_BIN_EXE_offload-plan"))
-        .args([ckpt.to_str().unwrap(), "--budget-gib", "0.000001"])
-        .output()
-        .unwrap();
+    let o = Command::new(env!("CARGO_BIN_EXE_offload-plan")).args([ckpt.to_str().unwrap(), "--budget-gib", "0.000001"]).output().unwrap();
     assert!(!o.status.success());
     assert!(String::from_utf8_lossy(&o.stderr).contains("fits no plan"));
     let _ = std::fs::remove_dir_all(&dir);

@@ -14,18 +14,13 @@ fn replay_predicts_the_measured_steps_within_ten_percent() {
     let run: serde_json::Value = serde_json::from_str(&load("2026-11-29-cuda-planner-v1.json")).unwrap();
     let mut checked = 0;
     for case in run["cases"].as_array().unwrap() {
-        let resident: Vec<String> = case["resident_blocks"]
-            .as_array()
-            .map(|a| a.iter().map(|s| s.as_str().unwrap().to_owned()).collect())
-            .unwrap_or_default();
+        let resident: Vec<String> =
+            case["resident_blocks"].as_array().map(|a| a.iter().map(|s| s.as_str().unwrap().to_owned()).collect()).unwrap_or_default();
         let mask: Vec<bool> = m.blocks.iter().map(|b| resident.contains(&b.id)).collect();
         let predicted = m.simulate_s(&mask, case["depth"].as_u64().unwrap() as usize);
         let measured = case["step_streamed_s"].as_f64().unwrap();
         println!("{} resident: predicted {predicted:.4} s, measured {measured:.4} s", resident.len());
-        assert!(
-            (predicted - measured).abs() / measured < 0.10,
-            "predicted {predicted}, measured {measured}"
-        );
+        assert!((predicted - measured).abs() / measured < 0.10, "predicted {predicted}, measured {measured}");
         checked += 1;
     }
     assert_eq!(checked, 4);
@@ -39,10 +34,7 @@ fn planner_on_the_h200_calibration() {
     let mut last = f64::INFINITY;
     for gib in [4u64, 8, 12, 16] {
         let c = offload_plan::plan(&m, gib << 30, 1, offload_core::ResidentPolicy::Auto).unwrap();
-        println!(
-            "{gib} GiB: depth {}, predicted {:.4} s, bound {:.4} s",
-            c.depth, c.predicted_step_s, c.bound_s
-        );
+        println!("{gib} GiB: depth {}, predicted {:.4} s, bound {:.4} s", c.depth, c.predicted_step_s, c.bound_s);
         assert!(c.device_bytes <= gib << 30);
         assert!(c.predicted_step_s <= last + 1e-9, "more budget never predicts slower");
         assert!(c.predicted_step_s >= c.bound_s.max(resident) - 1e-9, "no plan beats its bound");

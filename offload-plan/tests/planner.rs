@@ -11,11 +11,7 @@ fn model(blocks: &[(u64, f64)], bw: f64, non_block: u64) -> CostModel {
         blocks: blocks
             .iter()
             .enumerate()
-            .map(|(i, &(bytes, compute_s))| BlockCost {
-                id: format!("blocks.{i}"),
-                bytes,
-                compute_s,
-            })
+            .map(|(i, &(bytes, compute_s))| BlockCost { id: format!("blocks.{i}"), bytes, compute_s })
             .collect(),
         non_block_bytes: non_block,
         source: "test".into(),
@@ -28,11 +24,7 @@ fn brute_force(m: &CostModel, budget: u64, depth: usize) -> Option<f64> {
     let mut best: Option<f64> = None;
     for mask in 0u32..(1 << n) {
         let resident: Vec<bool> = (0..n).map(|i| mask >> i & 1 == 1).collect();
-        let bytes = if resident.iter().all(|r| *r) {
-            m.total_bytes() + m.non_block_bytes
-        } else {
-            m.device_bytes(&resident, depth)
-        };
+        let bytes = if resident.iter().all(|r| *r) { m.total_bytes() + m.non_block_bytes } else { m.device_bytes(&resident, depth) };
         if bytes <= budget {
             let b = m.bound_s(&resident);
             best = Some(best.map_or(b, |x: f64| x.min(b)));
@@ -74,11 +66,7 @@ fn brute_force_sim(m: &CostModel, budget: u64, depth: usize) -> Option<f64> {
     for d in depth..=depth + 3 {
         for mask in 0u32..(1 << n) {
             let resident: Vec<bool> = (0..n).map(|i| mask >> i & 1 == 1).collect();
-            let bytes = if resident.iter().all(|r| *r) {
-                m.total_bytes() + m.non_block_bytes
-            } else {
-                m.device_bytes(&resident, d)
-            };
+            let bytes = if resident.iter().all(|r| *r) { m.total_bytes() + m.non_block_bytes } else { m.device_bytes(&resident, d) };
             if bytes <= budget {
                 let t = m.simulate_s(&resident, d);
                 best = Some(best.map_or(t, |x: f64| x.min(t)));

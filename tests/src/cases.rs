@@ -27,72 +27,17 @@ pub struct Case {
 /// Every case, instantiated for harness `H`.
 pub fn all<H: Harness>() -> Vec<Case> {
     vec![
-        Case {
-            name: "ready_before_read",
-            invariant: "1",
-            run: ready_before_read::<H>,
-            caught: Some(Sabotage::SkipComputeWait),
-        },
-        Case {
-            name: "free_after_last_use",
-            invariant: "2",
-            run: free_after_last_use::<H>,
-            caught: Some(Sabotage::SkipFreeWait),
-        },
-        Case {
-            name: "no_host_sync_steady_state",
-            invariant: "3",
-            run: no_host_sync::<H>,
-            caught: Some(Sabotage::SyncEveryBlock),
-        },
-        Case {
-            name: "no_weight_copy_back",
-            invariant: "4",
-            run: no_weight_copy_back::<H>,
-            caught: None,
-        },
-        Case {
-            name: "bounded_device_memory",
-            invariant: "5",
-            run: bounded_device_memory::<H>,
-            caught: Some(Sabotage::ExtraSlot),
-        },
-        Case {
-            name: "bitwise_equal",
-            invariant: "6",
-            run: bitwise_equal::<H>,
-            caught: Some(Sabotage::TrustPrediction),
-        },
-        Case {
-            name: "order_learned",
-            invariant: "7",
-            run: order_learned::<H>,
-            caught: Some(Sabotage::TrustPrediction),
-        },
-        Case {
-            name: "transactional",
-            invariant: "8",
-            run: transactional::<H>,
-            caught: Some(Sabotage::LeakOnError),
-        },
-        Case {
-            name: "one_host_copy",
-            invariant: "9",
-            run: one_host_copy::<H>,
-            caught: None,
-        },
-        Case {
-            name: "on_demand_component",
-            invariant: "5,6,8",
-            run: on_demand::<H>,
-            caught: None,
-        },
-        Case {
-            name: "safetensors_source",
-            invariant: "6,9",
-            run: safetensors_source::<H>,
-            caught: None,
-        },
+        Case { name: "ready_before_read", invariant: "1", run: ready_before_read::<H>, caught: Some(Sabotage::SkipComputeWait) },
+        Case { name: "free_after_last_use", invariant: "2", run: free_after_last_use::<H>, caught: Some(Sabotage::SkipFreeWait) },
+        Case { name: "no_host_sync_steady_state", invariant: "3", run: no_host_sync::<H>, caught: Some(Sabotage::SyncEveryBlock) },
+        Case { name: "no_weight_copy_back", invariant: "4", run: no_weight_copy_back::<H>, caught: None },
+        Case { name: "bounded_device_memory", invariant: "5", run: bounded_device_memory::<H>, caught: Some(Sabotage::ExtraSlot) },
+        Case { name: "bitwise_equal", invariant: "6", run: bitwise_equal::<H>, caught: Some(Sabotage::TrustPrediction) },
+        Case { name: "order_learned", invariant: "7", run: order_learned::<H>, caught: Some(Sabotage::TrustPrediction) },
+        Case { name: "transactional", invariant: "8", run: transactional::<H>, caught: Some(Sabotage::LeakOnError) },
+        Case { name: "one_host_copy", invariant: "9", run: one_host_copy::<H>, caught: None },
+        Case { name: "on_demand_component", invariant: "5,6,8", run: on_demand::<H>, caught: None },
+        Case { name: "safetensors_source", invariant: "6,9", run: safetensors_source::<H>, caught: None },
     ]
 }
 
@@ -141,10 +86,7 @@ impl<H: Harness> Setup<H> {
     fn check_equal(&self, ring: &mut Ring<Fi<H>>, order: &[usize], what: &str) -> Outcome {
         let got = self.run(ring, order)?;
         let want = self.model.reference(order);
-        ensure!(
-            got == want,
-            "{what}: offloaded result {got:#018x} differs from the resident reference {want:#018x}"
-        );
+        ensure!(got == want, "{what}: offloaded result {got:#018x} differs from the resident reference {want:#018x}");
         Ok(())
     }
 
@@ -173,13 +115,7 @@ fn ready_before_read<H: Harness>(s: Sabotage) -> Outcome {
 
 fn free_after_last_use<H: Harness>(s: Sabotage) -> Outcome {
     for depth in [1, 2, 3] {
-        let su = Setup::<H>::new(
-            &ModelShape {
-                stacks: vec![4, 3],
-                ..Default::default()
-            },
-            21 + depth as u64,
-        )?;
+        let su = Setup::<H>::new(&ModelShape { stacks: vec![4, 3], ..Default::default() }, 21 + depth as u64)?;
         let mut ring = su.ring(&Plan::layerwise().prefetch_depth(depth), s)?;
         for step in 0..3 {
             su.check_equal(&mut ring, &su.declared(), &format!("d={depth} step {step}"))?;
@@ -199,12 +135,7 @@ fn no_host_sync<H: Harness>(s: Sabotage) -> Outcome {
         su.check_equal(&mut ring, &su.declared(), &format!("step {step}"))?;
         let m = ring.end_step()?;
         ensure!(m.misses == 0, "step {step}: {} misses in the steady state", m.misses);
-        ensure!(
-            m.prefetch_hits == su.model.len() as u64,
-            "step {step}: {} of {} blocks prefetched",
-            m.prefetch_hits,
-            su.model.len()
-        );
+        ensure!(m.prefetch_hits == su.model.len() as u64, "step {step}: {} of {} blocks prefetched", m.prefetch_hits, su.model.len());
     }
     let after = H::host_syncs(su.inner());
     ensure!(after == syncs, "{} host synchronisations in 3 steady-state steps", after - syncs);
@@ -219,11 +150,7 @@ fn no_weight_copy_back<H: Harness>(_: Sabotage) -> Outcome {
     }
     ring.close()?;
     for (i, b) in su.store.blocks().iter().enumerate() {
-        ensure!(
-            su.backend.host_bytes(&b.buffer) == su.model.block_bytes(i).as_slice(),
-            "host bytes of block {} changed",
-            b.id
-        );
+        ensure!(su.backend.host_bytes(&b.buffer) == su.model.block_bytes(i).as_slice(), "host bytes of block {} changed", b.id);
     }
     Ok(())
 }
@@ -233,11 +160,7 @@ fn bounded_device_memory<H: Harness>(s: Sabotage) -> Outcome {
         let su = Setup::<H>::new(&ModelShape::default(), 51 + depth as u64)?;
         let base = H::live_bytes(su.inner());
         H::reset_peak(su.inner());
-        let cp = ComponentPlan {
-            prefetch_depth: depth,
-            resident_blocks: vec!["stack1.2".into()],
-            ..Default::default()
-        };
+        let cp = ComponentPlan { prefetch_depth: depth, resident_blocks: vec!["stack1.2".into()], ..Default::default() };
         let plan = Plan::layerwise().component("transformer", cp);
         let rc = su.plan(&plan)?;
         let mut ring = su.ring(&plan, s)?;
@@ -251,11 +174,7 @@ fn bounded_device_memory<H: Harness>(s: Sabotage) -> Outcome {
             rc.device_weight_bound
         );
         let own = ring.metrics().peak_device_weight_bytes;
-        ensure!(
-            own <= rc.device_weight_bound,
-            "d={depth}: ring reports {own} device bytes, bound {}",
-            rc.device_weight_bound
-        );
+        ensure!(own <= rc.device_weight_bound, "d={depth}: ring reports {own} device bytes, bound {}", rc.device_weight_bound);
         ring.close()?;
         let live = H::live_bytes(su.inner());
         ensure!(live == base, "d={depth}: {} device bytes still held after close", live - base);
@@ -264,28 +183,14 @@ fn bounded_device_memory<H: Harness>(s: Sabotage) -> Outcome {
 }
 
 fn bitwise_equal<H: Harness>(s: Sabotage) -> Outcome {
-    let su = Setup::<H>::new(
-        &ModelShape {
-            stacks: vec![6, 9],
-            ..Default::default()
-        },
-        61,
-    )?;
+    let su = Setup::<H>::new(&ModelShape { stacks: vec![6, 9], ..Default::default() }, 61)?;
     let order = su.declared();
     let mut resident = su.ring(&Plan::resident(), Sabotage::None)?;
     let r = su.run(&mut resident, &order)?;
     resident.close()?;
     ensure!(r == su.model.reference(&order), "resident run differs from the host reference");
-    let cp = ComponentPlan {
-        prefetch_depth: 2,
-        resident_blocks: vec!["stack0.0".into(), "stack1.4".into()],
-        ..Default::default()
-    };
-    for plan in [
-        Plan::layerwise(),
-        Plan::layerwise().prefetch_depth(3),
-        Plan::layerwise().component("transformer", cp),
-    ] {
+    let cp = ComponentPlan { prefetch_depth: 2, resident_blocks: vec!["stack0.0".into(), "stack1.4".into()], ..Default::default() };
+    for plan in [Plan::layerwise(), Plan::layerwise().prefetch_depth(3), Plan::layerwise().component("transformer", cp)] {
         let mut ring = su.ring(&plan, s)?;
         // A first step in a new order (last stack first), then the learned one.
         let mut shuffled: Vec<usize> = order.iter().copied().skip(6).chain(order.iter().copied().take(6)).collect();
@@ -299,13 +204,7 @@ fn bitwise_equal<H: Harness>(s: Sabotage) -> Outcome {
 }
 
 fn order_learned<H: Harness>(s: Sabotage) -> Outcome {
-    let su = Setup::<H>::new(
-        &ModelShape {
-            stacks: vec![5, 5],
-            ..Default::default()
-        },
-        71,
-    )?;
+    let su = Setup::<H>::new(&ModelShape { stacks: vec![5, 5], ..Default::default() }, 71)?;
     let n = su.model.len();
     let reversed: Vec<usize> = (0..n).rev().collect();
     let skipping: Vec<usize> = (0..n).filter(|i| i % 3 != 1).collect();
@@ -323,20 +222,14 @@ fn order_learned<H: Harness>(s: Sabotage) -> Outcome {
         ] {
             su.check_equal(&mut ring, order, &format!("d={depth} {name}, first pass"))?;
             let first = ring.end_step()?;
-            ensure!(
-                first.misses > 0 && first.retraces > 0,
-                "d={depth} {name}: a new order was not counted ({first})"
-            );
+            ensure!(first.misses > 0 && first.retraces > 0, "d={depth} {name}: a new order was not counted ({first})");
             // The second pass still meets one new transition (from this order's last
             // block back to its first); the third is fully predicted.
             for pass in [2, 3] {
                 su.check_equal(&mut ring, order, &format!("d={depth} {name}, pass {pass}"))?;
                 let m = ring.end_step()?;
                 if settles && pass == 3 {
-                    ensure!(
-                        m.misses == 0 && m.retraces == 0,
-                        "d={depth} {name}: order not learned after two passes ({m})"
-                    );
+                    ensure!(m.misses == 0 && m.retraces == 0, "d={depth} {name}: order not learned after two passes ({m})");
                 }
             }
         }
@@ -345,19 +238,9 @@ fn order_learned<H: Harness>(s: Sabotage) -> Outcome {
 }
 
 fn transactional<H: Harness>(s: Sabotage) -> Outcome {
-    let su = Setup::<H>::new(
-        &ModelShape {
-            stacks: vec![3, 3],
-            ..Default::default()
-        },
-        81,
-    )?;
+    let su = Setup::<H>::new(&ModelShape { stacks: vec![3, 3], ..Default::default() }, 81)?;
     let base = H::live_bytes(su.inner());
-    let cp = ComponentPlan {
-        prefetch_depth: 2,
-        resident_blocks: vec!["stack0.1".into()],
-        ..Default::default()
-    };
+    let cp = ComponentPlan { prefetch_depth: 2, resident_blocks: vec!["stack0.1".into()], ..Default::default() };
     let plan = Plan::layerwise().component("transformer", cp);
     let mut faults = 0;
     for kind in [FaultKind::SlotAlloc, FaultKind::Copy, FaultKind::Event] {
@@ -377,22 +260,14 @@ fn transactional<H: Harness>(s: Sabotage) -> Outcome {
                     faults += 1;
                     su.backend.synchronize()?;
                     let live = H::live_bytes(su.inner());
-                    ensure!(
-                        live == base,
-                        "{kind:?} #{n}: {} device bytes still held after the failure",
-                        live - base
-                    );
+                    ensure!(live == base, "{kind:?} #{n}: {} device bytes still held after the failure", live - base);
                 }
             }
         }
     }
     ensure!(faults > 5, "only {faults} faults were injected");
     for (i, b) in su.store.blocks().iter().enumerate() {
-        ensure!(
-            su.backend.host_bytes(&b.buffer) == su.model.block_bytes(i).as_slice(),
-            "host bytes of block {} changed",
-            b.id
-        );
+        ensure!(su.backend.host_bytes(&b.buffer) == su.model.block_bytes(i).as_slice(), "host bytes of block {} changed", b.id);
     }
     let mut ring = su.ring(&plan, s)?;
     su.check_equal(&mut ring, &su.declared(), "after every fault")
@@ -402,10 +277,7 @@ fn one_host_copy<H: Harness>(_: Sabotage) -> Outcome {
     let su = Setup::<H>::new(&ModelShape::default(), 91)?;
     let host = su.store.host_bytes() as f64;
     let payload = su.store.payload_bytes() as f64;
-    ensure!(
-        host <= 1.01 * payload,
-        "host store holds {host} bytes for {payload} bytes of tensors"
-    );
+    ensure!(host <= 1.01 * payload, "host store holds {host} bytes for {payload} bytes of tensors");
     for (i, b) in su.store.blocks().iter().enumerate() {
         ensure!(b.bytes() == su.model.block_bytes(i).len(), "block {} is not exactly sized", b.id);
     }
@@ -413,13 +285,7 @@ fn one_host_copy<H: Harness>(_: Sabotage) -> Outcome {
 }
 
 fn on_demand<H: Harness>(_: Sabotage) -> Outcome {
-    let su = Setup::<H>::new(
-        &ModelShape {
-            stacks: vec![3, 2],
-            ..Default::default()
-        },
-        101,
-    )?;
+    let su = Setup::<H>::new(&ModelShape { stacks: vec![3, 2], ..Default::default() }, 101)?;
     let base = H::live_bytes(su.inner());
     let od = OnDemand::load(su.backend.clone(), su.store.clone())?;
     let b = su.inner();
@@ -434,32 +300,15 @@ fn on_demand<H: Harness>(_: Sabotage) -> Outcome {
     od.release()?;
     ensure!(got == su.model.reference(&order), "on-demand result differs from the reference");
     su.backend.synchronize()?;
-    ensure!(
-        H::live_bytes(b) == base,
-        "on-demand component still holds device memory after release"
-    );
-    let plan = su.plan(&Plan::layerwise().component(
-        "transformer",
-        ComponentPlan {
-            strategy: Strategy::OnDemand,
-            ..Default::default()
-        },
-    ))?;
-    ensure!(
-        Ring::new(su.backend.clone(), su.store.clone(), &plan).is_err(),
-        "a ring accepted an on-demand plan"
-    );
+    ensure!(H::live_bytes(b) == base, "on-demand component still holds device memory after release");
+    let plan =
+        su.plan(&Plan::layerwise().component("transformer", ComponentPlan { strategy: Strategy::OnDemand, ..Default::default() }))?;
+    ensure!(Ring::new(su.backend.clone(), su.store.clone(), &plan).is_err(), "a ring accepted an on-demand plan");
     su.no_violations()
 }
 
 fn safetensors_source<H: Harness>(_: Sabotage) -> Outcome {
-    let model = TestModel::random(
-        &ModelShape {
-            stacks: vec![4],
-            ..Default::default()
-        },
-        111,
-    );
+    let model = TestModel::random(&ModelShape { stacks: vec![4], ..Default::default() }, 111);
     let dir = std::env::temp_dir().join(format!("offload-conformance-{}-{}", H::NAME, std::process::id()));
     std::fs::create_dir_all(&dir)?;
     let path = dir.join("model.safetensors");
@@ -481,24 +330,12 @@ fn safetensors_source<H: Harness>(_: Sabotage) -> Outcome {
     let backend = FaultInjector::new(H::backend()?);
     let store = Arc::new(HostStore::build(&backend, &inventory, &file)?);
     let rc = resolve(&Plan::layerwise(), &[inventory])?.components.remove(0);
-    let su = Setup::<H> {
-        backend: backend.clone(),
-        model,
-        store,
-    };
+    let su = Setup::<H> { backend: backend.clone(), model, store };
     // Map positions through names: the file's order is the header's (sorted) order.
     let mut ring = Ring::new(backend, su.store.clone(), &rc)?;
-    let order: Vec<usize> = su
-        .model
-        .inventory
-        .blocks()
-        .map(|b| su.store.position(&b.id).unwrap_or(usize::MAX))
-        .collect();
+    let order: Vec<usize> = su.model.inventory.blocks().map(|b| su.store.position(&b.id).unwrap_or(usize::MAX)).collect();
     let got = su.run(&mut ring, &order)?;
     let _ = std::fs::remove_dir_all(&dir);
-    ensure!(
-        got == su.model.reference(&su.declared()),
-        "result from the safetensors store differs from the in-memory reference"
-    );
+    ensure!(got == su.model.reference(&su.declared()), "result from the safetensors store differs from the in-memory reference");
     Ok(())
 }

@@ -5,6 +5,7 @@
 //! unless `OFFLOAD_REQUIRE_DEVICE=1`, where it fails.
 
 pub mod cases;
+pub mod checkpoint;
 #[cfg(feature = "cuda")]
 pub mod cuda_harness;
 pub mod harness;

@@ -21,13 +21,7 @@ pub struct ModelShape {
 
 impl Default for ModelShape {
     fn default() -> Self {
-        ModelShape {
-            stacks: vec![5, 7],
-            tensors_per_block: 3,
-            min_bytes: 64 << 10,
-            max_bytes: 192 << 10,
-            non_block: 2,
-        }
+        ModelShape { stacks: vec![5, 7], tensors_per_block: 3, min_bytes: 64 << 10, max_bytes: 192 << 10, non_block: 2 }
     }
 }
 
@@ -57,13 +51,9 @@ impl TestModel {
         for t in 0..shape.non_block {
             let len = rng.gen_range(shape.min_bytes..=shape.max_bytes);
             let bytes: Vec<u8> = (0..len).map(|_| rng.gen()).collect();
-            tensors
-                .push(TensorSpec::new(format!("head{t}.weight"), DType::U8, [len]), bytes)
-                .expect("sizes agree");
+            tensors.push(TensorSpec::new(format!("head{t}.weight"), DType::U8, [len]), bytes).expect("sizes agree");
         }
-        let inventory = NameDiscovery
-            .discover("transformer", offload_core::TensorSource::specs(&tensors))
-            .expect("discoverable");
+        let inventory = NameDiscovery.discover("transformer", offload_core::TensorSource::specs(&tensors)).expect("discoverable");
         TestModel { tensors, inventory }
     }
 
@@ -91,9 +81,7 @@ impl TestModel {
 
     /// The reference forward over blocks run in `order`.
     pub fn reference(&self, order: &[usize]) -> u64 {
-        order
-            .iter()
-            .fold(SEED, |acc, &b| fold_combine(acc, block_hash(&self.block_bytes(b))))
+        order.iter().fold(SEED, |acc, &b| fold_combine(acc, block_hash(&self.block_bytes(b))))
     }
 }
 

@@ -9,22 +9,10 @@ use std::sync::Arc;
 
 #[test]
 fn chrome_trace_parses_and_matches_the_metrics() {
-    let model = TestModel::random(
-        &ModelShape {
-            stacks: vec![4, 4],
-            ..Default::default()
-        },
-        5,
-    );
-    let backend = SimBackend::new(SimConfig {
-        max_copy_delay_us: 400,
-        ..Default::default()
-    });
+    let model = TestModel::random(&ModelShape { stacks: vec![4, 4], ..Default::default() }, 5);
+    let backend = SimBackend::new(SimConfig { max_copy_delay_us: 400, ..Default::default() });
     let store = Arc::new(HostStore::build(&backend, &model.inventory, &model.tensors).unwrap());
-    let rc = resolve(&Plan::layerwise(), std::slice::from_ref(&model.inventory))
-        .unwrap()
-        .components
-        .remove(0);
+    let rc = resolve(&Plan::layerwise(), std::slice::from_ref(&model.inventory)).unwrap().components.remove(0);
     let mut ring = Ring::new(backend.clone(), store, &rc).unwrap();
     ring.enable_timeline().unwrap();
     let copies_before = ring.metrics().copies;
@@ -54,20 +42,10 @@ fn chrome_trace_parses_and_matches_the_metrics() {
     let _ = std::fs::remove_file(&path);
     let events = v["traceEvents"].as_array().unwrap();
     let complete: Vec<_> = events.iter().filter(|e| e["ph"] == "X").collect();
-    let computes = complete
-        .iter()
-        .filter(|e| e["tid"] == 2 && e["name"].as_str().unwrap().starts_with("compute "))
-        .count();
-    let copies = complete
-        .iter()
-        .filter(|e| e["tid"] == 1 && e["name"].as_str().unwrap().starts_with("copy "))
-        .count();
+    let computes = complete.iter().filter(|e| e["tid"] == 2 && e["name"].as_str().unwrap().starts_with("compute ")).count();
+    let copies = complete.iter().filter(|e| e["tid"] == 1 && e["name"].as_str().unwrap().starts_with("copy ")).count();
     assert_eq!(computes, 2 * model.len(), "one compute span per block served");
-    assert_eq!(
-        copies as u64,
-        ring.metrics().copies - copies_before,
-        "one copy span per copy after enabling"
-    );
+    assert_eq!(copies as u64, ring.metrics().copies - copies_before, "one copy span per copy after enabling");
     for e in &complete {
         assert!(e["ts"].as_f64().unwrap() >= 0.0 && e["dur"].as_f64().unwrap() >= 0.0);
     }
@@ -78,19 +56,10 @@ fn chrome_trace_parses_and_matches_the_metrics() {
 
 #[test]
 fn timeline_off_records_nothing() {
-    let model = TestModel::random(
-        &ModelShape {
-            stacks: vec![3],
-            ..Default::default()
-        },
-        6,
-    );
+    let model = TestModel::random(&ModelShape { stacks: vec![3], ..Default::default() }, 6);
     let backend = SimBackend::new(SimConfig::fast());
     let store = Arc::new(HostStore::build(&backend, &model.inventory, &model.tensors).unwrap());
-    let rc = resolve(&Plan::layerwise(), std::slice::from_ref(&model.inventory))
-        .unwrap()
-        .components
-        .remove(0);
+    let rc = resolve(&Plan::layerwise(), std::slice::from_ref(&model.inventory)).unwrap().components.remove(0);
     let mut ring = Ring::new(backend, store, &rc).unwrap();
     drop(ring.block_at(0).unwrap());
     let m = ring.end_step().unwrap();

@@ -21,25 +21,12 @@ struct Scenario {
 }
 
 fn scenario() -> impl Strategy<Value = Scenario> {
-    (
-        prop::collection::vec(1usize..6, 1..4),
-        1usize..4096,
-        1usize..5,
-        any::<u64>(),
-        any::<u64>(),
-    )
+    (prop::collection::vec(1usize..6, 1..4), 1usize..4096, 1usize..5, any::<u64>(), any::<u64>())
         .prop_flat_map(|(stacks, max_bytes, depth, resident_mask, seed)| {
             let n: usize = stacks.iter().sum();
             // Each step: a random sequence of block positions (skips, repeats, reorders).
             let step = prop::collection::vec(0..n, 0..(2 * n + 1));
-            (
-                Just(stacks),
-                Just(max_bytes),
-                Just(depth),
-                Just(resident_mask),
-                prop::collection::vec(step, 1..5),
-                Just(seed),
-            )
+            (Just(stacks), Just(max_bytes), Just(depth), Just(resident_mask), prop::collection::vec(step, 1..5), Just(seed))
         })
         .prop_map(|(stacks, max_bytes, depth, resident_mask, steps, seed)| Scenario {
             stacks,
@@ -54,20 +41,10 @@ fn scenario() -> impl Strategy<Value = Scenario> {
 fn run(s: &Scenario) -> Result<(), TestCaseError> {
     // Stacks of one block are not discovered as stacks: give each at least two.
     let stacks: Vec<usize> = s.stacks.iter().map(|&n| n.max(2)).collect();
-    let shape = ModelShape {
-        stacks,
-        tensors_per_block: 2,
-        min_bytes: 1,
-        max_bytes: s.max_bytes,
-        non_block: 1,
-    };
+    let shape = ModelShape { stacks, tensors_per_block: 2, min_bytes: 1, max_bytes: s.max_bytes, non_block: 1 };
     let model = TestModel::random(&shape, s.seed);
     let n = model.len();
-    let backend = SimBackend::new(SimConfig {
-        max_copy_delay_us: 30,
-        seed: s.seed,
-        ..Default::default()
-    });
+    let backend = SimBackend::new(SimConfig { max_copy_delay_us: 30, seed: s.seed, ..Default::default() });
     let store = Arc::new(HostStore::build(&backend, &model.inventory, &model.tensors).map_err(|e| TestCaseError::fail(e.to_string()))?);
     let resident: Vec<String> = store
         .blocks()
@@ -76,18 +53,9 @@ fn run(s: &Scenario) -> Result<(), TestCaseError> {
         .filter(|(i, _)| s.resident_mask >> (i % 64) & 1 == 1 && *i % 3 == 0)
         .map(|(_, b)| b.id.to_string())
         .collect();
-    let plan = Plan::layerwise().component(
-        "transformer",
-        ComponentPlan {
-            prefetch_depth: s.depth,
-            resident_blocks: resident,
-            ..Default::default()
-        },
-    );
-    let rc = resolve(&plan, std::slice::from_ref(&model.inventory))
-        .map_err(|e| TestCaseError::fail(e.to_string()))?
-        .components
-        .remove(0);
+    let plan = Plan::layerwise()
+        .component("transformer", ComponentPlan { prefetch_depth: s.depth, resident_blocks: resident, ..Default::default() });
+    let rc = resolve(&plan, std::slice::from_ref(&model.inventory)).map_err(|e| TestCaseError::fail(e.to_string()))?.components.remove(0);
     let mut ring = Ring::new(backend.clone(), store.clone(), &rc).map_err(|e| TestCaseError::fail(e.to_string()))?;
     for order in &s.steps {
         let order: Vec<usize> = order.iter().map(|&b| b % n).collect();
@@ -102,12 +70,7 @@ fn run(s: &Scenario) -> Result<(), TestCaseError> {
     }
     let stats = backend.stats();
     prop_assert!(stats.violations.is_empty(), "{:?}", stats.violations);
-    prop_assert!(
-        stats.peak_bytes <= rc.device_weight_bound,
-        "peak {} bound {}",
-        stats.peak_bytes,
-        rc.device_weight_bound
-    );
+    prop_assert!(stats.peak_bytes <= rc.device_weight_bound, "peak {} bound {}", stats.peak_bytes, rc.device_weight_bound);
     prop_assert_eq!(stats.d2h_copies, 0);
     ring.close().map_err(|e| TestCaseError::fail(e.to_string()))?;
     prop_assert_eq!(backend.stats().live_bytes, 0);

@@ -14,14 +14,12 @@ cargo xtask <command>
                             the conformance table, cases x backends
   lint                      cargo fmt --check, clippy -D warnings, tidy
   bench [--backend sim]     host-side cost per block (criterion); writes bench/results/<date>-sim-host-cost.json
+  faults                    inject faults, try bad inputs and plans; writes bench/results/<date>-faults.md
   gpu-bundle                build the CUDA binaries and a run script into .bundle/ for the GPU runner
 ";
 
 fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .map(Path::to_path_buf)
-        .unwrap_or_else(|| PathBuf::from("."))
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().map(Path::to_path_buf).unwrap_or_else(|| PathBuf::from("."))
 }
 
 fn cargo() -> Command {
@@ -49,16 +47,7 @@ fn lint() -> Result<(), String> {
     c.args(["fmt", "--all", "--check"]);
     run(c)?;
     let mut c = cargo();
-    c.args([
-        "clippy",
-        "--workspace",
-        "--all-targets",
-        "--features",
-        "offload/sim",
-        "--",
-        "-D",
-        "warnings",
-    ]);
+    c.args(["clippy", "--workspace", "--all-targets", "--features", "offload/sim", "--", "-D", "warnings"]);
     run(c)?;
     let problems = tidy::check(&root());
     if problems.is_empty() {
@@ -85,18 +74,12 @@ fn conformance(args: &[String]) -> Result<(), String> {
 
 fn today() -> String {
     let out = Command::new("date").args(["-u", "+%Y-%m-%d"]).output().ok();
-    out.map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
-        .unwrap_or_else(|| "unknown-date".into())
+    out.map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned()).unwrap_or_else(|| "unknown-date".into())
 }
 
 fn commit() -> String {
-    let out = Command::new("git")
-        .args(["rev-parse", "--short=12", "HEAD"])
-        .current_dir(root())
-        .output()
-        .ok();
-    out.map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
-        .unwrap_or_default()
+    let out = Command::new("git").args(["rev-parse", "--short=12", "HEAD"]).current_dir(root()).output().ok();
+    out.map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned()).unwrap_or_default()
 }
 
 fn bench(args: &[String]) -> Result<(), String> {
@@ -107,24 +90,12 @@ fn bench(args: &[String]) -> Result<(), String> {
         ));
     }
     let mut c = cargo();
-    c.args([
-        "bench",
-        "-p",
-        "offload-core",
-        "--features",
-        "sim",
-        "--bench",
-        "host_cost",
-        "--",
-        "--noplot",
-    ]);
+    c.args(["bench", "-p", "offload-core", "--features", "sim", "--bench", "host_cost", "--", "--noplot"]);
     run(c)?;
     let mut cases = Vec::new();
     for backend in ["null", "sim"] {
         for depth in ["d1", "d2"] {
-            let p = root().join(format!(
-                "target/criterion/ring_host_cost_per_block/{backend}/{depth}/new/estimates.json"
-            ));
+            let p = root().join(format!("target/criterion/ring_host_cost_per_block/{backend}/{depth}/new/estimates.json"));
             let text = std::fs::read_to_string(&p).map_err(|e| format!("{}: {e}", p.display()))?;
             let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| format!("{}: {e}", p.display()))?;
             let ns = |k: &str| v[k]["point_estimate"].as_f64().unwrap_or(f64::NAN);
@@ -161,25 +132,12 @@ fn gpu_bundle() -> Result<(), String> {
     let dir = root().join(".bundle");
     std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
     let mut c = cargo();
-    c.args([
-        "build",
-        "--profile",
-        "bundle",
-        "-p",
-        "offload-tests",
-        "--features",
-        "cuda",
-        "--bin",
-        "conformance",
-    ]);
+    c.args(["build", "--profile", "bundle", "-p", "offload-tests", "--features", "cuda", "--bin", "conformance"]);
     run(c)?;
     let mut c = cargo();
     c.args(["build", "--profile", "bundle", "-p", "offload-cuda", "--example", "cuda_bench"]);
     run(c)?;
-    for (from, to) in [
-        ("target/bundle/conformance", "conformance"),
-        ("target/bundle/examples/cuda_bench", "cuda_bench"),
-    ] {
+    for (from, to) in [("target/bundle/conformance", "conformance"), ("target/bundle/examples/cuda_bench", "cuda_bench")] {
         std::fs::copy(root().join(from), dir.join(to)).map_err(|e| format!("{from}: {e}"))?;
     }
     for f in ["bench/anchors/diffusers_group_offload.py", "bench/gpu-run.sh"] {
@@ -203,16 +161,7 @@ fn ci() -> Result<(), String> {
     run(c)?;
     // The CUDA row builds everywhere (run-time loading) and skips visibly without a GPU.
     let mut c = cargo();
-    c.args([
-        "test",
-        "-p",
-        "offload-tests",
-        "--features",
-        "cuda",
-        "--test",
-        "conformance",
-        "cuda::",
-    ]);
+    c.args(["test", "-p", "offload-tests", "--features", "cuda", "--test", "conformance", "cuda::"]);
     run(c)?;
     conformance(&["--backend".into(), "sim,cuda".into()])
 }
@@ -227,6 +176,12 @@ fn main() {
         Some("lint") => lint(),
         Some("bench") => bench(&rest),
         Some("gpu-bundle") => gpu_bundle(),
+        Some("faults") => {
+            let mut c = cargo();
+            let out = root().join(format!("bench/results/{}-faults.md", today()));
+            c.args(["run", "-q", "-p", "offload-tests", "--bin", "fault-table", "--"]).arg(out);
+            run(c)
+        }
         Some("help" | "--help" | "-h") | None => {
             print!("{HELP}");
             Ok(())

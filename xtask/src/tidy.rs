@@ -63,9 +63,7 @@ pub fn check(root: &Path) -> Vec<String> {
             problems.push(format!("{rel}: does not open with a `//!` doc comment"));
         }
         let lines: Vec<&str> = text.lines().collect();
-        let backend = ["offload-cuda/", "offload-candle/", "offload-tch/"]
-            .iter()
-            .any(|p| rel.starts_with(p));
+        let backend = ["offload-cuda/", "offload-candle/", "offload-tch/"].iter().any(|p| rel.starts_with(p));
         for (i, line) in lines.iter().enumerate() {
             let code = strip_strings(line.split("//").next().unwrap_or(""));
             let has_unsafe = unsafe_block_or_impl(&code);
@@ -83,14 +81,8 @@ pub fn check(root: &Path) -> Vec<String> {
     }
     let manifest = |c: &str| std::fs::read_to_string(root.join(c).join("Cargo.toml")).unwrap_or_default();
     for (krate, banned) in [
-        (
-            "offload-core",
-            &["cudarc", "candle", "tch", "offload-cuda", "offload-candle", "offload-tch"][..],
-        ),
-        (
-            "offload-plan",
-            &["cudarc", "candle", "tch", "offload-cuda", "offload-candle", "offload-tch"][..],
-        ),
+        ("offload-core", &["cudarc", "candle", "tch", "offload-cuda", "offload-candle", "offload-tch"][..]),
+        ("offload-plan", &["cudarc", "candle", "tch", "offload-cuda", "offload-candle", "offload-tch"][..]),
         ("offload-cuda", &["candle", "tch", "offload-candle", "offload-tch"][..]),
         ("offload-candle", &["tch", "offload-tch"][..]),
         ("offload-tch", &["candle", "offload-candle"][..]),

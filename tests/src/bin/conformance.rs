@@ -39,17 +39,7 @@ fn main() {
             let required = offload_tests::device_required();
             offload_tests::cases::all::<offload_tests::sim_harness::Sim>()
                 .into_iter()
-                .map(|c| {
-                    (
-                        c.name,
-                        c.invariant,
-                        if required {
-                            Verdict::Fail(why.clone())
-                        } else {
-                            Verdict::Skipped(why.clone())
-                        },
-                    )
-                })
+                .map(|c| (c.name, c.invariant, if required { Verdict::Fail(why.clone()) } else { Verdict::Skipped(why.clone()) }))
                 .collect()
         });
         columns.push((b.clone(), row));
@@ -81,10 +71,7 @@ fn main() {
                     notes.push(line);
                 }
             }
-            out.insert(
-                format!("{b}/{name}"),
-                serde_json::json!({"verdict": cell, "note": format!("{:?}", row[k].2)}),
-            );
+            out.insert(format!("{b}/{name}"), serde_json::json!({"verdict": cell, "note": format!("{:?}", row[k].2)}));
         }
         println!();
     }

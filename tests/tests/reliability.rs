@@ -1,0 +1,288 @@
+//! Reliability: injected faults at every step of enabling, running and disabling;
+//! bad checkpoints; plans that cannot work; out of memory; pin fallback; odd
+//! orders; several rings on one device and on several threads.
+
+use offload_core::sim::{SimBackend, SimConfig};
+use offload_core::{
+    resolve, ComponentPlan, Error, FaultInjector, FaultKind, HostStore, OffloadBackend, PinFallback, PinOptions, Plan, Ring,
+    SafetensorsFile, TensorSource,
+};
+use offload_tests::checkpoint::{load_on_sim, valid_checkpoint};
+use offload_tests::model::{block_hash, fold_combine, ModelShape, TestModel, SEED};
+use proptest::prelude::*;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+fn tmp(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("offload-reliability-{}", std::process::id()));
+    std::fs::create_dir_all(&d).expect("temp dir");
+    d.join(name)
+}
+
+fn run<B: OffloadBackend<Slot = offload_core::sim::SimSlot>>(
+    ring: &mut Ring<B>,
+    sim: &SimBackend,
+    order: &[usize],
+) -> offload_core::Result<u64> {
+    let mut acc = SEED;
+    for &b in order {
+        let g = ring.block_at(b)?;
+        let bytes = g.layout().bytes;
+        acc = fold_combine(acc, sim.read_slot(g.slot(), |m| block_hash(&m[..bytes])));
+        g.finish()?;
+    }
+    ring.end_step()?;
+    Ok(acc)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 12, ..ProptestConfig::default() })]
+    /// Sweep the n-th host allocation, slot allocation, copy and event through
+    /// building the store, enabling, two steps and disabling: every failure leaves
+    /// the weights byte-identical, releases every slot, and a retry succeeds.
+    #[test]
+    fn every_fault_leaves_the_model_intact(seed in any::<u64>(), depth in 1usize..4, stacks in prop::collection::vec(2usize..5, 1..3)) {
+        let model = TestModel::random(&ModelShape { stacks, tensors_per_block: 2, min_bytes: 64, max_bytes: 2048, non_block: 1 }, seed);
+        let sim = SimBackend::new(SimConfig { max_copy_delay_us: 20, seed, ..Default::default() });
+        let fi = FaultInjector::new(sim.clone());
+        let plan = Plan::layerwise().component("transformer", ComponentPlan { prefetch_depth: depth, resident_blocks: vec!["stack0.1".into()], ..Default::default() });
+        let rc = resolve(&plan, std::slice::from_ref(&model.inventory)).unwrap().components.remove(0);
+        let order: Vec<usize> = (0..model.len()).collect();
+        let want = model.reference(&order);
+        for kind in [FaultKind::HostAlloc, FaultKind::SlotAlloc, FaultKind::Copy, FaultKind::Event] {
+            for n in 0.. {
+                fi.arm(kind, n);
+                let attempt = (|| {
+                    let store = Arc::new(HostStore::build(&fi, &model.inventory, &model.tensors)?);
+                    let mut ring = Ring::new(fi.clone(), store.clone(), &rc)?;
+                    let a = run(&mut ring, &sim, &order)?;
+                    let b = run(&mut ring, &sim, &order)?;
+                    ring.close()?;
+                    Ok::<_, Error>((store, a, b))
+                })();
+                fi.disarm();
+                sim.synchronize().unwrap();
+                prop_assert_eq!(sim.stats().live_bytes, 0, "{:?} #{}: slots left behind", kind, n);
+                match attempt {
+                    Ok((store, a, b)) => {
+                        prop_assert_eq!(a, want);
+                        prop_assert_eq!(b, want);
+                        for (i, blk) in store.blocks().iter().enumerate() {
+                            prop_assert_eq!(sim.host_bytes(&blk.buffer), &model.block_bytes(i)[..]);
+                        }
+                        break;
+                    }
+                    Err(e) => prop_assert!(matches!(e, Error::Injected(_)), "{:?} #{}: unexpected {}", kind, n, e),
+                }
+            }
+        }
+        prop_assert!(sim.stats().violations.is_empty(), "{:?}", sim.stats().violations);
+    }
+
+    /// Random damage to a valid checkpoint (flipped bytes, truncation, garbage
+    /// appended) never panics the load path: it loads or says why not.
+    #[test]
+    fn damaged_checkpoints_never_panic(flips in prop::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 0..6), cut in any::<prop::sample::Index>(), do_cut in any::<bool>(), extra in prop::collection::vec(any::<u8>(), 0..16)) {
+        let mut bytes = valid_checkpoint(3);
+        for (i, v) in flips {
+            let i = i.index(bytes.len());
+            bytes[i] ^= v;
+        }
+        if do_cut {
+            bytes.truncate(cut.index(bytes.len()));
+        }
+        bytes.extend(extra);
+        let p = tmp(&format!("damaged-{}.safetensors", std::thread::current().name().unwrap_or("t").replace(':', "_")));
+        std::fs::write(&p, &bytes).unwrap();
+        let _ = load_on_sim(&p);
+    }
+}
+
+fn write_raw(name: &str, header: &str, data_len: usize) -> PathBuf {
+    let p = tmp(name);
+    let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+    bytes.extend_from_slice(header.as_bytes());
+    bytes.extend(std::iter::repeat_n(7u8, data_len));
+    std::fs::write(&p, bytes).unwrap();
+    p
+}
+
+#[test]
+fn bad_checkpoints_name_file_tensor_and_fault() {
+    let cases: Vec<(&str, PathBuf, &str, &str)> = vec![
+        (
+            "truncated header",
+            {
+                let p = tmp("short.safetensors");
+                std::fs::write(&p, [1u8, 2, 3]).unwrap();
+                p
+            },
+            "",
+            "shorter than",
+        ),
+        (
+            "header past the end",
+            {
+                let p = tmp("past.safetensors");
+                std::fs::write(&p, [&100u64.to_le_bytes()[..], b"{}"].concat()).unwrap();
+                p
+            },
+            "",
+            "runs past the end",
+        ),
+        (
+            "offsets past the end",
+            write_raw("end.safetensors", r#"{"a.0.w":{"dtype":"U8","shape":[8],"data_offsets":[0,8]}}"#, 4),
+            "a.0.w",
+            "outside",
+        ),
+        (
+            "overlapping offsets",
+            write_raw(
+                "overlap.safetensors",
+                r#"{"a.0.w":{"dtype":"U8","shape":[8],"data_offsets":[0,8]},"a.1.w":{"dtype":"U8","shape":[8],"data_offsets":[4,12]}}"#,
+                12,
+            ),
+            "a.1.w",
+            "overlap",
+        ),
+        (
+            "unknown dtype",
+            write_raw("dtype.safetensors", r#"{"a.0.w":{"dtype":"Q4","shape":[8],"data_offsets":[0,8]}}"#, 8),
+            "a.0.w",
+            "unknown dtype",
+        ),
+        (
+            "shape disagrees with data",
+            write_raw("shape.safetensors", r#"{"a.0.w":{"dtype":"F32","shape":[8],"data_offsets":[0,8]}}"#, 8),
+            "a.0.w",
+            "needs 32 bytes",
+        ),
+        (
+            "duplicate names",
+            write_raw(
+                "dup.safetensors",
+                r#"{"a.0.w":{"dtype":"U8","shape":[8],"data_offsets":[0,8]},"a.0.w":{"dtype":"U8","shape":[8],"data_offsets":[8,16]}}"#,
+                16,
+            ),
+            "a.0.w",
+            "twice",
+        ),
+        ("not JSON", write_raw("json.safetensors", "{nope", 0), "", "not valid JSON"),
+    ];
+    for (what, path, tensor, fault) in cases {
+        let e = SafetensorsFile::open(&path).expect_err(what).to_string();
+        assert!(e.contains(&path.display().to_string()), "{what}: {e}");
+        assert!(e.contains(tensor), "{what}: {e}");
+        assert!(e.contains(fault), "{what}: {e}");
+    }
+    // A tensor the model expects but the file lacks.
+    let p = tmp("lacks.safetensors");
+    std::fs::write(&p, valid_checkpoint(2)).unwrap();
+    let file = SafetensorsFile::open(&p).unwrap();
+    let mut inv = offload_core::BlockDiscovery::discover(&offload_core::NameDiscovery, "transformer", file.specs()).unwrap();
+    inv.stacks[0].blocks[1].tensors.push(offload_core::TensorSpec::new("blocks.1.extra.weight", offload_core::DType::BF16, [2]));
+    let e = HostStore::build(&SimBackend::new(SimConfig::fast()), &inv, &file).err().expect("missing tensor").to_string();
+    assert!(e.contains("blocks.1.extra.weight") && e.contains(&p.display().to_string()) && e.contains("lacks"), "{e}");
+}
+
+#[test]
+fn the_fuzz_corpus_replays_without_panics() {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../fuzz/corpus/safetensors_store");
+    let mut n = 0;
+    for entry in std::fs::read_dir(&dir).expect("corpus committed") {
+        let path = entry.unwrap().path();
+        let _ = load_on_sim(&path);
+        n += 1;
+    }
+    assert!(n >= 8, "only {n} corpus files");
+    // The valid seed loads.
+    assert_eq!(load_on_sim(&dir.join("valid-3-blocks")), Ok(3));
+}
+
+#[test]
+fn out_of_device_memory_says_how_much() {
+    let model = TestModel::random(&ModelShape::default(), 3);
+    let sim = SimBackend::new(SimConfig { device_bytes: 300_000, ..Default::default() });
+    let store = Arc::new(HostStore::build(&sim, &model.inventory, &model.tensors).unwrap());
+    let rc = resolve(&Plan::layerwise(), std::slice::from_ref(&model.inventory)).unwrap().components.remove(0);
+    let e = Ring::new(sim.clone(), store, &rc).err().expect("out of memory");
+    let text = e.to_string();
+    assert!(matches!(e, Error::OutOfDeviceMemory { .. }), "{text}");
+    assert!(text.contains("out of device memory allocating") && text.contains("bytes free") && text.contains("transformer/"), "{text}");
+    assert_eq!(sim.stats().live_bytes, 0);
+}
+
+#[test]
+fn pinning_failure_fails_or_falls_back_as_planned() {
+    let model = TestModel::random(&ModelShape { stacks: vec![4], ..Default::default() }, 4);
+    let total: u64 = (0..model.len()).map(|i| model.block_bytes(i).len() as u64).sum();
+    let sim = SimBackend::new(SimConfig { pinned_host_bytes: Some(total / 2), ..Default::default() });
+    let e = HostStore::build(&sim, &model.inventory, &model.tensors).err().expect("pinning fails").to_string();
+    assert!(e.contains("could not allocate") && e.contains("page-locked memory exhausted") && e.contains("transformer/stack0."), "{e}");
+    // With the pageable fallback: loads, fewer bytes pinned, same results.
+    let pin = PinOptions { budget_bytes: None, fallback: PinFallback::Pageable };
+    let store = Arc::new(HostStore::build_with(&sim, &model.inventory, &model.tensors, pin).unwrap());
+    assert!(store.pinned_bytes() > 0 && store.pinned_bytes() < store.host_bytes());
+    let rc = resolve(&Plan::layerwise(), std::slice::from_ref(&model.inventory)).unwrap().components.remove(0);
+    let mut ring = Ring::new(sim.clone(), store, &rc).unwrap();
+    let order: Vec<usize> = (0..model.len()).collect();
+    assert_eq!(run(&mut ring, &sim, &order).unwrap(), model.reference(&order));
+    assert!(ring.metrics().host_pinned_bytes < ring.metrics().host_bytes);
+    // A pin budget from the plan, failing when spent.
+    let budget = PinOptions { budget_bytes: Some(1000), fallback: PinFallback::Fail };
+    let e = HostStore::build_with(&SimBackend::default_device(), &model.inventory, &model.tensors, budget).err().unwrap().to_string();
+    assert!(e.contains("pin budget has 1000 bytes left"), "{e}");
+}
+
+#[test]
+fn interleaved_pipelines_get_the_right_weights() {
+    // One component driven by two pipelines with different orders, alternating.
+    let model = TestModel::random(&ModelShape { stacks: vec![3, 4], ..Default::default() }, 8);
+    let sim = SimBackend::default_device();
+    let store = Arc::new(HostStore::build(&sim, &model.inventory, &model.tensors).unwrap());
+    let rc = resolve(&Plan::layerwise().prefetch_depth(2), std::slice::from_ref(&model.inventory)).unwrap().components.remove(0);
+    let mut ring = Ring::new(sim.clone(), store, &rc).unwrap();
+    let a: Vec<usize> = (0..model.len()).collect();
+    let b: Vec<usize> = vec![0, 1, 2, 0, 1, 2, 6, 5];
+    let mut misses = 0;
+    for step in 0..6 {
+        let order = if step % 2 == 0 { &a } else { &b };
+        assert_eq!(run(&mut ring, &sim, order).unwrap(), model.reference(order), "step {step}");
+        misses += ring.metrics().misses;
+    }
+    assert!(misses > 0, "deviations are counted");
+    assert!(sim.stats().violations.is_empty());
+}
+
+#[test]
+fn rings_on_one_device_and_on_two_threads() {
+    fn assert_send<T: Send>() {}
+    assert_send::<Ring<SimBackend>>();
+    assert_send::<Ring<FaultInjector<SimBackend>>>();
+    let sim = SimBackend::default_device();
+    let models: Vec<TestModel> =
+        (0..2).map(|i| TestModel::random(&ModelShape { stacks: vec![3, 2], ..Default::default() }, 20 + i)).collect();
+    let handles: Vec<_> = models
+        .into_iter()
+        .map(|mut model| {
+            model.inventory.name = format!("component{}", model.inventory.stacks.len());
+            let sim = sim.clone();
+            std::thread::spawn(move || {
+                let store = Arc::new(HostStore::build(&sim, &model.inventory, &model.tensors).unwrap());
+                let rc = resolve(&Plan::layerwise(), std::slice::from_ref(&model.inventory)).unwrap().components.remove(0);
+                let mut ring = Ring::new(sim.clone(), store, &rc).unwrap();
+                let order: Vec<usize> = (0..model.len()).collect();
+                for _ in 0..20 {
+                    assert_eq!(run(&mut ring, &sim, &order).unwrap(), model.reference(&order));
+                }
+                ring.close().unwrap();
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().unwrap();
+    }
+    assert!(sim.stats().violations.is_empty(), "{:?}", sim.stats().violations);
+    assert_eq!(sim.stats().live_bytes, 0);
+}

@@ -670,6 +670,8 @@ fn run() -> Result<()> {
     eprintln!("pinned H2D bandwidth: {:.1} GB/s", bandwidth / 1e9);
 
     let mut cases = Vec::new();
+    // Progress on a terminal (hidden when the output is piped, as on the runner).
+    let progress = indicatif::ProgressBar::new((resolutions.len() * (1 + depths.len() + budgets.len())) as u64);
     for &res in &resolutions {
         let t = (res / 16) * (res / 16) + TXT;
         let mut a = model.acts(t, res as u64)?;
@@ -697,6 +699,7 @@ fn run() -> Result<()> {
             }
             ring.close()?;
             be.synchronize()?;
+            progress.inc(1);
             Ok((times, outv, be.counters().peak_bytes - base, m))
         };
         let (rt, rout, rpeak, _) = run_plan(&Plan::resident(), &mut a)?;
@@ -779,6 +782,7 @@ fn run() -> Result<()> {
             }));
         }
     }
+    progress.finish_and_clear();
     let doc = serde_json::json!({
         "date": std::env::var("BENCH_DATE").unwrap_or_default(), "commit": commit, "gpu": gpu, "backend": "cuda",
         "model": format!("flux-dev-shaped: {double} double + {single} single blocks, hidden {H}, mlp {MLP}, bf16, random weights"),

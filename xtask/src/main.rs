@@ -1,5 +1,6 @@
 //! `cargo xtask <command>`: the project's tasks, in plain Rust with `std::process`.
 
+mod report;
 mod tidy;
 
 use std::path::{Path, PathBuf};
@@ -13,7 +14,8 @@ cargo xtask <command>
   conformance [--backend sim|cuda|candle|tch|all]
                             the conformance table, cases x backends
   lint                      cargo fmt --check, clippy -D warnings, tidy
-  bench [--backend sim]     host-side cost per block (criterion); writes bench/results/<date>-sim-host-cost.json
+  bench [--backend sim]     host-side cost per block and planner speed (criterion); writes bench/results/<date>-sim-host-cost.json
+  bench --report            bench/REPORT.md and bench/plots/*.png from the committed bench/results/*.json
   faults                    inject faults, try bad inputs and plans; writes bench/results/<date>-faults.md
   gpu-bundle                build the CUDA binaries and a run script into .bundle/ for the GPU runner
 ";
@@ -83,6 +85,9 @@ fn commit() -> String {
 }
 
 fn bench(args: &[String]) -> Result<(), String> {
+    if args.iter().any(|a| a == "--report") {
+        return report::report(&root());
+    }
     let backend = flag(args, "--backend").unwrap_or_else(|| "sim".into());
     if backend != "sim" {
         return Err(format!(

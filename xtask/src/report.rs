@@ -1,0 +1,240 @@
+//! `cargo xtask bench --report`: the committed `bench/results/*.json` as a Markdown
+//! table (`bench/REPORT.md`) and PNG plots (`bench/plots/`).
+
+use plotters::prelude::*;
+use serde_json::Value;
+use std::fmt::Write;
+use std::path::Path;
+
+/// One row: a measured run.
+struct Row {
+    file: String,
+    label: String,
+    resolution: u64,
+    budget_gib: Option<f64>,
+    resident_s: f64,
+    step_s: f64,
+    bound_s: f64,
+    ratio: f64,
+    predicted_s: Option<f64>,
+    peak_gib: f64,
+    bitwise: String,
+}
+
+fn gib(v: &Value) -> f64 {
+    v.as_f64().unwrap_or(0.0) / (1u64 << 30) as f64
+}
+
+fn rows(dir: &Path) -> Result<Vec<Row>, String> {
+    let mut files: Vec<_> = std::fs::read_dir(dir).map_err(|e| format!("{}: {e}", dir.display()))?.flatten().map(|e| e.path()).collect();
+    files.sort();
+    let mut out = Vec::new();
+    for f in files.iter().filter(|f| f.extension().is_some_and(|e| e == "json")) {
+        let text = std::fs::read_to_string(f).map_err(|e| format!("{}: {e}", f.display()))?;
+        let Ok(doc) = serde_json::from_str::<Value>(&text) else { continue };
+        let (Some(cases), Some(backend)) = (doc["cases"].as_array(), doc["backend"].as_str()) else { continue };
+        let name = f.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        for c in cases.iter().filter(|c| c["step_streamed_s"].is_number()) {
+            let budget = c["budget_bytes"].as_f64().map(|b| b / (1u64 << 30) as f64);
+            let label = match budget {
+                Some(b) => format!("{backend} {b:.0} GiB d={}", c["depth"]),
+                None => format!("{backend} d={}", c["depth"]),
+            };
+            out.push(Row {
+                file: name.clone(),
+                label,
+                resolution: c["resolution"].as_u64().unwrap_or(0),
+                budget_gib: budget,
+                resident_s: c["step_resident_s"].as_f64().unwrap_or(f64::NAN),
+                step_s: c["step_streamed_s"].as_f64().unwrap_or(f64::NAN),
+                bound_s: c["bound_s"].as_f64().unwrap_or(f64::NAN),
+                ratio: c["ratio_to_bound"].as_f64().unwrap_or(f64::NAN),
+                predicted_s: c["predicted_step_s"].as_f64(),
+                peak_gib: gib(&c["peak_device_bytes"]),
+                bitwise: c["bitwise_equal"].as_bool().map_or("–".into(), |b| if b { "yes".into() } else { "NO".into() }),
+            });
+        }
+        for a in doc["anchors"].as_array().into_iter().flatten().filter(|a| a["step_streamed_s"].is_number()) {
+            out.push(Row {
+                file: name.clone(),
+                label: a["name"].as_str().unwrap_or("anchor").to_owned(),
+                resolution: a["resolution"].as_u64().unwrap_or(0),
+                budget_gib: None,
+                resident_s: a["step_resident_s"].as_f64().unwrap_or(f64::NAN),
+                step_s: a["step_streamed_s"].as_f64().unwrap_or(f64::NAN),
+                bound_s: a["bound_s"].as_f64().unwrap_or(f64::NAN),
+                ratio: a["ratio_to_bound"].as_f64().unwrap_or(f64::NAN),
+                predicted_s: None,
+                peak_gib: gib(&a["peak_device_bytes"]),
+                bitwise: "–".into(),
+            });
+        }
+    }
+    Ok(out)
+}
+
+fn e<E: std::fmt::Display>(x: E) -> String {
+    x.to_string()
+}
+
+/// Bars of `values` (label, value), with a dashed reference line at `target`.
+fn bars(path: &Path, title: &str, y_label: &str, values: &[(String, f64)], target: Option<(f64, &str)>) -> Result<(), String> {
+    let root = BitMapBackend::new(path, (1100, 560)).into_drawing_area();
+    root.fill(&WHITE).map_err(e)?;
+    let max = values.iter().map(|v| v.1).fold(target.map_or(0.0, |t| t.0), f64::max) * 1.15;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 22))
+        .margin(12)
+        .x_label_area_size(150)
+        .y_label_area_size(70)
+        .build_cartesian_2d(0f64..values.len() as f64, 0f64..max.max(1e-9))
+        .map_err(e)?;
+    chart.configure_mesh().disable_x_mesh().x_labels(0).y_desc(y_label).label_style(("sans-serif", 15)).draw().map_err(e)?;
+    for (i, (label, v)) in values.iter().enumerate() {
+        let x = i as f64;
+        let colour = if label.starts_with("diffusers") { RGBColor(214, 120, 60) } else { RGBColor(60, 110, 190) };
+        chart.draw_series(std::iter::once(Rectangle::new([(x + 0.15, 0.0), (x + 0.85, *v)], colour.filled()))).map_err(e)?;
+        chart.draw_series(std::iter::once(Text::new(format!("{v:.3}"), (x + 0.2, *v + max * 0.02), ("sans-serif", 14)))).map_err(e)?;
+        let style = TextStyle::from(("sans-serif", 14)).transform(FontTransform::Rotate90);
+        chart.draw_series(std::iter::once(Text::new(label.clone(), (x + 0.4, -max * 0.02), style))).map_err(e)?;
+    }
+    if let Some((t, name)) = target {
+        chart
+            .draw_series(DashedLineSeries::new(vec![(0.0, t), (values.len() as f64, t)], 8, 6, RED.stroke_width(2)))
+            .map_err(e)?
+            .label(name)
+            .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], RED));
+        chart.configure_series_labels().background_style(WHITE).border_style(BLACK).label_font(("sans-serif", 15)).draw().map_err(e)?;
+    }
+    root.present().map_err(e)
+}
+
+fn planner_plot(path: &Path, rows: &[&Row]) -> Result<(), String> {
+    let root = BitMapBackend::new(path, (900, 520)).into_drawing_area();
+    root.fill(&WHITE).map_err(e)?;
+    let max_b = rows.iter().filter_map(|r| r.budget_gib).fold(0.0, f64::max) + 2.0;
+    let max_t = rows.iter().map(|r| r.step_s.max(r.bound_s)).fold(0.0, f64::max) * 1.2;
+    let mut chart = ChartBuilder::on(&root)
+        .caption("step time vs device budget (cuda, H200, 1024²)", ("sans-serif", 22))
+        .margin(12)
+        .x_label_area_size(50)
+        .y_label_area_size(70)
+        .build_cartesian_2d(0f64..max_b, 0f64..max_t)
+        .map_err(e)?;
+    chart
+        .configure_mesh()
+        .x_desc("device budget for weights (GiB)")
+        .y_desc("step (s)")
+        .label_style(("sans-serif", 15))
+        .draw()
+        .map_err(e)?;
+    let series = |f: &dyn Fn(&Row) -> Option<f64>| -> Vec<(f64, f64)> {
+        let mut v: Vec<(f64, f64)> = rows.iter().filter_map(|r| Some((r.budget_gib?, f(r)?))).collect();
+        v.sort_by(|a, b| a.0.total_cmp(&b.0));
+        v
+    };
+    let measured = series(&|r| Some(r.step_s));
+    let predicted = series(&|r| r.predicted_s);
+    let bound = series(&|r| Some(r.bound_s));
+    let resident = rows.first().map_or(0.0, |r| r.resident_s);
+    chart
+        .draw_series(measured.iter().map(|&(x, y)| Circle::new((x, y), 5, BLUE.filled())))
+        .map_err(e)?
+        .label("measured")
+        .legend(|(x, y)| Circle::new((x + 10, y), 5, BLUE.filled()));
+    chart
+        .draw_series(predicted.iter().map(|&(x, y)| Cross::new((x, y), 6, GREEN.stroke_width(2))))
+        .map_err(e)?
+        .label("predicted (replay)")
+        .legend(|(x, y)| Cross::new((x + 10, y), 6, GREEN));
+    chart
+        .draw_series(LineSeries::new(bound.clone(), BLACK.stroke_width(1)))
+        .map_err(e)?
+        .label("bound of the plan")
+        .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLACK));
+    chart
+        .draw_series(DashedLineSeries::new(vec![(0.0, resident), (max_b, resident)], 8, 6, RED.stroke_width(2)))
+        .map_err(e)?
+        .label("all resident")
+        .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], RED));
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperRight)
+        .background_style(WHITE)
+        .border_style(BLACK)
+        .label_font(("sans-serif", 15))
+        .draw()
+        .map_err(e)?;
+    root.present().map_err(e)
+}
+
+/// Write `bench/REPORT.md` and `bench/plots/*.png` from `bench/results/`.
+pub fn report(root: &Path) -> Result<(), String> {
+    plotters::style::register_font("sans-serif", FontStyle::Normal, epaint_default_fonts::UBUNTU_LIGHT).map_err(|_| "font".to_owned())?;
+    let rows = rows(&root.join("bench/results"))?;
+    let plots = root.join("bench/plots");
+    std::fs::create_dir_all(&plots).map_err(e)?;
+    let mut md = String::from("# Benchmark report\n\nGenerated by `cargo xtask bench --report` from `bench/results/*.json`. Ratios are to each run's own bound, `max(resident step, streamed bytes ÷ bandwidth measured in the same run)`.\n\n");
+    md.push_str("![ratio to bound](plots/ratio-to-bound.png)\n\n![peak device memory](plots/peak-memory.png)\n\n![planner](plots/planner-budget.png)\n\n");
+    md.push_str("| file | run | res | budget | resident (s) | streamed (s) | predicted (s) | bound (s) | ratio | peak weights (GiB) | bitwise |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
+    for r in &rows {
+        let _ = writeln!(
+            md,
+            "| {} | {} | {} | {} | {:.4} | {:.4} | {} | {:.4} | {:.3} | {:.2} | {} |",
+            r.file,
+            r.label,
+            r.resolution,
+            r.budget_gib.map_or("–".into(), |b| format!("{b:.0} GiB")),
+            r.resident_s,
+            r.step_s,
+            r.predicted_s.map_or("–".into(), |p| format!("{p:.4}")),
+            r.bound_s,
+            r.ratio,
+            r.peak_gib,
+            r.bitwise
+        );
+    }
+    // Plots from the full-streaming runs (no budget) of the newest file holding them.
+    let full: Vec<&Row> = rows.iter().filter(|r| r.budget_gib.is_none()).collect();
+    let newest = full.iter().filter(|r| r.file.contains("flux")).map(|r| r.file.clone()).max();
+    let latest: Vec<&Row> = full.iter().copied().filter(|r| Some(&r.file) == newest.as_ref()).collect();
+    let ratio: Vec<(String, f64)> = latest.iter().map(|r| (format!("{} {}²", r.label, r.resolution), r.ratio)).collect();
+    bars(&plots.join("ratio-to-bound.png"), "step ÷ bound, full streaming (H200)", "ratio to bound", &ratio, Some((1.03, "target 1.03")))?;
+    let mut peak: Vec<(String, f64)> = latest.iter().map(|r| (format!("{} {}²", r.label, r.resolution), r.peak_gib)).collect();
+    if let Some(total) = std::fs::read_to_string(root.join("bench/results").join(newest.unwrap_or_default()))
+        .ok()
+        .and_then(|t| serde_json::from_str::<Value>(&t).ok())
+        .and_then(|d| d["block_bytes_total"].as_f64())
+    {
+        peak.insert(0, ("all resident".into(), total / (1u64 << 30) as f64));
+    }
+    bars(&plots.join("peak-memory.png"), "device memory for weights", "GiB", &peak, None)?;
+    let newest_planner = rows.iter().filter(|r| r.budget_gib.is_some()).map(|r| r.file.clone()).max();
+    let planner: Vec<&Row> = rows.iter().filter(|r| r.budget_gib.is_some() && Some(&r.file) == newest_planner.as_ref()).collect();
+    if !planner.is_empty() {
+        planner_plot(&plots.join("planner-budget.png"), &planner)?;
+    }
+    std::fs::write(root.join("bench/REPORT.md"), md).map_err(e)?;
+    println!("wrote bench/REPORT.md and bench/plots/ ({} runs)", rows.len());
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_report_builds_from_the_committed_results() {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("root");
+        let dir = std::env::temp_dir().join(format!("offload-report-{}", std::process::id()));
+        std::fs::create_dir_all(dir.join("bench")).unwrap();
+        let _ = std::fs::remove_dir_all(dir.join("bench/results"));
+        std::os::unix::fs::symlink(root.join("bench/results"), dir.join("bench/results")).unwrap();
+        super::report(&dir).unwrap();
+        let md = std::fs::read_to_string(dir.join("bench/REPORT.md")).unwrap();
+        assert!(md.contains("| cuda d=1 |"), "{md}");
+        for png in ["ratio-to-bound.png", "peak-memory.png", "planner-budget.png"] {
+            let bytes = std::fs::read(dir.join("bench/plots").join(png)).unwrap();
+            assert_eq!(&bytes[..8], b"\x89PNG\r\n\x1a\n", "{png}");
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

@@ -1,29 +1,170 @@
-//! The candle backend of `offload` — **not implemented yet** (issue 4).
+//! The candle backend of `offload`: stream a model's blocks and run them with
+//! candle's own, unmodified block code.
 //!
-//! Planned design: one slot per block wrapped as a candle tensor, weights as
-//! `narrow`/`reshape` views, served to unmodified candle-nn blocks through a
-//! `VarBuilder` backend; CPU everywhere, CUDA behind a `cuda` feature reusing
-//! `offload-cuda`'s copy stream. Until then [`CandleOffload::new`] says so with
-//! [`offload_core::Error::Unsupported`] instead of pretending.
+//! Design choices:
+//!
+//! - **Unmodified blocks.** A block's weights reach candle-nn / candle-transformers
+//!   code through a `VarBuilder` ([`CandleBlockExt::var_builder`]): build the block
+//!   per call (`Block::new(cfg, vb)` only clones handles) and run its `forward`.
+//! - **CPU device: host memory is the device.** On `Device::Cpu` the ring's "device"
+//!   is host memory: copies into slots run on a worker thread (the simulated
+//!   backend of `offload-core`, whose protocol checks stay on), and candle's CPU
+//!   tensors own their storage, so each weight is materialised from the slot with
+//!   one copy when the block's `VarBuilder` is built. This is the CI path: the
+//!   protocol and the bitwise checks apply as on a GPU.
+//! - **CUDA: not yet.** The plan is one slot per block wrapped as a candle CUDA
+//!   tensor through candle's own cudarc, weights as `narrow`/`reshape` views,
+//!   copies on `offload-cuda`'s copy stream; [`CandleBackend::cuda`] says
+//!   `Unsupported` until then.
 
-use offload_core::{Error, Result};
+use candle_core::{DType as CDType, Device, Tensor};
+use candle_nn::VarBuilder;
+use offload_core::sim::{SimBackend, SimConfig, SimEvent, SimHost, SimSlot};
+use offload_core::{BlockGuard, BlockLayout, DType, Error, MemoryInfo, OffloadBackend, Result, StreamKind};
+use std::collections::HashMap;
 
-/// Placeholder for the candle ring.
-#[derive(Debug)]
-pub struct CandleOffload(());
+/// The candle backend. Cheap to clone.
+#[derive(Clone)]
+pub struct CandleBackend {
+    device: SimBackend,
+}
 
-impl CandleOffload {
-    /// Always [`Error::Unsupported`] until the candle backend lands.
-    pub fn new() -> Result<Self> {
-        Err(Error::unsupported("candle", "the candle backend is not implemented yet (issue 4)"))
+impl CandleBackend {
+    /// The CPU device: host memory as device memory, copies on a worker thread.
+    pub fn cpu() -> Self {
+        CandleBackend { device: SimBackend::new(SimConfig::fast()) }
+    }
+
+    /// The CUDA device `ordinal` — not implemented yet (issue 4).
+    pub fn cuda(ordinal: usize) -> Result<Self> {
+        Err(Error::unsupported(
+            "candle",
+            format!("candle on CUDA device {ordinal} is not implemented yet; use CandleBackend::cpu() or the cuda backend"),
+        ))
+    }
+
+    /// The candle device tensors are made on.
+    pub fn device(&self) -> Device {
+        Device::Cpu
+    }
+
+    /// The underlying host-memory device (its counters and protocol checks).
+    pub fn host_device(&self) -> &SimBackend {
+        &self.device
+    }
+
+    /// The tensors of a block in `slot`, laid out as `layout`, as candle tensors
+    /// named relative to `prefix` (`"double_blocks.3."` is stripped).
+    pub fn tensors(&self, slot: &SimSlot, layout: &BlockLayout, prefix: &str) -> Result<HashMap<String, Tensor>> {
+        self.device.read_slot(slot, |bytes| {
+            let mut map = HashMap::with_capacity(layout.tensors.len());
+            for t in &layout.tensors {
+                let dtype = candle_dtype(t.spec.dtype).ok_or_else(|| Error::BadTensor {
+                    tensor: t.spec.name.clone(),
+                    fault: format!("dtype {:?} has no candle equivalent", t.spec.dtype),
+                })?;
+                let raw = &bytes[t.offset..t.offset + t.nbytes];
+                let tensor = Tensor::from_raw_buffer(raw, dtype, &t.spec.shape, &Device::Cpu)
+                    .map_err(|e| Error::BadTensor { tensor: t.spec.name.clone(), fault: e.to_string() })?;
+                let name = t.spec.name.strip_prefix(prefix).unwrap_or(&t.spec.name).to_owned();
+                map.insert(name, tensor);
+            }
+            Ok(map)
+        })
+    }
+}
+
+/// The candle dtype of an offload dtype.
+pub fn candle_dtype(d: DType) -> Option<CDType> {
+    Some(match d {
+        DType::U8 => CDType::U8,
+        DType::U32 => CDType::U32,
+        DType::I64 => CDType::I64,
+        DType::BF16 => CDType::BF16,
+        DType::F16 => CDType::F16,
+        DType::F32 => CDType::F32,
+        DType::F64 => CDType::F64,
+        _ => return None,
+    })
+}
+
+/// A streamed block as candle sees it.
+pub trait CandleBlockExt {
+    /// A `VarBuilder` over the block's weights, named relative to the block
+    /// (`attn.qkv.weight` for `joint_blocks.3.x_block.attn.qkv.weight` is
+    /// `vb.pp("x_block").pp("attn")…`); `dtype` is the builder's dtype.
+    fn var_builder(&self, dtype: CDType) -> Result<VarBuilder<'static>>;
+}
+
+impl CandleBlockExt for BlockGuard<'_, CandleBackend> {
+    fn var_builder(&self, dtype: CDType) -> Result<VarBuilder<'static>> {
+        let prefix = format!("{}.", self.id());
+        let map = self.backend().tensors(self.slot(), self.layout(), &prefix)?;
+        Ok(VarBuilder::from_tensors(map, dtype, &Device::Cpu))
+    }
+}
+
+impl OffloadBackend for CandleBackend {
+    type HostBuffer = SimHost;
+    type Slot = SimSlot;
+    type Event = SimEvent;
+
+    fn name(&self) -> &'static str {
+        "candle"
+    }
+    fn alloc_host(&self, bytes: usize, purpose: &str, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<SimHost> {
+        self.device.alloc_host(bytes, purpose, fill)
+    }
+    fn alloc_host_pageable(&self, bytes: usize, purpose: &str, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<SimHost> {
+        self.device.alloc_host_pageable(bytes, purpose, fill)
+    }
+    fn is_pinned(&self, _buffer: &SimHost) -> bool {
+        // Host memory is the device here: nothing is page-locked.
+        false
+    }
+    fn host_bytes<'a>(&self, buffer: &'a SimHost) -> &'a [u8] {
+        self.device.host_bytes(buffer)
+    }
+    fn host_is_pinned(&self) -> bool {
+        false
+    }
+    fn alloc_slot(&self, bytes: usize, purpose: &str) -> Result<SimSlot> {
+        self.device.alloc_slot(bytes, purpose)
+    }
+    fn free_slot(&self, slot: SimSlot, after: Option<&SimEvent>) -> Result<()> {
+        self.device.free_slot(slot, after)
+    }
+    fn copy_to_slot(&self, src: &SimHost, dst: &mut SimSlot, bytes: usize, after: Option<&SimEvent>) -> Result<SimEvent> {
+        self.device.copy_to_slot(src, dst, bytes, after)
+    }
+    fn compute_wait(&self, event: &SimEvent) -> Result<()> {
+        self.device.compute_wait(event)
+    }
+    fn record_compute(&self) -> Result<SimEvent> {
+        self.device.record_compute()
+    }
+    fn synchronize(&self) -> Result<()> {
+        self.device.synchronize()
+    }
+    fn poll_error(&self) -> Result<()> {
+        self.device.check()
+    }
+    fn record_timing(&self, on: StreamKind) -> Result<Option<SimEvent>> {
+        self.device.record_timing(on)
+    }
+    fn elapsed_s(&self, from: &SimEvent, to: &SimEvent) -> Result<Option<f64>> {
+        self.device.elapsed_s(from, to)
+    }
+    fn memory_info(&self) -> Result<MemoryInfo> {
+        self.device.memory_info()
     }
 }
 
 #[cfg(test)]
 mod tests {
     #[test]
-    fn says_it_is_unsupported() {
-        let e = super::CandleOffload::new().unwrap_err().to_string();
+    fn cuda_says_it_is_unsupported() {
+        let e = super::CandleBackend::cuda(0).err().expect("unsupported").to_string();
         assert!(e.contains("unsupported"), "{e}");
     }
 }

@@ -4,6 +4,8 @@
 //! A case that needs hardware it cannot find prints `SKIPPED: <why>` and passes,
 //! unless `OFFLOAD_REQUIRE_DEVICE=1`, where it fails.
 
+#[cfg(feature = "candle")]
+pub mod candle_harness;
 pub mod cases;
 pub mod checkpoint;
 #[cfg(feature = "cuda")]

@@ -4,3 +4,6 @@ offload_tests::conformance_tests!(sim, offload_tests::sim_harness::Sim);
 
 #[cfg(feature = "cuda")]
 offload_tests::conformance_tests!(cuda, offload_tests::cuda_harness::Cuda);
+
+#[cfg(feature = "candle")]
+offload_tests::conformance_tests!(candle, offload_tests::candle_harness::Candle);

@@ -49,7 +49,16 @@ fn lint() -> Result<(), String> {
     c.args(["fmt", "--all", "--check"]);
     run(c)?;
     let mut c = cargo();
-    c.args(["clippy", "--workspace", "--all-targets", "--features", "offload/sim", "--", "-D", "warnings"]);
+    c.args([
+        "clippy",
+        "--workspace",
+        "--all-targets",
+        "--features",
+        "offload/sim,offload-tests/cuda,offload-tests/candle",
+        "--",
+        "-D",
+        "warnings",
+    ]);
     run(c)?;
     let problems = tidy::check(&root());
     if problems.is_empty() {
@@ -64,9 +73,9 @@ fn conformance(args: &[String]) -> Result<(), String> {
     let backend = flag(args, "--backend").unwrap_or_else(|| "sim".into());
     let mut c = cargo();
     c.args(["run", "--release", "-q", "-p", "offload-tests", "--bin", "conformance"]);
-    let features: Vec<&str> = backend.split(',').filter(|b| *b == "cuda").collect();
+    let features: Vec<&str> = backend.split(',').filter(|b| matches!(*b, "cuda" | "candle")).collect();
     if backend == "all" {
-        c.args(["--features", "cuda"]);
+        c.args(["--features", "cuda,candle"]);
     } else if !features.is_empty() {
         c.args(["--features", &features.join(",")]);
     }
@@ -164,11 +173,12 @@ fn ci() -> Result<(), String> {
     let mut c = cargo();
     c.args(["test", "--workspace", "--doc", "--features", "offload-core/sim"]);
     run(c)?;
-    // The CUDA row builds everywhere (run-time loading) and skips visibly without a GPU.
+    // The CUDA row builds everywhere (run-time loading) and skips visibly without
+    // a GPU; the candle row runs on the CPU device.
     let mut c = cargo();
-    c.args(["test", "-p", "offload-tests", "--features", "cuda", "--test", "conformance", "cuda::"]);
+    c.args(["test", "-p", "offload-tests", "--features", "cuda,candle", "--test", "conformance"]);
     run(c)?;
-    conformance(&["--backend".into(), "sim,cuda".into()])
+    conformance(&["--backend".into(), "sim,candle,cuda".into()])
 }
 
 fn main() {

@@ -11,6 +11,8 @@ fn suite(backend: &str) -> Option<Row> {
         "sim" => Some(run_suite::<offload_tests::sim_harness::Sim>()),
         #[cfg(feature = "cuda")]
         "cuda" => Some(run_suite::<offload_tests::cuda_harness::Cuda>()),
+        #[cfg(feature = "candle")]
+        "candle" => Some(run_suite::<offload_tests::candle_harness::Candle>()),
         _ => None,
     }
 }

@@ -41,10 +41,14 @@ pub struct StepMetrics {
 }
 
 impl StepMetrics {
-    /// Bytes copied per second of step wall time, in GB/s.
+    /// Achieved host-to-device rate, GB/s: bytes over the copy stream's busy time
+    /// when the timeline measured it (device time), else over the step's host
+    /// wall time (on an asynchronous device that is the host's enqueue time, a
+    /// lower bound on the step only when the host waited for the device).
     pub fn achieved_gbps(&self) -> f64 {
-        if self.step_wall_s > 0.0 {
-            self.bytes_copied as f64 / self.step_wall_s / 1e9
+        let secs = self.copy_busy_s.filter(|s| *s > 0.0).unwrap_or(self.step_wall_s);
+        if secs > 0.0 {
+            self.bytes_copied as f64 / secs / 1e9
         } else {
             0.0
         }

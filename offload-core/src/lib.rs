@@ -67,7 +67,7 @@ pub use fault::{FaultInjector, FaultKind};
 pub use hook::{BlockContext, BlockSource, Hook, TraceRecorder};
 pub use metrics::StepMetrics;
 pub use ondemand::OnDemand;
-pub use plan::{resolve, ComponentPlan, PinFallback, Plan, ResidentPolicy, ResolvedComponent, ResolvedPlan, Strategy};
+pub use plan::{resolve, resolve_on, ComponentPlan, PinFallback, Plan, ResidentPolicy, ResolvedComponent, ResolvedPlan, Strategy};
 pub use ring::{BlockGuard, Ring};
 pub use source::{MemoryTensors, SafetensorsFile, TensorSource};
 pub use store::{HostBlock, HostStore, PinOptions};

@@ -189,6 +189,14 @@ fn layout_bytes(inv: &ComponentInventory) -> Result<Vec<(BlockId, usize)>> {
 /// a depth of 0, a budget below `(d + 1) ×` the largest streamed block plus the
 /// resident set.
 pub fn resolve(plan: &Plan, inventory: &[ComponentInventory]) -> Result<ResolvedPlan> {
+    resolve_on(plan, inventory, None)
+}
+
+/// [`resolve`] against a device whose memory is `memory` (as
+/// [`OffloadBackend::memory_info`](crate::OffloadBackend::memory_info) reports it),
+/// so that budgets given as "free memory minus a margin" become bytes. Pure data:
+/// the caller asks the device once and passes the answer in.
+pub fn resolve_on(plan: &Plan, inventory: &[ComponentInventory], memory: Option<crate::MemoryInfo>) -> Result<ResolvedPlan> {
     let mut names = HashSet::new();
     let mut owner: HashMap<&str, String> = HashMap::new();
     for c in inventory {
@@ -241,7 +249,22 @@ pub fn resolve(plan: &Plan, inventory: &[ComponentInventory]) -> Result<Resolved
         if cp.strategy == Strategy::Layerwise && blocks.len() < 2 {
             return Err(Error::Plan(format!("component {c:?}: layerwise streaming needs at least 2 blocks, it has {}", blocks.len())));
         }
-        if let Some(budget) = cp.device_budget_bytes {
+        let budget = match (cp.device_budget_bytes, cp.device_budget_free_minus_bytes, memory) {
+            (Some(_), Some(_), _) => {
+                return Err(Error::Plan(format!("component {c:?}: give device_budget_bytes or device_budget_free_minus_bytes, not both")))
+            }
+            (Some(b), None, _) => Some(b),
+            (None, Some(margin), Some(m)) => Some(m.free.checked_sub(margin).ok_or_else(|| {
+                Error::Plan(format!("component {c:?}: the device has {} bytes free, less than the margin of {margin} bytes", m.free))
+            })?),
+            (None, Some(_), None) => {
+                return Err(Error::Plan(format!(
+                    "component {c:?}: a budget of free memory minus a margin needs the device's free memory (use resolve_on)"
+                )))
+            }
+            (None, None, _) => None,
+        };
+        if let Some(budget) = budget {
             if device_weight_bound > budget {
                 return Err(Error::Plan(format!(
                     "component {c:?}: device budget {budget} bytes is below what the plan needs: {device_weight_bound} bytes \
@@ -259,7 +282,7 @@ pub fn resolve(plan: &Plan, inventory: &[ComponentInventory]) -> Result<Resolved
             largest_streamed_bytes,
             device_weight_bound,
             non_block_bytes,
-            budget: cp.device_budget_bytes,
+            budget,
         });
     }
     Ok(ResolvedPlan { components })
@@ -315,6 +338,19 @@ mod tests {
         assert!(e.contains("owned by both"), "{e}");
         let e = resolve(&Plan::layerwise(), &[a.clone(), a]).unwrap_err().to_string();
         assert!(e.contains("twice"), "{e}");
+    }
+
+    #[test]
+    fn free_minus_margin_budgets() {
+        let i = [inv("transformer", 4, 1024)];
+        let cp = ComponentPlan { device_budget_free_minus_bytes: Some(1000), ..Default::default() };
+        let plan = Plan::layerwise().component("transformer", cp);
+        assert!(resolve(&plan, &i).unwrap_err().to_string().contains("resolve_on"));
+        let mem = |free| Some(crate::MemoryInfo { free, total: 1 << 20 });
+        assert_eq!(resolve_on(&plan, &i, mem(3048)).unwrap().components[0].budget, Some(2048));
+        let e = resolve_on(&plan, &i, mem(2500)).unwrap_err().to_string();
+        assert!(e.contains("device budget 1500 bytes is below"), "{e}");
+        assert!(resolve_on(&plan, &i, mem(500)).unwrap_err().to_string().contains("less than the margin"));
     }
 
     #[test]

@@ -223,7 +223,7 @@ impl OffloadBackend for CudaBackend {
             s.copy.wait(ev).map_err(|e| driver("copy stream waiting for a slot's last use", e))?;
         }
         if bytes > 0 {
-            // SAFETY: `src` is pinned and stays alive until the copy stream has
+            // SAFETY: `src` (pinned, or pageable as a fallback) stays alive until the copy stream has
             // drained (its Drop synchronizes the copy stream); `dst` holds `bytes`
             // and its free is ordered after this copy's event (`last_copy`).
             unsafe { sys::cuMemcpyHtoDAsync_v2(dst.ptr, src.ptr() as *const _, bytes, s.copy.cu_stream()) }

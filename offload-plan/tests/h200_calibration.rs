@@ -5,7 +5,10 @@
 use offload_plan::CostModel;
 
 fn load(name: &str) -> String {
-    std::fs::read_to_string(format!("{}/../bench/results/{name}", env!("CARGO_MANIFEST_DIR"))).expect("committed result")
+    let root = env!("CARGO_MANIFEST_DIR");
+    std::fs::read_to_string(format!("{root}/../bench/results/{name}"))
+        .or_else(|_| std::fs::read_to_string(format!("{root}/../bench/raw/{name}")))
+        .expect("committed result")
 }
 
 #[test]

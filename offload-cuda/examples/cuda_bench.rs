@@ -329,82 +329,70 @@ impl Model {
         Ok(())
     }
 
+    /// Column-major batched `C_i = op(A_i) · B_i` over bf16 with f32 accumulation:
+    /// `dims = (m, n, k)`, each operand as (pointer, leading dimension, batch stride).
+    #[allow(clippy::too_many_arguments)]
+    fn batched(
+        &self,
+        what: &str,
+        trans_a: bool,
+        dims: (usize, usize, usize),
+        a: (u64, usize, usize),
+        b: (u64, usize, usize),
+        c: (u64, usize, usize),
+    ) -> Result<()> {
+        if SKIP_GEMM.load(Ordering::Relaxed) {
+            return Ok(());
+        }
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        let op_a = if trans_a { bsys::cublasOperation_t::CUBLAS_OP_T } else { bsys::cublasOperation_t::CUBLAS_OP_N };
+        let bf16 = bsys::cudaDataType::CUDA_R_16BF;
+        // SAFETY: callers pass live device buffers whose leading dimensions and batch
+        // strides cover `HEADS` batches of the given sizes.
+        unsafe {
+            blas::gemm_strided_batched_ex(
+                *self.blas.handle(),
+                op_a,
+                bsys::cublasOperation_t::CUBLAS_OP_N,
+                dims.0 as i32,
+                dims.1 as i32,
+                dims.2 as i32,
+                &alpha as *const f32 as *const _,
+                a.0 as *const _,
+                bf16,
+                a.1 as i32,
+                a.2 as i64,
+                b.0 as *const _,
+                bf16,
+                b.1 as i32,
+                b.2 as i64,
+                &beta as *const f32 as *const _,
+                c.0 as *mut _,
+                bf16,
+                c.1 as i32,
+                c.2 as i64,
+                HEADS as i32,
+                bsys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                bsys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(|e| dev(what, e))
+    }
+
     /// Attention over `qkv [T, 3H]` (ld `ld`) into `o [T, H]`.
     fn attention(&self, a: &Acts, qkv: u64, ld: usize) -> Result<()> {
         let t = a.t;
-        let (alpha, beta) = (1.0f32, 0.0f32);
-        let s = ptr(&a.s);
-        let skip = SKIP_GEMM.load(Ordering::Relaxed);
+        let (s, o) = (ptr(&a.s), ptr(&a.o));
         let (q, k, v) = (qkv, qkv + 2 * H as u64, qkv + 4 * H as u64);
-        if !skip {
-            // SAFETY: strided batched GEMMs over live buffers: scores hold HEADS × T × T.
-            unsafe {
-                blas::gemm_strided_batched_ex(
-                    *self.blas.handle(),
-                    bsys::cublasOperation_t::CUBLAS_OP_T,
-                    bsys::cublasOperation_t::CUBLAS_OP_N,
-                    t as i32,
-                    t as i32,
-                    HD as i32,
-                    &alpha as *const f32 as *const _,
-                    k as *const _,
-                    bsys::cudaDataType::CUDA_R_16BF,
-                    ld as i32,
-                    HD as i64,
-                    q as *const _,
-                    bsys::cudaDataType::CUDA_R_16BF,
-                    ld as i32,
-                    HD as i64,
-                    &beta as *const f32 as *const _,
-                    s as *mut _,
-                    bsys::cudaDataType::CUDA_R_16BF,
-                    t as i32,
-                    (t * t) as i64,
-                    HEADS as i32,
-                    bsys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                    bsys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-                )
-            }
-            .map_err(|e| dev("QK^T", e))?;
-        }
+        // Scores S_h = Q_h · K_hᵀ, one T × T matrix per head.
+        self.batched("QK^T", true, (t, t, HD), (k, ld, HD), (q, ld, HD), (s, t, t * t))?;
         let (cols, scale) = (t as i64, 1.0f32 / (HD as f32).sqrt());
         let cfg = LaunchConfig { grid_dim: ((HEADS * t) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
         // SAFETY: scores hold HEADS × T rows of T bf16.
         unsafe { self.stream().launch_builder(&self.k.softmax).arg(&s).arg(&cols).arg(&scale).launch(cfg) }
             .map_err(|e| dev("softmax", e))?;
-        let o = ptr(&a.o);
-        if !skip {
-            // SAFETY: as above; `o` holds T × H.
-            unsafe {
-                blas::gemm_strided_batched_ex(
-                    *self.blas.handle(),
-                    bsys::cublasOperation_t::CUBLAS_OP_N,
-                    bsys::cublasOperation_t::CUBLAS_OP_N,
-                    HD as i32,
-                    t as i32,
-                    t as i32,
-                    &alpha as *const f32 as *const _,
-                    v as *const _,
-                    bsys::cudaDataType::CUDA_R_16BF,
-                    ld as i32,
-                    HD as i64,
-                    s as *const _,
-                    bsys::cudaDataType::CUDA_R_16BF,
-                    t as i32,
-                    (t * t) as i64,
-                    &beta as *const f32 as *const _,
-                    o as *mut _,
-                    bsys::cudaDataType::CUDA_R_16BF,
-                    H as i32,
-                    HD as i64,
-                    HEADS as i32,
-                    bsys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                    bsys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-                )
-            }
-            .map_err(|e| dev("PV", e))?;
-        }
-        Ok(())
+        // O_h = P_h · V_h, written into the head's columns of `o`.
+        self.batched("PV", false, (HD, t, t), (v, ld, HD), (s, t, t * t), (o, H, HD))
     }
 
     fn double_block(&self, a: &Acts, w: &dyn Fn(&str) -> Result<u64>) -> Result<()> {

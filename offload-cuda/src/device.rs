@@ -223,9 +223,9 @@ impl OffloadBackend for CudaBackend {
             s.copy.wait(ev).map_err(|e| driver("copy stream waiting for a slot's last use", e))?;
         }
         if bytes > 0 {
-            // SAFETY: `src` (pinned, or pageable as a fallback) stays alive until the copy stream has
-            // drained (its Drop synchronizes the copy stream); `dst` holds `bytes`
-            // and its free is ordered after this copy's event (`last_copy`).
+            // The host buffer (pinned, or pageable as a fallback) outlives the copy: its Drop
+            // drains the copy stream. The slot's free is ordered after this copy (`last_copy`).
+            // SAFETY: `src` and `dst` stay valid until the copy completes (above); `bytes` fits both.
             unsafe { sys::cuMemcpyHtoDAsync_v2(dst.ptr, src.ptr() as *const _, bytes, s.copy.cu_stream()) }
                 .result()
                 .map_err(|e| driver(format!("copying {bytes} bytes to the device"), e))?;

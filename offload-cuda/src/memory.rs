@@ -141,9 +141,9 @@ impl Drop for CudaSlot {
                 sh.compute.wait(ev)?;
             }
             if self.len > 0 {
-                // SAFETY: `ptr` came from cuMemAllocAsync; the free is ordered on the
-                // compute stream after its reads (the ring's protocol) and after the
-                // last copy into it (the wait above).
+                // The free is ordered on the compute stream after its reads (the ring's
+                // protocol) and after the last copy into it (the wait above).
+                // SAFETY: `ptr` came from cuMemAllocAsync and nothing enqueued after this uses it.
                 unsafe { result::free_async(self.ptr, sh.compute.cu_stream()) }?;
             }
             Ok(())

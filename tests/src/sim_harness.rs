@@ -3,7 +3,7 @@
 use crate::harness::{CaseError, Harness};
 use crate::model::{block_hash, fold_combine, SEED};
 use offload_core::sim::{SimBackend, SimConfig, SimSlot};
-use offload_core::Result;
+use offload_core::{OffloadBackend, Result, Ring};
 
 /// The simulated backend with random copy delays.
 pub struct Sim;
@@ -41,4 +41,19 @@ impl Harness for Sim {
     fn host_syncs(b: &SimBackend) -> u64 {
         b.stats().syncs
     }
+}
+
+/// One step through `ring` over blocks in `order`, each folded by host code
+/// reading its slot on `sim`; the step is closed and the folded result returned.
+/// For rings on the simulated device, possibly wrapped (a `FaultInjector`).
+pub fn sim_step<B: OffloadBackend<Slot = SimSlot>>(ring: &mut Ring<B>, sim: &SimBackend, order: &[usize]) -> Result<u64> {
+    let mut acc = SEED;
+    for &b in order {
+        let g = ring.block_at(b)?;
+        let bytes = g.layout().bytes;
+        acc = fold_combine(acc, sim.read_slot(g.slot(), |m| block_hash(&m[..bytes])));
+        g.finish()?;
+    }
+    ring.end_step()?;
+    Ok(acc)
 }

@@ -8,7 +8,8 @@ use offload_core::{
     SafetensorsFile, TensorSource,
 };
 use offload_tests::checkpoint::{load_on_sim, valid_checkpoint};
-use offload_tests::model::{block_hash, fold_combine, ModelShape, TestModel, SEED};
+use offload_tests::model::{ModelShape, TestModel};
+use offload_tests::sim_harness::sim_step as run;
 use proptest::prelude::*;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -17,22 +18,6 @@ fn tmp(name: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("offload-reliability-{}", std::process::id()));
     std::fs::create_dir_all(&d).expect("temp dir");
     d.join(name)
-}
-
-fn run<B: OffloadBackend<Slot = offload_core::sim::SimSlot>>(
-    ring: &mut Ring<B>,
-    sim: &SimBackend,
-    order: &[usize],
-) -> offload_core::Result<u64> {
-    let mut acc = SEED;
-    for &b in order {
-        let g = ring.block_at(b)?;
-        let bytes = g.layout().bytes;
-        acc = fold_combine(acc, sim.read_slot(g.slot(), |m| block_hash(&m[..bytes])));
-        g.finish()?;
-    }
-    ring.end_step()?;
-    Ok(acc)
 }
 
 proptest! {

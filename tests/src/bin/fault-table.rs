@@ -7,7 +7,8 @@ use offload_core::{
     Plan, Ring,
 };
 use offload_tests::checkpoint::load_on_sim;
-use offload_tests::model::{block_hash, fold_combine, ModelShape, TestModel, SEED};
+use offload_tests::model::{ModelShape, TestModel};
+use offload_tests::sim_harness::sim_step;
 use std::fmt::Write;
 use std::sync::Arc;
 
@@ -44,15 +45,7 @@ fn main() {
                 let store = Arc::new(HostStore::build(&fi, &model.inventory, &model.tensors)?);
                 let mut ring = Ring::new(fi.clone(), store.clone(), &rc)?;
                 for _ in 0..2 {
-                    let mut acc = SEED;
-                    for &b in &order {
-                        let g = ring.block_at(b)?;
-                        let bytes = g.layout().bytes;
-                        acc = fold_combine(acc, sim.read_slot(g.slot(), |m| block_hash(&m[..bytes])));
-                        g.finish()?;
-                    }
-                    ring.end_step()?;
-                    if acc != want {
+                    if sim_step(&mut ring, &sim, &order)? != want {
                         return Err(Error::Protocol("wrong result".into()));
                     }
                 }

@@ -15,6 +15,9 @@ cargo xtask <command>
                             the conformance table, cases x backends
   lint                      cargo fmt --check, clippy -D warnings, tidy
   bench [--backend sim]     host-side cost per block and planner speed (criterion); writes bench/results/<date>-sim-host-cost.json
+  bench --backend cuda [-- ARGS]
+                            the Flux-shaped cuda benchmark on this machine's GPU (ARGS go to cuda_bench);
+                            writes bench/results/<date>-cuda-flux.json
   bench --report            bench/REPORT.md and bench/plots/*.png from the committed bench/results/*.json
   faults                    inject faults, try bad inputs and plans; writes bench/results/<date>-faults.md
   gpu-bundle                build the CUDA binaries and a run script into .bundle/ for the GPU runner
@@ -98,10 +101,24 @@ fn bench(args: &[String]) -> Result<(), String> {
         return report::report(&root());
     }
     let backend = flag(args, "--backend").unwrap_or_else(|| "sim".into());
-    if backend != "sim" {
-        return Err(format!(
-            "the {backend} benchmark runs on the GPU runner: build it with `cargo xtask gpu-bundle` and run .bundle/run.sh there"
-        ));
+    match backend.as_str() {
+        "sim" => {}
+        "cuda" => {
+            // Where Rust and a GPU share a machine: build and run the Flux-shaped
+            // benchmark here. The GPU runner has no Rust: there, `cargo xtask
+            // gpu-bundle` builds the same binary and .bundle/gpu-run.sh runs it.
+            let out = root().join(format!("bench/results/{}-cuda-flux.json", today()));
+            let mut c = cargo();
+            c.args(["run", "--release", "-q", "-p", "offload-cuda", "--example", "cuda_bench", "--", "--commit", &commit(), "--out"]);
+            c.arg(out);
+            c.args(args.iter().skip_while(|a| *a != "--").skip(1));
+            return run(c);
+        }
+        other => {
+            return Err(format!(
+                "no {other} benchmark yet (backends with one: sim, cuda); GPU runs: `cargo xtask gpu-bundle`, then .bundle/gpu-run.sh on the runner"
+            ))
+        }
     }
     let mut c = cargo();
     c.args(["bench", "-p", "offload-core", "--features", "sim", "--bench", "host_cost", "--", "--noplot"]);

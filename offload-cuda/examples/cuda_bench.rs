@@ -14,7 +14,7 @@ use cudarc::driver::{sys, CudaEvent, CudaFunction, CudaSlice, CudaStream, Launch
 use offload_core::{
     resolve, BlockDiscovery, DType, DeclaredStacks, Error, HostStore, OffloadBackend, Plan, Result, Ring, TensorSource, TensorSpec,
 };
-use offload_core::{ComponentPlan, ResidentPolicy, Strategy};
+use offload_core::{ResidentPolicy, Strategy};
 use offload_cuda::{CudaBackend, CudaBlockExt};
 use offload_plan::{BlockCost, CostModel};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -663,12 +663,13 @@ fn run() -> Result<()> {
     for &res in &resolutions {
         let t = (res / 16) * (res / 16) + TXT;
         let mut a = model.acts(t, res as u64)?;
-        let run_plan = |plan: &Plan, a: &mut Acts| -> Result<(Vec<StepTiming>, Vec<u16>, u64, offload_core::StepMetrics)> {
+        let run_plan = |plan: &Plan, a: &mut Acts| -> Result<(Vec<StepTiming>, Vec<u16>, u64, offload_core::StepMetrics, usize)> {
             let rc = resolve(plan, std::slice::from_ref(&inventory))?.components.remove(0);
             be.synchronize()?;
             be.reset_peak();
             let base = be.counters().live_bytes;
             let mut ring = Ring::new(be.clone(), store.clone(), &rc)?;
+            let depth = ring.depth();
             let times = run_steps(&model, &mut ring, a, double, single, steps)?;
             let m = ring.metrics();
             let outv = be.compute_stream().clone_dtoh(&a.x).map_err(|e| dev("read output", e))?;
@@ -688,9 +689,9 @@ fn run() -> Result<()> {
             ring.close()?;
             be.synchronize()?;
             progress.inc(1);
-            Ok((times, outv, be.counters().peak_bytes - base, m))
+            Ok((times, outv, be.counters().peak_bytes - base, m, depth))
         };
-        let (rt, rout, rpeak, _) = run_plan(&Plan::resident(), &mut a)?;
+        let (rt, rout, rpeak, _, _) = run_plan(&Plan::resident(), &mut a)?;
         let resident_s = median(rt.iter().map(|s| s.step_s).collect());
         eprintln!("{res}x{res}: resident step {:.4} s", resident_s);
         // Calibration from the resident run: per-block compute (median over steps) and the bandwidth.
@@ -717,8 +718,11 @@ fn run() -> Result<()> {
             let budget = (gib as u64) << 30;
             let choice = offload_plan::plan(&cost, budget, 1, ResidentPolicy::Auto)?;
             let resident_blocks: Vec<String> = choice.resident_ids(&cost).iter().map(|s| s.to_string()).collect();
-            let cp = ComponentPlan { device_budget_bytes: Some(budget), resident_blocks: resident_blocks.clone(), ..Default::default() };
-            let (st, sout, speak, m) = run_plan(&Plan::layerwise().component("transformer", cp), &mut a)?;
+            let cp = choice.component_plan(&cost, budget);
+            let (st, sout, speak, m, ran_depth) = run_plan(&Plan::layerwise().component("transformer", cp), &mut a)?;
+            if ran_depth != choice.depth {
+                return Err(Error::Plan(format!("budget {gib} GiB: the ring ran at depth {ran_depth}, the plan chose {}", choice.depth)));
+            }
             let streamed_s = median(st.iter().map(|s| s.step_s).collect());
             let bound = resident_s.max(choice.streamed_bytes as f64 / bandwidth);
             let err = (streamed_s - choice.predicted_step_s) / choice.predicted_step_s;
@@ -739,7 +743,7 @@ fn run() -> Result<()> {
             }));
         }
         for &d in &depths {
-            let (st, sout, speak, m) = run_plan(&Plan::layerwise().prefetch_depth(d), &mut a)?;
+            let (st, sout, speak, m, _) = run_plan(&Plan::layerwise().prefetch_depth(d), &mut a)?;
             let streamed_s = median(st.iter().map(|s| s.step_s).collect());
             let stall_s = median(st.iter().map(|s| s.stall_s).collect());
             let streamed_bytes = total_bytes;

@@ -4,7 +4,7 @@
 //! `offload-plan CHECKPOINT --budget-gib 12 [--depth 1] [--calibration cal.json]
 //! [--bandwidth-gbps 25] [--policy auto|leading|strided] [--write plan.toml]`
 
-use offload_core::{BlockDiscovery, ComponentPlan, NameDiscovery, Plan, ResidentPolicy, SafetensorsFile, TensorSource};
+use offload_core::{BlockDiscovery, NameDiscovery, Plan, ResidentPolicy, SafetensorsFile, TensorSource};
 use offload_plan::{plan, to_toml, CostModel};
 use std::process::exit;
 
@@ -95,13 +95,7 @@ fn main() {
         );
     }
     if let Some(out) = opt("--write") {
-        let cp = ComponentPlan {
-            prefetch_depth: depth,
-            device_budget_bytes: Some(budget),
-            resident_policy: ResidentPolicy::Explicit,
-            resident_blocks: ids.iter().map(|s| s.to_string()).collect(),
-            ..Default::default()
-        };
+        let cp = choice.component_plan(&model, budget);
         let text = to_toml(&Plan::layerwise().component(component, cp)).unwrap_or_else(|e| fail(e));
         std::fs::write(&out, text).unwrap_or_else(|e| fail(format!("{out}: {e}")));
         println!("\nwrote {out}");

@@ -11,7 +11,7 @@
 //! (strided by default) and the ring's schedule is replayed to predict the step.
 
 use crate::cost::CostModel;
-use offload_core::{Error, ResidentPolicy, Result};
+use offload_core::{ComponentPlan, Error, ResidentPolicy, Result};
 use serde::Serialize;
 use std::collections::BTreeMap;
 
@@ -43,6 +43,18 @@ impl Choice {
     /// Names of the resident blocks.
     pub fn resident_ids<'a>(&self, model: &'a CostModel) -> Vec<&'a str> {
         model.blocks.iter().zip(&self.resident).filter(|(_, r)| **r).map(|(b, _)| b.id.as_str()).collect()
+    }
+
+    /// The component plan that runs this choice: its depth, its resident blocks by
+    /// name, and `budget` as the device budget the resolver checks.
+    pub fn component_plan(&self, model: &CostModel, budget: u64) -> ComponentPlan {
+        ComponentPlan {
+            prefetch_depth: self.depth,
+            device_budget_bytes: Some(budget),
+            resident_policy: ResidentPolicy::Explicit,
+            resident_blocks: self.resident_ids(model).into_iter().map(str::to_owned).collect(),
+            ..Default::default()
+        }
     }
 }
 
@@ -101,31 +113,38 @@ enum Placement {
     Nothing,
 }
 
-/// Resident counts per class to try: the bound-optimal fill and, when `variants`,
-/// fewer (every combination when few, else a ladder per class), since fewer
-/// residents can let a deeper or better-spread ring overlap more.
-fn count_variants(max: &[u64], variants: bool) -> Vec<Vec<u64>> {
+/// Combinations of resident counts above which [`count_variants`] tries a ladder
+/// per class instead of every combination.
+const ALL_COUNTS_LIMIT: u64 = 4096;
+
+/// Resident counts per class to try: the bound-optimal fill `max` and, when
+/// `variants`, other fills, since fewer residents, or residents of another size
+/// class, can let a deeper or better-spread ring overlap more. With few
+/// combinations, every count vector that fits `cap` (`classes` are `(size,
+/// count)`); else a ladder of counts per class below the bound-optimal fill.
+fn count_variants(classes: &[(u64, u64)], max: &[u64], cap: u64, variants: bool) -> Vec<Vec<u64>> {
     if !variants {
         return vec![max.to_vec()];
     }
-    let combos: u64 = max.iter().map(|&m| m + 1).try_fold(1u64, |a, c| a.checked_mul(c)).unwrap_or(u64::MAX);
-    let per_class: Vec<Vec<u64>> = max
-        .iter()
-        .map(|&m| {
-            if combos <= 1024 {
-                (0..=m).collect()
-            } else {
+    let fit: Vec<u64> = classes.iter().map(|&(size, count)| cap.checked_div(size).map_or(count, |f| count.min(f))).collect();
+    let combos: u64 = fit.iter().map(|&m| m + 1).try_fold(1u64, |a, c| a.checked_mul(c)).unwrap_or(u64::MAX);
+    let per_class: Vec<Vec<u64>> = if combos <= ALL_COUNTS_LIMIT {
+        fit.iter().map(|&m| (0..=m).collect()).collect()
+    } else {
+        max.iter()
+            .map(|&m| {
                 let mut v = vec![m, m.saturating_sub(1), m.saturating_sub(2), m * 3 / 4, m / 2, m / 4, 0];
                 v.sort_unstable();
                 v.dedup();
                 v
-            }
-        })
-        .collect();
+            })
+            .collect()
+    };
     let mut out = vec![Vec::new()];
     for options in &per_class {
         out = out.iter().flat_map(|prefix| options.iter().map(move |&k| [prefix.clone(), vec![k]].concat())).collect();
     }
+    out.retain(|k| k.iter().zip(classes).map(|(&k, &(size, _))| k * size).sum::<u64>() <= cap);
     out
 }
 
@@ -285,7 +304,7 @@ fn bound_fills(model: &CostModel, budget: u64, depth: usize, placement: Placemen
             Placement::Nothing => (vec![0; class_list.len()], true),
             _ => subset_sum(&class_list, cap),
         };
-        for counts in count_variants(&max_counts, variants) {
+        for counts in count_variants(&class_list, &max_counts, cap, variants) {
             let mut resident: Vec<bool> = model.blocks.iter().map(|b| s == 0 || b.bytes > s).collect();
             for ((_, idx), &k) in classes.iter().zip(&counts) {
                 for i in place(idx, k as usize, placement) {

@@ -582,6 +582,10 @@ fn arg_list(args: &[String], name: &str, default: &str) -> Vec<usize> {
     v.split(',').filter_map(|x| x.trim().parse().ok()).collect()
 }
 
+/// One plan's run: per-step timings, the output, peak device bytes, the ring's
+/// metrics and the depth the ring ran at.
+type PlanRun = (Vec<StepTiming>, Vec<u16>, u64, offload_core::StepMetrics, usize);
+
 fn main() {
     if let Err(e) = run() {
         eprintln!("cuda_bench: {e}");
@@ -663,7 +667,7 @@ fn run() -> Result<()> {
     for &res in &resolutions {
         let t = (res / 16) * (res / 16) + TXT;
         let mut a = model.acts(t, res as u64)?;
-        let run_plan = |plan: &Plan, a: &mut Acts| -> Result<(Vec<StepTiming>, Vec<u16>, u64, offload_core::StepMetrics, usize)> {
+        let run_plan = |plan: &Plan, a: &mut Acts| -> Result<PlanRun> {
             let rc = resolve(plan, std::slice::from_ref(&inventory))?.components.remove(0);
             be.synchronize()?;
             be.reset_peak();

@@ -113,22 +113,24 @@ enum Placement {
     Nothing,
 }
 
-/// Combinations of resident counts above which [`count_variants`] tries a ladder
-/// per class instead of every combination.
-const ALL_COUNTS_LIMIT: u64 = 4096;
+/// Replay work (combinations × blocks) above which [`count_variants`] tries a
+/// ladder per class instead of every combination: keeps 200 blocks under 10 ms
+/// while a Flux-sized model (57 blocks, two classes) is searched in full.
+const ALL_COUNTS_WORK: u64 = 60_000;
 
 /// Resident counts per class to try: the bound-optimal fill `max` and, when
 /// `variants`, other fills, since fewer residents, or residents of another size
 /// class, can let a deeper or better-spread ring overlap more. With few
 /// combinations, every count vector that fits `cap` (`classes` are `(size,
 /// count)`); else a ladder of counts per class below the bound-optimal fill.
-fn count_variants(classes: &[(u64, u64)], max: &[u64], cap: u64, variants: bool) -> Vec<Vec<u64>> {
+/// `blocks` is the model's block count (the cost of one replay).
+fn count_variants(classes: &[(u64, u64)], max: &[u64], cap: u64, blocks: usize, variants: bool) -> Vec<Vec<u64>> {
     if !variants {
         return vec![max.to_vec()];
     }
     let fit: Vec<u64> = classes.iter().map(|&(size, count)| cap.checked_div(size).map_or(count, |f| count.min(f))).collect();
     let combos: u64 = fit.iter().map(|&m| m + 1).try_fold(1u64, |a, c| a.checked_mul(c)).unwrap_or(u64::MAX);
-    let per_class: Vec<Vec<u64>> = if combos <= ALL_COUNTS_LIMIT {
+    let per_class: Vec<Vec<u64>> = if combos.saturating_mul(blocks as u64) <= ALL_COUNTS_WORK {
         fit.iter().map(|&m| (0..=m).collect()).collect()
     } else {
         max.iter()
@@ -141,6 +143,8 @@ fn count_variants(classes: &[(u64, u64)], max: &[u64], cap: u64, variants: bool)
             .collect()
     };
     let mut out = vec![Vec::new()];
+    // Fuller fills first: their bounds are lower, so later candidates prune sooner.
+    let per_class: Vec<Vec<u64>> = per_class.into_iter().map(|v| v.into_iter().rev().collect()).collect();
     for options in &per_class {
         out = out.iter().flat_map(|prefix| options.iter().map(move |&k| [prefix.clone(), vec![k]].concat())).collect();
     }
@@ -229,7 +233,8 @@ pub fn plan_heuristic(model: &CostModel, budget: u64, min_depth: usize, policy: 
     let mut first_err = None;
     for depth in min_depth..=min_depth + EXTRA_DEPTH {
         for &placement in placements {
-            for c in candidates(model, budget, depth, placement, true) {
+            let prune = best.as_ref().map_or(f64::INFINITY, |b| b.predicted_step_s);
+            for c in candidates(model, budget, depth, placement, true, prune) {
                 match c {
                     Ok(c) => {
                         let better = best.as_ref().is_none_or(|b| {
@@ -257,7 +262,7 @@ pub fn plan_heuristic(model: &CostModel, budget: u64, min_depth: usize, policy: 
 /// at exactly `depth`, placed strided. Exact (see the module docs); the property
 /// tests hold it to brute force.
 pub fn best_bound(model: &CostModel, budget: u64, depth: usize) -> Result<Choice> {
-    candidates(model, budget, depth, Placement::Strided, false)
+    candidates(model, budget, depth, Placement::Strided, false, f64::INFINITY)
         .into_iter()
         .collect::<Result<Vec<_>>>()?
         .into_iter()
@@ -267,14 +272,23 @@ pub fn best_bound(model: &CostModel, budget: u64, depth: usize) -> Result<Choice
 
 /// The bound-optimal fill for each slot size at `depth`, placed by `placement`;
 /// an error if nothing fits.
-fn candidates(model: &CostModel, budget: u64, depth: usize, placement: Placement, variants: bool) -> Vec<Result<Choice>> {
-    match bound_fills(model, budget, depth, placement, variants) {
+/// Candidates whose bound exceeds `prune_above` (a step already reached) are not
+/// replayed: no plan runs faster than its bound.
+fn candidates(model: &CostModel, budget: u64, depth: usize, placement: Placement, variants: bool, prune_above: f64) -> Vec<Result<Choice>> {
+    match bound_fills(model, budget, depth, placement, variants, prune_above) {
         Ok(v) => v.into_iter().map(Ok).collect(),
         Err(e) => vec![Err(e)],
     }
 }
 
-fn bound_fills(model: &CostModel, budget: u64, depth: usize, placement: Placement, variants: bool) -> Result<Vec<Choice>> {
+fn bound_fills(
+    model: &CostModel,
+    budget: u64,
+    depth: usize,
+    placement: Placement,
+    variants: bool,
+    mut prune_above: f64,
+) -> Result<Vec<Choice>> {
     if depth == 0 {
         return Err(Error::Plan("prefetch depth must be at least 1".into()));
     }
@@ -304,7 +318,7 @@ fn bound_fills(model: &CostModel, budget: u64, depth: usize, placement: Placemen
             Placement::Nothing => (vec![0; class_list.len()], true),
             _ => subset_sum(&class_list, cap),
         };
-        for counts in count_variants(&class_list, &max_counts, cap, variants) {
+        for counts in count_variants(&class_list, &max_counts, cap, n, variants) {
             let mut resident: Vec<bool> = model.blocks.iter().map(|b| s == 0 || b.bytes > s).collect();
             for ((_, idx), &k) in classes.iter().zip(&counts) {
                 for i in place(idx, k as usize, placement) {
@@ -315,17 +329,26 @@ fn bound_fills(model: &CostModel, budget: u64, depth: usize, placement: Placemen
                 continue;
             }
             let streamed_bytes = model.blocks.iter().zip(&resident).filter(|(_, r)| !**r).map(|(b, _)| b.bytes).sum();
+            let bound_s = model.bound_s(&resident);
+            if bound_s > prune_above + 1e-9 {
+                continue;
+            }
+            let predicted_step_s = model.simulate_s(&resident, depth);
+            prune_above = prune_above.min(predicted_step_s);
             out.push(Choice {
                 depth,
                 device_bytes: if resident.iter().all(|r| *r) { all_resident } else { model.device_bytes(&resident, depth) },
-                predicted_step_s: model.simulate_s(&resident, depth),
+                predicted_step_s,
                 resident_step_s: model.compute_s(),
                 streamed_bytes,
-                bound_s: model.bound_s(&resident),
+                bound_s,
                 resident,
                 exact,
             });
         }
+    }
+    if out.is_empty() && prune_above.is_finite() {
+        return Ok(out);
     }
     if out.is_empty() {
         let smallest = sizes.first().copied().unwrap_or(0);

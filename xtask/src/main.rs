@@ -140,6 +140,23 @@ fn bench(args: &[String]) -> Result<(), String> {
         }
     }
     let date = today();
+    let mut c = cargo();
+    c.args(["bench", "-p", "offload-plan", "--bench", "planner", "--", "--noplot"]);
+    run(c)?;
+    let p = root().join("target/criterion/planner_200_blocks/new/estimates.json");
+    let text = std::fs::read_to_string(&p).map_err(|e| format!("{}: {e}", p.display()))?;
+    let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| format!("{}: {e}", p.display()))?;
+    let ms = v["median"]["point_estimate"].as_f64().unwrap_or(f64::NAN) / 1e6;
+    let planner = serde_json::json!({
+        "date": date, "commit": commit(), "gpu": "none", "backend": "none",
+        "model": "200 blocks of three sizes (120, 300, 680 MiB), 24 GiB budget, min depth 2",
+        "what": "offload_plan::plan wall time, criterion median",
+        "cases": [{ "blocks": 200, "plan_ms": ms, "target_ms": 10.0, "meets_target": ms <= 10.0 }],
+    });
+    let out = root().join(format!("bench/results/{date}-planner-speed.json"));
+    std::fs::write(&out, serde_json::to_string_pretty(&planner).unwrap_or_default() + "\n")
+        .map_err(|e| format!("{}: {e}", out.display()))?;
+    println!("planner: {ms:.2} ms for 200 blocks; wrote {}", out.display());
     let doc = serde_json::json!({
         "date": date, "commit": commit(), "gpu": "none", "backend": "sim", "model": "flux-shaped, 19+19 blocks (tiny tensors)",
         "what": "host-side cost per block: Ring::block_at + guard release, criterion median",

@@ -1,29 +1,74 @@
-//! The libtorch (tch) backend of `offload` — **not implemented yet** (issue 5).
+//! The libtorch backend of `offload`, through tch 0.24 (libtorch 2.11): stream the
+//! block parameters of an unmodified `tch::nn` model from host memory.
 //!
-//! Planned design: compute on libtorch's default stream, copies on a cudarc
-//! non-blocking stream in the same primary context, module parameters pointed at
-//! `Tensor::from_blob` views of the block's slot with `set_data`. This crate does
-//! not link libtorch yet, so the default build never waits for it. Until then
-//! [`TchOffload::new`] returns [`offload_core::Error::Unsupported`].
+//! ```no_run
+//! # #[cfg(feature = "libtorch")]
+//! # fn demo() -> offload_core::Result<()> {
+//! use offload_core::{NameDiscovery, Plan};
+//! use offload_tch::{tch, TchOffload};
+//!
+//! let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+//! let blocks: Vec<tch::nn::Linear> =
+//!     (0..4).map(|i| tch::nn::linear(vs.root() / "blocks" / i, 64, 64, Default::default())).collect();
+//! // Block parameters move to the host store; the VarStore keeps empty placeholders.
+//! let mut off = TchOffload::cpu(&vs, "model", &NameDiscovery, &Plan::layerwise())?;
+//! let _guard = tch::no_grad_guard();
+//! let mut x = tch::Tensor::ones([1, 64], (tch::Kind::Float, tch::Device::Cpu));
+//! for (i, b) in blocks.iter().enumerate() {
+//!     let block = off.block("blocks", i)?; // parameters now point at the streamed weights
+//!     x = tch::nn::Module::forward(b, &x);
+//!     block.finish()?; // back to placeholders; the slot is free once compute is done
+//! }
+//! off.end_step()?;
+//! # Ok(()) }
+//! ```
+//!
+//! Design choices:
+//!
+//! - **Parameters are re-pointed, never copied back.** Before a block runs, each of
+//!   its parameters is pointed (`set_data`) at the block's tensors in the ring's
+//!   slot; afterwards at an empty placeholder. The `nn` module holds the same
+//!   tensor handles as the `VarStore`, so module code is unchanged.
+//! - **CPU (feature `libtorch`).** The ring runs on the simulated device of
+//!   `offload-core` (host memory as device, copies on a worker thread, protocol
+//!   checks on); binding materialises each weight once from the slot. This is the
+//!   CI path.
+//! - **CUDA (feature `cuda`).** libtorch computes on the legacy default stream; the
+//!   ring's copies run on a cudarc non-blocking stream of the same primary context
+//!   (`offload-cuda`), the default stream waits on each copy's event, and weights are
+//!   `from_blob` views of the slot (no copy).
+//! - **Out of the default build.** Without the `libtorch` feature this crate links
+//!   nothing and exports only [`TchOffload`]'s error path, so `cargo build
+//!   --workspace` never waits for libtorch.
 
-use offload_core::{Error, Result};
+#[cfg(feature = "libtorch")]
+mod imp;
+#[cfg(feature = "libtorch")]
+pub use imp::*;
 
-/// Placeholder for the tch ring.
-#[derive(Debug)]
-pub struct TchOffload(());
+#[cfg(not(feature = "libtorch"))]
+mod off {
+    use offload_core::{Error, Result};
 
-impl TchOffload {
-    /// Always [`Error::Unsupported`] until the tch backend lands.
-    pub fn new() -> Result<Self> {
-        Err(Error::unsupported("tch", "the tch backend is not implemented yet (issue 5)"))
+    /// Without the `libtorch` feature there is no tch backend.
+    #[derive(Debug)]
+    pub struct TchOffload(());
+
+    impl TchOffload {
+        /// Always [`Error::Unsupported`]: build with the `libtorch` feature.
+        pub fn unavailable() -> Result<Self> {
+            Err(Error::unsupported("tch", "offload-tch was built without its `libtorch` feature"))
+        }
+    }
+
+    #[cfg(test)]
+    mod tests {
+        #[test]
+        fn says_it_is_unsupported_without_libtorch() {
+            let e = super::TchOffload::unavailable().unwrap_err().to_string();
+            assert!(e.contains("libtorch"), "{e}");
+        }
     }
 }
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn says_it_is_unsupported() {
-        let e = super::TchOffload::new().unwrap_err().to_string();
-        assert!(e.contains("unsupported"), "{e}");
-    }
-}
+#[cfg(not(feature = "libtorch"))]
+pub use off::*;

@@ -13,6 +13,8 @@ pub mod cuda_harness;
 pub mod harness;
 pub mod model;
 pub mod sim_harness;
+#[cfg(feature = "tch")]
+pub mod tch_harness;
 
 pub use harness::{CaseError, Harness, Outcome};
 

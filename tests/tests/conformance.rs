@@ -7,3 +7,5 @@ offload_tests::conformance_tests!(cuda, offload_tests::cuda_harness::Cuda);
 
 #[cfg(feature = "candle")]
 offload_tests::conformance_tests!(candle, offload_tests::candle_harness::Candle);
+#[cfg(feature = "tch")]
+offload_tests::conformance_tests!(tch, offload_tests::tch_harness::Tch);

@@ -9,7 +9,8 @@ use std::process::{exit, Command};
 const HELP: &str = "\
 cargo xtask <command>
 
-  ci                        everything CI runs: lint, every test, the conformance table (the README's test command)
+  ci                        everything CI runs: lint, every test, the conformance table (the README's test command);
+                            fetches libtorch 2.11 (PyPI wheels, cached in ~/.cache/offload) unless LIBTORCH is set
   demo [-- ARGS]            the main job: a Flux-shaped model streamed block by block (CPU: simulated device)
   conformance [--backend sim|cuda|candle|tch|all]
                             the conformance table, cases x backends
@@ -43,11 +44,34 @@ fn run(mut c: Command) -> Result<(), String> {
     }
 }
 
+/// libtorch for the tch backend: `$LIBTORCH` if set, else libtorch 2.11 from the
+/// PyPI wheels, fetched once by scripts/fetch-libtorch.sh into
+/// `$OFFLOAD_CACHE` (default `~/.cache/offload`). Sets `LIBTORCH` and
+/// `LIBTORCH_CXX11_ABI` for every cargo command run after it.
+fn ensure_libtorch() -> Result<(), String> {
+    if std::env::var_os("LIBTORCH").is_some() {
+        return Ok(());
+    }
+    let cache = std::env::var_os("OFFLOAD_CACHE")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/offload")))
+        .unwrap_or_else(|| root().join("target/offload-cache"));
+    let dest = cache.join("libtorch-2.11.0");
+    let mut c = Command::new("bash");
+    c.arg(root().join("scripts/fetch-libtorch.sh")).arg(&dest);
+    run(c)?;
+    // xtask runs one command at a time; every later command inherits these.
+    std::env::set_var("LIBTORCH", dest.join("torch"));
+    std::env::set_var("LIBTORCH_CXX11_ABI", "1");
+    Ok(())
+}
+
 fn flag(args: &[String], name: &str) -> Option<String> {
     args.iter().position(|a| a == name).and_then(|i| args.get(i + 1).cloned())
 }
 
 fn lint() -> Result<(), String> {
+    ensure_libtorch()?;
     let mut c = cargo();
     c.args(["fmt", "--all", "--check"]);
     run(c)?;
@@ -57,7 +81,7 @@ fn lint() -> Result<(), String> {
         "--workspace",
         "--all-targets",
         "--features",
-        "offload/sim,offload-tests/cuda,offload-tests/candle",
+        "offload/sim,offload-tests/cuda,offload-tests/candle,offload-tests/tch",
         "--",
         "-D",
         "warnings",
@@ -75,10 +99,14 @@ fn lint() -> Result<(), String> {
 fn conformance(args: &[String]) -> Result<(), String> {
     let backend = flag(args, "--backend").unwrap_or_else(|| "sim".into());
     let mut c = cargo();
-    c.args(["run", "--release", "-q", "-p", "offload-tests", "--bin", "conformance"]);
-    let features: Vec<&str> = backend.split(',').filter(|b| matches!(*b, "cuda" | "candle")).collect();
+    // The dev profile (optimised dependencies): shares its build with `cargo test`.
+    c.args(["run", "-q", "-p", "offload-tests", "--bin", "conformance"]);
+    let features: Vec<&str> = backend.split(',').filter(|b| matches!(*b, "cuda" | "candle" | "tch")).collect();
+    if backend == "all" || features.contains(&"tch") {
+        ensure_libtorch()?;
+    }
     if backend == "all" {
-        c.args(["--features", "cuda,candle"]);
+        c.args(["--features", "cuda,candle,tch"]);
     } else if !features.is_empty() {
         c.args(["--features", &features.join(",")]);
     }
@@ -210,9 +238,13 @@ fn ci() -> Result<(), String> {
     // The CUDA row builds everywhere (run-time loading) and skips visibly without
     // a GPU; the candle row runs on the CPU device.
     let mut c = cargo();
-    c.args(["test", "-p", "offload-tests", "--features", "cuda,candle", "--test", "conformance"]);
+    c.args(["test", "-p", "offload-tests", "--features", "cuda,candle,tch", "--test", "conformance"]);
     run(c)?;
-    conformance(&["--backend".into(), "sim,candle,cuda".into()])
+    // The tch backend (libtorch fetched by `lint` above), CPU.
+    let mut c = cargo();
+    c.args(["test", "-p", "offload-tch", "--features", "libtorch"]);
+    run(c)?;
+    conformance(&["--backend".into(), "sim,candle,tch,cuda".into()])
 }
 
 fn main() {

@@ -1,0 +1,13 @@
+//! With `tch`: a RUNPATH to libtorch's lib folder for the conformance binary and
+//! tests (link arguments of offload-tch's build script do not reach this package).
+
+fn main() {
+    println!("cargo:rerun-if-env-changed=LIBTORCH");
+    if std::env::var_os("CARGO_FEATURE_TCH").is_none() {
+        return;
+    }
+    if let Some(l) = std::env::var_os("LIBTORCH") {
+        println!("cargo:rustc-link-arg=-Wl,-rpath,{}/lib", l.to_string_lossy());
+    }
+    println!("cargo:rustc-link-arg=-Wl,-rpath,/opt/torch/.venv/lib/python3.12/site-packages/torch/lib");
+}

@@ -3,6 +3,8 @@
 # conformance suite with OFFLOAD_REQUIRE_DEVICE=1, a compute-sanitizer pass, the
 # cuda benchmark and the diffusers anchor. Writes everything under $OUT.
 # SMOKE=1: a small model and one resolution, to check the bundle works.
+# TCH=1: also the tch rows (CPU and CUDA) and the tch::nn Flux-shaped bench.
+# CUDA=0: skip the cuda bench.
 set -uo pipefail
 B=$(cd "$(dirname "$0")" && pwd)
 OUT=${OUT:-/tmp/offload-out}; mkdir -p "$OUT"
@@ -25,10 +27,16 @@ if [ "${SANITIZE:-1}" = 1 ] && command -v compute-sanitizer >/dev/null; then
     compute-sanitizer --tool synccheck "$B/cuda_bench" --double 1 --single 2 --resolutions 256 --depths 1 --steps 1 --out /tmp/san.json 2>&1 | tail -8
   } | tee "$OUT/compute-sanitizer.txt"
 fi
-if [ "${SMOKE:-0}" = 1 ]; then
+if [ "${CUDA:-1}" = 0 ]; then
+  echo "== cuda bench skipped (CUDA=0)"
+elif [ "${SMOKE:-0}" = 1 ]; then
   "$B/cuda_bench" --double 2 --single 4 --resolutions 1024 --steps 2 --commit "$COMMIT" --out "$OUT/cuda-smoke.json" 2>&1 | tail -20
 else
   echo "== cuda bench"; "$B/cuda_bench" --steps "${STEPS:-5}" ${BENCH_ARGS:-} --commit "$COMMIT" --out "$OUT/${BENCH_OUT:-cuda-flux.json}" 2>&1 | tee "$OUT/cuda-bench.txt"
+fi
+if [ "${TCH:-0}" = 1 ] && [ -x "$B/conformance-tch" ]; then
+  echo "== tch conformance"; "$B/conformance-tch" --backend tch,tch-cuda --json "$OUT/conformance-tch.json" 2>&1 | tee "$OUT/conformance-tch.txt"
+  echo "== tch bench"; "$B/tch_bench" --steps "${STEPS:-5}" ${TCH_ARGS:-} --commit "$COMMIT" --out "$OUT/tch-flux.json" 2>&1 | tee "$OUT/tch-bench.txt"
 fi
 if [ "${ANCHORS:-1}" = 1 ]; then
   echo "== diffusers anchor"

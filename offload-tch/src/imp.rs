@@ -184,6 +184,7 @@ pub use cuda::cuda_backend;
 /// runs.
 pub struct TchOffload<B: TchSlots> {
     ring: Ring<B>,
+    inventory: offload_core::ComponentInventory,
     params: HashMap<String, Tensor>,
     placeholders: HashMap<String, Tensor>,
 }
@@ -236,7 +237,7 @@ impl<B: TchSlots> TchOffload<B> {
             }
         }
         let ring = Ring::new(backend, store, &rc)?;
-        Ok(TchOffload { ring, params, placeholders })
+        Ok(TchOffload { ring, inventory, params, placeholders })
     }
 
     /// Block `index` of `stack`: its parameters point at the streamed weights
@@ -249,6 +250,16 @@ impl<B: TchSlots> TchOffload<B> {
         g.backend().bind(g.slot(), g.layout(), block.params)?;
         block.bound = true;
         Ok(block)
+    }
+
+    /// Run the same host store under another plan (another depth, resident set).
+    /// The new ring is built before the old one is closed, so both hold slots
+    /// for a moment; on error the old ring stays in place.
+    pub fn replan(&mut self, plan: &Plan) -> Result<()> {
+        let rc = resolve(plan, std::slice::from_ref(&self.inventory))?.components.remove(0);
+        let (backend, store) = (self.ring.backend().clone(), self.ring.store().clone());
+        let old = std::mem::replace(&mut self.ring, Ring::new(backend, store, &rc)?);
+        old.close()
     }
 
     /// End a step: metrics of the step, and errors deferred by the device.

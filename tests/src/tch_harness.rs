@@ -52,3 +52,52 @@ impl Harness for Tch {
         b.stats().syncs
     }
 }
+
+/// libtorch on CUDA: compute (the fold's read) on libtorch's stream through a
+/// `from_blob` view of the slot, copies on the ring's cudarc stream.
+#[cfg(feature = "tch-cuda")]
+pub struct TchCuda;
+
+#[cfg(feature = "tch-cuda")]
+impl Harness for TchCuda {
+    type B = offload_cuda::CudaBackend;
+    type Acc = u64;
+    const NAME: &'static str = "tch-cuda";
+
+    fn backend() -> std::result::Result<offload_cuda::CudaBackend, CaseError> {
+        offload_tch::cuda_backend(0).map_err(|e| CaseError::Skip(format!("no CUDA device for libtorch: {e}")))
+    }
+    fn new_acc(_: &offload_cuda::CudaBackend) -> Result<u64> {
+        Ok(SEED)
+    }
+    fn fold(b: &offload_cuda::CudaBackend, acc: &mut u64, slot: &offload_cuda::CudaSlot, bytes: usize) -> Result<()> {
+        let layout = BlockLayout::new(vec![TensorSpec::new("slot", DType::U8, [bytes])])?;
+        let dev = b.tch_device();
+        let mut params = HashMap::from([("slot".to_owned(), Tensor::empty([0i64], (Kind::Uint8, dev)))]);
+        b.bind(slot, &layout, &mut params)?;
+        // Read through libtorch on its stream: ordered after the ring's wait.
+        let host = params["slot"].f_to_device(Device::Cpu).map_err(|e| Error::device("tch", "reading a slot tensor", e))?;
+        let mut v = vec![0u8; bytes];
+        host.f_copy_data_u8(&mut v, bytes).map_err(|e| Error::device("tch", "reading a slot tensor", e))?;
+        *acc = fold_combine(*acc, block_hash(&v));
+        Ok(())
+    }
+    fn read(_: &offload_cuda::CudaBackend, acc: &u64) -> Result<u64> {
+        Ok(*acc)
+    }
+    fn violations(_: &offload_cuda::CudaBackend) -> Vec<String> {
+        Vec::new()
+    }
+    fn live_bytes(b: &offload_cuda::CudaBackend) -> u64 {
+        b.counters().live_bytes
+    }
+    fn peak_bytes(b: &offload_cuda::CudaBackend) -> u64 {
+        b.counters().peak_bytes
+    }
+    fn reset_peak(b: &offload_cuda::CudaBackend) {
+        b.reset_peak()
+    }
+    fn host_syncs(b: &offload_cuda::CudaBackend) -> u64 {
+        b.counters().syncs
+    }
+}

@@ -9,3 +9,5 @@ offload_tests::conformance_tests!(cuda, offload_tests::cuda_harness::Cuda);
 offload_tests::conformance_tests!(candle, offload_tests::candle_harness::Candle);
 #[cfg(feature = "tch")]
 offload_tests::conformance_tests!(tch, offload_tests::tch_harness::Tch);
+#[cfg(feature = "tch-cuda")]
+offload_tests::conformance_tests!(tch_cuda, offload_tests::tch_harness::TchCuda);

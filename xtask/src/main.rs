@@ -216,6 +216,20 @@ fn gpu_bundle() -> Result<(), String> {
     for (from, to) in [("target/bundle/conformance", "conformance"), ("target/bundle/examples/cuda_bench", "cuda_bench")] {
         std::fs::copy(root().join(from), dir.join(to)).map_err(|e| format!("{from}: {e}"))?;
     }
+    // The tch binaries (libtorch found through RUNPATH on the runner), built in the
+    // dev profile (optimised dependencies) to share torch-sys's build, then stripped.
+    ensure_libtorch()?;
+    let mut c = cargo();
+    c.args(["build", "-p", "offload-tests", "--features", "tch-cuda", "--bin", "conformance"]);
+    run(c)?;
+    std::fs::copy(root().join("target/debug/conformance"), dir.join("conformance-tch")).map_err(|e| format!("conformance-tch: {e}"))?;
+    let mut c = cargo();
+    c.args(["build", "-p", "offload-tch", "--features", "cuda", "--example", "tch_bench"]);
+    run(c)?;
+    std::fs::copy(root().join("target/debug/examples/tch_bench"), dir.join("tch_bench")).map_err(|e| format!("tch_bench: {e}"))?;
+    let mut c = Command::new("strip");
+    c.arg(dir.join("conformance-tch")).arg(dir.join("tch_bench"));
+    run(c)?;
     for f in ["bench/anchors/diffusers_group_offload.py", "bench/gpu-run.sh"] {
         let p = root().join(f);
         if p.exists() {

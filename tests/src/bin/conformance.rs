@@ -15,6 +15,8 @@ fn suite(backend: &str) -> Option<Row> {
         "candle" => Some(run_suite::<offload_tests::candle_harness::Candle>()),
         #[cfg(feature = "tch")]
         "tch" => Some(run_suite::<offload_tests::tch_harness::Tch>()),
+        #[cfg(feature = "tch-cuda")]
+        "tch-cuda" => Some(run_suite::<offload_tests::tch_harness::TchCuda>()),
         _ => None,
     }
 }

@@ -12,13 +12,15 @@ cargo xtask <command>
   ci                        everything CI runs: lint, every test, the conformance table (the README's test command);
                             fetches libtorch 2.11 (PyPI wheels, cached in ~/.cache/offload) unless LIBTORCH is set
   demo [-- ARGS]            the main job: a Flux-shaped model streamed block by block (CPU: simulated device)
-  conformance [--backend sim|cuda|candle|tch|all]
+  conformance [--backend sim|cuda|candle|tch|tch-cuda|all]
                             the conformance table, cases x backends
   lint                      cargo fmt --check, clippy -D warnings, tidy
   bench [--backend sim]     host-side cost per block and planner speed (criterion); writes bench/results/<date>-sim-host-cost.json
   bench --backend cuda [-- ARGS]
                             the Flux-shaped cuda benchmark on this machine's GPU (ARGS go to cuda_bench);
                             writes bench/results/<date>-cuda-flux.json
+  bench --backend tch [-- ARGS]
+                            the Flux-shaped tch::nn benchmark on this machine's GPU; writes bench/results/<date>-tch-flux.json
   bench --report            bench/REPORT.md and bench/plots/*.png from the committed bench/results/*.json
   faults                    inject faults, try bad inputs and plans; writes bench/results/<date>-faults.md
   gpu-bundle                build the CUDA binaries and a run script into .bundle/ for the GPU runner
@@ -101,8 +103,8 @@ fn conformance(args: &[String]) -> Result<(), String> {
     let mut c = cargo();
     // The dev profile (optimised dependencies): shares its build with `cargo test`.
     c.args(["run", "-q", "-p", "offload-tests", "--bin", "conformance"]);
-    let features: Vec<&str> = backend.split(',').filter(|b| matches!(*b, "cuda" | "candle" | "tch")).collect();
-    if backend == "all" || features.contains(&"tch") {
+    let features: Vec<&str> = backend.split(',').filter(|b| matches!(*b, "cuda" | "candle" | "tch" | "tch-cuda")).collect();
+    if backend == "all" || features.iter().any(|f| f.starts_with("tch")) {
         ensure_libtorch()?;
     }
     if backend == "all" {
@@ -142,9 +144,19 @@ fn bench(args: &[String]) -> Result<(), String> {
             c.args(args.iter().skip_while(|a| *a != "--").skip(1));
             return run(c);
         }
+        "tch" => {
+            // The Flux-shaped tch::nn benchmark on this machine's GPU (libtorch fetched if needed).
+            ensure_libtorch()?;
+            let out = root().join(format!("bench/results/{}-tch-flux.json", today()));
+            let mut c = cargo();
+            c.args(["run", "-q", "-p", "offload-tch", "--features", "cuda", "--example", "tch_bench", "--", "--commit", &commit(), "--out"]);
+            c.arg(out);
+            c.args(args.iter().skip_while(|a| *a != "--").skip(1));
+            return run(c);
+        }
         other => {
             return Err(format!(
-                "no {other} benchmark yet (backends with one: sim, cuda); GPU runs: `cargo xtask gpu-bundle`, then .bundle/gpu-run.sh on the runner"
+                "no {other} benchmark yet (backends with one: sim, cuda, tch); GPU runs: `cargo xtask gpu-bundle`, then .bundle/gpu-run.sh on the runner"
             ))
         }
     }

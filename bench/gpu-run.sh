@@ -3,6 +3,7 @@
 # conformance suite with OFFLOAD_REQUIRE_DEVICE=1, a compute-sanitizer pass, the
 # cuda benchmark and the diffusers anchor. Writes everything under $OUT.
 # SMOKE=1: a small model and one resolution, to check the bundle works.
+# CANDLE=1: the candle rows (CPU and CUDA) and the candle Flux bench (gpu-bundle --candle).
 # TCH=1: also the tch rows (CPU and CUDA) and the tch::nn Flux-shaped bench.
 # CUDA=0: skip the cuda bench.
 set -uo pipefail
@@ -37,6 +38,12 @@ fi
 if [ "${TCH:-0}" = 1 ] && [ -x "$B/conformance-tch" ]; then
   echo "== tch conformance"; "$B/conformance-tch" --backend tch,tch-cuda --json "$OUT/conformance-tch.json" 2>&1 | tee "$OUT/conformance-tch.txt"
   echo "== tch bench"; "$B/tch_bench" --steps "${STEPS:-5}" ${TCH_ARGS:-} --commit "$COMMIT" --out "$OUT/tch-flux.json" 2>&1 | tee "$OUT/tch-bench.txt"
+fi
+if [ "${CANDLE:-0}" = 1 ] && [ -f "$B/conformance-candle.gz" ]; then
+  C=/tmp/offload-candle; mkdir -p $C
+  for f in conformance-candle candle_flux_bench; do gunzip -c "$B/$f.gz" > "$C/$f" && chmod +x "$C/$f"; done
+  echo "== candle conformance"; "$C/conformance-candle" --backend candle,candle-cuda --json "$OUT/conformance-candle.json" 2>&1 | tee "$OUT/conformance-candle.txt"
+  echo "== candle bench"; "$C/candle_flux_bench" --steps "${STEPS:-5}" ${CANDLE_ARGS:-} --commit "$COMMIT" --out "$OUT/candle-flux.json" 2>&1 | tee "$OUT/candle-bench.txt"
 fi
 if [ "${ANCHORS:-1}" = 1 ]; then
   echo "== diffusers anchor"

@@ -12,16 +12,25 @@
 //!   tensors own their storage, so each weight is materialised from the slot with
 //!   one copy when the block's `VarBuilder` is built. This is the CI path: the
 //!   protocol and the bitwise checks apply as on a GPU.
-//! - **CUDA: not yet.** The plan is one slot per block wrapped as a candle CUDA
-//!   tensor through candle's own cudarc, weights as `narrow`/`reshape` views,
-//!   copies on `offload-cuda`'s copy stream; [`CandleBackend::cuda`] says
-//!   `Unsupported` until then.
+//! - **CUDA (feature `cuda`): no copy beyond the host-to-device one.**
+//!   `CandleCudaBackend` wraps each ring slot once as a candle CUDA tensor (through
+//!   candle's own cudarc, event tracking off) and serves a block's weights as
+//!   `narrow`/`reshape` views of it; copies run on `offload-cuda`'s copy stream,
+//!   candle computes on its own stream, ordered by the ring's events. Blocks must
+//!   have one dtype (the backend's).
 
 use candle_core::{DType as CDType, Device, Tensor};
 use candle_nn::VarBuilder;
 use offload_core::sim::{SimBackend, SimConfig, SimEvent, SimHost, SimSlot};
 use offload_core::{BlockGuard, BlockLayout, DType, Error, MemoryInfo, OffloadBackend, Result, StreamKind};
 use std::collections::HashMap;
+
+pub mod flux;
+
+#[cfg(feature = "cuda")]
+mod cuda;
+#[cfg(feature = "cuda")]
+pub use cuda::{CandleCudaBackend, CandleSlot};
 
 /// The candle backend. Cheap to clone.
 #[derive(Clone)]
@@ -33,14 +42,6 @@ impl CandleBackend {
     /// The CPU device: host memory as device memory, copies on a worker thread.
     pub fn cpu() -> Self {
         CandleBackend { device: SimBackend::new(SimConfig::fast()) }
-    }
-
-    /// The CUDA device `ordinal` — not implemented yet (issue 4).
-    pub fn cuda(ordinal: usize) -> Result<Self> {
-        Err(Error::unsupported(
-            "candle",
-            format!("candle on CUDA device {ordinal} is not implemented yet; use CandleBackend::cpu() or the cuda backend"),
-        ))
     }
 
     /// The candle device tensors are made on.
@@ -157,14 +158,5 @@ impl OffloadBackend for CandleBackend {
     }
     fn memory_info(&self) -> Result<MemoryInfo> {
         self.device.memory_info()
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn cuda_says_it_is_unsupported() {
-        let e = super::CandleBackend::cuda(0).err().expect("unsupported").to_string();
-        assert!(e.contains("unsupported"), "{e}");
     }
 }

@@ -47,9 +47,18 @@ pub struct CudaBackend {
 }
 
 /// Whether the CUDA driver library can be loaded on this machine.
+#[cfg(not(feature = "linked"))]
 pub fn driver_present() -> bool {
     // SAFETY: only tries to open the driver library; no CUDA call is made.
     unsafe { sys::is_culib_present() }
+}
+
+/// Whether the CUDA driver library can be loaded on this machine: with cudarc
+/// linked at link time (feature `linked`, candle's CUDA build) a binary that runs
+/// has it.
+#[cfg(feature = "linked")]
+pub fn driver_present() -> bool {
+    true
 }
 
 impl CudaBackend {

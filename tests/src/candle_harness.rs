@@ -48,3 +48,53 @@ impl Harness for Candle {
         b.host_device().stats().syncs
     }
 }
+
+/// candle on CUDA: the fold reads the slot through candle (a view of the slot
+/// tensor, copied to the host on candle's stream after the ring's wait).
+#[cfg(feature = "candle-cuda")]
+pub struct CandleCuda;
+
+#[cfg(feature = "candle-cuda")]
+impl Harness for CandleCuda {
+    type B = offload_candle::CandleCudaBackend;
+    type Acc = u64;
+    const NAME: &'static str = "candle-cuda";
+
+    fn backend() -> std::result::Result<Self::B, CaseError> {
+        if !offload_cuda::driver_present() {
+            return Err(CaseError::Skip("no CUDA driver library (libcuda.so) on this machine".into()));
+        }
+        offload_candle::CandleCudaBackend::new(0, candle_core::DType::BF16)
+            .map_err(|e| CaseError::Skip(format!("no CUDA device for candle: {e}")))
+    }
+    fn new_acc(_: &Self::B) -> Result<u64> {
+        Ok(SEED)
+    }
+    fn fold(_: &Self::B, acc: &mut u64, slot: &offload_candle::CandleSlot, bytes: usize) -> Result<()> {
+        let t = slot.tensor().ok_or_else(|| Error::Protocol("slot without tensor".into()))?;
+        let v: Vec<half::bf16> =
+            t.narrow(0, 0, bytes.div_ceil(2)).and_then(|v| v.to_vec1()).map_err(|e| Error::device("candle", "reading a slot tensor", e))?;
+        let mut b: Vec<u8> = v.iter().flat_map(|x| x.to_bits().to_le_bytes()).collect();
+        b.truncate(bytes);
+        *acc = fold_combine(*acc, block_hash(&b));
+        Ok(())
+    }
+    fn read(_: &Self::B, acc: &u64) -> Result<u64> {
+        Ok(*acc)
+    }
+    fn violations(_: &Self::B) -> Vec<String> {
+        Vec::new()
+    }
+    fn live_bytes(b: &Self::B) -> u64 {
+        b.cuda().counters().live_bytes
+    }
+    fn peak_bytes(b: &Self::B) -> u64 {
+        b.cuda().counters().peak_bytes
+    }
+    fn reset_peak(b: &Self::B) {
+        b.cuda().reset_peak()
+    }
+    fn host_syncs(b: &Self::B) -> u64 {
+        b.cuda().counters().syncs
+    }
+}

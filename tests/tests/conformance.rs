@@ -7,6 +7,8 @@ offload_tests::conformance_tests!(cuda, offload_tests::cuda_harness::Cuda);
 
 #[cfg(feature = "candle")]
 offload_tests::conformance_tests!(candle, offload_tests::candle_harness::Candle);
+#[cfg(feature = "candle-cuda")]
+offload_tests::conformance_tests!(candle_cuda, offload_tests::candle_harness::CandleCuda);
 #[cfg(feature = "tch")]
 offload_tests::conformance_tests!(tch, offload_tests::tch_harness::Tch);
 #[cfg(feature = "tch-cuda")]

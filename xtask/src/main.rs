@@ -23,7 +23,8 @@ cargo xtask <command>
                             the Flux-shaped tch::nn benchmark on this machine's GPU; writes bench/results/<date>-tch-flux.json
   bench --report            bench/REPORT.md and bench/plots/*.png from the committed bench/results/*.json
   faults                    inject faults, try bad inputs and plans; writes bench/results/<date>-faults.md
-  gpu-bundle                build the CUDA binaries and a run script into .bundle/ for the GPU runner
+  gpu-bundle [--candle]     build the CUDA and tch binaries and a run script into .bundle/ for the GPU runner;
+                            --candle adds candle's CUDA build (nvcc from PyPI, ~15 min on 2 cores)
 ";
 
 fn root() -> PathBuf {
@@ -216,7 +217,8 @@ fn demo(args: &[String]) -> Result<(), String> {
     run(c)
 }
 
-fn gpu_bundle() -> Result<(), String> {
+fn gpu_bundle(args: &[String]) -> Result<(), String> {
+    let candle = args.iter().any(|a| a == "--candle");
     let dir = root().join(".bundle");
     std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
     let mut c = cargo();
@@ -242,6 +244,30 @@ fn gpu_bundle() -> Result<(), String> {
     let mut c = Command::new("strip");
     c.arg(dir.join("conformance-tch")).arg(dir.join("tch_bench"));
     run(c)?;
+    if candle {
+        // candle's CUDA kernels compile with nvcc from PyPI (scripts/cuda-build-env.sh).
+        // Its binaries embed every kernel (~40 MB each): gzipped to fit the carry limit.
+        let cache = std::env::var_os("OFFLOAD_CACHE")
+            .map(PathBuf::from)
+            .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/offload")))
+            .unwrap_or_else(|| root().join("target/offload-cache"));
+        let env = cache.join("cuda-build-env");
+        let mut c = Command::new("bash");
+        c.arg(root().join("scripts/cuda-build-env.sh")).arg(&env);
+        run(c)?;
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let script = format!(
+            "source {env}/env.sh && {cargo} build --profile bundle -p offload-candle --features cuda --example candle_flux_bench \
+             && gzip -9 -c target/bundle/examples/candle_flux_bench > {dir}/candle_flux_bench.gz \
+             && {cargo} build --profile bundle -p offload-tests --features candle-cuda --bin conformance \
+             && gzip -9 -c target/bundle/conformance > {dir}/conformance-candle.gz",
+            env = env.display(),
+            dir = dir.display()
+        );
+        let mut c = Command::new("bash");
+        c.current_dir(root()).args(["-c", &script]);
+        run(c)?;
+    }
     for f in ["bench/anchors/diffusers_group_offload.py", "bench/gpu-run.sh"] {
         let p = root().join(f);
         if p.exists() {
@@ -282,7 +308,7 @@ fn main() {
         Some("conformance") => conformance(&rest),
         Some("lint") => lint(),
         Some("bench") => bench(&rest),
-        Some("gpu-bundle") => gpu_bundle(),
+        Some("gpu-bundle") => gpu_bundle(&rest),
         Some("faults") => {
             let mut c = cargo();
             let out = root().join(format!("bench/results/{}-faults.md", today()));

@@ -13,6 +13,8 @@ fn suite(backend: &str) -> Option<Row> {
         "cuda" => Some(run_suite::<offload_tests::cuda_harness::Cuda>()),
         #[cfg(feature = "candle")]
         "candle" => Some(run_suite::<offload_tests::candle_harness::Candle>()),
+        #[cfg(feature = "candle-cuda")]
+        "candle-cuda" => Some(run_suite::<offload_tests::candle_harness::CandleCuda>()),
         #[cfg(feature = "tch")]
         "tch" => Some(run_suite::<offload_tests::tch_harness::Tch>()),
         #[cfg(feature = "tch-cuda")]

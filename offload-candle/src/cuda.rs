@@ -143,6 +143,8 @@ impl OffloadBackend for CandleCudaBackend {
         self.inner.host_is_pinned()
     }
     fn alloc_slot(&self, bytes: usize, purpose: &str) -> Result<CandleSlot> {
+        // Whole elements: the slot tensor covers every byte the ring may copy.
+        let bytes = bytes.next_multiple_of(self.dtype.size_in_bytes());
         let raw = self.inner.alloc_slot(bytes, purpose)?;
         let tensor = match self.dtype {
             CDType::BF16 => self.wrap::<half::bf16>(&raw, bytes),

@@ -54,10 +54,11 @@ impl Drop for CandleSlot {
 
 impl CandleCudaBackend {
     /// CUDA device `ordinal`, blocks of dtype `dtype` (every streamed tensor must
-    /// have it). candle computes on a non-blocking stream of its own.
+    /// have it; `U8` serves raw bytes). candle computes on a non-blocking stream of
+    /// its own.
     pub fn new(ordinal: usize, dtype: CDType) -> Result<Self> {
-        if !matches!(dtype, CDType::BF16 | CDType::F16 | CDType::F32) {
-            return Err(Error::unsupported("candle", format!("blocks of dtype {dtype:?} on CUDA (bf16, f16 or f32)")));
+        if !matches!(dtype, CDType::BF16 | CDType::F16 | CDType::F32 | CDType::U8) {
+            return Err(Error::unsupported("candle", format!("blocks of dtype {dtype:?} on CUDA (bf16, f16, f32 or u8)")));
         }
         let dev = CudaDevice::new_with_stream(ordinal).map_err(|e| candle_err(format!("opening CUDA device {ordinal}"), e))?;
         // SAFETY: called before any tensor exists; the ring orders every use of
@@ -149,6 +150,7 @@ impl OffloadBackend for CandleCudaBackend {
         let tensor = match self.dtype {
             CDType::BF16 => self.wrap::<half::bf16>(&raw, bytes),
             CDType::F16 => self.wrap::<half::f16>(&raw, bytes),
+            CDType::U8 => self.wrap::<u8>(&raw, bytes),
             _ => self.wrap::<f32>(&raw, bytes),
         };
         Ok(CandleSlot { raw: Some(raw), tensor: Some(tensor) })

@@ -49,8 +49,9 @@ impl Harness for Candle {
     }
 }
 
-/// candle on CUDA: the fold reads the slot through candle (a view of the slot
-/// tensor, copied to the host on candle's stream after the ring's wait).
+/// candle on CUDA with `U8` slots (the cases stream raw bytes of any length): the
+/// fold reads the slot through candle (a view of the slot tensor, copied to the
+/// host on candle's stream after the ring's wait).
 #[cfg(feature = "candle-cuda")]
 pub struct CandleCuda;
 
@@ -64,7 +65,7 @@ impl Harness for CandleCuda {
         if !offload_cuda::driver_present() {
             return Err(CaseError::Skip("no CUDA driver library (libcuda.so) on this machine".into()));
         }
-        offload_candle::CandleCudaBackend::new(0, candle_core::DType::BF16)
+        offload_candle::CandleCudaBackend::new(0, candle_core::DType::U8)
             .map_err(|e| CaseError::Skip(format!("no CUDA device for candle: {e}")))
     }
     fn new_acc(_: &Self::B) -> Result<u64> {
@@ -72,11 +73,9 @@ impl Harness for CandleCuda {
     }
     fn fold(_: &Self::B, acc: &mut u64, slot: &offload_candle::CandleSlot, bytes: usize) -> Result<()> {
         let t = slot.tensor().ok_or_else(|| Error::Protocol("slot without tensor".into()))?;
-        let v: Vec<half::bf16> =
-            t.narrow(0, 0, bytes.div_ceil(2)).and_then(|v| v.to_vec1()).map_err(|e| Error::device("candle", "reading a slot tensor", e))?;
-        let mut b: Vec<u8> = v.iter().flat_map(|x| x.to_bits().to_le_bytes()).collect();
-        b.truncate(bytes);
-        *acc = fold_combine(*acc, block_hash(&b));
+        let v: Vec<u8> =
+            t.narrow(0, 0, bytes).and_then(|v| v.to_vec1()).map_err(|e| Error::device("candle", "reading a slot tensor", e))?;
+        *acc = fold_combine(*acc, block_hash(&v));
         Ok(())
     }
     fn read(_: &Self::B, acc: &u64) -> Result<u64> {

@@ -50,22 +50,8 @@ fn run() -> Result<()> {
         store.blocks().len(),
         t.elapsed().as_secs_f64()
     );
+    let bandwidth = offload_core::probe_bandwidth(&be, &store, 3)?;
     let cuda = be.cuda().clone();
-    let bandwidth = {
-        let mut slot = cuda.alloc_slot(store.largest_block_bytes(), "bandwidth probe")?;
-        let mut best = 0.0f64;
-        for _ in 0..3 {
-            cuda.synchronize()?;
-            let t = Instant::now();
-            for b in store.blocks() {
-                cuda.copy_to_slot(&b.buffer, &mut slot, b.bytes(), None)?;
-            }
-            cuda.synchronize()?;
-            best = best.max(total as f64 / t.elapsed().as_secs_f64());
-        }
-        cuda.free_slot(slot, None)?;
-        best
-    };
     eprintln!("pinned H2D bandwidth: {:.1} GB/s", bandwidth / 1e9);
     let sync = || dev.synchronize().map_err(cerr("synchronize"));
     let mut cases = Vec::new();

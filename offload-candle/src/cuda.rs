@@ -81,9 +81,9 @@ impl CandleCudaBackend {
 
     fn wrap<T: CudaDType>(&self, raw: &CudaSlot, bytes: usize) -> Tensor {
         let n = bytes / std::mem::size_of::<T>();
-        // SAFETY: `raw` is a live allocation of `bytes` bytes on this context; the
-        // slice never frees it (`CandleSlot` leaks its handle), so `raw` stays the
-        // only owner (invariant 2 decides when it is freed).
+        // The slice never frees the memory (`CandleSlot` leaks its handle): `raw`
+        // stays the only owner and invariant 2 decides when it is freed.
+        // SAFETY: `raw` is a live allocation of `bytes` bytes on this context.
         let slice: CudaSlice<T> = unsafe { self.dev.cuda_stream().upgrade_device_ptr(raw.device_ptr(), n) };
         let storage = CudaStorage::wrap_cuda_slice(slice, self.dev.clone());
         Tensor::from_storage(Storage::Cuda(storage), n, BackpropOp::none(), false)

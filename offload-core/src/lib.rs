@@ -70,6 +70,6 @@ pub use ondemand::OnDemand;
 pub use plan::{resolve, resolve_on, ComponentPlan, PinFallback, Plan, ResidentPolicy, ResolvedComponent, ResolvedPlan, Strategy};
 pub use ring::{BlockGuard, Ring};
 pub use source::{MemoryTensors, SafetensorsFile, TensorSource};
-pub use store::{HostBlock, HostStore, PinOptions};
+pub use store::{probe_bandwidth, HostBlock, HostStore, PinOptions};
 pub use tensor::{align_up, BlockLayout, DType, PlacedTensor, TensorSpec, TENSOR_ALIGN};
 pub use timeline::{Span, Timeline};

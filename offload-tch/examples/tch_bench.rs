@@ -241,21 +241,7 @@ fn run() -> Result<()> {
         store.blocks().len(),
         t.elapsed().as_secs_f64()
     );
-    let bandwidth = {
-        let mut slot = be.alloc_slot(store.largest_block_bytes(), "bandwidth probe")?;
-        let mut best = 0.0f64;
-        for _ in 0..3 {
-            be.synchronize()?;
-            let t = Instant::now();
-            for b in store.blocks() {
-                be.copy_to_slot(&b.buffer, &mut slot, b.bytes(), None)?;
-            }
-            be.synchronize()?;
-            best = best.max(total as f64 / t.elapsed().as_secs_f64());
-        }
-        be.free_slot(slot, None)?;
-        best
-    };
+    let bandwidth = offload_core::probe_bandwidth(&be, &store, 3)?;
     eprintln!("pinned H2D bandwidth: {:.1} GB/s", bandwidth / 1e9);
     let mut cases = Vec::new();
     for (res, rtimes, rout) in &resident {

@@ -47,6 +47,14 @@ fn run(mut c: Command) -> Result<(), String> {
     }
 }
 
+/// Where fetched toolchains live: `$OFFLOAD_CACHE`, else `~/.cache/offload`.
+fn cache_dir() -> PathBuf {
+    std::env::var_os("OFFLOAD_CACHE")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/offload")))
+        .unwrap_or_else(|| root().join("target/offload-cache"))
+}
+
 /// libtorch for the tch backend: `$LIBTORCH` if set, else libtorch 2.11 from the
 /// PyPI wheels, fetched once by scripts/fetch-libtorch.sh into
 /// `$OFFLOAD_CACHE` (default `~/.cache/offload`). Sets `LIBTORCH` and
@@ -55,11 +63,7 @@ fn ensure_libtorch() -> Result<(), String> {
     if std::env::var_os("LIBTORCH").is_some() {
         return Ok(());
     }
-    let cache = std::env::var_os("OFFLOAD_CACHE")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/offload")))
-        .unwrap_or_else(|| root().join("target/offload-cache"));
-    let dest = cache.join("libtorch-2.11.0");
+    let dest = cache_dir().join("libtorch-2.11.0");
     let mut c = Command::new("bash");
     c.arg(root().join("scripts/fetch-libtorch.sh")).arg(&dest);
     run(c)?;
@@ -247,11 +251,7 @@ fn gpu_bundle(args: &[String]) -> Result<(), String> {
     if candle {
         // candle's CUDA kernels compile with nvcc from PyPI (scripts/cuda-build-env.sh).
         // Its binaries embed every kernel (~40 MB each): gzipped to fit the carry limit.
-        let cache = std::env::var_os("OFFLOAD_CACHE")
-            .map(PathBuf::from)
-            .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/offload")))
-            .unwrap_or_else(|| root().join("target/offload-cache"));
-        let env = cache.join("cuda-build-env");
+        let env = cache_dir().join("cuda-build-env");
         let mut c = Command::new("bash");
         c.arg(root().join("scripts/cuda-build-env.sh")).arg(&env);
         run(c)?;

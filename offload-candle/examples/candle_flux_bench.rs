@@ -54,6 +54,17 @@ fn run() -> Result<()> {
     let cuda = be.cuda().clone();
     eprintln!("pinned H2D bandwidth: {:.1} GB/s", bandwidth / 1e9);
     let sync = || dev.synchronize().map_err(cerr("synchronize"));
+    // Written after every case, so a run cut short still leaves what it measured.
+    let write = |cases: &[serde_json::Value], done: bool| -> Result<()> {
+        let Some(out) = opt("--out") else { return Ok(()) };
+        let doc = serde_json::json!({
+            "date": std::env::var("BENCH_DATE").unwrap_or_default(), "commit": opt("--commit").unwrap_or_default(),
+            "gpu": be.cuda().ctx().name().unwrap_or_default(), "backend": "candle", "complete": done,
+            "model": format!("flux-dev-shaped candle (offload_candle::flux): {nd} double + {ns} single blocks, hidden 3072, mlp 12288, bf16, matmul-softmax attention in groups of at most 2^30 scores, random weights"),
+            "block_bytes_total": total, "largest_block_bytes": largest, "cases": cases, "anchors": [],
+        });
+        std::fs::write(&out, serde_json::to_string_pretty(&doc).unwrap_or_default()).map_err(|e| Error::Io { path: out.into(), source: e })
+    };
     let mut cases = Vec::new();
     for &res in &resolutions {
         let n = (res / 16) * (res / 16);
@@ -76,6 +87,7 @@ fn run() -> Result<()> {
                 out = step(&mut ring, shape, (nd, ns), &img, &txt, &vec)?;
                 sync()?;
                 times.push(t.elapsed().as_secs_f64());
+                eprintln!("  step {:.4} s", t.elapsed().as_secs_f64());
             }
             let misses = ring.metrics().misses;
             let bytes: Vec<u8> = out
@@ -110,19 +122,10 @@ fn run() -> Result<()> {
                 "peak_device_bytes": peak, "peak_bound_bytes": (d as u64 + 1) * largest, "peak_within_bound": peak <= (d as u64 + 1) * largest,
                 "bitwise_equal": equal, "misses": misses,
             }));
+            write(&cases, false)?;
         }
     }
-    let doc = serde_json::json!({
-        "date": std::env::var("BENCH_DATE").unwrap_or_default(), "commit": opt("--commit").unwrap_or_default(),
-        "gpu": be.cuda().ctx().name().unwrap_or_default(), "backend": "candle",
-        "model": format!("flux-dev-shaped candle (offload_candle::flux): {nd} double + {ns} single blocks, hidden 3072, mlp 12288, bf16, matmul-softmax attention, random weights"),
-        "block_bytes_total": total, "largest_block_bytes": largest, "cases": cases, "anchors": [],
-    });
-    if let Some(out) = opt("--out") {
-        std::fs::write(&out, serde_json::to_string_pretty(&doc).unwrap_or_default())
-            .map_err(|e| Error::Io { path: out.into(), source: e })?;
-    }
-    Ok(())
+    write(&cases, true)
 }
 
 fn main() {

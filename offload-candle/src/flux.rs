@@ -77,11 +77,45 @@ fn heads(qkv: &Tensor, shape: &FluxShape, qn: &Tensor, kn: &Tensor) -> Result<(T
     Ok((rms(&v.get(0)?.contiguous()?, qn)?, rms(&v.get(1)?.contiguous()?, kn)?, v.get(2)?.contiguous()?))
 }
 
+/// The most elements one attention score tensor may hold. candle 0.11's CUDA
+/// kernels index with 32-bit integers (`affine` loops on an `unsigned int`, the
+/// softmax computes `int row * ncols`), so a score tensor of 2³¹ elements or more
+/// hangs or reads the wrong rows; Flux at 2048² (16 896 tokens, 24 heads) would
+/// need 6.9 × 10⁹. [`attention`] takes heads, and if one head is still too large
+/// query rows, in groups whose scores stay under this.
+pub const MAX_SCORES: usize = 1 << 30;
+
 fn attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
-    let (b, _, t, hd) = q.dims4()?;
-    let s = (q.matmul(&k.t()?.contiguous()?)? * (1.0 / (hd as f64).sqrt()))?;
-    let p = candle_nn::ops::softmax_last_dim(&s)?;
-    p.matmul(v)?.transpose(1, 2)?.contiguous()?.reshape((b, t, ()))
+    attention_chunked(q, k, v, MAX_SCORES)
+}
+
+/// `softmax(q kᵀ / √hd) v` for `[B, heads, T, hd]` inputs, returned as
+/// `[B, T, heads · hd]`, computing at most `max_scores` scores at a time (groups
+/// of heads, then groups of query rows). Every score row is computed whole; a
+/// grouping may still round differently from another one (the matrix products can
+/// pick other kernels), but one grouping gives the same bytes every time.
+pub fn attention_chunked(q: &Tensor, k: &Tensor, v: &Tensor, max_scores: usize) -> Result<Tensor> {
+    let (b, h, t, hd) = q.dims4()?;
+    let tk = k.dim(2)?;
+    let q = (q * (1.0 / (hd as f64).sqrt()))?;
+    let per_head = (b * t * tk).max(1);
+    let group = (max_scores / per_head).clamp(1, h);
+    let rows = (max_scores / (b * group * tk).max(1)).clamp(1, t);
+    let mut heads = Vec::new();
+    for h0 in (0..h).step_by(group) {
+        let n = group.min(h - h0);
+        let kt = k.narrow(1, h0, n)?.t()?.contiguous()?;
+        let vh = v.narrow(1, h0, n)?.contiguous()?;
+        let mut parts = Vec::new();
+        for r0 in (0..t).step_by(rows) {
+            let qh = q.narrow(1, h0, n)?.narrow(2, r0, rows.min(t - r0))?.contiguous()?;
+            let p = candle_nn::ops::softmax_last_dim(&qh.matmul(&kt)?)?;
+            parts.push(p.matmul(&vh)?);
+        }
+        heads.push(if parts.len() == 1 { parts.remove(0) } else { Tensor::cat(&parts, 2)? });
+    }
+    let o = if heads.len() == 1 { heads.remove(0) } else { Tensor::cat(&heads, 1)? };
+    o.transpose(1, 2)?.contiguous()?.reshape((b, t, ()))
 }
 
 fn mods(lin: &Linear, vec: &Tensor, n: usize) -> Result<Vec<Tensor>> {

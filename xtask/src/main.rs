@@ -21,6 +21,9 @@ cargo xtask <command>
                             writes bench/results/<date>-cuda-flux.json
   bench --backend tch [-- ARGS]
                             the Flux-shaped tch::nn benchmark on this machine's GPU; writes bench/results/<date>-tch-flux.json
+  bench --backend candle [-- ARGS]
+                            the Flux-shaped candle benchmark on this machine's GPU (nvcc from PyPI);
+                            writes bench/results/<date>-candle-flux.json
   bench --report            bench/REPORT.md and bench/plots/*.png from the committed bench/results/*.json
   faults                    inject faults, try bad inputs and plans; writes bench/results/<date>-faults.md
   gpu-bundle [--candle]     build the CUDA and tch binaries and a run script into .bundle/ for the GPU runner;
@@ -159,9 +162,30 @@ fn bench(args: &[String]) -> Result<(), String> {
             c.args(args.iter().skip_while(|a| *a != "--").skip(1));
             return run(c);
         }
+        "candle" => {
+            // The Flux-shaped candle benchmark on this machine's GPU; candle's CUDA
+            // kernels compile with nvcc from PyPI (scripts/cuda-build-env.sh).
+            let env = cache_dir().join("cuda-build-env");
+            let mut c = Command::new("bash");
+            c.arg(root().join("scripts/cuda-build-env.sh")).arg(&env);
+            run(c)?;
+            let out = root().join(format!("bench/results/{}-candle-flux.json", today()));
+            let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+            let rest: Vec<&str> = args.iter().skip_while(|a| *a != "--").skip(1).map(String::as_str).collect();
+            let script = format!(
+                "source {env}/env.sh && {cargo} run --release -q -p offload-candle --features cuda --example candle_flux_bench -- --commit {commit} --out {out} {rest}",
+                env = env.display(),
+                commit = commit(),
+                out = out.display(),
+                rest = rest.join(" ")
+            );
+            let mut c = Command::new("bash");
+            c.current_dir(root()).args(["-c", &script]);
+            return run(c);
+        }
         other => {
             return Err(format!(
-                "no {other} benchmark yet (backends with one: sim, cuda, tch); GPU runs: `cargo xtask gpu-bundle`, then .bundle/gpu-run.sh on the runner"
+                "no {other} benchmark yet (backends with one: sim, cuda, tch, candle); GPU runs: `cargo xtask gpu-bundle`, then .bundle/gpu-run.sh on the runner"
             ))
         }
     }

@@ -3,7 +3,7 @@
 # conformance suite with OFFLOAD_REQUIRE_DEVICE=1, a compute-sanitizer pass, the
 # cuda benchmark and the diffusers anchor. Writes everything under $OUT.
 # SMOKE=1: a small model and one resolution, to check the bundle works.
-# CANDLE=1: the candle rows (CPU and CUDA) and the candle Flux bench (gpu-bundle --candle).
+# CANDLE=1: the demo on candle-cuda, the candle rows (CPU and CUDA) and the candle Flux bench (gpu-bundle --candle).
 # TCH=1: also the tch rows (CPU and CUDA) and the tch::nn Flux-shaped bench.
 # CUDA=0: skip the cuda bench.
 set -uo pipefail
@@ -41,7 +41,8 @@ if [ "${TCH:-0}" = 1 ] && [ -x "$B/conformance-tch" ]; then
 fi
 if [ "${CANDLE:-0}" = 1 ] && [ -f "$B/conformance-candle.gz" ]; then
   C=/tmp/offload-candle; mkdir -p $C
-  for f in conformance-candle candle_flux_bench; do gunzip -c "$B/$f.gz" > "$C/$f" && chmod +x "$C/$f"; done
+  for f in conformance-candle candle_flux_bench flux_demo; do [ -f "$B/$f.gz" ] && gunzip -c "$B/$f.gz" > "$C/$f" && chmod +x "$C/$f"; done
+  echo "== demo (candle-cuda)"; "$C/flux_demo" ${DEMO_ARGS:---hidden 3072 --double 2 --single 4 --res 1024 --steps 3} 2>&1 | tee "$OUT/demo.txt"
   echo "== candle conformance"; "$C/conformance-candle" --backend candle,candle-cuda --json "$OUT/conformance-candle.json" 2>&1 | tee "$OUT/conformance-candle.txt"
   echo "== candle bench"; "$C/candle_flux_bench" --steps "${STEPS:-5}" ${CANDLE_ARGS:-} --commit "$COMMIT" --out "$OUT/candle-flux.json" 2>&1 | tee "$OUT/candle-bench.txt"
 fi

@@ -11,7 +11,8 @@ cargo xtask <command>
 
   ci                        everything CI runs: lint, every test, the conformance table (the README's test command);
                             fetches libtorch 2.11 (PyPI wheels, cached in ~/.cache/offload) unless LIBTORCH is set
-  demo [-- ARGS]            the main job: a Flux-shaped model streamed block by block (CPU: simulated device)
+  demo [--cpu] [-- ARGS]    the main job: a Flux-shaped candle model streamed block by block (the GPU
+                            where nvidia-smi lists one, else candle's CPU device)
   conformance [--backend sim|cuda|candle|tch|tch-cuda|all]
                             the conformance table, cases x backends
   lint                      cargo fmt --check, clippy -D warnings, tidy
@@ -48,6 +49,20 @@ fn run(mut c: Command) -> Result<(), String> {
     } else {
         Err(format!("{c:?} failed: {st}"))
     }
+}
+
+/// Run `script` in bash at the repository root with nvcc on the path: candle's
+/// CUDA kernels compile with nvcc from PyPI (scripts/cuda-build-env.sh, set up
+/// once in the cache). `$CARGO` in the script is this cargo.
+fn with_nvcc(script: &str) -> Result<(), String> {
+    let env = cache_dir().join("cuda-build-env");
+    let mut c = Command::new("bash");
+    c.arg(root().join("scripts/cuda-build-env.sh")).arg(&env);
+    run(c)?;
+    let mut c = Command::new("bash");
+    c.current_dir(root()).args(["-c", &format!("source {}/env.sh && {script}", env.display())]);
+    c.env("CARGO", std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+    run(c)
 }
 
 /// Where fetched toolchains live: `$OFFLOAD_CACHE`, else `~/.cache/offload`.
@@ -91,7 +106,7 @@ fn lint() -> Result<(), String> {
         "--workspace",
         "--all-targets",
         "--features",
-        "offload/sim,offload-tests/cuda,offload-tests/candle,offload-tests/tch",
+        "offload/sim,offload/candle,offload-tests/cuda,offload-tests/candle,offload-tests/tch",
         "--",
         "-D",
         "warnings",
@@ -163,25 +178,15 @@ fn bench(args: &[String]) -> Result<(), String> {
             return run(c);
         }
         "candle" => {
-            // The Flux-shaped candle benchmark on this machine's GPU; candle's CUDA
-            // kernels compile with nvcc from PyPI (scripts/cuda-build-env.sh).
-            let env = cache_dir().join("cuda-build-env");
-            let mut c = Command::new("bash");
-            c.arg(root().join("scripts/cuda-build-env.sh")).arg(&env);
-            run(c)?;
+            // The Flux-shaped candle benchmark on this machine's GPU.
             let out = root().join(format!("bench/results/{}-candle-flux.json", today()));
-            let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
             let rest: Vec<&str> = args.iter().skip_while(|a| *a != "--").skip(1).map(String::as_str).collect();
-            let script = format!(
-                "source {env}/env.sh && {cargo} run --release -q -p offload-candle --features cuda --example candle_flux_bench -- --commit {commit} --out {out} {rest}",
-                env = env.display(),
-                commit = commit(),
-                out = out.display(),
-                rest = rest.join(" ")
-            );
-            let mut c = Command::new("bash");
-            c.current_dir(root()).args(["-c", &script]);
-            return run(c);
+            return with_nvcc(&format!(
+                "$CARGO run --release -q -p offload-candle --features cuda --example candle_flux_bench -- --commit {} --out {} {}",
+                commit(),
+                out.display(),
+                rest.join(" ")
+            ));
         }
         other => {
             return Err(format!(
@@ -238,10 +243,24 @@ fn bench(args: &[String]) -> Result<(), String> {
     Ok(())
 }
 
+/// The main job. Where `nvidia-smi` lists a GPU (and `--cpu` is not given) the demo
+/// is built with candle's CUDA backend and runs on it; otherwise on candle's CPU device.
 fn demo(args: &[String]) -> Result<(), String> {
+    let cpu = args.iter().any(|a| a == "--cpu");
+    let rest: Vec<&String> = args.iter().filter(|a| *a != "--cpu").skip_while(|a| *a == "--").collect();
+    let gpu = !cpu
+        && Command::new("nvidia-smi")
+            .arg("-L")
+            .output()
+            .is_ok_and(|o| o.status.success() && String::from_utf8_lossy(&o.stdout).contains("GPU"));
+    if gpu {
+        eprintln!("a GPU answers nvidia-smi: building the demo with candle's CUDA backend (first build ~15 min; `--cpu` to skip)");
+        let rest: Vec<&str> = rest.iter().map(|a| a.as_str()).collect();
+        return with_nvcc(&format!("$CARGO run --release -q --example flux_demo --features candle-cuda -- {}", rest.join(" ")));
+    }
     let mut c = cargo();
-    c.args(["run", "--release", "-q", "--example", "flux_demo", "--features", "sim", "--"]);
-    c.args(args.iter().skip_while(|a| *a == "--"));
+    c.args(["run", "--release", "-q", "--example", "flux_demo", "--features", "candle", "--"]);
+    c.args(rest);
     run(c)
 }
 
@@ -273,24 +292,16 @@ fn gpu_bundle(args: &[String]) -> Result<(), String> {
     c.arg(dir.join("conformance-tch")).arg(dir.join("tch_bench"));
     run(c)?;
     if candle {
-        // candle's CUDA kernels compile with nvcc from PyPI (scripts/cuda-build-env.sh).
         // Its binaries embed every kernel (~40 MB each): gzipped to fit the carry limit.
-        let env = cache_dir().join("cuda-build-env");
-        let mut c = Command::new("bash");
-        c.arg(root().join("scripts/cuda-build-env.sh")).arg(&env);
-        run(c)?;
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let script = format!(
-            "source {env}/env.sh && {cargo} build --profile bundle -p offload-candle --features cuda --example candle_flux_bench \
+        with_nvcc(&format!(
+            "$CARGO build --profile bundle -p offload-candle --features cuda --example candle_flux_bench \
              && gzip -9 -c target/bundle/examples/candle_flux_bench > {dir}/candle_flux_bench.gz \
-             && {cargo} build --profile bundle -p offload-tests --features candle-cuda --bin conformance \
-             && gzip -9 -c target/bundle/conformance > {dir}/conformance-candle.gz",
-            env = env.display(),
+             && $CARGO build --profile bundle -p offload-tests --features candle-cuda --bin conformance \
+             && gzip -9 -c target/bundle/conformance > {dir}/conformance-candle.gz \
+             && $CARGO build --profile bundle --example flux_demo --features candle-cuda \
+             && gzip -9 -c target/bundle/examples/flux_demo > {dir}/flux_demo.gz",
             dir = dir.display()
-        );
-        let mut c = Command::new("bash");
-        c.current_dir(root()).args(["-c", &script]);
-        run(c)?;
+        ))?;
     }
     for f in ["bench/anchors/diffusers_group_offload.py", "bench/gpu-run.sh"] {
         let p = root().join(f);

@@ -31,13 +31,14 @@ struct Cfg {
 
 fn parse_args() -> std::result::Result<Cfg, String> {
     let mut c =
-        Cfg { shape: FluxShape { hidden: 256, heads: 4, mlp: 1024 }, double: 4, single: 8, res: 256, txt_tokens: 32, steps: 3, depth: 1 };
+        Cfg { shape: FluxShape { hidden: 256, heads: 2, mlp: 1024 }, double: 4, single: 8, res: 256, txt_tokens: 32, steps: 3, depth: 1 };
     let args: Vec<String> = std::env::args().skip(1).collect();
     for pair in args.chunks(2) {
         let [name, value] = pair else { return Err(format!("{} needs a value", pair[0])) };
         let v: usize = value.parse().map_err(|_| format!("{name}: expected a number, got {value:?}"))?;
         match name.as_str() {
-            "--hidden" => c.shape = FluxShape { hidden: v, heads: (v / 64).max(1), mlp: 4 * v },
+            // Flux's head width is 128 (3072 / 24).
+            "--hidden" => c.shape = FluxShape { hidden: v, heads: (v / 128).max(1), mlp: 4 * v },
             "--double" => c.double = v,
             "--single" => c.single = v,
             "--res" => c.res = v,
@@ -48,7 +49,7 @@ fn parse_args() -> std::result::Result<Cfg, String> {
     }
     if c.shape.hidden % c.shape.heads != 0 || c.res < 16 || c.depth == 0 {
         return Err(format!(
-            "need --hidden divisible by its head count (hidden / 64), --res ≥ 16 and --depth ≥ 1 (got {}, {}, {})",
+            "need --hidden divisible by its head count (hidden / 128), --res ≥ 16 and --depth ≥ 1 (got {}, {}, {})",
             c.shape.hidden, c.res, c.depth
         ));
     }

@@ -116,7 +116,7 @@ impl CandleBlockExt for BlockGuard<'_, CandleCudaBackend> {
     fn var_builder(&self, dtype: CDType) -> Result<VarBuilder<'static>> {
         let prefix = format!("{}.", self.id());
         let map = self.backend().tensors(self.slot(), self.layout(), &prefix)?;
-        Ok(VarBuilder::from_tensors(map, dtype, &self.backend().device()))
+        Ok(crate::BlockVars::new(self.id().to_string(), map).into_var_builder(dtype, &self.backend().device()))
     }
 }
 

@@ -4,7 +4,8 @@
 //! Design choices:
 //!
 //! - **Unmodified blocks.** A block's weights reach candle-nn / candle-transformers
-//!   code through a `VarBuilder` ([`CandleBlockExt::var_builder`]): build the block
+//!   code through a `VarBuilder` ([`CandleBlockExt::var_builder`], backed by
+//!   [`BlockVars`], a candle `SimpleBackend` over the block's slot): build the block
 //!   per call (`Block::new(cfg, vb)` only clones handles) and run its `forward`.
 //! - **CPU device: host memory is the device.** On `Device::Cpu` the ring's "device"
 //!   is host memory: copies into slots run on a worker thread (the simulated
@@ -19,8 +20,9 @@
 //!   candle computes on its own stream, ordered by the ring's events. Blocks must
 //!   have one dtype (the backend's).
 
-use candle_core::{DType as CDType, Device, Tensor};
-use candle_nn::VarBuilder;
+use candle_core::{DType as CDType, Device, Shape, Tensor};
+use candle_nn::var_builder::SimpleBackend;
+use candle_nn::{Init, VarBuilder};
 use offload_core::sim::{SimBackend, SimConfig, SimEvent, SimHost, SimSlot};
 use offload_core::{BlockGuard, BlockLayout, DType, Error, MemoryInfo, OffloadBackend, Result, StreamKind};
 use std::collections::HashMap;
@@ -97,11 +99,64 @@ pub trait CandleBlockExt {
     fn var_builder(&self, dtype: CDType) -> Result<VarBuilder<'static>>;
 }
 
+/// The `VarBuilder` backend of one streamed block: its tensors (views of the slot
+/// on CUDA, materialised from it on the CPU device), named relative to the block.
+/// A missing tensor or a shape mismatch is an error that names the block and the
+/// tensor, and lists what the block holds.
+pub struct BlockVars {
+    block: String,
+    tensors: HashMap<String, Tensor>,
+}
+
+impl BlockVars {
+    /// `tensors` of block `block` (e.g. `double_blocks.3`).
+    pub fn new(block: impl Into<String>, tensors: HashMap<String, Tensor>) -> Self {
+        BlockVars { block: block.into(), tensors }
+    }
+
+    /// A `VarBuilder` over these tensors on `device`.
+    pub fn into_var_builder(self, dtype: CDType, device: &Device) -> VarBuilder<'static> {
+        VarBuilder::from_backend(Box::new(self), dtype, device.clone())
+    }
+
+    fn find(&self, name: &str) -> candle_core::Result<&Tensor> {
+        self.tensors.get(name).ok_or_else(|| {
+            let mut have: Vec<&str> = self.tensors.keys().map(String::as_str).collect();
+            have.sort_unstable();
+            let more = have.len().saturating_sub(12);
+            have.truncate(12);
+            let more = if more > 0 { format!(" and {more} more") } else { String::new() };
+            candle_core::Error::Msg(format!("block {} has no tensor `{name}` (it has: {}{more})", self.block, have.join(", ")))
+        })
+    }
+}
+
+impl SimpleBackend for BlockVars {
+    fn get(&self, s: Shape, name: &str, _: Init, dtype: CDType, dev: &Device) -> candle_core::Result<Tensor> {
+        let t = self.find(name)?;
+        if t.shape() != &s {
+            return Err(candle_core::Error::Msg(format!(
+                "block {}: tensor `{name}` has shape {:?}, the model asks for {:?}",
+                self.block,
+                t.dims(),
+                s.dims()
+            )));
+        }
+        t.to_device(dev)?.to_dtype(dtype)
+    }
+    fn get_unchecked(&self, name: &str, dtype: CDType, dev: &Device) -> candle_core::Result<Tensor> {
+        self.find(name)?.to_device(dev)?.to_dtype(dtype)
+    }
+    fn contains_tensor(&self, name: &str) -> bool {
+        self.tensors.contains_key(name)
+    }
+}
+
 impl CandleBlockExt for BlockGuard<'_, CandleBackend> {
     fn var_builder(&self, dtype: CDType) -> Result<VarBuilder<'static>> {
         let prefix = format!("{}.", self.id());
         let map = self.backend().tensors(self.slot(), self.layout(), &prefix)?;
-        Ok(VarBuilder::from_tensors(map, dtype, &Device::Cpu))
+        Ok(BlockVars::new(self.id().to_string(), map).into_var_builder(dtype, &Device::Cpu))
     }
 }
 

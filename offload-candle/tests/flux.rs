@@ -69,3 +69,28 @@ fn chunked_attention_matches_the_whole() {
         assert!(worst < 1e-5, "max_scores = {max}: differs from the whole by {worst}");
     }
 }
+
+/// A model that asks a streamed block for a tensor it lacks, or with another
+/// shape, gets an error naming the block and the tensor (not a panic, not a bare
+/// "cannot find tensor").
+#[test]
+fn wrong_tensor_or_shape_names_the_block() {
+    use offload_candle::flux::{DoubleBlock, SingleBlock};
+    use offload_candle::CandleBlockExt;
+    let shape = FluxShape { hidden: 64, heads: 4, mlp: 256 };
+    let src = RandomFlux::new(shape, 2, 2, 5);
+    let inv = NameDiscovery.discover("transformer", src.specs()).unwrap();
+    let be = CandleBackend::cpu();
+    let store = Arc::new(HostStore::build(&be, &inv, &src).unwrap());
+    let rc = resolve(&Plan::layerwise(), std::slice::from_ref(&inv)).unwrap().components.remove(0);
+    let mut ring = Ring::new(be.clone(), store, &rc).unwrap();
+    let g = ring.block("double_blocks", 1).unwrap();
+    let missing = SingleBlock::new(shape, g.var_builder(DType::BF16).unwrap()).err().expect("a double block has no single-block tensors");
+    let msg = missing.to_string();
+    assert!(msg.contains("double_blocks.1") && msg.contains("modulation.lin.weight"), "{msg}");
+    let wider = FluxShape { hidden: 128, heads: 4, mlp: 256 };
+    let msg = DoubleBlock::new(wider, g.var_builder(DType::BF16).unwrap()).err().expect("shapes differ").to_string();
+    assert!(msg.contains("double_blocks.1") && msg.contains("img_mod.lin.weight") && msg.contains("[384, 64]"), "{msg}");
+    g.finish().unwrap();
+    ring.close().unwrap();
+}

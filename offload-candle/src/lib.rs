@@ -28,6 +28,8 @@ use offload_core::{BlockGuard, BlockLayout, DType, Error, MemoryInfo, OffloadBac
 use std::collections::HashMap;
 
 pub mod flux;
+#[cfg(feature = "sd3")]
+pub mod sd3;
 
 #[cfg(feature = "cuda")]
 mod cuda;

@@ -31,6 +31,17 @@ macro_rules! ensure {
     };
 }
 
+/// A real model streamed through a backend and compared byte for byte with the
+/// same model run resident: the suite's last row, `n/a` for backends without one.
+pub struct ModelCase {
+    /// Row name (`sd3_joint_blocks`).
+    pub name: &'static str,
+    /// The design invariants it checks.
+    pub invariant: &'static str,
+    /// Runs the case.
+    pub run: fn() -> Outcome,
+}
+
 /// A backend as the conformance suite drives it: the backend itself plus a small
 /// compute kernel (a fold over a block's bytes into an on-device accumulator) and
 /// the counters the cases check.
@@ -60,4 +71,9 @@ pub trait Harness: 'static {
     fn reset_peak(b: &Self::B);
     /// Host synchronisations so far.
     fn host_syncs(b: &Self::B) -> u64;
+    /// A real model this backend runs with its framework's own block code, if any
+    /// (candle: candle-transformers' SD3 joint blocks).
+    fn model_case() -> Option<ModelCase> {
+        None
+    }
 }

@@ -16,7 +16,7 @@ pub mod sim_harness;
 #[cfg(feature = "tch")]
 pub mod tch_harness;
 
-pub use harness::{CaseError, Harness, Outcome};
+pub use harness::{CaseError, Harness, ModelCase, Outcome};
 
 /// Whether a missing device is a failure (`OFFLOAD_REQUIRE_DEVICE=1`).
 pub fn device_required() -> bool {
@@ -34,20 +34,24 @@ pub enum Verdict {
     Skipped(String),
 }
 
-/// Run every case of harness `H`; a skip becomes a failure when the device is required.
+fn verdict(o: Outcome) -> Verdict {
+    match o {
+        Ok(()) => Verdict::Pass,
+        Err(CaseError::Fail(m)) => Verdict::Fail(m),
+        Err(CaseError::Skip(w)) if device_required() => Verdict::Fail(format!("device required: {w}")),
+        Err(CaseError::Skip(w)) => Verdict::Skipped(w),
+    }
+}
+
+/// Run every case of harness `H`, then its model case if it has one; a skip
+/// becomes a failure when the device is required.
 pub fn run_suite<H: Harness>() -> Vec<(&'static str, &'static str, Verdict)> {
-    cases::all::<H>()
-        .into_iter()
-        .map(|c| {
-            let v = match (c.run)(offload_core::ring::Sabotage::None) {
-                Ok(()) => Verdict::Pass,
-                Err(CaseError::Fail(m)) => Verdict::Fail(m),
-                Err(CaseError::Skip(w)) if device_required() => Verdict::Fail(format!("device required: {w}")),
-                Err(CaseError::Skip(w)) => Verdict::Skipped(w),
-            };
-            (c.name, c.invariant, v)
-        })
-        .collect()
+    let mut row: Vec<_> =
+        cases::all::<H>().into_iter().map(|c| (c.name, c.invariant, verdict((c.run)(offload_core::ring::Sabotage::None)))).collect();
+    if let Some(m) = H::model_case() {
+        row.push((m.name, m.invariant, verdict((m.run)())));
+    }
+    row
 }
 
 /// Turn an outcome into a test result: panic on failure; print `SKIPPED` on a skip,

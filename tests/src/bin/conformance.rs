@@ -52,7 +52,13 @@ fn main() {
         });
         columns.push((b.clone(), row));
     }
-    let names: Vec<(&str, &str)> = columns[0].1.iter().map(|(n, inv, _)| (*n, *inv)).collect();
+    // Every row any backend ran, in order; a backend without a row shows `n/a`.
+    let mut names: Vec<(&str, &str)> = Vec::new();
+    for (n, inv, _) in columns.iter().flat_map(|(_, r)| r) {
+        if !names.iter().any(|(m, _)| m == n) {
+            names.push((*n, *inv));
+        }
+    }
     print!("{:<28} {:>5}", "case", "inv.");
     for (b, _) in &columns {
         print!("  {b:<8}");
@@ -61,10 +67,15 @@ fn main() {
     let mut failed = 0;
     let mut notes = Vec::new();
     let mut out = BTreeMap::new();
-    for (k, (name, inv)) in names.iter().enumerate() {
+    for (name, inv) in &names {
         print!("{name:<28} {inv:>5}");
         for (b, row) in &columns {
-            let (cell, note) = match &row[k].2 {
+            let Some(case) = row.iter().find(|c| c.0 == *name) else {
+                print!("  {:<8}", "n/a");
+                out.insert(format!("{b}/{name}"), serde_json::json!({"verdict": "n/a", "note": "the backend has no such case"}));
+                continue;
+            };
+            let (cell, note) = match &case.2 {
                 Verdict::Pass => ("pass", None),
                 Verdict::Fail(m) => {
                     failed += 1;
@@ -79,7 +90,7 @@ fn main() {
                     notes.push(line);
                 }
             }
-            out.insert(format!("{b}/{name}"), serde_json::json!({"verdict": cell, "note": format!("{:?}", row[k].2)}));
+            out.insert(format!("{b}/{name}"), serde_json::json!({"verdict": cell, "note": format!("{:?}", case.2)}));
         }
         println!();
     }

@@ -60,6 +60,8 @@ fn main() {
         }
     }
     print!("{:<28} {:>5}", "case", "inv.");
+    // Each column as wide as its backend's name (at least a verdict's).
+    let widths: Vec<usize> = columns.iter().map(|(b, _)| b.len().max(8)).collect();
     for (b, _) in &columns {
         print!("  {b:<8}");
     }
@@ -69,9 +71,9 @@ fn main() {
     let mut out = BTreeMap::new();
     for (name, inv) in &names {
         print!("{name:<28} {inv:>5}");
-        for (b, row) in &columns {
+        for ((b, row), w) in columns.iter().zip(&widths) {
             let Some(case) = row.iter().find(|c| c.0 == *name) else {
-                print!("  {:<8}", "n/a");
+                print!("  {:<w$}", "n/a");
                 out.insert(format!("{b}/{name}"), serde_json::json!({"verdict": "n/a", "note": "the backend has no such case"}));
                 continue;
             };
@@ -83,7 +85,7 @@ fn main() {
                 }
                 Verdict::Skipped(w) => ("skipped", Some(w.clone())),
             };
-            print!("  {cell:<8}");
+            print!("  {cell:<w$}");
             if let Some(n) = note {
                 let line = format!("{b}: {n}");
                 if !notes.contains(&line) {

@@ -331,6 +331,12 @@ fn ci() -> Result<(), String> {
     let mut c = cargo();
     c.args(["test", "-p", "offload-tch", "--features", "libtorch"]);
     run(c)?;
+    // The main job, small and in the dev profile: it exits non-zero unless the
+    // offloaded output is byte-identical to the resident one.
+    let mut c = cargo();
+    c.args(["run", "-q", "--example", "flux_demo", "--features", "candle", "--"]);
+    c.args(["--hidden", "128", "--double", "2", "--single", "3", "--res", "128", "--steps", "2", "--depth", "2"]);
+    run(c)?;
     conformance(&["--backend".into(), "sim,candle,tch,cuda".into()])
 }
 

@@ -41,8 +41,11 @@ fn main() {
         i += 2;
     }
     let mut columns: Vec<(String, Row)> = Vec::new();
+    let mut built = Vec::new();
     for b in &backends {
-        let row = suite(b).unwrap_or_else(|| {
+        let ran = suite(b);
+        built.push(ran.is_some());
+        let row = ran.unwrap_or_else(|| {
             let why = format!("backend {b} not built into this binary (build with --features {b})");
             let required = offload_tests::device_required();
             offload_tests::cases::all::<offload_tests::sim_harness::Sim>()
@@ -52,7 +55,8 @@ fn main() {
         });
         columns.push((b.clone(), row));
     }
-    // Every row any backend ran, in order; a backend without a row shows `n/a`.
+    // Every row any backend ran, in order; a backend without a row shows `n/a`
+    // (`skipped` when the backend is not built into this binary).
     let mut names: Vec<(&str, &str)> = Vec::new();
     for (n, inv, _) in columns.iter().flat_map(|(_, r)| r) {
         if !names.iter().any(|(m, _)| m == n) {
@@ -71,10 +75,12 @@ fn main() {
     let mut out = BTreeMap::new();
     for (name, inv) in &names {
         print!("{name:<28} {inv:>5}");
-        for ((b, row), w) in columns.iter().zip(&widths) {
+        for (((b, row), w), built) in columns.iter().zip(&widths).zip(&built) {
             let Some(case) = row.iter().find(|c| c.0 == *name) else {
-                print!("  {:<w$}", "n/a");
-                out.insert(format!("{b}/{name}"), serde_json::json!({"verdict": "n/a", "note": "the backend has no such case"}));
+                let (cell, note) =
+                    if *built { ("n/a", "the backend has no such case") } else { ("skipped", "the backend is not built into this binary") };
+                print!("  {cell:<w$}");
+                out.insert(format!("{b}/{name}"), serde_json::json!({"verdict": cell, "note": note}));
                 continue;
             };
             let (cell, note) = match &case.2 {

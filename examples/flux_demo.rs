@@ -14,7 +14,7 @@
 
 use candle_core::{DType, Device, Tensor};
 use offload::candle::flux::{step, FluxShape, RandomFlux};
-use offload::candle::{CandleBackend, CandleBlockExt};
+use offload::candle::{candle_error as candle_err, CandleBackend, CandleBlockExt};
 use offload::*;
 use std::sync::Arc;
 use std::time::Instant;
@@ -58,10 +58,6 @@ fn parse_args() -> std::result::Result<Cfg, String> {
 
 fn mib(b: u64) -> f64 {
     b as f64 / (1u64 << 20) as f64
-}
-
-fn candle_err(during: &'static str) -> impl Fn(candle_core::Error) -> Error {
-    move |e| Error::device("candle", during, e)
 }
 
 /// Resident, then offloaded at `c.depth`, on `backend`; `sync` waits for the device.

@@ -7,7 +7,7 @@
 
 use candle_core::{DType, Tensor};
 use offload_candle::flux::{step, FluxShape, RandomFlux};
-use offload_candle::CandleCudaBackend;
+use offload_candle::{candle_error as cerr, CandleCudaBackend};
 use offload_core::{resolve, BlockDiscovery, Error, HostStore, NameDiscovery, OffloadBackend, Plan, Result, Ring, TensorSource};
 use std::sync::Arc;
 use std::time::Instant;
@@ -22,10 +22,6 @@ fn median(mut v: Vec<f64>) -> f64 {
 fn list(args: &[String], name: &str, default: &str) -> Vec<usize> {
     let s = args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).map_or(default, String::as_str);
     s.split(',').filter_map(|x| x.parse().ok()).collect()
-}
-
-fn cerr(during: &str) -> impl Fn(candle_core::Error) -> Error + '_ {
-    move |e| Error::device("candle", during, e)
 }
 
 fn run() -> Result<()> {

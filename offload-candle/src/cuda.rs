@@ -15,10 +15,6 @@ use offload_cuda::{CudaBackend, CudaSlot, PinnedHost};
 use std::collections::HashMap;
 use std::sync::Arc;
 
-fn candle_err(during: impl Into<String>, e: candle_core::Error) -> Error {
-    Error::device("candle", during, e)
-}
-
 /// candle on a CUDA device: the ring's transfer engine is `offload-cuda`'s, its
 /// compute stream is candle's. Cheap to clone.
 #[derive(Clone)]
@@ -60,7 +56,7 @@ impl CandleCudaBackend {
         if !matches!(dtype, CDType::BF16 | CDType::F16 | CDType::F32 | CDType::U8) {
             return Err(Error::unsupported("candle", format!("blocks of dtype {dtype:?} on CUDA (bf16, f16, f32 or u8)")));
         }
-        let dev = CudaDevice::new_with_stream(ordinal).map_err(|e| candle_err(format!("opening CUDA device {ordinal}"), e))?;
+        let dev = CudaDevice::new_with_stream(ordinal).map_err(crate::candle_error(&format!("opening CUDA device {ordinal}")))?;
         // SAFETY: called before any tensor exists; the ring orders every use of
         // slot memory with its own events (invariants 1 and 2).
         unsafe { dev.disable_event_tracking() };

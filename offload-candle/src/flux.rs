@@ -279,7 +279,7 @@ where
     for<'a> offload_core::BlockGuard<'a, B>: crate::CandleBlockExt,
 {
     use crate::CandleBlockExt;
-    let err = |e: candle_core::Error| offload_core::Error::device("candle", "running a Flux block", e);
+    let err = crate::candle_error("running a Flux block");
     let (mut img, mut txt) = (img.clone(), txt.clone());
     for i in 0..double {
         let g = ring.block("double_blocks", i)?;

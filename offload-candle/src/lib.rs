@@ -79,6 +79,12 @@ impl CandleBackend {
     }
 }
 
+/// A candle error as offload's, saying what was being done:
+/// `t.to_vec1().map_err(candle_error("reading the output"))?`.
+pub fn candle_error(during: &str) -> impl Fn(candle_core::Error) -> Error + Copy + '_ {
+    move |e| Error::device("candle", during, e)
+}
+
 /// The candle dtype of an offload dtype.
 pub fn candle_dtype(d: DType) -> Option<CDType> {
     Some(match d {

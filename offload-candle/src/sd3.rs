@@ -4,7 +4,7 @@
 //! through offload, on the same random inputs. Used by the `sd3_joint_blocks`
 //! example and test and by the candle rows of the conformance suite. Feature `sd3`.
 
-use crate::CandleBlockExt;
+use crate::{candle_error as ce, CandleBlockExt};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{VarBuilder, VarMap};
 use candle_transformers::models::mmdit::blocks::{JointBlock, MMDiTJointBlock};
@@ -43,10 +43,6 @@ impl Sd3Run {
     pub fn bitwise_equal(&self) -> bool {
         self.resident.len() == self.streamed.len() && self.resident.iter().zip(&self.streamed).all(|(a, b)| a.to_bits() == b.to_bits())
     }
-}
-
-fn ce(during: &'static str) -> impl Fn(candle_core::Error) -> Error {
-    move |e| Error::device("candle", during, e)
 }
 
 impl Sd3Blocks {

@@ -141,7 +141,7 @@ fn run_on_gpu(c: &Cfg) -> Option<Result<bool>> {
     match offload::candle::CandleCudaBackend::new(0, DType::BF16) {
         Ok(be) => {
             let device = be.device();
-            let name = be.cuda().ctx().name().unwrap_or_else(|_| "a CUDA device".into());
+            let name = be.cuda().device_name().unwrap_or_else(|_| "a CUDA device".into());
             Some(run(c, be, &device, &format!("{name} (candle CUDA tensors, offload-cuda copy stream)")))
         }
         Err(e) => {

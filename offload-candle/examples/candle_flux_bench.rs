@@ -55,7 +55,7 @@ fn run() -> Result<()> {
         let Some(out) = opt("--out") else { return Ok(()) };
         let doc = serde_json::json!({
             "date": std::env::var("BENCH_DATE").unwrap_or_default(), "commit": opt("--commit").unwrap_or_default(),
-            "gpu": be.cuda().ctx().name().unwrap_or_default(), "backend": "candle", "complete": done,
+            "gpu": be.cuda().device_name().unwrap_or_default(), "backend": "candle", "complete": done,
             "model": format!("flux-dev-shaped candle (offload_candle::flux): {nd} double + {ns} single blocks, hidden 3072, mlp 12288, bf16, matmul-softmax attention in groups of at most 2^30 scores, random weights"),
             "block_bytes_total": total, "largest_block_bytes": largest, "cases": cases, "anchors": [],
         });

@@ -1,18 +1,29 @@
-//! candle on CUDA (feature `cuda`): one slot per ring position wrapped once as a
-//! candle CUDA tensor of the block dtype; a block's weights are `narrow`/`reshape`
-//! views of it. Copies run on `offload-cuda`'s copy stream, compute on candle's
-//! stream of the same context, ordered by the ring's events.
+//! candle on CUDA (feature `cuda`): each copy into a ring slot lands in a fresh
+//! candle tensor, allocated by candle's own allocator on candle's stream, and a
+//! block's weights are `narrow`/`reshape` views of it. Copies run on
+//! `offload-cuda`'s copy stream, compute on candle's stream of the same context,
+//! ordered by the ring's events.
+//!
+//! Why a fresh tensor per copy (invariant 10): candle's tensors are reference
+//! counted and a `VarBuilder`, a module built from it, or any view made from them
+//! may outlive the block guard. Each view keeps its buffer — and so its block's
+//! bytes — alive; the ring's slot only lets go of its reference, and candle frees
+//! the memory (stream-ordered, after every kernel enqueued before the last view
+//! dropped) when nothing holds it. SGLang and vLLM-Omni do the same; the pool
+//! reuses the memory at once, so it costs no copy and no host synchronisation.
 
 use crate::CandleBlockExt;
-use candle_core::cuda_backend::cudarc::driver::CudaSlice;
+use candle_core::cuda_backend::cudarc;
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DevicePtr};
 use candle_core::cuda_backend::{CudaDType, CudaDevice, CudaStorage};
 use candle_core::op::BackpropOp;
 use candle_core::{DType as CDType, Device, Storage, Tensor};
 use candle_nn::VarBuilder;
 use offload_core::{BlockGuard, Error, MemoryInfo, OffloadBackend, Result, StreamKind};
 use offload_cuda::cudarc::driver::CudaEvent;
-use offload_cuda::{CudaBackend, CudaSlot, PinnedHost};
+use offload_cuda::{CudaBackend, CudaCounters, DeviceSlot, PinnedHost};
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 /// candle on a CUDA device: the ring's transfer engine is `offload-cuda`'s, its
@@ -22,29 +33,60 @@ pub struct CandleCudaBackend {
     inner: CudaBackend,
     dev: CudaDevice,
     dtype: CDType,
+    slot_bytes: Arc<SlotBytes>,
 }
 
-/// A slot: the device memory (owned by `offload-cuda`) and one candle tensor over
-/// all of it. The tensor's storage never frees the memory (see [`Drop`]).
+/// Device bytes the ring's slots hold (buffers a user's views keep alive after
+/// the ring let them go are candle's, not counted here).
+#[derive(Default)]
+struct SlotBytes {
+    live: AtomicU64,
+    peak: AtomicU64,
+}
+
+/// A ring slot: the buffer holding the last block copied into it, as one candle
+/// tensor that owns its memory.
 pub struct CandleSlot {
-    raw: Option<CudaSlot>,
-    tensor: Option<Tensor>,
+    len: usize,
+    current: Option<Buffer>,
+    slot_bytes: Arc<SlotBytes>,
+}
+
+struct Buffer {
+    tensor: Tensor,
+    ptr: u64,
+    last_copy: Arc<CudaEvent>,
 }
 
 impl CandleSlot {
-    /// The whole slot as a 1-D tensor of the backend's dtype.
+    /// The buffer of the last block copied into this slot, as a 1-D tensor of
+    /// the backend's dtype (`None` before the first copy).
     pub fn tensor(&self) -> Option<&Tensor> {
-        self.tensor.as_ref()
+        self.current.as_ref().map(|b| &b.tensor)
+    }
+
+    /// Capacity in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the slot has no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
     }
 }
 
 impl Drop for CandleSlot {
     fn drop(&mut self) {
-        // The tensor's `CudaSlice` would free the memory `raw` frees: leak the
-        // tensor handle (one small allocation per slot) so only `raw` frees it.
-        if let Some(t) = self.tensor.take() {
-            std::mem::forget(t);
-        }
+        self.slot_bytes.live.fetch_sub(self.len as u64, Ordering::Relaxed);
+    }
+}
+
+// SAFETY: the buffer is a candle tensor owning its memory; the borrow of the slot
+// keeps `current` (and so the tensor) alive.
+unsafe impl DeviceSlot for CandleSlot {
+    fn device_range(&self) -> (u64, usize) {
+        self.current.as_ref().map_or((0, 0), |b| (b.ptr, self.len))
     }
 }
 
@@ -57,12 +99,11 @@ impl CandleCudaBackend {
             return Err(Error::unsupported("candle", format!("blocks of dtype {dtype:?} on CUDA (bf16, f16, f32 or u8)")));
         }
         let dev = CudaDevice::new_with_stream(ordinal).map_err(crate::candle_error(&format!("opening CUDA device {ordinal}")))?;
-        // SAFETY: called before any tensor exists; the ring orders every use of
-        // slot memory with its own events (invariants 1 and 2).
-        unsafe { dev.disable_event_tracking() };
+        // candle keeps cudarc's event tracking on for its device: its tensors order
+        // themselves across streams; the ring's raw copies are ordered by events.
         let stream = dev.cuda_stream();
         let inner = CudaBackend::with_compute_stream(stream.context().clone(), stream)?;
-        Ok(CandleCudaBackend { inner, dev, dtype })
+        Ok(CandleCudaBackend { inner, dev, dtype, slot_bytes: Arc::default() })
     }
 
     /// The candle device tensors are made on.
@@ -70,25 +111,62 @@ impl CandleCudaBackend {
         Device::Cuda(self.dev.clone())
     }
 
-    /// The transfer engine (counters, streams).
+    /// The transfer engine (streams, the checking mode).
     pub fn cuda(&self) -> &CudaBackend {
         &self.inner
     }
 
-    fn wrap<T: CudaDType>(&self, raw: &CudaSlot, bytes: usize) -> Tensor {
-        let n = bytes / std::mem::size_of::<T>();
-        // The slice never frees the memory (`CandleSlot` leaks its handle): `raw`
-        // stays the only owner and invariant 2 decides when it is freed.
-        // SAFETY: `raw` is a live allocation of `bytes` bytes on this context.
-        let slice: CudaSlice<T> = unsafe { self.dev.cuda_stream().upgrade_device_ptr(raw.device_ptr(), n) };
-        let storage = CudaStorage::wrap_cuda_slice(slice, self.dev.clone());
-        Tensor::from_storage(Storage::Cuda(storage), n, BackpropOp::none(), false)
+    /// Counters: the transfer engine's, with live and peak bytes those of the
+    /// ring's slots.
+    pub fn counters(&self) -> CudaCounters {
+        let mut c = self.inner.counters();
+        c.live_bytes = self.slot_bytes.live.load(Ordering::Relaxed);
+        c.peak_bytes = self.slot_bytes.peak.load(Ordering::Relaxed);
+        c
+    }
+
+    /// Restart the peak at the live bytes.
+    pub fn reset_peak(&self) {
+        self.slot_bytes.peak.store(self.slot_bytes.live.load(Ordering::Relaxed), Ordering::Relaxed);
+    }
+
+    /// A new buffer of `bytes` (whole elements of the backend's dtype) from
+    /// candle's allocator on candle's stream, and its device address.
+    fn new_buffer(&self, bytes: usize) -> Result<(Tensor, u64)> {
+        fn make<T: CudaDType + cudarc::driver::DeviceRepr>(dev: &CudaDevice, bytes: usize) -> Result<(Tensor, u64)> {
+            let n = bytes / std::mem::size_of::<T>();
+            let stream = dev.cuda_stream();
+            // The buffer is written by a copy before compute may read it (the ring
+            // waits for the copy's event); until then it holds old device bytes.
+            // SAFETY: a stream-ordered allocation of `n` elements on candle's stream.
+            let slice: CudaSlice<T> = unsafe { stream.alloc::<T>(n) }
+                .map_err(|e| Error::device("candle-cuda", format!("allocating a {bytes}-byte slot buffer"), e))?;
+            let ptr = slice.device_ptr(&stream).0;
+            let storage = CudaStorage::wrap_cuda_slice(slice, dev.clone());
+            Ok((Tensor::from_storage(Storage::Cuda(storage), n, BackpropOp::none(), false), ptr))
+        }
+        match self.dtype {
+            CDType::BF16 => make::<half::bf16>(&self.dev, bytes),
+            CDType::F16 => make::<half::f16>(&self.dev, bytes),
+            CDType::U8 => make::<u8>(&self.dev, bytes),
+            _ => make::<f32>(&self.dev, bytes),
+        }
+    }
+
+    /// Let go of the slot's reference to a buffer. candle frees it on its stream
+    /// when no view holds it any more; first order that free after the copy
+    /// into it (a prefetched block may never have been waited for).
+    fn retire(&self, b: Buffer) -> Result<()> {
+        self.inner.compute_wait(&b.last_copy)?;
+        drop(b);
+        Ok(())
     }
 
     /// The tensors of a block in `slot`, laid out as `layout`, named relative to
-    /// `prefix`: views of the slot tensor, no copy.
+    /// `prefix`: views of the slot's buffer, no copy. They keep the buffer alive
+    /// after the block is released.
     pub fn tensors(&self, slot: &CandleSlot, layout: &offload_core::BlockLayout, prefix: &str) -> Result<HashMap<String, Tensor>> {
-        let whole = slot.tensor().ok_or_else(|| Error::Protocol("candle slot without its tensor".into()))?;
+        let whole = slot.tensor().ok_or_else(|| Error::Protocol("candle slot read before any copy into it".into()))?;
         let elt = self.dtype.size_in_bytes();
         let mut map = HashMap::with_capacity(layout.tensors.len());
         for t in &layout.tensors {
@@ -120,6 +198,7 @@ impl OffloadBackend for CandleCudaBackend {
     type HostBuffer = PinnedHost;
     type Slot = CandleSlot;
     type Event = Arc<CudaEvent>;
+    type Wait = ();
 
     fn name(&self) -> &'static str {
         "candle-cuda"
@@ -141,28 +220,49 @@ impl OffloadBackend for CandleCudaBackend {
     }
     fn alloc_slot(&self, bytes: usize, purpose: &str) -> Result<CandleSlot> {
         // Whole elements: the slot tensor covers every byte the ring may copy.
-        let bytes = bytes.next_multiple_of(self.dtype.size_in_bytes());
-        let raw = self.inner.alloc_slot(bytes, purpose)?;
-        let tensor = match self.dtype {
-            CDType::BF16 => self.wrap::<half::bf16>(&raw, bytes),
-            CDType::F16 => self.wrap::<half::f16>(&raw, bytes),
-            CDType::U8 => self.wrap::<u8>(&raw, bytes),
-            _ => self.wrap::<f32>(&raw, bytes),
-        };
-        Ok(CandleSlot { raw: Some(raw), tensor: Some(tensor) })
+        let len = bytes.next_multiple_of(self.dtype.size_in_bytes());
+        let free = self.inner.memory_info().map(|m| m.free).unwrap_or(u64::MAX);
+        if len as u64 > free {
+            return Err(Error::OutOfDeviceMemory { backend: "candle-cuda".into(), requested: len as u64, free, purpose: purpose.into() });
+        }
+        let live = self.slot_bytes.live.fetch_add(len as u64, Ordering::Relaxed) + len as u64;
+        self.slot_bytes.peak.fetch_max(live, Ordering::Relaxed);
+        Ok(CandleSlot { len, current: None, slot_bytes: self.slot_bytes.clone() })
     }
     fn free_slot(&self, mut slot: CandleSlot, after: Option<&Arc<CudaEvent>>) -> Result<()> {
-        if let Some(t) = slot.tensor.take() {
-            std::mem::forget(t);
+        if !Arc::ptr_eq(&slot.slot_bytes, &self.slot_bytes) {
+            return Err(Error::Protocol("freeing a candle slot of another backend instance".into()));
         }
-        match slot.raw.take() {
-            Some(raw) => self.inner.free_slot(raw, after),
+        if let Some(ev) = after {
+            self.inner.compute_wait(ev)?;
+        }
+        match slot.current.take() {
+            Some(b) => self.retire(b),
             None => Ok(()),
         }
     }
     fn copy_to_slot(&self, src: &PinnedHost, dst: &mut CandleSlot, bytes: usize, after: Option<&Arc<CudaEvent>>) -> Result<Arc<CudaEvent>> {
-        let raw = dst.raw.as_mut().ok_or_else(|| Error::Protocol("copy into a freed candle slot".into()))?;
-        self.inner.copy_to_slot(src, raw, bytes, after)
+        if !Arc::ptr_eq(&dst.slot_bytes, &self.slot_bytes) {
+            return Err(Error::Protocol("copy into a candle slot of another backend instance".into()));
+        }
+        if bytes > dst.len {
+            return Err(Error::Protocol(format!("copy of {bytes} bytes into a {}-byte slot", dst.len)));
+        }
+        // `after` (the previous block's release) was recorded on candle's stream,
+        // so the allocation below, on the same stream, already follows it.
+        let _ = after;
+        if let Some(old) = dst.current.take() {
+            self.retire(old)?;
+        }
+        let (tensor, ptr) = self.new_buffer(dst.len)?;
+        // The copy waits for candle's stream to reach the allocation: memory the
+        // pool hands out may have been read by kernels enqueued just before.
+        let allocated = self.inner.record_compute()?;
+        // SAFETY: `ptr` addresses `dst.len` bytes owned by `tensor`, which the slot
+        // keeps until `retire`, which orders the free after this copy's event.
+        let ev = unsafe { self.inner.copy_to_device(src, ptr, dst.len, bytes, Some(&allocated))? };
+        dst.current = Some(Buffer { tensor, ptr, last_copy: ev.clone() });
+        Ok(ev)
     }
     fn compute_wait(&self, event: &Arc<CudaEvent>) -> Result<()> {
         self.inner.compute_wait(event)

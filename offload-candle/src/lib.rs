@@ -14,11 +14,15 @@
 //!   one copy when the block's `VarBuilder` is built. This is the CI path: the
 //!   protocol and the bitwise checks apply as on a GPU.
 //! - **CUDA (feature `cuda`): no copy beyond the host-to-device one.**
-//!   `CandleCudaBackend` wraps each ring slot once as a candle CUDA tensor (through
-//!   candle's own cudarc, event tracking off) and serves a block's weights as
-//!   `narrow`/`reshape` views of it; copies run on `offload-cuda`'s copy stream,
-//!   candle computes on its own stream, ordered by the ring's events. Blocks must
-//!   have one dtype (the backend's).
+//!   `CandleCudaBackend` copies each block into a fresh candle CUDA tensor (candle's
+//!   allocator, candle's stream) and serves its weights as `narrow`/`reshape` views
+//!   of it; copies run on `offload-cuda`'s copy stream, candle computes on its own
+//!   stream, ordered by the ring's events. Blocks must have one dtype (the
+//!   backend's).
+//! - **Views cannot outlive their block's bytes.** A `VarBuilder`, a module built
+//!   from it or any tensor derived from them keeps its block's buffer alive by
+//!   candle's reference count (CUDA) or owns a copy (CPU): used after the guard is
+//!   dropped, or after the ring is closed, it still reads that block's weights.
 
 use candle_core::{DType as CDType, Device, Shape, Tensor};
 use candle_nn::var_builder::SimpleBackend;
@@ -172,6 +176,7 @@ impl OffloadBackend for CandleBackend {
     type HostBuffer = SimHost;
     type Slot = SimSlot;
     type Event = SimEvent;
+    type Wait = ();
 
     fn name(&self) -> &'static str {
         "candle"

@@ -18,6 +18,7 @@ impl OffloadBackend for Null {
     type HostBuffer = Vec<u8>;
     type Slot = ();
     type Event = ();
+    type Wait = ();
     fn name(&self) -> &'static str {
         "null"
     }

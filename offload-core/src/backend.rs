@@ -5,10 +5,26 @@
 //! slots, and events. The ring uses nothing else, so a new backend is this trait
 //! plus the conformance suite in `tests/`.
 //!
-//! The model of execution is CUDA's: one *copy stream* that runs host-to-device
-//! copies in order, one *compute stream* where the model's kernels run, and events
-//! between them. A backend whose compute is synchronous host code (the simulated
-//! backend, candle's CPU device) treats the calling thread as its compute stream.
+//! The model of execution: one *copy queue* that runs host-to-device copies in
+//! order, the *compute* where the model's kernels run, and events between them.
+//! Two kinds of API fit it:
+//!
+//! - **Stream APIs** (CUDA, and the frameworks on it): compute is a stream that is
+//!   always there. [`OffloadBackend::compute_wait`] enqueues the wait on that stream
+//!   and returns `()`; [`OffloadBackend::record_compute`] records an event after
+//!   everything enqueued so far.
+//! - **Explicit-submission APIs** (Vulkan, D3D12, Metal): nothing runs until it is
+//!   submitted, and a wait only orders the submission that carries it. There
+//!   `compute_wait` returns a *wait token* ([`OffloadBackend::Wait`], e.g. a
+//!   timeline semaphore and value) that the user's submission reading the block
+//!   must wait on ([`BlockGuard::wait_token`](crate::BlockGuard::wait_token)), and
+//!   the release is either the event the user's submission signals
+//!   ([`BlockGuard::finish_after`](crate::BlockGuard::finish_after)) or one the
+//!   backend signals after everything submitted so far (`record_compute`, an empty
+//!   submission in queue order).
+//!
+//! A backend whose compute is synchronous host code (the simulated backend,
+//! candle's CPU device) treats the calling thread as its compute stream.
 
 use crate::error::Result;
 
@@ -40,6 +56,11 @@ pub enum StreamKind {
 /// 3. nothing in the steady state blocks the host;
 /// 4. there is no device-to-host copy of weights: the trait has none.
 ///
+/// 5. what a framework lends user code for a block (tensors, views, autograd's
+///    saved tensors) either cannot outlive the block or keeps the block's bytes
+///    alive on its own (invariant 10 of `DESIGN.md`); a backend whose slots are
+///    reused in place documents what the user must not keep.
+///
 /// Memory safety does not depend on the protocol: a backend keeps every host buffer
 /// and slot handed to an asynchronous copy alive until that copy has finished
 /// (host buffers are shared `Arc`s; freeing a slot is ordered after its copies).
@@ -50,6 +71,11 @@ pub trait OffloadBackend: Clone + Send + Sync + 'static {
     type Slot: Send + 'static;
     /// A point on a stream that other work can wait for.
     type Event: Clone + Send + Sync + 'static;
+    /// What compute must still do before it reads a block, beyond what
+    /// [`compute_wait`](Self::compute_wait) already did: `()` on stream APIs (the
+    /// wait is enqueued on the compute stream), a wait token for the user's next
+    /// submission on explicit-submission APIs.
+    type Wait: Clone + Send + Sync + 'static;
 
     /// Short backend name for errors and metrics (`"sim"`, `"cuda"`, …).
     fn name(&self) -> &'static str;
@@ -89,11 +115,14 @@ pub trait OffloadBackend: Clone + Send + Sync + 'static {
     /// `bytes` of `src` into `dst`. Returns an event that completes with the copy.
     fn copy_to_slot(&self, src: &Self::HostBuffer, dst: &mut Self::Slot, bytes: usize, after: Option<&Self::Event>) -> Result<Self::Event>;
 
-    /// Make the compute stream wait for `event` before any later work.
+    /// Order compute after `event`: on a stream API, make the compute stream wait
+    /// for it before any later work and return `()`; on an explicit-submission API,
+    /// return the token the next submission that reads the block must wait on.
     /// The host does not wait (except where compute is host code).
-    fn compute_wait(&self, event: &Self::Event) -> Result<()>;
+    fn compute_wait(&self, event: &Self::Event) -> Result<Self::Wait>;
 
-    /// Record an event on the compute stream after all work enqueued so far.
+    /// An event that completes once all compute enqueued (submitted) so far has
+    /// run: the release of a block's slot.
     fn record_compute(&self) -> Result<Self::Event>;
 
     /// Block the host until both streams are idle. Used at teardown and on

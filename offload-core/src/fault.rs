@@ -17,6 +17,8 @@ pub enum FaultKind {
     Copy,
     /// `record_compute` and `compute_wait`.
     Event,
+    /// `record_timing` (the timeline's events).
+    Timing,
 }
 
 #[derive(Default)]
@@ -25,6 +27,7 @@ struct Counters {
     slot: AtomicU64,
     copy: AtomicU64,
     event: AtomicU64,
+    timing: AtomicU64,
     fail: std::sync::Mutex<Option<(FaultKind, u64)>>,
 }
 
@@ -49,7 +52,7 @@ impl<B: OffloadBackend> FaultInjector<B> {
 
     /// Fail the `n`-th call of `kind` from now on (and only that one).
     pub fn arm(&self, kind: FaultKind, n: u64) {
-        for c in [&self.counters.host, &self.counters.slot, &self.counters.copy, &self.counters.event] {
+        for c in [&self.counters.host, &self.counters.slot, &self.counters.copy, &self.counters.event, &self.counters.timing] {
             c.store(0, Ordering::SeqCst);
         }
         *self.counters.fail.lock().unwrap_or_else(|e| e.into_inner()) = Some((kind, n));
@@ -66,6 +69,7 @@ impl<B: OffloadBackend> FaultInjector<B> {
             FaultKind::SlotAlloc => &self.counters.slot,
             FaultKind::Copy => &self.counters.copy,
             FaultKind::Event => &self.counters.event,
+            FaultKind::Timing => &self.counters.timing,
         };
         let n = c.fetch_add(1, Ordering::SeqCst);
         if *self.counters.fail.lock().unwrap_or_else(|e| e.into_inner()) == Some((kind, n)) {
@@ -79,6 +83,7 @@ impl<B: OffloadBackend> OffloadBackend for FaultInjector<B> {
     type HostBuffer = B::HostBuffer;
     type Slot = B::Slot;
     type Event = B::Event;
+    type Wait = B::Wait;
 
     fn name(&self) -> &'static str {
         self.inner.name()
@@ -94,6 +99,7 @@ impl<B: OffloadBackend> OffloadBackend for FaultInjector<B> {
         self.inner.is_pinned(buffer)
     }
     fn record_timing(&self, on: crate::StreamKind) -> Result<Option<Self::Event>> {
+        self.tick(FaultKind::Timing, "record_timing")?;
         self.inner.record_timing(on)
     }
     fn elapsed_s(&self, from: &Self::Event, to: &Self::Event) -> Result<Option<f64>> {
@@ -116,7 +122,7 @@ impl<B: OffloadBackend> OffloadBackend for FaultInjector<B> {
         self.tick(FaultKind::Copy, "copy")?;
         self.inner.copy_to_slot(src, dst, bytes, after)
     }
-    fn compute_wait(&self, event: &Self::Event) -> Result<()> {
+    fn compute_wait(&self, event: &Self::Event) -> Result<Self::Wait> {
         self.tick(FaultKind::Event, "compute_wait")?;
         self.inner.compute_wait(event)
     }
@@ -130,6 +136,7 @@ impl<B: OffloadBackend> OffloadBackend for FaultInjector<B> {
     fn poll_error(&self) -> Result<()> {
         self.inner.poll_error()
     }
+
     fn memory_info(&self) -> Result<MemoryInfo> {
         self.inner.memory_info()
     }

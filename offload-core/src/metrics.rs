@@ -21,6 +21,10 @@ pub struct StepMetrics {
     pub resident_hits: u64,
     /// Times the learned order changed (a block followed another than predicted).
     pub retraces: u64,
+    /// Block guards never dropped (`mem::forget`) whose release the ring recorded
+    /// itself at the next `block`, `end_step` or `close`.
+    #[serde(default)]
+    pub forgotten_guards: u64,
     /// Host-observed seconds spent waiting in `compute_wait` (non-zero only on
     /// backends whose compute is host code; CUDA waits happen on the device).
     pub host_wait_s: f64,
@@ -72,6 +76,7 @@ impl StepMetrics {
         self.misses += other.misses;
         self.resident_hits += other.resident_hits;
         self.retraces += other.retraces;
+        self.forgotten_guards += other.forgotten_guards;
         self.host_wait_s += other.host_wait_s;
         self.device_weight_bytes = other.device_weight_bytes;
         self.peak_device_weight_bytes = self.peak_device_weight_bytes.max(other.peak_device_weight_bytes);
@@ -114,6 +119,9 @@ impl std::fmt::Display for StepMetrics {
         )?;
         if let (Some(stall), Some(share)) = (self.exposed_stall_s, self.hidden_copy_share()) {
             write!(f, ", exposed stall {stall:.4} s, {:.0} % of copy time hidden", share * 100.0)?;
+        }
+        if self.forgotten_guards > 0 {
+            write!(f, ", {} forgotten guard(s) released by the ring", self.forgotten_guards)?;
         }
         Ok(())
     }

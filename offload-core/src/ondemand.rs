@@ -16,6 +16,7 @@ pub struct OnDemand<B: OffloadBackend> {
     store: Arc<HostStore<B>>,
     slots: Vec<B::Slot>,
     non_block: Option<B::Slot>,
+    waits: Vec<B::Wait>,
 }
 
 impl<B: OffloadBackend> OnDemand<B> {
@@ -23,7 +24,7 @@ impl<B: OffloadBackend> OnDemand<B> {
     /// copies. Transactional: on error everything allocated is released.
     pub fn load(backend: B, store: Arc<HostStore<B>>) -> Result<Self> {
         let _span = tracing::info_span!("on_demand_load", component = %store.component()).entered();
-        let mut me = OnDemand { backend, store: store.clone(), slots: Vec::new(), non_block: None };
+        let mut me = OnDemand { backend, store: store.clone(), slots: Vec::new(), non_block: None, waits: Vec::new() };
         let all = store.blocks().iter().chain(store.non_block());
         for (i, b) in all.enumerate() {
             let mut slot = me.backend.alloc_slot(b.bytes(), &format!("{}/{} (on demand)", store.component(), b.id))?;
@@ -33,7 +34,7 @@ impl<B: OffloadBackend> OnDemand<B> {
             } else {
                 me.non_block = Some(slot);
             }
-            copied?;
+            me.waits.push(copied?);
         }
         Ok(me)
     }
@@ -47,6 +48,12 @@ impl<B: OffloadBackend> OnDemand<B> {
     /// The non-block tensors: their layout and slot.
     pub fn non_block(&self) -> Option<(&BlockLayout, &B::Slot)> {
         Some((&self.store.non_block()?.layout, self.non_block.as_ref()?))
+    }
+
+    /// What compute must wait on before it first reads the component: one token
+    /// per copy (`()` on stream APIs; see [`OffloadBackend::Wait`]).
+    pub fn wait_tokens(&self) -> &[B::Wait] {
+        &self.waits
     }
 
     /// Device bytes held.

@@ -5,7 +5,9 @@
 //! fetched on demand), issues copies of the next `d` blocks of the learned order
 //! into the other slots — each copy waiting on the event recorded after the slot's
 //! previous block ran — and makes the compute stream wait for `b`'s copy. Dropping
-//! the [`BlockGuard`] records the event that frees `b`'s slot.
+//! the [`BlockGuard`] records the event that frees `b`'s slot. A guard that is
+//! never dropped (`mem::forget`) is released by the ring itself at the next
+//! `block`, `end_step` or `close`, and counted (`StepMetrics::forgotten_guards`).
 //!
 //! The order is learned: for every block the ring remembers which block was asked
 //! for after it last time (initially the declaration order, wrapping from the last
@@ -44,6 +46,26 @@ pub enum Sabotage {
     TrustPrediction,
     /// Invariant 8: leak device slots when building the ring fails.
     LeakOnError,
+    /// Invariant 2: record no release event (the slot's next copy waits only on
+    /// whatever older event it had).
+    NoReleaseEvent,
+    /// Invariant 2: record the release event when the block is handed out, before
+    /// the compute that reads it.
+    EarlyRelease,
+}
+
+impl Sabotage {
+    /// Every break, for tables.
+    pub const ALL: [Sabotage; 8] = [
+        Sabotage::SkipComputeWait,
+        Sabotage::SkipFreeWait,
+        Sabotage::NoReleaseEvent,
+        Sabotage::EarlyRelease,
+        Sabotage::SyncEveryBlock,
+        Sabotage::ExtraSlot,
+        Sabotage::TrustPrediction,
+        Sabotage::LeakOnError,
+    ];
 }
 
 struct SlotState<B: OffloadBackend> {
@@ -68,6 +90,14 @@ struct TimelineState<B: OffloadBackend> {
     collected: Timeline,
 }
 
+/// The block handed out and not yet released.
+#[derive(Clone, Copy)]
+struct Lent {
+    block: usize,
+    loc: Loc,
+    source: BlockSource,
+}
+
 #[derive(Clone, Copy)]
 enum Loc {
     Stream(usize),
@@ -80,9 +110,11 @@ pub struct Ring<B: OffloadBackend> {
     store: Arc<HostStore<B>>,
     depth: usize,
     slots: Vec<SlotState<B>>,
-    resident: Vec<(usize, B::Slot)>,
+    resident: Vec<(usize, B::Slot, B::Wait)>,
     resident_of: Vec<Option<usize>>,
-    non_block: Option<B::Slot>,
+    non_block: Option<(B::Slot, B::Wait)>,
+    lent: Option<Lent>,
+    broken: Option<String>,
     next: Vec<usize>,
     prev: Option<usize>,
     clock: u64,
@@ -134,6 +166,8 @@ impl<B: OffloadBackend> Ring<B> {
             resident: Vec::new(),
             resident_of: Vec::new(),
             non_block: None,
+            lent: None,
+            broken: None,
             next: (0..n).map(|i| (i + 1) % n.max(1)).collect(),
             prev: None,
             clock: 0,
@@ -150,9 +184,9 @@ impl<B: OffloadBackend> Ring<B> {
         let result = (|| {
             for (i, b) in store.blocks().iter().enumerate() {
                 if plan.is_resident(&b.id) {
-                    let slot = ring.load_whole(&b.buffer, b.bytes(), &format!("{}/{} (resident)", plan.name, b.id))?;
+                    let (slot, wait) = ring.load_whole(&b.buffer, b.bytes(), &format!("{}/{} (resident)", plan.name, b.id))?;
                     resident_of[i] = Some(ring.resident.len());
-                    ring.resident.push((i, slot));
+                    ring.resident.push((i, slot, wait));
                 }
             }
             if let Some(nb) = store.non_block() {
@@ -199,17 +233,21 @@ impl<B: OffloadBackend> Ring<B> {
         Ok(slot)
     }
 
-    fn load_whole(&mut self, buffer: &B::HostBuffer, bytes: usize, purpose: &str) -> Result<B::Slot> {
+    fn load_whole(&mut self, buffer: &B::HostBuffer, bytes: usize, purpose: &str) -> Result<(B::Slot, B::Wait)> {
         let mut slot = self.alloc(bytes, purpose)?;
         let copied = self.backend.copy_to_slot(buffer, &mut slot, bytes, None).and_then(|ready| self.backend.compute_wait(&ready));
-        if let Err(e) = copied {
-            let _ = self.backend.synchronize();
-            let _ = self.backend.free_slot(slot, None);
-            return Err(e);
+        match copied {
+            Ok(wait) => {
+                self.step.bytes_copied += bytes as u64;
+                self.step.copies += 1;
+                Ok((slot, wait))
+            }
+            Err(e) => {
+                let _ = self.backend.synchronize();
+                let _ = self.backend.free_slot(slot, None);
+                Err(e)
+            }
         }
-        self.step.bytes_copied += bytes as u64;
-        self.step.copies += 1;
-        Ok(slot)
     }
 
     fn warm(&mut self) -> Result<()> {
@@ -316,7 +354,13 @@ impl<B: OffloadBackend> Ring<B> {
 
     /// The resident non-block tensors: their layout and slot.
     pub fn non_block(&self) -> Option<(&BlockLayout, &B::Slot)> {
-        Some((&self.store.non_block()?.layout, self.non_block.as_ref()?))
+        Some((&self.store.non_block()?.layout, &self.non_block.as_ref()?.0))
+    }
+
+    /// What compute must wait on before it reads the non-block tensors the first
+    /// time (`()` on stream APIs; see [`OffloadBackend::Wait`]).
+    pub fn non_block_wait(&self) -> Option<&B::Wait> {
+        self.non_block.as_ref().map(|(_, w)| w)
     }
 
     /// Add a hook, called around every block.
@@ -343,6 +387,10 @@ impl<B: OffloadBackend> Ring<B> {
         if self.closed {
             return Err(Error::Protocol(format!("ring of {:?} is closed", self.store.component())));
         }
+        if let Some(why) = &self.broken {
+            return Err(Error::Protocol(format!("ring of {:?} is unusable: {why}", self.store.component())));
+        }
+        self.release_forgotten()?;
         if b >= self.next.len() {
             return Err(Error::Protocol(format!(
                 "component {:?} has {} blocks, asked for position {b}",
@@ -360,9 +408,9 @@ impl<B: OffloadBackend> Ring<B> {
             }
         }
         self.step.blocks += 1;
-        let (loc, source) = if let Some(r) = self.resident_of[b] {
+        let (loc, source, wait) = if let Some(r) = self.resident_of[b] {
             self.step.resident_hits += 1;
-            (Loc::Resident(r), BlockSource::Resident)
+            (Loc::Resident(r), BlockSource::Resident, Some(self.resident[r].2.clone()))
         } else {
             let (s, source) = match self.slots.iter().position(|s| s.holds == Some(b)) {
                 Some(s) => {
@@ -385,11 +433,12 @@ impl<B: OffloadBackend> Ring<B> {
             self.clock += 1;
             self.slots[s].stamp = self.clock;
             self.prefetch(b, s)?;
+            let mut wait = None;
             if self.sabotage != Sabotage::SkipComputeWait {
                 if let Some(ready) = self.slots[s].ready.clone() {
                     let w0 = self.timing(StreamKind::Compute)?;
                     let t = Instant::now();
-                    self.backend.compute_wait(&ready)?;
+                    wait = Some(self.backend.compute_wait(&ready)?);
                     self.step.host_wait_s += t.elapsed().as_secs_f64();
                     if let Some(start) = w0 {
                         let id = self.store.blocks()[b].id.clone();
@@ -397,7 +446,10 @@ impl<B: OffloadBackend> Ring<B> {
                     }
                 }
             }
-            (Loc::Stream(s), source)
+            if self.sabotage == Sabotage::EarlyRelease {
+                self.slots[s].free_after = Some(self.backend.record_compute()?);
+            }
+            (Loc::Stream(s), source, wait)
         };
         if self.timeline.is_some() {
             let start = self.timing(StreamKind::Compute)?;
@@ -411,32 +463,70 @@ impl<B: OffloadBackend> Ring<B> {
         for h in &mut self.hooks {
             h.pre_forward(&ctx);
         }
-        Ok(BlockGuard { ring: self, block: b, loc, source, done: false })
+        self.lent = Some(Lent { block: b, loc, source });
+        Ok(BlockGuard { ring: self, block: b, loc, source, wait, done: false })
     }
 
-    fn release(&mut self, b: usize, loc: Loc, source: BlockSource) -> Result<()> {
+    /// Release the block a forgotten guard (`mem::forget`) left lent: its event is
+    /// recorded now, after every kernel enqueued so far, so no copy overwrites the
+    /// slot while that block's kernels may still read it.
+    fn release_forgotten(&mut self) -> Result<()> {
+        let Some(l) = self.lent.take() else {
+            return Ok(());
+        };
+        self.step.forgotten_guards += 1;
+        tracing::warn!(
+            component = %self.store.component(),
+            block = %self.store.blocks()[l.block].id,
+            "a block guard was never dropped: the ring records its release now"
+        );
+        self.release(l.block, l.loc, l.source, None)
+    }
+
+    fn release(&mut self, b: usize, loc: Loc, source: BlockSource, signal: Option<B::Event>) -> Result<()> {
+        self.lent = None;
+        // The slot's release event first: nothing below may leave it unrecorded.
+        let recorded = match loc {
+            Loc::Stream(s) => self.record_release(s, signal),
+            Loc::Resident(_) => Ok(()),
+        };
         let store = self.store.clone();
         let hb = &store.blocks()[b];
         let ctx = BlockContext { component: store.component(), block: &hb.id, bytes: hb.bytes(), source };
         for h in self.hooks.iter_mut().rev() {
             h.post_forward(&ctx);
         }
-        if let Some(start) = self.timeline.as_mut().and_then(|tl| tl.block_start.take()) {
-            self.push_span(format!("compute {}", hb.id), "compute", start, StreamKind::Compute)?;
+        let span = match self.timeline.as_mut().and_then(|tl| tl.block_start.take()) {
+            Some(start) => self.push_span(format!("compute {}", hb.id), "compute", start, StreamKind::Compute),
+            None => Ok(()),
+        };
+        recorded.and(span)
+    }
+
+    fn record_release(&mut self, s: usize, signal: Option<B::Event>) -> Result<()> {
+        if matches!(self.sabotage, Sabotage::NoReleaseEvent | Sabotage::EarlyRelease) {
+            return Ok(());
         }
-        if let Loc::Stream(s) = loc {
-            match self.backend.record_compute() {
-                Ok(ev) => self.slots[s].free_after = Some(ev),
-                Err(e) => {
-                    // Without the event the slot's last use is unknown: wait for
-                    // everything (an error path, so a host sync is acceptable).
-                    self.slots[s].free_after = None;
-                    let _ = self.backend.synchronize();
-                    return Err(e);
+        let event = match signal {
+            Some(ev) => Ok(ev),
+            None => self.backend.record_compute(),
+        };
+        match event {
+            Ok(ev) => {
+                self.slots[s].free_after = Some(ev);
+                Ok(())
+            }
+            Err(e) => {
+                // Without the event the slot's last use is unknown: wait for
+                // everything (an error path, so a host sync is acceptable). If even
+                // that fails, no later copy can be ordered safely: the ring stops.
+                self.slots[s].free_after = None;
+                if let Err(sync) = self.backend.synchronize() {
+                    self.broken = Some(format!("the release of slot {s} could not be ordered ({e}; then {sync})"));
                 }
+                Err(e)
             }
         }
-        Ok(())
     }
 
     fn timing(&self, on: StreamKind) -> Result<Option<B::Event>> {
@@ -476,6 +566,7 @@ impl<B: OffloadBackend> Ring<B> {
         if let Some(e) = self.sticky.take() {
             return Err(e);
         }
+        self.release_forgotten()?;
         self.backend.poll_error()?;
         self.step.step_wall_s = self.step_started.elapsed().as_secs_f64();
         self.step_started = Instant::now();
@@ -525,10 +616,10 @@ impl<B: OffloadBackend> Ring<B> {
         for s in self.slots.drain(..) {
             let _ = self.backend.free_slot(s.slot, None);
         }
-        for (_, s) in self.resident.drain(..) {
+        for (_, s, _) in self.resident.drain(..) {
             let _ = self.backend.free_slot(s, None);
         }
-        if let Some(s) = self.non_block.take() {
+        if let Some((s, _)) = self.non_block.take() {
             let _ = self.backend.free_slot(s, None);
         }
         self.step.device_weight_bytes = 0;
@@ -537,7 +628,8 @@ impl<B: OffloadBackend> Ring<B> {
     /// Wait for outstanding work and release every slot. The host store is
     /// untouched; a new ring can be built from it.
     pub fn close(mut self) -> Result<()> {
-        let r = self.backend.synchronize();
+        let forgotten = self.release_forgotten();
+        let r = self.backend.synchronize().and(forgotten);
         self.release_all();
         self.closed = true;
         r
@@ -554,12 +646,14 @@ impl<B: OffloadBackend> Drop for Ring<B> {
 
 /// A block on the device, ready for compute. Dropping it (or [`finish`](Self::finish))
 /// records the event after which its slot may be reused; enqueue every kernel
-/// that reads the block before that.
+/// that reads the block before that. A guard that is never dropped is released
+/// by the ring at its next `block`, `end_step` or `close` (and counted).
 pub struct BlockGuard<'r, B: OffloadBackend> {
     ring: &'r mut Ring<B>,
     block: usize,
     loc: Loc,
     source: BlockSource,
+    wait: Option<B::Wait>,
     done: bool,
 }
 
@@ -592,17 +686,32 @@ impl<B: OffloadBackend> BlockGuard<'_, B> {
         &self.ring.backend
     }
 
+    /// What the compute reading this block must wait on: `()` on stream APIs
+    /// (the wait is already on the compute stream), a wait token for the user's
+    /// submission on explicit-submission APIs ([`OffloadBackend::Wait`]).
+    pub fn wait_token(&self) -> Option<&B::Wait> {
+        self.wait.as_ref()
+    }
+
     /// Release the block, reporting an error (dropping stores it for the next call).
     pub fn finish(mut self) -> Result<()> {
         self.done = true;
-        self.ring.release(self.block, self.loc, self.source)
+        self.ring.release(self.block, self.loc, self.source, None)
+    }
+
+    /// Release the block after `signal`, an event the user's own compute signals
+    /// after its last read of the block (an explicit-submission API's signal
+    /// semaphore value), instead of an event the backend records.
+    pub fn finish_after(mut self, signal: B::Event) -> Result<()> {
+        self.done = true;
+        self.ring.release(self.block, self.loc, self.source, Some(signal))
     }
 }
 
 impl<B: OffloadBackend> Drop for BlockGuard<'_, B> {
     fn drop(&mut self) {
         if !self.done {
-            if let Err(e) = self.ring.release(self.block, self.loc, self.source) {
+            if let Err(e) = self.ring.release(self.block, self.loc, self.source, None) {
                 self.ring.sticky = Some(e);
             }
         }

@@ -277,6 +277,7 @@ impl OffloadBackend for SimBackend {
     type HostBuffer = SimHost;
     type Slot = SimSlot;
     type Event = SimEvent;
+    type Wait = ();
 
     fn name(&self) -> &'static str {
         "sim"

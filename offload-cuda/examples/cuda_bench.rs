@@ -235,9 +235,29 @@ fn grid(n: usize) -> LaunchConfig {
     LaunchConfig { grid_dim: (n.div_ceil(256).clamp(1, 65535) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }
 }
 
+/// The compute stream.
+fn compute(be: &CudaBackend) -> &Arc<CudaStream> {
+    // SAFETY: the bench's own cudarc memory (activations, weights of the resident
+    // run) is used on the compute stream only; slot memory is ordered by the ring.
+    unsafe { be.compute_stream() }
+}
+
+/// The copy stream (the bandwidth probe's copies and events).
+fn copy_stream(be: &CudaBackend) -> &Arc<CudaStream> {
+    // SAFETY: only raw copies into a slot and events are put on it; no cudarc
+    // slice is shared with another stream.
+    unsafe { be.copy_stream() }
+}
+
+/// The context (modules, events, the device name).
+fn context(be: &CudaBackend) -> &Arc<cudarc::driver::CudaContext> {
+    // SAFETY: as for `compute`: no cudarc slice is used on two streams.
+    unsafe { be.ctx() }
+}
+
 impl Model {
     fn stream(&self) -> &Arc<CudaStream> {
-        self.be.compute_stream()
+        compute(&self.be)
     }
 
     /// Row-major `Y[n, out] (ld ldy) = X[n, k] (ld ldx) · W[out, k]ᵀ`.
@@ -492,7 +512,7 @@ struct StepTiming {
 }
 
 fn timing_event(be: &CudaBackend) -> Result<CudaEvent> {
-    be.ctx().new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(|e| dev("event", e))
+    context(be).new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(|e| dev("event", e))
 }
 
 fn elapsed(a: &CudaEvent, b: &CudaEvent) -> Result<f64> {
@@ -509,7 +529,7 @@ fn enqueue_step(
     single: usize,
 ) -> Result<(Vec<(CudaEvent, CudaEvent)>, offload_core::StepMetrics)> {
     let be = &model.be;
-    let s = be.compute_stream();
+    let s = compute(be);
     s.memcpy_dtod(&a.x0, &mut a.x).map_err(|e| dev("reset x", e))?;
     let (svec, vec, n) = (ptr(&a.svec), ptr(&a.vec), H as i32);
     // SAFETY: both hold H bf16.
@@ -546,7 +566,7 @@ fn run_steps(
     single: usize,
     steps: usize,
 ) -> Result<Vec<StepTiming>> {
-    let s = model.be.compute_stream();
+    let s = compute(&model.be);
     enqueue_step(model, ring, a, double, single)?;
     s.synchronize().map_err(|e| dev("warm-up", e))?;
     let mut bounds = vec![timing_event(&model.be)?];
@@ -609,10 +629,10 @@ fn run() -> Result<()> {
     let commit = args.iter().position(|a| a == "--commit").and_then(|i| args.get(i + 1)).cloned().unwrap_or_default();
 
     let be = CudaBackend::new(0)?;
-    let gpu = be.ctx().name().unwrap_or_default();
+    let gpu = context(&be).name().unwrap_or_default();
     eprintln!("device: {gpu}");
     let ptx = cudarc::nvrtc::compile_ptx(KERNELS).map_err(|e| dev("NVRTC", e))?;
-    let module = be.ctx().load_module(ptx).map_err(|e| dev("load module", e))?;
+    let module = context(&be).load_module(ptx).map_err(|e| dev("load module", e))?;
     let f = |n: &str| module.load_function(n).map_err(|e| dev(n, e));
     let k = Kernels {
         bias_act: f("bias_act")?,
@@ -623,7 +643,7 @@ fn run() -> Result<()> {
         residual: f("gated_residual")?,
         copy_cols: f("copy_cols")?,
     };
-    let blas = CudaBlas::new(be.compute_stream().clone()).map_err(|e| dev("cuBLAS", e))?;
+    let blas = CudaBlas::new(compute(&be).clone()).map_err(|e| dev("cuBLAS", e))?;
     let model = Model { be: be.clone(), blas, k };
 
     let t0 = Instant::now();
@@ -643,7 +663,7 @@ fn run() -> Result<()> {
     // once into one slot on the copy stream, twice over, the second pass timed.
     let bandwidth = {
         let mut slot = be.alloc_slot(store.largest_block_bytes(), "bandwidth probe")?;
-        let c = be.copy_stream();
+        let c = copy_stream(&be);
         let mut best = 0.0f64;
         for _pass in 0..3 {
             let (a, b) = (timing_event(&be)?, timing_event(&be)?);
@@ -676,7 +696,7 @@ fn run() -> Result<()> {
             let depth = ring.depth();
             let times = run_steps(&model, &mut ring, a, double, single, steps)?;
             let m = ring.metrics();
-            let outv = be.compute_stream().clone_dtoh(&a.x).map_err(|e| dev("read output", e))?;
+            let outv = compute(&be).clone_dtoh(&a.x).map_err(|e| dev("read output", e))?;
             // One more step with the timeline on (after the timed ones, which it would perturb).
             if let (Some(path), Strategy::Layerwise) = (&trace, rc.strategy) {
                 if rc.depth == 1 && rc.resident.is_empty() && !traced.get() {

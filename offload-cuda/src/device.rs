@@ -2,10 +2,19 @@
 
 use crate::error::{driver, is_oom, BACKEND};
 use crate::memory::{CudaSlot, PinnedHost};
-use cudarc::driver::{result, sys, CudaContext, CudaEvent, CudaStream};
+use cudarc::driver::{result, sys, CudaContext, CudaEvent, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
 use offload_core::{Error, MemoryInfo, OffloadBackend, Result, StreamKind};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
+
+/// Byte written over a slot by the checking mode before each copy into it.
+pub const POISON: u8 = 0xDB;
+
+/// The checking mode ([`CudaBackend::enable_checking`]).
+pub(crate) struct Checking {
+    spin: CudaFunction,
+    copy_spin_ns: u64,
+}
 
 pub(crate) struct Shared {
     pub(crate) ctx: Arc<CudaContext>,
@@ -17,6 +26,7 @@ pub(crate) struct Shared {
     pub(crate) syncs: AtomicU64,
     pub(crate) copies: AtomicU64,
     pub(crate) bytes_copied: AtomicU64,
+    pub(crate) checking: OnceLock<Checking>,
 }
 
 /// Counters of a [`CudaBackend`].
@@ -41,6 +51,12 @@ pub struct CudaCounters {
 /// Copies run on a non-blocking copy stream; the model computes on the compute
 /// stream ([`compute_stream`](Self::compute_stream)): enqueue every kernel that
 /// reads a block there.
+///
+/// Slots are reused in place: a device address taken from a block
+/// ([`CudaBlockExt`](crate::CudaBlockExt)) is valid for kernels enqueued while its
+/// guard lives. Using it later needs `unsafe` (a kernel launch) and reads whatever
+/// the slot holds then; the framework backends (candle, tch) lend tensors instead,
+/// which keep their block's bytes alive on their own.
 #[derive(Clone)]
 pub struct CudaBackend {
     pub(crate) shared: Arc<Shared>,
@@ -67,20 +83,28 @@ impl CudaBackend {
     /// Returns [`Error::Unsupported`] where no CUDA driver is installed, and a
     /// device error where there is no such device.
     pub fn new(ordinal: usize) -> Result<Self> {
-        let ctx = Self::context(ordinal)?;
+        // SAFETY: the context is only reachable through `CudaBackend`'s unsafe
+        // accessors, whose callers take on ordering across streams.
+        let ctx = unsafe { Self::context(ordinal)? };
         let compute = ctx.new_stream().map_err(|e| driver("creating the compute stream", e))?;
         Self::with_compute_stream(ctx, compute)
     }
 
     /// The primary context of device `ordinal`, with cudarc's per-slice event
     /// tracking turned off (the ring orders its streams itself).
-    pub fn context(ordinal: usize) -> Result<Arc<CudaContext>> {
+    ///
+    /// # Safety
+    ///
+    /// cudarc's safe operations on this context's `CudaSlice`s no longer order
+    /// themselves across streams: the caller must make every use of a slice on one
+    /// stream wait (by events or a synchronisation) for its uses on other streams.
+    pub unsafe fn context(ordinal: usize) -> Result<Arc<CudaContext>> {
         if !driver_present() {
             return Err(Error::unsupported(BACKEND, "no CUDA driver library (libcuda.so) on this machine"));
         }
         let ctx = CudaContext::new(ordinal).map_err(|e| driver(format!("opening device {ordinal}"), e))?;
-        // SAFETY: called before this backend allocates anything; the ring orders
-        // every use of its memory with its own events.
+        // SAFETY: called before this backend allocates anything; the caller orders
+        // cross-stream uses (this function's contract).
         unsafe { ctx.disable_event_tracking() };
         Ok(ctx)
     }
@@ -115,23 +139,143 @@ impl CudaBackend {
             syncs: AtomicU64::new(0),
             copies: AtomicU64::new(0),
             bytes_copied: AtomicU64::new(0),
+            checking: OnceLock::new(),
         };
         Ok(CudaBackend { shared: Arc::new(shared) })
     }
 
     /// The context.
-    pub fn ctx(&self) -> &Arc<CudaContext> {
+    ///
+    /// # Safety
+    ///
+    /// Where the backend made it ([`new`](Self::new)) cudarc's event tracking is off
+    /// on it: the caller orders every cross-stream use of cudarc memory on it (see
+    /// [`context`](Self::context)).
+    pub unsafe fn ctx(&self) -> &Arc<CudaContext> {
         &self.shared.ctx
     }
 
     /// The stream the model computes on.
-    pub fn compute_stream(&self) -> &Arc<CudaStream> {
+    ///
+    /// # Safety
+    ///
+    /// As for [`ctx`](Self::ctx): cudarc memory used on this stream and another
+    /// must be ordered by the caller.
+    pub unsafe fn compute_stream(&self) -> &Arc<CudaStream> {
         &self.shared.compute
     }
 
     /// The stream copies run on.
-    pub fn copy_stream(&self) -> &Arc<CudaStream> {
+    ///
+    /// # Safety
+    ///
+    /// As for [`ctx`](Self::ctx); besides, work the caller enqueues here delays
+    /// the ring's copies.
+    pub unsafe fn copy_stream(&self) -> &Arc<CudaStream> {
         &self.shared.copy
+    }
+
+    /// The device's name (`"NVIDIA H200"`).
+    pub fn device_name(&self) -> Result<String> {
+        self.shared.ctx.name().map_err(|e| driver("reading the device name", e))
+    }
+
+    /// The device ordinal.
+    pub fn ordinal(&self) -> usize {
+        self.shared.ctx.ordinal()
+    }
+
+    /// The checking mode, for conformance runs on a real device: before every
+    /// copy into a slot the copy stream overwrites the whole slot with [`POISON`]
+    /// and then spins for `copy_spin_us` before it writes the block. A read
+    /// before the copy's event (invariant 1) then sees poison rather than the
+    /// block, and a copy not ordered after the slot's last read (invariant 2)
+    /// poisons bytes a kernel is still reading — a wrong result instead of a lucky
+    /// timing. Costs a memset and a spin per copy: never on in a measured run.
+    /// Once on, it stays on for every clone of this backend.
+    pub fn enable_checking(&self, copy_spin_us: u64) -> Result<()> {
+        if self.shared.checking.get().is_some() {
+            return Ok(());
+        }
+        let spin = crate::fold::spin_function(self)?;
+        let _ = self.shared.checking.set(Checking { spin, copy_spin_ns: copy_spin_us * 1000 });
+        Ok(())
+    }
+
+    /// Whether the checking mode is on.
+    pub fn is_checking(&self) -> bool {
+        self.shared.checking.get().is_some()
+    }
+
+    pub(crate) fn shared(&self) -> &Arc<Shared> {
+        &self.shared
+    }
+
+    /// Enqueue on the copy stream: wait for `after` (if any), then copy the first
+    /// `bytes` of `src` to device address `dst` (`dst_len` bytes of device
+    /// memory). Returns the copy's event. Host buffers of another backend
+    /// instance are refused (their drop drains another copy stream).
+    ///
+    /// # Safety
+    ///
+    /// `dst .. dst + dst_len` is device memory of this backend's context that
+    /// stays allocated, and is not freed or reused, until the returned event has
+    /// completed (order its free after the event).
+    pub unsafe fn copy_to_device(
+        &self,
+        src: &PinnedHost,
+        dst: sys::CUdeviceptr,
+        dst_len: usize,
+        bytes: usize,
+        after: Option<&Arc<CudaEvent>>,
+    ) -> Result<Arc<CudaEvent>> {
+        if bytes > src.len() || bytes > dst_len {
+            return Err(Error::Protocol(format!("copy of {bytes} bytes from a {}-byte buffer into a {dst_len}-byte slot", src.len())));
+        }
+        if !Arc::ptr_eq(src.shared(), &self.shared) {
+            return Err(Error::Protocol(
+                "copy from a host buffer of another CUDA backend instance (its drop would not wait for this copy)".into(),
+            ));
+        }
+        self.bind()?;
+        let s = &self.shared;
+        if let Some(ev) = after {
+            s.copy.wait(ev).map_err(|e| driver("copy stream waiting for a slot's last use", e))?;
+        }
+        if let Some(chk) = s.checking.get() {
+            if dst_len > 0 {
+                // SAFETY: `dst` addresses `dst_len` live bytes (this function's contract),
+                // ordered after the slot's last use by the wait above.
+                unsafe { sys::cuMemsetD8Async(dst, POISON, dst_len, s.copy.cu_stream()) }
+                    .result()
+                    .map_err(|e| driver("poisoning a slot (checking mode)", e))?;
+            }
+            let one = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1, 1, 1), shared_mem_bytes: 0 };
+            // SAFETY: the spin kernel takes one u64 and touches no memory.
+            unsafe { s.copy.launch_builder(&chk.spin).arg(&chk.copy_spin_ns).launch(one) }
+                .map_err(|e| driver("the checking mode's copy-stream spin", e))?;
+        }
+        if bytes > 0 {
+            // The host buffer (pinned, or pageable as a fallback) outlives the copy: its Drop
+            // drains the copy stream (it belongs to this backend: checked above).
+            // SAFETY: `src` stays valid until the copy completes (above); `dst` by this
+            // function's contract; `bytes` fits both.
+            unsafe { sys::cuMemcpyHtoDAsync_v2(dst, src.ptr() as *const _, bytes, s.copy.cu_stream()) }
+                .result()
+                .map_err(|e| driver(format!("copying {bytes} bytes to the device"), e))?;
+        }
+        let ev = match s.copy.record_event(None) {
+            Ok(ev) => Arc::new(ev),
+            Err(e) => {
+                // The copy is enqueued but has no event: nothing could order the
+                // slot's free after it. Drain the copy stream (an error path).
+                let _ = s.copy.synchronize();
+                return Err(driver("recording a copy event", e));
+            }
+        };
+        s.copies.fetch_add(1, Ordering::Relaxed);
+        s.bytes_copied.fetch_add(bytes as u64, Ordering::Relaxed);
+        Ok(ev)
     }
 
     /// Counters so far.
@@ -162,6 +306,7 @@ impl OffloadBackend for CudaBackend {
     type HostBuffer = PinnedHost;
     type Slot = CudaSlot;
     type Event = Arc<CudaEvent>;
+    type Wait = ();
 
     fn name(&self) -> &'static str {
         BACKEND
@@ -214,6 +359,9 @@ impl OffloadBackend for CudaBackend {
     }
 
     fn free_slot(&self, slot: CudaSlot, after: Option<&Arc<CudaEvent>>) -> Result<()> {
+        if !Arc::ptr_eq(&slot.shared, &self.shared) {
+            return Err(Error::Protocol("freeing a slot of another CUDA backend instance".into()));
+        }
         if let Some(ev) = after {
             self.bind()?;
             self.shared.compute.wait(ev).map_err(|e| driver("ordering a slot's release", e))?;
@@ -223,26 +371,13 @@ impl OffloadBackend for CudaBackend {
     }
 
     fn copy_to_slot(&self, src: &PinnedHost, dst: &mut CudaSlot, bytes: usize, after: Option<&Arc<CudaEvent>>) -> Result<Arc<CudaEvent>> {
-        if bytes > src.len() || bytes > dst.len {
-            return Err(Error::Protocol(format!("copy of {bytes} bytes from a {}-byte buffer into a {}-byte slot", src.len(), dst.len)));
+        if !Arc::ptr_eq(&dst.shared, &self.shared) {
+            return Err(Error::Protocol("copy into a slot of another CUDA backend instance".into()));
         }
-        self.bind()?;
-        let s = &self.shared;
-        if let Some(ev) = after {
-            s.copy.wait(ev).map_err(|e| driver("copy stream waiting for a slot's last use", e))?;
-        }
-        if bytes > 0 {
-            // The host buffer (pinned, or pageable as a fallback) outlives the copy: its Drop
-            // drains the copy stream. The slot's free is ordered after this copy (`last_copy`).
-            // SAFETY: `src` and `dst` stay valid until the copy completes (above); `bytes` fits both.
-            unsafe { sys::cuMemcpyHtoDAsync_v2(dst.ptr, src.ptr() as *const _, bytes, s.copy.cu_stream()) }
-                .result()
-                .map_err(|e| driver(format!("copying {bytes} bytes to the device"), e))?;
-        }
-        let ev = Arc::new(s.copy.record_event(None).map_err(|e| driver("recording a copy event", e))?);
+        // SAFETY: the slot owns `len` bytes of this context; its Drop orders the
+        // free after `last_copy`, set to this copy's event below.
+        let ev = unsafe { self.copy_to_device(src, dst.ptr, dst.len, bytes, after)? };
         dst.last_copy = Some(ev.clone());
-        s.copies.fetch_add(1, Ordering::Relaxed);
-        s.bytes_copied.fetch_add(bytes as u64, Ordering::Relaxed);
         Ok(ev)
     }
 
@@ -261,7 +396,17 @@ impl OffloadBackend for CudaBackend {
     }
 
     fn poll_error(&self) -> Result<()> {
-        self.shared.ctx.check_err().map_err(|e| driver("a deferred driver error", e))
+        self.shared.ctx.check_err().map_err(|e| driver("a deferred driver error", e))?;
+        // Ask the device too: a query never blocks, and returns a sticky error (an
+        // illegal address in a kernel, say) that no call has reported yet.
+        for (name, stream) in [("copy", &self.shared.copy), ("compute", &self.shared.compute)] {
+            // SAFETY: a query of a live stream handle.
+            match unsafe { sys::cuStreamQuery(stream.cu_stream()) } {
+                sys::cudaError_enum::CUDA_SUCCESS | sys::cudaError_enum::CUDA_ERROR_NOT_READY => {}
+                e => return Err(driver(format!("the {name} stream reported an asynchronous error"), cudarc::driver::DriverError(e))),
+            }
+        }
+        Ok(())
     }
 
     fn record_timing(&self, on: StreamKind) -> Result<Option<Arc<CudaEvent>>> {

@@ -2,6 +2,11 @@
 //! block's bytes into an on-device accumulator (a parallel hash of the slot with
 //! 64-bit atomics, then a sequential combine). The conformance suite runs it as
 //! the "model": reading a slot early, late or in the wrong order changes the result.
+//!
+//! With [`FoldKernel::spin_every`] some folds first spin on the device before they
+//! read, so that, with the backend's checking mode
+//! ([`CudaBackend::enable_checking`]), a copy not ordered after the fold's read
+//! poisons the bytes while the fold is still to read them.
 
 use crate::device::CudaBackend;
 use crate::memory::CudaSlot;
@@ -27,6 +32,11 @@ extern "C" __global__ void block_hash(const unsigned char* p, u64 bytes, u64* ac
     }
     atomicAdd(&acc[1], sum);
 }
+extern "C" __global__ void spin(u64 ns) {
+    u64 start, now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+    do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now)); } while (now - start < ns);
+}
 extern "C" __global__ void fold_combine(u64* acc) {
     u64 a = acc[0];
     a = ((a << 7) | (a >> 57)) ^ acc[1];
@@ -44,36 +54,84 @@ fn dev(during: &str, e: impl std::fmt::Display) -> Error {
     Error::device("cuda", during, e)
 }
 
+/// The device-side spin kernel (`spin(ns)`), for the checking mode.
+pub(crate) fn spin_function(b: &CudaBackend) -> Result<CudaFunction> {
+    let ptx = ptx().map_err(|e| dev("compiling the fold kernels", e))?;
+    let module = b.shared().ctx.load_module(ptx.clone()).map_err(|e| dev("loading the fold kernels", e))?;
+    module.load_function("spin").map_err(|e| dev("spin", e))
+}
+
+/// Device memory a kernel may read: a slot of some backend built on
+/// `offload-cuda` (raw, candle's or libtorch's), as an address range.
+///
+/// # Safety
+///
+/// `device_range` returns memory of the backend's CUDA context that stays
+/// allocated for as long as the borrow of `self` lives.
+pub unsafe trait DeviceSlot {
+    /// The slot's first device address and its length in bytes.
+    fn device_range(&self) -> (u64, usize);
+}
+
+// SAFETY: a `CudaSlot` owns its range until it is dropped, which the borrow prevents.
+unsafe impl DeviceSlot for CudaSlot {
+    fn device_range(&self) -> (u64, usize) {
+        (self.device_ptr(), self.len())
+    }
+}
+
 /// The fold: `acc = (rotl(acc, 7) ^ Σ mix(word_i, i)) · K` per block, on the compute stream.
 pub struct FoldKernel {
     acc: CudaSlice<u64>,
     hash: CudaFunction,
     combine: CudaFunction,
+    spin: CudaFunction,
+    /// `(every, ns)`: fold number `n` spins `ns` first when `n % every == every - 1`.
+    spin_every: Option<(u64, u64)>,
+    folds: u64,
 }
 
 impl FoldKernel {
     /// Compile (once per process) and load the kernels; the accumulator starts at `seed`.
     pub fn new(b: &CudaBackend, seed: u64) -> Result<Self> {
         let ptx = ptx().map_err(|e| dev("compiling the fold kernels", e))?;
-        let module = b.ctx().load_module(ptx.clone()).map_err(|e| dev("loading the fold kernels", e))?;
+        let module = b.shared().ctx.load_module(ptx.clone()).map_err(|e| dev("loading the fold kernels", e))?;
         let hash = module.load_function("block_hash").map_err(|e| dev("block_hash", e))?;
         let combine = module.load_function("fold_combine").map_err(|e| dev("fold_combine", e))?;
-        let acc = b.compute_stream().clone_htod(&[seed, 0u64]).map_err(|e| dev("accumulator", e))?;
-        Ok(FoldKernel { acc, hash, combine })
+        let spin = module.load_function("spin").map_err(|e| dev("spin", e))?;
+        let acc = b.shared().compute.clone_htod(&[seed, 0u64]).map_err(|e| dev("accumulator", e))?;
+        Ok(FoldKernel { acc, hash, combine, spin, spin_every: None, folds: 0 })
     }
 
-    /// Enqueue the fold of the first `bytes` of `slot` on the compute stream.
-    pub fn fold(&mut self, b: &CudaBackend, slot: &CudaSlot, bytes: usize) -> Result<()> {
-        if bytes > slot.len() {
-            return Err(Error::Protocol(format!("fold of {bytes} bytes over a {}-byte slot", slot.len())));
+    /// Make every `every`-th fold spin `us` microseconds on the device before it
+    /// reads (with the checking mode: a copy that does not wait for the fold's read
+    /// poisons its bytes in that time).
+    pub fn spin_every(mut self, every: u64, us: u64) -> Self {
+        self.spin_every = (every > 0).then_some((every, us * 1000));
+        self
+    }
+
+    /// Enqueue the fold of the first `bytes` of `slot` on `b`'s compute stream.
+    pub fn fold(&mut self, b: &CudaBackend, slot: &impl DeviceSlot, bytes: usize) -> Result<()> {
+        let (ptr, len) = slot.device_range();
+        if bytes > len {
+            return Err(Error::Protocol(format!("fold of {bytes} bytes over a {len}-byte slot")));
         }
-        let s = b.compute_stream();
-        let ptr = slot.device_ptr();
+        let s = &b.shared().compute;
+        let n_fold = self.folds;
+        self.folds += 1;
+        if let Some((every, ns)) = self.spin_every {
+            if n_fold % every == every - 1 {
+                let one = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1, 1, 1), shared_mem_bytes: 0 };
+                // SAFETY: the spin kernel takes one u64 and touches no memory.
+                unsafe { s.launch_builder(&self.spin).arg(&ns).launch(one) }.map_err(|e| dev("spin launch", e))?;
+            }
+        }
         let n = bytes as u64;
         let words = bytes.div_ceil(8) as u32;
         let cfg = LaunchConfig { grid_dim: (words.div_ceil(256).clamp(1, 1024), 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
         // SAFETY: `ptr` addresses at least `bytes` device bytes (checked above) of a
-        // slot the caller keeps alive; the accumulator holds two u64.
+        // slot kept alive by the borrow (`DeviceSlot`); the accumulator holds two u64.
         unsafe { s.launch_builder(&self.hash).arg(&ptr).arg(&n).arg(&mut self.acc).launch(cfg) }
             .map_err(|e| dev("block_hash launch", e))?;
         let one = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1, 1, 1), shared_mem_bytes: 0 };
@@ -84,7 +142,7 @@ impl FoldKernel {
 
     /// Read the accumulator back (an activation, not a weight; waits for compute).
     pub fn read(&self, b: &CudaBackend) -> Result<u64> {
-        let v = b.compute_stream().clone_dtoh(&self.acc).map_err(|e| dev("reading the accumulator", e))?;
+        let v = b.shared().compute.clone_dtoh(&self.acc).map_err(|e| dev("reading the accumulator", e))?;
         Ok(v[0])
     }
 }

@@ -15,7 +15,16 @@
 //!   and never returned to the driver mid-run) and are freed on the compute stream
 //!   after their last copy and last read, never blocking the host.
 //! - **Memory safety does not rest on the protocol.** A host buffer is freed only
-//!   after the copy stream drained; a slot only after its last copy.
+//!   after the copy stream drained (and leaked if the drain fails); a slot only
+//!   after its last copy; host memory is zeroed before a `fill` closure sees it;
+//!   a buffer or slot of another backend instance is refused.
+//! - **Event tracking off, behind `unsafe`.** cudarc's per-slice event tracking is
+//!   off on the context [`CudaBackend::new`] makes (the ring orders its streams
+//!   itself), so the context and streams are reachable only through `unsafe`
+//!   accessors whose callers order cross-stream uses themselves.
+//! - **A checking mode for conformance.** [`CudaBackend::enable_checking`] poisons
+//!   each slot and delays each copy on the copy stream, so a missing wait shows up
+//!   as a wrong result on a real device, not as lucky timing.
 //! - **Users bring their own kernels.** [`CudaBlockExt`] gives the device address
 //!   of every tensor of a block; enqueue kernels on
 //!   [`CudaBackend::compute_stream`].
@@ -29,7 +38,8 @@ pub mod fold;
 mod memory;
 
 pub use cudarc;
-pub use device::{driver_present, CudaBackend, CudaCounters};
+pub use device::{driver_present, CudaBackend, CudaCounters, POISON};
+pub use fold::DeviceSlot;
 pub use memory::{CudaSlot, PinnedHost};
 
 use offload_core::{BlockGuard, BlockLayout, Error, OffloadBackend, Result};
@@ -66,7 +76,7 @@ mod tests {
     #[test]
     fn no_driver_is_unsupported_not_a_panic() {
         match CudaBackend::new(0) {
-            Ok(b) => println!("CUDA device present: {}", b.ctx().name().unwrap_or_default()),
+            Ok(b) => println!("CUDA device present: {}", b.device_name().unwrap_or_default()),
             Err(e) if !driver_present() => assert!(e.to_string().contains("unsupported"), "{e}"),
             Err(e) => println!("SKIPPED: driver present but no device: {e}"),
         }

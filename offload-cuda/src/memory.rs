@@ -39,13 +39,17 @@ impl PinnedHost {
                 reason: format!("cuMemHostAlloc: {e}"),
             })? as *mut u8
         };
+        // Counted from here: `Drop` subtracts it, whatever happens to `fill`.
+        shared.pinned_bytes.fetch_add(len as u64, Ordering::Relaxed);
         let me = PinnedHost { ptr, len, pageable: None, shared };
         if len > 0 {
-            // SAFETY: `ptr` points to `len` bytes we own exclusively until `me` is returned.
+            // cuMemHostAlloc's memory is uninitialised: zero it before safe code sees it.
+            // SAFETY: `ptr` points to `len` writable bytes we own exclusively.
+            unsafe { std::ptr::write_bytes(me.ptr, 0, me.len) };
+            // SAFETY: `ptr` points to `len` initialised bytes we own exclusively until `me` is returned.
             let bytes = unsafe { std::slice::from_raw_parts_mut(me.ptr, me.len) };
             fill(bytes)?;
         }
-        me.shared.pinned_bytes.fetch_add(len as u64, Ordering::Relaxed);
         Ok(me)
     }
 
@@ -75,6 +79,10 @@ impl PinnedHost {
         self.ptr
     }
 
+    pub(crate) fn shared(&self) -> &Arc<Shared> {
+        &self.shared
+    }
+
     /// Size in bytes.
     pub fn len(&self) -> usize {
         self.len
@@ -91,14 +99,19 @@ impl Drop for PinnedHost {
         if self.ptr.is_null() {
             return;
         }
-        if self.pageable.is_some() {
-            // The copy stream may still read the boxed bytes: drain it before they go.
-            let _ = self.shared.copy.synchronize();
+        // A copy from this buffer may still be queued: wait for the copy stream
+        // (teardown only, never on the streaming path). If the drain fails, a copy
+        // may still read the bytes: leak them rather than free them under it.
+        if let Err(e) = self.shared.copy.synchronize() {
+            tracing::warn!("a {}-byte host buffer is leaked: the copy stream could not be drained ({e})", self.len);
+            if let Some(b) = self.pageable.take() {
+                std::mem::forget(b);
+            }
             return;
         }
-        // A copy from this buffer may still be queued: wait for the copy stream
-        // (teardown only, never on the streaming path).
-        let _ = self.shared.copy.synchronize();
+        if self.pageable.is_some() {
+            return;
+        }
         // SAFETY: `ptr` came from cuMemHostAlloc and no copy can read it any more.
         if let Err(e) = unsafe { result::free_host(self.ptr as *mut _) } {
             tracing::warn!("cuMemFreeHost: {e}");

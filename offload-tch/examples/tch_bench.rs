@@ -147,7 +147,7 @@ fn step(
     img: &Tensor,
     txt: &Tensor,
     vec: &Tensor,
-    mut off: Option<&mut TchOffload<offload_cuda::CudaBackend>>,
+    mut off: Option<&mut TchOffload<offload_tch::TchCudaBackend>>,
 ) -> Result<Tensor> {
     let (mut img, mut txt) = (img.shallow_clone(), txt.shallow_clone());
     for (i, b) in m.double.iter().enumerate() {
@@ -199,7 +199,7 @@ fn run() -> Result<()> {
     let m = model(&vs, nd, ns);
     vs.set_kind(Kind::BFloat16);
     let sync = || tch::Cuda::synchronize(0);
-    let time_steps = |off: &mut Option<&mut TchOffload<offload_cuda::CudaBackend>>,
+    let time_steps = |off: &mut Option<&mut TchOffload<offload_tch::TchCudaBackend>>,
                       img: &Tensor,
                       txt: &Tensor,
                       vec: &Tensor|
@@ -279,7 +279,7 @@ fn run() -> Result<()> {
     off.close()?;
     let doc = serde_json::json!({
         "date": std::env::var("BENCH_DATE").unwrap_or_default(), "commit": opt("--commit").unwrap_or_default(),
-        "gpu": be.ctx().name().unwrap_or_default(), "backend": "tch",
+        "gpu": be.cuda().device_name().unwrap_or_default(), "backend": "tch",
         "model": format!("flux-dev-shaped tch::nn: {nd} double + {ns} single blocks, hidden 3072, mlp 12288, bf16, SDPA, random weights"),
         "block_bytes_total": total, "largest_block_bytes": largest, "cases": cases, "anchors": [],
     });

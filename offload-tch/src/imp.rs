@@ -138,38 +138,229 @@ impl TchSlots for SimBackend {
 #[cfg(feature = "cuda")]
 mod cuda {
     use super::*;
-    use offload_cuda::{CudaBackend, CudaSlot};
+    use offload_core::{MemoryInfo, StreamKind};
+    use offload_cuda::cudarc::driver::{CudaContext, CudaEvent};
+    use offload_cuda::{CudaBackend, CudaCounters, DeviceSlot, PinnedHost};
+    use std::sync::atomic::{AtomicU64, Ordering};
 
-    /// A CUDA backend for libtorch: compute on libtorch's stream (the legacy
-    /// default stream of device `ordinal`'s primary context), copies on a
-    /// non-blocking stream of the same context.
-    pub fn cuda_backend(ordinal: usize) -> Result<CudaBackend> {
+    /// libtorch on CUDA: compute on libtorch's stream (the legacy default stream
+    /// of device `ordinal`'s primary context), copies on a non-blocking stream of
+    /// the same context (`offload-cuda`'s transfer engine). Each copy lands in a
+    /// fresh tensor from libtorch's caching allocator, and a block's parameters
+    /// are views of it: a view, a derived tensor or a tensor autograd saved for
+    /// backward keeps its block's bytes alive after the block is released.
+    #[derive(Clone)]
+    pub struct TchCudaBackend {
+        inner: CudaBackend,
+        device: Device,
+        slot_bytes: Arc<SlotBytes>,
+    }
+
+    #[derive(Default)]
+    struct SlotBytes {
+        live: AtomicU64,
+        peak: AtomicU64,
+    }
+
+    /// A ring slot: the libtorch buffer (`Uint8`, on the device) holding the last
+    /// block copied into it.
+    pub struct TchSlot {
+        len: usize,
+        current: Option<Buffer>,
+        slot_bytes: Arc<SlotBytes>,
+    }
+
+    struct Buffer {
+        tensor: Tensor,
+        ptr: u64,
+        last_copy: Arc<CudaEvent>,
+    }
+
+    impl TchSlot {
+        /// The buffer of the last block copied in (`None` before the first copy).
+        pub fn tensor(&self) -> Option<&Tensor> {
+            self.current.as_ref().map(|b| &b.tensor)
+        }
+    }
+
+    impl Drop for TchSlot {
+        fn drop(&mut self) {
+            self.slot_bytes.live.fetch_sub(self.len as u64, Ordering::Relaxed);
+        }
+    }
+
+    // SAFETY: the buffer is a libtorch tensor owning its memory; the borrow of the
+    // slot keeps `current` (and so the tensor) alive.
+    unsafe impl DeviceSlot for TchSlot {
+        fn device_range(&self) -> (u64, usize) {
+            self.current.as_ref().map_or((0, 0), |b| (b.ptr, self.len))
+        }
+    }
+
+    /// The CUDA backend for libtorch on device `ordinal`.
+    pub fn cuda_backend(ordinal: usize) -> Result<TchCudaBackend> {
+        if !offload_cuda::driver_present() {
+            return Err(Error::unsupported(BACKEND, "no CUDA driver library (libcuda.so) on this machine"));
+        }
         if !tch::Cuda::is_available() {
             return Err(Error::unsupported(BACKEND, "libtorch sees no CUDA device (is libtorch_cuda linked?)"));
         }
-        let ctx = CudaBackend::context(ordinal)?;
+        // cudarc's event tracking stays on: this context is reachable from safe code.
+        let ctx = CudaContext::new(ordinal).map_err(|e| Error::device(BACKEND, format!("opening device {ordinal}"), e))?;
         let compute = ctx.default_stream();
-        CudaBackend::with_compute_stream(ctx, compute)
+        let inner = CudaBackend::with_compute_stream(ctx, compute)?;
+        Ok(TchCudaBackend { inner, device: Device::Cuda(ordinal), slot_bytes: Arc::default() })
     }
 
-    /// CUDA: weights are `from_blob` views of the slot, on libtorch's stream.
-    impl TchSlots for CudaBackend {
-        fn tch_device(&self) -> Device {
-            Device::Cuda(self.ctx().ordinal())
+    impl TchCudaBackend {
+        /// The transfer engine (streams, the checking mode).
+        pub fn cuda(&self) -> &CudaBackend {
+            &self.inner
         }
-        fn bind(&self, slot: &CudaSlot, layout: &BlockLayout, params: &mut HashMap<String, Tensor>) -> Result<()> {
-            let device = self.tch_device();
+
+        /// Counters: the transfer engine's, with live and peak bytes those of the
+        /// ring's slots (buffers that views keep alive after the ring let them go
+        /// are libtorch's).
+        pub fn counters(&self) -> CudaCounters {
+            let mut c = self.inner.counters();
+            c.live_bytes = self.slot_bytes.live.load(Ordering::Relaxed);
+            c.peak_bytes = self.slot_bytes.peak.load(Ordering::Relaxed);
+            c
+        }
+
+        /// Restart the peak at the live bytes.
+        pub fn reset_peak(&self) {
+            self.slot_bytes.peak.store(self.slot_bytes.live.load(Ordering::Relaxed), Ordering::Relaxed);
+        }
+
+        /// Let go of the slot's reference to a buffer: libtorch's caching allocator
+        /// reuses it (in the default stream's order) once no view holds it; first
+        /// order that after the copy into it.
+        fn retire(&self, b: Buffer) -> Result<()> {
+            self.inner.compute_wait(&b.last_copy)?;
+            drop(b);
+            Ok(())
+        }
+    }
+
+    impl OffloadBackend for TchCudaBackend {
+        type HostBuffer = PinnedHost;
+        type Slot = TchSlot;
+        type Event = Arc<CudaEvent>;
+        type Wait = ();
+
+        fn name(&self) -> &'static str {
+            "tch-cuda"
+        }
+        fn alloc_host(&self, bytes: usize, purpose: &str, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<PinnedHost> {
+            self.inner.alloc_host(bytes, purpose, fill)
+        }
+        fn alloc_host_pageable(&self, bytes: usize, purpose: &str, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<PinnedHost> {
+            self.inner.alloc_host_pageable(bytes, purpose, fill)
+        }
+        fn is_pinned(&self, buffer: &PinnedHost) -> bool {
+            self.inner.is_pinned(buffer)
+        }
+        fn host_bytes<'a>(&self, buffer: &'a PinnedHost) -> &'a [u8] {
+            self.inner.host_bytes(buffer)
+        }
+        fn host_is_pinned(&self) -> bool {
+            true
+        }
+        fn alloc_slot(&self, bytes: usize, purpose: &str) -> Result<TchSlot> {
+            let free = self.inner.memory_info().map(|m| m.free).unwrap_or(u64::MAX);
+            if bytes as u64 > free {
+                return Err(Error::OutOfDeviceMemory {
+                    backend: "tch-cuda".into(),
+                    requested: bytes as u64,
+                    free,
+                    purpose: purpose.into(),
+                });
+            }
+            let live = self.slot_bytes.live.fetch_add(bytes as u64, Ordering::Relaxed) + bytes as u64;
+            self.slot_bytes.peak.fetch_max(live, Ordering::Relaxed);
+            Ok(TchSlot { len: bytes, current: None, slot_bytes: self.slot_bytes.clone() })
+        }
+        fn free_slot(&self, mut slot: TchSlot, after: Option<&Arc<CudaEvent>>) -> Result<()> {
+            if !Arc::ptr_eq(&slot.slot_bytes, &self.slot_bytes) {
+                return Err(Error::Protocol("freeing a tch slot of another backend instance".into()));
+            }
+            if let Some(ev) = after {
+                self.inner.compute_wait(ev)?;
+            }
+            match slot.current.take() {
+                Some(b) => self.retire(b),
+                None => Ok(()),
+            }
+        }
+        fn copy_to_slot(
+            &self,
+            src: &PinnedHost,
+            dst: &mut TchSlot,
+            bytes: usize,
+            after: Option<&Arc<CudaEvent>>,
+        ) -> Result<Arc<CudaEvent>> {
+            if !Arc::ptr_eq(&dst.slot_bytes, &self.slot_bytes) {
+                return Err(Error::Protocol("copy into a tch slot of another backend instance".into()));
+            }
+            if bytes > dst.len {
+                return Err(Error::Protocol(format!("copy of {bytes} bytes into a {}-byte slot", dst.len)));
+            }
+            // `after` (the previous block's release) was recorded on libtorch's
+            // stream: the allocation below, in that stream's order, follows it.
+            let _ = after;
+            if let Some(old) = dst.current.take() {
+                self.retire(old)?;
+            }
+            let tensor = Tensor::f_empty([dst.len.max(1) as i64], (Kind::Uint8, self.device))
+                .map_err(|e| tch_err(format!("allocating a {}-byte slot buffer", dst.len), e))?;
+            let ptr = tensor.data_ptr() as u64;
+            // The copy waits for libtorch's stream to reach the allocation: the
+            // caching allocator may hand out memory kernels enqueued before still read.
+            let allocated = self.inner.record_compute()?;
+            // SAFETY: `ptr` addresses `dst.len` bytes owned by `tensor`, which the slot
+            // keeps until `retire`, which orders their reuse after this copy's event.
+            let ev = unsafe { self.inner.copy_to_device(src, ptr, dst.len, bytes, Some(&allocated))? };
+            dst.current = Some(Buffer { tensor, ptr, last_copy: ev.clone() });
+            Ok(ev)
+        }
+        fn compute_wait(&self, event: &Arc<CudaEvent>) -> Result<()> {
+            self.inner.compute_wait(event)
+        }
+        fn record_compute(&self) -> Result<Arc<CudaEvent>> {
+            self.inner.record_compute()
+        }
+        fn synchronize(&self) -> Result<()> {
+            self.inner.synchronize()
+        }
+        fn poll_error(&self) -> Result<()> {
+            self.inner.poll_error()
+        }
+        fn record_timing(&self, on: StreamKind) -> Result<Option<Arc<CudaEvent>>> {
+            self.inner.record_timing(on)
+        }
+        fn elapsed_s(&self, from: &Arc<CudaEvent>, to: &Arc<CudaEvent>) -> Result<Option<f64>> {
+            self.inner.elapsed_s(from, to)
+        }
+        fn memory_info(&self) -> Result<MemoryInfo> {
+            self.inner.memory_info()
+        }
+    }
+
+    /// CUDA: weights are views of the slot's libtorch buffer, on libtorch's stream.
+    impl TchSlots for TchCudaBackend {
+        fn tch_device(&self) -> Device {
+            self.device
+        }
+        fn bind(&self, slot: &TchSlot, layout: &BlockLayout, params: &mut HashMap<String, Tensor>) -> Result<()> {
+            let buf = slot.tensor().ok_or_else(|| Error::Protocol("tch slot bound before any copy into it".into()))?;
             for t in &layout.tensors {
-                let size = dims(&t.spec);
-                let mut strides = vec![1i64; size.len()];
-                for i in (0..size.len().saturating_sub(1)).rev() {
-                    strides[i] = strides[i + 1] * size[i + 1];
-                }
-                let ptr = (slot.device_ptr() + t.offset as u64) as *const u8;
-                // The view lives only while the parameter points at it: `TchBlock` points
-                // every parameter back at a placeholder before the ring releases the slot.
-                // SAFETY: `ptr` addresses `t.nbytes` bytes of the live slot (invariant 2).
-                let view = unsafe { Tensor::from_blob(ptr, &size, &strides, kind(&t.spec)?, device) };
+                let k = kind(&t.spec)?;
+                let view = buf
+                    .f_narrow(0, t.offset as i64, t.nbytes as i64)
+                    .and_then(|v| v.f_view_dtype(k))
+                    .and_then(|v| v.f_view(dims(&t.spec).as_slice()))
+                    .map_err(|e| tch_err(format!("a view of {} in its slot", t.spec.name), e))?;
                 param(params, &t.spec.name)?.f_set_data(&view).map_err(|e| tch_err(format!("pointing {} at its slot", t.spec.name), e))?;
             }
             Ok(())
@@ -177,7 +368,7 @@ mod cuda {
     }
 }
 #[cfg(feature = "cuda")]
-pub use cuda::cuda_backend;
+pub use cuda::{cuda_backend, TchCudaBackend, TchSlot};
 
 /// A component of a tch model streamed through a [`Ring`]: its block parameters
 /// live in the host store and point at the ring's slots only while their block
@@ -185,8 +376,30 @@ pub use cuda::cuda_backend;
 pub struct TchOffload<B: TchSlots> {
     ring: Ring<B>,
     inventory: offload_core::ComponentInventory,
+    binds: Binds,
+}
+
+/// The block parameters, their placeholders and which are bound now.
+struct Binds {
     params: HashMap<String, Tensor>,
     placeholders: HashMap<String, Tensor>,
+    /// Names pointed at a block's weights and not yet pointed back (a forgotten
+    /// [`TchBlock`] leaves them here for the next `block` to clear).
+    bound: Vec<String>,
+}
+
+impl Binds {
+    fn unbind(&mut self) -> Result<()> {
+        let mut first = None;
+        for name in std::mem::take(&mut self.bound) {
+            if let (Some(p), Some(e)) = (self.params.get_mut(&name), self.placeholders.get(&name)) {
+                if let Err(err) = p.f_set_data(e) {
+                    first.get_or_insert(tch_err(format!("pointing {name} back at its placeholder"), err));
+                }
+            }
+        }
+        first.map_or(Ok(()), Err)
+    }
 }
 
 impl TchOffload<SimBackend> {
@@ -197,7 +410,7 @@ impl TchOffload<SimBackend> {
 }
 
 #[cfg(feature = "cuda")]
-impl TchOffload<offload_cuda::CudaBackend> {
+impl TchOffload<TchCudaBackend> {
     /// Stream `vs`'s blocks to CUDA device `ordinal` (libtorch computes on its
     /// default stream; see [`cuda_backend`]).
     pub fn cuda(vs: &VarStore, ordinal: usize, component: &str, discovery: &dyn BlockDiscovery, plan: &Plan) -> Result<Self> {
@@ -207,9 +420,12 @@ impl TchOffload<offload_cuda::CudaBackend> {
 
 impl<B: TchSlots> TchOffload<B> {
     /// Discover `vs`'s blocks, copy their parameters into the host store of
-    /// `backend`, point them at empty placeholders (so the `VarStore` no longer
-    /// holds their memory) and build the ring. Non-block variables are left where
-    /// they are (move the `VarStore` to the device for them).
+    /// `backend`, build the ring, then point the parameters at empty placeholders
+    /// (so the `VarStore` no longer holds their memory). Non-block variables are
+    /// left where they are (move the `VarStore` to the device for them).
+    ///
+    /// Transactional: on any error the `VarStore` is exactly as it was (every
+    /// parameter emptied so far is pointed back at its own data).
     pub fn new(backend: B, vs: &VarStore, component: &str, discovery: &dyn BlockDiscovery, plan: &Plan) -> Result<Self> {
         let source = VarStoreTensors::new(vs)?;
         let mut inventory = discovery.discover(component, source.specs())?;
@@ -221,34 +437,54 @@ impl<B: TchSlots> TchOffload<B> {
         let rc = resolve(plan, std::slice::from_ref(&inventory))?.components.remove(0);
         let device = backend.tch_device();
         let vars = vs.variables();
-        let mut params = HashMap::new();
-        let mut placeholders = HashMap::new();
+        // Everything that can fail before the VarStore is touched.
+        let mut staged = Vec::new();
         for b in store.blocks() {
             for t in &b.layout.tensors {
                 let name = &t.spec.name;
-                let mut p = vars
+                let p = vars
                     .get(name)
                     .map(Tensor::shallow_clone)
                     .ok_or_else(|| Error::BadTensor { tensor: name.clone(), fault: "discovered but not in the VarStore".into() })?;
                 let empty = Tensor::f_empty([0i64], (kind(&t.spec)?, device)).map_err(|e| tch_err(format!("placeholder for {name}"), e))?;
-                p.f_set_data(&empty).map_err(|e| tch_err(format!("emptying {name}"), e))?;
-                placeholders.insert(name.clone(), empty);
-                params.insert(name.clone(), p);
+                let original = p.f_detach().map_err(|e| tch_err(format!("keeping {name}'s data"), e))?;
+                staged.push((name.clone(), p, empty, original));
             }
         }
         let ring = Ring::new(backend, store, &rc)?;
-        Ok(TchOffload { ring, inventory, params, placeholders })
+        let mut params = HashMap::new();
+        let mut placeholders = HashMap::new();
+        for i in 0..staged.len() {
+            let (done, rest) = staged.split_at_mut(i);
+            let (name, p, empty, _) = &mut rest[0];
+            if let Err(e) = p.f_set_data(empty) {
+                // Put back every parameter emptied so far.
+                for (_, p, _, original) in done {
+                    let _ = p.f_set_data(original);
+                }
+                return Err(tch_err(format!("emptying {name}"), e));
+            }
+        }
+        for (name, p, empty, _) in staged {
+            placeholders.insert(name.clone(), empty);
+            params.insert(name, p);
+        }
+        Ok(TchOffload { ring, inventory, binds: Binds { params, placeholders, bound: Vec::new() } })
     }
 
     /// Block `index` of `stack`: its parameters point at the streamed weights
-    /// until the returned block is finished or dropped.
+    /// until the returned block is finished or dropped. If a previous block was
+    /// forgotten (`mem::forget`), its parameters are pointed back first and the
+    /// ring records its release (`StepMetrics::forgotten_guards`).
     pub fn block(&mut self, stack: &str, index: usize) -> Result<TchBlock<'_, B>> {
+        self.binds.unbind()?;
         let guard = self.ring.block(stack, index)?;
-        let names: Vec<String> = guard.layout().tensors.iter().map(|t| t.spec.name.clone()).collect();
-        let mut block = TchBlock { guard: Some(guard), params: &mut self.params, placeholders: &self.placeholders, names, bound: false };
+        let block = TchBlock { guard: Some(guard), binds: &mut self.binds };
         let g = block.guard.as_ref().ok_or_else(|| Error::Protocol("block guard missing".into()))?;
-        g.backend().bind(g.slot(), g.layout(), block.params)?;
-        block.bound = true;
+        // Marked bound before binding, so a bind that fails part way is undone
+        // (every name pointed back) when `block` drops.
+        block.binds.bound = g.layout().tensors.iter().map(|t| t.spec.name.clone()).collect();
+        g.backend().bind(g.slot(), g.layout(), &mut block.binds.params)?;
         Ok(block)
     }
 
@@ -280,13 +516,13 @@ impl<B: TchSlots> TchOffload<B> {
 
 /// A block whose parameters point at its slot. Finish it (or drop it) before the
 /// next block: its parameters then point at placeholders again and the ring
-/// releases the slot after the compute enqueued so far.
+/// releases the slot after the compute enqueued so far. On CUDA the weights stay
+/// valid for whatever still refers to them — views, derived tensors, tensors
+/// autograd saved for `backward()` — because each is a view of a libtorch buffer
+/// that lives as long as they do.
 pub struct TchBlock<'a, B: TchSlots> {
     guard: Option<BlockGuard<'a, B>>,
-    params: &'a mut HashMap<String, Tensor>,
-    placeholders: &'a HashMap<String, Tensor>,
-    names: Vec<String>,
-    bound: bool,
+    binds: &'a mut Binds,
 }
 
 impl<B: TchSlots> TchBlock<'_, B> {
@@ -295,24 +531,9 @@ impl<B: TchSlots> TchBlock<'_, B> {
         self.guard.as_ref()
     }
 
-    fn unbind(&mut self) -> Result<()> {
-        if !std::mem::take(&mut self.bound) {
-            return Ok(());
-        }
-        let mut first = None;
-        for name in &self.names {
-            if let (Some(p), Some(e)) = (self.params.get_mut(name), self.placeholders.get(name)) {
-                if let Err(err) = p.f_set_data(e) {
-                    first.get_or_insert(tch_err(format!("pointing {name} back at its placeholder"), err));
-                }
-            }
-        }
-        first.map_or(Ok(()), Err)
-    }
-
     /// Point the parameters back at placeholders and release the block.
     pub fn finish(mut self) -> Result<()> {
-        let unbound = self.unbind();
+        let unbound = self.binds.unbind();
         let released = self.guard.take().map_or(Ok(()), BlockGuard::finish);
         unbound.and(released)
     }
@@ -320,6 +541,6 @@ impl<B: TchSlots> TchBlock<'_, B> {
 
 impl<B: TchSlots> Drop for TchBlock<'_, B> {
     fn drop(&mut self) {
-        let _ = self.unbind();
+        let _ = self.binds.unbind();
     }
 }

@@ -47,9 +47,80 @@ impl Harness for Candle {
     fn host_syncs(b: &CandleBackend) -> u64 {
         b.host_device().stats().syncs
     }
-    fn model_case() -> Option<ModelCase> {
-        Some(ModelCase { name: "sd3_joint_blocks", invariant: "6,9", run: sd3_cpu })
+    fn model_cases() -> Vec<ModelCase> {
+        vec![
+            ModelCase { name: "sd3_joint_blocks", invariant: "6,9", run: sd3_cpu },
+            ModelCase { name: "views_outlive_block", invariant: "10", run: views_cpu },
+        ]
     }
+}
+
+fn views_cpu() -> Outcome {
+    let b = CandleBackend::cpu();
+    views_outlive_block(&b, &candle_core::Device::Cpu)?;
+    let v = Candle::violations(&b);
+    crate::ensure!(v.is_empty(), "protocol violations: {v:?}");
+    Ok(())
+}
+
+/// Invariant 10 at candle's boundary: a weight tensor and a `candle_nn::Linear`
+/// built from block 0's `VarBuilder`, kept past the guard, past steps that reuse
+/// block 0's slot for other blocks, and past `close()`, still read block 0's
+/// weights: the tensor's bytes and the module's output equal the resident ones.
+fn views_outlive_block<B>(backend: &B, device: &candle_core::Device) -> Outcome
+where
+    B: offload_core::OffloadBackend,
+    for<'a> offload_core::BlockGuard<'a, B>: offload_candle::CandleBlockExt,
+{
+    use candle_core::{DType as CDType, Module, Tensor};
+    use offload_candle::CandleBlockExt;
+    use offload_core::{resolve, BlockDiscovery, HostStore, MemoryTensors, NameDiscovery, Plan, Ring};
+    use rand::{Rng, SeedableRng};
+    use std::sync::Arc;
+    let (n, w) = (6usize, 64usize);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(0x5eed_0a11);
+    let mut tensors = MemoryTensors::new();
+    let mut weights = Vec::new();
+    for i in 0..n {
+        let vals: Vec<f32> = (0..w * w).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
+        let bytes: Vec<u8> = vals.iter().flat_map(|v| v.to_le_bytes()).collect();
+        tensors.push(TensorSpec::new(format!("blocks.{i}.weight"), DType::F32, [w, w]), bytes)?;
+        weights.push(vals);
+    }
+    let inventory = NameDiscovery.discover("model", offload_core::TensorSource::specs(&tensors))?;
+    let plan = resolve(&Plan::layerwise().prefetch_depth(1), std::slice::from_ref(&inventory))?;
+    let store = Arc::new(HostStore::build(backend, &inventory, &tensors)?);
+    let mut ring = Ring::new(backend.clone(), store, &plan.components[0])?;
+    let ce = |what: &'static str| move |e: candle_core::Error| CaseError::Fail(format!("{what}: {e}"));
+    let x: Vec<f32> = (0..4 * w).map(|_| rng.gen_range(-1.0f32..1.0)).collect();
+    let x = Tensor::from_vec(x, (4, w), device).map_err(ce("input"))?;
+    let resident_w0 = Tensor::from_vec(weights[0].clone(), (w, w), device).map_err(ce("resident weight"))?;
+    let want = candle_nn::Linear::new(resident_w0, None).forward(&x).map_err(ce("resident forward"))?;
+    let want: Vec<f32> = want.flatten_all().and_then(|t| t.to_vec1()).map_err(ce("resident output"))?;
+    let (kept, linear) = {
+        let g = ring.block("blocks", 0)?;
+        let vb = g.var_builder(CDType::F32)?;
+        let t = vb.get((w, w), "weight").map_err(ce("weight from the VarBuilder"))?;
+        let linear = candle_nn::linear_no_bias(w, w, vb).map_err(ce("Linear from the VarBuilder"))?;
+        (t, linear)
+    };
+    for step in 0..2 {
+        for i in usize::from(step == 0)..n {
+            ring.block("blocks", i)?.finish()?;
+        }
+        ring.end_step()?;
+    }
+    let read = |t: &Tensor| -> Result<Vec<f32>, CaseError> { t.flatten_all().and_then(|t| t.to_vec1()).map_err(ce("reading")) };
+    let got = read(&kept)?;
+    crate::ensure!(got == weights[0], "a weight view kept past its guard reads other bytes after its slot was reused");
+    let out = read(&linear.forward(&x).map_err(ce("forward after release"))?)?;
+    crate::ensure!(out == want, "a Linear kept past its guard computes another result after its slot was reused");
+    ring.close()?;
+    let got = read(&kept)?;
+    crate::ensure!(got == weights[0], "a weight view kept past close() reads other bytes");
+    let out = read(&linear.forward(&x).map_err(ce("forward after close"))?)?;
+    crate::ensure!(out == want, "a Linear kept past close() computes another result");
+    Ok(())
 }
 
 /// candle-transformers' SD3 joint blocks, unmodified, written with random weights
@@ -96,54 +167,67 @@ fn sd3_cuda() -> Outcome {
     sd3_case(&b, &b.device(), "cuda")
 }
 
-/// candle on CUDA with `U8` slots (the cases stream raw bytes of any length): the
-/// fold reads the slot through candle (a view of the slot tensor, copied to the
-/// host on candle's stream after the ring's wait).
+#[cfg(feature = "candle-cuda")]
+fn views_cuda() -> Outcome {
+    if !offload_cuda::driver_present() {
+        return Err(CaseError::Skip("no CUDA driver library (libcuda.so) on this machine".into()));
+    }
+    let b = offload_candle::CandleCudaBackend::new(0, candle_core::DType::F32)
+        .map_err(|e| CaseError::Skip(format!("no CUDA device for candle: {e}")))?;
+    b.cuda().enable_checking(crate::cuda_harness::COPY_SPIN_US)?;
+    views_outlive_block(&b, &b.device())
+}
+
+/// candle on CUDA with `U8` slots (the cases stream raw bytes of any length),
+/// in the transfer engine's checking mode: the fold runs on candle's stream over
+/// the slot's buffer (`offload_cuda::fold`), with no host read inside it.
 #[cfg(feature = "candle-cuda")]
 pub struct CandleCuda;
 
 #[cfg(feature = "candle-cuda")]
 impl Harness for CandleCuda {
     type B = offload_candle::CandleCudaBackend;
-    type Acc = u64;
+    type Acc = offload_cuda::fold::FoldKernel;
     const NAME: &'static str = "candle-cuda";
+    const FRESH_BUFFER_PER_COPY: bool = true;
 
     fn backend() -> std::result::Result<Self::B, CaseError> {
         if !offload_cuda::driver_present() {
             return Err(CaseError::Skip("no CUDA driver library (libcuda.so) on this machine".into()));
         }
-        offload_candle::CandleCudaBackend::new(0, candle_core::DType::U8)
-            .map_err(|e| CaseError::Skip(format!("no CUDA device for candle: {e}")))
+        let b = offload_candle::CandleCudaBackend::new(0, candle_core::DType::U8)
+            .map_err(|e| CaseError::Skip(format!("no CUDA device for candle: {e}")))?;
+        b.cuda().enable_checking(crate::cuda_harness::COPY_SPIN_US)?;
+        Ok(b)
     }
-    fn new_acc(_: &Self::B) -> Result<u64> {
-        Ok(SEED)
+    fn new_acc(b: &Self::B) -> Result<Self::Acc> {
+        crate::cuda_harness::gpu_fold(b.cuda())
     }
-    fn fold(_: &Self::B, acc: &mut u64, slot: &offload_candle::CandleSlot, bytes: usize) -> Result<()> {
-        let t = slot.tensor().ok_or_else(|| Error::Protocol("slot without tensor".into()))?;
-        let v: Vec<u8> =
-            t.narrow(0, 0, bytes).and_then(|v| v.to_vec1()).map_err(|e| Error::device("candle", "reading a slot tensor", e))?;
-        *acc = fold_combine(*acc, block_hash(&v));
-        Ok(())
+    fn fold(b: &Self::B, acc: &mut Self::Acc, slot: &offload_candle::CandleSlot, bytes: usize) -> Result<()> {
+        acc.fold(b.cuda(), slot, bytes)
     }
-    fn read(_: &Self::B, acc: &u64) -> Result<u64> {
-        Ok(*acc)
+    fn read(b: &Self::B, acc: &Self::Acc) -> Result<u64> {
+        acc.read(b.cuda())
     }
     fn violations(_: &Self::B) -> Vec<String> {
         Vec::new()
     }
     fn live_bytes(b: &Self::B) -> u64 {
-        b.cuda().counters().live_bytes
+        b.counters().live_bytes
     }
     fn peak_bytes(b: &Self::B) -> u64 {
-        b.cuda().counters().peak_bytes
+        b.counters().peak_bytes
     }
     fn reset_peak(b: &Self::B) {
-        b.cuda().reset_peak()
+        b.reset_peak()
     }
     fn host_syncs(b: &Self::B) -> u64 {
-        b.cuda().counters().syncs
+        b.counters().syncs
     }
-    fn model_case() -> Option<ModelCase> {
-        Some(ModelCase { name: "sd3_joint_blocks", invariant: "6,9", run: sd3_cuda })
+    fn model_cases() -> Vec<ModelCase> {
+        vec![
+            ModelCase { name: "sd3_joint_blocks", invariant: "6,9", run: sd3_cuda },
+            ModelCase { name: "views_outlive_block", invariant: "10", run: views_cuda },
+        ]
     }
 }

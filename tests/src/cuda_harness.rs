@@ -1,11 +1,26 @@
 //! The CUDA backend's row: the fold runs as `offload_cuda::fold::FoldKernel` on
-//! the compute stream, so reading a slot early or late changes the result.
+//! the compute stream, so reading a slot early or late changes the result. The
+//! backend runs in its checking mode (each copy first poisons its slot, then
+//! spins, on the copy stream) and every fourth fold spins on the device before it
+//! reads, so a missing wait on either side shows up as a wrong fold, not as luck.
 
-use crate::harness::{CaseError, Harness};
+use crate::harness::{CaseError, Harness, ModelCase, Outcome};
 use crate::model::SEED;
-use offload_core::Result;
+use offload_core::{OffloadBackend, Result};
 use offload_cuda::fold::FoldKernel;
 use offload_cuda::{CudaBackend, CudaSlot};
+
+/// Microseconds each copy spins on the copy stream after poisoning its slot.
+pub const COPY_SPIN_US: u64 = 100;
+/// Every `FOLD_SPIN_EVERY`-th fold spins this long before it reads.
+pub const FOLD_SPIN_US: u64 = 1000;
+/// See [`FOLD_SPIN_US`].
+pub const FOLD_SPIN_EVERY: u64 = 4;
+
+/// The fold kernel of the GPU rows, with the spin pattern.
+pub fn gpu_fold(b: &CudaBackend) -> Result<FoldKernel> {
+    Ok(FoldKernel::new(b, SEED)?.spin_every(FOLD_SPIN_EVERY, FOLD_SPIN_US))
+}
 
 /// The raw CUDA backend on device 0.
 pub struct Cuda;
@@ -16,10 +31,12 @@ impl Harness for Cuda {
     const NAME: &'static str = "cuda";
 
     fn backend() -> std::result::Result<CudaBackend, CaseError> {
-        CudaBackend::new(0).map_err(|e| CaseError::Skip(format!("no CUDA device: {e}")))
+        let b = CudaBackend::new(0).map_err(|e| CaseError::Skip(format!("no CUDA device: {e}")))?;
+        b.enable_checking(COPY_SPIN_US)?;
+        Ok(b)
     }
     fn new_acc(b: &CudaBackend) -> Result<FoldKernel> {
-        FoldKernel::new(b, SEED)
+        gpu_fold(b)
     }
     fn fold(b: &CudaBackend, acc: &mut FoldKernel, slot: &CudaSlot, bytes: usize) -> Result<()> {
         acc.fold(b, slot, bytes)
@@ -42,4 +59,65 @@ impl Harness for Cuda {
     fn host_syncs(b: &CudaBackend) -> u64 {
         b.counters().syncs
     }
+    fn model_cases() -> Vec<ModelCase> {
+        vec![
+            ModelCase { name: "host_memory_zeroed", invariant: "10", run: host_memory_zeroed },
+            ModelCase { name: "fill_error_accounting", invariant: "8", run: fill_error_accounting },
+            ModelCase { name: "foreign_buffer_refused", invariant: "10", run: foreign_buffer_refused },
+        ]
+    }
+}
+
+/// `alloc_host` hands its `fill` closure initialised (zeroed) bytes, never
+/// whatever `cuMemHostAlloc` returned.
+fn host_memory_zeroed() -> Outcome {
+    let b = Cuda::backend()?;
+    for round in 0..4 {
+        // Freed and allocated again: pinned memory recycled from the previous round.
+        let mut seen_nonzero = 0usize;
+        let buf = b.alloc_host(32 << 20, "zeroing check", &mut |bytes| {
+            seen_nonzero = bytes.iter().filter(|&&x| x != 0).count();
+            bytes.fill(0xA5);
+            Ok(())
+        })?;
+        crate::ensure!(seen_nonzero == 0, "round {round}: fill saw {seen_nonzero} non-zero bytes of fresh pinned memory");
+        drop(buf);
+    }
+    Ok(())
+}
+
+/// A `fill` that fails leaves the pinned-byte counter where it was (it wrapped).
+fn fill_error_accounting() -> Outcome {
+    let b = Cuda::backend()?;
+    let before = b.counters().pinned_bytes;
+    let r = b.alloc_host(1 << 20, "failing fill", &mut |_| Err(offload_core::Error::Injected("fill".into())));
+    crate::ensure!(r.is_err(), "a failing fill returned a buffer");
+    let after = b.counters().pinned_bytes;
+    crate::ensure!(after == before, "pinned bytes went from {before} to {after} after a failed fill");
+    Ok(())
+}
+
+/// A host buffer or slot of another backend instance is refused by `copy_to_slot`
+/// (its drop would drain another copy stream than the one reading it).
+fn foreign_buffer_refused() -> Outcome {
+    let (a, b) = (Cuda::backend()?, Cuda::backend()?);
+    let host = a.alloc_host(4096, "foreign", &mut |x| {
+        x.fill(7);
+        Ok(())
+    })?;
+    let mut slot_b = b.alloc_slot(4096, "foreign")?;
+    let r = b.copy_to_slot(&host, &mut slot_b, 4096, None);
+    crate::ensure!(r.is_err(), "backend b copied from a host buffer of backend a");
+    let mut slot_a = a.alloc_slot(4096, "foreign")?;
+    let host_b = b.alloc_host(4096, "foreign", &mut |x| {
+        x.fill(9);
+        Ok(())
+    })?;
+    let r = b.copy_to_slot(&host_b, &mut slot_a, 4096, None);
+    crate::ensure!(r.is_err(), "backend b copied into a slot of backend a");
+    a.free_slot(slot_a, None)?;
+    b.free_slot(slot_b, None)?;
+    a.synchronize()?;
+    b.synchronize()?;
+    Ok(())
 }

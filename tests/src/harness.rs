@@ -31,8 +31,9 @@ macro_rules! ensure {
     };
 }
 
-/// A real model streamed through a backend and compared byte for byte with the
-/// same model run resident: the suite's last row, `n/a` for backends without one.
+/// A case of one backend only (a real model streamed and compared byte for byte
+/// with its resident run, a framework-boundary check): the suite's last rows,
+/// `n/a` for backends without them.
 pub struct ModelCase {
     /// Row name (`sd3_joint_blocks`).
     pub name: &'static str,
@@ -52,6 +53,11 @@ pub trait Harness: 'static {
     type Acc;
     /// Row name in the conformance table.
     const NAME: &'static str;
+    /// Whether every copy lands in a fresh buffer of the framework's allocator,
+    /// ordered after all compute enqueued so far (candle and tch on CUDA): then
+    /// the ring's release events do not order copies, and breaking them
+    /// (invariant 2's sabotages) cannot change a result on this row.
+    const FRESH_BUFFER_PER_COPY: bool = false;
 
     /// A fresh backend, or [`CaseError::Skip`] saying why there is none here.
     fn backend() -> std::result::Result<Self::B, CaseError>;
@@ -71,9 +77,11 @@ pub trait Harness: 'static {
     fn reset_peak(b: &Self::B);
     /// Host synchronisations so far.
     fn host_syncs(b: &Self::B) -> u64;
-    /// A real model this backend runs with its framework's own block code, if any
-    /// (candle: candle-transformers' SD3 joint blocks).
-    fn model_case() -> Option<ModelCase> {
-        None
+    /// Cases of this backend alone, after the shared ones: a real model run with
+    /// its framework's own block code (candle: candle-transformers' SD3 joint
+    /// blocks), what its tensors do after their block is released (invariant 10),
+    /// checks of its safe API.
+    fn model_cases() -> Vec<ModelCase> {
+        Vec::new()
     }
 }

@@ -48,10 +48,52 @@ fn verdict(o: Outcome) -> Verdict {
 pub fn run_suite<H: Harness>() -> Vec<(&'static str, &'static str, Verdict)> {
     let mut row: Vec<_> =
         cases::all::<H>().into_iter().map(|c| (c.name, c.invariant, verdict((c.run)(offload_core::ring::Sabotage::None)))).collect();
-    if let Some(m) = H::model_case() {
+    for m in H::model_cases() {
         row.push((m.name, m.invariant, verdict((m.run)())));
     }
     row
+}
+
+/// What one deliberate ring break did to one backend's row.
+#[derive(Clone, Debug)]
+pub struct SabotageOutcome {
+    /// The break.
+    pub sabotage: offload_core::ring::Sabotage,
+    /// Whether a case that guards the broken invariant failed.
+    pub caught: bool,
+    /// Whether the break can change anything on this row (`false`: a break of
+    /// the release order on a row whose copies land in fresh buffers).
+    pub applicable: bool,
+    /// The cases that failed, with why (or why the row could not run).
+    pub by: Vec<(&'static str, String)>,
+    /// The cases that guard it and passed anyway.
+    pub missed_by: Vec<&'static str>,
+}
+
+/// Run every ring break of [`Sabotage::ALL`](offload_core::ring::Sabotage::ALL)
+/// against the cases of harness `H` that guard the broken invariant. A break is
+/// caught when at least one of them fails. A skip (no device) is reported as not
+/// caught, with why.
+pub fn run_sabotage<H: Harness>() -> Vec<SabotageOutcome> {
+    use offload_core::ring::Sabotage;
+    Sabotage::ALL
+        .iter()
+        .map(|&sabotage| {
+            let mut by = Vec::new();
+            let mut missed_by = Vec::new();
+            for case in cases::all::<H>().into_iter().filter(|c| c.caught.contains(&sabotage)) {
+                match (case.run)(sabotage) {
+                    Err(CaseError::Fail(why)) => by.push((case.name, why)),
+                    Err(CaseError::Skip(why)) => by.push((case.name, format!("SKIPPED: {why}"))),
+                    Ok(()) => missed_by.push(case.name),
+                }
+            }
+            let caught = by.iter().any(|(_, w)| !w.starts_with("SKIPPED"));
+            let release_order = matches!(sabotage, Sabotage::SkipFreeWait | Sabotage::NoReleaseEvent | Sabotage::EarlyRelease);
+            let applicable = !(release_order && H::FRESH_BUFFER_PER_COPY);
+            SabotageOutcome { sabotage, caught, applicable, by, missed_by }
+        })
+        .collect()
 }
 
 /// Turn an outcome into a test result: panic on failure; print `SKIPPED` on a skip,

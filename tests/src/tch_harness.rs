@@ -1,7 +1,7 @@
 //! The tch backend's row (CPU): the fold reads the slot through libtorch, as a
 //! `Uint8` parameter pointed at the slot the way a block's weights are.
 
-use crate::harness::{CaseError, Harness};
+use crate::harness::{CaseError, Harness, ModelCase, Outcome};
 use crate::model::{block_hash, fold_combine, SEED};
 use offload_core::sim::{SimBackend, SimConfig, SimSlot};
 use offload_core::{BlockLayout, DType, Error, Result, TensorSpec};
@@ -51,53 +51,128 @@ impl Harness for Tch {
     fn host_syncs(b: &SimBackend) -> u64 {
         b.stats().syncs
     }
+    fn model_cases() -> Vec<ModelCase> {
+        vec![ModelCase { name: "grad_after_release", invariant: "6,10", run: grad_cpu }]
+    }
 }
 
-/// libtorch on CUDA: compute (the fold's read) on libtorch's stream through a
-/// `from_blob` view of the slot, copies on the ring's cudarc stream.
+/// libtorch on CUDA, in the transfer engine's checking mode: each copy lands in
+/// a fresh libtorch buffer; the fold runs on libtorch's stream over it
+/// (`offload_cuda::fold`), with no host read inside it.
 #[cfg(feature = "tch-cuda")]
 pub struct TchCuda;
 
 #[cfg(feature = "tch-cuda")]
 impl Harness for TchCuda {
-    type B = offload_cuda::CudaBackend;
-    type Acc = u64;
+    type B = offload_tch::TchCudaBackend;
+    type Acc = offload_cuda::fold::FoldKernel;
     const NAME: &'static str = "tch-cuda";
+    const FRESH_BUFFER_PER_COPY: bool = true;
 
-    fn backend() -> std::result::Result<offload_cuda::CudaBackend, CaseError> {
-        offload_tch::cuda_backend(0).map_err(|e| CaseError::Skip(format!("no CUDA device for libtorch: {e}")))
+    fn backend() -> std::result::Result<Self::B, CaseError> {
+        let b = offload_tch::cuda_backend(0).map_err(|e| CaseError::Skip(format!("no CUDA device for libtorch: {e}")))?;
+        b.cuda().enable_checking(crate::cuda_harness::COPY_SPIN_US)?;
+        Ok(b)
     }
-    fn new_acc(_: &offload_cuda::CudaBackend) -> Result<u64> {
-        Ok(SEED)
+    fn new_acc(b: &Self::B) -> Result<Self::Acc> {
+        crate::cuda_harness::gpu_fold(b.cuda())
     }
-    fn fold(b: &offload_cuda::CudaBackend, acc: &mut u64, slot: &offload_cuda::CudaSlot, bytes: usize) -> Result<()> {
-        let layout = BlockLayout::new(vec![TensorSpec::new("slot", DType::U8, [bytes])])?;
-        let dev = b.tch_device();
-        let mut params = HashMap::from([("slot".to_owned(), Tensor::empty([0i64], (Kind::Uint8, dev)))]);
-        b.bind(slot, &layout, &mut params)?;
-        // Read through libtorch on its stream: ordered after the ring's wait.
-        let host = params["slot"].f_to_device(Device::Cpu).map_err(|e| Error::device("tch", "reading a slot tensor", e))?;
-        let mut v = vec![0u8; bytes];
-        host.f_copy_data_u8(&mut v, bytes).map_err(|e| Error::device("tch", "reading a slot tensor", e))?;
-        *acc = fold_combine(*acc, block_hash(&v));
-        Ok(())
+    fn fold(b: &Self::B, acc: &mut Self::Acc, slot: &offload_tch::TchSlot, bytes: usize) -> Result<()> {
+        acc.fold(b.cuda(), slot, bytes)
     }
-    fn read(_: &offload_cuda::CudaBackend, acc: &u64) -> Result<u64> {
-        Ok(*acc)
+    fn read(b: &Self::B, acc: &Self::Acc) -> Result<u64> {
+        acc.read(b.cuda())
     }
-    fn violations(_: &offload_cuda::CudaBackend) -> Vec<String> {
+    fn violations(_: &Self::B) -> Vec<String> {
         Vec::new()
     }
-    fn live_bytes(b: &offload_cuda::CudaBackend) -> u64 {
+    fn live_bytes(b: &Self::B) -> u64 {
         b.counters().live_bytes
     }
-    fn peak_bytes(b: &offload_cuda::CudaBackend) -> u64 {
+    fn peak_bytes(b: &Self::B) -> u64 {
         b.counters().peak_bytes
     }
-    fn reset_peak(b: &offload_cuda::CudaBackend) {
+    fn reset_peak(b: &Self::B) {
         b.reset_peak()
     }
-    fn host_syncs(b: &offload_cuda::CudaBackend) -> u64 {
+    fn host_syncs(b: &Self::B) -> u64 {
         b.counters().syncs
     }
+    fn model_cases() -> Vec<ModelCase> {
+        vec![ModelCase { name: "grad_after_release", invariant: "6,10", run: grad_cuda }]
+    }
+}
+
+#[cfg(feature = "tch-cuda")]
+fn grad_cuda() -> Outcome {
+    let b = TchCuda::backend()?;
+    grad_after_release(b)
+}
+
+fn grad_cpu() -> Outcome {
+    grad_after_release(SimBackend::new(SimConfig::fast()))
+}
+
+/// Invariant 10 under autograd: four `nn::Linear` blocks (1024 wide, tanh between)
+/// streamed at depth 1 with grad mode on, `backward()` called after the step
+/// ended (every slot reused since): the output and the input's gradient are
+/// byte-identical to the resident run's. Tensors autograd saved keep their
+/// block's bytes alive.
+fn grad_after_release<B: TchSlots>(backend: B) -> Outcome {
+    use offload_core::{NameDiscovery, Plan};
+    use offload_tch::tch::nn::{self, Module};
+    use offload_tch::TchOffload;
+    let device = backend.tch_device();
+    let err = |what: &'static str| move |e: offload_tch::tch::TchError| CaseError::Fail(format!("{what}: {e}"));
+    offload_tch::tch::manual_seed(0x0ff1);
+    let vs = nn::VarStore::new(device);
+    let width = 1024;
+    let blocks: Vec<nn::Linear> = (0..4).map(|i| nn::linear(vs.root() / "blocks" / i, width, width, Default::default())).collect();
+    let x = Tensor::f_randn([64, width], (Kind::Float, device)).map_err(err("input"))?;
+    let run = |streamed: Option<&mut TchOffload<B>>| -> std::result::Result<(Vec<u8>, Vec<u8>), CaseError> {
+        let xg = x.f_detach().and_then(|t| t.f_set_requires_grad(true)).map_err(err("input"))?;
+        let mut y = xg.shallow_clone();
+        match streamed {
+            None => {
+                for b in &blocks {
+                    y = b.forward(&y).f_tanh().map_err(err("forward"))?;
+                }
+            }
+            Some(off) => {
+                for (i, b) in blocks.iter().enumerate() {
+                    let block = off.block("blocks", i)?;
+                    y = b.forward(&y).f_tanh().map_err(err("forward"))?;
+                    block.finish()?;
+                }
+                off.end_step()?;
+                // Two more steps without grad: every slot now holds other bytes.
+                let _g = offload_tch::tch::no_grad_guard();
+                for _ in 0..2 {
+                    for i in 0..blocks.len() {
+                        off.block("blocks", i)?.finish()?;
+                    }
+                    off.end_step()?;
+                }
+            }
+        }
+        let loss = (&y * &y).f_sum(Kind::Float).map_err(err("loss"))?;
+        loss.f_backward().map_err(err("backward"))?;
+        let bytes = |t: &Tensor| -> std::result::Result<Vec<u8>, CaseError> {
+            let t = t.f_to_device(Device::Cpu).and_then(|t| t.f_contiguous()).map_err(err("reading"))?;
+            let n = t.numel() * 4;
+            let mut v = vec![0u8; n];
+            t.f_copy_data_u8(&mut v, t.numel()).map_err(err("reading"))?;
+            Ok(v)
+        };
+        Ok((bytes(&y.f_detach().map_err(err("output"))?)?, bytes(&xg.grad())?))
+    };
+    let (y_ref, g_ref) = run(None)?;
+    crate::ensure!(g_ref.iter().any(|&b| b != 0), "the resident gradient is all zeros");
+    let mut off = TchOffload::new(backend, &vs, "model", &NameDiscovery, &Plan::layerwise().prefetch_depth(1))?;
+    let (y, g) = run(Some(&mut off))?;
+    crate::ensure!(y == y_ref, "streamed output differs from the resident output");
+    let diff = g.iter().zip(&g_ref).filter(|(a, b)| a != b).count();
+    crate::ensure!(diff == 0, "input gradient after backward() differs from the resident one in {diff} of {} bytes", g.len());
+    off.close()?;
+    Ok(())
 }

@@ -14,20 +14,46 @@ offload_tests::conformance_tests!(tch, offload_tests::tch_harness::Tch);
 #[cfg(feature = "tch-cuda")]
 offload_tests::conformance_tests!(tch_cuda, offload_tests::tch_harness::TchCuda);
 
-/// The model row: candle-transformers' SD3 joint blocks streamed vs resident.
-#[cfg(feature = "candle")]
-#[test]
-fn candle_sd3_joint_blocks() {
-    use offload_tests::Harness;
-    let case = offload_tests::candle_harness::Candle::model_case().expect("the candle row has a model case");
-    offload_tests::report(case.name, (case.run)());
+/// The backend-only rows (models, views after release, safe-API checks).
+fn backend_cases<H: offload_tests::Harness>(expected: usize) {
+    let cases = H::model_cases();
+    assert_eq!(cases.len(), expected, "{}: backend-only cases", H::NAME);
+    for case in cases {
+        offload_tests::report(case.name, (case.run)());
+    }
 }
 
-/// The model row on CUDA.
+#[test]
+fn sim_backend_cases() {
+    backend_cases::<offload_tests::sim_harness::Sim>(0);
+}
+
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_backend_cases() {
+    backend_cases::<offload_tests::cuda_harness::Cuda>(3);
+}
+
+#[cfg(feature = "candle")]
+#[test]
+fn candle_backend_cases() {
+    backend_cases::<offload_tests::candle_harness::Candle>(2);
+}
+
 #[cfg(feature = "candle-cuda")]
 #[test]
-fn candle_cuda_sd3_joint_blocks() {
-    use offload_tests::Harness;
-    let case = offload_tests::candle_harness::CandleCuda::model_case().expect("the candle-cuda row has a model case");
-    offload_tests::report(case.name, (case.run)());
+fn candle_cuda_backend_cases() {
+    backend_cases::<offload_tests::candle_harness::CandleCuda>(2);
+}
+
+#[cfg(feature = "tch")]
+#[test]
+fn tch_backend_cases() {
+    backend_cases::<offload_tests::tch_harness::Tch>(1);
+}
+
+#[cfg(feature = "tch-cuda")]
+#[test]
+fn tch_cuda_backend_cases() {
+    backend_cases::<offload_tests::tch_harness::TchCuda>(1);
 }

@@ -1,26 +1,30 @@
 //! A deliberately broken ring must make the case that guards the broken invariant
-//! fail: the cases can fail, so their passing means something.
+//! fail: the cases can fail, so their passing means something. (The GPU rows run
+//! the same table in the conformance binary: `conformance --sabotage PATH`.)
 
 use offload_core::ring::Sabotage;
 use offload_tests::cases::all;
+use offload_tests::run_sabotage;
 use offload_tests::sim_harness::Sim;
-use offload_tests::CaseError;
 
 #[test]
 fn every_breakable_invariant_is_caught() {
-    let mut caught = Vec::new();
-    for case in all::<Sim>() {
-        let Some(sabotage) = case.caught else { continue };
-        assert_ne!(sabotage, Sabotage::None);
-        match (case.run)(sabotage) {
-            Err(CaseError::Fail(why)) => caught.push(format!("{} caught {sabotage:?}: {why}", case.name)),
-            other => panic!("case {} did not catch {sabotage:?}: {other:?}", case.name),
+    let table = run_sabotage::<Sim>();
+    assert_eq!(table.len(), Sabotage::ALL.len());
+    for row in &table {
+        for (case, why) in &row.by {
+            println!("{case} caught {:?}: {why}", row.sabotage);
         }
+        assert!(row.caught, "{:?} was not caught (passed: {:?})", row.sabotage, row.missed_by);
+        assert!(row.missed_by.is_empty(), "{:?} passed {:?}, which guard it", row.sabotage, row.missed_by);
     }
-    for c in &caught {
-        println!("{c}");
+}
+
+#[test]
+fn every_break_is_guarded_by_a_case() {
+    for s in Sabotage::ALL {
+        assert!(all::<Sim>().iter().any(|c| c.caught.contains(&s)), "no case guards {s:?}");
     }
-    assert_eq!(caught.len(), 7);
 }
 
 #[test]

@@ -1,7 +1,10 @@
-//! `conformance [--backend sim|cuda|candle|tch|all] [--json PATH]`: run the
-//! conformance suite and print a table of cases × backends.
+//! `conformance [--backend sim|cuda|candle|tch|all] [--json PATH] [--sabotage PATH]`:
+//! run the conformance suite and print a table of cases × backends; with
+//! `--sabotage`, also run every deliberate ring break on every row and write
+//! whether each was caught (`{"commit", "gpu", "rows": [{"backend", "sabotage", "caught"}]}`;
+//! `--commit` and `--gpu` fill those fields).
 
-use offload_tests::{run_suite, Verdict};
+use offload_tests::{run_sabotage, run_suite, SabotageOutcome, Verdict};
 use std::collections::BTreeMap;
 
 type Row = Vec<(&'static str, &'static str, Verdict)>;
@@ -23,18 +26,86 @@ fn suite(backend: &str) -> Option<Row> {
     }
 }
 
+fn sabotage(backend: &str) -> Option<Vec<SabotageOutcome>> {
+    match backend {
+        "sim" => Some(run_sabotage::<offload_tests::sim_harness::Sim>()),
+        #[cfg(feature = "cuda")]
+        "cuda" => Some(run_sabotage::<offload_tests::cuda_harness::Cuda>()),
+        #[cfg(feature = "candle")]
+        "candle" => Some(run_sabotage::<offload_tests::candle_harness::Candle>()),
+        #[cfg(feature = "candle-cuda")]
+        "candle-cuda" => Some(run_sabotage::<offload_tests::candle_harness::CandleCuda>()),
+        #[cfg(feature = "tch")]
+        "tch" => Some(run_sabotage::<offload_tests::tch_harness::Tch>()),
+        #[cfg(feature = "tch-cuda")]
+        "tch-cuda" => Some(run_sabotage::<offload_tests::tch_harness::TchCuda>()),
+        _ => None,
+    }
+}
+
+/// Run every break on every backend, print it, write the JSON; the number of
+/// breaks not caught.
+fn sabotage_table(backends: &[String], path: &str, commit: &str, gpu: &str) -> usize {
+    let mut rows = Vec::new();
+    let mut missed = 0;
+    println!("{:<14} {:<18} {:<7} by", "backend", "sabotage", "caught");
+    for b in backends {
+        let Some(table) = sabotage(b) else {
+            println!("{b:<14} (not built into this binary)");
+            missed += 1;
+            continue;
+        };
+        for o in table {
+            let by: Vec<String> = o.by.iter().map(|(c, w)| format!("{c}: {w}")).collect();
+            let note = if o.applicable {
+                by.first().cloned().unwrap_or_else(|| "-".into())
+            } else {
+                "not applicable: copies land in fresh buffers ordered after all compute; the cases passed".into()
+            };
+            println!("{b:<14} {:<18} {:<7} {note}", format!("{:?}", o.sabotage), o.caught);
+            if o.applicable && !o.caught {
+                missed += 1;
+            }
+            if !o.applicable && o.caught {
+                // A break that should be harmless here changed a result: the fresh
+                // buffers are not ordered as claimed.
+                missed += 1;
+            }
+            rows.push(serde_json::json!({
+                "backend": b, "sabotage": format!("{:?}", o.sabotage), "caught": o.caught, "applicable": o.applicable,
+                "caught_by": by, "passed_anyway": o.missed_by,
+            }));
+        }
+    }
+    let doc = serde_json::json!({"commit": commit, "gpu": gpu, "rows": rows});
+    if let Err(e) = std::fs::write(path, serde_json::to_string_pretty(&doc).unwrap_or_default() + "\n") {
+        eprintln!("writing {path}: {e}");
+        missed += 1;
+    }
+    println!("sabotage: {missed} break(s) not caught");
+    missed
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut backends = vec!["sim".to_owned()];
     let mut json = None;
+    let mut sabotage_json = None;
+    let mut commit = String::new();
+    let mut gpu = "none".to_owned();
     let mut i = 0;
     while i < args.len() {
         match (args[i].as_str(), args.get(i + 1)) {
             ("--backend", Some(b)) if b == "all" => backends = ["sim", "cuda", "candle", "tch"].map(String::from).to_vec(),
             ("--backend", Some(b)) => backends = b.split(',').map(String::from).collect(),
             ("--json", Some(p)) => json = Some(p.clone()),
+            ("--sabotage", Some(p)) => sabotage_json = Some(p.clone()),
+            ("--commit", Some(c)) => commit = c.clone(),
+            ("--gpu", Some(g)) => gpu = g.clone(),
             _ => {
-                eprintln!("usage: conformance [--backend sim|cuda|candle|tch|all|a,b] [--json PATH]");
+                eprintln!(
+                    "usage: conformance [--backend sim|cuda|candle|tch|all|a,b] [--json PATH] [--sabotage PATH --commit C --gpu NAME]"
+                );
                 std::process::exit(2);
             }
         }
@@ -115,7 +186,8 @@ fn main() {
             eprintln!("writing {p}: {e}");
         }
     }
-    if failed > 0 {
+    let missed = sabotage_json.map_or(0, |p| sabotage_table(&backends, &p, &commit, &gpu));
+    if failed > 0 || missed > 0 {
         std::process::exit(1);
     }
 }

@@ -1,0 +1,126 @@
+//! Soundness of the ring where user code holds the block: a forgotten guard
+//! (`mem::forget`) is released by the ring itself, and a release whose timeline
+//! event fails still records the slot's release event. Both are checked on the
+//! simulated device, whose violation log sees any copy into a slot not ordered
+//! after its last read.
+
+use offload_core::sim::{SimBackend, SimConfig};
+use offload_core::{resolve, FaultInjector, FaultKind, HostStore, Plan, Ring};
+use offload_tests::model::{block_hash, fold_combine, ModelShape, TestModel, SEED};
+use std::sync::Arc;
+
+fn setup(seed: u64) -> (SimBackend, TestModel, Arc<HostStore<SimBackend>>) {
+    let sim = SimBackend::new(SimConfig { max_copy_delay_us: 50, seed, ..Default::default() });
+    let model =
+        TestModel::random(&ModelShape { stacks: vec![6], tensors_per_block: 2, min_bytes: 256, max_bytes: 4096, non_block: 0 }, seed);
+    let store = Arc::new(HostStore::build(&sim, &model.inventory, &model.tensors).expect("store"));
+    (sim, model, store)
+}
+
+/// Where the forgotten guard is noticed.
+#[derive(Clone, Copy, Debug)]
+enum Then {
+    NextBlock,
+    EndStep,
+    Close,
+}
+
+fn forget_one(then: Then, depth: usize) {
+    let (sim, model, store) = setup(7 + depth as u64);
+    let plan = resolve(&Plan::layerwise().prefetch_depth(depth), std::slice::from_ref(&model.inventory)).expect("plan");
+    let mut ring = Ring::new(sim.clone(), store, &plan.components[0]).expect("ring");
+    let order: Vec<usize> = (0..model.len()).collect();
+    let mut forgotten = 0;
+    for step in 0..3 {
+        let mut acc = SEED;
+        for &b in &order {
+            let g = ring.block_at(b).expect("block");
+            let bytes = g.layout().bytes;
+            acc = fold_combine(acc, sim.read_slot(g.slot(), |m| block_hash(&m[..bytes])));
+            let last = b + 1 == order.len();
+            match then {
+                Then::NextBlock if b == 2 => {
+                    std::mem::forget(g);
+                    forgotten += 1;
+                }
+                Then::EndStep | Then::Close if last => {
+                    std::mem::forget(g);
+                    forgotten += 1;
+                }
+                _ => g.finish().expect("release"),
+            }
+        }
+        assert_eq!(acc, model.reference(&order), "{then:?} d={depth} step {step}: wrong result");
+        sim.check().unwrap_or_else(|e| panic!("{then:?} d={depth} step {step}: {e}"));
+        if matches!(then, Then::Close) && step == 2 {
+            break;
+        }
+        let m = ring.end_step().expect("end step");
+        assert_eq!(m.forgotten_guards, 1, "{then:?} d={depth} step {step}: {m}");
+    }
+    ring.close().expect("close");
+    assert_eq!(forgotten, 3);
+    sim.check().unwrap_or_else(|e| panic!("{then:?} d={depth}: {e}"));
+}
+
+#[test]
+fn a_forgotten_guard_is_released_at_the_next_block() {
+    for d in [1, 2, 3] {
+        forget_one(Then::NextBlock, d);
+    }
+}
+
+#[test]
+fn a_forgotten_guard_is_released_at_end_step() {
+    for d in [1, 2] {
+        forget_one(Then::EndStep, d);
+    }
+}
+
+#[test]
+fn a_forgotten_guard_is_released_at_close() {
+    for d in [1, 2] {
+        forget_one(Then::Close, d);
+    }
+}
+
+/// Fail the n-th timeline event, for every n that lands in a step: whatever
+/// call fails, the slot's release is still recorded (no violation afterwards)
+/// and a later step gives the right result.
+#[test]
+fn a_failing_timeline_event_still_records_the_release() {
+    let mut release_errors = 0;
+    for n in 0..40 {
+        let (sim, model, _) = setup(100 + n);
+        let fi = FaultInjector::new(sim.clone());
+        let store = Arc::new(HostStore::build(&fi, &model.inventory, &model.tensors).expect("store"));
+        let plan = resolve(&Plan::layerwise().prefetch_depth(1), std::slice::from_ref(&model.inventory)).expect("plan");
+        let mut ring = Ring::new(fi.clone(), store, &plan.components[0]).expect("ring");
+        ring.enable_timeline().expect("timeline");
+        let order: Vec<usize> = (0..model.len()).collect();
+        fi.arm(FaultKind::Timing, n);
+        for _ in 0..2 {
+            for &b in &order {
+                let Ok(g) = ring.block_at(b) else { continue };
+                let bytes = g.layout().bytes;
+                sim.read_slot(g.slot(), |m| block_hash(&m[..bytes]));
+                if g.finish().is_err() {
+                    release_errors += 1;
+                }
+            }
+            let _ = ring.end_step();
+        }
+        fi.disarm();
+        let mut acc = SEED;
+        for &b in &order {
+            let g = ring.block_at(b).expect("block after the fault");
+            let bytes = g.layout().bytes;
+            acc = fold_combine(acc, sim.read_slot(g.slot(), |m| block_hash(&m[..bytes])));
+            g.finish().expect("release after the fault");
+        }
+        assert_eq!(acc, model.reference(&order), "timing fault #{n}: wrong result afterwards");
+        ring.close().expect("close");
+        sim.check().unwrap_or_else(|e| panic!("timing fault #{n}: {e}"));
+    }
+    assert!(release_errors > 0, "no fault landed in a release");
+}

@@ -5,6 +5,8 @@
 # SMOKE=1: a small model and one resolution, to check the bundle works.
 # CANDLE=1: the demo on candle-cuda, the candle rows (CPU and CUDA) and the candle Flux bench (gpu-bundle --candle).
 # TCH=1: also the tch rows (CPU and CUDA) and the tch::nn Flux-shaped bench.
+# VULKAN=1: the vulkan row (loader from .gl/) and the Vulkan bench, 3 runs merged by code.
+# BENCH=0: conformance and sabotage tables only, no benches.
 # CUDA=0: skip the cuda bench.
 set -uo pipefail
 B=$(cd "$(dirname "$0")" && pwd)
@@ -12,7 +14,11 @@ OUT=${OUT:-/tmp/offload-out}; mkdir -p "$OUT"
 export OFFLOAD_REQUIRE_DEVICE=1 BENCH_DATE=${BENCH_DATE:-$(date -u +%F)}
 COMMIT=${COMMIT:-unknown}
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/nvidia-smi.txt"
-echo "== conformance"; "$B/conformance" --backend sim,cuda --json "$OUT/conformance-cuda.json" 2>&1 | tee "$OUT/conformance-cuda.txt"
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+# Every conformance binary also runs every deliberate ring break on its rows
+# (--sabotage); the tables are merged by the code at the end of this script.
+SAB="--commit $COMMIT --gpu"
+echo "== conformance"; "$B/conformance" --backend sim,cuda --json "$OUT/conformance-cuda.json" --sabotage "$OUT/sabotage-cuda.json" $SAB "$GPU" 2>&1 | tee "$OUT/conformance-cuda.txt"
 if [ "${RACECHECK:-0}" = 1 ] && command -v compute-sanitizer >/dev/null; then
   echo "== racecheck (our kernels; cuBLAS's nvjet kernels excluded)"
   { timeout 120 compute-sanitizer --tool racecheck "$B/conformance" --backend cuda 2>&1 | tail -4
@@ -36,15 +42,15 @@ else
   echo "== cuda bench"; "$B/cuda_bench" --steps "${STEPS:-5}" ${BENCH_ARGS:-} --commit "$COMMIT" --out "$OUT/${BENCH_OUT:-cuda-flux.json}" 2>&1 | tee "$OUT/cuda-bench.txt"
 fi
 if [ "${TCH:-0}" = 1 ] && [ -x "$B/conformance-tch" ]; then
-  echo "== tch conformance"; "$B/conformance-tch" --backend tch,tch-cuda --json "$OUT/conformance-tch.json" 2>&1 | tee "$OUT/conformance-tch.txt"
-  echo "== tch bench"; "$B/tch_bench" --steps "${STEPS:-5}" ${TCH_ARGS:-} --commit "$COMMIT" --out "$OUT/tch-flux.json" 2>&1 | tee "$OUT/tch-bench.txt"
+  echo "== tch conformance"; "$B/conformance-tch" --backend tch,tch-cuda --json "$OUT/conformance-tch.json" --sabotage "$OUT/sabotage-tch.json" $SAB "$GPU" 2>&1 | tee "$OUT/conformance-tch.txt"
+  [ "${BENCH:-1}" = 1 ] && echo "== tch bench" && "$B/tch_bench" --steps "${STEPS:-5}" ${TCH_ARGS:-} --commit "$COMMIT" --out "$OUT/tch-flux.json" 2>&1 | tee "$OUT/tch-bench.txt"
 fi
 if [ "${CANDLE:-0}" = 1 ] && [ -f "$B/conformance-candle.gz" ]; then
   C=/tmp/offload-candle; mkdir -p $C
   for f in conformance-candle candle_flux_bench flux_demo; do [ -f "$B/$f.gz" ] && gunzip -c "$B/$f.gz" > "$C/$f" && chmod +x "$C/$f"; done
   echo "== demo (candle-cuda)"; "$C/flux_demo" ${DEMO_ARGS:---hidden 3072 --double 2 --single 4 --res 1024 --steps 3} 2>&1 | tee "$OUT/demo.txt"
-  echo "== candle conformance"; "$C/conformance-candle" --backend candle,candle-cuda --json "$OUT/conformance-candle.json" 2>&1 | tee "$OUT/conformance-candle.txt"
-  echo "== candle bench"; "$C/candle_flux_bench" --steps "${STEPS:-5}" ${CANDLE_ARGS:-} --commit "$COMMIT" --out "$OUT/candle-flux.json" 2>&1 | tee "$OUT/candle-bench.txt"
+  echo "== candle conformance"; "$C/conformance-candle" --backend candle,candle-cuda --json "$OUT/conformance-candle.json" --sabotage "$OUT/sabotage-candle.json" $SAB "$GPU" 2>&1 | tee "$OUT/conformance-candle.txt"
+  [ "${BENCH:-1}" = 1 ] && echo "== candle bench" && "$C/candle_flux_bench" --steps "${STEPS:-5}" ${CANDLE_ARGS:-} --commit "$COMMIT" --out "$OUT/candle-flux.json" 2>&1 | tee "$OUT/candle-bench.txt"
 fi
 if [ "${ANCHORS:-1}" = 1 ]; then
   echo "== diffusers anchor"
@@ -52,5 +58,66 @@ if [ "${ANCHORS:-1}" = 1 ]; then
   L=""; [ "${SMOKE:-0}" = 1 ] && L="--layers 2 --single-layers 4 --resolutions 1024 --steps 2"
   timeout ${ANCHOR_TIMEOUT:-270} python3 "$B/diffusers_group_offload.py" --modes resident,block_stream $L --out "$OUT/diffusers-block.json" 2>&1 | tail -12
   [ "${SMOKE:-0}" = 1 ] || timeout ${ANCHOR_TIMEOUT:-200} python3 "$B/diffusers_group_offload.py" --modes leaf_stream --out "$OUT/diffusers-leaf.json" 2>&1 | tail -6
+fi
+if [ "${VULKAN:-0}" = 1 ] && [ -x "$B/conformance-vulkan" ]; then
+  # The runner has NVIDIA's Vulkan driver but no loader: the loader and the
+  # validation layer travel as Debian packages in .gl/ (cargo xtask gpu-bundle).
+  for f in "$B"/../.gl/*.deb; do dpkg -x "$f" /; done; ldconfig
+  if ! ls /usr/share/vulkan/icd.d/*nvidia* /etc/vulkan/icd.d/*nvidia* >/dev/null 2>&1; then
+    export VK_DRIVER_FILES=${VK_DRIVER_FILES:-/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json}
+  fi
+  echo "== vulkan conformance"; "$B/conformance-vulkan" --backend vulkan --json "$OUT/conformance-vulkan.json" --sabotage "$OUT/sabotage-vulkan.json" $SAB "$GPU" 2>&1 | tee "$OUT/conformance-vulkan.txt"
+  if [ "${VULKAN_BENCH:-${BENCH:-1}}" = 1 ]; then
+    echo "== vulkan bench (3 runs, separate processes)"
+    for r in 1 2 3; do "$B/vulkan-bench" --commit "$COMMIT" --out "$OUT/vulkan-run$r.json" ${VK_ARGS:-} 2>&1 | tee "$OUT/vulkan-run$r.txt"; done
+    python3 - "$OUT" <<'PY'
+import glob, json, os, statistics, sys
+out = sys.argv[1]
+runs = [json.load(open(p)) for p in sorted(glob.glob(os.path.join(out, "vulkan-run*.json")))]
+def spread(xs):
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+keys = [(c["case"], c["depth"]) for c in runs[0]["cases"]]
+cases = []
+for case, depth in keys:
+    per = [next(c for c in r["cases"] if c["case"] == case and c["depth"] == depth) for r in runs]
+    s, res, b, ratio = (spread([c[k] for c in per]) for k in ("step_streamed_s", "step_resident_s", "bound_s", "ratio_to_bound"))
+    cases.append({"case": case, "resolution": None, "batch": 1, "depth": depth, "budget_bytes": None, "repeats": len(per),
+        "step_resident_s": res["median"], "step_streamed_s": s["median"], "step_streamed_s_min": s["min"], "step_streamed_s_max": s["max"],
+        "bandwidth_gbps": statistics.median([c["bandwidth_gbps"] for c in per]), "streamed_bytes": per[0]["streamed_bytes"],
+        "bound_s": b["median"], "ratio_to_bound": ratio["median"], "ratio_to_bound_min": ratio["min"], "ratio_to_bound_max": ratio["max"],
+        "peak_device_bytes": max(c["peak_device_bytes"] for c in per), "bitwise_equal": all(c["bitwise_equal"] for c in per),
+        "misses": sum(c["misses"] for c in per)})
+bw = spread([r["bandwidth_gbps"] for r in runs])
+cu = [r["cuda_bandwidth_gbps"] for r in runs if r["cuda_bandwidth_gbps"] is not None]
+cuda = spread(cu) if cu else None
+doc = {"date": runs[0]["date"], "commit": runs[0]["commit"], "gpu": runs[0]["gpu"], "backend": "vulkan", "model": runs[0]["model"],
+    "runs": [f"vulkan-run{i + 1}.json" for i in range(len(runs))],
+    "bandwidth_gbps": bw["median"], "bandwidth_gbps_min": bw["min"], "bandwidth_gbps_max": bw["max"],
+    "cuda_bandwidth_gbps": cuda and cuda["median"], "cuda_bandwidth_gbps_min": cuda and cuda["min"], "cuda_bandwidth_gbps_max": cuda and cuda["max"],
+    "bandwidth_ratio_to_cuda": cuda and bw["median"] / cuda["median"],
+    "meets_bandwidth_target": bool(cuda) and bw["median"] >= 0.9 * cuda["median"],
+    "meets_step_target": all(c["ratio_to_bound"] <= 1.03 and c["bitwise_equal"] for c in cases),
+    "cases": cases}
+json.dump(doc, open(os.path.join(out, "vulkan-h200.json"), "w"), indent=1)
+print(json.dumps({k: doc[k] for k in ("bandwidth_gbps", "cuda_bandwidth_gbps", "bandwidth_ratio_to_cuda", "meets_bandwidth_target", "meets_step_target")}))
+for c in cases:
+    print(f'{c["case"]:<14} d={c["depth"]} resident {c["step_resident_s"]:.4f} streamed {c["step_streamed_s"]:.4f} [{c["step_streamed_s_min"]:.4f}, {c["step_streamed_s_max"]:.4f}] ratio {c["ratio_to_bound"]:.4f} equal {c["bitwise_equal"]}')
+PY
+  fi
+fi
+if ls "$OUT"/sabotage-*.json >/dev/null 2>&1; then
+  echo "== sabotage table"
+  python3 - "$OUT" <<'PY'
+import glob, json, os, sys
+out = sys.argv[1]
+parts = [json.load(open(p)) for p in sorted(glob.glob(os.path.join(out, "sabotage-*.json"))) if not p.endswith("-h200.json")]
+rows = [r for p in parts for r in p["rows"]]
+doc = {"commit": parts[0]["commit"], "gpu": parts[0]["gpu"], "rows": rows,
+       "all_applicable_caught": all(r["caught"] for r in rows if r["applicable"]),
+       "no_inapplicable_caught": not any(r["caught"] for r in rows if not r["applicable"])}
+json.dump(doc, open(os.path.join(out, "sabotage-h200.json"), "w"), indent=1)
+for r in rows:
+    print(f'{r["backend"]:<12} {r["sabotage"]:<16} caught={r["caught"]} applicable={r["applicable"]}')
+PY
 fi
 echo "== done"

@@ -7,6 +7,7 @@
 //! - `cuda`: raw CUDA through cudarc ([`cuda`]),
 //! - `candle`: candle tensors ([`candle`]),
 //! - `tch`: libtorch through tch ([`tch`]),
+//! - `vulkan`: Vulkan through ash ([`vulkan`]),
 //! - `sim`: the simulated backend that runs everywhere ([`core::sim`]).
 //!
 //! The backend-independent parts (host store, ring, plan, discovery, metrics) are
@@ -29,3 +30,7 @@ pub use offload_candle as candle;
 /// The libtorch backend (feature `tch`).
 #[cfg(feature = "tch")]
 pub use offload_tch as tch;
+
+/// The Vulkan backend (feature `vulkan`).
+#[cfg(feature = "vulkan")]
+pub use offload_vulkan as vulkan;

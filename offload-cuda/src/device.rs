@@ -150,7 +150,13 @@ impl CudaBackend {
     ///
     /// Where the backend made it ([`new`](Self::new)) cudarc's event tracking is off
     /// on it: the caller orders every cross-stream use of cudarc memory on it (see
-    /// [`context`](Self::context)).
+    /// [`context`](Self::context)). Safe code cannot reach it:
+    ///
+    /// ```compile_fail,E0133
+    /// fn name(b: &offload_cuda::CudaBackend) -> String {
+    ///     b.ctx().name().unwrap_or_default() // error: call to unsafe function
+    /// }
+    /// ```
     pub unsafe fn ctx(&self) -> &Arc<CudaContext> {
         &self.shared.ctx
     }

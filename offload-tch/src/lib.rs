@@ -35,8 +35,15 @@
 //!   CI path.
 //! - **CUDA (feature `cuda`).** libtorch computes on the legacy default stream; the
 //!   ring's copies run on a cudarc non-blocking stream of the same primary context
-//!   (`offload-cuda`), the default stream waits on each copy's event, and weights are
-//!   `from_blob` views of the slot (no copy).
+//!   (`offload-cuda`), the default stream waits on each copy's event. Each copy lands
+//!   in a fresh `Uint8` buffer from libtorch's caching allocator and the weights are
+//!   views of it (no copy beyond the host-to-device one).
+//! - **No view outlives its block's bytes.** A view, a tensor derived from a
+//!   parameter, or a tensor autograd saved for `backward()` holds a reference to its
+//!   block's buffer, so it reads that block's weights for as long as it lives — grad
+//!   mode may stay on (CPU: each weight is a copy, so the same holds).
+//! - **Transactional.** `TchOffload::new` builds the host store and the ring before
+//!   it empties a parameter, and on any error leaves the `VarStore` as it was.
 //! - **Out of the default build.** Without the `libtorch` feature this crate links
 //!   nothing and exports only [`TchOffload`]'s error path, so `cargo build
 //!   --workspace` never waits for libtorch.

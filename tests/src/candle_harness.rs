@@ -21,7 +21,7 @@ impl Harness for Candle {
     fn new_acc(_: &CandleBackend) -> Result<u64> {
         Ok(SEED)
     }
-    fn fold(b: &CandleBackend, acc: &mut u64, slot: &SimSlot, bytes: usize) -> Result<()> {
+    fn fold(b: &CandleBackend, acc: &mut u64, slot: &SimSlot, bytes: usize, _waits: &[()]) -> Result<()> {
         let layout = BlockLayout::new(vec![TensorSpec::new("slot", DType::U8, [bytes])])?;
         let tensors = b.tensors(slot, &layout, "")?;
         let t = &tensors["slot"];
@@ -203,7 +203,7 @@ impl Harness for CandleCuda {
     fn new_acc(b: &Self::B) -> Result<Self::Acc> {
         crate::cuda_harness::gpu_fold(b.cuda())
     }
-    fn fold(b: &Self::B, acc: &mut Self::Acc, slot: &offload_candle::CandleSlot, bytes: usize) -> Result<()> {
+    fn fold(b: &Self::B, acc: &mut Self::Acc, slot: &offload_candle::CandleSlot, bytes: usize, _waits: &[()]) -> Result<()> {
         acc.fold(b.cuda(), slot, bytes)
     }
     fn read(b: &Self::B, acc: &Self::Acc) -> Result<u64> {

@@ -82,7 +82,8 @@ impl<H: Harness> Setup<H> {
         for &p in order {
             let g = ring.block_at(p)?;
             let bytes = g.layout().bytes;
-            H::fold(b, &mut acc, g.slot(), bytes)?;
+            let waits: Vec<_> = g.wait_token().into_iter().cloned().collect();
+            H::fold(b, &mut acc, g.slot(), bytes, &waits)?;
             g.finish()?;
         }
         Ok(H::read(b, &acc)?)
@@ -90,7 +91,7 @@ impl<H: Harness> Setup<H> {
 
     fn check_equal(&self, ring: &mut Ring<Fi<H>>, order: &[usize], what: &str) -> Outcome {
         let got = self.run(ring, order)?;
-        let want = self.model.reference(order);
+        let want = H::reference(&self.model, order);
         ensure!(got == want, "{what}: offloaded result {got:#018x} differs from the resident reference {want:#018x}");
         Ok(())
     }
@@ -193,7 +194,7 @@ fn bitwise_equal<H: Harness>(s: Sabotage) -> Outcome {
     let mut resident = su.ring(&Plan::resident(), Sabotage::None)?;
     let r = su.run(&mut resident, &order)?;
     resident.close()?;
-    ensure!(r == su.model.reference(&order), "resident run differs from the host reference");
+    ensure!(r == H::reference(&su.model, &order), "resident run differs from the host reference");
     let cp = ComponentPlan { prefetch_depth: 2, resident_blocks: vec!["stack0.0".into(), "stack1.4".into()], ..Default::default() };
     for plan in [Plan::layerwise(), Plan::layerwise().prefetch_depth(3), Plan::layerwise().component("transformer", cp)] {
         let mut ring = su.ring(&plan, s)?;
@@ -201,7 +202,7 @@ fn bitwise_equal<H: Harness>(s: Sabotage) -> Outcome {
         let mut shuffled: Vec<usize> = order.iter().copied().skip(6).chain(order.iter().copied().take(6)).collect();
         for _ in 0..2 {
             let got = su.run(&mut ring, &shuffled)?;
-            ensure!(got == su.model.reference(&shuffled), "streamed run differs from the resident run");
+            ensure!(got == H::reference(&su.model, &shuffled), "streamed run differs from the resident run");
             shuffled.rotate_left(1);
         }
     }
@@ -299,11 +300,11 @@ fn on_demand<H: Harness>(_: Sabotage) -> Outcome {
     for &p in &order {
         let id = &su.store.blocks()[p].id;
         let (layout, slot) = od.block(id).ok_or_else(|| CaseError::Fail(format!("block {id} missing")))?;
-        H::fold(b, &mut acc, slot, layout.bytes)?;
+        H::fold(b, &mut acc, slot, layout.bytes, od.wait_tokens())?;
     }
     let got = H::read(b, &acc)?;
     od.release()?;
-    ensure!(got == su.model.reference(&order), "on-demand result differs from the reference");
+    ensure!(got == H::reference(&su.model, &order), "on-demand result differs from the reference");
     su.backend.synchronize()?;
     ensure!(H::live_bytes(b) == base, "on-demand component still holds device memory after release");
     let plan =
@@ -341,6 +342,6 @@ fn safetensors_source<H: Harness>(_: Sabotage) -> Outcome {
     let order: Vec<usize> = su.model.inventory.blocks().map(|b| su.store.position(&b.id).unwrap_or(usize::MAX)).collect();
     let got = su.run(&mut ring, &order)?;
     let _ = std::fs::remove_dir_all(&dir);
-    ensure!(got == su.model.reference(&su.declared()), "result from the safetensors store differs from the in-memory reference");
+    ensure!(got == H::reference(&su.model, &su.declared()), "result from the safetensors store differs from the in-memory reference");
     Ok(())
 }

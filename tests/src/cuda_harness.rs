@@ -38,7 +38,7 @@ impl Harness for Cuda {
     fn new_acc(b: &CudaBackend) -> Result<FoldKernel> {
         gpu_fold(b)
     }
-    fn fold(b: &CudaBackend, acc: &mut FoldKernel, slot: &CudaSlot, bytes: usize) -> Result<()> {
+    fn fold(b: &CudaBackend, acc: &mut FoldKernel, slot: &CudaSlot, bytes: usize, _waits: &[()]) -> Result<()> {
         acc.fold(b, slot, bytes)
     }
     fn read(b: &CudaBackend, acc: &FoldKernel) -> Result<u64> {

@@ -64,7 +64,21 @@ pub trait Harness: 'static {
     /// A new accumulator holding [`crate::model::SEED`].
     fn new_acc(b: &Self::B) -> Result<Self::Acc>;
     /// Enqueue on the compute stream: `acc = fold_combine(acc, block_hash(slot[..bytes]))`.
-    fn fold(b: &Self::B, acc: &mut Self::Acc, slot: &<Self::B as OffloadBackend>::Slot, bytes: usize) -> Result<()>;
+    /// `waits` are the block's wait tokens (`BlockGuard::wait_token`): what an
+    /// explicit-submission backend's fold submission waits on (stream backends
+    /// already waited: their tokens are `()`).
+    fn fold(
+        b: &Self::B,
+        acc: &mut Self::Acc,
+        slot: &<Self::B as OffloadBackend>::Slot,
+        bytes: usize,
+        waits: &[<Self::B as OffloadBackend>::Wait],
+    ) -> Result<()>;
+    /// The host's fold of `model`'s blocks in `order`, as this backend's kernel
+    /// computes it (the 64-bit fold of `model.rs` unless the kernel is another).
+    fn reference(model: &crate::model::TestModel, order: &[usize]) -> u64 {
+        model.reference(order)
+    }
     /// Read the accumulator back to the host (waits for compute).
     fn read(b: &Self::B, acc: &Self::Acc) -> Result<u64>;
     /// Protocol violations the backend detected itself (only the simulated one can).

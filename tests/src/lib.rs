@@ -15,6 +15,8 @@ pub mod model;
 pub mod sim_harness;
 #[cfg(feature = "tch")]
 pub mod tch_harness;
+#[cfg(feature = "vulkan")]
+pub mod vulkan_harness;
 
 pub use harness::{CaseError, Harness, ModelCase, Outcome};
 

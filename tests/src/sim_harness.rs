@@ -19,7 +19,7 @@ impl Harness for Sim {
     fn new_acc(_: &SimBackend) -> Result<u64> {
         Ok(SEED)
     }
-    fn fold(b: &SimBackend, acc: &mut u64, slot: &SimSlot, bytes: usize) -> Result<()> {
+    fn fold(b: &SimBackend, acc: &mut u64, slot: &SimSlot, bytes: usize, _waits: &[()]) -> Result<()> {
         *acc = fold_combine(*acc, b.read_slot(slot, |m| block_hash(&m[..bytes])));
         Ok(())
     }

@@ -23,7 +23,7 @@ impl Harness for Tch {
     fn new_acc(_: &SimBackend) -> Result<u64> {
         Ok(SEED)
     }
-    fn fold(b: &SimBackend, acc: &mut u64, slot: &SimSlot, bytes: usize) -> Result<()> {
+    fn fold(b: &SimBackend, acc: &mut u64, slot: &SimSlot, bytes: usize, _waits: &[()]) -> Result<()> {
         let layout = BlockLayout::new(vec![TensorSpec::new("slot", DType::U8, [bytes])])?;
         let mut params = HashMap::from([("slot".to_owned(), Tensor::empty([0i64], (Kind::Uint8, Device::Cpu)))]);
         b.bind(slot, &layout, &mut params)?;
@@ -77,7 +77,7 @@ impl Harness for TchCuda {
     fn new_acc(b: &Self::B) -> Result<Self::Acc> {
         crate::cuda_harness::gpu_fold(b.cuda())
     }
-    fn fold(b: &Self::B, acc: &mut Self::Acc, slot: &offload_tch::TchSlot, bytes: usize) -> Result<()> {
+    fn fold(b: &Self::B, acc: &mut Self::Acc, slot: &offload_tch::TchSlot, bytes: usize, _waits: &[()]) -> Result<()> {
         acc.fold(b.cuda(), slot, bytes)
     }
     fn read(b: &Self::B, acc: &Self::Acc) -> Result<u64> {

@@ -13,6 +13,23 @@ offload_tests::conformance_tests!(candle_cuda, offload_tests::candle_harness::Ca
 offload_tests::conformance_tests!(tch, offload_tests::tch_harness::Tch);
 #[cfg(feature = "tch-cuda")]
 offload_tests::conformance_tests!(tch_cuda, offload_tests::tch_harness::TchCuda);
+#[cfg(feature = "vulkan")]
+offload_tests::conformance_tests!(vulkan, offload_tests::vulkan_harness::Vulkan);
+
+/// The Vulkan row's sabotage table: every break caught on this machine's device
+/// (lavapipe in CI).
+#[cfg(feature = "vulkan")]
+#[test]
+fn vulkan_sabotage() {
+    let table = offload_tests::run_sabotage::<offload_tests::vulkan_harness::Vulkan>();
+    if let Some(skip) = table.iter().flat_map(|r| &r.by).find(|(_, w)| w.starts_with("SKIPPED")) {
+        offload_tests::report("vulkan sabotage", Err(offload_tests::CaseError::Skip(skip.1.clone())));
+        return;
+    }
+    for row in &table {
+        assert!(row.caught, "vulkan: {:?} was not caught (passed: {:?})", row.sabotage, row.missed_by);
+    }
+}
 
 /// The backend-only rows (models, views after release, safe-API checks).
 fn backend_cases<H: offload_tests::Harness>(expected: usize) {
@@ -56,4 +73,10 @@ fn tch_backend_cases() {
 #[test]
 fn tch_cuda_backend_cases() {
     backend_cases::<offload_tests::tch_harness::TchCuda>(1);
+}
+
+#[cfg(feature = "vulkan")]
+#[test]
+fn vulkan_backend_cases() {
+    backend_cases::<offload_tests::vulkan_harness::Vulkan>(1);
 }

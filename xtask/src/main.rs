@@ -13,7 +13,7 @@ cargo xtask <command>
                             fetches libtorch 2.11 (PyPI wheels, cached in ~/.cache/offload) unless LIBTORCH is set
   demo [--cpu] [-- ARGS]    the main job: a Flux-shaped candle model streamed block by block (the GPU
                             where nvidia-smi lists one, else candle's CPU device)
-  conformance [--backend sim|cuda|candle|tch|tch-cuda|all]
+  conformance [--backend sim|cuda|candle|tch|tch-cuda|vulkan|all]
                             the conformance table, cases x backends
   lint                      cargo fmt --check, clippy -D warnings, tidy
   bench [--backend sim]     host-side cost per block and planner speed (criterion); writes bench/results/<date>-sim-host-cost.json
@@ -27,7 +27,8 @@ cargo xtask <command>
                             writes bench/results/<date>-candle-flux.json
   bench --report            bench/REPORT.md and bench/plots/*.png from the committed bench/results/*.json
   faults                    inject faults, try bad inputs and plans; writes bench/results/<date>-faults.md
-  gpu-bundle [--candle]     build the CUDA and tch binaries and a run script into .bundle/ for the GPU runner;
+  gpu-bundle [--candle]     build the CUDA, tch and Vulkan binaries and a run script into .bundle/ for the GPU runner
+                            (and the Vulkan loader and validation layer as Debian packages into .gl/);
                             --candle adds candle's CUDA build (nvcc from PyPI, ~15 min on 2 cores)
 ";
 
@@ -95,6 +96,14 @@ fn flag(args: &[String], name: &str) -> Option<String> {
     args.iter().position(|a| a == name).and_then(|i| args.get(i + 1).cloned())
 }
 
+/// lavapipe, the Vulkan loader and the validation layer (scripts/install-vulkan.sh:
+/// Debian's packages, installed when missing).
+fn ensure_vulkan() -> Result<(), String> {
+    let mut c = Command::new("bash");
+    c.arg(root().join("scripts/install-vulkan.sh"));
+    run(c)
+}
+
 fn lint() -> Result<(), String> {
     ensure_libtorch()?;
     let mut c = cargo();
@@ -106,7 +115,7 @@ fn lint() -> Result<(), String> {
         "--workspace",
         "--all-targets",
         "--features",
-        "offload/sim,offload/candle,offload-tests/cuda,offload-tests/candle,offload-tests/tch",
+        "offload/sim,offload/candle,offload/vulkan,offload-tests/cuda,offload-tests/candle,offload-tests/tch,offload-tests/vulkan",
         "--",
         "-D",
         "warnings",
@@ -115,7 +124,16 @@ fn lint() -> Result<(), String> {
     // libtorch on CUDA builds without a GPU (libtorch_cuda comes with the wheel):
     // lint it too, so the tch-cuda row compiles in CI.
     let mut c = cargo();
-    c.args(["clippy", "-p", "offload-tests", "-p", "offload-tch", "--all-targets", "--features", "offload-tests/tch-cuda,offload-tch/cuda"]);
+    c.args([
+        "clippy",
+        "-p",
+        "offload-tests",
+        "-p",
+        "offload-tch",
+        "--all-targets",
+        "--features",
+        "offload-tests/tch-cuda,offload-tch/cuda",
+    ]);
     c.args(["--", "-D", "warnings"]);
     run(c)?;
     let problems = tidy::check(&root());
@@ -132,16 +150,21 @@ fn conformance(args: &[String]) -> Result<(), String> {
     let mut c = cargo();
     // The dev profile (optimised dependencies): shares its build with `cargo test`.
     c.args(["run", "-q", "-p", "offload-tests", "--bin", "conformance"]);
-    let features: Vec<&str> = backend.split(',').filter(|b| matches!(*b, "cuda" | "candle" | "tch" | "tch-cuda")).collect();
+    let features: Vec<&str> = backend.split(',').filter(|b| matches!(*b, "cuda" | "candle" | "tch" | "tch-cuda" | "vulkan")).collect();
     if backend == "all" || features.iter().any(|f| f.starts_with("tch")) {
         ensure_libtorch()?;
     }
+    if backend == "all" || features.contains(&"vulkan") {
+        ensure_vulkan()?;
+    }
     if backend == "all" {
-        c.args(["--features", "cuda,candle,tch"]);
+        c.args(["--features", "cuda,candle,tch,vulkan"]);
     } else if !features.is_empty() {
         c.args(["--features", &features.join(",")]);
     }
-    c.args(["--", "--backend", &backend]);
+    // Every deliberate ring break on every row too (rows without their device skip).
+    let sabotage = root().join("target/conformance-sabotage.json");
+    c.args(["--", "--backend", &backend, "--sabotage"]).arg(sabotage);
     run(c)
 }
 
@@ -283,6 +306,36 @@ fn gpu_bundle(args: &[String]) -> Result<(), String> {
     for (from, to) in [("target/bundle/conformance", "conformance"), ("target/bundle/examples/cuda_bench", "cuda_bench")] {
         std::fs::copy(root().join(from), dir.join(to)).map_err(|e| format!("{from}: {e}"))?;
     }
+    // The Vulkan row and bench (the runner has NVIDIA's Vulkan driver; the loader
+    // and the validation layer travel as Debian packages in .gl/).
+    let mut c = cargo();
+    c.args([
+        "build",
+        "--profile",
+        "bundle",
+        "-p",
+        "offload-tests",
+        "--features",
+        "vulkan,cuda",
+        "--bin",
+        "conformance",
+        "--bin",
+        "vulkan-bench",
+    ]);
+    run(c)?;
+    std::fs::copy(root().join("target/bundle/conformance"), dir.join("conformance-vulkan"))
+        .map_err(|e| format!("conformance-vulkan: {e}"))?;
+    std::fs::copy(root().join("target/bundle/vulkan-bench"), dir.join("vulkan-bench")).map_err(|e| format!("vulkan-bench: {e}"))?;
+    let gl = root().join(".gl");
+    std::fs::create_dir_all(&gl).map_err(|e| e.to_string())?;
+    let mut c = Command::new("apt-get");
+    c.current_dir(&gl).args(["download", "libvulkan1", "vulkan-validationlayers"]);
+    run(c)?;
+    // The cuda-only conformance binary again (the build above replaced target/bundle/conformance).
+    let mut c = cargo();
+    c.args(["build", "--profile", "bundle", "-p", "offload-tests", "--features", "cuda", "--bin", "conformance"]);
+    run(c)?;
+    std::fs::copy(root().join("target/bundle/conformance"), dir.join("conformance")).map_err(|e| format!("conformance: {e}"))?;
     // The tch binaries (libtorch found through RUNPATH on the runner), built in the
     // dev profile (optimised dependencies) to share torch-sys's build, then stripped.
     ensure_libtorch()?;
@@ -321,6 +374,8 @@ fn gpu_bundle(args: &[String]) -> Result<(), String> {
 }
 
 fn ci() -> Result<(), String> {
+    // lavapipe for the Vulkan tests (Debian's packages, when missing).
+    ensure_vulkan()?;
     lint()?;
     let mut c = cargo();
     c.args(["test", "--workspace", "--all-targets"]);
@@ -330,8 +385,12 @@ fn ci() -> Result<(), String> {
     run(c)?;
     // The CUDA row builds everywhere (run-time loading) and skips visibly without
     // a GPU; the candle row runs on the CPU device.
+    // The Vulkan row runs on lavapipe.
     let mut c = cargo();
-    c.args(["test", "-p", "offload-tests", "--features", "cuda,candle,tch", "--test", "conformance"]);
+    c.args(["test", "-p", "offload-tests", "--features", "cuda,candle,tch,vulkan", "--test", "conformance"]);
+    run(c)?;
+    let mut c = cargo();
+    c.args(["test", "-p", "offload-vulkan"]);
     run(c)?;
     // The tch backend (libtorch fetched by `lint` above), CPU.
     let mut c = cargo();
@@ -343,7 +402,7 @@ fn ci() -> Result<(), String> {
     c.args(["run", "-q", "--example", "flux_demo", "--features", "candle", "--"]);
     c.args(["--hidden", "128", "--double", "2", "--single", "3", "--res", "128", "--steps", "2", "--depth", "2"]);
     run(c)?;
-    conformance(&["--backend".into(), "sim,candle,tch,cuda".into()])
+    conformance(&["--backend".into(), "sim,candle,tch,cuda,vulkan".into()])
 }
 
 fn main() {

@@ -63,7 +63,7 @@ pub fn check(root: &Path) -> Vec<String> {
             problems.push(format!("{rel}: does not open with a `//!` doc comment"));
         }
         let lines: Vec<&str> = text.lines().collect();
-        let backend = ["offload-cuda/", "offload-candle/", "offload-tch/"].iter().any(|p| rel.starts_with(p));
+        let backend = ["offload-cuda/", "offload-candle/", "offload-tch/", "offload-vulkan/"].iter().any(|p| rel.starts_with(p));
         for (i, line) in lines.iter().enumerate() {
             let code = strip_strings(line.split("//").next().unwrap_or(""));
             if !unsafe_block_or_impl(&code) {
@@ -80,11 +80,12 @@ pub fn check(root: &Path) -> Vec<String> {
     }
     let manifest = |c: &str| std::fs::read_to_string(root.join(c).join("Cargo.toml")).unwrap_or_default();
     for (krate, banned) in [
-        ("offload-core", &["cudarc", "candle", "tch", "offload-cuda", "offload-candle", "offload-tch"][..]),
-        ("offload-plan", &["cudarc", "candle", "tch", "offload-cuda", "offload-candle", "offload-tch"][..]),
-        ("offload-cuda", &["candle", "tch", "offload-candle", "offload-tch"][..]),
-        ("offload-candle", &["tch", "offload-tch"][..]),
-        ("offload-tch", &["candle", "offload-candle"][..]),
+        ("offload-core", &["cudarc", "candle", "tch", "ash", "offload-cuda", "offload-candle", "offload-tch", "offload-vulkan"][..]),
+        ("offload-plan", &["cudarc", "candle", "tch", "ash", "offload-cuda", "offload-candle", "offload-tch", "offload-vulkan"][..]),
+        ("offload-cuda", &["candle", "tch", "ash", "offload-candle", "offload-tch", "offload-vulkan"][..]),
+        ("offload-candle", &["tch", "ash", "offload-tch", "offload-vulkan"][..]),
+        ("offload-tch", &["candle", "ash", "offload-candle", "offload-vulkan"][..]),
+        ("offload-vulkan", &["cudarc", "candle", "tch", "offload-cuda", "offload-candle", "offload-tch"][..]),
     ] {
         let m = manifest(krate);
         let deps = m.split("[dependencies]").nth(1).unwrap_or("");

@@ -22,6 +22,8 @@ fn suite(backend: &str) -> Option<Row> {
         "tch" => Some(run_suite::<offload_tests::tch_harness::Tch>()),
         #[cfg(feature = "tch-cuda")]
         "tch-cuda" => Some(run_suite::<offload_tests::tch_harness::TchCuda>()),
+        #[cfg(feature = "vulkan")]
+        "vulkan" => Some(run_suite::<offload_tests::vulkan_harness::Vulkan>()),
         _ => None,
     }
 }
@@ -39,6 +41,8 @@ fn sabotage(backend: &str) -> Option<Vec<SabotageOutcome>> {
         "tch" => Some(run_sabotage::<offload_tests::tch_harness::Tch>()),
         #[cfg(feature = "tch-cuda")]
         "tch-cuda" => Some(run_sabotage::<offload_tests::tch_harness::TchCuda>()),
+        #[cfg(feature = "vulkan")]
+        "vulkan" => Some(run_sabotage::<offload_tests::vulkan_harness::Vulkan>()),
         _ => None,
     }
 }
@@ -55,6 +59,11 @@ fn sabotage_table(backends: &[String], path: &str, commit: &str, gpu: &str) -> u
             missed += 1;
             continue;
         };
+        let skipped = table.iter().flat_map(|o| &o.by).find(|(_, w)| w.starts_with("SKIPPED"));
+        if let (Some((_, why)), false) = (skipped, offload_tests::device_required()) {
+            println!("{b:<14} skipped: {why}");
+            continue;
+        }
         for o in table {
             let by: Vec<String> = o.by.iter().map(|(c, w)| format!("{c}: {w}")).collect();
             let note = if o.applicable {
@@ -96,7 +105,7 @@ fn main() {
     let mut i = 0;
     while i < args.len() {
         match (args[i].as_str(), args.get(i + 1)) {
-            ("--backend", Some(b)) if b == "all" => backends = ["sim", "cuda", "candle", "tch"].map(String::from).to_vec(),
+            ("--backend", Some(b)) if b == "all" => backends = ["sim", "cuda", "candle", "tch", "vulkan"].map(String::from).to_vec(),
             ("--backend", Some(b)) => backends = b.split(',').map(String::from).collect(),
             ("--json", Some(p)) => json = Some(p.clone()),
             ("--sabotage", Some(p)) => sabotage_json = Some(p.clone()),

@@ -1,0 +1,141 @@
+//! The tch boundary on the CPU: `TchOffload::new` is transactional, a forgotten
+//! `TchBlock` is cleaned up by the next `block` (parameters pointed back, the
+//! ring records the release), and a bind that fails part way is undone.
+#![cfg(feature = "libtorch")]
+
+use offload_core::sim::{SimBackend, SimConfig, SimEvent, SimHost, SimSlot};
+use offload_core::{BlockLayout, Error, NameDiscovery, OffloadBackend, Plan, Result};
+use offload_tch::tch::nn::{self, Module};
+use offload_tch::tch::{self, Device, Kind, Tensor};
+use offload_tch::{TchOffload, TchSlots};
+use std::collections::HashMap;
+
+fn store(blocks: i64) -> (nn::VarStore, Vec<nn::Linear>) {
+    tch::manual_seed(11);
+    let vs = nn::VarStore::new(Device::Cpu);
+    let m = (0..blocks).map(|i| nn::linear(vs.root() / "blocks" / i, 32, 32, Default::default())).collect();
+    (vs, m)
+}
+
+/// Every variable's name, shape and bytes.
+fn snapshot(vs: &nn::VarStore) -> Vec<(String, Vec<i64>, Vec<u8>)> {
+    let mut v: Vec<_> = vs
+        .variables()
+        .into_iter()
+        .map(|(n, t)| {
+            let t = t.contiguous();
+            let mut b = vec![0u8; t.numel() * t.kind().elt_size_in_bytes()];
+            t.copy_data_u8(&mut b, t.numel());
+            (n, t.size(), b)
+        })
+        .collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn a_failed_new_leaves_the_var_store_as_it_was() {
+    let (vs, _m) = store(4);
+    let before = snapshot(&vs);
+    assert!(before.iter().all(|(_, s, _)| s.iter().product::<i64>() > 0));
+    // A device too small for the ring's slots: the ring fails after the store is built.
+    let tiny = SimBackend::new(SimConfig { device_bytes: 1024, ..SimConfig::fast() });
+    let r = TchOffload::new(tiny, &vs, "model", &NameDiscovery, &Plan::layerwise());
+    let e = r.err().expect("the ring cannot fit");
+    assert!(e.to_string().contains("out of") || e.to_string().contains("memory"), "{e}");
+    assert_eq!(snapshot(&vs), before, "the VarStore changed on a failed TchOffload::new");
+}
+
+#[test]
+fn a_forgotten_block_is_cleaned_up_by_the_next() {
+    let (vs, m) = store(3);
+    let x = Tensor::randn([2, 32], (Kind::Float, Device::Cpu));
+    let _g = tch::no_grad_guard();
+    let want: Vec<Tensor> = m.iter().map(|l| l.forward(&x)).collect();
+    let sim = SimBackend::new(SimConfig::default());
+    let mut off = TchOffload::new(sim.clone(), &vs, "model", &NameDiscovery, &Plan::layerwise()).expect("offload");
+    for step in 0..2 {
+        for (i, l) in m.iter().enumerate() {
+            let block = off.block("blocks", i).expect("block");
+            let y = l.forward(&x);
+            assert!(y.equal(&want[i]), "step {step} block {i}: wrong output");
+            if i == 1 {
+                std::mem::forget(block);
+            } else {
+                block.finish().expect("finish");
+            }
+        }
+        let metrics = off.end_step().expect("end step");
+        assert_eq!(metrics.forgotten_guards, 1, "{metrics}");
+        // The forgotten block's parameters were pointed back at placeholders.
+        assert_eq!(m[1].ws.numel(), 0, "step {step}: the forgotten block still points at its slot");
+    }
+    sim.check().expect("no protocol violation");
+}
+
+/// The simulated backend, but `bind` points the first tensor of a block at its
+/// weights and then fails.
+#[derive(Clone)]
+struct FailingBind(SimBackend);
+
+impl OffloadBackend for FailingBind {
+    type HostBuffer = SimHost;
+    type Slot = SimSlot;
+    type Event = SimEvent;
+    type Wait = ();
+    fn name(&self) -> &'static str {
+        "failing-bind"
+    }
+    fn alloc_host(&self, bytes: usize, purpose: &str, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<SimHost> {
+        self.0.alloc_host(bytes, purpose, fill)
+    }
+    fn host_bytes<'a>(&self, buffer: &'a SimHost) -> &'a [u8] {
+        self.0.host_bytes(buffer)
+    }
+    fn host_is_pinned(&self) -> bool {
+        true
+    }
+    fn alloc_slot(&self, bytes: usize, purpose: &str) -> Result<SimSlot> {
+        self.0.alloc_slot(bytes, purpose)
+    }
+    fn free_slot(&self, slot: SimSlot, after: Option<&SimEvent>) -> Result<()> {
+        self.0.free_slot(slot, after)
+    }
+    fn copy_to_slot(&self, src: &SimHost, dst: &mut SimSlot, bytes: usize, after: Option<&SimEvent>) -> Result<SimEvent> {
+        self.0.copy_to_slot(src, dst, bytes, after)
+    }
+    fn compute_wait(&self, event: &SimEvent) -> Result<()> {
+        self.0.compute_wait(event)
+    }
+    fn record_compute(&self) -> Result<SimEvent> {
+        self.0.record_compute()
+    }
+    fn synchronize(&self) -> Result<()> {
+        self.0.synchronize()
+    }
+}
+
+impl TchSlots for FailingBind {
+    fn tch_device(&self) -> Device {
+        Device::Cpu
+    }
+    fn bind(&self, slot: &SimSlot, layout: &BlockLayout, params: &mut HashMap<String, Tensor>) -> Result<()> {
+        let first = BlockLayout::new(vec![layout.tensors[0].spec.clone()])?;
+        self.0.bind(slot, &first, params)?;
+        Err(Error::Injected(format!("bind after {}", layout.tensors[0].spec.name)))
+    }
+}
+
+#[test]
+fn a_bind_that_fails_part_way_is_undone() {
+    let (vs, m) = store(2);
+    let mut off = TchOffload::new(FailingBind(SimBackend::new(SimConfig::fast())), &vs, "model", &NameDiscovery, &Plan::layerwise())
+        .expect("offload");
+    let r = off.block("blocks", 0);
+    assert!(r.is_err(), "the bind was to fail");
+    drop(r);
+    for (name, p) in [("bias", &m[0].bs), ("weight", &Some(m[0].ws.shallow_clone()))] {
+        let n = p.as_ref().map_or(0, Tensor::numel);
+        assert_eq!(n, 0, "blocks.0.{name} still points at the slot after a failed bind");
+    }
+}

@@ -1,0 +1,788 @@
+//! The Vulkan backend handle: instance, device, a compute queue and a transfer
+//! queue (the same queue where the device has only one), two timeline semaphores,
+//! and the bookkeeping that makes freeing non-blocking and checks the protocol.
+
+use crate::memory::{find_memory_type, VulkanHost, VulkanSlot};
+use ash::vk;
+use offload_core::{Error, MemoryInfo, OffloadBackend, Result};
+use std::collections::HashMap;
+use std::ffi::{c_void, CStr, CString};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+pub(crate) const BACKEND: &str = "vulkan";
+
+/// A Vulkan call's error, naming the call and what it was for.
+pub(crate) fn vk_err(call: &str, purpose: &str, e: vk::Result) -> Error {
+    Error::device(BACKEND, format!("{call} ({purpose})"), e)
+}
+
+/// Which timeline a point is on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Timeline {
+    /// Signalled by copies on the transfer queue.
+    Copy,
+    /// Signalled by submissions on the compute queue.
+    Compute,
+}
+
+/// A value of one of the backend's timeline semaphores: the ring's event, and the
+/// wait token a user's compute submission carries (`OffloadBackend::Wait`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct VulkanPoint {
+    /// The timeline.
+    pub timeline: Timeline,
+    /// The semaphore (to put in a `VkSubmitInfo`'s waits).
+    pub semaphore: vk::Semaphore,
+    /// The value to wait for.
+    pub value: u64,
+}
+
+/// How to open the device.
+#[derive(Clone, Debug)]
+pub struct VulkanOptions {
+    /// Index among the physical devices that have a compute queue.
+    pub device_index: usize,
+    /// Turn on the Khronos validation layer; its errors are collected
+    /// ([`VulkanBackend::validation_messages`]) and fail [`OffloadBackend::poll_error`].
+    /// An error if the layer is not installed.
+    pub validation: bool,
+}
+
+impl Default for VulkanOptions {
+    fn default() -> Self {
+        VulkanOptions { device_index: 0, validation: false }
+    }
+}
+
+/// Per-slot protocol bookkeeping (the checking the simulated backend does, here on
+/// the submission API: which copy filled the slot, which submission read it last).
+#[derive(Default, Clone, Copy)]
+pub(crate) struct SlotTrack {
+    pub(crate) last_copy: Option<u64>,
+    pub(crate) last_read: Option<u64>,
+}
+
+pub(crate) struct State {
+    /// Last value submitted for signalling on each timeline.
+    pub(crate) copy_value: u64,
+    pub(crate) compute_value: u64,
+    /// Values the host has waited for (a synchronisation covers everything before).
+    pub(crate) synced_compute: u64,
+    /// Command buffers in flight: freed once their timeline passes the value.
+    pub(crate) pending: Vec<(vk::CommandPool, vk::CommandBuffer, Timeline, u64)>,
+    /// Buffers to destroy once both timelines pass the values.
+    pub(crate) garbage: Vec<(vk::Buffer, vk::DeviceMemory, u64, u64)>,
+    pub(crate) slots: HashMap<u64, SlotTrack>,
+    pub(crate) next_slot: u64,
+    pub(crate) violations: Vec<String>,
+    pub(crate) checking: bool,
+    pub(crate) live_bytes: u64,
+    pub(crate) peak_bytes: u64,
+    pub(crate) syncs: u64,
+    pub(crate) copies: u64,
+    pub(crate) bytes_copied: u64,
+}
+
+pub(crate) struct Queue {
+    pub(crate) family: u32,
+    pub(crate) queue: vk::Queue,
+    pub(crate) pool: vk::CommandPool,
+}
+
+pub(crate) struct Inner {
+    _entry: ash::Entry,
+    instance: ash::Instance,
+    debug: Option<(ash::ext::debug_utils::Instance, vk::DebugUtilsMessengerEXT)>,
+    messages: *mut Mutex<Vec<String>>,
+    pub(crate) device: ash::Device,
+    pub(crate) push: ash::khr::push_descriptor::Device,
+    pub(crate) mem_props: vk::PhysicalDeviceMemoryProperties,
+    pub(crate) compute: Queue,
+    /// `None`: copies go to the compute queue (lavapipe has one queue).
+    pub(crate) transfer: Option<Queue>,
+    pub(crate) families: Vec<u32>,
+    pub(crate) copy_tl: vk::Semaphore,
+    pub(crate) compute_tl: vk::Semaphore,
+    pub(crate) state: Mutex<State>,
+    name: String,
+}
+
+// SAFETY: every Vulkan object here is used under `state`'s lock where the API asks
+// for external synchronisation (queues, command pools); `messages` is a leaked
+// `Mutex`, freed only in `Drop` after the messenger is gone.
+unsafe impl Send for Inner {}
+// SAFETY: as above.
+unsafe impl Sync for Inner {}
+
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+unsafe extern "system" fn debug_callback(
+    severity: vk::DebugUtilsMessageSeverityFlagsEXT,
+    _ty: vk::DebugUtilsMessageTypeFlagsEXT,
+    data: *const vk::DebugUtilsMessengerCallbackDataEXT<'_>,
+    user: *mut c_void,
+) -> vk::Bool32 {
+    if severity.contains(vk::DebugUtilsMessageSeverityFlagsEXT::ERROR) && !data.is_null() && !user.is_null() {
+        // SAFETY: the layer passes a valid callback-data struct; `user` is the
+        // `Mutex` leaked in `VulkanBackend::with_options`, alive while the messenger is.
+        let (msg, sink) = unsafe { ((*data).message_as_c_str(), &*(user as *const Mutex<Vec<String>>)) };
+        let text = msg.map(|m| m.to_string_lossy().into_owned()).unwrap_or_else(|| "(no message)".into());
+        tracing::error!("vulkan validation: {text}");
+        lock(sink).push(text);
+    }
+    vk::FALSE
+}
+
+/// The Vulkan backend. Cheap to clone (an `Arc`).
+///
+/// Copies run on the transfer queue (a dedicated transfer family where the device
+/// has one) and signal the copy timeline; the user's compute is submitted on the
+/// compute queue through [`submit_compute`](Self::submit_compute), waiting on the
+/// blocks' wait tokens and signalling the compute timeline. A block's release is an
+/// empty submission on the compute queue that signals after everything submitted
+/// before it, or the value the user's own submission signals
+/// (`BlockGuard::finish_after`).
+#[derive(Clone)]
+pub struct VulkanBackend {
+    pub(crate) inner: Arc<Inner>,
+}
+
+/// Counters of a [`VulkanBackend`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct VulkanCounters {
+    /// Slot bytes allocated now.
+    pub live_bytes: u64,
+    /// Peak of `live_bytes` since the last reset.
+    pub peak_bytes: u64,
+    /// Host synchronisations through [`OffloadBackend::synchronize`].
+    pub syncs: u64,
+    /// Copies submitted.
+    pub copies: u64,
+    /// Bytes copied host to device.
+    pub bytes_copied: u64,
+}
+
+impl VulkanBackend {
+    /// The first Vulkan device with a compute queue, validation off.
+    pub fn new() -> Result<Self> {
+        Self::with_options(&VulkanOptions::default())
+    }
+
+    /// A device chosen and configured by `options`. Returns
+    /// [`Error::Unsupported`] where no Vulkan loader or device is installed.
+    pub fn with_options(options: &VulkanOptions) -> Result<Self> {
+        // SAFETY: loading the system's Vulkan loader library; no Vulkan call yet.
+        let entry =
+            unsafe { ash::Entry::load() }.map_err(|e| Error::unsupported(BACKEND, format!("no Vulkan loader (libvulkan.so.1): {e}")))?;
+        let messages: *mut Mutex<Vec<String>> = Box::into_raw(Box::new(Mutex::new(Vec::new())));
+        let built = Self::build(entry, options, messages);
+        if built.is_err() {
+            // SAFETY: no messenger was left alive on failure (`build` destroys what it made).
+            drop(unsafe { Box::from_raw(messages) });
+        }
+        built
+    }
+
+    fn build(entry: ash::Entry, options: &VulkanOptions, messages: *mut Mutex<Vec<String>>) -> Result<Self> {
+        let layer = c"VK_LAYER_KHRONOS_validation";
+        let mut layers = Vec::new();
+        let mut extensions = Vec::new();
+        if options.validation {
+            // SAFETY: a query with no handles involved.
+            let have = unsafe { entry.enumerate_instance_layer_properties() }
+                .map_err(|e| vk_err("vkEnumerateInstanceLayerProperties", "validation", e))?;
+            if !have.iter().any(|l| l.layer_name_as_c_str().is_ok_and(|n| n == layer)) {
+                return Err(Error::unsupported(BACKEND, "the Khronos validation layer is not installed (Debian: vulkan-validationlayers)"));
+            }
+            layers.push(layer.as_ptr());
+            extensions.push(ash::ext::debug_utils::NAME.as_ptr());
+        }
+        let app_name = CString::new("offload").unwrap_or_default();
+        let app = vk::ApplicationInfo::default().application_name(&app_name).api_version(vk::API_VERSION_1_2);
+        let ci = vk::InstanceCreateInfo::default().application_info(&app).enabled_layer_names(&layers).enabled_extension_names(&extensions);
+        // SAFETY: the create info and everything it points to live across the call.
+        let instance = unsafe { entry.create_instance(&ci, None) }.map_err(|e| match e {
+            vk::Result::ERROR_INCOMPATIBLE_DRIVER | vk::Result::ERROR_INITIALIZATION_FAILED => {
+                Error::unsupported(BACKEND, format!("no Vulkan driver ({e})"))
+            }
+            e => vk_err("vkCreateInstance", "the instance", e),
+        })?;
+        let mut debug = None;
+        if options.validation {
+            let du = ash::ext::debug_utils::Instance::new(&entry, &instance);
+            let info = vk::DebugUtilsMessengerCreateInfoEXT::default()
+                .message_severity(vk::DebugUtilsMessageSeverityFlagsEXT::ERROR | vk::DebugUtilsMessageSeverityFlagsEXT::WARNING)
+                .message_type(vk::DebugUtilsMessageTypeFlagsEXT::VALIDATION | vk::DebugUtilsMessageTypeFlagsEXT::GENERAL)
+                .pfn_user_callback(Some(debug_callback))
+                .user_data(messages as *mut c_void);
+            // SAFETY: the callback and its user data outlive the messenger (destroyed in `Drop`).
+            match unsafe { du.create_debug_utils_messenger(&info, None) } {
+                Ok(m) => debug = Some((du, m)),
+                Err(e) => {
+                    // SAFETY: nothing was created from the instance yet.
+                    unsafe { instance.destroy_instance(None) };
+                    return Err(vk_err("vkCreateDebugUtilsMessengerEXT", "validation messages", e));
+                }
+            }
+        }
+        let destroy_instance = |debug: &Option<(ash::ext::debug_utils::Instance, vk::DebugUtilsMessengerEXT)>| {
+            // SAFETY: called on error paths before any device exists.
+            unsafe {
+                if let Some((du, m)) = debug {
+                    du.destroy_debug_utils_messenger(*m, None);
+                }
+                instance.destroy_instance(None);
+            }
+        };
+        let opened = Self::open_device(&instance, options);
+        let (phys, compute_family, transfer_family, name) = match opened {
+            Ok(x) => x,
+            Err(e) => {
+                destroy_instance(&debug);
+                return Err(e);
+            }
+        };
+        let priorities = [1.0f32];
+        let mut qcis = vec![vk::DeviceQueueCreateInfo::default().queue_family_index(compute_family).queue_priorities(&priorities)];
+        if let Some(t) = transfer_family {
+            qcis.push(vk::DeviceQueueCreateInfo::default().queue_family_index(t).queue_priorities(&priorities));
+        }
+        let dev_exts = [ash::khr::push_descriptor::NAME.as_ptr()];
+        let mut f12 = vk::PhysicalDeviceVulkan12Features::default().timeline_semaphore(true);
+        let dci = vk::DeviceCreateInfo::default().queue_create_infos(&qcis).enabled_extension_names(&dev_exts).push_next(&mut f12);
+        // SAFETY: `phys` is a device of `instance`; the create info lives across the call.
+        let device = match unsafe { instance.create_device(phys, &dci, None) } {
+            Ok(d) => d,
+            Err(e) => {
+                destroy_instance(&debug);
+                return Err(vk_err("vkCreateDevice", &name, e));
+            }
+        };
+        // SAFETY: plain queries and object creation on the live device; every object
+        // is destroyed in `Inner::drop`, or here on failure (device-wait-idle first).
+        let made = unsafe {
+            (|| -> std::result::Result<_, (vk::Result, &'static str)> {
+                let mk_pool = |family: u32| {
+                    let ci = vk::CommandPoolCreateInfo::default()
+                        .queue_family_index(family)
+                        .flags(vk::CommandPoolCreateFlags::TRANSIENT | vk::CommandPoolCreateFlags::RESET_COMMAND_BUFFER);
+                    device.create_command_pool(&ci, None)
+                };
+                let compute_pool = mk_pool(compute_family).map_err(|e| (e, "vkCreateCommandPool"))?;
+                let compute = Queue { family: compute_family, queue: device.get_device_queue(compute_family, 0), pool: compute_pool };
+                let transfer = match transfer_family {
+                    Some(t) => {
+                        let pool = mk_pool(t).map_err(|e| (e, "vkCreateCommandPool"))?;
+                        Some(Queue { family: t, queue: device.get_device_queue(t, 0), pool })
+                    }
+                    None => None,
+                };
+                let mut ty = vk::SemaphoreTypeCreateInfo::default().semaphore_type(vk::SemaphoreType::TIMELINE).initial_value(0);
+                let ci = vk::SemaphoreCreateInfo::default().push_next(&mut ty);
+                let copy_tl = device.create_semaphore(&ci, None).map_err(|e| (e, "vkCreateSemaphore"))?;
+                let compute_tl = device.create_semaphore(&ci, None).map_err(|e| (e, "vkCreateSemaphore"))?;
+                Ok((compute, transfer, copy_tl, compute_tl))
+            })()
+        };
+        let (compute, transfer, copy_tl, compute_tl) = match made {
+            Ok(x) => x,
+            Err((e, call)) => {
+                // SAFETY: nothing was submitted; destroying the device frees its children.
+                unsafe { device.destroy_device(None) };
+                destroy_instance(&debug);
+                return Err(vk_err(call, &name, e));
+            }
+        };
+        let push = ash::khr::push_descriptor::Device::new(&instance, &device);
+        // SAFETY: a query of a live physical device.
+        let mem_props = unsafe { instance.get_physical_device_memory_properties(phys) };
+        let mut families = vec![compute.family];
+        if let Some(t) = &transfer {
+            families.push(t.family);
+        }
+        let state = State {
+            copy_value: 0,
+            compute_value: 0,
+            synced_compute: 0,
+            pending: Vec::new(),
+            garbage: Vec::new(),
+            slots: HashMap::new(),
+            next_slot: 0,
+            violations: Vec::new(),
+            checking: false,
+            live_bytes: 0,
+            peak_bytes: 0,
+            syncs: 0,
+            copies: 0,
+            bytes_copied: 0,
+        };
+        let inner = Inner {
+            _entry: entry,
+            instance,
+            debug,
+            messages,
+            device,
+            push,
+            mem_props,
+            compute,
+            transfer,
+            families,
+            copy_tl,
+            compute_tl,
+            state: Mutex::new(state),
+            name,
+        };
+        Ok(VulkanBackend { inner: Arc::new(inner) })
+    }
+
+    /// The physical device, its compute family and a dedicated transfer family.
+    fn open_device(instance: &ash::Instance, options: &VulkanOptions) -> Result<(vk::PhysicalDevice, u32, Option<u32>, String)> {
+        // SAFETY: queries of a live instance.
+        let devices = unsafe { instance.enumerate_physical_devices() }.map_err(|e| vk_err("vkEnumeratePhysicalDevices", "devices", e))?;
+        let mut with_compute = Vec::new();
+        for pd in devices {
+            // SAFETY: as above.
+            let (props, families) =
+                unsafe { (instance.get_physical_device_properties(pd), instance.get_physical_device_queue_family_properties(pd)) };
+            if props.api_version < vk::API_VERSION_1_2 {
+                continue;
+            }
+            let Some(c) = families.iter().position(|f| f.queue_flags.contains(vk::QueueFlags::COMPUTE)) else { continue };
+            let t = families.iter().position(|f| {
+                f.queue_flags.contains(vk::QueueFlags::TRANSFER)
+                    && !f.queue_flags.intersects(vk::QueueFlags::COMPUTE | vk::QueueFlags::GRAPHICS)
+            });
+            let name = props.device_name_as_c_str().map(CStr::to_string_lossy).map(|n| n.into_owned()).unwrap_or_default();
+            with_compute.push((pd, c as u32, t.map(|t| t as u32), name));
+        }
+        let n = with_compute.len();
+        with_compute.into_iter().nth(options.device_index).ok_or_else(|| {
+            Error::unsupported(BACKEND, format!("no Vulkan 1.2 device with a compute queue at index {} ({n} found)", options.device_index))
+        })
+    }
+
+    /// The device's name (`"llvmpipe (LLVM 15.0.6, 256 bits)"`, `"NVIDIA H200"`).
+    pub fn device_name(&self) -> &str {
+        &self.inner.name
+    }
+
+    /// Whether copies run on a dedicated transfer queue (else on the compute queue).
+    pub fn has_transfer_queue(&self) -> bool {
+        self.inner.transfer.is_some()
+    }
+
+    /// The checking mode for conformance runs: before every copy into a slot, the
+    /// transfer queue fills the whole slot with [`POISON`](crate::POISON), so a read
+    /// before the copy's point, or a copy not ordered after a read, changes a result.
+    /// (The protocol log — which copy filled a slot, which submission read it — is
+    /// kept in every mode.)
+    pub fn enable_checking(&self) {
+        lock(&self.inner.state).checking = true;
+    }
+
+    /// Protocol violations seen so far: a submission that read a slot without
+    /// waiting for the copy that filled it (invariant 1), a copy into or release of
+    /// a slot not ordered after the last submission that read it (invariant 2).
+    pub fn violations(&self) -> Vec<String> {
+        lock(&self.inner.state).violations.clone()
+    }
+
+    /// Error messages of the validation layer so far (when it is on).
+    pub fn validation_messages(&self) -> Vec<String> {
+        // SAFETY: `messages` lives as long as `inner`.
+        lock(unsafe { &*self.inner.messages }).clone()
+    }
+
+    /// Counters so far.
+    pub fn counters(&self) -> VulkanCounters {
+        let st = lock(&self.inner.state);
+        VulkanCounters {
+            live_bytes: st.live_bytes,
+            peak_bytes: st.peak_bytes,
+            syncs: st.syncs,
+            copies: st.copies,
+            bytes_copied: st.bytes_copied,
+        }
+    }
+
+    /// Restart the peak at the live bytes.
+    pub fn reset_peak(&self) {
+        let mut st = lock(&self.inner.state);
+        st.peak_bytes = st.live_bytes;
+    }
+
+    /// The logical device, for recording command buffers (ash's calls are `unsafe`).
+    pub fn device(&self) -> &ash::Device {
+        &self.inner.device
+    }
+
+    /// The compute queue's family (allocate command buffers for
+    /// [`submit_compute`](Self::submit_compute) from a pool of this family).
+    pub fn compute_family(&self) -> u32 {
+        self.inner.compute.family
+    }
+
+    /// Submit `cmd` on the compute queue, waiting (at the compute-shader stage) on
+    /// `waits` — the wait tokens of the blocks it reads — and signalling the next
+    /// value of the compute timeline, which is returned: pass it to
+    /// `BlockGuard::finish_after` to release a block after this submission.
+    /// `reads` names the slots `cmd` reads, for the protocol log.
+    ///
+    /// # Safety
+    ///
+    /// `cmd` is a primary command buffer of this device, recorded and ended, from a
+    /// pool of the compute family, not in use by another submission, and kept
+    /// (not freed or reset) until the returned point has completed; every buffer it
+    /// uses stays alive until then.
+    pub unsafe fn submit_compute(&self, cmd: vk::CommandBuffer, reads: &[&VulkanSlot], waits: &[VulkanPoint]) -> Result<VulkanPoint> {
+        let mut st = lock(&self.inner.state);
+        self.check_reads(&mut st, reads, waits);
+        // SAFETY: this function's contract.
+        unsafe { self.submit_locked(&mut st, Timeline::Compute, Some(cmd), waits, "user compute") }
+    }
+
+    pub(crate) fn check_reads(&self, st: &mut State, reads: &[&VulkanSlot], waits: &[VulkanPoint]) {
+        let next = st.compute_value + 1;
+        for s in reads {
+            let Some(track) = st.slots.get(&s.id).copied() else {
+                st.violations.push(format!("slot {} read after it was freed", s.id));
+                continue;
+            };
+            if let Some(c) = track.last_copy {
+                let waited = waits.iter().any(|w| w.timeline == Timeline::Copy && w.value >= c);
+                if !waited {
+                    st.violations.push(format!("slot {} read by a submission that does not wait for its copy (invariant 1)", s.id));
+                }
+            }
+            if let Some(t) = st.slots.get_mut(&s.id) {
+                t.last_read = Some(next);
+            }
+        }
+    }
+
+    /// Whether `after` orders work after the last read `last_read`.
+    pub(crate) fn covers(st: &State, last_read: Option<u64>, after: Option<&VulkanPoint>) -> bool {
+        match last_read {
+            None => true,
+            Some(r) => st.synced_compute >= r || after.is_some_and(|a| a.timeline == Timeline::Compute && a.value >= r),
+        }
+    }
+
+    /// Submit (under the state lock) on the queue of `timeline`: `cmd` (if any),
+    /// waiting on `waits`, signalling the timeline's next value.
+    ///
+    /// # Safety
+    ///
+    /// `cmd`, if any, is a recorded primary command buffer of the right family.
+    pub(crate) unsafe fn submit_locked(
+        &self,
+        st: &mut State,
+        timeline: Timeline,
+        cmd: Option<vk::CommandBuffer>,
+        waits: &[VulkanPoint],
+        purpose: &str,
+    ) -> Result<VulkanPoint> {
+        let i = &self.inner;
+        let (queue, sem, value) = match timeline {
+            Timeline::Copy => (i.transfer.as_ref().unwrap_or(&i.compute).queue, i.copy_tl, st.copy_value + 1),
+            Timeline::Compute => (i.compute.queue, i.compute_tl, st.compute_value + 1),
+        };
+        let wait_sems: Vec<vk::Semaphore> = waits.iter().map(|w| w.semaphore).collect();
+        let wait_values: Vec<u64> = waits.iter().map(|w| w.value).collect();
+        let stages = vec![vk::PipelineStageFlags::ALL_COMMANDS; waits.len()];
+        let signal = [sem];
+        let signal_values = [value];
+        let cmds: Vec<vk::CommandBuffer> = cmd.into_iter().collect();
+        let mut tl = vk::TimelineSemaphoreSubmitInfo::default().wait_semaphore_values(&wait_values).signal_semaphore_values(&signal_values);
+        let submit = vk::SubmitInfo::default()
+            .wait_semaphores(&wait_sems)
+            .wait_dst_stage_mask(&stages)
+            .command_buffers(&cmds)
+            .signal_semaphores(&signal)
+            .push_next(&mut tl);
+        // SAFETY: the queue is externally synchronised by the state lock the caller
+        // holds; the semaphores are this device's; `cmd` per this function's contract.
+        unsafe { i.device.queue_submit(queue, &[submit], vk::Fence::null()) }.map_err(|e| vk_err("vkQueueSubmit", purpose, e))?;
+        match timeline {
+            Timeline::Copy => st.copy_value = value,
+            Timeline::Compute => st.compute_value = value,
+        }
+        Ok(VulkanPoint { timeline, semaphore: sem, value })
+    }
+
+    /// The value `timeline`'s semaphore has reached.
+    pub(crate) fn reached(&self, timeline: Timeline) -> u64 {
+        let sem = match timeline {
+            Timeline::Copy => self.inner.copy_tl,
+            Timeline::Compute => self.inner.compute_tl,
+        };
+        // SAFETY: a query of a live semaphore; an error reads as "nothing reached".
+        unsafe { self.inner.device.get_semaphore_counter_value(sem) }.unwrap_or(0)
+    }
+
+    /// Free command buffers and destroy buffers whose work has completed (never waits).
+    pub(crate) fn collect(&self, st: &mut State) {
+        let (copy, compute) = (self.reached(Timeline::Copy), self.reached(Timeline::Compute));
+        let dev = &self.inner.device;
+        st.pending.retain(|&(pool, cmd, tl, v)| {
+            let done = match tl {
+                Timeline::Copy => copy >= v,
+                Timeline::Compute => compute >= v,
+            };
+            if done {
+                // SAFETY: the submission using `cmd` completed; the pool is used under the lock.
+                unsafe { dev.free_command_buffers(pool, &[cmd]) };
+            }
+            !done
+        });
+        st.garbage.retain(|&(buf, mem, c, k)| {
+            let done = copy >= c && compute >= k;
+            if done {
+                // SAFETY: every submission that could use the buffer completed.
+                unsafe {
+                    dev.destroy_buffer(buf, None);
+                    dev.free_memory(mem, None);
+                }
+            }
+            !done
+        });
+    }
+
+    /// Allocate a primary command buffer from the pool of `timeline`'s queue and
+    /// begin it (under the state lock).
+    pub(crate) fn begin(&self, timeline: Timeline, purpose: &str) -> Result<(vk::CommandPool, vk::CommandBuffer)> {
+        let i = &self.inner;
+        let pool = match timeline {
+            Timeline::Copy => i.transfer.as_ref().unwrap_or(&i.compute).pool,
+            Timeline::Compute => i.compute.pool,
+        };
+        let ai = vk::CommandBufferAllocateInfo::default().command_pool(pool).level(vk::CommandBufferLevel::PRIMARY).command_buffer_count(1);
+        // SAFETY: the pool is used under the state lock (the caller's).
+        let cmd = unsafe { i.device.allocate_command_buffers(&ai) }.map_err(|e| vk_err("vkAllocateCommandBuffers", purpose, e))?[0];
+        let bi = vk::CommandBufferBeginInfo::default().flags(vk::CommandBufferUsageFlags::ONE_TIME_SUBMIT);
+        // SAFETY: a freshly allocated command buffer.
+        if let Err(e) = unsafe { i.device.begin_command_buffer(cmd, &bi) } {
+            // SAFETY: never submitted.
+            unsafe { i.device.free_command_buffers(pool, &[cmd]) };
+            return Err(vk_err("vkBeginCommandBuffer", purpose, e));
+        }
+        Ok((pool, cmd))
+    }
+
+    /// End `cmd` and submit it (under the state lock); it is freed once done.
+    pub(crate) fn end_and_submit(
+        &self,
+        st: &mut State,
+        timeline: Timeline,
+        pool: vk::CommandPool,
+        cmd: vk::CommandBuffer,
+        waits: &[VulkanPoint],
+        purpose: &str,
+    ) -> Result<VulkanPoint> {
+        let dev = &self.inner.device;
+        // SAFETY: `cmd` was begun by `begin` and recorded by the caller.
+        let ended = unsafe { dev.end_command_buffer(cmd) }.map_err(|e| vk_err("vkEndCommandBuffer", purpose, e));
+        // SAFETY: a recorded command buffer of the queue's family.
+        let submitted = ended.and_then(|()| unsafe { self.submit_locked(st, timeline, Some(cmd), waits, purpose) });
+        match submitted {
+            Ok(p) => {
+                st.pending.push((pool, cmd, timeline, p.value));
+                Ok(p)
+            }
+            Err(e) => {
+                // SAFETY: not submitted.
+                unsafe { dev.free_command_buffers(pool, &[cmd]) };
+                Err(e)
+            }
+        }
+    }
+
+    pub(crate) fn wait_value(&self, timeline: Timeline, value: u64, purpose: &str) -> Result<()> {
+        let sem = match timeline {
+            Timeline::Copy => self.inner.copy_tl,
+            Timeline::Compute => self.inner.compute_tl,
+        };
+        let sems = [sem];
+        let values = [value];
+        let wi = vk::SemaphoreWaitInfo::default().semaphores(&sems).values(&values);
+        // SAFETY: waits on a live semaphore of this device.
+        unsafe { self.inner.device.wait_semaphores(&wi, u64::MAX) }.map_err(|e| vk_err("vkWaitSemaphores", purpose, e))
+    }
+
+    pub(crate) fn memory_type(&self, bits: u32, flags: vk::MemoryPropertyFlags) -> Option<u32> {
+        find_memory_type(&self.inner.mem_props, bits, flags)
+    }
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        // SAFETY: the last handle is gone: wait for the device, then destroy every
+        // object in reverse order of creation.
+        unsafe {
+            let _ = self.device.device_wait_idle();
+            let st = self.state.get_mut().unwrap_or_else(|e| e.into_inner());
+            for (pool, cmd, _, _) in st.pending.drain(..) {
+                self.device.free_command_buffers(pool, &[cmd]);
+            }
+            for (buf, mem, _, _) in st.garbage.drain(..) {
+                self.device.destroy_buffer(buf, None);
+                self.device.free_memory(mem, None);
+            }
+            self.device.destroy_semaphore(self.copy_tl, None);
+            self.device.destroy_semaphore(self.compute_tl, None);
+            self.device.destroy_command_pool(self.compute.pool, None);
+            if let Some(t) = &self.transfer {
+                self.device.destroy_command_pool(t.pool, None);
+            }
+            self.device.destroy_device(None);
+            if let Some((du, m)) = &self.debug {
+                du.destroy_debug_utils_messenger(*m, None);
+            }
+            self.instance.destroy_instance(None);
+            drop(Box::from_raw(self.messages));
+        }
+    }
+}
+
+impl OffloadBackend for VulkanBackend {
+    type HostBuffer = VulkanHost;
+    type Slot = VulkanSlot;
+    type Event = VulkanPoint;
+    type Wait = VulkanPoint;
+
+    fn name(&self) -> &'static str {
+        BACKEND
+    }
+
+    fn alloc_host(&self, bytes: usize, purpose: &str, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<VulkanHost> {
+        VulkanHost::new(self, bytes, purpose, fill)
+    }
+
+    fn host_bytes<'a>(&self, buffer: &'a VulkanHost) -> &'a [u8] {
+        buffer.as_slice()
+    }
+
+    fn host_is_pinned(&self) -> bool {
+        true
+    }
+
+    fn alloc_slot(&self, bytes: usize, purpose: &str) -> Result<VulkanSlot> {
+        VulkanSlot::new(self, bytes, purpose)
+    }
+
+    fn free_slot(&self, slot: VulkanSlot, after: Option<&VulkanPoint>) -> Result<()> {
+        if !Arc::ptr_eq(&slot.inner, &self.inner) {
+            return Err(Error::Protocol("freeing a Vulkan slot of another backend instance".into()));
+        }
+        let mut st = lock(&self.inner.state);
+        let last_read = st.slots.get(&slot.id).and_then(|t| t.last_read);
+        if !Self::covers(&st, last_read, after) {
+            st.violations.push(format!("slot {} released before its last read (invariant 2)", slot.id));
+        }
+        drop(st);
+        // Destroyed by `Drop` once both timelines pass every value issued so far.
+        drop(slot);
+        Ok(())
+    }
+
+    fn copy_to_slot(&self, src: &VulkanHost, dst: &mut VulkanSlot, bytes: usize, after: Option<&VulkanPoint>) -> Result<VulkanPoint> {
+        if !Arc::ptr_eq(&dst.inner, &self.inner) || !Arc::ptr_eq(src.inner(), &self.inner) {
+            return Err(Error::Protocol("copy with a buffer or slot of another Vulkan backend instance".into()));
+        }
+        if bytes > src.len() || bytes > dst.len {
+            return Err(Error::Protocol(format!("copy of {bytes} bytes from a {}-byte buffer into a {}-byte slot", src.len(), dst.len)));
+        }
+        let purpose = format!("copy of {bytes} bytes into slot {}", dst.id);
+        let mut st = lock(&self.inner.state);
+        self.collect(&mut st);
+        let last_read = st.slots.get(&dst.id).and_then(|t| t.last_read);
+        if !Self::covers(&st, last_read, after) {
+            st.violations.push(format!("slot {} overwritten before its last read (invariant 2)", dst.id));
+        }
+        let (pool, cmd) = self.begin(Timeline::Copy, &purpose)?;
+        let dev = &self.inner.device;
+        // SAFETY: recording into a command buffer begun above; both buffers are live
+        // and stay so until the copy's value is reached (host buffers drain on drop,
+        // slots are destroyed through the garbage list).
+        unsafe {
+            if st.checking {
+                dev.cmd_fill_buffer(cmd, dst.buffer, 0, vk::WHOLE_SIZE, u32::from_ne_bytes([crate::POISON; 4]));
+                let barrier = vk::MemoryBarrier::default()
+                    .src_access_mask(vk::AccessFlags::TRANSFER_WRITE)
+                    .dst_access_mask(vk::AccessFlags::TRANSFER_WRITE);
+                dev.cmd_pipeline_barrier(
+                    cmd,
+                    vk::PipelineStageFlags::TRANSFER,
+                    vk::PipelineStageFlags::TRANSFER,
+                    vk::DependencyFlags::empty(),
+                    &[barrier],
+                    &[],
+                    &[],
+                );
+            }
+            if bytes > 0 {
+                dev.cmd_copy_buffer(cmd, src.buffer(), dst.buffer, &[vk::BufferCopy { src_offset: 0, dst_offset: 0, size: bytes as u64 }]);
+            }
+        }
+        let waits: Vec<VulkanPoint> = after.copied().into_iter().collect();
+        let point = self.end_and_submit(&mut st, Timeline::Copy, pool, cmd, &waits, &purpose)?;
+        src.used_until(point.value);
+        if let Some(t) = st.slots.get_mut(&dst.id) {
+            t.last_copy = Some(point.value);
+            t.last_read = None;
+        }
+        st.copies += 1;
+        st.bytes_copied += bytes as u64;
+        Ok(point)
+    }
+
+    fn compute_wait(&self, event: &VulkanPoint) -> Result<VulkanPoint> {
+        // Explicit submission: nothing to enqueue; the token goes into the user's submission.
+        Ok(*event)
+    }
+
+    fn record_compute(&self) -> Result<VulkanPoint> {
+        let mut st = lock(&self.inner.state);
+        // An empty submission: its signal follows every command submitted before it on the queue.
+        // SAFETY: no command buffer.
+        unsafe { self.submit_locked(&mut st, Timeline::Compute, None, &[], "a block's release") }
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        let (copy, compute) = {
+            let mut st = lock(&self.inner.state);
+            st.syncs += 1;
+            (st.copy_value, st.compute_value)
+        };
+        self.wait_value(Timeline::Copy, copy, "synchronize (copies)")?;
+        self.wait_value(Timeline::Compute, compute, "synchronize (compute)")?;
+        let mut st = lock(&self.inner.state);
+        st.synced_compute = st.synced_compute.max(compute);
+        self.collect(&mut st);
+        Ok(())
+    }
+
+    fn poll_error(&self) -> Result<()> {
+        let msgs = self.validation_messages();
+        if let Some(first) = msgs.first() {
+            return Err(Error::device(BACKEND, "validation", format!("{} validation error(s); first: {first}", msgs.len())));
+        }
+        let mut st = lock(&self.inner.state);
+        self.collect(&mut st);
+        Ok(())
+    }
+
+    fn memory_info(&self) -> Result<MemoryInfo> {
+        let heaps = &self.inner.mem_props;
+        let total = heaps.memory_heaps[..heaps.memory_heap_count as usize]
+            .iter()
+            .filter(|h| h.flags.contains(vk::MemoryHeapFlags::DEVICE_LOCAL))
+            .map(|h| h.size)
+            .max()
+            .unwrap_or(0);
+        let live = lock(&self.inner.state).live_bytes;
+        Ok(MemoryInfo { free: total.saturating_sub(live), total })
+    }
+}

@@ -1,0 +1,243 @@
+//! Host buffers (host-visible, coherent, persistently mapped) and device-local
+//! slots. Each owns its Vulkan buffer and memory and lets go of them only once no
+//! submission can still use them: a host buffer waits for its last copy when it
+//! drops (teardown only), a slot goes to the deferred-destroy list.
+
+use crate::device::{lock, vk_err, Inner, SlotTrack, Timeline, VulkanBackend};
+use ash::vk;
+use offload_core::{Error, Result};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+pub(crate) fn find_memory_type(props: &vk::PhysicalDeviceMemoryProperties, bits: u32, flags: vk::MemoryPropertyFlags) -> Option<u32> {
+    (0..props.memory_type_count).find(|&i| bits & (1 << i) != 0 && props.memory_types[i as usize].property_flags.contains(flags))
+}
+
+/// A buffer and its memory, made together, destroyed together on failure.
+fn make_buffer(
+    b: &VulkanBackend,
+    bytes: usize,
+    usage: vk::BufferUsageFlags,
+    flags: vk::MemoryPropertyFlags,
+    purpose: &str,
+) -> Result<(vk::Buffer, vk::DeviceMemory)> {
+    let dev = &b.inner.device;
+    // Whole 32-bit words (fills and the fold read words), never empty.
+    let size = (bytes.max(4).next_multiple_of(4)) as u64;
+    let families = &b.inner.families;
+    let mut ci = vk::BufferCreateInfo::default().size(size).usage(usage);
+    ci = if families.len() > 1 {
+        ci.sharing_mode(vk::SharingMode::CONCURRENT).queue_family_indices(families)
+    } else {
+        ci.sharing_mode(vk::SharingMode::EXCLUSIVE)
+    };
+    // SAFETY: a plain creation on the live device; destroyed below on failure or by the owner.
+    let buffer = unsafe { dev.create_buffer(&ci, None) }.map_err(|e| vk_err("vkCreateBuffer", purpose, e))?;
+    // SAFETY: a query of the buffer just made.
+    let req = unsafe { dev.get_buffer_memory_requirements(buffer) };
+    let destroy = || {
+        // SAFETY: the buffer was never used.
+        unsafe { dev.destroy_buffer(buffer, None) }
+    };
+    let Some(ty) = b.memory_type(req.memory_type_bits, flags) else {
+        destroy();
+        return Err(Error::unsupported("vulkan", format!("no memory type with {flags:?} for {purpose}")));
+    };
+    let ai = vk::MemoryAllocateInfo::default().allocation_size(req.size).memory_type_index(ty);
+    // SAFETY: as above.
+    let memory = match unsafe { dev.allocate_memory(&ai, None) } {
+        Ok(m) => m,
+        Err(e) => {
+            destroy();
+            return Err(match e {
+                vk::Result::ERROR_OUT_OF_DEVICE_MEMORY | vk::Result::ERROR_OUT_OF_HOST_MEMORY => {
+                    let free = offload_core::OffloadBackend::memory_info(b).map(|m| m.free).unwrap_or(0);
+                    Error::OutOfDeviceMemory { backend: "vulkan".into(), requested: req.size, free, purpose: purpose.into() }
+                }
+                e => vk_err("vkAllocateMemory", purpose, e),
+            });
+        }
+    };
+    // SAFETY: both are fresh and unbound.
+    if let Err(e) = unsafe { dev.bind_buffer_memory(buffer, memory, 0) } {
+        destroy();
+        // SAFETY: never used.
+        unsafe { dev.free_memory(memory, None) };
+        return Err(vk_err("vkBindBufferMemory", purpose, e));
+    }
+    Ok((buffer, memory))
+}
+
+/// Host memory for one block: a host-visible, coherent buffer mapped for its whole
+/// life, written once by the store's `fill`, then immutable; the transfer queue
+/// copies from it.
+pub struct VulkanHost {
+    buffer: vk::Buffer,
+    memory: vk::DeviceMemory,
+    ptr: *mut u8,
+    len: usize,
+    /// The copy-timeline value of the last copy that reads it.
+    last_copy: AtomicU64,
+    inner: Arc<Inner>,
+}
+
+// SAFETY: the mapping is plain bytes owned by this value, written only inside `new`
+// (before it is shared) and read afterwards; the handles are used under `Inner`'s lock
+// or in `Drop`.
+unsafe impl Send for VulkanHost {}
+// SAFETY: as above: immutable after construction.
+unsafe impl Sync for VulkanHost {}
+
+impl VulkanHost {
+    pub(crate) fn new(b: &VulkanBackend, len: usize, purpose: &str, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<Self> {
+        let flags = vk::MemoryPropertyFlags::HOST_VISIBLE | vk::MemoryPropertyFlags::HOST_COHERENT;
+        let (buffer, memory) = make_buffer(b, len, vk::BufferUsageFlags::TRANSFER_SRC, flags, purpose)?;
+        let dev = &b.inner.device;
+        // SAFETY: host-visible memory, not mapped yet.
+        let ptr = match unsafe { dev.map_memory(memory, 0, vk::WHOLE_SIZE, vk::MemoryMapFlags::empty()) } {
+            Ok(p) => p as *mut u8,
+            Err(e) => {
+                // SAFETY: never used.
+                unsafe {
+                    dev.destroy_buffer(buffer, None);
+                    dev.free_memory(memory, None);
+                }
+                return Err(vk_err("vkMapMemory", purpose, e));
+            }
+        };
+        let me = VulkanHost { buffer, memory, ptr, len, last_copy: AtomicU64::new(0), inner: b.inner.clone() };
+        if len > 0 {
+            // SAFETY: the mapping covers at least `len` bytes, owned exclusively here;
+            // zeroed first so `fill` sees initialised memory.
+            let bytes = unsafe {
+                std::ptr::write_bytes(me.ptr, 0, len);
+                std::slice::from_raw_parts_mut(me.ptr, len)
+            };
+            fill(bytes)?;
+        }
+        Ok(me)
+    }
+
+    /// A small host-visible storage buffer, mapped (the fold's accumulator).
+    pub(crate) fn new_storage(b: &VulkanBackend, len: usize, purpose: &str) -> Result<(vk::Buffer, vk::DeviceMemory, *mut u32)> {
+        let flags = vk::MemoryPropertyFlags::HOST_VISIBLE | vk::MemoryPropertyFlags::HOST_COHERENT;
+        let (buffer, memory) = make_buffer(b, len, vk::BufferUsageFlags::STORAGE_BUFFER, flags, purpose)?;
+        let dev = &b.inner.device;
+        // SAFETY: host-visible memory, not mapped yet.
+        match unsafe { dev.map_memory(memory, 0, vk::WHOLE_SIZE, vk::MemoryMapFlags::empty()) } {
+            Ok(p) => Ok((buffer, memory, p as *mut u32)),
+            Err(e) => {
+                // SAFETY: never used.
+                unsafe {
+                    dev.destroy_buffer(buffer, None);
+                    dev.free_memory(memory, None);
+                }
+                Err(vk_err("vkMapMemory", purpose, e))
+            }
+        }
+    }
+
+    /// The bytes.
+    pub fn as_slice(&self) -> &[u8] {
+        if self.len == 0 {
+            return &[];
+        }
+        // SAFETY: the mapping covers `len` bytes for as long as `self` lives and is
+        // not written after construction.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+
+    /// Size in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the buffer is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub(crate) fn buffer(&self) -> vk::Buffer {
+        self.buffer
+    }
+
+    pub(crate) fn inner(&self) -> &Arc<Inner> {
+        &self.inner
+    }
+
+    pub(crate) fn used_until(&self, copy_value: u64) {
+        self.last_copy.fetch_max(copy_value, Ordering::Relaxed);
+    }
+}
+
+impl Drop for VulkanHost {
+    fn drop(&mut self) {
+        let b = VulkanBackend { inner: self.inner.clone() };
+        let last = self.last_copy.load(Ordering::Relaxed);
+        // A copy from this buffer may still be queued: wait for it (teardown only).
+        if let Err(e) = b.wait_value(Timeline::Copy, last, "dropping a host buffer") {
+            tracing::warn!("a {}-byte Vulkan host buffer is leaked: {e}", self.len);
+            return;
+        }
+        let dev = &self.inner.device;
+        // SAFETY: no submission can read the buffer any more (waited above).
+        unsafe {
+            dev.unmap_memory(self.memory);
+            dev.destroy_buffer(self.buffer, None);
+            dev.free_memory(self.memory, None);
+        }
+    }
+}
+
+/// Device-local memory for one block. Dropping it (or freeing it through the
+/// backend) never blocks: it joins the deferred-destroy list and is destroyed once
+/// every submission issued before has completed.
+pub struct VulkanSlot {
+    pub(crate) id: u64,
+    pub(crate) buffer: vk::Buffer,
+    memory: vk::DeviceMemory,
+    pub(crate) len: usize,
+    pub(crate) inner: Arc<Inner>,
+}
+
+impl VulkanSlot {
+    pub(crate) fn new(b: &VulkanBackend, len: usize, purpose: &str) -> Result<Self> {
+        let usage = vk::BufferUsageFlags::TRANSFER_DST | vk::BufferUsageFlags::STORAGE_BUFFER;
+        let (buffer, memory) = make_buffer(b, len, usage, vk::MemoryPropertyFlags::DEVICE_LOCAL, purpose)?;
+        let mut st = lock(&b.inner.state);
+        let id = st.next_slot;
+        st.next_slot += 1;
+        st.slots.insert(id, SlotTrack::default());
+        st.live_bytes += len as u64;
+        st.peak_bytes = st.peak_bytes.max(st.live_bytes);
+        Ok(VulkanSlot { id, buffer, memory, len, inner: b.inner.clone() })
+    }
+
+    /// The Vulkan buffer (bind it as a storage buffer; every use needs `unsafe` ash
+    /// calls, and a submission that reads it goes through
+    /// [`VulkanBackend::submit_compute`] with the block's wait token).
+    pub fn buffer(&self) -> vk::Buffer {
+        self.buffer
+    }
+
+    /// Capacity in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the slot has no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl Drop for VulkanSlot {
+    fn drop(&mut self) {
+        let mut st = lock(&self.inner.state);
+        st.slots.remove(&self.id);
+        st.live_bytes -= self.len as u64;
+        // Destroyed once every copy and every compute submitted so far has completed.
+        let (c, k) = (st.copy_value, st.compute_value);
+        st.garbage.push((self.buffer, self.memory, c, k));
+    }
+}

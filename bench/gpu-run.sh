@@ -43,14 +43,14 @@ else
 fi
 if [ "${TCH:-0}" = 1 ] && [ -x "$B/conformance-tch" ]; then
   echo "== tch conformance"; "$B/conformance-tch" --backend tch,tch-cuda --json "$OUT/conformance-tch.json" --sabotage "$OUT/sabotage-tch.json" $SAB "$GPU" 2>&1 | tee "$OUT/conformance-tch.txt"
-  [ "${BENCH:-1}" = 1 ] && echo "== tch bench" && "$B/tch_bench" --steps "${STEPS:-5}" ${TCH_ARGS:-} --commit "$COMMIT" --out "$OUT/tch-flux.json" 2>&1 | tee "$OUT/tch-bench.txt"
+  [ "${TCH_BENCH:-${BENCH:-1}}" = 1 ] && echo "== tch bench" && "$B/tch_bench" --steps "${STEPS:-5}" ${TCH_ARGS:-} --commit "$COMMIT" --out "$OUT/tch-flux.json" 2>&1 | tee "$OUT/tch-bench.txt"
 fi
 if [ "${CANDLE:-0}" = 1 ] && [ -f "$B/conformance-candle.gz" ]; then
   C=/tmp/offload-candle; mkdir -p $C
   for f in conformance-candle candle_flux_bench flux_demo; do [ -f "$B/$f.gz" ] && gunzip -c "$B/$f.gz" > "$C/$f" && chmod +x "$C/$f"; done
   echo "== demo (candle-cuda)"; "$C/flux_demo" ${DEMO_ARGS:---hidden 3072 --double 2 --single 4 --res 1024 --steps 3} 2>&1 | tee "$OUT/demo.txt"
   echo "== candle conformance"; "$C/conformance-candle" --backend candle,candle-cuda --json "$OUT/conformance-candle.json" --sabotage "$OUT/sabotage-candle.json" $SAB "$GPU" 2>&1 | tee "$OUT/conformance-candle.txt"
-  [ "${BENCH:-1}" = 1 ] && echo "== candle bench" && "$C/candle_flux_bench" --steps "${STEPS:-5}" ${CANDLE_ARGS:-} --commit "$COMMIT" --out "$OUT/candle-flux.json" 2>&1 | tee "$OUT/candle-bench.txt"
+  [ "${CANDLE_BENCH:-${BENCH:-1}}" = 1 ] && echo "== candle bench" && "$C/candle_flux_bench" --steps "${STEPS:-5}" ${CANDLE_ARGS:-} --commit "$COMMIT" --out "$OUT/candle-flux.json" 2>&1 | tee "$OUT/candle-bench.txt"
 fi
 if [ "${ANCHORS:-1}" = 1 ]; then
   echo "== diffusers anchor"
@@ -68,6 +68,12 @@ if [ "${VULKAN:-0}" = 1 ] && [ -x "$B/conformance-vulkan" ]; then
   fi
   echo "== vulkan conformance"; "$B/conformance-vulkan" --backend vulkan --json "$OUT/conformance-vulkan.json" --sabotage "$OUT/sabotage-vulkan.json" $SAB "$GPU" 2>&1 | tee "$OUT/conformance-vulkan.txt"
   if [ "${VULKAN_BENCH:-${BENCH:-1}}" = 1 ]; then
+    if [ "${VK_DIAG:-0}" = 1 ]; then
+      echo "== vulkan bandwidth variants (one run each, kept as diagnostics)"
+      for v in "host-cached:--host-cached" "compute-queue:--no-transfer-queue" "chunk16:--copy-chunk-mib 16"; do
+        "$B/vulkan-bench" --commit "$COMMIT" --steps 2 --out "$OUT/vulkan-diag-${v%%:*}.json" ${v#*:} 2>&1 | grep -E "bandwidth|d=1" | tee -a "$OUT/vulkan-diag.txt"
+      done
+    fi
     echo "== vulkan bench (3 runs, separate processes)"
     for r in 1 2 3; do "$B/vulkan-bench" --commit "$COMMIT" --out "$OUT/vulkan-run$r.json" ${VK_ARGS:-} 2>&1 | tee "$OUT/vulkan-run$r.txt"; done
     python3 - "$OUT" <<'PY'

@@ -46,11 +46,19 @@ pub struct VulkanOptions {
     /// ([`VulkanBackend::validation_messages`]) and fail [`OffloadBackend::poll_error`].
     /// An error if the layer is not installed.
     pub validation: bool,
+    /// Copy on a dedicated transfer queue family where the device has one (else,
+    /// and when `false`, on the compute queue).
+    pub transfer_queue: bool,
+    /// Host buffers in host-cached memory (`HOST_CACHED` as well as visible and
+    /// coherent) where the device offers it.
+    pub host_cached: bool,
+    /// Split each copy into regions of at most this many bytes (`None`: one region).
+    pub copy_chunk_bytes: Option<u64>,
 }
 
 impl Default for VulkanOptions {
     fn default() -> Self {
-        VulkanOptions { device_index: 0, validation: false }
+        VulkanOptions { device_index: 0, validation: false, transfer_queue: true, host_cached: false, copy_chunk_bytes: None }
     }
 }
 
@@ -105,6 +113,8 @@ pub(crate) struct Inner {
     pub(crate) compute_tl: vk::Semaphore,
     pub(crate) state: Mutex<State>,
     name: String,
+    pub(crate) host_cached: bool,
+    copy_chunk_bytes: Option<u64>,
 }
 
 // SAFETY: every Vulkan object here is used under `state`'s lock where the API asks
@@ -238,7 +248,7 @@ impl VulkanBackend {
         };
         let opened = Self::open_device(&instance, options);
         let (phys, compute_family, transfer_family, name) = match opened {
-            Ok(x) => x,
+            Ok((p, c, t, n)) => (p, c, t.filter(|_| options.transfer_queue), n),
             Err(e) => {
                 destroy_instance(&debug);
                 return Err(e);
@@ -333,6 +343,8 @@ impl VulkanBackend {
             compute_tl,
             state: Mutex::new(state),
             name,
+            host_cached: options.host_cached,
+            copy_chunk_bytes: options.copy_chunk_bytes.filter(|&c| c > 0),
         };
         Ok(VulkanBackend { inner: Arc::new(inner) })
     }
@@ -723,7 +735,12 @@ impl OffloadBackend for VulkanBackend {
                 );
             }
             if bytes > 0 {
-                dev.cmd_copy_buffer(cmd, src.buffer(), dst.buffer, &[vk::BufferCopy { src_offset: 0, dst_offset: 0, size: bytes as u64 }]);
+                let chunk = self.inner.copy_chunk_bytes.unwrap_or(bytes as u64);
+                let regions: Vec<vk::BufferCopy> = (0..bytes as u64)
+                    .step_by(chunk as usize)
+                    .map(|o| vk::BufferCopy { src_offset: o, dst_offset: o, size: chunk.min(bytes as u64 - o) })
+                    .collect();
+                dev.cmd_copy_buffer(cmd, src.buffer(), dst.buffer, &regions);
             }
         }
         let waits: Vec<VulkanPoint> = after.copied().into_iter().collect();

@@ -91,6 +91,8 @@ unsafe impl Sync for VulkanHost {}
 impl VulkanHost {
     pub(crate) fn new(b: &VulkanBackend, len: usize, purpose: &str, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<Self> {
         let flags = vk::MemoryPropertyFlags::HOST_VISIBLE | vk::MemoryPropertyFlags::HOST_COHERENT;
+        let cached = flags | vk::MemoryPropertyFlags::HOST_CACHED;
+        let flags = if b.inner.host_cached && b.memory_type(u32::MAX, cached).is_some() { cached } else { flags };
         let (buffer, memory) = make_buffer(b, len, vk::BufferUsageFlags::TRANSFER_SRC, flags, purpose)?;
         let dev = &b.inner.device;
         // SAFETY: host-visible memory, not mapped yet.

@@ -1,4 +1,5 @@
-//! `vulkan-bench --out PATH [--commit C] [--blocks N] [--block-mib M] [--steps S]`:
+//! `vulkan-bench --out PATH [--commit C] [--blocks N] [--block-mib M] [--steps S]
+//! [--host-cached] [--no-transfer-queue] [--copy-chunk-mib C]`:
 //! the Vulkan backend on this machine's GPU, one process's run.
 //!
 //! - Transfer bandwidth: every block copied from host-visible memory into one slot
@@ -76,7 +77,13 @@ fn run() -> Res<()> {
     let inventory = NameDiscovery.discover("model", offload_core::TensorSource::specs(&tensors)).map_err(|e| e.to_string())?;
     let total = (blocks * bytes) as f64;
 
-    let vk = VulkanBackend::new().map_err(|e| e.to_string())?;
+    let options = offload_vulkan::VulkanOptions {
+        transfer_queue: !args.iter().any(|a| a == "--no-transfer-queue"),
+        host_cached: args.iter().any(|a| a == "--host-cached"),
+        copy_chunk_bytes: arg(&args, "--copy-chunk-mib").and_then(|v| v.parse::<u64>().ok()).map(|m| m << 20),
+        ..Default::default()
+    };
+    let vk = VulkanBackend::with_options(&options).map_err(|e| e.to_string())?;
     eprintln!("vulkan device: {} (transfer queue: {})", vk.device_name(), vk.has_transfer_queue());
     let t0 = Instant::now();
     let store = Arc::new(HostStore::build(&vk, &inventory, &tensors).map_err(|e| e.to_string())?);
@@ -166,6 +173,7 @@ fn run() -> Res<()> {
     let doc = serde_json::json!({
         "date": std::env::var("BENCH_DATE").unwrap_or_default(), "commit": commit, "gpu": vk.device_name(),
         "backend": "vulkan", "model": format!("{blocks} blocks of {mib} MiB (random bytes), spin + fold per block"),
+        "options": {"transfer_queue": options.transfer_queue, "host_cached": options.host_cached, "copy_chunk_bytes": options.copy_chunk_bytes},
         "bandwidth_gbps": bandwidth / 1e9, "cuda_bandwidth_gbps": cuda_bandwidth.map(|b| b / 1e9),
         "bandwidth_ratio_to_cuda": cuda_bandwidth.map(|c| bandwidth / c), "cases": cases,
     });

@@ -70,16 +70,21 @@ if [ "${VULKAN:-0}" = 1 ] && [ -x "$B/conformance-vulkan" ]; then
   if [ "${VULKAN_BENCH:-${BENCH:-1}}" = 1 ]; then
     if [ "${VK_DIAG:-0}" = 1 ]; then
       echo "== vulkan bandwidth variants (one run each, kept as diagnostics)"
-      for v in "host-cached:--host-cached" "compute-queue:--no-transfer-queue" "chunk16:--copy-chunk-mib 16"; do
+      for v in ${VK_DIAG_VARIANTS:-"host-cached:--host-cached" "compute-queue:--copy-queue compute" "chunk16:--copy-chunk-mib 16"}; do
         "$B/vulkan-bench" --commit "$COMMIT" --steps 2 --out "$OUT/vulkan-diag-${v%%:*}.json" ${v#*:} 2>&1 | grep -E "bandwidth|d=1" | tee -a "$OUT/vulkan-diag.txt"
       done
     fi
     echo "== vulkan bench (3 runs, separate processes)"
     for r in 1 2 3; do "$B/vulkan-bench" --commit "$COMMIT" --out "$OUT/vulkan-run$r.json" ${VK_ARGS:-} 2>&1 | tee "$OUT/vulkan-run$r.txt"; done
-    python3 - "$OUT" <<'PY'
+    # The same three runs with copies on a second queue of the compute family, when asked.
+    if [ -n "${VK_ARGS2:-}" ]; then
+      for r in 1 2 3; do "$B/vulkan-bench" --commit "$COMMIT" --out "$OUT/vulkan2-run$r.json" $VK_ARGS2 2>&1 | tee "$OUT/vulkan2-run$r.txt"; done
+    fi
+    for PREFIX in vulkan vulkan2; do ls "$OUT"/$PREFIX-run*.json >/dev/null 2>&1 || continue
+    python3 - "$OUT" "$PREFIX" <<'PY'
 import glob, json, os, statistics, sys
-out = sys.argv[1]
-runs = [json.load(open(p)) for p in sorted(glob.glob(os.path.join(out, "vulkan-run*.json")))]
+out, prefix = sys.argv[1], sys.argv[2]
+runs = [json.load(open(p)) for p in sorted(glob.glob(os.path.join(out, prefix + "-run*.json")))]
 def spread(xs):
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
 keys = [(c["case"], c["depth"]) for c in runs[0]["cases"]]
@@ -97,18 +102,19 @@ bw = spread([r["bandwidth_gbps"] for r in runs])
 cu = [r["cuda_bandwidth_gbps"] for r in runs if r["cuda_bandwidth_gbps"] is not None]
 cuda = spread(cu) if cu else None
 doc = {"date": runs[0]["date"], "commit": runs[0]["commit"], "gpu": runs[0]["gpu"], "backend": "vulkan", "model": runs[0]["model"],
-    "runs": [f"vulkan-run{i + 1}.json" for i in range(len(runs))],
+    "runs": [f"{prefix}-run{i + 1}.json" for i in range(len(runs))], "options": runs[0].get("options"),
     "bandwidth_gbps": bw["median"], "bandwidth_gbps_min": bw["min"], "bandwidth_gbps_max": bw["max"],
     "cuda_bandwidth_gbps": cuda and cuda["median"], "cuda_bandwidth_gbps_min": cuda and cuda["min"], "cuda_bandwidth_gbps_max": cuda and cuda["max"],
     "bandwidth_ratio_to_cuda": cuda and bw["median"] / cuda["median"],
     "meets_bandwidth_target": bool(cuda) and bw["median"] >= 0.9 * cuda["median"],
     "meets_step_target": all(c["ratio_to_bound"] <= 1.03 and c["bitwise_equal"] for c in cases),
     "cases": cases}
-json.dump(doc, open(os.path.join(out, "vulkan-h200.json"), "w"), indent=1)
+json.dump(doc, open(os.path.join(out, prefix + "-h200.json"), "w"), indent=1)
 print(json.dumps({k: doc[k] for k in ("bandwidth_gbps", "cuda_bandwidth_gbps", "bandwidth_ratio_to_cuda", "meets_bandwidth_target", "meets_step_target")}))
 for c in cases:
     print(f'{c["case"]:<14} d={c["depth"]} resident {c["step_resident_s"]:.4f} streamed {c["step_streamed_s"]:.4f} [{c["step_streamed_s_min"]:.4f}, {c["step_streamed_s_max"]:.4f}] ratio {c["ratio_to_bound"]:.4f} equal {c["bitwise_equal"]}')
 PY
+    done
   fi
 fi
 if ls "$OUT"/sabotage-*.json >/dev/null 2>&1; then

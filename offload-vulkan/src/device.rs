@@ -46,9 +46,8 @@ pub struct VulkanOptions {
     /// ([`VulkanBackend::validation_messages`]) and fail [`OffloadBackend::poll_error`].
     /// An error if the layer is not installed.
     pub validation: bool,
-    /// Copy on a dedicated transfer queue family where the device has one (else,
-    /// and when `false`, on the compute queue).
-    pub transfer_queue: bool,
+    /// Which queue copies run on.
+    pub copy_queue: CopyQueue,
     /// Host buffers in host-cached memory (`HOST_CACHED` as well as visible and
     /// coherent) where the device offers it.
     pub host_cached: bool,
@@ -58,8 +57,20 @@ pub struct VulkanOptions {
 
 impl Default for VulkanOptions {
     fn default() -> Self {
-        VulkanOptions { device_index: 0, validation: false, transfer_queue: true, host_cached: false, copy_chunk_bytes: None }
+        VulkanOptions { device_index: 0, validation: false, copy_queue: CopyQueue::Transfer, host_cached: false, copy_chunk_bytes: None }
     }
+}
+
+/// Which queue copies run on. Whatever is asked for, a device without it falls
+/// back to the next: a second compute-family queue, then the compute queue itself.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CopyQueue {
+    /// A queue of a transfer-only family (NVIDIA's copy engines), where the device has one.
+    Transfer,
+    /// A second queue of the compute family, where it has two.
+    SecondCompute,
+    /// The compute queue itself (copies and compute then run one after another).
+    Compute,
 }
 
 /// Per-slot protocol bookkeeping (the checking the simulated backend does, here on
@@ -247,17 +258,26 @@ impl VulkanBackend {
             }
         };
         let opened = Self::open_device(&instance, options);
-        let (phys, compute_family, transfer_family, name) = match opened {
-            Ok((p, c, t, n)) => (p, c, t.filter(|_| options.transfer_queue), n),
+        let (phys, compute_family, transfer_family, compute_queues, name) = match opened {
+            Ok(x) => x,
             Err(e) => {
                 destroy_instance(&debug);
                 return Err(e);
             }
         };
-        let priorities = [1.0f32];
-        let mut qcis = vec![vk::DeviceQueueCreateInfo::default().queue_family_index(compute_family).queue_priorities(&priorities)];
-        if let Some(t) = transfer_family {
-            qcis.push(vk::DeviceQueueCreateInfo::default().queue_family_index(t).queue_priorities(&priorities));
+        // Where copies go: (family, queue index), or None for the compute queue.
+        let copy_at = match (options.copy_queue, transfer_family) {
+            (CopyQueue::Transfer, Some(t)) => Some((t, 0)),
+            (CopyQueue::Transfer | CopyQueue::SecondCompute, _) if compute_queues >= 2 => Some((compute_family, 1)),
+            _ => None,
+        };
+        let one = [1.0f32];
+        let two = [1.0f32, 1.0];
+        let mut qcis = vec![vk::DeviceQueueCreateInfo::default()
+            .queue_family_index(compute_family)
+            .queue_priorities(if copy_at == Some((compute_family, 1)) { &two } else { &one })];
+        if let Some((t, _)) = copy_at.filter(|(f, _)| *f != compute_family) {
+            qcis.push(vk::DeviceQueueCreateInfo::default().queue_family_index(t).queue_priorities(&one));
         }
         let dev_exts = [ash::khr::push_descriptor::NAME.as_ptr()];
         let mut f12 = vk::PhysicalDeviceVulkan12Features::default().timeline_semaphore(true);
@@ -282,10 +302,10 @@ impl VulkanBackend {
                 };
                 let compute_pool = mk_pool(compute_family).map_err(|e| (e, "vkCreateCommandPool"))?;
                 let compute = Queue { family: compute_family, queue: device.get_device_queue(compute_family, 0), pool: compute_pool };
-                let transfer = match transfer_family {
-                    Some(t) => {
+                let transfer = match copy_at {
+                    Some((t, index)) => {
                         let pool = mk_pool(t).map_err(|e| (e, "vkCreateCommandPool"))?;
-                        Some(Queue { family: t, queue: device.get_device_queue(t, 0), pool })
+                        Some(Queue { family: t, queue: device.get_device_queue(t, index), pool })
                     }
                     None => None,
                 };
@@ -309,7 +329,7 @@ impl VulkanBackend {
         // SAFETY: a query of a live physical device.
         let mem_props = unsafe { instance.get_physical_device_memory_properties(phys) };
         let mut families = vec![compute.family];
-        if let Some(t) = &transfer {
+        if let Some(t) = transfer.as_ref().filter(|t| t.family != compute.family) {
             families.push(t.family);
         }
         let state = State {
@@ -349,8 +369,9 @@ impl VulkanBackend {
         Ok(VulkanBackend { inner: Arc::new(inner) })
     }
 
-    /// The physical device, its compute family and a dedicated transfer family.
-    fn open_device(instance: &ash::Instance, options: &VulkanOptions) -> Result<(vk::PhysicalDevice, u32, Option<u32>, String)> {
+    /// The physical device, its compute family, a dedicated transfer family, and
+    /// the compute family's queue count.
+    fn open_device(instance: &ash::Instance, options: &VulkanOptions) -> Result<(vk::PhysicalDevice, u32, Option<u32>, u32, String)> {
         // SAFETY: queries of a live instance.
         let devices = unsafe { instance.enumerate_physical_devices() }.map_err(|e| vk_err("vkEnumeratePhysicalDevices", "devices", e))?;
         let mut with_compute = Vec::new();
@@ -367,7 +388,7 @@ impl VulkanBackend {
                     && !f.queue_flags.intersects(vk::QueueFlags::COMPUTE | vk::QueueFlags::GRAPHICS)
             });
             let name = props.device_name_as_c_str().map(CStr::to_string_lossy).map(|n| n.into_owned()).unwrap_or_default();
-            with_compute.push((pd, c as u32, t.map(|t| t as u32), name));
+            with_compute.push((pd, c as u32, t.map(|t| t as u32), families[c].queue_count, name));
         }
         let n = with_compute.len();
         with_compute.into_iter().nth(options.device_index).ok_or_else(|| {
@@ -380,9 +401,15 @@ impl VulkanBackend {
         &self.inner.name
     }
 
-    /// Whether copies run on a dedicated transfer queue (else on the compute queue).
+    /// Whether copies run on a queue of their own (a transfer-only family's, or a
+    /// second queue of the compute family), else on the compute queue.
     pub fn has_transfer_queue(&self) -> bool {
         self.inner.transfer.is_some()
+    }
+
+    /// The queue family copies run on.
+    pub fn copy_family(&self) -> u32 {
+        self.inner.transfer.as_ref().unwrap_or(&self.inner.compute).family
     }
 
     /// The checking mode for conformance runs: before every copy into a slot, the

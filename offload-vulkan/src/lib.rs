@@ -12,9 +12,10 @@
 //!   on the compute queue (its signal follows every command submitted before it),
 //!   or the point the user's own submission signals (`BlockGuard::finish_after`).
 //! - **Queues are externally synchronised** by one lock, which also guards the
-//!   command pools; a dedicated transfer queue family is used where the device has
-//!   one (NVIDIA), else copies share the compute queue (lavapipe). Buffers are
-//!   created `CONCURRENT` over both families, so no ownership transfer is needed.
+//!   command pools; copies run on a dedicated transfer queue family where the
+//!   device has one (NVIDIA), or a second queue of the compute family
+//!   ([`CopyQueue`]), else share the compute queue (lavapipe). Buffers are created
+//!   `CONCURRENT` over both families, so no ownership transfer is needed.
 //! - **Host buffers** are host-visible, coherent, persistently mapped memory,
 //!   zeroed before the store's `fill`; **slots** are device-local and go to a
 //!   deferred-destroy list when freed, destroyed once both timelines pass every
@@ -34,7 +35,7 @@ pub mod fold;
 mod memory;
 
 pub use ash;
-pub use device::{Timeline, VulkanBackend, VulkanCounters, VulkanOptions, VulkanPoint};
+pub use device::{CopyQueue, Timeline, VulkanBackend, VulkanCounters, VulkanOptions, VulkanPoint};
 pub use memory::{VulkanHost, VulkanSlot};
 
 /// Byte the checking mode writes over a slot before each copy into it.

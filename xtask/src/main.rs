@@ -330,7 +330,17 @@ fn gpu_bundle(args: &[String]) -> Result<(), String> {
     std::fs::create_dir_all(&gl).map_err(|e| e.to_string())?;
     let mut c = Command::new("apt-get");
     // libGLX_nvidia (NVIDIA's Vulkan driver) needs glvnd's libraries beside the loader.
-    c.current_dir(&gl).args(["download", "libvulkan1", "vulkan-validationlayers", "libglvnd0", "libglx0", "libegl1", "libgl1", "libopengl0", "libgles2"]);
+    c.current_dir(&gl).args([
+        "download",
+        "libvulkan1",
+        "vulkan-validationlayers",
+        "libglvnd0",
+        "libglx0",
+        "libegl1",
+        "libgl1",
+        "libopengl0",
+        "libgles2",
+    ]);
     run(c)?;
     // The cuda-only conformance binary again (the build above replaced target/bundle/conformance).
     let mut c = cargo();

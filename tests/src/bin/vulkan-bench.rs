@@ -1,5 +1,5 @@
 //! `vulkan-bench --out PATH [--commit C] [--blocks N] [--block-mib M] [--steps S]
-//! [--host-cached] [--no-transfer-queue] [--copy-chunk-mib C]`:
+//! [--host-cached] [--copy-queue transfer|second-compute|compute] [--copy-chunk-mib C]`:
 //! the Vulkan backend on this machine's GPU, one process's run.
 //!
 //! - Transfer bandwidth: every block copied from host-visible memory into one slot
@@ -78,7 +78,12 @@ fn run() -> Res<()> {
     let total = (blocks * bytes) as f64;
 
     let options = offload_vulkan::VulkanOptions {
-        transfer_queue: !args.iter().any(|a| a == "--no-transfer-queue"),
+        copy_queue: match arg(&args, "--copy-queue").as_deref() {
+            None | Some("transfer") => offload_vulkan::CopyQueue::Transfer,
+            Some("second-compute") => offload_vulkan::CopyQueue::SecondCompute,
+            Some("compute") => offload_vulkan::CopyQueue::Compute,
+            Some(other) => return Err(format!("--copy-queue {other}: transfer, second-compute or compute")),
+        },
         host_cached: args.iter().any(|a| a == "--host-cached"),
         copy_chunk_bytes: arg(&args, "--copy-chunk-mib").and_then(|v| v.parse::<u64>().ok()).map(|m| m << 20),
         ..Default::default()
@@ -173,7 +178,7 @@ fn run() -> Res<()> {
     let doc = serde_json::json!({
         "date": std::env::var("BENCH_DATE").unwrap_or_default(), "commit": commit, "gpu": vk.device_name(),
         "backend": "vulkan", "model": format!("{blocks} blocks of {mib} MiB (random bytes), spin + fold per block"),
-        "options": {"transfer_queue": options.transfer_queue, "host_cached": options.host_cached, "copy_chunk_bytes": options.copy_chunk_bytes},
+        "options": {"copy_queue": format!("{:?}", options.copy_queue), "copy_family": vk.copy_family(), "host_cached": options.host_cached, "copy_chunk_bytes": options.copy_chunk_bytes},
         "bandwidth_gbps": bandwidth / 1e9, "cuda_bandwidth_gbps": cuda_bandwidth.map(|b| b / 1e9),
         "bandwidth_ratio_to_cuda": cuda_bandwidth.map(|c| bandwidth / c), "cases": cases,
     });

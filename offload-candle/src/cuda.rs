@@ -20,6 +20,7 @@ use candle_core::op::BackpropOp;
 use candle_core::{DType as CDType, Device, Storage, Tensor};
 use candle_nn::VarBuilder;
 use offload_core::{BlockGuard, Error, MemoryInfo, OffloadBackend, Result, StreamKind};
+use offload_cuda::checked::{CheckedEvent, ProtocolLog};
 use offload_cuda::cudarc::driver::CudaEvent;
 use offload_cuda::{CudaBackend, CudaCounters, DeviceSlot, PinnedHost};
 use std::collections::HashMap;
@@ -34,6 +35,7 @@ pub struct CandleCudaBackend {
     dev: CudaDevice,
     dtype: CDType,
     slot_bytes: Arc<SlotBytes>,
+    log: Arc<ProtocolLog>,
 }
 
 /// Device bytes the ring's slots hold (buffers a user's views keep alive after
@@ -47,6 +49,7 @@ struct SlotBytes {
 /// A ring slot: the buffer holding the last block copied into it, as one candle
 /// tensor that owns its memory.
 pub struct CandleSlot {
+    id: u64,
     len: usize,
     current: Option<Buffer>,
     slot_bytes: Arc<SlotBytes>,
@@ -103,7 +106,7 @@ impl CandleCudaBackend {
         // themselves across streams; the ring's raw copies are ordered by events.
         let stream = dev.cuda_stream();
         let inner = CudaBackend::with_compute_stream(stream.context().clone(), stream)?;
-        Ok(CandleCudaBackend { inner, dev, dtype, slot_bytes: Arc::default() })
+        Ok(CandleCudaBackend { inner, dev, dtype, slot_bytes: Arc::default(), log: Arc::default() })
     }
 
     /// The candle device tensors are made on.
@@ -123,6 +126,20 @@ impl CandleCudaBackend {
         c.live_bytes = self.slot_bytes.live.load(Ordering::Relaxed);
         c.peak_bytes = self.slot_bytes.peak.load(Ordering::Relaxed);
         c
+    }
+
+    /// Violations of the ring's protocol seen so far. Copies here land in fresh
+    /// buffers ordered after all compute, so a broken ring still computes the right
+    /// result; the log (which copy filled a slot, when its tensors were handed out,
+    /// which event released it) shows the break anyway.
+    pub fn violations(&self) -> Vec<String> {
+        self.log.violations()
+    }
+
+    /// Record that compute is about to read `slot` other than through
+    /// [`tensors`](Self::tensors) (a kernel over the slot's buffer).
+    pub fn note_read(&self, slot: &CandleSlot) {
+        self.log.read(slot.id);
     }
 
     /// Restart the peak at the live bytes.
@@ -167,6 +184,7 @@ impl CandleCudaBackend {
     /// after the block is released.
     pub fn tensors(&self, slot: &CandleSlot, layout: &offload_core::BlockLayout, prefix: &str) -> Result<HashMap<String, Tensor>> {
         let whole = slot.tensor().ok_or_else(|| Error::Protocol("candle slot read before any copy into it".into()))?;
+        self.log.read(slot.id);
         let elt = self.dtype.size_in_bytes();
         let mut map = HashMap::with_capacity(layout.tensors.len());
         for t in &layout.tensors {
@@ -197,7 +215,7 @@ impl CandleBlockExt for BlockGuard<'_, CandleCudaBackend> {
 impl OffloadBackend for CandleCudaBackend {
     type HostBuffer = PinnedHost;
     type Slot = CandleSlot;
-    type Event = Arc<CudaEvent>;
+    type Event = CheckedEvent;
     type Wait = ();
 
     fn name(&self) -> &'static str {
@@ -227,21 +245,22 @@ impl OffloadBackend for CandleCudaBackend {
         }
         let live = self.slot_bytes.live.fetch_add(len as u64, Ordering::Relaxed) + len as u64;
         self.slot_bytes.peak.fetch_max(live, Ordering::Relaxed);
-        Ok(CandleSlot { len, current: None, slot_bytes: self.slot_bytes.clone() })
+        Ok(CandleSlot { id: self.log.new_slot(), len, current: None, slot_bytes: self.slot_bytes.clone() })
     }
-    fn free_slot(&self, mut slot: CandleSlot, after: Option<&Arc<CudaEvent>>) -> Result<()> {
+    fn free_slot(&self, mut slot: CandleSlot, after: Option<&CheckedEvent>) -> Result<()> {
         if !Arc::ptr_eq(&slot.slot_bytes, &self.slot_bytes) {
             return Err(Error::Protocol("freeing a candle slot of another backend instance".into()));
         }
+        self.log.free_slot(slot.id, after);
         if let Some(ev) = after {
-            self.inner.compute_wait(ev)?;
+            self.inner.compute_wait(ev.event())?;
         }
         match slot.current.take() {
             Some(b) => self.retire(b),
             None => Ok(()),
         }
     }
-    fn copy_to_slot(&self, src: &PinnedHost, dst: &mut CandleSlot, bytes: usize, after: Option<&Arc<CudaEvent>>) -> Result<Arc<CudaEvent>> {
+    fn copy_to_slot(&self, src: &PinnedHost, dst: &mut CandleSlot, bytes: usize, after: Option<&CheckedEvent>) -> Result<CheckedEvent> {
         if !Arc::ptr_eq(&dst.slot_bytes, &self.slot_bytes) {
             return Err(Error::Protocol("copy into a candle slot of another backend instance".into()));
         }
@@ -262,13 +281,14 @@ impl OffloadBackend for CandleCudaBackend {
         // keeps until `retire`, which orders the free after this copy's event.
         let ev = unsafe { self.inner.copy_to_device(src, ptr, dst.len, bytes, Some(&allocated))? };
         dst.current = Some(Buffer { tensor, ptr, last_copy: ev.clone() });
-        Ok(ev)
+        Ok(self.log.copy(dst.id, after, ev))
     }
-    fn compute_wait(&self, event: &Arc<CudaEvent>) -> Result<()> {
-        self.inner.compute_wait(event)
+    fn compute_wait(&self, event: &CheckedEvent) -> Result<()> {
+        self.log.wait(event);
+        self.inner.compute_wait(event.event())
     }
-    fn record_compute(&self) -> Result<Arc<CudaEvent>> {
-        self.inner.record_compute()
+    fn record_compute(&self) -> Result<CheckedEvent> {
+        Ok(self.log.compute_event(self.inner.record_compute()?))
     }
     fn synchronize(&self) -> Result<()> {
         self.inner.synchronize()
@@ -276,11 +296,11 @@ impl OffloadBackend for CandleCudaBackend {
     fn poll_error(&self) -> Result<()> {
         self.inner.poll_error()
     }
-    fn record_timing(&self, on: StreamKind) -> Result<Option<Arc<CudaEvent>>> {
-        self.inner.record_timing(on)
+    fn record_timing(&self, on: StreamKind) -> Result<Option<CheckedEvent>> {
+        Ok(self.inner.record_timing(on)?.map(ProtocolLog::timing_event))
     }
-    fn elapsed_s(&self, from: &Arc<CudaEvent>, to: &Arc<CudaEvent>) -> Result<Option<f64>> {
-        self.inner.elapsed_s(from, to)
+    fn elapsed_s(&self, from: &CheckedEvent, to: &CheckedEvent) -> Result<Option<f64>> {
+        self.inner.elapsed_s(from.event(), to.event())
     }
     fn memory_info(&self) -> Result<MemoryInfo> {
         self.inner.memory_info()

@@ -32,6 +32,7 @@
 //! Not yet: pinning a memory-mapped safetensors file in place
 //! (`cuMemHostRegister`), so a checkpoint is read into pinned buffers once.
 
+pub mod checked;
 mod device;
 mod error;
 pub mod fold;

@@ -139,6 +139,7 @@ impl TchSlots for SimBackend {
 mod cuda {
     use super::*;
     use offload_core::{MemoryInfo, StreamKind};
+    use offload_cuda::checked::{CheckedEvent, ProtocolLog};
     use offload_cuda::cudarc::driver::{CudaContext, CudaEvent};
     use offload_cuda::{CudaBackend, CudaCounters, DeviceSlot, PinnedHost};
     use std::sync::atomic::{AtomicU64, Ordering};
@@ -154,6 +155,7 @@ mod cuda {
         inner: CudaBackend,
         device: Device,
         slot_bytes: Arc<SlotBytes>,
+        log: Arc<ProtocolLog>,
     }
 
     #[derive(Default)]
@@ -165,6 +167,7 @@ mod cuda {
     /// A ring slot: the libtorch buffer (`Uint8`, on the device) holding the last
     /// block copied into it.
     pub struct TchSlot {
+        id: u64,
         len: usize,
         current: Option<Buffer>,
         slot_bytes: Arc<SlotBytes>,
@@ -209,7 +212,7 @@ mod cuda {
         let ctx = CudaContext::new(ordinal).map_err(|e| Error::device(BACKEND, format!("opening device {ordinal}"), e))?;
         let compute = ctx.default_stream();
         let inner = CudaBackend::with_compute_stream(ctx, compute)?;
-        Ok(TchCudaBackend { inner, device: Device::Cuda(ordinal), slot_bytes: Arc::default() })
+        Ok(TchCudaBackend { inner, device: Device::Cuda(ordinal), slot_bytes: Arc::default(), log: Arc::default() })
     }
 
     impl TchCudaBackend {
@@ -226,6 +229,19 @@ mod cuda {
             c.live_bytes = self.slot_bytes.live.load(Ordering::Relaxed);
             c.peak_bytes = self.slot_bytes.peak.load(Ordering::Relaxed);
             c
+        }
+
+        /// Violations of the ring's protocol seen so far (copies land in fresh
+        /// buffers ordered after all compute, so a broken ring still computes the
+        /// right result here; the log shows the break anyway).
+        pub fn violations(&self) -> Vec<String> {
+            self.log.violations()
+        }
+
+        /// Record that compute is about to read `slot` other than through a bind
+        /// (a kernel over the slot's buffer).
+        pub fn note_read(&self, slot: &TchSlot) {
+            self.log.read(slot.id);
         }
 
         /// Restart the peak at the live bytes.
@@ -246,7 +262,7 @@ mod cuda {
     impl OffloadBackend for TchCudaBackend {
         type HostBuffer = PinnedHost;
         type Slot = TchSlot;
-        type Event = Arc<CudaEvent>;
+        type Event = CheckedEvent;
         type Wait = ();
 
         fn name(&self) -> &'static str {
@@ -279,27 +295,22 @@ mod cuda {
             }
             let live = self.slot_bytes.live.fetch_add(bytes as u64, Ordering::Relaxed) + bytes as u64;
             self.slot_bytes.peak.fetch_max(live, Ordering::Relaxed);
-            Ok(TchSlot { len: bytes, current: None, slot_bytes: self.slot_bytes.clone() })
+            Ok(TchSlot { id: self.log.new_slot(), len: bytes, current: None, slot_bytes: self.slot_bytes.clone() })
         }
-        fn free_slot(&self, mut slot: TchSlot, after: Option<&Arc<CudaEvent>>) -> Result<()> {
+        fn free_slot(&self, mut slot: TchSlot, after: Option<&CheckedEvent>) -> Result<()> {
             if !Arc::ptr_eq(&slot.slot_bytes, &self.slot_bytes) {
                 return Err(Error::Protocol("freeing a tch slot of another backend instance".into()));
             }
+            self.log.free_slot(slot.id, after);
             if let Some(ev) = after {
-                self.inner.compute_wait(ev)?;
+                self.inner.compute_wait(ev.event())?;
             }
             match slot.current.take() {
                 Some(b) => self.retire(b),
                 None => Ok(()),
             }
         }
-        fn copy_to_slot(
-            &self,
-            src: &PinnedHost,
-            dst: &mut TchSlot,
-            bytes: usize,
-            after: Option<&Arc<CudaEvent>>,
-        ) -> Result<Arc<CudaEvent>> {
+        fn copy_to_slot(&self, src: &PinnedHost, dst: &mut TchSlot, bytes: usize, after: Option<&CheckedEvent>) -> Result<CheckedEvent> {
             if !Arc::ptr_eq(&dst.slot_bytes, &self.slot_bytes) {
                 return Err(Error::Protocol("copy into a tch slot of another backend instance".into()));
             }
@@ -322,13 +333,14 @@ mod cuda {
             // keeps until `retire`, which orders their reuse after this copy's event.
             let ev = unsafe { self.inner.copy_to_device(src, ptr, dst.len, bytes, Some(&allocated))? };
             dst.current = Some(Buffer { tensor, ptr, last_copy: ev.clone() });
-            Ok(ev)
+            Ok(self.log.copy(dst.id, after, ev))
         }
-        fn compute_wait(&self, event: &Arc<CudaEvent>) -> Result<()> {
-            self.inner.compute_wait(event)
+        fn compute_wait(&self, event: &CheckedEvent) -> Result<()> {
+            self.log.wait(event);
+            self.inner.compute_wait(event.event())
         }
-        fn record_compute(&self) -> Result<Arc<CudaEvent>> {
-            self.inner.record_compute()
+        fn record_compute(&self) -> Result<CheckedEvent> {
+            Ok(self.log.compute_event(self.inner.record_compute()?))
         }
         fn synchronize(&self) -> Result<()> {
             self.inner.synchronize()
@@ -336,11 +348,11 @@ mod cuda {
         fn poll_error(&self) -> Result<()> {
             self.inner.poll_error()
         }
-        fn record_timing(&self, on: StreamKind) -> Result<Option<Arc<CudaEvent>>> {
-            self.inner.record_timing(on)
+        fn record_timing(&self, on: StreamKind) -> Result<Option<CheckedEvent>> {
+            Ok(self.inner.record_timing(on)?.map(ProtocolLog::timing_event))
         }
-        fn elapsed_s(&self, from: &Arc<CudaEvent>, to: &Arc<CudaEvent>) -> Result<Option<f64>> {
-            self.inner.elapsed_s(from, to)
+        fn elapsed_s(&self, from: &CheckedEvent, to: &CheckedEvent) -> Result<Option<f64>> {
+            self.inner.elapsed_s(from.event(), to.event())
         }
         fn memory_info(&self) -> Result<MemoryInfo> {
             self.inner.memory_info()
@@ -354,6 +366,7 @@ mod cuda {
         }
         fn bind(&self, slot: &TchSlot, layout: &BlockLayout, params: &mut HashMap<String, Tensor>) -> Result<()> {
             let buf = slot.tensor().ok_or_else(|| Error::Protocol("tch slot bound before any copy into it".into()))?;
+            self.log.read(slot.id);
             for t in &layout.tensors {
                 let k = kind(&t.spec)?;
                 let view = buf

@@ -198,7 +198,6 @@ impl Harness for CandleCuda {
     type B = offload_candle::CandleCudaBackend;
     type Acc = offload_cuda::fold::FoldKernel;
     const NAME: &'static str = "candle-cuda";
-    const FRESH_BUFFER_PER_COPY: bool = true;
 
     fn backend() -> std::result::Result<Self::B, CaseError> {
         if !offload_cuda::driver_present() {
@@ -213,13 +212,14 @@ impl Harness for CandleCuda {
         crate::cuda_harness::gpu_fold(b.cuda())
     }
     fn fold(b: &Self::B, acc: &mut Self::Acc, slot: &offload_candle::CandleSlot, bytes: usize, _waits: &[()]) -> Result<()> {
+        b.note_read(slot);
         acc.fold(b.cuda(), slot, bytes)
     }
     fn read(b: &Self::B, acc: &Self::Acc) -> Result<u64> {
         acc.read(b.cuda())
     }
-    fn violations(_: &Self::B) -> Vec<String> {
-        Vec::new()
+    fn violations(b: &Self::B) -> Vec<String> {
+        b.violations()
     }
     fn live_bytes(b: &Self::B) -> u64 {
         b.counters().live_bytes

@@ -53,11 +53,6 @@ pub trait Harness: 'static {
     type Acc;
     /// Row name in the conformance table.
     const NAME: &'static str;
-    /// Whether every copy lands in a fresh buffer of the framework's allocator,
-    /// ordered after all compute enqueued so far (candle and tch on CUDA): then
-    /// the ring's release events do not order copies, and breaking them
-    /// (invariant 2's sabotages) cannot change a result on this row.
-    const FRESH_BUFFER_PER_COPY: bool = false;
 
     /// A fresh backend, or [`CaseError::Skip`] saying why there is none here.
     fn backend() -> std::result::Result<Self::B, CaseError>;

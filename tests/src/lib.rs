@@ -63,9 +63,6 @@ pub struct SabotageOutcome {
     pub sabotage: offload_core::ring::Sabotage,
     /// Whether a case that guards the broken invariant failed.
     pub caught: bool,
-    /// Whether the break can change anything on this row (`false`: a break of
-    /// the release order on a row whose copies land in fresh buffers).
-    pub applicable: bool,
     /// The cases that failed, with why (or why the row could not run).
     pub by: Vec<(&'static str, String)>,
     /// The cases that guard it and passed anyway.
@@ -91,9 +88,7 @@ pub fn run_sabotage<H: Harness>() -> Vec<SabotageOutcome> {
                 }
             }
             let caught = by.iter().any(|(_, w)| !w.starts_with("SKIPPED"));
-            let release_order = matches!(sabotage, Sabotage::SkipFreeWait | Sabotage::NoReleaseEvent | Sabotage::EarlyRelease);
-            let applicable = !(release_order && H::FRESH_BUFFER_PER_COPY);
-            SabotageOutcome { sabotage, caught, applicable, by, missed_by }
+            SabotageOutcome { sabotage, caught, by, missed_by }
         })
         .collect()
 }

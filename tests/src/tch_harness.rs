@@ -67,7 +67,6 @@ impl Harness for TchCuda {
     type B = offload_tch::TchCudaBackend;
     type Acc = offload_cuda::fold::FoldKernel;
     const NAME: &'static str = "tch-cuda";
-    const FRESH_BUFFER_PER_COPY: bool = true;
 
     fn backend() -> std::result::Result<Self::B, CaseError> {
         let b = offload_tch::cuda_backend(0).map_err(|e| CaseError::Skip(format!("no CUDA device for libtorch: {e}")))?;
@@ -78,13 +77,14 @@ impl Harness for TchCuda {
         crate::cuda_harness::gpu_fold(b.cuda())
     }
     fn fold(b: &Self::B, acc: &mut Self::Acc, slot: &offload_tch::TchSlot, bytes: usize, _waits: &[()]) -> Result<()> {
+        b.note_read(slot);
         acc.fold(b.cuda(), slot, bytes)
     }
     fn read(b: &Self::B, acc: &Self::Acc) -> Result<u64> {
         acc.read(b.cuda())
     }
-    fn violations(_: &Self::B) -> Vec<String> {
-        Vec::new()
+    fn violations(b: &Self::B) -> Vec<String> {
+        b.violations()
     }
     fn live_bytes(b: &Self::B) -> u64 {
         b.counters().live_bytes

@@ -291,7 +291,9 @@ impl OffloadBackend for CandleCudaBackend {
         Ok(self.log.compute_event(self.inner.record_compute()?))
     }
     fn synchronize(&self) -> Result<()> {
-        self.inner.synchronize()
+        self.inner.synchronize()?;
+        self.log.synchronized();
+        Ok(())
     }
     fn poll_error(&self) -> Result<()> {
         self.inner.poll_error()

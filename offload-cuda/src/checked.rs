@@ -12,17 +12,20 @@ use cudarc::driver::CudaEvent;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-/// A CUDA event with its place in the log's order and, for a copy, its slot.
+/// An event with its place in the log's order and, for a copy, its slot.
 #[derive(Clone)]
-pub struct CheckedEvent {
-    event: Arc<CudaEvent>,
+pub struct Checked<E> {
+    event: E,
     seq: u64,
     slot: Option<u64>,
 }
 
-impl CheckedEvent {
-    /// The CUDA event.
-    pub fn event(&self) -> &Arc<CudaEvent> {
+/// A CUDA event with its place in the log's order.
+pub type CheckedEvent = Checked<Arc<CudaEvent>>;
+
+impl<E> Checked<E> {
+    /// The underlying event.
+    pub fn event(&self) -> &E {
         &self.event
     }
 }
@@ -37,6 +40,8 @@ struct SlotLog {
 #[derive(Default)]
 struct LogState {
     seq: u64,
+    /// Reads up to this place are covered by a host synchronisation.
+    synced: u64,
     next_slot: u64,
     slots: HashMap<u64, SlotLog>,
     violations: Vec<String>,
@@ -62,15 +67,21 @@ impl ProtocolLog {
         id
     }
 
-    fn covered(st: &LogState, slot: u64, after: Option<&CheckedEvent>) -> bool {
+    fn covered<E>(st: &LogState, slot: u64, after: Option<&Checked<E>>) -> bool {
         match st.slots.get(&slot).and_then(|s| s.last_read) {
             None => true,
-            Some(r) => after.is_some_and(|a| a.slot.is_none() && a.seq > r),
+            Some(r) => st.synced >= r || after.is_some_and(|a| a.slot.is_none() && a.seq > r),
         }
     }
 
+    /// The host waited for everything enqueued so far: every read before now is done.
+    pub fn synchronized(&self) {
+        let mut st = self.lock();
+        st.synced = st.seq;
+    }
+
     /// A slot freed after `after`; logs a violation if `after` does not follow its last read.
-    pub fn free_slot(&self, slot: u64, after: Option<&CheckedEvent>) {
+    pub fn free_slot<E>(&self, slot: u64, after: Option<&Checked<E>>) {
         let mut st = self.lock();
         if !Self::covered(&st, slot, after) {
             st.violations.push(format!("slot {slot} released before its last read (invariant 2)"));
@@ -79,19 +90,19 @@ impl ProtocolLog {
     }
 
     /// A timing event (never an order for the protocol).
-    pub fn timing_event(event: Arc<CudaEvent>) -> CheckedEvent {
-        CheckedEvent { event, seq: 0, slot: None }
+    pub fn timing_event<E>(event: E) -> Checked<E> {
+        Checked { event, seq: 0, slot: None }
     }
 
     /// An event recorded on the compute stream after everything enqueued so far.
-    pub fn compute_event(&self, event: Arc<CudaEvent>) -> CheckedEvent {
+    pub fn compute_event<E>(&self, event: E) -> Checked<E> {
         let mut st = self.lock();
         st.seq += 1;
-        CheckedEvent { event, seq: st.seq, slot: None }
+        Checked { event, seq: st.seq, slot: None }
     }
 
     /// A copy into `slot` after `after`, completing at `event`.
-    pub fn copy(&self, slot: u64, after: Option<&CheckedEvent>, event: Arc<CudaEvent>) -> CheckedEvent {
+    pub fn copy<E>(&self, slot: u64, after: Option<&Checked<E>>, event: E) -> Checked<E> {
         let mut st = self.lock();
         if !Self::covered(&st, slot, after) {
             st.violations.push(format!("slot {slot} overwritten before its last read (invariant 2)"));
@@ -102,11 +113,11 @@ impl ProtocolLog {
             s.last_copy = Some(seq);
             s.last_read = None;
         }
-        CheckedEvent { event, seq, slot: Some(slot) }
+        Checked { event, seq, slot: Some(slot) }
     }
 
     /// Compute waits for `event` (for a copy event: its slot may now be read).
-    pub fn wait(&self, event: &CheckedEvent) {
+    pub fn wait<E>(&self, event: &Checked<E>) {
         let mut st = self.lock();
         if let Some(s) = event.slot.and_then(|id| st.slots.get_mut(&id)) {
             s.waited = s.waited.max(event.seq);
@@ -133,5 +144,52 @@ impl ProtocolLog {
     /// Violations so far.
     pub fn violations(&self) -> Vec<String> {
         self.lock().violations.clone()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The log flags what the simulated backend flags, and nothing else.
+    #[test]
+    fn the_log_sees_each_break_and_no_false_one() {
+        // The protocol kept: copy, wait, read, release event, next copy after it.
+        let log = ProtocolLog::default();
+        let s = log.new_slot();
+        let c = log.copy(s, None, ());
+        log.wait(&c);
+        log.read(s);
+        let rel = log.compute_event(());
+        let c2 = log.copy(s, Some(&rel), ());
+        log.wait(&c2);
+        log.read(s);
+        log.synchronized();
+        log.free_slot::<()>(s, None);
+        assert!(log.violations().is_empty(), "{:?}", log.violations());
+        // A read without waiting for the copy (invariant 1).
+        let log = ProtocolLog::default();
+        let s = log.new_slot();
+        log.copy(s, None, ());
+        log.read(s);
+        assert_eq!(log.violations().len(), 1);
+        // A release event recorded before the read, then a copy after it (invariant 2).
+        let log = ProtocolLog::default();
+        let s = log.new_slot();
+        let c = log.copy(s, None, ());
+        log.wait(&c);
+        let early = log.compute_event(());
+        log.read(s);
+        log.copy(s, Some(&early), ());
+        assert_eq!(log.violations().len(), 1);
+        // A copy with no event at all after a read, and a release without one.
+        let log = ProtocolLog::default();
+        let s = log.new_slot();
+        let c = log.copy(s, None, ());
+        log.wait(&c);
+        log.read(s);
+        log.copy::<()>(s, None, ());
+        log.free_slot::<()>(s, None);
+        assert_eq!(log.violations().len(), 1, "{:?}", log.violations());
     }
 }

@@ -53,6 +53,8 @@ pub struct CandleSlot {
     len: usize,
     current: Option<Buffer>,
     slot_bytes: Arc<SlotBytes>,
+    /// The transfer engine: its compute stream orders the buffer's release.
+    engine: CudaBackend,
 }
 
 struct Buffer {
@@ -82,14 +84,39 @@ impl CandleSlot {
 impl Drop for CandleSlot {
     fn drop(&mut self) {
         self.slot_bytes.live.fetch_sub(self.len as u64, Ordering::Relaxed);
+        // Dropped without `free_slot`: still order the buffer's release after its copy.
+        if let Some(b) = self.current.take() {
+            if let Err(e) = retire(&self.engine, b) {
+                tracing::warn!("a {}-byte slot buffer is leaked: {e}", self.len);
+            }
+        }
+    }
+}
+
+/// Let go of a slot's reference to a buffer. The framework frees (or caches) it,
+/// in its compute stream's order, once no view holds it; first make that stream
+/// wait for the copy into it (a prefetched block may never have been waited
+/// for). If the wait cannot be enqueued the buffer is leaked, never freed under
+/// a running copy.
+fn retire(engine: &CudaBackend, b: Buffer) -> Result<()> {
+    match engine.compute_wait(&b.last_copy) {
+        Ok(()) => Ok(()),
+        Err(e) => {
+            std::mem::forget(b.tensor);
+            Err(e)
+        }
     }
 }
 
 // SAFETY: the buffer is a candle tensor owning its memory; the borrow of the slot
-// keeps `current` (and so the tensor) alive.
+// keeps `current` (and so the tensor) alive, and candle frees it on its stream — the
+// engine's compute stream — so kernels enqueued there while borrowed run first.
 unsafe impl DeviceSlot for CandleSlot {
     fn device_range(&self) -> (u64, usize) {
         self.current.as_ref().map_or((0, 0), |b| (b.ptr, self.len))
+    }
+    fn engine_id(&self) -> usize {
+        self.engine.engine_id()
     }
 }
 
@@ -170,15 +197,6 @@ impl CandleCudaBackend {
         }
     }
 
-    /// Let go of the slot's reference to a buffer. candle frees it on its stream
-    /// when no view holds it any more; first order that free after the copy
-    /// into it (a prefetched block may never have been waited for).
-    fn retire(&self, b: Buffer) -> Result<()> {
-        self.inner.compute_wait(&b.last_copy)?;
-        drop(b);
-        Ok(())
-    }
-
     /// The tensors of a block in `slot`, laid out as `layout`, named relative to
     /// `prefix`: views of the slot's buffer, no copy. They keep the buffer alive
     /// after the block is released.
@@ -245,7 +263,7 @@ impl OffloadBackend for CandleCudaBackend {
         }
         let live = self.slot_bytes.live.fetch_add(len as u64, Ordering::Relaxed) + len as u64;
         self.slot_bytes.peak.fetch_max(live, Ordering::Relaxed);
-        Ok(CandleSlot { id: self.log.new_slot(), len, current: None, slot_bytes: self.slot_bytes.clone() })
+        Ok(CandleSlot { id: self.log.new_slot(), len, current: None, slot_bytes: self.slot_bytes.clone(), engine: self.inner.clone() })
     }
     fn free_slot(&self, mut slot: CandleSlot, after: Option<&CheckedEvent>) -> Result<()> {
         if !Arc::ptr_eq(&slot.slot_bytes, &self.slot_bytes) {
@@ -256,7 +274,7 @@ impl OffloadBackend for CandleCudaBackend {
             self.inner.compute_wait(ev.event())?;
         }
         match slot.current.take() {
-            Some(b) => self.retire(b),
+            Some(b) => retire(&self.inner, b),
             None => Ok(()),
         }
     }
@@ -271,7 +289,7 @@ impl OffloadBackend for CandleCudaBackend {
         // so the allocation below, on the same stream, already follows it.
         let _ = after;
         if let Some(old) = dst.current.take() {
-            self.retire(old)?;
+            retire(&self.inner, old)?;
         }
         let (tensor, ptr) = self.new_buffer(dst.len)?;
         // The copy waits for candle's stream to reach the allocation: memory the

@@ -701,7 +701,10 @@ impl<B: OffloadBackend> BlockGuard<'_, B> {
 
     /// Release the block after `signal`, an event the user's own compute signals
     /// after its last read of the block (an explicit-submission API's signal
-    /// semaphore value), instead of an event the backend records.
+    /// semaphore value), instead of an event the backend records. The ring trusts
+    /// it: an event that does not follow the last read lets the next copy into the
+    /// slot race that read (a wrong result, which the backends' protocol logs
+    /// report); the Vulkan backend refuses points it did not issue.
     pub fn finish_after(mut self, signal: B::Event) -> Result<()> {
         self.done = true;
         self.ring.release(self.block, self.loc, self.source, Some(signal))

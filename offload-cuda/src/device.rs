@@ -191,6 +191,14 @@ impl CudaBackend {
         self.shared.ctx.ordinal()
     }
 
+    /// The identity of this transfer engine (equal for clones, different for
+    /// every [`new`](Self::new) or [`with_compute_stream`](Self::with_compute_stream)):
+    /// what a [`DeviceSlot`](crate::DeviceSlot) names as the engine whose compute
+    /// stream orders its free.
+    pub fn engine_id(&self) -> usize {
+        Arc::as_ptr(&self.shared) as usize
+    }
+
     /// The checking mode, for conformance runs on a real device: before every
     /// copy into a slot the copy stream overwrites the whole slot with [`POISON`]
     /// and then spins for `copy_spin_us` before it writes the block. A read
@@ -248,10 +256,29 @@ impl CudaBackend {
         if let Some(ev) = after {
             s.copy.wait(ev).map_err(|e| driver("copy stream waiting for a slot's last use", e))?;
         }
+        // Once anything is enqueued, an error must not leave it running unseen: the
+        // caller gets no event to order the destination's free after, so drain.
+        let drained = |e: Error| {
+            let _ = s.copy.synchronize();
+            e
+        };
+        self.enqueue_copy(src, dst, dst_len, bytes).map_err(drained)?;
+        let ev = match s.copy.record_event(None) {
+            Ok(ev) => Arc::new(ev),
+            Err(e) => return Err(drained(driver("recording a copy event", e))),
+        };
+        s.copies.fetch_add(1, Ordering::Relaxed);
+        s.bytes_copied.fetch_add(bytes as u64, Ordering::Relaxed);
+        Ok(ev)
+    }
+
+    /// The checking mode's poison and spin, then the copy, on the copy stream.
+    fn enqueue_copy(&self, src: &PinnedHost, dst: sys::CUdeviceptr, dst_len: usize, bytes: usize) -> Result<()> {
+        let s = &self.shared;
         if let Some(chk) = s.checking.get() {
             if dst_len > 0 {
-                // SAFETY: `dst` addresses `dst_len` live bytes (this function's contract),
-                // ordered after the slot's last use by the wait above.
+                // SAFETY: `dst` addresses `dst_len` live bytes (`copy_to_device`'s contract),
+                // ordered after the slot's last use by its wait.
                 unsafe { sys::cuMemsetD8Async(dst, POISON, dst_len, s.copy.cu_stream()) }
                     .result()
                     .map_err(|e| driver("poisoning a slot (checking mode)", e))?;
@@ -263,25 +290,14 @@ impl CudaBackend {
         }
         if bytes > 0 {
             // The host buffer (pinned, or pageable as a fallback) outlives the copy: its Drop
-            // drains the copy stream (it belongs to this backend: checked above).
-            // SAFETY: `src` stays valid until the copy completes (above); `dst` by this
-            // function's contract; `bytes` fits both.
+            // drains the copy stream (it belongs to this backend: checked by `copy_to_device`).
+            // SAFETY: `src` stays valid until the copy completes (above); `dst` by
+            // `copy_to_device`'s contract; `bytes` fits both (checked there).
             unsafe { sys::cuMemcpyHtoDAsync_v2(dst, src.ptr() as *const _, bytes, s.copy.cu_stream()) }
                 .result()
                 .map_err(|e| driver(format!("copying {bytes} bytes to the device"), e))?;
         }
-        let ev = match s.copy.record_event(None) {
-            Ok(ev) => Arc::new(ev),
-            Err(e) => {
-                // The copy is enqueued but has no event: nothing could order the
-                // slot's free after it. Drain the copy stream (an error path).
-                let _ = s.copy.synchronize();
-                return Err(driver("recording a copy event", e));
-            }
-        };
-        s.copies.fetch_add(1, Ordering::Relaxed);
-        s.bytes_copied.fetch_add(bytes as u64, Ordering::Relaxed);
-        Ok(ev)
+        Ok(())
     }
 
     /// Counters so far.
@@ -402,6 +418,8 @@ impl OffloadBackend for CudaBackend {
     }
 
     fn poll_error(&self) -> Result<()> {
+        // The streams may be the legacy default stream (tch): query in this context.
+        self.bind()?;
         self.shared.ctx.check_err().map_err(|e| driver("a deferred driver error", e))?;
         // Ask the device too: a query never blocks, and returns a sticky error (an
         // illegal address in a kernel, say) that no call has reported yet.

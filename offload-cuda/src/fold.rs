@@ -67,16 +67,24 @@ pub(crate) fn spin_function(b: &CudaBackend) -> Result<CudaFunction> {
 /// # Safety
 ///
 /// `device_range` returns memory of the backend's CUDA context that stays
-/// allocated for as long as the borrow of `self` lives.
+/// allocated while the borrow of `self` lives, and whose free is afterwards
+/// enqueued on the compute stream of the transfer engine `engine_id` names (so a
+/// kernel enqueued there while the borrow lived runs before the memory is reused).
 pub unsafe trait DeviceSlot {
     /// The slot's first device address and its length in bytes.
     fn device_range(&self) -> (u64, usize);
+    /// The [`CudaBackend::engine_id`] of the engine whose compute stream frees it.
+    fn engine_id(&self) -> usize;
 }
 
-// SAFETY: a `CudaSlot` owns its range until it is dropped, which the borrow prevents.
+// SAFETY: a `CudaSlot` owns its range until it is dropped, which the borrow prevents;
+// its `Drop` frees it on its engine's compute stream.
 unsafe impl DeviceSlot for CudaSlot {
     fn device_range(&self) -> (u64, usize) {
         (self.device_ptr(), self.len())
+    }
+    fn engine_id(&self) -> usize {
+        std::sync::Arc::as_ptr(&self.shared) as usize
     }
 }
 
@@ -111,8 +119,12 @@ impl FoldKernel {
         self
     }
 
-    /// Enqueue the fold of the first `bytes` of `slot` on `b`'s compute stream.
+    /// Enqueue the fold of the first `bytes` of `slot` on `b`'s compute stream
+    /// (`slot` must belong to `b`: its free is ordered on that stream).
     pub fn fold(&mut self, b: &CudaBackend, slot: &impl DeviceSlot, bytes: usize) -> Result<()> {
+        if slot.engine_id() != b.engine_id() {
+            return Err(Error::Protocol("fold of a slot of another CUDA backend instance".into()));
+        }
         let (ptr, len) = slot.device_range();
         if bytes > len {
             return Err(Error::Protocol(format!("fold of {bytes} bytes over a {len}-byte slot")));

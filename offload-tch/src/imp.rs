@@ -171,6 +171,8 @@ mod cuda {
         len: usize,
         current: Option<Buffer>,
         slot_bytes: Arc<SlotBytes>,
+        /// The transfer engine: its compute stream orders the buffer's release.
+        engine: CudaBackend,
     }
 
     struct Buffer {
@@ -189,14 +191,39 @@ mod cuda {
     impl Drop for TchSlot {
         fn drop(&mut self) {
             self.slot_bytes.live.fetch_sub(self.len as u64, Ordering::Relaxed);
+            // Dropped without `free_slot`: still order the buffer's release after its copy.
+            if let Some(b) = self.current.take() {
+                if let Err(e) = retire(&self.engine, b) {
+                    tracing::warn!("a {}-byte slot buffer is leaked: {e}", self.len);
+                }
+            }
+        }
+    }
+
+    /// Let go of a slot's reference to a buffer. The framework frees (or caches) it,
+    /// in its compute stream's order, once no view holds it; first make that stream
+    /// wait for the copy into it (a prefetched block may never have been waited
+    /// for). If the wait cannot be enqueued the buffer is leaked, never freed under
+    /// a running copy.
+    fn retire(engine: &CudaBackend, b: Buffer) -> Result<()> {
+        match engine.compute_wait(&b.last_copy) {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                std::mem::forget(b.tensor);
+                Err(e)
+            }
         }
     }
 
     // SAFETY: the buffer is a libtorch tensor owning its memory; the borrow of the
-    // slot keeps `current` (and so the tensor) alive.
+    // slot keeps `current` (and so the tensor) alive, and libtorch's caching
+    // allocator reuses it in the default stream's order — the engine's compute stream.
     unsafe impl DeviceSlot for TchSlot {
         fn device_range(&self) -> (u64, usize) {
             self.current.as_ref().map_or((0, 0), |b| (b.ptr, self.len))
+        }
+        fn engine_id(&self) -> usize {
+            self.engine.engine_id()
         }
     }
 
@@ -248,15 +275,6 @@ mod cuda {
         pub fn reset_peak(&self) {
             self.slot_bytes.peak.store(self.slot_bytes.live.load(Ordering::Relaxed), Ordering::Relaxed);
         }
-
-        /// Let go of the slot's reference to a buffer: libtorch's caching allocator
-        /// reuses it (in the default stream's order) once no view holds it; first
-        /// order that after the copy into it.
-        fn retire(&self, b: Buffer) -> Result<()> {
-            self.inner.compute_wait(&b.last_copy)?;
-            drop(b);
-            Ok(())
-        }
     }
 
     impl OffloadBackend for TchCudaBackend {
@@ -295,7 +313,13 @@ mod cuda {
             }
             let live = self.slot_bytes.live.fetch_add(bytes as u64, Ordering::Relaxed) + bytes as u64;
             self.slot_bytes.peak.fetch_max(live, Ordering::Relaxed);
-            Ok(TchSlot { id: self.log.new_slot(), len: bytes, current: None, slot_bytes: self.slot_bytes.clone() })
+            Ok(TchSlot {
+                id: self.log.new_slot(),
+                len: bytes,
+                current: None,
+                slot_bytes: self.slot_bytes.clone(),
+                engine: self.inner.clone(),
+            })
         }
         fn free_slot(&self, mut slot: TchSlot, after: Option<&CheckedEvent>) -> Result<()> {
             if !Arc::ptr_eq(&slot.slot_bytes, &self.slot_bytes) {
@@ -306,7 +330,7 @@ mod cuda {
                 self.inner.compute_wait(ev.event())?;
             }
             match slot.current.take() {
-                Some(b) => self.retire(b),
+                Some(b) => retire(&self.inner, b),
                 None => Ok(()),
             }
         }
@@ -321,7 +345,7 @@ mod cuda {
             // stream: the allocation below, in that stream's order, follows it.
             let _ = after;
             if let Some(old) = dst.current.take() {
-                self.retire(old)?;
+                retire(&self.inner, old)?;
             }
             let tensor = Tensor::f_empty([dst.len.max(1) as i64], (Kind::Uint8, self.device))
                 .map_err(|e| tch_err(format!("allocating a {}-byte slot buffer", dst.len), e))?;

@@ -26,15 +26,31 @@ pub enum Timeline {
 }
 
 /// A value of one of the backend's timeline semaphores: the ring's event, and the
-/// wait token a user's compute submission carries (`OffloadBackend::Wait`).
+/// wait token a user's compute submission carries (`OffloadBackend::Wait`). Only
+/// the backend makes them, and it refuses points of another instance or values
+/// it has not issued.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct VulkanPoint {
+    pub(crate) timeline: Timeline,
+    pub(crate) semaphore: vk::Semaphore,
+    pub(crate) value: u64,
+    /// The backend instance that issued it (handles of two devices may be equal).
+    pub(crate) owner: usize,
+}
+
+impl VulkanPoint {
     /// The timeline.
-    pub timeline: Timeline,
-    /// The semaphore (to put in a `VkSubmitInfo`'s waits).
-    pub semaphore: vk::Semaphore,
+    pub fn timeline(&self) -> Timeline {
+        self.timeline
+    }
+    /// The semaphore (for a `VkSubmitInfo`'s waits in the user's own submissions).
+    pub fn semaphore(&self) -> vk::Semaphore {
+        self.semaphore
+    }
     /// The value to wait for.
-    pub value: u64,
+    pub fn value(&self) -> u64 {
+        self.value
+    }
 }
 
 /// How to open the device.
@@ -524,6 +540,18 @@ impl VulkanBackend {
         purpose: &str,
     ) -> Result<VulkanPoint> {
         let i = &self.inner;
+        for w in waits {
+            let (own, issued) = match w.timeline {
+                Timeline::Copy => (i.copy_tl, st.copy_value),
+                Timeline::Compute => (i.compute_tl, st.compute_value),
+            };
+            if w.owner != Arc::as_ptr(&self.inner) as usize || w.semaphore != own || w.value > issued {
+                return Err(Error::Protocol(format!(
+                    "{purpose}: a wait on {:?} value {} that this backend did not issue (issued up to {issued})",
+                    w.timeline, w.value
+                )));
+            }
+        }
         let (queue, sem, value) = match timeline {
             Timeline::Copy => (i.transfer.as_ref().unwrap_or(&i.compute).queue, i.copy_tl, st.copy_value + 1),
             Timeline::Compute => (i.compute.queue, i.compute_tl, st.compute_value + 1),
@@ -548,7 +576,7 @@ impl VulkanBackend {
             Timeline::Copy => st.copy_value = value,
             Timeline::Compute => st.compute_value = value,
         }
-        Ok(VulkanPoint { timeline, semaphore: sem, value })
+        Ok(VulkanPoint { timeline, semaphore: sem, value, owner: Arc::as_ptr(&self.inner) as usize })
     }
 
     /// The value `timeline`'s semaphore has reached.
@@ -715,6 +743,8 @@ impl OffloadBackend for VulkanBackend {
         if !Arc::ptr_eq(&slot.inner, &self.inner) {
             return Err(Error::Protocol("freeing a Vulkan slot of another backend instance".into()));
         }
+        // The slot is destroyed only after every value issued so far, whatever
+        // `after` says; `after` is checked for the protocol log alone.
         let mut st = lock(&self.inner.state);
         let last_read = st.slots.get(&slot.id).and_then(|t| t.last_read);
         if !Self::covers(&st, last_read, after) {
@@ -734,6 +764,9 @@ impl OffloadBackend for VulkanBackend {
             return Err(Error::Protocol(format!("copy of {bytes} bytes from a {}-byte buffer into a {}-byte slot", src.len(), dst.len)));
         }
         let purpose = format!("copy of {bytes} bytes into slot {}", dst.id);
+        if after.is_some_and(|a| a.timeline != Timeline::Compute) {
+            return Err(Error::Protocol(format!("{purpose}: ordered after a copy point, not a compute point (a slot's release)")));
+        }
         let mut st = lock(&self.inner.state);
         self.collect(&mut st);
         let last_read = st.slots.get(&dst.id).and_then(|t| t.last_read);

@@ -147,6 +147,9 @@ impl FoldKernel {
     fn run(&mut self, slot: Option<(&VulkanSlot, usize)>, spin_rounds: u32, waits: &[VulkanPoint]) -> Result<VulkanPoint> {
         let b = self.backend.clone();
         if let Some((s, bytes)) = slot {
+            if !std::sync::Arc::ptr_eq(&s.inner, &b.inner) {
+                return Err(Error::Protocol("fold of a slot of another Vulkan backend instance".into()));
+            }
             if bytes > s.len {
                 return Err(Error::Protocol(format!("fold of {bytes} bytes over a {}-byte slot", s.len)));
             }

@@ -115,6 +115,8 @@ fn foreign_buffer_refused() -> Outcome {
     })?;
     let r = b.copy_to_slot(&host_b, &mut slot_a, 4096, None);
     crate::ensure!(r.is_err(), "backend b copied into a slot of backend a");
+    let mut fold = gpu_fold(&b)?;
+    crate::ensure!(fold.fold(&b, &slot_a, 4096).is_err(), "backend b's fold read a slot of backend a (freed on a's stream)");
     a.free_slot(slot_a, None)?;
     b.free_slot(slot_b, None)?;
     a.synchronize()?;

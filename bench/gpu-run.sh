@@ -118,16 +118,6 @@ PY
   fi
 fi
 if ls "$OUT"/sabotage-*.json >/dev/null 2>&1; then
-  echo "== sabotage table"
-  python3 - "$OUT" <<'PY'
-import glob, json, os, sys
-out = sys.argv[1]
-parts = [json.load(open(p)) for p in sorted(glob.glob(os.path.join(out, "sabotage-*.json"))) if not p.endswith("-h200.json")]
-rows = [r for p in parts for r in p["rows"]]
-doc = {"commit": parts[0]["commit"], "gpu": parts[0]["gpu"], "rows": rows, "all_caught": all(r["caught"] for r in rows)}
-json.dump(doc, open(os.path.join(out, "sabotage-h200.json"), "w"), indent=1)
-for r in rows:
-    print(f'{r["backend"]:<12} {r["sabotage"]:<16} caught={r["caught"]}')
-PY
+  echo "== sabotage table"; python3 "$B/sabotage_table.py" "$OUT" "$BENCH_DATE"
 fi
 echo "== done"

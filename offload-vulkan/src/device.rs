@@ -775,9 +775,8 @@ impl OffloadBackend for VulkanBackend {
         }
         let (pool, cmd) = self.begin(Timeline::Copy, &purpose)?;
         let dev = &self.inner.device;
-        // SAFETY: recording into a command buffer begun above; both buffers are live
-        // and stay so until the copy's value is reached (host buffers drain on drop,
-        // slots are destroyed through the garbage list).
+        // Host buffers drain on drop, slots are destroyed through the garbage list.
+        // SAFETY: a command buffer begun above; both buffers live until the copy's value.
         unsafe {
             if st.checking {
                 dev.cmd_fill_buffer(cmd, dst.buffer, 0, vk::WHOLE_SIZE, u32::from_ne_bytes([crate::POISON; 4]));

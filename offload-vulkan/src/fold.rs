@@ -173,9 +173,9 @@ impl FoldKernel {
             .src_access_mask(vk::AccessFlags::SHADER_WRITE)
             .dst_access_mask(vk::AccessFlags::SHADER_READ | vk::AccessFlags::SHADER_WRITE);
         let cs = vk::PipelineStageFlags::COMPUTE_SHADER;
-        // SAFETY: recording into a command buffer begun above, with pipelines and
-        // buffers that outlive the submission (the slot by the ring's protocol and the
-        // deferred-destroy list; the accumulator and pipelines by `Drop` waiting).
+        // The slot outlives the submission by the deferred-destroy list, the
+        // accumulator and pipelines by `Drop` waiting for the last fold.
+        // SAFETY: a command buffer begun above; every handle outlives the submission.
         unsafe {
             dev.cmd_pipeline_barrier(cmd, cs, cs, vk::DependencyFlags::empty(), &[to_shader], &[], &[]);
             let infos = [

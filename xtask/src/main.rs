@@ -373,7 +373,7 @@ fn gpu_bundle(args: &[String]) -> Result<(), String> {
             dir = dir.display()
         ))?;
     }
-    for f in ["bench/anchors/diffusers_group_offload.py", "bench/gpu-run.sh"] {
+    for f in ["bench/anchors/diffusers_group_offload.py", "bench/gpu-run.sh", "bench/sabotage_table.py"] {
         let p = root().join(f);
         if p.exists() {
             let name = p.file_name().map(|n| n.to_owned()).unwrap_or_default();

@@ -1,0 +1,30 @@
+"""Merge the per-binary sabotage tables a GPU run wrote (sabotage-<part>.json from
+`conformance --sabotage`) into OUT/sabotage-h200.json, in DESIGN's schema (date,
+commit, gpu, backend, model, cases) with `rows` as issue 13 names them (the same
+objects). Run by bench/gpu-run.sh: python3 sabotage_table.py OUT [DATE]."""
+import glob
+import json
+import os
+import sys
+
+out = sys.argv[1]
+date = sys.argv[2] if len(sys.argv) > 2 else os.environ.get("BENCH_DATE", "")
+parts = [json.load(open(p)) for p in sorted(glob.glob(os.path.join(out, "sabotage-*.json"))) if not p.endswith("-h200.json")]
+rows = [r for p in parts for r in p["rows"]]
+backends = []
+for r in rows:
+    if r["backend"] not in backends:
+        backends.append(r["backend"])
+doc = {
+    "date": date,
+    "commit": parts[0]["commit"],
+    "gpu": parts[0]["gpu"],
+    "backend": ",".join(backends),
+    "model": "the conformance suite's random test models; each break run against the cases that guard its invariant",
+    "all_caught": all(r["caught"] for r in rows),
+    "cases": rows,
+    "rows": rows,
+}
+json.dump(doc, open(os.path.join(out, "sabotage-h200.json"), "w"), indent=1)
+for r in rows:
+    print(f'{r["backend"]:<12} {r["sabotage"]:<16} caught={r["caught"]}')

@@ -36,11 +36,13 @@ pub mod checked;
 mod device;
 mod error;
 pub mod fold;
+pub mod fresh;
 mod memory;
 
 pub use cudarc;
 pub use device::{driver_present, CudaBackend, CudaCounters, POISON};
 pub use fold::DeviceSlot;
+pub use fresh::{FreshEngine, FreshSlot};
 pub use memory::{CudaSlot, PinnedHost};
 
 use offload_core::{BlockGuard, BlockLayout, Error, OffloadBackend, Result};

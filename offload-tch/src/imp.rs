@@ -139,10 +139,9 @@ impl TchSlots for SimBackend {
 mod cuda {
     use super::*;
     use offload_core::{MemoryInfo, StreamKind};
-    use offload_cuda::checked::{CheckedEvent, ProtocolLog};
-    use offload_cuda::cudarc::driver::{CudaContext, CudaEvent};
-    use offload_cuda::{CudaBackend, CudaCounters, DeviceSlot, PinnedHost};
-    use std::sync::atomic::{AtomicU64, Ordering};
+    use offload_cuda::checked::CheckedEvent;
+    use offload_cuda::cudarc::driver::CudaContext;
+    use offload_cuda::{CudaBackend, CudaCounters, FreshEngine, FreshSlot, PinnedHost};
 
     /// libtorch on CUDA: compute on libtorch's stream (the legacy default stream
     /// of device `ordinal`'s primary context), copies on a non-blocking stream of
@@ -152,80 +151,13 @@ mod cuda {
     /// backward keeps its block's bytes alive after the block is released.
     #[derive(Clone)]
     pub struct TchCudaBackend {
-        inner: CudaBackend,
+        engine: FreshEngine,
         device: Device,
-        slot_bytes: Arc<SlotBytes>,
-        log: Arc<ProtocolLog>,
-    }
-
-    #[derive(Default)]
-    struct SlotBytes {
-        live: AtomicU64,
-        peak: AtomicU64,
     }
 
     /// A ring slot: the libtorch buffer (`Uint8`, on the device) holding the last
-    /// block copied into it.
-    pub struct TchSlot {
-        id: u64,
-        len: usize,
-        current: Option<Buffer>,
-        slot_bytes: Arc<SlotBytes>,
-        /// The transfer engine: its compute stream orders the buffer's release.
-        engine: CudaBackend,
-    }
-
-    struct Buffer {
-        tensor: Tensor,
-        ptr: u64,
-        last_copy: Arc<CudaEvent>,
-    }
-
-    impl TchSlot {
-        /// The buffer of the last block copied in (`None` before the first copy).
-        pub fn tensor(&self) -> Option<&Tensor> {
-            self.current.as_ref().map(|b| &b.tensor)
-        }
-    }
-
-    impl Drop for TchSlot {
-        fn drop(&mut self) {
-            self.slot_bytes.live.fetch_sub(self.len as u64, Ordering::Relaxed);
-            // Dropped without `free_slot`: still order the buffer's release after its copy.
-            if let Some(b) = self.current.take() {
-                if let Err(e) = retire(&self.engine, b) {
-                    tracing::warn!("a {}-byte slot buffer is leaked: {e}", self.len);
-                }
-            }
-        }
-    }
-
-    /// Let go of a slot's reference to a buffer. The framework frees (or caches) it,
-    /// in its compute stream's order, once no view holds it; first make that stream
-    /// wait for the copy into it (a prefetched block may never have been waited
-    /// for). If the wait cannot be enqueued the buffer is leaked, never freed under
-    /// a running copy.
-    fn retire(engine: &CudaBackend, b: Buffer) -> Result<()> {
-        match engine.compute_wait(&b.last_copy) {
-            Ok(()) => Ok(()),
-            Err(e) => {
-                std::mem::forget(b.tensor);
-                Err(e)
-            }
-        }
-    }
-
-    // SAFETY: the buffer is a libtorch tensor owning its memory; the borrow of the
-    // slot keeps `current` (and so the tensor) alive, and libtorch's caching
-    // allocator reuses it in the default stream's order — the engine's compute stream.
-    unsafe impl DeviceSlot for TchSlot {
-        fn device_range(&self) -> (u64, usize) {
-            self.current.as_ref().map_or((0, 0), |b| (b.ptr, self.len))
-        }
-        fn engine_id(&self) -> usize {
-            self.engine.engine_id()
-        }
-    }
+    /// block copied into it ([`FreshSlot::buffer`]).
+    pub type TchSlot = FreshSlot<Tensor>;
 
     /// The CUDA backend for libtorch on device `ordinal`.
     pub fn cuda_backend(ordinal: usize) -> Result<TchCudaBackend> {
@@ -239,41 +171,47 @@ mod cuda {
         let ctx = CudaContext::new(ordinal).map_err(|e| Error::device(BACKEND, format!("opening device {ordinal}"), e))?;
         let compute = ctx.default_stream();
         let inner = CudaBackend::with_compute_stream(ctx, compute)?;
-        Ok(TchCudaBackend { inner, device: Device::Cuda(ordinal), slot_bytes: Arc::default(), log: Arc::default() })
+        Ok(TchCudaBackend { engine: FreshEngine::new(inner, "tch-cuda"), device: Device::Cuda(ordinal) })
     }
 
     impl TchCudaBackend {
         /// The transfer engine (streams, the checking mode).
         pub fn cuda(&self) -> &CudaBackend {
-            &self.inner
+            self.engine.cuda()
         }
 
         /// Counters: the transfer engine's, with live and peak bytes those of the
         /// ring's slots (buffers that views keep alive after the ring let them go
         /// are libtorch's).
         pub fn counters(&self) -> CudaCounters {
-            let mut c = self.inner.counters();
-            c.live_bytes = self.slot_bytes.live.load(Ordering::Relaxed);
-            c.peak_bytes = self.slot_bytes.peak.load(Ordering::Relaxed);
-            c
+            self.engine.counters()
         }
 
         /// Violations of the ring's protocol seen so far (copies land in fresh
         /// buffers ordered after all compute, so a broken ring still computes the
         /// right result here; the log shows the break anyway).
         pub fn violations(&self) -> Vec<String> {
-            self.log.violations()
+            self.engine.violations()
         }
 
         /// Record that compute is about to read `slot` other than through a bind
         /// (a kernel over the slot's buffer).
         pub fn note_read(&self, slot: &TchSlot) {
-            self.log.read(slot.id);
+            self.engine.note_read(slot);
         }
 
         /// Restart the peak at the live bytes.
         pub fn reset_peak(&self) {
-            self.slot_bytes.peak.store(self.slot_bytes.live.load(Ordering::Relaxed), Ordering::Relaxed);
+            self.engine.reset_peak()
+        }
+
+        /// A fresh `Uint8` buffer of `len` bytes from libtorch's caching allocator
+        /// (on libtorch's stream), and its device address.
+        fn new_buffer(&self, len: usize) -> Result<(Tensor, u64)> {
+            let tensor = Tensor::f_empty([len.max(1) as i64], (Kind::Uint8, self.device))
+                .map_err(|e| tch_err(format!("allocating a {len}-byte slot buffer"), e))?;
+            let ptr = tensor.data_ptr() as u64;
+            Ok((tensor, ptr))
         }
     }
 
@@ -287,101 +225,52 @@ mod cuda {
             "tch-cuda"
         }
         fn alloc_host(&self, bytes: usize, purpose: &str, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<PinnedHost> {
-            self.inner.alloc_host(bytes, purpose, fill)
+            self.cuda().alloc_host(bytes, purpose, fill)
         }
         fn alloc_host_pageable(&self, bytes: usize, purpose: &str, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<PinnedHost> {
-            self.inner.alloc_host_pageable(bytes, purpose, fill)
+            self.cuda().alloc_host_pageable(bytes, purpose, fill)
         }
         fn is_pinned(&self, buffer: &PinnedHost) -> bool {
-            self.inner.is_pinned(buffer)
+            self.cuda().is_pinned(buffer)
         }
         fn host_bytes<'a>(&self, buffer: &'a PinnedHost) -> &'a [u8] {
-            self.inner.host_bytes(buffer)
+            self.cuda().host_bytes(buffer)
         }
         fn host_is_pinned(&self) -> bool {
             true
         }
         fn alloc_slot(&self, bytes: usize, purpose: &str) -> Result<TchSlot> {
-            let free = self.inner.memory_info().map(|m| m.free).unwrap_or(u64::MAX);
-            if bytes as u64 > free {
-                return Err(Error::OutOfDeviceMemory {
-                    backend: "tch-cuda".into(),
-                    requested: bytes as u64,
-                    free,
-                    purpose: purpose.into(),
-                });
-            }
-            let live = self.slot_bytes.live.fetch_add(bytes as u64, Ordering::Relaxed) + bytes as u64;
-            self.slot_bytes.peak.fetch_max(live, Ordering::Relaxed);
-            Ok(TchSlot {
-                id: self.log.new_slot(),
-                len: bytes,
-                current: None,
-                slot_bytes: self.slot_bytes.clone(),
-                engine: self.inner.clone(),
-            })
+            self.engine.alloc_slot(bytes, purpose)
         }
-        fn free_slot(&self, mut slot: TchSlot, after: Option<&CheckedEvent>) -> Result<()> {
-            if !Arc::ptr_eq(&slot.slot_bytes, &self.slot_bytes) {
-                return Err(Error::Protocol("freeing a tch slot of another backend instance".into()));
-            }
-            self.log.free_slot(slot.id, after);
-            if let Some(ev) = after {
-                self.inner.compute_wait(ev.event())?;
-            }
-            match slot.current.take() {
-                Some(b) => retire(&self.inner, b),
-                None => Ok(()),
-            }
+        fn free_slot(&self, slot: TchSlot, after: Option<&CheckedEvent>) -> Result<()> {
+            self.engine.free_slot(slot, after)
         }
         fn copy_to_slot(&self, src: &PinnedHost, dst: &mut TchSlot, bytes: usize, after: Option<&CheckedEvent>) -> Result<CheckedEvent> {
-            if !Arc::ptr_eq(&dst.slot_bytes, &self.slot_bytes) {
-                return Err(Error::Protocol("copy into a tch slot of another backend instance".into()));
-            }
-            if bytes > dst.len {
-                return Err(Error::Protocol(format!("copy of {bytes} bytes into a {}-byte slot", dst.len)));
-            }
-            // `after` (the previous block's release) was recorded on libtorch's
-            // stream: the allocation below, in that stream's order, follows it.
-            let _ = after;
-            if let Some(old) = dst.current.take() {
-                retire(&self.inner, old)?;
-            }
-            let tensor = Tensor::f_empty([dst.len.max(1) as i64], (Kind::Uint8, self.device))
-                .map_err(|e| tch_err(format!("allocating a {}-byte slot buffer", dst.len), e))?;
-            let ptr = tensor.data_ptr() as u64;
-            // The copy waits for libtorch's stream to reach the allocation: the
-            // caching allocator may hand out memory kernels enqueued before still read.
-            let allocated = self.inner.record_compute()?;
-            // SAFETY: `ptr` addresses `dst.len` bytes owned by `tensor`, which the slot
-            // keeps until `retire`, which orders their reuse after this copy's event.
-            let ev = unsafe { self.inner.copy_to_device(src, ptr, dst.len, bytes, Some(&allocated))? };
-            dst.current = Some(Buffer { tensor, ptr, last_copy: ev.clone() });
-            Ok(self.log.copy(dst.id, after, ev))
+            // SAFETY: `new_buffer` returns a libtorch tensor owning the memory at the
+            // address it gives, from the caching allocator in the order of libtorch's
+            // stream (the engine's compute stream), which reuses it in that order.
+            unsafe { self.engine.copy_to_slot(src, dst, bytes, after, |len| self.new_buffer(len)) }
         }
         fn compute_wait(&self, event: &CheckedEvent) -> Result<()> {
-            self.log.wait(event);
-            self.inner.compute_wait(event.event())
+            self.engine.compute_wait(event)
         }
         fn record_compute(&self) -> Result<CheckedEvent> {
-            Ok(self.log.compute_event(self.inner.record_compute()?))
+            self.engine.record_compute()
         }
         fn synchronize(&self) -> Result<()> {
-            self.inner.synchronize()?;
-            self.log.synchronized();
-            Ok(())
+            self.engine.synchronize()
         }
         fn poll_error(&self) -> Result<()> {
-            self.inner.poll_error()
+            self.cuda().poll_error()
         }
         fn record_timing(&self, on: StreamKind) -> Result<Option<CheckedEvent>> {
-            Ok(self.inner.record_timing(on)?.map(ProtocolLog::timing_event))
+            self.engine.record_timing(on)
         }
         fn elapsed_s(&self, from: &CheckedEvent, to: &CheckedEvent) -> Result<Option<f64>> {
-            self.inner.elapsed_s(from.event(), to.event())
+            self.engine.elapsed_s(from, to)
         }
         fn memory_info(&self) -> Result<MemoryInfo> {
-            self.inner.memory_info()
+            self.engine.memory_info()
         }
     }
 
@@ -391,8 +280,8 @@ mod cuda {
             self.device
         }
         fn bind(&self, slot: &TchSlot, layout: &BlockLayout, params: &mut HashMap<String, Tensor>) -> Result<()> {
-            let buf = slot.tensor().ok_or_else(|| Error::Protocol("tch slot bound before any copy into it".into()))?;
-            self.log.read(slot.id);
+            let buf = slot.buffer().ok_or_else(|| Error::Protocol("tch slot bound before any copy into it".into()))?;
+            self.engine.note_read(slot);
             for t in &layout.tensors {
                 let k = kind(&t.spec)?;
                 let view = buf

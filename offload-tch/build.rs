@@ -6,6 +6,7 @@
 
 fn main() {
     println!("cargo:rerun-if-env-changed=LIBTORCH");
+    println!("cargo::rustc-check-cfg=cfg(offload_tch_memory_stats)");
     if std::env::var_os("CARGO_FEATURE_LIBTORCH").is_none() {
         return;
     }
@@ -14,6 +15,21 @@ fn main() {
         dirs.insert(0, format!("{}/lib", l.to_string_lossy()));
     }
     if std::env::var_os("CARGO_FEATURE_CUDA").is_some() {
+        // libtorch's allocator statistics (`memory_stats`): a small C++ file
+        // against libtorch's headers, which torch-sys needs as well.
+        println!("cargo:rerun-if-changed=src/memory_stats.cpp");
+        if let Some(l) = std::env::var_os("LIBTORCH") {
+            let l = std::path::PathBuf::from(l);
+            cc::Build::new()
+                .cpp(true)
+                .std("c++17")
+                .file("src/memory_stats.cpp")
+                .include(l.join("include"))
+                .define("_GLIBCXX_USE_CXX11_ABI", if std::env::var("LIBTORCH_CXX11_ABI").as_deref() == Ok("0") { "0" } else { "1" })
+                .warnings(false)
+                .compile("offload_tch_memory_stats");
+            println!("cargo:rustc-cfg=offload_tch_memory_stats");
+        }
         for d in &dirs {
             println!("cargo:rustc-link-search=native={d}");
         }

@@ -174,6 +174,65 @@ mod cuda {
         Ok(TchCudaBackend { engine: FreshEngine::new(inner, "tch-cuda"), device: Device::Cuda(ordinal) })
     }
 
+    /// libtorch's device allocator statistics for one device, in bytes: what
+    /// `torch.cuda.memory_stats()` calls `allocated_bytes.all.{current,peak}` and
+    /// `reserved_bytes.all.{current,peak}`. Every tensor on the device counts,
+    /// the ring's slot buffers included (they come from the same allocator).
+    #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+    pub struct AllocatorStats {
+        /// Bytes held by live tensors now.
+        pub allocated: u64,
+        /// The most bytes held by live tensors since the last [`reset_allocator_peak`].
+        pub allocated_peak: u64,
+        /// Bytes the allocator holds from the driver now (used and cached).
+        pub reserved: u64,
+        /// The most bytes reserved since the last [`reset_allocator_peak`].
+        pub reserved_peak: u64,
+    }
+
+    #[cfg(offload_tch_memory_stats)]
+    extern "C" {
+        fn offload_tch_memory_stats(device: std::ffi::c_int, out: *mut i64) -> std::ffi::c_int;
+        fn offload_tch_reset_peak_stats(device: std::ffi::c_int) -> std::ffi::c_int;
+    }
+
+    /// libtorch's allocator statistics for CUDA device `ordinal`.
+    pub fn allocator_stats(ordinal: usize) -> Result<AllocatorStats> {
+        #[cfg(offload_tch_memory_stats)]
+        {
+            let mut out = [0i64; 4];
+            let device = std::ffi::c_int::try_from(ordinal).map_err(|_| Error::unsupported(BACKEND, format!("device {ordinal}")))?;
+            // SAFETY: `out` holds the four values the C++ side writes; it catches every exception.
+            let rc = unsafe { offload_tch_memory_stats(device, out.as_mut_ptr()) };
+            if rc != 0 {
+                return Err(Error::unsupported(BACKEND, format!("libtorch has no allocator statistics for device {ordinal}")));
+            }
+            let [allocated, allocated_peak, reserved, reserved_peak] = out.map(|v| v.max(0) as u64);
+            Ok(AllocatorStats { allocated, allocated_peak, reserved, reserved_peak })
+        }
+        #[cfg(not(offload_tch_memory_stats))]
+        {
+            Err(Error::unsupported(BACKEND, format!("allocator statistics for device {ordinal}: built without LIBTORCH's headers")))
+        }
+    }
+
+    /// Restart libtorch's peak statistics on CUDA device `ordinal` at the current values.
+    pub fn reset_allocator_peak(ordinal: usize) -> Result<()> {
+        #[cfg(offload_tch_memory_stats)]
+        {
+            let device = std::ffi::c_int::try_from(ordinal).map_err(|_| Error::unsupported(BACKEND, format!("device {ordinal}")))?;
+            // SAFETY: no pointers cross; the C++ side catches every exception.
+            if unsafe { offload_tch_reset_peak_stats(device) } != 0 {
+                return Err(Error::unsupported(BACKEND, format!("libtorch cannot reset the peak statistics of device {ordinal}")));
+            }
+            Ok(())
+        }
+        #[cfg(not(offload_tch_memory_stats))]
+        {
+            Err(Error::unsupported(BACKEND, format!("allocator statistics for device {ordinal}: built without LIBTORCH's headers")))
+        }
+    }
+
     impl TchCudaBackend {
         /// The transfer engine (streams, the checking mode).
         pub fn cuda(&self) -> &CudaBackend {
@@ -296,7 +355,7 @@ mod cuda {
     }
 }
 #[cfg(feature = "cuda")]
-pub use cuda::{cuda_backend, TchCudaBackend, TchSlot};
+pub use cuda::{allocator_stats, cuda_backend, reset_allocator_peak, AllocatorStats, TchCudaBackend, TchSlot};
 
 /// A component of a tch model streamed through a [`Ring`]: its block parameters
 /// live in the host store and point at the ring's slots only while their block

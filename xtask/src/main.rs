@@ -358,8 +358,20 @@ fn gpu_bundle(args: &[String]) -> Result<(), String> {
     c.args(["build", "-p", "offload-tch", "--features", "cuda", "--example", "tch_bench"]);
     run(c)?;
     std::fs::copy(root().join("target/debug/examples/tch_bench"), dir.join("tch_bench")).map_err(|e| format!("tch_bench: {e}"))?;
+    // The bench room's driver with tch's file plugged in.
+    let mut c = cargo();
+    c.args(["build", "-p", "offload-bench", "--features", "tch", "--bin", "zoo"]);
+    run(c)?;
+    std::fs::copy(root().join("target/debug/zoo"), dir.join("zoo")).map_err(|e| format!("zoo: {e}"))?;
     let mut c = Command::new("strip");
-    c.arg(dir.join("conformance-tch")).arg(dir.join("tch_bench"));
+    c.arg(dir.join("conformance-tch")).arg(dir.join("tch_bench")).arg(dir.join("zoo"));
+    run(c)?;
+    // diffusers for the anchors (the runner has torch and transformers, no network).
+    let whl = root().join(".whl");
+    std::fs::create_dir_all(&whl).map_err(|e| e.to_string())?;
+    let mut c = Command::new("python3");
+    c.args(["-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "-d"]).arg(&whl);
+    c.args(["diffusers==0.42.1", "importlib_metadata", "zipp"]);
     run(c)?;
     if candle {
         // Its binaries embed every kernel (~40 MB each): gzipped to fit the carry limit.
@@ -373,14 +385,23 @@ fn gpu_bundle(args: &[String]) -> Result<(), String> {
             dir = dir.display()
         ))?;
     }
-    for f in ["bench/anchors/diffusers_group_offload.py", "bench/gpu-run.sh", "bench/sabotage_table.py"] {
+    for f in [
+        "bench/anchors/zoo_anchor.py",
+        "bench/anchors/registry_check.py",
+        "bench/zoo-run.sh",
+        "bench/gpu-run.sh",
+        "bench/sabotage_table.py",
+    ] {
         let p = root().join(f);
         if p.exists() {
             let name = p.file_name().map(|n| n.to_owned()).unwrap_or_default();
             std::fs::copy(&p, dir.join(name)).map_err(|e| format!("{f}: {e}"))?;
         }
     }
-    println!("bundle ready in {} (carry `.bundle`, run `bash .bundle/gpu-run.sh`)", dir.display());
+    println!(
+        "bundle ready in {} (carry `.bundle`, `.whl` and `.gl`; run `bash .bundle/gpu-run.sh`, the bench room `bash .bundle/zoo-run.sh`)",
+        dir.display()
+    );
     Ok(())
 }
 

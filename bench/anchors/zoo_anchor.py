@@ -1,0 +1,134 @@
+"""Anchor for the bench room: diffusers' group offloading on the real diffusers
+class of a registry model (random bf16 weights, fixed seed), timed with CUDA
+events in the same command as offload's runs. One process measures the resident
+step of every case and then one offloaded mode (hooks stay on a model):
+
+  block_stream: block level, one block per group, use_stream, record_stream, pinned
+  leaf_stream:  leaf level, use_stream, record_stream, pinned
+
+python3 zoo_anchor.py --registry REG.json --model flux-dev --mode block_stream --cases 1024,2048 --steps 5 --out F.json
+
+Writes what `zoo merge --anchors` reads (AnchorDoc): per case and mode every timed
+step, weights on the device and the resident step's activations, the output
+checked finite and not constant. Memory is measured as in offload's runs: the
+activations of a resident step are its peak allocated bytes above what was
+allocated before it; weights on the device while offloaded are the offloaded
+step's peak minus what was allocated before it other than weights, minus those
+activations.
+"""
+import argparse
+import importlib
+import json
+import math
+
+import torch
+
+
+def build(ref):
+    cls = getattr(importlib.import_module(ref["module"]), ref["class"])
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("meta"):
+        m = cls(**ref["config"])
+    torch.set_default_dtype(torch.float32)
+    # Materialised once on the GPU and filled there (filling 12-20 B parameters on
+    # the runner's CPU takes minutes); the same scheme as offload's runs: linear
+    # weights at +-1/sqrt(fan-in), biases +-0.01, norm scales in [0.5, 1.5].
+    m = m.to_empty(device="cuda")
+    # Tables a module computes at construction outside its buffers (Qwen-Image's
+    # QwenEmbedRope.pos_freqs) stay on the meta device: build that module again.
+    pe = getattr(m, "pos_embed", None)
+    if pe is not None and any(getattr(getattr(pe, a, None), "is_meta", False) for a in ("pos_freqs", "neg_freqs")):
+        m.pos_embed = type(pe)(theta=pe.theta, axes_dim=list(pe.axes_dim), scale_rope=pe.scale_rope).to("cuda")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if p.dim() == 1:
+                p.uniform_(0.5, 1.5) if n.endswith(".weight") else p.uniform_(-0.01, 0.01)
+            else:
+                a = 1.0 / math.sqrt(p.shape[1])
+                p.uniform_(-a, a)
+    return m.eval()
+
+
+def inputs(model_name, case, dev):
+    torch.manual_seed(case["resolution"])
+    r = lambda *s: torch.randn(*s, device=dev).to(torch.bfloat16)
+    n, t, side = case["image_tokens"], case["text_tokens"], case["resolution"] // 16
+    if model_name.startswith("flux"):
+        ids = torch.zeros(n, 3, device=dev)
+        ids[:, 1] = torch.arange(n, device=dev) // side
+        ids[:, 2] = torch.arange(n, device=dev) % side
+        return dict(hidden_states=r(1, n, 64), encoder_hidden_states=r(1, t, 4096), pooled_projections=r(1, 768),
+                    timestep=torch.tensor([0.5], device=dev, dtype=torch.bfloat16), img_ids=ids, txt_ids=torch.zeros(t, 3, device=dev),
+                    guidance=torch.tensor([3.5], device=dev, dtype=torch.bfloat16), return_dict=False)
+    return dict(hidden_states=r(1, n, 64), encoder_hidden_states=r(1, t, 3584), encoder_hidden_states_mask=None,
+                timestep=torch.tensor([0.5], device=dev, dtype=torch.bfloat16), img_shapes=[(1, side, side)], return_dict=False)
+
+
+def weights_on_device(model):
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type == "cuda")
+
+
+def time_case(model, x, warmup, steps):
+    with torch.no_grad():
+        for _ in range(warmup):
+            out = model(**x)[0]
+        torch.cuda.synchronize()
+        before, weights = torch.cuda.memory_allocated(), weights_on_device(model)
+        torch.cuda.reset_peak_memory_stats()
+        evs = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
+        evs[0].record()
+        for i in range(steps):
+            out = model(**x)[0]
+            evs[i + 1].record()
+        torch.cuda.synchronize()
+    times = [evs[i].elapsed_time(evs[i + 1]) / 1e3 for i in range(steps)]
+    f = out.float()
+    return times, torch.cuda.max_memory_allocated(), before, weights, bool(torch.isfinite(f).all()), bool((f != f.flatten()[0]).any())
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--registry", required=True)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--mode", required=True, choices=["block_stream", "leaf_stream"])
+    ap.add_argument("--cases", default="")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    import diffusers
+
+    spec = next(m for m in json.load(open(a.registry)) if m["name"] == a.model)
+    cases = [c for c in spec["cases"] if not a.cases or c["name"] in a.cases.split(",")]
+    model = build(spec["reference"])
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    out, act = [], {}
+    for c in cases:
+        x = inputs(a.model, c, "cuda")
+        times, peak, before, _, finite, nonconst = time_case(model, x, a.warmup, a.steps)
+        act[c["name"]] = peak - before
+        print(f"diffusers resident {a.model} {c['name']}: {sorted(times)[len(times) // 2]:.4f} s, activations {act[c['name']] / 2**30:.2f} GiB", flush=True)
+        out.append(dict(model=a.model, case=c["name"], resolution=c["resolution"], tokens=c["image_tokens"] + c["text_tokens"], batch=c["batch"],
+                        mode="resident", steps_s=times, model_bytes=model_bytes, weights_device_bytes=model_bytes,
+                        activations_peak_bytes=act[c["name"]], output_finite=finite, output_nonconstant=nonconst))
+        del x
+    model.to("cpu")
+    torch.cuda.empty_cache()
+    kind = "block_level" if a.mode == "block_stream" else "leaf_level"
+    kw = dict(num_blocks_per_group=1) if kind == "block_level" else {}
+    model.enable_group_offload(torch.device("cuda"), torch.device("cpu"), offload_type=kind, use_stream=True, record_stream=True, **kw)
+    for c in cases:
+        x = inputs(a.model, c, "cuda")
+        times, peak, before, weights, finite, nonconst = time_case(model, x, a.warmup, a.steps)
+        w = peak - (before - weights) - act[c["name"]]
+        print(f"diffusers {a.mode} {a.model} {c['name']}: {sorted(times)[len(times) // 2]:.4f} s, weights {w / 2**30:.2f} GiB", flush=True)
+        out.append(dict(model=a.model, case=c["name"], resolution=c["resolution"], tokens=c["image_tokens"] + c["text_tokens"], batch=c["batch"],
+                        mode=a.mode, steps_s=times, model_bytes=model_bytes, weights_device_bytes=w,
+                        activations_peak_bytes=act[c["name"]], output_finite=finite, output_nonconstant=nonconst))
+        del x
+    json.dump(dict(versions=f"diffusers {diffusers.__version__}, torch {torch.__version__}", cases=out), open(a.out, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()

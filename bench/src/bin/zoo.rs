@@ -1,0 +1,132 @@
+//! `zoo`: the bench room's driver.
+//!
+//! ```text
+//! zoo registry [--json F]                      the registry (names, shapes, references) as JSON
+//! zoo run --backend tch --model M [--cases 1024,2048] [--depths 1] [--steps 5] [--warmup 1] [--commit C] --out F
+//!                                              one process run (needs a GPU)
+//! zoo merge --out F [--min-repeats 3] RUN.json... [--anchors A.json...]
+//!                                              medians, spreads, bounds and the comparison, computed from the runs
+//! ```
+
+use offload_bench::harness::{merge, AnchorDoc, RunDoc};
+use offload_bench::registry;
+
+fn opt<'a>(args: &'a [String], name: &str) -> Option<&'a str> {
+    args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).map(String::as_str)
+}
+
+fn write(path: &str, v: &impl serde::Serialize) -> Result<(), String> {
+    let text = serde_json::to_string_pretty(v).map_err(|e| format!("{path}: {e}"))?;
+    std::fs::write(path, text + "\n").map_err(|e| format!("{path}: {e}"))
+}
+
+fn read<T: serde::de::DeserializeOwned>(path: &str) -> Result<T, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("{path}: {e}"))?;
+    serde_json::from_str(&text).map_err(|e| format!("{path}: {e}"))
+}
+
+fn run(args: &[String]) -> Result<(), String> {
+    match args.first().map(String::as_str) {
+        Some("registry") => {
+            let doc = registry::to_json();
+            match opt(args, "--json") {
+                Some(p) => write(p, &doc),
+                None => {
+                    for m in registry::models() {
+                        println!(
+                            "{}: {} parameters, {:.2} GiB of bf16 blocks in {} (largest {:.3} GiB), cases {}",
+                            m.name,
+                            m.params().len(),
+                            m.block_bytes(2) as f64 / (1u64 << 30) as f64,
+                            m.stacks.iter().map(|s| format!("{} × {}", s.count, s.prefix)).collect::<Vec<_>>().join(" + "),
+                            m.largest_block_bytes(2) as f64 / (1u64 << 30) as f64,
+                            m.cases.iter().map(|c| c.name.as_str()).collect::<Vec<_>>().join(", ")
+                        );
+                    }
+                    Ok(())
+                }
+            }
+        }
+        Some("run") => {
+            let backend = opt(args, "--backend").unwrap_or("tch");
+            let model = registry::model(opt(args, "--model").ok_or("--model is required")?)?;
+            let out = opt(args, "--out").ok_or("--out is required")?;
+            let list = |name: &str, default: &str| -> Vec<String> {
+                opt(args, name).unwrap_or(default).split(',').filter(|s| !s.is_empty()).map(str::to_owned).collect()
+            };
+            let num = |name: &str, default: usize| -> Result<usize, String> {
+                opt(args, name).map_or(Ok(default), |v| v.parse().map_err(|_| format!("{name}: not a number: {v}")))
+            };
+            let cases = match opt(args, "--cases") {
+                Some(_) => list("--cases", ""),
+                None => model.cases.iter().map(|c| c.name.clone()).collect(),
+            };
+            let depths =
+                list("--depths", "1").iter().map(|d| d.parse().map_err(|_| format!("--depths: {d}"))).collect::<Result<Vec<usize>, _>>()?;
+            let (steps, warmup) = (num("--steps", 5)?, num("--warmup", 1)?);
+            if steps < 5 {
+                return Err(format!("--steps {steps}: a run times at least 5 steps after warm-up"));
+            }
+            let commit = opt(args, "--commit").unwrap_or("unknown").to_owned();
+            let doc: Result<RunDoc, String> = match backend {
+                #[cfg(feature = "tch")]
+                "tch" => offload_bench::tch::run(&model, &offload_bench::tch::Options { cases, depths, steps, warmup, commit }),
+                other => {
+                    let _ = (cases, depths, steps, warmup, commit);
+                    Err(format!("backend {other:?} is not built into this zoo (features: tch)"))
+                }
+            };
+            write(out, &doc?)
+        }
+        Some("merge") => {
+            let out = opt(args, "--out").ok_or("--out is required")?;
+            let min = opt(args, "--min-repeats").map_or(Ok(3), |v| v.parse().map_err(|_| format!("--min-repeats: {v}")))?;
+            let (mut runs, mut anchors) = (Vec::new(), Vec::new());
+            let mut in_anchors = false;
+            let mut skip = false;
+            for a in &args[1..] {
+                if skip {
+                    skip = false;
+                } else if a == "--out" || a == "--min-repeats" {
+                    skip = true;
+                } else if a == "--anchors" {
+                    in_anchors = true;
+                } else if in_anchors {
+                    anchors.push(read::<AnchorDoc>(a)?);
+                } else {
+                    runs.push(read::<RunDoc>(a)?);
+                }
+            }
+            let doc = merge(&runs, &anchors, min)?;
+            for c in doc["cases"].as_array().into_iter().flatten() {
+                println!(
+                    "{} {} d={}: streamed {:.4} s [{:.4}, {:.4}] × {}, ratio to bound {:.4}, anchor best {} {}, meets targets {}",
+                    c["model"].as_str().unwrap_or(""),
+                    c["case"].as_str().unwrap_or(""),
+                    c["depth"],
+                    c["step_streamed_s"].as_f64().unwrap_or(f64::NAN),
+                    c["step_streamed_s_min"].as_f64().unwrap_or(f64::NAN),
+                    c["step_streamed_s_max"].as_f64().unwrap_or(f64::NAN),
+                    c["repeats"],
+                    c["ratio_to_bound"].as_f64().unwrap_or(f64::NAN),
+                    c["anchor_best_mode"],
+                    c["anchor_best_step_s"],
+                    c["meets_targets"]
+                );
+            }
+            write(out, &doc)
+        }
+        _ => Err(
+            "usage: zoo registry [--json F] | zoo run --backend tch --model M --out F [...] | zoo merge --out F RUN... [--anchors A...]"
+                .into(),
+        ),
+    }
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if let Err(e) = run(&args) {
+        eprintln!("zoo: {e}");
+        std::process::exit(1);
+    }
+}

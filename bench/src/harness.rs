@@ -1,0 +1,419 @@
+//! The harness: what one process run writes, the output checks, and the merge of
+//! several process runs and the anchors' runs into one results file, every
+//! spread, bound, ratio and comparison computed here from the runs' own figures.
+
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+
+/// One timed case of one process run.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct RunCase {
+    /// Registry model.
+    pub model: String,
+    /// Registry case (`1024`).
+    pub case: String,
+    /// Image side in pixels.
+    pub resolution: usize,
+    /// Tokens per call (image + text).
+    pub tokens: usize,
+    /// Batch.
+    pub batch: usize,
+    /// Prefetch depth of the streamed run.
+    pub depth: usize,
+    /// Every timed resident step, seconds.
+    pub steps_resident_s: Vec<f64>,
+    /// Every timed streamed step, seconds.
+    pub steps_streamed_s: Vec<f64>,
+    /// Bytes streamed per step (every block).
+    pub streamed_bytes: u64,
+    /// Pinned host-to-device bandwidth measured in this process, GB/s.
+    pub bandwidth_gbps: f64,
+    /// Weights on the device during the streamed step: the most slot bytes live
+    /// at once plus the resident (non-block) weights.
+    pub weights_device_bytes: u64,
+    /// Weights on the device by the method used for the anchors too: streamed
+    /// peak allocated − what was allocated before the step other than weights −
+    /// the resident step's activations.
+    pub weights_device_bytes_derived: u64,
+    /// The most bytes a resident step allocated on top of what was allocated
+    /// before it (activations, workspaces, the output).
+    pub activations_peak_bytes: u64,
+    /// Streamed output byte-identical to the resident output.
+    pub bitwise_equal: bool,
+    /// Every output element finite.
+    pub output_finite: bool,
+    /// Output not constant (max ≠ min).
+    pub output_nonconstant: bool,
+    /// Blocks that were not prefetched in time.
+    pub misses: u64,
+}
+
+/// What one process run writes.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct RunDoc {
+    /// `BENCH_DATE`.
+    pub date: String,
+    /// Commit built.
+    pub commit: String,
+    /// GPU name.
+    pub gpu: String,
+    /// Backend (`tch`).
+    pub backend: String,
+    /// Bytes of every block.
+    pub block_bytes_total: u64,
+    /// Bytes of the largest block.
+    pub largest_block_bytes: u64,
+    /// Bytes of the non-block weights (kept on the device).
+    pub resident_bytes: u64,
+    /// Timed cases.
+    pub cases: Vec<RunCase>,
+}
+
+/// One case of one anchor process (`bench/anchors/zoo_anchor.py`).
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct AnchorCase {
+    /// Registry model.
+    pub model: String,
+    /// Registry case.
+    pub case: String,
+    /// Image side.
+    pub resolution: usize,
+    /// Tokens per call.
+    pub tokens: usize,
+    /// Batch.
+    pub batch: usize,
+    /// `resident`, `block_stream` or `leaf_stream`.
+    pub mode: String,
+    /// Every timed step, seconds.
+    pub steps_s: Vec<f64>,
+    /// Bytes of the model's parameters.
+    pub model_bytes: u64,
+    /// Weights on the device (derived: see [`RunCase::weights_device_bytes_derived`]).
+    pub weights_device_bytes: u64,
+    /// Activations of the resident step at this case.
+    pub activations_peak_bytes: u64,
+    /// Every output element finite.
+    pub output_finite: bool,
+    /// Output not constant.
+    pub output_nonconstant: bool,
+}
+
+/// What one anchor process writes.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct AnchorDoc {
+    /// `diffusers 0.42.1, torch 2.11.0+cu130`.
+    pub versions: String,
+    /// Timed cases.
+    pub cases: Vec<AnchorCase>,
+}
+
+/// Median, min and max.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct Spread {
+    /// Median (the mean of the middle two for an even count).
+    pub median: f64,
+    /// Smallest.
+    pub min: f64,
+    /// Largest.
+    pub max: f64,
+}
+
+/// The spread of `xs`; `None` when empty or when any is not finite.
+pub fn spread(xs: &[f64]) -> Option<Spread> {
+    if xs.is_empty() || xs.iter().any(|x| !x.is_finite()) {
+        return None;
+    }
+    let mut v = xs.to_vec();
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    let median = if n % 2 == 1 { v[n / 2] } else { (v[n / 2 - 1] + v[n / 2]) / 2.0 };
+    Some(Spread { median, min: v[0], max: v[n - 1] })
+}
+
+/// Output checks on raw values: all finite, and not all equal.
+pub fn check_output(values: &[f32]) -> (bool, bool) {
+    let finite = !values.is_empty() && values.iter().all(|v| v.is_finite());
+    let nonconstant = values.iter().any(|v| *v != values[0]);
+    (finite, nonconstant)
+}
+
+/// Targets of one backend.
+#[derive(Clone, Copy, Debug)]
+pub struct Targets {
+    /// Streamed step ≤ this × bound.
+    pub ratio_to_bound: f64,
+    /// Whether the streamed step must also be ≤ the anchors' best offloaded mode.
+    pub beat_anchor: bool,
+}
+
+/// The targets issue 14 sets: tch ≤ 1.02 × and ≤ diffusers' best; others ≤ 1.03 ×.
+pub fn targets(backend: &str) -> Targets {
+    match backend {
+        "tch" => Targets { ratio_to_bound: 1.02, beat_anchor: true },
+        _ => Targets { ratio_to_bound: 1.03, beat_anchor: false },
+    }
+}
+
+fn per_run_median(xs: &[f64]) -> Result<f64, String> {
+    spread(xs).map(|s| s.median).ok_or_else(|| format!("no finite timings in {xs:?}"))
+}
+
+/// Merge process runs of one backend and anchor processes into one results file
+/// (DESIGN's schema plus `repeats`, spreads, memory split and the comparison).
+///
+/// Each figure is the median over the process runs of each run's own median step,
+/// with the runs' min and max beside it; the bound of each run is computed from
+/// its own resident step and bandwidth, the published bound from the medians.
+pub fn merge(runs: &[RunDoc], anchors: &[AnchorDoc], min_repeats: usize) -> Result<Value, String> {
+    let first = runs.first().ok_or("no runs to merge")?;
+    if let Some(r) = runs.iter().find(|r| r.backend != first.backend || r.commit != first.commit) {
+        return Err(format!("runs of different backends or commits: {}@{} and {}@{}", first.backend, first.commit, r.backend, r.commit));
+    }
+    let target = targets(&first.backend);
+    // (model, case, depth) in first-seen order.
+    let mut keys: Vec<(String, String, usize)> = Vec::new();
+    for r in runs {
+        for c in &r.cases {
+            let k = (c.model.clone(), c.case.clone(), c.depth);
+            if !keys.contains(&k) {
+                keys.push(k);
+            }
+        }
+    }
+    let anchor_cases: Vec<&AnchorCase> = anchors.iter().flat_map(|a| &a.cases).collect();
+    let mut anchor_rows = Vec::new();
+    let mut anchor_best: Vec<((String, String), f64, String)> = Vec::new();
+    // Anchor rows: per (model, case, mode), with a bound of their own: their
+    // resident step and the bandwidth our runs measured in the same command.
+    let mut akeys: Vec<(String, String, String)> = Vec::new();
+    for a in &anchor_cases {
+        let k = (a.model.clone(), a.case.clone(), a.mode.clone());
+        if !akeys.contains(&k) {
+            akeys.push(k);
+        }
+    }
+    let mut cases = Vec::new();
+    for (model, case, depth) in &keys {
+        let per: Vec<(&RunDoc, &RunCase)> = runs
+            .iter()
+            .filter_map(|r| r.cases.iter().find(|c| &c.model == model && &c.case == case && c.depth == *depth).map(|c| (r, c)))
+            .collect();
+        let at = format!("{model} {case} d={depth}");
+        if per.len() < min_repeats {
+            return Err(format!("{at}: {} process runs, at least {min_repeats} needed", per.len()));
+        }
+        let mut streamed = Vec::new();
+        let mut resident = Vec::new();
+        let mut ratios = Vec::new();
+        for (_, c) in &per {
+            let (s, r) = (per_run_median(&c.steps_streamed_s)?, per_run_median(&c.steps_resident_s)?);
+            let bound = r.max(c.streamed_bytes as f64 / (c.bandwidth_gbps * 1e9));
+            streamed.push(s);
+            resident.push(r);
+            ratios.push(s / bound);
+        }
+        let bw: Vec<f64> = per.iter().map(|(_, c)| c.bandwidth_gbps).collect();
+        let (s, r, b, q) =
+            (spread(&streamed).ok_or(&at)?, spread(&resident).ok_or(&at)?, spread(&bw).ok_or(&at)?, spread(&ratios).ok_or(&at)?);
+        let c0 = per[0].1;
+        let bound = r.median.max(c0.streamed_bytes as f64 / (b.median * 1e9));
+        let ratio = s.median / bound;
+        let weights = per.iter().map(|(_, c)| c.weights_device_bytes).max().unwrap_or(0);
+        let weights_limit = (*depth as u64 + 1) * first.largest_block_bytes + first.resident_bytes;
+        let equal = per.iter().all(|(_, c)| c.bitwise_equal);
+        let finite = per.iter().all(|(_, c)| c.output_finite);
+        let nonconstant = per.iter().all(|(_, c)| c.output_nonconstant);
+        // The anchors' best offloaded mode at this case: the lowest median.
+        let mut best: Option<(f64, String)> = None;
+        for (am, ac, mode) in akeys.iter().filter(|(am, ac, mode)| am == model && ac == case && mode != "resident") {
+            let xs: Vec<f64> = anchor_cases
+                .iter()
+                .filter(|a| &a.model == am && &a.case == ac && &a.mode == mode)
+                .map(|a| per_run_median(&a.steps_s))
+                .collect::<Result<_, _>>()?;
+            let m = spread(&xs).ok_or(&at)?.median;
+            if best.as_ref().is_none_or(|(b, _)| m < *b) {
+                best = Some((m, mode.clone()));
+            }
+        }
+        if let Some((m, mode)) = &best {
+            anchor_best.push(((model.clone(), case.clone()), *m, mode.clone()));
+        }
+        let meets_ratio = ratio <= target.ratio_to_bound;
+        let faster = best.as_ref().map(|(m, _)| s.median <= *m);
+        let meets =
+            meets_ratio && equal && finite && nonconstant && weights <= weights_limit && (!target.beat_anchor || faster == Some(true));
+        cases.push(json!({
+            "model": model, "case": case, "resolution": c0.resolution, "tokens": c0.tokens, "batch": c0.batch, "depth": depth,
+            "budget_bytes": null, "repeats": per.len(),
+            "step_resident_s": r.median, "step_resident_s_min": r.min, "step_resident_s_max": r.max,
+            "step_streamed_s": s.median, "step_streamed_s_min": s.min, "step_streamed_s_max": s.max,
+            "bandwidth_gbps": b.median, "bandwidth_gbps_min": b.min, "bandwidth_gbps_max": b.max,
+            "streamed_bytes": c0.streamed_bytes, "bound_s": bound, "ratio_to_bound": ratio,
+            "ratio_to_bound_min": q.min, "ratio_to_bound_max": q.max,
+            "weights_device_bytes": weights, "weights_device_bytes_limit": weights_limit,
+            "weights_device_bytes_derived": per.iter().map(|(_, c)| c.weights_device_bytes_derived).max(),
+            "activations_peak_bytes": per.iter().map(|(_, c)| c.activations_peak_bytes).max(),
+            "peak_device_bytes": weights + per.iter().map(|(_, c)| c.activations_peak_bytes).max().unwrap_or(0),
+            "bitwise_equal": equal, "output_finite": finite, "output_nonconstant": nonconstant,
+            "misses": per.iter().map(|(_, c)| c.misses).sum::<u64>(),
+            "anchor_best_mode": best.as_ref().map(|(_, m)| m.clone()), "anchor_best_step_s": best.as_ref().map(|(m, _)| *m),
+            "ratio_to_anchor_best": best.as_ref().map(|(m, _)| s.median / m), "faster_than_anchor_best": faster,
+            "target_ratio_to_bound": target.ratio_to_bound, "meets_targets": meets,
+            "runs": per.iter().enumerate().map(|(i, (_, c))| json!({"run": i + 1, "step_streamed_s": streamed[i], "step_resident_s": resident[i],
+                "ratio_to_bound": ratios[i], "bandwidth_gbps": c.bandwidth_gbps, "steps_streamed_s": c.steps_streamed_s,
+                "steps_resident_s": c.steps_resident_s})).collect::<Vec<_>>(),
+        }));
+    }
+    for (model, case, mode) in &akeys {
+        let per: Vec<&&AnchorCase> = anchor_cases.iter().filter(|a| &a.model == model && &a.case == case && &a.mode == mode).collect();
+        let at = format!("anchor {model} {case} {mode}");
+        if per.len() < min_repeats {
+            return Err(format!("{at}: {} process runs, at least {min_repeats} needed", per.len()));
+        }
+        let xs: Vec<f64> = per.iter().map(|a| per_run_median(&a.steps_s)).collect::<Result<_, _>>()?;
+        let s = spread(&xs).ok_or(&at)?;
+        // Their own resident step (median over the processes) and our bandwidth.
+        let res: Vec<f64> = anchor_cases
+            .iter()
+            .filter(|a| &a.model == model && &a.case == case && a.mode == "resident")
+            .map(|a| per_run_median(&a.steps_s))
+            .collect::<Result<_, _>>()?;
+        let bw: Vec<f64> =
+            runs.iter().flat_map(|r| &r.cases).filter(|c| &c.model == model && &c.case == case).map(|c| c.bandwidth_gbps).collect();
+        let (bound, ratio) = match (spread(&res), spread(&bw)) {
+            (Some(r), Some(b)) if mode != "resident" => {
+                let bound = r.median.max(per[0].model_bytes as f64 / (b.median * 1e9));
+                (Some(bound), Some(s.median / bound))
+            }
+            _ => (None, None),
+        };
+        anchor_rows.push(json!({
+            "name": format!("diffusers {mode}"), "model": model, "case": case, "resolution": per[0].resolution, "tokens": per[0].tokens,
+            "batch": per[0].batch, "mode": mode, "repeats": per.len(), "versions": anchors.first().map(|a| a.versions.clone()),
+            "step_streamed_s": s.median, "step_streamed_s_min": s.min, "step_streamed_s_max": s.max,
+            "streamed_bytes": if mode == "resident" { 0 } else { per[0].model_bytes }, "bound_s": bound, "ratio_to_bound": ratio,
+            "weights_device_bytes": per.iter().map(|a| a.weights_device_bytes).max(),
+            "activations_peak_bytes": per.iter().map(|a| a.activations_peak_bytes).max(),
+            "output_finite": per.iter().all(|a| a.output_finite), "output_nonconstant": per.iter().all(|a| a.output_nonconstant),
+            "steps_s_per_run": xs,
+        }));
+    }
+    let all_met = cases.iter().all(|c| c["meets_targets"] == true);
+    Ok(json!({
+        "date": first.date, "commit": first.commit, "gpu": first.gpu, "backend": first.backend,
+        "model": keys.iter().map(|k| k.0.clone()).fold(Vec::<String>::new(), |mut v, m| { if !v.contains(&m) { v.push(m) } v }).join(", "),
+        "repeats": runs.len(), "largest_block_bytes": first.largest_block_bytes, "resident_bytes": first.resident_bytes,
+        "memory_method": "weights_device_bytes: the most slot bytes live at once (the backend's counters) plus the non-block weights; \
+            activations_peak_bytes: the resident step's peak allocated bytes above what was allocated before it; \
+            weights_device_bytes_derived and the anchors' weights_device_bytes: the streamed step's peak allocated bytes minus \
+            what was allocated before it other than weights, minus those activations",
+        "meets_targets": all_met, "cases": cases, "anchors": anchor_rows,
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(streamed: &[f64], resident: f64, bw: f64) -> RunDoc {
+        RunDoc {
+            backend: "tch".into(),
+            commit: "c".into(),
+            largest_block_bytes: 100,
+            resident_bytes: 10,
+            cases: vec![RunCase {
+                model: "m".into(),
+                case: "1024".into(),
+                depth: 1,
+                steps_resident_s: vec![resident; 5],
+                steps_streamed_s: streamed.to_vec(),
+                streamed_bytes: 2_000_000_000,
+                bandwidth_gbps: bw,
+                weights_device_bytes: 210,
+                bitwise_equal: true,
+                output_finite: true,
+                output_nonconstant: true,
+                ..Default::default()
+            }],
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn spread_is_median_min_max() {
+        assert_eq!(spread(&[3.0, 1.0, 2.0]), Some(Spread { median: 2.0, min: 1.0, max: 3.0 }));
+        assert_eq!(spread(&[4.0, 1.0, 2.0, 3.0]).map(|s| s.median), Some(2.5));
+        assert_eq!(spread(&[]), None);
+        assert_eq!(spread(&[1.0, f64::NAN]), None);
+    }
+
+    #[test]
+    fn output_checks_catch_nan_and_constants() {
+        assert_eq!(check_output(&[0.1, -0.2]), (true, true));
+        assert_eq!(check_output(&[0.1, f32::NAN]), (false, true));
+        assert_eq!(check_output(&[0.5; 4]), (true, false));
+        assert_eq!(check_output(&[]), (false, false));
+    }
+
+    #[test]
+    fn merge_computes_medians_bounds_and_the_comparison() {
+        // Bound: max(0.1, 2 GB / 50 GB/s = 0.04) = 0.1 s per run.
+        let runs = [run(&[0.11, 0.10, 0.12], 0.1, 50.0), run(&[0.10, 0.10, 0.10], 0.1, 50.0), run(&[0.13, 0.13, 0.13], 0.1, 50.0)];
+        let anchor = |mode: &str, s: f64| AnchorCase {
+            model: "m".into(),
+            case: "1024".into(),
+            mode: mode.into(),
+            steps_s: vec![s; 5],
+            model_bytes: 2_000_000_000,
+            ..Default::default()
+        };
+        let anchors: Vec<AnchorDoc> = (0..3)
+            .map(|i| AnchorDoc {
+                versions: "v".into(),
+                cases: vec![anchor("resident", 0.1), anchor("block_stream", 0.2 + i as f64 * 0.01), anchor("leaf_stream", 0.15)],
+            })
+            .collect();
+        let doc = merge(&runs, &anchors, 3).unwrap();
+        let c = &doc["cases"][0];
+        assert_eq!(c["repeats"], 3);
+        assert!((c["step_streamed_s"].as_f64().unwrap() - 0.11).abs() < 1e-12);
+        assert!((c["step_streamed_s_min"].as_f64().unwrap() - 0.10).abs() < 1e-12);
+        assert!((c["step_streamed_s_max"].as_f64().unwrap() - 0.13).abs() < 1e-12);
+        assert!((c["bound_s"].as_f64().unwrap() - 0.1).abs() < 1e-12);
+        assert!((c["ratio_to_bound"].as_f64().unwrap() - 1.1).abs() < 1e-9);
+        assert_eq!(c["anchor_best_mode"], "leaf_stream");
+        assert_eq!(c["faster_than_anchor_best"], true);
+        // 1.1 × its bound misses tch's 1.02.
+        assert_eq!(c["meets_targets"], false);
+        let block = doc["anchors"].as_array().unwrap().iter().find(|a| a["mode"] == "block_stream").unwrap();
+        assert!((block["step_streamed_s"].as_f64().unwrap() - 0.21).abs() < 1e-12);
+        assert!((block["ratio_to_bound"].as_f64().unwrap() - 2.1).abs() < 1e-9);
+    }
+
+    #[test]
+    fn merge_refuses_too_few_runs() {
+        let runs = [run(&[0.1], 0.1, 50.0), run(&[0.1], 0.1, 50.0)];
+        let e = merge(&runs, &[], 3).unwrap_err();
+        assert!(e.contains("2 process runs, at least 3"), "{e}");
+    }
+
+    #[test]
+    fn merge_meets_targets_only_when_every_check_holds() {
+        let runs = [run(&[0.1], 0.1, 50.0), run(&[0.1], 0.1, 50.0), run(&[0.1], 0.1, 50.0)];
+        // No anchor: tch needs one to compare with.
+        assert_eq!(merge(&runs, &[], 3).unwrap()["cases"][0]["meets_targets"], false);
+        let mut odd = runs.clone();
+        odd[1].cases[0].output_finite = false;
+        let doc = merge(&odd, &[], 3).unwrap();
+        assert_eq!(doc["cases"][0]["output_finite"], false);
+        let mut cuda = runs.clone();
+        for r in &mut cuda {
+            r.backend = "cuda".into();
+        }
+        assert_eq!(merge(&cuda, &[], 3).unwrap()["cases"][0]["meets_targets"], true);
+        // Weights beyond (d + 1) × largest + resident.
+        cuda[0].cases[0].weights_device_bytes = 211;
+        assert_eq!(merge(&cuda, &[], 3).unwrap()["cases"][0]["meets_targets"], false);
+    }
+}

@@ -1,0 +1,403 @@
+//! tch's file: the registry's blocks computed with libtorch's kernels (cuBLAS
+//! linears, `scaled_dot_product_attention`), resident and streamed through
+//! [`offload_tch::TchOffload`] in one process.
+
+use crate::harness::{check_output, RunCase, RunDoc};
+use crate::registry::{dual_names, BlockKind, Case, DualNames, Model};
+use offload_core::{DeclaredStacks, OffloadBackend, Plan};
+use offload_tch::tch::{self, nn, Device, Kind, Tensor};
+use offload_tch::{TchCudaBackend, TchOffload};
+use std::collections::HashMap;
+use std::time::Instant;
+
+/// What one process runs.
+#[derive(Clone, Debug)]
+pub struct Options {
+    /// Cases of the model to time.
+    pub cases: Vec<String>,
+    /// Prefetch depths of the streamed runs.
+    pub depths: Vec<usize>,
+    /// Timed steps per case (after `warmup` untimed ones).
+    pub steps: usize,
+    /// Untimed steps before timing.
+    pub warmup: usize,
+    /// Commit built.
+    pub commit: String,
+}
+
+type W = HashMap<String, Tensor>;
+
+fn err(what: impl std::fmt::Display) -> String {
+    format!("tch: {what}")
+}
+
+/// One block: its stack, index, kind and parameters (handles that share the
+/// VarStore's variables, so the ring's binds show through).
+struct Block {
+    stack: &'static str,
+    index: usize,
+    kind: BlockKind,
+    w: W,
+}
+
+struct Net<'m> {
+    model: &'m Model,
+    names: DualNames,
+    globals: W,
+    blocks: Vec<Block>,
+}
+
+struct Inputs {
+    latents: Tensor,
+    text: Tensor,
+    pooled: Option<Tensor>,
+    t: f64,
+    guidance: f64,
+    cos: Tensor,
+    sin: Tensor,
+    text_tokens: i64,
+}
+
+fn get<'a>(w: &'a W, name: &str) -> &'a Tensor {
+    w.get(name).unwrap_or_else(|| panic!("registry parameter {name} missing from the VarStore"))
+}
+
+fn lin(x: &Tensor, w: &W, name: &str) -> Tensor {
+    x.linear(get(w, &format!("{name}.weight")), Some(get(w, &format!("{name}.bias"))))
+}
+
+fn rms(x: &Tensor, s: &Tensor) -> Tensor {
+    let f = x.to_kind(Kind::Float);
+    let r = (f.pow_tensor_scalar(2).mean_dim(-1, true, Kind::Float) + 1e-6).rsqrt();
+    (f * r).to_kind(x.kind()) * s
+}
+
+fn ln(x: &Tensor, h: i64) -> Tensor {
+    x.layer_norm([h], None::<Tensor>, None::<Tensor>, 1e-6, false)
+}
+
+fn modulate(x: &Tensor, h: i64, shift: &Tensor, scale: &Tensor) -> Tensor {
+    ln(x, h) * (scale + 1.0) + shift
+}
+
+/// Sinusoidal embedding of `t` (256 wide, cos first), as diffusers' `Timesteps`.
+fn sinusoid(t: f64, dev: Device) -> Tensor {
+    let half = 128;
+    let freqs = (Tensor::arange(half, (Kind::Float, dev)) * (-(10000f64.ln()) / half as f64)).exp();
+    let a = freqs * (t * 1000.0);
+    Tensor::cat(&[a.cos(), a.sin()], -1).unsqueeze(0).to_kind(Kind::BFloat16)
+}
+
+impl Net<'_> {
+    fn h(&self) -> i64 {
+        self.model.hidden as i64
+    }
+
+    /// `[B, T, H]` → `[B, heads, T, hd]`.
+    fn heads(&self, x: &Tensor) -> Tensor {
+        let (b, t) = (x.size()[0], x.size()[1]);
+        x.view([b, t, self.model.heads as i64, self.model.head_dim as i64]).transpose(1, 2)
+    }
+
+    fn rope(&self, x: &Tensor, i: &Inputs) -> Tensor {
+        let s = x.size();
+        let f = x.to_kind(Kind::Float).view([s[0], s[1], s[2], s[3] / 2, 2]);
+        let (re, im) = (f.select(-1, 0), f.select(-1, 1));
+        let out = Tensor::stack(&[&re * &i.cos - &im * &i.sin, &re * &i.sin + &im * &i.cos], -1);
+        out.view([s[0], s[1], s[2], s[3]]).to_kind(x.kind())
+    }
+
+    fn attention(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Tensor {
+        let o = Tensor::scaled_dot_product_attention(q, k, v, None::<Tensor>, 0.0, false, None, false);
+        let (b, t) = (o.size()[0], o.size()[2]);
+        o.transpose(1, 2).reshape([b, t, self.h()])
+    }
+
+    fn mlp(&self, x: &Tensor, w: &W, name: &str) -> Tensor {
+        lin(&lin(x, w, &format!("{name}.net.0.proj")).gelu("tanh"), w, &format!("{name}.net.2"))
+    }
+
+    fn dual(&self, w: &W, img: &Tensor, txt: &Tensor, temb: &Tensor, i: &Inputs) -> (Tensor, Tensor) {
+        let n = self.names;
+        let h = self.h();
+        let st = temb.silu();
+        let mi: Vec<Tensor> = lin(&st, w, n.img_mod).unsqueeze(1).chunk(6, -1);
+        let mt: Vec<Tensor> = lin(&st, w, n.txt_mod).unsqueeze(1).chunk(6, -1);
+        let (ni, nt) = (modulate(img, h, &mi[0], &mi[1]), modulate(txt, h, &mt[0], &mt[1]));
+        let q = |x: &Tensor, l: &str, norm: Option<&str>| {
+            let y = self.heads(&lin(x, w, &format!("attn.{l}")));
+            match norm {
+                Some(nm) => rms(&y, get(w, &format!("attn.{nm}.weight"))),
+                None => y,
+            }
+        };
+        let qq = Tensor::cat(&[q(&nt, "add_q_proj", Some("norm_added_q")), q(&ni, "to_q", Some("norm_q"))], 2);
+        let kk = Tensor::cat(&[q(&nt, "add_k_proj", Some("norm_added_k")), q(&ni, "to_k", Some("norm_k"))], 2);
+        let vv = Tensor::cat(&[q(&nt, "add_v_proj", None), q(&ni, "to_v", None)], 2);
+        let a = self.attention(&self.rope(&qq, i), &self.rope(&kk, i), &vv);
+        let (ta, ia) = (a.narrow(1, 0, i.text_tokens), a.narrow(1, i.text_tokens, img.size()[1]));
+        let img = img + &mi[2] * lin(&ia, w, "attn.to_out.0");
+        let img = &img + &mi[5] * self.mlp(&modulate(&img, h, &mi[3], &mi[4]), w, n.img_mlp);
+        let txt = txt + &mt[2] * lin(&ta, w, "attn.to_add_out");
+        let txt = &txt + &mt[5] * self.mlp(&modulate(&txt, h, &mt[3], &mt[4]), w, n.txt_mlp);
+        (img, txt)
+    }
+
+    fn single(&self, w: &W, x: &Tensor, temb: &Tensor, i: &Inputs) -> Tensor {
+        let h = self.h();
+        let m: Vec<Tensor> = lin(&temb.silu(), w, "norm.linear").unsqueeze(1).chunk(3, -1);
+        let nx = modulate(x, h, &m[0], &m[1]);
+        let mlp = lin(&nx, w, "proj_mlp").gelu("tanh");
+        let q = rms(&self.heads(&lin(&nx, w, "attn.to_q")), get(w, "attn.norm_q.weight"));
+        let k = rms(&self.heads(&lin(&nx, w, "attn.to_k")), get(w, "attn.norm_k.weight"));
+        let v = self.heads(&lin(&nx, w, "attn.to_v"));
+        let a = self.attention(&self.rope(&q, i), &self.rope(&k, i), &v);
+        x + &m[2] * lin(&Tensor::cat(&[a, mlp], 2), w, "proj_out")
+    }
+
+    fn embedder(&self, e: &Tensor, name: &str) -> Tensor {
+        lin(&lin(e, &self.globals, &format!("{name}.linear_1")).silu(), &self.globals, &format!("{name}.linear_2"))
+    }
+
+    /// One forward call; with `off`, each block's parameters are streamed in around it.
+    fn step(&self, i: &Inputs, mut off: Option<&mut TchOffload<TchCudaBackend>>) -> offload_core::Result<Tensor> {
+        let g = &self.globals;
+        let dev = i.latents.device();
+        let mut temb = self.embedder(&sinusoid(i.t, dev), "time_text_embed.timestep_embedder");
+        let (mut img, mut txt);
+        if let Some(pooled) = &i.pooled {
+            temb = temb
+                + self.embedder(&sinusoid(i.guidance, dev), "time_text_embed.guidance_embedder")
+                + self.embedder(pooled, "time_text_embed.text_embedder");
+            img = lin(&i.latents, g, "x_embedder");
+            txt = lin(&i.text, g, "context_embedder");
+        } else {
+            img = lin(&i.latents, g, "img_in");
+            txt = lin(&rms(&i.text, get(g, "txt_norm.weight")), g, "txt_in");
+        }
+        let mut joint: Option<Tensor> = None;
+        for b in &self.blocks {
+            let guard = off.as_deref_mut().map(|o| o.block(b.stack, b.index)).transpose()?;
+            match b.kind {
+                BlockKind::DualStream => (img, txt) = self.dual(&b.w, &img, &txt, &temb, i),
+                BlockKind::SingleStream => {
+                    let x = joint.take().unwrap_or_else(|| Tensor::cat(&[&txt, &img], 1));
+                    joint = Some(self.single(&b.w, &x, &temb, i));
+                }
+            }
+            guard.map(|g| g.finish()).transpose()?;
+        }
+        if let Some(x) = joint {
+            img = x.narrow(1, i.text_tokens, img.size()[1]);
+        }
+        let e: Vec<Tensor> = lin(&temb.silu(), g, "norm_out.linear").unsqueeze(1).chunk(2, -1);
+        let out = lin(&modulate(&img, self.h(), &e[1], &e[0]), g, "proj_out");
+        if let Some(o) = off {
+            o.end_step()?;
+        }
+        Ok(out)
+    }
+}
+
+fn inputs(model: &Model, case: &Case, dev: Device) -> Inputs {
+    tch::manual_seed(case.resolution as i64);
+    let r = |s: &[i64]| Tensor::randn(s, (Kind::Float, dev)).to_kind(Kind::BFloat16);
+    let (b, n, t) = (case.batch as i64, case.image_tokens as i64, case.text_tokens as i64);
+    // Rotary tables over text then image positions, one frequency per pair.
+    let half = model.head_dim as i64 / 2;
+    let pos = Tensor::arange(n + t, (Kind::Float, dev)).unsqueeze(1);
+    let freqs = (Tensor::arange(half, (Kind::Float, dev)) * (-(10000f64.ln()) / half as f64)).exp().unsqueeze(0);
+    let ang = (pos * freqs).view([1, 1, n + t, half]);
+    Inputs {
+        latents: r(&[b, n, model.in_channels as i64]),
+        text: r(&[b, t, model.text_dim as i64]),
+        pooled: model.pooled_dim.map(|p| r(&[b, p as i64])),
+        t: 0.5,
+        guidance: 3.5,
+        cos: ang.cos(),
+        sin: ang.sin(),
+        text_tokens: t,
+    }
+}
+
+fn host_bytes(t: &Tensor) -> Vec<u8> {
+    let t = t.to_device(Device::Cpu).contiguous();
+    let mut v = vec![0u8; t.numel() * t.kind().elt_size_in_bytes()];
+    t.copy_data_u8(&mut v, t.numel());
+    v
+}
+
+fn host_f32(t: &Tensor) -> Vec<f32> {
+    let t = t.to_kind(Kind::Float).to_device(Device::Cpu).flatten(0, -1);
+    Vec::<f32>::try_from(&t).unwrap_or_default()
+}
+
+fn median(v: &[f64]) -> f64 {
+    crate::harness::spread(v).map_or(f64::NAN, |s| s.median)
+}
+
+fn stats() -> Result<offload_tch::AllocatorStats, String> {
+    offload_tch::allocator_stats(0).map_err(err)
+}
+
+/// Build `model` with random bf16 weights on GPU 0, time every case resident,
+/// then streamed at every depth, in this process.
+pub fn run(model: &Model, opts: &Options) -> Result<RunDoc, String> {
+    let dev = Device::Cuda(0);
+    let be = offload_tch::cuda_backend(0).map_err(err)?;
+    let _nograd = tch::no_grad_guard();
+    let cases: Vec<&Case> = opts.cases.iter().map(|c| model.case(c)).collect::<Result<_, _>>()?;
+    let t0 = Instant::now();
+    tch::manual_seed(0);
+    let vs = nn::VarStore::new(dev);
+    for p in model.params() {
+        let segs: Vec<&str> = p.name.split('.').collect();
+        let (last, dirs) = segs.split_last().ok_or_else(|| err("empty parameter name"))?;
+        let path = dirs.iter().fold(vs.root(), |path, s| path.sub(*s));
+        let shape: Vec<i64> = p.shape.iter().map(|&d| d as i64).collect();
+        let t = Tensor::empty(&shape, (Kind::BFloat16, dev));
+        // Linear weights at ±1/√fan-in, biases small, norm scales around 1.
+        let (lo, hi) = match (p.shape.len(), p.name.ends_with(".weight")) {
+            (1, true) => (0.5, 1.5),
+            (1, false) => (-0.01, 0.01),
+            _ => {
+                let a = 1.0 / (p.shape[1] as f64).sqrt();
+                (-a, a)
+            }
+        };
+        let _ = path.add(last, t.uniform(lo, hi), false);
+    }
+    let vars = vs.variables();
+    let pick = |prefix: &str| -> W {
+        vars.iter().filter_map(|(n, t)| n.strip_prefix(prefix).map(|r| (r.to_owned(), t.shallow_clone()))).collect()
+    };
+    let block_prefixes: Vec<&str> = model.stacks.iter().map(|s| s.prefix).collect();
+    let globals: W = vars
+        .iter()
+        .filter(|(n, _)| !block_prefixes.iter().any(|p| n.starts_with(&format!("{p}."))))
+        .map(|(n, t)| (n.clone(), t.shallow_clone()))
+        .collect();
+    let mut blocks = Vec::new();
+    for s in &model.stacks {
+        for i in 0..s.count {
+            blocks.push(Block { stack: s.prefix, index: i, kind: s.kind, w: pick(&format!("{}.{i}.", s.prefix)) });
+        }
+    }
+    let net = Net { model, names: dual_names(model), globals, blocks };
+    tch::Cuda::synchronize(0);
+    eprintln!("{}: {} parameters built in {:.1} s", model.name, vars.len(), t0.elapsed().as_secs_f64());
+    let sync = || tch::Cuda::synchronize(0);
+    let timed = |i: &Inputs, off: &mut Option<&mut TchOffload<TchCudaBackend>>| -> Result<(Vec<f64>, Tensor), String> {
+        let mut out = None;
+        for _ in 0..opts.warmup {
+            out = Some(net.step(i, off.as_deref_mut()).map_err(err)?);
+        }
+        let mut times = Vec::new();
+        for _ in 0..opts.steps {
+            sync();
+            let t = Instant::now();
+            out = Some(net.step(i, off.as_deref_mut()).map_err(err)?);
+            sync();
+            times.push(t.elapsed().as_secs_f64());
+        }
+        out.map(|o| (times, o)).ok_or_else(|| err("no steps"))
+    };
+    // Resident: every parameter on the GPU.
+    struct Resident {
+        times: Vec<f64>,
+        out: Vec<u8>,
+        activations: u64,
+    }
+    let mut resident = Vec::new();
+    for c in &cases {
+        let i = inputs(model, c, dev);
+        sync();
+        let before = stats()?.allocated;
+        offload_tch::reset_allocator_peak(0).map_err(err)?;
+        let (times, out) = timed(&i, &mut None)?;
+        let activations = stats()?.allocated_peak.saturating_sub(before);
+        eprintln!("{} {}: resident step {:.4} s, activations {:.2} GiB", model.name, c.name, median(&times), gib(activations));
+        resident.push(Resident { times, out: host_bytes(&out), activations });
+    }
+    // Blocks to the host store (their GPU copies are dropped).
+    let t = Instant::now();
+    let plan = Plan::layerwise().prefetch_depth(opts.depths.first().copied().unwrap_or(1));
+    let mut off = TchOffload::new(be.clone(), &vs, "transformer", &DeclaredStacks::new(block_prefixes.clone()), &plan).map_err(err)?;
+    let store = off.ring().store().clone();
+    let total: u64 = store.blocks().iter().map(|b| b.bytes() as u64).sum();
+    let largest = store.largest_block_bytes() as u64;
+    let resident_bytes = model.global_bytes(2);
+    eprintln!("host store: {:.2} GiB pinned in {} blocks in {:.1} s", gib(total), store.blocks().len(), t.elapsed().as_secs_f64());
+    if total != model.block_bytes(2) {
+        return Err(err(format!("the store holds {total} bytes of blocks, the registry says {}", model.block_bytes(2))));
+    }
+    let bandwidth = offload_core::probe_bandwidth(&be, &store, 3).map_err(err)?;
+    eprintln!("pinned H2D bandwidth: {:.1} GB/s", bandwidth / 1e9);
+    let mut out_cases = Vec::new();
+    for (c, r) in cases.iter().zip(&resident) {
+        let i = inputs(model, c, dev);
+        for &d in &opts.depths {
+            off.replan(&Plan::layerwise().prefetch_depth(d)).map_err(err)?;
+            be.synchronize().map_err(err)?;
+            sync();
+            be.reset_peak();
+            let live_slots = be.counters().live_bytes;
+            let before = stats()?.allocated;
+            offload_tch::reset_allocator_peak(0).map_err(err)?;
+            let misses0 = off.ring().metrics().misses;
+            let (times, out) = timed(&i, &mut Some(&mut off))?;
+            let peak = stats()?.allocated_peak;
+            let weights = be.counters().peak_bytes + resident_bytes;
+            let other = before.saturating_sub(live_slots + resident_bytes);
+            let derived = peak.saturating_sub(other).saturating_sub(r.activations);
+            let equal = host_bytes(&out) == r.out;
+            let (finite, nonconstant) = check_output(&host_f32(&out));
+            let misses = off.ring().metrics().misses - misses0;
+            let streamed = median(&times);
+            let bound = median(&r.times).max(total as f64 / bandwidth);
+            eprintln!(
+                "{} {} d={d}: streamed {streamed:.4} s, bound {bound:.4} s, ratio {:.4}, weights {:.2} GiB (derived {:.2}), \
+                 bitwise_equal {equal}, finite {finite}, nonconstant {nonconstant}, misses {misses}",
+                model.name,
+                c.name,
+                streamed / bound,
+                gib(weights),
+                gib(derived)
+            );
+            out_cases.push(RunCase {
+                model: model.name.into(),
+                case: c.name.clone(),
+                resolution: c.resolution,
+                tokens: c.image_tokens + c.text_tokens,
+                batch: c.batch,
+                depth: d,
+                steps_resident_s: r.times.clone(),
+                steps_streamed_s: times,
+                streamed_bytes: total,
+                bandwidth_gbps: bandwidth / 1e9,
+                weights_device_bytes: weights,
+                weights_device_bytes_derived: derived,
+                activations_peak_bytes: r.activations,
+                bitwise_equal: equal,
+                output_finite: finite,
+                output_nonconstant: nonconstant,
+                misses,
+            });
+        }
+    }
+    off.close().map_err(err)?;
+    Ok(RunDoc {
+        date: std::env::var("BENCH_DATE").unwrap_or_default(),
+        commit: opts.commit.clone(),
+        gpu: be.cuda().device_name().unwrap_or_default(),
+        backend: "tch".into(),
+        block_bytes_total: total,
+        largest_block_bytes: largest,
+        resident_bytes,
+        cases: out_cases,
+    })
+}
+
+fn gib(b: u64) -> f64 {
+    b as f64 / (1u64 << 30) as f64
+}

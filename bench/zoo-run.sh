@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The bench room on the GPU runner, from the bundle (`cargo xtask gpu-bundle`).
+#   zoo-run.sh registry   the registry checked against the reference classes
+#   zoo-run.sh repeat R   per model: process run R of offload's tch backend, then
+#                         process R of each of diffusers' offloaded modes (the anchors)
+#   zoo-run.sh merge      `zoo merge`: medians, spreads, bounds and the comparison,
+#                         computed from every run's file
+#   zoo-run.sh            all of it, three repeats
+# Files collect in $ZOO_DIR (default .zoo-out beside the bundle, kept between
+# commands on a warm runner); each command also leaves $OUT/zoo.tgz, all so far.
+#   ZOO_MODELS="flux-dev qwen-image"  ZOO_ARGS="--cases 1024"  ANCHOR_MODES="block_stream leaf_stream"
+set -uo pipefail
+B=$(cd "$(dirname "$0")" && pwd)
+OUT=${OUT:-/tmp/offload-out}; mkdir -p "$OUT"
+Z=${ZOO_DIR:-$B/../.zoo-out}; mkdir -p "$Z"
+export BENCH_DATE=${BENCH_DATE:-$(date -u +%F)}
+COMMIT=${COMMIT:-unknown}
+if [ -d "$B/../.whl" ] && [ ! -d /tmp/site/diffusers ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$B"/../.whl/*.whl
+fi
+[ -d /tmp/site ] && export PYTHONPATH=/tmp/site
+
+registry() {
+  echo "== registry vs the reference classes"
+  "$B/zoo" registry --json "$Z/registry.json" && python3 "$B/registry_check.py" "$Z/registry.json" "$Z/registry-check.json" 2>&1 | tee "$Z/registry-check.txt"
+}
+
+repeat() {
+  local r=$1
+  [ -f "$Z/registry.json" ] || "$B/zoo" registry --json "$Z/registry.json"
+  for model in ${ZOO_MODELS:-flux-dev qwen-image}; do
+    echo "== $model: offload tch, run $r"
+    "$B/zoo" run --backend tch --model "$model" --commit "$COMMIT" --out "$Z/tch-$model-run$r.json" ${ZOO_ARGS:-} 2>&1 | tee "$Z/tch-$model-run$r.txt"
+    for mode in ${ANCHOR_MODES:-block_stream leaf_stream}; do
+      echo "== $model: diffusers $mode, run $r"
+      local A=""; [ -n "${ZOO_ARGS:-}" ] && A=$(echo " ${ZOO_ARGS}" | grep -o -- '--cases [^ ]*')
+      timeout "${ANCHOR_TIMEOUT:-300}" python3 "$B/zoo_anchor.py" --registry "$Z/registry.json" --model "$model" --mode "$mode" $A \
+        --out "$Z/diffusers-$model-$mode-run$r.json" 2>&1 | grep -v Warning | tee "$Z/diffusers-$model-$mode-run$r.txt"
+    done
+  done
+}
+
+merge() {
+  echo "== merge"
+  "$B/zoo" merge --min-repeats "${ZOO_REPEATS:-3}" --out "$Z/zoo-tch.json" "$Z"/tch-*-run*.json --anchors "$Z"/diffusers-*-run*.json 2>&1 | tee "$Z/merge.txt"
+}
+
+case "${1:-all}" in
+  registry) registry ;;
+  repeat) repeat "${2:?repeat needs a number}" ;;
+  merge) merge ;;
+  all) registry; for r in $(seq 1 "${ZOO_REPEATS:-3}"); do repeat "$r"; done; merge ;;
+  *) echo "usage: zoo-run.sh [registry | repeat R | merge]"; exit 2 ;;
+esac
+tar czf "$OUT/zoo.tgz" -C "$Z" .
+echo "== zoo done"

@@ -303,7 +303,7 @@ pub fn merge(runs: &[RunDoc], anchors: &[AnchorDoc], min_repeats: usize) -> Resu
     Ok(json!({
         "date": first.date, "commit": first.commit, "gpu": first.gpu, "backend": first.backend,
         "model": keys.iter().map(|k| k.0.clone()).fold(Vec::<String>::new(), |mut v, m| { if !v.contains(&m) { v.push(m) } v }).join(", "),
-        "repeats": runs.len(), "largest_block_bytes": first.largest_block_bytes, "resident_bytes": first.resident_bytes,
+        "repeats": cases.iter().filter_map(|c| c["repeats"].as_u64()).min().unwrap_or(0), "process_runs": runs.len(), "largest_block_bytes": first.largest_block_bytes, "resident_bytes": first.resident_bytes,
         "memory_method": "weights_device_bytes: the most slot bytes live at once (the backend's counters) plus the non-block weights; \
             activations_peak_bytes: the resident step's peak allocated bytes above what was allocated before it; \
             weights_device_bytes_derived and the anchors' weights_device_bytes: the streamed step's peak allocated bytes minus \

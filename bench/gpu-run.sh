@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Runs on the GPU runner from the bundle (`cargo xtask gpu-bundle`): the CUDA
 # conformance suite with OFFLOAD_REQUIRE_DEVICE=1, a compute-sanitizer pass, the
-# cuda benchmark and the diffusers anchor. Writes everything under $OUT.
+# cuda benchmark and the bench room. Writes everything under $OUT.
 # SMOKE=1: a small model and one resolution, to check the bundle works.
 # CANDLE=1: the demo on candle-cuda, the candle rows (CPU and CUDA) and the candle Flux bench (gpu-bundle --candle).
-# TCH=1: also the tch rows (CPU and CUDA) and the tch::nn Flux-shaped bench.
+# TCH=1: also the tch rows (CPU and CUDA).
+# ZOO=1 (default): the bench room (bench/zoo-run.sh: registry check, tch on the registry's models, diffusers' anchors).
 # VULKAN=1: the vulkan row (loader from .gl/) and the Vulkan bench, 3 runs merged by code.
 # BENCH=0: conformance and sabotage tables only, no benches.
 # CUDA=0: skip the cuda bench.
@@ -43,7 +44,6 @@ else
 fi
 if [ "${TCH:-0}" = 1 ] && [ -x "$B/conformance-tch" ]; then
   echo "== tch conformance"; "$B/conformance-tch" --backend tch,tch-cuda --json "$OUT/conformance-tch.json" --sabotage "$OUT/sabotage-tch.json" $SAB "$GPU" 2>&1 | tee "$OUT/conformance-tch.txt"
-  [ "${TCH_BENCH:-${BENCH:-1}}" = 1 ] && echo "== tch bench" && "$B/tch_bench" --steps "${STEPS:-5}" ${TCH_ARGS:-} --commit "$COMMIT" --out "$OUT/tch-flux.json" 2>&1 | tee "$OUT/tch-bench.txt"
 fi
 if [ "${CANDLE:-0}" = 1 ] && [ -f "$B/conformance-candle.gz" ]; then
   C=/tmp/offload-candle; mkdir -p $C
@@ -52,12 +52,9 @@ if [ "${CANDLE:-0}" = 1 ] && [ -f "$B/conformance-candle.gz" ]; then
   echo "== candle conformance"; "$C/conformance-candle" --backend candle,candle-cuda --json "$OUT/conformance-candle.json" --sabotage "$OUT/sabotage-candle.json" $SAB "$GPU" 2>&1 | tee "$OUT/conformance-candle.txt"
   [ "${CANDLE_BENCH:-${BENCH:-1}}" = 1 ] && echo "== candle bench" && "$C/candle_flux_bench" --steps "${STEPS:-5}" ${CANDLE_ARGS:-} --commit "$COMMIT" --out "$OUT/candle-flux.json" 2>&1 | tee "$OUT/candle-bench.txt"
 fi
-if [ "${ANCHORS:-1}" = 1 ]; then
-  echo "== diffusers anchor"
-  if [ -d "$B/../.whl" ]; then python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$B"/../.whl/*.whl && export PYTHONPATH=/tmp/site; fi
-  L=""; [ "${SMOKE:-0}" = 1 ] && L="--layers 2 --single-layers 4 --resolutions 1024 --steps 2"
-  timeout ${ANCHOR_TIMEOUT:-270} python3 "$B/diffusers_group_offload.py" --modes resident,block_stream $L --out "$OUT/diffusers-block.json" 2>&1 | tail -12
-  [ "${SMOKE:-0}" = 1 ] || timeout ${ANCHOR_TIMEOUT:-200} python3 "$B/diffusers_group_offload.py" --modes leaf_stream --out "$OUT/diffusers-leaf.json" 2>&1 | tail -6
+if [ "${ZOO:-1}" = 1 ]; then
+  # The bench room: registry check, tch runs and diffusers' anchors, merged (bench/zoo-run.sh).
+  ZOO_DIR="$OUT/zoo" bash "$B/zoo-run.sh" 2>&1 | tail -30
 fi
 if [ "${VULKAN:-0}" = 1 ] && [ -x "$B/conformance-vulkan" ]; then
   # The runner has NVIDIA's Vulkan driver but no loader: the loader and the

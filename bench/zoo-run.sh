@@ -13,6 +13,10 @@ set -uo pipefail
 B=$(cd "$(dirname "$0")" && pwd)
 OUT=${OUT:-/tmp/offload-out}; mkdir -p "$OUT"
 Z=${ZOO_DIR:-$B/../.zoo-out}; mkdir -p "$Z"
+# In the bundle the driver and the anchors' scripts sit beside this script; in the
+# repository, zoo is built by `cargo xtask bench --backend tch` (ZOO_BIN).
+ZOO=${ZOO_BIN:-$B/zoo}
+AD=$B; [ -f "$B/anchors/zoo_anchor.py" ] && AD=$B/anchors
 export BENCH_DATE=${BENCH_DATE:-$(date -u +%F)}
 COMMIT=${COMMIT:-unknown}
 if [ -d "$B/../.whl" ] && [ ! -d /tmp/site/diffusers ]; then
@@ -22,19 +26,19 @@ fi
 
 registry() {
   echo "== registry vs the reference classes"
-  "$B/zoo" registry --json "$Z/registry.json" && python3 "$B/registry_check.py" "$Z/registry.json" "$Z/registry-check.json" 2>&1 | tee "$Z/registry-check.txt"
+  "$ZOO" registry --json "$Z/registry.json" && python3 "$AD/registry_check.py" "$Z/registry.json" "$Z/registry-check.json" 2>&1 | tee "$Z/registry-check.txt"
 }
 
 repeat() {
   local r=$1
-  [ -f "$Z/registry.json" ] || "$B/zoo" registry --json "$Z/registry.json"
+  [ -f "$Z/registry.json" ] || "$ZOO" registry --json "$Z/registry.json"
   for model in ${ZOO_MODELS:-flux-dev qwen-image}; do
     echo "== $model: offload tch, run $r"
-    "$B/zoo" run --backend tch --model "$model" --commit "$COMMIT" --out "$Z/tch-$model-run$r.json" ${ZOO_ARGS:-} 2>&1 | tee "$Z/tch-$model-run$r.txt"
+    "$ZOO" run --backend tch --model "$model" --commit "$COMMIT" --out "$Z/tch-$model-run$r.json" ${ZOO_ARGS:-} 2>&1 | tee "$Z/tch-$model-run$r.txt"
     for mode in ${ANCHOR_MODES:-block_stream leaf_stream}; do
       echo "== $model: diffusers $mode, run $r"
       local A=""; [ -n "${ZOO_ARGS:-}" ] && A=$(echo " ${ZOO_ARGS}" | grep -o -- '--cases [^ ]*')
-      timeout "${ANCHOR_TIMEOUT:-300}" python3 "$B/zoo_anchor.py" --registry "$Z/registry.json" --model "$model" --mode "$mode" $A \
+      timeout "${ANCHOR_TIMEOUT:-300}" python3 "$AD/zoo_anchor.py" --registry "$Z/registry.json" --model "$model" --mode "$mode" $A \
         --out "$Z/diffusers-$model-$mode-run$r.json" 2>&1 | grep -v Warning | tee "$Z/diffusers-$model-$mode-run$r.txt"
     done
   done
@@ -42,7 +46,7 @@ repeat() {
 
 merge() {
   echo "== merge"
-  "$B/zoo" merge --min-repeats "${ZOO_REPEATS:-3}" --out "$Z/zoo-tch.json" "$Z"/tch-*-run*.json --anchors "$Z"/diffusers-*-run*.json 2>&1 | tee "$Z/merge.txt"
+  "$ZOO" merge --min-repeats "${ZOO_REPEATS:-3}" --out "$Z/zoo-tch.json" "$Z"/tch-*-run*.json --anchors "$Z"/diffusers-*-run*.json 2>&1 | tee "$Z/merge.txt"
 }
 
 case "${1:-all}" in

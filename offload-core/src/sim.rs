@@ -67,8 +67,6 @@ pub struct SimStats {
     pub bytes_copied: u64,
     /// Host synchronisations (`synchronize` calls).
     pub syncs: u64,
-    /// Device-to-host copies of weights (the trait has none; kept to prove it).
-    pub d2h_copies: u64,
     /// Protocol violations seen, in order.
     pub violations: Vec<String>,
     /// "Page-locked" host bytes handed out (never returned: the sim does not track host frees).

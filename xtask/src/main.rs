@@ -20,12 +20,12 @@ cargo xtask <command>
   bench --backend cuda [-- ARGS]
                             the Flux-shaped cuda benchmark on this machine's GPU (ARGS go to cuda_bench);
                             writes bench/results/<date>-cuda-flux.json
-  bench --backend tch [-- ARGS]
-                            the Flux-shaped tch::nn benchmark on this machine's GPU; writes bench/results/<date>-tch-flux.json
+  bench --backend tch       the bench room (registry models, 3 process runs each, diffusers' group offloading
+                            beside them) on this machine's GPU; runs under bench/raw/, bench/results/<date>-zoo-tch.json
   bench --backend candle [-- ARGS]
                             the Flux-shaped candle benchmark on this machine's GPU (nvcc from PyPI);
                             writes bench/results/<date>-candle-flux.json
-  bench --report            bench/REPORT.md and bench/plots/*.png from the committed bench/results/*.json
+  bench --report            README.md's measured tables, bench/REPORT.md and bench/plots/*.png from bench/results/*.json
   faults                    inject faults, try bad inputs and plans; writes bench/results/<date>-faults.md
   gpu-bundle [--candle]     build the CUDA, tch and Vulkan binaries and a run script into .bundle/ for the GPU runner
                             (and the Vulkan loader and validation layer as Debian packages into .gl/);
@@ -130,9 +130,11 @@ fn lint() -> Result<(), String> {
         "offload-tests",
         "-p",
         "offload-tch",
+        "-p",
+        "offload-bench",
         "--all-targets",
         "--features",
-        "offload-tests/tch-cuda,offload-tch/cuda",
+        "offload-tests/tch-cuda,offload-tch/cuda,offload-bench/tch",
     ]);
     c.args(["--", "-D", "warnings"]);
     run(c)?;
@@ -197,14 +199,22 @@ fn bench(args: &[String]) -> Result<(), String> {
             return run(c);
         }
         "tch" => {
-            // The Flux-shaped tch::nn benchmark on this machine's GPU (libtorch fetched if needed).
+            // The bench room on this machine's GPU (libtorch fetched if needed):
+            // bench/zoo-run.sh with the zoo built here, runs kept under bench/raw,
+            // the merged file in bench/results.
             ensure_libtorch()?;
-            let out = root().join(format!("bench/results/{}-tch-flux.json", today()));
             let mut c = cargo();
-            c.args(["run", "-q", "-p", "offload-tch", "--features", "cuda", "--example", "tch_bench", "--", "--commit", &commit(), "--out"]);
-            c.arg(out);
-            c.args(args.iter().skip_while(|a| *a != "--").skip(1));
-            return run(c);
+            c.args(["build", "-q", "-p", "offload-bench", "--features", "tch", "--bin", "zoo"]);
+            run(c)?;
+            let raw = root().join(format!("bench/raw/{}-zoo-{}", today(), commit()));
+            let mut c = Command::new("bash");
+            c.arg(root().join("bench/zoo-run.sh"));
+            c.env("ZOO_BIN", root().join("target/debug/zoo")).env("ZOO_DIR", &raw).env("COMMIT", commit()).env("OUT", std::env::temp_dir().join("offload-zoo-out"));
+            run(c)?;
+            let out = root().join(format!("bench/results/{}-zoo-tch.json", today()));
+            std::fs::copy(raw.join("zoo-tch.json"), &out).map_err(|e| format!("{}: {e}", out.display()))?;
+            println!("wrote {}", out.display());
+            return Ok(());
         }
         "candle" => {
             // The Flux-shaped candle benchmark on this machine's GPU.
@@ -354,17 +364,13 @@ fn gpu_bundle(args: &[String]) -> Result<(), String> {
     c.args(["build", "-p", "offload-tests", "--features", "tch-cuda", "--bin", "conformance"]);
     run(c)?;
     std::fs::copy(root().join("target/debug/conformance"), dir.join("conformance-tch")).map_err(|e| format!("conformance-tch: {e}"))?;
-    let mut c = cargo();
-    c.args(["build", "-p", "offload-tch", "--features", "cuda", "--example", "tch_bench"]);
-    run(c)?;
-    std::fs::copy(root().join("target/debug/examples/tch_bench"), dir.join("tch_bench")).map_err(|e| format!("tch_bench: {e}"))?;
     // The bench room's driver with tch's file plugged in.
     let mut c = cargo();
     c.args(["build", "-p", "offload-bench", "--features", "tch", "--bin", "zoo"]);
     run(c)?;
     std::fs::copy(root().join("target/debug/zoo"), dir.join("zoo")).map_err(|e| format!("zoo: {e}"))?;
     let mut c = Command::new("strip");
-    c.arg(dir.join("conformance-tch")).arg(dir.join("tch_bench")).arg(dir.join("zoo"));
+    c.arg(dir.join("conformance-tch")).arg(dir.join("zoo"));
     run(c)?;
     // diffusers for the anchors (the runner has torch and transformers, no network).
     let whl = root().join(".whl");

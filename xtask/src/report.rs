@@ -25,6 +25,16 @@ fn gib(v: &Value) -> f64 {
     v.as_f64().unwrap_or(0.0) / (1u64 << 30) as f64
 }
 
+/// Device memory for weights: the bench room's `weights_device_bytes`, else the
+/// older files' `peak_device_bytes`.
+fn weights_or_peak(v: &Value) -> &Value {
+    if v["weights_device_bytes"].is_number() {
+        &v["weights_device_bytes"]
+    } else {
+        &v["peak_device_bytes"]
+    }
+}
+
 fn rows(dir: &Path) -> Result<Vec<Row>, String> {
     let mut files: Vec<_> = std::fs::read_dir(dir).map_err(|e| format!("{}: {e}", dir.display()))?.flatten().map(|e| e.path()).collect();
     files.sort();
@@ -38,7 +48,10 @@ fn rows(dir: &Path) -> Result<Vec<Row>, String> {
             let budget = c["budget_bytes"].as_f64().map(|b| b / (1u64 << 30) as f64);
             let label = match budget {
                 Some(b) => format!("{backend} {b:.0} GiB d={}", c["depth"]),
-                None => format!("{backend} d={}", c["depth"]),
+                None => match c["model"].as_str() {
+                    Some(m) => format!("{backend} {m} {} d={}", c["case"].as_str().unwrap_or(""), c["depth"]),
+                    None => format!("{backend} d={}", c["depth"]),
+                },
             };
             out.push(Row {
                 file: name.clone(),
@@ -50,14 +63,17 @@ fn rows(dir: &Path) -> Result<Vec<Row>, String> {
                 bound_s: c["bound_s"].as_f64().unwrap_or(f64::NAN),
                 ratio: c["ratio_to_bound"].as_f64().unwrap_or(f64::NAN),
                 predicted_s: c["predicted_step_s"].as_f64(),
-                peak_gib: gib(&c["peak_device_bytes"]),
+                peak_gib: gib(weights_or_peak(c)),
                 bitwise: c["bitwise_equal"].as_bool().map_or("–".into(), |b| if b { "yes".into() } else { "NO".into() }),
             });
         }
         for a in doc["anchors"].as_array().into_iter().flatten().filter(|a| a["step_streamed_s"].is_number()) {
             out.push(Row {
                 file: name.clone(),
-                label: a["name"].as_str().unwrap_or("anchor").to_owned(),
+                label: match a["model"].as_str() {
+                    Some(m) => format!("{} {m}", a["name"].as_str().unwrap_or("anchor")),
+                    None => a["name"].as_str().unwrap_or("anchor").to_owned(),
+                },
                 resolution: a["resolution"].as_u64().unwrap_or(0),
                 budget_gib: None,
                 resident_s: a["step_resident_s"].as_f64().unwrap_or(f64::NAN),
@@ -65,7 +81,7 @@ fn rows(dir: &Path) -> Result<Vec<Row>, String> {
                 bound_s: a["bound_s"].as_f64().unwrap_or(f64::NAN),
                 ratio: a["ratio_to_bound"].as_f64().unwrap_or(f64::NAN),
                 predicted_s: None,
-                peak_gib: gib(&a["peak_device_bytes"]),
+                peak_gib: gib(weights_or_peak(a)),
                 bitwise: "–".into(),
             });
         }
@@ -196,7 +212,7 @@ pub fn report(root: &Path) -> Result<(), String> {
     }
     // Plots from the full-streaming runs (no budget) of the newest file holding them.
     let full: Vec<&Row> = rows.iter().filter(|r| r.budget_gib.is_none()).collect();
-    let newest = full.iter().filter(|r| r.file.contains("flux")).map(|r| r.file.clone()).max();
+    let newest = full.iter().filter(|r| r.file.contains("-zoo-")).map(|r| r.file.clone()).max();
     let latest: Vec<&Row> = full.iter().copied().filter(|r| Some(&r.file) == newest.as_ref()).collect();
     let ratio: Vec<(String, f64)> = latest.iter().map(|r| (format!("{} {}²", r.label, r.resolution), r.ratio)).collect();
     bars(&plots.join("ratio-to-bound.png"), "step ÷ bound, full streaming (H200)", "ratio to bound", &ratio, Some((1.03, "target 1.03")))?;
@@ -215,6 +231,12 @@ pub fn report(root: &Path) -> Result<(), String> {
         planner_plot(&plots.join("planner-budget.png"), &planner)?;
     }
     std::fs::write(root.join("bench/REPORT.md"), md).map_err(e)?;
+    let readme_path = root.join("README.md");
+    if let Ok(readme) = std::fs::read_to_string(&readme_path) {
+        let tables = readme_tables(&root.join("bench/results"))?;
+        std::fs::write(&readme_path, splice_readme(&readme, &tables)?).map_err(e)?;
+        println!("wrote README.md's measured tables");
+    }
     println!("wrote bench/REPORT.md and bench/plots/ ({} runs)", rows.len());
     Ok(())
 }
@@ -230,11 +252,194 @@ mod tests {
         std::os::unix::fs::symlink(root.join("bench/results"), dir.join("bench/results")).unwrap();
         super::report(&dir).unwrap();
         let md = std::fs::read_to_string(dir.join("bench/REPORT.md")).unwrap();
-        assert!(md.contains("| cuda d=1 |"), "{md}");
+        assert!(md.contains("| tch flux-dev 1024 d=1 |"), "{md}");
         for png in ["ratio-to-bound.png", "peak-memory.png", "planner-budget.png"] {
             let bytes = std::fs::read(dir.join("bench/plots").join(png)).unwrap();
             assert_eq!(&bytes[..8], b"\x89PNG\r\n\x1a\n", "{png}");
         }
         let _ = std::fs::remove_dir_all(&dir);
+    }
+}
+
+/// The first line of the README's generated block.
+pub const README_START: &str =
+    "<!-- Generated by `cargo xtask bench --report` from the files it names under bench/results/; edit those, not this. -->";
+/// The last line of the README's generated block.
+pub const README_END: &str = "<!-- End of the generated block. -->";
+
+fn f(v: &Value) -> f64 {
+    v.as_f64().unwrap_or(f64::NAN)
+}
+
+fn yes(v: &Value) -> &'static str {
+    match v.as_bool() {
+        Some(true) => "yes",
+        Some(false) => "**no**",
+        None => "–",
+    }
+}
+
+fn read_json(path: &Path) -> Result<Value, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))
+}
+
+/// The README's measured tables, from the bench room's results (`*-zoo-*.json`),
+/// the planner's budget run and the Vulkan run in `results`: every figure read
+/// or computed here, each table naming its file.
+pub fn readme_tables(results: &Path) -> Result<String, String> {
+    let mut names: Vec<String> = std::fs::read_dir(results)
+        .map_err(|e| format!("{}: {e}", results.display()))?
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    let mut md = String::new();
+    for name in names.iter().filter(|n| n.contains("-zoo-") && n.ends_with(".json")) {
+        let d = read_json(&results.join(name))?;
+        let _ = writeln!(
+            md,
+            "`bench/results/{name}`: backend `{}` at commit `{}` on an {}, {}; each figure is the median of {} process runs with [min, max]; \
+             the bound is `max(resident step, streamed bytes ÷ pinned bandwidth measured in the same run)`; diffusers ran in the same command.\n",
+            d["backend"].as_str().unwrap_or("?"),
+            d["commit"].as_str().unwrap_or("?"),
+            d["gpu"].as_str().unwrap_or("?"),
+            d["date"].as_str().unwrap_or("?"),
+            d["repeats"]
+        );
+        md.push_str("| model | case | streamed step (s) | ratio to bound | resident step (s) | diffusers' best offloaded (s) | ours ÷ diffusers | weights on device (GiB) | activations (GiB) | bitwise equal | finite, not constant | targets met |\n");
+        md.push_str("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
+        for c in d["cases"].as_array().into_iter().flatten() {
+            let anchor = match (c["anchor_best_mode"].as_str(), c["anchor_best_step_s"].as_f64()) {
+                (Some(m), Some(s)) => format!("{s:.3} ({})", m.replace('_', " ")),
+                _ => "–".into(),
+            };
+            let _ = writeln!(
+                md,
+                "| {} | {}² d={} | {:.3} [{:.3}, {:.3}] | {:.3} [{:.3}, {:.3}] | {:.3} | {anchor} | {} | {:.2} | {:.2} | {} | {} | {} |",
+                c["model"].as_str().unwrap_or("?"),
+                c["case"].as_str().unwrap_or("?"),
+                c["depth"],
+                f(&c["step_streamed_s"]),
+                f(&c["step_streamed_s_min"]),
+                f(&c["step_streamed_s_max"]),
+                f(&c["ratio_to_bound"]),
+                f(&c["ratio_to_bound_min"]),
+                f(&c["ratio_to_bound_max"]),
+                f(&c["step_resident_s"]),
+                c["ratio_to_anchor_best"].as_f64().map_or("–".into(), |r| format!("{r:.3}")),
+                gib(&c["weights_device_bytes"]),
+                gib(&c["activations_peak_bytes"]),
+                yes(&c["bitwise_equal"]),
+                yes(&Value::Bool(c["output_finite"] == true && c["output_nonconstant"] == true)),
+                yes(&c["meets_targets"]),
+            );
+        }
+        md.push_str("\n| model | case | diffusers | step (s) | ratio to its bound | weights on device (GiB) | activations (GiB) |\n| --- | --- | --- | --- | --- | --- | --- |\n");
+        for a in d["anchors"].as_array().into_iter().flatten() {
+            let _ = writeln!(
+                md,
+                "| {} | {}² | {} | {:.3} [{:.3}, {:.3}] | {} | {:.2} | {:.2} |",
+                a["model"].as_str().unwrap_or("?"),
+                a["case"].as_str().unwrap_or("?"),
+                a["mode"].as_str().unwrap_or("?").replace('_', " "),
+                f(&a["step_streamed_s"]),
+                f(&a["step_streamed_s_min"]),
+                f(&a["step_streamed_s_max"]),
+                a["ratio_to_bound"].as_f64().map_or("–".into(), |r| format!("{r:.3}")),
+                gib(&a["weights_device_bytes"]),
+                gib(&a["activations_peak_bytes"]),
+            );
+        }
+        md.push('\n');
+    }
+    if let Some(name) = names.iter().filter(|n| n.contains("planner") && n.ends_with(".json") && n.contains("cuda")).max() {
+        let d = read_json(&results.join(name))?;
+        let cases: Vec<&Value> = d["cases"].as_array().into_iter().flatten().filter(|c| c["budget_bytes"].is_u64()).collect();
+        let worst = cases.iter().map(|c| (f(&c["step_streamed_s"]) / f(&c["predicted_step_s"]) - 1.0).abs()).fold(0.0, f64::max);
+        let steps: Vec<String> = cases
+            .iter()
+            .map(|c| {
+                let bound = f(&c["bound_s"]).max(f(&c["step_resident_s"]));
+                format!(
+                    "{} GiB → {:.3} s ({:.3} × its bound)",
+                    c["budget_bytes"].as_u64().unwrap_or(0) >> 30,
+                    f(&c["step_streamed_s"]),
+                    f(&c["step_streamed_s"]) / bound
+                )
+            })
+            .collect();
+        let _ = writeln!(
+            md,
+            "Under a device budget (planner, `cuda`, Flux-dev-shaped at 1024², one process run, not yet repeated in the bench room; `bench/results/{name}`): \
+             {}, against {:.3} s all resident; every step within {:.2} % of the planner's prediction.\n",
+            steps.join(", "),
+            cases.first().map_or(f64::NAN, |c| f(&c["step_resident_s"])),
+            worst * 100.0
+        );
+    }
+    if let Some(name) = names.iter().filter(|n| n.contains("vulkan") && n.ends_with(".json")).max() {
+        let d = read_json(&results.join(name))?;
+        let ratios: Vec<f64> = d["cases"].as_array().into_iter().flatten().map(|c| f(&c["ratio_to_bound"])).collect();
+        let _ = writeln!(
+            md,
+            "Vulkan (`bench/results/{name}`, {} process runs): pinned bandwidth {:.1} GB/s [{:.1}, {:.1}], {:.3} × cudarc's in the same runs \
+             (target 0.9: {}); streamed steps {:.3}–{:.3} × their bound.",
+            d["runs"].as_array().map_or(0, Vec::len),
+            f(&d["bandwidth_gbps"]),
+            f(&d["bandwidth_gbps_min"]),
+            f(&d["bandwidth_gbps_max"]),
+            f(&d["bandwidth_ratio_to_cuda"]),
+            if d["meets_bandwidth_target"] == true { "met" } else { "missed" },
+            ratios.iter().copied().fold(f64::INFINITY, f64::min),
+            ratios.iter().copied().fold(0.0, f64::max)
+        );
+    }
+    Ok(md)
+}
+
+/// `README.md` with its generated block replaced by `tables`.
+pub fn splice_readme(readme: &str, tables: &str) -> Result<String, String> {
+    let start = readme.find(README_START).ok_or("README.md has no generated block start marker")?;
+    let end = readme.find(README_END).ok_or("README.md has no generated block end marker")?;
+    if end < start {
+        return Err("README.md's generated block markers are out of order".into());
+    }
+    Ok(format!("{}{README_START}\n\n{tables}\n{}", &readme[..start], &readme[end..]))
+}
+
+#[cfg(test)]
+mod readme_tests {
+    use super::*;
+
+    #[test]
+    fn the_readme_tables_are_the_generated_ones() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("root");
+        let readme = std::fs::read_to_string(root.join("README.md")).expect("README.md");
+        let want = splice_readme(&readme, &readme_tables(&root.join("bench/results")).expect("tables")).expect("markers");
+        assert!(readme == want, "README.md's measured tables differ from `cargo xtask bench --report`'s; run it");
+    }
+
+    #[test]
+    fn the_tables_show_every_case_and_anchor_of_a_zoo_file() {
+        let dir = std::env::temp_dir().join(format!("offload-zoo-report-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let doc = serde_json::json!({"backend": "tch", "commit": "c0", "gpu": "G", "date": "d", "repeats": 3,
+            "cases": [{"model": "m", "case": "1024", "depth": 1, "step_streamed_s": 0.5, "step_streamed_s_min": 0.4, "step_streamed_s_max": 0.6,
+                       "ratio_to_bound": 1.01, "ratio_to_bound_min": 1.0, "ratio_to_bound_max": 1.02, "step_resident_s": 0.2,
+                       "anchor_best_mode": "leaf_stream", "anchor_best_step_s": 0.55, "ratio_to_anchor_best": 0.909,
+                       "weights_device_bytes": 1u64 << 30, "activations_peak_bytes": 1u64 << 29, "bitwise_equal": true,
+                       "output_finite": true, "output_nonconstant": false, "meets_targets": false}],
+            "anchors": [{"model": "m", "case": "1024", "mode": "block_stream", "step_streamed_s": 0.7, "step_streamed_s_min": 0.69,
+                         "step_streamed_s_max": 0.71, "ratio_to_bound": 1.3, "weights_device_bytes": 1u64 << 31, "activations_peak_bytes": 0}]});
+        std::fs::write(dir.join("x-zoo-tch.json"), doc.to_string()).unwrap();
+        let md = readme_tables(&dir).unwrap();
+        assert!(md.contains("| m | 1024² d=1 | 0.500 [0.400, 0.600] | 1.010 [1.000, 1.020] | 0.200 | 0.550 (leaf stream) | 0.909 | 1.00 | 0.50 | yes | **no** | **no** |"), "{md}");
+        assert!(md.contains("| m | 1024² | block stream | 0.700 [0.690, 0.710] | 1.300 | 2.00 | 0.00 |"), "{md}");
+        assert!(md.contains("`bench/results/x-zoo-tch.json`"), "{md}");
+        let _ = std::fs::remove_dir_all(&dir);
+        let spliced = splice_readme(&format!("a\n{README_START}\nold\n{README_END}\nb"), "new\n").unwrap();
+        assert_eq!(spliced, format!("a\n{README_START}\n\nnew\n\n{README_END}\nb"));
+        assert!(splice_readme("no markers", "x").is_err());
     }
 }

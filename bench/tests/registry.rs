@@ -1,0 +1,80 @@
+//! The registry against what the runner measured of the reference classes, and
+//! through the project's discovery as a real checkpoint's names would arrive.
+
+use offload_bench::registry::{self, BlockKind};
+use offload_core::{BlockDiscovery, DType, DeclaredStacks, NameDiscovery, TensorSpec};
+use serde_json::Value;
+
+fn committed_check() -> Vec<Value> {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/results/2026-11-30-registry-check.json");
+    serde_json::from_str(&std::fs::read_to_string(path).expect(path)).expect("valid JSON")
+}
+
+#[test]
+fn the_registry_is_what_the_reference_classes_held_on_the_runner() {
+    // registry_check.py built diffusers' classes on the meta device on the runner
+    // and compared names and shapes with `zoo registry --json`; here the registry
+    // of this build is recounted against the reference's own counts, so a change
+    // to the registry needs a new check on the runner.
+    let check = committed_check();
+    for m in registry::models() {
+        let c = check.iter().find(|c| c["model"] == m.name).unwrap_or_else(|| panic!("{} was not checked on the runner", m.name));
+        assert_eq!(c["equal"], true, "{}: the runner found differences: {c}", m.name);
+        let params = m.params();
+        let elements: u64 = params.iter().map(|p| p.numel() as u64).sum();
+        assert_eq!(params.len() as u64, c["reference_params"].as_u64().unwrap(), "{}: parameter count", m.name);
+        assert_eq!(elements, c["reference_elements"].as_u64().unwrap(), "{}: element count", m.name);
+    }
+}
+
+fn checkpoint_names(m: &registry::Model) -> Vec<TensorSpec> {
+    // A safetensors file lists its tensors sorted by name.
+    let mut specs: Vec<TensorSpec> = m.params().into_iter().map(|p| TensorSpec::new(p.name, DType::BF16, p.shape)).collect();
+    specs.sort_by(|a, b| a.name.cmp(&b.name));
+    specs
+}
+
+#[test]
+fn a_checkpoint_loads_through_declared_stacks_in_the_order_a_step_runs() {
+    for m in registry::models() {
+        let prefixes: Vec<&str> = m.stacks.iter().map(|s| s.prefix).collect();
+        let inv = DeclaredStacks::new(prefixes.clone()).discover("transformer", &checkpoint_names(&m)).expect("discovery");
+        let names: Vec<&str> = inv.stacks.iter().map(|s| s.name.as_str()).collect();
+        assert_eq!(names, prefixes, "{}", m.name);
+        for (s, spec) in m.stacks.iter().zip(&inv.stacks) {
+            assert_eq!(spec.blocks.len(), s.count, "{} {}", m.name, s.prefix);
+            let block_bytes: usize = spec.blocks[0].tensors.iter().map(|t| t.shape.iter().product::<usize>() * 2).sum();
+            assert_eq!(block_bytes as u64, s.params.iter().map(|p| p.numel() as u64 * 2).sum::<u64>());
+        }
+        let mut globals: Vec<String> = inv.non_block.iter().map(|t| t.name.clone()).collect();
+        globals.sort();
+        let mut want: Vec<String> = m.globals.iter().map(|p| p.name.clone()).collect();
+        want.sort();
+        assert_eq!(globals, want, "{}: non-block weights", m.name);
+    }
+}
+
+#[test]
+fn name_discovery_finds_flux_dev_stacks_in_checkpoint_order_not_step_order() {
+    // Why the registry declares its stacks: in a sorted checkpoint Flux's single
+    // blocks come first, and discovery by names keeps the order names arrive in.
+    let m = registry::flux_dev();
+    let inv = NameDiscovery.discover("transformer", &checkpoint_names(&m)).expect("discovery");
+    let names: Vec<&str> = inv.stacks.iter().map(|s| s.name.as_str()).collect();
+    assert_eq!(names, ["single_transformer_blocks", "transformer_blocks"]);
+    assert_eq!(m.stacks[0].kind, BlockKind::DualStream);
+}
+
+#[test]
+fn sizes_match_the_published_figures() {
+    let (f, q) = (registry::flux_dev(), registry::qwen_image());
+    // 22.05 GiB and 37.98 GiB of bf16 blocks; the largest block is a dual-stream one.
+    assert_eq!(f.block_bytes(2), 23_674_566_656);
+    assert_eq!(q.block_bytes(2), 40_779_755_520);
+    assert_eq!(f.largest_block_bytes(2), 679_662_592);
+    assert_eq!(q.largest_block_bytes(2), 679_662_592);
+    assert_eq!(f.case("2048").unwrap().image_tokens, 16384);
+    assert_eq!(q.case("1328").unwrap().image_tokens, 6889);
+    assert!(q.case("4096").unwrap_err().contains("cases: 1024, 1328"));
+    assert!(registry::model("sdxl").unwrap_err().contains("flux-dev, qwen-image"));
+}

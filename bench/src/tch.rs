@@ -66,10 +66,11 @@ fn lin(x: &Tensor, w: &W, name: &str) -> Tensor {
     x.linear(get(w, &format!("{name}.weight")), Some(get(w, &format!("{name}.bias"))))
 }
 
+/// RMS norm over the last dimension with scale `s`: libtorch's `rms_norm` (one
+/// fused kernel on CUDA, as `torch.nn.RMSNorm` in diffusers' attention).
 fn rms(x: &Tensor, s: &Tensor) -> Tensor {
-    let f = x.to_kind(Kind::Float);
-    let r = (f.pow_tensor_scalar(2).mean_dim(-1, true, Kind::Float) + 1e-6).rsqrt();
-    (f * r).to_kind(x.kind()) * s
+    let d = *x.size().last().unwrap_or(&1);
+    x.rms_norm([d], Some(s), 1e-6)
 }
 
 fn ln(x: &Tensor, h: i64) -> Tensor {

@@ -1,5 +1,6 @@
-//! With `tch`: the link lines offload-tch's build script documents (libtorch_cuda
-//! kept linked; a RUNPATH to the build-time and the GPU runner's libtorch).
+//! The link lines offload-tch's build script documents (link arguments do not
+//! propagate): with `tch`, a RUNPATH to the build-time and the GPU runner's
+//! libtorch; with `tch-cuda`, libtorch_cuda kept linked too.
 
 fn main() {
     println!("cargo:rerun-if-env-changed=LIBTORCH");
@@ -10,13 +11,15 @@ fn main() {
     if let Some(l) = std::env::var_os("LIBTORCH") {
         dirs.insert(0, format!("{}/lib", l.to_string_lossy()));
     }
-    for d in &dirs {
-        println!("cargo:rustc-link-search=native={d}");
+    if std::env::var_os("CARGO_FEATURE_TCH_CUDA").is_some() {
+        for d in &dirs {
+            println!("cargo:rustc-link-search=native={d}");
+        }
+        println!("cargo:rustc-link-arg=-Wl,--no-as-needed");
+        println!("cargo:rustc-link-arg=-ltorch_cuda");
+        println!("cargo:rustc-link-arg=-ltorch");
+        println!("cargo:rustc-link-arg=-Wl,--as-needed");
     }
-    println!("cargo:rustc-link-arg=-Wl,--no-as-needed");
-    println!("cargo:rustc-link-arg=-ltorch_cuda");
-    println!("cargo:rustc-link-arg=-ltorch");
-    println!("cargo:rustc-link-arg=-Wl,--as-needed");
     for d in &dirs {
         println!("cargo:rustc-link-arg=-Wl,-rpath,{d}");
     }

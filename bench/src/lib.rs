@@ -1,7 +1,7 @@
 //! The bench room: one model registry ([`registry`]), one harness ([`harness`]:
 //! what a process run writes, output checks, the merge of runs and anchors into
 //! one results file), and a small file per backend that plugs its compute in
-//! (`tch`, behind the feature of that name). The `zoo` binary drives them;
+//! (`tch`: its CPU check behind the feature `tch`, its GPU run behind `tch-cuda`). The `zoo` binary drives them;
 //! `bench/zoo-run.sh` runs it three times per model on the GPU runner beside
 //! diffusers' group offloading (`bench/anchors/zoo_anchor.py`) and merges.
 

@@ -284,6 +284,51 @@ pub fn qwen_image() -> Model {
     }
 }
 
+/// `model` with every width shrunk and two or three blocks per stack, the same
+/// names and block kinds: what CPU tests run the backends' files on.
+pub fn tiny(model: &Model) -> Model {
+    let (h, hd, mlp) = (64, 32, 128);
+    let names = dual_names(model);
+    let stacks = model
+        .stacks
+        .iter()
+        .map(|s| {
+            let params = match s.kind {
+                BlockKind::DualStream => dual_params(names, h, hd, mlp),
+                BlockKind::SingleStream => single_params(h, hd, mlp),
+            };
+            Stack { prefix: s.prefix, count: s.count.min(2) + usize::from(s.kind == BlockKind::SingleStream), kind: s.kind, params }
+        })
+        .collect();
+    let (text_dim, pooled) = (48, model.pooled_dim.map(|_| 24));
+    let scale = |n: usize| match n {
+        3072 => h,
+        6144 => 2 * h,
+        3584 | 4096 => text_dim,
+        768 => pooled.unwrap_or(24),
+        n => n,
+    };
+    let globals =
+        model.globals.iter().map(|p| Param::new(p.name.clone(), &p.shape.iter().map(|&d| scale(d)).collect::<Vec<_>>())).collect();
+    Model {
+        name: model.name,
+        hidden: h,
+        heads: h / hd,
+        head_dim: hd,
+        mlp,
+        in_channels: 64,
+        out_channels: 64,
+        text_dim,
+        pooled_dim: pooled,
+        guidance: model.guidance,
+        calls_per_step: model.calls_per_step,
+        stacks,
+        globals,
+        cases: vec![Case { name: "64".into(), resolution: 64, image_tokens: 16, text_tokens: 8, batch: 1 }],
+        reference: Value::Null,
+    }
+}
+
 /// Every model in the registry.
 pub fn models() -> Vec<Model> {
     vec![flux_dev(), qwen_image()]

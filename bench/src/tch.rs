@@ -2,15 +2,24 @@
 //! linears, `scaled_dot_product_attention`), resident and streamed through
 //! [`offload_tch::TchOffload`] in one process.
 
-use crate::harness::{check_output, RunCase, RunDoc};
+use crate::harness::check_output;
+#[cfg(feature = "tch-cuda")]
+use crate::harness::{RunCase, RunDoc};
 use crate::registry::{dual_names, BlockKind, Case, DualNames, Model};
-use offload_core::{DeclaredStacks, OffloadBackend, Plan};
+use offload_core::sim::SimBackend;
+#[cfg(feature = "tch-cuda")]
+use offload_core::OffloadBackend;
+use offload_core::{DeclaredStacks, Plan};
 use offload_tch::tch::{self, nn, Device, Kind, Tensor};
-use offload_tch::{TchCudaBackend, TchOffload};
+#[cfg(feature = "tch-cuda")]
+use offload_tch::TchCudaBackend;
+use offload_tch::{TchOffload, TchSlots};
 use std::collections::HashMap;
+#[cfg(feature = "tch-cuda")]
 use std::time::Instant;
 
 /// What one process runs.
+#[cfg(feature = "tch-cuda")]
 #[derive(Clone, Debug)]
 pub struct Options {
     /// Cases of the model to time.
@@ -161,7 +170,7 @@ impl Net<'_> {
     }
 
     /// One forward call; with `off`, each block's parameters are streamed in around it.
-    fn step(&self, i: &Inputs, mut off: Option<&mut TchOffload<TchCudaBackend>>) -> offload_core::Result<Tensor> {
+    fn step<B: TchSlots>(&self, i: &Inputs, mut off: Option<&mut TchOffload<B>>) -> offload_core::Result<Tensor> {
         let g = &self.globals;
         let dev = i.latents.device();
         let mut temb = self.embedder(&sinusoid(i.t, dev), "time_text_embed.timestep_embedder");
@@ -200,57 +209,12 @@ impl Net<'_> {
     }
 }
 
-fn inputs(model: &Model, case: &Case, dev: Device) -> Inputs {
-    tch::manual_seed(case.resolution as i64);
-    let r = |s: &[i64]| Tensor::randn(s, (Kind::Float, dev)).to_kind(Kind::BFloat16);
-    let (b, n, t) = (case.batch as i64, case.image_tokens as i64, case.text_tokens as i64);
-    // Rotary tables over text then image positions, one frequency per pair.
-    let half = model.head_dim as i64 / 2;
-    let pos = Tensor::arange(n + t, (Kind::Float, dev)).unsqueeze(1);
-    let freqs = (Tensor::arange(half, (Kind::Float, dev)) * (-(10000f64.ln()) / half as f64)).exp().unsqueeze(0);
-    let ang = (pos * freqs).view([1, 1, n + t, half]);
-    Inputs {
-        latents: r(&[b, n, model.in_channels as i64]),
-        text: r(&[b, t, model.text_dim as i64]),
-        pooled: model.pooled_dim.map(|p| r(&[b, p as i64])),
-        t: 0.5,
-        guidance: 3.5,
-        cos: ang.cos(),
-        sin: ang.sin(),
-        text_tokens: t,
-    }
-}
-
-fn host_bytes(t: &Tensor) -> Vec<u8> {
-    let t = t.to_device(Device::Cpu).contiguous();
-    let mut v = vec![0u8; t.numel() * t.kind().elt_size_in_bytes()];
-    t.copy_data_u8(&mut v, t.numel());
-    v
-}
-
-fn host_f32(t: &Tensor) -> Vec<f32> {
-    let t = t.to_kind(Kind::Float).to_device(Device::Cpu).flatten(0, -1);
-    Vec::<f32>::try_from(&t).unwrap_or_default()
-}
-
-fn median(v: &[f64]) -> f64 {
-    crate::harness::spread(v).map_or(f64::NAN, |s| s.median)
-}
-
-fn stats() -> Result<offload_tch::AllocatorStats, String> {
-    offload_tch::allocator_stats(0).map_err(err)
-}
-
-/// Build `model` with random bf16 weights on GPU 0, time every case resident,
-/// then streamed at every depth, in this process.
-pub fn run(model: &Model, opts: &Options) -> Result<RunDoc, String> {
-    let dev = Device::Cuda(0);
-    let be = offload_tch::cuda_backend(0).map_err(err)?;
-    let _nograd = tch::no_grad_guard();
-    let cases: Vec<&Case> = opts.cases.iter().map(|c| model.case(c)).collect::<Result<_, _>>()?;
-    let t0 = Instant::now();
+/// Fill `vs` with `model`'s parameters (random bf16 on the VarStore's device, seed
+/// 0: linear weights at ±1/√fan-in, biases ±0.01, norm scales in [0.5, 1.5]) and
+/// the block-by-block view of them a step reads.
+fn build<'m>(model: &'m Model, vs: &nn::VarStore) -> Result<Net<'m>, String> {
+    let dev = vs.device();
     tch::manual_seed(0);
-    let vs = nn::VarStore::new(dev);
     for p in model.params() {
         let segs: Vec<&str> = p.name.split('.').collect();
         let (last, dirs) = segs.split_last().ok_or_else(|| err("empty parameter name"))?;
@@ -285,6 +249,65 @@ pub fn run(model: &Model, opts: &Options) -> Result<RunDoc, String> {
         }
     }
     let net = Net { model, names: dual_names(model), globals, blocks };
+    Ok(net)
+}
+
+fn inputs(model: &Model, case: &Case, dev: Device) -> Inputs {
+    tch::manual_seed(case.resolution as i64);
+    let r = |s: &[i64]| Tensor::randn(s, (Kind::Float, dev)).to_kind(Kind::BFloat16);
+    let (b, n, t) = (case.batch as i64, case.image_tokens as i64, case.text_tokens as i64);
+    // Rotary tables over text then image positions, one frequency per pair.
+    let half = model.head_dim as i64 / 2;
+    let pos = Tensor::arange(n + t, (Kind::Float, dev)).unsqueeze(1);
+    let freqs = (Tensor::arange(half, (Kind::Float, dev)) * (-(10000f64.ln()) / half as f64)).exp().unsqueeze(0);
+    let ang = (pos * freqs).view([1, 1, n + t, half]);
+    Inputs {
+        latents: r(&[b, n, model.in_channels as i64]),
+        text: r(&[b, t, model.text_dim as i64]),
+        pooled: model.pooled_dim.map(|p| r(&[b, p as i64])),
+        t: 0.5,
+        guidance: 3.5,
+        cos: ang.cos(),
+        sin: ang.sin(),
+        text_tokens: t,
+    }
+}
+
+fn host_bytes(t: &Tensor) -> Vec<u8> {
+    let t = t.to_device(Device::Cpu).contiguous();
+    let mut v = vec![0u8; t.numel() * t.kind().elt_size_in_bytes()];
+    t.copy_data_u8(&mut v, t.numel());
+    v
+}
+
+fn host_f32(t: &Tensor) -> Vec<f32> {
+    let t = t.to_kind(Kind::Float).to_device(Device::Cpu).flatten(0, -1);
+    Vec::<f32>::try_from(&t).unwrap_or_default()
+}
+
+#[cfg(feature = "tch-cuda")]
+fn median(v: &[f64]) -> f64 {
+    crate::harness::spread(v).map_or(f64::NAN, |s| s.median)
+}
+
+#[cfg(feature = "tch-cuda")]
+fn stats() -> Result<offload_tch::AllocatorStats, String> {
+    offload_tch::allocator_stats(0).map_err(err)
+}
+
+#[cfg(feature = "tch-cuda")]
+/// Build `model` with random bf16 weights on GPU 0, time every case resident,
+/// then streamed at every depth, in this process.
+pub fn run(model: &Model, opts: &Options) -> Result<RunDoc, String> {
+    let dev = Device::Cuda(0);
+    let be = offload_tch::cuda_backend(0).map_err(err)?;
+    let _nograd = tch::no_grad_guard();
+    let cases: Vec<&Case> = opts.cases.iter().map(|c| model.case(c)).collect::<Result<_, _>>()?;
+    let t0 = Instant::now();
+    let vs = nn::VarStore::new(dev);
+    let net = build(model, &vs)?;
+    let vars = vs.variables();
+    let block_prefixes: Vec<&str> = model.stacks.iter().map(|s| s.prefix).collect();
     tch::Cuda::synchronize(0);
     eprintln!("{}: {} parameters built in {:.1} s", model.name, vars.len(), t0.elapsed().as_secs_f64());
     let sync = || tch::Cuda::synchronize(0);
@@ -399,6 +422,42 @@ pub fn run(model: &Model, opts: &Options) -> Result<RunDoc, String> {
     })
 }
 
+#[cfg(feature = "tch-cuda")]
 fn gib(b: u64) -> f64 {
     b as f64 / (1u64 << 30) as f64
+}
+
+/// What [`check_cpu`] saw.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CpuCheck {
+    /// Streamed output byte-identical to the resident one.
+    pub bitwise_equal: bool,
+    /// Every output element finite.
+    pub finite: bool,
+    /// Output not constant.
+    pub nonconstant: bool,
+    /// Blocks served by the ring in the streamed step.
+    pub blocks: u64,
+}
+
+/// The same compute on libtorch's CPU device (one thread), resident and then
+/// streamed through the simulated backend at depth 1: for [`registry::tiny`]
+/// models in tests without a GPU.
+///
+/// [`registry::tiny`]: crate::registry::tiny
+pub fn check_cpu(model: &Model) -> Result<CpuCheck, String> {
+    let _nograd = tch::no_grad_guard();
+    tch::set_num_threads(1);
+    let vs = nn::VarStore::new(Device::Cpu);
+    let net = build(model, &vs)?;
+    let case = model.cases.first().ok_or_else(|| err("the model has no case"))?;
+    let i = inputs(model, case, Device::Cpu);
+    let resident = net.step::<SimBackend>(&i, None).map_err(err)?;
+    let prefixes: Vec<&str> = model.stacks.iter().map(|s| s.prefix).collect();
+    let mut off = TchOffload::cpu(&vs, "transformer", &DeclaredStacks::new(prefixes), &Plan::layerwise().prefetch_depth(1)).map_err(err)?;
+    let streamed = net.step(&i, Some(&mut off)).map_err(err)?;
+    let blocks = off.ring().metrics().blocks;
+    off.close().map_err(err)?;
+    let (finite, nonconstant) = check_output(&host_f32(&streamed));
+    Ok(CpuCheck { bitwise_equal: host_bytes(&streamed) == host_bytes(&resident), finite, nonconstant, blocks })
 }

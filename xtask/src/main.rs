@@ -134,7 +134,7 @@ fn lint() -> Result<(), String> {
         "offload-bench",
         "--all-targets",
         "--features",
-        "offload-tests/tch-cuda,offload-tch/cuda,offload-bench/tch",
+        "offload-tests/tch-cuda,offload-tch/cuda,offload-bench/tch-cuda",
     ]);
     c.args(["--", "-D", "warnings"]);
     run(c)?;
@@ -204,7 +204,7 @@ fn bench(args: &[String]) -> Result<(), String> {
             // the merged file in bench/results.
             ensure_libtorch()?;
             let mut c = cargo();
-            c.args(["build", "-q", "-p", "offload-bench", "--features", "tch", "--bin", "zoo"]);
+            c.args(["build", "-q", "-p", "offload-bench", "--features", "tch-cuda", "--bin", "zoo"]);
             run(c)?;
             let raw = root().join(format!("bench/raw/{}-zoo-{}", today(), commit()));
             let mut c = Command::new("bash");
@@ -366,7 +366,7 @@ fn gpu_bundle(args: &[String]) -> Result<(), String> {
     std::fs::copy(root().join("target/debug/conformance"), dir.join("conformance-tch")).map_err(|e| format!("conformance-tch: {e}"))?;
     // The bench room's driver with tch's file plugged in.
     let mut c = cargo();
-    c.args(["build", "-p", "offload-bench", "--features", "tch", "--bin", "zoo"]);
+    c.args(["build", "-p", "offload-bench", "--features", "tch-cuda", "--bin", "zoo"]);
     run(c)?;
     std::fs::copy(root().join("target/debug/zoo"), dir.join("zoo")).map_err(|e| format!("zoo: {e}"))?;
     let mut c = Command::new("strip");
@@ -430,9 +430,13 @@ fn ci() -> Result<(), String> {
     let mut c = cargo();
     c.args(["test", "-p", "offload-vulkan"]);
     run(c)?;
-    // The tch backend (libtorch fetched by `lint` above), CPU.
+    // The tch backend (libtorch fetched by `lint` above), CPU; and the bench
+    // room's tch file on the registry's models, shrunk, on the CPU.
     let mut c = cargo();
     c.args(["test", "-p", "offload-tch", "--features", "libtorch"]);
+    run(c)?;
+    let mut c = cargo();
+    c.args(["test", "-p", "offload-bench", "--features", "tch"]);
     run(c)?;
     // The main job, small and in the dev profile: it exits non-zero unless the
     // offloaded output is byte-identical to the resident one.

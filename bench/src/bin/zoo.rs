@@ -69,11 +69,11 @@ fn run(args: &[String]) -> Result<(), String> {
             }
             let commit = opt(args, "--commit").unwrap_or("unknown").to_owned();
             let doc: Result<RunDoc, String> = match backend {
-                #[cfg(feature = "tch")]
+                #[cfg(feature = "tch-cuda")]
                 "tch" => offload_bench::tch::run(&model, &offload_bench::tch::Options { cases, depths, steps, warmup, commit }),
                 other => {
                     let _ = (cases, depths, steps, warmup, commit);
-                    Err(format!("backend {other:?} is not built into this zoo (features: tch)"))
+                    Err(format!("backend {other:?} is not built into this zoo (its feature: tch-cuda)"))
                 }
             };
             write(out, &doc?)

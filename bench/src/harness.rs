@@ -107,6 +107,20 @@ pub struct AnchorDoc {
     pub cases: Vec<AnchorCase>,
 }
 
+/// What a backend file's CPU check saw (a shrunk registry model, resident then
+/// streamed on the CPU device).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CpuCheck {
+    /// Streamed output byte-identical to the resident one.
+    pub bitwise_equal: bool,
+    /// Every output element finite.
+    pub finite: bool,
+    /// Output not constant.
+    pub nonconstant: bool,
+    /// Blocks served by the ring in the streamed step.
+    pub blocks: u64,
+}
+
 /// Median, min and max.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
 pub struct Spread {

@@ -7,7 +7,10 @@
 
 #![recursion_limit = "512"]
 
+#[cfg(feature = "candle")]
+pub mod candle;
 pub mod harness;
 pub mod registry;
+pub mod source;
 #[cfg(feature = "tch")]
 pub mod tch;

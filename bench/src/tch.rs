@@ -2,7 +2,7 @@
 //! linears, `scaled_dot_product_attention`), resident and streamed through
 //! [`offload_tch::TchOffload`] in one process.
 
-use crate::harness::check_output;
+use crate::harness::{check_output, CpuCheck};
 #[cfg(feature = "tch-cuda")]
 use crate::harness::{RunCase, RunDoc};
 use crate::registry::{dual_names, BlockKind, Case, DualNames, Model};
@@ -425,19 +425,6 @@ pub fn run(model: &Model, opts: &Options) -> Result<RunDoc, String> {
 #[cfg(feature = "tch-cuda")]
 fn gib(b: u64) -> f64 {
     b as f64 / (1u64 << 30) as f64
-}
-
-/// What [`check_cpu`] saw.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct CpuCheck {
-    /// Streamed output byte-identical to the resident one.
-    pub bitwise_equal: bool,
-    /// Every output element finite.
-    pub finite: bool,
-    /// Output not constant.
-    pub nonconstant: bool,
-    /// Blocks served by the ring in the streamed step.
-    pub blocks: u64,
 }
 
 /// The same compute on libtorch's CPU device (one thread), resident and then

@@ -115,7 +115,7 @@ fn lint() -> Result<(), String> {
         "--workspace",
         "--all-targets",
         "--features",
-        "offload/sim,offload/candle,offload/vulkan,offload-tests/cuda,offload-tests/candle,offload-tests/tch,offload-tests/vulkan",
+        "offload/sim,offload/candle,offload/vulkan,offload-tests/cuda,offload-tests/candle,offload-tests/tch,offload-tests/vulkan,offload-bench/candle,offload-bench/tch",
         "--",
         "-D",
         "warnings",
@@ -431,12 +431,12 @@ fn ci() -> Result<(), String> {
     c.args(["test", "-p", "offload-vulkan"]);
     run(c)?;
     // The tch backend (libtorch fetched by `lint` above), CPU; and the bench
-    // room's tch file on the registry's models, shrunk, on the CPU.
+    // room's tch and candle files on the registry's models, shrunk, on the CPU.
     let mut c = cargo();
     c.args(["test", "-p", "offload-tch", "--features", "libtorch"]);
     run(c)?;
     let mut c = cargo();
-    c.args(["test", "-p", "offload-bench", "--features", "tch"]);
+    c.args(["test", "-p", "offload-bench", "--features", "tch,candle"]);
     run(c)?;
     // The main job, small and in the dev profile: it exits non-zero unless the
     // offloaded output is byte-identical to the resident one.

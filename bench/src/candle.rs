@@ -1,0 +1,310 @@
+//! candle's file: the registry's blocks with candle ops (`candle_nn` linears,
+//! fused RMS and layer norms, `rope_i`, matmul-softmax attention over groups of
+//! heads), every block served by the ring through [`CandleBlockExt`] and the
+//! non-block weights kept on the device. The resident reference reads every
+//! block's weights straight from the source, without a ring.
+
+use crate::harness::{check_output, CpuCheck};
+use crate::registry::{dual_names, BlockKind, Case, DualNames, Model};
+use crate::source::RegistrySource;
+use candle_core::{DType, Device, Tensor, D};
+use candle_nn::Module;
+use offload_candle::{candle_error, CandleBackend, CandleBlockExt};
+use offload_core::{resolve, BlockDiscovery, BlockGuard, DeclaredStacks, HostStore, OffloadBackend, Plan, Ring, TensorSource};
+use std::collections::HashMap;
+use std::sync::Arc;
+
+type W = HashMap<String, Tensor>;
+type R<T> = candle_core::Result<T>;
+
+fn get<'a>(w: &'a W, name: &str) -> R<&'a Tensor> {
+    w.get(name).ok_or_else(|| candle_core::Error::Msg(format!("registry parameter {name} not served")))
+}
+
+fn lin(x: &Tensor, w: &W, name: &str) -> R<Tensor> {
+    candle_nn::Linear::new(get(w, &format!("{name}.weight"))?.clone(), Some(get(w, &format!("{name}.bias"))?.clone())).forward(x)
+}
+
+/// One forward call's inputs.
+pub struct Inputs {
+    latents: Tensor,
+    text: Tensor,
+    pooled: Option<Tensor>,
+    cos: Tensor,
+    sin: Tensor,
+    text_tokens: usize,
+}
+
+/// The model's non-block weights on the device and what every block reads.
+pub struct Net<'m> {
+    model: &'m Model,
+    names: DualNames,
+    globals: W,
+    ones: Tensor,
+    zeros: Tensor,
+    dev: Device,
+}
+
+impl<'m> Net<'m> {
+    /// `model`'s non-block weights from `src`, on `dev`.
+    pub fn new(model: &'m Model, src: &RegistrySource, dev: &Device) -> offload_core::Result<Self> {
+        let err = candle_error("loading the non-block weights");
+        let prefixes: Vec<String> = model.stacks.iter().map(|s| format!("{}.", s.prefix)).collect();
+        let mut globals = W::new();
+        for (i, spec) in src.specs().iter().enumerate().filter(|(_, s)| !prefixes.iter().any(|p| s.name.starts_with(p))) {
+            let mut bytes = vec![0u8; spec.nbytes()?];
+            src.read_into(i, &mut bytes)?;
+            let t = Tensor::from_raw_buffer(&bytes, DType::BF16, &spec.shape, &Device::Cpu).and_then(|t| t.to_device(dev)).map_err(err)?;
+            globals.insert(spec.name.clone(), t);
+        }
+        let h = model.hidden;
+        let ones = Tensor::ones(h, DType::BF16, dev).map_err(err)?;
+        let zeros = Tensor::zeros(h, DType::BF16, dev).map_err(err)?;
+        Ok(Net { model, names: dual_names(model), globals, ones, zeros, dev: dev.clone() })
+    }
+
+    /// Random inputs of `case` (seeded by its resolution) and the rotary tables.
+    pub fn inputs(&self, case: &Case) -> offload_core::Result<Inputs> {
+        let err = candle_error("making the inputs");
+        let m = self.model;
+        let (b, n, t) = (case.batch, case.image_tokens, case.text_tokens);
+        let dev = &self.dev;
+        let r = |s: &[usize], seed: u64| -> R<Tensor> {
+            let v = crate::source::unit_values(case.resolution as u64 * 16 + seed, s.iter().product());
+            Tensor::from_vec(v, s, &Device::Cpu)?.to_device(dev)?.to_dtype(DType::BF16)
+        };
+        let half = m.head_dim / 2;
+        let pos = Tensor::arange(0u32, (n + t) as u32, dev).and_then(|p| p.to_dtype(DType::F32)).map_err(err)?;
+        let freqs: Vec<f32> = (0..half).map(|j| (-(10000f32.ln()) * j as f32 / half as f32).exp()).collect();
+        let freqs = Tensor::new(freqs.as_slice(), dev).map_err(err)?;
+        let ang = pos.unsqueeze(1).and_then(|p| p.broadcast_mul(&freqs.unsqueeze(0)?)).map_err(err)?;
+        Ok(Inputs {
+            latents: r(&[b, n, m.in_channels], 1).map_err(err)?,
+            text: r(&[b, t, m.text_dim], 2).map_err(err)?,
+            pooled: m.pooled_dim.map(|p| r(&[b, p], 3)).transpose().map_err(err)?,
+            cos: ang.cos().and_then(|c| c.to_dtype(DType::BF16)).map_err(err)?,
+            sin: ang.sin().and_then(|c| c.to_dtype(DType::BF16)).map_err(err)?,
+            text_tokens: t,
+        })
+    }
+
+    fn ln(&self, x: &Tensor) -> R<Tensor> {
+        candle_nn::ops::layer_norm(&x.contiguous()?, &self.ones, &self.zeros, 1e-6)
+    }
+
+    fn modulate(&self, x: &Tensor, shift: &Tensor, scale: &Tensor) -> R<Tensor> {
+        self.ln(x)?.broadcast_mul(&(scale + 1.0)?)?.broadcast_add(shift)
+    }
+
+    /// `[B, T, H]` → `[B, heads, T, hd]`.
+    fn heads(&self, x: &Tensor) -> R<Tensor> {
+        let (b, t, _) = x.dims3()?;
+        x.reshape((b, t, self.model.heads, self.model.head_dim))?.transpose(1, 2)?.contiguous()
+    }
+
+    fn rms(x: &Tensor, s: &Tensor) -> R<Tensor> {
+        candle_nn::ops::rms_norm(&x.contiguous()?, s, 1e-6)
+    }
+
+    fn attention(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> R<Tensor> {
+        let (b, h, t, hd) = q.dims4()?;
+        // Scores in groups of heads of at most 2^30 elements.
+        let group = ((1usize << 30) / (t * t).max(1)).clamp(1, h);
+        let scale = 1.0 / (hd as f64).sqrt();
+        let mut outs = Vec::new();
+        for start in (0..h).step_by(group) {
+            let n = group.min(h - start);
+            let (qc, kc, vc) = (q.narrow(1, start, n)?, k.narrow(1, start, n)?, v.narrow(1, start, n)?);
+            let s = (qc.matmul(&kc.t()?.contiguous()?)? * scale)?;
+            outs.push(candle_nn::ops::softmax_last_dim(&s)?.matmul(&vc)?);
+        }
+        Tensor::cat(&outs, 1)?.transpose(1, 2)?.reshape((b, t, self.model.hidden))
+    }
+
+    fn mlp(&self, x: &Tensor, w: &W, name: &str) -> R<Tensor> {
+        lin(&lin(x, w, &format!("{name}.net.0.proj"))?.gelu()?, w, &format!("{name}.net.2"))
+    }
+
+    fn dual(&self, w: &W, img: &Tensor, txt: &Tensor, temb: &Tensor, i: &Inputs) -> R<(Tensor, Tensor)> {
+        let n = self.names;
+        let st = temb.silu()?;
+        let mi = lin(&st, w, n.img_mod)?.unsqueeze(1)?.chunk(6, D::Minus1)?;
+        let mt = lin(&st, w, n.txt_mod)?.unsqueeze(1)?.chunk(6, D::Minus1)?;
+        let (ni, nt) = (self.modulate(img, &mi[0], &mi[1])?, self.modulate(txt, &mt[0], &mt[1])?);
+        let p = |x: &Tensor, l: &str, norm: Option<&str>| -> R<Tensor> {
+            let y = self.heads(&lin(x, w, &format!("attn.{l}"))?)?;
+            match norm {
+                Some(nm) => Self::rms(&y, get(w, &format!("attn.{nm}.weight"))?),
+                None => Ok(y),
+            }
+        };
+        let q = Tensor::cat(&[p(&nt, "add_q_proj", Some("norm_added_q"))?, p(&ni, "to_q", Some("norm_q"))?], 2)?;
+        let k = Tensor::cat(&[p(&nt, "add_k_proj", Some("norm_added_k"))?, p(&ni, "to_k", Some("norm_k"))?], 2)?;
+        let v = Tensor::cat(&[p(&nt, "add_v_proj", None)?, p(&ni, "to_v", None)?], 2)?;
+        let rope = |x: &Tensor| candle_nn::rotary_emb::rope_i(&x.contiguous()?, &i.cos, &i.sin);
+        let a = self.attention(&rope(&q)?, &rope(&k)?, &v)?;
+        let (ta, ia) = (a.narrow(1, 0, i.text_tokens)?, a.narrow(1, i.text_tokens, img.dim(1)?)?);
+        let img = (img + mi[2].broadcast_mul(&lin(&ia, w, "attn.to_out.0")?)?)?;
+        let img = (&img + mi[5].broadcast_mul(&self.mlp(&self.modulate(&img, &mi[3], &mi[4])?, w, n.img_mlp)?)?)?;
+        let txt = (txt + mt[2].broadcast_mul(&lin(&ta, w, "attn.to_add_out")?)?)?;
+        let txt = (&txt + mt[5].broadcast_mul(&self.mlp(&self.modulate(&txt, &mt[3], &mt[4])?, w, n.txt_mlp)?)?)?;
+        Ok((img, txt))
+    }
+
+    fn single(&self, w: &W, x: &Tensor, temb: &Tensor, i: &Inputs) -> R<Tensor> {
+        let m = lin(&temb.silu()?, w, "norm.linear")?.unsqueeze(1)?.chunk(3, D::Minus1)?;
+        let nx = self.modulate(x, &m[0], &m[1])?;
+        let mlp = lin(&nx, w, "proj_mlp")?.gelu()?;
+        let q = Self::rms(&self.heads(&lin(&nx, w, "attn.to_q")?)?, get(w, "attn.norm_q.weight")?)?;
+        let k = Self::rms(&self.heads(&lin(&nx, w, "attn.to_k")?)?, get(w, "attn.norm_k.weight")?)?;
+        let v = self.heads(&lin(&nx, w, "attn.to_v")?)?;
+        let rope = |x: &Tensor| candle_nn::rotary_emb::rope_i(x, &i.cos, &i.sin);
+        let a = self.attention(&rope(&q)?, &rope(&k)?, &v)?;
+        x + m[2].broadcast_mul(&lin(&Tensor::cat(&[a, mlp], 2)?, w, "proj_out")?)?
+    }
+
+    fn sinusoid(&self, t: f64) -> R<Tensor> {
+        let half = 128;
+        let f: Vec<f32> = (0..half).map(|j| ((-(10000f64.ln()) * j as f64 / half as f64).exp() * t * 1000.0) as f32).collect();
+        let a = Tensor::new(f.as_slice(), &self.dev)?;
+        Tensor::cat(&[a.cos()?, a.sin()?], 0)?.unsqueeze(0)?.to_dtype(DType::BF16)
+    }
+
+    fn embedder(&self, e: &Tensor, name: &str) -> R<Tensor> {
+        lin(&lin(e, &self.globals, &format!("{name}.linear_1"))?.silu()?, &self.globals, &format!("{name}.linear_2"))
+    }
+
+    /// Every block's weights straight from `src` on the device, in step order:
+    /// the resident reference, served without the ring.
+    pub fn direct_weights(&self, src: &RegistrySource) -> offload_core::Result<Vec<W>> {
+        let err = candle_error("loading the blocks");
+        let by_name: HashMap<&str, usize> = src.specs().iter().enumerate().map(|(i, s)| (s.name.as_str(), i)).collect();
+        let mut out = Vec::new();
+        for s in &self.model.stacks {
+            for index in 0..s.count {
+                let mut w = W::new();
+                for p in &s.params {
+                    let full = format!("{}.{index}.{}", s.prefix, p.name);
+                    let i = *by_name
+                        .get(full.as_str())
+                        .ok_or_else(|| offload_core::Error::BadTensor { tensor: full.clone(), fault: "not in the source".into() })?;
+                    let mut bytes = vec![0u8; p.numel() * 2];
+                    src.read_into(i, &mut bytes)?;
+                    let t = Tensor::from_raw_buffer(&bytes, DType::BF16, &p.shape, &Device::Cpu)
+                        .and_then(|t| t.to_device(&self.dev))
+                        .map_err(err)?;
+                    w.insert(p.name.clone(), t);
+                }
+                out.push(w);
+            }
+        }
+        Ok(out)
+    }
+
+    /// One forward call, each block served by `ring` (its plan decides what stays
+    /// resident), or, with `direct`, from those weights without a ring.
+    pub fn step<B>(&self, mut ring: Option<&mut Ring<B>>, direct: Option<&[W]>, i: &Inputs) -> offload_core::Result<Tensor>
+    where
+        B: OffloadBackend,
+        for<'a> BlockGuard<'a, B>: CandleBlockExt,
+    {
+        let err = candle_error("running a bench-room block");
+        let g = &self.globals;
+        let prelude = || -> R<(Tensor, Tensor, Tensor)> {
+            let mut temb = self.embedder(&self.sinusoid(0.5)?, "time_text_embed.timestep_embedder")?;
+            Ok(match &i.pooled {
+                Some(pooled) => {
+                    temb = ((temb + self.embedder(&self.sinusoid(3.5)?, "time_text_embed.guidance_embedder")?)?
+                        + self.embedder(pooled, "time_text_embed.text_embedder")?)?;
+                    (temb, lin(&i.latents, g, "x_embedder")?, lin(&i.text, g, "context_embedder")?)
+                }
+                None => (temb, lin(&i.latents, g, "img_in")?, lin(&Self::rms(&i.text, get(g, "txt_norm.weight")?)?, g, "txt_in")?),
+            })
+        };
+        let (temb, mut img, mut txt) = prelude().map_err(err)?;
+        let mut joint: Option<Tensor> = None;
+        let mut k = 0;
+        for s in &self.model.stacks {
+            for index in 0..s.count {
+                let guard = match ring.as_deref_mut() {
+                    Some(r) => Some(r.block(s.prefix, index)?),
+                    None => None,
+                };
+                let w: W = match (&guard, direct) {
+                    (Some(g), _) => {
+                        let vb = g.var_builder(DType::BF16)?;
+                        s.params
+                            .iter()
+                            .map(|p| vb.get(p.shape.as_slice(), &p.name).map(|t| (p.name.clone(), t)))
+                            .collect::<R<_>>()
+                            .map_err(err)?
+                    }
+                    (None, Some(ws)) => {
+                        ws.get(k).cloned().ok_or_else(|| offload_core::Error::Protocol(format!("no direct weights for block {k}")))?
+                    }
+                    (None, None) => return Err(offload_core::Error::Protocol("a step needs a ring or direct weights".into())),
+                };
+                k += 1;
+                match s.kind {
+                    BlockKind::DualStream => (img, txt) = self.dual(&w, &img, &txt, &temb, i).map_err(err)?,
+                    BlockKind::SingleStream => {
+                        let x = match joint.take() {
+                            Some(x) => x,
+                            None => Tensor::cat(&[&txt, &img], 1).map_err(err)?,
+                        };
+                        joint = Some(self.single(&w, &x, &temb, i).map_err(err)?);
+                    }
+                }
+                drop(w);
+                if let Some(g) = guard {
+                    g.finish()?;
+                }
+            }
+        }
+        let out = (|| -> R<Tensor> {
+            if let Some(x) = &joint {
+                img = x.narrow(1, i.text_tokens, img.dim(1)?)?;
+            }
+            let e = lin(&temb.silu()?, g, "norm_out.linear")?.unsqueeze(1)?.chunk(2, D::Minus1)?;
+            lin(&self.modulate(&img, &e[1], &e[0])?, g, "proj_out")
+        })()
+        .map_err(err)?;
+        if let Some(r) = ring {
+            r.end_step()?;
+        }
+        Ok(out)
+    }
+}
+
+fn output(t: &Tensor) -> offload_core::Result<(Vec<u8>, Vec<f32>)> {
+    let v = t
+        .flatten_all()
+        .and_then(|t| t.to_dtype(DType::F32))
+        .and_then(|t| t.to_vec1::<f32>())
+        .map_err(candle_error("reading the output"))?;
+    Ok((v.iter().flat_map(|x| x.to_le_bytes()).collect(), v))
+}
+
+/// A shrunk registry model on candle's CPU device: the resident reference with
+/// every block's weights read straight from the source (no ring), then the same
+/// step streamed at depth 1 through a host store; the outputs compared.
+pub fn check_cpu(model: &Model) -> offload_core::Result<CpuCheck> {
+    let be = CandleBackend::cpu();
+    let src = RegistrySource::new(model, 0);
+    let prefixes: Vec<&str> = model.stacks.iter().map(|s| s.prefix).collect();
+    let inv = DeclaredStacks::new(prefixes).discover("transformer", src.specs())?;
+    let store = Arc::new(HostStore::build(&be, &inv, &src)?);
+    let net = Net::new(model, &src, &be.device())?;
+    let case = model.cases.first().ok_or_else(|| offload_core::Error::Protocol("the model has no case".into()))?;
+    let i = net.inputs(case)?;
+    let direct = net.direct_weights(&src)?;
+    let resident = net.step::<CandleBackend>(None, Some(&direct), &i)?;
+    let rc = resolve(&Plan::layerwise().prefetch_depth(1), std::slice::from_ref(&inv))?.components.remove(0);
+    let mut ring = Ring::new(be.clone(), store, &rc)?;
+    let streamed = net.step(Some(&mut ring), None, &i)?;
+    let blocks = ring.metrics().blocks;
+    ring.close()?;
+    let ((rb, _), (sb, sv)) = (output(&resident)?, output(&streamed)?);
+    let (finite, nonconstant) = check_output(&sv);
+    Ok(CpuCheck { bitwise_equal: rb == sb, finite, nonconstant, blocks })
+}

@@ -1,0 +1,89 @@
+//! A registry model's weights as a [`TensorSource`]: random bf16 values made as
+//! the host store reads each tensor (no copy of the model in memory), the same
+//! scheme as the tch file and the anchors (linear weights at ±1/√fan-in, biases
+//! ±0.01, norm scales in [0.5, 1.5]), reproducible from a seed.
+
+use crate::registry::Model;
+use offload_core::{DType, Error, Result, TensorSource, TensorSpec};
+
+/// Every parameter of a model, random, in bf16.
+pub struct RegistrySource {
+    specs: Vec<TensorSpec>,
+    seed: u64,
+}
+
+impl RegistrySource {
+    /// The source of `model`'s parameters from `seed`.
+    pub fn new(model: &Model, seed: u64) -> Self {
+        RegistrySource { specs: model.params().into_iter().map(|p| TensorSpec::new(p.name, DType::BF16, p.shape)).collect(), seed }
+    }
+}
+
+/// SplitMix64: one state word, good enough bits for weights.
+fn next(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// `n` values uniform in [−√3, √3] (mean 0, variance 1) from `seed`: inputs
+/// made on the host where a device cannot be seeded (candle's CPU device).
+pub fn unit_values(seed: u64, n: usize) -> Vec<f32> {
+    let mut state = seed;
+    let r3 = 3f32.sqrt();
+    (0..n).map(|_| ((next(&mut state) >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * r3).collect()
+}
+
+impl TensorSource for RegistrySource {
+    fn specs(&self) -> &[TensorSpec] {
+        &self.specs
+    }
+
+    fn read_into(&self, index: usize, dst: &mut [u8]) -> Result<()> {
+        let spec = self.specs.get(index).ok_or_else(|| Error::BadTensor { tensor: format!("#{index}"), fault: "no such tensor".into() })?;
+        let (lo, hi) = match (spec.shape.len(), spec.name.ends_with(".weight")) {
+            (1, true) => (0.5f32, 1.5f32),
+            (1, false) => (-0.01, 0.01),
+            _ => {
+                let a = 1.0 / (spec.shape[1] as f32).sqrt();
+                (-a, a)
+            }
+        };
+        let mut state = self.seed ^ (index as u64).wrapping_mul(0xD134_2543_DE82_EF95);
+        for pair in dst.chunks_exact_mut(2) {
+            let u = (next(&mut state) >> 40) as f32 / (1u64 << 24) as f32;
+            pair.copy_from_slice(&half::bf16::from_f32(lo + (hi - lo) * u).to_le_bytes());
+        }
+        Ok(())
+    }
+
+    fn origin(&self) -> String {
+        "the bench room's random weights".into()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn values_are_reproducible_in_range_and_varied() {
+        let m = crate::registry::tiny(&crate::registry::flux_dev());
+        let (a, b) = (RegistrySource::new(&m, 7), RegistrySource::new(&m, 7));
+        let i = a.specs().iter().position(|s| s.name == "transformer_blocks.0.attn.to_q.weight").unwrap();
+        let n = a.specs()[i].nbytes().unwrap();
+        let (mut x, mut y) = (vec![0u8; n], vec![0u8; n]);
+        a.read_into(i, &mut x).unwrap();
+        b.read_into(i, &mut y).unwrap();
+        assert_eq!(x, y);
+        let v: Vec<f32> = x.chunks_exact(2).map(|p| half::bf16::from_le_bytes([p[0], p[1]]).to_f32()).collect();
+        let bound = 1.0 / (64f32).sqrt() + 1e-3;
+        assert!(v.iter().all(|x| x.abs() <= bound), "outside ±1/√64");
+        assert!(v.iter().any(|x| *x != v[0]));
+        RegistrySource::new(&m, 8).read_into(i, &mut y).unwrap();
+        assert_ne!(x, y, "another seed, other values");
+        assert!(a.read_into(a.specs().len(), &mut y).is_err());
+    }
+}

@@ -45,6 +45,7 @@
 //! ```
 
 pub mod backend;
+pub mod codec;
 pub mod discovery;
 pub mod error;
 pub mod fault;

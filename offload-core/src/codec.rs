@@ -1,0 +1,384 @@
+//! Lossless compression of bf16 weights for the wire: each value's sign and
+//! mantissa byte is kept as it is, its 8-bit exponent is coded with a canonical
+//! Huffman code of at most [`MAX_CODE_BITS`] bits (a bf16 exponent carries about
+//! 2.6 bits of information in trained weights). Exponents are coded in chunks of
+//! [`CHUNK_VALUES`] values, each starting at its own byte offset, so a GPU decodes
+//! the chunks in parallel with one lookup table of `2^MAX_CODE_BITS` entries.
+//!
+//! The encoded form is one self-describing byte string ([`encode_bf16`]); data
+//! that would not shrink (or is not a whole number of bf16 values) is stored raw.
+//! [`decode_bf16`] is the CPU reference decoder: it checks the structure of every
+//! chunk and a hash of the decoded bytes, so a damaged string is an error naming
+//! what was being decoded, never a wrong weight.
+//!
+//! Layout (little endian):
+//!
+//! | bytes | field |
+//! | --- | --- |
+//! | 4 | magic `OFZ1` |
+//! | 1 | mode: 0 raw, 1 coded |
+//! | 3 | zero |
+//! | 8 | length of the original bytes |
+//! | 8 | FNV-1a 64 hash of the original bytes |
+//! | raw: the original bytes; coded: | |
+//! | 256 | code length of each exponent value (0: absent) |
+//! | 4 | chunks `c` |
+//! | 4 × (c + 1) | byte offset of each chunk in the exponent stream, then its length |
+//! | … | the exponent stream |
+//! | n | sign and mantissa bytes, one per value (`sign << 7 \| mantissa`) |
+
+use crate::error::{Error, Result};
+
+/// Values per independently decodable chunk of exponents.
+pub const CHUNK_VALUES: usize = 1024;
+/// Longest exponent code, in bits (the decoder's table has `2^MAX_CODE_BITS` entries).
+pub const MAX_CODE_BITS: u32 = 12;
+
+const MAGIC: &[u8; 4] = b"OFZ1";
+const HEADER: usize = 24;
+
+/// FNV-1a, 64 bits.
+pub fn fnv1a64(bytes: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &b in bytes {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h
+}
+
+fn exponent(lo: u8, hi: u8) -> u8 {
+    (hi << 1) | (lo >> 7)
+}
+
+fn sign_mantissa(lo: u8, hi: u8) -> u8 {
+    (hi & 0x80) | (lo & 0x7f)
+}
+
+/// Counts of each exponent value in little-endian bf16 `bytes` (an odd last byte is ignored).
+pub fn exponent_histogram(bytes: &[u8]) -> [u64; 256] {
+    let mut h = [0u64; 256];
+    for v in bytes.chunks_exact(2) {
+        h[exponent(v[0], v[1]) as usize] += 1;
+    }
+    h
+}
+
+/// Shannon entropy of the exponents of bf16 `bytes`, in bits per value.
+pub fn exponent_entropy_bits(bytes: &[u8]) -> f64 {
+    let h = exponent_histogram(bytes);
+    let n: u64 = h.iter().sum();
+    if n == 0 {
+        return 0.0;
+    }
+    h.iter().filter(|&&c| c > 0).map(|&c| c as f64 / n as f64).map(|p| -p * p.log2()).sum()
+}
+
+/// Huffman code lengths for `freq` (0 where a value is absent), at most `limit`
+/// bits: frequencies are halved (keeping every present value) until the tree fits.
+fn code_lengths(freq: &[u64; 256], limit: u32) -> [u8; 256] {
+    let mut f = *freq;
+    loop {
+        let mut lens = [0u8; 256];
+        let present: Vec<usize> = (0..256).filter(|&s| f[s] > 0).collect();
+        match present.len() {
+            0 => return lens,
+            1 => {
+                lens[present[0]] = 1;
+                return lens;
+            }
+            _ => {}
+        }
+        // Nodes: (weight, symbols under it); merge the two lightest each time.
+        let mut nodes: Vec<(u64, Vec<usize>)> = present.iter().map(|&s| (f[s], vec![s])).collect();
+        while nodes.len() > 1 {
+            nodes.sort_by(|a, b| b.0.cmp(&a.0).then_with(|| b.1[0].cmp(&a.1[0])));
+            let (wa, sa) = nodes.pop().unwrap_or_default();
+            let (wb, sb) = nodes.pop().unwrap_or_default();
+            for &s in sa.iter().chain(&sb) {
+                lens[s] += 1;
+            }
+            nodes.push((wa + wb, sa.into_iter().chain(sb).collect()));
+        }
+        if present.iter().all(|&s| u32::from(lens[s]) <= limit) {
+            return lens;
+        }
+        for s in present {
+            f[s] = f[s].div_ceil(2);
+        }
+    }
+}
+
+/// Canonical codes for `lens`: (code, length) per value, codes of one length consecutive.
+fn canonical(lens: &[u8; 256]) -> [(u32, u8); 256] {
+    let mut order: Vec<usize> = (0..256).filter(|&s| lens[s] > 0).collect();
+    order.sort_by_key(|&s| (lens[s], s));
+    let mut codes = [(0u32, 0u8); 256];
+    let (mut code, mut prev) = (0u32, 0u8);
+    for (i, &s) in order.iter().enumerate() {
+        if i > 0 {
+            code = (code + 1) << (lens[s] - prev);
+        } else {
+            code <<= lens[s];
+        }
+        prev = lens[s];
+        codes[s] = (code, lens[s]);
+    }
+    codes
+}
+
+/// Encode little-endian bf16 `bytes`. Data that is not a whole number of values,
+/// or that would not shrink, is stored raw.
+pub fn encode_bf16(bytes: &[u8]) -> Vec<u8> {
+    let hash = fnv1a64(bytes);
+    let mut out = Vec::with_capacity(bytes.len() / 2 * 3 / 2 + 512);
+    let header = |out: &mut Vec<u8>, mode: u8| {
+        out.clear();
+        out.extend_from_slice(MAGIC);
+        out.extend_from_slice(&[mode, 0, 0, 0]);
+        out.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
+        out.extend_from_slice(&hash.to_le_bytes());
+    };
+    let raw = |out: &mut Vec<u8>| {
+        header(out, 0);
+        out.extend_from_slice(bytes);
+        std::mem::take(out)
+    };
+    if bytes.len() % 2 != 0 || bytes.is_empty() {
+        return raw(&mut out);
+    }
+    let n = bytes.len() / 2;
+    let lens = code_lengths(&exponent_histogram(bytes), MAX_CODE_BITS);
+    let codes = canonical(&lens);
+    let chunks = n.div_ceil(CHUNK_VALUES);
+    header(&mut out, 1);
+    out.extend_from_slice(&lens);
+    out.extend_from_slice(&(chunks as u32).to_le_bytes());
+    let offsets_at = out.len();
+    out.resize(offsets_at + 4 * (chunks + 1), 0);
+    let stream_at = out.len();
+    let mut offsets = Vec::with_capacity(chunks + 1);
+    for chunk in bytes.chunks(2 * CHUNK_VALUES) {
+        offsets.push((out.len() - stream_at) as u32);
+        let (mut acc, mut bits) = (0u64, 0u32);
+        for v in chunk.chunks_exact(2) {
+            let (code, len) = codes[exponent(v[0], v[1]) as usize];
+            acc = (acc << len) | u64::from(code);
+            bits += u32::from(len);
+            while bits >= 8 {
+                bits -= 8;
+                out.push((acc >> bits) as u8);
+            }
+        }
+        if bits > 0 {
+            out.push((acc << (8 - bits)) as u8);
+        }
+        if out.len() - stream_at > u32::MAX as usize {
+            return raw(&mut out);
+        }
+    }
+    offsets.push((out.len() - stream_at) as u32);
+    for (i, o) in offsets.iter().enumerate() {
+        out[offsets_at + 4 * i..offsets_at + 4 * i + 4].copy_from_slice(&o.to_le_bytes());
+    }
+    out.extend(bytes.chunks_exact(2).map(|v| sign_mantissa(v[0], v[1])));
+    if out.len() >= HEADER + bytes.len() {
+        return raw(&mut out);
+    }
+    out
+}
+
+fn damaged(what: &str, fault: impl Into<String>) -> Error {
+    Error::BadTensor { tensor: what.to_owned(), fault: format!("compressed bytes damaged: {}", fault.into()) }
+}
+
+fn u32_at(b: &[u8], at: usize, what: &str) -> Result<u32> {
+    b.get(at..at + 4).map(|s| u32::from_le_bytes([s[0], s[1], s[2], s[3]])).ok_or_else(|| damaged(what, "truncated"))
+}
+
+fn u64_at(b: &[u8], at: usize, what: &str) -> Result<u64> {
+    let s = b.get(at..at + 8).ok_or_else(|| damaged(what, "truncated header"))?;
+    let mut a = [0u8; 8];
+    a.copy_from_slice(s);
+    Ok(u64::from_le_bytes(a))
+}
+
+/// The original length of an encoded string, from its header.
+pub fn decoded_len(enc: &[u8], what: &str) -> Result<usize> {
+    if enc.get(..4) != Some(MAGIC.as_slice()) {
+        return Err(damaged(what, "no OFZ1 magic"));
+    }
+    usize::try_from(u64_at(enc, 8, what)?).map_err(|_| damaged(what, "length does not fit this machine"))
+}
+
+/// Decode `enc` (from [`encode_bf16`]) into `out`, whose length must be the
+/// original length. `what` names the tensor or block in errors.
+pub fn decode_bf16_into(enc: &[u8], out: &mut [u8], what: &str) -> Result<()> {
+    let len = decoded_len(enc, what)?;
+    if out.len() != len {
+        return Err(damaged(what, format!("{} bytes expected by the header, {} given", len, out.len())));
+    }
+    let hash = u64_at(enc, 16, what)?;
+    match enc[4] {
+        0 => {
+            let body = enc.get(HEADER..).ok_or_else(|| damaged(what, "truncated"))?;
+            if body.len() != len {
+                return Err(damaged(what, format!("raw body of {} bytes, {len} expected", body.len())));
+            }
+            out.copy_from_slice(body);
+        }
+        1 => decode_coded(enc, out, what)?,
+        m => return Err(damaged(what, format!("unknown mode {m}"))),
+    }
+    if fnv1a64(out) != hash {
+        return Err(damaged(what, "decoded bytes do not match the hash of the original"));
+    }
+    Ok(())
+}
+
+/// [`decode_bf16_into`] into a new vector.
+pub fn decode_bf16(enc: &[u8], what: &str) -> Result<Vec<u8>> {
+    let mut out = vec![0u8; decoded_len(enc, what)?];
+    decode_bf16_into(enc, &mut out, what)?;
+    Ok(out)
+}
+
+fn decode_coded(enc: &[u8], out: &mut [u8], what: &str) -> Result<()> {
+    if out.len() % 2 != 0 {
+        return Err(damaged(what, "coded data of an odd length"));
+    }
+    let n = out.len() / 2;
+    let lens: [u8; 256] =
+        enc.get(HEADER..HEADER + 256).and_then(|s| s.try_into().ok()).ok_or_else(|| damaged(what, "truncated code table"))?;
+    if lens.iter().any(|&l| u32::from(l) > MAX_CODE_BITS) {
+        return Err(damaged(what, "a code longer than the limit"));
+    }
+    let kraft: u64 = lens.iter().filter(|&&l| l > 0).map(|&l| 1u64 << (MAX_CODE_BITS - u32::from(l))).sum();
+    if kraft > 1 << MAX_CODE_BITS {
+        return Err(damaged(what, "code lengths that no prefix code has"));
+    }
+    // Lookup table: the next MAX_CODE_BITS bits → (value, length); length 0 = no code.
+    let mut table = vec![(0u8, 0u8); 1 << MAX_CODE_BITS];
+    for (s, &(code, l)) in canonical(&lens).iter().enumerate().filter(|(_, c)| c.1 > 0) {
+        let shift = MAX_CODE_BITS - u32::from(l);
+        let start = (code as usize) << shift;
+        for e in &mut table[start..start + (1 << shift)] {
+            *e = (s as u8, l);
+        }
+    }
+    let chunks = u32_at(enc, HEADER + 256, what)? as usize;
+    if chunks != n.div_ceil(CHUNK_VALUES) {
+        return Err(damaged(what, format!("{chunks} chunks for {n} values")));
+    }
+    let offsets_at = HEADER + 260;
+    let stream_at = offsets_at + 4 * (chunks + 1);
+    let stream_len = u32_at(enc, offsets_at + 4 * chunks, what)? as usize;
+    let sm_at = stream_at + stream_len;
+    let sm = enc.get(sm_at..).ok_or_else(|| damaged(what, "truncated exponent stream"))?;
+    if sm.len() != n {
+        return Err(damaged(what, format!("{} sign-mantissa bytes for {n} values", sm.len())));
+    }
+    let stream = &enc[stream_at..sm_at];
+    for c in 0..chunks {
+        let (from, to) = (u32_at(enc, offsets_at + 4 * c, what)? as usize, u32_at(enc, offsets_at + 4 * c + 4, what)? as usize);
+        let bytes = stream.get(from..to).filter(|_| from <= to).ok_or_else(|| damaged(what, format!("chunk {c} outside the stream")))?;
+        let values = CHUNK_VALUES.min(n - c * CHUNK_VALUES);
+        let (mut acc, mut bits, mut next) = (0u64, 0u32, 0usize);
+        let mut used = 0u64;
+        for k in 0..values {
+            while bits < MAX_CODE_BITS {
+                acc = (acc << 8) | u64::from(bytes.get(next).copied().unwrap_or(0));
+                next += 1;
+                bits += 8;
+            }
+            let (s, l) = table[((acc >> (bits - MAX_CODE_BITS)) & ((1 << MAX_CODE_BITS) - 1)) as usize];
+            if l == 0 {
+                return Err(damaged(what, format!("chunk {c}: no code matches")));
+            }
+            bits -= u32::from(l);
+            used += u64::from(l);
+            let i = c * CHUNK_VALUES + k;
+            let m = sm[i];
+            out[2 * i] = (s << 7) | (m & 0x7f);
+            out[2 * i + 1] = (m & 0x80) | (s >> 1);
+        }
+        if used.div_ceil(8) != bytes.len() as u64 {
+            return Err(damaged(what, format!("chunk {c}: {} bits coded in {} bytes", used, bytes.len())));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bf16s(vals: &[f32]) -> Vec<u8> {
+        vals.iter().flat_map(|v| ((v.to_bits() >> 16) as u16).to_le_bytes()).collect()
+    }
+
+    #[test]
+    fn split_and_join_are_inverse() {
+        for v in [0u16, 1, 0x7f80, 0xff80, 0x7fc1, 0x8001, 0x3f80, 0xc2f7] {
+            let [lo, hi] = v.to_le_bytes();
+            let (e, m) = (exponent(lo, hi), sign_mantissa(lo, hi));
+            assert_eq!([(e << 7) | (m & 0x7f), (m & 0x80) | (e >> 1)], [lo, hi], "{v:#06x}");
+        }
+    }
+
+    #[test]
+    fn normal_weights_shrink_below_seventy_percent() {
+        // Normal weights at a linear layer's scale (σ = 0.02).
+        let mut s = 1u64;
+        let vals: Vec<f32> = (0..200_000)
+            .map(|_| {
+                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                let u1 = ((s >> 11) as f64 + 1.0) / (1u64 << 53) as f64;
+                s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                let u2 = (s >> 11) as f64 / (1u64 << 53) as f64;
+                (0.02 * (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()) as f32
+            })
+            .collect();
+        let raw = bf16s(&vals);
+        let enc = encode_bf16(&raw);
+        let ratio = enc.len() as f64 / raw.len() as f64;
+        let h = exponent_entropy_bits(&raw);
+        assert!(ratio <= 0.70, "ratio {ratio:.4}, exponent entropy {h:.3} bits");
+        assert!((2.0..3.5).contains(&h), "entropy {h}");
+        assert_eq!(decode_bf16(&enc, "t").unwrap(), raw);
+    }
+
+    #[test]
+    fn code_lengths_respect_the_limit_on_skewed_counts() {
+        let mut f = [0u64; 256];
+        for (i, c) in f.iter_mut().enumerate() {
+            *c = 1u64 << (i % 40);
+        }
+        let lens = code_lengths(&f, MAX_CODE_BITS);
+        assert!(lens.iter().all(|&l| l > 0 && u32::from(l) <= MAX_CODE_BITS));
+        let kraft: f64 = lens.iter().map(|&l| 0.5f64.powi(i32::from(l))).sum();
+        assert!(kraft <= 1.0 + 1e-12, "{kraft}");
+    }
+
+    #[test]
+    fn damage_is_an_error_naming_the_tensor() {
+        let raw = bf16s(&(0..5000).map(|i| (i as f32 * 0.37).sin() * 0.05).collect::<Vec<_>>());
+        let enc = encode_bf16(&raw);
+        assert_eq!(enc[4], 1, "coded");
+        let mut caught = 0;
+        for at in (0..enc.len()).step_by(37) {
+            let mut bad = enc.clone();
+            bad[at] ^= 0x5a;
+            match decode_bf16(&bad, "blocks.3.attn.to_q.weight") {
+                Ok(v) => assert_eq!(v, raw, "a flip at {at} decoded to other weights"),
+                Err(e) => {
+                    assert!(e.to_string().contains("blocks.3.attn.to_q.weight"), "{e}");
+                    caught += 1;
+                }
+            }
+        }
+        assert!(caught > 0);
+        assert!(decode_bf16(&enc[..enc.len() - 1], "t").is_err());
+        assert!(decode_bf16(b"nope", "t").is_err());
+    }
+}

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The bench room on the GPU runner, from the bundle (`cargo xtask gpu-bundle`).
 #   zoo-run.sh registry   the registry checked against the reference classes
-#   zoo-run.sh repeat R   per model: process run R of offload's tch backend, then
+#   zoo-run.sh repeat R   per model: process run R of offload's tch backend (and candle's,
+#                         where the bundle has zoo-candle.gz), then
 #                         process R of each of diffusers' offloaded modes (the anchors)
 #   zoo-run.sh merge      `zoo merge`: medians, spreads, bounds and the comparison,
 #                         computed from every run's file
@@ -29,12 +30,22 @@ registry() {
   "$ZOO" registry --json "$Z/registry.json" && python3 "$AD/registry_check.py" "$Z/registry.json" "$Z/registry-check.json" 2>&1 | tee "$Z/registry-check.txt"
 }
 
+# candle's driver travels gzipped (its kernels make it large): `zoo-candle.gz`.
+ZOO_CANDLE=${ZOO_CANDLE_BIN:-}
+if [ -z "$ZOO_CANDLE" ] && [ -f "$B/zoo-candle.gz" ]; then
+  ZOO_CANDLE=/tmp/zoo-candle; gunzip -c "$B/zoo-candle.gz" > "$ZOO_CANDLE" && chmod +x "$ZOO_CANDLE"
+fi
+
 repeat() {
   local r=$1
   [ -f "$Z/registry.json" ] || "$ZOO" registry --json "$Z/registry.json"
   for model in ${ZOO_MODELS:-flux-dev qwen-image}; do
     echo "== $model: offload tch, run $r"
     "$ZOO" run --backend tch --model "$model" --commit "$COMMIT" --out "$Z/tch-$model-run$r.json" ${ZOO_ARGS:-} 2>&1 | tee "$Z/tch-$model-run$r.txt"
+    if [ -n "$ZOO_CANDLE" ] && [ "${ZOO_CANDLE_RUNS:-1}" = 1 ]; then
+      echo "== $model: offload candle, run $r"
+      "$ZOO_CANDLE" run --backend candle --model "$model" --commit "$COMMIT" --out "$Z/candle-$model-run$r.json" ${ZOO_CANDLE_ARGS:-${ZOO_ARGS:-}} 2>&1 | tee "$Z/candle-$model-run$r.txt"
+    fi
     for mode in ${ANCHOR_MODES:-block_stream leaf_stream}; do
       echo "== $model: diffusers $mode, run $r"
       local A=""; [ -n "${ZOO_ARGS:-}" ] && A=$(echo " ${ZOO_ARGS}" | grep -o -- '--cases [^ ]*')
@@ -46,7 +57,10 @@ repeat() {
 
 merge() {
   echo "== merge"
-  "$ZOO" merge --min-repeats "${ZOO_REPEATS:-3}" --out "$Z/zoo-tch.json" "$Z"/tch-*-run*.json --anchors "$Z"/diffusers-*-run*.json 2>&1 | tee "$Z/merge.txt"
+  for be in tch candle; do
+    ls "$Z"/$be-*-run*.json >/dev/null 2>&1 || continue
+    "$ZOO" merge --min-repeats "${ZOO_REPEATS:-3}" --out "$Z/zoo-$be.json" "$Z"/$be-*-run*.json --anchors "$Z"/diffusers-*-run*.json 2>&1 | tee -a "$Z/merge.txt"
+  done
 }
 
 case "${1:-all}" in

@@ -308,3 +308,122 @@ pub fn check_cpu(model: &Model) -> offload_core::Result<CpuCheck> {
     let (finite, nonconstant) = check_output(&sv);
     Ok(CpuCheck { bitwise_equal: rb == sb, finite, nonconstant, blocks })
 }
+
+/// Build `model`'s host store (random bf16, pinned) on GPU 0, time every case
+/// resident (every block's weights on the device, no ring), then streamed at
+/// every depth, in this process.
+#[cfg(feature = "candle-cuda")]
+pub fn run(model: &Model, opts: &crate::harness::RunOptions) -> Result<crate::harness::RunDoc, String> {
+    use crate::harness::{spread, RunCase, RunDoc};
+    use offload_candle::CandleCudaBackend;
+    use std::time::Instant;
+    let e = |x: offload_core::Error| format!("candle: {x}");
+    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+    let median = |v: &[f64]| spread(v).map_or(f64::NAN, |s| s.median);
+    let be = CandleCudaBackend::new(0, DType::BF16).map_err(e)?;
+    let dev = be.device();
+    let cuda = be.cuda().clone();
+    let cases: Vec<&Case> = opts.cases.iter().map(|c| model.case(c)).collect::<Result<_, _>>()?;
+    let src = RegistrySource::new(model, 0);
+    let prefixes: Vec<&str> = model.stacks.iter().map(|s| s.prefix).collect();
+    let inv = DeclaredStacks::new(prefixes).discover("transformer", src.specs()).map_err(e)?;
+    let t = Instant::now();
+    let store = Arc::new(HostStore::build(&be, &inv, &src).map_err(e)?);
+    let total: u64 = store.blocks().iter().map(|b| b.bytes() as u64).sum();
+    let largest = store.largest_block_bytes() as u64;
+    let resident_bytes = model.global_bytes(2);
+    eprintln!("host store: {:.2} GiB pinned in {} blocks in {:.1} s", gib(total), store.blocks().len(), t.elapsed().as_secs_f64());
+    let bandwidth = offload_core::probe_bandwidth(&be, &store, 3).map_err(e)?;
+    eprintln!("pinned H2D bandwidth: {:.1} GB/s", bandwidth / 1e9);
+    let net = Net::new(model, &src, &dev).map_err(e)?;
+    let sync = || dev.synchronize().map_err(|x| format!("candle: synchronize: {x}"));
+    let timed = |f: &mut dyn FnMut() -> offload_core::Result<Tensor>| -> Result<(Vec<f64>, Tensor), String> {
+        let mut out = None;
+        for _ in 0..opts.warmup {
+            out = Some(f().map_err(e)?);
+        }
+        let mut times = Vec::new();
+        for _ in 0..opts.steps {
+            sync()?;
+            let t = Instant::now();
+            out = Some(f().map_err(e)?);
+            sync()?;
+            times.push(t.elapsed().as_secs_f64());
+        }
+        out.map(|o| (times, o)).ok_or_else(|| "candle: no steps".into())
+    };
+    let mut out_cases = Vec::new();
+    for c in &cases {
+        let i = net.inputs(c).map_err(e)?;
+        // Resident: every block's weights on the device, read straight from the source.
+        let direct = net.direct_weights(&src).map_err(e)?;
+        sync()?;
+        let before = cuda.pool_used_bytes().map_err(e)?.0;
+        cuda.reset_pool_peak().map_err(e)?;
+        let (rtimes, rout) = timed(&mut || net.step::<CandleCudaBackend>(None, Some(&direct), &i))?;
+        let activations = cuda.pool_used_bytes().map_err(e)?.1.saturating_sub(before);
+        let (rbytes, _) = output(&rout).map_err(e)?;
+        drop((direct, rout));
+        sync()?;
+        eprintln!("{} {}: resident step {:.4} s, activations {:.2} GiB", model.name, c.name, median(&rtimes), gib(activations));
+        for &d in &opts.depths {
+            let rc = resolve(&Plan::layerwise().prefetch_depth(d), std::slice::from_ref(&inv)).map_err(e)?.components.remove(0);
+            cuda.synchronize().map_err(e)?;
+            be.reset_peak();
+            let live_slots = be.counters().live_bytes;
+            let before = cuda.pool_used_bytes().map_err(e)?.0;
+            cuda.reset_pool_peak().map_err(e)?;
+            let mut ring = Ring::new(be.clone(), store.clone(), &rc).map_err(e)?;
+            let (times, out) = timed(&mut || net.step(Some(&mut ring), None, &i))?;
+            let peak = cuda.pool_used_bytes().map_err(e)?.1;
+            let weights = be.counters().peak_bytes + resident_bytes;
+            let other = before.saturating_sub(live_slots + resident_bytes);
+            let derived = peak.saturating_sub(other).saturating_sub(activations);
+            let misses = ring.metrics().misses;
+            ring.close().map_err(e)?;
+            let (sbytes, sv) = output(&out).map_err(e)?;
+            let (finite, nonconstant) = check_output(&sv);
+            let equal = sbytes == rbytes;
+            let streamed = median(&times);
+            let bound = median(&rtimes).max(total as f64 / bandwidth);
+            eprintln!(
+                "{} {} d={d}: streamed {streamed:.4} s, bound {bound:.4} s, ratio {:.4}, weights {:.2} GiB (derived {:.2}), \
+                 bitwise_equal {equal}, finite {finite}, nonconstant {nonconstant}, misses {misses}",
+                model.name,
+                c.name,
+                streamed / bound,
+                gib(weights),
+                gib(derived)
+            );
+            out_cases.push(RunCase {
+                model: model.name.into(),
+                case: c.name.clone(),
+                resolution: c.resolution,
+                tokens: c.image_tokens + c.text_tokens,
+                batch: c.batch,
+                depth: d,
+                steps_resident_s: rtimes.clone(),
+                steps_streamed_s: times,
+                streamed_bytes: total,
+                bandwidth_gbps: bandwidth / 1e9,
+                weights_device_bytes: weights,
+                weights_device_bytes_derived: derived,
+                activations_peak_bytes: activations,
+                bitwise_equal: equal,
+                output_finite: finite,
+                output_nonconstant: nonconstant,
+                misses,
+            });
+        }
+    }
+    Ok(RunDoc {
+        date: std::env::var("BENCH_DATE").unwrap_or_default(),
+        commit: opts.commit.clone(),
+        gpu: cuda.device_name().unwrap_or_default(),
+        backend: "candle".into(),
+        block_bytes_total: total,
+        largest_block_bytes: largest,
+        resident_bytes,
+        cases: out_cases,
+    })
+}

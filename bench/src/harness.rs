@@ -5,6 +5,21 @@
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
+/// What one process run times (`zoo run`).
+#[derive(Clone, Debug)]
+pub struct RunOptions {
+    /// Cases of the model to time.
+    pub cases: Vec<String>,
+    /// Prefetch depths of the streamed runs.
+    pub depths: Vec<usize>,
+    /// Timed steps per case (after `warmup` untimed ones).
+    pub steps: usize,
+    /// Untimed steps before timing.
+    pub warmup: usize,
+    /// Commit built.
+    pub commit: String,
+}
+
 /// One timed case of one process run.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct RunCase {

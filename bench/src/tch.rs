@@ -4,7 +4,7 @@
 
 use crate::harness::{check_output, CpuCheck};
 #[cfg(feature = "tch-cuda")]
-use crate::harness::{RunCase, RunDoc};
+use crate::harness::{RunCase, RunDoc, RunOptions as Options};
 use crate::registry::{dual_names, BlockKind, Case, DualNames, Model};
 use offload_core::sim::SimBackend;
 #[cfg(feature = "tch-cuda")]
@@ -17,22 +17,6 @@ use offload_tch::{TchOffload, TchSlots};
 use std::collections::HashMap;
 #[cfg(feature = "tch-cuda")]
 use std::time::Instant;
-
-/// What one process runs.
-#[cfg(feature = "tch-cuda")]
-#[derive(Clone, Debug)]
-pub struct Options {
-    /// Cases of the model to time.
-    pub cases: Vec<String>,
-    /// Prefetch depths of the streamed runs.
-    pub depths: Vec<usize>,
-    /// Timed steps per case (after `warmup` untimed ones).
-    pub steps: usize,
-    /// Untimed steps before timing.
-    pub warmup: usize,
-    /// Commit built.
-    pub commit: String,
-}
 
 type W = HashMap<String, Tensor>;
 

@@ -387,7 +387,9 @@ fn gpu_bundle(args: &[String]) -> Result<(), String> {
              && $CARGO build --profile bundle -p offload-tests --features candle-cuda --bin conformance \
              && gzip -9 -c target/bundle/conformance > {dir}/conformance-candle.gz \
              && $CARGO build --profile bundle --example flux_demo --features candle-cuda \
-             && gzip -9 -c target/bundle/examples/flux_demo > {dir}/flux_demo.gz",
+             && gzip -9 -c target/bundle/examples/flux_demo > {dir}/flux_demo.gz \
+             && $CARGO build --profile bundle -p offload-bench --features candle-cuda --bin zoo \
+             && gzip -9 -c target/bundle/zoo > {dir}/zoo-candle.gz",
             dir = dir.display()
         ))?;
     }

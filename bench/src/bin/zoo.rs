@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! zoo registry [--json F]                      the registry (names, shapes, references) as JSON
-//! zoo run --backend tch --model M [--cases 1024,2048] [--depths 1] [--steps 5] [--warmup 1] [--commit C] --out F
+//! zoo run --backend tch|candle --model M [--cases 1024,2048] [--depths 1] [--steps 5] [--warmup 1] [--commit C] --out F
 //!                                              one process run (needs a GPU)
 //! zoo merge --out F [--min-repeats 3] RUN.json... [--anchors A.json...]
 //!                                              medians, spreads, bounds and the comparison, computed from the runs
@@ -68,12 +68,15 @@ fn run(args: &[String]) -> Result<(), String> {
                 return Err(format!("--steps {steps}: a run times at least 5 steps after warm-up"));
             }
             let commit = opt(args, "--commit").unwrap_or("unknown").to_owned();
+            let opts = offload_bench::harness::RunOptions { cases, depths, steps, warmup, commit };
             let doc: Result<RunDoc, String> = match backend {
                 #[cfg(feature = "tch-cuda")]
-                "tch" => offload_bench::tch::run(&model, &offload_bench::tch::Options { cases, depths, steps, warmup, commit }),
+                "tch" => offload_bench::tch::run(&model, &opts),
+                #[cfg(feature = "candle-cuda")]
+                "candle" => offload_bench::candle::run(&model, &opts),
                 other => {
-                    let _ = (cases, depths, steps, warmup, commit);
-                    Err(format!("backend {other:?} is not built into this zoo (its feature: tch-cuda)"))
+                    let _ = opts;
+                    Err(format!("backend {other:?} is not built into this zoo (features: tch-cuda for tch, candle-cuda for candle)"))
                 }
             };
             write(out, &doc?)

@@ -188,6 +188,123 @@ pub fn encode_bf16(bytes: &[u8]) -> Vec<u8> {
     out
 }
 
+/// A block's bytes compressed tensor by tensor: bf16 tensors coded, others (and
+/// bf16 tensors that would not shrink) raw. One contiguous byte string, what a
+/// copy puts in a staging buffer: the number of parts (`u32`), each part's start
+/// and then the end (`u64` each, from the start of the parts), then the parts in
+/// layout order, each an [`encode_bf16`] string.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CompressedBlock {
+    bytes: Vec<u8>,
+    raw_bytes: usize,
+}
+
+impl CompressedBlock {
+    /// The compressed bytes.
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.bytes
+    }
+
+    /// Bytes of the block uncompressed (its layout's size).
+    pub fn raw_bytes(&self) -> usize {
+        self.raw_bytes
+    }
+
+    /// Compressed size ÷ raw size.
+    pub fn ratio(&self) -> f64 {
+        self.bytes.len() as f64 / self.raw_bytes.max(1) as f64
+    }
+}
+
+/// Compress a block laid out as `layout` whose bytes are `bytes`, on up to
+/// `threads` host threads (tensors are shared out among them).
+pub fn compress_block(layout: &crate::tensor::BlockLayout, bytes: &[u8], threads: usize) -> Result<CompressedBlock> {
+    if bytes.len() != layout.bytes {
+        return Err(Error::BadTensor {
+            tensor: "<block>".into(),
+            fault: format!("{} bytes for a {}-byte layout", bytes.len(), layout.bytes),
+        });
+    }
+    let n = layout.tensors.len();
+    let mut parts: Vec<Vec<u8>> = vec![Vec::new(); n];
+    let threads = threads.clamp(1, n.max(1));
+    // Largest tensors first, each to the thread with the least work so far.
+    let mut order: Vec<usize> = (0..n).collect();
+    order.sort_by_key(|&i| std::cmp::Reverse(layout.tensors[i].nbytes));
+    let mut work = vec![(0usize, Vec::new()); threads];
+    for i in order {
+        let t = (0..threads).min_by_key(|&t| work[t].0).unwrap_or(0);
+        work[t].0 += layout.tensors[i].nbytes;
+        work[t].1.push(i);
+    }
+    let encode = |i: usize| {
+        let t = &layout.tensors[i];
+        let src = &bytes[t.offset..t.offset + t.nbytes];
+        if t.spec.dtype == crate::tensor::DType::BF16 {
+            encode_bf16(src)
+        } else {
+            encode_raw(src)
+        }
+    };
+    std::thread::scope(|scope| {
+        let handles: Vec<_> =
+            work.iter().map(|(_, idx)| scope.spawn(move || idx.iter().map(|&i| (i, encode(i))).collect::<Vec<_>>())).collect();
+        for h in handles {
+            for (i, p) in h.join().unwrap_or_default() {
+                parts[i] = p;
+            }
+        }
+    });
+    let table = 4 + 8 * (n + 1);
+    let mut out = Vec::with_capacity(table + parts.iter().map(Vec::len).sum::<usize>());
+    out.extend_from_slice(&(n as u32).to_le_bytes());
+    let mut at = 0u64;
+    for p in &parts {
+        out.extend_from_slice(&at.to_le_bytes());
+        at += p.len() as u64;
+    }
+    out.extend_from_slice(&at.to_le_bytes());
+    for p in &parts {
+        out.extend_from_slice(p);
+    }
+    Ok(CompressedBlock { bytes: out, raw_bytes: layout.bytes })
+}
+
+/// The raw form of `bytes` (mode 0), for tensors that are not bf16.
+fn encode_raw(bytes: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(HEADER + bytes.len());
+    out.extend_from_slice(MAGIC);
+    out.extend_from_slice(&[0, 0, 0, 0]);
+    out.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
+    out.extend_from_slice(&fnv1a64(bytes).to_le_bytes());
+    out.extend_from_slice(bytes);
+    out
+}
+
+/// Decode a [`CompressedBlock`]'s bytes into `out` (the block's layout size):
+/// every tensor at its offset, the alignment gaps zero. `block` names the block
+/// in errors, with the tensor at fault.
+pub fn decompress_block_into(layout: &crate::tensor::BlockLayout, compressed: &[u8], out: &mut [u8], block: &str) -> Result<()> {
+    if out.len() != layout.bytes {
+        return Err(damaged(block, format!("{} bytes given for a {}-byte block", out.len(), layout.bytes)));
+    }
+    let n = u32_at(compressed, 0, block)? as usize;
+    if n != layout.tensors.len() {
+        return Err(damaged(block, format!("{n} parts for {} tensors", layout.tensors.len())));
+    }
+    let base = 4 + 8 * (n + 1);
+    let mut end = 0;
+    for (i, t) in layout.tensors.iter().enumerate() {
+        let what = format!("{block}: {}", t.spec.name);
+        let (from, to) = (u64_at(compressed, 4 + 8 * i, &what)? as usize, u64_at(compressed, 12 + 8 * i, &what)? as usize);
+        let part = compressed.get(base + from..base + to).filter(|_| from <= to).ok_or_else(|| damaged(&what, "part outside the block"))?;
+        out[end..t.offset].fill(0);
+        decode_bf16_into(part, &mut out[t.offset..t.offset + t.nbytes], &what)?;
+        end = t.offset + t.nbytes;
+    }
+    Ok(())
+}
+
 fn damaged(what: &str, fault: impl Into<String>) -> Error {
     Error::BadTensor { tensor: what.to_owned(), fault: format!("compressed bytes damaged: {}", fault.into()) }
 }

@@ -89,3 +89,43 @@ fn incompressible_data_is_stored_raw() {
     assert_eq!(enc.len(), raw.len() + 24);
     assert_eq!(decode_bf16(&enc, "t").unwrap(), raw);
 }
+
+#[test]
+fn a_block_of_mixed_tensors_round_trips_on_any_thread_count() {
+    use offload_core::codec::{compress_block, decompress_block_into};
+    use offload_core::tensor::{BlockLayout, DType, TensorSpec};
+    let layout = BlockLayout::new(vec![
+        TensorSpec::new("b.0.w", DType::BF16, [300, 64]),
+        TensorSpec::new("b.0.bias", DType::BF16, [7]),
+        TensorSpec::new("b.0.scale", DType::F32, [33]),
+        TensorSpec::new("b.0.empty", DType::BF16, [0]),
+        TensorSpec::new("b.0.v", DType::BF16, [5000]),
+    ])
+    .unwrap();
+    let mut bytes = vec![0u8; layout.bytes];
+    let mut s = 3u64;
+    for t in &layout.tensors {
+        for (k, b) in bytes[t.offset..t.offset + t.nbytes].iter_mut().enumerate() {
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            // bf16 high bytes near 0x3c (small weights), low bytes anything.
+            *b = if t.spec.dtype == DType::BF16 && k % 2 == 1 { 0x3c | ((s >> 62) as u8 & 1) << 7 } else { (s >> 33) as u8 };
+        }
+    }
+    let mut first = None;
+    for threads in [1, 2, 3, 8] {
+        let c = compress_block(&layout, &bytes, threads).unwrap();
+        assert!(c.ratio() < 0.8, "ratio {}", c.ratio());
+        let mut out = vec![0xee; layout.bytes];
+        decompress_block_into(&layout, c.as_bytes(), &mut out, "b.0").unwrap();
+        assert_eq!(out, bytes, "{threads} threads");
+        // The same bytes whatever the thread count.
+        assert_eq!(first.get_or_insert_with(|| c.clone()), &c);
+    }
+    let c = compress_block(&layout, &bytes, 2).unwrap();
+    let mut bad = c.as_bytes().to_vec();
+    let last = bad.len() - 3;
+    bad[last] ^= 1;
+    let e = decompress_block_into(&layout, &bad, &mut vec![0; layout.bytes], "b.0").unwrap_err();
+    assert!(e.to_string().contains("b.0: b.0.v"), "{e}");
+    assert!(compress_block(&layout, &bytes[1..], 2).is_err());
+}

@@ -332,7 +332,14 @@ pub fn run(model: &Model, opts: &crate::harness::RunOptions) -> Result<crate::ha
     let total: u64 = store.blocks().iter().map(|b| b.bytes() as u64).sum();
     let largest = store.largest_block_bytes() as u64;
     let resident_bytes = model.global_bytes(2);
-    eprintln!("host store: {:.2} GiB pinned in {} blocks in {:.1} s", gib(total), store.blocks().len(), t.elapsed().as_secs_f64());
+    let store_build_s = t.elapsed().as_secs_f64();
+    let host_rss_bytes = crate::harness::host_rss_bytes();
+    eprintln!(
+        "host store: {:.2} GiB pinned in {} blocks in {store_build_s:.1} s, RSS {:.2} GiB",
+        gib(total),
+        store.blocks().len(),
+        gib(host_rss_bytes)
+    );
     let bandwidth = offload_core::probe_bandwidth(&be, &store, 3).map_err(e)?;
     eprintln!("pinned H2D bandwidth: {:.1} GB/s", bandwidth / 1e9);
     let net = Net::new(model, &src, &dev).map_err(e)?;
@@ -424,6 +431,8 @@ pub fn run(model: &Model, opts: &crate::harness::RunOptions) -> Result<crate::ha
         block_bytes_total: total,
         largest_block_bytes: largest,
         resident_bytes,
+        store_build_s,
+        host_rss_bytes,
         cases: out_cases,
     })
 }

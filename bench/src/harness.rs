@@ -80,8 +80,22 @@ pub struct RunDoc {
     pub largest_block_bytes: u64,
     /// Bytes of the non-block weights (kept on the device).
     pub resident_bytes: u64,
+    /// Seconds to build the host store (every block copied into page-locked memory).
+    #[serde(default)]
+    pub store_build_s: f64,
+    /// The process's resident set once the store was built, bytes (`VmRSS`).
+    #[serde(default)]
+    pub host_rss_bytes: u64,
     /// Timed cases.
     pub cases: Vec<RunCase>,
+}
+
+/// This process's resident set size in bytes (`VmRSS` of `/proc/self/status`; 0 where unknown).
+pub fn host_rss_bytes() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| s.lines().find(|l| l.starts_with("VmRSS:")).and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok()))
+        .map_or(0, |kib| kib * 1024)
 }
 
 /// One case of one anchor process (`bench/anchors/zoo_anchor.py`).
@@ -292,6 +306,8 @@ pub fn merge(runs: &[RunDoc], anchors: &[AnchorDoc], min_repeats: usize) -> Resu
             "runs": per.iter().enumerate().map(|(i, (_, c))| json!({"run": i + 1, "step_streamed_s": streamed[i], "step_resident_s": resident[i],
                 "ratio_to_bound": ratios[i], "bandwidth_gbps": c.bandwidth_gbps, "steps_streamed_s": c.steps_streamed_s,
                 "steps_resident_s": c.steps_resident_s})).collect::<Vec<_>>(),
+            "store_build_s": per.iter().map(|(r, _)| r.store_build_s).collect::<Vec<_>>(),
+            "host_rss_bytes": per.iter().map(|(r, _)| r.host_rss_bytes).max(),
         }));
     }
     for (model, case, mode) in &akeys {
@@ -367,6 +383,12 @@ mod tests {
             }],
             ..Default::default()
         }
+    }
+
+    #[test]
+    fn rss_is_read_from_proc() {
+        // Linux: this test process holds at least a megabyte.
+        assert!(host_rss_bytes() > 1 << 20);
     }
 
     #[test]

@@ -335,7 +335,14 @@ pub fn run(model: &Model, opts: &Options) -> Result<RunDoc, String> {
     let total: u64 = store.blocks().iter().map(|b| b.bytes() as u64).sum();
     let largest = store.largest_block_bytes() as u64;
     let resident_bytes = model.global_bytes(2);
-    eprintln!("host store: {:.2} GiB pinned in {} blocks in {:.1} s", gib(total), store.blocks().len(), t.elapsed().as_secs_f64());
+    let store_build_s = t.elapsed().as_secs_f64();
+    let host_rss_bytes = crate::harness::host_rss_bytes();
+    eprintln!(
+        "host store: {:.2} GiB pinned in {} blocks in {store_build_s:.1} s, RSS {:.2} GiB",
+        gib(total),
+        store.blocks().len(),
+        gib(host_rss_bytes)
+    );
     if total != model.block_bytes(2) {
         return Err(err(format!("the store holds {total} bytes of blocks, the registry says {}", model.block_bytes(2))));
     }
@@ -402,6 +409,8 @@ pub fn run(model: &Model, opts: &Options) -> Result<RunDoc, String> {
         block_bytes_total: total,
         largest_block_bytes: largest,
         resident_bytes,
+        store_build_s,
+        host_rss_bytes,
         cases: out_cases,
     })
 }

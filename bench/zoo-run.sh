@@ -41,13 +41,16 @@ repeat() {
   [ -f "$Z/registry.json" ] || "$ZOO" registry --json "$Z/registry.json"
   for model in ${ZOO_MODELS:-flux-dev qwen-image}; do
     echo "== $model: offload tch, run $r"
+    rm -f "$Z/tch-$model-run$r.json"
     "$ZOO" run --backend tch --model "$model" --commit "$COMMIT" --out "$Z/tch-$model-run$r.json" ${ZOO_ARGS:-} 2>&1 | tee "$Z/tch-$model-run$r.txt"
     if [ -n "$ZOO_CANDLE" ] && [ "${ZOO_CANDLE_RUNS:-1}" = 1 ]; then
       echo "== $model: offload candle, run $r"
+      rm -f "$Z/candle-$model-run$r.json"
       "$ZOO_CANDLE" run --backend candle --model "$model" --commit "$COMMIT" --out "$Z/candle-$model-run$r.json" ${ZOO_CANDLE_ARGS:-${ZOO_ARGS:-}} 2>&1 | tee "$Z/candle-$model-run$r.txt"
     fi
     for mode in ${ANCHOR_MODES:-block_stream leaf_stream}; do
       echo "== $model: diffusers $mode, run $r"
+      rm -f "$Z/diffusers-$model-$mode-run$r.json"
       local A=""; [ -n "${ZOO_ARGS:-}" ] && A=$(echo " ${ZOO_ARGS}" | grep -o -- '--cases [^ ]*')
       timeout "${ANCHOR_TIMEOUT:-300}" python3 "$AD/zoo_anchor.py" --registry "$Z/registry.json" --model "$model" --mode "$mode" $A \
         --out "$Z/diffusers-$model-$mode-run$r.json" 2>&1 | grep -v Warning | tee "$Z/diffusers-$model-$mode-run$r.txt"
@@ -58,6 +61,7 @@ repeat() {
 merge() {
   echo "== merge"
   for be in tch candle; do
+    rm -f "$Z/zoo-$be.json"
     ls "$Z"/$be-*-run*.json >/dev/null 2>&1 || continue
     "$ZOO" merge --min-repeats "${ZOO_REPEATS:-3}" --out "$Z/zoo-$be.json" "$Z"/$be-*-run*.json --anchors "$Z"/diffusers-*-run*.json 2>&1 | tee -a "$Z/merge.txt"
   done

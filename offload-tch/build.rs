@@ -6,6 +6,7 @@
 
 fn main() {
     println!("cargo:rerun-if-env-changed=LIBTORCH");
+    println!("cargo:rerun-if-env-changed=LIBTORCH_CXX11_ABI");
     println!("cargo::rustc-check-cfg=cfg(offload_tch_memory_stats)");
     if std::env::var_os("CARGO_FEATURE_LIBTORCH").is_none() {
         return;

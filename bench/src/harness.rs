@@ -245,10 +245,24 @@ pub fn merge(runs: &[RunDoc], anchors: &[AnchorDoc], min_repeats: usize) -> Resu
         if per.len() < min_repeats {
             return Err(format!("{at}: {} process runs, at least {min_repeats} needed", per.len()));
         }
+        let doc0 = per[0].0;
+        if let Some((r, _)) = per.iter().find(|(r, c)| {
+            r.largest_block_bytes != doc0.largest_block_bytes
+                || r.resident_bytes != doc0.resident_bytes
+                || c.streamed_bytes != per[0].1.streamed_bytes
+        }) {
+            return Err(format!(
+                "{at}: runs disagree on the model's sizes ({} vs {} largest block bytes)",
+                r.largest_block_bytes, doc0.largest_block_bytes
+            ));
+        }
         let mut streamed = Vec::new();
         let mut resident = Vec::new();
         let mut ratios = Vec::new();
         for (_, c) in &per {
+            if !(c.bandwidth_gbps.is_finite() && c.bandwidth_gbps > 0.0) || c.streamed_bytes == 0 {
+                return Err(format!("{at}: a run measured {} GB/s for {} streamed bytes", c.bandwidth_gbps, c.streamed_bytes));
+            }
             let (s, r) = (per_run_median(&c.steps_streamed_s)?, per_run_median(&c.steps_resident_s)?);
             let bound = r.max(c.streamed_bytes as f64 / (c.bandwidth_gbps * 1e9));
             streamed.push(s);
@@ -262,7 +276,7 @@ pub fn merge(runs: &[RunDoc], anchors: &[AnchorDoc], min_repeats: usize) -> Resu
         let bound = r.median.max(c0.streamed_bytes as f64 / (b.median * 1e9));
         let ratio = s.median / bound;
         let weights = per.iter().map(|(_, c)| c.weights_device_bytes).max().unwrap_or(0);
-        let weights_limit = (*depth as u64 + 1) * first.largest_block_bytes + first.resident_bytes;
+        let weights_limit = (*depth as u64 + 1) * doc0.largest_block_bytes + doc0.resident_bytes;
         let equal = per.iter().all(|(_, c)| c.bitwise_equal);
         let finite = per.iter().all(|(_, c)| c.output_finite);
         let nonconstant = per.iter().all(|(_, c)| c.output_nonconstant);
@@ -294,6 +308,7 @@ pub fn merge(runs: &[RunDoc], anchors: &[AnchorDoc], min_repeats: usize) -> Resu
             "bandwidth_gbps": b.median, "bandwidth_gbps_min": b.min, "bandwidth_gbps_max": b.max,
             "streamed_bytes": c0.streamed_bytes, "bound_s": bound, "ratio_to_bound": ratio,
             "ratio_to_bound_min": q.min, "ratio_to_bound_max": q.max,
+            "largest_block_bytes": doc0.largest_block_bytes, "resident_bytes": doc0.resident_bytes,
             "weights_device_bytes": weights, "weights_device_bytes_limit": weights_limit,
             "weights_device_bytes_derived": per.iter().map(|(_, c)| c.weights_device_bytes_derived).max(),
             "activations_peak_bytes": per.iter().map(|(_, c)| c.activations_peak_bytes).max(),
@@ -344,15 +359,17 @@ pub fn merge(runs: &[RunDoc], anchors: &[AnchorDoc], min_repeats: usize) -> Resu
             "steps_s_per_run": xs,
         }));
     }
-    let all_met = cases.iter().all(|c| c["meets_targets"] == true);
+    let all_met = !cases.is_empty() && cases.iter().all(|c| c["meets_targets"] == true);
     Ok(json!({
         "date": first.date, "commit": first.commit, "gpu": first.gpu, "backend": first.backend,
         "model": keys.iter().map(|k| k.0.clone()).fold(Vec::<String>::new(), |mut v, m| { if !v.contains(&m) { v.push(m) } v }).join(", "),
-        "repeats": cases.iter().filter_map(|c| c["repeats"].as_u64()).min().unwrap_or(0), "process_runs": runs.len(), "largest_block_bytes": first.largest_block_bytes, "resident_bytes": first.resident_bytes,
+        "repeats": cases.iter().filter_map(|c| c["repeats"].as_u64()).min().unwrap_or(0), "process_runs": runs.len(),
         "memory_method": "weights_device_bytes: the most slot bytes live at once (the backend's counters) plus the non-block weights; \
             activations_peak_bytes: the resident step's peak allocated bytes above what was allocated before it; \
             weights_device_bytes_derived and the anchors' weights_device_bytes: the streamed step's peak allocated bytes minus \
-            what was allocated before it other than weights, minus those activations",
+            what was allocated before it other than weights, minus those activations; \
+            peak_device_bytes: weights_device_bytes plus activations_peak_bytes (not a measured streamed peak); \
+            ratio_to_bound: the median streamed step over the bound of the medians; its _min and _max: the per-run ratios",
         "meets_targets": all_met, "cases": cases, "anchors": anchor_rows,
     }))
 }
@@ -440,6 +457,30 @@ mod tests {
         let block = doc["anchors"].as_array().unwrap().iter().find(|a| a["mode"] == "block_stream").unwrap();
         assert!((block["step_streamed_s"].as_f64().unwrap() - 0.21).abs() < 1e-12);
         assert!((block["ratio_to_bound"].as_f64().unwrap() - 2.1).abs() < 1e-9);
+    }
+
+    #[test]
+    fn merge_takes_each_models_sizes_and_refuses_bad_runs() {
+        let mut runs: Vec<RunDoc> = (0..3).map(|_| run(&[0.1], 0.1, 50.0)).collect();
+        for r in &runs.clone() {
+            let mut other = r.clone();
+            other.cases[0].model = "big".into();
+            other.largest_block_bytes = 1000;
+            runs.push(other);
+        }
+        for r in &mut runs {
+            r.backend = "cuda".into();
+        }
+        let doc = merge(&runs, &[], 3).unwrap();
+        let limit =
+            |m: &str| doc["cases"].as_array().unwrap().iter().find(|c| c["model"] == m).unwrap()["weights_device_bytes_limit"].clone();
+        assert_eq!(limit("m"), 210);
+        assert_eq!(limit("big"), 2010);
+        let mut zero = runs.clone();
+        zero[0].cases[0].bandwidth_gbps = 0.0;
+        assert!(merge(&zero, &[], 3).unwrap_err().contains("GB/s"));
+        let empty: Vec<RunDoc> = (0..3).map(|_| RunDoc { backend: "cuda".into(), ..Default::default() }).collect();
+        assert_eq!(merge(&empty, &[], 3).unwrap()["meets_targets"], false);
     }
 
     #[test]

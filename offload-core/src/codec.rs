@@ -250,7 +250,9 @@ pub fn compress_block(layout: &crate::tensor::BlockLayout, bytes: &[u8], threads
         let handles: Vec<_> =
             work.iter().map(|(_, idx)| scope.spawn(move || idx.iter().map(|&i| (i, encode(i))).collect::<Vec<_>>())).collect();
         for h in handles {
-            for (i, p) in h.join().unwrap_or_default() {
+            // An encoder thread that panicked takes the caller down with it,
+            // rather than leaving parts empty.
+            for (i, p) in h.join().unwrap_or_else(|e| std::panic::resume_unwind(e)) {
                 parts[i] = p;
             }
         }
@@ -297,7 +299,8 @@ pub fn decompress_block_into(layout: &crate::tensor::BlockLayout, compressed: &[
     for (i, t) in layout.tensors.iter().enumerate() {
         let what = format!("{block}: {}", t.spec.name);
         let (from, to) = (u64_at(compressed, 4 + 8 * i, &what)? as usize, u64_at(compressed, 12 + 8 * i, &what)? as usize);
-        let part = compressed.get(base + from..base + to).filter(|_| from <= to).ok_or_else(|| damaged(&what, "part outside the block"))?;
+        let range = base.checked_add(from).zip(base.checked_add(to)).filter(|(a, b)| a <= b);
+        let part = range.and_then(|(a, b)| compressed.get(a..b)).ok_or_else(|| damaged(&what, "part outside the block"))?;
         out[end..t.offset].fill(0);
         decode_bf16_into(part, &mut out[t.offset..t.offset + t.nbytes], &what)?;
         end = t.offset + t.nbytes;
@@ -355,7 +358,17 @@ pub fn decode_bf16_into(enc: &[u8], out: &mut [u8], what: &str) -> Result<()> {
 
 /// [`decode_bf16_into`] into a new vector.
 pub fn decode_bf16(enc: &[u8], what: &str) -> Result<Vec<u8>> {
-    let mut out = vec![0u8; decoded_len(enc, what)?];
+    let len = decoded_len(enc, what)?;
+    // Never trust a length the string cannot hold: raw strings carry every byte,
+    // coded ones at least one sign-mantissa byte per value.
+    let most = match enc.get(4) {
+        Some(0) => enc.len().saturating_sub(HEADER),
+        _ => 2 * enc.len().saturating_sub(HEADER + 260),
+    };
+    if len > most {
+        return Err(damaged(what, format!("a header length of {len} bytes that {} encoded bytes cannot hold", enc.len())));
+    }
+    let mut out = vec![0u8; len];
     decode_bf16_into(enc, &mut out, what)?;
     Ok(out)
 }

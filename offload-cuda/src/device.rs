@@ -186,14 +186,14 @@ impl CudaBackend {
         self.shared.ctx.name().map_err(|e| driver("reading the device name", e))
     }
 
-    /// Bytes in use in the device's default memory pool, now and at most since
+    /// Bytes in use in the device's current memory pool, now and at most since
     /// the last [`reset_pool_peak`](Self::reset_pool_peak): what stream-ordered
     /// allocations hold (frameworks on cudarc, such as candle, and slots), not
     /// what the pool keeps cached.
     pub fn pool_used_bytes(&self) -> Result<(u64, u64)> {
-        let pool = self.default_pool()?;
+        let pool = self.current_pool()?;
         let (mut now, mut high) = (0u64, 0u64);
-        // SAFETY: `pool` is the live context's default pool; each attribute is a
+        // SAFETY: `pool` is the live context's current pool; each attribute is a
         // cuuint64_t written into the u64 given, which outlives the call.
         unsafe {
             sys::cuMemPoolGetAttribute(pool, sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT, &mut now as *mut u64 as *mut _)
@@ -206,9 +206,9 @@ impl CudaBackend {
         Ok((now, high))
     }
 
-    /// Restart the default pool's peak at the bytes in use now.
+    /// Restart the current pool's peak at the bytes in use now.
     pub fn reset_pool_peak(&self) -> Result<()> {
-        let pool = self.default_pool()?;
+        let pool = self.current_pool()?;
         let mut zero = 0u64;
         // SAFETY: as in `pool_used_bytes`; the driver only accepts 0 for this attribute.
         unsafe {
@@ -218,12 +218,13 @@ impl CudaBackend {
         }
     }
 
-    fn default_pool(&self) -> Result<sys::CUmemoryPool> {
+    /// The device's current memory pool (where `cuMemAllocAsync` allocates).
+    fn current_pool(&self) -> Result<sys::CUmemoryPool> {
         self.shared.ctx.bind_to_thread().map_err(|e| driver("binding the context", e))?;
         let mut pool = std::mem::MaybeUninit::uninit();
         // SAFETY: the device handle comes from a live context; `pool` is written on success.
         unsafe {
-            sys::cuDeviceGetDefaultMemPool(pool.as_mut_ptr(), self.shared.ctx.cu_device())
+            sys::cuDeviceGetMemPool(pool.as_mut_ptr(), self.shared.ctx.cu_device())
                 .result()
                 .map_err(|e| driver("getting the memory pool", e))?;
             Ok(pool.assume_init())

@@ -129,3 +129,13 @@ fn a_block_of_mixed_tensors_round_trips_on_any_thread_count() {
     assert!(e.to_string().contains("b.0: b.0.v"), "{e}");
     assert!(compress_block(&layout, &bytes[1..], 2).is_err());
 }
+
+#[test]
+fn a_header_claiming_more_than_the_string_holds_is_an_error() {
+    let raw: Vec<u8> = (0..4000u32).flat_map(|i| (0x3c00u16 | (i % 200) as u16).to_le_bytes()).collect();
+    for mut enc in [encode_bf16(&raw), encode_bf16(&raw[..3])] {
+        enc[15] = 0x7f; // the top byte of the length
+        let e = decode_bf16(&enc, "w").unwrap_err();
+        assert!(e.to_string().contains("cannot hold"), "{e}");
+    }
+}

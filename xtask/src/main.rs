@@ -25,6 +25,7 @@ cargo xtask <command>
   bench --backend candle [-- ARGS]
                             the Flux-shaped candle benchmark on this machine's GPU (nvcc from PyPI);
                             writes bench/results/<date>-candle-flux.json
+  bench --codec             the exponent codec's host encode/decode speed (3 processes); bench/results/<date>-codec-host.json
   bench --report            README.md's measured tables, bench/REPORT.md and bench/plots/*.png from bench/results/*.json
   faults                    inject faults, try bad inputs and plans; writes bench/results/<date>-faults.md
   gpu-bundle [--candle]     build the CUDA, tch and Vulkan binaries and a run script into .bundle/ for the GPU runner
@@ -184,6 +185,9 @@ fn bench(args: &[String]) -> Result<(), String> {
     if args.iter().any(|a| a == "--report") {
         return report::report(&root());
     }
+    if args.iter().any(|a| a == "--codec") {
+        return codec_bench();
+    }
     let backend = flag(args, "--backend").unwrap_or_else(|| "sim".into());
     match backend.as_str() {
         "sim" => {}
@@ -278,6 +282,43 @@ fn bench(args: &[String]) -> Result<(), String> {
     let out = root().join(format!("bench/results/{date}-sim-host-cost.json"));
     std::fs::write(&out, serde_json::to_string_pretty(&doc).unwrap_or_default() + "\n").map_err(|e| format!("{}: {e}", out.display()))?;
     println!("{}", serde_json::to_string_pretty(&doc).unwrap_or_default());
+    println!("wrote {}", out.display());
+    Ok(())
+}
+
+/// The exponent codec's host speed: three `codec-bench` processes, merged into
+/// `bench/results/<date>-codec-host.json` (median, min and max of each figure).
+fn codec_bench() -> Result<(), String> {
+    let mut c = cargo();
+    c.args(["build", "--release", "-q", "-p", "offload-tests", "--bin", "codec-bench"]);
+    run(c)?;
+    let dir = root().join(format!("bench/raw/{}-codec-{}", today(), commit()));
+    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+    let mut runs = Vec::new();
+    for r in 1..=3 {
+        let out = dir.join(format!("run{r}.json"));
+        let mut c = Command::new(root().join("target/release/codec-bench"));
+        c.arg("--commit").arg(commit()).arg("--out").arg(&out);
+        run(c)?;
+        let text = std::fs::read_to_string(&out).map_err(|e| format!("{}: {e}", out.display()))?;
+        runs.push(serde_json::from_str::<serde_json::Value>(&text).map_err(|e| format!("{}: {e}", out.display()))?);
+    }
+    let spread = |k: &str| {
+        let mut v: Vec<f64> = runs.iter().filter_map(|r| r[k].as_f64()).collect();
+        v.sort_by(f64::total_cmp);
+        serde_json::json!({"median": v.get(v.len() / 2), "min": v.first(), "max": v.last()})
+    };
+    let doc = serde_json::json!({
+        "date": today(), "commit": commit(), "gpu": "none", "backend": "none",
+        "model": "one Flux-dev-shaped dual-stream block (diffusers' shapes), normal weights at each tensor's init scale",
+        "host": format!("{} threads", runs[0]["threads"]), "repeats": runs.len(),
+        "runs": (1..=runs.len()).map(|r| format!("bench/raw/{}/run{r}.json", dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default())).collect::<Vec<_>>(),
+        "compression_ratio": runs[0]["compression_ratio"], "exponent_entropy_bits": runs[0]["exponent_entropy_bits"],
+        "encode_gbps_host": spread("encode_gbps_host"), "decode_gbps_host_reference": spread("decode_gbps_host_reference"),
+        "bitwise_equal": runs.iter().all(|r| r["bitwise_equal"] == true),
+    });
+    let out = root().join(format!("bench/results/{}-codec-host.json", today()));
+    std::fs::write(&out, serde_json::to_string_pretty(&doc).unwrap_or_default() + "\n").map_err(|e| format!("{}: {e}", out.display()))?;
     println!("wrote {}", out.display());
     Ok(())
 }

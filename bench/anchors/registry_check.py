@@ -2,7 +2,8 @@
 meta device from the config the registry names, every parameter's name and shape
 compared. Writes one JSON with, per model, the counts and every difference.
 
-python3 registry_check.py REGISTRY.json OUT.json   (REGISTRY.json from `zoo registry --json`)
+python3 registry_check.py REGISTRY.json OUT.json [WHERE]   (REGISTRY.json from `zoo registry --json`;
+WHERE says where it ran, default "GPU runner")
 Exits 1 when any name or shape differs.
 """
 import importlib
@@ -14,13 +15,17 @@ import torch
 
 def main():
     registry, out = json.load(open(sys.argv[1])), sys.argv[2]
+    where = sys.argv[3] if len(sys.argv) > 3 else "GPU runner"
     report, ok = [], True
     for m in registry:
         ref = m["reference"]
         mod = importlib.import_module(ref["module"])
         cls = getattr(mod, ref["class"])
         with torch.device("meta"):
-            model = cls(**ref["config"])
+            if "config_class" in ref:
+                model = cls(getattr(mod, ref["config_class"])(**ref["config"]))
+            else:
+                model = cls(**ref["config"])
         theirs = {n: list(p.shape) for n, p in model.named_parameters()}
         ours = m["params"]
         missing = sorted(set(theirs) - set(ours))
@@ -29,7 +34,7 @@ def main():
         equal = not (missing or extra or shapes)
         ok &= equal
         report.append(dict(
-            model=m["name"], reference=f'{ref["module"]}.{ref["class"]}', version=getattr(mod, "__version__", None), torch=torch.__version__,
+            model=m["name"], where=where, reference=f'{ref["module"]}.{ref["class"]}', version=getattr(mod, "__version__", None), torch=torch.__version__,
             reference_params=len(theirs), registry_params=len(ours),
             reference_elements=sum(int(torch.Size(s).numel()) for s in theirs.values()),
             registry_elements=sum(int(torch.Size(s).numel()) for s in ours.values()),

@@ -183,7 +183,7 @@ impl<'m> Net<'m> {
         for s in &self.model.stacks {
             for index in 0..s.count {
                 let mut w = W::new();
-                for p in &s.params {
+                for p in s.block_params(index) {
                     let full = format!("{}.{index}.{}", s.prefix, p.name);
                     let i = *by_name
                         .get(full.as_str())
@@ -233,7 +233,7 @@ impl<'m> Net<'m> {
                 let w: W = match (&guard, direct) {
                     (Some(g), _) => {
                         let vb = g.var_builder(DType::BF16)?;
-                        s.params
+                        s.block_params(index)
                             .iter()
                             .map(|p| vb.get(p.shape.as_slice(), &p.name).map(|t| (p.name.clone(), t)))
                             .collect::<R<_>>()
@@ -253,6 +253,12 @@ impl<'m> Net<'m> {
                             None => Tensor::cat(&[&txt, &img], 1).map_err(err)?,
                         };
                         joint = Some(self.single(&w, &x, &temb, i).map_err(err)?);
+                    }
+                    other => {
+                        return Err(offload_core::Error::unsupported(
+                            "candle (bench room)",
+                            format!("{other:?} blocks ({}.{index})", s.prefix),
+                        ))
                     }
                 }
                 drop(w);
@@ -289,6 +295,9 @@ fn output(t: &Tensor) -> offload_core::Result<(Vec<u8>, Vec<f32>)> {
 /// every block's weights read straight from the source (no ring), then the same
 /// step streamed at depth 1 through a host store; the outputs compared.
 pub fn check_cpu(model: &Model) -> offload_core::Result<CpuCheck> {
+    if !model.computed() {
+        return Err(offload_core::Error::unsupported("candle (bench room)", format!("{}'s blocks", model.name)));
+    }
     let be = CandleBackend::cpu();
     let src = RegistrySource::new(model, 0);
     let prefixes: Vec<&str> = model.stacks.iter().map(|s| s.prefix).collect();
@@ -314,6 +323,9 @@ pub fn check_cpu(model: &Model) -> offload_core::Result<CpuCheck> {
 /// every depth, in this process.
 #[cfg(feature = "candle-cuda")]
 pub fn run(model: &Model, opts: &crate::harness::RunOptions) -> Result<crate::harness::RunDoc, String> {
+    if !model.computed() {
+        return Err(format!("candle: {}: the bench room has no candle compute for its blocks yet", model.name));
+    }
     use crate::harness::{spread, RunCase, RunDoc};
     use offload_candle::CandleCudaBackend;
     use std::time::Instant;

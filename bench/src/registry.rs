@@ -38,6 +38,17 @@ pub enum BlockKind {
     /// One stream over the concatenated tokens, attention and MLP in parallel:
     /// Flux's `FluxSingleTransformerBlock`.
     SingleStream,
+    /// Wan 2.1's block: self-attention, cross-attention to the text, FFN, a
+    /// per-block modulation table.
+    Wan,
+    /// Z-Image's block: attention and a SwiGLU feed-forward with sandwich norms
+    /// (modulated in the noise refiner and the main layers, not in the context refiner).
+    ZImage,
+    /// A T5 encoder block: self-attention with relative position bias, gated-GELU FFN.
+    T5,
+    /// A decoder layer used as an encoder (Qwen2.5-VL's language model): grouped-query
+    /// attention, SwiGLU MLP, RMS norms.
+    Decoder,
 }
 
 /// One stack of identical blocks.
@@ -51,15 +62,31 @@ pub struct Stack {
     pub kind: BlockKind,
     /// One block's parameters, names relative to `<prefix>.<i>`.
     pub params: Vec<Param>,
+    /// Blocks whose parameters differ from `params` (T5's first block holds the
+    /// relative position bias; SD3's last block only projects the context).
+    pub overrides: Vec<(usize, Vec<Param>)>,
+}
+
+impl Stack {
+    /// Block `i`'s parameters.
+    pub fn block_params(&self, i: usize) -> &[Param] {
+        self.overrides.iter().find(|(b, _)| *b == i).map_or(&self.params, |(_, p)| p)
+    }
+
+    fn bytes(&self, i: usize, elem: usize) -> u64 {
+        self.block_params(i).iter().map(|p| (p.numel() * elem) as u64).sum()
+    }
 }
 
 /// One measured case.
 #[derive(Clone, Debug, Serialize)]
 pub struct Case {
-    /// Case name (`1024`, `1328`).
+    /// Case name (`1024`, `1328`, `480x832x21`, `512`).
     pub name: String,
-    /// Image side in pixels.
+    /// Image side in pixels (the width for video; 0 for a text encoder).
     pub resolution: usize,
+    /// Latent frames (1 for images, 0 for a text encoder).
+    pub frames: usize,
     /// Image tokens (latent side / patch)².
     pub image_tokens: usize,
     /// Text tokens.
@@ -110,7 +137,7 @@ impl Model {
         let mut out = self.globals.clone();
         for s in &self.stacks {
             for i in 0..s.count {
-                out.extend(s.params.iter().map(|p| Param::new(format!("{}.{i}.{}", s.prefix, p.name), &p.shape)));
+                out.extend(s.block_params(i).iter().map(|p| Param::new(format!("{}.{i}.{}", s.prefix, p.name), &p.shape)));
             }
         }
         out
@@ -118,12 +145,18 @@ impl Model {
 
     /// Bytes of every block at `elem` bytes per element.
     pub fn block_bytes(&self, elem: usize) -> u64 {
-        self.stacks.iter().map(|s| s.count as u64 * s.params.iter().map(|p| (p.numel() * elem) as u64).sum::<u64>()).sum()
+        self.stacks.iter().map(|s| (0..s.count).map(|i| s.bytes(i, elem)).sum::<u64>()).sum()
     }
 
     /// Bytes of the largest block.
     pub fn largest_block_bytes(&self, elem: usize) -> u64 {
-        self.stacks.iter().map(|s| s.params.iter().map(|p| (p.numel() * elem) as u64).sum::<u64>()).max().unwrap_or(0)
+        self.stacks.iter().flat_map(|s| (0..s.count).map(|i| s.bytes(i, elem))).max().unwrap_or(0)
+    }
+
+    /// Whether the bench room's backend files compute every block of this model
+    /// (today: the dual- and single-stream blocks of Flux and Qwen-Image).
+    pub fn computed(&self) -> bool {
+        self.stacks.iter().all(|s| matches!(s.kind, BlockKind::DualStream | BlockKind::SingleStream) && s.overrides.is_empty())
     }
 
     /// Bytes of the non-block weights.
@@ -198,7 +231,7 @@ pub fn single_params(h: usize, hd: usize, mlp: usize) -> Vec<Param> {
 
 fn image_case(res: usize, text_tokens: usize) -> Case {
     // Both models: an 8× VAE and 2 × 2 patches, so one token per 16 × 16 pixels.
-    Case { name: res.to_string(), resolution: res, image_tokens: (res / 16) * (res / 16), text_tokens, batch: 1 }
+    Case { name: res.to_string(), resolution: res, frames: 1, image_tokens: (res / 16) * (res / 16), text_tokens, batch: 1 }
 }
 
 /// Flux-dev: 19 dual-stream + 38 single-stream blocks, hidden 3072, T5 text
@@ -229,8 +262,20 @@ pub fn flux_dev() -> Model {
         guidance: true,
         calls_per_step: 1,
         stacks: vec![
-            Stack { prefix: "transformer_blocks", count: 19, kind: BlockKind::DualStream, params: dual_params(FLUX_DUAL, h, hd, mlp) },
-            Stack { prefix: "single_transformer_blocks", count: 38, kind: BlockKind::SingleStream, params: single_params(h, hd, mlp) },
+            Stack {
+                prefix: "transformer_blocks",
+                count: 19,
+                kind: BlockKind::DualStream,
+                params: dual_params(FLUX_DUAL, h, hd, mlp),
+                overrides: vec![],
+            },
+            Stack {
+                prefix: "single_transformer_blocks",
+                count: 38,
+                kind: BlockKind::SingleStream,
+                params: single_params(h, hd, mlp),
+                overrides: vec![],
+            },
         ],
         globals,
         cases: vec![image_case(1024, 512), image_case(2048, 512)],
@@ -273,6 +318,7 @@ pub fn qwen_image() -> Model {
             count: 60,
             kind: BlockKind::DualStream,
             params: dual_params(QWEN_DUAL, h, hd, mlp),
+            overrides: vec![],
         }],
         globals,
         cases: vec![image_case(1024, 512), image_case(1328, 512)],
@@ -285,7 +331,8 @@ pub fn qwen_image() -> Model {
 }
 
 /// `model` with every width shrunk and two or three blocks per stack, the same
-/// names and block kinds: what CPU tests run the backends' files on.
+/// names and block kinds: what CPU tests run the backends' files on (models
+/// whose blocks the files compute, [`Model::computed`]).
 pub fn tiny(model: &Model) -> Model {
     let (h, hd, mlp) = (64, 32, 128);
     let names = dual_names(model);
@@ -295,9 +342,15 @@ pub fn tiny(model: &Model) -> Model {
         .map(|s| {
             let params = match s.kind {
                 BlockKind::DualStream => dual_params(names, h, hd, mlp),
-                BlockKind::SingleStream => single_params(h, hd, mlp),
+                _ => single_params(h, hd, mlp),
             };
-            Stack { prefix: s.prefix, count: s.count.min(2) + usize::from(s.kind == BlockKind::SingleStream), kind: s.kind, params }
+            Stack {
+                prefix: s.prefix,
+                count: s.count.min(2) + usize::from(s.kind == BlockKind::SingleStream),
+                kind: s.kind,
+                params,
+                overrides: vec![],
+            }
         })
         .collect();
     let (text_dim, pooled) = (48, model.pooled_dim.map(|_| 24));
@@ -324,14 +377,249 @@ pub fn tiny(model: &Model) -> Model {
         calls_per_step: model.calls_per_step,
         stacks,
         globals,
-        cases: vec![Case { name: "64".into(), resolution: 64, image_tokens: 16, text_tokens: 8, batch: 1 }],
+        cases: vec![Case { name: "64".into(), resolution: 64, frames: 1, image_tokens: 16, text_tokens: 8, batch: 1 }],
         reference: Value::Null,
+    }
+}
+
+fn stack(prefix: &'static str, count: usize, kind: BlockKind, params: Vec<Param>) -> Stack {
+    Stack { prefix, count, kind, params, overrides: vec![] }
+}
+
+fn weight(out: &mut Vec<Param>, name: &str, shape: &[usize]) {
+    out.push(Param::new(format!("{name}.weight"), shape));
+}
+
+/// SD3.5-large: 38 joint blocks (Flux's dual-stream names), hidden 2432, 38 heads
+/// of 64; the last block only projects the context (`context_pre_only`).
+pub fn sd35_large() -> Model {
+    let (h, hd, mlp) = (2432, 64, 9728);
+    let mut last: Vec<Param> = dual_params(FLUX_DUAL, h, hd, mlp)
+        .into_iter()
+        .filter(|p| !p.name.starts_with("ff_context.") && !p.name.starts_with("attn.to_add_out.") && !p.name.starts_with("norm1_context."))
+        .collect();
+    linear(&mut last, "norm1_context.linear", h, 2 * h);
+    let mut g = vec![Param::new("pos_embed.proj.weight", &[h, 16, 2, 2]), Param::new("pos_embed.proj.bias", &[h])];
+    linear(&mut g, "time_text_embed.timestep_embedder.linear_1", 256, h);
+    linear(&mut g, "time_text_embed.timestep_embedder.linear_2", h, h);
+    linear(&mut g, "time_text_embed.text_embedder.linear_1", 2048, h);
+    linear(&mut g, "time_text_embed.text_embedder.linear_2", h, h);
+    linear(&mut g, "context_embedder", 4096, h);
+    linear(&mut g, "norm_out.linear", h, 2 * h);
+    linear(&mut g, "proj_out", h, 64);
+    let mut s = stack("transformer_blocks", 38, BlockKind::DualStream, dual_params(FLUX_DUAL, h, hd, mlp));
+    s.overrides = vec![(37, last)];
+    Model {
+        name: "sd3.5-large",
+        hidden: h,
+        heads: 38,
+        head_dim: hd,
+        mlp,
+        in_channels: 64,
+        out_channels: 64,
+        text_dim: 4096,
+        pooled_dim: Some(2048),
+        guidance: false,
+        calls_per_step: 1,
+        stacks: vec![s],
+        globals: g,
+        // Text: 77 CLIP tokens + 256 T5 tokens; classifier-free guidance batched (2).
+        cases: vec![Case { name: "1024".into(), resolution: 1024, frames: 1, image_tokens: 4096, text_tokens: 333, batch: 2 }],
+        reference: json!({"module": "diffusers", "class": "SD3Transformer2DModel",
+            "config": {"sample_size": 128, "patch_size": 2, "in_channels": 16, "num_layers": 38, "attention_head_dim": 64,
+                       "num_attention_heads": 38, "joint_attention_dim": 4096, "caption_projection_dim": 2432,
+                       "pooled_projection_dim": 2048, "out_channels": 16, "pos_embed_max_size": 192, "qk_norm": "rms_norm"}}),
+    }
+}
+
+/// Wan 2.1 T2V 14B: 40 blocks, hidden 5120, 40 heads of 128, FFN 13824; text from
+/// umT5 (4096 wide, 512 tokens); 480 × 832 at 5 and 21 latent frames.
+pub fn wan21_t2v_14b() -> Model {
+    let (h, ffn) = (5120, 13824);
+    let mut p = vec![Param::new("scale_shift_table", &[1, 6, h])];
+    for a in ["attn1", "attn2"] {
+        for l in ["to_q", "to_k", "to_v", "to_out.0"] {
+            linear(&mut p, &format!("{a}.{l}"), h, h);
+        }
+        weight(&mut p, &format!("{a}.norm_q"), &[h]);
+        weight(&mut p, &format!("{a}.norm_k"), &[h]);
+    }
+    p.push(Param::new("norm2.weight", &[h]));
+    p.push(Param::new("norm2.bias", &[h]));
+    linear(&mut p, "ffn.net.0.proj", h, ffn);
+    linear(&mut p, "ffn.net.2", ffn, h);
+    let mut g = vec![
+        Param::new("scale_shift_table", &[1, 2, h]),
+        Param::new("patch_embedding.weight", &[h, 16, 1, 2, 2]),
+        Param::new("patch_embedding.bias", &[h]),
+    ];
+    linear(&mut g, "condition_embedder.time_embedder.linear_1", 256, h);
+    linear(&mut g, "condition_embedder.time_embedder.linear_2", h, h);
+    linear(&mut g, "condition_embedder.time_proj", h, 6 * h);
+    linear(&mut g, "condition_embedder.text_embedder.linear_1", 4096, h);
+    linear(&mut g, "condition_embedder.text_embedder.linear_2", h, h);
+    linear(&mut g, "proj_out", h, 64);
+    // 480 × 832 → latent 60 × 104 → 30 × 52 patches per latent frame.
+    let case = |frames: usize| Case {
+        name: format!("480x832x{frames}"),
+        resolution: 832,
+        frames,
+        image_tokens: 30 * 52 * frames,
+        text_tokens: 512,
+        batch: 1,
+    };
+    Model {
+        name: "wan2.1-t2v-14b",
+        hidden: h,
+        heads: 40,
+        head_dim: 128,
+        mlp: ffn,
+        in_channels: 64,
+        out_channels: 64,
+        text_dim: 4096,
+        pooled_dim: None,
+        guidance: false,
+        calls_per_step: 2,
+        stacks: vec![stack("blocks", 40, BlockKind::Wan, p)],
+        globals: g,
+        cases: vec![case(5), case(21)],
+        reference: json!({"module": "diffusers", "class": "WanTransformer3DModel",
+            "config": {"patch_size": [1, 2, 2], "num_attention_heads": 40, "attention_head_dim": 128, "in_channels": 16, "out_channels": 16,
+                       "text_dim": 4096, "freq_dim": 256, "ffn_dim": 13824, "num_layers": 40, "cross_attn_norm": true,
+                       "qk_norm": "rms_norm_across_heads", "eps": 1e-6}}),
+    }
+}
+
+fn zimage_params(h: usize, ffn: usize, modulated: bool) -> Vec<Param> {
+    let mut p = Vec::new();
+    weight(&mut p, "attention.norm_q", &[128]);
+    weight(&mut p, "attention.norm_k", &[128]);
+    for l in ["to_q", "to_k", "to_v", "to_out.0"] {
+        weight(&mut p, &format!("attention.{l}"), &[h, h]);
+    }
+    weight(&mut p, "feed_forward.w1", &[ffn, h]);
+    weight(&mut p, "feed_forward.w2", &[h, ffn]);
+    weight(&mut p, "feed_forward.w3", &[ffn, h]);
+    for n in ["attention_norm1", "ffn_norm1", "attention_norm2", "ffn_norm2"] {
+        weight(&mut p, n, &[h]);
+    }
+    if modulated {
+        linear(&mut p, "adaLN_modulation.0", 256, 4 * h);
+    }
+    p
+}
+
+/// Z-Image-Turbo: 2 noise-refiner + 2 context-refiner + 30 main blocks, hidden
+/// 3840, 30 heads of 128, SwiGLU 10240; captions from a 2560-wide encoder.
+pub fn z_image_turbo() -> Model {
+    let (h, ffn) = (3840, 10240);
+    let mut g = vec![Param::new("x_pad_token", &[1, h]), Param::new("cap_pad_token", &[1, h])];
+    linear(&mut g, "all_x_embedder.2-1", 64, h);
+    linear(&mut g, "all_final_layer.2-1.linear", h, 64);
+    linear(&mut g, "all_final_layer.2-1.adaLN_modulation.1", 256, h);
+    linear(&mut g, "t_embedder.mlp.0", 256, 1024);
+    linear(&mut g, "t_embedder.mlp.2", 1024, 256);
+    weight(&mut g, "cap_embedder.0", &[2560]);
+    linear(&mut g, "cap_embedder.1", 2560, h);
+    Model {
+        name: "z-image-turbo",
+        hidden: h,
+        heads: 30,
+        head_dim: 128,
+        mlp: ffn,
+        in_channels: 64,
+        out_channels: 64,
+        text_dim: 2560,
+        pooled_dim: None,
+        guidance: false,
+        calls_per_step: 1,
+        stacks: vec![
+            stack("noise_refiner", 2, BlockKind::ZImage, zimage_params(h, ffn, true)),
+            stack("context_refiner", 2, BlockKind::ZImage, zimage_params(h, ffn, false)),
+            stack("layers", 30, BlockKind::ZImage, zimage_params(h, ffn, true)),
+        ],
+        globals: g,
+        cases: vec![Case { name: "1024".into(), resolution: 1024, frames: 1, image_tokens: 4096, text_tokens: 512, batch: 1 }],
+        reference: json!({"module": "diffusers", "class": "ZImageTransformer2DModel", "config": {}}),
+    }
+}
+
+/// T5-XXL's encoder (Flux, SD3 and Wan's text encoder): 24 blocks, 4096 wide, 64
+/// heads of 64, gated-GELU 10240; 512 tokens.
+pub fn t5_xxl() -> Model {
+    let (h, ff) = (4096, 10240);
+    let mut p = Vec::new();
+    for l in ["q", "k", "v", "o"] {
+        weight(&mut p, &format!("layer.0.SelfAttention.{l}"), &[h, h]);
+    }
+    weight(&mut p, "layer.0.layer_norm", &[h]);
+    weight(&mut p, "layer.1.DenseReluDense.wi_0", &[ff, h]);
+    weight(&mut p, "layer.1.DenseReluDense.wi_1", &[ff, h]);
+    weight(&mut p, "layer.1.DenseReluDense.wo", &[h, ff]);
+    weight(&mut p, "layer.1.layer_norm", &[h]);
+    let mut first = p.clone();
+    first.insert(4, Param::new("layer.0.SelfAttention.relative_attention_bias.weight", &[32, 64]));
+    let mut s = stack("encoder.block", 24, BlockKind::T5, p);
+    s.overrides = vec![(0, first)];
+    Model {
+        name: "t5-xxl",
+        hidden: h,
+        heads: 64,
+        head_dim: 64,
+        mlp: ff,
+        in_channels: 0,
+        out_channels: 0,
+        text_dim: h,
+        pooled_dim: None,
+        guidance: false,
+        calls_per_step: 1,
+        stacks: vec![s],
+        globals: vec![Param::new("shared.weight", &[32128, h]), Param::new("encoder.final_layer_norm.weight", &[h])],
+        cases: vec![Case { name: "512".into(), resolution: 0, frames: 0, image_tokens: 0, text_tokens: 512, batch: 1 }],
+        reference: json!({"module": "transformers", "class": "T5EncoderModel", "config_class": "T5Config",
+            "config": {"d_model": 4096, "d_ff": 10240, "d_kv": 64, "num_heads": 64, "num_layers": 24, "vocab_size": 32128,
+                       "feed_forward_proj": "gated-gelu", "is_encoder_decoder": false}}),
+    }
+}
+
+/// Qwen2.5-VL-7B's language model used as Qwen-Image's text encoder: 28 decoder
+/// layers, 3584 wide, 28 query heads and 4 key-value heads of 128, SwiGLU 18944.
+pub fn qwen25_vl_7b_text() -> Model {
+    let (h, ff, kv) = (3584, 18944, 512);
+    let mut p = Vec::new();
+    linear(&mut p, "self_attn.q_proj", h, h);
+    linear(&mut p, "self_attn.k_proj", h, kv);
+    linear(&mut p, "self_attn.v_proj", h, kv);
+    weight(&mut p, "self_attn.o_proj", &[h, h]);
+    weight(&mut p, "mlp.gate_proj", &[ff, h]);
+    weight(&mut p, "mlp.up_proj", &[ff, h]);
+    weight(&mut p, "mlp.down_proj", &[h, ff]);
+    weight(&mut p, "input_layernorm", &[h]);
+    weight(&mut p, "post_attention_layernorm", &[h]);
+    Model {
+        name: "qwen2.5-vl-7b-text",
+        hidden: h,
+        heads: 28,
+        head_dim: 128,
+        mlp: ff,
+        in_channels: 0,
+        out_channels: 0,
+        text_dim: h,
+        pooled_dim: None,
+        guidance: false,
+        calls_per_step: 1,
+        stacks: vec![stack("layers", 28, BlockKind::Decoder, p)],
+        globals: vec![Param::new("embed_tokens.weight", &[152064, h]), Param::new("norm.weight", &[h])],
+        cases: vec![Case { name: "512".into(), resolution: 0, frames: 0, image_tokens: 0, text_tokens: 512, batch: 1 }],
+        reference: json!({"module": "transformers", "class": "Qwen2_5_VLTextModel", "config_class": "Qwen2_5_VLTextConfig",
+            "config": {"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
+                       "num_key_value_heads": 4, "vocab_size": 152064}}),
     }
 }
 
 /// Every model in the registry.
 pub fn models() -> Vec<Model> {
-    vec![flux_dev(), qwen_image()]
+    vec![flux_dev(), qwen_image(), sd35_large(), wan21_t2v_14b(), z_image_turbo(), t5_xxl(), qwen25_vl_7b_text()]
 }
 
 /// The model named `name`.

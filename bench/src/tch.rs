@@ -178,6 +178,9 @@ impl Net<'_> {
                     let x = joint.take().unwrap_or_else(|| Tensor::cat(&[&txt, &img], 1));
                     joint = Some(self.single(&b.w, &x, &temb, i));
                 }
+                other => {
+                    return Err(offload_core::Error::unsupported("tch (bench room)", format!("{other:?} blocks ({}.{})", b.stack, b.index)))
+                }
             }
             guard.map(|g| g.finish()).transpose()?;
         }
@@ -283,6 +286,9 @@ fn stats() -> Result<offload_tch::AllocatorStats, String> {
 /// Build `model` with random bf16 weights on GPU 0, time every case resident,
 /// then streamed at every depth, in this process.
 pub fn run(model: &Model, opts: &Options) -> Result<RunDoc, String> {
+    if !model.computed() {
+        return Err(err(format!("{}: the bench room has no tch compute for its blocks yet", model.name)));
+    }
     let dev = Device::Cuda(0);
     let be = offload_tch::cuda_backend(0).map_err(err)?;
     let _nograd = tch::no_grad_guard();
@@ -426,6 +432,9 @@ fn gib(b: u64) -> f64 {
 ///
 /// [`registry::tiny`]: crate::registry::tiny
 pub fn check_cpu(model: &Model) -> Result<CpuCheck, String> {
+    if !model.computed() {
+        return Err(err(format!("{}: the bench room has no tch compute for its blocks yet", model.name)));
+    }
     let _nograd = tch::no_grad_guard();
     tch::set_num_threads(1);
     let vs = nn::VarStore::new(Device::Cpu);

@@ -26,6 +26,24 @@ impl Param {
     pub fn numel(&self) -> usize {
         self.shape.iter().product()
     }
+
+    /// The range random weights are drawn from (the anchors use the same rule):
+    /// linear weights ±1/√fan-in, biases ±0.01, norm scales in [0.5, 1.5].
+    pub fn init_range(&self) -> (f64, f64) {
+        init_range(&self.name, &self.shape)
+    }
+}
+
+/// [`Param::init_range`] for any named, shaped tensor.
+pub fn init_range(name: &str, shape: &[usize]) -> (f64, f64) {
+    match (shape.len(), name.ends_with(".weight")) {
+        (1, true) => (0.5, 1.5),
+        (1, false) => (-0.01, 0.01),
+        _ => {
+            let a = 1.0 / (shape.get(1).copied().unwrap_or(1).max(1) as f64).sqrt();
+            (-a, a)
+        }
+    }
 }
 
 /// What a block computes (the per-backend files implement each kind).

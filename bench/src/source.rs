@@ -43,14 +43,8 @@ impl TensorSource for RegistrySource {
 
     fn read_into(&self, index: usize, dst: &mut [u8]) -> Result<()> {
         let spec = self.specs.get(index).ok_or_else(|| Error::BadTensor { tensor: format!("#{index}"), fault: "no such tensor".into() })?;
-        let (lo, hi) = match (spec.shape.len(), spec.name.ends_with(".weight")) {
-            (1, true) => (0.5f32, 1.5f32),
-            (1, false) => (-0.01, 0.01),
-            _ => {
-                let a = 1.0 / (spec.shape[1] as f32).sqrt();
-                (-a, a)
-            }
-        };
+        let (lo, hi) = crate::registry::init_range(&spec.name, &spec.shape);
+        let (lo, hi) = (lo as f32, hi as f32);
         let mut state = self.seed ^ (index as u64).wrapping_mul(0xD134_2543_DE82_EF95);
         for pair in dst.chunks_exact_mut(2) {
             let u = (next(&mut state) >> 40) as f32 / (1u64 << 24) as f32;

@@ -208,15 +208,7 @@ fn build<'m>(model: &'m Model, vs: &nn::VarStore) -> Result<Net<'m>, String> {
         let path = dirs.iter().fold(vs.root(), |path, s| path.sub(*s));
         let shape: Vec<i64> = p.shape.iter().map(|&d| d as i64).collect();
         let t = Tensor::empty(&shape, (Kind::BFloat16, dev));
-        // Linear weights at ±1/√fan-in, biases small, norm scales around 1.
-        let (lo, hi) = match (p.shape.len(), p.name.ends_with(".weight")) {
-            (1, true) => (0.5, 1.5),
-            (1, false) => (-0.01, 0.01),
-            _ => {
-                let a = 1.0 / (p.shape[1] as f64).sqrt();
-                (-a, a)
-            }
-        };
+        let (lo, hi) = p.init_range();
         let _ = path.add(last, t.uniform(lo, hi), false);
     }
     let vars = vs.variables();

@@ -176,9 +176,9 @@ impl OffloadBackend for CandleCudaBackend {
         self.engine.free_slot(slot, after)
     }
     fn copy_to_slot(&self, src: &PinnedHost, dst: &mut CandleSlot, bytes: usize, after: Option<&CheckedEvent>) -> Result<CheckedEvent> {
-        // SAFETY: `new_buffer` returns a candle tensor owning the memory at the address
-        // it gives, allocated on candle's stream (the engine's compute stream), which
-        // candle frees on that stream when the last reference drops.
+        // `new_buffer` allocates on candle's stream (the engine's compute stream), and
+        // candle frees the buffer on that stream when the last reference drops.
+        // SAFETY: `new_buffer` returns a candle tensor owning the memory at the address it gives.
         unsafe { self.engine.copy_to_slot(src, dst, bytes, after, |len| self.new_buffer(len)) }
     }
     fn compute_wait(&self, event: &CheckedEvent) -> Result<()> {

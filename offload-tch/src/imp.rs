@@ -305,9 +305,9 @@ mod cuda {
             self.engine.free_slot(slot, after)
         }
         fn copy_to_slot(&self, src: &PinnedHost, dst: &mut TchSlot, bytes: usize, after: Option<&CheckedEvent>) -> Result<CheckedEvent> {
-            // SAFETY: `new_buffer` returns a libtorch tensor owning the memory at the
-            // address it gives, from the caching allocator in the order of libtorch's
-            // stream (the engine's compute stream), which reuses it in that order.
+            // The caching allocator hands memory out in the order of libtorch's stream
+            // (the engine's compute stream) and reuses it in that order.
+            // SAFETY: `new_buffer` returns a libtorch tensor owning the memory at the address it gives.
             unsafe { self.engine.copy_to_slot(src, dst, bytes, after, |len| self.new_buffer(len)) }
         }
         fn compute_wait(&self, event: &CheckedEvent) -> Result<()> {

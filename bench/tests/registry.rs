@@ -9,8 +9,8 @@ use serde_json::Value;
 /// machine's (the same classes on the meta device; models not yet run there).
 fn committed_check() -> Vec<Value> {
     let mut all = Vec::new();
-    for f in ["2026-11-30-registry-check.json", "2026-11-30-registry-check-dev.json"] {
-        let path = format!("{}/results/{f}", env!("CARGO_MANIFEST_DIR"));
+    for f in ["2026-11-30-runner.json", "2026-11-30-dev.json"] {
+        let path = format!("{}/registry-check/{f}", env!("CARGO_MANIFEST_DIR"));
         let v: Vec<Value> = serde_json::from_str(&std::fs::read_to_string(&path).expect(&path)).expect("valid JSON");
         all.extend(v);
     }

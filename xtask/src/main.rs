@@ -311,11 +311,13 @@ fn codec_bench() -> Result<(), String> {
     let doc = serde_json::json!({
         "date": today(), "commit": commit(), "gpu": "none", "backend": "none",
         "model": "one Flux-dev-shaped dual-stream block (diffusers' shapes), normal weights at each tensor's init scale",
-        "host": format!("{} threads", runs[0]["threads"]), "repeats": runs.len(),
         "runs": (1..=runs.len()).map(|r| format!("bench/raw/{}/run{r}.json", dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default())).collect::<Vec<_>>(),
-        "compression_ratio": runs[0]["compression_ratio"], "exponent_entropy_bits": runs[0]["exponent_entropy_bits"],
-        "encode_gbps_host": spread("encode_gbps_host"), "decode_gbps_host_reference": spread("decode_gbps_host_reference"),
-        "bitwise_equal": runs.iter().all(|r| r["bitwise_equal"] == true),
+        "cases": [{
+            "case": "codec-host", "host_threads": runs[0]["threads"], "repeats": runs.len(), "block_bytes": runs[0]["block_bytes"],
+            "compression_ratio": runs[0]["compression_ratio"], "exponent_entropy_bits": runs[0]["exponent_entropy_bits"],
+            "encode_gbps_host": spread("encode_gbps_host"), "decode_gbps_host_reference": spread("decode_gbps_host_reference"),
+            "bitwise_equal": runs.iter().all(|r| r["bitwise_equal"] == true),
+        }],
     });
     let out = root().join(format!("bench/results/{}-codec-host.json", today()));
     std::fs::write(&out, serde_json::to_string_pretty(&doc).unwrap_or_default() + "\n").map_err(|e| format!("{}: {e}", out.display()))?;

@@ -6,10 +6,13 @@
 #                         process R of each of diffusers' offloaded modes (the anchors)
 #   zoo-run.sh merge      `zoo merge`: medians, spreads, bounds and the comparison,
 #                         computed from every run's file
-#   zoo-run.sh            all of it, three repeats
+#   zoo-run.sh            all of it, three repeats (merged once no run is left)
+# A run whose file is in $ZOO_DIR already is kept, so with ZOO_DEADLINE=560 the
+# same command, repeated with .zoo-out carried back, goes on where the last stopped.
 # Files collect in $ZOO_DIR (default .zoo-out beside the bundle, kept between
 # commands on a warm runner); each command also leaves $OUT/zoo.tgz, all so far.
 #   ZOO_MODELS="flux-dev qwen-image"  ZOO_ARGS="--cases 1024"  ANCHOR_MODES="block_stream leaf_stream"
+#   ZOO_CANDLE_MODELS="flux-dev"  ZOO_CANDLE_ARGS="--cases 1024"
 set -uo pipefail
 B=$(cd "$(dirname "$0")" && pwd)
 OUT=${OUT:-/tmp/offload-out}; mkdir -p "$OUT"
@@ -26,6 +29,7 @@ fi
 [ -d /tmp/site ] && export PYTHONPATH=/tmp/site
 
 registry() {
+  [ -s "$Z/registry-check.json" ] && return 0
   echo "== registry vs the reference classes"
   "$ZOO" registry --json "$Z/registry.json" && python3 "$AD/registry_check.py" "$Z/registry.json" "$Z/registry-check.json" 2>&1 | tee "$Z/registry-check.txt"
 }
@@ -36,24 +40,42 @@ if [ -z "$ZOO_CANDLE" ] && [ -f "$B/zoo-candle.gz" ]; then
   ZOO_CANDLE=/tmp/zoo-candle; gunzip -c "$B/zoo-candle.gz" > "$ZOO_CANDLE" && chmod +x "$ZOO_CANDLE"
 fi
 
+# One process run, unless its file is already there (a command can continue where
+# an earlier one stopped: carry .zoo-out back) or ZOO_DEADLINE (seconds since this
+# command began) would pass before it ends (its estimate, the third argument).
+LEFT=0
+once() {
+  local name=$1 out=$2 est=$3; shift 3
+  if [ -s "$out" ]; then echo "== $name: kept from an earlier command"; return 0; fi
+  if [ -n "${ZOO_DEADLINE:-}" ] && [ $((SECONDS + est)) -gt "$ZOO_DEADLINE" ]; then
+    echo "== $name: left for the next command (${SECONDS} s gone, about $est s needed)"; LEFT=1; return 0
+  fi
+  echo "== $name (at ${SECONDS} s)"
+  local t0=$SECONDS
+  rm -f "$out"
+  "$@"
+  echo "== $name: $((SECONDS - t0)) s"
+}
+
+run_tch() { "$ZOO" run --backend tch --model "$1" --commit "$COMMIT" --out "$2" ${ZOO_ARGS:-} 2>&1 | tee "${2%.json}.txt"; }
+run_candle() { "$ZOO_CANDLE" run --backend candle --model "$1" --commit "$COMMIT" --out "$2" ${ZOO_CANDLE_ARGS:-${ZOO_ARGS:-}} 2>&1 | tee "${2%.json}.txt"; }
+run_anchor() {
+  local A=""; [ -n "${ZOO_ARGS:-}" ] && A=$(echo " ${ZOO_ARGS}" | grep -o -- '--cases [^ ]*')
+  timeout "${ANCHOR_TIMEOUT:-300}" python3 "$AD/zoo_anchor.py" --registry "$Z/registry.json" --model "$1" --mode "$2" $A \
+    --out "$3" 2>&1 | grep -v Warning | tee "${3%.json}.txt"
+}
+
 repeat() {
   local r=$1
   [ -f "$Z/registry.json" ] || "$ZOO" registry --json "$Z/registry.json"
   for model in ${ZOO_MODELS:-flux-dev qwen-image}; do
-    echo "== $model: offload tch, run $r"
-    rm -f "$Z/tch-$model-run$r.json"
-    "$ZOO" run --backend tch --model "$model" --commit "$COMMIT" --out "$Z/tch-$model-run$r.json" ${ZOO_ARGS:-} 2>&1 | tee "$Z/tch-$model-run$r.txt"
-    if [ -n "$ZOO_CANDLE" ] && [ "${ZOO_CANDLE_RUNS:-1}" = 1 ]; then
-      echo "== $model: offload candle, run $r"
-      rm -f "$Z/candle-$model-run$r.json"
-      "$ZOO_CANDLE" run --backend candle --model "$model" --commit "$COMMIT" --out "$Z/candle-$model-run$r.json" ${ZOO_CANDLE_ARGS:-${ZOO_ARGS:-}} 2>&1 | tee "$Z/candle-$model-run$r.txt"
+    local est=$([ "$model" = flux-dev ] && echo 70 || echo 100)
+    once "$model: offload tch, run $r" "$Z/tch-$model-run$r.json" "$est" run_tch "$model" "$Z/tch-$model-run$r.json"
+    if [ -n "$ZOO_CANDLE" ] && [[ " ${ZOO_CANDLE_MODELS:-flux-dev} " == *" $model "* ]]; then
+      once "$model: offload candle, run $r" "$Z/candle-$model-run$r.json" "$est" run_candle "$model" "$Z/candle-$model-run$r.json"
     fi
     for mode in ${ANCHOR_MODES:-block_stream leaf_stream}; do
-      echo "== $model: diffusers $mode, run $r"
-      rm -f "$Z/diffusers-$model-$mode-run$r.json"
-      local A=""; [ -n "${ZOO_ARGS:-}" ] && A=$(echo " ${ZOO_ARGS}" | grep -o -- '--cases [^ ]*')
-      timeout "${ANCHOR_TIMEOUT:-300}" python3 "$AD/zoo_anchor.py" --registry "$Z/registry.json" --model "$model" --mode "$mode" $A \
-        --out "$Z/diffusers-$model-$mode-run$r.json" 2>&1 | grep -v Warning | tee "$Z/diffusers-$model-$mode-run$r.txt"
+      once "$model: diffusers $mode, run $r" "$Z/diffusers-$model-$mode-run$r.json" 110 run_anchor "$model" "$mode" "$Z/diffusers-$model-$mode-run$r.json"
     done
   done
 }
@@ -71,7 +93,7 @@ case "${1:-all}" in
   registry) registry ;;
   repeat) repeat "${2:?repeat needs a number}" ;;
   merge) merge ;;
-  all) registry; for r in $(seq 1 "${ZOO_REPEATS:-3}"); do repeat "$r"; done; merge ;;
+  all) registry; for r in $(seq 1 "${ZOO_REPEATS:-3}"); do repeat "$r"; done; [ "$LEFT" = 0 ] && merge ;;
   *) echo "usage: zoo-run.sh [registry | repeat R | merge]"; exit 2 ;;
 esac
 tar czf "$OUT/zoo.tgz" -C "$Z" .

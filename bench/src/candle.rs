@@ -371,20 +371,33 @@ pub fn run(model: &Model, opts: &crate::harness::RunOptions) -> Result<crate::ha
         }
         out.map(|o| (times, o)).ok_or_else(|| "candle: no steps".into())
     };
-    let mut out_cases = Vec::new();
-    for c in &cases {
-        let i = net.inputs(c).map_err(e)?;
-        // Resident: every block's weights on the device, read straight from the source.
+    // Resident: every block's weights on the device, read straight from the source
+    // once, every case timed, then dropped before the ring is made.
+    struct Resident {
+        times: Vec<f64>,
+        out: Vec<u8>,
+        activations: u64,
+    }
+    let mut resident = Vec::new();
+    {
         let direct = net.direct_weights(&src).map_err(e)?;
-        sync()?;
-        let before = cuda.pool_used_bytes().map_err(e)?.0;
-        cuda.reset_pool_peak().map_err(e)?;
-        let (rtimes, rout) = timed(&mut || net.step::<CandleCudaBackend>(None, Some(&direct), &i))?;
-        let activations = cuda.pool_used_bytes().map_err(e)?.1.saturating_sub(before);
-        let (rbytes, _) = output(&rout).map_err(e)?;
-        drop((direct, rout));
-        sync()?;
-        eprintln!("{} {}: resident step {:.4} s, activations {:.2} GiB", model.name, c.name, median(&rtimes), gib(activations));
+        for c in &cases {
+            let i = net.inputs(c).map_err(e)?;
+            sync()?;
+            let before = cuda.pool_used_bytes().map_err(e)?.0;
+            cuda.reset_pool_peak().map_err(e)?;
+            let (times, rout) = timed(&mut || net.step::<CandleCudaBackend>(None, Some(&direct), &i))?;
+            let activations = cuda.pool_used_bytes().map_err(e)?.1.saturating_sub(before);
+            let (out, _) = output(&rout).map_err(e)?;
+            eprintln!("{} {}: resident step {:.4} s, activations {:.2} GiB", model.name, c.name, median(&times), gib(activations));
+            resident.push(Resident { times, out, activations });
+        }
+    }
+    sync()?;
+    let mut out_cases = Vec::new();
+    for (c, r) in cases.iter().zip(&resident) {
+        let i = net.inputs(c).map_err(e)?;
+        let (rtimes, rbytes, activations) = (&r.times, &r.out, r.activations);
         for &d in &opts.depths {
             let rc = resolve(&Plan::layerwise().prefetch_depth(d), std::slice::from_ref(&inv)).map_err(e)?.components.remove(0);
             cuda.synchronize().map_err(e)?;
@@ -402,9 +415,9 @@ pub fn run(model: &Model, opts: &crate::harness::RunOptions) -> Result<crate::ha
             ring.close().map_err(e)?;
             let (sbytes, sv) = output(&out).map_err(e)?;
             let (finite, nonconstant) = check_output(&sv);
-            let equal = sbytes == rbytes;
+            let equal = &sbytes == rbytes;
             let streamed = median(&times);
-            let bound = median(&rtimes).max(total as f64 / bandwidth);
+            let bound = median(rtimes).max(total as f64 / bandwidth);
             eprintln!(
                 "{} {} d={d}: streamed {streamed:.4} s, bound {bound:.4} s, ratio {:.4}, weights {:.2} GiB (derived {:.2}), \
                  bitwise_equal {equal}, finite {finite}, nonconstant {nonconstant}, misses {misses}",

@@ -10,7 +10,7 @@ use crate::source::RegistrySource;
 use candle_core::{DType, Device, Tensor, D};
 use candle_nn::Module;
 use offload_candle::{candle_error, CandleBackend, CandleBlockExt};
-use offload_core::{resolve, BlockDiscovery, BlockGuard, DeclaredStacks, HostStore, OffloadBackend, Plan, Ring, TensorSource};
+use offload_core::{resolve, BlockDiscovery, BlockGuard, ComponentInventory, DeclaredStacks, HostStore, OffloadBackend, Plan, Ring, TensorSource};
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -282,6 +282,14 @@ impl<'m> Net<'m> {
     }
 }
 
+/// The inventory without its non-block tensors: [`Net`] keeps those on the device
+/// itself (as tch's VarStore does), so the ring must not hold a second copy (the
+/// first GPU run, 75109be, did: 128 MB over the weights limit on flux-dev).
+fn blocks_only(mut inv: ComponentInventory) -> ComponentInventory {
+    inv.non_block.clear();
+    inv
+}
+
 fn output(t: &Tensor) -> offload_core::Result<(Vec<u8>, Vec<f32>)> {
     let v = t
         .flatten_all()
@@ -301,7 +309,7 @@ pub fn check_cpu(model: &Model) -> offload_core::Result<CpuCheck> {
     let be = CandleBackend::cpu();
     let src = RegistrySource::new(model, 0);
     let prefixes: Vec<&str> = model.stacks.iter().map(|s| s.prefix).collect();
-    let inv = DeclaredStacks::new(prefixes).discover("transformer", src.specs())?;
+    let inv = blocks_only(DeclaredStacks::new(prefixes).discover("transformer", src.specs())?);
     let store = Arc::new(HostStore::build(&be, &inv, &src)?);
     let net = Net::new(model, &src, &be.device())?;
     let case = model.cases.first().ok_or_else(|| offload_core::Error::Protocol("the model has no case".into()))?;
@@ -338,7 +346,7 @@ pub fn run(model: &Model, opts: &crate::harness::RunOptions) -> Result<crate::ha
     let cases: Vec<&Case> = opts.cases.iter().map(|c| model.case(c)).collect::<Result<_, _>>()?;
     let src = RegistrySource::new(model, 0);
     let prefixes: Vec<&str> = model.stacks.iter().map(|s| s.prefix).collect();
-    let inv = DeclaredStacks::new(prefixes).discover("transformer", src.specs()).map_err(e)?;
+    let inv = blocks_only(DeclaredStacks::new(prefixes).discover("transformer", src.specs()).map_err(e)?);
     let t = Instant::now();
     let store = Arc::new(HostStore::build(&be, &inv, &src).map_err(e)?);
     let total: u64 = store.blocks().iter().map(|b| b.bytes() as u64).sum();

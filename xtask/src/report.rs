@@ -301,6 +301,7 @@ pub fn readme_tables(results: &Path) -> Result<String, String> {
         .collect();
     names.sort();
     let mut md = String::new();
+    let mut printed: Vec<String> = Vec::new();
     for name in names.iter().filter(|n| n.contains("-zoo-") && n.ends_with(".json")) {
         let d = read_json(&results.join(name))?;
         let _ = writeln!(
@@ -342,8 +343,24 @@ pub fn readme_tables(results: &Path) -> Result<String, String> {
                 yes(&c["meets_targets"]),
             );
         }
-        md.push_str("\n| model | case | diffusers | step (s) | ratio to its bound | weights on device (GiB) | activations (GiB) |\n| --- | --- | --- | --- | --- | --- | --- |\n");
-        for a in d["anchors"].as_array().into_iter().flatten() {
+        // diffusers' rows, each once: a later file merged with the same anchor runs
+        // (another backend of the same command) names them without repeating them.
+        let fresh: Vec<&Value> = d["anchors"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|a| {
+                let key = format!("{}|{}|{}|{}", a["model"], a["case"], a["mode"], a["step_streamed_s"]);
+                !printed.contains(&key) && { printed.push(key); true }
+            })
+            .collect();
+        if d["anchors"].as_array().is_some_and(|a| !a.is_empty()) && fresh.is_empty() {
+            md.push_str("\ndiffusers' rows for these cases: the table above (the same anchor runs).\n");
+        }
+        if !fresh.is_empty() {
+            md.push_str("\n| model | case | diffusers | step (s) | ratio to its bound | weights on device (GiB) | activations (GiB) |\n| --- | --- | --- | --- | --- | --- | --- |\n");
+        }
+        for a in fresh {
             let _ = writeln!(
                 md,
                 "| {} | {}² | {} | {:.3} [{:.3}, {:.3}] | {} | {:.2} | {:.2} |",

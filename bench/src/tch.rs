@@ -87,10 +87,11 @@ impl Net<'_> {
         self.model.hidden as i64
     }
 
-    /// `[B, T, H]` → `[B, heads, T, hd]`.
+    /// `[B, T, H]` → `[B, T, heads, hd]`: the projection's own layout, in which q
+    /// and k are normalised and rotated (as diffusers does); attention permutes.
     fn heads(&self, x: &Tensor) -> Tensor {
         let (b, t) = (x.size()[0], x.size()[1]);
-        x.view([b, t, self.model.heads as i64, self.model.head_dim as i64]).transpose(1, 2)
+        x.view([b, t, self.model.heads as i64, self.model.head_dim as i64])
     }
 
     fn rope(&self, x: &Tensor, i: &Inputs) -> Tensor {
@@ -101,8 +102,10 @@ impl Net<'_> {
         out.view([s[0], s[1], s[2], s[3]]).to_kind(x.kind())
     }
 
+    /// Attention over `[B, T, heads, hd]` inputs, back to `[B, T, H]`.
     fn attention(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Tensor {
-        let o = Tensor::scaled_dot_product_attention(q, k, v, None::<Tensor>, 0.0, false, None, false);
+        let (q, k, v) = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2));
+        let o = Tensor::scaled_dot_product_attention(&q, &k, &v, None::<Tensor>, 0.0, false, None, false);
         let (b, t) = (o.size()[0], o.size()[2]);
         o.transpose(1, 2).reshape([b, t, self.h()])
     }
@@ -125,9 +128,9 @@ impl Net<'_> {
                 None => y,
             }
         };
-        let qq = Tensor::cat(&[q(&nt, "add_q_proj", Some("norm_added_q")), q(&ni, "to_q", Some("norm_q"))], 2);
-        let kk = Tensor::cat(&[q(&nt, "add_k_proj", Some("norm_added_k")), q(&ni, "to_k", Some("norm_k"))], 2);
-        let vv = Tensor::cat(&[q(&nt, "add_v_proj", None), q(&ni, "to_v", None)], 2);
+        let qq = Tensor::cat(&[q(&nt, "add_q_proj", Some("norm_added_q")), q(&ni, "to_q", Some("norm_q"))], 1);
+        let kk = Tensor::cat(&[q(&nt, "add_k_proj", Some("norm_added_k")), q(&ni, "to_k", Some("norm_k"))], 1);
+        let vv = Tensor::cat(&[q(&nt, "add_v_proj", None), q(&ni, "to_v", None)], 1);
         let a = self.attention(&self.rope(&qq, i), &self.rope(&kk, i), &vv);
         let (ta, ia) = (a.narrow(1, 0, i.text_tokens), a.narrow(1, i.text_tokens, img.size()[1]));
         let img = img + &mi[2] * lin(&ia, w, "attn.to_out.0");
@@ -239,7 +242,7 @@ fn inputs(model: &Model, case: &Case, dev: Device) -> Inputs {
     let half = model.head_dim as i64 / 2;
     let pos = Tensor::arange(n + t, (Kind::Float, dev)).unsqueeze(1);
     let freqs = (Tensor::arange(half, (Kind::Float, dev)) * (-(10000f64.ln()) / half as f64)).exp().unsqueeze(0);
-    let ang = (pos * freqs).view([1, 1, n + t, half]);
+    let ang = (pos * freqs).view([1, n + t, 1, half]);
     Inputs {
         latents: r(&[b, n, model.in_channels as i64]),
         text: r(&[b, t, model.text_dim as i64]),

@@ -8,6 +8,9 @@ step of every case and then one offloaded mode (hooks stay on a model):
 
 python3 zoo_anchor.py --registry REG.json --model flux-dev --mode block_stream --cases 1024,2048 --steps 5 --out F.json
 
+Text encoders (transformers' T5EncoderModel, Qwen2_5_VLTextModel with SDPA
+attention) take seeded token ids and diffusers' `apply_group_offloading`.
+
 Writes what `zoo merge --anchors` reads (AnchorDoc): per case and mode every timed
 step, weights on the device and the resident step's activations, the output
 checked finite and not constant. Memory is measured as in offload's runs: the
@@ -25,10 +28,17 @@ import torch
 
 
 def build(ref):
-    cls = getattr(importlib.import_module(ref["module"]), ref["class"])
+    mod = importlib.import_module(ref["module"])
+    cls = getattr(mod, ref["class"])
     torch.set_default_dtype(torch.bfloat16)
     with torch.device("meta"):
-        m = cls(**ref["config"])
+        if "config_class" in ref:
+            # transformers' text encoders, with PyTorch's SDPA as attention.
+            cfg = getattr(mod, ref["config_class"])(**ref["config"])
+            cfg._attn_implementation = "sdpa"
+            m = cls(cfg)
+        else:
+            m = cls(**ref["config"])
     torch.set_default_dtype(torch.float32)
     # Materialised once on the GPU and filled there (filling 12-20 B parameters on
     # the runner's CPU takes minutes); the same scheme as offload's runs: linear
@@ -39,6 +49,12 @@ def build(ref):
     pe = getattr(m, "pos_embed", None)
     if pe is not None and any(getattr(getattr(pe, a, None), "is_meta", False) for a in ("pos_freqs", "neg_freqs")):
         m.pos_embed = type(pe)(theta=pe.theta, axes_dim=list(pe.axes_dim), scale_rope=pe.scale_rope).to("cuda")
+    # transformers' rotary tables are buffers made at construction: made again.
+    for name, sub in list(m.named_modules()):
+        if hasattr(sub, "inv_freq") and hasattr(sub, "rope_init_fn"):
+            inv, _ = sub.rope_init_fn(sub.config, torch.device("cuda"))
+            sub.inv_freq = inv
+            sub.original_inv_freq = inv
     torch.manual_seed(0)
     with torch.no_grad():
         for n, p in m.named_parameters():
@@ -50,8 +66,11 @@ def build(ref):
     return m.eval()
 
 
-def inputs(model_name, case, dev):
+def inputs(model_name, case, dev, vocab=None):
     torch.manual_seed(case["resolution"])
+    if case["image_tokens"] == 0:
+        # A text encoder: seeded token ids.
+        return dict(input_ids=torch.randint(vocab, (case["batch"], case["text_tokens"]), device=dev))
     r = lambda *s: torch.randn(*s, device=dev).to(torch.bfloat16)
     n, t, side = case["image_tokens"], case["text_tokens"], case["resolution"] // 16
     if model_name.startswith("flux"):
@@ -102,10 +121,11 @@ def main():
     spec = next(m for m in json.load(open(a.registry)) if m["name"] == a.model)
     cases = [c for c in spec["cases"] if not a.cases or c["name"] in a.cases.split(",")]
     model = build(spec["reference"])
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     out, act = [], {}
     for c in cases:
-        x = inputs(a.model, c, "cuda")
+        x = inputs(a.model, c, "cuda", vocab)
         times, peak, before, _, finite, nonconst = time_case(model, x, a.warmup, a.steps)
         act[c["name"]] = peak - before
         print(f"diffusers resident {a.model} {c['name']}: {sorted(times)[len(times) // 2]:.4f} s, activations {act[c['name']] / 2**30:.2f} GiB", flush=True)
@@ -117,9 +137,15 @@ def main():
     torch.cuda.empty_cache()
     kind = "block_level" if a.mode == "block_stream" else "leaf_level"
     kw = dict(num_blocks_per_group=1) if kind == "block_level" else {}
-    model.enable_group_offload(torch.device("cuda"), torch.device("cpu"), offload_type=kind, use_stream=True, record_stream=True, **kw)
+    if hasattr(model, "enable_group_offload"):
+        model.enable_group_offload(torch.device("cuda"), torch.device("cpu"), offload_type=kind, use_stream=True, record_stream=True, **kw)
+    else:
+        # transformers' encoders: the same hooks through diffusers' function.
+        from diffusers.hooks import apply_group_offloading
+        apply_group_offloading(model, onload_device=torch.device("cuda"), offload_device=torch.device("cpu"), offload_type=kind,
+                               use_stream=True, record_stream=True, **kw)
     for c in cases:
-        x = inputs(a.model, c, "cuda")
+        x = inputs(a.model, c, "cuda", vocab)
         times, peak, before, weights, finite, nonconst = time_case(model, x, a.warmup, a.steps)
         w = peak - (before - weights) - act[c["name"]]
         print(f"diffusers {a.mode} {a.model} {c['name']}: {sorted(times)[len(times) // 2]:.4f} s, weights {w / 2**30:.2f} GiB", flush=True)

@@ -10,7 +10,9 @@ use crate::source::RegistrySource;
 use candle_core::{DType, Device, Tensor, D};
 use candle_nn::Module;
 use offload_candle::{candle_error, CandleBackend, CandleBlockExt};
-use offload_core::{resolve, BlockDiscovery, BlockGuard, ComponentInventory, DeclaredStacks, HostStore, OffloadBackend, Plan, Ring, TensorSource};
+use offload_core::{
+    resolve, BlockDiscovery, BlockGuard, ComponentInventory, DeclaredStacks, HostStore, OffloadBackend, Plan, Ring, TensorSource,
+};
 use std::collections::HashMap;
 use std::sync::Arc;
 

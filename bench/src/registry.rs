@@ -171,8 +171,9 @@ impl Model {
         self.stacks.iter().flat_map(|s| (0..s.count).map(|i| s.bytes(i, elem))).max().unwrap_or(0)
     }
 
-    /// Whether the bench room's backend files compute every block of this model
-    /// (today: the dual- and single-stream blocks of Flux and Qwen-Image).
+    /// Whether every block is a dual- or single-stream block with no per-block
+    /// overrides (Flux, Qwen-Image): what candle's file computes (tch's file
+    /// computes more: `tch::computes`).
     pub fn computed(&self) -> bool {
         self.stacks.iter().all(|s| matches!(s.kind, BlockKind::DualStream | BlockKind::SingleStream) && s.overrides.is_empty())
     }
@@ -353,6 +354,9 @@ pub fn qwen_image() -> Model {
 /// whose blocks the files compute, [`Model::computed`]).
 pub fn tiny(model: &Model) -> Model {
     let (h, hd, mlp) = (64, 32, 128);
+    if model.in_channels == 0 {
+        return tiny_encoder(model, h, hd, mlp);
+    }
     let names = dual_names(model);
     let stacks = model
         .stacks
@@ -397,6 +401,33 @@ pub fn tiny(model: &Model) -> Model {
         globals,
         cases: vec![Case { name: "64".into(), resolution: 64, frames: 1, image_tokens: 16, text_tokens: 8, batch: 1 }],
         reference: Value::Null,
+    }
+}
+
+/// [`tiny`] for a text encoder: its stacks at two blocks (heads of `hd`, key-value
+/// heads half as many), a 50-token vocabulary, 8 tokens.
+fn tiny_encoder(model: &Model, h: usize, hd: usize, mlp: usize) -> Model {
+    let stacks = model
+        .stacks
+        .iter()
+        .map(|s| match s.kind {
+            BlockKind::T5 => t5_stack(2, h, mlp, h / hd),
+            _ => stack(s.prefix, 2, s.kind, decoder_params(h, mlp, h / 2)),
+        })
+        .collect();
+    let globals =
+        model.globals.iter().map(|p| Param::new(p.name.clone(), &if p.shape.len() == 2 { vec![50, h] } else { vec![h] })).collect();
+    Model {
+        hidden: h,
+        heads: h / hd,
+        head_dim: hd,
+        mlp,
+        text_dim: h,
+        stacks,
+        globals,
+        cases: vec![Case { name: "8".into(), resolution: 0, frames: 0, image_tokens: 0, text_tokens: 8, batch: 1 }],
+        reference: Value::Null,
+        ..model.clone()
     }
 }
 
@@ -566,19 +597,7 @@ pub fn z_image_turbo() -> Model {
 /// heads of 64, gated-GELU 10240; 512 tokens.
 pub fn t5_xxl() -> Model {
     let (h, ff) = (4096, 10240);
-    let mut p = Vec::new();
-    for l in ["q", "k", "v", "o"] {
-        weight(&mut p, &format!("layer.0.SelfAttention.{l}"), &[h, h]);
-    }
-    weight(&mut p, "layer.0.layer_norm", &[h]);
-    weight(&mut p, "layer.1.DenseReluDense.wi_0", &[ff, h]);
-    weight(&mut p, "layer.1.DenseReluDense.wi_1", &[ff, h]);
-    weight(&mut p, "layer.1.DenseReluDense.wo", &[h, ff]);
-    weight(&mut p, "layer.1.layer_norm", &[h]);
-    let mut first = p.clone();
-    first.insert(4, Param::new("layer.0.SelfAttention.relative_attention_bias.weight", &[32, 64]));
-    let mut s = stack("encoder.block", 24, BlockKind::T5, p);
-    s.overrides = vec![(0, first)];
+    let s = t5_stack(24, h, ff, 64);
     Model {
         name: "t5-xxl",
         hidden: h,
@@ -600,10 +619,28 @@ pub fn t5_xxl() -> Model {
     }
 }
 
-/// Qwen2.5-VL-7B's language model used as Qwen-Image's text encoder: 28 decoder
-/// layers, 3584 wide, 28 query heads and 4 key-value heads of 128, SwiGLU 18944.
-pub fn qwen25_vl_7b_text() -> Model {
-    let (h, ff, kv) = (3584, 18944, 512);
+/// T5 encoder blocks: block 0 also holds the relative position bias table
+/// (32 buckets × heads).
+fn t5_stack(count: usize, h: usize, ff: usize, heads: usize) -> Stack {
+    let mut p = Vec::new();
+    for l in ["q", "k", "v", "o"] {
+        weight(&mut p, &format!("layer.0.SelfAttention.{l}"), &[h, h]);
+    }
+    weight(&mut p, "layer.0.layer_norm", &[h]);
+    weight(&mut p, "layer.1.DenseReluDense.wi_0", &[ff, h]);
+    weight(&mut p, "layer.1.DenseReluDense.wi_1", &[ff, h]);
+    weight(&mut p, "layer.1.DenseReluDense.wo", &[h, ff]);
+    weight(&mut p, "layer.1.layer_norm", &[h]);
+    let mut first = p.clone();
+    first.insert(4, Param::new("layer.0.SelfAttention.relative_attention_bias.weight", &[32, heads]));
+    let mut s = stack("encoder.block", count, BlockKind::T5, p);
+    s.overrides = vec![(0, first)];
+    s
+}
+
+/// A Qwen2-style decoder layer: biased q, k, v projections (k and v `kv` wide),
+/// SwiGLU MLP `ff` wide, two RMS norms.
+fn decoder_params(h: usize, ff: usize, kv: usize) -> Vec<Param> {
     let mut p = Vec::new();
     linear(&mut p, "self_attn.q_proj", h, h);
     linear(&mut p, "self_attn.k_proj", h, kv);
@@ -614,6 +651,14 @@ pub fn qwen25_vl_7b_text() -> Model {
     weight(&mut p, "mlp.down_proj", &[h, ff]);
     weight(&mut p, "input_layernorm", &[h]);
     weight(&mut p, "post_attention_layernorm", &[h]);
+    p
+}
+
+/// Qwen2.5-VL-7B's language model used as Qwen-Image's text encoder: 28 decoder
+/// layers, 3584 wide, 28 query heads and 4 key-value heads of 128, SwiGLU 18944.
+pub fn qwen25_vl_7b_text() -> Model {
+    let (h, ff, kv) = (3584, 18944, 512);
+    let p = decoder_params(h, ff, kv);
     Model {
         name: "qwen2.5-vl-7b-text",
         hidden: h,

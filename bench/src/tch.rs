@@ -49,6 +49,35 @@ struct Inputs {
     cos: Tensor,
     sin: Tensor,
     text_tokens: i64,
+    /// Token ids `[B, T]` for a text encoder (no latents then).
+    ids: Option<Tensor>,
+}
+
+/// Whether tch's file computes every block of `model`: the dual- and single-stream
+/// blocks (Flux, Qwen-Image), T5's encoder blocks and decoder layers used as an
+/// encoder (Qwen2.5-VL's language model).
+pub fn computes(model: &Model) -> bool {
+    model.stacks.iter().all(|s| match s.kind {
+        BlockKind::DualStream | BlockKind::SingleStream | BlockKind::Decoder => s.overrides.is_empty(),
+        BlockKind::T5 => s.overrides.iter().all(|(i, _)| *i == 0),
+        BlockKind::Wan | BlockKind::ZImage => false,
+    })
+}
+
+/// T5's bidirectional relative position buckets (32 buckets, max distance 128) as
+/// an additive attention bias `[1, heads, T, T]` from block 0's table `[32, heads]`:
+/// a new tensor, so it outlives the block that served the table.
+fn t5_bias(table: &Tensor, t: i64, kind: Kind) -> Tensor {
+    let dev = table.device();
+    let pos = Tensor::arange(t, (Kind::Int64, dev));
+    let rel = pos.unsqueeze(0) - pos.unsqueeze(1);
+    let (half, exact) = (16i64, 8i64);
+    let n = rel.abs();
+    let large = (n.clamp_min(1).to_kind(Kind::Float) / exact as f64).log() / (128f64 / exact as f64).ln() * (half - exact) as f64;
+    let large = (large.to_kind(Kind::Int64) + exact).clamp_max(half - 1);
+    let bucket = rel.gt(0).to_kind(Kind::Int64) * half + n.where_self(&n.lt(exact), &large);
+    let heads = table.size()[1];
+    table.index_select(0, &bucket.flatten(0, -1)).view([t, t, heads]).permute([2, 0, 1]).unsqueeze(0).to_kind(kind)
 }
 
 fn get<'a>(w: &'a W, name: &str) -> &'a Tensor {
@@ -152,12 +181,87 @@ impl Net<'_> {
         x + &m[2] * lin(&Tensor::cat(&[a, mlp], 2), w, "proj_out")
     }
 
+    /// T5's encoder block (pre-norm self-attention without scaling, plus the
+    /// relative bias block 0 made; gated-GELU FFN).
+    fn t5(&self, w: &W, x: &Tensor, bias: &mut Option<Tensor>) -> Tensor {
+        let t = x.size()[1];
+        let pb = bias
+            .get_or_insert_with(|| t5_bias(get(w, "layer.0.SelfAttention.relative_attention_bias.weight"), t, x.kind()))
+            .shallow_clone();
+        let nobias = |x: &Tensor, name: &str| x.linear::<Tensor>(get(w, &format!("{name}.weight")), None);
+        let n = rms(x, get(w, "layer.0.layer_norm.weight"));
+        let (q, k, v) = ["q", "k", "v"].map(|l| self.heads(&nobias(&n, &format!("layer.0.SelfAttention.{l}"))).transpose(1, 2)).into();
+        let o = Tensor::scaled_dot_product_attention(&q, &k, &v, Some(pb), 0.0, false, Some(1.0), false);
+        let (b, t) = (o.size()[0], o.size()[2]);
+        let x = x + nobias(&o.transpose(1, 2).reshape([b, t, self.h()]), "layer.0.SelfAttention.o");
+        let n = rms(&x, get(w, "layer.1.layer_norm.weight"));
+        let ff = "layer.1.DenseReluDense";
+        &x + nobias(&(nobias(&n, &format!("{ff}.wi_0")).gelu("tanh") * nobias(&n, &format!("{ff}.wi_1"))), &format!("{ff}.wo"))
+    }
+
+    /// A Qwen2-style decoder layer used as an encoder: causal grouped-query
+    /// attention with rotate-half rotary positions, SwiGLU MLP, RMS norms.
+    fn decoder(&self, w: &W, x: &Tensor, i: &Inputs) -> Tensor {
+        let (b, t) = (x.size()[0], x.size()[1]);
+        let hd = self.model.head_dim as i64;
+        let n = rms(x, get(w, "input_layernorm.weight"));
+        let rot = |y: &Tensor| {
+            let half = y.narrow(-1, 0, hd / 2);
+            let other = y.narrow(-1, hd / 2, hd / 2);
+            let f = y.to_kind(Kind::Float);
+            let rotated = Tensor::cat(&[other.neg(), half], -1).to_kind(Kind::Float);
+            (f * &i.cos + rotated * &i.sin).to_kind(y.kind())
+        };
+        let split = |y: Tensor| y.view([b, t, -1, hd]);
+        let q = rot(&split(lin(&n, w, "self_attn.q_proj"))).transpose(1, 2);
+        let k = rot(&split(lin(&n, w, "self_attn.k_proj"))).transpose(1, 2);
+        let v = split(lin(&n, w, "self_attn.v_proj")).transpose(1, 2);
+        let groups = q.size()[1] / k.size()[1];
+        let (k, v) = (k.repeat_interleave_self_int(groups, 1, None), v.repeat_interleave_self_int(groups, 1, None));
+        let o = Tensor::scaled_dot_product_attention(&q, &k, &v, None::<Tensor>, 0.0, true, None, false);
+        let nobias = |x: &Tensor, name: &str| x.linear::<Tensor>(get(w, &format!("{name}.weight")), None);
+        let x = x + nobias(&o.transpose(1, 2).reshape([b, t, self.h()]), "self_attn.o_proj");
+        let n = rms(&x, get(w, "post_attention_layernorm.weight"));
+        &x + nobias(&(nobias(&n, "mlp.gate_proj").silu() * nobias(&n, "mlp.up_proj")), "mlp.down_proj")
+    }
+
+    /// A text encoder's forward call: token embeddings, every block, final norm.
+    fn encode<B: TchSlots>(&self, i: &Inputs, ids: &Tensor, mut off: Option<&mut TchOffload<B>>) -> offload_core::Result<Tensor> {
+        let g = &self.globals;
+        let t5 = g.contains_key("shared.weight");
+        let (emb, norm) = if t5 { ("shared.weight", "encoder.final_layer_norm.weight") } else { ("embed_tokens.weight", "norm.weight") };
+        let mut x = Tensor::embedding(get(g, emb), ids, -1, false, false);
+        let mut bias = None;
+        for b in &self.blocks {
+            let guard = off.as_deref_mut().map(|o| o.block(b.stack, b.index)).transpose()?;
+            x = match b.kind {
+                BlockKind::T5 => self.t5(&b.w, &x, &mut bias),
+                BlockKind::Decoder => self.decoder(&b.w, &x, i),
+                other => {
+                    return Err(offload_core::Error::unsupported(
+                        "tch (bench room)",
+                        format!("{other:?} blocks in a text encoder ({}.{})", b.stack, b.index),
+                    ))
+                }
+            };
+            guard.map(|g| g.finish()).transpose()?;
+        }
+        let out = rms(&x, get(g, norm));
+        if let Some(o) = off {
+            o.end_step()?;
+        }
+        Ok(out)
+    }
+
     fn embedder(&self, e: &Tensor, name: &str) -> Tensor {
         lin(&lin(e, &self.globals, &format!("{name}.linear_1")).silu(), &self.globals, &format!("{name}.linear_2"))
     }
 
     /// One forward call; with `off`, each block's parameters are streamed in around it.
     fn step<B: TchSlots>(&self, i: &Inputs, mut off: Option<&mut TchOffload<B>>) -> offload_core::Result<Tensor> {
+        if let Some(ids) = &i.ids {
+            return self.encode(i, ids, off);
+        }
         let g = &self.globals;
         let dev = i.latents.device();
         let mut temb = self.embedder(&sinusoid(i.t, dev), "time_text_embed.timestep_embedder");
@@ -238,6 +342,26 @@ fn inputs(model: &Model, case: &Case, dev: Device) -> Inputs {
     tch::manual_seed(case.resolution as i64);
     let r = |s: &[i64]| Tensor::randn(s, (Kind::Float, dev)).to_kind(Kind::BFloat16);
     let (b, n, t) = (case.batch as i64, case.image_tokens as i64, case.text_tokens as i64);
+    if model.in_channels == 0 {
+        // A text encoder: seeded token ids; rotate-half tables (θ = 10^6, as
+        // Qwen2.5-VL's text positions, where its three rotary sections coincide).
+        let vocab = model.globals.first().map_or(1, |p| p.shape[0] as i64);
+        let hd = model.head_dim as i64;
+        let inv = (Tensor::arange(hd / 2, (Kind::Float, dev)) * (-(1e6f64.ln()) * 2.0 / hd as f64)).exp().unsqueeze(0);
+        let ang = Tensor::arange(t, (Kind::Float, dev)).unsqueeze(1) * inv;
+        let ang = Tensor::cat(&[&ang, &ang], -1).view([1, t, 1, hd]);
+        return Inputs {
+            latents: Tensor::zeros([0], (Kind::BFloat16, dev)),
+            text: Tensor::zeros([0], (Kind::BFloat16, dev)),
+            pooled: None,
+            t: 0.0,
+            guidance: 0.0,
+            cos: ang.cos(),
+            sin: ang.sin(),
+            text_tokens: t,
+            ids: Some(Tensor::randint(vocab, [b, t], (Kind::Int64, dev))),
+        };
+    }
     // Rotary tables over text then image positions, one frequency per pair.
     let half = model.head_dim as i64 / 2;
     let pos = Tensor::arange(n + t, (Kind::Float, dev)).unsqueeze(1);
@@ -252,6 +376,7 @@ fn inputs(model: &Model, case: &Case, dev: Device) -> Inputs {
         cos: ang.cos(),
         sin: ang.sin(),
         text_tokens: t,
+        ids: None,
     }
 }
 
@@ -281,7 +406,7 @@ fn stats() -> Result<offload_tch::AllocatorStats, String> {
 /// Build `model` with random bf16 weights on GPU 0, time every case resident,
 /// then streamed at every depth, in this process.
 pub fn run(model: &Model, opts: &Options) -> Result<RunDoc, String> {
-    if !model.computed() {
+    if !computes(model) {
         return Err(err(format!("{}: the bench room has no tch compute for its blocks yet", model.name)));
     }
     let dev = Device::Cuda(0);
@@ -427,7 +552,7 @@ fn gib(b: u64) -> f64 {
 ///
 /// [`registry::tiny`]: crate::registry::tiny
 pub fn check_cpu(model: &Model) -> Result<CpuCheck, String> {
-    if !model.computed() {
+    if !computes(model) {
         return Err(err(format!("{}: the bench room has no tch compute for its blocks yet", model.name)));
     }
     let _nograd = tch::no_grad_guard();

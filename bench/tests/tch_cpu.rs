@@ -7,12 +7,25 @@ use offload_bench::registry;
 
 #[test]
 fn tiny_registry_models_stream_bitwise_equal_on_the_cpu() {
-    for m in registry::models().into_iter().filter(registry::Model::computed) {
+    for m in registry::models().into_iter().filter(offload_bench::tch::computes) {
         let tiny = registry::tiny(&m);
         let blocks: usize = tiny.stacks.iter().map(|s| s.count).sum();
         let c = offload_bench::tch::check_cpu(&tiny).unwrap_or_else(|e| panic!("{}: {e}", m.name));
         assert!(c.bitwise_equal, "{}: streamed output differs from resident", m.name);
         assert!(c.finite && c.nonconstant, "{}: output finite {} varied {}", m.name, c.finite, c.nonconstant);
         assert_eq!(c.blocks, blocks as u64, "{}: blocks served", m.name);
+    }
+}
+
+#[test]
+fn tch_computes_the_text_encoders() {
+    // The filter above must not drop the encoders silently.
+    for name in ["t5-xxl", "qwen2.5-vl-7b-text", "flux-dev", "qwen-image"] {
+        assert!(offload_bench::tch::computes(&registry::model(name).unwrap()), "{name}");
+    }
+    for name in ["wan2.1-t2v-14b", "z-image-turbo", "sd3.5-large"] {
+        let m = registry::model(name).unwrap();
+        assert!(!offload_bench::tch::computes(&m), "{name} is not computed yet");
+        assert!(offload_bench::tch::check_cpu(&m).is_err(), "{name}: refused");
     }
 }

@@ -351,7 +351,10 @@ pub fn readme_tables(results: &Path) -> Result<String, String> {
             .flatten()
             .filter(|a| {
                 let key = format!("{}|{}|{}|{}", a["model"], a["case"], a["mode"], a["step_streamed_s"]);
-                !printed.contains(&key) && { printed.push(key); true }
+                !printed.contains(&key) && {
+                    printed.push(key);
+                    true
+                }
             })
             .collect();
         if d["anchors"].as_array().is_some_and(|a| !a.is_empty()) && fresh.is_empty() {

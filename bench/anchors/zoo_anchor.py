@@ -73,6 +73,11 @@ def inputs(model_name, case, dev, vocab=None):
         return dict(input_ids=torch.randint(vocab, (case["batch"], case["text_tokens"]), device=dev))
     r = lambda *s: torch.randn(*s, device=dev).to(torch.bfloat16)
     n, t, side = case["image_tokens"], case["text_tokens"], case["resolution"] // 16
+    if model_name.startswith("sd3"):
+        # Latents as an image (16 channels at 1/8 the side), classifier-free guidance batched.
+        b, lat = case["batch"], case["resolution"] // 8
+        return dict(hidden_states=r(b, 16, lat, lat), encoder_hidden_states=r(b, t, 4096), pooled_projections=r(b, 2048),
+                    timestep=torch.full((b,), 500.0, device=dev, dtype=torch.bfloat16), return_dict=False)
     if model_name.startswith("flux"):
         ids = torch.zeros(n, 3, device=dev)
         ids[:, 1] = torch.arange(n, device=dev) // side

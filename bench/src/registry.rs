@@ -366,21 +366,22 @@ pub fn tiny(model: &Model) -> Model {
                 BlockKind::DualStream => dual_params(names, h, hd, mlp),
                 _ => single_params(h, hd, mlp),
             };
-            Stack {
-                prefix: s.prefix,
-                count: s.count.min(2) + usize::from(s.kind == BlockKind::SingleStream),
-                kind: s.kind,
-                params,
-                overrides: vec![],
-            }
+            let count = s.count.min(2) + usize::from(s.kind == BlockKind::SingleStream);
+            // SD3's last block projects the context only: kept, as the last of two.
+            let overrides = if s.kind == BlockKind::DualStream && !s.overrides.is_empty() {
+                vec![(count - 1, context_pre_only_params(h, hd, mlp))]
+            } else {
+                vec![]
+            };
+            Stack { prefix: s.prefix, count, kind: s.kind, params, overrides }
         })
         .collect();
     let (text_dim, pooled) = (48, model.pooled_dim.map(|_| 24));
     let scale = |n: usize| match n {
-        3072 => h,
-        6144 => 2 * h,
-        3584 | 4096 => text_dim,
-        768 => pooled.unwrap_or(24),
+        n if n == model.hidden => h,
+        n if n == 2 * model.hidden => 2 * h,
+        n if n == model.text_dim => text_dim,
+        n if Some(n) == model.pooled_dim => pooled.unwrap_or(24),
         n => n,
     };
     let globals =
@@ -439,15 +440,22 @@ fn weight(out: &mut Vec<Param>, name: &str, shape: &[usize]) {
     out.push(Param::new(format!("{name}.weight"), shape));
 }
 
-/// SD3.5-large: 38 joint blocks (Flux's dual-stream names), hidden 2432, 38 heads
-/// of 64; the last block only projects the context (`context_pre_only`).
-pub fn sd35_large() -> Model {
-    let (h, hd, mlp) = (2432, 64, 9728);
+/// SD3's last joint block (`context_pre_only`): the context is normalised and
+/// projected for attention only (no output projection, MLP or gates for it).
+fn context_pre_only_params(h: usize, hd: usize, mlp: usize) -> Vec<Param> {
     let mut last: Vec<Param> = dual_params(FLUX_DUAL, h, hd, mlp)
         .into_iter()
         .filter(|p| !p.name.starts_with("ff_context.") && !p.name.starts_with("attn.to_add_out.") && !p.name.starts_with("norm1_context."))
         .collect();
     linear(&mut last, "norm1_context.linear", h, 2 * h);
+    last
+}
+
+/// SD3.5-large: 38 joint blocks (Flux's dual-stream names), hidden 2432, 38 heads
+/// of 64; the last block only projects the context (`context_pre_only`).
+pub fn sd35_large() -> Model {
+    let (h, hd, mlp) = (2432, 64, 9728);
+    let last = context_pre_only_params(h, hd, mlp);
     let mut g = vec![Param::new("pos_embed.proj.weight", &[h, 16, 2, 2]), Param::new("pos_embed.proj.bias", &[h])];
     linear(&mut g, "time_text_embed.timestep_embedder.linear_1", 256, h);
     linear(&mut g, "time_text_embed.timestep_embedder.linear_2", h, h);

@@ -36,6 +36,8 @@ struct Block {
 struct Net<'m> {
     model: &'m Model,
     names: DualNames,
+    /// SD3's joint blocks: image first, no rotary positions.
+    sd3: bool,
     globals: W,
     blocks: Vec<Block>,
 }
@@ -58,7 +60,9 @@ struct Inputs {
 /// encoder (Qwen2.5-VL's language model).
 pub fn computes(model: &Model) -> bool {
     model.stacks.iter().all(|s| match s.kind {
-        BlockKind::DualStream | BlockKind::SingleStream | BlockKind::Decoder => s.overrides.is_empty(),
+        // SD3's context-only last block is a dual-stream override the file handles.
+        BlockKind::DualStream => s.overrides.iter().all(|(i, _)| *i + 1 == s.count),
+        BlockKind::SingleStream | BlockKind::Decoder => s.overrides.is_empty(),
         BlockKind::T5 => s.overrides.iter().all(|(i, _)| *i == 0),
         BlockKind::Wan | BlockKind::ZImage => false,
     })
@@ -143,13 +147,20 @@ impl Net<'_> {
         lin(&lin(x, w, &format!("{name}.net.0.proj")).gelu("tanh"), w, &format!("{name}.net.2"))
     }
 
+    /// A dual-stream block. Flux and Qwen-Image: text first in the joint sequence,
+    /// rotary positions. SD3 (`self.sd3`): image first, no rotary positions, and a
+    /// last block whose context is only projected for attention (it has no
+    /// `attn.to_add_out`; the text stream leaves it unchanged, and unused).
     fn dual(&self, w: &W, img: &Tensor, txt: &Tensor, temb: &Tensor, i: &Inputs) -> (Tensor, Tensor) {
         let n = self.names;
         let h = self.h();
         let st = temb.silu();
+        let pre_only = !w.contains_key("attn.to_add_out.weight");
         let mi: Vec<Tensor> = lin(&st, w, n.img_mod).unsqueeze(1).chunk(6, -1);
-        let mt: Vec<Tensor> = lin(&st, w, n.txt_mod).unsqueeze(1).chunk(6, -1);
-        let (ni, nt) = (modulate(img, h, &mi[0], &mi[1]), modulate(txt, h, &mt[0], &mt[1]));
+        let mt: Vec<Tensor> = lin(&st, w, n.txt_mod).unsqueeze(1).chunk(if pre_only { 2 } else { 6 }, -1);
+        let ni = modulate(img, h, &mi[0], &mi[1]);
+        // The context-only block's norm is continuous (scale, shift), not zero-gated.
+        let nt = if pre_only { modulate(txt, h, &mt[1], &mt[0]) } else { modulate(txt, h, &mt[0], &mt[1]) };
         let q = |x: &Tensor, l: &str, norm: Option<&str>| {
             let y = self.heads(&lin(x, w, &format!("attn.{l}")));
             match norm {
@@ -157,13 +168,19 @@ impl Net<'_> {
                 None => y,
             }
         };
-        let qq = Tensor::cat(&[q(&nt, "add_q_proj", Some("norm_added_q")), q(&ni, "to_q", Some("norm_q"))], 1);
-        let kk = Tensor::cat(&[q(&nt, "add_k_proj", Some("norm_added_k")), q(&ni, "to_k", Some("norm_k"))], 1);
-        let vv = Tensor::cat(&[q(&nt, "add_v_proj", None), q(&ni, "to_v", None)], 1);
-        let a = self.attention(&self.rope(&qq, i), &self.rope(&kk, i), &vv);
-        let (ta, ia) = (a.narrow(1, 0, i.text_tokens), a.narrow(1, i.text_tokens, img.size()[1]));
+        let joint = |t: Tensor, im: Tensor| if self.sd3 { Tensor::cat(&[im, t], 1) } else { Tensor::cat(&[t, im], 1) };
+        let qq = joint(q(&nt, "add_q_proj", Some("norm_added_q")), q(&ni, "to_q", Some("norm_q")));
+        let kk = joint(q(&nt, "add_k_proj", Some("norm_added_k")), q(&ni, "to_k", Some("norm_k")));
+        let vv = joint(q(&nt, "add_v_proj", None), q(&ni, "to_v", None));
+        let a = if self.sd3 { self.attention(&qq, &kk, &vv) } else { self.attention(&self.rope(&qq, i), &self.rope(&kk, i), &vv) };
+        let (nimg, ntxt) = (img.size()[1], txt.size()[1]);
+        let (ta, ia) =
+            if self.sd3 { (a.narrow(1, nimg, ntxt), a.narrow(1, 0, nimg)) } else { (a.narrow(1, 0, ntxt), a.narrow(1, ntxt, nimg)) };
         let img = img + &mi[2] * lin(&ia, w, "attn.to_out.0");
         let img = &img + &mi[5] * self.mlp(&modulate(&img, h, &mi[3], &mi[4]), w, n.img_mlp);
+        if pre_only {
+            return (img, txt.shallow_clone());
+        }
         let txt = txt + &mt[2] * lin(&ta, w, "attn.to_add_out");
         let txt = &txt + &mt[5] * self.mlp(&modulate(&txt, h, &mt[3], &mt[4]), w, n.txt_mlp);
         (img, txt)
@@ -267,10 +284,15 @@ impl Net<'_> {
         let mut temb = self.embedder(&sinusoid(i.t, dev), "time_text_embed.timestep_embedder");
         let (mut img, mut txt);
         if let Some(pooled) = &i.pooled {
-            temb = temb
-                + self.embedder(&sinusoid(i.guidance, dev), "time_text_embed.guidance_embedder")
-                + self.embedder(pooled, "time_text_embed.text_embedder");
-            img = lin(&i.latents, g, "x_embedder");
+            if self.model.guidance {
+                temb = temb + self.embedder(&sinusoid(i.guidance, dev), "time_text_embed.guidance_embedder");
+            }
+            temb = temb + self.embedder(pooled, "time_text_embed.text_embedder");
+            img = match g.get("pos_embed.proj.weight") {
+                // SD3's 2×2 patch convolution as a linear over patchified latents.
+                Some(conv) => i.latents.linear(&conv.view([self.h(), -1]), Some(get(g, "pos_embed.proj.bias"))),
+                None => lin(&i.latents, g, "x_embedder"),
+            };
             txt = lin(&i.text, g, "context_embedder");
         } else {
             img = lin(&i.latents, g, "img_in");
@@ -334,7 +356,7 @@ fn build<'m>(model: &'m Model, vs: &nn::VarStore) -> Result<Net<'m>, String> {
             blocks.push(Block { stack: s.prefix, index: i, kind: s.kind, w: pick(&format!("{}.{i}.", s.prefix)) });
         }
     }
-    let net = Net { model, names: dual_names(model), globals, blocks };
+    let net = Net { model, names: dual_names(model), sd3: model.name.starts_with("sd3"), globals, blocks };
     Ok(net)
 }
 

@@ -18,12 +18,17 @@ fn tiny_registry_models_stream_bitwise_equal_on_the_cpu() {
 }
 
 #[test]
-fn tch_computes_the_text_encoders() {
-    // The filter above must not drop the encoders silently.
-    for name in ["t5-xxl", "qwen2.5-vl-7b-text", "flux-dev", "qwen-image"] {
+fn tch_computes_the_text_encoders_and_sd3() {
+    // The filter above must not drop these silently.
+    for name in ["t5-xxl", "qwen2.5-vl-7b-text", "flux-dev", "qwen-image", "sd3.5-large"] {
         assert!(offload_bench::tch::computes(&registry::model(name).unwrap()), "{name}");
     }
-    for name in ["wan2.1-t2v-14b", "z-image-turbo", "sd3.5-large"] {
+    // The shrunk SD3 keeps its context-only last block.
+    let sd3 = registry::tiny(&registry::model("sd3.5-large").unwrap());
+    let s = &sd3.stacks[0];
+    assert!(!s.block_params(s.count - 1).iter().any(|p| p.name.starts_with("attn.to_add_out")));
+    assert!(s.block_params(0).iter().any(|p| p.name.starts_with("attn.to_add_out")));
+    for name in ["wan2.1-t2v-14b", "z-image-turbo"] {
         let m = registry::model(name).unwrap();
         assert!(!offload_bench::tch::computes(&m), "{name} is not computed yet");
         assert!(offload_bench::tch::check_cpu(&m).is_err(), "{name}: refused");

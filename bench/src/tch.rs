@@ -285,9 +285,9 @@ impl Net<'_> {
         let (mut img, mut txt);
         if let Some(pooled) = &i.pooled {
             if self.model.guidance {
-                temb = temb + self.embedder(&sinusoid(i.guidance, dev), "time_text_embed.guidance_embedder");
+                temb += self.embedder(&sinusoid(i.guidance, dev), "time_text_embed.guidance_embedder");
             }
-            temb = temb + self.embedder(pooled, "time_text_embed.text_embedder");
+            temb += self.embedder(pooled, "time_text_embed.text_embedder");
             img = match g.get("pos_embed.proj.weight") {
                 // SD3's 2×2 patch convolution as a linear over patchified latents.
                 Some(conv) => i.latents.linear(&conv.view([self.h(), -1]), Some(get(g, "pos_embed.proj.bias"))),

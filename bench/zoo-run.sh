@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The bench room on the GPU runner, from the bundle (`cargo xtask gpu-bundle`).
 #   zoo-run.sh registry   the registry checked against the reference classes
-#   zoo-run.sh repeat R   per model: process run R of offload's tch backend (and candle's,
-#                         where the bundle has zoo-candle.gz), then
+#   zoo-run.sh repeat R   per model: process run R of offload's tch backend, cuda's (its
+#                         reference model; flux-dev by default) and candle's (where the
+#                         bundle has zoo-candle.gz), then
 #                         process R of each of diffusers' offloaded modes (the anchors)
 #   zoo-run.sh merge      `zoo merge`: medians, spreads, bounds and the comparison,
 #                         computed from every run's file
@@ -12,7 +13,7 @@
 # Files collect in $ZOO_DIR (default .zoo-out beside the bundle, kept between
 # commands on a warm runner); each command also leaves $OUT/zoo.tgz, all so far.
 #   ZOO_MODELS="flux-dev qwen-image"  ZOO_ARGS="--cases 1024"  ANCHOR_MODES="block_stream leaf_stream"
-#   ZOO_CANDLE_MODELS="flux-dev"  ZOO_CANDLE_ARGS="--cases 1024"
+#   ZOO_CANDLE_MODELS="flux-dev"  ZOO_CANDLE_ARGS="--cases 1024"  ZOO_CUDA_MODELS="flux-dev" (empty: none)  ZOO_CUDA_ARGS
 set -uo pipefail
 B=$(cd "$(dirname "$0")" && pwd)
 OUT=${OUT:-/tmp/offload-out}; mkdir -p "$OUT"
@@ -58,6 +59,7 @@ once() {
 }
 
 run_tch() { "$ZOO" run --backend tch --model "$1" --commit "$COMMIT" --out "$2" ${ZOO_ARGS:-} 2>&1 | tee "${2%.json}.txt"; }
+run_cuda() { "$ZOO" run --backend cuda --model "$1" --commit "$COMMIT" --out "$2" ${ZOO_CUDA_ARGS:-${ZOO_ARGS:-}} 2>&1 | tee "${2%.json}.txt"; }
 run_candle() { "$ZOO_CANDLE" run --backend candle --model "$1" --commit "$COMMIT" --out "$2" ${ZOO_CANDLE_ARGS:-${ZOO_ARGS:-}} 2>&1 | tee "${2%.json}.txt"; }
 run_anchor() {
   local A=""; [ -n "${ZOO_ARGS:-}" ] && A=$(echo " ${ZOO_ARGS}" | grep -o -- '--cases [^ ]*')
@@ -71,6 +73,9 @@ repeat() {
   for model in ${ZOO_MODELS:-flux-dev qwen-image}; do
     local est=$([ "$model" = flux-dev ] && echo 70 || echo 100)
     once "$model: offload tch, run $r" "$Z/tch-$model-run$r.json" "$est" run_tch "$model" "$Z/tch-$model-run$r.json"
+    if [[ " ${ZOO_CUDA_MODELS:-flux-dev} " == *" $model "* ]]; then
+      once "$model: offload cuda, run $r" "$Z/cuda-$model-run$r.json" "$est" run_cuda "$model" "$Z/cuda-$model-run$r.json"
+    fi
     if [ -n "$ZOO_CANDLE" ] && [[ " ${ZOO_CANDLE_MODELS:-flux-dev} " == *" $model "* ]]; then
       once "$model: offload candle, run $r" "$Z/candle-$model-run$r.json" "$est" run_candle "$model" "$Z/candle-$model-run$r.json"
     fi
@@ -82,7 +87,7 @@ repeat() {
 
 merge() {
   echo "== merge"
-  for be in tch candle; do
+  for be in tch cuda candle; do
     rm -f "$Z/zoo-$be.json"
     ls "$Z"/$be-*-run*.json >/dev/null 2>&1 || continue
     "$ZOO" merge --min-repeats "${ZOO_REPEATS:-3}" --out "$Z/zoo-$be.json" "$Z"/$be-*-run*.json --anchors "$Z"/diffusers-*-run*.json 2>&1 | tee -a "$Z/merge.txt"

@@ -38,6 +38,7 @@ mod error;
 pub mod fold;
 pub mod fresh;
 mod memory;
+pub mod reference;
 
 pub use cudarc;
 pub use device::{driver_present, CudaBackend, CudaCounters, POISON};

@@ -116,7 +116,7 @@ fn lint() -> Result<(), String> {
         "--workspace",
         "--all-targets",
         "--features",
-        "offload/sim,offload/candle,offload/vulkan,offload-tests/cuda,offload-tests/candle,offload-tests/tch,offload-tests/vulkan,offload-bench/candle,offload-bench/tch",
+        "offload/sim,offload/candle,offload/vulkan,offload-tests/cuda,offload-tests/candle,offload-tests/tch,offload-tests/vulkan,offload-bench/candle,offload-bench/tch,offload-bench/cuda",
         "--",
         "-D",
         "warnings",
@@ -135,7 +135,7 @@ fn lint() -> Result<(), String> {
         "offload-bench",
         "--all-targets",
         "--features",
-        "offload-tests/tch-cuda,offload-tch/cuda,offload-bench/tch-cuda",
+        "offload-tests/tch-cuda,offload-tch/cuda,offload-bench/tch-cuda,offload-bench/cuda",
     ]);
     c.args(["--", "-D", "warnings"]);
     run(c)?;
@@ -208,7 +208,7 @@ fn bench(args: &[String]) -> Result<(), String> {
             // the merged file in bench/results.
             ensure_libtorch()?;
             let mut c = cargo();
-            c.args(["build", "-q", "-p", "offload-bench", "--features", "tch-cuda", "--bin", "zoo"]);
+            c.args(["build", "-q", "-p", "offload-bench", "--features", "tch-cuda,cuda", "--bin", "zoo"]);
             run(c)?;
             let raw = root().join(format!("bench/raw/{}-zoo-{}", today(), commit()));
             let mut c = Command::new("bash");
@@ -409,7 +409,7 @@ fn gpu_bundle(args: &[String]) -> Result<(), String> {
     std::fs::copy(root().join("target/debug/conformance"), dir.join("conformance-tch")).map_err(|e| format!("conformance-tch: {e}"))?;
     // The bench room's driver with tch's file plugged in.
     let mut c = cargo();
-    c.args(["build", "-p", "offload-bench", "--features", "tch-cuda", "--bin", "zoo"]);
+    c.args(["build", "-p", "offload-bench", "--features", "tch-cuda,cuda", "--bin", "zoo"]);
     run(c)?;
     std::fs::copy(root().join("target/debug/zoo"), dir.join("zoo")).map_err(|e| format!("zoo: {e}"))?;
     let mut c = Command::new("strip");

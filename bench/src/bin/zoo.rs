@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! zoo registry [--json F]                      the registry (names, shapes, references) as JSON
-//! zoo run --backend tch|candle --model M [--cases 1024,2048] [--depths 1] [--steps 5] [--warmup 1] [--commit C] --out F
+//! zoo run --backend tch|candle|cuda --model M [--cases 1024,2048] [--depths 1] [--steps 5] [--warmup 1] [--commit C] --out F
 //!                                              one process run (needs a GPU)
 //! zoo merge --out F [--min-repeats 3] RUN.json... [--anchors A.json...]
 //!                                              medians, spreads, bounds and the comparison, computed from the runs
@@ -74,9 +74,13 @@ fn run(args: &[String]) -> Result<(), String> {
                 "tch" => offload_bench::tch::run(&model, &opts),
                 #[cfg(feature = "candle-cuda")]
                 "candle" => offload_bench::candle::run(&model, &opts),
+                #[cfg(feature = "cuda")]
+                "cuda" => offload_bench::cuda::run(&model, &opts),
                 other => {
                     let _ = opts;
-                    Err(format!("backend {other:?} is not built into this zoo (features: tch-cuda for tch, candle-cuda for candle)"))
+                    Err(format!(
+                        "backend {other:?} is not built into this zoo (features: tch-cuda for tch, candle-cuda for candle, cuda for cuda)"
+                    ))
                 }
             };
             write(out, &doc?)

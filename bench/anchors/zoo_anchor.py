@@ -44,11 +44,19 @@ def build(ref):
     # the runner's CPU takes minutes); the same scheme as offload's runs: linear
     # weights at +-1/sqrt(fan-in), biases +-0.01, norm scales in [0.5, 1.5].
     m = m.to_empty(device="cuda")
+    # Buffers come out of to_empty uninitialised (NaN is possible): zeros first,
+    # then the tables this script knows are remade with their real values.
+    with torch.no_grad():
+        for buf in m.buffers():
+            buf.zero_()
     # Tables a module computes at construction outside its buffers (Qwen-Image's
     # QwenEmbedRope.pos_freqs) stay on the meta device: build that module again.
     pe = getattr(m, "pos_embed", None)
     if pe is not None and any(getattr(getattr(pe, a, None), "is_meta", False) for a in ("pos_freqs", "neg_freqs")):
         m.pos_embed = type(pe)(theta=pe.theta, axes_dim=list(pe.axes_dim), scale_rope=pe.scale_rope).to("cuda")
+    rope = getattr(m, "rope", None)
+    if rope is not None and type(rope).__name__ == "WanRotaryPosEmbed":
+        m.rope = type(rope)(rope.attention_head_dim, rope.patch_size, rope.max_seq_len).to("cuda")
     # transformers' rotary tables are buffers made at construction: made again.
     for name, sub in list(m.named_modules()):
         if hasattr(sub, "inv_freq") and hasattr(sub, "rope_init_fn"):
@@ -73,6 +81,10 @@ def inputs(model_name, case, dev, vocab=None):
         return dict(input_ids=torch.randint(vocab, (case["batch"], case["text_tokens"]), device=dev))
     r = lambda *s: torch.randn(*s, device=dev).to(torch.bfloat16)
     n, t, side = case["image_tokens"], case["text_tokens"], case["resolution"] // 16
+    if model_name.startswith("wan"):
+        # 480 × 832 video latents: 16 channels, the case's latent frames, 60 × 104.
+        return dict(hidden_states=r(case["batch"], 16, case["frames"], 60, 104), encoder_hidden_states=r(case["batch"], t, 4096),
+                    timestep=torch.full((case["batch"],), 500.0, device=dev, dtype=torch.bfloat16), return_dict=False)
     if model_name.startswith("sd3"):
         # Latents as an image (16 channels at 1/8 the side), classifier-free guidance batched.
         b, lat = case["batch"], case["resolution"] // 8

@@ -364,6 +364,7 @@ pub fn tiny(model: &Model) -> Model {
         .map(|s| {
             let params = match s.kind {
                 BlockKind::DualStream => dual_params(names, h, hd, mlp),
+                BlockKind::Wan => wan_params(h, mlp),
                 _ => single_params(h, hd, mlp),
             };
             let count = s.count.min(2) + usize::from(s.kind == BlockKind::SingleStream);
@@ -380,6 +381,7 @@ pub fn tiny(model: &Model) -> Model {
     let scale = |n: usize| match n {
         n if n == model.hidden => h,
         n if n == 2 * model.hidden => 2 * h,
+        n if n == 6 * model.hidden => 6 * h,
         n if n == model.text_dim => text_dim,
         n if Some(n) == model.pooled_dim => pooled.unwrap_or(24),
         n => n,
@@ -489,10 +491,10 @@ pub fn sd35_large() -> Model {
     }
 }
 
-/// Wan 2.1 T2V 14B: 40 blocks, hidden 5120, 40 heads of 128, FFN 13824; text from
-/// umT5 (4096 wide, 512 tokens); 480 × 832 at 5 and 21 latent frames.
-pub fn wan21_t2v_14b() -> Model {
-    let (h, ffn) = (5120, 13824);
+/// A Wan 2.1 block's parameters: its modulation table, self- and
+/// cross-attention with q and k normalised across heads, the cross-attention's
+/// affine norm, the FFN.
+pub fn wan_params(h: usize, ffn: usize) -> Vec<Param> {
     let mut p = vec![Param::new("scale_shift_table", &[1, 6, h])];
     for a in ["attn1", "attn2"] {
         for l in ["to_q", "to_k", "to_v", "to_out.0"] {
@@ -505,6 +507,14 @@ pub fn wan21_t2v_14b() -> Model {
     p.push(Param::new("norm2.bias", &[h]));
     linear(&mut p, "ffn.net.0.proj", h, ffn);
     linear(&mut p, "ffn.net.2", ffn, h);
+    p
+}
+
+/// Wan 2.1 T2V 14B: 40 blocks, hidden 5120, 40 heads of 128, FFN 13824; text from
+/// umT5 (4096 wide, 512 tokens); 480 × 832 at 5 and 21 latent frames.
+pub fn wan21_t2v_14b() -> Model {
+    let (h, ffn) = (5120, 13824);
+    let p = wan_params(h, ffn);
     let mut g = vec![
         Param::new("scale_shift_table", &[1, 2, h]),
         Param::new("patch_embedding.weight", &[h, 16, 1, 2, 2]),

@@ -64,8 +64,19 @@ pub fn computes(model: &Model) -> bool {
         BlockKind::DualStream => s.overrides.iter().all(|(i, _)| *i + 1 == s.count),
         BlockKind::SingleStream | BlockKind::Decoder => s.overrides.is_empty(),
         BlockKind::T5 => s.overrides.iter().all(|(i, _)| *i == 0),
-        BlockKind::Wan | BlockKind::ZImage => false,
+        BlockKind::Wan => s.overrides.is_empty(),
+        BlockKind::ZImage => false,
     })
+}
+
+/// Rotary positions on adjacent pairs of the last dimension of `x` `[B, T, heads,
+/// hd]`, with tables `[1, T, 1, hd / 2]`, computed in f32.
+fn rope_pairs(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
+    let s = x.size();
+    let f = x.to_kind(Kind::Float).view([s[0], s[1], s[2], s[3] / 2, 2]);
+    let (re, im) = (f.select(-1, 0), f.select(-1, 1));
+    let out = Tensor::stack(&[&re * cos - &im * sin, &re * sin + &im * cos], -1);
+    out.view([s[0], s[1], s[2], s[3]]).to_kind(x.kind())
 }
 
 /// T5's bidirectional relative position buckets (32 buckets, max distance 128) as
@@ -128,11 +139,7 @@ impl Net<'_> {
     }
 
     fn rope(&self, x: &Tensor, i: &Inputs) -> Tensor {
-        let s = x.size();
-        let f = x.to_kind(Kind::Float).view([s[0], s[1], s[2], s[3] / 2, 2]);
-        let (re, im) = (f.select(-1, 0), f.select(-1, 1));
-        let out = Tensor::stack(&[&re * &i.cos - &im * &i.sin, &re * &i.sin + &im * &i.cos], -1);
-        out.view([s[0], s[1], s[2], s[3]]).to_kind(x.kind())
+        rope_pairs(x, &i.cos, &i.sin)
     }
 
     /// Attention over `[B, T, heads, hd]` inputs, back to `[B, T, H]`.
@@ -196,6 +203,70 @@ impl Net<'_> {
         let v = self.heads(&lin(&nx, w, "attn.to_v"));
         let a = self.attention(&self.rope(&q, i), &self.rope(&k, i), &v);
         x + &m[2] * lin(&Tensor::cat(&[a, mlp], 2), w, "proj_out")
+    }
+
+    /// A Wan 2.1 block over the video tokens `x` with the projected text `ctx` and
+    /// the step's modulation `tproj` `[B, 6, H]`: modulated self-attention (q and k
+    /// normalised across heads, rotary positions), cross-attention to the text
+    /// after an affine norm, modulated FFN.
+    fn wan(&self, w: &W, x: &Tensor, ctx: &Tensor, tproj: &Tensor, i: &Inputs) -> Tensor {
+        let h = self.h();
+        let m: Vec<Tensor> = (get(w, "scale_shift_table") + tproj).chunk(6, 1);
+        let qk = |x: &Tensor, a: &str, l: &str, norm: &str| {
+            self.heads(&rms(&lin(x, w, &format!("{a}.{l}")), get(w, &format!("{a}.{norm}.weight"))))
+        };
+        let n1 = modulate(x, h, &m[0], &m[1]);
+        let n = x.size()[1];
+        let (cos, sin) = (i.cos.narrow(1, 0, n), i.sin.narrow(1, 0, n));
+        let rot = |y: &Tensor| rope_pairs(y, &cos, &sin);
+        let q = rot(&qk(&n1, "attn1", "to_q", "norm_q"));
+        let k = rot(&qk(&n1, "attn1", "to_k", "norm_k"));
+        let v = self.heads(&lin(&n1, w, "attn1.to_v"));
+        let x = x + lin(&self.attention(&q, &k, &v), w, "attn1.to_out.0") * &m[2];
+        let n2 = x.layer_norm([h], Some(get(w, "norm2.weight")), Some(get(w, "norm2.bias")), 1e-6, false);
+        let q = qk(&n2, "attn2", "to_q", "norm_q");
+        let k = qk(ctx, "attn2", "to_k", "norm_k");
+        let v = self.heads(&lin(ctx, w, "attn2.to_v"));
+        let x = &x + lin(&self.attention(&q, &k, &v), w, "attn2.to_out.0");
+        &x + self.mlp(&modulate(&x, h, &m[3], &m[4]), w, "ffn") * &m[5]
+    }
+
+    /// A Wan 2.1 forward call: patch embedding (the 1 × 2 × 2 convolution as a
+    /// linear over patchified latents), time and text embedders, every block,
+    /// the modulated output norm and projection.
+    fn video<B: TchSlots>(&self, i: &Inputs, mut off: Option<&mut TchOffload<B>>) -> offload_core::Result<Tensor> {
+        let g = &self.globals;
+        let dev = i.latents.device();
+        let h = self.h();
+        let mut x = i.latents.linear(&get(g, "patch_embedding.weight").view([h, -1]), Some(get(g, "patch_embedding.bias")));
+        let temb = lin(
+            &lin(&sinusoid(i.t, dev), g, "condition_embedder.time_embedder.linear_1").silu(),
+            g,
+            "condition_embedder.time_embedder.linear_2",
+        );
+        let b = temb.size()[0];
+        let tproj = lin(&temb.silu(), g, "condition_embedder.time_proj").view([b, 6, h]);
+        let ctx =
+            lin(&lin(&i.text, g, "condition_embedder.text_embedder.linear_1").gelu("tanh"), g, "condition_embedder.text_embedder.linear_2");
+        for blk in &self.blocks {
+            let guard = off.as_deref_mut().map(|o| o.block(blk.stack, blk.index)).transpose()?;
+            x = match blk.kind {
+                BlockKind::Wan => self.wan(&blk.w, &x, &ctx, &tproj, i),
+                other => {
+                    return Err(offload_core::Error::unsupported(
+                        "tch (bench room)",
+                        format!("{other:?} blocks in a Wan model ({}.{})", blk.stack, blk.index),
+                    ))
+                }
+            };
+            guard.map(|g| g.finish()).transpose()?;
+        }
+        let e: Vec<Tensor> = (get(g, "scale_shift_table") + temb.unsqueeze(1)).chunk(2, 1);
+        let out = lin(&modulate(&x, h, &e[0], &e[1]), g, "proj_out");
+        if let Some(o) = off {
+            o.end_step()?;
+        }
+        Ok(out)
     }
 
     /// T5's encoder block (pre-norm self-attention without scaling, plus the
@@ -278,6 +349,9 @@ impl Net<'_> {
     fn step<B: TchSlots>(&self, i: &Inputs, mut off: Option<&mut TchOffload<B>>) -> offload_core::Result<Tensor> {
         if let Some(ids) = &i.ids {
             return self.encode(i, ids, off);
+        }
+        if self.blocks.first().is_some_and(|b| b.kind == BlockKind::Wan) {
+            return self.video(i, off);
         }
         let g = &self.globals;
         let dev = i.latents.device();

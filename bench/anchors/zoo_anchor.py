@@ -81,6 +81,10 @@ def inputs(model_name, case, dev, vocab=None):
         return dict(input_ids=torch.randint(vocab, (case["batch"], case["text_tokens"]), device=dev))
     r = lambda *s: torch.randn(*s, device=dev).to(torch.bfloat16)
     n, t, side = case["image_tokens"], case["text_tokens"], case["resolution"] // 16
+    if model_name.startswith("z-image"):
+        # Lists per sample: latents [16, 1, H/8, W/8] and caption features [L, 2560].
+        lat = case["resolution"] // 8
+        return dict(x=[r(16, 1, lat, lat)], t=torch.tensor([0.5], device=dev), cap_feats=[r(t, 2560)], return_dict=False)
     if model_name.startswith("wan"):
         # 480 × 832 video latents: 16 channels, the case's latent frames, 60 × 104.
         return dict(hidden_states=r(case["batch"], 16, case["frames"], 60, 104), encoder_hidden_states=r(case["batch"], t, 4096),
@@ -119,6 +123,8 @@ def time_case(model, x, warmup, steps):
             evs[i + 1].record()
         torch.cuda.synchronize()
     times = [evs[i].elapsed_time(evs[i + 1]) / 1e3 for i in range(steps)]
+    if isinstance(out, (list, tuple)):  # Z-Image returns one tensor per sample
+        out = torch.cat([o.flatten() for o in out])
     f = out.float()
     return times, torch.cuda.max_memory_allocated(), before, weights, bool(torch.isfinite(f).all()), bool((f != f.flatten()[0]).any())
 

@@ -365,6 +365,7 @@ pub fn tiny(model: &Model) -> Model {
             let params = match s.kind {
                 BlockKind::DualStream => dual_params(names, h, hd, mlp),
                 BlockKind::Wan => wan_params(h, mlp),
+                BlockKind::ZImage => zimage_params(h, hd, mlp, s.params.iter().any(|p| p.name.starts_with("adaLN_modulation"))),
                 _ => single_params(h, hd, mlp),
             };
             let count = s.count.min(2) + usize::from(s.kind == BlockKind::SingleStream);
@@ -557,10 +558,10 @@ pub fn wan21_t2v_14b() -> Model {
     }
 }
 
-fn zimage_params(h: usize, ffn: usize, modulated: bool) -> Vec<Param> {
+fn zimage_params(h: usize, hd: usize, ffn: usize, modulated: bool) -> Vec<Param> {
     let mut p = Vec::new();
-    weight(&mut p, "attention.norm_q", &[128]);
-    weight(&mut p, "attention.norm_k", &[128]);
+    weight(&mut p, "attention.norm_q", &[hd]);
+    weight(&mut p, "attention.norm_k", &[hd]);
     for l in ["to_q", "to_k", "to_v", "to_out.0"] {
         weight(&mut p, &format!("attention.{l}"), &[h, h]);
     }
@@ -601,9 +602,9 @@ pub fn z_image_turbo() -> Model {
         guidance: false,
         calls_per_step: 1,
         stacks: vec![
-            stack("noise_refiner", 2, BlockKind::ZImage, zimage_params(h, ffn, true)),
-            stack("context_refiner", 2, BlockKind::ZImage, zimage_params(h, ffn, false)),
-            stack("layers", 30, BlockKind::ZImage, zimage_params(h, ffn, true)),
+            stack("noise_refiner", 2, BlockKind::ZImage, zimage_params(h, 128, ffn, true)),
+            stack("context_refiner", 2, BlockKind::ZImage, zimage_params(h, 128, ffn, false)),
+            stack("layers", 30, BlockKind::ZImage, zimage_params(h, 128, ffn, true)),
         ],
         globals: g,
         cases: vec![Case { name: "1024".into(), resolution: 1024, frames: 1, image_tokens: 4096, text_tokens: 512, batch: 1 }],

@@ -64,8 +64,7 @@ pub fn computes(model: &Model) -> bool {
         BlockKind::DualStream => s.overrides.iter().all(|(i, _)| *i + 1 == s.count),
         BlockKind::SingleStream | BlockKind::Decoder => s.overrides.is_empty(),
         BlockKind::T5 => s.overrides.iter().all(|(i, _)| *i == 0),
-        BlockKind::Wan => s.overrides.is_empty(),
-        BlockKind::ZImage => false,
+        BlockKind::Wan | BlockKind::ZImage => s.overrides.is_empty(),
     })
 }
 
@@ -269,6 +268,74 @@ impl Net<'_> {
         Ok(out)
     }
 
+    /// A Z-Image block: sandwich RMS norms around attention (q and k normalised
+    /// per head, rotary positions from `pos`, the first position of this block's
+    /// sequence in the step's tables) and a SwiGLU feed-forward; modulated (scales
+    /// and tanh gates from `adaln`) where the block has `adaLN_modulation`.
+    fn zimage(&self, w: &W, x: &Tensor, adaln: &Tensor, pos: i64, i: &Inputs) -> Tensor {
+        let n = x.size()[1];
+        let norm = |y: &Tensor, name: &str| rms(y, get(w, &format!("{name}.weight")));
+        let nobias = |y: &Tensor, name: &str| y.linear::<Tensor>(get(w, &format!("{name}.weight")), None);
+        let m: Option<Vec<Tensor>> =
+            w.contains_key("adaLN_modulation.0.weight").then(|| lin(adaln, w, "adaLN_modulation.0").unsqueeze(1).chunk(4, 2));
+        let scaled = |y: Tensor, k: usize| match &m {
+            Some(m) => y * (&m[k] + 1.0),
+            None => y,
+        };
+        let gated = |y: Tensor, k: usize| match &m {
+            Some(m) => m[k].tanh() * y,
+            None => y,
+        };
+        let n1 = scaled(norm(x, "attention_norm1"), 0);
+        let (cos, sin) = (i.cos.narrow(1, pos, n), i.sin.narrow(1, pos, n));
+        let q = rope_pairs(&rms(&self.heads(&nobias(&n1, "attention.to_q")), get(w, "attention.norm_q.weight")), &cos, &sin);
+        let k = rope_pairs(&rms(&self.heads(&nobias(&n1, "attention.to_k")), get(w, "attention.norm_k.weight")), &cos, &sin);
+        let v = self.heads(&nobias(&n1, "attention.to_v"));
+        let a = nobias(&self.attention(&q, &k, &v), "attention.to_out.0");
+        let x = x + gated(norm(&a, "attention_norm2"), 1);
+        let f = scaled(norm(&x, "ffn_norm1"), 2);
+        let f = nobias(&(nobias(&f, "feed_forward.w1").silu() * nobias(&f, "feed_forward.w3")), "feed_forward.w2");
+        &x + gated(norm(&f, "ffn_norm2"), 3)
+    }
+
+    /// A Z-Image forward call: the image tokens through the noise refiner, the
+    /// caption through the context refiner, then both (image first) through the
+    /// main layers, and the final layer's scaled norm and projection.
+    fn zimage_step<B: TchSlots>(&self, i: &Inputs, mut off: Option<&mut TchOffload<B>>) -> offload_core::Result<Tensor> {
+        let g = &self.globals;
+        let dev = i.latents.device();
+        let adaln = lin(&lin(&sinusoid(i.t, dev), g, "t_embedder.mlp.0").silu(), g, "t_embedder.mlp.2");
+        let mut x = lin(&i.latents, g, "all_x_embedder.2-1");
+        let mut cap = lin(&rms(&i.text, get(g, "cap_embedder.0.weight")), g, "cap_embedder.1");
+        let n = x.size()[1];
+        let mut unified: Option<Tensor> = None;
+        for blk in &self.blocks {
+            let guard = off.as_deref_mut().map(|o| o.block(blk.stack, blk.index)).transpose()?;
+            if blk.kind != BlockKind::ZImage {
+                return Err(offload_core::Error::unsupported(
+                    "tch (bench room)",
+                    format!("{:?} blocks in Z-Image ({}.{})", blk.kind, blk.stack, blk.index),
+                ));
+            }
+            match blk.stack {
+                "noise_refiner" => x = self.zimage(&blk.w, &x, &adaln, 0, i),
+                "context_refiner" => cap = self.zimage(&blk.w, &cap, &adaln, n, i),
+                _ => {
+                    let u = unified.take().unwrap_or_else(|| Tensor::cat(&[&x, &cap], 1));
+                    unified = Some(self.zimage(&blk.w, &u, &adaln, 0, i));
+                }
+            }
+            guard.map(|g| g.finish()).transpose()?;
+        }
+        let u = unified.unwrap_or_else(|| Tensor::cat(&[&x, &cap], 1));
+        let scale = lin(&adaln.silu(), g, "all_final_layer.2-1.adaLN_modulation.1").unsqueeze(1) + 1.0;
+        let out = lin(&(ln(&u, self.h()) * scale), g, "all_final_layer.2-1.linear").narrow(1, 0, n);
+        if let Some(o) = off {
+            o.end_step()?;
+        }
+        Ok(out)
+    }
+
     /// T5's encoder block (pre-norm self-attention without scaling, plus the
     /// relative bias block 0 made; gated-GELU FFN).
     fn t5(&self, w: &W, x: &Tensor, bias: &mut Option<Tensor>) -> Tensor {
@@ -352,6 +419,9 @@ impl Net<'_> {
         }
         if self.blocks.first().is_some_and(|b| b.kind == BlockKind::Wan) {
             return self.video(i, off);
+        }
+        if self.blocks.first().is_some_and(|b| b.kind == BlockKind::ZImage) {
+            return self.zimage_step(i, off);
         }
         let g = &self.globals;
         let dev = i.latents.device();

@@ -7,8 +7,9 @@
 //! random values. It is the compute the bench room's `cuda` file plugs in, and a
 //! worked example of reading weights from a [`BlockGuard`].
 //!
-//! Everything is checked before a launch: each weight's dtype and size against
-//! the dimensions given, the guard's backend against this one (same streams),
+//! Everything is checked before a launch: the dimensions against bounds that keep
+//! every size product and 32-bit argument in range, each weight's dtype and size
+//! against the dimensions, the guard's backend against this one (same streams),
 //! every launch against its grid limits; activations are allocated here from the
 //! same dimensions. So no argument makes a kernel read or write outside a buffer.
 
@@ -215,6 +216,11 @@ impl RefNet {
         if d.heads == 0 || d.mlp == 0 || d.text_tokens == 0 || d.image_tokens == 0 {
             return Err(bad("every size must be positive".into()));
         }
+        // Each field bounded first, so no product below can wrap (release builds do
+        // not check overflow): heads ≤ 2^12, MLP and tokens per stream ≤ 2^20.
+        if d.heads > 1 << 12 || d.mlp > 1 << 20 || d.text_tokens > 1 << 20 || d.image_tokens > 1 << 20 {
+            return Err(bad("heads above 4096, or an MLP or token count above 2^20".into()));
+        }
         let (t, h) = (d.tokens(), d.hidden());
         // cuBLAS and the kernels take 32-bit sizes and leading dimensions.
         if [t, 3 * h + d.mlp, t.saturating_mul(t)].iter().any(|&n| n > i32::MAX as usize) {
@@ -277,9 +283,16 @@ impl RefNet {
         unsafe { self.be.compute_stream() }
     }
 
+    /// Make the backend's context current on this thread (cuBLAS uses whichever
+    /// is current; the ring makes no CUDA call for a resident block).
+    fn bind(&self) -> Result<()> {
+        self.stream().context().bind_to_thread().map_err(|e| dev("binding the context", e))
+    }
+
     /// Start a forward call: the hidden states back to their seeded start, the
     /// conditioning vector through SiLU. Enqueued; the host does not wait.
     pub fn begin_step(&mut self) -> Result<()> {
+        self.bind()?;
         let s = self.stream().clone();
         s.memcpy_dtod(&self.a.x0, &mut self.a.x).map_err(|e| dev("reset x", e))?;
         let (svec, vec, n) = (ptr(&self.a.svec), ptr(&self.a.vec), self.d.hidden() as i32);
@@ -291,6 +304,7 @@ impl RefNet {
     /// The hidden states after the blocks run so far, copied to the host
     /// (activations, not weights; waits for the compute stream).
     pub fn output(&self) -> Result<Vec<u16>> {
+        self.bind()?;
         self.stream().clone_dtoh(&self.a.x).map_err(|e| dev("reading the output", e))
     }
 
@@ -480,6 +494,7 @@ impl RefNet {
     /// `attn.add_q_proj`, `attn.norm_q`, …, and `names`' per-stream parts).
     pub fn dual_block(&self, block: &BlockGuard<'_, CudaBackend>, names: &DualNames<'_>) -> Result<()> {
         self.check_guard(block)?;
+        self.bind()?;
         let (h, mlp, e) = (self.d.hidden(), self.d.mlp, 2u64);
         let (svec, modv) = (ptr(&self.a.svec), ptr(&self.a.modv));
         // (modulation, q, k, v, q norm, k norm, out, mlp) per stream; text rows first.
@@ -535,6 +550,7 @@ impl RefNet {
     /// `attn.norm_q/k`, `proj_mlp`, `proj_out`) over every token.
     pub fn single_block(&self, block: &BlockGuard<'_, CudaBackend>) -> Result<()> {
         self.check_guard(block)?;
+        self.bind()?;
         let (t, h, mlp, e) = (self.d.tokens(), self.d.hidden(), self.d.mlp, 2u64);
         let (m, x, xm, y) = (ptr(&self.a.modv), ptr(&self.a.x), ptr(&self.a.xm), ptr(&self.a.y));
         let ld = 3 * h + mlp;
@@ -558,5 +574,15 @@ impl RefNet {
         let tmp2 = ptr(&self.a.tmp2);
         self.linear(tmp2, h, yv, ld, self.wb(block, "proj_out", h, h + mlp)?, t, h, h + mlp, false)?;
         self.residual(x, tmp2, m + 2 * h as u64 * e, t, h)
+    }
+}
+
+impl Drop for RefNet {
+    fn drop(&mut self) {
+        // Kernels of this model may still be queued: let them finish before the
+        // module and the cuBLAS handle go (the activations are freed in stream order).
+        if self.bind().is_ok() {
+            let _ = self.stream().synchronize();
+        }
     }
 }

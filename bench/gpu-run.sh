@@ -47,10 +47,9 @@ if [ "${TCH:-0}" = 1 ] && [ -x "$B/conformance-tch" ]; then
 fi
 if [ "${CANDLE:-0}" = 1 ] && [ -f "$B/conformance-candle.gz" ]; then
   C=/tmp/offload-candle; mkdir -p $C
-  for f in conformance-candle candle_flux_bench flux_demo; do [ -f "$B/$f.gz" ] && gunzip -c "$B/$f.gz" > "$C/$f" && chmod +x "$C/$f"; done
+  for f in conformance-candle flux_demo; do [ -f "$B/$f.gz" ] && gunzip -c "$B/$f.gz" > "$C/$f" && chmod +x "$C/$f"; done
   echo "== demo (candle-cuda)"; "$C/flux_demo" ${DEMO_ARGS:---hidden 3072 --double 2 --single 4 --res 1024 --steps 3} 2>&1 | tee "$OUT/demo.txt"
   echo "== candle conformance"; "$C/conformance-candle" --backend candle,candle-cuda --json "$OUT/conformance-candle.json" --sabotage "$OUT/sabotage-candle.json" $SAB "$GPU" 2>&1 | tee "$OUT/conformance-candle.txt"
-  [ "${CANDLE_BENCH:-${BENCH:-1}}" = 1 ] && echo "== candle bench" && "$C/candle_flux_bench" --steps "${STEPS:-5}" ${CANDLE_ARGS:-} --commit "$COMMIT" --out "$OUT/candle-flux.json" 2>&1 | tee "$OUT/candle-bench.txt"
 fi
 if [ "${ZOO:-1}" = 1 ]; then
   # The bench room: registry check, tch runs and diffusers' anchors, merged (bench/zoo-run.sh).

@@ -13,7 +13,7 @@
 # Files collect in $ZOO_DIR (default .zoo-out beside the bundle, kept between
 # commands on a warm runner); each command also leaves $OUT/zoo.tgz, all so far.
 #   ZOO_MODELS="flux-dev qwen-image"  ZOO_ARGS="--cases 1024"  ANCHOR_MODES="block_stream leaf_stream"
-#   ZOO_CANDLE_MODELS="flux-dev"  ZOO_CANDLE_ARGS="--cases 1024"  ZOO_CUDA_MODELS="flux-dev" (empty: none)  ZOO_CUDA_ARGS
+#   ZOO_TCH=0 (no tch runs)  ZOO_CANDLE_MODELS="flux-dev"  ZOO_CANDLE_ARGS="--cases 1024"  ZOO_CUDA_MODELS="flux-dev" (empty: none)  ZOO_CUDA_ARGS
 set -uo pipefail
 B=$(cd "$(dirname "$0")" && pwd)
 OUT=${OUT:-/tmp/offload-out}; mkdir -p "$OUT"
@@ -72,7 +72,9 @@ repeat() {
   [ -f "$Z/registry.json" ] || "$ZOO" registry --json "$Z/registry.json"
   for model in ${ZOO_MODELS:-flux-dev qwen-image}; do
     local est=$([ "$model" = flux-dev ] && echo 70 || echo 100)
-    once "$model: offload tch, run $r" "$Z/tch-$model-run$r.json" "$est" run_tch "$model" "$Z/tch-$model-run$r.json"
+    if [ "${ZOO_TCH:-1}" = 1 ]; then
+      once "$model: offload tch, run $r" "$Z/tch-$model-run$r.json" "$est" run_tch "$model" "$Z/tch-$model-run$r.json"
+    fi
     if [[ " ${ZOO_CUDA_MODELS:-flux-dev} " == *" $model "* ]]; then
       once "$model: offload cuda, run $r" "$Z/cuda-$model-run$r.json" "$est" run_cuda "$model" "$Z/cuda-$model-run$r.json"
     fi

@@ -221,14 +221,13 @@ fn bench(args: &[String]) -> Result<(), String> {
             return Ok(());
         }
         "candle" => {
-            // The Flux-shaped candle benchmark on this machine's GPU.
-            let out = root().join(format!("bench/results/{}-candle-flux.json", today()));
-            let rest: Vec<&str> = args.iter().skip_while(|a| *a != "--").skip(1).map(String::as_str).collect();
+            // The bench room's candle file on this machine's GPU (nvcc needed to build it).
+            let raw = root().join(format!("bench/raw/{}-zoo-{}", today(), commit()));
             return with_nvcc(&format!(
-                "$CARGO run --release -q -p offload-candle --features cuda --example candle_flux_bench -- --commit {} --out {} {}",
-                commit(),
-                out.display(),
-                rest.join(" ")
+                "$CARGO build -q -p offload-bench --features candle-cuda --bin zoo && \
+                 ZOO_CANDLE_BIN=target/debug/zoo ZOO_BIN=target/debug/zoo ZOO_TCH=0 ZOO_CUDA_MODELS= ZOO_DIR={} COMMIT={} bash bench/zoo-run.sh",
+                raw.display(),
+                commit()
             ));
         }
         other => {
@@ -425,9 +424,7 @@ fn gpu_bundle(args: &[String]) -> Result<(), String> {
     if candle {
         // Its binaries embed every kernel (~40 MB each): gzipped to fit the carry limit.
         with_nvcc(&format!(
-            "$CARGO build --profile bundle -p offload-candle --features cuda --example candle_flux_bench \
-             && gzip -9 -c target/bundle/examples/candle_flux_bench > {dir}/candle_flux_bench.gz \
-             && $CARGO build --profile bundle -p offload-tests --features candle-cuda --bin conformance \
+            "$CARGO build --profile bundle -p offload-tests --features candle-cuda --bin conformance \
              && gzip -9 -c target/bundle/conformance > {dir}/conformance-candle.gz \
              && $CARGO build --profile bundle --example flux_demo --features candle-cuda \
              && gzip -9 -c target/bundle/examples/flux_demo > {dir}/flux_demo.gz \

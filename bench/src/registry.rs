@@ -248,6 +248,25 @@ pub fn single_params(h: usize, hd: usize, mlp: usize) -> Vec<Param> {
     p
 }
 
+/// `model` with only the first `k` blocks of each stack (their overrides kept
+/// where they fall among them): short runs, such as a sanitizer's. A run of it
+/// never merges with full runs (the sizes differ).
+pub fn first_blocks(model: &Model, k: usize) -> Model {
+    let mut m = model.clone();
+    for s in &mut m.stacks {
+        s.count = s.count.min(k.max(1));
+        let count = s.count;
+        s.overrides.retain(|(i, _)| *i < count);
+    }
+    m
+}
+
+/// An image case of `res`² pixels with the text tokens of `model`'s first case
+/// (one token per 16 × 16 pixels), named by its side.
+pub fn extra_image_case(model: &Model, res: usize) -> Case {
+    image_case(res, model.cases.first().map_or(512, |c| c.text_tokens))
+}
+
 fn image_case(res: usize, text_tokens: usize) -> Case {
     // Both models: an 8× VAE and 2 × 2 patches, so one token per 16 × 16 pixels.
     Case { name: res.to_string(), resolution: res, frames: 1, image_tokens: (res / 16) * (res / 16), text_tokens, batch: 1 }

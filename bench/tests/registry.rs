@@ -87,3 +87,16 @@ fn sizes_match_the_published_figures() {
     assert!(q.case("4096").unwrap_err().contains("cases: 1024, 1328"));
     assert!(registry::model("sdxl").unwrap_err().contains("flux-dev, qwen-image"));
 }
+
+#[test]
+fn short_runs_keep_the_first_blocks_and_add_a_case() {
+    let sd3 = registry::model("sd3.5-large").unwrap();
+    let short = registry::first_blocks(&sd3, 2);
+    assert_eq!(short.stacks[0].count, 2);
+    assert!(short.stacks[0].overrides.is_empty(), "the context-only block 37 is not among the first two");
+    assert!(short.block_bytes(2) < sd3.block_bytes(2));
+    assert_eq!(registry::first_blocks(&sd3, 100).block_bytes(2), sd3.block_bytes(2));
+    let flux = registry::model("flux-dev").unwrap();
+    let c = registry::extra_image_case(&flux, 256);
+    assert_eq!((c.name.as_str(), c.image_tokens, c.text_tokens), ("256", 256, 512));
+}

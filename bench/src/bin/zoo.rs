@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! zoo registry [--json F]                      the registry (names, shapes, references) as JSON
-//! zoo run --backend tch|candle|cuda --model M [--cases 1024,2048] [--depths 1] [--steps 5] [--warmup 1] [--commit C] --out F
+//! zoo run --backend tch|candle|cuda --model M [--cases 1024,2048] [--blocks K] [--res R] [--depths 1] [--steps 5] [--warmup 1] [--commit C] --out F
 //!                                              one process run (needs a GPU)
 //! zoo merge --out F [--min-repeats 3] RUN.json... [--anchors A.json...]
 //!                                              medians, spreads, bounds and the comparison, computed from the runs
@@ -49,8 +49,22 @@ fn run(args: &[String]) -> Result<(), String> {
         }
         Some("run") => {
             let backend = opt(args, "--backend").unwrap_or("tch");
-            let model = registry::model(opt(args, "--model").ok_or("--model is required")?)?;
+            let mut model = registry::model(opt(args, "--model").ok_or("--model is required")?)?;
             let out = opt(args, "--out").ok_or("--out is required")?;
+            // Short runs (a sanitizer's): the first K blocks of each stack, an extra image case.
+            if let Some(k) = opt(args, "--blocks") {
+                model = registry::first_blocks(&model, k.parse().map_err(|_| format!("--blocks: not a number: {k}"))?);
+            }
+            if let Some(r) = opt(args, "--res") {
+                let res: usize = r.parse().map_err(|_| format!("--res: not a number: {r}"))?;
+                if res == 0 || res % 16 != 0 {
+                    return Err(format!("--res {res}: a positive multiple of 16 pixels"));
+                }
+                let case = registry::extra_image_case(&model, res);
+                if model.case(&case.name).is_err() {
+                    model.cases.push(case);
+                }
+            }
             let list = |name: &str, default: &str| -> Vec<String> {
                 opt(args, name).unwrap_or(default).split(',').filter(|s| !s.is_empty()).map(str::to_owned).collect()
             };

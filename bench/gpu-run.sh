@@ -3,12 +3,13 @@
 # conformance suite with OFFLOAD_REQUIRE_DEVICE=1, a compute-sanitizer pass, the
 # cuda benchmark and the bench room. Writes everything under $OUT.
 # SMOKE=1: a small model and one resolution, to check the bundle works.
-# CANDLE=1: the demo on candle-cuda, the candle rows (CPU and CUDA) and the candle Flux bench (gpu-bundle --candle).
+# CANDLE=1: the demo on candle-cuda and the candle rows (CPU and CUDA) (gpu-bundle --candle); candle's bench is the room's (zoo-candle.gz).
 # TCH=1: also the tch rows (CPU and CUDA).
 # ZOO=1 (default): the bench room (bench/zoo-run.sh: registry check, tch on the registry's models, diffusers' anchors).
 # VULKAN=1: the vulkan row (loader from .gl/) and the Vulkan bench, 3 runs merged by code.
 # BENCH=0: conformance and sabotage tables only, no benches.
 # CUDA=0: skip the cuda bench.
+# ZOO_SANITIZE=1: compute-sanitizer (memcheck, racecheck, synccheck) over the bench room's cuda file, shrunk.
 set -uo pipefail
 B=$(cd "$(dirname "$0")" && pwd)
 OUT=${OUT:-/tmp/offload-out}; mkdir -p "$OUT"
@@ -34,6 +35,15 @@ if [ "${SANITIZE:-1}" = 1 ] && command -v compute-sanitizer >/dev/null; then
     compute-sanitizer --tool racecheck "$B/cuda_bench" --double 1 --single 2 --resolutions 256 --depths 1 --steps 1 --out /tmp/san.json 2>&1 | tail -8
     compute-sanitizer --tool synccheck "$B/cuda_bench" --double 1 --single 2 --resolutions 256 --depths 1 --steps 1 --out /tmp/san.json 2>&1 | tail -8
   } | tee "$OUT/compute-sanitizer.txt"
+fi
+if [ "${ZOO_SANITIZE:-0}" = 1 ] && command -v compute-sanitizer >/dev/null; then
+  # The bench room's cuda file (offload-cuda's reference model) under the sanitizer:
+  # flux-dev's first block of each stack, 256², five steps (cuBLAS included).
+  echo "== compute-sanitizer (the bench room's cuda file)"
+  for tool in memcheck racecheck synccheck; do
+    timeout 300 compute-sanitizer --tool $tool "$B/zoo" run --backend cuda --model flux-dev --blocks 1 --res 256 --cases 256 --warmup 0 \
+      --out /tmp/zoo-san.json 2>&1 | tail -6
+  done | tee "$OUT/compute-sanitizer-zoo.txt"
 fi
 if [ "${CUDA:-1}" = 0 ]; then
   echo "== cuda bench skipped (CUDA=0)"

@@ -351,19 +351,9 @@ pub fn run(model: &Model, opts: &crate::harness::RunOptions) -> Result<crate::ha
     let inv = blocks_only(DeclaredStacks::new(prefixes).discover("transformer", src.specs()).map_err(e)?);
     let t = Instant::now();
     let store = Arc::new(HostStore::build(&be, &inv, &src).map_err(e)?);
-    let total: u64 = store.blocks().iter().map(|b| b.bytes() as u64).sum();
-    let largest = store.largest_block_bytes() as u64;
+    let crate::harness::StoreFacts { total, largest, build_s: store_build_s, rss: host_rss_bytes, bandwidth } =
+        crate::harness::store_facts(&be, &store, t).map_err(e)?;
     let resident_bytes = model.global_bytes(2);
-    let store_build_s = t.elapsed().as_secs_f64();
-    let host_rss_bytes = crate::harness::host_rss_bytes();
-    eprintln!(
-        "host store: {:.2} GiB pinned in {} blocks in {store_build_s:.1} s, RSS {:.2} GiB",
-        gib(total),
-        store.blocks().len(),
-        gib(host_rss_bytes)
-    );
-    let bandwidth = offload_core::probe_bandwidth(&be, &store, 3).map_err(e)?;
-    eprintln!("pinned H2D bandwidth: {:.1} GB/s", bandwidth / 1e9);
     let net = Net::new(model, &src, &dev).map_err(e)?;
     let sync = || dev.synchronize().map_err(|x| format!("candle: synchronize: {x}"));
     let timed = |f: &mut dyn FnMut() -> offload_core::Result<Tensor>| -> Result<(Vec<f64>, Tensor), String> {

@@ -5,7 +5,7 @@
 //! [`Ring`] serves. The resident reference is the same compute from a ring whose
 //! plan keeps every block resident (loaded once, never streamed).
 
-use crate::harness::{check_output, spread, RunCase, RunDoc, RunOptions};
+use crate::harness::{check_output, spread, store_facts, RunCase, RunDoc, RunOptions, StoreFacts};
 use crate::registry::{dual_names, BlockKind, Case, Model};
 use crate::source::RegistrySource;
 use offload_core::{resolve, BlockDiscovery, DeclaredStacks, HostStore, OffloadBackend, Plan, Ring};
@@ -70,18 +70,7 @@ pub fn run(model: &Model, opts: &RunOptions) -> Result<RunDoc, String> {
     inv.non_block.clear();
     let t = Instant::now();
     let store = Arc::new(HostStore::build(&be, &inv, &src).map_err(err)?);
-    let total: u64 = store.blocks().iter().map(|b| b.bytes() as u64).sum();
-    let largest = store.largest_block_bytes() as u64;
-    let store_build_s = t.elapsed().as_secs_f64();
-    let host_rss_bytes = crate::harness::host_rss_bytes();
-    eprintln!(
-        "host store: {:.2} GiB pinned in {} blocks in {store_build_s:.1} s, RSS {:.2} GiB",
-        gib(total),
-        store.blocks().len(),
-        gib(host_rss_bytes)
-    );
-    let bandwidth = offload_core::probe_bandwidth(&be, &store, 3).map_err(err)?;
-    eprintln!("pinned H2D bandwidth: {:.1} GB/s", bandwidth / 1e9);
+    let StoreFacts { total, largest, build_s: store_build_s, rss: host_rss_bytes, bandwidth } = store_facts(&be, &store, t).map_err(err)?;
     let timed = |net: &mut RefNet, ring: &mut Ring<CudaBackend>| -> Result<Vec<f64>, String> {
         for _ in 0..opts.warmup {
             step(model, net, ring).map_err(err)?;

@@ -90,6 +90,36 @@ pub struct RunDoc {
     pub cases: Vec<RunCase>,
 }
 
+/// What a run records of its host store once built, and the pinned bandwidth
+/// measured from it: printed on stderr as each backend file's run goes.
+pub struct StoreFacts {
+    /// Bytes of every block.
+    pub total: u64,
+    /// Bytes of the largest block.
+    pub largest: u64,
+    /// Seconds from `started` (given to [`store_facts`]) to the store built.
+    pub build_s: f64,
+    /// The process's RSS once the store is built.
+    pub rss: u64,
+    /// Pinned host-to-device bandwidth, bytes per second (three passes).
+    pub bandwidth: f64,
+}
+
+/// [`StoreFacts`] of `store`, built since `started`, its bandwidth probed on `be`.
+pub fn store_facts<B: offload_core::OffloadBackend>(
+    be: &B,
+    store: &offload_core::HostStore<B>,
+    started: std::time::Instant,
+) -> offload_core::Result<StoreFacts> {
+    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+    let total: u64 = store.blocks().iter().map(|b| b.bytes() as u64).sum();
+    let (build_s, rss) = (started.elapsed().as_secs_f64(), host_rss_bytes());
+    eprintln!("host store: {:.2} GiB pinned in {} blocks in {build_s:.1} s, RSS {:.2} GiB", gib(total), store.blocks().len(), gib(rss));
+    let bandwidth = offload_core::probe_bandwidth(be, store, 3)?;
+    eprintln!("pinned H2D bandwidth: {:.1} GB/s", bandwidth / 1e9);
+    Ok(StoreFacts { total, largest: store.largest_block_bytes() as u64, build_s, rss, bandwidth })
+}
+
 /// This process's resident set size in bytes (`VmRSS` of `/proc/self/status`; 0 where unknown).
 pub fn host_rss_bytes() -> u64 {
     std::fs::read_to_string("/proc/self/status")

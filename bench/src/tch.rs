@@ -624,22 +624,12 @@ pub fn run(model: &Model, opts: &Options) -> Result<RunDoc, String> {
     let plan = Plan::layerwise().prefetch_depth(opts.depths.first().copied().unwrap_or(1));
     let mut off = TchOffload::new(be.clone(), &vs, "transformer", &DeclaredStacks::new(block_prefixes.clone()), &plan).map_err(err)?;
     let store = off.ring().store().clone();
-    let total: u64 = store.blocks().iter().map(|b| b.bytes() as u64).sum();
-    let largest = store.largest_block_bytes() as u64;
+    let crate::harness::StoreFacts { total, largest, build_s: store_build_s, rss: host_rss_bytes, bandwidth } =
+        crate::harness::store_facts(&be, &store, t).map_err(err)?;
     let resident_bytes = model.global_bytes(2);
-    let store_build_s = t.elapsed().as_secs_f64();
-    let host_rss_bytes = crate::harness::host_rss_bytes();
-    eprintln!(
-        "host store: {:.2} GiB pinned in {} blocks in {store_build_s:.1} s, RSS {:.2} GiB",
-        gib(total),
-        store.blocks().len(),
-        gib(host_rss_bytes)
-    );
     if total != model.block_bytes(2) {
         return Err(err(format!("the store holds {total} bytes of blocks, the registry says {}", model.block_bytes(2))));
     }
-    let bandwidth = offload_core::probe_bandwidth(&be, &store, 3).map_err(err)?;
-    eprintln!("pinned H2D bandwidth: {:.1} GB/s", bandwidth / 1e9);
     let mut out_cases = Vec::new();
     for (c, r) in cases.iter().zip(&resident) {
         let i = inputs(model, c, dev);

@@ -351,8 +351,8 @@ pub fn run(model: &Model, opts: &crate::harness::RunOptions) -> Result<crate::ha
     let inv = blocks_only(DeclaredStacks::new(prefixes).discover("transformer", src.specs()).map_err(e)?);
     let t = Instant::now();
     let store = Arc::new(HostStore::build(&be, &inv, &src).map_err(e)?);
-    let crate::harness::StoreFacts { total, largest, build_s: store_build_s, rss: host_rss_bytes, bandwidth } =
-        crate::harness::store_facts(&be, &store, t).map_err(e)?;
+    let facts = crate::harness::store_facts(&be, &store, t).map_err(e)?;
+    let (total, bandwidth) = (facts.total, facts.bandwidth);
     let resident_bytes = model.global_bytes(2);
     let net = Net::new(model, &src, &dev).map_err(e)?;
     let sync = || dev.synchronize().map_err(|x| format!("candle: synchronize: {x}"));
@@ -428,12 +428,6 @@ pub fn run(model: &Model, opts: &crate::harness::RunOptions) -> Result<crate::ha
                 gib(derived)
             );
             out_cases.push(RunCase {
-                model: model.name.into(),
-                case: c.name.clone(),
-                resolution: c.resolution,
-                tokens: c.image_tokens + c.text_tokens,
-                batch: c.batch,
-                depth: d,
                 steps_resident_s: rtimes.clone(),
                 steps_streamed_s: times,
                 streamed_bytes: total,
@@ -445,19 +439,9 @@ pub fn run(model: &Model, opts: &crate::harness::RunOptions) -> Result<crate::ha
                 output_finite: finite,
                 output_nonconstant: nonconstant,
                 misses,
+                ..RunCase::head(model, c, d)
             });
         }
     }
-    Ok(RunDoc {
-        date: std::env::var("BENCH_DATE").unwrap_or_default(),
-        commit: opts.commit.clone(),
-        gpu: cuda.device_name().unwrap_or_default(),
-        backend: "candle".into(),
-        block_bytes_total: total,
-        largest_block_bytes: largest,
-        resident_bytes,
-        store_build_s,
-        host_rss_bytes,
-        cases: out_cases,
-    })
+    Ok(RunDoc::new(opts, cuda.device_name().unwrap_or_default(), "candle", &facts, resident_bytes, out_cases))
 }

@@ -5,7 +5,7 @@
 //! [`Ring`] serves. The resident reference is the same compute from a ring whose
 //! plan keeps every block resident (loaded once, never streamed).
 
-use crate::harness::{check_output, spread, store_facts, RunCase, RunDoc, RunOptions, StoreFacts};
+use crate::harness::{check_output, spread, RunCase, RunDoc, RunOptions};
 use crate::registry::{dual_names, BlockKind, Case, Model};
 use crate::source::RegistrySource;
 use offload_core::{resolve, BlockDiscovery, DeclaredStacks, HostStore, OffloadBackend, Plan, Ring};
@@ -70,7 +70,8 @@ pub fn run(model: &Model, opts: &RunOptions) -> Result<RunDoc, String> {
     inv.non_block.clear();
     let t = Instant::now();
     let store = Arc::new(HostStore::build(&be, &inv, &src).map_err(err)?);
-    let StoreFacts { total, largest, build_s: store_build_s, rss: host_rss_bytes, bandwidth } = store_facts(&be, &store, t).map_err(err)?;
+    let facts = crate::harness::store_facts(&be, &store, t).map_err(err)?;
+    let (total, bandwidth) = (facts.total, facts.bandwidth);
     let timed = |net: &mut RefNet, ring: &mut Ring<CudaBackend>| -> Result<Vec<f64>, String> {
         for _ in 0..opts.warmup {
             step(model, net, ring).map_err(err)?;
@@ -121,12 +122,6 @@ pub fn run(model: &Model, opts: &RunOptions) -> Result<RunDoc, String> {
                 gib(weights)
             );
             out_cases.push(RunCase {
-                model: model.name.into(),
-                case: c.name.clone(),
-                resolution: c.resolution,
-                tokens: c.image_tokens + c.text_tokens,
-                batch: c.batch,
-                depth: d,
                 steps_resident_s: rtimes.clone(),
                 steps_streamed_s: times,
                 streamed_bytes: total,
@@ -138,19 +133,9 @@ pub fn run(model: &Model, opts: &RunOptions) -> Result<RunDoc, String> {
                 output_finite: finite,
                 output_nonconstant: nonconstant,
                 misses,
+                ..RunCase::head(model, c, d)
             });
         }
     }
-    Ok(RunDoc {
-        date: std::env::var("BENCH_DATE").unwrap_or_default(),
-        commit: opts.commit.clone(),
-        gpu: be.device_name().unwrap_or_default(),
-        backend: "cuda".into(),
-        block_bytes_total: total,
-        largest_block_bytes: largest,
-        resident_bytes: 0,
-        store_build_s,
-        host_rss_bytes,
-        cases: out_cases,
-    })
+    Ok(RunDoc::new(opts, be.device_name().unwrap_or_default(), "cuda", &facts, 0, out_cases))
 }

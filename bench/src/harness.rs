@@ -90,6 +90,40 @@ pub struct RunDoc {
     pub cases: Vec<RunCase>,
 }
 
+impl RunCase {
+    /// A case's identity (model, case, resolution, tokens, batch, depth); the
+    /// measured fields default, to be filled with struct update syntax.
+    pub fn head(model: &crate::registry::Model, case: &crate::registry::Case, depth: usize) -> Self {
+        RunCase {
+            model: model.name.into(),
+            case: case.name.clone(),
+            resolution: case.resolution,
+            tokens: case.image_tokens + case.text_tokens,
+            batch: case.batch,
+            depth,
+            ..RunCase::default()
+        }
+    }
+}
+
+impl RunDoc {
+    /// One process run's document: `BENCH_DATE`, the options' commit, the store's facts.
+    pub fn new(opts: &RunOptions, gpu: String, backend: &str, store: &StoreFacts, resident_bytes: u64, cases: Vec<RunCase>) -> Self {
+        RunDoc {
+            date: std::env::var("BENCH_DATE").unwrap_or_default(),
+            commit: opts.commit.clone(),
+            gpu,
+            backend: backend.into(),
+            block_bytes_total: store.total,
+            largest_block_bytes: store.largest,
+            resident_bytes,
+            store_build_s: store.build_s,
+            host_rss_bytes: store.rss,
+            cases,
+        }
+    }
+}
+
 /// What a run records of its host store once built, and the pinned bandwidth
 /// measured from it: printed on stderr as each backend file's run goes.
 pub struct StoreFacts {

@@ -624,8 +624,8 @@ pub fn run(model: &Model, opts: &Options) -> Result<RunDoc, String> {
     let plan = Plan::layerwise().prefetch_depth(opts.depths.first().copied().unwrap_or(1));
     let mut off = TchOffload::new(be.clone(), &vs, "transformer", &DeclaredStacks::new(block_prefixes.clone()), &plan).map_err(err)?;
     let store = off.ring().store().clone();
-    let crate::harness::StoreFacts { total, largest, build_s: store_build_s, rss: host_rss_bytes, bandwidth } =
-        crate::harness::store_facts(&be, &store, t).map_err(err)?;
+    let facts = crate::harness::store_facts(&be, &store, t).map_err(err)?;
+    let (total, bandwidth) = (facts.total, facts.bandwidth);
     let resident_bytes = model.global_bytes(2);
     if total != model.block_bytes(2) {
         return Err(err(format!("the store holds {total} bytes of blocks, the registry says {}", model.block_bytes(2))));
@@ -662,12 +662,6 @@ pub fn run(model: &Model, opts: &Options) -> Result<RunDoc, String> {
                 gib(derived)
             );
             out_cases.push(RunCase {
-                model: model.name.into(),
-                case: c.name.clone(),
-                resolution: c.resolution,
-                tokens: c.image_tokens + c.text_tokens,
-                batch: c.batch,
-                depth: d,
                 steps_resident_s: r.times.clone(),
                 steps_streamed_s: times,
                 streamed_bytes: total,
@@ -679,22 +673,12 @@ pub fn run(model: &Model, opts: &Options) -> Result<RunDoc, String> {
                 output_finite: finite,
                 output_nonconstant: nonconstant,
                 misses,
+                ..RunCase::head(model, c, d)
             });
         }
     }
     off.close().map_err(err)?;
-    Ok(RunDoc {
-        date: std::env::var("BENCH_DATE").unwrap_or_default(),
-        commit: opts.commit.clone(),
-        gpu: be.cuda().device_name().unwrap_or_default(),
-        backend: "tch".into(),
-        block_bytes_total: total,
-        largest_block_bytes: largest,
-        resident_bytes,
-        store_build_s,
-        host_rss_bytes,
-        cases: out_cases,
-    })
+    Ok(RunDoc::new(opts, be.cuda().device_name().unwrap_or_default(), "tch", &facts, resident_bytes, out_cases))
 }
 
 #[cfg(feature = "tch-cuda")]

@@ -273,9 +273,25 @@ fn per_run_median(xs: &[f64]) -> Result<f64, String> {
 /// its own resident step and bandwidth, the published bound from the medians.
 pub fn merge(runs: &[RunDoc], anchors: &[AnchorDoc], min_repeats: usize) -> Result<Value, String> {
     let first = runs.first().ok_or("no runs to merge")?;
-    if let Some(r) = runs.iter().find(|r| r.backend != first.backend || r.commit != first.commit) {
-        return Err(format!("runs of different backends or commits: {}@{} and {}@{}", first.backend, first.commit, r.backend, r.commit));
+    if let Some(r) = runs.iter().find(|r| r.backend != first.backend) {
+        return Err(format!("runs of different backends: {} and {}", first.backend, r.backend));
     }
+    // One commit per model: each model's figures come from one build (models may
+    // have been measured at different commits, each with its anchors).
+    let model_of = |r: &RunDoc| r.cases.first().map(|c| c.model.clone()).unwrap_or_default();
+    let mut commits: Vec<(String, String)> = Vec::new();
+    for r in runs {
+        let m = model_of(r);
+        match commits.iter().find(|(cm, _)| *cm == m) {
+            Some((_, c)) if *c != r.commit => return Err(format!("{m}: runs of different commits ({c} and {})", r.commit)),
+            Some(_) => {}
+            None => commits.push((m, r.commit.clone())),
+        }
+    }
+    let commit_of = |m: &str| commits.iter().find(|(cm, _)| cm == m).map(|(_, c)| c.clone()).unwrap_or_default();
+    let mut all_commits: Vec<String> = commits.iter().map(|(_, c)| c.clone()).collect();
+    all_commits.sort();
+    all_commits.dedup();
     let target = targets(&first.backend);
     // (model, case, depth) in first-seen order.
     let mut keys: Vec<(String, String, usize)> = Vec::new();
@@ -365,7 +381,7 @@ pub fn merge(runs: &[RunDoc], anchors: &[AnchorDoc], min_repeats: usize) -> Resu
         let meets =
             meets_ratio && equal && finite && nonconstant && weights <= weights_limit && (!target.beat_anchor || faster == Some(true));
         cases.push(json!({
-            "model": model, "case": case, "resolution": c0.resolution, "tokens": c0.tokens, "batch": c0.batch, "depth": depth,
+            "model": model, "commit": commit_of(model), "case": case, "resolution": c0.resolution, "tokens": c0.tokens, "batch": c0.batch, "depth": depth,
             "budget_bytes": null, "repeats": per.len(),
             "step_resident_s": r.median, "step_resident_s_min": r.min, "step_resident_s_max": r.max,
             "step_streamed_s": s.median, "step_streamed_s_min": s.min, "step_streamed_s_max": s.max,
@@ -425,7 +441,7 @@ pub fn merge(runs: &[RunDoc], anchors: &[AnchorDoc], min_repeats: usize) -> Resu
     }
     let all_met = !cases.is_empty() && cases.iter().all(|c| c["meets_targets"] == true);
     Ok(json!({
-        "date": first.date, "commit": first.commit, "gpu": first.gpu, "backend": first.backend,
+        "date": first.date, "commit": all_commits.join(", "), "gpu": first.gpu, "backend": first.backend,
         "model": keys.iter().map(|k| k.0.clone()).fold(Vec::<String>::new(), |mut v, m| { if !v.contains(&m) { v.push(m) } v }).join(", "),
         "repeats": cases.iter().filter_map(|c| c["repeats"].as_u64()).min().unwrap_or(0), "process_runs": runs.len(),
         "memory_method": "weights_device_bytes: the most slot bytes live at once (the backend's counters) plus the non-block weights; \
@@ -545,6 +561,26 @@ mod tests {
         assert!(merge(&zero, &[], 3).unwrap_err().contains("GB/s"));
         let empty: Vec<RunDoc> = (0..3).map(|_| RunDoc { backend: "cuda".into(), ..Default::default() }).collect();
         assert_eq!(merge(&empty, &[], 3).unwrap()["meets_targets"], false);
+    }
+
+    #[test]
+    fn merge_takes_one_commit_per_model() {
+        let mut runs = vec![run(&[0.1], 0.1, 50.0), run(&[0.1], 0.1, 50.0), run(&[0.1], 0.1, 50.0)];
+        runs[2].commit = "d".into();
+        let e = merge(&runs, &[], 3).unwrap_err();
+        assert!(e.contains("m: runs of different commits"), "{e}");
+        // Another model at another commit: both kept, each case naming its commit.
+        let mut other: Vec<RunDoc> = (0..3).map(|_| run(&[0.1], 0.1, 50.0)).collect();
+        for r in &mut other {
+            r.commit = "d".into();
+            r.cases[0].model = "n".into();
+        }
+        runs[2].commit = "c".into();
+        runs.extend(other);
+        let doc = merge(&runs, &[], 3).unwrap();
+        assert_eq!(doc["commit"], "c, d");
+        let commit = |m: &str| doc["cases"].as_array().unwrap().iter().find(|c| c["model"] == m).unwrap()["commit"].clone();
+        assert_eq!((commit("m"), commit("n")), ("c".into(), "d".into()));
     }
 
     #[test]

@@ -306,10 +306,13 @@ pub fn readme_tables(results: &Path) -> Result<String, String> {
         let d = read_json(&results.join(name))?;
         let _ = writeln!(
             md,
-            "`bench/results/{name}`: backend `{}` at commit `{}` on an {}, {}; each figure is the median of {} process runs with [min, max] \
+            "`bench/results/{name}`: backend `{}` at {} on an {}, {}; each figure is the median of {} process runs with [min, max] \
              (for the ratio: the per-run ratios); the bound is `max(resident step, streamed bytes ÷ pinned bandwidth measured in the same run)`{}.\n",
             d["backend"].as_str().unwrap_or("?"),
-            d["commit"].as_str().unwrap_or("?"),
+            match d["commit"].as_str().unwrap_or("?") {
+                one if !one.contains(", ") => format!("commit `{one}`"),
+                many => format!("commits `{}` (each model's runs at one, named per case in the file)", many.replace(", ", "`, `")),
+            },
             d["gpu"].as_str().unwrap_or("?"),
             d["date"].as_str().unwrap_or("?"),
             d["repeats"],

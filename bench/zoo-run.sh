@@ -8,6 +8,8 @@
 #   zoo-run.sh merge      `zoo merge`: medians, spreads, bounds and the comparison,
 #                         computed from every run's file
 #   zoo-run.sh            all of it, three repeats (merged once no run is left)
+# `zoo merge` takes one commit per model: to re-measure one model, put the other
+# models' kept runs and anchors (bench/raw/<date>-zoo-<commit>/) into $ZOO_DIR.
 # A run whose file is in $ZOO_DIR already is kept, so with ZOO_DEADLINE=560 the
 # same command, repeated with .zoo-out carried back, goes on where the last stopped.
 # Files collect in $ZOO_DIR (default .zoo-out beside the bundle, kept between

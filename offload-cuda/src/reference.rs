@@ -122,6 +122,32 @@ impl RefDims {
         self.text_tokens + self.image_tokens
     }
 
+    /// Whether [`RefNet`] can run these sizes: every size positive and bounded so
+    /// that no size product wraps and every 32-bit kernel and cuBLAS argument and
+    /// launch grid stays in range. [`RefNet::new`] checks this first.
+    pub fn check(&self) -> Result<()> {
+        let d = *self;
+        let bad = |why: String| Err(Error::Plan(format!("reference model {d:?}: {why}")));
+        if d.heads == 0 || d.mlp == 0 || d.text_tokens == 0 || d.image_tokens == 0 {
+            return bad("every size must be positive".into());
+        }
+        // Each field bounded first, so no product below can wrap (release builds do
+        // not check overflow): heads ≤ 2^12, MLP and tokens per stream ≤ 2^20.
+        if d.heads > 1 << 12 || d.mlp > 1 << 20 || d.text_tokens > 1 << 20 || d.image_tokens > 1 << 20 {
+            return bad("heads above 4096, or an MLP or token count above 2^20".into());
+        }
+        let (t, h) = (d.tokens(), d.hidden());
+        // cuBLAS and the kernels take 32-bit sizes and leading dimensions.
+        if [t, 3 * h + d.mlp, t * t].iter().any(|&n| n > i32::MAX as usize) {
+            return bad("a size or leading dimension exceeds 2^31".into());
+        }
+        // rms_heads launches one warp per (row, head) without a grid-stride loop.
+        if (t * d.heads * 32).div_ceil(256) > 65535 {
+            return bad(format!("{t} tokens × {} heads exceed one RMS-norm launch", d.heads));
+        }
+        Ok(())
+    }
+
     /// Device bytes of the activations [`RefNet::new`] allocates for these sizes.
     pub fn activation_bytes(&self) -> u64 {
         let (t, h) = (self.tokens() as u64, self.hidden() as u64);
@@ -213,24 +239,8 @@ impl RefNet {
     /// allocate the activations for `d`, the hidden states seeded from `seed`
     /// (values of magnitude in [2^-2, 1), random signs).
     pub fn new(be: &CudaBackend, d: RefDims, seed: u64) -> Result<Self> {
-        let bad = |why: String| Error::Plan(format!("reference model {d:?}: {why}"));
-        if d.heads == 0 || d.mlp == 0 || d.text_tokens == 0 || d.image_tokens == 0 {
-            return Err(bad("every size must be positive".into()));
-        }
-        // Each field bounded first, so no product below can wrap (release builds do
-        // not check overflow): heads ≤ 2^12, MLP and tokens per stream ≤ 2^20.
-        if d.heads > 1 << 12 || d.mlp > 1 << 20 || d.text_tokens > 1 << 20 || d.image_tokens > 1 << 20 {
-            return Err(bad("heads above 4096, or an MLP or token count above 2^20".into()));
-        }
+        d.check()?;
         let (t, h) = (d.tokens(), d.hidden());
-        // cuBLAS and the kernels take 32-bit sizes and leading dimensions.
-        if [t, 3 * h + d.mlp, t.saturating_mul(t)].iter().any(|&n| n > i32::MAX as usize) {
-            return Err(bad("a size or leading dimension exceeds 2^31".into()));
-        }
-        // rms_heads launches one warp per (row, head) without a grid-stride loop.
-        if (t * d.heads * 32).div_ceil(256) > 65535 {
-            return Err(bad(format!("{t} tokens × {} heads exceed one RMS-norm launch", d.heads)));
-        }
         // SAFETY: cudarc memory made here (activations) is used on the compute
         // stream only, and the cuBLAS handle is bound to that stream; slot memory
         // is ordered by the ring (the guard's wait precedes these reads).
@@ -597,5 +607,39 @@ impl Drop for RefNet {
         if self.bind().is_ok() {
             let _ = self.stream().synchronize();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dims(heads: usize, mlp: usize, text_tokens: usize, image_tokens: usize) -> RefDims {
+        RefDims { heads, mlp, text_tokens, image_tokens }
+    }
+
+    #[test]
+    fn sizes_that_could_wrap_or_overrun_a_launch_are_refused() {
+        // Flux-dev at 1024² and 2048², Qwen-Image at 1328²: accepted.
+        for d in [dims(24, 12288, 512, 4096), dims(24, 12288, 512, 16384), dims(24, 12288, 512, 6889)] {
+            d.check().unwrap();
+        }
+        // The review's example: token counts whose sum wraps to 4 in release builds.
+        let wrap = dims(1, 1, usize::MAX - (1 << 32) + 1001, (1 << 32) - 996);
+        assert!(wrap.check().unwrap_err().to_string().contains("2^20"));
+        assert!(dims(1 << 57, 1, 1, 1).check().is_err());
+        assert!(dims(0, 1, 1, 1).check().is_err());
+        assert!(dims(24, 12288, 0, 4096).check().is_err());
+        // Within every field bound, but too many (row, head) warps for one launch.
+        let e = dims(40, 13824, 512, 32760).check().unwrap_err().to_string();
+        assert!(e.contains("RMS-norm launch"), "{e}");
+    }
+
+    #[test]
+    fn activation_bytes_count_every_buffer() {
+        let d = dims(1, 256, 2, 2);
+        let (t, h, mlp) = (4u64, 128u64, 256u64);
+        let elems = 2 * t * h + t * (3 * h + mlp) + 2 * t * h + t * mlp + t * t + 2 * h + 12 * h + t * h;
+        assert_eq!(d.activation_bytes(), 2 * elems);
     }
 }

@@ -124,8 +124,8 @@ impl TensorSource for RandomWeights {
 
 /// The compute stream (events for the timings and the calibration).
 fn compute(be: &CudaBackend) -> &Arc<CudaStream> {
-    // SAFETY: only events are recorded here; no cudarc slice is shared with
-    // another stream (the reference model's memory stays on this one).
+    // The reference model's memory stays on this stream; only events are recorded here.
+    // SAFETY: no cudarc slice is shared with another stream.
     unsafe { be.compute_stream() }
 }
 

@@ -241,9 +241,10 @@ impl RefNet {
     pub fn new(be: &CudaBackend, d: RefDims, seed: u64) -> Result<Self> {
         d.check()?;
         let (t, h) = (d.tokens(), d.hidden());
-        // SAFETY: cudarc memory made here (activations) is used on the compute
-        // stream only, and the cuBLAS handle is bound to that stream; slot memory
-        // is ordered by the ring (the guard's wait precedes these reads).
+        // Cudarc memory made here (activations) is used on the compute stream only,
+        // and the cuBLAS handle is bound to that stream; slot memory is ordered by
+        // the ring (the guard's wait precedes these reads).
+        // SAFETY: no cudarc slice of this model is used on two streams (see above).
         let (ctx, s) = unsafe { (be.ctx().clone(), be.compute_stream().clone()) };
         let ptx = cudarc::nvrtc::compile_ptx(KERNELS).map_err(|e| dev("NVRTC", e))?;
         let module = ctx.load_module(ptx).map_err(|e| dev("load module", e))?;
@@ -359,9 +360,10 @@ impl RefNet {
             return Ok(());
         }
         let (alpha, beta) = (1.0f32, 0.0f32);
-        // SAFETY: callers pass `y` with `n` rows of `ldy ≥ out` and `x` with `n`
-        // rows of `ldx ≥ k` inside this model's activations, and `w` checked by
-        // `weight` to hold `out × k` bf16 in a slot the guard keeps alive.
+        // Callers pass `y` with `n` rows of `ldy ≥ out` and `x` with `n` rows of
+        // `ldx ≥ k` inside this model's activations, and `w` checked by `weight` to
+        // hold `out × k` bf16 in a slot the guard keeps alive.
+        // SAFETY: every pointer covers the sizes given (see above).
         unsafe {
             blas::gemm_ex(
                 *self.blas.handle(),
@@ -424,8 +426,8 @@ impl RefNet {
     fn rms(&self, y: u64, rows: usize, ld: usize, col0: usize, scale: u64) -> Result<()> {
         let heads = self.d.heads;
         let (r, l, c, h) = (rows as i64, ld as i32, col0 as i32, heads as i32);
-        // SAFETY: `y` holds `rows × ld` bf16 with `heads` heads of 128 from `col0`
-        // (col0 + hidden ≤ ld); `scale` holds 128 bf16 (checked); `new` checked the grid.
+        // `new` checked the grid; `scale` holds 128 bf16 (checked by `weight`).
+        // SAFETY: `y` holds `rows × ld` bf16 with `heads` heads of 128 from `col0` (col0 + hidden ≤ ld).
         unsafe {
             self.stream().launch_builder(&self.k.rms).arg(&y).arg(&r).arg(&l).arg(&c).arg(&h).arg(&scale).launch(grid(rows * heads * 32))
         }
@@ -467,8 +469,8 @@ impl RefNet {
         let (alpha, beta) = (1.0f32, 0.0f32);
         let op_a = if trans_a { bsys::cublasOperation_t::CUBLAS_OP_T } else { bsys::cublasOperation_t::CUBLAS_OP_N };
         let bf16 = bsys::cudaDataType::CUDA_R_16BF;
-        // SAFETY: `attention` passes q, k, v inside `y`, the scores `s` (heads × T × T)
-        // and `o` (T × hidden), with leading dimensions and strides covering `heads` batches.
+        // `attention` passes q, k, v inside `y`, the scores `s` (heads × T × T) and `o` (T × hidden).
+        // SAFETY: the leading dimensions and strides given cover `heads` batches inside those buffers.
         unsafe {
             blas::gemm_strided_batched_ex(
                 *self.blas.handle(),

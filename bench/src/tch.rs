@@ -98,6 +98,11 @@ fn get<'a>(w: &'a W, name: &str) -> &'a Tensor {
     w.get(name).unwrap_or_else(|| panic!("registry parameter {name} missing from the VarStore"))
 }
 
+/// A linear layer without bias (`{name}.weight` only).
+fn nobias(x: &Tensor, w: &W, name: &str) -> Tensor {
+    x.linear::<Tensor>(get(w, &format!("{name}.weight")), None)
+}
+
 fn lin(x: &Tensor, w: &W, name: &str) -> Tensor {
     x.linear(get(w, &format!("{name}.weight")), Some(get(w, &format!("{name}.bias"))))
 }
@@ -275,7 +280,6 @@ impl Net<'_> {
     fn zimage(&self, w: &W, x: &Tensor, adaln: &Tensor, pos: i64, i: &Inputs) -> Tensor {
         let n = x.size()[1];
         let norm = |y: &Tensor, name: &str| rms(y, get(w, &format!("{name}.weight")));
-        let nobias = |y: &Tensor, name: &str| y.linear::<Tensor>(get(w, &format!("{name}.weight")), None);
         let m: Option<Vec<Tensor>> =
             w.contains_key("adaLN_modulation.0.weight").then(|| lin(adaln, w, "adaLN_modulation.0").unsqueeze(1).chunk(4, 2));
         let scaled = |y: Tensor, k: usize| match &m {
@@ -288,13 +292,13 @@ impl Net<'_> {
         };
         let n1 = scaled(norm(x, "attention_norm1"), 0);
         let (cos, sin) = (i.cos.narrow(1, pos, n), i.sin.narrow(1, pos, n));
-        let q = rope_pairs(&rms(&self.heads(&nobias(&n1, "attention.to_q")), get(w, "attention.norm_q.weight")), &cos, &sin);
-        let k = rope_pairs(&rms(&self.heads(&nobias(&n1, "attention.to_k")), get(w, "attention.norm_k.weight")), &cos, &sin);
-        let v = self.heads(&nobias(&n1, "attention.to_v"));
-        let a = nobias(&self.attention(&q, &k, &v), "attention.to_out.0");
+        let q = rope_pairs(&rms(&self.heads(&nobias(&n1, w, "attention.to_q")), get(w, "attention.norm_q.weight")), &cos, &sin);
+        let k = rope_pairs(&rms(&self.heads(&nobias(&n1, w, "attention.to_k")), get(w, "attention.norm_k.weight")), &cos, &sin);
+        let v = self.heads(&nobias(&n1, w, "attention.to_v"));
+        let a = nobias(&self.attention(&q, &k, &v), w, "attention.to_out.0");
         let x = x + gated(norm(&a, "attention_norm2"), 1);
         let f = scaled(norm(&x, "ffn_norm1"), 2);
-        let f = nobias(&(nobias(&f, "feed_forward.w1").silu() * nobias(&f, "feed_forward.w3")), "feed_forward.w2");
+        let f = nobias(&(nobias(&f, w, "feed_forward.w1").silu() * nobias(&f, w, "feed_forward.w3")), w, "feed_forward.w2");
         &x + gated(norm(&f, "ffn_norm2"), 3)
     }
 
@@ -343,15 +347,14 @@ impl Net<'_> {
         let pb = bias
             .get_or_insert_with(|| t5_bias(get(w, "layer.0.SelfAttention.relative_attention_bias.weight"), t, x.kind()))
             .shallow_clone();
-        let nobias = |x: &Tensor, name: &str| x.linear::<Tensor>(get(w, &format!("{name}.weight")), None);
         let n = rms(x, get(w, "layer.0.layer_norm.weight"));
-        let (q, k, v) = ["q", "k", "v"].map(|l| self.heads(&nobias(&n, &format!("layer.0.SelfAttention.{l}"))).transpose(1, 2)).into();
+        let (q, k, v) = ["q", "k", "v"].map(|l| self.heads(&nobias(&n, w, &format!("layer.0.SelfAttention.{l}"))).transpose(1, 2)).into();
         let o = Tensor::scaled_dot_product_attention(&q, &k, &v, Some(pb), 0.0, false, Some(1.0), false);
         let (b, t) = (o.size()[0], o.size()[2]);
-        let x = x + nobias(&o.transpose(1, 2).reshape([b, t, self.h()]), "layer.0.SelfAttention.o");
+        let x = x + nobias(&o.transpose(1, 2).reshape([b, t, self.h()]), w, "layer.0.SelfAttention.o");
         let n = rms(&x, get(w, "layer.1.layer_norm.weight"));
         let ff = "layer.1.DenseReluDense";
-        &x + nobias(&(nobias(&n, &format!("{ff}.wi_0")).gelu("tanh") * nobias(&n, &format!("{ff}.wi_1"))), &format!("{ff}.wo"))
+        &x + nobias(&(nobias(&n, w, &format!("{ff}.wi_0")).gelu("tanh") * nobias(&n, w, &format!("{ff}.wi_1"))), w, &format!("{ff}.wo"))
     }
 
     /// A Qwen2-style decoder layer used as an encoder: causal grouped-query
@@ -374,10 +377,9 @@ impl Net<'_> {
         let groups = q.size()[1] / k.size()[1];
         let (k, v) = (k.repeat_interleave_self_int(groups, 1, None), v.repeat_interleave_self_int(groups, 1, None));
         let o = Tensor::scaled_dot_product_attention(&q, &k, &v, None::<Tensor>, 0.0, true, None, false);
-        let nobias = |x: &Tensor, name: &str| x.linear::<Tensor>(get(w, &format!("{name}.weight")), None);
-        let x = x + nobias(&o.transpose(1, 2).reshape([b, t, self.h()]), "self_attn.o_proj");
+        let x = x + nobias(&o.transpose(1, 2).reshape([b, t, self.h()]), w, "self_attn.o_proj");
         let n = rms(&x, get(w, "post_attention_layernorm.weight"));
-        &x + nobias(&(nobias(&n, "mlp.gate_proj").silu() * nobias(&n, "mlp.up_proj")), "mlp.down_proj")
+        &x + nobias(&(nobias(&n, w, "mlp.gate_proj").silu() * nobias(&n, w, "mlp.up_proj")), w, "mlp.down_proj")
     }
 
     /// A text encoder's forward call: token embeddings, every block, final norm.

@@ -48,6 +48,8 @@ struct Inputs {
     pooled: Option<Tensor>,
     t: f64,
     guidance: f64,
+    /// Rotary tables `[1, T, 1, hd]`: interleaved `(c, c)` / `(-s, s)` pairs for
+    /// the diffusion models (`rope_pairs`), rotate-half halves for the decoder.
     cos: Tensor,
     sin: Tensor,
     text_tokens: i64,
@@ -69,13 +71,17 @@ pub fn computes(model: &Model) -> bool {
 }
 
 /// Rotary positions on adjacent pairs of the last dimension of `x` `[B, T, heads,
-/// hd]`, with tables `[1, T, 1, hd / 2]`, computed in f32.
+/// hd]`, computed in f32, with interleaved tables `[1, T, 1, hd]`: `cos` as
+/// `(c, c)` per pair and `sin` as `(-s, s)`, so that a pair `(re, im)` becomes
+/// `(re c - im s, im c + re s)` = `x * cos + swap(x) * sin`. Three kernels read
+/// `x` (the product promotes to f32, the swap stays bf16, `addcmul_` accumulates)
+/// where the per-component form took nine.
 fn rope_pairs(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
     let s = x.size();
-    let f = x.to_kind(Kind::Float).view([s[0], s[1], s[2], s[3] / 2, 2]);
-    let (re, im) = (f.select(-1, 0), f.select(-1, 1));
-    let out = Tensor::stack(&[&re * cos - &im * sin, &re * sin + &im * cos], -1);
-    out.view([s[0], s[1], s[2], s[3]]).to_kind(x.kind())
+    let swapped = x.view([s[0], s[1], s[2], s[3] / 2, 2]).flip([-1]).reshape([s[0], s[1], s[2], s[3]]);
+    let mut out = x * cos;
+    let _ = out.addcmul_(&swapped, sin);
+    out.to_kind(x.kind())
 }
 
 /// T5's bidirectional relative position buckets (32 buckets, max distance 128) as
@@ -534,15 +540,17 @@ fn inputs(model: &Model, case: &Case, dev: Device) -> Inputs {
     let half = model.head_dim as i64 / 2;
     let pos = Tensor::arange(n + t, (Kind::Float, dev)).unsqueeze(1);
     let freqs = (Tensor::arange(half, (Kind::Float, dev)) * (-(10000f64.ln()) / half as f64)).exp().unsqueeze(0);
-    let ang = (pos * freqs).view([1, n + t, 1, half]);
+    let ang = (pos * freqs).view([1, n + t, 1, half, 1]);
+    let (c, sn) = (ang.cos(), ang.sin());
+    let pairs = |a: &Tensor, b: &Tensor| Tensor::cat(&[a, b], -1).view([1, n + t, 1, 2 * half]);
     Inputs {
         latents: r(&[b, n, model.in_channels as i64]),
         text: r(&[b, t, model.text_dim as i64]),
         pooled: model.pooled_dim.map(|p| r(&[b, p as i64])),
         t: 0.5,
         guidance: 3.5,
-        cos: ang.cos(),
-        sin: ang.sin(),
+        cos: pairs(&c, &c),
+        sin: pairs(&-&sn, &sn),
         text_tokens: t,
         ids: None,
     }
@@ -711,4 +719,30 @@ pub fn check_cpu(model: &Model) -> Result<CpuCheck, String> {
     off.close().map_err(err)?;
     let (finite, nonconstant) = check_output(&host_f32(&streamed));
     Ok(CpuCheck { bitwise_equal: host_bytes(&streamed) == host_bytes(&resident), finite, nonconstant, blocks })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `rope_pairs` with the interleaved tables rotates each pair `(re, im)` by its
+    /// angle, as the per-component form does (to a bf16 rounding).
+    #[test]
+    fn rope_pairs_rotates_each_pair_by_its_angle() {
+        tch::manual_seed(7);
+        let (t, heads, half) = (5i64, 3i64, 4i64);
+        let x = Tensor::randn([2, t, heads, 2 * half], (Kind::Float, Device::Cpu)).to_kind(Kind::BFloat16);
+        let ang = Tensor::randn([1, t, 1, half, 1], (Kind::Float, Device::Cpu));
+        let (c, s) = (ang.cos(), ang.sin());
+        let pairs = |a: &Tensor, b: &Tensor| Tensor::cat(&[a, b], -1).view([1, t, 1, 2 * half]);
+        let got = rope_pairs(&x, &pairs(&c, &c), &pairs(&-&s, &s)).to_kind(Kind::Float);
+        let f = x.to_kind(Kind::Float).view([2, t, heads, half, 2]);
+        let (re, im) = (f.select(-1, 0), f.select(-1, 1));
+        let (c, s) = (c.squeeze_dim(-1), s.squeeze_dim(-1));
+        let want = Tensor::stack(&[&re * &c - &im * &s, &re * &s + &im * &c], -1).view([2, t, heads, 2 * half]);
+        let err = (&got - &want).abs().max().double_value(&[]);
+        let scale = want.abs().max().double_value(&[]);
+        assert!(scale > 0.5, "inputs too small to test: {scale}");
+        assert!(err <= scale / 128.0, "rope_pairs off by {err} (values up to {scale})");
+    }
 }

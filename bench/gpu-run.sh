@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # Runs on the GPU runner from the bundle (`cargo xtask gpu-bundle`): the CUDA
-# conformance suite with OFFLOAD_REQUIRE_DEVICE=1, a compute-sanitizer pass, the
-# cuda benchmark and the bench room. Writes everything under $OUT.
+# conformance suite with OFFLOAD_REQUIRE_DEVICE=1, a compute-sanitizer pass, one
+# process run of the bench room's cuda file and the bench room. Writes everything under $OUT.
 # SMOKE=1: a small model and one resolution, to check the bundle works.
 # CANDLE=1: the demo on candle-cuda and the candle rows (CPU and CUDA) (gpu-bundle --candle); candle's bench is the room's (zoo-candle.gz).
 # TCH=1: also the tch rows (CPU and CUDA).
 # ZOO=1 (default): the bench room (bench/zoo-run.sh: registry check, tch on the registry's models, diffusers' anchors).
 # VULKAN=1: the vulkan row (loader from .gl/) and the Vulkan bench, 3 runs merged by code.
 # BENCH=0: conformance and sabotage tables only, no benches.
-# CUDA=0: skip the cuda bench.
-# ZOO_SANITIZE=1: compute-sanitizer (memcheck, racecheck, synccheck) over the bench room's cuda file, shrunk.
+# CUDA=0: skip the cuda run (`zoo run --backend cuda --model flux-dev`; STEPS, BENCH_ARGS (default
+#   `--depths 1,2`; e.g. `--budgets 8,12,16 --trace $OUT/trace.json`), BENCH_OUT).
+# SANITIZE=1 (default): compute-sanitizer over the conformance suite, then (memcheck, racecheck,
+#   synccheck) over the bench room's cuda file, shrunk; ZOO_SANITIZE=1 SANITIZE=0: the second part alone.
 set -uo pipefail
 B=$(cd "$(dirname "$0")" && pwd)
 OUT=${OUT:-/tmp/offload-out}; mkdir -p "$OUT"
@@ -24,19 +26,17 @@ echo "== conformance"; "$B/conformance" --backend sim,cuda --json "$OUT/conforma
 if [ "${RACECHECK:-0}" = 1 ] && command -v compute-sanitizer >/dev/null; then
   echo "== racecheck (our kernels; cuBLAS's nvjet kernels excluded)"
   { timeout 120 compute-sanitizer --tool racecheck "$B/conformance" --backend cuda 2>&1 | tail -4
-    timeout 120 compute-sanitizer --tool racecheck "$B/cuda_bench" --no-gemm --double 1 --single 2 --resolutions 256 --depths 1 --steps 1 --out /tmp/san.json 2>&1 | tail -4
-    timeout 120 compute-sanitizer --tool memcheck "$B/cuda_bench" --no-gemm --double 1 --single 2 --resolutions 256 --depths 1 --steps 1 --out /tmp/san.json 2>&1 | tail -4
+    for tool in racecheck memcheck; do
+      timeout 120 compute-sanitizer --tool $tool "$B/zoo" run --backend cuda --model flux-dev --no-gemm --blocks 1 --res 256 --cases 256 \
+        --warmup 0 --out /tmp/san.json 2>&1 | tail -4
+    done
   } | tee "$OUT/racecheck.txt"
 fi
 if [ "${SANITIZE:-1}" = 1 ] && command -v compute-sanitizer >/dev/null; then
   echo "== compute-sanitizer"
-  { compute-sanitizer --tool memcheck --leak-check full "$B/conformance" --backend cuda 2>&1 | tail -25
-    compute-sanitizer --tool memcheck "$B/cuda_bench" --double 1 --single 2 --resolutions 256 --depths 1 --steps 1 --out /tmp/san.json 2>&1 | tail -8
-    compute-sanitizer --tool racecheck "$B/cuda_bench" --double 1 --single 2 --resolutions 256 --depths 1 --steps 1 --out /tmp/san.json 2>&1 | tail -8
-    compute-sanitizer --tool synccheck "$B/cuda_bench" --double 1 --single 2 --resolutions 256 --depths 1 --steps 1 --out /tmp/san.json 2>&1 | tail -8
-  } | tee "$OUT/compute-sanitizer.txt"
+  compute-sanitizer --tool memcheck --leak-check full "$B/conformance" --backend cuda 2>&1 | tail -25 | tee "$OUT/compute-sanitizer.txt"
 fi
-if [ "${ZOO_SANITIZE:-0}" = 1 ] && command -v compute-sanitizer >/dev/null; then
+if { [ "${SANITIZE:-1}" = 1 ] || [ "${ZOO_SANITIZE:-0}" = 1 ]; } && command -v compute-sanitizer >/dev/null; then
   # The bench room's cuda file (offload-cuda's reference model) under the sanitizer:
   # flux-dev's first block of each stack, 256², five steps (cuBLAS included).
   echo "== compute-sanitizer (the bench room's cuda file)"
@@ -46,11 +46,13 @@ if [ "${ZOO_SANITIZE:-0}" = 1 ] && command -v compute-sanitizer >/dev/null; then
   done | tee "$OUT/compute-sanitizer-zoo.txt"
 fi
 if [ "${CUDA:-1}" = 0 ]; then
-  echo "== cuda bench skipped (CUDA=0)"
+  echo "== cuda run skipped (CUDA=0)"
 elif [ "${SMOKE:-0}" = 1 ]; then
-  "$B/cuda_bench" --double 2 --single 4 --resolutions 1024 --steps 2 --commit "$COMMIT" --out "$OUT/cuda-smoke.json" 2>&1 | tail -20
+  "$B/zoo" run --backend cuda --model flux-dev --blocks 2 --cases 1024 --commit "$COMMIT" --out "$OUT/cuda-smoke.json" 2>&1 | tail -20
 else
-  echo "== cuda bench"; "$B/cuda_bench" --steps "${STEPS:-5}" ${BENCH_ARGS:-} --commit "$COMMIT" --out "$OUT/${BENCH_OUT:-cuda-flux.json}" 2>&1 | tee "$OUT/cuda-bench.txt"
+  echo "== cuda run (the bench room's cuda file, one process)"
+  "$B/zoo" run --backend cuda --model flux-dev --steps "${STEPS:-5}" ${BENCH_ARGS:---depths 1,2} --commit "$COMMIT" \
+    --out "$OUT/${BENCH_OUT:-cuda-flux.json}" 2>&1 | tee "$OUT/cuda-bench.txt"
 fi
 if [ "${TCH:-0}" = 1 ] && [ -x "$B/conformance-tch" ]; then
   echo "== tch conformance"; "$B/conformance-tch" --backend tch,tch-cuda --json "$OUT/conformance-tch.json" --sabotage "$OUT/sabotage-tch.json" $SAB "$GPU" 2>&1 | tee "$OUT/conformance-tch.txt"

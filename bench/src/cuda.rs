@@ -4,15 +4,36 @@
 //! states start from seeded values), each block read from the slot a
 //! [`Ring`] serves. The resident reference is the same compute from a ring whose
 //! plan keeps every block resident (loaded once, never streamed).
+//!
+//! Beyond the other files: `--budgets` (per case, the planner's choice under each
+//! device budget, its cost model calibrated from resident steps timed block by
+//! block with compute-stream events), `--trace` (one extra streamed step with the
+//! ring's timeline on, written as a Chrome trace) and `--no-gemm` (the GEMMs
+//! skipped: a sanitizer's run over the reference model's own kernels).
 
-use crate::harness::{check_output, spread, RunCase, RunDoc, RunOptions};
+use crate::budgets::{BudgetRun, Calibration};
+use crate::harness::{check_output, spread, RunCase, RunDoc, RunOptions, TimelineStep};
 use crate::registry::{dual_names, BlockKind, Case, Model};
 use crate::source::RegistrySource;
-use offload_core::{resolve, BlockDiscovery, DeclaredStacks, HostStore, OffloadBackend, Plan, Ring};
+use offload_core::{
+    resolve, BlockDiscovery, ComponentInventory, DeclaredStacks, HostStore, OffloadBackend, Plan, ResidentPolicy, ResolvedComponent, Ring,
+    StepMetrics, StreamKind,
+};
 use offload_cuda::reference::{DualNames, RefDims, RefNet, HEAD_DIM};
 use offload_cuda::CudaBackend;
+use offload_plan::{BlockCost, CostModel};
 use std::sync::Arc;
 use std::time::Instant;
+
+type Event = <CudaBackend as OffloadBackend>::Event;
+
+/// One block's compute in one step, between two compute-stream timing events.
+struct BlockMark {
+    id: String,
+    bytes: u64,
+    start: Event,
+    end: Event,
+}
 
 fn err(what: impl std::fmt::Display) -> String {
     format!("cuda: {what}")
@@ -31,36 +52,96 @@ fn dims(model: &Model, case: &Case) -> Result<RefDims, String> {
     Ok(RefDims { heads: model.heads, mlp: model.mlp, text_tokens: case.text_tokens, image_tokens: case.image_tokens })
 }
 
-/// One forward call through `ring`, every block in the registry's order.
-fn step(model: &Model, net: &mut RefNet, ring: &mut Ring<CudaBackend>) -> offload_core::Result<()> {
+fn timing_event(be: &CudaBackend) -> offload_core::Result<Event> {
+    be.record_timing(StreamKind::Compute)?.ok_or_else(|| offload_core::Error::unsupported("cuda", "timing events"))
+}
+
+/// One forward call through `ring`, every block in the registry's order; with
+/// `marks`, a timing event on each side of each block's compute (after its wait).
+fn step(
+    be: &CudaBackend,
+    model: &Model,
+    net: &mut RefNet,
+    ring: &mut Ring<CudaBackend>,
+    mut marks: Option<&mut Vec<BlockMark>>,
+) -> offload_core::Result<StepMetrics> {
     let n = dual_names(model);
     let names = DualNames { img_mod: n.img_mod, txt_mod: n.txt_mod, img_mlp: n.img_mlp, txt_mlp: n.txt_mlp };
     net.begin_step()?;
     for s in &model.stacks {
         for i in 0..s.count {
             let block = ring.block(s.prefix, i)?;
+            let start = marks.is_some().then(|| timing_event(be)).transpose()?;
             match s.kind {
                 BlockKind::DualStream => net.dual_block(&block, &names)?,
                 BlockKind::SingleStream => net.single_block(&block)?,
                 other => return Err(offload_core::Error::unsupported("cuda (bench room)", format!("{other:?} blocks ({}.{i})", s.prefix))),
             }
+            if let (Some(m), Some(start)) = (marks.as_deref_mut(), start) {
+                m.push(BlockMark { id: block.id().to_string(), bytes: block.layout().bytes as u64, start, end: timing_event(be)? });
+            }
             block.finish()?;
         }
     }
-    ring.end_step()?;
-    Ok(())
+    ring.end_step()
+}
+
+/// The cost model of `steps` resident steps through `ring`: each block's compute
+/// (the median over the steps, in the order blocks ran) and `bandwidth`.
+fn calibrate(
+    be: &CudaBackend,
+    model: &Model,
+    net: &mut RefNet,
+    ring: &mut Ring<CudaBackend>,
+    steps: usize,
+    bandwidth: f64,
+    source: String,
+) -> Result<CostModel, String> {
+    let mut per_step = Vec::with_capacity(steps);
+    for _ in 0..steps {
+        let mut marks = Vec::new();
+        step(be, model, net, ring, Some(&mut marks)).map_err(err)?;
+        per_step.push(marks);
+    }
+    be.synchronize().map_err(err)?;
+    let first = per_step.first().ok_or_else(|| err("calibration: no steps"))?;
+    let mut blocks = Vec::with_capacity(first.len());
+    for (j, b) in first.iter().enumerate() {
+        let mut xs = Vec::with_capacity(per_step.len());
+        for m in &per_step {
+            let m = m.get(j).filter(|m| m.id == b.id).ok_or_else(|| err(format!("calibration: block {j} changed between steps")))?;
+            xs.push(be.elapsed_s(&m.start, &m.end).map_err(err)?.ok_or_else(|| err("calibration: no timing"))?);
+        }
+        let compute_s = spread(&xs).ok_or_else(|| err(format!("calibration: {} timed {xs:?}", b.id)))?.median;
+        blocks.push(BlockCost { id: b.id.clone(), bytes: b.bytes, compute_s });
+    }
+    Ok(CostModel { bandwidth_bytes_per_s: bandwidth, blocks, non_block_bytes: 0, source })
+}
+
+/// What a streamed run measured.
+struct Streamed {
+    times: Vec<f64>,
+    out: Vec<u16>,
+    misses: u64,
+    depth: usize,
+    weights: u64,
+    timeline: Option<StepMetrics>,
 }
 
 /// Build `model`'s host store (random bf16, pinned) on GPU 0 and, per case, time
-/// the reference model resident (every block loaded once) and streamed at every
-/// depth, in this process.
+/// the reference model resident (every block loaded once), streamed at every
+/// depth, and under the planner's choice for every budget, in this process.
 pub fn run(model: &Model, opts: &RunOptions) -> Result<RunDoc, String> {
     if !computes(model) {
         return Err(err(format!("{}: the reference model computes dual- and single-stream blocks with heads of 128 only", model.name)));
     }
+    if opts.trace.is_some() && opts.depths.is_empty() {
+        return Err(err("--trace traces a streamed step at the first of --depths: give at least one depth"));
+    }
     let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
     let median = |v: &[f64]| spread(v).map_or(f64::NAN, |s| s.median);
     let be = CudaBackend::new(0).map_err(err)?;
+    let gpu = be.device_name().unwrap_or_default();
     let cases: Vec<&Case> = opts.cases.iter().map(|c| model.case(c)).collect::<Result<_, _>>()?;
     let src = RegistrySource::new(model, 0);
     let prefixes: Vec<&str> = model.stacks.iter().map(|s| s.prefix).collect();
@@ -72,70 +153,154 @@ pub fn run(model: &Model, opts: &RunOptions) -> Result<RunDoc, String> {
     let store = Arc::new(HostStore::build(&be, &inv, &src).map_err(err)?);
     let facts = crate::harness::store_facts(&be, &store, t).map_err(err)?;
     let (total, bandwidth) = (facts.total, facts.bandwidth);
+    let resolved = |plan: &Plan, inv: &ComponentInventory| -> Result<ResolvedComponent, String> {
+        Ok(resolve(plan, std::slice::from_ref(inv)).map_err(err)?.components.remove(0))
+    };
     let timed = |net: &mut RefNet, ring: &mut Ring<CudaBackend>| -> Result<Vec<f64>, String> {
         for _ in 0..opts.warmup {
-            step(model, net, ring).map_err(err)?;
+            step(&be, model, net, ring, None).map_err(err)?;
         }
         let mut times = Vec::new();
         for _ in 0..opts.steps {
             be.synchronize().map_err(err)?;
             let t = Instant::now();
-            step(model, net, ring).map_err(err)?;
+            step(&be, model, net, ring, None).map_err(err)?;
             be.synchronize().map_err(err)?;
             times.push(t.elapsed().as_secs_f64());
         }
         Ok(times)
     };
+    // A streamed run of `rc`: its timed steps, then (with `trace`) one more step with
+    // the timeline on, written to `trace`.
+    let streamed = |rc: &ResolvedComponent, net: &mut RefNet, trace: Option<&str>| -> Result<Streamed, String> {
+        be.synchronize().map_err(err)?;
+        be.reset_peak();
+        let mut ring = Ring::new(be.clone(), store.clone(), rc).map_err(err)?;
+        let depth = ring.depth();
+        let times = timed(net, &mut ring)?;
+        let out = net.output().map_err(err)?;
+        let misses = ring.metrics().misses;
+        let timeline = match trace {
+            Some(path) => {
+                ring.enable_timeline().map_err(err)?;
+                let m = step(&be, model, net, &mut ring, None).map_err(err)?;
+                let tl = ring.timeline().ok_or_else(|| err("the ring recorded no timeline"))?;
+                tl.write_chrome_trace(path).map_err(|e| err(format!("{path}: {e}")))?;
+                eprintln!("timeline step: {m}; trace written to {path}");
+                Some(m)
+            }
+            None => None,
+        };
+        ring.close().map_err(err)?;
+        Ok(Streamed { times, out, misses, depth, weights: be.counters().peak_bytes, timeline })
+    };
     let as_f32 = |v: &[u16]| v.iter().map(|&b| half::bf16::from_bits(b).to_f32()).collect::<Vec<f32>>();
-    let mut out_cases = Vec::new();
+    let mut doc = RunDoc::new(opts, gpu.clone(), "cuda", &facts, 0, Vec::new());
     for c in &cases {
         let before = be.pool_used_bytes().map_err(err)?.0;
         let mut net = RefNet::new(&be, dims(model, c)?, c.resolution as u64).map_err(err)?;
+        net.set_skip_gemm(opts.no_gemm);
         be.synchronize().map_err(err)?;
         let activations = be.pool_used_bytes().map_err(err)?.0.saturating_sub(before);
-        let resident_plan = resolve(&Plan::resident(), std::slice::from_ref(&inv)).map_err(err)?.components.remove(0);
-        let mut ring = Ring::new(be.clone(), store.clone(), &resident_plan).map_err(err)?;
+        let mut ring = Ring::new(be.clone(), store.clone(), &resolved(&Plan::resident(), &inv)?).map_err(err)?;
         let rtimes = timed(&mut net, &mut ring)?;
         let rout = net.output().map_err(err)?;
+        let resident = median(&rtimes);
+        // The budget runs' calibration: more resident steps, each block's compute
+        // timed on the device (kept out of the timed steps above).
+        let cost = match opts.budgets_gib.is_empty() {
+            true => None,
+            false => {
+                let source = format!("{gpu}, {} {}, resident steps of zoo run --backend cuda", model.name, c.name);
+                Some(calibrate(&be, model, &mut net, &mut ring, opts.steps, bandwidth, source)?)
+            }
+        };
         ring.close().map_err(err)?;
-        eprintln!("{} {}: resident step {:.4} s, activations {:.2} GiB", model.name, c.name, median(&rtimes), gib(activations));
-        for &d in &opts.depths {
-            let rc = resolve(&Plan::layerwise().prefetch_depth(d), std::slice::from_ref(&inv)).map_err(err)?.components.remove(0);
-            be.synchronize().map_err(err)?;
-            be.reset_peak();
-            let mut ring = Ring::new(be.clone(), store.clone(), &rc).map_err(err)?;
-            let times = timed(&mut net, &mut ring)?;
-            let out = net.output().map_err(err)?;
-            let misses = ring.metrics().misses;
-            ring.close().map_err(err)?;
-            let weights = be.counters().peak_bytes;
-            let equal = out == rout;
-            let (finite, nonconstant) = check_output(&as_f32(&out));
-            let streamed = median(&times);
-            let bound = median(&rtimes).max(total as f64 / bandwidth);
+        eprintln!("{} {}: resident step {resident:.4} s, activations {:.2} GiB", model.name, c.name, gib(activations));
+        for (k, &d) in opts.depths.iter().enumerate() {
+            let trace = opts.trace.as_deref().filter(|_| k == 0 && doc.timeline_step.is_none());
+            let s = streamed(&resolved(&Plan::layerwise().prefetch_depth(d), &inv)?, &mut net, trace)?;
+            if let (Some(m), Some(path)) = (&s.timeline, trace) {
+                doc.timeline_step = Some(TimelineStep {
+                    model: model.name.into(),
+                    case: c.name.clone(),
+                    depth: d,
+                    trace: path.into(),
+                    exposed_stall_s: m.exposed_stall_s.unwrap_or(f64::NAN),
+                    copy_busy_s: m.copy_busy_s.unwrap_or(f64::NAN),
+                    hidden_copy_share: m.hidden_copy_share(),
+                    bytes_copied: m.bytes_copied,
+                });
+            }
+            let equal = s.out == rout;
+            let (finite, nonconstant) = check_output(&as_f32(&s.out));
+            let step_s = median(&s.times);
+            let bound = resident.max(total as f64 / bandwidth);
             eprintln!(
-                "{} {} d={d}: streamed {streamed:.4} s, bound {bound:.4} s, ratio {:.4}, weights {:.2} GiB, bitwise_equal {equal}, \
-                 finite {finite}, nonconstant {nonconstant}, misses {misses}",
+                "{} {} d={d}: streamed {step_s:.4} s, bound {bound:.4} s, ratio {:.4}, weights {:.2} GiB, bitwise_equal {equal}, \
+                 finite {finite}, nonconstant {nonconstant}, misses {}",
                 model.name,
                 c.name,
-                streamed / bound,
-                gib(weights)
+                step_s / bound,
+                gib(s.weights),
+                s.misses
             );
-            out_cases.push(RunCase {
+            doc.cases.push(RunCase {
                 steps_resident_s: rtimes.clone(),
-                steps_streamed_s: times,
+                steps_streamed_s: s.times,
                 streamed_bytes: total,
                 bandwidth_gbps: bandwidth / 1e9,
-                weights_device_bytes: weights,
-                weights_device_bytes_derived: weights,
+                weights_device_bytes: s.weights,
+                weights_device_bytes_derived: s.weights,
                 activations_peak_bytes: activations,
                 bitwise_equal: equal,
                 output_finite: finite,
                 output_nonconstant: nonconstant,
-                misses,
+                misses: s.misses,
                 ..RunCase::head(model, c, d)
             });
         }
+        let Some(cost) = cost else { continue };
+        for &budget_gib in &opts.budgets_gib {
+            let budget = (budget_gib * (1u64 << 30) as f64) as u64;
+            let at = format!("{} {} budget {budget_gib} GiB", model.name, c.name);
+            let choice = offload_plan::plan(&cost, budget, 1, ResidentPolicy::Auto).map_err(|e| err(format!("{at}: {e}")))?;
+            let plan = Plan::layerwise().component("transformer", choice.component_plan(&cost, budget));
+            let s = streamed(&resolved(&plan, &inv)?, &mut net, None)?;
+            if s.depth != choice.depth {
+                return Err(err(format!("{at}: the ring ran at depth {}, the planner chose {}", s.depth, choice.depth)));
+            }
+            let resident_blocks: Vec<String> = choice.resident_ids(&cost).into_iter().map(str::to_owned).collect();
+            let step_s = median(&s.times);
+            eprintln!(
+                "{at}: {} resident, d={}, streamed {step_s:.4} s, predicted {:.4} s ({:+.1} %), weights {:.2} GiB, bitwise_equal {}, misses {}",
+                resident_blocks.len(),
+                choice.depth,
+                choice.predicted_step_s,
+                (step_s / choice.predicted_step_s - 1.0) * 100.0,
+                gib(s.weights),
+                s.out == rout,
+                s.misses
+            );
+            doc.budgets.push(BudgetRun {
+                model: model.name.into(),
+                case: c.name.clone(),
+                budget_bytes: budget,
+                depth: choice.depth,
+                resident_blocks,
+                planned_device_bytes: choice.device_bytes,
+                streamed_bytes: choice.streamed_bytes,
+                predicted_step_s: choice.predicted_step_s,
+                step_streamed_s: step_s,
+                steps_streamed_s: s.times,
+                step_resident_s: resident,
+                bandwidth_gbps: bandwidth / 1e9,
+                weights_device_bytes: s.weights,
+                bitwise_equal: s.out == rout,
+                misses: s.misses,
+            });
+        }
+        doc.calibrations.push(Calibration { model: model.name.into(), case: c.name.clone(), cost });
     }
-    Ok(RunDoc::new(opts, be.device_name().unwrap_or_default(), "cuda", &facts, 0, out_cases))
+    Ok(doc)
 }

@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
 /// What one process run times (`zoo run`).
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Default)]
 pub struct RunOptions {
     /// Cases of the model to time.
     pub cases: Vec<String>,
@@ -18,6 +18,15 @@ pub struct RunOptions {
     pub warmup: usize,
     /// Commit built.
     pub commit: String,
+    /// Device budgets for weights, GiB: per case, the planner's choice under each,
+    /// calibrated from the resident run (`--budgets`; cuda's file only).
+    pub budgets_gib: Vec<f64>,
+    /// Where to write a Chrome trace of one extra streamed step with the ring's
+    /// timeline on (`--trace`; cuda's file only).
+    pub trace: Option<String>,
+    /// Skip the GEMMs (`--no-gemm`: a sanitizer's run over the other kernels;
+    /// cuda's file only). Its timings are not a measurement: `merge` refuses it.
+    pub no_gemm: bool,
 }
 
 /// One timed case of one process run.
@@ -88,6 +97,40 @@ pub struct RunDoc {
     pub host_rss_bytes: u64,
     /// Timed cases.
     pub cases: Vec<RunCase>,
+    /// The planner's choice under each `--budgets` budget, run and timed.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub budgets: Vec<crate::budgets::BudgetRun>,
+    /// The cost model each case's budget runs were planned with.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub calibrations: Vec<crate::budgets::Calibration>,
+    /// The extra step traced with `--trace`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeline_step: Option<TimelineStep>,
+    /// Run with `--no-gemm` (a sanitizer's run; not a measurement).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub no_gemm: bool,
+}
+
+/// One extra streamed step with the ring's timeline on, after the timed ones
+/// (which it would perturb): where its trace went and what it measured.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct TimelineStep {
+    /// Registry model.
+    pub model: String,
+    /// Registry case.
+    pub case: String,
+    /// Prefetch depth.
+    pub depth: usize,
+    /// The Chrome trace written (`--trace`).
+    pub trace: String,
+    /// Device seconds the compute stream waited for copies.
+    pub exposed_stall_s: f64,
+    /// Device seconds the copy stream was busy.
+    pub copy_busy_s: f64,
+    /// Share of the copy time hidden behind compute.
+    pub hidden_copy_share: Option<f64>,
+    /// Bytes copied in the step.
+    pub bytes_copied: u64,
 }
 
 impl RunCase {
@@ -120,6 +163,8 @@ impl RunDoc {
             store_build_s: store.build_s,
             host_rss_bytes: store.rss,
             cases,
+            no_gemm: opts.no_gemm,
+            ..RunDoc::default()
         }
     }
 }
@@ -275,6 +320,12 @@ pub fn merge(runs: &[RunDoc], anchors: &[AnchorDoc], min_repeats: usize) -> Resu
     let first = runs.first().ok_or("no runs to merge")?;
     if let Some(r) = runs.iter().find(|r| r.backend != first.backend) {
         return Err(format!("runs of different backends: {} and {}", first.backend, r.backend));
+    }
+    if let Some(r) = runs.iter().find(|r| r.no_gemm) {
+        return Err(format!(
+            "a {} run at commit {} ran with --no-gemm (a sanitizer's run): its timings are not a measurement",
+            r.backend, r.commit
+        ));
     }
     // One commit per model: each model's figures come from one build (models may
     // have been measured at different commits, each with its anchors).
@@ -440,7 +491,8 @@ pub fn merge(runs: &[RunDoc], anchors: &[AnchorDoc], min_repeats: usize) -> Resu
         }));
     }
     let all_met = !cases.is_empty() && cases.iter().all(|c| c["meets_targets"] == true);
-    Ok(json!({
+    let budgets = crate::budgets::merge_budgets(runs, min_repeats)?;
+    let mut doc = json!({
         "date": first.date, "commit": all_commits.join(", "), "gpu": first.gpu, "backend": first.backend,
         "model": keys.iter().map(|k| k.0.clone()).fold(Vec::<String>::new(), |mut v, m| { if !v.contains(&m) { v.push(m) } v }).join(", "),
         "repeats": cases.iter().filter_map(|c| c["repeats"].as_u64()).min().unwrap_or(0), "process_runs": runs.len(),
@@ -451,7 +503,12 @@ pub fn merge(runs: &[RunDoc], anchors: &[AnchorDoc], min_repeats: usize) -> Resu
             peak_device_bytes: weights_device_bytes plus activations_peak_bytes (not a measured streamed peak); \
             ratio_to_bound: the median streamed step over the bound of the medians; its _min and _max: the per-run ratios",
         "meets_targets": all_met, "cases": cases, "anchors": anchor_rows,
-    }))
+    });
+    // The planner's budget runs, where the runs have them (not part of the targets).
+    if !budgets.is_empty() {
+        doc["budgets"] = Value::Array(budgets);
+    }
+    Ok(doc)
 }
 
 #[cfg(test)]

@@ -18,8 +18,9 @@ cargo xtask <command>
   lint                      cargo fmt --check, clippy -D warnings, tidy
   bench [--backend sim]     host-side cost per block and planner speed (criterion); writes bench/results/<date>-sim-host-cost.json
   bench --backend cuda [-- ARGS]
-                            the Flux-shaped cuda benchmark on this machine's GPU (ARGS go to cuda_bench);
-                            writes bench/results/<date>-cuda-flux.json
+                            the bench room's cuda file (offload-cuda's reference model, flux-dev; 3 process runs,
+                            diffusers beside them) on this machine's GPU; ARGS go to each `zoo run --backend cuda`
+                            (e.g. --budgets 8,12,16); runs under bench/raw/, bench/results/<date>-zoo-cuda.json
   bench --backend tch       the bench room (registry models, 3 process runs each, diffusers' group offloading
                             beside them) on this machine's GPU; runs under bench/raw/, bench/results/<date>-zoo-tch.json
   bench --backend candle [-- ARGS]
@@ -192,15 +193,31 @@ fn bench(args: &[String]) -> Result<(), String> {
     match backend.as_str() {
         "sim" => {}
         "cuda" => {
-            // Where Rust and a GPU share a machine: build and run the Flux-shaped
-            // benchmark here. The GPU runner has no Rust: there, `cargo xtask
-            // gpu-bundle` builds the same binary and .bundle/gpu-run.sh runs it.
-            let out = root().join(format!("bench/results/{}-cuda-flux.json", today()));
+            // The bench room's cuda file on this machine's GPU: bench/zoo-run.sh with
+            // a zoo built here with the `cuda` feature only (no libtorch), flux-dev
+            // unless ZOO_MODELS says otherwise, runs kept under bench/raw, the merged
+            // file in bench/results. The GPU runner has no Rust: there, `cargo xtask
+            // gpu-bundle` builds the zoo and .bundle/gpu-run.sh runs it.
             let mut c = cargo();
-            c.args(["run", "--release", "-q", "-p", "offload-cuda", "--example", "cuda_bench", "--", "--commit", &commit(), "--out"]);
-            c.arg(out);
-            c.args(args.iter().skip_while(|a| *a != "--").skip(1));
-            return run(c);
+            c.args(["build", "-q", "-p", "offload-bench", "--features", "cuda", "--bin", "zoo"]);
+            run(c)?;
+            let raw = root().join(format!("bench/raw/{}-zoo-{}", today(), commit()));
+            let zoo_args: Vec<&str> = args.iter().skip_while(|a| *a != "--").skip(1).map(String::as_str).collect();
+            let mut c = Command::new("bash");
+            c.arg(root().join("bench/zoo-run.sh"));
+            c.env("ZOO_BIN", root().join("target/debug/zoo")).env("ZOO_DIR", &raw).env("COMMIT", commit()).env("ZOO_TCH", "0");
+            c.env("OUT", std::env::temp_dir().join("offload-zoo-out"));
+            if std::env::var_os("ZOO_MODELS").is_none() {
+                c.env("ZOO_MODELS", "flux-dev");
+            }
+            if !zoo_args.is_empty() {
+                c.env("ZOO_CUDA_ARGS", zoo_args.join(" "));
+            }
+            run(c)?;
+            let out = root().join(format!("bench/results/{}-zoo-cuda.json", today()));
+            std::fs::copy(raw.join("zoo-cuda.json"), &out).map_err(|e| format!("{}: {e}", out.display()))?;
+            println!("wrote {}", out.display());
+            return Ok(());
         }
         "tch" => {
             // The bench room on this machine's GPU (libtorch fetched if needed):
@@ -352,12 +369,7 @@ fn gpu_bundle(args: &[String]) -> Result<(), String> {
     let mut c = cargo();
     c.args(["build", "--profile", "bundle", "-p", "offload-tests", "--features", "cuda", "--bin", "conformance"]);
     run(c)?;
-    let mut c = cargo();
-    c.args(["build", "--profile", "bundle", "-p", "offload-cuda", "--example", "cuda_bench"]);
-    run(c)?;
-    for (from, to) in [("target/bundle/conformance", "conformance"), ("target/bundle/examples/cuda_bench", "cuda_bench")] {
-        std::fs::copy(root().join(from), dir.join(to)).map_err(|e| format!("{from}: {e}"))?;
-    }
+    std::fs::copy(root().join("target/bundle/conformance"), dir.join("conformance")).map_err(|e| format!("conformance: {e}"))?;
     // The Vulkan row and bench (the runner has NVIDIA's Vulkan driver; the loader
     // and the validation layer travel as Debian packages in .gl/).
     let mut c = cargo();

@@ -3,7 +3,12 @@
 //! ```text
 //! zoo registry [--json F]                      the registry (names, shapes, references) as JSON
 //! zoo run --backend tch|candle|cuda --model M [--cases 1024,2048] [--blocks K] [--res R] [--depths 1] [--steps 5] [--warmup 1] [--commit C] --out F
-//!                                              one process run (needs a GPU)
+//!         [--budgets 8,12,16] [--trace F] [--no-gemm]
+//!                                              one process run (needs a GPU); cuda only: --budgets (per case, the
+//!                                              planner's choice under each device budget in GiB, calibrated from
+//!                                              resident steps of this process), --trace (a Chrome trace of one extra
+//!                                              streamed step: first case, first depth), --no-gemm (GEMMs skipped:
+//!                                              sanitizer runs; merge refuses them)
 //! zoo merge --out F [--min-repeats 3] RUN.json... [--anchors A.json...]
 //!                                              medians, spreads, bounds and the comparison, computed from the runs
 //! ```
@@ -14,6 +19,22 @@ use offload_bench::registry;
 fn opt<'a>(args: &'a [String], name: &str) -> Option<&'a str> {
     args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).map(String::as_str)
 }
+
+/// `zoo run`'s options that take a value.
+const RUN_OPTIONS: [&str; 12] = [
+    "--backend",
+    "--model",
+    "--out",
+    "--blocks",
+    "--res",
+    "--cases",
+    "--depths",
+    "--steps",
+    "--warmup",
+    "--commit",
+    "--budgets",
+    "--trace",
+];
 
 fn write(path: &str, v: &impl serde::Serialize) -> Result<(), String> {
     let text = serde_json::to_string_pretty(v).map_err(|e| format!("{path}: {e}"))?;
@@ -48,7 +69,27 @@ fn run(args: &[String]) -> Result<(), String> {
             }
         }
         Some("run") => {
+            // Every option named: a misspelt one is an error, not a default.
+            let mut it = args[1..].iter();
+            while let Some(a) = it.next() {
+                match a.as_str() {
+                    "--no-gemm" => {}
+                    o if RUN_OPTIONS.contains(&o) => {
+                        it.next().ok_or_else(|| format!("{o} needs a value"))?;
+                    }
+                    other => return Err(format!("run: unknown argument {other:?} (options: {}, --no-gemm)", RUN_OPTIONS.join(", "))),
+                }
+            }
             let backend = opt(args, "--backend").unwrap_or("tch");
+            // The options only cuda's file implements: refused elsewhere, never ignored.
+            let no_gemm = args.iter().any(|a| a == "--no-gemm");
+            for (name, given) in
+                [("--budgets", opt(args, "--budgets").is_some()), ("--trace", opt(args, "--trace").is_some()), ("--no-gemm", no_gemm)]
+            {
+                if given && backend != "cuda" {
+                    return Err(format!("{name} is implemented by the cuda backend only, not by {backend}"));
+                }
+            }
             let mut model = registry::model(opt(args, "--model").ok_or("--model is required")?)?;
             let out = opt(args, "--out").ok_or("--out is required")?;
             // Short runs (a sanitizer's): the first K blocks of each stack, an extra image case.
@@ -82,7 +123,18 @@ fn run(args: &[String]) -> Result<(), String> {
                 return Err(format!("--steps {steps}: a run times at least 5 steps after warm-up"));
             }
             let commit = opt(args, "--commit").unwrap_or("unknown").to_owned();
-            let opts = offload_bench::harness::RunOptions { cases, depths, steps, warmup, commit };
+            let budgets_gib = list("--budgets", "")
+                .iter()
+                .map(|b| match b.parse::<f64>() {
+                    Ok(g) if g.is_finite() && g > 0.0 => Ok(g),
+                    _ => Err(format!("--budgets: {b:?} is not a positive number of GiB")),
+                })
+                .collect::<Result<Vec<f64>, _>>()?;
+            if opt(args, "--budgets").is_some() && budgets_gib.is_empty() {
+                return Err("--budgets: no budget given (GiB, comma-separated: --budgets 8,12,16)".into());
+            }
+            let trace = opt(args, "--trace").map(str::to_owned);
+            let opts = offload_bench::harness::RunOptions { cases, depths, steps, warmup, commit, budgets_gib, trace, no_gemm };
             let doc: Result<RunDoc, String> = match backend {
                 #[cfg(feature = "tch-cuda")]
                 "tch" => offload_bench::tch::run(&model, &opts),

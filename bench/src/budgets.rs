@@ -1,0 +1,155 @@
+//! The planner's runs under device budgets (`zoo run --budgets`, cuda's file):
+//! what one process run records of them (each budget's choice, its prediction and
+//! the measured steps; the calibration the planner used) and their merge over
+//! process runs, every spread computed here.
+
+use crate::harness::{spread, RunDoc};
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+
+/// The planner's choice under one device budget, run and timed in the process
+/// that calibrated it (from the resident run's per-block times).
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct BudgetRun {
+    /// Registry model.
+    pub model: String,
+    /// Registry case.
+    pub case: String,
+    /// Device budget for weights, bytes.
+    pub budget_bytes: u64,
+    /// Prefetch depth the planner chose (the ring ran at it).
+    pub depth: usize,
+    /// Blocks the planner kept resident, in ring order.
+    pub resident_blocks: Vec<String>,
+    /// Device bytes for weights the planner counted for its choice.
+    pub planned_device_bytes: u64,
+    /// Bytes streamed per step under the choice.
+    pub streamed_bytes: u64,
+    /// The planner's predicted step (its replay of the ring's schedule), seconds.
+    pub predicted_step_s: f64,
+    /// Median of [`steps_streamed_s`](Self::steps_streamed_s).
+    pub step_streamed_s: f64,
+    /// Every timed step under the choice, seconds.
+    pub steps_streamed_s: Vec<f64>,
+    /// The same process's median resident step, seconds.
+    pub step_resident_s: f64,
+    /// Pinned host-to-device bandwidth measured in this process, GB/s.
+    pub bandwidth_gbps: f64,
+    /// The most weight bytes (slots and resident blocks) live at once during the run.
+    pub weights_device_bytes: u64,
+    /// Output byte-identical to the resident run's.
+    pub bitwise_equal: bool,
+    /// Blocks that were not prefetched in time.
+    pub misses: u64,
+}
+
+/// The cost model the planner chose from at one case: per-block compute (the
+/// median over the resident calibration steps) and the measured bandwidth.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Calibration {
+    /// Registry model.
+    pub model: String,
+    /// Registry case.
+    pub case: String,
+    /// What `offload-plan --calibration` reads.
+    pub cost: offload_plan::CostModel,
+}
+
+/// The budget runs of `runs`, per (model, case, budget) in first-seen order: the
+/// median over the process runs of each run's median step with min and max, the
+/// predictions likewise, and whether every run chose the same blocks. Empty when
+/// no run has budget runs.
+pub fn merge_budgets(runs: &[RunDoc], min_repeats: usize) -> Result<Vec<Value>, String> {
+    let mut keys: Vec<(&str, &str, u64)> = Vec::new();
+    for b in runs.iter().flat_map(|r| &r.budgets) {
+        let k = (b.model.as_str(), b.case.as_str(), b.budget_bytes);
+        if !keys.contains(&k) {
+            keys.push(k);
+        }
+    }
+    let mut out = Vec::new();
+    for (model, case, budget) in keys {
+        let per: Vec<&BudgetRun> =
+            runs.iter().flat_map(|r| &r.budgets).filter(|b| b.model == model && b.case == case && b.budget_bytes == budget).collect();
+        let at = format!("{model} {case} budget {budget} bytes");
+        if per.len() < min_repeats {
+            return Err(format!("{at}: {} process runs, at least {min_repeats} needed", per.len()));
+        }
+        let medians: Vec<f64> = per
+            .iter()
+            .map(|b| spread(&b.steps_streamed_s).map(|s| s.median).ok_or_else(|| format!("{at}: no finite timings")))
+            .collect::<Result<_, _>>()?;
+        let each = |f: &dyn Fn(&BudgetRun) -> f64| per.iter().map(|b| f(b)).collect::<Vec<f64>>();
+        let (s, p, r) = (
+            spread(&medians).ok_or(&at)?,
+            spread(&each(&|b| b.predicted_step_s)).ok_or(&at)?,
+            spread(&each(&|b| b.step_resident_s)).ok_or(&at)?,
+        );
+        let weights = per.iter().map(|b| b.weights_device_bytes).max().unwrap_or(0);
+        let same = per.iter().all(|b| b.resident_blocks == per[0].resident_blocks && b.depth == per[0].depth);
+        out.push(json!({
+            "model": model, "case": case, "budget_bytes": budget, "repeats": per.len(),
+            "depth": per[0].depth, "resident_blocks": per[0].resident_blocks, "same_choice_every_run": same,
+            "planned_device_bytes": per.iter().map(|b| b.planned_device_bytes).max(), "streamed_bytes": per[0].streamed_bytes,
+            "step_streamed_s": s.median, "step_streamed_s_min": s.min, "step_streamed_s_max": s.max,
+            "predicted_step_s": p.median, "predicted_step_s_min": p.min, "predicted_step_s_max": p.max,
+            "prediction_error": s.median / p.median - 1.0,
+            "step_resident_s": r.median, "step_resident_s_min": r.min, "step_resident_s_max": r.max,
+            "weights_device_bytes": weights, "weights_within_budget": weights <= budget,
+            "bitwise_equal": per.iter().all(|b| b.bitwise_equal), "misses": per.iter().map(|b| b.misses).sum::<u64>(),
+            "steps_streamed_s_per_run": medians,
+        }));
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn doc(step: f64, predicted: f64, resident: &[&str]) -> RunDoc {
+        RunDoc {
+            backend: "cuda".into(),
+            budgets: vec![BudgetRun {
+                model: "m".into(),
+                case: "1024".into(),
+                budget_bytes: 8 << 30,
+                depth: 1,
+                resident_blocks: resident.iter().map(|s| s.to_string()).collect(),
+                predicted_step_s: predicted,
+                steps_streamed_s: vec![step; 5],
+                step_resident_s: 0.2,
+                weights_device_bytes: 7 << 30,
+                bitwise_equal: true,
+                ..Default::default()
+            }],
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn budgets_merge_into_spreads_and_name_a_changed_choice() {
+        let runs = [doc(0.30, 0.29, &["a.0"]), doc(0.31, 0.30, &["a.0"]), doc(0.32, 0.31, &["a.1"])];
+        let b = merge_budgets(&runs, 3).unwrap();
+        assert_eq!(b.len(), 1);
+        assert!((b[0]["step_streamed_s"].as_f64().unwrap() - 0.31).abs() < 1e-12);
+        assert!((b[0]["step_streamed_s_min"].as_f64().unwrap() - 0.30).abs() < 1e-12);
+        assert!((b[0]["predicted_step_s"].as_f64().unwrap() - 0.30).abs() < 1e-12);
+        assert!((b[0]["prediction_error"].as_f64().unwrap() - (0.31 / 0.30 - 1.0)).abs() < 1e-12);
+        assert_eq!(b[0]["same_choice_every_run"], false);
+        assert_eq!(b[0]["weights_within_budget"], true);
+        assert!(merge_budgets(&runs[..2], 3).unwrap_err().contains("2 process runs"));
+        assert!(merge_budgets(&[RunDoc::default()], 3).unwrap().is_empty());
+    }
+
+    #[test]
+    fn run_files_without_budgets_still_parse() {
+        // A run file written before the budget fields existed.
+        let old = r#"{"date":"d","commit":"c","gpu":"g","backend":"cuda","block_bytes_total":1,"largest_block_bytes":1,"resident_bytes":0,"cases":[]}"#;
+        let d: RunDoc = serde_json::from_str(old).unwrap();
+        assert!(d.budgets.is_empty() && d.calibrations.is_empty() && d.timeline_step.is_none() && !d.no_gemm);
+        // And a run without them writes none of them.
+        let text = serde_json::to_string(&d).unwrap();
+        assert!(!text.contains("budgets") && !text.contains("no_gemm") && !text.contains("timeline_step"), "{text}");
+    }
+}

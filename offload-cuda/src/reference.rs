@@ -28,12 +28,12 @@ __device__ __forceinline__ float f(bf16 h) { return __uint_as_float(((unsigned)h
 __device__ __forceinline__ bf16 b(float x) { unsigned u = __float_as_uint(x); u += 0x7FFFu + ((u >> 16) & 1u); return (bf16)(u >> 16); }
 __device__ __forceinline__ float gelu(float x) { return 0.5f * x * (1.0f + tanhf(0.7978845608f * (x + 0.044715f * x * x * x))); }
 
-extern "C" __global__ void bias_act(bf16* y, const bf16* bias, long long rows, int cols, int ld, int gelu) {
+extern "C" __global__ void bias_act(bf16* y, const bf16* bias, long long rows, int cols, int ld, int act) {
     long long n = rows * cols;
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
         long long r = i / cols; int c = (int)(i % cols);
         float v = f(y[r * ld + c]) + f(bias[c]);
-        if (gelu) v = gelu(v);
+        if (act) v = gelu(v);
         y[r * ld + c] = b(v);
     }
 }
@@ -643,5 +643,27 @@ mod tests {
         let (t, h, mlp) = (4u64, 128u64, 256u64);
         let elems = 2 * t * h + t * (3 * h + mlp) + 2 * t * h + t * mlp + t * t + 2 * h + 12 * h + t * h;
         assert_eq!(d.activation_bytes(), 2 * elems);
+    }
+
+    /// The kernels' source compiles with NVRTC (no GPU needed, only libnvrtc): a
+    /// compile error would otherwise first show on the GPU runner. Without libnvrtc
+    /// the test prints `SKIPPED`, and fails under `OFFLOAD_REQUIRE_DEVICE=1`.
+    #[test]
+    fn kernels_compile_with_nvrtc() {
+        let hook = std::panic::take_hook();
+        std::panic::set_hook(Box::new(|_| {}));
+        let got = std::panic::catch_unwind(|| cudarc::nvrtc::compile_ptx(KERNELS));
+        std::panic::set_hook(hook);
+        match got {
+            Ok(ptx) => {
+                ptx.unwrap_or_else(|e| panic!("the reference kernels do not compile: {e:?}"));
+            }
+            Err(p) => {
+                let why = p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_default();
+                assert!(why.contains("nvrtc"), "NVRTC panicked: {why}");
+                assert!(std::env::var("OFFLOAD_REQUIRE_DEVICE").as_deref() != Ok("1"), "libnvrtc is required: {why}");
+                println!("SKIPPED: libnvrtc not found ({why})");
+            }
+        }
     }
 }

@@ -15,7 +15,7 @@
 # Files collect in $ZOO_DIR (default .zoo-out beside the bundle, kept between
 # commands on a warm runner); each command also leaves $OUT/zoo.tgz, all so far.
 #   ZOO_MODELS="flux-dev qwen-image"  ZOO_ARGS="--cases 1024"  ANCHOR_MODES="block_stream leaf_stream"
-#   ZOO_TCH=0 (no tch runs)  ZOO_CANDLE_MODELS="flux-dev"  ZOO_CANDLE_ARGS="--cases 1024"  ZOO_CUDA_MODELS="flux-dev" (empty: none)  ZOO_CUDA_ARGS
+#   CUDA_COMMIT (cuda runs from another build)  ZOO_TCH=0 (no tch runs)  ZOO_CANDLE_MODELS="flux-dev"  ZOO_CANDLE_ARGS="--cases 1024"  ZOO_CUDA_MODELS="flux-dev" (empty: none)  ZOO_CUDA_ARGS
 set -uo pipefail
 B=$(cd "$(dirname "$0")" && pwd)
 OUT=${OUT:-/tmp/offload-out}; mkdir -p "$OUT"
@@ -61,7 +61,7 @@ once() {
 }
 
 run_tch() { "$ZOO" run --backend tch --model "$1" --commit "$COMMIT" --out "$2" ${ZOO_ARGS:-} 2>&1 | tee "${2%.json}.txt"; }
-run_cuda() { "$ZOO" run --backend cuda --model "$1" --commit "$COMMIT" --out "$2" ${ZOO_CUDA_ARGS:-${ZOO_ARGS:-}} 2>&1 | tee "${2%.json}.txt"; }
+run_cuda() { "$ZOO" run --backend cuda --model "$1" --commit "${CUDA_COMMIT:-$COMMIT}" --out "$2" ${ZOO_CUDA_ARGS:-${ZOO_ARGS:-}} 2>&1 | tee "${2%.json}.txt"; }
 run_candle() { "$ZOO_CANDLE" run --backend candle --model "$1" --commit "$COMMIT" --out "$2" ${ZOO_CANDLE_ARGS:-${ZOO_ARGS:-}} 2>&1 | tee "${2%.json}.txt"; }
 run_anchor() {
   local A=""; [ -n "${ZOO_ARGS:-}" ] && A=$(echo " ${ZOO_ARGS}" | grep -o -- '--cases [^ ]*')

@@ -319,13 +319,14 @@ pub fn check_cpu(model: &Model) -> offload_core::Result<CpuCheck> {
     let direct = net.direct_weights(&src)?;
     let resident = net.step::<CandleBackend>(None, Some(&direct), &i)?;
     let rc = resolve(&Plan::layerwise().prefetch_depth(1), std::slice::from_ref(&inv))?.components.remove(0);
+    let block_payload_bytes = crate::harness::block_payload_bytes(&store);
     let mut ring = Ring::new(be.clone(), store, &rc)?;
     let streamed = net.step(Some(&mut ring), None, &i)?;
     let blocks = ring.metrics().blocks;
     ring.close()?;
     let ((rb, _), (sb, sv)) = (output(&resident)?, output(&streamed)?);
     let (finite, nonconstant) = check_output(&sv);
-    Ok(CpuCheck { bitwise_equal: rb == sb, finite, nonconstant, blocks })
+    Ok(CpuCheck { bitwise_equal: rb == sb, finite, nonconstant, blocks, block_payload_bytes })
 }
 
 /// Build `model`'s host store (random bf16, pinned) on GPU 0, time every case

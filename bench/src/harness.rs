@@ -172,8 +172,11 @@ impl RunDoc {
 /// What a run records of its host store once built, and the pinned bandwidth
 /// measured from it: printed on stderr as each backend file's run goes.
 pub struct StoreFacts {
-    /// Bytes of every block.
+    /// Bytes of every block as stored and streamed (each tensor at a 256-byte
+    /// aligned offset).
     pub total: u64,
+    /// The blocks' tensor bytes without the alignment padding: the registry's size.
+    pub payload: u64,
     /// Bytes of the largest block.
     pub largest: u64,
     /// Seconds from `started` (given to [`store_facts`]) to the store built.
@@ -196,7 +199,8 @@ pub fn store_facts<B: offload_core::OffloadBackend>(
     eprintln!("host store: {:.2} GiB pinned in {} blocks in {build_s:.1} s, RSS {:.2} GiB", gib(total), store.blocks().len(), gib(rss));
     let bandwidth = offload_core::probe_bandwidth(be, store, 3)?;
     eprintln!("pinned H2D bandwidth: {:.1} GB/s", bandwidth / 1e9);
-    Ok(StoreFacts { total, largest: store.largest_block_bytes() as u64, build_s, rss, bandwidth })
+    let payload = block_payload_bytes(store);
+    Ok(StoreFacts { total, payload, largest: store.largest_block_bytes() as u64, build_s, rss, bandwidth })
 }
 
 /// This process's resident set size in bytes (`VmRSS` of `/proc/self/status`; 0 where unknown).
@@ -257,6 +261,14 @@ pub struct CpuCheck {
     pub nonconstant: bool,
     /// Blocks served by the ring in the streamed step.
     pub blocks: u64,
+    /// The host store's block tensor bytes without alignment padding (what the
+    /// GPU run checks against the registry's `block_bytes`).
+    pub block_payload_bytes: u64,
+}
+
+/// Tensor bytes of `store`'s blocks, without the alignment padding between them.
+pub fn block_payload_bytes<B: offload_core::OffloadBackend>(store: &offload_core::HostStore<B>) -> u64 {
+    store.blocks().iter().map(|b| b.layout.payload_bytes() as u64).sum()
 }
 
 /// Median, min and max.

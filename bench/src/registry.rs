@@ -422,7 +422,15 @@ pub fn tiny(model: &Model) -> Model {
         calls_per_step: model.calls_per_step,
         stacks,
         globals,
-        cases: vec![Case { name: "64".into(), resolution: 64, frames: 1, image_tokens: 16, text_tokens: 8, batch: 1 }],
+        // The real model's batch (SD3.5 runs two, for classifier-free guidance).
+        cases: vec![Case {
+            name: "64".into(),
+            resolution: 64,
+            frames: 1,
+            image_tokens: 16,
+            text_tokens: 8,
+            batch: model.cases.first().map_or(1, |c| c.batch),
+        }],
         reference: Value::Null,
     }
 }

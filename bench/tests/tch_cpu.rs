@@ -14,6 +14,7 @@ fn tiny_registry_models_stream_bitwise_equal_on_the_cpu() {
         assert!(c.bitwise_equal, "{}: streamed output differs from resident", m.name);
         assert!(c.finite && c.nonconstant, "{}: output finite {} varied {}", m.name, c.finite, c.nonconstant);
         assert_eq!(c.blocks, blocks as u64, "{}: blocks served", m.name);
+        assert_eq!(c.block_payload_bytes, tiny.block_bytes(2), "{}: the store's block tensors against the registry", m.name);
     }
 }
 

@@ -659,7 +659,8 @@ mod tests {
                 ptx.unwrap_or_else(|e| panic!("the reference kernels do not compile: {e:?}"));
             }
             Err(p) => {
-                let why = p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_default();
+                let why =
+                    p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_default();
                 assert!(why.contains("nvrtc"), "NVRTC panicked: {why}");
                 assert!(std::env::var("OFFLOAD_REQUIRE_DEVICE").as_deref() != Ok("1"), "libnvrtc is required: {why}");
                 println!("SKIPPED: libnvrtc not found ({why})");

@@ -383,7 +383,44 @@ pub fn readme_tables(results: &Path) -> Result<String, String> {
         }
         md.push('\n');
     }
-    if let Some(name) = names.iter().filter(|n| n.contains("planner") && n.ends_with(".json") && n.contains("cuda")).max() {
+    // The planner under device budgets: the newest bench-room file with merged
+    // budget runs (medians over process runs), else the older one-run planner file.
+    let zoo_budgets = names.iter().filter(|n| n.contains("-zoo-") && n.ends_with(".json")).rev().find_map(|n| {
+        let d = read_json(&results.join(n)).ok()?;
+        let has = d["budgets"].as_array().is_some_and(|b| !b.is_empty());
+        has.then(|| (n.clone(), d))
+    });
+    if let Some((name, d)) = zoo_budgets {
+        let runs: Vec<&Value> = d["budgets"].as_array().into_iter().flatten().collect();
+        let worst = runs.iter().map(|c| f(&c["prediction_error"]).abs()).fold(0.0, f64::max);
+        let steps: Vec<String> = runs
+            .iter()
+            .map(|c| {
+                format!(
+                    "{} GiB → {:.3} s [{:.3}, {:.3}] (d={}, {} blocks resident, predicted {:.3} s, {:+.1} %)",
+                    c["budget_bytes"].as_u64().unwrap_or(0) >> 30,
+                    f(&c["step_streamed_s"]),
+                    f(&c["step_streamed_s_min"]),
+                    f(&c["step_streamed_s_max"]),
+                    c["depth"],
+                    c["resident_blocks"].as_array().map_or(0, Vec::len),
+                    f(&c["predicted_step_s"]),
+                    f(&c["prediction_error"]) * 100.0
+                )
+            })
+            .collect();
+        let _ = writeln!(
+            md,
+            "Under a device budget (the planner, `cuda`'s reference model, {} {}, medians of {} process runs with [min, max]; `bench/results/{name}`): \
+             {}, against {:.3} s all resident; the worst step is {:.1} % off the planner's prediction.\n",
+            runs.first().map_or("", |c| c["model"].as_str().unwrap_or("")),
+            runs.first().map_or(String::new(), |c| format!("{}²", c["case"].as_str().unwrap_or(""))),
+            runs.first().map_or(0, |c| c["repeats"].as_u64().unwrap_or(0)),
+            steps.join(", "),
+            runs.first().map_or(f64::NAN, |c| f(&c["step_resident_s"])),
+            worst * 100.0
+        );
+    } else if let Some(name) = names.iter().filter(|n| n.contains("planner") && n.ends_with(".json") && n.contains("cuda")).max() {
         let d = read_json(&results.join(name))?;
         let cases: Vec<&Value> = d["cases"].as_array().into_iter().flatten().filter(|c| c["budget_bytes"].is_u64()).collect();
         let worst = cases.iter().map(|c| (f(&c["step_streamed_s"]) / f(&c["predicted_step_s"]) - 1.0).abs()).fold(0.0, f64::max);

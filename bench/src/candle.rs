@@ -2,7 +2,9 @@
 //! fused RMS and layer norms, `rope_i`, matmul-softmax attention over groups of
 //! heads), every block served by the ring through [`CandleBlockExt`] and the
 //! non-block weights kept on the device. The resident reference reads every
-//! block's weights straight from the source, without a ring.
+//! block's weights straight from the source, without a ring. SD3's joint blocks
+//! are candle-transformers' own (`mmdit::blocks`), unmodified, fed the registry's
+//! diffusers names mapped to SAI's ([`sai_block`]).
 
 use crate::harness::{check_output, CpuCheck};
 use crate::registry::{dual_names, BlockKind, Case, DualNames, Model};
@@ -18,6 +20,71 @@ use std::sync::Arc;
 
 type W = HashMap<String, Tensor>;
 type R<T> = candle_core::Result<T>;
+
+/// Whether candle's file computes `model`: Flux-style dual- and single-stream
+/// blocks ([`Model::computed`]), and SD3's joint blocks through candle-transformers.
+pub fn computes(model: &Model) -> bool {
+    model.computed() || is_sd3(model)
+}
+
+fn is_sd3(model: &Model) -> bool {
+    model.name.starts_with("sd3")
+        && model.stacks.iter().all(|s| s.kind == BlockKind::DualStream && s.overrides.iter().all(|(i, _)| *i + 1 == s.count))
+}
+
+/// One SD3 joint block's weights under SAI's names, from the registry's diffusers
+/// names (the reverse of diffusers' SD3 conversion): `to_q`, `to_k`, `to_v` (and
+/// the context's `add_*_proj`) concatenated into `attn.qkv`, `to_out.0` /
+/// `to_add_out` as `attn.proj`, `ff*.net.{0.proj,2}` as `mlp.fc{1,2}`, the QK norms
+/// as `attn.ln_{q,k}`, `norm1*.linear` as `adaLN_modulation.1` — with the
+/// context-only block's `(scale, shift)` halves swapped to SAI's `(shift, scale)`.
+/// The concatenations are new tensors: nothing here outlives the block's guard.
+fn sai_block(w: &W, pre_only: bool) -> R<W> {
+    let mut m = W::new();
+    let sides = [
+        (
+            "x_block",
+            ["attn.to_q", "attn.to_k", "attn.to_v"],
+            Some("attn.to_out.0"),
+            ["attn.norm_q", "attn.norm_k"],
+            "norm1.linear",
+            Some("ff"),
+        ),
+        (
+            "context_block",
+            ["attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"],
+            (!pre_only).then_some("attn.to_add_out"),
+            ["attn.norm_added_q", "attn.norm_added_k"],
+            "norm1_context.linear",
+            (!pre_only).then_some("ff_context"),
+        ),
+    ];
+    for (side, qkv, out, [nq, nk], modulation, ff) in sides {
+        for part in ["weight", "bias"] {
+            let parts = qkv.iter().map(|l| get(w, &format!("{l}.{part}"))).collect::<R<Vec<_>>>()?;
+            m.insert(format!("{side}.attn.qkv.{part}"), Tensor::cat(&parts, 0)?);
+            let mo = get(w, &format!("{modulation}.{part}"))?;
+            let mo = match side == "context_block" && pre_only {
+                true => {
+                    let h = mo.dim(0)? / 2;
+                    Tensor::cat(&[mo.narrow(0, h, h)?, mo.narrow(0, 0, h)?], 0)?
+                }
+                false => mo.clone(),
+            };
+            m.insert(format!("{side}.adaLN_modulation.1.{part}"), mo);
+            if let Some(o) = out {
+                m.insert(format!("{side}.attn.proj.{part}"), get(w, &format!("{o}.{part}"))?.clone());
+            }
+            if let Some(f) = ff {
+                m.insert(format!("{side}.mlp.fc1.{part}"), get(w, &format!("{f}.net.0.proj.{part}"))?.clone());
+                m.insert(format!("{side}.mlp.fc2.{part}"), get(w, &format!("{f}.net.2.{part}"))?.clone());
+            }
+        }
+        m.insert(format!("{side}.attn.ln_q.weight"), get(w, &format!("{nq}.weight"))?.clone());
+        m.insert(format!("{side}.attn.ln_k.weight"), get(w, &format!("{nk}.weight"))?.clone());
+    }
+    Ok(m)
+}
 
 fn get<'a>(w: &'a W, name: &str) -> R<&'a Tensor> {
     w.get(name).ok_or_else(|| candle_core::Error::Msg(format!("registry parameter {name} not served")))
@@ -40,6 +107,7 @@ pub struct Inputs {
 /// The model's non-block weights on the device and what every block reads.
 pub struct Net<'m> {
     model: &'m Model,
+    sd3: bool,
     names: DualNames,
     globals: W,
     ones: Tensor,
@@ -62,7 +130,7 @@ impl<'m> Net<'m> {
         let h = model.hidden;
         let ones = Tensor::ones(h, DType::BF16, dev).map_err(err)?;
         let zeros = Tensor::zeros(h, DType::BF16, dev).map_err(err)?;
-        Ok(Net { model, names: dual_names(model), globals, ones, zeros, dev: dev.clone() })
+        Ok(Net { model, sd3: is_sd3(model), names: dual_names(model), globals, ones, zeros, dev: dev.clone() })
     }
 
     /// Random inputs of `case` (seeded by its resolution) and the rotary tables.
@@ -144,13 +212,33 @@ impl<'m> Net<'m> {
         let k = Tensor::cat(&[p(&nt, "add_k_proj", Some("norm_added_k"))?, p(&ni, "to_k", Some("norm_k"))?], 2)?;
         let v = Tensor::cat(&[p(&nt, "add_v_proj", None)?, p(&ni, "to_v", None)?], 2)?;
         let rope = |x: &Tensor| candle_nn::rotary_emb::rope_i(&x.contiguous()?, &i.cos, &i.sin);
-        let a = self.attention(&rope(&q)?, &rope(&k)?, &v)?;
+        // SD3 has no rotary positions (its step runs `sd3_joint`; a test compares).
+        let a = if self.sd3 { self.attention(&q, &k, &v)? } else { self.attention(&rope(&q)?, &rope(&k)?, &v)? };
         let (ta, ia) = (a.narrow(1, 0, i.text_tokens)?, a.narrow(1, i.text_tokens, img.dim(1)?)?);
         let img = (img + mi[2].broadcast_mul(&lin(&ia, w, "attn.to_out.0")?)?)?;
         let img = (&img + mi[5].broadcast_mul(&self.mlp(&self.modulate(&img, &mi[3], &mi[4])?, w, n.img_mlp)?)?)?;
         let txt = (txt + mt[2].broadcast_mul(&lin(&ta, w, "attn.to_add_out")?)?)?;
         let txt = (&txt + mt[5].broadcast_mul(&self.mlp(&self.modulate(&txt, &mt[3], &mt[4])?, w, n.txt_mlp)?)?)?;
         Ok((img, txt))
+    }
+
+    /// An SD3 joint block by candle-transformers: `MMDiTJointBlock`, or for the
+    /// last block (no `attn.to_add_out`) `ContextQkvOnlyJointBlock`, which leaves
+    /// the text unchanged. candle-transformers' context-only block does not apply
+    /// the context's QK norms (`ln_q`, `ln_k`) that SD3.5's checkpoint has there;
+    /// the block is run as candle-transformers has it.
+    fn sd3_joint(&self, w: &W, img: &Tensor, txt: &Tensor, temb: &Tensor) -> R<(Tensor, Tensor)> {
+        use candle_transformers::models::mmdit::blocks::{ContextQkvOnlyJointBlock, JointBlock, MMDiTJointBlock};
+        let pre_only = !w.contains_key("attn.to_add_out.weight");
+        let vb = candle_nn::VarBuilder::from_tensors(sai_block(w, pre_only)?, DType::BF16, &self.dev);
+        let (h, heads) = (self.model.hidden, self.model.heads);
+        match pre_only {
+            true => Ok((ContextQkvOnlyJointBlock::new(h, heads, false, vb)?.forward(txt, img, temb)?, txt.clone())),
+            false => {
+                let (txt, img) = MMDiTJointBlock::new(h, heads, false, vb)?.forward(txt, img, temb)?;
+                Ok((img, txt))
+            }
+        }
     }
 
     fn single(&self, w: &W, x: &Tensor, temb: &Tensor, i: &Inputs) -> R<Tensor> {
@@ -216,9 +304,20 @@ impl<'m> Net<'m> {
             let mut temb = self.embedder(&self.sinusoid(0.5)?, "time_text_embed.timestep_embedder")?;
             Ok(match &i.pooled {
                 Some(pooled) => {
-                    temb = ((temb + self.embedder(&self.sinusoid(3.5)?, "time_text_embed.guidance_embedder")?)?
-                        + self.embedder(pooled, "time_text_embed.text_embedder")?)?;
-                    (temb, lin(&i.latents, g, "x_embedder")?, lin(&i.text, g, "context_embedder")?)
+                    if self.model.guidance {
+                        temb = (temb + self.embedder(&self.sinusoid(3.5)?, "time_text_embed.guidance_embedder")?)?;
+                    }
+                    // The step's embedding `[1, H]` broadcasts to the batch (SD3.5: 2).
+                    temb = temb.broadcast_add(&self.embedder(pooled, "time_text_embed.text_embedder")?)?;
+                    let img = match g.get("pos_embed.proj.weight") {
+                        // SD3's 2×2 patch convolution as a linear over patchified latents.
+                        Some(conv) => {
+                            let wt = conv.reshape((self.model.hidden, ()))?;
+                            candle_nn::Linear::new(wt, Some(get(g, "pos_embed.proj.bias")?.clone())).forward(&i.latents)?
+                        }
+                        None => lin(&i.latents, g, "x_embedder")?,
+                    };
+                    (temb, img, lin(&i.text, g, "context_embedder")?)
                 }
                 None => (temb, lin(&i.latents, g, "img_in")?, lin(&Self::rms(&i.text, get(g, "txt_norm.weight")?)?, g, "txt_in")?),
             })
@@ -248,6 +347,7 @@ impl<'m> Net<'m> {
                 };
                 k += 1;
                 match s.kind {
+                    BlockKind::DualStream if self.sd3 => (img, txt) = self.sd3_joint(&w, &img, &txt, &temb).map_err(err)?,
                     BlockKind::DualStream => (img, txt) = self.dual(&w, &img, &txt, &temb, i).map_err(err)?,
                     BlockKind::SingleStream => {
                         let x = match joint.take() {
@@ -305,7 +405,7 @@ fn output(t: &Tensor) -> offload_core::Result<(Vec<u8>, Vec<f32>)> {
 /// every block's weights read straight from the source (no ring), then the same
 /// step streamed at depth 1 through a host store; the outputs compared.
 pub fn check_cpu(model: &Model) -> offload_core::Result<CpuCheck> {
-    if !model.computed() {
+    if !computes(model) {
         return Err(offload_core::Error::unsupported("candle (bench room)", format!("{}'s blocks", model.name)));
     }
     let be = CandleBackend::cpu();
@@ -334,7 +434,7 @@ pub fn check_cpu(model: &Model) -> offload_core::Result<CpuCheck> {
 /// every depth, in this process.
 #[cfg(feature = "candle-cuda")]
 pub fn run(model: &Model, opts: &crate::harness::RunOptions) -> Result<crate::harness::RunDoc, String> {
-    if !model.computed() {
+    if !computes(model) {
         return Err(format!("candle: {}: the bench room has no candle compute for its blocks yet", model.name));
     }
     use crate::harness::{spread, RunCase, RunDoc};
@@ -445,4 +545,36 @@ pub fn run(model: &Model, opts: &crate::harness::RunOptions) -> Result<crate::ha
         }
     }
     Ok(RunDoc::new(opts, cuda.device_name().unwrap_or_default(), "candle", &facts, resident_bytes, out_cases))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// candle-transformers' SD3 joint block, fed [`sai_block`]'s renamed weights,
+    /// computes what the file's own diffusers-named dual block computes without
+    /// rotary positions (to bf16 rounding; equal on the CPU today): a q/k/v
+    /// concatenated in the wrong order, or a misplaced tensor, would not.
+    #[test]
+    fn sd3_joint_block_by_candle_transformers_matches_the_diffusers_named_block() {
+        let model = crate::registry::tiny(&crate::registry::model("sd3.5-large").unwrap());
+        let src = RegistrySource::new(&model, 0);
+        let net = Net::new(&model, &src, &Device::Cpu).unwrap();
+        assert!(net.sd3);
+        let i = net.inputs(&model.cases[0]).unwrap();
+        let w = net.direct_weights(&src).unwrap().swap_remove(0);
+        let (b, h) = (model.cases[0].batch, model.hidden);
+        let r = |shape: &[usize]| Tensor::randn(0f32, 1f32, shape, &Device::Cpu).and_then(|t| t.to_dtype(DType::BF16)).unwrap();
+        let (img, txt, temb) = (r(&[b, 16, h]), r(&[b, 8, h]), r(&[b, h]));
+        let (ours_img, ours_txt) = net.dual(&w, &img, &txt, &temb, &i).unwrap();
+        let (ct_img, ct_txt) = net.sd3_joint(&w, &img, &txt, &temb).unwrap();
+        for (name, a, c) in [("image", &ours_img, &ct_img), ("text", &ours_txt, &ct_txt)] {
+            let a = a.to_dtype(DType::F32).unwrap();
+            let c = c.to_dtype(DType::F32).unwrap();
+            let scale = a.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+            let err = (&a - &c).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+            assert!(scale > 0.5, "{name}: outputs too small to compare ({scale})");
+            assert!(err <= scale / 256.0, "{name}: candle-transformers' block differs by {err} (values up to {scale})");
+        }
+    }
 }

@@ -372,7 +372,10 @@ pub fn qwen_image() -> Model {
 /// names and block kinds: what CPU tests run the backends' files on (models
 /// whose blocks the files compute, [`Model::computed`]).
 pub fn tiny(model: &Model) -> Model {
-    let (h, hd, mlp) = (64, 32, 128);
+    // An MLP four times as wide as the hidden size stays so (candle-transformers'
+    // SD3 blocks take no other ratio).
+    let (h, hd) = (64, 32);
+    let mlp = if model.mlp == 4 * model.hidden { 4 * h } else { 128 };
     if model.in_channels == 0 {
         return tiny_encoder(model, h, hd, mlp);
     }

@@ -439,8 +439,12 @@ impl Net<'_> {
             if self.model.guidance {
                 temb += self.embedder(&sinusoid(i.guidance, dev), "time_text_embed.guidance_embedder");
             }
-            // Out of place: the step's embedding `[1, H]` broadcasts to the batch.
-            temb = temb + self.embedder(pooled, "time_text_embed.text_embedder");
+            // Out of place: the step's embedding `[1, H]` broadcasts to the batch
+            // (`+=` would write the sum into the `[1, H]` tensor and fail at batch 2).
+            #[allow(clippy::assign_op_pattern)]
+            {
+                temb = temb + self.embedder(pooled, "time_text_embed.text_embedder");
+            }
             img = match g.get("pos_embed.proj.weight") {
                 // SD3's 2×2 patch convolution as a linear over patchified latents.
                 Some(conv) => i.latents.linear(&conv.view([self.h(), -1]), Some(get(g, "pos_embed.proj.bias"))),

@@ -22,9 +22,14 @@ type W = HashMap<String, Tensor>;
 type R<T> = candle_core::Result<T>;
 
 /// Whether candle's file computes `model`: Flux-style dual- and single-stream
-/// blocks ([`Model::computed`]), and SD3's joint blocks through candle-transformers.
+/// blocks ([`Model::computed`]), SD3's joint blocks and Z-Image's blocks through
+/// candle-transformers.
 pub fn computes(model: &Model) -> bool {
-    model.computed() || is_sd3(model)
+    model.computed() || is_sd3(model) || is_z_image(model)
+}
+
+fn is_z_image(model: &Model) -> bool {
+    model.stacks.iter().all(|s| s.kind == BlockKind::ZImage && s.overrides.is_empty())
 }
 
 fn is_sd3(model: &Model) -> bool {
@@ -108,6 +113,8 @@ pub struct Inputs {
 pub struct Net<'m> {
     model: &'m Model,
     sd3: bool,
+    /// candle-transformers' Z-Image configuration, for a Z-Image model.
+    z_image: Option<candle_transformers::models::z_image::transformer::Config>,
     names: DualNames,
     globals: W,
     ones: Tensor,
@@ -130,7 +137,19 @@ impl<'m> Net<'m> {
         let h = model.hidden;
         let ones = Tensor::ones(h, DType::BF16, dev).map_err(err)?;
         let zeros = Tensor::zeros(h, DType::BF16, dev).map_err(err)?;
-        Ok(Net { model, sd3: is_sd3(model), names: dual_names(model), globals, ones, zeros, dev: dev.clone() })
+        let z_image = match is_z_image(model) {
+            // Diffusers' Z-Image: RMS norms at 1e-5, QK norms, as many key-value heads
+            // as heads; attention without flash-attn (not built here).
+            true => Some(
+                serde_json::from_value(serde_json::json!({
+                    "dim": h, "n_heads": model.heads, "n_kv_heads": model.heads, "norm_eps": 1e-5, "qk_norm": true,
+                    "use_accelerated_attn": false,
+                }))
+                .map_err(|e| offload_core::Error::Protocol(format!("Z-Image configuration: {e}")))?,
+            ),
+            false => None,
+        };
+        Ok(Net { model, sd3: is_sd3(model), z_image, names: dual_names(model), globals, ones, zeros, dev: dev.clone() })
     }
 
     /// Random inputs of `case` (seeded by its resolution) and the rotary tables.
@@ -241,6 +260,19 @@ impl<'m> Net<'m> {
         }
     }
 
+    /// A Z-Image block by candle-transformers' `ZImageTransformerBlock`, unmodified
+    /// (diffusers' names, as the registry's), over `x` whose rotary positions start
+    /// at `pos` in the step's tables; modulated by `adaln` where the block has
+    /// `adaLN_modulation`.
+    fn z_image_block(&self, w: &W, x: &Tensor, adaln: &Tensor, pos: usize, i: &Inputs) -> R<Tensor> {
+        use candle_transformers::models::z_image::transformer::ZImageTransformerBlock;
+        let cfg = self.z_image.as_ref().ok_or_else(|| candle_core::Error::Msg("not a Z-Image model".into()))?;
+        let modulated = w.contains_key("adaLN_modulation.0.weight");
+        let block = ZImageTransformerBlock::new(cfg, modulated, candle_nn::VarBuilder::from_tensors(w.clone(), DType::BF16, &self.dev))?;
+        let n = x.dim(1)?;
+        block.forward(x, None, &i.cos.narrow(0, pos, n)?, &i.sin.narrow(0, pos, n)?, Some(adaln))
+    }
+
     fn single(&self, w: &W, x: &Tensor, temb: &Tensor, i: &Inputs) -> R<Tensor> {
         let m = lin(&temb.silu()?, w, "norm.linear")?.unsqueeze(1)?.chunk(3, D::Minus1)?;
         let nx = self.modulate(x, &m[0], &m[1])?;
@@ -262,6 +294,66 @@ impl<'m> Net<'m> {
 
     fn embedder(&self, e: &Tensor, name: &str) -> R<Tensor> {
         lin(&lin(e, &self.globals, &format!("{name}.linear_1"))?.silu()?, &self.globals, &format!("{name}.linear_2"))
+    }
+
+    /// A Z-Image forward call (as tch's file): the image tokens through the noise
+    /// refiner, the caption through the context refiner, then both (image first)
+    /// through the main layers; the final layer's scaled norm and projection.
+    fn z_image_step<B>(&self, mut ring: Option<&mut Ring<B>>, direct: Option<&[W]>, i: &Inputs) -> offload_core::Result<Tensor>
+    where
+        B: OffloadBackend,
+        for<'a> BlockGuard<'a, B>: CandleBlockExt,
+    {
+        let err = candle_error("running a bench-room block");
+        let g = &self.globals;
+        let prelude = || -> R<(Tensor, Tensor, Tensor)> {
+            let adaln = lin(&lin(&self.sinusoid(0.5)?, g, "t_embedder.mlp.0")?.silu()?, g, "t_embedder.mlp.2")?;
+            let x = lin(&i.latents, g, "all_x_embedder.2-1")?;
+            let cap = lin(&Self::rms(&i.text, get(g, "cap_embedder.0.weight")?)?, g, "cap_embedder.1")?;
+            Ok((adaln, x, cap))
+        };
+        let (adaln, mut x, mut cap) = prelude().map_err(err)?;
+        let n = x.dim(1).map_err(err)?;
+        let mut unified: Option<Tensor> = None;
+        let mut k = 0;
+        for s in &self.model.stacks {
+            for index in 0..s.count {
+                let guard = match ring.as_deref_mut() {
+                    Some(r) => Some(r.block(s.prefix, index)?),
+                    None => None,
+                };
+                let w = block_weights(guard.as_ref(), direct, s, index, k)?;
+                k += 1;
+                match s.prefix {
+                    "noise_refiner" => x = self.z_image_block(&w, &x, &adaln, 0, i).map_err(err)?,
+                    "context_refiner" => cap = self.z_image_block(&w, &cap, &adaln, n, i).map_err(err)?,
+                    _ => {
+                        let u = match unified.take() {
+                            Some(u) => u,
+                            None => Tensor::cat(&[&x, &cap], 1).map_err(err)?,
+                        };
+                        unified = Some(self.z_image_block(&w, &u, &adaln, 0, i).map_err(err)?);
+                    }
+                }
+                drop(w);
+                if let Some(g) = guard {
+                    g.finish()?;
+                }
+            }
+        }
+        let out = (|| -> R<Tensor> {
+            let u = match unified {
+                Some(u) => u,
+                None => Tensor::cat(&[&x, &cap], 1)?,
+            };
+            let scale = (lin(&adaln.silu()?, g, "all_final_layer.2-1.adaLN_modulation.1")?.unsqueeze(1)? + 1.0)?;
+            lin(&self.ln(&u)?.broadcast_mul(&scale)?, g, "all_final_layer.2-1.linear")?.narrow(1, 0, n)
+        })()
+        .map_err(err)?;
+        if let Some(r) = ring {
+            r.end_step()?;
+        }
+        Ok(out)
     }
 
     /// Every block's weights straight from `src` on the device, in step order:
@@ -300,6 +392,9 @@ impl<'m> Net<'m> {
     {
         let err = candle_error("running a bench-room block");
         let g = &self.globals;
+        if self.z_image.is_some() {
+            return self.z_image_step(ring, direct, i);
+        }
         let prelude = || -> R<(Tensor, Tensor, Tensor)> {
             let mut temb = self.embedder(&self.sinusoid(0.5)?, "time_text_embed.timestep_embedder")?;
             Ok(match &i.pooled {
@@ -331,20 +426,7 @@ impl<'m> Net<'m> {
                     Some(r) => Some(r.block(s.prefix, index)?),
                     None => None,
                 };
-                let w: W = match (&guard, direct) {
-                    (Some(g), _) => {
-                        let vb = g.var_builder(DType::BF16)?;
-                        s.block_params(index)
-                            .iter()
-                            .map(|p| vb.get(p.shape.as_slice(), &p.name).map(|t| (p.name.clone(), t)))
-                            .collect::<R<_>>()
-                            .map_err(err)?
-                    }
-                    (None, Some(ws)) => {
-                        ws.get(k).cloned().ok_or_else(|| offload_core::Error::Protocol(format!("no direct weights for block {k}")))?
-                    }
-                    (None, None) => return Err(offload_core::Error::Protocol("a step needs a ring or direct weights".into())),
-                };
+                let w = block_weights(guard.as_ref(), direct, s, index, k)?;
                 k += 1;
                 match s.kind {
                     BlockKind::DualStream if self.sd3 => (img, txt) = self.sd3_joint(&w, &img, &txt, &temb).map_err(err)?,
@@ -381,6 +463,33 @@ impl<'m> Net<'m> {
             r.end_step()?;
         }
         Ok(out)
+    }
+}
+
+/// Block `k` of the step (`index` in stack `s`): its weights as views of the slot
+/// `guard` holds, or `direct`'s resident copy.
+fn block_weights<B>(
+    guard: Option<&BlockGuard<'_, B>>,
+    direct: Option<&[W]>,
+    s: &crate::registry::Stack,
+    index: usize,
+    k: usize,
+) -> offload_core::Result<W>
+where
+    B: OffloadBackend,
+    for<'a> BlockGuard<'a, B>: CandleBlockExt,
+{
+    match (guard, direct) {
+        (Some(g), _) => {
+            let vb = g.var_builder(DType::BF16)?;
+            s.block_params(index)
+                .iter()
+                .map(|p| vb.get(p.shape.as_slice(), &p.name).map(|t| (p.name.clone(), t)))
+                .collect::<R<_>>()
+                .map_err(candle_error("running a bench-room block"))
+        }
+        (None, Some(ws)) => ws.get(k).cloned().ok_or_else(|| offload_core::Error::Protocol(format!("no direct weights for block {k}"))),
+        (None, None) => Err(offload_core::Error::Protocol("a step needs a ring or direct weights".into())),
     }
 }
 

@@ -372,10 +372,17 @@ pub fn qwen_image() -> Model {
 /// names and block kinds: what CPU tests run the backends' files on (models
 /// whose blocks the files compute, [`Model::computed`]).
 pub fn tiny(model: &Model) -> Model {
-    // An MLP four times as wide as the hidden size stays so (candle-transformers'
-    // SD3 blocks take no other ratio).
-    let (h, hd) = (64, 32);
-    let mlp = if model.mlp == 4 * model.hidden { 4 * h } else { 128 };
+    // Z-Image's modulation reads min(hidden, 256) values and its time embedder
+    // makes 256: a shrunk Z-Image keeps hidden 256 so both stay equal (diffusers and
+    // candle-transformers size the modulation by the hidden size).
+    let z_image = model.stacks.iter().any(|s| s.kind == BlockKind::ZImage);
+    let (h, hd) = if z_image { (256, 32) } else { (64, 32) };
+    // MLP ratios that candle-transformers' blocks fix stay so: 4 (SD3), 8/3 (Z-Image).
+    let mlp = match model.mlp {
+        m if m == 4 * model.hidden => 4 * h,
+        m if m == model.hidden / 3 * 8 => h / 3 * 8,
+        _ => 128,
+    };
     if model.in_channels == 0 {
         return tiny_encoder(model, h, hd, mlp);
     }

@@ -19,10 +19,10 @@ fn tiny_registry_models_stream_bitwise_equal_on_the_cpu() {
 }
 
 #[test]
-fn candle_computes_flux_qwen_and_sd3() {
+fn candle_computes_flux_qwen_sd3_and_z_image() {
     // The filter above must keep the models candle's file is meant to run.
     let names: Vec<&str> = registry::models().into_iter().filter(offload_bench::candle::computes).map(|m| m.name).collect();
-    for want in ["flux-dev", "qwen-image", "sd3.5-large"] {
+    for want in ["flux-dev", "qwen-image", "sd3.5-large", "z-image-turbo"] {
         assert!(names.contains(&want), "{want} missing from {names:?}");
     }
 }

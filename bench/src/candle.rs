@@ -25,7 +25,27 @@ type R<T> = candle_core::Result<T>;
 /// blocks ([`Model::computed`]), SD3's joint blocks and Z-Image's blocks through
 /// candle-transformers.
 pub fn computes(model: &Model) -> bool {
-    model.computed() || is_sd3(model) || is_z_image(model)
+    model.computed() || is_sd3(model) || is_z_image(model) || is_encoder(model)
+}
+
+/// T5's encoder or a Qwen2-style decoder used as an encoder: candle-transformers
+/// keeps those blocks private, so the file runs its own, on the same names.
+fn is_encoder(model: &Model) -> bool {
+    model.in_channels == 0 && model.stacks.iter().all(|s| matches!(s.kind, BlockKind::T5 | BlockKind::Decoder))
+}
+
+/// T5's bidirectional relative position bucket (32 buckets, max distance 128) of
+/// key position `j` seen from query position `i`.
+fn t5_bucket(i: usize, j: usize) -> u32 {
+    let (half, exact) = (16u32, 8u32);
+    let rel = j as i64 - i as i64;
+    let n = rel.unsigned_abs() as u32;
+    let side = if rel > 0 { half } else { 0 };
+    if n < exact {
+        return side + n;
+    }
+    let large = exact + ((n as f32 / exact as f32).ln() / (128f32 / exact as f32).ln() * (half - exact) as f32) as u32;
+    side + large.min(half - 1)
 }
 
 fn is_z_image(model: &Model) -> bool {
@@ -95,6 +115,11 @@ fn get<'a>(w: &'a W, name: &str) -> R<&'a Tensor> {
     w.get(name).ok_or_else(|| candle_core::Error::Msg(format!("registry parameter {name} not served")))
 }
 
+/// A linear layer without bias (`{name}.weight` only).
+fn nobias(x: &Tensor, w: &W, name: &str) -> R<Tensor> {
+    candle_nn::Linear::new(get(w, &format!("{name}.weight"))?.clone(), None).forward(x)
+}
+
 fn lin(x: &Tensor, w: &W, name: &str) -> R<Tensor> {
     candle_nn::Linear::new(get(w, &format!("{name}.weight"))?.clone(), Some(get(w, &format!("{name}.bias"))?.clone())).forward(x)
 }
@@ -107,6 +132,8 @@ pub struct Inputs {
     cos: Tensor,
     sin: Tensor,
     text_tokens: usize,
+    /// Token ids `[B, T]` for a text encoder (latents and text are empty then).
+    ids: Option<Tensor>,
 }
 
 /// The model's non-block weights on the device and what every block reads.
@@ -162,6 +189,30 @@ impl<'m> Net<'m> {
             let v = crate::source::unit_values(case.resolution as u64 * 16 + seed, s.iter().product());
             Tensor::from_vec(v, s, &Device::Cpu)?.to_device(dev)?.to_dtype(DType::BF16)
         };
+        if m.in_channels == 0 {
+            // Seeded token ids; rotate-half tables with θ = 10^6 (Qwen2.5-VL's text
+            // positions), as tch's file.
+            let vocab = m.globals.first().map_or(1, |p| p.shape[0]) as u64;
+            let ids: Vec<u32> = crate::source::unit_values(case.text_tokens as u64 * 16 + 4, b * t)
+                .into_iter()
+                .map(|v| ((v.abs() * 1e6) as u64 % vocab) as u32)
+                .collect();
+            let half = m.head_dim / 2;
+            let ang: Vec<f32> = (0..t)
+                .flat_map(|p| (0..half).map(move |j| p as f32 * (-(1e6f32.ln()) * 2.0 * j as f32 / m.head_dim as f32).exp()))
+                .collect();
+            let ang = Tensor::from_vec(ang, (t, half), dev).map_err(err)?;
+            let empty = Tensor::zeros(0, DType::BF16, dev).map_err(err)?;
+            return Ok(Inputs {
+                latents: empty.clone(),
+                text: empty,
+                pooled: None,
+                cos: ang.cos().and_then(|c| c.to_dtype(DType::BF16)).map_err(err)?,
+                sin: ang.sin().and_then(|c| c.to_dtype(DType::BF16)).map_err(err)?,
+                text_tokens: t,
+                ids: Some(Tensor::from_vec(ids, (b, t), dev).map_err(err)?),
+            });
+        }
         let half = m.head_dim / 2;
         let pos = Tensor::arange(0u32, (n + t) as u32, dev).and_then(|p| p.to_dtype(DType::F32)).map_err(err)?;
         let freqs: Vec<f32> = (0..half).map(|j| (-(10000f32.ln()) * j as f32 / half as f32).exp()).collect();
@@ -174,6 +225,7 @@ impl<'m> Net<'m> {
             cos: ang.cos().and_then(|c| c.to_dtype(DType::BF16)).map_err(err)?,
             sin: ang.sin().and_then(|c| c.to_dtype(DType::BF16)).map_err(err)?,
             text_tokens: t,
+            ids: None,
         })
     }
 
@@ -296,6 +348,93 @@ impl<'m> Net<'m> {
         lin(&lin(e, &self.globals, &format!("{name}.linear_1"))?.silu()?, &self.globals, &format!("{name}.linear_2"))
     }
 
+    /// T5's encoder block: pre-norm self-attention without scaling, plus the
+    /// relative bias `bias` (made from block 0's table on first use: a new tensor,
+    /// it outlives block 0's slot); gated-GELU FFN.
+    fn t5(&self, w: &W, x: &Tensor, bias: &mut Option<Tensor>) -> R<Tensor> {
+        let (b, t, h) = x.dims3()?;
+        if bias.is_none() {
+            let table = get(w, "layer.0.SelfAttention.relative_attention_bias.weight")?;
+            let idx: Vec<u32> = (0..t).flat_map(|i| (0..t).map(move |j| t5_bucket(i, j))).collect();
+            let idx = Tensor::from_vec(idx, t * t, &self.dev)?;
+            // [T·T, heads] → [1, heads, T, T]
+            let heads = table.dim(1)?;
+            *bias = Some(table.index_select(&idx, 0)?.reshape((t, t, heads))?.permute((2, 0, 1))?.unsqueeze(0)?.contiguous()?);
+        }
+        let pb = bias.as_ref().ok_or_else(|| candle_core::Error::Msg("T5 bias".into()))?;
+        let n = Self::rms(x, get(w, "layer.0.layer_norm.weight")?)?;
+        let p = |l: &str| self.heads(&nobias(&n, w, &format!("layer.0.SelfAttention.{l}"))?);
+        let (q, k, v) = (p("q")?, p("k")?, p("v")?);
+        let s = q.matmul(&k.t()?.contiguous()?)?.broadcast_add(&pb.to_dtype(q.dtype())?)?;
+        let o = candle_nn::ops::softmax_last_dim(&s)?.matmul(&v)?.transpose(1, 2)?.reshape((b, t, h))?;
+        let x = (x + nobias(&o, w, "layer.0.SelfAttention.o")?)?;
+        let n = Self::rms(&x, get(w, "layer.1.layer_norm.weight")?)?;
+        let ff = "layer.1.DenseReluDense";
+        let g = (nobias(&n, w, &format!("{ff}.wi_0"))?.gelu()? * nobias(&n, w, &format!("{ff}.wi_1"))?)?;
+        &x + nobias(&g, w, &format!("{ff}.wo"))?
+    }
+
+    /// A Qwen2-style decoder layer used as an encoder: causal grouped-query
+    /// attention with rotate-half rotary positions, SwiGLU MLP, RMS norms.
+    fn decoder(&self, w: &W, x: &Tensor, i: &Inputs) -> R<Tensor> {
+        let (b, t, h) = x.dims3()?;
+        let hd = self.model.head_dim;
+        let n = Self::rms(x, get(w, "input_layernorm.weight")?)?;
+        let split = |y: Tensor| -> R<Tensor> { y.reshape((b, t, (), hd))?.transpose(1, 2)?.contiguous() };
+        let q = candle_nn::rotary_emb::rope(&split(lin(&n, w, "self_attn.q_proj")?)?, &i.cos, &i.sin)?;
+        let k = candle_nn::rotary_emb::rope(&split(lin(&n, w, "self_attn.k_proj")?)?, &i.cos, &i.sin)?;
+        let v = split(lin(&n, w, "self_attn.v_proj")?)?;
+        let groups = q.dim(1)? / k.dim(1)?;
+        let (k, v) = (candle_transformers::utils::repeat_kv(k, groups)?, candle_transformers::utils::repeat_kv(v, groups)?);
+        let mask: Vec<f32> = (0..t).flat_map(|r| (0..t).map(move |c| if c > r { f32::NEG_INFINITY } else { 0.0 })).collect();
+        let mask = Tensor::from_vec(mask, (t, t), &self.dev)?.to_dtype(q.dtype())?;
+        let s = ((q.matmul(&k.t()?.contiguous()?)? * (1.0 / (hd as f64).sqrt()))?.broadcast_add(&mask))?;
+        let o = candle_nn::ops::softmax_last_dim(&s)?.matmul(&v)?.transpose(1, 2)?.reshape((b, t, h))?;
+        let x = (x + nobias(&o, w, "self_attn.o_proj")?)?;
+        let n = Self::rms(&x, get(w, "post_attention_layernorm.weight")?)?;
+        let g = (nobias(&n, w, "mlp.gate_proj")?.silu()? * nobias(&n, w, "mlp.up_proj")?)?;
+        &x + nobias(&g, w, "mlp.down_proj")?
+    }
+
+    /// A text encoder's forward call: token embeddings, every block, final norm.
+    fn encode<B>(&self, mut ring: Option<&mut Ring<B>>, direct: Option<&[W]>, i: &Inputs, ids: &Tensor) -> offload_core::Result<Tensor>
+    where
+        B: OffloadBackend,
+        for<'a> BlockGuard<'a, B>: CandleBlockExt,
+    {
+        let err = candle_error("running a bench-room block");
+        let g = &self.globals;
+        let t5 = g.contains_key("shared.weight");
+        let (emb, norm) = if t5 { ("shared.weight", "encoder.final_layer_norm.weight") } else { ("embed_tokens.weight", "norm.weight") };
+        let table = get(g, emb).map_err(err)?;
+        let mut x = candle_nn::Embedding::new(table.clone(), self.model.hidden).forward(ids).map_err(err)?;
+        let mut bias = None;
+        let mut k = 0;
+        for s in &self.model.stacks {
+            for index in 0..s.count {
+                let guard = match ring.as_deref_mut() {
+                    Some(r) => Some(r.block(s.prefix, index)?),
+                    None => None,
+                };
+                let w = block_weights(guard.as_ref(), direct, s, index, k)?;
+                k += 1;
+                x = match s.kind {
+                    BlockKind::T5 => self.t5(&w, &x, &mut bias).map_err(err)?,
+                    _ => self.decoder(&w, &x, i).map_err(err)?,
+                };
+                drop(w);
+                if let Some(g) = guard {
+                    g.finish()?;
+                }
+            }
+        }
+        let out = Self::rms(&x, get(g, norm).map_err(err)?).map_err(err)?;
+        if let Some(r) = ring {
+            r.end_step()?;
+        }
+        Ok(out)
+    }
+
     /// A Z-Image forward call (as tch's file): the image tokens through the noise
     /// refiner, the caption through the context refiner, then both (image first)
     /// through the main layers; the final layer's scaled norm and projection.
@@ -394,6 +533,9 @@ impl<'m> Net<'m> {
         let g = &self.globals;
         if self.z_image.is_some() {
             return self.z_image_step(ring, direct, i);
+        }
+        if let Some(ids) = &i.ids {
+            return self.encode(ring, direct, i, ids);
         }
         let prelude = || -> R<(Tensor, Tensor, Tensor)> {
             let mut temb = self.embedder(&self.sinusoid(0.5)?, "time_text_embed.timestep_embedder")?;
@@ -563,6 +705,13 @@ pub fn run(model: &Model, opts: &crate::harness::RunOptions) -> Result<crate::ha
     let store = Arc::new(HostStore::build(&be, &inv, &src).map_err(e)?);
     let facts = crate::harness::store_facts(&be, &store, t).map_err(e)?;
     let (total, bandwidth) = (facts.total, facts.bandwidth);
+    if facts.payload != model.block_bytes(2) {
+        return Err(format!(
+            "candle: the store holds {} bytes of block tensors, the registry says {}",
+            facts.payload,
+            model.block_bytes(2)
+        ));
+    }
     let resident_bytes = model.global_bytes(2);
     let net = Net::new(model, &src, &dev).map_err(e)?;
     let sync = || dev.synchronize().map_err(|x| format!("candle: synchronize: {x}"));

@@ -19,10 +19,10 @@ fn tiny_registry_models_stream_bitwise_equal_on_the_cpu() {
 }
 
 #[test]
-fn candle_computes_flux_qwen_sd3_and_z_image() {
-    // The filter above must keep the models candle's file is meant to run.
-    let names: Vec<&str> = registry::models().into_iter().filter(offload_bench::candle::computes).map(|m| m.name).collect();
-    for want in ["flux-dev", "qwen-image", "sd3.5-large", "z-image-turbo"] {
-        assert!(names.contains(&want), "{want} missing from {names:?}");
+fn candle_computes_every_registered_model_but_wan() {
+    // The filter above must keep the models candle's file is meant to run: all but
+    // Wan 2.1 (issue 15 asks candle for SD3.5, Z-Image and the two text encoders).
+    for m in registry::models() {
+        assert_eq!(offload_bench::candle::computes(&m), m.name != "wan2.1-t2v-14b", "{}", m.name);
     }
 }

@@ -129,6 +129,14 @@ def time_case(model, x, warmup, steps):
     return times, torch.cuda.max_memory_allocated(), before, weights, bool(torch.isfinite(f).all()), bool((f != f.flatten()[0]).any())
 
 
+def block_modules(model):
+    """Top-level children that are not block lists but hold one: diffusers'
+    block-level offloading streams only top-level ModuleLists unless such children
+    are named in `block_modules` (it then recurses into them)."""
+    lists = (torch.nn.ModuleList, torch.nn.Sequential)
+    return [n for n, c in model.named_children() if not isinstance(c, lists) and any(isinstance(g, lists) for g in c.children())]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--registry", required=True)
@@ -160,6 +168,12 @@ def main():
     torch.cuda.empty_cache()
     kind = "block_level" if a.mode == "block_stream" else "leaf_level"
     kw = dict(num_blocks_per_group=1) if kind == "block_level" else {}
+    nested = block_modules(model) if kind == "block_level" else []
+    if nested:
+        # Block lists one level down (T5EncoderModel's encoder.block): without
+        # block_modules diffusers loads that whole child at once, synchronously.
+        kw["block_modules"] = nested
+        print(f"diffusers block_stream {a.model}: block_modules {nested}", flush=True)
     if hasattr(model, "enable_group_offload"):
         model.enable_group_offload(torch.device("cuda"), torch.device("cpu"), offload_type=kind, use_stream=True, record_stream=True, **kw)
     else:

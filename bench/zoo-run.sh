@@ -14,8 +14,8 @@
 # same command, repeated with .zoo-out carried back, goes on where the last stopped.
 # Files collect in $ZOO_DIR (default .zoo-out beside the bundle, kept between
 # commands on a warm runner); each command also leaves $OUT/zoo.tgz, all so far.
-#   ZOO_MODELS="flux-dev qwen-image"  ZOO_ARGS="--cases 1024"  ANCHOR_MODES="block_stream leaf_stream"
-#   CUDA_COMMIT (cuda runs from another build)  ZOO_TCH=0 (no tch runs)  ZOO_CANDLE_MODELS="flux-dev"  ZOO_CANDLE_ARGS="--cases 1024"  ZOO_CUDA_MODELS="flux-dev" (empty: none)  ZOO_CUDA_ARGS
+#   ZOO_MODELS="flux-dev qwen-image"  ZOO_ARGS="--cases 1024" (files then named by case)  ANCHOR_MODES="block_stream leaf_stream" (empty: none)
+#   CUDA_COMMIT (cuda runs from another build)  ZOO_TCH=0 (no tch runs)  ZOO_CANDLE_MODELS="flux-dev" (empty: none)  ZOO_CANDLE_ARGS="--cases 1024"  ZOO_CUDA_MODELS="flux-dev" (empty: none)  ZOO_CUDA_ARGS
 set -uo pipefail
 B=$(cd "$(dirname "$0")" && pwd)
 OUT=${OUT:-/tmp/offload-out}; mkdir -p "$OUT"
@@ -69,22 +69,29 @@ run_anchor() {
     --out "$3" 2>&1 | grep -v Warning | tee "${3%.json}.txt"
 }
 
+# With --cases in ZOO_ARGS the run files name the cases (tch-flux-dev-c1024-run1.json),
+# so one command per (model, case) — ours and the anchors together, within a device
+# command's ten minutes — keeps every case's files apart; `zoo merge` groups by case.
+SFX=""
+CASES=$(echo " ${ZOO_ARGS:-}" | grep -o -- '--cases [^ ]*' | cut -d' ' -f2)
+[ -n "$CASES" ] && SFX="-c${CASES//,/_}"
+
 repeat() {
   local r=$1
   [ -f "$Z/registry.json" ] || "$ZOO" registry --json "$Z/registry.json"
   for model in ${ZOO_MODELS:-flux-dev qwen-image}; do
     local est=$([ "$model" = flux-dev ] && echo 70 || echo 100)
     if [ "${ZOO_TCH:-1}" = 1 ]; then
-      once "$model: offload tch, run $r" "$Z/tch-$model-run$r.json" "$est" run_tch "$model" "$Z/tch-$model-run$r.json"
+      once "$model: offload tch, run $r" "$Z/tch-$model$SFX-run$r.json" "$est" run_tch "$model" "$Z/tch-$model$SFX-run$r.json"
     fi
-    if [[ " ${ZOO_CUDA_MODELS:-flux-dev} " == *" $model "* ]]; then
-      once "$model: offload cuda, run $r" "$Z/cuda-$model-run$r.json" "$est" run_cuda "$model" "$Z/cuda-$model-run$r.json"
+    if [[ " ${ZOO_CUDA_MODELS-flux-dev} " == *" $model "* ]]; then
+      once "$model: offload cuda, run $r" "$Z/cuda-$model$SFX-run$r.json" "$est" run_cuda "$model" "$Z/cuda-$model$SFX-run$r.json"
     fi
-    if [ -n "$ZOO_CANDLE" ] && [[ " ${ZOO_CANDLE_MODELS:-flux-dev} " == *" $model "* ]]; then
-      once "$model: offload candle, run $r" "$Z/candle-$model-run$r.json" "$est" run_candle "$model" "$Z/candle-$model-run$r.json"
+    if [ -n "$ZOO_CANDLE" ] && [[ " ${ZOO_CANDLE_MODELS-flux-dev} " == *" $model "* ]]; then
+      once "$model: offload candle, run $r" "$Z/candle-$model$SFX-run$r.json" "$est" run_candle "$model" "$Z/candle-$model$SFX-run$r.json"
     fi
-    for mode in ${ANCHOR_MODES:-block_stream leaf_stream}; do
-      once "$model: diffusers $mode, run $r" "$Z/diffusers-$model-$mode-run$r.json" 110 run_anchor "$model" "$mode" "$Z/diffusers-$model-$mode-run$r.json"
+    for mode in ${ANCHOR_MODES-block_stream leaf_stream}; do
+      once "$model: diffusers $mode, run $r" "$Z/diffusers-$model$SFX-$mode-run$r.json" 110 run_anchor "$model" "$mode" "$Z/diffusers-$model$SFX-$mode-run$r.json"
     done
   done
 }

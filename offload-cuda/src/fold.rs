@@ -158,3 +158,12 @@ impl FoldKernel {
         Ok(v[0])
     }
 }
+
+#[cfg(test)]
+mod tests {
+    /// The fold kernels compile with NVRTC (no GPU needed, only libnvrtc).
+    #[test]
+    fn kernels_compile_with_nvrtc() {
+        crate::nvrtc_check::compiles("the fold hash", super::KERNELS);
+    }
+}

@@ -106,6 +106,21 @@ fn ensure_vulkan() -> Result<(), String> {
     run(c)
 }
 
+/// The directory of libnvrtc from PyPI (`scripts/nvrtc.sh`, cached under
+/// ~/.cache/offload/nvrtc).
+fn ensure_nvrtc() -> Result<String, String> {
+    let home = std::env::var("HOME").map_err(|_| "HOME is not set".to_string())?;
+    let out = Command::new("bash")
+        .arg(root().join("scripts/nvrtc.sh"))
+        .arg(format!("{home}/.cache/offload/nvrtc"))
+        .output()
+        .map_err(|e| format!("scripts/nvrtc.sh: {e}"))?;
+    if !out.status.success() {
+        return Err(format!("scripts/nvrtc.sh failed: {}", String::from_utf8_lossy(&out.stderr)));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
+}
+
 fn lint() -> Result<(), String> {
     ensure_libtorch()?;
     let mut c = cargo();
@@ -491,6 +506,12 @@ fn ci() -> Result<(), String> {
     run(c)?;
     let mut c = cargo();
     c.args(["test", "-p", "offload-bench", "--features", "tch,candle"]);
+    run(c)?;
+    // offload-cuda's NVRTC kernels compiled here, not first on the GPU runner:
+    // libnvrtc from PyPI, and the compile tests required to run.
+    let nvrtc = ensure_nvrtc()?;
+    let mut c = cargo();
+    c.args(["test", "-p", "offload-cuda", "--lib", "nvrtc"]).env("LD_LIBRARY_PATH", &nvrtc).env("OFFLOAD_REQUIRE_NVRTC", "1");
     run(c)?;
     // The main job, small and in the dev profile: it exits non-zero unless the
     // offloaded output is byte-identical to the resident one.

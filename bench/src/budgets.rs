@@ -81,15 +81,24 @@ pub fn merge_budgets(runs: &[RunDoc], min_repeats: usize) -> Result<Vec<Value>, 
             .collect::<Result<_, _>>()?;
         let each = |f: &dyn Fn(&BudgetRun) -> f64| per.iter().map(|b| f(b)).collect::<Vec<f64>>();
         let (s, p, r) = (
-            spread(&medians).ok_or(&at)?,
-            spread(&each(&|b| b.predicted_step_s)).ok_or(&at)?,
-            spread(&each(&|b| b.step_resident_s)).ok_or(&at)?,
+            spread(&medians).ok_or_else(|| format!("{at}: no finite streamed step"))?,
+            spread(&each(&|b| b.predicted_step_s)).ok_or_else(|| format!("{at}: no finite predicted step"))?,
+            spread(&each(&|b| b.step_resident_s)).ok_or_else(|| format!("{at}: no finite resident step"))?,
         );
         let weights = per.iter().map(|b| b.weights_device_bytes).max().unwrap_or(0);
+        // A budget run is a timing of a correct step within its budget, or nothing.
+        if let Some(b) = per.iter().find(|b| !b.bitwise_equal) {
+            return Err(format!("{at}: a run's output (d={}, {} blocks resident) differs from resident", b.depth, b.resident_blocks.len()));
+        }
+        if weights > budget {
+            return Err(format!("{at}: {weights} bytes of weights on the device, over the budget"));
+        }
         let same = per.iter().all(|b| b.resident_blocks == per[0].resident_blocks && b.depth == per[0].depth);
         out.push(json!({
             "model": model, "case": case, "budget_bytes": budget, "repeats": per.len(),
             "depth": per[0].depth, "resident_blocks": per[0].resident_blocks, "same_choice_every_run": same,
+            "depth_per_run": per.iter().map(|b| b.depth).collect::<Vec<_>>(),
+            "resident_block_count_per_run": per.iter().map(|b| b.resident_blocks.len()).collect::<Vec<_>>(),
             "planned_device_bytes": per.iter().map(|b| b.planned_device_bytes).max(), "streamed_bytes": per[0].streamed_bytes,
             "step_streamed_s": s.median, "step_streamed_s_min": s.min, "step_streamed_s_max": s.max,
             "predicted_step_s": p.median, "predicted_step_s_min": p.min, "predicted_step_s_max": p.max,
@@ -138,8 +147,19 @@ mod tests {
         assert!((b[0]["prediction_error"].as_f64().unwrap() - (0.31 / 0.30 - 1.0)).abs() < 1e-12);
         assert_eq!(b[0]["same_choice_every_run"], false);
         assert_eq!(b[0]["weights_within_budget"], true);
+        assert_eq!(b[0]["resident_block_count_per_run"], serde_json::json!([1, 1, 1]));
         assert!(merge_budgets(&runs[..2], 3).unwrap_err().contains("2 process runs"));
         assert!(merge_budgets(&[RunDoc::default()], 3).unwrap().is_empty());
+    }
+
+    #[test]
+    fn a_wrong_or_oversized_budget_run_fails_the_merge() {
+        let mut runs = [doc(0.30, 0.29, &["a.0"]), doc(0.31, 0.30, &["a.0"]), doc(0.32, 0.31, &["a.0"])];
+        runs[1].budgets[0].bitwise_equal = false;
+        assert!(merge_budgets(&runs, 3).unwrap_err().contains("differs from resident"));
+        runs[1].budgets[0].bitwise_equal = true;
+        runs[2].budgets[0].weights_device_bytes = (8 << 30) + 1;
+        assert!(merge_budgets(&runs, 3).unwrap_err().contains("over the budget"));
     }
 
     #[test]

@@ -134,6 +134,9 @@ pub struct Inputs {
     text_tokens: usize,
     /// Token ids `[B, T]` for a text encoder (latents and text are empty then).
     ids: Option<Tensor>,
+    /// A decoder's causal mask `[T, T]` (0 on and below the diagonal, −∞ above),
+    /// made once per call's inputs.
+    causal: Option<Tensor>,
 }
 
 /// The model's non-block weights on the device and what every block reads.
@@ -211,6 +214,15 @@ impl<'m> Net<'m> {
                 sin: ang.sin().and_then(|c| c.to_dtype(DType::BF16)).map_err(err)?,
                 text_tokens: t,
                 ids: Some(Tensor::from_vec(ids, (b, t), dev).map_err(err)?),
+                causal: Some(
+                    Tensor::from_vec(
+                        (0..t).flat_map(|r| (0..t).map(move |c| if c > r { f32::NEG_INFINITY } else { 0.0 })).collect::<Vec<f32>>(),
+                        (t, t),
+                        dev,
+                    )
+                    .and_then(|m| m.to_dtype(DType::BF16))
+                    .map_err(err)?,
+                ),
             });
         }
         let half = m.head_dim / 2;
@@ -226,6 +238,7 @@ impl<'m> Net<'m> {
             sin: ang.sin().and_then(|c| c.to_dtype(DType::BF16)).map_err(err)?,
             text_tokens: t,
             ids: None,
+            causal: None,
         })
     }
 
@@ -266,12 +279,20 @@ impl<'m> Net<'m> {
         lin(&lin(x, w, &format!("{name}.net.0.proj"))?.gelu()?, w, &format!("{name}.net.2"))
     }
 
+    /// A dual-stream block with diffusers' names. SD3's context-only last block (no
+    /// `attn.to_add_out`) takes its context norm as `(scale, shift)` and leaves the
+    /// text unchanged; its context QK norms are skipped, as candle-transformers'
+    /// `ContextQkvOnlyJointBlock` does (the step runs that block: this form is the
+    /// test's reference for it).
     fn dual(&self, w: &W, img: &Tensor, txt: &Tensor, temb: &Tensor, i: &Inputs) -> R<(Tensor, Tensor)> {
         let n = self.names;
         let st = temb.silu()?;
+        let pre_only = !w.contains_key("attn.to_add_out.weight");
         let mi = lin(&st, w, n.img_mod)?.unsqueeze(1)?.chunk(6, D::Minus1)?;
-        let mt = lin(&st, w, n.txt_mod)?.unsqueeze(1)?.chunk(6, D::Minus1)?;
-        let (ni, nt) = (self.modulate(img, &mi[0], &mi[1])?, self.modulate(txt, &mt[0], &mt[1])?);
+        let mt = lin(&st, w, n.txt_mod)?.unsqueeze(1)?.chunk(if pre_only { 2 } else { 6 }, D::Minus1)?;
+        let nt = if pre_only { self.modulate(txt, &mt[1], &mt[0])? } else { self.modulate(txt, &mt[0], &mt[1])? };
+        let ni = self.modulate(img, &mi[0], &mi[1])?;
+        let (nq, nk) = if pre_only { (None, None) } else { (Some("norm_added_q"), Some("norm_added_k")) };
         let p = |x: &Tensor, l: &str, norm: Option<&str>| -> R<Tensor> {
             let y = self.heads(&lin(x, w, &format!("attn.{l}"))?)?;
             match norm {
@@ -279,8 +300,8 @@ impl<'m> Net<'m> {
                 None => Ok(y),
             }
         };
-        let q = Tensor::cat(&[p(&nt, "add_q_proj", Some("norm_added_q"))?, p(&ni, "to_q", Some("norm_q"))?], 2)?;
-        let k = Tensor::cat(&[p(&nt, "add_k_proj", Some("norm_added_k"))?, p(&ni, "to_k", Some("norm_k"))?], 2)?;
+        let q = Tensor::cat(&[p(&nt, "add_q_proj", nq)?, p(&ni, "to_q", Some("norm_q"))?], 2)?;
+        let k = Tensor::cat(&[p(&nt, "add_k_proj", nk)?, p(&ni, "to_k", Some("norm_k"))?], 2)?;
         let v = Tensor::cat(&[p(&nt, "add_v_proj", None)?, p(&ni, "to_v", None)?], 2)?;
         let rope = |x: &Tensor| candle_nn::rotary_emb::rope_i(&x.contiguous()?, &i.cos, &i.sin);
         // SD3 has no rotary positions (its step runs `sd3_joint`; a test compares).
@@ -288,6 +309,9 @@ impl<'m> Net<'m> {
         let (ta, ia) = (a.narrow(1, 0, i.text_tokens)?, a.narrow(1, i.text_tokens, img.dim(1)?)?);
         let img = (img + mi[2].broadcast_mul(&lin(&ia, w, "attn.to_out.0")?)?)?;
         let img = (&img + mi[5].broadcast_mul(&self.mlp(&self.modulate(&img, &mi[3], &mi[4])?, w, n.img_mlp)?)?)?;
+        if pre_only {
+            return Ok((img, txt.clone()));
+        }
         let txt = (txt + mt[2].broadcast_mul(&lin(&ta, w, "attn.to_add_out")?)?)?;
         let txt = (&txt + mt[5].broadcast_mul(&self.mlp(&self.modulate(&txt, &mt[3], &mt[4])?, w, n.txt_mlp)?)?)?;
         Ok((img, txt))
@@ -386,9 +410,8 @@ impl<'m> Net<'m> {
         let v = split(lin(&n, w, "self_attn.v_proj")?)?;
         let groups = q.dim(1)? / k.dim(1)?;
         let (k, v) = (candle_transformers::utils::repeat_kv(k, groups)?, candle_transformers::utils::repeat_kv(v, groups)?);
-        let mask: Vec<f32> = (0..t).flat_map(|r| (0..t).map(move |c| if c > r { f32::NEG_INFINITY } else { 0.0 })).collect();
-        let mask = Tensor::from_vec(mask, (t, t), &self.dev)?.to_dtype(q.dtype())?;
-        let s = ((q.matmul(&k.t()?.contiguous()?)? * (1.0 / (hd as f64).sqrt()))?.broadcast_add(&mask))?;
+        let mask = i.causal.as_ref().ok_or_else(|| candle_core::Error::Msg("a decoder's inputs carry its causal mask".into()))?;
+        let s = ((q.matmul(&k.t()?.contiguous()?)? * (1.0 / (hd as f64).sqrt()))?.broadcast_add(mask))?;
         let o = candle_nn::ops::softmax_last_dim(&s)?.matmul(&v)?.transpose(1, 2)?.reshape((b, t, h))?;
         let x = (x + nobias(&o, w, "self_attn.o_proj")?)?;
         let n = Self::rms(&x, get(w, "post_attention_layernorm.weight")?)?;
@@ -820,19 +843,24 @@ mod tests {
         let net = Net::new(&model, &src, &Device::Cpu).unwrap();
         assert!(net.sd3);
         let i = net.inputs(&model.cases[0]).unwrap();
-        let w = net.direct_weights(&src).unwrap().swap_remove(0);
+        let ws = net.direct_weights(&src).unwrap();
         let (b, h) = (model.cases[0].batch, model.hidden);
         let r = |shape: &[usize]| Tensor::randn(0f32, 1f32, shape, &Device::Cpu).and_then(|t| t.to_dtype(DType::BF16)).unwrap();
         let (img, txt, temb) = (r(&[b, 16, h]), r(&[b, 8, h]), r(&[b, h]));
-        let (ours_img, ours_txt) = net.dual(&w, &img, &txt, &temb, &i).unwrap();
-        let (ct_img, ct_txt) = net.sd3_joint(&w, &img, &txt, &temb).unwrap();
-        for (name, a, c) in [("image", &ours_img, &ct_img), ("text", &ours_txt, &ct_txt)] {
-            let a = a.to_dtype(DType::F32).unwrap();
-            let c = c.to_dtype(DType::F32).unwrap();
-            let scale = a.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
-            let err = (&a - &c).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
-            assert!(scale > 0.5, "{name}: outputs too small to compare ({scale})");
-            assert!(err <= scale / 256.0, "{name}: candle-transformers' block differs by {err} (values up to {scale})");
+        // Block 0 (joint) and the last block (context only: its norm's halves swapped).
+        let last = ws.len() - 1;
+        assert!(!ws[last].contains_key("attn.to_add_out.weight") && ws[0].contains_key("attn.to_add_out.weight"));
+        for (k, w) in [(0, &ws[0]), (last, &ws[last])] {
+            let (ours_img, ours_txt) = net.dual(w, &img, &txt, &temb, &i).unwrap();
+            let (ct_img, ct_txt) = net.sd3_joint(w, &img, &txt, &temb).unwrap();
+            for (name, a, c) in [("image", &ours_img, &ct_img), ("text", &ours_txt, &ct_txt)] {
+                let a = a.to_dtype(DType::F32).unwrap();
+                let c = c.to_dtype(DType::F32).unwrap();
+                let scale = a.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+                let err = (&a - &c).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+                assert!(scale > 0.5, "block {k} {name}: outputs too small to compare ({scale})");
+                assert!(err <= scale / 256.0, "block {k} {name}: candle-transformers' block differs by {err} (values up to {scale})");
+            }
         }
     }
 }

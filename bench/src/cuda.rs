@@ -124,6 +124,8 @@ struct Streamed {
     out: Vec<u16>,
     misses: u64,
     depth: usize,
+    /// Bytes the ring copied in the last timed step.
+    step_bytes: u64,
     weights: u64,
     timeline: Option<StepMetrics>,
 }
@@ -156,19 +158,22 @@ pub fn run(model: &Model, opts: &RunOptions) -> Result<RunDoc, String> {
     let resolved = |plan: &Plan, inv: &ComponentInventory| -> Result<ResolvedComponent, String> {
         Ok(resolve(plan, std::slice::from_ref(inv)).map_err(err)?.components.remove(0))
     };
-    let timed = |net: &mut RefNet, ring: &mut Ring<CudaBackend>| -> Result<Vec<f64>, String> {
+    // Timed steps after warm-up, and the bytes the ring copied in the last of them.
+    let timed = |net: &mut RefNet, ring: &mut Ring<CudaBackend>| -> Result<(Vec<f64>, u64), String> {
         for _ in 0..opts.warmup {
             step(&be, model, net, ring, None).map_err(err)?;
         }
-        let mut times = Vec::new();
+        let (mut times, mut last_bytes) = (Vec::new(), 0);
         for _ in 0..opts.steps {
             be.synchronize().map_err(err)?;
+            let before = ring.metrics().bytes_copied;
             let t = Instant::now();
             step(&be, model, net, ring, None).map_err(err)?;
             be.synchronize().map_err(err)?;
             times.push(t.elapsed().as_secs_f64());
+            last_bytes = ring.metrics().bytes_copied - before;
         }
-        Ok(times)
+        Ok((times, last_bytes))
     };
     // A streamed run of `rc`: its timed steps, then (with `trace`) one more step with
     // the timeline on, written to `trace`.
@@ -177,7 +182,7 @@ pub fn run(model: &Model, opts: &RunOptions) -> Result<RunDoc, String> {
         be.reset_peak();
         let mut ring = Ring::new(be.clone(), store.clone(), rc).map_err(err)?;
         let depth = ring.depth();
-        let times = timed(net, &mut ring)?;
+        let (times, step_bytes) = timed(net, &mut ring)?;
         let out = net.output().map_err(err)?;
         let misses = ring.metrics().misses;
         let timeline = match trace {
@@ -192,7 +197,7 @@ pub fn run(model: &Model, opts: &RunOptions) -> Result<RunDoc, String> {
             None => None,
         };
         ring.close().map_err(err)?;
-        Ok(Streamed { times, out, misses, depth, weights: be.counters().peak_bytes, timeline })
+        Ok(Streamed { times, out, misses, depth, step_bytes, weights: be.counters().peak_bytes, timeline })
     };
     let as_f32 = |v: &[u16]| v.iter().map(|&b| half::bf16::from_bits(b).to_f32()).collect::<Vec<f32>>();
     let mut doc = RunDoc::new(opts, gpu.clone(), "cuda", &facts, 0, Vec::new());
@@ -203,7 +208,7 @@ pub fn run(model: &Model, opts: &RunOptions) -> Result<RunDoc, String> {
         be.synchronize().map_err(err)?;
         let activations = be.pool_used_bytes().map_err(err)?.0.saturating_sub(before);
         let mut ring = Ring::new(be.clone(), store.clone(), &resolved(&Plan::resident(), &inv)?).map_err(err)?;
-        let rtimes = timed(&mut net, &mut ring)?;
+        let (rtimes, _) = timed(&mut net, &mut ring)?;
         let rout = net.output().map_err(err)?;
         let resident = median(&rtimes);
         // The budget runs' calibration: more resident steps, each block's compute
@@ -226,8 +231,8 @@ pub fn run(model: &Model, opts: &RunOptions) -> Result<RunDoc, String> {
                     case: c.name.clone(),
                     depth: d,
                     trace: path.into(),
-                    exposed_stall_s: m.exposed_stall_s.unwrap_or(f64::NAN),
-                    copy_busy_s: m.copy_busy_s.unwrap_or(f64::NAN),
+                    exposed_stall_s: m.exposed_stall_s,
+                    copy_busy_s: m.copy_busy_s,
                     hidden_copy_share: m.hidden_copy_share(),
                     bytes_copied: m.bytes_copied,
                 });
@@ -267,11 +272,29 @@ pub fn run(model: &Model, opts: &RunOptions) -> Result<RunDoc, String> {
             let choice = offload_plan::plan(&cost, budget, 1, ResidentPolicy::Auto).map_err(|e| err(format!("{at}: {e}")))?;
             let plan = Plan::layerwise().component("transformer", choice.component_plan(&cost, budget));
             let s = streamed(&resolved(&plan, &inv)?, &mut net, None)?;
-            if s.depth != choice.depth {
-                return Err(err(format!("{at}: the ring ran at depth {}, the planner chose {}", s.depth, choice.depth)));
+            // The ring ran the planner's choice: its depth, and in steady state
+            // exactly the non-resident blocks' bytes per step.
+            if s.depth != choice.depth || s.step_bytes != choice.streamed_bytes {
+                return Err(err(format!(
+                    "{at}: the ring ran d={} copying {} bytes a step, the planner chose d={} streaming {}",
+                    s.depth, s.step_bytes, choice.depth, choice.streamed_bytes
+                )));
             }
             let resident_blocks: Vec<String> = choice.resident_ids(&cost).into_iter().map(str::to_owned).collect();
             let step_s = median(&s.times);
+            // A budget run is a correct step within its budget, or an error.
+            let (finite, nonconstant) = check_output(&as_f32(&s.out));
+            if s.out != rout || !finite || !nonconstant {
+                return Err(err(format!(
+                    "{at}: the planner's choice ({} blocks resident, d={}) gave a wrong output: bitwise equal {}, finite {finite}, varied {nonconstant}",
+                    resident_blocks.len(),
+                    choice.depth,
+                    s.out == rout
+                )));
+            }
+            if s.weights > budget {
+                return Err(err(format!("{at}: {} bytes of weights on the device, over the budget", s.weights)));
+            }
             eprintln!(
                 "{at}: {} resident, d={}, streamed {step_s:.4} s, predicted {:.4} s ({:+.1} %), weights {:.2} GiB, bitwise_equal {}, misses {}",
                 resident_blocks.len(),

@@ -124,9 +124,9 @@ pub struct TimelineStep {
     /// The Chrome trace written (`--trace`).
     pub trace: String,
     /// Device seconds the compute stream waited for copies.
-    pub exposed_stall_s: f64,
+    pub exposed_stall_s: Option<f64>,
     /// Device seconds the copy stream was busy.
-    pub copy_busy_s: f64,
+    pub copy_busy_s: Option<f64>,
     /// Share of the copy time hidden behind compute.
     pub hidden_copy_share: Option<f64>,
     /// Bytes copied in the step.

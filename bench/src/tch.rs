@@ -78,7 +78,7 @@ pub fn computes(model: &Model) -> bool {
 /// where the per-component form took nine.
 fn rope_pairs(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
     let s = x.size();
-    let swapped = x.view([s[0], s[1], s[2], s[3] / 2, 2]).flip([-1]).reshape([s[0], s[1], s[2], s[3]]);
+    let swapped = x.reshape([s[0], s[1], s[2], s[3] / 2, 2]).flip([-1]).reshape([s[0], s[1], s[2], s[3]]);
     let mut out = x * cos;
     let _ = out.addcmul_(&swapped, sin);
     out.to_kind(x.kind())

@@ -511,8 +511,16 @@ fn ci() -> Result<(), String> {
     // libnvrtc from PyPI, and the compile tests required to run.
     let nvrtc = ensure_nvrtc()?;
     let mut c = cargo();
-    c.args(["test", "-p", "offload-cuda", "--lib", "nvrtc"]).env("LD_LIBRARY_PATH", &nvrtc).env("OFFLOAD_REQUIRE_NVRTC", "1");
-    run(c)?;
+    c.args(["test", "-p", "offload-cuda", "--lib", "kernels_compile_with_nvrtc"]);
+    c.env("LD_LIBRARY_PATH", &nvrtc).env("OFFLOAD_REQUIRE_NVRTC", "1");
+    let out = c.output().map_err(|e| format!("cargo test (NVRTC kernels): {e}"))?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    eprint!("{text}{}", String::from_utf8_lossy(&out.stderr));
+    // Both kernel sources (reference model, fold hash) compiled: a filter that
+    // matched fewer tests would pass silently otherwise.
+    if !out.status.success() || !text.contains("test result: ok. 2 passed") {
+        return Err("NVRTC kernel tests: expected 2 passed (reference, fold)".into());
+    }
     // The main job, small and in the dev profile: it exits non-zero unless the
     // offloaded output is byte-identical to the resident one.
     let mut c = cargo();

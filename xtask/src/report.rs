@@ -392,34 +392,59 @@ pub fn readme_tables(results: &Path) -> Result<String, String> {
     });
     if let Some((name, d)) = zoo_budgets {
         let runs: Vec<&Value> = d["budgets"].as_array().into_iter().flatten().collect();
-        let worst = runs.iter().map(|c| f(&c["prediction_error"]).abs()).fold(0.0, f64::max);
-        let steps: Vec<String> = runs
-            .iter()
-            .map(|c| {
-                format!(
-                    "{} GiB → {:.3} s [{:.3}, {:.3}] (d={}, {} blocks resident, predicted {:.3} s, {:+.1} %)",
-                    c["budget_bytes"].as_u64().unwrap_or(0) >> 30,
-                    f(&c["step_streamed_s"]),
-                    f(&c["step_streamed_s_min"]),
-                    f(&c["step_streamed_s_max"]),
-                    c["depth"],
-                    c["resident_blocks"].as_array().map_or(0, Vec::len),
-                    f(&c["predicted_step_s"]),
-                    f(&c["prediction_error"]) * 100.0
-                )
-            })
-            .collect();
-        let _ = writeln!(
-            md,
-            "Under a device budget (the planner, `cuda`'s reference model, {} {}, medians of {} process runs with [min, max]; `bench/results/{name}`): \
-             {}, against {:.3} s all resident; the worst step is {:.1} % off the planner's prediction.\n",
-            runs.first().map_or("", |c| c["model"].as_str().unwrap_or("")),
-            runs.first().map_or(String::new(), |c| format!("{}²", c["case"].as_str().unwrap_or(""))),
-            runs.first().map_or(0, |c| c["repeats"].as_u64().unwrap_or(0)),
-            steps.join(", "),
-            runs.first().map_or(f64::NAN, |c| f(&c["step_resident_s"])),
-            worst * 100.0
-        );
+        // One sentence per (model, case): each against its own resident step.
+        let mut groups: Vec<(String, String)> = Vec::new();
+        for c in &runs {
+            let k = (c["model"].as_str().unwrap_or("").to_string(), c["case"].as_str().unwrap_or("").to_string());
+            if !groups.contains(&k) {
+                groups.push(k);
+            }
+        }
+        for (model, case) in groups {
+            let group: Vec<&&Value> = runs.iter().filter(|c| c["model"] == model.as_str() && c["case"] == case.as_str()).collect();
+            let errors: Vec<f64> = group.iter().map(|c| f(&c["prediction_error"])).collect();
+            let worst = match errors.iter().all(|e| e.is_finite()) {
+                true => format!(
+                    "the worst step is {:.1} % off the planner's prediction",
+                    errors.iter().map(|e| e.abs()).fold(0.0, f64::max) * 100.0
+                ),
+                false => "a prediction error is missing (not finite) in the file".to_string(),
+            };
+            let steps: Vec<String> = group
+                .iter()
+                .map(|c| {
+                    let counts: Vec<u64> =
+                        c["resident_block_count_per_run"].as_array().into_iter().flatten().filter_map(Value::as_u64).collect();
+                    let resident = match (counts.iter().min(), counts.iter().max()) {
+                        (Some(a), Some(b)) if a != b => format!("{a}–{b} blocks resident, the choice differing between runs"),
+                        _ => format!("{} blocks resident", c["resident_blocks"].as_array().map_or(0, Vec::len)),
+                    };
+                    format!(
+                        "{:.1} GiB → {:.3} s [{:.3}, {:.3}] (d={}, {resident}, predicted {:.3} s, {:+.1} %{})",
+                        c["budget_bytes"].as_u64().unwrap_or(0) as f64 / (1u64 << 30) as f64,
+                        f(&c["step_streamed_s"]),
+                        f(&c["step_streamed_s_min"]),
+                        f(&c["step_streamed_s_max"]),
+                        c["depth"],
+                        f(&c["predicted_step_s"]),
+                        f(&c["prediction_error"]) * 100.0,
+                        match (c["bitwise_equal"] == true, c["weights_within_budget"] == true) {
+                            (true, true) => "",
+                            (false, _) => "; OUTPUT DIFFERS FROM RESIDENT",
+                            (true, false) => "; OVER ITS BUDGET",
+                        }
+                    )
+                })
+                .collect();
+            let _ = writeln!(
+                md,
+                "Under a device budget (the planner, `cuda`'s reference model, {model} {case}², medians of {} process runs with [min, max]; `bench/results/{name}`): \
+                 {}, against {:.3} s all resident; {worst}.\n",
+                group.first().map_or(0, |c| c["repeats"].as_u64().unwrap_or(0)),
+                steps.join(", "),
+                group.first().map_or(f64::NAN, |c| f(&c["step_resident_s"])),
+            );
+        }
     } else if let Some(name) = names.iter().filter(|n| n.contains("planner") && n.ends_with(".json") && n.contains("cuda")).max() {
         let d = read_json(&results.join(name))?;
         let cases: Vec<&Value> = d["cases"].as_array().into_iter().flatten().filter(|c| c["budget_bytes"].is_u64()).collect();

@@ -71,11 +71,19 @@ fn run(args: &[String]) -> Result<(), String> {
         Some("run") => {
             // Every option named: a misspelt one is an error, not a default.
             let mut it = args[1..].iter();
+            let mut seen: Vec<&str> = Vec::new();
             while let Some(a) = it.next() {
+                if seen.contains(&a.as_str()) {
+                    return Err(format!("run: {a} given twice"));
+                }
+                seen.push(a.as_str());
                 match a.as_str() {
                     "--no-gemm" => {}
                     o if RUN_OPTIONS.contains(&o) => {
-                        it.next().ok_or_else(|| format!("{o} needs a value"))?;
+                        let v = it.next().ok_or_else(|| format!("{o} needs a value"))?;
+                        if v.starts_with("--") {
+                            return Err(format!("{o} needs a value, not the option {v}"));
+                        }
                     }
                     other => return Err(format!("run: unknown argument {other:?} (options: {}, --no-gemm)", RUN_OPTIONS.join(", "))),
                 }

@@ -471,7 +471,8 @@ impl<'m> Net<'m> {
         let prelude = || -> R<(Tensor, Tensor, Tensor)> {
             let adaln = lin(&lin(&self.sinusoid(0.5)?, g, "t_embedder.mlp.0")?.silu()?, g, "t_embedder.mlp.2")?;
             let x = lin(&i.latents, g, "all_x_embedder.2-1")?;
-            let cap = lin(&Self::rms(&i.text, get(g, "cap_embedder.0.weight")?)?, g, "cap_embedder.1")?;
+            // diffusers' `norm_eps` (1e-5), as candle-transformers' blocks use.
+            let cap = lin(&candle_nn::ops::rms_norm(&i.text.contiguous()?, get(g, "cap_embedder.0.weight")?, 1e-5)?, g, "cap_embedder.1")?;
             Ok((adaln, x, cap))
         };
         let (adaln, mut x, mut cap) = prelude().map_err(err)?;

@@ -116,8 +116,13 @@ fn lin(x: &Tensor, w: &W, name: &str) -> Tensor {
 /// RMS norm over the last dimension with scale `s`: libtorch's `rms_norm` (one
 /// fused kernel on CUDA, as `torch.nn.RMSNorm` in diffusers' attention).
 fn rms(x: &Tensor, s: &Tensor) -> Tensor {
+    rms_eps(x, s, 1e-6)
+}
+
+/// [`rms`] with its epsilon (Z-Image's norms use 1e-5, as diffusers' `norm_eps`).
+fn rms_eps(x: &Tensor, s: &Tensor, eps: f64) -> Tensor {
     let d = *x.size().last().unwrap_or(&1);
-    x.rms_norm([d], Some(s), 1e-6)
+    x.rms_norm([d], Some(s), eps)
 }
 
 fn ln(x: &Tensor, h: i64) -> Tensor {
@@ -285,7 +290,7 @@ impl Net<'_> {
     /// and tanh gates from `adaln`) where the block has `adaLN_modulation`.
     fn zimage(&self, w: &W, x: &Tensor, adaln: &Tensor, pos: i64, i: &Inputs) -> Tensor {
         let n = x.size()[1];
-        let norm = |y: &Tensor, name: &str| rms(y, get(w, &format!("{name}.weight")));
+        let norm = |y: &Tensor, name: &str| rms_eps(y, get(w, &format!("{name}.weight")), 1e-5);
         let m: Option<Vec<Tensor>> =
             w.contains_key("adaLN_modulation.0.weight").then(|| lin(adaln, w, "adaLN_modulation.0").unsqueeze(1).chunk(4, 2));
         let scaled = |y: Tensor, k: usize| match &m {
@@ -298,8 +303,8 @@ impl Net<'_> {
         };
         let n1 = scaled(norm(x, "attention_norm1"), 0);
         let (cos, sin) = (i.cos.narrow(1, pos, n), i.sin.narrow(1, pos, n));
-        let q = rope_pairs(&rms(&self.heads(&nobias(&n1, w, "attention.to_q")), get(w, "attention.norm_q.weight")), &cos, &sin);
-        let k = rope_pairs(&rms(&self.heads(&nobias(&n1, w, "attention.to_k")), get(w, "attention.norm_k.weight")), &cos, &sin);
+        let q = rope_pairs(&rms_eps(&self.heads(&nobias(&n1, w, "attention.to_q")), get(w, "attention.norm_q.weight"), 1e-5), &cos, &sin);
+        let k = rope_pairs(&rms_eps(&self.heads(&nobias(&n1, w, "attention.to_k")), get(w, "attention.norm_k.weight"), 1e-5), &cos, &sin);
         let v = self.heads(&nobias(&n1, w, "attention.to_v"));
         let a = nobias(&self.attention(&q, &k, &v), w, "attention.to_out.0");
         let x = x + gated(norm(&a, "attention_norm2"), 1);
@@ -316,7 +321,7 @@ impl Net<'_> {
         let dev = i.latents.device();
         let adaln = lin(&lin(&sinusoid(i.t, dev), g, "t_embedder.mlp.0").silu(), g, "t_embedder.mlp.2");
         let mut x = lin(&i.latents, g, "all_x_embedder.2-1");
-        let mut cap = lin(&rms(&i.text, get(g, "cap_embedder.0.weight")), g, "cap_embedder.1");
+        let mut cap = lin(&rms_eps(&i.text, get(g, "cap_embedder.0.weight"), 1e-5), g, "cap_embedder.1");
         let n = x.size()[1];
         let mut unified: Option<Tensor> = None;
         for blk in &self.blocks {

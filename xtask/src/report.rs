@@ -316,7 +316,7 @@ pub fn readme_tables(results: &Path) -> Result<String, String> {
             d["gpu"].as_str().unwrap_or("?"),
             d["date"].as_str().unwrap_or("?"),
             d["repeats"],
-            if d["anchors"].as_array().is_some_and(|a| !a.is_empty()) { "; diffusers ran in the same command" } else { "" }
+            if d["anchors"].as_array().is_some_and(|a| !a.is_empty()) { "; diffusers' processes ran interleaved with ours in the same device session (resumable commands; `bench/NOTES.md` says which)" } else { "" }
         );
         md.push_str("| model | case | streamed step (s) | ratio to bound | resident step (s) | diffusers' best offloaded (s) | ours ÷ diffusers | weights on device (GiB) | activations (GiB) | bitwise equal | finite, not constant | targets met |\n");
         md.push_str("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");

@@ -432,25 +432,13 @@ impl<'m> Net<'m> {
         let table = get(g, emb).map_err(err)?;
         let mut x = candle_nn::Embedding::new(table.clone(), self.model.hidden).forward(ids).map_err(err)?;
         let mut bias = None;
-        let mut k = 0;
-        for s in &self.model.stacks {
-            for index in 0..s.count {
-                let guard = match ring.as_deref_mut() {
-                    Some(r) => Some(r.block(s.prefix, index)?),
-                    None => None,
-                };
-                let w = block_weights(guard.as_ref(), direct, s, index, k)?;
-                k += 1;
-                x = match s.kind {
-                    BlockKind::T5 => self.t5(&w, &x, &mut bias).map_err(err)?,
-                    _ => self.decoder(&w, &x, i).map_err(err)?,
-                };
-                drop(w);
-                if let Some(g) = guard {
-                    g.finish()?;
-                }
-            }
-        }
+        each_block(self.model, ring.as_deref_mut(), direct, |s, _, w| {
+            x = match s.kind {
+                BlockKind::T5 => self.t5(w, &x, &mut bias).map_err(err)?,
+                _ => self.decoder(w, &x, i).map_err(err)?,
+            };
+            Ok(())
+        })?;
         let out = Self::rms(&x, get(g, norm).map_err(err)?).map_err(err)?;
         if let Some(r) = ring {
             r.end_step()?;
@@ -478,32 +466,20 @@ impl<'m> Net<'m> {
         let (adaln, mut x, mut cap) = prelude().map_err(err)?;
         let n = x.dim(1).map_err(err)?;
         let mut unified: Option<Tensor> = None;
-        let mut k = 0;
-        for s in &self.model.stacks {
-            for index in 0..s.count {
-                let guard = match ring.as_deref_mut() {
-                    Some(r) => Some(r.block(s.prefix, index)?),
-                    None => None,
-                };
-                let w = block_weights(guard.as_ref(), direct, s, index, k)?;
-                k += 1;
-                match s.prefix {
-                    "noise_refiner" => x = self.z_image_block(&w, &x, &adaln, 0, i).map_err(err)?,
-                    "context_refiner" => cap = self.z_image_block(&w, &cap, &adaln, n, i).map_err(err)?,
-                    _ => {
-                        let u = match unified.take() {
-                            Some(u) => u,
-                            None => Tensor::cat(&[&x, &cap], 1).map_err(err)?,
-                        };
-                        unified = Some(self.z_image_block(&w, &u, &adaln, 0, i).map_err(err)?);
-                    }
-                }
-                drop(w);
-                if let Some(g) = guard {
-                    g.finish()?;
+        each_block(self.model, ring.as_deref_mut(), direct, |s, _, w| {
+            match s.prefix {
+                "noise_refiner" => x = self.z_image_block(w, &x, &adaln, 0, i).map_err(err)?,
+                "context_refiner" => cap = self.z_image_block(w, &cap, &adaln, n, i).map_err(err)?,
+                _ => {
+                    let u = match unified.take() {
+                        Some(u) => u,
+                        None => Tensor::cat(&[&x, &cap], 1).map_err(err)?,
+                    };
+                    unified = Some(self.z_image_block(w, &u, &adaln, 0, i).map_err(err)?);
                 }
             }
-        }
+            Ok(())
+        })?;
         let out = (|| -> R<Tensor> {
             let u = match unified {
                 Some(u) => u,
@@ -585,38 +561,23 @@ impl<'m> Net<'m> {
         };
         let (temb, mut img, mut txt) = prelude().map_err(err)?;
         let mut joint: Option<Tensor> = None;
-        let mut k = 0;
-        for s in &self.model.stacks {
-            for index in 0..s.count {
-                let guard = match ring.as_deref_mut() {
-                    Some(r) => Some(r.block(s.prefix, index)?),
-                    None => None,
-                };
-                let w = block_weights(guard.as_ref(), direct, s, index, k)?;
-                k += 1;
-                match s.kind {
-                    BlockKind::DualStream if self.sd3 => (img, txt) = self.sd3_joint(&w, &img, &txt, &temb).map_err(err)?,
-                    BlockKind::DualStream => (img, txt) = self.dual(&w, &img, &txt, &temb, i).map_err(err)?,
-                    BlockKind::SingleStream => {
-                        let x = match joint.take() {
-                            Some(x) => x,
-                            None => Tensor::cat(&[&txt, &img], 1).map_err(err)?,
-                        };
-                        joint = Some(self.single(&w, &x, &temb, i).map_err(err)?);
-                    }
-                    other => {
-                        return Err(offload_core::Error::unsupported(
-                            "candle (bench room)",
-                            format!("{other:?} blocks ({}.{index})", s.prefix),
-                        ))
-                    }
+        each_block(self.model, ring.as_deref_mut(), direct, |s, index, w| {
+            match s.kind {
+                BlockKind::DualStream if self.sd3 => (img, txt) = self.sd3_joint(w, &img, &txt, &temb).map_err(err)?,
+                BlockKind::DualStream => (img, txt) = self.dual(w, &img, &txt, &temb, i).map_err(err)?,
+                BlockKind::SingleStream => {
+                    let x = match joint.take() {
+                        Some(x) => x,
+                        None => Tensor::cat(&[&txt, &img], 1).map_err(err)?,
+                    };
+                    joint = Some(self.single(w, &x, &temb, i).map_err(err)?);
                 }
-                drop(w);
-                if let Some(g) = guard {
-                    g.finish()?;
+                other => {
+                    return Err(offload_core::Error::unsupported("candle (bench room)", format!("{other:?} blocks ({}.{index})", s.prefix)))
                 }
             }
-        }
+            Ok(())
+        })?;
         let out = (|| -> R<Tensor> {
             if let Some(x) = &joint {
                 img = x.narrow(1, i.text_tokens, img.dim(1)?)?;
@@ -632,31 +593,49 @@ impl<'m> Net<'m> {
     }
 }
 
-/// Block `k` of the step (`index` in stack `s`): its weights as views of the slot
-/// `guard` holds, or `direct`'s resident copy.
-fn block_weights<B>(
-    guard: Option<&BlockGuard<'_, B>>,
+/// Every block of `model` in step order, its weights handed to `f`: as views of
+/// the slot `ring` serves (the guard finished once `f` returns and the views are
+/// dropped), or `direct`'s resident copies.
+fn each_block<B>(
+    model: &Model,
+    mut ring: Option<&mut Ring<B>>,
     direct: Option<&[W]>,
-    s: &crate::registry::Stack,
-    index: usize,
-    k: usize,
-) -> offload_core::Result<W>
+    mut f: impl FnMut(&crate::registry::Stack, usize, &W) -> offload_core::Result<()>,
+) -> offload_core::Result<()>
 where
     B: OffloadBackend,
     for<'a> BlockGuard<'a, B>: CandleBlockExt,
 {
-    match (guard, direct) {
-        (Some(g), _) => {
-            let vb = g.var_builder(DType::BF16)?;
-            s.block_params(index)
-                .iter()
-                .map(|p| vb.get(p.shape.as_slice(), &p.name).map(|t| (p.name.clone(), t)))
-                .collect::<R<_>>()
-                .map_err(candle_error("running a bench-room block"))
+    let mut k = 0;
+    for s in &model.stacks {
+        for index in 0..s.count {
+            let guard = match ring.as_deref_mut() {
+                Some(r) => Some(r.block(s.prefix, index)?),
+                None => None,
+            };
+            let w: W = match (&guard, direct) {
+                (Some(g), _) => {
+                    let vb = g.var_builder(DType::BF16)?;
+                    s.block_params(index)
+                        .iter()
+                        .map(|p| vb.get(p.shape.as_slice(), &p.name).map(|t| (p.name.clone(), t)))
+                        .collect::<R<_>>()
+                        .map_err(candle_error("running a bench-room block"))?
+                }
+                (None, Some(ws)) => {
+                    ws.get(k).cloned().ok_or_else(|| offload_core::Error::Protocol(format!("no direct weights for block {k}")))?
+                }
+                (None, None) => return Err(offload_core::Error::Protocol("a step needs a ring or direct weights".into())),
+            };
+            k += 1;
+            f(s, index, &w)?;
+            drop(w);
+            if let Some(g) = guard {
+                g.finish()?;
+            }
         }
-        (None, Some(ws)) => ws.get(k).cloned().ok_or_else(|| offload_core::Error::Protocol(format!("no direct weights for block {k}"))),
-        (None, None) => Err(offload_core::Error::Protocol("a step needs a ring or direct weights".into())),
     }
+    Ok(())
 }
 
 /// The inventory without its non-block tensors: [`Net`] keeps those on the device

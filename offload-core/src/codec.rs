@@ -384,11 +384,36 @@ pub fn decode_bf16(enc: &[u8], what: &str) -> Result<Vec<u8>> {
     Ok(out)
 }
 
-fn decode_coded(enc: &[u8], out: &mut [u8], what: &str) -> Result<()> {
-    if out.len() % 2 != 0 {
+/// Where the parts of a coded string (mode 1) sit, checked against its header:
+/// what a decoder on another device needs besides the bytes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CodedLayout {
+    /// Values (bf16) coded.
+    pub values: usize,
+    /// Exponent chunks ([`CHUNK_VALUES`] values each, the last maybe fewer).
+    pub chunks: usize,
+    /// Byte offset of the chunk offset table (`chunks + 1` little-endian `u32`s,
+    /// each relative to `stream_at`; the last is the stream's length).
+    pub offsets_at: usize,
+    /// Byte offset of the exponent stream.
+    pub stream_at: usize,
+    /// Byte offset of the sign-mantissa bytes (one per value).
+    pub sm_at: usize,
+    /// The lookup table: the next [`MAX_CODE_BITS`] bits of a chunk's stream →
+    /// `exponent | length << 8` (length 0: no code starts with those bits).
+    pub table: Vec<u16>,
+}
+
+/// [`CodedLayout`] of the coded string `enc` whose decoded length is `len`:
+/// every structural check of the CPU decoder but the chunks' own bits.
+pub fn coded_layout(enc: &[u8], len: usize, what: &str) -> Result<CodedLayout> {
+    if enc.get(4) != Some(&1) {
+        return Err(damaged(what, "not a coded string"));
+    }
+    if len % 2 != 0 {
         return Err(damaged(what, "coded data of an odd length"));
     }
-    let n = out.len() / 2;
+    let n = len / 2;
     let lens: [u8; 256] =
         enc.get(HEADER..HEADER + 256).and_then(|s| s.try_into().ok()).ok_or_else(|| damaged(what, "truncated code table"))?;
     if lens.iter().any(|&l| u32::from(l) > MAX_CODE_BITS) {
@@ -398,13 +423,12 @@ fn decode_coded(enc: &[u8], out: &mut [u8], what: &str) -> Result<()> {
     if kraft > 1 << MAX_CODE_BITS {
         return Err(damaged(what, "code lengths that no prefix code has"));
     }
-    // Lookup table: the next MAX_CODE_BITS bits → (value, length); length 0 = no code.
-    let mut table = vec![(0u8, 0u8); 1 << MAX_CODE_BITS];
+    let mut table = vec![0u16; 1 << MAX_CODE_BITS];
     for (s, &(code, l)) in canonical(&lens).iter().enumerate().filter(|(_, c)| c.1 > 0) {
         let shift = MAX_CODE_BITS - u32::from(l);
         let start = (code as usize) << shift;
         for e in &mut table[start..start + (1 << shift)] {
-            *e = (s as u8, l);
+            *e = s as u16 | u16::from(l) << 8;
         }
     }
     let chunks = u32_at(enc, HEADER + 256, what)? as usize;
@@ -419,10 +443,24 @@ fn decode_coded(enc: &[u8], out: &mut [u8], what: &str) -> Result<()> {
     if sm.len() != n {
         return Err(damaged(what, format!("{} sign-mantissa bytes for {n} values", sm.len())));
     }
-    let stream = &enc[stream_at..sm_at];
-    for c in 0..chunks {
-        let (from, to) = (u32_at(enc, offsets_at + 4 * c, what)? as usize, u32_at(enc, offsets_at + 4 * c + 4, what)? as usize);
-        let bytes = stream.get(from..to).filter(|_| from <= to).ok_or_else(|| damaged(what, format!("chunk {c} outside the stream")))?;
+    let mut prev = 0;
+    for c in 0..=chunks {
+        let o = u32_at(enc, offsets_at + 4 * c, what)? as usize;
+        if o < prev || o > stream_len {
+            return Err(damaged(what, format!("chunk {c} outside the stream")));
+        }
+        prev = o;
+    }
+    Ok(CodedLayout { values: n, chunks, offsets_at, stream_at, sm_at, table })
+}
+
+fn decode_coded(enc: &[u8], out: &mut [u8], what: &str) -> Result<()> {
+    let l = coded_layout(enc, out.len(), what)?;
+    let (n, sm) = (l.values, &enc[l.sm_at..]);
+    let stream = &enc[l.stream_at..l.sm_at];
+    for c in 0..l.chunks {
+        let (from, to) = (u32_at(enc, l.offsets_at + 4 * c, what)? as usize, u32_at(enc, l.offsets_at + 4 * c + 4, what)? as usize);
+        let bytes = &stream[from..to];
         let values = CHUNK_VALUES.min(n - c * CHUNK_VALUES);
         let (mut acc, mut bits, mut next) = (0u64, 0u32, 0usize);
         let mut used = 0u64;
@@ -432,12 +470,13 @@ fn decode_coded(enc: &[u8], out: &mut [u8], what: &str) -> Result<()> {
                 next += 1;
                 bits += 8;
             }
-            let (s, l) = table[((acc >> (bits - MAX_CODE_BITS)) & ((1 << MAX_CODE_BITS) - 1)) as usize];
-            if l == 0 {
+            let e = l.table[((acc >> (bits - MAX_CODE_BITS)) & ((1 << MAX_CODE_BITS) - 1)) as usize];
+            let (s, len) = ((e & 0xff) as u8, u32::from(e >> 8));
+            if len == 0 {
                 return Err(damaged(what, format!("chunk {c}: no code matches")));
             }
-            bits -= u32::from(l);
-            used += u64::from(l);
+            bits -= len;
+            used += u64::from(len);
             let i = c * CHUNK_VALUES + k;
             let m = sm[i];
             out[2 * i] = (s << 7) | (m & 0x7f);

@@ -33,6 +33,7 @@
 //! (`cuMemHostRegister`), so a checkpoint is read into pinned buffers once.
 
 pub mod checked;
+pub mod codec;
 mod device;
 mod error;
 pub mod fold;

@@ -516,10 +516,10 @@ fn ci() -> Result<(), String> {
     let out = c.output().map_err(|e| format!("cargo test (NVRTC kernels): {e}"))?;
     let text = String::from_utf8_lossy(&out.stdout);
     eprint!("{text}{}", String::from_utf8_lossy(&out.stderr));
-    // Both kernel sources (reference model, fold hash) compiled: a filter that
-    // matched fewer tests would pass silently otherwise.
-    if !out.status.success() || !text.contains("test result: ok. 2 passed") {
-        return Err("NVRTC kernel tests: expected 2 passed (reference, fold)".into());
+    // Every kernel source (reference model, fold hash, exponent decoder) compiled:
+    // a filter that matched fewer tests would pass silently otherwise.
+    if !out.status.success() || !text.contains("test result: ok. 3 passed") {
+        return Err("NVRTC kernel tests: expected 3 passed (reference, fold, codec)".into());
     }
     // The main job, small and in the dev profile: it exits non-zero unless the
     // offloaded output is byte-identical to the resident one.

@@ -1,0 +1,212 @@
+//! The GPU decoder of [`offload_core::codec`]'s bf16 coding: one thread per
+//! chunk of [`CHUNK_VALUES`] exponents reads its own bit stream through the
+//! lookup table (in shared memory) and writes each value's bf16 bits from its
+//! exponent and its sign-mantissa byte — the CPU reference decoder's loop, on the
+//! device. Structural damage (no code matching the next bits, a chunk whose codes
+//! do not fill its bytes) raises a flag the host reads back; the CPU decoder's
+//! hash of the decoded bytes has no parallel form and is not checked here.
+//!
+//! Not yet part of the ring: [`ExponentDecoder::decode`] copies one encoded
+//! string to the device and decodes it there, synchronously (the round trip the
+//! issue's property tests run where a GPU exists).
+
+use crate::device::CudaBackend;
+use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::nvrtc;
+use offload_core::codec::{coded_layout, decoded_len, CHUNK_VALUES, MAX_CODE_BITS};
+use offload_core::{Error, Result};
+use std::sync::OnceLock;
+
+const KERNELS: &str = r#"
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+#define CHUNK 1024
+#define BITS 12
+// One thread per chunk. `offsets` holds chunks + 1 byte offsets into `stream`;
+// `table` maps the next BITS bits to exponent | length << 8; `err` collects
+// 1 (no code matches) and 2 (a chunk's codes do not fill its bytes).
+extern "C" __global__ void exp_decode(const u8* stream, const u32* offsets, u32 chunks, const u8* sm, u64 n,
+                                      const u16* table, u16* out, u32* err) {
+    __shared__ u16 t[1 << BITS];
+    for (u32 i = threadIdx.x; i < (1u << BITS); i += blockDim.x) t[i] = table[i];
+    __syncthreads();
+    u32 c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= chunks) return;
+    u32 from = offsets[c], to = offsets[c + 1];
+    u64 base = (u64)c * CHUNK;
+    u32 values = n - base < CHUNK ? (u32)(n - base) : CHUNK;
+    u64 acc = 0;
+    u32 bits = 0, next = from, used = 0;
+    for (u32 k = 0; k < values; ++k) {
+        while (bits < BITS) {
+            acc = (acc << 8) | (next < to ? stream[next] : 0);
+            ++next;
+            bits += 8;
+        }
+        u16 e = t[(acc >> (bits - BITS)) & ((1u << BITS) - 1)];
+        u32 len = e >> 8;
+        if (len == 0) { atomicOr(err, 1u); return; }
+        bits -= len;
+        used += len;
+        u16 s = sm[base + k];
+        out[base + k] = (u16)((s & 0x80) << 8) | (u16)((e & 0xff) << 7) | (u16)(s & 0x7f);
+    }
+    if ((used + 7) / 8 != to - from) atomicOr(err, 2u);
+}
+"#;
+
+fn ptx() -> std::result::Result<&'static nvrtc::Ptx, String> {
+    static PTX: OnceLock<std::result::Result<nvrtc::Ptx, String>> = OnceLock::new();
+    PTX.get_or_init(|| nvrtc::compile_ptx(KERNELS).map_err(|e| format!("NVRTC: {e}"))).as_ref().map_err(Clone::clone)
+}
+
+fn dev(during: &str, e: impl std::fmt::Display) -> Error {
+    Error::device("cuda", during, e)
+}
+
+fn damaged(what: &str, fault: &str) -> Error {
+    Error::BadTensor { tensor: what.to_owned(), fault: format!("compressed bytes damaged: {fault}") }
+}
+
+/// The decoding kernel, loaded on one backend's context.
+pub struct ExponentDecoder {
+    decode: CudaFunction,
+}
+
+impl ExponentDecoder {
+    /// Compile (once per process) and load the kernel on `b`'s context.
+    pub fn new(b: &CudaBackend) -> Result<Self> {
+        let ptx = ptx().map_err(|e| dev("compiling the exponent decoder", e))?;
+        let module = b.shared().ctx.load_module(ptx.clone()).map_err(|e| dev("loading the exponent decoder", e))?;
+        Ok(ExponentDecoder { decode: module.load_function("exp_decode").map_err(|e| dev("exp_decode", e))? })
+    }
+
+    /// Decode the encoded string `enc` ([`offload_core::codec::encode_bf16`]) on
+    /// `b`'s compute stream into a new device buffer of the original bytes, and
+    /// wait for it (a host synchronisation: for tests and one-off decodes, not the
+    /// ring's steady state). `what` names the tensor in errors; damage the kernel
+    /// sees is an error, never returned bytes.
+    pub fn decode(&self, b: &CudaBackend, enc: &[u8], what: &str) -> Result<CudaSlice<u8>> {
+        let s = &b.shared().compute;
+        let len = decoded_len(enc, what)?;
+        match enc.get(4) {
+            Some(0) => {
+                let body = enc.get(24..).filter(|body| body.len() == len).ok_or_else(|| damaged(what, "raw body of another length"))?;
+                return s.clone_htod(body).map_err(|e| dev("copying a raw tensor", e));
+            }
+            Some(1) => {}
+            _ => return Err(damaged(what, "unknown mode")),
+        }
+        let l = coded_layout(enc, len, what)?;
+        debug_assert_eq!(l.table.len(), 1 << MAX_CODE_BITS);
+        let d_enc = s.clone_htod(enc).map_err(|e| dev("copying the encoded bytes", e))?;
+        let d_table = s.clone_htod(&l.table).map_err(|e| dev("copying the decode table", e))?;
+        let mut d_err = s.clone_htod(&[0u32]).map_err(|e| dev("the error flag", e))?;
+        let mut out = s.alloc_zeros::<u8>(len).map_err(|e| dev("the decoded buffer", e))?;
+        if l.values > 0 {
+            let base = {
+                use cudarc::driver::DevicePtr;
+                let (p, _sync) = d_enc.device_ptr(s);
+                p
+            };
+            let (stream, offsets, sm) = (base + l.stream_at as u64, base + l.offsets_at as u64, base + l.sm_at as u64);
+            let (chunks, n) = (l.chunks as u32, l.values as u64);
+            let threads = 128u32;
+            let cfg = LaunchConfig { grid_dim: (chunks.div_ceil(threads), 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
+            debug_assert_eq!(CHUNK_VALUES, 1024);
+            // SAFETY: `d_enc` holds the whole string, whose offset table, stream and sign-mantissa bytes `coded_layout` checked lie inside it (offsets within the stream, `values` sign-mantissa bytes); `out` holds 2 × `values` bytes, the table 2^MAX_CODE_BITS entries, the flag one u32; all live until the synchronisation below.
+            unsafe {
+                s.launch_builder(&self.decode)
+                    .arg(&stream)
+                    .arg(&offsets)
+                    .arg(&chunks)
+                    .arg(&sm)
+                    .arg(&n)
+                    .arg(&d_table)
+                    .arg(&mut out)
+                    .arg(&mut d_err)
+                    .launch(cfg)
+            }
+            .map_err(|e| dev("exp_decode launch", e))?;
+        }
+        let flag = s.clone_dtoh(&d_err).map_err(|e| dev("reading the error flag", e))?;
+        s.synchronize().map_err(|e| dev("decoding", e))?;
+        match flag.first().copied().unwrap_or(0) {
+            0 => Ok(out),
+            f if f & 1 != 0 => Err(damaged(what, "no code matches a chunk's next bits")),
+            _ => Err(damaged(what, "a chunk's codes do not fill its bytes")),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use offload_core::codec::{decode_bf16, encode_bf16};
+
+    /// The decoder compiles with NVRTC (no GPU needed, only libnvrtc).
+    #[test]
+    fn kernels_compile_with_nvrtc() {
+        crate::nvrtc_check::compiles("the exponent decoder", super::KERNELS);
+    }
+
+    fn bf16s(vals: impl IntoIterator<Item = f32>) -> Vec<u8> {
+        vals.into_iter().flat_map(|v| ((v.to_bits() >> 16) as u16).to_le_bytes()).collect()
+    }
+
+    /// Normal values of standard deviation `sd` (Box–Muller over a fixed LCG).
+    fn normal(n: usize, sd: f32, seed: u64) -> Vec<f32> {
+        let mut x = seed;
+        let mut u = || {
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((x >> 11) as f64 + 0.5) / (1u64 << 53) as f64
+        };
+        (0..n).map(|_| ((-2.0 * u().ln()).sqrt() * (std::f64::consts::TAU * u()).cos()) as f32 * sd).collect()
+    }
+
+    /// On a GPU: every input decodes to its exact bytes, as on the CPU; damage the
+    /// kernel sees is an error. Without a device it prints SKIPPED (and fails
+    /// under `OFFLOAD_REQUIRE_DEVICE=1`).
+    #[test]
+    fn gpu_decode_round_trips_bit_exact_and_names_damage() {
+        let b = match CudaBackend::new(0) {
+            Ok(b) => b,
+            Err(e) if !crate::driver_present() => {
+                assert!(std::env::var("OFFLOAD_REQUIRE_DEVICE").as_deref() != Ok("1"), "a CUDA device is required: {e}");
+                println!("SKIPPED: no CUDA device ({e})");
+                return;
+            }
+            Err(e) => panic!("CUDA driver present but the backend failed: {e}"),
+        };
+        let d = ExponentDecoder::new(&b).unwrap();
+        let specials = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 1e-40, -1e-40, 0.0, -0.0, 1.0, -2.5];
+        let cases: Vec<(&str, Vec<u8>)> = vec![
+            ("normal", bf16s(normal(5000, 0.02, 1))),
+            ("one exponent", bf16s((0..3000).map(|i| 1.0 + (i % 128) as f32 / 128.0))),
+            ("every exponent", (0..2048u32).flat_map(|i| (((i % 256) << 7) as u16 | (i / 256) as u16).to_le_bytes()).collect()),
+            ("specials", bf16s((0..1500).map(|i| specials[i % specials.len()]))),
+            ("odd length", vec![7u8; 2049]),
+            ("empty", Vec::new()),
+        ];
+        for (name, raw) in &cases {
+            let enc = encode_bf16(raw);
+            assert_eq!(&decode_bf16(&enc, name).unwrap(), raw, "{name}: the CPU reference");
+            let got = b.shared().compute.clone_dtoh(&d.decode(&b, &enc, name).unwrap()).unwrap();
+            assert_eq!(&got, raw, "{name}: GPU decode");
+        }
+        // Damage: one code length kept, the others dropped — the stream's other
+        // codes match nothing (the CPU decoder refuses it too).
+        let enc = encode_bf16(&cases[0].1);
+        assert_eq!(enc[4], 1, "the normal case is coded");
+        let mut bad = enc.clone();
+        let keep = (24..24 + 256).find(|&i| bad[i] > 0).unwrap();
+        for byte in &mut bad[keep + 1..24 + 256] {
+            *byte = 0;
+        }
+        assert!(decode_bf16(&bad, "damaged").is_err());
+        let e = d.decode(&b, &bad, "normal (damaged)").unwrap_err().to_string();
+        assert!(e.contains("normal (damaged)") && e.contains("damaged"), "{e}");
+    }
+}

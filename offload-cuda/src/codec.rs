@@ -10,6 +10,7 @@
 //! string to the device and decodes it there, synchronously (the round trip the
 //! issue's property tests run where a GPU exists).
 
+use crate::dev;
 use crate::device::CudaBackend;
 use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc;
@@ -59,11 +60,7 @@ extern "C" __global__ void exp_decode(const u8* stream, const u32* offsets, u32 
 
 fn ptx() -> std::result::Result<&'static nvrtc::Ptx, String> {
     static PTX: OnceLock<std::result::Result<nvrtc::Ptx, String>> = OnceLock::new();
-    PTX.get_or_init(|| nvrtc::compile_ptx(KERNELS).map_err(|e| format!("NVRTC: {e}"))).as_ref().map_err(Clone::clone)
-}
-
-fn dev(during: &str, e: impl std::fmt::Display) -> Error {
-    Error::device("cuda", during, e)
+    crate::compiled(&PTX, KERNELS)
 }
 
 fn damaged(what: &str, fault: &str) -> Error {

@@ -8,6 +8,7 @@
 //! ([`CudaBackend::enable_checking`]), a copy not ordered after the fold's read
 //! poisons the bytes while the fold is still to read them.
 
+use crate::dev;
 use crate::device::CudaBackend;
 use crate::memory::CudaSlot;
 use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
@@ -47,11 +48,7 @@ extern "C" __global__ void fold_combine(u64* acc) {
 
 fn ptx() -> std::result::Result<&'static nvrtc::Ptx, String> {
     static PTX: OnceLock<std::result::Result<nvrtc::Ptx, String>> = OnceLock::new();
-    PTX.get_or_init(|| nvrtc::compile_ptx(KERNELS).map_err(|e| format!("NVRTC: {e}"))).as_ref().map_err(Clone::clone)
-}
-
-fn dev(during: &str, e: impl std::fmt::Display) -> Error {
-    Error::device("cuda", during, e)
+    crate::compiled(&PTX, KERNELS)
 }
 
 /// The device-side spin kernel (`spin(ns)`), for the checking mode.

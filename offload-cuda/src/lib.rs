@@ -74,6 +74,19 @@ impl<B: OffloadBackend<Slot = CudaSlot>> CudaBlockExt for BlockGuard<'_, B> {
     }
 }
 
+/// A device error of this crate: what was being done and the CUDA error.
+pub(crate) fn dev(during: &str, e: impl std::fmt::Display) -> offload_core::Error {
+    offload_core::Error::device("cuda", during, e)
+}
+
+/// `src` compiled by NVRTC once per process (`cache` is the caller's cell).
+pub(crate) fn compiled(
+    cache: &'static std::sync::OnceLock<std::result::Result<cudarc::nvrtc::Ptx, String>>,
+    src: &'static str,
+) -> std::result::Result<&'static cudarc::nvrtc::Ptx, String> {
+    cache.get_or_init(|| cudarc::nvrtc::compile_ptx(src).map_err(|e| format!("NVRTC: {e}"))).as_ref().map_err(Clone::clone)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

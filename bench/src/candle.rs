@@ -691,12 +691,11 @@ pub fn run(model: &Model, opts: &crate::harness::RunOptions) -> Result<crate::ha
     if !computes(model) {
         return Err(format!("candle: {}: the bench room has no candle compute for its blocks yet", model.name));
     }
-    use crate::harness::{spread, RunCase, RunDoc};
+    use crate::harness::{RunCase, RunDoc};
     use offload_candle::CandleCudaBackend;
     use std::time::Instant;
     let e = |x: offload_core::Error| format!("candle: {x}");
-    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
-    let median = |v: &[f64]| spread(v).map_or(f64::NAN, |s| s.median);
+    use crate::harness::{gib, median};
     let be = CandleCudaBackend::new(0, DType::BF16).map_err(e)?;
     let dev = be.device();
     let cuda = be.cuda().clone();

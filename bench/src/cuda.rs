@@ -140,8 +140,7 @@ pub fn run(model: &Model, opts: &RunOptions) -> Result<RunDoc, String> {
     if opts.trace.is_some() && opts.depths.is_empty() {
         return Err(err("--trace traces a streamed step at the first of --depths: give at least one depth"));
     }
-    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
-    let median = |v: &[f64]| spread(v).map_or(f64::NAN, |s| s.median);
+    use crate::harness::{gib, median};
     let be = CudaBackend::new(0).map_err(err)?;
     let gpu = be.device_name().unwrap_or_default();
     let cases: Vec<&Case> = opts.cases.iter().map(|c| model.case(c)).collect::<Result<_, _>>()?;

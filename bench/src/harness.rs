@@ -187,13 +187,22 @@ pub struct StoreFacts {
     pub bandwidth: f64,
 }
 
+/// Bytes in GiB, for the runs' progress lines.
+pub fn gib(b: u64) -> f64 {
+    b as f64 / (1u64 << 30) as f64
+}
+
+/// The median of `v` ([`spread`]'s), NaN when there is none.
+pub fn median(v: &[f64]) -> f64 {
+    spread(v).map_or(f64::NAN, |s| s.median)
+}
+
 /// [`StoreFacts`] of `store`, built since `started`, its bandwidth probed on `be`.
 pub fn store_facts<B: offload_core::OffloadBackend>(
     be: &B,
     store: &offload_core::HostStore<B>,
     started: std::time::Instant,
 ) -> offload_core::Result<StoreFacts> {
-    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
     let total: u64 = store.blocks().iter().map(|b| b.bytes() as u64).sum();
     let (build_s, rss) = (started.elapsed().as_secs_f64(), host_rss_bytes());
     eprintln!("host store: {:.2} GiB pinned in {} blocks in {build_s:.1} s, RSS {:.2} GiB", gib(total), store.blocks().len(), gib(rss));

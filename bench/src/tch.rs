@@ -579,11 +579,6 @@ fn host_f32(t: &Tensor) -> Vec<f32> {
 }
 
 #[cfg(feature = "tch-cuda")]
-fn median(v: &[f64]) -> f64 {
-    crate::harness::spread(v).map_or(f64::NAN, |s| s.median)
-}
-
-#[cfg(feature = "tch-cuda")]
 fn stats() -> Result<offload_tch::AllocatorStats, String> {
     offload_tch::allocator_stats(0).map_err(err)
 }
@@ -592,6 +587,7 @@ fn stats() -> Result<offload_tch::AllocatorStats, String> {
 /// Build `model` with random bf16 weights on GPU 0, time every case resident,
 /// then streamed at every depth, in this process.
 pub fn run(model: &Model, opts: &Options) -> Result<RunDoc, String> {
+    use crate::harness::{gib, median};
     if !computes(model) {
         return Err(err(format!("{}: the bench room has no tch compute for its blocks yet", model.name)));
     }
@@ -700,11 +696,6 @@ pub fn run(model: &Model, opts: &Options) -> Result<RunDoc, String> {
     }
     off.close().map_err(err)?;
     Ok(RunDoc::new(opts, be.cuda().device_name().unwrap_or_default(), "tch", &facts, resident_bytes, out_cases))
-}
-
-#[cfg(feature = "tch-cuda")]
-fn gib(b: u64) -> f64 {
-    b as f64 / (1u64 << 30) as f64
 }
 
 /// The same compute on libtorch's CPU device (one thread), resident and then

@@ -13,6 +13,7 @@
 //! every launch against its grid limits; activations are allocated here from the
 //! same dimensions. So no argument makes a kernel read or write outside a buffer.
 
+use crate::dev;
 use crate::CudaBackend;
 use cudarc::cublas::{result as blas, sys as bsys, CudaBlas};
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
@@ -213,10 +214,6 @@ pub struct RefNet {
     skip_gemm: bool,
 }
 
-fn dev(during: &str, e: impl std::fmt::Display) -> Error {
-    Error::device("cuda", during, e)
-}
-
 fn ptr(s: &CudaSlice<u16>) -> u64 {
     let (p, _) = s.device_ptr(s.stream());
     p
@@ -246,8 +243,9 @@ impl RefNet {
         // the ring (the guard's wait precedes these reads).
         // SAFETY: no cudarc slice of this model is used on two streams (see above).
         let (ctx, s) = unsafe { (be.ctx().clone(), be.compute_stream().clone()) };
-        let ptx = cudarc::nvrtc::compile_ptx(KERNELS).map_err(|e| dev("NVRTC", e))?;
-        let module = ctx.load_module(ptx).map_err(|e| dev("load module", e))?;
+        static PTX: std::sync::OnceLock<std::result::Result<cudarc::nvrtc::Ptx, String>> = std::sync::OnceLock::new();
+        let ptx = crate::compiled(&PTX, KERNELS).map_err(|e| dev("NVRTC", e))?;
+        let module = ctx.load_module(ptx.clone()).map_err(|e| dev("load module", e))?;
         let f = |n: &str| module.load_function(n).map_err(|e| dev(&format!("kernel {n}"), e));
         let k = Kernels {
             bias_act: f("bias_act")?,

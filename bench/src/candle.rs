@@ -813,7 +813,7 @@ mod tests {
 
     /// candle-transformers' SD3 joint block, fed [`sai_block`]'s renamed weights,
     /// computes what the file's own diffusers-named dual block computes without
-    /// rotary positions (to bf16 rounding; equal on the CPU today): a q/k/v
+    /// rotary positions (to a few bf16 ulps of summation order): a q/k/v
     /// concatenated in the wrong order, or a misplaced tensor, would not.
     #[test]
     fn sd3_joint_block_by_candle_transformers_matches_the_diffusers_named_block() {
@@ -838,7 +838,10 @@ mod tests {
                 let scale = a.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
                 let err = (&a - &c).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
                 assert!(scale > 0.5, "block {k} {name}: outputs too small to compare ({scale})");
-                assert!(err <= scale / 256.0, "block {k} {name}: candle-transformers' block differs by {err} (values up to {scale})");
+                // Threaded CPU GEMMs may sum in another order: a few bf16 ulps at the
+                // largest values (one ulp is scale/128 to scale/256); the sabotages
+                // (q and k swapped, no (scale, shift) swap) differ by over scale/20.
+                assert!(err <= scale / 32.0, "block {k} {name}: candle-transformers' block differs by {err} (values up to {scale})");
             }
         }
     }

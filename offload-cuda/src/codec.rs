@@ -8,7 +8,9 @@
 //!
 //! Not yet part of the ring: [`ExponentDecoder::decode`] copies one encoded
 //! string to the device and decodes it there, synchronously (the round trip the
-//! issue's property tests run where a GPU exists).
+//! issue's property tests run where a GPU exists); [`ExponentDecoder::upload`],
+//! [`ExponentDecoder::launch`] and [`DeviceCoded::finish`] are its three stages
+//! (the speed example times the kernel alone).
 
 use crate::dev;
 use crate::device::CudaBackend;
@@ -28,8 +30,11 @@ typedef unsigned long long u64;
 // One thread per chunk. `offsets` holds chunks + 1 byte offsets into `stream`;
 // `table` maps the next BITS bits to exponent | length << 8; `err` collects
 // 1 (no code matches) and 2 (a chunk's codes do not fill its bytes).
-extern "C" __global__ void exp_decode(const u8* stream, const u32* offsets, u32 chunks, const u8* sm, u64 n,
+extern "C" __global__ void exp_decode(const u8* enc, u64 stream_at, u64 offsets_at, u32 chunks, u64 sm_at, u64 n,
                                       const u16* table, u16* out, u32* err) {
+    const u8* stream = enc + stream_at;
+    const u32* offsets = (const u32*)(enc + offsets_at);
+    const u8* sm = enc + sm_at;
     __shared__ u16 t[1 << BITS];
     for (u32 i = threadIdx.x; i < (1u << BITS); i += blockDim.x) t[i] = table[i];
     __syncthreads();
@@ -86,54 +91,114 @@ impl ExponentDecoder {
     /// ring's steady state). `what` names the tensor in errors; damage the kernel
     /// sees is an error, never returned bytes.
     pub fn decode(&self, b: &CudaBackend, enc: &[u8], what: &str) -> Result<CudaSlice<u8>> {
+        let mut coded = self.upload(b, enc, what)?;
+        let s = &b.shared().compute;
+        let mut out = s.alloc_zeros::<u8>(coded.len).map_err(|e| dev("the decoded buffer", e))?;
+        self.launch(b, &mut coded, &mut out)?;
+        coded.finish(b)?;
+        Ok(out)
+    }
+
+    /// Check `enc`'s layout on the host and copy it, with its decode table, to
+    /// the device (on `b`'s compute stream): what [`ExponentDecoder::launch`]
+    /// decodes, as many times as asked.
+    pub fn upload(&self, b: &CudaBackend, enc: &[u8], what: &str) -> Result<DeviceCoded> {
         let s = &b.shared().compute;
         let len = decoded_len(enc, what)?;
-        match enc.get(4) {
+        let (raw, l) = match enc.get(4) {
             Some(0) => {
                 let body = enc.get(24..).filter(|body| body.len() == len).ok_or_else(|| damaged(what, "raw body of another length"))?;
-                return s.clone_htod(body).map_err(|e| dev("copying a raw tensor", e));
+                (Some(body), None)
             }
-            Some(1) => {}
+            Some(1) => (None, Some(coded_layout(enc, len, what)?)),
             _ => return Err(damaged(what, "unknown mode")),
+        };
+        let bytes = raw.unwrap_or(enc);
+        let table: &[u16] = l.as_ref().map(|l| l.table.as_slice()).unwrap_or(&[0]);
+        debug_assert!(l.as_ref().is_none_or(|l| l.table.len() == 1 << MAX_CODE_BITS));
+        Ok(DeviceCoded {
+            enc: s.clone_htod(bytes).map_err(|e| dev("copying the encoded bytes", e))?,
+            table: s.clone_htod(table).map_err(|e| dev("copying the decode table", e))?,
+            err: s.clone_htod(&[0u32]).map_err(|e| dev("the error flag", e))?,
+            at: l.as_ref().map(|l| (l.stream_at as u64, l.offsets_at as u64, l.sm_at as u64, l.chunks as u32, l.values as u64)),
+            len,
+            what: what.to_owned(),
+        })
+    }
+
+    /// Enqueue the decode of `coded` into `out` on `b`'s compute stream, without
+    /// waiting (a raw string is a device-to-device copy). `out` must hold exactly
+    /// the decoded length. Damage found by the kernel is reported by
+    /// [`DeviceCoded::finish`].
+    pub fn launch(&self, b: &CudaBackend, coded: &mut DeviceCoded, out: &mut CudaSlice<u8>) -> Result<()> {
+        let s = &b.shared().compute;
+        if out.len() != coded.len {
+            return Err(Error::BadTensor {
+                tensor: coded.what.clone(),
+                fault: format!("decode into {} bytes, {} decoded", out.len(), coded.len),
+            });
         }
-        let l = coded_layout(enc, len, what)?;
-        debug_assert_eq!(l.table.len(), 1 << MAX_CODE_BITS);
-        let d_enc = s.clone_htod(enc).map_err(|e| dev("copying the encoded bytes", e))?;
-        let d_table = s.clone_htod(&l.table).map_err(|e| dev("copying the decode table", e))?;
-        let mut d_err = s.clone_htod(&[0u32]).map_err(|e| dev("the error flag", e))?;
-        let mut out = s.alloc_zeros::<u8>(len).map_err(|e| dev("the decoded buffer", e))?;
-        if l.values > 0 {
-            let base = {
-                use cudarc::driver::DevicePtr;
-                let (p, _sync) = d_enc.device_ptr(s);
-                p
-            };
-            let (stream, offsets, sm) = (base + l.stream_at as u64, base + l.offsets_at as u64, base + l.sm_at as u64);
-            let (chunks, n) = (l.chunks as u32, l.values as u64);
-            let threads = 128u32;
-            let cfg = LaunchConfig { grid_dim: (chunks.div_ceil(threads), 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
-            debug_assert_eq!(CHUNK_VALUES, 1024);
-            // SAFETY: `d_enc` holds the whole string, whose offset table, stream and sign-mantissa bytes `coded_layout` checked lie inside it (offsets within the stream, `values` sign-mantissa bytes); `out` holds 2 × `values` bytes, the table 2^MAX_CODE_BITS entries, the flag one u32; all live until the synchronisation below.
-            unsafe {
-                s.launch_builder(&self.decode)
-                    .arg(&stream)
-                    .arg(&offsets)
-                    .arg(&chunks)
-                    .arg(&sm)
-                    .arg(&n)
-                    .arg(&d_table)
-                    .arg(&mut out)
-                    .arg(&mut d_err)
-                    .launch(cfg)
-            }
-            .map_err(|e| dev("exp_decode launch", e))?;
+        let Some((stream, offsets, sm, chunks, n)) = coded.at else {
+            return s.memcpy_dtod(&coded.enc, out).map_err(|e| dev("copying a raw tensor", e));
+        };
+        if n == 0 {
+            return Ok(());
         }
-        let flag = s.clone_dtoh(&d_err).map_err(|e| dev("reading the error flag", e))?;
+        let threads = 128u32;
+        let cfg = LaunchConfig { grid_dim: (chunks.div_ceil(threads), 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
+        debug_assert_eq!(CHUNK_VALUES, 1024);
+        // SAFETY: `coded.enc` holds the whole string, whose offset table, stream and sign-mantissa bytes `coded_layout` checked lie inside it (offsets within the stream, `n` sign-mantissa bytes, the offset table 4-byte aligned); `out` holds 2 × `n` bytes (its length checked above against the decoded length), the table 2^MAX_CODE_BITS entries, the flag one u32; every buffer is passed as a tracked argument, so cudarc orders its free after this kernel.
+        unsafe {
+            s.launch_builder(&self.decode)
+                .arg(&coded.enc)
+                .arg(&stream)
+                .arg(&offsets)
+                .arg(&chunks)
+                .arg(&sm)
+                .arg(&n)
+                .arg(&coded.table)
+                .arg(out)
+                .arg(&mut coded.err)
+                .launch(cfg)
+        }
+        .map(|_| ())
+        .map_err(|e| dev("exp_decode launch", e))
+    }
+}
+
+/// An encoded string on the device with its decode table and damage flag
+/// ([`ExponentDecoder::upload`]).
+pub struct DeviceCoded {
+    enc: CudaSlice<u8>,
+    table: CudaSlice<u16>,
+    err: CudaSlice<u32>,
+    /// (stream, offsets, sign-mantissa) byte offsets in `enc`, chunks, values; `None` for a raw string.
+    at: Option<(u64, u64, u64, u32, u64)>,
+    len: usize,
+    what: String,
+}
+
+impl DeviceCoded {
+    /// The decoded length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it decodes to nothing.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Wait for the decodes enqueued so far and report damage any of them saw
+    /// (a host synchronisation), naming the tensor.
+    pub fn finish(&self, b: &CudaBackend) -> Result<()> {
+        let s = &b.shared().compute;
+        let flag = s.clone_dtoh(&self.err).map_err(|e| dev("reading the error flag", e))?;
         s.synchronize().map_err(|e| dev("decoding", e))?;
         match flag.first().copied().unwrap_or(0) {
-            0 => Ok(out),
-            f if f & 1 != 0 => Err(damaged(what, "no code matches a chunk's next bits")),
-            _ => Err(damaged(what, "a chunk's codes do not fill its bytes")),
+            0 => Ok(()),
+            f if f & 1 != 0 => Err(damaged(&self.what, "no code matches a chunk's next bits")),
+            _ => Err(damaged(&self.what, "a chunk's codes do not fill its bytes")),
         }
     }
 }

@@ -14,6 +14,7 @@
 # same command, repeated with .zoo-out carried back, goes on where the last stopped.
 # Files collect in $ZOO_DIR (default .zoo-out beside the bundle, kept between
 # commands on a warm runner); each command also leaves $OUT/zoo.tgz, all so far.
+#   ANCHOR_TOGETHER=1: one anchor process per repeat runs every mode (order alternating by repeat)
 #   ZOO_MODELS="flux-dev qwen-image"  ZOO_ARGS="--cases 1024" (files then named by case)  ANCHOR_MODES="block_stream leaf_stream" (empty: none)
 #   CUDA_COMMIT (cuda runs from another build)  ZOO_TCH=0 (no tch runs)  ZOO_CANDLE_MODELS="flux-dev" (empty: none)  ZOO_CANDLE_ARGS="--cases 1024"  ZOO_CUDA_MODELS="flux-dev" (empty: none)  ZOO_CUDA_ARGS
 set -uo pipefail
@@ -90,9 +91,17 @@ repeat() {
     if [ -n "$ZOO_CANDLE" ] && [[ " ${ZOO_CANDLE_MODELS-flux-dev} " == *" $model "* ]]; then
       once "$model: offload candle, run $r" "$Z/candle-$model$SFX-run$r.json" "$est" run_candle "$model" "$Z/candle-$model$SFX-run$r.json"
     fi
-    for mode in ${ANCHOR_MODES-block_stream leaf_stream}; do
-      once "$model: diffusers $mode, run $r" "$Z/diffusers-$model$SFX-$mode-run$r.json" 110 run_anchor "$model" "$mode" "$Z/diffusers-$model$SFX-$mode-run$r.json"
-    done
+    if [ "${ANCHOR_TOGETHER:-0}" = 1 ] && [ -n "${ANCHOR_MODES-x}" ]; then
+      # Every mode in one anchor process per repeat (the model built and pinned
+      # once), the order turned round in every other repeat.
+      local modes=$(echo ${ANCHOR_MODES-block_stream leaf_stream} | tr ' ' ',')
+      [ $((r % 2)) = 0 ] && modes=$(echo ${ANCHOR_MODES-block_stream leaf_stream} | tr ' ' '\n' | tac | paste -sd,)
+      once "$model: diffusers $modes, run $r" "$Z/diffusers-$model$SFX-modes-run$r.json" 160 run_anchor "$model" "$modes" "$Z/diffusers-$model$SFX-modes-run$r.json"
+    else
+      for mode in ${ANCHOR_MODES-block_stream leaf_stream}; do
+        once "$model: diffusers $mode, run $r" "$Z/diffusers-$model$SFX-$mode-run$r.json" 110 run_anchor "$model" "$mode" "$Z/diffusers-$model$SFX-$mode-run$r.json"
+      done
+    fi
   done
 }
 

@@ -1,12 +1,14 @@
 """Anchor for the bench room: diffusers' group offloading on the real diffusers
 class of a registry model (random bf16 weights, fixed seed), timed with CUDA
 events in the same command as offload's runs. One process measures the resident
-step of every case and then one offloaded mode (hooks stay on a model):
+step of every case and then each offloaded mode asked for, in the order given
+(between two modes diffusers' hooks are removed; the weights stay in the same
+pinned host tensors, so the second mode starts without a second copy):
 
   block_stream: block level, one block per group, use_stream, record_stream, pinned
   leaf_stream:  leaf level, use_stream, record_stream, pinned
 
-python3 zoo_anchor.py --registry REG.json --model flux-dev --mode block_stream --cases 1024,2048 --steps 5 --out F.json
+python3 zoo_anchor.py --registry REG.json --model flux-dev --mode block_stream,leaf_stream --cases 1024,2048 --steps 5 --out F.json
 
 Text encoders (transformers' T5EncoderModel, Qwen2_5_VLTextModel with SDPA
 attention) take seeded token ids and diffusers' `apply_group_offloading`.
@@ -138,16 +140,50 @@ def block_modules(model):
     return [n for n, c in model.named_children() if not isinstance(c, lists) and any(isinstance(g, lists) for g in c.children())]
 
 
+def offload(model, mode, name):
+    """diffusers' group offloading in `mode` on `model` (its weights on the host)."""
+    t0 = time.perf_counter()
+    kind = "block_level" if mode == "block_stream" else "leaf_level"
+    kw = dict(num_blocks_per_group=1) if kind == "block_level" else {}
+    nested = block_modules(model) if kind == "block_level" else []
+    if nested:
+        # Block lists one level down (T5EncoderModel's encoder.block): without
+        # block_modules diffusers loads that whole child at once, synchronously.
+        kw["block_modules"] = nested
+        print(f"diffusers block_stream {name}: block_modules {nested}", flush=True)
+    if hasattr(model, "enable_group_offload"):
+        model.enable_group_offload(torch.device("cuda"), torch.device("cpu"), offload_type=kind, use_stream=True, record_stream=True, **kw)
+    else:
+        # transformers' encoders: the same hooks through diffusers' function.
+        from diffusers.hooks import apply_group_offloading
+        apply_group_offloading(model, onload_device=torch.device("cuda"), offload_device=torch.device("cpu"), offload_type=kind,
+                               use_stream=True, record_stream=True, **kw)
+    print(f"setup: {mode} applied in {time.perf_counter() - t0:.1f} s", flush=True)
+
+
+def remove_group_offloading(model):
+    """The three hooks group offloading installs, removed the way diffusers'
+    `_maybe_remove_and_reapply_group_offloading` removes them."""
+    from diffusers.hooks import group_offloading as go
+    from diffusers.hooks.hooks import HookRegistry
+    registry = HookRegistry.check_if_exists_or_initialize(model)
+    for hook in (go._GROUP_OFFLOADING, go._LAYER_EXECUTION_TRACKER, go._LAZY_PREFETCH_GROUP_OFFLOADING):
+        registry.remove_hook(hook, recurse=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--registry", required=True)
     ap.add_argument("--model", required=True)
-    ap.add_argument("--mode", required=True, choices=["block_stream", "leaf_stream"])
+    ap.add_argument("--mode", required=True, help="block_stream, leaf_stream, or both in the order given (comma-separated)")
     ap.add_argument("--cases", default="")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
+    modes = a.mode.split(",")
+    if not modes or any(m not in ("block_stream", "leaf_stream") for m in modes) or len(set(modes)) != len(modes):
+        ap.error(f"--mode: block_stream and/or leaf_stream, each once, not {a.mode!r}")
     import diffusers
 
     spec = next(m for m in json.load(open(a.registry)) if m["name"] == a.model)
@@ -182,32 +218,26 @@ def main():
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     print(f"setup: weights to pinned host memory in {time.perf_counter() - t0:.1f} s", flush=True)
-    kind = "block_level" if a.mode == "block_stream" else "leaf_level"
-    kw = dict(num_blocks_per_group=1) if kind == "block_level" else {}
-    nested = block_modules(model) if kind == "block_level" else []
-    if nested:
-        # Block lists one level down (T5EncoderModel's encoder.block): without
-        # block_modules diffusers loads that whole child at once, synchronously.
-        kw["block_modules"] = nested
-        print(f"diffusers block_stream {a.model}: block_modules {nested}", flush=True)
-    t0 = time.perf_counter()
-    if hasattr(model, "enable_group_offload"):
-        model.enable_group_offload(torch.device("cuda"), torch.device("cpu"), offload_type=kind, use_stream=True, record_stream=True, **kw)
-    else:
-        # transformers' encoders: the same hooks through diffusers' function.
-        from diffusers.hooks import apply_group_offloading
-        apply_group_offloading(model, onload_device=torch.device("cuda"), offload_device=torch.device("cpu"), offload_type=kind,
-                               use_stream=True, record_stream=True, **kw)
-    print(f"setup: group offloading applied in {time.perf_counter() - t0:.1f} s", flush=True)
-    for c in cases:
-        x = inputs(a.model, c, "cuda", vocab)
-        times, peak, before, weights, finite, nonconst = time_case(model, x, a.warmup, a.steps)
-        w = peak - (before - weights) - act[c["name"]]
-        print(f"diffusers {a.mode} {a.model} {c['name']}: {sorted(times)[len(times) // 2]:.4f} s, weights {w / 2**30:.2f} GiB", flush=True)
-        out.append(dict(model=a.model, case=c["name"], resolution=c["resolution"], tokens=c["image_tokens"] + c["text_tokens"], batch=c["batch"],
-                        mode=a.mode, steps_s=times, model_bytes=model_bytes, weights_device_bytes=w,
-                        activations_peak_bytes=act[c["name"]], output_finite=finite, output_nonconstant=nonconst))
-        del x
+    for i, mode in enumerate(modes):
+        if i > 0:
+            # The next mode on the same model: diffusers' own removal of its hooks
+            # (as `_maybe_remove_and_reapply_group_offloading` does); every group
+            # offloads after its forward, so the weights are back in the same
+            # pinned host tensors, which the next mode's hooks keep as they are.
+            remove_group_offloading(model)
+            stray = [n for n, p in model.named_parameters() if p.device.type != "cpu"]
+            assert not stray, f"parameters left on the device after {modes[i - 1]}: {stray[:3]}"
+            torch.cuda.empty_cache()
+        offload(model, mode, a.model)
+        for c in cases:
+            x = inputs(a.model, c, "cuda", vocab)
+            times, peak, before, weights, finite, nonconst = time_case(model, x, a.warmup, a.steps)
+            w = peak - (before - weights) - act[c["name"]]
+            print(f"diffusers {mode} {a.model} {c['name']}: {sorted(times)[len(times) // 2]:.4f} s, weights {w / 2**30:.2f} GiB", flush=True)
+            out.append(dict(model=a.model, case=c["name"], resolution=c["resolution"], tokens=c["image_tokens"] + c["text_tokens"], batch=c["batch"],
+                            mode=mode, steps_s=times, model_bytes=model_bytes, weights_device_bytes=w,
+                            activations_peak_bytes=act[c["name"]], output_finite=finite, output_nonconstant=nonconst))
+            del x
     json.dump(dict(versions=f"diffusers {diffusers.__version__}, torch {torch.__version__}", cases=out), open(a.out, "w"), indent=1)
 
 

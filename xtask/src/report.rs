@@ -10,7 +10,8 @@ use std::path::Path;
 struct Row {
     file: String,
     label: String,
-    resolution: u64,
+    /// The case as the tables name it (`1024²`, `512 tokens`).
+    res: String,
     budget_gib: Option<f64>,
     resident_s: f64,
     step_s: f64,
@@ -56,7 +57,7 @@ fn rows(dir: &Path) -> Result<Vec<Row>, String> {
             out.push(Row {
                 file: name.clone(),
                 label,
-                resolution: c["resolution"].as_u64().unwrap_or(0),
+                res: row_case(c),
                 budget_gib: budget,
                 resident_s: c["step_resident_s"].as_f64().unwrap_or(f64::NAN),
                 step_s: c["step_streamed_s"].as_f64().unwrap_or(f64::NAN),
@@ -74,7 +75,7 @@ fn rows(dir: &Path) -> Result<Vec<Row>, String> {
                     Some(m) => format!("{} {m}", a["name"].as_str().unwrap_or("anchor")),
                     None => a["name"].as_str().unwrap_or("anchor").to_owned(),
                 },
-                resolution: a["resolution"].as_u64().unwrap_or(0),
+                res: row_case(a),
                 budget_gib: None,
                 resident_s: a["step_resident_s"].as_f64().unwrap_or(f64::NAN),
                 step_s: a["step_streamed_s"].as_f64().unwrap_or(f64::NAN),
@@ -199,7 +200,7 @@ pub fn report(root: &Path) -> Result<(), String> {
             "| {} | {} | {} | {} | {:.4} | {:.4} | {} | {:.4} | {:.3} | {:.2} | {} |",
             r.file,
             r.label,
-            r.resolution,
+            r.res,
             r.budget_gib.map_or("–".into(), |b| format!("{b:.0} GiB")),
             r.resident_s,
             r.step_s,
@@ -214,7 +215,7 @@ pub fn report(root: &Path) -> Result<(), String> {
     let full: Vec<&Row> = rows.iter().filter(|r| r.budget_gib.is_none()).collect();
     let newest = full.iter().filter(|r| r.file.contains("-zoo-")).map(|r| r.file.clone()).max();
     let latest: Vec<&Row> = full.iter().copied().filter(|r| Some(&r.file) == newest.as_ref()).collect();
-    let ratio: Vec<(String, f64)> = latest.iter().map(|r| (format!("{} {}²", r.label, r.resolution), r.ratio)).collect();
+    let ratio: Vec<(String, f64)> = latest.iter().map(|r| (format!("{} {}", r.label, r.res), r.ratio)).collect();
     bars(
         &plots.join("ratio-to-bound.png"),
         "step ÷ bound, full streaming (H200)",
@@ -222,7 +223,7 @@ pub fn report(root: &Path) -> Result<(), String> {
         &ratio,
         Some((1.03, "target 1.03 (tch: 1.02)")),
     )?;
-    let mut peak: Vec<(String, f64)> = latest.iter().map(|r| (format!("{} {}²", r.label, r.resolution), r.peak_gib)).collect();
+    let mut peak: Vec<(String, f64)> = latest.iter().map(|r| (format!("{} {}", r.label, r.res), r.peak_gib)).collect();
     if let Some(total) = std::fs::read_to_string(root.join("bench/results").join(newest.unwrap_or_default()))
         .ok()
         .and_then(|t| serde_json::from_str::<Value>(&t).ok())
@@ -290,6 +291,29 @@ fn read_json(path: &Path) -> Result<Value, String> {
     serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))
 }
 
+/// A row's case: [`case_label`] where the file names its cases, else the side.
+fn row_case(c: &Value) -> String {
+    if c["case"].is_string() {
+        case_label(c)
+    } else {
+        match c["resolution"].as_u64() {
+            Some(r) if r > 0 => format!("{r}²"),
+            _ => "–".into(),
+        }
+    }
+}
+
+/// A case as the tables name it: an image side (`1024²`), a video case's name as
+/// it is, or a text encoder's tokens (resolution 0).
+fn case_label(c: &Value) -> String {
+    let name = c["case"].as_str().unwrap_or("?");
+    match (c["resolution"].as_u64(), c["tokens"].as_u64()) {
+        (Some(0), Some(t)) => format!("{t} tokens"),
+        _ if name.chars().all(|ch| ch.is_ascii_digit()) => format!("{name}²"),
+        _ => name.to_owned(),
+    }
+}
+
 /// The README's measured tables, from the bench room's results (`*-zoo-*.json`),
 /// the planner's budget run and the Vulkan run in `results`: every figure read
 /// or computed here, each table naming its file.
@@ -316,7 +340,7 @@ pub fn readme_tables(results: &Path) -> Result<String, String> {
             d["gpu"].as_str().unwrap_or("?"),
             d["date"].as_str().unwrap_or("?"),
             d["repeats"],
-            if d["anchors"].as_array().is_some_and(|a| !a.is_empty()) { "; diffusers' processes ran interleaved with ours in the same device session (resumable commands; `bench/NOTES.md` says which)" } else { "" }
+            if d["anchors"].as_array().is_some_and(|a| !a.is_empty()) { "; diffusers' processes ran interleaved with ours on the same machine (`bench/NOTES.md` names the device command of each)" } else { "" }
         );
         md.push_str("| model | case | streamed step (s) | ratio to bound | resident step (s) | diffusers' best offloaded (s) | ours ÷ diffusers | weights on device (GiB) | activations (GiB) | bitwise equal | finite, not constant | targets met |\n");
         md.push_str("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
@@ -327,9 +351,9 @@ pub fn readme_tables(results: &Path) -> Result<String, String> {
             };
             let _ = writeln!(
                 md,
-                "| {} | {}² d={} | {:.3} [{:.3}, {:.3}] | {:.3} [{:.3}, {:.3}] | {:.3} | {anchor} | {} | {:.2} | {:.2} | {} | {} | {} |",
+                "| {} | {} d={} | {:.3} [{:.3}, {:.3}] | {:.3} [{:.3}, {:.3}] | {:.3} | {anchor} | {} | {:.2} | {:.2} | {} | {} | {} |",
                 c["model"].as_str().unwrap_or("?"),
-                c["case"].as_str().unwrap_or("?"),
+                case_label(c),
                 c["depth"],
                 f(&c["step_streamed_s"]),
                 f(&c["step_streamed_s_min"]),
@@ -369,9 +393,9 @@ pub fn readme_tables(results: &Path) -> Result<String, String> {
         for a in fresh {
             let _ = writeln!(
                 md,
-                "| {} | {}² | {} | {:.3} [{:.3}, {:.3}] | {} | {:.2} | {:.2} |",
+                "| {} | {} | {} | {:.3} [{:.3}, {:.3}] | {} | {:.2} | {:.2} |",
                 a["model"].as_str().unwrap_or("?"),
-                a["case"].as_str().unwrap_or("?"),
+                case_label(a),
                 a["mode"].as_str().unwrap_or("?").replace('_', " "),
                 f(&a["step_streamed_s"]),
                 f(&a["step_streamed_s_min"]),
@@ -533,5 +557,13 @@ mod readme_tests {
         let spliced = splice_readme(&format!("a\n{README_START}\nold\n{README_END}\nb"), "new\n").unwrap();
         assert_eq!(spliced, format!("a\n{README_START}\n\nnew\n\n{README_END}\nb"));
         assert!(splice_readme("no markers", "x").is_err());
+    }
+
+    #[test]
+    fn cases_are_named_by_side_tokens_or_name() {
+        let c = |case: &str, res: u64, tokens: u64| serde_json::json!({"case": case, "resolution": res, "tokens": tokens});
+        assert_eq!(case_label(&c("1024", 1024, 4608)), "1024²");
+        assert_eq!(case_label(&c("512", 0, 512)), "512 tokens");
+        assert_eq!(case_label(&c("480x832x21", 480, 32760)), "480x832x21");
     }
 }

@@ -7,6 +7,7 @@
 #                         process R of each of diffusers' offloaded modes (the anchors)
 #   zoo-run.sh merge      `zoo merge`: medians, spreads, bounds and the comparison,
 #                         computed from every run's file
+#   zoo-run.sh pipeline   the pipeline case: three `zoo pipeline` processes, merged
 #   zoo-run.sh            all of it, three repeats (merged once no run is left)
 # `zoo merge` takes one commit per model: to re-measure one model, put the other
 # models' kept runs and anchors (bench/raw/<date>-zoo-<commit>/) into $ZOO_DIR.
@@ -105,6 +106,16 @@ repeat() {
   done
 }
 
+# The pipeline case: three processes of `zoo pipeline` (T5-XXL → Flux-dev × steps → VAE
+# under one budget; PIPELINE_ARGS, e.g. "--steps 4 --budget 8"), then their merge.
+run_pipeline_proc() { "$ZOO" pipeline --commit "$COMMIT" --out "$1" ${PIPELINE_ARGS:-} 2>&1 | tee "${1%.json}.txt"; }
+pipeline() {
+  for r in $(seq 1 "${ZOO_REPEATS:-3}"); do
+    once "pipeline, run $r" "$Z/pipeline-run$r.json" 90 run_pipeline_proc "$Z/pipeline-run$r.json"
+  done
+  [ "$LEFT" = 0 ] && "$ZOO" merge-pipeline --out "$Z/pipeline.json" "$Z"/pipeline-run*.json 2>&1 | tee -a "$Z/merge.txt"
+}
+
 merge() {
   echo "== merge"
   for be in tch cuda candle; do
@@ -118,8 +129,9 @@ case "${1:-all}" in
   registry) registry ;;
   repeat) repeat "${2:?repeat needs a number}" ;;
   merge) merge ;;
+  pipeline) pipeline ;;
   all) registry; for r in $(seq 1 "${ZOO_REPEATS:-3}"); do repeat "$r"; done; [ "$LEFT" = 0 ] && merge ;;
-  *) echo "usage: zoo-run.sh [registry | repeat R | merge]"; exit 2 ;;
+  *) echo "usage: zoo-run.sh [registry | repeat R | merge | pipeline]"; exit 2 ;;
 esac
 tar czf "$OUT/zoo.tgz" -C "$Z" .
 echo "== zoo done"

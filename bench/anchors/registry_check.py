@@ -26,7 +26,9 @@ def main():
                 model = cls(getattr(mod, ref["config_class"])(**ref["config"]))
             else:
                 model = cls(**ref["config"])
-        theirs = {n: list(p.shape) for n, p in model.named_parameters()}
+        # A component of a larger class (a VAE's decoder): its parameters only.
+        prefix = ref.get("prefix", "")
+        theirs = {n: list(p.shape) for n, p in model.named_parameters() if n.startswith(prefix)}
         ours = m["params"]
         missing = sorted(set(theirs) - set(ours))
         extra = sorted(set(ours) - set(theirs))
@@ -34,7 +36,7 @@ def main():
         equal = not (missing or extra or shapes)
         ok &= equal
         report.append(dict(
-            model=m["name"], where=where, reference=f'{ref["module"]}.{ref["class"]}', version=getattr(mod, "__version__", None), torch=torch.__version__,
+            model=m["name"], where=where, reference=f'{ref["module"]}.{ref["class"]}' + (f' ({prefix}*)' if prefix else ''), version=getattr(mod, "__version__", None), torch=torch.__version__,
             reference_params=len(theirs), registry_params=len(ours),
             reference_elements=sum(int(torch.Size(s).numel()) for s in theirs.values()),
             registry_elements=sum(int(torch.Size(s).numel()) for s in ours.values()),

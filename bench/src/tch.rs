@@ -18,6 +18,11 @@ use std::collections::HashMap;
 #[cfg(feature = "tch-cuda")]
 use std::time::Instant;
 
+mod pipeline;
+#[cfg(feature = "tch-cuda")]
+pub use pipeline::run_pipeline;
+pub use pipeline::{check_pipeline_cpu, Pipeline, PipelineCpuCheck, PipelineOptions};
+
 type W = HashMap<String, Tensor>;
 
 fn err(what: impl std::fmt::Display) -> String {
@@ -67,6 +72,8 @@ pub fn computes(model: &Model) -> bool {
         BlockKind::SingleStream | BlockKind::Decoder => s.overrides.is_empty(),
         BlockKind::T5 => s.overrides.iter().all(|(i, _)| *i == 0),
         BlockKind::Wan | BlockKind::ZImage => s.overrides.is_empty(),
+        // Every up block differs in its channels: each is an override.
+        BlockKind::VaeUp => true,
     })
 }
 
@@ -127,6 +134,38 @@ fn rms_eps(x: &Tensor, s: &Tensor, eps: f64) -> Tensor {
 
 fn ln(x: &Tensor, h: i64) -> Tensor {
     x.layer_norm([h], None::<Tensor>, None::<Tensor>, 1e-6, false)
+}
+
+/// A group norm of 32 groups (ε = 1e-6, as diffusers' VAE).
+fn gn(x: &Tensor, w: &W, name: &str) -> Tensor {
+    x.group_norm(32, Some(get(w, &format!("{name}.weight"))), Some(get(w, &format!("{name}.bias"))), 1e-6, true)
+}
+
+/// A 2-D convolution, stride 1, `pad` on each side.
+fn conv(x: &Tensor, w: &W, name: &str, pad: i64) -> Tensor {
+    x.conv2d(get(w, &format!("{name}.weight")), Some(get(w, &format!("{name}.bias"))), [1, 1], [pad, pad], [1, 1], 1)
+}
+
+/// A VAE ResNet block (diffusers' `ResnetBlock2D` without a time embedding).
+fn resnet(x: &Tensor, w: &W, name: &str) -> Tensor {
+    let h = conv(&gn(x, w, &format!("{name}.norm1")).silu(), w, &format!("{name}.conv1"), 1);
+    let h = conv(&gn(&h, w, &format!("{name}.norm2")).silu(), w, &format!("{name}.conv2"), 1);
+    let shortcut = format!("{name}.conv_shortcut");
+    if w.contains_key(&format!("{shortcut}.weight")) {
+        conv(x, w, &shortcut, 0) + h
+    } else {
+        x + h
+    }
+}
+
+/// The VAE's middle attention: one head over every pixel, residual.
+fn vae_attention(x: &Tensor, w: &W, name: &str) -> Tensor {
+    let s = x.size();
+    let (b, c, hw) = (s[0], s[1], s[2] * s[3]);
+    let y = gn(x, w, &format!("{name}.group_norm")).view([b, c, hw]).transpose(1, 2);
+    let qkv: Vec<Tensor> = ["to_q", "to_k", "to_v"].iter().map(|l| lin(&y, w, &format!("{name}.{l}")).unsqueeze(1)).collect();
+    let o = Tensor::scaled_dot_product_attention(&qkv[0], &qkv[1], &qkv[2], None::<Tensor>, 0.0, false, None, false).squeeze_dim(1);
+    x + lin(&o, w, &format!("{name}.to_out.0")).transpose(1, 2).reshape([b, c, s[2], s[3]])
 }
 
 fn modulate(x: &Tensor, h: i64, shift: &Tensor, scale: &Tensor) -> Tensor {
@@ -421,6 +460,34 @@ impl Net<'_> {
         Ok(out)
     }
 
+    /// The VAE's decoder on latents `[B, C, h, w]`: Flux's scale and shift undone,
+    /// the middle block (ResNet, attention, ResNet), the up blocks streamed, the
+    /// output norm and convolution: an image `[B, 3, 8h, 8w]`.
+    fn vae_decode<B: TchSlots>(&self, z: &Tensor, mut off: Option<&mut TchOffload<B>>) -> offload_core::Result<Tensor> {
+        let g = &self.globals;
+        let z = z / 0.3611 + 0.1159;
+        let mut x = conv(&z, g, "decoder.conv_in", 1);
+        x = resnet(&x, g, "decoder.mid_block.resnets.0");
+        x = vae_attention(&x, g, "decoder.mid_block.attentions.0");
+        x = resnet(&x, g, "decoder.mid_block.resnets.1");
+        for b in &self.blocks {
+            let guard = off.as_deref_mut().map(|o| o.block(b.stack, b.index)).transpose()?;
+            for r in 0..3 {
+                x = resnet(&x, &b.w, &format!("resnets.{r}"));
+            }
+            if b.w.contains_key("upsamplers.0.conv.weight") {
+                let (h, w) = (x.size()[2], x.size()[3]);
+                x = conv(&x.upsample_nearest2d([2 * h, 2 * w], None, None), &b.w, "upsamplers.0.conv", 1);
+            }
+            guard.map(|g| g.finish()).transpose()?;
+        }
+        let out = conv(&gn(&x, g, "decoder.conv_norm_out").silu(), g, "decoder.conv_out", 1);
+        if let Some(o) = off {
+            o.end_step()?;
+        }
+        Ok(out)
+    }
+
     fn embedder(&self, e: &Tensor, name: &str) -> Tensor {
         lin(&lin(e, &self.globals, &format!("{name}.linear_1")).silu(), &self.globals, &format!("{name}.linear_2"))
     }
@@ -435,6 +502,9 @@ impl Net<'_> {
         }
         if self.blocks.first().is_some_and(|b| b.kind == BlockKind::ZImage) {
             return self.zimage_step(i, off);
+        }
+        if self.blocks.first().is_some_and(|b| b.kind == BlockKind::VaeUp) {
+            return self.vae_decode(&i.latents, off);
         }
         let g = &self.globals;
         let dev = i.latents.device();
@@ -526,6 +596,21 @@ fn inputs(model: &Model, case: &Case, dev: Device) -> Inputs {
     tch::manual_seed(case.resolution as i64);
     let r = |s: &[i64]| Tensor::randn(s, (Kind::Float, dev)).to_kind(Kind::BFloat16);
     let (b, n, t) = (case.batch as i64, case.image_tokens as i64, case.text_tokens as i64);
+    if model.stacks.iter().any(|s| s.kind == BlockKind::VaeUp) {
+        // A VAE decoder: latents `[B, C, side/8, side/8]`.
+        let side = (case.resolution / 8) as i64;
+        return Inputs {
+            latents: r(&[b, model.in_channels as i64, side, side]),
+            text: Tensor::zeros([0], (Kind::BFloat16, dev)),
+            pooled: None,
+            t: 0.0,
+            guidance: 0.0,
+            cos: Tensor::zeros([0], (Kind::Float, dev)),
+            sin: Tensor::zeros([0], (Kind::Float, dev)),
+            text_tokens: 0,
+            ids: None,
+        };
+    }
     if model.in_channels == 0 {
         // A text encoder: seeded token ids; rotate-half tables (θ = 10^6, as
         // Qwen2.5-VL's text positions, where its three rotary sections coincide).

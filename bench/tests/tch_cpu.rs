@@ -34,3 +34,16 @@ fn tch_computes_every_registered_model() {
     assert!(!s.block_params(s.count - 1).iter().any(|p| p.name.starts_with("attn.to_add_out")));
     assert!(s.block_params(0).iter().any(|p| p.name.starts_with("attn.to_add_out")));
 }
+
+#[test]
+fn the_pipeline_case_is_bitwise_equal_per_component_on_the_cpu() {
+    // Encoder streamed, DiT streamed with its first block resident, VAE loaded
+    // whole around its decode: each component's output equal to the resident
+    // pipeline's, byte for byte, and the check able to fail (other noise differs).
+    let p = offload_bench::tch::Pipeline::flux("1024", 4).unwrap().tiny();
+    let c = offload_bench::tch::check_pipeline_cpu(&p).unwrap();
+    assert_eq!(c.bitwise_equal, [true; 3], "{c:?}");
+    assert_eq!(c.sane, [true; 3], "{c:?}");
+    assert!(c.other_noise_differs, "{c:?}");
+    assert_eq!(c.dit_resident, p.steps, "the DiT's first block served resident once per step: {c:?}");
+}

@@ -11,6 +11,12 @@
 //!                                              sanitizer runs; merge refuses them)
 //! zoo merge --out F [--min-repeats 3] RUN.json... [--anchors A.json...]
 //!                                              medians, spreads, bounds and the comparison, computed from the runs
+//! zoo pipeline [--res 1024] [--steps 4] [--budget 8] [--passes 3] [--warmup 1] [--commit C] --out F
+//!                                              one process of the pipeline case (tch on CUDA): T5-XXL layer by
+//!                                              layer, Flux-dev for --steps steps with the planner's resident blocks,
+//!                                              Flux's VAE on demand, under one --budget in GiB; and all resident
+//! zoo merge-pipeline --out F [--min-repeats 3] RUN.json...
+//!                                              the pipeline runs' medians, spreads, bounds and targets
 //! ```
 
 use offload_bench::harness::{merge, AnchorDoc, RunDoc};
@@ -197,8 +203,75 @@ fn run(args: &[String]) -> Result<(), String> {
             }
             write(out, &doc)
         }
+        Some("pipeline") => {
+            const OPTIONS: [&str; 7] = ["--res", "--steps", "--budget", "--passes", "--warmup", "--commit", "--out"];
+            let mut it = args[1..].iter();
+            while let Some(a) = it.next() {
+                if !OPTIONS.contains(&a.as_str()) {
+                    return Err(format!("pipeline: unknown argument {a:?} (options: {})", OPTIONS.join(", ")));
+                }
+                if it.next().is_none_or(|v| v.starts_with("--")) || args.iter().filter(|x| *x == a).count() > 1 {
+                    return Err(format!("pipeline: {a} needs one value, given once"));
+                }
+            }
+            let out = opt(args, "--out").ok_or("--out is required")?;
+            let num = |name: &str, default: usize| -> Result<usize, String> {
+                opt(args, name).map_or(Ok(default), |v| v.parse().map_err(|_| format!("{name}: not a number: {v}")))
+            };
+            let (steps, passes, warmup) = (num("--steps", 4)?, num("--passes", 3)?, num("--warmup", 1)?);
+            if steps == 0 || passes == 0 {
+                return Err("pipeline: --steps and --passes must be at least 1".into());
+            }
+            let budget_gib: f64 = opt(args, "--budget").map_or(Ok(8.0), |v| v.parse().map_err(|_| format!("--budget: {v}")))?;
+            if !(budget_gib.is_finite() && budget_gib > 0.0) {
+                return Err(format!("--budget {budget_gib}: a positive number of GiB"));
+            }
+            let res = opt(args, "--res").unwrap_or("1024");
+            let _ = (out, steps, passes, warmup, budget_gib, res);
+            #[cfg(feature = "tch-cuda")]
+            {
+                let p = offload_bench::tch::Pipeline::flux(res, steps)?;
+                let commit = opt(args, "--commit").unwrap_or("unknown").to_owned();
+                let o = offload_bench::tch::PipelineOptions { budget_gib, warmup, passes, commit };
+                write(out, &offload_bench::tch::run_pipeline(&p, &o)?)
+            }
+            #[cfg(not(feature = "tch-cuda"))]
+            Err("pipeline: tch is not built into this zoo (feature tch-cuda)".into())
+        }
+        Some("merge-pipeline") => {
+            let out = opt(args, "--out").ok_or("--out is required")?;
+            let min = opt(args, "--min-repeats").map_or(Ok(3), |v| v.parse().map_err(|_| format!("--min-repeats: {v}")))?;
+            let mut runs = Vec::new();
+            let mut skip = false;
+            for a in &args[1..] {
+                if skip {
+                    skip = false;
+                } else if a == "--out" || a == "--min-repeats" {
+                    skip = true;
+                } else {
+                    runs.push(read::<offload_bench::pipeline::PipelineRun>(a)?);
+                }
+            }
+            let doc = offload_bench::pipeline::merge(&runs, min)?;
+            let w = &doc["whole"];
+            println!(
+                "pipeline {} × {} steps: offloaded {:.4} s [{:.4}, {:.4}], bound {:.4} s, ratio {:.4}, resident {:.4} s, peak {:.2} GiB, meets targets {}",
+                doc["case"].as_str().unwrap_or(""),
+                doc["steps"],
+                w["offloaded_s"].as_f64().unwrap_or(f64::NAN),
+                w["offloaded_s_min"].as_f64().unwrap_or(f64::NAN),
+                w["offloaded_s_max"].as_f64().unwrap_or(f64::NAN),
+                w["bound_s"].as_f64().unwrap_or(f64::NAN),
+                w["ratio_to_bound"].as_f64().unwrap_or(f64::NAN),
+                w["resident_s"].as_f64().unwrap_or(f64::NAN),
+                doc["peak_device_bytes"].as_f64().unwrap_or(f64::NAN) / (1u64 << 30) as f64,
+                doc["meets_targets"]
+            );
+            write(out, &doc)
+        }
         _ => Err(
-            "usage: zoo registry [--json F] | zoo run --backend tch --model M --out F [...] | zoo merge --out F RUN... [--anchors A...]"
+            "usage: zoo registry [--json F] | zoo run --backend tch --model M --out F [...] | zoo merge --out F RUN... [--anchors A...] \
+             | zoo pipeline --out F [...] | zoo merge-pipeline --out F RUN..."
                 .into(),
         ),
     }

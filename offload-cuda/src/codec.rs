@@ -1,8 +1,9 @@
 //! The GPU decoder of [`offload_core::codec`]'s bf16 coding: one thread per
 //! chunk of [`CHUNK_VALUES`] exponents reads its own bit stream through the
-//! lookup table (in shared memory) and writes each value's bf16 bits from its
-//! exponent and its sign-mantissa byte — the CPU reference decoder's loop, on the
-//! device. Structural damage (no code matching the next bits, a chunk whose codes
+//! lookup table (in shared memory) — the CPU reference decoder's loop, on the
+//! device — 32 exponents at a time into a shared tile, from which its warp
+//! writes each value's bf16 bits (exponent and sign-mantissa byte) with
+//! coalesced stores. Structural damage (no code matching the next bits, a chunk whose codes
 //! do not fill its bytes) raises a flag the host reads back; the CPU decoder's
 //! hash of the decoded bytes has no parallel form and is not checked here.
 //!
@@ -27,7 +28,15 @@ typedef unsigned int u32;
 typedef unsigned long long u64;
 #define CHUNK 1024
 #define BITS 12
-// One thread per chunk. `offsets` holds chunks + 1 byte offsets into `stream`;
+#define TILE 32
+#define WARPS 4
+// One thread per chunk, 32 chunks per warp, WARPS warps per block (the launch's
+// 128 threads). In tiles of 32 values: each lane decodes the next 32 exponents of
+// its own chunk into its row of a shared tile (serial: a chunk is one bit
+// stream), then the warp writes the tile chunk by chunk, lane l taking value l, so
+// the sign-mantissa reads and the output writes are coalesced (64 bytes per warp
+// store) where one thread per chunk writing its own chunk touched 32 lines at once.
+// `offsets` (at offsets_at in enc) holds chunks + 1 byte offsets into the stream;
 // `table` maps the next BITS bits to exponent | length << 8; `err` collects
 // 1 (no code matches) and 2 (a chunk's codes do not fill its bytes).
 extern "C" __global__ void exp_decode(const u8* enc, u64 stream_at, u64 offsets_at, u32 chunks, u64 sm_at, u64 n,
@@ -36,30 +45,50 @@ extern "C" __global__ void exp_decode(const u8* enc, u64 stream_at, u64 offsets_
     const u32* offsets = (const u32*)(enc + offsets_at);
     const u8* sm = enc + sm_at;
     __shared__ u16 t[1 << BITS];
+    // Rows of 33 bytes: lanes writing their own rows at once fall in different banks.
+    __shared__ u8 tile[WARPS][32 * (TILE + 1)];
     for (u32 i = threadIdx.x; i < (1u << BITS); i += blockDim.x) t[i] = table[i];
     __syncthreads();
-    u32 c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (c >= chunks) return;
-    u32 from = offsets[c], to = offsets[c + 1];
+    u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    u32 first = blockIdx.x * blockDim.x + warp * 32;
+    u32 c = first + lane;
+    bool have = c < chunks;
+    u32 from = have ? offsets[c] : 0, to = have ? offsets[c + 1] : 0;
     u64 base = (u64)c * CHUNK;
-    u32 values = n - base < CHUNK ? (u32)(n - base) : CHUNK;
+    u32 values = have ? (n - base < CHUNK ? (u32)(n - base) : CHUNK) : 0;
     u64 acc = 0;
     u32 bits = 0, next = from, used = 0;
-    for (u32 k = 0; k < values; ++k) {
-        while (bits < BITS) {
-            acc = (acc << 8) | (next < to ? stream[next] : 0);
-            ++next;
-            bits += 8;
+    bool bad = false;
+    u8* e = tile[warp];
+    for (u32 k0 = 0; k0 < CHUNK; k0 += TILE) {
+        for (u32 j = 0; j < TILE && !bad && k0 + j < values; ++j) {
+            while (bits < BITS) {
+                acc = (acc << 8) | (next < to ? stream[next] : 0);
+                ++next;
+                bits += 8;
+            }
+            u16 x = t[(acc >> (bits - BITS)) & ((1u << BITS) - 1)];
+            u32 len = x >> 8;
+            if (len == 0) { bad = true; atomicOr(err, 1u); break; }
+            bits -= len;
+            used += len;
+            e[lane * (TILE + 1) + j] = (u8)(x & 0xff);
         }
-        u16 e = t[(acc >> (bits - BITS)) & ((1u << BITS) - 1)];
-        u32 len = e >> 8;
-        if (len == 0) { atomicOr(err, 1u); return; }
-        bits -= len;
-        used += len;
-        u16 s = sm[base + k];
-        out[base + k] = (u16)((s & 0x80) << 8) | (u16)((e & 0xff) << 7) | (u16)(s & 0x7f);
+        __syncwarp();
+        for (u32 r = 0; r < 32; ++r) {
+            u32 cc = first + r;
+            if (cc >= chunks) break;
+            u64 b = (u64)cc * CHUNK;
+            u32 vals = n - b < CHUNK ? (u32)(n - b) : CHUNK;
+            u32 k = k0 + lane;
+            if (k < vals) {
+                u16 s = sm[b + k];
+                out[b + k] = (u16)((s & 0x80) << 8) | (u16)((u16)e[r * (TILE + 1) + lane] << 7) | (u16)(s & 0x7f);
+            }
+        }
+        __syncwarp();
     }
-    if ((used + 7) / 8 != to - from) atomicOr(err, 2u);
+    if (have && !bad && (used + 7) / 8 != to - from) atomicOr(err, 2u);
 }
 "#;
 
@@ -144,6 +173,7 @@ impl ExponentDecoder {
         if n == 0 {
             return Ok(());
         }
+        // 32 chunks per warp, 4 warps (the kernel's WARPS: its shared tiles are sized for it).
         let threads = 128u32;
         let cfg = LaunchConfig { grid_dim: (chunks.div_ceil(threads), 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
         debug_assert_eq!(CHUNK_VALUES, 1024);

@@ -8,6 +8,7 @@
 # ZOO=1 (default): the bench room (bench/zoo-run.sh: registry check, tch on the registry's models, diffusers' anchors).
 # VULKAN=1: the vulkan row (loader from .gl/) and the Vulkan bench, 3 runs merged by code.
 # BENCH=0: conformance and sabotage tables only, no benches.
+# CODEC=1: the exponent decoder's GPU round trip and its speed (codec_speed 256, 1024).
 # CUDA=0: skip the cuda run (`zoo run --backend cuda --model flux-dev`; STEPS, BENCH_ARGS (default
 #   `--depths 1,2`; e.g. `--budgets 8,12,16 --trace $OUT/trace.json`), BENCH_OUT).
 # SANITIZE=1 (default): compute-sanitizer over the conformance suite, then (memcheck, racecheck,
@@ -62,6 +63,14 @@ if [ "${CANDLE:-0}" = 1 ] && [ -f "$B/conformance-candle.gz" ]; then
   for f in conformance-candle flux_demo; do [ -f "$B/$f.gz" ] && gunzip -c "$B/$f.gz" > "$C/$f" && chmod +x "$C/$f"; done
   echo "== demo (candle-cuda)"; "$C/flux_demo" ${DEMO_ARGS:---hidden 3072 --double 2 --single 4 --res 1024 --steps 3} 2>&1 | tee "$OUT/demo.txt"
   echo "== candle conformance"; "$C/conformance-candle" --backend candle,candle-cuda --json "$OUT/conformance-candle.json" --sabotage "$OUT/sabotage-candle.json" $SAB "$GPU" 2>&1 | tee "$OUT/conformance-candle.txt"
+fi
+if [ "${CODEC:-0}" = 1 ] && [ -x "$B/cuda-lib-tests" ]; then
+  # The exponent decoder on the GPU: its round trip (bit-exact, damage an error),
+  # then its speed at two sizes (kernel only, bit-exact checked).
+  echo "== codec"
+  { OFFLOAD_REQUIRE_NVRTC=1 "$B/cuda-lib-tests" codec --nocapture
+    "$B/codec_speed" 256 --json "$OUT/codec-speed-256.json"
+    "$B/codec_speed" 1024 --json "$OUT/codec-speed-1024.json"; } 2>&1 | tee "$OUT/codec.txt"
 fi
 if [ "${ZOO:-1}" = 1 ]; then
   # The bench room: registry check, tch runs and diffusers' anchors, merged (bench/zoo-run.sh).

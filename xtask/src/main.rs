@@ -441,6 +441,28 @@ fn gpu_bundle(args: &[String]) -> Result<(), String> {
     let mut c = Command::new("strip");
     c.arg(dir.join("conformance-tch")).arg(dir.join("zoo"));
     run(c)?;
+    // offload-cuda's unit tests (the exponent decoder's GPU round trip) and the
+    // codec's speed example (gpu-run.sh CODEC=1).
+    let mut c = cargo();
+    c.args(["test", "-p", "offload-cuda", "--lib", "--no-run", "--message-format=json"]);
+    let out = c.output().map_err(|e| format!("offload-cuda tests: {e}"))?;
+    if !out.status.success() {
+        return Err(format!("building offload-cuda's tests failed: {}", String::from_utf8_lossy(&out.stderr)));
+    }
+    let exe = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v["target"]["name"] == "offload_cuda" && v["profile"]["test"] == true)
+        .find_map(|v| v["executable"].as_str().map(str::to_owned))
+        .ok_or("offload-cuda's test binary: not named in cargo's output")?;
+    std::fs::copy(&exe, dir.join("cuda-lib-tests")).map_err(|e| format!("cuda-lib-tests: {e}"))?;
+    let mut c = cargo();
+    c.args(["build", "--release", "-p", "offload-cuda", "--example", "codec_speed"]);
+    run(c)?;
+    std::fs::copy(root().join("target/release/examples/codec_speed"), dir.join("codec_speed")).map_err(|e| format!("codec_speed: {e}"))?;
+    let mut c = Command::new("strip");
+    c.arg(dir.join("cuda-lib-tests")).arg(dir.join("codec_speed"));
+    run(c)?;
     // diffusers for the anchors (the runner has torch and transformers, no network).
     let whl = root().join(".whl");
     std::fs::create_dir_all(&whl).map_err(|e| e.to_string())?;

@@ -407,6 +407,47 @@ pub fn readme_tables(results: &Path) -> Result<String, String> {
         }
         md.push('\n');
     }
+    // The pipeline case (`zoo merge-pipeline`): per component and whole.
+    for name in names.iter().filter(|n| n.contains("-pipeline-") && n.ends_with(".json")) {
+        let d = read_json(&results.join(name))?;
+        let w = &d["whole"];
+        let _ = writeln!(
+            md,
+            "Pipeline (`bench/results/{name}`, backend `{}` at {}, {} process runs): {}² with {} denoising steps under one device \
+             budget of {:.1} GiB (peak {:.2} GiB allocated); whole pass {:.3} s [{:.3}, {:.3}], {:.3} × the sum of its components' \
+             bounds, against {:.3} s all resident; targets met: {}.\n",
+            d["backend"].as_str().unwrap_or("?"),
+            d["commit"].as_str().unwrap_or("?"),
+            d["repeats"],
+            d["case"].as_str().unwrap_or("?"),
+            d["steps"],
+            d["budget_bytes"].as_f64().unwrap_or(f64::NAN) / (1u64 << 30) as f64,
+            d["peak_device_bytes"].as_f64().unwrap_or(f64::NAN) / (1u64 << 30) as f64,
+            f(&w["offloaded_s"]),
+            f(&w["offloaded_s_min"]),
+            f(&w["offloaded_s_max"]),
+            f(&w["ratio_to_bound"]),
+            f(&w["resident_s"]),
+            yes(&d["meets_targets"]),
+        );
+        md.push_str("| component | model | held | offloaded (s) | bound (s) | resident (s) | bitwise equal |\n| --- | --- | --- | --- | --- | --- | --- |\n");
+        for c in d["components"].as_array().into_iter().flatten() {
+            let _ = writeln!(
+                md,
+                "| {} | {} | {} | {:.3} [{:.3}, {:.3}] | {:.3} | {:.3} | {} |",
+                c["component"].as_str().unwrap_or("?").replace('_', " "),
+                c["model"].as_str().unwrap_or("?"),
+                c["mode"].as_str().unwrap_or("?").replace('_', " "),
+                f(&c["offloaded_s"]),
+                f(&c["offloaded_s_min"]),
+                f(&c["offloaded_s_max"]),
+                f(&c["bound_s"]),
+                f(&c["resident_s"]),
+                yes(&c["bitwise_equal"]),
+            );
+        }
+        md.push('\n');
+    }
     // The planner under device budgets: the newest bench-room file with merged
     // budget runs (medians over process runs), else the older one-run planner file.
     let zoo_budgets = names.iter().filter(|n| n.contains("-zoo-") && n.ends_with(".json")).rev().find_map(|n| {
@@ -557,6 +598,26 @@ mod readme_tests {
         let spliced = splice_readme(&format!("a\n{README_START}\nold\n{README_END}\nb"), "new\n").unwrap();
         assert_eq!(spliced, format!("a\n{README_START}\n\nnew\n\n{README_END}\nb"));
         assert!(splice_readme("no markers", "x").is_err());
+    }
+
+    #[test]
+    fn a_pipeline_file_becomes_its_sentence_and_table() {
+        let dir = std::env::temp_dir().join(format!("offload-pipeline-report-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let comp = |name: &str, mode: &str, off: f64| {
+            serde_json::json!({"component": name, "model": "m", "mode": mode, "offloaded_s": off, "offloaded_s_min": off, "offloaded_s_max": off,
+                               "bound_s": off, "resident_s": 0.1, "bitwise_equal": true})
+        };
+        let doc = serde_json::json!({"backend": "tch", "commit": "c0", "repeats": 3, "case": "1024", "steps": 4, "budget_bytes": 8u64 << 30,
+            "peak_device_bytes": 7u64 << 30, "meets_targets": false,
+            "whole": {"offloaded_s": 1.5, "offloaded_s_min": 1.4, "offloaded_s_max": 1.6, "ratio_to_bound": 1.05, "resident_s": 0.8},
+            "components": [comp("text_encoder", "layerwise", 0.2), comp("transformer", "layerwise+resident", 1.2), comp("vae", "on_demand", 0.1)]});
+        std::fs::write(dir.join("x-pipeline-tch.json"), doc.to_string()).unwrap();
+        let md = readme_tables(&dir).unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+        assert!(md.contains("`bench/results/x-pipeline-tch.json`") && md.contains("whole pass 1.500 s [1.400, 1.600], 1.050 ×"), "{md}");
+        assert!(md.contains("targets met: **no**"), "{md}");
+        assert!(md.contains("| vae | m | on demand | 0.100 [0.100, 0.100] | 0.100 | 0.100 | yes |"), "{md}");
     }
 
     #[test]

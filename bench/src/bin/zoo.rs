@@ -52,6 +52,29 @@ fn read<T: serde::de::DeserializeOwned>(path: &str) -> Result<T, String> {
     serde_json::from_str(&text).map_err(|e| format!("{path}: {e}"))
 }
 
+/// A merge's arguments: `--out F`, `--min-repeats N` (3), the run files, and the
+/// files after `--anchors`.
+fn merge_args(args: &[String]) -> Result<(&str, usize, Vec<&str>, Vec<&str>), String> {
+    let out = opt(args, "--out").ok_or("--out is required")?;
+    let min = opt(args, "--min-repeats").map_or(Ok(3), |v| v.parse().map_err(|_| format!("--min-repeats: {v}")))?;
+    let (mut runs, mut anchors) = (Vec::new(), Vec::new());
+    let (mut in_anchors, mut skip) = (false, false);
+    for a in &args[1..] {
+        if skip {
+            skip = false;
+        } else if a == "--out" || a == "--min-repeats" {
+            skip = true;
+        } else if a == "--anchors" {
+            in_anchors = true;
+        } else if in_anchors {
+            anchors.push(a.as_str());
+        } else {
+            runs.push(a.as_str());
+        }
+    }
+    Ok((out, min, runs, anchors))
+}
+
 fn run(args: &[String]) -> Result<(), String> {
     match args.first().map(String::as_str) {
         Some("registry") => {
@@ -166,24 +189,9 @@ fn run(args: &[String]) -> Result<(), String> {
             write(out, &doc?)
         }
         Some("merge") => {
-            let out = opt(args, "--out").ok_or("--out is required")?;
-            let min = opt(args, "--min-repeats").map_or(Ok(3), |v| v.parse().map_err(|_| format!("--min-repeats: {v}")))?;
-            let (mut runs, mut anchors) = (Vec::new(), Vec::new());
-            let mut in_anchors = false;
-            let mut skip = false;
-            for a in &args[1..] {
-                if skip {
-                    skip = false;
-                } else if a == "--out" || a == "--min-repeats" {
-                    skip = true;
-                } else if a == "--anchors" {
-                    in_anchors = true;
-                } else if in_anchors {
-                    anchors.push(read::<AnchorDoc>(a)?);
-                } else {
-                    runs.push(read::<RunDoc>(a)?);
-                }
-            }
+            let (out, min, files, anchor_files) = merge_args(args)?;
+            let runs = files.iter().map(|f| read::<RunDoc>(f)).collect::<Result<Vec<_>, _>>()?;
+            let anchors = anchor_files.iter().map(|f| read::<AnchorDoc>(f)).collect::<Result<Vec<_>, _>>()?;
             let doc = merge(&runs, &anchors, min)?;
             for c in doc["cases"].as_array().into_iter().flatten() {
                 println!(
@@ -239,19 +247,11 @@ fn run(args: &[String]) -> Result<(), String> {
             Err("pipeline: tch is not built into this zoo (feature tch-cuda)".into())
         }
         Some("merge-pipeline") => {
-            let out = opt(args, "--out").ok_or("--out is required")?;
-            let min = opt(args, "--min-repeats").map_or(Ok(3), |v| v.parse().map_err(|_| format!("--min-repeats: {v}")))?;
-            let mut runs = Vec::new();
-            let mut skip = false;
-            for a in &args[1..] {
-                if skip {
-                    skip = false;
-                } else if a == "--out" || a == "--min-repeats" {
-                    skip = true;
-                } else {
-                    runs.push(read::<offload_bench::pipeline::PipelineRun>(a)?);
-                }
+            let (out, min, files, anchors) = merge_args(args)?;
+            if !anchors.is_empty() {
+                return Err("merge-pipeline: the pipeline case has no anchors".into());
             }
+            let runs = files.iter().map(|f| read::<offload_bench::pipeline::PipelineRun>(f)).collect::<Result<Vec<_>, _>>()?;
             let doc = offload_bench::pipeline::merge(&runs, min)?;
             let w = &doc["whole"];
             println!(

@@ -54,7 +54,9 @@ fn read<T: serde::de::DeserializeOwned>(path: &str) -> Result<T, String> {
 
 /// A merge's arguments: `--out F`, `--min-repeats N` (3), the run files, and the
 /// files after `--anchors`.
-fn merge_args(args: &[String]) -> Result<(&str, usize, Vec<&str>, Vec<&str>), String> {
+type MergeArgs<'a> = (&'a str, usize, Vec<&'a str>, Vec<&'a str>);
+
+fn merge_args(args: &[String]) -> Result<MergeArgs<'_>, String> {
     let out = opt(args, "--out").ok_or("--out is required")?;
     let min = opt(args, "--min-repeats").map_or(Ok(3), |v| v.parse().map_err(|_| format!("--min-repeats: {v}")))?;
     let (mut runs, mut anchors) = (Vec::new(), Vec::new());

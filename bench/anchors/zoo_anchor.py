@@ -221,9 +221,11 @@ def main():
     for i, mode in enumerate(modes):
         if i > 0:
             # The next mode on the same model: diffusers' own removal of its hooks
-            # (as `_maybe_remove_and_reapply_group_offloading` does); every group
-            # offloads after its forward, so the weights are back in the same
-            # pinned host tensors, which the next mode's hooks keep as they are.
+            # (as `_maybe_remove_and_reapply_group_offloading` does). Every group
+            # offloads after its forward: the streamed groups into the same pinned
+            # host tensors, which the next mode's hooks keep as they are; block
+            # level's unmatched group (no stream) into new pageable tensors, as
+            # in a fresh process after its first forward (leaf level pins them).
             remove_group_offloading(model)
             stray = [n for n, p in model.named_parameters() if p.device.type != "cpu"]
             assert not stray, f"parameters left on the device after {modes[i - 1]}: {stray[:3]}"

@@ -31,7 +31,7 @@ pub struct ComponentRun {
     /// Bytes of its blocks (what streams or loads).
     pub block_bytes: u64,
     /// Bytes copied per pass under the plan (blocks not resident, times the calls;
-    /// the whole component for on demand).
+    /// on demand: the whole component, plus what its two-slot ring warms after).
     pub copied_bytes_per_pass: u64,
     /// Peak device bytes above the pass's start while it ran, resident (activations).
     pub activations_peak_bytes: u64,
@@ -150,7 +150,8 @@ pub fn merge(runs: &[PipelineRun], min_runs: usize) -> Result<Value, String> {
             "offloaded_s": so.median, "offloaded_s_min": so.min, "offloaded_s_max": so.max,
             "resident_s": sr.median, "resident_s_min": sr.min, "resident_s_max": sr.max,
             "bound_s": sb.median, "ratio_to_bound": so.median / sb.median,
-            "block_bytes": c0.block_bytes, "copied_bytes_per_pass": c0.copied_bytes_per_pass,
+            "block_bytes": c0.block_bytes,
+            "copied_bytes_per_pass_per_run": runs.iter().map(|r| r.components[k].copied_bytes_per_pass).collect::<Vec<_>>(),
             "activations_peak_bytes": runs.iter().map(|r| r.components[k].activations_peak_bytes).max(),
             "bitwise_equal": equal, "output_finite_nonconstant": sane,
         }));
@@ -169,13 +170,17 @@ pub fn merge(runs: &[PipelineRun], min_runs: usize) -> Result<Value, String> {
     let ratio = sw.median / sb.median;
     let meets = ratio <= TARGET_RATIO && all_equal && peak <= r0.budget_bytes;
     let mut commits: Vec<&str> = runs.iter().map(|r| r.commit.as_str()).collect();
+    commits.sort_unstable();
     commits.dedup();
     Ok(json!({
         "backend": r0.backend, "gpu": r0.gpu, "date": r0.date, "commit": commits.join(", "), "repeats": runs.len(),
         "case": r0.case, "steps": r0.steps, "budget_bytes": r0.budget_bytes, "peak_device_bytes": peak,
         "bandwidth_gbps": spread(&runs.iter().map(|r| r.bandwidth_gbps).collect::<Vec<_>>()).map(|s| s.median),
-        "dit_depth": r0.dit_depth, "dit_resident_blocks_per_run": runs.iter().map(|r| r.dit_resident_blocks.len()).collect::<Vec<_>>(),
-        "dit_predicted_step_s": r0.dit_predicted_step_s, "dit_budget_bytes": r0.dit_budget_bytes,
+        // Each process measured its own bandwidth and planned the DiT from it: per run.
+        "dit_depth_per_run": runs.iter().map(|r| r.dit_depth).collect::<Vec<_>>(),
+        "dit_resident_blocks_per_run": runs.iter().map(|r| r.dit_resident_blocks.len()).collect::<Vec<_>>(),
+        "dit_predicted_step_s_per_run": runs.iter().map(|r| r.dit_predicted_step_s).collect::<Vec<_>>(),
+        "dit_budget_bytes_per_run": runs.iter().map(|r| r.dit_budget_bytes).collect::<Vec<_>>(),
         "components": comps,
         "whole": {
             "offloaded_s": sw.median, "offloaded_s_min": sw.min, "offloaded_s_max": sw.max,

@@ -52,7 +52,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     for _ in 0..reps {
         d.launch(&b, &mut coded, &mut out)?;
     }
-    coded.finish(&b)?;
+    coded.finish()?;
     let decode_s = t.elapsed().as_secs_f64();
     let back = out.stream().clone_dtoh(&out)?;
     let exact = back == raw;

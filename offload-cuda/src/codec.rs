@@ -15,11 +15,11 @@
 
 use crate::dev;
 use crate::device::CudaBackend;
-use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc;
 use offload_core::codec::{coded_layout, decoded_len, CHUNK_VALUES, MAX_CODE_BITS};
 use offload_core::{Error, Result};
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
 const KERNELS: &str = r#"
 typedef unsigned char u8;
@@ -45,8 +45,9 @@ extern "C" __global__ void exp_decode(const u8* enc, u64 stream_at, u64 offsets_
     const u32* offsets = (const u32*)(enc + offsets_at);
     const u8* sm = enc + sm_at;
     __shared__ u16 t[1 << BITS];
-    // Rows of 33 bytes: lanes writing their own rows at once fall in different banks.
-    __shared__ u8 tile[WARPS][32 * (TILE + 1)];
+    // One word per exponent, rows of 33 words: lane l writing word j of its row and
+    // lane l reading word l of row r both touch 32 different banks.
+    __shared__ u32 tile[WARPS][32 * (TILE + 1)];
     for (u32 i = threadIdx.x; i < (1u << BITS); i += blockDim.x) t[i] = table[i];
     __syncthreads();
     u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -59,7 +60,7 @@ extern "C" __global__ void exp_decode(const u8* enc, u64 stream_at, u64 offsets_
     u64 acc = 0;
     u32 bits = 0, next = from, used = 0;
     bool bad = false;
-    u8* e = tile[warp];
+    u32* e = tile[warp];
     for (u32 k0 = 0; k0 < CHUNK; k0 += TILE) {
         for (u32 j = 0; j < TILE && !bad && k0 + j < values; ++j) {
             while (bits < BITS) {
@@ -72,7 +73,7 @@ extern "C" __global__ void exp_decode(const u8* enc, u64 stream_at, u64 offsets_
             if (len == 0) { bad = true; atomicOr(err, 1u); break; }
             bits -= len;
             used += len;
-            e[lane * (TILE + 1) + j] = (u8)(x & 0xff);
+            e[lane * (TILE + 1) + j] = x & 0xff;
         }
         __syncwarp();
         for (u32 r = 0; r < 32; ++r) {
@@ -83,7 +84,7 @@ extern "C" __global__ void exp_decode(const u8* enc, u64 stream_at, u64 offsets_
             u32 k = k0 + lane;
             if (k < vals) {
                 u16 s = sm[b + k];
-                out[b + k] = (u16)((s & 0x80) << 8) | (u16)((u16)e[r * (TILE + 1) + lane] << 7) | (u16)(s & 0x7f);
+                out[b + k] = (u16)((s & 0x80) << 8) | (u16)(e[r * (TILE + 1) + lane] << 7) | (u16)(s & 0x7f);
             }
         }
         __syncwarp();
@@ -124,7 +125,7 @@ impl ExponentDecoder {
         let s = &b.shared().compute;
         let mut out = s.alloc_zeros::<u8>(coded.len).map_err(|e| dev("the decoded buffer", e))?;
         self.launch(b, &mut coded, &mut out)?;
-        coded.finish(b)?;
+        coded.finish()?;
         Ok(out)
     }
 
@@ -146,6 +147,7 @@ impl ExponentDecoder {
         let table: &[u16] = l.as_ref().map(|l| l.table.as_slice()).unwrap_or(&[0]);
         debug_assert!(l.as_ref().is_none_or(|l| l.table.len() == 1 << MAX_CODE_BITS));
         Ok(DeviceCoded {
+            stream: s.clone(),
             enc: s.clone_htod(bytes).map_err(|e| dev("copying the encoded bytes", e))?,
             table: s.clone_htod(table).map_err(|e| dev("copying the decode table", e))?,
             err: s.clone_htod(&[0u32]).map_err(|e| dev("the error flag", e))?,
@@ -157,10 +159,19 @@ impl ExponentDecoder {
 
     /// Enqueue the decode of `coded` into `out` on `b`'s compute stream, without
     /// waiting (a raw string is a device-to-device copy). `out` must hold exactly
-    /// the decoded length. Damage found by the kernel is reported by
-    /// [`DeviceCoded::finish`].
+    /// the decoded length, and both must live on that stream (`coded` uploaded
+    /// through `b`, `out` allocated on its compute stream, e.g. by
+    /// [`ExponentDecoder::decode`] with `b`): anything else is an error, so every
+    /// buffer the kernel touches is freed in order after it. Damage found by the
+    /// kernel is reported by [`DeviceCoded::finish`].
     pub fn launch(&self, b: &CudaBackend, coded: &mut DeviceCoded, out: &mut CudaSlice<u8>) -> Result<()> {
         let s = &b.shared().compute;
+        if !Arc::ptr_eq(&coded.stream, s) || !Arc::ptr_eq(out.stream(), s) {
+            return Err(Error::Protocol(format!(
+                "decoding {}: the encoded tensor and the output must be on the compute stream of the backend that decodes",
+                coded.what
+            )));
+        }
         if out.len() != coded.len {
             return Err(Error::BadTensor {
                 tensor: coded.what.clone(),
@@ -177,7 +188,7 @@ impl ExponentDecoder {
         let threads = 128u32;
         let cfg = LaunchConfig { grid_dim: (chunks.div_ceil(threads), 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
         debug_assert_eq!(CHUNK_VALUES, 1024);
-        // SAFETY: `coded.enc` holds the whole string, whose offset table, stream and sign-mantissa bytes `coded_layout` checked lie inside it (offsets within the stream, `n` sign-mantissa bytes, the offset table 4-byte aligned); `out` holds 2 × `n` bytes (its length checked above against the decoded length), the table 2^MAX_CODE_BITS entries, the flag one u32; every buffer is passed as a tracked argument, so cudarc orders its free after this kernel.
+        // SAFETY: `coded.enc` holds the whole string, whose offset table, stream and sign-mantissa bytes `coded_layout` checked lie inside it (offsets monotone within the stream, exactly `n` sign-mantissa bytes, `chunks` = ⌈n / 1024⌉; the offset table starts at byte 284 of a 256-aligned allocation, so its u32s are aligned); `out` holds 2 × `n` bytes (checked above), the table 2^MAX_CODE_BITS entries, the flag one u32; every one of them was allocated on `s`, this kernel's stream (checked above), and a `CudaSlice` frees on its own stream, so no free can run before this kernel ends.
         unsafe {
             s.launch_builder(&self.decode)
                 .arg(&coded.enc)
@@ -199,6 +210,8 @@ impl ExponentDecoder {
 /// An encoded string on the device with its decode table and damage flag
 /// ([`ExponentDecoder::upload`]).
 pub struct DeviceCoded {
+    /// The stream its buffers were made on, and the only one it decodes on.
+    stream: Arc<CudaStream>,
     enc: CudaSlice<u8>,
     table: CudaSlice<u16>,
     err: CudaSlice<u32>,
@@ -220,9 +233,9 @@ impl DeviceCoded {
     }
 
     /// Wait for the decodes enqueued so far and report damage any of them saw
-    /// (a host synchronisation), naming the tensor.
-    pub fn finish(&self, b: &CudaBackend) -> Result<()> {
-        let s = &b.shared().compute;
+    /// (a host synchronisation on its stream), naming the tensor.
+    pub fn finish(&self) -> Result<()> {
+        let s = &self.stream;
         let flag = s.clone_dtoh(&self.err).map_err(|e| dev("reading the error flag", e))?;
         s.synchronize().map_err(|e| dev("decoding", e))?;
         match flag.first().copied().unwrap_or(0) {
@@ -300,5 +313,14 @@ mod tests {
         assert!(decode_bf16(&bad, "damaged").is_err());
         let e = d.decode(&b, &bad, "normal (damaged)").unwrap_err().to_string();
         assert!(e.contains("normal (damaged)") && e.contains("damaged"), "{e}");
+        // Buffers of another backend's stream are refused, not raced.
+        let b2 = CudaBackend::new(0).unwrap();
+        let mut coded = d.upload(&b, &enc, "normal").unwrap();
+        let mut out = d.decode(&b, &enc, "normal").unwrap();
+        let mut other = d.decode(&b2, &enc, "normal").unwrap();
+        assert!(d.launch(&b2, &mut coded, &mut out).is_err(), "an upload of another backend");
+        assert!(d.launch(&b, &mut coded, &mut other).is_err(), "an output of another backend");
+        d.launch(&b, &mut coded, &mut out).unwrap();
+        coded.finish().unwrap();
     }
 }

@@ -331,7 +331,12 @@ pub fn run_pipeline(p: &Pipeline, opts: &PipelineOptions) -> Result<PipelineRun,
     let dit_copied = choice.streamed_bytes * p.steps as u64;
     let models = [&p.encoder, &p.dit, &p.vae];
     let modes = ["layerwise", "layerwise+resident", "on_demand"];
-    let copied = [p.encoder.block_bytes(2), dit_copied, p.vae.block_bytes(2)];
+    // The VAE: its blocks copied whole for the decode, and the first two again by
+    // the two-slot ring it is re-planned to afterwards (which warms them, to be
+    // dropped by the next pass's whole load).
+    let vae_stack = &p.vae.stacks[0];
+    let warm: u64 = (0..vae_stack.count.min(2)).map(|i| vae_stack.block_params(i).iter().map(|q| 2 * q.numel() as u64).sum::<u64>()).sum();
+    let copied = [p.encoder.block_bytes(2), dit_copied, p.vae.block_bytes(2) + warm];
     let components = (0..3)
         .map(|c| ComponentRun {
             component: crate::pipeline::COMPONENTS[c].into(),

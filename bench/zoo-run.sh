@@ -82,7 +82,15 @@ repeat() {
   local r=$1
   [ -f "$Z/registry.json" ] || "$ZOO" registry --json "$Z/registry.json"
   for model in ${ZOO_MODELS:-flux-dev qwen-image}; do
-    local est=$([ "$model" = flux-dev ] && echo 70 || echo 100)
+    # Estimates (s) for ZOO_DEADLINE, from this machine's logs (bench/raw/*/device-command*.log):
+    # one of our processes, one anchor process with one mode and with both.
+    local est a1 a2
+    case "$model" in
+      flux-dev) est=45 a1=75 a2=100 ;;
+      qwen-image) est=50 a1=90 a2=95 ;;
+      wan2.1-t2v-14b*) est=120 a1=160 a2=220 ;;
+      *) est=20 a1=35 a2=45 ;;
+    esac
     if [ "${ZOO_TCH:-1}" = 1 ]; then
       once "$model: offload tch, run $r" "$Z/tch-$model$SFX-run$r.json" "$est" run_tch "$model" "$Z/tch-$model$SFX-run$r.json"
     fi
@@ -97,10 +105,10 @@ repeat() {
       # once), the order turned round in every other repeat.
       local modes=$(echo ${ANCHOR_MODES-block_stream leaf_stream} | tr ' ' ',')
       [ $((r % 2)) = 0 ] && modes=$(echo ${ANCHOR_MODES-block_stream leaf_stream} | tr ' ' '\n' | tac | paste -sd,)
-      once "$model: diffusers $modes, run $r" "$Z/diffusers-$model$SFX-modes-run$r.json" 160 run_anchor "$model" "$modes" "$Z/diffusers-$model$SFX-modes-run$r.json"
+      once "$model: diffusers $modes, run $r" "$Z/diffusers-$model$SFX-modes-run$r.json" "$a2" run_anchor "$model" "$modes" "$Z/diffusers-$model$SFX-modes-run$r.json"
     else
       for mode in ${ANCHOR_MODES-block_stream leaf_stream}; do
-        once "$model: diffusers $mode, run $r" "$Z/diffusers-$model$SFX-$mode-run$r.json" 110 run_anchor "$model" "$mode" "$Z/diffusers-$model$SFX-$mode-run$r.json"
+        once "$model: diffusers $mode, run $r" "$Z/diffusers-$model$SFX-$mode-run$r.json" "$a1" run_anchor "$model" "$mode" "$Z/diffusers-$model$SFX-$mode-run$r.json"
       done
     fi
   done

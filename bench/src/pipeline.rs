@@ -83,8 +83,8 @@ pub struct PipelineRun {
 
 impl PipelineRun {
     /// Per component: its bound from this run's resident time and bandwidth.
-    /// A streamed component: `max(resident, copied ÷ bandwidth)` (the DiT per
-    /// step, times the steps); on demand: `copied ÷ bandwidth + resident` (loaded
+    /// A streamed component: `max(resident, copied ÷ bandwidth)` (for the DiT the
+    /// same as per step times the steps: every step copies alike); on demand: `copied ÷ bandwidth + resident` (loaded
     /// whole before it computes).
     pub fn bounds(&self) -> Result<Vec<f64>, String> {
         let bw = self.bandwidth_gbps * 1e9;
@@ -96,14 +96,7 @@ impl PipelineRun {
             .map(|c| {
                 let r = spread(&c.resident_s).ok_or_else(|| format!("{}: no resident times", c.component))?.median;
                 let copy = c.copied_bytes_per_pass as f64 / bw;
-                Ok(if c.mode == "on_demand" {
-                    copy + r
-                } else if c.component == "transformer" {
-                    let n = self.steps.max(1) as f64;
-                    n * (r / n).max(copy / n)
-                } else {
-                    r.max(copy)
-                })
+                Ok(if c.mode == "on_demand" { copy + r } else { r.max(copy) })
             })
             .collect()
     }

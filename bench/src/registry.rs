@@ -95,7 +95,8 @@ impl Stack {
         self.overrides.iter().find(|(b, _)| *b == i).map_or(&self.params, |(_, p)| p)
     }
 
-    fn bytes(&self, i: usize, elem: usize) -> u64 {
+    /// Block `i`'s bytes at `elem` bytes per element.
+    pub fn bytes(&self, i: usize, elem: usize) -> u64 {
         self.block_params(i).iter().map(|p| (p.numel() * elem) as u64).sum()
     }
 }

@@ -25,6 +25,11 @@ pub use pipeline::{check_pipeline_cpu, Pipeline, PipelineCpuCheck, PipelineOptio
 
 type W = HashMap<String, Tensor>;
 
+/// `m`'s block stacks, declared in the order a step runs them.
+fn prefixes(m: &Model) -> DeclaredStacks {
+    DeclaredStacks::new(m.stacks.iter().map(|s| s.prefix).collect::<Vec<_>>())
+}
+
 fn err(what: impl std::fmt::Display) -> String {
     format!("tch: {what}")
 }
@@ -684,7 +689,6 @@ pub fn run(model: &Model, opts: &Options) -> Result<RunDoc, String> {
     let vs = nn::VarStore::new(dev);
     let net = build(model, &vs)?;
     let vars = vs.variables();
-    let block_prefixes: Vec<&str> = model.stacks.iter().map(|s| s.prefix).collect();
     tch::Cuda::synchronize(0);
     eprintln!("{}: {} parameters built in {:.1} s", model.name, vars.len(), t0.elapsed().as_secs_f64());
     let sync = || tch::Cuda::synchronize(0);
@@ -723,7 +727,7 @@ pub fn run(model: &Model, opts: &Options) -> Result<RunDoc, String> {
     // Blocks to the host store (their GPU copies are dropped).
     let t = Instant::now();
     let plan = Plan::layerwise().prefetch_depth(opts.depths.first().copied().unwrap_or(1));
-    let mut off = TchOffload::new(be.clone(), &vs, "transformer", &DeclaredStacks::new(block_prefixes.clone()), &plan).map_err(err)?;
+    let mut off = TchOffload::new(be.clone(), &vs, "transformer", &prefixes(model), &plan).map_err(err)?;
     let store = off.ring().store().clone();
     let facts = crate::harness::store_facts(&be, &store, t).map_err(err)?;
     let (total, bandwidth) = (facts.total, facts.bandwidth);
@@ -799,8 +803,7 @@ pub fn check_cpu(model: &Model) -> Result<CpuCheck, String> {
     let case = model.cases.first().ok_or_else(|| err("the model has no case"))?;
     let i = inputs(model, case, Device::Cpu);
     let resident = net.step::<SimBackend>(&i, None).map_err(err)?;
-    let prefixes: Vec<&str> = model.stacks.iter().map(|s| s.prefix).collect();
-    let mut off = TchOffload::cpu(&vs, "transformer", &DeclaredStacks::new(prefixes), &Plan::layerwise().prefetch_depth(1)).map_err(err)?;
+    let mut off = TchOffload::cpu(&vs, "transformer", &prefixes(model), &Plan::layerwise().prefetch_depth(1)).map_err(err)?;
     let streamed = net.step(&i, Some(&mut off)).map_err(err)?;
     let blocks = off.ring().metrics().blocks;
     let block_payload_bytes = crate::harness::block_payload_bytes(off.ring().store());

@@ -144,10 +144,6 @@ fn pass<B: TchSlots>(
     Ok(Outs { text, latents: x, image, secs: [s(t0, t1), s(t1, t2), s(t2, t3)] })
 }
 
-fn prefixes(m: &Model) -> DeclaredStacks {
-    DeclaredStacks::new(m.stacks.iter().map(|s| s.prefix).collect::<Vec<_>>())
-}
-
 /// What the CPU check of the pipeline saw: per component (encoder, DiT, VAE)
 /// whether the offloaded output equals the resident one byte for byte, and
 /// whether it is finite and not constant.
@@ -335,7 +331,7 @@ pub fn run_pipeline(p: &Pipeline, opts: &PipelineOptions) -> Result<PipelineRun,
     // the two-slot ring it is re-planned to afterwards (which warms them, to be
     // dropped by the next pass's whole load).
     let vae_stack = &p.vae.stacks[0];
-    let warm: u64 = (0..vae_stack.count.min(2)).map(|i| vae_stack.block_params(i).iter().map(|q| 2 * q.numel() as u64).sum::<u64>()).sum();
+    let warm: u64 = (0..vae_stack.count.min(2)).map(|i| vae_stack.bytes(i, 2)).sum();
     let copied = [p.encoder.block_bytes(2), dit_copied, p.vae.block_bytes(2) + warm];
     let components = (0..3)
         .map(|c| ComponentRun {

@@ -66,7 +66,8 @@ run_tch() { "$ZOO" run --backend tch --model "$1" --commit "$COMMIT" --out "$2" 
 run_cuda() { "$ZOO" run --backend cuda --model "$1" --commit "${CUDA_COMMIT:-$COMMIT}" --out "$2" ${ZOO_CUDA_ARGS:-${ZOO_ARGS:-}} 2>&1 | tee "${2%.json}.txt"; }
 run_candle() { "$ZOO_CANDLE" run --backend candle --model "$1" --commit "$COMMIT" --out "$2" ${ZOO_CANDLE_ARGS:-${ZOO_ARGS:-}} 2>&1 | tee "${2%.json}.txt"; }
 run_anchor() {
-  local A=""; [ -n "${ZOO_ARGS:-}" ] && A=$(echo " ${ZOO_ARGS}" | grep -o -- '--cases [^ ]*')
+  # The anchors take ZOO_ARGS' cases, steps and warmup, so both sides time the same steps.
+  local A=""; [ -n "${ZOO_ARGS:-}" ] && A=$(echo " ${ZOO_ARGS}" | grep -o -- '--\(cases\|steps\|warmup\) [^ ]*' | tr '\n' ' ')
   timeout "${ANCHOR_TIMEOUT:-300}" python3 "$AD/zoo_anchor.py" --registry "$Z/registry.json" --model "$1" --mode "$2" $A \
     --out "$3" 2>&1 | grep -v Warning | tee "${3%.json}.txt"
 }
@@ -88,7 +89,9 @@ repeat() {
     case "$model" in
       flux-dev) est=45 a1=75 a2=100 ;;
       qwen-image) est=50 a1=90 a2=95 ;;
-      wan2.1-t2v-14b*) est=120 a1=160 a2=220 ;;
+      wan2.1-t2v-14b) est=80 a1=100 a2=130
+        # 21 latent frames: a step of ≈ 3 s (32 760 tokens); run with `--steps 3`.
+        [[ "$CASES" == *x21* ]] && est=90 a1=110 a2=130 ;;
       *) est=20 a1=35 a2=45 ;;
     esac
     if [ "${ZOO_TCH:-1}" = 1 ]; then

@@ -83,7 +83,7 @@ if [ "${VULKAN:-0}" = 1 ] && [ -x "$B/conformance-vulkan" ]; then
   if ! ls /usr/share/vulkan/icd.d/*nvidia* /etc/vulkan/icd.d/*nvidia* >/dev/null 2>&1; then
     export VK_DRIVER_FILES=${VK_DRIVER_FILES:-/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json}
   fi
-  echo "== vulkan conformance"; "$B/conformance-vulkan" --backend vulkan --json "$OUT/conformance-vulkan.json" --sabotage "$OUT/sabotage-vulkan.json" $SAB "$GPU" 2>&1 | tee "$OUT/conformance-vulkan.txt"
+  echo "== vulkan conformance"; "$B/conformance-vulkan" --backend vulkan,vulkan-import --json "$OUT/conformance-vulkan.json" --sabotage "$OUT/sabotage-vulkan.json" $SAB "$GPU" 2>&1 | tee "$OUT/conformance-vulkan.txt"
   if [ "${VULKAN_BENCH:-${BENCH:-1}}" = 1 ]; then
     if [ "${VK_DIAG:-0}" = 1 ]; then
       echo "== vulkan bandwidth variants (one run each, kept as diagnostics)"
@@ -93,7 +93,8 @@ if [ "${VULKAN:-0}" = 1 ] && [ -x "$B/conformance-vulkan" ]; then
     fi
     echo "== vulkan bench (3 runs, separate processes)"
     for r in 1 2 3; do "$B/vulkan-bench" --commit "$COMMIT" --out "$OUT/vulkan-run$r.json" ${VK_ARGS:-} 2>&1 | tee "$OUT/vulkan-run$r.txt"; done
-    # The same three runs with copies on a second queue of the compute family, when asked.
+    # The same three runs with other options, when asked (VK_ARGS2="--host-memory imported":
+    # the store's pages imported with VK_EXT_external_memory_host).
     if [ -n "${VK_ARGS2:-}" ]; then
       for r in 1 2 3; do "$B/vulkan-bench" --commit "$COMMIT" --out "$OUT/vulkan2-run$r.json" $VK_ARGS2 2>&1 | tee "$OUT/vulkan2-run$r.txt"; done
     fi

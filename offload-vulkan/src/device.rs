@@ -69,11 +69,32 @@ pub struct VulkanOptions {
     pub host_cached: bool,
     /// Split each copy into regions of at most this many bytes (`None`: one region).
     pub copy_chunk_bytes: Option<u64>,
+    /// Where host buffers live.
+    pub host_memory: HostMemory,
+}
+
+/// Where the store's host buffers live.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HostMemory {
+    /// Host-visible, coherent memory the driver allocates (`vkAllocateMemory`).
+    Allocated,
+    /// Pages this process allocates (aligned to the device's
+    /// `minImportedHostPointerAlignment`), imported with `VK_EXT_external_memory_host`.
+    /// Falls back to [`Allocated`](Self::Allocated) on a device without the
+    /// extension ([`VulkanBackend::host_memory`] says which is in use).
+    Imported,
 }
 
 impl Default for VulkanOptions {
     fn default() -> Self {
-        VulkanOptions { device_index: 0, validation: false, copy_queue: CopyQueue::Transfer, host_cached: false, copy_chunk_bytes: None }
+        VulkanOptions {
+            device_index: 0,
+            validation: false,
+            copy_queue: CopyQueue::Transfer,
+            host_cached: false,
+            copy_chunk_bytes: None,
+            host_memory: HostMemory::Allocated,
+        }
     }
 }
 
@@ -142,6 +163,9 @@ pub(crate) struct Inner {
     name: String,
     pub(crate) host_cached: bool,
     copy_chunk_bytes: Option<u64>,
+    /// `VK_EXT_external_memory_host` and the alignment of an imported pointer
+    /// (and of its size), where host buffers are imported.
+    pub(crate) host_import: Option<(ash::ext::external_memory_host::Device, usize)>,
 }
 
 // SAFETY: every Vulkan object here is used under `state`'s lock where the API asks
@@ -295,7 +319,32 @@ impl VulkanBackend {
         if let Some((t, _)) = copy_at.filter(|(f, _)| *f != compute_family) {
             qcis.push(vk::DeviceQueueCreateInfo::default().queue_family_index(t).queue_priorities(&one));
         }
-        let dev_exts = [ash::khr::push_descriptor::NAME.as_ptr()];
+        // Host pages imported where asked for and offered: the extension and the
+        // alignment an imported pointer (and its size) needs.
+        let import_align = match options.host_memory {
+            HostMemory::Allocated => None,
+            HostMemory::Imported => {
+                // SAFETY: queries of a live physical device.
+                let offered = unsafe { instance.enumerate_device_extension_properties(phys) }
+                    .unwrap_or_default()
+                    .iter()
+                    .any(|e| e.extension_name_as_c_str() == Ok(ash::ext::external_memory_host::NAME));
+                if offered {
+                    let mut host = vk::PhysicalDeviceExternalMemoryHostPropertiesEXT::default();
+                    let mut props = vk::PhysicalDeviceProperties2::default().push_next(&mut host);
+                    // SAFETY: as above; `host` outlives the call.
+                    unsafe { instance.get_physical_device_properties2(phys, &mut props) };
+                    Some((host.min_imported_host_pointer_alignment as usize).max(4096))
+                } else {
+                    tracing::warn!("{name}: no VK_EXT_external_memory_host; host buffers are allocated by the driver");
+                    None
+                }
+            }
+        };
+        let mut dev_exts = vec![ash::khr::push_descriptor::NAME.as_ptr()];
+        if import_align.is_some() {
+            dev_exts.push(ash::ext::external_memory_host::NAME.as_ptr());
+        }
         let mut f12 = vk::PhysicalDeviceVulkan12Features::default().timeline_semaphore(true);
         let dci = vk::DeviceCreateInfo::default().queue_create_infos(&qcis).enabled_extension_names(&dev_exts).push_next(&mut f12);
         // SAFETY: `phys` is a device of `instance`; the create info lives across the call.
@@ -342,6 +391,7 @@ impl VulkanBackend {
             }
         };
         let push = ash::khr::push_descriptor::Device::new(&instance, &device);
+        let host_import = import_align.map(|a| (ash::ext::external_memory_host::Device::new(&instance, &device), a));
         // SAFETY: a query of a live physical device.
         let mem_props = unsafe { instance.get_physical_device_memory_properties(phys) };
         let mut families = vec![compute.family];
@@ -381,6 +431,7 @@ impl VulkanBackend {
             name,
             host_cached: options.host_cached,
             copy_chunk_bytes: options.copy_chunk_bytes.filter(|&c| c > 0),
+            host_import,
         };
         Ok(VulkanBackend { inner: Arc::new(inner) })
     }
@@ -421,6 +472,16 @@ impl VulkanBackend {
     /// second queue of the compute family), else on the compute queue.
     pub fn has_transfer_queue(&self) -> bool {
         self.inner.transfer.is_some()
+    }
+
+    /// Where host buffers live: [`HostMemory::Imported`] only where it was asked
+    /// for and the device offers `VK_EXT_external_memory_host`.
+    pub fn host_memory(&self) -> HostMemory {
+        if self.inner.host_import.is_some() {
+            HostMemory::Imported
+        } else {
+            HostMemory::Allocated
+        }
     }
 
     /// The queue family copies run on.

@@ -17,7 +17,9 @@
 //!   ([`CopyQueue`]), else share the compute queue (lavapipe). Buffers are created
 //!   `CONCURRENT` over both families, so no ownership transfer is needed.
 //! - **Host buffers** are host-visible, coherent, persistently mapped memory,
-//!   zeroed before the store's `fill`; **slots** are device-local and go to a
+//!   zeroed before the store's `fill` — or, with [`HostMemory::Imported`], this
+//!   process's own pages imported with `VK_EXT_external_memory_host` where the
+//!   device offers it (lavapipe and NVIDIA do); **slots** are device-local and go to a
 //!   deferred-destroy list when freed, destroyed once both timelines pass every
 //!   value issued before: freeing never blocks.
 //! - **The protocol is checked on every submission.** The backend records which
@@ -35,7 +37,7 @@ pub mod fold;
 mod memory;
 
 pub use ash;
-pub use device::{CopyQueue, Timeline, VulkanBackend, VulkanCounters, VulkanOptions, VulkanPoint};
+pub use device::{CopyQueue, HostMemory, Timeline, VulkanBackend, VulkanCounters, VulkanOptions, VulkanPoint};
 pub use memory::{VulkanHost, VulkanSlot};
 
 /// Byte the checking mode writes over a slot before each copy into it.

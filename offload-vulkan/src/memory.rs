@@ -13,24 +13,38 @@ pub(crate) fn find_memory_type(props: &vk::PhysicalDeviceMemoryProperties, bits:
     (0..props.memory_type_count).find(|&i| bits & (1 << i) != 0 && props.memory_types[i as usize].property_flags.contains(flags))
 }
 
-/// A buffer and its memory, made together, destroyed together on failure.
+/// Host pages to import as a buffer's memory (`VK_EXT_external_memory_host`).
+struct Import {
+    ptr: *mut u8,
+    /// A multiple of the device's import alignment, as `ptr` is.
+    size: usize,
+}
+
+/// A buffer and its memory, made together, destroyed together on failure. With
+/// `import`, the memory is those host pages (of a type they allow, `flags` preferred).
 fn make_buffer(
     b: &VulkanBackend,
     bytes: usize,
     usage: vk::BufferUsageFlags,
     flags: vk::MemoryPropertyFlags,
     purpose: &str,
+    import: Option<&Import>,
 ) -> Result<(vk::Buffer, vk::DeviceMemory)> {
     let dev = &b.inner.device;
     // Whole 32-bit words (fills and the fold read words), never empty.
     let size = (bytes.max(4).next_multiple_of(4)) as u64;
     let families = &b.inner.families;
+    let host = vk::ExternalMemoryHandleTypeFlags::HOST_ALLOCATION_EXT;
+    let mut external = vk::ExternalMemoryBufferCreateInfo::default().handle_types(host);
     let mut ci = vk::BufferCreateInfo::default().size(size).usage(usage);
     ci = if families.len() > 1 {
         ci.sharing_mode(vk::SharingMode::CONCURRENT).queue_family_indices(families)
     } else {
         ci.sharing_mode(vk::SharingMode::EXCLUSIVE)
     };
+    if import.is_some() {
+        ci = ci.push_next(&mut external);
+    }
     // SAFETY: a plain creation on the live device; destroyed below on failure or by the owner.
     let buffer = unsafe { dev.create_buffer(&ci, None) }.map_err(|e| vk_err("vkCreateBuffer", purpose, e))?;
     // SAFETY: a query of the buffer just made.
@@ -39,12 +53,45 @@ fn make_buffer(
         // SAFETY: the buffer was never used.
         unsafe { dev.destroy_buffer(buffer, None) }
     };
-    let Some(ty) = b.memory_type(req.memory_type_bits, flags) else {
+    // The memory types the imported pages can be, and the allocation's size.
+    let (bits, alloc_size) = match (import, &b.inner.host_import) {
+        (None, _) => (req.memory_type_bits, req.size),
+        (Some(im), Some((ext, _))) => {
+            let mut props = vk::MemoryHostPointerPropertiesEXT::default();
+            // SAFETY: `im.ptr` is a live allocation of `im.size` bytes, aligned as the
+            // device asks (`VulkanHost::new`); `props` outlives the call.
+            let r = unsafe { (ext.fp().get_memory_host_pointer_properties_ext)(dev.handle(), host, im.ptr.cast(), &mut props) };
+            if r != vk::Result::SUCCESS {
+                destroy();
+                return Err(vk_err("vkGetMemoryHostPointerPropertiesEXT", purpose, r));
+            }
+            if req.size > im.size as u64 {
+                destroy();
+                return Err(Error::device("vulkan", purpose, format!("the buffer needs {} bytes, {} imported", req.size, im.size)));
+            }
+            (req.memory_type_bits & props.memory_type_bits, im.size as u64)
+        }
+        (Some(_), None) => {
+            destroy();
+            return Err(Error::unsupported("vulkan", format!("imported host memory for {purpose}: VK_EXT_external_memory_host is off")));
+        }
+    };
+    let ty = match import {
+        None => b.memory_type(bits, flags),
+        Some(_) => b.memory_type(bits, flags).or_else(|| b.memory_type(bits, vk::MemoryPropertyFlags::empty())),
+    };
+    let Some(ty) = ty else {
         destroy();
         return Err(Error::unsupported("vulkan", format!("no memory type with {flags:?} for {purpose}")));
     };
-    let ai = vk::MemoryAllocateInfo::default().allocation_size(req.size).memory_type_index(ty);
-    // SAFETY: as above.
+    let mut imported = vk::ImportMemoryHostPointerInfoEXT::default().handle_type(host);
+    let mut ai = vk::MemoryAllocateInfo::default().allocation_size(alloc_size).memory_type_index(ty);
+    if let Some(im) = import {
+        imported = imported.host_pointer(im.ptr.cast());
+        ai = ai.push_next(&mut imported);
+    }
+    // SAFETY: as above; an imported pointer stays allocated until the memory is freed
+    // (`VulkanHost`'s drop frees the memory first).
     let memory = match unsafe { dev.allocate_memory(&ai, None) } {
         Ok(m) => m,
         Err(e) => {
@@ -69,13 +116,16 @@ fn make_buffer(
 }
 
 /// Host memory for one block: a host-visible, coherent buffer mapped for its whole
-/// life, written once by the store's `fill`, then immutable; the transfer queue
-/// copies from it.
+/// life (or, with [`HostMemory::Imported`](crate::HostMemory), pages of this
+/// process imported as the buffer's memory), written once by the store's `fill`,
+/// then immutable; the transfer queue copies from it.
 pub struct VulkanHost {
     buffer: vk::Buffer,
     memory: vk::DeviceMemory,
     ptr: *mut u8,
     len: usize,
+    /// The imported pages' allocation (freed after the memory object), if imported.
+    pages: Option<std::alloc::Layout>,
     /// The copy-timeline value of the last copy that reads it.
     last_copy: AtomicU64,
     inner: Arc<Inner>,
@@ -90,10 +140,13 @@ unsafe impl Sync for VulkanHost {}
 
 impl VulkanHost {
     pub(crate) fn new(b: &VulkanBackend, len: usize, purpose: &str, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<Self> {
+        if let Some((_, align)) = &b.inner.host_import {
+            return Self::imported(b, len, *align, purpose, fill);
+        }
         let flags = vk::MemoryPropertyFlags::HOST_VISIBLE | vk::MemoryPropertyFlags::HOST_COHERENT;
         let cached = flags | vk::MemoryPropertyFlags::HOST_CACHED;
         let flags = if b.inner.host_cached && b.memory_type(u32::MAX, cached).is_some() { cached } else { flags };
-        let (buffer, memory) = make_buffer(b, len, vk::BufferUsageFlags::TRANSFER_SRC, flags, purpose)?;
+        let (buffer, memory) = make_buffer(b, len, vk::BufferUsageFlags::TRANSFER_SRC, flags, purpose, None)?;
         let dev = &b.inner.device;
         // SAFETY: host-visible memory, not mapped yet.
         let ptr = match unsafe { dev.map_memory(memory, 0, vk::WHOLE_SIZE, vk::MemoryMapFlags::empty()) } {
@@ -107,7 +160,7 @@ impl VulkanHost {
                 return Err(vk_err("vkMapMemory", purpose, e));
             }
         };
-        let me = VulkanHost { buffer, memory, ptr, len, last_copy: AtomicU64::new(0), inner: b.inner.clone() };
+        let me = VulkanHost { buffer, memory, ptr, len, pages: None, last_copy: AtomicU64::new(0), inner: b.inner.clone() };
         if len > 0 {
             // SAFETY: the mapping covers at least `len` bytes, owned exclusively here;
             // zeroed first so `fill` sees initialised memory.
@@ -120,10 +173,47 @@ impl VulkanHost {
         Ok(me)
     }
 
+    /// `len` bytes in pages of this process (zeroed, then `fill`ed), aligned and
+    /// sized to `align`, imported as the buffer's memory.
+    fn imported(b: &VulkanBackend, len: usize, align: usize, purpose: &str, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<Self> {
+        let size = len.max(4).next_multiple_of(align);
+        let layout = std::alloc::Layout::from_size_align(size, align)
+            .map_err(|e| Error::device("vulkan", purpose, format!("host pages of {size} bytes aligned to {align}: {e}")))?;
+        // SAFETY: `layout` has a non-zero size.
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        if ptr.is_null() {
+            return Err(Error::device("vulkan", purpose, format!("no host memory for {size} bytes")));
+        }
+        let free = || {
+            // SAFETY: allocated above with `layout`, not imported (or its memory freed).
+            unsafe { std::alloc::dealloc(ptr, layout) }
+        };
+        // SAFETY: `size` ≥ `len` zeroed bytes, owned here alone until imported.
+        if let Err(e) = fill(unsafe { std::slice::from_raw_parts_mut(ptr, len) }) {
+            free();
+            return Err(e);
+        }
+        let flags = vk::MemoryPropertyFlags::HOST_VISIBLE | vk::MemoryPropertyFlags::HOST_COHERENT;
+        match make_buffer(b, len, vk::BufferUsageFlags::TRANSFER_SRC, flags, purpose, Some(&Import { ptr, size })) {
+            Ok((buffer, memory)) => {
+                Ok(VulkanHost { buffer, memory, ptr, len, pages: Some(layout), last_copy: AtomicU64::new(0), inner: b.inner.clone() })
+            }
+            Err(e) => {
+                free();
+                Err(e)
+            }
+        }
+    }
+
+    /// Whether the bytes are this process's pages imported into Vulkan.
+    pub fn is_imported(&self) -> bool {
+        self.pages.is_some()
+    }
+
     /// A small host-visible storage buffer, mapped (the fold's accumulator).
     pub(crate) fn new_storage(b: &VulkanBackend, len: usize, purpose: &str) -> Result<(vk::Buffer, vk::DeviceMemory, *mut u32)> {
         let flags = vk::MemoryPropertyFlags::HOST_VISIBLE | vk::MemoryPropertyFlags::HOST_COHERENT;
-        let (buffer, memory) = make_buffer(b, len, vk::BufferUsageFlags::STORAGE_BUFFER, flags, purpose)?;
+        let (buffer, memory) = make_buffer(b, len, vk::BufferUsageFlags::STORAGE_BUFFER, flags, purpose, None)?;
         let dev = &b.inner.device;
         // SAFETY: host-visible memory, not mapped yet.
         match unsafe { dev.map_memory(memory, 0, vk::WHOLE_SIZE, vk::MemoryMapFlags::empty()) } {
@@ -182,11 +272,17 @@ impl Drop for VulkanHost {
             return;
         }
         let dev = &self.inner.device;
-        // SAFETY: no submission can read the buffer any more (waited above).
+        // SAFETY: no submission can read the buffer any more (waited above); imported
+        // pages are freed only after the memory object that imported them.
         unsafe {
-            dev.unmap_memory(self.memory);
+            if self.pages.is_none() {
+                dev.unmap_memory(self.memory);
+            }
             dev.destroy_buffer(self.buffer, None);
             dev.free_memory(self.memory, None);
+            if let Some(layout) = self.pages {
+                std::alloc::dealloc(self.ptr, layout);
+            }
         }
     }
 }
@@ -205,7 +301,7 @@ pub struct VulkanSlot {
 impl VulkanSlot {
     pub(crate) fn new(b: &VulkanBackend, len: usize, purpose: &str) -> Result<Self> {
         let usage = vk::BufferUsageFlags::TRANSFER_DST | vk::BufferUsageFlags::STORAGE_BUFFER;
-        let (buffer, memory) = make_buffer(b, len, usage, vk::MemoryPropertyFlags::DEVICE_LOCAL, purpose)?;
+        let (buffer, memory) = make_buffer(b, len, usage, vk::MemoryPropertyFlags::DEVICE_LOCAL, purpose, None)?;
         let mut st = lock(&b.inner.state);
         let id = st.next_slot;
         st.next_slot += 1;

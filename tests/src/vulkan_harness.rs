@@ -4,23 +4,40 @@
 //! error it reports fails the row; the backend's protocol log (which copy filled a
 //! slot, which submission read it) catches a broken ring even where the device
 //! runs every submission in order on one queue (lavapipe).
+//!
+//! Two rows: `vulkan` (host buffers the driver allocates) and `vulkan-import` (the
+//! store's own pages imported with `VK_EXT_external_memory_host`; skipped on a
+//! device without the extension).
 
 use crate::harness::{CaseError, Harness, ModelCase, Outcome};
 use crate::model::{ModelShape, TestModel, SEED};
 use offload_core::{resolve, Error, HostStore, Plan, Result, Ring};
 use offload_vulkan::fold::{reference_combine, reference_hash, FoldKernel};
-use offload_vulkan::{VulkanBackend, VulkanOptions, VulkanSlot};
+use offload_vulkan::{HostMemory, VulkanBackend, VulkanOptions, VulkanSlot};
 use std::sync::Arc;
 
 /// Rounds the fold's spin runs on every fourth fold (a late read).
 pub const SPIN_ROUNDS: u32 = 200_000;
 
-/// Vulkan on the first device with a compute queue.
-pub struct Vulkan;
+/// Vulkan on the first device with a compute queue; with `IMPORT`, host buffers
+/// are the store's own pages imported into Vulkan.
+pub struct VulkanRow<const IMPORT: bool>;
+/// The `vulkan` row: host buffers allocated by the driver.
+pub type Vulkan = VulkanRow<false>;
+/// The `vulkan-import` row: host pages imported (`VK_EXT_external_memory_host`).
+pub type VulkanImport = VulkanRow<true>;
 
-fn open() -> std::result::Result<VulkanBackend, CaseError> {
+fn open(import: bool) -> std::result::Result<VulkanBackend, CaseError> {
     let validation = std::env::var("OFFLOAD_VULKAN_VALIDATION").map_or(true, |v| v != "0");
-    match VulkanBackend::with_options(&VulkanOptions { validation, ..Default::default() }) {
+    let host_memory = if import { HostMemory::Imported } else { HostMemory::Allocated };
+    match VulkanBackend::with_options(&VulkanOptions { validation, host_memory, ..Default::default() }) {
+        // lavapipe (CI's device) offers the extension: there a fallback is a failure.
+        Ok(b) if import && b.host_memory() != HostMemory::Imported && b.device_name().contains("llvmpipe") => Err(CaseError::Fail(
+            format!("{}: host memory not imported, though lavapipe offers VK_EXT_external_memory_host", b.device_name()),
+        )),
+        Ok(b) if import && b.host_memory() != HostMemory::Imported => {
+            Err(CaseError::Skip(format!("{} has no VK_EXT_external_memory_host", b.device_name())))
+        }
         Ok(b) => {
             b.enable_checking();
             Ok(b)
@@ -38,13 +55,13 @@ fn validation(b: &VulkanBackend) -> Result<()> {
     }
 }
 
-impl Harness for Vulkan {
+impl<const IMPORT: bool> Harness for VulkanRow<IMPORT> {
     type B = VulkanBackend;
     type Acc = FoldKernel;
-    const NAME: &'static str = "vulkan";
+    const NAME: &'static str = if IMPORT { "vulkan-import" } else { "vulkan" };
 
     fn backend() -> std::result::Result<VulkanBackend, CaseError> {
-        open()
+        open(IMPORT)
     }
     fn new_acc(b: &VulkanBackend) -> Result<FoldKernel> {
         Ok(FoldKernel::new(b, SEED as u32)?.spin_every(4, SPIN_ROUNDS))
@@ -78,8 +95,44 @@ impl Harness for Vulkan {
         b.counters().syncs
     }
     fn model_cases() -> Vec<ModelCase> {
-        vec![ModelCase { name: "user_signal_release", invariant: "1,2,6", run: user_signal_release }]
+        match IMPORT {
+            false => vec![ModelCase { name: "user_signal_release", invariant: "1,2,6", run: user_signal_release::<false> }],
+            true => vec![
+                ModelCase { name: "user_signal_release", invariant: "1,2,6", run: user_signal_release::<true> },
+                ModelCase { name: "host_pages_imported", invariant: "store", run: host_pages_imported },
+            ],
+        }
     }
+}
+
+/// With imported host memory every block's buffer is this process's pages
+/// (`VulkanHost::is_imported`), holding the block's bytes, and the buffers are
+/// freed cleanly after a streamed step (validation on).
+fn host_pages_imported() -> Outcome {
+    let b = open(true)?;
+    let model = TestModel::random(&ModelShape { stacks: vec![3, 2], ..Default::default() }, 977);
+    let store = Arc::new(HostStore::build(&b, &model.inventory, &model.tensors)?);
+    for (i, blk) in store.blocks().iter().enumerate() {
+        crate::ensure!(blk.buffer.is_imported(), "block {i} ({}) is not in imported pages", blk.id);
+        crate::ensure!(blk.buffer.as_slice() == model.block_bytes(i).as_slice(), "block {i} ({}): bytes differ", blk.id);
+    }
+    let plan = resolve(&Plan::layerwise(), std::slice::from_ref(&model.inventory))?;
+    let mut ring = Ring::new(b.clone(), store, &plan.components[0])?;
+    let mut acc = VulkanImport::new_acc(&b)?;
+    let order: Vec<usize> = (0..model.len()).collect();
+    for &i in &order {
+        let g = ring.block_at(i)?;
+        let waits: Vec<_> = g.wait_token().into_iter().copied().collect();
+        let signal = acc.fold(g.slot(), g.layout().bytes, &waits)?;
+        g.finish_after(signal)?;
+    }
+    let (got, want) = (VulkanImport::read(&b, &acc)?, VulkanImport::reference(&model, &order));
+    crate::ensure!(got == want, "{got:#x} differs from the host reference {want:#x}");
+    ring.end_step()?;
+    ring.close()?;
+    let v = VulkanImport::violations(&b);
+    crate::ensure!(v.is_empty(), "{} violation(s), first: {}", v.len(), v[0]);
+    Ok(())
 }
 
 /// The explicit-submission path end to end: each block's fold waits on the
@@ -87,16 +140,16 @@ impl Harness for Vulkan {
 /// submission signals (`BlockGuard::finish_after`), not after an event the backend
 /// records; three steps at depths 1 and 2 equal the host reference, with no
 /// protocol violation and no validation error.
-fn user_signal_release() -> Outcome {
+fn user_signal_release<const IMPORT: bool>() -> Outcome {
     for depth in [1, 2] {
-        let b = open()?;
+        let b = open(IMPORT)?;
         let model = TestModel::random(&ModelShape { stacks: vec![4, 3], ..Default::default() }, 131 + depth as u64);
         let store = Arc::new(HostStore::build(&b, &model.inventory, &model.tensors)?);
         let plan = resolve(&Plan::layerwise().prefetch_depth(depth), std::slice::from_ref(&model.inventory))?;
         let mut ring = Ring::new(b.clone(), store, &plan.components[0])?;
         let order: Vec<usize> = (0..model.len()).collect();
         for step in 0..3 {
-            let mut acc = Vulkan::new_acc(&b)?;
+            let mut acc = VulkanRow::<IMPORT>::new_acc(&b)?;
             for &i in &order {
                 let g = ring.block_at(i)?;
                 let waits: Vec<_> = g.wait_token().into_iter().copied().collect();
@@ -104,13 +157,13 @@ fn user_signal_release() -> Outcome {
                 let signal = acc.fold(g.slot(), g.layout().bytes, &waits)?;
                 g.finish_after(signal)?;
             }
-            let got = Vulkan::read(&b, &acc)?;
-            let want = Vulkan::reference(&model, &order);
+            let got = VulkanRow::<IMPORT>::read(&b, &acc)?;
+            let want = VulkanRow::<IMPORT>::reference(&model, &order);
             crate::ensure!(got == want, "d={depth} step {step}: {got:#x} differs from the host reference {want:#x}");
             ring.end_step()?;
         }
         ring.close()?;
-        let v = Vulkan::violations(&b);
+        let v = VulkanRow::<IMPORT>::violations(&b);
         crate::ensure!(v.is_empty(), "d={depth}: {} violation(s), first: {}", v.len(), v[0]);
     }
     Ok(())

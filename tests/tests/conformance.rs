@@ -15,19 +15,33 @@ offload_tests::conformance_tests!(tch, offload_tests::tch_harness::Tch);
 offload_tests::conformance_tests!(tch_cuda, offload_tests::tch_harness::TchCuda);
 #[cfg(feature = "vulkan")]
 offload_tests::conformance_tests!(vulkan, offload_tests::vulkan_harness::Vulkan);
+#[cfg(feature = "vulkan")]
+offload_tests::conformance_tests!(vulkan_import, offload_tests::vulkan_harness::VulkanImport);
 
 /// The Vulkan row's sabotage table: every break caught on this machine's device
 /// (lavapipe in CI).
 #[cfg(feature = "vulkan")]
 #[test]
 fn vulkan_sabotage() {
-    let table = offload_tests::run_sabotage::<offload_tests::vulkan_harness::Vulkan>();
+    sabotage_caught::<offload_tests::vulkan_harness::Vulkan>();
+}
+
+/// The same with the store's pages imported.
+#[cfg(feature = "vulkan")]
+#[test]
+fn vulkan_import_sabotage() {
+    sabotage_caught::<offload_tests::vulkan_harness::VulkanImport>();
+}
+
+#[cfg(feature = "vulkan")]
+fn sabotage_caught<H: offload_tests::Harness>() {
+    let table = offload_tests::run_sabotage::<H>();
     if let Some(skip) = table.iter().flat_map(|r| &r.by).find(|(_, w)| w.starts_with("SKIPPED")) {
-        offload_tests::report("vulkan sabotage", Err(offload_tests::CaseError::Skip(skip.1.clone())));
+        offload_tests::report(&format!("{} sabotage", H::NAME), Err(offload_tests::CaseError::Skip(skip.1.clone())));
         return;
     }
     for row in &table {
-        assert!(row.caught, "vulkan: {:?} was not caught (passed: {:?})", row.sabotage, row.missed_by);
+        assert!(row.caught, "{}: {:?} was not caught (passed: {:?})", H::NAME, row.sabotage, row.missed_by);
     }
 }
 
@@ -79,4 +93,10 @@ fn tch_cuda_backend_cases() {
 #[test]
 fn vulkan_backend_cases() {
     backend_cases::<offload_tests::vulkan_harness::Vulkan>(1);
+}
+
+#[cfg(feature = "vulkan")]
+#[test]
+fn vulkan_import_backend_cases() {
+    backend_cases::<offload_tests::vulkan_harness::VulkanImport>(2);
 }

@@ -24,6 +24,8 @@ fn suite(backend: &str) -> Option<Row> {
         "tch-cuda" => Some(run_suite::<offload_tests::tch_harness::TchCuda>()),
         #[cfg(feature = "vulkan")]
         "vulkan" => Some(run_suite::<offload_tests::vulkan_harness::Vulkan>()),
+        #[cfg(feature = "vulkan")]
+        "vulkan-import" => Some(run_suite::<offload_tests::vulkan_harness::VulkanImport>()),
         _ => None,
     }
 }
@@ -43,6 +45,8 @@ fn sabotage(backend: &str) -> Option<Vec<SabotageOutcome>> {
         "tch-cuda" => Some(run_sabotage::<offload_tests::tch_harness::TchCuda>()),
         #[cfg(feature = "vulkan")]
         "vulkan" => Some(run_sabotage::<offload_tests::vulkan_harness::Vulkan>()),
+        #[cfg(feature = "vulkan")]
+        "vulkan-import" => Some(run_sabotage::<offload_tests::vulkan_harness::VulkanImport>()),
         _ => None,
     }
 }
@@ -96,7 +100,9 @@ fn main() {
     let mut i = 0;
     while i < args.len() {
         match (args[i].as_str(), args.get(i + 1)) {
-            ("--backend", Some(b)) if b == "all" => backends = ["sim", "cuda", "candle", "tch", "vulkan"].map(String::from).to_vec(),
+            ("--backend", Some(b)) if b == "all" => {
+                backends = ["sim", "cuda", "candle", "tch", "vulkan", "vulkan-import"].map(String::from).to_vec()
+            }
             ("--backend", Some(b)) => backends = b.split(',').map(String::from).collect(),
             ("--json", Some(p)) => json = Some(p.clone()),
             ("--sabotage", Some(p)) => sabotage_json = Some(p.clone()),

@@ -1,5 +1,6 @@
 //! `vulkan-bench --out PATH [--commit C] [--blocks N] [--block-mib M] [--steps S]
-//! [--host-cached] [--copy-queue transfer|second-compute|compute] [--copy-chunk-mib C]`:
+//! [--host-cached] [--copy-queue transfer|second-compute|compute] [--copy-chunk-mib C]
+//! [--host-memory allocated|imported]`:
 //! the Vulkan backend on this machine's GPU, one process's run.
 //!
 //! - Transfer bandwidth: every block copied from host-visible memory into one slot
@@ -86,10 +87,15 @@ fn run() -> Res<()> {
         },
         host_cached: args.iter().any(|a| a == "--host-cached"),
         copy_chunk_bytes: arg(&args, "--copy-chunk-mib").and_then(|v| v.parse::<u64>().ok()).map(|m| m << 20),
+        host_memory: match arg(&args, "--host-memory").as_deref() {
+            None | Some("allocated") => offload_vulkan::HostMemory::Allocated,
+            Some("imported") => offload_vulkan::HostMemory::Imported,
+            Some(other) => return Err(format!("--host-memory {other}: allocated or imported")),
+        },
         ..Default::default()
     };
     let vk = VulkanBackend::with_options(&options).map_err(|e| e.to_string())?;
-    eprintln!("vulkan device: {} (transfer queue: {})", vk.device_name(), vk.has_transfer_queue());
+    eprintln!("vulkan device: {} (transfer queue: {}, host memory: {:?})", vk.device_name(), vk.has_transfer_queue(), vk.host_memory());
     let t0 = Instant::now();
     let store = Arc::new(HostStore::build(&vk, &inventory, &tensors).map_err(|e| e.to_string())?);
     eprintln!("host store: {:.1} GiB in {:.1} s", total / (1u64 << 30) as f64, t0.elapsed().as_secs_f64());
@@ -178,7 +184,7 @@ fn run() -> Res<()> {
     let doc = serde_json::json!({
         "date": std::env::var("BENCH_DATE").unwrap_or_default(), "commit": commit, "gpu": vk.device_name(),
         "backend": "vulkan", "model": format!("{blocks} blocks of {mib} MiB (random bytes), spin + fold per block"),
-        "options": {"copy_queue": format!("{:?}", options.copy_queue), "copy_family": vk.copy_family(), "host_cached": options.host_cached, "copy_chunk_bytes": options.copy_chunk_bytes},
+        "options": {"copy_queue": format!("{:?}", options.copy_queue), "copy_family": vk.copy_family(), "host_cached": options.host_cached, "copy_chunk_bytes": options.copy_chunk_bytes, "host_memory": format!("{:?}", vk.host_memory())},
         "bandwidth_gbps": bandwidth / 1e9, "cuda_bandwidth_gbps": cuda_bandwidth.map(|b| b / 1e9),
         "bandwidth_ratio_to_cuda": cuda_bandwidth.map(|c| bandwidth / c), "cases": cases,
     });

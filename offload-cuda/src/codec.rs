@@ -28,26 +28,42 @@ typedef unsigned int u32;
 typedef unsigned long long u64;
 #define CHUNK 1024
 #define BITS 12
-#define TILE 32
+#define TILE 64
+#define ROW (TILE + 4)
 #define WARPS 4
 // One thread per chunk, 32 chunks per warp, WARPS warps per block (the launch's
-// 128 threads). In tiles of 32 values: each lane decodes the next 32 exponents of
+// 128 threads). In tiles of 64 values: each lane decodes the next 64 exponents of
 // its own chunk into its row of a shared tile (serial: a chunk is one bit
-// stream), then the warp writes the tile chunk by chunk, lane l taking value l, so
-// the sign-mantissa reads and the output writes are coalesced (64 bytes per warp
-// store) where one thread per chunk writing its own chunk touched 32 lines at once.
+// stream), then the warp writes the tile chunk by chunk, lane l taking values 2l
+// and 2l + 1, so the sign-mantissa reads (64 bytes a row) and the output writes
+// (one 128-byte line a row, 4-byte stores) are coalesced; the rows' loads are
+// issued four at a time before their stores.
+// A lane refills its bit window 32 bits at a time from aligned words of the
+// stream (the stream starts 4-aligned in `enc`, and the upload pads `enc` to
+// whole words), bytes outside its chunk's [from, to) read as 0.
 // `offsets` (at offsets_at in enc) holds chunks + 1 byte offsets into the stream;
 // `table` maps the next BITS bits to exponent | length << 8; `err` collects
 // 1 (no code matches) and 2 (a chunk's codes do not fill its bytes).
-extern "C" __global__ void exp_decode(const u8* enc, u64 stream_at, u64 offsets_at, u32 chunks, u64 sm_at, u64 n,
-                                      const u16* table, u16* out, u32* err) {
-    const u8* stream = enc + stream_at;
+// A word's bytes before `from` (the first word's) sit above the window and are
+// never looked at; bytes from `to` on read as 0, as the CPU decoder reads them.
+__device__ __forceinline__ u32 word_be(const u32* __restrict__ words, u32 i, u32 to) {
+    u32 start = i << 2;
+    if (start >= to) return 0;
+    // Big-endian: the stream's first byte in the top bits.
+    u32 w = __byte_perm(__ldg(words + i), 0, 0x0123);
+    if (to - start < 4) w &= ~(0xffffffffu >> (8 * (to - start)));
+    return w;
+}
+
+extern "C" __global__ void exp_decode(const u8* __restrict__ enc, u64 stream_at, u64 offsets_at, u32 chunks, u64 sm_at, u64 n,
+                                      const u16* __restrict__ table, u16* __restrict__ out, u32* err) {
+    const u32* words = (const u32*)(enc + stream_at);
     const u32* offsets = (const u32*)(enc + offsets_at);
     const u8* sm = enc + sm_at;
     __shared__ u16 t[1 << BITS];
-    // One word per exponent, rows of 33 words: lane l writing word j of its row and
-    // lane l reading word l of row r both touch 32 different banks.
-    __shared__ u32 tile[WARPS][32 * (TILE + 1)];
+    // One byte per exponent, rows of ROW bytes (17 words: lane l's byte j and
+    // lane l's pair of row r fall in different banks across the warp).
+    __shared__ u8 tile[WARPS][32 * ROW];
     for (u32 i = threadIdx.x; i < (1u << BITS); i += blockDim.x) t[i] = table[i];
     __syncthreads();
     u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -57,34 +73,52 @@ extern "C" __global__ void exp_decode(const u8* enc, u64 stream_at, u64 offsets_
     u32 from = have ? offsets[c] : 0, to = have ? offsets[c + 1] : 0;
     u64 base = (u64)c * CHUNK;
     u32 values = have ? (n - base < CHUNK ? (u32)(n - base) : CHUNK) : 0;
-    u64 acc = 0;
-    u32 bits = 0, next = from, used = 0;
+    u32 next = from >> 2;
+    u64 acc = word_be(words, next++, to);
+    u32 bits = 32 - 8 * (from & 3), used = 0;
     bool bad = false;
-    u32* e = tile[warp];
+    u8* e = tile[warp];
     for (u32 k0 = 0; k0 < CHUNK; k0 += TILE) {
         for (u32 j = 0; j < TILE && !bad && k0 + j < values; ++j) {
-            while (bits < BITS) {
-                acc = (acc << 8) | (next < to ? stream[next] : 0);
-                ++next;
-                bits += 8;
+            if (bits < BITS) {
+                acc = (acc << 32) | word_be(words, next++, to);
+                bits += 32;
             }
-            u16 x = t[(acc >> (bits - BITS)) & ((1u << BITS) - 1)];
+            u16 x = t[(u32)(acc >> (bits - BITS)) & ((1u << BITS) - 1)];
             u32 len = x >> 8;
             if (len == 0) { bad = true; atomicOr(err, 1u); break; }
             bits -= len;
             used += len;
-            e[lane * (TILE + 1) + j] = x & 0xff;
+            e[lane * ROW + j] = (u8)x;
         }
         __syncwarp();
-        for (u32 r = 0; r < 32; ++r) {
-            u32 cc = first + r;
-            if (cc >= chunks) break;
-            u64 b = (u64)cc * CHUNK;
-            u32 vals = n - b < CHUNK ? (u32)(n - b) : CHUNK;
-            u32 k = k0 + lane;
-            if (k < vals) {
-                u16 s = sm[b + k];
-                out[b + k] = (u16)((s & 0x80) << 8) | (u16)(e[r * (TILE + 1) + lane] << 7) | (u16)(s & 0x7f);
+        u32 k = k0 + 2 * lane;
+        for (u32 r0 = 0; r0 < 32; r0 += 4) {
+            u32 s[4], vals[4];
+#pragma unroll
+            for (u32 q = 0; q < 4; ++q) {
+                u32 cc = first + r0 + q;
+                u64 b = (u64)cc * CHUNK;
+                vals[q] = cc < chunks ? (n - b < CHUNK ? (u32)(n - b) : CHUNK) : 0;
+                u32 lo = k < vals[q] ? __ldg(sm + b + k) : 0;
+                u32 hi = k + 1 < vals[q] ? __ldg(sm + b + k + 1) : 0;
+                s[q] = lo | hi << 8;
+            }
+#pragma unroll
+            for (u32 q = 0; q < 4; ++q) {
+                if (k >= vals[q]) continue;
+                u32 r = r0 + q;
+                u64 b = (u64)(first + r) * CHUNK;
+                u32 ex = e[r * ROW + 2 * lane], ey = e[r * ROW + 2 * lane + 1];
+                u32 lo = ((s[q] & 0x80) << 8) | (ex << 7) | (s[q] & 0x7f);
+                if (k + 1 < vals[q]) {
+                    u32 sh = s[q] >> 8;
+                    u32 hi = ((sh & 0x80) << 8) | (ey << 7) | (sh & 0x7f);
+                    // b + k is even and `out` 256-aligned: a 4-byte store.
+                    *(u32*)(out + b + k) = lo | hi << 16;
+                } else {
+                    out[b + k] = (u16)lo;
+                }
             }
         }
         __syncwarp();
@@ -143,7 +177,17 @@ impl ExponentDecoder {
             Some(1) => (None, Some(coded_layout(enc, len, what)?)),
             _ => return Err(damaged(what, "unknown mode")),
         };
-        let bytes = raw.unwrap_or(enc);
+        // A coded string padded to whole 32-bit words: the kernel reads its stream a
+        // word at a time, and the last word may reach past the string's end.
+        let padded: Vec<u8>;
+        let bytes = match raw {
+            Some(body) => body,
+            None if enc.len() % 4 != 0 => {
+                padded = enc.iter().copied().chain(std::iter::repeat_n(0, 4 - enc.len() % 4)).collect();
+                &padded
+            }
+            None => enc,
+        };
         let table: &[u16] = l.as_ref().map(|l| l.table.as_slice()).unwrap_or(&[0]);
         debug_assert!(l.as_ref().is_none_or(|l| l.table.len() == 1 << MAX_CODE_BITS));
         Ok(DeviceCoded {
@@ -184,11 +228,14 @@ impl ExponentDecoder {
         if n == 0 {
             return Ok(());
         }
+        if stream % 4 != 0 || coded.enc.len() % 4 != 0 {
+            return Err(damaged(&coded.what, "a stream not aligned to whole words"));
+        }
         // 32 chunks per warp, 4 warps (the kernel's WARPS: its shared tiles are sized for it).
         let threads = 128u32;
         let cfg = LaunchConfig { grid_dim: (chunks.div_ceil(threads), 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
         debug_assert_eq!(CHUNK_VALUES, 1024);
-        // SAFETY: `coded.enc` holds the whole string, whose offset table, stream and sign-mantissa bytes `coded_layout` checked lie inside it (offsets monotone within the stream, exactly `n` sign-mantissa bytes, `chunks` = ⌈n / 1024⌉; the offset table starts at byte 284 of a 256-aligned allocation, so its u32s are aligned); `out` holds 2 × `n` bytes (checked above), the table 2^MAX_CODE_BITS entries, the flag one u32; every one of them was allocated on `s`, this kernel's stream (checked above), and a `CudaSlice` frees on its own stream, so no free can run before this kernel ends.
+        // SAFETY: `coded.enc` holds the whole string, whose offset table, stream and sign-mantissa bytes `coded_layout` checked lie inside it (offsets monotone within the stream, exactly `n` sign-mantissa bytes, `chunks` = ⌈n / 1024⌉; the offset table starts at byte 284 of a 256-aligned allocation, so its u32s are aligned, and so does the stream, read as aligned words (its offset a multiple of 4, checked above), every word that holds one of its bytes inside the allocation (padded to whole words by `upload`, checked above)); `out` holds 2 × `n` bytes (checked above; 256-aligned, so the kernel's 4-byte stores at even values are aligned), the table 2^MAX_CODE_BITS entries, the flag one u32; every one of them was allocated on `s`, this kernel's stream (checked above), and a `CudaSlice` frees on its own stream, so no free can run before this kernel ends.
         unsafe {
             s.launch_builder(&self.decode)
                 .arg(&coded.enc)
@@ -269,6 +316,76 @@ mod tests {
             ((x >> 11) as f64 + 0.5) / (1u64 << 53) as f64
         };
         (0..n).map(|_| ((-2.0 * u().ln()).sqrt() * (std::f64::consts::TAU * u()).cos()) as f32 * sd).collect()
+    }
+
+    /// The kernel's per-lane loop mirrored line by line on the CPU (no GPU
+    /// needed): the window refilled 32 bits at a time from aligned words of the
+    /// padded string, bytes outside a chunk's range read as 0, tiles of 64 — its
+    /// exponents and sign-mantissa bytes equal the input on every case, every
+    /// chunk start alignment included. A mirror, not the kernel: the GPU test
+    /// below runs the kernel itself.
+    #[test]
+    fn the_kernels_word_refill_decodes_like_the_cpu() {
+        const BITS: u32 = MAX_CODE_BITS;
+        let cases: Vec<Vec<u8>> = vec![
+            bf16s(normal(9000, 0.02, 7)),
+            bf16s((0..3000).map(|i| 1.0 + (i % 128) as f32 / 128.0)),
+            bf16s(normal(3 * 1024 + 17, 0.5, 3)),
+            bf16s(normal(1025, 3.0, 9)),
+        ];
+        for (ci, raw) in cases.iter().enumerate() {
+            let enc = encode_bf16(raw);
+            assert_eq!(enc[4], 1, "case {ci} is coded");
+            let l = coded_layout(&enc, raw.len(), "case").unwrap();
+            assert_eq!(l.stream_at % 4, 0, "the stream starts on a word");
+            let mut padded = enc.clone();
+            padded.resize(enc.len().next_multiple_of(4), 0);
+            let word = |i: usize| u32::from_le_bytes(padded[l.stream_at + 4 * i..l.stream_at + 4 * i + 4].try_into().unwrap());
+            let off = |c: usize| u32::from_le_bytes(enc[l.offsets_at + 4 * c..l.offsets_at + 4 * c + 4].try_into().unwrap());
+            let n = raw.len() / 2;
+            let mut starts = std::collections::HashSet::new();
+            for c in 0..l.chunks {
+                let (from, to) = (off(c), off(c + 1));
+                starts.insert(from % 4);
+                let word_be = |i: u32| -> u32 {
+                    let start = i << 2;
+                    if start >= to {
+                        return 0;
+                    }
+                    let mut w = word(i as usize).swap_bytes();
+                    if to - start < 4 {
+                        w &= !(0xffff_ffffu32 >> (8 * (to - start)));
+                    }
+                    w
+                };
+                let values = (n - c * CHUNK_VALUES).min(CHUNK_VALUES);
+                let mut next = from >> 2;
+                let mut acc = u64::from(word_be(next));
+                next += 1;
+                let (mut bits, mut used) = (32 - 8 * (from & 3), 0u32);
+                for k in 0..values {
+                    if bits < BITS {
+                        acc = (acc << 32) | u64::from(word_be(next));
+                        next += 1;
+                        bits += 32;
+                    }
+                    let x = l.table[((acc >> (bits - BITS)) as usize) & ((1 << BITS) - 1)];
+                    let len = u32::from(x >> 8);
+                    assert!(len > 0, "case {ci} chunk {c} value {k}: no code");
+                    bits -= len;
+                    used += len;
+                    let v = c * CHUNK_VALUES + k;
+                    let want = u16::from_le_bytes([raw[2 * v], raw[2 * v + 1]]);
+                    let sm = enc[l.sm_at + v];
+                    let got = (u16::from(sm & 0x80) << 8) | ((x & 0xff) << 7) | u16::from(sm & 0x7f);
+                    assert_eq!(got, want, "case {ci} chunk {c} value {k}");
+                }
+                assert_eq!(used.div_ceil(8), to - from, "case {ci} chunk {c}: its codes fill its bytes");
+            }
+            if ci == 0 {
+                assert_eq!(starts.len(), 4, "chunks start at every offset within a word: {starts:?}");
+            }
+        }
     }
 
     /// On a GPU: every input decodes to its exact bytes, as on the CPU; damage the

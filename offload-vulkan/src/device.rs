@@ -325,18 +325,34 @@ impl VulkanBackend {
             HostMemory::Allocated => None,
             HostMemory::Imported => {
                 // SAFETY: queries of a live physical device.
-                let offered = unsafe { instance.enumerate_device_extension_properties(phys) }
-                    .unwrap_or_default()
-                    .iter()
-                    .any(|e| e.extension_name_as_c_str() == Ok(ash::ext::external_memory_host::NAME));
+                let offered = match unsafe { instance.enumerate_device_extension_properties(phys) } {
+                    Ok(exts) => exts.iter().any(|e| e.extension_name_as_c_str() == Ok(ash::ext::external_memory_host::NAME)),
+                    Err(e) => {
+                        tracing::warn!("{name}: vkEnumerateDeviceExtensionProperties failed ({e}); host memory not imported");
+                        false
+                    }
+                };
+                // Importable into a transfer-source buffer, and not only as a dedicated allocation.
+                let host = vk::ExternalMemoryHandleTypeFlags::HOST_ALLOCATION_EXT;
+                let info = vk::PhysicalDeviceExternalBufferInfo::default().usage(vk::BufferUsageFlags::TRANSFER_SRC).handle_type(host);
+                let mut ext_props = vk::ExternalBufferProperties::default();
                 if offered {
+                    // SAFETY: as above; `ext_props` outlives the call.
+                    unsafe { instance.get_physical_device_external_buffer_properties(phys, &info, &mut ext_props) };
+                }
+                let f = ext_props.external_memory_properties.external_memory_features;
+                let importable =
+                    f.contains(vk::ExternalMemoryFeatureFlags::IMPORTABLE) && !f.contains(vk::ExternalMemoryFeatureFlags::DEDICATED_ONLY);
+                if offered && importable {
                     let mut host = vk::PhysicalDeviceExternalMemoryHostPropertiesEXT::default();
                     let mut props = vk::PhysicalDeviceProperties2::default().push_next(&mut host);
                     // SAFETY: as above; `host` outlives the call.
                     unsafe { instance.get_physical_device_properties2(phys, &mut props) };
                     Some((host.min_imported_host_pointer_alignment as usize).max(4096))
                 } else {
-                    tracing::warn!("{name}: no VK_EXT_external_memory_host; host buffers are allocated by the driver");
+                    tracing::warn!(
+                        "{name}: host pages not importable into a transfer buffer (VK_EXT_external_memory_host offered: {offered}, features {f:?}); host buffers are allocated by the driver"
+                    );
                     None
                 }
             }

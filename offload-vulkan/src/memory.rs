@@ -20,6 +20,33 @@ struct Import {
     size: usize,
 }
 
+impl Import {
+    /// # Safety
+    ///
+    /// `ptr` is a live allocation of `size` bytes, both multiples of the device's
+    /// `minImportedHostPointerAlignment`, that stays allocated until the memory
+    /// object importing it is freed.
+    unsafe fn new(ptr: *mut u8, size: usize) -> Self {
+        Import { ptr, size }
+    }
+}
+
+/// Page-aligned host memory of this process, freed on drop (an error, or a panic
+/// in the store's `fill`, before it is imported; after its memory object is
+/// freed once imported).
+struct Pages {
+    ptr: *mut u8,
+    layout: std::alloc::Layout,
+}
+
+impl Drop for Pages {
+    fn drop(&mut self) {
+        // SAFETY: allocated with `layout` by `VulkanHost::imported`; whoever owns the
+        // pages drops them only once no memory object imports them.
+        unsafe { std::alloc::dealloc(self.ptr, self.layout) }
+    }
+}
+
 /// A buffer and its memory, made together, destroyed together on failure. With
 /// `import`, the memory is those host pages (of a type they allow, `flags` preferred).
 fn make_buffer(
@@ -59,7 +86,7 @@ fn make_buffer(
         (Some(im), Some((ext, _))) => {
             let mut props = vk::MemoryHostPointerPropertiesEXT::default();
             // SAFETY: `im.ptr` is a live allocation of `im.size` bytes, aligned as the
-            // device asks (`VulkanHost::new`); `props` outlives the call.
+            // device asks (`Import::new`'s contract); `props` outlives the call.
             let r = unsafe { (ext.fp().get_memory_host_pointer_properties_ext)(dev.handle(), host, im.ptr.cast(), &mut props) };
             if r != vk::Result::SUCCESS {
                 destroy();
@@ -76,13 +103,12 @@ fn make_buffer(
             return Err(Error::unsupported("vulkan", format!("imported host memory for {purpose}: VK_EXT_external_memory_host is off")));
         }
     };
-    let ty = match import {
-        None => b.memory_type(bits, flags),
-        Some(_) => b.memory_type(bits, flags).or_else(|| b.memory_type(bits, vk::MemoryPropertyFlags::empty())),
-    };
-    let Some(ty) = ty else {
+    let Some(ty) = b.memory_type(bits, flags) else {
         destroy();
-        return Err(Error::unsupported("vulkan", format!("no memory type with {flags:?} for {purpose}")));
+        return Err(Error::unsupported(
+            "vulkan",
+            format!("no memory type with {flags:?} for {purpose} (allowed types {bits:#b}, the buffer's {:#b})", req.memory_type_bits),
+        ));
     };
     let mut imported = vk::ImportMemoryHostPointerInfoEXT::default().handle_type(host);
     let mut ai = vk::MemoryAllocateInfo::default().allocation_size(alloc_size).memory_type_index(ty);
@@ -97,6 +123,12 @@ fn make_buffer(
         Err(e) => {
             destroy();
             return Err(match e {
+                _ if import.is_some() => Error::HostAlloc {
+                    backend: "vulkan".into(),
+                    requested: alloc_size,
+                    purpose: purpose.into(),
+                    reason: format!("importing host pages (vkAllocateMemory): {e}"),
+                },
                 vk::Result::ERROR_OUT_OF_DEVICE_MEMORY | vk::Result::ERROR_OUT_OF_HOST_MEMORY => {
                     let free = offload_core::OffloadBackend::memory_info(b).map(|m| m.free).unwrap_or(0);
                     Error::OutOfDeviceMemory { backend: "vulkan".into(), requested: req.size, free, purpose: purpose.into() }
@@ -124,8 +156,8 @@ pub struct VulkanHost {
     memory: vk::DeviceMemory,
     ptr: *mut u8,
     len: usize,
-    /// The imported pages' allocation (freed after the memory object), if imported.
-    pages: Option<std::alloc::Layout>,
+    /// The imported pages (freed after the memory object, when the fields drop), if imported.
+    pages: Option<Pages>,
     /// The copy-timeline value of the last copy that reads it.
     last_copy: AtomicU64,
     inner: Arc<Inner>,
@@ -177,32 +209,27 @@ impl VulkanHost {
     /// sized to `align`, imported as the buffer's memory.
     fn imported(b: &VulkanBackend, len: usize, align: usize, purpose: &str, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<Self> {
         let size = len.max(4).next_multiple_of(align);
-        let layout = std::alloc::Layout::from_size_align(size, align)
-            .map_err(|e| Error::device("vulkan", purpose, format!("host pages of {size} bytes aligned to {align}: {e}")))?;
+        let host_alloc =
+            |reason: String| Error::HostAlloc { backend: "vulkan".into(), requested: size as u64, purpose: purpose.into(), reason };
+        let layout = std::alloc::Layout::from_size_align(size, align).map_err(|e| host_alloc(format!("pages aligned to {align}: {e}")))?;
         // SAFETY: `layout` has a non-zero size.
         let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
         if ptr.is_null() {
-            return Err(Error::device("vulkan", purpose, format!("no host memory for {size} bytes")));
+            return Err(host_alloc("the allocator returned no memory".into()));
         }
-        let free = || {
-            // SAFETY: allocated above with `layout`, not imported (or its memory freed).
-            unsafe { std::alloc::dealloc(ptr, layout) }
-        };
-        // SAFETY: `size` ≥ `len` zeroed bytes, owned here alone until imported.
-        if let Err(e) = fill(unsafe { std::slice::from_raw_parts_mut(ptr, len) }) {
-            free();
-            return Err(e);
+        let pages = Pages { ptr, layout };
+        if len > 0 {
+            // SAFETY: `size` ≥ `len` zeroed bytes, owned here alone until imported.
+            fill(unsafe { std::slice::from_raw_parts_mut(ptr, len) })?;
         }
         let flags = vk::MemoryPropertyFlags::HOST_VISIBLE | vk::MemoryPropertyFlags::HOST_COHERENT;
-        match make_buffer(b, len, vk::BufferUsageFlags::TRANSFER_SRC, flags, purpose, Some(&Import { ptr, size })) {
-            Ok((buffer, memory)) => {
-                Ok(VulkanHost { buffer, memory, ptr, len, pages: Some(layout), last_copy: AtomicU64::new(0), inner: b.inner.clone() })
-            }
-            Err(e) => {
-                free();
-                Err(e)
-            }
-        }
+        // SAFETY: `pages` is `size` bytes aligned to `align` (a multiple of the
+        // device's import alignment), kept by the `VulkanHost` made below, whose drop
+        // frees the memory object before the pages (or by this function, which
+        // frees them on an error, when `make_buffer` has freed what it made).
+        let import = unsafe { Import::new(ptr, size) };
+        let (buffer, memory) = make_buffer(b, len, vk::BufferUsageFlags::TRANSFER_SRC, flags, purpose, Some(&import))?;
+        Ok(VulkanHost { buffer, memory, ptr, len, pages: Some(pages), last_copy: AtomicU64::new(0), inner: b.inner.clone() })
     }
 
     /// Whether the bytes are this process's pages imported into Vulkan.
@@ -269,20 +296,20 @@ impl Drop for VulkanHost {
         // A copy from this buffer may still be queued: wait for it (teardown only).
         if let Err(e) = b.wait_value(Timeline::Copy, last, "dropping a host buffer") {
             tracing::warn!("a {}-byte Vulkan host buffer is leaked: {e}", self.len);
+            // A copy may still read imported pages: they are leaked with it.
+            std::mem::forget(self.pages.take());
             return;
         }
         let dev = &self.inner.device;
         // SAFETY: no submission can read the buffer any more (waited above); imported
-        // pages are freed only after the memory object that imported them.
+        // pages (`self.pages`) are freed after this body, once the memory object
+        // that imported them is gone.
         unsafe {
             if self.pages.is_none() {
                 dev.unmap_memory(self.memory);
             }
             dev.destroy_buffer(self.buffer, None);
             dev.free_memory(self.memory, None);
-            if let Some(layout) = self.pages {
-                std::alloc::dealloc(self.ptr, layout);
-            }
         }
     }
 }

@@ -72,9 +72,21 @@ pub struct SabotageOutcome {
 /// Run every ring break of [`Sabotage::ALL`](offload_core::ring::Sabotage::ALL)
 /// against the cases of harness `H` that guard the broken invariant. A break is
 /// caught when at least one of them fails. A skip (no device) is reported as not
-/// caught, with why.
+/// caught, with why; so is a row whose backend does not open (its cases would
+/// all fail for that reason alone, which is not catching a break).
 pub fn run_sabotage<H: Harness>() -> Vec<SabotageOutcome> {
     use offload_core::ring::Sabotage;
+    let unopened = match H::backend() {
+        Ok(_) => None,
+        Err(CaseError::Skip(why)) => Some(format!("SKIPPED: {why}")),
+        Err(CaseError::Fail(why)) => Some(format!("the backend did not open: {why}")),
+    };
+    if let Some(why) = unopened {
+        return Sabotage::ALL
+            .iter()
+            .map(|&sabotage| SabotageOutcome { sabotage, caught: false, by: vec![("backend", why.clone())], missed_by: Vec::new() })
+            .collect();
+    }
     Sabotage::ALL
         .iter()
         .map(|&sabotage| {

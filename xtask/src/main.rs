@@ -175,6 +175,7 @@ fn conformance(args: &[String]) -> Result<(), String> {
         .map(|b| if b == "vulkan-import" { "vulkan" } else { b })
         .filter(|b| matches!(*b, "cuda" | "candle" | "tch" | "tch-cuda" | "vulkan"))
         .collect();
+    features.sort_unstable();
     features.dedup();
     if backend == "all" || features.iter().any(|f| f.starts_with("tch")) {
         ensure_libtorch()?;

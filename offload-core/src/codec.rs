@@ -489,6 +489,187 @@ fn decode_coded(enc: &[u8], out: &mut [u8], what: &str) -> Result<()> {
     Ok(())
 }
 
+/// Magic of a block coded for a device decoder ([`code_for_device`]).
+const DEVICE_MAGIC: &[u8; 4] = b"OFD1";
+/// Header of a device block: magic, segment count (`u32`), original length (`u64`).
+const DEVICE_HEADER: usize = 16;
+/// Bytes per segment descriptor: `out_at`, `enc_at`, `enc_len`, `table_at` (`u64` each).
+const DEVICE_DESC: usize = 32;
+/// Where each segment's string and table start in a device block.
+const DEVICE_ALIGN: usize = 256;
+
+/// One segment of a device block ([`device_segments`]): where its output goes in
+/// the block, where its [`encode_bf16`] string sits in the coded bytes and, for a
+/// coded string, where its lookup table sits and how the string is laid out.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeviceSegment {
+    /// Offset of the segment's bytes in the block (a multiple of 4).
+    pub out_at: usize,
+    /// Length of the segment's bytes.
+    pub out_len: usize,
+    /// Offset of its string in the coded bytes (a multiple of 256).
+    pub enc_at: usize,
+    /// Length of the string, zero padding to whole 32-bit words included.
+    pub enc_len: usize,
+    /// A coded string's lookup table (`2^MAX_CODE_BITS` little-endian `u16`s, at a
+    /// multiple of 256) and layout (offsets relative to `enc_at`); `None` for a raw one.
+    pub coded: Option<(usize, CodedLayout)>,
+}
+
+/// Code a block's bytes for a decoder on another device: cut into segments of at
+/// most `segment_bytes` (rounded down to a multiple of 4, at least 4), each
+/// encoded by [`encode_bf16`] on up to `threads` host threads, laid out with its
+/// lookup table so that one copy of the result is all the device needs.
+///
+/// | bytes | field |
+/// | --- | --- |
+/// | 4 | magic `OFD1` |
+/// | 4 | segments `s` |
+/// | 8 | length of the original bytes |
+/// | 32 × s | per segment: `out_at`, `enc_at`, `enc_len`, `table_at` (0 for a raw string), `u64` each |
+/// | … | each string at a multiple of 256, zero-padded to whole 32-bit words; each coded string's table at a multiple of 256 |
+pub fn code_for_device(raw: &[u8], segment_bytes: usize, threads: usize) -> Vec<u8> {
+    let seg = (segment_bytes / 4 * 4).max(4);
+    let pieces: Vec<&[u8]> = raw.chunks(seg).collect();
+    let threads = threads.clamp(1, pieces.len().max(1));
+    let mut strings: Vec<Vec<u8>> = vec![Vec::new(); pieces.len()];
+    std::thread::scope(|scope| {
+        let per = pieces.len().div_ceil(threads);
+        let handles: Vec<_> = pieces
+            .chunks(per.max(1))
+            .enumerate()
+            .map(|(t, group)| scope.spawn(move || (t * per, group.iter().map(|p| encode_bf16(p)).collect::<Vec<_>>())))
+            .collect();
+        for h in handles {
+            // An encoder thread that panicked takes the caller down with it.
+            let (first, encoded) = h.join().unwrap_or_else(|e| std::panic::resume_unwind(e));
+            for (i, e) in encoded.into_iter().enumerate() {
+                strings[first + i] = e;
+            }
+        }
+    });
+    let mut out = Vec::new();
+    out.extend_from_slice(DEVICE_MAGIC);
+    out.extend_from_slice(&(pieces.len() as u32).to_le_bytes());
+    out.extend_from_slice(&(raw.len() as u64).to_le_bytes());
+    let desc_at = out.len();
+    out.resize(desc_at + DEVICE_DESC * pieces.len(), 0);
+    for (i, enc) in strings.iter().enumerate() {
+        out.resize(out.len().next_multiple_of(DEVICE_ALIGN), 0);
+        let enc_at = out.len();
+        out.extend_from_slice(enc);
+        out.resize(out.len().next_multiple_of(4), 0);
+        let enc_len = out.len() - enc_at;
+        let table_at = if enc[4] == 1 {
+            // The table a coded string decodes with (its own, checked to build).
+            let len = decoded_len(enc, "segment").unwrap_or(0);
+            let table = coded_layout(enc, len, "segment").map(|l| l.table).unwrap_or_default();
+            out.resize(out.len().next_multiple_of(DEVICE_ALIGN), 0);
+            let at = out.len();
+            out.extend(table.iter().flat_map(|e| e.to_le_bytes()));
+            at
+        } else {
+            0
+        };
+        let d = desc_at + DEVICE_DESC * i;
+        for (k, v) in [i * seg, enc_at, enc_len, table_at].into_iter().enumerate() {
+            out[d + 8 * k..d + 8 * k + 8].copy_from_slice(&(v as u64).to_le_bytes());
+        }
+    }
+    out
+}
+
+/// The original length and the segments of a device block ([`code_for_device`]),
+/// every structural check made: segments in order, tiling the block, each output
+/// 4-aligned, each string inside the bytes at a multiple of 256 and whole words
+/// long, of the segment's length, and each coded string's layout and stored
+/// table as its header says. What a device decoder launches from; `what` names
+/// the block in errors.
+pub fn device_segments(coded: &[u8], what: &str) -> Result<(usize, Vec<DeviceSegment>)> {
+    if coded.get(..4) != Some(DEVICE_MAGIC.as_slice()) {
+        return Err(damaged(what, "no OFD1 magic"));
+    }
+    let s = u32_at(coded, 4, what)? as usize;
+    let len = usize::try_from(u64_at(coded, 8, what)?).map_err(|_| damaged(what, "length does not fit this machine"))?;
+    if s.checked_mul(DEVICE_DESC).and_then(|d| d.checked_add(DEVICE_HEADER)).is_none_or(|end| end > coded.len()) {
+        return Err(damaged(what, format!("{s} segments do not fit {} bytes", coded.len())));
+    }
+    let field = |i: usize, k: usize| -> Result<usize> {
+        usize::try_from(u64_at(coded, DEVICE_HEADER + DEVICE_DESC * i + 8 * k, what)?).map_err(|_| damaged(what, "offset too large"))
+    };
+    let mut segs = Vec::with_capacity(s);
+    let mut at = 0usize;
+    for i in 0..s {
+        let w = format!("{what}, segment {i}");
+        let (out_at, enc_at, enc_len, table_at) = (field(i, 0)?, field(i, 1)?, field(i, 2)?, field(i, 3)?);
+        if out_at != at || out_at % 4 != 0 {
+            return Err(damaged(&w, format!("output at byte {out_at}, {at} expected (a multiple of 4)")));
+        }
+        if enc_at % DEVICE_ALIGN != 0 || enc_len % 4 != 0 || enc_at.checked_add(enc_len).is_none_or(|e| e > coded.len()) {
+            return Err(damaged(&w, format!("string of {enc_len} bytes at {enc_at}: misaligned or outside the block")));
+        }
+        let enc = &coded[enc_at..enc_at + enc_len];
+        let out_len = decoded_len(enc, &w)?;
+        let coded_part = match enc.get(4) {
+            Some(0) => {
+                if table_at != 0 || HEADER.checked_add(out_len).is_none_or(|e| e > enc_len) {
+                    return Err(damaged(&w, "a raw string with a table, or shorter than its length"));
+                }
+                None
+            }
+            Some(1) => {
+                // The layout of the unpadded string: its sign-mantissa bytes end it.
+                let l = coded_layout(&enc[..enc_len.min(unpadded_len(enc, out_len, &w)?)], out_len, &w)?;
+                let tbytes = 2 << MAX_CODE_BITS;
+                let stored = table_at
+                    .checked_add(tbytes)
+                    .filter(|&e| table_at % DEVICE_ALIGN == 0 && table_at != 0 && e <= coded.len())
+                    .map(|e| &coded[table_at..e])
+                    .ok_or_else(|| damaged(&w, "its table is misaligned or outside the block"))?;
+                if stored.chunks_exact(2).zip(&l.table).any(|(b, &t)| u16::from_le_bytes([b[0], b[1]]) != t) {
+                    return Err(damaged(&w, "its stored table is not its code's"));
+                }
+                Some((table_at, l))
+            }
+            _ => return Err(damaged(&w, "unknown mode")),
+        };
+        at = out_at.checked_add(out_len).ok_or_else(|| damaged(&w, "length overflows"))?;
+        segs.push(DeviceSegment { out_at, out_len, enc_at, enc_len, coded: coded_part });
+    }
+    if at != len {
+        return Err(damaged(what, format!("segments cover {at} of {len} bytes")));
+    }
+    Ok((len, segs))
+}
+
+/// A coded string's length without the word padding of a device block: its
+/// layout ends with one sign-mantissa byte per value.
+fn unpadded_len(enc: &[u8], out_len: usize, what: &str) -> Result<usize> {
+    let chunks = u32_at(enc, HEADER + 256, what)? as usize;
+    let offsets_at = HEADER + 260;
+    let stream_len = u32_at(enc, offsets_at + 4 * chunks, what)? as usize;
+    Ok(offsets_at + 4 * (chunks + 1) + stream_len + out_len / 2)
+}
+
+/// Decode a device block ([`code_for_device`]) into `out` (its original length)
+/// on the CPU: the reference for a device decoder, each segment checked by
+/// [`decode_bf16_into`] (its hash included).
+pub fn decode_device_block(coded: &[u8], out: &mut [u8], what: &str) -> Result<()> {
+    let (len, segs) = device_segments(coded, what)?;
+    if out.len() != len {
+        return Err(damaged(what, format!("{len} bytes coded, {} given", out.len())));
+    }
+    for (i, sg) in segs.iter().enumerate() {
+        let enc = &coded[sg.enc_at..sg.enc_at + sg.enc_len];
+        let enc = match &sg.coded {
+            Some(_) => &enc[..unpadded_len(enc, sg.out_len, what)?],
+            None => &enc[..HEADER + sg.out_len],
+        };
+        decode_bf16_into(enc, &mut out[sg.out_at..sg.out_at + sg.out_len], &format!("{what}, segment {i}"))?;
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -575,5 +756,66 @@ mod tests {
         assert!(caught > 0);
         assert!(decode_bf16(&enc[..enc.len() - 1], "t").is_err());
         assert!(decode_bf16(b"nope", "t").is_err());
+    }
+
+    /// Normal bf16 values (Box–Muller over an LCG) of standard deviation `sd`.
+    fn normal_bf16(n: usize, sd: f32, seed: u64) -> Vec<u8> {
+        let mut x = seed;
+        let mut u = || {
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((x >> 11) as f64 + 0.5) / (1u64 << 53) as f64
+        };
+        let v: Vec<f32> = (0..n).map(|_| ((-2.0 * u().ln()).sqrt() * (std::f64::consts::TAU * u()).cos()) as f32 * sd).collect();
+        bf16s(&v)
+    }
+
+    #[test]
+    fn device_blocks_round_trip_on_any_thread_count_and_segment_size() {
+        // Normal weights, then incompressible bytes, then an odd tail: coded
+        // segments, raw segments and a last segment of odd length.
+        let mut raw = normal_bf16(300_000, 0.02, 11);
+        let mut x = 7u64;
+        raw.extend((0..40_001).map(|_| {
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1);
+            (x >> 33) as u8
+        }));
+        for seg in [4, 1000, 65_536, 1 << 20, usize::MAX / 2] {
+            let one = code_for_device(&raw, seg, 1);
+            assert_eq!(one, code_for_device(&raw, seg, 4), "segment {seg}: the threads change nothing");
+            let (len, segs) = device_segments(&one, "b").unwrap();
+            assert_eq!(len, raw.len());
+            assert!(segs.iter().all(|s| s.out_at % 4 == 0 && s.enc_at % 256 == 0 && s.enc_len % 4 == 0));
+            if seg == 65_536 {
+                assert!(segs.iter().any(|s| s.coded.is_some()) && segs.iter().any(|s| s.coded.is_none()), "both kinds");
+            }
+            let mut out = vec![0u8; raw.len()];
+            decode_device_block(&one, &mut out, "b").unwrap();
+            assert!(out == raw, "segment {seg}: decoded bytes differ");
+        }
+        // Normal weights alone shrink as the per-tensor strings do.
+        let w = normal_bf16(1 << 20, 0.02, 5);
+        let r = code_for_device(&w, 1 << 20, 2).len() as f64 / w.len() as f64;
+        assert!(r < 0.70, "ratio {r}");
+        assert!(device_segments(&[], "b").is_err());
+        let mut empty = vec![0u8; 0];
+        decode_device_block(&code_for_device(&[], 64, 2), &mut empty, "b").unwrap();
+    }
+
+    #[test]
+    fn a_damaged_device_block_is_an_error_naming_the_block() {
+        let raw = normal_bf16(200_000, 0.05, 3);
+        let coded = code_for_device(&raw, 100_000, 2);
+        let (_, segs) = device_segments(&coded, "blocks.7").unwrap();
+        let (table_at, _) = segs[1].coded.clone().unwrap();
+        let mut out = vec![0u8; raw.len()];
+        // A stored table entry, a descriptor, the magic, a stream byte, a truncation.
+        for (name, at) in [("table", table_at + 2 * 100 + 1), ("descriptor", 16 + 32 + 8), ("magic", 0), ("stream", segs[2].enc_at + 400)] {
+            let mut bad = coded.clone();
+            bad[at] ^= 0x21;
+            let e = decode_device_block(&bad, &mut out, "blocks.7").unwrap_err().to_string();
+            assert!(e.contains("blocks.7"), "{name}: {e}");
+        }
+        assert!(device_segments(&coded[..coded.len() - 300], "blocks.7").is_err());
+        assert!(decode_device_block(&coded, &mut out[1..], "blocks.7").is_err());
     }
 }

@@ -23,7 +23,7 @@ GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 # Every conformance binary also runs every deliberate ring break on its rows
 # (--sabotage); the tables are merged by the code at the end of this script.
 SAB="--commit $COMMIT --gpu"
-echo "== conformance"; "$B/conformance" --backend sim,cuda --json "$OUT/conformance-cuda.json" --sabotage "$OUT/sabotage-cuda.json" $SAB "$GPU" 2>&1 | tee "$OUT/conformance-cuda.txt"
+echo "== conformance"; "$B/conformance" --backend sim,cuda,cuda-coded --json "$OUT/conformance-cuda.json" --sabotage "$OUT/sabotage-cuda.json" $SAB "$GPU" 2>&1 | tee "$OUT/conformance-cuda.txt"
 if [ "${RACECHECK:-0}" = 1 ] && command -v compute-sanitizer >/dev/null; then
   echo "== racecheck (our kernels; cuBLAS's nvjet kernels excluded)"
   { timeout 120 compute-sanitizer --tool racecheck "$B/conformance" --backend cuda 2>&1 | tail -4

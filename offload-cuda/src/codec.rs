@@ -42,8 +42,10 @@ typedef unsigned long long u64;
 // stream (the stream starts 4-aligned in `enc`, and the upload pads `enc` to
 // whole words), bytes outside its chunk's [from, to) read as 0.
 // `offsets` (at offsets_at in enc) holds chunks + 1 byte offsets into the stream;
-// `table` maps the next BITS bits to exponent | length << 8; `err` collects
-// 1 (no code matches) and 2 (a chunk's codes do not fill its bytes).
+// `table` maps the next BITS bits to exponent | length << 8; on damage `err`
+// gets tag << 2 | 1 (no code matches) or tag << 2 | 2 (a chunk's codes do not fill
+// its bytes) — a plain store, since `err` may be host memory mapped for the
+// device (where atomics need not be atomic); any damage leaves it non-zero.
 // A word's bytes before `from` (the first word's) sit above the window and are
 // never looked at; bytes from `to` on read as 0, as the CPU decoder reads them.
 __device__ __forceinline__ u32 word_be(const u32* __restrict__ words, u32 i, u32 to) {
@@ -56,7 +58,7 @@ __device__ __forceinline__ u32 word_be(const u32* __restrict__ words, u32 i, u32
 }
 
 extern "C" __global__ void exp_decode(const u8* __restrict__ enc, u64 stream_at, u64 offsets_at, u32 chunks, u64 sm_at, u64 n,
-                                      const u16* __restrict__ table, u16* __restrict__ out, u32* err) {
+                                      const u16* __restrict__ table, u16* __restrict__ out, volatile u32* err, u32 tag) {
     const u32* words = (const u32*)(enc + stream_at);
     const u32* offsets = (const u32*)(enc + offsets_at);
     const u8* sm = enc + sm_at;
@@ -86,7 +88,7 @@ extern "C" __global__ void exp_decode(const u8* __restrict__ enc, u64 stream_at,
             }
             u16 x = t[(u32)(acc >> (bits - BITS)) & ((1u << BITS) - 1)];
             u32 len = x >> 8;
-            if (len == 0) { bad = true; atomicOr(err, 1u); break; }
+            if (len == 0) { bad = true; *err = tag << 2 | 1u; break; }
             bits -= len;
             used += len;
             e[lane * ROW + j] = (u8)x;
@@ -123,11 +125,11 @@ extern "C" __global__ void exp_decode(const u8* __restrict__ enc, u64 stream_at,
         }
         __syncwarp();
     }
-    if (have && !bad && (used + 7) / 8 != to - from) atomicOr(err, 2u);
+    if (have && !bad && (used + 7) / 8 != to - from) *err = tag << 2 | 2u;
 }
 "#;
 
-fn ptx() -> std::result::Result<&'static nvrtc::Ptx, String> {
+pub(crate) fn ptx() -> std::result::Result<&'static nvrtc::Ptx, String> {
     static PTX: OnceLock<std::result::Result<nvrtc::Ptx, String>> = OnceLock::new();
     crate::compiled(&PTX, KERNELS)
 }
@@ -247,6 +249,7 @@ impl ExponentDecoder {
                 .arg(&coded.table)
                 .arg(out)
                 .arg(&mut coded.err)
+                .arg(&0u32)
                 .launch(cfg)
         }
         .map(|_| ())
@@ -285,9 +288,9 @@ impl DeviceCoded {
         let s = &self.stream;
         let flag = s.clone_dtoh(&self.err).map_err(|e| dev("reading the error flag", e))?;
         s.synchronize().map_err(|e| dev("decoding", e))?;
-        match flag.first().copied().unwrap_or(0) {
+        match flag.first().copied().unwrap_or(0) & 3 {
             0 => Ok(()),
-            f if f & 1 != 0 => Err(damaged(&self.what, "no code matches a chunk's next bits")),
+            1 => Err(damaged(&self.what, "no code matches a chunk's next bits")),
             _ => Err(damaged(&self.what, "a chunk's codes do not fill its bytes")),
         }
     }

@@ -27,6 +27,8 @@ pub(crate) struct Shared {
     pub(crate) copies: AtomicU64,
     pub(crate) bytes_copied: AtomicU64,
     pub(crate) checking: OnceLock<Checking>,
+    /// Coded streaming, once turned on ([`CudaBackend::enable_coding`]).
+    pub(crate) coding: OnceLock<crate::coded::Coding>,
 }
 
 /// Counters of a [`CudaBackend`].
@@ -42,8 +44,13 @@ pub struct CudaCounters {
     pub syncs: u64,
     /// Host-to-device copies issued.
     pub copies: u64,
-    /// Bytes copied host to device.
+    /// Bytes copied host to device (coded bytes for coded blocks: the wire's).
     pub bytes_copied: u64,
+    /// Copies of coded blocks (decoded on the device).
+    pub coded_copies: u64,
+    /// Peak bytes of staging buffers held at once by coded copies (issued, not
+    /// yet freed in their decode stream's order), since the backend was made.
+    pub staging_peak_bytes: u64,
 }
 
 /// The raw CUDA backend. Cheap to clone (an `Arc`).
@@ -140,6 +147,7 @@ impl CudaBackend {
             copies: AtomicU64::new(0),
             bytes_copied: AtomicU64::new(0),
             checking: OnceLock::new(),
+            coding: OnceLock::new(),
         };
         Ok(CudaBackend { shared: Arc::new(shared) })
     }
@@ -273,7 +281,11 @@ impl CudaBackend {
     /// Enqueue on the copy stream: wait for `after` (if any), then copy the first
     /// `bytes` of `src` to device address `dst` (`dst_len` bytes of device
     /// memory). Returns the copy's event. Host buffers of another backend
-    /// instance are refused (their drop drains another copy stream).
+    /// instance are refused (their drop drains another copy stream). A coded
+    /// buffer ([`enable_coding`](Self::enable_coding)) is copied whole to a staging
+    /// buffer and decoded into `dst` (which must then be 4-byte aligned, as every
+    /// CUDA allocation is, and `bytes` the block's own length); the event returned
+    /// is the decode's.
     ///
     /// # Safety
     ///
@@ -288,13 +300,17 @@ impl CudaBackend {
         bytes: usize,
         after: Option<&Arc<CudaEvent>>,
     ) -> Result<Arc<CudaEvent>> {
-        if bytes > src.len() || bytes > dst_len {
-            return Err(Error::Protocol(format!("copy of {bytes} bytes from a {}-byte buffer into a {dst_len}-byte slot", src.len())));
-        }
         if !Arc::ptr_eq(src.shared(), &self.shared) {
             return Err(Error::Protocol(
                 "copy from a host buffer of another CUDA backend instance (its drop would not wait for this copy)".into(),
             ));
+        }
+        if let Some(ch) = src.coded() {
+            // SAFETY: this function's contract, passed on.
+            return unsafe { self.coded_copy(src, ch, dst, dst_len, bytes, after) };
+        }
+        if bytes > src.len() || bytes > dst_len {
+            return Err(Error::Protocol(format!("copy of {bytes} bytes from a {}-byte buffer into a {dst_len}-byte slot", src.len())));
         }
         self.bind()?;
         let s = &self.shared;
@@ -318,7 +334,7 @@ impl CudaBackend {
     }
 
     /// The checking mode's poison and spin, then the copy, on the copy stream.
-    fn enqueue_copy(&self, src: &PinnedHost, dst: sys::CUdeviceptr, dst_len: usize, bytes: usize) -> Result<()> {
+    pub(crate) fn enqueue_copy(&self, src: &PinnedHost, dst: sys::CUdeviceptr, dst_len: usize, bytes: usize) -> Result<()> {
         let s = &self.shared;
         if let Some(chk) = s.checking.get() {
             if dst_len > 0 {
@@ -355,6 +371,8 @@ impl CudaBackend {
             syncs: s.syncs.load(Ordering::Relaxed),
             copies: s.copies.load(Ordering::Relaxed),
             bytes_copied: s.bytes_copied.load(Ordering::Relaxed),
+            coded_copies: s.coding.get().map_or(0, |c| c.coded_copies.load(Ordering::Relaxed)),
+            staging_peak_bytes: s.coding.get().map_or(0, |c| c.staging_peak.load(Ordering::Relaxed)),
         }
     }
 
@@ -380,7 +398,10 @@ impl OffloadBackend for CudaBackend {
     }
 
     fn alloc_host(&self, bytes: usize, purpose: &str, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<PinnedHost> {
-        PinnedHost::new(self.shared.clone(), bytes, fill, purpose)
+        match self.shared.coding.get() {
+            Some(c) => PinnedHost::new_coded(self.shared.clone(), c, bytes, fill, purpose),
+            None => PinnedHost::new(self.shared.clone(), bytes, fill, purpose),
+        }
     }
 
     fn alloc_host_pageable(&self, bytes: usize, _purpose: &str, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<PinnedHost> {
@@ -392,7 +413,7 @@ impl OffloadBackend for CudaBackend {
     }
 
     fn host_bytes<'a>(&self, buffer: &'a PinnedHost) -> &'a [u8] {
-        buffer.as_slice()
+        buffer.block_bytes()
     }
 
     fn host_is_pinned(&self) -> bool {
@@ -459,10 +480,16 @@ impl OffloadBackend for CudaBackend {
     fn synchronize(&self) -> Result<()> {
         self.shared.syncs.fetch_add(1, Ordering::Relaxed);
         self.shared.copy.synchronize().map_err(|e| driver("synchronizing the copy stream", e))?;
+        if let Some(c) = self.shared.coding.get() {
+            c.decode.synchronize().map_err(|e| driver("synchronizing the decode stream", e))?;
+        }
         self.shared.compute.synchronize().map_err(|e| driver("synchronizing the compute stream", e))
     }
 
     fn poll_error(&self) -> Result<()> {
+        if let Some(c) = self.shared.coding.get() {
+            c.poll()?;
+        }
         // The streams may be the legacy default stream (tch): query in this context.
         self.bind()?;
         self.shared.ctx.check_err().map_err(|e| driver("a deferred driver error", e))?;

@@ -34,6 +34,7 @@
 
 pub mod checked;
 pub mod codec;
+pub mod coded;
 mod device;
 mod error;
 pub mod fold;
@@ -41,6 +42,7 @@ pub mod fresh;
 mod memory;
 pub mod reference;
 
+pub use coded::CodingOptions;
 pub use cudarc;
 pub use device::{driver_present, CudaBackend, CudaCounters, POISON};
 pub use fold::DeviceSlot;

@@ -1,6 +1,7 @@
 //! Page-locked host buffers and device slots. Each owns its memory and frees it
 //! only once no asynchronous copy can still touch it.
 
+use crate::coded::{CodedHost, Coding};
 use crate::device::Shared;
 use crate::error::driver;
 use cudarc::driver::{result, sys, CudaEvent};
@@ -9,12 +10,16 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 /// Page-locked (not write-combined) host memory holding one block, immutable
-/// after it is filled; or, as the plan's fallback, ordinary pageable memory.
+/// after it is filled; or, as the plan's fallback, ordinary pageable memory; or,
+/// with coding on ([`CudaBackend::enable_coding`](crate::CudaBackend::enable_coding)),
+/// page-locked memory holding the block coded for the device.
 pub struct PinnedHost {
     ptr: *mut u8,
     len: usize,
     /// `Some` when the buffer is pageable (it owns the bytes `ptr` points into).
     pageable: Option<Box<[u8]>>,
+    /// `Some` when the bytes are the block coded for the device.
+    coded: Option<CodedHost>,
     shared: Arc<Shared>,
 }
 
@@ -41,7 +46,7 @@ impl PinnedHost {
         };
         // Counted from here: `Drop` subtracts it, whatever happens to `fill`.
         shared.pinned_bytes.fetch_add(len as u64, Ordering::Relaxed);
-        let me = PinnedHost { ptr, len, pageable: None, shared };
+        let me = PinnedHost { ptr, len, pageable: None, coded: None, shared };
         if len > 0 {
             // cuMemHostAlloc's memory is uninitialised: zero it before safe code sees it.
             // SAFETY: `ptr` points to `len` writable bytes we own exclusively.
@@ -57,7 +62,66 @@ impl PinnedHost {
         let mut bytes = vec![0u8; len].into_boxed_slice();
         fill(&mut bytes)?;
         let ptr = bytes.as_mut_ptr();
-        Ok(PinnedHost { ptr, len, pageable: Some(bytes), shared })
+        Ok(PinnedHost { ptr, len, pageable: Some(bytes), coded: None, shared })
+    }
+
+    /// The block of `len` bytes `fill` writes, coded for the device
+    /// (`code_for_device` with `coding`'s options) into page-locked memory; the
+    /// raw bytes are held only while coding.
+    pub(crate) fn new_coded(
+        shared: Arc<Shared>,
+        coding: &Coding,
+        len: usize,
+        fill: &mut dyn FnMut(&mut [u8]) -> Result<()>,
+        purpose: &str,
+    ) -> Result<Self> {
+        let mut raw = vec![0u8; len];
+        fill(&mut raw)?;
+        let o = coding.options;
+        let coded = offload_core::codec::code_for_device(&raw, o.segment_bytes, o.threads);
+        drop(raw);
+        let info = CodedHost::new(coding, &coded, len, purpose)?;
+        let mut me = PinnedHost::new(
+            shared,
+            coded.len(),
+            &mut |dst| {
+                dst.copy_from_slice(&coded);
+                Ok(())
+            },
+            purpose,
+        )?;
+        me.coded = Some(info);
+        Ok(me)
+    }
+
+    pub(crate) fn coded(&self) -> Option<&CodedHost> {
+        self.coded.as_ref()
+    }
+
+    /// Whether the buffer holds its block coded for the device.
+    pub fn is_coded(&self) -> bool {
+        self.coded.is_some()
+    }
+
+    /// The block's own bytes: [`as_slice`](Self::as_slice) for a plain buffer;
+    /// for a coded one, decoded on the host the first time they are asked for and
+    /// kept (for reference runs and checks, never on the streaming path).
+    ///
+    /// # Panics
+    ///
+    /// If a coded buffer does not decode, which means its memory was damaged after
+    /// it was checked at build (decoding verifies every segment's hash).
+    pub fn block_bytes(&self) -> &[u8] {
+        match &self.coded {
+            None => self.as_slice(),
+            Some(c) => c.raw.get_or_init(|| {
+                let mut out = vec![0u8; c.raw_len].into_boxed_slice();
+                if let Err(e) = offload_core::codec::decode_device_block(self.as_slice(), &mut out, &c.purpose) {
+                    panic!("a coded host buffer no longer decodes ({e}): host memory damaged since it was built");
+                }
+                out
+            }),
+        }
     }
 
     /// Whether the buffer is page-locked.
@@ -65,7 +129,8 @@ impl PinnedHost {
         self.pageable.is_none()
     }
 
-    /// The bytes.
+    /// The bytes held (for a coded buffer, the coded bytes; see
+    /// [`block_bytes`](Self::block_bytes)).
     pub fn as_slice(&self) -> &[u8] {
         if self.len == 0 {
             return &[];

@@ -22,17 +22,27 @@ pub fn gpu_fold(b: &CudaBackend) -> Result<FoldKernel> {
     Ok(FoldKernel::new(b, SEED)?.spin_every(FOLD_SPIN_EVERY, FOLD_SPIN_US))
 }
 
-/// The raw CUDA backend on device 0.
-pub struct Cuda;
+/// The raw CUDA backend on device 0; with `CODED`, its host store coded for the
+/// device (`CudaBackend::enable_coding`, small segments so every block has
+/// several; the test model's even tensors are normal bf16, its odd ones uniform
+/// bytes: decoded by the kernel and copied raw).
+pub struct CudaRow<const CODED: bool>;
+/// The `cuda` row.
+pub type Cuda = CudaRow<false>;
+/// The `cuda-coded` row: every copy moves coded bytes and decodes them on the device.
+pub type CudaCoded = CudaRow<true>;
 
-impl Harness for Cuda {
+impl<const CODED: bool> Harness for CudaRow<CODED> {
     type B = CudaBackend;
     type Acc = FoldKernel;
-    const NAME: &'static str = "cuda";
+    const NAME: &'static str = if CODED { "cuda-coded" } else { "cuda" };
 
     fn backend() -> std::result::Result<CudaBackend, CaseError> {
         let b = CudaBackend::new(0).map_err(|e| CaseError::Skip(format!("no CUDA device: {e}")))?;
         b.enable_checking(COPY_SPIN_US)?;
+        if CODED {
+            b.enable_coding(offload_cuda::CodingOptions { threads: 2, segment_bytes: 4096 })?;
+        }
         Ok(b)
     }
     fn new_acc(b: &CudaBackend) -> Result<FoldKernel> {
@@ -60,6 +70,9 @@ impl Harness for Cuda {
         b.counters().syncs
     }
     fn model_cases() -> Vec<ModelCase> {
+        if CODED {
+            return vec![ModelCase { name: "coded_copies_decode", invariant: "6", run: coded_copies_decode }];
+        }
         vec![
             ModelCase { name: "host_memory_zeroed", invariant: "10", run: host_memory_zeroed },
             ModelCase { name: "fill_error_accounting", invariant: "8", run: fill_error_accounting },
@@ -121,5 +134,35 @@ fn foreign_buffer_refused() -> Outcome {
     b.free_slot(slot_b, None)?;
     a.synchronize()?;
     b.synchronize()?;
+    Ok(())
+}
+
+/// With coding on, every block's host buffer is coded and a streamed step's
+/// copies go through the decoder: fewer bytes on the wire than the blocks hold,
+/// every coded copy counted, no damage reported (the bitwise cases check the
+/// bytes themselves).
+fn coded_copies_decode() -> Outcome {
+    use offload_core::{resolve, HostStore, Plan, Ring};
+    let b = CudaCoded::backend()?;
+    let model = crate::model::TestModel::random(&crate::model::ModelShape { stacks: vec![3, 2], ..Default::default() }, 41);
+    let store = std::sync::Arc::new(HostStore::build(&b, &model.inventory, &model.tensors)?);
+    for (i, blk) in store.blocks().iter().enumerate() {
+        crate::ensure!(blk.buffer.is_coded(), "block {i} ({}) is not coded", blk.id);
+        crate::ensure!(b.host_bytes(&blk.buffer) == model.block_bytes(i).as_slice(), "block {i}: decoded host bytes differ");
+    }
+    let raw: usize = store.blocks().iter().map(|blk| blk.bytes()).sum();
+    let plan = resolve(&Plan::layerwise(), std::slice::from_ref(&model.inventory))?;
+    let mut ring = Ring::new(b.clone(), store, &plan.components[0])?;
+    let before = b.counters();
+    for i in 0..model.len() {
+        ring.block_at(i)?.finish()?;
+    }
+    ring.end_step()?;
+    ring.close()?;
+    b.poll_error()?;
+    let c = b.counters();
+    let (copies, wire) = (c.coded_copies - before.coded_copies, c.bytes_copied - before.bytes_copied);
+    crate::ensure!(copies >= model.len() as u64, "{copies} coded copies for {} blocks", model.len());
+    crate::ensure!(wire < raw as u64, "{wire} bytes on the wire for {raw} bytes of blocks");
     Ok(())
 }

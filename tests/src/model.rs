@@ -33,6 +33,22 @@ pub struct TestModel {
     pub inventory: ComponentInventory,
 }
 
+/// `len` bytes of little-endian bf16 values, normal with a scale drawn per tensor
+/// (an odd last byte uniform).
+fn normal_bf16_bytes(rng: &mut rand::rngs::StdRng, len: usize) -> Vec<u8> {
+    let sd = 0.01 + rng.gen::<f64>() * 0.2;
+    let mut out = Vec::with_capacity(len);
+    while out.len() + 2 <= len {
+        let (u1, u2): (f64, f64) = (rng.gen::<f64>().max(1e-300), rng.gen());
+        let v = ((-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos() * sd) as f32;
+        out.extend_from_slice(&((v.to_bits() >> 16) as u16).to_le_bytes());
+    }
+    if out.len() < len {
+        out.push(rng.gen());
+    }
+    out
+}
+
 impl TestModel {
     /// A model of `shape` with random bytes from `seed`.
     pub fn random(shape: &ModelShape, seed: u64) -> Self {
@@ -42,7 +58,10 @@ impl TestModel {
             for b in 0..n {
                 for t in 0..shape.tensors_per_block {
                     let len = rng.gen_range(shape.min_bytes..=shape.max_bytes);
-                    let bytes: Vec<u8> = (0..len).map(|_| rng.gen()).collect();
+                    // Even tensors hold bf16 weights drawn as a checkpoint's are (normal,
+                    // with the tensor's own scale: what a coded store codes); odd ones
+                    // uniform bytes (what it cannot shrink).
+                    let bytes: Vec<u8> = if t % 2 == 0 { normal_bf16_bytes(&mut rng, len) } else { (0..len).map(|_| rng.gen()).collect() };
                     let spec = TensorSpec::new(format!("stack{s}.{b}.t{t}.weight"), DType::U8, [len]);
                     tensors.push(spec, bytes).expect("sizes agree");
                 }

@@ -4,6 +4,8 @@ offload_tests::conformance_tests!(sim, offload_tests::sim_harness::Sim);
 
 #[cfg(feature = "cuda")]
 offload_tests::conformance_tests!(cuda, offload_tests::cuda_harness::Cuda);
+#[cfg(feature = "cuda")]
+offload_tests::conformance_tests!(cuda_coded, offload_tests::cuda_harness::CudaCoded);
 
 #[cfg(feature = "candle")]
 offload_tests::conformance_tests!(candle, offload_tests::candle_harness::Candle);
@@ -63,6 +65,12 @@ fn sim_backend_cases() {
 #[test]
 fn cuda_backend_cases() {
     backend_cases::<offload_tests::cuda_harness::Cuda>(3);
+}
+
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_coded_backend_cases() {
+    backend_cases::<offload_tests::cuda_harness::CudaCoded>(1);
 }
 
 #[cfg(feature = "candle")]

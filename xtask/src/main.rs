@@ -13,7 +13,7 @@ cargo xtask <command>
                             fetches libtorch 2.11 (PyPI wheels, cached in ~/.cache/offload) unless LIBTORCH is set
   demo [--cpu] [-- ARGS]    the main job: a Flux-shaped candle model streamed block by block (the GPU
                             where nvidia-smi lists one, else candle's CPU device)
-  conformance [--backend sim|cuda|candle|tch|tch-cuda|vulkan|vulkan-import|all]
+  conformance [--backend sim|cuda|cuda-coded|candle|tch|tch-cuda|vulkan|vulkan-import|all]
                             the conformance table, cases x backends
   lint                      cargo fmt --check, clippy -D warnings, tidy
   bench [--backend sim]     host-side cost per block and planner speed (criterion); writes bench/results/<date>-sim-host-cost.json
@@ -169,10 +169,14 @@ fn conformance(args: &[String]) -> Result<(), String> {
     let mut c = cargo();
     // The dev profile (optimised dependencies): shares its build with `cargo test`.
     c.args(["run", "-q", "-p", "offload-tests", "--bin", "conformance"]);
-    // Rows to features: `vulkan-import` is the `vulkan` feature's second row.
+    // Rows to features: `vulkan-import` and `cuda-coded` are second rows of their features.
     let mut features: Vec<&str> = backend
         .split(',')
-        .map(|b| if b == "vulkan-import" { "vulkan" } else { b })
+        .map(|b| match b {
+            "vulkan-import" => "vulkan",
+            "cuda-coded" => "cuda",
+            b => b,
+        })
         .filter(|b| matches!(*b, "cuda" | "candle" | "tch" | "tch-cuda" | "vulkan"))
         .collect();
     features.sort_unstable();

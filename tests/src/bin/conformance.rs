@@ -14,6 +14,8 @@ fn suite(backend: &str) -> Option<Row> {
         "sim" => Some(run_suite::<offload_tests::sim_harness::Sim>()),
         #[cfg(feature = "cuda")]
         "cuda" => Some(run_suite::<offload_tests::cuda_harness::Cuda>()),
+        #[cfg(feature = "cuda")]
+        "cuda-coded" => Some(run_suite::<offload_tests::cuda_harness::CudaCoded>()),
         #[cfg(feature = "candle")]
         "candle" => Some(run_suite::<offload_tests::candle_harness::Candle>()),
         #[cfg(feature = "candle-cuda")]
@@ -35,6 +37,8 @@ fn sabotage(backend: &str) -> Option<Vec<SabotageOutcome>> {
         "sim" => Some(run_sabotage::<offload_tests::sim_harness::Sim>()),
         #[cfg(feature = "cuda")]
         "cuda" => Some(run_sabotage::<offload_tests::cuda_harness::Cuda>()),
+        #[cfg(feature = "cuda")]
+        "cuda-coded" => Some(run_sabotage::<offload_tests::cuda_harness::CudaCoded>()),
         #[cfg(feature = "candle")]
         "candle" => Some(run_sabotage::<offload_tests::candle_harness::Candle>()),
         #[cfg(feature = "candle-cuda")]
@@ -101,7 +105,7 @@ fn main() {
     while i < args.len() {
         match (args[i].as_str(), args.get(i + 1)) {
             ("--backend", Some(b)) if b == "all" => {
-                backends = ["sim", "cuda", "candle", "tch", "vulkan", "vulkan-import"].map(String::from).to_vec()
+                backends = ["sim", "cuda", "cuda-coded", "candle", "tch", "vulkan", "vulkan-import"].map(String::from).to_vec()
             }
             ("--backend", Some(b)) => backends = b.split(',').map(String::from).collect(),
             ("--json", Some(p)) => json = Some(p.clone()),

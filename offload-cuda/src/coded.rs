@@ -1,0 +1,414 @@
+//! Coded streaming (issue 19's first ring path): with coding on
+//! ([`CudaBackend::enable_coding`]), every host buffer the backend allocates
+//! holds its block coded for the device ([`offload_core::codec::code_for_device`]:
+//! sign and mantissa bytes as they are, exponents entropy-coded in chunks). A copy
+//! into a slot then moves only the coded bytes: the copy stream brings them into
+//! a staging buffer from the stream-ordered pool, a decode stream of its own waits
+//! for that copy and writes the block's exact bytes into the slot with the
+//! exponent decoder (raw segments by a device-to-device copy), frees the staging
+//! buffer in its own order, and the event it records last is the copy's event the
+//! ring waits for. No host synchronisation; the slot holds the same bytes as an
+//! uncoded copy would have put there.
+//!
+//! Damage the kernel sees (there should be none: every block is parsed at build,
+//! [`offload_core::codec::device_segments`]) is written to a flag in mapped host
+//! memory, tagged with the block, and reported by `poll_error` at the next step
+//! boundary, naming the block.
+
+use crate::device::{CudaBackend, Shared};
+use crate::error::driver;
+use cudarc::driver::{result, sys, CudaFunction, CudaStream};
+use offload_core::codec::{device_segments, DeviceSegment};
+use offload_core::{Error, Result};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+/// How blocks are coded at store build.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CodingOptions {
+    /// Host threads that encode one block's segments.
+    pub threads: usize,
+    /// Raw bytes per independently coded segment (a multiple of 4 is used).
+    pub segment_bytes: usize,
+}
+
+impl Default for CodingOptions {
+    fn default() -> Self {
+        CodingOptions { threads: std::thread::available_parallelism().map_or(4, |n| n.get()), segment_bytes: 32 << 20 }
+    }
+}
+
+/// The decode engine of a backend with coding on.
+pub(crate) struct Coding {
+    pub(crate) options: CodingOptions,
+    pub(crate) decode: Arc<CudaStream>,
+    kernel: CudaFunction,
+    /// Mapped host memory the kernel writes damage to, and its device address.
+    flag: *mut u32,
+    flag_dev: sys::CUdeviceptr,
+    /// Block names by tag − 1 (the tag a block's decode writes on damage).
+    names: Mutex<Vec<String>>,
+    pub(crate) staging_live: AtomicU64,
+    pub(crate) staging_peak: AtomicU64,
+    pub(crate) coded_copies: AtomicU64,
+}
+
+// SAFETY: `flag` is page-locked host memory owned by this value, read by the host
+// only through volatile reads and written only by kernels; everything else is
+// `Send + Sync` or behind a mutex.
+unsafe impl Send for Coding {}
+// SAFETY: as above.
+unsafe impl Sync for Coding {}
+
+impl Coding {
+    pub(crate) fn new(shared: &Shared, options: CodingOptions) -> Result<Self> {
+        shared.ctx.bind_to_thread().map_err(|e| driver("binding the context", e))?;
+        let decode = shared.ctx.new_stream().map_err(|e| driver("creating the decode stream", e))?;
+        let ptx = crate::codec::ptx().map_err(|e| driver_msg("compiling the exponent decoder", e))?;
+        let module = shared.ctx.load_module(ptx.clone()).map_err(|e| driver("loading the exponent decoder", e))?;
+        let kernel = module.load_function("exp_decode").map_err(|e| driver("exp_decode", e))?;
+        // SAFETY: a 4-byte page-locked allocation, mapped into the device's address
+        // space; freed in `Drop` after the decode stream is drained.
+        let flag = unsafe { result::malloc_host(4, sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE) }
+            .map_err(|e| driver("allocating the decode damage flag", e))? as *mut u32;
+        // SAFETY: `flag` points to 4 writable bytes owned here.
+        unsafe { flag.write_volatile(0) };
+        let mut flag_dev: sys::CUdeviceptr = 0;
+        // SAFETY: `flag` is a mapped allocation of this context; `flag_dev` outlives the call.
+        if let Err(e) = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut flag_dev, flag.cast(), 0) }.result() {
+            // SAFETY: nothing uses the flag yet.
+            let _ = unsafe { result::free_host(flag.cast()) };
+            return Err(driver("mapping the decode damage flag", e));
+        }
+        Ok(Coding {
+            options,
+            decode,
+            kernel,
+            flag,
+            flag_dev,
+            names: Mutex::new(Vec::new()),
+            staging_live: AtomicU64::new(0),
+            staging_peak: AtomicU64::new(0),
+            coded_copies: AtomicU64::new(0),
+        })
+    }
+
+    /// A tag for block `purpose`'s decodes (non-zero).
+    pub(crate) fn tag(&self, purpose: &str) -> u32 {
+        let mut n = self.names.lock().unwrap_or_else(|e| e.into_inner());
+        n.push(purpose.to_owned());
+        // Tags past 2^30 wrap into 1..: a name is then reported approximately, never wrongly silent.
+        ((n.len() - 1) % ((1 << 30) - 1)) as u32 + 1
+    }
+
+    /// Damage a decode reported since the last call, as an error naming the block.
+    pub(crate) fn poll(&self) -> Result<()> {
+        // SAFETY: `flag` is live mapped memory; a volatile read of what kernels wrote.
+        let f = unsafe { self.flag.read_volatile() };
+        if f == 0 {
+            return Ok(());
+        }
+        // SAFETY: as above; cleared so the error is reported once.
+        unsafe { self.flag.write_volatile(0) };
+        let names = self.names.lock().unwrap_or_else(|e| e.into_inner());
+        let block = names.get((f >> 2) as usize - 1).cloned().unwrap_or_else(|| format!("block tag {}", f >> 2));
+        let fault = if f & 3 == 1 { "no code matches a chunk's next bits" } else { "a chunk's codes do not fill its bytes" };
+        Err(Error::BadTensor { tensor: block, fault: format!("compressed bytes damaged on the device: {fault}") })
+    }
+}
+
+impl Drop for Coding {
+    fn drop(&mut self) {
+        // Kernels may still write the flag: drain the decode stream first, and leak
+        // the flag if that fails.
+        if let Err(e) = self.decode.synchronize() {
+            tracing::warn!("the decode stream could not be drained ({e}); its damage flag is leaked");
+            return;
+        }
+        // SAFETY: allocated by `malloc_host` in `new`; no kernel can write it any more.
+        if let Err(e) = unsafe { result::free_host(self.flag.cast()) } {
+            tracing::warn!("cuMemFreeHost (decode damage flag): {e}");
+        }
+    }
+}
+
+fn driver_msg(during: &str, e: String) -> Error {
+    Error::device("cuda", during, e)
+}
+
+/// What a coded host buffer knows besides its bytes.
+pub(crate) struct CodedHost {
+    pub(crate) raw_len: usize,
+    pub(crate) segments: Vec<DeviceSegment>,
+    pub(crate) tag: u32,
+    pub(crate) purpose: String,
+    pub(crate) raw: std::sync::OnceLock<Box<[u8]>>,
+}
+
+impl CodedHost {
+    /// Parse `coded` (a block from `code_for_device` of `raw_len` bytes).
+    pub(crate) fn new(coding: &Coding, coded: &[u8], raw_len: usize, purpose: &str) -> Result<Self> {
+        let (len, segments) = device_segments(coded, purpose)?;
+        if len != raw_len {
+            return Err(Error::BadTensor { tensor: purpose.into(), fault: format!("{len} bytes coded for a {raw_len}-byte block") });
+        }
+        Ok(CodedHost { raw_len, segments, tag: coding.tag(purpose), purpose: purpose.to_owned(), raw: std::sync::OnceLock::new() })
+    }
+}
+
+impl CudaBackend {
+    /// Turn coded streaming on: every host buffer allocated from now on through
+    /// [`OffloadBackend::alloc_host`](offload_core::OffloadBackend::alloc_host)
+    /// holds its block coded (`options`), and every copy from such a buffer moves
+    /// the coded bytes and decodes them on the device into the slot (see the
+    /// module [`coded`](crate::coded)). Buffers allocated before stay as they are.
+    /// Staging buffers come from the device's memory pool, one per copy in flight
+    /// (the largest coded block each): count them in the device budget
+    /// ([`CudaCounters::staging_peak_bytes`](crate::CudaCounters::staging_peak_bytes)).
+    /// Once on, it stays on; a second call with other options is an error.
+    pub fn enable_coding(&self, options: CodingOptions) -> Result<()> {
+        if let Some(c) = self.shared().coding.get() {
+            return match c.options == options {
+                true => Ok(()),
+                false => Err(Error::Protocol(format!("coding is on with {:?}; asked for {options:?}", c.options))),
+            };
+        }
+        let coding = Coding::new(self.shared(), options)?;
+        let _ = self.shared().coding.set(coding);
+        Ok(())
+    }
+
+    /// Whether coded streaming is on.
+    pub fn is_coding(&self) -> bool {
+        self.shared().coding.get().is_some()
+    }
+
+    /// The coded path of `copy_to_device`: the coded bytes of `src` into a staging
+    /// buffer on the copy stream, decoded into `dst` on the decode stream. The
+    /// returned event is the decode's.
+    ///
+    /// # Safety
+    ///
+    /// As `copy_to_device`'s: `dst .. dst + dst_len` stays allocated until the
+    /// returned event has completed.
+    pub(crate) unsafe fn coded_copy(
+        &self,
+        src: &crate::PinnedHost,
+        ch: &CodedHost,
+        dst: sys::CUdeviceptr,
+        dst_len: usize,
+        bytes: usize,
+        after: Option<&Arc<cudarc::driver::CudaEvent>>,
+    ) -> Result<Arc<cudarc::driver::CudaEvent>> {
+        let s = self.shared();
+        let Some(c) = s.coding.get() else {
+            return Err(Error::Protocol(format!("{}: a coded host buffer on a backend with coding off", ch.purpose)));
+        };
+        if bytes != ch.raw_len || bytes > dst_len {
+            return Err(Error::Protocol(format!(
+                "{}: a coded block of {} bytes copied as {bytes} bytes into a {dst_len}-byte slot",
+                ch.purpose, ch.raw_len
+            )));
+        }
+        if dst % 4 != 0 {
+            // The decoder writes two values per 4-byte store.
+            return Err(Error::Protocol(format!("{}: a coded copy into device address {dst:#x}, not 4-byte aligned", ch.purpose)));
+        }
+        s.ctx.bind_to_thread().map_err(|e| driver("binding the context", e))?;
+        if let Some(ev) = after {
+            s.copy.wait(ev).map_err(|e| driver("copy stream waiting for a slot's last use", e))?;
+        }
+        let len = src.len();
+        // Once anything is enqueued, an error must not leave it running unseen.
+        let drained = |e: Error| {
+            let _ = s.copy.synchronize();
+            let _ = c.decode.synchronize();
+            e
+        };
+        // The checking mode's poison and spin (no bytes copied by it).
+        self.enqueue_copy(src, dst, dst_len, 0).map_err(drained)?;
+        // SAFETY: a stream-ordered allocation on the copy stream, freed below on the
+        // decode stream after the kernels that read it (the pool orders reuse).
+        let staging = match unsafe { result::malloc_async(s.copy.cu_stream(), len.max(4)) } {
+            Ok(p) => p,
+            Err(e) => return Err(drained(driver(format!("a {len}-byte staging buffer for {}", ch.purpose), e))),
+        };
+        let live = c.staging_live.fetch_add(len as u64, Ordering::Relaxed) + len as u64;
+        c.staging_peak.fetch_max(live, Ordering::Relaxed);
+        let issued = (|| -> Result<Arc<cudarc::driver::CudaEvent>> {
+            if len > 0 {
+                // SAFETY: `src` holds `len` bytes and outlives the copy (its drop drains
+                // the copy stream); `staging` holds at least `len` bytes.
+                unsafe { sys::cuMemcpyHtoDAsync_v2(staging, src.ptr().cast(), len, s.copy.cu_stream()) }
+                    .result()
+                    .map_err(|e| driver(format!("copying {len} coded bytes of {}", ch.purpose), e))?;
+            }
+            let copied = s.copy.record_event(None).map_err(|e| driver("recording a coded copy's event", e))?;
+            c.decode.wait(&copied).map_err(|e| driver("decode stream waiting for a coded copy", e))?;
+            for sg in &ch.segments {
+                let out = dst + sg.out_at as u64;
+                let enc = staging + sg.enc_at as u64;
+                match &sg.coded {
+                    None => {
+                        // A raw string: its bytes follow the 24-byte header.
+                        // SAFETY: `device_segments` checked the string holds its header and
+                        // `out_len` bytes inside the block; the output lies in `dst`
+                        // (segments tile [0, raw_len) and raw_len ≤ dst_len, checked above).
+                        unsafe { sys::cuMemcpyDtoDAsync_v2(out, enc + 24, sg.out_len, c.decode.cu_stream()) }
+                            .result()
+                            .map_err(|e| driver(format!("copying a raw segment of {}", ch.purpose), e))?;
+                    }
+                    Some((table_at, l)) if l.values > 0 => {
+                        let (table, chunks, n) = (staging + *table_at as u64, l.chunks as u32, l.values as u64);
+                        let (stream_at, offsets_at, sm_at) = (l.stream_at as u64, l.offsets_at as u64, l.sm_at as u64);
+                        let cfg = cudarc::driver::LaunchConfig {
+                            grid_dim: (chunks.div_ceil(128), 1, 1),
+                            block_dim: (128, 1, 1),
+                            shared_mem_bytes: 0,
+                        };
+                        use cudarc::driver::PushKernelArg;
+                        // SAFETY: `device_segments` checked this string's layout (offsets
+                        // monotone in its stream, `n` sign-mantissa bytes, `chunks` =
+                        // ⌈n / 1024⌉) and its stored table (2^12 u16s) inside the block,
+                        // the string at a multiple of 256 of the 256-aligned staging
+                        // buffer and padded to whole words (so the kernel's word reads
+                        // stay inside it, its offset table and stream 4-aligned); the
+                        // output (2n bytes at a multiple of 4) lies in `dst`, whose
+                        // allocation is 256-aligned; the flag is mapped host memory of
+                        // this context; every buffer outlives the kernel (staging freed
+                        // after it on this stream, `dst` by the caller's contract).
+                        unsafe {
+                            c.decode
+                                .launch_builder(&c.kernel)
+                                .arg(&enc)
+                                .arg(&stream_at)
+                                .arg(&offsets_at)
+                                .arg(&chunks)
+                                .arg(&sm_at)
+                                .arg(&n)
+                                .arg(&table)
+                                .arg(&out)
+                                .arg(&c.flag_dev)
+                                .arg(&ch.tag)
+                                .launch(cfg)
+                        }
+                        .map_err(|e| driver(format!("decoding {}", ch.purpose), e))?;
+                    }
+                    Some(_) => {}
+                }
+            }
+            Ok(Arc::new(c.decode.record_event(None).map_err(|e| driver("recording a decode event", e))?))
+        })();
+        let ev = match issued {
+            Ok(ev) => ev,
+            Err(e) => {
+                // The copy may still be writing the staging buffer and the decode
+                // stream may not have waited for it: drain both, then free it.
+                let e = drained(e);
+                // SAFETY: allocated above from this context's pool; both streams are
+                // drained, so nothing reads or writes it any more.
+                if unsafe { result::free_async(staging, s.copy.cu_stream()) }.is_ok() {
+                    let _ = s.copy.synchronize();
+                }
+                c.staging_live.fetch_sub(len as u64, Ordering::Relaxed);
+                return Err(e);
+            }
+        };
+        // Freed in the decode stream's order, after its kernels, which came after the
+        // copy into it (the decode stream waited for the copy's event).
+        // SAFETY: allocated above from this context's pool; nothing enqueued after uses it.
+        let freed = unsafe { result::free_async(staging, c.decode.cu_stream()) };
+        c.staging_live.fetch_sub(len as u64, Ordering::Relaxed);
+        freed.map_err(|e| drained(driver("freeing a staging buffer", e)))?;
+        s.copies.fetch_add(1, Ordering::Relaxed);
+        s.bytes_copied.fetch_add(len as u64, Ordering::Relaxed);
+        c.coded_copies.fetch_add(1, Ordering::Relaxed);
+        Ok(ev)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use offload_core::{resolve, BlockDiscovery, DType, HostStore, MemoryTensors, NameDiscovery, OffloadBackend, Plan, Ring, TensorSpec};
+
+    /// Normal bf16 values of standard deviation `sd` (Box–Muller over an LCG).
+    fn normal_bf16(n: usize, sd: f32, seed: u64) -> Vec<u8> {
+        let mut x = seed;
+        let mut u = || {
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((x >> 11) as f64 + 0.5) / (1u64 << 53) as f64
+        };
+        (0..n)
+            .flat_map(|_| {
+                let v = ((-2.0 * u().ln()).sqrt() * (std::f64::consts::TAU * u()).cos()) as f32 * sd;
+                ((v.to_bits() >> 16) as u16).to_le_bytes()
+            })
+            .collect()
+    }
+
+    /// On a GPU: a ring over a store built with coding on puts every block's exact
+    /// bytes in its slot (read back after the block's copy event, two steps at
+    /// depth 2), moves fewer bytes than the blocks hold, and reports no damage.
+    /// Blocks mix coded bf16 matrices, a raw (incompressible) tensor and an odd
+    /// tail. Without a device it prints SKIPPED (and fails under
+    /// `OFFLOAD_REQUIRE_DEVICE=1`).
+    #[test]
+    fn coded_ring_streams_exact_bytes() {
+        let b = match CudaBackend::new(0) {
+            Ok(b) => b,
+            Err(e) if !crate::driver_present() => {
+                assert!(std::env::var("OFFLOAD_REQUIRE_DEVICE").as_deref() != Ok("1"), "a CUDA device is required: {e}");
+                println!("SKIPPED: no CUDA device ({e})");
+                return;
+            }
+            Err(e) => panic!("CUDA driver present but the backend failed: {e}"),
+        };
+        b.enable_coding(CodingOptions { threads: 4, segment_bytes: 1 << 20 }).unwrap();
+        let mut t = MemoryTensors::new();
+        let mut x = 3u64;
+        for i in 0..6u64 {
+            let w = normal_bf16(1_500_000 + 1000 * i as usize, 0.02, 10 + i);
+            t.push(TensorSpec::new(format!("blocks.{i}.w"), DType::BF16, [w.len() / 2]), w).unwrap();
+            let noise: Vec<u8> = (0..100_003)
+                .map(|_| {
+                    x = x.wrapping_mul(6364136223846793005).wrapping_add(1);
+                    (x >> 33) as u8
+                })
+                .collect();
+            t.push(TensorSpec::new(format!("blocks.{i}.noise"), DType::U8, [noise.len()]), noise).unwrap();
+        }
+        let inv = NameDiscovery.discover("model", offload_core::TensorSource::specs(&t)).unwrap();
+        let store = Arc::new(HostStore::build(&b, &inv, &t).unwrap());
+        assert!(store.blocks().iter().all(|blk| blk.buffer.is_coded()), "every block coded");
+        let raw: Vec<Vec<u8>> = store.blocks().iter().map(|blk| b.host_bytes(&blk.buffer).to_vec()).collect();
+        let held: usize = store.blocks().iter().map(|blk| blk.buffer.len()).sum();
+        let plan = resolve(&Plan::layerwise().prefetch_depth(2), std::slice::from_ref(&inv)).unwrap();
+        let mut ring = Ring::new(b.clone(), store.clone(), &plan.components[0]).unwrap();
+        let before = b.counters();
+        for step in 0..2 {
+            for (i, want) in raw.iter().enumerate() {
+                let g = ring.block_at(i).unwrap();
+                let mut got = vec![0u8; want.len()];
+                // SAFETY: the guard ordered the compute stream after the block's copy
+                // (decode) event; the slot holds `want.len()` bytes while the guard lives,
+                // and the stream is synchronised before `got` is read.
+                unsafe {
+                    let s = b.compute_stream();
+                    sys::cuMemcpyDtoHAsync_v2(got.as_mut_ptr().cast(), g.slot().device_ptr(), got.len(), s.cu_stream()).result().unwrap();
+                    s.synchronize().unwrap();
+                }
+                assert!(got == *want, "step {step}, block {i}: the slot's bytes differ from the block's");
+                g.finish().unwrap();
+            }
+            ring.end_step().unwrap();
+        }
+        ring.close().unwrap();
+        b.poll_error().unwrap();
+        let c = b.counters();
+        let raw_total: usize = raw.iter().map(Vec::len).sum();
+        assert!(c.coded_copies > before.coded_copies, "coded copies counted");
+        assert!(held < raw_total * 8 / 10, "coded {held} of {raw_total} bytes");
+        assert!(c.staging_peak_bytes > 0, "staging counted");
+    }
+}

@@ -8,6 +8,9 @@
 #   zoo-run.sh merge      `zoo merge`: medians, spreads, bounds and the comparison,
 #                         computed from every run's file
 #   zoo-run.sh pipeline   the pipeline case: three `zoo pipeline` processes, merged
+#   zoo-run.sh compressed issue 19's case: the decoder's speed (codec_speed 256, 1024), then three
+#                         `zoo run --backend cuda --coded` processes (flux-dev, COMPRESSED_ARGS,
+#                         default `--cases 1024,2048`), merged by `zoo merge-compressed`
 #   zoo-run.sh            all of it, three repeats (merged once no run is left)
 # `zoo merge` takes one commit per model: to re-measure one model, put the other
 # models' kept runs and anchors (bench/raw/<date>-zoo-<commit>/) into $ZOO_DIR.
@@ -127,6 +130,17 @@ pipeline() {
   [ "$LEFT" = 0 ] && "$ZOO" merge-pipeline --out "$Z/pipeline.json" "$Z"/pipeline-run*.json 2>&1 | tee -a "$Z/merge.txt"
 }
 
+run_coded() { "$ZOO" run --backend cuda --model flux-dev --coded --commit "$COMMIT" --out "$1" ${COMPRESSED_ARGS:---cases 1024,2048} 2>&1 | tee "${1%.json}.txt"; }
+compressed() {
+  for m in 256 1024; do
+    once "codec_speed $m MiB" "$Z/codec-speed-$m.json" 20 "$B/codec_speed" "$m" --json "$Z/codec-speed-$m.json"
+  done
+  for r in $(seq 1 "${ZOO_REPEATS:-3}"); do
+    once "compressed (cuda --coded), run $r" "$Z/coded-run$r.json" 100 run_coded "$Z/coded-run$r.json"
+  done
+  [ "$LEFT" = 0 ] && "$ZOO" merge-compressed --out "$Z/compressed.json" "$Z"/coded-run*.json --codec "$Z"/codec-speed-*.json 2>&1 | tee -a "$Z/merge.txt"
+}
+
 merge() {
   echo "== merge"
   for be in tch cuda candle; do
@@ -141,8 +155,9 @@ case "${1:-all}" in
   repeat) repeat "${2:?repeat needs a number}" ;;
   merge) merge ;;
   pipeline) pipeline ;;
+  compressed) compressed ;;
   all) registry; for r in $(seq 1 "${ZOO_REPEATS:-3}"); do repeat "$r"; done; [ "$LEFT" = 0 ] && merge ;;
-  *) echo "usage: zoo-run.sh [registry | repeat R | merge | pipeline]"; exit 2 ;;
+  *) echo "usage: zoo-run.sh [registry | repeat R | merge | pipeline | compressed]"; exit 2 ;;
 esac
 tar czf "$OUT/zoo.tgz" -C "$Z" .
 echo "== zoo done"

@@ -9,7 +9,9 @@
 //! device budget, its cost model calibrated from resident steps timed block by
 //! block with compute-stream events), `--trace` (one extra streamed step with the
 //! ring's timeline on, written as a Chrome trace) and `--no-gemm` (the GEMMs
-//! skipped: a sanitizer's run over the reference model's own kernels).
+//! skipped: a sanitizer's run over the reference model's own kernels) and
+//! `--coded` (weights drawn normal; every case streamed from the raw store and
+//! from a store coded for the device, in the same process: issue 19's case).
 
 use crate::budgets::{BudgetRun, Calibration};
 use crate::harness::{check_output, spread, RunCase, RunDoc, RunOptions, TimelineStep};
@@ -144,7 +146,10 @@ pub fn run(model: &Model, opts: &RunOptions) -> Result<RunDoc, String> {
     let be = CudaBackend::new(0).map_err(err)?;
     let gpu = be.device_name().unwrap_or_default();
     let cases: Vec<&Case> = opts.cases.iter().map(|c| model.case(c)).collect::<Result<_, _>>()?;
-    let src = RegistrySource::new(model, 0);
+    let src = match opts.coded {
+        true => RegistrySource::normal(model, 0),
+        false => RegistrySource::new(model, 0),
+    };
     let prefixes: Vec<&str> = model.stacks.iter().map(|s| s.prefix).collect();
     // Blocks only: the reference model has no embedders, so no non-block weights
     // go to the device (resident bytes 0).
@@ -154,6 +159,50 @@ pub fn run(model: &Model, opts: &RunOptions) -> Result<RunDoc, String> {
     let store = Arc::new(HostStore::build(&be, &inv, &src).map_err(err)?);
     let facts = crate::harness::store_facts(&be, &store, t).map_err(err)?;
     let (total, bandwidth) = (facts.total, facts.bandwidth);
+    // With --coded: the same weights in a second store, coded for the device
+    // (coding turned on after the raw store is built, which stays raw).
+    let coded = match opts.coded {
+        false => None,
+        true => {
+            let (entropy, per_tensor) = entropies(&be, &store);
+            let largest = store.blocks().iter().max_by_key(|b| b.bytes()).map(|b| be.host_bytes(&b.buffer).to_vec()).unwrap_or_default();
+            let options = offload_cuda::CodingOptions::default();
+            let t = Instant::now();
+            let sample = offload_core::codec::code_for_device(&largest, options.segment_bytes, options.threads);
+            let encode_gbps = largest.len() as f64 / t.elapsed().as_secs_f64().max(1e-9) / 1e9;
+            drop((sample, largest));
+            be.enable_coding(options).map_err(err)?;
+            let t = Instant::now();
+            let cstore = Arc::new(HostStore::build(&be, &inv, &src).map_err(err)?);
+            let build_s = t.elapsed().as_secs_f64();
+            let coded_bytes: u64 = cstore.blocks().iter().map(|b| b.buffer.len() as u64).sum();
+            let (lo, mid, hi) = (per_tensor.first().copied(), per_tensor.get(per_tensor.len() / 2).copied(), per_tensor.last().copied());
+            let f = crate::harness::CodedFacts {
+                coded_bytes,
+                raw_bytes: total,
+                compression_ratio: coded_bytes as f64 / total.max(1) as f64,
+                exponent_entropy_bits: entropy,
+                tensor_entropy_bits_min: lo.unwrap_or(0.0),
+                tensor_entropy_bits_median: mid.unwrap_or(0.0),
+                tensor_entropy_bits_max: hi.unwrap_or(0.0),
+                encode_gbps_host: encode_gbps,
+                encode_threads: options.threads,
+                store_build_s: build_s,
+                staging_peak_bytes: 0,
+            };
+            eprintln!(
+                "coded store: {:.2} GiB for {:.2} GiB ({:.4}), exponent entropy {entropy:.3} bits ({:.3}–{:.3} per tensor), \
+                 host encode {encode_gbps:.2} GB/s on {} threads, built in {build_s:.1} s",
+                gib(coded_bytes),
+                gib(total),
+                f.compression_ratio,
+                f.tensor_entropy_bits_min,
+                f.tensor_entropy_bits_max,
+                options.threads
+            );
+            Some((cstore, f))
+        }
+    };
     let resolved = |plan: &Plan, inv: &ComponentInventory| -> Result<ResolvedComponent, String> {
         Ok(resolve(plan, std::slice::from_ref(inv)).map_err(err)?.components.remove(0))
     };
@@ -176,28 +225,29 @@ pub fn run(model: &Model, opts: &RunOptions) -> Result<RunDoc, String> {
     };
     // A streamed run of `rc`: its timed steps, then (with `trace`) one more step with
     // the timeline on, written to `trace`.
-    let streamed = |rc: &ResolvedComponent, net: &mut RefNet, trace: Option<&str>| -> Result<Streamed, String> {
-        be.synchronize().map_err(err)?;
-        be.reset_peak();
-        let mut ring = Ring::new(be.clone(), store.clone(), rc).map_err(err)?;
-        let depth = ring.depth();
-        let (times, step_bytes) = timed(net, &mut ring)?;
-        let out = net.output().map_err(err)?;
-        let misses = ring.metrics().misses;
-        let timeline = match trace {
-            Some(path) => {
-                ring.enable_timeline().map_err(err)?;
-                let m = step(&be, model, net, &mut ring, None).map_err(err)?;
-                let tl = ring.timeline().ok_or_else(|| err("the ring recorded no timeline"))?;
-                tl.write_chrome_trace(path).map_err(|e| err(format!("{path}: {e}")))?;
-                eprintln!("timeline step: {m}; trace written to {path}");
-                Some(m)
-            }
-            None => None,
+    let streamed =
+        |st: &Arc<HostStore<CudaBackend>>, rc: &ResolvedComponent, net: &mut RefNet, trace: Option<&str>| -> Result<Streamed, String> {
+            be.synchronize().map_err(err)?;
+            be.reset_peak();
+            let mut ring = Ring::new(be.clone(), st.clone(), rc).map_err(err)?;
+            let depth = ring.depth();
+            let (times, step_bytes) = timed(net, &mut ring)?;
+            let out = net.output().map_err(err)?;
+            let misses = ring.metrics().misses;
+            let timeline = match trace {
+                Some(path) => {
+                    ring.enable_timeline().map_err(err)?;
+                    let m = step(&be, model, net, &mut ring, None).map_err(err)?;
+                    let tl = ring.timeline().ok_or_else(|| err("the ring recorded no timeline"))?;
+                    tl.write_chrome_trace(path).map_err(|e| err(format!("{path}: {e}")))?;
+                    eprintln!("timeline step: {m}; trace written to {path}");
+                    Some(m)
+                }
+                None => None,
+            };
+            ring.close().map_err(err)?;
+            Ok(Streamed { times, out, misses, depth, step_bytes, weights: be.counters().peak_bytes, timeline })
         };
-        ring.close().map_err(err)?;
-        Ok(Streamed { times, out, misses, depth, step_bytes, weights: be.counters().peak_bytes, timeline })
-    };
     let as_f32 = |v: &[u16]| v.iter().map(|&b| half::bf16::from_bits(b).to_f32()).collect::<Vec<f32>>();
     let mut doc = RunDoc::new(opts, gpu.clone(), "cuda", &facts, 0, Vec::new());
     for c in &cases {
@@ -223,7 +273,7 @@ pub fn run(model: &Model, opts: &RunOptions) -> Result<RunDoc, String> {
         eprintln!("{} {}: resident step {resident:.4} s, activations {:.2} GiB", model.name, c.name, gib(activations));
         for (k, &d) in opts.depths.iter().enumerate() {
             let trace = opts.trace.as_deref().filter(|_| k == 0 && doc.timeline_step.is_none());
-            let s = streamed(&resolved(&Plan::layerwise().prefetch_depth(d), &inv)?, &mut net, trace)?;
+            let s = streamed(&store, &resolved(&Plan::layerwise().prefetch_depth(d), &inv)?, &mut net, trace)?;
             if let (Some(m), Some(path)) = (&s.timeline, trace) {
                 doc.timeline_step = Some(TimelineStep {
                     model: model.name.into(),
@@ -249,7 +299,26 @@ pub fn run(model: &Model, opts: &RunOptions) -> Result<RunDoc, String> {
                 gib(s.weights),
                 s.misses
             );
+            // The same depth from the coded store.
+            let (coded_times, coded_equal) = match &coded {
+                None => (Vec::new(), None),
+                Some((cstore, _)) => {
+                    let cs = streamed(cstore, &resolved(&Plan::layerwise().prefetch_depth(d), &inv)?, &mut net, None)?;
+                    let ceq = cs.out == rout;
+                    eprintln!(
+                        "{} {} d={d}: coded streamed {:.4} s ({:.4} × the raw bound), bitwise_equal {ceq}, misses {}",
+                        model.name,
+                        c.name,
+                        median(&cs.times),
+                        median(&cs.times) / bound,
+                        cs.misses
+                    );
+                    (cs.times, Some(ceq))
+                }
+            };
             doc.cases.push(RunCase {
+                steps_streamed_coded_s: coded_times,
+                coded_bitwise_equal: coded_equal,
                 steps_resident_s: rtimes.clone(),
                 steps_streamed_s: s.times,
                 streamed_bytes: total,
@@ -270,7 +339,7 @@ pub fn run(model: &Model, opts: &RunOptions) -> Result<RunDoc, String> {
             let at = format!("{} {} budget {budget_gib} GiB", model.name, c.name);
             let choice = offload_plan::plan(&cost, budget, 1, ResidentPolicy::Auto).map_err(|e| err(format!("{at}: {e}")))?;
             let plan = Plan::layerwise().component("transformer", choice.component_plan(&cost, budget));
-            let s = streamed(&resolved(&plan, &inv)?, &mut net, None)?;
+            let s = streamed(&store, &resolved(&plan, &inv)?, &mut net, None)?;
             // The ring ran the planner's choice: its depth, and in steady state
             // exactly the non-resident blocks' bytes per step.
             if s.depth != choice.depth || s.step_bytes != choice.streamed_bytes {
@@ -324,5 +393,54 @@ pub fn run(model: &Model, opts: &RunOptions) -> Result<RunDoc, String> {
         }
         doc.calibrations.push(Calibration { model: model.name.into(), case: c.name.clone(), cost });
     }
+    if let Some((_, mut f)) = coded {
+        f.staging_peak_bytes = be.counters().staging_peak_bytes;
+        doc.coded = Some(f);
+    }
     Ok(doc)
+}
+
+/// Exponent entropy of every weight in `store` (bits per value) and of each
+/// tensor, sorted; blocks shared out among the host's threads.
+fn entropies(be: &CudaBackend, store: &HostStore<CudaBackend>) -> (f64, Vec<f64>) {
+    use offload_core::codec::exponent_histogram;
+    let blocks = store.blocks();
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(blocks.len()).max(1);
+    let per = blocks.len().div_ceil(threads).max(1);
+    let entropy = |h: &[u64; 256]| {
+        let n: u64 = h.iter().sum();
+        h.iter().filter(|&&c| c > 0).map(|&c| c as f64 / n as f64).map(|p| -p * p.log2()).sum::<f64>()
+    };
+    let parts: Vec<([u64; 256], Vec<f64>)> = std::thread::scope(|s| {
+        let hs: Vec<_> = blocks
+            .chunks(per)
+            .map(|group| {
+                s.spawn(move || {
+                    let (mut all, mut each) = ([0u64; 256], Vec::new());
+                    for b in group {
+                        let bytes = be.host_bytes(&b.buffer);
+                        for t in &b.layout.tensors {
+                            let h = exponent_histogram(&bytes[t.offset..t.offset + t.nbytes]);
+                            for (a, x) in all.iter_mut().zip(h) {
+                                *a += x;
+                            }
+                            each.push(entropy(&h));
+                        }
+                    }
+                    (all, each)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e))).collect()
+    });
+    let mut all = [0u64; 256];
+    let mut each = Vec::new();
+    for (h, e) in parts {
+        for (a, x) in all.iter_mut().zip(h) {
+            *a += x;
+        }
+        each.extend(e);
+    }
+    each.sort_by(f64::total_cmp);
+    (entropy(&all), each)
 }

@@ -27,6 +27,10 @@ pub struct RunOptions {
     /// Skip the GEMMs (`--no-gemm`: a sanitizer's run over the other kernels;
     /// cuda's file only). Its timings are not a measurement: `merge` refuses it.
     pub no_gemm: bool,
+    /// Also stream every case from a store coded for the device (`--coded`;
+    /// cuda's file only): weights drawn normal, the raw and coded streamed steps
+    /// in the same process (`RunDoc::coded`, `RunCase::steps_streamed_coded_s`).
+    pub coded: bool,
 }
 
 /// One timed case of one process run.
@@ -70,6 +74,12 @@ pub struct RunCase {
     pub output_nonconstant: bool,
     /// Blocks that were not prefetched in time.
     pub misses: u64,
+    /// With `--coded`: every timed step streamed from the coded store, seconds.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub steps_streamed_coded_s: Vec<f64>,
+    /// With `--coded`: the coded run's output byte-identical to the resident output.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub coded_bitwise_equal: Option<bool>,
 }
 
 /// What one process run writes.
@@ -109,6 +119,9 @@ pub struct RunDoc {
     /// Run with `--no-gemm` (a sanitizer's run; not a measurement).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub no_gemm: bool,
+    /// With `--coded`: the coded store's facts.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub coded: Option<CodedFacts>,
 }
 
 /// One extra streamed step with the ring's timeline on, after the timed ones
@@ -167,6 +180,34 @@ impl RunDoc {
             ..RunDoc::default()
         }
     }
+}
+
+/// What a `--coded` run records of its coded store (the weights drawn normal,
+/// `RegistrySource::normal`).
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct CodedFacts {
+    /// Bytes the coded store holds (what each step copies).
+    pub coded_bytes: u64,
+    /// The blocks' own bytes.
+    pub raw_bytes: u64,
+    /// `coded_bytes ÷ raw_bytes`.
+    pub compression_ratio: f64,
+    /// Shannon entropy of every weight's exponent, bits per value.
+    pub exponent_entropy_bits: f64,
+    /// The same per tensor: the lowest,
+    pub tensor_entropy_bits_min: f64,
+    /// the median,
+    pub tensor_entropy_bits_median: f64,
+    /// and the highest.
+    pub tensor_entropy_bits_max: f64,
+    /// Host encode speed of the largest block (`code_for_device`), GB/s of raw bytes.
+    pub encode_gbps_host: f64,
+    /// Host threads it used.
+    pub encode_threads: usize,
+    /// Seconds to build the coded store (weights made, coded, pinned).
+    pub store_build_s: f64,
+    /// Most staging bytes held at once by coded copies.
+    pub staging_peak_bytes: u64,
 }
 
 /// What a run records of its host store once built, and the pinned bandwidth

@@ -11,6 +11,7 @@
 pub mod budgets;
 #[cfg(feature = "candle")]
 pub mod candle;
+pub mod compressed;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod harness;

@@ -10,12 +10,26 @@ use offload_core::{DType, Error, Result, TensorSource, TensorSpec};
 pub struct RegistrySource {
     specs: Vec<TensorSpec>,
     seed: u64,
+    normal: bool,
 }
 
 impl RegistrySource {
-    /// The source of `model`'s parameters from `seed`.
+    /// The source of `model`'s parameters from `seed`: uniform in each tensor's
+    /// range (the scheme the tch file and the anchors share).
     pub fn new(model: &Model, seed: u64) -> Self {
-        RegistrySource { specs: model.params().into_iter().map(|p| TensorSpec::new(p.name, DType::BF16, p.shape)).collect(), seed }
+        RegistrySource {
+            specs: model.params().into_iter().map(|p| TensorSpec::new(p.name, DType::BF16, p.shape)).collect(),
+            seed,
+            normal: false,
+        }
+    }
+
+    /// The same tensors drawn as a trained checkpoint's are distributed: normal,
+    /// centred on the range's middle, with the uniform range's standard deviation
+    /// (its width ÷ √12) as each tensor's scale — what the coded bench measures
+    /// exponent entropy and compression on.
+    pub fn normal(model: &Model, seed: u64) -> Self {
+        RegistrySource { normal: true, ..Self::new(model, seed) }
     }
 }
 
@@ -48,6 +62,8 @@ impl TensorSource for RegistrySource {
         let spec = self.specs.get(index).ok_or_else(|| Error::BadTensor { tensor: format!("#{index}"), fault: "no such tensor".into() })?;
         let (lo, hi) = crate::registry::init_range(&spec.name, &spec.shape);
         let (lo, hi) = (lo as f32, hi as f32);
+        let (mid, sd) = ((lo + hi) / 2.0, (hi - lo) / 12f32.sqrt());
+        let normal = self.normal;
         let seed = self.seed ^ (index as u64).wrapping_mul(0xD134_2543_DE82_EF95);
         // Chunks of CHUNK values, each from its own state: the values do not depend
         // on how many threads make them (a 22 GiB model is made in seconds, not a minute).
@@ -55,7 +71,16 @@ impl TensorSource for RegistrySource {
             let mut state = seed ^ (c as u64).wrapping_mul(0x9FB2_1C65_1E98_DF25);
             for pair in chunk.chunks_exact_mut(2) {
                 let u = (next(&mut state) >> 40) as f32 / (1u64 << 24) as f32;
-                pair.copy_from_slice(&half::bf16::from_f32(lo + (hi - lo) * u).to_le_bytes());
+                let v = match normal {
+                    false => lo + (hi - lo) * u,
+                    true => {
+                        // Box–Muller, one value per pair of draws.
+                        let u2 = (next(&mut state) >> 40) as f32 / (1u64 << 24) as f32;
+                        let r = (-2.0 * (u + 0.5 / (1u64 << 24) as f32).ln()).sqrt();
+                        mid + sd * r * (std::f32::consts::TAU * u2).cos()
+                    }
+                };
+                pair.copy_from_slice(&half::bf16::from_f32(v).to_le_bytes());
             }
         };
         let chunks: Vec<(usize, &mut [u8])> = dst.chunks_mut(CHUNK * 2).enumerate().collect();
@@ -101,5 +126,25 @@ mod tests {
         RegistrySource::new(&m, 8).read_into(i, &mut y).unwrap();
         assert_ne!(x, y, "another seed, other values");
         assert!(a.read_into(a.specs().len(), &mut y).is_err());
+    }
+
+    #[test]
+    fn normal_values_have_the_uniform_ranges_scale_and_a_normals_exponents() {
+        let m = crate::registry::tiny(&crate::registry::flux_dev());
+        let a = RegistrySource::normal(&m, 7);
+        let i = a.specs().iter().position(|s| s.name == "transformer_blocks.0.attn.to_q.weight").unwrap();
+        let mut x = vec![0u8; a.specs()[i].nbytes().unwrap()];
+        a.read_into(i, &mut x).unwrap();
+        let v: Vec<f64> = x.chunks_exact(2).map(|p| f64::from(half::bf16::from_le_bytes([p[0], p[1]]).to_f32())).collect();
+        let n = v.len() as f64;
+        let mean = v.iter().sum::<f64>() / n;
+        let sd = (v.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / n).sqrt();
+        // The uniform range ±1/√64 has sd 1/√64/√3 ≈ 0.0722.
+        assert!(mean.abs() < 0.01 && (sd / 0.0722 - 1.0).abs() < 0.1, "mean {mean}, sd {sd}");
+        // Beyond 2 sd: about 4.6 % for a normal, none for a uniform of this sd.
+        let tails = v.iter().filter(|x| x.abs() > 2.0 * 0.0722).count() as f64 / n;
+        assert!((0.02..0.08).contains(&tails), "tails {tails}");
+        let e = offload_core::codec::exponent_entropy_bits(&x);
+        assert!((2.3..2.9).contains(&e), "exponent entropy {e}");
     }
 }

@@ -517,9 +517,11 @@ pub struct DeviceSegment {
 }
 
 /// Code a block's bytes for a decoder on another device: cut into segments of at
-/// most `segment_bytes` (rounded down to a multiple of 4, at least 4), each
-/// encoded by [`encode_bf16`] on up to `threads` host threads, laid out with its
-/// lookup table so that one copy of the result is all the device needs.
+/// most `segment_bytes` (rounded down to a multiple of 4, at least 4, at most
+/// 1 GiB: a string's offsets are 32-bit), each encoded by [`encode_bf16`] on up
+/// to `threads` host threads — kept raw where the coded string and its table
+/// would not be shorter than the raw string — laid out with its lookup table so
+/// that one copy of the result is all the device needs.
 ///
 /// | bytes | field |
 /// | --- | --- |
@@ -529,7 +531,17 @@ pub struct DeviceSegment {
 /// | 32 × s | per segment: `out_at`, `enc_at`, `enc_len`, `table_at` (0 for a raw string), `u64` each |
 /// | … | each string at a multiple of 256, zero-padded to whole 32-bit words; each coded string's table at a multiple of 256 |
 pub fn code_for_device(raw: &[u8], segment_bytes: usize, threads: usize) -> Vec<u8> {
-    let seg = (segment_bytes / 4 * 4).max(4);
+    let seg = (segment_bytes.min(1 << 30) / 4 * 4).max(4);
+    // A coded string also carries its table (and alignment): worth it only below
+    // the raw string's size.
+    let encode = |p: &[u8]| {
+        let e = encode_bf16(p);
+        match e[4] == 1 && e.len().next_multiple_of(4) + (2 << MAX_CODE_BITS) + DEVICE_ALIGN >= HEADER + p.len() {
+            true => encode_raw(p),
+            false => e,
+        }
+    };
+    let encode = &encode;
     let pieces: Vec<&[u8]> = raw.chunks(seg).collect();
     let threads = threads.clamp(1, pieces.len().max(1));
     let mut strings: Vec<Vec<u8>> = vec![Vec::new(); pieces.len()];
@@ -538,7 +550,7 @@ pub fn code_for_device(raw: &[u8], segment_bytes: usize, threads: usize) -> Vec<
         let handles: Vec<_> = pieces
             .chunks(per.max(1))
             .enumerate()
-            .map(|(t, group)| scope.spawn(move || (t * per, group.iter().map(|p| encode_bf16(p)).collect::<Vec<_>>())))
+            .map(|(t, group)| scope.spawn(move || (t * per, group.iter().map(|p| encode(p)).collect::<Vec<_>>())))
             .collect();
         for h in handles {
             // An encoder thread that panicked takes the caller down with it.
@@ -787,6 +799,10 @@ mod tests {
             assert!(segs.iter().all(|s| s.out_at % 4 == 0 && s.enc_at % 256 == 0 && s.enc_len % 4 == 0));
             if seg == 65_536 {
                 assert!(segs.iter().any(|s| s.coded.is_some()) && segs.iter().any(|s| s.coded.is_none()), "both kinds");
+            }
+            if seg <= 1000 {
+                // A coded string would carry an 8 KiB table: every segment stays raw.
+                assert!(segs.iter().all(|s| s.coded.is_none()), "segment {seg}: raw where the table outweighs the saving");
             }
             let mut out = vec![0u8; raw.len()];
             decode_device_block(&one, &mut out, "b").unwrap();

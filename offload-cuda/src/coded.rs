@@ -48,14 +48,14 @@ pub(crate) struct Coding {
     flag_dev: sys::CUdeviceptr,
     /// Block names by tag − 1 (the tag a block's decode writes on damage).
     names: Mutex<Vec<String>>,
-    pub(crate) staging_live: AtomicU64,
+    /// The largest staging buffer issued so far.
     pub(crate) staging_peak: AtomicU64,
     pub(crate) coded_copies: AtomicU64,
 }
 
-// SAFETY: `flag` is page-locked host memory owned by this value, read by the host
-// only through volatile reads and written only by kernels; everything else is
-// `Send + Sync` or behind a mutex.
+// SAFETY: `flag` is page-locked host memory owned by this value, accessed by the
+// host only as an `AtomicU32` (so threads calling `poll` do not race) and written
+// otherwise only by kernels; everything else is `Send + Sync` or behind a mutex.
 unsafe impl Send for Coding {}
 // SAFETY: as above.
 unsafe impl Sync for Coding {}
@@ -87,7 +87,6 @@ impl Coding {
             flag,
             flag_dev,
             names: Mutex::new(Vec::new()),
-            staging_live: AtomicU64::new(0),
             staging_peak: AtomicU64::new(0),
             coded_copies: AtomicU64::new(0),
         })
@@ -103,13 +102,13 @@ impl Coding {
 
     /// Damage a decode reported since the last call, as an error naming the block.
     pub(crate) fn poll(&self) -> Result<()> {
-        // SAFETY: `flag` is live mapped memory; a volatile read of what kernels wrote.
-        let f = unsafe { self.flag.read_volatile() };
+        // SAFETY: `flag` is live, 4-aligned (a page-locked allocation) and accessed
+        // by the host only through this atomic view; cleared so the error is
+        // reported once.
+        let f = unsafe { std::sync::atomic::AtomicU32::from_ptr(self.flag) }.swap(0, Ordering::AcqRel);
         if f == 0 {
             return Ok(());
         }
-        // SAFETY: as above; cleared so the error is reported once.
-        unsafe { self.flag.write_volatile(0) };
         let names = self.names.lock().unwrap_or_else(|e| e.into_inner());
         let block = names.get((f >> 2) as usize - 1).cloned().unwrap_or_else(|| format!("block tag {}", f >> 2));
         let fault = if f & 3 == 1 { "no code matches a chunk's next bits" } else { "a chunk's codes do not fill its bytes" };
@@ -142,7 +141,9 @@ pub(crate) struct CodedHost {
     pub(crate) segments: Vec<DeviceSegment>,
     pub(crate) tag: u32,
     pub(crate) purpose: String,
-    pub(crate) raw: std::sync::OnceLock<Box<[u8]>>,
+    /// The block's bytes decoded on the host, each with the hash of the coded
+    /// bytes it came from; appended to, never changed, while the buffer lives.
+    pub(crate) decoded: Mutex<Vec<(u64, Box<[u8]>)>>,
 }
 
 impl CodedHost {
@@ -152,7 +153,7 @@ impl CodedHost {
         if len != raw_len {
             return Err(Error::BadTensor { tensor: purpose.into(), fault: format!("{len} bytes coded for a {raw_len}-byte block") });
         }
-        Ok(CodedHost { raw_len, segments, tag: coding.tag(purpose), purpose: purpose.to_owned(), raw: std::sync::OnceLock::new() })
+        Ok(CodedHost { raw_len, segments, tag: coding.tag(purpose), purpose: purpose.to_owned(), decoded: Mutex::new(Vec::new()) })
     }
 }
 
@@ -167,15 +168,16 @@ impl CudaBackend {
     /// ([`CudaCounters::staging_peak_bytes`](crate::CudaCounters::staging_peak_bytes)).
     /// Once on, it stays on; a second call with other options is an error.
     pub fn enable_coding(&self, options: CodingOptions) -> Result<()> {
-        if let Some(c) = self.shared().coding.get() {
-            return match c.options == options {
-                true => Ok(()),
-                false => Err(Error::Protocol(format!("coding is on with {:?}; asked for {options:?}", c.options))),
-            };
+        if self.shared().coding.get().is_none() {
+            let coding = Coding::new(self.shared(), options)?;
+            // Another thread may have turned it on meanwhile: its options stand.
+            let _ = self.shared().coding.set(coding);
         }
-        let coding = Coding::new(self.shared(), options)?;
-        let _ = self.shared().coding.set(coding);
-        Ok(())
+        match self.shared().coding.get() {
+            Some(c) if c.options == options => Ok(()),
+            Some(c) => Err(Error::Protocol(format!("coding is on with {:?}; asked for {options:?}", c.options))),
+            None => Err(Error::Protocol("coding could not be turned on".into())),
+        }
     }
 
     /// Whether coded streaming is on.
@@ -220,9 +222,10 @@ impl CudaBackend {
         }
         let len = src.len();
         // Once anything is enqueued, an error must not leave it running unseen.
+        // Whether both streams drained: only then may the staging buffer be freed.
+        let drain = || s.copy.synchronize().is_ok() & c.decode.synchronize().is_ok();
         let drained = |e: Error| {
-            let _ = s.copy.synchronize();
-            let _ = c.decode.synchronize();
+            drain();
             e
         };
         // The checking mode's poison and spin (no bytes copied by it).
@@ -233,9 +236,12 @@ impl CudaBackend {
             Ok(p) => p,
             Err(e) => return Err(drained(driver(format!("a {len}-byte staging buffer for {}", ch.purpose), e))),
         };
-        let live = c.staging_live.fetch_add(len as u64, Ordering::Relaxed) + len as u64;
-        c.staging_peak.fetch_max(live, Ordering::Relaxed);
+        c.staging_peak.fetch_max(len as u64, Ordering::Relaxed);
         let issued = (|| -> Result<Arc<cudarc::driver::CudaEvent>> {
+            if staging % 4 != 0 {
+                // The kernel reads the strings' offset tables and streams as aligned words.
+                return Err(Error::Protocol(format!("a staging buffer at {staging:#x}, not 4-byte aligned")));
+            }
             if len > 0 {
                 // SAFETY: `src` holds `len` bytes and outlives the copy (its drop drains
                 // the copy stream); `staging` holds at least `len` bytes.
@@ -270,13 +276,13 @@ impl CudaBackend {
                         // SAFETY: `device_segments` checked this string's layout (offsets
                         // monotone in its stream, `n` sign-mantissa bytes, `chunks` =
                         // ⌈n / 1024⌉) and its stored table (2^12 u16s) inside the block,
-                        // the string at a multiple of 256 of the 256-aligned staging
-                        // buffer and padded to whole words (so the kernel's word reads
-                        // stay inside it, its offset table and stream 4-aligned); the
-                        // output (2n bytes at a multiple of 4) lies in `dst`, whose
-                        // allocation is 256-aligned; the flag is mapped host memory of
-                        // this context; every buffer outlives the kernel (staging freed
-                        // after it on this stream, `dst` by the caller's contract).
+                        // the string at a multiple of 256 of the 4-aligned staging buffer
+                        // (checked above) and padded to whole words (so the kernel's word
+                        // reads stay inside it, its offset table and stream 4-aligned);
+                        // the output (2n bytes at a multiple of 4) lies in `dst`, 4-aligned
+                        // (checked above); the flag is mapped host memory of this
+                        // context; every buffer outlives the kernel (staging freed after
+                        // it on this stream, `dst` by the caller's contract).
                         unsafe {
                             c.decode
                                 .launch_builder(&c.kernel)
@@ -303,14 +309,17 @@ impl CudaBackend {
             Ok(ev) => ev,
             Err(e) => {
                 // The copy may still be writing the staging buffer and the decode
-                // stream may not have waited for it: drain both, then free it.
-                let e = drained(e);
-                // SAFETY: allocated above from this context's pool; both streams are
-                // drained, so nothing reads or writes it any more.
-                if unsafe { result::free_async(staging, s.copy.cu_stream()) }.is_ok() {
-                    let _ = s.copy.synchronize();
+                // stream may not have waited for it: drain both, then free it — or,
+                // if either would not drain, leak it rather than free it under them.
+                if drain() {
+                    // SAFETY: allocated above from this context's pool; both streams are
+                    // drained, so nothing reads or writes it any more.
+                    if unsafe { result::free_async(staging, s.copy.cu_stream()) }.is_ok() {
+                        let _ = s.copy.synchronize();
+                    }
+                } else {
+                    tracing::warn!("a {len}-byte staging buffer is leaked: the streams could not be drained");
                 }
-                c.staging_live.fetch_sub(len as u64, Ordering::Relaxed);
                 return Err(e);
             }
         };
@@ -318,7 +327,6 @@ impl CudaBackend {
         // copy into it (the decode stream waited for the copy's event).
         // SAFETY: allocated above from this context's pool; nothing enqueued after uses it.
         let freed = unsafe { result::free_async(staging, c.decode.cu_stream()) };
-        c.staging_live.fetch_sub(len as u64, Ordering::Relaxed);
         freed.map_err(|e| drained(driver("freeing a staging buffer", e)))?;
         s.copies.fetch_add(1, Ordering::Relaxed);
         s.bytes_copied.fetch_add(len as u64, Ordering::Relaxed);

@@ -48,8 +48,9 @@ pub struct CudaCounters {
     pub bytes_copied: u64,
     /// Copies of coded blocks (decoded on the device).
     pub coded_copies: u64,
-    /// Peak bytes of staging buffers held at once by coded copies (issued, not
-    /// yet freed in their decode stream's order), since the backend was made.
+    /// The largest staging buffer a coded copy used (its block's coded size).
+    /// Each coded copy in flight holds one until its decode ends, so the device
+    /// holds up to (prefetch depth + 1) of them: count that in a budget.
     pub staging_peak_bytes: u64,
 }
 
@@ -462,6 +463,14 @@ impl OffloadBackend for CudaBackend {
         if !Arc::ptr_eq(&dst.shared, &self.shared) {
             return Err(Error::Protocol("copy into a slot of another CUDA backend instance".into()));
         }
+        // A coded copy into this slot finishes on the decode stream: a later copy
+        // (coded or not) must not overtake it, even where no read of the slot came
+        // between (a prefetched block evicted unread). Within the copy stream the
+        // wait is already in order.
+        if let Some(prev) = &dst.last_copy {
+            self.bind()?;
+            self.shared.copy.wait(prev).map_err(|e| driver("ordering a copy after the slot's previous copy", e))?;
+        }
         // SAFETY: the slot owns `len` bytes of this context; its Drop orders the
         // free after `last_copy`, set to this copy's event below.
         let ev = unsafe { self.copy_to_device(src, dst.ptr, dst.len, bytes, after)? };
@@ -495,7 +504,8 @@ impl OffloadBackend for CudaBackend {
         self.shared.ctx.check_err().map_err(|e| driver("a deferred driver error", e))?;
         // Ask the device too: a query never blocks, and returns a sticky error (an
         // illegal address in a kernel, say) that no call has reported yet.
-        for (name, stream) in [("copy", &self.shared.copy), ("compute", &self.shared.compute)] {
+        let decode = self.shared.coding.get().map(|c| ("decode", &c.decode));
+        for (name, stream) in [("copy", &self.shared.copy), ("compute", &self.shared.compute)].into_iter().chain(decode) {
             // SAFETY: a query of a live stream handle.
             match unsafe { sys::cuStreamQuery(stream.cu_stream()) } {
                 sys::cudaError_enum::CUDA_SUCCESS | sys::cudaError_enum::CUDA_ERROR_NOT_READY => {}

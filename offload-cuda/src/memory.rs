@@ -104,24 +104,31 @@ impl PinnedHost {
     }
 
     /// The block's own bytes: [`as_slice`](Self::as_slice) for a plain buffer;
-    /// for a coded one, decoded on the host the first time they are asked for and
-    /// kept (for reference runs and checks, never on the streaming path).
+    /// for a coded one, decoded on the host (for reference runs and checks, never
+    /// on the streaming path). A decode is kept while the coded bytes hash the
+    /// same, so asking again costs a hash; if they changed, they are decoded
+    /// afresh (and the earlier decode kept too, for the references handed out).
     ///
     /// # Panics
     ///
     /// If a coded buffer does not decode, which means its memory was damaged after
     /// it was checked at build (decoding verifies every segment's hash).
     pub fn block_bytes(&self) -> &[u8] {
-        match &self.coded {
-            None => self.as_slice(),
-            Some(c) => c.raw.get_or_init(|| {
-                let mut out = vec![0u8; c.raw_len].into_boxed_slice();
-                if let Err(e) = offload_core::codec::decode_device_block(self.as_slice(), &mut out, &c.purpose) {
-                    panic!("a coded host buffer no longer decodes ({e}): host memory damaged since it was built");
-                }
-                out
-            }),
+        let Some(c) = &self.coded else { return self.as_slice() };
+        let h = offload_core::codec::hash64(self.as_slice());
+        let mut d = c.decoded.lock().unwrap_or_else(|e| e.into_inner());
+        if d.last().is_none_or(|(last, _)| *last != h) {
+            let mut out = vec![0u8; c.raw_len].into_boxed_slice();
+            if let Err(e) = offload_core::codec::decode_device_block(self.as_slice(), &mut out, &c.purpose) {
+                panic!("a coded host buffer no longer decodes ({e}): host memory damaged since it was built");
+            }
+            d.push((h, out));
         }
+        let b = &d[d.len() - 1].1;
+        // SAFETY: the boxed bytes are never freed or written while `self` lives
+        // (`decoded` is only appended to, and moving a `Box` within the vector
+        // does not move its heap bytes), so they outlive the returned borrow of `self`.
+        unsafe { std::slice::from_raw_parts(b.as_ptr(), b.len()) }
     }
 
     /// Whether the buffer is page-locked.

@@ -23,7 +23,7 @@ pub fn gpu_fold(b: &CudaBackend) -> Result<FoldKernel> {
 }
 
 /// The raw CUDA backend on device 0; with `CODED`, its host store coded for the
-/// device (`CudaBackend::enable_coding`, small segments so every block has
+/// device (`CudaBackend::enable_coding`, 64 KiB segments so larger blocks have
 /// several; the test model's even tensors are normal bf16, its odd ones uniform
 /// bytes: decoded by the kernel and copied raw).
 pub struct CudaRow<const CODED: bool>;
@@ -41,7 +41,7 @@ impl<const CODED: bool> Harness for CudaRow<CODED> {
         let b = CudaBackend::new(0).map_err(|e| CaseError::Skip(format!("no CUDA device: {e}")))?;
         b.enable_checking(COPY_SPIN_US)?;
         if CODED {
-            b.enable_coding(offload_cuda::CodingOptions { threads: 2, segment_bytes: 4096 })?;
+            b.enable_coding(offload_cuda::CodingOptions { threads: 2, segment_bytes: 64 << 10 })?;
         }
         Ok(b)
     }

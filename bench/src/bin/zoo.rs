@@ -3,12 +3,13 @@
 //! ```text
 //! zoo registry [--json F]                      the registry (names, shapes, references) as JSON
 //! zoo run --backend tch|candle|cuda --model M [--cases 1024,2048] [--blocks K] [--res R] [--depths 1] [--steps 5] [--warmup 1] [--commit C] --out F
-//!         [--budgets 8,12,16] [--trace F] [--no-gemm]
+//!         [--budgets 8,12,16] [--trace F] [--no-gemm] [--coded]
 //!                                              one process run (needs a GPU); cuda only: --budgets (per case, the
 //!                                              planner's choice under each device budget in GiB, calibrated from
 //!                                              resident steps of this process), --trace (a Chrome trace of one extra
 //!                                              streamed step: first case, first depth), --no-gemm (GEMMs skipped:
-//!                                              sanitizer runs; merge refuses them)
+//!                                              sanitizer runs; merge refuses them), --coded (weights drawn normal;
+//!                                              every case also streamed from a store coded for the device)
 //! zoo merge --out F [--min-repeats 3] RUN.json... [--anchors A.json...]
 //!                                              medians, spreads, bounds and the comparison, computed from the runs
 //! zoo pipeline [--res 1024] [--steps 4] [--budget 8] [--passes 3] [--warmup 1] [--commit C] --out F
@@ -17,6 +18,8 @@
 //!                                              Flux's VAE on demand, under one --budget in GiB; and all resident
 //! zoo merge-pipeline --out F [--min-repeats 3] RUN.json...
 //!                                              the pipeline runs' medians, spreads, bounds and targets
+//! zoo merge-compressed --out F [--min-repeats 3] RUN.json... [--codec C.json...]
+//!                                              issue 19's file from --coded runs and codec_speed outputs
 //! ```
 
 use offload_bench::harness::{merge, AnchorDoc, RunDoc};
@@ -56,7 +59,9 @@ fn read<T: serde::de::DeserializeOwned>(path: &str) -> Result<T, String> {
 /// files after `--anchors`.
 type MergeArgs<'a> = (&'a str, usize, Vec<&'a str>, Vec<&'a str>);
 
-fn merge_args(args: &[String]) -> Result<MergeArgs<'_>, String> {
+/// `--out`, `--min-repeats`, the run files, and the files after `second`
+/// (`--anchors`, or `--codec` for merge-compressed).
+fn merge_args<'a>(args: &'a [String], second: &str) -> Result<MergeArgs<'a>, String> {
     let out = opt(args, "--out").ok_or("--out is required")?;
     let min = opt(args, "--min-repeats").map_or(Ok(3), |v| v.parse().map_err(|_| format!("--min-repeats: {v}")))?;
     let (mut runs, mut anchors) = (Vec::new(), Vec::new());
@@ -66,7 +71,7 @@ fn merge_args(args: &[String]) -> Result<MergeArgs<'_>, String> {
             skip = false;
         } else if a == "--out" || a == "--min-repeats" {
             skip = true;
-        } else if a == "--anchors" {
+        } else if a == second {
             in_anchors = true;
         } else if in_anchors {
             anchors.push(a.as_str());
@@ -109,22 +114,28 @@ fn run(args: &[String]) -> Result<(), String> {
                 }
                 seen.push(a.as_str());
                 match a.as_str() {
-                    "--no-gemm" => {}
+                    "--no-gemm" | "--coded" => {}
                     o if RUN_OPTIONS.contains(&o) => {
                         let v = it.next().ok_or_else(|| format!("{o} needs a value"))?;
                         if v.starts_with("--") {
                             return Err(format!("{o} needs a value, not the option {v}"));
                         }
                     }
-                    other => return Err(format!("run: unknown argument {other:?} (options: {}, --no-gemm)", RUN_OPTIONS.join(", "))),
+                    other => {
+                        return Err(format!("run: unknown argument {other:?} (options: {}, --no-gemm, --coded)", RUN_OPTIONS.join(", ")))
+                    }
                 }
             }
             let backend = opt(args, "--backend").unwrap_or("tch");
             // The options only cuda's file implements: refused elsewhere, never ignored.
             let no_gemm = args.iter().any(|a| a == "--no-gemm");
-            for (name, given) in
-                [("--budgets", opt(args, "--budgets").is_some()), ("--trace", opt(args, "--trace").is_some()), ("--no-gemm", no_gemm)]
-            {
+            let coded = args.iter().any(|a| a == "--coded");
+            for (name, given) in [
+                ("--budgets", opt(args, "--budgets").is_some()),
+                ("--trace", opt(args, "--trace").is_some()),
+                ("--no-gemm", no_gemm),
+                ("--coded", coded),
+            ] {
                 if given && backend != "cuda" {
                     return Err(format!("{name} is implemented by the cuda backend only, not by {backend}"));
                 }
@@ -173,7 +184,7 @@ fn run(args: &[String]) -> Result<(), String> {
                 return Err("--budgets: no budget given (GiB, comma-separated: --budgets 8,12,16)".into());
             }
             let trace = opt(args, "--trace").map(str::to_owned);
-            let opts = offload_bench::harness::RunOptions { cases, depths, steps, warmup, commit, budgets_gib, trace, no_gemm };
+            let opts = offload_bench::harness::RunOptions { cases, depths, steps, warmup, commit, budgets_gib, trace, no_gemm, coded };
             let doc: Result<RunDoc, String> = match backend {
                 #[cfg(feature = "tch-cuda")]
                 "tch" => offload_bench::tch::run(&model, &opts),
@@ -191,7 +202,7 @@ fn run(args: &[String]) -> Result<(), String> {
             write(out, &doc?)
         }
         Some("merge") => {
-            let (out, min, files, anchor_files) = merge_args(args)?;
+            let (out, min, files, anchor_files) = merge_args(args, "--anchors")?;
             let runs = files.iter().map(|f| read::<RunDoc>(f)).collect::<Result<Vec<_>, _>>()?;
             let anchors = anchor_files.iter().map(|f| read::<AnchorDoc>(f)).collect::<Result<Vec<_>, _>>()?;
             let doc = merge(&runs, &anchors, min)?;
@@ -249,7 +260,7 @@ fn run(args: &[String]) -> Result<(), String> {
             Err("pipeline: tch is not built into this zoo (feature tch-cuda)".into())
         }
         Some("merge-pipeline") => {
-            let (out, min, files, anchors) = merge_args(args)?;
+            let (out, min, files, anchors) = merge_args(args, "--anchors")?;
             if !anchors.is_empty() {
                 return Err("merge-pipeline: the pipeline case has no anchors".into());
             }
@@ -271,9 +282,38 @@ fn run(args: &[String]) -> Result<(), String> {
             );
             write(out, &doc)
         }
+        Some("merge-compressed") => {
+            let (out, min, files, codec_files) = merge_args(args, "--codec")?;
+            let runs = files.iter().map(|f| read::<RunDoc>(f)).collect::<Result<Vec<_>, _>>()?;
+            let codec = codec_files.iter().map(|f| read::<serde_json::Value>(f)).collect::<Result<Vec<_>, _>>()?;
+            let doc = offload_bench::compressed::merge(&runs, &codec, min)?;
+            println!(
+                "compressed: ratio {:.4}, entropy {:.3} bits, encode {:.2} GB/s, decode {} GB/s, meets targets {}",
+                doc["compression_ratio"].as_f64().unwrap_or(f64::NAN),
+                doc["exponent_entropy_bits"].as_f64().unwrap_or(f64::NAN),
+                doc["encode_gbps_host"].as_f64().unwrap_or(f64::NAN),
+                doc["decode_gbps"],
+                doc["meets_targets"]
+            );
+            for c in doc["cases"].as_array().into_iter().flatten() {
+                println!(
+                    "  {} d={} ({}): raw {:.4} s, coded {:.4} s, bound {:.4} s, coded ÷ bound {:.4}, bitwise {}, meets {}",
+                    c["case"].as_str().unwrap_or(""),
+                    c["depth"],
+                    c["raw_step"].as_str().unwrap_or(""),
+                    c["step_streamed_raw_s"]["median"].as_f64().unwrap_or(f64::NAN),
+                    c["step_streamed_compressed_s"]["median"].as_f64().unwrap_or(f64::NAN),
+                    c["bound_uncompressed_s"]["median"].as_f64().unwrap_or(f64::NAN),
+                    c["ratio_to_uncompressed_bound"]["median"].as_f64().unwrap_or(f64::NAN),
+                    c["bitwise_equal"],
+                    c["meets_targets"]
+                );
+            }
+            write(out, &doc)
+        }
         _ => Err(
             "usage: zoo registry [--json F] | zoo run --backend tch --model M --out F [...] | zoo merge --out F RUN... [--anchors A...] \
-             | zoo pipeline --out F [...] | zoo merge-pipeline --out F RUN..."
+             | zoo pipeline --out F [...] | zoo merge-pipeline --out F RUN... | zoo merge-compressed --out F RUN... [--codec C...]"
                 .into(),
         ),
     }

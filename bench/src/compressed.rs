@@ -1,0 +1,196 @@
+//! Issue 19's results file, `<date>-compressed-h200.json`, computed from `zoo run
+//! --backend cuda --coded` process runs (each streams every case from the raw
+//! store and from the coded store, with the same weights, in one process) and
+//! the exponent decoder's speed files (`codec_speed --json`) of the same command.
+//!
+//! Per case and depth: medians over the process runs (each run's own median step
+//! first) with min and max; the uncompressed bound `max(resident step, raw bytes
+//! ÷ bandwidth)` and every ratio computed per run, then spread. Targets: coded
+//! size ≤ 0.70 × raw, decode ≥ 400 GB/s, and per case — where the raw step is
+//! transfer-bound (bytes ÷ bandwidth above the resident step) — the coded step
+//! ≤ 0.78 × the uncompressed bound; where it is compute-bound, the coded step
+//! ≤ 1.01 × the raw streamed step. Bitwise equality of both streamed runs with the
+//! resident one, every run.
+
+use crate::harness::{spread, RunDoc};
+use serde_json::{json, Value};
+
+/// Coded size over raw, at most.
+pub const RATIO_TARGET: f64 = 0.70;
+/// Decoder output, GB/s, at least.
+pub const DECODE_TARGET_GBPS: f64 = 400.0;
+/// Coded step over the uncompressed bound where transfer-bound, at most.
+pub const BOUND_TARGET: f64 = 0.78;
+/// Coded step over the raw streamed step where compute-bound, at most.
+pub const COMPUTE_BOUND_TARGET: f64 = 1.01;
+
+fn s(xs: &[f64]) -> Value {
+    match spread(xs) {
+        Some(sp) => json!({"median": sp.median, "min": sp.min, "max": sp.max}),
+        None => Value::Null,
+    }
+}
+
+fn med(xs: &[f64]) -> f64 {
+    spread(xs).map_or(f64::NAN, |sp| sp.median)
+}
+
+/// The results file from `runs` (at least `min_runs` process runs of one model,
+/// all with `--coded`) and `codec` (`codec_speed` outputs: `decode_gbps`).
+pub fn merge(runs: &[RunDoc], codec: &[Value], min_runs: usize) -> Result<Value, String> {
+    if runs.len() < min_runs {
+        return Err(format!("{} process runs, at least {min_runs} needed", runs.len()));
+    }
+    let facts = runs
+        .iter()
+        .map(|r| r.coded.as_ref().ok_or_else(|| format!("a run at {} made without --coded", r.commit)))
+        .collect::<Result<Vec<_>, _>>()?;
+    if runs.iter().any(|r| r.no_gemm) {
+        return Err("a run made with --no-gemm is not a measurement".into());
+    }
+    let decode: Vec<f64> = codec.iter().filter_map(|c| c["decode_gbps"].as_f64()).collect();
+    if decode.len() != codec.len() {
+        return Err("a codec file without decode_gbps".into());
+    }
+    let first = &runs[0];
+    let mut cases = Vec::new();
+    let mut all_met = true;
+    for c in &first.cases {
+        let per: Vec<_> = runs
+            .iter()
+            .map(|r| {
+                r.cases
+                    .iter()
+                    .find(|x| x.model == c.model && x.case == c.case && x.depth == c.depth)
+                    .ok_or_else(|| format!("{} {} d={} missing from a run", c.model, c.case, c.depth))
+            })
+            .collect::<Result<_, _>>()?;
+        if per.iter().any(|x| x.steps_streamed_coded_s.is_empty()) {
+            return Err(format!("{} {} d={}: a run without coded steps", c.model, c.case, c.depth));
+        }
+        let (mut res, mut raw, mut cod, mut bound, mut ratio, mut over_raw) = (vec![], vec![], vec![], vec![], vec![], vec![]);
+        let mut transfer_bound = Vec::new();
+        for x in &per {
+            let (r, st, cs) = (med(&x.steps_resident_s), med(&x.steps_streamed_s), med(&x.steps_streamed_coded_s));
+            let bytes_s = x.streamed_bytes as f64 / (x.bandwidth_gbps * 1e9);
+            let b = r.max(bytes_s);
+            res.push(r);
+            raw.push(st);
+            cod.push(cs);
+            bound.push(b);
+            ratio.push(cs / b);
+            over_raw.push(cs / st);
+            transfer_bound.push(bytes_s > r);
+        }
+        let equal = per.iter().all(|x| x.bitwise_equal && x.coded_bitwise_equal == Some(true));
+        let finite = per.iter().all(|x| x.output_finite && x.output_nonconstant);
+        let tb = transfer_bound.iter().filter(|&&t| t).count() * 2 > transfer_bound.len();
+        let (kind, met_step) = match tb {
+            true => ("transfer-bound", med(&ratio) <= BOUND_TARGET),
+            false => ("compute-bound", med(&over_raw) <= COMPUTE_BOUND_TARGET),
+        };
+        let met = met_step && equal && finite;
+        all_met &= met;
+        cases.push(json!({
+            "model": c.model, "case": c.case, "resolution": c.resolution, "depth": c.depth, "repeats": per.len(),
+            "step_resident_s": s(&res), "step_streamed_raw_s": s(&raw), "step_streamed_compressed_s": s(&cod),
+            "bound_uncompressed_s": s(&bound), "ratio_to_uncompressed_bound": s(&ratio), "compressed_over_raw_streamed": s(&over_raw),
+            "raw_step": kind, "bitwise_equal": equal, "output_finite_nonconstant": finite, "meets_targets": met,
+        }));
+    }
+    let ratio: Vec<f64> = facts.iter().map(|f| f.compression_ratio).collect();
+    let ratio_met = med(&ratio) <= RATIO_TARGET;
+    let decode_met = !decode.is_empty() && med(&decode) >= DECODE_TARGET_GBPS;
+    Ok(json!({
+        "date": first.date, "commit": runs.iter().map(|r| r.commit.as_str()).collect::<std::collections::BTreeSet<_>>().into_iter().collect::<Vec<_>>().join(", "),
+        "gpu": first.gpu, "backend": first.backend, "process_runs": runs.len(),
+        "weights": "normal, each tensor centred on its init range's middle with that uniform range's standard deviation (RegistrySource::normal)",
+        "compression_ratio": med(&ratio), "compression_ratio_spread": s(&ratio),
+        "exponent_entropy_bits": med(&facts.iter().map(|f| f.exponent_entropy_bits).collect::<Vec<_>>()),
+        "tensor_entropy_bits": {
+            "min": facts.iter().map(|f| f.tensor_entropy_bits_min).fold(f64::INFINITY, f64::min),
+            "median": med(&facts.iter().map(|f| f.tensor_entropy_bits_median).collect::<Vec<_>>()),
+            "max": facts.iter().map(|f| f.tensor_entropy_bits_max).fold(f64::NEG_INFINITY, f64::max),
+        },
+        "encode_gbps_host": med(&facts.iter().map(|f| f.encode_gbps_host).collect::<Vec<_>>()),
+        "encode_gbps_host_spread": s(&facts.iter().map(|f| f.encode_gbps_host).collect::<Vec<_>>()),
+        "encode_threads": facts[0].encode_threads,
+        "coded_store_build_s": s(&facts.iter().map(|f| f.store_build_s).collect::<Vec<_>>()),
+        "decode_gbps": if decode.is_empty() { Value::Null } else { json!(med(&decode)) }, "decode_gbps_spread": s(&decode),
+        "bandwidth_gbps": med(&runs.iter().flat_map(|r| r.cases.first()).map(|c| c.bandwidth_gbps).collect::<Vec<_>>()),
+        "staging_peak_bytes": facts.iter().map(|f| f.staging_peak_bytes).max(),
+        "targets": {"compression_ratio_max": RATIO_TARGET, "decode_gbps_min": DECODE_TARGET_GBPS,
+                    "ratio_to_uncompressed_bound_max_transfer_bound": BOUND_TARGET, "compressed_over_raw_max_compute_bound": COMPUTE_BOUND_TARGET},
+        "compression_ratio_met": ratio_met, "decode_met": decode_met,
+        "cases": cases,
+        "meets_targets": all_met && ratio_met && decode_met,
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::harness::{CodedFacts, RunCase};
+
+    fn run(k: f64, coded_1024: f64, coded_2048: f64) -> RunDoc {
+        let case = |name: &str, res: f64, raw: f64, coded: f64| RunCase {
+            model: "flux-dev".into(),
+            case: name.into(),
+            resolution: name.parse().unwrap(),
+            depth: 1,
+            steps_resident_s: vec![res * k; 5],
+            steps_streamed_s: vec![raw * k; 5],
+            steps_streamed_coded_s: vec![coded * k; 5],
+            streamed_bytes: 22_000_000_000,
+            bandwidth_gbps: 55.0,
+            bitwise_equal: true,
+            coded_bitwise_equal: Some(true),
+            output_finite: true,
+            output_nonconstant: true,
+            ..RunCase::default()
+        };
+        RunDoc {
+            commit: "abc".into(),
+            gpu: "H200".into(),
+            backend: "cuda".into(),
+            cases: vec![case("1024", 0.17, 0.40, coded_1024), case("2048", 0.80, 0.805, coded_2048)],
+            coded: Some(CodedFacts {
+                compression_ratio: 0.665,
+                exponent_entropy_bits: 2.55,
+                encode_gbps_host: 3.0,
+                ..CodedFacts::default()
+            }),
+            ..RunDoc::default()
+        }
+    }
+
+    #[test]
+    fn bounds_ratios_and_targets_are_computed_per_run_then_spread() {
+        let codec = vec![json!({"decode_gbps": 500.0}), json!({"decode_gbps": 520.0})];
+        let runs = vec![run(1.0, 0.29, 0.806), run(1.01, 0.29, 0.806), run(0.99, 0.29, 0.806)];
+        let d = merge(&runs, &codec, 3).unwrap();
+        let c = &d["cases"][0];
+        // 22 GB ÷ 55 GB/s = 0.4 s bound (transfer-bound): 0.29 ÷ 0.4 = 0.725.
+        assert_eq!(c["raw_step"], "transfer-bound");
+        assert!((c["ratio_to_uncompressed_bound"]["median"].as_f64().unwrap() - 0.725).abs() < 1e-9, "{c}");
+        assert_eq!(c["meets_targets"], true);
+        assert_eq!(d["cases"][1]["raw_step"], "compute-bound");
+        assert_eq!(d["cases"][1]["meets_targets"], true, "0.806 ÷ 0.805 within 1 %");
+        assert_eq!(d["meets_targets"], true);
+        assert_eq!(d["decode_gbps"], 510.0);
+        // Each target can fail: a slow coded step, a compute-bound slowdown, a
+        // slow decoder, too few runs, a run without --coded, a bitwise miss.
+        let slow = vec![run(1.0, 0.33, 0.806), run(1.0, 0.33, 0.806), run(1.0, 0.33, 0.806)];
+        assert_eq!(merge(&slow, &codec, 3).unwrap()["cases"][0]["meets_targets"], false);
+        let heavy = vec![run(1.0, 0.29, 0.83), run(1.0, 0.29, 0.83), run(1.0, 0.29, 0.83)];
+        assert_eq!(merge(&heavy, &codec, 3).unwrap()["cases"][1]["meets_targets"], false);
+        assert_eq!(merge(&runs, &[json!({"decode_gbps": 300.0})], 3).unwrap()["meets_targets"], false);
+        assert!(merge(&runs[..2], &codec, 3).is_err());
+        let mut plain = runs.clone();
+        plain[1].coded = None;
+        assert!(merge(&plain, &codec, 3).is_err());
+        let mut wrong = runs.clone();
+        wrong[2].cases[0].coded_bitwise_equal = Some(false);
+        assert_eq!(merge(&wrong, &codec, 3).unwrap()["cases"][0]["bitwise_equal"], false);
+    }
+}

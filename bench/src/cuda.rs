@@ -115,7 +115,7 @@ fn calibrate(
             xs.push(be.elapsed_s(&m.start, &m.end).map_err(err)?.ok_or_else(|| err("calibration: no timing"))?);
         }
         let compute_s = spread(&xs).ok_or_else(|| err(format!("calibration: {} timed {xs:?}", b.id)))?.median;
-        blocks.push(BlockCost { id: b.id.clone(), bytes: b.bytes, compute_s });
+        blocks.push(BlockCost::new(b.id.clone(), b.bytes, compute_s));
     }
     Ok(CostModel { bandwidth_bytes_per_s: bandwidth, blocks, non_block_bytes: 0, source })
 }

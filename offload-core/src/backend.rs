@@ -92,6 +92,17 @@ pub trait OffloadBackend: Clone + Send + Sync + 'static {
         Err(crate::Error::unsupported(self.name(), format!("pageable host memory (for {purpose})")))
     }
 
+    /// Like [`alloc_host`](Self::alloc_host), but the buffer holds the block coded
+    /// for the device ([`crate::codec::code_for_device`]), and every copy from it
+    /// moves the coded bytes and decodes them on the device, so the slot receives
+    /// the block's exact bytes and [`host_bytes`](Self::host_bytes) still gives
+    /// them. [`Error::Unsupported`](crate::Error::Unsupported) where the backend
+    /// cannot decode (the store then holds the block as it is).
+    fn alloc_host_coded(&self, bytes: usize, purpose: &str, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<Self::HostBuffer> {
+        let _ = (bytes, fill);
+        Err(crate::Error::unsupported(self.name(), format!("host buffers coded for the device (for {purpose})")))
+    }
+
     /// Whether `buffer` is page-locked.
     fn is_pinned(&self, _buffer: &Self::HostBuffer) -> bool {
         self.host_is_pinned()

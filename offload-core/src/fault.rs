@@ -95,6 +95,10 @@ impl<B: OffloadBackend> OffloadBackend for FaultInjector<B> {
     fn alloc_host_pageable(&self, bytes: usize, purpose: &str, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<Self::HostBuffer> {
         self.inner.alloc_host_pageable(bytes, purpose, fill)
     }
+    fn alloc_host_coded(&self, bytes: usize, purpose: &str, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<Self::HostBuffer> {
+        self.tick(FaultKind::HostAlloc, purpose)?;
+        self.inner.alloc_host_coded(bytes, purpose, fill)
+    }
     fn is_pinned(&self, buffer: &Self::HostBuffer) -> bool {
         self.inner.is_pinned(buffer)
     }

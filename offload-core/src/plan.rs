@@ -66,6 +66,11 @@ pub struct ComponentPlan {
     pub resident_policy: ResidentPolicy,
     /// Blocks kept on the device for good (`"double_blocks.3"`).
     pub resident_blocks: Vec<String>,
+    /// Hold the streamed blocks coded for the device (exponents entropy-coded,
+    /// lossless) and decode them as they are copied: fewer bytes on the wire, for
+    /// a component whose step is transfer-bound. Where the backend cannot decode,
+    /// the blocks are held as they are, with a warning.
+    pub coded: bool,
 }
 
 impl Default for ComponentPlan {
@@ -79,6 +84,7 @@ impl Default for ComponentPlan {
             pin_fallback: PinFallback::Fail,
             resident_policy: ResidentPolicy::Auto,
             resident_blocks: Vec::new(),
+            coded: false,
         }
     }
 }

@@ -16,12 +16,15 @@ pub struct PinOptions {
     pub budget_bytes: Option<u64>,
     /// What to do when pinning fails or the budget is spent.
     pub fallback: PinFallback,
+    /// Hold the blocks coded for the device where the backend can
+    /// ([`OffloadBackend::alloc_host_coded`]); else as they are, with a warning.
+    pub coded: bool,
 }
 
 impl PinOptions {
-    /// The pin settings of a component's plan.
+    /// The host settings of a component's plan.
     pub fn from_plan(plan: &ComponentPlan) -> Self {
-        PinOptions { budget_bytes: plan.host_pin_budget_bytes, fallback: plan.pin_fallback }
+        PinOptions { budget_bytes: plan.host_pin_budget_bytes, fallback: plan.pin_fallback, coded: plan.coded }
     }
 }
 
@@ -50,6 +53,7 @@ pub struct HostStore<B: OffloadBackend> {
     non_block: Option<HostBlock<B>>,
     index: HashMap<BlockId, usize>,
     pinned_bytes: u64,
+    coded_blocks: usize,
 }
 
 impl<B: OffloadBackend> HostStore<B> {
@@ -64,6 +68,9 @@ impl<B: OffloadBackend> HostStore<B> {
     pub fn build_with(backend: &B, inventory: &ComponentInventory, source: &dyn TensorSource, pin: PinOptions) -> Result<Self> {
         let pinned_left = std::cell::Cell::new(pin.budget_bytes.unwrap_or(u64::MAX));
         let pinned_bytes = std::cell::Cell::new(0u64);
+        // Coded where asked and the backend can: the first refusal turns it off.
+        let coding = std::cell::Cell::new(pin.coded);
+        let coded_blocks = std::cell::Cell::new(0usize);
         let _span = tracing::info_span!("host_store_build", component = %inventory.name).entered();
         let by_name: HashMap<&str, usize> = source.specs().iter().enumerate().map(|(i, s)| (s.name.as_str(), i)).collect();
         let load = |id: BlockId, specs: &[crate::tensor::TensorSpec]| -> Result<HostBlock<B>> {
@@ -111,10 +118,28 @@ impl<B: OffloadBackend> HostStore<B> {
                     }
                 }
             } else {
-                match backend.alloc_host(layout.bytes, &purpose, &mut fill) {
-                    Ok(b) => b,
-                    Err(e @ Error::HostAlloc { .. }) if pin.fallback == PinFallback::Pageable => pageable(e.to_string(), &mut fill)?,
-                    Err(e) => return Err(e),
+                let coded = match coding.get() {
+                    false => None,
+                    true => match backend.alloc_host_coded(layout.bytes, &purpose, &mut fill) {
+                        Ok(b) => {
+                            coded_blocks.set(coded_blocks.get() + 1);
+                            Some(b)
+                        }
+                        Err(e @ Error::Unsupported { .. }) => {
+                            tracing::warn!("{purpose}: {e}; the component's blocks are held as they are");
+                            coding.set(false);
+                            None
+                        }
+                        Err(e) => return Err(e),
+                    },
+                };
+                match coded {
+                    Some(b) => b,
+                    None => match backend.alloc_host(layout.bytes, &purpose, &mut fill) {
+                        Ok(b) => b,
+                        Err(e @ Error::HostAlloc { .. }) if pin.fallback == PinFallback::Pageable => pageable(e.to_string(), &mut fill)?,
+                        Err(e) => return Err(e),
+                    },
                 }
             };
             if backend.is_pinned(&buffer) {
@@ -131,7 +156,19 @@ impl<B: OffloadBackend> HostStore<B> {
         }
         let non_block =
             if inventory.non_block.is_empty() { None } else { Some(load(BlockId::new("<non-block>", 0), &inventory.non_block)?) };
-        Ok(HostStore { component: inventory.name.clone(), blocks, non_block, index, pinned_bytes: pinned_bytes.get() })
+        Ok(HostStore {
+            component: inventory.name.clone(),
+            blocks,
+            non_block,
+            index,
+            pinned_bytes: pinned_bytes.get(),
+            coded_blocks: coded_blocks.get(),
+        })
+    }
+
+    /// Buffers held coded for the device ([`PinOptions::coded`]).
+    pub fn coded_blocks(&self) -> usize {
+        self.coded_blocks
     }
 
     /// Component name.

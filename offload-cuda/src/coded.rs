@@ -168,21 +168,28 @@ impl CudaBackend {
     /// ([`CudaCounters::staging_peak_bytes`](crate::CudaCounters::staging_peak_bytes)).
     /// Once on, it stays on; a second call with other options is an error.
     pub fn enable_coding(&self, options: CodingOptions) -> Result<()> {
-        if self.shared().coding.get().is_none() {
-            let coding = Coding::new(self.shared(), options)?;
-            // Another thread may have turned it on meanwhile: its options stand.
-            let _ = self.shared().coding.set(coding);
+        let c = self.coding_engine(options)?;
+        if c.options != options {
+            return Err(Error::Protocol(format!("coding is on with {:?}; asked for {options:?}", c.options)));
         }
-        match self.shared().coding.get() {
-            Some(c) if c.options == options => Ok(()),
-            Some(c) => Err(Error::Protocol(format!("coding is on with {:?}; asked for {options:?}", c.options))),
-            None => Err(Error::Protocol("coding could not be turned on".into())),
-        }
+        self.shared().code_all.store(true, Ordering::Release);
+        Ok(())
     }
 
-    /// Whether coded streaming is on.
+    /// Whether every host buffer allocated now is coded ([`enable_coding`](Self::enable_coding)).
     pub fn is_coding(&self) -> bool {
-        self.shared().coding.get().is_some()
+        self.shared().code_all.load(Ordering::Acquire)
+    }
+
+    /// The decode engine, made with `options` if there is none yet (a coded
+    /// buffer asked for through `alloc_host_coded` makes it with the defaults).
+    pub(crate) fn coding_engine(&self, options: CodingOptions) -> Result<&Coding> {
+        if self.shared().coding.get().is_none() {
+            let coding = Coding::new(self.shared(), options)?;
+            // Another thread may have made it meanwhile: its options stand.
+            let _ = self.shared().coding.set(coding);
+        }
+        self.shared().coding.get().ok_or_else(|| Error::Protocol("the decode engine could not be made".into()))
     }
 
     /// The coded path of `copy_to_device`: the coded bytes of `src` into a staging
@@ -418,5 +425,14 @@ mod tests {
         assert!(c.coded_copies > before.coded_copies, "coded copies counted");
         assert!(held < raw_total * 8 / 10, "coded {held} of {raw_total} bytes");
         assert!(c.staging_peak_bytes > 0, "staging counted");
+        // A plan's `coded` on a backend with coding off codes that store alone.
+        let b2 = CudaBackend::new(0).unwrap();
+        let pin = offload_core::PinOptions { coded: true, ..Default::default() };
+        let s2 = HostStore::build_with(&b2, &inv, &t, pin).unwrap();
+        assert_eq!(s2.coded_blocks(), s2.blocks().len(), "every block coded through alloc_host_coded");
+        assert!(!b2.is_coding(), "other stores stay as they are");
+        for (blk, want) in s2.blocks().iter().zip(&raw) {
+            assert!(b2.host_bytes(&blk.buffer) == want.as_slice());
+        }
     }
 }

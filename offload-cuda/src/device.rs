@@ -27,8 +27,10 @@ pub(crate) struct Shared {
     pub(crate) copies: AtomicU64,
     pub(crate) bytes_copied: AtomicU64,
     pub(crate) checking: OnceLock<Checking>,
-    /// Coded streaming, once turned on ([`CudaBackend::enable_coding`]).
+    /// The decode engine of coded streaming, once a coded buffer is asked for.
     pub(crate) coding: OnceLock<crate::coded::Coding>,
+    /// Every `alloc_host` codes its block ([`CudaBackend::enable_coding`]).
+    pub(crate) code_all: std::sync::atomic::AtomicBool,
 }
 
 /// Counters of a [`CudaBackend`].
@@ -149,6 +151,7 @@ impl CudaBackend {
             bytes_copied: AtomicU64::new(0),
             checking: OnceLock::new(),
             coding: OnceLock::new(),
+            code_all: std::sync::atomic::AtomicBool::new(false),
         };
         Ok(CudaBackend { shared: Arc::new(shared) })
     }
@@ -399,10 +402,15 @@ impl OffloadBackend for CudaBackend {
     }
 
     fn alloc_host(&self, bytes: usize, purpose: &str, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<PinnedHost> {
-        match self.shared.coding.get() {
+        match self.shared.coding.get().filter(|_| self.shared.code_all.load(Ordering::Acquire)) {
             Some(c) => PinnedHost::new_coded(self.shared.clone(), c, bytes, fill, purpose),
             None => PinnedHost::new(self.shared.clone(), bytes, fill, purpose),
         }
+    }
+
+    fn alloc_host_coded(&self, bytes: usize, purpose: &str, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<PinnedHost> {
+        let c = self.coding_engine(crate::CodingOptions::default())?;
+        PinnedHost::new_coded(self.shared.clone(), c, bytes, fill, purpose)
     }
 
     fn alloc_host_pageable(&self, bytes: usize, _purpose: &str, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<PinnedHost> {

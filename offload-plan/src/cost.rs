@@ -13,6 +13,21 @@ pub struct BlockCost {
     pub bytes: u64,
     /// Compute time of the block's forward, seconds.
     pub compute_s: f64,
+    /// Bytes streamed when the block is held coded for the device (`None`:
+    /// not known, the block is never planned coded).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub coded_bytes: Option<u64>,
+    /// Seconds the device takes to decode the coded block (on a stream of its
+    /// own, after the copy, before the compute).
+    #[serde(default)]
+    pub decode_s: f64,
+}
+
+impl BlockCost {
+    /// A block of `bytes` computing for `compute_s`, with no coded form known.
+    pub fn new(id: impl Into<String>, bytes: u64, compute_s: f64) -> Self {
+        BlockCost { id: id.into(), bytes, compute_s, coded_bytes: None, decode_s: 0.0 }
+    }
 }
 
 /// Calibration: what a short pass through a backend measured. Save it as JSON and
@@ -37,7 +52,7 @@ impl CostModel {
     pub fn from_inventory(inventory: &ComponentInventory, bandwidth_bytes_per_s: f64) -> Result<Self> {
         let blocks = inventory
             .blocks()
-            .map(|b| Ok(BlockCost { id: b.id.to_string(), bytes: BlockLayout::new(b.tensors.clone())?.bytes as u64, compute_s: 0.0 }))
+            .map(|b| Ok(BlockCost::new(b.id.to_string(), BlockLayout::new(b.tensors.clone())?.bytes as u64, 0.0)))
             .collect::<Result<_>>()?;
         let non_block_bytes = BlockLayout::new(inventory.non_block.clone())?.bytes as u64;
         Ok(CostModel { bandwidth_bytes_per_s, blocks, non_block_bytes, source: "block sizes only".into() })
@@ -82,12 +97,33 @@ impl CostModel {
     /// copy stream is free and its slot's previous block has computed; a block
     /// computes when the previous one has and its copy has landed.
     pub fn simulate_s(&self, resident: &[bool], depth: usize) -> f64 {
+        self.simulate_coded_s(resident, depth, false)
+    }
+
+    /// Whether every block has a coded size (the planner may then code them).
+    pub fn codable(&self) -> bool {
+        !self.blocks.is_empty() && self.blocks.iter().all(|b| b.coded_bytes.is_some())
+    }
+
+    /// Staging device bytes of a coded plan: one buffer of the largest coded
+    /// streamed block per copy in flight (`d + 1`).
+    pub fn staging_bytes(&self, resident: &[bool], depth: usize) -> u64 {
+        let largest = self.blocks.iter().zip(resident).filter(|(_, r)| !**r).filter_map(|(b, _)| b.coded_bytes).max().unwrap_or(0);
+        (depth as u64 + 1) * largest
+    }
+
+    /// [`simulate_s`](Self::simulate_s), with the streamed blocks held coded
+    /// when `coded` (and their coded size known): each copy moves the coded
+    /// bytes, then the decode stream decodes it (one decode at a time, after its
+    /// copy), and the block computes once decoded.
+    pub fn simulate_coded_s(&self, resident: &[bool], depth: usize, coded: bool) -> f64 {
         let n = self.blocks.len();
         if n == 0 {
             return 0.0;
         }
         let slots = depth + 1;
         let mut copy_free = 0.0f64;
+        let mut decode_free = 0.0f64;
         let mut compute_end = 0.0f64;
         // Compute-end times of the streamed blocks, in streaming order.
         let mut streamed_end: Vec<f64> = Vec::new();
@@ -100,8 +136,17 @@ impl CostModel {
                     let k = streamed_end.len();
                     let slot_free = if k >= slots { streamed_end[k - slots] } else { 0.0 };
                     let start = copy_free.max(slot_free);
-                    copy_free = start + b.bytes as f64 / self.bandwidth_bytes_per_s;
-                    copy_free
+                    match b.coded_bytes.filter(|_| coded) {
+                        None => {
+                            copy_free = start + b.bytes as f64 / self.bandwidth_bytes_per_s;
+                            copy_free
+                        }
+                        Some(c) => {
+                            copy_free = start + c as f64 / self.bandwidth_bytes_per_s;
+                            decode_free = decode_free.max(copy_free) + b.decode_s;
+                            decode_free
+                        }
+                    }
                 };
                 compute_end = compute_end.max(ready) + b.compute_s;
                 if !resident[i] {

@@ -25,7 +25,7 @@ pub mod planner;
 
 pub use cost::{BlockCost, CostModel};
 pub use offload_core::{ComponentPlan, PinFallback, Plan, ResidentPolicy, Strategy};
-pub use planner::{best_bound, plan, plan_heuristic, Choice, EXHAUSTIVE_MAX};
+pub use planner::{best_bound, plan, plan_heuristic, plan_with_coding, Choice, CODING_GAIN, EXHAUSTIVE_MAX};
 
 /// Why a plan could not be read or written.
 #[derive(Debug, thiserror::Error)]
@@ -129,6 +129,7 @@ mod tests {
     fn bad_values_name_the_line_and_key() {
         let e = from_toml("[default]\nstrategy = \"sideways\"\n").unwrap_err().to_string();
         assert!(e.contains("line 2") && e.contains("sideways"), "{e}");
+        assert!(from_toml("[default]\ncoded = true\n").unwrap().default.coded, "coded blocks from TOML");
         let e = from_toml("[default]\n\n[components.vae]\nstrategy = \"on_demand\"\nprefetch_depth = 0\n").unwrap_err().to_string();
         assert!(e.contains("line 5") && e.contains("components.vae.prefetch_depth"), "{e}");
         let e = from_toml("[components.t]\nresident_blocks = [\"blocks\"]\n").unwrap_err().to_string();

@@ -37,6 +37,8 @@ pub struct Choice {
     pub resident_step_s: f64,
     /// Whether the subset-sum was solved exactly.
     pub exact: bool,
+    /// Whether the streamed blocks are held coded ([`Choice::with_coding`]).
+    pub coded: bool,
 }
 
 impl Choice {
@@ -53,10 +55,41 @@ impl Choice {
             device_budget_bytes: Some(budget),
             resident_policy: ResidentPolicy::Explicit,
             resident_blocks: self.resident_ids(model).into_iter().map(str::to_owned).collect(),
+            coded: self.coded,
             ..Default::default()
         }
     }
+
+    /// This choice with its streamed blocks coded, where that is faster: every
+    /// streamed block's coded size known, the replayed schedule with the coded
+    /// copies and their decodes more than [`CODING_GAIN`] faster than without
+    /// (so a compute-bound step stays uncoded), and the staging buffers fitting
+    /// `budget` beside the choice's device bytes. Otherwise the choice unchanged.
+    pub fn with_coding(&self, model: &CostModel, budget: u64) -> Choice {
+        if self.coded || !model.codable() || self.resident.iter().all(|r| *r) {
+            return self.clone();
+        }
+        let step = model.simulate_coded_s(&self.resident, self.depth, true);
+        let staging = model.staging_bytes(&self.resident, self.depth);
+        if step < self.predicted_step_s * (1.0 - CODING_GAIN) && self.device_bytes + staging <= budget {
+            let streamed =
+                model.blocks.iter().zip(&self.resident).filter(|(_, r)| !**r).map(|(b, _)| b.coded_bytes.unwrap_or(b.bytes)).sum();
+            return Choice {
+                coded: true,
+                predicted_step_s: step,
+                device_bytes: self.device_bytes + staging,
+                streamed_bytes: streamed,
+                bound_s: model.compute_s().max(streamed as f64 / model.bandwidth_bytes_per_s),
+                ..self.clone()
+            };
+        }
+        self.clone()
+    }
 }
+
+/// The least predicted gain (a fraction of the step) for which the planner codes
+/// the streamed blocks.
+pub const CODING_GAIN: f64 = 0.01;
 
 /// Maximise `Σ k_j · size_j ≤ cap` with `0 ≤ k_j ≤ count_j`. Returns the counts and
 /// whether the search was exhaustive.
@@ -165,6 +198,28 @@ fn place(idx: &[usize], k: usize, placement: Placement) -> Vec<usize> {
 /// Deepest prefetch the planner tries beyond the plan's depth.
 const EXTRA_DEPTH: usize = 3;
 
+/// [`plan`], and where every block's coded size is known, the same planned under
+/// `budget` less the staging buffers coding would need (at the deepest depth
+/// tried) and then coded ([`Choice::with_coding`]): the faster of the two, coded
+/// only when it gains more than [`CODING_GAIN`] — so a transfer-bound step is
+/// coded and a compute-bound one is not.
+pub fn plan_with_coding(model: &CostModel, budget: u64, min_depth: usize, policy: ResidentPolicy) -> Result<Choice> {
+    let raw = plan(model, budget, min_depth, policy)?;
+    if !model.codable() {
+        return Ok(raw);
+    }
+    let all_streamed = vec![false; model.blocks.len()];
+    let reserve = model.staging_bytes(&all_streamed, min_depth + EXTRA_DEPTH);
+    let coded = match budget.checked_sub(reserve).map(|b| plan(model, b, min_depth, policy)) {
+        Some(Ok(c)) => c.with_coding(model, budget),
+        _ => return Ok(raw),
+    };
+    Ok(match coded.coded && coded.predicted_step_s < raw.predicted_step_s * (1.0 - CODING_GAIN) {
+        true => coded,
+        false => raw,
+    })
+}
+
 /// Choose the resident set and the prefetch depth (at least `min_depth`) for
 /// `model` under `budget` device bytes, minimising the replayed step time.
 ///
@@ -196,6 +251,7 @@ fn choice(model: &CostModel, resident: Vec<bool>, depth: usize, exact: bool) -> 
         bound_s: model.bound_s(&resident),
         resident,
         exact,
+        coded: false,
     }
 }
 
@@ -344,6 +400,7 @@ fn bound_fills(
                 bound_s,
                 resident,
                 exact,
+                coded: false,
             });
         }
     }

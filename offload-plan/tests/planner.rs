@@ -2,17 +2,13 @@
 //! replay against hand-computed cases.
 
 use offload_core::ResidentPolicy;
-use offload_plan::{best_bound, plan, plan_heuristic, BlockCost, CostModel};
+use offload_plan::{best_bound, plan, plan_heuristic, plan_with_coding, BlockCost, CostModel};
 use proptest::prelude::*;
 
 fn model(blocks: &[(u64, f64)], bw: f64, non_block: u64) -> CostModel {
     CostModel {
         bandwidth_bytes_per_s: bw,
-        blocks: blocks
-            .iter()
-            .enumerate()
-            .map(|(i, &(bytes, compute_s))| BlockCost { id: format!("blocks.{i}"), bytes, compute_s })
-            .collect(),
+        blocks: blocks.iter().enumerate().map(|(i, &(bytes, compute_s))| BlockCost::new(format!("blocks.{i}"), bytes, compute_s)).collect(),
         non_block_bytes: non_block,
         source: "test".into(),
     }
@@ -158,4 +154,58 @@ fn flux_shaped_budgets() {
     }
     let e = plan(&m, 1 << 30, 1, ResidentPolicy::Auto).unwrap_err().to_string();
     assert!(e.contains("fits no plan"), "{e}");
+}
+
+/// A Flux-shaped model: 57 blocks of 380 MB at 55 GB/s (22 GB, 0.39 s of copy),
+/// each coded to 0.665 of its bytes and decoded in 1 ms; compute per block `c`.
+fn codable(c: f64) -> CostModel {
+    let bytes = 380_000_000u64;
+    CostModel {
+        bandwidth_bytes_per_s: 55e9,
+        blocks: (0..57)
+            .map(|i| BlockCost {
+                coded_bytes: Some(bytes * 665 / 1000),
+                decode_s: 0.001,
+                ..BlockCost::new(format!("blocks.{i}"), bytes, c)
+            })
+            .collect(),
+        non_block_bytes: 0,
+        source: "test".into(),
+    }
+}
+
+#[test]
+fn coding_is_chosen_where_the_step_is_transfer_bound_and_fits_the_budget() {
+    let budget = 8u64 << 30;
+    // Transfer-bound: 0.17 s of compute against 0.39 s of copy.
+    let m = codable(0.17 / 57.0);
+    let raw = plan(&m, budget, 1, ResidentPolicy::Auto).unwrap();
+    // `plan` fills the budget with resident blocks, leaving no room for staging.
+    assert!(!raw.with_coding(&m, budget).coded, "no room left for staging");
+    let coded = plan_with_coding(&m, budget, 1, ResidentPolicy::Auto).unwrap();
+    assert!(coded.coded, "transfer-bound: coded");
+    assert!(coded.predicted_step_s < raw.predicted_step_s * 0.9, "{} vs {}", coded.predicted_step_s, raw.predicted_step_s);
+    assert!(coded.streamed_bytes < raw.streamed_bytes, "fewer bytes on the wire");
+    assert!(coded.device_bytes <= budget, "staging counted within the budget");
+    assert!(coded.component_plan(&m, budget).coded);
+    // The replay: each copy 0.665 × 6.9 ms, its decode 1 ms after it; the step
+    // is the copies' sum plus one decode, or the compute, whichever is more.
+    let streamed = coded.resident.iter().filter(|r| !**r).count() as f64;
+    let copies = streamed * 380e6 * 0.665 / 55e9;
+    assert!((coded.predicted_step_s - copies.max(0.17)).abs() < 0.01, "{} vs {copies}", coded.predicted_step_s);
+    // Compute-bound: 0.8 s of compute; coding gains nothing, so it stays off.
+    let m = codable(0.8 / 57.0);
+    assert!(!plan_with_coding(&m, budget, 1, ResidentPolicy::Auto).unwrap().coded, "compute-bound: not coded");
+    // A decoder slower than the copy it saves: not coded.
+    let mut slow = codable(0.17 / 57.0);
+    slow.blocks.iter_mut().for_each(|b| b.decode_s = 0.02);
+    assert!(!plan_with_coding(&slow, budget, 1, ResidentPolicy::Auto).unwrap().coded, "slow decoder: not coded");
+    // A budget with no room for staging beside the slots: not coded.
+    let m = codable(0.17 / 57.0);
+    let tight = plan(&m, 2 * 380_000_000, 1, ResidentPolicy::Auto).unwrap();
+    assert!(!plan_with_coding(&m, tight.device_bytes, 1, ResidentPolicy::Auto).unwrap().coded, "no room for staging: not coded");
+    // No coded sizes known: not coded.
+    let mut unknown = codable(0.17 / 57.0);
+    unknown.blocks[3].coded_bytes = None;
+    assert!(!plan_with_coding(&unknown, budget, 1, ResidentPolicy::Auto).unwrap().coded);
 }

@@ -206,7 +206,7 @@ fn pinning_failure_fails_or_falls_back_as_planned() {
     let e = HostStore::build(&sim, &model.inventory, &model.tensors).err().expect("pinning fails").to_string();
     assert!(e.contains("could not allocate") && e.contains("page-locked memory exhausted") && e.contains("transformer/stack0."), "{e}");
     // With the pageable fallback: loads, fewer bytes pinned, same results.
-    let pin = PinOptions { budget_bytes: None, fallback: PinFallback::Pageable };
+    let pin = PinOptions { budget_bytes: None, fallback: PinFallback::Pageable, coded: false };
     let store = Arc::new(HostStore::build_with(&sim, &model.inventory, &model.tensors, pin).unwrap());
     assert!(store.pinned_bytes() > 0 && store.pinned_bytes() < store.host_bytes());
     let rc = resolve(&Plan::layerwise(), std::slice::from_ref(&model.inventory)).unwrap().components.remove(0);
@@ -215,9 +215,30 @@ fn pinning_failure_fails_or_falls_back_as_planned() {
     assert_eq!(run(&mut ring, &sim, &order).unwrap(), model.reference(&order));
     assert!(ring.metrics().host_pinned_bytes < ring.metrics().host_bytes);
     // A pin budget from the plan, failing when spent.
-    let budget = PinOptions { budget_bytes: Some(1000), fallback: PinFallback::Fail };
+    let budget = PinOptions { budget_bytes: Some(1000), fallback: PinFallback::Fail, coded: false };
     let e = HostStore::build_with(&SimBackend::default_device(), &model.inventory, &model.tensors, budget).err().unwrap().to_string();
     assert!(e.contains("pin budget has 1000 bytes left"), "{e}");
+}
+
+/// A plan that asks for coded blocks on a backend that cannot decode them (the
+/// simulated one) holds them as they are, says so, and streams the same result;
+/// (`coded = true` in a plan's TOML: offload-plan's tests.)
+#[test]
+fn coded_blocks_fall_back_where_the_backend_cannot_decode() {
+    let plan = Plan { default: ComponentPlan { coded: true, ..Default::default() }, ..Default::default() };
+    let model = TestModel::random(&ModelShape { stacks: vec![3], ..Default::default() }, 6);
+    let sim = SimBackend::default_device();
+    let pin = PinOptions::from_plan(&plan.default);
+    assert!(pin.coded);
+    let store = Arc::new(HostStore::build_with(&sim, &model.inventory, &model.tensors, pin).unwrap());
+    assert_eq!(store.coded_blocks(), 0, "nothing coded on a backend without a decoder");
+    for (i, b) in store.blocks().iter().enumerate() {
+        assert_eq!(sim.host_bytes(&b.buffer), &model.block_bytes(i)[..]);
+    }
+    let rc = resolve(&plan, std::slice::from_ref(&model.inventory)).unwrap().components.remove(0);
+    let mut ring = Ring::new(sim.clone(), store, &rc).unwrap();
+    let order: Vec<usize> = (0..model.len()).collect();
+    assert_eq!(run(&mut ring, &sim, &order).unwrap(), model.reference(&order));
 }
 
 #[test]

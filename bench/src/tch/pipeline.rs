@@ -291,7 +291,7 @@ pub fn run_pipeline(p: &Pipeline, opts: &PipelineOptions) -> Result<PipelineRun,
     let blocks: Vec<BlockCost> = store
         .blocks()
         .iter()
-        .map(|b| BlockCost { id: b.id.to_string(), bytes: b.bytes() as u64, compute_s: step_s * b.bytes() as f64 / total as f64 })
+        .map(|b| BlockCost::new(b.id.to_string(), b.bytes() as u64, step_s * b.bytes() as f64 / total as f64))
         .collect();
     let cost =
         CostModel { bandwidth_bytes_per_s: facts.bandwidth, blocks, non_block_bytes: 0, source: "pipeline, resident step by bytes".into() };

@@ -280,16 +280,17 @@ impl CudaBackend {
                             shared_mem_bytes: 0,
                         };
                         use cudarc::driver::PushKernelArg;
-                        // SAFETY: `device_segments` checked this string's layout (offsets
-                        // monotone in its stream, `n` sign-mantissa bytes, `chunks` =
-                        // ⌈n / 1024⌉) and its stored table (2^12 u16s) inside the block,
-                        // the string at a multiple of 256 of the 4-aligned staging buffer
-                        // (checked above) and padded to whole words (so the kernel's word
-                        // reads stay inside it, its offset table and stream 4-aligned);
+                        // What the kernel touches: `device_segments` checked this string's
+                        // layout (offsets monotone in its stream, `n` sign-mantissa bytes,
+                        // `chunks` = ⌈n / 1024⌉) and its stored table (2^12 u16s) inside the
+                        // block, the string at a multiple of 256 of the 4-aligned staging
+                        // buffer (checked above) and padded to whole words (so the kernel's
+                        // word reads stay inside it, its offset table and stream 4-aligned);
                         // the output (2n bytes at a multiple of 4) lies in `dst`, 4-aligned
-                        // (checked above); the flag is mapped host memory of this
-                        // context; every buffer outlives the kernel (staging freed after
-                        // it on this stream, `dst` by the caller's contract).
+                        // (checked above); the flag is mapped host memory of this context.
+                        // SAFETY: every access is in bounds and aligned (above), and every
+                        // buffer outlives the kernel (staging freed after it on this stream,
+                        // `dst` by the caller's contract).
                         unsafe {
                             c.decode
                                 .launch_builder(&c.kernel)

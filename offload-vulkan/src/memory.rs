@@ -223,10 +223,11 @@ impl VulkanHost {
             fill(unsafe { std::slice::from_raw_parts_mut(ptr, len) })?;
         }
         let flags = vk::MemoryPropertyFlags::HOST_VISIBLE | vk::MemoryPropertyFlags::HOST_COHERENT;
-        // SAFETY: `pages` is `size` bytes aligned to `align` (a multiple of the
-        // device's import alignment), kept by the `VulkanHost` made below, whose drop
-        // frees the memory object before the pages (or by this function, which
-        // frees them on an error, when `make_buffer` has freed what it made).
+        // `pages` is `size` bytes aligned to `align` (a multiple of the device's
+        // import alignment), kept by the `VulkanHost` made below, whose drop frees
+        // the memory object before the pages (or by this function, which frees them
+        // on an error, when `make_buffer` has freed what it made).
+        // SAFETY: `Import::new`'s contract, as just said.
         let import = unsafe { Import::new(ptr, size) };
         let (buffer, memory) = make_buffer(b, len, vk::BufferUsageFlags::TRANSFER_SRC, flags, purpose, Some(&import))?;
         Ok(VulkanHost { buffer, memory, ptr, len, pages: Some(pages), last_copy: AtomicU64::new(0), inner: b.inner.clone() })

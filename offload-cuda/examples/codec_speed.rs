@@ -9,21 +9,6 @@ use offload_cuda::codec::ExponentDecoder;
 use offload_cuda::CudaBackend;
 use std::time::Instant;
 
-/// Normal values of standard deviation `sd` as bf16 bytes (Box–Muller over an LCG).
-fn normal_bf16(n: usize, sd: f32, seed: u64) -> Vec<u8> {
-    let mut x = seed;
-    let mut u = || {
-        x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        ((x >> 11) as f64 + 0.5) / (1u64 << 53) as f64
-    };
-    (0..n)
-        .flat_map(|_| {
-            let v = ((-2.0 * u().ln()).sqrt() * (std::f64::consts::TAU * u()).cos()) as f32 * sd;
-            ((v.to_bits() >> 16) as u16).to_le_bytes()
-        })
-        .collect()
-}
-
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mib: usize = args.first().and_then(|a| a.parse().ok()).unwrap_or(256);
@@ -36,7 +21,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
     };
     // A 3072-wide linear layer's init scale, as the bench's random weights.
-    let raw = normal_bf16(mib << 19, 1.0 / (3072f32).sqrt(), 7);
+    let raw = offload_cuda::codec::sample_normal_bf16(mib << 19, 1.0 / (3072f32).sqrt(), 7);
     let t = Instant::now();
     let enc = encode_bf16(&raw);
     let encode_s = t.elapsed().as_secs_f64();

@@ -134,6 +134,38 @@ pub(crate) fn ptx() -> std::result::Result<&'static nvrtc::Ptx, String> {
     crate::compiled(&PTX, KERNELS)
 }
 
+/// Normal values of standard deviation `sd` as bf16 bytes (Box–Muller over an
+/// LCG from `seed`): sample weights for the decoder's speed example and tests.
+pub fn sample_normal_bf16(n: usize, sd: f32, seed: u64) -> Vec<u8> {
+    let mut x = seed;
+    let mut u = || {
+        x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        ((x >> 11) as f64 + 0.5) / (1u64 << 53) as f64
+    };
+    (0..n)
+        .flat_map(|_| {
+            let v = ((-2.0 * u().ln()).sqrt() * (std::f64::consts::TAU * u()).cos()) as f32 * sd;
+            ((v.to_bits() >> 16) as u16).to_le_bytes()
+        })
+        .collect()
+}
+
+/// The backend on device 0 for a GPU test, or `None` after printing `SKIPPED`
+/// where no driver is installed (a failure under `OFFLOAD_REQUIRE_DEVICE=1`, and
+/// any other error a failure).
+#[cfg(test)]
+pub(crate) fn test_backend() -> Option<CudaBackend> {
+    match CudaBackend::new(0) {
+        Ok(b) => Some(b),
+        Err(e) if !crate::driver_present() => {
+            assert!(std::env::var("OFFLOAD_REQUIRE_DEVICE").as_deref() != Ok("1"), "a CUDA device is required: {e}");
+            println!("SKIPPED: no CUDA device ({e})");
+            None
+        }
+        Err(e) => panic!("CUDA driver present but the backend failed: {e}"),
+    }
+}
+
 fn damaged(what: &str, fault: &str) -> Error {
     Error::BadTensor { tensor: what.to_owned(), fault: format!("compressed bytes damaged: {fault}") }
 }
@@ -396,15 +428,7 @@ mod tests {
     /// under `OFFLOAD_REQUIRE_DEVICE=1`).
     #[test]
     fn gpu_decode_round_trips_bit_exact_and_names_damage() {
-        let b = match CudaBackend::new(0) {
-            Ok(b) => b,
-            Err(e) if !crate::driver_present() => {
-                assert!(std::env::var("OFFLOAD_REQUIRE_DEVICE").as_deref() != Ok("1"), "a CUDA device is required: {e}");
-                println!("SKIPPED: no CUDA device ({e})");
-                return;
-            }
-            Err(e) => panic!("CUDA driver present but the backend failed: {e}"),
-        };
+        let Some(b) = super::test_backend() else { return };
         let d = ExponentDecoder::new(&b).unwrap();
         let specials = [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 1e-40, -1e-40, 0.0, -0.0, 1.0, -2.5];
         let cases: Vec<(&str, Vec<u8>)> = vec![

@@ -348,21 +348,6 @@ mod tests {
     use super::*;
     use offload_core::{resolve, BlockDiscovery, DType, HostStore, MemoryTensors, NameDiscovery, OffloadBackend, Plan, Ring, TensorSpec};
 
-    /// Normal bf16 values of standard deviation `sd` (Box–Muller over an LCG).
-    fn normal_bf16(n: usize, sd: f32, seed: u64) -> Vec<u8> {
-        let mut x = seed;
-        let mut u = || {
-            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            ((x >> 11) as f64 + 0.5) / (1u64 << 53) as f64
-        };
-        (0..n)
-            .flat_map(|_| {
-                let v = ((-2.0 * u().ln()).sqrt() * (std::f64::consts::TAU * u()).cos()) as f32 * sd;
-                ((v.to_bits() >> 16) as u16).to_le_bytes()
-            })
-            .collect()
-    }
-
     /// On a GPU: a ring over a store built with coding on puts every block's exact
     /// bytes in its slot (read back after the block's copy event, two steps at
     /// depth 2), moves fewer bytes than the blocks hold, and reports no damage.
@@ -371,20 +356,12 @@ mod tests {
     /// `OFFLOAD_REQUIRE_DEVICE=1`).
     #[test]
     fn coded_ring_streams_exact_bytes() {
-        let b = match CudaBackend::new(0) {
-            Ok(b) => b,
-            Err(e) if !crate::driver_present() => {
-                assert!(std::env::var("OFFLOAD_REQUIRE_DEVICE").as_deref() != Ok("1"), "a CUDA device is required: {e}");
-                println!("SKIPPED: no CUDA device ({e})");
-                return;
-            }
-            Err(e) => panic!("CUDA driver present but the backend failed: {e}"),
-        };
+        let Some(b) = crate::codec::test_backend() else { return };
         b.enable_coding(CodingOptions { threads: 4, segment_bytes: 1 << 20 }).unwrap();
         let mut t = MemoryTensors::new();
         let mut x = 3u64;
         for i in 0..6u64 {
-            let w = normal_bf16(1_500_000 + 1000 * i as usize, 0.02, 10 + i);
+            let w = crate::codec::sample_normal_bf16(1_500_000 + 1000 * i as usize, 0.02, 10 + i);
             t.push(TensorSpec::new(format!("blocks.{i}.w"), DType::BF16, [w.len() / 2]), w).unwrap();
             let noise: Vec<u8> = (0..100_003)
                 .map(|_| {

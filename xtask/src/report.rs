@@ -407,6 +407,48 @@ pub fn readme_tables(results: &Path) -> Result<String, String> {
         }
         md.push('\n');
     }
+    // Compressed streaming (`zoo merge-compressed`): raw and coded steps of one process.
+    for name in names.iter().filter(|n| n.contains("-compressed-") && n.ends_with(".json")) {
+        let d = read_json(&results.join(name))?;
+        let sp = |v: &Value| format!("{:.3} [{:.3}, {:.3}]", f(&v["median"]), f(&v["min"]), f(&v["max"]));
+        let _ = writeln!(
+            md,
+            "Compressed streaming (`bench/results/{name}`, backend `{}` at {} on an {}, {} process runs; weights {}): coded size {:.3} × raw (exponent entropy {:.2} bits), host encode {:.2} GB/s on {} threads, device decode {} GB/s, pinned bandwidth {:.1} GB/s; targets met: {}.\n",
+            d["backend"].as_str().unwrap_or("?"),
+            d["commit"].as_str().unwrap_or("?"),
+            d["gpu"].as_str().unwrap_or("?"),
+            d["process_runs"],
+            d["weights"].as_str().unwrap_or("?"),
+            f(&d["compression_ratio"]),
+            f(&d["exponent_entropy_bits"]),
+            f(&d["encode_gbps_host"]),
+            d["encode_threads"],
+            d["decode_gbps"].as_f64().map_or("–".into(), |g| format!("{g:.0}")),
+            f(&d["bandwidth_gbps"]),
+            yes(&d["meets_targets"]),
+        );
+        md.push_str(
+            "| case | raw step | resident (s) | streamed raw (s) | streamed coded (s) | uncompressed bound (s) | coded ÷ bound | bitwise equal | targets met |\n\
+             | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n",
+        );
+        for c in d["cases"].as_array().into_iter().flatten() {
+            let _ = writeln!(
+                md,
+                "| {} d={} | {} | {} | {} | {} | {} | {} | {} | {} |",
+                row_case(c),
+                c["depth"],
+                c["raw_step"].as_str().unwrap_or("?"),
+                sp(&c["step_resident_s"]),
+                sp(&c["step_streamed_raw_s"]),
+                sp(&c["step_streamed_compressed_s"]),
+                sp(&c["bound_uncompressed_s"]),
+                sp(&c["ratio_to_uncompressed_bound"]),
+                yes(&c["bitwise_equal"]),
+                yes(&c["meets_targets"]),
+            );
+        }
+        md.push('\n');
+    }
     // The pipeline case (`zoo merge-pipeline`): per component and whole.
     for name in names.iter().filter(|n| n.contains("-pipeline-") && n.ends_with(".json")) {
         let d = read_json(&results.join(name))?;
@@ -618,6 +660,25 @@ mod readme_tests {
         assert!(md.contains("`bench/results/x-pipeline-tch.json`") && md.contains("whole pass 1.500 s [1.400, 1.600], 1.050 ×"), "{md}");
         assert!(md.contains("targets met: **no**"), "{md}");
         assert!(md.contains("| vae | m | on demand | 0.100 [0.100, 0.100] | 0.100 | 0.100 | yes |"), "{md}");
+    }
+
+    #[test]
+    fn a_compressed_file_becomes_its_sentence_and_table() {
+        let dir = std::env::temp_dir().join(format!("offload-compressed-report-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let sp = |m: f64| serde_json::json!({"median": m, "min": m - 0.01, "max": m + 0.01});
+        let case = serde_json::json!({"case": "1024", "resolution": 1024, "tokens": 4608, "depth": 1, "raw_step": "transfer-bound",
+            "step_resident_s": sp(0.17), "step_streamed_raw_s": sp(0.4), "step_streamed_compressed_s": sp(0.29),
+            "bound_uncompressed_s": sp(0.4), "ratio_to_uncompressed_bound": sp(0.725), "bitwise_equal": true, "meets_targets": true});
+        let doc = serde_json::json!({"backend": "cuda", "commit": "c0", "gpu": "NVIDIA H200", "process_runs": 3, "weights": "normal",
+            "compression_ratio": 0.665, "exponent_entropy_bits": 2.55, "encode_gbps_host": 3.1, "encode_threads": 16, "decode_gbps": 512.0,
+            "bandwidth_gbps": 55.2, "meets_targets": false, "cases": [case]});
+        std::fs::write(dir.join("x-compressed-h200.json"), doc.to_string()).unwrap();
+        let md = readme_tables(&dir).unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+        assert!(md.contains("`bench/results/x-compressed-h200.json`") && md.contains("coded size 0.665 × raw"), "{md}");
+        assert!(md.contains("device decode 512 GB/s") && md.contains("targets met: **no**"), "{md}");
+        assert!(md.contains("| 1024² d=1 | transfer-bound | 0.170 [0.160, 0.180] | 0.400 [0.390, 0.410] | 0.290 [0.280, 0.300]"), "{md}");
     }
 
     #[test]

@@ -37,11 +37,24 @@ pub struct SimConfig {
     pub fail_alloc_at: Option<u64>,
     /// Page-locked host memory available; `alloc_host` beyond it fails.
     pub pinned_host_bytes: Option<u64>,
+    /// Every `alloc_host` holds its block coded for the device (as
+    /// `alloc_host_coded` does), and copies decode it on the copy thread.
+    pub coded: bool,
 }
+
+/// Raw bytes per segment of the simulated device's coded blocks.
+pub const SIM_SEGMENT_BYTES: usize = 64 << 10;
 
 impl Default for SimConfig {
     fn default() -> Self {
-        SimConfig { max_copy_delay_us: 200, seed: 0x00ff_10ad, device_bytes: 1 << 40, fail_alloc_at: None, pinned_host_bytes: None }
+        SimConfig {
+            max_copy_delay_us: 200,
+            seed: 0x00ff_10ad,
+            device_bytes: 1 << 40,
+            fail_alloc_at: None,
+            pinned_host_bytes: None,
+            coded: false,
+        }
     }
 }
 
@@ -71,10 +84,15 @@ pub struct SimStats {
     pub violations: Vec<String>,
     /// "Page-locked" host bytes handed out (never returned: the sim does not track host frees).
     pub pinned_bytes: u64,
+    /// Copies of coded blocks (decoded on the copy thread).
+    pub coded_copies: u64,
 }
 
-/// Host memory standing in for a pinned (or, as a fallback, pageable) buffer.
-pub struct SimHost(Arc<[u8]>, bool);
+/// Host memory standing in for a pinned (or, as a fallback, pageable) buffer:
+/// the block's bytes, whether pinned, and the block coded for the device where
+/// it is held coded (what a copy then moves and decodes; the simulator keeps the
+/// raw bytes too, for `host_bytes`).
+pub struct SimHost(Arc<[u8]>, bool, Option<Arc<[u8]>>);
 
 /// A slot of simulated device memory.
 pub struct SimSlot {
@@ -152,7 +170,9 @@ struct Pending {
 
 struct Job {
     after: Option<SimEvent>,
+    /// The raw bytes, or the coded block to decode (`coded`).
     src: Arc<[u8]>,
+    coded: bool,
     dst: Arc<Mutex<Vec<u8>>>,
     bytes: usize,
     delay_us: u64,
@@ -174,6 +194,32 @@ pub struct SimBackend {
 }
 
 impl SimBackend {
+    /// "Page-locked" host memory of `bytes`, filled by `fill` (within the
+    /// configured pinned capacity).
+    fn alloc_pinned(&self, bytes: usize, purpose: &str, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<SimHost> {
+        {
+            let mut st = lock(&self.inner.state);
+            if let Some(cap) = self.inner.cfg.pinned_host_bytes {
+                let free = cap.saturating_sub(st.stats.pinned_bytes);
+                if bytes as u64 > free {
+                    return Err(Error::HostAlloc {
+                        backend: "sim".into(),
+                        requested: bytes as u64,
+                        purpose: purpose.into(),
+                        reason: format!("page-locked memory exhausted ({free} bytes left)"),
+                    });
+                }
+            }
+            st.stats.pinned_bytes += bytes as u64;
+        }
+        let mut v = vec![0u8; bytes];
+        if let Err(e) = fill(&mut v) {
+            lock(&self.inner.state).stats.pinned_bytes -= bytes as u64;
+            return Err(e);
+        }
+        Ok(SimHost(v.into(), true, None))
+    }
+
     /// A simulated device with `cfg`.
     pub fn new(cfg: SimConfig) -> Self {
         let (tx, rx) = channel::<Job>();
@@ -189,7 +235,18 @@ impl SimBackend {
                     if job.delay_us > 0 {
                         std::thread::sleep(Duration::from_micros(job.delay_us));
                     }
-                    lock(&job.dst)[..job.bytes].copy_from_slice(&job.src[..job.bytes]);
+                    let mut dst = lock(&job.dst);
+                    match job.coded {
+                        false => dst[..job.bytes].copy_from_slice(&job.src[..job.bytes]),
+                        // The device's decode: a block that does not decode leaves poison.
+                        true => {
+                            if let Err(e) = crate::codec::decode_device_block(&job.src, &mut dst[..job.bytes], "a simulated coded copy") {
+                                tracing::error!("{e}");
+                                dst[..job.bytes].fill(POISON);
+                            }
+                        }
+                    }
+                    drop(dst);
                     job.done.set();
                     let mut c = lock(&p.count);
                     *c -= 1;
@@ -282,33 +339,23 @@ impl OffloadBackend for SimBackend {
     }
 
     fn alloc_host(&self, bytes: usize, purpose: &str, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<SimHost> {
-        {
-            let mut st = lock(&self.inner.state);
-            if let Some(cap) = self.inner.cfg.pinned_host_bytes {
-                let free = cap.saturating_sub(st.stats.pinned_bytes);
-                if bytes as u64 > free {
-                    return Err(Error::HostAlloc {
-                        backend: "sim".into(),
-                        requested: bytes as u64,
-                        purpose: purpose.into(),
-                        reason: format!("page-locked memory exhausted ({free} bytes left)"),
-                    });
-                }
-            }
-            st.stats.pinned_bytes += bytes as u64;
+        if self.inner.cfg.coded {
+            return self.alloc_host_coded(bytes, purpose, fill);
         }
-        let mut v = vec![0u8; bytes];
-        if let Err(e) = fill(&mut v) {
-            lock(&self.inner.state).stats.pinned_bytes -= bytes as u64;
-            return Err(e);
-        }
-        Ok(SimHost(v.into(), true))
+        self.alloc_pinned(bytes, purpose, fill)
+    }
+
+    fn alloc_host_coded(&self, bytes: usize, purpose: &str, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<SimHost> {
+        let SimHost(raw, pinned, _) = self.alloc_pinned(bytes, purpose, fill)?;
+        let coded = crate::codec::code_for_device(&raw, SIM_SEGMENT_BYTES, 2);
+        crate::codec::device_segments(&coded, purpose)?;
+        Ok(SimHost(raw, pinned, Some(coded.into())))
     }
 
     fn alloc_host_pageable(&self, bytes: usize, _purpose: &str, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<SimHost> {
         let mut v = vec![0u8; bytes];
         fill(&mut v)?;
-        Ok(SimHost(v.into(), false))
+        Ok(SimHost(v.into(), false, None))
     }
 
     fn is_pinned(&self, buffer: &SimHost) -> bool {
@@ -383,7 +430,8 @@ impl OffloadBackend for SimBackend {
                 info.last_read_tick = None;
             }
             st.stats.copies += 1;
-            st.stats.bytes_copied += bytes as u64;
+            st.stats.bytes_copied += src.2.as_ref().map_or(bytes, |c| c.len()) as u64;
+            st.stats.coded_copies += u64::from(src.2.is_some());
             SimEvent::new(tick, Some(dst.id), false)
         };
         let delay_us = match self.inner.cfg.max_copy_delay_us {
@@ -396,7 +444,11 @@ impl OffloadBackend for SimBackend {
             lock(&dst.mem)[..bytes].fill(POISON);
         }
         *lock(&self.inner.pending.count) += 1;
-        let job = Job { after: after.cloned(), src: src.0.clone(), dst: dst.mem.clone(), bytes, delay_us, done: done.clone() };
+        let (from, coded) = match &src.2 {
+            Some(c) => (c.clone(), true),
+            None => (src.0.clone(), false),
+        };
+        let job = Job { after: after.cloned(), src: from, coded, dst: dst.mem.clone(), bytes, delay_us, done: done.clone() };
         lock(&self.inner.tx).send(job).map_err(|_| Error::device("sim", "copy", "the copy thread is gone"))?;
         Ok(done)
     }
@@ -448,6 +500,7 @@ impl OffloadBackend for SimBackend {
                 let job = Job {
                     after: None,
                     src: Arc::from(Vec::new()),
+                    coded: false,
                     dst: Arc::new(Mutex::new(Vec::new())),
                     bytes: 0,
                     delay_us: 0,

@@ -5,16 +5,21 @@ use crate::model::{block_hash, fold_combine, SEED};
 use offload_core::sim::{SimBackend, SimConfig, SimSlot};
 use offload_core::{OffloadBackend, Result, Ring};
 
-/// The simulated backend with random copy delays.
-pub struct Sim;
+/// The simulated backend with random copy delays; with `CODED`, every block held
+/// coded for the device and decoded by the copy thread (`SimConfig::coded`).
+pub struct SimRow<const CODED: bool>;
+/// The `sim` row.
+pub type Sim = SimRow<false>;
+/// The `sim-coded` row: every case and break with blocks coded on the wire.
+pub type SimCoded = SimRow<true>;
 
-impl Harness for Sim {
+impl<const CODED: bool> Harness for SimRow<CODED> {
     type B = SimBackend;
     type Acc = u64;
-    const NAME: &'static str = "sim";
+    const NAME: &'static str = if CODED { "sim-coded" } else { "sim" };
 
     fn backend() -> std::result::Result<SimBackend, CaseError> {
-        Ok(SimBackend::new(SimConfig::default()))
+        Ok(SimBackend::new(SimConfig { coded: CODED, ..SimConfig::default() }))
     }
     fn new_acc(_: &SimBackend) -> Result<u64> {
         Ok(SEED)

@@ -1,6 +1,7 @@
 //! The conformance suite, one module per backend (`cargo test -p offload-tests sim::`).
 
 offload_tests::conformance_tests!(sim, offload_tests::sim_harness::Sim);
+offload_tests::conformance_tests!(sim_coded, offload_tests::sim_harness::SimCoded);
 
 #[cfg(feature = "cuda")]
 offload_tests::conformance_tests!(cuda, offload_tests::cuda_harness::Cuda);
@@ -59,6 +60,14 @@ fn backend_cases<H: offload_tests::Harness>(expected: usize) {
 #[test]
 fn sim_backend_cases() {
     backend_cases::<offload_tests::sim_harness::Sim>(0);
+}
+
+/// Every ring break caught on the coded simulated row too.
+#[test]
+fn sim_coded_sabotage() {
+    for row in offload_tests::run_sabotage::<offload_tests::sim_harness::SimCoded>() {
+        assert!(row.caught, "sim-coded: {:?} was not caught (passed: {:?}; by {:?})", row.sabotage, row.missed_by, row.by);
+    }
 }
 
 #[cfg(feature = "cuda")]

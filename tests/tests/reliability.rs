@@ -220,25 +220,50 @@ fn pinning_failure_fails_or_falls_back_as_planned() {
     assert!(e.contains("pin budget has 1000 bytes left"), "{e}");
 }
 
-/// A plan that asks for coded blocks on a backend that cannot decode them (the
-/// simulated one) holds them as they are, says so, and streams the same result;
+/// A plan's `coded` reaches the store: on the simulated device every block is
+/// held coded, each copy moves the coded bytes (fewer) and the copy thread
+/// decodes them, and the streamed result is the reference's — with copy delays,
+/// so a decode not ordered before the read would show.
 /// (`coded = true` in a plan's TOML: offload-plan's tests.)
+#[test]
+fn coded_blocks_stream_the_same_bytes_on_the_simulated_device() {
+    let plan = Plan { default: ComponentPlan { coded: true, ..Default::default() }, ..Default::default() };
+    let model = TestModel::random(&ModelShape { stacks: vec![3, 2], ..Default::default() }, 6);
+    let sim = SimBackend::new(SimConfig { max_copy_delay_us: 300, ..Default::default() });
+    let store = Arc::new(HostStore::build_with(&sim, &model.inventory, &model.tensors, PinOptions::from_plan(&plan.default)).unwrap());
+    assert_eq!(store.coded_blocks(), store.blocks().len() + usize::from(store.non_block().is_some()), "every buffer coded");
+    let rc = resolve(&plan, std::slice::from_ref(&model.inventory)).unwrap().components.remove(0);
+    let before = sim.stats();
+    let mut ring = Ring::new(sim.clone(), store.clone(), &rc).unwrap();
+    let order: Vec<usize> = (0..model.len()).collect();
+    assert_eq!(run(&mut ring, &sim, &order).unwrap(), model.reference(&order));
+    let st = sim.stats();
+    let raw: u64 = store.blocks().iter().map(|b| b.bytes() as u64).sum();
+    // Every block of the step, the next step's first blocks prefetched, and the
+    // non-block weights loaded once.
+    assert!(st.coded_copies - before.coded_copies >= model.len() as u64, "{} coded copies", st.coded_copies - before.coded_copies);
+    // A steady-state step copies every block once: fewer bytes than they hold.
+    assert_eq!(run(&mut ring, &sim, &order).unwrap(), model.reference(&order));
+    let again = sim.stats();
+    assert_eq!(again.coded_copies - st.coded_copies, model.len() as u64);
+    assert!(again.bytes_copied - st.bytes_copied < raw, "{} bytes on the wire for {raw}", again.bytes_copied - st.bytes_copied);
+    assert!(again.violations.is_empty(), "{:?}", again.violations);
+}
+
+/// On a backend that cannot decode (candle's CPU device, where host memory is
+/// the device) a plan's `coded` leaves the blocks as they are, with a warning,
+/// and the result is the same.
+#[cfg(feature = "candle")]
 #[test]
 fn coded_blocks_fall_back_where_the_backend_cannot_decode() {
     let plan = Plan { default: ComponentPlan { coded: true, ..Default::default() }, ..Default::default() };
     let model = TestModel::random(&ModelShape { stacks: vec![3], ..Default::default() }, 6);
-    let sim = SimBackend::default_device();
-    let pin = PinOptions::from_plan(&plan.default);
-    assert!(pin.coded);
-    let store = Arc::new(HostStore::build_with(&sim, &model.inventory, &model.tensors, pin).unwrap());
+    let cpu = offload_candle::CandleBackend::cpu();
+    let store = HostStore::build_with(&cpu, &model.inventory, &model.tensors, PinOptions::from_plan(&plan.default)).unwrap();
     assert_eq!(store.coded_blocks(), 0, "nothing coded on a backend without a decoder");
     for (i, b) in store.blocks().iter().enumerate() {
-        assert_eq!(sim.host_bytes(&b.buffer), &model.block_bytes(i)[..]);
+        assert_eq!(cpu.host_bytes(&b.buffer), &model.block_bytes(i)[..]);
     }
-    let rc = resolve(&plan, std::slice::from_ref(&model.inventory)).unwrap().components.remove(0);
-    let mut ring = Ring::new(sim.clone(), store, &rc).unwrap();
-    let order: Vec<usize> = (0..model.len()).collect();
-    assert_eq!(run(&mut ring, &sim, &order).unwrap(), model.reference(&order));
 }
 
 #[test]

@@ -13,7 +13,7 @@ cargo xtask <command>
                             fetches libtorch 2.11 (PyPI wheels, cached in ~/.cache/offload) unless LIBTORCH is set
   demo [--cpu] [-- ARGS]    the main job: a Flux-shaped candle model streamed block by block (the GPU
                             where nvidia-smi lists one, else candle's CPU device)
-  conformance [--backend sim|cuda|cuda-coded|candle|tch|tch-cuda|vulkan|vulkan-import|all]
+  conformance [--backend sim|sim-coded|cuda|cuda-coded|candle|tch|tch-cuda|vulkan|vulkan-import|all]
                             the conformance table, cases x backends
   lint                      cargo fmt --check, clippy -D warnings, tidy
   bench [--backend sim]     host-side cost per block and planner speed (criterion); writes bench/results/<date>-sim-host-cost.json

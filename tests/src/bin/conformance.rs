@@ -12,6 +12,7 @@ type Row = Vec<(&'static str, &'static str, Verdict)>;
 fn suite(backend: &str) -> Option<Row> {
     match backend {
         "sim" => Some(run_suite::<offload_tests::sim_harness::Sim>()),
+        "sim-coded" => Some(run_suite::<offload_tests::sim_harness::SimCoded>()),
         #[cfg(feature = "cuda")]
         "cuda" => Some(run_suite::<offload_tests::cuda_harness::Cuda>()),
         #[cfg(feature = "cuda")]
@@ -35,6 +36,7 @@ fn suite(backend: &str) -> Option<Row> {
 fn sabotage(backend: &str) -> Option<Vec<SabotageOutcome>> {
     match backend {
         "sim" => Some(run_sabotage::<offload_tests::sim_harness::Sim>()),
+        "sim-coded" => Some(run_sabotage::<offload_tests::sim_harness::SimCoded>()),
         #[cfg(feature = "cuda")]
         "cuda" => Some(run_sabotage::<offload_tests::cuda_harness::Cuda>()),
         #[cfg(feature = "cuda")]
@@ -105,7 +107,7 @@ fn main() {
     while i < args.len() {
         match (args[i].as_str(), args.get(i + 1)) {
             ("--backend", Some(b)) if b == "all" => {
-                backends = ["sim", "cuda", "cuda-coded", "candle", "tch", "vulkan", "vulkan-import"].map(String::from).to_vec()
+                backends = ["sim", "sim-coded", "cuda", "cuda-coded", "candle", "tch", "vulkan", "vulkan-import"].map(String::from).to_vec()
             }
             ("--backend", Some(b)) => backends = b.split(',').map(String::from).collect(),
             ("--json", Some(p)) => json = Some(p.clone()),

@@ -191,6 +191,9 @@ mod tests {
         assert!(merge(&plain, &codec, 3).is_err());
         let mut wrong = runs.clone();
         wrong[2].cases[0].coded_bitwise_equal = Some(false);
-        assert_eq!(merge(&wrong, &codec, 3).unwrap()["cases"][0]["bitwise_equal"], false);
+        let w = merge(&wrong, &codec, 3).unwrap();
+        assert_eq!(w["cases"][0]["bitwise_equal"], false);
+        assert_eq!(w["cases"][0]["meets_targets"], false);
+        assert_eq!(w["meets_targets"], false);
     }
 }

@@ -206,7 +206,8 @@ pub struct CodedFacts {
     pub encode_threads: usize,
     /// Seconds to build the coded store (weights made, coded, pinned).
     pub store_build_s: f64,
-    /// Most staging bytes held at once by coded copies.
+    /// The largest staging buffer a coded copy used (one is held per copy in
+    /// flight, up to the prefetch depth + 1).
     pub staging_peak_bytes: u64,
 }
 

@@ -97,7 +97,8 @@ pub trait OffloadBackend: Clone + Send + Sync + 'static {
     /// moves the coded bytes and decodes them on the device, so the slot receives
     /// the block's exact bytes and [`host_bytes`](Self::host_bytes) still gives
     /// them. [`Error::Unsupported`](crate::Error::Unsupported) where the backend
-    /// cannot decode (the store then holds the block as it is).
+    /// cannot decode, returned before `fill` is called (the store then holds the
+    /// block as it is, calling `fill` again).
     fn alloc_host_coded(&self, bytes: usize, purpose: &str, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<Self::HostBuffer> {
         let _ = (bytes, fill);
         Err(crate::Error::unsupported(self.name(), format!("host buffers coded for the device (for {purpose})")))

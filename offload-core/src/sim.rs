@@ -40,6 +40,9 @@ pub struct SimConfig {
     /// Every `alloc_host` holds its block coded for the device (as
     /// `alloc_host_coded` does), and copies decode it on the copy thread.
     pub coded: bool,
+    /// Whether the device decodes coded blocks at all: `false` simulates one that
+    /// cannot (`alloc_host_coded` is then unsupported).
+    pub decodes: bool,
 }
 
 /// Raw bytes per segment of the simulated device's coded blocks.
@@ -54,6 +57,7 @@ impl Default for SimConfig {
             fail_alloc_at: None,
             pinned_host_bytes: None,
             coded: false,
+            decodes: true,
         }
     }
 }
@@ -275,6 +279,7 @@ impl SimBackend {
         st.stats.peak_bytes = st.stats.live_bytes;
         st.stats.copies = 0;
         st.stats.bytes_copied = 0;
+        st.stats.coded_copies = 0;
         st.stats.syncs = 0;
     }
 
@@ -346,9 +351,18 @@ impl OffloadBackend for SimBackend {
     }
 
     fn alloc_host_coded(&self, bytes: usize, purpose: &str, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<SimHost> {
+        if !self.inner.cfg.decodes {
+            return Err(Error::unsupported("sim", format!("a device without a decoder (for {purpose})")));
+        }
         let SimHost(raw, pinned, _) = self.alloc_pinned(bytes, purpose, fill)?;
         let coded = crate::codec::code_for_device(&raw, SIM_SEGMENT_BYTES, 2);
-        crate::codec::device_segments(&coded, purpose)?;
+        // The page-locked bytes are the coded ones (the raw copy is the simulator's own).
+        let mut st = lock(&self.inner.state);
+        st.stats.pinned_bytes = st.stats.pinned_bytes - bytes as u64 + coded.len() as u64;
+        if let Err(e) = crate::codec::device_segments(&coded, purpose) {
+            st.stats.pinned_bytes -= coded.len() as u64;
+            return Err(e);
+        }
         Ok(SimHost(raw, pinned, Some(coded.into())))
     }
 

@@ -130,6 +130,9 @@ impl<B: OffloadBackend> HostStore<B> {
                             coding.set(false);
                             None
                         }
+                        Err(e @ Error::HostAlloc { .. }) if pin.fallback == PinFallback::Pageable => {
+                            Some(pageable(e.to_string(), &mut fill)?)
+                        }
                         Err(e) => return Err(e),
                     },
                 };
@@ -166,7 +169,9 @@ impl<B: OffloadBackend> HostStore<B> {
         })
     }
 
-    /// Buffers held coded for the device ([`PinOptions::coded`]).
+    /// Buffers made coded through [`OffloadBackend::alloc_host_coded`]
+    /// ([`PinOptions::coded`]); a backend that codes every block by itself (the
+    /// simulator's `SimConfig::coded`, `CudaBackend::enable_coding`) is not counted.
     pub fn coded_blocks(&self) -> usize {
         self.coded_blocks
     }

@@ -409,7 +409,10 @@ impl OffloadBackend for CudaBackend {
     }
 
     fn alloc_host_coded(&self, bytes: usize, purpose: &str, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<PinnedHost> {
-        let c = self.coding_engine(crate::CodingOptions::default())?;
+        // Without a decode engine (no libnvrtc, say) the store holds the block as it is.
+        let c = self
+            .coding_engine(crate::CodingOptions::default())
+            .map_err(|e| Error::unsupported(BACKEND, format!("decoding coded blocks on the device (for {purpose}): {e}")))?;
         PinnedHost::new_coded(self.shared.clone(), c, bytes, fill, purpose)
     }
 

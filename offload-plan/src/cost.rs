@@ -13,20 +13,26 @@ pub struct BlockCost {
     pub bytes: u64,
     /// Compute time of the block's forward, seconds.
     pub compute_s: f64,
-    /// Bytes streamed when the block is held coded for the device (`None`:
-    /// not known, the block is never planned coded).
+    /// The block held coded for the device, where measured (`None`: the block
+    /// is never planned coded).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub coded_bytes: Option<u64>,
-    /// Seconds the device takes to decode the coded block (on a stream of its
-    /// own, after the copy, before the compute).
-    #[serde(default)]
+    pub coded: Option<CodedCost>,
+}
+
+/// What a block costs held coded for the device: both measured together.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct CodedCost {
+    /// Bytes streamed.
+    pub bytes: u64,
+    /// Seconds the device takes to decode it (on a stream of its own, after the
+    /// copy, before the compute).
     pub decode_s: f64,
 }
 
 impl BlockCost {
     /// A block of `bytes` computing for `compute_s`, with no coded form known.
     pub fn new(id: impl Into<String>, bytes: u64, compute_s: f64) -> Self {
-        BlockCost { id: id.into(), bytes, compute_s, coded_bytes: None, decode_s: 0.0 }
+        BlockCost { id: id.into(), bytes, compute_s, coded: None }
     }
 }
 
@@ -102,13 +108,14 @@ impl CostModel {
 
     /// Whether every block has a coded size (the planner may then code them).
     pub fn codable(&self) -> bool {
-        !self.blocks.is_empty() && self.blocks.iter().all(|b| b.coded_bytes.is_some())
+        !self.blocks.is_empty() && self.blocks.iter().all(|b| b.coded.is_some())
     }
 
     /// Staging device bytes of a coded plan: one buffer of the largest coded
     /// streamed block per copy in flight (`d + 1`).
     pub fn staging_bytes(&self, resident: &[bool], depth: usize) -> u64 {
-        let largest = self.blocks.iter().zip(resident).filter(|(_, r)| !**r).filter_map(|(b, _)| b.coded_bytes).max().unwrap_or(0);
+        let largest =
+            self.blocks.iter().zip(resident).filter(|(_, r)| !**r).filter_map(|(b, _)| b.coded.map(|c| c.bytes)).max().unwrap_or(0);
         (depth as u64 + 1) * largest
     }
 
@@ -136,14 +143,14 @@ impl CostModel {
                     let k = streamed_end.len();
                     let slot_free = if k >= slots { streamed_end[k - slots] } else { 0.0 };
                     let start = copy_free.max(slot_free);
-                    match b.coded_bytes.filter(|_| coded) {
+                    match b.coded.filter(|_| coded) {
                         None => {
                             copy_free = start + b.bytes as f64 / self.bandwidth_bytes_per_s;
                             copy_free
                         }
                         Some(c) => {
-                            copy_free = start + c as f64 / self.bandwidth_bytes_per_s;
-                            decode_free = decode_free.max(copy_free) + b.decode_s;
+                            copy_free = start + c.bytes as f64 / self.bandwidth_bytes_per_s;
+                            decode_free = decode_free.max(copy_free) + c.decode_s;
                             decode_free
                         }
                     }

@@ -23,7 +23,7 @@
 pub mod cost;
 pub mod planner;
 
-pub use cost::{BlockCost, CostModel};
+pub use cost::{BlockCost, CodedCost, CostModel};
 pub use offload_core::{ComponentPlan, PinFallback, Plan, ResidentPolicy, Strategy};
 pub use planner::{best_bound, plan, plan_heuristic, plan_with_coding, Choice, CODING_GAIN, EXHAUSTIVE_MAX};
 

@@ -25,7 +25,7 @@ pub struct Choice {
     pub depth: usize,
     /// Per block (ring order): whether it stays resident.
     pub resident: Vec<bool>,
-    /// Device bytes for weights.
+    /// Device bytes for weights (and, when `coded`, the staging buffers).
     pub device_bytes: u64,
     /// Bytes streamed per step.
     pub streamed_bytes: u64,
@@ -73,13 +73,15 @@ impl Choice {
         let staging = model.staging_bytes(&self.resident, self.depth);
         if step < self.predicted_step_s * (1.0 - CODING_GAIN) && self.device_bytes + staging <= budget {
             let streamed =
-                model.blocks.iter().zip(&self.resident).filter(|(_, r)| !**r).map(|(b, _)| b.coded_bytes.unwrap_or(b.bytes)).sum();
+                model.blocks.iter().zip(&self.resident).filter(|(_, r)| !**r).map(|(b, _)| b.coded.map_or(b.bytes, |c| c.bytes)).sum();
+            let decode: f64 =
+                model.blocks.iter().zip(&self.resident).filter(|(_, r)| !**r).filter_map(|(b, _)| b.coded.map(|c| c.decode_s)).sum();
             return Choice {
                 coded: true,
                 predicted_step_s: step,
                 device_bytes: self.device_bytes + staging,
                 streamed_bytes: streamed,
-                bound_s: model.compute_s().max(streamed as f64 / model.bandwidth_bytes_per_s),
+                bound_s: model.compute_s().max(streamed as f64 / model.bandwidth_bytes_per_s).max(decode),
                 ..self.clone()
             };
         }
@@ -208,14 +210,20 @@ pub fn plan_with_coding(model: &CostModel, budget: u64, min_depth: usize, policy
     if !model.codable() {
         return Ok(raw);
     }
+    // For each depth, plan under the budget less that depth's staging (every
+    // block streamed: the most it can be), then code; keep the fastest that fits.
     let all_streamed = vec![false; model.blocks.len()];
-    let reserve = model.staging_bytes(&all_streamed, min_depth + EXTRA_DEPTH);
-    let coded = match budget.checked_sub(reserve).map(|b| plan(model, b, min_depth, policy)) {
-        Some(Ok(c)) => c.with_coding(model, budget),
-        _ => return Ok(raw),
-    };
-    Ok(match coded.coded && coded.predicted_step_s < raw.predicted_step_s * (1.0 - CODING_GAIN) {
-        true => coded,
+    let mut best = raw.clone();
+    for depth in min_depth..=min_depth + EXTRA_DEPTH {
+        let reserve = model.staging_bytes(&all_streamed, depth);
+        let Some(Ok(c)) = budget.checked_sub(reserve).map(|b| plan(model, b, depth, policy)) else { continue };
+        let c = c.with_coding(model, budget);
+        if c.coded && c.predicted_step_s < best.predicted_step_s {
+            best = c;
+        }
+    }
+    Ok(match best.coded && best.predicted_step_s < raw.predicted_step_s * (1.0 - CODING_GAIN) {
+        true => best,
         false => raw,
     })
 }

@@ -2,7 +2,7 @@
 //! replay against hand-computed cases.
 
 use offload_core::ResidentPolicy;
-use offload_plan::{best_bound, plan, plan_heuristic, plan_with_coding, BlockCost, CostModel};
+use offload_plan::{best_bound, plan, plan_heuristic, plan_with_coding, BlockCost, CodedCost, CostModel};
 use proptest::prelude::*;
 
 fn model(blocks: &[(u64, f64)], bw: f64, non_block: u64) -> CostModel {
@@ -164,8 +164,7 @@ fn codable(c: f64) -> CostModel {
         bandwidth_bytes_per_s: 55e9,
         blocks: (0..57)
             .map(|i| BlockCost {
-                coded_bytes: Some(bytes * 665 / 1000),
-                decode_s: 0.001,
+                coded: Some(CodedCost { bytes: bytes * 665 / 1000, decode_s: 0.001 }),
                 ..BlockCost::new(format!("blocks.{i}"), bytes, c)
             })
             .collect(),
@@ -198,14 +197,17 @@ fn coding_is_chosen_where_the_step_is_transfer_bound_and_fits_the_budget() {
     assert!(!plan_with_coding(&m, budget, 1, ResidentPolicy::Auto).unwrap().coded, "compute-bound: not coded");
     // A decoder slower than the copy it saves: not coded.
     let mut slow = codable(0.17 / 57.0);
-    slow.blocks.iter_mut().for_each(|b| b.decode_s = 0.02);
+    slow.blocks.iter_mut().for_each(|b| b.coded = Some(CodedCost { bytes: 380_000_000 * 665 / 1000, decode_s: 0.02 }));
     assert!(!plan_with_coding(&slow, budget, 1, ResidentPolicy::Auto).unwrap().coded, "slow decoder: not coded");
     // A budget with no room for staging beside the slots: not coded.
     let m = codable(0.17 / 57.0);
     let tight = plan(&m, 2 * 380_000_000, 1, ResidentPolicy::Auto).unwrap();
     assert!(!plan_with_coding(&m, tight.device_bytes, 1, ResidentPolicy::Auto).unwrap().coded, "no room for staging: not coded");
+    // `with_coding`'s own check: a choice at the budget's edge has no room for staging.
+    assert!(!tight.with_coding(&m, tight.device_bytes).coded, "staging beyond the budget: not coded");
+    assert!(tight.with_coding(&m, u64::MAX).coded, "the same choice codes with room");
     // No coded sizes known: not coded.
     let mut unknown = codable(0.17 / 57.0);
-    unknown.blocks[3].coded_bytes = None;
+    unknown.blocks[3].coded = None;
     assert!(!plan_with_coding(&unknown, budget, 1, ResidentPolicy::Auto).unwrap().coded);
 }

@@ -46,6 +46,35 @@ impl<const CODED: bool> Harness for SimRow<CODED> {
     fn host_syncs(b: &SimBackend) -> u64 {
         b.stats().syncs
     }
+    fn model_cases() -> Vec<crate::harness::ModelCase> {
+        match CODED {
+            false => Vec::new(),
+            true => vec![crate::harness::ModelCase { name: "coded_copies_decode", invariant: "6", run: coded_copies_decode }],
+        }
+    }
+}
+
+/// On the coded row every copy moves a coded block and the copy thread decodes
+/// it: all copies of a step coded, fewer bytes than the blocks hold, the
+/// reference result.
+fn coded_copies_decode() -> crate::harness::Outcome {
+    use offload_core::{resolve, HostStore, Plan};
+    let b = SimCoded::backend()?;
+    let model = crate::model::TestModel::random(&crate::model::ModelShape { stacks: vec![3, 2], ..Default::default() }, 43);
+    let store = std::sync::Arc::new(HostStore::build(&b, &model.inventory, &model.tensors)?);
+    let raw: u64 = store.blocks().iter().map(|blk| blk.bytes() as u64).sum();
+    let plan = resolve(&Plan::layerwise(), std::slice::from_ref(&model.inventory))?;
+    let mut ring = Ring::new(b.clone(), store, &plan.components[0])?;
+    let order: Vec<usize> = (0..model.len()).collect();
+    sim_step(&mut ring, &b, &order)?;
+    let before = b.stats();
+    let got = sim_step(&mut ring, &b, &order)?;
+    let st = b.stats();
+    crate::ensure!(got == model.reference(&order), "the coded step's result differs from the reference");
+    let (copies, coded) = (st.copies - before.copies, st.coded_copies - before.coded_copies);
+    crate::ensure!(copies > 0 && coded == copies, "{coded} of {copies} copies coded");
+    crate::ensure!(st.bytes_copied - before.bytes_copied < raw, "{} bytes on the wire for {raw}", st.bytes_copied - before.bytes_copied);
+    Ok(())
 }
 
 /// One step through `ring` over blocks in `order`, each folded by host code

@@ -62,6 +62,11 @@ fn sim_backend_cases() {
     backend_cases::<offload_tests::sim_harness::Sim>(0);
 }
 
+#[test]
+fn sim_coded_backend_cases() {
+    backend_cases::<offload_tests::sim_harness::SimCoded>(1);
+}
+
 /// Every ring break caught on the coded simulated row too.
 #[test]
 fn sim_coded_sabotage() {

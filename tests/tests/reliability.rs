@@ -250,20 +250,24 @@ fn coded_blocks_stream_the_same_bytes_on_the_simulated_device() {
     assert!(again.violations.is_empty(), "{:?}", again.violations);
 }
 
-/// On a backend that cannot decode (candle's CPU device, where host memory is
-/// the device) a plan's `coded` leaves the blocks as they are, with a warning,
-/// and the result is the same.
-#[cfg(feature = "candle")]
+/// On a device that cannot decode (the simulator without its decoder) a plan's
+/// `coded` leaves the blocks as they are, with a warning, and the streamed result
+/// is the reference's.
 #[test]
 fn coded_blocks_fall_back_where_the_backend_cannot_decode() {
     let plan = Plan { default: ComponentPlan { coded: true, ..Default::default() }, ..Default::default() };
     let model = TestModel::random(&ModelShape { stacks: vec![3], ..Default::default() }, 6);
-    let cpu = offload_candle::CandleBackend::cpu();
-    let store = HostStore::build_with(&cpu, &model.inventory, &model.tensors, PinOptions::from_plan(&plan.default)).unwrap();
-    assert_eq!(store.coded_blocks(), 0, "nothing coded on a backend without a decoder");
+    let sim = SimBackend::new(SimConfig { decodes: false, max_copy_delay_us: 100, ..Default::default() });
+    let store = Arc::new(HostStore::build_with(&sim, &model.inventory, &model.tensors, PinOptions::from_plan(&plan.default)).unwrap());
+    assert_eq!(store.coded_blocks(), 0, "nothing coded on a device without a decoder");
     for (i, b) in store.blocks().iter().enumerate() {
-        assert_eq!(cpu.host_bytes(&b.buffer), &model.block_bytes(i)[..]);
+        assert_eq!(sim.host_bytes(&b.buffer), &model.block_bytes(i)[..]);
     }
+    let rc = resolve(&plan, std::slice::from_ref(&model.inventory)).unwrap().components.remove(0);
+    let mut ring = Ring::new(sim.clone(), store, &rc).unwrap();
+    let order: Vec<usize> = (0..model.len()).collect();
+    assert_eq!(run(&mut ring, &sim, &order).unwrap(), model.reference(&order));
+    assert_eq!(sim.stats().coded_copies, 0);
 }
 
 #[test]

@@ -315,8 +315,9 @@ fn case_label(c: &Value) -> String {
 }
 
 /// The README's measured tables, from the bench room's results (`*-zoo-*.json`),
-/// the planner's budget run and the Vulkan run in `results`: every figure read
-/// or computed here, each table naming its file.
+/// the planner's budget run, the compressed case (`*-compressed-*.json`), the
+/// pipeline case (`*-pipeline-*.json`) and the Vulkan run in `results`: every
+/// figure read or computed here, each table naming its file.
 pub fn readme_tables(results: &Path) -> Result<String, String> {
     let mut names: Vec<String> = std::fs::read_dir(results)
         .map_err(|e| format!("{}: {e}", results.display()))?
@@ -428,13 +429,13 @@ pub fn readme_tables(results: &Path) -> Result<String, String> {
             yes(&d["meets_targets"]),
         );
         md.push_str(
-            "| case | raw step | resident (s) | streamed raw (s) | streamed coded (s) | uncompressed bound (s) | coded ÷ bound | bitwise equal | targets met |\n\
-             | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n",
+            "| case | raw step | resident (s) | streamed raw (s) | streamed coded (s) | uncompressed bound (s) | coded ÷ bound | coded ÷ raw streamed | bitwise equal | targets met |\n\
+             | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n",
         );
         for c in d["cases"].as_array().into_iter().flatten() {
             let _ = writeln!(
                 md,
-                "| {} d={} | {} | {} | {} | {} | {} | {} | {} | {} |",
+                "| {} d={} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
                 row_case(c),
                 c["depth"],
                 c["raw_step"].as_str().unwrap_or("?"),
@@ -443,6 +444,7 @@ pub fn readme_tables(results: &Path) -> Result<String, String> {
                 sp(&c["step_streamed_compressed_s"]),
                 sp(&c["bound_uncompressed_s"]),
                 sp(&c["ratio_to_uncompressed_bound"]),
+                sp(&c["compressed_over_raw_streamed"]),
                 yes(&c["bitwise_equal"]),
                 yes(&c["meets_targets"]),
             );
@@ -669,7 +671,8 @@ mod readme_tests {
         let sp = |m: f64| serde_json::json!({"median": m, "min": m - 0.01, "max": m + 0.01});
         let case = serde_json::json!({"case": "1024", "resolution": 1024, "tokens": 4608, "depth": 1, "raw_step": "transfer-bound",
             "step_resident_s": sp(0.17), "step_streamed_raw_s": sp(0.4), "step_streamed_compressed_s": sp(0.29),
-            "bound_uncompressed_s": sp(0.4), "ratio_to_uncompressed_bound": sp(0.725), "bitwise_equal": true, "meets_targets": true});
+            "bound_uncompressed_s": sp(0.4), "ratio_to_uncompressed_bound": sp(0.725), "compressed_over_raw_streamed": sp(0.725),
+            "bitwise_equal": true, "meets_targets": true});
         let doc = serde_json::json!({"backend": "cuda", "commit": "c0", "gpu": "NVIDIA H200", "process_runs": 3, "weights": "normal",
             "compression_ratio": 0.665, "exponent_entropy_bits": 2.55, "encode_gbps_host": 3.1, "encode_threads": 16, "decode_gbps": 512.0,
             "bandwidth_gbps": 55.2, "meets_targets": false, "cases": [case]});

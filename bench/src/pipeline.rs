@@ -129,6 +129,7 @@ pub fn merge(runs: &[PipelineRun], min_runs: usize) -> Result<Value, String> {
     let per_run = |f: &dyn Fn(&PipelineRun) -> Result<f64, String>| -> Result<Vec<f64>, String> { runs.iter().map(f).collect() };
     let med = |xs: &[f64]| -> Result<f64, String> { spread(xs).map(|s| s.median).ok_or_else(|| format!("not finite: {xs:?}")) };
     let mut comps = Vec::new();
+    let mut cases = Vec::new();
     let mut all_equal = true;
     for (k, c0) in r0.components.iter().enumerate() {
         let off = per_run(&|r| med(&r.components[k].offloaded_s))?;
@@ -147,6 +148,27 @@ pub fn merge(runs: &[PipelineRun], min_runs: usize) -> Result<Value, String> {
             "copied_bytes_per_pass_per_run": runs.iter().map(|r| r.components[k].copied_bytes_per_pass).collect::<Vec<_>>(),
             "activations_peak_bytes": runs.iter().map(|r| r.components[k].activations_peak_bytes).max(),
             "bitwise_equal": equal, "output_finite_nonconstant": sane,
+        }));
+        // The same component in DESIGN's case fields: per run, the bound
+        // `max(resident, copied ÷ bandwidth)` and the ratio, then their spreads.
+        let copied = runs.iter().map(|r| r.components[k].copied_bytes_per_pass as f64).collect::<Vec<_>>();
+        let bound: Vec<f64> = runs.iter().zip(&res).zip(&copied).map(|((r, res), c)| res.max(c / (r.bandwidth_gbps * 1e9))).collect();
+        let ratio: Vec<f64> = off.iter().zip(&bound).map(|(o, b)| o / b).collect();
+        let (sbd, sq) = (spread(&bound).ok_or("bound")?, spread(&ratio).ok_or("ratio")?);
+        let depth = match c0.component.as_str() {
+            "transformer" if runs.iter().all(|r| r.dit_depth == r0.dit_depth) => json!(r0.dit_depth),
+            "text_encoder" => json!(1),
+            _ => Value::Null,
+        };
+        cases.push(json!({
+            "component": c0.component, "model": c0.model, "resolution": r0.case.parse::<u64>().ok(), "batch": 1, "depth": depth,
+            "budget_bytes": r0.budget_bytes, "repeats": runs.len(),
+            "step_resident_s": sr.median, "step_resident_s_min": sr.min, "step_resident_s_max": sr.max,
+            "step_streamed_s": so.median, "step_streamed_s_min": so.min, "step_streamed_s_max": so.max,
+            "bandwidth_gbps": med(&runs.iter().map(|r| r.bandwidth_gbps).collect::<Vec<_>>())?,
+            "streamed_bytes": med(&copied)? as u64,
+            "bound_s": sbd.median, "ratio_to_bound": sq.median, "ratio_to_bound_min": sq.min, "ratio_to_bound_max": sq.max,
+            "peak_device_bytes": runs.iter().map(|r| r.peak_device_bytes).max(), "bitwise_equal": equal,
         }));
     }
     let whole = per_run(&|r| med(&r.offloaded_pass_s))?;
@@ -167,6 +189,7 @@ pub fn merge(runs: &[PipelineRun], min_runs: usize) -> Result<Value, String> {
     commits.dedup();
     Ok(json!({
         "backend": r0.backend, "gpu": r0.gpu, "date": r0.date, "commit": commits.join(", "), "repeats": runs.len(),
+        "model": r0.components.iter().map(|c| c.model.as_str()).collect::<Vec<_>>().join(" → "),
         "case": r0.case, "steps": r0.steps, "budget_bytes": r0.budget_bytes, "peak_device_bytes": peak,
         "bandwidth_gbps": spread(&runs.iter().map(|r| r.bandwidth_gbps).collect::<Vec<_>>()).map(|s| s.median),
         // Each process measured its own bandwidth and planned the DiT from it: per run.
@@ -175,6 +198,10 @@ pub fn merge(runs: &[PipelineRun], min_runs: usize) -> Result<Value, String> {
         "dit_predicted_step_s_per_run": runs.iter().map(|r| r.dit_predicted_step_s).collect::<Vec<_>>(),
         "dit_budget_bytes_per_run": runs.iter().map(|r| r.dit_budget_bytes).collect::<Vec<_>>(),
         "components": comps,
+        // DESIGN's schema: one case per component, per pass (the DiT's `steps` steps),
+        // its bound `max(step_resident_s, streamed_bytes ÷ bandwidth)`; the whole
+        // pass's bound is the components' own bounds summed (`whole`, `method`).
+        "cases": cases,
         "whole": {
             "offloaded_s": sw.median, "offloaded_s_min": sw.min, "offloaded_s_max": sw.max,
             "resident_s": sr.median, "resident_s_min": sr.min, "resident_s_max": sr.max,
@@ -240,6 +267,22 @@ mod tests {
         assert!((doc["whole"]["ratio_to_bound"].as_f64().unwrap() - 1.0).abs() < 1e-9);
         assert_eq!(doc["meets_targets"], true);
         assert_eq!(doc["components"][1]["offloaded_s_max"], 0.4 * 1.01);
+        // DESIGN's case fields, one per component: the encoder's bound max(0.02, 5 GB ÷ 50 GB/s) = 0.1 s.
+        let c = &doc["cases"][0];
+        assert_eq!((c["component"].as_str(), c["resolution"].as_u64(), c["batch"].as_u64()), (Some("text_encoder"), Some(1024), Some(1)));
+        assert!((c["bound_s"].as_f64().unwrap() - 0.1).abs() < 1e-12 && (c["ratio_to_bound"].as_f64().unwrap() - 1.0).abs() < 1e-9, "{c}");
+        for k in [
+            "step_resident_s",
+            "step_streamed_s",
+            "bandwidth_gbps",
+            "streamed_bytes",
+            "peak_device_bytes",
+            "bitwise_equal",
+            "budget_bytes",
+            "depth",
+        ] {
+            assert!(doc["cases"].as_array().unwrap().iter().all(|c| c.get(k).is_some()), "{k}");
+        }
         // Slower than 1.03 × the bound, a component not bitwise equal, or over budget: missed.
         assert_eq!(merge(&[run(1.05, true), run(1.05, true), run(1.05, true)], 3).unwrap()["meets_targets"], false);
         assert_eq!(merge(&[run(1.0, true), run(1.0, false), run(1.0, true)], 3).unwrap()["meets_targets"], false);

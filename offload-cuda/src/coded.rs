@@ -53,9 +53,10 @@ pub(crate) struct Coding {
     pub(crate) coded_copies: AtomicU64,
 }
 
-// SAFETY: `flag` is page-locked host memory owned by this value, accessed by the
-// host only as an `AtomicU32` (so threads calling `poll` do not race) and written
-// otherwise only by kernels; everything else is `Send + Sync` or behind a mutex.
+// `flag` is page-locked host memory owned by this value, accessed by the host only
+// as an `AtomicU32` (so threads calling `poll` do not race), otherwise written only
+// by kernels; everything else is `Send + Sync` or behind a mutex.
+// SAFETY: no unsynchronised access to `flag` from any thread (just said).
 unsafe impl Send for Coding {}
 // SAFETY: as above.
 unsafe impl Sync for Coding {}
@@ -102,9 +103,8 @@ impl Coding {
 
     /// Damage a decode reported since the last call, as an error naming the block.
     pub(crate) fn poll(&self) -> Result<()> {
-        // SAFETY: `flag` is live, 4-aligned (a page-locked allocation) and accessed
-        // by the host only through this atomic view; cleared so the error is
-        // reported once.
+        // Cleared so the error is reported once.
+        // SAFETY: `flag` is live, 4-aligned (page-locked) and host-accessed only atomically.
         let f = unsafe { std::sync::atomic::AtomicU32::from_ptr(self.flag) }.swap(0, Ordering::AcqRel);
         if f == 0 {
             return Ok(());
@@ -263,10 +263,10 @@ impl CudaBackend {
                 let enc = staging + sg.enc_at as u64;
                 match &sg.coded {
                     None => {
-                        // A raw string: its bytes follow the 24-byte header.
-                        // SAFETY: `device_segments` checked the string holds its header and
-                        // `out_len` bytes inside the block; the output lies in `dst`
-                        // (segments tile [0, raw_len) and raw_len ≤ dst_len, checked above).
+                        // A raw string: its bytes follow the 24-byte header. `device_segments`
+                        // checked the string holds its header and `out_len` bytes inside the
+                        // block; segments tile [0, raw_len) and raw_len ≤ dst_len (checked above).
+                        // SAFETY: both ranges are in bounds (just said), ordered as the kernels are.
                         unsafe { sys::cuMemcpyDtoDAsync_v2(out, enc + 24, sg.out_len, c.decode.cu_stream()) }
                             .result()
                             .map_err(|e| driver(format!("copying a raw segment of {}", ch.purpose), e))?;
@@ -288,9 +288,9 @@ impl CudaBackend {
                         // word reads stay inside it, its offset table and stream 4-aligned);
                         // the output (2n bytes at a multiple of 4) lies in `dst`, 4-aligned
                         // (checked above); the flag is mapped host memory of this context.
-                        // SAFETY: every access is in bounds and aligned (above), and every
-                        // buffer outlives the kernel (staging freed after it on this stream,
-                        // `dst` by the caller's contract).
+                        // Every buffer outlives the kernel: staging is freed after it on this
+                        // stream, `dst` by the caller's contract.
+                        // SAFETY: every access in bounds and aligned, every buffer alive (above).
                         unsafe {
                             c.decode
                                 .launch_builder(&c.kernel)
@@ -383,9 +383,9 @@ mod tests {
             for (i, want) in raw.iter().enumerate() {
                 let g = ring.block_at(i).unwrap();
                 let mut got = vec![0u8; want.len()];
-                // SAFETY: the guard ordered the compute stream after the block's copy
-                // (decode) event; the slot holds `want.len()` bytes while the guard lives,
-                // and the stream is synchronised before `got` is read.
+                // The guard ordered the compute stream after the block's copy (decode)
+                // event; the stream is synchronised before `got` is read.
+                // SAFETY: the slot holds `want.len()` bytes while the guard lives, as `got` does.
                 unsafe {
                     let s = b.compute_stream();
                     sys::cuMemcpyDtoHAsync_v2(got.as_mut_ptr().cast(), g.slot().device_ptr(), got.len(), s.cu_stream()).result().unwrap();

@@ -125,9 +125,9 @@ impl PinnedHost {
             d.push((h, out));
         }
         let b = &d[d.len() - 1].1;
-        // SAFETY: the boxed bytes are never freed or written while `self` lives
-        // (`decoded` is only appended to, and moving a `Box` within the vector
-        // does not move its heap bytes), so they outlive the returned borrow of `self`.
+        // `decoded` is only appended to, and moving a `Box` within the vector does
+        // not move its heap bytes.
+        // SAFETY: the boxed bytes are never freed or written while `self` lives.
         unsafe { std::slice::from_raw_parts(b.as_ptr(), b.len()) }
     }
 

@@ -168,9 +168,10 @@ pub(crate) struct Inner {
     pub(crate) host_import: Option<(ash::ext::external_memory_host::Device, usize)>,
 }
 
-// SAFETY: every Vulkan object here is used under `state`'s lock where the API asks
-// for external synchronisation (queues, command pools); `messages` is a leaked
-// `Mutex`, freed only in `Drop` after the messenger is gone.
+// Every Vulkan object here is used under `state`'s lock where the API asks for
+// external synchronisation (queues, command pools); `messages` is a leaked `Mutex`,
+// freed only in `Drop` after the messenger is gone.
+// SAFETY: no object needing external synchronisation is used without the lock.
 unsafe impl Send for Inner {}
 // SAFETY: as above.
 unsafe impl Sync for Inner {}

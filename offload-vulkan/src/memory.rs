@@ -163,9 +163,9 @@ pub struct VulkanHost {
     inner: Arc<Inner>,
 }
 
-// SAFETY: the mapping is plain bytes owned by this value, written only inside `new`
-// (before it is shared) and read afterwards; the handles are used under `Inner`'s lock
-// or in `Drop`.
+// The mapping is plain bytes owned by this value, written only inside `new` (before
+// it is shared) and read afterwards; the handles are used under `Inner`'s lock or in `Drop`.
+// SAFETY: nothing here is touched from two threads without that order (just said).
 unsafe impl Send for VulkanHost {}
 // SAFETY: as above: immutable after construction.
 unsafe impl Sync for VulkanHost {}
@@ -302,9 +302,9 @@ impl Drop for VulkanHost {
             return;
         }
         let dev = &self.inner.device;
-        // SAFETY: no submission can read the buffer any more (waited above); imported
-        // pages (`self.pages`) are freed after this body, once the memory object
-        // that imported them is gone.
+        // Imported pages (`self.pages`) are freed after this body, once the memory
+        // object that imported them is gone.
+        // SAFETY: no submission can read the buffer any more (waited above).
         unsafe {
             if self.pages.is_none() {
                 dev.unmap_memory(self.memory);

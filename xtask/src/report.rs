@@ -47,9 +47,12 @@ fn rows(dir: &Path) -> Result<Vec<Row>, String> {
         let name = f.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
         for c in cases.iter().filter(|c| c["step_streamed_s"].is_number()) {
             let budget = c["budget_bytes"].as_f64().map(|b| b / (1u64 << 30) as f64);
-            let label = match budget {
-                Some(b) => format!("{backend} {b:.0} GiB d={}", c["depth"]),
-                None => match c["model"].as_str() {
+            let depth = if c["depth"].is_null() { "resident while it runs".to_owned() } else { format!("d={}", c["depth"]) };
+            let label = match (c["component"].as_str(), budget) {
+                // The pipeline case: one row per component.
+                (Some(comp), Some(b)) => format!("{backend} pipeline {comp} ({}) {b:.0} GiB {depth}", c["model"].as_str().unwrap_or("?")),
+                (_, Some(b)) => format!("{backend} {b:.0} GiB d={}", c["depth"]),
+                (_, None) => match c["model"].as_str() {
                     Some(m) => format!("{backend} {m} {} d={}", c["case"].as_str().unwrap_or(""), c["depth"]),
                     None => format!("{backend} d={}", c["depth"]),
                 },

@@ -12,7 +12,7 @@
 //! ≤ 1.01 × the raw streamed step. Bitwise equality of both streamed runs with the
 //! resident one, every run.
 
-use crate::harness::{spread, RunDoc};
+use crate::harness::{median as med, spread, RunDoc};
 use serde_json::{json, Value};
 
 /// Coded size over raw, at most.
@@ -29,10 +29,6 @@ fn s(xs: &[f64]) -> Value {
         Some(sp) => json!({"median": sp.median, "min": sp.min, "max": sp.max}),
         None => Value::Null,
     }
-}
-
-fn med(xs: &[f64]) -> f64 {
-    spread(xs).map_or(f64::NAN, |sp| sp.median)
 }
 
 /// The results file from `runs` (at least `min_runs` process runs of one model,

@@ -403,14 +403,10 @@ pub fn run(model: &Model, opts: &RunOptions) -> Result<RunDoc, String> {
 /// Exponent entropy of every weight in `store` (bits per value) and of each
 /// tensor, sorted; blocks shared out among the host's threads.
 fn entropies(be: &CudaBackend, store: &HostStore<CudaBackend>) -> (f64, Vec<f64>) {
-    use offload_core::codec::exponent_histogram;
+    use offload_core::codec::{exponent_histogram, histogram_entropy_bits as entropy};
     let blocks = store.blocks();
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(blocks.len()).max(1);
     let per = blocks.len().div_ceil(threads).max(1);
-    let entropy = |h: &[u64; 256]| {
-        let n: u64 = h.iter().sum();
-        h.iter().filter(|&&c| c > 0).map(|&c| c as f64 / n as f64).map(|p| -p * p.log2()).sum::<f64>()
-    };
     let parts: Vec<([u64; 256], Vec<f64>)> = std::thread::scope(|s| {
         let hs: Vec<_> = blocks
             .chunks(per)

@@ -77,7 +77,12 @@ pub fn exponent_histogram(bytes: &[u8]) -> [u64; 256] {
 
 /// Shannon entropy of the exponents of bf16 `bytes`, in bits per value.
 pub fn exponent_entropy_bits(bytes: &[u8]) -> f64 {
-    let h = exponent_histogram(bytes);
+    histogram_entropy_bits(&exponent_histogram(bytes))
+}
+
+/// Shannon entropy of a histogram of exponents ([`exponent_histogram`]), in bits
+/// per value (0 for an empty one): histograms of several tensors add up first.
+pub fn histogram_entropy_bits(h: &[u64; 256]) -> f64 {
     let n: u64 = h.iter().sum();
     if n == 0 {
         return 0.0;

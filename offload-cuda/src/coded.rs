@@ -65,7 +65,7 @@ impl Coding {
     pub(crate) fn new(shared: &Shared, options: CodingOptions) -> Result<Self> {
         shared.ctx.bind_to_thread().map_err(|e| driver("binding the context", e))?;
         let decode = shared.ctx.new_stream().map_err(|e| driver("creating the decode stream", e))?;
-        let ptx = crate::codec::ptx().map_err(|e| driver_msg("compiling the exponent decoder", e))?;
+        let ptx = crate::codec::ptx().map_err(|e| crate::dev("compiling the exponent decoder", e))?;
         let module = shared.ctx.load_module(ptx.clone()).map_err(|e| driver("loading the exponent decoder", e))?;
         let kernel = module.load_function("exp_decode").map_err(|e| driver("exp_decode", e))?;
         // SAFETY: a 4-byte page-locked allocation, mapped into the device's address
@@ -129,10 +129,6 @@ impl Drop for Coding {
             tracing::warn!("cuMemFreeHost (decode damage flag): {e}");
         }
     }
-}
-
-fn driver_msg(during: &str, e: String) -> Error {
-    Error::device("cuda", during, e)
 }
 
 /// What a coded host buffer knows besides its bytes.

@@ -556,7 +556,8 @@ pub fn merge(runs: &[RunDoc], anchors: &[AnchorDoc], min_repeats: usize) -> Resu
     let all_met = !cases.is_empty() && cases.iter().all(|c| c["meets_targets"] == true);
     let budgets = crate::budgets::merge_budgets(runs, min_repeats)?;
     let mut doc = json!({
-        "date": first.date, "commit": all_commits.join(", "), "gpu": first.gpu, "backend": first.backend,
+        // The newest run's date: a merge of kept runs is as new as its last run.
+        "date": runs.iter().map(|r| r.date.as_str()).max().unwrap_or(&first.date), "commit": all_commits.join(", "), "gpu": first.gpu, "backend": first.backend,
         "model": keys.iter().map(|k| k.0.clone()).fold(Vec::<String>::new(), |mut v, m| { if !v.contains(&m) { v.push(m) } v }).join(", "),
         "repeats": cases.iter().filter_map(|c| c["repeats"].as_u64()).min().unwrap_or(0), "process_runs": runs.len(),
         "memory_method": "weights_device_bytes: the most slot bytes live at once (the backend's counters) plus the non-block weights; \

@@ -173,7 +173,8 @@ pub fn run(model: &Model, opts: &RunOptions) -> Result<RunDoc, String> {
             drop((sample, largest));
             be.enable_coding(options).map_err(err)?;
             let t = Instant::now();
-            let cstore = Arc::new(HostStore::build(&be, &inv, &src).map_err(err)?);
+            // From the raw store's bytes: the same weights, not drawn a second time.
+            let cstore = Arc::new(HostStore::build(&be, &inv, &StoreTensors::new(&be, &store, &src)).map_err(err)?);
             let build_s = t.elapsed().as_secs_f64();
             let coded_bytes: u64 = cstore.blocks().iter().map(|b| b.buffer.len() as u64).sum();
             let (lo, mid, hi) = (per_tensor.first().copied(), per_tensor.get(per_tensor.len() / 2).copied(), per_tensor.last().copied());
@@ -402,6 +403,51 @@ pub fn run(model: &Model, opts: &RunOptions) -> Result<RunDoc, String> {
 
 /// Exponent entropy of every weight in `store` (bits per value) and of each
 /// tensor, sorted; blocks shared out among the host's threads.
+/// A built store's tensors as a source (by name, in `like`'s order): a second
+/// store of the same weights without reading or drawing them again.
+struct StoreTensors<'a> {
+    be: &'a CudaBackend,
+    store: &'a HostStore<CudaBackend>,
+    specs: Vec<offload_core::TensorSpec>,
+    /// Per spec: (block, byte offset, bytes) in the store, if a block holds it.
+    at: Vec<Option<(usize, usize, usize)>>,
+}
+
+impl<'a> StoreTensors<'a> {
+    fn new(be: &'a CudaBackend, store: &'a HostStore<CudaBackend>, like: &dyn offload_core::TensorSource) -> Self {
+        let mut place = std::collections::HashMap::new();
+        for (i, b) in store.blocks().iter().enumerate() {
+            for t in &b.layout.tensors {
+                place.insert(t.spec.name.as_str(), (i, t.offset, t.nbytes));
+            }
+        }
+        let specs = like.specs().to_vec();
+        let at = specs.iter().map(|s| place.get(s.name.as_str()).copied()).collect();
+        StoreTensors { be, store, specs, at }
+    }
+}
+
+impl offload_core::TensorSource for StoreTensors<'_> {
+    fn specs(&self) -> &[offload_core::TensorSpec] {
+        &self.specs
+    }
+
+    fn read_into(&self, index: usize, dst: &mut [u8]) -> offload_core::Result<()> {
+        let name = self.specs.get(index).map_or_else(|| format!("#{index}"), |s| s.name.clone());
+        let bad = |fault: String| offload_core::Error::BadTensor { tensor: name.clone(), fault };
+        let (b, off, n) = self.at.get(index).copied().flatten().ok_or_else(|| bad("in no block of the raw store".into()))?;
+        if n != dst.len() {
+            return Err(bad(format!("{n} bytes in the raw store, {} asked for", dst.len())));
+        }
+        dst.copy_from_slice(&self.be.host_bytes(&self.store.blocks()[b].buffer)[off..off + n]);
+        Ok(())
+    }
+
+    fn origin(&self) -> String {
+        "the raw store of this run".into()
+    }
+}
+
 fn entropies(be: &CudaBackend, store: &HostStore<CudaBackend>) -> (f64, Vec<f64>) {
     use offload_core::codec::{exponent_histogram, histogram_entropy_bits as entropy};
     let blocks = store.blocks();

@@ -57,8 +57,10 @@ __device__ __forceinline__ u32 word_be(const u32* __restrict__ words, u32 i, u32
     return w;
 }
 
-extern "C" __global__ void exp_decode(const u8* __restrict__ enc, u64 stream_at, u64 offsets_at, u32 chunks, u64 sm_at, u64 n,
-                                      const u16* __restrict__ table, u16* __restrict__ out, volatile u32* err, u32 tag) {
+// The chunks of one coded string, `bid` the launch block among its blocks.
+__device__ __forceinline__ void decode_chunks(const u8* __restrict__ enc, u64 stream_at, u64 offsets_at, u32 chunks, u64 sm_at,
+                                              u64 n, const u16* __restrict__ table, u16* __restrict__ out, volatile u32* err,
+                                              u32 tag, u32 bid) {
     const u32* words = (const u32*)(enc + stream_at);
     const u32* offsets = (const u32*)(enc + offsets_at);
     const u8* sm = enc + sm_at;
@@ -69,7 +71,7 @@ extern "C" __global__ void exp_decode(const u8* __restrict__ enc, u64 stream_at,
     for (u32 i = threadIdx.x; i < (1u << BITS); i += blockDim.x) t[i] = table[i];
     __syncthreads();
     u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    u32 first = blockIdx.x * blockDim.x + warp * 32;
+    u32 first = bid * blockDim.x + warp * 32;
     u32 c = first + lane;
     bool have = c < chunks;
     u32 from = have ? offsets[c] : 0, to = have ? offsets[c + 1] : 0;
@@ -127,7 +129,63 @@ extern "C" __global__ void exp_decode(const u8* __restrict__ enc, u64 stream_at,
     }
     if (have && !bad && (used + 7) / 8 != to - from) *err = tag << 2 | 2u;
 }
+
+extern "C" __global__ void exp_decode(const u8* __restrict__ enc, u64 stream_at, u64 offsets_at, u32 chunks, u64 sm_at, u64 n,
+                                      const u16* __restrict__ table, u16* __restrict__ out, volatile u32* err, u32 tag) {
+    decode_chunks(enc, stream_at, offsets_at, chunks, sm_at, n, table, out, err, tag, blockIdx.x);
+}
+
+// Up to SEGS coded strings of one block in one launch (a block's strings are
+// 32 MiB each by default: one launch apiece would leave most of the GPU idle).
+// A string's launch blocks are [first_block, next string's first_block); its
+// stream, offsets, sign-mantissa bytes and table sit at byte offsets from
+// `staging` + enc_at (the table at staging + table_at), its output at out + out_at bytes.
+#define SEGS 32
+struct Seg { u64 enc_at, stream_at, offsets_at, sm_at, n, table_at, out_at; u32 chunks, first_block; };
+struct Segs { u32 count, pad; Seg s[SEGS]; };
+extern "C" __global__ void exp_decode_segs(const u8* __restrict__ staging, u8* __restrict__ out, const Segs segs, volatile u32* err,
+                                           u32 tag) {
+    u32 i = 0;
+    while (i + 1 < segs.count && blockIdx.x >= segs.s[i + 1].first_block) ++i;
+    const Seg g = segs.s[i];
+    decode_chunks(staging + g.enc_at, g.stream_at, g.offsets_at, g.chunks, g.sm_at, g.n, (const u16*)(staging + g.table_at),
+                  (u16*)(out + g.out_at), err, tag, blockIdx.x - g.first_block);
+}
 "#;
+
+/// Coded strings decoded by one `exp_decode_segs` launch (its `SEGS`).
+pub(crate) const SEGS: usize = 32;
+
+/// One coded string of a launch: `struct Seg` of the kernels' source, byte for byte.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Seg {
+    pub enc_at: u64,
+    pub stream_at: u64,
+    pub offsets_at: u64,
+    pub sm_at: u64,
+    pub n: u64,
+    pub table_at: u64,
+    pub out_at: u64,
+    pub chunks: u32,
+    pub first_block: u32,
+}
+
+const _: () = assert!(std::mem::size_of::<Seg>() == 64 && std::mem::size_of::<Segs>() == 8 + 64 * SEGS);
+
+/// The strings of one launch: `struct Segs` of the kernels' source, byte for byte
+/// (passed by value: 8 + 64 · SEGS = 2056 bytes, inside the 4 KiB of a launch's parameters).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Segs {
+    pub count: u32,
+    pub pad: u32,
+    pub s: [Seg; SEGS],
+}
+
+// SAFETY: plain old data laid out as the kernel's `struct Segs` (repr(C), u64 and u32
+// fields only, no padding the kernel reads); passed by value as a kernel parameter.
+unsafe impl cudarc::driver::DeviceRepr for Segs {}
 
 pub(crate) fn ptx() -> std::result::Result<&'static nvrtc::Ptx, String> {
     static PTX: OnceLock<std::result::Result<nvrtc::Ptx, String>> = OnceLock::new();

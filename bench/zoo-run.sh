@@ -10,7 +10,8 @@
 #   zoo-run.sh pipeline   the pipeline case: three `zoo pipeline` processes, merged
 #   zoo-run.sh compressed issue 19's case: the decoder's speed (codec_speed 256, 1024), then three
 #                         `zoo run --backend cuda --coded` processes (flux-dev, COMPRESSED_ARGS,
-#                         default `--cases 1024,2048`), merged by `zoo merge-compressed`
+#                         default `--cases 1024,2048 --depths 1,2`; ≈ 190 s each, so with
+#                         ZOO_DEADLINE=560 two commands, .zoo-out carried), merged by `zoo merge-compressed`
 #   zoo-run.sh            all of it, three repeats (merged once no run is left)
 # `zoo merge` takes one commit per model: to re-measure one model, put the other
 # models' kept runs and anchors (bench/raw/<date>-zoo-<commit>/) into $ZOO_DIR.
@@ -130,13 +131,13 @@ pipeline() {
   [ "$LEFT" = 0 ] && "$ZOO" merge-pipeline --out "$Z/pipeline.json" "$Z"/pipeline-run*.json 2>&1 | tee -a "$Z/merge.txt"
 }
 
-run_coded() { "$ZOO" run --backend cuda --model flux-dev --coded --commit "$COMMIT" --out "$1" ${COMPRESSED_ARGS:---cases 1024,2048} 2>&1 | tee "${1%.json}.txt"; }
+run_coded() { "$ZOO" run --backend cuda --model flux-dev --coded --commit "$COMMIT" --out "$1" ${COMPRESSED_ARGS:---cases 1024,2048 --depths 1,2} 2>&1 | tee "${1%.json}.txt"; }
 compressed() {
   for m in 256 1024; do
     once "codec_speed $m MiB" "$Z/codec-speed-$m.json" 20 "$B/codec_speed" "$m" --json "$Z/codec-speed-$m.json"
   done
   for r in $(seq 1 "${ZOO_REPEATS:-3}"); do
-    once "compressed (cuda --coded), run $r" "$Z/coded-run$r.json" 100 run_coded "$Z/coded-run$r.json"
+    once "compressed (cuda --coded), run $r" "$Z/coded-run$r.json" 190 run_coded "$Z/coded-run$r.json"
   done
   [ "$LEFT" = 0 ] && "$ZOO" merge-compressed --out "$Z/compressed.json" "$Z"/coded-run*.json --codec "$Z"/codec-speed-*.json 2>&1 | tee -a "$Z/merge.txt"
 }

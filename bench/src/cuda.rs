@@ -170,7 +170,9 @@ pub fn run(model: &Model, opts: &RunOptions) -> Result<RunDoc, String> {
             let t = Instant::now();
             let sample = offload_core::codec::code_for_device(&largest, options.segment_bytes, options.threads);
             let encode_gbps = largest.len() as f64 / t.elapsed().as_secs_f64().max(1e-9) / 1e9;
-            drop((sample, largest));
+            drop(sample);
+            let decode_gbps_in_run = decode_speed(&be, &largest).map_err(err)?;
+            drop(largest);
             be.enable_coding(options).map_err(err)?;
             let t = Instant::now();
             // From the raw store's bytes: the same weights, not drawn a second time.
@@ -190,6 +192,7 @@ pub fn run(model: &Model, opts: &RunOptions) -> Result<RunDoc, String> {
                 encode_threads: options.threads,
                 store_build_s: build_s,
                 staging_peak_bytes: 0,
+                decode_gbps_in_run,
             };
             eprintln!(
                 "coded store: {:.2} GiB for {:.2} GiB ({:.4}), exponent entropy {entropy:.3} bits ({:.3}–{:.3} per tensor), \
@@ -263,16 +266,33 @@ pub fn run(model: &Model, opts: &RunOptions) -> Result<RunDoc, String> {
         let resident = median(&rtimes);
         // The budget runs' calibration: more resident steps, each block's compute
         // timed on the device (kept out of the timed steps above).
-        let cost = match opts.budgets_gib.is_empty() {
+        // With --coded, the planner's coding choice per depth is asked from it too
+        // (three steps do when no budget run needs more).
+        let cost = match opts.budgets_gib.is_empty() && coded.is_none() {
             true => None,
             false => {
                 let source = format!("{gpu}, {} {}, resident steps of zoo run --backend cuda", model.name, c.name);
-                Some(calibrate(&be, model, &mut net, &mut ring, opts.steps, bandwidth, source)?)
+                let steps = if opts.budgets_gib.is_empty() { opts.steps.min(3) } else { opts.steps };
+                Some(calibrate(&be, model, &mut net, &mut ring, steps, bandwidth, source)?)
             }
         };
         ring.close().map_err(err)?;
         eprintln!("{} {}: resident step {resident:.4} s, activations {:.2} GiB", model.name, c.name, gib(activations));
         for (k, &d) in opts.depths.iter().enumerate() {
+            let planner = match (&coded, &cost) {
+                (Some((cstore, f)), Some(cost)) => Some(planner_coding(cost, cstore, f.decode_gbps_in_run, d)?),
+                _ => None,
+            };
+            if let Some(p) = &planner {
+                eprintln!(
+                    "{} {} d={d}: the planner {} (replayed: raw {:.4} s, coded {:.4} s)",
+                    model.name,
+                    c.name,
+                    if p.coded { "codes" } else { "does not code" },
+                    p.predicted_raw_s,
+                    p.predicted_coded_s
+                );
+            }
             let trace = opts.trace.as_deref().filter(|_| k == 0 && doc.timeline_step.is_none());
             let s = streamed(&store, &resolved(&Plan::layerwise().prefetch_depth(d), &inv)?, &mut net, trace)?;
             if let (Some(m), Some(path)) = (&s.timeline, trace) {
@@ -320,6 +340,7 @@ pub fn run(model: &Model, opts: &RunOptions) -> Result<RunDoc, String> {
             doc.cases.push(RunCase {
                 steps_streamed_coded_s: coded_times,
                 coded_bitwise_equal: coded_equal,
+                planner,
                 steps_resident_s: rtimes.clone(),
                 steps_streamed_s: s.times,
                 streamed_bytes: total,
@@ -403,6 +424,41 @@ pub fn run(model: &Model, opts: &RunOptions) -> Result<RunDoc, String> {
 
 /// Exponent entropy of every weight in `store` (bits per value) and of each
 /// tensor, sorted; blocks shared out among the host's threads.
+/// The decoder's speed on `raw` as one coded string, GB/s of output: a warm-up
+/// decode, then five launches timed around enqueue-and-wait (as `codec_speed`).
+fn decode_speed(be: &CudaBackend, raw: &[u8]) -> offload_core::Result<f64> {
+    let enc = offload_core::codec::encode_bf16(raw);
+    let d = offload_cuda::codec::ExponentDecoder::new(be)?;
+    let mut coded = d.upload(be, &enc, "the decoder's speed")?;
+    let mut out = d.decode(be, &enc, "the decoder's speed")?;
+    let reps = 5;
+    let t = Instant::now();
+    for _ in 0..reps {
+        d.launch(be, &mut coded, &mut out)?;
+    }
+    coded.finish()?;
+    Ok((raw.len() * reps) as f64 / t.elapsed().as_secs_f64().max(1e-9) / 1e9)
+}
+
+/// The planner's coding choice at `depth` with every block streamed: `cost` (this
+/// run's calibration) with each block's coded size from `cstore` and its decode
+/// time at `decode_gbps`.
+fn planner_coding(
+    cost: &CostModel,
+    cstore: &HostStore<CudaBackend>,
+    decode_gbps: f64,
+    depth: usize,
+) -> Result<crate::harness::PlannerCoding, String> {
+    let sizes: std::collections::HashMap<String, u64> = cstore.blocks().iter().map(|b| (b.id.to_string(), b.buffer.len() as u64)).collect();
+    let mut m = cost.clone();
+    for b in &mut m.blocks {
+        let bytes =
+            *sizes.get(&b.id).ok_or_else(|| err(format!("the planner's cost model names block {}, not in the coded store", b.id)))?;
+        b.coded = Some(offload_plan::CodedCost { bytes, decode_s: b.bytes as f64 / (decode_gbps.max(1e-9) * 1e9) });
+    }
+    Ok(crate::compressed::coding_choice(&m, depth))
+}
+
 /// A built store's tensors as a source (by name, in `like`'s order): a second
 /// store of the same weights without reading or drawing them again.
 struct StoreTensors<'a> {

@@ -80,6 +80,23 @@ pub struct RunCase {
     /// With `--coded`: the coded run's output byte-identical to the resident output.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub coded_bitwise_equal: Option<bool>,
+    /// With `--coded`: what the planner chose for this case and depth, every block
+    /// streamed, from this run's calibration (each block's compute timed on the
+    /// device, the pinned bandwidth, the coded store's block sizes and the decoder's
+    /// speed measured in this process) — asked before the timed streamed steps.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub planner: Option<PlannerCoding>,
+}
+
+/// The planner's coding choice for one case and depth ([`offload_plan::Choice::with_coding`]).
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct PlannerCoding {
+    /// Whether it codes the streamed blocks.
+    pub coded: bool,
+    /// Its replayed step without coding, seconds.
+    pub predicted_raw_s: f64,
+    /// Its replayed step with every block coded, seconds.
+    pub predicted_coded_s: f64,
 }
 
 /// What one process run writes.
@@ -209,6 +226,10 @@ pub struct CodedFacts {
     /// The largest staging buffer a coded copy used (one is held per copy in
     /// flight, up to the prefetch depth + 1).
     pub staging_peak_bytes: u64,
+    /// The decoder's speed in this process (the largest block as one coded string,
+    /// timed over repeated launches), GB/s of output: the planner's decode cost.
+    #[serde(default)]
+    pub decode_gbps_in_run: f64,
 }
 
 /// What a run records of its host store once built, and the pinned bandwidth

@@ -173,6 +173,46 @@ pub(crate) struct Seg {
 
 const _: () = assert!(std::mem::size_of::<Seg>() == 64 && std::mem::size_of::<Segs>() == 8 + 64 * SEGS);
 
+/// Threads (chunks) per launch block of the decoders.
+pub(crate) const BLOCK_THREADS: u32 = 128;
+
+/// The `exp_decode_segs` launches that decode a block's coded strings (raw strings
+/// and empty ones are not in them): up to [`SEGS`] strings each, in order, with
+/// each string's first launch block and the launch's block count.
+pub(crate) fn launches(segments: &[offload_core::codec::DeviceSegment]) -> Vec<(Segs, u32)> {
+    let mut out = Vec::new();
+    let mut batch = Segs { count: 0, pad: 0, s: [Seg::default(); SEGS] };
+    let mut blocks = 0u32;
+    for sg in segments {
+        let Some((table_at, l)) = &sg.coded else { continue };
+        if l.values == 0 {
+            continue;
+        }
+        batch.s[batch.count as usize] = Seg {
+            enc_at: sg.enc_at as u64,
+            stream_at: l.stream_at as u64,
+            offsets_at: l.offsets_at as u64,
+            sm_at: l.sm_at as u64,
+            n: l.values as u64,
+            table_at: *table_at as u64,
+            out_at: sg.out_at as u64,
+            chunks: l.chunks as u32,
+            first_block: blocks,
+        };
+        batch.count += 1;
+        blocks += (l.chunks as u32).div_ceil(BLOCK_THREADS);
+        if batch.count as usize == SEGS {
+            out.push((batch, blocks));
+            batch.count = 0;
+            blocks = 0;
+        }
+    }
+    if batch.count > 0 {
+        out.push((batch, blocks));
+    }
+    out
+}
+
 /// The strings of one launch: `struct Segs` of the kernels' source, byte for byte
 /// (passed by value: 8 + 64 · SEGS = 2056 bytes, inside the 4 KiB of a launch's parameters).
 #[repr(C)]
@@ -388,6 +428,55 @@ impl DeviceCoded {
 
 #[cfg(test)]
 mod tests {
+
+    /// The batching of strings into launches, and the kernel's lookup of a launch
+    /// block's string (mirrored here), on the CPU: every chunk of every coded
+    /// string decoded by exactly one thread of one launch, raw and empty strings
+    /// in none, no launch over SEGS strings.
+    #[test]
+    fn launches_cover_every_coded_chunk_once() {
+        use offload_core::codec::{CodedLayout, DeviceSegment};
+        let seg = |i: usize, values: usize| DeviceSegment {
+            out_at: i * 1000,
+            out_len: 2 * values,
+            enc_at: i * 256,
+            enc_len: 0,
+            coded: (i % 5 != 3).then(|| {
+                let chunks = values.div_ceil(CHUNK_VALUES);
+                (i * 512, CodedLayout { values, chunks, offsets_at: 8, stream_at: 16, sm_at: 24, table: Vec::new() })
+            }),
+        };
+        // 75 strings: every fifth raw, one empty, sizes from one chunk to 300.
+        let segments: Vec<DeviceSegment> =
+            (0..75).map(|i| seg(i, if i == 40 { 0 } else { 1 + (i * 7919) % (300 * CHUNK_VALUES) })).collect();
+        let ls = launches(&segments);
+        let coded: Vec<&DeviceSegment> = segments.iter().filter(|s| s.coded.as_ref().is_some_and(|(_, l)| l.values > 0)).collect();
+        assert_eq!(coded.len(), 59);
+        assert_eq!(ls.len(), 2, "59 strings: a launch of {SEGS} and one of the rest");
+        let mut seen = Vec::new();
+        for (batch, blocks) in &ls {
+            assert!(batch.count as usize <= SEGS && batch.count > 0);
+            let mut hits = vec![0u32; batch.count as usize];
+            for bid in 0..*blocks {
+                // The kernel's lookup, line for line.
+                let mut i = 0;
+                while i + 1 < batch.count as usize && bid >= batch.s[i + 1].first_block {
+                    i += 1;
+                }
+                let g = &batch.s[i];
+                let local = bid - g.first_block;
+                assert!(local < g.chunks.div_ceil(BLOCK_THREADS), "launch block {bid} past string {i}'s blocks");
+                hits[i] += 1;
+            }
+            for (i, h) in hits.iter().enumerate() {
+                let g = &batch.s[i];
+                assert_eq!(*h, g.chunks.div_ceil(BLOCK_THREADS), "string {i}: each of its blocks once");
+                seen.push((g.out_at, g.n));
+            }
+        }
+        let want: Vec<(u64, u64)> = coded.iter().map(|s| (s.out_at as u64, s.coded.as_ref().map_or(0, |(_, l)| l.values as u64))).collect();
+        assert_eq!(seen, want, "every coded string, in order, once");
+    }
     use super::*;
     use offload_core::codec::{decode_bf16, encode_bf16};
 

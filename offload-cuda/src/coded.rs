@@ -15,7 +15,7 @@
 //! memory, tagged with the block, and reported by `poll_error` at the next step
 //! boundary, naming the block.
 
-use crate::codec::{Seg, Segs, SEGS};
+use crate::codec::{launches, BLOCK_THREADS};
 use crate::device::{CudaBackend, Shared};
 use crate::error::driver;
 use cudarc::driver::{result, sys, CudaFunction, CudaStream};
@@ -255,16 +255,22 @@ impl CudaBackend {
             }
             let copied = s.copy.record_event(None).map_err(|e| driver("recording a coded copy's event", e))?;
             c.decode.wait(&copied).map_err(|e| driver("decode stream waiting for a coded copy", e))?;
-            // Coded strings go to the decoder in launches of up to SEGS strings each
-            // (one launch per 32 MiB string would leave most of the GPU idle); raw
-            // strings are device-to-device copies on the same stream.
-            let mut batch = Segs { count: 0, pad: 0, s: [Seg::default(); SEGS] };
-            let mut blocks = 0u32;
-            let launch = |batch: &mut Segs, blocks: &mut u32| -> Result<()> {
-                if batch.count == 0 {
-                    return Ok(());
-                }
-                let cfg = cudarc::driver::LaunchConfig { grid_dim: (*blocks, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+            // Raw strings are device-to-device copies on the decode stream; the coded
+            // ones go to the decoder in launches of up to SEGS strings each (one
+            // launch per 32 MiB string would leave most of the GPU idle). Each
+            // writes its own range of `dst`, so their order does not matter.
+            for sg in ch.segments.iter().filter(|sg| sg.coded.is_none()) {
+                let (out, enc) = (dst + sg.out_at as u64, staging + sg.enc_at as u64);
+                // A raw string: its bytes follow the 24-byte header. `device_segments`
+                // checked the string holds its header and `out_len` bytes inside the
+                // block; segments tile [0, raw_len) and raw_len ≤ dst_len (checked above).
+                // SAFETY: both ranges are in bounds (just said), ordered as the kernels are.
+                unsafe { sys::cuMemcpyDtoDAsync_v2(out, enc + 24, sg.out_len, c.decode.cu_stream()) }
+                    .result()
+                    .map_err(|e| driver(format!("copying a raw segment of {}", ch.purpose), e))?;
+            }
+            for (batch, blocks) in launches(&ch.segments) {
+                let cfg = cudarc::driver::LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (BLOCK_THREADS, 1, 1), shared_mem_bytes: 0 };
                 use cudarc::driver::PushKernelArg;
                 // What the kernel touches: for each string of `batch`, `device_segments`
                 // checked its layout (offsets monotone in its stream, `n` sign-mantissa
@@ -274,54 +280,14 @@ impl CudaBackend {
                 // reads stay inside it, its offset table and stream 4-aligned); its
                 // output (2n bytes at a multiple of 4 of `dst`, 4-aligned: checked above)
                 // lies in `dst`; a launch block decodes the string whose
-                // [first_block, next first_block) holds it (first_block counts whole
-                // blocks of 128 chunks before it); the flag is mapped host memory of this
-                // context. Every buffer outlives the kernel: staging is freed after it on
-                // this stream, `dst` by the caller's contract.
+                // [first_block, next first_block) holds it (`launches`, tested on the
+                // CPU against the kernel's lookup); the flag is mapped host memory of
+                // this context. Every buffer outlives the kernel: staging is freed after
+                // it on this stream, `dst` by the caller's contract.
                 // SAFETY: every access in bounds and aligned, every buffer alive (above).
-                unsafe {
-                    c.decode.launch_builder(&c.kernel).arg(&staging).arg(&dst).arg(&*batch).arg(&c.flag_dev).arg(&ch.tag).launch(cfg)
-                }
-                .map_err(|e| driver(format!("decoding {}", ch.purpose), e))?;
-                batch.count = 0;
-                *blocks = 0;
-                Ok(())
-            };
-            for sg in &ch.segments {
-                match &sg.coded {
-                    None => {
-                        let (out, enc) = (dst + sg.out_at as u64, staging + sg.enc_at as u64);
-                        // A raw string: its bytes follow the 24-byte header. `device_segments`
-                        // checked the string holds its header and `out_len` bytes inside the
-                        // block; segments tile [0, raw_len) and raw_len ≤ dst_len (checked above).
-                        // SAFETY: both ranges are in bounds (just said), ordered as the kernels are.
-                        unsafe { sys::cuMemcpyDtoDAsync_v2(out, enc + 24, sg.out_len, c.decode.cu_stream()) }
-                            .result()
-                            .map_err(|e| driver(format!("copying a raw segment of {}", ch.purpose), e))?;
-                    }
-                    Some((table_at, l)) if l.values > 0 => {
-                        let i = batch.count as usize;
-                        batch.s[i] = Seg {
-                            enc_at: sg.enc_at as u64,
-                            stream_at: l.stream_at as u64,
-                            offsets_at: l.offsets_at as u64,
-                            sm_at: l.sm_at as u64,
-                            n: l.values as u64,
-                            table_at: *table_at as u64,
-                            out_at: sg.out_at as u64,
-                            chunks: l.chunks as u32,
-                            first_block: blocks,
-                        };
-                        batch.count += 1;
-                        blocks += (l.chunks as u32).div_ceil(128);
-                        if batch.count as usize == SEGS {
-                            launch(&mut batch, &mut blocks)?;
-                        }
-                    }
-                    Some(_) => {}
-                }
+                unsafe { c.decode.launch_builder(&c.kernel).arg(&staging).arg(&dst).arg(&batch).arg(&c.flag_dev).arg(&ch.tag).launch(cfg) }
+                    .map_err(|e| driver(format!("decoding {}", ch.purpose), e))?;
             }
-            launch(&mut batch, &mut blocks)?;
             Ok(Arc::new(c.decode.record_event(None).map_err(|e| driver("recording a decode event", e))?))
         })();
         let ev = match issued {
@@ -416,7 +382,7 @@ mod tests {
         // Each 80 KiB string carries its 8 KiB table: ≈ 0.79 of raw, under 0.9.
         assert!(held < raw_total * 9 / 10, "coded {held} of {raw_total} bytes");
         let strings = store.blocks()[0].buffer.coded().map_or(0, |c| c.segments.iter().filter(|s| s.coded.is_some()).count());
-        assert!(strings > SEGS, "{strings} coded strings in block 0: one launch would decode them all");
+        assert!(strings > crate::codec::SEGS, "{strings} coded strings in block 0: one launch would decode them all");
         assert!(c.staging_peak_bytes > 0, "staging counted");
         // A plan's `coded` on a backend with coding off codes that store alone.
         let b2 = CudaBackend::new(0).unwrap();

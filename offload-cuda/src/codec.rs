@@ -118,7 +118,7 @@ __device__ __forceinline__ void decode_chunks(const u8* __restrict__ enc, u64 st
                 if (k + 1 < vals[q]) {
                     u32 sh = s[q] >> 8;
                     u32 hi = ((sh & 0x80) << 8) | (ey << 7) | (sh & 0x7f);
-                    // b + k is even and `out` 256-aligned: a 4-byte store.
+                    // b + k is even and `out` 4-aligned: a 4-byte store.
                     *(u32*)(out + b + k) = lo | hi << 16;
                 } else {
                     out[b + k] = (u16)lo;
@@ -143,6 +143,7 @@ extern "C" __global__ void exp_decode(const u8* __restrict__ enc, u64 stream_at,
 #define SEGS 32
 struct Seg { u64 enc_at, stream_at, offsets_at, sm_at, n, table_at, out_at; u32 chunks, first_block; };
 struct Segs { u32 count, pad; Seg s[SEGS]; };
+static_assert(sizeof(Seg) == 64 && sizeof(Segs) == 8 + 64 * SEGS, "Seg and Segs as the Rust side lays them out");
 extern "C" __global__ void exp_decode_segs(const u8* __restrict__ staging, u8* __restrict__ out, const Segs segs, volatile u32* err,
                                            u32 tag) {
     u32 i = 0;
@@ -171,7 +172,13 @@ pub(crate) struct Seg {
     pub first_block: u32,
 }
 
-const _: () = assert!(std::mem::size_of::<Seg>() == 64 && std::mem::size_of::<Segs>() == 8 + 64 * SEGS);
+const _: () = assert!(
+    std::mem::size_of::<Seg>() == 64
+        && std::mem::align_of::<Seg>() == 8
+        && std::mem::offset_of!(Seg, chunks) == 56
+        && std::mem::size_of::<Segs>() == 8 + 64 * SEGS
+        && std::mem::offset_of!(Segs, s) == 8
+);
 
 /// Threads (chunks) per launch block of the decoders.
 pub(crate) const BLOCK_THREADS: u32 = 128;

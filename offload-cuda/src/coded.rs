@@ -329,17 +329,28 @@ mod tests {
     /// bytes in its slot (read back after the block's copy event, two steps at
     /// depth 2), moves fewer bytes than the blocks hold, and reports no damage.
     /// Blocks mix coded bf16 matrices, a raw (incompressible) tensor and an odd
-    /// tail, in 80 KiB strings (≈ 39 a block: two decoder launches, SEGS = 32
-    /// strings and the rest). Without a device it prints SKIPPED (and fails under
-    /// `OFFLOAD_REQUIRE_DEVICE=1`).
+    /// tail, in 80 KiB strings (≈ 38 a block: two decoder launches, SEGS = 32
+    /// strings and the rest; one launch block a string). Without a device it prints
+    /// SKIPPED (and fails under `OFFLOAD_REQUIRE_DEVICE=1`).
     #[test]
     fn coded_ring_streams_exact_bytes() {
+        coded_ring_exact(80 << 10, 1_500_000);
+    }
+
+    /// The same with 512 KiB strings (256 chunks: two launch blocks each) in
+    /// ≈ 19 MB blocks (≈ 37 strings: two launches).
+    #[test]
+    fn coded_ring_streams_exact_bytes_in_multi_block_strings() {
+        coded_ring_exact(512 << 10, 9_500_000);
+    }
+
+    fn coded_ring_exact(segment_bytes: usize, values: usize) {
         let Some(b) = crate::codec::test_backend() else { return };
-        b.enable_coding(CodingOptions { threads: 4, segment_bytes: 80 << 10 }).unwrap();
+        b.enable_coding(CodingOptions { threads: 4, segment_bytes }).unwrap();
         let mut t = MemoryTensors::new();
         let mut x = 3u64;
         for i in 0..6u64 {
-            let w = crate::codec::sample_normal_bf16(1_500_000 + 1000 * i as usize, 0.02, 10 + i);
+            let w = crate::codec::sample_normal_bf16(values + 1000 * i as usize, 0.02, 10 + i);
             t.push(TensorSpec::new(format!("blocks.{i}.w"), DType::BF16, [w.len() / 2]), w).unwrap();
             let noise: Vec<u8> = (0..100_003)
                 .map(|_| {
@@ -379,10 +390,14 @@ mod tests {
         let c = b.counters();
         let raw_total: usize = raw.iter().map(Vec::len).sum();
         assert!(c.coded_copies > before.coded_copies, "coded copies counted");
-        // Each 80 KiB string carries its 8 KiB table: ≈ 0.79 of raw, under 0.9.
+        // Each string carries its 8 KiB table: ≈ 0.79 of raw at 80 KiB, under 0.9.
         assert!(held < raw_total * 9 / 10, "coded {held} of {raw_total} bytes");
-        let strings = store.blocks()[0].buffer.coded().map_or(0, |c| c.segments.iter().filter(|s| s.coded.is_some()).count());
-        assert!(strings > crate::codec::SEGS, "{strings} coded strings in block 0: one launch would decode them all");
+        let launches = store.blocks()[0].buffer.coded().map_or(Vec::new(), |c| crate::codec::launches(&c.segments));
+        assert!(launches.len() > 1, "{} launch(es) for block 0: one would decode it all", launches.len());
+        if segment_bytes > 256 << 10 {
+            let widest = launches.iter().flat_map(|(l, _)| l.s[..l.count as usize].iter().map(|g| g.chunks)).max().unwrap_or(0);
+            assert!(widest > crate::codec::BLOCK_THREADS, "every string in one launch block ({widest} chunks at most)");
+        }
         assert!(c.staging_peak_bytes > 0, "staging counted");
         // A plan's `coded` on a backend with coding off codes that store alone.
         let b2 = CudaBackend::new(0).unwrap();

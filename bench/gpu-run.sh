@@ -86,7 +86,7 @@ if [ "${VULKAN:-0}" = 1 ] && [ -x "$B/conformance-vulkan" ]; then
   # One process per row: on the H200 (driver 580.159) a process that had run the vulkan
   # row's cases could not create an instance for the vulkan-import row's eighth case
   # on (VK_ERROR_INCOMPATIBLE_DRIVER); each row alone passes (bench/NOTES.md, 2026-12-01).
-  for row in vulkan vulkan-import; do
+  for row in vulkan vulkan-import vulkan-split; do
     echo "== $row conformance"; "$B/conformance-vulkan" --backend $row --json "$OUT/conformance-$row.json" --sabotage "$OUT/sabotage-$row.json" $SAB "$GPU" 2>&1 | tee "$OUT/conformance-$row.txt"
   done
   if [ "${VULKAN_BENCH:-${BENCH:-1}}" = 1 ]; then

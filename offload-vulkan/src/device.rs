@@ -71,6 +71,11 @@ pub struct VulkanOptions {
     pub copy_chunk_bytes: Option<u64>,
     /// Where host buffers live.
     pub host_memory: HostMemory,
+    /// Split each copy in two halves submitted on two queues of the copy queue's
+    /// family, where it has a second queue (two copy engines at once), else both
+    /// on the copy queue (the same protocol, one engine). The slot's copy point is
+    /// signalled once both halves are done.
+    pub split_copies: bool,
 }
 
 /// Where the store's host buffers live.
@@ -94,6 +99,7 @@ impl Default for VulkanOptions {
             host_cached: false,
             copy_chunk_bytes: None,
             host_memory: HostMemory::Allocated,
+            split_copies: false,
         }
     }
 }
@@ -122,6 +128,9 @@ pub(crate) struct State {
     /// Last value submitted for signalling on each timeline.
     pub(crate) copy_value: u64,
     pub(crate) compute_value: u64,
+    /// Last value submitted on the split copies' first-half semaphore.
+    pub(crate) half_value: u64,
+    pub(crate) split_copies: u64,
     /// Values the host has waited for (a synchronisation covers everything before).
     pub(crate) synced_compute: u64,
     /// Command buffers in flight: freed once their timeline passes the value.
@@ -145,6 +154,12 @@ pub(crate) struct Queue {
     pub(crate) pool: vk::CommandPool,
 }
 
+pub(crate) struct Split {
+    pub(crate) queue: vk::Queue,
+    pub(crate) other_queue: bool,
+    pub(crate) half_tl: vk::Semaphore,
+}
+
 pub(crate) struct Inner {
     _entry: ash::Entry,
     instance: ash::Instance,
@@ -159,6 +174,10 @@ pub(crate) struct Inner {
     pub(crate) families: Vec<u32>,
     pub(crate) copy_tl: vk::Semaphore,
     pub(crate) compute_tl: vk::Semaphore,
+    /// With split copies: the queue of the second halves (the copy queue's
+    /// family; the copy queue itself where the family has one queue), whether it
+    /// is another queue, and the timeline the first halves signal.
+    pub(crate) split: Option<Split>,
     pub(crate) state: Mutex<State>,
     name: String,
     pub(crate) host_cached: bool,
@@ -224,6 +243,8 @@ pub struct VulkanCounters {
     pub copies: u64,
     /// Bytes copied host to device.
     pub bytes_copied: u64,
+    /// Copies submitted in two halves ([`VulkanOptions::split_copies`]).
+    pub split_copies: u64,
 }
 
 impl VulkanBackend {
@@ -299,7 +320,7 @@ impl VulkanBackend {
             }
         };
         let opened = Self::open_device(&instance, options);
-        let (phys, compute_family, transfer_family, compute_queues, name) = match opened {
+        let (phys, compute_family, transfer, compute_queues, name) = match opened {
             Ok(x) => x,
             Err(e) => {
                 destroy_instance(&debug);
@@ -307,9 +328,16 @@ impl VulkanBackend {
             }
         };
         // Where copies go: (family, queue index), or None for the compute queue.
+        let transfer_family = transfer.map(|(t, _)| t);
         let copy_at = match (options.copy_queue, transfer_family) {
             (CopyQueue::Transfer, Some(t)) => Some((t, 0)),
             (CopyQueue::Transfer | CopyQueue::SecondCompute, _) if compute_queues >= 2 => Some((compute_family, 1)),
+            _ => None,
+        };
+        // Split copies' second queue: the transfer family's second queue where it
+        // has one; else the copy queue itself (`None` here).
+        let second_at = match (options.split_copies, copy_at, transfer) {
+            (true, Some((t, 0)), Some((tf, n))) if t == tf && n >= 2 => Some((t, 1)),
             _ => None,
         };
         let one = [1.0f32];
@@ -318,7 +346,11 @@ impl VulkanBackend {
             .queue_family_index(compute_family)
             .queue_priorities(if copy_at == Some((compute_family, 1)) { &two } else { &one })];
         if let Some((t, _)) = copy_at.filter(|(f, _)| *f != compute_family) {
-            qcis.push(vk::DeviceQueueCreateInfo::default().queue_family_index(t).queue_priorities(&one));
+            qcis.push(vk::DeviceQueueCreateInfo::default().queue_family_index(t).queue_priorities(if second_at.is_some() {
+                &two
+            } else {
+                &one
+            }));
         }
         // Host pages imported where asked for and offered: the extension and the
         // alignment an imported pointer (and its size) needs.
@@ -395,10 +427,19 @@ impl VulkanBackend {
                 let ci = vk::SemaphoreCreateInfo::default().push_next(&mut ty);
                 let copy_tl = device.create_semaphore(&ci, None).map_err(|e| (e, "vkCreateSemaphore"))?;
                 let compute_tl = device.create_semaphore(&ci, None).map_err(|e| (e, "vkCreateSemaphore"))?;
-                Ok((compute, transfer, copy_tl, compute_tl))
+                let split = match options.split_copies {
+                    false => None,
+                    true => {
+                        let half_tl = device.create_semaphore(&ci, None).map_err(|e| (e, "vkCreateSemaphore"))?;
+                        let first = transfer.as_ref().unwrap_or(&compute).queue;
+                        let queue = second_at.map_or(first, |(f, i)| device.get_device_queue(f, i));
+                        Some(Split { queue, other_queue: second_at.is_some(), half_tl })
+                    }
+                };
+                Ok((compute, transfer, copy_tl, compute_tl, split))
             })()
         };
-        let (compute, transfer, copy_tl, compute_tl) = match made {
+        let (compute, transfer, copy_tl, compute_tl, split) = match made {
             Ok(x) => x,
             Err((e, call)) => {
                 // SAFETY: nothing was submitted; destroying the device frees its children.
@@ -418,6 +459,8 @@ impl VulkanBackend {
         let state = State {
             copy_value: 0,
             compute_value: 0,
+            half_value: 0,
+            split_copies: 0,
             synced_compute: 0,
             pending: Vec::new(),
             garbage: Vec::new(),
@@ -444,6 +487,7 @@ impl VulkanBackend {
             families,
             copy_tl,
             compute_tl,
+            split,
             state: Mutex::new(state),
             name,
             host_cached: options.host_cached,
@@ -453,9 +497,13 @@ impl VulkanBackend {
         Ok(VulkanBackend { inner: Arc::new(inner) })
     }
 
-    /// The physical device, its compute family, a dedicated transfer family, and
-    /// the compute family's queue count.
-    fn open_device(instance: &ash::Instance, options: &VulkanOptions) -> Result<(vk::PhysicalDevice, u32, Option<u32>, u32, String)> {
+    /// The physical device, its compute family, a dedicated transfer family with
+    /// its queue count, and the compute family's queue count.
+    #[allow(clippy::type_complexity)]
+    fn open_device(
+        instance: &ash::Instance,
+        options: &VulkanOptions,
+    ) -> Result<(vk::PhysicalDevice, u32, Option<(u32, u32)>, u32, String)> {
         // SAFETY: queries of a live instance.
         let devices = unsafe { instance.enumerate_physical_devices() }.map_err(|e| vk_err("vkEnumeratePhysicalDevices", "devices", e))?;
         let mut with_compute = Vec::new();
@@ -472,7 +520,8 @@ impl VulkanBackend {
                     && !f.queue_flags.intersects(vk::QueueFlags::COMPUTE | vk::QueueFlags::GRAPHICS)
             });
             let name = props.device_name_as_c_str().map(CStr::to_string_lossy).map(|n| n.into_owned()).unwrap_or_default();
-            with_compute.push((pd, c as u32, t.map(|t| t as u32), families[c].queue_count, name));
+            let t = t.map(|t| (t as u32, families[t].queue_count));
+            with_compute.push((pd, c as u32, t, families[c].queue_count, name));
         }
         let n = with_compute.len();
         with_compute.into_iter().nth(options.device_index).ok_or_else(|| {
@@ -489,6 +538,13 @@ impl VulkanBackend {
     /// second queue of the compute family), else on the compute queue.
     pub fn has_transfer_queue(&self) -> bool {
         self.inner.transfer.is_some()
+    }
+
+    /// With [`VulkanOptions::split_copies`]: on how many queues a copy's halves
+    /// run (2 where the copy queue's family has a second queue, else 1); `None`
+    /// with split copies off.
+    pub fn split_copy_queues(&self) -> Option<usize> {
+        self.inner.split.as_ref().map(|sp| if sp.other_queue { 2 } else { 1 })
     }
 
     /// Where host buffers live: [`HostMemory::Imported`] only where it was asked
@@ -537,6 +593,7 @@ impl VulkanBackend {
             syncs: st.syncs,
             copies: st.copies,
             bytes_copied: st.bytes_copied,
+            split_copies: st.split_copies,
         }
     }
 
@@ -618,18 +675,7 @@ impl VulkanBackend {
         purpose: &str,
     ) -> Result<VulkanPoint> {
         let i = &self.inner;
-        for w in waits {
-            let (own, issued) = match w.timeline {
-                Timeline::Copy => (i.copy_tl, st.copy_value),
-                Timeline::Compute => (i.compute_tl, st.compute_value),
-            };
-            if w.owner != Arc::as_ptr(&self.inner) as usize || w.semaphore != own || w.value > issued {
-                return Err(Error::Protocol(format!(
-                    "{purpose}: a wait on {:?} value {} that this backend did not issue (issued up to {issued})",
-                    w.timeline, w.value
-                )));
-            }
-        }
+        self.check_waits(st, waits, purpose)?;
         let (queue, sem, value) = match timeline {
             Timeline::Copy => (i.transfer.as_ref().unwrap_or(&i.compute).queue, i.copy_tl, st.copy_value + 1),
             Timeline::Compute => (i.compute.queue, i.compute_tl, st.compute_value + 1),
@@ -655,6 +701,119 @@ impl VulkanBackend {
             Timeline::Compute => st.compute_value = value,
         }
         Ok(VulkanPoint { timeline, semaphore: sem, value, owner: Arc::as_ptr(&self.inner) as usize })
+    }
+
+    /// Refuse waits on points this backend did not issue.
+    fn check_waits(&self, st: &State, waits: &[VulkanPoint], purpose: &str) -> Result<()> {
+        let i = &self.inner;
+        for w in waits {
+            let (own, issued) = match w.timeline {
+                Timeline::Copy => (i.copy_tl, st.copy_value),
+                Timeline::Compute => (i.compute_tl, st.compute_value),
+            };
+            if w.owner != Arc::as_ptr(&self.inner) as usize || w.semaphore != own || w.value > issued {
+                return Err(Error::Protocol(format!(
+                    "{purpose}: a wait on {:?} value {} that this backend did not issue (issued up to {issued})",
+                    w.timeline, w.value
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Submit (under the state lock) a copy in two halves: `first` on the copy
+    /// queue, waiting on `waits` and signalling the next value of the halves'
+    /// timeline; `second` on the split queue, waiting on `waits` too (and on the
+    /// first half where `first` begins with the checking mode's poison of the
+    /// whole slot), then an empty batch on that queue that waits for the first
+    /// half and signals the copy timeline's next value — the point returned, after
+    /// both halves (a signal also covers everything earlier on its queue). Every
+    /// copy-timeline value is signalled from the split queue, in order. On an
+    /// error both command buffers are freed (the first after its half completed;
+    /// leaked if that cannot be waited for).
+    ///
+    /// # Safety
+    ///
+    /// `first` and `second` are recorded and ended primary command buffers of the
+    /// copy queue's family.
+    unsafe fn submit_split_locked(
+        &self,
+        st: &mut State,
+        first: vk::CommandBuffer,
+        second: vk::CommandBuffer,
+        waits: &[VulkanPoint],
+        after_first: bool,
+        purpose: &str,
+    ) -> Result<VulkanPoint> {
+        let i = &self.inner;
+        let pool = i.transfer.as_ref().unwrap_or(&i.compute).pool;
+        let free = || {
+            // SAFETY: neither was submitted.
+            unsafe { i.device.free_command_buffers(pool, &[first, second]) }
+        };
+        let Some(sp) = i.split.as_ref() else {
+            free();
+            return Err(Error::Protocol(format!("{purpose}: split copies are off")));
+        };
+        if let Err(e) = self.check_waits(st, waits, purpose) {
+            free();
+            return Err(e);
+        }
+        let (half, value) = (st.half_value + 1, st.copy_value + 1);
+        let mut wait_sems: Vec<vk::Semaphore> = waits.iter().map(|w| w.semaphore).collect();
+        let mut wait_values: Vec<u64> = waits.iter().map(|w| w.value).collect();
+        let stages = vec![vk::PipelineStageFlags::ALL_COMMANDS; waits.len() + 1];
+        let (half_sem, half_val, copy_sem, copy_val) = ([sp.half_tl], [half], [i.copy_tl], [value]);
+        let first_cmds = [first];
+        let mut tl_a = vk::TimelineSemaphoreSubmitInfo::default().wait_semaphore_values(&wait_values).signal_semaphore_values(&half_val);
+        let a = vk::SubmitInfo::default()
+            .wait_semaphores(&wait_sems)
+            .wait_dst_stage_mask(&stages[..waits.len()])
+            .command_buffers(&first_cmds)
+            .signal_semaphores(&half_sem)
+            .push_next(&mut tl_a);
+        let queue = i.transfer.as_ref().unwrap_or(&i.compute).queue;
+        // SAFETY: queues are externally synchronised by the state lock the caller
+        // holds; the semaphores are this device's; the buffers per this function's contract.
+        if let Err(e) = unsafe { i.device.queue_submit(queue, &[a], vk::Fence::null()) } {
+            free();
+            return Err(vk_err("vkQueueSubmit", purpose, e));
+        }
+        st.half_value = half;
+        if after_first {
+            wait_sems.push(sp.half_tl);
+            wait_values.push(half);
+        }
+        let second_cmds = [second];
+        let mut tl_b = vk::TimelineSemaphoreSubmitInfo::default().wait_semaphore_values(&wait_values);
+        let b = vk::SubmitInfo::default()
+            .wait_semaphores(&wait_sems)
+            .wait_dst_stage_mask(&stages[..wait_sems.len()])
+            .command_buffers(&second_cmds)
+            .push_next(&mut tl_b);
+        let mut tl_c = vk::TimelineSemaphoreSubmitInfo::default().wait_semaphore_values(&half_val).signal_semaphore_values(&copy_val);
+        let c = vk::SubmitInfo::default()
+            .wait_semaphores(&half_sem)
+            .wait_dst_stage_mask(&stages[..1])
+            .signal_semaphores(&copy_sem)
+            .push_next(&mut tl_c);
+        // SAFETY: as above.
+        if let Err(e) = unsafe { i.device.queue_submit(sp.queue, &[b, c], vk::Fence::null()) } {
+            // The first half is in flight and nothing will signal the copy timeline
+            // for it: wait for it here (an error path) so its command buffer can go.
+            let wi = vk::SemaphoreWaitInfo::default().semaphores(&half_sem).values(&half_val);
+            // SAFETY: a wait on a live semaphore of this device.
+            if unsafe { i.device.wait_semaphores(&wi, u64::MAX) }.is_err() {
+                tracing::warn!("{purpose}: the first half could not be waited for; its command buffer is leaked");
+                return Err(vk_err("vkQueueSubmit", purpose, e));
+            }
+            // SAFETY: `first` completed (just waited for); `second` was never submitted.
+            unsafe { i.device.free_command_buffers(pool, &[first, second]) };
+            return Err(vk_err("vkQueueSubmit", purpose, e));
+        }
+        st.copy_value = value;
+        st.split_copies += 1;
+        Ok(VulkanPoint { timeline: Timeline::Copy, semaphore: i.copy_tl, value, owner: Arc::as_ptr(&self.inner) as usize })
     }
 
     /// The value `timeline`'s semaphore has reached.
@@ -777,6 +936,9 @@ impl Drop for Inner {
             }
             self.device.destroy_semaphore(self.copy_tl, None);
             self.device.destroy_semaphore(self.compute_tl, None);
+            if let Some(sp) = &self.split {
+                self.device.destroy_semaphore(sp.half_tl, None);
+            }
             self.device.destroy_command_pool(self.compute.pool, None);
             if let Some(t) = &self.transfer {
                 self.device.destroy_command_pool(t.pool, None);
@@ -851,37 +1013,79 @@ impl OffloadBackend for VulkanBackend {
         if !Self::covers(&st, last_read, after) {
             st.violations.push(format!("slot {} overwritten before its last read (invariant 2)", dst.id));
         }
-        let (pool, cmd) = self.begin(Timeline::Copy, &purpose)?;
         let dev = &self.inner.device;
-        // Host buffers drain on drop, slots are destroyed through the garbage list.
-        // SAFETY: a command buffer begun above; both buffers live until the copy's value.
-        unsafe {
-            if st.checking {
-                dev.cmd_fill_buffer(cmd, dst.buffer, 0, vk::WHOLE_SIZE, u32::from_ne_bytes([crate::POISON; 4]));
+        let checking = st.checking;
+        let chunk = self.inner.copy_chunk_bytes.unwrap_or(u64::MAX);
+        // The copy of [from, to), in regions of at most `chunk` bytes.
+        let record_copy = |cmd: vk::CommandBuffer, from: u64, to: u64| {
+            let regions: Vec<vk::BufferCopy> = (from..to)
+                .step_by(chunk.min(to - from).max(1) as usize)
+                .map(|o| vk::BufferCopy { src_offset: o, dst_offset: o, size: chunk.min(to - o) })
+                .collect();
+            if !regions.is_empty() {
+                // SAFETY: `cmd` is begun; both buffers hold `to` bytes (checked above) and
+                // live until the copy's value (host buffers drain on drop, slots go
+                // through the garbage list).
+                unsafe { dev.cmd_copy_buffer(cmd, src.buffer(), dst.buffer, &regions) };
+            }
+        };
+        // The checking mode's poison of the whole slot, before any copy into it.
+        let record_poison = |cmd: vk::CommandBuffer| {
+            if checking {
                 let barrier = vk::MemoryBarrier::default()
                     .src_access_mask(vk::AccessFlags::TRANSFER_WRITE)
                     .dst_access_mask(vk::AccessFlags::TRANSFER_WRITE);
-                dev.cmd_pipeline_barrier(
-                    cmd,
-                    vk::PipelineStageFlags::TRANSFER,
-                    vk::PipelineStageFlags::TRANSFER,
-                    vk::DependencyFlags::empty(),
-                    &[barrier],
-                    &[],
-                    &[],
-                );
+                // SAFETY: `cmd` is begun; the slot lives until the copy's value.
+                unsafe {
+                    dev.cmd_fill_buffer(cmd, dst.buffer, 0, vk::WHOLE_SIZE, u32::from_ne_bytes([crate::POISON; 4]));
+                    dev.cmd_pipeline_barrier(
+                        cmd,
+                        vk::PipelineStageFlags::TRANSFER,
+                        vk::PipelineStageFlags::TRANSFER,
+                        vk::DependencyFlags::empty(),
+                        &[barrier],
+                        &[],
+                        &[],
+                    );
+                }
             }
-            if bytes > 0 {
-                let chunk = self.inner.copy_chunk_bytes.unwrap_or(bytes as u64);
-                let regions: Vec<vk::BufferCopy> = (0..bytes as u64)
-                    .step_by(chunk as usize)
-                    .map(|o| vk::BufferCopy { src_offset: o, dst_offset: o, size: chunk.min(bytes as u64 - o) })
-                    .collect();
-                dev.cmd_copy_buffer(cmd, src.buffer(), dst.buffer, &regions);
-            }
-        }
+        };
         let waits: Vec<VulkanPoint> = after.copied().into_iter().collect();
-        let point = self.end_and_submit(&mut st, Timeline::Copy, pool, cmd, &waits, &purpose)?;
+        let point = match self.inner.split.is_some() {
+            false => {
+                let (pool, cmd) = self.begin(Timeline::Copy, &purpose)?;
+                record_poison(cmd);
+                record_copy(cmd, 0, bytes as u64);
+                self.end_and_submit(&mut st, Timeline::Copy, pool, cmd, &waits, &purpose)?
+            }
+            true => {
+                let (pool, first) = self.begin(Timeline::Copy, &purpose)?;
+                let (_, second) = match self.begin(Timeline::Copy, &purpose) {
+                    Ok(x) => x,
+                    Err(e) => {
+                        // SAFETY: never submitted.
+                        unsafe { dev.free_command_buffers(pool, &[first]) };
+                        return Err(e);
+                    }
+                };
+                let half = (bytes as u64 / 2) & !3;
+                record_poison(first);
+                record_copy(first, 0, half);
+                record_copy(second, half, bytes as u64);
+                // SAFETY: both were begun by `begin` and recorded above.
+                let ended = unsafe { dev.end_command_buffer(first).and_then(|()| dev.end_command_buffer(second)) };
+                if let Err(e) = ended {
+                    // SAFETY: never submitted.
+                    unsafe { dev.free_command_buffers(pool, &[first, second]) };
+                    return Err(vk_err("vkEndCommandBuffer", &purpose, e));
+                }
+                // SAFETY: recorded primary command buffers of the copy queue's family.
+                let p = unsafe { self.submit_split_locked(&mut st, first, second, &waits, checking, &purpose) }?;
+                st.pending.push((pool, first, Timeline::Copy, p.value));
+                st.pending.push((pool, second, Timeline::Copy, p.value));
+                p
+            }
+        };
         src.used_until(point.value);
         if let Some(t) = st.slots.get_mut(&dst.id) {
             t.last_copy = Some(point.value);

@@ -5,9 +5,11 @@
 //! slot, which submission read it) catches a broken ring even where the device
 //! runs every submission in order on one queue (lavapipe).
 //!
-//! Two rows: `vulkan` (host buffers the driver allocates) and `vulkan-import` (the
+//! Three rows: `vulkan` (host buffers the driver allocates), `vulkan-import` (the
 //! store's own pages imported with `VK_EXT_external_memory_host`; skipped on a
-//! device without the extension).
+//! device without the extension) and `vulkan-split` (each copy in two halves on two
+//! queues of the copy family, or twice on the copy queue where it has one queue, as
+//! on lavapipe).
 
 use crate::harness::{CaseError, Harness, ModelCase, Outcome};
 use crate::model::{ModelShape, TestModel, SEED};
@@ -19,18 +21,29 @@ use std::sync::Arc;
 /// Rounds the fold's spin runs on every fourth fold (a late read).
 pub const SPIN_ROUNDS: u32 = 200_000;
 
-/// Vulkan on the first device with a compute queue; with `IMPORT`, host buffers
-/// are the store's own pages imported into Vulkan.
-pub struct VulkanRow<const IMPORT: bool>;
+/// Vulkan on the first device with a compute queue, opened as `MODE` says:
+/// [`PLAIN`], [`IMPORT`] (host buffers are the store's own pages imported into
+/// Vulkan) or [`SPLIT`] (copies in two halves).
+pub struct VulkanRow<const MODE: u8>;
+/// Host buffers allocated by the driver, one submission a copy.
+pub const PLAIN: u8 = 0;
+/// Host pages imported.
+pub const IMPORT: u8 = 1;
+/// Copies split in two halves.
+pub const SPLIT: u8 = 2;
 /// The `vulkan` row: host buffers allocated by the driver.
-pub type Vulkan = VulkanRow<false>;
+pub type Vulkan = VulkanRow<PLAIN>;
 /// The `vulkan-import` row: host pages imported (`VK_EXT_external_memory_host`).
-pub type VulkanImport = VulkanRow<true>;
+pub type VulkanImport = VulkanRow<IMPORT>;
+/// The `vulkan-split` row: every copy in two halves ([`VulkanOptions::split_copies`]).
+pub type VulkanSplit = VulkanRow<SPLIT>;
 
-fn open(import: bool) -> std::result::Result<VulkanBackend, CaseError> {
+fn open(mode: u8) -> std::result::Result<VulkanBackend, CaseError> {
     let validation = std::env::var("OFFLOAD_VULKAN_VALIDATION").map_or(true, |v| v != "0");
+    let import = mode == IMPORT;
     let host_memory = if import { HostMemory::Imported } else { HostMemory::Allocated };
-    match VulkanBackend::with_options(&VulkanOptions { validation, host_memory, ..Default::default() }) {
+    let options = VulkanOptions { validation, host_memory, split_copies: mode == SPLIT, ..Default::default() };
+    match VulkanBackend::with_options(&options) {
         // lavapipe (CI's device) and NVIDIA's driver (the runner's) offer the
         // extension: there a fallback is a failure.
         Ok(b)
@@ -63,13 +76,17 @@ fn validation(b: &VulkanBackend) -> Result<()> {
     }
 }
 
-impl<const IMPORT: bool> Harness for VulkanRow<IMPORT> {
+impl<const MODE: u8> Harness for VulkanRow<MODE> {
     type B = VulkanBackend;
     type Acc = FoldKernel;
-    const NAME: &'static str = if IMPORT { "vulkan-import" } else { "vulkan" };
+    const NAME: &'static str = match MODE {
+        IMPORT => "vulkan-import",
+        SPLIT => "vulkan-split",
+        _ => "vulkan",
+    };
 
     fn backend() -> std::result::Result<VulkanBackend, CaseError> {
-        open(IMPORT)
+        open(MODE)
     }
     fn new_acc(b: &VulkanBackend) -> Result<FoldKernel> {
         Ok(FoldKernel::new(b, SEED as u32)?.spin_every(4, SPIN_ROUNDS))
@@ -103,13 +120,13 @@ impl<const IMPORT: bool> Harness for VulkanRow<IMPORT> {
         b.counters().syncs
     }
     fn model_cases() -> Vec<ModelCase> {
-        match IMPORT {
-            false => vec![ModelCase { name: "user_signal_release", invariant: "1,2,6", run: user_signal_release::<false> }],
-            true => vec![
-                ModelCase { name: "user_signal_release", invariant: "1,2,6", run: user_signal_release::<true> },
-                ModelCase { name: "host_pages_imported", invariant: "store", run: host_pages_imported },
-            ],
+        let mut cases = vec![ModelCase { name: "user_signal_release", invariant: "1,2,6", run: user_signal_release::<MODE> }];
+        match MODE {
+            IMPORT => cases.push(ModelCase { name: "host_pages_imported", invariant: "store", run: host_pages_imported }),
+            SPLIT => cases.push(ModelCase { name: "copies_split", invariant: "1,6", run: copies_split }),
+            _ => {}
         }
+        cases
     }
 }
 
@@ -117,7 +134,7 @@ impl<const IMPORT: bool> Harness for VulkanRow<IMPORT> {
 /// (`VulkanHost::is_imported`), holding the block's bytes, and the buffers are
 /// freed cleanly after a streamed step (validation on).
 fn host_pages_imported() -> Outcome {
-    let b = open(true)?;
+    let b = open(IMPORT)?;
     let model = TestModel::random(&ModelShape { stacks: vec![3, 2], ..Default::default() }, 977);
     let store = Arc::new(HostStore::build(&b, &model.inventory, &model.tensors)?);
     for (i, blk) in store.blocks().iter().enumerate() {
@@ -148,16 +165,16 @@ fn host_pages_imported() -> Outcome {
 /// submission signals (`BlockGuard::finish_after`), not after an event the backend
 /// records; three steps at depths 1 and 2 equal the host reference, with no
 /// protocol violation and no validation error.
-fn user_signal_release<const IMPORT: bool>() -> Outcome {
+fn user_signal_release<const MODE: u8>() -> Outcome {
     for depth in [1, 2] {
-        let b = open(IMPORT)?;
+        let b = open(MODE)?;
         let model = TestModel::random(&ModelShape { stacks: vec![4, 3], ..Default::default() }, 131 + depth as u64);
         let store = Arc::new(HostStore::build(&b, &model.inventory, &model.tensors)?);
         let plan = resolve(&Plan::layerwise().prefetch_depth(depth), std::slice::from_ref(&model.inventory))?;
         let mut ring = Ring::new(b.clone(), store, &plan.components[0])?;
         let order: Vec<usize> = (0..model.len()).collect();
         for step in 0..3 {
-            let mut acc = VulkanRow::<IMPORT>::new_acc(&b)?;
+            let mut acc = VulkanRow::<MODE>::new_acc(&b)?;
             for &i in &order {
                 let g = ring.block_at(i)?;
                 let waits: Vec<_> = g.wait_token().into_iter().copied().collect();
@@ -165,14 +182,52 @@ fn user_signal_release<const IMPORT: bool>() -> Outcome {
                 let signal = acc.fold(g.slot(), g.layout().bytes, &waits)?;
                 g.finish_after(signal)?;
             }
-            let got = VulkanRow::<IMPORT>::read(&b, &acc)?;
-            let want = VulkanRow::<IMPORT>::reference(&model, &order);
+            let got = VulkanRow::<MODE>::read(&b, &acc)?;
+            let want = VulkanRow::<MODE>::reference(&model, &order);
             crate::ensure!(got == want, "d={depth} step {step}: {got:#x} differs from the host reference {want:#x}");
             ring.end_step()?;
         }
         ring.close()?;
-        let v = VulkanRow::<IMPORT>::violations(&b);
+        let v = VulkanRow::<MODE>::violations(&b);
         crate::ensure!(v.is_empty(), "d={depth}: {} violation(s), first: {}", v.len(), v[0]);
     }
+    Ok(())
+}
+
+/// With split copies every copy of a streamed step goes in two halves (the
+/// counters say so) and the folds still equal the host reference, with no
+/// protocol violation and no validation error; on NVIDIA's driver the halves run
+/// on two queues of the transfer family.
+fn copies_split() -> Outcome {
+    let b = open(SPLIT)?;
+    let queues = b.split_copy_queues();
+    crate::ensure!(queues.is_some(), "split copies asked for, but the backend does not split");
+    if b.device_name().contains("NVIDIA") {
+        crate::ensure!(queues == Some(2), "{}: split copies on {queues:?} queue(s), not the transfer family's two", b.device_name());
+    }
+    let model = TestModel::random(&ModelShape { stacks: vec![3, 2], ..Default::default() }, 991);
+    let store = Arc::new(HostStore::build(&b, &model.inventory, &model.tensors)?);
+    let plan = resolve(&Plan::layerwise().prefetch_depth(2), std::slice::from_ref(&model.inventory))?;
+    let mut ring = Ring::new(b.clone(), store, &plan.components[0])?;
+    let order: Vec<usize> = (0..model.len()).collect();
+    let before = b.counters();
+    for step in 0..2 {
+        let mut acc = VulkanSplit::new_acc(&b)?;
+        for &i in &order {
+            let g = ring.block_at(i)?;
+            let waits: Vec<_> = g.wait_token().into_iter().copied().collect();
+            let signal = acc.fold(g.slot(), g.layout().bytes, &waits)?;
+            g.finish_after(signal)?;
+        }
+        let (got, want) = (VulkanSplit::read(&b, &acc)?, VulkanSplit::reference(&model, &order));
+        crate::ensure!(got == want, "step {step}: {got:#x} differs from the host reference {want:#x}");
+        ring.end_step()?;
+    }
+    ring.close()?;
+    let c = b.counters();
+    let (copies, split) = (c.copies - before.copies, c.split_copies - before.split_copies);
+    crate::ensure!(copies > 0 && split == copies, "{split} of {copies} copies split");
+    let v = VulkanSplit::violations(&b);
+    crate::ensure!(v.is_empty(), "{} violation(s), first: {}", v.len(), v[0]);
     Ok(())
 }

@@ -20,6 +20,8 @@ offload_tests::conformance_tests!(tch_cuda, offload_tests::tch_harness::TchCuda)
 offload_tests::conformance_tests!(vulkan, offload_tests::vulkan_harness::Vulkan);
 #[cfg(feature = "vulkan")]
 offload_tests::conformance_tests!(vulkan_import, offload_tests::vulkan_harness::VulkanImport);
+#[cfg(feature = "vulkan")]
+offload_tests::conformance_tests!(vulkan_split, offload_tests::vulkan_harness::VulkanSplit);
 
 /// The Vulkan row's sabotage table: every break caught on this machine's device
 /// (lavapipe in CI).
@@ -34,6 +36,13 @@ fn vulkan_sabotage() {
 #[test]
 fn vulkan_import_sabotage() {
     sabotage_caught::<offload_tests::vulkan_harness::VulkanImport>();
+}
+
+/// The same with every copy in two halves.
+#[cfg(feature = "vulkan")]
+#[test]
+fn vulkan_split_sabotage() {
+    sabotage_caught::<offload_tests::vulkan_harness::VulkanSplit>();
 }
 
 #[cfg(feature = "vulkan")]
@@ -121,4 +130,10 @@ fn vulkan_backend_cases() {
 #[test]
 fn vulkan_import_backend_cases() {
     backend_cases::<offload_tests::vulkan_harness::VulkanImport>(2);
+}
+
+#[cfg(feature = "vulkan")]
+#[test]
+fn vulkan_split_backend_cases() {
+    backend_cases::<offload_tests::vulkan_harness::VulkanSplit>(2);
 }

@@ -13,7 +13,7 @@ cargo xtask <command>
                             fetches libtorch 2.11 (PyPI wheels, cached in ~/.cache/offload) unless LIBTORCH is set
   demo [--cpu] [-- ARGS]    the main job: a Flux-shaped candle model streamed block by block (the GPU
                             where nvidia-smi lists one, else candle's CPU device)
-  conformance [--backend sim|sim-coded|cuda|cuda-coded|candle|tch|tch-cuda|vulkan|vulkan-import|all]
+  conformance [--backend sim|sim-coded|cuda|cuda-coded|candle|tch|tch-cuda|vulkan|vulkan-import|vulkan-split|all]
                             the conformance table, cases x backends
   lint                      cargo fmt --check, clippy -D warnings, tidy
   bench [--backend sim]     host-side cost per block and planner speed (criterion); writes bench/results/<date>-sim-host-cost.json
@@ -169,11 +169,11 @@ fn conformance(args: &[String]) -> Result<(), String> {
     let mut c = cargo();
     // The dev profile (optimised dependencies): shares its build with `cargo test`.
     c.args(["run", "-q", "-p", "offload-tests", "--bin", "conformance"]);
-    // Rows to features: `vulkan-import` and `cuda-coded` are second rows of their features.
+    // Rows to features: `vulkan-import`, `vulkan-split` and `cuda-coded` are more rows of their features.
     let mut features: Vec<&str> = backend
         .split(',')
         .map(|b| match b {
-            "vulkan-import" => "vulkan",
+            "vulkan-import" | "vulkan-split" => "vulkan",
             "cuda-coded" => "cuda",
             b => b,
         })
@@ -560,7 +560,7 @@ fn ci() -> Result<(), String> {
     c.args(["run", "-q", "--example", "flux_demo", "--features", "candle", "--"]);
     c.args(["--hidden", "128", "--double", "2", "--single", "3", "--res", "128", "--steps", "2", "--depth", "2"]);
     run(c)?;
-    conformance(&["--backend".into(), "sim,candle,tch,cuda,vulkan".into()])
+    conformance(&["--backend".into(), "sim,candle,tch,cuda,vulkan,vulkan-split".into()])
 }
 
 fn main() {

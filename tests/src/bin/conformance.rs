@@ -29,6 +29,8 @@ fn suite(backend: &str) -> Option<Row> {
         "vulkan" => Some(run_suite::<offload_tests::vulkan_harness::Vulkan>()),
         #[cfg(feature = "vulkan")]
         "vulkan-import" => Some(run_suite::<offload_tests::vulkan_harness::VulkanImport>()),
+        #[cfg(feature = "vulkan")]
+        "vulkan-split" => Some(run_suite::<offload_tests::vulkan_harness::VulkanSplit>()),
         _ => None,
     }
 }
@@ -53,6 +55,8 @@ fn sabotage(backend: &str) -> Option<Vec<SabotageOutcome>> {
         "vulkan" => Some(run_sabotage::<offload_tests::vulkan_harness::Vulkan>()),
         #[cfg(feature = "vulkan")]
         "vulkan-import" => Some(run_sabotage::<offload_tests::vulkan_harness::VulkanImport>()),
+        #[cfg(feature = "vulkan")]
+        "vulkan-split" => Some(run_sabotage::<offload_tests::vulkan_harness::VulkanSplit>()),
         _ => None,
     }
 }
@@ -107,7 +111,9 @@ fn main() {
     while i < args.len() {
         match (args[i].as_str(), args.get(i + 1)) {
             ("--backend", Some(b)) if b == "all" => {
-                backends = ["sim", "sim-coded", "cuda", "cuda-coded", "candle", "tch", "vulkan", "vulkan-import"].map(String::from).to_vec()
+                backends = ["sim", "sim-coded", "cuda", "cuda-coded", "candle", "tch", "vulkan", "vulkan-import", "vulkan-split"]
+                    .map(String::from)
+                    .to_vec()
             }
             ("--backend", Some(b)) => backends = b.split(',').map(String::from).collect(),
             ("--json", Some(p)) => json = Some(p.clone()),

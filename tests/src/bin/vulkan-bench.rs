@@ -1,6 +1,6 @@
 //! `vulkan-bench --out PATH [--commit C] [--blocks N] [--block-mib M] [--steps S]
 //! [--host-cached] [--copy-queue transfer|second-compute|compute] [--copy-chunk-mib C]
-//! [--host-memory allocated|imported]`:
+//! [--host-memory allocated|imported] [--split-copies]`:
 //! the Vulkan backend on this machine's GPU, one process's run.
 //!
 //! - Transfer bandwidth: every block copied from host-visible memory into one slot
@@ -92,10 +92,17 @@ fn run() -> Res<()> {
             Some("imported") => offload_vulkan::HostMemory::Imported,
             Some(other) => return Err(format!("--host-memory {other}: allocated or imported")),
         },
+        split_copies: args.iter().any(|a| a == "--split-copies"),
         ..Default::default()
     };
     let vk = VulkanBackend::with_options(&options).map_err(|e| e.to_string())?;
-    eprintln!("vulkan device: {} (transfer queue: {}, host memory: {:?})", vk.device_name(), vk.has_transfer_queue(), vk.host_memory());
+    eprintln!(
+        "vulkan device: {} (transfer queue: {}, host memory: {:?}, split copies on {:?} queue(s))",
+        vk.device_name(),
+        vk.has_transfer_queue(),
+        vk.host_memory(),
+        vk.split_copy_queues()
+    );
     let t0 = Instant::now();
     let store = Arc::new(HostStore::build(&vk, &inventory, &tensors).map_err(|e| e.to_string())?);
     eprintln!("host store: {:.1} GiB in {:.1} s", total / (1u64 << 30) as f64, t0.elapsed().as_secs_f64());
@@ -184,7 +191,7 @@ fn run() -> Res<()> {
     let doc = serde_json::json!({
         "date": std::env::var("BENCH_DATE").unwrap_or_default(), "commit": commit, "gpu": vk.device_name(),
         "backend": "vulkan", "model": format!("{blocks} blocks of {mib} MiB (random bytes), spin + fold per block"),
-        "options": {"copy_queue": format!("{:?}", options.copy_queue), "copy_family": vk.copy_family(), "host_cached": options.host_cached, "copy_chunk_bytes": options.copy_chunk_bytes, "host_memory": format!("{:?}", vk.host_memory())},
+        "options": {"copy_queue": format!("{:?}", options.copy_queue), "copy_family": vk.copy_family(), "host_cached": options.host_cached, "copy_chunk_bytes": options.copy_chunk_bytes, "host_memory": format!("{:?}", vk.host_memory()), "split_copy_queues": vk.split_copy_queues()},
         "bandwidth_gbps": bandwidth / 1e9, "cuda_bandwidth_gbps": cuda_bandwidth.map(|b| b / 1e9),
         "bandwidth_ratio_to_cuda": cuda_bandwidth.map(|c| bandwidth / c), "cases": cases,
     });

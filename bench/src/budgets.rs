@@ -86,6 +86,15 @@ pub fn merge_budgets(runs: &[RunDoc], min_repeats: usize) -> Result<Vec<Value>, 
             spread(&each(&|b| b.step_resident_s)).ok_or_else(|| format!("{at}: no finite resident step"))?,
         );
         let weights = per.iter().map(|b| b.weights_device_bytes).max().unwrap_or(0);
+        // Each run's bound under its choice, max(resident step, streamed bytes ÷ the
+        // run's bandwidth), and its step over it (where the run measured a bandwidth).
+        let bounds: Vec<f64> = per
+            .iter()
+            .filter(|b| b.bandwidth_gbps > 0.0)
+            .map(|b| b.step_resident_s.max(b.streamed_bytes as f64 / (b.bandwidth_gbps * 1e9)))
+            .collect();
+        let ratios: Vec<f64> = medians.iter().zip(&bounds).map(|(m, b)| m / b).collect();
+        let spread_json = |xs: &[f64]| spread(xs).map_or(Value::Null, |sp| json!({"median": sp.median, "min": sp.min, "max": sp.max}));
         // A budget run is a timing of a correct step within its budget, or nothing.
         if let Some(b) = per.iter().find(|b| !b.bitwise_equal) {
             return Err(format!("{at}: a run's output (d={}, {} blocks resident) differs from resident", b.depth, b.resident_blocks.len()));
@@ -104,6 +113,7 @@ pub fn merge_budgets(runs: &[RunDoc], min_repeats: usize) -> Result<Vec<Value>, 
             "predicted_step_s": p.median, "predicted_step_s_min": p.min, "predicted_step_s_max": p.max,
             "prediction_error": s.median / p.median - 1.0,
             "step_resident_s": r.median, "step_resident_s_min": r.min, "step_resident_s_max": r.max,
+            "bound_s": spread_json(&bounds), "ratio_to_bound": if bounds.len() == per.len() { spread_json(&ratios) } else { Value::Null },
             "weights_device_bytes": weights, "weights_within_budget": weights <= budget,
             "bitwise_equal": per.iter().all(|b| b.bitwise_equal), "misses": per.iter().map(|b| b.misses).sum::<u64>(),
             "steps_streamed_s_per_run": medians,
@@ -148,6 +158,17 @@ mod tests {
         assert_eq!(b[0]["same_choice_every_run"], false);
         assert_eq!(b[0]["weights_within_budget"], true);
         assert_eq!(b[0]["resident_block_count_per_run"], serde_json::json!([1, 1, 1]));
+        // Bounds per run: max(0.2 s resident, 11 GB ÷ 55 GB/s = 0.2 s; 5.5 GB: 0.1 s).
+        let mut bw = runs.clone();
+        for (r, bytes) in bw.iter_mut().zip([11_000_000_000u64, 11_000_000_000, 5_500_000_000]) {
+            r.budgets[0].bandwidth_gbps = 55.0;
+            r.budgets[0].streamed_bytes = bytes;
+        }
+        let b2 = merge_budgets(&bw, 3).unwrap();
+        assert!((b2[0]["bound_s"]["median"].as_f64().unwrap() - 0.2).abs() < 1e-12, "{}", b2[0]);
+        assert!((b2[0]["ratio_to_bound"]["max"].as_f64().unwrap() - 0.32 / 0.2).abs() < 1e-12, "{}", b2[0]);
+        assert!((b2[0]["ratio_to_bound"]["min"].as_f64().unwrap() - 0.30 / 0.2).abs() < 1e-12, "{}", b2[0]);
+        assert_eq!(b[0]["ratio_to_bound"], Value::Null, "no bandwidth measured: no ratio");
         assert!(merge_budgets(&runs[..2], 3).unwrap_err().contains("2 process runs"));
         assert!(merge_budgets(&[RunDoc::default()], 3).unwrap().is_empty());
     }

@@ -150,6 +150,9 @@ pub struct Net<'m> {
     ones: Tensor,
     zeros: Tensor,
     dev: Device,
+    /// While calibrating: each block's compute time of the step, seconds, in step
+    /// order (the device synchronised before and after the block).
+    timer: std::cell::RefCell<Option<Vec<f64>>>,
 }
 
 impl<'m> Net<'m> {
@@ -179,7 +182,17 @@ impl<'m> Net<'m> {
             ),
             false => None,
         };
-        Ok(Net { model, sd3: is_sd3(model), z_image, names: dual_names(model), globals, ones, zeros, dev: dev.clone() })
+        Ok(Net {
+            model,
+            sd3: is_sd3(model),
+            z_image,
+            names: dual_names(model),
+            globals,
+            ones,
+            zeros,
+            dev: dev.clone(),
+            timer: std::cell::RefCell::new(None),
+        })
     }
 
     /// Random inputs of `case` (seeded by its resolution) and the rotary tables.
@@ -432,7 +445,7 @@ impl<'m> Net<'m> {
         let table = get(g, emb).map_err(err)?;
         let mut x = candle_nn::Embedding::new(table.clone(), self.model.hidden).forward(ids).map_err(err)?;
         let mut bias = None;
-        each_block(self.model, ring.as_deref_mut(), direct, |s, _, w| {
+        each_block(self.model, (&self.timer, &self.dev), ring.as_deref_mut(), direct, |s, _, w| {
             x = match s.kind {
                 BlockKind::T5 => self.t5(w, &x, &mut bias).map_err(err)?,
                 _ => self.decoder(w, &x, i).map_err(err)?,
@@ -466,7 +479,7 @@ impl<'m> Net<'m> {
         let (adaln, mut x, mut cap) = prelude().map_err(err)?;
         let n = x.dim(1).map_err(err)?;
         let mut unified: Option<Tensor> = None;
-        each_block(self.model, ring.as_deref_mut(), direct, |s, _, w| {
+        each_block(self.model, (&self.timer, &self.dev), ring.as_deref_mut(), direct, |s, _, w| {
             match s.prefix {
                 "noise_refiner" => x = self.z_image_block(w, &x, &adaln, 0, i).map_err(err)?,
                 "context_refiner" => cap = self.z_image_block(w, &cap, &adaln, n, i).map_err(err)?,
@@ -493,6 +506,36 @@ impl<'m> Net<'m> {
             r.end_step()?;
         }
         Ok(out)
+    }
+
+    /// Per-block compute times of `steps` resident steps over `direct`, each
+    /// block timed between device synchronisations (kept out of the timed steps),
+    /// the median per block: the planner's calibration.
+    pub fn calibrate<B>(&self, direct: &[W], i: &Inputs, steps: usize) -> offload_core::Result<Vec<f64>>
+    where
+        B: OffloadBackend,
+        for<'a> BlockGuard<'a, B>: CandleBlockExt,
+    {
+        let mut per_step = Vec::new();
+        for _ in 0..steps.max(1) {
+            *self.timer.borrow_mut() = Some(Vec::new());
+            let r = self.step::<B>(None, Some(direct), i);
+            let times = self.timer.borrow_mut().take().unwrap_or_default();
+            r?;
+            per_step.push(times);
+        }
+        let n = per_step[0].len();
+        if per_step.iter().any(|t| t.len() != n) {
+            return Err(offload_core::Error::Protocol("calibration: the steps timed different block counts".into()));
+        }
+        (0..n)
+            .map(|j| {
+                let xs: Vec<f64> = per_step.iter().map(|t| t[j]).collect();
+                crate::harness::spread(&xs)
+                    .map(|sp| sp.median)
+                    .ok_or_else(|| offload_core::Error::Protocol(format!("calibration: block {j} timed {xs:?}")))
+            })
+            .collect()
     }
 
     /// Every block's weights straight from `src` on the device, in step order:
@@ -561,7 +604,7 @@ impl<'m> Net<'m> {
         };
         let (temb, mut img, mut txt) = prelude().map_err(err)?;
         let mut joint: Option<Tensor> = None;
-        each_block(self.model, ring.as_deref_mut(), direct, |s, index, w| {
+        each_block(self.model, (&self.timer, &self.dev), ring.as_deref_mut(), direct, |s, index, w| {
             match s.kind {
                 BlockKind::DualStream if self.sd3 => (img, txt) = self.sd3_joint(w, &img, &txt, &temb).map_err(err)?,
                 BlockKind::DualStream => (img, txt) = self.dual(w, &img, &txt, &temb, i).map_err(err)?,
@@ -598,6 +641,7 @@ impl<'m> Net<'m> {
 /// dropped), or `direct`'s resident copies.
 fn each_block<B>(
     model: &Model,
+    (timer, dev): (&std::cell::RefCell<Option<Vec<f64>>>, &Device),
     mut ring: Option<&mut Ring<B>>,
     direct: Option<&[W]>,
     mut f: impl FnMut(&crate::registry::Stack, usize, &W) -> offload_core::Result<()>,
@@ -628,7 +672,19 @@ where
                 (None, None) => return Err(offload_core::Error::Protocol("a step needs a ring or direct weights".into())),
             };
             k += 1;
+            let timing = timer.borrow().is_some();
+            let sync = || dev.synchronize().map_err(candle_error("synchronising a calibration step"));
+            if timing {
+                sync()?;
+            }
+            let t = std::time::Instant::now();
             f(s, index, &w)?;
+            if timing {
+                sync()?;
+                if let Some(times) = timer.borrow_mut().as_mut() {
+                    times.push(t.elapsed().as_secs_f64());
+                }
+            }
             drop(w);
             if let Some(g) = guard {
                 g.finish()?;
@@ -681,6 +737,25 @@ pub fn check_cpu(model: &Model) -> offload_core::Result<CpuCheck> {
     let ((rb, _), (sb, sv)) = (output(&resident)?, output(&streamed)?);
     let (finite, nonconstant) = check_output(&sv);
     Ok(CpuCheck { bitwise_equal: rb == sb, finite, nonconstant, blocks, block_payload_bytes })
+}
+
+/// The budget runs' calibration of `model` on candle's CPU device: per-block
+/// compute times of `steps` resident steps (what `run --budgets` gives the planner
+/// on the GPU), one per block in step order.
+pub fn calibrate_cpu(model: &Model, steps: usize) -> offload_core::Result<Vec<f64>> {
+    let be = CandleBackend::cpu();
+    let src = RegistrySource::new(model, 0);
+    let net = Net::new(model, &src, &be.device())?;
+    let case = model.cases.first().ok_or_else(|| offload_core::Error::Protocol("the model has no case".into()))?;
+    let i = net.inputs(case)?;
+    let direct = net.direct_weights(&src)?;
+    let times = net.calibrate::<CandleBackend>(&direct, &i, steps)?;
+    // Timing is off again: a later step records nothing.
+    net.step::<CandleBackend>(None, Some(&direct), &i)?;
+    if net.timer.borrow().is_some() {
+        return Err(offload_core::Error::Protocol("calibration left the block timer on".into()));
+    }
+    Ok(times)
 }
 
 /// Build `model`'s host store (random bf16, pinned) on GPU 0, time every case
@@ -738,7 +813,10 @@ pub fn run(model: &Model, opts: &crate::harness::RunOptions) -> Result<crate::ha
         times: Vec<f64>,
         out: Vec<u8>,
         activations: u64,
+        /// With `--budgets`: the planner's cost model (per-block compute timed here).
+        cost: Option<offload_plan::CostModel>,
     }
+    let gpu = cuda.device_name().unwrap_or_default();
     let mut resident = Vec::new();
     {
         let direct = net.direct_weights(&src).map_err(e)?;
@@ -751,11 +829,35 @@ pub fn run(model: &Model, opts: &crate::harness::RunOptions) -> Result<crate::ha
             let activations = cuda.pool_used_bytes().map_err(e)?.1.saturating_sub(before);
             let (out, _) = output(&rout).map_err(e)?;
             eprintln!("{} {}: resident step {:.4} s, activations {:.2} GiB", model.name, c.name, median(&times), gib(activations));
-            resident.push(Resident { times, out, activations });
+            // The budget runs' calibration: three more resident steps, each block's
+            // compute timed between device synchronisations, in step order.
+            let cost = match opts.budgets_gib.is_empty() {
+                true => None,
+                false => {
+                    let compute = net.calibrate::<CandleCudaBackend>(&direct, &i, 3).map_err(e)?;
+                    let bytes: std::collections::HashMap<String, u64> =
+                        store.blocks().iter().map(|b| (b.id.to_string(), b.bytes() as u64)).collect();
+                    let ids = model.stacks.iter().flat_map(|s| (0..s.count).map(move |k| format!("{}.{k}", s.prefix)));
+                    let blocks: Vec<offload_plan::BlockCost> = ids
+                        .zip(&compute)
+                        .map(|(id, &t)| match bytes.get(&id) {
+                            Some(&b) => Ok(offload_plan::BlockCost::new(id, b, t)),
+                            None => Err(format!("candle: calibration: block {id} is not in the store")),
+                        })
+                        .collect::<Result<_, _>>()?;
+                    if blocks.len() != store.blocks().len() {
+                        return Err(format!("candle: calibration timed {} blocks of {}", blocks.len(), store.blocks().len()));
+                    }
+                    let source = format!("{gpu}, {} {}, resident steps of zoo run --backend candle", model.name, c.name);
+                    Some(offload_plan::CostModel { bandwidth_bytes_per_s: bandwidth, blocks, non_block_bytes: 0, source })
+                }
+            };
+            resident.push(Resident { times, out, activations, cost });
         }
     }
     sync()?;
     let mut out_cases = Vec::new();
+    let (mut budget_runs, mut calibrations) = (Vec::new(), Vec::new());
     for (c, r) in cases.iter().zip(&resident) {
         let i = net.inputs(c).map_err(e)?;
         let (rtimes, rbytes, activations) = (&r.times, &r.out, r.activations);
@@ -803,8 +905,72 @@ pub fn run(model: &Model, opts: &crate::harness::RunOptions) -> Result<crate::ha
                 ..RunCase::head(model, c, d)
             });
         }
+        let Some(cost) = &r.cost else { continue };
+        for &budget_gib in &opts.budgets_gib {
+            let budget = (budget_gib * (1u64 << 30) as f64) as u64;
+            let at = format!("candle: {} {} budget {budget_gib} GiB", model.name, c.name);
+            let choice = offload_plan::plan(cost, budget, 1, offload_core::ResidentPolicy::Auto).map_err(|x| format!("{at}: {x}"))?;
+            let plan = Plan::layerwise().component("transformer", choice.component_plan(cost, budget));
+            let rc = resolve(&plan, std::slice::from_ref(&inv)).map_err(e)?.components.remove(0);
+            cuda.synchronize().map_err(e)?;
+            be.reset_peak();
+            let mut ring = Ring::new(be.clone(), store.clone(), &rc).map_err(e)?;
+            if ring.depth() != choice.depth {
+                return Err(format!("{at}: the ring runs d={}, the planner chose d={}", ring.depth(), choice.depth));
+            }
+            let (times, out) = timed(&mut || net.step(Some(&mut ring), None, &i))?;
+            let weights = be.counters().peak_bytes;
+            let misses = ring.metrics().misses;
+            ring.close().map_err(e)?;
+            let (sbytes, sv) = output(&out).map_err(e)?;
+            let (finite, nonconstant) = check_output(&sv);
+            let resident_blocks: Vec<String> = choice.resident_ids(cost).into_iter().map(str::to_owned).collect();
+            // A budget run is a correct step within its budget, or an error.
+            if &sbytes != rbytes || !finite || !nonconstant {
+                return Err(format!(
+                    "{at}: the planner's choice ({} blocks resident, d={}) gave a wrong output: bitwise equal {}, finite {finite}, varied {nonconstant}",
+                    resident_blocks.len(),
+                    choice.depth,
+                    &sbytes == rbytes
+                ));
+            }
+            if weights > budget {
+                return Err(format!("{at}: {weights} bytes of weights on the device, over the budget"));
+            }
+            let step_s = median(&times);
+            eprintln!(
+                "{at}: {} resident, d={}, streamed {step_s:.4} s, predicted {:.4} s ({:+.1} %), bound {:.4} s, weights {:.2} GiB, misses {misses}",
+                resident_blocks.len(),
+                choice.depth,
+                choice.predicted_step_s,
+                (step_s / choice.predicted_step_s - 1.0) * 100.0,
+                median(rtimes).max(choice.streamed_bytes as f64 / bandwidth),
+                gib(weights)
+            );
+            budget_runs.push(crate::budgets::BudgetRun {
+                model: model.name.into(),
+                case: c.name.clone(),
+                budget_bytes: budget,
+                depth: choice.depth,
+                resident_blocks,
+                planned_device_bytes: choice.device_bytes,
+                streamed_bytes: choice.streamed_bytes,
+                predicted_step_s: choice.predicted_step_s,
+                step_streamed_s: step_s,
+                steps_streamed_s: times,
+                step_resident_s: median(rtimes),
+                bandwidth_gbps: bandwidth / 1e9,
+                weights_device_bytes: weights,
+                bitwise_equal: true,
+                misses,
+            });
+        }
+        calibrations.push(crate::budgets::Calibration { model: model.name.into(), case: c.name.clone(), cost: cost.clone() });
     }
-    Ok(RunDoc::new(opts, cuda.device_name().unwrap_or_default(), "candle", &facts, resident_bytes, out_cases))
+    let mut doc = RunDoc::new(opts, gpu, "candle", &facts, resident_bytes, out_cases);
+    doc.budgets = budget_runs;
+    doc.calibrations = calibrations;
+    Ok(doc)
 }
 
 #[cfg(test)]

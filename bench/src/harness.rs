@@ -19,7 +19,7 @@ pub struct RunOptions {
     /// Commit built.
     pub commit: String,
     /// Device budgets for weights, GiB: per case, the planner's choice under each,
-    /// calibrated from the resident run (`--budgets`; cuda's file only).
+    /// calibrated from the resident run (`--budgets`; cuda's and candle's files).
     pub budgets_gib: Vec<f64>,
     /// Where to write a Chrome trace of one extra streamed step with the ring's
     /// timeline on (`--trace`; cuda's file only).

@@ -27,3 +27,14 @@ fn candle_computes_every_registered_model_but_wan_and_the_vae() {
         assert_eq!(offload_bench::candle::computes(&m), !["wan2.1-t2v-14b", "flux-vae"].contains(&m.name), "{}", m.name);
     }
 }
+
+#[test]
+fn calibration_times_every_block_of_the_step() {
+    for m in registry::models().into_iter().filter(offload_bench::candle::computes) {
+        let tiny = registry::tiny(&m);
+        let blocks: usize = tiny.stacks.iter().map(|s| s.count).sum();
+        let t = offload_bench::candle::calibrate_cpu(&tiny, 2).unwrap_or_else(|e| panic!("{}: {e}", m.name));
+        assert_eq!(t.len(), blocks, "{}: one time per block", m.name);
+        assert!(t.iter().all(|&x| x.is_finite() && x > 0.0), "{}: {t:?}", m.name);
+    }
+}

@@ -19,7 +19,7 @@ fn bad_run_arguments_are_named_errors() {
         ),
         (
             &["--backend", "tch", "--model", "flux-dev", "--budgets", "8", "--out", "x"][..],
-            "--budgets is implemented by the cuda backend only",
+            "--budgets is implemented by the cuda and candle backends only, not by tch",
         ),
         (&["--model", "flux-dev", "--out"][..], "--out needs a value"),
     ] {

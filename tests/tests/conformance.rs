@@ -135,5 +135,5 @@ fn vulkan_import_backend_cases() {
 #[cfg(feature = "vulkan")]
 #[test]
 fn vulkan_split_backend_cases() {
-    backend_cases::<offload_tests::vulkan_harness::VulkanSplit>(2);
+    backend_cases::<offload_tests::vulkan_harness::VulkanSplit>(3);
 }

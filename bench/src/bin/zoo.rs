@@ -4,9 +4,9 @@
 //! zoo registry [--json F]                      the registry (names, shapes, references) as JSON
 //! zoo run --backend tch|candle|cuda --model M [--cases 1024,2048] [--blocks K] [--res R] [--depths 1] [--steps 5] [--warmup 1] [--commit C] --out F
 //!         [--budgets 8,12,16] [--trace F] [--no-gemm] [--coded]
-//!                                              one process run (needs a GPU); cuda only: --budgets (per case, the
-//!                                              planner's choice under each device budget in GiB, calibrated from
-//!                                              resident steps of this process), --trace (a Chrome trace of one extra
+//!                                              one process run (needs a GPU); cuda and candle: --budgets (per case,
+//!                                              the planner's choice under each device budget in GiB, calibrated from
+//!                                              resident steps of this process); cuda only: --trace (a Chrome trace of one extra
 //!                                              streamed step: first case, first depth), --no-gemm (GEMMs skipped:
 //!                                              sanitizer runs; merge refuses them), --coded (weights drawn normal;
 //!                                              every case also streamed from a store coded for the device)
@@ -130,12 +130,10 @@ fn run(args: &[String]) -> Result<(), String> {
             // The options only cuda's file implements: refused elsewhere, never ignored.
             let no_gemm = args.iter().any(|a| a == "--no-gemm");
             let coded = args.iter().any(|a| a == "--coded");
-            for (name, given) in [
-                ("--budgets", opt(args, "--budgets").is_some()),
-                ("--trace", opt(args, "--trace").is_some()),
-                ("--no-gemm", no_gemm),
-                ("--coded", coded),
-            ] {
+            if opt(args, "--budgets").is_some() && !matches!(backend, "cuda" | "candle") {
+                return Err(format!("--budgets is implemented by the cuda and candle backends only, not by {backend}"));
+            }
+            for (name, given) in [("--trace", opt(args, "--trace").is_some()), ("--no-gemm", no_gemm), ("--coded", coded)] {
                 if given && backend != "cuda" {
                     return Err(format!("{name} is implemented by the cuda backend only, not by {backend}"));
                 }

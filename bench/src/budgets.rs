@@ -43,6 +43,45 @@ pub struct BudgetRun {
     pub misses: u64,
 }
 
+impl BudgetRun {
+    /// The run of `choice` (made from `cost` under `budget`) at `model`'s `case`:
+    /// its timed steps, the same process's resident step and bandwidth (bytes a
+    /// second), the most weight bytes on the device, its misses; `bitwise_equal`
+    /// as checked by the caller.
+    #[allow(clippy::too_many_arguments)]
+    pub fn of_choice(
+        model: &str,
+        case: &str,
+        budget: u64,
+        choice: &offload_plan::Choice,
+        cost: &offload_plan::CostModel,
+        steps_streamed_s: Vec<f64>,
+        step_resident_s: f64,
+        bandwidth: f64,
+        weights_device_bytes: u64,
+        bitwise_equal: bool,
+        misses: u64,
+    ) -> Self {
+        BudgetRun {
+            model: model.into(),
+            case: case.into(),
+            budget_bytes: budget,
+            depth: choice.depth,
+            resident_blocks: choice.resident_ids(cost).into_iter().map(str::to_owned).collect(),
+            planned_device_bytes: choice.device_bytes,
+            streamed_bytes: choice.streamed_bytes,
+            predicted_step_s: choice.predicted_step_s,
+            step_streamed_s: crate::harness::median(&steps_streamed_s),
+            steps_streamed_s,
+            step_resident_s,
+            bandwidth_gbps: bandwidth / 1e9,
+            weights_device_bytes,
+            bitwise_equal,
+            misses,
+        }
+    }
+}
+
 /// The cost model the planner chose from at one case: per-block compute (the
 /// median over the resident calibration steps) and the measured bandwidth.
 #[derive(Clone, Debug, Serialize, Deserialize)]

@@ -924,12 +924,12 @@ pub fn run(model: &Model, opts: &crate::harness::RunOptions) -> Result<crate::ha
             ring.close().map_err(e)?;
             let (sbytes, sv) = output(&out).map_err(e)?;
             let (finite, nonconstant) = check_output(&sv);
-            let resident_blocks: Vec<String> = choice.resident_ids(cost).into_iter().map(str::to_owned).collect();
+            let resident_count = choice.resident.iter().filter(|r| **r).count();
             // A budget run is a correct step within its budget, or an error.
             if &sbytes != rbytes || !finite || !nonconstant {
                 return Err(format!(
                     "{at}: the planner's choice ({} blocks resident, d={}) gave a wrong output: bitwise equal {}, finite {finite}, varied {nonconstant}",
-                    resident_blocks.len(),
+                    resident_count,
                     choice.depth,
                     &sbytes == rbytes
                 ));
@@ -940,30 +940,26 @@ pub fn run(model: &Model, opts: &crate::harness::RunOptions) -> Result<crate::ha
             let step_s = median(&times);
             eprintln!(
                 "{at}: {} resident, d={}, streamed {step_s:.4} s, predicted {:.4} s ({:+.1} %), bound {:.4} s, weights {:.2} GiB, misses {misses}",
-                resident_blocks.len(),
+                resident_count,
                 choice.depth,
                 choice.predicted_step_s,
                 (step_s / choice.predicted_step_s - 1.0) * 100.0,
                 median(rtimes).max(choice.streamed_bytes as f64 / bandwidth),
                 gib(weights)
             );
-            budget_runs.push(crate::budgets::BudgetRun {
-                model: model.name.into(),
-                case: c.name.clone(),
-                budget_bytes: budget,
-                depth: choice.depth,
-                resident_blocks,
-                planned_device_bytes: choice.device_bytes,
-                streamed_bytes: choice.streamed_bytes,
-                predicted_step_s: choice.predicted_step_s,
-                step_streamed_s: step_s,
-                steps_streamed_s: times,
-                step_resident_s: median(rtimes),
-                bandwidth_gbps: bandwidth / 1e9,
-                weights_device_bytes: weights,
-                bitwise_equal: true,
+            budget_runs.push(crate::budgets::BudgetRun::of_choice(
+                model.name,
+                &c.name,
+                budget,
+                &choice,
+                cost,
+                times,
+                median(rtimes),
+                bandwidth,
+                weights,
+                true,
                 misses,
-            });
+            ));
         }
         calibrations.push(crate::budgets::Calibration { model: model.name.into(), case: c.name.clone(), cost: cost.clone() });
     }

@@ -370,14 +370,14 @@ pub fn run(model: &Model, opts: &RunOptions) -> Result<RunDoc, String> {
                     s.depth, s.step_bytes, choice.depth, choice.streamed_bytes
                 )));
             }
-            let resident_blocks: Vec<String> = choice.resident_ids(&cost).into_iter().map(str::to_owned).collect();
+            let resident_count = choice.resident.iter().filter(|r| **r).count();
             let step_s = median(&s.times);
             // A budget run is a correct step within its budget, or an error.
             let (finite, nonconstant) = check_output(&as_f32(&s.out));
             if s.out != rout || !finite || !nonconstant {
                 return Err(err(format!(
                     "{at}: the planner's choice ({} blocks resident, d={}) gave a wrong output: bitwise equal {}, finite {finite}, varied {nonconstant}",
-                    resident_blocks.len(),
+                    resident_count,
                     choice.depth,
                     s.out == rout
                 )));
@@ -387,7 +387,7 @@ pub fn run(model: &Model, opts: &RunOptions) -> Result<RunDoc, String> {
             }
             eprintln!(
                 "{at}: {} resident, d={}, streamed {step_s:.4} s, predicted {:.4} s ({:+.1} %), weights {:.2} GiB, bitwise_equal {}, misses {}",
-                resident_blocks.len(),
+                resident_count,
                 choice.depth,
                 choice.predicted_step_s,
                 (step_s / choice.predicted_step_s - 1.0) * 100.0,
@@ -395,23 +395,10 @@ pub fn run(model: &Model, opts: &RunOptions) -> Result<RunDoc, String> {
                 s.out == rout,
                 s.misses
             );
-            doc.budgets.push(BudgetRun {
-                model: model.name.into(),
-                case: c.name.clone(),
-                budget_bytes: budget,
-                depth: choice.depth,
-                resident_blocks,
-                planned_device_bytes: choice.device_bytes,
-                streamed_bytes: choice.streamed_bytes,
-                predicted_step_s: choice.predicted_step_s,
-                step_streamed_s: step_s,
-                steps_streamed_s: s.times,
-                step_resident_s: resident,
-                bandwidth_gbps: bandwidth / 1e9,
-                weights_device_bytes: s.weights,
-                bitwise_equal: s.out == rout,
-                misses: s.misses,
-            });
+            let equal = s.out == rout;
+            doc.budgets.push(BudgetRun::of_choice(
+                model.name, &c.name, budget, &choice, &cost, s.times, resident, bandwidth, s.weights, equal, s.misses,
+            ));
         }
         doc.calibrations.push(Calibration { model: model.name.into(), case: c.name.clone(), cost });
     }

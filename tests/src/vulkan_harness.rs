@@ -138,6 +138,31 @@ impl<const MODE: u8> Harness for VulkanRow<MODE> {
     }
 }
 
+/// One step of `ring` over every block in order: each block folded by `acc` on
+/// the compute queue after the block's wait token (which must be there), and
+/// released after the fold's own signal (`finish_after`); the fold then equals
+/// the host reference (`at` names the step in the error).
+fn fold_step<const MODE: u8>(
+    b: &VulkanBackend,
+    ring: &mut Ring<VulkanBackend>,
+    acc: &mut FoldKernel,
+    model: &TestModel,
+    at: &str,
+) -> Outcome {
+    let order: Vec<usize> = (0..model.len()).collect();
+    for &i in &order {
+        let g = ring.block_at(i)?;
+        let waits: Vec<_> = g.wait_token().into_iter().copied().collect();
+        crate::ensure!(!waits.is_empty(), "{at}: block {i} came without a wait token");
+        let signal = acc.fold(g.slot(), g.layout().bytes, &waits)?;
+        g.finish_after(signal)?;
+    }
+    let (got, want) = (VulkanRow::<MODE>::read(b, acc)?, VulkanRow::<MODE>::reference(model, &order));
+    crate::ensure!(got == want, "{at}: {got:#x} differs from the host reference {want:#x}");
+    ring.end_step()?;
+    Ok(())
+}
+
 /// With imported host memory every block's buffer is this process's pages
 /// (`VulkanHost::is_imported`), holding the block's bytes, and the buffers are
 /// freed cleanly after a streamed step (validation on).
@@ -151,17 +176,7 @@ fn host_pages_imported() -> Outcome {
     }
     let plan = resolve(&Plan::layerwise(), std::slice::from_ref(&model.inventory))?;
     let mut ring = Ring::new(b.clone(), store, &plan.components[0])?;
-    let mut acc = VulkanImport::new_acc(&b)?;
-    let order: Vec<usize> = (0..model.len()).collect();
-    for &i in &order {
-        let g = ring.block_at(i)?;
-        let waits: Vec<_> = g.wait_token().into_iter().copied().collect();
-        let signal = acc.fold(g.slot(), g.layout().bytes, &waits)?;
-        g.finish_after(signal)?;
-    }
-    let (got, want) = (VulkanImport::read(&b, &acc)?, VulkanImport::reference(&model, &order));
-    crate::ensure!(got == want, "{got:#x} differs from the host reference {want:#x}");
-    ring.end_step()?;
+    fold_step::<IMPORT>(&b, &mut ring, &mut VulkanImport::new_acc(&b)?, &model, "the step")?;
     ring.close()?;
     let v = VulkanImport::violations(&b);
     crate::ensure!(v.is_empty(), "{} violation(s), first: {}", v.len(), v[0]);
@@ -180,20 +195,8 @@ fn user_signal_release<const MODE: u8>() -> Outcome {
         let store = Arc::new(HostStore::build(&b, &model.inventory, &model.tensors)?);
         let plan = resolve(&Plan::layerwise().prefetch_depth(depth), std::slice::from_ref(&model.inventory))?;
         let mut ring = Ring::new(b.clone(), store, &plan.components[0])?;
-        let order: Vec<usize> = (0..model.len()).collect();
         for step in 0..3 {
-            let mut acc = VulkanRow::<MODE>::new_acc(&b)?;
-            for &i in &order {
-                let g = ring.block_at(i)?;
-                let waits: Vec<_> = g.wait_token().into_iter().copied().collect();
-                crate::ensure!(!waits.is_empty(), "block {i} came without a wait token");
-                let signal = acc.fold(g.slot(), g.layout().bytes, &waits)?;
-                g.finish_after(signal)?;
-            }
-            let got = VulkanRow::<MODE>::read(&b, &acc)?;
-            let want = VulkanRow::<MODE>::reference(&model, &order);
-            crate::ensure!(got == want, "d={depth} step {step}: {got:#x} differs from the host reference {want:#x}");
-            ring.end_step()?;
+            fold_step::<MODE>(&b, &mut ring, &mut VulkanRow::<MODE>::new_acc(&b)?, &model, &format!("d={depth} step {step}"))?;
         }
         ring.close()?;
         let v = VulkanRow::<MODE>::violations(&b);
@@ -217,19 +220,9 @@ fn copies_split() -> Outcome {
     let store = Arc::new(HostStore::build(&b, &model.inventory, &model.tensors)?);
     let plan = resolve(&Plan::layerwise().prefetch_depth(2), std::slice::from_ref(&model.inventory))?;
     let mut ring = Ring::new(b.clone(), store, &plan.components[0])?;
-    let order: Vec<usize> = (0..model.len()).collect();
     let before = b.counters();
     for step in 0..2 {
-        let mut acc = VulkanSplit::new_acc(&b)?;
-        for &i in &order {
-            let g = ring.block_at(i)?;
-            let waits: Vec<_> = g.wait_token().into_iter().copied().collect();
-            let signal = acc.fold(g.slot(), g.layout().bytes, &waits)?;
-            g.finish_after(signal)?;
-        }
-        let (got, want) = (VulkanSplit::read(&b, &acc)?, VulkanSplit::reference(&model, &order));
-        crate::ensure!(got == want, "step {step}: {got:#x} differs from the host reference {want:#x}");
-        ring.end_step()?;
+        fold_step::<SPLIT>(&b, &mut ring, &mut VulkanSplit::new_acc(&b)?, &model, &format!("step {step}"))?;
     }
     ring.close()?;
     let c = b.counters();
@@ -254,19 +247,9 @@ fn split_halves_at_once() -> Outcome {
         let store = Arc::new(HostStore::build(&b, &model.inventory, &model.tensors)?);
         let plan = resolve(&Plan::layerwise().prefetch_depth(depth), std::slice::from_ref(&model.inventory))?;
         let mut ring = Ring::new(b.clone(), store, &plan.components[0])?;
-        let order: Vec<usize> = (0..model.len()).collect();
         let before = b.counters();
         for step in 0..3 {
-            let mut acc = FoldKernel::new(&b, SEED as u32)?;
-            for &i in &order {
-                let g = ring.block_at(i)?;
-                let waits: Vec<_> = g.wait_token().into_iter().copied().collect();
-                let signal = acc.fold(g.slot(), g.layout().bytes, &waits)?;
-                g.finish_after(signal)?;
-            }
-            let (got, want) = (VulkanSplit::read(&b, &acc)?, VulkanSplit::reference(&model, &order));
-            crate::ensure!(got == want, "d={depth} step {step}: {got:#x} differs from the host reference {want:#x}");
-            ring.end_step()?;
+            fold_step::<SPLIT>(&b, &mut ring, &mut FoldKernel::new(&b, SEED as u32)?, &model, &format!("d={depth} step {step}"))?;
         }
         ring.close()?;
         let c = b.counters();

@@ -22,25 +22,11 @@ use serde_json::{json, Value};
 /// block with its coded cost): [`offload_plan::Choice::with_coding`], which codes
 /// only where the replayed step gains more than [`offload_plan::CODING_GAIN`].
 pub fn coding_choice(m: &CostModel, depth: usize) -> PlannerCoding {
-    let resident = vec![false; m.blocks.len()];
-    let streamed: u64 = m.blocks.iter().map(|b| b.bytes).sum();
-    let largest = m.blocks.iter().map(|b| b.bytes).max().unwrap_or(0);
-    let predicted_raw_s = m.simulate_s(&resident, depth);
-    let raw = offload_plan::Choice {
-        depth,
-        resident: resident.clone(),
-        device_bytes: (depth as u64 + 1) * largest,
-        streamed_bytes: streamed,
-        bound_s: m.compute_s().max(streamed as f64 / m.bandwidth_bytes_per_s),
-        predicted_step_s: predicted_raw_s,
-        resident_step_s: m.compute_s(),
-        exact: true,
-        coded: false,
-    };
+    let raw = offload_plan::streamed_choice(m, depth);
     PlannerCoding {
         coded: raw.with_coding(m, u64::MAX).coded,
-        predicted_raw_s,
-        predicted_coded_s: m.simulate_coded_s(&resident, depth, true),
+        predicted_raw_s: raw.predicted_step_s,
+        predicted_coded_s: m.simulate_coded_s(&raw.resident, depth, true),
     }
 }
 

@@ -411,20 +411,13 @@ pub fn run(model: &Model, opts: &RunOptions) -> Result<RunDoc, String> {
 
 /// Exponent entropy of every weight in `store` (bits per value) and of each
 /// tensor, sorted; blocks shared out among the host's threads.
-/// The decoder's speed on `raw` as one coded string, GB/s of output: a warm-up
-/// decode, then five launches timed around enqueue-and-wait (as `codec_speed`).
+/// The decoder's speed on `raw` as one coded string, GB/s of output (five timed
+/// launches after a warm-up, as `codec_speed`).
 fn decode_speed(be: &CudaBackend, raw: &[u8]) -> offload_core::Result<f64> {
     let enc = offload_core::codec::encode_bf16(raw);
-    let d = offload_cuda::codec::ExponentDecoder::new(be)?;
-    let mut coded = d.upload(be, &enc, "the decoder's speed")?;
-    let mut out = d.decode(be, &enc, "the decoder's speed")?;
     let reps = 5;
-    let t = Instant::now();
-    for _ in 0..reps {
-        d.launch(be, &mut coded, &mut out)?;
-    }
-    coded.finish()?;
-    Ok((raw.len() * reps) as f64 / t.elapsed().as_secs_f64().max(1e-9) / 1e9)
+    let (s, _) = offload_cuda::codec::ExponentDecoder::new(be)?.time_decodes(be, &enc, "the decoder's speed", reps)?;
+    Ok((raw.len() * reps) as f64 / s.max(1e-9) / 1e9)
 }
 
 /// The planner's coding choice at `depth` with every block streamed: `cost` (this

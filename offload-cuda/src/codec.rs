@@ -392,6 +392,21 @@ impl ExponentDecoder {
         .map(|_| ())
         .map_err(|e| dev("exp_decode launch", e))
     }
+
+    /// The decoder's speed on `enc`: one warm-up decode (which allocates the
+    /// output), then `reps` launches into the same buffer timed on the host around
+    /// enqueue-and-wait (the launches' microseconds are lost in the kernels'
+    /// milliseconds). Returns the seconds of the `reps` decodes and the output.
+    pub fn time_decodes(&self, b: &CudaBackend, enc: &[u8], what: &str, reps: usize) -> Result<(f64, CudaSlice<u8>)> {
+        let mut coded = self.upload(b, enc, what)?;
+        let mut out = self.decode(b, enc, what)?;
+        let t = std::time::Instant::now();
+        for _ in 0..reps {
+            self.launch(b, &mut coded, &mut out)?;
+        }
+        coded.finish()?;
+        Ok((t.elapsed().as_secs_f64(), out))
+    }
 }
 
 /// An encoded string on the device with its decode table and damage flag

@@ -25,7 +25,7 @@ pub mod planner;
 
 pub use cost::{BlockCost, CodedCost, CostModel};
 pub use offload_core::{ComponentPlan, PinFallback, Plan, ResidentPolicy, Strategy};
-pub use planner::{best_bound, plan, plan_heuristic, plan_with_coding, Choice, CODING_GAIN, EXHAUSTIVE_MAX};
+pub use planner::{best_bound, plan, plan_heuristic, plan_with_coding, streamed_choice, Choice, CODING_GAIN, EXHAUSTIVE_MAX};
 
 /// Why a plan could not be read or written.
 #[derive(Debug, thiserror::Error)]

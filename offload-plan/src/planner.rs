@@ -248,6 +248,12 @@ pub fn plan(model: &CostModel, budget: u64, min_depth: usize, policy: ResidentPo
 /// Inventories up to this many blocks are planned by exhaustive search.
 pub const EXHAUSTIVE_MAX: usize = 12;
 
+/// The choice "every block streamed at `depth`" on `model`, with its replayed
+/// step: what [`Choice::with_coding`] weighs coding against for a fully streamed ring.
+pub fn streamed_choice(model: &CostModel, depth: usize) -> Choice {
+    choice(model, vec![false; model.blocks.len()], depth, true)
+}
+
 fn choice(model: &CostModel, resident: Vec<bool>, depth: usize, exact: bool) -> Choice {
     let all = resident.iter().all(|r| *r);
     Choice {

@@ -1023,9 +1023,9 @@ impl OffloadBackend for VulkanBackend {
                 .map(|o| vk::BufferCopy { src_offset: o, dst_offset: o, size: chunk.min(to - o) })
                 .collect();
             if !regions.is_empty() {
-                // SAFETY: `cmd` is begun; both buffers hold `to` bytes (checked above) and
-                // live until the copy's value (host buffers drain on drop, slots go
-                // through the garbage list).
+                // Both buffers hold `to` bytes (checked above) and live until the copy's
+                // value (host buffers drain on drop, slots go through the garbage list).
+                // SAFETY: `cmd` is begun; both buffers are large enough and alive (above).
                 unsafe { dev.cmd_copy_buffer(cmd, src.buffer(), dst.buffer, &regions) };
             }
         };

@@ -495,14 +495,19 @@ pub fn readme_tables(results: &Path) -> Result<String, String> {
         }
         md.push('\n');
     }
-    // The planner under device budgets: the newest bench-room file with merged
-    // budget runs (medians over process runs), else the older one-run planner file.
-    let zoo_budgets = names.iter().filter(|n| n.contains("-zoo-") && n.ends_with(".json")).rev().find_map(|n| {
-        let d = read_json(&results.join(n)).ok()?;
-        let has = d["budgets"].as_array().is_some_and(|b| !b.is_empty());
-        has.then(|| (n.clone(), d))
-    });
-    if let Some((name, d)) = zoo_budgets {
+    // The planner under device budgets: every bench-room file with merged budget
+    // runs (medians over process runs), else the older one-run planner file.
+    let zoo_budgets: Vec<(String, Value)> = names
+        .iter()
+        .filter(|n| n.contains("-zoo-") && n.ends_with(".json"))
+        .filter_map(|n| {
+            let d = read_json(&results.join(n)).ok()?;
+            let has = d["budgets"].as_array().is_some_and(|b| !b.is_empty());
+            has.then(|| (n.clone(), d))
+        })
+        .collect();
+    for (name, d) in &zoo_budgets {
+        let backend = d["backend"].as_str().unwrap_or("?");
         let runs: Vec<&Value> = d["budgets"].as_array().into_iter().flatten().collect();
         // One sentence per (model, case): each against its own resident step.
         let mut groups: Vec<(String, String)> = Vec::new();
@@ -531,8 +536,14 @@ pub fn readme_tables(results: &Path) -> Result<String, String> {
                         (Some(a), Some(b)) if a != b => format!("{a}–{b} blocks resident, the choice differing between runs"),
                         _ => format!("{} blocks resident", c["resident_blocks"].as_array().map_or(0, Vec::len)),
                     };
+                    // Merged files since the candle budget runs carry each row's
+                    // ratio to its bound (a spread); older ones do not.
+                    let bound = match c["ratio_to_bound"]["median"].as_f64() {
+                        Some(r) => format!(", {r:.3} × its bound"),
+                        None => String::new(),
+                    };
                     format!(
-                        "{:.1} GiB → {:.3} s [{:.3}, {:.3}] (d={}, {resident}, predicted {:.3} s, {:+.1} %{})",
+                        "{:.1} GiB → {:.3} s [{:.3}, {:.3}]{bound} (d={}, {resident}, predicted {:.3} s, {:+.1} %{})",
                         c["budget_bytes"].as_u64().unwrap_or(0) as f64 / (1u64 << 30) as f64,
                         f(&c["step_streamed_s"]),
                         f(&c["step_streamed_s_min"]),
@@ -550,14 +561,16 @@ pub fn readme_tables(results: &Path) -> Result<String, String> {
                 .collect();
             let _ = writeln!(
                 md,
-                "Under a device budget (the planner, `cuda`'s reference model, {model} {case}², medians of {} process runs with [min, max]; `bench/results/{name}`): \
+                "Under a device budget (the planner, `{backend}`, {model} {case}², medians of {} process runs with [min, max]; `bench/results/{name}`): \
                  {}, against {:.3} s all resident; {worst}.\n",
                 group.first().map_or(0, |c| c["repeats"].as_u64().unwrap_or(0)),
                 steps.join(", "),
                 group.first().map_or(f64::NAN, |c| f(&c["step_resident_s"])),
             );
         }
-    } else if let Some(name) = names.iter().filter(|n| n.contains("planner") && n.ends_with(".json") && n.contains("cuda")).max() {
+    }
+    let planner_file = names.iter().filter(|n| n.contains("planner") && n.ends_with(".json") && n.contains("cuda")).max();
+    if let (true, Some(name)) = (zoo_budgets.is_empty(), planner_file) {
         let d = read_json(&results.join(name))?;
         let cases: Vec<&Value> = d["cases"].as_array().into_iter().flatten().filter(|c| c["budget_bytes"].is_u64()).collect();
         let worst = cases.iter().map(|c| (f(&c["step_streamed_s"]) / f(&c["predicted_step_s"]) - 1.0).abs()).fold(0.0, f64::max);

@@ -223,8 +223,8 @@ pub struct CodedFacts {
     pub encode_threads: usize,
     /// Seconds to build the coded store (weights made, coded, pinned).
     pub store_build_s: f64,
-    /// The largest staging buffer a coded copy used (one is held per copy in
-    /// flight, up to the prefetch depth + 1).
+    /// The most staging bytes the decode engine held at once (two buffers, each
+    /// the largest coded block rounded up to 2 MiB).
     pub staging_peak_bytes: u64,
     /// The decoder's speed in this process (the largest block as one coded string,
     /// timed over repeated launches), GB/s of output: the planner's decode cost.

@@ -3,12 +3,17 @@
 //! holds its block coded for the device ([`offload_core::codec::code_for_device`]:
 //! sign and mantissa bytes as they are, exponents entropy-coded in chunks). A copy
 //! into a slot then moves only the coded bytes: the copy stream brings them into
-//! a staging buffer from the stream-ordered pool, a decode stream of its own waits
-//! for that copy and writes the block's exact bytes into the slot with the
-//! exponent decoder (raw segments by a device-to-device copy), frees the staging
-//! buffer in its own order, and the event it records last is the copy's event the
-//! ring waits for. No host synchronisation; the slot holds the same bytes as an
-//! uncoded copy would have put there.
+//! one of two staging buffers the decode engine holds (taken in turn, each after
+//! the decode that last read it), a decode stream of its own waits for that copy
+//! and for the slot's last use, and writes the block's exact bytes into the slot
+//! with the exponent decoder (raw segments by a device-to-device copy); the event
+//! it records last is the copy's event the ring waits for. No host
+//! synchronisation; the slot holds the same bytes as an uncoded copy would have
+//! put there. Copy k + 1 never waits for decode k (a buffer taken fresh from the
+//! stream-ordered pool for each copy did: the pool reuses memory freed on the
+//! decode stream by making the copy stream wait for it), and with the checking
+//! mode off the copy into staging does not wait for the slot either: only the
+//! decode, which writes the slot, does.
 //!
 //! Damage the kernel sees (there should be none: every block is parsed at build,
 //! [`offload_core::codec::device_segments`]) is written to a flag in mapped host
@@ -18,7 +23,7 @@
 use crate::codec::{launches, BLOCK_THREADS};
 use crate::device::{CudaBackend, Shared};
 use crate::error::driver;
-use cudarc::driver::{result, sys, CudaFunction, CudaStream};
+use cudarc::driver::{result, sys, CudaEvent, CudaFunction, CudaStream};
 use offload_core::codec::{device_segments, DeviceSegment};
 use offload_core::{Error, Result};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -49,9 +54,33 @@ pub(crate) struct Coding {
     flag_dev: sys::CUdeviceptr,
     /// Block names by tag − 1 (the tag a block's decode writes on damage).
     names: Mutex<Vec<String>>,
-    /// The largest staging buffer issued so far.
+    /// The most staging bytes held at once so far.
     pub(crate) staging_peak: AtomicU64,
     pub(crate) coded_copies: AtomicU64,
+    /// The staging buffers, taken in turn (see the module).
+    staging: Mutex<StagingRing>,
+    /// The copy stream (drained before the staging buffers are freed).
+    copy: Arc<CudaStream>,
+}
+
+/// How many staging buffers the decode engine holds: two let copy k + 1 fill one
+/// while decode k reads the other.
+pub const STAGING_BUFFERS: usize = 2;
+
+/// Staging buffers that coded copies take in turn: copy k fills buffer
+/// k mod [`STAGING_BUFFERS`] once the decode that last read it has run.
+#[derive(Default)]
+struct StagingRing {
+    bufs: [Option<Staging>; STAGING_BUFFERS],
+    next: usize,
+}
+
+/// One staging buffer: device memory from the pool, and the event of the last
+/// decode that read it.
+struct Staging {
+    ptr: sys::CUdeviceptr,
+    len: usize,
+    last_read: Option<Arc<CudaEvent>>,
 }
 
 // `flag` is page-locked host memory owned by this value, accessed by the host only
@@ -91,6 +120,8 @@ impl Coding {
             names: Mutex::new(Vec::new()),
             staging_peak: AtomicU64::new(0),
             coded_copies: AtomicU64::new(0),
+            staging: Mutex::new(StagingRing::default()),
+            copy: shared.copy.clone(),
         })
     }
 
@@ -119,11 +150,18 @@ impl Coding {
 
 impl Drop for Coding {
     fn drop(&mut self) {
-        // Kernels may still write the flag: drain the decode stream first, and leak
-        // the flag if that fails.
-        if let Err(e) = self.decode.synchronize() {
-            tracing::warn!("the decode stream could not be drained ({e}); its damage flag is leaked");
+        // Kernels may still write the flag, and copies and kernels still use the
+        // staging buffers: drain both streams first, and leak them if that fails.
+        if let Err(e) = self.copy.synchronize().and_then(|()| self.decode.synchronize()) {
+            tracing::warn!("the copy or decode stream could not be drained ({e}); the damage flag and staging buffers are leaked");
             return;
+        }
+        let ring = self.staging.get_mut().unwrap_or_else(|e| e.into_inner());
+        for b in ring.bufs.iter_mut().filter_map(Option::take) {
+            // SAFETY: allocated from this context's pool by `coded_copy`; both streams are drained.
+            if let Err(e) = unsafe { result::free_sync(b.ptr) } {
+                tracing::warn!("freeing a {}-byte staging buffer: {e}", b.len);
+            }
         }
         // SAFETY: allocated by `malloc_host` in `new`; no kernel can write it any more.
         if let Err(e) = unsafe { result::free_host(self.flag.cast()) } {
@@ -160,8 +198,9 @@ impl CudaBackend {
     /// holds its block coded (`options`), and every copy from such a buffer moves
     /// the coded bytes and decodes them on the device into the slot (see the
     /// module [`coded`](crate::coded)). Buffers allocated before stay as they are.
-    /// Staging buffers come from the device's memory pool, one per copy in flight
-    /// (the largest coded block each): count them in the device budget
+    /// The decode engine holds [`STAGING_BUFFERS`] staging buffers from the
+    /// device's memory pool, each at least as large as the largest coded block
+    /// copied so far: count them in the device budget
     /// ([`CudaCounters::staging_peak_bytes`](crate::CudaCounters::staging_peak_bytes)).
     /// Once on, it stays on; a second call with other options is an error.
     pub fn enable_coding(&self, options: CodingOptions) -> Result<()> {
@@ -221,40 +260,72 @@ impl CudaBackend {
             return Err(Error::Protocol(format!("{}: a coded copy into device address {dst:#x}, not 4-byte aligned", ch.purpose)));
         }
         s.ctx.bind_to_thread().map_err(|e| driver("binding the context", e))?;
-        if let Some(ev) = after {
+        // The checking mode poisons the slot on the copy stream: there the copy
+        // stream waits for the slot's last use. Otherwise only the decode, the
+        // slot's one writer, waits for it, and the coded bytes cross the link early.
+        let checking = s.checking.get().is_some();
+        if let (Some(ev), true) = (after, checking) {
             s.copy.wait(ev).map_err(|e| driver("copy stream waiting for a slot's last use", e))?;
         }
         let len = src.len();
-        // Once anything is enqueued, an error must not leave it running unseen.
-        // Whether both streams drained: only then may the staging buffer be freed.
-        let drain = || s.copy.synchronize().is_ok() & c.decode.synchronize().is_ok();
+        // Once anything is enqueued, an error must not leave it running unseen:
+        // drain both streams (a staging buffer stays in the ring, unused).
         let drained = |e: Error| {
-            drain();
+            let _ = s.copy.synchronize();
+            let _ = c.decode.synchronize();
             e
         };
         // The checking mode's poison and spin (no bytes copied by it).
         self.enqueue_copy(src, dst, dst_len, 0).map_err(drained)?;
-        // SAFETY: a stream-ordered allocation on the copy stream, freed below on the
-        // decode stream after the kernels that read it (the pool orders reuse).
-        let staging = match unsafe { result::malloc_async(s.copy.cu_stream(), len.max(4)) } {
-            Ok(p) => p,
-            Err(e) => return Err(drained(driver(format!("a {len}-byte staging buffer for {}", ch.purpose), e))),
+        let mut ring = c.staging.lock().unwrap_or_else(|e| e.into_inner());
+        let i = ring.next;
+        ring.next = (i + 1) % STAGING_BUFFERS;
+        let (staging, staging_len) = match ring.bufs[i].take() {
+            Some(b) if b.len >= len.max(4) => {
+                if let Some(ev) = &b.last_read {
+                    if let Err(e) = s.copy.wait(ev) {
+                        ring.bufs[i] = Some(Staging { last_read: None, ..b });
+                        return Err(drained(driver("copy stream waiting for a staging buffer's last decode", e)));
+                    }
+                }
+                (b.ptr, b.len)
+            }
+            small => {
+                if let Some(b) = small {
+                    // Too small: freed in the decode stream's order, after the decode that read it last.
+                    // SAFETY: allocated from this context's pool below; nothing enqueued after uses it.
+                    unsafe { result::free_async(b.ptr, c.decode.cu_stream()) }
+                        .map_err(|e| drained(driver("freeing a staging buffer too small", e)))?;
+                }
+                // Rounded up to 2 MiB so that blocks of nearly one size share a buffer.
+                let want = len.max(4).next_multiple_of(2 << 20);
+                // SAFETY: a stream-ordered allocation on the copy stream, held by the ring
+                // until `Drop` (or a larger block) frees it once nothing uses it.
+                let p = unsafe { result::malloc_async(s.copy.cu_stream(), want) }
+                    .map_err(|e| drained(driver(format!("a {want}-byte staging buffer for {}", ch.purpose), e)))?;
+                let held: usize = ring.bufs.iter().flatten().map(|b| b.len).sum::<usize>() + want;
+                c.staging_peak.fetch_max(held as u64, Ordering::Relaxed);
+                (p, want)
+            }
         };
-        c.staging_peak.fetch_max(len as u64, Ordering::Relaxed);
         let issued = (|| -> Result<Arc<cudarc::driver::CudaEvent>> {
             if staging % 4 != 0 {
                 // The kernel reads the strings' offset tables and streams as aligned words.
                 return Err(Error::Protocol(format!("a staging buffer at {staging:#x}, not 4-byte aligned")));
             }
             if len > 0 {
-                // SAFETY: `src` holds `len` bytes and outlives the copy (its drop drains
-                // the copy stream); `staging` holds at least `len` bytes.
+                // `src` holds `len` bytes and outlives the copy (its drop drains the copy
+                // stream); the copy stream waited for the last decode that read `staging`.
+                // SAFETY: `staging` holds at least `len` bytes and nothing else uses it now.
                 unsafe { sys::cuMemcpyHtoDAsync_v2(staging, src.ptr().cast(), len, s.copy.cu_stream()) }
                     .result()
                     .map_err(|e| driver(format!("copying {len} coded bytes of {}", ch.purpose), e))?;
             }
             let copied = s.copy.record_event(None).map_err(|e| driver("recording a coded copy's event", e))?;
             c.decode.wait(&copied).map_err(|e| driver("decode stream waiting for a coded copy", e))?;
+            if let (Some(ev), false) = (after, checking) {
+                c.decode.wait(ev).map_err(|e| driver("decode stream waiting for a slot's last use", e))?;
+            }
             // Raw strings are device-to-device copies on the decode stream; the coded
             // ones go to the decoder in launches of up to SEGS strings each (one
             // launch per 32 MiB string would leave most of the GPU idle). Each
@@ -282,37 +353,25 @@ impl CudaBackend {
                 // lies in `dst`; a launch block decodes the string whose
                 // [first_block, next first_block) holds it (`launches`, tested on the
                 // CPU against the kernel's lookup); the flag is mapped host memory of
-                // this context. Every buffer outlives the kernel: staging is freed after
-                // it on this stream, `dst` by the caller's contract.
+                // this context. Every buffer outlives the kernel: staging is freed only
+                // after this stream drains (or after it on this stream), `dst` by the
+                // caller's contract; the next copy into this staging buffer waits for
+                // the event recorded after these kernels.
                 // SAFETY: every access in bounds and aligned, every buffer alive (above).
                 unsafe { c.decode.launch_builder(&c.kernel).arg(&staging).arg(&dst).arg(&batch).arg(&c.flag_dev).arg(&ch.tag).launch(cfg) }
                     .map_err(|e| driver(format!("decoding {}", ch.purpose), e))?;
             }
             Ok(Arc::new(c.decode.record_event(None).map_err(|e| driver("recording a decode event", e))?))
         })();
-        let ev = match issued {
-            Ok(ev) => ev,
-            Err(e) => {
-                // The copy may still be writing the staging buffer and the decode
-                // stream may not have waited for it: drain both, then free it — or,
-                // if either would not drain, leak it rather than free it under them.
-                if drain() {
-                    // SAFETY: allocated above from this context's pool; both streams are
-                    // drained, so nothing reads or writes it any more.
-                    if unsafe { result::free_async(staging, s.copy.cu_stream()) }.is_ok() {
-                        let _ = s.copy.synchronize();
-                    }
-                } else {
-                    tracing::warn!("a {len}-byte staging buffer is leaked: the streams could not be drained");
-                }
-                return Err(e);
-            }
+        // The buffer goes back to its place in the ring with the decode that read it;
+        // after an error both streams are drained, so nothing uses it.
+        let (last_read, ev) = match issued {
+            Ok(ev) => (Some(ev.clone()), Ok(ev)),
+            Err(e) => (None, Err(drained(e))),
         };
-        // Freed in the decode stream's order, after its kernels, which came after the
-        // copy into it (the decode stream waited for the copy's event).
-        // SAFETY: allocated above from this context's pool; nothing enqueued after uses it.
-        let freed = unsafe { result::free_async(staging, c.decode.cu_stream()) };
-        freed.map_err(|e| drained(driver("freeing a staging buffer", e)))?;
+        ring.bufs[i] = Some(Staging { ptr: staging, len: staging_len, last_read });
+        drop(ring);
+        let ev = ev?;
         s.copies.fetch_add(1, Ordering::Relaxed);
         s.bytes_copied.fetch_add(len as u64, Ordering::Relaxed);
         c.coded_copies.fetch_add(1, Ordering::Relaxed);

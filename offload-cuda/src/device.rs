@@ -50,9 +50,9 @@ pub struct CudaCounters {
     pub bytes_copied: u64,
     /// Copies of coded blocks (decoded on the device).
     pub coded_copies: u64,
-    /// The largest staging buffer a coded copy used (its block's coded size).
-    /// Each coded copy in flight holds one until its decode ends, so the device
-    /// holds up to (prefetch depth + 1) of them: count that in a budget.
+    /// The most staging bytes the decode engine held at once: its
+    /// [`STAGING_BUFFERS`](crate::coded::STAGING_BUFFERS) buffers, each at least the
+    /// largest coded block copied so far (rounded up to 2 MiB). Count it in a budget.
     pub staging_peak_bytes: u64,
 }
 

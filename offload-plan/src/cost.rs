@@ -111,12 +111,17 @@ impl CostModel {
         !self.blocks.is_empty() && self.blocks.iter().all(|b| b.coded.is_some())
     }
 
-    /// Staging device bytes of a coded plan: one buffer of the largest coded
-    /// streamed block per copy in flight (`d + 1`).
-    pub fn staging_bytes(&self, resident: &[bool], depth: usize) -> u64 {
+    /// Staging device bytes of a coded plan: the decode engine's two staging
+    /// buffers (offload-cuda's `STAGING_BUFFERS`), each the largest coded streamed
+    /// block rounded up to 2 MiB, whatever the depth (`_depth` is kept for
+    /// engines that would hold one per copy in flight).
+    pub fn staging_bytes(&self, resident: &[bool], _depth: usize) -> u64 {
         let largest =
             self.blocks.iter().zip(resident).filter(|(_, r)| !**r).filter_map(|(b, _)| b.coded.map(|c| c.bytes)).max().unwrap_or(0);
-        (depth as u64 + 1) * largest
+        if largest == 0 {
+            return 0;
+        }
+        2 * largest.next_multiple_of(2 << 20)
     }
 
     /// [`simulate_s`](Self::simulate_s), with the streamed blocks held coded

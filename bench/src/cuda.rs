@@ -54,6 +54,21 @@ fn dims(model: &Model, case: &Case) -> Result<RefDims, String> {
     Ok(RefDims { heads: model.heads, mlp: model.mlp, text_tokens: case.text_tokens, image_tokens: case.image_tokens })
 }
 
+/// The reference model's dimensions for `case` of `model` (the host-tier bench's too).
+pub(crate) fn dims_of(model: &Model, case: &Case) -> Result<RefDims, String> {
+    dims(model, case)
+}
+
+/// One forward call through `ring` (the host-tier bench's step).
+pub(crate) fn step_once(
+    be: &CudaBackend,
+    model: &Model,
+    net: &mut RefNet,
+    ring: &mut Ring<CudaBackend>,
+) -> offload_core::Result<StepMetrics> {
+    step(be, model, net, ring, None)
+}
+
 fn timing_event(be: &CudaBackend) -> offload_core::Result<Event> {
     be.record_timing(StreamKind::Compute)?.ok_or_else(|| offload_core::Error::unsupported("cuda", "timing events"))
 }

@@ -15,6 +15,7 @@ pub mod compressed;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod harness;
+pub mod host_tiers;
 pub mod pipeline;
 pub mod registry;
 pub mod source;

@@ -187,6 +187,16 @@ impl OffloadBackend for CandleBackend {
     fn alloc_host_pageable(&self, bytes: usize, purpose: &str, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<SimHost> {
         self.device.alloc_host_pageable(bytes, purpose, fill)
     }
+    fn host_in_region(
+        &self,
+        region: &std::sync::Arc<dyn offload_core::HostRegion>,
+        offset: usize,
+        bytes: usize,
+        purpose: &str,
+    ) -> Result<SimHost> {
+        // Host memory is the device: the block is read from the region into it.
+        self.device.host_in_region(region, offset, bytes, purpose)
+    }
     fn is_pinned(&self, _buffer: &SimHost) -> bool {
         // Host memory is the device here: nothing is page-locked.
         false

@@ -104,6 +104,25 @@ pub trait OffloadBackend: Clone + Send + Sync + 'static {
         Err(crate::Error::unsupported(self.name(), format!("host buffers coded for the device (for {purpose})")))
     }
 
+    /// Serve `bytes` of `region` from `offset` as a host buffer without copying
+    /// them (the mapped host tier): the backend registers the region with its
+    /// device (read-only, page-locked) on first use and keeps it registered while
+    /// any buffer from it lives; copies then read the region by DMA and
+    /// [`host_bytes`](Self::host_bytes) reads it with [`HostRegion::read_at`].
+    /// [`Error::Unsupported`](crate::Error::Unsupported) by default (where the
+    /// region is not mapped, or the backend cannot register memory): the store
+    /// then copies the block, and says so.
+    fn host_in_region(
+        &self,
+        region: &std::sync::Arc<dyn crate::HostRegion>,
+        offset: usize,
+        bytes: usize,
+        purpose: &str,
+    ) -> Result<Self::HostBuffer> {
+        let _ = (region, offset, bytes);
+        Err(crate::Error::unsupported(self.name(), format!("host buffers in a mapped region (for {purpose})")))
+    }
+
     /// Whether `buffer` is page-locked.
     fn is_pinned(&self, _buffer: &Self::HostBuffer) -> bool {
         self.host_is_pinned()

@@ -66,11 +66,11 @@ pub use discovery::{BlockDiscovery, BlockId, BlockSpec, ComponentInventory, Decl
 pub use error::{Error, Result};
 pub use fault::{FaultInjector, FaultKind};
 pub use hook::{BlockContext, BlockSource, Hook, TraceRecorder};
-pub use metrics::StepMetrics;
+pub use metrics::{host_rss_beyond_page_cache, StepMetrics};
 pub use ondemand::OnDemand;
 pub use plan::{resolve, resolve_on, ComponentPlan, PinFallback, Plan, ResidentPolicy, ResolvedComponent, ResolvedPlan, Strategy};
 pub use ring::{BlockGuard, Ring};
-pub use source::{MemoryTensors, SafetensorsFile, TensorSource};
-pub use store::{probe_bandwidth, HostBlock, HostStore, PinOptions};
+pub use source::{FileRegion, HostRegion, MemoryTensors, RegionSource, SafetensorsFile, TensorSource};
+pub use store::{probe_bandwidth, HostBlock, HostStore, HostTier, PinOptions};
 pub use tensor::{align_up, BlockLayout, DType, PlacedTensor, TensorSpec, TENSOR_ALIGN};
 pub use timeline::{Span, Timeline};

@@ -126,3 +126,16 @@ impl std::fmt::Display for StepMetrics {
         Ok(())
     }
 }
+
+/// This process's resident memory beyond the page cache, in bytes: anonymous and
+/// shared-memory pages (`RssAnon + RssShmem` of `/proc/self/status`), which holds
+/// a copying store's buffers but not a mapped checkpoint's file pages. `None`
+/// where the file cannot be read (not Linux).
+pub fn host_rss_beyond_page_cache() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let field = |name: &str| -> Option<u64> {
+        let line = status.lines().find(|l| l.starts_with(name))?;
+        line[name.len()..].trim().trim_end_matches("kB").trim().parse::<u64>().ok().map(|kb| kb * 1024)
+    };
+    Some(field("RssAnon:")? + field("RssShmem:").unwrap_or(0))
+}

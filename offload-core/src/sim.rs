@@ -43,6 +43,12 @@ pub struct SimConfig {
     /// Whether the device decodes coded blocks at all: `false` simulates one that
     /// cannot (`alloc_host_coded` is then unsupported).
     pub decodes: bool,
+    /// Whether `host_in_region` works: the simulator "registers" a region by
+    /// reading the block's range into its own memory with
+    /// [`HostRegion::read_at`](crate::HostRegion::read_at) (it has no device to
+    /// register with; what it tests is the store's choices and the protocol).
+    /// `false` simulates a device that cannot register host memory.
+    pub registers_regions: bool,
 }
 
 /// Raw bytes per segment of the simulated device's coded blocks.
@@ -58,6 +64,7 @@ impl Default for SimConfig {
             pinned_host_bytes: None,
             coded: false,
             decodes: true,
+            registers_regions: true,
         }
     }
 }
@@ -364,6 +371,14 @@ impl OffloadBackend for SimBackend {
             return Err(e);
         }
         Ok(SimHost(raw, pinned, Some(coded.into())))
+    }
+
+    fn host_in_region(&self, region: &Arc<dyn crate::HostRegion>, offset: usize, bytes: usize, purpose: &str) -> Result<SimHost> {
+        if !self.inner.cfg.registers_regions {
+            return Err(Error::unsupported("sim", format!("registering host memory (for {purpose})")));
+        }
+        region.check()?;
+        self.alloc_pinned(bytes, purpose, &mut |dst| region.read_at(offset, dst))
     }
 
     fn alloc_host_pageable(&self, bytes: usize, _purpose: &str, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<SimHost> {

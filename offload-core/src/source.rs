@@ -1,12 +1,15 @@
 //! Where tensor bytes come from when the host store is built: memory, or a
-//! safetensors file read block by block (no second full copy of the model).
+//! safetensors file read block by block (no second full copy of the model), or
+//! served in place from the file's own bytes ([`HostRegion`], [`RegionSource`]:
+//! the mapped host tier, `HostStore::build_mapped`).
 
 use crate::error::{Error, Result};
 use crate::tensor::{DType, TensorSpec};
 use serde::de::{Deserializer, MapAccess, Visitor};
 use std::fs::File;
-use std::os::unix::fs::FileExt;
+use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 /// A set of named tensors whose bytes can be read into a destination buffer.
 pub trait TensorSource {
@@ -64,13 +67,22 @@ impl TensorSource for MemoryTensors {
 /// A safetensors checkpoint: the header is parsed and checked at open; tensor
 /// bytes are read with positioned reads straight into the destination (a pinned
 /// block buffer), so the model is never held twice in memory.
-#[derive(Debug)]
 pub struct SafetensorsFile {
     path: PathBuf,
     file: File,
     specs: Vec<TensorSpec>,
     /// Absolute file offsets of each tensor's data.
     offsets: Vec<u64>,
+    /// The whole file as a region the host store can serve blocks from: read with
+    /// positioned reads ([`FileRegion`]) until a backend maps it
+    /// ([`set_region`](SafetensorsFile::set_region)).
+    region: Arc<dyn HostRegion>,
+}
+
+impl std::fmt::Debug for SafetensorsFile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SafetensorsFile").field("path", &self.path).field("tensors", &self.specs.len()).finish_non_exhaustive()
+    }
 }
 
 struct Entries(Vec<(String, serde_json::Value)>);
@@ -166,12 +178,170 @@ impl SafetensorsFile {
         for (a, _, i) in ranges {
             offsets[i] = data_start + a;
         }
-        Ok(SafetensorsFile { path, file, specs, offsets })
+        let region = Arc::new(FileRegion::new(&path, file.try_clone().map_err(io)?)?);
+        Ok(SafetensorsFile { path, file, specs, offsets, region })
     }
 
     /// The file's path.
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// Where tensor `index`'s bytes start in the file.
+    pub fn data_offset(&self, index: usize) -> u64 {
+        self.offsets[index]
+    }
+
+    /// The file as a [`FileRegion`] (identity recorded at open).
+    pub fn file_region(&self) -> Result<FileRegion> {
+        FileRegion::new(&self.path, self.file.try_clone().map_err(|source| Error::Io { path: self.path.clone(), source })?)
+    }
+
+    /// Serve the host store's blocks from `region` (the file mapped by a backend,
+    /// e.g. `offload_cuda::map_checkpoint`) instead of positioned reads. It must
+    /// hold this file's bytes: its length is checked here.
+    pub fn set_region(&mut self, region: Arc<dyn HostRegion>) -> Result<()> {
+        let want = self.region.len();
+        if region.len() != want {
+            return Err(Error::BadCheckpoint {
+                path: self.path.clone(),
+                tensor: String::new(),
+                fault: format!("a region of {} bytes given for a {want}-byte file", region.len()),
+            });
+        }
+        self.region = region;
+        Ok(())
+    }
+}
+
+impl RegionSource for SafetensorsFile {
+    fn region(&self) -> Arc<dyn HostRegion> {
+        self.region.clone()
+    }
+    fn tensor_offset(&self, index: usize) -> usize {
+        self.offsets[index] as usize
+    }
+}
+
+/// A read-only byte region the host store can serve blocks from without copying
+/// them (the mapped host tier): a checkpoint file, mapped by a backend that can
+/// register it with its device, or read with positioned reads where none can.
+///
+/// Host code reads it only through [`read_at`](Self::read_at), never through the
+/// mapping, so a file truncated under the mapping is an error there, not a
+/// `SIGBUS`; the device reads it by DMA from [`device_ptr`](Self::device_ptr).
+pub trait HostRegion: Send + Sync + 'static {
+    /// Bytes in the region.
+    fn len(&self) -> usize;
+    /// Whether it is empty.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Copy `dst.len()` bytes from `offset` into `dst`; an error if the region no
+    /// longer holds them (the file truncated or replaced since it was opened).
+    fn read_at(&self, offset: usize, dst: &mut [u8]) -> Result<()>;
+    /// The address of the region's first byte in this process, for a device to
+    /// register and read by DMA; `None` when it is not mapped. Host code must not
+    /// read through it (see the trait's docs); the region keeps it valid while it lives.
+    fn device_ptr(&self) -> Option<*const u8> {
+        None
+    }
+    /// What it is, for errors (`"checkpoint /path/m.safetensors"`).
+    fn origin(&self) -> String;
+    /// Whether the region still holds the bytes it was opened with: for a file,
+    /// the same file (device and inode behind the path), the same length and
+    /// modification time. Checked before a store registers it and before a read.
+    fn check(&self) -> Result<()>;
+}
+
+/// A source whose tensors lie in one [`HostRegion`]: the host store can serve a
+/// block from the region in place when its tensors lie there as the store would
+/// lay them out ([`HostStore::build_mapped`](crate::HostStore::build_mapped)).
+pub trait RegionSource: TensorSource {
+    /// The region holding every tensor.
+    fn region(&self) -> Arc<dyn HostRegion>;
+    /// Where tensor `index`'s bytes start in the region.
+    fn tensor_offset(&self, index: usize) -> usize;
+}
+
+/// What identifies a file's contents cheaply: where it is and how long, and when
+/// it was last written.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct FileIdentity {
+    dev: u64,
+    ino: u64,
+    len: u64,
+    mtime_ns: i128,
+}
+
+impl FileIdentity {
+    fn of(m: &std::fs::Metadata) -> Self {
+        FileIdentity { dev: m.dev(), ino: m.ino(), len: m.len(), mtime_ns: m.mtime() as i128 * 1_000_000_000 + m.mtime_nsec() as i128 }
+    }
+}
+
+/// A file as a [`HostRegion`] read with positioned reads, its identity recorded
+/// when opened and checked before every read.
+#[derive(Debug)]
+pub struct FileRegion {
+    path: PathBuf,
+    file: File,
+    identity: FileIdentity,
+}
+
+impl FileRegion {
+    /// `file` (opened from `path`) as a region; its identity is recorded now.
+    pub fn new(path: &Path, file: File) -> Result<Self> {
+        let m = file.metadata().map_err(|source| Error::Io { path: path.to_path_buf(), source })?;
+        Ok(FileRegion { path: path.to_path_buf(), file, identity: FileIdentity::of(&m) })
+    }
+
+    /// The open file (for a backend that maps it).
+    pub fn file(&self) -> &File {
+        &self.file
+    }
+
+    /// The file's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl HostRegion for FileRegion {
+    fn len(&self) -> usize {
+        self.identity.len as usize
+    }
+    fn read_at(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
+        self.check()?;
+        if offset.checked_add(dst.len()).is_none_or(|end| end > self.len()) {
+            return Err(Error::BadCheckpoint {
+                path: self.path.clone(),
+                tensor: String::new(),
+                fault: format!("{} bytes at {offset} asked of a {}-byte file", dst.len(), self.len()),
+            });
+        }
+        self.file.read_exact_at(dst, offset as u64).map_err(|source| Error::Io { path: self.path.clone(), source })
+    }
+    fn origin(&self) -> String {
+        format!("checkpoint {}", self.path.display())
+    }
+    fn check(&self) -> Result<()> {
+        let bad = |fault: String| Error::BadCheckpoint { path: self.path.clone(), tensor: String::new(), fault };
+        let now = FileIdentity::of(&self.file.metadata().map_err(|source| Error::Io { path: self.path.clone(), source })?);
+        if now.len != self.identity.len {
+            return Err(bad(format!(
+                "the file is now {} bytes, {} when opened: truncated or rewritten under the store",
+                now.len, self.identity.len
+            )));
+        }
+        if now.mtime_ns != self.identity.mtime_ns {
+            return Err(bad("the file was written since it was opened".into()));
+        }
+        match std::fs::metadata(&self.path) {
+            Ok(m) if (m.dev(), m.ino()) == (self.identity.dev, self.identity.ino) => Ok(()),
+            Ok(_) => Err(bad("the path now names another file: replaced since it was opened".into())),
+            Err(source) => Err(Error::Io { path: self.path.clone(), source }),
+        }
     }
 }
 

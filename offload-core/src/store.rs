@@ -5,9 +5,10 @@ use crate::backend::OffloadBackend;
 use crate::discovery::{BlockId, ComponentInventory};
 use crate::error::{Error, Result};
 use crate::plan::{ComponentPlan, PinFallback};
-use crate::source::TensorSource;
-use crate::tensor::BlockLayout;
+use crate::source::{HostRegion, RegionSource, TensorSource};
+use crate::tensor::{BlockLayout, PlacedTensor, TENSOR_ALIGN};
 use std::collections::HashMap;
+use std::sync::Arc;
 
 /// How the host store page-locks its buffers.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -45,6 +46,22 @@ impl<B: OffloadBackend> HostBlock<B> {
     }
 }
 
+/// Where a store's blocks are held: served in place from a mapped checkpoint
+/// ([`HostStore::build_mapped`]) or copied into buffers of the store's own.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct HostTier {
+    /// Buffers (blocks and the non-block tensors) served from the region in place.
+    pub mapped: usize,
+    /// Buffers copied into memory of the store's own.
+    pub copied: usize,
+    /// Why buffers were copied where mapping was asked for (the first reason
+    /// met): a block whose tensors do not lie in the file as the store lays them
+    /// out, or a backend that cannot register the region (then every block).
+    pub copy_reason: Option<String>,
+    /// Seconds the build took (from its call to its return).
+    pub build_s: f64,
+}
+
 /// A component's weights in host memory: its blocks, and its non-block tensors
 /// as one more buffer. Built once, immutable after.
 pub struct HostStore<B: OffloadBackend> {
@@ -54,6 +71,31 @@ pub struct HostStore<B: OffloadBackend> {
     index: HashMap<BlockId, usize>,
     pinned_bytes: u64,
     coded_blocks: usize,
+    tier: HostTier,
+}
+
+/// Where block `specs` would be served from in `region`: the start of its first
+/// tensor and its layout relative to it, when every tensor lies at a multiple of
+/// [`TENSOR_ALIGN`] from that start and the range holds nothing but the block's
+/// tensors and padding (no more bytes than [`BlockLayout::new`] would use); else
+/// why not.
+fn placement(specs: &[crate::tensor::TensorSpec], at: &[usize]) -> std::result::Result<(usize, BlockLayout), String> {
+    let start = at.iter().copied().min().ok_or("no tensors")?;
+    let mut tensors = Vec::with_capacity(specs.len());
+    for (spec, &a) in specs.iter().zip(at) {
+        let nbytes = spec.nbytes().map_err(|e| e.to_string())?;
+        let offset = a - start;
+        if offset % TENSOR_ALIGN != 0 {
+            return Err(format!("{} lies {offset} bytes after the block's first tensor, not a multiple of {TENSOR_ALIGN}", spec.name));
+        }
+        tensors.push(PlacedTensor { spec: spec.clone(), offset, nbytes });
+    }
+    let layout = BlockLayout::placed(tensors).map_err(|e| e.to_string())?;
+    let packed = BlockLayout::new(specs.to_vec()).map_err(|e| e.to_string())?.bytes;
+    if layout.bytes > packed {
+        return Err(format!("its tensors span {} bytes of the file, other tensors among them ({packed} would do)", layout.bytes));
+    }
+    Ok((start, layout))
 }
 
 impl<B: OffloadBackend> HostStore<B> {
@@ -66,6 +108,49 @@ impl<B: OffloadBackend> HostStore<B> {
     /// [`build`](Self::build) with a pin budget and a fallback to pageable memory.
     /// On any error, everything built so far is released and nothing is kept.
     pub fn build_with(backend: &B, inventory: &ComponentInventory, source: &dyn TensorSource, pin: PinOptions) -> Result<Self> {
+        Self::build_inner(backend, inventory, source, pin, None)
+    }
+
+    /// Build the store of `inventory` serving each block in place from `source`'s
+    /// region (a checkpoint mapped by the backend, e.g.
+    /// `offload_cuda::map_checkpoint`): no copy of the model in host memory, a
+    /// start in the time it takes to register the region. The region is checked
+    /// first (the same file, length and modification time as when opened: a
+    /// truncated or replaced file is an error naming it). A block whose tensors do
+    /// not lie in the file as the store lays them out (each at a multiple of
+    /// [`TENSOR_ALIGN`] from the block's first, nothing else between) is copied,
+    /// as [`build_with`](Self::build_with) would; so is every block when the
+    /// backend cannot register the region, or when `pin.coded` (coded blocks are
+    /// copies by nature). [`tier`](Self::tier) says which and why.
+    pub fn build_mapped<S: RegionSource>(backend: &B, inventory: &ComponentInventory, source: &S, pin: PinOptions) -> Result<Self> {
+        let region = source.region();
+        region.check()?;
+        let offset = |i: usize| source.tensor_offset(i);
+        Self::build_inner(backend, inventory, source, pin, Some((&region, &offset)))
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn build_inner(
+        backend: &B,
+        inventory: &ComponentInventory,
+        source: &dyn TensorSource,
+        pin: PinOptions,
+        mapped: Option<(&Arc<dyn HostRegion>, &dyn Fn(usize) -> usize)>,
+    ) -> Result<Self> {
+        let t0 = std::time::Instant::now();
+        let tier = std::cell::RefCell::new(HostTier::default());
+        // Mapping is tried while it works: the first refusal of the region turns it off.
+        let mapping = std::cell::Cell::new(mapped.is_some());
+        if mapped.is_some() && pin.coded {
+            tier.borrow_mut().copy_reason = Some("coded blocks are held as copies".into());
+            mapping.set(false);
+        }
+        let copied = |why: String| {
+            let mut t = tier.borrow_mut();
+            if t.copy_reason.is_none() {
+                t.copy_reason = Some(why);
+            }
+        };
         let pinned_left = std::cell::Cell::new(pin.budget_bytes.unwrap_or(u64::MAX));
         let pinned_bytes = std::cell::Cell::new(0u64);
         // Coded where asked and the backend can: the first refusal turns it off.
@@ -91,6 +176,30 @@ impl<B: OffloadBackend> HostStore<B> {
                 indices.push((i, placed.offset, placed.nbytes));
             }
             let purpose = format!("{}/{}", inventory.name, id);
+            if let (Some((region, offset_of)), true) = (mapped, mapping.get()) {
+                let at: Vec<usize> = indices.iter().map(|&(i, _, _)| offset_of(i)).collect();
+                match placement(specs, &at) {
+                    Ok((start, layout)) => match backend.host_in_region(region, start, layout.bytes, &purpose) {
+                        Ok(buffer) => {
+                            tier.borrow_mut().mapped += 1;
+                            if backend.is_pinned(&buffer) {
+                                pinned_bytes.set(pinned_bytes.get() + layout.bytes as u64);
+                            }
+                            return Ok(HostBlock { id, layout, buffer });
+                        }
+                        Err(e @ (Error::Unsupported { .. } | Error::HostAlloc { .. })) => {
+                            tracing::warn!("{purpose}: {e}; the component's blocks are copied from {}", region.origin());
+                            mapping.set(false);
+                            copied(format!("the backend did not register {}: {e}", region.origin()));
+                        }
+                        Err(e) => return Err(e),
+                    },
+                    Err(why) => {
+                        tracing::info!("{purpose}: copied, not served from {}: {why}", region.origin());
+                        copied(format!("{purpose}: {why}"));
+                    }
+                }
+            }
             let mut fill = |dst: &mut [u8]| {
                 let mut end = 0;
                 for &(i, off, n) in &indices {
@@ -159,6 +268,9 @@ impl<B: OffloadBackend> HostStore<B> {
         }
         let non_block =
             if inventory.non_block.is_empty() { None } else { Some(load(BlockId::new("<non-block>", 0), &inventory.non_block)?) };
+        let mut tier = tier.into_inner();
+        tier.copied = blocks.len() + usize::from(non_block.is_some()) - tier.mapped;
+        tier.build_s = t0.elapsed().as_secs_f64();
         Ok(HostStore {
             component: inventory.name.clone(),
             blocks,
@@ -166,7 +278,13 @@ impl<B: OffloadBackend> HostStore<B> {
             index,
             pinned_bytes: pinned_bytes.get(),
             coded_blocks: coded_blocks.get(),
+            tier,
         })
+    }
+
+    /// Where the blocks are held, and how long the build took.
+    pub fn tier(&self) -> &HostTier {
+        &self.tier
     }
 
     /// Buffers made coded through [`OffloadBackend::alloc_host_coded`]
@@ -248,7 +366,10 @@ pub fn probe_bandwidth<B: OffloadBackend>(backend: &B, store: &HostStore<B>, pas
 #[cfg(all(test, feature = "sim"))]
 mod tests {
     use crate::sim::{SimBackend, SimConfig};
-    use crate::{probe_bandwidth, BlockDiscovery, DType, HostStore, MemoryTensors, NameDiscovery, TensorSource, TensorSpec};
+    use crate::{
+        probe_bandwidth, BlockDiscovery, DType, HostStore, MemoryTensors, NameDiscovery, OffloadBackend, PinOptions, RegionSource,
+        SafetensorsFile, TensorSource, TensorSpec,
+    };
 
     #[test]
     fn probe_reports_a_rate_and_frees_its_slot() {
@@ -264,5 +385,155 @@ mod tests {
         assert!(bw.is_finite() && bw > 0.0, "{bw}");
         assert_eq!(be.stats().live_bytes, live);
         assert!(be.stats().violations.is_empty(), "{:?}", be.stats().violations);
+    }
+
+    /// A safetensors file written by hand, tensors in the order given (so a test
+    /// chooses what lies where), the header padded to a multiple of 8.
+    fn write_checkpoint(path: &std::path::Path, tensors: &[(String, Vec<u8>)]) {
+        let mut header = serde_json::Map::new();
+        let mut at = 0usize;
+        for (name, bytes) in tensors {
+            header.insert(name.clone(), serde_json::json!({"dtype": "U8", "shape": [bytes.len()], "data_offsets": [at, at + bytes.len()]}));
+            at += bytes.len();
+        }
+        let mut h = serde_json::to_vec(&serde_json::Value::Object(header)).unwrap();
+        while h.len() % 8 != 0 {
+            h.push(b' ');
+        }
+        let mut out = (h.len() as u64).to_le_bytes().to_vec();
+        out.extend_from_slice(&h);
+        for (_, bytes) in tensors {
+            out.extend_from_slice(bytes);
+        }
+        std::fs::write(path, out).unwrap();
+    }
+
+    /// Fresh random bytes (never zeros).
+    fn random(n: usize, seed: u64) -> Vec<u8> {
+        use rand::{Rng, SeedableRng};
+        let mut r = rand::rngs::StdRng::seed_from_u64(seed);
+        (0..n).map(|_| r.gen_range(1..=255u8)).collect()
+    }
+
+    /// Three blocks of two tensors and a non-block tensor; block 1's first
+    /// tensor is `odd` bytes long when given, so its second does not lie at a
+    /// multiple of 256 after it and block 1 cannot be served in place (the blocks
+    /// after it can: only distances within a block matter).
+    fn model(odd: Option<usize>) -> Vec<(String, Vec<u8>)> {
+        let mut t = Vec::new();
+        for b in 0..3u64 {
+            let n = if b == 1 { odd.unwrap_or(4096) } else { 4096 };
+            t.push((format!("blocks.{b}.a"), random(n, b * 2)));
+            t.push((format!("blocks.{b}.b"), random(1024, b * 2 + 1)));
+        }
+        t.push(("head.w".to_string(), random(512, 99)));
+        t
+    }
+
+    fn temp(name: &str) -> std::path::PathBuf {
+        let d = std::env::temp_dir().join(format!("offload-mapped-{}-{name}", std::process::id()));
+        std::fs::create_dir_all(&d).unwrap();
+        d.join("m.safetensors")
+    }
+
+    /// Every tensor's bytes in a store, by name, read through its layout.
+    fn tensors_of(be: &SimBackend, store: &HostStore<SimBackend>) -> Vec<(String, Vec<u8>)> {
+        let mut out = Vec::new();
+        for b in store.blocks().iter().chain(store.non_block()) {
+            let bytes = be.host_bytes(&b.buffer);
+            for t in &b.layout.tensors {
+                out.push((t.spec.name.clone(), bytes[t.offset..t.offset + t.nbytes].to_vec()));
+            }
+        }
+        out.sort();
+        out
+    }
+
+    #[test]
+    fn a_mapped_store_serves_the_files_bytes_in_place_and_copies_only_what_it_must() {
+        for (odd, want_mapped) in [(None, 4), (Some(1000), 3)] {
+            let path = temp(&format!("serve-{}", odd.is_some()));
+            let tensors = model(odd);
+            write_checkpoint(&path, &tensors);
+            let file = SafetensorsFile::open(&path).unwrap();
+            let inv = NameDiscovery.discover("m", file.specs()).unwrap();
+            let be = SimBackend::new(SimConfig::fast());
+            let copied = HostStore::build(&be, &inv, &file).unwrap();
+            let mapped = HostStore::build_mapped(&be, &inv, &file, PinOptions::default()).unwrap();
+            let tier = mapped.tier();
+            assert_eq!((tier.mapped, tier.copied), (want_mapped, 4 - want_mapped), "{tier:?}");
+            match odd {
+                None => assert_eq!(tier.copy_reason, None),
+                Some(_) => {
+                    let why = tier.copy_reason.as_deref().unwrap_or("");
+                    assert!(why.contains("blocks.1") && why.contains("multiple of 256"), "{why}");
+                }
+            }
+            // The same bytes, tensor by tensor, as the copying store and the file.
+            let mut want: Vec<(String, Vec<u8>)> = tensors.clone();
+            want.sort();
+            assert_eq!(tensors_of(&be, &mapped), want);
+            assert_eq!(tensors_of(&be, &copied), want);
+            // A served block's layout is the file's: its tensors at their distance in the file.
+            let b0 = &mapped.blocks()[0];
+            assert_eq!(b0.layout.get("blocks.0.b").unwrap().offset, 4096);
+            assert!(mapped.tier().build_s >= 0.0 && be.stats().violations.is_empty());
+            let _ = be.host_is_pinned();
+        }
+    }
+
+    #[test]
+    fn a_device_that_cannot_register_gets_the_copying_store_and_says_so() {
+        let path = temp("noreg");
+        let tensors = model(None);
+        write_checkpoint(&path, &tensors);
+        let file = SafetensorsFile::open(&path).unwrap();
+        let inv = NameDiscovery.discover("m", file.specs()).unwrap();
+        let be = SimBackend::new(SimConfig { registers_regions: false, ..SimConfig::fast() });
+        let store = HostStore::build_mapped(&be, &inv, &file, PinOptions::default()).unwrap();
+        assert_eq!((store.tier().mapped, store.tier().copied), (0, 4));
+        let why = store.tier().copy_reason.clone().unwrap_or_default();
+        assert!(why.contains("did not register"), "{why}");
+        let mut want = tensors;
+        want.sort();
+        assert_eq!(tensors_of(&be, &store), want);
+    }
+
+    #[test]
+    fn a_file_truncated_or_replaced_after_open_is_a_named_error_not_a_crash() {
+        // Truncated (as `cp new old` does before it writes).
+        let path = temp("trunc");
+        write_checkpoint(&path, &model(None));
+        let file = SafetensorsFile::open(&path).unwrap();
+        let inv = NameDiscovery.discover("m", file.specs()).unwrap();
+        std::fs::OpenOptions::new().write(true).open(&path).unwrap().set_len(100).unwrap();
+        let be = SimBackend::new(SimConfig::fast());
+        let e = HostStore::build_mapped(&be, &inv, &file, PinOptions::default()).err().expect("a truncated file is refused");
+        let msg = e.to_string();
+        assert!(msg.contains("m.safetensors") && msg.contains("truncated"), "{msg}");
+        let mut dst = [0u8; 16];
+        assert!(file.region().read_at(0, &mut dst).is_err(), "a read of the truncated file fails");
+        // Replaced: another file renamed over the path.
+        let path = temp("replace");
+        write_checkpoint(&path, &model(None));
+        let file = SafetensorsFile::open(&path).unwrap();
+        let other = path.with_extension("new");
+        write_checkpoint(&other, &model(None));
+        std::fs::rename(&other, &path).unwrap();
+        let e = HostStore::build_mapped(&be, &inv, &file, PinOptions::default()).err().expect("a replaced file is refused");
+        assert!(e.to_string().contains("replaced"), "{e}");
+        // Nothing was kept on either error.
+        assert_eq!(be.stats().pinned_bytes, 0);
+    }
+
+    #[test]
+    fn a_region_of_another_length_is_refused() {
+        let path = temp("len");
+        write_checkpoint(&path, &model(None));
+        let mut file = SafetensorsFile::open(&path).unwrap();
+        let short = temp("len-short");
+        write_checkpoint(&short, &model(Some(16)));
+        let other = SafetensorsFile::open(&short).unwrap();
+        assert!(file.set_region(other.region()).is_err());
     }
 }

@@ -115,7 +115,8 @@ pub fn align_up(n: usize) -> usize {
 /// Where every tensor of one block lives inside the block's contiguous buffer.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct BlockLayout {
-    /// Tensors, in checkpoint order, at increasing aligned offsets.
+    /// Tensors, in checkpoint order, at aligned offsets (increasing, except in a
+    /// block served in place from a file: [`placed`](Self::placed)).
     pub tensors: Vec<PlacedTensor>,
     /// Exact buffer size: the end of the last tensor.
     pub bytes: usize,
@@ -136,6 +137,33 @@ impl BlockLayout {
             offset = end;
         }
         Ok(BlockLayout { tensors, bytes: end })
+    }
+
+    /// A layout with the tensors at the offsets given (a block served in place from
+    /// a checkpoint: the file's own offsets, relative to the block's first byte).
+    /// Every offset must be a multiple of [`TENSOR_ALIGN`], every `nbytes` its
+    /// spec's size, and no two tensors may overlap; the size is the end of the last.
+    pub fn placed(tensors: Vec<PlacedTensor>) -> Result<Self> {
+        let bad = |t: &PlacedTensor, fault: String| crate::Error::BadTensor { tensor: t.spec.name.clone(), fault };
+        let mut spans: Vec<(usize, usize, usize)> = Vec::with_capacity(tensors.len());
+        for (i, t) in tensors.iter().enumerate() {
+            if t.offset % TENSOR_ALIGN != 0 {
+                return Err(bad(t, format!("at offset {}, not a multiple of {TENSOR_ALIGN}", t.offset)));
+            }
+            if t.nbytes != t.spec.nbytes()? {
+                return Err(bad(t, format!("{} bytes placed for a {}-byte tensor", t.nbytes, t.spec.nbytes()?)));
+            }
+            let end = t.offset.checked_add(t.nbytes).ok_or_else(|| bad(t, "its end overflows".into()))?;
+            spans.push((t.offset, end, i));
+        }
+        spans.sort_unstable();
+        for w in spans.windows(2) {
+            if w[1].0 < w[0].1 {
+                return Err(bad(&tensors[w[1].2], format!("overlaps {:?}", tensors[w[0].2].spec.name)));
+            }
+        }
+        let bytes = spans.iter().map(|s| s.1).max().unwrap_or(0);
+        Ok(BlockLayout { tensors, bytes })
     }
 
     /// The tensor named `name` (full name or the part after the block prefix).

@@ -31,6 +31,8 @@ pub(crate) struct Shared {
     pub(crate) coding: OnceLock<crate::coded::Coding>,
     /// Every `alloc_host` codes its block ([`CudaBackend::enable_coding`]).
     pub(crate) code_all: std::sync::atomic::AtomicBool,
+    /// Mapped regions registered with the device (the mapped host tier).
+    pub(crate) regions: crate::mapped::Registrations,
 }
 
 /// Counters of a [`CudaBackend`].
@@ -152,6 +154,7 @@ impl CudaBackend {
             checking: OnceLock::new(),
             coding: OnceLock::new(),
             code_all: std::sync::atomic::AtomicBool::new(false),
+            regions: Default::default(),
         };
         Ok(CudaBackend { shared: Arc::new(shared) })
     }
@@ -406,6 +409,10 @@ impl OffloadBackend for CudaBackend {
             Some(c) => PinnedHost::new_coded(self.shared.clone(), c, bytes, fill, purpose),
             None => PinnedHost::new(self.shared.clone(), bytes, fill, purpose),
         }
+    }
+
+    fn host_in_region(&self, region: &Arc<dyn offload_core::HostRegion>, offset: usize, bytes: usize, purpose: &str) -> Result<PinnedHost> {
+        self.mapped_host(region, offset, bytes, purpose)
     }
 
     fn alloc_host_coded(&self, bytes: usize, purpose: &str, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<PinnedHost> {

@@ -29,8 +29,8 @@
 //!   of every tensor of a block; enqueue kernels on
 //!   [`CudaBackend::compute_stream`].
 //!
-//! Not yet: pinning a memory-mapped safetensors file in place
-//! (`cuMemHostRegister`), so a checkpoint is read into pinned buffers once.
+//! - [`map_checkpoint`]: the mapped host tier, a checkpoint mapped read-only and
+//!   registered with the device once, its blocks served from the file's pages.
 
 pub mod checked;
 pub mod codec;
@@ -39,6 +39,7 @@ mod device;
 mod error;
 pub mod fold;
 pub mod fresh;
+pub mod mapped;
 mod memory;
 pub mod reference;
 
@@ -47,6 +48,7 @@ pub use cudarc;
 pub use device::{driver_present, CudaBackend, CudaCounters, POISON};
 pub use fold::DeviceSlot;
 pub use fresh::{FreshEngine, FreshSlot};
+pub use mapped::{map_checkpoint, MappedFile};
 pub use memory::{CudaSlot, PinnedHost};
 
 use offload_core::{BlockGuard, BlockLayout, Error, OffloadBackend, Result};

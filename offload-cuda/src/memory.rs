@@ -20,7 +20,18 @@ pub struct PinnedHost {
     pageable: Option<Box<[u8]>>,
     /// `Some` when the bytes are the block coded for the device.
     coded: Option<CodedHost>,
+    /// `Some` when the bytes are a range of a registered region (the mapped host
+    /// tier): `ptr` points into the mapping, which only the device reads.
+    mapped: Option<MappedHost>,
     shared: Arc<Shared>,
+}
+
+/// A buffer's range of a registered region, and its bytes as host code reads
+/// them (through the file, on first use).
+struct MappedHost {
+    reg: Arc<crate::mapped::Registration>,
+    offset: usize,
+    read: std::sync::OnceLock<Box<[u8]>>,
 }
 
 // SAFETY: the buffer is plain bytes owned by this value; after `fill` it is never
@@ -46,7 +57,7 @@ impl PinnedHost {
         };
         // Counted from here: `Drop` subtracts it, whatever happens to `fill`.
         shared.pinned_bytes.fetch_add(len as u64, Ordering::Relaxed);
-        let me = PinnedHost { ptr, len, pageable: None, coded: None, shared };
+        let me = PinnedHost { ptr, len, pageable: None, coded: None, mapped: None, shared };
         if len > 0 {
             // cuMemHostAlloc's memory is uninitialised: zero it before safe code sees it.
             // SAFETY: `ptr` points to `len` writable bytes we own exclusively.
@@ -62,7 +73,7 @@ impl PinnedHost {
         let mut bytes = vec![0u8; len].into_boxed_slice();
         fill(&mut bytes)?;
         let ptr = bytes.as_mut_ptr();
-        Ok(PinnedHost { ptr, len, pageable: Some(bytes), coded: None, shared })
+        Ok(PinnedHost { ptr, len, pageable: Some(bytes), coded: None, mapped: None, shared })
     }
 
     /// The block of `len` bytes `fill` writes, coded for the device
@@ -92,6 +103,18 @@ impl PinnedHost {
         )?;
         me.coded = Some(info);
         Ok(me)
+    }
+
+    /// `len` bytes at `offset` of a registered region, served in place.
+    pub(crate) fn in_region(shared: Arc<Shared>, reg: Arc<crate::mapped::Registration>, offset: usize, len: usize) -> Self {
+        // `mapped_host` checked `offset + len` lies in the region.
+        let ptr = reg.region().device_ptr().map_or(std::ptr::null_mut(), |p| p.wrapping_add(offset) as *mut u8);
+        PinnedHost { ptr, len, pageable: None, coded: None, mapped: Some(MappedHost { reg, offset, read: Default::default() }), shared }
+    }
+
+    /// Whether the bytes are served in place from a mapped checkpoint.
+    pub fn is_mapped(&self) -> bool {
+        self.mapped.is_some()
     }
 
     pub(crate) fn coded(&self) -> Option<&CodedHost> {
@@ -137,10 +160,26 @@ impl PinnedHost {
     }
 
     /// The bytes held (for a coded buffer, the coded bytes; see
-    /// [`block_bytes`](Self::block_bytes)).
+    /// [`block_bytes`](Self::block_bytes)). A buffer served from a mapped
+    /// checkpoint is read from the file on first use (never through the mapping).
+    ///
+    /// # Panics
+    ///
+    /// For a mapped buffer, if the file can no longer be read (truncated or
+    /// replaced since the store was built; the streaming path, which only the
+    /// device reads, is not affected).
     pub fn as_slice(&self) -> &[u8] {
         if self.len == 0 {
             return &[];
+        }
+        if let Some(m) = &self.mapped {
+            return m.read.get_or_init(|| {
+                let mut b = vec![0u8; self.len].into_boxed_slice();
+                if let Err(e) = m.reg.region().read_at(m.offset, &mut b) {
+                    panic!("a block served from {} can no longer be read: {e}", m.reg.region().origin());
+                }
+                b
+            });
         }
         // SAFETY: `ptr` is valid for `len` bytes for as long as `self` lives and is
         // never written after construction.
@@ -181,7 +220,8 @@ impl Drop for PinnedHost {
             }
             return;
         }
-        if self.pageable.is_some() {
+        if self.pageable.is_some() || self.mapped.is_some() {
+            // Pageable bytes are the box's; a mapped range is the registration's.
             return;
         }
         // SAFETY: `ptr` came from cuMemHostAlloc and no copy can read it any more.

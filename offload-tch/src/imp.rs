@@ -314,6 +314,15 @@ mod cuda {
         fn alloc_host_coded(&self, bytes: usize, purpose: &str, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<PinnedHost> {
             self.cuda().alloc_host_coded(bytes, purpose, fill)
         }
+        fn host_in_region(
+            &self,
+            region: &std::sync::Arc<dyn offload_core::HostRegion>,
+            offset: usize,
+            bytes: usize,
+            purpose: &str,
+        ) -> Result<PinnedHost> {
+            self.cuda().host_in_region(region, offset, bytes, purpose)
+        }
         fn is_pinned(&self, buffer: &PinnedHost) -> bool {
             self.cuda().is_pinned(buffer)
         }

@@ -20,6 +20,11 @@
 //!                                              the pipeline runs' medians, spreads, bounds and targets
 //! zoo merge-compressed --out F [--min-repeats 3] RUN.json... [--codec C.json...]
 //!                                              issue 19's file from --coded runs and codec_speed outputs
+//! zoo host-tiers --model M --file CKPT [--case 1024] [--depth 1] [--steps 5] [--commit C] --out F
+//!                                              one process (cuda): CKPT written if absent, then the mapped
+//!                                              and the copying store, each from open to its first streamed step
+//! zoo merge-host-tiers --out F [--min-repeats 3] RUN.json...
+//!                                              issue 17's file from host-tiers runs
 //! ```
 
 use offload_bench::harness::{merge, AnchorDoc, RunDoc};
@@ -256,6 +261,51 @@ fn run(args: &[String]) -> Result<(), String> {
             }
             #[cfg(not(feature = "tch-cuda"))]
             Err("pipeline: tch is not built into this zoo (feature tch-cuda)".into())
+        }
+        Some("host-tiers") => {
+            let model = registry::model(opt(args, "--model").ok_or("host-tiers: --model is required")?)?;
+            let out = opt(args, "--out").ok_or("host-tiers: --out is required")?;
+            let file = opt(args, "--file").ok_or("host-tiers: --file (the checkpoint, written if absent) is required")?;
+            let num = |name: &str, default: usize| -> Result<usize, String> {
+                opt(args, name).map_or(Ok(default), |v| v.parse().map_err(|e| format!("host-tiers: {name} {v:?}: {e}")))
+            };
+            let (depth, steps) = (num("--depth", 1)?, num("--steps", 5)?);
+            if depth == 0 || steps == 0 {
+                return Err("host-tiers: --depth and --steps must be at least 1".into());
+            }
+            let case = opt(args, "--case").unwrap_or("1024");
+            let commit = opt(args, "--commit").unwrap_or("unknown");
+            #[cfg(feature = "cuda")]
+            {
+                let doc = offload_bench::host_tiers::run(&model, case, depth, steps, file, commit)?;
+                write(out, &doc)
+            }
+            #[cfg(not(feature = "cuda"))]
+            {
+                let _ = (model, out, file, depth, steps, case, commit);
+                Err("host-tiers: cuda is not built into this zoo (feature cuda)".into())
+            }
+        }
+        Some("merge-host-tiers") => {
+            let (out, min, files, rest) = merge_args(args, "--anchors")?;
+            if !rest.is_empty() {
+                return Err("merge-host-tiers: the host tiers have no anchors".into());
+            }
+            let runs = files.iter().map(|f| read::<offload_bench::host_tiers::HostTierRun>(f)).collect::<Result<Vec<_>, _>>()?;
+            let doc = offload_bench::host_tiers::merge(&runs, min)?;
+            for c in doc["cases"].as_array().into_iter().flatten() {
+                println!(
+                    "{}: start {:.2} s, host RSS {:.2} GiB, step {:.4} s, ratio to bound {:.4}, bitwise {}, meets {}",
+                    c["mode"].as_str().unwrap_or(""),
+                    c["start_s"]["median"].as_f64().unwrap_or(f64::NAN),
+                    c["host_rss_bytes"]["median"].as_f64().unwrap_or(f64::NAN) / (1u64 << 30) as f64,
+                    c["step_streamed_s"]["median"].as_f64().unwrap_or(f64::NAN),
+                    c["ratio_to_bound"]["median"].as_f64().unwrap_or(f64::NAN),
+                    c["bitwise_equal"],
+                    c["meets_targets"]
+                );
+            }
+            write(out, &doc)
         }
         Some("merge-pipeline") => {
             let (out, min, files, anchors) = merge_args(args, "--anchors")?;

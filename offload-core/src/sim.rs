@@ -377,6 +377,9 @@ impl OffloadBackend for SimBackend {
         if !self.inner.cfg.registers_regions {
             return Err(Error::unsupported("sim", format!("registering host memory (for {purpose})")));
         }
+        if self.inner.cfg.coded {
+            return Err(Error::unsupported("sim", format!("blocks served in place while every block is coded (for {purpose})")));
+        }
         region.check()?;
         self.alloc_pinned(bytes, purpose, &mut |dst| region.read_at(offset, dst))
     }

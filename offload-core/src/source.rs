@@ -77,6 +77,8 @@ pub struct SafetensorsFile {
     /// positioned reads ([`FileRegion`]) until a backend maps it
     /// ([`set_region`](SafetensorsFile::set_region)).
     region: Arc<dyn HostRegion>,
+    /// The file's identity when the header was read (what every region of it checks against).
+    opened: FileIdentity,
 }
 
 impl std::fmt::Debug for SafetensorsFile {
@@ -178,8 +180,9 @@ impl SafetensorsFile {
         for (a, _, i) in ranges {
             offsets[i] = data_start + a;
         }
-        let region = Arc::new(FileRegion::new(&path, file.try_clone().map_err(io)?)?);
-        Ok(SafetensorsFile { path, file, specs, offsets, region })
+        let region = FileRegion::new(&path, file.try_clone().map_err(io)?)?;
+        let opened = region.identity;
+        Ok(SafetensorsFile { path, file, specs, offsets, region: Arc::new(region), opened })
     }
 
     /// The file's path.
@@ -192,9 +195,11 @@ impl SafetensorsFile {
         self.offsets[index]
     }
 
-    /// The file as a [`FileRegion`] (identity recorded at open).
+    /// The file as a [`FileRegion`], with the identity recorded when the header
+    /// was read (so a file rewritten since fails its `check`).
     pub fn file_region(&self) -> Result<FileRegion> {
-        FileRegion::new(&self.path, self.file.try_clone().map_err(|source| Error::Io { path: self.path.clone(), source })?)
+        let file = self.file.try_clone().map_err(|source| Error::Io { path: self.path.clone(), source })?;
+        Ok(FileRegion { path: self.path.clone(), file, identity: self.opened })
     }
 
     /// Serve the host store's blocks from `region` (the file mapped by a backend,
@@ -227,9 +232,11 @@ impl RegionSource for SafetensorsFile {
 /// them (the mapped host tier): a checkpoint file, mapped by a backend that can
 /// register it with its device, or read with positioned reads where none can.
 ///
-/// Host code reads it only through [`read_at`](Self::read_at), never through the
+/// Host code reads it only through [`read_at`](Self::read_at), never through a
 /// mapping, so a file truncated under the mapping is an error there, not a
-/// `SIGBUS`; the device reads it by DMA from [`device_ptr`](Self::device_ptr).
+/// `SIGBUS`. A backend registers only a region type of its own that it knows to be
+/// mapped (found through [`as_any`](Self::as_any), e.g. `offload_cuda::MappedFile`),
+/// never an address a trait implementation hands it.
 pub trait HostRegion: Send + Sync + 'static {
     /// Bytes in the region.
     fn len(&self) -> usize;
@@ -240,12 +247,9 @@ pub trait HostRegion: Send + Sync + 'static {
     /// Copy `dst.len()` bytes from `offset` into `dst`; an error if the region no
     /// longer holds them (the file truncated or replaced since it was opened).
     fn read_at(&self, offset: usize, dst: &mut [u8]) -> Result<()>;
-    /// The address of the region's first byte in this process, for a device to
-    /// register and read by DMA; `None` when it is not mapped. Host code must not
-    /// read through it (see the trait's docs); the region keeps it valid while it lives.
-    fn device_ptr(&self) -> Option<*const u8> {
-        None
-    }
+    /// The region as `Any`, so a backend can find a region type of its own (a
+    /// mapping it made) and register it.
+    fn as_any(&self) -> &dyn std::any::Any;
     /// What it is, for errors (`"checkpoint /path/m.safetensors"`).
     fn origin(&self) -> String;
     /// Whether the region still holds the bytes it was opened with: for a file,
@@ -310,6 +314,9 @@ impl FileRegion {
 impl HostRegion for FileRegion {
     fn len(&self) -> usize {
         self.identity.len as usize
+    }
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
     }
     fn read_at(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
         self.check()?;

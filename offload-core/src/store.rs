@@ -158,6 +158,13 @@ impl<B: OffloadBackend> HostStore<B> {
         let coded_blocks = std::cell::Cell::new(0usize);
         let _span = tracing::info_span!("host_store_build", component = %inventory.name).entered();
         let by_name: HashMap<&str, usize> = source.specs().iter().enumerate().map(|(i, s)| (s.name.as_str(), i)).collect();
+        // Where every tensor of the source starts in the region, in order (to find
+        // a tensor of another block lying inside a block's range).
+        let mut starts: Vec<(usize, usize)> = match mapped {
+            Some((_, offset_of)) => (0..source.specs().len()).map(|i| (offset_of(i), i)).collect(),
+            None => Vec::new(),
+        };
+        starts.sort_unstable();
         let load = |id: BlockId, specs: &[crate::tensor::TensorSpec]| -> Result<HostBlock<B>> {
             let layout = BlockLayout::new(specs.to_vec())?;
             let mut indices = Vec::with_capacity(specs.len());
@@ -178,11 +185,23 @@ impl<B: OffloadBackend> HostStore<B> {
             let purpose = format!("{}/{}", inventory.name, id);
             if let (Some((region, offset_of)), true) = (mapped, mapping.get()) {
                 let at: Vec<usize> = indices.iter().map(|&(i, _, _)| offset_of(i)).collect();
-                match placement(specs, &at) {
+                let placed = placement(specs, &at).and_then(|(start, layout)| {
+                    let end = start + layout.bytes;
+                    let from = starts.partition_point(|&(a, _)| a < start);
+                    match starts[from..].iter().take_while(|&&(a, _)| a < end).find(|&&(_, i)| !indices.iter().any(|&(j, _, _)| j == i)) {
+                        Some(&(_, i)) => Err(format!("{} lies among its tensors in the file", source.specs()[i].name)),
+                        None if layout.bytes as u64 > pinned_left.get() => {
+                            Err(format!("the pin budget has {} bytes left (the region is registered page-locked)", pinned_left.get()))
+                        }
+                        None => Ok((start, layout)),
+                    }
+                });
+                match placed {
                     Ok((start, layout)) => match backend.host_in_region(region, start, layout.bytes, &purpose) {
                         Ok(buffer) => {
                             tier.borrow_mut().mapped += 1;
                             if backend.is_pinned(&buffer) {
+                                pinned_left.set(pinned_left.get() - layout.bytes as u64);
                                 pinned_bytes.set(pinned_bytes.get() + layout.bytes as u64);
                             }
                             return Ok(HostBlock { id, layout, buffer });
@@ -535,5 +554,35 @@ mod tests {
         write_checkpoint(&short, &model(Some(16)));
         let other = SafetensorsFile::open(&short).unwrap();
         assert!(file.set_region(other.region()).is_err());
+    }
+
+    #[test]
+    fn a_block_with_another_tensor_in_its_padding_or_past_the_pin_budget_is_copied() {
+        // blocks.0.a ends 96 bytes short of 4096; a non-block tensor fills the gap.
+        let tensors = vec![
+            ("blocks.0.a".to_string(), random(4000, 1)),
+            ("x.tail".to_string(), random(96, 2)),
+            ("blocks.0.b".to_string(), random(1024, 3)),
+            ("blocks.1.a".to_string(), random(4096, 4)),
+            ("blocks.1.b".to_string(), random(1024, 5)),
+        ];
+        let path = temp("gap");
+        write_checkpoint(&path, &tensors);
+        let file = SafetensorsFile::open(&path).unwrap();
+        let inv = NameDiscovery.discover("m", file.specs()).unwrap();
+        let be = SimBackend::new(SimConfig::fast());
+        let store = HostStore::build_mapped(&be, &inv, &file, PinOptions::default()).unwrap();
+        // blocks.1 and the non-block tensor served in place, blocks.0 copied.
+        assert_eq!((store.tier().mapped, store.tier().copied), (2, 1), "{:?}", store.tier());
+        let why = store.tier().copy_reason.clone().unwrap_or_default();
+        assert!(why.contains("blocks.0") && why.contains("x.tail lies among"), "{why}");
+        let mut want = tensors.clone();
+        want.sort();
+        assert_eq!(tensors_of(&be, &store), want);
+        // A pin budget of one block: the rest copied into pageable memory, and said why.
+        let pin = PinOptions { budget_bytes: Some(5200), fallback: crate::PinFallback::Pageable, ..PinOptions::default() };
+        let store = HostStore::build_mapped(&be, &inv, &file, pin).unwrap();
+        assert!(store.pinned_bytes() <= 5200, "{}", store.pinned_bytes());
+        assert_eq!(tensors_of(&be, &store), want);
     }
 }

@@ -269,14 +269,17 @@ impl CudaBackend {
         }
         let len = src.len();
         // Once anything is enqueued, an error must not leave it running unseen:
-        // drain both streams (a staging buffer stays in the ring, unused).
+        // drain both streams; a staging buffer goes back to the ring only if both drained.
+        let drain = || s.copy.synchronize().is_ok() & c.decode.synchronize().is_ok();
         let drained = |e: Error| {
-            let _ = s.copy.synchronize();
-            let _ = c.decode.synchronize();
+            drain();
             e
         };
-        // The checking mode's poison and spin (no bytes copied by it).
-        self.enqueue_copy(src, dst, dst_len, 0).map_err(drained)?;
+        // The checking mode's poison and spin (no bytes copied by it), only when
+        // `checking` said so above (the mode read once: the wait above matches it).
+        if checking {
+            self.enqueue_copy(src, dst, dst_len, 0).map_err(drained)?;
+        }
         let mut ring = c.staging.lock().unwrap_or_else(|e| e.into_inner());
         let i = ring.next;
         ring.next = (i + 1) % STAGING_BUFFERS;
@@ -284,7 +287,7 @@ impl CudaBackend {
             Some(b) if b.len >= len.max(4) => {
                 if let Some(ev) = &b.last_read {
                     if let Err(e) = s.copy.wait(ev) {
-                        ring.bufs[i] = Some(Staging { last_read: None, ..b });
+                        ring.bufs[i] = Some(b);
                         return Err(drained(driver("copy stream waiting for a staging buffer's last decode", e)));
                     }
                 }
@@ -365,13 +368,20 @@ impl CudaBackend {
         })();
         // The buffer goes back to its place in the ring with the decode that read it;
         // after an error both streams are drained, so nothing uses it.
-        let (last_read, ev) = match issued {
-            Ok(ev) => (Some(ev.clone()), Ok(ev)),
-            Err(e) => (None, Err(drained(e))),
+        let ev = match issued {
+            Ok(ev) => {
+                ring.bufs[i] = Some(Staging { ptr: staging, len: staging_len, last_read: Some(ev.clone()) });
+                ev
+            }
+            Err(e) => {
+                match drain() {
+                    true => ring.bufs[i] = Some(Staging { ptr: staging, len: staging_len, last_read: None }),
+                    false => tracing::warn!("a {staging_len}-byte staging buffer is leaked: the streams could not be drained"),
+                }
+                return Err(e);
+            }
         };
-        ring.bufs[i] = Some(Staging { ptr: staging, len: staging_len, last_read });
         drop(ring);
-        let ev = ev?;
         s.copies.fetch_add(1, Ordering::Relaxed);
         s.bytes_copied.fetch_add(len as u64, Ordering::Relaxed);
         c.coded_copies.fetch_add(1, Ordering::Relaxed);

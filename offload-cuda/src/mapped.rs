@@ -81,8 +81,8 @@ impl HostRegion for MappedFile {
     fn read_at(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
         self.region.read_at(offset, dst)
     }
-    fn device_ptr(&self) -> Option<*const u8> {
-        Some(self.ptr)
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
     }
     fn origin(&self) -> String {
         self.region.origin()
@@ -120,6 +120,11 @@ impl Registration {
     pub(crate) fn region(&self) -> &Arc<dyn HostRegion> {
         &self.region
     }
+
+    /// The registered mapping's first byte (for DMA only).
+    pub(crate) fn base(&self) -> *mut u8 {
+        self.base
+    }
 }
 
 impl Drop for Registration {
@@ -150,9 +155,14 @@ pub(crate) struct Registrations(Mutex<Vec<Weak<Registration>>>);
 impl CudaBackend {
     /// The registration of `region`, made now if none is alive.
     pub(crate) fn register(&self, region: &Arc<dyn HostRegion>, purpose: &str) -> Result<Arc<Registration>> {
-        let Some(base) = region.device_ptr() else {
-            return Err(Error::unsupported("cuda", format!("a region that is not mapped ({}, for {purpose})", region.origin())));
+        // Only a mapping made here is registered: its address and length are ours.
+        let Some(mapped) = region.as_any().downcast_ref::<MappedFile>() else {
+            return Err(Error::unsupported(
+                "cuda",
+                format!("a region not mapped by offload_cuda::map_checkpoint ({}, for {purpose})", region.origin()),
+            ));
         };
+        let (base, len) = (mapped.ptr, mapped.mapped_len);
         let s = self.shared();
         let mut regs = s.regions.0.lock().unwrap_or_else(|e| e.into_inner());
         regs.retain(|w| w.strong_count() > 0);
@@ -160,24 +170,28 @@ impl CudaBackend {
             return Ok(r);
         }
         s.ctx.bind_to_thread().map_err(|e| driver("binding the context", e))?;
-        let len = region.len().next_multiple_of(page_size());
         let flags = sys::CU_MEMHOSTREGISTER_READ_ONLY | sys::CU_MEMHOSTREGISTER_PORTABLE;
-        // The region (a mapping of at least `len` bytes: whole pages) lives as long
-        // as the registration, which holds it and unregisters before it is dropped.
-        // SAFETY: `base .. base + len` is mapped in this process (just said).
+        // `base .. base + len` is the `MappedFile`'s own mapping (whole pages), which
+        // lives as long as the registration: it holds the region, unregisters first.
+        // SAFETY: the range is mapped in this process for the registration's life (just said).
         unsafe { sys::cuMemHostRegister_v2(base as *mut _, len, flags) }.result().map_err(|e| Error::HostAlloc {
             backend: "cuda".into(),
             requested: len as u64,
             purpose: purpose.to_owned(),
             reason: format!("cuMemHostRegister (read-only) of {}: {e}", region.origin()),
         })?;
-        let r = Arc::new(Registration { region: region.clone(), base: base as *mut u8, shared: s.clone() });
+        let r = Arc::new(Registration { region: region.clone(), base, shared: s.clone() });
         regs.push(Arc::downgrade(&r));
         Ok(r)
     }
 
     /// [`OffloadBackend::host_in_region`](offload_core::OffloadBackend::host_in_region) on CUDA.
     pub(crate) fn mapped_host(&self, region: &Arc<dyn HostRegion>, offset: usize, bytes: usize, purpose: &str) -> Result<PinnedHost> {
+        if self.is_coding() {
+            // Every block is held coded (a copy by nature): mixing mapped raw blocks
+            // with coded ones would let two streams write one slot.
+            return Err(Error::unsupported("cuda", format!("blocks served in place while coding is on (for {purpose})")));
+        }
         if offset.checked_add(bytes).is_none_or(|end| end > region.len()) {
             return Err(Error::Protocol(format!(
                 "{purpose}: {bytes} bytes at {offset} asked of {} ({} bytes)",
@@ -219,7 +233,7 @@ mod tests {
         let p = checkpoint("trunc");
         let f = map_checkpoint(&p).unwrap();
         let r = f.region();
-        assert!(r.device_ptr().is_some(), "mapped");
+        assert!(r.as_any().downcast_ref::<MappedFile>().is_some(), "mapped");
         let mut w = vec![0u8; 8192];
         f.read_into(0, &mut w).unwrap();
         let mut via = vec![0u8; 8192];

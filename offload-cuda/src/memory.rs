@@ -108,7 +108,7 @@ impl PinnedHost {
     /// `len` bytes at `offset` of a registered region, served in place.
     pub(crate) fn in_region(shared: Arc<Shared>, reg: Arc<crate::mapped::Registration>, offset: usize, len: usize) -> Self {
         // `mapped_host` checked `offset + len` lies in the region.
-        let ptr = reg.region().device_ptr().map_or(std::ptr::null_mut(), |p| p.wrapping_add(offset) as *mut u8);
+        let ptr = reg.base().wrapping_add(offset);
         PinnedHost { ptr, len, pageable: None, coded: None, mapped: Some(MappedHost { reg, offset, read: Default::default() }), shared }
     }
 

@@ -112,12 +112,12 @@ impl CostModel {
     }
 
     /// Staging device bytes of a coded plan: the decode engine's two staging
-    /// buffers (offload-cuda's `STAGING_BUFFERS`), each the largest coded streamed
-    /// block rounded up to 2 MiB, whatever the depth (`_depth` is kept for
-    /// engines that would hold one per copy in flight).
-    pub fn staging_bytes(&self, resident: &[bool], _depth: usize) -> u64 {
-        let largest =
-            self.blocks.iter().zip(resident).filter(|(_, r)| !**r).filter_map(|(b, _)| b.coded.map(|c| c.bytes)).max().unwrap_or(0);
+    /// buffers (offload-cuda's `STAGING_BUFFERS`), each the largest coded block
+    /// rounded up to 2 MiB (resident blocks are loaded through them too, and the
+    /// buffers keep the largest size they grew to), whatever the depth (`_resident`
+    /// and `_depth` are kept for engines that would hold one per copy in flight).
+    pub fn staging_bytes(&self, _resident: &[bool], _depth: usize) -> u64 {
+        let largest = self.blocks.iter().filter_map(|b| b.coded.map(|c| c.bytes)).max().unwrap_or(0);
         if largest == 0 {
             return 0;
         }

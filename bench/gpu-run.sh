@@ -124,7 +124,8 @@ for case, depth in keys:
 bw = spread([r["bandwidth_gbps"] for r in runs])
 cu = [r["cuda_bandwidth_gbps"] for r in runs if r["cuda_bandwidth_gbps"] is not None]
 cuda = spread(cu) if cu else None
-doc = {"date": runs[0]["date"], "commit": runs[0]["commit"], "gpu": runs[0]["gpu"], "backend": "vulkan", "model": runs[0]["model"],
+# A run made without BENCH_DATE has no date: the merge's BENCH_DATE (the day of the device command) then.
+doc = {"date": runs[0]["date"] or os.environ.get("BENCH_DATE", ""), "commit": runs[0]["commit"], "gpu": runs[0]["gpu"], "backend": "vulkan", "model": runs[0]["model"],
     "runs": [f"{prefix}-run{i + 1}.json" for i in range(len(runs))], "options": runs[0].get("options"),
     "bandwidth_gbps": bw["median"], "bandwidth_gbps_min": bw["min"], "bandwidth_gbps_max": bw["max"],
     "cuda_bandwidth_gbps": cuda and cuda["median"], "cuda_bandwidth_gbps_min": cuda and cuda["min"], "cuda_bandwidth_gbps_max": cuda and cuda["max"],

@@ -411,6 +411,43 @@ pub fn readme_tables(results: &Path) -> Result<String, String> {
         }
         md.push('\n');
     }
+    // Host tiers (`zoo merge-host-tiers`): the mapped and the copying store, the newest file.
+    if let Some(name) = names.iter().filter(|n| n.contains("-host-tiers-") && n.ends_with(".json")).max() {
+        let d = read_json(&results.join(name))?;
+        let modes: Vec<String> = d["cases"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|c| {
+                format!(
+                    "{} store: open → first streamed step {:.2} s [{:.2}, {:.2}], host memory beyond the page cache {:.2} GiB, \
+                     streamed step {:.3} s, {:.3} × its bound, bitwise equal: {}, targets met: {}",
+                    c["mode"].as_str().unwrap_or("?"),
+                    f(&c["start_s"]["median"]),
+                    f(&c["start_s"]["min"]),
+                    f(&c["start_s"]["max"]),
+                    f(&c["host_rss_bytes"]["median"]) / (1u64 << 30) as f64,
+                    f(&c["step_streamed_s"]["median"]),
+                    f(&c["ratio_to_bound"]["median"]),
+                    if c["bitwise_equal"] == true { "yes" } else { "**no**" },
+                    if c["meets_targets"] == true { "yes" } else { "**no**" },
+                )
+            })
+            .collect();
+        let _ = writeln!(
+            md,
+            "Host tiers (`bench/results/{name}`, backend `{}` at {} on an {}, {} process runs, a {:.2} GiB {} checkpoint in the page cache, \
+             medians with [min, max]): {}. Disk tier: {}.\n",
+            d["backend"].as_str().unwrap_or("?"),
+            d["commit"].as_str().unwrap_or("?"),
+            d["gpu"].as_str().unwrap_or("?"),
+            d["process_runs"],
+            f(&d["file_bytes"]) / (1u64 << 30) as f64,
+            d["model"].as_str().unwrap_or("?"),
+            modes.join("; "),
+            d["disk_tier"].as_str().unwrap_or("measured"),
+        );
+    }
     // Compressed streaming (`zoo merge-compressed`): raw and coded steps of one process.
     for name in names.iter().filter(|n| n.contains("-compressed-") && n.ends_with(".json")) {
         let d = read_json(&results.join(name))?;
@@ -600,9 +637,13 @@ pub fn readme_tables(results: &Path) -> Result<String, String> {
         let ratios: Vec<f64> = d["cases"].as_array().into_iter().flatten().map(|c| f(&c["ratio_to_bound"])).collect();
         let _ = writeln!(
             md,
-            "Vulkan (`bench/results/{name}`, {} process runs): pinned bandwidth {:.1} GB/s [{:.1}, {:.1}], {:.3} × cudarc's in the same runs \
+            "Vulkan (`bench/results/{name}`, {} process runs{}): pinned bandwidth {:.1} GB/s [{:.1}, {:.1}], {:.3} × cudarc's in the same runs \
              (target 0.9: {}); streamed steps {:.3}–{:.3} × their bound.",
             d["runs"].as_array().map_or(0, Vec::len),
+            match d["options"]["split_copy_queues"].as_u64() {
+                Some(n) if n > 1 => format!(", each copy split over {n} transfer queues"),
+                _ => String::new(),
+            },
             f(&d["bandwidth_gbps"]),
             f(&d["bandwidth_gbps_min"]),
             f(&d["bandwidth_gbps_max"]),
@@ -678,6 +719,27 @@ mod readme_tests {
         assert!(md.contains("`bench/results/x-pipeline-tch.json`") && md.contains("whole pass 1.500 s [1.400, 1.600], 1.050 ×"), "{md}");
         assert!(md.contains("targets met: **no**"), "{md}");
         assert!(md.contains("| vae | m | on demand | 0.100 [0.100, 0.100] | 0.100 | 0.100 | yes |"), "{md}");
+    }
+
+    #[test]
+    fn a_host_tiers_file_becomes_its_sentence() {
+        let dir = std::env::temp_dir().join(format!("offload-host-tiers-report-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let sp = |m: f64| serde_json::json!({"median": m, "min": m - 0.01, "max": m + 0.01});
+        let mode = |m: &str, start: f64, rss: f64, ok: bool| {
+            serde_json::json!({"mode": m, "start_s": sp(start), "host_rss_bytes": sp(rss), "step_streamed_s": sp(0.43),
+                "ratio_to_bound": sp(1.001), "bitwise_equal": true, "meets_targets": ok})
+        };
+        let doc = serde_json::json!({"backend": "cuda", "commit": "c0", "gpu": "NVIDIA H200", "process_runs": 3, "model": "flux-dev",
+            "file_bytes": 23_676_000_000u64, "disk_tier": "not built yet: no disk case",
+            "cases": [mode("mapped", 1.2, 0.32 * (1u64 << 30) as f64, true), mode("copy", 16.1, 22.45 * (1u64 << 30) as f64, false)]});
+        std::fs::write(dir.join("x-host-tiers-h200.json"), doc.to_string()).unwrap();
+        let md = readme_tables(&dir).unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+        assert!(md.contains("`bench/results/x-host-tiers-h200.json`") && md.contains("a 22.05 GiB flux-dev checkpoint"), "{md}");
+        assert!(md.contains("mapped store: open → first streamed step 1.20 s [1.19, 1.21], host memory beyond the page cache 0.32 GiB"), "{md}");
+        assert!(md.contains("copy store: open → first streamed step 16.10 s") && md.contains("targets met: **no**"), "{md}");
+        assert!(md.contains("Disk tier: not built yet"), "{md}");
     }
 
     #[test]

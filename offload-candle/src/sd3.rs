@@ -36,6 +36,8 @@ pub struct Sd3Run {
     pub metrics: StepMetrics,
     /// Bytes of all blocks in the host store.
     pub model_bytes: u64,
+    /// Where the store held the blocks ([`Sd3Blocks::run_mapped`]: served from the file).
+    pub host_tier: offload_core::HostTier,
 }
 
 impl Sd3Run {
@@ -66,6 +68,28 @@ impl Sd3Blocks {
         B: OffloadBackend,
         for<'a> BlockGuard<'a, B>: CandleBlockExt,
     {
+        self.run_from(backend, device, SafetensorsFile::open(path)?, tokens, false)
+    }
+
+    /// [`run`](Self::run) with the host store built by `HostStore::build_mapped`
+    /// from `file` (opened by `SafetensorsFile::open`, or mapped by
+    /// `offload_cuda::map_checkpoint` for a CUDA backend): blocks served from the
+    /// file where the backend can.
+    pub fn run_mapped<B>(&self, backend: &B, device: &Device, file: SafetensorsFile, tokens: (usize, usize)) -> Result<Sd3Run>
+    where
+        B: OffloadBackend,
+        for<'a> BlockGuard<'a, B>: CandleBlockExt,
+    {
+        self.run_from(backend, device, file, tokens, true)
+    }
+
+    fn run_from<B>(&self, backend: &B, device: &Device, file: SafetensorsFile, tokens: (usize, usize), mapped: bool) -> Result<Sd3Run>
+    where
+        B: OffloadBackend,
+        for<'a> BlockGuard<'a, B>: CandleBlockExt,
+    {
+        let path = file.path().to_path_buf();
+        let path = path.as_path();
         let (hidden, heads) = (self.hidden, self.heads);
         let rand = |n: usize| Tensor::randn(0f32, 1.0, (1, n, hidden), &Device::Cpu).and_then(|t| t.to_device(device));
         let context = rand(tokens.0).map_err(ce("making the inputs"))?;
@@ -83,9 +107,11 @@ impl Sd3Blocks {
         }
 
         // Streamed: the same block code, weights from the ring.
-        let file = SafetensorsFile::open(path)?;
         let inventory = DeclaredStacks::new(["joint_blocks"]).discover("transformer", file.specs())?;
-        let store = Arc::new(HostStore::build(backend, &inventory, &file)?);
+        let store = Arc::new(match mapped {
+            true => HostStore::build_mapped(backend, &inventory, &file, offload_core::PinOptions::default())?,
+            false => HostStore::build(backend, &inventory, &file)?,
+        });
         let plan = resolve(&Plan::layerwise(), std::slice::from_ref(&inventory))?;
         let mut ring = Ring::new(backend.clone(), store.clone(), &plan.components[0])?;
         let (mut ctx_s, mut x_s) = (context, x);
@@ -101,7 +127,13 @@ impl Sd3Blocks {
         let read = |t: Tensor| {
             t.flatten_all().and_then(|t| t.to_device(&Device::Cpu)).and_then(|t| t.to_vec1::<f32>()).map_err(ce("reading the output"))
         };
-        let out = Sd3Run { resident: read(x_r)?, streamed: read(x_s)?, metrics, model_bytes: store.host_bytes() };
+        let out = Sd3Run {
+            resident: read(x_r)?,
+            streamed: read(x_s)?,
+            metrics,
+            model_bytes: store.host_bytes(),
+            host_tier: store.tier().clone(),
+        };
         ring.close()?;
         Ok(out)
     }

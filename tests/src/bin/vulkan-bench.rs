@@ -1,6 +1,6 @@
 //! `vulkan-bench --out PATH [--commit C] [--blocks N] [--block-mib M] [--steps S]
 //! [--host-cached] [--copy-queue transfer|second-compute|compute] [--copy-chunk-mib C]
-//! [--host-memory allocated|imported] [--split-copies]`:
+//! [--host-memory allocated|imported] [--no-split-copies]` (copies split over two transfer queues by default; `--split-copies` is accepted and changes nothing):
 //! the Vulkan backend on this machine's GPU, one process's run.
 //!
 //! - Transfer bandwidth: every block copied from host-visible memory into one slot
@@ -92,7 +92,8 @@ fn run() -> Res<()> {
             Some("imported") => offload_vulkan::HostMemory::Imported,
             Some(other) => return Err(format!("--host-memory {other}: allocated or imported")),
         },
-        split_copies: args.iter().any(|a| a == "--split-copies"),
+        // Split by default (as `VulkanOptions`); `--split-copies` kept for older commands.
+        split_copies: !args.iter().any(|a| a == "--no-split-copies"),
         ..Default::default()
     };
     let vk = VulkanBackend::with_options(&options).map_err(|e| e.to_string())?;

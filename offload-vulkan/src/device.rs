@@ -407,15 +407,20 @@ impl VulkanBackend {
                 return Err(vk_err("vkCreateDevice", &name, e));
             }
         };
+        // What the closure below made, so a failure part-way destroys it before the
+        // device (a device's children must go first).
+        let (mut made_pools, mut made_sems): (Vec<vk::CommandPool>, Vec<vk::Semaphore>) = (Vec::new(), Vec::new());
         // SAFETY: plain queries and object creation on the live device; every object
-        // is destroyed in `Inner::drop`, or here on failure (device-wait-idle first).
+        // is destroyed in `Inner::drop`, or here on failure (nothing submitted yet).
         let made = unsafe {
             (|| -> std::result::Result<_, (vk::Result, &'static str)> {
-                let mk_pool = |family: u32| {
+                let mut mk_pool = |family: u32| {
                     let ci = vk::CommandPoolCreateInfo::default()
                         .queue_family_index(family)
                         .flags(vk::CommandPoolCreateFlags::TRANSIENT | vk::CommandPoolCreateFlags::RESET_COMMAND_BUFFER);
-                    device.create_command_pool(&ci, None)
+                    let p = device.create_command_pool(&ci, None)?;
+                    made_pools.push(p);
+                    Ok(p)
                 };
                 let compute_pool = mk_pool(compute_family).map_err(|e| (e, "vkCreateCommandPool"))?;
                 let compute = Queue { family: compute_family, queue: device.get_device_queue(compute_family, 0), pool: compute_pool };
@@ -428,12 +433,17 @@ impl VulkanBackend {
                 };
                 let mut ty = vk::SemaphoreTypeCreateInfo::default().semaphore_type(vk::SemaphoreType::TIMELINE).initial_value(0);
                 let ci = vk::SemaphoreCreateInfo::default().push_next(&mut ty);
-                let copy_tl = device.create_semaphore(&ci, None).map_err(|e| (e, "vkCreateSemaphore"))?;
-                let compute_tl = device.create_semaphore(&ci, None).map_err(|e| (e, "vkCreateSemaphore"))?;
+                let mut mk_sem = || {
+                    let s = device.create_semaphore(&ci, None).map_err(|e| (e, "vkCreateSemaphore"))?;
+                    made_sems.push(s);
+                    Ok::<_, (vk::Result, &'static str)>(s)
+                };
+                let copy_tl = mk_sem()?;
+                let compute_tl = mk_sem()?;
                 let split = match options.split_copies {
                     false => None,
                     true => {
-                        let half_tl = device.create_semaphore(&ci, None).map_err(|e| (e, "vkCreateSemaphore"))?;
+                        let half_tl = mk_sem()?;
                         let first = transfer.as_ref().unwrap_or(&compute).queue;
                         let queue = second_at.map_or(first, |(f, i)| device.get_device_queue(f, i));
                         Some(Split { queue, other_queue: second_at.is_some(), half_tl })
@@ -445,8 +455,12 @@ impl VulkanBackend {
         let (compute, transfer, copy_tl, compute_tl, split) = match made {
             Ok(x) => x,
             Err((e, call)) => {
-                // SAFETY: nothing was submitted; destroying the device frees its children.
-                unsafe { device.destroy_device(None) };
+                // SAFETY: nothing was submitted; the device's children go first, then the device.
+                unsafe {
+                    made_sems.iter().for_each(|s| device.destroy_semaphore(*s, None));
+                    made_pools.iter().for_each(|p| device.destroy_command_pool(*p, None));
+                    device.destroy_device(None);
+                }
                 destroy_instance(&debug);
                 return Err(vk_err(call, &name, e));
             }

@@ -99,6 +99,16 @@ impl<B: OffloadBackend> OffloadBackend for FaultInjector<B> {
         self.tick(FaultKind::HostAlloc, purpose)?;
         self.inner.alloc_host_coded(bytes, purpose, fill)
     }
+    fn host_in_region(
+        &self,
+        region: &std::sync::Arc<dyn crate::HostRegion>,
+        offset: usize,
+        bytes: usize,
+        purpose: &str,
+    ) -> Result<Self::HostBuffer> {
+        self.tick(FaultKind::HostAlloc, purpose)?;
+        self.inner.host_in_region(region, offset, bytes, purpose)
+    }
     fn is_pinned(&self, buffer: &Self::HostBuffer) -> bool {
         self.inner.is_pinned(buffer)
     }

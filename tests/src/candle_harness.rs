@@ -15,6 +15,10 @@ impl Harness for Candle {
     type Acc = u64;
     const NAME: &'static str = "candle";
 
+    fn serves_mapped() -> bool {
+        // Host memory is the device: each range is read into it.
+        true
+    }
     fn backend() -> std::result::Result<CandleBackend, CaseError> {
         Ok(CandleBackend::cpu())
     }
@@ -199,6 +203,13 @@ impl Harness for CandleCuda {
     type Acc = offload_cuda::fold::FoldKernel;
     const NAME: &'static str = "candle-cuda";
 
+    fn open_mapped(path: &std::path::Path) -> offload_core::Result<offload_core::SafetensorsFile> {
+        offload_cuda::map_checkpoint(path)
+    }
+    fn serves_mapped() -> bool {
+        // offload-cuda's transfer engine registers the file in place.
+        true
+    }
     fn backend() -> std::result::Result<Self::B, CaseError> {
         if !offload_cuda::driver_present() {
             return Err(CaseError::Skip("no CUDA driver library (libcuda.so) on this machine".into()));

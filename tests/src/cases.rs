@@ -43,6 +43,7 @@ pub fn all<H: Harness>() -> Vec<Case> {
         Case { name: "one_host_copy", invariant: "9", run: one_host_copy::<H>, caught: &[] },
         Case { name: "on_demand_component", invariant: "5,6,8", run: on_demand::<H>, caught: &[] },
         Case { name: "safetensors_source", invariant: "6,9", run: safetensors_source::<H>, caught: &[] },
+        Case { name: "mapped_source", invariant: "6,9", run: mapped_source::<H>, caught: &[] },
     ]
 }
 
@@ -311,6 +312,55 @@ fn on_demand<H: Harness>(_: Sabotage) -> Outcome {
         su.plan(&Plan::layerwise().component("transformer", ComponentPlan { strategy: Strategy::OnDemand, ..Default::default() }))?;
     ensure!(Ring::new(su.backend.clone(), su.store.clone(), &plan).is_err(), "a ring accepted an on-demand plan");
     su.no_violations()
+}
+
+/// The mapped host tier: a checkpoint whose blocks lie in the file as the store
+/// lays them out (each tensor at a multiple of 256 from its block's first), opened
+/// the way this row serves it in place (`Harness::open_mapped`), built by
+/// `HostStore::build_mapped`: every buffer served from the file where the row can
+/// (`Harness::serves_mapped`), copied where it cannot, and the streamed result
+/// equal to the in-memory reference either way.
+fn mapped_source<H: Harness>(_: Sabotage) -> Outcome {
+    let model = TestModel::random(&ModelShape { stacks: vec![3, 2], ..Default::default() }, 222);
+    let dir = std::env::temp_dir().join(format!("offload-conformance-mapped-{}-{}", H::NAME, std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let path = dir.join("model.safetensors");
+    // Block by block in inventory order, every tensor at a multiple of 256 of the data.
+    let mut header = serde_json::Map::new();
+    let mut data: Vec<u8> = Vec::new();
+    let names: Vec<String> = model.inventory.blocks().flat_map(|b| b.tensors.iter().map(|t| t.name.clone())).collect();
+    for name in names.iter().chain(model.inventory.non_block.iter().map(|t| &t.name)) {
+        let bytes = model.tensors.bytes(name).ok_or_else(|| CaseError::Fail(format!("{name}: not in the model")))?;
+        data.resize(data.len().next_multiple_of(256), 0);
+        let at = data.len();
+        data.extend_from_slice(bytes);
+        header.insert(name.clone(), serde_json::json!({"dtype": "U8", "shape": [bytes.len()], "data_offsets": [at, data.len()]}));
+    }
+    let mut h = serde_json::to_vec(&serde_json::Value::Object(header)).map_err(|e| CaseError::Fail(e.to_string()))?;
+    h.resize(h.len().next_multiple_of(8), b' ');
+    let mut out = (h.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(&h);
+    out.extend_from_slice(&data);
+    std::fs::write(&path, out)?;
+    let file = H::open_mapped(&path)?;
+    let inventory = NameDiscovery.discover("transformer", file.specs())?;
+    let backend = FaultInjector::new(H::backend()?);
+    let store = Arc::new(HostStore::build_mapped(&backend, &inventory, &file, offload_core::PinOptions::default())?);
+    let tier = store.tier().clone();
+    let buffers = store.blocks().len() + usize::from(store.non_block().is_some());
+    let want = if H::serves_mapped() { (buffers, 0) } else { (0, buffers) };
+    ensure!((tier.mapped, tier.copied) == want, "{} served in place and {} copied, {want:?} expected ({tier:?})", tier.mapped, tier.copied);
+    let rc = resolve(&Plan::layerwise(), &[inventory])?.components.remove(0);
+    let su = Setup::<H> { backend: backend.clone(), model, store };
+    let mut ring = Ring::new(backend, su.store.clone(), &rc)?;
+    let order: Vec<usize> = su.model.inventory.blocks().map(|b| su.store.position(&b.id).unwrap_or(usize::MAX)).collect();
+    let got = su.run(&mut ring, &order)?;
+    ring.close()?;
+    let reference = H::reference(&su.model, &su.declared());
+    drop(su);
+    let _ = std::fs::remove_dir_all(&dir);
+    ensure!(got == reference, "result from the mapped store {got:#018x} differs from the in-memory reference {reference:#018x}");
+    Ok(())
 }
 
 fn safetensors_source<H: Harness>(_: Sabotage) -> Outcome {

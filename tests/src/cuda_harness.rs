@@ -54,6 +54,13 @@ impl<const CODED: bool> Harness for CudaRow<CODED> {
     fn read(b: &CudaBackend, acc: &FoldKernel) -> Result<u64> {
         acc.read(b)
     }
+    fn open_mapped(path: &std::path::Path) -> offload_core::Result<offload_core::SafetensorsFile> {
+        offload_cuda::map_checkpoint(path)
+    }
+    fn serves_mapped() -> bool {
+        // Registered in place; with coding on every block is a copy.
+        !CODED
+    }
     fn violations(_: &CudaBackend) -> Vec<String> {
         Vec::new()
     }

@@ -93,4 +93,17 @@ pub trait Harness: 'static {
     fn model_cases() -> Vec<ModelCase> {
         Vec::new()
     }
+    /// Open a checkpoint for `HostStore::build_mapped` the way this backend serves
+    /// it in place (the CUDA rows map it with `offload_cuda::map_checkpoint`);
+    /// elsewhere read with positioned reads (the simulator reads each block's range
+    /// into its own memory; a backend without `host_in_region` gets copies).
+    fn open_mapped(path: &std::path::Path) -> offload_core::Result<offload_core::SafetensorsFile> {
+        offload_core::SafetensorsFile::open(path)
+    }
+    /// How many of a mapped store's buffers this row serves in place: all (`true`)
+    /// or none (`false`: a backend that cannot register host memory, or one that
+    /// codes every block).
+    fn serves_mapped() -> bool {
+        false
+    }
 }

@@ -17,6 +17,10 @@ impl Harness for Tch {
     type Acc = u64;
     const NAME: &'static str = "tch";
 
+    fn serves_mapped() -> bool {
+        // libtorch's CPU device on the simulator: each range is read into host memory.
+        true
+    }
     fn backend() -> std::result::Result<SimBackend, CaseError> {
         Ok(SimBackend::new(SimConfig::fast()))
     }
@@ -68,6 +72,13 @@ impl Harness for TchCuda {
     type Acc = offload_cuda::fold::FoldKernel;
     const NAME: &'static str = "tch-cuda";
 
+    fn open_mapped(path: &std::path::Path) -> offload_core::Result<offload_core::SafetensorsFile> {
+        offload_cuda::map_checkpoint(path)
+    }
+    fn serves_mapped() -> bool {
+        // offload-cuda's transfer engine registers the file in place.
+        true
+    }
     fn backend() -> std::result::Result<Self::B, CaseError> {
         let b = offload_tch::cuda_backend(0).map_err(|e| CaseError::Skip(format!("no CUDA device for libtorch: {e}")))?;
         b.cuda().enable_checking(crate::cuda_harness::COPY_SPIN_US)?;

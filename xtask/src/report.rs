@@ -737,7 +737,10 @@ mod readme_tests {
         let md = readme_tables(&dir).unwrap();
         let _ = std::fs::remove_dir_all(&dir);
         assert!(md.contains("`bench/results/x-host-tiers-h200.json`") && md.contains("a 22.05 GiB flux-dev checkpoint"), "{md}");
-        assert!(md.contains("mapped store: open → first streamed step 1.20 s [1.19, 1.21], host memory beyond the page cache 0.32 GiB"), "{md}");
+        assert!(
+            md.contains("mapped store: open → first streamed step 1.20 s [1.19, 1.21], host memory beyond the page cache 0.32 GiB"),
+            "{md}"
+        );
         assert!(md.contains("copy store: open → first streamed step 16.10 s") && md.contains("targets met: **no**"), "{md}");
         assert!(md.contains("Disk tier: not built yet"), "{md}");
     }

@@ -210,20 +210,28 @@ mod tests {
     use super::*;
     use offload_core::{RegionSource, TensorSource};
 
-    fn checkpoint(name: &str) -> std::path::PathBuf {
+    /// A safetensors file named `name` of U8 tensors, in the order given, packed.
+    fn write(name: &str, tensors: &[(String, Vec<u8>)]) -> std::path::PathBuf {
         let d = std::env::temp_dir().join(format!("offload-cuda-mapped-{}-{name}", std::process::id()));
         std::fs::create_dir_all(&d).unwrap();
         let p = d.join("m.safetensors");
-        let data: Vec<u8> = (0..8192u32).map(|i| (i * 7 + 1) as u8).collect();
-        let mut h = br#"{"w":{"dtype":"U8","shape":[8192],"data_offsets":[0,8192]}}"#.to_vec();
-        while h.len() % 8 != 0 {
-            h.push(b' ');
+        let (mut header, mut data) = (Vec::new(), Vec::new());
+        for (t, bytes) in tensors {
+            let at = data.len();
+            data.extend_from_slice(bytes);
+            header.push(format!(r#""{t}":{{"dtype":"U8","shape":[{}],"data_offsets":[{at},{}]}}"#, bytes.len(), data.len()));
         }
+        let mut h = format!("{{{}}}", header.join(",")).into_bytes();
+        h.resize(h.len().next_multiple_of(8), b' ');
         let mut out = (h.len() as u64).to_le_bytes().to_vec();
         out.extend_from_slice(&h);
         out.extend_from_slice(&data);
         std::fs::write(&p, out).unwrap();
         p
+    }
+
+    fn checkpoint(name: &str) -> std::path::PathBuf {
+        write(name, &[("w".into(), (0..8192u32).map(|i| (i * 7 + 1) as u8).collect())])
     }
 
     /// No GPU needed: the mapping is made, reads go through the file, and a
@@ -250,33 +258,20 @@ mod tests {
     /// tensors, block by block, with one odd-sized tensor first in block 3 (so
     /// that block must be copied).
     fn model(name: &str) -> std::path::PathBuf {
-        let d = std::env::temp_dir().join(format!("offload-cuda-mapped-{}-{name}", std::process::id()));
-        std::fs::create_dir_all(&d).unwrap();
-        let p = d.join("m.safetensors");
         let mut x = 0x9e37_79b9_7f4a_7c15u64;
-        let mut header = String::from("{");
-        let mut data = Vec::new();
+        let mut tensors = Vec::new();
         for b in 0..6 {
             for (t, n) in [("a", if b == 3 { 1_000_001 } else { 1 << 20 }), ("b", 3 << 16)] {
-                let at = data.len();
-                data.extend((0..n).map(|_| {
-                    x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-                    ((x >> 33) as u8) | 1
-                }));
-                header += &format!(r#""blocks.{b}.{t}":{{"dtype":"U8","shape":[{n}],"data_offsets":[{at},{}]}},"#, data.len());
+                let bytes = (0..n)
+                    .map(|_| {
+                        x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                        ((x >> 33) as u8) | 1
+                    })
+                    .collect();
+                tensors.push((format!("blocks.{b}.{t}"), bytes));
             }
         }
-        header.pop();
-        header.push('}');
-        let mut h = header.into_bytes();
-        while h.len() % 8 != 0 {
-            h.push(b' ');
-        }
-        let mut out = (h.len() as u64).to_le_bytes().to_vec();
-        out.extend_from_slice(&h);
-        out.extend_from_slice(&data);
-        std::fs::write(&p, out).unwrap();
-        p
+        write(name, &tensors)
     }
 
     /// On a GPU: a store built from the mapped checkpoint serves five of six

@@ -177,8 +177,12 @@ macro_rules! conformance_tests {
                 run("safetensors_source")
             }
             #[test]
+            fn mapped_source() {
+                run("mapped_source")
+            }
+            #[test]
             fn every_case_is_instantiated() {
-                assert_eq!(all::<$harness>().len(), 11)
+                assert_eq!(all::<$harness>().len(), 12)
             }
         }
     };

@@ -180,7 +180,12 @@ pub fn run(model: &Model, opts: &RunOptions) -> Result<RunDoc, String> {
         false => None,
         true => {
             let (entropy, per_tensor) = entropies(&be, &store);
-            let largest = store.blocks().iter().max_by_key(|b| b.bytes()).map(|b| be.host_bytes(&b.buffer).to_vec()).unwrap_or_default();
+            let largest = store
+                .blocks()
+                .iter()
+                .max_by_key(|b| b.bytes())
+                .map(|b| be.host_bytes(b.buffer().expect("held in memory")).to_vec())
+                .unwrap_or_default();
             let options = offload_cuda::CodingOptions::default();
             let t = Instant::now();
             let sample = offload_core::codec::code_for_device(&largest, options.segment_bytes, options.threads);
@@ -193,7 +198,7 @@ pub fn run(model: &Model, opts: &RunOptions) -> Result<RunDoc, String> {
             // From the raw store's bytes: the same weights, not drawn a second time.
             let cstore = Arc::new(HostStore::build(&be, &inv, &StoreTensors::new(&be, &store, &src)).map_err(err)?);
             let build_s = t.elapsed().as_secs_f64();
-            let coded_bytes: u64 = cstore.blocks().iter().map(|b| b.buffer.len() as u64).sum();
+            let coded_bytes: u64 = cstore.blocks().iter().map(|b| b.buffer().map_or(0, |h| h.len()) as u64).sum();
             let (lo, mid, hi) = (per_tensor.first().copied(), per_tensor.get(per_tensor.len() / 2).copied(), per_tensor.last().copied());
             let f = crate::harness::CodedFacts {
                 coded_bytes,
@@ -444,7 +449,8 @@ fn planner_coding(
     decode_gbps: f64,
     depth: usize,
 ) -> Result<crate::harness::PlannerCoding, String> {
-    let sizes: std::collections::HashMap<String, u64> = cstore.blocks().iter().map(|b| (b.id.to_string(), b.buffer.len() as u64)).collect();
+    let sizes: std::collections::HashMap<String, u64> =
+        cstore.blocks().iter().map(|b| (b.id.to_string(), b.buffer().map_or(0, |h| h.len()) as u64)).collect();
     let mut m = cost.clone();
     for b in &mut m.blocks {
         let bytes =
@@ -490,7 +496,7 @@ impl offload_core::TensorSource for StoreTensors<'_> {
         if n != dst.len() {
             return Err(bad(format!("{n} bytes in the raw store, {} asked for", dst.len())));
         }
-        dst.copy_from_slice(&self.be.host_bytes(&self.store.blocks()[b].buffer)[off..off + n]);
+        dst.copy_from_slice(&self.be.host_bytes(self.store.blocks()[b].buffer().expect("held in memory"))[off..off + n]);
         Ok(())
     }
 
@@ -511,7 +517,7 @@ fn entropies(be: &CudaBackend, store: &HostStore<CudaBackend>) -> (f64, Vec<f64>
                 s.spawn(move || {
                     let (mut all, mut each) = ([0u64; 256], Vec::new());
                     for b in group {
-                        let bytes = be.host_bytes(&b.buffer);
+                        let bytes = be.host_bytes(b.buffer().expect("held in memory"));
                         for t in &b.layout.tensors {
                             let h = exponent_histogram(&bytes[t.offset..t.offset + t.nbytes]);
                             for (a, x) in all.iter_mut().zip(h) {

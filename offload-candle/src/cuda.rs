@@ -159,6 +159,9 @@ impl OffloadBackend for CandleCudaBackend {
     fn alloc_host_pageable(&self, bytes: usize, purpose: &str, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<PinnedHost> {
         self.cuda().alloc_host_pageable(bytes, purpose, fill)
     }
+    fn refill_host(&self, buffer: &mut PinnedHost, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<()> {
+        self.cuda().refill_host(buffer, fill)
+    }
     fn alloc_host_coded(&self, bytes: usize, purpose: &str, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<PinnedHost> {
         self.cuda().alloc_host_coded(bytes, purpose, fill)
     }

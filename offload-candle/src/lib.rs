@@ -197,6 +197,9 @@ impl OffloadBackend for CandleBackend {
         // Host memory is the device: the block is read from the region into it.
         self.device.host_in_region(region, offset, bytes, purpose)
     }
+    fn refill_host(&self, buffer: &mut SimHost, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<()> {
+        self.device.refill_host(buffer, fill)
+    }
     fn is_pinned(&self, _buffer: &SimHost) -> bool {
         // Host memory is the device here: nothing is page-locked.
         false

@@ -123,6 +123,18 @@ pub trait OffloadBackend: Clone + Send + Sync + 'static {
         Err(crate::Error::unsupported(self.name(), format!("host buffers in a mapped region (for {purpose})")))
     }
 
+    /// Write `buffer` again: wait on the calling thread until every copy from it
+    /// has finished, then let `fill` write its bytes (the disk tier's bounce
+    /// buffers, refilled on reader threads, never on the thread that computes).
+    /// The `&mut` borrow means no view of the old bytes is alive; the wait means
+    /// no copy still reads them. [`Error::Unsupported`](crate::Error::Unsupported)
+    /// by default, and for buffers that are not plain bytes (coded, or served from
+    /// a mapped region).
+    fn refill_host(&self, buffer: &mut Self::HostBuffer, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<()> {
+        let _ = (buffer, fill);
+        Err(crate::Error::unsupported(self.name(), "refilling a host buffer (the disk tier's bounce buffers)"))
+    }
+
     /// Whether `buffer` is page-locked.
     fn is_pinned(&self, _buffer: &Self::HostBuffer) -> bool {
         self.host_is_pinned()

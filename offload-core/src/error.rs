@@ -69,6 +69,21 @@ pub enum Error {
         /// The I/O error.
         source: std::io::Error,
     },
+    /// Reading a block of the disk tier from its file failed: the block is not
+    /// served.
+    #[error("reading block {block} ({bytes} bytes at offset {offset}) from {path}: {fault}")]
+    DiskRead {
+        /// File path.
+        path: PathBuf,
+        /// The block (`component/stack.index`).
+        block: String,
+        /// Where its bytes start in the file.
+        offset: u64,
+        /// How many bytes.
+        bytes: usize,
+        /// What went wrong.
+        fault: String,
+    },
     /// A tensor's declared shape and dtype disagree with the bytes given.
     #[error("tensor {tensor:?}: {fault}")]
     BadTensor {

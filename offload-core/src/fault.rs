@@ -109,6 +109,9 @@ impl<B: OffloadBackend> OffloadBackend for FaultInjector<B> {
         self.tick(FaultKind::HostAlloc, purpose)?;
         self.inner.host_in_region(region, offset, bytes, purpose)
     }
+    fn refill_host(&self, buffer: &mut Self::HostBuffer, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<()> {
+        self.inner.refill_host(buffer, fill)
+    }
     fn is_pinned(&self, buffer: &Self::HostBuffer) -> bool {
         self.inner.is_pinned(buffer)
     }

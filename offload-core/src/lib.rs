@@ -47,6 +47,7 @@
 pub mod backend;
 pub mod codec;
 pub mod discovery;
+pub mod disk;
 pub mod error;
 pub mod fault;
 pub mod hook;
@@ -63,6 +64,7 @@ pub mod timeline;
 
 pub use backend::{MemoryInfo, OffloadBackend, StreamKind};
 pub use discovery::{BlockDiscovery, BlockId, BlockSpec, ComponentInventory, DeclaredStacks, NameDiscovery, StackSpec};
+pub use disk::DiskFile;
 pub use error::{Error, Result};
 pub use fault::{FaultInjector, FaultKind};
 pub use hook::{BlockContext, BlockSource, Hook, TraceRecorder};

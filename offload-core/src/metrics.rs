@@ -36,6 +36,16 @@ pub struct StepMetrics {
     pub host_bytes: u64,
     /// Of those, page-locked.
     pub host_pinned_bytes: u64,
+    /// Page-locked bounce buffers the ring holds for its blocks on disk (the disk tier).
+    #[serde(default)]
+    pub host_bounce_bytes: u64,
+    /// Bytes read from disk for blocks on disk.
+    #[serde(default)]
+    pub disk_bytes_read: u64,
+    /// Host seconds the ring waited for reads from disk (the read of a block not
+    /// yet done when its copy was due).
+    #[serde(default)]
+    pub disk_wait_s: f64,
     /// Host wall-clock seconds of the step (between `end_step` calls).
     pub step_wall_s: f64,
     /// Device seconds the compute stream waited for copies (timeline enabled only).
@@ -82,6 +92,9 @@ impl StepMetrics {
         self.peak_device_weight_bytes = self.peak_device_weight_bytes.max(other.peak_device_weight_bytes);
         self.host_bytes = other.host_bytes;
         self.host_pinned_bytes = other.host_pinned_bytes;
+        self.host_bounce_bytes = other.host_bounce_bytes;
+        self.disk_bytes_read += other.disk_bytes_read;
+        self.disk_wait_s += other.disk_wait_s;
         self.step_wall_s += other.step_wall_s;
         let add = |a: Option<f64>, b: Option<f64>| match (a, b) {
             (None, None) => None,
@@ -119,6 +132,15 @@ impl std::fmt::Display for StepMetrics {
         )?;
         if let (Some(stall), Some(share)) = (self.exposed_stall_s, self.hidden_copy_share()) {
             write!(f, ", exposed stall {stall:.4} s, {:.0} % of copy time hidden", share * 100.0)?;
+        }
+        if self.disk_bytes_read > 0 || self.host_bounce_bytes > 0 {
+            write!(
+                f,
+                ", {:.1} MiB read from disk ({:.4} s waited; {:.1} MiB of bounce buffers)",
+                mib(self.disk_bytes_read),
+                self.disk_wait_s,
+                mib(self.host_bounce_bytes)
+            )?;
         }
         if self.forgotten_guards > 0 {
             write!(f, ", {} forgotten guard(s) released by the ring", self.forgotten_guards)?;

@@ -28,7 +28,9 @@ impl<B: OffloadBackend> OnDemand<B> {
         let all = store.blocks().iter().chain(store.non_block());
         for (i, b) in all.enumerate() {
             let mut slot = me.backend.alloc_slot(b.bytes(), &format!("{}/{} (on demand)", store.component(), b.id))?;
-            let copied = me.backend.copy_to_slot(&b.buffer, &mut slot, b.bytes(), None).and_then(|ev| me.backend.compute_wait(&ev));
+            let be = me.backend.clone();
+            let copied =
+                store.with_buffer(&be, b, |buffer| be.copy_to_slot(buffer, &mut slot, b.bytes(), None).and_then(|ev| be.compute_wait(&ev)));
             if i < store.blocks().len() {
                 me.slots.push(slot);
             } else {

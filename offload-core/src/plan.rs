@@ -71,6 +71,16 @@ pub struct ComponentPlan {
     /// a component whose step is transfer-bound. Where the backend cannot decode,
     /// the blocks are held as they are, with a warning.
     pub coded: bool,
+    /// Host memory for this component's weights, if less than the model (the disk
+    /// tier): the blocks held in memory, the non-block tensors, and the ring's
+    /// `d + 2` bounce buffers for the blocks read from the checkpoint file at each
+    /// use. Store it with [`HostStore::build_tiered`](crate::HostStore::build_tiered).
+    pub host_ram_budget_bytes: Option<u64>,
+    /// Blocks left on disk (`"double_blocks.3"`). Empty with a host RAM budget:
+    /// the resolver keeps blocks in memory in inventory order while they fit and
+    /// leaves the rest on disk; `offload_plan::plan_host_tier` chooses with the
+    /// cost model instead.
+    pub disk_blocks: Vec<String>,
 }
 
 impl Default for ComponentPlan {
@@ -85,6 +95,8 @@ impl Default for ComponentPlan {
             resident_policy: ResidentPolicy::Auto,
             resident_blocks: Vec::new(),
             coded: false,
+            host_ram_budget_bytes: None,
+            disk_blocks: Vec::new(),
         }
     }
 }
@@ -156,12 +168,24 @@ pub struct ResolvedComponent {
     pub non_block_bytes: u64,
     /// The budget, if any.
     pub budget: Option<u64>,
+    /// Blocks left on disk (the disk tier), read from the file at each use.
+    #[serde(default)]
+    pub on_disk: Vec<BlockId>,
+    /// Host bytes the component's weights take: blocks in memory, non-block
+    /// tensors, and the bounce buffers of the blocks on disk.
+    #[serde(default)]
+    pub host_ram_bytes: u64,
 }
 
 impl ResolvedComponent {
     /// Whether block `id` stays resident.
     pub fn is_resident(&self, id: &BlockId) -> bool {
         self.strategy == Strategy::Resident || self.resident.contains(id)
+    }
+
+    /// Whether block `id` is left on disk (the disk tier).
+    pub fn is_on_disk(&self, id: &BlockId) -> bool {
+        self.on_disk.contains(id)
     }
 
     /// Bytes streamed per pass over every block.
@@ -279,6 +303,7 @@ pub fn resolve_on(plan: &Plan, inventory: &[ComponentInventory], memory: Option<
                 )));
             }
         }
+        let (on_disk, host_ram_bytes) = resolve_disk(c, cp, &blocks, &resident, non_block_bytes)?;
         components.push(ResolvedComponent {
             name: c.clone(),
             strategy: cp.strategy,
@@ -289,9 +314,73 @@ pub fn resolve_on(plan: &Plan, inventory: &[ComponentInventory], memory: Option<
             device_weight_bound,
             non_block_bytes,
             budget,
+            on_disk,
+            host_ram_bytes,
         });
     }
     Ok(ResolvedPlan { components })
+}
+
+/// Host memory of a ring with the blocks `on_disk` left on disk: the blocks in
+/// memory, the non-block tensors, and `d + 2` bounce buffers of the largest
+/// streamed block on disk (each [`DiskFile::span`](crate::DiskFile::span) bytes).
+pub fn host_ram_bytes(blocks: &[(BlockId, usize)], resident: &[BlockId], on_disk: &[BlockId], depth: usize, non_block_bytes: u64) -> u64 {
+    let held: u64 = blocks.iter().filter(|(id, _)| !on_disk.contains(id)).map(|(_, b)| *b as u64).sum();
+    let largest = blocks.iter().filter(|(id, _)| on_disk.contains(id) && !resident.contains(id)).map(|(_, b)| *b).max();
+    let bounce = largest.map_or(0, |b| ((depth + 2) * crate::DiskFile::span(b)) as u64);
+    held + non_block_bytes + bounce
+}
+
+/// The blocks left on disk and the host memory the component then takes: the
+/// plan's `disk_blocks`, or with a host RAM budget and none named, the blocks that
+/// do not fit in inventory order; an error naming the bytes when the budget
+/// cannot hold what the choice needs.
+fn resolve_disk(
+    c: &str,
+    cp: &ComponentPlan,
+    blocks: &[(BlockId, usize)],
+    resident: &[BlockId],
+    non_block_bytes: u64,
+) -> Result<(Vec<BlockId>, u64)> {
+    let mut on_disk = Vec::new();
+    for d in &cp.disk_blocks {
+        let id = BlockId::parse(d)
+            .filter(|id| blocks.iter().any(|(b, _)| b == id))
+            .ok_or_else(|| Error::Plan(format!("component {c:?}: disk block {d:?} does not exist")))?;
+        if on_disk.contains(&id) {
+            return Err(Error::Plan(format!("component {c:?}: disk block {d:?} named twice")));
+        }
+        on_disk.push(id);
+    }
+    let depth = cp.prefetch_depth;
+    let Some(budget) = cp.host_ram_budget_bytes else {
+        return Ok((on_disk.clone(), host_ram_bytes(blocks, resident, &on_disk, depth, non_block_bytes)));
+    };
+    if cp.disk_blocks.is_empty() {
+        // Everything on disk first; then bring blocks back into memory, in
+        // inventory order, while the budget holds them.
+        on_disk = blocks.iter().map(|(id, _)| id.clone()).collect();
+        if host_ram_bytes(blocks, resident, &on_disk, depth, non_block_bytes) <= budget {
+            for (id, _) in blocks {
+                let without: Vec<BlockId> = on_disk.iter().filter(|d| *d != id).cloned().collect();
+                if host_ram_bytes(blocks, resident, &without, depth, non_block_bytes) <= budget {
+                    on_disk = without;
+                }
+            }
+        }
+    }
+    let need = host_ram_bytes(blocks, resident, &on_disk, depth, non_block_bytes);
+    if need > budget {
+        let largest = blocks.iter().map(|(_, b)| *b).max().unwrap_or(0);
+        return Err(Error::Plan(format!(
+            "component {c:?}: host RAM budget {budget} bytes is below what the plan needs: {need} bytes (with {} blocks on disk:              {} bounce buffers of up to {} bytes each, d + 2 = {}, plus non-block tensors {non_block_bytes} and the blocks held)",
+            on_disk.len(),
+            depth + 2,
+            crate::DiskFile::span(largest),
+            depth + 2
+        )));
+    }
+    Ok((on_disk, need))
 }
 
 #[cfg(test)]

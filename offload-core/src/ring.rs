@@ -126,6 +126,8 @@ pub struct Ring<B: OffloadBackend> {
     closed: bool,
     timeline: Option<TimelineState<B>>,
     step_started: Instant,
+    /// Reads of the blocks on disk (a store built by `HostStore::build_tiered`).
+    disk: Option<crate::disk::DiskStream<B>>,
 }
 
 impl<B: OffloadBackend> Ring<B> {
@@ -179,18 +181,23 @@ impl<B: OffloadBackend> Ring<B> {
             closed: false,
             timeline: None,
             step_started: Instant::now(),
+            disk: None,
         };
         ring.step.host_pinned_bytes = store.pinned_bytes();
         let result = (|| {
             for (i, b) in store.blocks().iter().enumerate() {
                 if plan.is_resident(&b.id) {
-                    let (slot, wait) = ring.load_whole(&b.buffer, b.bytes(), &format!("{}/{} (resident)", plan.name, b.id))?;
+                    let purpose = format!("{}/{} (resident)", plan.name, b.id);
+                    let be = ring.backend.clone();
+                    let (slot, wait) = store.with_buffer(&be, b, |buffer| ring.load_whole(buffer, b.bytes(), &purpose))?;
                     resident_of[i] = Some(ring.resident.len());
                     ring.resident.push((i, slot, wait));
                 }
             }
             if let Some(nb) = store.non_block() {
-                ring.non_block = Some(ring.load_whole(&nb.buffer, nb.bytes(), &format!("{}/non-block tensors", plan.name))?);
+                let be = ring.backend.clone();
+                let purpose = format!("{}/non-block tensors", plan.name);
+                ring.non_block = Some(store.with_buffer(&be, nb, |buffer| ring.load_whole(buffer, nb.bytes(), &purpose))?);
             }
             ring.resident_of = resident_of;
             let streamed = ring.resident_of.iter().filter(|r| r.is_none()).count();
@@ -209,6 +216,21 @@ impl<B: OffloadBackend> Ring<B> {
             for k in 0..count {
                 let slot = ring.alloc(largest, &format!("{}/slot {k}", plan.name))?;
                 ring.slots.push(SlotState { slot, holds: None, ready: None, free_after: None, stamp: 0 });
+            }
+            let on_disk = store
+                .blocks()
+                .iter()
+                .enumerate()
+                .filter(|(i, b)| ring.resident_of[*i].is_none() && b.disk_offset().is_some())
+                .map(|(_, b)| b.bytes())
+                .max();
+            if let (Some(bytes), Some(file)) = (on_disk, store.disk_file()) {
+                // A bounce buffer for each block in flight, one being read ahead, one
+                // being copied from: d + 2, read by two threads.
+                let count = ring.depth + 2;
+                let span = crate::disk::DiskFile::span(bytes);
+                ring.disk = Some(crate::disk::DiskStream::new(&ring.backend, file.clone(), count, span, 2, &plan.name)?);
+                ring.step.host_bounce_bytes = (count * span) as u64;
             }
             ring.warm()
         })();
@@ -296,7 +318,23 @@ impl<B: OffloadBackend> Ring<B> {
         let st = &mut self.slots[s];
         st.holds = None;
         st.ready = None;
-        let ready = self.backend.copy_to_slot(&block.buffer, &mut st.slot, block.bytes(), after.as_ref())?;
+        let ready = match block.buffer() {
+            Some(buffer) => self.backend.copy_to_slot(buffer, &mut st.slot, block.bytes(), after.as_ref())?,
+            None => {
+                // On disk: wait here for its read (issued ahead where predicted),
+                // copy from the bounce buffer, give the buffer back to read ahead.
+                let upcoming = self.disk_reads_after(b);
+                let want = self.disk_read(b);
+                let disk =
+                    self.disk.as_mut().ok_or_else(|| Error::Protocol(format!("{} is on disk but the ring has no reader", want.name)))?;
+                let bounce = disk.take(&want, &upcoming)?;
+                let st = &mut self.slots[s];
+                let copied = self.backend.copy_to_slot(&bounce, &mut st.slot, block.bytes(), after.as_ref());
+                let disk = self.disk.as_mut().expect("taken from above");
+                disk.put_back(bounce, &upcoming)?;
+                copied?
+            }
+        };
         if let Some(start) = t0 {
             self.push_span(format!("copy {}", block.id), "copy", start, StreamKind::Copy)?;
         }
@@ -308,6 +346,30 @@ impl<B: OffloadBackend> Ring<B> {
         self.step.bytes_copied += block.bytes() as u64;
         self.step.copies += 1;
         Ok(())
+    }
+
+    /// The read of block `b` (on disk) from the store's file.
+    fn disk_read(&self, b: usize) -> crate::disk::Read {
+        let block = &self.store.blocks()[b];
+        crate::disk::Read {
+            block: b,
+            offset: block.disk_offset().unwrap_or(0),
+            len: block.bytes(),
+            name: format!("{}/{}", self.store.component(), block.id),
+        }
+    }
+
+    /// The reads of the streamed blocks on disk after `b` in the learned order, as
+    /// many as the bounce buffers can hold.
+    fn disk_reads_after(&self, b: usize) -> Vec<crate::disk::Read> {
+        let Some(disk) = &self.disk else { return Vec::new() };
+        let blocks = self.store.blocks();
+        self.chain(b, self.next.len())
+            .into_iter()
+            .filter(|&c| blocks[c].disk_offset().is_some())
+            .take(disk.bounces)
+            .map(|c| self.disk_read(c))
+            .collect()
     }
 
     fn prefetch(&mut self, b: usize, current: usize) -> Result<()> {
@@ -570,6 +632,9 @@ impl<B: OffloadBackend> Ring<B> {
         self.backend.poll_error()?;
         self.step.step_wall_s = self.step_started.elapsed().as_secs_f64();
         self.step_started = Instant::now();
+        if let Some(disk) = &mut self.disk {
+            (self.step.disk_wait_s, self.step.disk_bytes_read) = disk.take_counters();
+        }
         if let Some(tl) = &mut self.timeline {
             let (mut stall, mut busy) = (0.0, 0.0);
             for p in tl.pending.drain(..) {
@@ -598,6 +663,7 @@ impl<B: OffloadBackend> Ring<B> {
             peak_device_weight_bytes: step.device_weight_bytes,
             host_bytes: step.host_bytes,
             host_pinned_bytes: step.host_pinned_bytes,
+            host_bounce_bytes: step.host_bounce_bytes,
             ..Default::default()
         };
         Ok(step)

@@ -390,6 +390,18 @@ impl OffloadBackend for SimBackend {
         Ok(SimHost(v.into(), false, None))
     }
 
+    fn refill_host(&self, buffer: &mut SimHost, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<()> {
+        if buffer.2.is_some() {
+            return Err(Error::unsupported("sim", "refilling a coded host buffer"));
+        }
+        // A copy still queued holds the old bytes (an `Arc`): the new bytes are a
+        // new allocation, so no copy ever sees a half-written buffer.
+        let mut v = vec![0u8; buffer.0.len()];
+        fill(&mut v)?;
+        buffer.0 = v.into();
+        Ok(())
+    }
+
     fn is_pinned(&self, buffer: &SimHost) -> bool {
         buffer.1
     }

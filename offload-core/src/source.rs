@@ -271,15 +271,15 @@ pub trait RegionSource: TensorSource {
 /// What identifies a file's contents cheaply: where it is and how long, and when
 /// it was last written.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct FileIdentity {
-    dev: u64,
-    ino: u64,
-    len: u64,
-    mtime_ns: i128,
+pub(crate) struct FileIdentity {
+    pub(crate) dev: u64,
+    pub(crate) ino: u64,
+    pub(crate) len: u64,
+    pub(crate) mtime_ns: i128,
 }
 
 impl FileIdentity {
-    fn of(m: &std::fs::Metadata) -> Self {
+    pub(crate) fn of(m: &std::fs::Metadata) -> Self {
         FileIdentity { dev: m.dev(), ino: m.ino(), len: m.len(), mtime_ns: m.mtime() as i128 * 1_000_000_000 + m.mtime_nsec() as i128 }
     }
 }

@@ -3,9 +3,10 @@
 
 use crate::backend::OffloadBackend;
 use crate::discovery::{BlockId, ComponentInventory};
+use crate::disk::DiskFile;
 use crate::error::{Error, Result};
 use crate::plan::{ComponentPlan, PinFallback};
-use crate::source::{HostRegion, RegionSource, TensorSource};
+use crate::source::{HostRegion, RegionSource, SafetensorsFile, TensorSource};
 use crate::tensor::{BlockLayout, PlacedTensor, TENSOR_ALIGN};
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -29,20 +30,44 @@ impl PinOptions {
     }
 }
 
-/// One block in host memory.
+/// One block of the store: in host memory, or on disk (the disk tier).
 pub struct HostBlock<B: OffloadBackend> {
     /// Where it sits in the model.
     pub id: BlockId,
     /// Where each tensor sits in the buffer.
     pub layout: BlockLayout,
-    /// The bytes.
-    pub buffer: B::HostBuffer,
+    held: Held<B>,
+}
+
+/// Where a block's bytes are held.
+enum Held<B: OffloadBackend> {
+    /// In a host buffer of its own (or a range of a mapped region).
+    Memory(B::HostBuffer),
+    /// In the store's disk file, from this offset, laid out as `layout` says.
+    Disk(u64),
 }
 
 impl<B: OffloadBackend> HostBlock<B> {
     /// Buffer size in bytes.
     pub fn bytes(&self) -> usize {
         self.layout.bytes
+    }
+
+    /// Its host buffer; `None` for a block on disk, which is read into a bounce
+    /// buffer for each copy ([`HostStore::build_tiered`]).
+    pub fn buffer(&self) -> Option<&B::HostBuffer> {
+        match &self.held {
+            Held::Memory(b) => Some(b),
+            Held::Disk(_) => None,
+        }
+    }
+
+    /// Where its bytes start in the store's disk file, for a block on disk.
+    pub fn disk_offset(&self) -> Option<u64> {
+        match self.held {
+            Held::Memory(_) => None,
+            Held::Disk(at) => Some(at),
+        }
     }
 }
 
@@ -60,6 +85,10 @@ pub struct HostTier {
     pub copy_reason: Option<String>,
     /// Seconds the build took (from its call to its return).
     pub build_s: f64,
+    /// Blocks left on disk ([`HostStore::build_tiered`]), and their bytes.
+    pub on_disk: usize,
+    /// See [`on_disk`](Self::on_disk).
+    pub disk_bytes: u64,
 }
 
 /// A component's weights in host memory: its blocks, and its non-block tensors
@@ -72,6 +101,7 @@ pub struct HostStore<B: OffloadBackend> {
     pinned_bytes: u64,
     coded_blocks: usize,
     tier: HostTier,
+    disk: Option<Arc<DiskFile>>,
 }
 
 /// Where block `specs` would be served from in `region`: the start of its first
@@ -108,7 +138,7 @@ impl<B: OffloadBackend> HostStore<B> {
     /// [`build`](Self::build) with a pin budget and a fallback to pageable memory.
     /// On any error, everything built so far is released and nothing is kept.
     pub fn build_with(backend: &B, inventory: &ComponentInventory, source: &dyn TensorSource, pin: PinOptions) -> Result<Self> {
-        Self::build_inner(backend, inventory, source, pin, None)
+        Self::build_inner(backend, inventory, source, pin, None, None)
     }
 
     /// Build the store of `inventory` serving each block in place from `source`'s
@@ -126,7 +156,29 @@ impl<B: OffloadBackend> HostStore<B> {
         let region = source.region();
         region.check()?;
         let offset = |i: usize| source.tensor_offset(i);
-        Self::build_inner(backend, inventory, source, pin, Some((&region, &offset)))
+        Self::build_inner(backend, inventory, source, pin, Some((&region, &offset)), None)
+    }
+
+    /// Build the store of `inventory` from the checkpoint `file`, keeping in host
+    /// memory only the blocks for which `on_disk` is false (the disk tier: host
+    /// memory smaller than the model). A block on disk has no host buffer: a ring
+    /// reads it from the file for each copy, into a few page-locked bounce
+    /// buffers it holds, on reader threads, ahead of need (`O_DIRECT` where the
+    /// file system allows). Its tensors must lie in the file as the store lays
+    /// them out (each at a multiple of [`TENSOR_ALIGN`] from the block's first,
+    /// nothing else between); a block that does not is held in memory, and
+    /// [`tier`](Self::tier) says so. The non-block tensors are always held in
+    /// memory. The plan's choice is [`ResolvedComponent::is_on_disk`](crate::ResolvedComponent::is_on_disk).
+    pub fn build_tiered(
+        backend: &B,
+        inventory: &ComponentInventory,
+        file: &SafetensorsFile,
+        pin: PinOptions,
+        on_disk: &dyn Fn(&BlockId) -> bool,
+    ) -> Result<Self> {
+        let disk = Arc::new(DiskFile::open(file.path())?);
+        let offset = |i: usize| file.data_offset(i) as usize;
+        Self::build_inner(backend, inventory, file, pin, None, Some((&disk, &offset, on_disk)))
     }
 
     #[allow(clippy::type_complexity)]
@@ -136,6 +188,7 @@ impl<B: OffloadBackend> HostStore<B> {
         source: &dyn TensorSource,
         pin: PinOptions,
         mapped: Option<(&Arc<dyn HostRegion>, &dyn Fn(usize) -> usize)>,
+        disk: Option<(&Arc<DiskFile>, &dyn Fn(usize) -> usize, &dyn Fn(&BlockId) -> bool)>,
     ) -> Result<Self> {
         let t0 = std::time::Instant::now();
         let tier = std::cell::RefCell::new(HostTier::default());
@@ -160,12 +213,27 @@ impl<B: OffloadBackend> HostStore<B> {
         let by_name: HashMap<&str, usize> = source.specs().iter().enumerate().map(|(i, s)| (s.name.as_str(), i)).collect();
         // Where every tensor of the source starts in the region, in order (to find
         // a tensor of another block lying inside a block's range).
-        let mut starts: Vec<(usize, usize)> = match mapped {
-            Some((_, offset_of)) => (0..source.specs().len()).map(|i| (offset_of(i), i)).collect(),
+        let offset_of: Option<&dyn Fn(usize) -> usize> = mapped.map(|m| m.1).or(disk.map(|d| d.1));
+        let mut starts: Vec<(usize, usize)> = match offset_of {
+            Some(offset_of) => (0..source.specs().len()).map(|i| (offset_of(i), i)).collect(),
             None => Vec::new(),
         };
         starts.sort_unstable();
-        let load = |id: BlockId, specs: &[crate::tensor::TensorSpec]| -> Result<HostBlock<B>> {
+        let disk_blocks = std::cell::Cell::new((0usize, 0u64));
+        // Where a block would be served from in the file, if its tensors lie there
+        // as the store lays them out and nothing else lies among them.
+        let place = |specs: &[crate::tensor::TensorSpec], indices: &[(usize, usize, usize)], offset_of: &dyn Fn(usize) -> usize| {
+            let at: Vec<usize> = indices.iter().map(|&(i, _, _)| offset_of(i)).collect();
+            placement(specs, &at).and_then(|(start, layout)| {
+                let end = start + layout.bytes;
+                let from = starts.partition_point(|&(a, _)| a < start);
+                match starts[from..].iter().take_while(|&&(a, _)| a < end).find(|&&(_, i)| !indices.iter().any(|&(j, _, _)| j == i)) {
+                    Some(&(_, i)) => Err(format!("{} lies among its tensors in the file", source.specs()[i].name)),
+                    None => Ok((start, layout)),
+                }
+            })
+        };
+        let load = |id: BlockId, specs: &[crate::tensor::TensorSpec], is_block: bool| -> Result<HostBlock<B>> {
             let layout = BlockLayout::new(specs.to_vec())?;
             let mut indices = Vec::with_capacity(specs.len());
             for (t, placed) in specs.iter().zip(&layout.tensors) {
@@ -183,17 +251,27 @@ impl<B: OffloadBackend> HostStore<B> {
                 indices.push((i, placed.offset, placed.nbytes));
             }
             let purpose = format!("{}/{}", inventory.name, id);
-            if let (Some((region, offset_of)), true) = (mapped, mapping.get()) {
-                let at: Vec<usize> = indices.iter().map(|&(i, _, _)| offset_of(i)).collect();
-                let placed = placement(specs, &at).and_then(|(start, layout)| {
-                    let end = start + layout.bytes;
-                    let from = starts.partition_point(|&(a, _)| a < start);
-                    match starts[from..].iter().take_while(|&&(a, _)| a < end).find(|&&(_, i)| !indices.iter().any(|&(j, _, _)| j == i)) {
-                        Some(&(_, i)) => Err(format!("{} lies among its tensors in the file", source.specs()[i].name)),
-                        None if layout.bytes as u64 > pinned_left.get() => {
-                            Err(format!("the pin budget has {} bytes left (the region is registered page-locked)", pinned_left.get()))
+            if let (Some((_, offset_of, on_disk)), true) = (disk, is_block) {
+                if on_disk(&id) {
+                    match place(specs, &indices, offset_of) {
+                        Ok((start, layout)) => {
+                            let (n, b) = disk_blocks.get();
+                            disk_blocks.set((n + 1, b + layout.bytes as u64));
+                            return Ok(HostBlock { id, layout, held: Held::Disk(start as u64) });
                         }
-                        None => Ok((start, layout)),
+                        Err(why) => {
+                            tracing::warn!("{purpose}: held in memory, not read from disk: {why}");
+                            copied(format!("{purpose}: held in memory, not read from disk: {why}"));
+                        }
+                    }
+                }
+            }
+            if let (Some((region, offset_of)), true) = (mapped, mapping.get()) {
+                let placed = place(specs, &indices, offset_of).and_then(|(start, layout)| {
+                    if layout.bytes as u64 > pinned_left.get() {
+                        Err(format!("the pin budget has {} bytes left (the region is registered page-locked)", pinned_left.get()))
+                    } else {
+                        Ok((start, layout))
                     }
                 });
                 match placed {
@@ -204,7 +282,7 @@ impl<B: OffloadBackend> HostStore<B> {
                                 pinned_left.set(pinned_left.get() - layout.bytes as u64);
                                 pinned_bytes.set(pinned_bytes.get() + layout.bytes as u64);
                             }
-                            return Ok(HostBlock { id, layout, buffer });
+                            return Ok(HostBlock { id, layout, held: Held::Memory(buffer) });
                         }
                         Err(e @ (Error::Unsupported { .. } | Error::HostAlloc { .. })) => {
                             tracing::warn!("{purpose}: {e}; the component's blocks are copied from {}", region.origin());
@@ -277,18 +355,19 @@ impl<B: OffloadBackend> HostStore<B> {
                 pinned_left.set(pinned_left.get() - bytes);
                 pinned_bytes.set(pinned_bytes.get() + bytes);
             }
-            Ok(HostBlock { id, layout, buffer })
+            Ok(HostBlock { id, layout, held: Held::Memory(buffer) })
         };
         let mut blocks = Vec::new();
         let mut index = HashMap::new();
         for b in inventory.blocks() {
             index.insert(b.id.clone(), blocks.len());
-            blocks.push(load(b.id.clone(), &b.tensors)?);
+            blocks.push(load(b.id.clone(), &b.tensors, true)?);
         }
         let non_block =
-            if inventory.non_block.is_empty() { None } else { Some(load(BlockId::new("<non-block>", 0), &inventory.non_block)?) };
+            if inventory.non_block.is_empty() { None } else { Some(load(BlockId::new("<non-block>", 0), &inventory.non_block, false)?) };
         let mut tier = tier.into_inner();
-        tier.copied = blocks.len() + usize::from(non_block.is_some()) - tier.mapped;
+        (tier.on_disk, tier.disk_bytes) = disk_blocks.get();
+        tier.copied = blocks.len() + usize::from(non_block.is_some()) - tier.mapped - tier.on_disk;
         tier.build_s = t0.elapsed().as_secs_f64();
         Ok(HostStore {
             component: inventory.name.clone(),
@@ -298,6 +377,7 @@ impl<B: OffloadBackend> HostStore<B> {
             pinned_bytes: pinned_bytes.get(),
             coded_blocks: coded_blocks.get(),
             tier,
+            disk: disk.map(|d| d.0.clone()),
         })
     }
 
@@ -333,9 +413,36 @@ impl<B: OffloadBackend> HostStore<B> {
         self.index.get(id).copied()
     }
 
-    /// Host bytes held (block buffers plus the non-block buffer).
+    /// Host bytes held (block buffers plus the non-block buffer; blocks on disk
+    /// are not counted).
     pub fn host_bytes(&self) -> u64 {
-        self.blocks.iter().chain(self.non_block.iter()).map(|b| b.bytes() as u64).sum()
+        self.blocks.iter().chain(self.non_block.iter()).filter(|b| b.buffer().is_some()).map(|b| b.bytes() as u64).sum()
+    }
+
+    /// The file blocks on disk are read from ([`build_tiered`](Self::build_tiered)).
+    pub fn disk_file(&self) -> Option<&Arc<DiskFile>> {
+        self.disk.as_ref()
+    }
+
+    /// Bytes of the blocks on disk.
+    pub fn disk_bytes(&self) -> u64 {
+        self.tier.disk_bytes
+    }
+
+    /// Run `f` with `block`'s bytes in a host buffer: its own for a block in
+    /// memory, else a new one (page-locked where the backend can) read from the
+    /// disk file now and dropped after `f`: for a one-off copy (a block kept on
+    /// the device, an on-demand load) or a check, never for streaming.
+    pub fn with_buffer<T>(&self, backend: &B, block: &HostBlock<B>, f: impl FnOnce(&B::HostBuffer) -> Result<T>) -> Result<T> {
+        match (&block.held, &self.disk) {
+            (Held::Memory(b), _) => f(b),
+            (Held::Disk(at), Some(file)) => {
+                let what = format!("{}/{}", self.component, block.id);
+                let buffer = backend.alloc_host(block.bytes(), &what, &mut |dst| file.read_block(*at, dst.len(), dst, &what))?;
+                f(&buffer)
+            }
+            (Held::Disk(_), None) => Err(Error::Protocol(format!("{}/{} is on disk but the store has no file", self.component, block.id))),
+        }
     }
 
     /// Tensor bytes without alignment padding: the model's own size.
@@ -359,11 +466,12 @@ impl<B: OffloadBackend> HostStore<B> {
     }
 }
 
-/// Host-to-device bandwidth through `backend`: every block of `store` copied once
+/// Host-to-device bandwidth through `backend`: every block of `store` held in
+/// memory copied once
 /// into one slot on the copy stream, `passes` times; the best pass, in bytes per
 /// second, timed on the host around a synchronisation (for benchmarks: it blocks).
 pub fn probe_bandwidth<B: OffloadBackend>(backend: &B, store: &HostStore<B>, passes: usize) -> Result<f64> {
-    let total: usize = store.blocks().iter().map(HostBlock::bytes).sum();
+    let total: usize = store.blocks().iter().filter(|b| b.buffer().is_some()).map(HostBlock::bytes).sum();
     let mut slot = backend.alloc_slot(store.largest_block_bytes(), "bandwidth probe")?;
     let mut best = 0.0f64;
     let result = (|| {
@@ -371,7 +479,9 @@ pub fn probe_bandwidth<B: OffloadBackend>(backend: &B, store: &HostStore<B>, pas
             backend.synchronize()?;
             let t = std::time::Instant::now();
             for b in store.blocks() {
-                backend.copy_to_slot(&b.buffer, &mut slot, b.bytes(), None)?;
+                if let Some(buffer) = b.buffer() {
+                    backend.copy_to_slot(buffer, &mut slot, b.bytes(), None)?;
+                }
             }
             backend.synchronize()?;
             best = best.max(total as f64 / t.elapsed().as_secs_f64().max(1e-9));
@@ -459,7 +569,7 @@ mod tests {
     fn tensors_of(be: &SimBackend, store: &HostStore<SimBackend>) -> Vec<(String, Vec<u8>)> {
         let mut out = Vec::new();
         for b in store.blocks().iter().chain(store.non_block()) {
-            let bytes = be.host_bytes(&b.buffer);
+            let bytes = store.with_buffer(be, b, |buffer| Ok(be.host_bytes(buffer).to_vec())).unwrap();
             for t in &b.layout.tensors {
                 out.push((t.spec.name.clone(), bytes[t.offset..t.offset + t.nbytes].to_vec()));
             }
@@ -583,6 +693,147 @@ mod tests {
         let pin = PinOptions { budget_bytes: Some(5200), fallback: crate::PinFallback::Pageable, ..PinOptions::default() };
         let store = HostStore::build_mapped(&be, &inv, &file, pin).unwrap();
         assert!(store.pinned_bytes() <= 5200, "{}", store.pinned_bytes());
+        assert_eq!(tensors_of(&be, &store), want);
+    }
+
+    /// `blocks` blocks of two tensors (the first `big` bytes) and a non-block
+    /// tensor, random bytes.
+    fn disk_model(blocks: u64, big: usize) -> Vec<(String, Vec<u8>)> {
+        let mut t = Vec::new();
+        for b in 0..blocks {
+            t.push((format!("blocks.{b}.a"), random(big, 100 + b * 2)));
+            t.push((format!("blocks.{b}.b"), random(768, 101 + b * 2)));
+        }
+        t.push(("head.w".to_string(), random(512, 7)));
+        t
+    }
+
+    /// Each block's bytes as the ring serves them, over `steps` steps in `order`,
+    /// against the copying store's; the ring's metrics of the last step.
+    fn serve(
+        be: &SimBackend,
+        store: &std::sync::Arc<HostStore<SimBackend>>,
+        want: &HostStore<SimBackend>,
+        plan: &crate::ResolvedComponent,
+        order: &[usize],
+        steps: usize,
+    ) -> crate::Result<crate::StepMetrics> {
+        let mut ring = crate::Ring::new(be.clone(), store.clone(), plan)?;
+        let mut m = None;
+        for _ in 0..steps {
+            for &i in order {
+                let block = ring.block_at(i)?;
+                let got = be.read_slot(block.slot(), |w| w[..want.blocks()[i].bytes()].to_vec());
+                drop(block);
+                let expect = be.host_bytes(want.blocks()[i].buffer().unwrap());
+                assert!(got == expect, "block {i} served other bytes than the copying store holds");
+            }
+            m = Some(ring.end_step()?);
+        }
+        ring.close()?;
+        Ok(m.unwrap())
+    }
+
+    #[test]
+    fn the_disk_tier_serves_the_files_bytes_under_a_host_ram_budget() {
+        let path = temp("disk");
+        let tensors = disk_model(6, 8192);
+        write_checkpoint(&path, &tensors);
+        let file = SafetensorsFile::open(&path).unwrap();
+        let inv = NameDiscovery.discover("m", file.specs()).unwrap();
+        let be = SimBackend::new(SimConfig { max_copy_delay_us: 200, ..SimConfig::fast() });
+        let copied = HostStore::build(&be, &inv, &file).unwrap();
+        let block = copied.blocks()[0].bytes() as u64;
+        for depth in [1, 2] {
+            // Room for two blocks in memory beside the bounce buffers and the head.
+            let bounce = ((depth + 2) * crate::DiskFile::span(block as usize)) as u64;
+            let budget = 2 * block + bounce + 512;
+            let cp = crate::ComponentPlan { prefetch_depth: depth, host_ram_budget_bytes: Some(budget), ..Default::default() };
+            let plan =
+                crate::resolve(&crate::Plan::layerwise().component("m", cp), std::slice::from_ref(&inv)).unwrap().components.remove(0);
+            assert_eq!(plan.on_disk.len(), 4, "{:?}", plan.on_disk);
+            assert!(plan.host_ram_bytes <= budget);
+            let store =
+                std::sync::Arc::new(HostStore::build_tiered(&be, &inv, &file, PinOptions::default(), &|id| plan.is_on_disk(id)).unwrap());
+            assert_eq!((store.tier().on_disk, store.tier().disk_bytes), (4, 4 * block), "{:?}", store.tier());
+            assert_eq!(store.host_bytes(), 2 * block + 512);
+            let mut want = tensors.clone();
+            want.sort();
+            assert_eq!(tensors_of(&be, &store), want, "every tensor as the file holds it");
+            // In order, three steps: every block on disk read once a step, bytes equal.
+            let m = serve(&be, &store, &copied, &plan, &[0, 1, 2, 3, 4, 5], 3).unwrap();
+            assert_eq!(m.disk_bytes_read, 4 * block, "{m}");
+            assert_eq!(m.host_bounce_bytes, bounce);
+            // Out of the learned order (misses, reads nobody wanted any more): still the right bytes.
+            serve(&be, &store, &copied, &plan, &[5, 0, 3, 1, 4, 2, 2, 5], 2).unwrap();
+            assert!(be.stats().violations.is_empty(), "{:?}", be.stats().violations);
+        }
+    }
+
+    #[test]
+    fn a_host_ram_budget_smaller_than_one_block_is_refused_by_name() {
+        let path = temp("disk-small");
+        write_checkpoint(&path, &disk_model(4, 8192));
+        let file = SafetensorsFile::open(&path).unwrap();
+        let inv = NameDiscovery.discover("m", file.specs()).unwrap();
+        let cp = crate::ComponentPlan { host_ram_budget_bytes: Some(4096), ..Default::default() };
+        let e = crate::resolve(&crate::Plan::layerwise().component("m", cp), std::slice::from_ref(&inv)).unwrap_err().to_string();
+        assert!(e.contains("host RAM budget 4096 bytes") && e.contains("bounce buffers"), "{e}");
+        // Named blocks on disk, checked like resident ones.
+        let cp = crate::ComponentPlan { disk_blocks: vec!["blocks.9".into()], ..Default::default() };
+        let e = crate::resolve(&crate::Plan::layerwise().component("m", cp), std::slice::from_ref(&inv)).unwrap_err().to_string();
+        assert!(e.contains("blocks.9"), "{e}");
+    }
+
+    #[test]
+    fn a_read_error_mid_step_names_the_block_and_serves_nothing_half_read() {
+        let path = temp("disk-trunc");
+        write_checkpoint(&path, &disk_model(6, 8192));
+        let file = SafetensorsFile::open(&path).unwrap();
+        let inv = NameDiscovery.discover("m", file.specs()).unwrap();
+        let be = SimBackend::new(SimConfig::fast());
+        let cp = crate::ComponentPlan { disk_blocks: (0..6).map(|b| format!("blocks.{b}")).collect(), ..Default::default() };
+        let plan = crate::resolve(&crate::Plan::layerwise().component("m", cp), std::slice::from_ref(&inv)).unwrap().components.remove(0);
+        let store =
+            std::sync::Arc::new(HostStore::build_tiered(&be, &inv, &file, PinOptions::default(), &|id| plan.is_on_disk(id)).unwrap());
+        let mut ring = crate::Ring::new(be.clone(), store.clone(), &plan).unwrap();
+        drop(ring.block_at(0).unwrap());
+        // The file is cut short mid-step: the next block whose read starts after
+        // it fails, by name, and no guard is handed out for it.
+        std::fs::OpenOptions::new().write(true).open(&path).unwrap().set_len(100).unwrap();
+        let mut failed = None;
+        for i in 1..6 {
+            match ring.block_at(i) {
+                Ok(g) => drop(g),
+                Err(e) => {
+                    failed = Some((i, e));
+                    break;
+                }
+            }
+        }
+        let (i, e) = failed.expect("a read of the truncated file fails within the step");
+        let msg = e.to_string();
+        assert!(matches!(e, crate::Error::DiskRead { .. }), "{msg}");
+        assert!(msg.contains("m/blocks.") && msg.contains("truncated") && msg.contains("m.safetensors"), "block {i}: {msg}");
+        drop(ring);
+        assert!(be.stats().violations.is_empty(), "{:?}", be.stats().violations);
+        assert_eq!(be.stats().live_bytes, 0, "the ring's slots are released");
+    }
+
+    #[test]
+    fn a_block_on_disk_that_does_not_lie_in_the_file_as_laid_out_is_held_in_memory() {
+        let path = temp("disk-odd");
+        let tensors = model(Some(1000));
+        write_checkpoint(&path, &tensors);
+        let file = SafetensorsFile::open(&path).unwrap();
+        let inv = NameDiscovery.discover("m", file.specs()).unwrap();
+        let be = SimBackend::new(SimConfig::fast());
+        let store = HostStore::build_tiered(&be, &inv, &file, PinOptions::default(), &|_| true).unwrap();
+        assert_eq!(store.tier().on_disk, 2, "{:?}", store.tier());
+        let why = store.tier().copy_reason.clone().unwrap_or_default();
+        assert!(why.contains("blocks.1") && why.contains("not read from disk"), "{why}");
+        let mut want = tensors;
+        want.sort();
         assert_eq!(tensors_of(&be, &store), want);
     }
 }

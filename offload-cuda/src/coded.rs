@@ -431,9 +431,9 @@ mod tests {
         }
         let inv = NameDiscovery.discover("model", offload_core::TensorSource::specs(&t)).unwrap();
         let store = Arc::new(HostStore::build(&b, &inv, &t).unwrap());
-        assert!(store.blocks().iter().all(|blk| blk.buffer.is_coded()), "every block coded");
-        let raw: Vec<Vec<u8>> = store.blocks().iter().map(|blk| b.host_bytes(&blk.buffer).to_vec()).collect();
-        let held: usize = store.blocks().iter().map(|blk| blk.buffer.len()).sum();
+        assert!(store.blocks().iter().all(|blk| blk.buffer().unwrap().is_coded()), "every block coded");
+        let raw: Vec<Vec<u8>> = store.blocks().iter().map(|blk| b.host_bytes(blk.buffer().unwrap()).to_vec()).collect();
+        let held: usize = store.blocks().iter().map(|blk| blk.buffer().unwrap().len()).sum();
         let plan = resolve(&Plan::layerwise().prefetch_depth(2), std::slice::from_ref(&inv)).unwrap();
         let mut ring = Ring::new(b.clone(), store.clone(), &plan.components[0]).unwrap();
         let before = b.counters();
@@ -461,7 +461,7 @@ mod tests {
         assert!(c.coded_copies > before.coded_copies, "coded copies counted");
         // Each string carries its 8 KiB table: ≈ 0.79 of raw at 80 KiB, under 0.9.
         assert!(held < raw_total * 9 / 10, "coded {held} of {raw_total} bytes");
-        let launches = store.blocks()[0].buffer.coded().map_or(Vec::new(), |c| crate::codec::launches(&c.segments));
+        let launches = store.blocks()[0].buffer().unwrap().coded().map_or(Vec::new(), |c| crate::codec::launches(&c.segments));
         assert!(launches.len() > 1, "{} launch(es) for block 0: one would decode it all", launches.len());
         if segment_bytes > 256 << 10 {
             let widest = launches.iter().flat_map(|(l, _)| l.s[..l.count as usize].iter().map(|g| g.chunks)).max().unwrap_or(0);
@@ -475,7 +475,7 @@ mod tests {
         assert_eq!(s2.coded_blocks(), s2.blocks().len(), "every block coded through alloc_host_coded");
         assert!(!b2.is_coding(), "other stores stay as they are");
         for (blk, want) in s2.blocks().iter().zip(&raw) {
-            assert!(b2.host_bytes(&blk.buffer) == want.as_slice());
+            assert!(b2.host_bytes(blk.buffer().unwrap()) == want.as_slice());
         }
     }
 }

@@ -335,6 +335,7 @@ impl CudaBackend {
             Ok(ev) => Arc::new(ev),
             Err(e) => return Err(drained(driver("recording a copy event", e))),
         };
+        src.note_copy(&ev);
         s.copies.fetch_add(1, Ordering::Relaxed);
         s.bytes_copied.fetch_add(bytes as u64, Ordering::Relaxed);
         Ok(ev)
@@ -425,6 +426,13 @@ impl OffloadBackend for CudaBackend {
 
     fn alloc_host_pageable(&self, bytes: usize, _purpose: &str, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<PinnedHost> {
         PinnedHost::new_pageable(self.shared.clone(), bytes, fill)
+    }
+
+    fn refill_host(&self, buffer: &mut PinnedHost, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<()> {
+        if !Arc::ptr_eq(buffer.shared(), &self.shared) {
+            return Err(Error::Protocol("refilling a host buffer of another CUDA backend instance".into()));
+        }
+        buffer.refill(fill)
     }
 
     fn is_pinned(&self, buffer: &PinnedHost) -> bool {

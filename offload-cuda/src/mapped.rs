@@ -292,14 +292,14 @@ mod tests {
         let tier = store.tier().clone();
         assert_eq!((tier.mapped, tier.copied), (5, 1), "{tier:?}");
         assert!(tier.copy_reason.as_deref().unwrap_or("").contains("blocks.3"), "{tier:?}");
-        assert!(store.blocks()[0].buffer.is_mapped() && !store.blocks()[3].buffer.is_mapped());
+        assert!(store.blocks()[0].buffer().unwrap().is_mapped() && !store.blocks()[3].buffer().unwrap().is_mapped());
         // Only the copied block took page-locked memory of its own.
         assert_eq!(b.counters().pinned_bytes - pinned_before, store.blocks()[3].bytes() as u64);
-        let want: Vec<Vec<u8>> = copied.blocks().iter().map(|blk| b.host_bytes(&blk.buffer).to_vec()).collect();
+        let want: Vec<Vec<u8>> = copied.blocks().iter().map(|blk| b.host_bytes(blk.buffer().unwrap()).to_vec()).collect();
         for (m, w) in store.blocks().iter().zip(&want) {
             for t in &m.layout.tensors {
                 let c = copied.blocks().iter().find_map(|c| c.layout.get(&t.spec.name)).unwrap();
-                let got = &b.host_bytes(&m.buffer)[t.offset..t.offset + t.nbytes];
+                let got = &b.host_bytes(m.buffer().unwrap())[t.offset..t.offset + t.nbytes];
                 assert!(got == &w[c.offset..c.offset + c.nbytes], "{}: host bytes differ", t.spec.name);
             }
         }

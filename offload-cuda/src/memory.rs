@@ -23,6 +23,9 @@ pub struct PinnedHost {
     /// `Some` when the bytes are a range of a registered region (the mapped host
     /// tier): `ptr` points into the mapping, which only the device reads.
     mapped: Option<MappedHost>,
+    /// The last copy from the buffer, waited for before it is refilled
+    /// ([`refill`](Self::refill), the disk tier's bounce buffers).
+    last_copy: std::sync::Mutex<Option<Arc<CudaEvent>>>,
     shared: Arc<Shared>,
 }
 
@@ -57,7 +60,7 @@ impl PinnedHost {
         };
         // Counted from here: `Drop` subtracts it, whatever happens to `fill`.
         shared.pinned_bytes.fetch_add(len as u64, Ordering::Relaxed);
-        let me = PinnedHost { ptr, len, pageable: None, coded: None, mapped: None, shared };
+        let me = PinnedHost { ptr, len, pageable: None, coded: None, mapped: None, last_copy: Default::default(), shared };
         if len > 0 {
             // cuMemHostAlloc's memory is uninitialised: zero it before safe code sees it.
             // SAFETY: `ptr` points to `len` writable bytes we own exclusively.
@@ -73,7 +76,7 @@ impl PinnedHost {
         let mut bytes = vec![0u8; len].into_boxed_slice();
         fill(&mut bytes)?;
         let ptr = bytes.as_mut_ptr();
-        Ok(PinnedHost { ptr, len, pageable: Some(bytes), coded: None, mapped: None, shared })
+        Ok(PinnedHost { ptr, len, pageable: Some(bytes), coded: None, mapped: None, last_copy: Default::default(), shared })
     }
 
     /// The block of `len` bytes `fill` writes, coded for the device
@@ -109,7 +112,41 @@ impl PinnedHost {
     pub(crate) fn in_region(shared: Arc<Shared>, reg: Arc<crate::mapped::Registration>, offset: usize, len: usize) -> Self {
         // `mapped_host` checked `offset + len` lies in the region.
         let ptr = reg.base().wrapping_add(offset);
-        PinnedHost { ptr, len, pageable: None, coded: None, mapped: Some(MappedHost { reg, offset, read: Default::default() }), shared }
+        let mapped = Some(MappedHost { reg, offset, read: Default::default() });
+        PinnedHost { ptr, len, pageable: None, coded: None, mapped, last_copy: Default::default(), shared }
+    }
+
+    /// Remember `ev` as the last copy from this buffer.
+    pub(crate) fn note_copy(&self, ev: &Arc<CudaEvent>) {
+        *self.last_copy.lock().unwrap_or_else(|e| e.into_inner()) = Some(ev.clone());
+    }
+
+    /// Write the buffer again: wait (on this thread) for its last copy, then let
+    /// `fill` write every byte. Not for coded or mapped buffers.
+    pub(crate) fn refill(&mut self, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<()> {
+        if self.coded.is_some() || self.mapped.is_some() {
+            return Err(offload_core::Error::unsupported("cuda", "refilling a coded or mapped host buffer"));
+        }
+        let last = self.last_copy.get_mut().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(ev) = last {
+            self.shared.ctx.bind_to_thread().map_err(|e| driver("bind context", e))?;
+            if let Err(e) = ev.synchronize() {
+                // The copy's fate is unknown: keep waiting for it on the next refill.
+                *self.last_copy.get_mut().unwrap_or_else(|e| e.into_inner()) = Some(ev);
+                return Err(driver("waiting for a host buffer's last copy before refilling it", e));
+            }
+        }
+        if self.len == 0 {
+            return fill(&mut []);
+        }
+        if let Some(b) = &mut self.pageable {
+            return fill(b);
+        }
+        // SAFETY: `ptr` is `len` bytes of cuMemHostAlloc memory owned by `self`;
+        // `&mut self` excludes every host view of it, and the last copy that read
+        // it (every copy records itself in `last_copy`) has completed.
+        let bytes = unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) };
+        fill(bytes)
     }
 
     /// Whether the bytes are served in place from a mapped checkpoint.

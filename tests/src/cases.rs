@@ -44,6 +44,7 @@ pub fn all<H: Harness>() -> Vec<Case> {
         Case { name: "on_demand_component", invariant: "5,6,8", run: on_demand::<H>, caught: &[] },
         Case { name: "safetensors_source", invariant: "6,9", run: safetensors_source::<H>, caught: &[] },
         Case { name: "mapped_source", invariant: "6,9", run: mapped_source::<H>, caught: &[] },
+        Case { name: "disk_source", invariant: "1,2,6", run: disk_source::<H>, caught: &[] },
     ]
 }
 
@@ -157,7 +158,11 @@ fn no_weight_copy_back<H: Harness>(_: Sabotage) -> Outcome {
     }
     ring.close()?;
     for (i, b) in su.store.blocks().iter().enumerate() {
-        ensure!(su.backend.host_bytes(&b.buffer) == su.model.block_bytes(i).as_slice(), "host bytes of block {} changed", b.id);
+        ensure!(
+            su.backend.host_bytes(b.buffer().expect("held in memory")) == su.model.block_bytes(i).as_slice(),
+            "host bytes of block {} changed",
+            b.id
+        );
     }
     Ok(())
 }
@@ -274,7 +279,11 @@ fn transactional<H: Harness>(s: Sabotage) -> Outcome {
     }
     ensure!(faults > 5, "only {faults} faults were injected");
     for (i, b) in su.store.blocks().iter().enumerate() {
-        ensure!(su.backend.host_bytes(&b.buffer) == su.model.block_bytes(i).as_slice(), "host bytes of block {} changed", b.id);
+        ensure!(
+            su.backend.host_bytes(b.buffer().expect("held in memory")) == su.model.block_bytes(i).as_slice(),
+            "host bytes of block {} changed",
+            b.id
+        );
     }
     let mut ring = su.ring(&plan, s)?;
     su.check_equal(&mut ring, &su.declared(), "after every fault")
@@ -325,23 +334,7 @@ fn mapped_source<H: Harness>(_: Sabotage) -> Outcome {
     let dir = std::env::temp_dir().join(format!("offload-conformance-mapped-{}-{}", H::NAME, std::process::id()));
     std::fs::create_dir_all(&dir)?;
     let path = dir.join("model.safetensors");
-    // Block by block in inventory order, every tensor at a multiple of 256 of the data.
-    let mut header = serde_json::Map::new();
-    let mut data: Vec<u8> = Vec::new();
-    let names: Vec<String> = model.inventory.blocks().flat_map(|b| b.tensors.iter().map(|t| t.name.clone())).collect();
-    for name in names.iter().chain(model.inventory.non_block.iter().map(|t| &t.name)) {
-        let bytes = model.tensors.bytes(name).ok_or_else(|| CaseError::Fail(format!("{name}: not in the model")))?;
-        data.resize(data.len().next_multiple_of(256), 0);
-        let at = data.len();
-        data.extend_from_slice(bytes);
-        header.insert(name.clone(), serde_json::json!({"dtype": "U8", "shape": [bytes.len()], "data_offsets": [at, data.len()]}));
-    }
-    let mut h = serde_json::to_vec(&serde_json::Value::Object(header)).map_err(|e| CaseError::Fail(e.to_string()))?;
-    h.resize(h.len().next_multiple_of(8), b' ');
-    let mut out = (h.len() as u64).to_le_bytes().to_vec();
-    out.extend_from_slice(&h);
-    out.extend_from_slice(&data);
-    std::fs::write(&path, out)?;
+    write_laid_out(&model, &path)?;
     let file = H::open_mapped(&path)?;
     let inventory = NameDiscovery.discover("transformer", file.specs())?;
     let backend = FaultInjector::new(H::backend()?);
@@ -360,6 +353,105 @@ fn mapped_source<H: Harness>(_: Sabotage) -> Outcome {
     drop(su);
     let _ = std::fs::remove_dir_all(&dir);
     ensure!(got == reference, "result from the mapped store {got:#018x} differs from the in-memory reference {reference:#018x}");
+    Ok(())
+}
+
+/// The disk tier: the blocks of a checkpoint laid out as the store lays them out,
+/// every other one left on disk (`ComponentPlan::disk_blocks`), built by
+/// `HostStore::build_tiered` and streamed at d = 1 and d = 2 through the ring's
+/// bounce buffers, refilled on reader threads (`OffloadBackend::refill_host`).
+/// Three passes, in order and out of it: every result equals the in-memory
+/// reference, and each pass read every block on disk once. A row that cannot
+/// refill a host buffer (coded rows, Vulkan: `Harness::refills_host`) must refuse
+/// the ring by name.
+fn disk_source<H: Harness>(_: Sabotage) -> Outcome {
+    // The same random model each time it is made (a fixed seed).
+    let make = || TestModel::random(&ModelShape { stacks: vec![4, 3], ..Default::default() }, 333);
+    let model = make();
+    let dir = std::env::temp_dir().join(format!("offload-conformance-disk-{}-{}", H::NAME, std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let path = dir.join("model.safetensors");
+    write_laid_out(&model, &path)?;
+    let result = (|| {
+        let file = offload_core::SafetensorsFile::open(&path)?;
+        let inventory = NameDiscovery.discover("transformer", file.specs())?;
+        let disk: Vec<String> = inventory.blocks().step_by(2).map(|b| b.id.to_string()).collect();
+        for depth in [1, 2] {
+            let cp = ComponentPlan { prefetch_depth: depth, disk_blocks: disk.clone(), ..Default::default() };
+            let rc = resolve(&Plan::layerwise().component("transformer", cp), std::slice::from_ref(&inventory))?.components.remove(0);
+            let backend = FaultInjector::new(H::backend()?);
+            let store = Arc::new(HostStore::build_tiered(&backend, &inventory, &file, offload_core::PinOptions::default(), &|id| {
+                rc.is_on_disk(id)
+            })?);
+            ensure!(
+                store.tier().on_disk == disk.len(),
+                "{} blocks on disk, {} planned ({:?})",
+                store.tier().on_disk,
+                disk.len(),
+                store.tier()
+            );
+            let su = Setup::<H> { backend: backend.clone(), model: make(), store };
+            let mut ring = match Ring::new(backend, su.store.clone(), &rc) {
+                Err(e @ offload_core::Error::Unsupported { .. }) if !H::refills_host() => {
+                    ensure!(e.to_string().contains("disk tier"), "the refusal does not name the disk tier: {e}");
+                    return Ok(());
+                }
+                Err(e) => return Err(e.into()),
+                Ok(_) if !H::refills_host() => {
+                    return Err(CaseError::Fail("a row that cannot refill host buffers built a disk ring".into()))
+                }
+                Ok(ring) => ring,
+            };
+            let declared: Vec<usize> = su.model.inventory.blocks().map(|b| su.store.position(&b.id).unwrap_or(usize::MAX)).collect();
+            let mut shuffled = declared.clone();
+            shuffled.reverse();
+            shuffled.swap(0, 2);
+            let mut read = 0;
+            for (pass, order) in [&declared, &shuffled, &declared].into_iter().enumerate() {
+                let got = su.run(&mut ring, order)?;
+                read += ring.end_step()?.disk_bytes_read;
+                let want =
+                    H::reference(&su.model, &order.iter().map(|&p| declared.iter().position(|&d| d == p).unwrap_or(0)).collect::<Vec<_>>());
+                ensure!(
+                    got == want,
+                    "d={depth} pass {pass}: result from the disk tier {got:#018x} differs from the reference {want:#018x}"
+                );
+            }
+            // Each pass reads every block on disk, less those still in a slot from the pass before.
+            ensure!(
+                read >= 2 * su.store.disk_bytes(),
+                "d={depth}: {read} bytes read from disk in three passes, the blocks on disk hold {}",
+                su.store.disk_bytes()
+            );
+            ring.close()?;
+            su.no_violations()?;
+        }
+        Ok(())
+    })();
+    let _ = std::fs::remove_dir_all(&dir);
+    result
+}
+
+/// Write `model` to `path` as a safetensors file, block by block in inventory
+/// order, every tensor at a multiple of 256 of the data (as the store lays them out).
+fn write_laid_out(model: &TestModel, path: &std::path::Path) -> Outcome {
+    // Block by block in inventory order, every tensor at a multiple of 256 of the data.
+    let mut header = serde_json::Map::new();
+    let mut data: Vec<u8> = Vec::new();
+    let names: Vec<String> = model.inventory.blocks().flat_map(|b| b.tensors.iter().map(|t| t.name.clone())).collect();
+    for name in names.iter().chain(model.inventory.non_block.iter().map(|t| &t.name)) {
+        let bytes = model.tensors.bytes(name).ok_or_else(|| CaseError::Fail(format!("{name}: not in the model")))?;
+        data.resize(data.len().next_multiple_of(256), 0);
+        let at = data.len();
+        data.extend_from_slice(bytes);
+        header.insert(name.clone(), serde_json::json!({"dtype": "U8", "shape": [bytes.len()], "data_offsets": [at, data.len()]}));
+    }
+    let mut h = serde_json::to_vec(&serde_json::Value::Object(header)).map_err(|e| CaseError::Fail(e.to_string()))?;
+    h.resize(h.len().next_multiple_of(8), b' ');
+    let mut out = (h.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(&h);
+    out.extend_from_slice(&data);
+    std::fs::write(path, out)?;
     Ok(())
 }
 

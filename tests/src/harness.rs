@@ -106,4 +106,10 @@ pub trait Harness: 'static {
     fn serves_mapped() -> bool {
         false
     }
+    /// Whether this row refills host buffers (`OffloadBackend::refill_host`), which
+    /// the disk tier's bounce buffers need: not where every buffer is coded, nor on
+    /// a backend without it.
+    fn refills_host() -> bool {
+        true
+    }
 }

@@ -181,8 +181,12 @@ macro_rules! conformance_tests {
                 run("mapped_source")
             }
             #[test]
+            fn disk_source() {
+                run("disk_source")
+            }
+            #[test]
             fn every_case_is_instantiated() {
-                assert_eq!(all::<$harness>().len(), 12)
+                assert_eq!(all::<$harness>().len(), 13)
             }
         }
     };

@@ -35,6 +35,10 @@ impl<const CODED: bool> Harness for SimRow<CODED> {
         // The simulator reads each range into its own memory; a coded one copies.
         !CODED
     }
+    fn refills_host() -> bool {
+        // Every buffer of the coded row is coded, and coded buffers are not refilled.
+        !CODED
+    }
     fn violations(b: &SimBackend) -> Vec<String> {
         b.stats().violations
     }

@@ -133,7 +133,8 @@ fn run() -> Res<()> {
     let rounds_per_s = cal_rounds as f64 / t.elapsed().as_secs_f64();
     let copy_s = bytes as f64 / bandwidth;
     eprintln!("spin: {:.3e} rounds/s; one block's copy {:.2} ms", rounds_per_s, copy_s * 1e3);
-    let want = (0..blocks).fold(0x5eed_u32, |acc, i| reference_combine(acc, reference_hash(store.blocks()[i].buffer.as_slice())));
+    let want = (0..blocks)
+        .fold(0x5eed_u32, |acc, i| reference_combine(acc, reference_hash(store.blocks()[i].buffer().expect("held in memory").as_slice())));
 
     let mut cases = Vec::new();
     for (label, factor) in [("copy-bound", 0.5), ("compute-bound", 2.0)] {

@@ -7,8 +7,11 @@
 //! streamed steps against `max(resident step, streamed bytes ÷ bandwidth)` and
 //! bitwise against the resident output. `run` (feature `cuda`) is one process;
 //! `merge` makes `bench/results/<date>-host-tiers-h200.json` from three or more.
-//! The disk tier (host RAM smaller than the model) is not built yet: `merge`
-//! writes `disk_read_gbps: null` and no `disk` case.
+//! With `--host-ram-gib G`, a third mode, `disk`: a host RAM budget of `G` GiB,
+//! the blocks that do not fit chosen by `offload_plan::plan_host_tier` and read
+//! from the file at each use (`HostStore::build_tiered`), against the file's
+//! `O_DIRECT` read bandwidth measured in the same process (one thread, block
+//! after block, the first 4 GiB of the blocks on disk).
 
 use crate::harness::{spread, Spread};
 use serde::{Deserialize, Serialize};
@@ -41,6 +44,21 @@ pub struct TierRun {
     pub bitwise_equal: bool,
     /// The output is finite and not constant.
     pub output_finite_nonconstant: bool,
+    /// `disk` mode: the host RAM budget, in bytes.
+    #[serde(default)]
+    pub host_ram_budget_bytes: Option<u64>,
+    /// `disk` mode: bytes read from disk per streamed step (the ring's count).
+    #[serde(default)]
+    pub disk_bytes_per_step: u64,
+    /// `disk` mode: the file's read bandwidth in the same process (bytes/s).
+    #[serde(default)]
+    pub disk_read_bps: f64,
+    /// `disk` mode: whether reads bypassed the page cache (`O_DIRECT`).
+    #[serde(default)]
+    pub direct: bool,
+    /// `disk` mode: blocks left on disk.
+    #[serde(default)]
+    pub disk_blocks: usize,
 }
 
 /// One process run of the host-tier bench.
@@ -75,6 +93,9 @@ pub const START_TARGET_S: f64 = 2.0;
 pub const RSS_TARGET_BYTES: u64 = 1 << 30;
 /// See [`START_TARGET_S`].
 pub const RATIO_TARGET: f64 = 1.03;
+/// The disk tier's target: bytes from disk per streamed second at least this
+/// share of the file's read bandwidth measured in the same run.
+pub const DISK_TARGET: f64 = 0.9;
 
 fn sp(s: Option<Spread>) -> Value {
     s.map_or(Value::Null, |s| json!({"median": s.median, "min": s.min, "max": s.max}))
@@ -97,7 +118,10 @@ pub fn merge(runs: &[HostTierRun], min_repeats: usize) -> Result<Value, String> 
     }
     let mut cases = Vec::new();
     let mut meets_all = true;
-    for mode in ["mapped", "copy"] {
+    let with_disk = runs.iter().any(|r| r.modes.iter().any(|m| m.mode == "disk"));
+    let modes: &[&str] = if with_disk { &["mapped", "disk", "copy"] } else { &["mapped", "copy"] };
+    let mut disk_read = None;
+    for &mode in modes {
         let per: Vec<(&HostTierRun, &TierRun)> =
             runs.iter().filter_map(|r| r.modes.iter().find(|m| m.mode == mode).map(|m| (r, m))).collect();
         if per.len() != runs.len() {
@@ -112,7 +136,9 @@ pub fn merge(runs: &[HostTierRun], min_repeats: usize) -> Result<Value, String> 
             if m.bandwidth <= 0.0 || !m.bandwidth.is_finite() {
                 return Err(format!("{mode}: bandwidth {} is not a measurement", m.bandwidth));
             }
-            let bound = resident.max(m.step_bytes as f64 / m.bandwidth);
+            // On disk, the bound is the slower of the link and the disk.
+            let disk_s = if mode == "disk" && m.disk_read_bps > 0.0 { m.disk_bytes_per_step as f64 / m.disk_read_bps } else { 0.0 };
+            let bound = resident.max(m.step_bytes as f64 / m.bandwidth).max(disk_s);
             bounds.push(bound);
             steps.push(step);
             ratios.push(step / bound);
@@ -122,7 +148,26 @@ pub fn merge(runs: &[HostTierRun], min_repeats: usize) -> Result<Value, String> 
         let rss = spread(&per.iter().map(|(_, m)| m.host_rss_bytes as f64).collect::<Vec<_>>());
         let ratio = spread(&ratios);
         let bitwise = per.iter().all(|(_, m)| m.bitwise_equal && m.output_finite_nonconstant);
+        // Bytes from disk per second of streamed step, and that over the read bandwidth.
+        let streams: Vec<f64> = per.iter().zip(&steps).map(|((_, m), step)| m.disk_bytes_per_step as f64 / step / 1e9).collect();
+        let reads: Vec<f64> = per.iter().map(|(_, m)| m.disk_read_bps / 1e9).collect();
+        let shares: Vec<f64> = streams.iter().zip(&reads).map(|(s, r)| s / r).collect();
+        let (disk_stream, disk_share) = match mode {
+            "disk" => {
+                if reads.iter().any(|r| !(r.is_finite() && *r > 0.0)) {
+                    return Err("disk: a run has no disk read bandwidth".into());
+                }
+                disk_read = spread(&reads);
+                (sp(spread(&streams)), sp(spread(&shares)))
+            }
+            _ => (Value::Null, Value::Null),
+        };
         let meets = match mode {
+            "disk" => {
+                spread(&shares).is_some_and(|s| s.median >= DISK_TARGET)
+                    && bitwise
+                    && per.iter().all(|(_, m)| m.disk_blocks > 0 && m.host_ram_budget_bytes.is_some())
+            }
             "mapped" => {
                 start.is_some_and(|s| s.max <= START_TARGET_S)
                     && rss.is_some_and(|s| s.max <= RSS_TARGET_BYTES as f64)
@@ -142,8 +187,11 @@ pub fn merge(runs: &[HostTierRun], min_repeats: usize) -> Result<Value, String> 
             "start_s": sp(start),
             "store_build_s": col(&|m| m.store_build_s),
             "host_rss_bytes": sp(rss),
-            "host_ram_budget_bytes": Value::Null,
-            "disk_stream_gbps": Value::Null,
+            "host_ram_budget_bytes": per[0].1.host_ram_budget_bytes,
+            "disk_blocks": per.iter().map(|(_, m)| m.disk_blocks).max(),
+            "disk_direct": per.iter().all(|(_, m)| m.direct),
+            "disk_stream_gbps": disk_stream,
+            "disk_stream_to_read": disk_share,
             "bandwidth_gbps": col(&|m| m.bandwidth / 1e9),
             "step_streamed_s": sp(spread(&steps)),
             "bound_s": sp(spread(&bounds)),
@@ -163,9 +211,13 @@ pub fn merge(runs: &[HostTierRun], min_repeats: usize) -> Result<Value, String> 
         "model": first.model,
         "process_runs": runs.len(),
         "file_bytes": first.file_bytes,
-        "disk_read_gbps": Value::Null,
-        "disk_tier": "not built yet: no disk case",
-        "targets": {"mapped_start_s": START_TARGET_S, "mapped_host_rss_bytes": RSS_TARGET_BYTES, "ratio_to_bound": RATIO_TARGET},
+        "disk_read_gbps": sp(disk_read),
+        "targets": {
+            "mapped_start_s": START_TARGET_S,
+            "mapped_host_rss_bytes": RSS_TARGET_BYTES,
+            "ratio_to_bound": RATIO_TARGET,
+            "disk_stream_to_read": DISK_TARGET,
+        },
         "cases": cases,
         "meets_targets": meets_all,
     }))
@@ -228,9 +280,38 @@ mod run {
         Ok(8 + h.len() as u64 + at)
     }
 
+    /// The file's read bandwidth through the disk tier's reader (`O_DIRECT` where
+    /// the file system allows): 256 MiB reads, one after the other on this thread,
+    /// over the first `bytes` of the file, into a page-locked buffer. Bytes/s.
+    fn disk_read_bps(be: &CudaBackend, file: &str, bytes: u64) -> Result<(f64, bool), String> {
+        let f = offload_core::DiskFile::open(file).map_err(err)?;
+        let chunk = 256usize << 20;
+        let mut buf = be.alloc_host(offload_core::DiskFile::span(chunk), "disk read probe", &mut |_| Ok(())).map_err(err)?;
+        let end = bytes.min(f.len());
+        let t = Instant::now();
+        let mut at = 0u64;
+        while at < end {
+            let n = chunk.min((end - at) as usize);
+            be.refill_host(&mut buf, &mut |dst| f.read_block(at, n, dst, "disk read probe")).map_err(err)?;
+            at += n as u64;
+        }
+        Ok((end as f64 / t.elapsed().as_secs_f64().max(1e-9), f.is_direct()))
+    }
+
     /// One process: write the checkpoint if it is not there, then per mode
-    /// (mapped, then copy) open → store → first streamed step, timed steps.
-    pub fn run(model: &Model, case: &str, depth: usize, steps: usize, file: &str, commit: &str) -> Result<HostTierRun, String> {
+    /// (mapped, then disk with `host_ram` bytes of host RAM when given, then copy)
+    /// open → store → first streamed step, timed steps (`disk_steps` of them on disk).
+    #[allow(clippy::too_many_arguments)]
+    pub fn run(
+        model: &Model,
+        case: &str,
+        depth: usize,
+        steps: usize,
+        file: &str,
+        commit: &str,
+        host_ram: Option<u64>,
+        disk_steps: usize,
+    ) -> Result<HostTierRun, String> {
         use crate::harness::gib;
         let be = CudaBackend::new(0).map_err(err)?;
         let gpu = be.device_name().unwrap_or_default();
@@ -258,8 +339,17 @@ mod run {
             ..Default::default()
         };
         let mut resident_out: Option<Vec<u16>> = None;
-        for mode in ["mapped", "copy"] {
+        let modes: &[&str] = if host_ram.is_some() { &["mapped", "disk", "copy"] } else { &["mapped", "copy"] };
+        for &mode in modes {
             be.synchronize().map_err(err)?;
+            // The disk's read bandwidth, measured before the clock starts.
+            let (disk_bps, direct) = match mode {
+                "disk" => disk_read_bps(&be, file, 4 << 30)?,
+                _ => (0.0, false),
+            };
+            if mode == "disk" {
+                eprintln!("disk: the file reads at {:.2} GB/s (O_DIRECT {direct})", disk_bps / 1e9);
+            }
             let t0 = Instant::now();
             let src: SafetensorsFile = match mode {
                 "mapped" => offload_cuda::map_checkpoint(file).map_err(err)?,
@@ -267,13 +357,38 @@ mod run {
             };
             let mut inv = DeclaredStacks::new(prefixes.clone()).discover("transformer", src.specs()).map_err(err)?;
             inv.non_block.clear();
+            let mut cp = offload_core::ComponentPlan { prefetch_depth: depth, ..Default::default() };
+            if let ("disk", Some(budget)) = (mode, host_ram) {
+                // The planner's choice: compute per block from this process's resident
+                // step, shared out by bytes; the link and the disk as measured here.
+                let mut cm = offload_plan::CostModel::from_inventory(&inv, 55e9).map_err(err)?;
+                let resident = crate::harness::median(&doc.steps_resident_s);
+                let total = cm.total_bytes().max(1) as f64;
+                for b in &mut cm.blocks {
+                    b.compute_s = resident * b.bytes as f64 / total;
+                }
+                let choice = offload_plan::plan_host_tier(&cm, &vec![false; cm.blocks.len()], depth, budget, disk_bps).map_err(err)?;
+                eprintln!(
+                    "disk: {} of {} blocks on disk ({:.2} GiB a step; host {:.2} GiB of which bounce {:.2} GiB), predicted step {:.2} s",
+                    choice.on_disk.iter().filter(|d| **d).count(),
+                    cm.blocks.len(),
+                    gib(choice.disk_bytes_per_step),
+                    gib(choice.host_bytes),
+                    gib(choice.bounce_bytes),
+                    choice.predicted_step_s
+                );
+                cp.disk_blocks = choice.disk_ids(&cm);
+                cp.host_ram_budget_bytes = Some(budget);
+            }
+            let rc =
+                resolve(&Plan::layerwise().component("transformer", cp), std::slice::from_ref(&inv)).map_err(err)?.components.remove(0);
             let store = Arc::new(match mode {
                 "mapped" => HostStore::build_mapped(&be, &inv, &src, PinOptions::default()).map_err(err)?,
+                "disk" => HostStore::build_tiered(&be, &inv, &src, PinOptions::default(), &|id| rc.is_on_disk(id)).map_err(err)?,
                 _ => HostStore::build(&be, &inv, &src).map_err(err)?,
             });
             let store_build_s = store.tier().build_s;
             let mut net = RefNet::new(&be, dims, c.resolution as u64).map_err(err)?;
-            let rc = resolve(&Plan::layerwise().prefetch_depth(depth), std::slice::from_ref(&inv)).map_err(err)?.components.remove(0);
             let mut ring = Ring::new(be.clone(), store.clone(), &rc).map_err(err)?;
             crate::cuda::step_once(&be, model, &mut net, &mut ring).map_err(err)?;
             be.synchronize().map_err(err)?;
@@ -288,14 +403,16 @@ mod run {
             );
             let mut times = Vec::new();
             let mut step_bytes = 0;
-            for _ in 0..steps {
+            let mut disk_bytes = 0;
+            for _ in 0..if mode == "disk" { disk_steps } else { steps } {
                 be.synchronize().map_err(err)?;
                 let before = ring.metrics().bytes_copied;
                 let t = Instant::now();
-                crate::cuda::step_once(&be, model, &mut net, &mut ring).map_err(err)?;
+                let m = crate::cuda::step_once(&be, model, &mut net, &mut ring).map_err(err)?;
                 be.synchronize().map_err(err)?;
                 times.push(t.elapsed().as_secs_f64());
                 step_bytes = ring.metrics().bytes_copied - before;
+                disk_bytes = m.disk_bytes_read;
             }
             let out = net.output().map_err(err)?;
             ring.close().map_err(err)?;
@@ -337,6 +454,11 @@ mod run {
                 step_bytes,
                 bitwise_equal: bitwise,
                 output_finite_nonconstant: finite && nonconstant,
+                host_ram_budget_bytes: if mode == "disk" { host_ram } else { None },
+                disk_bytes_per_step: disk_bytes,
+                disk_read_bps: disk_bps,
+                direct,
+                disk_blocks: store.tier().on_disk,
             });
             drop(net);
             drop(store);
@@ -366,6 +488,11 @@ mod tests {
             step_bytes: 20_000_000_000,
             bitwise_equal: true,
             output_finite_nonconstant: true,
+            host_ram_budget_bytes: None,
+            disk_bytes_per_step: 0,
+            disk_read_bps: 0.0,
+            direct: false,
+            disk_blocks: 0,
         };
         HostTierRun {
             commit: "abc".into(),
@@ -392,7 +519,7 @@ mod tests {
         assert_eq!(mapped["meets_targets"], true);
         assert_eq!(d["cases"][1]["start_s"]["median"], 18.0);
         assert_eq!(d["meets_targets"], true);
-        assert_eq!(d["disk_read_gbps"], Value::Null);
+        assert_eq!(d["disk_read_gbps"], Value::Null, "no disk mode, no disk bandwidth");
         // Each target can fail: a slow start, host memory, a copied block, a wrong output.
         let slow = vec![run(0, 1.2, 300 << 20, 0), run(1, 2.5, 300 << 20, 0), run(2, 1.1, 300 << 20, 0)];
         assert_eq!(merge(&slow, 3).unwrap()["cases"][0]["meets_targets"], false);
@@ -403,6 +530,35 @@ mod tests {
         let mut wrong = runs.clone();
         wrong[1].modes[0].bitwise_equal = false;
         assert_eq!(merge(&wrong, 3).unwrap()["cases"][0]["bitwise_equal"], false);
+        // A disk mode: 14 GB a step from a disk read at 1.2 GB/s in 12.5 s (0.933 of
+        // the read rate; its bound is the disk's, 11.67 s); at 14 s (0.833) it fails.
+        let disk = |k: u64, step: f64| {
+            let mut r = run(k, 1.2, 300 << 20, 0);
+            let mut d = r.modes[0].clone();
+            d.mode = "disk".into();
+            d.steps_streamed_s = vec![step, step];
+            d.host_ram_budget_bytes = Some(8 << 30);
+            d.disk_bytes_per_step = 14_000_000_000;
+            d.disk_read_bps = 1.2e9;
+            d.direct = true;
+            d.disk_blocks = 36;
+            r.modes.insert(1, d);
+            r
+        };
+        let d = merge(&[disk(0, 12.5), disk(1, 12.4), disk(2, 12.6)], 3).unwrap();
+        let c = &d["cases"][1];
+        assert_eq!(c["mode"], "disk");
+        assert!((c["disk_stream_to_read"]["median"].as_f64().unwrap() - 14.0 / 12.5 / 1.2).abs() < 1e-9, "{c}");
+        assert!((c["bound_s"]["median"].as_f64().unwrap() - 14.0 / 1.2).abs() < 1e-9, "{c}");
+        assert!((d["disk_read_gbps"]["median"].as_f64().unwrap() - 1.2).abs() < 1e-12);
+        assert_eq!(c["meets_targets"], true);
+        assert_eq!(d["meets_targets"], true);
+        let slow = merge(&[disk(0, 14.0), disk(1, 14.0), disk(2, 12.5)], 3).unwrap();
+        assert_eq!(slow["cases"][1]["meets_targets"], false);
+        assert_eq!(slow["meets_targets"], false);
+        let mut wrong = vec![disk(0, 12.5), disk(1, 12.5), disk(2, 12.5)];
+        wrong[0].modes[1].bitwise_equal = false;
+        assert_eq!(merge(&wrong, 3).unwrap()["cases"][1]["meets_targets"], false);
         // Fewer than three runs, or runs of two commits, are refused.
         assert!(merge(&runs[..2], 3).is_err());
         let mut mixed = runs.clone();

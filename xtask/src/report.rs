@@ -419,8 +419,18 @@ pub fn readme_tables(results: &Path) -> Result<String, String> {
             .into_iter()
             .flatten()
             .map(|c| {
+                let disk = match c["mode"].as_str() {
+                    Some("disk") => format!(
+                        " (host RAM budget {:.1} GiB, {} blocks read from disk at {:.2} GB/s, {:.3} × the file's read rate)",
+                        f(&c["host_ram_budget_bytes"]) / (1u64 << 30) as f64,
+                        c["disk_blocks"],
+                        f(&c["disk_stream_gbps"]["median"]),
+                        f(&c["disk_stream_to_read"]["median"]),
+                    ),
+                    _ => String::new(),
+                };
                 format!(
-                    "{} store: open → first streamed step {:.2} s [{:.2}, {:.2}], host memory beyond the page cache {:.2} GiB, \
+                    "{} store{disk}: open → first streamed step {:.2} s [{:.2}, {:.2}], host memory beyond the page cache {:.2} GiB, \
                      streamed step {:.3} s, {:.3} × its bound, bitwise equal: {}, targets met: {}",
                     c["mode"].as_str().unwrap_or("?"),
                     f(&c["start_s"]["median"]),
@@ -445,7 +455,20 @@ pub fn readme_tables(results: &Path) -> Result<String, String> {
             f(&d["file_bytes"]) / (1u64 << 30) as f64,
             d["model"].as_str().unwrap_or("?"),
             modes.join("; "),
-            d["disk_tier"].as_str().unwrap_or("measured"),
+            match (d["disk_tier"].as_str(), d["disk_read_gbps"]["median"].as_f64()) {
+                (Some(why), _) => why.to_owned(),
+                (None, Some(gbps)) => format!(
+                    "the file read at {gbps:.2} GB/s [{:.2}, {:.2}] in the same runs, {}",
+                    f(&d["disk_read_gbps"]["min"]),
+                    f(&d["disk_read_gbps"]["max"]),
+                    if d["cases"].as_array().into_iter().flatten().any(|c| c["disk_direct"] == true) {
+                        "bypassing the page cache (O_DIRECT)"
+                    } else {
+                        "through the page cache (no O_DIRECT on that file system)"
+                    }
+                ),
+                (None, None) => "not measured".to_owned(),
+            },
         );
     }
     // Compressed streaming (`zoo merge-compressed`): raw and coded steps of one process.
@@ -743,6 +766,28 @@ mod readme_tests {
         );
         assert!(md.contains("copy store: open → first streamed step 16.10 s") && md.contains("targets met: **no**"), "{md}");
         assert!(md.contains("Disk tier: not built yet"), "{md}");
+        // With a disk case: its budget and rate, and the file's read rate.
+        let mut disk = mode("disk", 13.0, 8.4 * (1u64 << 30) as f64, true);
+        disk["host_ram_budget_bytes"] = serde_json::json!(8u64 << 30);
+        disk["disk_blocks"] = serde_json::json!(36);
+        disk["disk_stream_gbps"] = sp(1.15);
+        disk["disk_stream_to_read"] = sp(0.95);
+        disk["disk_direct"] = serde_json::json!(true);
+        let doc = serde_json::json!({"backend": "cuda", "commit": "c1", "gpu": "NVIDIA H200", "process_runs": 3, "model": "flux-dev",
+            "file_bytes": 23_676_000_000u64, "disk_read_gbps": sp(1.21), "cases": [disk]});
+        let dir = std::env::temp_dir().join(format!("offload-host-tiers-report-disk-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("y-host-tiers-h200.json"), doc.to_string()).unwrap();
+        let md = readme_tables(&dir).unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+        assert!(
+            md.contains("disk store (host RAM budget 8.0 GiB, 36 blocks read from disk at 1.15 GB/s, 0.950 × the file's read rate)"),
+            "{md}"
+        );
+        assert!(
+            md.contains("Disk tier: the file read at 1.21 GB/s [1.20, 1.22] in the same runs, bypassing the page cache (O_DIRECT)"),
+            "{md}"
+        );
     }
 
     #[test]

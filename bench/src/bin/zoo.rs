@@ -20,7 +20,7 @@
 //!                                              the pipeline runs' medians, spreads, bounds and targets
 //! zoo merge-compressed --out F [--min-repeats 3] RUN.json... [--codec C.json...]
 //!                                              issue 19's file from --coded runs and codec_speed outputs
-//! zoo host-tiers --model M --file CKPT [--case 1024] [--depth 1] [--steps 5] [--commit C] --out F
+//! zoo host-tiers --model M --file CKPT [--case 1024] [--depth 1] [--steps 5] [--host-ram-gib G [--disk-steps 2]] [--commit C] --out F
 //!                                              one process (cuda): CKPT written if absent, then the mapped
 //!                                              and the copying store, each from open to its first streamed step
 //! zoo merge-host-tiers --out F [--min-repeats 3] RUN.json...
@@ -275,14 +275,22 @@ fn run(args: &[String]) -> Result<(), String> {
             }
             let case = opt(args, "--case").unwrap_or("1024");
             let commit = opt(args, "--commit").unwrap_or("unknown");
+            let host_ram = match opt(args, "--host-ram-gib") {
+                None => None,
+                Some(v) => match v.parse::<f64>() {
+                    Ok(g) if g.is_finite() && g > 0.0 => Some((g * (1u64 << 30) as f64) as u64),
+                    _ => return Err(format!("host-tiers: --host-ram-gib {v:?} is not a positive number")),
+                },
+            };
+            let disk_steps = num("--disk-steps", 2)?.max(1);
             #[cfg(feature = "cuda")]
             {
-                let doc = offload_bench::host_tiers::run(&model, case, depth, steps, file, commit)?;
+                let doc = offload_bench::host_tiers::run(&model, case, depth, steps, file, commit, host_ram, disk_steps)?;
                 write(out, &doc)
             }
             #[cfg(not(feature = "cuda"))]
             {
-                let _ = (model, out, file, depth, steps, case, commit);
+                let _ = (model, out, file, depth, steps, case, commit, host_ram, disk_steps);
                 Err("host-tiers: cuda is not built into this zoo (feature cuda)".into())
             }
         }
@@ -295,12 +303,13 @@ fn run(args: &[String]) -> Result<(), String> {
             let doc = offload_bench::host_tiers::merge(&runs, min)?;
             for c in doc["cases"].as_array().into_iter().flatten() {
                 println!(
-                    "{}: start {:.2} s, host RSS {:.2} GiB, step {:.4} s, ratio to bound {:.4}, bitwise {}, meets {}",
+                    "{}: start {:.2} s, host RSS {:.2} GiB, step {:.4} s, ratio to bound {:.4}, disk stream ÷ read {:.3}, bitwise {}, meets {}",
                     c["mode"].as_str().unwrap_or(""),
                     c["start_s"]["median"].as_f64().unwrap_or(f64::NAN),
                     c["host_rss_bytes"]["median"].as_f64().unwrap_or(f64::NAN) / (1u64 << 30) as f64,
                     c["step_streamed_s"]["median"].as_f64().unwrap_or(f64::NAN),
                     c["ratio_to_bound"]["median"].as_f64().unwrap_or(f64::NAN),
+                    c["disk_stream_to_read"]["median"].as_f64().unwrap_or(f64::NAN),
                     c["bitwise_equal"],
                     c["meets_targets"]
                 );

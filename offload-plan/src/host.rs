@@ -1,0 +1,132 @@
+//! The host tier's planner: which blocks stay in host memory under a host RAM
+//! budget, and which are read from the checkpoint file at each use (the disk
+//! tier, `HostStore::build_tiered`).
+//!
+//! Host memory holds the blocks kept in it, the non-block tensors, and the ring's
+//! `d + 2` bounce buffers of the largest streamed block on disk. Every block on
+//! disk is read once a step, so the step is at least `disk bytes ÷ disk
+//! bandwidth`; which blocks go to disk changes only how well their reads hide. The
+//! planner sends to disk first the blocks kept on the device (read once, when the
+//! ring is built), then the streamed blocks with the most compute per byte, whose
+//! reads hide best behind their own compute, until the rest fits the budget.
+
+use crate::cost::CostModel;
+use offload_core::{DiskFile, Error, Result};
+use serde::Serialize;
+
+/// What the host-tier planner chose.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct HostChoice {
+    /// Per block (the cost model's order): whether it is left on disk.
+    pub on_disk: Vec<bool>,
+    /// Host bytes: blocks held, non-block tensors, bounce buffers.
+    pub host_bytes: u64,
+    /// Of those, the bounce buffers.
+    pub bounce_bytes: u64,
+    /// Bytes read from disk per step (the streamed blocks on disk).
+    pub disk_bytes_per_step: u64,
+    /// `disk bytes per step ÷ disk bandwidth`.
+    pub disk_s: f64,
+    /// `max(the ring's replayed step, disk_s)`.
+    pub predicted_step_s: f64,
+}
+
+impl HostChoice {
+    /// Names of the blocks on disk, for `ComponentPlan::disk_blocks`.
+    pub fn disk_ids(&self, model: &CostModel) -> Vec<String> {
+        model.blocks.iter().zip(&self.on_disk).filter(|(_, d)| **d).map(|(b, _)| b.id.clone()).collect()
+    }
+}
+
+/// Host bytes with `on_disk` on disk under `resident` at depth `depth`, and the
+/// bounce buffers among them.
+pub fn host_bytes(model: &CostModel, resident: &[bool], on_disk: &[bool], depth: usize) -> (u64, u64) {
+    let held: u64 = model.blocks.iter().zip(on_disk).filter(|(_, d)| !**d).map(|(b, _)| b.bytes).sum();
+    let largest = model.blocks.iter().zip(on_disk).zip(resident).filter(|((_, d), r)| **d && !**r).map(|((b, _), _)| b.bytes).max();
+    let bounce = largest.map_or(0, |b| ((depth + 2) * DiskFile::span(b as usize)) as u64);
+    (held + model.non_block_bytes + bounce, bounce)
+}
+
+/// Choose the blocks left on disk so host memory stays within `budget` bytes,
+/// with the ring's `resident` blocks and `depth`, reading at `disk_bytes_per_s`.
+/// An error names the bytes when even every block on disk does not fit (the
+/// bounce buffers and the non-block tensors need more than the budget).
+pub fn plan_host_tier(model: &CostModel, resident: &[bool], depth: usize, budget: u64, disk_bytes_per_s: f64) -> Result<HostChoice> {
+    if resident.len() != model.blocks.len() {
+        return Err(Error::Plan(format!("{} resident flags for {} blocks", resident.len(), model.blocks.len())));
+    }
+    if !(disk_bytes_per_s.is_finite() && disk_bytes_per_s > 0.0) {
+        return Err(Error::Plan(format!("disk bandwidth {disk_bytes_per_s} bytes/s is not a measurement")));
+    }
+    let n = model.blocks.len();
+    // Order of going to disk: device-resident blocks first, then compute per byte, most first.
+    let mut order: Vec<usize> = (0..n).collect();
+    let per_byte = |i: usize| model.blocks[i].compute_s / model.blocks[i].bytes.max(1) as f64;
+    order.sort_by(|&a, &b| resident[b].cmp(&resident[a]).then(per_byte(b).total_cmp(&per_byte(a))).then(a.cmp(&b)));
+    let mut on_disk = vec![false; n];
+    let mut next = order.into_iter();
+    while host_bytes(model, resident, &on_disk, depth).0 > budget {
+        match next.next() {
+            Some(i) => on_disk[i] = true,
+            None => {
+                let (need, bounce) = host_bytes(model, resident, &on_disk, depth);
+                return Err(Error::Plan(format!(
+                    "host RAM budget {budget} bytes is below what the disk tier needs with every block on disk: {need} bytes \
+                     ({bounce} of bounce buffers, d + 2 = {}, and {} of non-block tensors)",
+                    depth + 2,
+                    model.non_block_bytes
+                )));
+            }
+        }
+    }
+    let (host, bounce) = host_bytes(model, resident, &on_disk, depth);
+    let disk_bytes_per_step: u64 =
+        model.blocks.iter().zip(&on_disk).zip(resident).filter(|((_, d), r)| **d && !**r).map(|((b, _), _)| b.bytes).sum();
+    let disk_s = disk_bytes_per_step as f64 / disk_bytes_per_s;
+    let predicted_step_s = model.simulate_s(resident, depth).max(disk_s);
+    Ok(HostChoice { on_disk, host_bytes: host, bounce_bytes: bounce, disk_bytes_per_step, disk_s, predicted_step_s })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cost::BlockCost;
+
+    fn model() -> CostModel {
+        // Ten 100 MB blocks; block k computes k ms, so the heavier ones go to disk first.
+        let blocks = (0..10).map(|k| BlockCost::new(format!("blocks.{k}"), 100_000_000, k as f64 * 1e-3)).collect();
+        CostModel { bandwidth_bytes_per_s: 50e9, blocks, non_block_bytes: 1_000_000, source: "test".into() }
+    }
+
+    #[test]
+    fn the_budget_holds_and_the_heaviest_blocks_go_to_disk() {
+        let m = model();
+        let resident = vec![false; 10];
+        let bounce = (3 * DiskFile::span(100_000_000)) as u64;
+        // Room for four blocks beside the bounce buffers and the non-block tensors.
+        let budget = 4 * 100_000_000 + bounce + 1_000_000;
+        let c = plan_host_tier(&m, &resident, 1, budget, 1e9).unwrap();
+        assert!(c.host_bytes <= budget, "{c:?}");
+        assert_eq!(c.bounce_bytes, bounce);
+        assert_eq!(c.disk_ids(&m), ["blocks.4", "blocks.5", "blocks.6", "blocks.7", "blocks.8", "blocks.9"]);
+        assert_eq!(c.disk_bytes_per_step, 600_000_000);
+        assert!((c.disk_s - 0.6).abs() < 1e-9 && c.predicted_step_s >= c.disk_s);
+        // Enough for everything: nothing on disk, no bounce buffers.
+        let c = plan_host_tier(&m, &resident, 1, 2_000_000_000, 1e9).unwrap();
+        assert!(c.on_disk.iter().all(|d| !d) && c.bounce_bytes == 0 && c.disk_s == 0.0);
+        // A device-resident block is the first to go to disk (read once).
+        let mut res = vec![false; 10];
+        res[0] = true;
+        let c = plan_host_tier(&m, &res, 1, 950_000_000, 1e9).unwrap();
+        assert_eq!(c.disk_ids(&m), ["blocks.0"]);
+        assert_eq!(c.disk_bytes_per_step, 0, "a resident block is not read each step");
+    }
+
+    #[test]
+    fn a_budget_below_the_bounce_ring_is_refused_with_the_bytes() {
+        let e = plan_host_tier(&model(), &[false; 10], 1, 100_000_000, 1e9).unwrap_err().to_string();
+        assert!(e.contains("host RAM budget 100000000 bytes") && e.contains("bounce buffers"), "{e}");
+        assert!(plan_host_tier(&model(), &[false; 10], 1, u64::MAX, 0.0).is_err(), "no disk bandwidth");
+        assert!(plan_host_tier(&model(), &[false; 3], 1, u64::MAX, 1e9).is_err(), "flags of another model");
+    }
+}

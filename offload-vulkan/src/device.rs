@@ -988,6 +988,13 @@ impl OffloadBackend for VulkanBackend {
         buffer.as_slice()
     }
 
+    fn refill_host(&self, buffer: &mut VulkanHost, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<()> {
+        if !Arc::ptr_eq(buffer.inner(), &self.inner) {
+            return Err(Error::Protocol("refilling a host buffer of another Vulkan backend instance".into()));
+        }
+        buffer.refill(fill)
+    }
+
     fn host_is_pinned(&self) -> bool {
         true
     }

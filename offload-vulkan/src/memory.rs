@@ -288,6 +288,23 @@ impl VulkanHost {
     pub(crate) fn used_until(&self, copy_value: u64) {
         self.last_copy.fetch_max(copy_value, Ordering::Relaxed);
     }
+
+    /// Write the buffer again (the disk tier's bounce buffers): wait on this thread
+    /// for the copy-timeline value of its last copy, then let `fill` write every
+    /// byte through the mapping (host-coherent: the next submission sees them).
+    pub(crate) fn refill(&mut self, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<()> {
+        let b = VulkanBackend { inner: self.inner.clone() };
+        b.wait_value(Timeline::Copy, *self.last_copy.get_mut(), "refilling a host buffer")?;
+        if self.len == 0 {
+            return fill(&mut []);
+        }
+        // SAFETY: `ptr` maps `len` bytes owned by `self`; `&mut self` excludes every
+        // host view of them and any `copy_to_slot` still running (it borrows the buffer,
+        // and raises `last_copy` to its copy's value before it returns); every copy
+        // that read them has completed (waited above).
+        let bytes = unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) };
+        fill(bytes)
+    }
 }
 
 impl Drop for VulkanHost {

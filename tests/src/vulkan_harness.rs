@@ -104,10 +104,6 @@ impl<const MODE: u8> Harness for VulkanRow<MODE> {
         validation(b)?;
         Ok(u64::from(v))
     }
-    fn refills_host() -> bool {
-        // offload-vulkan has no `refill_host` yet: the disk tier is refused by name.
-        false
-    }
     fn reference(model: &TestModel, order: &[usize]) -> u64 {
         u64::from(order.iter().fold(SEED as u32, |acc, &i| reference_combine(acc, reference_hash(&model.block_bytes(i)))))
     }

@@ -18,6 +18,7 @@ pub mod harness;
 pub mod host_tiers;
 pub mod pipeline;
 pub mod registry;
+pub mod relay;
 pub mod source;
 #[cfg(feature = "tch")]
 pub mod tch;

@@ -33,6 +33,8 @@ pub(crate) struct Shared {
     pub(crate) code_all: std::sync::atomic::AtomicBool,
     /// Mapped regions registered with the device (the mapped host tier).
     pub(crate) regions: crate::mapped::Registrations,
+    /// Helper GPUs carrying shares of each copy ([`CudaBackend::enable_relay`]).
+    pub(crate) relay: OnceLock<crate::relay::Relay>,
 }
 
 /// Counters of a [`CudaBackend`].
@@ -155,6 +157,7 @@ impl CudaBackend {
             coding: OnceLock::new(),
             code_all: std::sync::atomic::AtomicBool::new(false),
             regions: Default::default(),
+            relay: OnceLock::new(),
         };
         Ok(CudaBackend { shared: Arc::new(shared) })
     }
@@ -276,6 +279,29 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// Relay (issue 18): from now on, each copy of a plain page-locked host buffer
+    /// of at least [`RelayOptions::min_relay_bytes`] is split in shares, one fetched
+    /// by this device, one by each helper GPU over its own host link into its
+    /// staging and pulled into the slot over NVLink (see [`crate::relay`]). The
+    /// copy's event completes when every share has landed; nothing blocks the host.
+    ///
+    /// [`Error::Unsupported`] (and nothing changed) where a helper cannot be opened
+    /// or this device has no peer access to it: copies then stay direct, as the
+    /// caller should say. Once on, relay stays on for every clone of this backend.
+    pub fn enable_relay(&self, options: crate::RelayOptions) -> Result<crate::RelayInfo> {
+        if self.shared.relay.get().is_some() {
+            return Err(Error::Plan("relay is already on for this backend".into()));
+        }
+        let (relay, info) = crate::relay::Relay::new(&self.shared, &options)?;
+        self.shared.relay.set(relay).map_err(|_| Error::Plan("relay was turned on twice at once".into()))?;
+        Ok(info)
+    }
+
+    /// Bytes each helper device has carried (relay on), by ordinal.
+    pub fn relayed_bytes(&self) -> Vec<(usize, u64)> {
+        self.shared.relay.get().map_or(Vec::new(), |r| r.relayed())
+    }
+
     /// Whether the checking mode is on.
     pub fn is_checking(&self) -> bool {
         self.shared.checking.get().is_some()
@@ -330,7 +356,20 @@ impl CudaBackend {
             let _ = s.copy.synchronize();
             e
         };
-        self.enqueue_copy(src, dst, dst_len, bytes).map_err(drained)?;
+        match s.relay.get().filter(|r| r.takes(src, bytes)) {
+            None => self.enqueue_copy(src, dst, dst_len, bytes).map_err(drained)?,
+            Some(relay) => {
+                // The checking mode's poison and spin first, then the shares.
+                self.enqueue_copy(src, dst, dst_len, 0).map_err(drained)?;
+                // SAFETY: `dst` holds `bytes ≤ dst_len` live bytes until the copy stream
+                // passes this copy (this function's contract); `src` drains the copy
+                // stream before it is freed (it belongs to this backend: checked above).
+                if let Err(e) = unsafe { relay.copy(&s.ctx, &s.copy, src, dst, bytes) } {
+                    let _ = relay.synchronize();
+                    return Err(drained(e));
+                }
+            }
+        }
         let ev = match s.copy.record_event(None) {
             Ok(ev) => Arc::new(ev),
             Err(e) => return Err(drained(driver("recording a copy event", e))),
@@ -524,6 +563,9 @@ impl OffloadBackend for CudaBackend {
     fn poll_error(&self) -> Result<()> {
         if let Some(c) = self.shared.coding.get() {
             c.poll()?;
+        }
+        if let Some(r) = self.shared.relay.get() {
+            r.poll()?;
         }
         // The streams may be the legacy default stream (tch): query in this context.
         self.bind()?;

@@ -42,6 +42,7 @@ pub mod fresh;
 pub mod mapped;
 mod memory;
 pub mod reference;
+pub mod relay;
 
 pub use coded::CodingOptions;
 pub use cudarc;
@@ -50,6 +51,7 @@ pub use fold::DeviceSlot;
 pub use fresh::{FreshEngine, FreshSlot};
 pub use mapped::{map_checkpoint, MappedFile};
 pub use memory::{CudaSlot, PinnedHost};
+pub use relay::{RelayInfo, RelayOptions};
 
 use offload_core::{BlockGuard, BlockLayout, Error, OffloadBackend, Result};
 

@@ -26,22 +26,41 @@ pub fn gpu_fold(b: &CudaBackend) -> Result<FoldKernel> {
 /// device (`CudaBackend::enable_coding`, 64 KiB segments so larger blocks have
 /// several; the test model's even tensors are normal bf16, its odd ones uniform
 /// bytes: decoded by the kernel and copied raw).
-pub struct CudaRow<const CODED: bool>;
+pub struct CudaRow<const MODE: u8>;
 /// The `cuda` row.
-pub type Cuda = CudaRow<false>;
+pub type Cuda = CudaRow<0>;
 /// The `cuda-coded` row: every copy moves coded bytes and decodes them on the device.
-pub type CudaCoded = CudaRow<true>;
+pub type CudaCoded = CudaRow<1>;
+/// The `cuda-relay` row: every copy shared with device 1 (`CudaBackend::enable_relay`:
+/// half fetched by device 1 into its staging and pulled over NVLink). Skipped where
+/// there is no second device with peer access.
+pub type CudaRelay = CudaRow<2>;
 
-impl<const CODED: bool> Harness for CudaRow<CODED> {
+impl<const MODE: u8> Harness for CudaRow<MODE> {
     type B = CudaBackend;
     type Acc = FoldKernel;
-    const NAME: &'static str = if CODED { "cuda-coded" } else { "cuda" };
+    const NAME: &'static str = match MODE {
+        1 => "cuda-coded",
+        2 => "cuda-relay",
+        _ => "cuda",
+    };
 
     fn backend() -> std::result::Result<CudaBackend, CaseError> {
         let b = CudaBackend::new(0).map_err(|e| CaseError::Skip(format!("no CUDA device: {e}")))?;
         b.enable_checking(COPY_SPIN_US)?;
-        if CODED {
+        if MODE == 1 {
             b.enable_coding(offload_cuda::CodingOptions { threads: 2, segment_bytes: 64 << 10 })?;
+        }
+        if MODE == 2 {
+            // Every copy relayed, however small: the test model's blocks are kilobytes.
+            let o = offload_cuda::RelayOptions { helpers: vec![1], min_relay_bytes: 0, max_copy_bytes: 64 << 20, ..Default::default() };
+            match b.enable_relay(o) {
+                Ok(_) => {}
+                Err(e @ offload_core::Error::Unsupported { .. }) => {
+                    return Err(CaseError::Skip(format!("relay needs a second CUDA device with peer access: {e}")))
+                }
+                Err(e) => return Err(e.into()),
+            }
         }
         Ok(b)
     }
@@ -59,11 +78,11 @@ impl<const CODED: bool> Harness for CudaRow<CODED> {
     }
     fn serves_mapped() -> bool {
         // Registered in place; with coding on every block is a copy.
-        !CODED
+        MODE != 1
     }
     fn refills_host() -> bool {
         // Every buffer of the coded row is coded, and coded buffers are not refilled.
-        !CODED
+        MODE != 1
     }
     fn violations(_: &CudaBackend) -> Vec<String> {
         Vec::new()
@@ -81,8 +100,11 @@ impl<const CODED: bool> Harness for CudaRow<CODED> {
         b.counters().syncs
     }
     fn model_cases() -> Vec<ModelCase> {
-        if CODED {
+        if MODE == 1 {
             return vec![ModelCase { name: "coded_copies_decode", invariant: "6", run: coded_copies_decode }];
+        }
+        if MODE == 2 {
+            return vec![ModelCase { name: "copies_relayed", invariant: "6", run: copies_relayed }];
         }
         vec![
             ModelCase { name: "host_memory_zeroed", invariant: "10", run: host_memory_zeroed },
@@ -185,5 +207,40 @@ fn coded_copies_decode() -> Outcome {
     crate::ensure!(copies >= model.len() as u64, "{copies} copies in a step of {} streamed blocks", model.len());
     crate::ensure!(coded == copies, "{coded} of {copies} copies coded");
     crate::ensure!(wire < raw as u64, "{wire} bytes on the wire for {raw} bytes of blocks");
+    Ok(())
+}
+
+/// The relay row carries shares through device 1: a 4 MiB block of random bytes
+/// copied through a relayed backend lands whole (read back, byte for byte), and
+/// device 1 carried its share of it.
+fn copies_relayed() -> Outcome {
+    let b = CudaRelay::backend()?;
+    let mut x = 0x9E37_79B9_7F4A_7C15u64;
+    let want: Vec<u8> = (0..4usize << 20)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect();
+    let host = b.alloc_host(want.len(), "relay check", &mut |d| {
+        d.copy_from_slice(&want);
+        Ok(())
+    })?;
+    let before: u64 = b.relayed_bytes().iter().map(|(_, n)| n).sum();
+    let mut slot = b.alloc_slot(want.len(), "relay check")?;
+    let ready = b.copy_to_slot(&host, &mut slot, want.len(), None)?;
+    b.compute_wait(&ready)?;
+    // The slot's bytes through the fold kernel (there is no device-to-host copy of
+    // weights), against the host's fold of the same bytes.
+    let mut acc = gpu_fold(&b)?;
+    acc.fold(&b, &slot, want.len())?;
+    let got = acc.read(&b)?;
+    let carried: u64 = b.relayed_bytes().iter().map(|(_, n)| n).sum::<u64>() - before;
+    b.free_slot(slot, Some(&b.record_compute()?))?;
+    let expect = crate::model::fold_combine(SEED, crate::model::block_hash(&want));
+    crate::ensure!(got == expect, "the relayed block folds to {got:#018x}, the host's bytes to {expect:#018x}");
+    crate::ensure!(carried >= (want.len() / 4) as u64, "device 1 carried {carried} of {} bytes", want.len());
     Ok(())
 }

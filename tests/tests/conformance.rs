@@ -7,6 +7,8 @@ offload_tests::conformance_tests!(sim_coded, offload_tests::sim_harness::SimCode
 offload_tests::conformance_tests!(cuda, offload_tests::cuda_harness::Cuda);
 #[cfg(feature = "cuda")]
 offload_tests::conformance_tests!(cuda_coded, offload_tests::cuda_harness::CudaCoded);
+#[cfg(feature = "cuda")]
+offload_tests::conformance_tests!(cuda_relay, offload_tests::cuda_harness::CudaRelay);
 
 #[cfg(feature = "candle")]
 offload_tests::conformance_tests!(candle, offload_tests::candle_harness::Candle);
@@ -94,6 +96,12 @@ fn cuda_backend_cases() {
 #[test]
 fn cuda_coded_backend_cases() {
     backend_cases::<offload_tests::cuda_harness::CudaCoded>(1);
+}
+
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_relay_backend_cases() {
+    backend_cases::<offload_tests::cuda_harness::CudaRelay>(1);
 }
 
 #[cfg(feature = "candle")]

@@ -23,6 +23,10 @@
 //! zoo host-tiers --model M --file CKPT [--case 1024] [--depth 1] [--steps 5] [--host-ram-gib G [--disk-steps 2]] [--commit C] --out F
 //!                                              one process (cuda): CKPT written if absent, then the mapped
 //!                                              and the copying store, each from open to its first streamed step
+//! zoo relay --model M [--case 1024] [--depth 1] [--steps 5] [--helpers 1] [--commit C] --out F
+//!                                              issue 18: one link and relay, one process (two GPUs)
+//! zoo merge-relay --out F [--min-repeats 3] RUN.json...
+//!                                              issue 18's file from relay runs
 //! zoo merge-host-tiers --out F [--min-repeats 3] RUN.json...
 //!                                              issue 17's file from host-tiers runs
 //! ```
@@ -293,6 +297,55 @@ fn run(args: &[String]) -> Result<(), String> {
                 let _ = (model, out, file, depth, steps, case, commit, host_ram, disk_steps);
                 Err("host-tiers: cuda is not built into this zoo (feature cuda)".into())
             }
+        }
+        Some("relay") => {
+            let model = registry::model(opt(args, "--model").ok_or("relay: --model is required")?)?;
+            let out = opt(args, "--out").ok_or("relay: --out is required")?;
+            let num = |name: &str, default: usize| -> Result<usize, String> {
+                opt(args, name).map_or(Ok(default), |v| v.parse().map_err(|e| format!("relay: {name} {v:?}: {e}")))
+            };
+            let (depth, steps) = (num("--depth", 1)?, num("--steps", 5)?);
+            if depth == 0 || steps == 0 {
+                return Err("relay: --depth and --steps must be at least 1".into());
+            }
+            let helpers: Vec<usize> = opt(args, "--helpers")
+                .unwrap_or("1")
+                .split(',')
+                .map(|h| h.parse().map_err(|e| format!("relay: --helpers {h:?}: {e}")))
+                .collect::<Result<_, String>>()?;
+            let case = opt(args, "--case").unwrap_or("1024");
+            let commit = opt(args, "--commit").unwrap_or("unknown");
+            #[cfg(feature = "cuda")]
+            {
+                let doc = offload_bench::relay::run(&model, case, depth, steps, &helpers, commit)?;
+                write(out, &doc)
+            }
+            #[cfg(not(feature = "cuda"))]
+            {
+                let _ = (model, out, depth, steps, helpers, case, commit);
+                Err("relay: cuda is not built into this zoo (feature cuda)".into())
+            }
+        }
+        Some("merge-relay") => {
+            let (out, min, files, rest) = merge_args(args, "--anchors")?;
+            if !rest.is_empty() {
+                return Err("merge-relay: relay has no anchors".into());
+            }
+            let runs = files.iter().map(|f| read::<offload_bench::relay::RelayRun>(f)).collect::<Result<Vec<_>, _>>()?;
+            let doc = offload_bench::relay::merge(&runs, min)?;
+            for c in doc["cases"].as_array().into_iter().flatten() {
+                println!(
+                    "{} {}: relay {:.4} s, {:.3} × its bound, {:.2} × one link, bitwise {}, meets {}",
+                    c["model"].as_str().unwrap_or(""),
+                    c["case"].as_str().unwrap_or(""),
+                    c["step_relay_s"]["median"].as_f64().unwrap_or(f64::NAN),
+                    c["ratio_to_bound"]["median"].as_f64().unwrap_or(f64::NAN),
+                    c["speedup"]["median"].as_f64().unwrap_or(f64::NAN),
+                    c["bitwise_equal"],
+                    c["meets_targets"]
+                );
+            }
+            write(out, &doc)
         }
         Some("merge-host-tiers") => {
             let (out, min, files, rest) = merge_args(args, "--anchors")?;

@@ -498,6 +498,9 @@ fn gpu_bundle(args: &[String]) -> Result<(), String> {
         "bench/anchors/registry_check.py",
         "bench/zoo-run.sh",
         "bench/gpu-run.sh",
+        "bench/conformance-rows.sh",
+        "bench/host-tiers.sh",
+        "bench/relay-run.sh",
         "bench/sabotage_table.py",
     ] {
         let p = root().join(f);

@@ -234,10 +234,9 @@ impl Relay {
                 .map_err(|e| fail("loading a share into staging", e))?;
             let loaded = h.load.record_event(None).map_err(|e| fail("recording a load", e))?;
             h.forward.wait(&loaded).map_err(|e| fail("ordering a forward after its load", e))?;
-            // SAFETY: `dst + offset .. + n` lies in the slot (this function's contract),
-            // written only after the copy's waits (the forward waits for the load, which
-            // waited for `start`); the staging buffer was loaded above; both contexts are
-            // live and this device has peer access to the helper's memory.
+            // The forward waits for the load, which waited for `start` (the copy's own waits).
+            // SAFETY: `dst + offset .. + n` lies in the live slot (contract), ordered as just
+            // said; the staging was loaded above; this device has peer access to it.
             unsafe { sys::cuMemcpyPeerAsync(dst + offset as u64, ctx0.cu_ctx(), h.staging[k], h.ctx.cu_ctx(), n, h.forward.cu_stream()) }
                 .result()
                 .map_err(|e| fail("forwarding a share peer to peer", e))?;

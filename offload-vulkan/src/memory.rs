@@ -298,10 +298,10 @@ impl VulkanHost {
         if self.len == 0 {
             return fill(&mut []);
         }
-        // SAFETY: `ptr` maps `len` bytes owned by `self`; `&mut self` excludes every
-        // host view of them and any `copy_to_slot` still running (it borrows the buffer,
-        // and raises `last_copy` to its copy's value before it returns); every copy
-        // that read them has completed (waited above).
+        // `&mut self` excludes every host view and any `copy_to_slot` still running (it
+        // borrows the buffer and raises `last_copy` before it returns).
+        // SAFETY: `ptr` maps `len` bytes owned by `self`, unborrowed (just said); every
+        // copy that read them has completed (waited above).
         let bytes = unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) };
         fill(bytes)
     }

@@ -4,7 +4,8 @@
 # runs this before the Vulkan row of the conformance suite.
 set -euo pipefail
 have() {
-  ldconfig -p | grep -q 'libvulkan.so.1' \
+  # grep reads everything (no -q): under pipefail an early exit would fail ldconfig with SIGPIPE.
+  ldconfig -p | grep 'libvulkan.so.1' >/dev/null \
     && ls /usr/share/vulkan/icd.d/lvp_icd*.json >/dev/null 2>&1 \
     && ls /usr/share/vulkan/explicit_layer.d/VkLayer_khronos_validation.json >/dev/null 2>&1
 }

@@ -46,7 +46,28 @@ impl DiskFile {
         let io = |source| Error::Io { path: path.clone(), source };
         let buffered = File::open(&path).map_err(io)?;
         let identity = FileIdentity::of(&buffered.metadata().map_err(io)?);
-        Ok(DiskFile { direct: Self::open_direct(&path), path, buffered, identity })
+        // The direct handle must name the same file as the buffered one.
+        let direct = Self::open_direct(&path).filter(|d| {
+            d.metadata().is_ok_and(|m| {
+                let i = FileIdentity::of(&m);
+                (i.dev, i.ino) == (identity.dev, identity.ino)
+            })
+        });
+        Ok(DiskFile { direct, path, buffered, identity })
+    }
+
+    /// [`open`](Self::open), refusing a file other than the one `expected` names
+    /// (another file at the path, or the same one written since).
+    pub(crate) fn open_expecting(path: &Path, expected: FileIdentity) -> Result<Self> {
+        let f = Self::open(path)?;
+        if f.identity != expected {
+            return Err(Error::BadCheckpoint {
+                path: path.to_path_buf(),
+                tensor: String::new(),
+                fault: "the file at the path is not the one whose header was read (replaced or written since)".into(),
+            });
+        }
+        Ok(f)
     }
 
     #[cfg(target_os = "linux")]
@@ -119,23 +140,38 @@ impl DiskFile {
         let start = offset / a * a;
         let lead = (offset - start) as usize;
         let n = (lead + len).div_ceil(DIRECT_ALIGN) * DIRECT_ALIGN;
-        match &self.direct {
+        let direct = match &self.direct {
             Some(direct) if dst.as_ptr() as usize % DIRECT_ALIGN == 0 && dst.len() >= n => {
                 // The aligned range may run past the end of the file: a short read there is fine.
                 let mut got = 0;
+                let mut result = Ok(true);
                 while got < lead + len {
                     match direct.read_at(&mut dst[got..n], start + got as u64) {
                         Ok(0) => return Err(fail(format!("the file ended {got} bytes into the read"))),
                         Ok(k) => got += k,
                         Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                        Err(e) => return Err(fail(e.to_string())),
+                        // A file system that took O_DIRECT at open but refuses this read:
+                        // read it through the page cache instead.
+                        Err(e) if e.kind() == std::io::ErrorKind::InvalidInput => {
+                            result = Ok(false);
+                            break;
+                        }
+                        Err(e) => result = Err(fail(e.to_string())),
+                    }
+                    if result.is_err() {
+                        break;
                     }
                 }
-                dst.copy_within(lead..lead + len, 0);
+                result?
             }
-            _ => self.buffered.read_exact_at(&mut dst[..len], offset).map_err(|e| fail(e.to_string()))?,
+            _ => false,
+        };
+        match direct {
+            true => dst.copy_within(lead..lead + len, 0),
+            false => self.buffered.read_exact_at(&mut dst[..len], offset).map_err(|e| fail(e.to_string()))?,
         }
-        Ok(())
+        // Written while it was read: the bytes may be torn.
+        self.check().map_err(|e| fail(e.to_string()))
     }
 }
 
@@ -163,6 +199,18 @@ struct Job<B: OffloadBackend> {
 struct Pending<B: OffloadBackend> {
     block: usize,
     rx: mpsc::Receiver<Reply<B>>,
+    /// The reply, once `is_ready` has received it.
+    done: Option<Reply<B>>,
+}
+
+impl<B: OffloadBackend> Pending<B> {
+    /// The read's reply, waiting for it if it has not come.
+    fn wait(self) -> Result<Reply<B>> {
+        match self.done {
+            Some(r) => Ok(r),
+            None => self.rx.recv().map_err(|_| Error::Protocol("disk tier: a reader thread died".into())),
+        }
+    }
 }
 
 /// A ring's reads from the disk tier: a few bounce buffers, reader threads, and
@@ -228,15 +276,20 @@ impl<B: OffloadBackend> DiskStream<B> {
             self.free.push(job.buffer);
             return Err(Error::Protocol("disk tier: the readers are gone".into()));
         }
-        self.pending.push(Pending { block, rx });
+        self.pending.push(Pending { block, rx, done: None });
         Ok(())
     }
 
-    /// Wait for the oldest read in flight, keep its buffer; its result is dropped
-    /// (a read no longer wanted).
-    fn drop_oldest(&mut self) -> Result<()> {
-        let p = self.pending.remove(0);
-        let (_, buffer) = p.rx.recv().map_err(|_| Error::Protocol("disk tier: a reader thread died".into()))?;
+    /// Wait for a read in flight (one not in `upcoming` where there is one, else
+    /// the oldest) and keep its buffer; its result is dropped (a read no longer wanted).
+    fn drop_oldest(&mut self, upcoming: &[Read]) -> Result<()> {
+        if self.pending.is_empty() {
+            return Err(Error::Protocol("disk tier: no bounce buffer is free and no read is in flight".into()));
+        }
+        // A read no longer predicted first, else the oldest.
+        let at = self.pending.iter().position(|p| !upcoming.iter().any(|r| r.block == p.block)).unwrap_or(0);
+        let p = self.pending.remove(at);
+        let (_, buffer) = p.wait()?;
         self.free.push(buffer);
         Ok(())
     }
@@ -263,7 +316,7 @@ impl<B: OffloadBackend> DiskStream<B> {
     pub(crate) fn take(&mut self, want: &Read, upcoming: &[Read]) -> Result<B::HostBuffer> {
         if !self.pending.iter().any(|p| p.block == want.block) {
             while self.free.is_empty() {
-                self.drop_oldest()?;
+                self.drop_oldest(upcoming)?;
             }
             self.issue(want)?;
         }
@@ -271,7 +324,7 @@ impl<B: OffloadBackend> DiskStream<B> {
         let at = self.pending.iter().position(|p| p.block == want.block).expect("issued above");
         let p = self.pending.remove(at);
         let t = Instant::now();
-        let got = p.rx.recv().map_err(|_| Error::Protocol("disk tier: a reader thread died".into()));
+        let got = p.wait();
         self.waited_s += t.elapsed().as_secs_f64();
         let (r, buffer) = got?;
         if let Err(e) = r {
@@ -280,6 +333,25 @@ impl<B: OffloadBackend> DiskStream<B> {
         }
         self.read_bytes += want.len as u64;
         Ok(buffer)
+    }
+
+    /// Whether the read of block `block` is in flight and done (never blocks): the
+    /// ring copies a prefetched block on disk only then, so the thread that
+    /// computes never waits for a read it does not need yet.
+    pub(crate) fn is_ready(&mut self, block: usize) -> bool {
+        let Some(p) = self.pending.iter_mut().find(|p| p.block == block) else { return false };
+        if p.done.is_some() {
+            return true;
+        }
+        match p.rx.try_recv() {
+            Ok(reply) => {
+                p.done = Some(reply);
+                true
+            }
+            Err(mpsc::TryRecvError::Empty) => false,
+            // A reader died: `take` reports it.
+            Err(mpsc::TryRecvError::Disconnected) => true,
+        }
     }
 
     /// Return a bounce buffer after its copy was issued, and read ahead into it.
@@ -299,7 +371,7 @@ impl<B: OffloadBackend> Drop for DiskStream<B> {
         // Let the readers finish what they hold, then stop them.
         self.jobs = None;
         for p in self.pending.drain(..) {
-            let _ = p.rx.recv();
+            let _ = p.wait();
         }
         for t in self.threads.drain(..) {
             let _ = t.join();

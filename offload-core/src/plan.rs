@@ -322,13 +322,17 @@ pub fn resolve_on(plan: &Plan, inventory: &[ComponentInventory], memory: Option<
 }
 
 /// Host memory of a ring with the blocks `on_disk` left on disk: the blocks in
-/// memory, the non-block tensors, and `d + 2` bounce buffers of the largest
-/// streamed block on disk (each [`DiskFile::span`](crate::DiskFile::span) bytes).
+/// memory, the non-block tensors, and the larger of `d + 2` bounce buffers of the
+/// largest streamed block on disk (each [`DiskFile::span`](crate::DiskFile::span)
+/// bytes) and the one-off buffer of the largest device-resident block on disk.
 pub fn host_ram_bytes(blocks: &[(BlockId, usize)], resident: &[BlockId], on_disk: &[BlockId], depth: usize, non_block_bytes: u64) -> u64 {
     let held: u64 = blocks.iter().filter(|(id, _)| !on_disk.contains(id)).map(|(_, b)| *b as u64).sum();
     let largest = blocks.iter().filter(|(id, _)| on_disk.contains(id) && !resident.contains(id)).map(|(_, b)| *b).max();
     let bounce = largest.map_or(0, |b| ((depth + 2) * crate::DiskFile::span(b)) as u64);
-    held + non_block_bytes + bounce
+    // A block kept on the device but left on disk is read once, when the ring is
+    // built, into a buffer of its size (before the bounce buffers exist).
+    let once = blocks.iter().filter(|(id, _)| on_disk.contains(id) && resident.contains(id)).map(|(_, b)| *b as u64).max().unwrap_or(0);
+    held + non_block_bytes + bounce.max(once)
 }
 
 /// The blocks left on disk and the host memory the component then takes: the

@@ -378,13 +378,33 @@ impl<B: OffloadBackend> Ring<B> {
             if self.slots.iter().any(|s| s.holds == Some(c)) {
                 continue;
             }
+            // A block on disk is copied ahead only once its read is done: the thread
+            // that computes never waits for a read it does not need yet (its read is
+            // issued, and the next `block` tries again).
+            if self.store.blocks()[c].disk_offset().is_some() {
+                let upcoming = self.disk_reads_after(b);
+                if let Some(disk) = self.disk.as_mut() {
+                    disk.top_up(&upcoming)?;
+                    if !disk.is_ready(c) {
+                        break;
+                    }
+                }
+            }
             let mut keep = chain.clone();
             keep.push(b);
             let s = self.victim_except(&keep, Some(current));
             if s == current || self.slots[s].holds.is_some_and(|h| keep.contains(&h)) {
                 break;
             }
-            self.load(s, c)?;
+            match self.load(s, c) {
+                // A read that failed ahead of need is reported when its block is
+                // asked for (read again then), not here, where another block is.
+                Err(e @ Error::DiskRead { .. }) => {
+                    tracing::warn!("{e}; read again when the block is asked for");
+                    break;
+                }
+                r => r?,
+            }
         }
         Ok(())
     }

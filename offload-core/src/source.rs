@@ -190,6 +190,11 @@ impl SafetensorsFile {
         &self.path
     }
 
+    /// The file's identity when its header was read.
+    pub(crate) fn identity(&self) -> FileIdentity {
+        self.opened
+    }
+
     /// Where tensor `index`'s bytes start in the file.
     pub fn data_offset(&self, index: usize) -> u64 {
         self.offsets[index]

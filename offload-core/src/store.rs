@@ -166,9 +166,10 @@ impl<B: OffloadBackend> HostStore<B> {
     /// buffers it holds, on reader threads, ahead of need (`O_DIRECT` where the
     /// file system allows). Its tensors must lie in the file as the store lays
     /// them out (each at a multiple of [`TENSOR_ALIGN`] from the block's first,
-    /// nothing else between); a block that does not is held in memory, and
-    /// [`tier`](Self::tier) says so. The non-block tensors are always held in
-    /// memory. The plan's choice is [`ResolvedComponent::is_on_disk`](crate::ResolvedComponent::is_on_disk).
+    /// nothing else between): a block on disk that does not is an error naming it
+    /// (held in memory it would exceed the plan's host memory). The file must be
+    /// the one `file`'s header was read from. The non-block tensors are always
+    /// held in memory. The plan's choice is [`ResolvedComponent::is_on_disk`](crate::ResolvedComponent::is_on_disk).
     pub fn build_tiered(
         backend: &B,
         inventory: &ComponentInventory,
@@ -176,7 +177,7 @@ impl<B: OffloadBackend> HostStore<B> {
         pin: PinOptions,
         on_disk: &dyn Fn(&BlockId) -> bool,
     ) -> Result<Self> {
-        let disk = Arc::new(DiskFile::open(file.path())?);
+        let disk = Arc::new(DiskFile::open_expecting(file.path(), file.identity())?);
         let offset = |i: usize| file.data_offset(i) as usize;
         Self::build_inner(backend, inventory, file, pin, None, Some((&disk, &offset, on_disk)))
     }
@@ -259,9 +260,14 @@ impl<B: OffloadBackend> HostStore<B> {
                             disk_blocks.set((n + 1, b + layout.bytes as u64));
                             return Ok(HostBlock { id, layout, held: Held::Disk(start as u64) });
                         }
+                        // Held in memory instead, it would take host memory the plan
+                        // did not count: refuse, naming the block.
                         Err(why) => {
-                            tracing::warn!("{purpose}: held in memory, not read from disk: {why}");
-                            copied(format!("{purpose}: held in memory, not read from disk: {why}"));
+                            return Err(Error::Plan(format!(
+                                "{purpose} is planned on disk but cannot be read from {} as the store lays it out: {why} \
+                                 (re-pack the checkpoint, or keep the block in memory)",
+                                source.origin()
+                            )))
                         }
                     }
                 }
@@ -821,19 +827,35 @@ mod tests {
     }
 
     #[test]
-    fn a_block_on_disk_that_does_not_lie_in_the_file_as_laid_out_is_held_in_memory() {
+    fn a_block_on_disk_that_does_not_lie_in_the_file_as_laid_out_is_refused_by_name() {
         let path = temp("disk-odd");
         let tensors = model(Some(1000));
         write_checkpoint(&path, &tensors);
         let file = SafetensorsFile::open(&path).unwrap();
         let inv = NameDiscovery.discover("m", file.specs()).unwrap();
         let be = SimBackend::new(SimConfig::fast());
-        let store = HostStore::build_tiered(&be, &inv, &file, PinOptions::default(), &|_| true).unwrap();
+        let e = HostStore::build_tiered(&be, &inv, &file, PinOptions::default(), &|_| true).err().expect("refused").to_string();
+        assert!(e.contains("m/blocks.1") && e.contains("multiple of 256"), "{e}");
+        assert_eq!(be.stats().pinned_bytes, 0, "nothing kept");
+        // The others can be on disk.
+        let store = HostStore::build_tiered(&be, &inv, &file, PinOptions::default(), &|id| id.index != 1).unwrap();
         assert_eq!(store.tier().on_disk, 2, "{:?}", store.tier());
-        let why = store.tier().copy_reason.clone().unwrap_or_default();
-        assert!(why.contains("blocks.1") && why.contains("not read from disk"), "{why}");
         let mut want = tensors;
         want.sort();
         assert_eq!(tensors_of(&be, &store), want);
+    }
+
+    #[test]
+    fn a_file_replaced_after_its_header_was_read_is_refused() {
+        let path = temp("disk-replaced");
+        write_checkpoint(&path, &disk_model(2, 4096));
+        let file = SafetensorsFile::open(&path).unwrap();
+        let inv = NameDiscovery.discover("m", file.specs()).unwrap();
+        let other = path.with_extension("new");
+        write_checkpoint(&other, &disk_model(2, 4096));
+        std::fs::rename(&other, &path).unwrap();
+        let be = SimBackend::new(SimConfig::fast());
+        let e = HostStore::build_tiered(&be, &inv, &file, PinOptions::default(), &|_| true).err().expect("refused").to_string();
+        assert!(e.contains("not the one whose header was read"), "{e}");
     }
 }

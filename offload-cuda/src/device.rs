@@ -370,11 +370,10 @@ impl CudaBackend {
                 }
             }
         }
-        let ev = match s.copy.record_event(None) {
-            Ok(ev) => Arc::new(ev),
-            Err(e) => return Err(drained(driver("recording a copy event", e))),
-        };
-        src.note_copy(&ev);
+        let ev = src.record_copy(|| match s.copy.record_event(None) {
+            Ok(ev) => Ok(Arc::new(ev)),
+            Err(e) => Err(drained(driver("recording a copy event", e))),
+        })?;
         s.copies.fetch_add(1, Ordering::Relaxed);
         s.bytes_copied.fetch_add(bytes as u64, Ordering::Relaxed);
         Ok(ev)

@@ -116,9 +116,15 @@ impl PinnedHost {
         PinnedHost { ptr, len, pageable: None, coded: None, mapped, last_copy: Default::default(), shared }
     }
 
-    /// Remember `ev` as the last copy from this buffer.
-    pub(crate) fn note_copy(&self, ev: &Arc<CudaEvent>) {
-        *self.last_copy.lock().unwrap_or_else(|e| e.into_inner()) = Some(ev.clone());
+    /// Record a copy's event with `record` and remember it as the last copy from
+    /// this buffer, under one lock: of copies enqueued from several threads, the
+    /// event kept is the one recorded last on the stream, which every earlier
+    /// enqueued copy precedes.
+    pub(crate) fn record_copy(&self, record: impl FnOnce() -> Result<Arc<CudaEvent>>) -> Result<Arc<CudaEvent>> {
+        let mut last = self.last_copy.lock().unwrap_or_else(|e| e.into_inner());
+        let ev = record()?;
+        *last = Some(ev.clone());
+        Ok(ev)
     }
 
     /// Write the buffer again: wait (on this thread) for its last copy, then let

@@ -10,10 +10,10 @@
 //! event, the one the ring hands compute, completes when the whole block has
 //! landed. No host synchronisation on the way.
 //!
-//! Ordering, per share: the load waits for an event recorded on the copy stream
-//! after the copy's own waits (the slot's last use, its previous copy, and in the
-//! checking mode the poison and spin), and for the last forward out of its staging
-//! buffer; the forward waits for its load; the copy stream waits for the forward.
+//! Ordering, per share: the load waits for the last forward out of its staging
+//! buffer; the forward waits for its load and for an event recorded on the copy
+//! stream after the copy's own waits (the slot's last use, its previous copy, and
+//! in the checking mode the poison and spin); the copy stream waits for the forward.
 //! So a share is written into the slot only after the slot is free, a staging
 //! buffer is loaded only after its last forward has read it, and the host buffer is
 //! read by a helper only while the copy stream (whose drain every host buffer's
@@ -104,6 +104,13 @@ fn peer_access(from: &Arc<CudaContext>, to: &Arc<CudaContext>) -> Result<()> {
 
 impl Relay {
     pub(crate) fn new(shared: &Shared, o: &RelayOptions) -> Result<(Self, RelayInfo)> {
+        let r = Self::open(shared, o);
+        // Whatever happened, leave this device's context current on the thread.
+        let _ = shared.ctx.bind_to_thread();
+        r
+    }
+
+    fn open(shared: &Shared, o: &RelayOptions) -> Result<(Self, RelayInfo)> {
         let me = shared.ctx.ordinal();
         if o.helpers.is_empty() {
             return Err(Error::unsupported("cuda", "relay with no helper device"));
@@ -222,7 +229,8 @@ impl Relay {
             let k = ring.0;
             ring.0 = (k + 1) % h.staging.len();
             let fail = |what: &str, e: cudarc::driver::DriverError| driver(format!("relay through device {}: {what}", h.ordinal), e);
-            h.load.wait(&start).map_err(|e| fail("waiting for the copy's start", e))?;
+            // The load touches only the host buffer (immutable while copies from it
+            // run) and the staging buffer: it need not wait for the slot, the forward does.
             if let Some(last) = &ring.1[k] {
                 h.load.wait(last).map_err(|e| fail("waiting for the staging buffer's last forward", e))?;
             }
@@ -233,8 +241,9 @@ impl Relay {
                 .result()
                 .map_err(|e| fail("loading a share into staging", e))?;
             let loaded = h.load.record_event(None).map_err(|e| fail("recording a load", e))?;
+            h.forward.wait(&start).map_err(|e| fail("ordering a forward after the copy's waits", e))?;
             h.forward.wait(&loaded).map_err(|e| fail("ordering a forward after its load", e))?;
-            // The forward waits for the load, which waited for `start` (the copy's own waits).
+            // The forward waits for `start` (the copy's own waits) and for its load.
             // SAFETY: `dst + offset .. + n` lies in the live slot (contract), ordered as just
             // said; the staging was loaded above; this device has peer access to it.
             unsafe { sys::cuMemcpyPeerAsync(dst + offset as u64, ctx0.cu_ctx(), h.staging[k], h.ctx.cu_ctx(), n, h.forward.cu_stream()) }
@@ -273,30 +282,34 @@ impl Relay {
 
     /// Wait for every helper stream (teardown, errors).
     pub(crate) fn synchronize(&self) -> Result<()> {
+        // Drain every helper, then report the first failure.
+        let mut first = Ok(());
         for h in &self.helpers {
-            h.load.synchronize().map_err(|e| driver(format!("synchronizing helper device {}'s load stream", h.ordinal), e))?;
-            h.forward.synchronize().map_err(|e| driver(format!("synchronizing helper device {}'s forward stream", h.ordinal), e))?;
+            let r = h.load.synchronize().map_err(|e| driver(format!("synchronizing helper device {}'s load stream", h.ordinal), e));
+            let f = h.forward.synchronize().map_err(|e| driver(format!("synchronizing the forward stream of helper {}", h.ordinal), e));
+            if first.is_ok() {
+                first = r.and(f);
+            }
         }
-        Ok(())
+        first
     }
 }
 
-impl Drop for Relay {
+impl Drop for Helper {
     fn drop(&mut self) {
-        for h in &self.helpers {
-            // A forward may still read staging: free only after both streams drained.
-            if h.load.synchronize().and_then(|()| h.forward.synchronize()).is_err() {
-                tracing::warn!("relay: helper device {}'s streams could not be drained; its staging is leaked", h.ordinal);
-                continue;
-            }
-            if h.ctx.bind_to_thread().is_err() {
-                continue;
-            }
-            for &p in &h.staging {
-                // SAFETY: allocated by `malloc_sync` in this context; nothing reads it any more.
-                if let Err(e) = unsafe { cudarc::driver::result::free_sync(p) } {
-                    tracing::warn!("relay: freeing staging on device {}: {e}", h.ordinal);
-                }
+        // A forward may still read staging: free only after both streams drained
+        // (also when `Relay::new` failed part-way: nothing was enqueued then).
+        if self.load.synchronize().and_then(|()| self.forward.synchronize()).is_err() {
+            tracing::warn!("relay: helper device {}'s streams could not be drained; its staging is leaked", self.ordinal);
+            return;
+        }
+        if self.ctx.bind_to_thread().is_err() {
+            return;
+        }
+        for &p in &self.staging {
+            // SAFETY: allocated by `malloc_sync` in this context; nothing reads it any more.
+            if let Err(e) = unsafe { cudarc::driver::result::free_sync(p) } {
+                tracing::warn!("relay: freeing staging on device {}: {e}", self.ordinal);
             }
         }
     }

@@ -17,6 +17,7 @@ fn suite(backend: &str) -> Option<Row> {
         "cuda" => Some(run_suite::<offload_tests::cuda_harness::Cuda>()),
         #[cfg(feature = "cuda")]
         "cuda-coded" => Some(run_suite::<offload_tests::cuda_harness::CudaCoded>()),
+        #[cfg(feature = "cuda")]
         "cuda-relay" => Some(run_suite::<offload_tests::cuda_harness::CudaRelay>()),
         #[cfg(feature = "candle")]
         "candle" => Some(run_suite::<offload_tests::candle_harness::Candle>()),
@@ -44,6 +45,7 @@ fn sabotage(backend: &str) -> Option<Vec<SabotageOutcome>> {
         "cuda" => Some(run_sabotage::<offload_tests::cuda_harness::Cuda>()),
         #[cfg(feature = "cuda")]
         "cuda-coded" => Some(run_sabotage::<offload_tests::cuda_harness::CudaCoded>()),
+        #[cfg(feature = "cuda")]
         "cuda-relay" => Some(run_sabotage::<offload_tests::cuda_harness::CudaRelay>()),
         #[cfg(feature = "candle")]
         "candle" => Some(run_sabotage::<offload_tests::candle_harness::Candle>()),

@@ -361,9 +361,10 @@ impl CudaBackend {
             Some(relay) => {
                 // The checking mode's poison and spin first, then the shares.
                 self.enqueue_copy(src, dst, dst_len, 0).map_err(drained)?;
-                // SAFETY: `dst` holds `bytes ≤ dst_len` live bytes until the copy stream
-                // passes this copy (this function's contract); `src` drains the copy
-                // stream before it is freed (it belongs to this backend: checked above).
+                // `dst` holds `bytes ≤ dst_len` live bytes until the copy stream passes this
+                // copy (this function's contract); `src` drains the copy stream before it is
+                // freed (it belongs to this backend: checked above).
+                // SAFETY: relay.copy's contract holds, as just said.
                 if let Err(e) = unsafe { relay.copy(&s.ctx, &s.copy, src, dst, bytes) } {
                     let _ = relay.synchronize();
                     return Err(drained(e));

@@ -148,9 +148,9 @@ impl PinnedHost {
         if let Some(b) = &mut self.pageable {
             return fill(b);
         }
-        // SAFETY: `ptr` is `len` bytes of cuMemHostAlloc memory owned by `self`;
-        // `&mut self` excludes every host view of it, and the last copy that read
-        // it (every copy records itself in `last_copy`) has completed.
+        // `ptr` is `len` bytes of cuMemHostAlloc memory owned by `self`; `&mut self`
+        // excludes every host view of it; every copy records itself in `last_copy`.
+        // SAFETY: exclusive (just said), and the last copy that read it has completed.
         let bytes = unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) };
         fill(bytes)
     }

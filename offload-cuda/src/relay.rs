@@ -234,9 +234,10 @@ impl Relay {
             if let Some(last) = &ring.1[k] {
                 h.load.wait(last).map_err(|e| fail("waiting for the staging buffer's last forward", e))?;
             }
-            // SAFETY: the staging buffer holds `staging_bytes ≥ n` (`takes`), is free
-            // (its last forward waited for above), and `src + offset .. + n` lies in
-            // `src`, which is page-locked portable memory alive until `copy` passes this share.
+            // The staging buffer holds `staging_bytes ≥ n` (`takes`) and is free (its last
+            // forward waited for above); `src + offset .. + n` lies in `src`, page-locked
+            // portable memory alive until `copy` passes this share.
+            // SAFETY: both ranges valid and unshared for this copy, as just said.
             unsafe { sys::cuMemcpyHtoDAsync_v2(h.staging[k], src.ptr().add(offset) as *const _, n, h.load.cu_stream()) }
                 .result()
                 .map_err(|e| fail("loading a share into staging", e))?;

@@ -299,9 +299,9 @@ impl VulkanHost {
             return fill(&mut []);
         }
         // `&mut self` excludes every host view and any `copy_to_slot` still running (it
-        // borrows the buffer and raises `last_copy` before it returns).
-        // SAFETY: `ptr` maps `len` bytes owned by `self`, unborrowed (just said); every
-        // copy that read them has completed (waited above).
+        // borrows the buffer and raises `last_copy` before it returns); every copy that
+        // read the bytes has completed (waited above).
+        // SAFETY: `ptr` maps `len` bytes owned by `self`, unborrowed and unread (just said).
         let bytes = unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) };
         fill(bytes)
     }

@@ -111,16 +111,7 @@ impl DiskFile {
     /// and modification time (of the open file, so a rename over the path does not
     /// matter: the open handle still reads the old bytes).
     pub fn check(&self) -> Result<()> {
-        let m = self.buffered.metadata().map_err(|source| Error::Io { path: self.path.clone(), source })?;
-        let now = FileIdentity::of(&m);
-        let bad = |fault: String| Error::BadCheckpoint { path: self.path.clone(), tensor: String::new(), fault };
-        if now.len != self.identity.len {
-            return Err(bad(format!("the file is now {} bytes, {} when opened: truncated or rewritten", now.len, self.identity.len)));
-        }
-        if now.mtime_ns != self.identity.mtime_ns {
-            return Err(bad("the file was written since it was opened".into()));
-        }
-        Ok(())
+        self.identity.check_contents(&self.path, &self.buffered)
     }
 
     /// Read the `len` bytes at `offset` into the first `len` bytes of `dst`,

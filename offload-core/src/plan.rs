@@ -326,13 +326,26 @@ pub fn resolve_on(plan: &Plan, inventory: &[ComponentInventory], memory: Option<
 /// largest streamed block on disk (each [`DiskFile::span`](crate::DiskFile::span)
 /// bytes) and the one-off buffer of the largest device-resident block on disk.
 pub fn host_ram_bytes(blocks: &[(BlockId, usize)], resident: &[BlockId], on_disk: &[BlockId], depth: usize, non_block_bytes: u64) -> u64 {
-    let held: u64 = blocks.iter().filter(|(id, _)| !on_disk.contains(id)).map(|(_, b)| *b as u64).sum();
-    let largest = blocks.iter().filter(|(id, _)| on_disk.contains(id) && !resident.contains(id)).map(|(_, b)| *b).max();
-    let bounce = largest.map_or(0, |b| ((depth + 2) * crate::DiskFile::span(b)) as u64);
-    // A block kept on the device but left on disk is read once, when the ring is
-    // built, into a buffer of its size (before the bounce buffers exist).
-    let once = blocks.iter().filter(|(id, _)| on_disk.contains(id) && resident.contains(id)).map(|(_, b)| *b as u64).max().unwrap_or(0);
-    held + non_block_bytes + bounce.max(once)
+    let each = blocks.iter().map(|(id, b)| (*b as u64, on_disk.contains(id), resident.contains(id)));
+    host_ram_of(each, depth, non_block_bytes).0
+}
+
+/// The rule behind [`host_ram_bytes`], over `(bytes, on disk, device-resident)`
+/// per block: the host bytes, and the bounce buffers among them (the planner in
+/// `offload-plan` counts with it too).
+pub fn host_ram_of(blocks: impl Iterator<Item = (u64, bool, bool)>, depth: usize, non_block_bytes: u64) -> (u64, u64) {
+    let (mut held, mut largest, mut once) = (0u64, None::<u64>, 0u64);
+    for (bytes, on_disk, resident) in blocks {
+        match (on_disk, resident) {
+            (false, _) => held += bytes,
+            (true, false) => largest = largest.max(Some(bytes)),
+            // Kept on the device but left on disk: read once, when the ring is built,
+            // into a buffer of its size (before the bounce buffers exist).
+            (true, true) => once = once.max(bytes),
+        }
+    }
+    let bounce = largest.map_or(0, |b| ((depth + 2) * crate::DiskFile::span(b as usize)) as u64);
+    (held + non_block_bytes + bounce.max(once), bounce)
 }
 
 /// The blocks left on disk and the host memory the component then takes: the

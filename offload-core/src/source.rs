@@ -284,6 +284,23 @@ pub(crate) struct FileIdentity {
 }
 
 impl FileIdentity {
+    /// Whether the open `file` at `path` still holds what it held when this
+    /// identity was recorded (same length and modification time): a named error if not.
+    pub(crate) fn check_contents(&self, path: &Path, file: &File) -> Result<()> {
+        let now = FileIdentity::of(&file.metadata().map_err(|source| Error::Io { path: path.to_path_buf(), source })?);
+        let bad = |fault: String| Error::BadCheckpoint { path: path.to_path_buf(), tensor: String::new(), fault };
+        if now.len != self.len {
+            return Err(bad(format!(
+                "the file is now {} bytes, {} when opened: truncated or rewritten under the store",
+                now.len, self.len
+            )));
+        }
+        if now.mtime_ns != self.mtime_ns {
+            return Err(bad("the file was written since it was opened".into()));
+        }
+        Ok(())
+    }
+
     pub(crate) fn of(m: &std::fs::Metadata) -> Self {
         FileIdentity { dev: m.dev(), ino: m.ino(), len: m.len(), mtime_ns: m.mtime() as i128 * 1_000_000_000 + m.mtime_nsec() as i128 }
     }
@@ -339,16 +356,7 @@ impl HostRegion for FileRegion {
     }
     fn check(&self) -> Result<()> {
         let bad = |fault: String| Error::BadCheckpoint { path: self.path.clone(), tensor: String::new(), fault };
-        let now = FileIdentity::of(&self.file.metadata().map_err(|source| Error::Io { path: self.path.clone(), source })?);
-        if now.len != self.identity.len {
-            return Err(bad(format!(
-                "the file is now {} bytes, {} when opened: truncated or rewritten under the store",
-                now.len, self.identity.len
-            )));
-        }
-        if now.mtime_ns != self.identity.mtime_ns {
-            return Err(bad("the file was written since it was opened".into()));
-        }
+        self.identity.check_contents(&self.path, &self.file)?;
         match std::fs::metadata(&self.path) {
             Ok(m) if (m.dev(), m.ino()) == (self.identity.dev, self.identity.ino) => Ok(()),
             Ok(_) => Err(bad("the path now names another file: replaced since it was opened".into())),

@@ -11,7 +11,7 @@
 //! reads hide best behind their own compute, until the rest fits the budget.
 
 use crate::cost::CostModel;
-use offload_core::{DiskFile, Error, Result};
+use offload_core::{Error, Result};
 use serde::Serialize;
 
 /// What the host-tier planner chose.
@@ -42,13 +42,8 @@ impl HostChoice {
 /// larger of the bounce buffers and the one-off read of a device-resident block on
 /// disk counted), and the bounce buffers among them.
 pub fn host_bytes(model: &CostModel, resident: &[bool], on_disk: &[bool], depth: usize) -> (u64, u64) {
-    let held: u64 = model.blocks.iter().zip(on_disk).filter(|(_, d)| !**d).map(|(b, _)| b.bytes).sum();
-    let largest = model.blocks.iter().zip(on_disk).zip(resident).filter(|((_, d), r)| **d && !**r).map(|((b, _), _)| b.bytes).max();
-    let bounce = largest.map_or(0, |b| ((depth + 2) * DiskFile::span(b as usize)) as u64);
-    // A device-resident block on disk is read once, at build, into a buffer of its size.
-    let once =
-        model.blocks.iter().zip(on_disk).zip(resident).filter(|((_, d), r)| **d && **r).map(|((b, _), _)| b.bytes).max().unwrap_or(0);
-    (held + model.non_block_bytes + bounce.max(once), bounce)
+    let each = model.blocks.iter().zip(on_disk).zip(resident).map(|((b, d), r)| (b.bytes, *d, *r));
+    offload_core::plan::host_ram_of(each, depth, model.non_block_bytes)
 }
 
 /// Choose the blocks left on disk so host memory stays within `budget` bytes,
@@ -95,6 +90,7 @@ pub fn plan_host_tier(model: &CostModel, resident: &[bool], depth: usize, budget
 mod tests {
     use super::*;
     use crate::cost::BlockCost;
+    use offload_core::DiskFile;
 
     fn model() -> CostModel {
         // Ten 100 MB blocks; block k computes k ms, so the heavier ones go to disk first.

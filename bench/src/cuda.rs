@@ -8,7 +8,8 @@
 //! Beyond the other files: `--budgets` (per case, the planner's choice under each
 //! device budget, its cost model calibrated from resident steps timed block by
 //! block with compute-stream events), `--trace` (one extra streamed step with the
-//! ring's timeline on, written as a Chrome trace) and `--no-gemm` (the GEMMs
+//! ring's timeline on, written as a Chrome trace; with `--coded` the coded
+//! store's step is traced too, to `<stem>-coded.json`) and `--no-gemm` (the GEMMs
 //! skipped: a sanitizer's run over the reference model's own kernels) and
 //! `--coded` (weights drawn normal; every case streamed from the raw store and
 //! from a store coded for the device, in the same process: issue 19's case).
@@ -186,7 +187,7 @@ pub fn run(model: &Model, opts: &RunOptions) -> Result<RunDoc, String> {
                 .max_by_key(|b| b.bytes())
                 .map(|b| be.host_bytes(b.buffer().expect("held in memory")).to_vec())
                 .unwrap_or_default();
-            let options = offload_cuda::CodingOptions::default();
+            let options = offload_cuda::CodingOptions { high_priority_decode: opts.high_priority_decode, ..Default::default() };
             let t = Instant::now();
             let sample = offload_core::codec::code_for_device(&largest, options.segment_bytes, options.threads);
             let encode_gbps = largest.len() as f64 / t.elapsed().as_secs_f64().max(1e-9) / 1e9;
@@ -213,6 +214,7 @@ pub fn run(model: &Model, opts: &RunOptions) -> Result<RunDoc, String> {
                 store_build_s: build_s,
                 staging_peak_bytes: 0,
                 decode_gbps_in_run,
+                high_priority_decode: options.high_priority_decode,
             };
             eprintln!(
                 "coded store: {:.2} GiB for {:.2} GiB ({:.4}), exponent entropy {entropy:.3} bits ({:.3}–{:.3} per tensor), \
@@ -344,7 +346,10 @@ pub fn run(model: &Model, opts: &RunOptions) -> Result<RunDoc, String> {
             let (coded_times, coded_equal) = match &coded {
                 None => (Vec::new(), None),
                 Some((cstore, _)) => {
-                    let cs = streamed(cstore, &resolved(&Plan::layerwise().prefetch_depth(d), &inv)?, &mut net, None)?;
+                    // The traced case and depth is traced from the coded store too, beside
+                    // the raw trace (`<trace>` → `<trace stem>-coded.json`).
+                    let coded_trace = trace.map(|p| format!("{}-coded.json", p.strip_suffix(".json").unwrap_or(p)));
+                    let cs = streamed(cstore, &resolved(&Plan::layerwise().prefetch_depth(d), &inv)?, &mut net, coded_trace.as_deref())?;
                     let ceq = cs.out == rout;
                     eprintln!(
                         "{} {} d={d}: coded streamed {:.4} s ({:.4} × the raw bound), bitwise_equal {ceq}, misses {}",

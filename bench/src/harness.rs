@@ -31,6 +31,9 @@ pub struct RunOptions {
     /// cuda's file only): weights drawn normal, the raw and coded streamed steps
     /// in the same process (`RunDoc::coded`, `RunCase::steps_streamed_coded_s`).
     pub coded: bool,
+    /// With `coded`: the decoder on a stream of the device's highest priority
+    /// (`--high-priority-decode`; `CodingOptions::high_priority_decode`).
+    pub high_priority_decode: bool,
 }
 
 /// One timed case of one process run.
@@ -230,6 +233,9 @@ pub struct CodedFacts {
     /// timed over repeated launches), GB/s of output: the planner's decode cost.
     #[serde(default)]
     pub decode_gbps_in_run: f64,
+    /// The decoder ran on a stream of the highest priority (`--high-priority-decode`).
+    #[serde(default)]
+    pub high_priority_decode: bool,
 }
 
 /// What a run records of its host store once built, and the pinned bandwidth

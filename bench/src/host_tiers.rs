@@ -10,8 +10,8 @@
 //! With `--host-ram-gib G`, a third mode, `disk`: a host RAM budget of `G` GiB,
 //! the blocks that do not fit chosen by `offload_plan::plan_host_tier` and read
 //! from the file at each use (`HostStore::build_tiered`), against the file's
-//! `O_DIRECT` read bandwidth measured in the same process (one thread, block
-//! after block, the first 4 GiB of the blocks on disk).
+//! `O_DIRECT` read bandwidth measured in the same process (as many reads in
+//! flight as the ring's disk stream keeps, over the file's first 4 GiB).
 
 use crate::harness::{spread, Spread};
 use serde::{Deserialize, Serialize};
@@ -59,6 +59,20 @@ pub struct TierRun {
     /// `disk` mode: blocks left on disk.
     #[serde(default)]
     pub disk_blocks: usize,
+    /// Wall-clock time (Unix seconds) at the end of the first streamed step.
+    #[serde(default)]
+    pub first_step_unix_s: f64,
+    /// Wall-clock time (Unix seconds) at the end of the last timed step.
+    #[serde(default)]
+    pub end_unix_s: f64,
+    /// Resident memory beyond the page cache at the end of the last timed step.
+    #[serde(default)]
+    pub host_rss_end_bytes: u64,
+    /// The file's pages resident in this process's mappings (`RssFile`: page
+    /// cache pages, shared with every process mapping them) at the end of the
+    /// last timed step.
+    #[serde(default)]
+    pub host_rss_file_end_bytes: u64,
 }
 
 /// One process run of the host-tier bench.
@@ -83,6 +97,9 @@ pub struct HostTierRun {
     pub steps_resident_s: Vec<f64>,
     /// `mapped` first (the file warm from the writer or the last process), then `copy`.
     pub modes: Vec<TierRun>,
+    /// The processes run at once on one file (`--group`): see [`merge_shared`].
+    #[serde(default)]
+    pub group: Option<String>,
 }
 
 /// `merge`'s targets (issue 17): a warm start from the mapped store within 2 s,
@@ -96,6 +113,89 @@ pub const RATIO_TARGET: f64 = 1.03;
 /// The disk tier's target: bytes from disk per streamed second at least this
 /// share of the file's read bandwidth measured in the same run.
 pub const DISK_TARGET: f64 = 0.9;
+/// The disk tier's host memory beyond the page cache may exceed its budget by
+/// at most this (the process's own: CUDA's context, the bench's buffers).
+pub const DISK_RSS_SLACK_BYTES: u64 = 1 << 30;
+/// `merge_shared`: each process of a group holds at least this share of the
+/// file's bytes in its mappings while the others serve it too.
+pub const SHARED_FILE_SHARE: f64 = 0.9;
+
+/// Two or more processes serving one mapped file at once (`zoo host-tiers
+/// --only mapped --group G`, started together), at least `min_groups` groups:
+/// the issue's "two processes serving the same file share its page cache". For
+/// each group it checks that the processes' streamed steps overlap in time, that
+/// at the end of its steps each process maps at least [`SHARED_FILE_SHARE`] of
+/// the file (`RssFile`: page-cache pages, one copy whoever maps them) while
+/// holding at most [`RSS_TARGET_BYTES`] beyond the page cache, that every
+/// block was served in place and that every output is bitwise equal to its
+/// process's resident one.
+pub fn merge_shared(runs: &[HostTierRun], min_groups: usize) -> Result<Value, String> {
+    let mut groups: std::collections::BTreeMap<&str, Vec<(&HostTierRun, &TierRun)>> = Default::default();
+    for r in runs {
+        let g = r.group.as_deref().ok_or_else(|| format!("merge-host-tiers-shared: a run at {} has no --group", r.commit))?;
+        let m = r
+            .modes
+            .iter()
+            .find(|m| m.mode == "mapped")
+            .ok_or_else(|| format!("merge-host-tiers-shared: group {g}: a run without mode mapped"))?;
+        groups.entry(g).or_default().push((r, m));
+    }
+    let first = runs.first().ok_or("merge-host-tiers-shared: no runs")?;
+    if runs.iter().any(|r| (&r.commit, &r.model, r.file_bytes) != (&first.commit, &first.model, first.file_bytes)) {
+        return Err("merge-host-tiers-shared: runs of different commits, models or files".into());
+    }
+    if groups.len() < min_groups {
+        return Err(format!("merge-host-tiers-shared: {} group(s), at least {min_groups} wanted", groups.len()));
+    }
+    let mut out = Vec::new();
+    let mut meets_all = true;
+    let (mut overlaps, mut rss, mut shares, mut starts) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for (g, per) in &groups {
+        if per.len() < 2 {
+            return Err(format!("merge-host-tiers-shared: group {g} has one process"));
+        }
+        let together = per.iter().map(|(_, m)| m.end_unix_s).fold(f64::INFINITY, f64::min)
+            - per.iter().map(|(_, m)| m.first_step_unix_s).fold(f64::NEG_INFINITY, f64::max);
+        let rss_max = per.iter().map(|(_, m)| m.host_rss_bytes.max(m.host_rss_end_bytes)).max().unwrap_or(0);
+        let share_min =
+            per.iter().map(|(r, m)| m.host_rss_file_end_bytes as f64 / r.file_bytes.max(1) as f64).fold(f64::INFINITY, f64::min);
+        let bitwise = per.iter().all(|(_, m)| m.bitwise_equal && m.output_finite_nonconstant);
+        let in_place = per.iter().all(|(_, m)| m.copied_blocks == 0 && m.mapped_blocks > 0);
+        let meets = together > 0.0 && rss_max <= RSS_TARGET_BYTES && share_min >= SHARED_FILE_SHARE && bitwise && in_place;
+        meets_all &= meets;
+        overlaps.push(together);
+        shares.push(share_min);
+        rss.extend(per.iter().map(|(_, m)| m.host_rss_bytes.max(m.host_rss_end_bytes) as f64));
+        starts.extend(per.iter().map(|(_, m)| m.start_s));
+        out.push(json!({
+            "group": g,
+            "processes": per.len(),
+            "serving_together_s": together,
+            "host_rss_max_bytes": rss_max,
+            "file_mapped_share_min": share_min,
+            "start_s": per.iter().map(|(_, m)| m.start_s).collect::<Vec<_>>(),
+            "bandwidth_gbps": per.iter().map(|(_, m)| m.bandwidth / 1e9).collect::<Vec<_>>(),
+            "bitwise_equal": bitwise,
+            "served_in_place": in_place,
+            "meets_targets": meets,
+        }));
+    }
+    Ok(json!({
+        "date": std::env::var("BENCH_DATE").unwrap_or_default(),
+        "commit": first.commit,
+        "gpu": first.gpu,
+        "backend": "cuda",
+        "model": first.model,
+        "file_bytes": first.file_bytes,
+        "groups": out,
+        "serving_together_s": sp(spread(&overlaps)),
+        "host_rss_bytes": sp(spread(&rss)),
+        "file_mapped_share": sp(spread(&shares)),
+        "start_s": sp(spread(&starts)),
+        "targets": {"host_rss_bytes": RSS_TARGET_BYTES, "file_mapped_share": SHARED_FILE_SHARE},
+        "meets_targets": meets_all,
+    }))
+}
 
 fn sp(s: Option<Spread>) -> Value {
     s.map_or(Value::Null, |s| json!({"median": s.median, "min": s.min, "max": s.max}))
@@ -167,6 +267,7 @@ pub fn merge(runs: &[HostTierRun], min_repeats: usize) -> Result<Value, String> 
                 spread(&shares).is_some_and(|s| s.median >= DISK_TARGET)
                     && bitwise
                     && per.iter().all(|(_, m)| m.disk_blocks > 0 && m.host_ram_budget_bytes.is_some())
+                    && per.iter().all(|(_, m)| m.host_rss_bytes <= m.host_ram_budget_bytes.unwrap_or(0) + DISK_RSS_SLACK_BYTES)
             }
             "mapped" => {
                 start.is_some_and(|s| s.max <= START_TARGET_S)
@@ -281,26 +382,56 @@ mod run {
     }
 
     /// The file's read bandwidth through the disk tier's reader (`O_DIRECT` where
-    /// the file system allows): 256 MiB reads, one after the other on this thread,
-    /// over the first `bytes` of the file, into a page-locked buffer. Bytes/s.
+    /// the file system allows), with as many reads in flight as a ring's disk
+    /// stream keeps ([`offload_core::disk::DISK_READERS`] threads, each reading
+    /// every n-th 256 MiB chunk into its own page-locked buffer), over the first
+    /// `bytes` of the file. Bytes/s, and whether the reads were direct.
     fn disk_read_bps(be: &CudaBackend, file: &str, bytes: u64) -> Result<(f64, bool), String> {
         let f = offload_core::DiskFile::open(file).map_err(err)?;
         let chunk = 256usize << 20;
-        let mut buf = be.alloc_host(offload_core::DiskFile::span(chunk), "disk read probe", &mut |_| Ok(())).map_err(err)?;
         let end = bytes.min(f.len());
+        let readers = offload_core::disk::DISK_READERS;
+        let mut bufs = (0..readers)
+            .map(|_| be.alloc_host(offload_core::DiskFile::span(chunk), "disk read probe", &mut |_| Ok(())).map_err(err))
+            .collect::<Result<Vec<_>, _>>()?;
         let t = Instant::now();
-        let mut at = 0u64;
-        while at < end {
-            let n = chunk.min((end - at) as usize);
-            be.refill_host(&mut buf, &mut |dst| f.read_block(at, n, dst, "disk read probe")).map_err(err)?;
-            at += n as u64;
-        }
+        std::thread::scope(|s| {
+            let handles: Vec<_> = bufs
+                .iter_mut()
+                .enumerate()
+                .map(|(i, buf)| {
+                    let (be, f) = (be.clone(), &f);
+                    s.spawn(move || -> Result<(), String> {
+                        let mut at = (i * chunk) as u64;
+                        while at < end {
+                            let n = chunk.min((end - at) as usize);
+                            be.refill_host(buf, &mut |dst| f.read_block(at, n, dst, "disk read probe")).map_err(err)?;
+                            at += (readers * chunk) as u64;
+                        }
+                        Ok(())
+                    })
+                })
+                .collect();
+            handles.into_iter().try_for_each(|h| h.join().map_err(|_| err("a disk probe thread panicked"))?)
+        })?;
         Ok((end as f64 / t.elapsed().as_secs_f64().max(1e-9), f.is_direct()))
     }
 
+    /// The file pages resident in this process's mappings (`RssFile`).
+    fn rss_file_bytes() -> Option<u64> {
+        let status = std::fs::read_to_string("/proc/self/status").ok()?;
+        let line = status.lines().find(|l| l.starts_with("RssFile:"))?;
+        line["RssFile:".len()..].trim().trim_end_matches("kB").trim().parse::<u64>().ok().map(|kb| kb * 1024)
+    }
+
+    fn unix_s() -> f64 {
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64())
+    }
+
     /// One process: write the checkpoint if it is not there, then per mode
-    /// (mapped, then disk with `host_ram` bytes of host RAM when given, then copy)
-    /// open → store → first streamed step, timed steps (`disk_steps` of them on disk).
+    /// (mapped, then disk with `host_ram` bytes of host RAM when given, then copy;
+    /// only `only` when given) open → store → first streamed step, timed steps
+    /// (`disk_steps` of them on disk).
     #[allow(clippy::too_many_arguments)]
     pub fn run(
         model: &Model,
@@ -311,6 +442,7 @@ mod run {
         commit: &str,
         host_ram: Option<u64>,
         disk_steps: usize,
+        only: Option<&str>,
     ) -> Result<HostTierRun, String> {
         use crate::harness::gib;
         let be = CudaBackend::new(0).map_err(err)?;
@@ -339,8 +471,12 @@ mod run {
             ..Default::default()
         };
         let mut resident_out: Option<Vec<u16>> = None;
-        let modes: &[&str] = if host_ram.is_some() { &["mapped", "disk", "copy"] } else { &["mapped", "copy"] };
-        for &mode in modes {
+        let all: &[&str] = if host_ram.is_some() { &["mapped", "disk", "copy"] } else { &["mapped", "copy"] };
+        let modes: Vec<&str> = all.iter().copied().filter(|m| only.is_none_or(|o| o == *m)).collect();
+        if modes.is_empty() {
+            return Err(err(format!("--only {}: not one of {all:?} (disk needs --host-ram-gib)", only.unwrap_or_default())));
+        }
+        for mode in modes {
             be.synchronize().map_err(err)?;
             // The disk's read bandwidth, measured before the clock starts.
             let (disk_bps, direct) = match mode {
@@ -393,6 +529,7 @@ mod run {
             crate::cuda::step_once(&be, model, &mut net, &mut ring).map_err(err)?;
             be.synchronize().map_err(err)?;
             let start_s = t0.elapsed().as_secs_f64();
+            let first_step_unix_s = unix_s();
             let rss = host_rss_beyond_page_cache().unwrap_or(0);
             eprintln!(
                 "{mode}: open → first streamed step {start_s:.2} s (store {store_build_s:.2} s; {} served in place, {} copied{}), host RSS beyond the page cache {:.2} GiB",
@@ -414,6 +551,7 @@ mod run {
                 step_bytes = ring.metrics().bytes_copied - before;
                 disk_bytes = m.disk_bytes_read;
             }
+            let (end_unix_s, rss_end, rss_file_end) = (unix_s(), host_rss_beyond_page_cache().unwrap_or(0), rss_file_bytes().unwrap_or(0));
             let out = net.output().map_err(err)?;
             ring.close().map_err(err)?;
             // The resident reference: every block loaded once, from the first store.
@@ -459,6 +597,10 @@ mod run {
                 disk_read_bps: disk_bps,
                 direct,
                 disk_blocks: store.tier().on_disk,
+                first_step_unix_s,
+                end_unix_s,
+                host_rss_end_bytes: rss_end,
+                host_rss_file_end_bytes: rss_file_end,
             });
             drop(net);
             drop(store);
@@ -493,6 +635,10 @@ mod tests {
             disk_read_bps: 0.0,
             direct: false,
             disk_blocks: 0,
+            first_step_unix_s: 100.0 + k as f64,
+            end_unix_s: 110.0 + k as f64,
+            host_rss_end_bytes: host_rss_bytes,
+            host_rss_file_end_bytes: if mode == "mapped" { 1 } else { 0 },
         };
         HostTierRun {
             commit: "abc".into(),
@@ -504,7 +650,48 @@ mod tests {
             write_s: 0.0,
             steps_resident_s: vec![0.25, 0.25, 0.25],
             modes: vec![mode("mapped", start_mapped, rss_mapped, copied), mode("copy", 17.0 + k as f64, 22 << 30, 57)],
+            group: None,
         }
+    }
+
+    #[test]
+    fn the_shared_merge_wants_processes_serving_together_without_private_copies() {
+        // Three groups of two processes, the second started 3 s after the first.
+        let pair = |g: u64| {
+            [0, 3].map(|late| {
+                let mut r = run(g, 1.2, 300 << 20, 0);
+                r.modes.truncate(1);
+                r.group = Some(format!("g{g}"));
+                r.file_bytes = 22 << 30;
+                r.modes[0].host_rss_file_end_bytes = 22 << 30;
+                r.modes[0].first_step_unix_s = 1000.0 * g as f64 + late as f64;
+                r.modes[0].end_unix_s = 1000.0 * g as f64 + late as f64 + 10.0;
+                r
+            })
+        };
+        let runs: Vec<HostTierRun> = (0..3).flat_map(pair).collect();
+        let d = merge_shared(&runs, 3).unwrap();
+        assert_eq!(d["meets_targets"], true, "{d}");
+        assert_eq!(d["groups"][0]["serving_together_s"], 7.0);
+        assert_eq!(d["groups"].as_array().unwrap().len(), 3);
+        // Each condition can fail: apart in time, a private copy, the file not
+        // mapped, a copied block, a wrong output.
+        let broken = |f: &dyn Fn(&mut HostTierRun)| {
+            let mut r = runs.clone();
+            f(&mut r[1]);
+            merge_shared(&r, 3).unwrap()["meets_targets"] == false
+        };
+        assert!(broken(&|r| r.modes[0].first_step_unix_s += 20.0));
+        assert!(broken(&|r| r.modes[0].host_rss_end_bytes = 2 << 30));
+        assert!(broken(&|r| r.modes[0].host_rss_file_end_bytes = 1 << 30));
+        assert!(broken(&|r| r.modes[0].copied_blocks = 1));
+        assert!(broken(&|r| r.modes[0].bitwise_equal = false));
+        // Too few groups, a lone process, a run without a group: refused.
+        assert!(merge_shared(&runs[..4], 3).is_err());
+        assert!(merge_shared(&runs[..5], 2).is_err());
+        let mut anon = runs.clone();
+        anon[0].group = None;
+        assert!(merge_shared(&anon, 3).is_err());
     }
 
     #[test]
@@ -559,6 +746,10 @@ mod tests {
         let mut wrong = vec![disk(0, 12.5), disk(1, 12.5), disk(2, 12.5)];
         wrong[0].modes[1].bitwise_equal = false;
         assert_eq!(merge(&wrong, 3).unwrap()["cases"][1]["meets_targets"], false);
+        // Host memory beyond the page cache over the budget plus 1 GiB fails.
+        let mut fat = vec![disk(0, 12.5), disk(1, 12.5), disk(2, 12.5)];
+        fat[2].modes[1].host_rss_bytes = (9 << 30) + 1;
+        assert_eq!(merge(&fat, 3).unwrap()["cases"][1]["meets_targets"], false);
         // Fewer than three runs, or runs of two commits, are refused.
         assert!(merge(&runs[..2], 3).is_err());
         let mut mixed = runs.clone();

@@ -23,6 +23,10 @@ use std::time::Instant;
 /// Alignment of `O_DIRECT` reads: offsets, lengths and buffer addresses.
 pub const DIRECT_ALIGN: usize = 4096;
 
+/// Reader threads of a ring's [`DiskStream`]: two reads in flight, so the disk
+/// has the next request while the last one's bytes land.
+pub const DISK_READERS: usize = 2;
+
 /// A checkpoint file the disk tier reads blocks from, with positioned reads that
 /// bypass the page cache (`O_DIRECT`) where the file system allows it, and
 /// buffered ones where it does not (or where the destination is not aligned).

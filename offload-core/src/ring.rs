@@ -226,10 +226,11 @@ impl<B: OffloadBackend> Ring<B> {
                 .max();
             if let (Some(bytes), Some(file)) = (on_disk, store.disk_file()) {
                 // A bounce buffer for each block in flight, one being read ahead, one
-                // being copied from: d + 2, read by two threads.
+                // being copied from: d + 2, read by DISK_READERS threads.
                 let count = ring.depth + 2;
                 let span = crate::disk::DiskFile::span(bytes);
-                ring.disk = Some(crate::disk::DiskStream::new(&ring.backend, file.clone(), count, span, 2, &plan.name)?);
+                ring.disk =
+                    Some(crate::disk::DiskStream::new(&ring.backend, file.clone(), count, span, crate::disk::DISK_READERS, &plan.name)?);
                 ring.step.host_bounce_bytes = (count * span) as u64;
             }
             ring.warm()

@@ -36,11 +36,19 @@ pub struct CodingOptions {
     pub threads: usize,
     /// Raw bytes per independently coded segment (a multiple of 4 is used).
     pub segment_bytes: usize,
+    /// Run the decoder on a stream of the device's highest priority, so that its
+    /// blocks are scheduled ahead of the compute kernels' waiting blocks (off by
+    /// default; `bench/NOTES.md` has what it changed on the H200).
+    pub high_priority_decode: bool,
 }
 
 impl Default for CodingOptions {
     fn default() -> Self {
-        CodingOptions { threads: std::thread::available_parallelism().map_or(4, |n| n.get()), segment_bytes: 32 << 20 }
+        CodingOptions {
+            threads: std::thread::available_parallelism().map_or(4, |n| n.get()),
+            segment_bytes: 32 << 20,
+            high_priority_decode: false,
+        }
     }
 }
 
@@ -94,7 +102,11 @@ unsafe impl Sync for Coding {}
 impl Coding {
     pub(crate) fn new(shared: &Shared, options: CodingOptions) -> Result<Self> {
         shared.ctx.bind_to_thread().map_err(|e| driver("binding the context", e))?;
-        let decode = shared.ctx.new_stream().map_err(|e| driver("creating the decode stream", e))?;
+        let decode = match options.high_priority_decode {
+            false => shared.ctx.new_stream(),
+            true => result::stream::get_priority_range().and_then(|(_, highest)| shared.ctx.new_stream_with_priority(highest)),
+        }
+        .map_err(|e| driver("creating the decode stream", e))?;
         let ptx = crate::codec::ptx().map_err(|e| crate::dev("compiling the exponent decoder", e))?;
         let module = shared.ctx.load_module(ptx.clone()).map_err(|e| driver("loading the exponent decoder", e))?;
         let kernel = module.load_function("exp_decode_segs").map_err(|e| driver("exp_decode_segs", e))?;
@@ -415,7 +427,7 @@ mod tests {
 
     fn coded_ring_exact(segment_bytes: usize, values: usize) {
         let Some(b) = crate::codec::test_backend() else { return };
-        b.enable_coding(CodingOptions { threads: 4, segment_bytes }).unwrap();
+        b.enable_coding(CodingOptions { threads: 4, segment_bytes, ..Default::default() }).unwrap();
         let mut t = MemoryTensors::new();
         let mut x = 3u64;
         for i in 0..6u64 {

@@ -49,7 +49,7 @@ impl<const MODE: u8> Harness for CudaRow<MODE> {
         let b = CudaBackend::new(0).map_err(|e| CaseError::Skip(format!("no CUDA device: {e}")))?;
         b.enable_checking(COPY_SPIN_US)?;
         if MODE == 1 {
-            b.enable_coding(offload_cuda::CodingOptions { threads: 2, segment_bytes: 64 << 10 })?;
+            b.enable_coding(offload_cuda::CodingOptions { threads: 2, segment_bytes: 64 << 10, ..Default::default() })?;
         }
         if MODE == 2 {
             // Every copy relayed, however small: the test model's blocks are kilobytes.

@@ -75,34 +75,34 @@ pub struct SabotageOutcome {
 /// caught, with why; so is a row whose backend does not open (its cases would
 /// all fail for that reason alone, which is not catching a break).
 pub fn run_sabotage<H: Harness>() -> Vec<SabotageOutcome> {
-    use offload_core::ring::Sabotage;
+    offload_core::ring::Sabotage::ALL.iter().map(|&s| run_sabotage_one::<H>(s)).collect()
+}
+
+/// One break of [`run_sabotage`]: the cases of harness `H` that guard the
+/// invariant `sabotage` breaks, run with it. The `conformance` binary runs each
+/// break in a process of its own through this, so that a break which spoils the
+/// device for the rest of its process (a freed slot still read, say) cannot make
+/// a later break's cases fail for that reason instead of their own.
+pub fn run_sabotage_one<H: Harness>(sabotage: offload_core::ring::Sabotage) -> SabotageOutcome {
     let unopened = match H::backend() {
         Ok(_) => None,
         Err(CaseError::Skip(why)) => Some(format!("SKIPPED: {why}")),
         Err(CaseError::Fail(why)) => Some(format!("the backend did not open: {why}")),
     };
     if let Some(why) = unopened {
-        return Sabotage::ALL
-            .iter()
-            .map(|&sabotage| SabotageOutcome { sabotage, caught: false, by: vec![("backend", why.clone())], missed_by: Vec::new() })
-            .collect();
+        return SabotageOutcome { sabotage, caught: false, by: vec![("backend", why)], missed_by: Vec::new() };
     }
-    Sabotage::ALL
-        .iter()
-        .map(|&sabotage| {
-            let mut by = Vec::new();
-            let mut missed_by = Vec::new();
-            for case in cases::all::<H>().into_iter().filter(|c| c.caught.contains(&sabotage)) {
-                match (case.run)(sabotage) {
-                    Err(CaseError::Fail(why)) => by.push((case.name, why)),
-                    Err(CaseError::Skip(why)) => by.push((case.name, format!("SKIPPED: {why}"))),
-                    Ok(()) => missed_by.push(case.name),
-                }
-            }
-            let caught = by.iter().any(|(_, w)| !w.starts_with("SKIPPED"));
-            SabotageOutcome { sabotage, caught, by, missed_by }
-        })
-        .collect()
+    let mut by = Vec::new();
+    let mut missed_by = Vec::new();
+    for case in cases::all::<H>().into_iter().filter(|c| c.caught.contains(&sabotage)) {
+        match (case.run)(sabotage) {
+            Err(CaseError::Fail(why)) => by.push((case.name, why)),
+            Err(CaseError::Skip(why)) => by.push((case.name, format!("SKIPPED: {why}"))),
+            Ok(()) => missed_by.push(case.name),
+        }
+    }
+    let caught = by.iter().any(|(_, w)| !w.starts_with("SKIPPED"));
+    SabotageOutcome { sabotage, caught, by, missed_by }
 }
 
 /// Turn an outcome into a test result: panic on failure; print `SKIPPED` on a skip,

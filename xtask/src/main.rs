@@ -501,6 +501,7 @@ fn gpu_bundle(args: &[String]) -> Result<(), String> {
         "bench/conformance-rows.sh",
         "bench/host-tiers.sh",
         "bench/relay-run.sh",
+        "bench/coded-probe.sh",
         "bench/sabotage_table.py",
     ] {
         let p = root().join(f);

@@ -412,7 +412,8 @@ pub fn readme_tables(results: &Path) -> Result<String, String> {
         md.push('\n');
     }
     // Host tiers (`zoo merge-host-tiers`): the mapped and the copying store, the newest file.
-    if let Some(name) = names.iter().filter(|n| n.contains("-host-tiers-") && n.ends_with(".json")).max() {
+    let shared = |n: &&String| n.contains("-host-tiers-shared-");
+    if let Some(name) = names.iter().filter(|n| n.contains("-host-tiers-") && !shared(n) && n.ends_with(".json")).max() {
         let d = read_json(&results.join(name))?;
         let modes: Vec<String> = d["cases"]
             .as_array()
@@ -469,6 +470,30 @@ pub fn readme_tables(results: &Path) -> Result<String, String> {
                 ),
                 (None, None) => "not measured".to_owned(),
             },
+        );
+    }
+    // Processes serving one mapped file at once (`zoo merge-host-tiers-shared`), the newest file.
+    if let Some(name) = names.iter().filter(|n| shared(n) && n.ends_with(".json")).max() {
+        let d = read_json(&results.join(name))?;
+        let groups = d["groups"].as_array().map_or(0, Vec::len);
+        let procs = d["groups"].as_array().into_iter().flatten().map(|g| g["processes"].as_u64().unwrap_or(0)).max().unwrap_or(0);
+        let all = |key: &str| d["groups"].as_array().into_iter().flatten().all(|g| g[key] == true);
+        let _ = writeln!(
+            md,
+            "Processes sharing one checkpoint (`bench/results/{name}`, backend `{}` at {} on an {}, {groups} groups of {procs} processes              started together on the same {:.2} GiB {} file, medians with [min, max]): serving at the same time for {:.1} s [{:.1}, {:.1}],              each holding at most {:.2} GiB beyond the page cache while mapping at least {:.3} of the file's bytes (page-cache pages,              one copy for all), every block served in place: {}, bitwise equal: {}, targets met: {}.\n",
+            d["backend"].as_str().unwrap_or("?"),
+            d["commit"].as_str().unwrap_or("?"),
+            d["gpu"].as_str().unwrap_or("?"),
+            f(&d["file_bytes"]) / (1u64 << 30) as f64,
+            d["model"].as_str().unwrap_or("?"),
+            f(&d["serving_together_s"]["median"]),
+            f(&d["serving_together_s"]["min"]),
+            f(&d["serving_together_s"]["max"]),
+            f(&d["host_rss_bytes"]["max"]) / (1u64 << 30) as f64,
+            f(&d["file_mapped_share"]["min"]),
+            if all("served_in_place") { "yes" } else { "**no**" },
+            if all("bitwise_equal") { "yes" } else { "**no**" },
+            if d["meets_targets"] == true { "yes" } else { "**no**" },
         );
     }
     // Compressed streaming (`zoo merge-compressed`): raw and coded steps of one process.
@@ -788,6 +813,25 @@ mod readme_tests {
             md.contains("Disk tier: the file read at 1.21 GB/s [1.20, 1.22] in the same runs, bypassing the page cache (O_DIRECT)"),
             "{md}"
         );
+        // A shared file beside it: its own sentence, and the tiers' sentence still
+        // from the tiers' file (the shared file's name sorts after it).
+        let group = |g: &str| serde_json::json!({"group": g, "processes": 2, "served_in_place": true, "bitwise_equal": true, "meets_targets": true});
+        let shared = serde_json::json!({"backend": "cuda", "commit": "c2", "gpu": "NVIDIA H200", "model": "flux-dev",
+            "file_bytes": 23_676_000_000u64, "groups": [group("pair1"), group("pair2"), group("pair3")],
+            "serving_together_s": sp(20.0), "host_rss_bytes": sp(0.33 * (1u64 << 30) as f64), "file_mapped_share": sp(1.0),
+            "meets_targets": true});
+        let dir = std::env::temp_dir().join(format!("offload-host-tiers-report-shared-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("y-host-tiers-h200.json"), doc.to_string()).unwrap();
+        std::fs::write(dir.join("y-host-tiers-shared-h200.json"), shared.to_string()).unwrap();
+        let md = readme_tables(&dir).unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+        assert!(md.contains("Host tiers (`bench/results/y-host-tiers-h200.json`"), "{md}");
+        assert!(
+            md.contains("(`bench/results/y-host-tiers-shared-h200.json`, backend `cuda` at c2 on an NVIDIA H200, 3 groups of 2"),
+            "{md}"
+        );
+        assert!(md.contains("serving at the same time for 20.0 s [20.0, 20.0]") && md.contains("at least 0.990 of the file"), "{md}");
     }
 
     #[test]

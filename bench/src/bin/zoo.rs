@@ -20,7 +20,8 @@
 //!                                              the pipeline runs' medians, spreads, bounds and targets
 //! zoo merge-compressed --out F [--min-repeats 3] RUN.json... [--codec C.json...]
 //!                                              issue 19's file from --coded runs and codec_speed outputs
-//! zoo host-tiers --model M --file CKPT [--case 1024] [--depth 1] [--steps 5] [--host-ram-gib G [--disk-steps 2]] [--commit C] --out F
+//! zoo host-tiers --model M --file CKPT [--case 1024] [--depth 1] [--steps 5] [--host-ram-gib G [--disk-steps 2]]
+//!                [--only mapped|disk|copy] [--group G] [--commit C] --out F
 //!                                              one process (cuda): CKPT written if absent, then the mapped
 //!                                              and the copying store, each from open to its first streamed step
 //! zoo relay --model M [--case 1024] [--depth 1] [--steps 5] [--helpers 1] [--commit C] --out F
@@ -29,6 +30,9 @@
 //!                                              issue 18's file from relay runs
 //! zoo merge-host-tiers --out F [--min-repeats 3] RUN.json...
 //!                                              issue 17's file from host-tiers runs
+//! zoo merge-host-tiers-shared --out F [--min-repeats 3] RUN.json...
+//!                                              processes run at once on one file (`--only mapped
+//!                                              --group G`, a group per pair), at least 3 groups
 //! ```
 
 use offload_bench::harness::{merge, AnchorDoc, RunDoc};
@@ -123,7 +127,7 @@ fn run(args: &[String]) -> Result<(), String> {
                 }
                 seen.push(a.as_str());
                 match a.as_str() {
-                    "--no-gemm" | "--coded" => {}
+                    "--no-gemm" | "--coded" | "--high-priority-decode" => {}
                     o if RUN_OPTIONS.contains(&o) => {
                         let v = it.next().ok_or_else(|| format!("{o} needs a value"))?;
                         if v.starts_with("--") {
@@ -131,7 +135,10 @@ fn run(args: &[String]) -> Result<(), String> {
                         }
                     }
                     other => {
-                        return Err(format!("run: unknown argument {other:?} (options: {}, --no-gemm, --coded)", RUN_OPTIONS.join(", ")))
+                        return Err(format!(
+                            "run: unknown argument {other:?} (options: {}, --no-gemm, --coded, --high-priority-decode)",
+                            RUN_OPTIONS.join(", ")
+                        ))
                     }
                 }
             }
@@ -139,6 +146,10 @@ fn run(args: &[String]) -> Result<(), String> {
             // The options only cuda's file implements: refused elsewhere, never ignored.
             let no_gemm = args.iter().any(|a| a == "--no-gemm");
             let coded = args.iter().any(|a| a == "--coded");
+            let high_priority_decode = args.iter().any(|a| a == "--high-priority-decode");
+            if high_priority_decode && !coded {
+                return Err("--high-priority-decode: only with --coded (it sets the decoder's stream)".into());
+            }
             if opt(args, "--budgets").is_some() && !matches!(backend, "cuda" | "candle") {
                 return Err(format!("--budgets is implemented by the cuda and candle backends only, not by {backend}"));
             }
@@ -191,7 +202,18 @@ fn run(args: &[String]) -> Result<(), String> {
                 return Err("--budgets: no budget given (GiB, comma-separated: --budgets 8,12,16)".into());
             }
             let trace = opt(args, "--trace").map(str::to_owned);
-            let opts = offload_bench::harness::RunOptions { cases, depths, steps, warmup, commit, budgets_gib, trace, no_gemm, coded };
+            let opts = offload_bench::harness::RunOptions {
+                cases,
+                depths,
+                steps,
+                warmup,
+                commit,
+                budgets_gib,
+                trace,
+                no_gemm,
+                coded,
+                high_priority_decode,
+            };
             let doc: Result<RunDoc, String> = match backend {
                 #[cfg(feature = "tch-cuda")]
                 "tch" => offload_bench::tch::run(&model, &opts),
@@ -289,7 +311,9 @@ fn run(args: &[String]) -> Result<(), String> {
             let disk_steps = num("--disk-steps", 2)?.max(1);
             #[cfg(feature = "cuda")]
             {
-                let doc = offload_bench::host_tiers::run(&model, case, depth, steps, file, commit, host_ram, disk_steps)?;
+                let mut doc =
+                    offload_bench::host_tiers::run(&model, case, depth, steps, file, commit, host_ram, disk_steps, opt(args, "--only"))?;
+                doc.group = opt(args, "--group").map(str::to_owned);
                 write(out, &doc)
             }
             #[cfg(not(feature = "cuda"))]
@@ -343,6 +367,27 @@ fn run(args: &[String]) -> Result<(), String> {
                     c["speedup"]["median"].as_f64().unwrap_or(f64::NAN),
                     c["bitwise_equal"],
                     c["meets_targets"]
+                );
+            }
+            write(out, &doc)
+        }
+        Some("merge-host-tiers-shared") => {
+            let (out, min, files, rest) = merge_args(args, "--anchors")?;
+            if !rest.is_empty() {
+                return Err("merge-host-tiers-shared: the host tiers have no anchors".into());
+            }
+            let runs = files.iter().map(|f| read::<offload_bench::host_tiers::HostTierRun>(f)).collect::<Result<Vec<_>, _>>()?;
+            let doc = offload_bench::host_tiers::merge_shared(&runs, min)?;
+            for g in doc["groups"].as_array().into_iter().flatten() {
+                println!(
+                    "{}: {} processes serving together {:.1} s, host RSS ≤ {:.2} GiB, file mapped ≥ {:.3}, bitwise {}, meets {}",
+                    g["group"].as_str().unwrap_or(""),
+                    g["processes"],
+                    g["serving_together_s"].as_f64().unwrap_or(f64::NAN),
+                    g["host_rss_max_bytes"].as_f64().unwrap_or(f64::NAN) / (1u64 << 30) as f64,
+                    g["file_mapped_share_min"].as_f64().unwrap_or(f64::NAN),
+                    g["bitwise_equal"],
+                    g["meets_targets"]
                 );
             }
             write(out, &doc)

@@ -1,10 +1,11 @@
 //! `conformance [--backend sim|cuda|candle|tch|all] [--json PATH] [--sabotage PATH]`:
 //! run the conformance suite and print a table of cases × backends; with
 //! `--sabotage`, also run every deliberate ring break on every row and write
-//! whether each was caught (`{"commit", "gpu", "rows": [{"backend", "sabotage", "caught"}]}`;
+//! whether each was caught (each break in a child process of its own) (`{"commit", "gpu", "rows": [{"backend", "sabotage", "caught"}]}`;
 //! `--commit` and `--gpu` fill those fields).
 
-use offload_tests::{run_sabotage, run_suite, SabotageOutcome, Verdict};
+use offload_core::ring::Sabotage;
+use offload_tests::{run_sabotage_one, run_suite, SabotageOutcome, Verdict};
 use std::collections::BTreeMap;
 
 type Row = Vec<(&'static str, &'static str, Verdict)>;
@@ -37,46 +38,116 @@ fn suite(backend: &str) -> Option<Row> {
     }
 }
 
-fn sabotage(backend: &str) -> Option<Vec<SabotageOutcome>> {
+fn sabotage_one(backend: &str, s: Sabotage) -> Option<SabotageOutcome> {
     match backend {
-        "sim" => Some(run_sabotage::<offload_tests::sim_harness::Sim>()),
-        "sim-coded" => Some(run_sabotage::<offload_tests::sim_harness::SimCoded>()),
+        "sim" => Some(run_sabotage_one::<offload_tests::sim_harness::Sim>(s)),
+        "sim-coded" => Some(run_sabotage_one::<offload_tests::sim_harness::SimCoded>(s)),
         #[cfg(feature = "cuda")]
-        "cuda" => Some(run_sabotage::<offload_tests::cuda_harness::Cuda>()),
+        "cuda" => Some(run_sabotage_one::<offload_tests::cuda_harness::Cuda>(s)),
         #[cfg(feature = "cuda")]
-        "cuda-coded" => Some(run_sabotage::<offload_tests::cuda_harness::CudaCoded>()),
+        "cuda-coded" => Some(run_sabotage_one::<offload_tests::cuda_harness::CudaCoded>(s)),
         #[cfg(feature = "cuda")]
-        "cuda-relay" => Some(run_sabotage::<offload_tests::cuda_harness::CudaRelay>()),
+        "cuda-relay" => Some(run_sabotage_one::<offload_tests::cuda_harness::CudaRelay>(s)),
         #[cfg(feature = "candle")]
-        "candle" => Some(run_sabotage::<offload_tests::candle_harness::Candle>()),
+        "candle" => Some(run_sabotage_one::<offload_tests::candle_harness::Candle>(s)),
         #[cfg(feature = "candle-cuda")]
-        "candle-cuda" => Some(run_sabotage::<offload_tests::candle_harness::CandleCuda>()),
+        "candle-cuda" => Some(run_sabotage_one::<offload_tests::candle_harness::CandleCuda>(s)),
         #[cfg(feature = "tch")]
-        "tch" => Some(run_sabotage::<offload_tests::tch_harness::Tch>()),
+        "tch" => Some(run_sabotage_one::<offload_tests::tch_harness::Tch>(s)),
         #[cfg(feature = "tch-cuda")]
-        "tch-cuda" => Some(run_sabotage::<offload_tests::tch_harness::TchCuda>()),
+        "tch-cuda" => Some(run_sabotage_one::<offload_tests::tch_harness::TchCuda>(s)),
         #[cfg(feature = "vulkan")]
-        "vulkan" => Some(run_sabotage::<offload_tests::vulkan_harness::Vulkan>()),
+        "vulkan" => Some(run_sabotage_one::<offload_tests::vulkan_harness::Vulkan>(s)),
         #[cfg(feature = "vulkan")]
-        "vulkan-import" => Some(run_sabotage::<offload_tests::vulkan_harness::VulkanImport>()),
+        "vulkan-import" => Some(run_sabotage_one::<offload_tests::vulkan_harness::VulkanImport>(s)),
         #[cfg(feature = "vulkan")]
-        "vulkan-split" => Some(run_sabotage::<offload_tests::vulkan_harness::VulkanSplit>()),
+        "vulkan-split" => Some(run_sabotage_one::<offload_tests::vulkan_harness::VulkanSplit>(s)),
         _ => None,
     }
 }
 
-/// Run every break on every backend, print it, write the JSON; the number of
-/// breaks not caught.
+/// One break on one backend, as the table keeps it (owned: it may come from a
+/// child process).
+#[derive(Debug)]
+struct BreakRow {
+    sabotage: String,
+    caught: bool,
+    /// The cases that failed, with why (or why the row could not run).
+    by: Vec<(String, String)>,
+    /// The cases that guard the invariant and passed anyway.
+    missed_by: Vec<String>,
+}
+
+impl BreakRow {
+    fn to_json(&self) -> serde_json::Value {
+        serde_json::json!({"sabotage": self.sabotage, "caught": self.caught, "by": self.by, "missed_by": self.missed_by})
+    }
+
+    fn from_json(v: &serde_json::Value) -> Option<Self> {
+        let strings = |v: &serde_json::Value| v.as_str().map(str::to_owned);
+        Some(BreakRow {
+            sabotage: strings(&v["sabotage"])?,
+            caught: v["caught"].as_bool()?,
+            by: v["by"].as_array()?.iter().map(|p| Some((strings(&p[0])?, strings(&p[1])?))).collect::<Option<_>>()?,
+            missed_by: v["missed_by"].as_array()?.iter().map(strings).collect::<Option<_>>()?,
+        })
+    }
+}
+
+impl From<SabotageOutcome> for BreakRow {
+    fn from(o: SabotageOutcome) -> Self {
+        BreakRow {
+            sabotage: format!("{:?}", o.sabotage),
+            caught: o.caught,
+            by: o.by.into_iter().map(|(c, w)| (c.to_owned(), w)).collect(),
+            missed_by: o.missed_by.into_iter().map(str::to_owned).collect(),
+        }
+    }
+}
+
+/// The line a child process prints its break's row on.
+const ROW_MARK: &str = "sabotage-row: ";
+
+/// One break on `backend` in a child process of this binary (`--sabotage-one`),
+/// so that whatever one break leaves behind in its process (a device fault, a
+/// leaked device) does not decide the next break's verdict. A child that dies
+/// without printing its row is a break not caught, with why.
+fn break_in_child(backend: &str, s: Sabotage) -> BreakRow {
+    let name = format!("{s:?}");
+    let lost = |why: String| BreakRow { sabotage: name.clone(), caught: false, by: vec![("process".into(), why)], missed_by: Vec::new() };
+    let exe = match std::env::current_exe() {
+        Ok(e) => e,
+        Err(e) => return lost(format!("this binary's path: {e}")),
+    };
+    let out = match std::process::Command::new(exe).args(["--sabotage-one", backend, &name]).stderr(std::process::Stdio::inherit()).output()
+    {
+        Ok(o) => o,
+        Err(e) => return lost(format!("starting the child process: {e}")),
+    };
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    match stdout.lines().find_map(|l| l.strip_prefix(ROW_MARK)) {
+        Some(row) => serde_json::from_str(row)
+            .ok()
+            .as_ref()
+            .and_then(BreakRow::from_json)
+            .unwrap_or_else(|| lost(format!("the child's row does not read: {row}"))),
+        None => lost(format!("the child process ended ({}) without a row; its output: {}", out.status, stdout.trim())),
+    }
+}
+
+/// Run every break on every backend, each break in a process of its own, print
+/// it, write the JSON; the number of breaks not caught.
 fn sabotage_table(backends: &[String], path: &str, commit: &str, gpu: &str) -> usize {
     let mut rows = Vec::new();
     let mut missed = 0;
     println!("{:<14} {:<18} {:<7} by", "backend", "sabotage", "caught");
     for b in backends {
-        let Some(table) = sabotage(b) else {
+        if !built_in(b) {
             println!("{b:<14} (not built into this binary)");
             missed += 1;
             continue;
-        };
+        }
+        let table: Vec<BreakRow> = Sabotage::ALL.iter().map(|&s| break_in_child(b, s)).collect();
         let skipped = table.iter().flat_map(|o| &o.by).find(|(_, w)| w.starts_with("SKIPPED"));
         if let (Some((_, why)), false) = (skipped, offload_tests::device_required()) {
             println!("{b:<14} skipped: {why}");
@@ -85,12 +156,12 @@ fn sabotage_table(backends: &[String], path: &str, commit: &str, gpu: &str) -> u
         for o in table {
             let by: Vec<String> = o.by.iter().map(|(c, w)| format!("{c}: {w}")).collect();
             let note = by.first().cloned().unwrap_or_else(|| "-".into());
-            println!("{b:<14} {:<18} {:<7} {note}", format!("{:?}", o.sabotage), o.caught);
+            println!("{b:<14} {:<18} {:<7} {note}", o.sabotage, o.caught);
             if !o.caught {
                 missed += 1;
             }
             rows.push(serde_json::json!({
-                "backend": b, "sabotage": format!("{:?}", o.sabotage), "caught": o.caught,
+                "backend": b, "sabotage": o.sabotage, "caught": o.caught,
                 "caught_by": by, "passed_anyway": o.missed_by,
             }));
         }
@@ -104,8 +175,51 @@ fn sabotage_table(backends: &[String], path: &str, commit: &str, gpu: &str) -> u
     missed
 }
 
+/// Whether `backend` is a row of this binary.
+fn built_in(backend: &str) -> bool {
+    let mut rows = vec!["sim", "sim-coded"];
+    if cfg!(feature = "cuda") {
+        rows.extend(["cuda", "cuda-coded", "cuda-relay"]);
+    }
+    if cfg!(feature = "candle") {
+        rows.push("candle");
+    }
+    if cfg!(feature = "candle-cuda") {
+        rows.push("candle-cuda");
+    }
+    if cfg!(feature = "tch") {
+        rows.push("tch");
+    }
+    if cfg!(feature = "tch-cuda") {
+        rows.push("tch-cuda");
+    }
+    if cfg!(feature = "vulkan") {
+        rows.extend(["vulkan", "vulkan-import", "vulkan-split"]);
+    }
+    rows.contains(&backend)
+}
+
+/// `--sabotage-one BACKEND BREAK`: the child's side of [`break_in_child`].
+fn sabotage_child(backend: &str, name: &str) -> ! {
+    let Some(&s) = Sabotage::ALL.iter().find(|s| format!("{s:?}") == name) else {
+        eprintln!("--sabotage-one: no break named {name}");
+        std::process::exit(2);
+    };
+    let Some(o) = sabotage_one(backend, s) else {
+        eprintln!("--sabotage-one: backend {backend} is not built into this binary");
+        std::process::exit(2);
+    };
+    println!("{ROW_MARK}{}", BreakRow::from(o).to_json());
+    std::process::exit(0)
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
+    if let [flag, backend, name] = args.as_slice() {
+        if flag == "--sabotage-one" {
+            sabotage_child(backend, name);
+        }
+    }
     let mut backends = vec!["sim".to_owned()];
     let mut json = None;
     let mut sabotage_json = None;

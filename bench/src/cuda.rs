@@ -343,6 +343,7 @@ pub fn run(model: &Model, opts: &RunOptions) -> Result<RunDoc, String> {
                 s.misses
             );
             // The same depth from the coded store.
+            let mut by_staging = Vec::new();
             let (coded_times, coded_equal) = match &coded {
                 None => (Vec::new(), None),
                 Some((cstore, _)) => {
@@ -359,12 +360,36 @@ pub fn run(model: &Model, opts: &RunOptions) -> Result<RunDoc, String> {
                         median(&cs.times) / bound,
                         cs.misses
                     );
+                    // The same again with each number of staging buffers asked for,
+                    // then back to the default.
+                    for &n in &opts.staging_buffers {
+                        be.set_staging_buffers(n).map_err(err)?;
+                        let sr = streamed(cstore, &resolved(&Plan::layerwise().prefetch_depth(d), &inv)?, &mut net, None)?;
+                        let eq = sr.out == rout;
+                        eprintln!(
+                            "{} {} d={d}: coded streamed with {n} staging buffers {:.4} s ({:.4} × the raw bound), bitwise_equal {eq}",
+                            model.name,
+                            c.name,
+                            median(&sr.times),
+                            median(&sr.times) / bound,
+                        );
+                        by_staging.push(crate::harness::StagingRun {
+                            staging_buffers: n,
+                            steps_s: sr.times,
+                            bitwise_equal: eq,
+                            staging_peak_bytes: be.counters().staging_peak_bytes,
+                        });
+                    }
+                    if !opts.staging_buffers.is_empty() {
+                        be.set_staging_buffers(offload_cuda::STAGING_BUFFERS).map_err(err)?;
+                    }
                     (cs.times, Some(ceq))
                 }
             };
             doc.cases.push(RunCase {
                 steps_streamed_coded_s: coded_times,
                 coded_bitwise_equal: coded_equal,
+                coded_by_staging: by_staging,
                 planner,
                 steps_resident_s: rtimes.clone(),
                 steps_streamed_s: s.times,

@@ -34,6 +34,22 @@ pub struct RunOptions {
     /// With `coded`: the decoder on a stream of the device's highest priority
     /// (`--high-priority-decode`; `CodingOptions::high_priority_decode`).
     pub high_priority_decode: bool,
+    /// With `coded`: each case and depth streamed again from the coded store
+    /// with each of these numbers of staging buffers (`--staging-buffers 4,6`).
+    pub staging_buffers: Vec<usize>,
+}
+
+/// The coded step with one number of staging buffers (`--staging-buffers`).
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct StagingRun {
+    /// Staging buffers the decode engine held.
+    pub staging_buffers: usize,
+    /// Timed coded steps, seconds.
+    pub steps_s: Vec<f64>,
+    /// The output byte-identical to the resident output.
+    pub bitwise_equal: bool,
+    /// The most staging bytes held at once during this process so far.
+    pub staging_peak_bytes: u64,
 }
 
 /// One timed case of one process run.
@@ -83,6 +99,10 @@ pub struct RunCase {
     /// With `--coded`: the coded run's output byte-identical to the resident output.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub coded_bitwise_equal: Option<bool>,
+    /// With `--coded --staging-buffers N,…`: the coded step again with each
+    /// number of staging buffers (`CudaBackend::set_staging_buffers`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub coded_by_staging: Vec<StagingRun>,
     /// With `--coded`: what the planner chose for this case and depth, every block
     /// streamed, from this run's calibration (each block's compute timed on the
     /// device, the pinned bandwidth, the coded store's block sizes and the decoder's

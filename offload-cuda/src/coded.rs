@@ -40,6 +40,13 @@ pub struct CodingOptions {
     /// blocks are scheduled ahead of the compute kernels' waiting blocks (off by
     /// default; `bench/NOTES.md` has what it changed on the H200).
     pub high_priority_decode: bool,
+    /// Staging buffers the copies take in turn, at least 1 (default
+    /// [`STAGING_BUFFERS`]). A copy into a buffer waits for the decode that last
+    /// read it, and a decode waits for its slot's last use, so the copies can run
+    /// at most this many blocks ahead of the decodes: more buffers let the copy
+    /// stream bank time during blocks whose compute is longer than their copy,
+    /// at the cost of one largest coded block of device memory each.
+    pub staging_buffers: usize,
 }
 
 impl Default for CodingOptions {
@@ -48,6 +55,7 @@ impl Default for CodingOptions {
             threads: std::thread::available_parallelism().map_or(4, |n| n.get()),
             segment_bytes: 32 << 20,
             high_priority_decode: false,
+            staging_buffers: STAGING_BUFFERS,
         }
     }
 }
@@ -71,15 +79,14 @@ pub(crate) struct Coding {
     copy: Arc<CudaStream>,
 }
 
-/// How many staging buffers the decode engine holds: two let copy k + 1 fill one
-/// while decode k reads the other.
+/// How many staging buffers the decode engine holds by default: two let copy
+/// k + 1 fill one while decode k reads the other.
 pub const STAGING_BUFFERS: usize = 2;
 
 /// Staging buffers that coded copies take in turn: copy k fills buffer
-/// k mod [`STAGING_BUFFERS`] once the decode that last read it has run.
-#[derive(Default)]
+/// k mod n once the decode that last read it has run.
 struct StagingRing {
-    bufs: [Option<Staging>; STAGING_BUFFERS],
+    bufs: Vec<Option<Staging>>,
     next: usize,
 }
 
@@ -101,6 +108,9 @@ unsafe impl Sync for Coding {}
 
 impl Coding {
     pub(crate) fn new(shared: &Shared, options: CodingOptions) -> Result<Self> {
+        if options.staging_buffers == 0 {
+            return Err(Error::Protocol("coding options: staging_buffers is 0; the decode engine needs at least one".into()));
+        }
         shared.ctx.bind_to_thread().map_err(|e| driver("binding the context", e))?;
         let decode = match options.high_priority_decode {
             false => shared.ctx.new_stream(),
@@ -132,7 +142,7 @@ impl Coding {
             names: Mutex::new(Vec::new()),
             staging_peak: AtomicU64::new(0),
             coded_copies: AtomicU64::new(0),
-            staging: Mutex::new(StagingRing::default()),
+            staging: Mutex::new(StagingRing { bufs: (0..options.staging_buffers).map(|_| None).collect(), next: 0 }),
             copy: shared.copy.clone(),
         })
     }
@@ -210,7 +220,7 @@ impl CudaBackend {
     /// holds its block coded (`options`), and every copy from such a buffer moves
     /// the coded bytes and decodes them on the device into the slot (see the
     /// module [`coded`](crate::coded)). Buffers allocated before stay as they are.
-    /// The decode engine holds [`STAGING_BUFFERS`] staging buffers from the
+    /// The decode engine holds [`CodingOptions::staging_buffers`] staging buffers from the
     /// device's memory pool, each at least as large as the largest coded block
     /// copied so far: count them in the device budget
     /// ([`CudaCounters::staging_peak_bytes`](crate::CudaCounters::staging_peak_bytes)).
@@ -221,6 +231,36 @@ impl CudaBackend {
             return Err(Error::Protocol(format!("coding is on with {:?}; asked for {options:?}", c.options)));
         }
         self.shared().code_all.store(true, Ordering::Release);
+        Ok(())
+    }
+
+    /// Set how many staging buffers coded copies take in turn from now on
+    /// ([`CodingOptions::staging_buffers`]), with coding on. Buffers beyond `n`
+    /// are freed in the decode stream's order, after the decodes that read them;
+    /// new ones are allocated at their first use. Errors if coding is off or `n`
+    /// is 0.
+    pub fn set_staging_buffers(&self, n: usize) -> Result<()> {
+        let Some(c) = self.shared().coding.get() else {
+            return Err(Error::Protocol("set_staging_buffers: coding is off".into()));
+        };
+        if n == 0 {
+            return Err(Error::Protocol("set_staging_buffers: at least one staging buffer is needed".into()));
+        }
+        self.shared().ctx.bind_to_thread().map_err(|e| driver("binding the context", e))?;
+        // Under the ring's lock no coded copy is half issued: every copy into a
+        // buffer has its decode enqueued on the decode stream already.
+        let mut ring = c.staging.lock().unwrap_or_else(|e| e.into_inner());
+        while ring.bufs.len() > n {
+            if let Some(b) = ring.bufs.pop().flatten() {
+                // Every copy into `b` and every decode reading it were enqueued before
+                // this free (the lock above); the decodes run on the decode stream and
+                // wait for their copies, so the free follows every use.
+                // SAFETY: allocated from this context's pool by `coded_copy`; dropped from the ring here.
+                unsafe { result::free_async(b.ptr, c.decode.cu_stream()) }.map_err(|e| driver("freeing a staging buffer", e))?;
+            }
+        }
+        ring.bufs.resize_with(n, || None);
+        ring.next %= n;
         Ok(())
     }
 
@@ -294,7 +334,7 @@ impl CudaBackend {
         }
         let mut ring = c.staging.lock().unwrap_or_else(|e| e.into_inner());
         let i = ring.next;
-        ring.next = (i + 1) % STAGING_BUFFERS;
+        ring.next = (i + 1) % ring.bufs.len();
         let (staging, staging_len) = match ring.bufs[i].take() {
             Some(b) if b.len >= len.max(4) => {
                 if let Some(ev) = &b.last_read {
@@ -407,8 +447,8 @@ mod tests {
     use offload_core::{resolve, BlockDiscovery, DType, HostStore, MemoryTensors, NameDiscovery, OffloadBackend, Plan, Ring, TensorSpec};
 
     /// On a GPU: a ring over a store built with coding on puts every block's exact
-    /// bytes in its slot (read back after the block's copy event, two steps at
-    /// depth 2), moves fewer bytes than the blocks hold, and reports no damage.
+    /// bytes in its slot (read back after the block's copy event, four steps at
+    /// depth 2, with 2, 1, 4 and 3 staging buffers), moves fewer bytes than the blocks hold, and reports no damage.
     /// Blocks mix coded bf16 matrices, a raw (incompressible) tensor and an odd
     /// tail, in 80 KiB strings (≈ 38 a block: two decoder launches, SEGS = 32
     /// strings and the rest; one launch block a string). Without a device it prints
@@ -449,7 +489,10 @@ mod tests {
         let plan = resolve(&Plan::layerwise().prefetch_depth(2), std::slice::from_ref(&inv)).unwrap();
         let mut ring = Ring::new(b.clone(), store.clone(), &plan.components[0]).unwrap();
         let before = b.counters();
-        for step in 0..2 {
+        // Steps with 2 (the default), 1, 4 (grown) and 3 (shrunk) staging buffers.
+        assert!(b.set_staging_buffers(0).is_err(), "zero staging buffers refused");
+        for (step, staging) in [2, 1, 4, 3].into_iter().enumerate() {
+            b.set_staging_buffers(staging).unwrap();
             for (i, want) in raw.iter().enumerate() {
                 let g = ring.block_at(i).unwrap();
                 let mut got = vec![0u8; want.len()];

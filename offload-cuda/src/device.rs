@@ -55,7 +55,7 @@ pub struct CudaCounters {
     /// Copies of coded blocks (decoded on the device).
     pub coded_copies: u64,
     /// The most staging bytes the decode engine held at once: its
-    /// [`STAGING_BUFFERS`](crate::coded::STAGING_BUFFERS) buffers, each at least the
+    /// [`staging_buffers`](crate::CodingOptions::staging_buffers) buffers, each at least the
     /// largest coded block copied so far (rounded up to 2 MiB). Count it in a budget.
     pub staging_peak_bytes: u64,
 }

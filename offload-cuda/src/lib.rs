@@ -44,7 +44,7 @@ mod memory;
 pub mod reference;
 pub mod relay;
 
-pub use coded::CodingOptions;
+pub use coded::{CodingOptions, STAGING_BUFFERS};
 pub use cudarc;
 pub use device::{driver_present, CudaBackend, CudaCounters, POISON};
 pub use fold::DeviceSlot;

@@ -43,7 +43,7 @@ fn opt<'a>(args: &'a [String], name: &str) -> Option<&'a str> {
 }
 
 /// `zoo run`'s options that take a value.
-const RUN_OPTIONS: [&str; 12] = [
+const RUN_OPTIONS: [&str; 13] = [
     "--backend",
     "--model",
     "--out",
@@ -56,6 +56,7 @@ const RUN_OPTIONS: [&str; 12] = [
     "--commit",
     "--budgets",
     "--trace",
+    "--staging-buffers",
 ];
 
 fn write(path: &str, v: &impl serde::Serialize) -> Result<(), String> {
@@ -150,6 +151,17 @@ fn run(args: &[String]) -> Result<(), String> {
             if high_priority_decode && !coded {
                 return Err("--high-priority-decode: only with --coded (it sets the decoder's stream)".into());
             }
+            let staging_buffers = match opt(args, "--staging-buffers") {
+                None => Vec::new(),
+                Some(_) if !coded => return Err("--staging-buffers: only with --coded (the decode engine's staging)".into()),
+                Some(v) => v
+                    .split(',')
+                    .map(|n| match n.parse::<usize>() {
+                        Ok(n) if n > 0 => Ok(n),
+                        _ => Err(format!("--staging-buffers: {n:?} is not a positive count")),
+                    })
+                    .collect::<Result<Vec<_>, _>>()?,
+            };
             if opt(args, "--budgets").is_some() && !matches!(backend, "cuda" | "candle") {
                 return Err(format!("--budgets is implemented by the cuda and candle backends only, not by {backend}"));
             }
@@ -213,6 +225,7 @@ fn run(args: &[String]) -> Result<(), String> {
                 no_gemm,
                 coded,
                 high_priority_decode,
+                staging_buffers,
             };
             let doc: Result<RunDoc, String> = match backend {
                 #[cfg(feature = "tch-cuda")]

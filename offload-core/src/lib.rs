@@ -75,4 +75,4 @@ pub use ring::{BlockGuard, Ring};
 pub use source::{FileRegion, HostRegion, MemoryTensors, RegionSource, SafetensorsFile, TensorSource};
 pub use store::{probe_bandwidth, HostBlock, HostStore, HostTier, PinOptions};
 pub use tensor::{align_up, BlockLayout, DType, PlacedTensor, TensorSpec, TENSOR_ALIGN};
-pub use timeline::{Span, Timeline};
+pub use timeline::{HostMark, Span, Timeline};

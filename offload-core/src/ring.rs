@@ -85,6 +85,8 @@ struct PendingSpan<B: OffloadBackend> {
 
 struct TimelineState<B: OffloadBackend> {
     origin: B::Event,
+    /// The host's clock when `origin` was recorded.
+    host_origin: Instant,
     pending: Vec<PendingSpan<B>>,
     block_start: Option<B::Event>,
     collected: Timeline,
@@ -315,6 +317,7 @@ impl<B: OffloadBackend> Ring<B> {
         let store = self.store.clone();
         let block = &store.blocks()[b];
         let after = if self.sabotage == Sabotage::SkipFreeWait { None } else { self.slots[s].free_after.clone() };
+        self.host_mark(|| format!("issue copy {}", block.id));
         let t0 = self.timing(StreamKind::Copy)?;
         let st = &mut self.slots[s];
         st.holds = None;
@@ -474,6 +477,11 @@ impl<B: OffloadBackend> Ring<B> {
             return Err(Error::Protocol(format!("ring of {:?} is unusable: {why}", self.store.component())));
         }
         self.release_forgotten()?;
+        if self.timeline.is_some() {
+            if let Some(name) = self.store.blocks().get(b).map(|block| format!("acquire {}", block.id)) {
+                self.host_mark(|| name);
+            }
+        }
         if b >= self.next.len() {
             return Err(Error::Protocol(format!(
                 "component {:?} has {} blocks, asked for position {b}",
@@ -612,6 +620,14 @@ impl<B: OffloadBackend> Ring<B> {
         }
     }
 
+    /// With the timeline on, note the host's time now (`name` is made only then).
+    fn host_mark(&mut self, name: impl FnOnce() -> String) {
+        if let Some(tl) = &mut self.timeline {
+            let at_s = tl.host_origin.elapsed().as_secs_f64();
+            tl.collected.host.push(crate::timeline::HostMark { name: name(), at_s });
+        }
+    }
+
     fn timing(&self, on: StreamKind) -> Result<Option<B::Event>> {
         if self.timeline.is_none() {
             return Ok(None);
@@ -633,7 +649,13 @@ impl<B: OffloadBackend> Ring<B> {
     /// the steady state. A no-op on backends that cannot time.
     pub fn enable_timeline(&mut self) -> Result<()> {
         if let Some(origin) = self.backend.record_timing(StreamKind::Compute)? {
-            self.timeline = Some(TimelineState { origin, pending: Vec::new(), block_start: None, collected: Timeline::default() });
+            self.timeline = Some(TimelineState {
+                origin,
+                host_origin: Instant::now(),
+                pending: Vec::new(),
+                block_start: None,
+                collected: Timeline::default(),
+            });
         }
         Ok(())
     }

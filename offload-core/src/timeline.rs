@@ -19,11 +19,26 @@ pub struct Span {
     pub dur_s: f64,
 }
 
+/// A moment on the host: when the ring's thread asked for a block or issued a
+/// copy.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct HostMark {
+    /// What happened (`acquire double_blocks.3`, `issue copy single_blocks.0`).
+    pub name: String,
+    /// Seconds since the host's clock read when the timeline was enabled. The
+    /// device's origin is an event recorded at that moment, so the two clocks
+    /// agree where the device was idle then (a bench synchronises first); a
+    /// mark is then later than the span it caused by how far the host ran ahead.
+    pub at_s: f64,
+}
+
 /// Spans collected over steps.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Timeline {
     /// Every span, in the order recorded.
     pub spans: Vec<Span>,
+    /// Host marks, in the order recorded.
+    pub host: Vec<HostMark>,
 }
 
 #[derive(Serialize)]
@@ -45,6 +60,7 @@ impl Timeline {
         let mut events: Vec<serde_json::Value> = vec![
             serde_json::json!({"name": "thread_name", "ph": "M", "pid": 1, "tid": 1, "args": {"name": "copy stream"}}),
             serde_json::json!({"name": "thread_name", "ph": "M", "pid": 1, "tid": 2, "args": {"name": "compute stream"}}),
+            serde_json::json!({"name": "thread_name", "ph": "M", "pid": 1, "tid": 3, "args": {"name": "host (ring thread)"}}),
         ];
         for s in &self.spans {
             let e = TraceEvent {
@@ -58,6 +74,9 @@ impl Timeline {
                 args: serde_json::json!({"component": s.component}),
             };
             events.push(serde_json::to_value(e).unwrap_or_default());
+        }
+        for m in &self.host {
+            events.push(serde_json::json!({"name": m.name, "cat": "host", "ph": "i", "s": "t", "ts": m.at_s * 1e6, "pid": 1, "tid": 3}));
         }
         serde_json::json!({"traceEvents": events, "displayTimeUnit": "ms"}).to_string()
     }

@@ -1,6 +1,7 @@
 //! Metrics and the timeline: the Chrome trace a ring writes parses, has one
 //! compute span per block served on the compute thread and one copy span per
-//! copy on the copy thread, and the stall metrics agree with the spans.
+//! copy on the copy thread, host marks for every acquire and every copy issued,
+//! and the stall metrics agree with the spans.
 
 use offload_core::sim::{SimBackend, SimConfig};
 use offload_core::{resolve, HostStore, Plan, Ring};
@@ -49,6 +50,15 @@ fn chrome_trace_parses_and_matches_the_metrics() {
     for e in &complete {
         assert!(e["ts"].as_f64().unwrap() >= 0.0 && e["dur"].as_f64().unwrap() >= 0.0);
     }
+    // The host's marks: one acquire per block asked for, one issue per copy, in
+    // the host's order (times never decreasing), on their own thread.
+    let marks: Vec<_> = events.iter().filter(|e| e["ph"] == "i").collect();
+    let acquires = marks.iter().filter(|e| e["tid"] == 3 && e["name"].as_str().unwrap().starts_with("acquire ")).count();
+    let issues = marks.iter().filter(|e| e["tid"] == 3 && e["name"].as_str().unwrap().starts_with("issue copy ")).count();
+    assert_eq!(acquires, 2 * model.len(), "one acquire mark per block asked for");
+    assert_eq!(issues, copies, "one issue mark per copy span");
+    assert!(tl.host.windows(2).all(|w| w[0].at_s <= w[1].at_s), "host marks in the host's order");
+    assert!(tl.host.first().is_some_and(|m| m.name.starts_with("acquire ")), "the first mark is the first acquire");
     // The wait spans of both steps add up to at least the last step's stall.
     let all_stall: f64 = tl.spans.iter().filter(|s| s.name.starts_with("wait ")).map(|s| s.dur_s).sum();
     assert!(all_stall >= stall - 1e-9 && (tl.total_s("copy", "copy ") - ring.metrics().copy_busy_s.unwrap()).abs() < 1e-9);

@@ -480,7 +480,11 @@ pub fn readme_tables(results: &Path) -> Result<String, String> {
         let all = |key: &str| d["groups"].as_array().into_iter().flatten().all(|g| g[key] == true);
         let _ = writeln!(
             md,
-            "Processes sharing one checkpoint (`bench/results/{name}`, backend `{}` at {} on an {}, {groups} groups of {procs} processes              started together on the same {:.2} GiB {} file, medians with [min, max]): serving at the same time for {:.1} s [{:.1}, {:.1}],              each holding at most {:.2} GiB beyond the page cache while mapping at least {:.3} of the file's bytes (page-cache pages,              one copy for all), every block served in place: {}, bitwise equal: {}, targets met: {}.\n",
+            "Processes sharing one checkpoint (`bench/results/{name}`, backend `{}` at {} on an {}, {groups} groups of {procs} processes \
+             started together on the same {:.2} GiB {} file, medians with [min, max]): serving at the same time for {:.1} s [{:.1}, {:.1}], \
+             each holding at most {:.2} GiB beyond the page cache, with file-backed resident memory of at least {:.3} × the file's size \
+             (page-cache pages, one copy for all; the count includes the process's libraries), every block served in place: {}, \
+             bitwise equal: {}, targets met: {}.\n",
             d["backend"].as_str().unwrap_or("?"),
             d["commit"].as_str().unwrap_or("?"),
             d["gpu"].as_str().unwrap_or("?"),
@@ -831,7 +835,11 @@ mod readme_tests {
             md.contains("(`bench/results/y-host-tiers-shared-h200.json`, backend `cuda` at c2 on an NVIDIA H200, 3 groups of 2"),
             "{md}"
         );
-        assert!(md.contains("serving at the same time for 20.0 s [20.0, 20.0]") && md.contains("at least 0.990 of the file"), "{md}");
+        assert!(
+            md.contains("serving at the same time for 20.0 s [20.0, 20.0]")
+                && md.contains("resident memory of at least 0.990 × the file's size"),
+            "{md}"
+        );
     }
 
     #[test]

@@ -45,6 +45,7 @@ pub fn all<H: Harness>() -> Vec<Case> {
         Case { name: "safetensors_source", invariant: "6,9", run: safetensors_source::<H>, caught: &[] },
         Case { name: "mapped_source", invariant: "6,9", run: mapped_source::<H>, caught: &[] },
         Case { name: "disk_source", invariant: "1,2,6", run: disk_source::<H>, caught: &[] },
+        Case { name: "file_faults", invariant: "8", run: file_faults::<H>, caught: &[] },
     ]
 }
 
@@ -426,6 +427,109 @@ fn disk_source<H: Harness>(_: Sabotage) -> Outcome {
             ring.close()?;
             su.no_violations()?;
         }
+        Ok(())
+    })();
+    let _ = std::fs::remove_dir_all(&dir);
+    result
+}
+
+/// A checkpoint that changes under the stores is a named error on every row, and
+/// nothing is left held:
+/// - cut short after it was opened: `HostStore::build_mapped` (over the file as
+///   this row maps it, `Harness::open_mapped`) refuses it, naming the file;
+/// - replaced after its header was read: `HostStore::build_tiered` refuses it;
+/// - a host RAM budget smaller than one block: the plan is refused, naming the bytes;
+/// - cut short in the middle of a step under the disk tier (every block on disk):
+///   the block whose read fails is an `Error::DiskRead` naming the block and the
+///   file, no guard is handed out for it, and once the ring and the store are
+///   dropped the device holds what it held before (rows that cannot refill host
+///   buffers refuse the disk ring by name instead: `disk_source`).
+fn file_faults<H: Harness>(_: Sabotage) -> Outcome {
+    let model = TestModel::random(&ModelShape { stacks: vec![4, 2], ..Default::default() }, 444);
+    let dir = std::env::temp_dir().join(format!("offload-conformance-faults-{}-{}", H::NAME, std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let path = dir.join("model.safetensors");
+    let result = (|| {
+        let backend = FaultInjector::new(H::backend()?);
+        let base = H::live_bytes(backend.inner());
+        // Cut short after opening, before the mapped store is built.
+        write_laid_out(&model, &path)?;
+        let file = H::open_mapped(&path)?;
+        let inventory = NameDiscovery.discover("transformer", file.specs())?;
+        std::fs::OpenOptions::new().write(true).open(&path)?.set_len(100)?;
+        match HostStore::build_mapped(&backend, &inventory, &file, offload_core::PinOptions::default()) {
+            Ok(_) => return Err(CaseError::Fail("a mapped store was built over a file cut short after it was opened".into())),
+            Err(e) => {
+                ensure!(e.to_string().contains("model.safetensors"), "the refusal of a cut-short file does not name it: {e}");
+            }
+        }
+        drop(file);
+        // Replaced (another file renamed over the path) after the header was read.
+        write_laid_out(&model, &path)?;
+        let file = offload_core::SafetensorsFile::open(&path)?;
+        let other = dir.join("other.safetensors");
+        write_laid_out(&model, &other)?;
+        std::fs::rename(&other, &path)?;
+        match HostStore::build_tiered(&backend, &inventory, &file, offload_core::PinOptions::default(), &|_| true) {
+            Ok(_) => return Err(CaseError::Fail("a tiered store was built over a file replaced after its header was read".into())),
+            Err(e) => {
+                ensure!(e.to_string().contains("not the one whose header was read"), "the refusal of a replaced file: {e}");
+            }
+        }
+        drop(file);
+        // A host RAM budget smaller than one block.
+        let cp = ComponentPlan { host_ram_budget_bytes: Some(1024), ..Default::default() };
+        match resolve(&Plan::layerwise().component("transformer", cp), std::slice::from_ref(&inventory)) {
+            Ok(_) => return Err(CaseError::Fail("a plan with 1024 bytes of host RAM for the disk tier was accepted".into())),
+            Err(e) => {
+                ensure!(e.to_string().contains("host RAM budget 1024 bytes"), "the refusal does not name the budget: {e}");
+            }
+        }
+        // Cut short in the middle of a step, every block on disk.
+        write_laid_out(&model, &path)?;
+        let file = offload_core::SafetensorsFile::open(&path)?;
+        let all: Vec<String> = inventory.blocks().map(|b| b.id.to_string()).collect();
+        let cp = ComponentPlan { disk_blocks: all, ..Default::default() };
+        let rc = resolve(&Plan::layerwise().component("transformer", cp), std::slice::from_ref(&inventory))?.components.remove(0);
+        let store =
+            Arc::new(HostStore::build_tiered(&backend, &inventory, &file, offload_core::PinOptions::default(), &|id| rc.is_on_disk(id))?);
+        let mut ring = match Ring::new(backend.clone(), store.clone(), &rc) {
+            Err(e @ offload_core::Error::Unsupported { .. }) if !H::refills_host() => {
+                ensure!(e.to_string().contains("disk tier"), "the refusal does not name the disk tier: {e}");
+                return Ok(());
+            }
+            Err(e) => return Err(e.into()),
+            Ok(ring) => ring,
+        };
+        let blocks = store.blocks().len();
+        drop(ring.block_at(0)?);
+        std::fs::OpenOptions::new().write(true).open(&path)?.set_len(100)?;
+        let mut failed = None;
+        for i in 1..blocks {
+            match ring.block_at(i) {
+                Ok(g) => drop(g),
+                Err(e) => {
+                    failed = Some((i, e));
+                    break;
+                }
+            }
+        }
+        let Some((i, e)) = failed else {
+            return Err(CaseError::Fail("every block was served after the file was cut short mid-step".into()));
+        };
+        let msg = e.to_string();
+        ensure!(matches!(e, offload_core::Error::DiskRead { .. }), "position {i}: not a disk read error: {msg}");
+        ensure!(
+            msg.contains("transformer/") && msg.contains("model.safetensors"),
+            "position {i}: the error does not name the block and the file: {msg}"
+        );
+        drop(ring);
+        drop(store);
+        backend.synchronize()?;
+        let live = H::live_bytes(backend.inner());
+        ensure!(live == base, "{} device bytes still held after the failed step", live.saturating_sub(base));
+        let v = H::violations(backend.inner());
+        ensure!(v.is_empty(), "{} protocol violation(s), first: {}", v.len(), v[0]);
         Ok(())
     })();
     let _ = std::fs::remove_dir_all(&dir);

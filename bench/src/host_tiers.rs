@@ -100,6 +100,9 @@ pub struct HostTierRun {
     /// The processes run at once on one file (`--group`): see [`merge_shared`].
     #[serde(default)]
     pub group: Option<String>,
+    /// The process's id (0 in files written before it was recorded).
+    #[serde(default)]
+    pub pid: u32,
 }
 
 /// `merge`'s targets (issue 17): a warm start from the mapped store within 2 s,
@@ -141,8 +144,18 @@ pub fn merge_shared(runs: &[HostTierRun], min_groups: usize) -> Result<Value, St
         groups.entry(g).or_default().push((r, m));
     }
     let first = runs.first().ok_or("merge-host-tiers-shared: no runs")?;
-    if runs.iter().any(|r| (&r.commit, &r.model, r.file_bytes) != (&first.commit, &first.model, first.file_bytes)) {
-        return Err("merge-host-tiers-shared: runs of different commits, models or files".into());
+    if runs.iter().any(|r| {
+        (&r.commit, &r.model, &r.case, r.depth, r.file_bytes) != (&first.commit, &first.model, &first.case, first.depth, first.file_bytes)
+    }) {
+        return Err("merge-host-tiers-shared: runs of different commits, models, cases, depths or files".into());
+    }
+    for (g, per) in &groups {
+        // One process given twice would overlap itself: each must be its own.
+        let mut seen: Vec<(u32, u64)> = per.iter().map(|(r, m)| (r.pid, m.first_step_unix_s.to_bits())).collect();
+        seen.sort_unstable();
+        if seen.windows(2).any(|w| w[0] == w[1]) {
+            return Err(format!("merge-host-tiers-shared: group {g} holds one process run twice"));
+        }
     }
     if groups.len() < min_groups {
         return Err(format!("merge-host-tiers-shared: {} group(s), at least {min_groups} wanted", groups.len()));
@@ -157,11 +170,13 @@ pub fn merge_shared(runs: &[HostTierRun], min_groups: usize) -> Result<Value, St
         let together = per.iter().map(|(_, m)| m.end_unix_s).fold(f64::INFINITY, f64::min)
             - per.iter().map(|(_, m)| m.first_step_unix_s).fold(f64::NEG_INFINITY, f64::max);
         let rss_max = per.iter().map(|(_, m)| m.host_rss_bytes.max(m.host_rss_end_bytes)).max().unwrap_or(0);
+        // A memory reading of 0 is one that failed (`/proc` unreadable): not a pass.
+        let rss_read = per.iter().all(|(_, m)| m.host_rss_bytes > 0 && m.host_rss_end_bytes > 0);
         let share_min =
             per.iter().map(|(r, m)| m.host_rss_file_end_bytes as f64 / r.file_bytes.max(1) as f64).fold(f64::INFINITY, f64::min);
         let bitwise = per.iter().all(|(_, m)| m.bitwise_equal && m.output_finite_nonconstant);
         let in_place = per.iter().all(|(_, m)| m.copied_blocks == 0 && m.mapped_blocks > 0);
-        let meets = together > 0.0 && rss_max <= RSS_TARGET_BYTES && share_min >= SHARED_FILE_SHARE && bitwise && in_place;
+        let meets = together > 0.0 && rss_read && rss_max <= RSS_TARGET_BYTES && share_min >= SHARED_FILE_SHARE && bitwise && in_place;
         meets_all &= meets;
         overlaps.push(together);
         shares.push(share_min);
@@ -180,21 +195,35 @@ pub fn merge_shared(runs: &[HostTierRun], min_groups: usize) -> Result<Value, St
             "meets_targets": meets,
         }));
     }
-    Ok(json!({
+    Ok(with_head(
+        first,
+        json!({
+            "groups": out,
+            "serving_together_s": sp(spread(&overlaps)),
+            "host_rss_bytes": sp(spread(&rss)),
+            "file_mapped_share": sp(spread(&shares)),
+            "start_s": sp(spread(&starts)),
+            "targets": {"host_rss_bytes": RSS_TARGET_BYTES, "file_mapped_share": SHARED_FILE_SHARE},
+            "meets_targets": meets_all,
+        }),
+    ))
+}
+
+/// A merged file: what every host-tier file begins with (date, commit, GPU,
+/// backend, model, file size), then `rest`'s fields.
+fn with_head(first: &HostTierRun, rest: Value) -> Value {
+    let mut doc = json!({
         "date": std::env::var("BENCH_DATE").unwrap_or_default(),
         "commit": first.commit,
         "gpu": first.gpu,
         "backend": "cuda",
         "model": first.model,
         "file_bytes": first.file_bytes,
-        "groups": out,
-        "serving_together_s": sp(spread(&overlaps)),
-        "host_rss_bytes": sp(spread(&rss)),
-        "file_mapped_share": sp(spread(&shares)),
-        "start_s": sp(spread(&starts)),
-        "targets": {"host_rss_bytes": RSS_TARGET_BYTES, "file_mapped_share": SHARED_FILE_SHARE},
-        "meets_targets": meets_all,
-    }))
+    });
+    if let (Some(d), Value::Object(r)) = (doc.as_object_mut(), rest) {
+        d.extend(r);
+    }
+    doc
 }
 
 fn sp(s: Option<Spread>) -> Value {
@@ -267,11 +296,16 @@ pub fn merge(runs: &[HostTierRun], min_repeats: usize) -> Result<Value, String> 
                 spread(&shares).is_some_and(|s| s.median >= DISK_TARGET)
                     && bitwise
                     && per.iter().all(|(_, m)| m.disk_blocks > 0 && m.host_ram_budget_bytes.is_some())
-                    && per.iter().all(|(_, m)| m.host_rss_bytes <= m.host_ram_budget_bytes.unwrap_or(0) + DISK_RSS_SLACK_BYTES)
+                    && per.iter().all(|(_, m)| {
+                        // After the first step and after the last (files from before the
+                        // second reading have 0 there); a reading of 0 failed: not a pass.
+                        m.host_rss_bytes > 0
+                            && m.host_rss_bytes.max(m.host_rss_end_bytes) <= m.host_ram_budget_bytes.unwrap_or(0) + DISK_RSS_SLACK_BYTES
+                    })
             }
             "mapped" => {
                 start.is_some_and(|s| s.max <= START_TARGET_S)
-                    && rss.is_some_and(|s| s.max <= RSS_TARGET_BYTES as f64)
+                    && rss.is_some_and(|s| s.min > 0.0 && s.max <= RSS_TARGET_BYTES as f64)
                     && ratio.is_some_and(|s| s.median <= RATIO_TARGET)
                     && bitwise
                     && per.iter().all(|(_, m)| m.copied_blocks == 0)
@@ -304,24 +338,21 @@ pub fn merge(runs: &[HostTierRun], min_repeats: usize) -> Result<Value, String> 
             "meets_targets": meets,
         }));
     }
-    Ok(json!({
-        "date": std::env::var("BENCH_DATE").unwrap_or_default(),
-        "commit": first.commit,
-        "gpu": first.gpu,
-        "backend": "cuda",
-        "model": first.model,
-        "process_runs": runs.len(),
-        "file_bytes": first.file_bytes,
-        "disk_read_gbps": sp(disk_read),
-        "targets": {
-            "mapped_start_s": START_TARGET_S,
-            "mapped_host_rss_bytes": RSS_TARGET_BYTES,
-            "ratio_to_bound": RATIO_TARGET,
-            "disk_stream_to_read": DISK_TARGET,
-        },
-        "cases": cases,
-        "meets_targets": meets_all,
-    }))
+    Ok(with_head(
+        first,
+        json!({
+            "process_runs": runs.len(),
+            "disk_read_gbps": sp(disk_read),
+            "targets": {
+                "mapped_start_s": START_TARGET_S,
+                "mapped_host_rss_bytes": RSS_TARGET_BYTES,
+                "ratio_to_bound": RATIO_TARGET,
+                "disk_stream_to_read": DISK_TARGET,
+            },
+            "cases": cases,
+            "meets_targets": meets_all,
+        }),
+    ))
 }
 
 #[cfg(feature = "cuda")]
@@ -651,6 +682,7 @@ mod tests {
             steps_resident_s: vec![0.25, 0.25, 0.25],
             modes: vec![mode("mapped", start_mapped, rss_mapped, copied), mode("copy", 17.0 + k as f64, 22 << 30, 57)],
             group: None,
+            pid: 1000 + k as u32,
         }
     }
 
@@ -662,6 +694,7 @@ mod tests {
                 let mut r = run(g, 1.2, 300 << 20, 0);
                 r.modes.truncate(1);
                 r.group = Some(format!("g{g}"));
+                r.pid = 2000 + 10 * g as u32 + late;
                 r.file_bytes = 22 << 30;
                 r.modes[0].host_rss_file_end_bytes = 22 << 30;
                 r.modes[0].first_step_unix_s = 1000.0 * g as f64 + late as f64;
@@ -686,6 +719,14 @@ mod tests {
         assert!(broken(&|r| r.modes[0].host_rss_file_end_bytes = 1 << 30));
         assert!(broken(&|r| r.modes[0].copied_blocks = 1));
         assert!(broken(&|r| r.modes[0].bitwise_equal = false));
+        assert!(broken(&|r| r.modes[0].host_rss_bytes = 0), "a failed memory reading is not a pass");
+        // One process run given twice in a group, or a run of another case: refused.
+        let mut twice = runs.clone();
+        twice[1] = twice[0].clone();
+        assert!(merge_shared(&twice, 3).unwrap_err().contains("one process run twice"));
+        let mut other = runs.clone();
+        other[3].case = "2048".into();
+        assert!(merge_shared(&other, 3).is_err());
         // Too few groups, a lone process, a run without a group: refused.
         assert!(merge_shared(&runs[..4], 3).is_err());
         assert!(merge_shared(&runs[..5], 2).is_err());
@@ -750,6 +791,13 @@ mod tests {
         let mut fat = vec![disk(0, 12.5), disk(1, 12.5), disk(2, 12.5)];
         fat[2].modes[1].host_rss_bytes = (9 << 30) + 1;
         assert_eq!(merge(&fat, 3).unwrap()["cases"][1]["meets_targets"], false);
+        // Also when it grows during the steps, and when the reading failed (0).
+        let mut grew = vec![disk(0, 12.5), disk(1, 12.5), disk(2, 12.5)];
+        grew[1].modes[1].host_rss_end_bytes = (9 << 30) + 1;
+        assert_eq!(merge(&grew, 3).unwrap()["cases"][1]["meets_targets"], false);
+        let mut unread = vec![disk(0, 12.5), disk(1, 12.5), disk(2, 12.5)];
+        unread[0].modes[1].host_rss_bytes = 0;
+        assert_eq!(merge(&unread, 3).unwrap()["cases"][1]["meets_targets"], false);
         // Fewer than three runs, or runs of two commits, are refused.
         assert!(merge(&runs[..2], 3).is_err());
         let mut mixed = runs.clone();

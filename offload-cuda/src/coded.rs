@@ -45,7 +45,9 @@ pub struct CodingOptions {
     /// read it, and a decode waits for its slot's last use, so the copies can run
     /// at most this many blocks ahead of the decodes: more buffers let the copy
     /// stream bank time during blocks whose compute is longer than their copy,
-    /// at the cost of one largest coded block of device memory each.
+    /// at the cost of one largest coded block of device memory each (the
+    /// planner's cost model budgets two: count any more yourself). On the H200
+    /// more than two moved nothing (`bench/NOTES.md`).
     pub staging_buffers: usize,
 }
 
@@ -238,7 +240,8 @@ impl CudaBackend {
     /// ([`CodingOptions::staging_buffers`]), with coding on. Buffers beyond `n`
     /// are freed in the decode stream's order, after the decodes that read them;
     /// new ones are allocated at their first use. Errors if coding is off or `n`
-    /// is 0.
+    /// is 0. [`enable_coding`](Self::enable_coding) still compares against the
+    /// options the engine was made with.
     pub fn set_staging_buffers(&self, n: usize) -> Result<()> {
         let Some(c) = self.shared().coding.get() else {
             return Err(Error::Protocol("set_staging_buffers: coding is off".into()));
@@ -250,18 +253,23 @@ impl CudaBackend {
         // Under the ring's lock no coded copy is half issued: every copy into a
         // buffer has its decode enqueued on the decode stream already.
         let mut ring = c.staging.lock().unwrap_or_else(|e| e.into_inner());
-        while ring.bufs.len() > n {
-            if let Some(b) = ring.bufs.pop().flatten() {
-                // Every copy into `b` and every decode reading it were enqueued before
-                // this free (the lock above); the decodes run on the decode stream and
-                // wait for their copies, so the free follows every use.
-                // SAFETY: allocated from this context's pool by `coded_copy`; dropped from the ring here.
-                unsafe { result::free_async(b.ptr, c.decode.cu_stream()) }.map_err(|e| driver("freeing a staging buffer", e))?;
-            }
-        }
+        // The ring takes its new size first, so that a failed free below leaves it whole.
+        let keep = n.min(ring.bufs.len());
+        let extra: Vec<Staging> = ring.bufs.drain(keep..).flatten().collect();
         ring.bufs.resize_with(n, || None);
         ring.next %= n;
-        Ok(())
+        let mut first_error = None;
+        for b in extra {
+            // Every copy into `b` and every decode reading it were enqueued before
+            // this free (the lock above); the decodes run on the decode stream and
+            // wait for their copies, so the free follows every use.
+            // SAFETY: allocated from this context's pool by `coded_copy`; no longer in the ring.
+            if let Err(e) = unsafe { result::free_async(b.ptr, c.decode.cu_stream()) } {
+                tracing::warn!("a {}-byte staging buffer is leaked: {e}", b.len);
+                first_error.get_or_insert(driver("freeing a staging buffer", e));
+            }
+        }
+        first_error.map_or(Ok(()), Err)
     }
 
     /// Whether every host buffer allocated now is coded ([`enable_coding`](Self::enable_coding)).

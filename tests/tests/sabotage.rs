@@ -33,3 +33,35 @@ fn a_correct_ring_passes_every_case() {
         assert_eq!((case.run)(Sabotage::None), Ok(()), "{}", case.name);
     }
 }
+
+/// The conformance binary runs each break in a child process: a child that runs
+/// past its time is killed and its break counted as not caught (never as caught),
+/// and the binary fails; with time enough, every break on sim is caught.
+#[test]
+fn a_break_whose_process_is_killed_is_not_caught() {
+    let exe = env!("CARGO_BIN_EXE_conformance");
+    let dir = std::env::temp_dir().join(format!("offload-sabotage-children-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let run = |timeout: &str, json: &std::path::Path| {
+        std::process::Command::new(exe)
+            .args(["--backend", "sim", "--sabotage"])
+            .arg(json)
+            .env("OFFLOAD_SABOTAGE_TIMEOUT_S", timeout)
+            .output()
+            .unwrap()
+    };
+    let killed = run("0", &dir.join("killed.json"));
+    let table: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("killed.json")).unwrap()).unwrap();
+    let ok = run("600", &dir.join("ok.json"));
+    let caught: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("ok.json")).unwrap()).unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(!killed.status.success(), "the binary passed with every break's process killed");
+    let rows = table["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), Sabotage::ALL.len());
+    for r in rows {
+        assert_eq!(r["caught"], false, "{r}");
+        assert!(r["caught_by"][0].as_str().unwrap().contains("killed"), "{r}");
+    }
+    assert!(ok.status.success(), "{}", String::from_utf8_lossy(&ok.stdout));
+    assert!(caught["rows"].as_array().unwrap().iter().all(|r| r["caught"] == true), "{caught}");
+}

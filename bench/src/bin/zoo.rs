@@ -327,6 +327,7 @@ fn run(args: &[String]) -> Result<(), String> {
                 let mut doc =
                     offload_bench::host_tiers::run(&model, case, depth, steps, file, commit, host_ram, disk_steps, opt(args, "--only"))?;
                 doc.group = opt(args, "--group").map(str::to_owned);
+                doc.pid = std::process::id();
                 write(out, &doc)
             }
             #[cfg(not(feature = "cuda"))]

@@ -110,28 +110,61 @@ const ROW_MARK: &str = "sabotage-row: ";
 
 /// One break on `backend` in a child process of this binary (`--sabotage-one`),
 /// so that whatever one break leaves behind in its process (a device fault, a
-/// leaked device) does not decide the next break's verdict. A child that dies
-/// without printing its row is a break not caught, with why.
+/// leaked device) does not decide the next break's verdict. A child that dies,
+/// exits with a failure or outlives `OFFLOAD_SABOTAGE_TIMEOUT_S` (default 600 s;
+/// then killed) is a break not caught, with why.
 fn break_in_child(backend: &str, s: Sabotage) -> BreakRow {
+    use std::io::Read;
     let name = format!("{s:?}");
     let lost = |why: String| BreakRow { sabotage: name.clone(), caught: false, by: vec![("process".into(), why)], missed_by: Vec::new() };
     let exe = match std::env::current_exe() {
         Ok(e) => e,
         Err(e) => return lost(format!("this binary's path: {e}")),
     };
-    let out = match std::process::Command::new(exe).args(["--sabotage-one", backend, &name]).stderr(std::process::Stdio::inherit()).output()
+    let mut child = match std::process::Command::new(exe)
+        .args(["--sabotage-one", backend, &name])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::inherit())
+        .spawn()
     {
-        Ok(o) => o,
+        Ok(c) => c,
         Err(e) => return lost(format!("starting the child process: {e}")),
     };
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    match stdout.lines().find_map(|l| l.strip_prefix(ROW_MARK)) {
-        Some(row) => serde_json::from_str(row)
+    // Read its output on a thread, so a full pipe cannot stall it while we wait.
+    let Some(mut out) = child.stdout.take() else { return lost("the child's output was not captured".into()) };
+    let reader = std::thread::spawn(move || {
+        let mut text = String::new();
+        let _ = out.read_to_string(&mut text);
+        text
+    });
+    let limit = std::env::var("OFFLOAD_SABOTAGE_TIMEOUT_S").ok().and_then(|v| v.parse::<u64>().ok()).unwrap_or(600);
+    let started = std::time::Instant::now();
+    let status = loop {
+        match child.try_wait() {
+            Ok(Some(status)) => break Ok(status),
+            Ok(None) if started.elapsed().as_secs() >= limit => {
+                let _ = child.kill();
+                let _ = child.wait();
+                break Err(format!("the child process ran past {limit} s and was killed"));
+            }
+            Ok(None) => std::thread::sleep(std::time::Duration::from_millis(20)),
+            Err(e) => break Err(format!("waiting for the child process: {e}")),
+        }
+    };
+    let stdout = reader.join().unwrap_or_default();
+    let status = match status {
+        Ok(st) => st,
+        Err(why) => return lost(why),
+    };
+    let row = stdout.lines().find_map(|l| l.strip_prefix(ROW_MARK));
+    match (row, status.success()) {
+        (Some(row), true) => serde_json::from_str(row)
             .ok()
             .as_ref()
             .and_then(BreakRow::from_json)
             .unwrap_or_else(|| lost(format!("the child's row does not read: {row}"))),
-        None => lost(format!("the child process ended ({}) without a row; its output: {}", out.status, stdout.trim())),
+        (Some(row), false) => lost(format!("the child process ended ({status}) after its row, so the row does not count: {row}")),
+        (None, _) => lost(format!("the child process ended ({status}) without a row; its output: {}", stdout.trim())),
     }
 }
 
@@ -210,6 +243,7 @@ fn sabotage_child(backend: &str, name: &str) -> ! {
         std::process::exit(2);
     };
     println!("{ROW_MARK}{}", BreakRow::from(o).to_json());
+    let _ = std::io::Write::flush(&mut std::io::stdout());
     std::process::exit(0)
 }
 

@@ -317,13 +317,18 @@ impl<B: OffloadBackend> Ring<B> {
         let store = self.store.clone();
         let block = &store.blocks()[b];
         let after = if self.sabotage == Sabotage::SkipFreeWait { None } else { self.slots[s].free_after.clone() };
-        self.host_mark(|| format!("issue copy {}", block.id));
-        let t0 = self.timing(StreamKind::Copy)?;
         let st = &mut self.slots[s];
         st.holds = None;
         st.ready = None;
-        let ready = match block.buffer() {
-            Some(buffer) => self.backend.copy_to_slot(buffer, &mut st.slot, block.bytes(), after.as_ref())?,
+        // The copy's span and host mark start once its bytes are in host memory
+        // (after a block on disk was read), so the span is the copy's alone.
+        let (ready, t0) = match block.buffer() {
+            Some(buffer) => {
+                self.host_mark(|| format!("issue copy {}", block.id));
+                let t0 = self.timing(StreamKind::Copy)?;
+                let st = &mut self.slots[s];
+                (self.backend.copy_to_slot(buffer, &mut st.slot, block.bytes(), after.as_ref())?, t0)
+            }
             None => {
                 // On disk: wait here for its read (issued ahead where predicted),
                 // copy from the bounce buffer, give the buffer back to read ahead.
@@ -332,11 +337,20 @@ impl<B: OffloadBackend> Ring<B> {
                 let disk =
                     self.disk.as_mut().ok_or_else(|| Error::Protocol(format!("{} is on disk but the ring has no reader", want.name)))?;
                 let bounce = disk.take(&want, &upcoming)?;
+                self.host_mark(|| format!("issue copy {}", block.id));
+                let t0 = match self.timing(StreamKind::Copy) {
+                    Ok(t0) => t0,
+                    Err(e) => {
+                        let disk = self.disk.as_mut().expect("taken from above");
+                        disk.put_back(bounce, &upcoming)?;
+                        return Err(e);
+                    }
+                };
                 let st = &mut self.slots[s];
                 let copied = self.backend.copy_to_slot(&bounce, &mut st.slot, block.bytes(), after.as_ref());
                 let disk = self.disk.as_mut().expect("taken from above");
                 disk.put_back(bounce, &upcoming)?;
-                copied?
+                (copied?, t0)
             }
         };
         if let Some(start) = t0 {

@@ -185,8 +185,12 @@ macro_rules! conformance_tests {
                 run("disk_source")
             }
             #[test]
+            fn file_faults() {
+                run("file_faults")
+            }
+            #[test]
             fn every_case_is_instantiated() {
-                assert_eq!(all::<$harness>().len(), 13)
+                assert_eq!(all::<$harness>().len(), 14)
             }
         }
     };

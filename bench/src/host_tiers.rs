@@ -195,9 +195,25 @@ pub fn merge_shared(runs: &[HostTierRun], min_groups: usize) -> Result<Value, St
             "meets_targets": meets,
         }));
     }
+    // DESIGN's case fields over every process of every group. Not judged: each
+    // process shared the link with the other while it streamed.
+    let every: Vec<(&HostTierRun, &TierRun)> = groups.values().flatten().copied().collect();
+    let mut case = design_case(first, &every, "mapped")?;
+    case.extend(
+        json!({
+            "mode": "mapped",
+            "repeats": every.len(),
+            "processes_at_once": groups.values().map(Vec::len).max(),
+            "ratio_note": "each process streamed while the other of its group did: the ratio is reported, not judged",
+        })
+        .as_object()
+        .cloned()
+        .unwrap_or_default(),
+    );
     Ok(with_head(
         first,
         json!({
+            "cases": [case],
             "groups": out,
             "serving_together_s": sp(spread(&overlaps)),
             "host_rss_bytes": sp(spread(&rss)),
@@ -224,6 +240,62 @@ fn with_head(first: &HostTierRun, rest: Value) -> Value {
         d.extend(r);
     }
     doc
+}
+
+/// Per process run of one mode: its resident and streamed step (medians of its
+/// timed steps), its bound `max(resident, bytes ÷ bandwidth)` (on disk, also the
+/// disk's `bytes ÷ read rate`) and the ratio of the two.
+struct PerRun {
+    resident: Vec<f64>,
+    steps: Vec<f64>,
+    bounds: Vec<f64>,
+    ratios: Vec<f64>,
+}
+
+fn per_run(per: &[(&HostTierRun, &TierRun)], mode: &str) -> Result<PerRun, String> {
+    let mut out = PerRun { resident: Vec::new(), steps: Vec::new(), bounds: Vec::new(), ratios: Vec::new() };
+    for (r, m) in per {
+        let resident = spread(&r.steps_resident_s).ok_or_else(|| format!("{mode}: no resident steps"))?.median;
+        let step = spread(&m.steps_streamed_s).ok_or_else(|| format!("{mode}: no streamed steps"))?.median;
+        if m.bandwidth <= 0.0 || !m.bandwidth.is_finite() {
+            return Err(format!("{mode}: bandwidth {} is not a measurement", m.bandwidth));
+        }
+        // On disk, the bound is the slower of the link and the disk.
+        let disk_s = if mode == "disk" && m.disk_read_bps > 0.0 { m.disk_bytes_per_step as f64 / m.disk_read_bps } else { 0.0 };
+        let bound = resident.max(m.step_bytes as f64 / m.bandwidth).max(disk_s);
+        out.resident.push(resident);
+        out.bounds.push(bound);
+        out.steps.push(step);
+        out.ratios.push(step / bound);
+    }
+    Ok(out)
+}
+
+/// The fields `DESIGN.md` asks of every case (resolution, batch, depth, device
+/// budget, resident and streamed step, bandwidth, bytes, bound, ratio, peak
+/// device bytes, bitwise), medians with min and max over `per`. These runs keep
+/// no device budget and do not record the device's peak: both are null.
+fn design_case(first: &HostTierRun, per: &[(&HostTierRun, &TierRun)], mode: &str) -> Result<serde_json::Map<String, Value>, String> {
+    let case = crate::registry::model(&first.model)?.case(&first.case)?.clone();
+    let p = per_run(per, mode)?;
+    let col = |f: &dyn Fn(&TierRun) -> f64| sp(spread(&per.iter().map(|(_, m)| f(m)).collect::<Vec<_>>()));
+    let doc = json!({
+        "model": first.model,
+        "case": first.case,
+        "resolution": case.resolution,
+        "batch": case.batch,
+        "depth": first.depth,
+        "budget_bytes": Value::Null,
+        "step_resident_s": sp(spread(&p.resident)),
+        "step_streamed_s": sp(spread(&p.steps)),
+        "bandwidth_gbps": col(&|m| m.bandwidth / 1e9),
+        "streamed_bytes": per.iter().map(|(_, m)| m.step_bytes).max(),
+        "bound_s": sp(spread(&p.bounds)),
+        "ratio_to_bound": sp(spread(&p.ratios)),
+        "peak_device_bytes": Value::Null,
+        "bitwise_equal": per.iter().all(|(_, m)| m.bitwise_equal && m.output_finite_nonconstant),
+    });
+    Ok(doc.as_object().cloned().unwrap_or_default())
 }
 
 fn sp(s: Option<Spread>) -> Value {
@@ -256,22 +328,7 @@ pub fn merge(runs: &[HostTierRun], min_repeats: usize) -> Result<Value, String> 
         if per.len() != runs.len() {
             return Err(format!("merge-host-tiers: {} of {} runs have mode {mode}", per.len(), runs.len()));
         }
-        let mut ratios = Vec::new();
-        let mut bounds = Vec::new();
-        let mut steps = Vec::new();
-        for (r, m) in &per {
-            let resident = spread(&r.steps_resident_s).ok_or_else(|| format!("{mode}: no resident steps"))?.median;
-            let step = spread(&m.steps_streamed_s).ok_or_else(|| format!("{mode}: no streamed steps"))?.median;
-            if m.bandwidth <= 0.0 || !m.bandwidth.is_finite() {
-                return Err(format!("{mode}: bandwidth {} is not a measurement", m.bandwidth));
-            }
-            // On disk, the bound is the slower of the link and the disk.
-            let disk_s = if mode == "disk" && m.disk_read_bps > 0.0 { m.disk_bytes_per_step as f64 / m.disk_read_bps } else { 0.0 };
-            let bound = resident.max(m.step_bytes as f64 / m.bandwidth).max(disk_s);
-            bounds.push(bound);
-            steps.push(step);
-            ratios.push(step / bound);
-        }
+        let PerRun { steps, ratios, .. } = per_run(&per, mode)?;
         let col = |f: &dyn Fn(&TierRun) -> f64| sp(spread(&per.iter().map(|(_, m)| f(m)).collect::<Vec<_>>()));
         let start = spread(&per.iter().map(|(_, m)| m.start_s).collect::<Vec<_>>());
         let rss = spread(&per.iter().map(|(_, m)| m.host_rss_bytes as f64).collect::<Vec<_>>());
@@ -313,11 +370,9 @@ pub fn merge(runs: &[HostTierRun], min_repeats: usize) -> Result<Value, String> 
             _ => ratio.is_some_and(|s| s.median <= RATIO_TARGET) && bitwise,
         };
         meets_all &= meets;
-        cases.push(json!({
+        let mut case = design_case(first, &per, mode)?;
+        let extra = json!({
             "mode": mode,
-            "model": first.model,
-            "case": first.case,
-            "depth": first.depth,
             "repeats": per.len(),
             "start_s": sp(start),
             "store_build_s": col(&|m| m.store_build_s),
@@ -327,16 +382,13 @@ pub fn merge(runs: &[HostTierRun], min_repeats: usize) -> Result<Value, String> 
             "disk_direct": per.iter().all(|(_, m)| m.direct),
             "disk_stream_gbps": disk_stream,
             "disk_stream_to_read": disk_share,
-            "bandwidth_gbps": col(&|m| m.bandwidth / 1e9),
-            "step_streamed_s": sp(spread(&steps)),
-            "bound_s": sp(spread(&bounds)),
-            "ratio_to_bound": sp(ratio),
-            "bitwise_equal": bitwise,
             "mapped_blocks": per.iter().map(|(_, m)| m.mapped_blocks).max(),
             "copied_blocks": per.iter().map(|(_, m)| m.copied_blocks).max(),
             "copy_reason": per.iter().find_map(|(_, m)| m.copy_reason.clone()),
             "meets_targets": meets,
-        }));
+        });
+        case.extend(extra.as_object().cloned().unwrap_or_default());
+        cases.push(Value::Object(case));
     }
     Ok(with_head(
         first,
@@ -707,6 +759,9 @@ mod tests {
         assert_eq!(d["meets_targets"], true, "{d}");
         assert_eq!(d["groups"][0]["serving_together_s"], 7.0);
         assert_eq!(d["groups"].as_array().unwrap().len(), 3);
+        let c = &d["cases"][0];
+        assert_eq!((c["resolution"].as_u64(), c["repeats"].as_u64(), c["processes_at_once"].as_u64()), (Some(1024), Some(6), Some(2)));
+        assert!((c["bound_s"]["median"].as_f64().unwrap() - 0.4).abs() < 1e-12, "{c}");
         // Each condition can fail: apart in time, a private copy, the file not
         // mapped, a copied block, a wrong output.
         let broken = |f: &dyn Fn(&mut HostTierRun)| {
@@ -745,6 +800,11 @@ mod tests {
         assert!((mapped["bound_s"]["median"].as_f64().unwrap() - 0.4).abs() < 1e-12);
         assert!((mapped["ratio_to_bound"]["median"].as_f64().unwrap() - 0.405 / 0.4).abs() < 1e-9);
         assert_eq!(mapped["meets_targets"], true);
+        // DESIGN's case fields.
+        assert_eq!((mapped["resolution"].as_u64(), mapped["batch"].as_u64(), mapped["depth"].as_u64()), (Some(1024), Some(1), Some(1)));
+        assert_eq!(mapped["step_resident_s"]["median"], 0.25);
+        assert_eq!(mapped["streamed_bytes"], 20_000_000_000u64);
+        assert!(mapped["budget_bytes"].is_null() && mapped["peak_device_bytes"].is_null());
         assert_eq!(d["cases"][1]["start_s"]["median"], 18.0);
         assert_eq!(d["meets_targets"], true);
         assert_eq!(d["disk_read_gbps"], Value::Null, "no disk mode, no disk bandwidth");

@@ -352,27 +352,24 @@ pub fn run(model: &Model, opts: &RunOptions) -> Result<RunDoc, String> {
                     let coded_trace = trace.map(|p| format!("{}-coded.json", p.strip_suffix(".json").unwrap_or(p)));
                     let cs = streamed(cstore, &resolved(&Plan::layerwise().prefetch_depth(d), &inv)?, &mut net, coded_trace.as_deref())?;
                     let ceq = cs.out == rout;
-                    eprintln!(
-                        "{} {} d={d}: coded streamed {:.4} s ({:.4} × the raw bound), bitwise_equal {ceq}, misses {}",
-                        model.name,
-                        c.name,
-                        median(&cs.times),
-                        median(&cs.times) / bound,
-                        cs.misses
-                    );
+                    let say = |how: &str, s: &Streamed, eq: bool| {
+                        let step = median(&s.times);
+                        eprintln!(
+                            "{} {} d={d}: coded streamed{how} {step:.4} s ({:.4} × the raw bound), bitwise_equal {eq}, misses {}",
+                            model.name,
+                            c.name,
+                            step / bound,
+                            s.misses
+                        );
+                    };
+                    say("", &cs, ceq);
                     // The same again with each number of staging buffers asked for,
                     // then back to the default.
                     for &n in &opts.staging_buffers {
                         be.set_staging_buffers(n).map_err(err)?;
                         let sr = streamed(cstore, &resolved(&Plan::layerwise().prefetch_depth(d), &inv)?, &mut net, None)?;
                         let eq = sr.out == rout;
-                        eprintln!(
-                            "{} {} d={d}: coded streamed with {n} staging buffers {:.4} s ({:.4} × the raw bound), bitwise_equal {eq}",
-                            model.name,
-                            c.name,
-                            median(&sr.times),
-                            median(&sr.times) / bound,
-                        );
+                        say(&format!(" with {n} staging buffers"), &sr, eq);
                         by_staging.push(crate::harness::StagingRun {
                             staging_buffers: n,
                             steps_s: sr.times,

@@ -500,13 +500,6 @@ mod run {
         Ok((end as f64 / t.elapsed().as_secs_f64().max(1e-9), f.is_direct()))
     }
 
-    /// The file pages resident in this process's mappings (`RssFile`).
-    fn rss_file_bytes() -> Option<u64> {
-        let status = std::fs::read_to_string("/proc/self/status").ok()?;
-        let line = status.lines().find(|l| l.starts_with("RssFile:"))?;
-        line["RssFile:".len()..].trim().trim_end_matches("kB").trim().parse::<u64>().ok().map(|kb| kb * 1024)
-    }
-
     fn unix_s() -> f64 {
         std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64())
     }
@@ -634,7 +627,8 @@ mod run {
                 step_bytes = ring.metrics().bytes_copied - before;
                 disk_bytes = m.disk_bytes_read;
             }
-            let (end_unix_s, rss_end, rss_file_end) = (unix_s(), host_rss_beyond_page_cache().unwrap_or(0), rss_file_bytes().unwrap_or(0));
+            let (end_unix_s, rss_end, rss_file_end) =
+                (unix_s(), host_rss_beyond_page_cache().unwrap_or(0), offload_core::host_rss_file_bytes().unwrap_or(0));
             let out = net.output().map_err(err)?;
             ring.close().map_err(err)?;
             // The resident reference: every block loaded once, from the first store.

@@ -68,7 +68,7 @@ pub use disk::DiskFile;
 pub use error::{Error, Result};
 pub use fault::{FaultInjector, FaultKind};
 pub use hook::{BlockContext, BlockSource, Hook, TraceRecorder};
-pub use metrics::{host_rss_beyond_page_cache, StepMetrics};
+pub use metrics::{host_rss_beyond_page_cache, host_rss_file_bytes, StepMetrics};
 pub use ondemand::OnDemand;
 pub use plan::{resolve, resolve_on, ComponentPlan, PinFallback, Plan, ResidentPolicy, ResolvedComponent, ResolvedPlan, Strategy};
 pub use ring::{BlockGuard, Ring};

@@ -155,9 +155,35 @@ impl std::fmt::Display for StepMetrics {
 /// where the file cannot be read (not Linux).
 pub fn host_rss_beyond_page_cache() -> Option<u64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let field = |name: &str| -> Option<u64> {
-        let line = status.lines().find(|l| l.starts_with(name))?;
-        line[name.len()..].trim().trim_end_matches("kB").trim().parse::<u64>().ok().map(|kb| kb * 1024)
-    };
-    Some(field("RssAnon:")? + field("RssShmem:").unwrap_or(0))
+    Some(status_bytes(&status, "RssAnon:")? + status_bytes(&status, "RssShmem:").unwrap_or(0))
+}
+
+/// This process's file-backed resident memory, in bytes (`RssFile` of
+/// `/proc/self/status`): page-cache pages mapped into it, a mapped checkpoint's
+/// among them (and its libraries'). `None` where the file cannot be read.
+pub fn host_rss_file_bytes() -> Option<u64> {
+    status_bytes(&std::fs::read_to_string("/proc/self/status").ok()?, "RssFile:")
+}
+
+/// A `kB` field of `/proc/self/status`, in bytes.
+fn status_bytes(status: &str, name: &str) -> Option<u64> {
+    let line = status.lines().find(|l| l.starts_with(name))?;
+    line[name.len()..].trim().trim_end_matches("kB").trim().parse::<u64>().ok().map(|kb| kb * 1024)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A field reads in bytes, a missing one is `None`; on Linux both readings
+    /// are there (the process has anonymous memory and its libraries' pages).
+    #[test]
+    fn status_fields_read_in_bytes() {
+        assert_eq!(status_bytes("Name:\tx\nRssFile:\t  1234 kB\n", "RssFile:"), Some(1234 * 1024));
+        assert_eq!(status_bytes("RssAnon:\t1 kB\n", "RssFile:"), None);
+        if cfg!(target_os = "linux") {
+            assert!(host_rss_beyond_page_cache().is_some_and(|b| b > 0), "no anonymous memory");
+            assert!(host_rss_file_bytes().is_some_and(|b| b > 0), "no file-backed pages");
+        }
+    }
 }

@@ -75,6 +75,16 @@ type MergeArgs<'a> = (&'a str, usize, Vec<&'a str>, Vec<&'a str>);
 
 /// `--out`, `--min-repeats`, the run files, and the files after `second`
 /// (`--anchors`, or `--codec` for merge-compressed).
+/// `merge_args` of a merge without anchors: `--out`, `--min-repeats` and the
+/// run files read as `T`; anchors given are an error naming the command `what`.
+fn runs_only<'a, T: serde::de::DeserializeOwned>(args: &'a [String], what: &str) -> Result<(&'a str, usize, Vec<T>), String> {
+    let (out, min, files, anchors) = merge_args(args, "--anchors")?;
+    if !anchors.is_empty() {
+        return Err(format!("{what} takes no --anchors"));
+    }
+    Ok((out, min, files.iter().map(|f| read::<T>(f)).collect::<Result<Vec<_>, _>>()?))
+}
+
 fn merge_args<'a>(args: &'a [String], second: &str) -> Result<MergeArgs<'a>, String> {
     let out = opt(args, "--out").ok_or("--out is required")?;
     let min = opt(args, "--min-repeats").map_or(Ok(3), |v| v.parse().map_err(|_| format!("--min-repeats: {v}")))?;
@@ -365,11 +375,7 @@ fn run(args: &[String]) -> Result<(), String> {
             }
         }
         Some("merge-relay") => {
-            let (out, min, files, rest) = merge_args(args, "--anchors")?;
-            if !rest.is_empty() {
-                return Err("merge-relay: relay has no anchors".into());
-            }
-            let runs = files.iter().map(|f| read::<offload_bench::relay::RelayRun>(f)).collect::<Result<Vec<_>, _>>()?;
+            let (out, min, runs) = runs_only::<offload_bench::relay::RelayRun>(args, "merge-relay")?;
             let doc = offload_bench::relay::merge(&runs, min)?;
             for c in doc["cases"].as_array().into_iter().flatten() {
                 println!(
@@ -386,11 +392,7 @@ fn run(args: &[String]) -> Result<(), String> {
             write(out, &doc)
         }
         Some("merge-host-tiers-shared") => {
-            let (out, min, files, rest) = merge_args(args, "--anchors")?;
-            if !rest.is_empty() {
-                return Err("merge-host-tiers-shared: the host tiers have no anchors".into());
-            }
-            let runs = files.iter().map(|f| read::<offload_bench::host_tiers::HostTierRun>(f)).collect::<Result<Vec<_>, _>>()?;
+            let (out, min, runs) = runs_only::<offload_bench::host_tiers::HostTierRun>(args, "merge-host-tiers-shared")?;
             let doc = offload_bench::host_tiers::merge_shared(&runs, min)?;
             for g in doc["groups"].as_array().into_iter().flatten() {
                 println!(
@@ -407,11 +409,7 @@ fn run(args: &[String]) -> Result<(), String> {
             write(out, &doc)
         }
         Some("merge-host-tiers") => {
-            let (out, min, files, rest) = merge_args(args, "--anchors")?;
-            if !rest.is_empty() {
-                return Err("merge-host-tiers: the host tiers have no anchors".into());
-            }
-            let runs = files.iter().map(|f| read::<offload_bench::host_tiers::HostTierRun>(f)).collect::<Result<Vec<_>, _>>()?;
+            let (out, min, runs) = runs_only::<offload_bench::host_tiers::HostTierRun>(args, "merge-host-tiers")?;
             let doc = offload_bench::host_tiers::merge(&runs, min)?;
             for c in doc["cases"].as_array().into_iter().flatten() {
                 println!(
@@ -429,11 +427,7 @@ fn run(args: &[String]) -> Result<(), String> {
             write(out, &doc)
         }
         Some("merge-pipeline") => {
-            let (out, min, files, anchors) = merge_args(args, "--anchors")?;
-            if !anchors.is_empty() {
-                return Err("merge-pipeline: the pipeline case has no anchors".into());
-            }
-            let runs = files.iter().map(|f| read::<offload_bench::pipeline::PipelineRun>(f)).collect::<Result<Vec<_>, _>>()?;
+            let (out, min, runs) = runs_only::<offload_bench::pipeline::PipelineRun>(args, "merge-pipeline")?;
             let doc = offload_bench::pipeline::merge(&runs, min)?;
             let w = &doc["whole"];
             println!(

@@ -10,58 +10,40 @@ use std::collections::BTreeMap;
 
 type Row = Vec<(&'static str, &'static str, Verdict)>;
 
-fn suite(backend: &str) -> Option<Row> {
-    match backend {
-        "sim" => Some(run_suite::<offload_tests::sim_harness::Sim>()),
-        "sim-coded" => Some(run_suite::<offload_tests::sim_harness::SimCoded>()),
-        #[cfg(feature = "cuda")]
-        "cuda" => Some(run_suite::<offload_tests::cuda_harness::Cuda>()),
-        #[cfg(feature = "cuda")]
-        "cuda-coded" => Some(run_suite::<offload_tests::cuda_harness::CudaCoded>()),
-        #[cfg(feature = "cuda")]
-        "cuda-relay" => Some(run_suite::<offload_tests::cuda_harness::CudaRelay>()),
-        #[cfg(feature = "candle")]
-        "candle" => Some(run_suite::<offload_tests::candle_harness::Candle>()),
-        #[cfg(feature = "candle-cuda")]
-        "candle-cuda" => Some(run_suite::<offload_tests::candle_harness::CandleCuda>()),
-        #[cfg(feature = "tch")]
-        "tch" => Some(run_suite::<offload_tests::tch_harness::Tch>()),
-        #[cfg(feature = "tch-cuda")]
-        "tch-cuda" => Some(run_suite::<offload_tests::tch_harness::TchCuda>()),
-        #[cfg(feature = "vulkan")]
-        "vulkan" => Some(run_suite::<offload_tests::vulkan_harness::Vulkan>()),
-        #[cfg(feature = "vulkan")]
-        "vulkan-import" => Some(run_suite::<offload_tests::vulkan_harness::VulkanImport>()),
-        #[cfg(feature = "vulkan")]
-        "vulkan-split" => Some(run_suite::<offload_tests::vulkan_harness::VulkanSplit>()),
-        _ => None,
-    }
+/// What this binary can run on one row: its suite, and one sabotage break.
+struct RowFns {
+    suite: fn() -> Row,
+    sabotage: fn(Sabotage) -> SabotageOutcome,
 }
 
-fn sabotage_one(backend: &str, s: Sabotage) -> Option<SabotageOutcome> {
+/// The row named `backend`, if it is built into this binary.
+fn row(backend: &str) -> Option<RowFns> {
+    fn fns<H: offload_tests::Harness>() -> Option<RowFns> {
+        Some(RowFns { suite: run_suite::<H>, sabotage: run_sabotage_one::<H> })
+    }
     match backend {
-        "sim" => Some(run_sabotage_one::<offload_tests::sim_harness::Sim>(s)),
-        "sim-coded" => Some(run_sabotage_one::<offload_tests::sim_harness::SimCoded>(s)),
+        "sim" => fns::<offload_tests::sim_harness::Sim>(),
+        "sim-coded" => fns::<offload_tests::sim_harness::SimCoded>(),
         #[cfg(feature = "cuda")]
-        "cuda" => Some(run_sabotage_one::<offload_tests::cuda_harness::Cuda>(s)),
+        "cuda" => fns::<offload_tests::cuda_harness::Cuda>(),
         #[cfg(feature = "cuda")]
-        "cuda-coded" => Some(run_sabotage_one::<offload_tests::cuda_harness::CudaCoded>(s)),
+        "cuda-coded" => fns::<offload_tests::cuda_harness::CudaCoded>(),
         #[cfg(feature = "cuda")]
-        "cuda-relay" => Some(run_sabotage_one::<offload_tests::cuda_harness::CudaRelay>(s)),
+        "cuda-relay" => fns::<offload_tests::cuda_harness::CudaRelay>(),
         #[cfg(feature = "candle")]
-        "candle" => Some(run_sabotage_one::<offload_tests::candle_harness::Candle>(s)),
+        "candle" => fns::<offload_tests::candle_harness::Candle>(),
         #[cfg(feature = "candle-cuda")]
-        "candle-cuda" => Some(run_sabotage_one::<offload_tests::candle_harness::CandleCuda>(s)),
+        "candle-cuda" => fns::<offload_tests::candle_harness::CandleCuda>(),
         #[cfg(feature = "tch")]
-        "tch" => Some(run_sabotage_one::<offload_tests::tch_harness::Tch>(s)),
+        "tch" => fns::<offload_tests::tch_harness::Tch>(),
         #[cfg(feature = "tch-cuda")]
-        "tch-cuda" => Some(run_sabotage_one::<offload_tests::tch_harness::TchCuda>(s)),
+        "tch-cuda" => fns::<offload_tests::tch_harness::TchCuda>(),
         #[cfg(feature = "vulkan")]
-        "vulkan" => Some(run_sabotage_one::<offload_tests::vulkan_harness::Vulkan>(s)),
+        "vulkan" => fns::<offload_tests::vulkan_harness::Vulkan>(),
         #[cfg(feature = "vulkan")]
-        "vulkan-import" => Some(run_sabotage_one::<offload_tests::vulkan_harness::VulkanImport>(s)),
+        "vulkan-import" => fns::<offload_tests::vulkan_harness::VulkanImport>(),
         #[cfg(feature = "vulkan")]
-        "vulkan-split" => Some(run_sabotage_one::<offload_tests::vulkan_harness::VulkanSplit>(s)),
+        "vulkan-split" => fns::<offload_tests::vulkan_harness::VulkanSplit>(),
         _ => None,
     }
 }
@@ -175,7 +157,7 @@ fn sabotage_table(backends: &[String], path: &str, commit: &str, gpu: &str) -> u
     let mut missed = 0;
     println!("{:<14} {:<18} {:<7} by", "backend", "sabotage", "caught");
     for b in backends {
-        if !built_in(b) {
+        if row(b).is_none() {
             println!("{b:<14} (not built into this binary)");
             missed += 1;
             continue;
@@ -208,37 +190,13 @@ fn sabotage_table(backends: &[String], path: &str, commit: &str, gpu: &str) -> u
     missed
 }
 
-/// Whether `backend` is a row of this binary.
-fn built_in(backend: &str) -> bool {
-    let mut rows = vec!["sim", "sim-coded"];
-    if cfg!(feature = "cuda") {
-        rows.extend(["cuda", "cuda-coded", "cuda-relay"]);
-    }
-    if cfg!(feature = "candle") {
-        rows.push("candle");
-    }
-    if cfg!(feature = "candle-cuda") {
-        rows.push("candle-cuda");
-    }
-    if cfg!(feature = "tch") {
-        rows.push("tch");
-    }
-    if cfg!(feature = "tch-cuda") {
-        rows.push("tch-cuda");
-    }
-    if cfg!(feature = "vulkan") {
-        rows.extend(["vulkan", "vulkan-import", "vulkan-split"]);
-    }
-    rows.contains(&backend)
-}
-
 /// `--sabotage-one BACKEND BREAK`: the child's side of [`break_in_child`].
 fn sabotage_child(backend: &str, name: &str) -> ! {
     let Some(&s) = Sabotage::ALL.iter().find(|s| format!("{s:?}") == name) else {
         eprintln!("--sabotage-one: no break named {name}");
         std::process::exit(2);
     };
-    let Some(o) = sabotage_one(backend, s) else {
+    let Some(o) = row(backend).map(|r| (r.sabotage)(s)) else {
         eprintln!("--sabotage-one: backend {backend} is not built into this binary");
         std::process::exit(2);
     };
@@ -284,7 +242,7 @@ fn main() {
     let mut columns: Vec<(String, Row)> = Vec::new();
     let mut built = Vec::new();
     for b in &backends {
-        let ran = suite(b);
+        let ran = row(b).map(|r| (r.suite)());
         built.push(ran.is_some());
         let row = ran.unwrap_or_else(|| {
             let why = format!("backend {b} not built into this binary (build with --features {b})");

@@ -31,13 +31,23 @@ typedef unsigned long long u64;
 #define TILE 64
 #define ROW (TILE + 4)
 #define WARPS 4
+// Variants the speed example times (`ExponentDecoder::with_variant`); the ring
+// compiles the defaults. PREFETCH: the next stream word is loaded one refill
+// ahead, so a refill does not wait for its load. ROWS: the write loop's rows
+// whose sign-mantissa loads are in flight before their stores (divides 32).
+#ifndef PREFETCH
+#define PREFETCH 0
+#endif
+#ifndef ROWS
+#define ROWS 4
+#endif
 // One thread per chunk, 32 chunks per warp, WARPS warps per block (the launch's
 // 128 threads). In tiles of 64 values: each lane decodes the next 64 exponents of
 // its own chunk into its row of a shared tile (serial: a chunk is one bit
 // stream), then the warp writes the tile chunk by chunk, lane l taking values 2l
 // and 2l + 1, so the sign-mantissa reads (64 bytes a row) and the output writes
 // (one 128-byte line a row, 4-byte stores) are coalesced; the rows' loads are
-// issued four at a time before their stores.
+// issued ROWS at a time before their stores.
 // A lane refills its bit window 32 bits at a time from aligned words of the
 // stream (the stream starts 4-aligned in `enc`, and the upload pads `enc` to
 // whole words), bytes outside its chunk's [from, to) read as 0.
@@ -79,13 +89,22 @@ __device__ __forceinline__ void decode_chunks(const u8* __restrict__ enc, u64 st
     u32 values = have ? (n - base < CHUNK ? (u32)(n - base) : CHUNK) : 0;
     u32 next = from >> 2;
     u64 acc = word_be(words, next++, to);
+#if PREFETCH
+    // Past `to` word_be reads nothing (it returns 0 without a load).
+    u32 ahead = word_be(words, next++, to);
+#endif
     u32 bits = 32 - 8 * (from & 3), used = 0;
     bool bad = false;
     u8* e = tile[warp];
     for (u32 k0 = 0; k0 < CHUNK; k0 += TILE) {
         for (u32 j = 0; j < TILE && !bad && k0 + j < values; ++j) {
             if (bits < BITS) {
+#if PREFETCH
+                acc = (acc << 32) | ahead;
+                ahead = word_be(words, next++, to);
+#else
                 acc = (acc << 32) | word_be(words, next++, to);
+#endif
                 bits += 32;
             }
             u16 x = t[(u32)(acc >> (bits - BITS)) & ((1u << BITS) - 1)];
@@ -97,10 +116,10 @@ __device__ __forceinline__ void decode_chunks(const u8* __restrict__ enc, u64 st
         }
         __syncwarp();
         u32 k = k0 + 2 * lane;
-        for (u32 r0 = 0; r0 < 32; r0 += 4) {
-            u32 s[4], vals[4];
+        for (u32 r0 = 0; r0 < 32; r0 += ROWS) {
+            u32 s[ROWS], vals[ROWS];
 #pragma unroll
-            for (u32 q = 0; q < 4; ++q) {
+            for (u32 q = 0; q < ROWS; ++q) {
                 u32 cc = first + r0 + q;
                 u64 b = (u64)cc * CHUNK;
                 vals[q] = cc < chunks ? (n - b < CHUNK ? (u32)(n - b) : CHUNK) : 0;
@@ -109,7 +128,7 @@ __device__ __forceinline__ void decode_chunks(const u8* __restrict__ enc, u64 st
                 s[q] = lo | hi << 8;
             }
 #pragma unroll
-            for (u32 q = 0; q < 4; ++q) {
+            for (u32 q = 0; q < ROWS; ++q) {
                 if (k >= vals[q]) continue;
                 u32 r = r0 + q;
                 u64 b = (u64)(first + r) * CHUNK;
@@ -234,9 +253,52 @@ pub(crate) struct Segs {
 // fields only, no padding the kernel reads); passed by value as a kernel parameter.
 unsafe impl cudarc::driver::DeviceRepr for Segs {}
 
+/// One build of the decoder's kernel (its `PREFETCH` and `ROWS` macros): what
+/// the speed example times side by side. The ring and [`ExponentDecoder::new`]
+/// use [`DecoderVariant::RING`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DecoderVariant {
+    /// Load the next stream word one refill ahead of its use.
+    pub prefetch: bool,
+    /// Rows of the write loop whose sign-mantissa loads are issued before their
+    /// stores: 1, 2, 4, 8, 16 or 32.
+    pub rows: u32,
+}
+
+impl DecoderVariant {
+    /// The build the ring uses.
+    pub const RING: DecoderVariant = DecoderVariant { prefetch: false, rows: 4 };
+
+    /// The builds the speed example times (`codec_speed --variants`).
+    pub const TIMED: [DecoderVariant; 4] = [
+        DecoderVariant { prefetch: false, rows: 4 },
+        DecoderVariant { prefetch: true, rows: 4 },
+        DecoderVariant { prefetch: false, rows: 8 },
+        DecoderVariant { prefetch: true, rows: 8 },
+    ];
+
+    /// A short name: `prefetch-rows8`, `rows4`.
+    pub fn name(&self) -> String {
+        format!("{}rows{}", if self.prefetch { "prefetch-" } else { "" }, self.rows)
+    }
+
+    fn options(&self) -> std::result::Result<Vec<String>, String> {
+        if !self.rows.is_power_of_two() || self.rows > 32 {
+            return Err(format!("decoder variant {}: rows must divide 32", self.name()));
+        }
+        Ok(vec![format!("-DPREFETCH={}", u32::from(self.prefetch)), format!("-DROWS={}", self.rows)])
+    }
+
+    fn compile(&self) -> std::result::Result<nvrtc::Ptx, String> {
+        let options = self.options()?;
+        nvrtc::compile_ptx_with_opts(KERNELS, nvrtc::CompileOptions { options, ..Default::default() })
+            .map_err(|e| format!("NVRTC ({}): {e}", self.name()))
+    }
+}
+
 pub(crate) fn ptx() -> std::result::Result<&'static nvrtc::Ptx, String> {
     static PTX: OnceLock<std::result::Result<nvrtc::Ptx, String>> = OnceLock::new();
-    crate::compiled(&PTX, KERNELS)
+    PTX.get_or_init(|| DecoderVariant::RING.compile()).as_ref().map_err(Clone::clone)
 }
 
 /// Normal values of standard deviation `sd` as bf16 bytes (Box–Muller over an
@@ -283,8 +345,18 @@ pub struct ExponentDecoder {
 impl ExponentDecoder {
     /// Compile (once per process) and load the kernel on `b`'s context.
     pub fn new(b: &CudaBackend) -> Result<Self> {
-        let ptx = ptx().map_err(|e| dev("compiling the exponent decoder", e))?;
-        let module = b.shared().ctx.load_module(ptx.clone()).map_err(|e| dev("loading the exponent decoder", e))?;
+        Self::with_variant(b, DecoderVariant::RING)
+    }
+
+    /// The kernel built as `variant` (compiled anew unless it is the ring's), for
+    /// timing builds side by side.
+    pub fn with_variant(b: &CudaBackend, variant: DecoderVariant) -> Result<Self> {
+        let ptx = match variant == DecoderVariant::RING {
+            true => ptx().cloned(),
+            false => variant.compile(),
+        }
+        .map_err(|e| dev("compiling the exponent decoder", e))?;
+        let module = b.shared().ctx.load_module(ptx).map_err(|e| dev("loading the exponent decoder", e))?;
         Ok(ExponentDecoder { decode: module.load_function("exp_decode").map_err(|e| dev("exp_decode", e))? })
     }
 
@@ -506,6 +578,19 @@ mod tests {
     #[test]
     fn kernels_compile_with_nvrtc() {
         crate::nvrtc_check::compiles("the exponent decoder", super::KERNELS);
+        for v in DecoderVariant::TIMED {
+            crate::nvrtc_check::compiles_by(&format!("the exponent decoder, {}", v.name()), || v.compile());
+        }
+    }
+
+    /// A build whose write loop's rows do not divide 32 is refused by name, before NVRTC.
+    #[test]
+    fn a_variant_with_rows_not_dividing_32_is_refused() {
+        for rows in [0, 3, 64] {
+            let e = DecoderVariant { prefetch: true, rows }.options().unwrap_err();
+            assert!(e.contains(&format!("prefetch-rows{rows}")) && e.contains("divide 32"), "{e}");
+        }
+        assert!(DecoderVariant::TIMED.contains(&DecoderVariant::RING), "the ring's build is among those timed");
     }
 
     fn bf16s(vals: impl IntoIterator<Item = f32>) -> Vec<u8> {

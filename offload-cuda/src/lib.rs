@@ -117,9 +117,16 @@ pub(crate) mod nvrtc_check {
     /// cudarc panics when it cannot load the library: that panic is caught (its
     /// message goes to the test's captured output).
     pub fn compiles(what: &str, src: &'static str) {
-        match std::panic::catch_unwind(|| cudarc::nvrtc::compile_ptx(src)) {
+        compiles_by(what, || cudarc::nvrtc::compile_ptx(src).map_err(|e| format!("{e:?}")));
+    }
+
+    /// [`compiles`] for a compile of one's own (other options).
+    pub fn compiles_by<T>(what: &str, compile: impl FnOnce() -> Result<T, String> + std::panic::UnwindSafe) {
+        match std::panic::catch_unwind(compile) {
             Ok(ptx) => {
-                ptx.unwrap_or_else(|e| panic!("{what}: the kernels do not compile: {e:?}"));
+                if let Err(e) = ptx {
+                    panic!("{what}: the kernels do not compile: {e}");
+                }
             }
             Err(p) => {
                 let why =

@@ -31,8 +31,8 @@ typedef unsigned long long u64;
 #define TILE 64
 #define ROW (TILE + 4)
 #define WARPS 4
-// Variants the speed example times (`ExponentDecoder::with_variant`); the ring
-// compiles the defaults. PREFETCH: the next stream word is loaded one refill
+// Builds the speed example times (`DecoderVariant`, set by -D options; the ring's
+// is `DecoderVariant::RING`). PREFETCH: the next stream word is loaded one refill
 // ahead, so a refill does not wait for its load. ROWS: the write loop's rows
 // whose sign-mantissa loads are in flight before their stores (divides 32).
 #ifndef PREFETCH
@@ -40,6 +40,11 @@ typedef unsigned long long u64;
 #endif
 #ifndef ROWS
 #define ROWS 4
+#endif
+// EARLY: a tile's 32 rows of sign-mantissa bytes are loaded before its exponents
+// are decoded, so the loads' latency hides behind the decode.
+#ifndef EARLY
+#define EARLY 0
 #endif
 // One thread per chunk, 32 chunks per warp, WARPS warps per block (the launch's
 // 128 threads). In tiles of 64 values: each lane decodes the next 64 exponents of
@@ -97,6 +102,18 @@ __device__ __forceinline__ void decode_chunks(const u8* __restrict__ enc, u64 st
     bool bad = false;
     u8* e = tile[warp];
     for (u32 k0 = 0; k0 < CHUNK; k0 += TILE) {
+#if EARLY
+        u32 early[32];
+#pragma unroll
+        for (u32 q = 0; q < 32; ++q) {
+            u32 cc = first + q, k = k0 + 2 * lane;
+            u64 b = (u64)cc * CHUNK;
+            u32 v = cc < chunks ? (n - b < CHUNK ? (u32)(n - b) : CHUNK) : 0;
+            u32 lo = k < v ? __ldg(sm + b + k) : 0;
+            u32 hi = k + 1 < v ? __ldg(sm + b + k + 1) : 0;
+            early[q] = lo | hi << 8;
+        }
+#endif
         for (u32 j = 0; j < TILE && !bad && k0 + j < values; ++j) {
             if (bits < BITS) {
 #if PREFETCH
@@ -116,6 +133,9 @@ __device__ __forceinline__ void decode_chunks(const u8* __restrict__ enc, u64 st
         }
         __syncwarp();
         u32 k = k0 + 2 * lane;
+#if EARLY
+#pragma unroll
+#endif
         for (u32 r0 = 0; r0 < 32; r0 += ROWS) {
             u32 s[ROWS], vals[ROWS];
 #pragma unroll
@@ -123,9 +143,13 @@ __device__ __forceinline__ void decode_chunks(const u8* __restrict__ enc, u64 st
                 u32 cc = first + r0 + q;
                 u64 b = (u64)cc * CHUNK;
                 vals[q] = cc < chunks ? (n - b < CHUNK ? (u32)(n - b) : CHUNK) : 0;
+#if EARLY
+                s[q] = early[r0 + q];
+#else
                 u32 lo = k < vals[q] ? __ldg(sm + b + k) : 0;
                 u32 hi = k + 1 < vals[q] ? __ldg(sm + b + k + 1) : 0;
                 s[q] = lo | hi << 8;
+#endif
             }
 #pragma unroll
             for (u32 q = 0; q < ROWS; ++q) {
@@ -263,30 +287,39 @@ pub struct DecoderVariant {
     /// Rows of the write loop whose sign-mantissa loads are issued before their
     /// stores: 1, 2, 4, 8, 16 or 32.
     pub rows: u32,
+    /// Load a tile's sign-mantissa bytes before decoding its exponents (`rows`
+    /// then only groups the stores).
+    pub early: bool,
 }
 
 impl DecoderVariant {
     /// The build the ring uses.
-    pub const RING: DecoderVariant = DecoderVariant { prefetch: false, rows: 4 };
+    pub const RING: DecoderVariant = DecoderVariant { prefetch: false, rows: 4, early: false };
 
     /// The builds the speed example times (`codec_speed --variants`).
-    pub const TIMED: [DecoderVariant; 4] = [
-        DecoderVariant { prefetch: false, rows: 4 },
-        DecoderVariant { prefetch: true, rows: 4 },
-        DecoderVariant { prefetch: false, rows: 8 },
-        DecoderVariant { prefetch: true, rows: 8 },
+    pub const TIMED: [DecoderVariant; 6] = [
+        DecoderVariant { prefetch: false, rows: 4, early: false },
+        DecoderVariant { prefetch: true, rows: 4, early: false },
+        DecoderVariant { prefetch: false, rows: 8, early: false },
+        DecoderVariant { prefetch: true, rows: 8, early: false },
+        DecoderVariant { prefetch: false, rows: 4, early: true },
+        DecoderVariant { prefetch: true, rows: 4, early: true },
     ];
 
-    /// A short name: `prefetch-rows8`, `rows4`.
+    /// A short name: `prefetch-early-rows4`, `rows8`.
     pub fn name(&self) -> String {
-        format!("{}rows{}", if self.prefetch { "prefetch-" } else { "" }, self.rows)
+        format!("{}{}rows{}", if self.prefetch { "prefetch-" } else { "" }, if self.early { "early-" } else { "" }, self.rows)
     }
 
     fn options(&self) -> std::result::Result<Vec<String>, String> {
         if !self.rows.is_power_of_two() || self.rows > 32 {
             return Err(format!("decoder variant {}: rows must divide 32", self.name()));
         }
-        Ok(vec![format!("-DPREFETCH={}", u32::from(self.prefetch)), format!("-DROWS={}", self.rows)])
+        Ok(vec![
+            format!("-DPREFETCH={}", u32::from(self.prefetch)),
+            format!("-DROWS={}", self.rows),
+            format!("-DEARLY={}", u32::from(self.early)),
+        ])
     }
 
     fn compile(&self) -> std::result::Result<nvrtc::Ptx, String> {
@@ -587,7 +620,7 @@ mod tests {
     #[test]
     fn a_variant_with_rows_not_dividing_32_is_refused() {
         for rows in [0, 3, 64] {
-            let e = DecoderVariant { prefetch: true, rows }.options().unwrap_err();
+            let e = DecoderVariant { prefetch: true, rows, early: false }.options().unwrap_err();
             assert!(e.contains(&format!("prefetch-rows{rows}")) && e.contains("divide 32"), "{e}");
         }
         assert!(DecoderVariant::TIMED.contains(&DecoderVariant::RING), "the ring's build is among those timed");

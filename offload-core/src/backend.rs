@@ -140,6 +140,14 @@ pub trait OffloadBackend: Clone + Send + Sync + 'static {
         self.host_is_pinned()
     }
 
+    /// Host bytes `buffer` holds in place of its block's bytes, where they differ
+    /// (a block held coded for the device: its coded bytes); `None` (the default)
+    /// where it holds the block's bytes as they are. The store counts its host
+    /// and page-locked bytes with it.
+    fn host_held_bytes(&self, _buffer: &Self::HostBuffer) -> Option<usize> {
+        None
+    }
+
     /// Read access to a frozen host buffer (used for resident reference runs and
     /// checks, never on the streaming path).
     fn host_bytes<'a>(&self, buffer: &'a Self::HostBuffer) -> &'a [u8];

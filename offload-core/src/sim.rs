@@ -406,6 +406,10 @@ impl OffloadBackend for SimBackend {
         buffer.1
     }
 
+    fn host_held_bytes(&self, buffer: &SimHost) -> Option<usize> {
+        buffer.2.as_ref().map(|coded| coded.len())
+    }
+
     fn host_bytes<'a>(&self, buffer: &'a SimHost) -> &'a [u8] {
         &buffer.0
     }

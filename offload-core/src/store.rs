@@ -37,6 +37,8 @@ pub struct HostBlock<B: OffloadBackend> {
     /// Where each tensor sits in the buffer.
     pub layout: BlockLayout,
     held: Held<B>,
+    /// Host bytes its buffer holds (fewer than the block's where held coded; 0 on disk).
+    held_bytes: usize,
 }
 
 /// Where a block's bytes are held.
@@ -258,7 +260,7 @@ impl<B: OffloadBackend> HostStore<B> {
                         Ok((start, layout)) => {
                             let (n, b) = disk_blocks.get();
                             disk_blocks.set((n + 1, b + layout.bytes as u64));
-                            return Ok(HostBlock { id, layout, held: Held::Disk(start as u64) });
+                            return Ok(HostBlock { id, layout, held: Held::Disk(start as u64), held_bytes: 0 });
                         }
                         // Held in memory instead, it would take host memory the plan
                         // did not count: refuse, naming the block.
@@ -288,7 +290,8 @@ impl<B: OffloadBackend> HostStore<B> {
                                 pinned_left.set(pinned_left.get() - layout.bytes as u64);
                                 pinned_bytes.set(pinned_bytes.get() + layout.bytes as u64);
                             }
-                            return Ok(HostBlock { id, layout, held: Held::Memory(buffer) });
+                            let held_bytes = layout.bytes;
+                            return Ok(HostBlock { id, layout, held: Held::Memory(buffer), held_bytes });
                         }
                         Err(e @ (Error::Unsupported { .. } | Error::HostAlloc { .. })) => {
                             tracing::warn!("{purpose}: {e}; the component's blocks are copied from {}", region.origin());
@@ -357,11 +360,13 @@ impl<B: OffloadBackend> HostStore<B> {
                     },
                 }
             };
+            // A coded block holds its coded bytes: those are what is page-locked.
+            let held_bytes = backend.host_held_bytes(&buffer).unwrap_or(layout.bytes);
             if backend.is_pinned(&buffer) {
-                pinned_left.set(pinned_left.get() - bytes);
-                pinned_bytes.set(pinned_bytes.get() + bytes);
+                pinned_left.set(pinned_left.get().saturating_sub(held_bytes as u64));
+                pinned_bytes.set(pinned_bytes.get() + held_bytes as u64);
             }
-            Ok(HostBlock { id, layout, held: Held::Memory(buffer) })
+            Ok(HostBlock { id, layout, held: Held::Memory(buffer), held_bytes })
         };
         let mut blocks = Vec::new();
         let mut index = HashMap::new();
@@ -419,10 +424,10 @@ impl<B: OffloadBackend> HostStore<B> {
         self.index.get(id).copied()
     }
 
-    /// Host bytes held (block buffers plus the non-block buffer; blocks on disk
-    /// are not counted).
+    /// Host bytes held (block buffers plus the non-block buffer, a coded block
+    /// at its coded size; blocks on disk are not counted).
     pub fn host_bytes(&self) -> u64 {
-        self.blocks.iter().chain(self.non_block.iter()).filter(|b| b.buffer().is_some()).map(|b| b.bytes() as u64).sum()
+        self.blocks.iter().chain(self.non_block.iter()).map(|b| b.held_bytes as u64).sum()
     }
 
     /// The file blocks on disk are read from ([`build_tiered`](Self::build_tiered)).

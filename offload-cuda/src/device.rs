@@ -478,6 +478,10 @@ impl OffloadBackend for CudaBackend {
         buffer.is_pinned()
     }
 
+    fn host_held_bytes(&self, buffer: &PinnedHost) -> Option<usize> {
+        buffer.is_coded().then(|| buffer.len())
+    }
+
     fn host_bytes<'a>(&self, buffer: &'a PinnedHost) -> &'a [u8] {
         buffer.block_bytes()
     }

@@ -232,6 +232,13 @@ fn coded_blocks_stream_the_same_bytes_on_the_simulated_device() {
     let sim = SimBackend::new(SimConfig { max_copy_delay_us: 300, ..Default::default() });
     let store = Arc::new(HostStore::build_with(&sim, &model.inventory, &model.tensors, PinOptions::from_plan(&plan.default)).unwrap());
     assert_eq!(store.coded_blocks(), store.blocks().len() + usize::from(store.non_block().is_some()), "every buffer coded");
+    // The store counts what its buffers hold: the coded bytes, all page-locked.
+    let all = || store.blocks().iter().chain(store.non_block());
+    let held: u64 = all().map(|b| sim.host_held_bytes(b.buffer().unwrap()).expect("held coded") as u64).sum();
+    let block_bytes: u64 = all().map(|b| b.bytes() as u64).sum();
+    assert_ne!(held, block_bytes, "coded buffers hold other than their blocks' bytes");
+    assert_eq!((store.host_bytes(), store.pinned_bytes(), sim.stats().pinned_bytes), (held, held, held), "host bytes counted as held");
+    assert!(store.is_pinned());
     let rc = resolve(&plan, std::slice::from_ref(&model.inventory)).unwrap().components.remove(0);
     let before = sim.stats();
     let mut ring = Ring::new(sim.clone(), store.clone(), &rc).unwrap();

@@ -46,6 +46,12 @@ typedef unsigned long long u64;
 #ifndef EARLY
 #define EARLY 0
 #endif
+// PIPE: the write loop's next ROWS rows of sign-mantissa bytes are loaded while
+// the current ones are written, and a tile's first rows before its exponents are
+// decoded (the previous tile's last group loads them).
+#ifndef PIPE
+#define PIPE 0
+#endif
 // One thread per chunk, 32 chunks per warp, WARPS warps per block (the launch's
 // 128 threads). In tiles of 64 values: each lane decodes the next 64 exponents of
 // its own chunk into its row of a shared tile (serial: a chunk is one bit
@@ -63,13 +69,36 @@ typedef unsigned long long u64;
 // device (where atomics need not be atomic); any damage leaves it non-zero.
 // A word's bytes before `from` (the first word's) sit above the window and are
 // never looked at; bytes from `to` on read as 0, as the CPU decoder reads them.
-__device__ __forceinline__ u32 word_be(const u32* __restrict__ words, u32 i, u32 to) {
+// Split in two so that a load can be issued a refill before its bytes are used:
+// `word_raw` loads word i as stored (0 past `to`, with no load), `word_fix` puts
+// its first byte on top and zeroes its bytes from `to` on.
+__device__ __forceinline__ u32 word_raw(const u32* __restrict__ words, u32 i, u32 to) {
+    return (i << 2) < to ? __ldg(words + i) : 0;
+}
+__device__ __forceinline__ u32 word_fix(u32 raw, u32 i, u32 to) {
     u32 start = i << 2;
     if (start >= to) return 0;
     // Big-endian: the stream's first byte in the top bits.
-    u32 w = __byte_perm(__ldg(words + i), 0, 0x0123);
+    u32 w = __byte_perm(raw, 0, 0x0123);
     if (to - start < 4) w &= ~(0xffffffffu >> (8 * (to - start)));
     return w;
+}
+__device__ __forceinline__ u32 word_be(const u32* __restrict__ words, u32 i, u32 to) {
+    return word_fix(word_raw(words, i, to), i, to);
+}
+
+// Rows rbase .. rbase + ROWS of a warp's tile: each lane's two sign-mantissa
+// bytes at values k and k + 1 of chunk first + row (0 past the chunk's values).
+__device__ __forceinline__ void load_rows(u32 (&dst)[ROWS], const u8* __restrict__ sm, u32 first, u32 chunks, u64 n, u32 k, u32 rbase) {
+#pragma unroll
+    for (u32 q = 0; q < ROWS; ++q) {
+        u32 cc = first + rbase + q;
+        u64 b = (u64)cc * CHUNK;
+        u32 v = cc < chunks ? (n - b < CHUNK ? (u32)(n - b) : CHUNK) : 0;
+        u32 lo = k < v ? __ldg(sm + b + k) : 0;
+        u32 hi = k + 1 < v ? __ldg(sm + b + k + 1) : 0;
+        dst[q] = lo | hi << 8;
+    }
 }
 
 // The chunks of one coded string, `bid` the launch block among its blocks.
@@ -95,12 +124,17 @@ __device__ __forceinline__ void decode_chunks(const u8* __restrict__ enc, u64 st
     u32 next = from >> 2;
     u64 acc = word_be(words, next++, to);
 #if PREFETCH
-    // Past `to` word_be reads nothing (it returns 0 without a load).
-    u32 ahead = word_be(words, next++, to);
+    // Word `next`, as loaded: fixed only at the refill that uses it, so the
+    // load's latency passes while the lane decodes (past `to` nothing is loaded).
+    u32 ahead = word_raw(words, next, to);
 #endif
     u32 bits = 32 - 8 * (from & 3), used = 0;
     bool bad = false;
     u8* e = tile[warp];
+#if PIPE
+    u32 pipe[ROWS];
+    load_rows(pipe, sm, first, chunks, n, 2 * lane, 0);
+#endif
     for (u32 k0 = 0; k0 < CHUNK; k0 += TILE) {
 #if EARLY
         u32 early[32];
@@ -117,8 +151,8 @@ __device__ __forceinline__ void decode_chunks(const u8* __restrict__ enc, u64 st
         for (u32 j = 0; j < TILE && !bad && k0 + j < values; ++j) {
             if (bits < BITS) {
 #if PREFETCH
-                acc = (acc << 32) | ahead;
-                ahead = word_be(words, next++, to);
+                acc = (acc << 32) | word_fix(ahead, next, to);
+                ahead = word_raw(words, ++next, to);
 #else
                 acc = (acc << 32) | word_be(words, next++, to);
 #endif
@@ -143,7 +177,9 @@ __device__ __forceinline__ void decode_chunks(const u8* __restrict__ enc, u64 st
                 u32 cc = first + r0 + q;
                 u64 b = (u64)cc * CHUNK;
                 vals[q] = cc < chunks ? (n - b < CHUNK ? (u32)(n - b) : CHUNK) : 0;
-#if EARLY
+#if PIPE
+                s[q] = pipe[q];
+#elif EARLY
                 s[q] = early[r0 + q];
 #else
                 u32 lo = k < vals[q] ? __ldg(sm + b + k) : 0;
@@ -151,6 +187,11 @@ __device__ __forceinline__ void decode_chunks(const u8* __restrict__ enc, u64 st
                 s[q] = lo | hi << 8;
 #endif
             }
+#if PIPE
+            // The next group's rows, or the next tile's first rows after the last group.
+            if (r0 + ROWS < 32) load_rows(pipe, sm, first, chunks, n, k, r0 + ROWS);
+            else load_rows(pipe, sm, first, chunks, n, k + TILE, 0);
+#endif
 #pragma unroll
             for (u32 q = 0; q < ROWS; ++q) {
                 if (k >= vals[q]) continue;
@@ -290,25 +331,30 @@ pub struct DecoderVariant {
     /// Load a tile's sign-mantissa bytes before decoding its exponents (`rows`
     /// then only groups the stores).
     pub early: bool,
+    /// Load the write loop's next group of rows while writing the current one
+    /// (and a tile's first group before its exponents are decoded).
+    pub pipe: bool,
 }
 
 impl DecoderVariant {
     /// The build the ring uses.
-    pub const RING: DecoderVariant = DecoderVariant { prefetch: false, rows: 4, early: false };
+    pub const RING: DecoderVariant = DecoderVariant { prefetch: false, rows: 4, early: false, pipe: false };
 
     /// The builds the speed example times (`codec_speed --variants`).
-    pub const TIMED: [DecoderVariant; 6] = [
-        DecoderVariant { prefetch: false, rows: 4, early: false },
-        DecoderVariant { prefetch: true, rows: 4, early: false },
-        DecoderVariant { prefetch: false, rows: 8, early: false },
-        DecoderVariant { prefetch: true, rows: 8, early: false },
-        DecoderVariant { prefetch: false, rows: 4, early: true },
-        DecoderVariant { prefetch: true, rows: 4, early: true },
+    pub const TIMED: [DecoderVariant; 7] = [
+        DecoderVariant { prefetch: false, rows: 4, early: false, pipe: false },
+        DecoderVariant { prefetch: true, rows: 4, early: false, pipe: false },
+        DecoderVariant { prefetch: false, rows: 4, early: false, pipe: true },
+        DecoderVariant { prefetch: true, rows: 4, early: false, pipe: true },
+        DecoderVariant { prefetch: true, rows: 2, early: false, pipe: true },
+        DecoderVariant { prefetch: true, rows: 8, early: false, pipe: false },
+        DecoderVariant { prefetch: true, rows: 4, early: true, pipe: false },
     ];
 
-    /// A short name: `prefetch-early-rows4`, `rows8`.
+    /// A short name: `prefetch-pipe-rows4`, `rows8`.
     pub fn name(&self) -> String {
-        format!("{}{}rows{}", if self.prefetch { "prefetch-" } else { "" }, if self.early { "early-" } else { "" }, self.rows)
+        let flag = |on: bool, name: &str| if on { format!("{name}-") } else { String::new() };
+        format!("{}{}{}rows{}", flag(self.prefetch, "prefetch"), flag(self.early, "early"), flag(self.pipe, "pipe"), self.rows)
     }
 
     fn options(&self) -> std::result::Result<Vec<String>, String> {
@@ -319,6 +365,7 @@ impl DecoderVariant {
             format!("-DPREFETCH={}", u32::from(self.prefetch)),
             format!("-DROWS={}", self.rows),
             format!("-DEARLY={}", u32::from(self.early)),
+            format!("-DPIPE={}", u32::from(self.pipe)),
         ])
     }
 
@@ -620,7 +667,7 @@ mod tests {
     #[test]
     fn a_variant_with_rows_not_dividing_32_is_refused() {
         for rows in [0, 3, 64] {
-            let e = DecoderVariant { prefetch: true, rows, early: false }.options().unwrap_err();
+            let e = DecoderVariant { prefetch: true, rows, early: false, pipe: false }.options().unwrap_err();
             assert!(e.contains(&format!("prefetch-rows{rows}")) && e.contains("divide 32"), "{e}");
         }
         assert!(DecoderVariant::TIMED.contains(&DecoderVariant::RING), "the ring's build is among those timed");

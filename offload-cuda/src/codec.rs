@@ -52,6 +52,14 @@ typedef unsigned long long u64;
 #ifndef PIPE
 #define PIPE 0
 #endif
+// GROUP: exponents decoded GROUP at a time; a lane's window is topped up to more
+// than 32 bits only at a group's start (from a word loaded at its previous top-up),
+// so the lanes' loads are issued together and each waits once a group at most,
+// not at nearly every value (a warp waits on a register's load whichever lane
+// issued it). A top-up inside a group only where a run of long codes needs one.
+#ifndef GROUP
+#define GROUP 0
+#endif
 // One thread per chunk, 32 chunks per warp, WARPS warps per block (the launch's
 // 128 threads). In tiles of 64 values: each lane decodes the next 64 exponents of
 // its own chunk into its row of a shared tile (serial: a chunk is one bit
@@ -123,7 +131,7 @@ __device__ __forceinline__ void decode_chunks(const u8* __restrict__ enc, u64 st
     u32 values = have ? (n - base < CHUNK ? (u32)(n - base) : CHUNK) : 0;
     u32 next = from >> 2;
     u64 acc = word_be(words, next++, to);
-#if PREFETCH
+#if PREFETCH || GROUP
     // Word `next`, as loaded: fixed only at the refill that uses it, so the
     // load's latency passes while the lane decodes (past `to` nothing is loaded).
     u32 ahead = word_raw(words, next, to);
@@ -148,6 +156,31 @@ __device__ __forceinline__ void decode_chunks(const u8* __restrict__ enc, u64 st
             early[q] = lo | hi << 8;
         }
 #endif
+#if GROUP
+        for (u32 j0 = 0; j0 < TILE && !bad && k0 + j0 < values; j0 += GROUP) {
+            if (bits <= 32) {
+                acc = (acc << 32) | word_fix(ahead, next, to);
+                ahead = word_raw(words, ++next, to);
+                bits += 32;
+            }
+#pragma unroll
+            for (u32 jj = 0; jj < GROUP; ++jj) {
+                u32 j = j0 + jj;
+                if (k0 + j >= values) break;
+                if (bits < BITS) {
+                    acc = (acc << 32) | word_fix(ahead, next, to);
+                    ahead = word_raw(words, ++next, to);
+                    bits += 32;
+                }
+                u16 x = t[(u32)(acc >> (bits - BITS)) & ((1u << BITS) - 1)];
+                u32 len = x >> 8;
+                if (len == 0) { bad = true; *err = tag << 2 | 1u; break; }
+                bits -= len;
+                used += len;
+                e[lane * ROW + j] = (u8)x;
+            }
+        }
+#else
         for (u32 j = 0; j < TILE && !bad && k0 + j < values; ++j) {
             if (bits < BITS) {
 #if PREFETCH
@@ -165,6 +198,7 @@ __device__ __forceinline__ void decode_chunks(const u8* __restrict__ enc, u64 st
             used += len;
             e[lane * ROW + j] = (u8)x;
         }
+#endif
         __syncwarp();
         u32 k = k0 + 2 * lane;
 #if EARLY
@@ -334,38 +368,46 @@ pub struct DecoderVariant {
     /// Load the write loop's next group of rows while writing the current one
     /// (and a tile's first group before its exponents are decoded).
     pub pipe: bool,
+    /// Exponents decoded this many at a time, the lanes' windows topped up at
+    /// each group's start (0: at any value, as a lane needs it). Divides 64.
+    pub group: u32,
 }
 
 impl DecoderVariant {
     /// The build the ring uses.
-    pub const RING: DecoderVariant = DecoderVariant { prefetch: false, rows: 4, early: false, pipe: false };
+    pub const RING: DecoderVariant = DecoderVariant { prefetch: false, rows: 4, early: false, pipe: false, group: 0 };
 
     /// The builds the speed example times (`codec_speed --variants`).
     pub const TIMED: [DecoderVariant; 7] = [
-        DecoderVariant { prefetch: false, rows: 4, early: false, pipe: false },
-        DecoderVariant { prefetch: true, rows: 4, early: false, pipe: false },
-        DecoderVariant { prefetch: false, rows: 4, early: false, pipe: true },
-        DecoderVariant { prefetch: true, rows: 4, early: false, pipe: true },
-        DecoderVariant { prefetch: true, rows: 2, early: false, pipe: true },
-        DecoderVariant { prefetch: true, rows: 8, early: false, pipe: false },
-        DecoderVariant { prefetch: true, rows: 4, early: true, pipe: false },
+        DecoderVariant::RING,
+        DecoderVariant { prefetch: true, ..DecoderVariant::RING },
+        DecoderVariant { group: 2, ..DecoderVariant::RING },
+        DecoderVariant { group: 4, ..DecoderVariant::RING },
+        DecoderVariant { group: 8, ..DecoderVariant::RING },
+        DecoderVariant { group: 4, pipe: true, ..DecoderVariant::RING },
+        DecoderVariant { group: 4, rows: 2, ..DecoderVariant::RING },
     ];
 
     /// A short name: `prefetch-pipe-rows4`, `rows8`.
     pub fn name(&self) -> String {
         let flag = |on: bool, name: &str| if on { format!("{name}-") } else { String::new() };
-        format!("{}{}{}rows{}", flag(self.prefetch, "prefetch"), flag(self.early, "early"), flag(self.pipe, "pipe"), self.rows)
+        let group = if self.group > 0 { format!("group{}-", self.group) } else { String::new() };
+        format!("{}{}{}{group}rows{}", flag(self.prefetch, "prefetch"), flag(self.early, "early"), flag(self.pipe, "pipe"), self.rows)
     }
 
     fn options(&self) -> std::result::Result<Vec<String>, String> {
         if !self.rows.is_power_of_two() || self.rows > 32 {
             return Err(format!("decoder variant {}: rows must divide 32", self.name()));
         }
+        if self.group > 0 && (!self.group.is_power_of_two() || self.group > 64) {
+            return Err(format!("decoder variant {}: group must divide 64", self.name()));
+        }
         Ok(vec![
             format!("-DPREFETCH={}", u32::from(self.prefetch)),
             format!("-DROWS={}", self.rows),
             format!("-DEARLY={}", u32::from(self.early)),
             format!("-DPIPE={}", u32::from(self.pipe)),
+            format!("-DGROUP={}", self.group),
         ])
     }
 
@@ -667,8 +709,12 @@ mod tests {
     #[test]
     fn a_variant_with_rows_not_dividing_32_is_refused() {
         for rows in [0, 3, 64] {
-            let e = DecoderVariant { prefetch: true, rows, early: false, pipe: false }.options().unwrap_err();
+            let e = DecoderVariant { prefetch: true, rows, ..DecoderVariant::RING }.options().unwrap_err();
             assert!(e.contains(&format!("prefetch-rows{rows}")) && e.contains("divide 32"), "{e}");
+        }
+        for group in [3, 128] {
+            let e = DecoderVariant { group, ..DecoderVariant::RING }.options().unwrap_err();
+            assert!(e.contains(&format!("group{group}-rows4")) && e.contains("divide 64"), "{e}");
         }
         assert!(DecoderVariant::TIMED.contains(&DecoderVariant::RING), "the ring's build is among those timed");
     }
@@ -728,28 +774,39 @@ mod tests {
                     w
                 };
                 let values = (n - c * CHUNK_VALUES).min(CHUNK_VALUES);
-                let mut next = from >> 2;
-                let mut acc = u64::from(word_be(next));
-                next += 1;
-                let (mut bits, mut used) = (32 - 8 * (from & 3), 0u32);
-                for k in 0..values {
-                    if bits < BITS {
-                        acc = (acc << 32) | u64::from(word_be(next));
-                        next += 1;
-                        bits += 32;
+                // Both refill schedules: at any value (GROUP 0), and the lanes' windows
+                // topped up to more than 32 bits at each group's start (GROUP 4),
+                // with a top-up inside a group only where it runs short.
+                for group in [0usize, 2, 4, 8] {
+                    let mut next = from >> 2;
+                    let mut acc = u64::from(word_be(next));
+                    next += 1;
+                    let (mut bits, mut used) = (32 - 8 * (from & 3), 0u32);
+                    for k in 0..values {
+                        if group > 0 && k % group == 0 && bits <= 32 {
+                            acc = (acc << 32) | u64::from(word_be(next));
+                            next += 1;
+                            bits += 32;
+                        }
+                        assert!(bits <= 64, "case {ci} chunk {c} value {k}: the window overflows");
+                        if bits < BITS {
+                            acc = (acc << 32) | u64::from(word_be(next));
+                            next += 1;
+                            bits += 32;
+                        }
+                        let x = l.table[((acc >> (bits - BITS)) as usize) & ((1 << BITS) - 1)];
+                        let len = u32::from(x >> 8);
+                        assert!(len > 0, "case {ci} chunk {c} value {k}: no code");
+                        bits -= len;
+                        used += len;
+                        let v = c * CHUNK_VALUES + k;
+                        let want = u16::from_le_bytes([raw[2 * v], raw[2 * v + 1]]);
+                        let sm = enc[l.sm_at + v];
+                        let got = (u16::from(sm & 0x80) << 8) | ((x & 0xff) << 7) | u16::from(sm & 0x7f);
+                        assert_eq!(got, want, "case {ci} chunk {c} value {k} (group {group})");
                     }
-                    let x = l.table[((acc >> (bits - BITS)) as usize) & ((1 << BITS) - 1)];
-                    let len = u32::from(x >> 8);
-                    assert!(len > 0, "case {ci} chunk {c} value {k}: no code");
-                    bits -= len;
-                    used += len;
-                    let v = c * CHUNK_VALUES + k;
-                    let want = u16::from_le_bytes([raw[2 * v], raw[2 * v + 1]]);
-                    let sm = enc[l.sm_at + v];
-                    let got = (u16::from(sm & 0x80) << 8) | ((x & 0xff) << 7) | u16::from(sm & 0x7f);
-                    assert_eq!(got, want, "case {ci} chunk {c} value {k}");
+                    assert_eq!(used.div_ceil(8), to - from, "case {ci} chunk {c}: its codes fill its bytes");
                 }
-                assert_eq!(used.div_ceil(8), to - from, "case {ci} chunk {c}: its codes fill its bytes");
             }
             if ci == 0 {
                 assert_eq!(starts.len(), 4, "chunks start at every offset within a word: {starts:?}");

@@ -4,7 +4,8 @@
 # 1 GiB; the ring's build is the file's decode speed), then RUNS (default 3) `zoo run
 # --backend cuda --coded` processes of flux-dev (CASES, default 1024,2048; depths 1 and
 # 2), each started only with MIN_LEFT seconds (default 200) left of DEADLINE (default
-# 560), merged by `zoo merge-compressed` once all are there. Files collect in $ZDIR
+# 560; the first also traces a raw and a coded step), merged by `zoo merge-compressed`
+# once all are there. Files collect in $ZDIR
 # (default .comp-out, kept on a warm runner): what is there already is not run again, so
 # the same command repeated goes on where the last stopped. From the repository root on
 # the runner, the bundle in .bundle: COMMIT=… bash bench/compressed-run.sh; each command
@@ -28,7 +29,8 @@ for r in $(seq 1 ${RUNS:-3}); do
   left=$(( ${DEADLINE:-560} - SECONDS ))
   [ $left -lt ${MIN_LEFT:-200} ] && { echo "deadline: run $r not started (${left}s left)"; break; }
   echo "== coded run $r (${SECONDS}s)"
-  timeout $left $B/zoo run --backend cuda --model flux-dev --coded --cases ${CASES:-1024,2048} --depths 1,2 --steps 5 \
+  trace=""; [ $r = 1 ] && trace="--trace $Z/trace.json"
+  timeout $left $B/zoo run --backend cuda --model flux-dev --coded --cases ${CASES:-1024,2048} --depths 1,2 --steps 5 $trace \
     --commit ${COMMIT:-unknown} --out $Z/coded-run$r.json > $Z/coded-run$r.txt 2>&1
   echo "rc=$? at ${SECONDS}s" >> $Z/coded-run$r.txt; grep -E "coded|streamed|rc=" $Z/coded-run$r.txt | tail -10
 done

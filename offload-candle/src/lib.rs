@@ -207,6 +207,9 @@ impl OffloadBackend for CandleBackend {
     fn host_bytes<'a>(&self, buffer: &'a SimHost) -> &'a [u8] {
         self.device.host_bytes(buffer)
     }
+    fn host_held_bytes(&self, buffer: &SimHost) -> Option<usize> {
+        self.device.host_held_bytes(buffer)
+    }
     fn host_is_pinned(&self) -> bool {
         false
     }

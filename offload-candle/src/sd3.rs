@@ -131,7 +131,7 @@ impl Sd3Blocks {
             resident: read(x_r)?,
             streamed: read(x_s)?,
             metrics,
-            model_bytes: store.host_bytes(),
+            model_bytes: store.laid_out_bytes(),
             host_tier: store.tier().clone(),
         };
         ring.close()?;

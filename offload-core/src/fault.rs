@@ -115,6 +115,9 @@ impl<B: OffloadBackend> OffloadBackend for FaultInjector<B> {
     fn is_pinned(&self, buffer: &Self::HostBuffer) -> bool {
         self.inner.is_pinned(buffer)
     }
+    fn host_held_bytes(&self, buffer: &Self::HostBuffer) -> Option<usize> {
+        self.inner.host_held_bytes(buffer)
+    }
     fn record_timing(&self, on: crate::StreamKind) -> Result<Option<Self::Event>> {
         self.tick(FaultKind::Timing, "record_timing")?;
         self.inner.record_timing(on)

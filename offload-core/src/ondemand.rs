@@ -58,9 +58,9 @@ impl<B: OffloadBackend> OnDemand<B> {
         &self.waits
     }
 
-    /// Device bytes held.
+    /// Device bytes held: the whole component as laid out.
     pub fn device_bytes(&self) -> u64 {
-        self.store.host_bytes()
+        self.store.laid_out_bytes()
     }
 
     fn free_all(&mut self) -> Result<()> {

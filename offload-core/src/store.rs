@@ -37,7 +37,7 @@ pub struct HostBlock<B: OffloadBackend> {
     /// Where each tensor sits in the buffer.
     pub layout: BlockLayout,
     held: Held<B>,
-    /// Host bytes its buffer holds (fewer than the block's where held coded; 0 on disk).
+    /// Host bytes its buffer holds (a coded block's coded bytes; 0 on disk).
     held_bytes: usize,
 }
 
@@ -320,6 +320,7 @@ impl<B: OffloadBackend> HostStore<B> {
                 tracing::warn!("{purpose}: {why}; using pageable host memory (slower copies)");
                 backend.alloc_host_pageable(layout.bytes, &purpose, fill)
             };
+            let mut via_coded = false;
             let buffer = if bytes > pinned_left.get() {
                 match pin.fallback {
                     PinFallback::Pageable => pageable(format!("pin budget spent ({} bytes left)", pinned_left.get()), &mut fill)?,
@@ -337,7 +338,7 @@ impl<B: OffloadBackend> HostStore<B> {
                     false => None,
                     true => match backend.alloc_host_coded(layout.bytes, &purpose, &mut fill) {
                         Ok(b) => {
-                            coded_blocks.set(coded_blocks.get() + 1);
+                            via_coded = true;
                             Some(b)
                         }
                         Err(e @ Error::Unsupported { .. }) => {
@@ -360,10 +361,27 @@ impl<B: OffloadBackend> HostStore<B> {
                     },
                 }
             };
-            // A coded block holds its coded bytes: those are what is page-locked.
-            let held_bytes = backend.host_held_bytes(&buffer).unwrap_or(layout.bytes);
+            // A coded block holds its coded bytes: those are what is page-locked. The
+            // budget was checked against the block's size; a coded block can hold
+            // more (its headers, incompressible strings kept raw): then it is
+            // dropped and the block held as the fallback says, so the budget holds.
+            let mut buffer = buffer;
+            let mut held_bytes = backend.host_held_bytes(&buffer).unwrap_or(layout.bytes);
+            if backend.is_pinned(&buffer) && held_bytes as u64 > pinned_left.get() {
+                let why = format!("coded as {held_bytes} bytes, over the {} the pin budget has left", pinned_left.get());
+                drop(buffer);
+                buffer = match pin.fallback {
+                    PinFallback::Pageable => pageable(why, &mut fill)?,
+                    PinFallback::Fail => {
+                        return Err(Error::HostAlloc { backend: backend.name().into(), requested: held_bytes as u64, purpose, reason: why })
+                    }
+                };
+                held_bytes = backend.host_held_bytes(&buffer).unwrap_or(layout.bytes);
+                via_coded = false;
+            }
+            coded_blocks.set(coded_blocks.get() + usize::from(via_coded));
             if backend.is_pinned(&buffer) {
-                pinned_left.set(pinned_left.get().saturating_sub(held_bytes as u64));
+                pinned_left.set(pinned_left.get() - held_bytes as u64);
                 pinned_bytes.set(pinned_bytes.get() + held_bytes as u64);
             }
             Ok(HostBlock { id, layout, held: Held::Memory(buffer), held_bytes })
@@ -454,6 +472,13 @@ impl<B: OffloadBackend> HostStore<B> {
             }
             (Held::Disk(_), None) => Err(Error::Protocol(format!("{}/{} is on disk but the store has no file", self.component, block.id))),
         }
+    }
+
+    /// Bytes of every block and of the non-block tensors as laid out (with their
+    /// alignment padding), on disk or in memory, coded or not: what a device copy
+    /// of the whole component holds.
+    pub fn laid_out_bytes(&self) -> u64 {
+        self.blocks.iter().chain(self.non_block.iter()).map(|b| b.bytes() as u64).sum()
     }
 
     /// Tensor bytes without alignment padding: the model's own size.

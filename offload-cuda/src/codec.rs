@@ -352,9 +352,9 @@ pub(crate) struct Segs {
 // fields only, no padding the kernel reads); passed by value as a kernel parameter.
 unsafe impl cudarc::driver::DeviceRepr for Segs {}
 
-/// One build of the decoder's kernel (its `PREFETCH` and `ROWS` macros): what
-/// the speed example times side by side. The ring and [`ExponentDecoder::new`]
-/// use [`DecoderVariant::RING`].
+/// One build of the decoder's kernel (its `PREFETCH`, `ROWS`, `EARLY`, `PIPE` and
+/// `GROUP` macros): what the speed example times side by side. The ring and
+/// [`ExponentDecoder::new`] use [`DecoderVariant::RING`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DecoderVariant {
     /// Load the next stream word one refill ahead of its use.
@@ -780,9 +780,9 @@ mod tests {
                 };
                 let values = (n - c * CHUNK_VALUES).min(CHUNK_VALUES);
                 // Both refill schedules: at any value (GROUP 0), and the lanes' windows
-                // topped up to more than 32 bits at each group's start (GROUP 4),
+                // topped up to more than 32 bits at each group's start (GROUP 2 to 32),
                 // with a top-up inside a group only where it runs short.
-                for group in [0usize, 2, 4, 8] {
+                for group in [0usize, 2, 4, 8, 16, 32] {
                     let mut next = from >> 2;
                     let mut acc = u64::from(word_be(next));
                     next += 1;

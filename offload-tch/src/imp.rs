@@ -329,6 +329,9 @@ mod cuda {
         fn is_pinned(&self, buffer: &PinnedHost) -> bool {
             self.cuda().is_pinned(buffer)
         }
+        fn host_held_bytes(&self, buffer: &PinnedHost) -> Option<usize> {
+            self.cuda().host_held_bytes(buffer)
+        }
         fn host_bytes<'a>(&self, buffer: &'a PinnedHost) -> &'a [u8] {
             self.cuda().host_bytes(buffer)
         }

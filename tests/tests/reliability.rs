@@ -257,6 +257,50 @@ fn coded_blocks_stream_the_same_bytes_on_the_simulated_device() {
     assert!(again.violations.is_empty(), "{:?}", again.violations);
 }
 
+/// A coded block is charged to the pin budget at the size it holds, through
+/// wrappers too (the fault injector): where its coded bytes do not fit what the
+/// budget has left, it is held pageable (or the build fails, naming it), so the
+/// page-locked bytes never pass the budget.
+#[test]
+fn coded_blocks_are_charged_to_the_pin_budget_at_their_coded_size() {
+    // Blocks of random bytes: incompressible, so each is coded raw, with its headers.
+    let mut tensors = offload_core::MemoryTensors::new();
+    let mut x = 11u64;
+    for i in 0..4 {
+        let noise: Vec<u8> = (0..40_000 + 1000 * i)
+            .map(|_| {
+                x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                (x >> 33) as u8
+            })
+            .collect();
+        let spec = offload_core::TensorSpec::new(format!("blocks.{i}.w"), offload_core::DType::U8, [noise.len()]);
+        tensors.push(spec, noise).unwrap();
+    }
+    let specs = offload_core::TensorSource::specs(&tensors);
+    let inventory = offload_core::BlockDiscovery::discover(&offload_core::NameDiscovery, "model", specs).unwrap();
+    let fi = FaultInjector::new(SimBackend::new(SimConfig::default()));
+    let coded = PinOptions { budget_bytes: None, fallback: PinFallback::Fail, coded: true };
+    let full = HostStore::build_with(&fi, &inventory, &tensors, coded).unwrap();
+    let held: Vec<u64> =
+        full.blocks().iter().chain(full.non_block()).map(|b| fi.host_held_bytes(b.buffer().unwrap()).unwrap() as u64).collect();
+    let total: u64 = held.iter().sum();
+    assert_eq!((full.host_bytes(), full.pinned_bytes()), (total, total), "through the fault injector, counted as held");
+    // A budget one byte short of what the coded buffers hold, but over every block's own size.
+    let raw = full.laid_out_bytes();
+    drop(full);
+    let budget = total - 1;
+    assert!(raw <= budget, "the test wants coded blocks larger than their blocks: {raw} raw, {total} coded");
+    let pageable = PinOptions { budget_bytes: Some(budget), fallback: PinFallback::Pageable, coded: true };
+    let s = HostStore::build_with(&fi, &inventory, &tensors, pageable).unwrap();
+    assert!(s.pinned_bytes() <= budget, "{} page-locked bytes over a budget of {budget}", s.pinned_bytes());
+    assert!(!s.is_pinned(), "the block that did not fit is held pageable");
+    assert_eq!(s.coded_blocks(), s.blocks().len() + usize::from(s.non_block().is_some()) - 1, "the pageable block is held as it is");
+    drop(s);
+    let fail = PinOptions { budget_bytes: Some(budget), fallback: PinFallback::Fail, coded: true };
+    let e = HostStore::build_with(&fi, &inventory, &tensors, fail).err().expect("over the budget").to_string();
+    assert!(e.contains("coded as") && e.contains("pin budget") && e.contains("model/blocks."), "{e}");
+}
+
 /// On a device that cannot decode (the simulator without its decoder) a plan's
 /// `coded` leaves the blocks as they are, with a warning, and the streamed result
 /// is the reference's.

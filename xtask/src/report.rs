@@ -506,7 +506,7 @@ pub fn readme_tables(results: &Path) -> Result<String, String> {
         let sp = |v: &Value| format!("{:.3} [{:.3}, {:.3}]", f(&v["median"]), f(&v["min"]), f(&v["max"]));
         let _ = writeln!(
             md,
-            "Compressed streaming (`bench/results/{name}`, backend `{}` at {} on an {}, {} process runs; weights {}): coded size {:.3} × raw (exponent entropy {:.2} bits), host encode {:.2} GB/s on {} threads, device decode {} GB/s, pinned bandwidth {:.1} GB/s; targets met: {}.\n",
+            "Compressed streaming (`bench/results/{name}`, backend `{}` at {} on an {}, {} process runs; weights {}): coded size {:.3} × raw (exponent entropy {:.2} bits), host encode {:.2} GB/s on {} threads, device decode {} GB/s, pinned bandwidth {:.1} GB/s; targets (a transfer-bound case: coded ÷ bound ≤ 0.78; a compute-bound one: the step the planner chooses within 1.01 × the raw one) met: {}.\n",
             d["backend"].as_str().unwrap_or("?"),
             d["commit"].as_str().unwrap_or("?"),
             d["gpu"].as_str().unwrap_or("?"),
@@ -521,13 +521,13 @@ pub fn readme_tables(results: &Path) -> Result<String, String> {
             yes(&d["meets_targets"]),
         );
         md.push_str(
-            "| case | raw step | resident (s) | streamed raw (s) | streamed coded (s) | uncompressed bound (s) | coded ÷ bound | coded ÷ raw streamed | bitwise equal | targets met |\n\
-             | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n",
+            "| case | raw step | resident (s) | streamed raw (s) | streamed coded (s) | uncompressed bound (s) | coded ÷ bound | coded ÷ raw streamed | planner | bitwise equal | targets met |\n\
+             | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n",
         );
         for c in d["cases"].as_array().into_iter().flatten() {
             let _ = writeln!(
                 md,
-                "| {} d={} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+                "| {} d={} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
                 row_case(c),
                 c["depth"],
                 c["raw_step"].as_str().unwrap_or("?"),
@@ -537,6 +537,11 @@ pub fn readme_tables(results: &Path) -> Result<String, String> {
                 sp(&c["bound_uncompressed_s"]),
                 sp(&c["ratio_to_uncompressed_bound"]),
                 sp(&c["compressed_over_raw_streamed"]),
+                match c["planner_codes"].as_bool() {
+                    Some(true) => "codes",
+                    Some(false) => "leaves raw",
+                    None => "–",
+                },
                 yes(&c["bitwise_equal"]),
                 yes(&c["meets_targets"]),
             );
@@ -850,7 +855,7 @@ mod readme_tests {
         let case = serde_json::json!({"case": "1024", "resolution": 1024, "tokens": 4608, "depth": 1, "raw_step": "transfer-bound",
             "step_resident_s": sp(0.17), "step_streamed_raw_s": sp(0.4), "step_streamed_compressed_s": sp(0.29),
             "bound_uncompressed_s": sp(0.4), "ratio_to_uncompressed_bound": sp(0.725), "compressed_over_raw_streamed": sp(0.725),
-            "bitwise_equal": true, "meets_targets": true});
+            "planner_codes": true, "bitwise_equal": true, "meets_targets": true});
         let doc = serde_json::json!({"backend": "cuda", "commit": "c0", "gpu": "NVIDIA H200", "process_runs": 3, "weights": "normal",
             "compression_ratio": 0.665, "exponent_entropy_bits": 2.55, "encode_gbps_host": 3.1, "encode_threads": 16, "decode_gbps": 512.0,
             "bandwidth_gbps": 55.2, "meets_targets": false, "cases": [case]});
@@ -858,8 +863,13 @@ mod readme_tests {
         let md = readme_tables(&dir).unwrap();
         let _ = std::fs::remove_dir_all(&dir);
         assert!(md.contains("`bench/results/x-compressed-h200.json`") && md.contains("coded size 0.665 × raw"), "{md}");
-        assert!(md.contains("device decode 512 GB/s") && md.contains("targets met: **no**"), "{md}");
+        assert!(
+            md.contains("device decode 512 GB/s")
+                && md.contains("compute-bound one: the step the planner chooses within 1.01 × the raw one) met: **no**"),
+            "{md}"
+        );
         assert!(md.contains("| 1024² d=1 | transfer-bound | 0.170 [0.160, 0.180] | 0.400 [0.390, 0.410] | 0.290 [0.280, 0.300]"), "{md}");
+        assert!(md.contains("| 0.725 [0.715, 0.735] | codes | yes | yes |"), "the planner's choice in its column: {md}");
     }
 
     #[test]

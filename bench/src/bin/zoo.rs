@@ -20,6 +20,8 @@
 //!                                              the pipeline runs' medians, spreads, bounds and targets
 //! zoo merge-compressed --out F [--min-repeats 3] RUN.json... [--codec C.json...]
 //!                                              issue 19's file from --coded runs and codec_speed outputs
+//! zoo entropy --model M [--threads N] --out F  the exponent entropy of every block tensor of the coded
+//!                                              case's weights (host only), and per tensor name
 //! zoo host-tiers --model M --file CKPT [--case 1024] [--depth 1] [--steps 5] [--host-ram-gib G [--disk-steps 2]]
 //!                [--only mapped|disk|copy] [--group G] [--commit C] --out F
 //!                                              one process (cuda): CKPT written if absent, then the mapped
@@ -127,6 +129,26 @@ fn run(args: &[String]) -> Result<(), String> {
                     Ok(())
                 }
             }
+        }
+        Some("entropy") => {
+            let model = registry::model(opt(args, "--model").ok_or("entropy: --model is required")?)?;
+            let threads = match opt(args, "--threads") {
+                None => std::thread::available_parallelism().map_or(1, |n| n.get()),
+                Some(v) => v.parse().map_err(|_| format!("--threads: {v}"))?,
+            };
+            let out = opt(args, "--out").ok_or("entropy: --out is required")?;
+            let doc = offload_bench::compressed::tensor_entropies(&model, threads)?;
+            for k in doc["by_name"].as_array().into_iter().flatten() {
+                println!(
+                    "{:<60} {:>4} tensors, {:.3} [{:.3}, {:.3}] bits",
+                    k["name"].as_str().unwrap_or("?"),
+                    k["count"],
+                    k["bits_median"].as_f64().unwrap_or(f64::NAN),
+                    k["bits_min"].as_f64().unwrap_or(f64::NAN),
+                    k["bits_max"].as_f64().unwrap_or(f64::NAN)
+                );
+            }
+            write(out, &doc)
         }
         Some("run") => {
             // Every option named: a misspelt one is an error, not a default.

@@ -813,7 +813,7 @@ pub fn run(model: &Model, opts: &crate::harness::RunOptions) -> Result<crate::ha
         times: Vec<f64>,
         out: Vec<u8>,
         activations: u64,
-        /// With `--budgets`: the planner's cost model (per-block compute timed here).
+        /// With `--budgets` or `--depths auto`: the planner's cost model (per-block compute timed here).
         cost: Option<offload_plan::CostModel>,
     }
     let gpu = cuda.device_name().unwrap_or_default();
@@ -829,9 +829,9 @@ pub fn run(model: &Model, opts: &crate::harness::RunOptions) -> Result<crate::ha
             let activations = cuda.pool_used_bytes().map_err(e)?.1.saturating_sub(before);
             let (out, _) = output(&rout).map_err(e)?;
             eprintln!("{} {}: resident step {:.4} s, activations {:.2} GiB", model.name, c.name, median(&times), gib(activations));
-            // The budget runs' calibration: three more resident steps, each block's
+            // The budget runs' (and `--depths auto`'s) calibration: three more resident steps, each block's
             // compute timed between device synchronisations, in step order.
-            let cost = match opts.budgets_gib.is_empty() {
+            let cost = match opts.budgets_gib.is_empty() && !opts.auto_depth {
                 true => None,
                 false => {
                     let compute = net.calibrate::<CandleCudaBackend>(&direct, &i, 3).map_err(e)?;
@@ -861,7 +861,33 @@ pub fn run(model: &Model, opts: &crate::harness::RunOptions) -> Result<crate::ha
     for (c, r) in cases.iter().zip(&resident) {
         let i = net.inputs(c).map_err(e)?;
         let (rtimes, rbytes, activations) = (&r.times, &r.out, r.activations);
-        for &d in &opts.depths {
+        // The depths given, then (`--depths auto`) the planner's for a fully
+        // streamed ring, asked from this case's calibration before any streamed step.
+        let mut depths: Vec<(usize, Option<crate::harness::PlannerDepth>)> = opts.depths.iter().map(|&d| (d, None)).collect();
+        if opts.auto_depth {
+            let cost = r.cost.as_ref().ok_or("candle: --depths auto without a calibration")?;
+            let at = format!("candle: {} {} --depths auto", model.name, c.name);
+            let choice = offload_plan::streamed_depth(cost, crate::harness::AUTO_DEPTH_MAX, crate::harness::AUTO_DEPTH_TOLERANCE)
+                .map_err(|x| format!("{at}: {x}"))?;
+            let none = vec![false; cost.blocks.len()];
+            let replayed: Vec<f64> = (1..=crate::harness::AUTO_DEPTH_MAX).map(|d| cost.simulate_s(&none, d)).collect();
+            eprintln!(
+                "{at}: d={} (replayed {:?} s at d=1..{}, bound {:.4} s)",
+                choice.depth,
+                replayed.iter().map(|x| (x * 1e4).round() / 1e4).collect::<Vec<_>>(),
+                crate::harness::AUTO_DEPTH_MAX,
+                choice.bound_s
+            );
+            depths.push((
+                choice.depth,
+                Some(crate::harness::PlannerDepth {
+                    predicted_step_s: choice.predicted_step_s,
+                    replayed_s_by_depth: replayed,
+                    calibrated_bound_s: choice.bound_s,
+                }),
+            ));
+        }
+        for (d, planner_depth) in depths {
             let rc = resolve(&Plan::layerwise().prefetch_depth(d), std::slice::from_ref(&inv)).map_err(e)?.components.remove(0);
             cuda.synchronize().map_err(e)?;
             be.reset_peak();
@@ -902,6 +928,7 @@ pub fn run(model: &Model, opts: &crate::harness::RunOptions) -> Result<crate::ha
                 output_finite: finite,
                 output_nonconstant: nonconstant,
                 misses,
+                planner_depth,
                 ..RunCase::head(model, c, d)
             });
         }

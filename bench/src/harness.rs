@@ -12,6 +12,11 @@ pub struct RunOptions {
     pub cases: Vec<String>,
     /// Prefetch depths of the streamed runs.
     pub depths: Vec<usize>,
+    /// Also stream each case at the depth the planner chooses for a fully
+    /// streamed ring (`--depths …,auto`; candle's file): the smallest depth whose
+    /// replayed step, from this run's calibration, is within
+    /// [`AUTO_DEPTH_TOLERANCE`] of the bound ([`offload_plan::streamed_depth`]).
+    pub auto_depth: bool,
     /// Timed steps per case (after `warmup` untimed ones).
     pub steps: usize,
     /// Untimed steps before timing.
@@ -37,6 +42,22 @@ pub struct RunOptions {
     /// With `coded`: each case and depth streamed again from the coded store
     /// with each of these numbers of staging buffers (`--staging-buffers 4,6`).
     pub staging_buffers: Vec<usize>,
+}
+
+/// The tolerance of `--depths auto` ([`offload_plan::streamed_depth`]).
+pub const AUTO_DEPTH_TOLERANCE: f64 = 0.01;
+/// The deepest ring `--depths auto` tries.
+pub const AUTO_DEPTH_MAX: usize = 4;
+
+/// How the planner chose a streamed case's depth (`--depths auto`).
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct PlannerDepth {
+    /// Its replayed step at the chosen depth, seconds.
+    pub predicted_step_s: f64,
+    /// Its replayed step at each depth from 1 to [`AUTO_DEPTH_MAX`], seconds.
+    pub replayed_s_by_depth: Vec<f64>,
+    /// The bound of the calibration it replayed, seconds.
+    pub calibrated_bound_s: f64,
 }
 
 /// The coded step with one number of staging buffers (`--staging-buffers`).
@@ -109,6 +130,10 @@ pub struct RunCase {
     /// speed measured in this process) — asked before the timed streamed steps.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub planner: Option<PlannerCoding>,
+    /// With `--depths auto`: this case's depth was the planner's choice, asked
+    /// before the timed streamed steps (`None`: a depth given on the command line).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub planner_depth: Option<PlannerDepth>,
 }
 
 /// The planner's coding choice for one case and depth ([`offload_plan::Choice::with_coding`]).
@@ -454,16 +479,19 @@ pub fn merge(runs: &[RunDoc], anchors: &[AnchorDoc], min_repeats: usize) -> Resu
     all_commits.sort();
     all_commits.dedup();
     let target = targets(&first.backend);
-    // (model, case, depth) in first-seen order.
-    let mut keys: Vec<(String, String, usize)> = Vec::new();
+    // (model, case, depth, depth chosen by the planner) in first-seen order.
+    let mut keys: Vec<(String, String, usize, bool)> = Vec::new();
     for r in runs {
         for c in &r.cases {
-            let k = (c.model.clone(), c.case.clone(), c.depth);
+            let k = (c.model.clone(), c.case.clone(), c.depth, c.planner_depth.is_some());
             if !keys.contains(&k) {
                 keys.push(k);
             }
         }
     }
+    // Where the planner chose a case's depth, that row is the case's judged one:
+    // rows at depths given on the command line are reported beside it, not judged.
+    let planned: Vec<(String, String)> = keys.iter().filter(|k| k.3).map(|k| (k.0.clone(), k.1.clone())).collect();
     let anchor_cases: Vec<&AnchorCase> = anchors.iter().flat_map(|a| &a.cases).collect();
     let mut anchor_rows = Vec::new();
     let mut anchor_best: Vec<((String, String), f64, String)> = Vec::new();
@@ -477,12 +505,17 @@ pub fn merge(runs: &[RunDoc], anchors: &[AnchorDoc], min_repeats: usize) -> Resu
         }
     }
     let mut cases = Vec::new();
-    for (model, case, depth) in &keys {
+    for (model, case, depth, by_planner) in &keys {
         let per: Vec<(&RunDoc, &RunCase)> = runs
             .iter()
-            .filter_map(|r| r.cases.iter().find(|c| &c.model == model && &c.case == case && c.depth == *depth).map(|c| (r, c)))
+            .filter_map(|r| {
+                r.cases
+                    .iter()
+                    .find(|c| &c.model == model && &c.case == case && c.depth == *depth && c.planner_depth.is_some() == *by_planner)
+                    .map(|c| (r, c))
+            })
             .collect();
-        let at = format!("{model} {case} d={depth}");
+        let at = format!("{model} {case} d={depth}{}", if *by_planner { " (the planner's depth)" } else { "" });
         if per.len() < min_repeats {
             return Err(format!("{at}: {} process runs, at least {min_repeats} needed", per.len()));
         }
@@ -541,6 +574,8 @@ pub fn merge(runs: &[RunDoc], anchors: &[AnchorDoc], min_repeats: usize) -> Resu
         let faster = best.as_ref().map(|(m, _)| s.median <= *m);
         let meets =
             meets_ratio && equal && finite && nonconstant && weights <= weights_limit && (!target.beat_anchor || faster == Some(true));
+        let judged = *by_planner || !planned.contains(&(model.clone(), case.clone()));
+        let predicted: Vec<f64> = per.iter().filter_map(|(_, c)| c.planner_depth.as_ref().map(|p| p.predicted_step_s)).collect();
         cases.push(json!({
             "model": model, "commit": commit_of(model), "case": case, "resolution": c0.resolution, "tokens": c0.tokens, "batch": c0.batch, "depth": depth,
             "budget_bytes": null, "repeats": per.len(),
@@ -559,6 +594,9 @@ pub fn merge(runs: &[RunDoc], anchors: &[AnchorDoc], min_repeats: usize) -> Resu
             "anchor_best_mode": best.as_ref().map(|(_, m)| m.clone()), "anchor_best_step_s": best.as_ref().map(|(m, _)| *m),
             "ratio_to_anchor_best": best.as_ref().map(|(m, _)| s.median / m), "faster_than_anchor_best": faster,
             "target_ratio_to_bound": target.ratio_to_bound, "meets_targets": meets,
+            "depth_chosen_by": if *by_planner { "planner" } else { "command line" }, "judged": judged,
+            "planner_predicted_step_s": spread(&predicted).map(|p| p.median),
+            "planner_replayed_s_by_depth": per.iter().filter_map(|(_, c)| c.planner_depth.as_ref().map(|p| p.replayed_s_by_depth.clone())).collect::<Vec<_>>(),
             "runs": per.iter().enumerate().map(|(i, (_, c))| json!({"run": i + 1, "step_streamed_s": streamed[i], "step_resident_s": resident[i],
                 "ratio_to_bound": ratios[i], "bandwidth_gbps": c.bandwidth_gbps, "steps_streamed_s": c.steps_streamed_s,
                 "steps_resident_s": c.steps_resident_s})).collect::<Vec<_>>(),
@@ -600,7 +638,8 @@ pub fn merge(runs: &[RunDoc], anchors: &[AnchorDoc], min_repeats: usize) -> Resu
             "steps_s_per_run": xs,
         }));
     }
-    let all_met = !cases.is_empty() && cases.iter().all(|c| c["meets_targets"] == true);
+    let all_met =
+        cases.iter().any(|c| c["judged"] == true) && cases.iter().filter(|c| c["judged"] == true).all(|c| c["meets_targets"] == true);
     let budgets = crate::budgets::merge_budgets(runs, min_repeats)?;
     let mut doc = json!({
         // The newest run's date: a merge of kept runs is as new as its last run.
@@ -775,5 +814,53 @@ mod tests {
         // Weights beyond (d + 1) × largest + resident.
         cuda[0].cases[0].weights_device_bytes = 211;
         assert_eq!(merge(&cuda, &[], 3).unwrap()["cases"][0]["meets_targets"], false);
+    }
+    #[test]
+    fn the_planners_depth_is_the_judged_row_where_there_is_one() {
+        // candle: a fixed d=1 row over its bound (0.104 ÷ 0.1), and the planner's
+        // d=2 row within it (0.101 ÷ 0.1).
+        let mut runs: Vec<RunDoc> = (0..3).map(|_| run(&[0.104], 0.1, 50.0)).collect();
+        for r in &mut runs {
+            r.backend = "candle".into();
+            let mut planned = r.cases[0].clone();
+            planned.depth = 2;
+            planned.steps_streamed_s = vec![0.101];
+            planned.planner_depth =
+                Some(PlannerDepth { predicted_step_s: 0.1005, replayed_s_by_depth: vec![0.102, 0.1005], calibrated_bound_s: 0.1 });
+            r.cases.push(planned);
+        }
+        let doc = merge(&runs, &[], 3).unwrap();
+        let cases = doc["cases"].as_array().unwrap();
+        assert_eq!(cases.len(), 2);
+        let fixed = cases.iter().find(|c| c["depth_chosen_by"] == "command line").unwrap();
+        let planned = cases.iter().find(|c| c["depth_chosen_by"] == "planner").unwrap();
+        assert_eq!((fixed["meets_targets"].clone(), fixed["judged"].clone()), (false.into(), false.into()));
+        assert_eq!((planned["meets_targets"].clone(), planned["judged"].clone()), (true.into(), true.into()));
+        assert_eq!(planned["depth"], 2);
+        assert_eq!(planned["planner_predicted_step_s"], 0.1005);
+        assert_eq!(doc["meets_targets"], true, "the file's verdict is the judged rows'");
+        // The planner's row over its bound fails the file, whatever the fixed rows say.
+        for r in &mut runs {
+            r.cases[1].steps_streamed_s = vec![0.104];
+            r.cases[0].steps_streamed_s = vec![0.1];
+        }
+        let doc = merge(&runs, &[], 3).unwrap();
+        assert_eq!(doc["meets_targets"], false);
+        // Without a planner's row every row is judged, as before.
+        for r in &mut runs {
+            r.cases.truncate(1);
+        }
+        let doc = merge(&runs, &[], 3).unwrap();
+        assert_eq!((doc["cases"][0]["judged"].clone(), doc["meets_targets"].clone()), (true.into(), true.into()));
+        // Runs whose planner chose different depths are not one row.
+        let mut split = runs.clone();
+        for (k, r) in split.iter_mut().enumerate() {
+            let mut planned = r.cases[0].clone();
+            planned.depth = 1 + k % 2;
+            planned.planner_depth = Some(PlannerDepth::default());
+            r.cases.push(planned);
+        }
+        let e = merge(&split, &[], 3).unwrap_err();
+        assert!(e.contains("(the planner's depth)") && e.contains("at least 3"), "{e}");
     }
 }

@@ -269,6 +269,43 @@ fn choice(model: &CostModel, resident: Vec<bool>, depth: usize, exact: bool) -> 
     }
 }
 
+/// The prefetch depth for a fully streamed ring (nothing resident): the smallest
+/// depth from 1 to `max_depth` whose replayed step ([`CostModel::simulate_s`]) is
+/// within `tolerance` of the bound `max(compute, bytes ÷ bandwidth)`, or, if none
+/// is, the depth with the fastest replay (the smaller on a tie). Each depth costs
+/// one more slot of the largest block, so the smallest that reaches the bound is
+/// chosen, not the fastest.
+///
+/// A step whose cheap blocks copy as long as the others (Z-Image's caption-only
+/// context refiner) stalls at depth 1: with two slots, block `k + 1`'s copy cannot
+/// start before block `k − 1` has computed, so two cheap blocks in a row expose
+/// their copies. A deeper ring hides them.
+///
+/// `tolerance` must be finite and at least 0 and `max_depth` at least 1;
+/// anything else is an error naming the argument.
+pub fn streamed_depth(model: &CostModel, max_depth: usize, tolerance: f64) -> Result<Choice> {
+    if max_depth == 0 {
+        return Err(Error::Plan("streamed_depth: max_depth must be at least 1".into()));
+    }
+    if !(tolerance.is_finite() && tolerance >= 0.0) {
+        return Err(Error::Plan(format!("streamed_depth: tolerance must be finite and at least 0, not {tolerance}")));
+    }
+    if model.blocks.is_empty() {
+        return Err(Error::Plan("streamed_depth: the cost model has no blocks".into()));
+    }
+    let mut best: Option<Choice> = None;
+    for depth in 1..=max_depth {
+        let c = streamed_choice(model, depth);
+        if c.predicted_step_s <= c.bound_s * (1.0 + tolerance) {
+            return Ok(c);
+        }
+        if best.as_ref().is_none_or(|b| c.predicted_step_s < b.predicted_step_s - 1e-12) {
+            best = Some(c);
+        }
+    }
+    best.ok_or_else(|| Error::Plan("streamed_depth: no depth".into()))
+}
+
 /// Every resident subset at every depth from `min_depth` to `min_depth + 3`.
 fn exhaustive(model: &CostModel, budget: u64, min_depth: usize) -> Option<Choice> {
     let n = model.blocks.len();

@@ -53,7 +53,7 @@ fn rows(dir: &Path) -> Result<Vec<Row>, String> {
                 (Some(comp), Some(b)) => format!("{backend} pipeline {comp} ({}) {b:.0} GiB {depth}", c["model"].as_str().unwrap_or("?")),
                 (_, Some(b)) => format!("{backend} {b:.0} GiB d={}", c["depth"]),
                 (_, None) => match c["model"].as_str() {
-                    Some(m) => format!("{backend} {m} {} d={}", c["case"].as_str().unwrap_or(""), c["depth"]),
+                    Some(m) => format!("{backend} {m} {} {}", c["case"].as_str().unwrap_or(""), depth_label(c)),
                     None => format!("{backend} d={}", c["depth"]),
                 },
             };
@@ -308,6 +308,24 @@ fn row_case(c: &Value) -> String {
 
 /// A case as the tables name it: an image side (`1024²`), a video case's name as
 /// it is, or a text encoder's tokens (resolution 0).
+/// A streamed case's depth: `d=2`, or `d=2 (the planner's)` where the planner
+/// chose it (`zoo run --depths auto`).
+fn depth_label(c: &Value) -> String {
+    match c["depth_chosen_by"].as_str() {
+        Some("planner") => format!("d={} (the planner's)", c["depth"]),
+        _ => format!("d={}", c["depth"]),
+    }
+}
+
+/// A zoo row's verdict: yes or **no**, or, for a row at a depth given on the
+/// command line beside the planner's row of the same case, not judged.
+fn verdict(c: &Value) -> String {
+    match c["judged"] == false {
+        true => format!("not judged ({}; the planner's row is)", if c["meets_targets"] == true { "within" } else { "over" }),
+        false => yes(&c["meets_targets"]).to_owned(),
+    }
+}
+
 fn case_label(c: &Value) -> String {
     let name = c["case"].as_str().unwrap_or("?");
     match (c["resolution"].as_u64(), c["tokens"].as_u64()) {
@@ -355,10 +373,10 @@ pub fn readme_tables(results: &Path) -> Result<String, String> {
             };
             let _ = writeln!(
                 md,
-                "| {} | {} d={} | {:.3} [{:.3}, {:.3}] | {:.3} [{:.3}, {:.3}] | {:.3} | {anchor} | {} | {:.2} | {:.2} | {} | {} | {} |",
+                "| {} | {} {} | {:.3} [{:.3}, {:.3}] | {:.3} [{:.3}, {:.3}] | {:.3} | {anchor} | {} | {:.2} | {:.2} | {} | {} | {} |",
                 c["model"].as_str().unwrap_or("?"),
                 case_label(c),
-                c["depth"],
+                depth_label(c),
                 f(&c["step_streamed_s"]),
                 f(&c["step_streamed_s_min"]),
                 f(&c["step_streamed_s_max"]),
@@ -371,7 +389,7 @@ pub fn readme_tables(results: &Path) -> Result<String, String> {
                 gib(&c["activations_peak_bytes"]),
                 yes(&c["bitwise_equal"]),
                 yes(&Value::Bool(c["output_finite"] == true && c["output_nonconstant"] == true)),
-                yes(&c["meets_targets"]),
+                verdict(c),
             );
         }
         // diffusers' rows, each once: a later file merged with the same anchor runs
@@ -756,6 +774,26 @@ mod readme_tests {
         let spliced = splice_readme(&format!("a\n{README_START}\nold\n{README_END}\nb"), "new\n").unwrap();
         assert_eq!(spliced, format!("a\n{README_START}\n\nnew\n\n{README_END}\nb"));
         assert!(splice_readme("no markers", "x").is_err());
+    }
+
+    #[test]
+    fn a_planners_depth_row_is_named_and_a_fixed_row_beside_it_not_judged() {
+        let dir = std::env::temp_dir().join(format!("offload-zoo-planner-report-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let row = |depth: u64, by: &str, judged: bool, met: bool| {
+            serde_json::json!({"model": "m", "case": "1024", "depth": depth, "depth_chosen_by": by, "judged": judged,
+                "step_streamed_s": 0.5, "step_streamed_s_min": 0.5, "step_streamed_s_max": 0.5, "ratio_to_bound": 1.0,
+                "ratio_to_bound_min": 1.0, "ratio_to_bound_max": 1.0, "step_resident_s": 0.5, "weights_device_bytes": 1u64 << 30,
+                "activations_peak_bytes": 1u64 << 29, "bitwise_equal": true, "output_finite": true, "output_nonconstant": true,
+                "meets_targets": met})
+        };
+        let doc = serde_json::json!({"backend": "candle", "commit": "c0", "gpu": "G", "date": "d", "repeats": 3,
+            "cases": [row(1, "command line", false, false), row(2, "planner", true, true)], "anchors": []});
+        std::fs::write(dir.join("x-zoo-candle.json"), doc.to_string()).unwrap();
+        let md = readme_tables(&dir).unwrap();
+        assert!(md.contains("| m | 1024² d=1 | 0.500") && md.contains("| not judged (over; the planner's row is) |"), "{md}");
+        assert!(md.contains("| m | 1024² d=2 (the planner's) | 0.500") && md.contains("| yes | yes | yes |"), "{md}");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

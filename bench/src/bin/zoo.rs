@@ -2,7 +2,7 @@
 //!
 //! ```text
 //! zoo registry [--json F]                      the registry (names, shapes, references) as JSON
-//! zoo run --backend tch|candle|cuda --model M [--cases 1024,2048] [--blocks K] [--res R] [--depths 1] [--steps 5] [--warmup 1] [--commit C] --out F
+//! zoo run --backend tch|candle|cuda --model M [--cases 1024,2048] [--blocks K] [--res R] [--depths 1,2,auto (auto: the planner's depth, candle)] [--steps 5] [--warmup 1] [--commit C] --out F
 //!         [--budgets 8,12,16] [--trace F] [--no-gemm] [--coded]
 //!                                              one process run (needs a GPU); cuda and candle: --budgets (per case,
 //!                                              the planner's choice under each device budget in GiB, calibrated from
@@ -228,8 +228,20 @@ fn run(args: &[String]) -> Result<(), String> {
                 Some(_) => list("--cases", ""),
                 None => model.cases.iter().map(|c| c.name.clone()).collect(),
             };
-            let depths =
-                list("--depths", "1").iter().map(|d| d.parse().map_err(|_| format!("--depths: {d}"))).collect::<Result<Vec<usize>, _>>()?;
+            // `auto`: also the depth the planner chooses for a fully streamed ring.
+            let depth_args = list("--depths", "1");
+            let auto_depth = depth_args.iter().any(|d| d == "auto");
+            let depths = depth_args
+                .iter()
+                .filter(|d| *d != "auto")
+                .map(|d| match d.parse::<usize>() {
+                    Ok(n) if n >= 1 => Ok(n),
+                    _ => Err(format!("--depths: {d:?} is neither a depth of at least 1 nor `auto`")),
+                })
+                .collect::<Result<Vec<usize>, _>>()?;
+            if auto_depth && backend != "candle" {
+                return Err(format!("--depths auto: only candle's file calibrates a fully streamed ring (not {backend})"));
+            }
             let (steps, warmup) = (num("--steps", 5)?, num("--warmup", 1)?);
             if steps < 5 {
                 return Err(format!("--steps {steps}: a run times at least 5 steps after warm-up"));
@@ -249,6 +261,7 @@ fn run(args: &[String]) -> Result<(), String> {
             let opts = offload_bench::harness::RunOptions {
                 cases,
                 depths,
+                auto_depth,
                 steps,
                 warmup,
                 commit,

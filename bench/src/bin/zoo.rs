@@ -295,10 +295,11 @@ fn run(args: &[String]) -> Result<(), String> {
             let doc = merge(&runs, &anchors, min)?;
             for c in doc["cases"].as_array().into_iter().flatten() {
                 println!(
-                    "{} {} d={}: streamed {:.4} s [{:.4}, {:.4}] × {}, ratio to bound {:.4}, anchor best {} {}, meets targets {}",
+                    "{} {} d={}{}: streamed {:.4} s [{:.4}, {:.4}] × {}, ratio to bound {:.4}, anchor best {} {}, meets targets {}{}",
                     c["model"].as_str().unwrap_or(""),
                     c["case"].as_str().unwrap_or(""),
                     c["depth"],
+                    if c["depth_chosen_by"] == "planner" { " (the planner's depth)" } else { "" },
                     c["step_streamed_s"].as_f64().unwrap_or(f64::NAN),
                     c["step_streamed_s_min"].as_f64().unwrap_or(f64::NAN),
                     c["step_streamed_s_max"].as_f64().unwrap_or(f64::NAN),
@@ -306,9 +307,11 @@ fn run(args: &[String]) -> Result<(), String> {
                     c["ratio_to_bound"].as_f64().unwrap_or(f64::NAN),
                     c["anchor_best_mode"],
                     c["anchor_best_step_s"],
-                    c["meets_targets"]
+                    c["meets_targets"],
+                    if c["judged"] == false { " (not judged: the planner's row of this case is)" } else { "" }
                 );
             }
+            println!("the file meets its targets: {}", doc["meets_targets"]);
             write(out, &doc)
         }
         Some("pipeline") => {

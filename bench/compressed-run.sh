@@ -5,7 +5,7 @@
 # --backend cuda --coded` processes of flux-dev (CASES, default 1024,2048; depths 1 and
 # 2), each started only with MIN_LEFT seconds (default 200) left of DEADLINE (default
 # 560; the first also traces a raw and a coded step), merged by `zoo merge-compressed`
-# once all are there. Files collect in $ZDIR
+# once all are there (CODED_ARGS: more `zoo run` options, e.g. --high-priority-compute). Files collect in $ZDIR
 # (default .comp-out, kept on a warm runner): what is there already is not run again, so
 # the same command repeated goes on where the last stopped. From the repository root on
 # the runner, the bundle in .bundle: COMMIT=… bash bench/compressed-run.sh; each command
@@ -31,7 +31,7 @@ for r in $(seq 1 ${RUNS:-3}); do
   echo "== coded run $r (${SECONDS}s)"
   trace=""; [ $r = 1 ] && trace="--trace $Z/trace.json"
   timeout $left $B/zoo run --backend cuda --model flux-dev --coded --cases ${CASES:-1024,2048} --depths 1,2 --steps 5 $trace \
-    --commit ${COMMIT:-unknown} --out $Z/coded-run$r.json > $Z/coded-run$r.txt 2>&1
+    ${CODED_ARGS:-} --commit ${COMMIT:-unknown} --out $Z/coded-run$r.json > $Z/coded-run$r.txt 2>&1
   echo "rc=$? at ${SECONDS}s" >> $Z/coded-run$r.txt; grep -E "coded|streamed|rc=" $Z/coded-run$r.txt | tail -10
 done
 if [ "$(ls $Z/coded-run*.json 2>/dev/null | wc -l)" -ge ${RUNS:-3} ]; then

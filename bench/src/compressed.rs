@@ -62,6 +62,9 @@ pub fn merge(runs: &[RunDoc], codec: &[Value], min_runs: usize) -> Result<Value,
     if facts.iter().any(|f| f.high_priority_decode != facts[0].high_priority_decode) {
         return Err("runs with and without --high-priority-decode: merge each on its own".into());
     }
+    if facts.iter().any(|f| f.high_priority_compute != facts[0].high_priority_compute) {
+        return Err("runs with and without --high-priority-compute: merge each on its own".into());
+    }
     let decode: Vec<f64> = codec.iter().filter_map(|c| c["decode_gbps"].as_f64()).collect();
     if decode.len() != codec.len() {
         return Err("a codec file without decode_gbps".into());
@@ -149,6 +152,7 @@ pub fn merge(runs: &[RunDoc], codec: &[Value], min_runs: usize) -> Result<Value,
         "encode_gbps_host_spread": s(&facts.iter().map(|f| f.encode_gbps_host).collect::<Vec<_>>()),
         "encode_threads": facts[0].encode_threads,
         "high_priority_decode": facts[0].high_priority_decode,
+        "high_priority_compute": facts[0].high_priority_compute,
         "coded_store_build_s": s(&facts.iter().map(|f| f.store_build_s).collect::<Vec<_>>()),
         "decode_gbps": if decode.is_empty() { Value::Null } else { json!(med(&decode)) }, "decode_gbps_spread": s(&decode),
         "decode_gbps_in_run": s(&facts.iter().map(|f| f.decode_gbps_in_run).filter(|&g| g > 0.0).collect::<Vec<_>>()),

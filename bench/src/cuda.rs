@@ -159,7 +159,11 @@ pub fn run(model: &Model, opts: &RunOptions) -> Result<RunDoc, String> {
         return Err(err("--trace traces a streamed step at the first of --depths: give at least one depth"));
     }
     use crate::harness::{gib, median};
-    let be = CudaBackend::new(0).map_err(err)?;
+    let be = match opts.high_priority_compute {
+        false => CudaBackend::new(0),
+        true => CudaBackend::new_high_priority_compute(0),
+    }
+    .map_err(err)?;
     let gpu = be.device_name().unwrap_or_default();
     let cases: Vec<&Case> = opts.cases.iter().map(|c| model.case(c)).collect::<Result<_, _>>()?;
     let src = match opts.coded {
@@ -215,6 +219,7 @@ pub fn run(model: &Model, opts: &RunOptions) -> Result<RunDoc, String> {
                 staging_peak_bytes: 0,
                 decode_gbps_in_run,
                 high_priority_decode: options.high_priority_decode,
+                high_priority_compute: opts.high_priority_compute,
             };
             eprintln!(
                 "coded store: {:.2} GiB for {:.2} GiB ({:.4}), exponent entropy {entropy:.3} bits ({:.3}–{:.3} per tensor), \

@@ -39,6 +39,9 @@ pub struct RunOptions {
     /// With `coded`: the decoder on a stream of the device's highest priority
     /// (`--high-priority-decode`; `CodingOptions::high_priority_decode`).
     pub high_priority_decode: bool,
+    /// The reference model computes on a stream of the device's highest priority
+    /// (`--high-priority-compute`; `CudaBackend::new_high_priority_compute`; cuda's file only).
+    pub high_priority_compute: bool,
     /// With `coded`: each case and depth streamed again from the coded store
     /// with each of these numbers of staging buffers (`--staging-buffers 4,6`).
     pub staging_buffers: Vec<usize>,
@@ -281,6 +284,9 @@ pub struct CodedFacts {
     /// The decoder ran on a stream of the highest priority (`--high-priority-decode`).
     #[serde(default)]
     pub high_priority_decode: bool,
+    /// The compute ran on a stream of the highest priority (`--high-priority-compute`).
+    #[serde(default)]
+    pub high_priority_compute: bool,
 }
 
 /// What a run records of its host store once built, and the pinned bandwidth

@@ -22,6 +22,12 @@ fn bad_run_arguments_are_named_errors() {
             "--budgets is implemented by the cuda and candle backends only, not by tch",
         ),
         (&["--model", "flux-dev", "--out"][..], "--out needs a value"),
+        (
+            &["--backend", "tch", "--model", "flux-dev", "--high-priority-compute", "--out", "x"][..],
+            "--high-priority-compute: cuda's file only",
+        ),
+        (&["--backend", "tch", "--model", "flux-dev", "--depths", "1,auto", "--out", "x"][..], "--depths auto: only candle's file"),
+        (&["--backend", "candle", "--model", "flux-dev", "--depths", "0", "--out", "x"][..], "--depths: \"0\" is neither"),
     ] {
         let (ok, err) = run(args);
         assert!(!ok, "{args:?} succeeded");

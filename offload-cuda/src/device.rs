@@ -104,6 +104,21 @@ impl CudaBackend {
         Self::with_compute_stream(ctx, compute)
     }
 
+    /// The backend on device `ordinal`, computing on a new non-blocking stream of
+    /// the device's highest priority. The ring's other streams (copies, and the
+    /// decoder with [`enable_coding`](Self::enable_coding)) keep the default,
+    /// lowest priority, so the block scheduler gives their kernels only what the
+    /// compute kernels leave: a coded block's decode then fills compute's tails
+    /// instead of taking multiprocessors from it (`bench/NOTES.md` has what this
+    /// changed on the H200). Errors as [`new`](Self::new).
+    pub fn new_high_priority_compute(ordinal: usize) -> Result<Self> {
+        // SAFETY: as in `new`.
+        let ctx = unsafe { Self::context(ordinal)? };
+        let (_, highest) = cudarc::driver::result::stream::get_priority_range().map_err(|e| driver("reading the stream priority range", e))?;
+        let compute = ctx.new_stream_with_priority(highest).map_err(|e| driver("creating the compute stream", e))?;
+        Self::with_compute_stream(ctx, compute)
+    }
+
     /// The primary context of device `ordinal`, with cudarc's per-slice event
     /// tracking turned off (the ring orders its streams itself).
     ///

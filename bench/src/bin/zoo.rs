@@ -160,7 +160,7 @@ fn run(args: &[String]) -> Result<(), String> {
                 }
                 seen.push(a.as_str());
                 match a.as_str() {
-                    "--no-gemm" | "--coded" | "--high-priority-decode" => {}
+                    "--no-gemm" | "--coded" | "--high-priority-decode" | "--high-priority-compute" => {}
                     o if RUN_OPTIONS.contains(&o) => {
                         let v = it.next().ok_or_else(|| format!("{o} needs a value"))?;
                         if v.starts_with("--") {
@@ -169,7 +169,7 @@ fn run(args: &[String]) -> Result<(), String> {
                     }
                     other => {
                         return Err(format!(
-                            "run: unknown argument {other:?} (options: {}, --no-gemm, --coded, --high-priority-decode)",
+                            "run: unknown argument {other:?} (options: {}, --no-gemm, --coded, --high-priority-decode, --high-priority-compute)",
                             RUN_OPTIONS.join(", ")
                         ))
                     }
@@ -180,6 +180,10 @@ fn run(args: &[String]) -> Result<(), String> {
             let no_gemm = args.iter().any(|a| a == "--no-gemm");
             let coded = args.iter().any(|a| a == "--coded");
             let high_priority_decode = args.iter().any(|a| a == "--high-priority-decode");
+            let high_priority_compute = args.iter().any(|a| a == "--high-priority-compute");
+            if high_priority_compute && backend != "cuda" {
+                return Err(format!("--high-priority-compute: cuda's file only (it sets the reference model's stream), not {backend}"));
+            }
             if high_priority_decode && !coded {
                 return Err("--high-priority-decode: only with --coded (it sets the decoder's stream)".into());
             }
@@ -270,6 +274,7 @@ fn run(args: &[String]) -> Result<(), String> {
                 no_gemm,
                 coded,
                 high_priority_decode,
+                high_priority_compute,
                 staging_buffers,
             };
             let doc: Result<RunDoc, String> = match backend {

@@ -107,10 +107,11 @@ impl CudaBackend {
     /// The backend on device `ordinal`, computing on a new non-blocking stream of
     /// the device's highest priority. The ring's other streams (copies, and the
     /// decoder with [`enable_coding`](Self::enable_coding)) keep the default,
-    /// lowest priority, so the block scheduler gives their kernels only what the
-    /// compute kernels leave: a coded block's decode then fills compute's tails
-    /// instead of taking multiprocessors from it (`bench/NOTES.md` has what this
-    /// changed on the H200). Errors as [`new`](Self::new).
+    /// lowest priority, so the block scheduler dispatches their waiting kernels'
+    /// blocks only after compute's. On the H200 this did not shorten a coded
+    /// compute-bound step (Flux-dev at 2048², +1.5 % over raw either way:
+    /// `bench/NOTES.md`), so [`new`](Self::new) stays the default. Errors as
+    /// [`new`](Self::new).
     pub fn new_high_priority_compute(ordinal: usize) -> Result<Self> {
         // SAFETY: as in `new`.
         let ctx = unsafe { Self::context(ordinal)? };

@@ -115,7 +115,8 @@ impl CudaBackend {
     pub fn new_high_priority_compute(ordinal: usize) -> Result<Self> {
         // SAFETY: as in `new`.
         let ctx = unsafe { Self::context(ordinal)? };
-        let (_, highest) = cudarc::driver::result::stream::get_priority_range().map_err(|e| driver("reading the stream priority range", e))?;
+        let (_, highest) =
+            cudarc::driver::result::stream::get_priority_range().map_err(|e| driver("reading the stream priority range", e))?;
         let compute = ctx.new_stream_with_priority(highest).map_err(|e| driver("creating the compute stream", e))?;
         Self::with_compute_stream(ctx, compute)
     }

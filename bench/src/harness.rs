@@ -525,6 +525,25 @@ pub fn merge(runs: &[RunDoc], anchors: &[AnchorDoc], min_repeats: usize) -> Resu
         if per.len() < min_repeats {
             return Err(format!("{at}: {} process runs, at least {min_repeats} needed", per.len()));
         }
+        // A row at the planner's depth is judged in place of the fixed-depth rows, so
+        // each run's choice is checked against its own recorded replay by the rule
+        // `zoo run --depths auto` applies (`offload_plan::depth_within`).
+        for (r, c) in per.iter().filter(|(_, c)| c.planner_depth.is_some()) {
+            let p = c.planner_depth.as_ref().expect("filtered");
+            if p.replayed_s_by_depth.len() != AUTO_DEPTH_MAX || p.replayed_s_by_depth.iter().any(|s| !s.is_finite()) {
+                return Err(format!(
+                    "{at}: a run at {} recorded {:?} as its replay at depths 1 to {AUTO_DEPTH_MAX}",
+                    r.commit, p.replayed_s_by_depth
+                ));
+            }
+            let want = offload_plan::depth_within(&p.replayed_s_by_depth, p.calibrated_bound_s, AUTO_DEPTH_TOLERANCE);
+            if want != c.depth {
+                return Err(format!(
+                    "{at}: a run at {} streamed d={} as the planner's depth, but its replay {:?} (bound {}) gives d={want}",
+                    r.commit, c.depth, p.replayed_s_by_depth, p.calibrated_bound_s
+                ));
+            }
+        }
         let doc0 = per[0].0;
         if let Some((r, _)) = per.iter().find(|(r, c)| {
             r.largest_block_bytes != doc0.largest_block_bytes
@@ -831,8 +850,11 @@ mod tests {
             let mut planned = r.cases[0].clone();
             planned.depth = 2;
             planned.steps_streamed_s = vec![0.101];
-            planned.planner_depth =
-                Some(PlannerDepth { predicted_step_s: 0.1005, replayed_s_by_depth: vec![0.102, 0.1005], calibrated_bound_s: 0.1 });
+            planned.planner_depth = Some(PlannerDepth {
+                predicted_step_s: 0.1005,
+                replayed_s_by_depth: vec![0.102, 0.1005, 0.1, 0.1],
+                calibrated_bound_s: 0.1,
+            });
             r.cases.push(planned);
         }
         let doc = merge(&runs, &[], 3).unwrap();
@@ -852,6 +874,28 @@ mod tests {
         }
         let doc = merge(&runs, &[], 3).unwrap();
         assert_eq!(doc["meets_targets"], false);
+        // A fixed row at the planner's depth is a row of its own, reported, not judged.
+        let mut same = runs.clone();
+        for r in &mut same {
+            let mut fixed = r.cases[1].clone();
+            fixed.planner_depth = None;
+            fixed.steps_streamed_s = vec![0.1];
+            r.cases.push(fixed);
+        }
+        let doc = merge(&same, &[], 3).unwrap();
+        let d2: Vec<&Value> = doc["cases"].as_array().unwrap().iter().filter(|c| c["depth"] == 2).collect();
+        assert_eq!(d2.len(), 2);
+        assert!(d2.iter().any(|c| c["judged"] == false && c["meets_targets"] == true && c["depth_chosen_by"] == "command line"));
+        assert!(d2.iter().any(|c| c["judged"] == true && c["meets_targets"] == false && c["depth_chosen_by"] == "planner"));
+        assert_eq!(doc["meets_targets"], false);
+        // A recorded choice its own replay does not give, or a short replay, is refused.
+        let mut wrong = runs.clone();
+        wrong[2].cases[1].planner_depth.as_mut().unwrap().replayed_s_by_depth = vec![0.1, 0.1, 0.1, 0.1];
+        let e = merge(&wrong, &[], 3).unwrap_err();
+        assert!(e.contains("gives d=1"), "{e}");
+        wrong[2].cases[1].planner_depth.as_mut().unwrap().replayed_s_by_depth = vec![0.102, 0.1005];
+        let e = merge(&wrong, &[], 3).unwrap_err();
+        assert!(e.contains("its replay at depths 1 to 4"), "{e}");
         // Without a planner's row every row is judged, as before.
         for r in &mut runs {
             r.cases.truncate(1);
@@ -863,7 +907,8 @@ mod tests {
         for (k, r) in split.iter_mut().enumerate() {
             let mut planned = r.cases[0].clone();
             planned.depth = 1 + k % 2;
-            planned.planner_depth = Some(PlannerDepth::default());
+            let replay = if planned.depth == 1 { vec![0.1; 4] } else { vec![0.2, 0.1, 0.1, 0.1] };
+            planned.planner_depth = Some(PlannerDepth { predicted_step_s: 0.1, replayed_s_by_depth: replay, calibrated_bound_s: 0.1 });
             r.cases.push(planned);
         }
         let e = merge(&split, &[], 3).unwrap_err();

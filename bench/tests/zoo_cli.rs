@@ -28,6 +28,8 @@ fn bad_run_arguments_are_named_errors() {
         ),
         (&["--backend", "tch", "--model", "flux-dev", "--depths", "1,auto", "--out", "x"][..], "--depths auto: only candle's file"),
         (&["--backend", "candle", "--model", "flux-dev", "--depths", "0", "--out", "x"][..], "--depths: \"0\" is neither"),
+        (&["--backend", "candle", "--model", "flux-dev", "--depths", ",", "--out", "x"][..], "--depths: no depth given"),
+        (&["--backend", "cuda", "--model", "flux-dev", "--high-priority-compute", "--out", "x"][..], "only with --coded"),
     ] {
         let (ok, err) = run(args);
         assert!(!ok, "{args:?} succeeded");

@@ -293,17 +293,27 @@ pub fn streamed_depth(model: &CostModel, max_depth: usize, tolerance: f64) -> Re
     if model.blocks.is_empty() {
         return Err(Error::Plan("streamed_depth: the cost model has no blocks".into()));
     }
-    let mut best: Option<Choice> = None;
-    for depth in 1..=max_depth {
-        let c = streamed_choice(model, depth);
-        if c.predicted_step_s <= c.bound_s * (1.0 + tolerance) {
-            return Ok(c);
-        }
-        if best.as_ref().is_none_or(|b| c.predicted_step_s < b.predicted_step_s - 1e-12) {
-            best = Some(c);
+    let replayed: Vec<f64> = (1..=max_depth).map(|d| model.simulate_s(&vec![false; model.blocks.len()], d)).collect();
+    let depth = depth_within(&replayed, model.bound_s(&vec![false; model.blocks.len()]), tolerance);
+    Ok(streamed_choice(model, depth))
+}
+
+/// The rule of [`streamed_depth`] on replayed steps already computed
+/// (`replayed[i]` at depth `i + 1`, all finite, at least one): the smallest depth
+/// within `tolerance` of `bound` (with a relative slack of 1e-12 for rounding), else
+/// the fastest, the smaller on a tie. What a results file's merge checks a
+/// recorded choice against. Returns 0 when `replayed` is empty.
+pub fn depth_within(replayed: &[f64], bound: f64, tolerance: f64) -> usize {
+    if let Some(i) = replayed.iter().position(|&s| s <= bound * (1.0 + tolerance) * (1.0 + 1e-12)) {
+        return i + 1;
+    }
+    let mut best = 0;
+    for (i, &s) in replayed.iter().enumerate() {
+        if best == 0 || s < replayed[best - 1] * (1.0 - 1e-12) {
+            best = i + 1;
         }
     }
-    best.ok_or_else(|| Error::Plan("streamed_depth: no depth".into()))
+    best
 }
 
 /// Every resident subset at every depth from `min_depth` to `min_depth + 3`.

@@ -2,7 +2,7 @@
 //! replay against hand-computed cases.
 
 use offload_core::ResidentPolicy;
-use offload_plan::{best_bound, plan, plan_heuristic, plan_with_coding, streamed_depth, BlockCost, CodedCost, CostModel};
+use offload_plan::{best_bound, depth_within, plan, plan_heuristic, plan_with_coding, streamed_depth, BlockCost, CodedCost, CostModel};
 use proptest::prelude::*;
 
 fn model(blocks: &[(u64, f64)], bw: f64, non_block: u64) -> CostModel {
@@ -178,6 +178,14 @@ fn streamed_depth_is_one_where_the_copies_bind() {
     let c = streamed_depth(&z, 2, 0.0).unwrap();
     let best = (1..=2).map(|d| z.simulate_s(&all, d)).fold(f64::INFINITY, f64::min);
     assert!((c.predicted_step_s - best).abs() < 1e-12, "{c:?}");
+    // A zero tolerance reaches the bound at d=3 (d=3 and d=4 replay it, to rounding):
+    // the smallest such depth, not the deepest or the last tried.
+    assert_eq!(streamed_depth(&z, 4, 0.0).unwrap().depth, 3);
+    // The fallback's tie: the smaller depth.
+    assert_eq!(depth_within(&[3.0, 2.0, 2.0], 1.0, 0.0), 2);
+    assert_eq!(depth_within(&[3.0, 2.0, 1.5], 1.0, 0.0), 3);
+    assert_eq!(depth_within(&[3.0, 1.005, 1.0], 1.0, 0.01), 2);
+    assert_eq!(depth_within(&[], 1.0, 0.01), 0);
 }
 
 #[test]

@@ -306,8 +306,6 @@ fn row_case(c: &Value) -> String {
     }
 }
 
-/// A case as the tables name it: an image side (`1024²`), a video case's name as
-/// it is, or a text encoder's tokens (resolution 0).
 /// A streamed case's depth: `d=2`, or `d=2 (the planner's)` where the planner
 /// chose it (`zoo run --depths auto`).
 fn depth_label(c: &Value) -> String {
@@ -326,6 +324,8 @@ fn verdict(c: &Value) -> String {
     }
 }
 
+/// A case as the tables name it: an image side (`1024²`), a video case's name as
+/// it is, or a text encoder's tokens (resolution 0).
 fn case_label(c: &Value) -> String {
     let name = c["case"].as_str().unwrap_or("?");
     match (c["resolution"].as_u64(), c["tokens"].as_u64()) {

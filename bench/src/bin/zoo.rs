@@ -184,6 +184,9 @@ fn run(args: &[String]) -> Result<(), String> {
             if high_priority_compute && backend != "cuda" {
                 return Err(format!("--high-priority-compute: cuda's file only (it sets the reference model's stream), not {backend}"));
             }
+            if high_priority_compute && !coded {
+                return Err("--high-priority-compute: only with --coded (a coded probe, recorded in the coded store's facts)".into());
+            }
             if high_priority_decode && !coded {
                 return Err("--high-priority-decode: only with --coded (it sets the decoder's stream)".into());
             }
@@ -243,6 +246,9 @@ fn run(args: &[String]) -> Result<(), String> {
                     _ => Err(format!("--depths: {d:?} is neither a depth of at least 1 nor `auto`")),
                 })
                 .collect::<Result<Vec<usize>, _>>()?;
+            if depths.is_empty() && !auto_depth {
+                return Err("--depths: no depth given (depths of at least 1, comma-separated, or `auto`)".into());
+            }
             if auto_depth && backend != "candle" {
                 return Err(format!("--depths auto: only candle's file calibrates a fully streamed ring (not {backend})"));
             }

@@ -849,7 +849,13 @@ pub fn run(model: &Model, opts: &crate::harness::RunOptions) -> Result<crate::ha
                         return Err(format!("candle: calibration timed {} blocks of {}", blocks.len(), store.blocks().len()));
                     }
                     let source = format!("{gpu}, {} {}, resident steps of zoo run --backend candle", model.name, c.name);
-                    Some(offload_plan::CostModel { bandwidth_bytes_per_s: bandwidth, blocks, non_block_bytes: 0, source })
+                    Some(offload_plan::CostModel {
+                        bandwidth_bytes_per_s: bandwidth,
+                        blocks,
+                        non_block_bytes: 0,
+                        source,
+                        staging_buffers: offload_plan::DEFAULT_STAGING_BUFFERS,
+                    })
                 }
             };
             resident.push(Resident { times, out, activations, cost });

@@ -375,6 +375,7 @@ mod tests {
                 .collect(),
             non_block_bytes: 0,
             source: "test".into(),
+            staging_buffers: offload_plan::DEFAULT_STAGING_BUFFERS,
         };
         let fast = coding_choice(&model(0.004), 2);
         assert!(fast.coded, "{fast:?}");

@@ -45,8 +45,10 @@ pub struct CodingOptions {
     /// read it, and a decode waits for its slot's last use, so the copies can run
     /// at most this many blocks ahead of the decodes: more buffers let the copy
     /// stream bank time during blocks whose compute is longer than their copy,
-    /// at the cost of one largest coded block of device memory each (the
-    /// planner's cost model budgets two: count any more yourself). On the H200
+    /// at the cost of one largest coded block of device memory each (set
+    /// `offload_plan::CostModel::staging_buffers` to the same number, so the
+    /// planner counts them in the budget; it counts two when a calibration does
+    /// not say). On the H200
     /// more than two moved nothing (`bench/NOTES.md`).
     pub staging_buffers: usize,
 }

@@ -10,7 +10,13 @@ fn planner(c: &mut Criterion) {
     let blocks = (0..200)
         .map(|i| BlockCost::new(format!("layers.{i}"), [300u64 << 20, 680 << 20, 120 << 20][i % 3], 0.002 + (i % 7) as f64 * 1e-4))
         .collect();
-    let m = CostModel { bandwidth_bytes_per_s: 54e9, blocks, non_block_bytes: 1 << 30, source: "bench".into() };
+    let m = CostModel {
+        bandwidth_bytes_per_s: 54e9,
+        blocks,
+        non_block_bytes: 1 << 30,
+        source: "bench".into(),
+        staging_buffers: offload_plan::DEFAULT_STAGING_BUFFERS,
+    };
     c.bench_function("planner_200_blocks", |b| b.iter(|| plan(&m, 24 << 30, 2, ResidentPolicy::Auto).expect("fits")));
 }
 

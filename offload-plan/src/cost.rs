@@ -50,6 +50,18 @@ pub struct CostModel {
     /// Where the numbers come from (device name, date), free text.
     #[serde(default)]
     pub source: String,
+    /// Staging buffers a coded plan's decode engine holds (offload-cuda's
+    /// `CodingOptions::staging_buffers`; [`DEFAULT_STAGING_BUFFERS`] when a
+    /// calibration does not say): what [`staging_bytes`](Self::staging_bytes) counts.
+    #[serde(default = "default_staging_buffers")]
+    pub staging_buffers: usize,
+}
+
+/// The decode engine's staging buffers by default (offload-cuda's `STAGING_BUFFERS`).
+pub const DEFAULT_STAGING_BUFFERS: usize = 2;
+
+fn default_staging_buffers() -> usize {
+    DEFAULT_STAGING_BUFFERS
 }
 
 impl CostModel {
@@ -61,7 +73,13 @@ impl CostModel {
             .map(|b| Ok(BlockCost::new(b.id.to_string(), BlockLayout::new(b.tensors.clone())?.bytes as u64, 0.0)))
             .collect::<Result<_>>()?;
         let non_block_bytes = BlockLayout::new(inventory.non_block.clone())?.bytes as u64;
-        Ok(CostModel { bandwidth_bytes_per_s, blocks, non_block_bytes, source: "block sizes only".into() })
+        Ok(CostModel {
+            bandwidth_bytes_per_s,
+            blocks,
+            non_block_bytes,
+            source: "block sizes only".into(),
+            staging_buffers: DEFAULT_STAGING_BUFFERS,
+        })
     }
 
     /// Read a calibration saved with [`to_json`](Self::to_json).
@@ -111,9 +129,9 @@ impl CostModel {
         !self.blocks.is_empty() && self.blocks.iter().all(|b| b.coded.is_some())
     }
 
-    /// Staging device bytes of a coded plan: the decode engine's two staging
-    /// buffers (offload-cuda's `STAGING_BUFFERS`), each the largest coded block
-    /// rounded up to 2 MiB (resident blocks are loaded through them too, and the
+    /// Staging device bytes of a coded plan: the decode engine's
+    /// [`staging_buffers`](Self::staging_buffers) (at least one), each the largest
+    /// coded block rounded up to 2 MiB (resident blocks are loaded through them too, and the
     /// buffers keep the largest size they grew to), whatever the depth (`_resident`
     /// and `_depth` are kept for engines that would hold one per copy in flight).
     pub fn staging_bytes(&self, _resident: &[bool], _depth: usize) -> u64 {
@@ -121,7 +139,7 @@ impl CostModel {
         if largest == 0 {
             return 0;
         }
-        2 * largest.next_multiple_of(2 << 20)
+        self.staging_buffers.max(1) as u64 * largest.next_multiple_of(2 << 20)
     }
 
     /// [`simulate_s`](Self::simulate_s), with the streamed blocks held coded

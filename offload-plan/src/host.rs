@@ -95,7 +95,13 @@ mod tests {
     fn model() -> CostModel {
         // Ten 100 MB blocks; block k computes k ms, so the heavier ones go to disk first.
         let blocks = (0..10).map(|k| BlockCost::new(format!("blocks.{k}"), 100_000_000, k as f64 * 1e-3)).collect();
-        CostModel { bandwidth_bytes_per_s: 50e9, blocks, non_block_bytes: 1_000_000, source: "test".into() }
+        CostModel {
+            bandwidth_bytes_per_s: 50e9,
+            blocks,
+            non_block_bytes: 1_000_000,
+            source: "test".into(),
+            staging_buffers: crate::cost::DEFAULT_STAGING_BUFFERS,
+        }
     }
 
     #[test]

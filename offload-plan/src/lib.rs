@@ -24,7 +24,7 @@ pub mod cost;
 pub mod host;
 pub mod planner;
 
-pub use cost::{BlockCost, CodedCost, CostModel};
+pub use cost::{BlockCost, CodedCost, CostModel, DEFAULT_STAGING_BUFFERS};
 pub use host::{plan_host_tier, HostChoice};
 pub use offload_core::{ComponentPlan, PinFallback, Plan, ResidentPolicy, Strategy};
 pub use planner::{

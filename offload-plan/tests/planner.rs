@@ -11,6 +11,7 @@ fn model(blocks: &[(u64, f64)], bw: f64, non_block: u64) -> CostModel {
         blocks: blocks.iter().enumerate().map(|(i, &(bytes, compute_s))| BlockCost::new(format!("blocks.{i}"), bytes, compute_s)).collect(),
         non_block_bytes: non_block,
         source: "test".into(),
+        staging_buffers: offload_plan::DEFAULT_STAGING_BUFFERS,
     }
 }
 
@@ -229,7 +230,29 @@ fn codable(c: f64) -> CostModel {
             .collect(),
         non_block_bytes: 0,
         source: "test".into(),
+        staging_buffers: offload_plan::DEFAULT_STAGING_BUFFERS,
     }
+}
+
+#[test]
+fn the_staging_buffers_a_calibration_names_are_what_the_planner_counts() {
+    let mut m = codable(0.17 / 57.0);
+    let one = (380_000_000u64 * 665 / 1000).next_multiple_of(2 << 20);
+    assert_eq!(m.staging_bytes(&[false; 57], 1), 2 * one, "two by default");
+    m.staging_buffers = 4;
+    assert_eq!(m.staging_bytes(&[false; 57], 1), 4 * one);
+    // Streaming with two slots of 380 MB, a budget with room for two staging
+    // buffers but not four: coded with two, not with four.
+    let budget = 2 * 380_000_000 + 3 * one;
+    m.staging_buffers = 2;
+    let two = plan_with_coding(&m, budget, 1, ResidentPolicy::Auto).unwrap();
+    assert!(two.coded && two.device_bytes <= budget, "{two:?}");
+    m.staging_buffers = 4;
+    let four = plan_with_coding(&m, budget, 1, ResidentPolicy::Auto).unwrap();
+    assert!(!four.coded, "four staging buffers do not fit: {four:?}");
+    // A calibration saved before the field existed reads as two.
+    let old = m.to_json().replace("\"staging_buffers\": 4", "\"unused\": 0");
+    assert_eq!(CostModel::from_json(&old).unwrap().staging_buffers, 2);
 }
 
 #[test]

@@ -875,8 +875,7 @@ pub fn run(model: &Model, opts: &crate::harness::RunOptions) -> Result<crate::ha
             let at = format!("candle: {} {} --depths auto", model.name, c.name);
             let choice = offload_plan::streamed_depth(cost, crate::harness::AUTO_DEPTH_MAX, crate::harness::AUTO_DEPTH_TOLERANCE)
                 .map_err(|x| format!("{at}: {x}"))?;
-            let none = vec![false; cost.blocks.len()];
-            let replayed: Vec<f64> = (1..=crate::harness::AUTO_DEPTH_MAX).map(|d| cost.simulate_s(&none, d)).collect();
+            let replayed = offload_plan::streamed_replays(cost, crate::harness::AUTO_DEPTH_MAX);
             eprintln!(
                 "{at}: d={} (replayed {:?} s at d=1..{}, bound {:.4} s)",
                 choice.depth,

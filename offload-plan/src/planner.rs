@@ -293,9 +293,16 @@ pub fn streamed_depth(model: &CostModel, max_depth: usize, tolerance: f64) -> Re
     if model.blocks.is_empty() {
         return Err(Error::Plan("streamed_depth: the cost model has no blocks".into()));
     }
-    let replayed: Vec<f64> = (1..=max_depth).map(|d| model.simulate_s(&vec![false; model.blocks.len()], d)).collect();
-    let depth = depth_within(&replayed, model.bound_s(&vec![false; model.blocks.len()]), tolerance);
+    let depth = depth_within(&streamed_replays(model, max_depth), model.bound_s(&vec![false; model.blocks.len()]), tolerance);
     Ok(streamed_choice(model, depth))
+}
+
+/// The replayed step of `model` fully streamed at each depth from 1 to
+/// `max_depth` (element `i` at depth `i + 1`): what [`streamed_depth`] chooses
+/// from, for a caller to record beside its choice.
+pub fn streamed_replays(model: &CostModel, max_depth: usize) -> Vec<f64> {
+    let none = vec![false; model.blocks.len()];
+    (1..=max_depth).map(|d| model.simulate_s(&none, d)).collect()
 }
 
 /// The rule of [`streamed_depth`] on replayed steps already computed

@@ -123,6 +123,12 @@ impl DiskFile {
     /// [`DIRECT_ALIGN`]-aligned start for the read to bypass the page cache).
     /// `what` names the block for errors.
     pub fn read_block(&self, offset: u64, len: usize, dst: &mut [u8], what: &str) -> Result<()> {
+        self.read_block_with(offset, len, dst, what, &|| ())
+    }
+
+    /// [`read_block`](Self::read_block), running `between` after the file is
+    /// checked and before it is read (for tests: the file changed in that window).
+    fn read_block_with(&self, offset: u64, len: usize, dst: &mut [u8], what: &str, between: &dyn Fn()) -> Result<()> {
         let fail = |fault: String| Error::DiskRead { path: self.path.clone(), block: what.to_owned(), offset, bytes: len, fault };
         if dst.len() < len {
             return Err(fail(format!("a {}-byte buffer for it", dst.len())));
@@ -131,6 +137,13 @@ impl DiskFile {
         if offset.checked_add(len as u64).is_none_or(|end| end > self.identity.len) {
             return Err(fail(format!("past the end of the {}-byte file", self.identity.len)));
         }
+        between();
+        // A read that fails because the file was cut or written since the check
+        // above says so (the cause), not only what the read saw.
+        let fail = |fault: String| match self.check() {
+            Err(changed) => fail(changed.to_string()),
+            Ok(()) => fail(fault),
+        };
         let a = DIRECT_ALIGN as u64;
         let start = offset / a * a;
         let lead = (offset - start) as usize;
@@ -411,6 +424,29 @@ mod tests {
         std::fs::OpenOptions::new().write(true).open(&path).unwrap().set_len(100).unwrap();
         let e = f.read_block(0, 8, &mut [0u8; 8], "blocks.1").unwrap_err().to_string();
         assert!(e.contains("blocks.1") && e.contains("truncated"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_file_cut_between_the_check_and_the_read_is_named_truncated() {
+        // The window a disk-stream thread can hit: the file was whole when checked
+        // and cut before the read. The error says why the read came up short.
+        let dir = std::env::temp_dir().join(format!("offload-disk-cut-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("f.bin");
+        let data: Vec<u8> = (0..4 * DIRECT_ALIGN as u32).map(|i| (i.wrapping_mul(2654435761) >> 11) as u8).collect();
+        for direct_dst in [true, false] {
+            std::fs::File::create(&path).unwrap().write_all(&data).unwrap();
+            let f = DiskFile::open(&path).unwrap();
+            let cut = || std::fs::OpenOptions::new().write(true).open(&path).unwrap().set_len(100).unwrap();
+            let len = 2 * DIRECT_ALIGN;
+            let mut v = vec![0u8; DiskFile::span(len) + DIRECT_ALIGN];
+            let dst = if direct_dst { aligned(&mut v, DiskFile::span(len)) } else { &mut v[1..len + 1] };
+            let e = f.read_block_with(DIRECT_ALIGN as u64 + 8, len, dst, "blocks.3", &cut).unwrap_err();
+            let msg = e.to_string();
+            assert!(matches!(e, Error::DiskRead { .. }), "{msg}");
+            assert!(msg.contains("blocks.3") && msg.contains("truncated"), "direct destination {direct_dst}: {msg}");
+        }
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

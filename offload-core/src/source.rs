@@ -349,7 +349,11 @@ impl HostRegion for FileRegion {
                 fault: format!("{} bytes at {offset} asked of a {}-byte file", dst.len(), self.len()),
             });
         }
-        self.file.read_exact_at(dst, offset as u64).map_err(|source| Error::Io { path: self.path.clone(), source })
+        // A read that fails because the file changed after the check says so.
+        self.file.read_exact_at(dst, offset as u64).map_err(|source| match self.check() {
+            Err(changed) => changed,
+            Ok(()) => Error::Io { path: self.path.clone(), source },
+        })
     }
     fn origin(&self) -> String {
         format!("checkpoint {}", self.path.display())

@@ -97,7 +97,15 @@ impl<B: OffloadBackend> OffloadBackend for FaultInjector<B> {
     }
     fn alloc_host_coded(&self, bytes: usize, purpose: &str, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<Self::HostBuffer> {
         self.tick(FaultKind::HostAlloc, purpose)?;
-        self.inner.alloc_host_coded(bytes, purpose, fill)
+        match self.inner.alloc_host_coded(bytes, purpose, fill) {
+            // Not an allocation: the store asks `alloc_host` for this block next,
+            // which counts it once.
+            Err(e @ Error::Unsupported { .. }) => {
+                self.counters.host.fetch_sub(1, Ordering::SeqCst);
+                Err(e)
+            }
+            r => r,
+        }
     }
     fn host_in_region(
         &self,

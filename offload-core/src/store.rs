@@ -552,6 +552,30 @@ mod tests {
         assert!(be.stats().violations.is_empty(), "{:?}", be.stats().violations);
     }
 
+    #[test]
+    fn a_host_fault_lands_on_the_same_block_whether_or_not_coding_fell_back() {
+        // A backend that cannot decode: the store's first coded allocation is
+        // refused and it holds the blocks as they are. The fault schedule counts
+        // allocations, so the n-th fails the same block as in an uncoded build.
+        let mut src = MemoryTensors::new();
+        for i in 0..4 {
+            src.push(TensorSpec::new(format!("blocks.{i}.w"), DType::U8, [4096]), random(4096, 40 + i)).unwrap();
+        }
+        let inv = NameDiscovery.discover("m", src.specs()).unwrap();
+        for n in 0..4 {
+            let mut failed = Vec::new();
+            for coded in [false, true] {
+                let be = crate::FaultInjector::new(SimBackend::new(SimConfig { decodes: false, ..SimConfig::fast() }));
+                be.arm(crate::FaultKind::HostAlloc, n);
+                let pin = PinOptions { coded, ..Default::default() };
+                let e = HostStore::build_with(&be, &inv, &src, pin).err().expect("the armed fault fails the build").to_string();
+                assert!(e.contains(&format!("HostAlloc #{n}")), "{e}");
+                failed.push(e);
+            }
+            assert_eq!(failed[0], failed[1], "fault #{n}");
+        }
+    }
+
     /// A safetensors file written by hand, tensors in the order given (so a test
     /// chooses what lies where), the header padded to a multiple of 8.
     fn write_checkpoint(path: &std::path::Path, tensors: &[(String, Vec<u8>)]) {

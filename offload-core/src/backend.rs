@@ -104,6 +104,26 @@ pub trait OffloadBackend: Clone + Send + Sync + 'static {
         Err(crate::Error::unsupported(self.name(), format!("host buffers coded for the device (for {purpose})")))
     }
 
+    /// Like [`alloc_host_coded`](Self::alloc_host_coded), but the block comes
+    /// coded already (made ahead of time by [`crate::codec::code_for_device`],
+    /// e.g. read from a [`CodedFile`](crate::CodedFile)): `fill` writes its
+    /// `coded_len` coded bytes, which must decode to `bytes` bytes. The backend
+    /// checks their structure ([`crate::codec::device_segments`]) before the
+    /// buffer is handed out, a named error otherwise; their content is the
+    /// caller's to check ([`HostStore::build_from_coded_file`](crate::HostStore::build_from_coded_file)
+    /// does). [`Error::Unsupported`](crate::Error::Unsupported) where the backend
+    /// cannot decode, returned before `fill` is called.
+    fn alloc_host_precoded(
+        &self,
+        bytes: usize,
+        coded_len: usize,
+        purpose: &str,
+        fill: &mut dyn FnMut(&mut [u8]) -> Result<()>,
+    ) -> Result<Self::HostBuffer> {
+        let _ = (bytes, coded_len, fill);
+        Err(crate::Error::unsupported(self.name(), format!("host buffers coded for the device (for {purpose})")))
+    }
+
     /// Serve `bytes` of `region` from `offset` as a host buffer without copying
     /// them (the mapped host tier): the backend registers the region with its
     /// device (read-only, page-locked) on first use and keeps it registered while

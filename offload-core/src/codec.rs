@@ -659,6 +659,44 @@ pub fn device_segments(coded: &[u8], what: &str) -> Result<(usize, Vec<DeviceSeg
     Ok((len, segs))
 }
 
+/// Whether the device block `coded` ([`code_for_device`]) was made from `raw`:
+/// its structure checked ([`device_segments`]), its length `raw`'s, and each
+/// segment's stored hash of its original bytes equal to the hash of that range
+/// of `raw` (computed on up to `threads` host threads). What binds coded bytes
+/// made ahead of time to the weights they stand for; it does not check the
+/// coded bytes decode to their hash (the CPU decoder does,
+/// [`decode_device_block`]). `what` names the block in errors.
+pub fn coded_matches(coded: &[u8], raw: &[u8], threads: usize, what: &str) -> Result<()> {
+    let (len, segs) = device_segments(coded, what)?;
+    if len != raw.len() {
+        return Err(damaged(what, format!("coded from {len} bytes, {} given", raw.len())));
+    }
+    let stored: Vec<u64> = segs.iter().map(|sg| u64_at(coded, sg.enc_at + 16, what)).collect::<Result<_>>()?;
+    let threads = threads.clamp(1, segs.len().max(1));
+    let per = segs.len().div_ceil(threads).max(1);
+    let mismatch = std::thread::scope(|scope| {
+        let handles: Vec<_> = segs
+            .chunks(per)
+            .zip(stored.chunks(per))
+            .enumerate()
+            .map(|(t, (group, want))| {
+                scope.spawn(move || {
+                    group.iter().zip(want).position(|(sg, &h)| hash64(&raw[sg.out_at..sg.out_at + sg.out_len]) != h).map(|i| t * per + i)
+                })
+            })
+            .collect();
+        // A hashing thread that panicked takes the caller down with it.
+        handles.into_iter().filter_map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e))).min()
+    });
+    match mismatch {
+        Some(i) => Err(damaged(
+            what,
+            format!("segment {i} (bytes {} to {}) was coded from other bytes than these", segs[i].out_at, segs[i].out_at + segs[i].out_len),
+        )),
+        None => Ok(()),
+    }
+}
+
 /// A coded string's length without the word padding of a device block: its
 /// layout ends with one sign-mantissa byte per value.
 fn unpadded_len(enc: &[u8], out_len: usize, what: &str) -> Result<usize> {
@@ -838,5 +876,23 @@ mod tests {
         }
         assert!(device_segments(&coded[..coded.len() - 300], "blocks.7").is_err());
         assert!(decode_device_block(&coded, &mut out[1..], "blocks.7").is_err());
+    }
+
+    #[test]
+    fn coded_bytes_match_the_bytes_they_were_made_from_and_no_others() {
+        let raw = normal_bf16(300_001, 0.03, 8);
+        for threads in [1, 3] {
+            let coded = code_for_device(&raw, 65_536, 2);
+            coded_matches(&coded, &raw, threads, "blocks.2").unwrap();
+            // One value changed in the third segment: named, with the segment.
+            let mut other = raw.clone();
+            other[2 * 65_536 + 10] ^= 1;
+            let e = coded_matches(&coded, &other, threads, "blocks.2").unwrap_err().to_string();
+            assert!(e.contains("blocks.2") && e.contains("segment 2"), "{e}");
+            // Another length, and structural damage.
+            assert!(coded_matches(&coded, &raw[1..], threads, "blocks.2").unwrap_err().to_string().contains("blocks.2"));
+            assert!(coded_matches(&coded[..coded.len() / 2], &raw, threads, "blocks.2").is_err());
+        }
+        coded_matches(&code_for_device(&[], 64, 2), &[], 2, "b").unwrap();
     }
 }

@@ -61,6 +61,17 @@ pub enum Error {
         /// What is wrong.
         fault: String,
     },
+    /// A coded file ([`CodedFile`](crate::CodedFile)) cannot serve a block: not
+    /// one, damaged, or made from other weights than the checkpoint's.
+    #[error("coded file {path}: {block}: {fault}")]
+    CodedFile {
+        /// File path.
+        path: PathBuf,
+        /// Block at fault (empty when the file itself is at fault).
+        block: String,
+        /// What is wrong.
+        fault: String,
+    },
     /// Reading a file failed.
     #[error("reading {path}: {source}")]
     Io {

@@ -107,6 +107,23 @@ impl<B: OffloadBackend> OffloadBackend for FaultInjector<B> {
             r => r,
         }
     }
+    fn alloc_host_precoded(
+        &self,
+        bytes: usize,
+        coded_len: usize,
+        purpose: &str,
+        fill: &mut dyn FnMut(&mut [u8]) -> Result<()>,
+    ) -> Result<Self::HostBuffer> {
+        self.tick(FaultKind::HostAlloc, purpose)?;
+        match self.inner.alloc_host_precoded(bytes, coded_len, purpose, fill) {
+            // As for `alloc_host_coded`: the store asks `alloc_host` next.
+            Err(e @ Error::Unsupported { .. }) => {
+                self.counters.host.fetch_sub(1, Ordering::SeqCst);
+                Err(e)
+            }
+            r => r,
+        }
+    }
     fn host_in_region(
         &self,
         region: &std::sync::Arc<dyn crate::HostRegion>,

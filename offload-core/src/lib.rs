@@ -46,6 +46,7 @@
 
 pub mod backend;
 pub mod codec;
+pub mod coded_file;
 pub mod discovery;
 pub mod disk;
 pub mod error;
@@ -63,6 +64,7 @@ pub mod tensor;
 pub mod timeline;
 
 pub use backend::{MemoryInfo, OffloadBackend, StreamKind};
+pub use coded_file::{CodedEntry, CodedFile, CodedFileStats};
 pub use discovery::{BlockDiscovery, BlockId, BlockSpec, ComponentInventory, DeclaredStacks, NameDiscovery, StackSpec};
 pub use disk::DiskFile;
 pub use error::{Error, Result};

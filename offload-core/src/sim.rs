@@ -373,6 +373,31 @@ impl OffloadBackend for SimBackend {
         Ok(SimHost(raw, pinned, Some(coded.into())))
     }
 
+    fn alloc_host_precoded(
+        &self,
+        bytes: usize,
+        coded_len: usize,
+        purpose: &str,
+        fill: &mut dyn FnMut(&mut [u8]) -> Result<()>,
+    ) -> Result<SimHost> {
+        if !self.inner.cfg.decodes {
+            return Err(Error::unsupported("sim", format!("a device without a decoder (for {purpose})")));
+        }
+        // The coded bytes are what is page-locked; the raw ones (the simulator's
+        // own, for `host_bytes`) are decoded from them on the host.
+        let SimHost(coded, pinned, _) = self.alloc_pinned(coded_len, purpose, fill)?;
+        let structure = crate::codec::device_segments(&coded, purpose).and_then(|(len, _)| match len == bytes {
+            true => Ok(()),
+            false => Err(Error::BadTensor { tensor: purpose.into(), fault: format!("coded from {len} bytes, {bytes} expected") }),
+        });
+        let mut raw = vec![0u8; bytes];
+        if let Err(e) = structure.and_then(|()| crate::codec::decode_device_block(&coded, &mut raw, purpose)) {
+            lock(&self.inner.state).stats.pinned_bytes -= coded_len as u64;
+            return Err(e);
+        }
+        Ok(SimHost(raw.into(), pinned, Some(coded)))
+    }
+
     fn host_in_region(&self, region: &Arc<dyn crate::HostRegion>, offset: usize, bytes: usize, purpose: &str) -> Result<SimHost> {
         if !self.inner.cfg.registers_regions {
             return Err(Error::unsupported("sim", format!("registering host memory (for {purpose})")));

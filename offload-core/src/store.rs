@@ -2,6 +2,7 @@
 //! (page-locked where the backend can), every tensor at a 256-byte-aligned offset.
 
 use crate::backend::OffloadBackend;
+use crate::coded_file::{CodedFile, NON_BLOCK};
 use crate::discovery::{BlockId, ComponentInventory};
 use crate::disk::DiskFile;
 use crate::error::{Error, Result};
@@ -130,6 +131,34 @@ fn placement(specs: &[crate::tensor::TensorSpec], at: &[usize]) -> std::result::
     Ok((start, layout))
 }
 
+/// A coded host buffer of the block laid out as `layout`, its coded bytes read
+/// from `cf`'s entry `key` and checked there, then against the block's bytes
+/// from `fill`.
+fn precoded_buffer<B: OffloadBackend>(
+    backend: &B,
+    cf: &CodedFile,
+    key: String,
+    layout: &BlockLayout,
+    purpose: &str,
+    source: &dyn TensorSource,
+    fill: &mut dyn FnMut(&mut [u8]) -> Result<()>,
+) -> Result<B::HostBuffer> {
+    let fault = |f: String| Error::CodedFile { path: cf.path().to_path_buf(), block: purpose.to_owned(), fault: f };
+    let entry = cf.entry(&key).ok_or_else(|| fault(format!("no entry {key:?} (written for another model?)")))?;
+    if entry.raw_bytes != layout.bytes as u64 {
+        return Err(fault(format!("coded from {} bytes; the store lays the block out in {}", entry.raw_bytes, layout.bytes)));
+    }
+    let coded_len = usize::try_from(entry.len).map_err(|_| fault(format!("{} coded bytes do not fit this machine", entry.len)))?;
+    let threads = std::thread::available_parallelism().map_or(4, |n| n.get());
+    backend.alloc_host_precoded(layout.bytes, coded_len, purpose, &mut |dst| {
+        cf.read_entry(entry, dst, threads)?;
+        let mut raw = vec![0u8; layout.bytes];
+        fill(&mut raw)?;
+        crate::codec::coded_matches(dst, &raw, threads, purpose)
+            .map_err(|e| fault(format!("{e}: made from other weights than {}'s, or they changed since (write it again)", source.origin())))
+    })
+}
+
 impl<B: OffloadBackend> HostStore<B> {
     /// Build the store of `inventory` from `source`, one block at a time: each
     /// block's tensors are read straight into its host buffer.
@@ -140,7 +169,35 @@ impl<B: OffloadBackend> HostStore<B> {
     /// [`build`](Self::build) with a pin budget and a fallback to pageable memory.
     /// On any error, everything built so far is released and nothing is kept.
     pub fn build_with(backend: &B, inventory: &ComponentInventory, source: &dyn TensorSource, pin: PinOptions) -> Result<Self> {
-        Self::build_inner(backend, inventory, source, pin, None, None)
+        Self::build_inner(backend, inventory, source, pin, None, None, None)
+    }
+
+    /// Build a coded store of `inventory` from the coded bytes a
+    /// [`CodedFile`] holds (written ahead of time by [`CodedFile::write`]),
+    /// instead of coding each block at build ([`PinOptions::coded`], which this
+    /// implies): a coded start in the time it takes to read and hash the
+    /// checkpoint and the coded file, not to code the model. Each block's coded
+    /// bytes are checked against the file's own hashes of them, and against the
+    /// checkpoint's bytes as the store lays them out ([`crate::codec::coded_matches`]);
+    /// a block the file lacks, damaged, or made from other weights is an
+    /// [`Error::CodedFile`] naming the file and the block, and nothing is kept.
+    /// A backend that cannot decode holds the blocks as they are, as with
+    /// [`PinOptions::coded`].
+    pub fn build_from_coded_file(
+        backend: &B,
+        inventory: &ComponentInventory,
+        source: &dyn TensorSource,
+        pin: PinOptions,
+        coded: &CodedFile,
+    ) -> Result<Self> {
+        if coded.component() != inventory.name {
+            return Err(Error::CodedFile {
+                path: coded.path().to_path_buf(),
+                block: String::new(),
+                fault: format!("written for component {:?}, not {:?}", coded.component(), inventory.name),
+            });
+        }
+        Self::build_inner(backend, inventory, source, PinOptions { coded: true, ..pin }, None, None, Some(coded))
     }
 
     /// Build the store of `inventory` serving each block in place from `source`'s
@@ -158,7 +215,7 @@ impl<B: OffloadBackend> HostStore<B> {
         let region = source.region();
         region.check()?;
         let offset = |i: usize| source.tensor_offset(i);
-        Self::build_inner(backend, inventory, source, pin, Some((&region, &offset)), None)
+        Self::build_inner(backend, inventory, source, pin, Some((&region, &offset)), None, None)
     }
 
     /// Build the store of `inventory` from the checkpoint `file`, keeping in host
@@ -181,7 +238,7 @@ impl<B: OffloadBackend> HostStore<B> {
     ) -> Result<Self> {
         let disk = Arc::new(DiskFile::open_expecting(file.path(), file.identity())?);
         let offset = |i: usize| file.data_offset(i) as usize;
-        Self::build_inner(backend, inventory, file, pin, None, Some((&disk, &offset, on_disk)))
+        Self::build_inner(backend, inventory, file, pin, None, Some((&disk, &offset, on_disk)), None)
     }
 
     #[allow(clippy::type_complexity)]
@@ -192,6 +249,7 @@ impl<B: OffloadBackend> HostStore<B> {
         pin: PinOptions,
         mapped: Option<(&Arc<dyn HostRegion>, &dyn Fn(usize) -> usize)>,
         disk: Option<(&Arc<DiskFile>, &dyn Fn(usize) -> usize, &dyn Fn(&BlockId) -> bool)>,
+        precoded: Option<&CodedFile>,
     ) -> Result<Self> {
         let t0 = std::time::Instant::now();
         let tier = std::cell::RefCell::new(HostTier::default());
@@ -334,9 +392,17 @@ impl<B: OffloadBackend> HostStore<B> {
                     }
                 }
             } else {
+                // Coded at build, or read coded from the coded file.
+                let coded_alloc = |fill: &mut dyn FnMut(&mut [u8]) -> Result<()>| match precoded {
+                    Some(cf) => {
+                        let key = if is_block { id.to_string() } else { NON_BLOCK.into() };
+                        precoded_buffer(backend, cf, key, &layout, &purpose, source, fill)
+                    }
+                    None => backend.alloc_host_coded(layout.bytes, &purpose, fill),
+                };
                 let coded = match coding.get() {
                     false => None,
-                    true => match backend.alloc_host_coded(layout.bytes, &purpose, &mut fill) {
+                    true => match coded_alloc(&mut fill) {
                         Ok(b) => {
                             via_coded = true;
                             Some(b)
@@ -792,6 +858,138 @@ mod tests {
         }
         ring.close()?;
         Ok(m.unwrap())
+    }
+
+    /// `n` bf16 values drawn normal with standard deviation `std` (what a real
+    /// checkpoint's weights look like: their exponents code to about 2.6 bits).
+    fn normal_bf16(n: usize, std: f32, seed: u64) -> Vec<u8> {
+        use rand::{Rng, SeedableRng};
+        let mut r = rand::rngs::StdRng::seed_from_u64(seed);
+        (0..n)
+            .flat_map(|_| {
+                let (u, v): (f32, f32) = (r.gen_range(1e-7..1.0), r.gen_range(0.0..1.0));
+                let x = std * (-2.0 * u.ln()).sqrt() * (std::f32::consts::TAU * v).cos();
+                ((x.to_bits() >> 16) as u16).to_le_bytes()
+            })
+            .collect()
+    }
+
+    /// Three blocks of bf16 weights (two tensors each, one of odd length) and a
+    /// non-block tensor of random bytes (incompressible: kept raw).
+    fn coded_model(seed: u64) -> MemoryTensors {
+        let mut src = MemoryTensors::new();
+        for b in 0..3u64 {
+            let n = 100_000 + b as usize * 777;
+            src.push(TensorSpec::new(format!("blocks.{b}.w"), DType::BF16, [n]), normal_bf16(n, 0.02, seed + b)).unwrap();
+            src.push(TensorSpec::new(format!("blocks.{b}.bias"), DType::BF16, [333]), normal_bf16(333, 0.5, seed + 10 + b)).unwrap();
+        }
+        src.push(TensorSpec::new("head.w", DType::U8, [5000]), random(5000, seed + 20)).unwrap();
+        src
+    }
+
+    #[test]
+    fn a_store_from_a_coded_file_serves_the_same_bytes_as_one_coded_at_build() {
+        let checkpoint = temp("coded-file");
+        let dir = checkpoint.parent().unwrap().to_path_buf();
+        let path = crate::CodedFile::path_for(&checkpoint);
+        let src = coded_model(7);
+        let inv = NameDiscovery.discover("m", src.specs()).unwrap();
+        let stats = crate::CodedFile::write(&path, &inv, &src, crate::sim::SIM_SEGMENT_BYTES, 2).unwrap();
+        assert_eq!(stats.entries, 4, "three blocks and the non-block tensors");
+        assert!(stats.coded_bytes < stats.raw_bytes, "{stats:?}");
+        let cf = crate::CodedFile::open(&path).unwrap();
+        assert_eq!((cf.component(), cf.segment_bytes(), cf.entries().len()), ("m", crate::sim::SIM_SEGMENT_BYTES, 4));
+        let be = SimBackend::new(SimConfig::fast());
+        let plain = HostStore::build(&be, &inv, &src).unwrap();
+        let store = std::sync::Arc::new(HostStore::build_from_coded_file(&be, &inv, &src, PinOptions::default(), &cf).unwrap());
+        assert_eq!(store.coded_blocks(), 4, "every buffer read coded from the file");
+        assert!(store.host_bytes() < plain.host_bytes(), "held coded: {} of {}", store.host_bytes(), plain.host_bytes());
+        // The same coded bytes a build that codes would hold (same segments), and
+        // on the device the same bytes as the plain store.
+        let at_build = HostStore::build_with(&be, &inv, &src, PinOptions { coded: true, ..Default::default() }).unwrap();
+        assert_eq!(at_build.host_bytes(), store.host_bytes());
+        assert_eq!(tensors_of(&be, &store), tensors_of(&be, &plain));
+        let plan = crate::resolve(&crate::Plan::layerwise(), std::slice::from_ref(&inv)).unwrap().components.remove(0);
+        let copies = be.stats().coded_copies;
+        serve(&be, &store, &plain, &plan, &[0, 1, 2], 2).unwrap();
+        let coded_copies = be.stats().coded_copies - copies;
+        assert!(coded_copies >= 6, "each block's copy decoded from its coded bytes: {coded_copies} coded copies");
+        assert!(be.stats().violations.is_empty(), "{:?}", be.stats().violations);
+        // A device without a decoder holds the blocks as they are, the same bytes.
+        let raw_be = SimBackend::new(SimConfig { decodes: false, ..SimConfig::fast() });
+        let held = HostStore::build_from_coded_file(&raw_be, &inv, &src, PinOptions::default(), &cf).unwrap();
+        assert_eq!((held.coded_blocks(), held.host_bytes()), (0, plain.host_bytes()));
+        assert_eq!(tensors_of(&raw_be, &held), tensors_of(&be, &plain));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_coded_file_damaged_or_made_from_other_weights_is_a_named_error_never_a_wrong_weight() {
+        let dir = temp("coded-file-bad").parent().unwrap().to_path_buf();
+        let path = dir.join("m.safetensors.offload-coded");
+        let src = coded_model(9);
+        let inv = NameDiscovery.discover("m", src.specs()).unwrap();
+        crate::CodedFile::write(&path, &inv, &src, crate::sim::SIM_SEGMENT_BYTES, 2).unwrap();
+        let good = std::fs::read(&path).unwrap();
+        let be = SimBackend::new(SimConfig::fast());
+        let build = |src: &MemoryTensors, inv: &crate::ComponentInventory| {
+            let cf = crate::CodedFile::open(&path)?;
+            HostStore::build_from_coded_file(&be, inv, src, PinOptions::default(), &cf).map(|_| ())
+        };
+        let entry = crate::CodedFile::open(&path).unwrap().entry("blocks.1").unwrap().clone();
+        // One byte of block 1's coded bytes, anywhere in them (its segment table,
+        // its stream, its sign-mantissa bytes): damaged, by name.
+        for at in [20, entry.len / 2, entry.len - 3] {
+            let mut bad = good.clone();
+            bad[(entry.at + at) as usize] ^= 0x10;
+            std::fs::write(&path, &bad).unwrap();
+            let e = build(&src, &inv).unwrap_err();
+            let msg = e.to_string();
+            assert!(matches!(e, crate::Error::CodedFile { .. }), "{msg}");
+            assert!(msg.contains("m/blocks.1") && msg.contains("damaged") && msg.contains("offload-coded"), "byte {at}: {msg}");
+        }
+        std::fs::write(&path, &good).unwrap();
+        // The checkpoint changed since (one value of block 2): made from other weights.
+        let mut changed = MemoryTensors::new();
+        for (i, spec) in src.specs().iter().enumerate() {
+            let mut bytes = vec![0u8; spec.nbytes().unwrap()];
+            src.read_into(i, &mut bytes).unwrap();
+            if spec.name == "blocks.2.w" {
+                bytes[1001] ^= 0x01;
+            }
+            changed.push(spec.clone(), bytes).unwrap();
+        }
+        let msg = build(&changed, &inv).unwrap_err().to_string();
+        assert!(msg.contains("m/blocks.2") && msg.contains("other weights"), "{msg}");
+        // Another component, a block the file lacks, another layout.
+        let other = NameDiscovery.discover("vae", src.specs()).unwrap();
+        assert!(build(&src, &other).unwrap_err().to_string().contains("written for component \"m\""));
+        let mut more = coded_model(9);
+        more.push(TensorSpec::new("blocks.3.w", DType::BF16, [64]), normal_bf16(64, 0.02, 1)).unwrap();
+        let more_inv = NameDiscovery.discover("m", more.specs()).unwrap();
+        let msg = build(&more, &more_inv).unwrap_err().to_string();
+        assert!(msg.contains("m/blocks.3") && msg.contains("no entry"), "{msg}");
+        // Cut short, not a coded file, an index that does not hold together.
+        for (what, bytes) in [
+            ("cut", good[..good.len() - 100].to_vec()),
+            ("empty", Vec::new()),
+            ("index", {
+                let mut b = good.clone();
+                let n = b.len();
+                b[n - 17] ^= 0x7f;
+                b
+            }),
+        ] {
+            std::fs::write(&path, &bytes).unwrap();
+            let e = crate::CodedFile::open(&path).unwrap_err();
+            assert!(matches!(e, crate::Error::CodedFile { .. }) && e.to_string().contains("offload-coded"), "{what}: {e}");
+        }
+        // A write that fails (a tensor the source lacks) leaves no file behind.
+        std::fs::remove_file(&path).unwrap();
+        let e = crate::CodedFile::write(&path, &more_inv, &src, crate::sim::SIM_SEGMENT_BYTES, 2).unwrap_err().to_string();
+        assert!(e.contains("blocks.3.w"), "{e}");
+        assert!(std::fs::read_dir(&dir).unwrap().next().is_none(), "nothing left at the path or beside it");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

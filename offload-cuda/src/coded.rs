@@ -543,4 +543,76 @@ mod tests {
             assert!(b2.host_bytes(blk.buffer().unwrap()) == want.as_slice());
         }
     }
+
+    /// On a GPU: a store read from a coded file made ahead of time
+    /// (`HostStore::build_from_coded_file`, coding off on the backend) holds
+    /// every block coded, and a ring over it puts each block's exact bytes in its
+    /// slot; a coded file damaged in an incompressible tensor's raw string (which
+    /// the device copies without a check) is refused at build by name. Without a
+    /// device it prints SKIPPED (and fails under `OFFLOAD_REQUIRE_DEVICE=1`).
+    #[test]
+    fn a_coded_file_streams_exact_bytes() {
+        let Some(b) = crate::codec::test_backend() else { return };
+        let mut t = MemoryTensors::new();
+        let mut x = 5u64;
+        for i in 0..4u64 {
+            let w = crate::codec::sample_normal_bf16(700_000 + 999 * i as usize, 0.02, 30 + i);
+            t.push(TensorSpec::new(format!("blocks.{i}.w"), DType::BF16, [w.len() / 2]), w).unwrap();
+            let noise: Vec<u8> = (0..600_001)
+                .map(|_| {
+                    x = x.wrapping_mul(6364136223846793005).wrapping_add(1);
+                    (x >> 33) as u8
+                })
+                .collect();
+            t.push(TensorSpec::new(format!("blocks.{i}.noise"), DType::U8, [noise.len()]), noise).unwrap();
+        }
+        let inv = NameDiscovery.discover("model", offload_core::TensorSource::specs(&t)).unwrap();
+        let dir = std::env::temp_dir().join(format!("offload-cuda-coded-file-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = offload_core::CodedFile::path_for(dir.join("model.safetensors"));
+        offload_core::CodedFile::write(&path, &inv, &t, 256 << 10, 4).unwrap();
+        let cf = offload_core::CodedFile::open(&path).unwrap();
+        let plain = HostStore::build(&b, &inv, &t).unwrap();
+        let raw: Vec<Vec<u8>> = plain.blocks().iter().map(|blk| b.host_bytes(blk.buffer().unwrap()).to_vec()).collect();
+        let store = Arc::new(HostStore::build_from_coded_file(&b, &inv, &t, offload_core::PinOptions::default(), &cf).unwrap());
+        assert_eq!(store.coded_blocks(), store.blocks().len() + 1, "every buffer coded from the file");
+        assert!(!b.is_coding(), "the backend's own coding stays off");
+        let plan = resolve(&Plan::layerwise().prefetch_depth(2), std::slice::from_ref(&inv)).unwrap();
+        let mut ring = Ring::new(b.clone(), store.clone(), &plan.components[0]).unwrap();
+        let before = b.counters();
+        for step in 0..2 {
+            for (i, want) in raw.iter().enumerate() {
+                let g = ring.block_at(i).unwrap();
+                let mut got = vec![0u8; want.len()];
+                // SAFETY: the slot holds `want.len()` bytes while the guard lives, as
+                // `got` does; the guard ordered the compute stream after the block's
+                // copy (decode) event, and the stream is synchronised before `got` is read.
+                unsafe {
+                    let s = b.compute_stream();
+                    sys::cuMemcpyDtoHAsync_v2(got.as_mut_ptr().cast(), g.slot().device_ptr(), got.len(), s.cu_stream()).result().unwrap();
+                    s.synchronize().unwrap();
+                }
+                assert!(got == *want, "step {step}, block {i}: the slot's bytes differ from the block's");
+                g.finish().unwrap();
+            }
+            ring.end_step().unwrap();
+        }
+        ring.close().unwrap();
+        b.poll_error().unwrap();
+        assert!(b.counters().coded_copies >= before.coded_copies + 8, "each block's copy decoded on the device");
+        // One byte of block 2's noise (a raw string) changed in the file.
+        let entry = cf.entry("blocks.2").unwrap().clone();
+        let (_, segs) =
+            offload_core::codec::device_segments(&std::fs::read(&path).unwrap()[entry.at as usize..(entry.at + entry.len) as usize], "b")
+                .unwrap();
+        let raw_seg = segs.iter().find(|s| s.coded.is_none()).expect("the noise stays raw");
+        let mut bytes = std::fs::read(&path).unwrap();
+        bytes[entry.at as usize + raw_seg.enc_at + 24 + 100] ^= 0x40;
+        std::fs::write(&path, &bytes).unwrap();
+        let cf = offload_core::CodedFile::open(&path).unwrap();
+        let e =
+            HostStore::build_from_coded_file(&b, &inv, &t, offload_core::PinOptions::default(), &cf).err().expect("refused").to_string();
+        assert!(e.contains("model/blocks.2") && e.contains("damaged"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }

@@ -480,6 +480,19 @@ impl OffloadBackend for CudaBackend {
         PinnedHost::new_coded(self.shared.clone(), c, bytes, fill, purpose)
     }
 
+    fn alloc_host_precoded(
+        &self,
+        bytes: usize,
+        coded_len: usize,
+        purpose: &str,
+        fill: &mut dyn FnMut(&mut [u8]) -> Result<()>,
+    ) -> Result<PinnedHost> {
+        let c = self
+            .coding_engine(crate::CodingOptions::default())
+            .map_err(|e| Error::unsupported(BACKEND, format!("decoding coded blocks on the device (for {purpose}): {e}")))?;
+        PinnedHost::new_precoded(self.shared.clone(), c, bytes, coded_len, fill, purpose)
+    }
+
     fn alloc_host_pageable(&self, bytes: usize, _purpose: &str, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<PinnedHost> {
         PinnedHost::new_pageable(self.shared.clone(), bytes, fill)
     }

@@ -108,6 +108,21 @@ impl PinnedHost {
         Ok(me)
     }
 
+    /// A coded buffer of a `len`-byte block whose `coded_len` coded bytes
+    /// `fill` writes (made ahead of time), parsed before it is handed out.
+    pub(crate) fn new_precoded(
+        shared: Arc<Shared>,
+        coding: &Coding,
+        len: usize,
+        coded_len: usize,
+        fill: &mut dyn FnMut(&mut [u8]) -> Result<()>,
+        purpose: &str,
+    ) -> Result<Self> {
+        let mut me = PinnedHost::new(shared, coded_len, fill, purpose)?;
+        me.coded = Some(CodedHost::new(coding, me.as_slice(), len, purpose)?);
+        Ok(me)
+    }
+
     /// `len` bytes at `offset` of a registered region, served in place.
     pub(crate) fn in_region(shared: Arc<Shared>, reg: Arc<crate::mapped::Registration>, offset: usize, len: usize) -> Self {
         // `mapped_host` checked `offset + len` lies in the region.

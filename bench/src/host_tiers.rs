@@ -73,6 +73,13 @@ pub struct TierRun {
     /// last timed step.
     #[serde(default)]
     pub host_rss_file_end_bytes: u64,
+    /// `coded` and `coded-file` modes: buffers held coded, and the host bytes
+    /// the store's buffers hold.
+    #[serde(default)]
+    pub coded_blocks: usize,
+    /// See [`coded_blocks`](Self::coded_blocks).
+    #[serde(default)]
+    pub host_bytes: u64,
 }
 
 /// One process run of the host-tier bench.
@@ -103,6 +110,13 @@ pub struct HostTierRun {
     /// The process's id (0 in files written before it was recorded).
     #[serde(default)]
     pub pid: u32,
+    /// `coded-file` mode: seconds this process spent writing the coded file
+    /// (0 when it was there), and its size.
+    #[serde(default)]
+    pub coded_file_write_s: f64,
+    /// See [`coded_file_write_s`](Self::coded_file_write_s).
+    #[serde(default)]
+    pub coded_file_bytes: u64,
 }
 
 /// `merge`'s targets (issue 17): a warm start from the mapped store within 2 s,
@@ -407,6 +421,79 @@ pub fn merge(runs: &[HostTierRun], min_repeats: usize) -> Result<Value, String> 
     ))
 }
 
+/// A coded start from a coded file made ahead of time (`zoo host-tiers --only
+/// coded-file,coded`): per mode (`coded-file`: `HostStore::build_from_coded_file`;
+/// `coded`: every block coded at build, `PinOptions::coded`) the start from
+/// opening the checkpoint to the end of the first streamed step, the store's
+/// build, the streamed step, medians with min and max over at least
+/// `min_repeats` process runs of one commit, model, case and depth; per run the
+/// `coded` start over the `coded-file` one (`start_speedup`). `checks_pass`:
+/// both modes bitwise equal to the resident output, finite and not constant,
+/// with the same number of buffers held coded (at least one) and the same host
+/// bytes in every run. No target: the issue asked for the file, not for a time.
+pub fn merge_coded_start(runs: &[HostTierRun], min_repeats: usize) -> Result<Value, String> {
+    let first = runs.first().ok_or("merge-coded-start: no runs")?;
+    if runs.len() < min_repeats {
+        return Err(format!("merge-coded-start: {} run(s), at least {min_repeats} wanted", runs.len()));
+    }
+    let mode_of = |r: &'_ HostTierRun, mode: &str| -> Result<TierRun, String> {
+        r.modes
+            .iter()
+            .find(|m| m.mode == mode)
+            .cloned()
+            .ok_or_else(|| format!("merge-coded-start: a run (pid {}) has no {mode} mode", r.pid))
+    };
+    let mut cases = Vec::new();
+    let mut checks = true;
+    let mut starts: Vec<Vec<f64>> = Vec::new();
+    for mode in ["coded-file", "coded"] {
+        let mut per = Vec::new();
+        for r in runs {
+            if (&r.commit, &r.model, &r.case, r.depth) != (&first.commit, &first.model, &first.case, first.depth) {
+                return Err(format!("merge-coded-start: runs differ ({} {} and {} {})", first.commit, first.model, r.commit, r.model));
+            }
+            per.push((r, mode_of(r, mode)?));
+        }
+        let refs: Vec<(&HostTierRun, &TierRun)> = per.iter().map(|(r, m)| (*r, m)).collect();
+        let col = |f: &dyn Fn(&TierRun) -> f64| sp(spread(&per.iter().map(|(_, m)| f(m)).collect::<Vec<_>>()));
+        let bitwise = per.iter().all(|(_, m)| m.bitwise_equal && m.output_finite_nonconstant);
+        let coded = per[0].1.coded_blocks;
+        let same = per.iter().all(|(_, m)| m.coded_blocks == coded && m.host_bytes == per[0].1.host_bytes);
+        checks &= bitwise && coded > 0 && same;
+        starts.push(per.iter().map(|(_, m)| m.start_s).collect());
+        let mut case = design_case(first, &refs, mode)?;
+        let extra = json!({
+            "mode": mode,
+            "repeats": per.len(),
+            "start_s": col(&|m| m.start_s),
+            "store_build_s": col(&|m| m.store_build_s),
+            "host_rss_bytes": col(&|m| m.host_rss_bytes as f64),
+            "coded_blocks": coded,
+            "host_bytes": per[0].1.host_bytes,
+        });
+        case.extend(extra.as_object().cloned().unwrap_or_default());
+        cases.push(Value::Object(case));
+    }
+    // Same shapes in both modes (the bound fields of `design_case` aside).
+    if cases.iter().any(|c| c["host_bytes"] != cases[0]["host_bytes"]) {
+        checks = false;
+    }
+    let speedups: Vec<f64> = starts[1].iter().zip(&starts[0]).map(|(coded, file)| coded / file).collect();
+    let writes: Vec<f64> = runs.iter().map(|r| r.coded_file_write_s).filter(|&w| w > 0.0).collect();
+    Ok(with_head(
+        first,
+        json!({
+            "process_runs": runs.len(),
+            "page_cache": "warm: the checkpoint and the coded file were written or read by an earlier process of the same command",
+            "coded_file_bytes": runs.iter().map(|r| r.coded_file_bytes).max(),
+            "coded_file_write_s": writes,
+            "start_speedup": sp(spread(&speedups)),
+            "cases": cases,
+            "checks_pass": checks,
+        }),
+    ))
+}
+
 #[cfg(feature = "cuda")]
 pub use run::run;
 
@@ -548,9 +635,37 @@ mod run {
         };
         let mut resident_out: Option<Vec<u16>> = None;
         let all: &[&str] = if host_ram.is_some() { &["mapped", "disk", "copy"] } else { &["mapped", "copy"] };
-        let modes: Vec<&str> = all.iter().copied().filter(|m| only.is_none_or(|o| o == *m)).collect();
-        if modes.is_empty() {
-            return Err(err(format!("--only {}: not one of {all:?} (disk needs --host-ram-gib)", only.unwrap_or_default())));
+        // The coded modes run only when named.
+        let named: &[&str] = &["mapped", "disk", "copy", "coded", "coded-file"];
+        let modes: Vec<&str> = match only {
+            None => all.to_vec(),
+            Some(list) => list.split(',').map(str::trim).collect(),
+        };
+        if let Some(bad) = modes.iter().find(|m| !named.contains(m) || (**m == "disk" && host_ram.is_none())) {
+            return Err(err(format!("--only {}: {bad:?} is not one of {named:?} (disk needs --host-ram-gib)", only.unwrap_or_default())));
+        }
+        if modes.is_empty() || modes.iter().enumerate().any(|(i, m)| modes[..i].contains(m)) {
+            return Err(err(format!("--only {}: no mode, or one named twice", only.unwrap_or_default())));
+        }
+        // The coded file, beside the checkpoint, written before any clock starts.
+        let coded_path = offload_core::CodedFile::path_for(file);
+        if modes.contains(&"coded-file") {
+            if !coded_path.exists() {
+                let src = SafetensorsFile::open(file).map_err(err)?;
+                let mut inv = DeclaredStacks::new(prefixes.clone()).discover("transformer", src.specs()).map_err(err)?;
+                inv.non_block.clear();
+                let o = offload_cuda::CodingOptions::default();
+                let stats = offload_core::CodedFile::write(&coded_path, &inv, &src, o.segment_bytes, o.threads).map_err(err)?;
+                doc.coded_file_write_s = stats.write_s;
+                eprintln!(
+                    "coded file {}: {:.2} GiB of {:.2} GiB, written in {:.1} s",
+                    coded_path.display(),
+                    gib(stats.coded_bytes),
+                    gib(stats.raw_bytes),
+                    stats.write_s
+                );
+            }
+            doc.coded_file_bytes = std::fs::metadata(&coded_path).map_err(|e| err(format!("{}: {e}", coded_path.display())))?.len();
         }
         for mode in modes {
             be.synchronize().map_err(err)?;
@@ -597,6 +712,11 @@ mod run {
             let store = Arc::new(match mode {
                 "mapped" => HostStore::build_mapped(&be, &inv, &src, PinOptions::default()).map_err(err)?,
                 "disk" => HostStore::build_tiered(&be, &inv, &src, PinOptions::default(), &|id| rc.is_on_disk(id)).map_err(err)?,
+                "coded" => HostStore::build_with(&be, &inv, &src, PinOptions { coded: true, ..Default::default() }).map_err(err)?,
+                "coded-file" => {
+                    let cf = offload_core::CodedFile::open(&coded_path).map_err(err)?;
+                    HostStore::build_from_coded_file(&be, &inv, &src, PinOptions::default(), &cf).map_err(err)?
+                }
                 _ => HostStore::build(&be, &inv, &src).map_err(err)?,
             });
             let store_build_s = store.tier().build_s;
@@ -678,6 +798,8 @@ mod run {
                 end_unix_s,
                 host_rss_end_bytes: rss_end,
                 host_rss_file_end_bytes: rss_file_end,
+                coded_blocks: store.coded_blocks(),
+                host_bytes: store.host_bytes(),
             });
             drop(net);
             drop(store);
@@ -716,6 +838,8 @@ mod tests {
             end_unix_s: 110.0 + k as f64,
             host_rss_end_bytes: host_rss_bytes,
             host_rss_file_end_bytes: if mode == "mapped" { 1 } else { 0 },
+            coded_blocks: 0,
+            host_bytes: 0,
         };
         HostTierRun {
             commit: "abc".into(),
@@ -729,7 +853,46 @@ mod tests {
             modes: vec![mode("mapped", start_mapped, rss_mapped, copied), mode("copy", 17.0 + k as f64, 22 << 30, 57)],
             group: None,
             pid: 1000 + k as u32,
+            coded_file_write_s: 0.0,
+            coded_file_bytes: 0,
         }
+    }
+
+    /// Run `k` with the two coded modes: from the file in `file_s`, coded at build in `coded_s`.
+    fn coded_run(k: u64, file_s: f64, coded_s: f64) -> HostTierRun {
+        let mut r = run(k, 1.0, 1 << 30, 0);
+        r.modes[0].mode = "coded-file".into();
+        r.modes[1].mode = "coded".into();
+        for (m, start) in r.modes.iter_mut().zip([file_s, coded_s]) {
+            (m.start_s, m.coded_blocks, m.host_bytes) = (start, 58, 15 << 30);
+        }
+        r.coded_file_write_s = if k == 0 { 40.0 } else { 0.0 };
+        r.coded_file_bytes = 15 << 30;
+        r
+    }
+
+    #[test]
+    fn the_coded_start_merge_computes_each_runs_speedup_and_checks_both_modes() {
+        let runs: Vec<HostTierRun> = (0..3).map(|k| coded_run(k, 8.0 + k as f64, 56.0 + 2.0 * k as f64)).collect();
+        let d = merge_coded_start(&runs, 3).unwrap();
+        assert_eq!(d["checks_pass"], true, "{d}");
+        // Speedups 7, 58/9 and 60/10 = 6: median 58/9.
+        let s = &d["start_speedup"];
+        assert!((s["median"].as_f64().unwrap() - 58.0 / 9.0).abs() < 1e-12 && s["min"] == 6.0 && s["max"] == 7.0, "{s}");
+        assert_eq!(d["cases"][0]["mode"], "coded-file");
+        assert_eq!(d["cases"][0]["start_s"]["median"], 9.0);
+        assert_eq!(d["coded_file_write_s"], json!([40.0]), "only the process that wrote it");
+        // Too few runs, a missing mode, a run not bitwise, another number of coded buffers.
+        assert!(merge_coded_start(&runs[..2], 3).is_err());
+        let mut missing = runs.clone();
+        missing[1].modes.truncate(1);
+        assert!(merge_coded_start(&missing, 3).unwrap_err().contains("no coded mode"));
+        let mut wrong = runs.clone();
+        wrong[2].modes[0].bitwise_equal = false;
+        assert_eq!(merge_coded_start(&wrong, 3).unwrap()["checks_pass"], false);
+        let mut fewer = runs.clone();
+        fewer[1].modes[1].coded_blocks = 57;
+        assert_eq!(merge_coded_start(&fewer, 3).unwrap()["checks_pass"], false);
     }
 
     #[test]

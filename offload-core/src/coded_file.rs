@@ -91,6 +91,25 @@ pub struct CodedFileStats {
 }
 
 /// An open coded file ([`CodedFile::open`]): its index, read and checked.
+///
+/// ```
+/// # #[cfg(feature = "sim")] fn main() -> offload_core::Result<()> {
+/// use offload_core::{sim::SimBackend, *};
+/// let mut tensors = MemoryTensors::new();
+/// for i in 0..3 {
+///     let w: Vec<u8> = (0..4096u32).flat_map(|v| (0x3c00u16 + (v * 7 + i) as u16 % 200).to_le_bytes()).collect();
+///     tensors.push(TensorSpec::new(format!("blocks.{i}.w"), DType::BF16, [4096]), w)?;
+/// }
+/// let inventory = NameDiscovery.discover("transformer", tensors.specs())?;
+/// let path = CodedFile::path_for(std::env::temp_dir().join(format!("doc-{}.safetensors", std::process::id())));
+/// CodedFile::write(&path, &inventory, &tensors, 64 << 10, 2)?; // once, ahead of time
+/// let backend = SimBackend::default_device();
+/// let store = HostStore::build_from_coded_file(&backend, &inventory, &tensors, PinOptions::default(), &CodedFile::open(&path)?)?;
+/// assert_eq!(store.coded_blocks(), 3);
+/// # std::fs::remove_file(&path).ok();
+/// # Ok(()) }
+/// # #[cfg(not(feature = "sim"))] fn main() {}
+/// ```
 #[derive(Debug)]
 pub struct CodedFile {
     path: PathBuf,

@@ -317,6 +317,15 @@ mod cuda {
         fn alloc_host_coded(&self, bytes: usize, purpose: &str, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<PinnedHost> {
             self.cuda().alloc_host_coded(bytes, purpose, fill)
         }
+        fn alloc_host_precoded(
+            &self,
+            bytes: usize,
+            coded_len: usize,
+            purpose: &str,
+            fill: &mut dyn FnMut(&mut [u8]) -> Result<()>,
+        ) -> Result<PinnedHost> {
+            self.cuda().alloc_host_precoded(bytes, coded_len, purpose, fill)
+        }
         fn host_in_region(
             &self,
             region: &std::sync::Arc<dyn offload_core::HostRegion>,

@@ -210,6 +210,10 @@ impl Harness for CandleCuda {
         // offload-cuda's transfer engine registers the file in place.
         true
     }
+    fn decodes() -> bool {
+        // offload-cuda's transfer engine decodes coded buffers.
+        true
+    }
     fn backend() -> std::result::Result<Self::B, CaseError> {
         if !offload_cuda::driver_present() {
             return Err(CaseError::Skip("no CUDA driver library (libcuda.so) on this machine".into()));

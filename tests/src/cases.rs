@@ -46,6 +46,7 @@ pub fn all<H: Harness>() -> Vec<Case> {
         Case { name: "mapped_source", invariant: "6,9", run: mapped_source::<H>, caught: &[] },
         Case { name: "disk_source", invariant: "1,2,6", run: disk_source::<H>, caught: &[] },
         Case { name: "file_faults", invariant: "8", run: file_faults::<H>, caught: &[] },
+        Case { name: "coded_file", invariant: "6,8", run: coded_file::<H>, caught: &[] },
     ]
 }
 
@@ -544,6 +545,72 @@ fn file_faults<H: Harness>(_: Sabotage) -> Outcome {
 
 /// Write `model` to `path` as a safetensors file, block by block in inventory
 /// order, every tensor at a multiple of 256 of the data (as the store lays them out).
+/// A coded file made ahead of time (`CodedFile::write`, 4 KiB segments) builds
+/// the store (`HostStore::build_from_coded_file`): on a row that decodes
+/// (`Harness::decodes`) every buffer is held coded, elsewhere every one as it is;
+/// either way a pass equals the resident reference. On a row that decodes, one
+/// byte of the file changed is refused at build by name (`Error::CodedFile`,
+/// never a wrong weight); elsewhere the file is not read. The device holds what
+/// it held before once the stores are dropped.
+fn coded_file<H: Harness>(_: Sabotage) -> Outcome {
+    let shape = ModelShape { stacks: vec![3, 2], ..Default::default() };
+    let model = TestModel::random(&shape, 555);
+    let dir = std::env::temp_dir().join(format!("offload-conformance-coded-{}-{}", H::NAME, std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let path = offload_core::CodedFile::path_for(dir.join("model.safetensors"));
+    let result = (|| {
+        offload_core::CodedFile::write(&path, &model.inventory, &model.tensors, 4096, 2)?;
+        let backend = FaultInjector::new(H::backend()?);
+        let base = H::live_bytes(backend.inner());
+        let pin = offload_core::PinOptions::default();
+        {
+            let cf = offload_core::CodedFile::open(&path)?;
+            let store = Arc::new(HostStore::build_from_coded_file(&backend, &model.inventory, &model.tensors, pin, &cf)?);
+            let buffers = store.blocks().len() + usize::from(store.non_block().is_some());
+            let want = if H::decodes() { buffers } else { 0 };
+            ensure!(store.coded_blocks() == want, "{} of {buffers} buffers held coded, {want} expected", store.coded_blocks());
+            let rc = resolve(&Plan::layerwise().prefetch_depth(2), std::slice::from_ref(&model.inventory))?.components.remove(0);
+            let mut ring = Ring::new(backend.clone(), store.clone(), &rc)?;
+            let order: Vec<usize> = (0..model.len()).collect();
+            let su = Setup::<H> { backend: backend.clone(), model: TestModel::random(&shape, 555), store };
+            for pass in 0..2 {
+                let got = su.run(&mut ring, &order)?;
+                ring.end_step()?;
+                let want = H::reference(&su.model, &order);
+                ensure!(got == want, "pass {pass}: result {got:#018x} from the coded file's store differs from the reference {want:#018x}");
+            }
+            ring.close()?;
+            su.no_violations()?;
+        }
+        let good = std::fs::read(&path)?;
+        let entry = offload_core::CodedFile::open(&path)?.entries()[1].clone();
+        let mut bad = good.clone();
+        bad[(entry.at + entry.len / 2) as usize] ^= 0x08;
+        std::fs::write(&path, &bad)?;
+        let cf = offload_core::CodedFile::open(&path)?;
+        match (HostStore::build_from_coded_file(&backend, &model.inventory, &model.tensors, pin, &cf), H::decodes()) {
+            (Ok(_), true) => return Err(CaseError::Fail("a coded file with a byte changed built a store".into())),
+            (Ok(store), false) => {
+                ensure!(store.coded_blocks() == 0, "a row that does not decode held coded buffers");
+            }
+            (Err(e @ offload_core::Error::CodedFile { .. }), true) => {
+                let msg = e.to_string();
+                ensure!(
+                    msg.contains(&format!("transformer/{}", entry.block)) && msg.contains("damaged"),
+                    "the refusal does not name the block and the damage: {msg}"
+                );
+            }
+            (Err(e), _) => return Err(e.into()),
+        }
+        backend.synchronize()?;
+        let live = H::live_bytes(backend.inner());
+        ensure!(live == base, "{} device bytes still held after the stores were dropped", live.saturating_sub(base));
+        Ok(())
+    })();
+    let _ = std::fs::remove_dir_all(&dir);
+    result
+}
+
 fn write_laid_out(model: &TestModel, path: &std::path::Path) -> Outcome {
     // Block by block in inventory order, every tensor at a multiple of 256 of the data.
     let mut header = serde_json::Map::new();

@@ -84,6 +84,9 @@ impl<const MODE: u8> Harness for CudaRow<MODE> {
         // Every buffer of the coded row is coded, and coded buffers are not refilled.
         MODE != 1
     }
+    fn decodes() -> bool {
+        true
+    }
     fn violations(_: &CudaBackend) -> Vec<String> {
         Vec::new()
     }

@@ -106,6 +106,12 @@ pub trait Harness: 'static {
     fn serves_mapped() -> bool {
         false
     }
+    /// Whether this row decodes coded host buffers on its device
+    /// (`OffloadBackend::alloc_host_coded`, `alloc_host_precoded`): the
+    /// simulator's rows and the CUDA ones (cuda, candle-cuda, tch-cuda).
+    fn decodes() -> bool {
+        false
+    }
     /// Whether this row refills host buffers (`OffloadBackend::refill_host`), which
     /// the disk tier's bounce buffers need: not where every buffer is coded, nor on
     /// a backend without it.

@@ -189,8 +189,12 @@ macro_rules! conformance_tests {
                 run("file_faults")
             }
             #[test]
+            fn coded_file() {
+                run("coded_file")
+            }
+            #[test]
             fn every_case_is_instantiated() {
-                assert_eq!(all::<$harness>().len(), 14)
+                assert_eq!(all::<$harness>().len(), 15)
             }
         }
     };

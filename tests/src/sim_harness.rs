@@ -39,6 +39,9 @@ impl<const CODED: bool> Harness for SimRow<CODED> {
         // Every buffer of the coded row is coded, and coded buffers are not refilled.
         !CODED
     }
+    fn decodes() -> bool {
+        true
+    }
     fn violations(b: &SimBackend) -> Vec<String> {
         b.stats().violations
     }

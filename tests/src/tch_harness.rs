@@ -79,6 +79,10 @@ impl Harness for TchCuda {
         // offload-cuda's transfer engine registers the file in place.
         true
     }
+    fn decodes() -> bool {
+        // offload-cuda's transfer engine decodes coded buffers.
+        true
+    }
     fn backend() -> std::result::Result<Self::B, CaseError> {
         let b = offload_tch::cuda_backend(0).map_err(|e| CaseError::Skip(format!("no CUDA device for libtorch: {e}")))?;
         b.cuda().enable_checking(crate::cuda_harness::COPY_SPIN_US)?;

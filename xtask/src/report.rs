@@ -490,6 +490,54 @@ pub fn readme_tables(results: &Path) -> Result<String, String> {
             },
         );
     }
+    // A coded start from a coded file (`zoo merge-coded-start`), the newest file.
+    if let Some(name) = names.iter().filter(|n| n.contains("-coded-start-") && n.ends_with(".json")).max() {
+        let d = read_json(&results.join(name))?;
+        let modes: Vec<String> = d["cases"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|c| {
+                format!(
+                    "{}: open → first streamed step {:.2} s [{:.2}, {:.2}] (store {:.2} s), {} buffers coded, {:.2} GiB held, \
+                     streamed step {:.3} s, bitwise equal: {}",
+                    match c["mode"].as_str() {
+                        Some("coded-file") => "from the coded file",
+                        Some("coded") => "coded at build",
+                        _ => "?",
+                    },
+                    f(&c["start_s"]["median"]),
+                    f(&c["start_s"]["min"]),
+                    f(&c["start_s"]["max"]),
+                    f(&c["store_build_s"]["median"]),
+                    c["coded_blocks"],
+                    f(&c["host_bytes"]) / (1u64 << 30) as f64,
+                    f(&c["step_streamed_s"]["median"]),
+                    if c["bitwise_equal"] == true { "yes" } else { "**no**" },
+                )
+            })
+            .collect();
+        let writes: Vec<String> = d["coded_file_write_s"].as_array().into_iter().flatten().map(|w| format!("{:.1} s", f(w))).collect();
+        let _ = writeln!(
+            md,
+            "Coded start (`bench/results/{name}`, backend `{}` at {} on an {}, {} process runs, a {:.2} GiB {} checkpoint and its \
+             {:.2} GiB coded file in the page cache, medians with [min, max]): {}. Coded at build ÷ from the file: {:.1} × [{:.1}, {:.1}]; \
+             the file written once in {}; checks pass: {}.\n",
+            d["backend"].as_str().unwrap_or("?"),
+            d["commit"].as_str().unwrap_or("?"),
+            d["gpu"].as_str().unwrap_or("?"),
+            d["process_runs"],
+            f(&d["file_bytes"]) / (1u64 << 30) as f64,
+            d["model"].as_str().unwrap_or("?"),
+            f(&d["coded_file_bytes"]) / (1u64 << 30) as f64,
+            modes.join("; "),
+            f(&d["start_speedup"]["median"]),
+            f(&d["start_speedup"]["min"]),
+            f(&d["start_speedup"]["max"]),
+            if writes.is_empty() { "an earlier command".to_owned() } else { writes.join(", ") },
+            if d["checks_pass"] == true { "yes" } else { "**no**" },
+        );
+    }
     // Processes serving one mapped file at once (`zoo merge-host-tiers-shared`), the newest file.
     if let Some(name) = names.iter().filter(|n| shared(n) && n.ends_with(".json")).max() {
         let d = read_json(&results.join(name))?;
@@ -883,6 +931,30 @@ mod readme_tests {
                 && md.contains("resident memory of at least 0.990 × the file's size"),
             "{md}"
         );
+    }
+
+    #[test]
+    fn a_coded_start_file_becomes_its_sentence() {
+        let dir = std::env::temp_dir().join(format!("offload-coded-start-report-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let case = |mode: &str, start: f64| {
+            serde_json::json!({"mode": mode, "start_s": {"median": start, "min": start - 1.0, "max": start + 1.0},
+                "store_build_s": {"median": start - 0.5}, "coded_blocks": 57, "host_bytes": 16u64 << 30,
+                "step_streamed_s": {"median": 0.335}, "bitwise_equal": true})
+        };
+        let doc = serde_json::json!({"backend": "cuda", "commit": "c3", "gpu": "NVIDIA H200", "process_runs": 3, "model": "flux-dev",
+            "file_bytes": 24u64 << 30, "coded_file_bytes": 16u64 << 30, "coded_file_write_s": [41.5],
+            "start_speedup": {"median": 6.5, "min": 6.0, "max": 7.0}, "checks_pass": true,
+            "cases": [case("coded-file", 9.0), case("coded", 58.0)]});
+        std::fs::write(dir.join("z-coded-start-h200.json"), doc.to_string()).unwrap();
+        let md = readme_tables(&dir).unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert!(md.contains("Coded start (`bench/results/z-coded-start-h200.json`, backend `cuda` at c3"), "{md}");
+        assert!(
+            md.contains("from the coded file: open → first streamed step 9.00 s [8.00, 10.00] (store 8.50 s), 57 buffers coded"),
+            "{md}"
+        );
+        assert!(md.contains("Coded at build ÷ from the file: 6.5 × [6.0, 7.0]; the file written once in 41.5 s; checks pass: yes"), "{md}");
     }
 
     #[test]

@@ -23,15 +23,20 @@
 //! zoo entropy --model M [--threads N] --out F  the exponent entropy of every block tensor of the coded
 //!                                              case's weights (host only), and per tensor name
 //! zoo host-tiers --model M --file CKPT [--case 1024] [--depth 1] [--steps 5] [--host-ram-gib G [--disk-steps 2]]
-//!                [--only mapped|disk|copy] [--group G] [--commit C] --out F
+//!                [--only MODE,…] [--group G] [--commit C] --out F
 //!                                              one process (cuda): CKPT written if absent, then the mapped
-//!                                              and the copying store, each from open to its first streamed step
+//!                                              and the copying store, each from open to its first streamed step;
+//!                                              --only picks modes of mapped, disk, copy, coded (coded at build)
+//!                                              and coded-file (from CKPT.offload-coded, written if absent)
 //! zoo relay --model M [--case 1024] [--depth 1] [--steps 5] [--helpers 1] [--commit C] --out F
 //!                                              issue 18: one link and relay, one process (two GPUs)
 //! zoo merge-relay --out F [--min-repeats 3] RUN.json...
 //!                                              issue 18's file from relay runs
 //! zoo merge-host-tiers --out F [--min-repeats 3] RUN.json...
 //!                                              issue 17's file from host-tiers runs
+//! zoo merge-coded-start --out F [--min-repeats 3] RUN.json...
+//!                                              a coded start from a coded file against coding at build,
+//!                                              from host-tiers runs with --only coded-file,coded
 //! zoo merge-host-tiers-shared --out F [--min-repeats 3] RUN.json...
 //!                                              processes run at once on one file (`--only mapped
 //!                                              --group G`, a group per pair), at least 3 groups
@@ -455,6 +460,23 @@ fn run(args: &[String]) -> Result<(), String> {
                     g["meets_targets"]
                 );
             }
+            write(out, &doc)
+        }
+        Some("merge-coded-start") => {
+            let (out, min, runs) = runs_only::<offload_bench::host_tiers::HostTierRun>(args, "merge-coded-start")?;
+            let doc = offload_bench::host_tiers::merge_coded_start(&runs, min)?;
+            for c in doc["cases"].as_array().into_iter().flatten() {
+                println!(
+                    "{}: start {:.2} s (store {:.2} s), step {:.4} s, {} buffers coded, bitwise {}",
+                    c["mode"].as_str().unwrap_or(""),
+                    c["start_s"]["median"].as_f64().unwrap_or(f64::NAN),
+                    c["store_build_s"]["median"].as_f64().unwrap_or(f64::NAN),
+                    c["step_streamed_s"]["median"].as_f64().unwrap_or(f64::NAN),
+                    c["coded_blocks"],
+                    c["bitwise_equal"],
+                );
+            }
+            println!("coded ÷ coded-file start: {}, checks pass: {}", doc["start_speedup"], doc["checks_pass"]);
             write(out, &doc)
         }
         Some("merge-host-tiers") => {

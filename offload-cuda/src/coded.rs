@@ -575,7 +575,9 @@ mod tests {
         let plain = HostStore::build(&b, &inv, &t).unwrap();
         let raw: Vec<Vec<u8>> = plain.blocks().iter().map(|blk| b.host_bytes(blk.buffer().unwrap()).to_vec()).collect();
         let store = Arc::new(HostStore::build_from_coded_file(&b, &inv, &t, offload_core::PinOptions::default(), &cf).unwrap());
-        assert_eq!(store.coded_blocks(), store.blocks().len() + 1, "every buffer coded from the file");
+        // The model's tensors all lie in blocks: no non-block buffer.
+        assert!(store.non_block().is_none());
+        assert_eq!(store.coded_blocks(), store.blocks().len(), "every buffer coded from the file");
         assert!(!b.is_coding(), "the backend's own coding stays off");
         let plan = resolve(&Plan::layerwise().prefetch_depth(2), std::slice::from_ref(&inv)).unwrap();
         let mut ring = Ring::new(b.clone(), store.clone(), &plan.components[0]).unwrap();

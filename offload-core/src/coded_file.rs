@@ -22,7 +22,7 @@
 //! | --- | --- |
 //! | 8 | magic `OFCODED1` |
 //! | … | each entry's coded bytes, at a multiple of 4096 |
-//! | n | the index, JSON ([`CodedEntry`] per block, the component, the segment size) |
+//! | n | the index, JSON ([`CodedEntry`] per block, the component, the segment and piece sizes) |
 //! | 8 | n |
 //! | 8 | magic `OFCODED1` |
 //!
@@ -65,7 +65,7 @@ pub struct CodedEntry {
     pub at: u64,
     /// How many.
     pub len: u64,
-    /// [`codec::hash64`] of each [`PIECE_BYTES`] of the coded bytes, in order.
+    /// [`codec::hash64`] of each piece ([`PIECE_BYTES`]) of the coded bytes, in order.
     pub pieces: Vec<u64>,
 }
 
@@ -74,6 +74,8 @@ struct Index {
     format: u32,
     component: String,
     segment_bytes: u64,
+    /// Bytes of coded data per piece hash ([`PIECE_BYTES`] as written by [`CodedFile::write`]).
+    piece_bytes: u64,
     entries: Vec<CodedEntry>,
 }
 
@@ -117,12 +119,13 @@ pub struct CodedFile {
     identity: FileIdentity,
     component: String,
     segment_bytes: usize,
+    piece_bytes: usize,
     entries: Vec<CodedEntry>,
     by_block: HashMap<String, usize>,
 }
 
-fn hash_pieces(bytes: &[u8], threads: usize) -> Vec<u64> {
-    let pieces: Vec<&[u8]> = bytes.chunks(PIECE_BYTES).collect();
+fn hash_pieces(bytes: &[u8], piece_bytes: usize, threads: usize) -> Vec<u64> {
+    let pieces: Vec<&[u8]> = bytes.chunks(piece_bytes).collect();
     let threads = threads.clamp(1, pieces.len().max(1));
     let per = pieces.len().div_ceil(threads).max(1);
     std::thread::scope(|scope| {
@@ -177,6 +180,19 @@ impl CodedFile {
         segment_bytes: usize,
         threads: usize,
     ) -> Result<CodedFileStats> {
+        Self::write_pieces(path, inventory, source, segment_bytes, threads, PIECE_BYTES)
+    }
+
+    /// [`write`](Self::write) with `piece_bytes` of coded data per hash (tests
+    /// use small pieces to have several in a small block).
+    pub(crate) fn write_pieces(
+        path: impl AsRef<Path>,
+        inventory: &ComponentInventory,
+        source: &dyn TensorSource,
+        segment_bytes: usize,
+        threads: usize,
+        piece_bytes: usize,
+    ) -> Result<CodedFileStats> {
         let t0 = std::time::Instant::now();
         let path = path.as_ref();
         let mut partial = path.as_os_str().to_owned();
@@ -203,11 +219,17 @@ impl CodedFile {
                 at = start + coded.len() as u64;
                 stats.raw_bytes += layout.bytes as u64;
                 stats.coded_bytes += coded.len() as u64;
-                let pieces = hash_pieces(&coded, threads);
+                let pieces = hash_pieces(&coded, piece_bytes, threads);
                 entries.push(CodedEntry { block, raw_bytes: layout.bytes as u64, at: start, len: coded.len() as u64, pieces });
             }
             stats.entries = entries.len();
-            let index = Index { format: FORMAT, component: inventory.name.clone(), segment_bytes: segment_bytes as u64, entries };
+            let index = Index {
+                format: FORMAT,
+                component: inventory.name.clone(),
+                segment_bytes: segment_bytes as u64,
+                piece_bytes: piece_bytes as u64,
+                entries,
+            };
             let json = serde_json::to_vec(&index).map_err(|e| Error::Protocol(format!("writing the index of {}: {e}", path.display())))?;
             out.write_all(&json).map_err(io(&partial))?;
             out.write_all(&(json.len() as u64).to_le_bytes()).map_err(io(&partial))?;
@@ -252,6 +274,10 @@ impl CodedFile {
         if index.format != FORMAT {
             return Err(bad(format!("format {}, this build reads {FORMAT}", index.format)));
         }
+        let piece_bytes = usize::try_from(index.piece_bytes)
+            .ok()
+            .filter(|&p| p > 0)
+            .ok_or_else(|| bad(format!("pieces of {} bytes", index.piece_bytes)))?;
         let mut by_block = HashMap::new();
         let mut end = MAGIC.len() as u64;
         for (i, e) in index.entries.iter().enumerate() {
@@ -259,7 +285,7 @@ impl CodedFile {
             if e.at < end || e.at % ENTRY_ALIGN != 0 || e.at.checked_add(e.len).is_none_or(|x| x > index_at) {
                 return Err(fault(format!("{} bytes at {}: misaligned, overlapping or outside the data", e.len, e.at)));
             }
-            if e.pieces.len() as u64 != e.len.div_ceil(PIECE_BYTES as u64) {
+            if e.pieces.len() as u64 != e.len.div_ceil(piece_bytes as u64) {
                 return Err(fault(format!("{} piece hashes for {} bytes", e.pieces.len(), e.len)));
             }
             if by_block.insert(e.block.clone(), i).is_some() {
@@ -273,6 +299,7 @@ impl CodedFile {
             identity,
             component: index.component,
             segment_bytes: usize::try_from(index.segment_bytes).unwrap_or(usize::MAX),
+            piece_bytes,
             entries: index.entries,
             by_block,
         })
@@ -309,9 +336,10 @@ impl CodedFile {
     }
 
     /// Read `entry`'s coded bytes into `dst` (exactly its length) and check them
-    /// against the index's piece hashes on up to `threads` host threads: a named
-    /// error for a file written since it was opened, a read that fails, or bytes
-    /// that are not the ones written.
+    /// against the index's piece hashes, each piece read and hashed in one pass
+    /// on one of up to `threads` host threads: a named error for a file written
+    /// since it was opened, a read that fails, or bytes that are not the ones
+    /// written (the first such piece).
     pub fn read_entry(&self, entry: &CodedEntry, dst: &mut [u8], threads: usize) -> Result<()> {
         let block = format!("{}/{}", self.component, entry.block);
         let fault = |f: String| Error::CodedFile { path: self.path.clone(), block: block.clone(), fault: f };
@@ -319,18 +347,43 @@ impl CodedFile {
             return Err(fault(format!("a {}-byte buffer for {} coded bytes", dst.len(), entry.len)));
         }
         self.identity.check_contents(&self.path, &self.file).map_err(|e| fault(e.to_string()))?;
-        self.file.read_exact_at(dst, entry.at).map_err(|e| match self.identity.check_contents(&self.path, &self.file) {
-            Err(changed) => fault(changed.to_string()),
-            Ok(()) => fault(format!("reading {} bytes at {}: {e}", entry.len, entry.at)),
-        })?;
-        let got = hash_pieces(dst, threads);
-        if let Some(k) = got.iter().zip(&entry.pieces).position(|(a, b)| a != b) {
-            return Err(fault(format!(
+        let len = dst.len();
+        let piece_bytes = self.piece_bytes;
+        let mut pieces: Vec<(usize, &mut [u8])> = dst.chunks_mut(piece_bytes).enumerate().collect();
+        let per = pieces.len().div_ceil(threads.clamp(1, pieces.len().max(1))).max(1);
+        // Per piece that failed: its index, and the read's error (None: a hash that differs).
+        let failed: Option<(usize, Option<std::io::Error>)> = std::thread::scope(|scope| {
+            let handles: Vec<_> = pieces
+                .chunks_mut(per)
+                .map(|group| {
+                    scope.spawn(move || {
+                        for (k, piece) in group.iter_mut() {
+                            if let Err(e) = self.file.read_exact_at(piece, entry.at + (*k * piece_bytes) as u64) {
+                                return Some((*k, Some(e)));
+                            }
+                            if codec::hash64(piece) != entry.pieces[*k] {
+                                return Some((*k, None));
+                            }
+                        }
+                        None
+                    })
+                })
+                .collect();
+            // A reading thread that panicked takes the caller down with it.
+            handles.into_iter().filter_map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e))).min_by_key(|f| f.0)
+        });
+        match failed {
+            None => Ok(()),
+            // A read that fails because the file changed since the check says so.
+            Some((k, Some(e))) => Err(match self.identity.check_contents(&self.path, &self.file) {
+                Err(changed) => fault(changed.to_string()),
+                Ok(()) => fault(format!("reading piece {k} of {} bytes at {}: {e}", entry.len, entry.at)),
+            }),
+            Some((k, None)) => Err(fault(format!(
                 "coded bytes damaged: piece {k} (bytes {} to {} of the entry) is not what was written",
-                k * PIECE_BYTES,
-                ((k + 1) * PIECE_BYTES).min(dst.len())
-            )));
+                k * piece_bytes,
+                ((k + 1) * piece_bytes).min(len)
+            ))),
         }
-        Ok(())
     }
 }

@@ -132,16 +132,19 @@ fn placement(specs: &[crate::tensor::TensorSpec], at: &[usize]) -> std::result::
 }
 
 /// A coded host buffer of the block laid out as `layout`, its coded bytes read
-/// from `cf`'s entry `key` and checked there, then against the block's bytes
-/// from `fill`.
+/// from `cf`'s entry `key` and checked there, then against the block's bytes,
+/// read from `source` (tensors at `indices`: source index, offset, length) into
+/// `scratch` while the coded bytes are read, each on several threads.
+#[allow(clippy::too_many_arguments)]
 fn precoded_buffer<B: OffloadBackend>(
     backend: &B,
     cf: &CodedFile,
     key: String,
     layout: &BlockLayout,
     purpose: &str,
-    source: &dyn TensorSource,
-    fill: &mut dyn FnMut(&mut [u8]) -> Result<()>,
+    source: &(dyn TensorSource + Sync),
+    indices: &[(usize, usize, usize)],
+    scratch: &std::cell::RefCell<Vec<u8>>,
 ) -> Result<B::HostBuffer> {
     let fault = |f: String| Error::CodedFile { path: cf.path().to_path_buf(), block: purpose.to_owned(), fault: f };
     let entry = cf.entry(&key).ok_or_else(|| fault(format!("no entry {key:?} (written for another model?)")))?;
@@ -151,11 +154,56 @@ fn precoded_buffer<B: OffloadBackend>(
     let coded_len = usize::try_from(entry.len).map_err(|_| fault(format!("{} coded bytes do not fit this machine", entry.len)))?;
     let threads = std::thread::available_parallelism().map_or(4, |n| n.get());
     backend.alloc_host_precoded(layout.bytes, coded_len, purpose, &mut |dst| {
-        cf.read_entry(entry, dst, threads)?;
-        let mut raw = vec![0u8; layout.bytes];
-        fill(&mut raw)?;
-        crate::codec::coded_matches(dst, &raw, threads, purpose)
-            .map_err(|e| fault(format!("{e}: made from other weights than {}'s, or they changed since (write it again)", source.origin())))
+        let mut raw = scratch.borrow_mut();
+        // Kept across blocks: only grown, every byte below written again here.
+        if raw.len() < layout.bytes {
+            raw.resize(layout.bytes, 0);
+        }
+        let raw = &mut raw[..layout.bytes];
+        let (coded, laid) = std::thread::scope(|scope| {
+            let coded = scope.spawn(|| cf.read_entry(entry, dst, threads));
+            let laid = read_laid_out(source, indices, raw, threads);
+            // A reading thread that panicked takes the caller down with it.
+            (coded.join().unwrap_or_else(|e| std::panic::resume_unwind(e)), laid)
+        });
+        coded?;
+        laid?;
+        crate::codec::coded_matches(dst, raw, threads, purpose).map_err(|e| {
+            fault(format!("{e}: the file was made from other weights than {}, or they changed since (write it again)", source.origin()))
+        })
+    })
+}
+
+/// A block's bytes as the store lays them out, into `dst` (its exact size): the
+/// tensors at `indices` (source index, offset, length; offsets ascending) read
+/// from `source` on up to `threads` threads (the largest first, each to the
+/// thread with the fewest bytes so far), the gaps between and after them zeroed.
+fn read_laid_out(source: &(dyn TensorSource + Sync), indices: &[(usize, usize, usize)], dst: &mut [u8], threads: usize) -> Result<()> {
+    let mut parts: Vec<(usize, &mut [u8])> = Vec::with_capacity(indices.len());
+    let (mut rest, mut at) = (dst, 0usize);
+    for &(i, off, n) in indices {
+        let (gap, tail) = std::mem::take(&mut rest).split_at_mut(off - at);
+        gap.fill(0);
+        let (tensor, tail) = tail.split_at_mut(n);
+        parts.push((i, tensor));
+        (rest, at) = (tail, off + n);
+    }
+    rest.fill(0);
+    parts.sort_by_key(|p| std::cmp::Reverse(p.1.len()));
+    /// A thread's share: its bytes, and its tensors (source index, destination).
+    type Bin<'a> = (usize, Vec<(usize, &'a mut [u8])>);
+    let mut bins: Vec<Bin> = (0..threads.clamp(1, parts.len().max(1))).map(|_| (0, Vec::new())).collect();
+    for p in parts {
+        if let Some(bin) = bins.iter_mut().min_by_key(|b| b.0) {
+            bin.0 += p.1.len();
+            bin.1.push(p);
+        }
+    }
+    std::thread::scope(|scope| {
+        let handles: Vec<_> =
+            bins.into_iter().map(|(_, bin)| scope.spawn(move || bin.into_iter().try_for_each(|(i, t)| source.read_into(i, t)))).collect();
+        // A reading thread that panicked takes the caller down with it.
+        handles.into_iter().map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e))).collect::<Result<Vec<()>>>().map(|_| ())
     })
 }
 
@@ -186,7 +234,7 @@ impl<B: OffloadBackend> HostStore<B> {
     pub fn build_from_coded_file(
         backend: &B,
         inventory: &ComponentInventory,
-        source: &dyn TensorSource,
+        source: &(dyn TensorSource + Sync),
         pin: PinOptions,
         coded: &CodedFile,
     ) -> Result<Self> {
@@ -197,7 +245,7 @@ impl<B: OffloadBackend> HostStore<B> {
                 fault: format!("written for component {:?}, not {:?}", coded.component(), inventory.name),
             });
         }
-        Self::build_inner(backend, inventory, source, PinOptions { coded: true, ..pin }, None, None, Some(coded))
+        Self::build_inner(backend, inventory, source, PinOptions { coded: true, ..pin }, None, None, Some((coded, source)))
     }
 
     /// Build the store of `inventory` serving each block in place from `source`'s
@@ -249,7 +297,7 @@ impl<B: OffloadBackend> HostStore<B> {
         pin: PinOptions,
         mapped: Option<(&Arc<dyn HostRegion>, &dyn Fn(usize) -> usize)>,
         disk: Option<(&Arc<DiskFile>, &dyn Fn(usize) -> usize, &dyn Fn(&BlockId) -> bool)>,
-        precoded: Option<&CodedFile>,
+        precoded: Option<(&CodedFile, &(dyn TensorSource + Sync))>,
     ) -> Result<Self> {
         let t0 = std::time::Instant::now();
         let tier = std::cell::RefCell::new(HostTier::default());
@@ -270,6 +318,8 @@ impl<B: OffloadBackend> HostStore<B> {
         // Coded where asked and the backend can: the first refusal turns it off.
         let coding = std::cell::Cell::new(pin.coded);
         let coded_blocks = std::cell::Cell::new(0usize);
+        // The coded file's blocks' raw bytes, read to check the coded ones against.
+        let scratch = std::cell::RefCell::new(Vec::new());
         let _span = tracing::info_span!("host_store_build", component = %inventory.name).entered();
         let by_name: HashMap<&str, usize> = source.specs().iter().enumerate().map(|(i, s)| (s.name.as_str(), i)).collect();
         // Where every tensor of the source starts in the region, in order (to find
@@ -394,9 +444,9 @@ impl<B: OffloadBackend> HostStore<B> {
             } else {
                 // Coded at build, or read coded from the coded file.
                 let coded_alloc = |fill: &mut dyn FnMut(&mut [u8]) -> Result<()>| match precoded {
-                    Some(cf) => {
+                    Some((cf, source)) => {
                         let key = if is_block { id.to_string() } else { NON_BLOCK.into() };
-                        precoded_buffer(backend, cf, key, &layout, &purpose, source, fill)
+                        precoded_buffer(backend, cf, key, &layout, &purpose, source, &indices, &scratch)
                     }
                     None => backend.alloc_host_coded(layout.bytes, &purpose, fill),
                 };
@@ -879,7 +929,9 @@ mod tests {
     fn coded_model(seed: u64) -> MemoryTensors {
         let mut src = MemoryTensors::new();
         for b in 0..3u64 {
-            let n = 100_000 + b as usize * 777;
+            // Block 1 the largest: the scratch buffer the coded file's build reads
+            // raw bytes into is reused for a smaller block after it.
+            let n = [100_000, 120_777, 90_001][b as usize];
             src.push(TensorSpec::new(format!("blocks.{b}.w"), DType::BF16, [n]), normal_bf16(n, 0.02, seed + b)).unwrap();
             src.push(TensorSpec::new(format!("blocks.{b}.bias"), DType::BF16, [333]), normal_bf16(333, 0.5, seed + 10 + b)).unwrap();
         }
@@ -949,6 +1001,20 @@ mod tests {
             assert!(msg.contains("m/blocks.1") && msg.contains("damaged") && msg.contains("offload-coded"), "byte {at}: {msg}");
         }
         std::fs::write(&path, &good).unwrap();
+        // Several pieces to an entry (pieces of 4 KiB): the damaged one is named.
+        let small = dir.join("small.offload-coded");
+        crate::coded_file::CodedFile::write_pieces(&small, &inv, &src, crate::sim::SIM_SEGMENT_BYTES, 2, 4096).unwrap();
+        let cf = crate::CodedFile::open(&small).unwrap();
+        let e1 = cf.entry("blocks.1").unwrap().clone();
+        assert!(e1.pieces.len() > 10, "{} pieces", e1.pieces.len());
+        HostStore::build_from_coded_file(&be, &inv, &src, PinOptions::default(), &cf).unwrap();
+        let mut bad = std::fs::read(&small).unwrap();
+        bad[(e1.at + 7 * 4096 + 100) as usize] ^= 0x02;
+        std::fs::write(&small, &bad).unwrap();
+        let cf = crate::CodedFile::open(&small).unwrap();
+        let msg = HostStore::build_from_coded_file(&be, &inv, &src, PinOptions::default(), &cf).err().unwrap().to_string();
+        assert!(msg.contains("m/blocks.1") && msg.contains("piece 7 ") && msg.contains("damaged"), "{msg}");
+        std::fs::remove_file(&small).unwrap();
         // The checkpoint changed since (one value of block 2): made from other weights.
         let mut changed = MemoryTensors::new();
         for (i, spec) in src.specs().iter().enumerate() {

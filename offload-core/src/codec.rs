@@ -710,19 +710,44 @@ fn unpadded_len(enc: &[u8], out_len: usize, what: &str) -> Result<usize> {
 /// on the CPU: the reference for a device decoder, each segment checked by
 /// [`decode_bf16_into`] (its hash included).
 pub fn decode_device_block(coded: &[u8], out: &mut [u8], what: &str) -> Result<()> {
+    decode_device_block_on(coded, out, 1, what)
+}
+
+/// [`decode_device_block`] with its segments decoded on up to `threads` host
+/// threads (the first failing segment's error).
+pub fn decode_device_block_on(coded: &[u8], out: &mut [u8], threads: usize, what: &str) -> Result<()> {
     let (len, segs) = device_segments(coded, what)?;
     if out.len() != len {
         return Err(damaged(what, format!("{len} bytes coded, {} given", out.len())));
     }
+    // The segments tile `out` in order (checked by `device_segments`): one slice each.
+    let mut jobs: Vec<(usize, &DeviceSegment, &mut [u8])> = Vec::with_capacity(segs.len());
+    let mut rest = out;
     for (i, sg) in segs.iter().enumerate() {
+        let (mine, tail) = std::mem::take(&mut rest).split_at_mut(sg.out_len);
+        jobs.push((i, sg, mine));
+        rest = tail;
+    }
+    let decode = |(i, sg, dst): (usize, &DeviceSegment, &mut [u8])| -> Result<()> {
         let enc = &coded[sg.enc_at..sg.enc_at + sg.enc_len];
         let enc = match &sg.coded {
-            Some(_) => &enc[..unpadded_len(enc, sg.out_len, what)?],
+            Some(_) => enc.get(..unpadded_len(enc, sg.out_len, what)?).ok_or_else(|| damaged(what, "a string shorter than its layout"))?,
             None => &enc[..HEADER + sg.out_len],
         };
-        decode_bf16_into(enc, &mut out[sg.out_at..sg.out_at + sg.out_len], &format!("{what}, segment {i}"))?;
+        decode_bf16_into(enc, dst, &format!("{what}, segment {i}"))
+    };
+    let per = jobs.len().div_ceil(threads.clamp(1, jobs.len().max(1))).max(1);
+    let mut groups: Vec<Vec<(usize, &DeviceSegment, &mut [u8])>> = Vec::new();
+    while !jobs.is_empty() {
+        let tail = jobs.split_off(per.min(jobs.len()));
+        groups.push(std::mem::replace(&mut jobs, tail));
     }
-    Ok(())
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = groups.into_iter().map(|g| scope.spawn(move || g.into_iter().try_for_each(decode))).collect();
+        // A decoding thread that panicked takes the caller down with it; the
+        // first group's error first.
+        handles.into_iter().map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e))).collect::<Result<Vec<()>>>().map(|_| ())
+    })
 }
 
 #[cfg(test)]
@@ -847,9 +872,11 @@ mod tests {
                 // A coded string would carry an 8 KiB table: every segment stays raw.
                 assert!(segs.iter().all(|s| s.coded.is_none()), "segment {seg}: raw where the table outweighs the saving");
             }
-            let mut out = vec![0u8; raw.len()];
-            decode_device_block(&one, &mut out, "b").unwrap();
-            assert!(out == raw, "segment {seg}: decoded bytes differ");
+            for threads in [1, 4] {
+                let mut out = vec![0u8; raw.len()];
+                decode_device_block_on(&one, &mut out, threads, "b").unwrap();
+                assert!(out == raw, "segment {seg}, {threads} threads: decoded bytes differ");
+            }
         }
         // Normal weights alone shrink as the per-tensor strings do.
         let w = normal_bf16(1 << 20, 0.02, 5);
@@ -871,8 +898,10 @@ mod tests {
         for (name, at) in [("table", table_at + 2 * 100 + 1), ("descriptor", 16 + 32 + 8), ("magic", 0), ("stream", segs[2].enc_at + 400)] {
             let mut bad = coded.clone();
             bad[at] ^= 0x21;
-            let e = decode_device_block(&bad, &mut out, "blocks.7").unwrap_err().to_string();
-            assert!(e.contains("blocks.7"), "{name}: {e}");
+            for threads in [1, 3] {
+                let e = decode_device_block_on(&bad, &mut out, threads, "blocks.7").unwrap_err().to_string();
+                assert!(e.contains("blocks.7"), "{name}, {threads} threads: {e}");
+            }
         }
         assert!(device_segments(&coded[..coded.len() - 300], "blocks.7").is_err());
         assert!(decode_device_block(&coded, &mut out[1..], "blocks.7").is_err());
@@ -884,11 +913,14 @@ mod tests {
         for threads in [1, 3] {
             let coded = code_for_device(&raw, 65_536, 2);
             coded_matches(&coded, &raw, threads, "blocks.2").unwrap();
-            // One value changed in the third segment: named, with the segment.
-            let mut other = raw.clone();
-            other[2 * 65_536 + 10] ^= 1;
-            let e = coded_matches(&coded, &other, threads, "blocks.2").unwrap_err().to_string();
-            assert!(e.contains("blocks.2") && e.contains("segment 2"), "{e}");
+            // One value changed in the third segment, or in the last: named, with the segment.
+            let last = raw.len().div_ceil(65_536) - 1;
+            for (seg, at) in [(2, 2 * 65_536 + 10), (last, raw.len() - 3)] {
+                let mut other = raw.clone();
+                other[at] ^= 1;
+                let e = coded_matches(&coded, &other, threads, "blocks.2").unwrap_err().to_string();
+                assert!(e.contains("blocks.2") && e.contains(&format!("segment {seg} ")), "{e}");
+            }
             // Another length, and structural damage.
             assert!(coded_matches(&coded, &raw[1..], threads, "blocks.2").unwrap_err().to_string().contains("blocks.2"));
             assert!(coded_matches(&coded[..coded.len() / 2], &raw, threads, "blocks.2").is_err());

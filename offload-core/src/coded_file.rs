@@ -26,8 +26,10 @@
 //! | 8 | n |
 //! | 8 | magic `OFCODED1` |
 //!
-//! The file is written to a temporary name beside the target and renamed into
-//! place once whole, so a write cut short never leaves a file that opens.
+//! The file is written to a temporary name beside the target (the writer's own)
+//! and renamed into place once whole, so a write cut short never leaves a file
+//! that opens; every block's coded bytes are decoded on the host and compared
+//! with its bytes before they are written.
 
 use crate::codec;
 use crate::discovery::{BlockId, ComponentInventory};
@@ -120,6 +122,8 @@ pub struct CodedFile {
     component: String,
     segment_bytes: usize,
     piece_bytes: usize,
+    /// Where the entries' data ends (the index starts).
+    data_end: u64,
     entries: Vec<CodedEntry>,
     by_block: HashMap<String, usize>,
 }
@@ -136,24 +140,17 @@ fn hash_pieces(bytes: &[u8], piece_bytes: usize, threads: usize) -> Vec<u64> {
     })
 }
 
-/// A block's bytes as the store lays them out, read from `source`.
-pub(crate) fn laid_out(source: &dyn TensorSource, specs: &[crate::tensor::TensorSpec]) -> Result<(BlockLayout, Vec<u8>)> {
+/// A block's bytes as the store lays them out, read from `source` (`by_name`:
+/// its tensors by name).
+fn laid_out(
+    source: &dyn TensorSource,
+    by_name: &HashMap<&str, usize>,
+    specs: &[crate::tensor::TensorSpec],
+) -> Result<(BlockLayout, Vec<u8>)> {
     let layout = BlockLayout::new(specs.to_vec())?;
-    let by_name: HashMap<&str, usize> = source.specs().iter().enumerate().map(|(i, s)| (s.name.as_str(), i)).collect();
     let mut raw = vec![0u8; layout.bytes];
     for placed in &layout.tensors {
-        let t = &placed.spec;
-        let i = *by_name.get(t.name.as_str()).ok_or_else(|| Error::BadTensor {
-            tensor: t.name.clone(),
-            fault: format!("the model expects it but {} lacks it", source.origin()),
-        })?;
-        let have = &source.specs()[i];
-        if have.dtype != t.dtype || have.shape != t.shape {
-            return Err(Error::BadTensor {
-                tensor: t.name.clone(),
-                fault: format!("expected {:?} {:?}, {} has {:?} {:?}", t.dtype, t.shape, source.origin(), have.dtype, have.shape),
-            });
-        }
+        let i = crate::store::source_index(source, by_name, &placed.spec)?;
         source.read_into(i, &mut raw[placed.offset..placed.offset + placed.nbytes])?;
     }
     Ok((layout, raw))
@@ -171,8 +168,9 @@ impl CodedFile {
     /// Code every block of `inventory` (and its non-block tensors) from `source`
     /// and write them to `path`: segments of `segment_bytes` raw bytes, each
     /// coded on up to `threads` host threads ([`codec::code_for_device`]). One
-    /// block in memory at a time. Written to `<path>.partial` and renamed over
-    /// `path` once complete; on an error nothing is left at either name.
+    /// block in memory at a time, each decoded back on the host and compared
+    /// before it is written. Written to `<path>.partial-<pid>-<nonce>` and
+    /// renamed over `path` once complete; on an error nothing is left at either name.
     pub fn write(
         path: impl AsRef<Path>,
         inventory: &ComponentInventory,
@@ -195,24 +193,36 @@ impl CodedFile {
     ) -> Result<CodedFileStats> {
         let t0 = std::time::Instant::now();
         let path = path.as_ref();
+        // A name of this writer's own: two writers at once never share a file.
         let mut partial = path.as_os_str().to_owned();
-        partial.push(".partial");
+        let nonce = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+        partial.push(format!(".partial-{}-{nonce}", std::process::id()));
         let partial = PathBuf::from(partial);
         let io = |p: &Path| {
             let p = p.to_path_buf();
             move |source| Error::Io { path: p, source }
         };
         let result = (|| {
-            let mut out = std::io::BufWriter::with_capacity(8 << 20, File::create(&partial).map_err(io(&partial))?);
+            let created = std::fs::OpenOptions::new().write(true).create_new(true).open(&partial).map_err(io(&partial))?;
+            let mut out = std::io::BufWriter::with_capacity(8 << 20, created);
             out.write_all(MAGIC).map_err(io(&partial))?;
             let mut at = MAGIC.len() as u64;
             let mut entries = Vec::new();
             let mut stats = CodedFileStats { entries: 0, raw_bytes: 0, coded_bytes: 0, write_s: 0.0 };
             let blocks = inventory.blocks().map(|b| (b.id.to_string(), b.tensors.as_slice()));
             let non_block = (!inventory.non_block.is_empty()).then(|| (NON_BLOCK.to_string(), inventory.non_block.as_slice()));
+            let by_name: HashMap<&str, usize> = source.specs().iter().enumerate().map(|(i, s)| (s.name.as_str(), i)).collect();
             for (block, specs) in blocks.chain(non_block) {
-                let (layout, raw) = laid_out(source, specs)?;
+                let (layout, raw) = laid_out(source, &by_name, specs)?;
                 let coded = codec::code_for_device(&raw, segment_bytes, threads);
+                // What is written is checked to decode to the block's bytes (the
+                // device's decoder checks no hash): an encoder fault, or memory
+                // damaged between coding and hashing, never becomes a file.
+                let mut back = vec![0u8; raw.len()];
+                codec::decode_device_block_on(&coded, &mut back, threads, &format!("{}/{block}", inventory.name))?;
+                if back != raw {
+                    return Err(Error::Protocol(format!("{}/{block}: coded bytes that do not decode to the block's", inventory.name)));
+                }
                 let start = at.next_multiple_of(ENTRY_ALIGN);
                 out.write_all(&vec![0u8; (start - at) as usize]).map_err(io(&partial))?;
                 out.write_all(&coded).map_err(io(&partial))?;
@@ -285,6 +295,9 @@ impl CodedFile {
             if e.at < end || e.at % ENTRY_ALIGN != 0 || e.at.checked_add(e.len).is_none_or(|x| x > index_at) {
                 return Err(fault(format!("{} bytes at {}: misaligned, overlapping or outside the data", e.len, e.at)));
             }
+            if e.len < 16 {
+                return Err(fault(format!("{} coded bytes: shorter than a coded block's header", e.len)));
+            }
             if e.pieces.len() as u64 != e.len.div_ceil(piece_bytes as u64) {
                 return Err(fault(format!("{} piece hashes for {} bytes", e.pieces.len(), e.len)));
             }
@@ -300,6 +313,7 @@ impl CodedFile {
             component: index.component,
             segment_bytes: usize::try_from(index.segment_bytes).unwrap_or(usize::MAX),
             piece_bytes,
+            data_end: index_at,
             entries: index.entries,
             by_block,
         })
@@ -345,6 +359,12 @@ impl CodedFile {
         let fault = |f: String| Error::CodedFile { path: self.path.clone(), block: block.clone(), fault: f };
         if dst.len() as u64 != entry.len {
             return Err(fault(format!("a {}-byte buffer for {} coded bytes", dst.len(), entry.len)));
+        }
+        // An entry from elsewhere (another file, built by hand) is checked as `open` checks its own.
+        if entry.at.checked_add(entry.len).is_none_or(|end| end > self.data_end)
+            || entry.pieces.len() as u64 != entry.len.div_ceil(self.piece_bytes as u64)
+        {
+            return Err(fault(format!("an entry of {} bytes at {} that this file's index does not hold", entry.len, entry.at)));
         }
         self.identity.check_contents(&self.path, &self.file).map_err(|e| fault(e.to_string()))?;
         let len = dst.len();

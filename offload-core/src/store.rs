@@ -131,6 +131,24 @@ fn placement(specs: &[crate::tensor::TensorSpec], at: &[usize]) -> std::result::
     Ok((start, layout))
 }
 
+/// Where tensor `t` of the model lies in `source` (`by_name`: the source's
+/// tensors by name): an error naming it where the source lacks it or holds it
+/// with another dtype or shape.
+pub(crate) fn source_index(source: &dyn TensorSource, by_name: &HashMap<&str, usize>, t: &crate::tensor::TensorSpec) -> Result<usize> {
+    let i = *by_name.get(t.name.as_str()).ok_or_else(|| Error::BadTensor {
+        tensor: t.name.clone(),
+        fault: format!("the model expects it but {} lacks it", source.origin()),
+    })?;
+    let have = &source.specs()[i];
+    if have.dtype != t.dtype || have.shape != t.shape {
+        return Err(Error::BadTensor {
+            tensor: t.name.clone(),
+            fault: format!("expected {:?} {:?}, {} has {:?} {:?}", t.dtype, t.shape, source.origin(), have.dtype, have.shape),
+        });
+    }
+    Ok(i)
+}
+
 /// A coded host buffer of the block laid out as `layout`, its coded bytes read
 /// from `cf`'s entry `key` and checked there, then against the block's bytes,
 /// read from `source` (tensors at `indices`: source index, offset, length) into
@@ -245,6 +263,18 @@ impl<B: OffloadBackend> HostStore<B> {
                 fault: format!("written for component {:?}, not {:?}", coded.component(), inventory.name),
             });
         }
+        // Every buffer's entry, checked before any is read, whatever the backend.
+        let blocks = inventory.blocks().map(|b| (b.id.to_string(), b.tensors.as_slice()));
+        let non_block = (!inventory.non_block.is_empty()).then(|| (NON_BLOCK.to_string(), inventory.non_block.as_slice()));
+        for (key, specs) in blocks.chain(non_block) {
+            let fault =
+                |f: String| Error::CodedFile { path: coded.path().to_path_buf(), block: format!("{}/{key}", inventory.name), fault: f };
+            let entry = coded.entry(&key).ok_or_else(|| fault(format!("no entry {key:?} (written for another model?)")))?;
+            let bytes = BlockLayout::new(specs.to_vec())?.bytes;
+            if entry.raw_bytes != bytes as u64 {
+                return Err(fault(format!("coded from {} bytes; the store lays the block out in {bytes}", entry.raw_bytes)));
+            }
+        }
         Self::build_inner(backend, inventory, source, PinOptions { coded: true, ..pin }, None, None, Some((coded, source)))
     }
 
@@ -348,18 +378,7 @@ impl<B: OffloadBackend> HostStore<B> {
             let layout = BlockLayout::new(specs.to_vec())?;
             let mut indices = Vec::with_capacity(specs.len());
             for (t, placed) in specs.iter().zip(&layout.tensors) {
-                let i = *by_name.get(t.name.as_str()).ok_or_else(|| Error::BadTensor {
-                    tensor: t.name.clone(),
-                    fault: format!("the model expects it but {} lacks it", source.origin()),
-                })?;
-                let have = &source.specs()[i];
-                if have.dtype != t.dtype || have.shape != t.shape {
-                    return Err(Error::BadTensor {
-                        tensor: t.name.clone(),
-                        fault: format!("expected {:?} {:?}, {} has {:?} {:?}", t.dtype, t.shape, source.origin(), have.dtype, have.shape),
-                    });
-                }
-                indices.push((i, placed.offset, placed.nbytes));
+                indices.push((source_index(source, &by_name, t)?, placed.offset, placed.nbytes));
             }
             let purpose = format!("{}/{}", inventory.name, id);
             if let (Some((_, offset_of, on_disk)), true) = (disk, is_block) {
@@ -678,18 +697,27 @@ mod tests {
             src.push(TensorSpec::new(format!("blocks.{i}.w"), DType::U8, [4096]), random(4096, 40 + i)).unwrap();
         }
         let inv = NameDiscovery.discover("m", src.specs()).unwrap();
+        // The same from a coded file (`alloc_host_precoded` refused instead).
+        let path = temp("fault-coded-file").with_extension("offload-coded");
+        crate::CodedFile::write(&path, &inv, &src, crate::sim::SIM_SEGMENT_BYTES, 2).unwrap();
+        let cf = crate::CodedFile::open(&path).unwrap();
         for n in 0..4 {
             let mut failed = Vec::new();
-            for coded in [false, true] {
+            for how in 0..3 {
                 let be = crate::FaultInjector::new(SimBackend::new(SimConfig { decodes: false, ..SimConfig::fast() }));
                 be.arm(crate::FaultKind::HostAlloc, n);
-                let pin = PinOptions { coded, ..Default::default() };
-                let e = HostStore::build_with(&be, &inv, &src, pin).err().expect("the armed fault fails the build").to_string();
+                let pin = PinOptions { coded: how == 1, ..Default::default() };
+                let built = match how {
+                    2 => HostStore::build_from_coded_file(&be, &inv, &src, pin, &cf),
+                    _ => HostStore::build_with(&be, &inv, &src, pin),
+                };
+                let e = built.err().expect("the armed fault fails the build").to_string();
                 assert!(e.contains(&format!("HostAlloc #{n}")), "{e}");
                 failed.push(e);
             }
-            assert_eq!(failed[0], failed[1], "fault #{n}");
+            assert!(failed[0] == failed[1] && failed[0] == failed[2], "fault #{n}: {failed:?}");
         }
+        std::fs::remove_file(&path).unwrap();
     }
 
     /// A safetensors file written by hand, tensors in the order given (so a test
@@ -1035,6 +1063,19 @@ mod tests {
         let more_inv = NameDiscovery.discover("m", more.specs()).unwrap();
         let msg = build(&more, &more_inv).unwrap_err().to_string();
         assert!(msg.contains("m/blocks.3") && msg.contains("no entry"), "{msg}");
+        // The same on a device without a decoder (every entry is checked before any is read).
+        let raw_be = SimBackend::new(SimConfig { decodes: false, ..SimConfig::fast() });
+        let cf = crate::CodedFile::open(&path).unwrap();
+        let msg = HostStore::build_from_coded_file(&raw_be, &more_inv, &more, PinOptions::default(), &cf).err().unwrap().to_string();
+        assert!(msg.contains("m/blocks.3") && msg.contains("no entry"), "{msg}");
+        // An entry the file's index does not hold is refused, not read.
+        let mut foreign = cf.entry("blocks.0").unwrap().clone();
+        foreign.at += 1 << 30;
+        let mut dst = vec![0u8; foreign.len as usize];
+        assert!(cf.read_entry(&foreign, &mut dst, 2).unwrap_err().to_string().contains("does not hold"));
+        foreign.at -= 1 << 30;
+        foreign.pieces.push(0);
+        assert!(cf.read_entry(&foreign, &mut dst, 2).unwrap_err().to_string().contains("does not hold"));
         // Cut short, not a coded file, an index that does not hold together.
         for (what, bytes) in [
             ("cut", good[..good.len() - 100].to_vec()),

@@ -475,6 +475,26 @@ mod tests {
         coded_ring_exact(512 << 10, 9_500_000);
     }
 
+    /// One step of `ring` in order, each block's slot read back after its copy
+    /// event and compared with `raw`'s bytes for it.
+    fn one_step_exact(b: &CudaBackend, ring: &mut Ring<CudaBackend>, raw: &[Vec<u8>], step: usize) {
+        for (i, want) in raw.iter().enumerate() {
+            let g = ring.block_at(i).unwrap();
+            let mut got = vec![0u8; want.len()];
+            // The guard ordered the compute stream after the block's copy (decode)
+            // event; the stream is synchronised before `got` is read.
+            // SAFETY: the slot holds `want.len()` bytes while the guard lives, as `got` does.
+            unsafe {
+                let s = b.compute_stream();
+                sys::cuMemcpyDtoHAsync_v2(got.as_mut_ptr().cast(), g.slot().device_ptr(), got.len(), s.cu_stream()).result().unwrap();
+                s.synchronize().unwrap();
+            }
+            assert!(got == *want, "step {step}, block {i}: the slot's bytes differ from the block's");
+            g.finish().unwrap();
+        }
+        ring.end_step().unwrap();
+    }
+
     fn coded_ring_exact(segment_bytes: usize, values: usize) {
         let Some(b) = crate::codec::test_backend() else { return };
         b.enable_coding(CodingOptions { threads: 4, segment_bytes, ..Default::default() }).unwrap();
@@ -503,21 +523,7 @@ mod tests {
         assert!(b.set_staging_buffers(0).is_err(), "zero staging buffers refused");
         for (step, staging) in [2, 1, 4, 3].into_iter().enumerate() {
             b.set_staging_buffers(staging).unwrap();
-            for (i, want) in raw.iter().enumerate() {
-                let g = ring.block_at(i).unwrap();
-                let mut got = vec![0u8; want.len()];
-                // The guard ordered the compute stream after the block's copy (decode)
-                // event; the stream is synchronised before `got` is read.
-                // SAFETY: the slot holds `want.len()` bytes while the guard lives, as `got` does.
-                unsafe {
-                    let s = b.compute_stream();
-                    sys::cuMemcpyDtoHAsync_v2(got.as_mut_ptr().cast(), g.slot().device_ptr(), got.len(), s.cu_stream()).result().unwrap();
-                    s.synchronize().unwrap();
-                }
-                assert!(got == *want, "step {step}, block {i}: the slot's bytes differ from the block's");
-                g.finish().unwrap();
-            }
-            ring.end_step().unwrap();
+            one_step_exact(&b, &mut ring, &raw, step);
         }
         ring.close().unwrap();
         b.poll_error().unwrap();
@@ -583,21 +589,7 @@ mod tests {
         let mut ring = Ring::new(b.clone(), store.clone(), &plan.components[0]).unwrap();
         let before = b.counters();
         for step in 0..2 {
-            for (i, want) in raw.iter().enumerate() {
-                let g = ring.block_at(i).unwrap();
-                let mut got = vec![0u8; want.len()];
-                // SAFETY: the slot holds `want.len()` bytes while the guard lives, as
-                // `got` does; the guard ordered the compute stream after the block's
-                // copy (decode) event, and the stream is synchronised before `got` is read.
-                unsafe {
-                    let s = b.compute_stream();
-                    sys::cuMemcpyDtoHAsync_v2(got.as_mut_ptr().cast(), g.slot().device_ptr(), got.len(), s.cu_stream()).result().unwrap();
-                    s.synchronize().unwrap();
-                }
-                assert!(got == *want, "step {step}, block {i}: the slot's bytes differ from the block's");
-                g.finish().unwrap();
-            }
-            ring.end_step().unwrap();
+            one_step_exact(&b, &mut ring, &raw, step);
         }
         ring.close().unwrap();
         b.poll_error().unwrap();

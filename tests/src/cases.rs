@@ -543,8 +543,6 @@ fn file_faults<H: Harness>(_: Sabotage) -> Outcome {
     result
 }
 
-/// Write `model` to `path` as a safetensors file, block by block in inventory
-/// order, every tensor at a multiple of 256 of the data (as the store lays them out).
 /// A coded file made ahead of time (`CodedFile::write`, 4 KiB segments) builds
 /// the store (`HostStore::build_from_coded_file`): on a row that decodes
 /// (`Harness::decodes`) every buffer is held coded, elsewhere every one as it is;
@@ -611,6 +609,8 @@ fn coded_file<H: Harness>(_: Sabotage) -> Outcome {
     result
 }
 
+/// Write `model` to `path` as a safetensors file, block by block in inventory
+/// order, every tensor at a multiple of 256 of the data (as the store lays them out).
 fn write_laid_out(model: &TestModel, path: &std::path::Path) -> Outcome {
     // Block by block in inventory order, every tensor at a multiple of 256 of the data.
     let mut header = serde_json::Map::new();

@@ -107,8 +107,9 @@ pub trait Harness: 'static {
         false
     }
     /// Whether this row decodes coded host buffers on its device
-    /// (`OffloadBackend::alloc_host_coded`, `alloc_host_precoded`): the
-    /// simulator's rows and the CUDA ones (cuda, candle-cuda, tch-cuda).
+    /// (`OffloadBackend::alloc_host_coded`, `alloc_host_precoded`): the rows on
+    /// the simulator (sim, sim-coded, tch's CPU row) and the CUDA ones (cuda,
+    /// cuda-coded, candle-cuda, tch-cuda).
     fn decodes() -> bool {
         false
     }

@@ -21,6 +21,10 @@ impl Harness for Tch {
         // libtorch's CPU device on the simulator: each range is read into host memory.
         true
     }
+    fn decodes() -> bool {
+        // The simulator beneath libtorch's CPU device decodes coded buffers.
+        true
+    }
     fn backend() -> std::result::Result<SimBackend, CaseError> {
         Ok(SimBackend::new(SimConfig::fast()))
     }

@@ -36,3 +36,52 @@ fn bad_run_arguments_are_named_errors() {
         assert!(err.contains(says), "{args:?}: {err}");
     }
 }
+
+/// `zoo merge-host-tiers` refuses runs whose plans differ, and its error names
+/// each run's file (the merge itself knows runs only by number and pid).
+#[test]
+fn a_host_tier_merge_of_differing_plans_names_the_files() {
+    use offload_bench::host_tiers::{HostTierRun, TierRun};
+    let dir = std::env::temp_dir().join(format!("zoo-cli-host-tiers-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let files: Vec<String> = [(48, 9), (34, 23)]
+        .iter()
+        .enumerate()
+        .map(|(k, &(disk_blocks, copied_blocks))| {
+            // Runs that would merge but for their plans.
+            let mode = |mode: &str| TierRun {
+                mode: mode.into(),
+                disk_blocks,
+                copied_blocks,
+                bandwidth: 50e9,
+                steps_streamed_s: vec![0.4],
+                ..TierRun::default()
+            };
+            let run = HostTierRun {
+                model: "flux-dev".into(),
+                case: "1024".into(),
+                steps_resident_s: vec![0.25],
+                pid: 7 + k as u32,
+                modes: vec![mode("mapped"), mode("copy")],
+                ..HostTierRun::default()
+            };
+            let path = dir.join(format!("run{k}.json"));
+            std::fs::write(&path, serde_json::to_string(&run).unwrap()).unwrap();
+            path.to_string_lossy().into_owned()
+        })
+        .collect();
+    let out = dir.join("merged.json");
+    let res = Command::new(env!("CARGO_BIN_EXE_zoo"))
+        .args(["merge-host-tiers", "--min-repeats", "2", "--out", &out.to_string_lossy(), &files[0], &files[1]])
+        .output()
+        .expect("zoo runs");
+    let err = String::from_utf8_lossy(&res.stderr).into_owned();
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(!res.status.success(), "{err}");
+    assert!(
+        err.contains("run 2 (pid 8) ran another plan than run 1 (pid 7): copied_blocks 23 against 9, disk_blocks 34 against 48"),
+        "{err}"
+    );
+    assert!(err.contains(&format!("run 1 is {}, run 2 is {}", files[0], files[1])), "{err}");
+    assert!(!out.exists(), "no merged file written");
+}

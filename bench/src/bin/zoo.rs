@@ -33,7 +33,8 @@
 //! zoo merge-relay --out F [--min-repeats 3] RUN.json...
 //!                                              issue 18's file from relay runs
 //! zoo merge-host-tiers --out F [--min-repeats 3] RUN.json...
-//!                                              issue 17's file from host-tiers runs
+//!                                              issue 17's file from host-tiers runs of one plan
+//!                                              (runs whose plans differ refused, their files named)
 //! zoo merge-coded-start --out F [--min-repeats 3] RUN.json...
 //!                                              a coded start from a coded file against coding at build,
 //!                                              from host-tiers runs with --only coded-file,coded
@@ -85,11 +86,30 @@ type MergeArgs<'a> = (&'a str, usize, Vec<&'a str>, Vec<&'a str>);
 /// `merge_args` of a merge without anchors: `--out`, `--min-repeats` and the
 /// run files read as `T`; anchors given are an error naming the command `what`.
 fn runs_only<'a, T: serde::de::DeserializeOwned>(args: &'a [String], what: &str) -> Result<(&'a str, usize, Vec<T>), String> {
+    runs_named(args, what).map(|(out, min, runs, _)| (out, min, runs))
+}
+
+/// What [`runs_named`] gives: `--out`, `--min-repeats`, the runs read as `T`
+/// and their files, in the order given.
+type NamedRuns<'a, T> = (&'a str, usize, Vec<T>, Vec<&'a str>);
+
+/// [`runs_only`] with the run files' paths, in the order given, for
+/// [`naming_files`].
+fn runs_named<'a, T: serde::de::DeserializeOwned>(args: &'a [String], what: &str) -> Result<NamedRuns<'a, T>, String> {
     let (out, min, files, anchors) = merge_args(args, "--anchors")?;
     if !anchors.is_empty() {
         return Err(format!("{what} takes no --anchors"));
     }
-    Ok((out, min, files.iter().map(|f| read::<T>(f)).collect::<Result<Vec<_>, _>>()?))
+    let runs = files.iter().map(|f| read::<T>(f)).collect::<Result<Vec<_>, _>>()?;
+    Ok((out, min, runs, files))
+}
+
+/// A host-tier merge's error with each run's file: those merges name a run by
+/// its number in the order given ("run 2 (pid …)"), which says nothing to whoever
+/// has only the files.
+fn naming_files(e: String, files: &[&str]) -> String {
+    let each: Vec<String> = files.iter().enumerate().map(|(i, f)| format!("run {} is {f}", i + 1)).collect();
+    format!("{e} ({})", each.join(", "))
 }
 
 fn merge_args<'a>(args: &'a [String], second: &str) -> Result<MergeArgs<'a>, String> {
@@ -446,8 +466,8 @@ fn run(args: &[String]) -> Result<(), String> {
             write(out, &doc)
         }
         Some("merge-host-tiers-shared") => {
-            let (out, min, runs) = runs_only::<offload_bench::host_tiers::HostTierRun>(args, "merge-host-tiers-shared")?;
-            let doc = offload_bench::host_tiers::merge_shared(&runs, min)?;
+            let (out, min, runs, files) = runs_named::<offload_bench::host_tiers::HostTierRun>(args, "merge-host-tiers-shared")?;
+            let doc = offload_bench::host_tiers::merge_shared(&runs, min).map_err(|e| naming_files(e, &files))?;
             for g in doc["groups"].as_array().into_iter().flatten() {
                 println!(
                     "{}: {} processes serving together {:.1} s, host RSS ≤ {:.2} GiB, file mapped ≥ {:.3}, bitwise {}, meets {}",
@@ -463,8 +483,8 @@ fn run(args: &[String]) -> Result<(), String> {
             write(out, &doc)
         }
         Some("merge-coded-start") => {
-            let (out, min, runs) = runs_only::<offload_bench::host_tiers::HostTierRun>(args, "merge-coded-start")?;
-            let doc = offload_bench::host_tiers::merge_coded_start(&runs, min)?;
+            let (out, min, runs, files) = runs_named::<offload_bench::host_tiers::HostTierRun>(args, "merge-coded-start")?;
+            let doc = offload_bench::host_tiers::merge_coded_start(&runs, min).map_err(|e| naming_files(e, &files))?;
             for c in doc["cases"].as_array().into_iter().flatten() {
                 println!(
                     "{}: start {:.2} s (store {:.2} s), step {:.4} s, {} buffers coded, bitwise {}",
@@ -480,16 +500,17 @@ fn run(args: &[String]) -> Result<(), String> {
             write(out, &doc)
         }
         Some("merge-host-tiers") => {
-            let (out, min, runs) = runs_only::<offload_bench::host_tiers::HostTierRun>(args, "merge-host-tiers")?;
-            let doc = offload_bench::host_tiers::merge(&runs, min)?;
+            let (out, min, runs, files) = runs_named::<offload_bench::host_tiers::HostTierRun>(args, "merge-host-tiers")?;
+            let doc = offload_bench::host_tiers::merge(&runs, min).map_err(|e| naming_files(e, &files))?;
             for c in doc["cases"].as_array().into_iter().flatten() {
                 println!(
-                    "{}: start {:.2} s, host RSS {:.2} GiB, step {:.4} s, ratio to bound {:.4}, disk stream ÷ read {:.3}, bitwise {}, meets {}",
+                    "{}: start {:.2} s, host RSS {:.2} GiB, step {:.4} s, ratio to bound {:.4}, to the disk estimate {:.4}, disk stream ÷ read {:.3}, bitwise {}, meets {}",
                     c["mode"].as_str().unwrap_or(""),
                     c["start_s"]["median"].as_f64().unwrap_or(f64::NAN),
                     c["host_rss_bytes"]["median"].as_f64().unwrap_or(f64::NAN) / (1u64 << 30) as f64,
                     c["step_streamed_s"]["median"].as_f64().unwrap_or(f64::NAN),
                     c["ratio_to_bound"]["median"].as_f64().unwrap_or(f64::NAN),
+                    c["ratio_to_disk_estimate"]["median"].as_f64().unwrap_or(f64::NAN),
                     c["disk_stream_to_read"]["median"].as_f64().unwrap_or(f64::NAN),
                     c["bitwise_equal"],
                     c["meets_targets"]
@@ -531,7 +552,7 @@ fn run(args: &[String]) -> Result<(), String> {
             );
             for c in doc["cases"].as_array().into_iter().flatten() {
                 println!(
-                    "  {} d={} ({}): raw {:.4} s, coded {:.4} s, bound {:.4} s, coded ÷ bound {:.4}, bitwise {}, meets {}",
+                    "  {} d={} ({}): raw {:.4} s, coded {:.4} s, bound {:.4} s, coded ÷ bound {:.4}, planner {}, chosen ÷ declined {:.4}, bitwise {}, meets {}",
                     c["case"].as_str().unwrap_or(""),
                     c["depth"],
                     c["raw_step"].as_str().unwrap_or(""),
@@ -539,6 +560,12 @@ fn run(args: &[String]) -> Result<(), String> {
                     c["step_streamed_compressed_s"]["median"].as_f64().unwrap_or(f64::NAN),
                     c["bound_uncompressed_s"]["median"].as_f64().unwrap_or(f64::NAN),
                     c["ratio_to_uncompressed_bound"]["median"].as_f64().unwrap_or(f64::NAN),
+                    match c["planner_codes"].as_bool() {
+                        Some(true) => "codes",
+                        Some(false) => "leaves raw",
+                        None => "not asked",
+                    },
+                    c["planned_over_declined"]["median"].as_f64().unwrap_or(f64::NAN),
                     c["bitwise_equal"],
                     c["meets_targets"]
                 );

@@ -1,5 +1,7 @@
 //! `cargo xtask <command>`: the project's tasks, in plain Rust with `std::process`.
 
+#[cfg(test)]
+mod docs_check;
 mod report;
 mod tidy;
 

@@ -1,0 +1,444 @@
+//! Documentation truth, checked by `cargo test -p xtask`: every results path that
+//! `README.md`, `ARCHITECTURE.md` and `docs/*.md` name (`bench/results/…`,
+//! `bench/raw/…`, `bench/registry-check/…`) exists and is written out in full, and
+//! every figure the prose quotes in a sentence that names a results file is in one
+//! of the files that sentence names, at the precision quoted.
+//!
+//! A figure is a number with a unit (`1.004 ×`, `0.290 s`, `8 ms`, `1.87 GB/s`,
+//! `22.05 GiB`, `6.7 %`, `2.65 bits`, `16 threads`), a number after `≈`, or a
+//! number in a range (`0.985–1.000 ×`) or a spread (`[1.12, 1.98]`) beside such a
+//! figure. It is found in a file when one of the file's numbers, rounded to the
+//! quoted number of decimals, reads the same: as it is, or converted the ways the
+//! docs quote files' numbers (bytes as GiB, MiB, GB or MB; seconds as ms or min; a
+//! ratio as a percent, or as its distance from 1 in percent). The README's
+//! generated block (`report.rs` checks it against the files), fenced code and
+//! inline code are not prose; version numbers, dates, hashes and names are not
+//! figures.
+
+use crate::report::{README_END, README_START};
+use std::path::{Path, PathBuf};
+
+/// Where the results paths the docs name live.
+const RESULTS_ROOTS: [&str; 3] = ["bench/results/", "bench/raw/", "bench/registry-check/"];
+
+/// A figure's unit: how a file's number may have been converted to be quoted.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Unit {
+    /// As it is: a ratio (`×`), a number after `≈`, GB/s, bits, threads.
+    Plain,
+    Percent,
+    Seconds,
+    Millis,
+    Minutes,
+    GiB,
+    MiB,
+    Gb,
+    Mb,
+}
+
+/// The units a figure may carry, longest first where one begins another.
+const UNITS: [(&str, Unit); 12] = [
+    ("GB/s", Unit::Plain),
+    ("GiB", Unit::GiB),
+    ("MiB", Unit::MiB),
+    ("GB", Unit::Gb),
+    ("MB", Unit::Mb),
+    ("ms", Unit::Millis),
+    ("min", Unit::Minutes),
+    ("s", Unit::Seconds),
+    ("%", Unit::Percent),
+    ("×", Unit::Plain),
+    ("bits", Unit::Plain),
+    ("threads", Unit::Plain),
+];
+
+/// A quoted figure: its digits as written (no sign) and its unit.
+#[derive(Clone, Debug, PartialEq)]
+struct Figure {
+    digits: String,
+    unit: Unit,
+}
+
+impl Figure {
+    /// Whether one of `numbers`, converted as `unit` allows, reads as `digits`.
+    fn found_in(&self, numbers: &[f64]) -> bool {
+        let decimals = self.digits.split_once('.').map_or(0, |(_, d)| d.len());
+        numbers.iter().any(|&v| {
+            let ways: &[f64] = &match self.unit {
+                Unit::Plain | Unit::Seconds => vec![v],
+                Unit::Percent => vec![v, v * 100.0, (v - 1.0) * 100.0],
+                Unit::Millis => vec![v, v * 1e3],
+                Unit::Minutes => vec![v, v / 60.0],
+                Unit::GiB => vec![v, v / (1u64 << 30) as f64],
+                Unit::MiB => vec![v, v / (1u64 << 20) as f64],
+                Unit::Gb => vec![v, v / 1e9],
+                Unit::Mb => vec![v, v / 1e6],
+            };
+            ways.iter().any(|w| w.is_finite() && format!("{:.*}", decimals, w.abs()) == self.digits)
+        })
+    }
+}
+
+fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("the workspace root").to_path_buf()
+}
+
+/// The documents checked: README.md, ARCHITECTURE.md and docs/*.md, by name.
+fn documents(root: &Path) -> Vec<(String, String)> {
+    let mut names = vec!["README.md".to_owned(), "ARCHITECTURE.md".to_owned()];
+    if let Ok(dir) = std::fs::read_dir(root.join("docs")) {
+        let mut md: Vec<String> =
+            dir.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).filter(|n| n.ends_with(".md")).collect();
+        md.sort();
+        names.extend(md.into_iter().map(|n| format!("docs/{n}")));
+    }
+    names
+        .into_iter()
+        .map(|n| {
+            let text = std::fs::read_to_string(root.join(&n)).unwrap_or_else(|e| panic!("{n}: {e}"));
+            (n, text)
+        })
+        .collect()
+}
+
+fn is_path_char(c: char) -> bool {
+    c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-' | '/')
+}
+
+/// The results paths `text` names, in order (a name followed by `<`, `*` or `{`
+/// is a pattern, not a path).
+fn named_paths(text: &str) -> Vec<String> {
+    let mut found: Vec<(usize, String)> = Vec::new();
+    for root in RESULTS_ROOTS {
+        for (at, _) in text.match_indices(root) {
+            if text[..at].chars().next_back().is_some_and(is_path_char) {
+                continue;
+            }
+            let rest = &text[at..];
+            let end = rest.find(|c: char| !is_path_char(c)).unwrap_or(rest.len());
+            if rest[end..].starts_with(['<', '*', '{']) {
+                continue;
+            }
+            found.push((at, rest[..end].trim_end_matches(['.', ',']).to_owned()));
+        }
+    }
+    found.sort();
+    found.into_iter().map(|(_, p)| p).collect()
+}
+
+/// Inline code that stands for a path without writing it (`…-07aeb66/`): it
+/// cannot be checked, so it is refused.
+fn abbreviated_paths(text: &str) -> Vec<String> {
+    text.split('`').skip(1).step_by(2).filter(|code| code.starts_with('…')).map(|code| format!("`{code}`")).collect()
+}
+
+/// `text` without the README's generated block and fenced code: those lines
+/// blanked, so paragraphs keep their breaks.
+fn prose(text: &str) -> String {
+    let (mut generated, mut fence) = (false, false);
+    let mut out = String::with_capacity(text.len());
+    for line in text.lines() {
+        let t = line.trim_start();
+        generated |= t.starts_with(README_START);
+        let skip = generated || fence || t.starts_with("```");
+        fence ^= t.starts_with("```");
+        if t.starts_with(README_END) {
+            generated = false;
+        }
+        if !skip {
+            out.push_str(line);
+        }
+        out.push('\n');
+    }
+    out
+}
+
+/// Prose in units a sentence cannot cross: paragraphs, each table row, each
+/// heading and each list item, lines joined.
+fn units(prose: &str) -> Vec<String> {
+    let mut units = Vec::new();
+    let mut cur = String::new();
+    for line in prose.lines() {
+        let t = line.trim();
+        let item = t.starts_with("- ") || t.starts_with("* ") || t.split_once(". ").is_some_and(|(n, _)| n.parse::<u32>().is_ok());
+        if t.is_empty() || t.starts_with('|') || t.starts_with('#') || item {
+            if !cur.is_empty() {
+                units.push(std::mem::take(&mut cur));
+            }
+            if t.starts_with('|') || t.starts_with('#') {
+                units.push(t.to_owned());
+                continue;
+            }
+        }
+        if !t.is_empty() {
+            if !cur.is_empty() {
+                cur.push(' ');
+            }
+            cur.push_str(t);
+        }
+    }
+    if !cur.is_empty() {
+        units.push(cur);
+    }
+    units
+}
+
+/// The sentences of a unit: each ends at a full stop (outside inline code)
+/// followed by a space and a capital, `(`, `` ` `` or `*`; not after `e.g.`/`i.e.`.
+fn sentences(unit: &str) -> Vec<&str> {
+    let mut out = Vec::new();
+    let (mut start, mut code) = (0, false);
+    for (i, c) in unit.char_indices() {
+        match c {
+            '`' => code = !code,
+            '.' if !code && !unit[..=i].ends_with("e.g.") && !unit[..=i].ends_with("i.e.") => {
+                let rest = &unit[i + 1..];
+                let next = rest.trim_start().chars().next();
+                if rest.starts_with(' ') && next.is_some_and(|n| n.is_uppercase() || matches!(n, '(' | '`' | '*')) {
+                    out.push(&unit[start..=i]);
+                    start = i + 1;
+                }
+            }
+            _ => {}
+        }
+    }
+    if start < unit.len() {
+        out.push(&unit[start..]);
+    }
+    out
+}
+
+/// `sentence` with its inline code blanked.
+fn without_code(sentence: &str) -> String {
+    sentence.split('`').enumerate().map(|(k, part)| if k % 2 == 0 { part } else { " " }).collect()
+}
+
+/// An unsigned decimal number starting at byte `at` of `s`: its digits and its end,
+/// if it stands alone (not part of a name, a date, a hash or a version).
+fn number_at(s: &str, at: usize) -> Option<(&str, usize)> {
+    let prev = s[..at].chars().next_back();
+    if prev.is_some_and(|p| p.is_alphanumeric() || matches!(p, '_' | '.' | '-' | '/' | '=' | '^' | '<' | '·')) {
+        return None;
+    }
+    let int = s[at..].find(|c: char| !c.is_ascii_digit()).map_or(s.len(), |n| at + n);
+    if int == at {
+        return None;
+    }
+    let mut end = int;
+    if s[int..].starts_with('.') && s[int + 1..].starts_with(|c: char| c.is_ascii_digit()) {
+        end = s[int + 1..].find(|c: char| !c.is_ascii_digit()).map_or(s.len(), |n| int + 1 + n);
+    }
+    let next = s[end..].chars().next();
+    let after = s[end..].chars().nth(1);
+    let glued = next.is_some_and(|c| c.is_alphanumeric() || matches!(c, '_' | '²' | '³' | '/'));
+    let version_or_date = matches!(next, Some('.' | '-' | ':')) && after.is_some_and(|c| c.is_ascii_digit());
+    (!glued && !version_or_date).then_some((&s[at..end], end))
+}
+
+/// The unit right after byte `at` (spaces skipped), and where it ends.
+fn unit_at(s: &str, at: usize) -> Option<(Unit, usize)> {
+    let rest = s[at..].trim_start_matches([' ', '\u{a0}', '\u{202f}', '\u{2009}']);
+    let from = s.len() - rest.len();
+    UNITS.iter().find_map(|&(name, unit)| {
+        let tail = rest.strip_prefix(name)?;
+        let word = name.chars().all(char::is_alphabetic);
+        (!word || !tail.starts_with(char::is_alphanumeric)).then_some((unit, from + name.len()))
+    })
+}
+
+/// The figures quoted in `text` (inline code already blanked).
+fn figures(text: &str) -> Vec<Figure> {
+    let mut out = Vec::new();
+    let mut at = 0;
+    while let Some((start, digits, mut end)) =
+        text[at..].char_indices().find_map(|(k, _)| number_at(text, at + k).map(|(d, e)| (at + k, d, e)))
+    {
+        // A range: `a–b unit` gives both the unit.
+        let mut group = vec![digits.to_owned()];
+        while let Some(rest) = text[end..].strip_prefix('–') {
+            match number_at(text, text.len() - rest.len()) {
+                Some((d, e)) => {
+                    group.push(d.to_owned());
+                    end = e;
+                }
+                None => break,
+            }
+        }
+        let approx = text[..start].trim_end().ends_with('≈');
+        let unit = unit_at(text, end).or(approx.then_some((Unit::Plain, end)));
+        if let Some((unit, mut next)) = unit {
+            // A spread right after it: `[min, max]` in the same unit.
+            let rest = text[next..].trim_start();
+            if let Some(inner) = rest.strip_prefix('[').and_then(|r| r.split_once(']')).map(|(i, _)| i) {
+                let nums: Vec<&str> = inner.split(',').map(str::trim).collect();
+                if nums.iter().all(|n| number_at(n, 0).is_some_and(|(d, e)| d == *n && e == n.len())) {
+                    group.extend(nums.iter().map(|n| (*n).to_owned()));
+                    next = text.len() - rest.len() + inner.len() + 2;
+                }
+            }
+            out.extend(group.into_iter().map(|digits| Figure { digits, unit }));
+            end = next;
+        }
+        at = end;
+    }
+    out
+}
+
+/// Every number in a results file: a JSON file's numeric values, or every
+/// decimal number in a text file.
+fn file_numbers(path: &Path) -> Result<Vec<f64>, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| e.to_string())?;
+    if path.extension().is_some_and(|e| e == "json") {
+        fn walk(v: &serde_json::Value, out: &mut Vec<f64>) {
+            match v {
+                serde_json::Value::Number(n) => out.extend(n.as_f64()),
+                serde_json::Value::Array(a) => a.iter().for_each(|x| walk(x, out)),
+                serde_json::Value::Object(o) => o.values().for_each(|x| walk(x, out)),
+                _ => {}
+            }
+        }
+        let doc: serde_json::Value = serde_json::from_str(&text).map_err(|e| e.to_string())?;
+        let mut out = Vec::new();
+        walk(&doc, &mut out);
+        return Ok(out);
+    }
+    let mut out = Vec::new();
+    let mut rest = text.as_str();
+    while let Some(k) = rest.find(|c: char| c.is_ascii_digit()) {
+        let tail = &rest[k..];
+        let n = tail.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(tail.len());
+        out.extend(tail[..n].trim_end_matches('.').parse::<f64>().ok());
+        rest = &tail[n..];
+    }
+    Ok(out)
+}
+
+/// Paths that `text` names and that do not exist under `root`, and how many it names.
+fn check_paths(root: &Path, name: &str, text: &str) -> (usize, Vec<String>) {
+    let paths = named_paths(text);
+    let mut faults: Vec<String> =
+        paths.iter().filter(|p| !root.join(p).exists()).map(|p| format!("{name} names `{p}`, which does not exist")).collect();
+    faults.extend(abbreviated_paths(text).into_iter().map(|a| format!("{name} abbreviates a path as {a}: write it in full")));
+    (paths.len(), faults)
+}
+
+/// Figures quoted in `text`'s prose in a sentence naming a results file that are
+/// in none of the files the sentence names, and how many figures were checked.
+fn check_figures(root: &Path, name: &str, text: &str) -> (usize, Vec<String>) {
+    let (mut checked, mut faults) = (0, Vec::new());
+    for unit in units(&prose(text)) {
+        for sentence in sentences(&unit) {
+            let files: Vec<String> = named_paths(sentence).into_iter().filter(|p| !p.ends_with('/')).collect();
+            let quoted = figures(&without_code(sentence));
+            if files.is_empty() || quoted.is_empty() {
+                continue;
+            }
+            let mut numbers = Vec::new();
+            for f in &files {
+                match file_numbers(&root.join(f)) {
+                    Ok(n) => numbers.extend(n),
+                    Err(e) => faults.push(format!("{name} names `{f}`, which cannot be read: {e}")),
+                }
+            }
+            for fig in quoted {
+                checked += 1;
+                if !fig.found_in(&numbers) {
+                    faults.push(format!(
+                        "{name}: {} ({:?}) is in none of {}, in: {}",
+                        fig.digits,
+                        fig.unit,
+                        files.join(", "),
+                        sentence.trim()
+                    ));
+                }
+            }
+        }
+    }
+    (checked, faults)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_results_path_the_docs_name_exists() {
+        let root = repo_root();
+        let (mut named, mut faults) = (0, Vec::new());
+        for (name, text) in documents(&root) {
+            let (n, f) = check_paths(&root, &name, &text);
+            named += n;
+            faults.extend(f);
+        }
+        assert!(faults.is_empty(), "{}", faults.join("\n"));
+        // The README names a score of results files and runs: finding none means the scan broke.
+        assert!(named >= 20, "only {named} results paths found in the docs");
+    }
+
+    #[test]
+    fn every_figure_quoted_beside_a_results_file_is_in_it() {
+        let root = repo_root();
+        let (mut checked, mut faults) = (0, Vec::new());
+        for (name, text) in documents(&root) {
+            let (n, f) = check_figures(&root, &name, &text);
+            checked += n;
+            faults.extend(f);
+        }
+        assert!(faults.is_empty(), "{}", faults.join("\n"));
+        // The README's prose quotes at least the coded size, the encode rate, the
+        // disk tier's rates and the Vulkan ratios beside their files.
+        assert!(checked >= 10, "only {checked} figures checked");
+    }
+
+    /// A temporary repository with one results file.
+    fn scratch(tag: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("offload-docs-check-{tag}-{}", std::process::id()));
+        std::fs::create_dir_all(dir.join("bench/results")).unwrap();
+        std::fs::create_dir_all(dir.join("bench/raw")).unwrap();
+        let doc = serde_json::json!({"ratio": 0.9123, "bytes": 1_487_575_168u64, "start_s": {"median": 57.35003, "min": 54.66, "max": 59.56},
+            "off": 1.067, "gbps": 1.866, "rows": [{"step_s": 0.0124}], "commit": "3980ca5", "version": "0.42.1"});
+        std::fs::write(dir.join("bench/results/x.json"), doc.to_string()).unwrap();
+        std::fs::write(dir.join("bench/results/y.txt"), "step 0.290 s, 12 blocks\n").unwrap();
+        dir
+    }
+
+    #[test]
+    fn a_figure_not_in_its_file_or_a_missing_file_fails() {
+        let root = scratch("figures");
+        let good = "Intro.\n\nMeasured (`bench/results/x.json`): 0.912 × and 1.39 GiB, 57.4 s [54.7, 59.6], +6.7 %, 12.4 ms,\n\
+                    1.87 GB/s, ≈ 0.91 of it, 0.912–1.067 ×; diffusers 0.42.1 at 3980ca5 on 2026-12-01, d=1, 1024², bf16.\n\n\
+                    A step of 0.290 s (`bench/results/y.txt`). Elsewhere 9.999 × and `7.777 ×` with no file named.\n";
+        let (n, faults) = check_figures(&root, "doc", good);
+        assert!(faults.is_empty(), "{faults:?}");
+        assert_eq!(n, 12, "figures checked");
+        for (from, to) in
+            [("0.912 ×", "0.913 ×"), ("1.39 GiB", "1.38 GiB"), ("59.6]", "59.7]"), ("+6.7 %", "+6.8 %"), ("0.290 s", "0.291 s")]
+        {
+            let bad = good.replacen(from, to, 1);
+            let (_, faults) = check_figures(&root, "doc", &bad);
+            assert_eq!(faults.len(), 1, "{to}: {faults:?}");
+            assert!(faults[0].contains(to.split(' ').next().unwrap().trim_end_matches(']')), "{faults:?}");
+        }
+        // The same figures in the generated block, in code or in a sentence naming no file are not checked.
+        let outside =
+            format!("{README_START}\n\n(`bench/results/x.json`) 5.555 ×\n\n{README_END}\n\n```\n`bench/results/x.json` 5.555 ×\n```\n");
+        assert_eq!(check_figures(&root, "doc", &outside), (0, vec![]));
+        // A file that is not there: named, and its figures cannot pass.
+        let (_, faults) = check_figures(&root, "doc", "Gone (`bench/results/z.json`): 1.000 ×.");
+        assert!(faults.iter().any(|f| f.contains("cannot be read")) && faults.iter().any(|f| f.contains("1.000")), "{faults:?}");
+        let (n, faults) = check_paths(&root, "doc", "See `bench/results/x.json`, `bench/results/z.json` and `bench/raw/`; `…-07aeb66/`.");
+        assert_eq!(n, 3);
+        assert!(faults.len() == 2 && faults[0].contains("bench/results/z.json") && faults[1].contains("…-07aeb66/"), "{faults:?}");
+        let _ = std::fs::remove_dir_all(&root);
+    }
+
+    #[test]
+    fn sentences_and_units_split_where_prose_does() {
+        let u = units("One (`a. B`). Two e.g. This.\nStill two.\n\n| a | 1 |\n| b | 2 |\n- item one\n- item two\n");
+        assert_eq!(u, ["One (`a. B`). Two e.g. This. Still two.", "| a | 1 |", "| b | 2 |", "- item one", "- item two"]);
+        assert_eq!(sentences(&u[0]), ["One (`a. B`).", " Two e.g. This.", " Still two."]);
+        let f = figures("26–29 minutes, 3 s step, 0.3 seconds, 22 GiB, H200, v1.2, 16 threads, 8 steps");
+        let digits: Vec<&str> = f.iter().map(|f| f.digits.as_str()).collect();
+        assert_eq!(digits, ["3", "22", "16"]);
+    }
+}

@@ -195,7 +195,9 @@ pub fn run(model: &Model, opts: &RunOptions) -> Result<RunDoc, String> {
                 .blocks()
                 .iter()
                 .max_by_key(|b| b.bytes())
-                .map(|b| be.host_bytes(b.buffer().expect("held in memory")).to_vec())
+                .map(|b| be.host_bytes(b.buffer().expect("held in memory")).map(<[u8]>::to_vec))
+                .transpose()
+                .map_err(|e| e.to_string())?
                 .unwrap_or_default();
             let options = offload_cuda::CodingOptions { high_priority_decode: opts.high_priority_decode, ..Default::default() };
             let t = Instant::now();
@@ -534,7 +536,7 @@ impl offload_core::TensorSource for StoreTensors<'_> {
         if n != dst.len() {
             return Err(bad(format!("{n} bytes in the raw store, {} asked for", dst.len())));
         }
-        dst.copy_from_slice(&self.be.host_bytes(self.store.blocks()[b].buffer().expect("held in memory"))[off..off + n]);
+        dst.copy_from_slice(&self.be.host_bytes(self.store.blocks()[b].buffer().expect("held in memory"))?[off..off + n]);
         Ok(())
     }
 
@@ -555,7 +557,8 @@ fn entropies(be: &CudaBackend, store: &HostStore<CudaBackend>) -> (f64, Vec<f64>
                 s.spawn(move || {
                     let (mut all, mut each) = ([0u64; 256], Vec::new());
                     for b in group {
-                        let bytes = be.host_bytes(b.buffer().expect("held in memory"));
+                        // The store was built from memory here: its bytes are readable.
+                        let Ok(bytes) = be.host_bytes(b.buffer().expect("held in memory")) else { continue };
                         for t in &b.layout.tensors {
                             let h = exponent_histogram(&bytes[t.offset..t.offset + t.nbytes]);
                             for (a, x) in all.iter_mut().zip(h) {

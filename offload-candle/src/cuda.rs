@@ -189,7 +189,7 @@ impl OffloadBackend for CandleCudaBackend {
     fn host_held_bytes(&self, buffer: &PinnedHost) -> Option<usize> {
         self.cuda().host_held_bytes(buffer)
     }
-    fn host_bytes<'a>(&self, buffer: &'a PinnedHost) -> &'a [u8] {
+    fn host_bytes<'a>(&self, buffer: &'a PinnedHost) -> Result<&'a [u8]> {
         self.cuda().host_bytes(buffer)
     }
     fn host_is_pinned(&self) -> bool {

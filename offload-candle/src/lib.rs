@@ -204,7 +204,7 @@ impl OffloadBackend for CandleBackend {
         // Host memory is the device here: nothing is page-locked.
         false
     }
-    fn host_bytes<'a>(&self, buffer: &'a SimHost) -> &'a [u8] {
+    fn host_bytes<'a>(&self, buffer: &'a SimHost) -> Result<&'a [u8]> {
         self.device.host_bytes(buffer)
     }
     fn host_held_bytes(&self, buffer: &SimHost) -> Option<usize> {

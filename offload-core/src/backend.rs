@@ -168,9 +168,11 @@ pub trait OffloadBackend: Clone + Send + Sync + 'static {
         None
     }
 
-    /// Read access to a frozen host buffer (used for resident reference runs and
-    /// checks, never on the streaming path).
-    fn host_bytes<'a>(&self, buffer: &'a Self::HostBuffer) -> &'a [u8];
+    /// Read access to a frozen host buffer's block bytes (used for resident
+    /// reference runs and checks, never on the streaming path). An error where
+    /// they can no longer be read: a buffer served from a mapped file that was
+    /// cut short or replaced since, a coded buffer that no longer decodes.
+    fn host_bytes<'a>(&self, buffer: &'a Self::HostBuffer) -> Result<&'a [u8]>;
 
     /// Whether host buffers from this backend are page-locked.
     fn host_is_pinned(&self) -> bool;

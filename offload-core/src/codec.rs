@@ -750,6 +750,57 @@ pub fn decode_device_block_on(coded: &[u8], out: &mut [u8], threads: usize, what
     })
 }
 
+/// Swap, in the first coded segment of the device block `coded` that has one,
+/// the codes of two neighbouring values whose codes differ but are of equal
+/// length: the string still parses and every chunk still uses its bits (what a
+/// device decoder checks), but two exponents trade places. Whether one was found.
+/// For tests of what catches coded bytes altered that way.
+#[doc(hidden)]
+pub fn swap_equal_length_codes(coded: &mut [u8]) -> bool {
+    let Ok((_, segs)) = device_segments(coded, "swap") else { return false };
+    for sg in segs {
+        let Some((_, l)) = &sg.coded else { continue };
+        let enc_at = sg.enc_at;
+        let from = u32::from_le_bytes(coded[enc_at + l.offsets_at..enc_at + l.offsets_at + 4].try_into().unwrap_or_default()) as usize;
+        let stream = enc_at + l.stream_at + from;
+        let bit = |c: &[u8], p: usize| (c[stream + p / 8] >> (7 - p % 8)) & 1;
+        // Walk chunk 0's codes: (bit position, length, code bits) of each value.
+        let values = CHUNK_VALUES.min(l.values);
+        let mut at = 0usize;
+        let mut prev: Option<(usize, u32, u32)> = None;
+        for _ in 0..values {
+            let mut window = 0usize;
+            for k in 0..MAX_CODE_BITS as usize {
+                let p = at + k;
+                let b = if stream + p / 8 < coded.len() { bit(coded, p) } else { 0 };
+                window = window << 1 | b as usize;
+            }
+            let len = u32::from(l.table[window] >> 8);
+            if len == 0 {
+                return false;
+            }
+            let code = (window >> (MAX_CODE_BITS - len)) as u32;
+            if let Some((p0, l0, c0)) = prev {
+                if l0 == len && c0 != code {
+                    // Write `code` at p0 and `c0` at `at`, `len` bits each.
+                    for (pos, val) in [(p0, code), (at, c0)] {
+                        for k in 0..len as usize {
+                            let b = (val >> (len as usize - 1 - k)) & 1;
+                            let p = pos + k;
+                            let byte = &mut coded[stream + p / 8];
+                            *byte = (*byte & !(1 << (7 - p % 8))) | ((b as u8) << (7 - p % 8));
+                        }
+                    }
+                    return true;
+                }
+            }
+            prev = Some((at, len, code));
+            at += len as usize;
+        }
+    }
+    false
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -48,8 +48,11 @@ const MAGIC: &[u8; 8] = b"OFCODED1";
 const ENTRY_ALIGN: u64 = 4096;
 /// Bytes of coded data per integrity hash in the index.
 pub const PIECE_BYTES: usize = 16 << 20;
-/// The index's format version.
-const FORMAT: u32 = 1;
+/// The index's format version. 2: every block decoded back and compared before
+/// it is written, and decoded again and compared with the checkpoint at every
+/// load (`HostStore::build_from_coded_file`). Files of format 1 were written
+/// before the decode-back check and are refused: write them again.
+const FORMAT: u32 = 2;
 /// The largest index accepted (a component has at most a few thousand blocks).
 const MAX_INDEX: u64 = 64 << 20;
 
@@ -191,6 +194,25 @@ impl CodedFile {
         threads: usize,
         piece_bytes: usize,
     ) -> Result<CodedFileStats> {
+        Self::write_with(path, inventory, source, segment_bytes, threads, piece_bytes, FORMAT, &|_, _| {})
+    }
+
+    /// [`write_pieces`](Self::write_pieces) with the index's `format` given and
+    /// `alter` run on each block's coded bytes after they are checked and before
+    /// they are hashed and written (tests: a file forged so that its own hashes
+    /// hold, or one of an older format).
+    #[allow(clippy::too_many_arguments)]
+    #[doc(hidden)]
+    pub fn write_with(
+        path: impl AsRef<Path>,
+        inventory: &ComponentInventory,
+        source: &dyn TensorSource,
+        segment_bytes: usize,
+        threads: usize,
+        piece_bytes: usize,
+        format: u32,
+        alter: &dyn Fn(&str, &mut Vec<u8>),
+    ) -> Result<CodedFileStats> {
         let t0 = std::time::Instant::now();
         let path = path.as_ref();
         // A name of this writer's own: two writers at once never share a file.
@@ -214,7 +236,7 @@ impl CodedFile {
             let by_name: HashMap<&str, usize> = source.specs().iter().enumerate().map(|(i, s)| (s.name.as_str(), i)).collect();
             for (block, specs) in blocks.chain(non_block) {
                 let (layout, raw) = laid_out(source, &by_name, specs)?;
-                let coded = codec::code_for_device(&raw, segment_bytes, threads);
+                let mut coded = codec::code_for_device(&raw, segment_bytes, threads);
                 // What is written is checked to decode to the block's bytes (the
                 // device's decoder checks no hash): an encoder fault, or memory
                 // damaged between coding and hashing, never becomes a file.
@@ -223,6 +245,7 @@ impl CodedFile {
                 if back != raw {
                     return Err(Error::Protocol(format!("{}/{block}: coded bytes that do not decode to the block's", inventory.name)));
                 }
+                alter(&block, &mut coded);
                 let start = at.next_multiple_of(ENTRY_ALIGN);
                 out.write_all(&vec![0u8; (start - at) as usize]).map_err(io(&partial))?;
                 out.write_all(&coded).map_err(io(&partial))?;
@@ -234,7 +257,7 @@ impl CodedFile {
             }
             stats.entries = entries.len();
             let index = Index {
-                format: FORMAT,
+                format,
                 component: inventory.name.clone(),
                 segment_bytes: segment_bytes as u64,
                 piece_bytes: piece_bytes as u64,
@@ -281,6 +304,9 @@ impl CodedFile {
         let index_at = len - 16 - n;
         let index: Index =
             serde_json::from_slice(&read(index_at, n as usize)?).map_err(|e| bad(format!("its index does not parse: {e}")))?;
+        if index.format == 1 {
+            return Err(bad("format 1, written before every block was decoded back and checked: write it again (CodedFile::write)".into()));
+        }
         if index.format != FORMAT {
             return Err(bad(format!("format {}, this build reads {FORMAT}", index.format)));
         }

@@ -150,7 +150,7 @@ impl<B: OffloadBackend> OffloadBackend for FaultInjector<B> {
     fn elapsed_s(&self, from: &Self::Event, to: &Self::Event) -> Result<Option<f64>> {
         self.inner.elapsed_s(from, to)
     }
-    fn host_bytes<'a>(&self, buffer: &'a Self::HostBuffer) -> &'a [u8] {
+    fn host_bytes<'a>(&self, buffer: &'a Self::HostBuffer) -> Result<&'a [u8]> {
         self.inner.host_bytes(buffer)
     }
     fn host_is_pinned(&self) -> bool {

@@ -74,7 +74,7 @@ pub use metrics::{host_rss_beyond_page_cache, host_rss_file_bytes, StepMetrics};
 pub use ondemand::OnDemand;
 pub use plan::{resolve, resolve_on, ComponentPlan, PinFallback, Plan, ResidentPolicy, ResolvedComponent, ResolvedPlan, Strategy};
 pub use ring::{BlockGuard, Ring};
-pub use source::{FileRegion, HostRegion, MemoryTensors, RegionSource, SafetensorsFile, TensorSource};
+pub use source::{FileIdentity, FileRegion, HostRegion, MemoryTensors, RegionSource, SafetensorsFile, TensorSource};
 pub use store::{probe_bandwidth, HostBlock, HostStore, HostTier, PinOptions};
 pub use tensor::{align_up, BlockLayout, DType, PlacedTensor, TensorSpec, TENSOR_ALIGN};
 pub use timeline::{HostMark, Span, Timeline};

@@ -52,11 +52,14 @@ pub enum Sabotage {
     /// Invariant 2: record the release event when the block is handed out, before
     /// the compute that reads it.
     EarlyRelease,
+    /// Invariant 6 on the host tiers: skip the step-boundary check that the files
+    /// a store streams from are unchanged (`HostStore::check_sources`).
+    SkipSourceCheck,
 }
 
 impl Sabotage {
     /// Every break, for tables.
-    pub const ALL: [Sabotage; 8] = [
+    pub const ALL: [Sabotage; 9] = [
         Sabotage::SkipComputeWait,
         Sabotage::SkipFreeWait,
         Sabotage::NoReleaseEvent,
@@ -65,6 +68,7 @@ impl Sabotage {
         Sabotage::ExtraSlot,
         Sabotage::TrustPrediction,
         Sabotage::LeakOnError,
+        Sabotage::SkipSourceCheck,
     ];
 }
 
@@ -681,12 +685,28 @@ impl<B: OffloadBackend> Ring<B> {
 
     /// Close the current step: return its metrics and add them to the total.
     /// Reports any error the device raised asynchronously during the step.
+    ///
+    /// Checks that the files the store reads during a step (a mapped
+    /// checkpoint served in place, the disk tier's file) still hold the bytes
+    /// it was built from ([`HostStore::check_sources`]). A changed file is an
+    /// error naming it, and every later block and step of this ring is refused.
+    /// The step that reports it may have used changed bytes, and so may the one
+    /// before it, whose last copies can still have been queued when its own
+    /// check passed; no earlier step did (a change moves the file's times before
+    /// its bytes).
     pub fn end_step(&mut self) -> Result<StepMetrics> {
         if let Some(e) = self.sticky.take() {
             return Err(e);
         }
+        if let Some(why) = &self.broken {
+            return Err(Error::Protocol(format!("ring of {:?} is unusable: {why}", self.store.component())));
+        }
         self.release_forgotten()?;
         self.backend.poll_error()?;
+        if let Err(e) = self.sabotage_checked_sources() {
+            self.broken = Some(format!("a file it streams from changed: {e}"));
+            return Err(e);
+        }
         self.step.step_wall_s = self.step_started.elapsed().as_secs_f64();
         self.step_started = Instant::now();
         if let Some(disk) = &mut self.disk {
@@ -724,6 +744,14 @@ impl<B: OffloadBackend> Ring<B> {
             ..Default::default()
         };
         Ok(step)
+    }
+
+    /// The store's files checked, unless the sabotage skips it.
+    fn sabotage_checked_sources(&self) -> Result<()> {
+        if self.sabotage == Sabotage::SkipSourceCheck {
+            return Ok(());
+        }
+        self.store.check_sources()
     }
 
     /// Metrics of every closed step, plus the open one.

@@ -172,6 +172,10 @@ struct State {
     sync_tick: u64,
     slots: HashMap<u64, SlotInfo>,
     stats: SimStats,
+    /// Regions "registered" (by address), and the regions themselves, kept so
+    /// no address is reused while the simulator lives.
+    registered: Vec<usize>,
+    keep: Vec<Arc<dyn crate::HostRegion>>,
 }
 
 struct Pending {
@@ -406,7 +410,34 @@ impl OffloadBackend for SimBackend {
             return Err(Error::unsupported("sim", format!("blocks served in place while every block is coded (for {purpose})")));
         }
         region.check()?;
-        self.alloc_pinned(bytes, purpose, &mut |dst| region.read_at(offset, dst))
+        // "Registered" as a device registers it: the whole region page-locked on
+        // first use, counted once (`HostRegion::registered_len`); the block's own
+        // bytes are then not counted again.
+        {
+            let mut st = lock(&self.inner.state);
+            let key = Arc::as_ptr(region) as *const u8 as usize;
+            if !st.registered.contains(&key) {
+                let n = region.registered_len() as u64;
+                if let Some(cap) = self.inner.cfg.pinned_host_bytes {
+                    let free = cap.saturating_sub(st.stats.pinned_bytes);
+                    if n > free {
+                        return Err(Error::HostAlloc {
+                            backend: "sim".into(),
+                            requested: n,
+                            purpose: purpose.into(),
+                            reason: format!("registering {}: page-locked memory exhausted ({free} bytes left)", region.origin()),
+                        });
+                    }
+                }
+                st.registered.push(key);
+                // Kept registered while the simulator lives (it does not track frees).
+                st.keep.push(region.clone());
+                st.stats.pinned_bytes += n;
+            }
+        }
+        let mut v = vec![0u8; bytes];
+        region.read_at(offset, &mut v)?;
+        Ok(SimHost(v.into(), true, None))
     }
 
     fn alloc_host_pageable(&self, bytes: usize, _purpose: &str, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<SimHost> {
@@ -435,8 +466,8 @@ impl OffloadBackend for SimBackend {
         buffer.2.as_ref().map(|coded| coded.len())
     }
 
-    fn host_bytes<'a>(&self, buffer: &'a SimHost) -> &'a [u8] {
-        &buffer.0
+    fn host_bytes<'a>(&self, buffer: &'a SimHost) -> Result<&'a [u8]> {
+        Ok(&buffer.0)
     }
 
     fn host_is_pinned(&self) -> bool {

@@ -209,16 +209,23 @@ impl SafetensorsFile {
 
     /// Serve the host store's blocks from `region` (the file mapped by a backend,
     /// e.g. `offload_cuda::map_checkpoint`) instead of positioned reads. It must
-    /// hold this file's bytes: its length is checked here.
+    /// hold this file's bytes: its length and its file's identity (device, inode,
+    /// length, modification and change times, [`HostRegion::file_identity`]) are
+    /// checked against the file's when its header was read, so a mapping of
+    /// another file of the same length, or of this one written since, is refused.
     pub fn set_region(&mut self, region: Arc<dyn HostRegion>) -> Result<()> {
         let want = self.region.len();
+        let bad = |fault: String| Error::BadCheckpoint { path: self.path.clone(), tensor: String::new(), fault };
         if region.len() != want {
-            return Err(Error::BadCheckpoint {
-                path: self.path.clone(),
-                tensor: String::new(),
-                fault: format!("a region of {} bytes given for a {want}-byte file", region.len()),
-            });
+            return Err(bad(format!("a region of {} bytes given for a {want}-byte file", region.len())));
         }
+        match region.file_identity() {
+            None => return Err(bad(format!("{} is not a file whose identity can be checked", region.origin()))),
+            Some(id) => {
+                self.opened.compare(&self.path, &id).map_err(|e| bad(format!("{} is not this file as opened: {e}", region.origin())))?
+            }
+        }
+        region.check()?;
         self.region = region;
         Ok(())
     }
@@ -258,9 +265,30 @@ pub trait HostRegion: Send + Sync + 'static {
     /// What it is, for errors (`"checkpoint /path/m.safetensors"`).
     fn origin(&self) -> String;
     /// Whether the region still holds the bytes it was opened with: for a file,
-    /// the same file (device and inode behind the path), the same length and
-    /// modification time. Checked before a store registers it and before a read.
+    /// the same file (device and inode behind the path), the same length,
+    /// modification and change times ([`FileIdentity`]). Checked before a store
+    /// registers it, before a read, and by a ring at every step boundary
+    /// ([`HostStore::check_sources`](crate::HostStore::check_sources)).
     fn check(&self) -> Result<()>;
+    /// The identity of the file the region holds, as recorded when it was
+    /// opened; `None` for a region that is not a file. A checkpoint accepts a
+    /// region only of its own file ([`SafetensorsFile::set_region`]).
+    fn file_identity(&self) -> Option<FileIdentity> {
+        None
+    }
+    /// Bytes a backend page-locks when it registers the region for DMA (the
+    /// mapping's whole pages, [`len`](Self::len) by default). Registration is
+    /// all or nothing: the host store charges this to its pin budget once, with
+    /// the first block it serves in place, whatever share of the region it serves.
+    fn registered_len(&self) -> usize {
+        self.len()
+    }
+    /// How a backend registered the region, once it has (`"read-only"`, or a
+    /// fallback a driver's refusal led to); `None` before, or for a region no
+    /// backend registers. [`HostTier::registration`](crate::HostTier::registration) reports it.
+    fn registration(&self) -> Option<String> {
+        None
+    }
 }
 
 /// A source whose tensors lie in one [`HostRegion`]: the host store can serve a
@@ -273,22 +301,47 @@ pub trait RegionSource: TensorSource {
     fn tensor_offset(&self, index: usize) -> usize;
 }
 
-/// What identifies a file's contents cheaply: where it is and how long, and when
-/// it was last written.
+/// What identifies a file's contents cheaply: which file it is (device and
+/// inode), how long, and when its data (`mtime`) and its inode (`ctime`) last
+/// changed.
+///
+/// `ctime` is what catches a write whose modification time was put back
+/// afterwards (`cp -p` onto the file, `touch -r`, `rsync -t --inplace`): no
+/// process can set it. What no identity catches is a change within the file
+/// system's timestamp granularity of the moment the identity was recorded (a few
+/// milliseconds on Linux's coarse clock); the disk tier and the mapped tier check
+/// it at every step boundary, so such a change is also one a step was already
+/// reading.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct FileIdentity {
-    pub(crate) dev: u64,
-    pub(crate) ino: u64,
-    pub(crate) len: u64,
-    pub(crate) mtime_ns: i128,
+pub struct FileIdentity {
+    /// The device holding the file.
+    pub dev: u64,
+    /// The file's inode.
+    pub ino: u64,
+    /// Its length in bytes.
+    pub len: u64,
+    /// Its data's last modification, in nanoseconds since the epoch.
+    pub mtime_ns: i128,
+    /// Its inode's last change (any write, or a change of its times or
+    /// permissions), in nanoseconds since the epoch.
+    pub ctime_ns: i128,
 }
 
 impl FileIdentity {
     /// Whether the open `file` at `path` still holds what it held when this
-    /// identity was recorded (same length and modification time): a named error if not.
+    /// identity was recorded (same file, length, modification and change times):
+    /// a named error if not.
     pub(crate) fn check_contents(&self, path: &Path, file: &File) -> Result<()> {
         let now = FileIdentity::of(&file.metadata().map_err(|source| Error::Io { path: path.to_path_buf(), source })?);
+        self.compare(path, &now)
+    }
+
+    /// A named error saying how `now` differs from this identity, if it does.
+    pub(crate) fn compare(&self, path: &Path, now: &FileIdentity) -> Result<()> {
         let bad = |fault: String| Error::BadCheckpoint { path: path.to_path_buf(), tensor: String::new(), fault };
+        if (now.dev, now.ino) != (self.dev, self.ino) {
+            return Err(bad("another file (device and inode differ from the one opened)".into()));
+        }
         if now.len != self.len {
             return Err(bad(format!(
                 "the file is now {} bytes, {} when opened: truncated or rewritten under the store",
@@ -296,13 +349,27 @@ impl FileIdentity {
             )));
         }
         if now.mtime_ns != self.mtime_ns {
-            return Err(bad("the file was written since it was opened".into()));
+            return Err(bad("the file was written since it was opened (its modification time changed)".into()));
+        }
+        if now.ctime_ns != self.ctime_ns {
+            return Err(bad(
+                "the file was changed since it was opened (its inode change time moved: written with its modification time put back, \
+                 or its times or permissions changed)"
+                    .into(),
+            ));
         }
         Ok(())
     }
 
-    pub(crate) fn of(m: &std::fs::Metadata) -> Self {
-        FileIdentity { dev: m.dev(), ino: m.ino(), len: m.len(), mtime_ns: m.mtime() as i128 * 1_000_000_000 + m.mtime_nsec() as i128 }
+    /// The identity `m` describes.
+    pub fn of(m: &std::fs::Metadata) -> Self {
+        FileIdentity {
+            dev: m.dev(),
+            ino: m.ino(),
+            len: m.len(),
+            mtime_ns: m.mtime() as i128 * 1_000_000_000 + m.mtime_nsec() as i128,
+            ctime_ns: m.ctime() as i128 * 1_000_000_000 + m.ctime_nsec() as i128,
+        }
     }
 }
 
@@ -358,14 +425,18 @@ impl HostRegion for FileRegion {
     fn origin(&self) -> String {
         format!("checkpoint {}", self.path.display())
     }
+    fn file_identity(&self) -> Option<FileIdentity> {
+        Some(self.identity)
+    }
     fn check(&self) -> Result<()> {
         let bad = |fault: String| Error::BadCheckpoint { path: self.path.clone(), tensor: String::new(), fault };
-        self.identity.check_contents(&self.path, &self.file)?;
+        // The path first: a file renamed over it also moves the old file's change time.
         match std::fs::metadata(&self.path) {
-            Ok(m) if (m.dev(), m.ino()) == (self.identity.dev, self.identity.ino) => Ok(()),
-            Ok(_) => Err(bad("the path now names another file: replaced since it was opened".into())),
-            Err(source) => Err(Error::Io { path: self.path.clone(), source }),
+            Ok(m) if (m.dev(), m.ino()) == (self.identity.dev, self.identity.ino) => {}
+            Ok(_) => return Err(bad("the path now names another file: replaced since it was opened".into())),
+            Err(source) => return Err(Error::Io { path: self.path.clone(), source }),
         }
+        self.identity.check_contents(&self.path, &self.file)
     }
 }
 
@@ -376,7 +447,38 @@ impl TensorSource for SafetensorsFile {
     fn origin(&self) -> String {
         format!("checkpoint {}", self.path.display())
     }
+    /// Reads the tensor, then checks the file is still the one whose header was
+    /// read (device, inode, length, modification and change times, and the path
+    /// still naming it): bytes read from a file changed before or during the
+    /// read are an error naming the file and the tensor, never a weight.
     fn read_into(&self, index: usize, dst: &mut [u8]) -> Result<()> {
-        self.file.read_exact_at(dst, self.offsets[index]).map_err(|source| Error::Io { path: self.path.clone(), source })
+        let name = || self.specs[index].name.clone();
+        let read = self.file.read_exact_at(dst, self.offsets[index]);
+        let changed = |e: Error| match e {
+            Error::BadCheckpoint { path, fault, .. } => Error::BadCheckpoint { path, tensor: name(), fault },
+            e => e,
+        };
+        self.region_check().map_err(changed)?;
+        read.map_err(|source| Error::Io { path: self.path.clone(), source })
+    }
+}
+
+impl SafetensorsFile {
+    /// The file behind the open handle and behind the path is still the one
+    /// whose header was read.
+    fn region_check(&self) -> Result<()> {
+        // The path first: a file renamed over it also moves the old file's change time.
+        match std::fs::metadata(&self.path) {
+            Ok(m) if (m.dev(), m.ino()) == (self.opened.dev, self.opened.ino) => {}
+            Ok(_) => {
+                return Err(Error::BadCheckpoint {
+                    path: self.path.clone(),
+                    tensor: String::new(),
+                    fault: "the path now names another file: replaced since it was opened".into(),
+                })
+            }
+            Err(source) => return Err(Error::Io { path: self.path.clone(), source }),
+        }
+        self.opened.check_contents(&self.path, &self.file)
     }
 }

@@ -92,6 +92,10 @@ pub struct HostTier {
     pub on_disk: usize,
     /// See [`on_disk`](Self::on_disk).
     pub disk_bytes: u64,
+    /// How the backend registered the region blocks are served from
+    /// ([`HostRegion::registration`]: `"read-only"`, or the fallback a driver's
+    /// refusal led to); `None` where no block is served in place.
+    pub registration: Option<String>,
 }
 
 /// A component's weights in host memory: its blocks, and its non-block tensors
@@ -102,9 +106,13 @@ pub struct HostStore<B: OffloadBackend> {
     non_block: Option<HostBlock<B>>,
     index: HashMap<BlockId, usize>,
     pinned_bytes: u64,
+    /// Buffers in pageable memory (the pin fallback).
+    unpinned_buffers: usize,
     coded_blocks: usize,
     tier: HostTier,
     disk: Option<Arc<DiskFile>>,
+    /// The region blocks are served from in place, when any is.
+    region: Option<Arc<dyn HostRegion>>,
 }
 
 /// Where block `specs` would be served from in `region`: the start of its first
@@ -152,7 +160,11 @@ pub(crate) fn source_index(source: &dyn TensorSource, by_name: &HashMap<&str, us
 /// A coded host buffer of the block laid out as `layout`, its coded bytes read
 /// from `cf`'s entry `key` and checked there, then against the block's bytes,
 /// read from `source` (tensors at `indices`: source index, offset, length) into
-/// `scratch` while the coded bytes are read, each on several threads.
+/// `scratch` while the coded bytes are read, each on several threads: first by
+/// the hashes the coded segments store of the bytes they were made from (a file
+/// made from other weights), then by decoding them on the host, as the device
+/// will, and comparing every byte (coded bytes altered with their file's own
+/// hashes made to hold: the device's decoder checks no hash).
 #[allow(clippy::too_many_arguments)]
 fn precoded_buffer<B: OffloadBackend>(
     backend: &B,
@@ -162,7 +174,7 @@ fn precoded_buffer<B: OffloadBackend>(
     purpose: &str,
     source: &(dyn TensorSource + Sync),
     indices: &[(usize, usize, usize)],
-    scratch: &std::cell::RefCell<Vec<u8>>,
+    scratch: &std::cell::RefCell<(Vec<u8>, Vec<u8>)>,
 ) -> Result<B::HostBuffer> {
     let fault = |f: String| Error::CodedFile { path: cf.path().to_path_buf(), block: purpose.to_owned(), fault: f };
     let entry = cf.entry(&key).ok_or_else(|| fault(format!("no entry {key:?} (written for another model?)")))?;
@@ -172,12 +184,14 @@ fn precoded_buffer<B: OffloadBackend>(
     let coded_len = usize::try_from(entry.len).map_err(|_| fault(format!("{} coded bytes do not fit this machine", entry.len)))?;
     let threads = std::thread::available_parallelism().map_or(4, |n| n.get());
     backend.alloc_host_precoded(layout.bytes, coded_len, purpose, &mut |dst| {
-        let mut raw = scratch.borrow_mut();
+        let mut scratch = scratch.borrow_mut();
+        let (raw, decoded) = &mut *scratch;
         // Kept across blocks: only grown, every byte below written again here.
         if raw.len() < layout.bytes {
             raw.resize(layout.bytes, 0);
+            decoded.resize(layout.bytes, 0);
         }
-        let raw = &mut raw[..layout.bytes];
+        let (raw, decoded) = (&mut raw[..layout.bytes], &mut decoded[..layout.bytes]);
         let (coded, laid) = std::thread::scope(|scope| {
             let coded = scope.spawn(|| cf.read_entry(entry, dst, threads));
             let laid = read_laid_out(source, indices, raw, threads);
@@ -188,7 +202,16 @@ fn precoded_buffer<B: OffloadBackend>(
         laid?;
         crate::codec::coded_matches(dst, raw, threads, purpose).map_err(|e| {
             fault(format!("{e}: the file was made from other weights than {}, or they changed since (write it again)", source.origin()))
-        })
+        })?;
+        crate::codec::decode_device_block_on(dst, decoded, threads, purpose)
+            .map_err(|e| fault(format!("{e}: its coded bytes are damaged or altered (write it again)")))?;
+        match decoded.iter().zip(raw.iter()).position(|(d, r)| d != r) {
+            Some(at) => Err(fault(format!(
+                "its coded bytes decode to other bytes than {}'s (the first at byte {at} of the block): damaged or altered (write it again)",
+                source.origin()
+            ))),
+            None => Ok(()),
+        }
     })
 }
 
@@ -345,11 +368,16 @@ impl<B: OffloadBackend> HostStore<B> {
         };
         let pinned_left = std::cell::Cell::new(pin.budget_bytes.unwrap_or(u64::MAX));
         let pinned_bytes = std::cell::Cell::new(0u64);
+        // Serving a block in place registers the whole region page-locked
+        // (`HostRegion::registered_len`), whatever share of it the store serves:
+        // charged to the pin budget once, with the first block served.
+        let region_charged = std::cell::Cell::new(false);
+        let unpinned_buffers = std::cell::Cell::new(0usize);
         // Coded where asked and the backend can: the first refusal turns it off.
         let coding = std::cell::Cell::new(pin.coded);
         let coded_blocks = std::cell::Cell::new(0usize);
         // The coded file's blocks' raw bytes, read to check the coded ones against.
-        let scratch = std::cell::RefCell::new(Vec::new());
+        let scratch = std::cell::RefCell::new((Vec::new(), Vec::new()));
         let _span = tracing::info_span!("host_store_build", component = %inventory.name).entered();
         let by_name: HashMap<&str, usize> = source.specs().iter().enumerate().map(|(i, s)| (s.name.as_str(), i)).collect();
         // Where every tensor of the source starts in the region, in order (to find
@@ -401,21 +429,27 @@ impl<B: OffloadBackend> HostStore<B> {
                     }
                 }
             }
+            if let (Some((region, _)), true) = (mapped, mapping.get()) {
+                let cost = if region_charged.get() { 0 } else { region.registered_len() as u64 };
+                if cost > pinned_left.get() {
+                    // Registering it would pass the budget for every block alike.
+                    mapping.set(false);
+                    copied(format!(
+                        "serving blocks in place page-locks the whole of {} ({cost} bytes), more than the {} bytes the pin budget has left",
+                        region.origin(),
+                        pinned_left.get()
+                    ));
+                }
+            }
             if let (Some((region, offset_of)), true) = (mapped, mapping.get()) {
-                let placed = place(specs, &indices, offset_of).and_then(|(start, layout)| {
-                    if layout.bytes as u64 > pinned_left.get() {
-                        Err(format!("the pin budget has {} bytes left (the region is registered page-locked)", pinned_left.get()))
-                    } else {
-                        Ok((start, layout))
-                    }
-                });
-                match placed {
+                match place(specs, &indices, offset_of) {
                     Ok((start, layout)) => match backend.host_in_region(region, start, layout.bytes, &purpose) {
                         Ok(buffer) => {
                             tier.borrow_mut().mapped += 1;
-                            if backend.is_pinned(&buffer) {
-                                pinned_left.set(pinned_left.get() - layout.bytes as u64);
-                                pinned_bytes.set(pinned_bytes.get() + layout.bytes as u64);
+                            if !region_charged.replace(true) {
+                                let cost = region.registered_len() as u64;
+                                pinned_left.set(pinned_left.get() - cost);
+                                pinned_bytes.set(pinned_bytes.get() + cost);
                             }
                             let held_bytes = layout.bytes;
                             return Ok(HostBlock { id, layout, held: Held::Memory(buffer), held_bytes });
@@ -518,6 +552,8 @@ impl<B: OffloadBackend> HostStore<B> {
             if backend.is_pinned(&buffer) {
                 pinned_left.set(pinned_left.get() - held_bytes as u64);
                 pinned_bytes.set(pinned_bytes.get() + held_bytes as u64);
+            } else {
+                unpinned_buffers.set(unpinned_buffers.get() + 1);
             }
             Ok(HostBlock { id, layout, held: Held::Memory(buffer), held_bytes })
         };
@@ -530,6 +566,7 @@ impl<B: OffloadBackend> HostStore<B> {
         let non_block =
             if inventory.non_block.is_empty() { None } else { Some(load(BlockId::new("<non-block>", 0), &inventory.non_block, false)?) };
         let mut tier = tier.into_inner();
+        tier.registration = mapped.filter(|_| region_charged.get()).and_then(|m| m.0.registration());
         (tier.on_disk, tier.disk_bytes) = disk_blocks.get();
         tier.copied = blocks.len() + usize::from(non_block.is_some()) - tier.mapped - tier.on_disk;
         tier.build_s = t0.elapsed().as_secs_f64();
@@ -539,10 +576,31 @@ impl<B: OffloadBackend> HostStore<B> {
             non_block,
             index,
             pinned_bytes: pinned_bytes.get(),
+            unpinned_buffers: unpinned_buffers.get(),
             coded_blocks: coded_blocks.get(),
+            region: mapped.filter(|_| region_charged.get()).map(|m| m.0.clone()),
             tier,
             disk: disk.map(|d| d.0.clone()),
         })
+    }
+
+    /// Whether the files this store reads during a step still hold the bytes it
+    /// was built from: the mapped checkpoint blocks are served from in place
+    /// ([`build_mapped`](Self::build_mapped)) and the file blocks on disk are
+    /// read from ([`build_tiered`](Self::build_tiered)): same file, length,
+    /// modification and change times ([`FileIdentity`](crate::FileIdentity)).
+    /// A [`Ring`](crate::Ring) asks at every step boundary and refuses every later
+    /// step when the answer is an error, which names the file. Blocks copied into
+    /// the store's own memory do not depend on the file after the build and are
+    /// not checked. Costs a `stat` or two, no reads.
+    pub fn check_sources(&self) -> Result<()> {
+        if let Some(r) = &self.region {
+            r.check()?;
+        }
+        if let Some(d) = &self.disk {
+            d.check()?;
+        }
+        Ok(())
     }
 
     /// Where the blocks are held, and how long the build took.
@@ -623,7 +681,7 @@ impl<B: OffloadBackend> HostStore<B> {
 
     /// Whether every buffer is page-locked.
     pub fn is_pinned(&self) -> bool {
-        self.pinned_bytes == self.host_bytes()
+        self.unpinned_buffers == 0
     }
 
     /// Page-locked bytes.
@@ -773,7 +831,7 @@ mod tests {
     fn tensors_of(be: &SimBackend, store: &HostStore<SimBackend>) -> Vec<(String, Vec<u8>)> {
         let mut out = Vec::new();
         for b in store.blocks().iter().chain(store.non_block()) {
-            let bytes = store.with_buffer(be, b, |buffer| Ok(be.host_bytes(buffer).to_vec())).unwrap();
+            let bytes = store.with_buffer(be, b, |buffer| Ok(be.host_bytes(buffer).unwrap().to_vec())).unwrap();
             for t in &b.layout.tensors {
                 out.push((t.spec.name.clone(), bytes[t.offset..t.offset + t.nbytes].to_vec()));
             }
@@ -792,6 +850,7 @@ mod tests {
             let inv = NameDiscovery.discover("m", file.specs()).unwrap();
             let be = SimBackend::new(SimConfig::fast());
             let copied = HostStore::build(&be, &inv, &file).unwrap();
+            let pinned_before = be.stats().pinned_bytes;
             let mapped = HostStore::build_mapped(&be, &inv, &file, PinOptions::default()).unwrap();
             let tier = mapped.tier();
             assert_eq!((tier.mapped, tier.copied), (want_mapped, 4 - want_mapped), "{tier:?}");
@@ -810,8 +869,14 @@ mod tests {
             // A served block's layout is the file's: its tensors at their distance in the file.
             let b0 = &mapped.blocks()[0];
             assert_eq!(b0.layout.get("blocks.0.b").unwrap().offset, 4096);
-            assert!(mapped.tier().build_s >= 0.0 && be.stats().violations.is_empty());
-            let _ = be.host_is_pinned();
+            assert!(mapped.tier().build_s > 0.0 && be.stats().violations.is_empty());
+            // What is page-locked: the whole file, registered once, and the copied
+            // block's own buffer; the store and the device count the same.
+            let file_len = std::fs::metadata(&path).unwrap().len();
+            let copied_bytes: u64 = (0..4).filter(|&i| i == 1 && odd.is_some()).map(|i| mapped.blocks()[i].bytes() as u64).sum();
+            assert_eq!(mapped.pinned_bytes(), file_len + copied_bytes);
+            assert_eq!(be.stats().pinned_bytes - pinned_before, mapped.pinned_bytes());
+            assert!(mapped.is_pinned());
         }
     }
 
@@ -868,6 +933,17 @@ mod tests {
         write_checkpoint(&short, &model(Some(16)));
         let other = SafetensorsFile::open(&short).unwrap();
         assert!(file.set_region(other.region()).is_err());
+        // Another file of the same length, and this one written since it was opened.
+        let same = temp("len-same");
+        write_checkpoint(&same, &model(None));
+        let other = SafetensorsFile::open(&same).unwrap();
+        let e = file.set_region(other.region()).unwrap_err().to_string();
+        assert!(e.contains("device and inode"), "{e}");
+        let again = SafetensorsFile::open(&path).unwrap();
+        write_in_place(&path, 100, true);
+        let e = file.set_region(again.region()).unwrap_err().to_string();
+        assert!(e.contains("change time"), "{e}");
+        assert!(file.set_region(file.region()).is_err(), "its own region fails its check now");
     }
 
     #[test]
@@ -895,9 +971,108 @@ mod tests {
         assert_eq!(tensors_of(&be, &store), want);
         // A pin budget of one block: the rest copied into pageable memory, and said why.
         let pin = PinOptions { budget_bytes: Some(5200), fallback: crate::PinFallback::Pageable, ..PinOptions::default() };
+        let before = be.stats().pinned_bytes;
         let store = HostStore::build_mapped(&be, &inv, &file, pin).unwrap();
         assert!(store.pinned_bytes() <= 5200, "{}", store.pinned_bytes());
+        assert!(be.stats().pinned_bytes - before <= 5200, "{} page-locked", be.stats().pinned_bytes - before);
         assert_eq!(tensors_of(&be, &store), want);
+    }
+
+    /// Serving a block in place registers the whole file page-locked, whatever
+    /// share of it is served: a pin budget of one block on a file of six blocks
+    /// (and a non-block tensor) keeps every block out of the file and what is
+    /// page-locked within the budget, and says why; a budget that holds the whole
+    /// file serves every block and counts the file once.
+    #[test]
+    fn the_mapped_tier_charges_the_whole_registered_file_to_the_pin_budget() {
+        let path = temp("pin-budget");
+        let tensors = disk_model(6, 4096);
+        write_checkpoint(&path, &tensors);
+        let file_len = std::fs::metadata(&path).unwrap().len();
+        let file = SafetensorsFile::open(&path).unwrap();
+        let inv = NameDiscovery.discover("m", file.specs()).unwrap();
+        let mut want = tensors.clone();
+        want.sort();
+        let one_block = HostStore::build(&SimBackend::new(SimConfig::fast()), &inv, &file).unwrap().largest_block_bytes() as u64;
+        let be = SimBackend::new(SimConfig::fast());
+        let pin = PinOptions { budget_bytes: Some(one_block), fallback: crate::PinFallback::Pageable, ..PinOptions::default() };
+        let store = HostStore::build_mapped(&be, &inv, &file, pin).unwrap();
+        assert_eq!(store.tier().mapped, 0, "{:?}", store.tier());
+        let why = store.tier().copy_reason.clone().unwrap_or_default();
+        assert!(why.contains("page-locks the whole of") && why.contains("m.safetensors"), "{why}");
+        assert!(be.stats().pinned_bytes <= one_block, "{} bytes page-locked under a budget of {one_block}", be.stats().pinned_bytes);
+        assert_eq!(store.pinned_bytes(), be.stats().pinned_bytes);
+        assert!(!store.is_pinned(), "the blocks past the budget are pageable");
+        assert_eq!(tensors_of(&be, &store), want);
+        // A budget of the whole file: every buffer served in place, the file counted once.
+        let be = SimBackend::new(SimConfig::fast());
+        let pin = PinOptions { budget_bytes: Some(file_len), fallback: crate::PinFallback::Fail, ..PinOptions::default() };
+        let store = HostStore::build_mapped(&be, &inv, &file, pin).unwrap();
+        assert_eq!((store.tier().mapped, store.tier().copied), (7, 0), "{:?}", store.tier());
+        assert_eq!((store.pinned_bytes(), be.stats().pinned_bytes), (file_len, file_len));
+        assert_eq!(tensors_of(&be, &store), want);
+    }
+
+    /// Write one byte at `at` of `path` in place (same file, same length), as
+    /// `dd conv=notrunc` would; with `keep_mtime`, put the modification time back
+    /// after (as `cp -p`, `touch -r` and `rsync -t --inplace` leave it).
+    fn write_in_place(path: &std::path::Path, at: u64, keep_mtime: bool) {
+        use std::os::unix::fs::FileExt;
+        // Past the file system's timestamp granularity of the file's last change.
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        let mtime = std::fs::metadata(path).unwrap().modified().unwrap();
+        let f = std::fs::OpenOptions::new().read(true).write(true).open(path).unwrap();
+        let mut b = [0u8];
+        f.read_exact_at(&mut b, at).unwrap();
+        f.write_all_at(&[b[0] ^ 0x5a], at).unwrap();
+        if keep_mtime {
+            f.set_modified(mtime).unwrap();
+            assert_eq!(std::fs::metadata(path).unwrap().modified().unwrap(), mtime);
+        }
+    }
+
+    /// A file written in place after it was opened, its modification time put
+    /// back or not, is refused by the copying read (`read_into`), by the mapped
+    /// store's build, and between two steps of a ring over a mapped store: that
+    /// step's end is an error naming the file and every later block is refused.
+    #[test]
+    fn a_file_written_in_place_is_refused_at_build_and_at_the_next_step_boundary() {
+        use crate::{resolve, Plan, Ring};
+        for keep_mtime in [false, true] {
+            let path = temp(&format!("in-place-{keep_mtime}"));
+            let tensors = disk_model(4, 4096);
+            write_checkpoint(&path, &tensors);
+            // Read by the copying store: refused.
+            let file = SafetensorsFile::open(&path).unwrap();
+            let inv = NameDiscovery.discover("m", file.specs()).unwrap();
+            write_in_place(&path, file.data_offset(0) + 7, keep_mtime);
+            let mut dst = vec![0u8; file.specs()[0].nbytes().unwrap()];
+            let e = file.read_into(0, &mut dst).unwrap_err().to_string();
+            assert!(e.contains("m.safetensors") && e.contains(&file.specs()[0].name) && e.contains("since it was opened"), "{e}");
+            let be = SimBackend::new(SimConfig::fast());
+            assert!(HostStore::build(&be, &inv, &file).is_err());
+            assert!(HostStore::build_mapped(&be, &inv, &file, PinOptions::default()).is_err());
+            // Between two steps of a ring over the mapped store.
+            let file = SafetensorsFile::open(&path).unwrap();
+            let store = std::sync::Arc::new(HostStore::build_mapped(&be, &inv, &file, PinOptions::default()).unwrap());
+            assert_eq!(store.tier().mapped, 5);
+            let plan = resolve(&Plan::layerwise(), std::slice::from_ref(&inv)).unwrap();
+            let mut ring = Ring::new(be.clone(), store.clone(), &plan.components[0]).unwrap();
+            for i in 0..4 {
+                drop(ring.block_at(i).unwrap());
+            }
+            ring.end_step().unwrap();
+            let at = file.data_offset(file.specs().iter().position(|t| t.name == "blocks.2.a").unwrap()) + 100;
+            write_in_place(&path, at, keep_mtime);
+            for i in 0..4 {
+                drop(ring.block_at(i).unwrap());
+            }
+            let e = ring.end_step().unwrap_err().to_string();
+            assert!(e.contains("m.safetensors") && e.contains("since it was opened"), "{e}");
+            let later = ring.block_at(0).err().expect("a block after the change is refused").to_string();
+            assert!(later.contains("m.safetensors"), "{later}");
+            assert!(ring.end_step().is_err());
+        }
     }
 
     /// `blocks` blocks of two tensors (the first `big` bytes) and a non-block
@@ -929,7 +1104,7 @@ mod tests {
                 let block = ring.block_at(i)?;
                 let got = be.read_slot(block.slot(), |w| w[..want.blocks()[i].bytes()].to_vec());
                 drop(block);
-                let expect = be.host_bytes(want.blocks()[i].buffer().unwrap());
+                let expect = be.host_bytes(want.blocks()[i].buffer().unwrap()).unwrap();
                 assert!(got == expect, "block {i} served other bytes than the copying store holds");
             }
             m = Some(ring.end_step()?);
@@ -1097,6 +1272,76 @@ mod tests {
         assert!(e.contains("blocks.3.w"), "{e}");
         assert!(std::fs::read_dir(&dir).unwrap().next().is_none(), "nothing left at the path or beside it");
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A coded file forged so that its own hashes hold (two equal-length
+    /// exponent codes swapped, or one sign-mantissa byte changed, and the piece
+    /// hashes written for the forged bytes) passes every check but decoding:
+    /// the load decodes each block on the host and compares it with the
+    /// checkpoint, and refuses the file by name. A file of format 1 (written
+    /// before blocks were decoded back) is refused at open.
+    #[test]
+    fn a_coded_file_altered_with_its_hashes_rewritten_is_refused_at_load() {
+        let dir = temp("coded-forged").parent().unwrap().to_path_buf();
+        let path = dir.join("m.safetensors.offload-coded");
+        let src = coded_model(5);
+        let inv = NameDiscovery.discover("m", src.specs()).unwrap();
+        let be = SimBackend::new(SimConfig::fast());
+        let swapped = std::sync::atomic::AtomicBool::new(false);
+        for how in ["swap two codes", "a sign-mantissa byte"] {
+            crate::coded_file::CodedFile::write_with(
+                &path,
+                &inv,
+                &src,
+                crate::sim::SIM_SEGMENT_BYTES,
+                2,
+                crate::coded_file::PIECE_BYTES,
+                2,
+                &|block, coded| {
+                    if block != "blocks.1" {
+                        return;
+                    }
+                    let before = coded.clone();
+                    if how == "swap two codes" {
+                        swapped.store(crate::codec::swap_equal_length_codes(coded), std::sync::atomic::Ordering::Relaxed);
+                    } else {
+                        let (_, segs) = crate::codec::device_segments(coded, "forge").unwrap();
+                        let sg = segs.iter().find(|sg| sg.coded.is_some()).expect("a coded segment");
+                        let sm_at = sg.enc_at + sg.coded.as_ref().unwrap().1.sm_at;
+                        coded[sm_at + 3] ^= 0x01;
+                    }
+                    assert_ne!(&before, coded);
+                    // Every check but decoding still holds: the structure, and the
+                    // segments' stored hashes of the weights.
+                    let (len, _) = crate::codec::device_segments(coded, "forged").unwrap();
+                    let mut raw = vec![0u8; len];
+                    crate::codec::decode_device_block(&before, &mut raw, "good").unwrap();
+                    crate::codec::coded_matches(coded, &raw, 2, "forged").unwrap();
+                },
+            )
+            .unwrap();
+            let cf = crate::CodedFile::open(&path).unwrap();
+            let e = HostStore::build_from_coded_file(&be, &inv, &src, PinOptions::default(), &cf).err().expect("a forged file is refused");
+            let msg = e.to_string();
+            assert!(matches!(e, crate::Error::CodedFile { .. }), "{how}: {msg}");
+            assert!(msg.contains("m/blocks.1") && msg.contains("offload-coded") && msg.contains("damaged or altered"), "{how}: {msg}");
+        }
+        assert!(swapped.load(std::sync::atomic::Ordering::Relaxed), "two equal-length codes were found and swapped");
+        // Format 1.
+        crate::coded_file::CodedFile::write_with(
+            &path,
+            &inv,
+            &src,
+            crate::sim::SIM_SEGMENT_BYTES,
+            2,
+            crate::coded_file::PIECE_BYTES,
+            1,
+            &|_, _| {},
+        )
+        .unwrap();
+        let msg = crate::CodedFile::open(&path).unwrap_err().to_string();
+        assert!(msg.contains("format 1") && msg.contains("write it again"), "{msg}");
+        std::fs::remove_file(&path).unwrap();
     }
 
     #[test]

@@ -514,7 +514,7 @@ mod tests {
         let inv = NameDiscovery.discover("model", offload_core::TensorSource::specs(&t)).unwrap();
         let store = Arc::new(HostStore::build(&b, &inv, &t).unwrap());
         assert!(store.blocks().iter().all(|blk| blk.buffer().unwrap().is_coded()), "every block coded");
-        let raw: Vec<Vec<u8>> = store.blocks().iter().map(|blk| b.host_bytes(blk.buffer().unwrap()).to_vec()).collect();
+        let raw: Vec<Vec<u8>> = store.blocks().iter().map(|blk| b.host_bytes(blk.buffer().unwrap()).unwrap().to_vec()).collect();
         let held: usize = store.blocks().iter().map(|blk| blk.buffer().unwrap().len()).sum();
         let plan = resolve(&Plan::layerwise().prefetch_depth(2), std::slice::from_ref(&inv)).unwrap();
         let mut ring = Ring::new(b.clone(), store.clone(), &plan.components[0]).unwrap();
@@ -546,7 +546,7 @@ mod tests {
         assert_eq!(s2.coded_blocks(), s2.blocks().len(), "every block coded through alloc_host_coded");
         assert!(!b2.is_coding(), "other stores stay as they are");
         for (blk, want) in s2.blocks().iter().zip(&raw) {
-            assert!(b2.host_bytes(blk.buffer().unwrap()) == want.as_slice());
+            assert!(b2.host_bytes(blk.buffer().unwrap()).unwrap() == want.as_slice());
         }
     }
 
@@ -579,7 +579,7 @@ mod tests {
         offload_core::CodedFile::write(&path, &inv, &t, 256 << 10, 4).unwrap();
         let cf = offload_core::CodedFile::open(&path).unwrap();
         let plain = HostStore::build(&b, &inv, &t).unwrap();
-        let raw: Vec<Vec<u8>> = plain.blocks().iter().map(|blk| b.host_bytes(blk.buffer().unwrap()).to_vec()).collect();
+        let raw: Vec<Vec<u8>> = plain.blocks().iter().map(|blk| b.host_bytes(blk.buffer().unwrap()).unwrap().to_vec()).collect();
         let store = Arc::new(HostStore::build_from_coded_file(&b, &inv, &t, offload_core::PinOptions::default(), &cf).unwrap());
         // The model's tensors all lie in blocks: no non-block buffer.
         assert!(store.non_block().is_none());
@@ -607,6 +607,21 @@ mod tests {
         let e =
             HostStore::build_from_coded_file(&b, &inv, &t, offload_core::PinOptions::default(), &cf).err().expect("refused").to_string();
         assert!(e.contains("model/blocks.2") && e.contains("damaged"), "{e}");
+        // Forged: two equal-length exponent codes of block 1 swapped and the
+        // file's own hashes written for the forged bytes. The device's decoder
+        // checks no hash; the load decodes every block and compares it.
+        let swapped = std::sync::atomic::AtomicBool::new(false);
+        offload_core::CodedFile::write_with(&path, &inv, &t, 256 << 10, 4, offload_core::coded_file::PIECE_BYTES, 2, &|block, coded| {
+            if block == "blocks.1" {
+                swapped.store(offload_core::codec::swap_equal_length_codes(coded), std::sync::atomic::Ordering::Relaxed);
+            }
+        })
+        .unwrap();
+        assert!(swapped.load(std::sync::atomic::Ordering::Relaxed));
+        let cf = offload_core::CodedFile::open(&path).unwrap();
+        let e =
+            HostStore::build_from_coded_file(&b, &inv, &t, offload_core::PinOptions::default(), &cf).err().expect("refused").to_string();
+        assert!(e.contains("model/blocks.1") && e.contains("damaged or altered"), "{e}");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

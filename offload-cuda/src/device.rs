@@ -512,7 +512,7 @@ impl OffloadBackend for CudaBackend {
         buffer.is_coded().then(|| buffer.len())
     }
 
-    fn host_bytes<'a>(&self, buffer: &'a PinnedHost) -> &'a [u8] {
+    fn host_bytes<'a>(&self, buffer: &'a PinnedHost) -> Result<&'a [u8]> {
         buffer.block_bytes()
     }
 

@@ -16,8 +16,9 @@ use std::sync::Arc;
 pub struct PinnedHost {
     ptr: *mut u8,
     len: usize,
-    /// `Some` when the buffer is pageable (it owns the bytes `ptr` points into).
-    pageable: Option<Box<[u8]>>,
+    /// Whether the buffer is pageable: then `ptr` is a `Box<[u8]>` of `len`
+    /// bytes released into a raw pointer (`Box::into_raw`), freed by `Drop`.
+    pageable: bool,
     /// `Some` when the bytes are the block coded for the device.
     coded: Option<CodedHost>,
     /// `Some` when the bytes are a range of a registered region (the mapped host
@@ -60,7 +61,7 @@ impl PinnedHost {
         };
         // Counted from here: `Drop` subtracts it, whatever happens to `fill`.
         shared.pinned_bytes.fetch_add(len as u64, Ordering::Relaxed);
-        let me = PinnedHost { ptr, len, pageable: None, coded: None, mapped: None, last_copy: Default::default(), shared };
+        let me = PinnedHost { ptr, len, pageable: false, coded: None, mapped: None, last_copy: Default::default(), shared };
         if len > 0 {
             // cuMemHostAlloc's memory is uninitialised: zero it before safe code sees it.
             // SAFETY: `ptr` points to `len` writable bytes we own exclusively.
@@ -75,8 +76,10 @@ impl PinnedHost {
     pub(crate) fn new_pageable(shared: Arc<Shared>, len: usize, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<Self> {
         let mut bytes = vec![0u8; len].into_boxed_slice();
         fill(&mut bytes)?;
-        let ptr = bytes.as_mut_ptr();
-        Ok(PinnedHost { ptr, len, pageable: Some(bytes), coded: None, mapped: None, last_copy: Default::default(), shared })
+        // The pointer is the box's own, taken as it is given up (no later move of
+        // the box invalidates it); `Drop` rebuilds the box from it.
+        let ptr = Box::into_raw(bytes).cast::<u8>();
+        Ok(PinnedHost { ptr, len, pageable: true, coded: None, mapped: None, last_copy: Default::default(), shared })
     }
 
     /// The block of `len` bytes `fill` writes, coded for the device
@@ -119,7 +122,7 @@ impl PinnedHost {
         purpose: &str,
     ) -> Result<Self> {
         let mut me = PinnedHost::new(shared, coded_len, fill, purpose)?;
-        me.coded = Some(CodedHost::new(coding, me.as_slice(), len, purpose)?);
+        me.coded = Some(CodedHost::new(coding, me.own_bytes(), len, purpose)?);
         Ok(me)
     }
 
@@ -128,7 +131,7 @@ impl PinnedHost {
         // `mapped_host` checked `offset + len` lies in the region.
         let ptr = reg.base().wrapping_add(offset);
         let mapped = Some(MappedHost { reg, offset, read: Default::default() });
-        PinnedHost { ptr, len, pageable: None, coded: None, mapped, last_copy: Default::default(), shared }
+        PinnedHost { ptr, len, pageable: false, coded: None, mapped, last_copy: Default::default(), shared }
     }
 
     /// Record a copy's event with `record` and remember it as the last copy from
@@ -160,10 +163,8 @@ impl PinnedHost {
         if self.len == 0 {
             return fill(&mut []);
         }
-        if let Some(b) = &mut self.pageable {
-            return fill(b);
-        }
-        // `ptr` is `len` bytes of cuMemHostAlloc memory owned by `self`; `&mut self`
+        // `ptr` is `len` bytes owned by `self` (cuMemHostAlloc memory, or the
+        // pageable box given up in `new_pageable`); `&mut self`
         // excludes every host view of it; every copy records itself in `last_copy`.
         // SAFETY: exclusive (just said), and the last copy that read it has completed.
         let bytes = unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) };
@@ -190,57 +191,63 @@ impl PinnedHost {
     /// same, so asking again costs a hash; if they changed, they are decoded
     /// afresh (and the earlier decode kept too, for the references handed out).
     ///
-    /// # Panics
-    ///
-    /// If a coded buffer does not decode, which means its memory was damaged after
-    /// it was checked at build (decoding verifies every segment's hash).
-    pub fn block_bytes(&self) -> &[u8] {
+    /// An error where they cannot be had: a coded buffer that does not decode
+    /// (its memory damaged after it was checked at build: decoding verifies every
+    /// segment's hash), or a mapped one whose file can no longer be read
+    /// ([`as_slice`](Self::as_slice)).
+    pub fn block_bytes(&self) -> Result<&[u8]> {
         let Some(c) = &self.coded else { return self.as_slice() };
-        let h = offload_core::codec::hash64(self.as_slice());
+        let h = offload_core::codec::hash64(self.own_bytes());
         let mut d = c.decoded.lock().unwrap_or_else(|e| e.into_inner());
         if d.last().is_none_or(|(last, _)| *last != h) {
             let mut out = vec![0u8; c.raw_len].into_boxed_slice();
-            if let Err(e) = offload_core::codec::decode_device_block(self.as_slice(), &mut out, &c.purpose) {
-                panic!("a coded host buffer no longer decodes ({e}): host memory damaged since it was built");
-            }
+            offload_core::codec::decode_device_block(self.own_bytes(), &mut out, &c.purpose).map_err(|e| {
+                offload_core::Error::Protocol(format!(
+                    "{}: a coded host buffer no longer decodes ({e}): host memory damaged since it was built",
+                    c.purpose
+                ))
+            })?;
             d.push((h, out));
         }
         let b = &d[d.len() - 1].1;
         // `decoded` is only appended to, and moving a `Box` within the vector does
         // not move its heap bytes.
         // SAFETY: the boxed bytes are never freed or written while `self` lives.
-        unsafe { std::slice::from_raw_parts(b.as_ptr(), b.len()) }
+        Ok(unsafe { std::slice::from_raw_parts(b.as_ptr(), b.len()) })
     }
 
     /// Whether the buffer is page-locked.
     pub fn is_pinned(&self) -> bool {
-        self.pageable.is_none()
+        !self.pageable
     }
 
     /// The bytes held (for a coded buffer, the coded bytes; see
     /// [`block_bytes`](Self::block_bytes)). A buffer served from a mapped
-    /// checkpoint is read from the file on first use (never through the mapping).
-    ///
-    /// # Panics
-    ///
-    /// For a mapped buffer, if the file can no longer be read (truncated or
-    /// replaced since the store was built; the streaming path, which only the
-    /// device reads, is not affected).
-    pub fn as_slice(&self) -> &[u8] {
+    /// checkpoint is read from the file on first use (never through the mapping):
+    /// an error naming the file if it can no longer be read (cut short, replaced
+    /// or written since the store was built).
+    pub fn as_slice(&self) -> Result<&[u8]> {
+        let Some(m) = &self.mapped else { return Ok(self.own_bytes()) };
         if self.len == 0 {
+            return Ok(&[]);
+        }
+        if let Some(b) = m.read.get() {
+            return Ok(b);
+        }
+        let mut b = vec![0u8; self.len].into_boxed_slice();
+        m.reg.region().read_at(m.offset, &mut b)?;
+        Ok(m.read.get_or_init(|| b))
+    }
+
+    /// The bytes of a buffer that is not served from a mapped region (its own
+    /// memory); empty for a mapped one, which host code reads only through its
+    /// file ([`as_slice`](Self::as_slice)).
+    fn own_bytes(&self) -> &[u8] {
+        if self.len == 0 || self.mapped.is_some() {
             return &[];
         }
-        if let Some(m) = &self.mapped {
-            return m.read.get_or_init(|| {
-                let mut b = vec![0u8; self.len].into_boxed_slice();
-                if let Err(e) = m.reg.region().read_at(m.offset, &mut b) {
-                    panic!("a block served from {} can no longer be read: {e}", m.reg.region().origin());
-                }
-                b
-            });
-        }
         // SAFETY: `ptr` is valid for `len` bytes for as long as `self` lives and is
-        // never written after construction.
+        // never written after construction (not a mapped range: checked above).
         unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
     }
 
@@ -273,13 +280,17 @@ impl Drop for PinnedHost {
         // may still read the bytes: leak them rather than free them under it.
         if let Err(e) = self.shared.copy.synchronize() {
             tracing::warn!("a {}-byte host buffer is leaked: the copy stream could not be drained ({e})", self.len);
-            if let Some(b) = self.pageable.take() {
-                std::mem::forget(b);
-            }
+            // (A pageable buffer's box is simply never rebuilt: leaked.)
             return;
         }
-        if self.pageable.is_some() || self.mapped.is_some() {
-            // Pageable bytes are the box's; a mapped range is the registration's.
+        if self.pageable {
+            // SAFETY: `ptr` and `len` are the `Box<[u8]>` given up in `new_pageable`,
+            // rebuilt once, here; no copy can read it any more (drained above).
+            drop(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(self.ptr, self.len)) });
+            return;
+        }
+        if self.mapped.is_some() {
+            // A mapped range is the registration's.
             return;
         }
         // SAFETY: `ptr` came from cuMemHostAlloc and no copy can read it any more.

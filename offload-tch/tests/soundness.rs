@@ -89,7 +89,7 @@ impl OffloadBackend for FailingBind {
     fn alloc_host(&self, bytes: usize, purpose: &str, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<SimHost> {
         self.0.alloc_host(bytes, purpose, fill)
     }
-    fn host_bytes<'a>(&self, buffer: &'a SimHost) -> &'a [u8] {
+    fn host_bytes<'a>(&self, buffer: &'a SimHost) -> Result<&'a [u8]> {
         self.0.host_bytes(buffer)
     }
     fn host_is_pinned(&self) -> bool {

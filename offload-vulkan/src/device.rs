@@ -984,8 +984,8 @@ impl OffloadBackend for VulkanBackend {
         VulkanHost::new(self, bytes, purpose, fill)
     }
 
-    fn host_bytes<'a>(&self, buffer: &'a VulkanHost) -> &'a [u8] {
-        buffer.as_slice()
+    fn host_bytes<'a>(&self, buffer: &'a VulkanHost) -> Result<&'a [u8]> {
+        Ok(buffer.as_slice())
     }
 
     fn refill_host(&self, buffer: &mut VulkanHost, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<()> {

@@ -43,7 +43,7 @@ pub fn all<H: Harness>() -> Vec<Case> {
         Case { name: "one_host_copy", invariant: "9", run: one_host_copy::<H>, caught: &[] },
         Case { name: "on_demand_component", invariant: "5,6,8", run: on_demand::<H>, caught: &[] },
         Case { name: "safetensors_source", invariant: "6,9", run: safetensors_source::<H>, caught: &[] },
-        Case { name: "mapped_source", invariant: "6,9", run: mapped_source::<H>, caught: &[] },
+        Case { name: "mapped_source", invariant: "6,9", run: mapped_source::<H>, caught: &[Sabotage::SkipSourceCheck] },
         Case { name: "disk_source", invariant: "1,2,6", run: disk_source::<H>, caught: &[] },
         Case { name: "file_faults", invariant: "8", run: file_faults::<H>, caught: &[] },
         Case { name: "coded_file", invariant: "6,8", run: coded_file::<H>, caught: &[] },
@@ -161,7 +161,7 @@ fn no_weight_copy_back<H: Harness>(_: Sabotage) -> Outcome {
     ring.close()?;
     for (i, b) in su.store.blocks().iter().enumerate() {
         ensure!(
-            su.backend.host_bytes(b.buffer().expect("held in memory")) == su.model.block_bytes(i).as_slice(),
+            su.backend.host_bytes(b.buffer().expect("held in memory"))? == su.model.block_bytes(i).as_slice(),
             "host bytes of block {} changed",
             b.id
         );
@@ -282,7 +282,7 @@ fn transactional<H: Harness>(s: Sabotage) -> Outcome {
     ensure!(faults > 5, "only {faults} faults were injected");
     for (i, b) in su.store.blocks().iter().enumerate() {
         ensure!(
-            su.backend.host_bytes(b.buffer().expect("held in memory")) == su.model.block_bytes(i).as_slice(),
+            su.backend.host_bytes(b.buffer().expect("held in memory"))? == su.model.block_bytes(i).as_slice(),
             "host bytes of block {} changed",
             b.id
         );
@@ -330,8 +330,13 @@ fn on_demand<H: Harness>(_: Sabotage) -> Outcome {
 /// the way this row serves it in place (`Harness::open_mapped`), built by
 /// `HostStore::build_mapped`: every buffer served from the file where the row can
 /// (`Harness::serves_mapped`), copied where it cannot, and the streamed result
-/// equal to the in-memory reference either way.
-fn mapped_source<H: Harness>(_: Sabotage) -> Outcome {
+/// equal to the in-memory reference either way. Then one byte inside block 2
+/// is written in place (same file, same length, as `dd conv=notrunc` would):
+/// where the row serves the file in place, the step's end is an error naming
+/// the file and every later block is refused (`HostStore::check_sources`);
+/// where it copied the file, the copies do not depend on it and the ring goes
+/// on (and the check's sabotage does not apply: n/a).
+fn mapped_source<H: Harness>(s: Sabotage) -> Outcome {
     let model = TestModel::random(&ModelShape { stacks: vec![3, 2], ..Default::default() }, 222);
     let dir = std::env::temp_dir().join(format!("offload-conformance-mapped-{}-{}", H::NAME, std::process::id()));
     std::fs::create_dir_all(&dir)?;
@@ -346,15 +351,46 @@ fn mapped_source<H: Harness>(_: Sabotage) -> Outcome {
     let want = if H::serves_mapped() { (buffers, 0) } else { (0, buffers) };
     ensure!((tier.mapped, tier.copied) == want, "{} served in place and {} copied, {want:?} expected ({tier:?})", tier.mapped, tier.copied);
     let rc = resolve(&Plan::layerwise(), &[inventory])?.components.remove(0);
+    if s != Sabotage::None && !H::serves_mapped() {
+        return Err(CaseError::Skip("n/a: this row copies the mapped file at build, so a change after it cannot reach a step".into()));
+    }
     let su = Setup::<H> { backend: backend.clone(), model, store };
-    let mut ring = Ring::new(backend, su.store.clone(), &rc)?;
+    let mut ring = Ring::with_sabotage(backend, su.store.clone(), &rc, s)?;
     let order: Vec<usize> = su.model.inventory.blocks().map(|b| su.store.position(&b.id).unwrap_or(usize::MAX)).collect();
     let got = su.run(&mut ring, &order)?;
-    ring.close()?;
+    ring.end_step()?;
     let reference = H::reference(&su.model, &su.declared());
+    ensure!(got == reference, "result from the mapped store {got:#018x} differs from the in-memory reference {reference:#018x}");
+    // One byte inside block 2 written in place between two steps.
+    let b2 = su.model.inventory.blocks().nth(2).ok_or_else(|| CaseError::Fail("the model has no block 2".into()))?;
+    let t = file.specs().iter().position(|t| t.name == b2.tensors[0].name).ok_or_else(|| CaseError::Fail("block 2's tensor".into()))?;
+    {
+        use std::os::unix::fs::FileExt;
+        // Past the file system's timestamp granularity of the file's creation.
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        let f = std::fs::OpenOptions::new().read(true).write(true).open(&path)?;
+        let mut byte = [0u8];
+        f.read_exact_at(&mut byte, file.data_offset(t) + 1)?;
+        f.write_all_at(&[byte[0] ^ 0x5a], file.data_offset(t) + 1)?;
+    }
+    let next = su.run(&mut ring, &order).and_then(|_| ring.end_step().map_err(CaseError::from));
+    let after = ring.block_at(order[0]).map(drop);
+    ring.close()?;
     drop(su);
     let _ = std::fs::remove_dir_all(&dir);
-    ensure!(got == reference, "result from the mapped store {got:#018x} differs from the in-memory reference {reference:#018x}");
+    if H::serves_mapped() {
+        let Err(e) = next else {
+            return Err(CaseError::Fail("a step over a mapped file written in place (block 2) ended without an error".into()));
+        };
+        let msg = match &e {
+            CaseError::Fail(m) | CaseError::Skip(m) => m.clone(),
+        };
+        ensure!(msg.contains("model.safetensors") && msg.contains("changed"), "the changed file is not named: {msg}");
+        ensure!(after.is_err(), "a block was served after the mapped file was reported changed");
+    } else {
+        next?;
+        after?;
+    }
     Ok(())
 }
 

@@ -185,7 +185,7 @@ fn coded_copies_decode() -> Outcome {
     for (i, blk) in store.blocks().iter().enumerate() {
         crate::ensure!(blk.buffer().expect("held in memory").is_coded(), "block {i} ({}) is not coded", blk.id);
         crate::ensure!(
-            b.host_bytes(blk.buffer().expect("held in memory")) == model.block_bytes(i).as_slice(),
+            b.host_bytes(blk.buffer().expect("held in memory"))? == model.block_bytes(i).as_slice(),
             "block {i}: decoded host bytes differ"
         );
     }

@@ -105,12 +105,23 @@ pub fn run_sabotage_one<H: Harness>(sabotage: offload_core::ring::Sabotage) -> S
     SabotageOutcome { sabotage, caught, by, missed_by }
 }
 
+/// How a [`CaseError::Skip`] says the case or break does not apply to the row
+/// (a refusal the row makes by design): reported as n/a, never as a pass, and not
+/// failed under `OFFLOAD_REQUIRE_DEVICE=1`.
+pub const NOT_APPLICABLE: &str = "n/a:";
+
 /// Turn an outcome into a test result: panic on failure; print `SKIPPED` on a skip,
 /// or panic when `OFFLOAD_REQUIRE_DEVICE=1`.
 pub fn report(name: &str, outcome: Outcome) {
     match outcome {
         Ok(()) => {}
         Err(CaseError::Fail(m)) => panic!("{name}: {m}"),
+        // A case or break that does not apply to the row (a refusal the row
+        // makes by design) is n/a, not a pass and not a missing device.
+        Err(CaseError::Skip(w)) if w.starts_with(NOT_APPLICABLE) => {
+            use std::io::Write;
+            let _ = writeln!(std::io::stderr(), "N/A: {name}: {w}");
+        }
         Err(CaseError::Skip(w)) if device_required() => panic!("{name}: OFFLOAD_REQUIRE_DEVICE=1 but {w}"),
         Err(CaseError::Skip(w)) => {
             // Straight to the process's stderr, past the test harness's capture,

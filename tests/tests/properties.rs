@@ -75,7 +75,7 @@ fn run(s: &Scenario) -> Result<(), TestCaseError> {
     prop_assert_eq!(backend.stats().live_bytes, 0);
     for (i, b) in store.blocks().iter().enumerate() {
         let want = model.block_bytes(i);
-        prop_assert_eq!(backend.host_bytes(b.buffer().unwrap()), want.as_slice());
+        prop_assert_eq!(backend.host_bytes(b.buffer().unwrap()).unwrap(), want.as_slice());
     }
     Ok(())
 }

@@ -167,6 +167,18 @@ fn sabotage_table(backends: &[String], path: &str, commit: &str, gpu: &str) -> u
             // A break not caught because its guarding cases skipped is a skip
             // (unless a device is required), judged break by break: the row's
             // other breaks still count.
+            // A break whose every guarding case does not apply to the row is n/a,
+            // device or not.
+            let na = format!("SKIPPED: {}", offload_tests::NOT_APPLICABLE);
+            if !o.caught && o.missed_by.is_empty() && !o.by.is_empty() && o.by.iter().all(|(_, w)| w.starts_with(&na)) {
+                let (case, why) = &o.by[0];
+                println!("{b:<14} {:<18} n/a     {case}: {why}", o.sabotage);
+                rows.push(serde_json::json!({
+                    "backend": b, "sabotage": o.sabotage, "caught": "n/a",
+                    "caught_by": [format!("{case}: {why}")], "passed_anyway": o.missed_by,
+                }));
+                continue;
+            }
             let skipped = o.by.iter().find(|(_, w)| w.starts_with("SKIPPED"));
             if let (false, Some((case, why)), false) = (o.caught, skipped, offload_tests::device_required()) {
                 println!("{b:<14} {:<18} skipped {case}: {why}", o.sabotage);

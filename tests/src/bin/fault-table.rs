@@ -63,11 +63,9 @@ fn main() {
                     // model's bytes, and a ring must build and close.
                     let (intact, retry) = match HostStore::build(&fi, &model.inventory, &model.tensors) {
                         Ok(store) => {
-                            let intact = store
-                                .blocks()
-                                .iter()
-                                .enumerate()
-                                .all(|(i, b)| fi.host_bytes(b.buffer().expect("held in memory")) == model.block_bytes(i).as_slice());
+                            let intact = store.blocks().iter().enumerate().all(|(i, b)| {
+                                fi.host_bytes(b.buffer().expect("held in memory")).is_ok_and(|h| h == model.block_bytes(i).as_slice())
+                            });
                             let retry = Ring::new(fi.clone(), Arc::new(store), &rc)
                                 .and_then(|r| r.close())
                                 .map_or_else(|e| format!("FAILED: {e}"), |_| "ok".into());

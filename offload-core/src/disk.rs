@@ -33,7 +33,7 @@ pub const DISK_READERS: usize = 2;
 ///
 /// Its identity (length and modification time) is recorded at open and checked
 /// before every read: a file written since is an error, never a block of new
-/// bytes. A file replaced by a rename is read as it was, through the open handle.
+/// bytes. A file replaced by a rename is refused too (the old file's change time moves).
 #[derive(Debug)]
 pub struct DiskFile {
     path: PathBuf,
@@ -111,9 +111,10 @@ impl DiskFile {
         len.div_ceil(DIRECT_ALIGN) * DIRECT_ALIGN + DIRECT_ALIGN
     }
 
-    /// Whether the file still holds the bytes it was opened with: the same length
-    /// and modification time (of the open file, so a rename over the path does not
-    /// matter: the open handle still reads the old bytes).
+    /// Whether the file still holds the bytes it was opened with: the same file,
+    /// length, modification and change times ([`FileIdentity`], of the open
+    /// file). A file renamed over the path moves the old file's change time, so
+    /// it is refused too, though the open handle would still read the old bytes.
     pub fn check(&self) -> Result<()> {
         self.identity.check_contents(&self.path, &self.buffered)
     }

@@ -21,9 +21,12 @@ pub struct OnDemand<B: OffloadBackend> {
 
 impl<B: OffloadBackend> OnDemand<B> {
     /// Copy every block of `store` to the device and make compute wait for the
-    /// copies. Transactional: on error everything allocated is released.
+    /// copies. Transactional: on error everything allocated is released. The
+    /// files the store serves from are checked first ([`HostStore::check_sources`]):
+    /// a mapped checkpoint changed since the build is an error naming it.
     pub fn load(backend: B, store: Arc<HostStore<B>>) -> Result<Self> {
         let _span = tracing::info_span!("on_demand_load", component = %store.component()).entered();
+        store.check_sources()?;
         let mut me = OnDemand { backend, store: store.clone(), slots: Vec::new(), non_block: None, waits: Vec::new() };
         let all = store.blocks().iter().chain(store.non_block());
         for (i, b) in all.enumerate() {

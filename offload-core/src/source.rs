@@ -416,11 +416,13 @@ impl HostRegion for FileRegion {
                 fault: format!("{} bytes at {offset} asked of a {}-byte file", dst.len(), self.len()),
             });
         }
-        // A read that fails because the file changed after the check says so.
+        // A read that fails because the file changed after the check says so; a
+        // read that succeeds while the file changed is refused too.
         self.file.read_exact_at(dst, offset as u64).map_err(|source| match self.check() {
             Err(changed) => changed,
             Ok(()) => Error::Io { path: self.path.clone(), source },
-        })
+        })?;
+        self.check()
     }
     fn origin(&self) -> String {
         format!("checkpoint {}", self.path.display())

@@ -586,14 +586,18 @@ mod tests {
         assert_eq!(store.coded_blocks(), store.blocks().len(), "every buffer coded from the file");
         assert!(!b.is_coding(), "the backend's own coding stays off");
         let plan = resolve(&Plan::layerwise().prefetch_depth(2), std::slice::from_ref(&inv)).unwrap();
-        let mut ring = Ring::new(b.clone(), store.clone(), &plan.components[0]).unwrap();
+        // Counted from before the ring's first copies: a block still in a slot
+        // from the step before is not copied again, so two steps copy each block
+        // at least once, not twice (the H200 at 3b6a55d: fewer than 8).
         let before = b.counters();
+        let mut ring = Ring::new(b.clone(), store.clone(), &plan.components[0]).unwrap();
         for step in 0..2 {
             one_step_exact(&b, &mut ring, &raw, step);
         }
         ring.close().unwrap();
         b.poll_error().unwrap();
-        assert!(b.counters().coded_copies >= before.coded_copies + 8, "each block's copy decoded on the device");
+        let copies = b.counters().coded_copies - before.coded_copies;
+        assert!(copies >= 4, "each block's copy decoded on the device: {copies} coded copies for 4 blocks");
         // One byte of block 2's noise (a raw string) changed in the file.
         let entry = cf.entry("blocks.2").unwrap().clone();
         let (_, segs) =

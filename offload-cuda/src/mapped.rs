@@ -159,7 +159,11 @@ impl Drop for Registration {
         }
         // SAFETY: `base` was registered in `register` and no copy reads it any more.
         if let Err(e) = unsafe { sys::cuMemHostUnregister(self.base.cast()) }.result() {
-            tracing::warn!("cuMemHostUnregister of {}: {e}", self.region.origin());
+            // The driver may still hold the range: leave it mapped and counted
+            // rather than let a later mapping reuse registered addresses.
+            tracing::warn!("cuMemHostUnregister of {}: {e}; it stays mapped and registered", self.region.origin());
+            std::mem::forget(self.region.clone());
+            return;
         }
         // SAFETY: a private mapping of `len` bytes made in `register` for this
         // registration alone, unregistered just above; nothing reads it any more.
@@ -255,6 +259,20 @@ impl CudaBackend {
                 Ok(()) => {
                     made = Some((at, private, *how));
                     break;
+                }
+                // Registered already (another backend in this process, or one
+                // being dropped): not a driver's refusal of this way, so no fallback.
+                Err(e) if e.contains("ALREADY_REGISTERED") => {
+                    // SAFETY: the private mapping made above, registered by nothing.
+                    if private && unsafe { libc::munmap(at.cast(), len) } != 0 {
+                        tracing::warn!("munmap of a private mapping of {}: {}", region.origin(), std::io::Error::last_os_error());
+                    }
+                    return Err(Error::HostAlloc {
+                        backend: "cuda".into(),
+                        requested: len as u64,
+                        purpose: purpose.to_owned(),
+                        reason: format!("cuMemHostRegister of {} ({how}): {e}", region.origin()),
+                    });
                 }
                 Err(e) => {
                     refusals.push(format!("{how}: {e}"));

@@ -321,8 +321,9 @@ impl<B: OffloadBackend> DiskStream<B> {
     /// reads for `upcoming` while buffers are free, then waited for on this
     /// thread. A failed read is an error naming the block; the block is not
     /// served. Give the buffer back with [`put_back`](Self::put_back) once its copy
-    /// is issued.
-    pub(crate) fn take(&mut self, want: &Read, upcoming: &[Read]) -> Result<B::HostBuffer> {
+    /// is issued. `stale` (a deliberate break, `Sabotage::StaleBounce`) serves the
+    /// oldest read in flight instead, whichever block it is for.
+    pub(crate) fn take(&mut self, want: &Read, upcoming: &[Read], stale: bool) -> Result<B::HostBuffer> {
         if !self.pending.iter().any(|p| p.block == want.block) {
             while self.free.is_empty() {
                 self.drop_oldest(upcoming)?;
@@ -330,7 +331,7 @@ impl<B: OffloadBackend> DiskStream<B> {
             self.issue(want)?;
         }
         self.top_up(upcoming)?;
-        let at = self.pending.iter().position(|p| p.block == want.block).expect("issued above");
+        let at = if stale { 0 } else { self.pending.iter().position(|p| p.block == want.block).expect("issued above") };
         let p = self.pending.remove(at);
         let t = Instant::now();
         let got = p.wait();

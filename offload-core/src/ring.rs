@@ -55,11 +55,19 @@ pub enum Sabotage {
     /// Invariant 6 on the host tiers: skip the step-boundary check that the files
     /// a store streams from are unchanged (`HostStore::check_sources`).
     SkipSourceCheck,
+    /// Invariant 6 on the disk tier: serve a block on disk from the oldest bounce
+    /// buffer whose read is in flight, whichever block it was read for (a stale
+    /// buffer), instead of its own.
+    StaleBounce,
+    /// Invariant 6 on coded files: build a store from a coded file without
+    /// decoding its blocks at load (`HostStore::build_from_coded_file` trusts
+    /// the file's own hashes).
+    TrustCodedFile,
 }
 
 impl Sabotage {
     /// Every break, for tables.
-    pub const ALL: [Sabotage; 9] = [
+    pub const ALL: [Sabotage; 11] = [
         Sabotage::SkipComputeWait,
         Sabotage::SkipFreeWait,
         Sabotage::NoReleaseEvent,
@@ -69,6 +77,8 @@ impl Sabotage {
         Sabotage::TrustPrediction,
         Sabotage::LeakOnError,
         Sabotage::SkipSourceCheck,
+        Sabotage::StaleBounce,
+        Sabotage::TrustCodedFile,
     ];
 }
 
@@ -340,7 +350,7 @@ impl<B: OffloadBackend> Ring<B> {
                 let want = self.disk_read(b);
                 let disk =
                     self.disk.as_mut().ok_or_else(|| Error::Protocol(format!("{} is on disk but the ring has no reader", want.name)))?;
-                let bounce = disk.take(&want, &upcoming)?;
+                let bounce = disk.take(&want, &upcoming, self.sabotage == Sabotage::StaleBounce)?;
                 self.host_mark(|| format!("issue copy {}", block.id));
                 let t0 = match self.timing(StreamKind::Copy) {
                     Ok(t0) => t0,

@@ -44,9 +44,9 @@ pub fn all<H: Harness>() -> Vec<Case> {
         Case { name: "on_demand_component", invariant: "5,6,8", run: on_demand::<H>, caught: &[] },
         Case { name: "safetensors_source", invariant: "6,9", run: safetensors_source::<H>, caught: &[] },
         Case { name: "mapped_source", invariant: "6,9", run: mapped_source::<H>, caught: &[Sabotage::SkipSourceCheck] },
-        Case { name: "disk_source", invariant: "1,2,6", run: disk_source::<H>, caught: &[] },
+        Case { name: "disk_source", invariant: "1,2,6", run: disk_source::<H>, caught: &[Sabotage::StaleBounce] },
         Case { name: "file_faults", invariant: "8", run: file_faults::<H>, caught: &[] },
-        Case { name: "coded_file", invariant: "6,8", run: coded_file::<H>, caught: &[] },
+        Case { name: "coded_file", invariant: "6,8", run: coded_file::<H>, caught: &[Sabotage::TrustCodedFile] },
     ]
 }
 
@@ -402,7 +402,10 @@ fn mapped_source<H: Harness>(s: Sabotage) -> Outcome {
 /// reference, and each pass read every block on disk once. A row that cannot
 /// refill a host buffer (coded rows, Vulkan: `Harness::refills_host`) must refuse
 /// the ring by name.
-fn disk_source<H: Harness>(_: Sabotage) -> Outcome {
+fn disk_source<H: Harness>(s: Sabotage) -> Outcome {
+    if s == Sabotage::StaleBounce && !H::refills_host() {
+        return Err(CaseError::Skip("n/a: this row refuses the disk tier (it cannot refill host buffers)".into()));
+    }
     // The same random model each time it is made (a fixed seed).
     let make = || TestModel::random(&ModelShape { stacks: vec![4, 3], ..Default::default() }, 333);
     let model = make();
@@ -429,7 +432,7 @@ fn disk_source<H: Harness>(_: Sabotage) -> Outcome {
                 store.tier()
             );
             let su = Setup::<H> { backend: backend.clone(), model: make(), store };
-            let mut ring = match Ring::new(backend, su.store.clone(), &rc) {
+            let mut ring = match Ring::with_sabotage(backend, su.store.clone(), &rc, s) {
                 Err(e @ offload_core::Error::Unsupported { .. }) if !H::refills_host() => {
                     ensure!(e.to_string().contains("disk tier"), "the refusal does not name the disk tier: {e}");
                     return Ok(());
@@ -586,7 +589,10 @@ fn file_faults<H: Harness>(_: Sabotage) -> Outcome {
 /// byte of the file changed is refused at build by name (`Error::CodedFile`,
 /// never a wrong weight); elsewhere the file is not read. The device holds what
 /// it held before once the stores are dropped.
-fn coded_file<H: Harness>(_: Sabotage) -> Outcome {
+fn coded_file<H: Harness>(s: Sabotage) -> Outcome {
+    if s == Sabotage::TrustCodedFile && !H::decodes() {
+        return Err(CaseError::Skip("n/a: this row does not decode, so it holds a coded file's blocks as they are".into()));
+    }
     let shape = ModelShape { stacks: vec![3, 2], ..Default::default() };
     let model = TestModel::random(&shape, 555);
     let dir = std::env::temp_dir().join(format!("offload-conformance-coded-{}-{}", H::NAME, std::process::id()));
@@ -632,6 +638,36 @@ fn coded_file<H: Harness>(_: Sabotage) -> Outcome {
                 ensure!(
                     msg.contains(&format!("transformer/{}", entry.block)) && msg.contains("damaged"),
                     "the refusal does not name the block and the damage: {msg}"
+                );
+            }
+            (Err(e), _) => return Err(e.into()),
+        }
+        // Forged: one byte of that block's first coded string changed and the
+        // file's own hashes written for the forged bytes; the segments' stored
+        // hashes of the weights untouched. Only decoding at load finds it.
+        let forged = |block: &str, coded: &mut Vec<u8>| {
+            if block == entry.block {
+                if let Ok((_, segs)) = offload_core::codec::device_segments(coded, "forge") {
+                    coded[segs[0].enc_at + 24 + 100] ^= 0x08;
+                }
+            }
+        };
+        let piece = offload_core::coded_file::PIECE_BYTES;
+        offload_core::CodedFile::write_with(&path, &model.inventory, &model.tensors, 4096, 2, piece, 2, &forged)?;
+        let cf = offload_core::CodedFile::open(&path)?;
+        offload_core::store::sabotage::trust_coded(s == Sabotage::TrustCodedFile);
+        let built = HostStore::build_from_coded_file(&backend, &model.inventory, &model.tensors, pin, &cf);
+        offload_core::store::sabotage::trust_coded(false);
+        match (built, H::decodes()) {
+            (Ok(_), true) => return Err(CaseError::Fail("a forged coded file (its hashes rewritten) built a store".into())),
+            (Ok(store), false) => {
+                ensure!(store.coded_blocks() == 0, "a row that does not decode held coded buffers");
+            }
+            (Err(e @ offload_core::Error::CodedFile { .. }), true) => {
+                let msg = e.to_string();
+                ensure!(
+                    msg.contains(&format!("transformer/{}", entry.block)) && msg.contains("damaged or altered"),
+                    "the refusal of a forged file does not name the block and why: {msg}"
                 );
             }
             (Err(e), _) => return Err(e.into()),

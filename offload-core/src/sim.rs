@@ -49,6 +49,13 @@ pub struct SimConfig {
     /// register with; what it tests is the store's choices and the protocol).
     /// `false` simulates a device that cannot register host memory.
     pub registers_regions: bool,
+    /// Whether `refill_host` waits for every copy from the buffer to land before
+    /// it writes the buffer again (the trait's contract). `false` is a deliberate
+    /// break: a refill that finds a copy in flight is then a protocol violation
+    /// (the simulator writes the new bytes beside the old ones, so the copy
+    /// still lands what it was issued with, but the log says what a device
+    /// would have torn).
+    pub refill_waits: bool,
 }
 
 /// Raw bytes per segment of the simulated device's coded blocks.
@@ -65,6 +72,7 @@ impl Default for SimConfig {
             coded: false,
             decodes: true,
             registers_regions: true,
+            refill_waits: true,
         }
     }
 }
@@ -450,12 +458,26 @@ impl OffloadBackend for SimBackend {
         if buffer.2.is_some() {
             return Err(Error::unsupported("sim", "refilling a coded host buffer"));
         }
-        // A copy still queued holds the old bytes (an `Arc`): the new bytes are a
-        // new allocation, so no copy ever sees a half-written buffer.
-        let mut v = vec![0u8; buffer.0.len()];
-        fill(&mut v)?;
-        buffer.0 = v.into();
-        Ok(())
+        // A copy in flight holds the bytes (an `Arc`) until it has landed: wait for
+        // every one, as a device's refill must, then write the buffer in place.
+        if self.inner.cfg.refill_waits {
+            while Arc::strong_count(&buffer.0) > 1 {
+                std::thread::sleep(Duration::from_micros(20));
+            }
+        } else if Arc::strong_count(&buffer.0) > 1 {
+            let mut st = lock(&self.inner.state);
+            Self::violate(&mut st, "a host buffer refilled while a copy from it was in flight (invariant 2, the disk tier)".into());
+        }
+        match Arc::get_mut(&mut buffer.0) {
+            Some(bytes) => fill(bytes),
+            // Only without the wait: the in-flight copy keeps the old bytes.
+            None => {
+                let mut v = vec![0u8; buffer.0.len()];
+                fill(&mut v)?;
+                buffer.0 = v.into();
+                Ok(())
+            }
+        }
     }
 
     fn is_pinned(&self, buffer: &SimHost) -> bool {

@@ -1371,6 +1371,35 @@ mod tests {
         std::fs::remove_file(&path).unwrap();
     }
 
+    /// The simulator's refill waits for every copy from a bounce buffer to land
+    /// (the trait's contract), so the disk tier's refill race is caught there:
+    /// with the wait left out (`SimConfig::refill_waits = false`, slow copies),
+    /// the reader threads refill buffers whose copies are still queued and the
+    /// simulator logs it; with the wait, the same run logs nothing.
+    #[test]
+    fn a_refill_before_the_buffers_last_copy_landed_is_a_violation_on_the_simulator() {
+        let path = temp("refill-race");
+        write_checkpoint(&path, &disk_model(6, 8192));
+        let file = SafetensorsFile::open(&path).unwrap();
+        let inv = NameDiscovery.discover("m", file.specs()).unwrap();
+        for waits in [true, false] {
+            let be = SimBackend::new(SimConfig { max_copy_delay_us: 3000, refill_waits: waits, ..SimConfig::fast() });
+            let copied = HostStore::build(&be, &inv, &file).unwrap();
+            let all: Vec<String> = inv.blocks().map(|b| b.id.to_string()).collect();
+            let cp = crate::ComponentPlan { prefetch_depth: 1, disk_blocks: all, ..Default::default() };
+            let plan =
+                crate::resolve(&crate::Plan::layerwise().component("m", cp), std::slice::from_ref(&inv)).unwrap().components.remove(0);
+            let store =
+                std::sync::Arc::new(HostStore::build_tiered(&be, &inv, &file, PinOptions::default(), &|id| plan.is_on_disk(id)).unwrap());
+            serve(&be, &store, &copied, &plan, &[0, 1, 2, 3, 4, 5], 2).unwrap();
+            let v = be.stats().violations;
+            match waits {
+                true => assert!(v.is_empty(), "{v:?}"),
+                false => assert!(v.iter().any(|v| v.contains("refilled while a copy from it was in flight")), "{v:?}"),
+            }
+        }
+    }
+
     #[test]
     fn the_disk_tier_serves_the_files_bytes_under_a_host_ram_budget() {
         let path = temp("disk");

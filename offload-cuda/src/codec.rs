@@ -262,6 +262,29 @@ extern "C" __global__ void exp_decode(const u8* __restrict__ enc, u64 stream_at,
 struct Seg { u64 enc_at, stream_at, offsets_at, sm_at, n, table_at, out_at; u32 chunks, first_block; };
 struct Segs { u32 count, pad; Seg s[SEGS]; };
 static_assert(sizeof(Seg) == 64 && sizeof(Segs) == 8 + 64 * SEGS, "Seg and Segs as the Rust side lays them out");
+// The checking mode's check of one decoded segment: `offload_core::codec::hash64`
+// of its `len` bytes at `out` (one thread, in order: the hash is a chain), against
+// the hash its string stores of the bytes it was made from (8 little-endian bytes
+// at `stored`). A mismatch writes `tag << 2 | 3` to the damage flag.
+extern "C" __global__ void seg_verify(const u8* __restrict__ out, u64 len, const u8* __restrict__ stored, volatile u32* err, u32 tag) {
+    if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    const u64 K = 0x9E3779B97F4A7C15ull;
+    u64 h = 0xcbf29ce484222325ull ^ (len * K);
+    u64 full = len / 8 * 8, i = 0;
+    for (; i < full; i += 8) {
+        u64 w = 0;
+        for (int k = 0; k < 8; k++) w |= ((u64)out[i + k]) << (8 * k);
+        h = (h ^ w) * K;
+        h ^= h >> 29;
+    }
+    u64 w = 0;
+    for (int k = 0; i + k < len; k++) w |= ((u64)out[i + k]) << (8 * k);
+    h = (h ^ w) * K;
+    h ^= h >> 32;
+    u64 want = 0;
+    for (int k = 0; k < 8; k++) want |= ((u64)stored[k]) << (8 * k);
+    if (h != want) *err = tag << 2 | 3u;
+}
 extern "C" __global__ void exp_decode_segs(const u8* __restrict__ staging, u8* __restrict__ out, const Segs segs, volatile u32* err,
                                            u32 tag) {
     u32 i = 0;

@@ -69,6 +69,8 @@ pub(crate) struct Coding {
     pub(crate) options: CodingOptions,
     pub(crate) decode: Arc<CudaStream>,
     kernel: CudaFunction,
+    /// The checking mode's hash check of a decoded segment (`seg_verify`).
+    verify: CudaFunction,
     /// Mapped host memory the kernel writes damage to, and its device address.
     flag: *mut u32,
     flag_dev: sys::CUdeviceptr,
@@ -124,6 +126,7 @@ impl Coding {
         let ptx = crate::codec::ptx().map_err(|e| crate::dev("compiling the exponent decoder", e))?;
         let module = shared.ctx.load_module(ptx.clone()).map_err(|e| driver("loading the exponent decoder", e))?;
         let kernel = module.load_function("exp_decode_segs").map_err(|e| driver("exp_decode_segs", e))?;
+        let verify = module.load_function("seg_verify").map_err(|e| driver("seg_verify", e))?;
         // SAFETY: a 4-byte page-locked allocation, mapped into the device's address
         // space; freed in `Drop` after the decode stream is drained.
         let flag = unsafe { result::malloc_host(4, sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE) }
@@ -141,6 +144,7 @@ impl Coding {
             options,
             decode,
             kernel,
+            verify,
             flag,
             flag_dev,
             names: Mutex::new(Vec::new()),
@@ -169,7 +173,11 @@ impl Coding {
         }
         let names = self.names.lock().unwrap_or_else(|e| e.into_inner());
         let block = names.get((f >> 2) as usize - 1).cloned().unwrap_or_else(|| format!("block tag {}", f >> 2));
-        let fault = if f & 3 == 1 { "no code matches a chunk's next bits" } else { "a chunk's codes do not fill its bytes" };
+        let fault = match f & 3 {
+            1 => "no code matches a chunk's next bits",
+            3 => "the decoded bytes do not hash to what their string stores of the weights (checking mode)",
+            _ => "a chunk's codes do not fill its bytes",
+        };
         Err(Error::BadTensor { tensor: block, fault: format!("compressed bytes damaged on the device: {fault}") })
     }
 }
@@ -426,6 +434,28 @@ impl CudaBackend {
                 unsafe { c.decode.launch_builder(&c.kernel).arg(&staging).arg(&dst).arg(&batch).arg(&c.flag_dev).arg(&ch.tag).launch(cfg) }
                     .map_err(|e| driver(format!("decoding {}", ch.purpose), e))?;
             }
+            if checking {
+                // What the device decoded, checked against the hashes the strings store
+                // of the weights they were made from (the decoder itself checks none):
+                // coded bytes altered with their file's own hashes rewritten raise the flag.
+                for sg in &ch.segments {
+                    let cfg = cudarc::driver::LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1, 1, 1), shared_mem_bytes: 0 };
+                    let (out, stored, len) = (dst + sg.out_at as u64, staging + sg.enc_at as u64 + 16, sg.out_len as u64);
+                    use cudarc::driver::PushKernelArg;
+                    // `out .. out + len` is the segment's range of `dst` (segments tile
+                    // [0, raw_len), raw_len ≤ dst_len: checked above); `stored` is the
+                    // 8 bytes at 16 of the string's 24-byte header inside the staging
+                    // buffer (`device_segments` checked the string holds its header),
+                    // read byte by byte; the flag is this context's mapped host memory;
+                    // every buffer outlives the kernel as the decode's do (above), and it
+                    // runs after the decode and raw copies on this stream.
+                    // SAFETY: every access in bounds, every buffer alive (above).
+                    unsafe {
+                        c.decode.launch_builder(&c.verify).arg(&out).arg(&len).arg(&stored).arg(&c.flag_dev).arg(&ch.tag).launch(cfg)
+                    }
+                    .map_err(|e| driver(format!("checking the decoded bytes of {}", ch.purpose), e))?;
+                }
+            }
             Ok(Arc::new(c.decode.record_event(None).map_err(|e| driver("recording a decode event", e))?))
         })();
         // The buffer goes back to its place in the ring with the decode that read it;
@@ -627,5 +657,54 @@ mod tests {
             HostStore::build_from_coded_file(&b, &inv, &t, offload_core::PinOptions::default(), &cf).err().expect("refused").to_string();
         assert!(e.contains("model/blocks.1") && e.contains("damaged or altered"), "{e}");
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// On a GPU: a coded block with two equal-length exponent codes swapped (its
+    /// structure intact, so the backend takes it and the decoder flags nothing)
+    /// decodes to wrong bytes silently without the checking mode; with it, the
+    /// decoded bytes are hashed on the device against what the strings store of
+    /// the weights, and the next poll names the block. Without a device it
+    /// prints SKIPPED (and fails under `OFFLOAD_REQUIRE_DEVICE=1`).
+    #[test]
+    fn the_checking_mode_refuses_decoded_bytes_that_do_not_hash_to_their_weights() {
+        if crate::codec::test_backend().is_none() {
+            return;
+        }
+        let raw = crate::codec::sample_normal_bf16(300_000, 0.02, 77);
+        let mut coded = offload_core::codec::code_for_device(&raw, 256 << 10, 4);
+        assert!(offload_core::codec::swap_equal_length_codes(&mut coded), "two equal-length codes swapped");
+        for checking in [false, true] {
+            let b = crate::codec::test_backend().expect("a device (found above)");
+            if checking {
+                b.enable_checking(0).unwrap();
+            }
+            let host = b
+                .alloc_host_precoded(raw.len(), coded.len(), "forged/blocks.0", &mut |d| {
+                    d.copy_from_slice(&coded);
+                    Ok(())
+                })
+                .unwrap();
+            let mut slot = b.alloc_slot(raw.len(), "forged/blocks.0").unwrap();
+            let ev = b.copy_to_slot(&host, &mut slot, raw.len(), None).unwrap();
+            b.compute_wait(&ev).unwrap();
+            b.synchronize().unwrap();
+            let mut got = vec![0u8; raw.len()];
+            // SAFETY: the slot holds `raw.len()` bytes, as `got` does; both streams were synchronised above.
+            unsafe {
+                let s = b.compute_stream();
+                sys::cuMemcpyDtoHAsync_v2(got.as_mut_ptr().cast(), slot.device_ptr(), got.len(), s.cu_stream()).result().unwrap();
+                s.synchronize().unwrap();
+            }
+            assert!(got != raw, "the forged block decodes to other bytes");
+            match (b.poll_error(), checking) {
+                (Ok(()), false) => {}
+                (Err(e), true) => {
+                    let e = e.to_string();
+                    assert!(e.contains("forged/blocks.0") && e.contains("checking mode"), "{e}");
+                }
+                (r, _) => panic!("checking mode {checking}: {r:?}"),
+            }
+            b.free_slot(slot, None).unwrap();
+        }
     }
 }

@@ -46,10 +46,50 @@ pub fn host_bytes(model: &CostModel, resident: &[bool], on_disk: &[bool], depth:
     offload_core::plan::host_ram_of(each, depth, model.non_block_bytes)
 }
 
+/// Relative step of the logarithmic scale on which [`plan_host_tier`] ranks
+/// compute per byte: means closer than about this share rank alike.
+pub const COMPUTE_PER_BYTE_STEP: f64 = 0.25;
+
+/// Each block's rank by compute per byte, as a step of [`COMPUTE_PER_BYTE_STEP`]
+/// on a logarithmic scale (higher: more). Blocks of one size whose values lie
+/// within one step of each other (a stack's, apart from noise) share their mean.
+fn compute_per_byte_ranks(model: &CostModel) -> Vec<i64> {
+    let per_byte = |b: &crate::cost::BlockCost| b.compute_s / b.bytes.max(1) as f64;
+    let mut by_size: std::collections::HashMap<u64, (f64, f64, f64, f64)> = std::collections::HashMap::new();
+    for b in &model.blocks {
+        let e = by_size.entry(b.bytes).or_insert((0.0, 0.0, f64::INFINITY, 0.0));
+        e.0 += b.compute_s;
+        e.1 += b.bytes as f64;
+        e.2 = e.2.min(per_byte(b));
+        e.3 = e.3.max(per_byte(b));
+    }
+    model
+        .blocks
+        .iter()
+        .map(|b| {
+            let (compute, bytes, lo, hi) = by_size[&b.bytes];
+            let v = if hi <= lo * (1.0 + COMPUTE_PER_BYTE_STEP) { compute / bytes.max(1.0) } else { per_byte(b) };
+            if v > 0.0 && v.is_finite() {
+                (v.ln() / (1.0 + COMPUTE_PER_BYTE_STEP).ln()).floor() as i64
+            } else {
+                i64::MIN
+            }
+        })
+        .collect()
+}
+
 /// Choose the blocks left on disk so host memory stays within `budget` bytes,
 /// with the ring's `resident` blocks and `depth`, reading at `disk_bytes_per_s`.
 /// An error names the bytes when even every block on disk does not fit (the
 /// bounce buffers and the non-block tensors need more than the budget).
+///
+/// Blocks go to disk device-resident first, then by compute per byte, most first,
+/// so the read hides behind the most compute. Timings are noisy, so the choice
+/// must not follow the noise: blocks of one size (a stack's) share their mean
+/// compute per byte, means within [`COMPUTE_PER_BYTE_STEP`] of each other on a
+/// logarithmic scale rank alike, and equals go in model order. Two processes
+/// that calibrated the same model then plan the same blocks on disk (the H200
+/// runs of 2026-12-01 planned 34 and 48 blocks of Flux-dev on disk before this).
 pub fn plan_host_tier(model: &CostModel, resident: &[bool], depth: usize, budget: u64, disk_bytes_per_s: f64) -> Result<HostChoice> {
     if resident.len() != model.blocks.len() {
         return Err(Error::Plan(format!("{} resident flags for {} blocks", resident.len(), model.blocks.len())));
@@ -60,8 +100,8 @@ pub fn plan_host_tier(model: &CostModel, resident: &[bool], depth: usize, budget
     let n = model.blocks.len();
     // Order of going to disk: device-resident blocks first, then compute per byte, most first.
     let mut order: Vec<usize> = (0..n).collect();
-    let per_byte = |i: usize| model.blocks[i].compute_s / model.blocks[i].bytes.max(1) as f64;
-    order.sort_by(|&a, &b| resident[b].cmp(&resident[a]).then(per_byte(b).total_cmp(&per_byte(a))).then(a.cmp(&b)));
+    let rank = compute_per_byte_ranks(model);
+    order.sort_by(|&a, &b| resident[b].cmp(&resident[a]).then(rank[b].cmp(&rank[a])).then(a.cmp(&b)));
     let mut on_disk = vec![false; n];
     let mut next = order.into_iter();
     while host_bytes(model, resident, &on_disk, depth).0 > budget {
@@ -102,6 +142,45 @@ mod tests {
             source: "test".into(),
             staging_buffers: crate::cost::DEFAULT_STAGING_BUFFERS,
         }
+    }
+
+    /// Two stacks (blocks of two sizes) of nearly equal compute per byte, timed
+    /// with a few per cent of noise in each process: every process plans the same
+    /// blocks on disk (by exact compute per byte, the noise chose which stack).
+    #[test]
+    fn noisy_timings_of_one_model_plan_the_same_blocks_on_disk() {
+        let mut plans = std::collections::HashSet::new();
+        let mut orders = std::collections::HashSet::new();
+        for seed in 0..20u64 {
+            let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+            let mut noise = || {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                1.0 + ((x % 1000) as f64 / 1000.0 - 0.5) * 0.06
+            };
+            let mut blocks = Vec::new();
+            for k in 0..19 {
+                blocks.push(BlockCost::new(format!("double_blocks.{k}"), 640_000_000, 4.0e-3 * noise()));
+            }
+            for k in 0..38 {
+                blocks.push(BlockCost::new(format!("single_blocks.{k}"), 270_000_000, 4.0e-3 * 270.0 / 640.0 * 1.01 * noise()));
+            }
+            let m =
+                CostModel { bandwidth_bytes_per_s: 55e9, blocks, non_block_bytes: 200_000_000, source: "noisy".into(), staging_buffers: 2 };
+            let exact: Vec<usize> = {
+                let per = |i: usize| m.blocks[i].compute_s / m.blocks[i].bytes as f64;
+                let mut o: Vec<usize> = (0..m.blocks.len()).collect();
+                o.sort_by(|&a, &b| per(b).total_cmp(&per(a)).then(a.cmp(&b)));
+                o.truncate(10);
+                o
+            };
+            orders.insert(exact);
+            let c = plan_host_tier(&m, &vec![false; m.blocks.len()], 1, 8 << 30, 1.5e9).unwrap();
+            plans.insert(c.on_disk.clone());
+        }
+        assert!(orders.len() > 1, "the noise does reorder the blocks by exact compute per byte");
+        assert_eq!(plans.len(), 1, "{} different plans from one model's noisy timings", plans.len());
     }
 
     #[test]

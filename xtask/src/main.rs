@@ -48,12 +48,23 @@ fn cargo() -> Command {
 
 fn run(mut c: Command) -> Result<(), String> {
     eprintln!("$ {c:?}");
+    let t0 = std::time::Instant::now();
     let st = c.status().map_err(|e| format!("cannot start {c:?}: {e}"))?;
+    // Where CI's time goes, step by step (`grep '^xtask: step'` in its log).
+    eprintln!("xtask: step took {:.0} s: {}", t0.elapsed().as_secs_f64(), step_name(&c));
     if st.success() {
         Ok(())
     } else {
         Err(format!("{c:?} failed: {st}"))
     }
+}
+
+/// A command's program and arguments, shortened for the step log.
+fn step_name(c: &Command) -> String {
+    let prog = Path::new(c.get_program()).file_name().map(|p| p.to_string_lossy().into_owned()).unwrap_or_default();
+    let args: Vec<String> = c.get_args().map(|a| a.to_string_lossy().into_owned()).collect();
+    let line = format!("{prog} {}", args.join(" "));
+    line.chars().take(160).collect()
 }
 
 /// Run `script` in bash at the repository root with nvcc on the path: candle's

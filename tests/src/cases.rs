@@ -338,7 +338,7 @@ fn on_demand<H: Harness>(_: Sabotage) -> Outcome {
 /// on (and the check's sabotage does not apply: n/a).
 fn mapped_source<H: Harness>(s: Sabotage) -> Outcome {
     let model = TestModel::random(&ModelShape { stacks: vec![3, 2], ..Default::default() }, 222);
-    let dir = std::env::temp_dir().join(format!("offload-conformance-mapped-{}-{}", H::NAME, std::process::id()));
+    let dir = case_dir::<H>("offload-conformance-mapped");
     std::fs::create_dir_all(&dir)?;
     let path = dir.join("model.safetensors");
     write_laid_out(&model, &path)?;
@@ -400,7 +400,7 @@ fn mapped_source<H: Harness>(s: Sabotage) -> Outcome {
 /// bounce buffers, refilled on reader threads (`OffloadBackend::refill_host`).
 /// Three passes, in order and out of it: every result equals the in-memory
 /// reference, and each pass read every block on disk once. A row that cannot
-/// refill a host buffer (coded rows, Vulkan: `Harness::refills_host`) must refuse
+/// refill a host buffer (the coded rows: `Harness::refills_host`) must refuse
 /// the ring by name.
 fn disk_source<H: Harness>(s: Sabotage) -> Outcome {
     if s == Sabotage::StaleBounce && !H::refills_host() {
@@ -409,7 +409,7 @@ fn disk_source<H: Harness>(s: Sabotage) -> Outcome {
     // The same random model each time it is made (a fixed seed).
     let make = || TestModel::random(&ModelShape { stacks: vec![4, 3], ..Default::default() }, 333);
     let model = make();
-    let dir = std::env::temp_dir().join(format!("offload-conformance-disk-{}-{}", H::NAME, std::process::id()));
+    let dir = case_dir::<H>("offload-conformance-disk");
     std::fs::create_dir_all(&dir)?;
     let path = dir.join("model.safetensors");
     write_laid_out(&model, &path)?;
@@ -486,7 +486,7 @@ fn disk_source<H: Harness>(s: Sabotage) -> Outcome {
 ///   buffers refuse the disk ring by name instead: `disk_source`).
 fn file_faults<H: Harness>(_: Sabotage) -> Outcome {
     let model = TestModel::random(&ModelShape { stacks: vec![4, 2], ..Default::default() }, 444);
-    let dir = std::env::temp_dir().join(format!("offload-conformance-faults-{}-{}", H::NAME, std::process::id()));
+    let dir = case_dir::<H>("offload-conformance-faults");
     std::fs::create_dir_all(&dir)?;
     let path = dir.join("model.safetensors");
     let result = (|| {
@@ -595,7 +595,7 @@ fn coded_file<H: Harness>(s: Sabotage) -> Outcome {
     }
     let shape = ModelShape { stacks: vec![3, 2], ..Default::default() };
     let model = TestModel::random(&shape, 555);
-    let dir = std::env::temp_dir().join(format!("offload-conformance-coded-{}-{}", H::NAME, std::process::id()));
+    let dir = case_dir::<H>("offload-conformance-coded");
     std::fs::create_dir_all(&dir)?;
     let path = offload_core::CodedFile::path_for(dir.join("model.safetensors"));
     let result = (|| {
@@ -681,6 +681,15 @@ fn coded_file<H: Harness>(s: Sabotage) -> Outcome {
     result
 }
 
+/// A directory of this case run's own: the row, the process and a counter, so
+/// a case run twice at once in one process (a row's test and the same case under
+/// a break, `run_sabotage`) never shares a file with itself.
+fn case_dir<H: Harness>(what: &str) -> std::path::PathBuf {
+    static RUNS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = RUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    std::env::temp_dir().join(format!("{what}-{}-{}-{n}", H::NAME, std::process::id()))
+}
+
 /// Write `model` to `path` as a safetensors file, block by block in inventory
 /// order, every tensor at a multiple of 256 of the data (as the store lays them out).
 fn write_laid_out(model: &TestModel, path: &std::path::Path) -> Outcome {
@@ -706,7 +715,7 @@ fn write_laid_out(model: &TestModel, path: &std::path::Path) -> Outcome {
 
 fn safetensors_source<H: Harness>(_: Sabotage) -> Outcome {
     let model = TestModel::random(&ModelShape { stacks: vec![4], ..Default::default() }, 111);
-    let dir = std::env::temp_dir().join(format!("offload-conformance-{}-{}", H::NAME, std::process::id()));
+    let dir = case_dir::<H>("offload-conformance");
     std::fs::create_dir_all(&dir)?;
     let path = dir.join("model.safetensors");
     let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = model

@@ -52,6 +52,13 @@ impl CandleBackend {
         CandleBackend { device: SimBackend::new(SimConfig::fast()) }
     }
 
+    /// The CPU device over a host-memory device of the caller's configuration
+    /// (the conformance suite's slow copies and deliberate breaks).
+    #[doc(hidden)]
+    pub fn on_host_device(device: SimBackend) -> Self {
+        CandleBackend { device }
+    }
+
     /// The candle device tensors are made on.
     pub fn device(&self) -> Device {
         Device::Cpu

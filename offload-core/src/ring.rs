@@ -63,11 +63,16 @@ pub enum Sabotage {
     /// decoding its blocks at load (`HostStore::build_from_coded_file` trusts
     /// the file's own hashes).
     TrustCodedFile,
+    /// Invariant 2 on the disk tier: refill a bounce buffer without waiting for
+    /// its last copy to land. The wait is the backend's (`refill_host`), so the
+    /// ring does nothing different: the conformance suite builds the disk
+    /// case's backend with the break (`Harness::disk_backend`).
+    EarlyRefill,
 }
 
 impl Sabotage {
     /// Every break, for tables.
-    pub const ALL: [Sabotage; 11] = [
+    pub const ALL: [Sabotage; 12] = [
         Sabotage::SkipComputeWait,
         Sabotage::SkipFreeWait,
         Sabotage::NoReleaseEvent,
@@ -79,6 +84,7 @@ impl Sabotage {
         Sabotage::SkipSourceCheck,
         Sabotage::StaleBounce,
         Sabotage::TrustCodedFile,
+        Sabotage::EarlyRefill,
     ];
 }
 

@@ -35,6 +35,9 @@ pub(crate) struct Shared {
     pub(crate) regions: crate::mapped::Registrations,
     /// Helper GPUs carrying shares of each copy ([`CudaBackend::enable_relay`]).
     pub(crate) relay: OnceLock<crate::relay::Relay>,
+    /// A deliberate break: refills do not wait for the buffer's last copy
+    /// (`CudaBackend::sabotage_refill_early`, feature `sabotage` only).
+    pub(crate) refill_early: std::sync::atomic::AtomicBool,
 }
 
 /// Counters of a [`CudaBackend`].
@@ -175,6 +178,7 @@ impl CudaBackend {
             code_all: std::sync::atomic::AtomicBool::new(false),
             regions: Default::default(),
             relay: OnceLock::new(),
+            refill_early: std::sync::atomic::AtomicBool::new(false),
         };
         Ok(CudaBackend { shared: Arc::new(shared) })
     }
@@ -294,6 +298,16 @@ impl CudaBackend {
         let spin = crate::fold::spin_function(self)?;
         let _ = self.shared.checking.set(Checking { spin, copy_spin_ns: copy_spin_us * 1000 });
         Ok(())
+    }
+
+    /// A deliberate break for the conformance suite (`Sabotage::EarlyRefill`):
+    /// from now on, refilling a host buffer (the disk tier's bounce buffers) does
+    /// not wait for the buffer's last copy, so a copy still queued lands the
+    /// refill's bytes. Never in production: the feature `sabotage` only.
+    #[cfg(feature = "sabotage")]
+    #[doc(hidden)]
+    pub fn sabotage_refill_early(&self) {
+        self.shared.refill_early.store(true, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Relay (issue 18): from now on, each copy of a plain page-locked host buffer

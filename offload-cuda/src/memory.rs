@@ -152,6 +152,8 @@ impl PinnedHost {
             return Err(offload_core::Error::unsupported("cuda", "refilling a coded or mapped host buffer"));
         }
         let last = self.last_copy.get_mut().unwrap_or_else(|e| e.into_inner()).take();
+        // The deliberate break (`sabotage_refill_early`) forgets the copy instead.
+        let last = last.filter(|_| !self.shared.refill_early.load(Ordering::Relaxed));
         if let Some(ev) = last {
             self.shared.ctx.bind_to_thread().map_err(|e| driver("bind context", e))?;
             if let Err(e) = ev.synchronize() {
@@ -166,6 +168,8 @@ impl PinnedHost {
         // `ptr` is `len` bytes owned by `self` (cuMemHostAlloc memory, or the
         // pageable box given up in `new_pageable`); `&mut self`
         // excludes every host view of it; every copy records itself in `last_copy`.
+        // (Under the deliberate break a copy may still be reading it: the device
+        // then lands torn bytes, which no host code reads through this slice.)
         // SAFETY: exclusive (just said), and the last copy that read it has completed.
         let bytes = unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) };
         fill(bytes)

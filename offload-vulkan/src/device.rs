@@ -188,6 +188,9 @@ pub(crate) struct Inner {
     /// `VK_EXT_external_memory_host` and the alignment of an imported pointer
     /// (and of its size), where host buffers are imported.
     pub(crate) host_import: Option<(ash::ext::external_memory_host::Device, usize)>,
+    /// A deliberate break: refills do not wait for the buffer's last copy
+    /// (`VulkanBackend::sabotage_refill_early`, feature `sabotage` only).
+    pub(crate) refill_early: std::sync::atomic::AtomicBool,
 }
 
 // Every Vulkan object here is used under `state`'s lock where the API asks for
@@ -510,6 +513,7 @@ impl VulkanBackend {
             host_cached: options.host_cached,
             copy_chunk_bytes: options.copy_chunk_bytes.filter(|&c| c > 0),
             host_import,
+            refill_early: std::sync::atomic::AtomicBool::new(false),
         };
         Ok(VulkanBackend { inner: Arc::new(inner) })
     }
@@ -586,6 +590,16 @@ impl VulkanBackend {
     /// kept in every mode.)
     pub fn enable_checking(&self) {
         lock(&self.inner.state).checking = true;
+    }
+
+    /// A deliberate break for the conformance suite (`Sabotage::EarlyRefill`):
+    /// from now on, refilling a host buffer (the disk tier's bounce buffers) does
+    /// not wait for the buffer's last copy, so a copy still queued lands the
+    /// refill's bytes. Never in production: the feature `sabotage` only.
+    #[cfg(feature = "sabotage")]
+    #[doc(hidden)]
+    pub fn sabotage_refill_early(&self) {
+        self.inner.refill_early.store(true, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Protocol violations seen so far: a submission that read a slot without

@@ -294,13 +294,18 @@ impl VulkanHost {
     /// byte through the mapping (host-coherent: the next submission sees them).
     pub(crate) fn refill(&mut self, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<()> {
         let b = VulkanBackend { inner: self.inner.clone() };
-        b.wait_value(Timeline::Copy, *self.last_copy.get_mut(), "refilling a host buffer")?;
+        // The deliberate break (`sabotage_refill_early`) does not wait.
+        if !self.inner.refill_early.load(Ordering::Relaxed) {
+            b.wait_value(Timeline::Copy, *self.last_copy.get_mut(), "refilling a host buffer")?;
+        }
         if self.len == 0 {
             return fill(&mut []);
         }
         // `&mut self` excludes every host view and any `copy_to_slot` still running (it
         // borrows the buffer and raises `last_copy` before it returns); every copy that
-        // read the bytes has completed (waited above).
+        // read the bytes has completed (waited above; under the deliberate break a
+        // copy may still read them: the device then lands torn bytes, which no host
+        // code reads through this slice).
         // SAFETY: `ptr` maps `len` bytes owned by `self`, unborrowed and unread (just said).
         let bytes = unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) };
         fill(bytes)

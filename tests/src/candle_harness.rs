@@ -22,6 +22,11 @@ impl Harness for Candle {
     fn backend() -> std::result::Result<CandleBackend, CaseError> {
         Ok(CandleBackend::cpu())
     }
+    fn disk_backend(early_refill: bool) -> std::result::Result<CandleBackend, CaseError> {
+        let device =
+            offload_core::sim::SimBackend::new(crate::sim_harness::disk_config(offload_core::sim::SimConfig::fast(), early_refill));
+        Ok(CandleBackend::on_host_device(device))
+    }
     fn new_acc(_: &CandleBackend) -> Result<u64> {
         Ok(SEED)
     }
@@ -221,6 +226,15 @@ impl Harness for CandleCuda {
         let b = offload_candle::CandleCudaBackend::new(0, candle_core::DType::U8)
             .map_err(|e| CaseError::Skip(format!("no CUDA device for candle: {e}")))?;
         b.cuda().enable_checking(crate::cuda_harness::COPY_SPIN_US)?;
+        Ok(b)
+    }
+    fn disk_backend(early_refill: bool) -> std::result::Result<Self::B, CaseError> {
+        // The checking mode's spin before each copy keeps copies queued while
+        // the readers refill their buffers.
+        let b = Self::backend()?;
+        if early_refill {
+            b.cuda().sabotage_refill_early();
+        }
         Ok(b)
     }
     fn new_acc(b: &Self::B) -> Result<Self::Acc> {

@@ -44,7 +44,7 @@ pub fn all<H: Harness>() -> Vec<Case> {
         Case { name: "on_demand_component", invariant: "5,6,8", run: on_demand::<H>, caught: &[] },
         Case { name: "safetensors_source", invariant: "6,9", run: safetensors_source::<H>, caught: &[] },
         Case { name: "mapped_source", invariant: "6,9", run: mapped_source::<H>, caught: &[Sabotage::SkipSourceCheck] },
-        Case { name: "disk_source", invariant: "1,2,6", run: disk_source::<H>, caught: &[Sabotage::StaleBounce] },
+        Case { name: "disk_source", invariant: "1,2,6", run: disk_source::<H>, caught: &[Sabotage::StaleBounce, Sabotage::EarlyRefill] },
         Case { name: "file_faults", invariant: "8", run: file_faults::<H>, caught: &[] },
         Case { name: "coded_file", invariant: "6,8", run: coded_file::<H>, caught: &[Sabotage::TrustCodedFile] },
     ]
@@ -403,7 +403,7 @@ fn mapped_source<H: Harness>(s: Sabotage) -> Outcome {
 /// refill a host buffer (the coded rows: `Harness::refills_host`) must refuse
 /// the ring by name.
 fn disk_source<H: Harness>(s: Sabotage) -> Outcome {
-    if s == Sabotage::StaleBounce && !H::refills_host() {
+    if matches!(s, Sabotage::StaleBounce | Sabotage::EarlyRefill) && !H::refills_host() {
         return Err(CaseError::Skip("n/a: this row refuses the disk tier (it cannot refill host buffers)".into()));
     }
     // The same random model each time it is made (a fixed seed).
@@ -420,7 +420,7 @@ fn disk_source<H: Harness>(s: Sabotage) -> Outcome {
         for depth in [1, 2] {
             let cp = ComponentPlan { prefetch_depth: depth, disk_blocks: disk.clone(), ..Default::default() };
             let rc = resolve(&Plan::layerwise().component("transformer", cp), std::slice::from_ref(&inventory))?.components.remove(0);
-            let backend = FaultInjector::new(H::backend()?);
+            let backend = FaultInjector::new(H::disk_backend(s == Sabotage::EarlyRefill)?);
             let store = Arc::new(HostStore::build_tiered(&backend, &inventory, &file, offload_core::PinOptions::default(), &|id| {
                 rc.is_on_disk(id)
             })?);

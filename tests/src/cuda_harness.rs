@@ -84,6 +84,15 @@ impl<const MODE: u8> Harness for CudaRow<MODE> {
         // Every buffer of the coded row is coded, and coded buffers are not refilled.
         MODE != 1
     }
+    fn disk_backend(early_refill: bool) -> std::result::Result<CudaBackend, CaseError> {
+        // The checking mode's spin before each copy keeps copies queued while
+        // the readers refill their buffers.
+        let b = Self::backend()?;
+        if early_refill {
+            b.sabotage_refill_early();
+        }
+        Ok(b)
+    }
     fn decodes() -> bool {
         true
     }

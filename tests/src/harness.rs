@@ -119,4 +119,19 @@ pub trait Harness: 'static {
     fn refills_host() -> bool {
         true
     }
+    /// The disk case's backend: as [`backend`](Self::backend), with copies slow
+    /// enough that a bounce buffer's refill can overtake its last copy where the
+    /// row can make them so; with `early_refill`, one whose `refill_host` does not
+    /// wait for that copy (`Sabotage::EarlyRefill`, a bug in the backend's wait).
+    /// A row that refills host buffers must say how to break it: the default
+    /// fails the break rather than pass it or call it n/a.
+    fn disk_backend(early_refill: bool) -> std::result::Result<Self::B, CaseError> {
+        match early_refill {
+            false => Self::backend(),
+            true => Err(CaseError::Fail(format!(
+                "{}: the row refills host buffers but its harness builds no backend that refills early (Harness::disk_backend)",
+                Self::NAME
+            ))),
+        }
+    }
 }

@@ -39,6 +39,9 @@ impl<const CODED: bool> Harness for SimRow<CODED> {
         // Every buffer of the coded row is coded, and coded buffers are not refilled.
         !CODED
     }
+    fn disk_backend(early_refill: bool) -> std::result::Result<SimBackend, CaseError> {
+        Ok(SimBackend::new(disk_config(SimConfig { coded: CODED, ..SimConfig::default() }, early_refill)))
+    }
     fn decodes() -> bool {
         true
     }
@@ -101,4 +104,12 @@ pub fn sim_step<B: OffloadBackend<Slot = SimSlot>>(ring: &mut Ring<B>, sim: &Sim
     }
     ring.end_step()?;
     Ok(acc)
+}
+
+/// The disk case's simulated device: copies slow enough (up to 3 ms) that the
+/// readers refill bounce buffers while copies from them are queued, and with
+/// `early_refill` a `refill_host` that does not wait for them
+/// (`SimConfig::refill_waits`), which the simulator logs as a violation.
+pub fn disk_config(base: SimConfig, early_refill: bool) -> SimConfig {
+    SimConfig { max_copy_delay_us: 3000, refill_waits: !early_refill, ..base }
 }

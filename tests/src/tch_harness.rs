@@ -28,6 +28,9 @@ impl Harness for Tch {
     fn backend() -> std::result::Result<SimBackend, CaseError> {
         Ok(SimBackend::new(SimConfig::fast()))
     }
+    fn disk_backend(early_refill: bool) -> std::result::Result<SimBackend, CaseError> {
+        Ok(SimBackend::new(crate::sim_harness::disk_config(SimConfig::fast(), early_refill)))
+    }
     fn new_acc(_: &SimBackend) -> Result<u64> {
         Ok(SEED)
     }
@@ -90,6 +93,15 @@ impl Harness for TchCuda {
     fn backend() -> std::result::Result<Self::B, CaseError> {
         let b = offload_tch::cuda_backend(0).map_err(|e| CaseError::Skip(format!("no CUDA device for libtorch: {e}")))?;
         b.cuda().enable_checking(crate::cuda_harness::COPY_SPIN_US)?;
+        Ok(b)
+    }
+    fn disk_backend(early_refill: bool) -> std::result::Result<Self::B, CaseError> {
+        // The checking mode's spin before each copy keeps copies queued while
+        // the readers refill their buffers.
+        let b = Self::backend()?;
+        if early_refill {
+            b.cuda().sabotage_refill_early();
+        }
         Ok(b)
     }
     fn new_acc(b: &Self::B) -> Result<Self::Acc> {

@@ -93,6 +93,15 @@ impl<const MODE: u8> Harness for VulkanRow<MODE> {
     fn backend() -> std::result::Result<VulkanBackend, CaseError> {
         open(MODE)
     }
+    fn disk_backend(early_refill: bool) -> std::result::Result<VulkanBackend, CaseError> {
+        // The fold's spin every fourth block keeps slots held, so copies wait
+        // queued for them while the readers refill their buffers.
+        let b = open(MODE)?;
+        if early_refill {
+            b.sabotage_refill_early();
+        }
+        Ok(b)
+    }
     fn new_acc(b: &VulkanBackend) -> Result<FoldKernel> {
         Ok(FoldKernel::new(b, SEED as u32)?.spin_every(4, SPIN_ROUNDS))
     }

@@ -134,6 +134,13 @@ fn ensure_nvrtc() -> Result<String, String> {
     Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
 }
 
+/// Every backend feature that builds without a GPU, for the whole workspace at
+/// once: what CI lints, and what its one test build compiles (one feature set,
+/// so each crate is built once; separate `-p` runs resolved other feature sets
+/// and rebuilt the same crates five times).
+const CI_FEATURES: &str = "offload/sim,offload/candle,offload/vulkan,offload-tests/cuda,offload-tests/candle,offload-tests/tch,\
+offload-tests/vulkan,offload-bench/candle,offload-bench/tch,offload-bench/cuda";
+
 fn lint() -> Result<(), String> {
     ensure_libtorch()?;
     let mut c = cargo();
@@ -145,7 +152,7 @@ fn lint() -> Result<(), String> {
         "--workspace",
         "--all-targets",
         "--features",
-        "offload/sim,offload/candle,offload/vulkan,offload-tests/cuda,offload-tests/candle,offload-tests/tch,offload-tests/vulkan,offload-bench/candle,offload-bench/tch,offload-bench/cuda",
+        CI_FEATURES,
         "--",
         "-D",
         "warnings",
@@ -534,34 +541,25 @@ fn ci() -> Result<(), String> {
     // lavapipe for the Vulkan tests (Debian's packages, when missing).
     ensure_vulkan()?;
     lint()?;
-    let mut c = cargo();
-    c.args(["test", "--workspace", "--all-targets"]);
-    run(c)?;
-    let mut c = cargo();
-    c.args(["test", "--workspace", "--doc", "--features", "offload-core/sim"]);
-    run(c)?;
-    // The CUDA row builds everywhere (run-time loading) and skips visibly without
-    // a GPU; the candle row runs on the CPU device.
-    // The Vulkan row runs on lavapipe.
-    let mut c = cargo();
-    c.args(["test", "-p", "offload-tests", "--features", "cuda,candle,tch,vulkan", "--test", "conformance"]);
-    run(c)?;
-    let mut c = cargo();
-    c.args(["test", "-p", "offload-vulkan"]);
-    run(c)?;
-    // The tch backend (libtorch fetched by `lint` above), CPU; and the bench
-    // room's tch and candle files on the registry's models, shrunk, on the CPU.
-    let mut c = cargo();
-    c.args(["test", "-p", "offload-tch", "--features", "libtorch"]);
-    run(c)?;
-    let mut c = cargo();
-    c.args(["test", "-p", "offload-bench", "--features", "tch,candle"]);
-    run(c)?;
+    // One build of every test, example and binary with every CPU-buildable
+    // feature (the `ci` profile: the dev profile without debug info or
+    // incremental caches), its timings kept in target/cargo-timings. The CUDA
+    // rows build everywhere (run-time loading) and skip visibly without a GPU;
+    // the candle row runs on the CPU device, the Vulkan rows on lavapipe, the
+    // tch backend on libtorch's CPU (fetched by `lint`), the bench room's tch
+    // and candle files on the registry's models, shrunk.
+    let test = |extra: &[&str]| {
+        let mut c = cargo();
+        c.args(["test", "--profile", "ci", "--workspace", "--features", CI_FEATURES]);
+        c.args(extra);
+        c
+    };
+    run(test(&["--all-targets", "--timings"]))?;
+    run(test(&["--doc"]))?;
     // offload-cuda's NVRTC kernels compiled here, not first on the GPU runner:
     // libnvrtc from PyPI, and the compile tests required to run.
     let nvrtc = ensure_nvrtc()?;
-    let mut c = cargo();
-    c.args(["test", "-p", "offload-cuda", "--lib", "kernels_compile_with_nvrtc"]);
+    let mut c = test(&["--lib", "--", "kernels_compile_with_nvrtc"]);
     c.env("LD_LIBRARY_PATH", &nvrtc).env("OFFLOAD_REQUIRE_NVRTC", "1");
     let out = c.output().map_err(|e| format!("cargo test (NVRTC kernels): {e}"))?;
     let text = String::from_utf8_lossy(&out.stdout);
@@ -571,13 +569,16 @@ fn ci() -> Result<(), String> {
     if !out.status.success() || !text.contains("test result: ok. 3 passed") {
         return Err("NVRTC kernel tests: expected 3 passed (reference, fold, codec)".into());
     }
-    // The main job, small and in the dev profile: it exits non-zero unless the
+    // The main job, small, from the build above: it exits non-zero unless the
     // offloaded output is byte-identical to the resident one.
-    let mut c = cargo();
-    c.args(["run", "-q", "--example", "flux_demo", "--features", "candle", "--"]);
+    let mut c = Command::new(root().join("target/ci/examples/flux_demo"));
     c.args(["--hidden", "128", "--double", "2", "--single", "3", "--res", "128", "--steps", "2", "--depth", "2"]);
     run(c)?;
-    conformance(&["--backend".into(), "sim,candle,tch,cuda,vulkan,vulkan-split".into()])
+    // The conformance table with every deliberate break on every row, each break
+    // in a process of its own (the binary the GPU runner runs), from the build above.
+    let mut c = Command::new(root().join("target/ci/conformance"));
+    c.args(["--backend", "sim,candle,tch,cuda,vulkan,vulkan-split", "--sabotage"]).arg(root().join("target/conformance-sabotage.json"));
+    run(c)
 }
 
 fn main() {

@@ -147,16 +147,7 @@ fn lint() -> Result<(), String> {
     c.args(["fmt", "--all", "--check"]);
     run(c)?;
     let mut c = cargo();
-    c.args([
-        "clippy",
-        "--workspace",
-        "--all-targets",
-        "--features",
-        CI_FEATURES,
-        "--",
-        "-D",
-        "warnings",
-    ]);
+    c.args(["clippy", "--workspace", "--all-targets", "--features", CI_FEATURES, "--", "-D", "warnings"]);
     run(c)?;
     // libtorch on CUDA builds without a GPU (libtorch_cuda comes with the wheel):
     // lint it too, so the tch-cuda row compiles in CI.

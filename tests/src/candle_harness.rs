@@ -202,6 +202,18 @@ fn views_cuda() -> Outcome {
 #[cfg(feature = "candle-cuda")]
 pub struct CandleCuda;
 
+/// candle on device 0, each copy spinning `copy_spin_us` in the checking mode.
+#[cfg(feature = "candle-cuda")]
+fn candle_cuda(copy_spin_us: u64) -> std::result::Result<offload_candle::CandleCudaBackend, CaseError> {
+    if !offload_cuda::driver_present() {
+        return Err(CaseError::Skip("no CUDA driver library (libcuda.so) on this machine".into()));
+    }
+    let b = offload_candle::CandleCudaBackend::new(0, candle_core::DType::U8)
+        .map_err(|e| CaseError::Skip(format!("no CUDA device for candle: {e}")))?;
+    b.cuda().enable_checking(copy_spin_us)?;
+    Ok(b)
+}
+
 #[cfg(feature = "candle-cuda")]
 impl Harness for CandleCuda {
     type B = offload_candle::CandleCudaBackend;
@@ -220,18 +232,12 @@ impl Harness for CandleCuda {
         true
     }
     fn backend() -> std::result::Result<Self::B, CaseError> {
-        if !offload_cuda::driver_present() {
-            return Err(CaseError::Skip("no CUDA driver library (libcuda.so) on this machine".into()));
-        }
-        let b = offload_candle::CandleCudaBackend::new(0, candle_core::DType::U8)
-            .map_err(|e| CaseError::Skip(format!("no CUDA device for candle: {e}")))?;
-        b.cuda().enable_checking(crate::cuda_harness::COPY_SPIN_US)?;
-        Ok(b)
+        candle_cuda(crate::cuda_harness::COPY_SPIN_US)
     }
     fn disk_backend(early_refill: bool) -> std::result::Result<Self::B, CaseError> {
         // The checking mode's spin before each copy keeps copies queued while
         // the readers refill their buffers.
-        let b = Self::backend()?;
+        let b = candle_cuda(crate::cuda_harness::DISK_COPY_SPIN_US)?;
         if early_refill {
             b.cuda().sabotage_refill_early();
         }

@@ -12,6 +12,11 @@ use offload_cuda::{CudaBackend, CudaSlot};
 
 /// Microseconds each copy spins on the copy stream after poisoning its slot.
 pub const COPY_SPIN_US: u64 = 100;
+/// The same in the disk case (`Harness::disk_backend`): long enough that a reader
+/// thread refilling a bounce buffer whose copy is queued (`Sabotage::EarlyRefill`)
+/// always writes before the copy reads. At 100 µs tch-cuda's row missed that
+/// break in 1 of 3 processes on the H200 (`bench/raw/2026-12-03-gpu-early-refill-9ce4681`).
+pub const DISK_COPY_SPIN_US: u64 = 2000;
 /// Every `FOLD_SPIN_EVERY`-th fold spins this long before it reads.
 pub const FOLD_SPIN_US: u64 = 1000;
 /// See [`FOLD_SPIN_US`].
@@ -36,18 +41,11 @@ pub type CudaCoded = CudaRow<1>;
 /// there is no second device with peer access.
 pub type CudaRelay = CudaRow<2>;
 
-impl<const MODE: u8> Harness for CudaRow<MODE> {
-    type B = CudaBackend;
-    type Acc = FoldKernel;
-    const NAME: &'static str = match MODE {
-        1 => "cuda-coded",
-        2 => "cuda-relay",
-        _ => "cuda",
-    };
-
-    fn backend() -> std::result::Result<CudaBackend, CaseError> {
+impl<const MODE: u8> CudaRow<MODE> {
+    /// The row's backend on device 0, each copy spinning `copy_spin_us` in the checking mode.
+    fn open(copy_spin_us: u64) -> std::result::Result<CudaBackend, CaseError> {
         let b = CudaBackend::new(0).map_err(|e| CaseError::Skip(format!("no CUDA device: {e}")))?;
-        b.enable_checking(COPY_SPIN_US)?;
+        b.enable_checking(copy_spin_us)?;
         if MODE == 1 {
             b.enable_coding(offload_cuda::CodingOptions { threads: 2, segment_bytes: 64 << 10, ..Default::default() })?;
         }
@@ -63,6 +61,20 @@ impl<const MODE: u8> Harness for CudaRow<MODE> {
             }
         }
         Ok(b)
+    }
+}
+
+impl<const MODE: u8> Harness for CudaRow<MODE> {
+    type B = CudaBackend;
+    type Acc = FoldKernel;
+    const NAME: &'static str = match MODE {
+        1 => "cuda-coded",
+        2 => "cuda-relay",
+        _ => "cuda",
+    };
+
+    fn backend() -> std::result::Result<CudaBackend, CaseError> {
+        Self::open(COPY_SPIN_US)
     }
     fn new_acc(b: &CudaBackend) -> Result<FoldKernel> {
         gpu_fold(b)
@@ -87,7 +99,7 @@ impl<const MODE: u8> Harness for CudaRow<MODE> {
     fn disk_backend(early_refill: bool) -> std::result::Result<CudaBackend, CaseError> {
         // The checking mode's spin before each copy keeps copies queued while
         // the readers refill their buffers.
-        let b = Self::backend()?;
+        let b = Self::open(DISK_COPY_SPIN_US)?;
         if early_refill {
             b.sabotage_refill_early();
         }

@@ -73,6 +73,14 @@ impl Harness for Tch {
 #[cfg(feature = "tch-cuda")]
 pub struct TchCuda;
 
+/// libtorch on device 0, each copy spinning `copy_spin_us` in the checking mode.
+#[cfg(feature = "tch-cuda")]
+fn tch_cuda(copy_spin_us: u64) -> std::result::Result<offload_tch::TchCudaBackend, CaseError> {
+    let b = offload_tch::cuda_backend(0).map_err(|e| CaseError::Skip(format!("no CUDA device for libtorch: {e}")))?;
+    b.cuda().enable_checking(copy_spin_us)?;
+    Ok(b)
+}
+
 #[cfg(feature = "tch-cuda")]
 impl Harness for TchCuda {
     type B = offload_tch::TchCudaBackend;
@@ -91,14 +99,12 @@ impl Harness for TchCuda {
         true
     }
     fn backend() -> std::result::Result<Self::B, CaseError> {
-        let b = offload_tch::cuda_backend(0).map_err(|e| CaseError::Skip(format!("no CUDA device for libtorch: {e}")))?;
-        b.cuda().enable_checking(crate::cuda_harness::COPY_SPIN_US)?;
-        Ok(b)
+        tch_cuda(crate::cuda_harness::COPY_SPIN_US)
     }
     fn disk_backend(early_refill: bool) -> std::result::Result<Self::B, CaseError> {
         // The checking mode's spin before each copy keeps copies queued while
         // the readers refill their buffers.
-        let b = Self::backend()?;
+        let b = tch_cuda(crate::cuda_harness::DISK_COPY_SPIN_US)?;
         if early_refill {
             b.cuda().sabotage_refill_early();
         }

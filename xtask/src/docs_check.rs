@@ -357,6 +357,81 @@ fn check_figures(root: &Path, name: &str, text: &str) -> (usize, Vec<String>) {
     (checked, faults)
 }
 
+/// A line of Rust as the docs' excerpt check compares it: trimmed, and a doc
+/// comment's `//!` or `///` taken off (an example in a doc comment is compiled
+/// as a doctest).
+fn code_line(line: &str) -> &str {
+    let t = line.trim();
+    t.strip_prefix("//!").or_else(|| t.strip_prefix("///")).map_or(t, str::trim)
+}
+
+/// The ```` ```rust ```` blocks of `text`: each with the first `.rs` file named in
+/// inline code in the paragraph just above it, and its non-blank lines. A fence
+/// that says more than `rust` (`rust,ignore`, `rust,no_run`) is a fault: the
+/// block would not be checked.
+fn rust_blocks(text: &str) -> (Vec<(Option<String>, Vec<String>)>, Vec<String>) {
+    let lines: Vec<&str> = text.lines().collect();
+    let (mut blocks, mut faults) = (Vec::new(), Vec::new());
+    let mut k = 0;
+    while k < lines.len() {
+        let fence = lines[k].trim();
+        if !fence.starts_with("```rust") {
+            k += 1;
+            continue;
+        }
+        if fence != "```rust" {
+            faults.push(format!("line {}: a `{fence}` block is not compiled; write `rust` and quote a compiled file", k + 1));
+        }
+        // The paragraph above: past the blank lines, back to the blank line before it.
+        let mut above = Vec::new();
+        let mut j = k;
+        while j > 0 && lines[j - 1].trim().is_empty() {
+            j -= 1;
+        }
+        while j > 0 && !lines[j - 1].trim().is_empty() {
+            j -= 1;
+            above.insert(0, lines[j]);
+        }
+        let named = above.join(" ").split('`').skip(1).step_by(2).find(|c| c.ends_with(".rs") && !c.contains(' ')).map(str::to_owned);
+        let mut body = Vec::new();
+        k += 1;
+        while k < lines.len() && !lines[k].trim().starts_with("```") {
+            if !lines[k].trim().is_empty() {
+                body.push(code_line(lines[k]).to_owned());
+            }
+            k += 1;
+        }
+        blocks.push((named, body));
+        k += 1;
+    }
+    (blocks, faults)
+}
+
+/// Every Rust block of document `name` is a run of lines of the file its
+/// paragraph names (a file the workspace compiles: an example, a library, a
+/// doctest), so what the docs show compiles. Returns the blocks checked and the faults.
+fn check_excerpts(root: &Path, name: &str, text: &str) -> (usize, Vec<String>) {
+    let (blocks, mut faults) = rust_blocks(text);
+    faults.iter_mut().for_each(|f| *f = format!("{name}: {f}"));
+    for (named, body) in &blocks {
+        let first = body.first().map_or("(empty)", String::as_str);
+        let Some(file) = named else {
+            faults.push(format!("{name}: the Rust block starting `{first}` names no `.rs` file it is taken from"));
+            continue;
+        };
+        let Ok(source) = std::fs::read_to_string(root.join(file)) else {
+            faults.push(format!("{name}: `{file}` (named above the block starting `{first}`) does not exist"));
+            continue;
+        };
+        let lines: Vec<&str> = source.lines().map(code_line).filter(|l| !l.is_empty()).collect();
+        let found = !body.is_empty() && lines.windows(body.len()).any(|w| w.iter().zip(body).all(|(a, b)| a == b));
+        if !found {
+            faults.push(format!("{name}: the Rust block starting `{first}` is not a run of lines of `{file}`"));
+        }
+    }
+    (blocks.len(), faults)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -388,6 +463,40 @@ mod tests {
         // The README's prose quotes at least the coded size, the encode rate, the
         // disk tier's rates and the Vulkan ratios beside their files.
         assert!(checked >= 10, "only {checked} figures checked");
+    }
+
+    #[test]
+    fn every_rust_block_in_the_docs_is_taken_from_a_compiled_file() {
+        let root = repo_root();
+        let (mut checked, mut faults) = (0, Vec::new());
+        for (name, text) in documents(&root) {
+            let (n, f) = check_excerpts(&root, &name, &text);
+            checked += n;
+            faults.extend(f);
+        }
+        assert!(faults.is_empty(), "{}", faults.join("\n"));
+        // The README's example and the guide's: raw CUDA, candle, tch, Vulkan, the tiers, the coded file.
+        assert!(checked >= 8, "only {checked} Rust blocks found in the docs");
+    }
+
+    #[test]
+    fn a_block_not_in_its_file_or_naming_none_fails() {
+        let dir = scratch("excerpts");
+        std::fs::create_dir_all(dir.join("examples")).unwrap();
+        std::fs::write(dir.join("examples/a.rs"), "fn main() {\n    //! doc\n    let x = 1;\n    let y = x + 1;\n}\n").unwrap();
+        let good = "From `examples/a.rs`:\n\n```rust\nlet x = 1;\n\n  let y = x + 1;\n```\n";
+        assert_eq!(check_excerpts(&dir, "d.md", good), (1, vec![]));
+        for (bad, fault) in [
+            ("From `examples/a.rs`:\n\n```rust\nlet x = 2;\n```\n", "not a run of lines"),
+            ("From `examples/a.rs`:\n\n```rust\nlet y = x + 1;\nlet x = 1;\n```\n", "not a run of lines"),
+            ("No file:\n\n```rust\nlet x = 1;\n```\n", "names no `.rs` file"),
+            ("From `examples/b.rs`:\n\n```rust\nlet x = 1;\n```\n", "does not exist"),
+            ("From `examples/a.rs`:\n\n```rust,ignore\nlet x = 1;\n```\n", "is not compiled"),
+        ] {
+            let (_, faults) = check_excerpts(&dir, "d.md", bad);
+            assert!(faults.iter().any(|f| f.contains(fault)), "{bad:?}: {faults:?}");
+        }
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     /// A temporary repository with one results file.

@@ -138,7 +138,8 @@ fn ensure_nvrtc() -> Result<String, String> {
 /// once: what CI lints, and what its one test build compiles (one feature set,
 /// so each crate is built once; separate `-p` runs resolved other feature sets
 /// and rebuilt the same crates five times).
-const CI_FEATURES: &str = "offload/sim,offload/candle,offload/vulkan,offload-tests/cuda,offload-tests/candle,offload-tests/tch,\
+const CI_FEATURES: &str =
+    "offload/sim,offload/cuda,offload/candle,offload/tch,offload/vulkan,offload-tests/cuda,offload-tests/candle,offload-tests/tch,\
 offload-tests/vulkan,offload-bench/candle,offload-bench/tch,offload-bench/cuda";
 
 fn lint() -> Result<(), String> {
@@ -149,8 +150,13 @@ fn lint() -> Result<(), String> {
     let mut c = cargo();
     c.args(["clippy", "--workspace", "--all-targets", "--features", CI_FEATURES, "--", "-D", "warnings"]);
     run(c)?;
-    // libtorch on CUDA builds without a GPU (libtorch_cuda comes with the wheel):
-    // lint it too, so the tch-cuda row compiles in CI.
+    clippy_tch_cuda()?;
+    tidy()
+}
+
+/// libtorch on CUDA builds without a GPU (libtorch_cuda comes with the wheel):
+/// lint it too, so the tch-cuda row compiles in CI.
+fn clippy_tch_cuda() -> Result<(), String> {
     let mut c = cargo();
     c.args([
         "clippy",
@@ -165,7 +171,10 @@ fn lint() -> Result<(), String> {
         "offload-tests/tch-cuda,offload-tch/cuda,offload-bench/tch-cuda,offload-bench/cuda",
     ]);
     c.args(["--", "-D", "warnings"]);
-    run(c)?;
+    run(c)
+}
+
+fn tidy() -> Result<(), String> {
     let problems = tidy::check(&root());
     if problems.is_empty() {
         eprintln!("tidy: ok");
@@ -529,19 +538,37 @@ fn gpu_bundle(args: &[String]) -> Result<(), String> {
 }
 
 fn ci() -> Result<(), String> {
-    // lavapipe for the Vulkan tests (Debian's packages, when missing).
+    // lavapipe for the Vulkan tests (Debian's packages, when missing); libtorch.
     ensure_vulkan()?;
-    lint()?;
+    ensure_libtorch()?;
+    // Every command below builds in the dev profile without debug info or
+    // incremental caches (a clean clone only pays for them), so the build
+    // scripts and proc macros the first one builds serve the rest.
+    std::env::set_var("CARGO_PROFILE_DEV_DEBUG", "false");
+    std::env::set_var("CARGO_INCREMENTAL", "0");
+    let mut c = cargo();
+    c.args(["fmt", "--all", "--check"]);
+    run(c)?;
+    tidy()?;
+    clippy_tch_cuda()?;
     // One build of every test, example and binary with every CPU-buildable
-    // feature (the `ci` profile: the dev profile without debug info or
-    // incremental caches), its timings kept in target/cargo-timings. The CUDA
-    // rows build everywhere (run-time loading) and skip visibly without a GPU;
-    // the candle row runs on the CPU device, the Vulkan rows on lavapipe, the
-    // tch backend on libtorch's CPU (fetched by `lint`), the bench room's tch
-    // and candle files on the registry's models, shrunk.
+    // feature, linted as it compiles: clippy's driver wraps rustc for the
+    // workspace's own crates (what `cargo clippy` does, in a build that also
+    // links), `-D warnings`. Its timings are kept in target/cargo-timings. The
+    // CUDA rows build everywhere (run-time loading) and skip visibly without a
+    // GPU; the candle row runs on the CPU device, the Vulkan rows on lavapipe,
+    // the tch backend on libtorch's CPU, the bench room's tch and candle files
+    // on the registry's models, shrunk.
+    let out = Command::new("rustc").args(["--print", "sysroot"]).output().map_err(|e| format!("rustc --print sysroot: {e}"))?;
+    let driver = Path::new(String::from_utf8_lossy(&out.stdout).trim()).join("bin/clippy-driver");
+    if !driver.exists() {
+        return Err(format!("{} is missing: `rustup component add clippy`", driver.display()));
+    }
+    std::env::set_var("RUSTC_WORKSPACE_WRAPPER", &driver);
+    std::env::set_var("CLIPPY_ARGS", "-D__CLIPPY_HACKERY__warnings__CLIPPY_HACKERY__");
     let test = |extra: &[&str]| {
         let mut c = cargo();
-        c.args(["test", "--profile", "ci", "--workspace", "--features", CI_FEATURES]);
+        c.args(["test", "--workspace", "--features", CI_FEATURES]);
         c.args(extra);
         c
     };
@@ -560,14 +587,18 @@ fn ci() -> Result<(), String> {
     if !out.status.success() || !text.contains("test result: ok. 3 passed") {
         return Err("NVRTC kernel tests: expected 3 passed (reference, fold, codec)".into());
     }
-    // The main job, small, from the build above: it exits non-zero unless the
-    // offloaded output is byte-identical to the resident one.
-    let mut c = Command::new(root().join("target/ci/examples/flux_demo"));
+    // The main job, small, on the build above (only the example's own binary is
+    // linked): it exits non-zero unless the offloaded output is byte-identical
+    // to the resident one.
+    let mut c = cargo();
+    c.args(["build", "--workspace", "--features", CI_FEATURES, "--example", "flux_demo"]);
+    run(c)?;
+    let mut c = Command::new(root().join("target/debug/examples/flux_demo"));
     c.args(["--hidden", "128", "--double", "2", "--single", "3", "--res", "128", "--steps", "2", "--depth", "2"]);
     run(c)?;
     // The conformance table with every deliberate break on every row, each break
     // in a process of its own (the binary the GPU runner runs), from the build above.
-    let mut c = Command::new(root().join("target/ci/conformance"));
+    let mut c = Command::new(root().join("target/debug/conformance"));
     c.args(["--backend", "sim,candle,tch,cuda,vulkan,vulkan-split", "--sabotage"]).arg(root().join("target/conformance-sabotage.json"));
     run(c)
 }

@@ -97,38 +97,54 @@ fn e<E: std::fmt::Display>(x: E) -> String {
     x.to_string()
 }
 
-/// Bars of `values` (label, value), with a dashed reference line at `target`.
-fn bars(path: &Path, title: &str, y_label: &str, values: &[(String, f64)], target: Option<(f64, &str)>) -> Result<(), String> {
-    let root = BitMapBackend::new(path, (1100, 560)).into_drawing_area();
+/// Horizontal bars of `values` (label, value), one a row with its label on the
+/// left, so labels never overlap; a value that is not a number (a resident run
+/// has no ratio) is left out, not drawn as a bar. A dashed reference line at `target`.
+fn bars(path: &Path, title: &str, x_label: &str, values: &[(String, f64)], target: Option<(f64, &str)>) -> Result<(), String> {
+    let values: Vec<&(String, f64)> = values.iter().filter(|v| v.1.is_finite()).collect();
+    let height = 90 + 26 * values.len().max(1) as u32;
+    let root = BitMapBackend::new(path, (1100, height)).into_drawing_area();
     root.fill(&WHITE).map_err(e)?;
-    let max = values.iter().map(|v| v.1).fold(target.map_or(0.0, |t| t.0), f64::max) * 1.15;
+    let max = values.iter().map(|v| v.1).fold(target.map_or(0.0, |t| t.0), f64::max) * 1.12;
+    let n = values.len().max(1) as f64;
     let mut chart = ChartBuilder::on(&root)
         .caption(title, ("sans-serif", 22))
         .margin(12)
-        .x_label_area_size(150)
-        .y_label_area_size(70)
-        .build_cartesian_2d(0f64..values.len() as f64, 0f64..max.max(1e-9))
+        .x_label_area_size(40)
+        .y_label_area_size(380)
+        .build_cartesian_2d(0f64..max.max(1e-9), 0f64..n)
         .map_err(e)?;
-    chart.configure_mesh().disable_x_mesh().x_labels(0).y_desc(y_label).label_style(("sans-serif", 15)).draw().map_err(e)?;
+    chart.configure_mesh().disable_y_mesh().y_labels(0).x_desc(x_label).label_style(("sans-serif", 15)).draw().map_err(e)?;
     for (i, (label, v)) in values.iter().enumerate() {
-        let x = i as f64;
+        // The first value on top.
+        let y = n - 1.0 - i as f64;
         let colour = if label.starts_with("diffusers") { RGBColor(214, 120, 60) } else { RGBColor(60, 110, 190) };
-        chart.draw_series(std::iter::once(Rectangle::new([(x + 0.15, 0.0), (x + 0.85, *v)], colour.filled()))).map_err(e)?;
-        chart.draw_series(std::iter::once(Text::new(format!("{v:.3}"), (x + 0.2, *v + max * 0.02), ("sans-serif", 14)))).map_err(e)?;
-        let style = TextStyle::from(("sans-serif", 14)).transform(FontTransform::Rotate90);
-        chart.draw_series(std::iter::once(Text::new(label.clone(), (x + 0.4, -max * 0.02), style))).map_err(e)?;
+        chart.draw_series(std::iter::once(Rectangle::new([(0.0, y + 0.15), (*v, y + 0.85)], colour.filled()))).map_err(e)?;
+        // Beside the bar, clear of the reference line.
+        let at = v.max(target.map_or(0.0, |t| t.0)) + max * 0.008;
+        chart.draw_series(std::iter::once(Text::new(format!("{v:.3}"), (at, y + 0.75), ("sans-serif", 14)))).map_err(e)?;
+        let (px, py) = chart.backend_coord(&(0.0, y + 0.75));
+        root.draw(&Text::new(label.clone(), (px - 372, py), ("sans-serif", 14))).map_err(e)?;
     }
     if let Some((t, name)) = target {
         chart
-            .draw_series(DashedLineSeries::new(vec![(0.0, t), (values.len() as f64, t)], 8, 6, RED.stroke_width(2)))
+            .draw_series(DashedLineSeries::new(vec![(t, 0.0), (t, n)], 8, 6, RED.stroke_width(2)))
             .map_err(e)?
             .label(name)
             .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], RED));
-        chart.configure_series_labels().background_style(WHITE).border_style(BLACK).label_font(("sans-serif", 15)).draw().map_err(e)?;
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::LowerRight)
+            .background_style(WHITE)
+            .border_style(BLACK)
+            .label_font(("sans-serif", 15))
+            .draw()
+            .map_err(e)?;
     }
     root.present().map_err(e)
 }
 
+/// The planner's runs: step and bound per device budget.
 fn planner_plot(path: &Path, rows: &[&Row]) -> Result<(), String> {
     let root = BitMapBackend::new(path, (900, 520)).into_drawing_area();
     root.fill(&WHITE).map_err(e)?;
@@ -188,6 +204,152 @@ fn planner_plot(path: &Path, rows: &[&Row]) -> Result<(), String> {
     root.present().map_err(e)
 }
 
+/// One case of the headline: our streamed step, the resident one, and
+/// diffusers' offloaded modes on the same case, seconds (medians).
+struct Headline {
+    label: String,
+    ours: f64,
+    resident: f64,
+    diffusers: Vec<(String, f64)>,
+}
+
+/// The README's headline, from the newest `*-zoo-tch.json` in `results` (the
+/// file that holds every registry model with diffusers beside it): its file
+/// name, a table (per case our streamed step beside diffusers' best offloaded
+/// one and the resident step, as the file has them) and the cases for the plot.
+fn headline(results: &Path) -> Result<(String, String, Vec<Headline>), String> {
+    let newest = std::fs::read_dir(results)
+        .map_err(|e| format!("{}: {e}", results.display()))?
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains("-zoo-tch") && n.ends_with(".json"))
+        .max()
+        .ok_or("no *-zoo-tch*.json under bench/results")?;
+    let d = read_json(&results.join(&newest))?;
+    let mut md = String::new();
+    let _ = writeln!(
+        md,
+        "Per model, one H200, bf16, medians of {} processes with [min, max] (`bench/results/{newest}`, backend `tch`; \
+         the full tables, every backend and the other cases: [docs/results.md](docs/results.md)):\n",
+        d["repeats"]
+    );
+    md.push_str("| model | case | streamed, ours (s) | diffusers' best offloaded (s) | ours ÷ diffusers | resident (s) | weights on device, ours (GiB) | bitwise equal to resident |\n");
+    md.push_str("| --- | --- | --- | --- | --- | --- | --- | --- |\n");
+    let mut cases = Vec::new();
+    for c in d["cases"].as_array().into_iter().flatten().filter(|c| c["judged"] != false && c["budget_bytes"].is_null()) {
+        let (model, case) = (c["model"].as_str().unwrap_or("?"), case_label(c));
+        let anchor = match (c["anchor_best_mode"].as_str(), c["anchor_best_step_s"].as_f64()) {
+            (Some(m), Some(s)) => format!("{s:.3} ({})", m.replace('_', " ")),
+            _ => "–".into(),
+        };
+        let _ = writeln!(
+            md,
+            "| {model} | {case} | {:.3} [{:.3}, {:.3}] | {anchor} | {} | {:.3} | {:.2} | {} |",
+            f(&c["step_streamed_s"]),
+            f(&c["step_streamed_s_min"]),
+            f(&c["step_streamed_s_max"]),
+            c["ratio_to_anchor_best"].as_f64().map_or("–".into(), |r| format!("{r:.3}")),
+            f(&c["step_resident_s"]),
+            gib(&c["weights_device_bytes"]),
+            yes(&c["bitwise_equal"]),
+        );
+        let diffusers = d["anchors"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|a| a["model"] == c["model"] && a["case"] == c["case"] && a["mode"] != "resident")
+            .filter_map(|a| Some((format!("diffusers {}", a["mode"].as_str()?.replace('_', " ")), a["step_streamed_s"].as_f64()?)))
+            .collect();
+        cases.push(Headline {
+            label: format!("{model} {case}"),
+            ours: f(&c["step_streamed_s"]),
+            resident: f(&c["step_resident_s"]),
+            diffusers,
+        });
+    }
+    Ok((newest, md, cases))
+}
+
+/// The headline plot: per case, our streamed step beside diffusers' offloaded
+/// modes and the resident step, as a multiple of our streamed step (shorter is
+/// faster; every case on one scale), the seconds written beside each bar.
+fn headline_plot(path: &Path, file: &str, cases: &[Headline]) -> Result<(), String> {
+    let rows: usize = cases.iter().map(|c| 2 + c.diffusers.len()).sum::<usize>() + cases.len();
+    let height = 110 + 17 * rows.max(1) as u32;
+    let root = BitMapBackend::new(path, (1100, height)).into_drawing_area();
+    root.fill(&WHITE).map_err(e)?;
+    let max = cases
+        .iter()
+        .flat_map(|c| c.diffusers.iter().map(|d| d.1).chain([c.resident]).map(move |v| v / c.ours))
+        .filter(|v| v.is_finite())
+        .fold(1.0, f64::max)
+        * 1.18;
+    let n = rows.max(1) as f64;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(format!("step time ÷ our streamed step, per model (H200; {file})"), ("sans-serif", 19))
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(200)
+        .build_cartesian_2d(0f64..max, 0f64..n)
+        .map_err(e)?;
+    chart
+        .configure_mesh()
+        .disable_y_mesh()
+        .y_labels(0)
+        .x_desc("× our streamed step (shorter is faster)")
+        .label_style(("sans-serif", 14))
+        .draw()
+        .map_err(e)?;
+    let ours_colour = RGBColor(60, 110, 190);
+    let resident_colour = RGBColor(150, 150, 150);
+    let block_colour = RGBColor(240, 170, 110);
+    let leaf_colour = RGBColor(200, 95, 40);
+    let mut row = 0usize;
+    for c in cases {
+        let group_top = n - row as f64;
+        let (px, py) = chart.backend_coord(&(0.0, group_top - 0.9));
+        root.draw(&Text::new(c.label.clone(), (px - 195, py), ("sans-serif", 14))).map_err(e)?;
+        let bars: Vec<(f64, RGBColor)> = [(c.ours, ours_colour)]
+            .into_iter()
+            .chain(c.diffusers.iter().map(|(m, v)| (*v, if m.contains("leaf") { leaf_colour } else { block_colour })))
+            .chain([(c.resident, resident_colour)])
+            .collect();
+        for (k, (secs, colour)) in bars.iter().enumerate() {
+            let y = n - (row + k) as f64 - 1.0;
+            let v = secs / c.ours;
+            if !v.is_finite() {
+                continue;
+            }
+            chart.draw_series(std::iter::once(Rectangle::new([(0.0, y + 0.1), (v, y + 0.9)], colour.filled()))).map_err(e)?;
+            chart
+                .draw_series(std::iter::once(Text::new(format!("{secs:.3} s"), (v + max * 0.006, y + 0.85), ("sans-serif", 12))))
+                .map_err(e)?;
+        }
+        row += bars.len() + 1;
+    }
+    for (name, colour) in [
+        ("ours, streamed", ours_colour),
+        ("diffusers, block stream", block_colour),
+        ("diffusers, leaf stream", leaf_colour),
+        ("resident", resident_colour),
+    ] {
+        chart
+            .draw_series(std::iter::once(Rectangle::new([(0.0, 0.0), (0.0, 0.0)], colour.filled())))
+            .map_err(e)?
+            .label(name)
+            .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 14, y + 5)], colour.filled()));
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::LowerRight)
+        .background_style(WHITE)
+        .border_style(BLACK)
+        .label_font(("sans-serif", 14))
+        .draw()
+        .map_err(e)?;
+    root.present().map_err(e)
+}
+
 /// Write `bench/REPORT.md` and `bench/plots/*.png` from `bench/results/`.
 pub fn report(root: &Path) -> Result<(), String> {
     plotters::style::register_font("sans-serif", FontStyle::Normal, epaint_default_fonts::UBUNTU_LIGHT).map_err(|_| "font".to_owned())?;
@@ -241,11 +403,18 @@ pub fn report(root: &Path) -> Result<(), String> {
         planner_plot(&plots.join("planner-budget.png"), &planner)?;
     }
     std::fs::write(root.join("bench/REPORT.md"), md).map_err(e)?;
+    let (file, table, cases) = headline(&root.join("bench/results"))?;
+    headline_plot(&plots.join("headline.png"), &file, &cases)?;
     let readme_path = root.join("README.md");
     if let Ok(readme) = std::fs::read_to_string(&readme_path) {
+        std::fs::write(&readme_path, splice_readme(&readme, &readme_headline(&table))?).map_err(e)?;
+        println!("wrote README.md's headline");
+    }
+    let results_path = root.join("docs/results.md");
+    if let Ok(page) = std::fs::read_to_string(&results_path) {
         let tables = readme_tables(&root.join("bench/results"))?;
-        std::fs::write(&readme_path, splice_readme(&readme, &tables)?).map_err(e)?;
-        println!("wrote README.md's measured tables");
+        std::fs::write(&results_path, splice_readme(&page, &tables)?).map_err(e)?;
+        println!("wrote docs/results.md's measured tables");
     }
     println!("wrote bench/REPORT.md and bench/plots/ ({} runs)", rows.len());
     Ok(())
@@ -263,12 +432,17 @@ mod tests {
         super::report(&dir).unwrap();
         let md = std::fs::read_to_string(dir.join("bench/REPORT.md")).unwrap();
         assert!(md.contains("| tch flux-dev 1024 d=1 |"), "{md}");
-        for png in ["ratio-to-bound.png", "peak-memory.png", "planner-budget.png"] {
+        for png in ["ratio-to-bound.png", "peak-memory.png", "planner-budget.png", "headline.png"] {
             let bytes = std::fs::read(dir.join("bench/plots").join(png)).unwrap();
             assert_eq!(&bytes[..8], b"\x89PNG\r\n\x1a\n", "{png}");
         }
         let _ = std::fs::remove_dir_all(&dir);
     }
+}
+
+/// The README's generated block: the headline table and its plot.
+pub fn readme_headline(table: &str) -> String {
+    format!("{table}\n![per model: our streamed step beside diffusers' offloaded modes and the resident step](bench/plots/headline.png)\n")
 }
 
 /// The first line of the README's generated block.
@@ -811,8 +985,14 @@ mod readme_tests {
     fn the_readme_tables_are_the_generated_ones() {
         let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("root");
         let readme = std::fs::read_to_string(root.join("README.md")).expect("README.md");
-        let want = splice_readme(&readme, &readme_tables(&root.join("bench/results")).expect("tables")).expect("markers");
-        assert!(readme == want, "README.md's measured tables differ from `cargo xtask bench --report`'s; run it");
+        let (_, table, cases) = headline(&root.join("bench/results")).expect("headline");
+        let want = splice_readme(&readme, &readme_headline(&table)).expect("markers");
+        assert!(readme == want, "README.md's headline differs from `cargo xtask bench --report`'s; run it");
+        // Every registry model of the tch file, each with diffusers beside it.
+        assert!(cases.len() >= 8 && cases.iter().all(|c| !c.diffusers.is_empty()), "{} cases", cases.len());
+        let page = std::fs::read_to_string(root.join("docs/results.md")).expect("docs/results.md");
+        let want = splice_readme(&page, &readme_tables(&root.join("bench/results")).expect("tables")).expect("markers");
+        assert!(page == want, "docs/results.md's measured tables differ from `cargo xtask bench --report`'s; run it");
     }
 
     #[test]

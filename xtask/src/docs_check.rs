@@ -365,11 +365,14 @@ fn code_line(line: &str) -> &str {
     t.strip_prefix("//!").or_else(|| t.strip_prefix("///")).map_or(t, str::trim)
 }
 
+/// A Rust block of the docs: the `.rs` file its paragraph names, and its lines.
+type RustBlock = (Option<String>, Vec<String>);
+
 /// The ```` ```rust ```` blocks of `text`: each with the first `.rs` file named in
 /// inline code in the paragraph just above it, and its non-blank lines. A fence
 /// that says more than `rust` (`rust,ignore`, `rust,no_run`) is a fault: the
 /// block would not be checked.
-fn rust_blocks(text: &str) -> (Vec<(Option<String>, Vec<String>)>, Vec<String>) {
+fn rust_blocks(text: &str) -> (Vec<RustBlock>, Vec<String>) {
     let lines: Vec<&str> = text.lines().collect();
     let (mut blocks, mut faults) = (Vec::new(), Vec::new());
     let mut k = 0;

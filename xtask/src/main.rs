@@ -593,13 +593,22 @@ fn ci() -> Result<(), String> {
     let mut c = cargo();
     c.args(["build", "--workspace", "--features", CI_FEATURES, "--example", "flux_demo"]);
     run(c)?;
+    // Run outside cargo, the binaries find libtorch (linked by the tch rows and
+    // the facade's `tch` feature) where cargo's runs found it.
+    let torch_lib = Path::new(&std::env::var("LIBTORCH").unwrap_or_default()).join("lib");
+    let lib_path = match std::env::var("LD_LIBRARY_PATH") {
+        Ok(p) if !p.is_empty() => format!("{}:{p}", torch_lib.display()),
+        _ => torch_lib.display().to_string(),
+    };
     let mut c = Command::new(root().join("target/debug/examples/flux_demo"));
     c.args(["--hidden", "128", "--double", "2", "--single", "3", "--res", "128", "--steps", "2", "--depth", "2"]);
+    c.env("LD_LIBRARY_PATH", &lib_path);
     run(c)?;
     // The conformance table with every deliberate break on every row, each break
     // in a process of its own (the binary the GPU runner runs), from the build above.
     let mut c = Command::new(root().join("target/debug/conformance"));
     c.args(["--backend", "sim,candle,tch,cuda,vulkan,vulkan-split", "--sabotage"]).arg(root().join("target/conformance-sabotage.json"));
+    c.env("LD_LIBRARY_PATH", &lib_path);
     run(c)
 }
 

@@ -439,15 +439,19 @@ fn check_excerpts(root: &Path, name: &str, text: &str) -> (usize, Vec<String>) {
 mod tests {
     use super::*;
 
+    /// `check` over every document of the repository: what it counted, and its faults.
+    fn every_document(check: fn(&Path, &str, &str) -> (usize, Vec<String>)) -> (usize, Vec<String>) {
+        let root = repo_root();
+        documents(&root).iter().fold((0, Vec::new()), |(n, mut faults), (name, text)| {
+            let (k, f) = check(&root, name, text);
+            faults.extend(f);
+            (n + k, faults)
+        })
+    }
+
     #[test]
     fn every_results_path_the_docs_name_exists() {
-        let root = repo_root();
-        let (mut named, mut faults) = (0, Vec::new());
-        for (name, text) in documents(&root) {
-            let (n, f) = check_paths(&root, &name, &text);
-            named += n;
-            faults.extend(f);
-        }
+        let (named, faults) = every_document(check_paths);
         assert!(faults.is_empty(), "{}", faults.join("\n"));
         // The README names a score of results files and runs: finding none means the scan broke.
         assert!(named >= 20, "only {named} results paths found in the docs");
@@ -455,13 +459,7 @@ mod tests {
 
     #[test]
     fn every_figure_quoted_beside_a_results_file_is_in_it() {
-        let root = repo_root();
-        let (mut checked, mut faults) = (0, Vec::new());
-        for (name, text) in documents(&root) {
-            let (n, f) = check_figures(&root, &name, &text);
-            checked += n;
-            faults.extend(f);
-        }
+        let (checked, faults) = every_document(check_figures);
         assert!(faults.is_empty(), "{}", faults.join("\n"));
         // The README's prose quotes at least the coded size, the encode rate, the
         // disk tier's rates and the Vulkan ratios beside their files.
@@ -470,13 +468,7 @@ mod tests {
 
     #[test]
     fn every_rust_block_in_the_docs_is_taken_from_a_compiled_file() {
-        let root = repo_root();
-        let (mut checked, mut faults) = (0, Vec::new());
-        for (name, text) in documents(&root) {
-            let (n, f) = check_excerpts(&root, &name, &text);
-            checked += n;
-            faults.extend(f);
-        }
+        let (checked, faults) = every_document(check_excerpts);
         assert!(faults.is_empty(), "{}", faults.join("\n"));
         // The README's example and the guide's: raw CUDA, candle, tch, Vulkan, the tiers, the coded file.
         assert!(checked >= 8, "only {checked} Rust blocks found in the docs");

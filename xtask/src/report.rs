@@ -238,18 +238,30 @@ fn headline(results: &Path) -> Result<(String, String, Vec<Headline>), String> {
     let mut cases = Vec::new();
     for c in d["cases"].as_array().into_iter().flatten().filter(|c| c["judged"] != false && c["budget_bytes"].is_null()) {
         let (model, case) = (c["model"].as_str().unwrap_or("?"), case_label(c));
-        let anchor = match (c["anchor_best_mode"].as_str(), c["anchor_best_step_s"].as_f64()) {
-            (Some(m), Some(s)) => format!("{s:.3} ({})", m.replace('_', " ")),
+        // diffusers' best mode's own runs: median with [min, max], as the file has them.
+        let best = d["anchors"].as_array().into_iter().flatten().find(|a| {
+            a["model"] == c["model"] && a["case"] == c["case"] && a["mode"].as_str().is_some() && a["mode"] == c["anchor_best_mode"]
+        });
+        let anchor = match (best, c["anchor_best_mode"].as_str()) {
+            (Some(a), Some(m)) => format!(
+                "{:.3} [{:.3}, {:.3}] ({})",
+                f(&a["step_streamed_s"]),
+                f(&a["step_streamed_s_min"]),
+                f(&a["step_streamed_s_max"]),
+                m.replace('_', " ")
+            ),
             _ => "–".into(),
         };
         let _ = writeln!(
             md,
-            "| {model} | {case} | {:.3} [{:.3}, {:.3}] | {anchor} | {} | {:.3} | {:.2} | {} |",
+            "| {model} | {case} | {:.3} [{:.3}, {:.3}] | {anchor} | {} | {:.3} [{:.3}, {:.3}] | {:.2} | {} |",
             f(&c["step_streamed_s"]),
             f(&c["step_streamed_s_min"]),
             f(&c["step_streamed_s_max"]),
             c["ratio_to_anchor_best"].as_f64().map_or("–".into(), |r| format!("{r:.3}")),
             f(&c["step_resident_s"]),
+            f(&c["step_resident_s_min"]),
+            f(&c["step_resident_s_max"]),
             gib(&c["weights_device_bytes"]),
             yes(&c["bitwise_equal"]),
         );

@@ -18,6 +18,7 @@ use crate::budgets::{BudgetRun, Calibration};
 use crate::harness::{check_output, spread, RunCase, RunDoc, RunOptions, TimelineStep};
 use crate::registry::{dual_names, BlockKind, Case, Model};
 use crate::source::RegistrySource;
+use offload_core::HostBuffer as _;
 use offload_core::{
     resolve, BlockDiscovery, ComponentInventory, DeclaredStacks, HostStore, OffloadBackend, Plan, ResidentPolicy, ResolvedComponent, Ring,
     StepMetrics, StreamKind,
@@ -190,12 +191,12 @@ pub fn run(model: &Model, opts: &RunOptions) -> Result<RunDoc, String> {
     let coded = match opts.coded {
         false => None,
         true => {
-            let (entropy, per_tensor) = entropies(&be, &store);
+            let (entropy, per_tensor) = entropies(&store);
             let largest = store
                 .blocks()
                 .iter()
                 .max_by_key(|b| b.bytes())
-                .map(|b| be.host_bytes(b.buffer().expect("held in memory")).map(<[u8]>::to_vec))
+                .map(|b| b.buffer().expect("held in memory").block_bytes().map(<[u8]>::to_vec))
                 .transpose()
                 .map_err(|e| e.to_string())?
                 .unwrap_or_default();
@@ -209,7 +210,7 @@ pub fn run(model: &Model, opts: &RunOptions) -> Result<RunDoc, String> {
             be.enable_coding(options).map_err(err)?;
             let t = Instant::now();
             // From the raw store's bytes: the same weights, not drawn a second time.
-            let cstore = Arc::new(HostStore::build(&be, &inv, &StoreTensors::new(&be, &store, &src)).map_err(err)?);
+            let cstore = Arc::new(HostStore::build(&be, &inv, &StoreTensors::new(&store, &src)).map_err(err)?);
             let build_s = t.elapsed().as_secs_f64();
             let coded_bytes: u64 = cstore.blocks().iter().map(|b| b.buffer().map_or(0, |h| h.len()) as u64).sum();
             let (lo, mid, hi) = (per_tensor.first().copied(), per_tensor.get(per_tensor.len() / 2).copied(), per_tensor.last().copied());
@@ -476,7 +477,7 @@ pub fn run(model: &Model, opts: &RunOptions) -> Result<RunDoc, String> {
 fn decode_speed(be: &CudaBackend, raw: &[u8]) -> offload_core::Result<f64> {
     let enc = offload_core::codec::encode_bf16(raw);
     let reps = 5;
-    let (s, _) = offload_cuda::codec::ExponentDecoder::new(be)?.time_decodes(be, &enc, "the decoder's speed", reps)?;
+    let (s, _) = offload_cuda::ExponentDecoder::new(be)?.time_decodes(be, &enc, "the decoder's speed", reps)?;
     Ok((raw.len() * reps) as f64 / s.max(1e-9) / 1e9)
 }
 
@@ -503,7 +504,6 @@ fn planner_coding(
 /// A built store's tensors as a source (by name, in `like`'s order): a second
 /// store of the same weights without reading or drawing them again.
 struct StoreTensors<'a> {
-    be: &'a CudaBackend,
     store: &'a HostStore<CudaBackend>,
     specs: Vec<offload_core::TensorSpec>,
     /// Per spec: (block, byte offset, bytes) in the store, if a block holds it.
@@ -511,7 +511,7 @@ struct StoreTensors<'a> {
 }
 
 impl<'a> StoreTensors<'a> {
-    fn new(be: &'a CudaBackend, store: &'a HostStore<CudaBackend>, like: &dyn offload_core::TensorSource) -> Self {
+    fn new(store: &'a HostStore<CudaBackend>, like: &dyn offload_core::TensorSource) -> Self {
         let mut place = std::collections::HashMap::new();
         for (i, b) in store.blocks().iter().enumerate() {
             for t in &b.layout.tensors {
@@ -520,7 +520,7 @@ impl<'a> StoreTensors<'a> {
         }
         let specs = like.specs().to_vec();
         let at = specs.iter().map(|s| place.get(s.name.as_str()).copied()).collect();
-        StoreTensors { be, store, specs, at }
+        StoreTensors { store, specs, at }
     }
 }
 
@@ -536,7 +536,7 @@ impl offload_core::TensorSource for StoreTensors<'_> {
         if n != dst.len() {
             return Err(bad(format!("{n} bytes in the raw store, {} asked for", dst.len())));
         }
-        dst.copy_from_slice(&self.be.host_bytes(self.store.blocks()[b].buffer().expect("held in memory"))?[off..off + n]);
+        dst.copy_from_slice(&self.store.blocks()[b].buffer().expect("held in memory").block_bytes()?[off..off + n]);
         Ok(())
     }
 
@@ -545,7 +545,7 @@ impl offload_core::TensorSource for StoreTensors<'_> {
     }
 }
 
-fn entropies(be: &CudaBackend, store: &HostStore<CudaBackend>) -> (f64, Vec<f64>) {
+fn entropies(store: &HostStore<CudaBackend>) -> (f64, Vec<f64>) {
     use offload_core::codec::{exponent_histogram, histogram_entropy_bits as entropy};
     let blocks = store.blocks();
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(blocks.len()).max(1);
@@ -558,7 +558,7 @@ fn entropies(be: &CudaBackend, store: &HostStore<CudaBackend>) -> (f64, Vec<f64>
                     let (mut all, mut each) = ([0u64; 256], Vec::new());
                     for b in group {
                         // The store was built from memory here: its bytes are readable.
-                        let Ok(bytes) = be.host_bytes(b.buffer().expect("held in memory")) else { continue };
+                        let Ok(bytes) = b.buffer().expect("held in memory").block_bytes() else { continue };
                         for t in &b.layout.tensors {
                             let h = exponent_histogram(&bytes[t.offset..t.offset + t.nbytes]);
                             for (a, x) in all.iter_mut().zip(h) {

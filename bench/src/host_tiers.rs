@@ -623,6 +623,7 @@ mod run {
         host_rss_beyond_page_cache, resolve, BlockDiscovery, DeclaredStacks, HostStore, OffloadBackend, PinOptions, Plan, Ring,
         SafetensorsFile, TensorSource,
     };
+    use offload_core::{HostBuffer as _, HostMemory as _};
     use offload_cuda::reference::RefNet;
     use offload_cuda::CudaBackend;
     use std::io::Write;
@@ -679,7 +680,7 @@ mod run {
         let end = bytes.min(f.len());
         let readers = offload_core::disk::DISK_READERS;
         let mut bufs = (0..readers)
-            .map(|_| be.alloc_host(offload_core::DiskFile::span(chunk), "disk read probe", &mut |_| Ok(())).map_err(err))
+            .map(|_| be.host().alloc_pinned(offload_core::DiskFile::span(chunk), "disk read probe", &mut |_| Ok(())).map_err(err))
             .collect::<Result<Vec<_>, _>>()?;
         let t = Instant::now();
         std::thread::scope(|s| {
@@ -687,12 +688,12 @@ mod run {
                 .iter_mut()
                 .enumerate()
                 .map(|(i, buf)| {
-                    let (be, f) = (be.clone(), &f);
+                    let f = &f;
                     s.spawn(move || -> Result<(), String> {
                         let mut at = (i * chunk) as u64;
                         while at < end {
                             let n = chunk.min((end - at) as usize);
-                            be.refill_host(buf, &mut |dst| f.read_block(at, n, dst, "disk read probe")).map_err(err)?;
+                            buf.refill(&mut |dst| f.read_block(at, n, dst, "disk read probe")).map_err(err)?;
                             at += (readers * chunk) as u64;
                         }
                         Ok(())

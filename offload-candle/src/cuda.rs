@@ -145,7 +145,8 @@ impl CandleBlockExt for BlockGuard<'_, CandleCudaBackend> {
 }
 
 impl OffloadBackend for CandleCudaBackend {
-    type HostBuffer = PinnedHost;
+    /// The transfer engine's host memory, as it is.
+    type Host = CudaBackend;
     type Slot = CandleSlot;
     type Event = CheckedEvent;
     type Wait = ();
@@ -153,47 +154,8 @@ impl OffloadBackend for CandleCudaBackend {
     fn name(&self) -> &'static str {
         "candle-cuda"
     }
-    fn alloc_host(&self, bytes: usize, purpose: &str, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<PinnedHost> {
-        self.cuda().alloc_host(bytes, purpose, fill)
-    }
-    fn alloc_host_pageable(&self, bytes: usize, purpose: &str, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<PinnedHost> {
-        self.cuda().alloc_host_pageable(bytes, purpose, fill)
-    }
-    fn refill_host(&self, buffer: &mut PinnedHost, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<()> {
-        self.cuda().refill_host(buffer, fill)
-    }
-    fn alloc_host_coded(&self, bytes: usize, purpose: &str, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<PinnedHost> {
-        self.cuda().alloc_host_coded(bytes, purpose, fill)
-    }
-    fn alloc_host_precoded(
-        &self,
-        bytes: usize,
-        coded_len: usize,
-        purpose: &str,
-        fill: &mut dyn FnMut(&mut [u8]) -> Result<()>,
-    ) -> Result<PinnedHost> {
-        self.cuda().alloc_host_precoded(bytes, coded_len, purpose, fill)
-    }
-    fn host_in_region(
-        &self,
-        region: &std::sync::Arc<dyn offload_core::HostRegion>,
-        offset: usize,
-        bytes: usize,
-        purpose: &str,
-    ) -> Result<PinnedHost> {
-        self.cuda().host_in_region(region, offset, bytes, purpose)
-    }
-    fn is_pinned(&self, buffer: &PinnedHost) -> bool {
-        self.cuda().is_pinned(buffer)
-    }
-    fn host_held_bytes(&self, buffer: &PinnedHost) -> Option<usize> {
-        self.cuda().host_held_bytes(buffer)
-    }
-    fn host_bytes<'a>(&self, buffer: &'a PinnedHost) -> Result<&'a [u8]> {
-        self.cuda().host_bytes(buffer)
-    }
-    fn host_is_pinned(&self) -> bool {
-        self.cuda().host_is_pinned()
+    fn host(&self) -> CudaBackend {
+        self.cuda().clone()
     }
     fn alloc_slot(&self, bytes: usize, purpose: &str) -> Result<CandleSlot> {
         // Whole elements: the slot tensor covers every byte the ring may copy.

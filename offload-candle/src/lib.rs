@@ -49,11 +49,19 @@ pub struct CandleBackend {
 impl CandleBackend {
     /// The CPU device: host memory as device memory, copies on a worker thread.
     pub fn cpu() -> Self {
-        CandleBackend { device: SimBackend::new(SimConfig::fast()) }
+        CandleBackend { device: SimBackend::new(Self::cpu_config()) }
+    }
+
+    /// The host-memory device's configuration for the CPU device: no copy
+    /// delays, host buffers in ordinary memory (nothing is page-locked: host
+    /// memory is the device), no decoder for coded blocks.
+    pub fn cpu_config() -> SimConfig {
+        SimConfig { page_locked: false, decodes: false, ..SimConfig::fast() }
     }
 
     /// The CPU device over a host-memory device of the caller's configuration
-    /// (the conformance suite's slow copies and deliberate breaks).
+    /// (the conformance suite's slow copies and deliberate breaks), usually
+    /// [`cpu_config`](Self::cpu_config) changed.
     #[doc(hidden)]
     pub fn on_host_device(device: SimBackend) -> Self {
         CandleBackend { device }
@@ -180,7 +188,9 @@ impl CandleBlockExt for BlockGuard<'_, CandleBackend> {
 }
 
 impl OffloadBackend for CandleBackend {
-    type HostBuffer = SimHost;
+    /// Host memory is the device's own: the simulated device's, whose
+    /// "page-locked" buffers are ordinary memory here ([`cpu_config`](Self::cpu_config)).
+    type Host = SimBackend;
     type Slot = SimSlot;
     type Event = SimEvent;
     type Wait = ();
@@ -188,37 +198,8 @@ impl OffloadBackend for CandleBackend {
     fn name(&self) -> &'static str {
         "candle"
     }
-    fn alloc_host(&self, bytes: usize, purpose: &str, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<SimHost> {
-        self.device.alloc_host(bytes, purpose, fill)
-    }
-    fn alloc_host_pageable(&self, bytes: usize, purpose: &str, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<SimHost> {
-        self.device.alloc_host_pageable(bytes, purpose, fill)
-    }
-    fn host_in_region(
-        &self,
-        region: &std::sync::Arc<dyn offload_core::HostRegion>,
-        offset: usize,
-        bytes: usize,
-        purpose: &str,
-    ) -> Result<SimHost> {
-        // Host memory is the device: the block is read from the region into it.
-        self.device.host_in_region(region, offset, bytes, purpose)
-    }
-    fn refill_host(&self, buffer: &mut SimHost, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<()> {
-        self.device.refill_host(buffer, fill)
-    }
-    fn is_pinned(&self, _buffer: &SimHost) -> bool {
-        // Host memory is the device here: nothing is page-locked.
-        false
-    }
-    fn host_bytes<'a>(&self, buffer: &'a SimHost) -> Result<&'a [u8]> {
-        self.device.host_bytes(buffer)
-    }
-    fn host_held_bytes(&self, buffer: &SimHost) -> Option<usize> {
-        self.device.host_held_bytes(buffer)
-    }
-    fn host_is_pinned(&self) -> bool {
-        false
+    fn host(&self) -> SimBackend {
+        self.device.clone()
     }
     fn alloc_slot(&self, bytes: usize, purpose: &str) -> Result<SimSlot> {
         self.device.alloc_slot(bytes, purpose)

@@ -14,24 +14,43 @@ use std::sync::Arc;
 #[derive(Clone)]
 struct Null;
 
+/// Its host buffers: ordinary memory.
+struct NullHost(Vec<u8>);
+
+impl HostBuffer for NullHost {
+    fn is_pinned(&self) -> bool {
+        false
+    }
+    fn block_bytes(&self) -> Result<&[u8]> {
+        Ok(&self.0)
+    }
+}
+
+impl HostMemory for Null {
+    type Buffer = NullHost;
+    fn capabilities(&self) -> HostCapabilities {
+        HostCapabilities::default()
+    }
+    fn alloc(&self, kind: HostKind<'_>, bytes: usize, purpose: &str, fill: Fill<'_>) -> Result<NullHost> {
+        if !matches!(kind, HostKind::Pinned) {
+            return Err(host::unsupported_kind("null", kind, purpose));
+        }
+        let mut v = vec![0; bytes];
+        fill(&mut v)?;
+        Ok(NullHost(v))
+    }
+}
+
 impl OffloadBackend for Null {
-    type HostBuffer = Vec<u8>;
+    type Host = Null;
     type Slot = ();
     type Event = ();
     type Wait = ();
     fn name(&self) -> &'static str {
         "null"
     }
-    fn alloc_host(&self, bytes: usize, _: &str, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<Vec<u8>> {
-        let mut v = vec![0; bytes];
-        fill(&mut v)?;
-        Ok(v)
-    }
-    fn host_bytes<'a>(&self, b: &'a Vec<u8>) -> Result<&'a [u8]> {
-        Ok(b)
-    }
-    fn host_is_pinned(&self) -> bool {
-        false
+    fn host(&self) -> Null {
+        Null
     }
     fn alloc_slot(&self, _: usize, _: &str) -> Result<()> {
         Ok(())
@@ -39,7 +58,7 @@ impl OffloadBackend for Null {
     fn free_slot(&self, _: (), _: Option<&()>) -> Result<()> {
         Ok(())
     }
-    fn copy_to_slot(&self, _: &Vec<u8>, _: &mut (), _: usize, _: Option<&()>) -> Result<()> {
+    fn copy_to_slot(&self, _: &NullHost, _: &mut (), _: usize, _: Option<&()>) -> Result<()> {
         Ok(())
     }
     fn compute_wait(&self, _: &()) -> Result<()> {

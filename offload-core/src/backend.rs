@@ -1,8 +1,8 @@
 //! The device primitives a backend gives the ring.
 //!
 //! A backend names five things (static dispatch, associated types): the backend
-//! handle itself (a cheap `Clone` over an `Arc`), page-locked host buffers, device
-//! slots, and events. The ring uses nothing else, so a new backend is this trait
+//! handle itself (a cheap `Clone` over an `Arc`), its host memory (a capability
+//! of its own, [`crate::host`]), device slots, and events. The ring uses nothing else, so a new backend is this trait
 //! plus the conformance suite in `tests/`.
 //!
 //! The model of execution: one *copy queue* that runs host-to-device copies in
@@ -27,6 +27,7 @@
 //! candle's CPU device) treats the calling thread as its compute stream.
 
 use crate::error::Result;
+use crate::host::{HostBuf, HostMemory};
 
 /// Free and total device memory, in bytes.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -65,8 +66,9 @@ pub enum StreamKind {
 /// and slot handed to an asynchronous copy alive until that copy has finished
 /// (host buffers are shared `Arc`s; freeing a slot is ordered after its copies).
 pub trait OffloadBackend: Clone + Send + Sync + 'static {
-    /// Page-locked (where the backend can) host memory, written once, then immutable.
-    type HostBuffer: Send + Sync + 'static;
+    /// Where host buffers come from: a capability of its own ([`HostMemory`]),
+    /// which a backend wrapping another hands out as it is.
+    type Host: HostMemory;
     /// Device memory holding one block's bytes.
     type Slot: Send + 'static;
     /// A point on a stream that other work can wait for.
@@ -80,102 +82,10 @@ pub trait OffloadBackend: Clone + Send + Sync + 'static {
     /// Short backend name for errors and metrics (`"sim"`, `"cuda"`, …).
     fn name(&self) -> &'static str;
 
-    /// Allocate `bytes` of host memory (page-locked where possible), let `fill`
-    /// write every byte once, and freeze it. `purpose` names the block for errors.
-    fn alloc_host(&self, bytes: usize, purpose: &str, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<Self::HostBuffer>;
-
-    /// Like [`alloc_host`](Self::alloc_host) but in ordinary pageable memory: the
-    /// fallback when page-locking fails or the pin budget is spent (copies from it
-    /// are slower and may not overlap).
-    fn alloc_host_pageable(&self, bytes: usize, purpose: &str, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<Self::HostBuffer> {
-        let _ = (bytes, fill);
-        Err(crate::Error::unsupported(self.name(), format!("pageable host memory (for {purpose})")))
-    }
-
-    /// Like [`alloc_host`](Self::alloc_host), but the buffer holds the block coded
-    /// for the device ([`crate::codec::code_for_device`]), and every copy from it
-    /// moves the coded bytes and decodes them on the device, so the slot receives
-    /// the block's exact bytes and [`host_bytes`](Self::host_bytes) still gives
-    /// them. [`Error::Unsupported`](crate::Error::Unsupported) where the backend
-    /// cannot decode, returned before `fill` is called (the store then holds the
-    /// block as it is, calling `fill` again).
-    fn alloc_host_coded(&self, bytes: usize, purpose: &str, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<Self::HostBuffer> {
-        let _ = (bytes, fill);
-        Err(crate::Error::unsupported(self.name(), format!("host buffers coded for the device (for {purpose})")))
-    }
-
-    /// Like [`alloc_host_coded`](Self::alloc_host_coded), but the block comes
-    /// coded already (made ahead of time by [`crate::codec::code_for_device`],
-    /// e.g. read from a [`CodedFile`](crate::CodedFile)): `fill` writes its
-    /// `coded_len` coded bytes, which must decode to `bytes` bytes. The backend
-    /// checks their structure ([`crate::codec::device_segments`]) before the
-    /// buffer is handed out, a named error otherwise; their content is the
-    /// caller's to check ([`HostStore::build_from_coded_file`](crate::HostStore::build_from_coded_file)
-    /// does). [`Error::Unsupported`](crate::Error::Unsupported) where the backend
-    /// cannot decode, returned before `fill` is called.
-    fn alloc_host_precoded(
-        &self,
-        bytes: usize,
-        coded_len: usize,
-        purpose: &str,
-        fill: &mut dyn FnMut(&mut [u8]) -> Result<()>,
-    ) -> Result<Self::HostBuffer> {
-        let _ = (bytes, coded_len, fill);
-        Err(crate::Error::unsupported(self.name(), format!("host buffers coded for the device (for {purpose})")))
-    }
-
-    /// Serve `bytes` of `region` from `offset` as a host buffer without copying
-    /// them (the mapped host tier): the backend registers the region with its
-    /// device (read-only, page-locked) on first use and keeps it registered while
-    /// any buffer from it lives; copies then read the region by DMA and
-    /// [`host_bytes`](Self::host_bytes) reads it with [`HostRegion::read_at`].
-    /// [`Error::Unsupported`](crate::Error::Unsupported) by default (where the
-    /// region is not mapped, or the backend cannot register memory): the store
-    /// then copies the block, and says so.
-    fn host_in_region(
-        &self,
-        region: &std::sync::Arc<dyn crate::HostRegion>,
-        offset: usize,
-        bytes: usize,
-        purpose: &str,
-    ) -> Result<Self::HostBuffer> {
-        let _ = (region, offset, bytes);
-        Err(crate::Error::unsupported(self.name(), format!("host buffers in a mapped region (for {purpose})")))
-    }
-
-    /// Write `buffer` again: wait on the calling thread until every copy from it
-    /// has finished, then let `fill` write its bytes (the disk tier's bounce
-    /// buffers, refilled on reader threads, never on the thread that computes).
-    /// The `&mut` borrow means no view of the old bytes is alive; the wait means
-    /// no copy still reads them. [`Error::Unsupported`](crate::Error::Unsupported)
-    /// by default, and for buffers that are not plain bytes (coded, or served from
-    /// a mapped region).
-    fn refill_host(&self, buffer: &mut Self::HostBuffer, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<()> {
-        let _ = (buffer, fill);
-        Err(crate::Error::unsupported(self.name(), "refilling a host buffer (the disk tier's bounce buffers)"))
-    }
-
-    /// Whether `buffer` is page-locked.
-    fn is_pinned(&self, _buffer: &Self::HostBuffer) -> bool {
-        self.host_is_pinned()
-    }
-
-    /// Host bytes `buffer` holds in place of its block's bytes, where they differ
-    /// (a block held coded for the device: its coded bytes); `None` (the default)
-    /// where it holds the block's bytes as they are. The store counts its host
-    /// and page-locked bytes with it.
-    fn host_held_bytes(&self, _buffer: &Self::HostBuffer) -> Option<usize> {
-        None
-    }
-
-    /// Read access to a frozen host buffer's block bytes (used for resident
-    /// reference runs and checks, never on the streaming path). An error where
-    /// they can no longer be read: a buffer served from a mapped file that was
-    /// cut short or replaced since, a coded buffer that no longer decodes.
-    fn host_bytes<'a>(&self, buffer: &'a Self::HostBuffer) -> Result<&'a [u8]>;
-
-    /// Whether host buffers from this backend are page-locked.
-    fn host_is_pinned(&self) -> bool;
+    /// The backend's host memory: every host buffer the store and the disk tier
+    /// use comes from it, and [`copy_to_slot`](Self::copy_to_slot) copies from
+    /// its buffers.
+    fn host(&self) -> Self::Host;
 
     /// Allocate a device slot of `bytes`. `purpose` names the block for errors.
     fn alloc_slot(&self, bytes: usize, purpose: &str) -> Result<Self::Slot>;
@@ -186,7 +96,7 @@ pub trait OffloadBackend: Clone + Send + Sync + 'static {
 
     /// Enqueue on the copy stream: wait for `after` (if any), then copy the first
     /// `bytes` of `src` into `dst`. Returns an event that completes with the copy.
-    fn copy_to_slot(&self, src: &Self::HostBuffer, dst: &mut Self::Slot, bytes: usize, after: Option<&Self::Event>) -> Result<Self::Event>;
+    fn copy_to_slot(&self, src: &HostBuf<Self>, dst: &mut Self::Slot, bytes: usize, after: Option<&Self::Event>) -> Result<Self::Event>;
 
     /// Order compute after `event`: on a stream API, make the compute stream wait
     /// for it before any later work and return `()`; on an explicit-submission API,

@@ -7,7 +7,7 @@
 //! ([`BlockLayout::new`]), codes it with [`codec::code_for_device`] and writes
 //! the coded bytes; [`HostStore::build_from_coded_file`](crate::HostStore::build_from_coded_file)
 //! reads them back into the backend's coded host buffers
-//! ([`OffloadBackend::alloc_host_precoded`](crate::OffloadBackend::alloc_host_precoded)).
+//! ([`HostKind::Precoded`](crate::HostKind::Precoded)).
 //! Nothing in the file is trusted to stand for the weights: at load each
 //! block's coded bytes are checked against the hashes the index holds of them
 //! (damage on disk), and each segment's stored hash of its original bytes

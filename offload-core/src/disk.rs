@@ -4,7 +4,7 @@
 //! A block on disk has no host buffer of its own. For each copy of it, a reader
 //! thread reads its range of the file ([`DiskFile`], `O_DIRECT` where the file
 //! system allows it) into one of a few page-locked *bounce buffers*, refilled
-//! through [`OffloadBackend::refill_host`](crate::OffloadBackend::refill_host),
+//! through [`HostBuffer::refill`](crate::HostBuffer::refill),
 //! which first waits for the buffer's last copy. The ring issues each block's
 //! copy from its bounce buffer once the read is done, so a read that fails is an
 //! error naming the block, and the block is never served. Reads run ahead of the
@@ -13,6 +13,7 @@
 
 use crate::backend::OffloadBackend;
 use crate::error::{Error, Result};
+use crate::host::{HostBuf, HostBuffer, HostMemory};
 use crate::source::FileIdentity;
 use std::fs::File;
 use std::os::unix::fs::FileExt;
@@ -197,11 +198,11 @@ pub(crate) struct Read {
     pub name: String,
 }
 
-type Reply<B> = (Result<()>, <B as OffloadBackend>::HostBuffer);
+type Reply<B> = (Result<()>, HostBuf<B>);
 
 struct Job<B: OffloadBackend> {
     read: Read,
-    buffer: B::HostBuffer,
+    buffer: HostBuf<B>,
     reply: mpsc::Sender<Reply<B>>,
 }
 
@@ -225,7 +226,7 @@ impl<B: OffloadBackend> Pending<B> {
 /// A ring's reads from the disk tier: a few bounce buffers, reader threads, and
 /// the reads in flight in the order they were asked for.
 pub(crate) struct DiskStream<B: OffloadBackend> {
-    free: Vec<B::HostBuffer>,
+    free: Vec<HostBuf<B>>,
     pending: Vec<Pending<B>>,
     jobs: Option<mpsc::Sender<Job<B>>>,
     threads: Vec<std::thread::JoinHandle<()>>,
@@ -239,15 +240,19 @@ pub(crate) struct DiskStream<B: OffloadBackend> {
 impl<B: OffloadBackend> DiskStream<B> {
     /// `count` bounce buffers of `bytes` each, `readers` reader threads over `file`.
     pub(crate) fn new(backend: &B, file: Arc<DiskFile>, count: usize, bytes: usize, readers: usize, component: &str) -> Result<Self> {
+        let host = backend.host();
+        let needs = |what: String| format!("{what}: the disk tier of {component} needs it");
+        if !host.capabilities().refill {
+            return Err(Error::unsupported(backend.name(), needs("refilling a host buffer (bounce buffers)".into())));
+        }
         let mut free = Vec::with_capacity(count);
         for k in 0..count {
-            let mut b = backend.alloc_host(bytes, &format!("{component}/disk bounce buffer {k}"), &mut |_| Ok(()))?;
+            let mut b = host.alloc_pinned(bytes, &format!("{component}/disk bounce buffer {k}"), &mut |_| Ok(()))?;
             if k == 0 {
-                // Ask once, before any read: a backend that cannot refill fails here, by name.
-                backend.refill_host(&mut b, &mut |_| Ok(())).map_err(|e| match e {
-                    Error::Unsupported { backend, what } => {
-                        Error::Unsupported { backend, what: format!("{what}: the disk tier of {component} needs it") }
-                    }
+                // Ask once, before any read: a buffer that cannot be refilled (coded,
+                // say) fails here, by name.
+                b.refill(&mut |_| Ok(())).map_err(|e| match e {
+                    Error::Unsupported { what, .. } => Error::Unsupported { backend: backend.name().into(), what: needs(what) },
                     e => e,
                 })?;
             }
@@ -257,7 +262,7 @@ impl<B: OffloadBackend> DiskStream<B> {
         let rx = Arc::new(Mutex::new(rx));
         let mut threads = Vec::new();
         for k in 0..readers.max(1) {
-            let (rx, file, be) = (rx.clone(), file.clone(), backend.clone());
+            let (rx, file) = (rx.clone(), file.clone());
             let t = std::thread::Builder::new()
                 .name(format!("offload-disk-{k}"))
                 .spawn(move || loop {
@@ -266,7 +271,7 @@ impl<B: OffloadBackend> DiskStream<B> {
                         Err(_) => return,
                     };
                     let Job { read, mut buffer, reply } = job;
-                    let r = be.refill_host(&mut buffer, &mut |dst| file.read_block(read.offset, read.len, dst, &read.name));
+                    let r = buffer.refill(&mut |dst| file.read_block(read.offset, read.len, dst, &read.name));
                     // The ring may have gone: the buffer is then dropped here.
                     let _ = reply.send((r, buffer));
                 })
@@ -323,7 +328,7 @@ impl<B: OffloadBackend> DiskStream<B> {
     /// served. Give the buffer back with [`put_back`](Self::put_back) once its copy
     /// is issued. `stale` (a deliberate break, `Sabotage::StaleBounce`) serves the
     /// oldest read in flight instead, whichever block it is for.
-    pub(crate) fn take(&mut self, want: &Read, upcoming: &[Read], stale: bool) -> Result<B::HostBuffer> {
+    pub(crate) fn take(&mut self, want: &Read, upcoming: &[Read], stale: bool) -> Result<HostBuf<B>> {
         if !self.pending.iter().any(|p| p.block == want.block) {
             while self.free.is_empty() {
                 self.drop_oldest(upcoming)?;
@@ -365,7 +370,7 @@ impl<B: OffloadBackend> DiskStream<B> {
     }
 
     /// Return a bounce buffer after its copy was issued, and read ahead into it.
-    pub(crate) fn put_back(&mut self, buffer: B::HostBuffer, upcoming: &[Read]) -> Result<()> {
+    pub(crate) fn put_back(&mut self, buffer: HostBuf<B>, upcoming: &[Read]) -> Result<()> {
         self.free.push(buffer);
         self.top_up(upcoming)
     }

@@ -3,13 +3,14 @@
 
 use crate::backend::{MemoryInfo, OffloadBackend};
 use crate::error::{Error, Result};
+use crate::host::{Fill, HostBuf, HostCapabilities, HostKind, HostMemory};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 /// The operations a [`FaultInjector`] can fail.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum FaultKind {
-    /// `alloc_host` (pinning host memory).
+    /// A host allocation ([`HostMemory::alloc`], every kind but pageable).
     HostAlloc,
     /// `alloc_slot`.
     SlotAlloc,
@@ -64,23 +65,60 @@ impl<B: OffloadBackend> FaultInjector<B> {
     }
 
     fn tick(&self, kind: FaultKind, what: &str) -> Result<()> {
-        let c = match kind {
-            FaultKind::HostAlloc => &self.counters.host,
-            FaultKind::SlotAlloc => &self.counters.slot,
-            FaultKind::Copy => &self.counters.copy,
-            FaultKind::Event => &self.counters.event,
-            FaultKind::Timing => &self.counters.timing,
-        };
-        let n = c.fetch_add(1, Ordering::SeqCst);
-        if *self.counters.fail.lock().unwrap_or_else(|e| e.into_inner()) == Some((kind, n)) {
-            return Err(Error::Injected(format!("{kind:?} #{n} ({what})")));
+        tick(&self.counters, kind, what)
+    }
+}
+
+fn tick(counters: &Counters, kind: FaultKind, what: &str) -> Result<()> {
+    let c = match kind {
+        FaultKind::HostAlloc => &counters.host,
+        FaultKind::SlotAlloc => &counters.slot,
+        FaultKind::Copy => &counters.copy,
+        FaultKind::Event => &counters.event,
+        FaultKind::Timing => &counters.timing,
+    };
+    let n = c.fetch_add(1, Ordering::SeqCst);
+    if *counters.fail.lock().unwrap_or_else(|e| e.into_inner()) == Some((kind, n)) {
+        return Err(Error::Injected(format!("{kind:?} #{n} ({what})")));
+    }
+    Ok(())
+}
+
+/// The host memory of a [`FaultInjector`]: the inner backend's, with its
+/// allocations counted (and the armed one failed) as [`FaultKind::HostAlloc`].
+#[derive(Clone)]
+pub struct FaultHost<H> {
+    inner: H,
+    counters: Arc<Counters>,
+}
+
+impl<H: HostMemory> HostMemory for FaultHost<H> {
+    type Buffer = H::Buffer;
+
+    fn capabilities(&self) -> HostCapabilities {
+        self.inner.capabilities()
+    }
+
+    fn alloc(&self, kind: HostKind<'_>, bytes: usize, purpose: &str, fill: Fill<'_>) -> Result<H::Buffer> {
+        // A pageable buffer is the fallback after a failed pin: not counted.
+        if matches!(kind, HostKind::Pageable) {
+            return self.inner.alloc(kind, bytes, purpose, fill);
         }
-        Ok(())
+        tick(&self.counters, FaultKind::HostAlloc, purpose)?;
+        match self.inner.alloc(kind, bytes, purpose, fill) {
+            // Not an allocation: the store asks for a plain buffer for this block
+            // next, which counts it once.
+            Err(e @ Error::Unsupported { .. }) if matches!(kind, HostKind::Coded | HostKind::Precoded { .. }) => {
+                self.counters.host.fetch_sub(1, Ordering::SeqCst);
+                Err(e)
+            }
+            r => r,
+        }
     }
 }
 
 impl<B: OffloadBackend> OffloadBackend for FaultInjector<B> {
-    type HostBuffer = B::HostBuffer;
+    type Host = FaultHost<B::Host>;
     type Slot = B::Slot;
     type Event = B::Event;
     type Wait = B::Wait;
@@ -88,60 +126,8 @@ impl<B: OffloadBackend> OffloadBackend for FaultInjector<B> {
     fn name(&self) -> &'static str {
         self.inner.name()
     }
-    fn alloc_host(&self, bytes: usize, purpose: &str, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<Self::HostBuffer> {
-        self.tick(FaultKind::HostAlloc, purpose)?;
-        self.inner.alloc_host(bytes, purpose, fill)
-    }
-    fn alloc_host_pageable(&self, bytes: usize, purpose: &str, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<Self::HostBuffer> {
-        self.inner.alloc_host_pageable(bytes, purpose, fill)
-    }
-    fn alloc_host_coded(&self, bytes: usize, purpose: &str, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<Self::HostBuffer> {
-        self.tick(FaultKind::HostAlloc, purpose)?;
-        match self.inner.alloc_host_coded(bytes, purpose, fill) {
-            // Not an allocation: the store asks `alloc_host` for this block next,
-            // which counts it once.
-            Err(e @ Error::Unsupported { .. }) => {
-                self.counters.host.fetch_sub(1, Ordering::SeqCst);
-                Err(e)
-            }
-            r => r,
-        }
-    }
-    fn alloc_host_precoded(
-        &self,
-        bytes: usize,
-        coded_len: usize,
-        purpose: &str,
-        fill: &mut dyn FnMut(&mut [u8]) -> Result<()>,
-    ) -> Result<Self::HostBuffer> {
-        self.tick(FaultKind::HostAlloc, purpose)?;
-        match self.inner.alloc_host_precoded(bytes, coded_len, purpose, fill) {
-            // As for `alloc_host_coded`: the store asks `alloc_host` next.
-            Err(e @ Error::Unsupported { .. }) => {
-                self.counters.host.fetch_sub(1, Ordering::SeqCst);
-                Err(e)
-            }
-            r => r,
-        }
-    }
-    fn host_in_region(
-        &self,
-        region: &std::sync::Arc<dyn crate::HostRegion>,
-        offset: usize,
-        bytes: usize,
-        purpose: &str,
-    ) -> Result<Self::HostBuffer> {
-        self.tick(FaultKind::HostAlloc, purpose)?;
-        self.inner.host_in_region(region, offset, bytes, purpose)
-    }
-    fn refill_host(&self, buffer: &mut Self::HostBuffer, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<()> {
-        self.inner.refill_host(buffer, fill)
-    }
-    fn is_pinned(&self, buffer: &Self::HostBuffer) -> bool {
-        self.inner.is_pinned(buffer)
-    }
-    fn host_held_bytes(&self, buffer: &Self::HostBuffer) -> Option<usize> {
-        self.inner.host_held_bytes(buffer)
+    fn host(&self) -> FaultHost<B::Host> {
+        FaultHost { inner: self.inner.host(), counters: self.counters.clone() }
     }
     fn record_timing(&self, on: crate::StreamKind) -> Result<Option<Self::Event>> {
         self.tick(FaultKind::Timing, "record_timing")?;
@@ -150,12 +136,6 @@ impl<B: OffloadBackend> OffloadBackend for FaultInjector<B> {
     fn elapsed_s(&self, from: &Self::Event, to: &Self::Event) -> Result<Option<f64>> {
         self.inner.elapsed_s(from, to)
     }
-    fn host_bytes<'a>(&self, buffer: &'a Self::HostBuffer) -> Result<&'a [u8]> {
-        self.inner.host_bytes(buffer)
-    }
-    fn host_is_pinned(&self) -> bool {
-        self.inner.host_is_pinned()
-    }
     fn alloc_slot(&self, bytes: usize, purpose: &str) -> Result<Self::Slot> {
         self.tick(FaultKind::SlotAlloc, purpose)?;
         self.inner.alloc_slot(bytes, purpose)
@@ -163,7 +143,7 @@ impl<B: OffloadBackend> OffloadBackend for FaultInjector<B> {
     fn free_slot(&self, slot: Self::Slot, after: Option<&Self::Event>) -> Result<()> {
         self.inner.free_slot(slot, after)
     }
-    fn copy_to_slot(&self, src: &Self::HostBuffer, dst: &mut Self::Slot, bytes: usize, after: Option<&Self::Event>) -> Result<Self::Event> {
+    fn copy_to_slot(&self, src: &HostBuf<Self>, dst: &mut Self::Slot, bytes: usize, after: Option<&Self::Event>) -> Result<Self::Event> {
         self.tick(FaultKind::Copy, "copy")?;
         self.inner.copy_to_slot(src, dst, bytes, after)
     }

@@ -64,7 +64,7 @@ pub enum Sabotage {
     /// the file's own hashes).
     TrustCodedFile,
     /// Invariant 2 on the disk tier: refill a bounce buffer without waiting for
-    /// its last copy to land. The wait is the backend's (`refill_host`), so the
+    /// its last copy to land. The wait is the backend's (`HostBuffer::refill`), so the
     /// ring does nothing different: the conformance suite builds the disk
     /// case's backend with the break (`Harness::disk_backend`).
     EarlyRefill,
@@ -278,7 +278,7 @@ impl<B: OffloadBackend> Ring<B> {
         Ok(slot)
     }
 
-    fn load_whole(&mut self, buffer: &B::HostBuffer, bytes: usize, purpose: &str) -> Result<(B::Slot, B::Wait)> {
+    fn load_whole(&mut self, buffer: &crate::HostBuf<B>, bytes: usize, purpose: &str) -> Result<(B::Slot, B::Wait)> {
         let mut slot = self.alloc(bytes, purpose)?;
         let copied = self.backend.copy_to_slot(buffer, &mut slot, bytes, None).and_then(|ready| self.backend.compute_wait(&ready));
         match copied {

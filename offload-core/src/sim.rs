@@ -15,6 +15,7 @@
 
 use crate::backend::{MemoryInfo, OffloadBackend, StreamKind};
 use crate::error::{Error, Result};
+use crate::host::{Fill, HostBuffer, HostCapabilities, HostKind, HostMemory};
 use rand::{Rng, SeedableRng};
 use std::collections::HashMap;
 use std::sync::mpsc::{channel, Sender};
@@ -56,6 +57,10 @@ pub struct SimConfig {
     /// still lands what it was issued with, but the log says what a device
     /// would have torn).
     pub refill_waits: bool,
+    /// Whether [`HostKind::Pinned`] buffers count as page-locked (within
+    /// `pinned_host_bytes`). `false` for a device that is host memory itself
+    /// (candle's CPU device): its buffers are ordinary memory, pinned nowhere.
+    pub page_locked: bool,
 }
 
 /// Raw bytes per segment of the simulated device's coded blocks.
@@ -73,6 +78,7 @@ impl Default for SimConfig {
             decodes: true,
             registers_regions: true,
             refill_waits: true,
+            page_locked: true,
         }
     }
 }
@@ -111,7 +117,13 @@ pub struct SimStats {
 /// the block's bytes, whether pinned, and the block coded for the device where
 /// it is held coded (what a copy then moves and decodes; the simulator keeps the
 /// raw bytes too, for `host_bytes`).
-pub struct SimHost(Arc<[u8]>, bool, Option<Arc<[u8]>>);
+pub struct SimHost {
+    raw: Arc<[u8]>,
+    pinned: bool,
+    coded: Option<Arc<[u8]>>,
+    /// The simulator it came from (refills wait, or report, there).
+    sim: Arc<Inner>,
+}
 
 /// A slot of simulated device memory.
 pub struct SimSlot {
@@ -219,7 +231,7 @@ pub struct SimBackend {
 impl SimBackend {
     /// "Page-locked" host memory of `bytes`, filled by `fill` (within the
     /// configured pinned capacity).
-    fn alloc_pinned(&self, bytes: usize, purpose: &str, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<SimHost> {
+    fn alloc_locked(&self, bytes: usize, purpose: &str, fill: Fill<'_>) -> Result<SimHost> {
         {
             let mut st = lock(&self.inner.state);
             if let Some(cap) = self.inner.cfg.pinned_host_bytes {
@@ -240,7 +252,7 @@ impl SimBackend {
             lock(&self.inner.state).stats.pinned_bytes -= bytes as u64;
             return Err(e);
         }
-        Ok(SimHost(v.into(), true, None))
+        Ok(SimHost { raw: v.into(), pinned: true, coded: None, sim: self.inner.clone() })
     }
 
     /// A simulated device with `cfg`.
@@ -352,29 +364,50 @@ impl SimBackend {
     }
 }
 
-impl OffloadBackend for SimBackend {
-    type HostBuffer = SimHost;
-    type Slot = SimSlot;
-    type Event = SimEvent;
-    type Wait = ();
-
-    fn name(&self) -> &'static str {
-        "sim"
+impl HostBuffer for SimHost {
+    fn is_pinned(&self) -> bool {
+        self.pinned
     }
 
-    fn alloc_host(&self, bytes: usize, purpose: &str, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<SimHost> {
-        if self.inner.cfg.coded {
-            return self.alloc_host_coded(bytes, purpose, fill);
-        }
-        self.alloc_pinned(bytes, purpose, fill)
+    fn held_bytes(&self) -> Option<usize> {
+        self.coded.as_ref().map(|coded| coded.len())
     }
 
-    fn alloc_host_coded(&self, bytes: usize, purpose: &str, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<SimHost> {
-        if !self.inner.cfg.decodes {
-            return Err(Error::unsupported("sim", format!("a device without a decoder (for {purpose})")));
+    fn block_bytes(&self) -> Result<&[u8]> {
+        Ok(&self.raw)
+    }
+
+    fn refill(&mut self, fill: Fill<'_>) -> Result<()> {
+        if self.coded.is_some() {
+            return Err(Error::unsupported("sim", "refilling a coded host buffer"));
         }
-        let SimHost(raw, pinned, _) = self.alloc_pinned(bytes, purpose, fill)?;
-        let coded = crate::codec::code_for_device(&raw, SIM_SEGMENT_BYTES, 2);
+        // A copy in flight holds the bytes (an `Arc`) until it has landed: wait for
+        // every one, as a device's refill must, then write the buffer in place.
+        if self.sim.cfg.refill_waits {
+            while Arc::strong_count(&self.raw) > 1 {
+                std::thread::sleep(Duration::from_micros(20));
+            }
+        } else if Arc::strong_count(&self.raw) > 1 {
+            let mut st = lock(&self.sim.state);
+            SimBackend::violate(&mut st, "a host buffer refilled while a copy from it was in flight (invariant 2, the disk tier)".into());
+        }
+        match Arc::get_mut(&mut self.raw) {
+            Some(bytes) => fill(bytes),
+            // Only without the wait: the in-flight copy keeps the old bytes.
+            None => {
+                let mut v = vec![0u8; self.raw.len()];
+                fill(&mut v)?;
+                self.raw = v.into();
+                Ok(())
+            }
+        }
+    }
+}
+
+impl SimBackend {
+    fn alloc_coded(&self, bytes: usize, purpose: &str, fill: Fill<'_>) -> Result<SimHost> {
+        let host = self.alloc_locked(bytes, purpose, fill)?;
+        let coded = crate::codec::code_for_device(&host.raw, SIM_SEGMENT_BYTES, 2);
         // The page-locked bytes are the coded ones (the raw copy is the simulator's own).
         let mut st = lock(&self.inner.state);
         st.stats.pinned_bytes = st.stats.pinned_bytes - bytes as u64 + coded.len() as u64;
@@ -382,22 +415,14 @@ impl OffloadBackend for SimBackend {
             st.stats.pinned_bytes -= coded.len() as u64;
             return Err(e);
         }
-        Ok(SimHost(raw, pinned, Some(coded.into())))
+        Ok(SimHost { coded: Some(coded.into()), ..host })
     }
 
-    fn alloc_host_precoded(
-        &self,
-        bytes: usize,
-        coded_len: usize,
-        purpose: &str,
-        fill: &mut dyn FnMut(&mut [u8]) -> Result<()>,
-    ) -> Result<SimHost> {
-        if !self.inner.cfg.decodes {
-            return Err(Error::unsupported("sim", format!("a device without a decoder (for {purpose})")));
-        }
+    fn alloc_precoded(&self, bytes: usize, coded_len: usize, purpose: &str, fill: Fill<'_>) -> Result<SimHost> {
         // The coded bytes are what is page-locked; the raw ones (the simulator's
-        // own, for `host_bytes`) are decoded from them on the host.
-        let SimHost(coded, pinned, _) = self.alloc_pinned(coded_len, purpose, fill)?;
+        // own, for `block_bytes`) are decoded from them on the host.
+        let host = self.alloc_locked(coded_len, purpose, fill)?;
+        let coded = host.raw.clone();
         let structure = crate::codec::device_segments(&coded, purpose).and_then(|(len, _)| match len == bytes {
             true => Ok(()),
             false => Err(Error::BadTensor { tensor: purpose.into(), fault: format!("coded from {len} bytes, {bytes} expected") }),
@@ -407,16 +432,10 @@ impl OffloadBackend for SimBackend {
             lock(&self.inner.state).stats.pinned_bytes -= coded_len as u64;
             return Err(e);
         }
-        Ok(SimHost(raw.into(), pinned, Some(coded)))
+        Ok(SimHost { raw: raw.into(), coded: Some(coded), ..host })
     }
 
-    fn host_in_region(&self, region: &Arc<dyn crate::HostRegion>, offset: usize, bytes: usize, purpose: &str) -> Result<SimHost> {
-        if !self.inner.cfg.registers_regions {
-            return Err(Error::unsupported("sim", format!("registering host memory (for {purpose})")));
-        }
-        if self.inner.cfg.coded {
-            return Err(Error::unsupported("sim", format!("blocks served in place while every block is coded (for {purpose})")));
-        }
+    fn in_region(&self, region: &Arc<dyn crate::HostRegion>, offset: usize, bytes: usize, purpose: &str) -> Result<SimHost> {
         region.check()?;
         // "Registered" as a device registers it: the whole region page-locked on
         // first use, counted once (`HostRegion::registered_len`); the block's own
@@ -445,55 +464,65 @@ impl OffloadBackend for SimBackend {
         }
         let mut v = vec![0u8; bytes];
         region.read_at(offset, &mut v)?;
-        Ok(SimHost(v.into(), true, None))
+        Ok(SimHost { raw: v.into(), pinned: true, coded: None, sim: self.inner.clone() })
+    }
+}
+
+/// The simulator is its own host memory: page-locked buffers within
+/// [`SimConfig::pinned_host_bytes`], pageable ones, coded ones where
+/// [`SimConfig::decodes`], mapped regions where [`SimConfig::registers_regions`].
+impl HostMemory for SimBackend {
+    type Buffer = SimHost;
+
+    fn capabilities(&self) -> HostCapabilities {
+        let cfg = &self.inner.cfg;
+        HostCapabilities {
+            pinned: cfg.page_locked,
+            pageable: true,
+            coded: cfg.decodes,
+            mapped: cfg.registers_regions && !cfg.coded,
+            refill: true,
+        }
     }
 
-    fn alloc_host_pageable(&self, bytes: usize, _purpose: &str, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<SimHost> {
-        let mut v = vec![0u8; bytes];
-        fill(&mut v)?;
-        Ok(SimHost(v.into(), false, None))
-    }
-
-    fn refill_host(&self, buffer: &mut SimHost, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<()> {
-        if buffer.2.is_some() {
-            return Err(Error::unsupported("sim", "refilling a coded host buffer"));
-        }
-        // A copy in flight holds the bytes (an `Arc`) until it has landed: wait for
-        // every one, as a device's refill must, then write the buffer in place.
-        if self.inner.cfg.refill_waits {
-            while Arc::strong_count(&buffer.0) > 1 {
-                std::thread::sleep(Duration::from_micros(20));
-            }
-        } else if Arc::strong_count(&buffer.0) > 1 {
-            let mut st = lock(&self.inner.state);
-            Self::violate(&mut st, "a host buffer refilled while a copy from it was in flight (invariant 2, the disk tier)".into());
-        }
-        match Arc::get_mut(&mut buffer.0) {
-            Some(bytes) => fill(bytes),
-            // Only without the wait: the in-flight copy keeps the old bytes.
-            None => {
-                let mut v = vec![0u8; buffer.0.len()];
+    fn alloc(&self, kind: HostKind<'_>, bytes: usize, purpose: &str, fill: Fill<'_>) -> Result<SimHost> {
+        let cfg = &self.inner.cfg;
+        match kind {
+            HostKind::Pinned if cfg.coded => self.alloc(HostKind::Coded, bytes, purpose, fill),
+            HostKind::Pinned if cfg.page_locked => self.alloc_locked(bytes, purpose, fill),
+            HostKind::Pinned | HostKind::Pageable => {
+                let mut v = vec![0u8; bytes];
                 fill(&mut v)?;
-                buffer.0 = v.into();
-                Ok(())
+                Ok(SimHost { raw: v.into(), pinned: false, coded: None, sim: self.inner.clone() })
             }
+            HostKind::Coded | HostKind::Precoded { .. } if !cfg.decodes => {
+                Err(Error::unsupported("sim", format!("a device without a decoder (for {purpose})")))
+            }
+            HostKind::Coded => self.alloc_coded(bytes, purpose, fill),
+            HostKind::Precoded { coded_len } => self.alloc_precoded(bytes, coded_len, purpose, fill),
+            HostKind::Mapped { .. } if !cfg.registers_regions => {
+                Err(Error::unsupported("sim", format!("registering host memory (for {purpose})")))
+            }
+            HostKind::Mapped { .. } if cfg.coded => {
+                Err(Error::unsupported("sim", format!("blocks served in place while every block is coded (for {purpose})")))
+            }
+            HostKind::Mapped { region, offset } => self.in_region(region, offset, bytes, purpose),
         }
     }
+}
 
-    fn is_pinned(&self, buffer: &SimHost) -> bool {
-        buffer.1
+impl OffloadBackend for SimBackend {
+    type Host = SimBackend;
+    type Slot = SimSlot;
+    type Event = SimEvent;
+    type Wait = ();
+
+    fn name(&self) -> &'static str {
+        "sim"
     }
 
-    fn host_held_bytes(&self, buffer: &SimHost) -> Option<usize> {
-        buffer.2.as_ref().map(|coded| coded.len())
-    }
-
-    fn host_bytes<'a>(&self, buffer: &'a SimHost) -> Result<&'a [u8]> {
-        Ok(&buffer.0)
-    }
-
-    fn host_is_pinned(&self) -> bool {
-        true
+    fn host(&self) -> SimBackend {
+        self.clone()
     }
 
     fn alloc_slot(&self, bytes: usize, purpose: &str) -> Result<SimSlot> {
@@ -533,10 +562,10 @@ impl OffloadBackend for SimBackend {
     }
 
     fn copy_to_slot(&self, src: &SimHost, dst: &mut SimSlot, bytes: usize, after: Option<&SimEvent>) -> Result<SimEvent> {
-        if bytes > src.0.len() || bytes > dst.bytes {
+        if bytes > src.raw.len() || bytes > dst.bytes {
             return Err(Error::Protocol(format!(
                 "copy of {bytes} bytes from a {}-byte buffer into a {}-byte slot",
-                src.0.len(),
+                src.raw.len(),
                 dst.bytes
             )));
         }
@@ -556,8 +585,8 @@ impl OffloadBackend for SimBackend {
                 info.last_read_tick = None;
             }
             st.stats.copies += 1;
-            st.stats.bytes_copied += src.2.as_ref().map_or(bytes, |c| c.len()) as u64;
-            st.stats.coded_copies += u64::from(src.2.is_some());
+            st.stats.bytes_copied += src.coded.as_ref().map_or(bytes, |c| c.len()) as u64;
+            st.stats.coded_copies += u64::from(src.coded.is_some());
             SimEvent::new(tick, Some(dst.id), false)
         };
         let delay_us = match self.inner.cfg.max_copy_delay_us {
@@ -570,9 +599,9 @@ impl OffloadBackend for SimBackend {
             lock(&dst.mem)[..bytes].fill(POISON);
         }
         *lock(&self.inner.pending.count) += 1;
-        let (from, coded) = match &src.2 {
+        let (from, coded) = match &src.coded {
             Some(c) => (c.clone(), true),
-            None => (src.0.clone(), false),
+            None => (src.raw.clone(), false),
         };
         let job = Job { after: after.cloned(), src: from, coded, dst: dst.mem.clone(), bytes, delay_us, done: done.clone() };
         lock(&self.inner.tx).send(job).map_err(|_| Error::device("sim", "copy", "the copy thread is gone"))?;

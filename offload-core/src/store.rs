@@ -6,6 +6,7 @@ use crate::coded_file::{CodedFile, NON_BLOCK};
 use crate::discovery::{BlockId, ComponentInventory};
 use crate::disk::DiskFile;
 use crate::error::{Error, Result};
+use crate::host::{HostBuf, HostBuffer, HostKind, HostMemory};
 use crate::plan::{ComponentPlan, PinFallback};
 use crate::source::{HostRegion, RegionSource, SafetensorsFile, TensorSource};
 use crate::tensor::{BlockLayout, PlacedTensor, TENSOR_ALIGN};
@@ -20,7 +21,7 @@ pub struct PinOptions {
     /// What to do when pinning fails or the budget is spent.
     pub fallback: PinFallback,
     /// Hold the blocks coded for the device where the backend can
-    /// ([`OffloadBackend::alloc_host_coded`]); else as they are, with a warning.
+    /// ([`HostKind::Coded`]); else as they are, with a warning.
     pub coded: bool,
 }
 
@@ -45,7 +46,7 @@ pub struct HostBlock<B: OffloadBackend> {
 /// Where a block's bytes are held.
 enum Held<B: OffloadBackend> {
     /// In a host buffer of its own (or a range of a mapped region).
-    Memory(B::HostBuffer),
+    Memory(HostBuf<B>),
     /// In the store's disk file, from this offset, laid out as `layout` says.
     Disk(u64),
 }
@@ -58,7 +59,7 @@ impl<B: OffloadBackend> HostBlock<B> {
 
     /// Its host buffer; `None` for a block on disk, which is read into a bounce
     /// buffer for each copy ([`HostStore::build_tiered`]).
-    pub fn buffer(&self) -> Option<&B::HostBuffer> {
+    pub fn buffer(&self) -> Option<&HostBuf<B>> {
         match &self.held {
             Held::Memory(b) => Some(b),
             Held::Disk(_) => None,
@@ -175,7 +176,7 @@ fn precoded_buffer<B: OffloadBackend>(
     source: &(dyn TensorSource + Sync),
     indices: &[(usize, usize, usize)],
     scratch: &std::cell::RefCell<(Vec<u8>, Vec<u8>)>,
-) -> Result<B::HostBuffer> {
+) -> Result<HostBuf<B>> {
     let fault = |f: String| Error::CodedFile { path: cf.path().to_path_buf(), block: purpose.to_owned(), fault: f };
     let entry = cf.entry(&key).ok_or_else(|| fault(format!("no entry {key:?} (written for another model?)")))?;
     if entry.raw_bytes != layout.bytes as u64 {
@@ -183,7 +184,7 @@ fn precoded_buffer<B: OffloadBackend>(
     }
     let coded_len = usize::try_from(entry.len).map_err(|_| fault(format!("{} coded bytes do not fit this machine", entry.len)))?;
     let threads = std::thread::available_parallelism().map_or(4, |n| n.get());
-    backend.alloc_host_precoded(layout.bytes, coded_len, purpose, &mut |dst| {
+    backend.host().alloc(HostKind::Precoded { coded_len }, layout.bytes, purpose, &mut |dst| {
         let mut scratch = scratch.borrow_mut();
         let (raw, decoded) = &mut *scratch;
         // Kept across blocks: only grown, every byte below written again here.
@@ -393,6 +394,7 @@ impl<B: OffloadBackend> HostStore<B> {
                 t.copy_reason = Some(why);
             }
         };
+        let host = backend.host();
         let pinned_left = std::cell::Cell::new(pin.budget_bytes.unwrap_or(u64::MAX));
         let pinned_bytes = std::cell::Cell::new(0u64);
         // Serving a block in place registers the whole region page-locked
@@ -470,24 +472,26 @@ impl<B: OffloadBackend> HostStore<B> {
             }
             if let (Some((region, offset_of)), true) = (mapped, mapping.get()) {
                 match place(specs, &indices, offset_of) {
-                    Ok((start, layout)) => match backend.host_in_region(region, start, layout.bytes, &purpose) {
-                        Ok(buffer) => {
-                            tier.borrow_mut().mapped += 1;
-                            if !region_charged.replace(true) {
-                                let cost = region.registered_len() as u64;
-                                pinned_left.set(pinned_left.get() - cost);
-                                pinned_bytes.set(pinned_bytes.get() + cost);
+                    Ok((start, layout)) => {
+                        match host.alloc(HostKind::Mapped { region, offset: start }, layout.bytes, &purpose, &mut |_| Ok(())) {
+                            Ok(buffer) => {
+                                tier.borrow_mut().mapped += 1;
+                                if !region_charged.replace(true) {
+                                    let cost = region.registered_len() as u64;
+                                    pinned_left.set(pinned_left.get() - cost);
+                                    pinned_bytes.set(pinned_bytes.get() + cost);
+                                }
+                                let held_bytes = layout.bytes;
+                                return Ok(HostBlock { id, layout, held: Held::Memory(buffer), held_bytes });
                             }
-                            let held_bytes = layout.bytes;
-                            return Ok(HostBlock { id, layout, held: Held::Memory(buffer), held_bytes });
+                            Err(e @ (Error::Unsupported { .. } | Error::HostAlloc { .. })) => {
+                                tracing::warn!("{purpose}: {e}; the component's blocks are copied from {}", region.origin());
+                                mapping.set(false);
+                                copied(format!("the backend did not register {}: {e}", region.origin()));
+                            }
+                            Err(e) => return Err(e),
                         }
-                        Err(e @ (Error::Unsupported { .. } | Error::HostAlloc { .. })) => {
-                            tracing::warn!("{purpose}: {e}; the component's blocks are copied from {}", region.origin());
-                            mapping.set(false);
-                            copied(format!("the backend did not register {}: {e}", region.origin()));
-                        }
-                        Err(e) => return Err(e),
-                    },
+                    }
                     Err(why) => {
                         tracing::info!("{purpose}: copied, not served from {}: {why}", region.origin());
                         copied(format!("{purpose}: {why}"));
@@ -506,7 +510,7 @@ impl<B: OffloadBackend> HostStore<B> {
             let bytes = layout.bytes as u64;
             let pageable = |why: String, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>| {
                 tracing::warn!("{purpose}: {why}; using pageable host memory (slower copies)");
-                backend.alloc_host_pageable(layout.bytes, &purpose, fill)
+                host.alloc(HostKind::Pageable, layout.bytes, &purpose, fill)
             };
             let mut via_coded = false;
             let buffer = if bytes > pinned_left.get() {
@@ -528,7 +532,7 @@ impl<B: OffloadBackend> HostStore<B> {
                         let key = if is_block { id.to_string() } else { NON_BLOCK.into() };
                         precoded_buffer(backend, cf, key, &layout, &purpose, source, &indices, &scratch)
                     }
-                    None => backend.alloc_host_coded(layout.bytes, &purpose, fill),
+                    None => host.alloc(HostKind::Coded, layout.bytes, &purpose, fill),
                 };
                 let coded = match coding.get() {
                     false => None,
@@ -550,7 +554,7 @@ impl<B: OffloadBackend> HostStore<B> {
                 };
                 match coded {
                     Some(b) => b,
-                    None => match backend.alloc_host(layout.bytes, &purpose, &mut fill) {
+                    None => match host.alloc_pinned(layout.bytes, &purpose, &mut fill) {
                         Ok(b) => b,
                         Err(e @ Error::HostAlloc { .. }) if pin.fallback == PinFallback::Pageable => pageable(e.to_string(), &mut fill)?,
                         Err(e) => return Err(e),
@@ -562,8 +566,8 @@ impl<B: OffloadBackend> HostStore<B> {
             // more (its headers, incompressible strings kept raw): then it is
             // dropped and the block held as the fallback says, so the budget holds.
             let mut buffer = buffer;
-            let mut held_bytes = backend.host_held_bytes(&buffer).unwrap_or(layout.bytes);
-            if backend.is_pinned(&buffer) && held_bytes as u64 > pinned_left.get() {
+            let mut held_bytes = buffer.held_bytes().unwrap_or(layout.bytes);
+            if buffer.is_pinned() && held_bytes as u64 > pinned_left.get() {
                 let why = format!("coded as {held_bytes} bytes, over the {} the pin budget has left", pinned_left.get());
                 drop(buffer);
                 buffer = match pin.fallback {
@@ -572,11 +576,11 @@ impl<B: OffloadBackend> HostStore<B> {
                         return Err(Error::HostAlloc { backend: backend.name().into(), requested: held_bytes as u64, purpose, reason: why })
                     }
                 };
-                held_bytes = backend.host_held_bytes(&buffer).unwrap_or(layout.bytes);
+                held_bytes = buffer.held_bytes().unwrap_or(layout.bytes);
                 via_coded = false;
             }
             coded_blocks.set(coded_blocks.get() + usize::from(via_coded));
-            if backend.is_pinned(&buffer) {
+            if buffer.is_pinned() {
                 pinned_left.set(pinned_left.get() - held_bytes as u64);
                 pinned_bytes.set(pinned_bytes.get() + held_bytes as u64);
             } else {
@@ -635,7 +639,7 @@ impl<B: OffloadBackend> HostStore<B> {
         &self.tier
     }
 
-    /// Buffers made coded through [`OffloadBackend::alloc_host_coded`]
+    /// Buffers made coded through [`HostKind::Coded`]
     /// ([`PinOptions::coded`]); a backend that codes every block by itself (the
     /// simulator's `SimConfig::coded`, `CudaBackend::enable_coding`) is not counted.
     pub fn coded_blocks(&self) -> usize {
@@ -682,12 +686,12 @@ impl<B: OffloadBackend> HostStore<B> {
     /// memory, else a new one (page-locked where the backend can) read from the
     /// disk file now and dropped after `f`: for a one-off copy (a block kept on
     /// the device, an on-demand load) or a check, never for streaming.
-    pub fn with_buffer<T>(&self, backend: &B, block: &HostBlock<B>, f: impl FnOnce(&B::HostBuffer) -> Result<T>) -> Result<T> {
+    pub fn with_buffer<T>(&self, backend: &B, block: &HostBlock<B>, f: impl FnOnce(&HostBuf<B>) -> Result<T>) -> Result<T> {
         match (&block.held, &self.disk) {
             (Held::Memory(b), _) => f(b),
             (Held::Disk(at), Some(file)) => {
                 let what = format!("{}/{}", self.component, block.id);
-                let buffer = backend.alloc_host(block.bytes(), &what, &mut |dst| file.read_block(*at, dst.len(), dst, &what))?;
+                let buffer = backend.host().alloc_pinned(block.bytes(), &what, &mut |dst| file.read_block(*at, dst.len(), dst, &what))?;
                 f(&buffer)
             }
             (Held::Disk(_), None) => Err(Error::Protocol(format!("{}/{} is on disk but the store has no file", self.component, block.id))),
@@ -752,7 +756,7 @@ pub fn probe_bandwidth<B: OffloadBackend>(backend: &B, store: &HostStore<B>, pas
 mod tests {
     use crate::sim::{SimBackend, SimConfig};
     use crate::{
-        probe_bandwidth, BlockDiscovery, DType, HostStore, MemoryTensors, NameDiscovery, OffloadBackend, PinOptions, RegionSource,
+        probe_bandwidth, BlockDiscovery, DType, HostBuffer, HostStore, MemoryTensors, NameDiscovery, PinOptions, RegionSource,
         SafetensorsFile, TensorSource, TensorSpec,
     };
 
@@ -858,7 +862,7 @@ mod tests {
     fn tensors_of(be: &SimBackend, store: &HostStore<SimBackend>) -> Vec<(String, Vec<u8>)> {
         let mut out = Vec::new();
         for b in store.blocks().iter().chain(store.non_block()) {
-            let bytes = store.with_buffer(be, b, |buffer| Ok(be.host_bytes(buffer).unwrap().to_vec())).unwrap();
+            let bytes = store.with_buffer(be, b, |buffer| Ok(buffer.block_bytes().unwrap().to_vec())).unwrap();
             for t in &b.layout.tensors {
                 out.push((t.spec.name.clone(), bytes[t.offset..t.offset + t.nbytes].to_vec()));
             }
@@ -1131,7 +1135,7 @@ mod tests {
                 let block = ring.block_at(i)?;
                 let got = be.read_slot(block.slot(), |w| w[..want.blocks()[i].bytes()].to_vec());
                 drop(block);
-                let expect = be.host_bytes(want.blocks()[i].buffer().unwrap()).unwrap();
+                let expect = want.blocks()[i].buffer().unwrap().block_bytes().unwrap();
                 assert!(got == expect, "block {i} served other bytes than the copying store holds");
             }
             m = Some(ring.end_step()?);

@@ -7,8 +7,9 @@
 //! says so and exits with status 2.
 
 use offload_core::codec::{encode_bf16, exponent_entropy_bits};
-use offload_cuda::codec::{DecoderVariant, ExponentDecoder};
+use offload_cuda::codec::DecoderVariant;
 use offload_cuda::CudaBackend;
+use offload_cuda::ExponentDecoder;
 use std::time::Instant;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {

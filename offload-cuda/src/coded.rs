@@ -21,8 +21,9 @@
 //! boundary, naming the block.
 
 use crate::codec::{launches, BLOCK_THREADS};
-use crate::device::{CudaBackend, Shared};
-use crate::error::driver;
+use crate::engine::Engine;
+use crate::error::{dev, driver};
+use crate::memory::HostBytes;
 use cudarc::driver::{result, sys, CudaEvent, CudaFunction, CudaStream};
 use offload_core::codec::{device_segments, DeviceSegment};
 use offload_core::{Error, Result};
@@ -113,7 +114,7 @@ unsafe impl Send for Coding {}
 unsafe impl Sync for Coding {}
 
 impl Coding {
-    pub(crate) fn new(shared: &Shared, options: CodingOptions) -> Result<Self> {
+    pub(crate) fn new(shared: &Engine, options: CodingOptions) -> Result<Self> {
         if options.staging_buffers == 0 {
             return Err(Error::Protocol("coding options: staging_buffers is 0; the decode engine needs at least one".into()));
         }
@@ -123,7 +124,7 @@ impl Coding {
             true => result::stream::get_priority_range().and_then(|(_, highest)| shared.ctx.new_stream_with_priority(highest)),
         }
         .map_err(|e| driver("creating the decode stream", e))?;
-        let ptx = crate::codec::ptx().map_err(|e| crate::dev("compiling the exponent decoder", e))?;
+        let ptx = crate::codec::ptx().map_err(|e| dev("compiling the exponent decoder", e))?;
         let module = shared.ctx.load_module(ptx.clone()).map_err(|e| driver("loading the exponent decoder", e))?;
         let kernel = module.load_function("exp_decode_segs").map_err(|e| driver("exp_decode_segs", e))?;
         let verify = module.load_function("seg_verify").map_err(|e| driver("seg_verify", e))?;
@@ -226,40 +227,19 @@ impl CodedHost {
     }
 }
 
-impl CudaBackend {
-    /// Turn coded streaming on: every host buffer allocated from now on through
-    /// [`OffloadBackend::alloc_host`](offload_core::OffloadBackend::alloc_host)
-    /// holds its block coded (`options`), and every copy from such a buffer moves
-    /// the coded bytes and decodes them on the device into the slot (see the
-    /// module [`coded`](crate::coded)). Buffers allocated before stay as they are.
-    /// The decode engine holds [`CodingOptions::staging_buffers`] staging buffers from the
-    /// device's memory pool, each at least as large as the largest coded block
-    /// copied so far: count them in the device budget
-    /// ([`CudaCounters::staging_peak_bytes`](crate::CudaCounters::staging_peak_bytes)).
-    /// Once on, it stays on; a second call with other options is an error.
-    pub fn enable_coding(&self, options: CodingOptions) -> Result<()> {
-        let c = self.coding_engine(options)?;
-        if c.options != options {
-            return Err(Error::Protocol(format!("coding is on with {:?}; asked for {options:?}", c.options)));
-        }
-        self.shared().code_all.store(true, Ordering::Release);
-        Ok(())
-    }
-
+impl Coding {
     /// Set how many staging buffers coded copies take in turn from now on
     /// ([`CodingOptions::staging_buffers`]), with coding on. Buffers beyond `n`
     /// are freed in the decode stream's order, after the decodes that read them;
     /// new ones are allocated at their first use. Errors if coding is off or `n`
     /// is 0. [`enable_coding`](Self::enable_coding) still compares against the
     /// options the engine was made with.
-    pub fn set_staging_buffers(&self, n: usize) -> Result<()> {
-        let Some(c) = self.shared().coding.get() else {
-            return Err(Error::Protocol("set_staging_buffers: coding is off".into()));
-        };
+    pub(crate) fn set_staging_buffers(&self, engine: &Engine, n: usize) -> Result<()> {
+        let c = self;
         if n == 0 {
             return Err(Error::Protocol("set_staging_buffers: at least one staging buffer is needed".into()));
         }
-        self.shared().ctx.bind_to_thread().map_err(|e| driver("binding the context", e))?;
+        engine.bind()?;
         // Under the ring's lock no coded copy is half issued: every copy into a
         // buffer has its decode enqueued on the decode stream already.
         let mut ring = c.staging.lock().unwrap_or_else(|e| e.into_inner());
@@ -282,22 +262,6 @@ impl CudaBackend {
         first_error.map_or(Ok(()), Err)
     }
 
-    /// Whether every host buffer allocated now is coded ([`enable_coding`](Self::enable_coding)).
-    pub fn is_coding(&self) -> bool {
-        self.shared().code_all.load(Ordering::Acquire)
-    }
-
-    /// The decode engine, made with `options` if there is none yet (a coded
-    /// buffer asked for through `alloc_host_coded` makes it with the defaults).
-    pub(crate) fn coding_engine(&self, options: CodingOptions) -> Result<&Coding> {
-        if self.shared().coding.get().is_none() {
-            let coding = Coding::new(self.shared(), options)?;
-            // Another thread may have made it meanwhile: its options stand.
-            let _ = self.shared().coding.set(coding);
-        }
-        self.shared().coding.get().ok_or_else(|| Error::Protocol("the decode engine could not be made".into()))
-    }
-
     /// The coded path of `copy_to_device`: the coded bytes of `src` into a staging
     /// buffer on the copy stream, decoded into `dst` on the decode stream. The
     /// returned event is the decode's.
@@ -306,19 +270,18 @@ impl CudaBackend {
     ///
     /// As `copy_to_device`'s: `dst .. dst + dst_len` stays allocated until the
     /// returned event has completed.
-    pub(crate) unsafe fn coded_copy(
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) unsafe fn copy(
         &self,
-        src: &crate::PinnedHost,
+        s: &Engine,
+        src: &HostBytes,
         ch: &CodedHost,
         dst: sys::CUdeviceptr,
         dst_len: usize,
         bytes: usize,
         after: Option<&Arc<cudarc::driver::CudaEvent>>,
     ) -> Result<Arc<cudarc::driver::CudaEvent>> {
-        let s = self.shared();
-        let Some(c) = s.coding.get() else {
-            return Err(Error::Protocol(format!("{}: a coded host buffer on a backend with coding off", ch.purpose)));
-        };
+        let c = self;
         if bytes != ch.raw_len || bytes > dst_len {
             return Err(Error::Protocol(format!(
                 "{}: a coded block of {} bytes copied as {bytes} bytes into a {dst_len}-byte slot",
@@ -348,7 +311,9 @@ impl CudaBackend {
         // The checking mode's poison and spin (no bytes copied by it), only when
         // `checking` said so above (the mode read once: the wait above matches it).
         if checking {
-            self.enqueue_copy(src, dst, dst_len, 0).map_err(drained)?;
+            // SAFETY: `dst .. dst + dst_len` stays allocated until the copy stream
+            // passes this (this function's contract).
+            unsafe { s.enqueue_checking(dst, dst_len) }.map_err(drained)?;
         }
         let mut ring = c.staging.lock().unwrap_or_else(|e| e.into_inner());
         let i = ring.next;
@@ -478,233 +443,5 @@ impl CudaBackend {
         s.bytes_copied.fetch_add(len as u64, Ordering::Relaxed);
         c.coded_copies.fetch_add(1, Ordering::Relaxed);
         Ok(ev)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use offload_core::{resolve, BlockDiscovery, DType, HostStore, MemoryTensors, NameDiscovery, OffloadBackend, Plan, Ring, TensorSpec};
-
-    /// On a GPU: a ring over a store built with coding on puts every block's exact
-    /// bytes in its slot (read back after the block's copy event, four steps at
-    /// depth 2, with 2, 1, 4 and 3 staging buffers), moves fewer bytes than the blocks hold, and reports no damage.
-    /// Blocks mix coded bf16 matrices, a raw (incompressible) tensor and an odd
-    /// tail, in 80 KiB strings (≈ 38 a block: two decoder launches, SEGS = 32
-    /// strings and the rest; one launch block a string). Without a device it prints
-    /// SKIPPED (and fails under `OFFLOAD_REQUIRE_DEVICE=1`).
-    #[test]
-    fn coded_ring_streams_exact_bytes() {
-        coded_ring_exact(80 << 10, 1_500_000);
-    }
-
-    /// The same with 512 KiB strings (256 chunks: two launch blocks each) in
-    /// ≈ 19 MB blocks (≈ 37 strings: two launches).
-    #[test]
-    fn coded_ring_streams_exact_bytes_in_multi_block_strings() {
-        coded_ring_exact(512 << 10, 9_500_000);
-    }
-
-    /// One step of `ring` in order, each block's slot read back after its copy
-    /// event and compared with `raw`'s bytes for it.
-    fn one_step_exact(b: &CudaBackend, ring: &mut Ring<CudaBackend>, raw: &[Vec<u8>], step: usize) {
-        for (i, want) in raw.iter().enumerate() {
-            let g = ring.block_at(i).unwrap();
-            let mut got = vec![0u8; want.len()];
-            // The guard ordered the compute stream after the block's copy (decode)
-            // event; the stream is synchronised before `got` is read.
-            // SAFETY: the slot holds `want.len()` bytes while the guard lives, as `got` does.
-            unsafe {
-                let s = b.compute_stream();
-                sys::cuMemcpyDtoHAsync_v2(got.as_mut_ptr().cast(), g.slot().device_ptr(), got.len(), s.cu_stream()).result().unwrap();
-                s.synchronize().unwrap();
-            }
-            assert!(got == *want, "step {step}, block {i}: the slot's bytes differ from the block's");
-            g.finish().unwrap();
-        }
-        ring.end_step().unwrap();
-    }
-
-    fn coded_ring_exact(segment_bytes: usize, values: usize) {
-        let Some(b) = crate::codec::test_backend() else { return };
-        b.enable_coding(CodingOptions { threads: 4, segment_bytes, ..Default::default() }).unwrap();
-        let mut t = MemoryTensors::new();
-        let mut x = 3u64;
-        for i in 0..6u64 {
-            let w = crate::codec::sample_normal_bf16(values + 1000 * i as usize, 0.02, 10 + i);
-            t.push(TensorSpec::new(format!("blocks.{i}.w"), DType::BF16, [w.len() / 2]), w).unwrap();
-            let noise: Vec<u8> = (0..100_003)
-                .map(|_| {
-                    x = x.wrapping_mul(6364136223846793005).wrapping_add(1);
-                    (x >> 33) as u8
-                })
-                .collect();
-            t.push(TensorSpec::new(format!("blocks.{i}.noise"), DType::U8, [noise.len()]), noise).unwrap();
-        }
-        let inv = NameDiscovery.discover("model", offload_core::TensorSource::specs(&t)).unwrap();
-        let store = Arc::new(HostStore::build(&b, &inv, &t).unwrap());
-        assert!(store.blocks().iter().all(|blk| blk.buffer().unwrap().is_coded()), "every block coded");
-        let raw: Vec<Vec<u8>> = store.blocks().iter().map(|blk| b.host_bytes(blk.buffer().unwrap()).unwrap().to_vec()).collect();
-        let held: usize = store.blocks().iter().map(|blk| blk.buffer().unwrap().len()).sum();
-        let plan = resolve(&Plan::layerwise().prefetch_depth(2), std::slice::from_ref(&inv)).unwrap();
-        let mut ring = Ring::new(b.clone(), store.clone(), &plan.components[0]).unwrap();
-        let before = b.counters();
-        // Steps with 2 (the default), 1, 4 (grown) and 3 (shrunk) staging buffers.
-        assert!(b.set_staging_buffers(0).is_err(), "zero staging buffers refused");
-        for (step, staging) in [2, 1, 4, 3].into_iter().enumerate() {
-            b.set_staging_buffers(staging).unwrap();
-            one_step_exact(&b, &mut ring, &raw, step);
-        }
-        ring.close().unwrap();
-        b.poll_error().unwrap();
-        let c = b.counters();
-        let raw_total: usize = raw.iter().map(Vec::len).sum();
-        assert!(c.coded_copies > before.coded_copies, "coded copies counted");
-        // Each string carries its 8 KiB table: ≈ 0.79 of raw at 80 KiB, under 0.9.
-        assert!(held < raw_total * 9 / 10, "coded {held} of {raw_total} bytes");
-        let launches = store.blocks()[0].buffer().unwrap().coded().map_or(Vec::new(), |c| crate::codec::launches(&c.segments));
-        assert!(launches.len() > 1, "{} launch(es) for block 0: one would decode it all", launches.len());
-        if segment_bytes > 256 << 10 {
-            let widest = launches.iter().flat_map(|(l, _)| l.s[..l.count as usize].iter().map(|g| g.chunks)).max().unwrap_or(0);
-            assert!(widest > crate::codec::BLOCK_THREADS, "every string in one launch block ({widest} chunks at most)");
-        }
-        assert!(c.staging_peak_bytes > 0, "staging counted");
-        // A plan's `coded` on a backend with coding off codes that store alone.
-        let b2 = CudaBackend::new(0).unwrap();
-        let pin = offload_core::PinOptions { coded: true, ..Default::default() };
-        let s2 = HostStore::build_with(&b2, &inv, &t, pin).unwrap();
-        assert_eq!(s2.coded_blocks(), s2.blocks().len(), "every block coded through alloc_host_coded");
-        assert!(!b2.is_coding(), "other stores stay as they are");
-        for (blk, want) in s2.blocks().iter().zip(&raw) {
-            assert!(b2.host_bytes(blk.buffer().unwrap()).unwrap() == want.as_slice());
-        }
-    }
-
-    /// On a GPU: a store read from a coded file made ahead of time
-    /// (`HostStore::build_from_coded_file`, coding off on the backend) holds
-    /// every block coded, and a ring over it puts each block's exact bytes in its
-    /// slot; a coded file damaged in an incompressible tensor's raw string (which
-    /// the device copies without a check) is refused at build by name. Without a
-    /// device it prints SKIPPED (and fails under `OFFLOAD_REQUIRE_DEVICE=1`).
-    #[test]
-    fn a_coded_file_streams_exact_bytes() {
-        let Some(b) = crate::codec::test_backend() else { return };
-        let mut t = MemoryTensors::new();
-        let mut x = 5u64;
-        for i in 0..4u64 {
-            let w = crate::codec::sample_normal_bf16(700_000 + 999 * i as usize, 0.02, 30 + i);
-            t.push(TensorSpec::new(format!("blocks.{i}.w"), DType::BF16, [w.len() / 2]), w).unwrap();
-            let noise: Vec<u8> = (0..600_001)
-                .map(|_| {
-                    x = x.wrapping_mul(6364136223846793005).wrapping_add(1);
-                    (x >> 33) as u8
-                })
-                .collect();
-            t.push(TensorSpec::new(format!("blocks.{i}.noise"), DType::U8, [noise.len()]), noise).unwrap();
-        }
-        let inv = NameDiscovery.discover("model", offload_core::TensorSource::specs(&t)).unwrap();
-        let dir = std::env::temp_dir().join(format!("offload-cuda-coded-file-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = offload_core::CodedFile::path_for(dir.join("model.safetensors"));
-        offload_core::CodedFile::write(&path, &inv, &t, 256 << 10, 4).unwrap();
-        let cf = offload_core::CodedFile::open(&path).unwrap();
-        let plain = HostStore::build(&b, &inv, &t).unwrap();
-        let raw: Vec<Vec<u8>> = plain.blocks().iter().map(|blk| b.host_bytes(blk.buffer().unwrap()).unwrap().to_vec()).collect();
-        let store = Arc::new(HostStore::build_from_coded_file(&b, &inv, &t, offload_core::PinOptions::default(), &cf).unwrap());
-        // The model's tensors all lie in blocks: no non-block buffer.
-        assert!(store.non_block().is_none());
-        assert_eq!(store.coded_blocks(), store.blocks().len(), "every buffer coded from the file");
-        assert!(!b.is_coding(), "the backend's own coding stays off");
-        let plan = resolve(&Plan::layerwise().prefetch_depth(2), std::slice::from_ref(&inv)).unwrap();
-        // Counted from before the ring's first copies: a block still in a slot
-        // from the step before is not copied again, so two steps copy each block
-        // at least once, not twice (the H200 at 3b6a55d: fewer than 8).
-        let before = b.counters();
-        let mut ring = Ring::new(b.clone(), store.clone(), &plan.components[0]).unwrap();
-        for step in 0..2 {
-            one_step_exact(&b, &mut ring, &raw, step);
-        }
-        ring.close().unwrap();
-        b.poll_error().unwrap();
-        let copies = b.counters().coded_copies - before.coded_copies;
-        assert!(copies >= 4, "each block's copy decoded on the device: {copies} coded copies for 4 blocks");
-        // One byte of block 2's noise (a raw string) changed in the file.
-        let entry = cf.entry("blocks.2").unwrap().clone();
-        let (_, segs) =
-            offload_core::codec::device_segments(&std::fs::read(&path).unwrap()[entry.at as usize..(entry.at + entry.len) as usize], "b")
-                .unwrap();
-        let raw_seg = segs.iter().find(|s| s.coded.is_none()).expect("the noise stays raw");
-        let mut bytes = std::fs::read(&path).unwrap();
-        bytes[entry.at as usize + raw_seg.enc_at + 24 + 100] ^= 0x40;
-        std::fs::write(&path, &bytes).unwrap();
-        let cf = offload_core::CodedFile::open(&path).unwrap();
-        let e =
-            HostStore::build_from_coded_file(&b, &inv, &t, offload_core::PinOptions::default(), &cf).err().expect("refused").to_string();
-        assert!(e.contains("model/blocks.2") && e.contains("damaged"), "{e}");
-        // Forged: two equal-length exponent codes of block 1 swapped and the
-        // file's own hashes written for the forged bytes. The device's decoder
-        // checks no hash; the load decodes every block and compares it.
-        let swapped = std::sync::atomic::AtomicBool::new(false);
-        offload_core::CodedFile::write_with(&path, &inv, &t, 256 << 10, 4, offload_core::coded_file::PIECE_BYTES, 2, &|block, coded| {
-            if block == "blocks.1" {
-                swapped.store(offload_core::codec::swap_equal_length_codes(coded), std::sync::atomic::Ordering::Relaxed);
-            }
-        })
-        .unwrap();
-        assert!(swapped.load(std::sync::atomic::Ordering::Relaxed));
-        let cf = offload_core::CodedFile::open(&path).unwrap();
-        let e =
-            HostStore::build_from_coded_file(&b, &inv, &t, offload_core::PinOptions::default(), &cf).err().expect("refused").to_string();
-        assert!(e.contains("model/blocks.1") && e.contains("damaged or altered"), "{e}");
-        std::fs::remove_dir_all(&dir).unwrap();
-    }
-
-    /// On a GPU: a coded block with two equal-length exponent codes swapped (its
-    /// structure intact, so the backend takes it and the decoder flags nothing)
-    /// decodes to wrong bytes silently without the checking mode; with it, the
-    /// decoded bytes are hashed on the device against what the strings store of
-    /// the weights, and the next poll names the block. Without a device it
-    /// prints SKIPPED (and fails under `OFFLOAD_REQUIRE_DEVICE=1`).
-    #[test]
-    fn the_checking_mode_refuses_decoded_bytes_that_do_not_hash_to_their_weights() {
-        if crate::codec::test_backend().is_none() {
-            return;
-        }
-        let raw = crate::codec::sample_normal_bf16(300_000, 0.02, 77);
-        let mut coded = offload_core::codec::code_for_device(&raw, 256 << 10, 4);
-        assert!(offload_core::codec::swap_equal_length_codes(&mut coded), "two equal-length codes swapped");
-        for checking in [false, true] {
-            let b = crate::codec::test_backend().expect("a device (found above)");
-            if checking {
-                b.enable_checking(0).unwrap();
-            }
-            let host = b
-                .alloc_host_precoded(raw.len(), coded.len(), "forged/blocks.0", &mut |d| {
-                    d.copy_from_slice(&coded);
-                    Ok(())
-                })
-                .unwrap();
-            let mut slot = b.alloc_slot(raw.len(), "forged/blocks.0").unwrap();
-            let ev = b.copy_to_slot(&host, &mut slot, raw.len(), None).unwrap();
-            b.compute_wait(&ev).unwrap();
-            b.synchronize().unwrap();
-            let mut got = vec![0u8; raw.len()];
-            // SAFETY: the slot holds `raw.len()` bytes, as `got` does; both streams were synchronised above.
-            unsafe {
-                let s = b.compute_stream();
-                sys::cuMemcpyDtoHAsync_v2(got.as_mut_ptr().cast(), slot.device_ptr(), got.len(), s.cu_stream()).result().unwrap();
-                s.synchronize().unwrap();
-            }
-            assert!(got != raw, "the forged block decodes to other bytes");
-            match (b.poll_error(), checking) {
-                (Ok(()), false) => {}
-                (Err(e), true) => {
-                    let e = e.to_string();
-                    assert!(e.contains("forged/blocks.0") && e.contains("checking mode"), "{e}");
-                }
-                (r, _) => panic!("checking mode {checking}: {r:?}"),
-            }
-            b.free_slot(slot, None).unwrap();
-        }
     }
 }

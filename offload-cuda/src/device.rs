@@ -1,43 +1,33 @@
-//! The CUDA backend handle: a context, a copy stream and a compute stream.
+//! The CUDA backend: the core engine ([`crate::engine`]) with the features
+//! built on it — registration of mapped checkpoints, coded streaming, the
+//! relay — wired together, as the ring's [`OffloadBackend`] and its
+//! [`HostMemory`]. Nothing below imports this file.
 
-use crate::error::{driver, is_oom, BACKEND};
-use crate::memory::{CudaSlot, PinnedHost};
-use cudarc::driver::{result, sys, CudaContext, CudaEvent, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
-use offload_core::{Error, MemoryInfo, OffloadBackend, Result, StreamKind};
-use std::sync::atomic::{AtomicU64, Ordering};
+use crate::coded::{Coding, CodingOptions};
+use crate::engine::{open_context, Engine};
+use crate::error::{driver, BACKEND};
+use crate::host::PinnedHost;
+use crate::mapped::Registrations;
+use crate::memory::CudaSlot;
+use crate::relay::{Relay, RelayInfo, RelayOptions};
+use cudarc::driver::{sys, CudaContext, CudaEvent, CudaStream};
+use offload_core::{
+    Error, Fill, HostBuf, HostCapabilities, HostKind, HostMemory, HostRegion, MemoryInfo, OffloadBackend, Result, StreamKind,
+};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 
-/// Byte written over a slot by the checking mode before each copy into it.
-pub const POISON: u8 = 0xDB;
-
-/// The checking mode ([`CudaBackend::enable_checking`]).
-pub(crate) struct Checking {
-    spin: CudaFunction,
-    copy_spin_ns: u64,
-}
-
+/// One backend instance: its engine and the features turned on over it.
 pub(crate) struct Shared {
-    pub(crate) ctx: Arc<CudaContext>,
-    pub(crate) copy: Arc<CudaStream>,
-    pub(crate) compute: Arc<CudaStream>,
-    pub(crate) live_bytes: AtomicU64,
-    pub(crate) peak_bytes: AtomicU64,
-    pub(crate) pinned_bytes: AtomicU64,
-    pub(crate) syncs: AtomicU64,
-    pub(crate) copies: AtomicU64,
-    pub(crate) bytes_copied: AtomicU64,
-    pub(crate) checking: OnceLock<Checking>,
+    pub(crate) engine: Arc<Engine>,
     /// The decode engine of coded streaming, once a coded buffer is asked for.
-    pub(crate) coding: OnceLock<crate::coded::Coding>,
-    /// Every `alloc_host` codes its block ([`CudaBackend::enable_coding`]).
-    pub(crate) code_all: std::sync::atomic::AtomicBool,
+    pub(crate) coding: OnceLock<Coding>,
+    /// Every pinned buffer is made coded ([`CudaBackend::enable_coding`]).
+    pub(crate) code_all: AtomicBool,
     /// Mapped regions registered with the device (the mapped host tier).
-    pub(crate) regions: crate::mapped::Registrations,
+    pub(crate) regions: Registrations,
     /// Helper GPUs carrying shares of each copy ([`CudaBackend::enable_relay`]).
-    pub(crate) relay: OnceLock<crate::relay::Relay>,
-    /// A deliberate break: refills do not wait for the buffer's last copy
-    /// (`CudaBackend::sabotage_refill_early`, feature `sabotage` only).
-    pub(crate) refill_early: std::sync::atomic::AtomicBool,
+    pub(crate) relay: OnceLock<Relay>,
 }
 
 /// Counters of a [`CudaBackend`].
@@ -79,21 +69,6 @@ pub struct CudaBackend {
     pub(crate) shared: Arc<Shared>,
 }
 
-/// Whether the CUDA driver library can be loaded on this machine.
-#[cfg(not(feature = "linked"))]
-pub fn driver_present() -> bool {
-    // SAFETY: only tries to open the driver library; no CUDA call is made.
-    unsafe { sys::is_culib_present() }
-}
-
-/// Whether the CUDA driver library can be loaded on this machine: with cudarc
-/// linked at link time (feature `linked`, candle's CUDA build) a binary that runs
-/// has it.
-#[cfg(feature = "linked")]
-pub fn driver_present() -> bool {
-    true
-}
-
 impl CudaBackend {
     /// The backend on device `ordinal`, computing on a new non-blocking stream.
     ///
@@ -133,52 +108,19 @@ impl CudaBackend {
     /// themselves across streams: the caller must make every use of a slice on one
     /// stream wait (by events or a synchronisation) for its uses on other streams.
     pub unsafe fn context(ordinal: usize) -> Result<Arc<CudaContext>> {
-        if !driver_present() {
-            return Err(Error::unsupported(BACKEND, "no CUDA driver library (libcuda.so) on this machine"));
-        }
-        let ctx = CudaContext::new(ordinal).map_err(|e| driver(format!("opening device {ordinal}"), e))?;
-        // SAFETY: called before this backend allocates anything; the caller orders
-        // cross-stream uses (this function's contract).
-        unsafe { ctx.disable_event_tracking() };
-        Ok(ctx)
+        // SAFETY: this function's contract, passed on.
+        unsafe { open_context(ordinal) }
     }
 
     /// The backend on `ctx`, computing on `compute` (for frameworks that own
     /// their compute stream). A new non-blocking copy stream is created.
     pub fn with_compute_stream(ctx: Arc<CudaContext>, compute: Arc<CudaStream>) -> Result<Self> {
-        let copy = ctx.new_stream().map_err(|e| driver("creating the copy stream", e))?;
-        // Keep freed slots in the pool instead of returning them to the driver.
-        // SAFETY: the device handle comes from a live context; `threshold` outlives the call.
-        unsafe {
-            let mut pool = std::mem::MaybeUninit::uninit();
-            sys::cuDeviceGetDefaultMemPool(pool.as_mut_ptr(), ctx.cu_device())
-                .result()
-                .map_err(|e| driver("getting the memory pool", e))?;
-            let mut threshold = u64::MAX;
-            sys::cuMemPoolSetAttribute(
-                pool.assume_init(),
-                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
-                &mut threshold as *mut u64 as *mut _,
-            )
-            .result()
-            .map_err(|e| driver("setting the pool's release threshold", e))?;
-        }
         let shared = Shared {
-            ctx,
-            copy,
-            compute,
-            live_bytes: AtomicU64::new(0),
-            peak_bytes: AtomicU64::new(0),
-            pinned_bytes: AtomicU64::new(0),
-            syncs: AtomicU64::new(0),
-            copies: AtomicU64::new(0),
-            bytes_copied: AtomicU64::new(0),
-            checking: OnceLock::new(),
+            engine: Engine::new(ctx, compute)?,
             coding: OnceLock::new(),
-            code_all: std::sync::atomic::AtomicBool::new(false),
-            regions: Default::default(),
+            code_all: AtomicBool::new(false),
+            regions: Registrations::default(),
             relay: OnceLock::new(),
-            refill_early: std::sync::atomic::AtomicBool::new(false),
         };
         Ok(CudaBackend { shared: Arc::new(shared) })
     }
@@ -197,7 +139,7 @@ impl CudaBackend {
     /// }
     /// ```
     pub unsafe fn ctx(&self) -> &Arc<CudaContext> {
-        &self.shared.ctx
+        &self.engine().ctx
     }
 
     /// The stream the model computes on.
@@ -207,7 +149,7 @@ impl CudaBackend {
     /// As for [`ctx`](Self::ctx): cudarc memory used on this stream and another
     /// must be ordered by the caller.
     pub unsafe fn compute_stream(&self) -> &Arc<CudaStream> {
-        &self.shared.compute
+        &self.engine().compute
     }
 
     /// The stream copies run on.
@@ -217,12 +159,12 @@ impl CudaBackend {
     /// As for [`ctx`](Self::ctx); besides, work the caller enqueues here delays
     /// the ring's copies.
     pub unsafe fn copy_stream(&self) -> &Arc<CudaStream> {
-        &self.shared.copy
+        &self.engine().copy
     }
 
     /// The device's name (`"NVIDIA H200"`).
     pub fn device_name(&self) -> Result<String> {
-        self.shared.ctx.name().map_err(|e| driver("reading the device name", e))
+        self.engine().ctx.name().map_err(|e| driver("reading the device name", e))
     }
 
     /// Bytes in use in the device's current memory pool, now and at most since
@@ -259,11 +201,11 @@ impl CudaBackend {
 
     /// The device's current memory pool (where `cuMemAllocAsync` allocates).
     fn current_pool(&self) -> Result<sys::CUmemoryPool> {
-        self.shared.ctx.bind_to_thread().map_err(|e| driver("binding the context", e))?;
+        self.engine().bind()?;
         let mut pool = std::mem::MaybeUninit::uninit();
         // SAFETY: the device handle comes from a live context; `pool` is written on success.
         unsafe {
-            sys::cuDeviceGetMemPool(pool.as_mut_ptr(), self.shared.ctx.cu_device())
+            sys::cuDeviceGetMemPool(pool.as_mut_ptr(), self.engine().ctx.cu_device())
                 .result()
                 .map_err(|e| driver("getting the memory pool", e))?;
             Ok(pool.assume_init())
@@ -272,7 +214,7 @@ impl CudaBackend {
 
     /// The device ordinal.
     pub fn ordinal(&self) -> usize {
-        self.shared.ctx.ordinal()
+        self.engine().ctx.ordinal()
     }
 
     /// The identity of this transfer engine (equal for clones, different for
@@ -280,24 +222,7 @@ impl CudaBackend {
     /// what a [`DeviceSlot`](crate::DeviceSlot) names as the engine whose compute
     /// stream orders its free.
     pub fn engine_id(&self) -> usize {
-        Arc::as_ptr(&self.shared) as usize
-    }
-
-    /// The checking mode, for conformance runs on a real device: before every
-    /// copy into a slot the copy stream overwrites the whole slot with [`POISON`]
-    /// and then spins for `copy_spin_us` before it writes the block. A read
-    /// before the copy's event (invariant 1) then sees poison rather than the
-    /// block, and a copy not ordered after the slot's last read (invariant 2)
-    /// poisons bytes a kernel is still reading — a wrong result instead of a lucky
-    /// timing. Costs a memset and a spin per copy: never on in a measured run.
-    /// Once on, it stays on for every clone of this backend.
-    pub fn enable_checking(&self, copy_spin_us: u64) -> Result<()> {
-        if self.shared.checking.get().is_some() {
-            return Ok(());
-        }
-        let spin = crate::fold::spin_function(self)?;
-        let _ = self.shared.checking.set(Checking { spin, copy_spin_ns: copy_spin_us * 1000 });
-        Ok(())
+        Arc::as_ptr(self.engine()) as usize
     }
 
     /// A deliberate break for the conformance suite (`Sabotage::EarlyRefill`):
@@ -307,7 +232,7 @@ impl CudaBackend {
     #[cfg(feature = "sabotage")]
     #[doc(hidden)]
     pub fn sabotage_refill_early(&self) {
-        self.shared.refill_early.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.engine().refill_early.store(true, Ordering::Relaxed);
     }
 
     /// Relay (issue 18): from now on, each copy of a plain page-locked host buffer
@@ -319,11 +244,11 @@ impl CudaBackend {
     /// [`Error::Unsupported`] (and nothing changed) where a helper cannot be opened
     /// or this device has no peer access to it: copies then stay direct, as the
     /// caller should say. Once on, relay stays on for every clone of this backend.
-    pub fn enable_relay(&self, options: crate::RelayOptions) -> Result<crate::RelayInfo> {
+    pub fn enable_relay(&self, options: RelayOptions) -> Result<RelayInfo> {
         if self.shared.relay.get().is_some() {
             return Err(Error::Plan("relay is already on for this backend".into()));
         }
-        let (relay, info) = crate::relay::Relay::new(&self.shared, &options)?;
+        let (relay, info) = Relay::new(self.engine(), &options)?;
         self.shared.relay.set(relay).map_err(|_| Error::Plan("relay was turned on twice at once".into()))?;
         Ok(info)
     }
@@ -335,11 +260,12 @@ impl CudaBackend {
 
     /// Whether the checking mode is on.
     pub fn is_checking(&self) -> bool {
-        self.shared.checking.get().is_some()
+        self.engine().checking.get().is_some()
     }
 
-    pub(crate) fn shared(&self) -> &Arc<Shared> {
-        &self.shared
+    /// The core engine (context, streams, counters).
+    pub(crate) fn engine(&self) -> &Arc<Engine> {
+        &self.shared.engine
     }
 
     /// Enqueue on the copy stream: wait for `after` (if any), then copy the first
@@ -364,20 +290,24 @@ impl CudaBackend {
         bytes: usize,
         after: Option<&Arc<CudaEvent>>,
     ) -> Result<Arc<CudaEvent>> {
-        if !Arc::ptr_eq(src.shared(), &self.shared) {
+        let s = self.engine();
+        let bytes_src = src.bytes();
+        if !Arc::ptr_eq(bytes_src.engine(), s) {
             return Err(Error::Protocol(
                 "copy from a host buffer of another CUDA backend instance (its drop would not wait for this copy)".into(),
             ));
         }
         if let Some(ch) = src.coded() {
+            let Some(c) = self.shared.coding.get() else {
+                return Err(Error::Protocol(format!("{}: a coded host buffer on a backend with coding off", ch.purpose)));
+            };
             // SAFETY: this function's contract, passed on.
-            return unsafe { self.coded_copy(src, ch, dst, dst_len, bytes, after) };
+            return unsafe { c.copy(s, bytes_src, ch, dst, dst_len, bytes, after) };
         }
         if bytes > src.len() || bytes > dst_len {
             return Err(Error::Protocol(format!("copy of {bytes} bytes from a {}-byte buffer into a {dst_len}-byte slot", src.len())));
         }
-        self.bind()?;
-        let s = &self.shared;
+        s.bind()?;
         if let Some(ev) = after {
             s.copy.wait(ev).map_err(|e| driver("copy stream waiting for a slot's last use", e))?;
         }
@@ -387,22 +317,25 @@ impl CudaBackend {
             let _ = s.copy.synchronize();
             e
         };
-        match s.relay.get().filter(|r| r.takes(src, bytes)) {
-            None => self.enqueue_copy(src, dst, dst_len, bytes).map_err(drained)?,
+        match self.shared.relay.get().filter(|r| src.is_plain_pinned() && r.takes(bytes)) {
+            // SAFETY: `dst .. dst + dst_len` stays allocated until the copy stream
+            // passes the copy (this function's contract); `bytes ≤ dst_len` (above).
+            None => unsafe { bytes_src.enqueue_copy(dst, dst_len, bytes) }.map_err(drained)?,
             Some(relay) => {
                 // The checking mode's poison and spin first, then the shares.
-                self.enqueue_copy(src, dst, dst_len, 0).map_err(drained)?;
+                // SAFETY: as just said.
+                unsafe { s.enqueue_checking(dst, dst_len) }.map_err(drained)?;
                 // `dst` holds `bytes ≤ dst_len` live bytes until the copy stream passes this
                 // copy (this function's contract); `src` drains the copy stream before it is
                 // freed (it belongs to this backend: checked above).
                 // SAFETY: relay.copy's contract holds, as just said.
-                if let Err(e) = unsafe { relay.copy(&s.ctx, &s.copy, src, dst, bytes) } {
+                if let Err(e) = unsafe { relay.copy(&s.ctx, &s.copy, bytes_src, dst, bytes) } {
                     let _ = relay.synchronize();
                     return Err(drained(e));
                 }
             }
         }
-        let ev = src.record_copy(|| match s.copy.record_event(None) {
+        let ev = bytes_src.record_copy(|| match s.copy.record_event(None) {
             Ok(ev) => Ok(Arc::new(ev)),
             Err(e) => Err(drained(driver("recording a copy event", e))),
         })?;
@@ -411,37 +344,10 @@ impl CudaBackend {
         Ok(ev)
     }
 
-    /// The checking mode's poison and spin, then the copy, on the copy stream.
-    pub(crate) fn enqueue_copy(&self, src: &PinnedHost, dst: sys::CUdeviceptr, dst_len: usize, bytes: usize) -> Result<()> {
-        let s = &self.shared;
-        if let Some(chk) = s.checking.get() {
-            if dst_len > 0 {
-                // SAFETY: `dst` addresses `dst_len` live bytes (`copy_to_device`'s contract),
-                // ordered after the slot's last use by its wait.
-                unsafe { sys::cuMemsetD8Async(dst, POISON, dst_len, s.copy.cu_stream()) }
-                    .result()
-                    .map_err(|e| driver("poisoning a slot (checking mode)", e))?;
-            }
-            let one = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1, 1, 1), shared_mem_bytes: 0 };
-            // SAFETY: the spin kernel takes one u64 and touches no memory.
-            unsafe { s.copy.launch_builder(&chk.spin).arg(&chk.copy_spin_ns).launch(one) }
-                .map_err(|e| driver("the checking mode's copy-stream spin", e))?;
-        }
-        if bytes > 0 {
-            // The host buffer (pinned, or pageable as a fallback) outlives the copy: its Drop
-            // drains the copy stream (it belongs to this backend: checked by `copy_to_device`).
-            // SAFETY: `src` stays valid until the copy completes (above); `dst` by
-            // `copy_to_device`'s contract; `bytes` fits both (checked there).
-            unsafe { sys::cuMemcpyHtoDAsync_v2(dst, src.ptr() as *const _, bytes, s.copy.cu_stream()) }
-                .result()
-                .map_err(|e| driver(format!("copying {bytes} bytes to the device"), e))?;
-        }
-        Ok(())
-    }
-
     /// Counters so far.
     pub fn counters(&self) -> CudaCounters {
-        let s = &self.shared;
+        let s = self.engine();
+        let coding = self.shared.coding.get();
         CudaCounters {
             live_bytes: s.live_bytes.load(Ordering::Relaxed),
             peak_bytes: s.peak_bytes.load(Ordering::Relaxed),
@@ -449,24 +355,134 @@ impl CudaBackend {
             syncs: s.syncs.load(Ordering::Relaxed),
             copies: s.copies.load(Ordering::Relaxed),
             bytes_copied: s.bytes_copied.load(Ordering::Relaxed),
-            coded_copies: s.coding.get().map_or(0, |c| c.coded_copies.load(Ordering::Relaxed)),
-            staging_peak_bytes: s.coding.get().map_or(0, |c| c.staging_peak.load(Ordering::Relaxed)),
+            coded_copies: coding.map_or(0, |c| c.coded_copies.load(Ordering::Relaxed)),
+            staging_peak_bytes: coding.map_or(0, |c| c.staging_peak.load(Ordering::Relaxed)),
         }
     }
 
     /// Restart the peak at the current live bytes.
     pub fn reset_peak(&self) {
-        let s = &self.shared;
+        let s = self.engine();
         s.peak_bytes.store(s.live_bytes.load(Ordering::Relaxed), Ordering::Relaxed);
     }
 
     fn bind(&self) -> Result<()> {
-        self.shared.ctx.bind_to_thread().map_err(|e| driver("binding the context", e))
+        self.engine().bind()
+    }
+}
+
+impl CudaBackend {
+    /// Turn coded streaming on: every page-locked host buffer allocated from now
+    /// on ([`HostKind::Pinned`]) holds its block coded (`options`), and every
+    /// copy from such a buffer moves the coded bytes and decodes them on the
+    /// device into the slot (see the module [`coded`](crate::coded)). Buffers
+    /// allocated before stay as they are. The decode engine holds
+    /// [`CodingOptions::staging_buffers`] staging buffers from the device's memory
+    /// pool, each at least as large as the largest coded block copied so far:
+    /// count them in the device budget ([`CudaCounters::staging_peak_bytes`]).
+    /// Once on, it stays on; a second call with other options is an error.
+    pub fn enable_coding(&self, options: CodingOptions) -> Result<()> {
+        let c = self.coding_engine(options)?;
+        if c.options != options {
+            return Err(Error::Protocol(format!("coding is on with {:?}; asked for {options:?}", c.options)));
+        }
+        self.shared.code_all.store(true, Ordering::Release);
+        Ok(())
+    }
+
+    /// Set how many staging buffers coded copies take in turn from now on
+    /// ([`CodingOptions::staging_buffers`]), with coding on. Buffers beyond `n`
+    /// are freed in the decode stream's order, after the decodes that read them;
+    /// new ones are allocated at their first use. Errors if coding is off or `n`
+    /// is 0. [`enable_coding`](Self::enable_coding) still compares against the
+    /// options the engine was made with.
+    pub fn set_staging_buffers(&self, n: usize) -> Result<()> {
+        let Some(c) = self.shared.coding.get() else {
+            return Err(Error::Protocol("set_staging_buffers: coding is off".into()));
+        };
+        c.set_staging_buffers(self.engine(), n)
+    }
+
+    /// Whether every host buffer allocated now is coded ([`enable_coding`](Self::enable_coding)).
+    pub fn is_coding(&self) -> bool {
+        self.shared.code_all.load(Ordering::Acquire)
+    }
+
+    /// The decode engine, made with `options` if there is none yet (a coded
+    /// buffer asked for through [`HostKind::Coded`] makes it with the defaults).
+    pub(crate) fn coding_engine(&self, options: CodingOptions) -> Result<&Coding> {
+        if self.shared.coding.get().is_none() {
+            let coding = Coding::new(self.engine(), options)?;
+            // Another thread may have made it meanwhile: its options stand.
+            let _ = self.shared.coding.set(coding);
+        }
+        self.shared.coding.get().ok_or_else(|| Error::Protocol("the decode engine could not be made".into()))
+    }
+
+    /// Tests only: refuse the first `n` of [`REGISTRATIONS`](crate::mapped::REGISTRATIONS)
+    /// as a driver would (`n = 3`: every one, so the store copies), for mappings
+    /// registered from now on.
+    #[doc(hidden)]
+    pub fn refuse_registrations(&self, n: u8) {
+        self.shared.regions.refuse(n);
+    }
+
+    /// `bytes` at `offset` of `region`, served in place from its registration.
+    fn mapped_host(&self, region: &Arc<dyn HostRegion>, offset: usize, bytes: usize, purpose: &str) -> Result<PinnedHost> {
+        if self.is_coding() {
+            // Every block is held coded (a copy by nature): mixing mapped raw blocks
+            // with coded ones would let two streams write one slot.
+            return Err(Error::unsupported(BACKEND, format!("blocks served in place while coding is on (for {purpose})")));
+        }
+        if offset.checked_add(bytes).is_none_or(|end| end > region.len()) {
+            return Err(Error::Protocol(format!(
+                "{purpose}: {bytes} bytes at {offset} asked of {} ({} bytes)",
+                region.origin(),
+                region.len()
+            )));
+        }
+        region.check()?;
+        let reg = self.shared.regions.register(self.engine(), region, purpose)?;
+        Ok(PinnedHost::in_region(self.engine().clone(), reg, offset, bytes))
+    }
+
+    /// The decode engine for a coded buffer, or why there is none.
+    fn decoder_for(&self, purpose: &str) -> Result<&Coding> {
+        // Without a decode engine (no libnvrtc, say) the store holds the block as it is.
+        self.coding_engine(CodingOptions::default())
+            .map_err(|e| Error::unsupported(BACKEND, format!("decoding coded blocks on the device (for {purpose}): {e}")))
+    }
+}
+
+/// The backend is its own host memory: page-locked and pageable buffers,
+/// buffers coded for the device (where NVRTC builds the decoder), ranges of
+/// mapped checkpoints (registered once), and refills of plain buffers.
+impl HostMemory for CudaBackend {
+    type Buffer = PinnedHost;
+
+    fn capabilities(&self) -> HostCapabilities {
+        HostCapabilities { pinned: true, pageable: true, coded: true, mapped: !self.is_coding(), refill: true }
+    }
+
+    fn alloc(&self, kind: HostKind<'_>, bytes: usize, purpose: &str, fill: Fill<'_>) -> Result<PinnedHost> {
+        let engine = self.engine().clone();
+        match kind {
+            HostKind::Pinned => match self.shared.coding.get().filter(|_| self.is_coding()) {
+                Some(c) => PinnedHost::new_coded(engine, c, bytes, fill, purpose),
+                None => PinnedHost::new(engine, bytes, fill, purpose),
+            },
+            HostKind::Pageable => PinnedHost::new_pageable(engine, bytes, fill),
+            HostKind::Coded => PinnedHost::new_coded(engine, self.decoder_for(purpose)?, bytes, fill, purpose),
+            HostKind::Precoded { coded_len } => {
+                PinnedHost::new_precoded(engine, self.decoder_for(purpose)?, bytes, coded_len, fill, purpose)
+            }
+            HostKind::Mapped { region, offset } => self.mapped_host(region, offset, bytes, purpose),
+        }
     }
 }
 
 impl OffloadBackend for CudaBackend {
-    type HostBuffer = PinnedHost;
+    type Host = CudaBackend;
     type Slot = CudaSlot;
     type Event = Arc<CudaEvent>;
     type Wait = ();
@@ -475,105 +491,34 @@ impl OffloadBackend for CudaBackend {
         BACKEND
     }
 
-    fn alloc_host(&self, bytes: usize, purpose: &str, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<PinnedHost> {
-        match self.shared.coding.get().filter(|_| self.shared.code_all.load(Ordering::Acquire)) {
-            Some(c) => PinnedHost::new_coded(self.shared.clone(), c, bytes, fill, purpose),
-            None => PinnedHost::new(self.shared.clone(), bytes, fill, purpose),
-        }
-    }
-
-    fn host_in_region(&self, region: &Arc<dyn offload_core::HostRegion>, offset: usize, bytes: usize, purpose: &str) -> Result<PinnedHost> {
-        self.mapped_host(region, offset, bytes, purpose)
-    }
-
-    fn alloc_host_coded(&self, bytes: usize, purpose: &str, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<PinnedHost> {
-        // Without a decode engine (no libnvrtc, say) the store holds the block as it is.
-        let c = self
-            .coding_engine(crate::CodingOptions::default())
-            .map_err(|e| Error::unsupported(BACKEND, format!("decoding coded blocks on the device (for {purpose}): {e}")))?;
-        PinnedHost::new_coded(self.shared.clone(), c, bytes, fill, purpose)
-    }
-
-    fn alloc_host_precoded(
-        &self,
-        bytes: usize,
-        coded_len: usize,
-        purpose: &str,
-        fill: &mut dyn FnMut(&mut [u8]) -> Result<()>,
-    ) -> Result<PinnedHost> {
-        let c = self
-            .coding_engine(crate::CodingOptions::default())
-            .map_err(|e| Error::unsupported(BACKEND, format!("decoding coded blocks on the device (for {purpose}): {e}")))?;
-        PinnedHost::new_precoded(self.shared.clone(), c, bytes, coded_len, fill, purpose)
-    }
-
-    fn alloc_host_pageable(&self, bytes: usize, _purpose: &str, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<PinnedHost> {
-        PinnedHost::new_pageable(self.shared.clone(), bytes, fill)
-    }
-
-    fn refill_host(&self, buffer: &mut PinnedHost, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<()> {
-        if !Arc::ptr_eq(buffer.shared(), &self.shared) {
-            return Err(Error::Protocol("refilling a host buffer of another CUDA backend instance".into()));
-        }
-        buffer.refill(fill)
-    }
-
-    fn is_pinned(&self, buffer: &PinnedHost) -> bool {
-        buffer.is_pinned()
-    }
-
-    fn host_held_bytes(&self, buffer: &PinnedHost) -> Option<usize> {
-        buffer.is_coded().then(|| buffer.len())
-    }
-
-    fn host_bytes<'a>(&self, buffer: &'a PinnedHost) -> Result<&'a [u8]> {
-        buffer.block_bytes()
-    }
-
-    fn host_is_pinned(&self) -> bool {
-        true
+    fn host(&self) -> CudaBackend {
+        self.clone()
     }
 
     fn alloc_slot(&self, bytes: usize, purpose: &str) -> Result<CudaSlot> {
-        self.bind()?;
-        let ptr = if bytes == 0 {
-            0
-        } else {
-            // SAFETY: allocation on a live stream; the slot frees it (stream-ordered) on drop.
-            match unsafe { result::malloc_async(self.shared.copy.cu_stream(), bytes) } {
-                Ok(p) => p,
-                Err(e) if is_oom(&e) => {
-                    let free = self.shared.ctx.mem_get_info().map(|(f, _)| f as u64).unwrap_or(0);
-                    return Err(Error::OutOfDeviceMemory {
-                        backend: BACKEND.into(),
-                        requested: bytes as u64,
-                        free,
-                        purpose: purpose.into(),
-                    });
-                }
-                Err(e) => return Err(driver(format!("allocating {bytes} bytes for {purpose}"), e)),
-            }
-        };
-        let s = &self.shared;
-        let live = s.live_bytes.fetch_add(bytes as u64, Ordering::Relaxed) + bytes as u64;
-        s.peak_bytes.fetch_max(live, Ordering::Relaxed);
-        Ok(CudaSlot { ptr, len: bytes, last_copy: None, shared: s.clone() })
+        CudaSlot::alloc(self.engine(), bytes, purpose)
     }
 
     fn free_slot(&self, slot: CudaSlot, after: Option<&Arc<CudaEvent>>) -> Result<()> {
-        if !Arc::ptr_eq(&slot.shared, &self.shared) {
+        if !Arc::ptr_eq(&slot.engine, self.engine()) {
             return Err(Error::Protocol("freeing a slot of another CUDA backend instance".into()));
         }
         if let Some(ev) = after {
             self.bind()?;
-            self.shared.compute.wait(ev).map_err(|e| driver("ordering a slot's release", e))?;
+            self.engine().compute.wait(ev).map_err(|e| driver("ordering a slot's release", e))?;
         }
         drop(slot);
         Ok(())
     }
 
-    fn copy_to_slot(&self, src: &PinnedHost, dst: &mut CudaSlot, bytes: usize, after: Option<&Arc<CudaEvent>>) -> Result<Arc<CudaEvent>> {
-        if !Arc::ptr_eq(&dst.shared, &self.shared) {
+    fn copy_to_slot(
+        &self,
+        src: &HostBuf<Self>,
+        dst: &mut CudaSlot,
+        bytes: usize,
+        after: Option<&Arc<CudaEvent>>,
+    ) -> Result<Arc<CudaEvent>> {
+        if !Arc::ptr_eq(&dst.engine, self.engine()) {
             return Err(Error::Protocol("copy into a slot of another CUDA backend instance".into()));
         }
         // A coded copy into this slot finishes on the decode stream: a later copy
@@ -582,7 +527,7 @@ impl OffloadBackend for CudaBackend {
         // wait is already in order.
         if let Some(prev) = &dst.last_copy {
             self.bind()?;
-            self.shared.copy.wait(prev).map_err(|e| driver("ordering a copy after the slot's previous copy", e))?;
+            self.engine().copy.wait(prev).map_err(|e| driver("ordering a copy after the slot's previous copy", e))?;
         }
         // SAFETY: the slot owns `len` bytes of this context; its Drop orders the
         // free after `last_copy`, set to this copy's event below.
@@ -592,20 +537,20 @@ impl OffloadBackend for CudaBackend {
     }
 
     fn compute_wait(&self, event: &Arc<CudaEvent>) -> Result<()> {
-        self.shared.compute.wait(event).map_err(|e| driver("compute stream waiting for a copy", e))
+        self.engine().compute.wait(event).map_err(|e| driver("compute stream waiting for a copy", e))
     }
 
     fn record_compute(&self) -> Result<Arc<CudaEvent>> {
-        Ok(Arc::new(self.shared.compute.record_event(None).map_err(|e| driver("recording a compute event", e))?))
+        Ok(Arc::new(self.engine().compute.record_event(None).map_err(|e| driver("recording a compute event", e))?))
     }
 
     fn synchronize(&self) -> Result<()> {
-        self.shared.syncs.fetch_add(1, Ordering::Relaxed);
-        self.shared.copy.synchronize().map_err(|e| driver("synchronizing the copy stream", e))?;
+        self.engine().syncs.fetch_add(1, Ordering::Relaxed);
+        self.engine().copy.synchronize().map_err(|e| driver("synchronizing the copy stream", e))?;
         if let Some(c) = self.shared.coding.get() {
             c.decode.synchronize().map_err(|e| driver("synchronizing the decode stream", e))?;
         }
-        self.shared.compute.synchronize().map_err(|e| driver("synchronizing the compute stream", e))
+        self.engine().compute.synchronize().map_err(|e| driver("synchronizing the compute stream", e))
     }
 
     fn poll_error(&self) -> Result<()> {
@@ -617,11 +562,11 @@ impl OffloadBackend for CudaBackend {
         }
         // The streams may be the legacy default stream (tch): query in this context.
         self.bind()?;
-        self.shared.ctx.check_err().map_err(|e| driver("a deferred driver error", e))?;
+        self.engine().ctx.check_err().map_err(|e| driver("a deferred driver error", e))?;
         // Ask the device too: a query never blocks, and returns a sticky error (an
         // illegal address in a kernel, say) that no call has reported yet.
         let decode = self.shared.coding.get().map(|c| ("decode", &c.decode));
-        for (name, stream) in [("copy", &self.shared.copy), ("compute", &self.shared.compute)].into_iter().chain(decode) {
+        for (name, stream) in [("copy", &self.engine().copy), ("compute", &self.engine().compute)].into_iter().chain(decode) {
             // SAFETY: a query of a live stream handle.
             match unsafe { sys::cuStreamQuery(stream.cu_stream()) } {
                 sys::cudaError_enum::CUDA_SUCCESS | sys::cudaError_enum::CUDA_ERROR_NOT_READY => {}
@@ -633,8 +578,8 @@ impl OffloadBackend for CudaBackend {
 
     fn record_timing(&self, on: StreamKind) -> Result<Option<Arc<CudaEvent>>> {
         let stream = match on {
-            StreamKind::Copy => &self.shared.copy,
-            StreamKind::Compute => &self.shared.compute,
+            StreamKind::Copy => &self.engine().copy,
+            StreamKind::Compute => &self.engine().compute,
         };
         let ev = stream.record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(|e| driver("recording a timing event", e))?;
         Ok(Some(Arc::new(ev)))
@@ -645,7 +590,7 @@ impl OffloadBackend for CudaBackend {
     }
 
     fn memory_info(&self) -> Result<MemoryInfo> {
-        let (free, total) = self.shared.ctx.mem_get_info().map_err(|e| driver("cuMemGetInfo", e))?;
+        let (free, total) = self.engine().ctx.mem_get_info().map_err(|e| driver("cuMemGetInfo", e))?;
         Ok(MemoryInfo { free: free as u64, total: total as u64 })
     }
 }

@@ -15,3 +15,9 @@ pub fn driver(during: impl Into<String>, e: DriverError) -> Error {
 pub fn is_oom(e: &DriverError) -> bool {
     e.0 == sys::cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY
 }
+
+/// A device error of this crate that is not a driver call's (NVRTC, a module
+/// load): what was being done, and the error.
+pub fn dev(during: &str, e: impl std::fmt::Display) -> Error {
+    Error::device(BACKEND, during, e)
+}

@@ -8,8 +8,9 @@
 //! ([`CudaBackend::enable_checking`]), a copy not ordered after the fold's read
 //! poisons the bytes while the fold is still to read them.
 
-use crate::dev;
 use crate::device::CudaBackend;
+use crate::engine::Checking;
+use crate::error::dev;
 use crate::memory::CudaSlot;
 use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc;
@@ -48,14 +49,29 @@ extern "C" __global__ void fold_combine(u64* acc) {
 
 fn ptx() -> std::result::Result<&'static nvrtc::Ptx, String> {
     static PTX: OnceLock<std::result::Result<nvrtc::Ptx, String>> = OnceLock::new();
-    crate::compiled(&PTX, KERNELS)
+    crate::nvrtc::compiled(&PTX, KERNELS)
 }
 
-/// The device-side spin kernel (`spin(ns)`), for the checking mode.
-pub(crate) fn spin_function(b: &CudaBackend) -> Result<CudaFunction> {
-    let ptx = ptx().map_err(|e| dev("compiling the fold kernels", e))?;
-    let module = b.shared().ctx.load_module(ptx.clone()).map_err(|e| dev("loading the fold kernels", e))?;
-    module.load_function("spin").map_err(|e| dev("spin", e))
+impl CudaBackend {
+    /// The checking mode, for conformance runs on a real device: before every
+    /// copy into a slot the copy stream overwrites the whole slot with
+    /// [`POISON`](crate::POISON) and then spins for `copy_spin_us` before it
+    /// writes the block. A read before the copy's event (invariant 1) then sees
+    /// poison rather than the block, and a copy not ordered after the slot's last
+    /// read (invariant 2) poisons bytes a kernel is still reading — a wrong result
+    /// instead of a lucky timing. Costs a memset and a spin per copy: never on in
+    /// a measured run. Once on, it stays on for every clone of this backend.
+    pub fn enable_checking(&self, copy_spin_us: u64) -> Result<()> {
+        let engine = self.engine();
+        if engine.checking.get().is_some() {
+            return Ok(());
+        }
+        let ptx = ptx().map_err(|e| dev("compiling the fold kernels", e))?;
+        let module = engine.ctx.load_module(ptx.clone()).map_err(|e| dev("loading the fold kernels", e))?;
+        let spin = module.load_function("spin").map_err(|e| dev("spin", e))?;
+        let _ = engine.checking.set(Checking { spin, copy_spin_ns: copy_spin_us * 1000 });
+        Ok(())
+    }
 }
 
 /// Device memory a kernel may read: a slot of some backend built on
@@ -81,7 +97,7 @@ unsafe impl DeviceSlot for CudaSlot {
         (self.device_ptr(), self.len())
     }
     fn engine_id(&self) -> usize {
-        std::sync::Arc::as_ptr(&self.shared) as usize
+        std::sync::Arc::as_ptr(&self.engine) as usize
     }
 }
 
@@ -100,11 +116,11 @@ impl FoldKernel {
     /// Compile (once per process) and load the kernels; the accumulator starts at `seed`.
     pub fn new(b: &CudaBackend, seed: u64) -> Result<Self> {
         let ptx = ptx().map_err(|e| dev("compiling the fold kernels", e))?;
-        let module = b.shared().ctx.load_module(ptx.clone()).map_err(|e| dev("loading the fold kernels", e))?;
+        let module = b.engine().ctx.load_module(ptx.clone()).map_err(|e| dev("loading the fold kernels", e))?;
         let hash = module.load_function("block_hash").map_err(|e| dev("block_hash", e))?;
         let combine = module.load_function("fold_combine").map_err(|e| dev("fold_combine", e))?;
         let spin = module.load_function("spin").map_err(|e| dev("spin", e))?;
-        let acc = b.shared().compute.clone_htod(&[seed, 0u64]).map_err(|e| dev("accumulator", e))?;
+        let acc = b.engine().compute.clone_htod(&[seed, 0u64]).map_err(|e| dev("accumulator", e))?;
         Ok(FoldKernel { acc, hash, combine, spin, spin_every: None, folds: 0 })
     }
 
@@ -126,7 +142,7 @@ impl FoldKernel {
         if bytes > len {
             return Err(Error::Protocol(format!("fold of {bytes} bytes over a {len}-byte slot")));
         }
-        let s = &b.shared().compute;
+        let s = &b.engine().compute;
         let n_fold = self.folds;
         self.folds += 1;
         if let Some((every, ns)) = self.spin_every {
@@ -151,7 +167,7 @@ impl FoldKernel {
 
     /// Read the accumulator back (an activation, not a weight; waits for compute).
     pub fn read(&self, b: &CudaBackend) -> Result<u64> {
-        let v = b.shared().compute.clone_dtoh(&self.acc).map_err(|e| dev("reading the accumulator", e))?;
+        let v = b.engine().compute.clone_dtoh(&self.acc).map_err(|e| dev("reading the accumulator", e))?;
         Ok(v[0])
     }
 }
@@ -161,6 +177,6 @@ mod tests {
     /// The fold kernels compile with NVRTC (no GPU needed, only libnvrtc).
     #[test]
     fn kernels_compile_with_nvrtc() {
-        crate::nvrtc_check::compiles("the fold hash", super::KERNELS);
+        crate::nvrtc::check::compiles("the fold hash", super::KERNELS);
     }
 }

@@ -14,7 +14,7 @@
 use crate::checked::{CheckedEvent, ProtocolLog};
 use crate::device::{CudaBackend, CudaCounters};
 use crate::fold::DeviceSlot;
-use crate::memory::PinnedHost;
+use crate::host::PinnedHost;
 use cudarc::driver::CudaEvent;
 use offload_core::{Error, MemoryInfo, OffloadBackend, Result, StreamKind};
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -32,25 +32,39 @@
 //! - [`map_checkpoint`]: the mapped host tier, a checkpoint mapped read-only and
 //!   registered with the device once, its blocks served from the file's pages.
 
+// The layers, from the bottom: `error` and `nvrtc`; the core (`engine`,
+// `memory`); what stands on it (`codec`, `coded`, `mapped`, `relay`); the
+// buffers made of those (`host`); the backend that wires them (`device`); and
+// what is built on the backend (`fold`, `decoder`, `fresh`, `checked`,
+// `reference`). No file imports one above it (the tidy test checks it).
 pub mod checked;
 pub mod codec;
 pub mod coded;
+pub mod decoder;
 mod device;
+mod engine;
 mod error;
 pub mod fold;
 pub mod fresh;
+#[cfg(test)]
+mod gpu_tests;
+mod host;
 pub mod mapped;
 mod memory;
+mod nvrtc;
 pub mod reference;
 pub mod relay;
 
 pub use coded::{CodingOptions, STAGING_BUFFERS};
 pub use cudarc;
-pub use device::{driver_present, CudaBackend, CudaCounters, POISON};
+pub use decoder::{DeviceCoded, ExponentDecoder};
+pub use device::{CudaBackend, CudaCounters};
+pub use engine::{driver_present, POISON};
 pub use fold::DeviceSlot;
 pub use fresh::{FreshEngine, FreshSlot};
+pub use host::PinnedHost;
 pub use mapped::{map_checkpoint, MappedFile};
-pub use memory::{CudaSlot, PinnedHost};
+pub use memory::CudaSlot;
 pub use relay::{RelayInfo, RelayOptions};
 
 use offload_core::{BlockGuard, BlockLayout, Error, OffloadBackend, Result};
@@ -80,19 +94,6 @@ impl<B: OffloadBackend<Slot = CudaSlot>> CudaBlockExt for BlockGuard<'_, B> {
     }
 }
 
-/// A device error of this crate: what was being done and the CUDA error.
-pub(crate) fn dev(during: &str, e: impl std::fmt::Display) -> offload_core::Error {
-    offload_core::Error::device("cuda", during, e)
-}
-
-/// `src` compiled by NVRTC once per process (`cache` is the caller's cell).
-pub(crate) fn compiled(
-    cache: &'static std::sync::OnceLock<std::result::Result<cudarc::nvrtc::Ptx, String>>,
-    src: &'static str,
-) -> std::result::Result<&'static cudarc::nvrtc::Ptx, String> {
-    cache.get_or_init(|| cudarc::nvrtc::compile_ptx(src).map_err(|e| format!("NVRTC: {e}"))).as_ref().map_err(Clone::clone)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -103,40 +104,6 @@ mod tests {
             Ok(b) => println!("CUDA device present: {}", b.device_name().unwrap_or_default()),
             Err(e) if !driver_present() => assert!(e.to_string().contains("unsupported"), "{e}"),
             Err(e) => println!("SKIPPED: driver present but no device: {e}"),
-        }
-    }
-}
-
-/// Compiling a crate's NVRTC kernels in tests, where no GPU is needed, only
-/// libnvrtc: a compile error would otherwise first show on the GPU runner.
-#[cfg(test)]
-pub(crate) mod nvrtc_check {
-    /// Compile `src` with NVRTC; panics with the compiler's log on a compile error.
-    /// Without libnvrtc it prints `SKIPPED` — and fails where `OFFLOAD_REQUIRE_NVRTC=1`
-    /// or `OFFLOAD_REQUIRE_DEVICE=1` (CI installs libnvrtc and sets the first).
-    /// cudarc panics when it cannot load the library: that panic is caught (its
-    /// message goes to the test's captured output).
-    pub fn compiles(what: &str, src: &'static str) {
-        compiles_by(what, || cudarc::nvrtc::compile_ptx(src).map_err(|e| format!("{e:?}")));
-    }
-
-    /// [`compiles`] for a compile of one's own (other options).
-    pub fn compiles_by<T>(what: &str, compile: impl FnOnce() -> Result<T, String> + std::panic::UnwindSafe) {
-        match std::panic::catch_unwind(compile) {
-            Ok(ptx) => {
-                if let Err(e) = ptx {
-                    panic!("{what}: the kernels do not compile: {e}");
-                }
-            }
-            Err(p) => {
-                let why =
-                    p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_default();
-                assert!(why.contains("Unable to dynamically load"), "{what}: NVRTC panicked: {why}");
-                for var in ["OFFLOAD_REQUIRE_NVRTC", "OFFLOAD_REQUIRE_DEVICE"] {
-                    assert!(std::env::var(var).as_deref() != Ok("1"), "{what}: libnvrtc is required ({var}=1): {why}");
-                }
-                println!("SKIPPED: {what}: libnvrtc not found ({why})");
-            }
         }
     }
 }

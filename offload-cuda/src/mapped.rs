@@ -10,9 +10,8 @@
 //! there, not a `SIGBUS`. Only the device's DMA reads the mapped pages, which the
 //! registration keeps locked in memory.
 
-use crate::device::{CudaBackend, Shared};
+use crate::engine::Engine;
 use crate::error::driver;
-use crate::memory::PinnedHost;
 use cudarc::driver::sys;
 use offload_core::{Error, FileRegion, HostRegion, Result, SafetensorsFile};
 use std::path::Path;
@@ -36,7 +35,7 @@ unsafe impl Send for MappedFile {}
 unsafe impl Sync for MappedFile {}
 
 /// The system's page size.
-fn page_size() -> usize {
+pub(crate) fn page_size() -> usize {
     // SAFETY: sysconf with a valid name has no preconditions.
     let n = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
     if n > 0 {
@@ -124,7 +123,7 @@ pub(crate) struct Registration {
     /// Whether `base` is a private mapping of the file made for this
     /// registration (the second fallback), unmapped after it is unregistered.
     private: bool,
-    shared: Arc<Shared>,
+    engine: Arc<Engine>,
 }
 
 // SAFETY: `base` is only handed to the driver; the region is `Send + Sync`.
@@ -148,12 +147,12 @@ impl Drop for Registration {
         // A copy from the region may still be queued: drain the copy stream. If
         // that fails, leak the registration and the mapping rather than unmap
         // pages a copy may still read.
-        if let Err(e) = self.shared.copy.synchronize() {
+        if let Err(e) = self.engine.copy.synchronize() {
             tracing::warn!("{} stays registered and mapped: the copy stream could not be drained ({e})", self.region.origin());
             std::mem::forget(self.region.clone());
             return;
         }
-        if self.shared.ctx.bind_to_thread().is_err() {
+        if self.engine.ctx.bind_to_thread().is_err() {
             std::mem::forget(self.region.clone());
             return;
         }
@@ -170,7 +169,7 @@ impl Drop for Registration {
         if self.private && unsafe { libc::munmap(self.base.cast(), self.len) } != 0 {
             tracing::warn!("munmap of the private mapping of {}: {}", self.region.origin(), std::io::Error::last_os_error());
         }
-        self.shared.pinned_bytes.fetch_sub(self.len as u64, std::sync::atomic::Ordering::Relaxed);
+        self.engine.pinned_bytes.fetch_sub(self.len as u64, std::sync::atomic::Ordering::Relaxed);
     }
 }
 
@@ -185,18 +184,20 @@ pub(crate) struct Registrations(Mutex<Vec<Weak<Registration>>>, std::sync::atomi
 /// store copies the blocks (`HostStore::build_mapped`'s fallback).
 pub const REGISTRATIONS: [&str; 3] = ["read-only", "writable", "private mapping"];
 
-impl CudaBackend {
-    /// Tests only: refuse the first `n` of [`REGISTRATIONS`] as a driver would
-    /// (`n = 3`: every one, so the store copies), for mappings registered from now on.
-    #[doc(hidden)]
-    pub fn refuse_registrations(&self, n: u8) {
-        self.shared().regions.1.store(n, std::sync::atomic::Ordering::Relaxed);
+impl Registrations {
+    /// Whether no registration is alive.
+    #[cfg(test)]
+    pub(crate) fn none_alive(&self) -> bool {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).iter().all(|w| w.strong_count() == 0)
     }
-}
 
-impl CudaBackend {
-    /// The registration of `region`, made now if none is alive.
-    pub(crate) fn register(&self, region: &Arc<dyn HostRegion>, purpose: &str) -> Result<Arc<Registration>> {
+    /// Refuse the first `n` of [`REGISTRATIONS`] as a driver would (tests only).
+    pub(crate) fn refuse(&self, n: u8) {
+        self.1.store(n, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The registration of `region` with `engine`'s device, made now if none is alive.
+    pub(crate) fn register(&self, engine: &Arc<Engine>, region: &Arc<dyn HostRegion>, purpose: &str) -> Result<Arc<Registration>> {
         // Only a mapping made here is registered: its address and length are ours.
         let Some(mapped) = region.as_any().downcast_ref::<MappedFile>() else {
             return Err(Error::unsupported(
@@ -205,14 +206,14 @@ impl CudaBackend {
             ));
         };
         let (base, len) = (mapped.ptr, mapped.mapped_len);
-        let s = self.shared();
-        let mut regs = s.regions.0.lock().unwrap_or_else(|e| e.into_inner());
+        let s = engine;
+        let mut regs = self.0.lock().unwrap_or_else(|e| e.into_inner());
         regs.retain(|w| w.strong_count() > 0);
         if let Some(r) = regs.iter().filter_map(Weak::upgrade).find(|r| Arc::ptr_eq(&r.region, region)) {
             return Ok(r);
         }
         s.ctx.bind_to_thread().map_err(|e| driver("binding the context", e))?;
-        let refuse = s.regions.1.load(std::sync::atomic::Ordering::Relaxed) as usize;
+        let refuse = self.1.load(std::sync::atomic::Ordering::Relaxed) as usize;
         let mut refusals = Vec::new();
         let mut made = None;
         for (i, how) in REGISTRATIONS.iter().enumerate() {
@@ -298,290 +299,8 @@ impl CudaBackend {
         // Page-locked from here: counted as the backend's pinned bytes, as the
         // store charges it to its pin budget (`HostRegion::registered_len`).
         s.pinned_bytes.fetch_add(len as u64, std::sync::atomic::Ordering::Relaxed);
-        let r = Arc::new(Registration { region: region.clone(), base: at, len, private, shared: s.clone() });
+        let r = Arc::new(Registration { region: region.clone(), base: at, len, private, engine: s.clone() });
         regs.push(Arc::downgrade(&r));
         Ok(r)
-    }
-
-    /// [`OffloadBackend::host_in_region`](offload_core::OffloadBackend::host_in_region) on CUDA.
-    pub(crate) fn mapped_host(&self, region: &Arc<dyn HostRegion>, offset: usize, bytes: usize, purpose: &str) -> Result<PinnedHost> {
-        if self.is_coding() {
-            // Every block is held coded (a copy by nature): mixing mapped raw blocks
-            // with coded ones would let two streams write one slot.
-            return Err(Error::unsupported("cuda", format!("blocks served in place while coding is on (for {purpose})")));
-        }
-        if offset.checked_add(bytes).is_none_or(|end| end > region.len()) {
-            return Err(Error::Protocol(format!(
-                "{purpose}: {bytes} bytes at {offset} asked of {} ({} bytes)",
-                region.origin(),
-                region.len()
-            )));
-        }
-        region.check()?;
-        let reg = self.register(region, purpose)?;
-        Ok(PinnedHost::in_region(self.shared().clone(), reg, offset, bytes))
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use offload_core::{RegionSource, TensorSource};
-
-    /// A safetensors file named `name` of U8 tensors, in the order given, packed.
-    fn write(name: &str, tensors: &[(String, Vec<u8>)]) -> std::path::PathBuf {
-        let d = std::env::temp_dir().join(format!("offload-cuda-mapped-{}-{name}", std::process::id()));
-        std::fs::create_dir_all(&d).unwrap();
-        let p = d.join("m.safetensors");
-        let (mut header, mut data) = (Vec::new(), Vec::new());
-        for (t, bytes) in tensors {
-            let at = data.len();
-            data.extend_from_slice(bytes);
-            header.push(format!(r#""{t}":{{"dtype":"U8","shape":[{}],"data_offsets":[{at},{}]}}"#, bytes.len(), data.len()));
-        }
-        let mut h = format!("{{{}}}", header.join(",")).into_bytes();
-        h.resize(h.len().next_multiple_of(8), b' ');
-        let mut out = (h.len() as u64).to_le_bytes().to_vec();
-        out.extend_from_slice(&h);
-        out.extend_from_slice(&data);
-        std::fs::write(&p, out).unwrap();
-        p
-    }
-
-    fn checkpoint(name: &str) -> std::path::PathBuf {
-        write(name, &[("w".into(), (0..8192u32).map(|i| (i * 7 + 1) as u8).collect())])
-    }
-
-    /// No GPU needed: the mapping is made, reads go through the file, and a
-    /// truncated file is an error from `check` and `read_at`, not a SIGBUS.
-    #[test]
-    fn a_mapped_checkpoint_reads_through_the_file_and_notices_truncation() {
-        let p = checkpoint("trunc");
-        let f = map_checkpoint(&p).unwrap();
-        let r = f.region();
-        assert!(r.as_any().downcast_ref::<MappedFile>().is_some(), "mapped");
-        let mut w = vec![0u8; 8192];
-        f.read_into(0, &mut w).unwrap();
-        let mut via = vec![0u8; 8192];
-        r.read_at(f.tensor_offset(0), &mut via).unwrap();
-        assert_eq!(w, via);
-        assert_eq!(w[5], 36);
-        std::fs::OpenOptions::new().write(true).open(&p).unwrap().set_len(64).unwrap();
-        let e = r.check().unwrap_err().to_string();
-        assert!(e.contains("truncated"), "{e}");
-        assert!(r.read_at(f.tensor_offset(0), &mut via).is_err());
-    }
-
-    /// A checkpoint of six blocks of random bytes (never zeros) in 256-multiple
-    /// tensors, block by block, with one odd-sized tensor first in block 3 (so
-    /// that block must be copied).
-    fn model(name: &str) -> std::path::PathBuf {
-        let mut x = 0x9e37_79b9_7f4a_7c15u64;
-        let mut tensors = Vec::new();
-        for b in 0..6 {
-            for (t, n) in [("a", if b == 3 { 1_000_001 } else { 1 << 20 }), ("b", 3 << 16)] {
-                let bytes = (0..n)
-                    .map(|_| {
-                        x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-                        ((x >> 33) as u8) | 1
-                    })
-                    .collect();
-                tensors.push((format!("blocks.{b}.{t}"), bytes));
-            }
-        }
-        write(name, &tensors)
-    }
-
-    /// On a GPU: a store built from the mapped checkpoint serves five of six
-    /// blocks in place (registered, no copy), copies the misaligned one, and a
-    /// ring over it puts exactly the copying store's bytes in every slot (read
-    /// back after each block's copy event, two steps at depth 1). Without a
-    /// device it prints SKIPPED (and fails under `OFFLOAD_REQUIRE_DEVICE=1`).
-    #[test]
-    fn a_ring_over_a_mapped_store_streams_the_files_bytes() {
-        use offload_core::{resolve, BlockDiscovery, HostStore, NameDiscovery, OffloadBackend, PinOptions, Plan, Ring};
-        let Some(b) = crate::codec::test_backend() else { return };
-        let p = model("ring");
-        let file = map_checkpoint(&p).unwrap();
-        let inv = NameDiscovery.discover("model", file.specs()).unwrap();
-        let copied = HostStore::build(&b, &inv, &file).unwrap();
-        let pinned_before = b.counters().pinned_bytes;
-        let store = Arc::new(HostStore::build_mapped(&b, &inv, &file, PinOptions::default()).unwrap());
-        let tier = store.tier().clone();
-        assert_eq!((tier.mapped, tier.copied), (5, 1), "{tier:?}");
-        assert!(tier.copy_reason.as_deref().unwrap_or("").contains("blocks.3"), "{tier:?}");
-        assert!(store.blocks()[0].buffer().unwrap().is_mapped() && !store.blocks()[3].buffer().unwrap().is_mapped());
-        // Page-locked: the whole file as registered, and the copied block's own
-        // buffer; the store counts the same.
-        let registered = std::fs::metadata(&p).unwrap().len().next_multiple_of(page_size() as u64);
-        assert_eq!(b.counters().pinned_bytes - pinned_before, registered + store.blocks()[3].bytes() as u64);
-        assert_eq!(store.pinned_bytes(), registered + store.blocks()[3].bytes() as u64);
-        assert_eq!(tier.registration.as_deref(), Some("read-only"));
-        let want: Vec<Vec<u8>> = copied.blocks().iter().map(|blk| b.host_bytes(blk.buffer().unwrap()).unwrap().to_vec()).collect();
-        for (m, w) in store.blocks().iter().zip(&want) {
-            for t in &m.layout.tensors {
-                let c = copied.blocks().iter().find_map(|c| c.layout.get(&t.spec.name)).unwrap();
-                let got = &b.host_bytes(m.buffer().unwrap()).unwrap()[t.offset..t.offset + t.nbytes];
-                assert!(got == &w[c.offset..c.offset + c.nbytes], "{}: host bytes differ", t.spec.name);
-            }
-        }
-        let plan = resolve(&Plan::layerwise().prefetch_depth(1), std::slice::from_ref(&inv)).unwrap();
-        let mut ring = Ring::new(b.clone(), store.clone(), &plan.components[0]).unwrap();
-        for step in 0..2 {
-            for (i, blk) in store.blocks().iter().enumerate() {
-                let g = ring.block_at(i).unwrap();
-                let mut got = vec![0u8; blk.bytes()];
-                // SAFETY: the slot holds `blk.bytes()` bytes while the guard lives, as `got` does;
-                // the compute stream waits for the block's copy and is synchronised before `got` is read.
-                unsafe {
-                    let s = b.compute_stream();
-                    sys::cuMemcpyDtoHAsync_v2(got.as_mut_ptr().cast(), g.slot().device_ptr(), got.len(), s.cu_stream()).result().unwrap();
-                    s.synchronize().unwrap();
-                }
-                for t in &blk.layout.tensors {
-                    let c = copied.blocks().iter().find_map(|c| c.layout.get(&t.spec.name)).unwrap();
-                    let w = &want[copied.position(&blk.id).unwrap()];
-                    assert!(
-                        got[t.offset..t.offset + t.nbytes] == w[c.offset..c.offset + c.nbytes],
-                        "step {step}, {}: the slot differs",
-                        t.spec.name
-                    );
-                }
-                g.finish().unwrap();
-            }
-            ring.end_step().unwrap();
-        }
-        ring.close().unwrap();
-        drop(store);
-        // The registration went with the last buffer served from it, and its bytes with it.
-        assert!(b.shared().regions.0.lock().unwrap().iter().all(|w| w.strong_count() == 0));
-        assert_eq!(b.counters().pinned_bytes, pinned_before);
-    }
-
-    /// Every block's slot after its copy event, over one step of a ring at depth
-    /// 1 over `store`, against `copied`'s bytes of the same tensors.
-    fn slots_hold(
-        b: &CudaBackend,
-        inv: &offload_core::ComponentInventory,
-        store: &Arc<offload_core::HostStore<CudaBackend>>,
-        copied: &offload_core::HostStore<CudaBackend>,
-    ) {
-        use offload_core::{resolve, OffloadBackend, Plan, Ring};
-        let plan = resolve(&Plan::layerwise().prefetch_depth(1), std::slice::from_ref(inv)).unwrap();
-        let mut ring = Ring::new(b.clone(), store.clone(), &plan.components[0]).unwrap();
-        for (i, blk) in store.blocks().iter().enumerate() {
-            let g = ring.block_at(i).unwrap();
-            let mut got = vec![0u8; blk.bytes()];
-            // SAFETY: the slot holds `blk.bytes()` bytes while the guard lives, as `got` does;
-            // the compute stream waits for the block's copy and is synchronised before `got` is read.
-            unsafe {
-                let s = b.compute_stream();
-                sys::cuMemcpyDtoHAsync_v2(got.as_mut_ptr().cast(), g.slot().device_ptr(), got.len(), s.cu_stream()).result().unwrap();
-                s.synchronize().unwrap();
-            }
-            let c = &copied.blocks()[copied.position(&blk.id).unwrap()];
-            let want = b.host_bytes(c.buffer().unwrap()).unwrap();
-            for t in &blk.layout.tensors {
-                let ct = c.layout.get(&t.spec.name).unwrap();
-                assert!(got[t.offset..t.offset + t.nbytes] == want[ct.offset..ct.offset + ct.nbytes], "{}: the slot differs", t.spec.name);
-            }
-            g.finish().unwrap();
-        }
-        ring.end_step().unwrap();
-        ring.close().unwrap();
-    }
-
-    /// On a GPU: serving a block in place page-locks the whole file. A pin
-    /// budget of one block on a file of six serves none in place, and what the
-    /// device has page-locked stays within the budget; the store's count agrees.
-    #[test]
-    fn a_pin_budget_of_one_block_keeps_the_registration_within_it() {
-        use offload_core::{BlockDiscovery, HostStore, NameDiscovery, PinFallback, PinOptions};
-        let Some(b) = crate::codec::test_backend() else { return };
-        let p = model("budget");
-        let file = map_checkpoint(&p).unwrap();
-        let inv = NameDiscovery.discover("model", file.specs()).unwrap();
-        let block = HostStore::build(&b, &inv, &file).unwrap().largest_block_bytes() as u64;
-        let before = b.counters().pinned_bytes;
-        let pin = PinOptions { budget_bytes: Some(block), fallback: PinFallback::Pageable, ..PinOptions::default() };
-        let store = Arc::new(HostStore::build_mapped(&b, &inv, &file, pin).unwrap());
-        let pinned = b.counters().pinned_bytes - before;
-        assert!(pinned <= block, "{pinned} bytes page-locked under a budget of {block}");
-        assert_eq!(store.pinned_bytes(), pinned);
-        assert_eq!(store.tier().mapped, 0, "{:?}", store.tier());
-        assert!(store.tier().copy_reason.as_deref().unwrap_or("").contains("page-locks the whole of"), "{:?}", store.tier());
-        let copied = HostStore::build(&b, &inv, &file).unwrap();
-        slots_hold(&b, &inv, &store, &copied);
-    }
-
-    /// On a GPU: one byte inside block 2 written in place between two steps
-    /// (same file, same length) is an error naming the file at the second
-    /// step's end, and every later block is refused.
-    #[test]
-    fn a_mapped_file_written_in_place_between_steps_is_an_error() {
-        use offload_core::{resolve, BlockDiscovery, HostStore, NameDiscovery, PinOptions, Plan, Ring};
-        use std::os::unix::fs::FileExt;
-        let Some(b) = crate::codec::test_backend() else { return };
-        let p = model("written");
-        let file = map_checkpoint(&p).unwrap();
-        let inv = NameDiscovery.discover("model", file.specs()).unwrap();
-        let store = Arc::new(HostStore::build_mapped(&b, &inv, &file, PinOptions::default()).unwrap());
-        assert_eq!(store.tier().mapped, 5);
-        let plan = resolve(&Plan::layerwise().prefetch_depth(1), std::slice::from_ref(&inv)).unwrap();
-        let mut ring = Ring::new(b.clone(), store.clone(), &plan.components[0]).unwrap();
-        let n = store.blocks().len();
-        for i in 0..n {
-            ring.block_at(i).unwrap().finish().unwrap();
-        }
-        ring.end_step().unwrap();
-        std::thread::sleep(std::time::Duration::from_millis(20));
-        let t = file.specs().iter().position(|t| t.name == "blocks.2.a").unwrap();
-        let f = std::fs::OpenOptions::new().read(true).write(true).open(&p).unwrap();
-        let mut byte = [0u8];
-        f.read_exact_at(&mut byte, file.data_offset(t) + 4242).unwrap();
-        f.write_all_at(&[byte[0] ^ 0xa5], file.data_offset(t) + 4242).unwrap();
-        for i in 0..n {
-            ring.block_at(i).unwrap().finish().unwrap();
-        }
-        let e = ring.end_step().unwrap_err().to_string();
-        assert!(e.contains("m.safetensors") && e.contains("since it was opened"), "{e}");
-        let later = ring.block_at(0).err().expect("refused after the change").to_string();
-        assert!(later.contains("m.safetensors"), "{later}");
-        ring.close().unwrap();
-    }
-
-    /// On a GPU: each registration a driver may refuse, refused on purpose in
-    /// turn. The store serves the file by the next way that works and says which
-    /// (`HostTier::registration`), with the same bytes in every slot; with all
-    /// three refused it copies every block and says why.
-    #[test]
-    fn each_registration_refused_falls_back_to_the_next() {
-        use offload_core::{BlockDiscovery, HostStore, NameDiscovery, PinOptions};
-        let Some(b) = crate::codec::test_backend() else { return };
-        let p = model("fallback");
-        let copied = {
-            let file = map_checkpoint(&p).unwrap();
-            let inv = NameDiscovery.discover("model", file.specs()).unwrap();
-            HostStore::build(&b, &inv, &file).unwrap()
-        };
-        for refuse in 0..=3u8 {
-            b.refuse_registrations(refuse);
-            let file = map_checkpoint(&p).unwrap();
-            let inv = NameDiscovery.discover("model", file.specs()).unwrap();
-            let store = Arc::new(HostStore::build_mapped(&b, &inv, &file, PinOptions::default()).unwrap());
-            let tier = store.tier().clone();
-            println!("refused {refuse}: {tier:?}");
-            if refuse < 3 {
-                let how = tier.registration.clone().unwrap_or_default();
-                let at = REGISTRATIONS.iter().position(|r| *r == how).unwrap_or(usize::MAX);
-                assert!(at >= refuse as usize && at < 3, "refused {refuse}: registered as {how:?}");
-                assert_eq!(tier.mapped, 5, "{tier:?}");
-            } else {
-                assert_eq!((tier.mapped, tier.registration.as_deref()), (0, None), "{tier:?}");
-                assert!(tier.copy_reason.as_deref().unwrap_or("").contains("refused every way"), "{tier:?}");
-            }
-            slots_hold(&b, &inv, &store, &copied);
-        }
-        b.refuse_registrations(0);
     }
 }

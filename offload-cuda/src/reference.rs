@@ -13,8 +13,8 @@
 //! every launch against its grid limits; activations are allocated here from the
 //! same dimensions. So no argument makes a kernel read or write outside a buffer.
 
-use crate::dev;
-use crate::CudaBackend;
+use crate::device::CudaBackend;
+use crate::error::dev;
 use cudarc::cublas::{result as blas, sys as bsys, CudaBlas};
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
 use offload_core::{BlockGuard, DType, Error, Result};
@@ -244,7 +244,7 @@ impl RefNet {
         // SAFETY: no cudarc slice of this model is used on two streams (see above).
         let (ctx, s) = unsafe { (be.ctx().clone(), be.compute_stream().clone()) };
         static PTX: std::sync::OnceLock<std::result::Result<cudarc::nvrtc::Ptx, String>> = std::sync::OnceLock::new();
-        let ptx = crate::compiled(&PTX, KERNELS).map_err(|e| dev("NVRTC", e))?;
+        let ptx = crate::nvrtc::compiled(&PTX, KERNELS).map_err(|e| dev("NVRTC", e))?;
         let module = ctx.load_module(ptx.clone()).map_err(|e| dev("load module", e))?;
         let f = |n: &str| module.load_function(n).map_err(|e| dev(&format!("kernel {n}"), e));
         let k = Kernels {
@@ -646,6 +646,6 @@ mod tests {
     /// The kernels' source compiles with NVRTC (no GPU needed, only libnvrtc).
     #[test]
     fn kernels_compile_with_nvrtc() {
-        crate::nvrtc_check::compiles("the reference model", KERNELS);
+        crate::nvrtc::check::compiles("the reference model", KERNELS);
     }
 }

@@ -22,9 +22,9 @@
 //! Mapped (registered) and pageable buffers, coded buffers, and copies smaller
 //! than [`RelayOptions::min_relay_bytes`] go direct, as without relay.
 
-use crate::device::Shared;
+use crate::engine::{open_context, Engine};
 use crate::error::driver;
-use crate::memory::PinnedHost;
+use crate::memory::HostBytes;
 use cudarc::driver::{sys, CudaContext, CudaEvent, CudaStream};
 use offload_core::{Error, Result};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -103,14 +103,14 @@ fn peer_access(from: &Arc<CudaContext>, to: &Arc<CudaContext>) -> Result<()> {
 }
 
 impl Relay {
-    pub(crate) fn new(shared: &Shared, o: &RelayOptions) -> Result<(Self, RelayInfo)> {
+    pub(crate) fn new(shared: &Engine, o: &RelayOptions) -> Result<(Self, RelayInfo)> {
         let r = Self::open(shared, o);
         // Whatever happened, leave this device's context current on the thread.
         let _ = shared.ctx.bind_to_thread();
         r
     }
 
-    fn open(shared: &Shared, o: &RelayOptions) -> Result<(Self, RelayInfo)> {
+    fn open(shared: &Engine, o: &RelayOptions) -> Result<(Self, RelayInfo)> {
         let me = shared.ctx.ordinal();
         if o.helpers.is_empty() {
             return Err(Error::unsupported("cuda", "relay with no helper device"));
@@ -130,7 +130,7 @@ impl Relay {
                 return Err(Error::Plan(format!("relay: helper device {h} is this device or named twice")));
             }
             // SAFETY: the helper's context is used only here, on streams the relay orders.
-            let ctx = unsafe { crate::CudaBackend::context(h) }
+            let ctx = unsafe { open_context(h) }
                 .map_err(|e| Error::unsupported("cuda", format!("relay: helper device {h} cannot be opened: {e}")))?;
             let mut can = 0i32;
             // SAFETY: two live device handles; `can` is written on success.
@@ -179,13 +179,10 @@ impl Relay {
         Ok((Relay { helpers, share, min_bytes: o.min_relay_bytes }, info))
     }
 
-    /// Whether a copy of `bytes` from `src` is relayed.
-    pub(crate) fn takes(&self, src: &PinnedHost, bytes: usize) -> bool {
-        bytes >= self.min_bytes.max(1)
-            && src.is_pinned()
-            && !src.is_mapped()
-            && !src.is_coded()
-            && self.helpers.iter().all(|h| ((bytes as f64 * self.share) as usize) <= h.staging_bytes)
+    /// Whether a copy of `bytes` from a plain page-locked buffer (not mapped,
+    /// not coded: the caller's to say) is relayed.
+    pub(crate) fn takes(&self, bytes: usize) -> bool {
+        bytes >= self.min_bytes.max(1) && self.helpers.iter().all(|h| ((bytes as f64 * self.share) as usize) <= h.staging_bytes)
     }
 
     /// Bytes each helper has carried.
@@ -206,7 +203,7 @@ impl Relay {
         &self,
         ctx0: &Arc<CudaContext>,
         copy: &Arc<CudaStream>,
-        src: &PinnedHost,
+        src: &HostBytes,
         dst: sys::CUdeviceptr,
         bytes: usize,
     ) -> Result<()> {

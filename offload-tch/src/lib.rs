@@ -48,10 +48,25 @@
 //!   nothing and exports only [`TchOffload`]'s error path, so `cargo build
 //!   --workspace` never waits for libtorch.
 
+#[cfg(all(feature = "libtorch", feature = "cuda"))]
+mod cuda;
 #[cfg(feature = "libtorch")]
-mod imp;
+mod offload;
 #[cfg(feature = "libtorch")]
-pub use imp::*;
+mod slots;
+#[cfg(feature = "libtorch")]
+mod tensors;
+
+#[cfg(all(feature = "libtorch", feature = "cuda"))]
+pub use cuda::{allocator_stats, cuda_backend, reset_allocator_peak, AllocatorStats, TchCudaBackend, TchSlot};
+#[cfg(feature = "libtorch")]
+pub use offload::{TchBlock, TchOffload};
+#[cfg(feature = "libtorch")]
+pub use slots::TchSlots;
+#[cfg(feature = "libtorch")]
+pub use tch;
+#[cfg(feature = "libtorch")]
+pub use tensors::{dtype_of, kind_of, VarStoreTensors};
 
 #[cfg(not(feature = "libtorch"))]
 mod off {

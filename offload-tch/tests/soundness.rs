@@ -79,21 +79,15 @@ fn a_forgotten_block_is_cleaned_up_by_the_next() {
 struct FailingBind(SimBackend);
 
 impl OffloadBackend for FailingBind {
-    type HostBuffer = SimHost;
+    type Host = SimBackend;
     type Slot = SimSlot;
     type Event = SimEvent;
     type Wait = ();
     fn name(&self) -> &'static str {
         "failing-bind"
     }
-    fn alloc_host(&self, bytes: usize, purpose: &str, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<SimHost> {
-        self.0.alloc_host(bytes, purpose, fill)
-    }
-    fn host_bytes<'a>(&self, buffer: &'a SimHost) -> Result<&'a [u8]> {
-        self.0.host_bytes(buffer)
-    }
-    fn host_is_pinned(&self) -> bool {
-        true
+    fn host(&self) -> SimBackend {
+        self.0.clone()
     }
     fn alloc_slot(&self, bytes: usize, purpose: &str) -> Result<SimSlot> {
         self.0.alloc_slot(bytes, purpose)

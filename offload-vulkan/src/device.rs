@@ -984,8 +984,39 @@ impl Drop for Inner {
     }
 }
 
+impl offload_core::HostBuffer for VulkanHost {
+    fn is_pinned(&self) -> bool {
+        true
+    }
+
+    fn block_bytes(&self) -> Result<&[u8]> {
+        Ok(self.as_slice())
+    }
+
+    fn refill(&mut self, fill: offload_core::Fill<'_>) -> Result<()> {
+        VulkanHost::refill(self, fill)
+    }
+}
+
+/// The backend is its own host memory: host-visible, coherent buffers (or
+/// imported pages), which the transfer queue copies from.
+impl offload_core::HostMemory for VulkanBackend {
+    type Buffer = VulkanHost;
+
+    fn capabilities(&self) -> offload_core::HostCapabilities {
+        offload_core::HostCapabilities { pinned: true, refill: true, ..Default::default() }
+    }
+
+    fn alloc(&self, kind: offload_core::HostKind<'_>, bytes: usize, purpose: &str, fill: offload_core::Fill<'_>) -> Result<VulkanHost> {
+        match kind {
+            offload_core::HostKind::Pinned => VulkanHost::new(self, bytes, purpose, fill),
+            kind => Err(offload_core::host::unsupported_kind(BACKEND, kind, purpose)),
+        }
+    }
+}
+
 impl OffloadBackend for VulkanBackend {
-    type HostBuffer = VulkanHost;
+    type Host = VulkanBackend;
     type Slot = VulkanSlot;
     type Event = VulkanPoint;
     type Wait = VulkanPoint;
@@ -994,23 +1025,8 @@ impl OffloadBackend for VulkanBackend {
         BACKEND
     }
 
-    fn alloc_host(&self, bytes: usize, purpose: &str, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<VulkanHost> {
-        VulkanHost::new(self, bytes, purpose, fill)
-    }
-
-    fn host_bytes<'a>(&self, buffer: &'a VulkanHost) -> Result<&'a [u8]> {
-        Ok(buffer.as_slice())
-    }
-
-    fn refill_host(&self, buffer: &mut VulkanHost, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<()> {
-        if !Arc::ptr_eq(buffer.inner(), &self.inner) {
-            return Err(Error::Protocol("refilling a host buffer of another Vulkan backend instance".into()));
-        }
-        buffer.refill(fill)
-    }
-
-    fn host_is_pinned(&self) -> bool {
-        true
+    fn host(&self) -> VulkanBackend {
+        self.clone()
     }
 
     fn alloc_slot(&self, bytes: usize, purpose: &str) -> Result<VulkanSlot> {

@@ -80,6 +80,7 @@ mod tests {
     /// error, not a wait on a foreign semaphore or on a value never signalled.
     #[test]
     fn foreign_or_wrong_points_are_refused() {
+        use offload_core::HostMemory as _;
         use offload_core::OffloadBackend;
         let (a, b) = match (VulkanBackend::new(), VulkanBackend::new()) {
             (Ok(a), Ok(b)) => (a, b),
@@ -89,7 +90,7 @@ mod tests {
                 return;
             }
         };
-        let host = a.alloc_host(64, "test", &mut |x| {
+        let host = a.host().alloc_pinned(64, "test", &mut |x| {
             x.fill(3);
             Ok(())
         });

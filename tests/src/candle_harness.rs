@@ -23,8 +23,7 @@ impl Harness for Candle {
         Ok(CandleBackend::cpu())
     }
     fn disk_backend(early_refill: bool) -> std::result::Result<CandleBackend, CaseError> {
-        let device =
-            offload_core::sim::SimBackend::new(crate::sim_harness::disk_config(offload_core::sim::SimConfig::fast(), early_refill));
+        let device = offload_core::sim::SimBackend::new(crate::sim_harness::disk_config(CandleBackend::cpu_config(), early_refill));
         Ok(CandleBackend::on_host_device(device))
     }
     fn new_acc(_: &CandleBackend) -> Result<u64> {

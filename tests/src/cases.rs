@@ -6,6 +6,7 @@ use crate::ensure;
 use crate::harness::{CaseError, Harness, Outcome};
 use crate::model::{ModelShape, TestModel};
 use offload_core::ring::Sabotage;
+use offload_core::HostBuffer as _;
 use offload_core::{
     resolve, BlockDiscovery, ComponentPlan, FaultInjector, FaultKind, HostStore, NameDiscovery, OffloadBackend, OnDemand, Plan,
     ResolvedComponent, Ring, SafetensorsFile, Strategy, TensorSource,
@@ -161,7 +162,7 @@ fn no_weight_copy_back<H: Harness>(_: Sabotage) -> Outcome {
     ring.close()?;
     for (i, b) in su.store.blocks().iter().enumerate() {
         ensure!(
-            su.backend.host_bytes(b.buffer().expect("held in memory"))? == su.model.block_bytes(i).as_slice(),
+            b.buffer().expect("held in memory").block_bytes()? == su.model.block_bytes(i).as_slice(),
             "host bytes of block {} changed",
             b.id
         );
@@ -282,7 +283,7 @@ fn transactional<H: Harness>(s: Sabotage) -> Outcome {
     ensure!(faults > 5, "only {faults} faults were injected");
     for (i, b) in su.store.blocks().iter().enumerate() {
         ensure!(
-            su.backend.host_bytes(b.buffer().expect("held in memory"))? == su.model.block_bytes(i).as_slice(),
+            b.buffer().expect("held in memory").block_bytes()? == su.model.block_bytes(i).as_slice(),
             "host bytes of block {} changed",
             b.id
         );

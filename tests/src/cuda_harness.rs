@@ -6,6 +6,7 @@
 
 use crate::harness::{CaseError, Harness, ModelCase, Outcome};
 use crate::model::SEED;
+use offload_core::{HostBuffer as _, HostMemory as _};
 use offload_core::{OffloadBackend, Result};
 use offload_cuda::fold::FoldKernel;
 use offload_cuda::{CudaBackend, CudaSlot};
@@ -145,7 +146,7 @@ fn host_memory_zeroed() -> Outcome {
     for round in 0..4 {
         // Freed and allocated again: pinned memory recycled from the previous round.
         let mut seen_nonzero = 0usize;
-        let buf = b.alloc_host(32 << 20, "zeroing check", &mut |bytes| {
+        let buf = b.host().alloc_pinned(32 << 20, "zeroing check", &mut |bytes| {
             seen_nonzero = bytes.iter().filter(|&&x| x != 0).count();
             bytes.fill(0xA5);
             Ok(())
@@ -160,7 +161,7 @@ fn host_memory_zeroed() -> Outcome {
 fn fill_error_accounting() -> Outcome {
     let b = Cuda::backend()?;
     let before = b.counters().pinned_bytes;
-    let r = b.alloc_host(1 << 20, "failing fill", &mut |_| Err(offload_core::Error::Injected("fill".into())));
+    let r = b.host().alloc_pinned(1 << 20, "failing fill", &mut |_| Err(offload_core::Error::Injected("fill".into())));
     crate::ensure!(r.is_err(), "a failing fill returned a buffer");
     let after = b.counters().pinned_bytes;
     crate::ensure!(after == before, "pinned bytes went from {before} to {after} after a failed fill");
@@ -171,7 +172,7 @@ fn fill_error_accounting() -> Outcome {
 /// (its drop would drain another copy stream than the one reading it).
 fn foreign_buffer_refused() -> Outcome {
     let (a, b) = (Cuda::backend()?, Cuda::backend()?);
-    let host = a.alloc_host(4096, "foreign", &mut |x| {
+    let host = a.host().alloc_pinned(4096, "foreign", &mut |x| {
         x.fill(7);
         Ok(())
     })?;
@@ -179,7 +180,7 @@ fn foreign_buffer_refused() -> Outcome {
     let r = b.copy_to_slot(&host, &mut slot_b, 4096, None);
     crate::ensure!(r.is_err(), "backend b copied from a host buffer of backend a");
     let mut slot_a = a.alloc_slot(4096, "foreign")?;
-    let host_b = b.alloc_host(4096, "foreign", &mut |x| {
+    let host_b = b.host().alloc_pinned(4096, "foreign", &mut |x| {
         x.fill(9);
         Ok(())
     })?;
@@ -206,7 +207,7 @@ fn coded_copies_decode() -> Outcome {
     for (i, blk) in store.blocks().iter().enumerate() {
         crate::ensure!(blk.buffer().expect("held in memory").is_coded(), "block {i} ({}) is not coded", blk.id);
         crate::ensure!(
-            b.host_bytes(blk.buffer().expect("held in memory"))? == model.block_bytes(i).as_slice(),
+            blk.buffer().expect("held in memory").block_bytes()? == model.block_bytes(i).as_slice(),
             "block {i}: decoded host bytes differ"
         );
     }
@@ -248,7 +249,7 @@ fn copies_relayed() -> Outcome {
             x as u8
         })
         .collect();
-    let host = b.alloc_host(want.len(), "relay check", &mut |d| {
+    let host = b.host().alloc_pinned(want.len(), "relay check", &mut |d| {
         d.copy_from_slice(&want);
         Ok(())
     })?;

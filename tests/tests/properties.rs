@@ -5,7 +5,8 @@
 //! store unchanged (4).
 
 use offload_core::sim::{SimBackend, SimConfig};
-use offload_core::{resolve, ComponentPlan, HostStore, OffloadBackend, Plan, Ring};
+use offload_core::HostBuffer as _;
+use offload_core::{resolve, ComponentPlan, HostStore, Plan, Ring};
 use offload_tests::model::{block_hash, fold_combine, ModelShape, TestModel, SEED};
 use proptest::prelude::*;
 use std::sync::Arc;
@@ -75,7 +76,7 @@ fn run(s: &Scenario) -> Result<(), TestCaseError> {
     prop_assert_eq!(backend.stats().live_bytes, 0);
     for (i, b) in store.blocks().iter().enumerate() {
         let want = model.block_bytes(i);
-        prop_assert_eq!(backend.host_bytes(b.buffer().unwrap()).unwrap(), want.as_slice());
+        prop_assert_eq!(b.buffer().unwrap().block_bytes().unwrap(), want.as_slice());
     }
     Ok(())
 }

@@ -3,6 +3,7 @@
 //! orders; several rings on one device and on several threads.
 
 use offload_core::sim::{SimBackend, SimConfig};
+use offload_core::HostBuffer as _;
 use offload_core::{
     resolve, ComponentPlan, Error, FaultInjector, FaultKind, HostStore, OffloadBackend, PinFallback, PinOptions, Plan, Ring,
     SafetensorsFile, TensorSource,
@@ -53,7 +54,7 @@ proptest! {
                         prop_assert_eq!(a, want);
                         prop_assert_eq!(b, want);
                         for (i, blk) in store.blocks().iter().enumerate() {
-                            prop_assert_eq!(sim.host_bytes(blk.buffer().unwrap()).unwrap(), &model.block_bytes(i)[..]);
+                            prop_assert_eq!(blk.buffer().unwrap().block_bytes().unwrap(), &model.block_bytes(i)[..]);
                         }
                         break;
                     }
@@ -234,7 +235,7 @@ fn coded_blocks_stream_the_same_bytes_on_the_simulated_device() {
     assert_eq!(store.coded_blocks(), store.blocks().len() + usize::from(store.non_block().is_some()), "every buffer coded");
     // The store counts what its buffers hold: the coded bytes, all page-locked.
     let all = || store.blocks().iter().chain(store.non_block());
-    let held: u64 = all().map(|b| sim.host_held_bytes(b.buffer().unwrap()).expect("held coded") as u64).sum();
+    let held: u64 = all().map(|b| b.buffer().unwrap().held_bytes().expect("held coded") as u64).sum();
     let block_bytes: u64 = all().map(|b| b.bytes() as u64).sum();
     assert_ne!(held, block_bytes, "coded buffers hold other than their blocks' bytes");
     assert_eq!((store.host_bytes(), store.pinned_bytes(), sim.stats().pinned_bytes), (held, held, held), "host bytes counted as held");
@@ -281,8 +282,7 @@ fn coded_blocks_are_charged_to_the_pin_budget_at_their_coded_size() {
     let fi = FaultInjector::new(SimBackend::new(SimConfig::default()));
     let coded = PinOptions { budget_bytes: None, fallback: PinFallback::Fail, coded: true };
     let full = HostStore::build_with(&fi, &inventory, &tensors, coded).unwrap();
-    let held: Vec<u64> =
-        full.blocks().iter().chain(full.non_block()).map(|b| fi.host_held_bytes(b.buffer().unwrap()).unwrap() as u64).collect();
+    let held: Vec<u64> = full.blocks().iter().chain(full.non_block()).map(|b| b.buffer().unwrap().held_bytes().unwrap() as u64).collect();
     let total: u64 = held.iter().sum();
     assert_eq!((full.host_bytes(), full.pinned_bytes()), (total, total), "through the fault injector, counted as held");
     // A budget one byte short of what the coded buffers hold, but over every block's own size.
@@ -312,7 +312,7 @@ fn coded_blocks_fall_back_where_the_backend_cannot_decode() {
     let store = Arc::new(HostStore::build_with(&sim, &model.inventory, &model.tensors, PinOptions::from_plan(&plan.default)).unwrap());
     assert_eq!(store.coded_blocks(), 0, "nothing coded on a device without a decoder");
     for (i, b) in store.blocks().iter().enumerate() {
-        assert_eq!(sim.host_bytes(b.buffer().unwrap()).unwrap(), &model.block_bytes(i)[..]);
+        assert_eq!(b.buffer().unwrap().block_bytes().unwrap(), &model.block_bytes(i)[..]);
     }
     let rc = resolve(&plan, std::slice::from_ref(&model.inventory)).unwrap().components.remove(0);
     let mut ring = Ring::new(sim.clone(), store, &rc).unwrap();

@@ -95,6 +95,115 @@ pub fn check(root: &Path) -> Vec<String> {
             }
         }
     }
+    for krate in LAYERED {
+        problems.extend(import_cycles(&root.join(krate).join("src"), krate));
+    }
+    problems
+}
+
+/// The crates whose files must import each other without a cycle (issue 35:
+/// a core the features stand on, never the other way).
+const LAYERED: [&str; 2] = ["offload-cuda", "offload-tch"];
+
+/// The modules of the crate at `src` that file `rel` (relative to `src`) names
+/// with `crate::…` paths, outside comments and strings; a name that is not a
+/// module (an item of the crate root, `crate::CudaBackend`) is the root, `lib`.
+fn crate_imports(text: &str, modules: &[String]) -> Vec<String> {
+    let code: String = text.lines().map(|l| strip_strings(l.split("//").next().unwrap_or(""))).collect::<Vec<_>>().join("\n");
+    let ident = |s: &str| s.chars().take_while(|c| c.is_alphanumeric() || *c == '_').collect::<String>();
+    let mut out = Vec::new();
+    let mut push = |name: String| {
+        let m = if modules.contains(&name) { name } else { "lib".to_owned() };
+        if !out.contains(&m) {
+            out.push(m);
+        }
+    };
+    for (i, _) in code.match_indices("crate::") {
+        if code[..i].chars().next_back().is_some_and(|c| c.is_alphanumeric() || c == '_') {
+            continue; // `offload_crate::`, say
+        }
+        let rest = &code[i + 7..];
+        if let Some(group) = rest.strip_prefix('{') {
+            // `use crate::{a, b::C, d::{e, f}}`: the first segment of each item.
+            let (mut depth, mut start) = (0usize, true);
+            for (j, c) in group.char_indices() {
+                match c {
+                    '{' => depth += 1,
+                    '}' if depth == 0 => break,
+                    '}' => depth -= 1,
+                    ',' if depth == 0 => start = true,
+                    c if start && (c.is_alphanumeric() || c == '_') => {
+                        push(ident(&group[j..]));
+                        start = false;
+                    }
+                    _ => {}
+                }
+            }
+        } else {
+            let name = ident(rest);
+            if !name.is_empty() {
+                push(name);
+            }
+        }
+    }
+    out
+}
+
+/// Import cycles among the files of the crate at `src`: a module (a file, or a
+/// directory with its files) that imports, directly or through others, a
+/// module that imports it. The root (`lib.rs`) declares every module, so a
+/// file that names an item through the root (`crate::Item`) is in a cycle too.
+fn import_cycles(src: &Path, krate: &str) -> Vec<String> {
+    let mut files = Vec::new();
+    rust_files(src, &mut files);
+    let module_of = |f: &Path| -> String {
+        let rel = f.strip_prefix(src).unwrap_or(f);
+        let first = rel.components().next().map(|c| c.as_os_str().to_string_lossy().into_owned()).unwrap_or_default();
+        first.trim_end_matches(".rs").to_owned()
+    };
+    let mut modules: Vec<String> = files.iter().map(|f| module_of(f)).collect();
+    modules.sort();
+    modules.dedup();
+    let mut edges: std::collections::BTreeMap<String, Vec<String>> = Default::default();
+    for f in &files {
+        let m = module_of(f);
+        let Ok(text) = std::fs::read_to_string(f) else { continue };
+        let e = edges.entry(m.clone()).or_default();
+        if m == "lib" || m == "main" {
+            // The root reaches every module it declares.
+            e.extend(modules.iter().filter(|x| *x != &m).cloned());
+            continue;
+        }
+        for to in crate_imports(&text, &modules) {
+            if to != m && !e.contains(&to) {
+                e.push(to);
+            }
+        }
+    }
+    // A cycle through a module: a path from one of its imports back to it.
+    let mut problems = Vec::new();
+    for m in modules.iter().filter(|m| *m != "lib" && *m != "main") {
+        let mut seen = vec![m.clone()];
+        // Breadth first: the shortest cycle is the one reported.
+        let mut queue: std::collections::VecDeque<Vec<String>> =
+            edges.get(m).into_iter().flatten().map(|n| vec![m.clone(), n.clone()]).collect();
+        while let Some(path) = queue.pop_front() {
+            let last = path.last().expect("a path");
+            if last == m {
+                problems.push(format!("{krate}: {} (an import cycle: each file imports the next)", path.join(" → ")));
+                break;
+            }
+            if seen.contains(last) {
+                continue;
+            }
+            seen.push(last.clone());
+            for n in edges.get(last).into_iter().flatten() {
+                let mut p = path.clone();
+                p.push(n.clone());
+                queue.push_back(p);
+            }
+        }
+    }
     problems
 }
 
@@ -122,5 +231,29 @@ mod tests {
         assert!(p.contains("outside a backend crate"), "{p}");
         assert!(p.contains("without a `// SAFETY:`"), "{p}");
         assert!(p.contains("depends on cudarc"), "{p}");
+    }
+
+    /// The layering check finds a cycle between two files, through a grouped
+    /// `use`, and through an item named by the root; not one in a comment.
+    #[test]
+    fn import_cycles_are_caught() {
+        let dir = std::env::temp_dir().join(format!("offload-tidy-cycles-{}", std::process::id()));
+        let src = dir.join("offload-cuda/src");
+        std::fs::create_dir_all(src.join("tests")).expect("temp dir");
+        let write = |f: &str, text: &str| std::fs::write(src.join(f), text).expect("write");
+        write("lib.rs", "//! root\nmod core;\nmod feature;\nmod top;\nmod tests;\npub use top::Backend;\n");
+        write("core.rs", "//! core\n// crate::top in a comment is no import\nfn f() -> &'static str { \"crate::top\" }\n");
+        write("feature.rs", "//! feature\nuse crate::core::f;\n");
+        write("top.rs", "//! top\nuse crate::{core::f, feature};\npub struct Backend;\n");
+        write("tests/mod.rs", "//! tests\nuse crate::top::Backend;\n");
+        let clean = import_cycles(&src, "offload-cuda");
+        assert!(clean.is_empty(), "{clean:?}");
+        write("core.rs", "//! core\nuse crate::{feature::g, x};\n");
+        let p = import_cycles(&src, "offload-cuda").join("\n");
+        assert!(p.contains("core → feature → core"), "{p}");
+        write("core.rs", "//! core\nfn f() -> crate::Backend { todo!() }\n");
+        let p = import_cycles(&src, "offload-cuda").join("\n");
+        let _ = std::fs::remove_dir_all(&dir);
+        assert!(p.contains("core → lib → core"), "{p}");
     }
 }

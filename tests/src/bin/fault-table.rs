@@ -2,6 +2,7 @@
 //! impossible plan, and write what happened as a Markdown table.
 
 use offload_core::sim::{SimBackend, SimConfig};
+use offload_core::HostBuffer as _;
 use offload_core::{
     resolve, BlockDiscovery, ComponentInventory, ComponentPlan, Error, FaultInjector, FaultKind, HostStore, NameDiscovery, OffloadBackend,
     Plan, Ring,
@@ -64,7 +65,7 @@ fn main() {
                     let (intact, retry) = match HostStore::build(&fi, &model.inventory, &model.tensors) {
                         Ok(store) => {
                             let intact = store.blocks().iter().enumerate().all(|(i, b)| {
-                                fi.host_bytes(b.buffer().expect("held in memory")).is_ok_and(|h| h == model.block_bytes(i).as_slice())
+                                b.buffer().expect("held in memory").block_bytes().is_ok_and(|h| h == model.block_bytes(i).as_slice())
                             });
                             let retry = Ring::new(fi.clone(), Arc::new(store), &rc)
                                 .and_then(|r| r.close())

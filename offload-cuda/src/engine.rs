@@ -1,0 +1,137 @@
+//! The core every other part of the crate stands on: a context, its copy and
+//! compute streams, the counters, and the checking mode's poison before a copy.
+//! It imports no other file of the crate but the errors: registration, coding,
+//! the relay and the folds are built on it, never into it.
+
+use crate::error::driver;
+use cudarc::driver::{sys, CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
+use offload_core::{Error, Result};
+use std::sync::atomic::{AtomicBool, AtomicU64};
+use std::sync::{Arc, OnceLock};
+
+/// Byte written over a slot by the checking mode before each copy into it.
+pub const POISON: u8 = 0xDB;
+
+/// Whether the CUDA driver library can be loaded on this machine.
+#[cfg(not(feature = "linked"))]
+pub fn driver_present() -> bool {
+    // SAFETY: only tries to open the driver library; no CUDA call is made.
+    unsafe { sys::is_culib_present() }
+}
+
+/// Whether the CUDA driver library can be loaded on this machine: with cudarc
+/// linked at link time (feature `linked`, candle's CUDA build) a binary that runs
+/// has it.
+#[cfg(feature = "linked")]
+pub fn driver_present() -> bool {
+    true
+}
+
+/// The primary context of device `ordinal`, with cudarc's per-slice event
+/// tracking turned off (the engine orders its streams itself).
+///
+/// # Safety
+///
+/// cudarc's safe operations on this context's `CudaSlice`s no longer order
+/// themselves across streams: the caller must make every use of a slice on one
+/// stream wait (by events or a synchronisation) for its uses on other streams.
+pub(crate) unsafe fn open_context(ordinal: usize) -> Result<Arc<CudaContext>> {
+    if !driver_present() {
+        return Err(Error::unsupported(crate::error::BACKEND, "no CUDA driver library (libcuda.so) on this machine"));
+    }
+    let ctx = CudaContext::new(ordinal).map_err(|e| driver(format!("opening device {ordinal}"), e))?;
+    // SAFETY: called before anything is allocated on it; the caller orders
+    // cross-stream uses (this function's contract).
+    unsafe { ctx.disable_event_tracking() };
+    Ok(ctx)
+}
+
+/// The checking mode's spin before each copy (the poison needs nothing).
+pub(crate) struct Checking {
+    /// A kernel `spin(u64 ns)` that touches no memory.
+    pub(crate) spin: CudaFunction,
+    pub(crate) copy_spin_ns: u64,
+}
+
+/// A context, its streams and counters: what every buffer and slot of one
+/// backend instance holds on to (an `Arc`), and compares to refuse another's.
+pub(crate) struct Engine {
+    pub(crate) ctx: Arc<CudaContext>,
+    pub(crate) copy: Arc<CudaStream>,
+    pub(crate) compute: Arc<CudaStream>,
+    pub(crate) live_bytes: AtomicU64,
+    pub(crate) peak_bytes: AtomicU64,
+    pub(crate) pinned_bytes: AtomicU64,
+    pub(crate) syncs: AtomicU64,
+    pub(crate) copies: AtomicU64,
+    pub(crate) bytes_copied: AtomicU64,
+    /// The checking mode, once on.
+    pub(crate) checking: OnceLock<Checking>,
+    /// A deliberate break: refills do not wait for the buffer's last copy
+    /// (`CudaBackend::sabotage_refill_early`, feature `sabotage` only).
+    pub(crate) refill_early: AtomicBool,
+}
+
+impl Engine {
+    /// The engine on `ctx`, computing on `compute`, with a new non-blocking copy
+    /// stream; the device's default pool keeps freed memory (slots are reused,
+    /// never returned to the driver mid-run).
+    pub(crate) fn new(ctx: Arc<CudaContext>, compute: Arc<CudaStream>) -> Result<Arc<Self>> {
+        let copy = ctx.new_stream().map_err(|e| driver("creating the copy stream", e))?;
+        // SAFETY: the device handle comes from a live context; `threshold` outlives the call.
+        unsafe {
+            let mut pool = std::mem::MaybeUninit::uninit();
+            sys::cuDeviceGetDefaultMemPool(pool.as_mut_ptr(), ctx.cu_device())
+                .result()
+                .map_err(|e| driver("getting the memory pool", e))?;
+            let mut threshold = u64::MAX;
+            sys::cuMemPoolSetAttribute(
+                pool.assume_init(),
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                &mut threshold as *mut u64 as *mut _,
+            )
+            .result()
+            .map_err(|e| driver("setting the pool's release threshold", e))?;
+        }
+        Ok(Arc::new(Engine {
+            ctx,
+            copy,
+            compute,
+            live_bytes: AtomicU64::new(0),
+            peak_bytes: AtomicU64::new(0),
+            pinned_bytes: AtomicU64::new(0),
+            syncs: AtomicU64::new(0),
+            copies: AtomicU64::new(0),
+            bytes_copied: AtomicU64::new(0),
+            checking: OnceLock::new(),
+            refill_early: AtomicBool::new(false),
+        }))
+    }
+
+    /// Make the context current on this thread.
+    pub(crate) fn bind(&self) -> Result<()> {
+        self.ctx.bind_to_thread().map_err(|e| driver("binding the context", e))
+    }
+
+    /// The checking mode's poison over `dst .. dst + dst_len` and its spin, on
+    /// the copy stream (nothing where the mode is off).
+    ///
+    /// # Safety
+    ///
+    /// `dst .. dst + dst_len` is device memory of this context that stays
+    /// allocated until the copy stream has passed this work.
+    pub(crate) unsafe fn enqueue_checking(&self, dst: sys::CUdeviceptr, dst_len: usize) -> Result<()> {
+        let Some(chk) = self.checking.get() else { return Ok(()) };
+        if dst_len > 0 {
+            // SAFETY: `dst` addresses `dst_len` live bytes (this function's contract).
+            unsafe { sys::cuMemsetD8Async(dst, POISON, dst_len, self.copy.cu_stream()) }
+                .result()
+                .map_err(|e| driver("poisoning a slot (checking mode)", e))?;
+        }
+        let one = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: the spin kernel takes one u64 and touches no memory.
+        unsafe { self.copy.launch_builder(&chk.spin).arg(&chk.copy_spin_ns).launch(one) }
+            .map_err(|e| driver("the checking mode's copy-stream spin", e))?;
+        Ok(())
+    }
+}

@@ -20,6 +20,9 @@
 # Files collect in $ZOO_DIR (default .zoo-out beside the bundle, kept between
 # commands on a warm runner); each command also leaves $OUT/zoo.tgz, all so far.
 #   ANCHOR_TOGETHER=1: one anchor process per repeat runs every mode (order alternating by repeat)
+#   A user's case, ours and diffusers' on it in one command:
+#     ZOO_MODELS=flux-dev ZOO_ARGS="--size 1344x768 --batch 2" ZOO_CUDA_MODELS= bench/zoo-run.sh
+#   (cuda's reference model runs batch 1 only; video: ZOO_MODELS=wan2.1-t2v-14b ZOO_ARGS="--size 832x480 --frames 33 --steps 5")
 #   ZOO_MODELS="flux-dev qwen-image"  ZOO_ARGS="--cases 1024" (files then named by case)  ANCHOR_MODES="block_stream leaf_stream" (empty: none)
 #   CUDA_COMMIT (cuda runs from another build)  ZOO_TCH=0 (no tch runs)  ZOO_CANDLE_MODELS="flux-dev" (empty: none)  ZOO_CANDLE_ARGS="--cases 1024"  ZOO_CUDA_MODELS="flux-dev" (empty: none)  ZOO_CUDA_ARGS
 set -uo pipefail
@@ -70,9 +73,10 @@ run_tch() { "$ZOO" run --backend tch --model "$1" --commit "$COMMIT" --out "$2" 
 run_cuda() { "$ZOO" run --backend cuda --model "$1" --commit "${CUDA_COMMIT:-$COMMIT}" --out "$2" ${ZOO_CUDA_ARGS:-${ZOO_ARGS:-}} 2>&1 | tee "${2%.json}.txt"; }
 run_candle() { "$ZOO_CANDLE" run --backend candle --model "$1" --commit "$COMMIT" --out "$2" ${ZOO_CANDLE_ARGS:-${ZOO_ARGS:-}} 2>&1 | tee "${2%.json}.txt"; }
 run_anchor() {
-  # The anchors take ZOO_ARGS' cases, steps and warmup, so both sides time the same steps.
-  local A=""; [ -n "${ZOO_ARGS:-}" ] && A=$(echo " ${ZOO_ARGS}" | grep -o -- '--\(cases\|steps\|warmup\) [^ ]*' | tr '\n' ' ')
-  timeout "${ANCHOR_TIMEOUT:-300}" python3 "$AD/zoo_anchor.py" --registry "$Z/registry.json" --model "$1" --mode "$2" $A \
+  # The anchors take ZOO_ARGS' cases, user case (size, batch, frames), steps and warmup,
+  # so both sides time the same case and steps.
+  local A=""; [ -n "${ZOO_ARGS:-}" ] && A=$(echo " ${ZOO_ARGS}" | grep -o -- '--\(cases\|size\|batch\|frames\|steps\|warmup\) [^ ]*' | tr '\n' ' ')
+  timeout "${ANCHOR_TIMEOUT:-300}" python3 "$AD/zoo_anchor.py" --registry "$REG" --model "$1" --mode "$2" $A \
     --out "$3" 2>&1 | grep -v Warning | tee "${3%.json}.txt"
 }
 
@@ -82,10 +86,19 @@ run_anchor() {
 SFX=""
 CASES=$(echo " ${ZOO_ARGS:-}" | grep -o -- '--cases [^ ]*' | cut -d' ' -f2)
 [ -n "$CASES" ] && SFX="-c${CASES//,/_}"
+# A user's case (ZOO_ARGS="--size 1344x768 --batch 2 --frames 1"): files named by it
+# (tch-flux-dev-s1344x768-b2-run1.json), and a registry file holding it for the anchors.
+USER_CASE=$(echo " ${ZOO_ARGS:-}" | grep -o -- '--\(size\|batch\|frames\) [^ ]*' | tr '\n' ' ')
+REG=$Z/registry.json
+if [ -n "$USER_CASE" ]; then
+  UC=$(echo "$USER_CASE" | sed 's/--\(.\)[a-z]* /\1/g; s/ *$//; s/ /-/g')
+  SFX="$SFX-$UC"; REG=$Z/registry-$UC.json
+fi
 
 repeat() {
   local r=$1
   [ -f "$Z/registry.json" ] || "$ZOO" registry --json "$Z/registry.json"
+  [ -f "$REG" ] || "$ZOO" registry --json "$REG" $USER_CASE
   for model in ${ZOO_MODELS:-flux-dev qwen-image}; do
     # Estimates (s) for ZOO_DEADLINE, from this machine's logs (bench/raw/*/device-command*.log):
     # one of our processes, one anchor process with one mode and with both.

@@ -9,6 +9,8 @@ pinned host tensors, so the second mode starts without a second copy):
   leaf_stream:  leaf level, use_stream, record_stream, pinned
 
 python3 zoo_anchor.py --registry REG.json --model flux-dev --mode block_stream,leaf_stream --cases 1024,2048 --steps 5 --out F.json
+python3 zoo_anchor.py --registry REG.json --model flux-dev --mode block_stream --size 1344x768 --batch 2 --out F.json
+  (a user's case: REG.json from `zoo registry --json REG.json --size 1344x768 --batch 2`)
 
 Text encoders (transformers' T5EncoderModel, Qwen2_5_VLTextModel with SDPA
 attention) take seeded token ids and diffusers' `apply_group_offloading`.
@@ -78,34 +80,63 @@ def build(ref):
 
 
 def inputs(model_name, case, dev, vocab=None):
+    """Seeded inputs of a registry case: `batch` samples of `height` x `resolution`
+    (the width) pixels, `frames` latent frames for video; text tokens as the case says."""
     torch.manual_seed(case["resolution"])
+    b, t = case["batch"], case["text_tokens"]
     if case["image_tokens"] == 0:
         # A text encoder: seeded token ids.
-        return dict(input_ids=torch.randint(vocab, (case["batch"], case["text_tokens"]), device=dev))
+        return dict(input_ids=torch.randint(vocab, (b, t), device=dev))
     r = lambda *s: torch.randn(*s, device=dev).to(torch.bfloat16)
-    n, t, side = case["image_tokens"], case["text_tokens"], case["resolution"] // 16
+    # Registry files before --size have no height: their cases are square.
+    w, h = case["resolution"], case.get("height") or case["resolution"]
+    n, ts = case["image_tokens"], torch.full((b,), 500.0, device=dev, dtype=torch.bfloat16)
     if model_name.startswith("z-image"):
         # Lists per sample: latents [16, 1, H/8, W/8] and caption features [L, 2560].
-        lat = case["resolution"] // 8
-        return dict(x=[r(16, 1, lat, lat)], t=torch.tensor([0.5], device=dev), cap_feats=[r(t, 2560)], return_dict=False)
+        return dict(x=[r(16, 1, h // 8, w // 8) for _ in range(b)], t=torch.full((b,), 0.5, device=dev),
+                    cap_feats=[r(t, 2560) for _ in range(b)], return_dict=False)
     if model_name.startswith("wan"):
-        # 480 × 832 video latents: 16 channels, the case's latent frames, 60 × 104.
-        return dict(hidden_states=r(case["batch"], 16, case["frames"], 60, 104), encoder_hidden_states=r(case["batch"], t, 4096),
-                    timestep=torch.full((case["batch"],), 500.0, device=dev, dtype=torch.bfloat16), return_dict=False)
+        # Video latents: 16 channels, the case's latent frames, H/8 x W/8.
+        return dict(hidden_states=r(b, 16, case["frames"], h // 8, w // 8), encoder_hidden_states=r(b, t, 4096), timestep=ts,
+                    return_dict=False)
     if model_name.startswith("sd3"):
-        # Latents as an image (16 channels at 1/8 the side), classifier-free guidance batched.
-        b, lat = case["batch"], case["resolution"] // 8
-        return dict(hidden_states=r(b, 16, lat, lat), encoder_hidden_states=r(b, t, 4096), pooled_projections=r(b, 2048),
-                    timestep=torch.full((b,), 500.0, device=dev, dtype=torch.bfloat16), return_dict=False)
+        # Latents as an image (16 channels at 1/8 the size), classifier-free guidance batched.
+        return dict(hidden_states=r(b, 16, h // 8, w // 8), encoder_hidden_states=r(b, t, 4096), pooled_projections=r(b, 2048),
+                    timestep=ts, return_dict=False)
+    half = torch.full((b,), 0.5, device=dev, dtype=torch.bfloat16)
     if model_name.startswith("flux"):
         ids = torch.zeros(n, 3, device=dev)
-        ids[:, 1] = torch.arange(n, device=dev) // side
-        ids[:, 2] = torch.arange(n, device=dev) % side
-        return dict(hidden_states=r(1, n, 64), encoder_hidden_states=r(1, t, 4096), pooled_projections=r(1, 768),
-                    timestep=torch.tensor([0.5], device=dev, dtype=torch.bfloat16), img_ids=ids, txt_ids=torch.zeros(t, 3, device=dev),
-                    guidance=torch.tensor([3.5], device=dev, dtype=torch.bfloat16), return_dict=False)
-    return dict(hidden_states=r(1, n, 64), encoder_hidden_states=r(1, t, 3584), encoder_hidden_states_mask=None,
-                timestep=torch.tensor([0.5], device=dev, dtype=torch.bfloat16), img_shapes=[(1, side, side)], return_dict=False)
+        ids[:, 1] = torch.arange(n, device=dev) // (w // 16)
+        ids[:, 2] = torch.arange(n, device=dev) % (w // 16)
+        return dict(hidden_states=r(b, n, 64), encoder_hidden_states=r(b, t, 4096), pooled_projections=r(b, 768), timestep=half,
+                    img_ids=ids, txt_ids=torch.zeros(t, 3, device=dev), guidance=torch.full((b,), 3.5, device=dev, dtype=torch.bfloat16),
+                    return_dict=False)
+    return dict(hidden_states=r(b, n, 64), encoder_hidden_states=r(b, t, 3584), encoder_hidden_states_mask=None, timestep=half,
+                img_shapes=[(1, h // 16, w // 16)] * b, return_dict=False)
+
+
+def user_cases(cases, size, batch, frames):
+    """The cases `--size WxH --batch N --frames F` name, as `zoo registry --json F
+    --size ...` wrote them (named `WxH bN fF`); every case when none is given."""
+    if size is None and batch is None and frames is None:
+        return cases
+    w, h = (int(v) for v in size.split("x")) if size else (None, None)
+    keep = []
+    for c in cases:
+        parts = c["name"].split(" ")
+        if len(parts) != 3 or not parts[1].startswith("b") or not parts[2].startswith("f"):
+            continue
+        if w is not None and (c["resolution"], c["height"]) != (w, h):
+            continue
+        if batch is not None and c["batch"] != batch:
+            continue
+        if frames is not None and parts[2] != f"f{frames}":
+            continue
+        keep.append(c)
+    if not keep:
+        raise SystemExit(f"no case of size {size}, batch {batch}, frames {frames} in the registry file: write it with "
+                         "`zoo registry --json F` and the same --size/--batch/--frames")
+    return keep
 
 
 def weights_on_device(model):
@@ -177,6 +208,9 @@ def main():
     ap.add_argument("--model", required=True)
     ap.add_argument("--mode", required=True, help="block_stream, leaf_stream, or both in the order given (comma-separated)")
     ap.add_argument("--cases", default="")
+    ap.add_argument("--size", default=None, help="WIDTHxHEIGHT: the user's case, as zoo run --size takes it")
+    ap.add_argument("--batch", type=int, default=None)
+    ap.add_argument("--frames", type=int, default=None)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--out", required=True)
@@ -187,7 +221,7 @@ def main():
     import diffusers
 
     spec = next(m for m in json.load(open(a.registry)) if m["name"] == a.model)
-    cases = [c for c in spec["cases"] if not a.cases or c["name"] in a.cases.split(",")]
+    cases = [c for c in user_cases(spec["cases"], a.size, a.batch, a.frames) if not a.cases or c["name"] in a.cases.split(",")]
     t0 = time.perf_counter()
     model = build(spec["reference"])
     torch.cuda.synchronize()
@@ -200,7 +234,8 @@ def main():
         times, peak, before, _, finite, nonconst = time_case(model, x, a.warmup, a.steps)
         act[c["name"]] = peak - before
         print(f"diffusers resident {a.model} {c['name']}: {sorted(times)[len(times) // 2]:.4f} s, activations {act[c['name']] / 2**30:.2f} GiB", flush=True)
-        out.append(dict(model=a.model, case=c["name"], resolution=c["resolution"], tokens=c["image_tokens"] + c["text_tokens"], batch=c["batch"],
+        out.append(dict(model=a.model, case=c["name"], resolution=c["resolution"], height=c.get("height", c["resolution"]), frames=c["frames"],
+                        tokens=c["image_tokens"] + c["text_tokens"], batch=c["batch"],
                         mode="resident", steps_s=times, model_bytes=model_bytes, weights_device_bytes=model_bytes,
                         activations_peak_bytes=act[c["name"]], output_finite=finite, output_nonconstant=nonconst))
         del x
@@ -236,7 +271,8 @@ def main():
             times, peak, before, weights, finite, nonconst = time_case(model, x, a.warmup, a.steps)
             w = peak - (before - weights) - act[c["name"]]
             print(f"diffusers {mode} {a.model} {c['name']}: {sorted(times)[len(times) // 2]:.4f} s, weights {w / 2**30:.2f} GiB", flush=True)
-            out.append(dict(model=a.model, case=c["name"], resolution=c["resolution"], tokens=c["image_tokens"] + c["text_tokens"], batch=c["batch"],
+            out.append(dict(model=a.model, case=c["name"], resolution=c["resolution"], height=c.get("height", c["resolution"]), frames=c["frames"],
+                        tokens=c["image_tokens"] + c["text_tokens"], batch=c["batch"],
                             mode=mode, steps_s=times, model_bytes=model_bytes, weights_device_bytes=w,
                             activations_peak_bytes=act[c["name"]], output_finite=finite, output_nonconstant=nonconst))
             del x

@@ -3,7 +3,8 @@
 //! the measured steps; the calibration the planner used) and their merge over
 //! process runs, every spread computed here.
 
-use crate::harness::{spread, RunDoc};
+use crate::harness::{check_output, gib, median, spread, RunDoc, Streamed};
+use crate::registry::{Case, Model};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
@@ -43,43 +44,60 @@ pub struct BudgetRun {
     pub misses: u64,
 }
 
-impl BudgetRun {
-    /// The run of `choice` (made from `cost` under `budget`) at `model`'s `case`:
-    /// its timed steps, the same process's resident step and bandwidth (bytes a
-    /// second), the most weight bytes on the device, its misses; `bitwise_equal`
-    /// as checked by the caller.
-    #[allow(clippy::too_many_arguments)]
-    pub fn of_choice(
-        model: &str,
-        case: &str,
-        budget: u64,
-        choice: &offload_plan::Choice,
-        cost: &offload_plan::CostModel,
-        steps_streamed_s: Vec<f64>,
-        step_resident_s: f64,
-        bandwidth: f64,
-        weights_device_bytes: u64,
-        bitwise_equal: bool,
-        misses: u64,
-    ) -> Self {
-        BudgetRun {
-            model: model.into(),
-            case: case.into(),
-            budget_bytes: budget,
-            depth: choice.depth,
-            resident_blocks: choice.resident_ids(cost).into_iter().map(str::to_owned).collect(),
-            planned_device_bytes: choice.device_bytes,
-            streamed_bytes: choice.streamed_bytes,
-            predicted_step_s: choice.predicted_step_s,
-            step_streamed_s: crate::harness::median(&steps_streamed_s),
-            steps_streamed_s,
-            step_resident_s,
-            bandwidth_gbps: bandwidth / 1e9,
-            weights_device_bytes,
-            bitwise_equal,
-            misses,
-        }
+/// The planner's choice for `model`'s case `c` under `budget_gib` GiB of weights,
+/// from `cost`: run by `stream` (given the choice's plan), checked (a correct
+/// output within the budget, or an error), reported on stderr and recorded beside
+/// the same process's resident steps and `bandwidth` (bytes a second).
+pub fn run(
+    model: &Model,
+    c: &Case,
+    cost: &offload_plan::CostModel,
+    budget_gib: f64,
+    (resident_s, bandwidth): (&[f64], f64),
+    stream: &mut dyn FnMut(&offload_plan::Choice, &offload_core::Plan) -> Result<Streamed, String>,
+) -> Result<BudgetRun, String> {
+    let budget = (budget_gib * (1u64 << 30) as f64) as u64;
+    let at = format!("{} {} budget {budget_gib} GiB", model.name, c.name);
+    let choice = offload_plan::plan(cost, budget, 1, offload_core::ResidentPolicy::Auto).map_err(|e| format!("{at}: {e}"))?;
+    let plan = offload_core::Plan::layerwise().component("transformer", choice.component_plan(cost, budget));
+    let s = stream(&choice, &plan).map_err(|e| format!("{at}: {e}"))?;
+    let resident_count = choice.resident.iter().filter(|r| **r).count();
+    let (finite, nonconstant) = check_output(&s.values);
+    if !s.equal || !finite || !nonconstant {
+        return Err(format!(
+            "{at}: the planner's choice ({resident_count} blocks resident, d={}) gave a wrong output: bitwise equal {}, finite {finite}, varied {nonconstant}",
+            choice.depth, s.equal
+        ));
     }
+    if s.weights > budget {
+        return Err(format!("{at}: {} bytes of weights on the device, over the budget", s.weights));
+    }
+    let step_s = median(&s.times);
+    eprintln!(
+        "{at}: {resident_count} resident, d={}, streamed {step_s:.4} s, predicted {:.4} s ({:+.1} %), weights {:.2} GiB, misses {}",
+        choice.depth,
+        choice.predicted_step_s,
+        (step_s / choice.predicted_step_s - 1.0) * 100.0,
+        gib(s.weights),
+        s.misses
+    );
+    Ok(BudgetRun {
+        model: model.name.into(),
+        case: c.name.clone(),
+        budget_bytes: budget,
+        depth: choice.depth,
+        resident_blocks: choice.resident_ids(cost).into_iter().map(str::to_owned).collect(),
+        planned_device_bytes: choice.device_bytes,
+        streamed_bytes: choice.streamed_bytes,
+        predicted_step_s: choice.predicted_step_s,
+        step_streamed_s: step_s,
+        steps_streamed_s: s.times,
+        step_resident_s: median(resident_s),
+        bandwidth_gbps: bandwidth / 1e9,
+        weights_device_bytes: s.weights,
+        bitwise_equal: s.equal,
+        misses: s.misses,
+    })
 }
 
 /// The cost model the planner chose from at one case: per-block compute (the

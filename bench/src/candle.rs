@@ -736,7 +736,7 @@ pub fn check_cpu(model: &Model) -> offload_core::Result<CpuCheck> {
     ring.close()?;
     let ((rb, _), (sb, sv)) = (output(&resident)?, output(&streamed)?);
     let (finite, nonconstant) = check_output(&sv);
-    Ok(CpuCheck { bitwise_equal: rb == sb, finite, nonconstant, blocks, block_payload_bytes })
+    Ok(CpuCheck { bitwise_equal: rb == sb, finite, nonconstant, blocks, output_elements: sv.len(), block_payload_bytes })
 }
 
 /// The budget runs' calibration of `model` on candle's CPU device: per-block
@@ -766,7 +766,7 @@ pub fn run(model: &Model, opts: &crate::harness::RunOptions) -> Result<crate::ha
     if !computes(model) {
         return Err(format!("candle: {}: the bench room has no candle compute for its blocks yet", model.name));
     }
-    use crate::harness::{RunCase, RunDoc};
+    use crate::harness::{streamed_row, RunCase, RunDoc, Streamed};
     use offload_candle::CandleCudaBackend;
     use std::time::Instant;
     let e = |x: offload_core::Error| format!("candle: {x}");
@@ -781,7 +781,7 @@ pub fn run(model: &Model, opts: &crate::harness::RunOptions) -> Result<crate::ha
     let t = Instant::now();
     let store = Arc::new(HostStore::build(&be, &inv, &src).map_err(e)?);
     let facts = crate::harness::store_facts(&be, &store, t).map_err(e)?;
-    let (total, bandwidth) = (facts.total, facts.bandwidth);
+    let bandwidth = facts.bandwidth;
     if facts.payload != model.block_bytes(2) {
         return Err(format!(
             "candle: the store holds {} bytes of block tensors, the registry says {}",
@@ -792,20 +792,8 @@ pub fn run(model: &Model, opts: &crate::harness::RunOptions) -> Result<crate::ha
     let resident_bytes = model.global_bytes(2);
     let net = Net::new(model, &src, &dev).map_err(e)?;
     let sync = || dev.synchronize().map_err(|x| format!("candle: synchronize: {x}"));
-    let timed = |f: &mut dyn FnMut() -> offload_core::Result<Tensor>| -> Result<(Vec<f64>, Tensor), String> {
-        let mut out = None;
-        for _ in 0..opts.warmup {
-            out = Some(f().map_err(e)?);
-        }
-        let mut times = Vec::new();
-        for _ in 0..opts.steps {
-            sync()?;
-            let t = Instant::now();
-            out = Some(f().map_err(e)?);
-            sync()?;
-            times.push(t.elapsed().as_secs_f64());
-        }
-        out.map(|o| (times, o)).ok_or_else(|| "candle: no steps".into())
+    let timed = |f: &mut dyn FnMut() -> offload_core::Result<Tensor>| {
+        crate::harness::timed((opts.warmup, opts.steps), &sync, &mut || f().map_err(e))
     };
     // Resident: every block's weights on the device, read straight from the source
     // once, every case timed, then dropped before the ring is made.
@@ -907,91 +895,26 @@ pub fn run(model: &Model, opts: &crate::harness::RunOptions) -> Result<crate::ha
             let derived = peak.saturating_sub(other).saturating_sub(activations);
             let misses = ring.metrics().misses;
             ring.close().map_err(e)?;
-            let (sbytes, sv) = output(&out).map_err(e)?;
-            let (finite, nonconstant) = check_output(&sv);
-            let equal = &sbytes == rbytes;
-            let streamed = median(&times);
-            let bound = median(rtimes).max(total as f64 / bandwidth);
-            eprintln!(
-                "{} {} d={d}: streamed {streamed:.4} s, bound {bound:.4} s, ratio {:.4}, weights {:.2} GiB (derived {:.2}), \
-                 bitwise_equal {equal}, finite {finite}, nonconstant {nonconstant}, misses {misses}",
-                model.name,
-                c.name,
-                streamed / bound,
-                gib(weights),
-                gib(derived)
-            );
-            out_cases.push(RunCase {
-                steps_resident_s: rtimes.clone(),
-                steps_streamed_s: times,
-                streamed_bytes: total,
-                bandwidth_gbps: bandwidth / 1e9,
-                weights_device_bytes: weights,
-                weights_device_bytes_derived: derived,
-                activations_peak_bytes: activations,
-                bitwise_equal: equal,
-                output_finite: finite,
-                output_nonconstant: nonconstant,
-                misses,
-                planner_depth,
-                ..RunCase::head(model, c, d)
-            });
+            let (sbytes, values) = output(&out).map_err(e)?;
+            let s = Streamed { times, equal: &sbytes == rbytes, values, weights, derived, misses };
+            out_cases.push(RunCase { planner_depth, ..streamed_row(model, c, d, (rtimes, activations), &facts, s) });
         }
         let Some(cost) = &r.cost else { continue };
         for &budget_gib in &opts.budgets_gib {
-            let budget = (budget_gib * (1u64 << 30) as f64) as u64;
-            let at = format!("candle: {} {} budget {budget_gib} GiB", model.name, c.name);
-            let choice = offload_plan::plan(cost, budget, 1, offload_core::ResidentPolicy::Auto).map_err(|x| format!("{at}: {x}"))?;
-            let plan = Plan::layerwise().component("transformer", choice.component_plan(cost, budget));
-            let rc = resolve(&plan, std::slice::from_ref(&inv)).map_err(e)?.components.remove(0);
-            cuda.synchronize().map_err(e)?;
-            be.reset_peak();
-            let mut ring = Ring::new(be.clone(), store.clone(), &rc).map_err(e)?;
-            if ring.depth() != choice.depth {
-                return Err(format!("{at}: the ring runs d={}, the planner chose d={}", ring.depth(), choice.depth));
-            }
-            let (times, out) = timed(&mut || net.step(Some(&mut ring), None, &i))?;
-            let weights = be.counters().peak_bytes;
-            let misses = ring.metrics().misses;
-            ring.close().map_err(e)?;
-            let (sbytes, sv) = output(&out).map_err(e)?;
-            let (finite, nonconstant) = check_output(&sv);
-            let resident_count = choice.resident.iter().filter(|r| **r).count();
-            // A budget run is a correct step within its budget, or an error.
-            if &sbytes != rbytes || !finite || !nonconstant {
-                return Err(format!(
-                    "{at}: the planner's choice ({} blocks resident, d={}) gave a wrong output: bitwise equal {}, finite {finite}, varied {nonconstant}",
-                    resident_count,
-                    choice.depth,
-                    &sbytes == rbytes
-                ));
-            }
-            if weights > budget {
-                return Err(format!("{at}: {weights} bytes of weights on the device, over the budget"));
-            }
-            let step_s = median(&times);
-            eprintln!(
-                "{at}: {} resident, d={}, streamed {step_s:.4} s, predicted {:.4} s ({:+.1} %), bound {:.4} s, weights {:.2} GiB, misses {misses}",
-                resident_count,
-                choice.depth,
-                choice.predicted_step_s,
-                (step_s / choice.predicted_step_s - 1.0) * 100.0,
-                median(rtimes).max(choice.streamed_bytes as f64 / bandwidth),
-                gib(weights)
-            );
-            budget_runs.push(crate::budgets::BudgetRun::of_choice(
-                model.name,
-                &c.name,
-                budget,
-                &choice,
-                cost,
-                times,
-                median(rtimes),
-                bandwidth,
-                weights,
-                true,
-                misses,
-            ));
+            budget_runs.push(crate::budgets::run(model, c, cost, budget_gib, (rtimes, bandwidth), &mut |choice, plan| {
+                let rc = resolve(plan, std::slice::from_ref(&inv)).map_err(e)?.components.remove(0);
+                cuda.synchronize().map_err(e)?;
+                be.reset_peak();
+                let mut ring = Ring::new(be.clone(), store.clone(), &rc).map_err(e)?;
+                if ring.depth() != choice.depth {
+                    return Err(format!("the ring runs d={}, the planner chose d={}", ring.depth(), choice.depth));
+                }
+                let (times, out) = timed(&mut || net.step(Some(&mut ring), None, &i))?;
+                let (weights, misses) = (be.counters().peak_bytes, ring.metrics().misses);
+                ring.close().map_err(e)?;
+                let (sbytes, values) = output(&out).map_err(e)?;
+                Ok(Streamed { times, equal: &sbytes == rbytes, values, weights, derived: weights, misses })
+            })?);
         }
         calibrations.push(crate::budgets::Calibration { model: model.name.into(), case: c.name.clone(), cost: cost.clone() });
     }

@@ -14,14 +14,14 @@
 //! `--coded` (weights drawn normal; every case streamed from the raw store and
 //! from a store coded for the device, in the same process: issue 19's case).
 
-use crate::budgets::{BudgetRun, Calibration};
-use crate::harness::{check_output, spread, RunCase, RunDoc, RunOptions, TimelineStep};
+use crate::budgets::Calibration;
+use crate::harness::{spread, streamed_row, RunCase, RunDoc, RunOptions, Streamed, TimelineStep};
 use crate::registry::{dual_names, BlockKind, Case, Model};
 use crate::source::RegistrySource;
 use offload_core::HostBuffer as _;
 use offload_core::{
-    resolve, BlockDiscovery, ComponentInventory, DeclaredStacks, HostStore, OffloadBackend, Plan, ResidentPolicy, ResolvedComponent, Ring,
-    StepMetrics, StreamKind,
+    resolve, BlockDiscovery, ComponentInventory, DeclaredStacks, HostStore, OffloadBackend, Plan, ResolvedComponent, Ring, StepMetrics,
+    StreamKind,
 };
 use offload_cuda::reference::{DualNames, RefDims, RefNet, HEAD_DIM};
 use offload_cuda::CudaBackend;
@@ -32,7 +32,7 @@ use std::time::Instant;
 type Event = <CudaBackend as OffloadBackend>::Event;
 
 /// One block's compute in one step, between two compute-stream timing events.
-struct BlockMark {
+pub(crate) struct BlockMark {
     id: String,
     bytes: u64,
     start: Event,
@@ -49,26 +49,12 @@ pub fn computes(model: &Model) -> bool {
     model.computed() && model.head_dim == HEAD_DIM
 }
 
-fn dims(model: &Model, case: &Case) -> Result<RefDims, String> {
+/// The reference model's dimensions for `case` of `model` (the host-tier and relay benches' too).
+pub(crate) fn dims(model: &Model, case: &Case) -> Result<RefDims, String> {
     if case.batch != 1 {
         return Err(err(format!("{} {}: the reference model runs batch 1, the case has {}", model.name, case.name, case.batch)));
     }
     Ok(RefDims { heads: model.heads, mlp: model.mlp, text_tokens: case.text_tokens, image_tokens: case.image_tokens })
-}
-
-/// The reference model's dimensions for `case` of `model` (the host-tier bench's too).
-pub(crate) fn dims_of(model: &Model, case: &Case) -> Result<RefDims, String> {
-    dims(model, case)
-}
-
-/// One forward call through `ring` (the host-tier bench's step).
-pub(crate) fn step_once(
-    be: &CudaBackend,
-    model: &Model,
-    net: &mut RefNet,
-    ring: &mut Ring<CudaBackend>,
-) -> offload_core::Result<StepMetrics> {
-    step(be, model, net, ring, None)
 }
 
 fn timing_event(be: &CudaBackend) -> offload_core::Result<Event> {
@@ -77,7 +63,7 @@ fn timing_event(be: &CudaBackend) -> offload_core::Result<Event> {
 
 /// One forward call through `ring`, every block in the registry's order; with
 /// `marks`, a timing event on each side of each block's compute (after its wait).
-fn step(
+pub(crate) fn step(
     be: &CudaBackend,
     model: &Model,
     net: &mut RefNet,
@@ -144,7 +130,7 @@ fn calibrate(
 }
 
 /// What a streamed run measured.
-struct Streamed {
+struct RingRun {
     times: Vec<f64>,
     out: Vec<u16>,
     misses: u64,
@@ -247,26 +233,18 @@ pub fn run(model: &Model, opts: &RunOptions) -> Result<RunDoc, String> {
         Ok(resolve(plan, std::slice::from_ref(inv)).map_err(err)?.components.remove(0))
     };
     // Timed steps after warm-up, and the bytes the ring copied in the last of them.
+    let sync = || be.synchronize().map_err(err);
     let timed = |net: &mut RefNet, ring: &mut Ring<CudaBackend>| -> Result<(Vec<f64>, u64), String> {
-        for _ in 0..opts.warmup {
-            step(&be, model, net, ring, None).map_err(err)?;
-        }
-        let (mut times, mut last_bytes) = (Vec::new(), 0);
-        for _ in 0..opts.steps {
-            be.synchronize().map_err(err)?;
+        crate::harness::timed((opts.warmup, opts.steps), &sync, &mut || {
             let before = ring.metrics().bytes_copied;
-            let t = Instant::now();
             step(&be, model, net, ring, None).map_err(err)?;
-            be.synchronize().map_err(err)?;
-            times.push(t.elapsed().as_secs_f64());
-            last_bytes = ring.metrics().bytes_copied - before;
-        }
-        Ok((times, last_bytes))
+            Ok(ring.metrics().bytes_copied - before)
+        })
     };
     // A streamed run of `rc`: its timed steps, then (with `trace`) one more step with
     // the timeline on, written to `trace`.
     let streamed =
-        |st: &Arc<HostStore<CudaBackend>>, rc: &ResolvedComponent, net: &mut RefNet, trace: Option<&str>| -> Result<Streamed, String> {
+        |st: &Arc<HostStore<CudaBackend>>, rc: &ResolvedComponent, net: &mut RefNet, trace: Option<&str>| -> Result<RingRun, String> {
             be.synchronize().map_err(err)?;
             be.reset_peak();
             let mut ring = Ring::new(be.clone(), st.clone(), rc).map_err(err)?;
@@ -286,7 +264,7 @@ pub fn run(model: &Model, opts: &RunOptions) -> Result<RunDoc, String> {
                 None => None,
             };
             ring.close().map_err(err)?;
-            Ok(Streamed { times, out, misses, depth, step_bytes, weights: be.counters().peak_bytes, timeline })
+            Ok(RingRun { times, out, misses, depth, step_bytes, weights: be.counters().peak_bytes, timeline })
         };
     let as_f32 = |v: &[u16]| v.iter().map(|&b| half::bf16::from_bits(b).to_f32()).collect::<Vec<f32>>();
     let mut doc = RunDoc::new(opts, gpu.clone(), "cuda", &facts, 0, Vec::new());
@@ -343,19 +321,7 @@ pub fn run(model: &Model, opts: &RunOptions) -> Result<RunDoc, String> {
                     bytes_copied: m.bytes_copied,
                 });
             }
-            let equal = s.out == rout;
-            let (finite, nonconstant) = check_output(&as_f32(&s.out));
-            let step_s = median(&s.times);
             let bound = resident.max(total as f64 / bandwidth);
-            eprintln!(
-                "{} {} d={d}: streamed {step_s:.4} s, bound {bound:.4} s, ratio {:.4}, weights {:.2} GiB, bitwise_equal {equal}, \
-                 finite {finite}, nonconstant {nonconstant}, misses {}",
-                model.name,
-                c.name,
-                step_s / bound,
-                gib(s.weights),
-                s.misses
-            );
             // The same depth from the coded store.
             let mut by_staging = Vec::new();
             let (coded_times, coded_equal) = match &coded {
@@ -366,7 +332,7 @@ pub fn run(model: &Model, opts: &RunOptions) -> Result<RunDoc, String> {
                     let coded_trace = trace.map(|p| format!("{}-coded.json", p.strip_suffix(".json").unwrap_or(p)));
                     let cs = streamed(cstore, &resolved(&Plan::layerwise().prefetch_depth(d), &inv)?, &mut net, coded_trace.as_deref())?;
                     let ceq = cs.out == rout;
-                    let say = |how: &str, s: &Streamed, eq: bool| {
+                    let say = |how: &str, s: &RingRun, eq: bool| {
                         let step = median(&s.times);
                         eprintln!(
                             "{} {} d={d}: coded streamed{how} {step:.4} s ({:.4} × the raw bound), bitwise_equal {eq}, misses {}",
@@ -397,69 +363,37 @@ pub fn run(model: &Model, opts: &RunOptions) -> Result<RunDoc, String> {
                     (cs.times, Some(ceq))
                 }
             };
+            let measured = Streamed {
+                times: s.times,
+                equal: s.out == rout,
+                values: as_f32(&s.out),
+                weights: s.weights,
+                derived: s.weights,
+                misses: s.misses,
+            };
             doc.cases.push(RunCase {
                 steps_streamed_coded_s: coded_times,
                 coded_bitwise_equal: coded_equal,
                 coded_by_staging: by_staging,
                 planner,
-                steps_resident_s: rtimes.clone(),
-                steps_streamed_s: s.times,
-                streamed_bytes: total,
-                bandwidth_gbps: bandwidth / 1e9,
-                weights_device_bytes: s.weights,
-                weights_device_bytes_derived: s.weights,
-                activations_peak_bytes: activations,
-                bitwise_equal: equal,
-                output_finite: finite,
-                output_nonconstant: nonconstant,
-                misses: s.misses,
-                ..RunCase::head(model, c, d)
+                ..streamed_row(model, c, d, (&rtimes, activations), &facts, measured)
             });
         }
         let Some(cost) = cost else { continue };
         for &budget_gib in &opts.budgets_gib {
-            let budget = (budget_gib * (1u64 << 30) as f64) as u64;
-            let at = format!("{} {} budget {budget_gib} GiB", model.name, c.name);
-            let choice = offload_plan::plan(&cost, budget, 1, ResidentPolicy::Auto).map_err(|e| err(format!("{at}: {e}")))?;
-            let plan = Plan::layerwise().component("transformer", choice.component_plan(&cost, budget));
-            let s = streamed(&store, &resolved(&plan, &inv)?, &mut net, None)?;
-            // The ring ran the planner's choice: its depth, and in steady state
-            // exactly the non-resident blocks' bytes per step.
-            if s.depth != choice.depth || s.step_bytes != choice.streamed_bytes {
-                return Err(err(format!(
-                    "{at}: the ring ran d={} copying {} bytes a step, the planner chose d={} streaming {}",
-                    s.depth, s.step_bytes, choice.depth, choice.streamed_bytes
-                )));
-            }
-            let resident_count = choice.resident.iter().filter(|r| **r).count();
-            let step_s = median(&s.times);
-            // A budget run is a correct step within its budget, or an error.
-            let (finite, nonconstant) = check_output(&as_f32(&s.out));
-            if s.out != rout || !finite || !nonconstant {
-                return Err(err(format!(
-                    "{at}: the planner's choice ({} blocks resident, d={}) gave a wrong output: bitwise equal {}, finite {finite}, varied {nonconstant}",
-                    resident_count,
-                    choice.depth,
-                    s.out == rout
-                )));
-            }
-            if s.weights > budget {
-                return Err(err(format!("{at}: {} bytes of weights on the device, over the budget", s.weights)));
-            }
-            eprintln!(
-                "{at}: {} resident, d={}, streamed {step_s:.4} s, predicted {:.4} s ({:+.1} %), weights {:.2} GiB, bitwise_equal {}, misses {}",
-                resident_count,
-                choice.depth,
-                choice.predicted_step_s,
-                (step_s / choice.predicted_step_s - 1.0) * 100.0,
-                gib(s.weights),
-                s.out == rout,
-                s.misses
-            );
-            let equal = s.out == rout;
-            doc.budgets.push(BudgetRun::of_choice(
-                model.name, &c.name, budget, &choice, &cost, s.times, resident, bandwidth, s.weights, equal, s.misses,
-            ));
+            doc.budgets.push(crate::budgets::run(model, c, &cost, budget_gib, (&rtimes, bandwidth), &mut |choice, plan| {
+                let s = streamed(&store, &resolved(plan, &inv)?, &mut net, None)?;
+                // The ring ran the planner's choice: its depth, and in steady state
+                // exactly the non-resident blocks' bytes per step.
+                if s.depth != choice.depth || s.step_bytes != choice.streamed_bytes {
+                    return Err(err(format!(
+                        "the ring ran d={} copying {} bytes a step, the planner chose d={} streaming {}",
+                        s.depth, s.step_bytes, choice.depth, choice.streamed_bytes
+                    )));
+                }
+                let (equal, values) = (s.out == rout, as_f32(&s.out));
+                Ok(Streamed { times: s.times, equal, values, weights: s.weights, derived: s.weights, misses: s.misses })
+            })?);
         }
         doc.calibrations.push(Calibration { model: model.name.into(), case: c.name.clone(), cost });
     }

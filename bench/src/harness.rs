@@ -83,8 +83,14 @@ pub struct RunCase {
     pub model: String,
     /// Registry case (`1024`).
     pub case: String,
-    /// Image side in pixels.
+    /// Image width in pixels.
     pub resolution: usize,
+    /// Image height in pixels (absent in runs before `--size`: square).
+    #[serde(default)]
+    pub height: usize,
+    /// Latent frames (absent in runs before `--frames`).
+    #[serde(default)]
+    pub frames: usize,
     /// Tokens per call (image + text).
     pub tokens: usize,
     /// Batch.
@@ -222,6 +228,8 @@ impl RunCase {
             model: model.name.into(),
             case: case.name.clone(),
             resolution: case.resolution,
+            height: case.height,
+            frames: case.frames,
             tokens: case.image_tokens + case.text_tokens,
             batch: case.batch,
             depth,
@@ -340,6 +348,85 @@ pub fn host_rss_bytes() -> u64 {
         .map_or(0, |kib| kib * 1024)
 }
 
+/// `warmup` untimed calls of `f`, then `steps` timed ones, each between two
+/// `sync`s: every timed call's seconds and the last call's result.
+pub fn timed<T>(
+    (warmup, steps): (usize, usize),
+    sync: &dyn Fn() -> Result<(), String>,
+    f: &mut dyn FnMut() -> Result<T, String>,
+) -> Result<(Vec<f64>, T), String> {
+    let mut out = None;
+    for _ in 0..warmup {
+        out = Some(f()?);
+    }
+    let mut times = Vec::with_capacity(steps);
+    for _ in 0..steps {
+        sync()?;
+        let t = std::time::Instant::now();
+        out = Some(f()?);
+        sync()?;
+        times.push(t.elapsed().as_secs_f64());
+    }
+    out.map(|o| (times, o)).ok_or_else(|| "no steps".into())
+}
+
+/// What one streamed run of a backend's file measured.
+#[derive(Clone, Debug, Default)]
+pub struct Streamed {
+    /// Every timed step, seconds.
+    pub times: Vec<f64>,
+    /// The output byte-identical to the resident output.
+    pub equal: bool,
+    /// The output's values (for [`check_output`]).
+    pub values: Vec<f32>,
+    /// Weights on the device: the most slot bytes live at once plus the resident weights.
+    pub weights: u64,
+    /// The same by the anchors' method ([`RunCase::weights_device_bytes_derived`]).
+    pub derived: u64,
+    /// Blocks not prefetched in time.
+    pub misses: u64,
+}
+
+/// The row of a streamed run of `model`'s case `c` at depth `d`: its checks and
+/// progress line, beside the resident steps and `activations` of the same process.
+pub fn streamed_row(
+    model: &crate::registry::Model,
+    c: &crate::registry::Case,
+    d: usize,
+    (resident_s, activations): (&[f64], u64),
+    facts: &StoreFacts,
+    s: Streamed,
+) -> RunCase {
+    let (finite, nonconstant) = check_output(&s.values);
+    let step = median(&s.times);
+    let bound = median(resident_s).max(facts.total as f64 / facts.bandwidth);
+    eprintln!(
+        "{} {} d={d}: streamed {step:.4} s, bound {bound:.4} s, ratio {:.4}, weights {:.2} GiB (derived {:.2}), \
+         bitwise_equal {}, finite {finite}, nonconstant {nonconstant}, misses {}",
+        model.name,
+        c.name,
+        step / bound,
+        gib(s.weights),
+        gib(s.derived),
+        s.equal,
+        s.misses
+    );
+    RunCase {
+        steps_resident_s: resident_s.to_vec(),
+        steps_streamed_s: s.times,
+        streamed_bytes: facts.total,
+        bandwidth_gbps: facts.bandwidth / 1e9,
+        weights_device_bytes: s.weights,
+        weights_device_bytes_derived: s.derived,
+        activations_peak_bytes: activations,
+        bitwise_equal: s.equal,
+        output_finite: finite,
+        output_nonconstant: nonconstant,
+        misses: s.misses,
+        ..RunCase::head(model, c, d)
+    }
+}
+
 /// One case of one anchor process (`bench/anchors/zoo_anchor.py`).
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct AnchorCase {
@@ -347,8 +434,14 @@ pub struct AnchorCase {
     pub model: String,
     /// Registry case.
     pub case: String,
-    /// Image side.
+    /// Image width.
     pub resolution: usize,
+    /// Image height (absent before `--size`).
+    #[serde(default)]
+    pub height: usize,
+    /// Latent frames (absent before `--frames`).
+    #[serde(default)]
+    pub frames: usize,
     /// Tokens per call.
     pub tokens: usize,
     /// Batch.
@@ -390,6 +483,8 @@ pub struct CpuCheck {
     pub nonconstant: bool,
     /// Blocks served by the ring in the streamed step.
     pub blocks: u64,
+    /// Elements of the streamed output (batch × tokens × channels: the case's shape).
+    pub output_elements: usize,
     /// The host store's block tensor bytes without alignment padding (what the
     /// GPU run checks against the registry's `block_bytes`).
     pub block_payload_bytes: u64,
@@ -602,7 +697,7 @@ pub fn merge(runs: &[RunDoc], anchors: &[AnchorDoc], min_repeats: usize) -> Resu
         let judged = *by_planner || !planned.contains(&(model.clone(), case.clone()));
         let predicted: Vec<f64> = per.iter().filter_map(|(_, c)| c.planner_depth.as_ref().map(|p| p.predicted_step_s)).collect();
         cases.push(json!({
-            "model": model, "commit": commit_of(model), "case": case, "resolution": c0.resolution, "tokens": c0.tokens, "batch": c0.batch, "depth": depth,
+            "model": model, "commit": commit_of(model), "case": case, "resolution": c0.resolution, "height": c0.height, "frames": c0.frames, "tokens": c0.tokens, "batch": c0.batch, "depth": depth,
             "budget_bytes": null, "repeats": per.len(),
             "step_resident_s": r.median, "step_resident_s_min": r.min, "step_resident_s_max": r.max,
             "step_streamed_s": s.median, "step_streamed_s_min": s.min, "step_streamed_s_max": s.max,
@@ -653,7 +748,7 @@ pub fn merge(runs: &[RunDoc], anchors: &[AnchorDoc], min_repeats: usize) -> Resu
             _ => (None, None),
         };
         anchor_rows.push(json!({
-            "name": format!("diffusers {mode}"), "model": model, "case": case, "resolution": per[0].resolution, "tokens": per[0].tokens,
+            "name": format!("diffusers {mode}"), "model": model, "case": case, "resolution": per[0].resolution, "height": per[0].height, "frames": per[0].frames, "tokens": per[0].tokens,
             "batch": per[0].batch, "mode": mode, "repeats": per.len(), "versions": anchors.first().map(|a| a.versions.clone()),
             "step_streamed_s": s.median, "step_streamed_s_min": s.min, "step_streamed_s_max": s.max,
             "streamed_bytes": if mode == "resident" { 0 } else { per[0].model_bytes }, "bound_s": bound, "ratio_to_bound": ratio,

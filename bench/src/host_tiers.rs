@@ -740,7 +740,7 @@ mod run {
             if write_s > 0.0 { format!(", written in {write_s:.1} s") } else { String::new() }
         );
         let prefixes: Vec<&str> = model.stacks.iter().map(|s| s.prefix).collect();
-        let dims = crate::cuda::dims_of(model, c)?;
+        let dims = crate::cuda::dims(model, c)?;
         let mut doc = HostTierRun {
             commit: commit.into(),
             gpu,
@@ -840,7 +840,7 @@ mod run {
             let store_build_s = store.tier().build_s;
             let mut net = RefNet::new(&be, dims, c.resolution as u64).map_err(err)?;
             let mut ring = Ring::new(be.clone(), store.clone(), &rc).map_err(err)?;
-            crate::cuda::step_once(&be, model, &mut net, &mut ring).map_err(err)?;
+            crate::cuda::step(&be, model, &mut net, &mut ring, None).map_err(err)?;
             be.synchronize().map_err(err)?;
             let start_s = t0.elapsed().as_secs_f64();
             let first_step_unix_s = unix_s();
@@ -852,19 +852,13 @@ mod run {
                 store.tier().copy_reason.as_deref().map(|r| format!(": {r}")).unwrap_or_default(),
                 gib(rss)
             );
-            let mut times = Vec::new();
-            let mut step_bytes = 0;
-            let mut disk_bytes = 0;
-            for _ in 0..if mode == "disk" { disk_steps } else { steps } {
-                be.synchronize().map_err(err)?;
-                let before = ring.metrics().bytes_copied;
-                let t = Instant::now();
-                let m = crate::cuda::step_once(&be, model, &mut net, &mut ring).map_err(err)?;
-                be.synchronize().map_err(err)?;
-                times.push(t.elapsed().as_secs_f64());
-                step_bytes = ring.metrics().bytes_copied - before;
-                disk_bytes = m.disk_bytes_read;
-            }
+            let sync = || be.synchronize().map_err(err);
+            let (times, (step_bytes, disk_bytes)) =
+                crate::harness::timed((0, if mode == "disk" { disk_steps } else { steps }), &sync, &mut || {
+                    let before = ring.metrics().bytes_copied;
+                    let m = crate::cuda::step(&be, model, &mut net, &mut ring, None).map_err(err)?;
+                    Ok((ring.metrics().bytes_copied - before, m.disk_bytes_read))
+                })?;
             let (end_unix_s, rss_end, rss_file_end) =
                 (unix_s(), host_rss_beyond_page_cache().unwrap_or(0), offload_core::host_rss_file_bytes().unwrap_or(0));
             let out = net.output().map_err(err)?;
@@ -873,14 +867,10 @@ mod run {
             if resident_out.is_none() {
                 let rc = resolve(&Plan::resident(), std::slice::from_ref(&inv)).map_err(err)?.components.remove(0);
                 let mut ring = Ring::new(be.clone(), store.clone(), &rc).map_err(err)?;
-                crate::cuda::step_once(&be, model, &mut net, &mut ring).map_err(err)?;
-                for _ in 0..steps {
-                    be.synchronize().map_err(err)?;
-                    let t = Instant::now();
-                    crate::cuda::step_once(&be, model, &mut net, &mut ring).map_err(err)?;
-                    be.synchronize().map_err(err)?;
-                    doc.steps_resident_s.push(t.elapsed().as_secs_f64());
-                }
+                let (times, _) = crate::harness::timed((1, steps), &sync, &mut || {
+                    crate::cuda::step(&be, model, &mut net, &mut ring, None).map_err(err).map(drop)
+                })?;
+                doc.steps_resident_s = times;
                 resident_out = Some(net.output().map_err(err)?);
                 ring.close().map_err(err)?;
             }

@@ -106,11 +106,14 @@ impl Stack {
 pub struct Case {
     /// Case name (`1024`, `1328`, `480x832x21`, `512`).
     pub name: String,
-    /// Image side in pixels (the width for video; 0 for a text encoder).
+    /// Image width in pixels (0 for a text encoder).
     pub resolution: usize,
+    /// Image height in pixels (`resolution` for a square; 0 for a text encoder).
+    pub height: usize,
     /// Latent frames (1 for images, 0 for a text encoder).
     pub frames: usize,
-    /// Image tokens (latent side / patch)².
+    /// Image tokens per sample: (height / 16) × (width / 16) per latent frame
+    /// (a VAE decoder: its latent pixels, (height / 8) × (width / 8)).
     pub image_tokens: usize,
     /// Text tokens.
     pub text_tokens: usize,
@@ -267,14 +270,75 @@ pub fn first_blocks(model: &Model, k: usize) -> Model {
 }
 
 /// An image case of `res`² pixels with the text tokens of `model`'s first case
-/// (one token per 16 × 16 pixels), named by its side.
+/// (one token per 16 × 16 pixels), named by its side (`zoo run --res`).
 pub fn extra_image_case(model: &Model, res: usize) -> Case {
     image_case(res, model.cases.first().map_or(512, |c| c.text_tokens))
 }
 
 fn image_case(res: usize, text_tokens: usize) -> Case {
-    // Both models: an 8× VAE and 2 × 2 patches, so one token per 16 × 16 pixels.
-    Case { name: res.to_string(), resolution: res, frames: 1, image_tokens: (res / 16) * (res / 16), text_tokens, batch: 1 }
+    // An 8× VAE and 2 × 2 patches: one token per 16 × 16 pixels.
+    Case { name: res.to_string(), resolution: res, height: res, frames: 1, image_tokens: (res / 16) * (res / 16), text_tokens, batch: 1 }
+}
+
+/// A case a user names (`zoo run --size WxH --batch N --frames F`): `width` ×
+/// `height` pixels, `batch` samples per call (`None`: the model's own, 2 where it
+/// batches classifier-free guidance), `frames` video frames (1 for an image).
+/// Tokens follow the model's patching: 16 × 16 pixels a token (an 8× VAE, 2 × 2
+/// patches); a video model (Wan) also compresses time 4× ((F − 1) / 4 + 1 latent
+/// frames); a VAE decoder takes (H / 8) × (W / 8) latent pixels. Named by all of
+/// it: `1344x768 b2 f1`.
+pub fn user_case(model: &Model, width: usize, height: usize, batch: Option<usize>, frames: usize) -> Result<Case, String> {
+    let at = format!("{} {width}x{height} f{frames}", model.name);
+    let kinds = |k: BlockKind| model.stacks.iter().any(|s| s.kind == k);
+    if model.in_channels == 0 {
+        return Err(format!("{at}: a text encoder has no image size (its case is its text tokens)"));
+    }
+    let px = if kinds(BlockKind::VaeUp) { 8 } else { 16 };
+    if width == 0 || height == 0 || width % px != 0 || height % px != 0 {
+        return Err(format!("{at}: width and height are positive multiples of {px} pixels for {}", model.name));
+    }
+    let video = kinds(BlockKind::Wan);
+    let latent_frames = match (video, frames) {
+        (_, 0) => return Err(format!("{at}: at least one frame")),
+        (false, 1) => 1,
+        (false, _) => return Err(format!("{at}: {} makes images (--frames 1), not video", model.name)),
+        (true, f) if (f - 1) % 4 == 0 => (f - 1) / 4 + 1,
+        (true, f) => return Err(format!("{at}: {f} frames; Wan's VAE takes 4k + 1 frames (1, 5, 9, …, 81)")),
+    };
+    let batch = batch.unwrap_or_else(|| model.cases.first().map_or(1, |c| c.batch));
+    if batch == 0 {
+        return Err(format!("{at}: a batch of at least 1"));
+    }
+    Ok(Case {
+        name: format!("{width}x{height} b{batch} f{frames}"),
+        resolution: width,
+        height,
+        frames: latent_frames,
+        image_tokens: (height / px) * (width / px) * latent_frames,
+        text_tokens: model.cases.first().map_or(0, |c| c.text_tokens),
+        batch,
+    })
+}
+
+/// The case `--size WxH --batch N --frames F` name ([`user_case`]); `None` when
+/// none of the three is given. A size left out is the model's first case's.
+pub fn case_from_args(model: &Model, size: Option<&str>, batch: Option<&str>, frames: Option<&str>) -> Result<Option<Case>, String> {
+    if size.is_none() && batch.is_none() && frames.is_none() {
+        return Ok(None);
+    }
+    let first = model.cases.first().ok_or_else(|| format!("{} has no case", model.name))?;
+    let (width, height) = match size {
+        None => (first.resolution, first.height),
+        Some(s) => {
+            let (w, h) = s.split_once('x').ok_or_else(|| format!("--size {s}: WIDTHxHEIGHT in pixels (1344x768)"))?;
+            let px = |v: &str| v.parse::<usize>().map_err(|_| format!("--size {s}: WIDTHxHEIGHT in pixels (1344x768)"));
+            (px(w)?, px(h)?)
+        }
+    };
+    let num = |name: &str, v: &str| v.parse::<usize>().map_err(|_| format!("{name}: not a number: {v}"));
+    let batch = batch.map(|b| num("--batch", b)).transpose()?;
+    let frames = frames.map_or(Ok(1), |f| num("--frames", f))?;
+    user_case(model, width, height, batch, frames).map(Some)
 }
 
 /// Flux-dev: 19 dual-stream + 38 single-stream blocks, hidden 3072, T5 text
@@ -447,6 +511,7 @@ pub fn tiny(model: &Model) -> Model {
         cases: vec![Case {
             name: "64".into(),
             resolution: 64,
+            height: 64,
             frames: 1,
             image_tokens: 16,
             text_tokens: 8,
@@ -477,7 +542,7 @@ fn tiny_encoder(model: &Model, h: usize, hd: usize, mlp: usize) -> Model {
         text_dim: h,
         stacks,
         globals,
-        cases: vec![Case { name: "8".into(), resolution: 0, frames: 0, image_tokens: 0, text_tokens: 8, batch: 1 }],
+        cases: vec![Case { name: "8".into(), resolution: 0, height: 0, frames: 0, image_tokens: 0, text_tokens: 8, batch: 1 }],
         reference: Value::Null,
         ..model.clone()
     }
@@ -532,7 +597,15 @@ pub fn sd35_large() -> Model {
         stacks: vec![s],
         globals: g,
         // Text: 77 CLIP tokens + 256 T5 tokens; classifier-free guidance batched (2).
-        cases: vec![Case { name: "1024".into(), resolution: 1024, frames: 1, image_tokens: 4096, text_tokens: 333, batch: 2 }],
+        cases: vec![Case {
+            name: "1024".into(),
+            resolution: 1024,
+            height: 1024,
+            frames: 1,
+            image_tokens: 4096,
+            text_tokens: 333,
+            batch: 2,
+        }],
         reference: json!({"module": "diffusers", "class": "SD3Transformer2DModel",
             "config": {"sample_size": 128, "patch_size": 2, "in_channels": 16, "num_layers": 38, "attention_head_dim": 64,
                        "num_attention_heads": 38, "joint_attention_dim": 4096, "caption_projection_dim": 2432,
@@ -579,6 +652,7 @@ pub fn wan21_t2v_14b() -> Model {
     let case = |frames: usize| Case {
         name: format!("480x832x{frames}"),
         resolution: 832,
+        height: 480,
         frames,
         image_tokens: 30 * 52 * frames,
         text_tokens: 512,
@@ -655,7 +729,15 @@ pub fn z_image_turbo() -> Model {
             stack("layers", 30, BlockKind::ZImage, zimage_params(h, 128, ffn, true)),
         ],
         globals: g,
-        cases: vec![Case { name: "1024".into(), resolution: 1024, frames: 1, image_tokens: 4096, text_tokens: 512, batch: 1 }],
+        cases: vec![Case {
+            name: "1024".into(),
+            resolution: 1024,
+            height: 1024,
+            frames: 1,
+            image_tokens: 4096,
+            text_tokens: 512,
+            batch: 1,
+        }],
         reference: json!({"module": "diffusers", "class": "ZImageTransformer2DModel", "config": {}}),
     }
 }
@@ -679,7 +761,7 @@ pub fn t5_xxl() -> Model {
         calls_per_step: 1,
         stacks: vec![s],
         globals: vec![Param::new("shared.weight", &[32128, h]), Param::new("encoder.final_layer_norm.weight", &[h])],
-        cases: vec![Case { name: "512".into(), resolution: 0, frames: 0, image_tokens: 0, text_tokens: 512, batch: 1 }],
+        cases: vec![Case { name: "512".into(), resolution: 0, height: 0, frames: 0, image_tokens: 0, text_tokens: 512, batch: 1 }],
         reference: json!({"module": "transformers", "class": "T5EncoderModel", "config_class": "T5Config",
             "config": {"d_model": 4096, "d_ff": 10240, "d_kv": 64, "num_heads": 64, "num_layers": 24, "vocab_size": 32128,
                        "feed_forward_proj": "gated-gelu", "is_encoder_decoder": false}}),
@@ -740,7 +822,7 @@ pub fn qwen25_vl_7b_text() -> Model {
         calls_per_step: 1,
         stacks: vec![stack("layers", 28, BlockKind::Decoder, p)],
         globals: vec![Param::new("embed_tokens.weight", &[152064, h]), Param::new("norm.weight", &[h])],
-        cases: vec![Case { name: "512".into(), resolution: 0, frames: 0, image_tokens: 0, text_tokens: 512, batch: 1 }],
+        cases: vec![Case { name: "512".into(), resolution: 0, height: 0, frames: 0, image_tokens: 0, text_tokens: 512, batch: 1 }],
         reference: json!({"module": "transformers", "class": "Qwen2_5_VLTextModel", "config_class": "Qwen2_5_VLTextConfig",
             "config": {"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
                        "num_key_value_heads": 4, "vocab_size": 152064}}),
@@ -818,7 +900,15 @@ fn vae_decoder(name: &'static str, latent: usize, ch: [usize; 4], side: usize, r
         calls_per_step: 1,
         stacks: vec![up],
         globals: g,
-        cases: vec![Case { name: side.to_string(), resolution: side, frames: 1, image_tokens: lat * lat, text_tokens: 0, batch: 1 }],
+        cases: vec![Case {
+            name: side.to_string(),
+            resolution: side,
+            height: side,
+            frames: 1,
+            image_tokens: lat * lat,
+            text_tokens: 0,
+            batch: 1,
+        }],
         reference,
     }
 }
@@ -865,9 +955,9 @@ pub fn dual_names(model: &Model) -> DualNames {
 
 /// The registry as JSON: per model, every parameter's name and shape and the
 /// reference to compare with.
-pub fn to_json() -> Value {
+pub fn to_json(models: &[Model]) -> Value {
     Value::Array(
-        models()
+        models
             .iter()
             .map(|m| {
                 let params: serde_json::Map<String, Value> = m.params().into_iter().map(|p| (p.name, json!(p.shape))).collect();

@@ -145,7 +145,6 @@ mod run {
     use offload_cuda::reference::RefNet;
     use offload_cuda::{CudaBackend, RelayOptions};
     use std::sync::Arc;
-    use std::time::Instant;
 
     fn err(what: impl std::fmt::Display) -> String {
         format!("relay: {what}")
@@ -164,18 +163,12 @@ mod run {
     ) -> Result<(Vec<f64>, u64, Vec<u16>), String> {
         let rc = resolve(plan, std::slice::from_ref(inv)).map_err(err)?.components.remove(0);
         let mut ring = Ring::new(be.clone(), store.clone(), &rc).map_err(err)?;
-        crate::cuda::step_once(be, model, net, &mut ring).map_err(err)?;
-        let mut times = Vec::new();
-        let mut bytes = 0;
-        for _ in 0..n {
-            be.synchronize().map_err(err)?;
+        let sync = || be.synchronize().map_err(err);
+        let (times, bytes) = crate::harness::timed((1, n), &sync, &mut || {
             let before = ring.metrics().bytes_copied;
-            let t = Instant::now();
-            crate::cuda::step_once(be, model, net, &mut ring).map_err(err)?;
-            be.synchronize().map_err(err)?;
-            times.push(t.elapsed().as_secs_f64());
-            bytes = ring.metrics().bytes_copied - before;
-        }
+            crate::cuda::step(be, model, net, &mut ring, None).map_err(err)?;
+            Ok(ring.metrics().bytes_copied - before)
+        })?;
         let out = net.output().map_err(err)?;
         ring.close().map_err(err)?;
         Ok((times, bytes, out))
@@ -185,7 +178,7 @@ mod run {
     /// (both on device 0), resident, single-link and relayed steps, bandwidths.
     pub fn run(model: &Model, case: &str, depth: usize, n: usize, helpers: &[usize], commit: &str) -> Result<RelayRun, String> {
         let c = model.case(case)?;
-        let dims = crate::cuda::dims_of(model, c)?;
+        let dims = crate::cuda::dims(model, c)?;
         let single = CudaBackend::new(0).map_err(err)?;
         let relayed = CudaBackend::new(0).map_err(err)?;
         let info = relayed

@@ -4,7 +4,7 @@
 
 use crate::harness::{check_output, CpuCheck};
 #[cfg(feature = "tch-cuda")]
-use crate::harness::{RunCase, RunDoc, RunOptions as Options};
+use crate::harness::{RunDoc, RunOptions as Options};
 use crate::registry::{dual_names, BlockKind, Case, DualNames, Model};
 use offload_core::sim::SimBackend;
 #[cfg(feature = "tch-cuda")]
@@ -602,10 +602,10 @@ fn inputs(model: &Model, case: &Case, dev: Device) -> Inputs {
     let r = |s: &[i64]| Tensor::randn(s, (Kind::Float, dev)).to_kind(Kind::BFloat16);
     let (b, n, t) = (case.batch as i64, case.image_tokens as i64, case.text_tokens as i64);
     if model.stacks.iter().any(|s| s.kind == BlockKind::VaeUp) {
-        // A VAE decoder: latents `[B, C, side/8, side/8]`.
-        let side = (case.resolution / 8) as i64;
+        // A VAE decoder: latents `[B, C, height/8, width/8]`.
+        let (lh, lw) = ((case.height / 8) as i64, (case.resolution / 8) as i64);
         return Inputs {
-            latents: r(&[b, model.in_channels as i64, side, side]),
+            latents: r(&[b, model.in_channels as i64, lh, lw]),
             text: Tensor::zeros([0], (Kind::BFloat16, dev)),
             pooled: None,
             t: 0.0,
@@ -691,21 +691,12 @@ pub fn run(model: &Model, opts: &Options) -> Result<RunDoc, String> {
     let vars = vs.variables();
     tch::Cuda::synchronize(0);
     eprintln!("{}: {} parameters built in {:.1} s", model.name, vars.len(), t0.elapsed().as_secs_f64());
-    let sync = || tch::Cuda::synchronize(0);
-    let timed = |i: &Inputs, off: &mut Option<&mut TchOffload<TchCudaBackend>>| -> Result<(Vec<f64>, Tensor), String> {
-        let mut out = None;
-        for _ in 0..opts.warmup {
-            out = Some(net.step(i, off.as_deref_mut()).map_err(err)?);
-        }
-        let mut times = Vec::new();
-        for _ in 0..opts.steps {
-            sync();
-            let t = Instant::now();
-            out = Some(net.step(i, off.as_deref_mut()).map_err(err)?);
-            sync();
-            times.push(t.elapsed().as_secs_f64());
-        }
-        out.map(|o| (times, o)).ok_or_else(|| err("no steps"))
+    let sync = || {
+        tch::Cuda::synchronize(0);
+        Ok(())
+    };
+    let timed = |i: &Inputs, off: &mut Option<&mut TchOffload<TchCudaBackend>>| {
+        crate::harness::timed((opts.warmup, opts.steps), &sync, &mut || net.step(i, off.as_deref_mut()).map_err(err))
     };
     // Resident: every parameter on the GPU.
     struct Resident {
@@ -716,7 +707,7 @@ pub fn run(model: &Model, opts: &Options) -> Result<RunDoc, String> {
     let mut resident = Vec::new();
     for c in &cases {
         let i = inputs(model, c, dev);
-        sync();
+        tch::Cuda::synchronize(0);
         let before = stats()?.allocated;
         offload_tch::reset_allocator_peak(0).map_err(err)?;
         let (times, out) = timed(&i, &mut None)?;
@@ -730,7 +721,6 @@ pub fn run(model: &Model, opts: &Options) -> Result<RunDoc, String> {
     let mut off = TchOffload::new(be.clone(), &vs, "transformer", &prefixes(model), &plan).map_err(err)?;
     let store = off.ring().store().clone();
     let facts = crate::harness::store_facts(&be, &store, t).map_err(err)?;
-    let (total, bandwidth) = (facts.total, facts.bandwidth);
     let resident_bytes = model.global_bytes(2);
     // The tensors' own bytes (SD3.5's 64-wide norms leave padding between them).
     if facts.payload != model.block_bytes(2) {
@@ -742,7 +732,7 @@ pub fn run(model: &Model, opts: &Options) -> Result<RunDoc, String> {
         for &d in &opts.depths {
             off.replan(&Plan::layerwise().prefetch_depth(d)).map_err(err)?;
             be.synchronize().map_err(err)?;
-            sync();
+            tch::Cuda::synchronize(0);
             be.reset_peak();
             let live_slots = be.counters().live_bytes;
             let before = stats()?.allocated;
@@ -753,34 +743,9 @@ pub fn run(model: &Model, opts: &Options) -> Result<RunDoc, String> {
             let weights = be.counters().peak_bytes + resident_bytes;
             let other = before.saturating_sub(live_slots + resident_bytes);
             let derived = peak.saturating_sub(other).saturating_sub(r.activations);
-            let equal = host_bytes(&out) == r.out;
-            let (finite, nonconstant) = check_output(&host_f32(&out));
-            let misses = off.ring().metrics().misses - misses0;
-            let streamed = median(&times);
-            let bound = median(&r.times).max(total as f64 / bandwidth);
-            eprintln!(
-                "{} {} d={d}: streamed {streamed:.4} s, bound {bound:.4} s, ratio {:.4}, weights {:.2} GiB (derived {:.2}), \
-                 bitwise_equal {equal}, finite {finite}, nonconstant {nonconstant}, misses {misses}",
-                model.name,
-                c.name,
-                streamed / bound,
-                gib(weights),
-                gib(derived)
-            );
-            out_cases.push(RunCase {
-                steps_resident_s: r.times.clone(),
-                steps_streamed_s: times,
-                streamed_bytes: total,
-                bandwidth_gbps: bandwidth / 1e9,
-                weights_device_bytes: weights,
-                weights_device_bytes_derived: derived,
-                activations_peak_bytes: r.activations,
-                bitwise_equal: equal,
-                output_finite: finite,
-                output_nonconstant: nonconstant,
-                misses,
-                ..RunCase::head(model, c, d)
-            });
+            let (equal, values, misses) = (host_bytes(&out) == r.out, host_f32(&out), off.ring().metrics().misses - misses0);
+            let s = crate::harness::Streamed { times, equal, values, weights, derived, misses };
+            out_cases.push(crate::harness::streamed_row(model, c, d, (&r.times, r.activations), &facts, s));
         }
     }
     off.close().map_err(err)?;
@@ -808,8 +773,10 @@ pub fn check_cpu(model: &Model) -> Result<CpuCheck, String> {
     let blocks = off.ring().metrics().blocks;
     let block_payload_bytes = crate::harness::block_payload_bytes(off.ring().store());
     off.close().map_err(err)?;
-    let (finite, nonconstant) = check_output(&host_f32(&streamed));
-    Ok(CpuCheck { bitwise_equal: host_bytes(&streamed) == host_bytes(&resident), finite, nonconstant, blocks, block_payload_bytes })
+    let values = host_f32(&streamed);
+    let (finite, nonconstant) = check_output(&values);
+    let bitwise_equal = host_bytes(&streamed) == host_bytes(&resident);
+    Ok(CpuCheck { bitwise_equal, finite, nonconstant, blocks, output_elements: values.len(), block_payload_bytes })
 }
 
 #[cfg(test)]

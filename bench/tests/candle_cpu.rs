@@ -38,3 +38,18 @@ fn calibration_times_every_block_of_the_step() {
         assert!(t.iter().all(|&x| x.is_finite() && x > 0.0), "{}: {t:?}", m.name);
     }
 }
+
+#[test]
+fn a_users_non_square_batched_case_runs_at_its_own_shape() {
+    // 96 × 32 pixels, batch 2: 6 × 2 tokens a sample, 64 channels out; a case that
+    // ignored --size or --batch would give another count.
+    for m in [registry::flux_dev(), registry::qwen_image(), registry::sd35_large()] {
+        let mut tiny = registry::tiny(&m);
+        let case = registry::case_from_args(&tiny, Some("96x32"), Some("2"), None).unwrap().unwrap();
+        assert_eq!((case.name.as_str(), case.image_tokens, case.batch), ("96x32 b2 f1", 12, 2), "{}", m.name);
+        tiny.cases = vec![case];
+        let c = offload_bench::candle::check_cpu(&tiny).unwrap_or_else(|e| panic!("{}: {e}", m.name));
+        assert!(c.bitwise_equal && c.finite && c.nonconstant, "{}: {c:?}", m.name);
+        assert_eq!(c.output_elements, 2 * 12 * 64, "{}: output elements", m.name);
+    }
+}

@@ -104,3 +104,38 @@ fn short_runs_keep_the_first_blocks_and_add_a_case() {
     let c = registry::extra_image_case(&flux, 256);
     assert_eq!((c.name.as_str(), c.image_tokens, c.text_tokens), ("256", 256, 512));
 }
+
+#[test]
+fn a_users_case_follows_each_models_patching_and_says_all_of_it() {
+    let case = |m: &str, size: Option<&str>, batch: Option<&str>, frames: Option<&str>| {
+        registry::case_from_args(&registry::model(m).unwrap(), size, batch, frames)
+    };
+    assert!(case("flux-dev", None, None, None).unwrap().is_none(), "no option, no case");
+    // Flux: (H/16)·(W/16) image tokens, T5's 512 text tokens, the batch asked.
+    let c = case("flux-dev", Some("1344x768"), Some("2"), None).unwrap().unwrap();
+    assert_eq!((c.name.as_str(), c.resolution, c.height, c.batch, c.frames), ("1344x768 b2 f1", 1344, 768, 2, 1));
+    assert_eq!((c.image_tokens, c.text_tokens), (48 * 84, 512));
+    // SD3.5 batches classifier-free guidance: its own batch unless one is given.
+    let c = case("sd3.5-large", Some("768x1344"), None, None).unwrap().unwrap();
+    assert_eq!((c.name.as_str(), c.image_tokens, c.batch), ("768x1344 b2 f1", 84 * 48, 2));
+    // Wan: 81 frames are 21 latent frames (4× in time), 30 × 52 tokens each: the
+    // registry's own 480x832x21 case; a batch alone keeps the model's size.
+    let wan = registry::model("wan2.1-t2v-14b").unwrap();
+    let c = case("wan2.1-t2v-14b", Some("832x480"), None, Some("81")).unwrap().unwrap();
+    assert_eq!((c.name.as_str(), c.frames, c.image_tokens), ("832x480 b1 f81", 21, wan.case("480x832x21").unwrap().image_tokens));
+    let c = case("wan2.1-t2v-14b", None, Some("2"), Some("33")).unwrap().unwrap();
+    assert_eq!((c.name.as_str(), c.frames, c.image_tokens, c.batch), ("832x480 b2 f33", 9, 30 * 52 * 9, 2));
+    // Flux's VAE decoder: 8 pixels a latent pixel.
+    let c = case("flux-vae", Some("1344x768"), None, None).unwrap().unwrap();
+    assert_eq!(c.image_tokens, 96 * 168);
+    for (m, size, frames, says) in [
+        ("flux-dev", Some("1344x760"), None, "multiples of 16"),
+        ("flux-dev", Some("1344"), None, "WIDTHxHEIGHT"),
+        ("flux-dev", None, Some("5"), "makes images"),
+        ("wan2.1-t2v-14b", None, Some("80"), "4k + 1"),
+        ("t5-xxl", Some("1024x1024"), None, "text encoder"),
+    ] {
+        let e = case(m, size, None, frames).unwrap_err();
+        assert!(e.contains(says), "{m} {size:?} {frames:?}: {e}");
+    }
+}

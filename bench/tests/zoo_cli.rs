@@ -85,3 +85,35 @@ fn a_host_tier_merge_of_differing_plans_names_the_files() {
     assert!(err.contains(&format!("run 1 is {}, run 2 is {}", files[0], files[1])), "{err}");
     assert!(!out.exists(), "no merged file written");
 }
+
+/// `zoo registry --size --batch --frames` writes the user's case into every model
+/// that takes it (what the anchors read), and `zoo run` refuses a bad one by name.
+#[test]
+fn a_users_case_reaches_the_registry_file_and_bad_ones_are_named() {
+    let dir = std::env::temp_dir().join(format!("zoo-cli-case-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("registry.json");
+    let out = Command::new(env!("CARGO_BIN_EXE_zoo"))
+        .args(["registry", "--json", path.to_str().unwrap(), "--size", "1344x768", "--batch", "2"])
+        .output()
+        .expect("zoo runs");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let doc: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let cases = |m: &str| doc.as_array().unwrap().iter().find(|x| x["name"] == m).unwrap()["cases"].as_array().unwrap().clone();
+    let flux = cases("flux-dev");
+    let c = flux.iter().find(|c| c["name"] == "1344x768 b2 f1").expect("the user's case");
+    assert_eq!((c["resolution"].as_u64(), c["height"].as_u64(), c["batch"].as_u64()), (Some(1344), Some(768), Some(2)));
+    assert_eq!(c["image_tokens"].as_u64(), Some(48 * 84));
+    assert_eq!(flux.len(), 3, "the registry's own cases stay");
+    assert!(cases("t5-xxl").iter().all(|c| c["name"] == "512"), "a text encoder takes no image size");
+    std::fs::remove_dir_all(&dir).unwrap();
+    for (args, says) in [
+        (&["--model", "flux-dev", "--size", "1344x760", "--out", "x"][..], "multiples of 16"),
+        (&["--model", "flux-dev", "--frames", "9", "--out", "x"][..], "makes images"),
+        (&["--model", "flux-dev", "--size", "512x512", "--res", "512", "--out", "x"][..], "give one or the other"),
+    ] {
+        let (ok, err) = run(args);
+        assert!(!ok, "{args:?} succeeded");
+        assert!(err.contains(says), "{args:?}: {err}");
+    }
+}

@@ -1,10 +1,16 @@
 //! `zoo`: the bench room's driver.
 //!
 //! ```text
-//! zoo registry [--json F]                      the registry (names, shapes, references) as JSON
+//! zoo registry [--json F] [--size WxH] [--batch N] [--frames F]
+//!                                              the registry (names, shapes, references) as JSON; with a
+//!                                              user's case, every model that takes it holds it too
 //! zoo run --backend tch|candle|cuda --model M [--cases 1024,2048] [--blocks K] [--res R] [--depths 1,2,auto (auto: the planner's depth, candle)] [--steps 5] [--warmup 1] [--commit C] --out F
-//!         [--budgets 8,12,16] [--trace F] [--no-gemm] [--coded]
-//!                                              one process run (needs a GPU); cuda and candle: --budgets (per case,
+//!         [--size WxH] [--batch N] [--frames F] [--budgets 8,12,16] [--trace F] [--no-gemm] [--coded]
+//!                                              one process run (needs a GPU). --size/--batch/--frames: a user's
+//!                                              case (`1344x768 b2 f1`; a size left out is the model's first
+//!                                              case's, the batch the model's own, frames 1; video: 4k + 1 frames),
+//!                                              the run's only case unless --cases names others; --res R: an
+//!                                              extra square case named R, batch 1. cuda and candle: --budgets (per case,
 //!                                              the planner's choice under each device budget in GiB, calibrated from
 //!                                              resident steps of this process); cuda only: --trace (a Chrome trace of one extra
 //!                                              streamed step: first case, first depth), --no-gemm (GEMMs skipped:
@@ -51,12 +57,15 @@ fn opt<'a>(args: &'a [String], name: &str) -> Option<&'a str> {
 }
 
 /// `zoo run`'s options that take a value.
-const RUN_OPTIONS: [&str; 13] = [
+const RUN_OPTIONS: [&str; 16] = [
     "--backend",
     "--model",
     "--out",
     "--blocks",
     "--res",
+    "--size",
+    "--batch",
+    "--frames",
     "--cases",
     "--depths",
     "--steps",
@@ -136,11 +145,18 @@ fn merge_args<'a>(args: &'a [String], second: &str) -> Result<MergeArgs<'a>, Str
 fn run(args: &[String]) -> Result<(), String> {
     match args.first().map(String::as_str) {
         Some("registry") => {
-            let doc = registry::to_json();
+            // With a user's case: every model that takes it holds it too (the anchors read it here).
+            let mut models = registry::models();
+            for m in &mut models {
+                if let Ok(Some(c)) = registry::case_from_args(m, opt(args, "--size"), opt(args, "--batch"), opt(args, "--frames")) {
+                    m.cases.push(c);
+                }
+            }
+            let doc = registry::to_json(&models);
             match opt(args, "--json") {
                 Some(p) => write(p, &doc),
                 None => {
-                    for m in registry::models() {
+                    for m in models {
                         println!(
                             "{}: {} parameters, {:.2} GiB of bf16 blocks in {} (largest {:.3} GiB), cases {}",
                             m.name,
@@ -240,6 +256,10 @@ fn run(args: &[String]) -> Result<(), String> {
             if let Some(k) = opt(args, "--blocks") {
                 model = registry::first_blocks(&model, k.parse().map_err(|_| format!("--blocks: not a number: {k}"))?);
             }
+            let user = registry::case_from_args(&model, opt(args, "--size"), opt(args, "--batch"), opt(args, "--frames"))?;
+            if user.is_some() && opt(args, "--res").is_some() {
+                return Err("--res is --size RxR --batch 1: give one or the other".into());
+            }
             if let Some(r) = opt(args, "--res") {
                 let res: usize = r.parse().map_err(|_| format!("--res: not a number: {r}"))?;
                 if res == 0 || res % 16 != 0 {
@@ -256,9 +276,18 @@ fn run(args: &[String]) -> Result<(), String> {
             let num = |name: &str, default: usize| -> Result<usize, String> {
                 opt(args, name).map_or(Ok(default), |v| v.parse().map_err(|_| format!("{name}: not a number: {v}")))
             };
-            let cases = match opt(args, "--cases") {
-                Some(_) => list("--cases", ""),
-                None => model.cases.iter().map(|c| c.name.clone()).collect(),
+            // A user's case is the run's only case unless --cases names others.
+            let cases = match (opt(args, "--cases"), user) {
+                (Some(_), u) => {
+                    model.cases.extend(u);
+                    list("--cases", "")
+                }
+                (None, Some(u)) => {
+                    let name = u.name.clone();
+                    model.cases.push(u);
+                    vec![name]
+                }
+                (None, None) => model.cases.iter().map(|c| c.name.clone()).collect(),
             };
             // `auto`: also the depth the planner chooses for a fully streamed ring.
             let depth_args = list("--depths", "1");

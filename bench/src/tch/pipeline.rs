@@ -32,7 +32,7 @@ impl Pipeline {
         let dit = registry::flux_dev();
         let case = dit.case(res)?.clone();
         let mut vae = registry::flux_vae();
-        vae.cases = vec![Case { name: case.name.clone(), resolution: case.resolution, ..vae.cases[0].clone() }];
+        vae.cases = vec![Case { name: case.name.clone(), resolution: case.resolution, height: case.height, ..vae.cases[0].clone() }];
         Ok(Pipeline { encoder: registry::t5_xxl(), dit, vae, case, steps })
     }
 
@@ -96,10 +96,10 @@ fn at(base: &Inputs, latents: &Tensor, text: &Tensor, t: f64) -> Inputs {
     }
 }
 
-/// Flux's packed latents `[B, (s/16)², 64]` as an image's latents `[B, 16, s/8, s/8]`.
-fn unpack(x: &Tensor, res: usize) -> Tensor {
-    let (b, h) = (x.size()[0], (res / 16) as i64);
-    x.view([b, h, h, 16, 2, 2]).permute([0, 3, 1, 4, 2, 5]).reshape([b, 16, 2 * h, 2 * h])
+/// Flux's packed latents `[B, (H/16)·(W/16), 64]` as an image's latents `[B, 16, H/8, W/8]`.
+fn unpack(x: &Tensor, case: &Case) -> Tensor {
+    let (b, h, w) = (x.size()[0], (case.height / 16) as i64, (case.resolution / 16) as i64);
+    x.view([b, h, w, 16, 2, 2]).permute([0, 3, 1, 4, 2, 5]).reshape([b, 16, 2 * h, 2 * w])
 }
 
 /// One pass: encode, `steps` Euler steps of the DiT from `dit_in`'s noise, decode.
@@ -128,7 +128,7 @@ fn pass<B: TchSlots>(
     }
     mark(2);
     let t2 = Instant::now();
-    let z = unpack(&x, p.case.resolution);
+    let z = unpack(&x, &p.case);
     let image = match offs {
         Some(o) => {
             o.vae.replan(&Plan::resident())?;

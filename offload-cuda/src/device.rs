@@ -443,7 +443,7 @@ impl CudaBackend {
         }
         region.check()?;
         let reg = self.shared.regions.register(self.engine(), region, purpose)?;
-        Ok(PinnedHost::in_region(self.engine().clone(), reg, offset, bytes))
+        PinnedHost::in_region(self.engine().clone(), reg, offset, bytes)
     }
 
     /// The decode engine for a coded buffer, or why there is none.

@@ -140,6 +140,11 @@ impl Registration {
     pub(crate) fn base(&self) -> *mut u8 {
         self.base
     }
+
+    /// Bytes registered from [`base`](Self::base) (whole pages).
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
 }
 
 impl Drop for Registration {

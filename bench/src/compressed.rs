@@ -44,10 +44,7 @@ pub const BOUND_TARGET: f64 = 0.78;
 pub const COMPUTE_BOUND_TARGET: f64 = 1.01;
 
 fn s(xs: &[f64]) -> Value {
-    match spread(xs) {
-        Some(sp) => json!({"median": sp.median, "min": sp.min, "max": sp.max}),
-        None => Value::Null,
-    }
+    crate::harness::sp(spread(xs))
 }
 
 /// The results file from `runs` (at least `min_runs` process runs of one model,

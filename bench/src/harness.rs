@@ -518,6 +518,24 @@ pub fn spread(xs: &[f64]) -> Option<Spread> {
     Some(Spread { median, min: v[0], max: v[n - 1] })
 }
 
+/// `{"median", "min", "max"}` of `s`; null when there is none.
+pub fn sp(s: Option<Spread>) -> Value {
+    s.map_or(Value::Null, |s| json!({"median": s.median, "min": s.min, "max": s.max}))
+}
+
+/// [`sp`] of the spread of `xs`.
+pub fn spread_of(xs: impl IntoIterator<Item = f64>) -> Value {
+    sp(spread(&xs.into_iter().collect::<Vec<_>>()))
+}
+
+/// `doc`'s fields, then `extra`'s (both JSON objects).
+pub fn with_fields(mut doc: Value, extra: Value) -> Value {
+    if let (Some(d), Value::Object(e)) = (doc.as_object_mut(), extra) {
+        d.extend(e);
+    }
+    doc
+}
+
 /// Output checks on raw values: all finite, and not all equal.
 pub fn check_output(values: &[f32]) -> (bool, bool) {
     let finite = !values.is_empty() && values.iter().all(|v| v.is_finite());

@@ -13,7 +13,7 @@
 //! `O_DIRECT` read bandwidth measured in the same process (as many reads in
 //! flight as the ring's disk stream keeps, over the file's first 4 GiB).
 
-use crate::harness::{spread, Spread};
+use crate::harness::{sp, spread, spread_of, with_fields};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
@@ -218,17 +218,14 @@ pub fn merge_shared(runs: &[HostTierRun], min_groups: usize) -> Result<Value, St
     }
     // DESIGN's case fields over every process of every group. Not judged: each
     // process shared the link with the other while it streamed.
-    let mut case = design_case(first, &every, "mapped")?;
-    case.extend(
+    let case = with_fields(
+        design_case(first, &every, "mapped")?,
         json!({
             "mode": "mapped",
             "repeats": every.len(),
             "processes_at_once": every.len() / groups.len(),
             "ratio_note": "each process streamed while the other of its group did: the ratio is reported, not judged",
-        })
-        .as_object()
-        .cloned()
-        .unwrap_or_default(),
+        }),
     );
     Ok(with_head(
         first,
@@ -248,18 +245,17 @@ pub fn merge_shared(runs: &[HostTierRun], min_groups: usize) -> Result<Value, St
 /// A merged file: what every host-tier file begins with (date, commit, GPU,
 /// backend, model, file size), then `rest`'s fields.
 fn with_head(first: &HostTierRun, rest: Value) -> Value {
-    let mut doc = json!({
-        "date": std::env::var("BENCH_DATE").unwrap_or_default(),
-        "commit": first.commit,
-        "gpu": first.gpu,
-        "backend": "cuda",
-        "model": first.model,
-        "file_bytes": first.file_bytes,
-    });
-    if let (Some(d), Value::Object(r)) = (doc.as_object_mut(), rest) {
-        d.extend(r);
-    }
-    doc
+    with_fields(
+        json!({
+            "date": std::env::var("BENCH_DATE").unwrap_or_default(),
+            "commit": first.commit,
+            "gpu": first.gpu,
+            "backend": "cuda",
+            "model": first.model,
+            "file_bytes": first.file_bytes,
+        }),
+        rest,
+    )
 }
 
 /// What a run records of its plan for one mode, before anything is timed: the
@@ -396,11 +392,11 @@ fn per_run(per: &[(&HostTierRun, &TierRun)], mode: &str) -> Result<PerRun, Strin
 /// budget, resident and streamed step, bandwidth, bytes, bound, ratio, peak
 /// device bytes, bitwise), medians with min and max over `per`. These runs keep
 /// no device budget and do not record the device's peak: both are null.
-fn design_case(first: &HostTierRun, per: &[(&HostTierRun, &TierRun)], mode: &str) -> Result<serde_json::Map<String, Value>, String> {
+fn design_case(first: &HostTierRun, per: &[(&HostTierRun, &TierRun)], mode: &str) -> Result<Value, String> {
     let case = crate::registry::model(&first.model)?.case(&first.case)?.clone();
     let p = per_run(per, mode)?;
-    let col = |f: &dyn Fn(&TierRun) -> f64| sp(spread(&per.iter().map(|(_, m)| f(m)).collect::<Vec<_>>()));
-    let doc = json!({
+    let col = |f: &dyn Fn(&TierRun) -> f64| spread_of(per.iter().map(|(_, m)| f(m)));
+    Ok(json!({
         "model": first.model,
         "case": first.case,
         "resolution": case.resolution,
@@ -416,12 +412,7 @@ fn design_case(first: &HostTierRun, per: &[(&HostTierRun, &TierRun)], mode: &str
         "ratio_to_bound": sp(spread(&p.ratios)),
         "peak_device_bytes": Value::Null,
         "bitwise_equal": per.iter().all(|(_, m)| m.bitwise_equal && m.output_finite_nonconstant),
-    });
-    Ok(doc.as_object().cloned().unwrap_or_default())
-}
-
-fn sp(s: Option<Spread>) -> Value {
-    s.map_or(Value::Null, |s| json!({"median": s.median, "min": s.min, "max": s.max}))
+    }))
 }
 
 /// Medians with min and max over `runs` (at least `min_repeats`, one commit,
@@ -450,7 +441,7 @@ pub fn merge(runs: &[HostTierRun], min_repeats: usize) -> Result<Value, String> 
         }
         same_plan("merge-host-tiers", mode, runs, &per)?;
         let PerRun { steps, ratios, estimates, estimate_ratios, .. } = per_run(&per, mode)?;
-        let col = |f: &dyn Fn(&TierRun) -> f64| sp(spread(&per.iter().map(|(_, m)| f(m)).collect::<Vec<_>>()));
+        let col = |f: &dyn Fn(&TierRun) -> f64| spread_of(per.iter().map(|(_, m)| f(m)));
         let start = spread(&per.iter().map(|(_, m)| m.start_s).collect::<Vec<_>>());
         let rss = spread(&per.iter().map(|(_, m)| m.host_rss_bytes as f64).collect::<Vec<_>>());
         let ratio = spread(&ratios);
@@ -491,7 +482,6 @@ pub fn merge(runs: &[HostTierRun], min_repeats: usize) -> Result<Value, String> 
             _ => ratio.is_some_and(|s| s.median <= RATIO_TARGET) && bitwise,
         };
         meets_all &= meets;
-        let mut case = design_case(first, &per, mode)?;
         let extra = json!({
             "mode": mode,
             "repeats": per.len(),
@@ -511,8 +501,7 @@ pub fn merge(runs: &[HostTierRun], min_repeats: usize) -> Result<Value, String> 
             "copy_reason": per.iter().find_map(|(_, m)| m.copy_reason.clone()),
             "meets_targets": meets,
         });
-        case.extend(extra.as_object().cloned().unwrap_or_default());
-        cases.push(Value::Object(case));
+        cases.push(with_fields(design_case(first, &per, mode)?, extra));
     }
     Ok(with_head(
         first,
@@ -573,12 +562,11 @@ pub fn merge_coded_start(runs: &[HostTierRun], min_repeats: usize) -> Result<Val
         let per = runs.iter().map(|r| Ok((r, mode_of(r, mode)?))).collect::<Result<Vec<_>, String>>()?;
         let refs: Vec<(&HostTierRun, &TierRun)> = per.iter().map(|(r, m)| (*r, m)).collect();
         same_plan("merge-coded-start", mode, runs, &refs)?;
-        let col = |f: &dyn Fn(&TierRun) -> f64| sp(spread(&per.iter().map(|(_, m)| f(m)).collect::<Vec<_>>()));
+        let col = |f: &dyn Fn(&TierRun) -> f64| spread_of(per.iter().map(|(_, m)| f(m)));
         let bitwise = per.iter().all(|(_, m)| m.bitwise_equal && m.output_finite_nonconstant);
         let coded = per[0].1.coded_blocks;
         checks &= bitwise && coded > 0;
         starts.push(per.iter().map(|(_, m)| m.start_s).collect());
-        let mut case = design_case(first, &refs, mode)?;
         let extra = json!({
             "mode": mode,
             "repeats": per.len(),
@@ -588,8 +576,7 @@ pub fn merge_coded_start(runs: &[HostTierRun], min_repeats: usize) -> Result<Val
             "coded_blocks": coded,
             "host_bytes": per[0].1.host_bytes,
         });
-        case.extend(extra.as_object().cloned().unwrap_or_default());
-        cases.push(Value::Object(case));
+        cases.push(with_fields(design_case(first, &refs, mode)?, extra));
     }
     // Same shapes in both modes (the bound fields of `design_case` aside).
     if cases.iter().any(|c| c["host_bytes"] != cases[0]["host_bytes"]) {

@@ -7,7 +7,7 @@
 //! `bench/results/<date>-relay-x2.json` from three or more, every bound, ratio and
 //! speedup computed here.
 
-use crate::harness::{spread, Spread};
+use crate::harness::{sp, spread, spread_of};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
@@ -58,10 +58,6 @@ pub const RATIO_TARGET: f64 = 1.05;
 /// See [`RATIO_TARGET`].
 pub const SPEEDUP_TARGET: f64 = 1.8;
 
-fn sp(s: Option<Spread>) -> Value {
-    s.map_or(Value::Null, |s| json!({"median": s.median, "min": s.min, "max": s.max}))
-}
-
 /// Medians with min and max over `runs` (at least `min_repeats`, one commit,
 /// model, case and depth): the file.
 pub fn merge(runs: &[RelayRun], min_repeats: usize) -> Result<Value, String> {
@@ -90,10 +86,7 @@ pub fn merge(runs: &[RelayRun], min_repeats: usize) -> Result<Value, String> {
         ratios.push(relay / bound);
         speedups.push(single / relay);
     }
-    let col = |f: &dyn Fn(&RelayRun) -> Vec<f64>| {
-        let meds: Vec<f64> = runs.iter().filter_map(|r| spread(&f(r)).map(|s| s.median)).collect();
-        sp(spread(&meds))
-    };
+    let col = |f: &dyn Fn(&RelayRun) -> Vec<f64>| spread_of(runs.iter().filter_map(|r| spread(&f(r)).map(|s| s.median)));
     let (ratio, speedup) = (spread(&ratios), spread(&speedups));
     let bitwise = runs.iter().all(|r| r.bitwise_equal && r.output_finite_nonconstant);
     let carried = runs.iter().all(|r| r.relayed_bytes > 0);
@@ -109,8 +102,8 @@ pub fn merge(runs: &[RelayRun], min_repeats: usize) -> Result<Value, String> {
         "helpers": first.helpers,
         "helper_share": first.helper_share,
         "link_gbps": {
-            "host_to_gpu0": sp(spread(&runs.iter().map(|r| r.single_bps / 1e9).collect::<Vec<_>>())),
-            "aggregate_relay": sp(spread(&runs.iter().map(|r| r.aggregate_bps / 1e9).collect::<Vec<_>>())),
+            "host_to_gpu0": spread_of(runs.iter().map(|r| r.single_bps / 1e9)),
+            "aggregate_relay": spread_of(runs.iter().map(|r| r.aggregate_bps / 1e9)),
         },
         "targets": {"ratio_to_bound": RATIO_TARGET, "speedup": SPEEDUP_TARGET},
         "cases": [{
@@ -122,7 +115,7 @@ pub fn merge(runs: &[RelayRun], min_repeats: usize) -> Result<Value, String> {
             "step_resident_s": col(&|r| r.steps_resident_s.clone()),
             "step_single_s": col(&|r| r.steps_single_s.clone()),
             "step_relay_s": col(&|r| r.steps_relay_s.clone()),
-            "aggregate_gbps": sp(spread(&runs.iter().map(|r| r.aggregate_bps / 1e9).collect::<Vec<_>>())),
+            "aggregate_gbps": spread_of(runs.iter().map(|r| r.aggregate_bps / 1e9)),
             "bound_s": sp(spread(&bounds)),
             "ratio_to_bound": sp(ratio),
             "speedup": sp(speedup),

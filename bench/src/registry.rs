@@ -369,20 +369,8 @@ pub fn flux_dev() -> Model {
         guidance: true,
         calls_per_step: 1,
         stacks: vec![
-            Stack {
-                prefix: "transformer_blocks",
-                count: 19,
-                kind: BlockKind::DualStream,
-                params: dual_params(FLUX_DUAL, h, hd, mlp),
-                overrides: vec![],
-            },
-            Stack {
-                prefix: "single_transformer_blocks",
-                count: 38,
-                kind: BlockKind::SingleStream,
-                params: single_params(h, hd, mlp),
-                overrides: vec![],
-            },
+            stack("transformer_blocks", 19, BlockKind::DualStream, dual_params(FLUX_DUAL, h, hd, mlp)),
+            stack("single_transformer_blocks", 38, BlockKind::SingleStream, single_params(h, hd, mlp)),
         ],
         globals,
         cases: vec![image_case(1024, 512), image_case(2048, 512)],
@@ -420,13 +408,7 @@ pub fn qwen_image() -> Model {
         pooled_dim: None,
         guidance: false,
         calls_per_step: 2,
-        stacks: vec![Stack {
-            prefix: "transformer_blocks",
-            count: 60,
-            kind: BlockKind::DualStream,
-            params: dual_params(QWEN_DUAL, h, hd, mlp),
-            overrides: vec![],
-        }],
+        stacks: vec![stack("transformer_blocks", 60, BlockKind::DualStream, dual_params(QWEN_DUAL, h, hd, mlp))],
         globals,
         cases: vec![image_case(1024, 512), image_case(1328, 512)],
         reference: json!({

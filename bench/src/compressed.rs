@@ -186,10 +186,9 @@ pub fn merge(runs: &[RunDoc], codec: &[Value], min_runs: usize) -> Result<Value,
 /// the count, min, median and max — issue 19's "exponent entropy per tensor".
 pub fn tensor_entropies(model: &crate::registry::Model, threads: usize) -> Result<Value, String> {
     use offload_core::codec::{exponent_histogram, histogram_entropy_bits};
-    use offload_core::{BlockDiscovery, TensorSource};
+    use offload_core::TensorSource;
     let src = crate::source::RegistrySource::normal(model, 0);
-    let prefixes: Vec<&str> = model.stacks.iter().map(|s| s.prefix).collect();
-    let inv = offload_core::DeclaredStacks::new(prefixes).discover("transformer", src.specs()).map_err(|e| e.to_string())?;
+    let inv = crate::source::block_inventory(model, src.specs()).map_err(|e| e.to_string())?;
     let index: std::collections::HashMap<&str, usize> = src.specs().iter().enumerate().map(|(i, s)| (s.name.as_str(), i)).collect();
     let mut todo: Vec<(String, usize, usize)> = Vec::new();
     for b in inv.blocks() {

@@ -17,12 +17,9 @@
 use crate::budgets::Calibration;
 use crate::harness::{spread, streamed_row, RunCase, RunDoc, RunOptions, Streamed, TimelineStep};
 use crate::registry::{dual_names, BlockKind, Case, Model};
-use crate::source::RegistrySource;
+use crate::source::{bf16_to_f32, block_inventory, resolved, RegistrySource};
 use offload_core::HostBuffer as _;
-use offload_core::{
-    resolve, BlockDiscovery, ComponentInventory, DeclaredStacks, HostStore, OffloadBackend, Plan, ResolvedComponent, Ring, StepMetrics,
-    StreamKind,
-};
+use offload_core::{ComponentInventory, HostStore, OffloadBackend, Plan, ResolvedComponent, Ring, StepMetrics, StreamKind};
 use offload_cuda::reference::{DualNames, RefDims, RefNet, HEAD_DIM};
 use offload_cuda::CudaBackend;
 use offload_plan::{BlockCost, CostModel};
@@ -163,11 +160,8 @@ pub fn run(model: &Model, opts: &RunOptions) -> Result<RunDoc, String> {
         true => RegistrySource::normal(model, 0),
         false => RegistrySource::new(model, 0),
     };
-    let prefixes: Vec<&str> = model.stacks.iter().map(|s| s.prefix).collect();
-    // Blocks only: the reference model has no embedders, so no non-block weights
-    // go to the device (resident bytes 0).
-    let mut inv = DeclaredStacks::new(prefixes).discover("transformer", offload_core::TensorSource::specs(&src)).map_err(err)?;
-    inv.non_block.clear();
+    // Blocks only: the reference model has no embedders (resident bytes 0).
+    let inv = block_inventory(model, offload_core::TensorSource::specs(&src)).map_err(err)?;
     let t = Instant::now();
     let store = Arc::new(HostStore::build(&be, &inv, &src).map_err(err)?);
     let facts = crate::harness::store_facts(&be, &store, t).map_err(err)?;
@@ -229,9 +223,7 @@ pub fn run(model: &Model, opts: &RunOptions) -> Result<RunDoc, String> {
             Some((cstore, f))
         }
     };
-    let resolved = |plan: &Plan, inv: &ComponentInventory| -> Result<ResolvedComponent, String> {
-        Ok(resolve(plan, std::slice::from_ref(inv)).map_err(err)?.components.remove(0))
-    };
+    let resolved = |plan: &Plan, inv: &ComponentInventory| resolved(plan, inv).map_err(err);
     // Timed steps after warm-up, and the bytes the ring copied in the last of them.
     let sync = || be.synchronize().map_err(err);
     let timed = |net: &mut RefNet, ring: &mut Ring<CudaBackend>| -> Result<(Vec<f64>, u64), String> {
@@ -266,7 +258,6 @@ pub fn run(model: &Model, opts: &RunOptions) -> Result<RunDoc, String> {
             ring.close().map_err(err)?;
             Ok(RingRun { times, out, misses, depth, step_bytes, weights: be.counters().peak_bytes, timeline })
         };
-    let as_f32 = |v: &[u16]| v.iter().map(|&b| half::bf16::from_bits(b).to_f32()).collect::<Vec<f32>>();
     let mut doc = RunDoc::new(opts, gpu.clone(), "cuda", &facts, 0, Vec::new());
     for c in &cases {
         let before = be.pool_used_bytes().map_err(err)?.0;
@@ -366,7 +357,7 @@ pub fn run(model: &Model, opts: &RunOptions) -> Result<RunDoc, String> {
             let measured = Streamed {
                 times: s.times,
                 equal: s.out == rout,
-                values: as_f32(&s.out),
+                values: bf16_to_f32(&s.out),
                 weights: s.weights,
                 derived: s.weights,
                 misses: s.misses,
@@ -391,7 +382,7 @@ pub fn run(model: &Model, opts: &RunOptions) -> Result<RunDoc, String> {
                         s.depth, s.step_bytes, choice.depth, choice.streamed_bytes
                     )));
                 }
-                let (equal, values) = (s.out == rout, as_f32(&s.out));
+                let (equal, values) = (s.out == rout, bf16_to_f32(&s.out));
                 Ok(Streamed { times: s.times, equal, values, weights: s.weights, derived: s.weights, misses: s.misses })
             })?);
         }

@@ -605,11 +605,8 @@ pub use run::run;
 mod run {
     use super::{HostTierRun, TierRun};
     use crate::registry::Model;
-    use crate::source::RegistrySource;
-    use offload_core::{
-        host_rss_beyond_page_cache, resolve, BlockDiscovery, DeclaredStacks, HostStore, OffloadBackend, PinOptions, Plan, Ring,
-        SafetensorsFile, TensorSource,
-    };
+    use crate::source::{bf16_to_f32, block_inventory, resolved, RegistrySource};
+    use offload_core::{host_rss_beyond_page_cache, HostStore, OffloadBackend, PinOptions, Plan, Ring, SafetensorsFile, TensorSource};
     use offload_core::{HostBuffer as _, HostMemory as _};
     use offload_cuda::reference::RefNet;
     use offload_cuda::CudaBackend;
@@ -625,8 +622,7 @@ mod run {
     /// `path` as a safetensors file, block by block in the inventory's order.
     fn write_checkpoint(model: &Model, path: &str) -> Result<u64, String> {
         let src = RegistrySource::new(model, 0);
-        let prefixes: Vec<&str> = model.stacks.iter().map(|s| s.prefix).collect();
-        let inv = DeclaredStacks::new(prefixes).discover("transformer", src.specs()).map_err(err)?;
+        let inv = block_inventory(model, src.specs()).map_err(err)?;
         let index: std::collections::HashMap<&str, usize> = src.specs().iter().enumerate().map(|(i, s)| (s.name.as_str(), i)).collect();
         let order: Vec<usize> = inv.blocks().flat_map(|b| b.tensors.iter().map(|t| index[t.name.as_str()])).collect();
         let mut header = serde_json::Map::new();
@@ -726,7 +722,6 @@ mod run {
             gib(file_bytes),
             if write_s > 0.0 { format!(", written in {write_s:.1} s") } else { String::new() }
         );
-        let prefixes: Vec<&str> = model.stacks.iter().map(|s| s.prefix).collect();
         let dims = crate::cuda::dims(model, c)?;
         let mut doc = HostTierRun {
             commit: commit.into(),
@@ -757,8 +752,7 @@ mod run {
         if modes.contains(&"coded-file") {
             if !coded_path.exists() {
                 let src = SafetensorsFile::open(file).map_err(err)?;
-                let mut inv = DeclaredStacks::new(prefixes.clone()).discover("transformer", src.specs()).map_err(err)?;
-                inv.non_block.clear();
+                let inv = block_inventory(model, src.specs()).map_err(err)?;
                 let o = offload_cuda::CodingOptions::default();
                 let stats = offload_core::CodedFile::write(&coded_path, &inv, &src, o.segment_bytes, o.threads).map_err(err)?;
                 doc.coded_file_write_s = stats.write_s;
@@ -787,8 +781,7 @@ mod run {
                 "mapped" => offload_cuda::map_checkpoint(file).map_err(err)?,
                 _ => SafetensorsFile::open(file).map_err(err)?,
             };
-            let mut inv = DeclaredStacks::new(prefixes.clone()).discover("transformer", src.specs()).map_err(err)?;
-            inv.non_block.clear();
+            let inv = block_inventory(model, src.specs()).map_err(err)?;
             let mut cp = offload_core::ComponentPlan { prefetch_depth: depth, ..Default::default() };
             if let ("disk", Some(budget)) = (mode, host_ram) {
                 // The planner's choice: compute per block from this process's resident
@@ -812,8 +805,7 @@ mod run {
                 cp.disk_blocks = choice.disk_ids(&cm);
                 cp.host_ram_budget_bytes = Some(budget);
             }
-            let rc =
-                resolve(&Plan::layerwise().component("transformer", cp), std::slice::from_ref(&inv)).map_err(err)?.components.remove(0);
+            let rc = resolved(&Plan::layerwise().component("transformer", cp), &inv).map_err(err)?;
             let store = Arc::new(match mode {
                 "mapped" => HostStore::build_mapped(&be, &inv, &src, PinOptions::default()).map_err(err)?,
                 "disk" => HostStore::build_tiered(&be, &inv, &src, PinOptions::default(), &|id| rc.is_on_disk(id)).map_err(err)?,
@@ -852,7 +844,7 @@ mod run {
             ring.close().map_err(err)?;
             // The resident reference: every block loaded once, from the first store.
             if resident_out.is_none() {
-                let rc = resolve(&Plan::resident(), std::slice::from_ref(&inv)).map_err(err)?.components.remove(0);
+                let rc = resolved(&Plan::resident(), &inv).map_err(err)?;
                 let mut ring = Ring::new(be.clone(), store.clone(), &rc).map_err(err)?;
                 let (times, _) = crate::harness::timed((1, steps), &sync, &mut || {
                     crate::cuda::step(&be, model, &mut net, &mut ring, None).map_err(err).map(drop)
@@ -862,8 +854,7 @@ mod run {
                 ring.close().map_err(err)?;
             }
             let bandwidth = offload_core::probe_bandwidth(&be, &store, 3).map_err(err)?;
-            let vals: Vec<f32> = out.iter().map(|&b| half::bf16::from_bits(b).to_f32()).collect();
-            let (finite, nonconstant) = crate::harness::check_output(&vals);
+            let (finite, nonconstant) = crate::harness::check_output(&bf16_to_f32(&out));
             let bitwise = resident_out.as_ref() == Some(&out);
             let median = crate::harness::median(&times);
             eprintln!(

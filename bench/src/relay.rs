@@ -134,7 +134,7 @@ mod run {
     use super::RelayRun;
     use crate::registry::Model;
     use crate::source::RegistrySource;
-    use offload_core::{resolve, BlockDiscovery, DeclaredStacks, HostStore, OffloadBackend, Plan, Ring, TensorSource};
+    use offload_core::{HostStore, OffloadBackend, Plan, Ring, TensorSource};
     use offload_cuda::reference::RefNet;
     use offload_cuda::{CudaBackend, RelayOptions};
     use std::sync::Arc;
@@ -154,7 +154,7 @@ mod run {
         net: &mut RefNet,
         n: usize,
     ) -> Result<(Vec<f64>, u64, Vec<u16>), String> {
-        let rc = resolve(plan, std::slice::from_ref(inv)).map_err(err)?.components.remove(0);
+        let rc = crate::source::resolved(plan, inv).map_err(err)?;
         let mut ring = Ring::new(be.clone(), store.clone(), &rc).map_err(err)?;
         let sync = || be.synchronize().map_err(err);
         let (times, bytes) = crate::harness::timed((1, n), &sync, &mut || {
@@ -178,9 +178,7 @@ mod run {
             .enable_relay(RelayOptions { helpers: helpers.to_vec(), max_copy_bytes: 1 << 30, ..Default::default() })
             .map_err(|e| err(format!("relay could not be turned on (copies would stay direct): {e}")))?;
         let src = RegistrySource::new(model, 0);
-        let prefixes: Vec<&str> = model.stacks.iter().map(|s| s.prefix).collect();
-        let mut inv = DeclaredStacks::new(prefixes).discover("transformer", src.specs()).map_err(err)?;
-        inv.non_block.clear();
+        let inv = crate::source::block_inventory(model, src.specs()).map_err(err)?;
         let mut doc = RelayRun {
             commit: commit.into(),
             gpu: single.device_name().unwrap_or_default(),
@@ -211,8 +209,7 @@ mod run {
         let t0: u64 = relayed.relayed_bytes().iter().map(|(_, b)| b).sum();
         let (relay_s, _, out_relay) = steps(&relayed, model, &store, &layerwise, &inv, &mut net, n)?;
         doc.relayed_bytes = relayed.relayed_bytes().iter().map(|(_, b)| b).sum::<u64>() - t0;
-        let vals: Vec<f32> = out_relay.iter().map(|&b| half::bf16::from_bits(b).to_f32()).collect();
-        let (finite, nonconstant) = crate::harness::check_output(&vals);
+        let (finite, nonconstant) = crate::harness::check_output(&crate::source::bf16_to_f32(&out_relay));
         doc.steps_resident_s = resident;
         doc.steps_single_s = single_s;
         doc.steps_relay_s = relay_s;

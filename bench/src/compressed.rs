@@ -376,10 +376,8 @@ mod tests {
         assert!(merge(&mixed, &codec, 3).is_err());
     }
 
-    /// A compute-bound case the planner leaves raw used to pass by construction
-    /// (the planned step is the raw one, 1.0 × it). It is judged against the coded
-    /// step it declined: here coding would have been 3.2 % faster, so leaving it
-    /// raw misses; the coded step's ratio to the bound is reported beside it.
+    /// A compute-bound case the planner leaves raw is judged against the coded
+    /// step it declined: here coding would have been 3.2 % faster, so it misses.
     #[test]
     fn a_raw_choice_is_judged_against_the_coded_step_it_declined() {
         let codec = vec![json!({"decode_gbps": 500.0})];

@@ -262,10 +262,8 @@ fn with_head(first: &HostTierRun, rest: Value) -> Value {
 /// blocks served in place, copied, left on disk and held coded, the bytes a step
 /// streams and reads from disk, the host RAM budget, the host bytes the store
 /// holds and whether disk reads bypassed the page cache. Runs of one mode merged
-/// into one case must agree on all of it: a median over steps of different plans
-/// measures none of them, and a maximum of each count describes a plan no run
-/// had (34 blocks on disk and 23 copied in one run, 48 and 9 in the others, was
-/// merged as 48 and 23).
+/// into one case must agree on all of it: a median over different plans
+/// measures none of them.
 fn plan_of(m: &TierRun) -> [(&'static str, String); 9] {
     [
         ("mapped_blocks", m.mapped_blocks.to_string()),
@@ -344,12 +342,8 @@ struct PerRun {
 
 /// The disk mode's estimate of its step: the slower of its bound and the bytes
 /// it reads from disk at the file's read rate probed in the same process. Not a
-/// bound, and not called one: the probe is one sample of a rate that varies
-/// from moment to moment (1.40 to 2.14 GB/s over three runs on the H200's
-/// runner) and reads the file's first 4 GiB, not the blocks a step reads, so a
-/// step can read faster than it did (0.80 × this estimate at the minimum there).
-/// What bounds the step from below is the link and the compute, as in every
-/// other mode: `bound_s`.
+/// bound: the probe is one sample of a varying rate over the file's first 4 GiB,
+/// so a step can beat it. The link and the compute bound the step: `bound_s`.
 fn disk_estimate_s(bound: f64, m: &TierRun) -> f64 {
     match m.disk_read_bps > 0.0 {
         true => bound.max(m.disk_bytes_per_step as f64 / m.disk_read_bps),
@@ -961,10 +955,8 @@ mod tests {
         r
     }
 
-    /// The H200's three disk runs at 741599f merged as one plan: 48 blocks on
-    /// disk and 9 copied in the first and third, 34 and 23 in the second (fewer disk bytes), shown
-    /// as 48 and 23. Now refused, naming the run and each field; so is any other
-    /// field of a plan, in every merge of this file.
+    /// Runs of different plans are refused, naming the run and each field, in
+    /// every merge of this file.
     #[test]
     fn runs_whose_plans_differ_are_refused_by_name() {
         let plan = |k: u64, disk: usize, copied: usize, bytes: u64| {

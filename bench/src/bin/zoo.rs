@@ -76,6 +76,11 @@ const RUN_OPTIONS: [&str; 16] = [
     "--staging-buffers",
 ];
 
+/// The number after `name`, or `default`.
+fn num(args: &[String], name: &str, default: usize) -> Result<usize, String> {
+    opt(args, name).map_or(Ok(default), |v| v.parse().map_err(|_| format!("{name}: not a number: {v}")))
+}
+
 fn write(path: &str, v: &impl serde::Serialize) -> Result<(), String> {
     let text = serde_json::to_string_pretty(v).map_err(|e| format!("{path}: {e}"))?;
     std::fs::write(path, text + "\n").map_err(|e| format!("{path}: {e}"))
@@ -90,8 +95,6 @@ fn read<T: serde::de::DeserializeOwned>(path: &str) -> Result<T, String> {
 /// files after `--anchors`.
 type MergeArgs<'a> = (&'a str, usize, Vec<&'a str>, Vec<&'a str>);
 
-/// `--out`, `--min-repeats`, the run files, and the files after `second`
-/// (`--anchors`, or `--codec` for merge-compressed).
 /// `merge_args` of a merge without anchors: `--out`, `--min-repeats` and the
 /// run files read as `T`; anchors given are an error naming the command `what`.
 fn runs_only<'a, T: serde::de::DeserializeOwned>(args: &'a [String], what: &str) -> Result<(&'a str, usize, Vec<T>), String> {
@@ -123,7 +126,7 @@ fn naming_files(e: String, files: &[&str]) -> String {
 
 fn merge_args<'a>(args: &'a [String], second: &str) -> Result<MergeArgs<'a>, String> {
     let out = opt(args, "--out").ok_or("--out is required")?;
-    let min = opt(args, "--min-repeats").map_or(Ok(3), |v| v.parse().map_err(|_| format!("--min-repeats: {v}")))?;
+    let min = num(args, "--min-repeats", 3)?;
     let (mut runs, mut anchors) = (Vec::new(), Vec::new());
     let (mut in_anchors, mut skip) = (false, false);
     for a in &args[1..] {
@@ -273,9 +276,6 @@ fn run(args: &[String]) -> Result<(), String> {
             let list = |name: &str, default: &str| -> Vec<String> {
                 opt(args, name).unwrap_or(default).split(',').filter(|s| !s.is_empty()).map(str::to_owned).collect()
             };
-            let num = |name: &str, default: usize| -> Result<usize, String> {
-                opt(args, name).map_or(Ok(default), |v| v.parse().map_err(|_| format!("{name}: not a number: {v}")))
-            };
             // A user's case is the run's only case unless --cases names others.
             let cases = match (opt(args, "--cases"), user) {
                 (Some(_), u) => {
@@ -306,7 +306,7 @@ fn run(args: &[String]) -> Result<(), String> {
             if auto_depth && backend != "candle" {
                 return Err(format!("--depths auto: only candle's file calibrates a fully streamed ring (not {backend})"));
             }
-            let (steps, warmup) = (num("--steps", 5)?, num("--warmup", 1)?);
+            let (steps, warmup) = (num(args, "--steps", 5)?, num(args, "--warmup", 1)?);
             if steps < 5 {
                 return Err(format!("--steps {steps}: a run times at least 5 steps after warm-up"));
             }
@@ -391,10 +391,7 @@ fn run(args: &[String]) -> Result<(), String> {
                 }
             }
             let out = opt(args, "--out").ok_or("--out is required")?;
-            let num = |name: &str, default: usize| -> Result<usize, String> {
-                opt(args, name).map_or(Ok(default), |v| v.parse().map_err(|_| format!("{name}: not a number: {v}")))
-            };
-            let (steps, passes, warmup) = (num("--steps", 4)?, num("--passes", 3)?, num("--warmup", 1)?);
+            let (steps, passes, warmup) = (num(args, "--steps", 4)?, num(args, "--passes", 3)?, num(args, "--warmup", 1)?);
             if steps == 0 || passes == 0 {
                 return Err("pipeline: --steps and --passes must be at least 1".into());
             }
@@ -418,10 +415,7 @@ fn run(args: &[String]) -> Result<(), String> {
             let model = registry::model(opt(args, "--model").ok_or("host-tiers: --model is required")?)?;
             let out = opt(args, "--out").ok_or("host-tiers: --out is required")?;
             let file = opt(args, "--file").ok_or("host-tiers: --file (the checkpoint, written if absent) is required")?;
-            let num = |name: &str, default: usize| -> Result<usize, String> {
-                opt(args, name).map_or(Ok(default), |v| v.parse().map_err(|e| format!("host-tiers: {name} {v:?}: {e}")))
-            };
-            let (depth, steps) = (num("--depth", 1)?, num("--steps", 5)?);
+            let (depth, steps) = (num(args, "--depth", 1)?, num(args, "--steps", 5)?);
             if depth == 0 || steps == 0 {
                 return Err("host-tiers: --depth and --steps must be at least 1".into());
             }
@@ -434,7 +428,7 @@ fn run(args: &[String]) -> Result<(), String> {
                     _ => return Err(format!("host-tiers: --host-ram-gib {v:?} is not a positive number")),
                 },
             };
-            let disk_steps = num("--disk-steps", 2)?.max(1);
+            let disk_steps = num(args, "--disk-steps", 2)?.max(1);
             #[cfg(feature = "cuda")]
             {
                 let mut doc =
@@ -452,10 +446,7 @@ fn run(args: &[String]) -> Result<(), String> {
         Some("relay") => {
             let model = registry::model(opt(args, "--model").ok_or("relay: --model is required")?)?;
             let out = opt(args, "--out").ok_or("relay: --out is required")?;
-            let num = |name: &str, default: usize| -> Result<usize, String> {
-                opt(args, name).map_or(Ok(default), |v| v.parse().map_err(|e| format!("relay: {name} {v:?}: {e}")))
-            };
-            let (depth, steps) = (num("--depth", 1)?, num("--steps", 5)?);
+            let (depth, steps) = (num(args, "--depth", 1)?, num(args, "--steps", 5)?);
             if depth == 0 || steps == 0 {
                 return Err("relay: --depth and --steps must be at least 1".into());
             }

@@ -44,6 +44,18 @@ pub struct BudgetRun {
     pub misses: u64,
 }
 
+/// The planner's cost model of `blocks` (each with its measured compute) over a
+/// link of `bandwidth` bytes a second, no non-block weights.
+pub fn cost_model(bandwidth: f64, blocks: Vec<offload_plan::BlockCost>, source: String) -> offload_plan::CostModel {
+    offload_plan::CostModel {
+        bandwidth_bytes_per_s: bandwidth,
+        blocks,
+        non_block_bytes: 0,
+        source,
+        staging_buffers: offload_plan::DEFAULT_STAGING_BUFFERS,
+    }
+}
+
 /// The planner's choice for `model`'s case `c` under `budget_gib` GiB of weights,
 /// from `cost`: run by `stream` (given the choice's plan), checked (a correct
 /// output within the budget, or an error), reported on stderr and recorded beside

@@ -825,13 +825,7 @@ pub fn run(model: &Model, opts: &crate::harness::RunOptions) -> Result<crate::ha
                         return Err(format!("candle: calibration timed {} blocks of {}", blocks.len(), store.blocks().len()));
                     }
                     let source = format!("{gpu}, {} {}, resident steps of zoo run --backend candle", model.name, c.name);
-                    Some(offload_plan::CostModel {
-                        bandwidth_bytes_per_s: bandwidth,
-                        blocks,
-                        non_block_bytes: 0,
-                        source,
-                        staging_buffers: offload_plan::DEFAULT_STAGING_BUFFERS,
-                    })
+                    Some(crate::budgets::cost_model(bandwidth, blocks, source))
                 }
             };
             resident.push(Resident { times, out, activations, cost });

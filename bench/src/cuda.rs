@@ -117,13 +117,7 @@ fn calibrate(
         let compute_s = spread(&xs).ok_or_else(|| err(format!("calibration: {} timed {xs:?}", b.id)))?.median;
         blocks.push(BlockCost::new(b.id.clone(), b.bytes, compute_s));
     }
-    Ok(CostModel {
-        bandwidth_bytes_per_s: bandwidth,
-        blocks,
-        non_block_bytes: 0,
-        source,
-        staging_buffers: offload_plan::DEFAULT_STAGING_BUFFERS,
-    })
+    Ok(crate::budgets::cost_model(bandwidth, blocks, source))
 }
 
 /// What a streamed run measured.

@@ -528,6 +528,19 @@ pub fn spread_of(xs: impl IntoIterator<Item = f64>) -> Value {
     sp(spread(&xs.into_iter().collect::<Vec<_>>()))
 }
 
+/// `items` grouped by `key`, the groups and each group's items in first-seen order.
+pub fn group_by<T, K: PartialEq>(items: impl IntoIterator<Item = T>, key: impl Fn(&T) -> K) -> Vec<(K, Vec<T>)> {
+    let mut groups: Vec<(K, Vec<T>)> = Vec::new();
+    for item in items {
+        let k = key(&item);
+        match groups.iter_mut().find(|(g, _)| *g == k) {
+            Some((_, v)) => v.push(item),
+            None => groups.push((k, vec![item])),
+        }
+    }
+    groups
+}
+
 /// `doc`'s fields, then `extra`'s (both JSON objects).
 pub fn with_fields(mut doc: Value, extra: Value) -> Value {
     if let (Some(d), Value::Object(e)) = (doc.as_object_mut(), extra) {
@@ -599,15 +612,11 @@ pub fn merge(runs: &[RunDoc], anchors: &[AnchorDoc], min_repeats: usize) -> Resu
     all_commits.dedup();
     let target = targets(&first.backend);
     // (model, case, depth, depth chosen by the planner) in first-seen order.
-    let mut keys: Vec<(String, String, usize, bool)> = Vec::new();
-    for r in runs {
-        for c in &r.cases {
-            let k = (c.model.clone(), c.case.clone(), c.depth, c.planner_depth.is_some());
-            if !keys.contains(&k) {
-                keys.push(k);
-            }
-        }
-    }
+    let keys: Vec<(String, String, usize, bool)> =
+        group_by(runs.iter().flat_map(|r| &r.cases), |c| (c.model.clone(), c.case.clone(), c.depth, c.planner_depth.is_some()))
+            .into_iter()
+            .map(|(k, _)| k)
+            .collect();
     // Where the planner chose a case's depth, that row is the case's judged one:
     // rows at depths given on the command line are reported beside it, not judged.
     let planned: Vec<(String, String)> = keys.iter().filter(|k| k.3).map(|k| (k.0.clone(), k.1.clone())).collect();
@@ -616,13 +625,7 @@ pub fn merge(runs: &[RunDoc], anchors: &[AnchorDoc], min_repeats: usize) -> Resu
     let mut anchor_best: Vec<((String, String), f64, String)> = Vec::new();
     // Anchor rows: per (model, case, mode), with a bound of their own: their
     // resident step and the bandwidth our runs measured in the same command.
-    let mut akeys: Vec<(String, String, String)> = Vec::new();
-    for a in &anchor_cases {
-        let k = (a.model.clone(), a.case.clone(), a.mode.clone());
-        if !akeys.contains(&k) {
-            akeys.push(k);
-        }
-    }
+    let anchor_groups = group_by(anchor_cases.iter().copied(), |a| (a.model.clone(), a.case.clone(), a.mode.clone()));
     let mut cases = Vec::new();
     for (model, case, depth, by_planner) in &keys {
         let per: Vec<(&RunDoc, &RunCase)> = runs
@@ -694,12 +697,8 @@ pub fn merge(runs: &[RunDoc], anchors: &[AnchorDoc], min_repeats: usize) -> Resu
         let nonconstant = per.iter().all(|(_, c)| c.output_nonconstant);
         // The anchors' best offloaded mode at this case: the lowest median.
         let mut best: Option<(f64, String)> = None;
-        for (am, ac, mode) in akeys.iter().filter(|(am, ac, mode)| am == model && ac == case && mode != "resident") {
-            let xs: Vec<f64> = anchor_cases
-                .iter()
-                .filter(|a| &a.model == am && &a.case == ac && &a.mode == mode)
-                .map(|a| per_run_median(&a.steps_s))
-                .collect::<Result<_, _>>()?;
+        for ((_, _, mode), per) in anchor_groups.iter().filter(|((am, ac, mode), _)| am == model && ac == case && mode != "resident") {
+            let xs: Vec<f64> = per.iter().map(|a| per_run_median(&a.steps_s)).collect::<Result<_, _>>()?;
             let m = spread(&xs).ok_or(&at)?.median;
             if best.as_ref().is_none_or(|(b, _)| m < *b) {
                 best = Some((m, mode.clone()));
@@ -742,8 +741,7 @@ pub fn merge(runs: &[RunDoc], anchors: &[AnchorDoc], min_repeats: usize) -> Resu
             "host_rss_bytes": per.iter().map(|(r, _)| r.host_rss_bytes).max(),
         }));
     }
-    for (model, case, mode) in &akeys {
-        let per: Vec<&&AnchorCase> = anchor_cases.iter().filter(|a| &a.model == model && &a.case == case && &a.mode == mode).collect();
+    for ((model, case, mode), per) in &anchor_groups {
         let at = format!("anchor {model} {case} {mode}");
         if per.len() < min_repeats {
             return Err(format!("{at}: {} process runs, at least {min_repeats} needed", per.len()));

@@ -88,6 +88,37 @@ pub(crate) fn step(
     ring.end_step()
 }
 
+/// `warmup` untimed, then `steps` timed forward calls through `ring`: each timed
+/// call's seconds, and the bytes the ring copied and read from disk in the last.
+pub(crate) fn timed_steps(
+    be: &CudaBackend,
+    model: &Model,
+    net: &mut RefNet,
+    ring: &mut Ring<CudaBackend>,
+    (warmup, steps): (usize, usize),
+) -> Result<(Vec<f64>, (u64, u64)), String> {
+    crate::harness::timed((warmup, steps), &|| be.synchronize().map_err(err), &mut || {
+        let before = ring.metrics().bytes_copied;
+        let m = step(be, model, net, ring, None).map_err(err)?;
+        Ok((ring.metrics().bytes_copied - before, m.disk_bytes_read))
+    })
+}
+
+/// [`timed_steps`] through a ring of `plan` over `store`, then the output.
+pub(crate) fn ring_steps(
+    be: &CudaBackend,
+    model: &Model,
+    (store, plan, inv): (&Arc<HostStore<CudaBackend>>, &Plan, &ComponentInventory),
+    net: &mut RefNet,
+    warmup_steps: (usize, usize),
+) -> Result<(Vec<f64>, u64, Vec<u16>), String> {
+    let mut ring = Ring::new(be.clone(), store.clone(), &resolved(plan, inv).map_err(err)?).map_err(err)?;
+    let (times, (bytes, _)) = timed_steps(be, model, net, &mut ring, warmup_steps)?;
+    let out = net.output().map_err(err)?;
+    ring.close().map_err(err)?;
+    Ok((times, bytes, out))
+}
+
 /// The cost model of `steps` resident steps through `ring`: each block's compute
 /// (the median over the steps, in the order blocks ran) and `bandwidth`.
 fn calibrate(
@@ -219,13 +250,8 @@ pub fn run(model: &Model, opts: &RunOptions) -> Result<RunDoc, String> {
     };
     let resolved = |plan: &Plan, inv: &ComponentInventory| resolved(plan, inv).map_err(err);
     // Timed steps after warm-up, and the bytes the ring copied in the last of them.
-    let sync = || be.synchronize().map_err(err);
-    let timed = |net: &mut RefNet, ring: &mut Ring<CudaBackend>| -> Result<(Vec<f64>, u64), String> {
-        crate::harness::timed((opts.warmup, opts.steps), &sync, &mut || {
-            let before = ring.metrics().bytes_copied;
-            step(&be, model, net, ring, None).map_err(err)?;
-            Ok(ring.metrics().bytes_copied - before)
-        })
+    let timed = |net: &mut RefNet, ring: &mut Ring<CudaBackend>| {
+        timed_steps(&be, model, net, ring, (opts.warmup, opts.steps)).map(|(times, (bytes, _))| (times, bytes))
     };
     // A streamed run of `rc`: its timed steps, then (with `trace`) one more step with
     // the timeline on, written to `trace`.

@@ -825,27 +825,17 @@ mod run {
                 store.tier().copy_reason.as_deref().map(|r| format!(": {r}")).unwrap_or_default(),
                 gib(rss)
             );
-            let sync = || be.synchronize().map_err(err);
-            let (times, (step_bytes, disk_bytes)) =
-                crate::harness::timed((0, if mode == "disk" { disk_steps } else { steps }), &sync, &mut || {
-                    let before = ring.metrics().bytes_copied;
-                    let m = crate::cuda::step(&be, model, &mut net, &mut ring, None).map_err(err)?;
-                    Ok((ring.metrics().bytes_copied - before, m.disk_bytes_read))
-                })?;
+            let n = if mode == "disk" { disk_steps } else { steps };
+            let (times, (step_bytes, disk_bytes)) = crate::cuda::timed_steps(&be, model, &mut net, &mut ring, (0, n))?;
             let (end_unix_s, rss_end, rss_file_end) =
                 (unix_s(), host_rss_beyond_page_cache().unwrap_or(0), offload_core::host_rss_file_bytes().unwrap_or(0));
             let out = net.output().map_err(err)?;
             ring.close().map_err(err)?;
             // The resident reference: every block loaded once, from the first store.
             if resident_out.is_none() {
-                let rc = resolved(&Plan::resident(), &inv).map_err(err)?;
-                let mut ring = Ring::new(be.clone(), store.clone(), &rc).map_err(err)?;
-                let (times, _) = crate::harness::timed((1, steps), &sync, &mut || {
-                    crate::cuda::step(&be, model, &mut net, &mut ring, None).map_err(err).map(drop)
-                })?;
+                let (times, _, out) = crate::cuda::ring_steps(&be, model, (&store, &Plan::resident(), &inv), &mut net, (1, steps))?;
                 doc.steps_resident_s = times;
-                resident_out = Some(net.output().map_err(err)?);
-                ring.close().map_err(err)?;
+                resident_out = Some(out);
             }
             let bandwidth = offload_core::probe_bandwidth(&be, &store, 3).map_err(err)?;
             let (finite, nonconstant) = crate::harness::check_output(&bf16_to_f32(&out));

@@ -132,39 +132,16 @@ pub use run::run;
 #[cfg(feature = "cuda")]
 mod run {
     use super::RelayRun;
+    use crate::cuda::ring_steps;
     use crate::registry::Model;
     use crate::source::RegistrySource;
-    use offload_core::{HostStore, OffloadBackend, Plan, Ring, TensorSource};
+    use offload_core::{HostStore, OffloadBackend, Plan, TensorSource};
     use offload_cuda::reference::RefNet;
     use offload_cuda::{CudaBackend, RelayOptions};
     use std::sync::Arc;
 
     fn err(what: impl std::fmt::Display) -> String {
         format!("relay: {what}")
-    }
-
-    /// Timed steps of `model` through a ring of `plan` on `be` (one untimed first),
-    /// and the output.
-    fn steps(
-        be: &CudaBackend,
-        model: &Model,
-        store: &Arc<HostStore<CudaBackend>>,
-        plan: &Plan,
-        inv: &offload_core::ComponentInventory,
-        net: &mut RefNet,
-        n: usize,
-    ) -> Result<(Vec<f64>, u64, Vec<u16>), String> {
-        let rc = crate::source::resolved(plan, inv).map_err(err)?;
-        let mut ring = Ring::new(be.clone(), store.clone(), &rc).map_err(err)?;
-        let sync = || be.synchronize().map_err(err);
-        let (times, bytes) = crate::harness::timed((1, n), &sync, &mut || {
-            let before = ring.metrics().bytes_copied;
-            crate::cuda::step(be, model, net, &mut ring, None).map_err(err)?;
-            Ok(ring.metrics().bytes_copied - before)
-        })?;
-        let out = net.output().map_err(err)?;
-        ring.close().map_err(err)?;
-        Ok((times, bytes, out))
     }
 
     /// One process: the model's store on a plain backend and on a relayed one
@@ -196,8 +173,8 @@ mod run {
         let store = Arc::new(HostStore::build(&single, &inv, &src).map_err(err)?);
         doc.single_bps = offload_core::probe_bandwidth(&single, &store, 3).map_err(err)?;
         let mut net = RefNet::new(&single, dims, c.resolution as u64).map_err(err)?;
-        let (resident, _, want) = steps(&single, model, &store, &Plan::resident(), &inv, &mut net, n)?;
-        let (single_s, step_bytes, out_single) = steps(&single, model, &store, &layerwise, &inv, &mut net, n)?;
+        let (resident, _, want) = ring_steps(&single, model, (&store, &Plan::resident(), &inv), &mut net, (1, n))?;
+        let (single_s, step_bytes, out_single) = ring_steps(&single, model, (&store, &layerwise, &inv), &mut net, (1, n))?;
         drop(net);
         drop(store);
         single.synchronize().map_err(err)?;
@@ -207,7 +184,7 @@ mod run {
         doc.aggregate_bps = offload_core::probe_bandwidth(&relayed, &store, 3).map_err(err)?;
         let mut net = RefNet::new(&relayed, dims, c.resolution as u64).map_err(err)?;
         let t0: u64 = relayed.relayed_bytes().iter().map(|(_, b)| b).sum();
-        let (relay_s, _, out_relay) = steps(&relayed, model, &store, &layerwise, &inv, &mut net, n)?;
+        let (relay_s, _, out_relay) = ring_steps(&relayed, model, (&store, &layerwise, &inv), &mut net, (1, n))?;
         doc.relayed_bytes = relayed.relayed_bytes().iter().map(|(_, b)| b).sum::<u64>() - t0;
         let (finite, nonconstant) = crate::harness::check_output(&crate::source::bf16_to_f32(&out_relay));
         doc.steps_resident_s = resident;

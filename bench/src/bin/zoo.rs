@@ -81,6 +81,17 @@ fn num(args: &[String], name: &str, default: usize) -> Result<usize, String> {
     opt(args, name).map_or(Ok(default), |v| v.parse().map_err(|_| format!("{name}: not a number: {v}")))
 }
 
+/// Each of `items` parsed and `ok`; else an error: `{name}: "{item}" is {is}`.
+fn parsed<T: std::str::FromStr>(
+    items: impl IntoIterator<Item = impl AsRef<str>>,
+    name: &str,
+    is: &str,
+    ok: impl Fn(&T) -> bool,
+) -> Result<Vec<T>, String> {
+    let each = |v: &str| v.parse::<T>().ok().filter(&ok).ok_or_else(|| format!("{name}: {v:?} is {is}"));
+    items.into_iter().map(|v| each(v.as_ref())).collect()
+}
+
 fn write(path: &str, v: &impl serde::Serialize) -> Result<(), String> {
     let text = serde_json::to_string_pretty(v).map_err(|e| format!("{path}: {e}"))?;
     std::fs::write(path, text + "\n").map_err(|e| format!("{path}: {e}"))
@@ -237,13 +248,7 @@ fn run(args: &[String]) -> Result<(), String> {
             let staging_buffers = match opt(args, "--staging-buffers") {
                 None => Vec::new(),
                 Some(_) if !coded => return Err("--staging-buffers: only with --coded (the decode engine's staging)".into()),
-                Some(v) => v
-                    .split(',')
-                    .map(|n| match n.parse::<usize>() {
-                        Ok(n) if n > 0 => Ok(n),
-                        _ => Err(format!("--staging-buffers: {n:?} is not a positive count")),
-                    })
-                    .collect::<Result<Vec<_>, _>>()?,
+                Some(v) => parsed(v.split(','), "--staging-buffers", "not a positive count", |&n: &usize| n > 0)?,
             };
             if opt(args, "--budgets").is_some() && !matches!(backend, "cuda" | "candle") {
                 return Err(format!("--budgets is implemented by the cuda and candle backends only, not by {backend}"));
@@ -292,14 +297,8 @@ fn run(args: &[String]) -> Result<(), String> {
             // `auto`: also the depth the planner chooses for a fully streamed ring.
             let depth_args = list("--depths", "1");
             let auto_depth = depth_args.iter().any(|d| d == "auto");
-            let depths = depth_args
-                .iter()
-                .filter(|d| *d != "auto")
-                .map(|d| match d.parse::<usize>() {
-                    Ok(n) if n >= 1 => Ok(n),
-                    _ => Err(format!("--depths: {d:?} is neither a depth of at least 1 nor `auto`")),
-                })
-                .collect::<Result<Vec<usize>, _>>()?;
+            let depths =
+                parsed(depth_args.iter().filter(|d| *d != "auto"), "--depths", "neither a depth of at least 1 nor `auto`", |&n| n >= 1)?;
             if depths.is_empty() && !auto_depth {
                 return Err("--depths: no depth given (depths of at least 1, comma-separated, or `auto`)".into());
             }
@@ -311,13 +310,8 @@ fn run(args: &[String]) -> Result<(), String> {
                 return Err(format!("--steps {steps}: a run times at least 5 steps after warm-up"));
             }
             let commit = opt(args, "--commit").unwrap_or("unknown").to_owned();
-            let budgets_gib = list("--budgets", "")
-                .iter()
-                .map(|b| match b.parse::<f64>() {
-                    Ok(g) if g.is_finite() && g > 0.0 => Ok(g),
-                    _ => Err(format!("--budgets: {b:?} is not a positive number of GiB")),
-                })
-                .collect::<Result<Vec<f64>, _>>()?;
+            let budgets_gib =
+                parsed(list("--budgets", ""), "--budgets", "not a positive number of GiB", |g: &f64| g.is_finite() && *g > 0.0)?;
             if opt(args, "--budgets").is_some() && budgets_gib.is_empty() {
                 return Err("--budgets: no budget given (GiB, comma-separated: --budgets 8,12,16)".into());
             }
@@ -450,11 +444,7 @@ fn run(args: &[String]) -> Result<(), String> {
             if depth == 0 || steps == 0 {
                 return Err("relay: --depth and --steps must be at least 1".into());
             }
-            let helpers: Vec<usize> = opt(args, "--helpers")
-                .unwrap_or("1")
-                .split(',')
-                .map(|h| h.parse().map_err(|e| format!("relay: --helpers {h:?}: {e}")))
-                .collect::<Result<_, String>>()?;
+            let helpers: Vec<usize> = parsed(opt(args, "--helpers").unwrap_or("1").split(','), "--helpers", "not a device", |_| true)?;
             let case = opt(args, "--case").unwrap_or("1024");
             let commit = opt(args, "--commit").unwrap_or("unknown");
             #[cfg(feature = "cuda")]

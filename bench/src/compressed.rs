@@ -1,20 +1,11 @@
-//! Issue 19's results file, `<date>-compressed-h200.json`, computed from `zoo run
-//! --backend cuda --coded` process runs (each streams every case from the raw
-//! store and from the coded store, with the same weights, in one process) and
-//! the exponent decoder's speed files (`codec_speed --json`) of the same command.
-//!
-//! Per case and depth: medians over the process runs (each run's own median step
-//! first) with min and max; the uncompressed bound `max(resident step, raw bytes
-//! ÷ bandwidth)` and every ratio computed per run, then spread. Targets: coded
-//! size ≤ 0.70 × raw, decode ≥ 400 GB/s, and per case — where the raw step is
-//! transfer-bound (bytes ÷ bandwidth above the resident step) — the coded step
-//! ≤ 0.78 × the uncompressed bound, and the planner coding it where the runs asked
-//! it; where it is compute-bound, the step the planner chose (coded or raw) ≤ 1.01
-//! × the step it declined (without a planner's choice: the coded step ≤ 1.01 × the
-//! raw one). A raw choice is so judged against the coded step measured beside it,
-//! not against itself. The coded step's own ratios to the raw step and to the
-//! bound are reported either way. Bitwise equality of both streamed runs with the
-//! resident one, every run.
+//! The compressed results file (issue 19) from `zoo run --backend cuda --coded`
+//! process runs (raw and coded streamed steps of the same weights in one process)
+//! and the decoder's speed files (`codec_speed --json`): per case and depth,
+//! medians over the runs of each run's own median with min and max, the
+//! uncompressed bound `max(resident step, raw bytes ÷ bandwidth)` and every ratio
+//! computed per run, then spread; the targets are the constants below, judged
+//! per case as transfer- or compute-bound. Both streamed runs bitwise equal to
+//! the resident one, every run.
 
 use crate::harness::{median as med, spread, PlannerCoding, RunDoc};
 use offload_plan::CostModel;

@@ -1,18 +1,10 @@
 //! cuda's file: the registry's dual- and single-stream blocks computed with raw
-//! CUDA by [`offload_cuda::reference::RefNet`] (cuBLAS GEMMs, batched-GEMM
-//! attention, small NVRTC kernels; no rotary positions, no embedders: the hidden
-//! states start from seeded values), each block read from the slot a
-//! [`Ring`] serves. The resident reference is the same compute from a ring whose
-//! plan keeps every block resident (loaded once, never streamed).
-//!
-//! Beyond the other files: `--budgets` (per case, the planner's choice under each
-//! device budget, its cost model calibrated from resident steps timed block by
-//! block with compute-stream events), `--trace` (one extra streamed step with the
-//! ring's timeline on, written as a Chrome trace; with `--coded` the coded
-//! store's step is traced too, to `<stem>-coded.json`) and `--no-gemm` (the GEMMs
-//! skipped: a sanitizer's run over the reference model's own kernels) and
-//! `--coded` (weights drawn normal; every case streamed from the raw store and
-//! from a store coded for the device, in the same process: issue 19's case).
+//! CUDA by [`offload_cuda::reference::RefNet`] (no rotary positions, no
+//! embedders), each block read from the slot a [`Ring`] serves; the resident
+//! reference is the same compute from a ring that keeps every block resident.
+//! Beyond the other files: `--budgets` (calibrated with compute-stream events),
+//! `--trace` (a Chrome trace of one extra streamed step, and of the coded one as
+//! `<stem>-coded.json`), `--no-gemm` (a sanitizer's run) and `--coded`.
 
 use crate::budgets::Calibration;
 use crate::harness::{spread, streamed_row, RunCase, RunDoc, RunOptions, Streamed, TimelineStep};

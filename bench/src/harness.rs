@@ -12,10 +12,8 @@ pub struct RunOptions {
     pub cases: Vec<String>,
     /// Prefetch depths of the streamed runs.
     pub depths: Vec<usize>,
-    /// Also stream each case at the depth the planner chooses for a fully
-    /// streamed ring (`--depths …,auto`; candle's file): the smallest depth whose
-    /// replayed step, from this run's calibration, is within
-    /// [`AUTO_DEPTH_TOLERANCE`] of the bound ([`offload_plan::streamed_depth`]).
+    /// Also stream each case at the planner's depth for a fully streamed ring
+    /// (`--depths …,auto`; candle's file; [`offload_plan::streamed_depth`]).
     pub auto_depth: bool,
     /// Timed steps per case (after `warmup` untimed ones).
     pub steps: usize,
@@ -33,8 +31,7 @@ pub struct RunOptions {
     /// cuda's file only). Its timings are not a measurement: `merge` refuses it.
     pub no_gemm: bool,
     /// Also stream every case from a store coded for the device (`--coded`;
-    /// cuda's file only): weights drawn normal, the raw and coded streamed steps
-    /// in the same process (`RunDoc::coded`, `RunCase::steps_streamed_coded_s`).
+    /// cuda's file only; weights drawn normal).
     pub coded: bool,
     /// With `coded`: the decoder on a stream of the device's highest priority
     /// (`--high-priority-decode`; `CodingOptions::high_priority_decode`).
@@ -133,10 +130,8 @@ pub struct RunCase {
     /// number of staging buffers (`CudaBackend::set_staging_buffers`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub coded_by_staging: Vec<StagingRun>,
-    /// With `--coded`: what the planner chose for this case and depth, every block
-    /// streamed, from this run's calibration (each block's compute timed on the
-    /// device, the pinned bandwidth, the coded store's block sizes and the decoder's
-    /// speed measured in this process) — asked before the timed streamed steps.
+    /// With `--coded`: the planner's coding choice for this case and depth, every
+    /// block streamed, from this run's calibration, asked before the timed steps.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub planner: Option<PlannerCoding>,
     /// With `--depths auto`: this case's depth was the planner's choice, asked

@@ -1,17 +1,11 @@
-//! Issue 17's host tiers, measured: the same Flux-dev-shaped checkpoint file
-//! served by the copying store (`mode: copy`: every block read into page-locked
-//! buffers of the store's own) and by the mapped store (`mode: mapped`: the file
-//! mapped and registered read-only, blocks served from its page cache), each
-//! timed from opening the file to the end of the first streamed step, with the
-//! process's resident memory beyond the page cache at that point, then its timed
-//! streamed steps against `max(resident step, streamed bytes ÷ bandwidth)` and
-//! bitwise against the resident output. `run` (feature `cuda`) is one process;
-//! `merge` makes `bench/results/<date>-host-tiers-h200.json` from three or more.
-//! With `--host-ram-gib G`, a third mode, `disk`: a host RAM budget of `G` GiB,
-//! the blocks that do not fit chosen by `offload_plan::plan_host_tier` and read
-//! from the file at each use (`HostStore::build_tiered`), against the file's
-//! `O_DIRECT` read bandwidth measured in the same process (as many reads in
-//! flight as the ring's disk stream keeps, over the file's first 4 GiB).
+//! Host tiers (issue 17): one Flux-dev-shaped checkpoint file served by the
+//! copying store (`copy`), the mapped store (`mapped`: blocks served from the page
+//! cache), with `--host-ram-gib` from disk past a host RAM budget (`disk`), and
+//! coded (`coded`, `coded-file`); each timed from opening the file to the end of
+//! the first streamed step, with host memory beyond the page cache, then streamed
+//! steps against `max(resident step, streamed bytes ÷ bandwidth)`, bitwise against
+//! the resident output. `run` (feature `cuda`) is one process; the merges make the
+//! published files from several.
 
 use crate::harness::{sp, spread, spread_of, with_fields};
 use serde::{Deserialize, Serialize};

@@ -308,6 +308,18 @@ fn same_plan(what: &str, mode: &str, runs: &[HostTierRun], per: &[(&HostTierRun,
     Ok(())
 }
 
+/// Each run's `mode`, refused (prefixed by `what`) where a run lacks it or where
+/// the runs' plans for it differ ([`same_plan`]).
+fn runs_of_mode<'a>(what: &str, mode: &str, runs: &'a [HostTierRun]) -> Result<Vec<(&'a HostTierRun, &'a TierRun)>, String> {
+    let of = |r: &'a HostTierRun| r.modes.iter().find(|m| m.mode == mode).map(|m| (r, m));
+    let per = runs
+        .iter()
+        .map(|r| of(r).ok_or_else(|| format!("{what}: {} has no {mode} mode", run_name(runs, r))))
+        .collect::<Result<Vec<_>, _>>()?;
+    same_plan(what, mode, runs, &per)?;
+    Ok(per)
+}
+
 /// Refuses `runs` unless they share one commit, GPU, model, case, depth and
 /// checkpoint size (what [`with_head`] writes once for all); the error, prefixed
 /// by `what`, names the first run that differs.
@@ -422,12 +434,7 @@ pub fn merge(runs: &[HostTierRun], min_repeats: usize) -> Result<Value, String> 
     let modes: &[&str] = if with_disk { &["mapped", "disk", "copy"] } else { &["mapped", "copy"] };
     let mut disk_read = None;
     for &mode in modes {
-        let per: Vec<(&HostTierRun, &TierRun)> =
-            runs.iter().filter_map(|r| r.modes.iter().find(|m| m.mode == mode).map(|m| (r, m))).collect();
-        if per.len() != runs.len() {
-            return Err(format!("merge-host-tiers: {} of {} runs have mode {mode}", per.len(), runs.len()));
-        }
-        same_plan("merge-host-tiers", mode, runs, &per)?;
+        let per = runs_of_mode("merge-host-tiers", mode, runs)?;
         let PerRun { steps, ratios, estimates, estimate_ratios, .. } = per_run(&per, mode)?;
         let col = |f: &dyn Fn(&TierRun) -> f64| spread_of(per.iter().map(|(_, m)| f(m)));
         let start = spread(&per.iter().map(|(_, m)| m.start_s).collect::<Vec<_>>());
@@ -536,20 +543,11 @@ pub fn merge_coded_start(runs: &[HostTierRun], min_repeats: usize) -> Result<Val
             r.coded_file_bytes
         ));
     }
-    let mode_of = |r: &'_ HostTierRun, mode: &str| -> Result<TierRun, String> {
-        r.modes
-            .iter()
-            .find(|m| m.mode == mode)
-            .cloned()
-            .ok_or_else(|| format!("merge-coded-start: a run (pid {}) has no {mode} mode", r.pid))
-    };
     let mut cases = Vec::new();
     let mut checks = true;
     let mut starts: Vec<Vec<f64>> = Vec::new();
     for mode in ["coded-file", "coded"] {
-        let per = runs.iter().map(|r| Ok((r, mode_of(r, mode)?))).collect::<Result<Vec<_>, String>>()?;
-        let refs: Vec<(&HostTierRun, &TierRun)> = per.iter().map(|(r, m)| (*r, m)).collect();
-        same_plan("merge-coded-start", mode, runs, &refs)?;
+        let per = runs_of_mode("merge-coded-start", mode, runs)?;
         let col = |f: &dyn Fn(&TierRun) -> f64| spread_of(per.iter().map(|(_, m)| f(m)));
         let bitwise = per.iter().all(|(_, m)| m.bitwise_equal && m.output_finite_nonconstant);
         let coded = per[0].1.coded_blocks;
@@ -564,7 +562,7 @@ pub fn merge_coded_start(runs: &[HostTierRun], min_repeats: usize) -> Result<Val
             "coded_blocks": coded,
             "host_bytes": per[0].1.host_bytes,
         });
-        cases.push(with_fields(design_case(first, &refs, mode)?, extra));
+        cases.push(with_fields(design_case(first, &per, mode)?, extra));
     }
     // Same shapes in both modes (the bound fields of `design_case` aside).
     if cases.iter().any(|c| c["host_bytes"] != cases[0]["host_bytes"]) {

@@ -617,7 +617,6 @@ pub fn merge(runs: &[RunDoc], anchors: &[AnchorDoc], min_repeats: usize) -> Resu
     let planned: Vec<(String, String)> = keys.iter().filter(|k| k.3).map(|k| (k.0.clone(), k.1.clone())).collect();
     let anchor_cases: Vec<&AnchorCase> = anchors.iter().flat_map(|a| &a.cases).collect();
     let mut anchor_rows = Vec::new();
-    let mut anchor_best: Vec<((String, String), f64, String)> = Vec::new();
     // Anchor rows: per (model, case, mode), with a bound of their own: their
     // resident step and the bandwidth our runs measured in the same command.
     let anchor_groups = group_by(anchor_cases.iter().copied(), |a| (a.model.clone(), a.case.clone(), a.mode.clone()));
@@ -698,9 +697,6 @@ pub fn merge(runs: &[RunDoc], anchors: &[AnchorDoc], min_repeats: usize) -> Resu
             if best.as_ref().is_none_or(|(b, _)| m < *b) {
                 best = Some((m, mode.clone()));
             }
-        }
-        if let Some((m, mode)) = &best {
-            anchor_best.push(((model.clone(), case.clone()), *m, mode.clone()));
         }
         let meets_ratio = ratio <= target.ratio_to_bound;
         let faster = best.as_ref().map(|(m, _)| s.median <= *m);

@@ -141,7 +141,7 @@ pub fn merge(runs: &[RunDoc], codec: &[Value], min_runs: usize) -> Result<Value,
     let ratio_met = med(&ratio) <= RATIO_TARGET;
     let decode_met = !decode.is_empty() && med(&decode) >= DECODE_TARGET_GBPS;
     Ok(json!({
-        "date": first.date, "commit": runs.iter().map(|r| r.commit.as_str()).collect::<std::collections::BTreeSet<_>>().into_iter().collect::<Vec<_>>().join(", "),
+        "date": first.date, "commit": crate::harness::joined(runs.iter().map(|r| r.commit.as_str())),
         "gpu": first.gpu, "backend": first.backend, "process_runs": runs.len(),
         "weights": "normal, each tensor centred on its init range's middle with that uniform range's standard deviation (RegistrySource::normal)",
         "compression_ratio": med(&ratio), "compression_ratio_spread": s(&ratio),

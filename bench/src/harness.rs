@@ -536,6 +536,11 @@ pub fn group_by<T, K: PartialEq>(items: impl IntoIterator<Item = T>, key: impl F
     groups
 }
 
+/// `commits` sorted, each once, joined by commas.
+pub fn joined<'a>(commits: impl IntoIterator<Item = &'a str>) -> String {
+    commits.into_iter().collect::<std::collections::BTreeSet<_>>().into_iter().collect::<Vec<_>>().join(", ")
+}
+
 /// `doc`'s fields, then `extra`'s (both JSON objects).
 pub fn with_fields(mut doc: Value, extra: Value) -> Value {
     if let (Some(d), Value::Object(e)) = (doc.as_object_mut(), extra) {
@@ -592,19 +597,13 @@ pub fn merge(runs: &[RunDoc], anchors: &[AnchorDoc], min_repeats: usize) -> Resu
     // One commit per model: each model's figures come from one build (models may
     // have been measured at different commits, each with its anchors).
     let model_of = |r: &RunDoc| r.cases.first().map(|c| c.model.clone()).unwrap_or_default();
-    let mut commits: Vec<(String, String)> = Vec::new();
-    for r in runs {
-        let m = model_of(r);
-        match commits.iter().find(|(cm, _)| *cm == m) {
-            Some((_, c)) if *c != r.commit => return Err(format!("{m}: runs of different commits ({c} and {})", r.commit)),
-            Some(_) => {}
-            None => commits.push((m, r.commit.clone())),
+    let by_model = group_by(runs, |r| model_of(r));
+    for (m, rs) in &by_model {
+        if let Some(r) = rs.iter().find(|r| r.commit != rs[0].commit) {
+            return Err(format!("{m}: runs of different commits ({} and {})", rs[0].commit, r.commit));
         }
     }
-    let commit_of = |m: &str| commits.iter().find(|(cm, _)| cm == m).map(|(_, c)| c.clone()).unwrap_or_default();
-    let mut all_commits: Vec<String> = commits.iter().map(|(_, c)| c.clone()).collect();
-    all_commits.sort();
-    all_commits.dedup();
+    let commit_of = |m: &str| by_model.iter().find(|(cm, _)| cm == m).map(|(_, rs)| rs[0].commit.clone()).unwrap_or_default();
     let target = targets(&first.backend);
     // (model, case, depth, depth chosen by the planner) in first-seen order.
     let keys: Vec<(String, String, usize, bool)> =
@@ -770,7 +769,7 @@ pub fn merge(runs: &[RunDoc], anchors: &[AnchorDoc], min_repeats: usize) -> Resu
     let budgets = crate::budgets::merge_budgets(runs, min_repeats)?;
     let mut doc = json!({
         // The newest run's date: a merge of kept runs is as new as its last run.
-        "date": runs.iter().map(|r| r.date.as_str()).max().unwrap_or(&first.date), "commit": all_commits.join(", "), "gpu": first.gpu, "backend": first.backend,
+        "date": runs.iter().map(|r| r.date.as_str()).max().unwrap_or(&first.date), "commit": joined(runs.iter().map(|r| r.commit.as_str())), "gpu": first.gpu, "backend": first.backend,
         "model": keys.iter().map(|k| k.0.clone()).fold(Vec::<String>::new(), |mut v, m| { if !v.contains(&m) { v.push(m) } v }).join(", "),
         "repeats": cases.iter().filter_map(|c| c["repeats"].as_u64()).min().unwrap_or(0), "process_runs": runs.len(),
         "memory_method": "weights_device_bytes: the most slot bytes live at once (the backend's counters) plus the non-block weights; \

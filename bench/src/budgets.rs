@@ -3,7 +3,7 @@
 //! the measured steps; the calibration the planner used) and their merge over
 //! process runs, every spread computed here.
 
-use crate::harness::{check_output, gib, median, spread, RunDoc, Streamed};
+use crate::harness::{check_output, gib, group_by, median, sp, spread, RunDoc, Streamed};
 use crate::registry::{Case, Model};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
@@ -42,6 +42,18 @@ pub struct BudgetRun {
     pub bitwise_equal: bool,
     /// Blocks that were not prefetched in time.
     pub misses: u64,
+}
+
+/// The planner's cost model of `blocks` (each with its measured compute) over a
+/// link of `bandwidth` bytes a second, no non-block weights.
+pub fn cost_model(bandwidth: f64, blocks: Vec<offload_plan::BlockCost>, source: String) -> offload_plan::CostModel {
+    offload_plan::CostModel {
+        bandwidth_bytes_per_s: bandwidth,
+        blocks,
+        non_block_bytes: 0,
+        source,
+        staging_buffers: offload_plan::DEFAULT_STAGING_BUFFERS,
+    }
 }
 
 /// The planner's choice for `model`'s case `c` under `budget_gib` GiB of weights,
@@ -117,17 +129,9 @@ pub struct Calibration {
 /// predictions likewise, and whether every run chose the same blocks. Empty when
 /// no run has budget runs.
 pub fn merge_budgets(runs: &[RunDoc], min_repeats: usize) -> Result<Vec<Value>, String> {
-    let mut keys: Vec<(&str, &str, u64)> = Vec::new();
-    for b in runs.iter().flat_map(|r| &r.budgets) {
-        let k = (b.model.as_str(), b.case.as_str(), b.budget_bytes);
-        if !keys.contains(&k) {
-            keys.push(k);
-        }
-    }
     let mut out = Vec::new();
-    for (model, case, budget) in keys {
-        let per: Vec<&BudgetRun> =
-            runs.iter().flat_map(|r| &r.budgets).filter(|b| b.model == model && b.case == case && b.budget_bytes == budget).collect();
+    let groups = group_by(runs.iter().flat_map(|r| &r.budgets), |b| (b.model.as_str(), b.case.as_str(), b.budget_bytes));
+    for ((model, case, budget), per) in groups {
         let at = format!("{model} {case} budget {budget} bytes");
         if per.len() < min_repeats {
             return Err(format!("{at}: {} process runs, at least {min_repeats} needed", per.len()));
@@ -151,7 +155,7 @@ pub fn merge_budgets(runs: &[RunDoc], min_repeats: usize) -> Result<Vec<Value>, 
             .map(|b| b.step_resident_s.max(b.streamed_bytes as f64 / (b.bandwidth_gbps * 1e9)))
             .collect();
         let ratios: Vec<f64> = medians.iter().zip(&bounds).map(|(m, b)| m / b).collect();
-        let spread_json = |xs: &[f64]| spread(xs).map_or(Value::Null, |sp| json!({"median": sp.median, "min": sp.min, "max": sp.max}));
+        let spread_json = |xs: &[f64]| sp(spread(xs));
         // A budget run is a timing of a correct step within its budget, or nothing.
         if let Some(b) = per.iter().find(|b| !b.bitwise_equal) {
             return Err(format!("{at}: a run's output (d={}, {} blocks resident) differs from resident", b.depth, b.resident_blocks.len()));

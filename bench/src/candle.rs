@@ -8,13 +8,11 @@
 
 use crate::harness::{check_output, CpuCheck};
 use crate::registry::{dual_names, BlockKind, Case, DualNames, Model};
-use crate::source::RegistrySource;
+use crate::source::{block_inventory, resolved, RegistrySource};
 use candle_core::{DType, Device, Tensor, D};
 use candle_nn::Module;
 use offload_candle::{candle_error, CandleBackend, CandleBlockExt};
-use offload_core::{
-    resolve, BlockDiscovery, BlockGuard, ComponentInventory, DeclaredStacks, HostStore, OffloadBackend, Plan, Ring, TensorSource,
-};
+use offload_core::{BlockGuard, HostStore, OffloadBackend, Plan, Ring, TensorSource};
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -694,14 +692,6 @@ where
     Ok(())
 }
 
-/// The inventory without its non-block tensors: [`Net`] keeps those on the device
-/// itself (as tch's VarStore does), so the ring must not hold a second copy (the
-/// first GPU run, 75109be, did: 128 MB over the weights limit on flux-dev).
-fn blocks_only(mut inv: ComponentInventory) -> ComponentInventory {
-    inv.non_block.clear();
-    inv
-}
-
 fn output(t: &Tensor) -> offload_core::Result<(Vec<u8>, Vec<f32>)> {
     let v = t
         .flatten_all()
@@ -720,15 +710,14 @@ pub fn check_cpu(model: &Model) -> offload_core::Result<CpuCheck> {
     }
     let be = CandleBackend::cpu();
     let src = RegistrySource::new(model, 0);
-    let prefixes: Vec<&str> = model.stacks.iter().map(|s| s.prefix).collect();
-    let inv = blocks_only(DeclaredStacks::new(prefixes).discover("transformer", src.specs())?);
+    let inv = block_inventory(model, src.specs())?;
     let store = Arc::new(HostStore::build(&be, &inv, &src)?);
     let net = Net::new(model, &src, &be.device())?;
     let case = model.cases.first().ok_or_else(|| offload_core::Error::Protocol("the model has no case".into()))?;
     let i = net.inputs(case)?;
     let direct = net.direct_weights(&src)?;
     let resident = net.step::<CandleBackend>(None, Some(&direct), &i)?;
-    let rc = resolve(&Plan::layerwise().prefetch_depth(1), std::slice::from_ref(&inv))?.components.remove(0);
+    let rc = resolved(&Plan::layerwise().prefetch_depth(1), &inv)?;
     let block_payload_bytes = crate::harness::block_payload_bytes(&store);
     let mut ring = Ring::new(be.clone(), store, &rc)?;
     let streamed = net.step(Some(&mut ring), None, &i)?;
@@ -776,8 +765,7 @@ pub fn run(model: &Model, opts: &crate::harness::RunOptions) -> Result<crate::ha
     let cuda = be.cuda().clone();
     let cases: Vec<&Case> = opts.cases.iter().map(|c| model.case(c)).collect::<Result<_, _>>()?;
     let src = RegistrySource::new(model, 0);
-    let prefixes: Vec<&str> = model.stacks.iter().map(|s| s.prefix).collect();
-    let inv = blocks_only(DeclaredStacks::new(prefixes).discover("transformer", src.specs()).map_err(e)?);
+    let inv = block_inventory(model, src.specs()).map_err(e)?;
     let t = Instant::now();
     let store = Arc::new(HostStore::build(&be, &inv, &src).map_err(e)?);
     let facts = crate::harness::store_facts(&be, &store, t).map_err(e)?;
@@ -837,13 +825,7 @@ pub fn run(model: &Model, opts: &crate::harness::RunOptions) -> Result<crate::ha
                         return Err(format!("candle: calibration timed {} blocks of {}", blocks.len(), store.blocks().len()));
                     }
                     let source = format!("{gpu}, {} {}, resident steps of zoo run --backend candle", model.name, c.name);
-                    Some(offload_plan::CostModel {
-                        bandwidth_bytes_per_s: bandwidth,
-                        blocks,
-                        non_block_bytes: 0,
-                        source,
-                        staging_buffers: offload_plan::DEFAULT_STAGING_BUFFERS,
-                    })
+                    Some(crate::budgets::cost_model(bandwidth, blocks, source))
                 }
             };
             resident.push(Resident { times, out, activations, cost });
@@ -881,7 +863,7 @@ pub fn run(model: &Model, opts: &crate::harness::RunOptions) -> Result<crate::ha
             ));
         }
         for (d, planner_depth) in depths {
-            let rc = resolve(&Plan::layerwise().prefetch_depth(d), std::slice::from_ref(&inv)).map_err(e)?.components.remove(0);
+            let rc = resolved(&Plan::layerwise().prefetch_depth(d), &inv).map_err(e)?;
             cuda.synchronize().map_err(e)?;
             be.reset_peak();
             let live_slots = be.counters().live_bytes;
@@ -902,7 +884,7 @@ pub fn run(model: &Model, opts: &crate::harness::RunOptions) -> Result<crate::ha
         let Some(cost) = &r.cost else { continue };
         for &budget_gib in &opts.budgets_gib {
             budget_runs.push(crate::budgets::run(model, c, cost, budget_gib, (rtimes, bandwidth), &mut |choice, plan| {
-                let rc = resolve(plan, std::slice::from_ref(&inv)).map_err(e)?.components.remove(0);
+                let rc = resolved(plan, &inv).map_err(e)?;
                 cuda.synchronize().map_err(e)?;
                 be.reset_peak();
                 let mut ring = Ring::new(be.clone(), store.clone(), &rc).map_err(e)?;

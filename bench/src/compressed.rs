@@ -1,20 +1,11 @@
-//! Issue 19's results file, `<date>-compressed-h200.json`, computed from `zoo run
-//! --backend cuda --coded` process runs (each streams every case from the raw
-//! store and from the coded store, with the same weights, in one process) and
-//! the exponent decoder's speed files (`codec_speed --json`) of the same command.
-//!
-//! Per case and depth: medians over the process runs (each run's own median step
-//! first) with min and max; the uncompressed bound `max(resident step, raw bytes
-//! ÷ bandwidth)` and every ratio computed per run, then spread. Targets: coded
-//! size ≤ 0.70 × raw, decode ≥ 400 GB/s, and per case — where the raw step is
-//! transfer-bound (bytes ÷ bandwidth above the resident step) — the coded step
-//! ≤ 0.78 × the uncompressed bound, and the planner coding it where the runs asked
-//! it; where it is compute-bound, the step the planner chose (coded or raw) ≤ 1.01
-//! × the step it declined (without a planner's choice: the coded step ≤ 1.01 × the
-//! raw one). A raw choice is so judged against the coded step measured beside it,
-//! not against itself. The coded step's own ratios to the raw step and to the
-//! bound are reported either way. Bitwise equality of both streamed runs with the
-//! resident one, every run.
+//! The compressed results file (issue 19) from `zoo run --backend cuda --coded`
+//! process runs (raw and coded streamed steps of the same weights in one process)
+//! and the decoder's speed files (`codec_speed --json`): per case and depth,
+//! medians over the runs of each run's own median with min and max, the
+//! uncompressed bound `max(resident step, raw bytes ÷ bandwidth)` and every ratio
+//! computed per run, then spread; the targets are the constants below, judged
+//! per case as transfer- or compute-bound. Both streamed runs bitwise equal to
+//! the resident one, every run.
 
 use crate::harness::{median as med, spread, PlannerCoding, RunDoc};
 use offload_plan::CostModel;
@@ -44,10 +35,7 @@ pub const BOUND_TARGET: f64 = 0.78;
 pub const COMPUTE_BOUND_TARGET: f64 = 1.01;
 
 fn s(xs: &[f64]) -> Value {
-    match spread(xs) {
-        Some(sp) => json!({"median": sp.median, "min": sp.min, "max": sp.max}),
-        None => Value::Null,
-    }
+    crate::harness::sp(spread(xs))
 }
 
 /// The results file from `runs` (at least `min_runs` process runs of one model,
@@ -153,7 +141,7 @@ pub fn merge(runs: &[RunDoc], codec: &[Value], min_runs: usize) -> Result<Value,
     let ratio_met = med(&ratio) <= RATIO_TARGET;
     let decode_met = !decode.is_empty() && med(&decode) >= DECODE_TARGET_GBPS;
     Ok(json!({
-        "date": first.date, "commit": runs.iter().map(|r| r.commit.as_str()).collect::<std::collections::BTreeSet<_>>().into_iter().collect::<Vec<_>>().join(", "),
+        "date": first.date, "commit": crate::harness::joined(runs.iter().map(|r| r.commit.as_str())),
         "gpu": first.gpu, "backend": first.backend, "process_runs": runs.len(),
         "weights": "normal, each tensor centred on its init range's middle with that uniform range's standard deviation (RegistrySource::normal)",
         "compression_ratio": med(&ratio), "compression_ratio_spread": s(&ratio),
@@ -189,10 +177,9 @@ pub fn merge(runs: &[RunDoc], codec: &[Value], min_runs: usize) -> Result<Value,
 /// the count, min, median and max — issue 19's "exponent entropy per tensor".
 pub fn tensor_entropies(model: &crate::registry::Model, threads: usize) -> Result<Value, String> {
     use offload_core::codec::{exponent_histogram, histogram_entropy_bits};
-    use offload_core::{BlockDiscovery, TensorSource};
+    use offload_core::TensorSource;
     let src = crate::source::RegistrySource::normal(model, 0);
-    let prefixes: Vec<&str> = model.stacks.iter().map(|s| s.prefix).collect();
-    let inv = offload_core::DeclaredStacks::new(prefixes).discover("transformer", src.specs()).map_err(|e| e.to_string())?;
+    let inv = crate::source::block_inventory(model, src.specs()).map_err(|e| e.to_string())?;
     let index: std::collections::HashMap<&str, usize> = src.specs().iter().enumerate().map(|(i, s)| (s.name.as_str(), i)).collect();
     let mut todo: Vec<(String, usize, usize)> = Vec::new();
     for b in inv.blocks() {
@@ -380,10 +367,8 @@ mod tests {
         assert!(merge(&mixed, &codec, 3).is_err());
     }
 
-    /// A compute-bound case the planner leaves raw used to pass by construction
-    /// (the planned step is the raw one, 1.0 × it). It is judged against the coded
-    /// step it declined: here coding would have been 3.2 % faster, so leaving it
-    /// raw misses; the coded step's ratio to the bound is reported beside it.
+    /// A compute-bound case the planner leaves raw is judged against the coded
+    /// step it declined: here coding would have been 3.2 % faster, so it misses.
     #[test]
     fn a_raw_choice_is_judged_against_the_coded_step_it_declined() {
         let codec = vec![json!({"decode_gbps": 500.0})];

@@ -1,28 +1,17 @@
 //! cuda's file: the registry's dual- and single-stream blocks computed with raw
-//! CUDA by [`offload_cuda::reference::RefNet`] (cuBLAS GEMMs, batched-GEMM
-//! attention, small NVRTC kernels; no rotary positions, no embedders: the hidden
-//! states start from seeded values), each block read from the slot a
-//! [`Ring`] serves. The resident reference is the same compute from a ring whose
-//! plan keeps every block resident (loaded once, never streamed).
-//!
-//! Beyond the other files: `--budgets` (per case, the planner's choice under each
-//! device budget, its cost model calibrated from resident steps timed block by
-//! block with compute-stream events), `--trace` (one extra streamed step with the
-//! ring's timeline on, written as a Chrome trace; with `--coded` the coded
-//! store's step is traced too, to `<stem>-coded.json`) and `--no-gemm` (the GEMMs
-//! skipped: a sanitizer's run over the reference model's own kernels) and
-//! `--coded` (weights drawn normal; every case streamed from the raw store and
-//! from a store coded for the device, in the same process: issue 19's case).
+//! CUDA by [`offload_cuda::reference::RefNet`] (no rotary positions, no
+//! embedders), each block read from the slot a [`Ring`] serves; the resident
+//! reference is the same compute from a ring that keeps every block resident.
+//! Beyond the other files: `--budgets` (calibrated with compute-stream events),
+//! `--trace` (a Chrome trace of one extra streamed step, and of the coded one as
+//! `<stem>-coded.json`), `--no-gemm` (a sanitizer's run) and `--coded`.
 
 use crate::budgets::Calibration;
 use crate::harness::{spread, streamed_row, RunCase, RunDoc, RunOptions, Streamed, TimelineStep};
 use crate::registry::{dual_names, BlockKind, Case, Model};
-use crate::source::RegistrySource;
+use crate::source::{bf16_to_f32, block_inventory, resolved, RegistrySource};
 use offload_core::HostBuffer as _;
-use offload_core::{
-    resolve, BlockDiscovery, ComponentInventory, DeclaredStacks, HostStore, OffloadBackend, Plan, ResolvedComponent, Ring, StepMetrics,
-    StreamKind,
-};
+use offload_core::{ComponentInventory, HostStore, OffloadBackend, Plan, ResolvedComponent, Ring, StepMetrics, StreamKind};
 use offload_cuda::reference::{DualNames, RefDims, RefNet, HEAD_DIM};
 use offload_cuda::CudaBackend;
 use offload_plan::{BlockCost, CostModel};
@@ -91,6 +80,37 @@ pub(crate) fn step(
     ring.end_step()
 }
 
+/// `warmup` untimed, then `steps` timed forward calls through `ring`: each timed
+/// call's seconds, and the bytes the ring copied and read from disk in the last.
+pub(crate) fn timed_steps(
+    be: &CudaBackend,
+    model: &Model,
+    net: &mut RefNet,
+    ring: &mut Ring<CudaBackend>,
+    (warmup, steps): (usize, usize),
+) -> Result<(Vec<f64>, (u64, u64)), String> {
+    crate::harness::timed((warmup, steps), &|| be.synchronize().map_err(err), &mut || {
+        let before = ring.metrics().bytes_copied;
+        let m = step(be, model, net, ring, None).map_err(err)?;
+        Ok((ring.metrics().bytes_copied - before, m.disk_bytes_read))
+    })
+}
+
+/// [`timed_steps`] through a ring of `plan` over `store`, then the output.
+pub(crate) fn ring_steps(
+    be: &CudaBackend,
+    model: &Model,
+    (store, plan, inv): (&Arc<HostStore<CudaBackend>>, &Plan, &ComponentInventory),
+    net: &mut RefNet,
+    warmup_steps: (usize, usize),
+) -> Result<(Vec<f64>, u64, Vec<u16>), String> {
+    let mut ring = Ring::new(be.clone(), store.clone(), &resolved(plan, inv).map_err(err)?).map_err(err)?;
+    let (times, (bytes, _)) = timed_steps(be, model, net, &mut ring, warmup_steps)?;
+    let out = net.output().map_err(err)?;
+    ring.close().map_err(err)?;
+    Ok((times, bytes, out))
+}
+
 /// The cost model of `steps` resident steps through `ring`: each block's compute
 /// (the median over the steps, in the order blocks ran) and `bandwidth`.
 fn calibrate(
@@ -120,13 +140,7 @@ fn calibrate(
         let compute_s = spread(&xs).ok_or_else(|| err(format!("calibration: {} timed {xs:?}", b.id)))?.median;
         blocks.push(BlockCost::new(b.id.clone(), b.bytes, compute_s));
     }
-    Ok(CostModel {
-        bandwidth_bytes_per_s: bandwidth,
-        blocks,
-        non_block_bytes: 0,
-        source,
-        staging_buffers: offload_plan::DEFAULT_STAGING_BUFFERS,
-    })
+    Ok(crate::budgets::cost_model(bandwidth, blocks, source))
 }
 
 /// What a streamed run measured.
@@ -163,11 +177,8 @@ pub fn run(model: &Model, opts: &RunOptions) -> Result<RunDoc, String> {
         true => RegistrySource::normal(model, 0),
         false => RegistrySource::new(model, 0),
     };
-    let prefixes: Vec<&str> = model.stacks.iter().map(|s| s.prefix).collect();
-    // Blocks only: the reference model has no embedders, so no non-block weights
-    // go to the device (resident bytes 0).
-    let mut inv = DeclaredStacks::new(prefixes).discover("transformer", offload_core::TensorSource::specs(&src)).map_err(err)?;
-    inv.non_block.clear();
+    // Blocks only: the reference model has no embedders (resident bytes 0).
+    let inv = block_inventory(model, offload_core::TensorSource::specs(&src)).map_err(err)?;
     let t = Instant::now();
     let store = Arc::new(HostStore::build(&be, &inv, &src).map_err(err)?);
     let facts = crate::harness::store_facts(&be, &store, t).map_err(err)?;
@@ -229,17 +240,10 @@ pub fn run(model: &Model, opts: &RunOptions) -> Result<RunDoc, String> {
             Some((cstore, f))
         }
     };
-    let resolved = |plan: &Plan, inv: &ComponentInventory| -> Result<ResolvedComponent, String> {
-        Ok(resolve(plan, std::slice::from_ref(inv)).map_err(err)?.components.remove(0))
-    };
+    let resolved = |plan: &Plan, inv: &ComponentInventory| resolved(plan, inv).map_err(err);
     // Timed steps after warm-up, and the bytes the ring copied in the last of them.
-    let sync = || be.synchronize().map_err(err);
-    let timed = |net: &mut RefNet, ring: &mut Ring<CudaBackend>| -> Result<(Vec<f64>, u64), String> {
-        crate::harness::timed((opts.warmup, opts.steps), &sync, &mut || {
-            let before = ring.metrics().bytes_copied;
-            step(&be, model, net, ring, None).map_err(err)?;
-            Ok(ring.metrics().bytes_copied - before)
-        })
+    let timed = |net: &mut RefNet, ring: &mut Ring<CudaBackend>| {
+        timed_steps(&be, model, net, ring, (opts.warmup, opts.steps)).map(|(times, (bytes, _))| (times, bytes))
     };
     // A streamed run of `rc`: its timed steps, then (with `trace`) one more step with
     // the timeline on, written to `trace`.
@@ -266,7 +270,6 @@ pub fn run(model: &Model, opts: &RunOptions) -> Result<RunDoc, String> {
             ring.close().map_err(err)?;
             Ok(RingRun { times, out, misses, depth, step_bytes, weights: be.counters().peak_bytes, timeline })
         };
-    let as_f32 = |v: &[u16]| v.iter().map(|&b| half::bf16::from_bits(b).to_f32()).collect::<Vec<f32>>();
     let mut doc = RunDoc::new(opts, gpu.clone(), "cuda", &facts, 0, Vec::new());
     for c in &cases {
         let before = be.pool_used_bytes().map_err(err)?.0;
@@ -366,7 +369,7 @@ pub fn run(model: &Model, opts: &RunOptions) -> Result<RunDoc, String> {
             let measured = Streamed {
                 times: s.times,
                 equal: s.out == rout,
-                values: as_f32(&s.out),
+                values: bf16_to_f32(&s.out),
                 weights: s.weights,
                 derived: s.weights,
                 misses: s.misses,
@@ -391,7 +394,7 @@ pub fn run(model: &Model, opts: &RunOptions) -> Result<RunDoc, String> {
                         s.depth, s.step_bytes, choice.depth, choice.streamed_bytes
                     )));
                 }
-                let (equal, values) = (s.out == rout, as_f32(&s.out));
+                let (equal, values) = (s.out == rout, bf16_to_f32(&s.out));
                 Ok(Streamed { times: s.times, equal, values, weights: s.weights, derived: s.weights, misses: s.misses })
             })?);
         }

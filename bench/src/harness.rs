@@ -12,10 +12,8 @@ pub struct RunOptions {
     pub cases: Vec<String>,
     /// Prefetch depths of the streamed runs.
     pub depths: Vec<usize>,
-    /// Also stream each case at the depth the planner chooses for a fully
-    /// streamed ring (`--depths …,auto`; candle's file): the smallest depth whose
-    /// replayed step, from this run's calibration, is within
-    /// [`AUTO_DEPTH_TOLERANCE`] of the bound ([`offload_plan::streamed_depth`]).
+    /// Also stream each case at the planner's depth for a fully streamed ring
+    /// (`--depths …,auto`; candle's file; [`offload_plan::streamed_depth`]).
     pub auto_depth: bool,
     /// Timed steps per case (after `warmup` untimed ones).
     pub steps: usize,
@@ -33,8 +31,7 @@ pub struct RunOptions {
     /// cuda's file only). Its timings are not a measurement: `merge` refuses it.
     pub no_gemm: bool,
     /// Also stream every case from a store coded for the device (`--coded`;
-    /// cuda's file only): weights drawn normal, the raw and coded streamed steps
-    /// in the same process (`RunDoc::coded`, `RunCase::steps_streamed_coded_s`).
+    /// cuda's file only; weights drawn normal).
     pub coded: bool,
     /// With `coded`: the decoder on a stream of the device's highest priority
     /// (`--high-priority-decode`; `CodingOptions::high_priority_decode`).
@@ -133,10 +130,8 @@ pub struct RunCase {
     /// number of staging buffers (`CudaBackend::set_staging_buffers`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub coded_by_staging: Vec<StagingRun>,
-    /// With `--coded`: what the planner chose for this case and depth, every block
-    /// streamed, from this run's calibration (each block's compute timed on the
-    /// device, the pinned bandwidth, the coded store's block sizes and the decoder's
-    /// speed measured in this process) — asked before the timed streamed steps.
+    /// With `--coded`: the planner's coding choice for this case and depth, every
+    /// block streamed, from this run's calibration, asked before the timed steps.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub planner: Option<PlannerCoding>,
     /// With `--depths auto`: this case's depth was the planner's choice, asked
@@ -518,6 +513,42 @@ pub fn spread(xs: &[f64]) -> Option<Spread> {
     Some(Spread { median, min: v[0], max: v[n - 1] })
 }
 
+/// `{"median", "min", "max"}` of `s`; null when there is none.
+pub fn sp(s: Option<Spread>) -> Value {
+    s.map_or(Value::Null, |s| json!({"median": s.median, "min": s.min, "max": s.max}))
+}
+
+/// [`sp`] of the spread of `xs`.
+pub fn spread_of(xs: impl IntoIterator<Item = f64>) -> Value {
+    sp(spread(&xs.into_iter().collect::<Vec<_>>()))
+}
+
+/// `items` grouped by `key`, the groups and each group's items in first-seen order.
+pub fn group_by<T, K: PartialEq>(items: impl IntoIterator<Item = T>, key: impl Fn(&T) -> K) -> Vec<(K, Vec<T>)> {
+    let mut groups: Vec<(K, Vec<T>)> = Vec::new();
+    for item in items {
+        let k = key(&item);
+        match groups.iter_mut().find(|(g, _)| *g == k) {
+            Some((_, v)) => v.push(item),
+            None => groups.push((k, vec![item])),
+        }
+    }
+    groups
+}
+
+/// `commits` sorted, each once, joined by commas.
+pub fn joined<'a>(commits: impl IntoIterator<Item = &'a str>) -> String {
+    commits.into_iter().collect::<std::collections::BTreeSet<_>>().into_iter().collect::<Vec<_>>().join(", ")
+}
+
+/// `doc`'s fields, then `extra`'s (both JSON objects).
+pub fn with_fields(mut doc: Value, extra: Value) -> Value {
+    if let (Some(d), Value::Object(e)) = (doc.as_object_mut(), extra) {
+        d.extend(e);
+    }
+    doc
+}
+
 /// Output checks on raw values: all finite, and not all equal.
 pub fn check_output(values: &[f32]) -> (bool, bool) {
     let finite = !values.is_empty() && values.iter().all(|v| v.is_finite());
@@ -566,45 +597,28 @@ pub fn merge(runs: &[RunDoc], anchors: &[AnchorDoc], min_repeats: usize) -> Resu
     // One commit per model: each model's figures come from one build (models may
     // have been measured at different commits, each with its anchors).
     let model_of = |r: &RunDoc| r.cases.first().map(|c| c.model.clone()).unwrap_or_default();
-    let mut commits: Vec<(String, String)> = Vec::new();
-    for r in runs {
-        let m = model_of(r);
-        match commits.iter().find(|(cm, _)| *cm == m) {
-            Some((_, c)) if *c != r.commit => return Err(format!("{m}: runs of different commits ({c} and {})", r.commit)),
-            Some(_) => {}
-            None => commits.push((m, r.commit.clone())),
+    let by_model = group_by(runs, |r| model_of(r));
+    for (m, rs) in &by_model {
+        if let Some(r) = rs.iter().find(|r| r.commit != rs[0].commit) {
+            return Err(format!("{m}: runs of different commits ({} and {})", rs[0].commit, r.commit));
         }
     }
-    let commit_of = |m: &str| commits.iter().find(|(cm, _)| cm == m).map(|(_, c)| c.clone()).unwrap_or_default();
-    let mut all_commits: Vec<String> = commits.iter().map(|(_, c)| c.clone()).collect();
-    all_commits.sort();
-    all_commits.dedup();
+    let commit_of = |m: &str| by_model.iter().find(|(cm, _)| cm == m).map(|(_, rs)| rs[0].commit.clone()).unwrap_or_default();
     let target = targets(&first.backend);
     // (model, case, depth, depth chosen by the planner) in first-seen order.
-    let mut keys: Vec<(String, String, usize, bool)> = Vec::new();
-    for r in runs {
-        for c in &r.cases {
-            let k = (c.model.clone(), c.case.clone(), c.depth, c.planner_depth.is_some());
-            if !keys.contains(&k) {
-                keys.push(k);
-            }
-        }
-    }
+    let keys: Vec<(String, String, usize, bool)> =
+        group_by(runs.iter().flat_map(|r| &r.cases), |c| (c.model.clone(), c.case.clone(), c.depth, c.planner_depth.is_some()))
+            .into_iter()
+            .map(|(k, _)| k)
+            .collect();
     // Where the planner chose a case's depth, that row is the case's judged one:
     // rows at depths given on the command line are reported beside it, not judged.
     let planned: Vec<(String, String)> = keys.iter().filter(|k| k.3).map(|k| (k.0.clone(), k.1.clone())).collect();
     let anchor_cases: Vec<&AnchorCase> = anchors.iter().flat_map(|a| &a.cases).collect();
     let mut anchor_rows = Vec::new();
-    let mut anchor_best: Vec<((String, String), f64, String)> = Vec::new();
     // Anchor rows: per (model, case, mode), with a bound of their own: their
     // resident step and the bandwidth our runs measured in the same command.
-    let mut akeys: Vec<(String, String, String)> = Vec::new();
-    for a in &anchor_cases {
-        let k = (a.model.clone(), a.case.clone(), a.mode.clone());
-        if !akeys.contains(&k) {
-            akeys.push(k);
-        }
-    }
+    let anchor_groups = group_by(anchor_cases.iter().copied(), |a| (a.model.clone(), a.case.clone(), a.mode.clone()));
     let mut cases = Vec::new();
     for (model, case, depth, by_planner) in &keys {
         let per: Vec<(&RunDoc, &RunCase)> = runs
@@ -676,19 +690,12 @@ pub fn merge(runs: &[RunDoc], anchors: &[AnchorDoc], min_repeats: usize) -> Resu
         let nonconstant = per.iter().all(|(_, c)| c.output_nonconstant);
         // The anchors' best offloaded mode at this case: the lowest median.
         let mut best: Option<(f64, String)> = None;
-        for (am, ac, mode) in akeys.iter().filter(|(am, ac, mode)| am == model && ac == case && mode != "resident") {
-            let xs: Vec<f64> = anchor_cases
-                .iter()
-                .filter(|a| &a.model == am && &a.case == ac && &a.mode == mode)
-                .map(|a| per_run_median(&a.steps_s))
-                .collect::<Result<_, _>>()?;
+        for ((_, _, mode), per) in anchor_groups.iter().filter(|((am, ac, mode), _)| am == model && ac == case && mode != "resident") {
+            let xs: Vec<f64> = per.iter().map(|a| per_run_median(&a.steps_s)).collect::<Result<_, _>>()?;
             let m = spread(&xs).ok_or(&at)?.median;
             if best.as_ref().is_none_or(|(b, _)| m < *b) {
                 best = Some((m, mode.clone()));
             }
-        }
-        if let Some((m, mode)) = &best {
-            anchor_best.push(((model.clone(), case.clone()), *m, mode.clone()));
         }
         let meets_ratio = ratio <= target.ratio_to_bound;
         let faster = best.as_ref().map(|(m, _)| s.median <= *m);
@@ -724,8 +731,7 @@ pub fn merge(runs: &[RunDoc], anchors: &[AnchorDoc], min_repeats: usize) -> Resu
             "host_rss_bytes": per.iter().map(|(r, _)| r.host_rss_bytes).max(),
         }));
     }
-    for (model, case, mode) in &akeys {
-        let per: Vec<&&AnchorCase> = anchor_cases.iter().filter(|a| &a.model == model && &a.case == case && &a.mode == mode).collect();
+    for ((model, case, mode), per) in &anchor_groups {
         let at = format!("anchor {model} {case} {mode}");
         if per.len() < min_repeats {
             return Err(format!("{at}: {} process runs, at least {min_repeats} needed", per.len()));
@@ -763,7 +769,7 @@ pub fn merge(runs: &[RunDoc], anchors: &[AnchorDoc], min_repeats: usize) -> Resu
     let budgets = crate::budgets::merge_budgets(runs, min_repeats)?;
     let mut doc = json!({
         // The newest run's date: a merge of kept runs is as new as its last run.
-        "date": runs.iter().map(|r| r.date.as_str()).max().unwrap_or(&first.date), "commit": all_commits.join(", "), "gpu": first.gpu, "backend": first.backend,
+        "date": runs.iter().map(|r| r.date.as_str()).max().unwrap_or(&first.date), "commit": joined(runs.iter().map(|r| r.commit.as_str())), "gpu": first.gpu, "backend": first.backend,
         "model": keys.iter().map(|k| k.0.clone()).fold(Vec::<String>::new(), |mut v, m| { if !v.contains(&m) { v.push(m) } v }).join(", "),
         "repeats": cases.iter().filter_map(|c| c["repeats"].as_u64()).min().unwrap_or(0), "process_runs": runs.len(),
         "memory_method": "weights_device_bytes: the most slot bytes live at once (the backend's counters) plus the non-block weights; \

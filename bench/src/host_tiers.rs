@@ -1,19 +1,13 @@
-//! Issue 17's host tiers, measured: the same Flux-dev-shaped checkpoint file
-//! served by the copying store (`mode: copy`: every block read into page-locked
-//! buffers of the store's own) and by the mapped store (`mode: mapped`: the file
-//! mapped and registered read-only, blocks served from its page cache), each
-//! timed from opening the file to the end of the first streamed step, with the
-//! process's resident memory beyond the page cache at that point, then its timed
-//! streamed steps against `max(resident step, streamed bytes ÷ bandwidth)` and
-//! bitwise against the resident output. `run` (feature `cuda`) is one process;
-//! `merge` makes `bench/results/<date>-host-tiers-h200.json` from three or more.
-//! With `--host-ram-gib G`, a third mode, `disk`: a host RAM budget of `G` GiB,
-//! the blocks that do not fit chosen by `offload_plan::plan_host_tier` and read
-//! from the file at each use (`HostStore::build_tiered`), against the file's
-//! `O_DIRECT` read bandwidth measured in the same process (as many reads in
-//! flight as the ring's disk stream keeps, over the file's first 4 GiB).
+//! Host tiers (issue 17): one Flux-dev-shaped checkpoint file served by the
+//! copying store (`copy`), the mapped store (`mapped`: blocks served from the page
+//! cache), with `--host-ram-gib` from disk past a host RAM budget (`disk`), and
+//! coded (`coded`, `coded-file`); each timed from opening the file to the end of
+//! the first streamed step, with host memory beyond the page cache, then streamed
+//! steps against `max(resident step, streamed bytes ÷ bandwidth)`, bitwise against
+//! the resident output. `run` (feature `cuda`) is one process; the merges make the
+//! published files from several.
 
-use crate::harness::{spread, Spread};
+use crate::harness::{sp, spread, spread_of, with_fields};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
@@ -218,17 +212,14 @@ pub fn merge_shared(runs: &[HostTierRun], min_groups: usize) -> Result<Value, St
     }
     // DESIGN's case fields over every process of every group. Not judged: each
     // process shared the link with the other while it streamed.
-    let mut case = design_case(first, &every, "mapped")?;
-    case.extend(
+    let case = with_fields(
+        design_case(first, &every, "mapped")?,
         json!({
             "mode": "mapped",
             "repeats": every.len(),
             "processes_at_once": every.len() / groups.len(),
             "ratio_note": "each process streamed while the other of its group did: the ratio is reported, not judged",
-        })
-        .as_object()
-        .cloned()
-        .unwrap_or_default(),
+        }),
     );
     Ok(with_head(
         first,
@@ -248,28 +239,25 @@ pub fn merge_shared(runs: &[HostTierRun], min_groups: usize) -> Result<Value, St
 /// A merged file: what every host-tier file begins with (date, commit, GPU,
 /// backend, model, file size), then `rest`'s fields.
 fn with_head(first: &HostTierRun, rest: Value) -> Value {
-    let mut doc = json!({
-        "date": std::env::var("BENCH_DATE").unwrap_or_default(),
-        "commit": first.commit,
-        "gpu": first.gpu,
-        "backend": "cuda",
-        "model": first.model,
-        "file_bytes": first.file_bytes,
-    });
-    if let (Some(d), Value::Object(r)) = (doc.as_object_mut(), rest) {
-        d.extend(r);
-    }
-    doc
+    with_fields(
+        json!({
+            "date": std::env::var("BENCH_DATE").unwrap_or_default(),
+            "commit": first.commit,
+            "gpu": first.gpu,
+            "backend": "cuda",
+            "model": first.model,
+            "file_bytes": first.file_bytes,
+        }),
+        rest,
+    )
 }
 
 /// What a run records of its plan for one mode, before anything is timed: the
 /// blocks served in place, copied, left on disk and held coded, the bytes a step
 /// streams and reads from disk, the host RAM budget, the host bytes the store
 /// holds and whether disk reads bypassed the page cache. Runs of one mode merged
-/// into one case must agree on all of it: a median over steps of different plans
-/// measures none of them, and a maximum of each count describes a plan no run
-/// had (34 blocks on disk and 23 copied in one run, 48 and 9 in the others, was
-/// merged as 48 and 23).
+/// into one case must agree on all of it: a median over different plans
+/// measures none of them.
 fn plan_of(m: &TierRun) -> [(&'static str, String); 9] {
     [
         ("mapped_blocks", m.mapped_blocks.to_string()),
@@ -320,6 +308,18 @@ fn same_plan(what: &str, mode: &str, runs: &[HostTierRun], per: &[(&HostTierRun,
     Ok(())
 }
 
+/// Each run's `mode`, refused (prefixed by `what`) where a run lacks it or where
+/// the runs' plans for it differ ([`same_plan`]).
+fn runs_of_mode<'a>(what: &str, mode: &str, runs: &'a [HostTierRun]) -> Result<Vec<(&'a HostTierRun, &'a TierRun)>, String> {
+    let of = |r: &'a HostTierRun| r.modes.iter().find(|m| m.mode == mode).map(|m| (r, m));
+    let per = runs
+        .iter()
+        .map(|r| of(r).ok_or_else(|| format!("{what}: {} has no {mode} mode", run_name(runs, r))))
+        .collect::<Result<Vec<_>, _>>()?;
+    same_plan(what, mode, runs, &per)?;
+    Ok(per)
+}
+
 /// Refuses `runs` unless they share one commit, GPU, model, case, depth and
 /// checkpoint size (what [`with_head`] writes once for all); the error, prefixed
 /// by `what`, names the first run that differs.
@@ -348,12 +348,8 @@ struct PerRun {
 
 /// The disk mode's estimate of its step: the slower of its bound and the bytes
 /// it reads from disk at the file's read rate probed in the same process. Not a
-/// bound, and not called one: the probe is one sample of a rate that varies
-/// from moment to moment (1.40 to 2.14 GB/s over three runs on the H200's
-/// runner) and reads the file's first 4 GiB, not the blocks a step reads, so a
-/// step can read faster than it did (0.80 × this estimate at the minimum there).
-/// What bounds the step from below is the link and the compute, as in every
-/// other mode: `bound_s`.
+/// bound: the probe is one sample of a varying rate over the file's first 4 GiB,
+/// so a step can beat it. The link and the compute bound the step: `bound_s`.
 fn disk_estimate_s(bound: f64, m: &TierRun) -> f64 {
     match m.disk_read_bps > 0.0 {
         true => bound.max(m.disk_bytes_per_step as f64 / m.disk_read_bps),
@@ -396,11 +392,11 @@ fn per_run(per: &[(&HostTierRun, &TierRun)], mode: &str) -> Result<PerRun, Strin
 /// budget, resident and streamed step, bandwidth, bytes, bound, ratio, peak
 /// device bytes, bitwise), medians with min and max over `per`. These runs keep
 /// no device budget and do not record the device's peak: both are null.
-fn design_case(first: &HostTierRun, per: &[(&HostTierRun, &TierRun)], mode: &str) -> Result<serde_json::Map<String, Value>, String> {
+fn design_case(first: &HostTierRun, per: &[(&HostTierRun, &TierRun)], mode: &str) -> Result<Value, String> {
     let case = crate::registry::model(&first.model)?.case(&first.case)?.clone();
     let p = per_run(per, mode)?;
-    let col = |f: &dyn Fn(&TierRun) -> f64| sp(spread(&per.iter().map(|(_, m)| f(m)).collect::<Vec<_>>()));
-    let doc = json!({
+    let col = |f: &dyn Fn(&TierRun) -> f64| spread_of(per.iter().map(|(_, m)| f(m)));
+    Ok(json!({
         "model": first.model,
         "case": first.case,
         "resolution": case.resolution,
@@ -416,12 +412,7 @@ fn design_case(first: &HostTierRun, per: &[(&HostTierRun, &TierRun)], mode: &str
         "ratio_to_bound": sp(spread(&p.ratios)),
         "peak_device_bytes": Value::Null,
         "bitwise_equal": per.iter().all(|(_, m)| m.bitwise_equal && m.output_finite_nonconstant),
-    });
-    Ok(doc.as_object().cloned().unwrap_or_default())
-}
-
-fn sp(s: Option<Spread>) -> Value {
-    s.map_or(Value::Null, |s| json!({"median": s.median, "min": s.min, "max": s.max}))
+    }))
 }
 
 /// Medians with min and max over `runs` (at least `min_repeats`, one commit,
@@ -443,14 +434,9 @@ pub fn merge(runs: &[HostTierRun], min_repeats: usize) -> Result<Value, String> 
     let modes: &[&str] = if with_disk { &["mapped", "disk", "copy"] } else { &["mapped", "copy"] };
     let mut disk_read = None;
     for &mode in modes {
-        let per: Vec<(&HostTierRun, &TierRun)> =
-            runs.iter().filter_map(|r| r.modes.iter().find(|m| m.mode == mode).map(|m| (r, m))).collect();
-        if per.len() != runs.len() {
-            return Err(format!("merge-host-tiers: {} of {} runs have mode {mode}", per.len(), runs.len()));
-        }
-        same_plan("merge-host-tiers", mode, runs, &per)?;
+        let per = runs_of_mode("merge-host-tiers", mode, runs)?;
         let PerRun { steps, ratios, estimates, estimate_ratios, .. } = per_run(&per, mode)?;
-        let col = |f: &dyn Fn(&TierRun) -> f64| sp(spread(&per.iter().map(|(_, m)| f(m)).collect::<Vec<_>>()));
+        let col = |f: &dyn Fn(&TierRun) -> f64| spread_of(per.iter().map(|(_, m)| f(m)));
         let start = spread(&per.iter().map(|(_, m)| m.start_s).collect::<Vec<_>>());
         let rss = spread(&per.iter().map(|(_, m)| m.host_rss_bytes as f64).collect::<Vec<_>>());
         let ratio = spread(&ratios);
@@ -491,7 +477,6 @@ pub fn merge(runs: &[HostTierRun], min_repeats: usize) -> Result<Value, String> 
             _ => ratio.is_some_and(|s| s.median <= RATIO_TARGET) && bitwise,
         };
         meets_all &= meets;
-        let mut case = design_case(first, &per, mode)?;
         let extra = json!({
             "mode": mode,
             "repeats": per.len(),
@@ -511,8 +496,7 @@ pub fn merge(runs: &[HostTierRun], min_repeats: usize) -> Result<Value, String> 
             "copy_reason": per.iter().find_map(|(_, m)| m.copy_reason.clone()),
             "meets_targets": meets,
         });
-        case.extend(extra.as_object().cloned().unwrap_or_default());
-        cases.push(Value::Object(case));
+        cases.push(with_fields(design_case(first, &per, mode)?, extra));
     }
     Ok(with_head(
         first,
@@ -559,26 +543,16 @@ pub fn merge_coded_start(runs: &[HostTierRun], min_repeats: usize) -> Result<Val
             r.coded_file_bytes
         ));
     }
-    let mode_of = |r: &'_ HostTierRun, mode: &str| -> Result<TierRun, String> {
-        r.modes
-            .iter()
-            .find(|m| m.mode == mode)
-            .cloned()
-            .ok_or_else(|| format!("merge-coded-start: a run (pid {}) has no {mode} mode", r.pid))
-    };
     let mut cases = Vec::new();
     let mut checks = true;
     let mut starts: Vec<Vec<f64>> = Vec::new();
     for mode in ["coded-file", "coded"] {
-        let per = runs.iter().map(|r| Ok((r, mode_of(r, mode)?))).collect::<Result<Vec<_>, String>>()?;
-        let refs: Vec<(&HostTierRun, &TierRun)> = per.iter().map(|(r, m)| (*r, m)).collect();
-        same_plan("merge-coded-start", mode, runs, &refs)?;
-        let col = |f: &dyn Fn(&TierRun) -> f64| sp(spread(&per.iter().map(|(_, m)| f(m)).collect::<Vec<_>>()));
+        let per = runs_of_mode("merge-coded-start", mode, runs)?;
+        let col = |f: &dyn Fn(&TierRun) -> f64| spread_of(per.iter().map(|(_, m)| f(m)));
         let bitwise = per.iter().all(|(_, m)| m.bitwise_equal && m.output_finite_nonconstant);
         let coded = per[0].1.coded_blocks;
         checks &= bitwise && coded > 0;
         starts.push(per.iter().map(|(_, m)| m.start_s).collect());
-        let mut case = design_case(first, &refs, mode)?;
         let extra = json!({
             "mode": mode,
             "repeats": per.len(),
@@ -588,8 +562,7 @@ pub fn merge_coded_start(runs: &[HostTierRun], min_repeats: usize) -> Result<Val
             "coded_blocks": coded,
             "host_bytes": per[0].1.host_bytes,
         });
-        case.extend(extra.as_object().cloned().unwrap_or_default());
-        cases.push(Value::Object(case));
+        cases.push(with_fields(design_case(first, &per, mode)?, extra));
     }
     // Same shapes in both modes (the bound fields of `design_case` aside).
     if cases.iter().any(|c| c["host_bytes"] != cases[0]["host_bytes"]) {
@@ -618,11 +591,8 @@ pub use run::run;
 mod run {
     use super::{HostTierRun, TierRun};
     use crate::registry::Model;
-    use crate::source::RegistrySource;
-    use offload_core::{
-        host_rss_beyond_page_cache, resolve, BlockDiscovery, DeclaredStacks, HostStore, OffloadBackend, PinOptions, Plan, Ring,
-        SafetensorsFile, TensorSource,
-    };
+    use crate::source::{bf16_to_f32, block_inventory, resolved, RegistrySource};
+    use offload_core::{host_rss_beyond_page_cache, HostStore, OffloadBackend, PinOptions, Plan, Ring, SafetensorsFile, TensorSource};
     use offload_core::{HostBuffer as _, HostMemory as _};
     use offload_cuda::reference::RefNet;
     use offload_cuda::CudaBackend;
@@ -638,8 +608,7 @@ mod run {
     /// `path` as a safetensors file, block by block in the inventory's order.
     fn write_checkpoint(model: &Model, path: &str) -> Result<u64, String> {
         let src = RegistrySource::new(model, 0);
-        let prefixes: Vec<&str> = model.stacks.iter().map(|s| s.prefix).collect();
-        let inv = DeclaredStacks::new(prefixes).discover("transformer", src.specs()).map_err(err)?;
+        let inv = block_inventory(model, src.specs()).map_err(err)?;
         let index: std::collections::HashMap<&str, usize> = src.specs().iter().enumerate().map(|(i, s)| (s.name.as_str(), i)).collect();
         let order: Vec<usize> = inv.blocks().flat_map(|b| b.tensors.iter().map(|t| index[t.name.as_str()])).collect();
         let mut header = serde_json::Map::new();
@@ -739,7 +708,6 @@ mod run {
             gib(file_bytes),
             if write_s > 0.0 { format!(", written in {write_s:.1} s") } else { String::new() }
         );
-        let prefixes: Vec<&str> = model.stacks.iter().map(|s| s.prefix).collect();
         let dims = crate::cuda::dims(model, c)?;
         let mut doc = HostTierRun {
             commit: commit.into(),
@@ -770,8 +738,7 @@ mod run {
         if modes.contains(&"coded-file") {
             if !coded_path.exists() {
                 let src = SafetensorsFile::open(file).map_err(err)?;
-                let mut inv = DeclaredStacks::new(prefixes.clone()).discover("transformer", src.specs()).map_err(err)?;
-                inv.non_block.clear();
+                let inv = block_inventory(model, src.specs()).map_err(err)?;
                 let o = offload_cuda::CodingOptions::default();
                 let stats = offload_core::CodedFile::write(&coded_path, &inv, &src, o.segment_bytes, o.threads).map_err(err)?;
                 doc.coded_file_write_s = stats.write_s;
@@ -800,8 +767,7 @@ mod run {
                 "mapped" => offload_cuda::map_checkpoint(file).map_err(err)?,
                 _ => SafetensorsFile::open(file).map_err(err)?,
             };
-            let mut inv = DeclaredStacks::new(prefixes.clone()).discover("transformer", src.specs()).map_err(err)?;
-            inv.non_block.clear();
+            let inv = block_inventory(model, src.specs()).map_err(err)?;
             let mut cp = offload_core::ComponentPlan { prefetch_depth: depth, ..Default::default() };
             if let ("disk", Some(budget)) = (mode, host_ram) {
                 // The planner's choice: compute per block from this process's resident
@@ -825,8 +791,7 @@ mod run {
                 cp.disk_blocks = choice.disk_ids(&cm);
                 cp.host_ram_budget_bytes = Some(budget);
             }
-            let rc =
-                resolve(&Plan::layerwise().component("transformer", cp), std::slice::from_ref(&inv)).map_err(err)?.components.remove(0);
+            let rc = resolved(&Plan::layerwise().component("transformer", cp), &inv).map_err(err)?;
             let store = Arc::new(match mode {
                 "mapped" => HostStore::build_mapped(&be, &inv, &src, PinOptions::default()).map_err(err)?,
                 "disk" => HostStore::build_tiered(&be, &inv, &src, PinOptions::default(), &|id| rc.is_on_disk(id)).map_err(err)?,
@@ -852,31 +817,20 @@ mod run {
                 store.tier().copy_reason.as_deref().map(|r| format!(": {r}")).unwrap_or_default(),
                 gib(rss)
             );
-            let sync = || be.synchronize().map_err(err);
-            let (times, (step_bytes, disk_bytes)) =
-                crate::harness::timed((0, if mode == "disk" { disk_steps } else { steps }), &sync, &mut || {
-                    let before = ring.metrics().bytes_copied;
-                    let m = crate::cuda::step(&be, model, &mut net, &mut ring, None).map_err(err)?;
-                    Ok((ring.metrics().bytes_copied - before, m.disk_bytes_read))
-                })?;
+            let n = if mode == "disk" { disk_steps } else { steps };
+            let (times, (step_bytes, disk_bytes)) = crate::cuda::timed_steps(&be, model, &mut net, &mut ring, (0, n))?;
             let (end_unix_s, rss_end, rss_file_end) =
                 (unix_s(), host_rss_beyond_page_cache().unwrap_or(0), offload_core::host_rss_file_bytes().unwrap_or(0));
             let out = net.output().map_err(err)?;
             ring.close().map_err(err)?;
             // The resident reference: every block loaded once, from the first store.
             if resident_out.is_none() {
-                let rc = resolve(&Plan::resident(), std::slice::from_ref(&inv)).map_err(err)?.components.remove(0);
-                let mut ring = Ring::new(be.clone(), store.clone(), &rc).map_err(err)?;
-                let (times, _) = crate::harness::timed((1, steps), &sync, &mut || {
-                    crate::cuda::step(&be, model, &mut net, &mut ring, None).map_err(err).map(drop)
-                })?;
+                let (times, _, out) = crate::cuda::ring_steps(&be, model, (&store, &Plan::resident(), &inv), &mut net, (1, steps))?;
                 doc.steps_resident_s = times;
-                resident_out = Some(net.output().map_err(err)?);
-                ring.close().map_err(err)?;
+                resident_out = Some(out);
             }
             let bandwidth = offload_core::probe_bandwidth(&be, &store, 3).map_err(err)?;
-            let vals: Vec<f32> = out.iter().map(|&b| half::bf16::from_bits(b).to_f32()).collect();
-            let (finite, nonconstant) = crate::harness::check_output(&vals);
+            let (finite, nonconstant) = crate::harness::check_output(&bf16_to_f32(&out));
             let bitwise = resident_out.as_ref() == Some(&out);
             let median = crate::harness::median(&times);
             eprintln!(
@@ -983,10 +937,8 @@ mod tests {
         r
     }
 
-    /// The H200's three disk runs at 741599f merged as one plan: 48 blocks on
-    /// disk and 9 copied in the first and third, 34 and 23 in the second (fewer disk bytes), shown
-    /// as 48 and 23. Now refused, naming the run and each field; so is any other
-    /// field of a plan, in every merge of this file.
+    /// Runs of different plans are refused, naming the run and each field, in
+    /// every merge of this file.
     #[test]
     fn runs_whose_plans_differ_are_refused_by_name() {
         let plan = |k: u64, disk: usize, copied: usize, bytes: u64| {

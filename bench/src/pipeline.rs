@@ -184,11 +184,8 @@ pub fn merge(runs: &[PipelineRun], min_runs: usize) -> Result<Value, String> {
     let peak = runs.iter().map(|r| r.peak_device_bytes).max().unwrap_or(0);
     let ratio = sw.median / sb.median;
     let meets = ratio <= TARGET_RATIO && all_equal && peak <= r0.budget_bytes;
-    let mut commits: Vec<&str> = runs.iter().map(|r| r.commit.as_str()).collect();
-    commits.sort_unstable();
-    commits.dedup();
     Ok(json!({
-        "backend": r0.backend, "gpu": r0.gpu, "date": r0.date, "commit": commits.join(", "), "repeats": runs.len(),
+        "backend": r0.backend, "gpu": r0.gpu, "date": r0.date, "commit": crate::harness::joined(runs.iter().map(|r| r.commit.as_str())), "repeats": runs.len(),
         "model": r0.components.iter().map(|c| c.model.as_str()).collect::<Vec<_>>().join(" → "),
         "case": r0.case, "steps": r0.steps, "budget_bytes": r0.budget_bytes, "peak_device_bytes": peak,
         "bandwidth_gbps": spread(&runs.iter().map(|r| r.bandwidth_gbps).collect::<Vec<_>>()).map(|s| s.median),

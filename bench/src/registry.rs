@@ -369,20 +369,8 @@ pub fn flux_dev() -> Model {
         guidance: true,
         calls_per_step: 1,
         stacks: vec![
-            Stack {
-                prefix: "transformer_blocks",
-                count: 19,
-                kind: BlockKind::DualStream,
-                params: dual_params(FLUX_DUAL, h, hd, mlp),
-                overrides: vec![],
-            },
-            Stack {
-                prefix: "single_transformer_blocks",
-                count: 38,
-                kind: BlockKind::SingleStream,
-                params: single_params(h, hd, mlp),
-                overrides: vec![],
-            },
+            stack("transformer_blocks", 19, BlockKind::DualStream, dual_params(FLUX_DUAL, h, hd, mlp)),
+            stack("single_transformer_blocks", 38, BlockKind::SingleStream, single_params(h, hd, mlp)),
         ],
         globals,
         cases: vec![image_case(1024, 512), image_case(2048, 512)],
@@ -420,13 +408,7 @@ pub fn qwen_image() -> Model {
         pooled_dim: None,
         guidance: false,
         calls_per_step: 2,
-        stacks: vec![Stack {
-            prefix: "transformer_blocks",
-            count: 60,
-            kind: BlockKind::DualStream,
-            params: dual_params(QWEN_DUAL, h, hd, mlp),
-            overrides: vec![],
-        }],
+        stacks: vec![stack("transformer_blocks", 60, BlockKind::DualStream, dual_params(QWEN_DUAL, h, hd, mlp))],
         globals,
         cases: vec![image_case(1024, 512), image_case(1328, 512)],
         reference: json!({
@@ -508,15 +490,7 @@ pub fn tiny(model: &Model) -> Model {
         stacks,
         globals,
         // The real model's batch (SD3.5 runs two, for classifier-free guidance).
-        cases: vec![Case {
-            name: "64".into(),
-            resolution: 64,
-            height: 64,
-            frames: 1,
-            image_tokens: 16,
-            text_tokens: 8,
-            batch: model.cases.first().map_or(1, |c| c.batch),
-        }],
+        cases: vec![Case { batch: model.cases.first().map_or(1, |c| c.batch), ..image_case(64, 8) }],
         reference: Value::Null,
     }
 }
@@ -597,15 +571,7 @@ pub fn sd35_large() -> Model {
         stacks: vec![s],
         globals: g,
         // Text: 77 CLIP tokens + 256 T5 tokens; classifier-free guidance batched (2).
-        cases: vec![Case {
-            name: "1024".into(),
-            resolution: 1024,
-            height: 1024,
-            frames: 1,
-            image_tokens: 4096,
-            text_tokens: 333,
-            batch: 2,
-        }],
+        cases: vec![Case { batch: 2, ..image_case(1024, 333) }],
         reference: json!({"module": "diffusers", "class": "SD3Transformer2DModel",
             "config": {"sample_size": 128, "patch_size": 2, "in_channels": 16, "num_layers": 38, "attention_head_dim": 64,
                        "num_attention_heads": 38, "joint_attention_dim": 4096, "caption_projection_dim": 2432,
@@ -729,15 +695,7 @@ pub fn z_image_turbo() -> Model {
             stack("layers", 30, BlockKind::ZImage, zimage_params(h, 128, ffn, true)),
         ],
         globals: g,
-        cases: vec![Case {
-            name: "1024".into(),
-            resolution: 1024,
-            height: 1024,
-            frames: 1,
-            image_tokens: 4096,
-            text_tokens: 512,
-            batch: 1,
-        }],
+        cases: vec![image_case(1024, 512)],
         reference: json!({"module": "diffusers", "class": "ZImageTransformer2DModel", "config": {}}),
     }
 }
@@ -900,15 +858,7 @@ fn vae_decoder(name: &'static str, latent: usize, ch: [usize; 4], side: usize, r
         calls_per_step: 1,
         stacks: vec![up],
         globals: g,
-        cases: vec![Case {
-            name: side.to_string(),
-            resolution: side,
-            height: side,
-            frames: 1,
-            image_tokens: lat * lat,
-            text_tokens: 0,
-            batch: 1,
-        }],
+        cases: vec![Case { image_tokens: lat * lat, ..image_case(side, 0) }],
         reference,
     }
 }

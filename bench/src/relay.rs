@@ -7,7 +7,7 @@
 //! `bench/results/<date>-relay-x2.json` from three or more, every bound, ratio and
 //! speedup computed here.
 
-use crate::harness::{spread, Spread};
+use crate::harness::{sp, spread, spread_of};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
@@ -58,10 +58,6 @@ pub const RATIO_TARGET: f64 = 1.05;
 /// See [`RATIO_TARGET`].
 pub const SPEEDUP_TARGET: f64 = 1.8;
 
-fn sp(s: Option<Spread>) -> Value {
-    s.map_or(Value::Null, |s| json!({"median": s.median, "min": s.min, "max": s.max}))
-}
-
 /// Medians with min and max over `runs` (at least `min_repeats`, one commit,
 /// model, case and depth): the file.
 pub fn merge(runs: &[RelayRun], min_repeats: usize) -> Result<Value, String> {
@@ -90,10 +86,7 @@ pub fn merge(runs: &[RelayRun], min_repeats: usize) -> Result<Value, String> {
         ratios.push(relay / bound);
         speedups.push(single / relay);
     }
-    let col = |f: &dyn Fn(&RelayRun) -> Vec<f64>| {
-        let meds: Vec<f64> = runs.iter().filter_map(|r| spread(&f(r)).map(|s| s.median)).collect();
-        sp(spread(&meds))
-    };
+    let col = |f: &dyn Fn(&RelayRun) -> Vec<f64>| spread_of(runs.iter().filter_map(|r| spread(&f(r)).map(|s| s.median)));
     let (ratio, speedup) = (spread(&ratios), spread(&speedups));
     let bitwise = runs.iter().all(|r| r.bitwise_equal && r.output_finite_nonconstant);
     let carried = runs.iter().all(|r| r.relayed_bytes > 0);
@@ -109,8 +102,8 @@ pub fn merge(runs: &[RelayRun], min_repeats: usize) -> Result<Value, String> {
         "helpers": first.helpers,
         "helper_share": first.helper_share,
         "link_gbps": {
-            "host_to_gpu0": sp(spread(&runs.iter().map(|r| r.single_bps / 1e9).collect::<Vec<_>>())),
-            "aggregate_relay": sp(spread(&runs.iter().map(|r| r.aggregate_bps / 1e9).collect::<Vec<_>>())),
+            "host_to_gpu0": spread_of(runs.iter().map(|r| r.single_bps / 1e9)),
+            "aggregate_relay": spread_of(runs.iter().map(|r| r.aggregate_bps / 1e9)),
         },
         "targets": {"ratio_to_bound": RATIO_TARGET, "speedup": SPEEDUP_TARGET},
         "cases": [{
@@ -122,7 +115,7 @@ pub fn merge(runs: &[RelayRun], min_repeats: usize) -> Result<Value, String> {
             "step_resident_s": col(&|r| r.steps_resident_s.clone()),
             "step_single_s": col(&|r| r.steps_single_s.clone()),
             "step_relay_s": col(&|r| r.steps_relay_s.clone()),
-            "aggregate_gbps": sp(spread(&runs.iter().map(|r| r.aggregate_bps / 1e9).collect::<Vec<_>>())),
+            "aggregate_gbps": spread_of(runs.iter().map(|r| r.aggregate_bps / 1e9)),
             "bound_s": sp(spread(&bounds)),
             "ratio_to_bound": sp(ratio),
             "speedup": sp(speedup),
@@ -139,39 +132,16 @@ pub use run::run;
 #[cfg(feature = "cuda")]
 mod run {
     use super::RelayRun;
+    use crate::cuda::ring_steps;
     use crate::registry::Model;
     use crate::source::RegistrySource;
-    use offload_core::{resolve, BlockDiscovery, DeclaredStacks, HostStore, OffloadBackend, Plan, Ring, TensorSource};
+    use offload_core::{HostStore, OffloadBackend, Plan, TensorSource};
     use offload_cuda::reference::RefNet;
     use offload_cuda::{CudaBackend, RelayOptions};
     use std::sync::Arc;
 
     fn err(what: impl std::fmt::Display) -> String {
         format!("relay: {what}")
-    }
-
-    /// Timed steps of `model` through a ring of `plan` on `be` (one untimed first),
-    /// and the output.
-    fn steps(
-        be: &CudaBackend,
-        model: &Model,
-        store: &Arc<HostStore<CudaBackend>>,
-        plan: &Plan,
-        inv: &offload_core::ComponentInventory,
-        net: &mut RefNet,
-        n: usize,
-    ) -> Result<(Vec<f64>, u64, Vec<u16>), String> {
-        let rc = resolve(plan, std::slice::from_ref(inv)).map_err(err)?.components.remove(0);
-        let mut ring = Ring::new(be.clone(), store.clone(), &rc).map_err(err)?;
-        let sync = || be.synchronize().map_err(err);
-        let (times, bytes) = crate::harness::timed((1, n), &sync, &mut || {
-            let before = ring.metrics().bytes_copied;
-            crate::cuda::step(be, model, net, &mut ring, None).map_err(err)?;
-            Ok(ring.metrics().bytes_copied - before)
-        })?;
-        let out = net.output().map_err(err)?;
-        ring.close().map_err(err)?;
-        Ok((times, bytes, out))
     }
 
     /// One process: the model's store on a plain backend and on a relayed one
@@ -185,9 +155,7 @@ mod run {
             .enable_relay(RelayOptions { helpers: helpers.to_vec(), max_copy_bytes: 1 << 30, ..Default::default() })
             .map_err(|e| err(format!("relay could not be turned on (copies would stay direct): {e}")))?;
         let src = RegistrySource::new(model, 0);
-        let prefixes: Vec<&str> = model.stacks.iter().map(|s| s.prefix).collect();
-        let mut inv = DeclaredStacks::new(prefixes).discover("transformer", src.specs()).map_err(err)?;
-        inv.non_block.clear();
+        let inv = crate::source::block_inventory(model, src.specs()).map_err(err)?;
         let mut doc = RelayRun {
             commit: commit.into(),
             gpu: single.device_name().unwrap_or_default(),
@@ -205,8 +173,8 @@ mod run {
         let store = Arc::new(HostStore::build(&single, &inv, &src).map_err(err)?);
         doc.single_bps = offload_core::probe_bandwidth(&single, &store, 3).map_err(err)?;
         let mut net = RefNet::new(&single, dims, c.resolution as u64).map_err(err)?;
-        let (resident, _, want) = steps(&single, model, &store, &Plan::resident(), &inv, &mut net, n)?;
-        let (single_s, step_bytes, out_single) = steps(&single, model, &store, &layerwise, &inv, &mut net, n)?;
+        let (resident, _, want) = ring_steps(&single, model, (&store, &Plan::resident(), &inv), &mut net, (1, n))?;
+        let (single_s, step_bytes, out_single) = ring_steps(&single, model, (&store, &layerwise, &inv), &mut net, (1, n))?;
         drop(net);
         drop(store);
         single.synchronize().map_err(err)?;
@@ -216,10 +184,9 @@ mod run {
         doc.aggregate_bps = offload_core::probe_bandwidth(&relayed, &store, 3).map_err(err)?;
         let mut net = RefNet::new(&relayed, dims, c.resolution as u64).map_err(err)?;
         let t0: u64 = relayed.relayed_bytes().iter().map(|(_, b)| b).sum();
-        let (relay_s, _, out_relay) = steps(&relayed, model, &store, &layerwise, &inv, &mut net, n)?;
+        let (relay_s, _, out_relay) = ring_steps(&relayed, model, (&store, &layerwise, &inv), &mut net, (1, n))?;
         doc.relayed_bytes = relayed.relayed_bytes().iter().map(|(_, b)| b).sum::<u64>() - t0;
-        let vals: Vec<f32> = out_relay.iter().map(|&b| half::bf16::from_bits(b).to_f32()).collect();
-        let (finite, nonconstant) = crate::harness::check_output(&vals);
+        let (finite, nonconstant) = crate::harness::check_output(&crate::source::bf16_to_f32(&out_relay));
         doc.steps_resident_s = resident;
         doc.steps_single_s = single_s;
         doc.steps_relay_s = relay_s;

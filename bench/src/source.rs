@@ -4,7 +4,27 @@
 //! ±0.01, norm scales in [0.5, 1.5]), reproducible from a seed.
 
 use crate::registry::Model;
-use offload_core::{DType, Error, Result, TensorSource, TensorSpec};
+use offload_core::{BlockDiscovery, ComponentInventory, DType, Error, Plan, ResolvedComponent, Result, TensorSource, TensorSpec};
+
+/// `model`'s blocks among `specs`, one component, without its non-block tensors:
+/// the bench's models keep those on the device themselves (or have none), so a
+/// store must not hold a second copy.
+pub fn block_inventory(model: &Model, specs: &[TensorSpec]) -> Result<ComponentInventory> {
+    let prefixes: Vec<&str> = model.stacks.iter().map(|s| s.prefix).collect();
+    let mut inv = offload_core::DeclaredStacks::new(prefixes).discover("transformer", specs)?;
+    inv.non_block.clear();
+    Ok(inv)
+}
+
+/// The one component `plan` resolves `inv` to.
+pub fn resolved(plan: &Plan, inv: &ComponentInventory) -> Result<ResolvedComponent> {
+    Ok(offload_core::resolve(plan, std::slice::from_ref(inv))?.components.remove(0))
+}
+
+/// bf16 values (as their bits) in f32, for [`crate::harness::check_output`].
+pub fn bf16_to_f32(v: &[u16]) -> Vec<f32> {
+    v.iter().map(|&b| half::bf16::from_bits(b).to_f32()).collect()
+}
 
 /// Every parameter of a model, random, in bf16.
 pub struct RegistrySource {

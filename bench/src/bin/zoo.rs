@@ -76,6 +76,22 @@ const RUN_OPTIONS: [&str; 16] = [
     "--staging-buffers",
 ];
 
+/// The number after `name`, or `default`.
+fn num(args: &[String], name: &str, default: usize) -> Result<usize, String> {
+    opt(args, name).map_or(Ok(default), |v| v.parse().map_err(|_| format!("{name}: not a number: {v}")))
+}
+
+/// Each of `items` parsed and `ok`; else an error: `{name}: "{item}" is {is}`.
+fn parsed<T: std::str::FromStr>(
+    items: impl IntoIterator<Item = impl AsRef<str>>,
+    name: &str,
+    is: &str,
+    ok: impl Fn(&T) -> bool,
+) -> Result<Vec<T>, String> {
+    let each = |v: &str| v.parse::<T>().ok().filter(&ok).ok_or_else(|| format!("{name}: {v:?} is {is}"));
+    items.into_iter().map(|v| each(v.as_ref())).collect()
+}
+
 fn write(path: &str, v: &impl serde::Serialize) -> Result<(), String> {
     let text = serde_json::to_string_pretty(v).map_err(|e| format!("{path}: {e}"))?;
     std::fs::write(path, text + "\n").map_err(|e| format!("{path}: {e}"))
@@ -90,8 +106,6 @@ fn read<T: serde::de::DeserializeOwned>(path: &str) -> Result<T, String> {
 /// files after `--anchors`.
 type MergeArgs<'a> = (&'a str, usize, Vec<&'a str>, Vec<&'a str>);
 
-/// `--out`, `--min-repeats`, the run files, and the files after `second`
-/// (`--anchors`, or `--codec` for merge-compressed).
 /// `merge_args` of a merge without anchors: `--out`, `--min-repeats` and the
 /// run files read as `T`; anchors given are an error naming the command `what`.
 fn runs_only<'a, T: serde::de::DeserializeOwned>(args: &'a [String], what: &str) -> Result<(&'a str, usize, Vec<T>), String> {
@@ -123,7 +137,7 @@ fn naming_files(e: String, files: &[&str]) -> String {
 
 fn merge_args<'a>(args: &'a [String], second: &str) -> Result<MergeArgs<'a>, String> {
     let out = opt(args, "--out").ok_or("--out is required")?;
-    let min = opt(args, "--min-repeats").map_or(Ok(3), |v| v.parse().map_err(|_| format!("--min-repeats: {v}")))?;
+    let min = num(args, "--min-repeats", 3)?;
     let (mut runs, mut anchors) = (Vec::new(), Vec::new());
     let (mut in_anchors, mut skip) = (false, false);
     for a in &args[1..] {
@@ -234,13 +248,7 @@ fn run(args: &[String]) -> Result<(), String> {
             let staging_buffers = match opt(args, "--staging-buffers") {
                 None => Vec::new(),
                 Some(_) if !coded => return Err("--staging-buffers: only with --coded (the decode engine's staging)".into()),
-                Some(v) => v
-                    .split(',')
-                    .map(|n| match n.parse::<usize>() {
-                        Ok(n) if n > 0 => Ok(n),
-                        _ => Err(format!("--staging-buffers: {n:?} is not a positive count")),
-                    })
-                    .collect::<Result<Vec<_>, _>>()?,
+                Some(v) => parsed(v.split(','), "--staging-buffers", "not a positive count", |&n: &usize| n > 0)?,
             };
             if opt(args, "--budgets").is_some() && !matches!(backend, "cuda" | "candle") {
                 return Err(format!("--budgets is implemented by the cuda and candle backends only, not by {backend}"));
@@ -273,9 +281,6 @@ fn run(args: &[String]) -> Result<(), String> {
             let list = |name: &str, default: &str| -> Vec<String> {
                 opt(args, name).unwrap_or(default).split(',').filter(|s| !s.is_empty()).map(str::to_owned).collect()
             };
-            let num = |name: &str, default: usize| -> Result<usize, String> {
-                opt(args, name).map_or(Ok(default), |v| v.parse().map_err(|_| format!("{name}: not a number: {v}")))
-            };
             // A user's case is the run's only case unless --cases names others.
             let cases = match (opt(args, "--cases"), user) {
                 (Some(_), u) => {
@@ -292,32 +297,21 @@ fn run(args: &[String]) -> Result<(), String> {
             // `auto`: also the depth the planner chooses for a fully streamed ring.
             let depth_args = list("--depths", "1");
             let auto_depth = depth_args.iter().any(|d| d == "auto");
-            let depths = depth_args
-                .iter()
-                .filter(|d| *d != "auto")
-                .map(|d| match d.parse::<usize>() {
-                    Ok(n) if n >= 1 => Ok(n),
-                    _ => Err(format!("--depths: {d:?} is neither a depth of at least 1 nor `auto`")),
-                })
-                .collect::<Result<Vec<usize>, _>>()?;
+            let depths =
+                parsed(depth_args.iter().filter(|d| *d != "auto"), "--depths", "neither a depth of at least 1 nor `auto`", |&n| n >= 1)?;
             if depths.is_empty() && !auto_depth {
                 return Err("--depths: no depth given (depths of at least 1, comma-separated, or `auto`)".into());
             }
             if auto_depth && backend != "candle" {
                 return Err(format!("--depths auto: only candle's file calibrates a fully streamed ring (not {backend})"));
             }
-            let (steps, warmup) = (num("--steps", 5)?, num("--warmup", 1)?);
+            let (steps, warmup) = (num(args, "--steps", 5)?, num(args, "--warmup", 1)?);
             if steps < 5 {
                 return Err(format!("--steps {steps}: a run times at least 5 steps after warm-up"));
             }
             let commit = opt(args, "--commit").unwrap_or("unknown").to_owned();
-            let budgets_gib = list("--budgets", "")
-                .iter()
-                .map(|b| match b.parse::<f64>() {
-                    Ok(g) if g.is_finite() && g > 0.0 => Ok(g),
-                    _ => Err(format!("--budgets: {b:?} is not a positive number of GiB")),
-                })
-                .collect::<Result<Vec<f64>, _>>()?;
+            let budgets_gib =
+                parsed(list("--budgets", ""), "--budgets", "not a positive number of GiB", |g: &f64| g.is_finite() && *g > 0.0)?;
             if opt(args, "--budgets").is_some() && budgets_gib.is_empty() {
                 return Err("--budgets: no budget given (GiB, comma-separated: --budgets 8,12,16)".into());
             }
@@ -391,10 +385,7 @@ fn run(args: &[String]) -> Result<(), String> {
                 }
             }
             let out = opt(args, "--out").ok_or("--out is required")?;
-            let num = |name: &str, default: usize| -> Result<usize, String> {
-                opt(args, name).map_or(Ok(default), |v| v.parse().map_err(|_| format!("{name}: not a number: {v}")))
-            };
-            let (steps, passes, warmup) = (num("--steps", 4)?, num("--passes", 3)?, num("--warmup", 1)?);
+            let (steps, passes, warmup) = (num(args, "--steps", 4)?, num(args, "--passes", 3)?, num(args, "--warmup", 1)?);
             if steps == 0 || passes == 0 {
                 return Err("pipeline: --steps and --passes must be at least 1".into());
             }
@@ -418,10 +409,7 @@ fn run(args: &[String]) -> Result<(), String> {
             let model = registry::model(opt(args, "--model").ok_or("host-tiers: --model is required")?)?;
             let out = opt(args, "--out").ok_or("host-tiers: --out is required")?;
             let file = opt(args, "--file").ok_or("host-tiers: --file (the checkpoint, written if absent) is required")?;
-            let num = |name: &str, default: usize| -> Result<usize, String> {
-                opt(args, name).map_or(Ok(default), |v| v.parse().map_err(|e| format!("host-tiers: {name} {v:?}: {e}")))
-            };
-            let (depth, steps) = (num("--depth", 1)?, num("--steps", 5)?);
+            let (depth, steps) = (num(args, "--depth", 1)?, num(args, "--steps", 5)?);
             if depth == 0 || steps == 0 {
                 return Err("host-tiers: --depth and --steps must be at least 1".into());
             }
@@ -434,7 +422,7 @@ fn run(args: &[String]) -> Result<(), String> {
                     _ => return Err(format!("host-tiers: --host-ram-gib {v:?} is not a positive number")),
                 },
             };
-            let disk_steps = num("--disk-steps", 2)?.max(1);
+            let disk_steps = num(args, "--disk-steps", 2)?.max(1);
             #[cfg(feature = "cuda")]
             {
                 let mut doc =
@@ -452,18 +440,11 @@ fn run(args: &[String]) -> Result<(), String> {
         Some("relay") => {
             let model = registry::model(opt(args, "--model").ok_or("relay: --model is required")?)?;
             let out = opt(args, "--out").ok_or("relay: --out is required")?;
-            let num = |name: &str, default: usize| -> Result<usize, String> {
-                opt(args, name).map_or(Ok(default), |v| v.parse().map_err(|e| format!("relay: {name} {v:?}: {e}")))
-            };
-            let (depth, steps) = (num("--depth", 1)?, num("--steps", 5)?);
+            let (depth, steps) = (num(args, "--depth", 1)?, num(args, "--steps", 5)?);
             if depth == 0 || steps == 0 {
                 return Err("relay: --depth and --steps must be at least 1".into());
             }
-            let helpers: Vec<usize> = opt(args, "--helpers")
-                .unwrap_or("1")
-                .split(',')
-                .map(|h| h.parse().map_err(|e| format!("relay: --helpers {h:?}: {e}")))
-                .collect::<Result<_, String>>()?;
+            let helpers: Vec<usize> = parsed(opt(args, "--helpers").unwrap_or("1").split(','), "--helpers", "not a device", |_| true)?;
             let case = opt(args, "--case").unwrap_or("1024");
             let commit = opt(args, "--commit").unwrap_or("unknown");
             #[cfg(feature = "cuda")]

@@ -223,7 +223,7 @@ pub struct PipelineOptions {
 #[cfg(feature = "tch-cuda")]
 pub fn run_pipeline(p: &Pipeline, opts: &PipelineOptions) -> Result<PipelineRun, String> {
     use crate::harness::median;
-    use offload_plan::{BlockCost, CostModel};
+    use offload_plan::BlockCost;
     let dev = Device::Cuda(0);
     let be = offload_tch::cuda_backend(0).map_err(err)?;
     let _nograd = tch::no_grad_guard();
@@ -293,13 +293,7 @@ pub fn run_pipeline(p: &Pipeline, opts: &PipelineOptions) -> Result<PipelineRun,
         .iter()
         .map(|b| BlockCost::new(b.id.to_string(), b.bytes() as u64, step_s * b.bytes() as f64 / total as f64))
         .collect();
-    let cost = CostModel {
-        bandwidth_bytes_per_s: facts.bandwidth,
-        blocks,
-        non_block_bytes: 0,
-        source: "pipeline, resident step by bytes".into(),
-        staging_buffers: offload_plan::DEFAULT_STAGING_BUFFERS,
-    };
+    let cost = crate::budgets::cost_model(facts.bandwidth, blocks, "pipeline, resident step by bytes".into());
     let choice = offload_plan::plan(&cost, dit_budget, 1, ResidentPolicy::Auto).map_err(|e| err(format!("planner: {e}")))?;
     dit.replan(&Plan::layerwise().component("transformer", choice.component_plan(&cost, dit_budget))).map_err(err)?;
     let resident_ids: Vec<String> = choice.resident_ids(&cost).into_iter().map(str::to_owned).collect();

@@ -232,6 +232,12 @@ impl SimBackend {
     /// "Page-locked" host memory of `bytes`, filled by `fill` (within the
     /// configured pinned capacity).
     fn alloc_locked(&self, bytes: usize, purpose: &str, fill: Fill<'_>) -> Result<SimHost> {
+        if !self.inner.cfg.page_locked {
+            // Ordinary memory: not page-locked, not counted.
+            let mut v = vec![0u8; bytes];
+            fill(&mut v)?;
+            return Ok(SimHost { raw: v.into(), pinned: false, coded: None, sim: self.inner.clone() });
+        }
         {
             let mut st = lock(&self.inner.state);
             if let Some(cap) = self.inner.cfg.pinned_host_bytes {
@@ -410,9 +416,10 @@ impl SimBackend {
         let coded = crate::codec::code_for_device(&host.raw, SIM_SEGMENT_BYTES, 2);
         // The page-locked bytes are the coded ones (the raw copy is the simulator's own).
         let mut st = lock(&self.inner.state);
-        st.stats.pinned_bytes = st.stats.pinned_bytes - bytes as u64 + coded.len() as u64;
+        let counted = |n: usize| if host.pinned { n as u64 } else { 0 };
+        st.stats.pinned_bytes = st.stats.pinned_bytes - counted(bytes) + counted(coded.len());
         if let Err(e) = crate::codec::device_segments(&coded, purpose) {
-            st.stats.pinned_bytes -= coded.len() as u64;
+            st.stats.pinned_bytes -= counted(coded.len());
             return Err(e);
         }
         Ok(SimHost { coded: Some(coded.into()), ..host })
@@ -429,7 +436,9 @@ impl SimBackend {
         });
         let mut raw = vec![0u8; bytes];
         if let Err(e) = structure.and_then(|()| crate::codec::decode_device_block(&coded, &mut raw, purpose)) {
-            lock(&self.inner.state).stats.pinned_bytes -= coded_len as u64;
+            if host.pinned {
+                lock(&self.inner.state).stats.pinned_bytes -= coded_len as u64;
+            }
             return Err(e);
         }
         Ok(SimHost { raw: raw.into(), coded: Some(coded), ..host })
@@ -443,7 +452,7 @@ impl SimBackend {
         {
             let mut st = lock(&self.inner.state);
             let key = Arc::as_ptr(region) as *const u8 as usize;
-            if !st.registered.contains(&key) {
+            if self.inner.cfg.page_locked && !st.registered.contains(&key) {
                 let n = region.registered_len() as u64;
                 if let Some(cap) = self.inner.cfg.pinned_host_bytes {
                     let free = cap.saturating_sub(st.stats.pinned_bytes);
@@ -464,7 +473,7 @@ impl SimBackend {
         }
         let mut v = vec![0u8; bytes];
         region.read_at(offset, &mut v)?;
-        Ok(SimHost { raw: v.into(), pinned: true, coded: None, sim: self.inner.clone() })
+        Ok(SimHost { raw: v.into(), pinned: self.inner.cfg.page_locked, coded: None, sim: self.inner.clone() })
     }
 }
 
@@ -481,7 +490,7 @@ impl HostMemory for SimBackend {
             pageable: true,
             coded: cfg.decodes,
             mapped: cfg.registers_regions && !cfg.coded,
-            refill: true,
+            refill: !cfg.coded,
         }
     }
 
@@ -489,8 +498,8 @@ impl HostMemory for SimBackend {
         let cfg = &self.inner.cfg;
         match kind {
             HostKind::Pinned if cfg.coded => self.alloc(HostKind::Coded, bytes, purpose, fill),
-            HostKind::Pinned if cfg.page_locked => self.alloc_locked(bytes, purpose, fill),
-            HostKind::Pinned | HostKind::Pageable => {
+            HostKind::Pinned => self.alloc_locked(bytes, purpose, fill),
+            HostKind::Pageable => {
                 let mut v = vec![0u8; bytes];
                 fill(&mut v)?;
                 Ok(SimHost { raw: v.into(), pinned: false, coded: None, sim: self.inner.clone() })

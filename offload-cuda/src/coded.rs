@@ -82,8 +82,9 @@ pub(crate) struct Coding {
     pub(crate) coded_copies: AtomicU64,
     /// The staging buffers, taken in turn (see the module).
     staging: Mutex<StagingRing>,
-    /// The copy stream (drained before the staging buffers are freed).
-    copy: Arc<CudaStream>,
+    /// The engine it was made on: its copy stream fills the staging buffers
+    /// (drained before they are freed), its context holds the kernels and flag.
+    engine: Arc<Engine>,
 }
 
 /// How many staging buffers the decode engine holds by default: two let copy
@@ -114,7 +115,7 @@ unsafe impl Send for Coding {}
 unsafe impl Sync for Coding {}
 
 impl Coding {
-    pub(crate) fn new(shared: &Engine, options: CodingOptions) -> Result<Self> {
+    pub(crate) fn new(shared: &Arc<Engine>, options: CodingOptions) -> Result<Self> {
         if options.staging_buffers == 0 {
             return Err(Error::Protocol("coding options: staging_buffers is 0; the decode engine needs at least one".into()));
         }
@@ -152,7 +153,7 @@ impl Coding {
             staging_peak: AtomicU64::new(0),
             coded_copies: AtomicU64::new(0),
             staging: Mutex::new(StagingRing { bufs: (0..options.staging_buffers).map(|_| None).collect(), next: 0 }),
-            copy: shared.copy.clone(),
+            engine: shared.clone(),
         })
     }
 
@@ -187,7 +188,7 @@ impl Drop for Coding {
     fn drop(&mut self) {
         // Kernels may still write the flag, and copies and kernels still use the
         // staging buffers: drain both streams first, and leak them if that fails.
-        if let Err(e) = self.copy.synchronize().and_then(|()| self.decode.synchronize()) {
+        if let Err(e) = self.engine.copy.synchronize().and_then(|()| self.decode.synchronize()) {
             tracing::warn!("the copy or decode stream could not be drained ({e}); the damage flag and staging buffers are leaked");
             return;
         }
@@ -234,7 +235,8 @@ impl Coding {
     /// new ones are allocated at their first use. Errors if coding is off or `n`
     /// is 0. [`enable_coding`](Self::enable_coding) still compares against the
     /// options the engine was made with.
-    pub(crate) fn set_staging_buffers(&self, engine: &Engine, n: usize) -> Result<()> {
+    pub(crate) fn set_staging_buffers(&self, n: usize) -> Result<()> {
+        let engine = &self.engine;
         let c = self;
         if n == 0 {
             return Err(Error::Protocol("set_staging_buffers: at least one staging buffer is needed".into()));
@@ -264,16 +266,16 @@ impl Coding {
 
     /// The coded path of `copy_to_device`: the coded bytes of `src` into a staging
     /// buffer on the copy stream, decoded into `dst` on the decode stream. The
-    /// returned event is the decode's.
+    /// returned event is the decode's. A buffer of another engine, or whose
+    /// coding does not fit its bytes, is refused before anything is enqueued.
     ///
     /// # Safety
     ///
-    /// As `copy_to_device`'s: `dst .. dst + dst_len` stays allocated until the
-    /// returned event has completed.
-    #[allow(clippy::too_many_arguments)]
+    /// `dst .. dst + dst_len` is device memory of this engine's context that
+    /// stays allocated until the returned event has completed; `ch` was parsed
+    /// from `src`'s own bytes (`CodedHost::new`, as `PinnedHost` makes them).
     pub(crate) unsafe fn copy(
         &self,
-        s: &Engine,
         src: &HostBytes,
         ch: &CodedHost,
         dst: sys::CUdeviceptr,
@@ -281,6 +283,10 @@ impl Coding {
         bytes: usize,
         after: Option<&Arc<cudarc::driver::CudaEvent>>,
     ) -> Result<Arc<cudarc::driver::CudaEvent>> {
+        let s = &self.engine;
+        if !Arc::ptr_eq(src.engine(), s) {
+            return Err(Error::Protocol(format!("{}: a coded buffer of another backend instance", ch.purpose)));
+        }
         let c = self;
         if bytes != ch.raw_len || bytes > dst_len {
             return Err(Error::Protocol(format!(

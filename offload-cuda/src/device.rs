@@ -302,7 +302,7 @@ impl CudaBackend {
                 return Err(Error::Protocol(format!("{}: a coded host buffer on a backend with coding off", ch.purpose)));
             };
             // SAFETY: this function's contract, passed on.
-            return unsafe { c.copy(s, bytes_src, ch, dst, dst_len, bytes, after) };
+            return unsafe { c.copy(bytes_src, ch, dst, dst_len, bytes, after) };
         }
         if bytes > src.len() || bytes > dst_len {
             return Err(Error::Protocol(format!("copy of {bytes} bytes from a {}-byte buffer into a {dst_len}-byte slot", src.len())));
@@ -400,7 +400,7 @@ impl CudaBackend {
         let Some(c) = self.shared.coding.get() else {
             return Err(Error::Protocol("set_staging_buffers: coding is off".into()));
         };
-        c.set_staging_buffers(self.engine(), n)
+        c.set_staging_buffers(n)
     }
 
     /// Whether every host buffer allocated now is coded ([`enable_coding`](Self::enable_coding)).
@@ -443,7 +443,7 @@ impl CudaBackend {
         }
         region.check()?;
         let reg = self.shared.regions.register(self.engine(), region, purpose)?;
-        PinnedHost::in_region(self.engine().clone(), reg, offset, bytes)
+        PinnedHost::in_region(reg, offset, bytes)
     }
 
     /// The decode engine for a coded buffer, or why there is none.
@@ -461,7 +461,7 @@ impl HostMemory for CudaBackend {
     type Buffer = PinnedHost;
 
     fn capabilities(&self) -> HostCapabilities {
-        HostCapabilities { pinned: true, pageable: true, coded: true, mapped: !self.is_coding(), refill: true }
+        HostCapabilities { pinned: true, pageable: true, coded: true, mapped: !self.is_coding(), refill: !self.is_coding() }
     }
 
     fn alloc(&self, kind: HostKind<'_>, bytes: usize, purpose: &str, fill: Fill<'_>) -> Result<PinnedHost> {

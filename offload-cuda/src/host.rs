@@ -90,15 +90,16 @@ impl PinnedHost {
 
     /// `len` bytes at `offset` of a registered region, served in place; an
     /// error where they do not lie in the registered range.
-    pub(crate) fn in_region(engine: Arc<Engine>, reg: Arc<Registration>, offset: usize, len: usize) -> Result<Self> {
+    pub(crate) fn in_region(reg: Arc<Registration>, offset: usize, len: usize) -> Result<Self> {
         if offset.checked_add(len).is_none_or(|end| end > reg.len()) {
             return Err(Error::Protocol(format!("{len} bytes at {offset} of a {}-byte registration", reg.len())));
         }
         let ptr = reg.base().wrapping_add(offset);
-        // The registration keeps the whole mapping registered and mapped while it
-        // lives, and drains the copy stream before it lets go (its `Drop`).
+        // The registration keeps the whole mapping registered with its engine's
+        // device and mapped while it lives, and drains that engine's copy stream
+        // before it lets go (its `Drop`).
         // SAFETY: `ptr .. ptr + len` lies in the registered mapping (checked above).
-        let bytes = unsafe { HostBytes::lent(engine, ptr, len, reg.clone()) };
+        let bytes = unsafe { HostBytes::lent(reg.engine().clone(), ptr, len, reg.clone()) };
         Ok(PinnedHost { bytes, coded: None, mapped: Some(MappedAt { reg, offset, read: Default::default() }) })
     }
 

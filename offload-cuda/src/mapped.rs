@@ -141,6 +141,11 @@ impl Registration {
         self.base
     }
 
+    /// The engine whose device it is registered with.
+    pub(crate) fn engine(&self) -> &Arc<Engine> {
+        &self.engine
+    }
+
     /// Bytes registered from [`base`](Self::base) (whole pages).
     pub(crate) fn len(&self) -> usize {
         self.len
@@ -214,7 +219,7 @@ impl Registrations {
         let s = engine;
         let mut regs = self.0.lock().unwrap_or_else(|e| e.into_inner());
         regs.retain(|w| w.strong_count() > 0);
-        if let Some(r) = regs.iter().filter_map(Weak::upgrade).find(|r| Arc::ptr_eq(&r.region, region)) {
+        if let Some(r) = regs.iter().filter_map(Weak::upgrade).find(|r| Arc::ptr_eq(&r.region, region) && Arc::ptr_eq(&r.engine, engine)) {
             return Ok(r);
         }
         s.ctx.bind_to_thread().map_err(|e| driver("binding the context", e))?;

@@ -245,7 +245,15 @@ impl CudaSlot {
         };
         let live = engine.live_bytes.fetch_add(bytes as u64, Ordering::Relaxed) + bytes as u64;
         engine.peak_bytes.fetch_max(live, Ordering::Relaxed);
-        Ok(CudaSlot { ptr, len: bytes, last_copy: None, engine: engine.clone() })
+        let mut slot = CudaSlot { ptr, len: bytes, last_copy: None, engine: engine.clone() };
+        if bytes > 0 {
+            // The free runs on the compute stream: order it after this allocation on
+            // the copy stream even if no copy into the slot ever comes (`Drop`
+            // waits for `last_copy`). A failure here frees the slot through `Drop`.
+            let ev = engine.copy.record_event(None).map_err(|e| driver("recording a slot's allocation", e))?;
+            slot.last_copy = Some(Arc::new(ev));
+        }
+        Ok(slot)
     }
 }
 

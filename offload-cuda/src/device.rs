@@ -113,8 +113,16 @@ impl CudaBackend {
     }
 
     /// The backend on `ctx`, computing on `compute` (for frameworks that own
-    /// their compute stream). A new non-blocking copy stream is created.
+    /// their compute stream). A new non-blocking copy stream is created. A
+    /// stream of another context is refused: slots are freed on it.
     pub fn with_compute_stream(ctx: Arc<CudaContext>, compute: Arc<CudaStream>) -> Result<Self> {
+        if compute.context().cu_ctx() != ctx.cu_ctx() {
+            return Err(Error::Protocol(format!(
+                "a compute stream of device {}'s context given with device {}'s",
+                compute.context().ordinal(),
+                ctx.ordinal()
+            )));
+        }
         let shared = Shared {
             engine: Engine::new(ctx, compute)?,
             coding: OnceLock::new(),

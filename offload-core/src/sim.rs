@@ -231,12 +231,16 @@ pub struct SimBackend {
 impl SimBackend {
     /// "Page-locked" host memory of `bytes`, filled by `fill` (within the
     /// configured pinned capacity).
+    /// Ordinary memory: not page-locked, not counted.
+    fn alloc_ordinary(&self, bytes: usize, fill: Fill<'_>) -> Result<SimHost> {
+        let mut v = vec![0u8; bytes];
+        fill(&mut v)?;
+        Ok(SimHost { raw: v.into(), pinned: false, coded: None, sim: self.inner.clone() })
+    }
+
     fn alloc_locked(&self, bytes: usize, purpose: &str, fill: Fill<'_>) -> Result<SimHost> {
         if !self.inner.cfg.page_locked {
-            // Ordinary memory: not page-locked, not counted.
-            let mut v = vec![0u8; bytes];
-            fill(&mut v)?;
-            return Ok(SimHost { raw: v.into(), pinned: false, coded: None, sim: self.inner.clone() });
+            return self.alloc_ordinary(bytes, fill);
         }
         {
             let mut st = lock(&self.inner.state);
@@ -499,11 +503,7 @@ impl HostMemory for SimBackend {
         match kind {
             HostKind::Pinned if cfg.coded => self.alloc(HostKind::Coded, bytes, purpose, fill),
             HostKind::Pinned => self.alloc_locked(bytes, purpose, fill),
-            HostKind::Pageable => {
-                let mut v = vec![0u8; bytes];
-                fill(&mut v)?;
-                Ok(SimHost { raw: v.into(), pinned: false, coded: None, sim: self.inner.clone() })
-            }
+            HostKind::Pageable => self.alloc_ordinary(bytes, fill),
             HostKind::Coded | HostKind::Precoded { .. } if !cfg.decodes => {
                 Err(Error::unsupported("sim", format!("a device without a decoder (for {purpose})")))
             }

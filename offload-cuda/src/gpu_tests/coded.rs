@@ -1,7 +1,6 @@
 //! `coded` on a device, through the whole backend.
 use crate::coded::*;
 use crate::device::CudaBackend;
-use cudarc::driver::sys;
 use offload_core::{resolve, BlockDiscovery, DType, HostStore, MemoryTensors, NameDiscovery, OffloadBackend, Plan, Ring, TensorSpec};
 use offload_core::{HostBuffer, HostMemory};
 use std::sync::Arc;
@@ -30,15 +29,7 @@ fn coded_ring_streams_exact_bytes_in_multi_block_strings() {
 fn one_step_exact(b: &CudaBackend, ring: &mut Ring<CudaBackend>, raw: &[Vec<u8>], step: usize) {
     for (i, want) in raw.iter().enumerate() {
         let g = ring.block_at(i).unwrap();
-        let mut got = vec![0u8; want.len()];
-        // The guard ordered the compute stream after the block's copy (decode)
-        // event; the stream is synchronised before `got` is read.
-        // SAFETY: the slot holds `want.len()` bytes while the guard lives, as `got` does.
-        unsafe {
-            let s = b.compute_stream();
-            sys::cuMemcpyDtoHAsync_v2(got.as_mut_ptr().cast(), g.slot().device_ptr(), got.len(), s.cu_stream()).result().unwrap();
-            s.synchronize().unwrap();
-        }
+        let got = super::read_back(b, g.slot(), want.len());
         assert!(got == *want, "step {step}, block {i}: the slot's bytes differ from the block's");
         g.finish().unwrap();
     }
@@ -53,12 +44,7 @@ fn coded_ring_exact(segment_bytes: usize, values: usize) {
     for i in 0..6u64 {
         let w = crate::codec::sample_normal_bf16(values + 1000 * i as usize, 0.02, 10 + i);
         t.push(TensorSpec::new(format!("blocks.{i}.w"), DType::BF16, [w.len() / 2]), w).unwrap();
-        let noise: Vec<u8> = (0..100_003)
-            .map(|_| {
-                x = x.wrapping_mul(6364136223846793005).wrapping_add(1);
-                (x >> 33) as u8
-            })
-            .collect();
+        let noise = super::noise(100_003, &mut x);
         t.push(TensorSpec::new(format!("blocks.{i}.noise"), DType::U8, [noise.len()]), noise).unwrap();
     }
     let inv = NameDiscovery.discover("model", offload_core::TensorSource::specs(&t)).unwrap();
@@ -114,12 +100,7 @@ fn a_coded_file_streams_exact_bytes() {
     for i in 0..4u64 {
         let w = crate::codec::sample_normal_bf16(700_000 + 999 * i as usize, 0.02, 30 + i);
         t.push(TensorSpec::new(format!("blocks.{i}.w"), DType::BF16, [w.len() / 2]), w).unwrap();
-        let noise: Vec<u8> = (0..600_001)
-            .map(|_| {
-                x = x.wrapping_mul(6364136223846793005).wrapping_add(1);
-                (x >> 33) as u8
-            })
-            .collect();
+        let noise = super::noise(600_001, &mut x);
         t.push(TensorSpec::new(format!("blocks.{i}.noise"), DType::U8, [noise.len()]), noise).unwrap();
     }
     let inv = NameDiscovery.discover("model", offload_core::TensorSource::specs(&t)).unwrap();
@@ -207,13 +188,7 @@ fn the_checking_mode_refuses_decoded_bytes_that_do_not_hash_to_their_weights() {
         let ev = b.copy_to_slot(&host, &mut slot, raw.len(), None).unwrap();
         b.compute_wait(&ev).unwrap();
         b.synchronize().unwrap();
-        let mut got = vec![0u8; raw.len()];
-        // SAFETY: the slot holds `raw.len()` bytes, as `got` does; both streams were synchronised above.
-        unsafe {
-            let s = b.compute_stream();
-            sys::cuMemcpyDtoHAsync_v2(got.as_mut_ptr().cast(), slot.device_ptr(), got.len(), s.cu_stream()).result().unwrap();
-            s.synchronize().unwrap();
-        }
+        let got = super::read_back(&b, &slot, raw.len());
         assert!(got != raw, "the forged block decodes to other bytes");
         match (b.poll_error(), checking) {
             (Ok(()), false) => {}

@@ -1,7 +1,6 @@
 //! `mapped` on a device, through the whole backend.
 use crate::device::CudaBackend;
 use crate::mapped::*;
-use cudarc::driver::sys;
 use offload_core::HostBuffer;
 use offload_core::{RegionSource, TensorSource};
 use std::sync::Arc;
@@ -108,14 +107,7 @@ fn a_ring_over_a_mapped_store_streams_the_files_bytes() {
     for step in 0..2 {
         for (i, blk) in store.blocks().iter().enumerate() {
             let g = ring.block_at(i).unwrap();
-            let mut got = vec![0u8; blk.bytes()];
-            // SAFETY: the slot holds `blk.bytes()` bytes while the guard lives, as `got` does;
-            // the compute stream waits for the block's copy and is synchronised before `got` is read.
-            unsafe {
-                let s = b.compute_stream();
-                sys::cuMemcpyDtoHAsync_v2(got.as_mut_ptr().cast(), g.slot().device_ptr(), got.len(), s.cu_stream()).result().unwrap();
-                s.synchronize().unwrap();
-            }
+            let got = super::read_back(&b, g.slot(), blk.bytes());
             for t in &blk.layout.tensors {
                 let c = copied.blocks().iter().find_map(|c| c.layout.get(&t.spec.name)).unwrap();
                 let w = &want[copied.position(&blk.id).unwrap()];
@@ -149,14 +141,7 @@ fn slots_hold(
     let mut ring = Ring::new(b.clone(), store.clone(), &plan.components[0]).unwrap();
     for (i, blk) in store.blocks().iter().enumerate() {
         let g = ring.block_at(i).unwrap();
-        let mut got = vec![0u8; blk.bytes()];
-        // SAFETY: the slot holds `blk.bytes()` bytes while the guard lives, as `got` does;
-        // the compute stream waits for the block's copy and is synchronised before `got` is read.
-        unsafe {
-            let s = b.compute_stream();
-            sys::cuMemcpyDtoHAsync_v2(got.as_mut_ptr().cast(), g.slot().device_ptr(), got.len(), s.cu_stream()).result().unwrap();
-            s.synchronize().unwrap();
-        }
+        let got = super::read_back(b, g.slot(), blk.bytes());
         let c = &copied.blocks()[copied.position(&blk.id).unwrap()];
         let want = c.buffer().unwrap().block_bytes().unwrap();
         for t in &blk.layout.tensors {

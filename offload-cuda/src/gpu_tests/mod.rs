@@ -6,6 +6,7 @@ mod coded;
 mod mapped;
 
 use crate::device::CudaBackend;
+use crate::memory::CudaSlot;
 
 /// The backend on device 0 for a GPU test, or `None` after printing `SKIPPED`
 /// where no driver is installed (a failure under `OFFLOAD_REQUIRE_DEVICE=1`, and
@@ -20,4 +21,30 @@ pub(crate) fn test_backend() -> Option<CudaBackend> {
         }
         Err(e) => panic!("CUDA driver present but the backend failed: {e}"),
     }
+}
+
+/// The first `len` bytes of `slot`, read back on `b`'s compute stream after
+/// everything enqueued there (the block's copy event, where a guard waited for
+/// it), the stream synchronised before they are returned.
+pub(crate) fn read_back(b: &CudaBackend, slot: &CudaSlot, len: usize) -> Vec<u8> {
+    assert!(len <= slot.len(), "{len} bytes asked of a {}-byte slot", slot.len());
+    let mut got = vec![0u8; len];
+    // SAFETY: the borrowed slot holds at least `len` device bytes (checked above)
+    // and `got` `len` host bytes; the stream is synchronised before `got` is read.
+    unsafe {
+        let s = b.compute_stream();
+        cudarc::driver::sys::cuMemcpyDtoHAsync_v2(got.as_mut_ptr().cast(), slot.device_ptr(), len, s.cu_stream()).result().unwrap();
+        s.synchronize().unwrap();
+    }
+    got
+}
+
+/// `n` pseudo-random bytes (an LCG whose state is `x`): incompressible, never zeros.
+pub(crate) fn noise(n: usize, x: &mut u64) -> Vec<u8> {
+    (0..n)
+        .map(|_| {
+            *x = x.wrapping_mul(6364136223846793005).wrapping_add(1);
+            (*x >> 33) as u8
+        })
+        .collect()
 }

@@ -501,6 +501,50 @@ impl<B: OffloadBackend> Ring<B> {
 
     /// The block at position `b` of the store's block list.
     pub fn block_at(&mut self, b: usize) -> Result<BlockGuard<'_, B>> {
+        let (loc, source, wait) = self.acquire(b)?;
+        Ok(BlockGuard { ring: self, block: b, loc, source, wait, done: false })
+    }
+
+    /// Lend the block `index` of `stack` without a guard, for callers that cannot
+    /// hold a borrow across calls (a binding's pre- and post-forward hooks, as in
+    /// the Python package): ready for compute on a stream API, as after
+    /// [`block`](Self::block); [`lent`](Self::lent) shows it and
+    /// [`give_back`](Self::give_back) releases it. A block never given back is
+    /// released at the next `block`, `lend`, `end_step` or `close`, and counted as a
+    /// forgotten guard. Backends whose compute waits through a token
+    /// (`OffloadBackend::Wait` other than `()`) need the guard's
+    /// [`wait_token`](BlockGuard::wait_token): use [`block`](Self::block) there.
+    pub fn lend(&mut self, stack: &str, index: usize) -> Result<()> {
+        let id = BlockId::new(stack, index);
+        let b = self.store.position(&id).ok_or_else(|| Error::UnknownBlock {
+            component: self.store.component().to_owned(),
+            stack: stack.to_owned(),
+            index,
+        })?;
+        self.acquire(b).map(drop)
+    }
+
+    /// The block [`lend`](Self::lend) lent and not yet given back: its id, layout and slot.
+    pub fn lent(&self) -> Option<(&BlockId, &BlockLayout, &B::Slot)> {
+        let l = self.lent.as_ref()?;
+        let hb = &self.store.blocks()[l.block];
+        let slot = match l.loc {
+            Loc::Stream(s) => &self.slots[s].slot,
+            Loc::Resident(r) => &self.resident[r].1,
+        };
+        Some((&hb.id, &hb.layout, slot))
+    }
+
+    /// Release the lent block after the compute submitted so far (a no-op when
+    /// none is lent), as dropping a guard does.
+    pub fn give_back(&mut self) -> Result<()> {
+        match self.lent.take() {
+            Some(l) => self.release(l.block, l.loc, l.source, None),
+            None => Ok(()),
+        }
+    }
+
+    fn acquire(&mut self, b: usize) -> Result<(Loc, BlockSource, Option<B::Wait>)> {
         if let Some(e) = self.sticky.take() {
             return Err(e);
         }
@@ -589,7 +633,7 @@ impl<B: OffloadBackend> Ring<B> {
             h.pre_forward(&ctx);
         }
         self.lent = Some(Lent { block: b, loc, source });
-        Ok(BlockGuard { ring: self, block: b, loc, source, wait, done: false })
+        Ok((loc, source, wait))
     }
 
     /// Release the block a forgotten guard (`mem::forget`) left lent: its event is

@@ -30,6 +30,8 @@ cargo xtask <command>
                             writes bench/results/<date>-candle-flux.json
   bench --codec             the exponent codec's host encode/decode speed (3 processes); bench/results/<date>-codec-host.json
   bench --report            README.md's measured tables, bench/REPORT.md and bench/plots/*.png from bench/results/*.json
+  wheel                     the Python package's abi3 wheel (maturin) into .whl/offload/
+  pytest                    the Python package's tests (torch, diffusers, transformers from PyPI, cached)
   faults                    inject faults, try bad inputs and plans; writes bench/results/<date>-faults.md
   gpu-bundle [--candle]     build the CUDA, tch and Vulkan binaries and a run script into .bundle/ for the GPU runner
                             (and the Vulkan loader and validation layer as Debian packages into .gl/);
@@ -132,6 +134,49 @@ fn ensure_nvrtc() -> Result<String, String> {
         return Err(format!("scripts/nvrtc.sh failed: {}", String::from_utf8_lossy(&out.stderr)));
     }
     Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
+}
+
+/// The Python package's test environment (scripts/python-env.sh: torch 2.11,
+/// diffusers, transformers, pytest from PyPI, cached): its interpreter.
+fn ensure_python_env() -> Result<PathBuf, String> {
+    let dest = cache_dir().join("python-env");
+    let mut c = Command::new("bash");
+    c.arg(root().join("scripts/python-env.sh")).arg(&dest);
+    run(c)?;
+    Ok(dest.join("bin/python"))
+}
+
+/// The extension module cargo built (`lib_offload.so`) put where the package
+/// imports it, as maturin would name it in a wheel.
+fn install_extension(profile: &str) -> Result<PathBuf, String> {
+    let built = root().join("target").join(profile).join("lib_offload.so");
+    let dest = root().join("offload-py/python/offload/_offload.abi3.so");
+    std::fs::copy(&built, &dest).map_err(|e| format!("{} -> {}: {e}", built.display(), dest.display()))?;
+    Ok(root().join("offload-py/python"))
+}
+
+/// The Python package's tests (pytest on the tiny real diffusers and
+/// transformers classes), on the extension built by `profile`.
+fn python_tests(python: &Path, profile: &str) -> Result<(), String> {
+    let path = install_extension(profile)?;
+    let mut c = Command::new(python);
+    c.current_dir(root().join("offload-py"));
+    c.args(["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"]);
+    c.env("PYTHONPATH", path);
+    run(c)
+}
+
+/// `cargo xtask wheel`: the abi3 wheel (maturin, from PyPI into the Python
+/// environment) into `.whl/offload/`.
+fn wheel() -> Result<(), String> {
+    let python = ensure_python_env()?;
+    let mut c = Command::new(&python);
+    c.args(["-m", "pip", "install", "-q", "--disable-pip-version-check", "maturin==1.16.0"]);
+    run(c)?;
+    let mut c = Command::new(&python);
+    c.args(["-m", "maturin", "build", "--release", "-m", "offload-py/pyproject.toml", "-o", ".whl/offload"]);
+    c.current_dir(root());
+    run(c)
 }
 
 /// Every backend feature that builds without a GPU, for the whole workspace at
@@ -574,6 +619,13 @@ fn ci() -> Result<(), String> {
     };
     run(test(&["--all-targets", "--timings"]))?;
     run(test(&["--doc"]))?;
+    // The Python package: its extension module (the workspace's libraries as
+    // built above, with offload-py's cdylib) and its pytest suite.
+    let python = ensure_python_env()?;
+    let mut c = cargo();
+    c.args(["build", "--workspace", "--features", CI_FEATURES, "--lib"]);
+    run(c)?;
+    python_tests(&python, "debug")?;
     // offload-cuda's NVRTC kernels compiled here, not first on the GPU runner:
     // libnvrtc from PyPI, and the compile tests required to run.
     let nvrtc = ensure_nvrtc()?;
@@ -622,6 +674,13 @@ fn main() {
         Some("lint") => lint(),
         Some("bench") => bench(&rest),
         Some("gpu-bundle") => gpu_bundle(&rest),
+        Some("wheel") => wheel(),
+        Some("pytest") => ensure_python_env().and_then(|py| {
+            let mut c = cargo();
+            c.args(["build", "-p", "offload-py"]);
+            run(c)?;
+            python_tests(&py, "debug")
+        }),
         Some("faults") => {
             let mut c = cargo();
             let out = root().join(format!("bench/results/{}-faults.md", today()));

@@ -63,7 +63,7 @@ pub fn check(root: &Path) -> Vec<String> {
             problems.push(format!("{rel}: does not open with a `//!` doc comment"));
         }
         let lines: Vec<&str> = text.lines().collect();
-        let backend = ["offload-cuda/", "offload-candle/", "offload-tch/", "offload-vulkan/"].iter().any(|p| rel.starts_with(p));
+        let backend = ["offload-cuda/", "offload-candle/", "offload-tch/", "offload-vulkan/", "offload-py/"].iter().any(|p| rel.starts_with(p));
         for (i, line) in lines.iter().enumerate() {
             let code = strip_strings(line.split("//").next().unwrap_or(""));
             if !unsafe_block_or_impl(&code) {
@@ -86,6 +86,8 @@ pub fn check(root: &Path) -> Vec<String> {
         ("offload-candle", &["tch", "ash", "offload-tch", "offload-vulkan"][..]),
         ("offload-tch", &["candle", "ash", "offload-candle", "offload-vulkan"][..]),
         ("offload-vulkan", &["cudarc", "candle", "tch", "offload-cuda", "offload-candle", "offload-tch"][..]),
+        // The Python package links no libtorch: torch is reached through Python.
+        ("offload-py", &["tch", "torch-sys", "candle", "ash", "offload-candle", "offload-tch", "offload-vulkan"][..]),
     ] {
         let m = manifest(krate);
         let deps = m.split("[dependencies]").nth(1).unwrap_or("");

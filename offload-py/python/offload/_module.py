@@ -1,0 +1,445 @@
+"""Streaming one ``torch.nn.Module``: finding its blocks, the hooks around them,
+and putting the module back exactly as it was."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Optional, Sequence
+
+import torch
+from torch import nn
+
+from ._offload import OffloadError, Streamer
+
+_STATE = "_offload_state"
+
+_DTYPES = {
+    torch.bool: "BOOL",
+    torch.uint8: "U8",
+    torch.int8: "I8",
+    torch.int16: "I16",
+    torch.int32: "I32",
+    torch.int64: "I64",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float32: "F32",
+    torch.float64: "F64",
+}
+for _name, _code in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2")):
+    if hasattr(torch, _name):
+        _DTYPES[getattr(torch, _name)] = _code
+
+_GiB = 1 << 30
+
+
+def find_blocks(module: nn.Module) -> list[str]:
+    """The module's block lists: the outermost ``nn.ModuleList`` and
+    ``nn.Sequential`` children, at any depth, whose items are at least two
+    modules of one class that hold parameters (``transformer_blocks``,
+    ``encoder.block``, ``layers``). Their items are the blocks; everything
+    else stays resident."""
+    found: list[str] = []
+
+    def walk(prefix: str, m: nn.Module) -> None:
+        for name, child in m.named_children():
+            path = f"{prefix}{name}"
+            if isinstance(child, (nn.ModuleList, nn.Sequential)) and _is_block_list(child):
+                found.append(path)
+                continue
+            walk(path + ".", child)
+
+    walk("", module)
+    return found
+
+
+def _is_block_list(m: nn.Module) -> bool:
+    items = list(m.children())
+    if len(items) < 2 or len({type(c) for c in items}) != 1:
+        return False
+    return all(any(True for _ in c.parameters()) for c in items)
+
+
+def _owner(root: nn.Module, name: str) -> tuple[nn.Module, str]:
+    path, _, attr = name.rpartition(".")
+    return (root.get_submodule(path) if path else root), attr
+
+
+@dataclass
+class _Param:
+    """A streamed parameter: where it sits, its placeholder, its data to restore."""
+
+    owner: nn.Module
+    attr: str
+    param: nn.Parameter
+    saved: torch.Tensor
+    where: torch.device
+    dtype: torch.dtype
+    shape: tuple
+    offset: int = 0
+    nbytes: int = 0
+
+
+@dataclass
+class _Moved:
+    """A resident tensor moved to the device: put back on disable."""
+
+    owner: nn.Module
+    attr: str
+    is_param: bool
+    saved: torch.Tensor
+
+
+@dataclass
+class _Block:
+    stack: str
+    index: int
+    params: list = field(default_factory=list)
+
+
+class Offloaded:
+    """A module whose blocks stream through the Rust engine. Made by
+    :func:`enable`; :meth:`disable` (or :func:`disable` on the module) puts it
+    back."""
+
+    def __init__(self) -> None:
+        self.component: str = ""
+        self.device: torch.device = torch.device("cpu")
+        self.streamer: Optional[Streamer] = None
+        self.blocks: dict[nn.Module, _Block] = {}
+        self.params: dict[str, _Param] = {}
+        self.moved: list[_Moved] = []
+        self.hooks: list = []
+        self.engine_stream = None
+        self.last_metrics: Optional[dict] = None
+        self.steps = 0
+        self.module: Optional[nn.Module] = None
+        self._bound: Optional[_Block] = None
+        self._buffer = None
+        self._stream = None
+
+    # -- public ---------------------------------------------------------------
+    def metrics(self) -> dict:
+        """The last step's metrics (bytes streamed, prefetch hits, misses, host
+        waits, device bytes, ...; a step is one forward of the module)."""
+        if self.last_metrics is None:
+            raise OffloadError(f"component {self.component!r}: no step has ended yet")
+        return dict(self.last_metrics)
+
+    def counters(self) -> dict:
+        """The device's counters since enabling: host synchronisations
+        (``syncs``; none in a steady-state step), copies, bytes copied, slot
+        bytes live and at peak."""
+        return dict(self._engine().counters())
+
+    def host_bytes(self) -> tuple[int, int]:
+        """Host bytes the store holds, and how many are page-locked."""
+        return self._engine().host_bytes()
+
+    def enable_trace(self) -> None:
+        """Time both streams from now on (a few events per block); write the
+        last step with :meth:`write_trace`. CUDA only."""
+        self._engine().enable_timeline()
+
+    def write_trace(self, path: str) -> None:
+        """Write the last step's Chrome trace (Perfetto opens it)."""
+        self._engine().write_trace(str(path))
+
+    def violations(self) -> list[str]:
+        """Breaks of the ring's protocol the engine saw (expected: none)."""
+        return self._engine().violations()
+
+    def disable(self) -> None:
+        """Put the module back: hooks removed, every parameter and buffer the
+        same object with the same bytes on the device it was on."""
+        if self.module is not None:
+            disable(self.module)
+
+    # -- hooks ----------------------------------------------------------------
+    def _engine(self) -> Streamer:
+        if self.streamer is None:
+            raise OffloadError(f"component {self.component!r}: offloading is disabled")
+        return self.streamer
+
+    def _bind(self, block: _Block) -> None:
+        if self._bound is not None:
+            self._unbind()
+        buf = self._engine().lend(block.stack, block.index)
+        if self.device.type == "cuda":
+            cur = torch.cuda.current_stream(self.device)
+            if cur != self.engine_stream:
+                cur.wait_stream(self.engine_stream)
+                self._stream = cur
+            data = buf
+        else:
+            data = torch.frombuffer(buf, dtype=torch.uint8) if len(buf) else torch.empty(0, dtype=torch.uint8)
+        for p in block.params:
+            view = data[p.offset : p.offset + p.nbytes].view(p.dtype).view(p.shape)
+            p.owner._parameters[p.attr] = view
+        self._bound = block
+        self._buffer = data
+
+    def _unbind(self) -> None:
+        block, self._bound = self._bound, None
+        if block is None:
+            return
+        for p in block.params:
+            p.owner._parameters[p.attr] = p.param
+        if self._stream is not None:
+            self.engine_stream.wait_stream(self._stream)
+            self._buffer.record_stream(self._stream)
+            self._stream = None
+        self._buffer = None
+        self._engine().give_back()
+
+    def _end_step(self) -> None:
+        if self._bound is not None:
+            self._unbind()
+        self.last_metrics = json.loads(self._engine().end_step())
+        self.steps += 1
+
+
+def _refuse_other_offloading(module: nn.Module, component: str) -> None:
+    for m in module.modules():
+        if getattr(m, _STATE, None) is not None:
+            raise OffloadError(f"component {component!r}: {type(m).__name__} is already offloaded by this package (disable it first)")
+        reg = getattr(m, "_diffusers_hook", None)
+        if reg is not None and getattr(reg, "hooks", None):
+            names = ", ".join(sorted(reg.hooks))
+            raise OffloadError(f"component {component!r}: {type(m).__name__} has diffusers hooks ({names}); remove them first")
+        if getattr(m, "_hf_hook", None) is not None:
+            raise OffloadError(f"component {component!r}: {type(m).__name__} has an accelerate hook (remove_hook_from_module first)")
+
+
+def _progress(desc: str, enabled: Optional[bool]):
+    """A tqdm bar shown only once a build has run for a second (as diffusers shows one)."""
+    if enabled is False:
+        return None, None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return None, None
+    bar = tqdm(total=0, unit="B", unit_scale=True, desc=desc, delay=1.0, leave=False)
+
+    def update(done: int, total: int) -> None:
+        if bar.total != total:
+            bar.total = total
+        bar.update(done - bar.n)
+
+    return bar, update
+
+
+def enable(
+    module: nn.Module,
+    *,
+    device: Any = None,
+    depth: int = 1,
+    budget_gib: Optional[float] = None,
+    resident_blocks: Sequence[str] = (),
+    coded: bool = False,
+    checkpoint: Optional[str] = None,
+    blocks: Optional[Iterable[str]] = None,
+    pin_budget_gib: Optional[float] = None,
+    pageable_fallback: bool = False,
+    name: Optional[str] = None,
+    progress: Optional[bool] = None,
+) -> Offloaded:
+    """Stream ``module``'s blocks from host memory to ``device``.
+
+    The blocks are the items of the module's block lists (:func:`find_blocks`,
+    or the attribute paths in ``blocks``); their weights move into the
+    engine's host store (page-locked) and reach the device one block ahead of
+    its forward (``depth`` blocks ahead), each copy overlapping the previous
+    block's compute. Every other parameter and buffer moves to ``device`` and
+    stays there. Parameters that require grad in a module whose other
+    parameters are frozen (a trainable adapter) stay resident too.
+
+    ``budget_gib``: device memory for the blocks (resident blocks kept where
+    they fit). ``resident_blocks``: blocks kept on the device
+    (``"transformer_blocks.0"``). ``coded``: the weights held coded for the
+    device (lossless exponent coding, fewer bytes on the link; CUDA).
+    ``checkpoint``: a safetensors file with the same tensors, served in place
+    from its pages (no second copy in host memory; CUDA). ``device=None``:
+    the current CUDA device, or the simulated device in host memory without
+    one. Enabling either completes or leaves the module as it was.
+    """
+    component = name or type(module).__name__
+    _refuse_other_offloading(module, component)
+    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    if dev.type not in ("cpu", "cuda"):
+        raise OffloadError(f"component {component!r}: device {dev} is neither cpu (simulated) nor cuda")
+    stacks = list(blocks) if blocks is not None else find_blocks(module)
+    if not stacks:
+        raise OffloadError(
+            f"component {component!r}: {type(module).__name__} has no block list (no ModuleList of two or more "
+            "modules of one class); name one with blocks=[...]"
+        )
+    state = Offloaded()
+    state.component, state.device, state.module = component, dev, module
+
+    block_modules: list[tuple[nn.Module, _Block]] = []
+    for prefix in stacks:
+        try:
+            lst = module.get_submodule(prefix)
+        except AttributeError as e:
+            raise OffloadError(f"component {component!r}: no block list {prefix!r} ({e})") from None
+        for i, child in enumerate(lst.children()):
+            block_modules.append((child, _Block(prefix, i)))
+    all_params = dict(module.named_parameters(remove_duplicate=False))
+    frozen_some = any(not p.requires_grad for p in all_params.values())
+    in_block: dict[int, str] = {}
+    tensors = []
+    for child, blk in block_modules:
+        base = f"{blk.stack}.{blk.index}."
+        for pname, p in child.named_parameters(remove_duplicate=False):
+            full = base + pname
+            if frozen_some and p.requires_grad:
+                continue  # a trainable adapter: resident
+            if p.dtype not in _DTYPES:
+                raise OffloadError(f"component {component!r}: tensor {full!r} has dtype {p.dtype}, which cannot be streamed")
+            if id(p) in in_block:
+                raise OffloadError(f"component {component!r}: tensor {full!r} is tied to {in_block[id(p)]!r}; tied weights cannot be streamed")
+            in_block[id(p)] = full
+            owner, attr = _owner(module, full)
+            host = p.detach()
+            if host.device.type != "cpu":
+                host = host.to("cpu")
+            host = host.contiguous()
+            tensors.append((full, _DTYPES[p.dtype], list(p.shape), torch.utils.dlpack.to_dlpack(host)))
+            # The bytes to restore, in host memory (a parameter on the device gives its memory back).
+            prm = _Param(owner, attr, p, p.data if p.device.type == "cpu" else host, p.device, p.dtype, tuple(p.shape))
+            state.params[full] = prm
+            blk.params.append(prm)
+    for full, p in all_params.items():
+        if id(p) in in_block and in_block[id(p)] != full:
+            raise OffloadError(f"component {component!r}: tensor {in_block[id(p)]!r} is tied to {full!r} outside the blocks; tied weights cannot be streamed")
+
+    stream_handle = 0
+    alloc = None
+    if dev.type == "cuda":
+        state.engine_stream = torch.cuda.current_stream(dev)
+        stream_handle = state.engine_stream.cuda_stream
+        engine_stream = state.engine_stream
+
+        def alloc(n: int):
+            with torch.cuda.stream(engine_stream):
+                t = torch.empty(n, dtype=torch.uint8, device=dev)
+            return t, torch.utils.dlpack.to_dlpack(t)
+
+    bar, update = _progress(f"offload {component}: host store", progress)
+    try:
+        state.streamer = Streamer(
+            component,
+            tensors,
+            stacks,
+            device=dev.index if dev.type == "cuda" else None,
+            stream=stream_handle,
+            alloc=alloc,
+            depth=depth,
+            budget_bytes=None if budget_gib is None else int(budget_gib * _GiB),
+            resident_blocks=list(resident_blocks),
+            coded=coded,
+            pin_budget_bytes=None if pin_budget_gib is None else int(pin_budget_gib * _GiB),
+            pageable_fallback=pageable_fallback,
+            checkpoint=None if checkpoint is None else str(checkpoint),
+            progress=update,
+        )
+    finally:
+        if bar is not None:
+            bar.close()
+    del tensors
+    for stack, index, layout in state.streamer.layouts():
+        for tname, offset, nbytes in layout:
+            p = state.params[tname]
+            p.offset, p.nbytes = offset, nbytes
+
+    # From here the module changes; any failure puts back what changed.
+    try:
+        with torch.no_grad():
+            for p in state.params.values():
+                p.param.data = torch.empty(0, dtype=p.dtype, device=dev)
+            if dev.type == "cuda":
+                seen = set(id(p.param) for p in state.params.values())
+                for full, prm in all_params.items():
+                    if id(prm) in seen:
+                        continue
+                    seen.add(id(prm))
+                    owner, attr = _owner(module, full)
+                    state.moved.append(_Moved(owner, attr, True, prm.data))
+                    prm.data = prm.data.to(dev)
+                for full, buf in module.named_buffers(remove_duplicate=False):
+                    if buf is None:
+                        continue
+                    owner, attr = _owner(module, full)
+                    state.moved.append(_Moved(owner, attr, False, buf))
+                    owner._buffers[attr] = buf.to(dev)
+        for child, blk in block_modules:
+            state.blocks[child] = blk
+            state.hooks.append(child.register_forward_pre_hook(_pre_hook(state, blk)))
+            state.hooks.append(child.register_forward_hook(_post_hook(state), always_call=True))
+        state.hooks.append(module.register_forward_hook(_step_hook(state), always_call=True))
+        setattr(module, _STATE, state)
+    except BaseException:
+        _restore(state)
+        with contextlib.suppress(Exception):
+            state.streamer.close()
+        raise
+    return state
+
+
+def _pre_hook(state: Offloaded, blk: _Block):
+    def hook(mod, args):
+        state._bind(blk)
+
+    return hook
+
+
+def _post_hook(state: Offloaded):
+    def hook(mod, args, output):
+        state._unbind()
+
+    return hook
+
+
+def _step_hook(state: Offloaded):
+    def hook(mod, args, output):
+        state._end_step()
+
+    return hook
+
+
+def _restore(state: Offloaded) -> None:
+    for h in state.hooks:
+        h.remove()
+    state.hooks.clear()
+    with torch.no_grad():
+        for p in state.params.values():
+            p.owner._parameters[p.attr] = p.param
+            p.param.data = p.saved if p.saved.device == p.where else p.saved.to(p.where)
+        for m in reversed(state.moved):
+            if m.is_param:
+                m.owner._parameters[m.attr].data = m.saved
+            else:
+                m.owner._buffers[m.attr] = m.saved
+    state.moved.clear()
+
+
+def disable(module: nn.Module) -> None:
+    """Stop streaming ``module``: hooks removed, every parameter and buffer the
+    same object with the same bytes where it was, the engine closed."""
+    state = getattr(module, _STATE, None)
+    if state is None:
+        raise OffloadError(f"{type(module).__name__} is not offloaded")
+    delattr(module, _STATE)
+    _restore(state)
+    streamer, state.streamer = state.streamer, None
+    if streamer is not None:
+        streamer.close()
+
+
+def offloaded(module: nn.Module) -> Optional[Offloaded]:
+    """The module's :class:`Offloaded`, if its blocks stream."""
+    return getattr(module, _STATE, None)

@@ -1,0 +1,133 @@
+//! Reading torch tensors through DLPack capsules (`torch.utils.dlpack.to_dlpack`):
+//! where a tensor's bytes are, on which device, how many. The capsule keeps the
+//! tensor alive; nothing here takes ownership of it (the capsule's own
+//! destructor frees it), and nothing reads through a pointer after Python code
+//! could have run.
+
+use pyo3::prelude::*;
+use pyo3::types::{PyCapsule, PyCapsuleMethods};
+use std::ffi::c_void;
+
+/// DLPack's device types this crate reads.
+pub const DL_CPU: i32 = 1;
+/// CUDA device memory.
+pub const DL_CUDA: i32 = 2;
+/// Page-locked host memory of CUDA.
+pub const DL_CUDA_HOST: i32 = 3;
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct DlDevice {
+    device_type: i32,
+    device_id: i32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct DlDataType {
+    code: u8,
+    bits: u8,
+    lanes: u16,
+}
+
+#[repr(C)]
+struct DlTensor {
+    data: *mut c_void,
+    device: DlDevice,
+    ndim: i32,
+    dtype: DlDataType,
+    shape: *const i64,
+    strides: *const i64,
+    byte_offset: u64,
+}
+
+#[repr(C)]
+struct DlManagedTensor {
+    dl_tensor: DlTensor,
+    manager_ctx: *mut c_void,
+    deleter: Option<unsafe extern "C" fn(*mut DlManagedTensor)>,
+}
+
+/// Where a dense tensor's bytes are.
+#[derive(Clone, Copy, Debug)]
+pub struct Located {
+    /// The first byte's address (data plus byte offset).
+    pub addr: usize,
+    /// Bytes: elements times element size.
+    pub nbytes: usize,
+    /// DLPack's device type ([`DL_CPU`], [`DL_CUDA`], ...).
+    pub device_type: i32,
+    /// The device's ordinal.
+    pub device_id: i32,
+}
+
+/// Read a `"dltensor"` capsule: the tensor must be dense (no strides, or
+/// row-major compact ones) with whole-byte elements and one lane.
+pub fn locate(capsule: &Bound<'_, PyAny>, what: &str) -> PyResult<Located> {
+    let capsule = capsule
+        .cast::<PyCapsule>()
+        .map_err(|_| crate::error(format!("{what}: not a DLPack capsule (torch.utils.dlpack.to_dlpack gives one)")))?;
+    let ptr = capsule
+        .pointer_checked(Some(c"dltensor"))
+        .map_err(|_| crate::error(format!("{what}: the capsule is not an unused \"dltensor\" capsule")))?;
+    // SAFETY: a capsule named "dltensor" holds a `DLManagedTensor` (the DLPack
+    // protocol), alive while the capsule is unconsumed; the capsule is borrowed for
+    // this call and no Python code runs before the fields are copied out.
+    let t = unsafe { &ptr.cast::<DlManagedTensor>().as_ref().dl_tensor };
+    let ndim = usize::try_from(t.ndim).map_err(|_| crate::error(format!("{what}: negative rank {}", t.ndim)))?;
+    let shape: Vec<i64> = if ndim == 0 || t.shape.is_null() {
+        Vec::new()
+    } else {
+        // SAFETY: DLPack's `shape` points at `ndim` values owned by the managed tensor.
+        unsafe { std::slice::from_raw_parts(t.shape, ndim) }.to_vec()
+    };
+    let strides: Option<Vec<i64>> = if t.strides.is_null() || ndim == 0 {
+        None
+    } else {
+        // SAFETY: a non-null `strides` points at `ndim` values, as `shape`.
+        Some(unsafe { std::slice::from_raw_parts(t.strides, ndim) }.to_vec())
+    };
+    if t.dtype.lanes != 1 || t.dtype.bits % 8 != 0 || t.dtype.bits == 0 {
+        return Err(crate::error(format!("{what}: elements of {} bits in {} lanes are not whole bytes", t.dtype.bits, t.dtype.lanes)));
+    }
+    let mut numel = 1usize;
+    for &d in &shape {
+        let d = usize::try_from(d).map_err(|_| crate::error(format!("{what}: negative dimension in {shape:?}")))?;
+        numel = numel.checked_mul(d).ok_or_else(|| crate::error(format!("{what}: shape {shape:?} overflows")))?;
+    }
+    if let Some(strides) = strides {
+        let mut want = 1i64;
+        for (&d, &s) in shape.iter().zip(&strides).rev() {
+            if d != 1 && s != want {
+                return Err(crate::error(format!("{what}: not contiguous (shape {shape:?}, strides {strides:?})")));
+            }
+            want = want.saturating_mul(d);
+        }
+    }
+    let nbytes =
+        numel.checked_mul(usize::from(t.dtype.bits / 8)).ok_or_else(|| crate::error(format!("{what}: shape {shape:?} overflows")))?;
+    let offset = usize::try_from(t.byte_offset).map_err(|_| crate::error(format!("{what}: byte offset {} overflows", t.byte_offset)))?;
+    let addr = (t.data as usize).checked_add(offset).ok_or_else(|| crate::error(format!("{what}: address overflows")))?;
+    if nbytes > 0 && addr == 0 {
+        return Err(crate::error(format!("{what}: a null data pointer for {nbytes} bytes")));
+    }
+    Ok(Located { addr, nbytes, device_type: t.device.device_type, device_id: t.device.device_id })
+}
+
+/// Copy the bytes of a host tensor's capsule into `dst` (exactly its size).
+pub fn read_host(capsule: &Bound<'_, PyAny>, what: &str, dst: &mut [u8]) -> PyResult<()> {
+    let at = locate(capsule, what)?;
+    if !matches!(at.device_type, DL_CPU | DL_CUDA_HOST) {
+        return Err(crate::error(format!("{what}: in device memory (type {}), not host memory", at.device_type)));
+    }
+    if at.nbytes != dst.len() {
+        return Err(crate::error(format!("{what}: {} bytes in the tensor, {} expected", at.nbytes, dst.len())));
+    }
+    if at.nbytes > 0 {
+        // SAFETY: `locate` checked the capsule is a live, dense host tensor of
+        // `nbytes` bytes at `addr`; the borrowed capsule keeps it alive and no Python
+        // code runs during the copy. `dst` is our own buffer, so the two do not overlap.
+        unsafe { std::ptr::copy_nonoverlapping(at.addr as *const u8, dst.as_mut_ptr(), at.nbytes) };
+    }
+    Ok(())
+}

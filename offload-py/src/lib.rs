@@ -1,0 +1,342 @@
+//! The Rust engine of the `offload` Python package (`offload._offload`): the host
+//! store, the ring, the plan and the metrics of one component of a
+//! `torch.nn.Module`, behind a small class the package's hooks call. The Python
+//! side (`python/offload/`) finds the blocks, points parameters at the streamed
+//! bytes and restores the module; everything else is here or below.
+//!
+//! No libtorch is linked: tensors cross as DLPack capsules (host weights, slot
+//! buffers) and streams as `CUstream` handles, so one abi3 wheel serves any
+//! torch 2.x.
+
+mod cuda;
+mod dlpack;
+
+use offload_core::sim::{SimBackend, SimConfig};
+use offload_core::{
+    resolve, BlockDiscovery, ComponentInventory, ComponentPlan, DType, DeclaredStacks, Error, HostStore, OffloadBackend, PinFallback,
+    PinOptions, Plan, Result, Ring, TensorSource, TensorSpec,
+};
+use pyo3::exceptions::PyRuntimeError;
+use pyo3::prelude::*;
+use pyo3::types::PyByteArray;
+use std::sync::Arc;
+
+pyo3::create_exception!(
+    _offload,
+    OffloadError,
+    PyRuntimeError,
+    "An error of the offload engine; its message names the tensor, block or component at fault."
+);
+
+/// An [`OffloadError`] with `msg`.
+pub(crate) fn error(msg: impl Into<String>) -> PyErr {
+    OffloadError::new_err(msg.into())
+}
+
+fn py_err(component: &str, e: Error) -> PyErr {
+    error(format!("component {component:?}: {e}"))
+}
+
+/// Block tensors handed over as DLPack capsules of host tensors, read once
+/// each into the host store, with the bytes read reported to `progress`.
+struct CapsuleTensors<'py> {
+    specs: Vec<TensorSpec>,
+    capsules: Vec<Bound<'py, PyAny>>,
+    progress: Option<Bound<'py, PyAny>>,
+    total: u64,
+    done: std::cell::Cell<u64>,
+}
+
+impl TensorSource for CapsuleTensors<'_> {
+    fn specs(&self) -> &[TensorSpec] {
+        &self.specs
+    }
+    fn read_into(&self, index: usize, dst: &mut [u8]) -> Result<()> {
+        let name = &self.specs[index].name;
+        dlpack::read_host(&self.capsules[index], name, dst).map_err(|e| Error::BadTensor { tensor: name.clone(), fault: e.to_string() })?;
+        let done = self.done.get() + dst.len() as u64;
+        self.done.set(done);
+        if let Some(p) = &self.progress {
+            p.call1((done, self.total)).map_err(|e| Error::BadTensor { tensor: name.clone(), fault: format!("progress callback: {e}") })?;
+        }
+        Ok(())
+    }
+    fn origin(&self) -> String {
+        "the module's parameters".into()
+    }
+}
+
+/// A block's layout as the package reads it: stack, index, `(tensor, offset, bytes)`.
+type BlockLayoutRow = (String, usize, Vec<(String, usize, usize)>);
+
+enum AnyRing {
+    Cpu(Ring<SimBackend>),
+    Cuda(Ring<cuda::PyCuda>),
+}
+
+macro_rules! with_ring {
+    ($self:expr, $r:ident => $e:expr) => {
+        match $self {
+            AnyRing::Cpu($r) => $e,
+            AnyRing::Cuda($r) => $e,
+        }
+    };
+}
+
+/// One component's blocks streamed through a ring: built from the module's
+/// block tensors, asked for a block before its forward and given it back after.
+#[pyclass(unsendable, module = "offload._offload")]
+struct Streamer {
+    component: String,
+    ring: Option<AnyRing>,
+}
+
+fn dtype(name: &str, tensor: &str) -> PyResult<DType> {
+    DType::parse(name).ok_or_else(|| error(format!("tensor {tensor:?}: dtype {name} cannot be streamed")))
+}
+
+fn build<B: OffloadBackend>(
+    backend: B,
+    component: &str,
+    inventory: &ComponentInventory,
+    source: &CapsuleTensors<'_>,
+    checkpoint: Option<&str>,
+    plan: &Plan,
+) -> Result<Ring<B>> {
+    let rc = resolve(plan, std::slice::from_ref(inventory))?.components.remove(0);
+    let pin = PinOptions::from_plan(plan.for_component(component));
+    let store = match checkpoint {
+        Some(path) => {
+            let file = offload_cuda::map_checkpoint(path)?;
+            check_same(&file, source)?;
+            HostStore::build_mapped(&backend, inventory, &file, pin)?
+        }
+        None => HostStore::build_with(&backend, inventory, source, pin)?,
+    };
+    Ring::new(backend, Arc::new(store), &rc)
+}
+
+/// Every streamed tensor is in the checkpoint with the module's dtype and shape.
+fn check_same(file: &offload_core::SafetensorsFile, module: &CapsuleTensors<'_>) -> Result<()> {
+    for s in &module.specs {
+        match file.specs().iter().find(|f| f.name == s.name) {
+            None => return Err(Error::BadTensor { tensor: s.name.clone(), fault: format!("not in {}", file.path().display()) }),
+            Some(f) if f.dtype != s.dtype || f.shape != s.shape => {
+                return Err(Error::BadTensor {
+                    tensor: s.name.clone(),
+                    fault: format!("{:?} {:?} in the module, {:?} {:?} in {}", s.dtype, s.shape, f.dtype, f.shape, file.path().display()),
+                })
+            }
+            Some(_) => {}
+        }
+    }
+    Ok(())
+}
+
+#[pymethods]
+impl Streamer {
+    /// Build the host store and the ring of `component`.
+    ///
+    /// `tensors`: `(name, dtype, shape, capsule)` for every block tensor, the
+    /// capsule a DLPack capsule of a host tensor. `stacks`: the block lists'
+    /// prefixes (`"transformer_blocks"`). `device`: `None` for the simulated
+    /// device in host memory, else a CUDA ordinal with torch's compute stream
+    /// handle `stream` and the package's allocator `alloc`. `checkpoint`: a
+    /// safetensors file holding the same tensors, served mapped in place.
+    #[new]
+    #[pyo3(signature = (component, tensors, stacks, *, device=None, stream=0, alloc=None, depth=1, budget_bytes=None, resident_blocks=Vec::new(), coded=false, pin_budget_bytes=None, pageable_fallback=false, checkpoint=None, progress=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new<'py>(
+        py: Python<'py>,
+        component: String,
+        tensors: Vec<(String, String, Vec<usize>, Bound<'py, PyAny>)>,
+        stacks: Vec<String>,
+        device: Option<usize>,
+        stream: u64,
+        alloc: Option<Py<PyAny>>,
+        depth: usize,
+        budget_bytes: Option<u64>,
+        resident_blocks: Vec<String>,
+        coded: bool,
+        pin_budget_bytes: Option<u64>,
+        pageable_fallback: bool,
+        checkpoint: Option<String>,
+        progress: Option<Bound<'py, PyAny>>,
+    ) -> PyResult<Self> {
+        let _ = py;
+        let mut specs = Vec::with_capacity(tensors.len());
+        let mut capsules = Vec::with_capacity(tensors.len());
+        for (name, dt, shape, capsule) in tensors {
+            specs.push(TensorSpec::new(name.clone(), dtype(&dt, &name)?, shape));
+            capsules.push(capsule);
+        }
+        let total = specs.iter().map(|s| s.nbytes().unwrap_or(0) as u64).sum();
+        let inventory = DeclaredStacks::new(stacks).discover(&component, &specs).map_err(|e| py_err(&component, e))?;
+        if inventory.stacks.is_empty() {
+            return Err(error(format!("component {component:?}: none of its tensors is in a block list")));
+        }
+        let source = CapsuleTensors { specs, capsules, progress, total, done: Default::default() };
+        let plan = Plan {
+            default: ComponentPlan {
+                prefetch_depth: depth,
+                device_budget_bytes: budget_bytes,
+                resident_blocks,
+                coded,
+                host_pin_budget_bytes: pin_budget_bytes,
+                pin_fallback: if pageable_fallback { PinFallback::Pageable } else { PinFallback::Fail },
+                ..ComponentPlan::default()
+            },
+            ..Plan::default()
+        };
+        let ck = checkpoint.as_deref();
+        let ring = match device {
+            None => {
+                if ck.is_some() {
+                    return Err(error(format!("component {component:?}: a mapped checkpoint needs a CUDA device")));
+                }
+                AnyRing::Cpu(
+                    build(SimBackend::new(SimConfig::fast()), &component, &inventory, &source, None, &plan)
+                        .map_err(|e| py_err(&component, e))?,
+                )
+            }
+            Some(ordinal) => {
+                let alloc = alloc.ok_or_else(|| error("a CUDA device needs the package's allocator"))?;
+                let backend = cuda::PyCuda::new(ordinal, stream, alloc).map_err(|e| py_err(&component, e))?;
+                if coded {
+                    backend.cuda().enable_coding(Default::default()).map_err(|e| py_err(&component, e))?;
+                }
+                AnyRing::Cuda(build(backend, &component, &inventory, &source, ck, &plan).map_err(|e| py_err(&component, e))?)
+            }
+        };
+        Ok(Streamer { component, ring: Some(ring) })
+    }
+
+    /// Every block: `(stack, index, [(tensor name, byte offset, bytes)])`, in store order.
+    fn layouts(&self) -> PyResult<Vec<BlockLayoutRow>> {
+        let ring = self.ring()?;
+        Ok(with_ring!(ring, r => r
+            .store()
+            .blocks()
+            .iter()
+            .map(|b| (b.id.stack.clone(), b.id.index, b.layout.tensors.iter().map(|t| (t.spec.name.clone(), t.offset, t.nbytes)).collect()))
+            .collect()))
+    }
+
+    /// Lend block `index` of `stack`: ready for compute on the engine's stream.
+    /// Returns its bytes: on CUDA the slot's torch buffer (`uint8`), on the
+    /// simulated device a fresh `bytearray` copy of the slot.
+    fn lend(&mut self, py: Python<'_>, stack: &str, index: usize) -> PyResult<Py<PyAny>> {
+        let component = self.component.clone();
+        let ring = self.ring_mut()?;
+        let fail = |e| py_err(&component, e);
+        match ring {
+            AnyRing::Cpu(r) => {
+                r.lend(stack, index).map_err(fail)?;
+                let (_, _, slot) = r.lent().ok_or_else(|| error("no block lent"))?;
+                let bytes = r.backend().read_slot(slot, <[u8]>::to_vec);
+                Ok(PyByteArray::new(py, &bytes).into_any().unbind())
+            }
+            AnyRing::Cuda(r) => {
+                r.lend(stack, index).map_err(fail)?;
+                let (id, _, slot) = r.lent().ok_or_else(|| error("no block lent"))?;
+                r.backend().note_read(slot);
+                slot.buffer().map(|b| b.clone_ref(py)).ok_or_else(|| error(format!("component {component:?}: block {id} has no buffer")))
+            }
+        }
+    }
+
+    /// Give the lent block back: its slot is reused once the compute submitted so far has run.
+    fn give_back(&mut self) -> PyResult<()> {
+        let component = self.component.clone();
+        with_ring!(self.ring_mut()?, r => r.give_back()).map_err(|e| py_err(&component, e))
+    }
+
+    /// End a step: its metrics as a JSON object (`StepMetrics`).
+    fn end_step(&mut self) -> PyResult<String> {
+        let component = self.component.clone();
+        let m = with_ring!(self.ring_mut()?, r => r.end_step()).map_err(|e| py_err(&component, e))?;
+        serde_json::to_string(&m).map_err(|e| error(e.to_string()))
+    }
+
+    /// Record device-timed spans of both streams from now on.
+    fn enable_timeline(&mut self) -> PyResult<()> {
+        let component = self.component.clone();
+        with_ring!(self.ring_mut()?, r => r.enable_timeline()).map_err(|e| py_err(&component, e))
+    }
+
+    /// Write the timeline's Chrome trace (Perfetto opens it); the last step ended.
+    fn write_trace(&self, path: &str) -> PyResult<()> {
+        let tl = with_ring!(self.ring()?, r => r.timeline().cloned());
+        let tl = tl.ok_or_else(|| {
+            error(format!("component {:?}: no timeline (enable_trace first; the simulated device has none)", self.component))
+        })?;
+        tl.write_chrome_trace(path).map_err(|e| error(format!("writing {path}: {e}")))
+    }
+
+    /// Host bytes the store holds, and how many of them are page-locked.
+    fn host_bytes(&self) -> PyResult<(u64, u64)> {
+        Ok(with_ring!(self.ring()?, r => (r.store().host_bytes(), r.store().pinned_bytes())))
+    }
+
+    /// Violations of the ring's protocol the CUDA engine saw (none on the simulated device, which fails instead).
+    fn violations(&self) -> PyResult<Vec<String>> {
+        Ok(match self.ring()? {
+            AnyRing::Cpu(r) => r.backend().check().err().map(|e| vec![e.to_string()]).unwrap_or_default(),
+            AnyRing::Cuda(r) => r.backend().violations(),
+        })
+    }
+
+    /// The device's counters since the ring was built: host synchronisations
+    /// (`syncs`), copies, bytes copied, slot bytes live and at peak.
+    fn counters(&self) -> PyResult<Vec<(&'static str, u64)>> {
+        Ok(match self.ring()? {
+            AnyRing::Cpu(r) => {
+                let s = r.backend().stats();
+                vec![
+                    ("syncs", s.syncs),
+                    ("copies", s.copies),
+                    ("bytes_copied", s.bytes_copied),
+                    ("live_bytes", s.live_bytes),
+                    ("peak_bytes", s.peak_bytes),
+                ]
+            }
+            AnyRing::Cuda(r) => {
+                let c = r.backend().counters();
+                vec![
+                    ("syncs", c.syncs),
+                    ("copies", c.copies),
+                    ("bytes_copied", c.bytes_copied),
+                    ("live_bytes", c.live_bytes),
+                    ("peak_bytes", c.peak_bytes),
+                ]
+            }
+        })
+    }
+
+    /// Close the ring: every slot freed after its last use, the host store dropped.
+    fn close(&mut self) -> PyResult<()> {
+        let component = self.component.clone();
+        match self.ring.take() {
+            Some(ring) => with_ring!(ring, r => r.close()).map_err(|e| py_err(&component, e)),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Streamer {
+    fn ring(&self) -> PyResult<&AnyRing> {
+        self.ring.as_ref().ok_or_else(|| error(format!("component {:?}: closed", self.component)))
+    }
+    fn ring_mut(&mut self) -> PyResult<&mut AnyRing> {
+        let c = &self.component;
+        self.ring.as_mut().ok_or_else(|| error(format!("component {c:?}: closed")))
+    }
+}
+
+/// The engine's module.
+#[pymodule]
+fn _offload(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<Streamer>()?;
+    m.add("OffloadError", m.py().get_type::<OffloadError>())?;
+    Ok(())
+}

@@ -1,0 +1,162 @@
+"""Tiny instances of the real classes (diffusers' and transformers' own code),
+built from configs with random weights, and inputs for one forward each."""
+
+from __future__ import annotations
+
+import torch
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Fresh random weights (never zeros: diffusers zero-initialises some
+    projections), bf16, on the CPU, in eval mode."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32) * 0.05)
+    return model.to(torch.bfloat16).eval()
+
+
+def _rand(*shape, seed: int, dtype=torch.bfloat16) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g, dtype=torch.float32).to(dtype)
+
+
+def flux():
+    from diffusers import FluxTransformer2DModel
+
+    m = FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=8,
+        num_layers=2,
+        num_single_layers=3,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=32,
+        pooled_projection_dim=32,
+        guidance_embeds=True,
+        axes_dims_rope=(4, 4, 8),
+    )
+    seq, txt = 16, 7
+    img_ids = torch.stack(torch.meshgrid(torch.zeros(1), torch.arange(4.0), torch.arange(4.0), indexing="ij"), -1).reshape(seq, 3)
+    inputs = dict(
+        hidden_states=_rand(2, seq, 8, seed=1),
+        encoder_hidden_states=_rand(2, txt, 32, seed=2),
+        pooled_projections=_rand(2, 32, seed=3),
+        timestep=torch.tensor([0.5, 0.25], dtype=torch.bfloat16),
+        guidance=torch.tensor([3.5, 3.5], dtype=torch.bfloat16),
+        img_ids=img_ids,
+        txt_ids=torch.zeros(txt, 3),
+        return_dict=False,
+    )
+    return _randomize(m, 10), inputs, 5
+
+
+def sd3():
+    from diffusers import SD3Transformer2DModel
+
+    m = SD3Transformer2DModel(
+        sample_size=8,
+        patch_size=2,
+        in_channels=4,
+        num_layers=3,
+        attention_head_dim=8,
+        num_attention_heads=4,
+        caption_projection_dim=32,
+        joint_attention_dim=32,
+        pooled_projection_dim=16,
+        out_channels=4,
+        pos_embed_max_size=16,
+    )
+    inputs = dict(
+        hidden_states=_rand(2, 4, 8, 8, seed=1),
+        encoder_hidden_states=_rand(2, 6, 32, seed=2),
+        pooled_projections=_rand(2, 16, seed=3),
+        timestep=torch.tensor([500, 250]),
+        return_dict=False,
+    )
+    return _randomize(m, 11), inputs, 3
+
+
+def qwen_image():
+    from diffusers import QwenImageTransformer2DModel
+
+    m = QwenImageTransformer2DModel(
+        patch_size=2,
+        in_channels=16,
+        out_channels=4,
+        num_layers=3,
+        attention_head_dim=16,
+        num_attention_heads=3,
+        joint_attention_dim=16,
+        guidance_embeds=False,
+        axes_dims_rope=(8, 4, 4),
+    )
+    txt = 5
+    inputs = dict(
+        hidden_states=_rand(1, 16, 16, seed=1),
+        encoder_hidden_states=_rand(1, txt, 16, seed=2),
+        encoder_hidden_states_mask=torch.ones(1, txt, dtype=torch.long),
+        timestep=torch.tensor([0.5], dtype=torch.bfloat16),
+        img_shapes=[(1, 4, 4)],
+        return_dict=False,
+    )
+    return _randomize(m, 12), inputs, 3
+
+
+def wan():
+    from diffusers import WanTransformer3DModel
+
+    m = WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=12,
+        in_channels=4,
+        out_channels=4,
+        text_dim=16,
+        freq_dim=32,
+        ffn_dim=32,
+        num_layers=3,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=32,
+    )
+    inputs = dict(
+        hidden_states=_rand(1, 4, 2, 8, 8, seed=1),
+        encoder_hidden_states=_rand(1, 6, 16, seed=2),
+        timestep=torch.tensor([500]),
+        return_dict=False,
+    )
+    return _randomize(m, 13), inputs, 3
+
+
+def t5():
+    from transformers import T5Config, T5EncoderModel
+
+    cfg = T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=3, num_heads=4, relative_attention_num_buckets=8)
+    m = T5EncoderModel(cfg)
+    g = torch.Generator().manual_seed(4)
+    inputs = dict(input_ids=torch.randint(0, 64, (2, 9), generator=g), return_dict=False)
+    return _randomize(m, 14), inputs, 3
+
+
+def qwen25_vl_text():
+    from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLTextConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLTextModel
+
+    cfg = Qwen2_5_VLTextConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]},
+    )
+    m = Qwen2_5_VLTextModel(cfg)
+    g = torch.Generator().manual_seed(5)
+    inputs = dict(input_ids=torch.randint(0, 64, (1, 9), generator=g), use_cache=False, return_dict=False)
+    return _randomize(m, 15), inputs, 3
+
+
+MODELS = {"flux": flux, "sd3": sd3, "qwen-image": qwen_image, "wan": wan, "t5": t5, "qwen2.5-vl-text": qwen25_vl_text}

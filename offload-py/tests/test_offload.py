@@ -1,0 +1,263 @@
+"""The Python package on the real diffusers and transformers classes, tiny and
+random: every model streams bitwise equal to its resident run, disabling puts
+the module back, bad input is a named error. CPU tests run on the simulated
+device (host memory standing in for the GPU, the ring's protocol checked);
+the CUDA ones print SKIPPED without a GPU and fail with OFFLOAD_REQUIRE_DEVICE=1."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import offload
+from offload import OffloadError
+
+from models import MODELS
+
+
+def _devices():
+    yield "cpu"
+    if torch.cuda.is_available():
+        yield "cuda"
+    elif os.environ.get("OFFLOAD_REQUIRE_DEVICE") == "1":
+        raise RuntimeError("OFFLOAD_REQUIRE_DEVICE=1 but torch sees no CUDA device")
+    else:
+        print("SKIPPED: the CUDA rows of the Python package: torch sees no CUDA device")
+
+
+DEVICES = list(_devices())
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach().cpu().contiguous()
+    return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32) if t.element_size() == 4 else t
+
+
+def _out(o):
+    while isinstance(o, (tuple, list)):
+        o = o[0]
+    return o.last_hidden_state if hasattr(o, "last_hidden_state") else o
+
+
+def _to(inputs: dict, dev: str) -> dict:
+    return {k: (v.to(dev) if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
+
+
+def _snapshot(model):
+    return (
+        {n: (id(p), p.device, p.dtype, _bits(p).clone()) for n, p in model.named_parameters()},
+        {n: (b.device, _bits(b).clone()) for n, b in model.named_buffers()},
+    )
+
+
+def _same_snapshot(a, b):
+    (pa, ba), (pb, bb) = a, b
+    assert pa.keys() == pb.keys() and ba.keys() == bb.keys()
+    for n in pa:
+        assert pa[n][:3] == pb[n][:3], f"{n}: object, device or dtype changed"
+        assert torch.equal(pa[n][3], pb[n][3]), f"{n}: bytes changed"
+    for n in ba:
+        assert ba[n][0] == bb[n][0] and torch.equal(ba[n][1], bb[n][1]), f"buffer {n} changed"
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("name,depth", [(n, 1) for n in MODELS] + [("flux", 2)])
+def test_streams_bitwise_equal_and_disable_restores(name, depth, dev):
+    model, inputs, _ = MODELS[name]()
+    model.to(dev)
+    before = _snapshot(model)
+    with torch.no_grad():
+        ref = _out(model(**_to(inputs, dev))).clone()
+    assert torch.isfinite(ref.float()).all() and ref.float().std() > 0, "the resident output is not finite, or constant"
+    model.to("cpu")
+    h = offload.enable(model, device=dev, depth=depth)
+    assert offload.offloaded(model) is h
+    blocks = sum(len(model.get_submodule(s)) for s in offload.find_blocks(model))
+    with torch.no_grad():
+        outs = [_out(model(**_to(inputs, dev))).clone() for _ in range(3)]
+    for o in outs:
+        assert torch.equal(_bits(o), _bits(ref)), f"{name} on {dev}: the streamed output differs from the resident one"
+    m = h.metrics()
+    assert m["blocks"] == blocks and m["bytes_copied"] > 0 and m["forgotten_guards"] == 0
+    assert m["misses"] == 0, f"steady state: every block prefetched ({m})"
+    assert h.violations() == []
+    offload.disable(model)
+    assert offload.offloaded(model) is None
+    model.to(dev)
+    _same_snapshot(before, _snapshot(model))
+
+
+@pytest.mark.parametrize("name", ["flux", "t5"])
+def test_finds_the_block_lists_of_real_classes(name):
+    model, _, _ = MODELS[name]()
+    want = {"flux": ["transformer_blocks", "single_transformer_blocks"], "t5": ["encoder.block"]}[name]
+    assert offload.find_blocks(model) == want
+
+
+def test_a_module_without_block_list_is_a_named_error():
+    with pytest.raises(OffloadError, match=r"'Linear'.*no block list"):
+        offload.enable(torch.nn.Linear(4, 4), device="cpu")
+
+
+def test_enabling_twice_is_refused_and_leaves_the_module_as_it_was():
+    model, inputs, _ = MODELS["t5"]()
+    offload.enable(model, device="cpu")
+    snap = _snapshot(model)
+    with pytest.raises(OffloadError, match="already offloaded"):
+        offload.enable(model, device="cpu")
+    offload.disable(model)
+    with pytest.raises(OffloadError, match="not offloaded"):
+        offload.disable(model)
+
+
+def test_a_failed_enable_leaves_the_module_as_it_was():
+    model, _, _ = MODELS["flux"]()
+    before = _snapshot(model)
+    calls = []
+
+    def boom(done, total):
+        calls.append(done)
+        if len(calls) == 3:
+            raise KeyboardInterrupt("stop")
+
+    import offload._module as mod
+
+    real = mod._progress
+    mod._progress = lambda desc, enabled: (None, boom)
+    try:
+        with pytest.raises(OffloadError, match="progress callback"):
+            offload.enable(model, device="cpu")
+    finally:
+        mod._progress = real
+    assert offload.offloaded(model) is None
+    _same_snapshot(before, _snapshot(model))
+    assert not model._forward_hooks and not model.transformer_blocks[0]._forward_pre_hooks
+
+
+def test_bad_arguments_name_the_component():
+    model, _, _ = MODELS["t5"]()
+    with pytest.raises(OffloadError, match="T5EncoderModel"):
+        offload.enable(model, device="cpu", depth=0)
+    with pytest.raises(OffloadError, match="no block list 'nope'"):
+        offload.enable(model, device="cpu", blocks=["nope"])
+    with pytest.raises(OffloadError, match="mapped checkpoint needs a CUDA device"):
+        offload.enable(model, device="cpu", checkpoint="/nonexistent.safetensors")
+    assert offload.offloaded(model) is None
+
+
+def test_an_error_inside_a_block_leaves_the_ring_usable():
+    model, inputs, _ = MODELS["t5"]()
+    with torch.no_grad():
+        ref = _out(model(**inputs)).clone()
+    h = offload.enable(model, device="cpu")
+    bad = dict(inputs, input_ids=torch.full((2, 9), 10_000))  # past the vocabulary
+    with pytest.raises(IndexError), torch.no_grad():
+        model(**bad)
+    with torch.no_grad():
+        out = _out(model(**inputs))
+    assert torch.equal(_bits(out), _bits(ref))
+    assert h.metrics()["forgotten_guards"] == 0
+    offload.disable(model)
+
+
+def test_tied_weights_are_a_named_error():
+    class Block(torch.nn.Module):
+        def __init__(self, lin):
+            super().__init__()
+            self.lin = lin
+
+        def forward(self, x):
+            return self.lin(x)
+
+    shared = torch.nn.Linear(4, 4)
+    model = torch.nn.Sequential(torch.nn.ModuleList([Block(shared), Block(shared)]))
+    with pytest.raises(OffloadError, match="tied"):
+        offload.enable(model, device="cpu")
+
+
+class _LoRA(torch.nn.Module):
+    """A frozen Linear with a trainable low-rank adapter inside it."""
+
+    def __init__(self, base: torch.nn.Linear, rank: int = 2):
+        super().__init__()
+        self.base = base
+        self.lora_a = torch.nn.Parameter(torch.randn(rank, base.in_features, dtype=base.weight.dtype) * 0.1)
+        self.lora_b = torch.nn.Parameter(torch.randn(base.out_features, rank, dtype=base.weight.dtype) * 0.1)
+
+    def forward(self, x):
+        return self.base(x) + (x @ self.lora_a.t()) @ self.lora_b.t()
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_frozen_streamed_weights_with_a_trainable_adapter_give_the_resident_gradients(dev):
+    model, inputs, _ = MODELS["t5"]()
+    model.requires_grad_(False)
+    for blk in model.encoder.block:
+        ff = blk.layer[-1].DenseReluDense
+        ff.wi = _LoRA(ff.wi)
+    model.to(dev)
+
+    def grads():
+        for p in model.parameters():
+            p.grad = None
+        out = _out(model(**_to(inputs, dev)))
+        out.float().square().mean().backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+    ref = grads()
+    model.to("cpu")
+    offload.enable(model, device=dev)
+    got = grads()
+    offload.disable(model)
+    assert ref.keys() == got.keys() and len(ref) == 2 * len(model.encoder.block)
+    for n in ref:
+        assert torch.equal(_bits(ref[n]), _bits(got[n])), f"gradient of {n} differs"
+        assert ref[n].float().abs().sum() > 0
+
+
+def test_metrics_before_any_step_is_a_named_error():
+    model, _, _ = MODELS["t5"]()
+    h = offload.enable(model, device="cpu")
+    with pytest.raises(OffloadError, match="no step has ended"):
+        h.metrics()
+    offload.disable(model)
+
+
+@pytest.mark.skipif("cuda" not in DEVICES, reason="needs CUDA")
+def test_cuda_user_stream_and_no_host_sync_in_steady_state():
+    model, inputs, _ = MODELS["flux"]()
+    model.to("cuda")
+    with torch.no_grad():
+        ref = _out(model(**_to(inputs, "cuda"))).clone()
+    model.to("cpu")
+    h = offload.enable(model, device="cuda", depth=1)
+    with torch.no_grad():
+        _out(model(**_to(inputs, "cuda")))
+        syncs = h.counters()["syncs"]
+        s = torch.cuda.Stream()
+        with torch.cuda.stream(s):
+            out = _out(model(**_to(inputs, "cuda"))).clone()
+        torch.cuda.current_stream().wait_stream(s)
+        out2 = _out(model(**_to(inputs, "cuda"))).clone()
+    assert h.counters()["syncs"] == syncs, "a steady-state step synchronised the host"
+    assert torch.equal(_bits(out), _bits(ref)) and torch.equal(_bits(out2), _bits(ref))
+    assert h.violations() == []
+    offload.disable(model)
+
+
+def test_the_bitwise_check_catches_a_wrong_binding():
+    """Sabotage: two same-sized tensors of one block bound to each other's bytes
+    (what a wrong layout would do); the equality the tests above rely on fails."""
+    model, inputs, _ = MODELS["flux"]()
+    with torch.no_grad():
+        ref = _out(model(**inputs)).clone()
+    h = offload.enable(model, device="cpu")
+    blk = next(iter(h.blocks.values()))
+    a, b = next((p, q) for p in blk.params for q in blk.params if p is not q and p.nbytes == q.nbytes and p.shape == q.shape)
+    a.offset, b.offset = b.offset, a.offset
+    with torch.no_grad():
+        out = _out(model(**inputs))
+    offload.disable(model)
+    assert not torch.equal(_bits(out), _bits(ref))

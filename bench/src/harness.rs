@@ -536,6 +536,16 @@ pub fn group_by<T, K: PartialEq>(items: impl IntoIterator<Item = T>, key: impl F
     groups
 }
 
+/// The first of `runs`, where there are at least `min_repeats` (and one); else
+/// an error prefixed by the merge `what`.
+pub fn enough<'a, T>(what: &str, runs: &'a [T], min_repeats: usize) -> Result<&'a T, String> {
+    let first = runs.first().ok_or_else(|| format!("{what}: no runs"))?;
+    match runs.len() < min_repeats {
+        true => Err(format!("{what}: {} run(s), at least {min_repeats} wanted", runs.len())),
+        false => Ok(first),
+    }
+}
+
 /// `commits` sorted, each once, joined by commas.
 pub fn joined<'a>(commits: impl IntoIterator<Item = &'a str>) -> String {
     commits.into_iter().collect::<std::collections::BTreeSet<_>>().into_iter().collect::<Vec<_>>().join(", ")

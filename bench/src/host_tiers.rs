@@ -7,7 +7,7 @@
 //! the resident output. `run` (feature `cuda`) is one process; the merges make the
 //! published files from several.
 
-use crate::harness::{sp, spread, spread_of, with_fields};
+use crate::harness::{enough, sp, spread, spread_of, with_fields};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
@@ -337,6 +337,7 @@ fn same_head(what: &str, runs: &[HostTierRun]) -> Result<(), String> {
 /// timed steps), its bound `max(resident, bytes ÷ bandwidth)` and the ratio of
 /// the two; on disk also the disk estimate (see [`disk_estimate_s`]) and the
 /// step's ratio to it.
+#[derive(Default)]
 struct PerRun {
     resident: Vec<f64>,
     steps: Vec<f64>,
@@ -358,14 +359,7 @@ fn disk_estimate_s(bound: f64, m: &TierRun) -> f64 {
 }
 
 fn per_run(per: &[(&HostTierRun, &TierRun)], mode: &str) -> Result<PerRun, String> {
-    let mut out = PerRun {
-        resident: Vec::new(),
-        steps: Vec::new(),
-        bounds: Vec::new(),
-        ratios: Vec::new(),
-        estimates: Vec::new(),
-        estimate_ratios: Vec::new(),
-    };
+    let mut out = PerRun::default();
     for (r, m) in per {
         let resident = spread(&r.steps_resident_s).ok_or_else(|| format!("{mode}: no resident steps"))?.median;
         let step = spread(&m.steps_streamed_s).ok_or_else(|| format!("{mode}: no streamed steps"))?.median;
@@ -423,10 +417,7 @@ fn design_case(first: &HostTierRun, per: &[(&HostTierRun, &TierRun)], mode: &str
 /// bytes ÷ bandwidth)`; the disk mode adds `disk_estimate_s` and
 /// `ratio_to_disk_estimate` ([`disk_estimate_s`]), reported, not judged.
 pub fn merge(runs: &[HostTierRun], min_repeats: usize) -> Result<Value, String> {
-    let first = runs.first().ok_or("merge-host-tiers: no runs")?;
-    if runs.len() < min_repeats {
-        return Err(format!("merge-host-tiers: {} run(s), at least {min_repeats} wanted", runs.len()));
-    }
+    let first = enough("merge-host-tiers", runs, min_repeats)?;
     same_head("merge-host-tiers", runs)?;
     let mut cases = Vec::new();
     let mut meets_all = true;
@@ -528,10 +519,7 @@ pub fn merge(runs: &[HostTierRun], min_repeats: usize) -> Result<Value, String> 
 /// one buffer held coded and the same host bytes in both modes. No target: the
 /// issue asked for the file, not for a time.
 pub fn merge_coded_start(runs: &[HostTierRun], min_repeats: usize) -> Result<Value, String> {
-    let first = runs.first().ok_or("merge-coded-start: no runs")?;
-    if runs.len() < min_repeats {
-        return Err(format!("merge-coded-start: {} run(s), at least {min_repeats} wanted", runs.len()));
-    }
+    let first = enough("merge-coded-start", runs, min_repeats)?;
     same_head("merge-coded-start", runs)?;
     // One coded file for every run: `coded_file_bytes` is written once.
     if let Some(r) = runs.iter().find(|r| r.coded_file_bytes != first.coded_file_bytes) {

@@ -200,6 +200,35 @@ impl Model {
     }
 }
 
+/// A model named `name` of hidden size `hidden`, `heads` heads of `head_dim` and
+/// an MLP `mlp` wide, taking and giving 64 channels a latent token, one call a
+/// step, no text, pooled embedding, guidance, blocks, globals, cases or reference:
+/// each model's constructor fills in the rest.
+fn base(name: &'static str, hidden: usize, heads: usize, head_dim: usize, mlp: usize) -> Model {
+    Model {
+        name,
+        hidden,
+        heads,
+        head_dim,
+        mlp,
+        in_channels: 64,
+        out_channels: 64,
+        text_dim: 0,
+        pooled_dim: None,
+        guidance: false,
+        calls_per_step: 1,
+        stacks: Vec::new(),
+        globals: Vec::new(),
+        cases: Vec::new(),
+        reference: Value::Null,
+    }
+}
+
+/// A text encoder's case: `tokens` tokens, batch 1, no image.
+fn text_case(tokens: usize) -> Case {
+    Case { name: tokens.to_string(), resolution: 0, height: 0, frames: 0, image_tokens: 0, text_tokens: tokens, batch: 1 }
+}
+
 fn linear(out: &mut Vec<Param>, name: &str, i: usize, o: usize) {
     out.push(Param::new(format!("{name}.weight"), &[o, i]));
     out.push(Param::new(format!("{name}.bias"), &[o]));
@@ -357,17 +386,9 @@ pub fn flux_dev() -> Model {
     linear(&mut globals, "norm_out.linear", h, 2 * h);
     linear(&mut globals, "proj_out", h, 64);
     Model {
-        name: "flux-dev",
-        hidden: h,
-        heads: 24,
-        head_dim: hd,
-        mlp,
-        in_channels: 64,
-        out_channels: 64,
         text_dim: 4096,
         pooled_dim: Some(768),
         guidance: true,
-        calls_per_step: 1,
         stacks: vec![
             stack("transformer_blocks", 19, BlockKind::DualStream, dual_params(FLUX_DUAL, h, hd, mlp)),
             stack("single_transformer_blocks", 38, BlockKind::SingleStream, single_params(h, hd, mlp)),
@@ -380,6 +401,7 @@ pub fn flux_dev() -> Model {
                        "num_attention_heads": 24, "joint_attention_dim": 4096, "pooled_projection_dim": 768,
                        "guidance_embeds": true, "axes_dims_rope": [16, 56, 56]},
         }),
+        ..base("flux-dev", h, 24, hd, mlp)
     }
 }
 
@@ -397,16 +419,7 @@ pub fn qwen_image() -> Model {
     linear(&mut globals, "norm_out.linear", h, 2 * h);
     linear(&mut globals, "proj_out", h, 64);
     Model {
-        name: "qwen-image",
-        hidden: h,
-        heads: 24,
-        head_dim: hd,
-        mlp,
-        in_channels: 64,
-        out_channels: 64,
         text_dim: 3584,
-        pooled_dim: None,
-        guidance: false,
         calls_per_step: 2,
         stacks: vec![stack("transformer_blocks", 60, BlockKind::DualStream, dual_params(QWEN_DUAL, h, hd, mlp))],
         globals,
@@ -416,6 +429,7 @@ pub fn qwen_image() -> Model {
             "config": {"patch_size": 2, "in_channels": 64, "out_channels": 16, "num_layers": 60, "attention_head_dim": 128,
                        "num_attention_heads": 24, "joint_attention_dim": 3584, "guidance_embeds": false, "axes_dims_rope": [16, 56, 56]},
         }),
+        ..base("qwen-image", h, 24, hd, mlp)
     }
 }
 
@@ -476,13 +490,6 @@ pub fn tiny(model: &Model) -> Model {
     let globals =
         model.globals.iter().map(|p| Param::new(p.name.clone(), &p.shape.iter().map(|&d| scale(d)).collect::<Vec<_>>())).collect();
     Model {
-        name: model.name,
-        hidden: h,
-        heads: h / hd,
-        head_dim: hd,
-        mlp,
-        in_channels: 64,
-        out_channels: 64,
         text_dim,
         pooled_dim: pooled,
         guidance: model.guidance,
@@ -491,7 +498,7 @@ pub fn tiny(model: &Model) -> Model {
         globals,
         // The real model's batch (SD3.5 runs two, for classifier-free guidance).
         cases: vec![Case { batch: model.cases.first().map_or(1, |c| c.batch), ..image_case(64, 8) }],
-        reference: Value::Null,
+        ..base(model.name, h, h / hd, hd, mlp)
     }
 }
 
@@ -516,7 +523,7 @@ fn tiny_encoder(model: &Model, h: usize, hd: usize, mlp: usize) -> Model {
         text_dim: h,
         stacks,
         globals,
-        cases: vec![Case { name: "8".into(), resolution: 0, height: 0, frames: 0, image_tokens: 0, text_tokens: 8, batch: 1 }],
+        cases: vec![text_case(8)],
         reference: Value::Null,
         ..model.clone()
     }
@@ -557,17 +564,8 @@ pub fn sd35_large() -> Model {
     let mut s = stack("transformer_blocks", 38, BlockKind::DualStream, dual_params(FLUX_DUAL, h, hd, mlp));
     s.overrides = vec![(37, last)];
     Model {
-        name: "sd3.5-large",
-        hidden: h,
-        heads: 38,
-        head_dim: hd,
-        mlp,
-        in_channels: 64,
-        out_channels: 64,
         text_dim: 4096,
         pooled_dim: Some(2048),
-        guidance: false,
-        calls_per_step: 1,
         stacks: vec![s],
         globals: g,
         // Text: 77 CLIP tokens + 256 T5 tokens; classifier-free guidance batched (2).
@@ -576,6 +574,7 @@ pub fn sd35_large() -> Model {
             "config": {"sample_size": 128, "patch_size": 2, "in_channels": 16, "num_layers": 38, "attention_head_dim": 64,
                        "num_attention_heads": 38, "joint_attention_dim": 4096, "caption_projection_dim": 2432,
                        "pooled_projection_dim": 2048, "out_channels": 16, "pos_embed_max_size": 192, "qk_norm": "rms_norm"}}),
+        ..base("sd3.5-large", h, 38, hd, mlp)
     }
 }
 
@@ -625,16 +624,7 @@ pub fn wan21_t2v_14b() -> Model {
         batch: 1,
     };
     Model {
-        name: "wan2.1-t2v-14b",
-        hidden: h,
-        heads: 40,
-        head_dim: 128,
-        mlp: ffn,
-        in_channels: 64,
-        out_channels: 64,
         text_dim: 4096,
-        pooled_dim: None,
-        guidance: false,
         calls_per_step: 2,
         stacks: vec![stack("blocks", 40, BlockKind::Wan, p)],
         globals: g,
@@ -643,6 +633,7 @@ pub fn wan21_t2v_14b() -> Model {
             "config": {"patch_size": [1, 2, 2], "num_attention_heads": 40, "attention_head_dim": 128, "in_channels": 16, "out_channels": 16,
                        "text_dim": 4096, "freq_dim": 256, "ffn_dim": 13824, "num_layers": 40, "cross_attn_norm": true,
                        "qk_norm": "rms_norm_across_heads", "eps": 1e-6}}),
+        ..base("wan2.1-t2v-14b", h, 40, 128, ffn)
     }
 }
 
@@ -678,17 +669,7 @@ pub fn z_image_turbo() -> Model {
     weight(&mut g, "cap_embedder.0", &[2560]);
     linear(&mut g, "cap_embedder.1", 2560, h);
     Model {
-        name: "z-image-turbo",
-        hidden: h,
-        heads: 30,
-        head_dim: 128,
-        mlp: ffn,
-        in_channels: 64,
-        out_channels: 64,
         text_dim: 2560,
-        pooled_dim: None,
-        guidance: false,
-        calls_per_step: 1,
         stacks: vec![
             stack("noise_refiner", 2, BlockKind::ZImage, zimage_params(h, 128, ffn, true)),
             stack("context_refiner", 2, BlockKind::ZImage, zimage_params(h, 128, ffn, false)),
@@ -697,6 +678,7 @@ pub fn z_image_turbo() -> Model {
         globals: g,
         cases: vec![image_case(1024, 512)],
         reference: json!({"module": "diffusers", "class": "ZImageTransformer2DModel", "config": {}}),
+        ..base("z-image-turbo", h, 30, 128, ffn)
     }
 }
 
@@ -706,23 +688,16 @@ pub fn t5_xxl() -> Model {
     let (h, ff) = (4096, 10240);
     let s = t5_stack(24, h, ff, 64);
     Model {
-        name: "t5-xxl",
-        hidden: h,
-        heads: 64,
-        head_dim: 64,
-        mlp: ff,
         in_channels: 0,
         out_channels: 0,
         text_dim: h,
-        pooled_dim: None,
-        guidance: false,
-        calls_per_step: 1,
         stacks: vec![s],
         globals: vec![Param::new("shared.weight", &[32128, h]), Param::new("encoder.final_layer_norm.weight", &[h])],
-        cases: vec![Case { name: "512".into(), resolution: 0, height: 0, frames: 0, image_tokens: 0, text_tokens: 512, batch: 1 }],
+        cases: vec![text_case(512)],
         reference: json!({"module": "transformers", "class": "T5EncoderModel", "config_class": "T5Config",
             "config": {"d_model": 4096, "d_ff": 10240, "d_kv": 64, "num_heads": 64, "num_layers": 24, "vocab_size": 32128,
                        "feed_forward_proj": "gated-gelu", "is_encoder_decoder": false}}),
+        ..base("t5-xxl", h, 64, 64, ff)
     }
 }
 
@@ -767,23 +742,16 @@ pub fn qwen25_vl_7b_text() -> Model {
     let (h, ff, kv) = (3584, 18944, 512);
     let p = decoder_params(h, ff, kv);
     Model {
-        name: "qwen2.5-vl-7b-text",
-        hidden: h,
-        heads: 28,
-        head_dim: 128,
-        mlp: ff,
         in_channels: 0,
         out_channels: 0,
         text_dim: h,
-        pooled_dim: None,
-        guidance: false,
-        calls_per_step: 1,
         stacks: vec![stack("layers", 28, BlockKind::Decoder, p)],
         globals: vec![Param::new("embed_tokens.weight", &[152064, h]), Param::new("norm.weight", &[h])],
-        cases: vec![Case { name: "512".into(), resolution: 0, height: 0, frames: 0, image_tokens: 0, text_tokens: 512, batch: 1 }],
+        cases: vec![text_case(512)],
         reference: json!({"module": "transformers", "class": "Qwen2_5_VLTextModel", "config_class": "Qwen2_5_VLTextConfig",
             "config": {"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
                        "num_key_value_heads": 4, "vocab_size": 152064}}),
+        ..base("qwen2.5-vl-7b-text", h, 28, 128, ff)
     }
 }
 
@@ -845,21 +813,13 @@ fn vae_decoder(name: &'static str, latent: usize, ch: [usize; 4], side: usize, r
     up.overrides = (1..4).map(|b| (b, blocks[b].clone())).collect();
     let lat = side / 8;
     Model {
-        name,
-        hidden: top,
-        heads: 1,
-        head_dim: top,
-        mlp: 0,
         in_channels: latent,
         out_channels: 3,
-        text_dim: 0,
-        pooled_dim: None,
-        guidance: false,
-        calls_per_step: 1,
         stacks: vec![up],
         globals: g,
         cases: vec![Case { image_tokens: lat * lat, ..image_case(side, 0) }],
         reference,
+        ..base(name, top, 1, top, 0)
     }
 }
 

@@ -61,10 +61,7 @@ pub const SPEEDUP_TARGET: f64 = 1.8;
 /// Medians with min and max over `runs` (at least `min_repeats`, one commit,
 /// model, case and depth): the file.
 pub fn merge(runs: &[RelayRun], min_repeats: usize) -> Result<Value, String> {
-    let first = runs.first().ok_or("merge-relay: no runs")?;
-    if runs.len() < min_repeats {
-        return Err(format!("merge-relay: {} run(s), at least {min_repeats} wanted", runs.len()));
-    }
+    let first = crate::harness::enough("merge-relay", runs, min_repeats)?;
     let mut ratios = Vec::new();
     let mut speedups = Vec::new();
     let mut bounds = Vec::new();

@@ -51,6 +51,7 @@
 
 use offload_bench::harness::{merge, AnchorDoc, RunDoc};
 use offload_bench::registry;
+use serde_json::Value;
 
 fn opt<'a>(args: &'a [String], name: &str) -> Option<&'a str> {
     args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).map(String::as_str)
@@ -102,38 +103,13 @@ fn read<T: serde::de::DeserializeOwned>(path: &str) -> Result<T, String> {
     serde_json::from_str(&text).map_err(|e| format!("{path}: {e}"))
 }
 
+fn read_all<T: serde::de::DeserializeOwned>(paths: &[&str]) -> Result<Vec<T>, String> {
+    paths.iter().map(|f| read::<T>(f)).collect()
+}
+
 /// A merge's arguments: `--out F`, `--min-repeats N` (3), the run files, and the
-/// files after `--anchors`.
+/// files after `--anchors` (or `--codec`).
 type MergeArgs<'a> = (&'a str, usize, Vec<&'a str>, Vec<&'a str>);
-
-/// `merge_args` of a merge without anchors: `--out`, `--min-repeats` and the
-/// run files read as `T`; anchors given are an error naming the command `what`.
-fn runs_only<'a, T: serde::de::DeserializeOwned>(args: &'a [String], what: &str) -> Result<(&'a str, usize, Vec<T>), String> {
-    runs_named(args, what).map(|(out, min, runs, _)| (out, min, runs))
-}
-
-/// What [`runs_named`] gives: `--out`, `--min-repeats`, the runs read as `T`
-/// and their files, in the order given.
-type NamedRuns<'a, T> = (&'a str, usize, Vec<T>, Vec<&'a str>);
-
-/// [`runs_only`] with the run files' paths, in the order given, for
-/// [`naming_files`].
-fn runs_named<'a, T: serde::de::DeserializeOwned>(args: &'a [String], what: &str) -> Result<NamedRuns<'a, T>, String> {
-    let (out, min, files, anchors) = merge_args(args, "--anchors")?;
-    if !anchors.is_empty() {
-        return Err(format!("{what} takes no --anchors"));
-    }
-    let runs = files.iter().map(|f| read::<T>(f)).collect::<Result<Vec<_>, _>>()?;
-    Ok((out, min, runs, files))
-}
-
-/// A host-tier merge's error with each run's file: those merges name a run by
-/// its number in the order given ("run 2 (pid …)"), which says nothing to whoever
-/// has only the files.
-fn naming_files(e: String, files: &[&str]) -> String {
-    let each: Vec<String> = files.iter().enumerate().map(|(i, f)| format!("run {} is {f}", i + 1)).collect();
-    format!("{e} ({})", each.join(", "))
-}
 
 fn merge_args<'a>(args: &'a [String], second: &str) -> Result<MergeArgs<'a>, String> {
     let out = opt(args, "--out").ok_or("--out is required")?;
@@ -154,6 +130,63 @@ fn merge_args<'a>(args: &'a [String], second: &str) -> Result<MergeArgs<'a>, Str
         }
     }
     Ok((out, min, runs, anchors))
+}
+
+/// `zoo merge-…` of runs read as `T` (anchors refused, naming the command
+/// `what`): `--out`, and `merge`'s document over them. With `named`, an error
+/// names each run's file: the host-tier merges name a run by its number in the
+/// order given ("run 2 (pid …)"), which says nothing to whoever has only the files.
+fn merge_runs<'a, T: serde::de::DeserializeOwned>(
+    args: &'a [String],
+    what: &str,
+    named: bool,
+    merge: impl Fn(&[T], usize) -> Result<Value, String>,
+) -> Result<(&'a str, Value), String> {
+    let (out, min, files, anchors) = merge_args(args, "--anchors")?;
+    if !anchors.is_empty() {
+        return Err(format!("{what} takes no --anchors"));
+    }
+    let doc = merge(&read_all::<T>(&files)?, min).map_err(|e| match named {
+        false => e,
+        true => {
+            let each: Vec<String> = files.iter().enumerate().map(|(i, f)| format!("run {} is {f}", i + 1)).collect();
+            format!("{e} ({})", each.join(", "))
+        }
+    })?;
+    Ok((out, doc))
+}
+
+/// `template` [`fill`]ed from each row of `v` (an array) or from `v`, printed.
+fn say(v: &Value, template: &str) {
+    match v.as_array() {
+        Some(rows) => rows.iter().for_each(|r| println!("{}", fill(template, r))),
+        None => println!("{}", fill(template, v)),
+    }
+}
+
+/// `template` filled from `v`: each `{path}` (keys joined by dots) becomes the
+/// value there as JSON, `{path:s}` its string bare, `{path:.N}` its number with
+/// `N` decimals and `{path:gN}` its bytes in GiB with `N` decimals (NaN where
+/// there is no number).
+fn fill(template: &str, v: &Value) -> String {
+    let mut out = String::new();
+    let mut rest = template;
+    while let Some((head, tail)) = rest.split_once('{') {
+        let (field, after) = tail.split_once('}').expect("a closed placeholder");
+        let (path, how) = field.split_once(':').unwrap_or((field, ""));
+        let x = path.split('.').fold(v, |x, k| &x[k]);
+        let (kind, decimals) = how.split_at(how.len().min(1));
+        let (n, decimals) = (x.as_f64().unwrap_or(f64::NAN), decimals.parse().unwrap_or(0));
+        out.push_str(head);
+        out.push_str(&match kind {
+            "" => x.to_string(),
+            "s" => x.as_str().unwrap_or("").to_owned(),
+            "g" => format!("{:.*}", decimals, n / (1u64 << 30) as f64),
+            _ => format!("{n:.decimals$}"),
+        });
+        rest = after;
+    }
+    out + rest
 }
 
 fn run(args: &[String]) -> Result<(), String> {
@@ -349,28 +382,17 @@ fn run(args: &[String]) -> Result<(), String> {
         }
         Some("merge") => {
             let (out, min, files, anchor_files) = merge_args(args, "--anchors")?;
-            let runs = files.iter().map(|f| read::<RunDoc>(f)).collect::<Result<Vec<_>, _>>()?;
-            let anchors = anchor_files.iter().map(|f| read::<AnchorDoc>(f)).collect::<Result<Vec<_>, _>>()?;
+            let runs = read_all::<RunDoc>(&files)?;
+            let anchors = read_all::<AnchorDoc>(&anchor_files)?;
             let doc = merge(&runs, &anchors, min)?;
             for c in doc["cases"].as_array().into_iter().flatten() {
-                println!(
-                    "{} {} d={}{}: streamed {:.4} s [{:.4}, {:.4}] × {}, ratio to bound {:.4}, anchor best {} {}, meets targets {}{}",
-                    c["model"].as_str().unwrap_or(""),
-                    c["case"].as_str().unwrap_or(""),
-                    c["depth"],
-                    if c["depth_chosen_by"] == "planner" { " (the planner's depth)" } else { "" },
-                    c["step_streamed_s"].as_f64().unwrap_or(f64::NAN),
-                    c["step_streamed_s_min"].as_f64().unwrap_or(f64::NAN),
-                    c["step_streamed_s_max"].as_f64().unwrap_or(f64::NAN),
-                    c["repeats"],
-                    c["ratio_to_bound"].as_f64().unwrap_or(f64::NAN),
-                    c["anchor_best_mode"],
-                    c["anchor_best_step_s"],
-                    c["meets_targets"],
-                    if c["judged"] == false { " (not judged: the planner's row of this case is)" } else { "" }
-                );
+                let planned = if c["depth_chosen_by"] == "planner" { " (the planner's depth)" } else { "" };
+                let judged = if c["judged"] == false { " (not judged: the planner's row of this case is)" } else { "" };
+                let streamed = ": streamed {step_streamed_s:.4} s [{step_streamed_s_min:.4}, {step_streamed_s_max:.4}] × {repeats}, \
+                                ratio to bound {ratio_to_bound:.4}, anchor best {anchor_best_mode} {anchor_best_step_s}, meets targets {meets_targets}";
+                println!("{}{planned}{}{judged}", fill("{model:s} {case:s} d={depth}", c), fill(streamed, c));
             }
-            println!("the file meets its targets: {}", doc["meets_targets"]);
+            say(&doc, "the file meets its targets: {meets_targets}");
             write(out, &doc)
         }
         Some("pipeline") => {
@@ -458,127 +480,72 @@ fn run(args: &[String]) -> Result<(), String> {
                 Err("relay: cuda is not built into this zoo (feature cuda)".into())
             }
         }
-        Some("merge-relay") => {
-            let (out, min, runs) = runs_only::<offload_bench::relay::RelayRun>(args, "merge-relay")?;
-            let doc = offload_bench::relay::merge(&runs, min)?;
-            for c in doc["cases"].as_array().into_iter().flatten() {
-                println!(
-                    "{} {}: relay {:.4} s, {:.3} × its bound, {:.2} × one link, bitwise {}, meets {}",
-                    c["model"].as_str().unwrap_or(""),
-                    c["case"].as_str().unwrap_or(""),
-                    c["step_relay_s"]["median"].as_f64().unwrap_or(f64::NAN),
-                    c["ratio_to_bound"]["median"].as_f64().unwrap_or(f64::NAN),
-                    c["speedup"]["median"].as_f64().unwrap_or(f64::NAN),
-                    c["bitwise_equal"],
-                    c["meets_targets"]
-                );
-            }
+        Some(what @ "merge-relay") => {
+            let (out, doc) = merge_runs(args, what, false, offload_bench::relay::merge)?;
+            say(
+                &doc["cases"],
+                "{model:s} {case:s}: relay {step_relay_s.median:.4} s, {ratio_to_bound.median:.3} × its bound, \
+                 {speedup.median:.2} × one link, bitwise {bitwise_equal}, meets {meets_targets}",
+            );
             write(out, &doc)
         }
-        Some("merge-host-tiers-shared") => {
-            let (out, min, runs, files) = runs_named::<offload_bench::host_tiers::HostTierRun>(args, "merge-host-tiers-shared")?;
-            let doc = offload_bench::host_tiers::merge_shared(&runs, min).map_err(|e| naming_files(e, &files))?;
-            for g in doc["groups"].as_array().into_iter().flatten() {
-                println!(
-                    "{}: {} processes serving together {:.1} s, host RSS ≤ {:.2} GiB, file mapped ≥ {:.3}, bitwise {}, meets {}",
-                    g["group"].as_str().unwrap_or(""),
-                    g["processes"],
-                    g["serving_together_s"].as_f64().unwrap_or(f64::NAN),
-                    g["host_rss_max_bytes"].as_f64().unwrap_or(f64::NAN) / (1u64 << 30) as f64,
-                    g["file_mapped_share_min"].as_f64().unwrap_or(f64::NAN),
-                    g["bitwise_equal"],
-                    g["meets_targets"]
-                );
-            }
+        Some(what @ "merge-host-tiers-shared") => {
+            let (out, doc) = merge_runs(args, what, true, offload_bench::host_tiers::merge_shared)?;
+            say(
+                &doc["groups"],
+                "{group:s}: {processes} processes serving together {serving_together_s:.1} s, host RSS ≤ {host_rss_max_bytes:g2} GiB, \
+                 file mapped ≥ {file_mapped_share_min:.3}, bitwise {bitwise_equal}, meets {meets_targets}",
+            );
             write(out, &doc)
         }
-        Some("merge-coded-start") => {
-            let (out, min, runs, files) = runs_named::<offload_bench::host_tiers::HostTierRun>(args, "merge-coded-start")?;
-            let doc = offload_bench::host_tiers::merge_coded_start(&runs, min).map_err(|e| naming_files(e, &files))?;
-            for c in doc["cases"].as_array().into_iter().flatten() {
-                println!(
-                    "{}: start {:.2} s (store {:.2} s), step {:.4} s, {} buffers coded, bitwise {}",
-                    c["mode"].as_str().unwrap_or(""),
-                    c["start_s"]["median"].as_f64().unwrap_or(f64::NAN),
-                    c["store_build_s"]["median"].as_f64().unwrap_or(f64::NAN),
-                    c["step_streamed_s"]["median"].as_f64().unwrap_or(f64::NAN),
-                    c["coded_blocks"],
-                    c["bitwise_equal"],
-                );
-            }
-            println!("coded ÷ coded-file start: {}, checks pass: {}", doc["start_speedup"], doc["checks_pass"]);
+        Some(what @ "merge-coded-start") => {
+            let (out, doc) = merge_runs(args, what, true, offload_bench::host_tiers::merge_coded_start)?;
+            say(
+                &doc["cases"],
+                "{mode:s}: start {start_s.median:.2} s (store {store_build_s.median:.2} s), step {step_streamed_s.median:.4} s, \
+                 {coded_blocks} buffers coded, bitwise {bitwise_equal}",
+            );
+            say(&doc, "coded ÷ coded-file start: {start_speedup}, checks pass: {checks_pass}");
             write(out, &doc)
         }
-        Some("merge-host-tiers") => {
-            let (out, min, runs, files) = runs_named::<offload_bench::host_tiers::HostTierRun>(args, "merge-host-tiers")?;
-            let doc = offload_bench::host_tiers::merge(&runs, min).map_err(|e| naming_files(e, &files))?;
-            for c in doc["cases"].as_array().into_iter().flatten() {
-                println!(
-                    "{}: start {:.2} s, host RSS {:.2} GiB, step {:.4} s, ratio to bound {:.4}, to the disk estimate {:.4}, disk stream ÷ read {:.3}, bitwise {}, meets {}",
-                    c["mode"].as_str().unwrap_or(""),
-                    c["start_s"]["median"].as_f64().unwrap_or(f64::NAN),
-                    c["host_rss_bytes"]["median"].as_f64().unwrap_or(f64::NAN) / (1u64 << 30) as f64,
-                    c["step_streamed_s"]["median"].as_f64().unwrap_or(f64::NAN),
-                    c["ratio_to_bound"]["median"].as_f64().unwrap_or(f64::NAN),
-                    c["ratio_to_disk_estimate"]["median"].as_f64().unwrap_or(f64::NAN),
-                    c["disk_stream_to_read"]["median"].as_f64().unwrap_or(f64::NAN),
-                    c["bitwise_equal"],
-                    c["meets_targets"]
-                );
-            }
+        Some(what @ "merge-host-tiers") => {
+            let (out, doc) = merge_runs(args, what, true, offload_bench::host_tiers::merge)?;
+            say(
+                &doc["cases"],
+                "{mode:s}: start {start_s.median:.2} s, host RSS {host_rss_bytes.median:g2} GiB, step {step_streamed_s.median:.4} s, \
+                 ratio to bound {ratio_to_bound.median:.4}, to the disk estimate {ratio_to_disk_estimate.median:.4}, \
+                 disk stream ÷ read {disk_stream_to_read.median:.3}, bitwise {bitwise_equal}, meets {meets_targets}",
+            );
             write(out, &doc)
         }
-        Some("merge-pipeline") => {
-            let (out, min, runs) = runs_only::<offload_bench::pipeline::PipelineRun>(args, "merge-pipeline")?;
-            let doc = offload_bench::pipeline::merge(&runs, min)?;
-            let w = &doc["whole"];
-            println!(
-                "pipeline {} × {} steps: offloaded {:.4} s [{:.4}, {:.4}], bound {:.4} s, ratio {:.4}, resident {:.4} s, peak {:.2} GiB, meets targets {}",
-                doc["case"].as_str().unwrap_or(""),
-                doc["steps"],
-                w["offloaded_s"].as_f64().unwrap_or(f64::NAN),
-                w["offloaded_s_min"].as_f64().unwrap_or(f64::NAN),
-                w["offloaded_s_max"].as_f64().unwrap_or(f64::NAN),
-                w["bound_s"].as_f64().unwrap_or(f64::NAN),
-                w["ratio_to_bound"].as_f64().unwrap_or(f64::NAN),
-                w["resident_s"].as_f64().unwrap_or(f64::NAN),
-                doc["peak_device_bytes"].as_f64().unwrap_or(f64::NAN) / (1u64 << 30) as f64,
-                doc["meets_targets"]
+        Some(what @ "merge-pipeline") => {
+            let (out, doc) = merge_runs(args, what, false, offload_bench::pipeline::merge)?;
+            say(
+                &doc,
+                "pipeline {case:s} × {steps} steps: offloaded {whole.offloaded_s:.4} s [{whole.offloaded_s_min:.4}, \
+                 {whole.offloaded_s_max:.4}], bound {whole.bound_s:.4} s, ratio {whole.ratio_to_bound:.4}, resident \
+                 {whole.resident_s:.4} s, peak {peak_device_bytes:g2} GiB, meets targets {meets_targets}",
             );
             write(out, &doc)
         }
         Some("merge-compressed") => {
             let (out, min, files, codec_files) = merge_args(args, "--codec")?;
-            let runs = files.iter().map(|f| read::<RunDoc>(f)).collect::<Result<Vec<_>, _>>()?;
-            let codec = codec_files.iter().map(|f| read::<serde_json::Value>(f)).collect::<Result<Vec<_>, _>>()?;
-            let doc = offload_bench::compressed::merge(&runs, &codec, min)?;
-            println!(
-                "compressed: ratio {:.4}, entropy {:.3} bits, encode {:.2} GB/s, decode {} GB/s, meets targets {}",
-                doc["compression_ratio"].as_f64().unwrap_or(f64::NAN),
-                doc["exponent_entropy_bits"].as_f64().unwrap_or(f64::NAN),
-                doc["encode_gbps_host"].as_f64().unwrap_or(f64::NAN),
-                doc["decode_gbps"],
-                doc["meets_targets"]
-            );
+            let runs = read_all::<RunDoc>(&files)?;
+            let doc = offload_bench::compressed::merge(&runs, &read_all::<Value>(&codec_files)?, min)?;
+            let header = "compressed: ratio {compression_ratio:.4}, entropy {exponent_entropy_bits:.3} bits, \
+                          encode {encode_gbps_host:.2} GB/s, decode {decode_gbps} GB/s, meets targets {meets_targets}";
+            say(&doc, header);
             for c in doc["cases"].as_array().into_iter().flatten() {
-                println!(
-                    "  {} d={} ({}): raw {:.4} s, coded {:.4} s, bound {:.4} s, coded ÷ bound {:.4}, planner {}, chosen ÷ declined {:.4}, bitwise {}, meets {}",
-                    c["case"].as_str().unwrap_or(""),
-                    c["depth"],
-                    c["raw_step"].as_str().unwrap_or(""),
-                    c["step_streamed_raw_s"]["median"].as_f64().unwrap_or(f64::NAN),
-                    c["step_streamed_compressed_s"]["median"].as_f64().unwrap_or(f64::NAN),
-                    c["bound_uncompressed_s"]["median"].as_f64().unwrap_or(f64::NAN),
-                    c["ratio_to_uncompressed_bound"]["median"].as_f64().unwrap_or(f64::NAN),
-                    match c["planner_codes"].as_bool() {
-                        Some(true) => "codes",
-                        Some(false) => "leaves raw",
-                        None => "not asked",
-                    },
-                    c["planned_over_declined"]["median"].as_f64().unwrap_or(f64::NAN),
-                    c["bitwise_equal"],
-                    c["meets_targets"]
-                );
+                let planner = match c["planner_codes"].as_bool() {
+                    Some(true) => "codes",
+                    Some(false) => "leaves raw",
+                    None => "not asked",
+                };
+                let steps = "{case:s} d={depth} ({raw_step:s}): raw {step_streamed_raw_s.median:.4} s, coded \
+                             {step_streamed_compressed_s.median:.4} s, bound {bound_uncompressed_s.median:.4} s, coded ÷ bound \
+                             {ratio_to_uncompressed_bound.median:.4}, planner ";
+                let checks = ", chosen ÷ declined {planned_over_declined.median:.4}, bitwise {bitwise_equal}, meets {meets_targets}";
+                println!("  {}{planner}{}", fill(steps, c), fill(checks, c));
             }
             write(out, &doc)
         }

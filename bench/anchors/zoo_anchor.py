@@ -7,6 +7,9 @@ pinned host tensors, so the second mode starts without a second copy):
 
   block_stream: block level, one block per group, use_stream, record_stream, pinned
   leaf_stream:  leaf level, use_stream, record_stream, pinned
+  offload:      this project's Python package (`offload.enable`, --depth) on the same
+                model object, its output compared bitwise with the resident one; the
+                package is removed (`offload.disable`) before the next mode
 
 python3 zoo_anchor.py --registry REG.json --model flux-dev --mode block_stream,leaf_stream --cases 1024,2048 --steps 5 --out F.json
 python3 zoo_anchor.py --registry REG.json --model flux-dev --mode block_stream --size 1344x768 --batch 2 --out F.json
@@ -160,7 +163,25 @@ def time_case(model, x, warmup, steps):
     if isinstance(out, (list, tuple)):  # Z-Image returns one tensor per sample
         out = torch.cat([o.flatten() for o in out])
     f = out.float()
+    time_case.last = out
     return times, torch.cuda.max_memory_allocated(), before, weights, bool(torch.isfinite(f).all()), bool((f != f.flatten()[0]).any())
+
+
+def h2d_bandwidth(gib=2, passes=5):
+    """Pinned host-to-device bandwidth in this process (bytes/s), the median of `passes` copies of `gib` GiB."""
+    src = torch.empty(gib << 30, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(gib << 30, dtype=torch.uint8, device="cuda")
+    rates = []
+    for _ in range(passes):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src, non_blocking=True)
+        b.record()
+        torch.cuda.synchronize()
+        rates.append((gib << 30) / (a.elapsed_time(b) / 1e3))
+    del src, dst
+    torch.cuda.empty_cache()
+    return sorted(rates)[len(rates) // 2]
 
 
 def block_modules(model):
@@ -213,11 +234,12 @@ def main():
     ap.add_argument("--frames", type=int, default=None)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--depth", type=int, default=1, help="the package's prefetch depth (mode offload)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     modes = a.mode.split(",")
-    if not modes or any(m not in ("block_stream", "leaf_stream") for m in modes) or len(set(modes)) != len(modes):
-        ap.error(f"--mode: block_stream and/or leaf_stream, each once, not {a.mode!r}")
+    if not modes or any(m not in ("block_stream", "leaf_stream", "offload") for m in modes) or len(set(modes)) != len(modes):
+        ap.error(f"--mode: block_stream, leaf_stream and/or offload, each once, not {a.mode!r}")
     import diffusers
 
     spec = next(m for m in json.load(open(a.registry)) if m["name"] == a.model)
@@ -228,10 +250,11 @@ def main():
     print(f"setup: model built and filled on the device in {time.perf_counter() - t0:.1f} s", flush=True)
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    out, act = [], {}
+    out, act, ref = [], {}, {}
     for c in cases:
         x = inputs(a.model, c, "cuda", vocab)
         times, peak, before, _, finite, nonconst = time_case(model, x, a.warmup, a.steps)
+        ref[c["name"]] = time_case.last.detach().cpu()
         act[c["name"]] = peak - before
         print(f"diffusers resident {a.model} {c['name']}: {sorted(times)[len(times) // 2]:.4f} s, activations {act[c['name']] / 2**30:.2f} GiB", flush=True)
         out.append(dict(model=a.model, case=c["name"], resolution=c["resolution"], height=c.get("height", c["resolution"]), frames=c["frames"],
@@ -253,8 +276,19 @@ def main():
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     print(f"setup: weights to pinned host memory in {time.perf_counter() - t0:.1f} s", flush=True)
+    bandwidth = h2d_bandwidth() if "offload" in modes else None
+    handle = None
     for i, mode in enumerate(modes):
-        if i > 0:
+        if handle is not None:
+            # The package removed: every parameter and buffer back in the same
+            # pinned host tensors, as before it was enabled.
+            import offload as ours
+            ours.disable(model)
+            handle = None
+            stray = [n for n, p in model.named_parameters() if p.device.type != "cpu"]
+            assert not stray, f"parameters left on the device after offload: {stray[:3]}"
+            torch.cuda.empty_cache()
+        elif i > 0:
             # The next mode on the same model: diffusers' own removal of its hooks
             # (as `_maybe_remove_and_reapply_group_offloading` does). Every group
             # offloads after its forward: the streamed groups into the same pinned
@@ -265,18 +299,44 @@ def main():
             stray = [n for n, p in model.named_parameters() if p.device.type != "cpu"]
             assert not stray, f"parameters left on the device after {modes[i - 1]}: {stray[:3]}"
             torch.cuda.empty_cache()
-        offload(model, mode, a.model)
+        if mode == "offload":
+            import offload as ours
+            t0 = time.perf_counter()
+            handle = ours.enable(model, device="cuda", depth=a.depth, name=a.model, progress=False)
+            print(f"setup: the offload package enabled (depth {a.depth}) in {time.perf_counter() - t0:.1f} s", flush=True)
+        else:
+            offload(model, mode, a.model)
         for c in cases:
             x = inputs(a.model, c, "cuda", vocab)
+            syncs = handle.counters()["syncs"] if handle is not None else None
             times, peak, before, weights, finite, nonconst = time_case(model, x, a.warmup, a.steps)
             w = peak - (before - weights) - act[c["name"]]
-            print(f"diffusers {mode} {a.model} {c['name']}: {sorted(times)[len(times) // 2]:.4f} s, weights {w / 2**30:.2f} GiB", flush=True)
-            out.append(dict(model=a.model, case=c["name"], resolution=c["resolution"], height=c.get("height", c["resolution"]), frames=c["frames"],
-                        tokens=c["image_tokens"] + c["text_tokens"], batch=c["batch"],
-                            mode=mode, steps_s=times, model_bytes=model_bytes, weights_device_bytes=w,
-                            activations_peak_bytes=act[c["name"]], output_finite=finite, output_nonconstant=nonconst))
+            label = "offload package" if mode == "offload" else f"diffusers {mode}"
+            print(f"{label} {a.model} {c['name']}: {sorted(times)[len(times) // 2]:.4f} s, weights {w / 2**30:.2f} GiB", flush=True)
+            row = dict(model=a.model, case=c["name"], resolution=c["resolution"], height=c.get("height", c["resolution"]), frames=c["frames"],
+                       tokens=c["image_tokens"] + c["text_tokens"], batch=c["batch"],
+                       mode=mode, steps_s=times, model_bytes=model_bytes, weights_device_bytes=w,
+                       activations_peak_bytes=act[c["name"]], output_finite=finite, output_nonconstant=nonconst)
+            if handle is not None:
+                m = handle.metrics()
+                got = time_case.last.detach().cpu()
+                row.update(depth=a.depth, bitwise_equal=bool(got.shape == ref[c["name"]].shape and torch.equal(got, ref[c["name"]])),
+                           bytes_per_step=m["bytes_copied"], blocks=m["blocks"], misses=m["misses"], prefetch_hits=m["prefetch_hits"],
+                           host_wait_s=m["host_wait_s"], host_syncs_in_timed_steps=handle.counters()["syncs"] - syncs,
+                           h2d_bytes_per_s=bandwidth, violations=handle.violations())
+                print(f"  bitwise {row['bitwise_equal']}, {m['bytes_copied'] / 2**30:.2f} GiB a step, "
+                      f"its copy alone {m['bytes_copied'] / bandwidth:.4f} s at {bandwidth / 1e9:.1f} GB/s, "
+                      f"host syncs {row['host_syncs_in_timed_steps']}", flush=True)
+            out.append(row)
             del x
-    json.dump(dict(versions=f"diffusers {diffusers.__version__}, torch {torch.__version__}", cases=out), open(a.out, "w"), indent=1)
+    if handle is not None:
+        import offload as ours
+        ours.disable(model)
+    versions = f"diffusers {diffusers.__version__}, torch {torch.__version__}"
+    if "offload" in modes:
+        import offload as ours
+        versions += f", offload {getattr(ours, '__version__', '0.1.0')}"
+    json.dump(dict(versions=versions, cases=out), open(a.out, "w"), indent=1)
 
 
 if __name__ == "__main__":

@@ -365,25 +365,31 @@ fn code_line(line: &str) -> &str {
     t.strip_prefix("//!").or_else(|| t.strip_prefix("///")).map_or(t, str::trim)
 }
 
-/// A Rust block of the docs: the `.rs` file its paragraph names, and its lines.
-type RustBlock = (Option<String>, Vec<String>);
+/// A code block of the docs: the source file its paragraph names, and its lines.
+type CodeBlock = (Option<String>, Vec<String>);
 
-/// The ```` ```rust ```` blocks of `text`: each with the first `.rs` file named in
+/// The languages whose blocks the docs quote from files the project runs: the
+/// fence's word and the file's extension (Rust: compiled by the workspace; Python:
+/// `offload-py`'s example, run by its tests).
+const QUOTED: [(&str, &str); 2] = [("rust", ".rs"), ("python", ".py")];
+
+/// The ```` ```LANG ```` blocks of `text`: each with the first `EXT` file named in
 /// inline code in the paragraph just above it, and its non-blank lines. A fence
-/// that says more than `rust` (`rust,ignore`, `rust,no_run`) is a fault: the
+/// that says more than `LANG` (`rust,ignore`, `rust,no_run`) is a fault: the
 /// block would not be checked.
-fn rust_blocks(text: &str) -> (Vec<RustBlock>, Vec<String>) {
+fn code_blocks(text: &str, lang: &str, ext: &str) -> (Vec<CodeBlock>, Vec<String>) {
     let lines: Vec<&str> = text.lines().collect();
     let (mut blocks, mut faults) = (Vec::new(), Vec::new());
+    let open = format!("```{lang}");
     let mut k = 0;
     while k < lines.len() {
         let fence = lines[k].trim();
-        if !fence.starts_with("```rust") {
+        if !fence.starts_with(&open) || fence[open.len()..].starts_with(|c: char| c.is_alphanumeric()) {
             k += 1;
             continue;
         }
-        if fence != "```rust" {
-            faults.push(format!("line {}: a `{fence}` block is not compiled; write `rust` and quote a compiled file", k + 1));
+        if fence != open {
+            faults.push(format!("line {}: a `{fence}` block is not checked; write `{lang}` and quote a file the project runs", k + 1));
         }
         // The paragraph above: past the blank lines, back to the blank line before it.
         let mut above = Vec::new();
@@ -395,7 +401,7 @@ fn rust_blocks(text: &str) -> (Vec<RustBlock>, Vec<String>) {
             j -= 1;
             above.insert(0, lines[j]);
         }
-        let named = above.join(" ").split('`').skip(1).step_by(2).find(|c| c.ends_with(".rs") && !c.contains(' ')).map(str::to_owned);
+        let named = above.join(" ").split('`').skip(1).step_by(2).find(|c| c.ends_with(ext) && !c.contains(' ')).map(str::to_owned);
         let mut body = Vec::new();
         k += 1;
         while k < lines.len() && !lines[k].trim().starts_with("```") {
@@ -410,29 +416,36 @@ fn rust_blocks(text: &str) -> (Vec<RustBlock>, Vec<String>) {
     (blocks, faults)
 }
 
-/// Every Rust block of document `name` is a run of lines of the file its
-/// paragraph names (a file the workspace compiles: an example, a library, a
-/// doctest), so what the docs show compiles. Returns the blocks checked and the faults.
+/// Every Rust and Python block of document `name` is a run of lines of the file
+/// its paragraph names (a file the workspace compiles: an example, a library, a
+/// doctest; a Python example the package's tests run), so what the docs show
+/// compiles and runs. Returns the blocks checked and the faults.
 fn check_excerpts(root: &Path, name: &str, text: &str) -> (usize, Vec<String>) {
-    let (blocks, mut faults) = rust_blocks(text);
-    faults.iter_mut().for_each(|f| *f = format!("{name}: {f}"));
-    for (named, body) in &blocks {
-        let first = body.first().map_or("(empty)", String::as_str);
-        let Some(file) = named else {
-            faults.push(format!("{name}: the Rust block starting `{first}` names no `.rs` file it is taken from"));
-            continue;
-        };
-        let Ok(source) = std::fs::read_to_string(root.join(file)) else {
-            faults.push(format!("{name}: `{file}` (named above the block starting `{first}`) does not exist"));
-            continue;
-        };
-        let lines: Vec<&str> = source.lines().map(code_line).filter(|l| !l.is_empty()).collect();
-        let found = !body.is_empty() && lines.windows(body.len()).any(|w| w.iter().zip(body).all(|(a, b)| a == b));
-        if !found {
-            faults.push(format!("{name}: the Rust block starting `{first}` is not a run of lines of `{file}`"));
+    let mut checked = 0;
+    let mut all = Vec::new();
+    for (lang, ext) in QUOTED {
+        let (blocks, mut faults) = code_blocks(text, lang, ext);
+        faults.iter_mut().for_each(|f| *f = format!("{name}: {f}"));
+        for (named, body) in &blocks {
+            let first = body.first().map_or("(empty)", String::as_str);
+            let Some(file) = named else {
+                faults.push(format!("{name}: the {lang} block starting `{first}` names no `{ext}` file it is taken from"));
+                continue;
+            };
+            let Ok(source) = std::fs::read_to_string(root.join(file)) else {
+                faults.push(format!("{name}: `{file}` (named above the block starting `{first}`) does not exist"));
+                continue;
+            };
+            let lines: Vec<&str> = source.lines().map(code_line).filter(|l| !l.is_empty()).collect();
+            let found = !body.is_empty() && lines.windows(body.len()).any(|w| w.iter().zip(body).all(|(a, b)| a == b));
+            if !found {
+                faults.push(format!("{name}: the {lang} block starting `{first}` is not a run of lines of `{file}`"));
+            }
         }
+        checked += blocks.len();
+        all.extend(faults);
     }
-    (blocks.len(), faults)
+    (checked, all)
 }
 
 #[cfg(test)]
@@ -481,12 +494,17 @@ mod tests {
         std::fs::write(dir.join("examples/a.rs"), "fn main() {\n    //! doc\n    let x = 1;\n    let y = x + 1;\n}\n").unwrap();
         let good = "From `examples/a.rs`:\n\n```rust\nlet x = 1;\n\n  let y = x + 1;\n```\n";
         assert_eq!(check_excerpts(&dir, "d.md", good), (1, vec![]));
+        std::fs::write(dir.join("examples/a.py"), "def main():\n    x = 1\n    y = x + 1\n").unwrap();
+        let good_py = "From `examples/a.py`:\n\n```python\nx = 1\ny = x + 1\n```\n";
+        assert_eq!(check_excerpts(&dir, "d.md", good_py), (1, vec![]));
         for (bad, fault) in [
             ("From `examples/a.rs`:\n\n```rust\nlet x = 2;\n```\n", "not a run of lines"),
             ("From `examples/a.rs`:\n\n```rust\nlet y = x + 1;\nlet x = 1;\n```\n", "not a run of lines"),
             ("No file:\n\n```rust\nlet x = 1;\n```\n", "names no `.rs` file"),
             ("From `examples/b.rs`:\n\n```rust\nlet x = 1;\n```\n", "does not exist"),
-            ("From `examples/a.rs`:\n\n```rust,ignore\nlet x = 1;\n```\n", "is not compiled"),
+            ("From `examples/a.rs`:\n\n```rust,ignore\nlet x = 1;\n```\n", "is not checked"),
+            ("From `examples/a.py`:\n\n```python\nx = 2\n```\n", "not a run of lines"),
+            ("No file:\n\n```python\nx = 1\n```\n", "names no `.py` file"),
         ] {
             let (_, faults) = check_excerpts(&dir, "d.md", bad);
             assert!(faults.iter().any(|f| f.contains(fault)), "{bad:?}: {faults:?}");

@@ -33,9 +33,11 @@ cargo xtask <command>
   wheel                     the Python package's abi3 wheel (maturin) into .whl/offload/
   pytest                    the Python package's tests (torch, diffusers, transformers from PyPI, cached)
   faults                    inject faults, try bad inputs and plans; writes bench/results/<date>-faults.md
-  gpu-bundle [--candle]     build the CUDA, tch and Vulkan binaries and a run script into .bundle/ for the GPU runner
+  gpu-bundle [--candle|--python]
+                            build the CUDA, tch and Vulkan binaries and a run script into .bundle/ for the GPU runner
                             (and the Vulkan loader and validation layer as Debian packages into .gl/);
-                            --candle adds candle's CUDA build (nvcc from PyPI, ~15 min on 2 cores)
+                            --candle adds candle's CUDA build (nvcc from PyPI, ~15 min on 2 cores); the Python
+                            package's wheel, tests and bench always (--python: only those; run `.bundle/py-run.sh`)
 ";
 
 fn root() -> PathBuf {
@@ -174,7 +176,7 @@ fn wheel() -> Result<(), String> {
     c.args(["-m", "pip", "install", "-q", "--disable-pip-version-check", "maturin==1.16.0"]);
     run(c)?;
     let mut c = Command::new(&python);
-    c.args(["-m", "maturin", "build", "--release", "-m", "offload-py/pyproject.toml", "-o", ".whl/offload"]);
+    c.args(["-m", "maturin", "build", "--release", "-m", "offload-py/Cargo.toml", "-o", ".whl/offload"]);
     c.current_dir(root());
     run(c)
 }
@@ -453,10 +455,40 @@ fn demo(args: &[String]) -> Result<(), String> {
     run(c)
 }
 
+/// The Python package's part of the bundle: its wheel and diffusers' (with
+/// pytest's) in `.whl/`, the registry as JSON, the package's tests, the
+/// anchor script that runs it beside diffusers, the merge, `py-run.sh`.
+fn python_bundle(dir: &Path) -> Result<(), String> {
+    wheel()?;
+    let whl = root().join(".whl");
+    let mut c = Command::new("python3");
+    c.args(["-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "-d"]).arg(&whl);
+    c.args(["diffusers==0.42.1", "importlib_metadata", "zipp", "pytest==9.2.0", "pluggy", "iniconfig", "packaging"]);
+    run(c)?;
+    let mut c = cargo();
+    c.args(["run", "-q", "-p", "offload-bench", "--bin", "zoo", "--", "registry", "--json"]).arg(dir.join("registry.json"));
+    run(c)?;
+    let tests = dir.join("py-tests");
+    std::fs::create_dir_all(&tests).map_err(|e| e.to_string())?;
+    for f in ["test_offload.py", "models.py"] {
+        std::fs::copy(root().join("offload-py/tests").join(f), tests.join(f)).map_err(|e| format!("{f}: {e}"))?;
+    }
+    for f in ["bench/anchors/zoo_anchor.py", "bench/anchors/py_merge.py", "bench/py-run.sh"] {
+        let p = root().join(f);
+        std::fs::copy(&p, dir.join(p.file_name().unwrap_or_default())).map_err(|e| format!("{f}: {e}"))?;
+    }
+    Ok(())
+}
+
 fn gpu_bundle(args: &[String]) -> Result<(), String> {
     let candle = args.iter().any(|a| a == "--candle");
     let dir = root().join(".bundle");
     std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+    python_bundle(&dir)?;
+    if args.iter().any(|a| a == "--python") {
+        println!("python bundle ready in {} (carry `.bundle` and `.whl`; run `bash .bundle/py-run.sh`)", dir.display());
+        return Ok(());
+    }
     let mut c = cargo();
     c.args(["build", "--profile", "bundle", "-p", "offload-tests", "--features", "cuda", "--bin", "conformance"]);
     run(c)?;

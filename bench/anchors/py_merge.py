@@ -1,0 +1,91 @@
+"""Merge the Python package's runs (zoo_anchor.py --mode offload,block_stream,leaf_stream,
+one process each): per model and case, the median of the per-process medians
+with min and max, for resident, the package and diffusers' modes; the bound
+max(resident step, bytes a step / the process's pinned bandwidth); the ratios
+to it and to diffusers' best mode; the targets checked. Everything computed
+here from the files named; nothing typed.
+
+python3 py_merge.py --out bench/results/DATE-python-package.json RUN1.json RUN2.json RUN3.json [--min-runs 3]
+"""
+import argparse
+import json
+import statistics
+
+
+def spread(xs):
+    xs = sorted(xs)
+    return dict(median=statistics.median(xs), min=xs[0], max=xs[-1], n=len(xs))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--min-runs", type=int, default=3)
+    ap.add_argument("runs", nargs="+")
+    a = ap.parse_args()
+    docs = [(f, json.load(open(f))) for f in a.runs]
+    groups = {}
+    for f, d in docs:
+        seen = set()
+        for r in d["cases"]:
+            key = (r["model"], r["case"])
+            med = statistics.median(r["steps_s"])
+            g = groups.setdefault(key, {})
+            if (key, r["mode"]) in seen:
+                raise SystemExit(f"{f}: {key} {r['mode']} twice in one process")
+            seen.add((key, r["mode"]))
+            g.setdefault(f, {})[r["mode"]] = dict(r, median_s=med)
+    rows = []
+    for (model, case), per in sorted(groups.items()):
+        full = {f: m for f, m in per.items() if {"resident", "offload"} <= m.keys()}
+        if len(full) < a.min_runs:
+            raise SystemExit(f"{model} {case}: {len(full)} processes with resident and offload runs, {a.min_runs} needed")
+        res, ours, bound, ratio, vs, best_modes, dmodes = [], [], [], [], [], [], {}
+        bitwise, syncs, finite = True, 0, True
+        for f, m in full.items():
+            o = m["offload"]
+            b = max(m["resident"]["median_s"], o["bytes_per_step"] / o["h2d_bytes_per_s"])
+            res.append(m["resident"]["median_s"])
+            ours.append(o["median_s"])
+            bound.append(b)
+            ratio.append(o["median_s"] / b)
+            diff = {k: v["median_s"] for k, v in m.items() if k in ("block_stream", "leaf_stream")}
+            for k, v in diff.items():
+                dmodes.setdefault(k, []).append(v)
+            if diff:
+                best = min(diff, key=diff.get)
+                best_modes.append(best)
+                vs.append(o["median_s"] / diff[best])
+            bitwise &= bool(o["bitwise_equal"])
+            syncs = max(syncs, o["host_syncs_in_timed_steps"])
+            finite &= all(v["output_finite"] and v["output_nonconstant"] for v in m.values())
+        o0 = next(iter(full.values()))["offload"]
+        row = dict(
+            model=model, case=case, tokens=o0["tokens"], batch=o0["batch"], depth=o0["depth"], processes=len(full),
+            files=sorted(full), resident_s=spread(res), offload_s=spread(ours), bound_s=spread(bound),
+            ratio_to_bound=spread(ratio), bytes_per_step=o0["bytes_per_step"],
+            h2d_gb_per_s=spread([m["offload"]["h2d_bytes_per_s"] / 1e9 for m in full.values()]),
+            weights_device_gib=dict(offload=spread([m["offload"]["weights_device_bytes"] / 2**30 for m in full.values()]),
+                                    **{k: spread([m[k]["weights_device_bytes"] / 2**30 for m in full.values() if k in m]) for k in dmodes}),
+            activations_gib=spread([m["resident"]["activations_peak_bytes"] / 2**30 for m in full.values()]),
+            diffusers_s={k: spread(v) for k, v in dmodes.items()},
+            bitwise_equal=bitwise, host_syncs_in_timed_steps=syncs, outputs_finite_and_nonconstant=finite,
+        )
+        if vs:
+            row["vs_diffusers_best"] = spread(vs)
+            row["diffusers_best_mode"] = statistics.mode(best_modes)
+        row["targets"] = dict(within_1_02_of_bound=row["ratio_to_bound"]["median"] <= 1.02,
+                              faster_than_diffusers_best=bool(vs) and row["vs_diffusers_best"]["max"] < 1.0,
+                              bitwise_equal=bitwise, no_host_sync=syncs == 0)
+        rows.append(row)
+    versions = sorted({d.get("versions", "") for _, d in docs})
+    json.dump(dict(generated_by="bench/anchors/py_merge.py", versions=versions, inputs=[f for f, _ in docs], rows=rows),
+              open(a.out, "w"), indent=1)
+    for r in rows:
+        print(f"{r['model']} {r['case']}: offload {r['offload_s']['median']:.4f} s [{r['offload_s']['min']:.4f}, {r['offload_s']['max']:.4f}], "
+              f"{r['ratio_to_bound']['median']:.4f} x bound, {r.get('vs_diffusers_best', {}).get('median', float('nan')):.3f} x diffusers' best, "
+              f"bitwise {r['bitwise_equal']}, targets {r['targets']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The Python package on the GPU runner, from the bundle (`cargo xtask gpu-bundle --python`).
+#   py-run.sh test     pytest's CUDA rows (OFFLOAD_REQUIRE_DEVICE=1): the tiny real classes
+#                      streamed bitwise equal on CUDA, a user's stream, no host sync, LoRA gradients
+#   py-run.sh bench    per model in PY_MODELS (default flux-dev), PY_REPEATS processes (default 3) of
+#                      zoo_anchor.py --mode offload,block_stream,leaf_stream: resident, the package and
+#                      diffusers' group offloading on the same model object in one process; then
+#                      py_merge.py over every process kept
+#   py-run.sh          both
+# PY_ARGS go to each zoo_anchor.py (e.g. "--cases 1024 --depth 1"). Files collect in $PY_DIR
+# (default .py-out beside the bundle); $OUT/py.tgz holds them all.
+set -uo pipefail
+B=$(cd "$(dirname "$0")" && pwd)
+OUT=${OUT:-/tmp/offload-out}; mkdir -p "$OUT"
+Z=${PY_DIR:-$B/../.py-out}; mkdir -p "$Z"
+export BENCH_DATE=${BENCH_DATE:-$(date -u +%F)}
+if [ ! -d /tmp/site/offload ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$B"/../.whl/*.whl "$B"/../.whl/offload/*.whl
+fi
+export PYTHONPATH=/tmp/site
+what=${1:-all}
+rc=0
+if [ "$what" = test ] || [ "$what" = all ]; then
+  echo "== pytest (CUDA rows required)"
+  (cd "$B/py-tests" && OFFLOAD_REQUIRE_DEVICE=1 timeout "${PYTEST_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider . 2>&1 | tail -40 | tee "$Z/pytest.txt")
+  grep -q " passed" "$Z/pytest.txt" && ! grep -q -E "[0-9]+ (failed|error)" "$Z/pytest.txt" || rc=1
+fi
+if [ "$what" = bench ] || [ "$what" = all ]; then
+  for m in ${PY_MODELS:-flux-dev}; do
+    for r in $(seq 1 "${PY_REPEATS:-3}"); do
+      f="$Z/py-$m-r$r.json"
+      [ -s "$f" ] && { echo "== $m r$r: kept"; continue; }
+      echo "== $m r$r (at ${SECONDS} s)"
+      # shellcheck disable=SC2086
+      timeout "${PY_TIMEOUT:-420}" python3 "$B/zoo_anchor.py" --registry "$B/registry.json" --model "$m" \
+        --mode offload,block_stream,leaf_stream ${PY_ARGS:-} --out "$f" 2>&1 | grep -v Warning | tee "${f%.json}.txt" || rc=1
+    done
+  done
+  ls "$Z"/py-*.json >/dev/null 2>&1 && python3 "$B/py_merge.py" --out "$Z/$BENCH_DATE-python-package.json" "$Z"/py-*.json 2>&1 | tee "$Z/merge.txt"
+fi
+tar czf "$OUT/py.tgz" -C "$Z" .
+exit $rc

@@ -1,0 +1,18 @@
+"""The README's and the guide's Python example runs, and checks its own output."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+import quickstart  # noqa: E402
+
+from test_offload import DEVICES  # noqa: E402
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_the_quickstart_runs_and_is_bitwise_equal(dev):
+    out = quickstart.main(dev)
+    assert torch.isfinite(out.float()).all() and out.float().std() > 0

@@ -24,16 +24,21 @@ if [ "$what" = test ] || [ "$what" = all ]; then
   echo "== pytest (CUDA rows required)"
   (cd "$B/py-tests" && OFFLOAD_REQUIRE_DEVICE=1 timeout "${PYTEST_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider . 2>&1 | tail -40 | tee "$Z/pytest.txt")
   grep -q " passed" "$Z/pytest.txt" && ! grep -q -E "[0-9]+ (failed|error)" "$Z/pytest.txt" || rc=1
+  tar czf "$OUT/py.tgz" -C "$Z" .
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   for m in ${PY_MODELS:-flux-dev}; do
     for r in $(seq 1 "${PY_REPEATS:-3}"); do
       f="$Z/py-$m-r$r.json"
       [ -s "$f" ] && { echo "== $m r$r: kept"; continue; }
+      if [ -n "${PY_DEADLINE:-}" ] && [ $((SECONDS + ${PY_EST:-150})) -gt "$PY_DEADLINE" ]; then
+        echo "== $m r$r: left for the next command (${SECONDS} s gone)"; continue
+      fi
       echo "== $m r$r (at ${SECONDS} s)"
       # shellcheck disable=SC2086
       timeout "${PY_TIMEOUT:-420}" python3 "$B/zoo_anchor.py" --registry "$B/registry.json" --model "$m" \
         --mode offload,block_stream,leaf_stream ${PY_ARGS:-} --out "$f" 2>&1 | grep -v Warning | tee "${f%.json}.txt" || rc=1
+      tar czf "$OUT/py.tgz" -C "$Z" .
     done
   done
   ls "$Z"/py-*.json >/dev/null 2>&1 && python3 "$B/py_merge.py" --out "$Z/$BENCH_DATE-python-package.json" "$Z"/py-*.json 2>&1 | tee "$Z/merge.txt"

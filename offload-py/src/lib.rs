@@ -273,6 +273,14 @@ impl Streamer {
         tl.write_chrome_trace(path).map_err(|e| error(format!("writing {path}: {e}")))
     }
 
+    /// Host-to-device bandwidth, bytes per second: every block held in memory
+    /// copied into one slot, `passes` times, the best pass (as the bench room's
+    /// Rust drivers measure it; synchronises the host, so call it between steps).
+    fn probe_bandwidth(&self, passes: usize) -> PyResult<f64> {
+        let r = with_ring!(self.ring()?, r => offload_core::probe_bandwidth(r.backend(), r.store(), passes));
+        r.map_err(|e| py_err(&self.component, e))
+    }
+
     /// Host bytes the store holds, and how many of them are page-locked.
     fn host_bytes(&self) -> PyResult<(u64, u64)> {
         Ok(with_ring!(self.ring()?, r => (r.store().host_bytes(), r.store().pinned_bytes())))

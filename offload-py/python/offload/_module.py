@@ -133,6 +133,11 @@ class Offloaded:
         bytes live and at peak."""
         return dict(self._engine().counters())
 
+    def probe_bandwidth(self, passes: int = 3) -> float:
+        """Host-to-device bytes per second: every streamed block copied, the
+        best of ``passes`` passes (synchronises the host; call it between steps)."""
+        return self._engine().probe_bandwidth(passes)
+
     def host_bytes(self) -> tuple[int, int]:
         """Host bytes the store holds, and how many are page-locked."""
         return self._engine().host_bytes()

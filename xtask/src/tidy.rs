@@ -63,7 +63,8 @@ pub fn check(root: &Path) -> Vec<String> {
             problems.push(format!("{rel}: does not open with a `//!` doc comment"));
         }
         let lines: Vec<&str> = text.lines().collect();
-        let backend = ["offload-cuda/", "offload-candle/", "offload-tch/", "offload-vulkan/", "offload-py/"].iter().any(|p| rel.starts_with(p));
+        let backend =
+            ["offload-cuda/", "offload-candle/", "offload-tch/", "offload-vulkan/", "offload-py/"].iter().any(|p| rel.starts_with(p));
         for (i, line) in lines.iter().enumerate() {
             let code = strip_strings(line.split("//").next().unwrap_or(""));
             if !unsafe_block_or_impl(&code) {

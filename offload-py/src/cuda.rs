@@ -50,11 +50,9 @@ impl PyCuda {
                     format!("stream {stream:#x} is not a stream of device {ordinal}'s primary context (torch's context) ({rc:?})"),
                 ));
             }
-            // SAFETY: the driver just said the handle is a stream of this context;
-            // torch never destroys its streams (pool streams and user streams live
-            // as long as the process holds them; the package holds the Python
-            // stream object as long as this backend), and the engine orders its
-            // work on it through events only.
+            // Torch never destroys its pool streams, and the package holds the Python
+            // stream object as long as this backend; the engine orders work on it by events only.
+            // SAFETY: the driver just said the handle is a stream of this context, kept alive by torch.
             unsafe { ctx.wrap_borrowed_stream(handle) }
         };
         let inner = CudaBackend::with_compute_stream(ctx, compute)?;
@@ -119,11 +117,9 @@ impl OffloadBackend for PyCuda {
         self.engine.free_slot(slot, after)
     }
     fn copy_to_slot(&self, src: &PinnedHost, dst: &mut PySlot, bytes: usize, after: Option<&CheckedEvent>) -> Result<CheckedEvent> {
-        // SAFETY: `new_buffer` returns a torch tensor that owns (keeps alive) the
-        // CUDA memory of this device at the address its capsule gives, checked to
-        // hold at least `len` bytes; the package's allocator makes it with
-        // `torch.empty` on the engine's compute stream, so torch's caching
-        // allocator hands it out and reuses it in that stream's order.
+        // The package's allocator makes each buffer with `torch.empty` on the engine's
+        // compute stream, so torch's caching allocator hands it out and reuses it in that order.
+        // SAFETY: `new_buffer` returns a torch tensor owning the checked CUDA memory at its address.
         unsafe { self.engine.copy_to_slot(src, dst, bytes, after, |len| self.new_buffer(len)) }
     }
     fn compute_wait(&self, event: &CheckedEvent) -> Result<()> {

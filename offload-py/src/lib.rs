@@ -176,6 +176,18 @@ impl Streamer {
             return Err(error(format!("component {component:?}: none of its tensors is in a block list")));
         }
         let source = CapsuleTensors { specs, capsules, progress, total, done: Default::default() };
+        // Under a budget with no blocks named, the planner keeps the blocks that save
+        // the most streamed bytes (no compute time is measured here: it plans for a
+        // transfer-bound step, whatever the bandwidth).
+        let resident_blocks = match budget_bytes {
+            Some(budget) if resident_blocks.is_empty() => {
+                let model = offload_plan::CostModel::from_inventory(&inventory, 25e9).map_err(|e| py_err(&component, e))?;
+                let choice = offload_plan::plan(&model, budget, depth.max(1), offload_core::ResidentPolicy::Auto)
+                    .map_err(|e| py_err(&component, e))?;
+                choice.resident_ids(&model).into_iter().map(str::to_owned).collect()
+            }
+            _ => resident_blocks,
+        };
         let plan = Plan {
             default: ComponentPlan {
                 prefetch_depth: depth,

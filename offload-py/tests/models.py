@@ -129,14 +129,14 @@ def wan():
     return _randomize(m, 13), inputs, 3
 
 
-def t5():
+def t5(layers=3):
     from transformers import T5Config, T5EncoderModel
 
-    cfg = T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=3, num_heads=4, relative_attention_num_buckets=8)
+    cfg = T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=layers, num_heads=4, relative_attention_num_buckets=8)
     m = T5EncoderModel(cfg)
     g = torch.Generator().manual_seed(4)
     inputs = dict(input_ids=torch.randint(0, 64, (2, 9), generator=g), return_dict=False)
-    return _randomize(m, 14), inputs, 3
+    return _randomize(m, 14), inputs, layers
 
 
 def qwen25_vl_text():

@@ -261,3 +261,52 @@ def test_the_bitwise_check_catches_a_wrong_binding():
         out = _out(model(**inputs))
     offload.disable(model)
     assert not torch.equal(_bits(out), _bits(ref))
+
+
+def test_a_budget_keeps_the_blocks_it_holds_resident():
+    from models import t5
+
+    model, inputs, blocks = t5(layers=5)
+    with torch.no_grad():
+        ref = _out(model(**inputs)).clone()
+    block = sum(-(-p.numel() * p.element_size() // 256) * 256 for p in model.encoder.block[1].parameters())
+    resident = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".block." not in n)
+    resident += sum(b.numel() * b.element_size() for b in model.buffers())
+    # Room for the two slots at depth 1 and one more block: one block stays resident.
+    h = offload.enable(model, device="cpu", budget_gib=(resident + 3 * block + 1024) / 2**30)
+    with torch.no_grad():
+        model(**inputs)
+        out = _out(model(**inputs))
+    m = h.metrics()
+    offload.disable(model)
+    assert torch.equal(_bits(out), _bits(ref))
+    assert m["resident_hits"] == 1 and m["blocks"] == blocks, m
+    with pytest.raises(OffloadError, match="does not hold its resident tensors"):
+        offload.enable(model, device="cpu", budget_gib=resident / 2**31)
+    with pytest.raises(OffloadError, match="below what the plan needs|budget"):
+        offload.enable(model, device="cpu", budget_gib=(resident + block) / 2**30)
+    assert offload.offloaded(model) is None
+
+
+def test_a_pipeline_streams_every_component_under_one_budget():
+    t5, t5_in, _ = MODELS["t5"]()
+    flux, flux_in, _ = MODELS["flux"]()
+    head = torch.nn.Linear(8, 8).to(torch.bfloat16)
+    with torch.no_grad():
+        refs = (_out(t5(**t5_in)).clone(), _out(flux(**flux_in)).clone())
+    before = (_snapshot(t5), _snapshot(flux))
+    pipe = {"text_encoder": t5, "transformer": flux, "vae": head, "scheduler": object()}
+    handles = offload.enable_pipeline(pipe, device="cpu", budget_gib=1.0)
+    assert set(handles) == {"text_encoder", "transformer"}
+    with torch.no_grad():
+        outs = (_out(t5(**t5_in)), _out(flux(**flux_in)))
+    for o, r in zip(outs, refs):
+        assert torch.equal(_bits(o), _bits(r))
+    assert handles["transformer"].metrics()["resident_hits"] > 0, "the denoiser keeps blocks resident with the budget left"
+    assert handles["text_encoder"].metrics()["resident_hits"] == 0
+    offload.disable_pipeline(pipe)
+    _same_snapshot(before[0], _snapshot(t5))
+    _same_snapshot(before[1], _snapshot(flux))
+    with pytest.raises(OffloadError, match="below what streaming needs"):
+        offload.enable_pipeline(pipe, device="cpu", budget_gib=1e-6)
+    assert offload.offloaded(t5) is None and offload.offloaded(flux) is None

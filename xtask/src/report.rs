@@ -419,7 +419,8 @@ pub fn report(root: &Path) -> Result<(), String> {
     headline_plot(&plots.join("headline.png"), &file, &cases)?;
     let readme_path = root.join("README.md");
     if let Ok(readme) = std::fs::read_to_string(&readme_path) {
-        std::fs::write(&readme_path, splice_readme(&readme, &readme_headline(&table))?).map_err(e)?;
+        let python = python_table(&root.join("bench/results"))?;
+        std::fs::write(&readme_path, splice_readme(&readme, &readme_headline(&table, python.as_deref()))?).map_err(e)?;
         println!("wrote README.md's headline");
     }
     let results_path = root.join("docs/results.md");
@@ -452,9 +453,75 @@ mod tests {
     }
 }
 
-/// The README's generated block: the headline table and its plot.
-pub fn readme_headline(table: &str) -> String {
-    format!("{table}\n![per model: our streamed step beside diffusers' offloaded modes and the resident step](bench/plots/headline.png)\n")
+/// The README's generated block: the headline table and its plot, then the
+/// Python package's table where a results file holds one.
+pub fn readme_headline(table: &str, python: Option<&str>) -> String {
+    let mut s = format!(
+        "{table}\n![per model: our streamed step beside diffusers' offloaded modes and the resident step](bench/plots/headline.png)\n"
+    );
+    if let Some(py) = python {
+        s.push('\n');
+        s.push_str(py);
+    }
+    s
+}
+
+fn span(v: &Value, digits: usize) -> String {
+    format!("{:.digits$} [{:.digits$}, {:.digits$}]", f(&v["median"]), f(&v["min"]), f(&v["max"]))
+}
+
+/// The Python package's table, from the newest `*-python-package.json` in
+/// `results` (`bench/anchors/py_merge.py`'s output): per model and case, the
+/// package's step beside resident and diffusers' modes on the same model object,
+/// every figure read from the file.
+pub fn python_table(results: &Path) -> Result<Option<String>, String> {
+    let mut names: Vec<String> = std::fs::read_dir(results)
+        .map_err(|e| format!("{}: {e}", results.display()))?
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with("-python-package.json"))
+        .collect();
+    names.sort();
+    let Some(name) = names.pop() else { return Ok(None) };
+    let d = read_json(&results.join(&name))?;
+    let mut md = format!(
+        "The Python package (`offload.enable`) on the real diffusers and transformers classes, one H200, bf16, medians of the \
+         processes named with [min, max]; resident, the package and diffusers' group offloading ran on the same model object \
+         in each process (`bench/results/{name}`, {}):\n\n",
+        d["versions"].as_array().into_iter().flatten().filter_map(Value::as_str).collect::<Vec<_>>().join("; ")
+    );
+    md.push_str("| model | case | package (s) | ratio to bound | resident (s) | diffusers' best offloaded (s) | package ÷ diffusers | weights on device, package (GiB) | bitwise equal | host syncs a step | targets met |\n");
+    md.push_str("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
+    for r in d["rows"].as_array().into_iter().flatten() {
+        let best = r["diffusers_best_mode"].as_str().unwrap_or("");
+        let diff =
+            if best.is_empty() { "–".into() } else { format!("{} ({})", span(&r["diffusers_s"][best], 3), best.replace('_', " ")) };
+        let targets = r["targets"].as_object().map_or(false, |t| t.values().all(|v| v.as_bool() == Some(true)));
+        let _ = writeln!(
+            md,
+            "| {} | {} | {} | {} | {} | {diff} | {} | {:.2} | {} | {} | {} |",
+            r["model"].as_str().unwrap_or("?"),
+            r["case"].as_str().unwrap_or("?"),
+            span(&r["offload_s"], 3),
+            span(&r["ratio_to_bound"], 3),
+            span(&r["resident_s"], 3),
+            r["vs_diffusers_best"].get("median").map_or("–".into(), |v| format!("{:.3}", f(v))),
+            f(&r["weights_device_gib"]["offload"]["median"]),
+            yes(&r["bitwise_equal"]),
+            r["host_syncs_in_timed_steps"],
+            if targets { "yes" } else { "no" }
+        );
+    }
+    for n in d["not_merged"].as_array().into_iter().flatten() {
+        let _ = writeln!(
+            md,
+            "\nNot merged: {} {} ({}).",
+            n["model"].as_str().unwrap_or("?"),
+            n["case"].as_str().unwrap_or("?"),
+            n["why"].as_str().unwrap_or("?")
+        );
+    }
+    Ok(Some(md))
 }
 
 /// The first line of the README's generated block.
@@ -998,7 +1065,8 @@ mod readme_tests {
         let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("root");
         let readme = std::fs::read_to_string(root.join("README.md")).expect("README.md");
         let (_, table, cases) = headline(&root.join("bench/results")).expect("headline");
-        let want = splice_readme(&readme, &readme_headline(&table)).expect("markers");
+        let python = python_table(&root.join("bench/results")).expect("python table");
+        let want = splice_readme(&readme, &readme_headline(&table, python.as_deref())).expect("markers");
         assert!(readme == want, "README.md's headline differs from `cargo xtask bench --report`'s; run it");
         // Every registry model of the tch file, each with diffusers beside it.
         assert!(cases.len() >= 8 && cases.iter().all(|c| !c.diffusers.is_empty()), "{} cases", cases.len());

@@ -14,6 +14,6 @@ wheel serves any torch 2.x.
 """
 
 from ._offload import OffloadError
-from ._module import Offloaded, disable, enable, find_blocks, offloaded
+from ._module import Offloaded, disable, disable_pipeline, enable, enable_pipeline, find_blocks, offloaded
 
-__all__ = ["OffloadError", "Offloaded", "disable", "enable", "find_blocks", "offloaded"]
+__all__ = ["OffloadError", "Offloaded", "disable", "disable_pipeline", "enable", "enable_pipeline", "find_blocks", "offloaded"]

@@ -260,8 +260,10 @@ def enable(
     stays there. Parameters that require grad in a module whose other
     parameters are frozen (a trainable adapter) stay resident too.
 
-    ``budget_gib``: device memory for the blocks (resident blocks kept where
-    they fit). ``resident_blocks``: blocks kept on the device
+    ``budget_gib``: device memory for the module's weights: the resident
+    tensors, the ring's slots, and the blocks the planner keeps resident with
+    what is left (those saving the most streamed bytes; it plans for a
+    transfer-bound step, measuring no compute time). ``resident_blocks``: blocks kept on the device
     (``"transformer_blocks.0"``). ``coded``: the weights held coded for the
     device (lossless exponent coding, fewer bytes on the link; CUDA).
     ``checkpoint``: a safetensors file with the same tensors, served in place
@@ -322,6 +324,18 @@ def enable(
         if id(p) in in_block and in_block[id(p)] != full:
             raise OffloadError(f"component {component!r}: tensor {in_block[id(p)]!r} is tied to {full!r} outside the blocks; tied weights cannot be streamed")
 
+    budget_bytes = None
+    if budget_gib is not None:
+        # The budget holds the resident tensors first; the blocks get the rest.
+        resident = sum(p.numel() * p.element_size() for p in {id(p): p for p in all_params.values()}.values() if id(p) not in in_block)
+        resident += sum(b.numel() * b.element_size() for _, b in module.named_buffers())
+        budget_bytes = int(budget_gib * _GiB) - resident
+        if budget_bytes <= 0:
+            raise OffloadError(
+                f"component {component!r}: a budget of {budget_gib} GiB does not hold its resident tensors "
+                f"({resident / _GiB:.2f} GiB outside the blocks)"
+            )
+
     stream_handle = 0
     alloc = None
     if dev.type == "cuda":
@@ -344,7 +358,7 @@ def enable(
             stream=stream_handle,
             alloc=alloc,
             depth=depth,
-            budget_bytes=None if budget_gib is None else int(budget_gib * _GiB),
+            budget_bytes=budget_bytes,
             resident_blocks=list(resident_blocks),
             coded=coded,
             pin_budget_bytes=None if pin_budget_gib is None else int(pin_budget_gib * _GiB),
@@ -448,3 +462,81 @@ def disable(module: nn.Module) -> None:
 def offloaded(module: nn.Module) -> Optional[Offloaded]:
     """The module's :class:`Offloaded`, if its blocks stream."""
     return getattr(module, _STATE, None)
+
+
+def _calls_per_step(name: str) -> int:
+    """How often a pipeline component runs in a generation: the denoiser once a step."""
+    return 2 if name in ("transformer", "unet", "prior") else 1
+
+
+def enable_pipeline(
+    pipe: Any,
+    *,
+    budget_gib: Optional[float] = None,
+    device: Any = None,
+    depth: int = 1,
+    coded: bool = False,
+    progress: Optional[bool] = None,
+) -> dict:
+    """Stream every ``torch.nn.Module`` of a pipeline (diffusers'
+    ``pipe.components``, or a dict of modules) under one device budget: text
+    encoders, transformer and VAE each layer by layer, their non-block tensors
+    resident. A module without block lists is moved to the device whole. With
+    ``budget_gib``, each component first gets what it needs to stream (its
+    resident tensors and ``depth + 1`` slots of its largest block); what is left
+    goes to the denoiser (``transformer`` or ``unet``), whose planner keeps the
+    blocks worth keeping resident there. Returns ``{name: Offloaded}``; on any
+    error every component enabled so far is disabled again."""
+    comps = getattr(pipe, "components", pipe)
+    modules = {n: m for n, m in dict(comps).items() if isinstance(m, nn.Module)}
+    if not modules:
+        raise OffloadError(f"{type(pipe).__name__}: no torch modules among its components")
+
+    def size(m: nn.Module) -> int:
+        ps = {id(p): p for p in m.parameters()}.values()
+        return sum(p.numel() * p.element_size() for p in ps) + sum(b.numel() * b.element_size() for b in m.buffers())
+
+    need, streamed = {}, {}
+    for n, m in modules.items():
+        stacks = find_blocks(m)
+        if not stacks:
+            need[n] = size(m)
+            continue
+        blocks = [c for s in stacks for c in m.get_submodule(s).children()]
+        # A block's bytes in its slot: each tensor at a 256-byte-aligned offset.
+        largest = max(sum(-(-p.numel() * p.element_size() // 256) * 256 for p in b.parameters()) for b in blocks)
+        need[n] = size(m) - sum(size(b) for b in blocks) + (depth + 1) * largest
+        streamed[n] = need[n]
+    if budget_gib is not None and sum(need.values()) > budget_gib * _GiB:
+        parts = ", ".join(f"{n} {v / _GiB:.2f} GiB" for n, v in need.items())
+        raise OffloadError(f"{type(pipe).__name__}: a budget of {budget_gib} GiB is below what streaming needs ({parts})")
+    denoiser = max(streamed, key=lambda n: (_calls_per_step(n), need[n]), default=None)
+    done: dict = {}
+    try:
+        for n, m in modules.items():
+            if n not in streamed:
+                p0 = next(iter(m.parameters()), None)
+                m._offload_moved_from = p0.device if p0 is not None else None
+                m.to(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+                continue
+            b = None
+            if budget_gib is not None:
+                b = (need[n] if n != denoiser else budget_gib * _GiB - sum(v for k, v in need.items() if k != n)) / _GiB
+            done[n] = enable(m, device=device, depth=depth, budget_gib=b, coded=coded, name=n, progress=progress)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            disable_pipeline(modules)
+        raise
+    return done
+
+
+def disable_pipeline(pipe: Any) -> None:
+    """Disable every offloaded component of ``pipe`` (see :func:`enable_pipeline`)."""
+    comps = getattr(pipe, "components", pipe)
+    for m in dict(comps).values():
+        if isinstance(m, nn.Module) and offloaded(m) is not None:
+            disable(m)
+        elif isinstance(m, nn.Module) and hasattr(m, "_offload_moved_from"):
+            where = m.__dict__.pop("_offload_moved_from")
+            if where is not None:
+                m.to(where)

@@ -310,3 +310,47 @@ def test_a_pipeline_streams_every_component_under_one_budget():
     with pytest.raises(OffloadError, match="below what streaming needs"):
         offload.enable_pipeline(pipe, device="cpu", budget_gib=1e-6)
     assert offload.offloaded(t5) is None and offload.offloaded(flux) is None
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_coded_streaming_is_bitwise_equal(dev):
+    model, inputs, _ = MODELS["flux"]()
+    model.to(dev)
+    with torch.no_grad():
+        ref = _out(model(**_to(inputs, dev))).clone()
+    model.to("cpu")
+    h = offload.enable(model, device=dev, coded=True)
+    with torch.no_grad():
+        outs = [_out(model(**_to(inputs, dev))).clone() for _ in range(2)]
+    assert h.violations() == []
+    offload.disable(model)
+    for o in outs:
+        assert torch.equal(_bits(o), _bits(ref))
+
+
+@pytest.mark.skipif("cuda" not in DEVICES, reason="needs CUDA")
+def test_cuda_a_mapped_checkpoint_and_the_trace(tmp_path):
+    from safetensors.torch import save_file
+
+    model, inputs, _ = MODELS["flux"]()
+    model.to("cuda")
+    with torch.no_grad():
+        ref = _out(model(**_to(inputs, "cuda"))).clone()
+    model.to("cpu")
+    path = tmp_path / "flux.safetensors"
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
+    h = offload.enable(model, device="cuda", checkpoint=str(path))
+    h.enable_trace()
+    with torch.no_grad():
+        out = _out(model(**_to(inputs, "cuda"))).clone()
+    h.write_trace(str(tmp_path / "trace.json"))
+    offload.disable(model)
+    assert torch.equal(_bits(out), _bits(ref))
+    import json
+
+    events = json.load(open(tmp_path / "trace.json"))
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    assert any("transformer_blocks.0" in str(e.get("name", "")) for e in events), "the trace names the blocks"
+    with pytest.raises(OffloadError, match="not in"):
+        other, _, _ = MODELS["t5"]()
+        offload.enable(other, device="cuda", checkpoint=str(path))

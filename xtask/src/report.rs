@@ -1043,6 +1043,10 @@ pub fn readme_tables(results: &Path) -> Result<String, String> {
             ratios.iter().copied().fold(0.0, f64::max)
         );
     }
+    if let Some(py) = python_table(results)? {
+        md.push('\n');
+        md.push_str(&py);
+    }
     Ok(md)
 }
 

@@ -124,3 +124,39 @@ fn a_failing_timeline_event_still_records_the_release() {
     }
     assert!(release_errors > 0, "no fault landed in a release");
 }
+
+/// A binding's lend and give-back (the Python package's hooks): the right bytes
+/// lent, every slot reuse ordered after the lent block's reads, no forgotten
+/// guard when each block is given back; a block lent and never given back is
+/// released at the next lend and counted, as a forgotten guard is.
+#[test]
+fn lent_blocks_are_ordered_and_a_block_never_given_back_is_counted() {
+    for depth in [1, 2] {
+        let (sim, model, store) = setup(40 + depth as u64);
+        let plan = resolve(&Plan::layerwise().prefetch_depth(depth), std::slice::from_ref(&model.inventory)).expect("plan");
+        let mut ring = Ring::new(sim.clone(), store, &plan.components[0]).expect("ring");
+        let stack = model.inventory.stacks[0].name.clone();
+        let order: Vec<usize> = (0..model.len()).collect();
+        for step in 0..3 {
+            let mut acc = SEED;
+            for &b in &order {
+                ring.lend(&stack, b).expect("lend");
+                let (id, layout, slot) = ring.lent().expect("a lent block");
+                assert_eq!(id.index, b);
+                acc = fold_combine(acc, sim.read_slot(slot, |m| block_hash(&m[..layout.bytes])));
+                if !(step == 1 && b == 2) {
+                    ring.give_back().expect("give back");
+                    assert!(ring.lent().is_none());
+                }
+            }
+            assert_eq!(acc, model.reference(&order), "d={depth} step {step}: wrong result");
+            sim.check().unwrap_or_else(|e| panic!("d={depth} step {step}: {e}"));
+            let m = ring.end_step().expect("end step");
+            assert_eq!(m.forgotten_guards, u64::from(step == 1), "d={depth} step {step}: {m}");
+        }
+        ring.give_back().expect("nothing lent: a no-op");
+        assert!(ring.lend(&stack, model.len()).is_err(), "a block past the stack is an error");
+        ring.close().expect("close");
+        sim.check().unwrap_or_else(|e| panic!("d={depth}: {e}"));
+    }
+}

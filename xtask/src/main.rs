@@ -651,11 +651,13 @@ fn ci() -> Result<(), String> {
     };
     run(test(&["--all-targets", "--timings"]))?;
     run(test(&["--doc"]))?;
-    // The Python package: its extension module (the workspace's libraries as
-    // built above, with offload-py's cdylib) and its pytest suite.
+    // The Python package: its extension module and its pytest suite. The
+    // build is the test build's own unit graph (`--all-targets`, the same
+    // features), so only offload-py's cdylib is new (a `--lib` build resolved
+    // features without dev-dependencies and rebuilt ~5 min of crates).
     let python = ensure_python_env()?;
     let mut c = cargo();
-    c.args(["build", "--workspace", "--features", CI_FEATURES, "--lib"]);
+    c.args(["build", "--workspace", "--features", CI_FEATURES, "--all-targets"]);
     run(c)?;
     python_tests(&python, "debug")?;
     // offload-cuda's NVRTC kernels compiled here, not first on the GPU runner:

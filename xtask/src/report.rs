@@ -496,7 +496,7 @@ pub fn python_table(results: &Path) -> Result<Option<String>, String> {
         let best = r["diffusers_best_mode"].as_str().unwrap_or("");
         let diff =
             if best.is_empty() { "–".into() } else { format!("{} ({})", span(&r["diffusers_s"][best], 3), best.replace('_', " ")) };
-        let targets = r["targets"].as_object().map_or(false, |t| t.values().all(|v| v.as_bool() == Some(true)));
+        let targets = r["targets"].as_object().is_some_and(|t| t.values().all(|v| v.as_bool() == Some(true)));
         let _ = writeln!(
             md,
             "| {} | {} | {} | {} | {} | {diff} | {} | {:.2} | {} | {} | {} |",

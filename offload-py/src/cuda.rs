@@ -22,41 +22,43 @@ pub type PySlot = FreshSlot<Py<PyAny>>;
 pub struct PyCuda {
     engine: FreshEngine,
     ordinal: usize,
-    /// `alloc(nbytes) -> (tensor, capsule)`: a fresh `uint8` tensor of torch's
-    /// allocator on the engine's compute stream, and its DLPack capsule.
-    alloc: Arc<Py<PyAny>>,
+    /// torch's stream the engine computes on (a `torch.cuda.Stream`), held for
+    /// the backend's life: slot buffers are allocated on it.
+    stream: Arc<Py<PyAny>>,
 }
 
 impl PyCuda {
-    /// Device `ordinal`, computing on torch's stream `stream` (a `CUstream` of the
-    /// device's primary context; 0, the legacy default stream, is torch's own
-    /// until the user sets another), allocating through `alloc`.
-    pub fn new(ordinal: usize, stream: u64, alloc: Py<PyAny>) -> Result<Self> {
+    /// Device `ordinal`, computing on `stream`, a `torch.cuda.Stream` of that
+    /// device (torch's current stream; its legacy default stream, handle 0,
+    /// unless the user set another). An `ExternalStream` is refused: its owner,
+    /// not torch, decides when it is destroyed.
+    pub fn new(ordinal: usize, stream: Bound<'_, PyAny>) -> Result<Self> {
         if !offload_cuda::driver_present() {
             return Err(Error::unsupported(BACKEND, "no CUDA driver library (libcuda.so) on this machine"));
         }
+        let bad = |why: String| Error::unsupported(BACKEND, why);
+        let class: String = stream.get_type().name().map(|n| n.to_string()).unwrap_or_default();
+        if class != "Stream" {
+            return Err(bad(format!("the compute stream must be a torch.cuda.Stream, not {class}")));
+        }
+        let handle: u64 = stream.getattr("cuda_stream").and_then(|h| h.extract()).map_err(|e| bad(format!("the stream's handle: {e}")))?;
+        let index: Option<usize> =
+            stream.getattr("device_index").and_then(|i| i.extract()).map_err(|e| bad(format!("the stream's device: {e}")))?;
+        if index.is_some_and(|i| i != ordinal) {
+            return Err(bad(format!("the compute stream is on device {index:?}, not {ordinal}")));
+        }
         let ctx = CudaContext::new(ordinal).map_err(|e| Error::device(BACKEND, format!("opening device {ordinal}"), e))?;
-        let compute = if stream == 0 {
+        let compute = if handle == 0 {
             ctx.default_stream()
         } else {
-            let handle = stream as usize as sys::CUstream;
-            let mut owner: sys::CUcontext = std::ptr::null_mut();
-            // SAFETY: the driver only reads the handle and writes `owner`; an
-            // invalid handle is reported as an error, not dereferenced by us.
-            let rc = unsafe { sys::cuStreamGetCtx(handle, &mut owner) };
-            if rc != sys::CUresult::CUDA_SUCCESS || owner != ctx.cu_ctx() {
-                return Err(Error::unsupported(
-                    BACKEND,
-                    format!("stream {stream:#x} is not a stream of device {ordinal}'s primary context (torch's context) ({rc:?})"),
-                ));
-            }
-            // Torch never destroys its pool streams, and the package holds the Python
-            // stream object as long as this backend; the engine orders work on it by events only.
-            // SAFETY: the driver just said the handle is a stream of this context, kept alive by torch.
-            unsafe { ctx.wrap_borrowed_stream(handle) }
+            let raw = handle as usize as sys::CUstream;
+            // torch made this handle for a `torch.cuda.Stream` (not an external one), and
+            // torch never destroys the streams of its pools; the backend holds the object too.
+            // SAFETY: a live stream of torch's, which computes in device `ordinal`'s primary context.
+            unsafe { ctx.wrap_borrowed_stream(raw) }
         };
         let inner = CudaBackend::with_compute_stream(ctx, compute)?;
-        Ok(PyCuda { engine: FreshEngine::new(inner, BACKEND), ordinal, alloc: Arc::new(alloc) })
+        Ok(PyCuda { engine: FreshEngine::new(inner, BACKEND), ordinal, stream: Arc::new(stream.unbind()) })
     }
 
     /// The transfer engine.
@@ -79,17 +81,29 @@ impl PyCuda {
         self.engine.note_read(slot);
     }
 
-    /// A fresh buffer of `len` bytes from torch's caching allocator, checked
-    /// through its DLPack capsule: CUDA memory of this device, at least `len` bytes.
+    /// A fresh `uint8` tensor of `len` bytes from torch's caching allocator, made
+    /// here on the compute stream (`torch.empty` under `torch.cuda.stream`), its
+    /// address read from its own DLPack capsule: nobody else holds it.
     fn new_buffer(&self, len: usize) -> Result<(Py<PyAny>, u64)> {
         Python::attach(|py| {
             let fail = |e: PyErr| Error::device(BACKEND, format!("allocating a {len}-byte slot buffer"), e);
-            let pair = self.alloc.call1(py, (len,)).map_err(fail)?;
-            let (tensor, capsule): (Py<PyAny>, Py<PyAny>) = pair.extract(py).map_err(|e: PyErr| fail(e))?;
-            let at = locate(capsule.bind(py), "a slot buffer").map_err(fail)?;
+            let made = (|| -> PyResult<(Py<PyAny>, crate::dlpack::Located)> {
+                let torch = py.import("torch")?;
+                let guard = torch.getattr("cuda")?.call_method1("stream", (self.stream.bind(py),))?;
+                guard.call_method0("__enter__")?;
+                let kw = pyo3::types::PyDict::new(py);
+                kw.set_item("dtype", torch.getattr("uint8")?)?;
+                kw.set_item("device", format!("cuda:{}", self.ordinal))?;
+                let t = torch.call_method("empty", (len.max(1),), Some(&kw));
+                guard.call_method1("__exit__", (py.None(), py.None(), py.None()))?;
+                let t = t?;
+                let capsule = torch.getattr("utils")?.getattr("dlpack")?.call_method1("to_dlpack", (&t,))?;
+                Ok((t.unbind(), locate(&capsule, "a slot buffer")?))
+            })();
+            let (tensor, at) = made.map_err(fail)?;
             if at.device_type != DL_CUDA || at.device_id as usize != self.ordinal || at.nbytes < len {
                 return Err(Error::Protocol(format!(
-                    "the allocator gave {} bytes on device type {} ordinal {}, not {len} bytes on CUDA device {}",
+                    "torch gave {} bytes on device type {} ordinal {}, not {len} bytes on CUDA device {}",
                     at.nbytes, at.device_type, at.device_id, self.ordinal
                 )));
             }
@@ -117,8 +131,8 @@ impl OffloadBackend for PyCuda {
         self.engine.free_slot(slot, after)
     }
     fn copy_to_slot(&self, src: &PinnedHost, dst: &mut PySlot, bytes: usize, after: Option<&CheckedEvent>) -> Result<CheckedEvent> {
-        // The package's allocator makes each buffer with `torch.empty` on the engine's
-        // compute stream, so torch's caching allocator hands it out and reuses it in that order.
+        // `new_buffer` makes each buffer itself with `torch.empty` on the engine's compute
+        // stream, so torch's caching allocator hands it out and reuses it in that order.
         // SAFETY: `new_buffer` returns a torch tensor owning the checked CUDA memory at its address.
         unsafe { self.engine.copy_to_slot(src, dst, bytes, after, |len| self.new_buffer(len)) }
     }

@@ -1,8 +1,9 @@
 //! Reading torch tensors through DLPack capsules (`torch.utils.dlpack.to_dlpack`):
 //! where a tensor's bytes are, on which device, how many. The capsule keeps the
 //! tensor alive; nothing here takes ownership of it (the capsule's own
-//! destructor frees it), and nothing reads through a pointer after Python code
-//! could have run.
+//! destructor frees it). A capsule is made right before it is read, with no
+//! Python code run in between: its data pointer is never used after Python
+//! could have freed or moved the tensor's memory.
 
 use pyo3::prelude::*;
 use pyo3::types::{PyCapsule, PyCapsuleMethods};
@@ -75,7 +76,10 @@ pub fn locate(capsule: &Bound<'_, PyAny>, what: &str) -> PyResult<Located> {
     // this call and no Python code runs before the fields are copied out.
     let t = unsafe { &ptr.cast::<DlManagedTensor>().as_ref().dl_tensor };
     let ndim = usize::try_from(t.ndim).map_err(|_| crate::error(format!("{what}: negative rank {}", t.ndim)))?;
-    let shape: Vec<i64> = if ndim == 0 || t.shape.is_null() {
+    if ndim > 0 && t.shape.is_null() {
+        return Err(crate::error(format!("{what}: rank {ndim} with no shape")));
+    }
+    let shape: Vec<i64> = if ndim == 0 {
         Vec::new()
     } else {
         // SAFETY: DLPack's `shape` points at `ndim` values owned by the managed tensor.
@@ -114,9 +118,12 @@ pub fn locate(capsule: &Bound<'_, PyAny>, what: &str) -> PyResult<Located> {
     Ok(Located { addr, nbytes, device_type: t.device.device_type, device_id: t.device.device_id })
 }
 
-/// Copy the bytes of a host tensor's capsule into `dst` (exactly its size).
-pub fn read_host(capsule: &Bound<'_, PyAny>, what: &str, dst: &mut [u8]) -> PyResult<()> {
-    let at = locate(capsule, what)?;
+/// Copy the bytes of host tensor `tensor` into `dst` (exactly its size),
+/// through a capsule made here and read before any Python code runs.
+pub fn read_host(tensor: &Bound<'_, PyAny>, what: &str, dst: &mut [u8]) -> PyResult<()> {
+    let py = tensor.py();
+    let capsule = py.import("torch")?.getattr("utils")?.getattr("dlpack")?.call_method1("to_dlpack", (tensor,))?;
+    let at = locate(&capsule, what)?;
     if !matches!(at.device_type, DL_CPU | DL_CUDA_HOST) {
         return Err(crate::error(format!("{what}: in device memory (type {}), not host memory", at.device_type)));
     }
@@ -124,9 +131,8 @@ pub fn read_host(capsule: &Bound<'_, PyAny>, what: &str, dst: &mut [u8]) -> PyRe
         return Err(crate::error(format!("{what}: {} bytes in the tensor, {} expected", at.nbytes, dst.len())));
     }
     if at.nbytes > 0 {
-        // SAFETY: `locate` checked the capsule is a live, dense host tensor of
-        // `nbytes` bytes at `addr`; the borrowed capsule keeps it alive and no Python
-        // code runs during the copy. `dst` is our own buffer, so the two do not overlap.
+        // The capsule was made just above and no Python code ran since (it could free the memory).
+        // SAFETY: `locate` checked a live dense host tensor of `nbytes` at `addr`; `dst` is ours.
         unsafe { std::ptr::copy_nonoverlapping(at.addr as *const u8, dst.as_mut_ptr(), at.nbytes) };
     }
     Ok(())

@@ -19,7 +19,7 @@ use offload_core::{
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::types::PyByteArray;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
 
 pyo3::create_exception!(
     _offload,
@@ -37,11 +37,12 @@ fn py_err(component: &str, e: Error) -> PyErr {
     error(format!("component {component:?}: {e}"))
 }
 
-/// Block tensors handed over as DLPack capsules of host tensors, read once
-/// each into the host store, with the bytes read reported to `progress`.
+/// Block tensors handed over as host torch tensors, read once each into the
+/// host store (through a DLPack capsule made at the read), with the bytes read
+/// reported to `progress`.
 struct CapsuleTensors<'py> {
     specs: Vec<TensorSpec>,
-    capsules: Vec<Bound<'py, PyAny>>,
+    tensors: Vec<Bound<'py, PyAny>>,
     progress: Option<Bound<'py, PyAny>>,
     total: u64,
     done: std::cell::Cell<u64>,
@@ -53,7 +54,7 @@ impl TensorSource for CapsuleTensors<'_> {
     }
     fn read_into(&self, index: usize, dst: &mut [u8]) -> Result<()> {
         let name = &self.specs[index].name;
-        dlpack::read_host(&self.capsules[index], name, dst).map_err(|e| Error::BadTensor { tensor: name.clone(), fault: e.to_string() })?;
+        dlpack::read_host(&self.tensors[index], name, dst).map_err(|e| Error::BadTensor { tensor: name.clone(), fault: e.to_string() })?;
         let done = self.done.get() + dst.len() as u64;
         self.done.set(done);
         if let Some(p) = &self.progress {
@@ -85,10 +86,12 @@ macro_rules! with_ring {
 
 /// One component's blocks streamed through a ring: built from the module's
 /// block tensors, asked for a block before its forward and given it back after.
-#[pyclass(unsendable, module = "offload._offload")]
+#[pyclass(module = "offload._offload")]
 struct Streamer {
     component: String,
-    ring: Option<AnyRing>,
+    /// Taken with `try_lock` only: a call from a second thread while another is
+    /// inside (which may wait for the GIL the first released) is an error, never a deadlock.
+    ring: Mutex<Option<AnyRing>>,
 }
 
 fn dtype(name: &str, tensor: &str) -> PyResult<DType> {
@@ -137,14 +140,14 @@ fn check_same(file: &offload_core::SafetensorsFile, module: &CapsuleTensors<'_>)
 impl Streamer {
     /// Build the host store and the ring of `component`.
     ///
-    /// `tensors`: `(name, dtype, shape, capsule)` for every block tensor, the
-    /// capsule a DLPack capsule of a host tensor. `stacks`: the block lists'
-    /// prefixes (`"transformer_blocks"`). `device`: `None` for the simulated
-    /// device in host memory, else a CUDA ordinal with torch's compute stream
-    /// handle `stream` and the package's allocator `alloc`. `checkpoint`: a
-    /// safetensors file holding the same tensors, served mapped in place.
+    /// `tensors`: `(name, dtype, shape, tensor)` for every block tensor, the
+    /// tensor a dense host tensor. `stacks`: the block lists' prefixes
+    /// (`"transformer_blocks"`). `device`: `None` for the simulated device in
+    /// host memory, else a CUDA ordinal with torch's compute stream `stream` (a
+    /// `torch.cuda.Stream`). `checkpoint`: a safetensors file holding the same
+    /// tensors, served mapped in place.
     #[new]
-    #[pyo3(signature = (component, tensors, stacks, *, device=None, stream=0, alloc=None, depth=1, budget_bytes=None, resident_blocks=Vec::new(), coded=false, pin_budget_bytes=None, pageable_fallback=false, checkpoint=None, progress=None))]
+    #[pyo3(signature = (component, tensors, stacks, *, device=None, stream=None, depth=1, budget_bytes=None, resident_blocks=Vec::new(), coded=false, pin_budget_bytes=None, pageable_fallback=false, checkpoint=None, progress=None))]
     #[allow(clippy::too_many_arguments)]
     fn new<'py>(
         py: Python<'py>,
@@ -152,8 +155,7 @@ impl Streamer {
         tensors: Vec<(String, String, Vec<usize>, Bound<'py, PyAny>)>,
         stacks: Vec<String>,
         device: Option<usize>,
-        stream: u64,
-        alloc: Option<Py<PyAny>>,
+        stream: Option<Bound<'py, PyAny>>,
         depth: usize,
         budget_bytes: Option<u64>,
         resident_blocks: Vec<String>,
@@ -165,17 +167,17 @@ impl Streamer {
     ) -> PyResult<Self> {
         let _ = py;
         let mut specs = Vec::with_capacity(tensors.len());
-        let mut capsules = Vec::with_capacity(tensors.len());
-        for (name, dt, shape, capsule) in tensors {
+        let mut held = Vec::with_capacity(tensors.len());
+        for (name, dt, shape, tensor) in tensors {
             specs.push(TensorSpec::new(name.clone(), dtype(&dt, &name)?, shape));
-            capsules.push(capsule);
+            held.push(tensor);
         }
-        let total = specs.iter().map(|s| s.nbytes().unwrap_or(0) as u64).sum();
+        let total = specs.iter().fold(0u64, |a, s| a.saturating_add(s.nbytes().unwrap_or(0) as u64));
         let inventory = DeclaredStacks::new(stacks).discover(&component, &specs).map_err(|e| py_err(&component, e))?;
         if inventory.stacks.is_empty() {
             return Err(error(format!("component {component:?}: none of its tensors is in a block list")));
         }
-        let source = CapsuleTensors { specs, capsules, progress, total, done: Default::default() };
+        let source = CapsuleTensors { specs, tensors: held, progress, total, done: Default::default() };
         // Under a budget with no blocks named, the planner keeps the blocks that save
         // the most streamed bytes (no compute time is measured here: it plans for a
         // transfer-bound step, whatever the bandwidth).
@@ -212,21 +214,21 @@ impl Streamer {
                 )
             }
             Some(ordinal) => {
-                let alloc = alloc.ok_or_else(|| error("a CUDA device needs the package's allocator"))?;
-                let backend = cuda::PyCuda::new(ordinal, stream, alloc).map_err(|e| py_err(&component, e))?;
+                let stream = stream.ok_or_else(|| error(format!("component {component:?}: a CUDA device needs torch's compute stream")))?;
+                let backend = cuda::PyCuda::new(ordinal, stream).map_err(|e| py_err(&component, e))?;
                 if coded {
                     backend.cuda().enable_coding(Default::default()).map_err(|e| py_err(&component, e))?;
                 }
                 AnyRing::Cuda(build(backend, &component, &inventory, &source, ck, &plan).map_err(|e| py_err(&component, e))?)
             }
         };
-        Ok(Streamer { component, ring: Some(ring) })
+        Ok(Streamer { component, ring: Mutex::new(Some(ring)) })
     }
 
     /// Every block: `(stack, index, [(tensor name, byte offset, bytes)])`, in store order.
     fn layouts(&self) -> PyResult<Vec<BlockLayoutRow>> {
-        let ring = self.ring()?;
-        Ok(with_ring!(ring, r => r
+        let mut held = self.held()?;
+        Ok(with_ring!(held.ring()?, r => r
             .store()
             .blocks()
             .iter()
@@ -237,9 +239,10 @@ impl Streamer {
     /// Lend block `index` of `stack`: ready for compute on the engine's stream.
     /// Returns its bytes: on CUDA the slot's torch buffer (`uint8`), on the
     /// simulated device a fresh `bytearray` copy of the slot.
-    fn lend(&mut self, py: Python<'_>, stack: &str, index: usize) -> PyResult<Py<PyAny>> {
+    fn lend(&self, py: Python<'_>, stack: &str, index: usize) -> PyResult<Py<PyAny>> {
         let component = self.component.clone();
-        let ring = self.ring_mut()?;
+        let mut held = self.held()?;
+        let ring = held.ring()?;
         let fail = |e| py_err(&component, e);
         match ring {
             AnyRing::Cpu(r) => {
@@ -258,27 +261,27 @@ impl Streamer {
     }
 
     /// Give the lent block back: its slot is reused once the compute submitted so far has run.
-    fn give_back(&mut self) -> PyResult<()> {
+    fn give_back(&self) -> PyResult<()> {
         let component = self.component.clone();
-        with_ring!(self.ring_mut()?, r => r.give_back()).map_err(|e| py_err(&component, e))
+        with_ring!(self.held()?.ring()?, r => r.give_back()).map_err(|e| py_err(&component, e))
     }
 
     /// End a step: its metrics as a JSON object (`StepMetrics`).
-    fn end_step(&mut self) -> PyResult<String> {
+    fn end_step(&self) -> PyResult<String> {
         let component = self.component.clone();
-        let m = with_ring!(self.ring_mut()?, r => r.end_step()).map_err(|e| py_err(&component, e))?;
+        let m = with_ring!(self.held()?.ring()?, r => r.end_step()).map_err(|e| py_err(&component, e))?;
         serde_json::to_string(&m).map_err(|e| error(e.to_string()))
     }
 
     /// Record device-timed spans of both streams from now on.
-    fn enable_timeline(&mut self) -> PyResult<()> {
+    fn enable_timeline(&self) -> PyResult<()> {
         let component = self.component.clone();
-        with_ring!(self.ring_mut()?, r => r.enable_timeline()).map_err(|e| py_err(&component, e))
+        with_ring!(self.held()?.ring()?, r => r.enable_timeline()).map_err(|e| py_err(&component, e))
     }
 
     /// Write the timeline's Chrome trace (Perfetto opens it); the last step ended.
     fn write_trace(&self, path: &str) -> PyResult<()> {
-        let tl = with_ring!(self.ring()?, r => r.timeline().cloned());
+        let tl = with_ring!(self.held()?.ring()?, r => r.timeline().cloned());
         let tl = tl.ok_or_else(|| {
             error(format!("component {:?}: no timeline (enable_trace first; the simulated device has none)", self.component))
         })?;
@@ -289,18 +292,18 @@ impl Streamer {
     /// copied into one slot, `passes` times, the best pass (as the bench room's
     /// Rust drivers measure it; synchronises the host, so call it between steps).
     fn probe_bandwidth(&self, passes: usize) -> PyResult<f64> {
-        let r = with_ring!(self.ring()?, r => offload_core::probe_bandwidth(r.backend(), r.store(), passes));
+        let r = with_ring!(self.held()?.ring()?, r => offload_core::probe_bandwidth(r.backend(), r.store(), passes));
         r.map_err(|e| py_err(&self.component, e))
     }
 
     /// Host bytes the store holds, and how many of them are page-locked.
     fn host_bytes(&self) -> PyResult<(u64, u64)> {
-        Ok(with_ring!(self.ring()?, r => (r.store().host_bytes(), r.store().pinned_bytes())))
+        Ok(with_ring!(self.held()?.ring()?, r => (r.store().host_bytes(), r.store().pinned_bytes())))
     }
 
     /// Violations of the ring's protocol the CUDA engine saw (none on the simulated device, which fails instead).
     fn violations(&self) -> PyResult<Vec<String>> {
-        Ok(match self.ring()? {
+        Ok(match self.held()?.ring()? {
             AnyRing::Cpu(r) => r.backend().check().err().map(|e| vec![e.to_string()]).unwrap_or_default(),
             AnyRing::Cuda(r) => r.backend().violations(),
         })
@@ -309,7 +312,7 @@ impl Streamer {
     /// The device's counters since the ring was built: host synchronisations
     /// (`syncs`), copies, bytes copied, slot bytes live and at peak.
     fn counters(&self) -> PyResult<Vec<(&'static str, u64)>> {
-        Ok(match self.ring()? {
+        Ok(match self.held()?.ring()? {
             AnyRing::Cpu(r) => {
                 let s = r.backend().stats();
                 vec![
@@ -334,22 +337,39 @@ impl Streamer {
     }
 
     /// Close the ring: every slot freed after its last use, the host store dropped.
-    fn close(&mut self) -> PyResult<()> {
+    fn close(&self) -> PyResult<()> {
         let component = self.component.clone();
-        match self.ring.take() {
+        let taken = self.held()?.guard.take();
+        match taken {
             Some(ring) => with_ring!(ring, r => r.close()).map_err(|e| py_err(&component, e)),
             None => Ok(()),
         }
     }
 }
 
-impl Streamer {
-    fn ring(&self) -> PyResult<&AnyRing> {
-        self.ring.as_ref().ok_or_else(|| error(format!("component {:?}: closed", self.component)))
+/// The ring, locked for one call.
+struct Held<'a> {
+    guard: MutexGuard<'a, Option<AnyRing>>,
+    component: &'a str,
+}
+
+impl Held<'_> {
+    fn ring(&mut self) -> PyResult<&mut AnyRing> {
+        let c = self.component;
+        self.guard.as_mut().ok_or_else(|| error(format!("component {c:?}: closed")))
     }
-    fn ring_mut(&mut self) -> PyResult<&mut AnyRing> {
+}
+
+impl Streamer {
+    fn held(&self) -> PyResult<Held<'_>> {
         let c = &self.component;
-        self.ring.as_mut().ok_or_else(|| error(format!("component {c:?}: closed")))
+        match self.ring.try_lock() {
+            Ok(guard) => Ok(Held { guard, component: c }),
+            Err(TryLockError::WouldBlock) => Err(error(format!("component {c:?}: in use by another thread"))),
+            Err(TryLockError::Poisoned(_)) => {
+                Err(error(format!("component {c:?}: a call panicked inside the engine; disable and enable again")))
+            }
+        }
     }
 }
 

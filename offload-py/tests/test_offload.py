@@ -210,7 +210,17 @@ def test_frozen_streamed_weights_with_a_trainable_adapter_give_the_resident_grad
     model.to("cpu")
     offload.enable(model, device=dev)
     got = grads()
+    # An update to the resident adapter while offloaded survives disable.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(0.5)
+    want = {n: p.detach().cpu().clone() for n, p in model.named_parameters() if p.requires_grad}
     offload.disable(model)
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            assert p.device.type == "cpu" and torch.equal(_bits(p), _bits(want[n])), f"{n}: the adapter's update was lost"
+
     assert ref.keys() == got.keys() and len(ref) == 2 * len(model.encoder.block)
     for n in ref:
         assert torch.equal(_bits(ref[n]), _bits(got[n])), f"gradient of {n} differs"
@@ -354,3 +364,23 @@ def test_cuda_a_mapped_checkpoint_and_the_trace(tmp_path):
     with pytest.raises(OffloadError, match="not in"):
         other, _, _ = MODELS["t5"]()
         offload.enable(other, device="cuda", checkpoint=str(path))
+
+
+def test_named_block_items_and_a_bad_tensor_are_named_errors():
+    from collections import OrderedDict
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+    model = torch.nn.Module()
+    model.blocks = torch.nn.Sequential(OrderedDict(a=Block(), b=Block()))
+    with pytest.raises(OffloadError, match="names its item 0 'a'"):
+        offload.enable(model, device="cpu")
+    from offload._offload import Streamer
+
+    with pytest.raises(OffloadError, match="blocks.0.w"):
+        Streamer("c", [("blocks.0.w", "BF16", [2], "not a tensor"), ("blocks.1.w", "BF16", [2], "x")], ["blocks"])
+    with pytest.raises(OffloadError, match="dtype Q4"):
+        Streamer("c", [("blocks.0.w", "Q4", [2], None)], ["blocks"])

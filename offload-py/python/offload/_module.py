@@ -179,11 +179,13 @@ class Offloaded:
             data = buf
         else:
             data = torch.frombuffer(buf, dtype=torch.uint8) if len(buf) else torch.empty(0, dtype=torch.uint8)
+        # Set first: if a view fails, the post hook's unbind still puts every
+        # parameter back and gives the block back.
+        self._bound = block
+        self._buffer = data
         for p in block.params:
             view = data[p.offset : p.offset + p.nbytes].view(p.dtype).view(p.shape)
             p.owner._parameters[p.attr] = view
-        self._bound = block
-        self._buffer = data
 
     def _unbind(self) -> None:
         block, self._bound = self._bound, None
@@ -293,7 +295,9 @@ def enable(
             lst = module.get_submodule(prefix)
         except AttributeError as e:
             raise OffloadError(f"component {component!r}: no block list {prefix!r} ({e})") from None
-        for i, child in enumerate(lst.children()):
+        for i, (cname, child) in enumerate(lst.named_children()):
+            if cname != str(i):
+                raise OffloadError(f"component {component!r}: block list {prefix!r} names its item {i} {cname!r}; blocks are numbered 0, 1, ...")
             block_modules.append((child, _Block(prefix, i)))
     all_params = dict(module.named_parameters(remove_duplicate=False))
     frozen_some = any(not p.requires_grad for p in all_params.values())
@@ -315,7 +319,7 @@ def enable(
             if host.device.type != "cpu":
                 host = host.to("cpu")
             host = host.contiguous()
-            tensors.append((full, _DTYPES[p.dtype], list(p.shape), torch.utils.dlpack.to_dlpack(host)))
+            tensors.append((full, _DTYPES[p.dtype], list(p.shape), host))
             # The bytes to restore, in host memory (a parameter on the device gives its memory back).
             prm = _Param(owner, attr, p, p.data if p.device.type == "cpu" else host, p.device, p.dtype, tuple(p.shape))
             state.params[full] = prm
@@ -336,17 +340,9 @@ def enable(
                 f"({resident / _GiB:.2f} GiB outside the blocks)"
             )
 
-    stream_handle = 0
-    alloc = None
     if dev.type == "cuda":
+        # The engine computes on torch's current stream and allocates its buffers there.
         state.engine_stream = torch.cuda.current_stream(dev)
-        stream_handle = state.engine_stream.cuda_stream
-        engine_stream = state.engine_stream
-
-        def alloc(n: int):
-            with torch.cuda.stream(engine_stream):
-                t = torch.empty(n, dtype=torch.uint8, device=dev)
-            return t, torch.utils.dlpack.to_dlpack(t)
 
     bar, update = _progress(f"offload {component}: host store", progress)
     try:
@@ -355,8 +351,7 @@ def enable(
             tensors,
             stacks,
             device=dev.index if dev.type == "cuda" else None,
-            stream=stream_handle,
-            alloc=alloc,
+            stream=state.engine_stream,
             depth=depth,
             budget_bytes=budget_bytes,
             resident_blocks=list(resident_blocks),
@@ -389,12 +384,14 @@ def enable(
                     owner, attr = _owner(module, full)
                     state.moved.append(_Moved(owner, attr, True, prm.data))
                     prm.data = prm.data.to(dev)
+                placed: dict[int, torch.Tensor] = {}
                 for full, buf in module.named_buffers(remove_duplicate=False):
                     if buf is None:
                         continue
                     owner, attr = _owner(module, full)
                     state.moved.append(_Moved(owner, attr, False, buf))
-                    owner._buffers[attr] = buf.to(dev)
+                    # A buffer shared by two modules stays one tensor on the device.
+                    owner._buffers[attr] = placed.setdefault(id(buf), buf.to(dev))
         for child, blk in block_modules:
             state.blocks[child] = blk
             state.hooks.append(child.register_forward_pre_hook(_pre_hook(state, blk)))
@@ -402,9 +399,11 @@ def enable(
         state.hooks.append(module.register_forward_hook(_step_hook(state), always_call=True))
         setattr(module, _STATE, state)
     except BaseException:
-        _restore(state)
-        with contextlib.suppress(Exception):
-            state.streamer.close()
+        try:
+            _restore(state)
+        finally:
+            with contextlib.suppress(Exception):
+                state.streamer.close()
         raise
     return state
 
@@ -431,13 +430,23 @@ def _step_hook(state: Offloaded):
 
 
 def _restore(state: Offloaded) -> None:
-    for h in state.hooks:
-        h.remove()
-    state.hooks.clear()
+    """Put the module back. Every copy is made before anything is assigned, so a
+    failed copy (out of device memory) leaves the module as it is, still
+    offloaded. Resident tensors keep what they hold now (a trained adapter, a
+    recomputed buffer), copied back into the very tensors they came from."""
     with torch.no_grad():
-        for p in state.params.values():
+        back = [(p, p.saved if p.saved.device == p.where else p.saved.to(p.where)) for p in state.params.values()]
+        for m in state.moved:
+            # Into the host tensor it came from (not in use while offloaded).
+            now = m.owner._parameters[m.attr] if m.is_param else m.owner._buffers[m.attr]
+            if now is not None and now is not m.saved:
+                m.saved.copy_(now.detach())
+        for h in state.hooks:
+            h.remove()
+        state.hooks.clear()
+        for p, data in back:
             p.owner._parameters[p.attr] = p.param
-            p.param.data = p.saved if p.saved.device == p.where else p.saved.to(p.where)
+            p.param.data = data
         for m in reversed(state.moved):
             if m.is_param:
                 m.owner._parameters[m.attr].data = m.saved
@@ -448,12 +457,15 @@ def _restore(state: Offloaded) -> None:
 
 def disable(module: nn.Module) -> None:
     """Stop streaming ``module``: hooks removed, every parameter and buffer the
-    same object with the same bytes where it was, the engine closed."""
+    same object with the same bytes where it was (resident ones with what they
+    hold now), the engine closed."""
     state = getattr(module, _STATE, None)
     if state is None:
         raise OffloadError(f"{type(module).__name__} is not offloaded")
-    delattr(module, _STATE)
+    if state._bound is not None:
+        state._unbind()
     _restore(state)
+    delattr(module, _STATE)
     streamer, state.streamer = state.streamer, None
     if streamer is not None:
         streamer.close()

@@ -12,6 +12,7 @@ mod cuda;
 mod dlpack;
 
 use offload_core::sim::{SimBackend, SimConfig};
+use offload_core::HostBuffer as _;
 use offload_core::{
     resolve, BlockDiscovery, ComponentInventory, ComponentPlan, DType, DeclaredStacks, Error, HostStore, OffloadBackend, PinFallback,
     PinOptions, Plan, Result, Ring, TensorSource, TensorSpec,
@@ -258,6 +259,24 @@ impl Streamer {
                 slot.buffer().map(|b| b.clone_ref(py)).ok_or_else(|| error(format!("component {component:?}: block {id} has no buffer")))
             }
         }
+    }
+
+    /// Block `index` of `stack` as the host store holds it, read back on the host
+    /// (decoded where it is held coded; through the file where it is mapped): a
+    /// `bytearray` laid out as [`layouts`](Self::layouts) says. For putting the
+    /// module back on disable; never on the streaming path.
+    fn block_bytes(&self, py: Python<'_>, stack: &str, index: usize) -> PyResult<Py<PyAny>> {
+        let component = self.component.clone();
+        let mut held = self.held()?;
+        let id = offload_core::BlockId::new(stack, index);
+        let bytes = with_ring!(held.ring()?, r => {
+            let store = r.store().clone();
+            let b = store.position(&id).ok_or_else(|| error(format!("component {component:?}: no block {id}")))?;
+            store
+                .with_buffer(r.backend(), &store.blocks()[b], |buf| buf.block_bytes().map(<[u8]>::to_vec))
+                .map_err(|e| py_err(&component, e))?
+        });
+        Ok(PyByteArray::new(py, &bytes).into_any().unbind())
     }
 
     /// Give the lent block back: its slot is reused once the compute submitted so far has run.

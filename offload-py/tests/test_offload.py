@@ -384,3 +384,39 @@ def test_named_block_items_and_a_bad_tensor_are_named_errors():
         Streamer("c", [("blocks.0.w", "BF16", [2], "not a tensor"), ("blocks.1.w", "BF16", [2], "x")], ["blocks"])
     with pytest.raises(OffloadError, match="dtype Q4"):
         Streamer("c", [("blocks.0.w", "Q4", [2], None)], ["blocks"])
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_one_host_copy_unless_asked_and_disable_rebuilds_the_same_bytes(keep):
+    model, inputs, _ = MODELS["t5"]()
+    before = _snapshot(model)
+    h = offload.enable(model, device="cpu", keep_host_copy=keep)
+    # Between steps a streamed parameter holds an empty placeholder, and the
+    # package keeps its old bytes only when asked: the store is the one host copy.
+    assert all(p.param.numel() == 0 for p in h.params.values())
+    assert all((p.saved is not None) == keep for p in h.params.values())
+    with torch.no_grad():
+        model(**inputs)
+    offload.disable(model)
+    _same_snapshot(before, _snapshot(model))
+
+
+def test_a_failure_while_the_module_changes_puts_it_back_from_the_store(monkeypatch):
+    model, _, _ = MODELS["t5"]()
+    before = _snapshot(model)
+    calls = {"n": 0}
+    real = torch.nn.Module.register_forward_pre_hook
+
+    def failing(self, *a, **k):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("injected")
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(torch.nn.Module, "register_forward_pre_hook", failing)
+    with pytest.raises(RuntimeError, match="injected"):
+        offload.enable(model, device="cpu")
+    monkeypatch.undo()
+    assert offload.offloaded(model) is None
+    _same_snapshot(before, _snapshot(model))
+    assert not model.encoder.block[0]._forward_pre_hooks

@@ -73,7 +73,7 @@ class _Param:
     owner: nn.Module
     attr: str
     param: nn.Parameter
-    saved: torch.Tensor
+    saved: Optional[torch.Tensor]
     where: torch.device
     dtype: torch.dtype
     shape: tuple
@@ -249,6 +249,7 @@ def enable(
     blocks: Optional[Iterable[str]] = None,
     pin_budget_gib: Optional[float] = None,
     pageable_fallback: bool = False,
+    keep_host_copy: bool = False,
     name: Optional[str] = None,
     progress: Optional[bool] = None,
 ) -> Offloaded:
@@ -272,6 +273,11 @@ def enable(
     from its pages (no second copy in host memory; CUDA). ``device=None``:
     the current CUDA device, or the simulated device in host memory without
     one. Enabling either completes or leaves the module as it was.
+
+    The streamed weights are held once in host memory, in the engine's store:
+    the module's own host tensors are let go, and :func:`disable` makes them
+    again from the store's bytes (``keep_host_copy=True`` keeps them instead,
+    at twice the host memory).
     """
     component = name or type(module).__name__
     _refuse_other_offloading(module, component)
@@ -299,6 +305,7 @@ def enable(
             if cname != str(i):
                 raise OffloadError(f"component {component!r}: block list {prefix!r} names its item {i} {cname!r}; blocks are numbered 0, 1, ...")
             block_modules.append((child, _Block(prefix, i)))
+            state.blocks[child] = block_modules[-1][1]
     all_params = dict(module.named_parameters(remove_duplicate=False))
     frozen_some = any(not p.requires_grad for p in all_params.values())
     in_block: dict[int, str] = {}
@@ -365,6 +372,10 @@ def enable(
         if bar is not None:
             bar.close()
     del tensors
+    if not keep_host_copy:
+        # One host copy: the store's. disable() reads the bytes back from it.
+        for p in state.params.values():
+            p.saved = None
     for stack, index, layout in state.streamer.layouts():
         for tname, offset, nbytes in layout:
             p = state.params[tname]
@@ -393,7 +404,6 @@ def enable(
                     # A buffer shared by two modules stays one tensor on the device.
                     owner._buffers[attr] = placed.setdefault(id(buf), buf.to(dev))
         for child, blk in block_modules:
-            state.blocks[child] = blk
             state.hooks.append(child.register_forward_pre_hook(_pre_hook(state, blk)))
             state.hooks.append(child.register_forward_hook(_post_hook(state), always_call=True))
         state.hooks.append(module.register_forward_hook(_step_hook(state), always_call=True))
@@ -435,7 +445,21 @@ def _restore(state: Offloaded) -> None:
     offloaded. Resident tensors keep what they hold now (a trained adapter, a
     recomputed buffer), copied back into the very tensors they came from."""
     with torch.no_grad():
-        back = [(p, p.saved if p.saved.device == p.where else p.saved.to(p.where)) for p in state.params.values()]
+        back = []
+        for blk in state.blocks.values():
+            # Without a kept host copy, the bytes come back from the host store.
+            raw = None
+            if any(p.saved is None for p in blk.params):
+                buf = state._engine().block_bytes(blk.stack, blk.index)
+                raw = torch.frombuffer(buf, dtype=torch.uint8) if len(buf) else torch.empty(0, dtype=torch.uint8)
+            for p in blk.params:
+                if p.saved is not None:
+                    data = p.saved
+                elif p.nbytes:
+                    data = raw[p.offset : p.offset + p.nbytes].view(p.dtype).view(p.shape).clone()
+                else:
+                    data = torch.empty(p.shape, dtype=p.dtype)
+                back.append((p, data if data.device == p.where else data.to(p.where)))
         for m in state.moved:
             # Into the host tensor it came from (not in use while offloaded).
             now = m.owner._parameters[m.attr] if m.is_param else m.owner._buffers[m.attr]

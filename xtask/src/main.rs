@@ -163,7 +163,7 @@ fn python_tests(python: &Path, profile: &str) -> Result<(), String> {
     let path = install_extension(profile)?;
     let mut c = Command::new(python);
     c.current_dir(root().join("offload-py"));
-    c.args(["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"]);
+    c.args(["-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests"]);
     c.env("PYTHONPATH", path);
     run(c)
 }

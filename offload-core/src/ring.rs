@@ -490,13 +490,17 @@ impl<B: OffloadBackend> Ring<B> {
 
     /// The block `index` of `stack`, on the device, ready for compute.
     pub fn block(&mut self, stack: &str, index: usize) -> Result<BlockGuard<'_, B>> {
-        let id = BlockId::new(stack, index);
-        let b = self.store.position(&id).ok_or_else(|| Error::UnknownBlock {
+        let b = self.position(stack, index)?;
+        self.block_at(b)
+    }
+
+    /// The store position of block `index` of `stack`, or an error naming it.
+    fn position(&self, stack: &str, index: usize) -> Result<usize> {
+        self.store.position(&BlockId::new(stack, index)).ok_or_else(|| Error::UnknownBlock {
             component: self.store.component().to_owned(),
             stack: stack.to_owned(),
             index,
-        })?;
-        self.block_at(b)
+        })
     }
 
     /// The block at position `b` of the store's block list.
@@ -515,12 +519,7 @@ impl<B: OffloadBackend> Ring<B> {
     /// (`OffloadBackend::Wait` other than `()`) need the guard's
     /// [`wait_token`](BlockGuard::wait_token): use [`block`](Self::block) there.
     pub fn lend(&mut self, stack: &str, index: usize) -> Result<()> {
-        let id = BlockId::new(stack, index);
-        let b = self.store.position(&id).ok_or_else(|| Error::UnknownBlock {
-            component: self.store.component().to_owned(),
-            stack: stack.to_owned(),
-            index,
-        })?;
+        let b = self.position(stack, index)?;
         self.acquire(b).map(drop)
     }
 

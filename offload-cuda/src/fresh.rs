@@ -245,3 +245,41 @@ impl FreshEngine {
         self.inner.memory_info()
     }
 }
+
+/// The [`OffloadBackend`] methods a backend over a [`FreshEngine`] forwards as
+/// they are (its host memory, freeing slots, waits, events, timing, memory):
+/// write `offload_cuda::forward_to_fresh_engine!(engine);` inside its
+/// `impl OffloadBackend`, `engine` the field holding the engine, and write
+/// `name`, `alloc_slot` and `copy_to_slot` (the framework's buffers) yourself.
+#[macro_export]
+macro_rules! forward_to_fresh_engine {
+    ($engine:ident) => {
+        fn host(&self) -> $crate::CudaBackend {
+            self.$engine.cuda().clone()
+        }
+        fn free_slot(&self, slot: Self::Slot, after: Option<&Self::Event>) -> ::offload_core::Result<()> {
+            self.$engine.free_slot(slot, after)
+        }
+        fn compute_wait(&self, event: &Self::Event) -> ::offload_core::Result<()> {
+            self.$engine.compute_wait(event)
+        }
+        fn record_compute(&self) -> ::offload_core::Result<Self::Event> {
+            self.$engine.record_compute()
+        }
+        fn synchronize(&self) -> ::offload_core::Result<()> {
+            self.$engine.synchronize()
+        }
+        fn poll_error(&self) -> ::offload_core::Result<()> {
+            self.$engine.cuda().poll_error()
+        }
+        fn record_timing(&self, on: ::offload_core::StreamKind) -> ::offload_core::Result<Option<Self::Event>> {
+            self.$engine.record_timing(on)
+        }
+        fn elapsed_s(&self, from: &Self::Event, to: &Self::Event) -> ::offload_core::Result<Option<f64>> {
+            self.$engine.elapsed_s(from, to)
+        }
+        fn memory_info(&self) -> ::offload_core::Result<::offload_core::MemoryInfo> {
+            self.$engine.memory_info()
+        }
+    };
+}

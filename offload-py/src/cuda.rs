@@ -5,7 +5,7 @@
 //! non-blocking stream of the same (primary) context.
 
 use crate::dlpack::{locate, DL_CUDA};
-use offload_core::{Error, MemoryInfo, OffloadBackend, Result, StreamKind};
+use offload_core::{Error, OffloadBackend, Result};
 use offload_cuda::checked::CheckedEvent;
 use offload_cuda::cudarc::driver::{sys, CudaContext};
 use offload_cuda::{CudaBackend, FreshEngine, FreshSlot, PinnedHost};
@@ -121,14 +121,8 @@ impl OffloadBackend for PyCuda {
     fn name(&self) -> &'static str {
         BACKEND
     }
-    fn host(&self) -> CudaBackend {
-        self.cuda().clone()
-    }
     fn alloc_slot(&self, bytes: usize, purpose: &str) -> Result<PySlot> {
         self.engine.alloc_slot(bytes, purpose)
-    }
-    fn free_slot(&self, slot: PySlot, after: Option<&CheckedEvent>) -> Result<()> {
-        self.engine.free_slot(slot, after)
     }
     fn copy_to_slot(&self, src: &PinnedHost, dst: &mut PySlot, bytes: usize, after: Option<&CheckedEvent>) -> Result<CheckedEvent> {
         // `new_buffer` makes each buffer itself with `torch.empty` on the engine's compute
@@ -136,25 +130,5 @@ impl OffloadBackend for PyCuda {
         // SAFETY: `new_buffer` returns a torch tensor owning the checked CUDA memory at its address.
         unsafe { self.engine.copy_to_slot(src, dst, bytes, after, |len| self.new_buffer(len)) }
     }
-    fn compute_wait(&self, event: &CheckedEvent) -> Result<()> {
-        self.engine.compute_wait(event)
-    }
-    fn record_compute(&self) -> Result<CheckedEvent> {
-        self.engine.record_compute()
-    }
-    fn synchronize(&self) -> Result<()> {
-        self.engine.synchronize()
-    }
-    fn poll_error(&self) -> Result<()> {
-        self.cuda().poll_error()
-    }
-    fn record_timing(&self, on: StreamKind) -> Result<Option<CheckedEvent>> {
-        self.engine.record_timing(on)
-    }
-    fn elapsed_s(&self, from: &CheckedEvent, to: &CheckedEvent) -> Result<Option<f64>> {
-        self.engine.elapsed_s(from, to)
-    }
-    fn memory_info(&self) -> Result<MemoryInfo> {
-        self.engine.memory_info()
-    }
+    offload_cuda::forward_to_fresh_engine!(engine);
 }

@@ -331,28 +331,17 @@ impl Streamer {
     /// The device's counters since the ring was built: host synchronisations
     /// (`syncs`), copies, bytes copied, slot bytes live and at peak.
     fn counters(&self) -> PyResult<Vec<(&'static str, u64)>> {
-        Ok(match self.held()?.ring()? {
+        let c = match self.held()?.ring()? {
             AnyRing::Cpu(r) => {
                 let s = r.backend().stats();
-                vec![
-                    ("syncs", s.syncs),
-                    ("copies", s.copies),
-                    ("bytes_copied", s.bytes_copied),
-                    ("live_bytes", s.live_bytes),
-                    ("peak_bytes", s.peak_bytes),
-                ]
+                [s.syncs, s.copies, s.bytes_copied, s.live_bytes, s.peak_bytes]
             }
             AnyRing::Cuda(r) => {
                 let c = r.backend().counters();
-                vec![
-                    ("syncs", c.syncs),
-                    ("copies", c.copies),
-                    ("bytes_copied", c.bytes_copied),
-                    ("live_bytes", c.live_bytes),
-                    ("peak_bytes", c.peak_bytes),
-                ]
+                [c.syncs, c.copies, c.bytes_copied, c.live_bytes, c.peak_bytes]
             }
-        })
+        };
+        Ok(["syncs", "copies", "bytes_copied", "live_bytes", "peak_bytes"].into_iter().zip(c).collect())
     }
 
     /// Close the ring: every slot freed after its last use, the host store dropped.

@@ -3,7 +3,6 @@
 use crate::slots::{dims, kind, param, TchSlots};
 use crate::tensors::{tch_err, BACKEND};
 use offload_core::{BlockLayout, Error, OffloadBackend, Result};
-use offload_core::{MemoryInfo, StreamKind};
 use offload_cuda::checked::CheckedEvent;
 use offload_cuda::cudarc::driver::CudaContext;
 use offload_cuda::{CudaBackend, CudaCounters, FreshEngine, FreshSlot, PinnedHost};
@@ -151,14 +150,8 @@ impl OffloadBackend for TchCudaBackend {
     fn name(&self) -> &'static str {
         "tch-cuda"
     }
-    fn host(&self) -> CudaBackend {
-        self.cuda().clone()
-    }
     fn alloc_slot(&self, bytes: usize, purpose: &str) -> Result<TchSlot> {
         self.engine.alloc_slot(bytes, purpose)
-    }
-    fn free_slot(&self, slot: TchSlot, after: Option<&CheckedEvent>) -> Result<()> {
-        self.engine.free_slot(slot, after)
     }
     fn copy_to_slot(&self, src: &PinnedHost, dst: &mut TchSlot, bytes: usize, after: Option<&CheckedEvent>) -> Result<CheckedEvent> {
         // The caching allocator hands memory out in the order of libtorch's stream
@@ -166,27 +159,7 @@ impl OffloadBackend for TchCudaBackend {
         // SAFETY: `new_buffer` returns a libtorch tensor owning the memory at the address it gives.
         unsafe { self.engine.copy_to_slot(src, dst, bytes, after, |len| self.new_buffer(len)) }
     }
-    fn compute_wait(&self, event: &CheckedEvent) -> Result<()> {
-        self.engine.compute_wait(event)
-    }
-    fn record_compute(&self) -> Result<CheckedEvent> {
-        self.engine.record_compute()
-    }
-    fn synchronize(&self) -> Result<()> {
-        self.engine.synchronize()
-    }
-    fn poll_error(&self) -> Result<()> {
-        self.cuda().poll_error()
-    }
-    fn record_timing(&self, on: StreamKind) -> Result<Option<CheckedEvent>> {
-        self.engine.record_timing(on)
-    }
-    fn elapsed_s(&self, from: &CheckedEvent, to: &CheckedEvent) -> Result<Option<f64>> {
-        self.engine.elapsed_s(from, to)
-    }
-    fn memory_info(&self) -> Result<MemoryInfo> {
-        self.engine.memory_info()
-    }
+    offload_cuda::forward_to_fresh_engine!(engine);
 }
 
 /// CUDA: weights are views of the slot's libtorch buffer, on libtorch's stream.

@@ -254,7 +254,7 @@ impl FreshEngine {
 #[macro_export]
 macro_rules! forward_to_fresh_engine {
     ($engine:ident) => {
-        fn host(&self) -> $crate::CudaBackend {
+        fn host(&self) -> Self::Host {
             self.$engine.cuda().clone()
         }
         fn free_slot(&self, slot: Self::Slot, after: Option<&Self::Event>) -> ::offload_core::Result<()> {

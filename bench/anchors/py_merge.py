@@ -21,6 +21,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--min-runs", type=int, default=3)
+    ap.add_argument("--commit", required=True, help="the commit the runs were made at")
+    ap.add_argument("--date", required=True, help="the day the runs were made (YYYY-MM-DD)")
+    ap.add_argument("--gpu", default="NVIDIA H200")
     ap.add_argument("runs", nargs="+")
     a = ap.parse_args()
     docs = [(f, json.load(open(f))) for f in a.runs]
@@ -85,7 +88,8 @@ def main():
                               bitwise_equal=bitwise, no_host_sync=syncs == 0)
         rows.append(row)
     versions = sorted({d.get("versions", "") for _, d in docs})
-    json.dump(dict(generated_by="bench/anchors/py_merge.py", versions=versions, inputs=[f for f, _ in docs], rows=rows,
+    json.dump(dict(generated_by="bench/anchors/py_merge.py", date=a.date, commit=a.commit, gpu=a.gpu, backend="python",
+                   versions=versions, inputs=[f for f, _ in docs], cases=rows,
                    not_merged=incomplete),
               open(a.out, "w"), indent=1)
     for r in rows:

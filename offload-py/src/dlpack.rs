@@ -71,9 +71,8 @@ pub fn locate(capsule: &Bound<'_, PyAny>, what: &str) -> PyResult<Located> {
     let ptr = capsule
         .pointer_checked(Some(c"dltensor"))
         .map_err(|_| crate::error(format!("{what}: the capsule is not an unused \"dltensor\" capsule")))?;
-    // SAFETY: a capsule named "dltensor" holds a `DLManagedTensor` (the DLPack
-    // protocol), alive while the capsule is unconsumed; the capsule is borrowed for
-    // this call and no Python code runs before the fields are copied out.
+    // The capsule is borrowed for this call; no Python code runs before the fields are copied out.
+    // SAFETY: a "dltensor" capsule holds a live `DLManagedTensor` while unconsumed (DLPack).
     let t = unsafe { &ptr.cast::<DlManagedTensor>().as_ref().dl_tensor };
     let ndim = usize::try_from(t.ndim).map_err(|_| crate::error(format!("{what}: negative rank {}", t.ndim)))?;
     if ndim > 0 && t.shape.is_null() {

@@ -487,12 +487,14 @@ pub fn python_table(results: &Path) -> Result<Option<String>, String> {
     let mut md = format!(
         "The Python package (`offload.enable`) on the real diffusers and transformers classes, one H200, bf16, medians of the \
          processes named with [min, max]; resident, the package and diffusers' group offloading ran on the same model object \
-         in each process (`bench/results/{name}`, {}):\n\n",
+         in each process (`bench/results/{name}`, commit `{}`, {}, {}):\n\n",
+        d["commit"].as_str().unwrap_or("?"),
+        d["date"].as_str().unwrap_or("?"),
         d["versions"].as_array().into_iter().flatten().filter_map(Value::as_str).collect::<Vec<_>>().join("; ")
     );
     md.push_str("| model | case | package (s) | ratio to bound | resident (s) | diffusers' best offloaded (s) | package ÷ diffusers | weights on device, package (GiB) | bitwise equal | host syncs a step | targets met |\n");
     md.push_str("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
-    for r in d["rows"].as_array().into_iter().flatten() {
+    for r in d["cases"].as_array().into_iter().flatten() {
         let best = r["diffusers_best_mode"].as_str().unwrap_or("");
         let diff =
             if best.is_empty() { "–".into() } else { format!("{} ({})", span(&r["diffusers_s"][best], 3), best.replace('_', " ")) };

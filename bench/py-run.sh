@@ -45,7 +45,7 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
       tar czf "$OUT/py.tgz" -C "$Z" .
     done
   done
-  ls "$Z"/py-*.json >/dev/null 2>&1 && python3 "$B/py_merge.py" --commit "${COMMIT:-unknown}" --date "$BENCH_DATE" --out "$Z/$BENCH_DATE-python-package.json" "$Z"/py-*.json 2>&1 | tee "$Z/merge.txt"
+  ls "$Z"/py-*.json >/dev/null 2>&1 && python3 "$B/py_merge.py" --date "$BENCH_DATE" --out "$Z/$BENCH_DATE-python-package.json" --at "${COMMIT:-unknown}" "$Z"/py-*.json 2>&1 | tee "$Z/merge.txt"
 fi
 tar czf "$OUT/py.tgz" -C "$Z" .
 exit $rc

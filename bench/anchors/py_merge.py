@@ -5,7 +5,12 @@ max(resident step, bytes a step / the process's pinned bandwidth); the ratios
 to it and to diffusers' best mode; the targets checked. Everything computed
 here from the files named; nothing typed.
 
-python3 py_merge.py --out bench/results/DATE-python-package.json RUN1.json RUN2.json RUN3.json [--min-runs 3]
+python3 py_merge.py --out bench/results/DATE-python-package.json --date DATE \
+    --at COMMIT1 RUN1.json RUN2.json RUN3.json [--at COMMIT2 RUN4.json ...] [--min-runs 3]
+
+Each `--at` names the commit its runs were made at. A case is merged from the
+runs of one commit only: the last `--at` group holding enough processes for it
+(so a re-run at a newer commit supersedes the older runs, which stay listed).
 """
 import argparse
 import json
@@ -21,12 +26,21 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--min-runs", type=int, default=3)
-    ap.add_argument("--commit", required=True, help="the commit the runs were made at")
+    ap.add_argument("--at", nargs="+", action="append", required=True, metavar="COMMIT RUN",
+                    help="a commit, then the run files made at it")
     ap.add_argument("--date", required=True, help="the day the runs were made (YYYY-MM-DD)")
     ap.add_argument("--gpu", default="NVIDIA H200")
-    ap.add_argument("runs", nargs="+")
     a = ap.parse_args()
-    docs = [(f, json.load(open(f))) for f in a.runs]
+    commit_of, order = {}, []
+    for group in a.at:
+        if len(group) < 2:
+            raise SystemExit(f"--at {group[0]}: no run files after the commit")
+        order.append(group[0])
+        for f in group[1:]:
+            if f in commit_of:
+                raise SystemExit(f"{f}: named twice")
+            commit_of[f] = group[0]
+    docs = [(f, json.load(open(f))) for f in commit_of]
     groups = {}
     for f, d in docs:
         seen = set()
@@ -40,8 +54,13 @@ def main():
             g.setdefault(f, {})[r["mode"]] = dict(r, median_s=med)
     rows, incomplete = [], []
     for (model, case), per in sorted(groups.items()):
-        full = {f: m for f, m in per.items() if {"resident", "offload"} <= m.keys()}
+        complete = {f: m for f, m in per.items() if {"resident", "offload"} <= m.keys()}
+        at = [c for c in order if sum(commit_of[f] == c for f in complete) >= a.min_runs]
+        commit = at[-1] if at else None
+        full = {f: m for f, m in complete.items() if commit_of[f] == commit}
+        superseded = sorted(f for f in complete if f not in full)
         if len(full) < a.min_runs:
+            full = complete
             incomplete.append(dict(model=model, case=case, processes=len(full), files=sorted(full),
                                    why=f"{len(full)} processes with resident and offload runs, {a.min_runs} needed"))
             print(f"{model} {case}: not merged, {incomplete[-1]['why']}")
@@ -67,7 +86,7 @@ def main():
             finite &= all(v["output_finite"] and v["output_nonconstant"] for v in m.values())
         o0 = next(iter(full.values()))["offload"]
         row = dict(
-            model=model, case=case, tokens=o0["tokens"], batch=o0["batch"], depth=o0["depth"], processes=len(full),
+            model=model, case=case, commit=commit, superseded_runs=superseded, tokens=o0["tokens"], batch=o0["batch"], depth=o0["depth"], processes=len(full),
             files=sorted(full), resident_s=spread(res), offload_s=spread(ours), bound_s=spread(bound),
             ratio_to_bound=spread(ratio), bytes_per_step=o0["bytes_per_step"],
             h2d_gb_per_s=spread([m["offload"]["h2d_bytes_per_s"] / 1e9 for m in full.values()]),
@@ -88,7 +107,8 @@ def main():
                               bitwise_equal=bitwise, no_host_sync=syncs == 0)
         rows.append(row)
     versions = sorted({d.get("versions", "") for _, d in docs})
-    json.dump(dict(generated_by="bench/anchors/py_merge.py", date=a.date, commit=a.commit, gpu=a.gpu, backend="python",
+    json.dump(dict(generated_by="bench/anchors/py_merge.py", date=a.date,
+                   commit=", ".join(c for c in order if any(r["commit"] == c for r in rows)), gpu=a.gpu, backend="python",
                    versions=versions, inputs=[f for f, _ in docs], cases=rows,
                    not_merged=incomplete),
               open(a.out, "w"), indent=1)

@@ -396,6 +396,28 @@ def test_one_host_copy_unless_asked_and_disable_rebuilds_the_same_bytes(keep):
     _same_snapshot(before, _snapshot(model))
 
 
+@NO_CUDA
+def test_pinned_host_weights_are_let_go_and_come_back_pinned():
+    # As a user who moved the model to page-locked memory (and as the bench does):
+    # with one host copy, torch's pinned cache gives the let-go tensors back to the
+    # system, and disable restores each parameter page-locked, with the same bytes.
+    model, inputs, _ = MODELS["flux"]()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data = p.data.pin_memory()
+    before = _snapshot(model)
+    owned = lambda: torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
+    held = owned()
+    h = offload.enable(model, device="cuda")
+    streamed_bytes = sum(p.nbytes for p in h.params.values())
+    assert streamed_bytes > 0 and held - owned() >= streamed_bytes, "the let-go page-locked tensors are still held by torch's cache"
+    with torch.no_grad():
+        model(**_to(inputs, "cuda"))
+    offload.disable(model)
+    _same_snapshot(before, _snapshot(model))
+    assert all(p.is_pinned() for p in model.parameters()), "a parameter came back pageable"
+
+
 def test_a_failure_while_the_module_changes_puts_it_back_from_the_store(monkeypatch):
     model, _, _ = MODELS["t5"]()
     before = _snapshot(model)

@@ -79,6 +79,7 @@ class _Param:
     shape: tuple
     offset: int = 0
     nbytes: int = 0
+    pinned: bool = False
 
 
 @dataclass
@@ -328,7 +329,8 @@ def enable(
             host = host.contiguous()
             tensors.append((full, _DTYPES[p.dtype], list(p.shape), host))
             # The bytes to restore, in host memory (a parameter on the device gives its memory back).
-            prm = _Param(owner, attr, p, p.data if p.device.type == "cpu" else host, p.device, p.dtype, tuple(p.shape))
+            prm = _Param(owner, attr, p, p.data if p.device.type == "cpu" else host, p.device, p.dtype, tuple(p.shape),
+                         pinned=p.device.type == "cpu" and torch.cuda.is_available() and p.is_pinned())
             state.params[full] = prm
             blk.params.append(prm)
     for full, p in all_params.items():
@@ -408,6 +410,12 @@ def enable(
             state.hooks.append(child.register_forward_hook(_post_hook(state), always_call=True))
         state.hooks.append(module.register_forward_hook(_step_hook(state), always_call=True))
         setattr(module, _STATE, state)
+        if not keep_host_copy and any(p.pinned for p in state.params.values()):
+            # The page-locked host tensors let go sit in torch's pinned-memory cache
+            # until it is emptied: without this the host would still hold two copies.
+            empty = getattr(torch._C, "_host_emptyCache", None)  # torch >= 2.5
+            if empty is not None:
+                empty()
     except BaseException:
         try:
             _restore(state)
@@ -455,10 +463,11 @@ def _restore(state: Offloaded) -> None:
             for p in blk.params:
                 if p.saved is not None:
                     data = p.saved
-                elif p.nbytes:
-                    data = raw[p.offset : p.offset + p.nbytes].view(p.dtype).view(p.shape).clone()
                 else:
-                    data = torch.empty(p.shape, dtype=p.dtype)
+                    # Page-locked again where it was (diffusers' streams need it so).
+                    data = torch.empty(p.shape, dtype=p.dtype, pin_memory=p.pinned)
+                    if p.nbytes:
+                        data.copy_(raw[p.offset : p.offset + p.nbytes].view(p.dtype).view(p.shape))
                 back.append((p, data if data.device == p.where else data.to(p.where)))
         for m in state.moved:
             # Into the host tensor it came from (not in use while offloaded).

@@ -109,7 +109,7 @@ def main():
     versions = sorted({d.get("versions", "") for _, d in docs})
     json.dump(dict(generated_by="bench/anchors/py_merge.py", date=a.date,
                    commit=", ".join(c for c in order if any(r["commit"] == c for r in rows)), gpu=a.gpu, backend="python",
-                   versions=versions, inputs=[f for f, _ in docs], cases=rows,
+                   versions=versions, at={c: [f for f in commit_of if commit_of[f] == c] for c in order}, cases=rows,
                    not_merged=incomplete),
               open(a.out, "w"), indent=1)
     for r in rows:

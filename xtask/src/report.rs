@@ -487,13 +487,13 @@ pub fn python_table(results: &Path) -> Result<Option<String>, String> {
     let mut md = format!(
         "The Python package (`offload.enable`) on the real diffusers and transformers classes, one H200, bf16, medians of the \
          processes named with [min, max]; resident, the package and diffusers' group offloading ran on the same model object \
-         in each process (`bench/results/{name}`, commit `{}`, {}, {}):\n\n",
+         in each process (`bench/results/{name}`, commits `{}`, {}, {}):\n\n",
         d["commit"].as_str().unwrap_or("?"),
         d["date"].as_str().unwrap_or("?"),
         d["versions"].as_array().into_iter().flatten().filter_map(Value::as_str).collect::<Vec<_>>().join("; ")
     );
-    md.push_str("| model | case | package (s) | ratio to bound | resident (s) | diffusers' best offloaded (s) | package ÷ diffusers | weights on device, package (GiB) | bitwise equal | host syncs a step | targets met |\n");
-    md.push_str("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
+    md.push_str("| model | case | package (s) | ratio to bound | resident (s) | diffusers' best offloaded (s) | package ÷ diffusers | weights on device, package (GiB) | bitwise equal | host syncs a step | targets met | commit |\n");
+    md.push_str("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
     for r in d["cases"].as_array().into_iter().flatten() {
         let best = r["diffusers_best_mode"].as_str().unwrap_or("");
         let diff =
@@ -501,7 +501,7 @@ pub fn python_table(results: &Path) -> Result<Option<String>, String> {
         let targets = r["targets"].as_object().is_some_and(|t| t.values().all(|v| v.as_bool() == Some(true)));
         let _ = writeln!(
             md,
-            "| {} | {} | {} | {} | {} | {diff} | {} | {:.2} | {} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {diff} | {} | {:.2} | {} | {} | {} | {} |",
             r["model"].as_str().unwrap_or("?"),
             r["case"].as_str().unwrap_or("?"),
             span(&r["offload_s"], 3),
@@ -511,7 +511,8 @@ pub fn python_table(results: &Path) -> Result<Option<String>, String> {
             f(&r["weights_device_gib"]["offload"]["median"]),
             yes(&r["bitwise_equal"]),
             r["host_syncs_in_timed_steps"],
-            if targets { "yes" } else { "no" }
+            if targets { "yes" } else { "no" },
+            r["commit"].as_str().unwrap_or(d["commit"].as_str().unwrap_or("?"))
         );
     }
     for n in d["not_merged"].as_array().into_iter().flatten() {

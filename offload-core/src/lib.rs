@@ -51,6 +51,7 @@ pub mod discovery;
 pub mod disk;
 pub mod error;
 pub mod fault;
+pub mod gguf;
 pub mod hook;
 pub mod host;
 pub mod metrics;
@@ -70,6 +71,7 @@ pub use discovery::{BlockDiscovery, BlockId, BlockSpec, ComponentInventory, Decl
 pub use disk::DiskFile;
 pub use error::{Error, Result};
 pub use fault::{FaultInjector, FaultKind};
+pub use gguf::{GgufFile, GgufValue};
 pub use hook::{BlockContext, BlockSource, Hook, TraceRecorder};
 pub use host::{Fill, HostBuf, HostBuffer, HostCapabilities, HostKind, HostMemory};
 pub use metrics::{host_rss_beyond_page_cache, host_rss_file_bytes, StepMetrics};

@@ -3,7 +3,10 @@
 use crate::error::{Error, Result};
 use serde::{Deserialize, Serialize};
 
-/// Element types found in checkpoints. Names follow safetensors.
+/// Element types found in checkpoints. Names follow safetensors; the
+/// block-quantized types (`Q8_0`, `Q4_K`, `Q5_K`, `Q6_K`) follow GGUF, whose
+/// tensors store a run of elements of the innermost dimension as one block of
+/// bytes (scales and packed values together).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[allow(missing_docs, non_camel_case_types)]
 pub enum DType {
@@ -22,10 +25,16 @@ pub enum DType {
     U64,
     F8_E4M3,
     F8_E5M2,
+    Q8_0,
+    Q4_K,
+    Q5_K,
+    Q6_K,
 }
 
 impl DType {
-    /// Bytes per element.
+    /// Bytes per element; for a block-quantized type, bytes per block of
+    /// [`block_elems`](Self::block_elems) elements. A tensor's size is
+    /// [`TensorSpec::nbytes`].
     pub fn size(self) -> usize {
         use DType::*;
         match self {
@@ -33,7 +42,27 @@ impl DType {
             I16 | U16 | F16 | BF16 => 2,
             I32 | U32 | F32 => 4,
             F64 | I64 | U64 => 8,
+            // GGUF's layouts (ggml-common.h): an f16 scale and 32 i8; the K-quants'
+            // 256 elements with f16 super-scales, packed sub-block scales and values.
+            Q8_0 => 34,
+            Q4_K => 144,
+            Q5_K => 176,
+            Q6_K => 210,
         }
+    }
+
+    /// Elements per stored block: 1 for an element type, 32 (`Q8_0`) or 256 (the K-quants).
+    pub fn block_elems(self) -> usize {
+        match self {
+            DType::Q8_0 => 32,
+            DType::Q4_K | DType::Q5_K | DType::Q6_K => 256,
+            _ => 1,
+        }
+    }
+
+    /// Whether elements are stored in blocks with their scales (GGUF's quant types).
+    pub fn is_block_quantized(self) -> bool {
+        self.block_elems() > 1
     }
 
     /// Parse a safetensors dtype name (`"BF16"`, `"F32"`, …).
@@ -85,9 +114,24 @@ impl TensorSpec {
             .ok_or_else(|| Error::BadTensor { tensor: self.name.clone(), fault: format!("shape {:?} overflows", self.shape) })
     }
 
-    /// Size in bytes, or an error naming the tensor on overflow.
+    /// Size in bytes, or an error naming the tensor on overflow or, for a
+    /// block-quantized dtype, when the innermost dimension is not a whole number
+    /// of blocks.
     pub fn nbytes(&self) -> Result<usize> {
-        self.numel()?
+        let per = self.dtype.block_elems();
+        if per > 1 {
+            let inner = self.shape.last().copied().unwrap_or(1);
+            if self.shape.is_empty() || inner % per != 0 {
+                return Err(Error::BadTensor {
+                    tensor: self.name.clone(),
+                    fault: format!(
+                        "shape {:?} of {:?}: the innermost dimension does not divide into blocks of {per} elements",
+                        self.shape, self.dtype
+                    ),
+                });
+            }
+        }
+        (self.numel()? / per)
             .checked_mul(self.dtype.size())
             .ok_or_else(|| Error::BadTensor { tensor: self.name.clone(), fault: format!("shape {:?} overflows", self.shape) })
     }

@@ -32,6 +32,7 @@ use offload_core::{BlockGuard, BlockLayout, DType, Error, MemoryInfo, OffloadBac
 use std::collections::HashMap;
 
 pub mod flux;
+pub mod quantized;
 #[cfg(feature = "sd3")]
 pub mod sd3;
 

@@ -1,0 +1,133 @@
+//! GGUF files written by candle's own writer (its quantizer making real Q8_0 and
+//! K-quant blocks), read by offload's reader, streamed through the ring on the CPU
+//! device and computed with candle's `QMatMul` from the slot's stored bytes: the
+//! output byte-identical to candle's resident quantized run from the same file.
+
+use candle_core::quantized::{gguf_file, GgmlDType, QMatMul, QTensor};
+use candle_core::{Device, Module, Tensor};
+use offload_candle::CandleBackend;
+use offload_core::{resolve, BlockDiscovery, GgufFile, HostStore, NameDiscovery, Plan, Ring, TensorSource};
+use std::collections::HashMap;
+use std::sync::Arc;
+
+const HIDDEN: usize = 256;
+const DEPTH: usize = 4;
+/// Each block's second projection in another quant type, so every type streams.
+const FC2: [GgmlDType; DEPTH] = [GgmlDType::Q8_0, GgmlDType::Q4K, GgmlDType::Q5K, GgmlDType::Q6K];
+
+fn path(tag: &str) -> std::path::PathBuf {
+    std::env::temp_dir().join(format!("offload-gguf-{tag}-{}.gguf", std::process::id()))
+}
+
+/// Fresh random weights quantized by candle and written by candle's GGUF writer.
+fn write_model(p: &std::path::Path, extra: Option<(&str, GgmlDType)>) {
+    let dev = Device::Cpu;
+    let q = |shape: &[usize], dt| QTensor::quantize(&Tensor::randn(0f32, 0.05, shape, &dev).unwrap(), dt).unwrap();
+    let mut t: Vec<(String, QTensor)> = vec![("img_in.weight".into(), q(&[HIDDEN, HIDDEN], GgmlDType::F16))];
+    for (i, &fc2) in FC2.iter().enumerate() {
+        t.push((format!("blocks.{i}.fc1.weight"), q(&[2 * HIDDEN, HIDDEN], GgmlDType::Q4K)));
+        t.push((format!("blocks.{i}.fc2.weight"), q(&[HIDDEN, 2 * HIDDEN], fc2)));
+        t.push((format!("blocks.{i}.scale"), q(&[HIDDEN], GgmlDType::F32)));
+        t.push((format!("blocks.{i}.shift"), q(&[HIDDEN], GgmlDType::BF16)));
+    }
+    if let Some((name, dt)) = extra {
+        t.push((name.into(), q(&[HIDDEN], dt)));
+    }
+    let arch = gguf_file::Value::String("offload-test".into());
+    let refs: Vec<(&str, &QTensor)> = t.iter().map(|(n, q)| (n.as_str(), q)).collect();
+    let mut f = std::fs::File::create(p).unwrap();
+    gguf_file::write(&mut f, &[("general.architecture", &arch)], &refs).unwrap();
+}
+
+/// One block: x + (fc2(gelu(fc1(x))) * scale + shift), every weight from `w`.
+fn block(w: &HashMap<String, Arc<QTensor>>, x: &Tensor) -> Tensor {
+    let mm = |n: &str| QMatMul::from_arc(w[n].clone()).unwrap();
+    let deq = |n: &str| w[n].dequantize(&Device::Cpu).unwrap();
+    let h = mm("fc1.weight").forward(x).unwrap().gelu().unwrap();
+    let h = mm("fc2.weight").forward(&h).unwrap();
+    let h = h.broadcast_mul(&deq("scale")).unwrap().broadcast_add(&deq("shift").to_dtype(candle_core::DType::F32).unwrap()).unwrap();
+    (x + h).unwrap()
+}
+
+#[test]
+fn candles_gguf_file_reads_the_same_in_offloads_reader() {
+    let p = path("read");
+    write_model(&p, None);
+    let mut f = std::fs::File::open(&p).unwrap();
+    let content = gguf_file::Content::read(&mut f).unwrap();
+    let ours = GgufFile::open(&p).unwrap();
+    assert_eq!(ours.version(), 2);
+    assert_eq!(ours.metadata()["general.architecture"].as_str(), Some("offload-test"));
+    assert_eq!(ours.specs().len(), content.tensor_infos.len());
+    for (i, spec) in ours.specs().iter().enumerate() {
+        let info = &content.tensor_infos[&spec.name];
+        assert_eq!(spec.shape, info.shape.dims(), "{}", spec.name);
+        assert_eq!(offload_candle::quantized::ggml_dtype(spec.dtype), Some(info.ggml_dtype), "{}", spec.name);
+        assert_eq!(ours.data_offset(i), content.tensor_data_offset + info.offset, "{}", spec.name);
+        let theirs = content.tensor(&mut f, &spec.name, &Device::Cpu).unwrap();
+        let mut got = vec![0; spec.nbytes().unwrap()];
+        ours.read_into(i, &mut got).unwrap();
+        assert!(got == *theirs.data().unwrap(), "{}: stored bytes differ", spec.name);
+    }
+    let _ = std::fs::remove_file(&p);
+}
+
+#[test]
+fn gguf_blocks_stream_as_stored_bitwise_equal_to_candles_resident_quantized_run() {
+    let p = path("stream");
+    write_model(&p, None);
+    let x = Tensor::randn(0f32, 1.0, (8, HIDDEN), &Device::Cpu).unwrap();
+
+    // Resident: candle's own reader, every block's QTensors held.
+    let mut f = std::fs::File::open(&p).unwrap();
+    let content = gguf_file::Content::read(&mut f).unwrap();
+    let mut x_r = x.clone();
+    for i in 0..DEPTH {
+        let w: HashMap<String, Arc<QTensor>> = ["fc1.weight", "fc2.weight", "scale", "shift"]
+            .iter()
+            .map(|n| (n.to_string(), Arc::new(content.tensor(&mut f, &format!("blocks.{i}.{n}"), &Device::Cpu).unwrap())))
+            .collect();
+        x_r = block(&w, &x_r);
+    }
+
+    // Streamed: offload's reader, host store and ring; QTensors from each slot.
+    let file = GgufFile::open(&p).unwrap();
+    let inventory = NameDiscovery.discover("transformer", file.specs()).unwrap();
+    let backend = CandleBackend::cpu();
+    let store = Arc::new(HostStore::build(&backend, &inventory, &file).unwrap());
+    // A block's bytes are its stored bytes: Q4_K's 144 bytes per 256 weights,
+    // Q8_0's 34 per 32, the f32 scale and the bf16 shift.
+    let stored: usize = file.specs().iter().filter(|s| s.name.starts_with("blocks.0.")).map(|s| s.nbytes().unwrap()).sum();
+    let n = 2 * HIDDEN * HIDDEN;
+    assert_eq!(stored, n / 256 * 144 + n / 32 * 34 + 4 * HIDDEN + 2 * HIDDEN);
+    let laid_out = store.laid_out_bytes() as usize;
+    assert!(laid_out < DEPTH * (stored + 4 * 512) + 4 * 256, "{laid_out} bytes laid out, blocks of about {stored}");
+    let plan = resolve(&Plan::layerwise(), std::slice::from_ref(&inventory)).unwrap();
+    let mut ring = Ring::new(backend.clone(), store.clone(), &plan.components[0]).unwrap();
+    let mut x_s = x.clone();
+    for (i, &fc2) in FC2.iter().enumerate() {
+        let g = ring.block("blocks", i).unwrap();
+        let w = backend.qtensors(g.slot(), g.layout(), &format!("blocks.{i}.")).unwrap();
+        assert_eq!(w["fc2.weight"].dtype(), fc2);
+        x_s = block(&w, &x_s);
+        g.finish().unwrap();
+    }
+    let m = ring.end_step().unwrap();
+    ring.close().unwrap();
+    backend.host_device().check().expect("no protocol violation");
+    assert_eq!((m.blocks, m.misses), (DEPTH as u64, 0));
+
+    let (r, s) = (x_r.flatten_all().unwrap().to_vec1::<f32>().unwrap(), x_s.flatten_all().unwrap().to_vec1::<f32>().unwrap());
+    assert!(r.iter().all(|v| v.is_finite()) && r.iter().any(|v| *v != r[0]), "a finite, non-constant output");
+    assert!(r.iter().zip(&s).all(|(a, b)| a.to_bits() == b.to_bits()), "streamed output differs from candle's resident quantized run");
+    let _ = std::fs::remove_file(&p);
+}
+
+#[test]
+fn a_quant_type_offload_does_not_take_is_named_with_its_tensor() {
+    let p = path("q4_0");
+    write_model(&p, Some(("blocks.0.odd", GgmlDType::Q4_0)));
+    let e = GgufFile::open(&p).unwrap_err().to_string();
+    let _ = std::fs::remove_file(&p);
+    assert!(e.contains("blocks.0.odd") && e.contains("Q4_0"), "{e}");
+}

@@ -84,6 +84,43 @@ def test_streams_bitwise_equal_and_disable_restores(name, depth, dev):
     _same_snapshot(before, _snapshot(model))
 
 
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("name", ["flux", "wan", "sd3"])
+def test_fp8_weights_stream_as_stored_and_upcast_per_layer_as_diffusers_layerwise_casting(name, dev):
+    # diffusers' layerwise casting keeps the weights in fp8 and upcasts each layer
+    # to bf16 for its forward: streamed, the blocks cross as fp8 (half the bytes),
+    # and the same per-layer upcast computes bitwise the resident result.
+    model, inputs, _ = MODELS[name]()
+    model.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16)
+    model.to(dev)
+    fp8 = {n for n, p in model.named_parameters() if p.dtype == torch.float8_e4m3fn}
+    assert fp8, "layerwise casting left no fp8 weight"
+    before = _snapshot(model)
+    with torch.no_grad():
+        ref = _out(model(**_to(inputs, dev))).clone()
+    assert torch.isfinite(ref.float()).all() and ref.float().std() > 0
+    model.to("cpu")
+    h = offload.enable(model, device=dev)
+    streamed = {n: p for n, p in h.params.items()}
+    assert {n for n in fp8 if n in streamed} and all(streamed[n].dtype == torch.float8_e4m3fn for n in fp8 if n in streamed)
+    with torch.no_grad():
+        outs = [_out(model(**_to(inputs, dev))).clone() for _ in range(2)]
+    for o in outs:
+        assert torch.equal(_bits(o), _bits(ref)), f"{name} fp8 on {dev}: the streamed output differs from the resident one"
+    # The bytes a step are the stored ones, fp8 weights at one byte each: fewer
+    # than the same blocks in bf16.
+    numel = lambda p: torch.Size(p.shape).numel()
+    stored = sum(p.nbytes for p in streamed.values())
+    assert stored == sum(numel(p) * (1 if p.dtype == torch.float8_e4m3fn else 2) for p in streamed.values())
+    step = h.metrics()["bytes_copied"]
+    assert stored <= step < sum(2 * numel(p) for p in streamed.values()), f"{step} bytes a step"
+    assert h.violations() == []
+    offload.disable(model)
+    model.to(dev)
+    _same_snapshot(before, _snapshot(model))
+    assert all(p.dtype == torch.float8_e4m3fn for n, p in model.named_parameters() if n in fp8)
+
+
 @pytest.mark.parametrize("name", ["flux", "t5"])
 def test_finds_the_block_lists_of_real_classes(name):
     model, _, _ = MODELS[name]()

@@ -32,6 +32,8 @@ for _name, _code in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2")):
         _DTYPES[getattr(torch, _name)] = _code
 
 _GiB = 1 << 30
+# diffusers hooks that compose with streaming: layerwise casting (`enable_layerwise_casting`).
+_COMPOSES = {"layerwise_casting", "peft_autocast_disable"}
 
 
 def find_blocks(module: nn.Module) -> list[str]:
@@ -213,8 +215,12 @@ def _refuse_other_offloading(module: nn.Module, component: str) -> None:
         if getattr(m, _STATE, None) is not None:
             raise OffloadError(f"component {component!r}: {type(m).__name__} is already offloaded by this package (disable it first)")
         reg = getattr(m, "_diffusers_hook", None)
-        if reg is not None and getattr(reg, "hooks", None):
-            names = ", ".join(sorted(reg.hooks))
+        # Layerwise casting only changes a layer's dtype around its forward: it
+        # composes with streaming (the blocks cross in the storage dtype, each
+        # layer is upcast on the device as it would be resident).
+        others = set(getattr(reg, "hooks", None) or ()) - _COMPOSES
+        if others:
+            names = ", ".join(sorted(others))
             raise OffloadError(f"component {component!r}: {type(m).__name__} has diffusers hooks ({names}); remove them first")
         if getattr(m, "_hf_hook", None) is not None:
             raise OffloadError(f"component {component!r}: {type(m).__name__} has an accelerate hook (remove_hook_from_module first)")

@@ -235,6 +235,9 @@ def main():
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--depth", type=int, default=1, help="the package's prefetch depth (mode offload)")
+    ap.add_argument("--storage", choices=("bf16", "fp8"), default="bf16",
+                    help="fp8: diffusers' layerwise casting (float8_e4m3fn storage, bf16 compute) on every mode, "
+                         "resident included; the rows name the model MODEL-fp8")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     modes = a.mode.split(",")
@@ -248,6 +251,13 @@ def main():
     model = build(spec["reference"])
     torch.cuda.synchronize()
     print(f"setup: model built and filled on the device in {time.perf_counter() - t0:.1f} s", flush=True)
+    if a.storage == "fp8":
+        # The weights stored as fp8, each layer upcast to bf16 for its forward, in
+        # every mode (resident, the package, diffusers' group offloading).
+        from diffusers.hooks import apply_layerwise_casting
+        apply_layerwise_casting(model, storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16, skip_modules_pattern="auto")
+        a.model = f"{a.model}-fp8"
+        print(f"setup: layerwise casting to fp8, {sum(p.numel() for p in model.parameters() if p.dtype == torch.float8_e4m3fn) / 1e9:.2f} G weights fp8", flush=True)
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     out, act, ref = [], {}, {}

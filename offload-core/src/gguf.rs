@@ -12,12 +12,13 @@
 //! error naming the tensor and the type.
 
 use crate::error::{Error, Result};
-use crate::source::{FileRegion, HostRegion, TensorSource};
+use crate::source::{check_region_is, FileIdentity, FileRegion, HostRegion, RegionSource, TensorSource};
 use crate::tensor::{DType, TensorSpec};
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::{BufReader, Read};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 /// A metadata value.
 #[derive(Clone, Debug, PartialEq)]
@@ -115,7 +116,11 @@ pub struct GgufFile {
     /// Absolute file offsets of each tensor's data.
     offsets: Vec<u64>,
     alignment: u64,
-    region: FileRegion,
+    /// The whole file as a region: positioned reads until a backend maps it
+    /// ([`set_region`](GgufFile::set_region)).
+    region: Arc<dyn HostRegion>,
+    /// The file's identity when the header was read.
+    opened: FileIdentity,
 }
 
 impl std::fmt::Debug for GgufFile {
@@ -294,7 +299,8 @@ impl GgufFile {
         }
         let offsets = rel.iter().map(|&(a, _)| data_start + a).collect();
         let region = FileRegion::new(&path, file.try_clone().map_err(io)?)?;
-        Ok(GgufFile { path, version, metadata, specs, offsets, alignment, region })
+        let opened = region.identity();
+        Ok(GgufFile { path, version, metadata, specs, offsets, alignment, region: Arc::new(region), opened })
     }
 
     /// The file's path.
@@ -320,6 +326,29 @@ impl GgufFile {
     /// Where tensor `index`'s bytes start in the file.
     pub fn data_offset(&self, index: usize) -> u64 {
         self.offsets[index]
+    }
+
+    /// Serve the tensors from `region` (the file mapped by a backend) instead of
+    /// positioned reads. It must be this file as its header was read (length and
+    /// identity checked), as [`SafetensorsFile::set_region`](crate::SafetensorsFile::set_region) requires.
+    pub fn set_region(&mut self, region: Arc<dyn HostRegion>) -> Result<()> {
+        check_region_is(&self.path, &self.opened, &region)?;
+        self.region = region;
+        Ok(())
+    }
+}
+
+/// The mapped host tier serves a block from the file in place where its tensors
+/// lie as the store lays them out (each at a multiple of 256 bytes from the
+/// block's first). GGUF aligns tensors to 32 bytes, so that holds where the
+/// tensors' sizes are whole multiples of 256 (the common shapes); any other block
+/// is copied from the file, counted, with the reason.
+impl RegionSource for GgufFile {
+    fn region(&self) -> Arc<dyn HostRegion> {
+        self.region.clone()
+    }
+    fn tensor_offset(&self, index: usize) -> usize {
+        self.offsets[index] as usize
     }
 }
 

@@ -51,6 +51,7 @@ pub mod discovery;
 pub mod disk;
 pub mod error;
 pub mod fault;
+pub mod fp8;
 pub mod gguf;
 pub mod hook;
 pub mod host;
@@ -71,6 +72,7 @@ pub use discovery::{BlockDiscovery, BlockId, BlockSpec, ComponentInventory, Decl
 pub use disk::DiskFile;
 pub use error::{Error, Result};
 pub use fault::{FaultInjector, FaultKind};
+pub use fp8::{fp8_weights, Fp8Convention, Fp8Weight, Fp8Weights};
 pub use gguf::{GgufFile, GgufValue};
 pub use hook::{BlockContext, BlockSource, Hook, TraceRecorder};
 pub use host::{Fill, HostBuf, HostBuffer, HostCapabilities, HostKind, HostMemory};

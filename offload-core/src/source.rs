@@ -214,18 +214,7 @@ impl SafetensorsFile {
     /// checked against the file's when its header was read, so a mapping of
     /// another file of the same length, or of this one written since, is refused.
     pub fn set_region(&mut self, region: Arc<dyn HostRegion>) -> Result<()> {
-        let want = self.region.len();
-        let bad = |fault: String| Error::BadCheckpoint { path: self.path.clone(), tensor: String::new(), fault };
-        if region.len() != want {
-            return Err(bad(format!("a region of {} bytes given for a {want}-byte file", region.len())));
-        }
-        match region.file_identity() {
-            None => return Err(bad(format!("{} is not a file whose identity can be checked", region.origin()))),
-            Some(id) => {
-                self.opened.compare(&self.path, &id).map_err(|e| bad(format!("{} is not this file as opened: {e}", region.origin())))?
-            }
-        }
-        region.check()?;
+        check_region_is(&self.path, &self.opened, &region)?;
         self.region = region;
         Ok(())
     }
@@ -289,6 +278,23 @@ pub trait HostRegion: Send + Sync + 'static {
     fn registration(&self) -> Option<String> {
         None
     }
+}
+
+/// That `region` holds the file at `path` as it was when `opened` was recorded:
+/// its length and its file's identity (device, inode, length, modification and
+/// change times) checked, so a mapping of another file of the same length, or of
+/// this one written since, is refused.
+pub(crate) fn check_region_is(path: &Path, opened: &FileIdentity, region: &Arc<dyn HostRegion>) -> Result<()> {
+    let want = opened.len as usize;
+    let bad = |fault: String| Error::BadCheckpoint { path: path.to_path_buf(), tensor: String::new(), fault };
+    if region.len() != want {
+        return Err(bad(format!("a region of {} bytes given for a {want}-byte file", region.len())));
+    }
+    match region.file_identity() {
+        None => return Err(bad(format!("{} is not a file whose identity can be checked", region.origin()))),
+        Some(id) => opened.compare(path, &id).map_err(|e| bad(format!("{} is not this file as opened: {e}", region.origin())))?,
+    }
+    region.check()
 }
 
 /// A source whose tensors lie in one [`HostRegion`]: the host store can serve a
@@ -387,6 +393,11 @@ impl FileRegion {
     pub fn new(path: &Path, file: File) -> Result<Self> {
         let m = file.metadata().map_err(|source| Error::Io { path: path.to_path_buf(), source })?;
         Ok(FileRegion { path: path.to_path_buf(), file, identity: FileIdentity::of(&m) })
+    }
+
+    /// The identity recorded when the region was made.
+    pub fn identity(&self) -> FileIdentity {
+        self.identity
     }
 
     /// The open file (for a backend that maps it).

@@ -1,0 +1,131 @@
+//! fp8 checkpoints streamed as stored: a safetensors file of fp8 weights with
+//! per-channel scales (the `weight_scale` convention), read through the host
+//! store (copied and mapped tiers) and the ring on the simulated device, each
+//! block dequantised from the slot's bytes: bitwise equal to the resident run
+//! from the same file, at one byte a weight on the link. A missing scale is an
+//! error naming the weight.
+
+use offload_core::fp8::{dequantize_to_bf16, Granularity};
+use offload_core::sim::SimBackend;
+use offload_core::{
+    fp8_weights, resolve, BlockDiscovery, Fp8Convention, HostStore, NameDiscovery, PinOptions, Plan, Ring, SafetensorsFile, TensorSource,
+};
+use rand::{Rng, SeedableRng};
+use std::collections::HashMap;
+use std::sync::Arc;
+
+const OUT: usize = 32;
+const IN: usize = 32;
+const DEPTH: usize = 4;
+
+fn write(path: &std::path::Path, with_scale: impl Fn(usize) -> bool) {
+    let mut rng = rand::rngs::StdRng::from_entropy();
+    let mut data: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
+    for i in 0..DEPTH {
+        // fp8 e4m3 bytes, NaNs (S.1111.111) excluded: the weights of a real checkpoint.
+        let w: Vec<u8> = (0..OUT * IN)
+            .map(|_| loop {
+                let b: u8 = rng.gen();
+                if b & 0x7f != 0x7f {
+                    break b;
+                }
+            })
+            .collect();
+        data.push((format!("blocks.{i}.ff.weight"), safetensors::Dtype::F8_E4M3, vec![OUT, IN], w));
+        if with_scale(i) {
+            let s: Vec<u8> = (0..OUT).flat_map(|_| (rng.gen_range(0.001f32..0.01)).to_le_bytes()).collect();
+            data.push((format!("blocks.{i}.ff.weight_scale"), safetensors::Dtype::F32, vec![OUT, 1], s));
+        }
+    }
+    let views: Vec<_> =
+        data.iter().map(|(n, d, s, b)| (n.clone(), safetensors::tensor::TensorView::new(*d, s.clone(), b).expect("valid view"))).collect();
+    std::fs::write(path, safetensors::serialize(views, &None).expect("serializes")).expect("writes");
+}
+
+/// One block: x <- x + W x, W dequantised to bf16 from its stored bytes and scales.
+fn block(x: &[f32], w: &[u8], scale: &[u8]) -> Vec<f32> {
+    let scales: Vec<f32> = scale.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+    let wq = dequantize_to_bf16(w, offload_core::DType::F8_E4M3, OUT, &scales).expect("dequantises");
+    (0..OUT).map(|j| x[j] + (0..IN).map(|k| f32::from_bits((wq[j * IN + k] as u32) << 16) * x[k]).sum::<f32>()).collect()
+}
+
+fn tmp(tag: &str) -> std::path::PathBuf {
+    std::env::temp_dir().join(format!("offload-fp8-{tag}-{}.safetensors", std::process::id()))
+}
+
+#[test]
+fn fp8_weights_with_per_channel_scales_stream_as_stored_bitwise_equal_to_resident() {
+    let path = tmp("stream");
+    write(&path, |_| true);
+    let file = SafetensorsFile::open(&path).unwrap();
+    let fp8 = fp8_weights(file.specs()).unwrap();
+    assert_eq!(fp8.convention, Fp8Convention::WeightScale);
+    assert_eq!(fp8.weights.len(), DEPTH);
+    assert!(fp8.weights.iter().all(|w| w.granularity == Granularity::PerChannel));
+
+    let x0: Vec<f32> = (0..IN).map(|k| (k as f32 * 0.37).sin()).collect();
+    // Resident: every tensor read from the file up front.
+    let bytes: HashMap<String, Vec<u8>> = file
+        .specs()
+        .iter()
+        .enumerate()
+        .map(|(i, s)| {
+            let mut b = vec![0; s.nbytes().unwrap()];
+            file.read_into(i, &mut b).unwrap();
+            (s.name.clone(), b)
+        })
+        .collect();
+    let mut resident = x0.clone();
+    for i in 0..DEPTH {
+        resident = block(&resident, &bytes[&format!("blocks.{i}.ff.weight")], &bytes[&format!("blocks.{i}.ff.weight_scale")]);
+    }
+    assert!(resident.iter().all(|v| v.is_finite()) && resident.iter().any(|v| *v != resident[0]));
+
+    let inventory = NameDiscovery.discover("transformer", file.specs()).unwrap();
+    let plan = resolve(&Plan::layerwise(), std::slice::from_ref(&inventory)).unwrap();
+    for mapped in [false, true] {
+        let sim = SimBackend::default_device();
+        let store = Arc::new(match mapped {
+            true => HostStore::build_mapped(&sim, &inventory, &file, PinOptions::default()).unwrap(),
+            false => HostStore::build(&sim, &inventory, &file).unwrap(),
+        });
+        let mut ring = Ring::new(sim.clone(), store.clone(), &plan.components[0]).unwrap();
+        let mut x = x0.clone();
+        for i in 0..DEPTH {
+            let g = ring.block("blocks", i).unwrap();
+            let part = |name: &str| {
+                let t = g.layout().tensors.iter().find(|t| t.spec.name == format!("blocks.{i}.{name}")).expect("in the block");
+                sim.read_slot(g.slot(), |b| b[t.offset..t.offset + t.nbytes].to_vec())
+            };
+            x = block(&x, &part("ff.weight"), &part("ff.weight_scale"));
+            g.finish().unwrap();
+        }
+        let m = ring.end_step().unwrap();
+        // A block holds one byte a weight and four a scale, with at most one
+        // alignment gap between them, and that is what the ring copies.
+        for b in store.blocks() {
+            assert!(b.layout.tensors.iter().any(|t| t.spec.name.ends_with("ff.weight") && t.nbytes == OUT * IN));
+            assert!(b.layout.bytes < OUT * IN + 4 * OUT + 256, "{}: {} bytes", b.id, b.layout.bytes);
+        }
+        assert_eq!(m.blocks, DEPTH as u64);
+        assert!(m.bytes_copied >= (DEPTH * (OUT * IN + 4 * OUT)) as u64, "{} bytes a step", m.bytes_copied);
+        ring.close().unwrap();
+        sim.check().expect("no protocol violation");
+        assert!(
+            x.iter().zip(&resident).all(|(a, b)| a.to_bits() == b.to_bits()),
+            "fp8 streamed ({}) differs from resident",
+            if mapped { "mapped tier" } else { "copied" }
+        );
+    }
+    let _ = std::fs::remove_file(&path);
+}
+
+#[test]
+fn an_fp8_weight_without_its_scale_is_named() {
+    let path = tmp("missing");
+    write(&path, |i| i != 2);
+    let file = SafetensorsFile::open(&path).unwrap();
+    let e = fp8_weights(file.specs()).unwrap_err().to_string();
+    let _ = std::fs::remove_file(&path);
+    assert!(e.contains("blocks.2.ff.weight") && e.contains("blocks.2.ff.weight_scale"), "{e}");
+}

@@ -167,6 +167,47 @@ pub fn fp8_to_f32(byte: u8, dtype: DType) -> Option<f32> {
     Some(sign * v)
 }
 
+/// The fp8 byte nearest `v` (ties to the even code, as a hardware cast rounds),
+/// saturating at the largest finite value; NaN to NaN. `None` for a dtype that
+/// is not fp8.
+pub fn f32_to_fp8(v: f32, dtype: DType) -> Option<u8> {
+    // The finite non-negative codes in increasing value (codes 0.. up to the largest finite).
+    static TABLES: std::sync::OnceLock<[Vec<(u8, f32)>; 2]> = std::sync::OnceLock::new();
+    let tables = TABLES.get_or_init(|| {
+        [DType::F8_E4M3, DType::F8_E5M2]
+            .map(|d| (0..=0x7fu8).filter_map(|b| fp8_to_f32(b, d).filter(|x| x.is_finite()).map(|x| (b, x))).collect())
+    });
+    let finite = match dtype {
+        DType::F8_E4M3 => &tables[0],
+        DType::F8_E5M2 => &tables[1],
+        _ => return None,
+    };
+    if v.is_nan() {
+        return Some(if dtype == DType::F8_E4M3 { 0x7f } else { 0x7e });
+    }
+    let sign = if v.is_sign_negative() { 0x80 } else { 0 };
+    let a = v.abs();
+    let i = finite.partition_point(|&(_, x)| x < a);
+    let code = match (finite.get(i.wrapping_sub(1)), finite.get(i)) {
+        (_, Some(&(c, x))) if x == a => c,
+        (Some(&(lo, xl)), Some(&(hi, xh))) => match (a - xl).partial_cmp(&(xh - a)) {
+            Some(std::cmp::Ordering::Less) => lo,
+            Some(std::cmp::Ordering::Greater) => hi,
+            _ => {
+                if lo % 2 == 0 {
+                    lo
+                } else {
+                    hi
+                }
+            }
+        },
+        (Some(&(c, _)), None) => c,
+        (None, Some(&(c, _))) => c,
+        (None, None) => return None,
+    };
+    Some(sign | code)
+}
+
 /// `f32` to `bf16` bits, rounded to nearest even (NaN kept a quiet NaN).
 pub fn f32_to_bf16(v: f32) -> u16 {
     let b = v.to_bits();
@@ -234,6 +275,29 @@ mod tests {
                 assert_eq!(f32::from_bits((f32_to_bf16(v) as u32) << 16), v, "{b:#x}");
             }
         }
+    }
+
+    #[test]
+    fn the_fp8_cast_is_nearest_ties_to_even_and_saturates() {
+        for d in [DType::F8_E4M3, DType::F8_E5M2] {
+            for b in 0..=255u8 {
+                let v = fp8_to_f32(b, d).unwrap();
+                if v.is_finite() && !(v == 0.0 && b == 0x80) {
+                    assert_eq!(f32_to_fp8(v, d), Some(b), "{b:#x} as {d:?} round trips");
+                }
+            }
+        }
+        let e4 = DType::F8_E4M3;
+        // 1.0 (0x38) and 1.125 (0x39): halfway goes to the even code, 1.0.
+        assert_eq!(f32_to_fp8(1.0625, e4), Some(0x38));
+        // 1.125 (0x39) and 1.25 (0x3a): halfway to 1.25.
+        assert_eq!(f32_to_fp8(1.1875, e4), Some(0x3a));
+        assert_eq!(f32_to_fp8(1.05, e4), Some(0x38));
+        assert_eq!(f32_to_fp8(1.07, e4), Some(0x39));
+        assert_eq!(f32_to_fp8(-1.2, e4), Some(0xba));
+        assert_eq!(f32_to_fp8(1e6, e4), Some(0x7e));
+        assert_eq!(f32_to_fp8(2f32.powi(-12), e4), Some(0x00));
+        assert_eq!(f32_to_fp8(0.5, DType::BF16), None);
     }
 
     #[test]

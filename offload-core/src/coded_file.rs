@@ -104,8 +104,8 @@ pub struct CodedFileStats {
 /// use offload_core::{sim::SimBackend, *};
 /// let mut tensors = MemoryTensors::new();
 /// for i in 0..3 {
-///     let w: Vec<u8> = (0..4096u32).flat_map(|v| (0x3c00u16 + (v * 7 + i) as u16 % 200).to_le_bytes()).collect();
-///     tensors.push(TensorSpec::new(format!("blocks.{i}.w"), DType::BF16, [4096]), w)?;
+///     let w: Vec<u8> = (0..65536u32).flat_map(|v| (0x3c00u16 + (v * 7 + i) as u16 % 200).to_le_bytes()).collect();
+///     tensors.push(TensorSpec::new(format!("blocks.{i}.w"), DType::BF16, [65536]), w)?;
 /// }
 /// let inventory = NameDiscovery.discover("transformer", tensors.specs())?;
 /// let path = CodedFile::path_for(std::env::temp_dir().join(format!("doc-{}.safetensors", std::process::id())));

@@ -190,7 +190,7 @@ mod tests {
         assert!(!b.is_pinned() && b.held_bytes().is_none() && b.block_bytes().expect("bytes") == [7u8; 64]);
         let coding = SimBackend::new(SimConfig::fast());
         assert!(coding.host().capabilities().coded && coding.host().capabilities().pinned);
-        let c = coding.host().alloc(HostKind::Coded, 4096, "blocks.1", &mut |d| {
+        let c = coding.host().alloc(HostKind::Coded, 64 << 10, "blocks.1", &mut |d| {
             d.iter_mut().enumerate().for_each(|(i, x)| *x = (i % 3) as u8);
             Ok(())
         });

@@ -418,6 +418,11 @@ impl SimBackend {
     fn alloc_coded(&self, bytes: usize, purpose: &str, fill: Fill<'_>) -> Result<SimHost> {
         let host = self.alloc_locked(bytes, purpose, fill)?;
         let coded = crate::codec::code_for_device(&host.raw, SIM_SEGMENT_BYTES, 2);
+        if coded.len() >= bytes {
+            // Coding does not shrink this block (dense bytes: GGUF blocks, random
+            // data): held raw, so a coded store never sends more than the raw bytes.
+            return Ok(host);
+        }
         // The page-locked bytes are the coded ones (the raw copy is the simulator's own).
         let mut st = lock(&self.inner.state);
         let counted = |n: usize| if host.pinned { n as u64 } else { 0 };

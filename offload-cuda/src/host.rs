@@ -46,7 +46,8 @@ impl PinnedHost {
 
     /// The block of `len` bytes `fill` writes, coded for the device
     /// (`code_for_device` with `coding`'s options) into page-locked memory; the
-    /// raw bytes are held only while coding.
+    /// raw bytes are held only while coding. A block coding does not shrink is
+    /// held raw (plain page-locked bytes, copied without a decode).
     pub(crate) fn new_coded(
         engine: Arc<Engine>,
         coding: &Coding,
@@ -58,6 +59,19 @@ impl PinnedHost {
         fill(&mut raw)?;
         let o = coding.options;
         let coded = offload_core::codec::code_for_device(&raw, o.segment_bytes, o.threads);
+        if coded.len() >= len {
+            // Coding does not shrink this block (dense bytes: GGUF blocks, random
+            // data): held raw, so a coded store never sends more than the raw bytes.
+            return PinnedHost::new(
+                engine,
+                len,
+                &mut |dst| {
+                    dst.copy_from_slice(&raw);
+                    Ok(())
+                },
+                purpose,
+            );
+        }
         drop(raw);
         let info = CodedHost::new(coding, &coded, len, purpose)?;
         let mut me = PinnedHost::new(

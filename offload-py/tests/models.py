@@ -21,7 +21,9 @@ def _rand(*shape, seed: int, dtype=torch.bfloat16) -> torch.Tensor:
     return torch.randn(*shape, generator=g, dtype=torch.float32).to(dtype)
 
 
-def flux():
+def flux(head_dim: int = 16):
+    """A tiny Flux transformer; ``head_dim=64`` gives blocks of a few MiB, where
+    coding pays (it does not on a few KiB: each coded string carries its table)."""
     from diffusers import FluxTransformer2DModel
 
     m = FluxTransformer2DModel(
@@ -29,12 +31,12 @@ def flux():
         in_channels=8,
         num_layers=2,
         num_single_layers=3,
-        attention_head_dim=16,
+        attention_head_dim=head_dim,
         num_attention_heads=2,
         joint_attention_dim=32,
         pooled_projection_dim=32,
         guidance_embeds=True,
-        axes_dims_rope=(4, 4, 8),
+        axes_dims_rope=(head_dim // 4, head_dim // 4, head_dim // 2),
     )
     seq, txt = 16, 7
     img_ids = torch.stack(torch.meshgrid(torch.zeros(1), torch.arange(4.0), torch.arange(4.0), indexing="ij"), -1).reshape(seq, 3)

@@ -600,7 +600,7 @@ fn coded_file<H: Harness>(s: Sabotage) -> Outcome {
     std::fs::create_dir_all(&dir)?;
     let path = offload_core::CodedFile::path_for(dir.join("model.safetensors"));
     let result = (|| {
-        offload_core::CodedFile::write(&path, &model.inventory, &model.tensors, 4096, 2)?;
+        offload_core::CodedFile::write(&path, &model.inventory, &model.tensors, 64 << 10, 2)?;
         let backend = FaultInjector::new(H::backend()?);
         let base = H::live_bytes(backend.inner());
         let pin = offload_core::PinOptions::default();
@@ -608,7 +608,11 @@ fn coded_file<H: Harness>(s: Sabotage) -> Outcome {
             let cf = offload_core::CodedFile::open(&path)?;
             let store = Arc::new(HostStore::build_from_coded_file(&backend, &model.inventory, &model.tensors, pin, &cf)?);
             let buffers = store.blocks().len() + usize::from(store.non_block().is_some());
-            let want = if H::decodes() { buffers } else { 0 };
+            // Held coded: every entry coding shrank (the blocks; not the head's
+            // uniform bytes, held raw as a build that codes holds them).
+            let shrank = cf.entries().iter().filter(|e| e.len < e.raw_bytes).count();
+            ensure!(shrank >= store.blocks().len(), "the file's blocks did not shrink ({shrank} of {buffers} entries)");
+            let want = if H::decodes() { shrank } else { 0 };
             ensure!(store.coded_blocks() == want, "{} of {buffers} buffers held coded, {want} expected", store.coded_blocks());
             let rc = resolve(&Plan::layerwise().prefetch_depth(2), std::slice::from_ref(&model.inventory))?.components.remove(0);
             let mut ring = Ring::new(backend.clone(), store.clone(), &rc)?;
@@ -648,13 +652,18 @@ fn coded_file<H: Harness>(s: Sabotage) -> Outcome {
         // hashes of the weights untouched. Only decoding at load finds it.
         let forged = |block: &str, coded: &mut Vec<u8>| {
             if block == entry.block {
+                // A sign-and-mantissa byte of its first coded segment: the
+                // structure stays valid, only the decoded bytes differ.
                 if let Ok((_, segs)) = offload_core::codec::device_segments(coded, "forge") {
-                    coded[segs[0].enc_at + 24 + 100] ^= 0x08;
+                    if let Some(sg) = segs.iter().find(|sg| sg.coded.is_some()) {
+                        let sm_at = sg.coded.as_ref().map_or(0, |c| c.1.sm_at);
+                        coded[sg.enc_at + sm_at + 100] ^= 0x08;
+                    }
                 }
             }
         };
         let piece = offload_core::coded_file::PIECE_BYTES;
-        offload_core::CodedFile::write_with(&path, &model.inventory, &model.tensors, 4096, 2, piece, 2, &forged)?;
+        offload_core::CodedFile::write_with(&path, &model.inventory, &model.tensors, 64 << 10, 2, piece, 2, &forged)?;
         let cf = offload_core::CodedFile::open(&path)?;
         offload_core::store::sabotage::trust_coded(s == Sabotage::TrustCodedFile);
         let built = HostStore::build_from_coded_file(&backend, &model.inventory, &model.tensors, pin, &cf);

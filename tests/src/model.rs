@@ -35,7 +35,7 @@ pub struct TestModel {
 
 /// `len` bytes of little-endian bf16 values, normal with a scale drawn per tensor
 /// (an odd last byte uniform).
-fn normal_bf16_bytes(rng: &mut rand::rngs::StdRng, len: usize) -> Vec<u8> {
+pub fn normal_bf16_bytes(rng: &mut rand::rngs::StdRng, len: usize) -> Vec<u8> {
     let sd = 0.01 + rng.gen::<f64>() * 0.2;
     let mut out = Vec::with_capacity(len);
     while out.len() + 2 <= len {

@@ -12,6 +12,7 @@ use offload_tests::checkpoint::{load_on_sim, valid_checkpoint};
 use offload_tests::model::{ModelShape, TestModel};
 use offload_tests::sim_harness::sim_step as run;
 use proptest::prelude::*;
+use rand::{Rng as _, SeedableRng as _};
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -232,10 +233,13 @@ fn coded_blocks_stream_the_same_bytes_on_the_simulated_device() {
     let model = TestModel::random(&ModelShape { stacks: vec![3, 2], ..Default::default() }, 6);
     let sim = SimBackend::new(SimConfig { max_copy_delay_us: 300, ..Default::default() });
     let store = Arc::new(HostStore::build_with(&sim, &model.inventory, &model.tensors, PinOptions::from_plan(&plan.default)).unwrap());
-    assert_eq!(store.coded_blocks(), store.blocks().len() + usize::from(store.non_block().is_some()), "every buffer coded");
-    // The store counts what its buffers hold: the coded bytes, all page-locked.
+    // Every block coded (their bf16 tensors shrink); the non-block tensors'
+    // uniform bytes do not, and are held raw.
+    assert_eq!(store.coded_blocks(), store.blocks().len(), "every block coded");
+    assert_eq!(store.non_block().and_then(|b| b.buffer().unwrap().held_bytes()), None, "the head held raw");
+    // The store counts what its buffers hold: the coded bytes (the head's own), all page-locked.
     let all = || store.blocks().iter().chain(store.non_block());
-    let held: u64 = all().map(|b| b.buffer().unwrap().held_bytes().expect("held coded") as u64).sum();
+    let held: u64 = all().map(|b| b.buffer().unwrap().held_bytes().unwrap_or(b.bytes()) as u64).sum();
     let block_bytes: u64 = all().map(|b| b.bytes() as u64).sum();
     assert_ne!(held, block_bytes, "coded buffers hold other than their blocks' bytes");
     assert_eq!((store.host_bytes(), store.pinned_bytes(), sim.stats().pinned_bytes), (held, held, held), "host bytes counted as held");
@@ -258,13 +262,54 @@ fn coded_blocks_stream_the_same_bytes_on_the_simulated_device() {
     assert!(again.violations.is_empty(), "{:?}", again.violations);
 }
 
-/// A coded block is charged to the pin budget at the size it holds, through
-/// wrappers too (the fault injector): where its coded bytes do not fit what the
-/// budget has left, it is held pageable (or the build fails, naming it), so the
-/// page-locked bytes never pass the budget.
+/// Coding is kept only where it pays: a block whose coded form would not be
+/// smaller than its bytes (dense data: GGUF blocks, random bytes) is held raw and
+/// copied without a decode, counted as not coded, so a coded store never sends
+/// more bytes than the raw blocks.
 #[test]
-fn coded_blocks_are_charged_to_the_pin_budget_at_their_coded_size() {
-    // Blocks of random bytes: incompressible, so each is coded raw, with its headers.
+fn a_block_coding_does_not_shrink_is_held_raw_and_counted_so() {
+    let plan = Plan { default: ComponentPlan { coded: true, ..Default::default() }, ..Default::default() };
+    let mut tensors = offload_core::MemoryTensors::new();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(35);
+    for b in 0..3 {
+        // Block 1 holds uniform bytes only; blocks 0 and 2 hold bf16 weights.
+        let bytes: Vec<u8> = match b {
+            1 => (0..64 << 10).map(|_| rng.gen()).collect(),
+            _ => offload_tests::model::normal_bf16_bytes(&mut rng, 64 << 10),
+        };
+        tensors.push(offload_core::TensorSpec::new(format!("blocks.{b}.w"), offload_core::DType::U8, [bytes.len()]), bytes).unwrap();
+    }
+    let inventory = offload_core::BlockDiscovery::discover(&offload_core::NameDiscovery, "transformer", tensors.specs()).unwrap();
+    let sim = SimBackend::default_device();
+    let store = Arc::new(HostStore::build_with(&sim, &inventory, &tensors, PinOptions::from_plan(&plan.default)).unwrap());
+    assert_eq!(store.coded_blocks(), 2, "the uniform block is not counted coded");
+    let held = |i: usize| store.blocks()[i].buffer().unwrap().held_bytes();
+    assert!(held(0).is_some_and(|h| h < 64 << 10) && held(2).is_some());
+    assert_eq!(held(1), None, "held as its raw bytes");
+    assert!(store.host_bytes() <= 3 * (64 << 10), "{} bytes held for 3 x 64 KiB", store.host_bytes());
+    let rc = resolve(&plan, std::slice::from_ref(&inventory)).unwrap().components.remove(0);
+    let mut ring = Ring::new(sim.clone(), store.clone(), &rc).unwrap();
+    for i in 0..3 {
+        let g = ring.block("blocks", i).unwrap();
+        let got = sim.read_slot(g.slot(), |b| b[..64 << 10].to_vec());
+        let mut want = vec![0u8; 64 << 10];
+        tensors.read_into(i, &mut want).unwrap();
+        assert!(got == want, "block {i}: streamed bytes differ");
+        g.finish().unwrap();
+    }
+    let m = ring.end_step().unwrap();
+    ring.close().unwrap();
+    assert!(m.bytes_copied <= 4 * (64 << 10), "{} bytes on the wire", m.bytes_copied);
+    assert!(sim.stats().violations.is_empty());
+}
+
+/// A coded store never holds more page-locked bytes than its blocks' own size,
+/// through wrappers too (the fault injector): incompressible blocks are held
+/// raw, so a pin budget of the blocks' size holds the whole store page-locked,
+/// and one byte less fails naming the block (or falls back to pageable).
+#[test]
+fn coded_blocks_never_hold_more_than_their_bytes_under_a_pin_budget() {
+    // Blocks of random bytes: incompressible, so each is held raw.
     let mut tensors = offload_core::MemoryTensors::new();
     let mut x = 11u64;
     for i in 0..4 {
@@ -282,23 +327,22 @@ fn coded_blocks_are_charged_to_the_pin_budget_at_their_coded_size() {
     let fi = FaultInjector::new(SimBackend::new(SimConfig::default()));
     let coded = PinOptions { budget_bytes: None, fallback: PinFallback::Fail, coded: true };
     let full = HostStore::build_with(&fi, &inventory, &tensors, coded).unwrap();
-    let held: Vec<u64> = full.blocks().iter().chain(full.non_block()).map(|b| b.buffer().unwrap().held_bytes().unwrap() as u64).collect();
-    let total: u64 = held.iter().sum();
-    assert_eq!((full.host_bytes(), full.pinned_bytes()), (total, total), "through the fault injector, counted as held");
-    // A budget one byte short of what the coded buffers hold, but over every block's own size.
     let raw = full.laid_out_bytes();
+    assert_eq!(full.coded_blocks(), 0, "no incompressible block held coded");
+    assert!(full.blocks().iter().all(|b| b.buffer().unwrap().held_bytes().is_none()));
+    assert_eq!((full.host_bytes(), full.pinned_bytes()), (raw, raw), "through the fault injector, held as their bytes");
     drop(full);
-    let budget = total - 1;
-    assert!(raw <= budget, "the test wants coded blocks larger than their blocks: {raw} raw, {total} coded");
-    let pageable = PinOptions { budget_bytes: Some(budget), fallback: PinFallback::Pageable, coded: true };
-    let s = HostStore::build_with(&fi, &inventory, &tensors, pageable).unwrap();
-    assert!(s.pinned_bytes() <= budget, "{} page-locked bytes over a budget of {budget}", s.pinned_bytes());
-    assert!(!s.is_pinned(), "the block that did not fit is held pageable");
-    assert_eq!(s.coded_blocks(), s.blocks().len() + usize::from(s.non_block().is_some()) - 1, "the pageable block is held as it is");
+    let exact = PinOptions { budget_bytes: Some(raw), fallback: PinFallback::Fail, coded: true };
+    let s = HostStore::build_with(&fi, &inventory, &tensors, exact).unwrap();
+    assert!(s.is_pinned() && s.pinned_bytes() == raw);
     drop(s);
-    let fail = PinOptions { budget_bytes: Some(budget), fallback: PinFallback::Fail, coded: true };
+    let pageable = PinOptions { budget_bytes: Some(raw - 1), fallback: PinFallback::Pageable, coded: true };
+    let s = HostStore::build_with(&fi, &inventory, &tensors, pageable).unwrap();
+    assert!(s.pinned_bytes() < raw && !s.is_pinned(), "the block that did not fit is held pageable");
+    drop(s);
+    let fail = PinOptions { budget_bytes: Some(raw - 1), fallback: PinFallback::Fail, coded: true };
     let e = HostStore::build_with(&fi, &inventory, &tensors, fail).err().expect("over the budget").to_string();
-    assert!(e.contains("coded as") && e.contains("pin budget") && e.contains("model/blocks."), "{e}");
+    assert!(e.contains("pin budget") && e.contains("model/blocks."), "{e}");
 }
 
 /// On a device that cannot decode (the simulator without its decoder) a plan's

@@ -151,3 +151,107 @@ fn a_quant_type_offload_does_not_take_is_named_with_its_tensor() {
     let _ = std::fs::remove_file(&p);
     assert!(e.contains("blocks.0.odd") && e.contains("Q4_0"), "{e}");
 }
+
+/// A Flux GGUF file as the Flux GGUF releases name it (BFL's names: fused
+/// `qkv`, `linear1`, `final_layer.adaLN_modulation.1`), written by candle's
+/// writer with Q8_0 weights, seen through `flux_bfl_to_diffusers`: exactly the
+/// parameters of diffusers' `FluxTransformer2DModel` (names and shapes, from
+/// `tests/data/flux-diffusers-names.txt`, which a pytest row checks against
+/// diffusers itself), each the right rows of its fused tensor as stored, and
+/// streamed through the ring as candle `QTensor`s.
+#[test]
+fn a_bfl_named_flux_gguf_streams_under_diffusers_names() {
+    use offload_core::{flux_bfl_to_diffusers, Renamed};
+    let (h, hd, mlp) = (64usize, 32usize, 256usize);
+    let dev = Device::Cpu;
+    let q = |shape: &[usize]| {
+        let t = Tensor::randn(0f32, 0.05, shape, &dev).unwrap();
+        // Q8_0 where the innermost dimension is whole blocks of 32; f32 otherwise.
+        let dt = if shape.len() == 2 && shape[1] % 32 == 0 { GgmlDType::Q8_0 } else { GgmlDType::F32 };
+        QTensor::quantize(&t, dt).unwrap()
+    };
+    let mut t: Vec<(String, QTensor)> = Vec::new();
+    let mut lin = |name: &str, o: usize, i: usize| {
+        t.push((format!("{name}.weight"), q(&[o, i])));
+        t.push((format!("{name}.bias"), q(&[o])));
+    };
+    for e in ["time_in", "guidance_in"] {
+        lin(&format!("{e}.in_layer"), h, 256);
+        lin(&format!("{e}.out_layer"), h, h);
+    }
+    lin("vector_in.in_layer", h, 32);
+    lin("vector_in.out_layer", h, h);
+    lin("txt_in", h, 32);
+    lin("img_in", h, 8);
+    for s in ["img", "txt"] {
+        lin(&format!("double_blocks.0.{s}_mod.lin"), 6 * h, h);
+        lin(&format!("double_blocks.0.{s}_attn.qkv"), 3 * h, h);
+        lin(&format!("double_blocks.0.{s}_attn.proj"), h, h);
+        lin(&format!("double_blocks.0.{s}_mlp.0"), mlp, h);
+        lin(&format!("double_blocks.0.{s}_mlp.2"), h, mlp);
+    }
+    lin("single_blocks.0.modulation.lin", 3 * h, h);
+    lin("single_blocks.0.linear1", 3 * h + mlp, h);
+    lin("single_blocks.0.linear2", h, h + mlp);
+    lin("final_layer.linear", 8, h);
+    lin("final_layer.adaLN_modulation.1", 2 * h, h);
+    for n in ["double_blocks.0.img_attn.norm", "double_blocks.0.txt_attn.norm", "single_blocks.0.norm"] {
+        for k in ["query_norm", "key_norm"] {
+            t.push((format!("{n}.{k}.scale"), q(&[hd])));
+        }
+    }
+    let p = path("bfl");
+    let refs: Vec<(&str, &QTensor)> = t.iter().map(|(n, q)| (n.as_str(), q)).collect();
+    gguf_file::write(&mut std::fs::File::create(&p).unwrap(), &[], &refs).unwrap();
+
+    let file = GgufFile::open(&p).unwrap();
+    let src = |name: &str| t.iter().find(|(n, _)| n == name).unwrap().1.data().unwrap().to_vec();
+    let renamed = Renamed::new(GgufFile::open(&p).unwrap(), flux_bfl_to_diffusers(file.specs()).unwrap()).unwrap();
+    let mut got: Vec<String> = renamed
+        .specs()
+        .iter()
+        .map(|s| format!("{} {}", s.name, s.shape.iter().map(|d| d.to_string()).collect::<Vec<_>>().join("x")))
+        .collect();
+    let mut want: Vec<String> = include_str!("../../tests/data/flux-diffusers-names.txt").lines().map(str::to_owned).collect();
+    got.sort();
+    want.sort();
+    assert_eq!(got, want, "the renamed file is not diffusers' Flux");
+    // The rows of the fused tensors, as stored.
+    let read = |name: &str| {
+        let i = renamed.specs().iter().position(|s| s.name == name).unwrap();
+        let mut b = vec![0; renamed.specs()[i].nbytes().unwrap()];
+        renamed.read_into(i, &mut b).unwrap();
+        b
+    };
+    let qkv = src("double_blocks.0.img_attn.qkv.weight");
+    let third = qkv.len() / 3;
+    assert!(read("transformer_blocks.0.attn.to_k.weight") == qkv[third..2 * third]);
+    let l1 = src("single_blocks.0.linear1.bias");
+    assert!(read("single_transformer_blocks.0.proj_mlp.bias") == l1[3 * h * 4..]);
+    let m = src("final_layer.adaLN_modulation.1.weight");
+    assert!(read("norm_out.linear.weight") == [&m[m.len() / 2..], &m[..m.len() / 2]].concat(), "scale and shift swapped");
+
+    // Streamed under diffusers' names: each block's q projection dequantises to the fused tensor's first rows.
+    let inventory = offload_core::DeclaredStacks::new(["transformer_blocks", "single_transformer_blocks"])
+        .discover("transformer", renamed.specs())
+        .unwrap();
+    let backend = CandleBackend::cpu();
+    let store = Arc::new(HostStore::build(&backend, &inventory, &renamed).unwrap());
+    let plan = resolve(&Plan::layerwise(), std::slice::from_ref(&inventory)).unwrap();
+    let mut ring = Ring::new(backend.clone(), store, &plan.components[0]).unwrap();
+    for (stack, fused) in
+        [("transformer_blocks", "double_blocks.0.img_attn.qkv.weight"), ("single_transformer_blocks", "single_blocks.0.linear1.weight")]
+    {
+        let g = ring.block(stack, 0).unwrap();
+        let w = backend.qtensors(g.slot(), g.layout(), &format!("{stack}.0.")).unwrap();
+        let ours = w["attn.to_q.weight"].dequantize(&dev).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let full = t.iter().find(|(n, _)| n == fused).unwrap().1.dequantize(&dev).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert!(
+            ours.iter().zip(&full[..h * h]).all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{stack}: to_q is not the fused tensor's first rows"
+        );
+        g.finish().unwrap();
+    }
+    ring.close().unwrap();
+    let _ = std::fs::remove_file(&p);
+}

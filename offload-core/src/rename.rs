@@ -1,0 +1,236 @@
+//! A checkpoint's tensors under another model's names: each new tensor is one
+//! or more runs of rows of the file's tensors, read as stored (a fused `qkv`
+//! weight split into `to_q`, `to_k`, `to_v`; quantized rows are whole blocks, so
+//! a split is a byte range). [`flux_bfl_to_diffusers`] maps Flux as Black
+//! Forest Labs and the Flux GGUF releases name it onto diffusers'
+//! `FluxTransformer2DModel`, as diffusers' own
+//! `convert_flux_transformer_checkpoint_to_diffusers` does.
+
+use crate::error::{Error, Result};
+use crate::source::{RegionSource, TensorSource};
+use crate::tensor::TensorSpec;
+use std::collections::HashMap;
+
+/// Where a new tensor's bytes lie: (the source's tensor index, byte offset in
+/// it, length), concatenated in order.
+pub type Parts = Vec<(usize, usize, usize)>;
+
+/// `inner`'s tensors under new names, each new tensor read from its parts.
+pub struct Renamed<S> {
+    inner: S,
+    specs: Vec<TensorSpec>,
+    parts: Vec<Parts>,
+}
+
+impl<S: RegionSource> Renamed<S> {
+    /// `inner` seen through `mapping` (new spec, its parts). Every part must lie
+    /// inside its tensor and the parts must add up to the new spec's size.
+    pub fn new(inner: S, mapping: Vec<(TensorSpec, Parts)>) -> Result<Self> {
+        let (mut specs, mut parts) = (Vec::with_capacity(mapping.len()), Vec::with_capacity(mapping.len()));
+        for (spec, p) in mapping {
+            let want = spec.nbytes()?;
+            let mut got = 0usize;
+            for &(i, off, len) in &p {
+                let src = inner.specs().get(i).ok_or_else(|| bad(&spec.name, format!("part of tensor {i}, which the source lacks")))?;
+                if off.checked_add(len).is_none_or(|end| end > src.nbytes().unwrap_or(0)) {
+                    return Err(bad(&spec.name, format!("bytes {off}..+{len} of {:?}, which holds {}", src.name, src.nbytes()?)));
+                }
+                got += len;
+            }
+            if got != want {
+                return Err(bad(&spec.name, format!("parts of {got} bytes for a tensor of {want}")));
+            }
+            specs.push(spec);
+            parts.push(p);
+        }
+        Ok(Renamed { inner, specs, parts })
+    }
+
+    /// The source underneath.
+    pub fn inner(&self) -> &S {
+        &self.inner
+    }
+}
+
+fn bad(tensor: &str, fault: String) -> Error {
+    Error::BadTensor { tensor: tensor.to_owned(), fault }
+}
+
+impl<S: RegionSource> TensorSource for Renamed<S> {
+    fn specs(&self) -> &[TensorSpec] {
+        &self.specs
+    }
+    fn origin(&self) -> String {
+        format!("{} (renamed)", self.inner.origin())
+    }
+    /// The parts read from the source's region (whose reads check the file is
+    /// unchanged), one after another.
+    fn read_into(&self, index: usize, dst: &mut [u8]) -> Result<()> {
+        let region = self.inner.region();
+        let mut at = 0;
+        for &(i, off, len) in &self.parts[index] {
+            region.read_at(self.inner.tensor_offset(i) + off, &mut dst[at..at + len]).map_err(|e| match e {
+                Error::BadCheckpoint { path, fault, .. } => Error::BadCheckpoint { path, tensor: self.specs[index].name.clone(), fault },
+                e => e,
+            })?;
+            at += len;
+        }
+        Ok(())
+    }
+}
+
+/// Flux's tensors as BFL names them (`double_blocks.N.img_attn.qkv.weight`,
+/// `single_blocks.N.linear1.weight`, `final_layer.adaLN_modulation.1.weight`,
+/// …; a `model.diffusion_model.` prefix is dropped) mapped onto diffusers'
+/// names: fused projections split by rows, the final modulation's shift and
+/// scale halves swapped. The hidden size comes from the shapes. A tensor the
+/// mapping does not know, or one whose rows do not split, is an error naming it:
+/// nothing is dropped silently.
+pub fn flux_bfl_to_diffusers(specs: &[TensorSpec]) -> Result<Vec<(TensorSpec, Parts)>> {
+    let by_name: HashMap<&str, usize> =
+        specs.iter().enumerate().map(|(i, s)| (s.name.strip_prefix("model.diffusion_model.").unwrap_or(&s.name), i)).collect();
+    let mut used = vec![false; specs.len()];
+    let mut out = Vec::new();
+    // (new name, source index, first row, rows)
+    let mut rows = |new: String, i: usize, first: usize, n: usize, out: &mut Vec<(TensorSpec, Parts)>| -> Result<()> {
+        let s = &specs[i];
+        let total = s.shape.first().copied().unwrap_or(1);
+        let row = s.nbytes()? / total.max(1);
+        let mut shape = s.shape.clone();
+        if let Some(d) = shape.first_mut() {
+            *d = n;
+        }
+        used[i] = true;
+        out.push((TensorSpec::new(new, s.dtype, shape), vec![(i, first * row, n * row)]));
+        Ok(())
+    };
+    let whole = |i: usize| specs[i].shape.first().copied().unwrap_or(1);
+    // Renames one to one.
+    let mut plain: Vec<(String, String)> = vec![
+        ("time_in.in_layer".into(), "time_text_embed.timestep_embedder.linear_1".into()),
+        ("time_in.out_layer".into(), "time_text_embed.timestep_embedder.linear_2".into()),
+        ("vector_in.in_layer".into(), "time_text_embed.text_embedder.linear_1".into()),
+        ("vector_in.out_layer".into(), "time_text_embed.text_embedder.linear_2".into()),
+        ("guidance_in.in_layer".into(), "time_text_embed.guidance_embedder.linear_1".into()),
+        ("guidance_in.out_layer".into(), "time_text_embed.guidance_embedder.linear_2".into()),
+        ("txt_in".into(), "context_embedder".into()),
+        ("img_in".into(), "x_embedder".into()),
+        ("final_layer.linear".into(), "proj_out".into()),
+    ];
+    let blocks = |prefix: &str| {
+        let mut v: Vec<usize> = by_name.keys().filter_map(|k| k.strip_prefix(prefix)?.split('.').next()?.parse().ok()).collect::<Vec<_>>();
+        v.sort_unstable();
+        v.dedup();
+        v
+    };
+    for n in blocks("double_blocks.") {
+        let (b, d) = (format!("double_blocks.{n}."), format!("transformer_blocks.{n}."));
+        for (from, to) in [
+            ("img_mod.lin", "norm1.linear"),
+            ("txt_mod.lin", "norm1_context.linear"),
+            ("img_attn.proj", "attn.to_out.0"),
+            ("txt_attn.proj", "attn.to_add_out"),
+            ("img_mlp.0", "ff.net.0.proj"),
+            ("img_mlp.2", "ff.net.2"),
+            ("txt_mlp.0", "ff_context.net.0.proj"),
+            ("txt_mlp.2", "ff_context.net.2"),
+        ] {
+            plain.push((format!("{b}{from}"), format!("{d}{to}")));
+        }
+        for (from, to) in [
+            ("img_attn.norm.query_norm.scale", "attn.norm_q.weight"),
+            ("img_attn.norm.key_norm.scale", "attn.norm_k.weight"),
+            ("txt_attn.norm.query_norm.scale", "attn.norm_added_q.weight"),
+            ("txt_attn.norm.key_norm.scale", "attn.norm_added_k.weight"),
+        ] {
+            if let Some(&i) = by_name.get(format!("{b}{from}").as_str()) {
+                rows(format!("{d}{to}"), i, 0, whole(i), &mut out)?;
+            }
+        }
+        for (fused, parts) in [
+            ("img_attn.qkv", ["attn.to_q", "attn.to_k", "attn.to_v"]),
+            ("txt_attn.qkv", ["attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"]),
+        ] {
+            for suffix in ["weight", "bias"] {
+                let name = format!("{b}{fused}.{suffix}");
+                let Some(&i) = by_name.get(name.as_str()) else { continue };
+                let total = whole(i);
+                if total % 3 != 0 {
+                    return Err(bad(&specs[i].name, format!("{total} rows do not split into q, k and v")));
+                }
+                for (k, p) in parts.iter().enumerate() {
+                    rows(format!("{d}{p}.{suffix}"), i, k * total / 3, total / 3, &mut out)?;
+                }
+            }
+        }
+    }
+    for n in blocks("single_blocks.") {
+        let (b, d) = (format!("single_blocks.{n}."), format!("single_transformer_blocks.{n}."));
+        plain.push((format!("{b}modulation.lin"), format!("{d}norm.linear")));
+        plain.push((format!("{b}linear2"), format!("{d}proj_out")));
+        for (from, to) in [("norm.query_norm.scale", "attn.norm_q.weight"), ("norm.key_norm.scale", "attn.norm_k.weight")] {
+            if let Some(&i) = by_name.get(format!("{b}{from}").as_str()) {
+                rows(format!("{d}{to}"), i, 0, whole(i), &mut out)?;
+            }
+        }
+        // linear1: q, k, v (hidden rows each) then the MLP's input; hidden is linear2's output.
+        let hidden = by_name.get(format!("{b}linear2.weight").as_str()).map(|&i| whole(i));
+        for suffix in ["weight", "bias"] {
+            let name = format!("{b}linear1.{suffix}");
+            let Some(&i) = by_name.get(name.as_str()) else { continue };
+            let h = hidden.ok_or_else(|| bad(&specs[i].name, format!("no {b}linear2.weight to size the split by")))?;
+            let total = whole(i);
+            if total <= 3 * h {
+                return Err(bad(&specs[i].name, format!("{total} rows: q, k, v of {h} and an MLP do not fit")));
+            }
+            for (k, p) in ["attn.to_q", "attn.to_k", "attn.to_v"].iter().enumerate() {
+                rows(format!("{d}{p}.{suffix}"), i, k * h, h, &mut out)?;
+            }
+            rows(format!("{d}proj_mlp.{suffix}"), i, 3 * h, total - 3 * h, &mut out)?;
+        }
+    }
+    for (from, to) in plain {
+        for suffix in ["weight", "bias"] {
+            if let Some(&i) = by_name.get(format!("{from}.{suffix}").as_str()) {
+                rows(format!("{to}.{suffix}"), i, 0, whole(i), &mut out)?;
+            }
+        }
+    }
+    // The final modulation: BFL's (shift, scale), diffusers' (scale, shift).
+    for suffix in ["weight", "bias"] {
+        if let Some(&i) = by_name.get(format!("final_layer.adaLN_modulation.1.{suffix}").as_str()) {
+            let s = &specs[i];
+            let total = whole(i);
+            if total % 2 != 0 {
+                return Err(bad(&s.name, format!("{total} rows do not split into shift and scale")));
+            }
+            let half = s.nbytes()? / 2;
+            used[i] = true;
+            out.push((TensorSpec::new(format!("norm_out.linear.{suffix}"), s.dtype, s.shape.clone()), vec![(i, half, half), (i, 0, half)]));
+        }
+    }
+    if let Some(i) = used.iter().position(|u| !u) {
+        return Err(bad(&specs[i].name, "a Flux checkpoint tensor the BFL-to-diffusers mapping does not know".into()));
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tensor::DType;
+
+    #[test]
+    fn an_unknown_tensor_or_a_fused_tensor_that_does_not_split_is_named() {
+        let t = |n: &str, s: &[usize]| TensorSpec::new(n, DType::BF16, s);
+        let e = flux_bfl_to_diffusers(&[t("img_in.weight", &[4, 4]), t("lora_up.weight", &[4, 4])]).unwrap_err().to_string();
+        assert!(e.contains("lora_up.weight") && e.contains("does not know"), "{e}");
+        let e = flux_bfl_to_diffusers(&[t("double_blocks.0.img_attn.qkv.weight", &[10, 4])]).unwrap_err().to_string();
+        assert!(e.contains("double_blocks.0.img_attn.qkv.weight") && e.contains("10 rows"), "{e}");
+        let e = flux_bfl_to_diffusers(&[t("single_blocks.0.linear1.weight", &[12, 4])]).unwrap_err().to_string();
+        assert!(e.contains("linear2"), "{e}");
+        // The prefix some checkpoints carry is dropped.
+        let m = flux_bfl_to_diffusers(&[t("model.diffusion_model.img_in.weight", &[4, 4])]).unwrap();
+        assert_eq!(m[0].0.name, "x_embedder.weight");
+    }
+}

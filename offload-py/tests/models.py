@@ -162,3 +162,38 @@ def qwen25_vl_text():
 
 
 MODELS = {"flux": flux, "sd3": sd3, "qwen-image": qwen_image, "wan": wan, "t5": t5, "qwen2.5-vl-text": qwen25_vl_text}
+
+
+def gguf_quantize(model: torch.nn.Module, quant: str = "Q8_0") -> torch.nn.Module:
+    """``model`` with every ``nn.Linear`` whose fan-in is whole GGUF blocks
+    swapped for diffusers' ``GGUFLinear`` holding a ``GGUFParameter`` quantized by
+    the ``gguf`` package: what ``from_single_file(..., GGUFQuantizationConfig)``
+    builds from a GGUF release, without a file."""
+    import gguf
+    from diffusers.quantizers.gguf.utils import GGUFParameter, _replace_with_gguf_linear
+
+    import numpy as np
+
+    qt = getattr(gguf.GGMLQuantizationType, quant)
+    block, size = gguf.GGML_QUANT_SIZES[qt]
+    rng = np.random.default_rng(7)
+    state = {}
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.Linear) and m.in_features % block == 0:
+            if quant == "Q8_0":
+                q = gguf.quants.quantize(m.weight.detach().float().numpy(), qt)
+            else:
+                # The gguf package quantizes Q8_0 only: K-quant blocks of random
+                # bytes with small finite super-scales (d, dmin: the first two f16s).
+                q = rng.integers(0, 256, (m.out_features, m.in_features // block, size), dtype=np.uint8)
+                q[..., 0:2] = np.frombuffer(np.float16(0.002).tobytes(), np.uint8)
+                q[..., 2:4] = np.frombuffer(np.float16(0.001).tobytes(), np.uint8)
+                q = q.reshape(m.out_features, -1)
+            state[f"{name}.weight"] = GGUFParameter(torch.from_numpy(q), quant_type=qt)
+    _replace_with_gguf_linear(model, torch.bfloat16, state)
+    for name, m in model.named_modules():
+        if f"{name}.weight" in state:
+            m.weight = state[f"{name}.weight"]
+            if m.bias is not None:
+                m.bias = torch.nn.Parameter(torch.randn(m.bias.shape).to(torch.bfloat16) * 0.05, requires_grad=False)
+    return model

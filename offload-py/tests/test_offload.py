@@ -121,6 +121,57 @@ def test_fp8_weights_stream_as_stored_and_upcast_per_layer_as_diffusers_layerwis
     assert all(p.dtype == torch.float8_e4m3fn for n, p in model.named_parameters() if n in fp8)
 
 
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("quant", ["Q8_0", "Q4_K"])
+def test_gguf_weights_stream_as_stored_under_diffusers_gguf_layers(quant, dev):
+    # diffusers' GGUF quantization (GGUFLinear holding GGUFParameter bytes, what
+    # from_single_file with GGUFQuantizationConfig builds): the blocks cross as
+    # their stored quantized bytes, each view wrapped again with its quant type,
+    # and GGUFLinear dequantises as it computes, bitwise the resident result.
+    from models import flux, gguf_quantize
+
+    model, inputs, _ = flux(64 if quant == "Q8_0" else 256)
+    model = gguf_quantize(model, quant)
+    gguf_names = {n for n, p in model.named_parameters() if type(p).__name__ == "GGUFParameter"}
+    weights = {n: torch.Size(p.quant_shape).numel() for n, p in model.named_parameters() if n in gguf_names}
+    assert gguf_names
+    model.to(dev)
+    before = _snapshot(model)
+    with torch.no_grad():
+        ref = _out(model(**_to(inputs, dev))).clone()
+    assert torch.isfinite(ref.float()).all() and ref.float().std() > 0
+    model.to("cpu")
+    h = offload.enable(model, device=dev)
+    streamed = {n for n in h.params if n in gguf_names}
+    assert streamed, "no GGUF weight streamed"
+    with torch.no_grad():
+        outs = [_out(model(**_to(inputs, dev))).clone() for _ in range(2)]
+    for o in outs:
+        assert torch.equal(_bits(o), _bits(ref)), f"GGUF {quant} on {dev}: the streamed output differs from the resident one"
+    # The stored bytes cross: each GGUF weight at its quantized size (34 bytes
+    # per 32 weights for Q8_0, 144 per 256 for Q4_K), not bf16's two a weight.
+    per = {"Q8_0": 34 / 32, "Q4_K": 144 / 256}[quant]
+    assert all(h.params[n].nbytes == weights[n] * per for n in streamed)
+    assert h.violations() == []
+    offload.disable(model)
+    model.to(dev)
+    _same_snapshot(before, _snapshot(model))
+    assert {n for n, p in model.named_parameters() if type(p).__name__ == "GGUFParameter"} == gguf_names, "quant types lost"
+
+
+def test_a_tensor_subclass_the_package_cannot_stream_is_named():
+    class Odd(torch.nn.Parameter):
+        pass
+
+    model, _, _ = MODELS["t5"]()
+    before = _snapshot(model)
+    blk = model.encoder.block[1].layer[0].SelfAttention.q
+    blk.weight = Odd(blk.weight.detach(), requires_grad=False)
+    with pytest.raises(OffloadError, match=r"encoder\.block\.1\.layer\.0\.SelfAttention\.q\.weight.*tensor subclass"):
+        offload.enable(model, device="cpu")
+    assert offload.offloaded(model) is None
+
+
 @pytest.mark.parametrize("name", ["flux", "t5"])
 def test_finds_the_block_lists_of_real_classes(name):
     model, _, _ = MODELS[name]()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -82,6 +82,9 @@ class _Param:
     offset: int = 0
     nbytes: int = 0
     pinned: bool = False
+    # A parameter subclass the block's views are wrapped in again (diffusers'
+    # GGUFParameter, which carries its quant type), or None for a plain one.
+    rewrap: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
 
 
 @dataclass
@@ -188,7 +191,7 @@ class Offloaded:
         self._buffer = data
         for p in block.params:
             view = data[p.offset : p.offset + p.nbytes].view(p.dtype).view(p.shape)
-            p.owner._parameters[p.attr] = view
+            p.owner._parameters[p.attr] = view if p.rewrap is None else p.rewrap(view)
 
     def _unbind(self) -> None:
         block, self._bound = self._bound, None
@@ -208,6 +211,23 @@ class Offloaded:
             self._unbind()
         self.last_metrics = json.loads(self._engine().end_step())
         self.steps += 1
+
+
+def _rewrap(p: torch.Tensor, component: str, name: str):
+    """How a block's view of parameter ``p`` is bound: as it is for a plain
+    parameter; wrapped again for diffusers' ``GGUFParameter`` (quantized bytes
+    with their quant type, dequantised by ``GGUFLinear`` as it computes).
+    Any other tensor subclass is refused by name: bound as plain bytes, its
+    layer would compute with them as numbers."""
+    if type(p) in (nn.Parameter, torch.Tensor):
+        return None
+    if type(p).__name__ == "GGUFParameter" and hasattr(p, "quant_type"):
+        cls, qt = type(p), p.quant_type
+        return lambda view: cls(view, requires_grad=False, quant_type=qt)
+    raise OffloadError(
+        f"component {component!r}: tensor {name!r} is a {type(p).__module__}.{type(p).__name__}, a tensor subclass "
+        "the package cannot stream as stored (plain parameters, fp8 and diffusers' GGUF parameters can be)"
+    )
 
 
 def _refuse_other_offloading(module: nn.Module, component: str) -> None:
@@ -328,15 +348,16 @@ def enable(
             if id(p) in in_block:
                 raise OffloadError(f"component {component!r}: tensor {full!r} is tied to {in_block[id(p)]!r}; tied weights cannot be streamed")
             in_block[id(p)] = full
+            rewrap = _rewrap(p, component, full)
             owner, attr = _owner(module, full)
-            host = p.detach()
+            host = p.detach().as_subclass(torch.Tensor)
             if host.device.type != "cpu":
                 host = host.to("cpu")
             host = host.contiguous()
             tensors.append((full, _DTYPES[p.dtype], list(p.shape), host))
             # The bytes to restore, in host memory (a parameter on the device gives its memory back).
             prm = _Param(owner, attr, p, p.data if p.device.type == "cpu" else host, p.device, p.dtype, tuple(p.shape),
-                         pinned=p.device.type == "cpu" and torch.cuda.is_available() and p.is_pinned())
+                         pinned=p.device.type == "cpu" and torch.cuda.is_available() and p.is_pinned(), rewrap=rewrap)
             state.params[full] = prm
             blk.params.append(prm)
     for full, p in all_params.items():

@@ -9,8 +9,12 @@ pub struct StepMetrics {
     pub component: String,
     /// Blocks served.
     pub blocks: u64,
-    /// Host-to-device bytes copied.
+    /// Host-to-device bytes copied: the blocks' own bytes, what lands in the slots.
     pub bytes_copied: u64,
+    /// Bytes that crossed the link for those copies: fewer than `bytes_copied`
+    /// where blocks are held coded (their coded bytes cross, decoded on the device).
+    #[serde(default)]
+    pub link_bytes: u64,
     /// Copies issued.
     pub copies: u64,
     /// Blocks that were prefetched in time.
@@ -81,6 +85,7 @@ impl StepMetrics {
     pub fn accumulate(&mut self, other: &StepMetrics) {
         self.blocks += other.blocks;
         self.bytes_copied += other.bytes_copied;
+        self.link_bytes += other.link_bytes;
         self.copies += other.copies;
         self.prefetch_hits += other.prefetch_hits;
         self.misses += other.misses;
@@ -130,6 +135,9 @@ impl std::fmt::Display for StepMetrics {
             self.achieved_gbps(),
             self.step_wall_s
         )?;
+        if self.link_bytes != self.bytes_copied {
+            write!(f, ", {:.1} MiB of it on the link (coded)", mib(self.link_bytes))?;
+        }
         if let (Some(stall), Some(share)) = (self.exposed_stall_s, self.hidden_copy_share()) {
             write!(f, ", exposed stall {stall:.4} s, {:.0} % of copy time hidden", share * 100.0)?;
         }

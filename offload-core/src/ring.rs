@@ -284,6 +284,7 @@ impl<B: OffloadBackend> Ring<B> {
         match copied {
             Ok(wait) => {
                 self.step.bytes_copied += bytes as u64;
+                self.step.link_bytes += crate::host::HostBuffer::held_bytes(buffer).unwrap_or(bytes) as u64;
                 self.step.copies += 1;
                 Ok((slot, wait))
             }
@@ -382,6 +383,7 @@ impl<B: OffloadBackend> Ring<B> {
         self.clock += 1;
         st.stamp = self.clock;
         self.step.bytes_copied += block.bytes() as u64;
+        self.step.link_bytes += block.link_bytes() as u64;
         self.step.copies += 1;
         Ok(())
     }

@@ -66,6 +66,12 @@ impl<B: OffloadBackend> HostBlock<B> {
         }
     }
 
+    /// Bytes a copy of it moves across the link: its coded bytes where it is
+    /// held coded, else its own bytes (from a bounce buffer for a block on disk).
+    pub fn link_bytes(&self) -> usize {
+        self.buffer().and_then(|b| b.held_bytes()).unwrap_or(self.layout.bytes)
+    }
+
     /// Where its bytes start in the store's disk file, for a block on disk.
     pub fn disk_offset(&self) -> Option<u64> {
         match self.held {

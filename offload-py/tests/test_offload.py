@@ -426,6 +426,8 @@ def test_coded_streaming_is_bitwise_equal(dev, head_dim):
         before = h.counters()["bytes_copied"]
         outs.append(_out(model(**_to(inputs, dev))).clone())
         sent = h.counters()["bytes_copied"] - before
+    # The step's metrics count the same bytes on the link as the device.
+    assert h.metrics()["link_bytes"] == sent, (h.metrics(), sent)
     assert h.violations() == []
     stored = sum(p.nbytes for p in h.params.values())
     offload.disable(model)

@@ -215,6 +215,61 @@ pub fn flux_bfl_to_diffusers(specs: &[TensorSpec]) -> Result<Vec<(TensorSpec, Pa
     Ok(out)
 }
 
+/// Wan 2.1's tensors as its own checkpoints and the Wan GGUF releases name
+/// them (`blocks.N.self_attn.q`, `blocks.N.modulation`, `head.head`, …; a
+/// `model.diffusion_model.` prefix dropped) under diffusers'
+/// `WanTransformer3DModel` names: the renames diffusers'
+/// `convert_wan_transformer_to_diffusers` applies, in its order (so `norm2` and
+/// `norm3` trade places), each tensor whole. A name none of them touches keeps
+/// its name (as diffusers' converter keeps it).
+pub fn wan_to_diffusers(specs: &[TensorSpec]) -> Result<Vec<(TensorSpec, Parts)>> {
+    const RENAMES: [(&str, &str); 29] = [
+        ("time_embedding.0", "condition_embedder.time_embedder.linear_1"),
+        ("time_embedding.2", "condition_embedder.time_embedder.linear_2"),
+        ("text_embedding.0", "condition_embedder.text_embedder.linear_1"),
+        ("text_embedding.2", "condition_embedder.text_embedder.linear_2"),
+        ("time_projection.1", "condition_embedder.time_proj"),
+        ("cross_attn", "attn2"),
+        ("self_attn", "attn1"),
+        (".o.", ".to_out.0."),
+        (".q.", ".to_q."),
+        (".k.", ".to_k."),
+        (".v.", ".to_v."),
+        (".k_img.", ".add_k_proj."),
+        (".v_img.", ".add_v_proj."),
+        (".norm_k_img.", ".norm_added_k."),
+        ("head.modulation", "scale_shift_table"),
+        ("head.head", "proj_out"),
+        ("modulation", "scale_shift_table"),
+        ("ffn.0", "ffn.net.0.proj"),
+        ("ffn.2", "ffn.net.2"),
+        ("norm2", "norm__placeholder"),
+        ("norm3", "norm2"),
+        ("norm__placeholder", "norm3"),
+        ("img_emb.proj.0", "condition_embedder.image_embedder.norm1"),
+        ("img_emb.proj.1", "condition_embedder.image_embedder.ff.net.0.proj"),
+        ("img_emb.proj.3", "condition_embedder.image_embedder.ff.net.2"),
+        ("img_emb.proj.4", "condition_embedder.image_embedder.norm2"),
+        ("before_proj", "proj_in"),
+        ("after_proj", "proj_out"),
+        ("model.diffusion_model.", ""),
+    ];
+    let mut out = Vec::with_capacity(specs.len());
+    let mut names = std::collections::HashSet::new();
+    for (i, s) in specs.iter().enumerate() {
+        // The prefix first (the last entry), then the renames in diffusers' order.
+        let mut name = s.name.strip_prefix("model.diffusion_model.").unwrap_or(&s.name).to_owned();
+        for (from, to) in &RENAMES[..RENAMES.len() - 1] {
+            name = name.replace(from, to);
+        }
+        if !names.insert(name.clone()) {
+            return Err(bad(&s.name, format!("renamed {name:?}, which another tensor was renamed to as well")));
+        }
+        out.push((TensorSpec::new(name, s.dtype, s.shape.clone()), vec![(i, 0, s.nbytes()?)]));
+    }
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -232,5 +287,32 @@ mod tests {
         // The prefix some checkpoints carry is dropped.
         let m = flux_bfl_to_diffusers(&[t("model.diffusion_model.img_in.weight", &[4, 4])]).unwrap();
         assert_eq!(m[0].0.name, "x_embedder.weight");
+    }
+
+    /// `tests/data/wan-original-names.txt` (a one-block Wan 2.1 as its own
+    /// checkpoints name it) mapped onto `tests/data/wan-diffusers-names.txt`
+    /// (diffusers' WanTransformer3DModel): a pytest row checks both fixtures
+    /// against diffusers and its own converter.
+    #[test]
+    fn wan_names_map_onto_diffusers_wan() {
+        let parse = |text: &str| -> Vec<TensorSpec> {
+            text.lines()
+                .map(|l| {
+                    let (n, s) = l.split_once(' ').unwrap();
+                    TensorSpec::new(n, DType::BF16, s.split('x').map(|d| d.parse().unwrap()).collect::<Vec<usize>>())
+                })
+                .collect()
+        };
+        let original = parse(include_str!("../../tests/data/wan-original-names.txt"));
+        let mut want: Vec<(String, Vec<usize>)> =
+            parse(include_str!("../../tests/data/wan-diffusers-names.txt")).into_iter().map(|s| (s.name, s.shape)).collect();
+        let mut got: Vec<(String, Vec<usize>)> = wan_to_diffusers(&original).unwrap().into_iter().map(|(s, _)| (s.name, s.shape)).collect();
+        got.sort();
+        want.sort();
+        assert_eq!(got, want);
+        let t = |n: &str, s: &[usize]| TensorSpec::new(n, DType::BF16, s);
+        let e =
+            wan_to_diffusers(&[t("blocks.0.ffn.0.weight", &[4, 4]), t("blocks.0.ffn.net.0.proj.weight", &[4, 4])]).unwrap_err().to_string();
+        assert!(e.contains("blocks.0.ffn.net.0.proj.weight") && e.contains("another tensor"), "{e}");
     }
 }

@@ -84,6 +84,23 @@ def test_streams_bitwise_equal_and_disable_restores(name, depth, dev):
     _same_snapshot(before, _snapshot(model))
 
 
+def _streamed_bitwise(model, inputs, dev: str, what: str):
+    """The model's resident output on ``dev`` (finite, not constant), then two
+    steps streamed through the package, each bitwise equal to it. Returns the
+    handle (still enabled) and the module's snapshot from before."""
+    before = _snapshot(model)
+    with torch.no_grad():
+        ref = _out(model(**_to(inputs, dev))).clone()
+    assert torch.isfinite(ref.float()).all() and ref.float().std() > 0, "the resident output is not finite, or constant"
+    model.to("cpu")
+    h = offload.enable(model, device=dev)
+    with torch.no_grad():
+        outs = [_out(model(**_to(inputs, dev))).clone() for _ in range(2)]
+    for o in outs:
+        assert torch.equal(_bits(o), _bits(ref)), f"{what} on {dev}: the streamed output differs from the resident one"
+    return h, before
+
+
 @pytest.mark.parametrize("dev", DEVICES)
 @pytest.mark.parametrize("name", ["flux", "wan", "sd3"])
 def test_fp8_weights_stream_as_stored_and_upcast_per_layer_as_diffusers_layerwise_casting(name, dev):
@@ -95,18 +112,9 @@ def test_fp8_weights_stream_as_stored_and_upcast_per_layer_as_diffusers_layerwis
     model.to(dev)
     fp8 = {n for n, p in model.named_parameters() if p.dtype == torch.float8_e4m3fn}
     assert fp8, "layerwise casting left no fp8 weight"
-    before = _snapshot(model)
-    with torch.no_grad():
-        ref = _out(model(**_to(inputs, dev))).clone()
-    assert torch.isfinite(ref.float()).all() and ref.float().std() > 0
-    model.to("cpu")
-    h = offload.enable(model, device=dev)
+    h, before = _streamed_bitwise(model, inputs, dev, f"{name} fp8")
     streamed = {n: p for n, p in h.params.items()}
     assert {n for n in fp8 if n in streamed} and all(streamed[n].dtype == torch.float8_e4m3fn for n in fp8 if n in streamed)
-    with torch.no_grad():
-        outs = [_out(model(**_to(inputs, dev))).clone() for _ in range(2)]
-    for o in outs:
-        assert torch.equal(_bits(o), _bits(ref)), f"{name} fp8 on {dev}: the streamed output differs from the resident one"
     # The bytes a step are the stored ones, fp8 weights at one byte each: fewer
     # than the same blocks in bf16.
     numel = lambda p: torch.Size(p.shape).numel()
@@ -136,18 +144,9 @@ def test_gguf_weights_stream_as_stored_under_diffusers_gguf_layers(quant, dev):
     weights = {n: torch.Size(p.quant_shape).numel() for n, p in model.named_parameters() if n in gguf_names}
     assert gguf_names
     model.to(dev)
-    before = _snapshot(model)
-    with torch.no_grad():
-        ref = _out(model(**_to(inputs, dev))).clone()
-    assert torch.isfinite(ref.float()).all() and ref.float().std() > 0
-    model.to("cpu")
-    h = offload.enable(model, device=dev)
+    h, before = _streamed_bitwise(model, inputs, dev, f"GGUF {quant}")
     streamed = {n for n in h.params if n in gguf_names}
     assert streamed, "no GGUF weight streamed"
-    with torch.no_grad():
-        outs = [_out(model(**_to(inputs, dev))).clone() for _ in range(2)]
-    for o in outs:
-        assert torch.equal(_bits(o), _bits(ref)), f"GGUF {quant} on {dev}: the streamed output differs from the resident one"
     # The stored bytes cross: each GGUF weight at its quantized size (34 bytes
     # per 32 weights for Q8_0, 144 per 256 for Q4_K), not bf16's two a weight.
     per = {"Q8_0": 34 / 32, "Q4_K": 144 / 256}[quant]

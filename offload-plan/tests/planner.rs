@@ -293,3 +293,34 @@ fn coding_is_chosen_where_the_step_is_transfer_bound_and_fits_the_budget() {
     unknown.blocks[3].coded = None;
     assert!(!plan_with_coding(&unknown, budget, 1, ResidentPolicy::Auto).unwrap().coded);
 }
+
+/// Quantized blocks cost their stored bytes, and coding them is not planned:
+/// an inventory of GGUF Q4_K and Q8_0 tensors (Flux-dev's double-block shapes)
+/// is costed at 144 bytes per 256 weights and 34 per 32, and with the coded
+/// size measured for GGUF blocks (1.001 of the stored bytes,
+/// bench/results/2026-12-03-quant-coding.json) the planner keeps them raw even
+/// transfer-bound, where bf16's measured 0.697 is coded.
+#[test]
+fn quantized_blocks_cost_their_stored_bytes_and_are_not_planned_coded() {
+    use offload_core::{BlockDiscovery, DType, NameDiscovery, TensorSpec};
+    let (h, mlp) = (3072usize, 12288usize);
+    let mut specs = Vec::new();
+    for i in 0..8 {
+        specs.push(TensorSpec::new(format!("blocks.{i}.attn.qkv.weight"), DType::Q4_K, [3 * h, h]));
+        specs.push(TensorSpec::new(format!("blocks.{i}.mlp.up.weight"), DType::Q8_0, [mlp, h]));
+    }
+    let inv = NameDiscovery.discover("transformer", &specs).unwrap();
+    let raw = CostModel::from_inventory(&inv, 55e9).unwrap();
+    let stored = (3 * h * h / 256 * 144 + mlp * h / 32 * 34) as u64;
+    // The two tensors laid out back to back (the first ends on the 256-byte grid).
+    assert!(raw.blocks.iter().all(|b| b.bytes == stored), "{} bytes, {stored} stored", raw.blocks[0].bytes);
+    let with = |ratio: f64| {
+        let mut m = raw.clone();
+        m.blocks.iter_mut().for_each(|b| b.compute_s = 0.0005);
+        m.blocks.iter_mut().for_each(|b| b.coded = Some(CodedCost { bytes: (b.bytes as f64 * ratio) as u64, decode_s: 0.0002 }));
+        m
+    };
+    let budget = 4 * stored;
+    assert!(!plan_with_coding(&with(1.001), budget, 1, ResidentPolicy::Auto).unwrap().coded, "GGUF blocks planned coded");
+    assert!(plan_with_coding(&with(0.697), budget, 1, ResidentPolicy::Auto).unwrap().coded, "a transfer-bound bf16-like block not coded");
+}

@@ -23,6 +23,8 @@ pub fn kind_of(d: DType) -> Option<Kind> {
         DType::F32 => Kind::Float,
         DType::F64 => Kind::Double,
         DType::I64 => Kind::Int64,
+        DType::F8_E4M3 => Kind::Float8e4m3fn,
+        DType::F8_E5M2 => Kind::Float8e5m2,
         _ => return None,
     })
 }
@@ -40,6 +42,8 @@ pub fn dtype_of(k: Kind) -> Option<DType> {
         Kind::Float => DType::F32,
         Kind::Double => DType::F64,
         Kind::Int64 => DType::I64,
+        Kind::Float8e4m3fn => DType::F8_E4M3,
+        Kind::Float8e5m2 => DType::F8_E5M2,
         _ => return None,
     })
 }

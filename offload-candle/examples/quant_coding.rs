@@ -6,10 +6,10 @@
 //! bytes, what the engine's device coding (`coded=True` today, the bf16 exponent
 //! coder over the block's bytes) makes of them, the order-0 entropy of the bytes,
 //! and for fp8 the bound of a dedicated coder (the exponent field's entropy plus
-//! its sign and mantissa bits as they are). Sizes only: deterministic for a seed,
-//! one run is the figure.
+//! its sign and mantissa bits as they are). Sizes only, deterministic for a seed:
+//! each figure is the median over the seeds' runs (three by default), with min and max.
 //!
-//! `cargo run --release -p offload-candle --example quant_coding -- [--seed S] [--out F]`
+//! `cargo run --release -p offload-candle --example quant_coding -- [--seeds 33,34,35] --commit C --date D [--out F]`
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
@@ -50,19 +50,18 @@ fn bf16(v: f32) -> [u8; 2] {
     offload_core::fp8::f32_to_bf16(v).to_le_bytes()
 }
 
-fn main() {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let opt = |n: &str| args.iter().position(|a| a == n).and_then(|i| args.get(i + 1)).cloned();
-    let seed: u64 = opt("--seed").and_then(|s| s.parse().ok()).unwrap_or(33);
-    let (h, mlp) = (3072usize, 12288usize);
-    // (name, rows = output channels, cols = fan-in)
-    let shapes = [("attn.to_q", h, h), ("ff.net.0.proj", mlp, h), ("ff.net.2", h, mlp)];
-    let weights: Vec<(usize, usize, Vec<f32>)> = shapes
+/// One format measured: (format, stored bytes, device-coded bytes, order-0 byte
+/// entropy over 8, fp8's exponent-field entropy in bits).
+type Sizes = (&'static str, usize, usize, f64, Option<f64>);
+
+/// One seed's weights in every format: their count and each format's sizes.
+fn measure(seed: u64) -> (usize, Vec<Sizes>) {
+    let weights: Vec<(usize, usize, Vec<f32>)> = SHAPES
         .iter()
         .enumerate()
         .map(|(i, &(_, r, c))| (r, c, normal(r * c, seed.wrapping_add(i as u64), 1.0 / (c as f64).sqrt())))
         .collect();
-    let mut formats: Vec<(&str, Vec<u8>)> = Vec::new();
+    let mut formats: Vec<(&'static str, Vec<u8>)> = Vec::new();
     formats.push(("bf16", weights.iter().flat_map(|(_, _, w)| w.iter().flat_map(|&x| bf16(x))).collect()));
     let mut fp8 = Vec::new();
     for (r, c, w) in &weights {
@@ -83,38 +82,72 @@ fn main() {
         }
         formats.push((name, bytes));
     }
-    let values: usize = weights.iter().map(|(r, c, _)| r * c).sum();
-    let bf16_bytes = formats[0].1.len() as f64;
-    let mut rows = Vec::new();
-    for (name, bytes) in &formats {
-        let coded = code_for_device(bytes, 256 << 10, 2).len();
+    let values = weights.iter().map(|(r, c, _)| r * c).sum();
+    let rows = formats
+        .iter()
+        .map(|(name, bytes)| {
+            let exponent = name.starts_with("fp8").then(|| {
+                let mut hist = [0u64; 256];
+                for &b in bytes {
+                    hist[((b >> 3) & 0xf) as usize] += 1;
+                }
+                histogram_entropy_bits(&hist)
+            });
+            (*name, bytes.len(), code_for_device(bytes, 256 << 10, 2).len(), byte_entropy_bits(bytes) / 8.0, exponent)
+        })
+        .collect();
+    (values, rows)
+}
+
+/// (name, rows = output channels, cols = fan-in) of the weights measured.
+const SHAPES: [(&str, usize, usize); 3] = [("attn.to_q", 3072, 3072), ("ff.net.0.proj", 12288, 3072), ("ff.net.2", 3072, 12288)];
+
+fn spread(mut v: Vec<f64>) -> serde_json::Value {
+    v.sort_by(f64::total_cmp);
+    serde_json::json!({ "median": v[v.len() / 2], "min": v[0], "max": v[v.len() - 1], "n": v.len(), "runs": v })
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let opt = |n: &str| args.iter().position(|a| a == n).and_then(|i| args.get(i + 1)).cloned();
+    let seeds: Vec<u64> = opt("--seeds").unwrap_or_else(|| "33,34,35".into()).split(',').filter_map(|s| s.parse().ok()).collect();
+    if seeds.is_empty() {
+        eprintln!("quant_coding: --seeds S1,S2,... (three or more for a published figure)");
+        std::process::exit(2);
+    }
+    let runs: Vec<_> = seeds.iter().map(|&s| measure(s)).collect();
+    let values = runs[0].0;
+    let bf16_bytes = runs[0].1[0].1 as f64;
+    let mut cases = Vec::new();
+    for (k, &(name, stored, ..)) in runs[0].1.iter().enumerate() {
+        let of = |f: &dyn Fn(&Sizes) -> f64| spread(runs.iter().map(|r| f(&r.1[k])).collect());
         let mut row = serde_json::json!({
             "format": name,
-            "stored_bytes": bytes.len(),
-            "bytes_per_weight": bytes.len() as f64 / values as f64,
-            "stored_vs_bf16": bytes.len() as f64 / bf16_bytes,
-            "device_coded_bytes": coded,
-            "device_coded_vs_stored": coded as f64 / bytes.len() as f64,
-            "byte_entropy_vs_stored": byte_entropy_bits(bytes) / 8.0,
+            "stored_bytes": stored,
+            "bytes_per_weight": stored as f64 / values as f64,
+            "stored_vs_bf16": stored as f64 / bf16_bytes,
+            "device_coded_vs_stored": of(&|r| r.2 as f64 / r.1 as f64),
+            "byte_entropy_vs_stored": of(&|r| r.3),
         });
-        if name.starts_with("fp8") {
-            let mut hist = [0u64; 256];
-            for &b in bytes {
-                hist[((b >> 3) & 0xf) as usize] += 1;
-            }
-            let e = histogram_entropy_bits(&hist);
-            row["fp8_exponent_entropy_bits"] = e.into();
-            row["fp8_dedicated_coder_bound_vs_stored"] = ((e + 4.0) / 8.0).into();
+        if runs[0].1[k].4.is_some() {
+            row["fp8_exponent_entropy_bits"] = of(&|r| r.4.unwrap_or(f64::NAN));
+            row["fp8_dedicated_coder_bound_vs_stored"] = of(&|r| (r.4.unwrap_or(f64::NAN) + 4.0) / 8.0);
         }
         eprintln!("{row}");
-        rows.push(row);
+        cases.push(row);
     }
     let out = serde_json::json!({
         "generated_by": "cargo run --release -p offload-candle --example quant_coding",
-        "seed": seed,
-        "weights": shapes.iter().map(|(n, r, c)| format!("{n} {r}x{c}")).collect::<Vec<_>>(),
+        "date": opt("--date").unwrap_or_else(|| "unknown".into()),
+        "commit": opt("--commit").unwrap_or_else(|| "unknown".into()),
+        "gpu": "none",
+        "backend": "host",
+        "model": "flux-dev (three linear weights of a double block)",
+        "note": "sizes, not steps: the step fields of a results file do not apply; each figure is the median of one run per seed",
+        "seeds": seeds,
+        "weights": SHAPES.iter().map(|(n, r, c)| format!("{n} {r}x{c}")).collect::<Vec<_>>(),
         "values": values,
-        "formats": rows,
+        "cases": cases,
     });
     let text = serde_json::to_string_pretty(&out).expect("serialises") + "\n";
     match opt("--out") {

@@ -7,7 +7,7 @@
 #                      diffusers' group offloading on the same model object in one process; then
 #                      py_merge.py over every process kept
 #   py-run.sh          both
-# PY_ARGS go to each zoo_anchor.py (e.g. "--cases 1024 --depth 1"). PY_STORAGE=fp8 runs every
+# PY_DEADLINE (s) starts no process past it, by PY_EST or the last process's time. PY_ARGS go to each zoo_anchor.py (e.g. "--cases 1024 --depth 1"). PY_STORAGE=fp8 runs every
 # mode with diffusers' layerwise casting (fp8 storage, bf16 compute); the files say MODEL-fp8. Files collect in $PY_DIR
 # (default .py-out beside the bundle); $OUT/py.tgz holds them all.
 set -uo pipefail
@@ -34,16 +34,19 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
       st=${PY_STORAGE:-bf16}; tag=$m; [ "$st" = fp8 ] && tag=$m-fp8
       f="$Z/py-$tag-r$r.json"
       [ -s "$f" ] && { echo "== $tag r$r: kept"; continue; }
-      if [ -n "${PY_DEADLINE:-}" ] && [ $((SECONDS + ${PY_EST:-150})) -gt "$PY_DEADLINE" ]; then
+      # The estimate is PY_EST or the last process's own time, whichever is longer.
+      est=${PY_EST:-150}; [ "${last:-0}" -gt "$est" ] && est=$last
+      if [ -n "${PY_DEADLINE:-}" ] && [ $((SECONDS + est)) -gt "$PY_DEADLINE" ]; then
         echo "== $tag r$r: left for the next command (${SECONDS} s gone)"; continue
       fi
-      echo "== $tag r$r (at ${SECONDS} s)"
+      echo "== $tag r$r (at ${SECONDS} s)"; t0=$SECONDS
       # shellcheck disable=SC2086
       # diffusers' block level raises on T5EncoderModel (its shared embedding reached
       # twice; bench/NOTES.md, 2026-12-02): leaf level is its anchor there.
       modes=offload,block_stream,leaf_stream; [ "$m" = t5-xxl ] && modes=offload,leaf_stream
       timeout "${PY_TIMEOUT:-420}" python3 "$B/zoo_anchor.py" --registry "$B/registry.json" --model "$m" \
         --mode $modes --storage "$st" ${PY_ARGS:-} --out "$f" 2>&1 | grep -v Warning | tee "${f%.json}.txt" || rc=1
+      last=$((SECONDS - t0))
       tar czf "$OUT/py.tgz" -C "$Z" .
     done
   done

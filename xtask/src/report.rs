@@ -485,9 +485,10 @@ pub fn python_table(results: &Path) -> Result<Option<String>, String> {
     let Some(name) = names.pop() else { return Ok(None) };
     let d = read_json(&results.join(&name))?;
     let mut md = format!(
-        "The Python package (`offload.enable`) on the real diffusers and transformers classes, one H200, bf16, medians of the \
-         processes named with [min, max]; resident, the package and diffusers' group offloading ran on the same model object \
-         in each process (`bench/results/{name}`, commits `{}`, {}, {}):\n\n",
+        "The Python package (`offload.enable`) on the real diffusers and transformers classes, one H200, bf16 (rows `MODEL-fp8`: \
+         diffusers' layerwise casting, fp8 storage and bf16 compute, in every mode), medians of the processes named with \
+         [min, max]; resident, the package and diffusers' group offloading ran on the same model object in each process; `d=` \
+         is the package's prefetch depth (`bench/results/{name}`, commits `{}`, {}, {}):\n\n",
         d["commit"].as_str().unwrap_or("?"),
         d["date"].as_str().unwrap_or("?"),
         d["versions"].as_array().into_iter().flatten().filter_map(Value::as_str).collect::<Vec<_>>().join("; ")
@@ -503,7 +504,7 @@ pub fn python_table(results: &Path) -> Result<Option<String>, String> {
             md,
             "| {} | {} | {} | {} | {} | {diff} | {} | {:.2} | {} | {} | {} | {} |",
             r["model"].as_str().unwrap_or("?"),
-            r["case"].as_str().unwrap_or("?"),
+            format!("{} d={}", r["case"].as_str().unwrap_or("?"), r["depth"]),
             span(&r["offload_s"], 3),
             span(&r["ratio_to_bound"], 3),
             span(&r["resident_s"], 3),
@@ -514,6 +515,19 @@ pub fn python_table(results: &Path) -> Result<Option<String>, String> {
             if targets { "yes" } else { "no" },
             r["commit"].as_str().unwrap_or(d["commit"].as_str().unwrap_or("?"))
         );
+    }
+    for r in d["cases"].as_array().into_iter().flatten() {
+        let gone = r["superseded_runs"].as_array().map_or(0, Vec::len);
+        if gone > 0 {
+            let _ = writeln!(
+                md,
+                "\n{} {}: merged from the runs at `{}`; {gone} earlier runs of this case are kept and named in the file \
+                 (`superseded_runs`), `bench/NOTES.md` says why they were run again.",
+                r["model"].as_str().unwrap_or("?"),
+                r["case"].as_str().unwrap_or("?"),
+                r["commit"].as_str().unwrap_or("?")
+            );
+        }
     }
     for n in d["not_merged"].as_array().into_iter().flatten() {
         let _ = writeln!(

@@ -3,17 +3,18 @@
 //! 3072×12288; normal at σ = 1/√fan-in, 85 M values) stored as bf16, as fp8
 //! e4m3 with a per-output-channel scale (amax / 448, the cast nearest-even) and
 //! as GGUF Q8_0, Q6_K, Q5_K and Q4_K (candle's quantizer). Per format: its stored
-//! bytes, what the engine's device coding (`coded=True` today, the bf16 exponent
-//! coder over the block's bytes) makes of them, the order-0 entropy of the bytes,
-//! and for fp8 the bound of a dedicated coder (the exponent field's entropy plus
-//! its sign and mantissa bits as they are). Sizes only, deterministic for a seed:
+//! bytes, what the engine's device coding makes of them (offload-cuda's today:
+//! the bf16 exponent code over the block's bytes; and with fp8 e4m3's own code
+//! allowed, as the CPU reference and the simulated device decode it), the
+//! order-0 entropy of the bytes, and for fp8 the bound of a dedicated coder (the
+//! exponent field's entropy plus its sign and mantissa bits as they are). Sizes only, deterministic for a seed:
 //! each figure is the median over the seeds' runs (three by default), with min and max.
 //!
 //! `cargo run --release -p offload-candle --example quant_coding -- [--seeds 33,34,35] --commit C --date D [--out F]`
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
-use offload_core::codec::{code_for_device, histogram_entropy_bits};
+use offload_core::codec::{code_for_device, code_for_device_with, histogram_entropy_bits, DeviceCodes};
 use offload_core::fp8::f32_to_fp8;
 use offload_core::DType;
 
@@ -51,8 +52,9 @@ fn bf16(v: f32) -> [u8; 2] {
 }
 
 /// One format measured: (format, stored bytes, device-coded bytes, order-0 byte
-/// entropy over 8, fp8's exponent-field entropy in bits).
-type Sizes = (&'static str, usize, usize, f64, Option<f64>);
+/// entropy over 8, fp8's exponent-field entropy in bits, device-coded bytes with
+/// fp8's own code allowed, in 256 KiB segments and in offload-cuda's default 32 MiB).
+type Sizes = (&'static str, usize, usize, f64, Option<f64>, usize, usize);
 
 /// One seed's weights in every format: their count and each format's sizes.
 fn measure(seed: u64) -> (usize, Vec<Sizes>) {
@@ -93,7 +95,9 @@ fn measure(seed: u64) -> (usize, Vec<Sizes>) {
                 }
                 histogram_entropy_bits(&hist)
             });
-            (*name, bytes.len(), code_for_device(bytes, 256 << 10, 2).len(), byte_entropy_bits(bytes) / 8.0, exponent)
+            let with_fp8 = |seg: usize| code_for_device_with(bytes, seg, 2, DeviceCodes { fp8_e4m3: true }).len();
+            let coded = code_for_device(bytes, 256 << 10, 2).len();
+            (*name, bytes.len(), coded, byte_entropy_bits(bytes) / 8.0, exponent, with_fp8(256 << 10), with_fp8(32 << 20))
         })
         .collect();
     (values, rows)
@@ -127,6 +131,8 @@ fn main() {
             "bytes_per_weight": stored as f64 / values as f64,
             "stored_vs_bf16": stored as f64 / bf16_bytes,
             "device_coded_vs_stored": of(&|r| r.2 as f64 / r.1 as f64),
+            "device_coded_fp8_code_allowed_vs_stored": of(&|r| r.5 as f64 / r.1 as f64),
+            "device_coded_fp8_code_allowed_32mib_segments_vs_stored": of(&|r| r.6 as f64 / r.1 as f64),
             "byte_entropy_vs_stored": of(&|r| r.3),
         });
         if runs[0].1[k].4.is_some() {
@@ -143,7 +149,9 @@ fn main() {
         "gpu": "none",
         "backend": "host",
         "model": "flux-dev (three linear weights of a double block)",
-        "note": "sizes, not steps: the step fields of a results file do not apply; each figure is the median of one run per seed",
+        "note": "sizes, not steps: the step fields of a results file do not apply; each figure is the median of one run per seed; \
+                 device coding in 256 KiB segments (each coded one carries an 8 KiB decode table) unless the field says 32 MiB \
+                 (offload-cuda's default segment)",
         "seeds": seeds,
         "weights": SHAPES.iter().map(|(n, r, c)| format!("{n} {r}x{c}")).collect::<Vec<_>>(),
         "values": values,

@@ -5,6 +5,11 @@
 //! [`CHUNK_VALUES`] values, each starting at its own byte offset, so a GPU decodes
 //! the chunks in parallel with one lookup table of `2^MAX_CODE_BITS` entries.
 //!
+//! fp8 e4m3 weights have their own code ([`encode_fp8_e4m3`], mode 2): the 4-bit
+//! exponent field coded the same way, the sign and 3 mantissa bits of two values
+//! packed in a byte (a per-channel-scaled normal's exponent field carries about
+//! 2.6 of its 4 bits, so ≈ 0.82 of the fp8 bytes).
+//!
 //! The encoded form is one self-describing byte string ([`encode_bf16`]); data
 //! that would not shrink (or is not a whole number of bf16 values) is stored raw.
 //! [`decode_bf16`] is the CPU reference decoder: it checks the structure of every
@@ -16,7 +21,7 @@
 //! | bytes | field |
 //! | --- | --- |
 //! | 4 | magic `OFZ1` |
-//! | 1 | mode: 0 raw, 1 coded |
+//! | 1 | mode: 0 raw, 1 coded bf16, 2 coded fp8 e4m3 |
 //! | 3 | zero |
 //! | 8 | length of the original bytes |
 //! | 8 | [`hash64`] of the original bytes |
@@ -25,7 +30,8 @@
 //! | 4 | chunks `c` |
 //! | 4 × (c + 1) | byte offset of each chunk in the exponent stream, then its length |
 //! | … | the exponent stream |
-//! | n | sign and mantissa bytes, one per value (`sign << 7 \| mantissa`) |
+//! | bf16: n | sign and mantissa bytes, one per value (`sign << 7 \| mantissa`) |
+//! | fp8: ⌈n / 2⌉ | sign and mantissa nibbles (`sign << 3 \| mantissa`), value 2i in the low nibble of byte i, 2i + 1 in the high |
 
 use crate::error::{Error, Result};
 
@@ -64,6 +70,68 @@ fn exponent(lo: u8, hi: u8) -> u8 {
 
 fn sign_mantissa(lo: u8, hi: u8) -> u8 {
     (hi & 0x80) | (lo & 0x7f)
+}
+
+/// What a coded string codes: which field of each value is the coded symbol and
+/// what the rest of the value is stored as.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Code {
+    /// Mode 1: bf16, the 8-bit exponent coded, one sign-mantissa byte per value.
+    Bf16,
+    /// Mode 2: fp8 e4m3 (`s eeee mmm`), the 4-bit exponent field coded, the sign
+    /// and mantissa of two values packed in one byte.
+    Fp8E4M3,
+}
+
+impl Code {
+    fn mode(self) -> u8 {
+        match self {
+            Code::Bf16 => 1,
+            Code::Fp8E4M3 => 2,
+        }
+    }
+
+    fn of_mode(mode: u8) -> Option<Code> {
+        match mode {
+            1 => Some(Code::Bf16),
+            2 => Some(Code::Fp8E4M3),
+            _ => None,
+        }
+    }
+
+    /// Bytes per value.
+    fn width(self) -> usize {
+        match self {
+            Code::Bf16 => 2,
+            Code::Fp8E4M3 => 1,
+        }
+    }
+
+    /// Bytes of sign and mantissa that `n` values keep beside their codes.
+    fn residual_len(self, n: usize) -> usize {
+        match self {
+            Code::Bf16 => n,
+            Code::Fp8E4M3 => n.div_ceil(2),
+        }
+    }
+
+    /// Symbols a code table may hold (the exponent field's values).
+    fn symbols(self) -> usize {
+        match self {
+            Code::Bf16 => 256,
+            Code::Fp8E4M3 => 16,
+        }
+    }
+}
+
+/// The exponent field of an fp8 e4m3 byte.
+fn fp8_exponent(b: u8) -> u8 {
+    (b >> 3) & 0x0f
+}
+
+/// The sign and mantissa of an fp8 e4m3 byte, as a nibble (`sign << 3 | mantissa`).
+fn fp8_sign_mantissa(b: u8) -> u8 {
+    ((b >> 4) & 0x08) | (b & 0x07)
 }
 
 /// Counts of each exponent value in little-endian bf16 `bytes` (an odd last byte is ignored).
@@ -146,8 +214,40 @@ fn canonical(lens: &[u8; 256]) -> [(u32, u8); 256] {
 /// Encode little-endian bf16 `bytes`. Data that is not a whole number of values,
 /// or that would not shrink, is stored raw.
 pub fn encode_bf16(bytes: &[u8]) -> Vec<u8> {
+    encode(bytes, Code::Bf16)
+}
+
+/// Encode fp8 e4m3 `bytes` (mode 2: the exponent field coded, sign and mantissa
+/// packed two values a byte). Data that would not shrink is stored raw. Any bytes
+/// round-trip (the code is lossless whatever they hold); only e4m3 weights shrink.
+pub fn encode_fp8_e4m3(bytes: &[u8]) -> Vec<u8> {
+    encode(bytes, Code::Fp8E4M3)
+}
+
+/// Encode `bytes` with `code`, or raw where they are not a whole number of
+/// values or would not shrink.
+pub fn encode(bytes: &[u8], code: Code) -> Vec<u8> {
+    match code {
+        Code::Bf16 => encode_values::<2>(
+            bytes,
+            code,
+            |v| exponent(v[0], v[1]),
+            |out| out.extend(bytes.chunks_exact(2).map(|v| sign_mantissa(v[0], v[1]))),
+        ),
+        Code::Fp8E4M3 => encode_values::<1>(
+            bytes,
+            code,
+            |v| fp8_exponent(v[0]),
+            |out| out.extend(bytes.chunks(2).map(|p| fp8_sign_mantissa(p[0]) | p.get(1).map_or(0, |&b| fp8_sign_mantissa(b) << 4))),
+        ),
+    }
+}
+
+/// The coded string of `bytes`, `W` bytes a value: `symbol` of each value coded in
+/// chunks, then what `residual` appends; raw where that is not shorter.
+fn encode_values<const W: usize>(bytes: &[u8], code: Code, symbol: impl Fn(&[u8]) -> u8, residual: impl FnOnce(&mut Vec<u8>)) -> Vec<u8> {
     let hash = hash64(bytes);
-    let mut out = Vec::with_capacity(bytes.len() / 2 * 3 / 2 + 512);
+    let mut out = Vec::with_capacity(bytes.len() / W * 3 / 2 + 512);
     let header = |out: &mut Vec<u8>, mode: u8| {
         out.clear();
         out.extend_from_slice(MAGIC);
@@ -160,25 +260,29 @@ pub fn encode_bf16(bytes: &[u8]) -> Vec<u8> {
         out.extend_from_slice(bytes);
         std::mem::take(out)
     };
-    if bytes.len() % 2 != 0 || bytes.is_empty() {
+    if bytes.len() % W != 0 || bytes.is_empty() {
         return raw(&mut out);
     }
-    let n = bytes.len() / 2;
-    let lens = code_lengths(&exponent_histogram(bytes), MAX_CODE_BITS);
+    let n = bytes.len() / W;
+    let mut hist = [0u64; 256];
+    for v in bytes.chunks_exact(W) {
+        hist[symbol(v) as usize] += 1;
+    }
+    let lens = code_lengths(&hist, MAX_CODE_BITS);
     let codes = canonical(&lens);
     let chunks = n.div_ceil(CHUNK_VALUES);
-    header(&mut out, 1);
+    header(&mut out, code.mode());
     out.extend_from_slice(&lens);
     out.extend_from_slice(&(chunks as u32).to_le_bytes());
     let offsets_at = out.len();
     out.resize(offsets_at + 4 * (chunks + 1), 0);
     let stream_at = out.len();
     let mut offsets = Vec::with_capacity(chunks + 1);
-    for chunk in bytes.chunks(2 * CHUNK_VALUES) {
+    for chunk in bytes.chunks(W * CHUNK_VALUES) {
         offsets.push((out.len() - stream_at) as u32);
         let (mut acc, mut bits) = (0u64, 0u32);
-        for v in chunk.chunks_exact(2) {
-            let (code, len) = codes[exponent(v[0], v[1]) as usize];
+        for v in chunk.chunks_exact(W) {
+            let (code, len) = codes[symbol(v) as usize];
             acc = (acc << len) | u64::from(code);
             bits += u32::from(len);
             while bits >= 8 {
@@ -197,15 +301,15 @@ pub fn encode_bf16(bytes: &[u8]) -> Vec<u8> {
     for (i, o) in offsets.iter().enumerate() {
         out[offsets_at + 4 * i..offsets_at + 4 * i + 4].copy_from_slice(&o.to_le_bytes());
     }
-    out.extend(bytes.chunks_exact(2).map(|v| sign_mantissa(v[0], v[1])));
+    residual(&mut out);
     if out.len() >= HEADER + bytes.len() {
         return raw(&mut out);
     }
     out
 }
 
-/// A block's bytes compressed tensor by tensor: bf16 tensors coded, others (and
-/// bf16 tensors that would not shrink) raw. One contiguous byte string, what a
+/// A block's bytes compressed tensor by tensor: bf16 and fp8 e4m3 tensors coded,
+/// others (and coded tensors that would not shrink) raw. One contiguous byte string, what a
 /// copy puts in a staging buffer: the number of parts (`u32`), each part's start
 /// and then the end (`u64` each, from the start of the parts), then the parts in
 /// layout order, each an [`encode_bf16`] string.
@@ -256,10 +360,10 @@ pub fn compress_block(layout: &crate::tensor::BlockLayout, bytes: &[u8], threads
     let encode = |i: usize| {
         let t = &layout.tensors[i];
         let src = &bytes[t.offset..t.offset + t.nbytes];
-        if t.spec.dtype == crate::tensor::DType::BF16 {
-            encode_bf16(src)
-        } else {
-            encode_raw(src)
+        match t.spec.dtype {
+            crate::tensor::DType::BF16 => encode_bf16(src),
+            crate::tensor::DType::F8_E4M3 => encode_fp8_e4m3(src),
+            _ => encode_raw(src),
         }
     };
     std::thread::scope(|scope| {
@@ -288,7 +392,7 @@ pub fn compress_block(layout: &crate::tensor::BlockLayout, bytes: &[u8], threads
     Ok(CompressedBlock { bytes: out, raw_bytes: layout.bytes })
 }
 
-/// The raw form of `bytes` (mode 0), for tensors that are not bf16.
+/// The raw form of `bytes` (mode 0), for tensors that are neither bf16 nor fp8 e4m3.
 fn encode_raw(bytes: &[u8]) -> Vec<u8> {
     let mut out = Vec::with_capacity(HEADER + bytes.len());
     out.extend_from_slice(MAGIC);
@@ -363,7 +467,7 @@ pub fn decode_bf16_into(enc: &[u8], out: &mut [u8], what: &str) -> Result<()> {
             }
             out.copy_from_slice(body);
         }
-        1 => decode_coded(enc, out, what)?,
+        1 | 2 => decode_coded(enc, out, what)?,
         m => return Err(damaged(what, format!("unknown mode {m}"))),
     }
     if hash64(out) != hash {
@@ -376,7 +480,8 @@ pub fn decode_bf16_into(enc: &[u8], out: &mut [u8], what: &str) -> Result<()> {
 pub fn decode_bf16(enc: &[u8], what: &str) -> Result<Vec<u8>> {
     let len = decoded_len(enc, what)?;
     // Never trust a length the string cannot hold: raw strings carry every byte,
-    // coded ones at least one sign-mantissa byte per value.
+    // coded ones at least one sign-mantissa byte per value (bf16) or per two
+    // values of one byte each (fp8).
     let most = match enc.get(4) {
         Some(0) => enc.len().saturating_sub(HEADER),
         _ => 2 * enc.len().saturating_sub(HEADER + 260),
@@ -389,11 +494,13 @@ pub fn decode_bf16(enc: &[u8], what: &str) -> Result<Vec<u8>> {
     Ok(out)
 }
 
-/// Where the parts of a coded string (mode 1) sit, checked against its header:
-/// what a decoder on another device needs besides the bytes.
+/// Where the parts of a coded string (mode 1 or 2) sit, checked against its
+/// header: what a decoder on another device needs besides the bytes.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CodedLayout {
-    /// Values (bf16) coded.
+    /// What the string codes: a decoder that reads only one code refuses the others.
+    pub code: Code,
+    /// Values coded (bf16 or fp8, as `code` says).
     pub values: usize,
     /// Exponent chunks ([`CHUNK_VALUES`] values each, the last maybe fewer).
     pub chunks: usize,
@@ -402,7 +509,8 @@ pub struct CodedLayout {
     pub offsets_at: usize,
     /// Byte offset of the exponent stream.
     pub stream_at: usize,
-    /// Byte offset of the sign-mantissa bytes (one per value).
+    /// Byte offset of the sign-mantissa bytes (one per value for bf16, one per
+    /// two values for fp8).
     pub sm_at: usize,
     /// The lookup table: the next [`MAX_CODE_BITS`] bits of a chunk's stream →
     /// `exponent | length << 8` (length 0: no code starts with those bits).
@@ -412,17 +520,18 @@ pub struct CodedLayout {
 /// [`CodedLayout`] of the coded string `enc` whose decoded length is `len`:
 /// every structural check of the CPU decoder but the chunks' own bits.
 pub fn coded_layout(enc: &[u8], len: usize, what: &str) -> Result<CodedLayout> {
-    if enc.get(4) != Some(&1) {
-        return Err(damaged(what, "not a coded string"));
-    }
-    if len % 2 != 0 {
+    let code = enc.get(4).and_then(|&m| Code::of_mode(m)).ok_or_else(|| damaged(what, "not a coded string"))?;
+    if len % code.width() != 0 {
         return Err(damaged(what, "coded data of an odd length"));
     }
-    let n = len / 2;
+    let n = len / code.width();
     let lens: [u8; 256] =
         enc.get(HEADER..HEADER + 256).and_then(|s| s.try_into().ok()).ok_or_else(|| damaged(what, "truncated code table"))?;
     if lens.iter().any(|&l| u32::from(l) > MAX_CODE_BITS) {
         return Err(damaged(what, "a code longer than the limit"));
+    }
+    if lens[code.symbols()..].iter().any(|&l| l > 0) {
+        return Err(damaged(what, "a code for a value no fp8 exponent field holds"));
     }
     let kraft: u64 = lens.iter().filter(|&&l| l > 0).map(|&l| 1u64 << (MAX_CODE_BITS - u32::from(l))).sum();
     if kraft > 1 << MAX_CODE_BITS {
@@ -445,7 +554,7 @@ pub fn coded_layout(enc: &[u8], len: usize, what: &str) -> Result<CodedLayout> {
     let stream_len = u32_at(enc, offsets_at + 4 * chunks, what)? as usize;
     let sm_at = stream_at + stream_len;
     let sm = enc.get(sm_at..).ok_or_else(|| damaged(what, "truncated exponent stream"))?;
-    if sm.len() != n {
+    if sm.len() != code.residual_len(n) {
         return Err(damaged(what, format!("{} sign-mantissa bytes for {n} values", sm.len())));
     }
     let mut prev = 0;
@@ -456,7 +565,7 @@ pub fn coded_layout(enc: &[u8], len: usize, what: &str) -> Result<CodedLayout> {
         }
         prev = o;
     }
-    Ok(CodedLayout { values: n, chunks, offsets_at, stream_at, sm_at, table })
+    Ok(CodedLayout { code, values: n, chunks, offsets_at, stream_at, sm_at, table })
 }
 
 fn decode_coded(enc: &[u8], out: &mut [u8], what: &str) -> Result<()> {
@@ -483,9 +592,17 @@ fn decode_coded(enc: &[u8], out: &mut [u8], what: &str) -> Result<()> {
             bits -= len;
             used += u64::from(len);
             let i = c * CHUNK_VALUES + k;
-            let m = sm[i];
-            out[2 * i] = (s << 7) | (m & 0x7f);
-            out[2 * i + 1] = (m & 0x80) | (s >> 1);
+            match l.code {
+                Code::Bf16 => {
+                    let m = sm[i];
+                    out[2 * i] = (s << 7) | (m & 0x7f);
+                    out[2 * i + 1] = (m & 0x80) | (s >> 1);
+                }
+                Code::Fp8E4M3 => {
+                    let m = (sm[i / 2] >> (4 * (i & 1))) & 0x0f;
+                    out[i] = ((m & 0x08) << 4) | (s << 3) | (m & 0x07);
+                }
+            }
         }
         if used.div_ceil(8) != bytes.len() as u64 {
             return Err(damaged(what, format!("chunk {c}: {} bits coded in {} bytes", used, bytes.len())));
@@ -536,12 +653,34 @@ pub struct DeviceSegment {
 /// | 32 × s | per segment: `out_at`, `enc_at`, `enc_len`, `table_at` (0 for a raw string), `u64` each |
 /// | … | each string at a multiple of 256, zero-padded to whole 32-bit words; each coded string's table at a multiple of 256 |
 pub fn code_for_device(raw: &[u8], segment_bytes: usize, threads: usize) -> Vec<u8> {
+    code_for_device_with(raw, segment_bytes, threads, DeviceCodes::default())
+}
+
+/// The codes a device's decoder reads besides bf16's ([`Code`]): a device block
+/// holds no other. Today the CPU reference ([`decode_device_block`]) and the
+/// simulated device read fp8 e4m3's; offload-cuda's kernels read bf16's only and
+/// refuse a block that holds another.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DeviceCodes {
+    /// Segments may be coded as fp8 e4m3 ([`encode_fp8_e4m3`]) where that is shorter.
+    pub fp8_e4m3: bool,
+}
+
+/// [`code_for_device`], each segment coded with whichever of the codes `codes`
+/// allows (bf16's always) is shortest, or raw where none is shorter.
+pub fn code_for_device_with(raw: &[u8], segment_bytes: usize, threads: usize, codes: DeviceCodes) -> Vec<u8> {
     let seg = (segment_bytes.min(1 << 30) / 4 * 4).max(4);
     // A coded string also carries its table (and alignment): worth it only below
     // the raw string's size.
     let encode = |p: &[u8]| {
-        let e = encode_bf16(p);
-        match e[4] == 1 && e.len().next_multiple_of(4) + (2 << MAX_CODE_BITS) + DEVICE_ALIGN >= HEADER + p.len() {
+        let mut e = encode_bf16(p);
+        if codes.fp8_e4m3 {
+            let f = encode_fp8_e4m3(p);
+            if f.len() < e.len() {
+                e = f;
+            }
+        }
+        match e[4] != 0 && e.len().next_multiple_of(4) + (2 << MAX_CODE_BITS) + DEVICE_ALIGN >= HEADER + p.len() {
             true => encode_raw(p),
             false => e,
         }
@@ -577,7 +716,7 @@ pub fn code_for_device(raw: &[u8], segment_bytes: usize, threads: usize) -> Vec<
         out.extend_from_slice(enc);
         out.resize(out.len().next_multiple_of(4), 0);
         let enc_len = out.len() - enc_at;
-        let table_at = if enc[4] == 1 {
+        let table_at = if enc[4] != 0 {
             // The table a coded string decodes with (its own, checked to build).
             let len = decoded_len(enc, "segment").unwrap_or(0);
             let table = coded_layout(enc, len, "segment").map(|l| l.table).unwrap_or_default();
@@ -634,7 +773,7 @@ pub fn device_segments(coded: &[u8], what: &str) -> Result<(usize, Vec<DeviceSeg
                 }
                 None
             }
-            Some(1) => {
+            Some(1 | 2) => {
                 // The layout of the unpadded string: its sign-mantissa bytes end it.
                 let l = coded_layout(&enc[..enc_len.min(unpadded_len(enc, out_len, &w)?)], out_len, &w)?;
                 let tbytes = 2 << MAX_CODE_BITS;
@@ -698,12 +837,14 @@ pub fn coded_matches(coded: &[u8], raw: &[u8], threads: usize, what: &str) -> Re
 }
 
 /// A coded string's length without the word padding of a device block: its
-/// layout ends with one sign-mantissa byte per value.
+/// layout ends with its sign-mantissa bytes (one per bf16 value, one per two fp8
+/// values).
 fn unpadded_len(enc: &[u8], out_len: usize, what: &str) -> Result<usize> {
+    let code = enc.get(4).and_then(|&m| Code::of_mode(m)).ok_or_else(|| damaged(what, "not a coded string"))?;
     let chunks = u32_at(enc, HEADER + 256, what)? as usize;
     let offsets_at = HEADER + 260;
     let stream_len = u32_at(enc, offsets_at + 4 * chunks, what)? as usize;
-    Ok(offsets_at + 4 * (chunks + 1) + stream_len + out_len / 2)
+    Ok(offsets_at + 4 * (chunks + 1) + stream_len + code.residual_len(out_len / code.width()))
 }
 
 /// Decode a device block ([`code_for_device`]) into `out` (its original length)
@@ -977,5 +1118,92 @@ mod tests {
             assert!(coded_matches(&coded[..coded.len() / 2], &raw, threads, "blocks.2").is_err());
         }
         coded_matches(&code_for_device(&[], 64, 2), &[], 2, "b").unwrap();
+    }
+
+    /// fp8 e4m3 weights as a per-output-channel scaled checkpoint holds them:
+    /// `rows` channels of normal values, each divided by its amax / 448 and cast
+    /// nearest-even.
+    fn scaled_fp8(rows: usize, cols: usize, seed: u64) -> Vec<u8> {
+        let v = normal_bf16(rows * cols, 0.02, seed);
+        let f: Vec<f32> = v.chunks_exact(2).map(|b| f32::from_bits(u32::from(u16::from_le_bytes([b[0], b[1]])) << 16)).collect();
+        f.chunks(cols)
+            .flat_map(|row| {
+                let amax = row.iter().fold(0f32, |m, x| m.max(x.abs())).max(f32::MIN_POSITIVE);
+                row.iter().map(move |x| crate::fp8::f32_to_fp8(x / (amax / 448.0), crate::DType::F8_E4M3).unwrap())
+            })
+            .collect()
+    }
+
+    #[test]
+    fn fp8_weights_round_trip_and_shrink_to_their_exponent_entropy() {
+        let w = scaled_fp8(256, 1024, 11);
+        let enc = encode_fp8_e4m3(&w);
+        assert_eq!(enc[4], 2, "coded as fp8");
+        assert_eq!(decode_bf16(&enc, "w").unwrap(), w);
+        // The exponent field's order-0 entropy plus 4 bits of sign and mantissa.
+        let mut h = [0u64; 256];
+        for &b in &w {
+            h[fp8_exponent(b) as usize] += 1;
+        }
+        let bound = (histogram_entropy_bits(&h) + 4.0) / 8.0;
+        let r = enc.len() as f64 / w.len() as f64;
+        assert!(r < 0.86 && r < bound + 0.02, "ratio {r}, entropy bound {bound}");
+        // The bf16 code reads pairs of fp8 values as one bf16: it saves less.
+        assert!(encode_bf16(&w).len() as f64 > 1.1 * enc.len() as f64);
+        // Every byte value, any length (odd ones included), round-trips.
+        for n in [1usize, 2, 3, 1023, 1024, 1025, 4097] {
+            let any: Vec<u8> = (0..n).map(|i| (i * 151 + n) as u8).collect();
+            assert_eq!(decode_bf16(&encode_fp8_e4m3(&any), "any").unwrap(), any, "{n} bytes");
+        }
+        // The tensor-by-tensor form codes an fp8 tensor with its own code.
+        let spec = crate::TensorSpec { name: "w".into(), dtype: crate::DType::F8_E4M3, shape: vec![256, 1024] };
+        let layout = crate::tensor::BlockLayout::new(vec![spec]).unwrap();
+        let c = compress_block(&layout, &w, 2).unwrap();
+        assert!(c.ratio() < 0.86, "compressed block ratio {}", c.ratio());
+        let mut out = vec![0u8; w.len()];
+        decompress_block_into(&layout, c.as_bytes(), &mut out, "blocks.0").unwrap();
+        assert_eq!(out, w);
+    }
+
+    #[test]
+    fn damaged_fp8_strings_are_errors_naming_the_tensor() {
+        let w = scaled_fp8(64, 1024, 12);
+        let enc = encode_fp8_e4m3(&w);
+        let l = coded_layout(&enc, w.len(), "w").unwrap();
+        assert_eq!((l.code, l.values, enc.len() - l.sm_at), (Code::Fp8E4M3, w.len(), w.len() / 2));
+        // A sign-mantissa nibble, a stream byte, a code for an exponent field of 16.
+        for (name, at, flip) in [("nibble", l.sm_at + 77, 0x10u8), ("stream", l.stream_at + 5, 0x04), ("table", HEADER + 16, 1)] {
+            let mut bad = enc.clone();
+            bad[at] ^= flip;
+            let e = decode_bf16(&bad, "blocks.3.w").unwrap_err().to_string();
+            assert!(e.contains("blocks.3.w"), "{name}: {e}");
+        }
+        let mut short = enc.clone();
+        short.pop();
+        assert!(decode_bf16(&short, "w").is_err());
+    }
+
+    #[test]
+    fn device_blocks_hold_fp8_codes_only_where_the_device_reads_them() {
+        // A block of fp8 weights then bf16 ones (fp8 linears beside bf16 modulation).
+        let mut raw = scaled_fp8(128, 1024, 13);
+        raw.extend(normal_bf16(65_536, 0.02, 14));
+        let codes =
+            |coded: &[u8]| device_segments(coded, "b").unwrap().1.iter().map(|s| s.coded.as_ref().map(|c| c.1.code)).collect::<Vec<_>>();
+        // By default (what offload-cuda's kernels read): bf16's code or raw, never fp8's.
+        // 64 KiB segments: two of fp8 weights, then two of bf16.
+        let plain = code_for_device(&raw, 64 << 10, 2);
+        assert!(codes(&plain).iter().all(|c| *c != Some(Code::Fp8E4M3)));
+        let both = code_for_device_with(&raw, 64 << 10, 2, DeviceCodes { fp8_e4m3: true });
+        let got = codes(&both);
+        // The fp8 segments coded as fp8, the bf16 ones as bf16.
+        assert_eq!(got, [Some(Code::Fp8E4M3), Some(Code::Fp8E4M3), Some(Code::Bf16), Some(Code::Bf16)]);
+        assert!(both.len() < plain.len());
+        for threads in [1, 3] {
+            let mut out = vec![0u8; raw.len()];
+            decode_device_block_on(&both, &mut out, threads, "b").unwrap();
+            assert!(out == raw);
+        }
+        coded_matches(&both, &raw, 2, "b").unwrap();
     }
 }

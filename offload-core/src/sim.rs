@@ -417,7 +417,9 @@ impl HostBuffer for SimHost {
 impl SimBackend {
     fn alloc_coded(&self, bytes: usize, purpose: &str, fill: Fill<'_>) -> Result<SimHost> {
         let host = self.alloc_locked(bytes, purpose, fill)?;
-        let coded = crate::codec::code_for_device(&host.raw, SIM_SEGMENT_BYTES, 2);
+        // The simulated device decodes with the CPU reference, which reads every code.
+        let codes = crate::codec::DeviceCodes { fp8_e4m3: true };
+        let coded = crate::codec::code_for_device_with(&host.raw, SIM_SEGMENT_BYTES, 2, codes);
         if coded.len() >= bytes {
             // Coding does not shrink this block (dense bytes: GGUF blocks, random
             // data): held raw, so a coded store never sends more than the raw bytes.

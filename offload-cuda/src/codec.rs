@@ -468,7 +468,7 @@ pub(crate) mod tests {
     /// in none, no launch over SEGS strings.
     #[test]
     fn launches_cover_every_coded_chunk_once() {
-        use offload_core::codec::{CodedLayout, DeviceSegment};
+        use offload_core::codec::{Code, CodedLayout, DeviceSegment};
         let seg = |i: usize, values: usize| DeviceSegment {
             out_at: i * 1000,
             out_len: 2 * values,
@@ -476,7 +476,7 @@ pub(crate) mod tests {
             enc_len: 0,
             coded: (i % 5 != 3).then(|| {
                 let chunks = values.div_ceil(CHUNK_VALUES);
-                (i * 512, CodedLayout { values, chunks, offsets_at: 8, stream_at: 16, sm_at: 24, table: Vec::new() })
+                (i * 512, CodedLayout { code: Code::Bf16, values, chunks, offsets_at: 8, stream_at: 16, sm_at: 24, table: Vec::new() })
             }),
         };
         // 75 strings: every fifth raw, one empty, sizes from one chunk to 300.

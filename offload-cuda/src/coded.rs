@@ -25,7 +25,7 @@ use crate::engine::Engine;
 use crate::error::{dev, driver};
 use crate::memory::HostBytes;
 use cudarc::driver::{result, sys, CudaEvent, CudaFunction, CudaStream};
-use offload_core::codec::{device_segments, DeviceSegment};
+use offload_core::codec::{device_segments, Code, DeviceSegment};
 use offload_core::{Error, Result};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -217,6 +217,20 @@ pub(crate) struct CodedHost {
     pub(crate) decoded: Mutex<Vec<(u64, Box<[u8]>)>>,
 }
 
+/// Refuses a block holding a segment in another code than bf16's: the kernels
+/// decode that one only, and would turn any other into wrong weights.
+fn bf16_only(segments: &[DeviceSegment], purpose: &str) -> Result<()> {
+    let other =
+        segments.iter().enumerate().find_map(|(i, sg)| sg.coded.as_ref().filter(|(_, l)| l.code != Code::Bf16).map(|(_, l)| (i, l.code)));
+    match other {
+        Some((i, code)) => Err(Error::BadTensor {
+            tensor: purpose.into(),
+            fault: format!("segment {i} is coded as {code:?}, which this device's decoder does not read (bf16's code only)"),
+        }),
+        None => Ok(()),
+    }
+}
+
 impl CodedHost {
     /// Parse `coded` (a block from `code_for_device` of `raw_len` bytes).
     pub(crate) fn new(coding: &Coding, coded: &[u8], raw_len: usize, purpose: &str) -> Result<Self> {
@@ -224,6 +238,7 @@ impl CodedHost {
         if len != raw_len {
             return Err(Error::BadTensor { tensor: purpose.into(), fault: format!("{len} bytes coded for a {raw_len}-byte block") });
         }
+        bf16_only(&segments, purpose)?;
         Ok(CodedHost { raw_len, segments, tag: coding.tag(purpose), purpose: purpose.to_owned(), decoded: Mutex::new(Vec::new()) })
     }
 }
@@ -449,5 +464,30 @@ impl Coding {
         s.bytes_copied.fetch_add(len as u64, Ordering::Relaxed);
         c.coded_copies.fetch_add(1, Ordering::Relaxed);
         Ok(ev)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use offload_core::codec::{code_for_device, code_for_device_with, device_segments, DeviceCodes};
+
+    #[test]
+    fn a_block_in_a_code_the_kernels_do_not_read_is_refused_by_name() {
+        // fp8 e4m3 bytes (exponent fields skewed as a scaled checkpoint's are), then bf16 ones.
+        let mut x = 1u64;
+        let mut raw: Vec<u8> = (0..1 << 17)
+            .map(|_| {
+                x = x.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+                let r = (x >> 33) as u8;
+                (r & 0x80) | [7u8, 8, 8, 9, 9, 9, 10, 10][usize::from(r & 7)] << 3 | (r >> 3) & 7
+            })
+            .collect();
+        raw.extend((0..1u32 << 17).map(|i| if i % 2 == 1 { 0x3c } else { i.wrapping_mul(97) as u8 }));
+        let (_, fp8) = device_segments(&code_for_device_with(&raw, 64 << 10, 2, DeviceCodes { fp8_e4m3: true }), "b").unwrap();
+        let e = super::bf16_only(&fp8, "transformer_blocks.4").unwrap_err().to_string();
+        assert!(e.contains("transformer_blocks.4") && e.contains("segment 0") && e.contains("Fp8E4M3"), "{e}");
+        let (_, plain) = device_segments(&code_for_device(&raw, 64 << 10, 2), "b").unwrap();
+        assert!(plain.iter().any(|s| s.coded.is_some()), "the bf16 half codes");
+        super::bf16_only(&plain, "transformer_blocks.4").unwrap();
     }
 }

@@ -1,4 +1,6 @@
-//! The GPU decoder of [`offload_core::codec`]'s bf16 coding: one thread per
+//! The GPU decoder of [`offload_core::codec`]'s coding (bf16's code; fp8 e4m3's
+//! in the same loop, a launch's `code` choosing the write, behind
+//! [`crate::CodingOptions::fp8_code`] until it has decoded on a GPU): one thread per
 //! chunk of [`CHUNK_VALUES`] exponents reads its own bit stream through the
 //! lookup table (in shared memory) — the CPU reference decoder's loop, on the
 //! device — 32 exponents at a time into a shared tile, from which its warp
@@ -11,6 +13,7 @@
 //! its own.
 
 use cudarc::nvrtc;
+use offload_core::codec::Code;
 use std::sync::OnceLock;
 
 const KERNELS: &str = r#"
@@ -102,9 +105,13 @@ __device__ __forceinline__ void load_rows(u32 (&dst)[ROWS], const u8* __restrict
 }
 
 // The chunks of one coded string, `bid` the launch block among its blocks.
+// `code`: 1 bf16 (out holds n u16s, sm one byte a value), 2 fp8 e4m3 (out holds
+// n bytes, sm one byte per two values: value 2i's sign-mantissa nibble low, 2i + 1's
+// high); uniform across a launch, so the branches on it do not diverge.
 __device__ __forceinline__ void decode_chunks(const u8* __restrict__ enc, u64 stream_at, u64 offsets_at, u32 chunks, u64 sm_at,
                                               u64 n, const u16* __restrict__ table, u16* __restrict__ out, volatile u32* err,
-                                              u32 tag, u32 bid) {
+                                              u32 tag, u32 bid, u32 code) {
+    const bool fp8 = code == 2;
     const u32* words = (const u32*)(enc + stream_at);
     const u32* offsets = (const u32*)(enc + offsets_at);
     const u8* sm = enc + sm_at;
@@ -133,13 +140,13 @@ __device__ __forceinline__ void decode_chunks(const u8* __restrict__ enc, u64 st
     u8* e = tile[warp];
 #if PIPE
     u32 pipe[ROWS];
-    load_rows(pipe, sm, first, chunks, n, 2 * lane, 0);
+    if (!fp8) load_rows(pipe, sm, first, chunks, n, 2 * lane, 0);
 #endif
     for (u32 k0 = 0; k0 < CHUNK; k0 += TILE) {
 #if EARLY
         u32 early[32];
 #pragma unroll
-        for (u32 q = 0; q < 32; ++q) {
+        for (u32 q = 0; q < 32 && !fp8; ++q) {
             u32 cc = first + q, k = k0 + 2 * lane;
             u64 b = (u64)cc * CHUNK;
             u32 v = cc < chunks ? (n - b < CHUNK ? (u32)(n - b) : CHUNK) : 0;
@@ -203,6 +210,11 @@ __device__ __forceinline__ void decode_chunks(const u8* __restrict__ enc, u64 st
                 u32 cc = first + r0 + q;
                 u64 b = (u64)cc * CHUNK;
                 vals[q] = cc < chunks ? (n - b < CHUNK ? (u32)(n - b) : CHUNK) : 0;
+                if (fp8) {
+                    // Values k and k + 1 (k even, b even): the nibbles of one byte.
+                    s[q] = k < vals[q] ? __ldg(sm + ((b + k) >> 1)) : 0;
+                    continue;
+                }
 #if PIPE
                 s[q] = pipe[q];
 #elif EARLY
@@ -215,8 +227,10 @@ __device__ __forceinline__ void decode_chunks(const u8* __restrict__ enc, u64 st
             }
 #if PIPE
             // The next group's rows, or the next tile's first rows after the last group.
-            if (r0 + ROWS < 32) load_rows(pipe, sm, first, chunks, n, k, r0 + ROWS);
-            else load_rows(pipe, sm, first, chunks, n, k + TILE, 0);
+            if (!fp8) {
+                if (r0 + ROWS < 32) load_rows(pipe, sm, first, chunks, n, k, r0 + ROWS);
+                else load_rows(pipe, sm, first, chunks, n, k + TILE, 0);
+            }
 #endif
 #pragma unroll
             for (u32 q = 0; q < ROWS; ++q) {
@@ -224,6 +238,19 @@ __device__ __forceinline__ void decode_chunks(const u8* __restrict__ enc, u64 st
                 u32 r = r0 + q;
                 u64 b = (u64)(first + r) * CHUNK;
                 u32 ex = e[r * ROW + 2 * lane], ey = e[r * ROW + 2 * lane + 1];
+                if (fp8) {
+                    u8* o = (u8*)out;
+                    u32 lo = ((s[q] & 0x08) << 4) | (ex << 3) | (s[q] & 0x07);
+                    if (k + 1 < vals[q]) {
+                        u32 sh = s[q] >> 4;
+                        u32 hi = ((sh & 0x08) << 4) | (ey << 3) | (sh & 0x07);
+                        // b + k is even and `out` 4-aligned: a 2-byte store.
+                        *(u16*)(o + b + k) = (u16)(lo | hi << 8);
+                    } else {
+                        o[b + k] = (u8)lo;
+                    }
+                    continue;
+                }
                 u32 lo = ((s[q] & 0x80) << 8) | (ex << 7) | (s[q] & 0x7f);
                 if (k + 1 < vals[q]) {
                     u32 sh = s[q] >> 8;
@@ -242,7 +269,7 @@ __device__ __forceinline__ void decode_chunks(const u8* __restrict__ enc, u64 st
 
 extern "C" __global__ void exp_decode(const u8* __restrict__ enc, u64 stream_at, u64 offsets_at, u32 chunks, u64 sm_at, u64 n,
                                       const u16* __restrict__ table, u16* __restrict__ out, volatile u32* err, u32 tag) {
-    decode_chunks(enc, stream_at, offsets_at, chunks, sm_at, n, table, out, err, tag, blockIdx.x);
+    decode_chunks(enc, stream_at, offsets_at, chunks, sm_at, n, table, out, err, tag, blockIdx.x, 1);
 }
 
 // Up to SEGS coded strings of one block in one launch (a block's strings are
@@ -252,7 +279,8 @@ extern "C" __global__ void exp_decode(const u8* __restrict__ enc, u64 stream_at,
 // `staging` + enc_at (the table at staging + table_at), its output at out + out_at bytes.
 #define SEGS 32
 struct Seg { u64 enc_at, stream_at, offsets_at, sm_at, n, table_at, out_at; u32 chunks, first_block; };
-struct Segs { u32 count, pad; Seg s[SEGS]; };
+// `code`: every string of a launch is in one code (1 bf16, 2 fp8 e4m3; `launches`).
+struct Segs { u32 count, code; Seg s[SEGS]; };
 static_assert(sizeof(Seg) == 64 && sizeof(Segs) == 8 + 64 * SEGS, "Seg and Segs as the Rust side lays them out");
 // The checking mode's check of one decoded segment: `offload_core::codec::hash64`
 // of its `len` bytes at `out` (one thread, in order: the hash is a chain), against
@@ -283,7 +311,7 @@ extern "C" __global__ void exp_decode_segs(const u8* __restrict__ staging, u8* _
     while (i + 1 < segs.count && blockIdx.x >= segs.s[i + 1].first_block) ++i;
     const Seg g = segs.s[i];
     decode_chunks(staging + g.enc_at, g.stream_at, g.offsets_at, g.chunks, g.sm_at, g.n, (const u16*)(staging + g.table_at),
-                  (u16*)(out + g.out_at), err, tag, blockIdx.x - g.first_block);
+                  (u16*)(out + g.out_at), err, tag, blockIdx.x - g.first_block, segs.code);
 }
 "#;
 
@@ -317,17 +345,28 @@ const _: () = assert!(
 pub(crate) const BLOCK_THREADS: u32 = 128;
 
 /// The `exp_decode_segs` launches that decode a block's coded strings (raw strings
-/// and empty ones are not in them): up to [`SEGS`] strings each, in order, with
-/// each string's first launch block and the launch's block count.
+/// and empty ones are not in them): up to [`SEGS`] strings each, all of one code
+/// (a string in another code starts a new launch), in order, with each string's
+/// first launch block and the launch's block count.
 pub(crate) fn launches(segments: &[offload_core::codec::DeviceSegment]) -> Vec<(Segs, u32)> {
+    let code_of = |c: Code| match c {
+        Code::Bf16 => 1u32,
+        Code::Fp8E4M3 => 2,
+    };
     let mut out = Vec::new();
-    let mut batch = Segs { count: 0, pad: 0, s: [Seg::default(); SEGS] };
+    let mut batch = Segs { count: 0, code: 1, s: [Seg::default(); SEGS] };
     let mut blocks = 0u32;
     for sg in segments {
         let Some((table_at, l)) = &sg.coded else { continue };
         if l.values == 0 {
             continue;
         }
+        if batch.count > 0 && batch.code != code_of(l.code) {
+            out.push((batch, blocks));
+            batch.count = 0;
+            blocks = 0;
+        }
+        batch.code = code_of(l.code);
         batch.s[batch.count as usize] = Seg {
             enc_at: sg.enc_at as u64,
             stream_at: l.stream_at as u64,
@@ -359,7 +398,8 @@ pub(crate) fn launches(segments: &[offload_core::codec::DeviceSegment]) -> Vec<(
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Segs {
     pub count: u32,
-    pub pad: u32,
+    /// The launch's code: 1 bf16, 2 fp8 e4m3.
+    pub code: u32,
     pub s: [Seg; SEGS],
 }
 
@@ -486,8 +526,34 @@ pub(crate) mod tests {
         let coded: Vec<&DeviceSegment> = segments.iter().filter(|s| s.coded.as_ref().is_some_and(|(_, l)| l.values > 0)).collect();
         assert_eq!(coded.len(), 59);
         assert_eq!(ls.len(), 2, "59 strings: a launch of {SEGS} and one of the rest");
+        assert!(ls.iter().all(|(b, _)| b.code == 1), "bf16 strings: code 1");
+        check_launches(&ls, &coded);
+        // Strings 20 to 29 coded as fp8: launches split where the code changes,
+        // each of one code, still every chunk once.
+        let mixed: Vec<DeviceSegment> = segments
+            .iter()
+            .enumerate()
+            .map(|(i, sg)| {
+                let mut sg = sg.clone();
+                if let Some((_, l)) = sg.coded.as_mut().filter(|_| (20..30).contains(&i)) {
+                    l.code = Code::Fp8E4M3;
+                }
+                sg
+            })
+            .collect();
+        let ls = launches(&mixed);
+        let codes: Vec<(u32, u32)> = ls.iter().map(|(b, _)| (b.code, b.count)).collect();
+        // 59 coded strings, 16 before string 20 (bf16), 8 of 20..30 (fp8), 35 after (bf16: 32 + 3).
+        assert_eq!(codes, [(1, 16), (2, 8), (1, 32), (1, 3)]);
+        let coded: Vec<&DeviceSegment> = mixed.iter().filter(|s| s.coded.as_ref().is_some_and(|(_, l)| l.values > 0)).collect();
+        check_launches(&ls, &coded);
+    }
+
+    /// Every launch's blocks found by the kernel's lookup cover each of its strings'
+    /// blocks once, and the launches hold `coded` in order.
+    fn check_launches(ls: &[(Segs, u32)], coded: &[&offload_core::codec::DeviceSegment]) {
         let mut seen = Vec::new();
-        for (batch, blocks) in &ls {
+        for (batch, blocks) in ls {
             assert!(batch.count as usize <= SEGS && batch.count > 0);
             let mut hits = vec![0u32; batch.count as usize];
             for bid in 0..*blocks {
@@ -511,7 +577,7 @@ pub(crate) mod tests {
         assert_eq!(seen, want, "every coded string, in order, once");
     }
     use super::*;
-    use offload_core::codec::{coded_layout, encode_bf16, CHUNK_VALUES, MAX_CODE_BITS};
+    use offload_core::codec::{coded_layout, encode_bf16, Code, CHUNK_VALUES, MAX_CODE_BITS};
 
     /// The decoder compiles with NVRTC (no GPU needed, only libnvrtc).
     #[test]
@@ -565,16 +631,30 @@ pub(crate) mod tests {
             bf16s(normal(3 * 1024 + 17, 0.5, 3)),
             bf16s(normal(1025, 3.0, 9)),
         ];
-        for (ci, raw) in cases.iter().enumerate() {
-            let enc = encode_bf16(raw);
-            assert_eq!(enc[4], 1, "case {ci} is coded");
+        // fp8 e4m3 cases (the kernel's `code` 2): normals cast under a per-row scale.
+        let fp8 = |v: Vec<f32>, row: usize| -> Vec<u8> {
+            v.chunks(row)
+                .flat_map(|r| {
+                    let scale = r.iter().fold(0f32, |m, x| m.max(x.abs())) / 448.0;
+                    r.iter().map(move |x| offload_core::fp8::f32_to_fp8(x / scale, offload_core::DType::F8_E4M3).unwrap())
+                })
+                .collect()
+        };
+        let fp8_cases = [fp8(normal(9000, 0.02, 17), 300), fp8(normal(3 * 1024 + 17, 0.5, 13), 1024 + 17)];
+        let all = cases.iter().map(|c| (Code::Bf16, c)).chain(fp8_cases.iter().map(|c| (Code::Fp8E4M3, c)));
+        for (ci, (code, raw)) in all.enumerate() {
+            let enc = match code {
+                Code::Bf16 => encode_bf16(raw),
+                Code::Fp8E4M3 => offload_core::codec::encode_fp8_e4m3(raw),
+            };
+            assert_eq!(enc[4], if code == Code::Bf16 { 1 } else { 2 }, "case {ci} is coded");
             let l = coded_layout(&enc, raw.len(), "case").unwrap();
             assert_eq!(l.stream_at % 4, 0, "the stream starts on a word");
             let mut padded = enc.clone();
             padded.resize(enc.len().next_multiple_of(4), 0);
             let word = |i: usize| u32::from_le_bytes(padded[l.stream_at + 4 * i..l.stream_at + 4 * i + 4].try_into().unwrap());
             let off = |c: usize| u32::from_le_bytes(enc[l.offsets_at + 4 * c..l.offsets_at + 4 * c + 4].try_into().unwrap());
-            let n = raw.len() / 2;
+            let n = l.values;
             let mut starts = std::collections::HashSet::new();
             for c in 0..l.chunks {
                 let (from, to) = (off(c), off(c + 1));
@@ -617,9 +697,21 @@ pub(crate) mod tests {
                         bits -= len;
                         used += len;
                         let v = c * CHUNK_VALUES + k;
-                        let want = u16::from_le_bytes([raw[2 * v], raw[2 * v + 1]]);
-                        let sm = enc[l.sm_at + v];
-                        let got = (u16::from(sm & 0x80) << 8) | ((x & 0xff) << 7) | u16::from(sm & 0x7f);
+                        let (got, want) = match code {
+                            Code::Bf16 => {
+                                let sm = enc[l.sm_at + v];
+                                (
+                                    (u16::from(sm & 0x80) << 8) | ((x & 0xff) << 7) | u16::from(sm & 0x7f),
+                                    u16::from_le_bytes([raw[2 * v], raw[2 * v + 1]]),
+                                )
+                            }
+                            Code::Fp8E4M3 => {
+                                // Lane pairs: byte (b + k) / 2 of the nibbles, k's low and k + 1's high.
+                                let pair = u16::from(enc[l.sm_at + (v & !1) / 2]);
+                                let sm = if v % 2 == 0 { pair & 0x0f } else { pair >> 4 };
+                                (((sm & 0x08) << 4) | ((x & 0xff) << 3) | (sm & 0x07), u16::from(raw[v]))
+                            }
+                        };
                         assert_eq!(got, want, "case {ci} chunk {c} value {k} (group {group})");
                     }
                     assert_eq!(used.div_ceil(8), to - from, "case {ci} chunk {c}: its codes fill its bytes");

@@ -58,7 +58,8 @@ impl PinnedHost {
         let mut raw = vec![0u8; len];
         fill(&mut raw)?;
         let o = coding.options;
-        let coded = offload_core::codec::code_for_device(&raw, o.segment_bytes, o.threads);
+        let codes = offload_core::codec::DeviceCodes { fp8_e4m3: o.fp8_code };
+        let coded = offload_core::codec::code_for_device_with(&raw, o.segment_bytes, o.threads, codes);
         if coded.len() >= len {
             // Coding does not shrink this block (dense bytes: GGUF blocks, random
             // data): held raw, so a coded store never sends more than the raw bytes.

@@ -24,6 +24,64 @@ fn coded_ring_streams_exact_bytes_in_multi_block_strings() {
     coded_ring_exact(512 << 10, 9_500_000);
 }
 
+/// On a GPU: fp8 e4m3 weights (normals cast under a per-row scale) beside bf16
+/// ones and a raw tensor, coded with fp8's own code (`CodingOptions::fp8_code`):
+/// every segment of the fp8 tensors in fp8's code and every block's exact bytes
+/// in its slot over four steps, mixed launches (a code change starts one)
+/// included; fewer bytes held than with bf16's code alone. With the option off
+/// the same store is coded without fp8's code. Without a device it prints
+/// SKIPPED (and fails under `OFFLOAD_REQUIRE_DEVICE=1`).
+#[test]
+fn coded_ring_streams_exact_fp8_bytes() {
+    let Some(b) = super::test_backend() else { return };
+    let options = CodingOptions { threads: 4, segment_bytes: 256 << 10, fp8_code: true, ..Default::default() };
+    b.enable_coding(options).unwrap();
+    let mut t = MemoryTensors::new();
+    let mut x = 5u64;
+    for i in 0..4u64 {
+        let v = crate::codec::sample_normal_bf16(2_000_000 + 1000 * i as usize, 0.02, 30 + i);
+        let f: Vec<f32> = v.chunks_exact(2).map(|p| f32::from_bits(u32::from(u16::from_le_bytes([p[0], p[1]])) << 16)).collect();
+        let w: Vec<u8> = f
+            .chunks(3072)
+            .flat_map(|row| {
+                let scale = row.iter().fold(0f32, |m, v| m.max(v.abs())) / 448.0;
+                row.iter().map(move |v| offload_core::fp8::f32_to_fp8(v / scale, DType::F8_E4M3).unwrap())
+            })
+            .collect();
+        t.push(TensorSpec::new(format!("blocks.{i}.w"), DType::F8_E4M3, [w.len()]), w).unwrap();
+        let m = crate::codec::sample_normal_bf16(400_000, 0.02, 40 + i);
+        t.push(TensorSpec::new(format!("blocks.{i}.modulation"), DType::BF16, [m.len() / 2]), m).unwrap();
+        let noise = super::noise(100_003, &mut x);
+        t.push(TensorSpec::new(format!("blocks.{i}.noise"), DType::U8, [noise.len()]), noise).unwrap();
+    }
+    let inv = NameDiscovery.discover("model", offload_core::TensorSource::specs(&t)).unwrap();
+    let store = Arc::new(HostStore::build(&b, &inv, &t).unwrap());
+    let raw: Vec<Vec<u8>> = store.blocks().iter().map(|blk| blk.buffer().unwrap().block_bytes().unwrap().to_vec()).collect();
+    let codes: Vec<u32> = store.blocks()[0]
+        .buffer()
+        .unwrap()
+        .coded()
+        .map_or(Vec::new(), |c| crate::codec::launches(&c.segments))
+        .iter()
+        .map(|(l, _)| l.code)
+        .collect();
+    assert!(codes.contains(&2) && codes.contains(&1), "block 0's launches in both codes: {codes:?}");
+    let held: usize = store.blocks().iter().map(|blk| blk.buffer().unwrap().len()).sum();
+    let plan = resolve(&Plan::layerwise().prefetch_depth(2), std::slice::from_ref(&inv)).unwrap();
+    let mut ring = Ring::new(b.clone(), store.clone(), &plan.components[0]).unwrap();
+    for step in 0..4 {
+        one_step_exact(&b, &mut ring, &raw, step);
+    }
+    ring.close().unwrap();
+    b.poll_error().unwrap();
+    // bf16's code alone, on another backend: more bytes held.
+    let b2 = CudaBackend::new(0).unwrap();
+    b2.enable_coding(CodingOptions { fp8_code: false, ..options }).unwrap();
+    let s2 = HostStore::build(&b2, &inv, &t).unwrap();
+    let held2: usize = s2.blocks().iter().map(|blk| blk.buffer().unwrap().len()).sum();
+    assert!(held < held2, "fp8's code: {held} bytes held, bf16's alone {held2}");
+}
+
 /// One step of `ring` in order, each block's slot read back after its copy
 /// event and compared with `raw`'s bytes for it.
 fn one_step_exact(b: &CudaBackend, ring: &mut Ring<CudaBackend>, raw: &[Vec<u8>], step: usize) {

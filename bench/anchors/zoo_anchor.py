@@ -35,6 +35,16 @@ import time
 import torch
 
 
+def fp8_skip_patterns(model, storage):
+    """The modules `--storage` keeps out of layerwise casting: `fp8`, diffusers'
+    own (`"auto"`: the class's patterns; Flux's name its adaLN modulation Linears,
+    norm*, so they stay bf16); `fp8-linears`, the class's patterns but `norm`, so
+    those Linears are fp8 too (norms proper are not cast by layerwise casting)."""
+    if storage == "fp8-linears":
+        return tuple(p for p in (getattr(model, "_skip_layerwise_casting_patterns", None) or ()) if p != "norm")
+    return "auto"
+
+
 def build(ref):
     mod = importlib.import_module(ref["module"])
     cls = getattr(mod, ref["class"])
@@ -235,9 +245,13 @@ def main():
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--depth", type=int, default=1, help="the package's prefetch depth (mode offload)")
-    ap.add_argument("--storage", choices=("bf16", "fp8"), default="bf16",
+    ap.add_argument("--storage", choices=("bf16", "fp8", "fp8-linears"), default="bf16",
                     help="fp8: diffusers' layerwise casting (float8_e4m3fn storage, bf16 compute) on every mode, "
-                         "resident included; the rows name the model MODEL-fp8")
+                         "resident included, with the model's own skip patterns (`auto`: Flux's adaLN modulation "
+                         "linears, named norm*, stay bf16); fp8-linears: the same but for the `norm` pattern, so "
+                         "every Linear of the blocks is fp8; the rows name the model MODEL-fp8 or MODEL-fp8-linears")
+    ap.add_argument("--coded", action="store_true",
+                    help="the package holds the weights coded (offload.enable(coded=True)); the rows name the model MODEL-...-coded")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     modes = a.mode.split(",")
@@ -251,13 +265,17 @@ def main():
     model = build(spec["reference"])
     torch.cuda.synchronize()
     print(f"setup: model built and filled on the device in {time.perf_counter() - t0:.1f} s", flush=True)
-    if a.storage == "fp8":
+    if a.storage != "bf16":
         # The weights stored as fp8, each layer upcast to bf16 for its forward, in
         # every mode (resident, the package, diffusers' group offloading).
         from diffusers.hooks import apply_layerwise_casting
-        apply_layerwise_casting(model, storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16, skip_modules_pattern="auto")
-        a.model = f"{a.model}-fp8"
-        print(f"setup: layerwise casting to fp8, {sum(p.numel() for p in model.parameters() if p.dtype == torch.float8_e4m3fn) / 1e9:.2f} G weights fp8", flush=True)
+        skip = fp8_skip_patterns(model, a.storage)
+        apply_layerwise_casting(model, storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16, skip_modules_pattern=skip)
+        a.model = f"{a.model}-{a.storage}"
+        print(f"setup: layerwise casting to fp8 (skipping {skip}), "
+              f"{sum(p.numel() for p in model.parameters() if p.dtype == torch.float8_e4m3fn) / 1e9:.2f} G weights fp8", flush=True)
+    if a.coded:
+        a.model = f"{a.model}-coded"
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     out, act, ref = [], {}, {}
@@ -312,8 +330,8 @@ def main():
         if mode == "offload":
             import offload as ours
             t0 = time.perf_counter()
-            handle = ours.enable(model, device="cuda", depth=a.depth, name=a.model, progress=False)
-            print(f"setup: the offload package enabled (depth {a.depth}) in {time.perf_counter() - t0:.1f} s", flush=True)
+            handle = ours.enable(model, device="cuda", depth=a.depth, coded=a.coded, name=a.model, progress=False)
+            print(f"setup: the offload package enabled (depth {a.depth}{', coded' if a.coded else ''}) in {time.perf_counter() - t0:.1f} s", flush=True)
             # The bound's bandwidth as the Rust drivers measure it: every block of the
             # store copied through the engine, the best of three passes.
             engine_bandwidth = handle.probe_bandwidth(3)

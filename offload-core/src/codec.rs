@@ -657,9 +657,9 @@ pub fn code_for_device(raw: &[u8], segment_bytes: usize, threads: usize) -> Vec<
 }
 
 /// The codes a device's decoder reads besides bf16's ([`Code`]): a device block
-/// holds no other. Today the CPU reference ([`decode_device_block`]) and the
-/// simulated device read fp8 e4m3's; offload-cuda's kernels read bf16's only and
-/// refuse a block that holds another.
+/// holds no other. The CPU reference ([`decode_device_block`]) and the simulated
+/// device read fp8 e4m3's; offload-cuda's kernels read it with its
+/// `CodingOptions::fp8_code` (off by default) and refuse a block holding it otherwise.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct DeviceCodes {
     /// Segments may be coded as fp8 e4m3 ([`encode_fp8_e4m3`]) where that is shorter.
@@ -1150,7 +1150,13 @@ mod tests {
         assert!(r < 0.86 && r < bound + 0.02, "ratio {r}, entropy bound {bound}");
         // The bf16 code reads pairs of fp8 values as one bf16: it saves less.
         assert!(encode_bf16(&w).len() as f64 > 1.1 * enc.len() as f64);
-        // Every byte value, any length (odd ones included), round-trips.
+        // Coded, an odd count of values (the last byte's high nibble unused).
+        let odd = &w[..3 * 1024 + 17];
+        let e = encode_fp8_e4m3(odd);
+        assert_eq!(e[4], 2, "coded as fp8");
+        assert_eq!(decode_bf16(&e, "odd").unwrap(), odd);
+        // Every byte value, any length (odd ones included), round-trips (raw where
+        // coding would not shrink them).
         for n in [1usize, 2, 3, 1023, 1024, 1025, 4097] {
             let any: Vec<u8> = (0..n).map(|i| (i * 151 + n) as u8).collect();
             assert_eq!(decode_bf16(&encode_fp8_e4m3(&any), "any").unwrap(), any, "{n} bytes");

@@ -4,8 +4,8 @@
 //! chunk of [`CHUNK_VALUES`] exponents reads its own bit stream through the
 //! lookup table (in shared memory) — the CPU reference decoder's loop, on the
 //! device — 32 exponents at a time into a shared tile, from which its warp
-//! writes each value's bf16 bits (exponent and sign-mantissa byte) with
-//! coalesced stores. Structural damage (no code matching the next bits, a chunk whose codes
+//! writes each value's bits (bf16: exponent and sign-mantissa byte; fp8: exponent
+//! field and sign-mantissa nibble) with coalesced stores. Structural damage (no code matching the next bits, a chunk whose codes
 //! do not fill its bytes) raises a flag the host reads back; the CPU decoder's
 //! hash of the decoded bytes has no parallel form and is not checked here.
 //!
@@ -61,7 +61,9 @@ typedef unsigned long long u64;
 // stream), then the warp writes the tile chunk by chunk, lane l taking values 2l
 // and 2l + 1, so the sign-mantissa reads (64 bytes a row) and the output writes
 // (one 128-byte line a row, 4-byte stores) are coalesced; the rows' loads are
-// issued ROWS at a time before their stores.
+// issued ROWS at a time before their stores. fp8 (`code` 2): lane l reads one
+// byte of nibbles for values 2l and 2l + 1 (32 bytes a row) and writes them with
+// one 2-byte store (64 bytes a row); the PIPE and EARLY loads are bf16's only.
 // A lane refills its bit window 32 bits at a time from aligned words of the
 // stream (the stream starts 4-aligned in `enc`, and the upload pads `enc` to
 // whole words), bytes outside its chunk's [from, to) read as 0.

@@ -7,6 +7,8 @@ the CUDA ones print SKIPPED without a GPU and fail with OFFLOAD_REQUIRE_DEVICE=1
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +17,8 @@ import offload
 from offload import OffloadError
 
 from models import MODELS
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 HAS_CUDA = torch.cuda.is_available()
@@ -84,7 +88,7 @@ def test_streams_bitwise_equal_and_disable_restores(name, depth, dev):
     _same_snapshot(before, _snapshot(model))
 
 
-def _streamed_bitwise(model, inputs, dev: str, what: str):
+def _streamed_bitwise(model, inputs, dev: str, what: str, **enable):
     """The model's resident output on ``dev`` (finite, not constant), then two
     steps streamed through the package, each bitwise equal to it. Returns the
     handle (still enabled) and the module's snapshot from before."""
@@ -93,7 +97,7 @@ def _streamed_bitwise(model, inputs, dev: str, what: str):
         ref = _out(model(**_to(inputs, dev))).clone()
     assert torch.isfinite(ref.float()).all() and ref.float().std() > 0, "the resident output is not finite, or constant"
     model.to("cpu")
-    h = offload.enable(model, device=dev)
+    h = offload.enable(model, device=dev, **enable)
     with torch.no_grad():
         outs = [_out(model(**_to(inputs, dev))).clone() for _ in range(2)]
     for o in outs:
@@ -127,6 +131,35 @@ def test_fp8_weights_stream_as_stored_and_upcast_per_layer_as_diffusers_layerwis
     model.to(dev)
     _same_snapshot(before, _snapshot(model))
     assert all(p.dtype == torch.float8_e4m3fn for n, p in model.named_parameters() if n in fp8)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_flux_with_every_block_linear_in_fp8_streams_coded_bitwise(dev):
+    # The bench's `--storage fp8-linears` (bench/anchors/zoo_anchor.py): Flux's own
+    # skip patterns but `norm`, so its adaLN modulation Linears are fp8 as well
+    # (diffusers' default keeps them bf16); streamed with the weights held coded.
+    sys.path.insert(0, str(ROOT / "bench" / "anchors"))
+    try:
+        from zoo_anchor import fp8_skip_patterns
+    finally:
+        sys.path.pop(0)
+    from diffusers.hooks import apply_layerwise_casting
+
+    model, inputs, _ = MODELS["flux"]()
+    assert fp8_skip_patterns(model, "fp8") == "auto"
+    skip = fp8_skip_patterns(model, "fp8-linears")
+    assert "norm" in model._skip_layerwise_casting_patterns and skip == tuple(
+        p for p in model._skip_layerwise_casting_patterns if p != "norm"), skip
+    apply_layerwise_casting(model, storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16, skip_modules_pattern=skip)
+    model.to(dev)
+    dtypes = {n: p.dtype for n, p in model.named_parameters()}
+    assert dtypes["transformer_blocks.0.norm1.linear.weight"] == torch.float8_e4m3fn
+    assert dtypes["single_transformer_blocks.0.norm.linear.weight"] == torch.float8_e4m3fn
+    h, before = _streamed_bitwise(model, inputs, dev, "flux fp8-linears coded", coded=True)
+    assert h.violations() == []
+    offload.disable(model)
+    model.to(dev)
+    _same_snapshot(before, _snapshot(model))
 
 
 @pytest.mark.parametrize("dev", DEVICES)

@@ -26,9 +26,9 @@ fn coded_ring_streams_exact_bytes_in_multi_block_strings() {
 
 /// On a GPU: fp8 e4m3 weights (normals cast under a per-row scale) beside bf16
 /// ones and a raw tensor, coded with fp8's own code (`CodingOptions::fp8_code`):
-/// every segment of the fp8 tensors in fp8's code and every block's exact bytes
-/// in its slot over four steps, mixed launches (a code change starts one)
-/// included; fewer bytes held than with bf16's code alone. With the option off
+/// block 0 decoded by launches in both codes (a code change starts one), every
+/// block's exact bytes in its slot over four steps, and fewer bytes held than
+/// with bf16's code alone. With the option off
 /// the same store is coded without fp8's code. Without a device it prints
 /// SKIPPED (and fails under `OFFLOAD_REQUIRE_DEVICE=1`).
 #[test]

@@ -45,6 +45,73 @@ def fp8_skip_patterns(model, storage):
     return "auto"
 
 
+def q8_0_bytes(w):
+    """GGUF Q8_0 blocks of the 2-D weight `w` (fan-in a multiple of 32), as the
+    `gguf` package's `Q8_0.quantize_blocks` makes them (its rounding, half away
+    from zero), computed with torch where `w` lives: per 32 values an f16 scale
+    amax / 127 and 32 int8. uint8 of shape (out, in / 32 * 34)."""
+    b = w.detach().float().reshape(-1, 32)
+    d = b.abs().amax(dim=1, keepdim=True) / 127
+    inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    x = b * inv
+    a = x.abs()
+    fl = torch.floor(a)
+    q = torch.sign(x) * (fl + torch.floor(2 * (a - fl)))
+    out = torch.cat([d.half().view(torch.uint8), q.to(torch.int8).view(torch.uint8)], dim=1)
+    return out.reshape(w.shape[0], -1)
+
+
+def gguf_quantize_blocks(model, quant):
+    """`model` with the Linears of its block lists (fan-in whole GGUF blocks)
+    swapped for diffusers' `GGUFLinear` holding `GGUFParameter` bytes, as
+    `from_single_file(..., quantization_config=GGUFQuantizationConfig(...))`
+    builds from a GGUF release (which quantizes the blocks; embedders and final
+    layers stay 16-bit): Q8_0 quantized from the weights (`q8_0_bytes`); Q4_K
+    blocks of random bytes under small finite super-scales (the `gguf` package
+    has no K-quant quantizer; dequantised and multiplied all the same). Returns
+    the count of weights quantized."""
+    from diffusers.quantizers.gguf.utils import GGUFParameter, _replace_with_gguf_linear
+    import gguf
+
+    qt = getattr(gguf.GGMLQuantizationType, quant.upper())
+    block, size = gguf.GGML_QUANT_SIZES[qt]
+    lists = [n for n, c in model.named_children() if isinstance(c, (torch.nn.ModuleList, torch.nn.Sequential))]
+    g = torch.Generator(device="cuda" if torch.cuda.is_available() else "cpu").manual_seed(7)
+    state = {}
+    for name, m in model.named_modules():
+        if not (isinstance(m, torch.nn.Linear) and m.in_features % block == 0 and name.split(".")[0] in lists):
+            continue
+        if qt == gguf.GGMLQuantizationType.Q8_0:
+            q = q8_0_bytes(m.weight)
+        else:
+            q = torch.randint(0, 256, (m.out_features, m.in_features // block, size), generator=g, device=g.device,
+                              dtype=torch.uint8).to(m.weight.device)
+            q[..., 0:2] = torch.tensor([0.002], dtype=torch.float16).view(torch.uint8).to(q.device)
+            q[..., 2:4] = torch.tensor([0.001], dtype=torch.float16).view(torch.uint8).to(q.device)
+            q = q.reshape(m.out_features, -1)
+        state[f"{name}.weight"] = GGUFParameter(q, quant_type=qt)
+    biases = {f"{n}.weight": m.bias for n, m in model.named_modules() if f"{n}.weight" in state}
+    # The new layers on the meta device: their own weights (float32, initialised)
+    # would cost seconds and 4 bytes a weight on the host before being replaced.
+    with torch.device("meta"):
+        _replace_with_gguf_linear(model, torch.bfloat16, state)
+    for name, m in model.named_modules():
+        if f"{name}.weight" in state:
+            m.weight = state[f"{name}.weight"]
+            if biases[f"{name}.weight"] is not None:
+                m.bias = biases[f"{name}.weight"]
+    return len(state)
+
+
+def failed(out, a, cases, mode, e):
+    """diffusers' `mode` raised on this model (`e`): a row per case naming the
+    failure, so the merge names it in the table instead of timing nothing."""
+    why = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+    print(f"diffusers {mode} {a.model}: failed: {why}", flush=True)
+    for c in cases:
+        out.append(dict(model=a.model, case=c["name"], mode=mode, error=why))
+
+
 def build(ref):
     mod = importlib.import_module(ref["module"])
     cls = getattr(mod, ref["class"])
@@ -245,11 +312,12 @@ def main():
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--depth", type=int, default=1, help="the package's prefetch depth (mode offload)")
-    ap.add_argument("--storage", choices=("bf16", "fp8", "fp8-linears"), default="bf16",
+    ap.add_argument("--storage", choices=("bf16", "fp8", "fp8-linears", "gguf-q8_0", "gguf-q4_k"), default="bf16",
                     help="fp8: diffusers' layerwise casting (float8_e4m3fn storage, bf16 compute) on every mode, "
                          "resident included, with the model's own skip patterns (`auto`: Flux's adaLN modulation "
                          "linears, named norm*, stay bf16); fp8-linears: the same but for the `norm` pattern, so "
-                         "every Linear of the blocks is fp8; the rows name the model MODEL-fp8 or MODEL-fp8-linears")
+                         "every Linear of the blocks is fp8; gguf-q8_0, gguf-q4_k: the blocks' Linears as diffusers' "
+                         "GGUF layers (gguf_quantize_blocks); the rows name the model MODEL-STORAGE")
     ap.add_argument("--coded", action="store_true",
                     help="the package holds the weights coded (offload.enable(coded=True)); the rows name the model MODEL-...-coded")
     ap.add_argument("--out", required=True)
@@ -265,7 +333,12 @@ def main():
     model = build(spec["reference"])
     torch.cuda.synchronize()
     print(f"setup: model built and filled on the device in {time.perf_counter() - t0:.1f} s", flush=True)
-    if a.storage != "bf16":
+    if a.storage.startswith("gguf-"):
+        n = gguf_quantize_blocks(model, a.storage.split("-", 1)[1])
+        torch.cuda.synchronize()
+        a.model = f"{a.model}-{a.storage}"
+        print(f"setup: {n} Linears of the blocks as GGUF {a.storage[5:].upper()} in {time.perf_counter() - t0:.1f} s", flush=True)
+    elif a.storage != "bf16":
         # The weights stored as fp8, each layer upcast to bf16 for its forward, in
         # every mode (resident, the package, diffusers' group offloading).
         from diffusers.hooks import apply_layerwise_casting
@@ -337,11 +410,22 @@ def main():
             engine_bandwidth = handle.probe_bandwidth(3)
             print(f"setup: the engine's probe {engine_bandwidth / 1e9:.1f} GB/s, one 2 GiB torch copy {bandwidth / 1e9:.1f} GB/s", flush=True)
         else:
-            offload(model, mode, a.model)
+            try:
+                offload(model, mode, a.model)
+            except Exception as e:  # noqa: BLE001 - an anchor that cannot run is named, not fatal
+                failed(out, a, cases, mode, e)
+                continue
         for c in cases:
             x = inputs(a.model, c, "cuda", vocab)
             syncs = handle.counters()["syncs"] if handle is not None else None
-            times, peak, before, weights, finite, nonconst = time_case(model, x, a.warmup, a.steps)
+            try:
+                times, peak, before, weights, finite, nonconst = time_case(model, x, a.warmup, a.steps)
+            except Exception as e:  # noqa: BLE001 - diffusers' mode failing on this model is named
+                if mode == "offload":
+                    raise
+                failed(out, a, [c], mode, e)
+                del x
+                continue
             w = peak - (before - weights) - act[c["name"]]
             label = "offload package" if mode == "offload" else f"diffusers {mode}"
             print(f"{label} {a.model} {c['name']}: {sorted(times)[len(times) // 2]:.4f} s, weights {w / 2**30:.2f} GiB", flush=True)
@@ -353,11 +437,12 @@ def main():
                 m = handle.metrics()
                 got = time_case.last.detach().cpu()
                 row.update(depth=a.depth, bitwise_equal=bool(got.shape == ref[c["name"]].shape and torch.equal(got, ref[c["name"]])),
-                           bytes_per_step=m["bytes_copied"], blocks=m["blocks"], misses=m["misses"], prefetch_hits=m["prefetch_hits"],
+                           bytes_per_step=m["bytes_copied"], link_bytes_per_step=m.get("link_bytes", m["bytes_copied"]), blocks=m["blocks"], misses=m["misses"], prefetch_hits=m["prefetch_hits"],
                            host_wait_s=m["host_wait_s"], host_syncs_in_timed_steps=handle.counters()["syncs"] - syncs,
                            h2d_bytes_per_s=engine_bandwidth, torch_copy_bytes_per_s=bandwidth, violations=handle.violations())
-                print(f"  bitwise {row['bitwise_equal']}, {m['bytes_copied'] / 2**30:.2f} GiB a step, "
-                      f"its copy alone {m['bytes_copied'] / engine_bandwidth:.4f} s at {engine_bandwidth / 1e9:.1f} GB/s, "
+                link = row["link_bytes_per_step"]
+                print(f"  bitwise {row['bitwise_equal']}, {m['bytes_copied'] / 2**30:.2f} GiB a step ({link / 2**30:.2f} on the link), "
+                      f"its copy alone {link / engine_bandwidth:.4f} s at {engine_bandwidth / 1e9:.1f} GB/s, "
                       f"host syncs {row['host_syncs_in_timed_steps']}", flush=True)
             out.append(row)
             del x

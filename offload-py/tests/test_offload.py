@@ -191,6 +191,54 @@ def test_gguf_weights_stream_as_stored_under_diffusers_gguf_layers(quant, dev):
     assert {n for n, p in model.named_parameters() if type(p).__name__ == "GGUFParameter"} == gguf_names, "quant types lost"
 
 
+def _zoo_anchor():
+    sys.path.insert(0, str(ROOT / "bench" / "anchors"))
+    try:
+        import zoo_anchor
+    finally:
+        sys.path.pop(0)
+    return zoo_anchor
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_the_benchs_q8_0_quantizer_makes_the_gguf_packages_bytes(dev):
+    # bench/anchors/zoo_anchor.py quantizes Q8_0 with torch where the weights are
+    # (seconds on the GPU for a 12 B model): the same bytes as the gguf package's
+    # reference quantizer, zero blocks and halves included.
+    import gguf
+    import numpy as np
+
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(96, 512, generator=g) * 0.05).to(torch.bfloat16)
+    w[3, 64:96] = 0  # an all-zero block: scale 0
+    # A block whose scale is exactly 1 (amax 127) and whose other values sit on
+    # halves: gguf's rounding (half away from zero), not torch's (half to even).
+    w[5, :31] = torch.arange(31) + 0.5
+    w[5, 31] = 127
+    want = gguf.quants.quantize(w.float().numpy(), gguf.GGMLQuantizationType.Q8_0)
+    got = _zoo_anchor().q8_0_bytes(w.to(dev)).cpu().numpy()
+    assert got.shape == want.shape and np.array_equal(got, want)
+
+
+def test_the_benchs_gguf_model_streams_bitwise():
+    # gguf_quantize_blocks (the bench's `--storage gguf-q8_0`, `gguf-q4_k`): the
+    # blocks' Linears as diffusers' GGUF layers, biases kept; streamed bitwise.
+    from models import flux
+
+    for quant, head_dim in [("q8_0", 64), ("q4_k", 256)]:
+        model, inputs, _ = flux(head_dim)
+        bias = {n: p.clone() for n, p in model.named_parameters() if n.endswith(".bias")}
+        n = _zoo_anchor().gguf_quantize_blocks(model, quant)
+        params = dict(model.named_parameters())
+        gguf_names = {k for k, p in params.items() if type(p).__name__ == "GGUFParameter"}
+        assert n == len(gguf_names) > 0 and all(k.split(".")[0] in ("transformer_blocks", "single_transformer_blocks") for k in gguf_names)
+        assert all(torch.equal(params[k], v) for k, v in bias.items()), "a bias changed"
+        h, before = _streamed_bitwise(model, inputs, "cpu", f"bench GGUF {quant}")
+        assert h.violations() == []
+        offload.disable(model)
+        _same_snapshot(before, _snapshot(model))
+
+
 def test_a_tensor_subclass_the_package_cannot_stream_is_named():
     class Odd(torch.nn.Parameter):
         pass

@@ -50,3 +50,32 @@ def test_the_fp8_target_is_computed_against_the_resident_step(tmp_path):
             continue
         assert abs(row["vs_resident"]["median"] - ours / 0.2) < 1e-9, model
         assert row["targets"]["within_1_05_of_resident"] is met, model
+
+
+def test_a_diffusers_mode_that_failed_is_named_and_no_target_is_met_without_an_anchor(tmp_path):
+    def run(k, leaf_fails):
+        common = dict(model="flux-dev-gguf-q4_k", case="1024", tokens=4608, batch=1, weights_device_bytes=1, activations_peak_bytes=1,
+                      output_finite=True, output_nonconstant=True)
+        rows = [dict(common, mode="resident", steps_s=[0.1] * 3),
+                dict(common, mode="offload", steps_s=[0.25] * 3, depth=1, bytes_per_step=11e9, link_bytes_per_step=10e9,
+                     h2d_bytes_per_s=50e9, bitwise_equal=True, host_syncs_in_timed_steps=0),
+                dict(model="flux-dev-gguf-q4_k", case="1024", mode="block_stream", error="RuntimeError: boom")]
+        rows.append(dict(model="flux-dev-gguf-q4_k", case="1024", mode="leaf_stream", error="TypeError: no") if leaf_fails
+                    else dict(common, mode="leaf_stream", steps_s=[0.3] * 3))
+        p = tmp_path / f"r{k}-{leaf_fails}.json"
+        p.write_text(json.dumps(dict(versions="test", cases=rows)))
+        return str(p)
+
+    for leaf_fails in (True, False):
+        out = tmp_path / "m.json"
+        subprocess.run([sys.executable, str(ROOT / "bench/anchors/py_merge.py"), "--date", "2026-12-03", "--out", str(out),
+                        "--at", "c0ffee", *[run(k, leaf_fails) for k in range(3)]], check=True, capture_output=True)
+        row = json.loads(out.read_text())["cases"][0]
+        assert row["diffusers_failed"]["block_stream"] == "RuntimeError: boom"
+        # The bound from the bytes on the link: max(0.1, 10e9 / 50e9) = 0.2 s (not 11e9's 0.22).
+        assert row["link_bytes_per_step"] == 10e9 and abs(row["bound_s"]["median"] - 0.2) < 1e-12
+        if leaf_fails:
+            assert row["diffusers_failed"]["leaf_stream"] == "TypeError: no"
+            assert row["targets"]["faster_than_diffusers_best"] is None and "vs_diffusers_best" not in row
+        else:
+            assert row["diffusers_best_mode"] == "leaf_stream" and row["targets"]["faster_than_diffusers_best"] is True

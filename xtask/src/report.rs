@@ -497,14 +497,18 @@ pub fn python_table(results: &Path) -> Result<Option<String>, String> {
     md.push_str("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
     for r in d["cases"].as_array().into_iter().flatten() {
         let best = r["diffusers_best_mode"].as_str().unwrap_or("");
-        let diff =
-            if best.is_empty() { "–".into() } else { format!("{} ({})", span(&r["diffusers_s"][best], 3), best.replace('_', " ")) };
+        let diff = match (best.is_empty(), r["diffusers_failed"].is_object()) {
+            (true, true) => "failed (below)".into(),
+            (true, false) => "–".into(),
+            (false, _) => format!("{} ({})", span(&r["diffusers_s"][best], 3), best.replace('_', " ")),
+        };
         let targets = r["targets"].as_object().is_some_and(|t| t.values().all(|v| v.as_bool() == Some(true)));
         let _ = writeln!(
             md,
-            "| {} | {} | {} | {} | {} | {diff} | {} | {:.2} | {} | {} | {} | {} |",
+            "| {} | {} d={} | {} | {} | {} | {diff} | {} | {:.2} | {} | {} | {} | {} |",
             r["model"].as_str().unwrap_or("?"),
-            format!("{} d={}", r["case"].as_str().unwrap_or("?"), r["depth"]),
+            r["case"].as_str().unwrap_or("?"),
+            r["depth"],
             span(&r["offload_s"], 3),
             span(&r["ratio_to_bound"], 3),
             span(&r["resident_s"], 3),
@@ -517,6 +521,16 @@ pub fn python_table(results: &Path) -> Result<Option<String>, String> {
         );
     }
     for r in d["cases"].as_array().into_iter().flatten() {
+        for (mode, why) in r["diffusers_failed"].as_object().into_iter().flatten() {
+            let _ = writeln!(
+                md,
+                "\n{} {}: diffusers' {} failed on this model: `{}`.",
+                r["model"].as_str().unwrap_or("?"),
+                r["case"].as_str().unwrap_or("?"),
+                mode.replace('_', " "),
+                why.as_str().unwrap_or("?")
+            );
+        }
         let gone = r["superseded_runs"].as_array().map_or(0, Vec::len);
         if gone > 0 {
             let _ = writeln!(
@@ -1137,6 +1151,25 @@ mod readme_tests {
         assert!(md.contains("| m | 1024² d=1 | 0.500") && md.contains("| not judged (over; the planner's row is) |"), "{md}");
         assert!(md.contains("| m | 1024² d=2 (the planner's) | 0.500") && md.contains("| yes | yes | yes |"), "{md}");
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_python_row_names_its_depth_and_the_diffusers_modes_that_failed() {
+        let dir = std::env::temp_dir().join(format!("offload-python-report-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let s = |v: f64| serde_json::json!({"median": v, "min": v, "max": v, "n": 3});
+        let row = serde_json::json!({"model": "flux-dev-gguf-q4_k", "case": "1024", "commit": "c0", "depth": 2, "superseded_runs": [],
+            "offload_s": s(0.2), "ratio_to_bound": s(1.0), "resident_s": s(0.15), "diffusers_s": {}, "vs_diffusers_best": {},
+            "weights_device_gib": {"offload": s(0.1)}, "bitwise_equal": true, "host_syncs_in_timed_steps": 0,
+            "diffusers_failed": {"block_stream": "RuntimeError: boom", "leaf_stream": "TypeError: no"},
+            "targets": {"within_1_02_of_bound": true, "faster_than_diffusers_best": null}});
+        let doc = serde_json::json!({"commit": "c0", "date": "2026-12-03", "versions": ["v"], "cases": [row]});
+        std::fs::write(dir.join("2026-12-03-python-package.json"), doc.to_string()).unwrap();
+        let md = python_table(&dir).unwrap().expect("a table");
+        let _ = std::fs::remove_dir_all(&dir);
+        assert!(md.contains("| flux-dev-gguf-q4_k | 1024 d=2 |") && md.contains("| failed (below) |"), "{md}");
+        assert!(md.contains("flux-dev-gguf-q4_k 1024: diffusers' block stream failed on this model: `RuntimeError: boom`."), "{md}");
+        assert!(md.contains("diffusers' leaf stream failed") && md.contains("| no | c0 |"), "no anchor ran: not a met target\n{md}");
     }
 
     #[test]

@@ -84,6 +84,29 @@ fn block(x: &[f32], w: &[u8], scale: &[u8]) -> Vec<f32> {
     (0..out).map(|j| x[j] + (0..inn).map(|k| f32::from_bits((wq[j * inn + k] as u32) << 16) * x[k]).sum::<f32>()).collect()
 }
 
+/// One step through a ring over `store`: each block computed from its slot's bytes.
+/// The ring (open), the output and the step's metrics.
+fn stream(
+    sim: &SimBackend,
+    store: &Arc<HostStore<SimBackend>>,
+    component: &offload_core::ResolvedComponent,
+    x0: &[f32],
+) -> (Ring<SimBackend>, Vec<f32>, offload_core::StepMetrics) {
+    let mut ring = Ring::new(sim.clone(), store.clone(), component).unwrap();
+    let mut x = x0.to_vec();
+    for i in 0..DEPTH {
+        let g = ring.block("blocks", i).unwrap();
+        let part = |name: &str| {
+            let t = g.layout().tensors.iter().find(|t| t.spec.name == format!("blocks.{i}.{name}")).expect("in the block");
+            sim.read_slot(g.slot(), |b| b[t.offset..t.offset + t.nbytes].to_vec())
+        };
+        x = block(&x, &part("ff.weight"), &part("ff.weight_scale"));
+        g.finish().unwrap();
+    }
+    let m = ring.end_step().unwrap();
+    (ring, x, m)
+}
+
 fn tmp(tag: &str) -> std::path::PathBuf {
     std::env::temp_dir().join(format!("offload-fp8-{tag}-{}.safetensors", std::process::id()))
 }
@@ -124,18 +147,7 @@ fn fp8_weights_with_per_channel_scales_stream_as_stored_bitwise_equal_to_residen
             true => HostStore::build_mapped(&sim, &inventory, &file, PinOptions::default()).unwrap(),
             false => HostStore::build(&sim, &inventory, &file).unwrap(),
         });
-        let mut ring = Ring::new(sim.clone(), store.clone(), &plan.components[0]).unwrap();
-        let mut x = x0.clone();
-        for i in 0..DEPTH {
-            let g = ring.block("blocks", i).unwrap();
-            let part = |name: &str| {
-                let t = g.layout().tensors.iter().find(|t| t.spec.name == format!("blocks.{i}.{name}")).expect("in the block");
-                sim.read_slot(g.slot(), |b| b[t.offset..t.offset + t.nbytes].to_vec())
-            };
-            x = block(&x, &part("ff.weight"), &part("ff.weight_scale"));
-            g.finish().unwrap();
-        }
-        let m = ring.end_step().unwrap();
+        let (mut ring, x, m) = stream(&sim, &store, &plan.components[0], &x0);
         // A block holds one byte a weight and four a scale, with at most one
         // alignment gap between them, and that is what the ring copies.
         for b in store.blocks() {
@@ -170,18 +182,7 @@ fn fp8_weights_stream_coded_with_their_own_code_bitwise_equal_and_fewer_bytes_on
     for coded in [false, true] {
         let sim = SimBackend::default_device();
         let store = Arc::new(HostStore::build_with(&sim, &inventory, &file, PinOptions { coded, ..Default::default() }).unwrap());
-        let mut ring = Ring::new(sim.clone(), store.clone(), &plan.components[0]).unwrap();
-        let mut x = x0.clone();
-        for i in 0..DEPTH {
-            let g = ring.block("blocks", i).unwrap();
-            let part = |name: &str| {
-                let t = g.layout().tensors.iter().find(|t| t.spec.name == format!("blocks.{i}.{name}")).expect("in the block");
-                sim.read_slot(g.slot(), |b| b[t.offset..t.offset + t.nbytes].to_vec())
-            };
-            x = block(&x, &part("ff.weight"), &part("ff.weight_scale"));
-            g.finish().unwrap();
-        }
-        let m = ring.end_step().unwrap();
+        let (mut ring, x, m) = stream(&sim, &store, &plan.components[0], &x0);
         ring.close().unwrap();
         sim.check().expect("no protocol violation");
         assert_eq!(store.coded_blocks(), if coded { DEPTH } else { 0 });

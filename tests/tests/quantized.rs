@@ -147,7 +147,7 @@ fn fp8_weights_with_per_channel_scales_stream_as_stored_bitwise_equal_to_residen
             true => HostStore::build_mapped(&sim, &inventory, &file, PinOptions::default()).unwrap(),
             false => HostStore::build(&sim, &inventory, &file).unwrap(),
         });
-        let (mut ring, x, m) = stream(&sim, &store, &plan.components[0], &x0);
+        let (ring, x, m) = stream(&sim, &store, &plan.components[0], &x0);
         // A block holds one byte a weight and four a scale, with at most one
         // alignment gap between them, and that is what the ring copies.
         for b in store.blocks() {
@@ -182,7 +182,7 @@ fn fp8_weights_stream_coded_with_their_own_code_bitwise_equal_and_fewer_bytes_on
     for coded in [false, true] {
         let sim = SimBackend::default_device();
         let store = Arc::new(HostStore::build_with(&sim, &inventory, &file, PinOptions { coded, ..Default::default() }).unwrap());
-        let (mut ring, x, m) = stream(&sim, &store, &plan.components[0], &x0);
+        let (ring, x, m) = stream(&sim, &store, &plan.components[0], &x0);
         ring.close().unwrap();
         sim.check().expect("no protocol violation");
         assert_eq!(store.coded_blocks(), if coded { DEPTH } else { 0 });

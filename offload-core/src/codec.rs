@@ -659,7 +659,7 @@ pub fn code_for_device(raw: &[u8], segment_bytes: usize, threads: usize) -> Vec<
 /// The codes a device's decoder reads besides bf16's ([`Code`]): a device block
 /// holds no other. The CPU reference ([`decode_device_block`]) and the simulated
 /// device read fp8 e4m3's; offload-cuda's kernels read it with its
-/// `CodingOptions::fp8_code` (off by default) and refuse a block holding it otherwise.
+/// `CodingOptions::fp8_code` (on by default) and refuse a block holding it otherwise.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct DeviceCodes {
     /// Segments may be coded as fp8 e4m3 ([`encode_fp8_e4m3`]) where that is shorter.

@@ -1,6 +1,6 @@
 //! The GPU decoder of [`offload_core::codec`]'s coding (bf16's code; fp8 e4m3's
-//! in the same loop, a launch's `code` choosing the write, behind
-//! [`crate::CodingOptions::fp8_code`] until it has decoded on a GPU): one thread per
+//! in the same loop, a launch's `code` choosing the write, with
+//! [`crate::CodingOptions::fp8_code`]): one thread per
 //! chunk of [`CHUNK_VALUES`] exponents reads its own bit stream through the
 //! lookup table (in shared memory) — the CPU reference decoder's loop, on the
 //! device — 32 exponents at a time into a shared tile, from which its warp

@@ -54,9 +54,8 @@ pub struct CodingOptions {
     pub staging_buffers: usize,
     /// Code fp8 e4m3 bytes with fp8's own code where it is shorter than bf16's
     /// (`offload_core::codec::DeviceCodes`; ≈ 0.83 of fp8 weights against 0.94).
-    /// Off by default: the kernels' fp8 path compiles and matches the CPU
-    /// reference in a mirror, but has not yet decoded bitwise on a GPU
-    /// (`gpu_tests/coded.rs`). Off, a block holding fp8's code is refused.
+    /// On by default (decoded bitwise on the H200: `gpu_tests/coded.rs`). Off,
+    /// blocks are coded with bf16's code only and a block holding fp8's is refused.
     pub fp8_code: bool,
 }
 
@@ -67,7 +66,7 @@ impl Default for CodingOptions {
             segment_bytes: 32 << 20,
             high_priority_decode: false,
             staging_buffers: STAGING_BUFFERS,
-            fp8_code: false,
+            fp8_code: true,
         }
     }
 }
@@ -493,11 +492,12 @@ mod tests {
             .collect();
         raw.extend((0..1u32 << 17).map(|i| if i % 2 == 1 { 0x3c } else { i.wrapping_mul(97) as u8 }));
         let (_, fp8) = device_segments(&code_for_device_with(&raw, 64 << 10, 2, DeviceCodes { fp8_e4m3: true }), "b").unwrap();
-        let off = super::CodingOptions::default();
-        assert!(!off.fp8_code, "off by default until a GPU decodes it bitwise");
+        let on = super::CodingOptions::default();
+        assert!(on.fp8_code, "on by default");
+        let off = super::CodingOptions { fp8_code: false, ..on };
         let e = super::codes_read(&fp8, &off, "transformer_blocks.4").unwrap_err().to_string();
         assert!(e.contains("transformer_blocks.4") && e.contains("segment 0") && e.contains("Fp8E4M3"), "{e}");
-        super::codes_read(&fp8, &super::CodingOptions { fp8_code: true, ..off }, "transformer_blocks.4").unwrap();
+        super::codes_read(&fp8, &on, "transformer_blocks.4").unwrap();
         let (_, plain) = device_segments(&code_for_device(&raw, 64 << 10, 2), "b").unwrap();
         assert!(plain.iter().any(|s| s.coded.is_some()), "the bf16 half codes");
         super::codes_read(&plain, &off, "transformer_blocks.4").unwrap();

@@ -30,6 +30,7 @@ import argparse
 import importlib
 import json
 import math
+import os
 import time
 
 import torch
@@ -320,6 +321,10 @@ def main():
                          "GGUF layers (gguf_quantize_blocks); the rows name the model MODEL-STORAGE")
     ap.add_argument("--coded", action="store_true",
                     help="the package holds the weights coded (offload.enable(coded=True)); the rows name the model MODEL-...-coded")
+    ap.add_argument("--trace", action="store_true",
+                    help="after the package's timed steps, one more step traced on both streams (its blocks' copy, wait and "
+                         "compute spans), written beside --out as trace-OUT-CASE.json (Chrome trace); the timeline stays on for "
+                         "later cases, so trace one case a process")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     modes = a.mode.split(",")
@@ -444,6 +449,16 @@ def main():
                 print(f"  bitwise {row['bitwise_equal']}, {m['bytes_copied'] / 2**30:.2f} GiB a step ({link / 2**30:.2f} on the link), "
                       f"its copy alone {link / engine_bandwidth:.4f} s at {engine_bandwidth / 1e9:.1f} GB/s, "
                       f"host syncs {row['host_syncs_in_timed_steps']}", flush=True)
+                if a.trace:
+                    # Outside the timed steps: the timeline's events are read at the step's end.
+                    handle.enable_trace()
+                    with torch.no_grad():
+                        model(**x)
+                    torch.cuda.synchronize()
+                    head, tail = os.path.split(a.out)
+                    path = os.path.join(head, f"trace-{tail.removesuffix('.json')}-{c['name']}.json")
+                    handle.write_trace(path)
+                    print(f"  trace of one more step: {path}", flush=True)
             out.append(row)
             del x
     if handle is not None:

@@ -739,11 +739,13 @@ impl<B: OffloadBackend> HostStore<B> {
 }
 
 /// Host-to-device bandwidth through `backend`: every block of `store` held in
-/// memory copied once
-/// into one slot on the copy stream, `passes` times; the best pass, in bytes per
-/// second, timed on the host around a synchronisation (for benchmarks: it blocks).
+/// memory copied once into one slot on the copy stream, `passes` times; the
+/// best pass, in bytes on the link per second (a coded block counts its coded
+/// bytes, [`HostBlock::link_bytes`], so `link bytes / bandwidth` is a copy's
+/// time on a coded store too), timed on the host around a synchronisation (for
+/// benchmarks: it blocks).
 pub fn probe_bandwidth<B: OffloadBackend>(backend: &B, store: &HostStore<B>, passes: usize) -> Result<f64> {
-    let total: usize = store.blocks().iter().filter(|b| b.buffer().is_some()).map(HostBlock::bytes).sum();
+    let total = probe_bytes(store);
     let mut slot = backend.alloc_slot(store.largest_block_bytes(), "bandwidth probe")?;
     let mut best = 0.0f64;
     let result = (|| {
@@ -764,11 +766,16 @@ pub fn probe_bandwidth<B: OffloadBackend>(backend: &B, store: &HostStore<B>, pas
     result.map(|()| best)
 }
 
+/// The bytes one pass of [`probe_bandwidth`] moves across the link.
+fn probe_bytes<B: OffloadBackend>(store: &HostStore<B>) -> usize {
+    store.blocks().iter().filter(|b| b.buffer().is_some()).map(HostBlock::link_bytes).sum()
+}
+
 #[cfg(all(test, feature = "sim"))]
 mod tests {
     use crate::sim::{SimBackend, SimConfig};
     use crate::{
-        probe_bandwidth, BlockDiscovery, DType, HostBuffer, HostStore, MemoryTensors, NameDiscovery, PinOptions, RegionSource,
+        probe_bandwidth, BlockDiscovery, DType, HostBlock, HostBuffer, HostStore, MemoryTensors, NameDiscovery, PinOptions, RegionSource,
         SafetensorsFile, TensorSource, TensorSpec,
     };
 
@@ -1183,6 +1190,25 @@ mod tests {
         }
         src.push(TensorSpec::new("head.w", DType::U8, [5000]), random(5000, seed + 20)).unwrap();
         src
+    }
+
+    #[test]
+    fn the_probe_counts_a_coded_blocks_bytes_on_the_link() {
+        // A coded store's copies move its coded bytes: a probe dividing the raw
+        // bytes by their time would report the decode's gain as link bandwidth,
+        // and `link bytes / bandwidth` would count the coding twice.
+        let src = coded_model(3);
+        let inv = NameDiscovery.discover("m", src.specs()).unwrap();
+        let be = SimBackend::new(SimConfig::fast());
+        let plain = HostStore::build(&be, &inv, &src).unwrap();
+        let coded = HostStore::build_with(&be, &inv, &src, PinOptions { coded: true, ..Default::default() }).unwrap();
+        assert!(coded.coded_blocks() > 0);
+        let raw: usize = plain.blocks().iter().map(HostBlock::bytes).sum();
+        let link: usize = coded.blocks().iter().map(|b| b.buffer().unwrap().held_bytes().unwrap_or(b.bytes())).sum();
+        assert!(link < raw, "{link} of {raw}");
+        assert_eq!(super::probe_bytes(&plain), raw);
+        assert_eq!(super::probe_bytes(&coded), link);
+        assert!(probe_bandwidth(&be, &coded, 1).unwrap() > 0.0);
     }
 
     #[test]

@@ -9,7 +9,8 @@
 #   py-run.sh          both
 # PY_DEADLINE (s) starts no process past it, by PY_EST or the last process's time. PY_ARGS go to each zoo_anchor.py (e.g. "--cases 1024 --depth 1"). PY_STORAGE=fp8 runs every
 # mode with diffusers' layerwise casting (fp8 storage, bf16 compute); the files say MODEL-fp8 (fp8-linears: every Linear of the
-# blocks fp8, MODEL-fp8-linears). PY_CODED=1: the package holds the weights coded (MODEL-…-coded). Files collect in $PY_DIR
+# blocks fp8, MODEL-fp8-linears). PY_CODED=1: the package holds the weights coded (MODEL-…-coded). PY_BUDGET_GIB=B: the
+# package planned under B GiB from a traced step's calibration (zoo_anchor.py --budget-gib; MODEL-…-budgetB). Files collect in $PY_DIR
 # (default .py-out beside the bundle); $OUT/py.tgz holds them all.
 set -uo pipefail
 B=$(cd "$(dirname "$0")" && pwd)
@@ -34,6 +35,7 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
     for r in $(seq 1 "${PY_REPEATS:-3}"); do
       st=${PY_STORAGE:-bf16}; tag=$m; [ "$st" != bf16 ] && tag=$m-$st
       coded=; [ -n "${PY_CODED:-}" ] && { coded=--coded; tag=$tag-coded; }
+      budget=; [ -n "${PY_BUDGET_GIB:-}" ] && { budget="--budget-gib $PY_BUDGET_GIB"; tag=$tag-budget$PY_BUDGET_GIB; }
       f="$Z/py-$tag-r$r.json"
       [ -s "$f" ] && { echo "== $tag r$r: kept"; continue; }
       # The estimate is PY_EST or the last process's own time, whichever is longer.
@@ -47,7 +49,7 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
       # twice; bench/NOTES.md, 2026-12-02): leaf level is its anchor there.
       modes=offload,block_stream,leaf_stream; [ "$m" = t5-xxl ] && modes=offload,leaf_stream
       timeout "${PY_TIMEOUT:-420}" python3 "$B/zoo_anchor.py" --registry "$B/registry.json" --model "$m" \
-        --mode $modes --storage "$st" $coded ${PY_ARGS:-} --out "$f" 2>&1 | grep -v Warning | tee "${f%.json}.txt" || rc=1
+        --mode $modes --storage "$st" $coded $budget ${PY_ARGS:-} --out "$f" 2>&1 | grep -v Warning | tee "${f%.json}.txt" || rc=1
       last=$((SECONDS - t0))
       tar czf "$OUT/py.tgz" -C "$Z" .
     done

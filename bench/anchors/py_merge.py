@@ -104,6 +104,10 @@ def main():
         if vs:
             row["vs_diffusers_best"] = spread(vs)
             row["diffusers_best_mode"] = statistics.mode(best_modes)
+        if "budget_gib" in o0:
+            # Planned under a device budget from a calibration: the blocks it kept resident.
+            row["budget_gib"] = o0["budget_gib"]
+            row["resident_blocks"] = o0["resident_blocks"]
         if o0.get("link_bytes_per_step", o0["bytes_per_step"]) != o0["bytes_per_step"]:
             row["link_bytes_per_step"] = o0["link_bytes_per_step"]
         if (model, case) in failures:

@@ -321,6 +321,11 @@ def main():
                          "GGUF layers (gguf_quantize_blocks); the rows name the model MODEL-STORAGE")
     ap.add_argument("--coded", action="store_true",
                     help="the package holds the weights coded (offload.enable(coded=True)); the rows name the model MODEL-...-coded")
+    ap.add_argument("--budget-gib", type=float, default=None,
+                    help="the package under this device budget, planned from a calibration: the module streamed once at "
+                         "--depth, one step traced on the first case, Offloaded.calibration(), disabled, then enabled with "
+                         "budget_gib and calibration= (the planner keeps the blocks whose copies the step waits for); the "
+                         "rows name the model MODEL-...-budgetB")
     ap.add_argument("--trace", action="store_true",
                     help="after the package's timed steps, one more step traced on both streams (its blocks' copy, wait and "
                          "compute spans), written beside --out as trace-OUT-CASE.json (Chrome trace); the timeline stays on for "
@@ -354,6 +359,8 @@ def main():
               f"{sum(p.numel() for p in model.parameters() if p.dtype == torch.float8_e4m3fn) / 1e9:.2f} G weights fp8", flush=True)
     if a.coded:
         a.model = f"{a.model}-coded"
+    if a.budget_gib is not None:
+        a.model = f"{a.model}-budget{a.budget_gib:g}"
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     out, act, ref = [], {}, {}
@@ -408,8 +415,29 @@ def main():
         if mode == "offload":
             import offload as ours
             t0 = time.perf_counter()
-            handle = ours.enable(model, device="cuda", depth=a.depth, coded=a.coded, name=a.model, progress=False)
-            print(f"setup: the offload package enabled (depth {a.depth}{', coded' if a.coded else ''}) in {time.perf_counter() - t0:.1f} s", flush=True)
+            cal = None
+            if a.budget_gib is not None:
+                # The blocks' compute times from one traced step of a plain ring.
+                h0 = ours.enable(model, device="cuda", depth=a.depth, name=a.model, progress=False)
+                x = inputs(a.model, cases[0], "cuda", vocab)
+                with torch.no_grad():
+                    model(**x)
+                    h0.enable_trace()
+                    model(**x)
+                torch.cuda.synchronize()
+                cal = h0.calibration()
+                ours.disable(model)
+                del x
+                torch.cuda.empty_cache()
+            handle = ours.enable(model, device="cuda", depth=a.depth, coded=a.coded, name=a.model, progress=False,
+                                 budget_gib=a.budget_gib, calibration=cal)
+            plan = handle.plan()
+            kept = len(plan["resident_blocks"])
+            planned = f", budget {a.budget_gib:g} GiB, calibrated, {kept} blocks resident" if cal else ""
+            print(f"setup: the offload package enabled (depth {plan['depth']}{', coded' if a.coded else ''}{planned}) "
+                  f"in {time.perf_counter() - t0:.1f} s", flush=True)
+            if cal:
+                print(f"  resident: {', '.join(plan['resident_blocks'])}", flush=True)
             # The bound's bandwidth as the Rust drivers measure it: every block of the
             # store copied through the engine, the best of three passes.
             engine_bandwidth = handle.probe_bandwidth(3)
@@ -441,7 +469,9 @@ def main():
             if handle is not None:
                 m = handle.metrics()
                 got = time_case.last.detach().cpu()
-                row.update(depth=a.depth, bitwise_equal=bool(got.shape == ref[c["name"]].shape and torch.equal(got, ref[c["name"]])),
+                if a.budget_gib is not None:
+                    row.update(budget_gib=a.budget_gib, resident_blocks=handle.plan()["resident_blocks"])
+                row.update(depth=handle.plan()["depth"], bitwise_equal=bool(got.shape == ref[c["name"]].shape and torch.equal(got, ref[c["name"]])),
                            bytes_per_step=m["bytes_copied"], link_bytes_per_step=m.get("link_bytes", m["bytes_copied"]), blocks=m["blocks"], misses=m["misses"], prefetch_hits=m["prefetch_hits"],
                            host_wait_s=m["host_wait_s"], host_syncs_in_timed_steps=handle.counters()["syncs"] - syncs,
                            h2d_bytes_per_s=engine_bandwidth, torch_copy_bytes_per_s=bandwidth, violations=handle.violations())

@@ -90,6 +90,8 @@ macro_rules! with_ring {
 #[pyclass(module = "offload._offload")]
 struct Streamer {
     component: String,
+    /// The plan the ring runs: its depth and the blocks it keeps resident.
+    planned: (usize, Vec<String>),
     /// Taken with `try_lock` only: a call from a second thread while another is
     /// inside (which may wait for the GIL the first released) is an error, never a deadlock.
     ring: Mutex<Option<AnyRing>>,
@@ -148,7 +150,11 @@ impl Streamer {
     /// `torch.cuda.Stream`). `checkpoint`: a safetensors file holding the same
     /// tensors, served mapped in place.
     #[new]
-    #[pyo3(signature = (component, tensors, stacks, *, device=None, stream=None, depth=1, budget_bytes=None, resident_blocks=Vec::new(), coded=false, pin_budget_bytes=None, pageable_fallback=false, checkpoint=None, progress=None))]
+    /// `calibration`: a cost model as [`calibration`](Self::calibration) writes
+    /// it (JSON): with `budget_bytes`, the planner replays the ring with its
+    /// measured compute times and bandwidth, choosing the depth and the resident
+    /// blocks that make the step shortest.
+    #[pyo3(signature = (component, tensors, stacks, *, device=None, stream=None, depth=1, budget_bytes=None, resident_blocks=Vec::new(), coded=false, pin_budget_bytes=None, pageable_fallback=false, checkpoint=None, progress=None, calibration=None))]
     #[allow(clippy::too_many_arguments)]
     fn new<'py>(
         py: Python<'py>,
@@ -165,6 +171,7 @@ impl Streamer {
         pageable_fallback: bool,
         checkpoint: Option<String>,
         progress: Option<Bound<'py, PyAny>>,
+        calibration: Option<String>,
     ) -> PyResult<Self> {
         let _ = py;
         let mut specs = Vec::with_capacity(tensors.len());
@@ -180,17 +187,29 @@ impl Streamer {
         }
         let source = CapsuleTensors { specs, tensors: held, progress, total, done: Default::default() };
         // Under a budget with no blocks named, the planner keeps the blocks that save
-        // the most streamed bytes (no compute time is measured here: it plans for a
-        // transfer-bound step, whatever the bandwidth).
-        let resident_blocks = match budget_bytes {
+        // the most: with a calibration, the step its replay predicts shortest (the
+        // depth too); without one (no compute time known) the most streamed bytes,
+        // planning for a transfer-bound step whatever the bandwidth.
+        let calibrated = calibration.map(|c| calibrated_model(&component, &inventory, &c)).transpose()?;
+        if calibrated.is_some() && (budget_bytes.is_none() || !resident_blocks.is_empty()) {
+            return Err(error(format!(
+                "component {component:?}: a calibration plans under a device budget with no blocks named resident (give budget_gib, not resident_blocks)"
+            )));
+        }
+        let (depth, resident_blocks) = match budget_bytes {
             Some(budget) if resident_blocks.is_empty() => {
-                let model = offload_plan::CostModel::from_inventory(&inventory, 25e9).map_err(|e| py_err(&component, e))?;
+                let model = match calibrated {
+                    Some(m) => m,
+                    None => offload_plan::CostModel::from_inventory(&inventory, 25e9).map_err(|e| py_err(&component, e))?,
+                };
                 let choice = offload_plan::plan(&model, budget, depth.max(1), offload_core::ResidentPolicy::Auto)
                     .map_err(|e| py_err(&component, e))?;
-                choice.resident_ids(&model).into_iter().map(str::to_owned).collect()
+                let depth = if model.compute_s() > 0.0 { choice.depth } else { depth };
+                (depth, choice.resident_ids(&model).into_iter().map(str::to_owned).collect())
             }
-            _ => resident_blocks,
+            _ => (depth, resident_blocks),
         };
+        let planned = (depth, resident_blocks.clone());
         let plan = Plan {
             default: ComponentPlan {
                 prefetch_depth: depth,
@@ -223,7 +242,7 @@ impl Streamer {
                 AnyRing::Cuda(build(backend, &component, &inventory, &source, ck, &plan).map_err(|e| py_err(&component, e))?)
             }
         };
-        Ok(Streamer { component, ring: Mutex::new(Some(ring)) })
+        Ok(Streamer { component, planned, ring: Mutex::new(Some(ring)) })
     }
 
     /// Every block: `(stack, index, [(tensor name, byte offset, bytes)])`, in store order.
@@ -344,6 +363,46 @@ impl Streamer {
         Ok(["syncs", "copies", "bytes_copied", "live_bytes", "peak_bytes"].into_iter().zip(c).collect())
     }
 
+    /// The plan the ring runs: `(depth, resident block names)`.
+    fn plan(&self) -> (usize, Vec<String>) {
+        self.planned.clone()
+    }
+
+    /// This ring's cost model as JSON (`offload_plan::CostModel`, what
+    /// `calibration=` takes): each block's bytes, its compute time and the
+    /// link's bandwidth (probed now: it synchronises). Compute times come from
+    /// `compute_s` (`{block: seconds}`, every block named) or else from the
+    /// steps traced since `enable_timeline` (each block's median). A coded ring
+    /// is refused: its copies are not its blocks' bytes at the link's rate.
+    #[pyo3(signature = (compute_s=None))]
+    fn calibration(&self, compute_s: Option<std::collections::HashMap<String, f64>>) -> PyResult<String> {
+        let component = self.component.clone();
+        let mut held = self.held()?;
+        let model = with_ring!(held.ring()?, r => {
+            if r.store().coded_blocks() > 0 {
+                return Err(error(format!("component {component:?}: calibrate a ring that is not coded (coded=False): a coded copy is not its block's bytes at the link's rate")));
+            }
+            let bandwidth = offload_core::probe_bandwidth(r.backend(), r.store(), 3).map_err(|e| py_err(&component, e))?;
+            let traced = r.timeline().map(compute_medians).unwrap_or_default();
+            let mut blocks = Vec::with_capacity(r.store().blocks().len());
+            for b in r.store().blocks() {
+                let id = b.id.to_string();
+                let t = match &compute_s {
+                    Some(given) => given.get(&id).copied().ok_or_else(|| error(format!("component {component:?}: block {id} has no time in compute_s")))?,
+                    None => traced.get(&id).copied().ok_or_else(|| {
+                        error(format!("component {component:?}: block {id} ran in no traced step (enable_trace, then run a step; CUDA only), or give compute_s"))
+                    })?,
+                };
+                if !(t.is_finite() && t >= 0.0) {
+                    return Err(error(format!("component {component:?}: block {id}: compute time {t} s")));
+                }
+                blocks.push(offload_plan::BlockCost::new(id, b.bytes() as u64, t));
+            }
+            offload_plan::CostModel { bandwidth_bytes_per_s: bandwidth, blocks, non_block_bytes: 0, source: format!("component {component:?}"), staging_buffers: offload_plan::DEFAULT_STAGING_BUFFERS }
+        });
+        Ok(model.to_json())
+    }
+
     /// Close the ring: every slot freed after its last use, the host store dropped.
     fn close(&self) -> PyResult<()> {
         let component = self.component.clone();
@@ -353,6 +412,47 @@ impl Streamer {
             None => Ok(()),
         }
     }
+}
+
+/// Each block's median compute span in a timeline, by block name.
+fn compute_medians(tl: &offload_core::Timeline) -> std::collections::HashMap<String, f64> {
+    let mut by: std::collections::HashMap<String, Vec<f64>> = Default::default();
+    for s in &tl.spans {
+        if let Some(id) = s.name.strip_prefix("compute ") {
+            by.entry(id.to_owned()).or_default().push(s.dur_s);
+        }
+    }
+    by.into_iter()
+        .map(|(id, mut v)| {
+            v.sort_by(f64::total_cmp);
+            (id, v[v.len() / 2])
+        })
+        .collect()
+}
+
+/// A calibration's cost model, checked against the module's blocks: the same
+/// blocks in the same order with the same bytes, a positive bandwidth.
+fn calibrated_model(component: &str, inventory: &ComponentInventory, json: &str) -> PyResult<offload_plan::CostModel> {
+    let m = offload_plan::CostModel::from_json(json).map_err(|e| error(format!("component {component:?}: calibration: {e}")))?;
+    let own = offload_plan::CostModel::from_inventory(inventory, 1.0).map_err(|e| py_err(component, e))?;
+    if !(m.bandwidth_bytes_per_s.is_finite() && m.bandwidth_bytes_per_s > 0.0) {
+        return Err(error(format!("component {component:?}: calibration: bandwidth {} bytes/s", m.bandwidth_bytes_per_s)));
+    }
+    if m.blocks.len() != own.blocks.len() {
+        return Err(error(format!("component {component:?}: calibration has {} blocks, the module {}", m.blocks.len(), own.blocks.len())));
+    }
+    for (c, o) in m.blocks.iter().zip(&own.blocks) {
+        if c.id != o.id || c.bytes != o.bytes {
+            return Err(error(format!(
+                "component {component:?}: calibration block {} ({} bytes) where the module has {} ({} bytes): calibrate this module",
+                c.id, c.bytes, o.id, o.bytes
+            )));
+        }
+        if !(c.compute_s.is_finite() && c.compute_s >= 0.0) {
+            return Err(error(format!("component {component:?}: calibration block {}: compute time {} s", c.id, c.compute_s)));
+        }
+    }
+    Ok(offload_plan::CostModel { non_block_bytes: 0, ..m })
 }
 
 /// The ring, locked for one call.

@@ -461,6 +461,55 @@ def test_a_budget_keeps_the_blocks_it_holds_resident():
     assert offload.offloaded(model) is None
 
 
+def test_a_calibration_plans_with_the_blocks_compute_times():
+    from models import t5
+
+    model, inputs, blocks = t5(layers=6)
+    with torch.no_grad():
+        ref = _out(model(**inputs)).clone()
+    block = sum(-(-p.numel() * p.element_size() // 256) * 256 for p in model.encoder.block[1].parameters())
+    resident = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".block." not in n)
+    resident += sum(b.numel() * b.element_size() for b in model.buffers())
+    budget = (resident + 3 * block + 1024) / 2**30
+    h = offload.enable(model, device="cpu")
+    # Block 3 computes for a second, the others not at all; each copy takes half a
+    # second: the ring's replay is shortest with block 3 resident (2.5 s a step
+    # against 3.0 for any other), where byte counts alone cannot tell the blocks apart.
+    cal = h.calibration(compute_s={f"encoder.block.{i}": (1.0 if i == 3 else 0.0) for i in range(blocks)})
+    offload.disable(model)
+    assert [b["id"] for b in cal["blocks"]] == [f"encoder.block.{i}" for i in range(blocks)]
+    assert cal["bandwidth_bytes_per_s"] > 0
+    cal["bandwidth_bytes_per_s"] = cal["blocks"][0]["bytes"] / 0.5
+    h = offload.enable(model, device="cpu", budget_gib=budget)
+    bytes_only = h.plan()
+    offload.disable(model)
+    h = offload.enable(model, device="cpu", budget_gib=budget, calibration=cal)
+    assert h.plan() == {"depth": 1, "resident_blocks": ["encoder.block.3"]}, (h.plan(), bytes_only)
+    assert bytes_only != h.plan()
+    with torch.no_grad():
+        out = _out(model(**inputs))
+    m = h.metrics()
+    offload.disable(model)
+    assert torch.equal(_bits(out), _bits(ref))
+    assert m["resident_hits"] == 1, m
+
+    # Named errors: another module's calibration, no budget, a block without a time.
+    bad = dict(cal, blocks=[dict(b, bytes=b["bytes"] + 256) if b["id"] == "encoder.block.2" else b for b in cal["blocks"]])
+    with pytest.raises(OffloadError, match=r"calibration block encoder\.block\.2 .*calibrate this module"):
+        offload.enable(model, device="cpu", budget_gib=budget, calibration=bad)
+    with pytest.raises(OffloadError, match="has 5 blocks, the module 6"):
+        offload.enable(model, device="cpu", budget_gib=budget, calibration=dict(cal, blocks=cal["blocks"][:5]))
+    with pytest.raises(OffloadError, match="plans under a device budget"):
+        offload.enable(model, device="cpu", calibration=cal)
+    assert offload.offloaded(model) is None
+    h = offload.enable(model, device="cpu")
+    with pytest.raises(OffloadError, match=r"block encoder\.block\.5 has no time in compute_s"):
+        h.calibration(compute_s={f"encoder.block.{i}": 0.1 for i in range(5)})
+    with pytest.raises(OffloadError, match="ran in no traced step"):
+        h.calibration()
+    offload.disable(model)
+
+
 def test_a_pipeline_streams_every_component_under_one_budget():
     t5, t5_in, _ = MODELS["t5"]()
     flux, flux_in, _ = MODELS["flux"]()
@@ -536,8 +585,16 @@ def test_cuda_a_mapped_checkpoint_and_the_trace(tmp_path):
     with torch.no_grad():
         out = _out(model(**_to(inputs, "cuda"))).clone()
     h.write_trace(str(tmp_path / "trace.json"))
+    # The traced step's compute times make a calibration the planner takes.
+    cal = h.calibration()
     offload.disable(model)
     assert torch.equal(_bits(out), _bits(ref))
+    assert cal["bandwidth_bytes_per_s"] > 0 and all(b["compute_s"] > 0 for b in cal["blocks"]), cal
+    h = offload.enable(model, device="cuda", budget_gib=1.0, calibration=cal)
+    with torch.no_grad():
+        again = _out(model(**_to(inputs, "cuda"))).clone()
+    offload.disable(model)
+    assert torch.equal(_bits(again), _bits(ref))
     import json
 
     events = json.load(open(tmp_path / "trace.json"))

@@ -157,6 +157,21 @@ class Offloaded:
         """Write the last step's Chrome trace (Perfetto opens it)."""
         self._engine().write_trace(str(path))
 
+    def plan(self) -> dict:
+        """The plan the ring runs: ``{"depth": d, "resident_blocks": [...]}``
+        (the planner's choice under ``budget_gib``, or what was asked)."""
+        depth, resident = self._engine().plan()
+        return {"depth": depth, "resident_blocks": list(resident)}
+
+    def calibration(self, compute_s: Optional[dict] = None) -> dict:
+        """This module's cost model, for :func:`enable`'s ``calibration=``: each
+        block's bytes and compute time and the link's bandwidth (probed now; it
+        synchronises). The compute times are the traced steps' (call
+        :meth:`enable_trace`, run a step, then this; CUDA), or ``compute_s``
+        (``{"transformer_blocks.0": seconds, ...}``, every block). Take it from
+        a ring that is not coded."""
+        return json.loads(self._engine().calibration(compute_s))
+
     def violations(self) -> list[str]:
         """Breaks of the ring's protocol the engine saw (expected: none)."""
         return self._engine().violations()
@@ -279,6 +294,7 @@ def enable(
     keep_host_copy: bool = False,
     name: Optional[str] = None,
     progress: Optional[bool] = None,
+    calibration: Optional[dict] = None,
 ) -> Offloaded:
     """Stream ``module``'s blocks from host memory to ``device``.
 
@@ -293,7 +309,12 @@ def enable(
     ``budget_gib``: device memory for the module's weights: the resident
     tensors, the ring's slots, and the blocks the planner keeps resident with
     what is left (those saving the most streamed bytes; it plans for a
-    transfer-bound step, measuring no compute time). ``resident_blocks``: blocks kept on the device
+    transfer-bound step, measuring no compute time). ``calibration``: what
+    :meth:`Offloaded.calibration` returned for this module; with
+    ``budget_gib`` the planner then replays the ring with its measured compute
+    times and bandwidth and picks the depth (``depth`` or up to three deeper)
+    and resident blocks that make the step shortest: the blocks kept are those
+    whose copies the step would wait for. ``resident_blocks``: blocks kept on the device
     (``"transformer_blocks.0"``). ``coded``: the weights held coded for the
     device (lossless exponent coding, fewer bytes on the link; CUDA).
     ``checkpoint``: a safetensors file with the same tensors, served in place
@@ -396,6 +417,7 @@ def enable(
             pageable_fallback=pageable_fallback,
             checkpoint=None if checkpoint is None else str(checkpoint),
             progress=update,
+            calibration=None if calibration is None else json.dumps(calibration),
         )
     finally:
         if bar is not None:

@@ -95,7 +95,11 @@ def main():
             files=sorted(full), resident_s=spread(res), offload_s=spread(ours), bound_s=spread(bound),
             ratio_to_bound=spread(ratio), bytes_per_step=o0["bytes_per_step"],
             h2d_gb_per_s=spread([m["offload"]["h2d_bytes_per_s"] / 1e9 for m in full.values()]),
-            weights_device_gib=dict(offload=spread([m["offload"]["weights_device_bytes"] / 2**30 for m in full.values()]),
+            # The package's weights on the device, where the run counted its slots and
+            # resident blocks (`weights_from: engine`); earlier runs counted neither
+            # (allocated before the step, outside its peak): not reported.
+            weights_device_gib=dict(offload=spread([m["offload"]["weights_device_bytes"] / 2**30 for m in full.values()])
+                                    if all(m["offload"].get("weights_from") == "engine" for m in full.values()) else None,
                                     **{k: spread([m[k]["weights_device_bytes"] / 2**30 for m in full.values() if k in m]) for k in dmodes}),
             activations_gib=spread([m["resident"]["activations_peak_bytes"] / 2**30 for m in full.values()]),
             diffusers_s={k: spread(v) for k, v in dmodes.items()},

@@ -22,9 +22,11 @@ Writes what `zoo merge --anchors` reads (AnchorDoc): per case and mode every tim
 step, weights on the device and the resident step's activations, the output
 checked finite and not constant. Memory is measured as in offload's runs: the
 activations of a resident step are its peak allocated bytes above what was
-allocated before it; weights on the device while offloaded are the offloaded
-step's peak minus what was allocated before it other than weights, minus those
-activations.
+allocated before it; weights on the device while diffusers offloads are the
+offloaded step's peak minus what was allocated before it other than weights,
+minus those activations; the package's are the module's resident tensors and
+the engine's slots and resident blocks (`peak_device_weight_bytes`), allocated
+when it is enabled, before any step.
 """
 import argparse
 import importlib
@@ -460,6 +462,12 @@ def main():
                 del x
                 continue
             w = peak - (before - weights) - act[c["name"]]
+            if handle is not None:
+                # The package's slots and resident blocks are allocated when it is
+                # enabled, before the step: the peak above does not see them. Its
+                # weights on the device are the module's resident tensors and what
+                # the engine holds for the blocks (its slots and resident blocks).
+                w = weights + handle.metrics()["peak_device_weight_bytes"]
             label = "offload package" if mode == "offload" else f"diffusers {mode}"
             print(f"{label} {a.model} {c['name']}: {sorted(times)[len(times) // 2]:.4f} s, weights {w / 2**30:.2f} GiB", flush=True)
             row = dict(model=a.model, case=c["name"], resolution=c["resolution"], height=c.get("height", c["resolution"]), frames=c["frames"],
@@ -471,7 +479,7 @@ def main():
                 got = time_case.last.detach().cpu()
                 if a.budget_gib is not None:
                     row.update(budget_gib=a.budget_gib, resident_blocks=handle.plan()["resident_blocks"])
-                row.update(depth=handle.plan()["depth"], bitwise_equal=bool(got.shape == ref[c["name"]].shape and torch.equal(got, ref[c["name"]])),
+                row.update(weights_from="engine", depth=handle.plan()["depth"], bitwise_equal=bool(got.shape == ref[c["name"]].shape and torch.equal(got, ref[c["name"]])),
                            bytes_per_step=m["bytes_copied"], link_bytes_per_step=m.get("link_bytes", m["bytes_copied"]), blocks=m["blocks"], misses=m["misses"], prefetch_hits=m["prefetch_hits"],
                            host_wait_s=m["host_wait_s"], host_syncs_in_timed_steps=handle.counters()["syncs"] - syncs,
                            h2d_bytes_per_s=engine_bandwidth, torch_copy_bytes_per_s=bandwidth, violations=handle.violations())

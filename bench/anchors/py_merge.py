@@ -117,8 +117,12 @@ def main():
         if (model, case) in failures:
             row["diffusers_failed"] = failures[(model, case)]
         if row["ratio_to_bound"]["min"] < 0.99:
-            # A step faster than its bound means the bandwidth read low: the bound is not one.
-            row["bound_suspect"] = f"a step ran at {row['ratio_to_bound']['min']:.3f} x its bound: the bandwidth probe read below the achieved rate"
+            # A step faster than its bound: the bound is not one. Say which term read
+            # wrong in that process: its resident step (slow) or its bandwidth (low).
+            k = ratio.index(min(ratio))
+            why = (f"its process's resident step ({res[k]:.4f} s, the processes' median {statistics.median(res):.4f}) read slow"
+                   if bound[k] == res[k] else "the bandwidth probe read below the achieved rate")
+            row["bound_suspect"] = f"a step ran at {row['ratio_to_bound']['min']:.3f} x its bound: {why}"
         row["targets"] = dict(within_1_02_of_bound=row["ratio_to_bound"]["median"] <= 1.02 and "bound_suspect" not in row,
                               # None where no diffusers mode ran (each failure named in diffusers_failed).
                               faster_than_diffusers_best=(row["vs_diffusers_best"]["max"] < 1.0) if vs else None,

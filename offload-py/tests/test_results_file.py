@@ -79,3 +79,26 @@ def test_a_diffusers_mode_that_failed_is_named_and_no_target_is_met_without_an_a
             assert row["targets"]["faster_than_diffusers_best"] is None and "vs_diffusers_best" not in row
         else:
             assert row["diffusers_best_mode"] == "leaf_stream" and row["targets"]["faster_than_diffusers_best"] is True
+
+
+def test_a_step_under_its_bound_names_the_term_that_read_wrong(tmp_path):
+    # One process's resident step read slow (its bound is that step): the row says
+    # so, rather than blaming the bandwidth; a bandwidth that read low is named too.
+    def run(k, resident, h2d):
+        common = dict(model="m", case="1024", tokens=1, batch=1, weights_device_bytes=1, activations_peak_bytes=1,
+                      output_finite=True, output_nonconstant=True)
+        rows = [dict(common, mode="resident", steps_s=[resident] * 3),
+                dict(common, mode="offload", steps_s=[0.22] * 3, depth=1, bytes_per_step=11e9, h2d_bytes_per_s=h2d,
+                     bitwise_equal=True, host_syncs_in_timed_steps=0)]
+        p = tmp_path / f"r{k}-{resident}-{h2d}.json"
+        p.write_text(json.dumps(dict(versions="test", cases=rows)))
+        return str(p)
+
+    for runs, said in [([run(0, 0.25, 100e9), run(1, 0.216, 100e9), run(2, 0.216, 100e9)], "resident step (0.2500 s"),
+                       ([run(0, 0.1, 11e9 / 0.25), run(1, 0.1, 11e9 / 0.22), run(2, 0.1, 11e9 / 0.22)], "bandwidth probe read below")]:
+        out = tmp_path / "m.json"
+        subprocess.run([sys.executable, str(ROOT / "bench/anchors/py_merge.py"), "--date", "2026-12-04", "--out", str(out),
+                        "--at", "c0ffee", *runs], check=True, capture_output=True)
+        row = json.loads(out.read_text())["cases"][0]
+        assert said in row["bound_suspect"], row["bound_suspect"]
+        assert row["targets"]["within_1_02_of_bound"] is False

@@ -509,10 +509,7 @@ pub fn python_table(results: &Path) -> Result<Option<String>, String> {
             v => format!("{:.2}", f(v)),
         };
         let planned = match r["budget_gib"].as_f64() {
-            Some(b) => format!(
-                ", {b:.1} GiB budget, {} blocks resident",
-                r["resident_blocks"].as_array().map_or(0, Vec::len)
-            ),
+            Some(b) => format!(", {b:.1} GiB budget, {} blocks resident", r["resident_blocks"].as_array().map_or(0, Vec::len)),
             None => String::new(),
         };
         let _ = writeln!(

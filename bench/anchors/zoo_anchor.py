@@ -54,8 +54,11 @@ def q8_0_bytes(w):
     from zero), computed with torch where `w` lives: per 32 values an f16 scale
     amax / 127 and 32 int8. uint8 of shape (out, in / 32 * 34)."""
     b = w.detach().float().reshape(-1, 32)
-    d = b.abs().amax(dim=1, keepdim=True) / 127
-    inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    # Both divisions in float64, rounded once to float32: the IEEE float32
+    # quotients numpy computes (torch on CUDA divides by a Python scalar as a
+    # multiplication by its reciprocal, a different rounding).
+    d = (b.abs().amax(dim=1, keepdim=True).double() / 127).float()
+    inv = torch.where(d == 0, torch.zeros_like(d), (1 / d.double()).float())
     x = b * inv
     a = x.abs()
     fl = torch.floor(a)

@@ -318,6 +318,12 @@ impl GgufFile {
         &self.metadata
     }
 
+    /// The model architecture the file names (`general.architecture`: `flux`,
+    /// `wan`, `qwen_image`, ...), which [`crate::gguf_to_diffusers`] maps by.
+    pub fn architecture(&self) -> Option<&str> {
+        self.metadata.get("general.architecture").and_then(GgufValue::as_str)
+    }
+
     /// The alignment of every tensor's data in the file.
     pub fn alignment(&self) -> u64 {
         self.alignment
@@ -484,6 +490,7 @@ mod tests {
         let g = GgufFile::open(&p).unwrap();
         assert_eq!((g.version(), g.alignment()), (3, 64));
         assert_eq!(g.metadata()["general.architecture"].as_str(), Some("flux"));
+        assert_eq!(g.architecture(), Some("flux"));
         assert_eq!(g.metadata()["tokens"], GgufValue::Array(vec![GgufValue::Str("a".into()), GgufValue::Str("b".into())]));
         let want = [DType::Q8_0, DType::Q4_K, DType::Q5_K, DType::Q6_K, DType::F32, DType::F16, DType::BF16];
         for (i, ((name, dims, _, bytes), dt)) in t.iter().zip(want).enumerate() {

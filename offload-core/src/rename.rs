@@ -270,6 +270,59 @@ pub fn wan_to_diffusers(specs: &[TensorSpec]) -> Result<Vec<(TensorSpec, Parts)>
     Ok(out)
 }
 
+/// The top-level modules of diffusers' `QwenImageTransformer2DModel`, the only
+/// names a Qwen-Image file under diffusers' names may start with
+/// (`tests/data/qwen-image-diffusers-names.txt`, checked against diffusers).
+const QWEN_IMAGE_MODULES: [&str; 7] = ["img_in", "norm_out", "proj_out", "time_text_embed", "transformer_blocks", "txt_in", "txt_norm"];
+
+/// Qwen-Image's tensors as its GGUF releases name them under diffusers'
+/// `QwenImageTransformer2DModel` names. The conversions (ComfyUI-GGUF's
+/// `qwen_image` architecture) keep the names of the diffusers-format
+/// checkpoint Qwen-Image was released in (`transformer_blocks.N.attn.to_q`,
+/// `img_mod.1`, ...), some behind a `model.diffusion_model.` prefix, which is
+/// dropped; each tensor whole. A tensor outside the model's modules (a file in
+/// another model's names) is an error naming it.
+pub fn qwen_image_to_diffusers(specs: &[TensorSpec]) -> Result<Vec<(TensorSpec, Parts)>> {
+    let mut out = Vec::with_capacity(specs.len());
+    let mut names = std::collections::HashSet::new();
+    for (i, s) in specs.iter().enumerate() {
+        let name = s.name.strip_prefix("model.diffusion_model.").unwrap_or(&s.name);
+        let top = name.split('.').next().unwrap_or("");
+        if !QWEN_IMAGE_MODULES.contains(&top) || !name.contains('.') {
+            return Err(bad(
+                &s.name,
+                format!("not a Qwen-Image tensor under diffusers' names (its modules: {})", QWEN_IMAGE_MODULES.join(", ")),
+            ));
+        }
+        if !names.insert(name.to_owned()) {
+            return Err(bad(&s.name, format!("{name:?} given twice (with and without the prefix)")));
+        }
+        out.push((TensorSpec::new(name, s.dtype, s.shape.clone()), vec![(i, 0, s.nbytes()?)]));
+    }
+    Ok(out)
+}
+
+/// The architectures [`gguf_to_diffusers`] maps, as a GGUF file's
+/// `general.architecture` names them.
+pub const GGUF_ARCHITECTURES: [&str; 3] = ["flux", "qwen_image", "wan"];
+
+/// A diffusion model's GGUF tensors under diffusers' names, by the
+/// architecture its metadata names (`general.architecture`, as ComfyUI-GGUF's
+/// converter writes it; [`crate::GgufFile::architecture`]): `flux`
+/// ([`flux_bfl_to_diffusers`]), `wan` ([`wan_to_diffusers`]) or `qwen_image`
+/// ([`qwen_image_to_diffusers`]). Any other architecture is an error naming it.
+pub fn gguf_to_diffusers(architecture: &str, specs: &[TensorSpec]) -> Result<Vec<(TensorSpec, Parts)>> {
+    match architecture {
+        "flux" => flux_bfl_to_diffusers(specs),
+        "wan" => wan_to_diffusers(specs),
+        "qwen_image" => qwen_image_to_diffusers(specs),
+        other => Err(Error::Plan(format!(
+            "a GGUF file of architecture {other:?}: offload maps {} onto diffusers' names",
+            GGUF_ARCHITECTURES.join(", ")
+        ))),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -293,6 +346,44 @@ mod tests {
     /// checkpoints name it) mapped onto `tests/data/wan-diffusers-names.txt`
     /// (diffusers' WanTransformer3DModel): a pytest row checks both fixtures
     /// against diffusers and its own converter.
+    #[test]
+    fn qwen_image_names_keep_diffusers_names_and_the_architecture_picks_the_map() {
+        let fixture = include_str!("../../tests/data/qwen-image-diffusers-names.txt");
+        let parse = |prefix: &str| -> Vec<TensorSpec> {
+            fixture
+                .lines()
+                .map(|l| {
+                    let (n, s) = l.split_once(' ').unwrap();
+                    TensorSpec::new(format!("{prefix}{n}"), DType::BF16, s.split('x').map(|d| d.parse().unwrap()).collect::<Vec<usize>>())
+                })
+                .collect()
+        };
+        // The fixture's top-level modules are exactly the ones the map admits.
+        let mut tops: Vec<&str> = fixture.lines().map(|l| l.split('.').next().unwrap()).collect();
+        tops.sort_unstable();
+        tops.dedup();
+        assert_eq!(tops, QWEN_IMAGE_MODULES);
+        let want: Vec<(String, Vec<usize>)> = parse("").into_iter().map(|s| (s.name, s.shape)).collect();
+        for prefix in ["", "model.diffusion_model."] {
+            let got: Vec<(String, Vec<usize>)> =
+                gguf_to_diffusers("qwen_image", &parse(prefix)).unwrap().into_iter().map(|(s, _)| (s.name, s.shape)).collect();
+            assert_eq!(got, want, "prefix {prefix:?}");
+        }
+        let t = |n: &str, s: &[usize]| TensorSpec::new(n, DType::BF16, s);
+        // A Flux (BFL) name is not Qwen-Image's; a name given with and without the prefix is named.
+        let e = qwen_image_to_diffusers(&[t("double_blocks.0.img_attn.qkv.weight", &[3, 4])]).unwrap_err().to_string();
+        assert!(e.contains("double_blocks.0.img_attn.qkv.weight") && e.contains("txt_norm"), "{e}");
+        let e = qwen_image_to_diffusers(&[t("img_in.weight", &[4, 4]), t("model.diffusion_model.img_in.weight", &[4, 4])])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("given twice"), "{e}");
+        // The architecture picks the map; an unknown one is named with those known.
+        assert_eq!(gguf_to_diffusers("flux", &[t("img_in.weight", &[4, 4])]).unwrap()[0].0.name, "x_embedder.weight");
+        assert_eq!(gguf_to_diffusers("wan", &[t("head.head.weight", &[4, 4])]).unwrap()[0].0.name, "proj_out.weight");
+        let e = gguf_to_diffusers("sd3", &[t("img_in.weight", &[4, 4])]).unwrap_err().to_string();
+        assert!(e.contains("\"sd3\"") && e.contains("qwen_image"), "{e}");
+    }
+
     #[test]
     fn wan_names_map_onto_diffusers_wan() {
         let parse = |text: &str| -> Vec<TensorSpec> {

@@ -41,3 +41,16 @@ def test_the_wan_names_fixtures_are_diffusers_own():
     ck = {n: torch.zeros([int(d) for d in s.split("x")]) for n, s in original}
     got = convert_wan_transformer_to_diffusers(ck)
     assert sorted(f"{n} {'x'.join(map(str, t.shape))}" for n, t in got.items()) == sorted(want)
+
+
+def test_the_qwen_image_names_fixture_is_diffusers_own():
+    # tests/data/qwen-image-diffusers-names.txt: a one-block
+    # QwenImageTransformer2DModel's parameters, the names Qwen-Image's GGUF
+    # releases keep; offload_core::rename's Qwen-Image map admits exactly its
+    # top-level modules.
+    from diffusers import QwenImageTransformer2DModel
+
+    m = QwenImageTransformer2DModel(patch_size=2, in_channels=16, out_channels=4, num_layers=1, attention_head_dim=16,
+                                    num_attention_heads=2, joint_attention_dim=16, guidance_embeds=False, axes_dims_rope=(8, 4, 4))
+    want = [f"{n} {'x'.join(map(str, p.shape))}" for n, p in m.named_parameters()]
+    assert (ROOT / "tests/data/qwen-image-diffusers-names.txt").read_text().split("\n")[:-1] == want

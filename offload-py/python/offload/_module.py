@@ -81,6 +81,8 @@ class _Param:
     shape: tuple
     offset: int = 0
     nbytes: int = 0
+    # Contiguous strides of `shape`, for binding the view in one call.
+    stride: tuple = ()
     pinned: bool = False
     # A parameter subclass the block's views are wrapped in again (diffusers'
     # GGUFParameter, which carries its quant type), or None for a plain one.
@@ -204,8 +206,21 @@ class Offloaded:
         # parameter back and gives the block back.
         self._bound = block
         self._buffer = data
+        # One strided view per parameter over the buffer seen once per dtype
+        # (slicing, reinterpreting and reshaping each would be three calls: host
+        # time on every block of every step).
+        whole: dict = {}
         for p in block.params:
-            view = data[p.offset : p.offset + p.nbytes].view(p.dtype).view(p.shape)
+            size = p.dtype.itemsize
+            if p.nbytes == 0 or p.offset % size:
+                view = data[p.offset : p.offset + p.nbytes].view(p.dtype).view(p.shape)
+            else:
+                w = whole.get(p.dtype)
+                if w is None:
+                    n = data.numel() - data.numel() % size
+                    w = whole[p.dtype] = data[:n].view(p.dtype)
+                # as_strided counts its offset from the storage, not from the view.
+                view = w.as_strided(p.shape, p.stride, w.storage_offset() + p.offset // size)
             p.owner._parameters[p.attr] = view if p.rewrap is None else p.rewrap(view)
 
     def _unbind(self) -> None:
@@ -431,6 +446,7 @@ def enable(
         for tname, offset, nbytes in layout:
             p = state.params[tname]
             p.offset, p.nbytes = offset, nbytes
+            p.stride = tuple(torch.empty(p.shape, device="meta").stride())
 
     # From here the module changes; any failure puts back what changed.
     try:

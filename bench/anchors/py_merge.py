@@ -90,6 +90,11 @@ def main():
             syncs = max(syncs, o["host_syncs_in_timed_steps"])
             finite &= all(v["output_finite"] and v["output_nonconstant"] for v in m.values())
         o0 = next(iter(full.values()))["offload"]
+        # The package's plan (its depth, the blocks it kept resident) is the planner's
+        # in each process: the processes merged must agree on it.
+        plans = {f: (m["offload"].get("depth"), tuple(m["offload"].get("resident_blocks") or ())) for f, m in full.items()}
+        if len(set(plans.values())) > 1:
+            raise SystemExit(f"{model} {case}: the processes ran different plans (depth, resident blocks): {plans}")
         row = dict(
             model=model, case=case, commit=commit, superseded_runs=superseded, tokens=o0["tokens"], batch=o0["batch"], depth=o0["depth"], processes=len(full),
             files=sorted(full), resident_s=spread(res), offload_s=spread(ours), bound_s=spread(bound),

@@ -80,19 +80,29 @@ pub(crate) fn step(
     ring.end_step()
 }
 
+/// What one step moved: the bytes the ring copied (as the blocks hold them on the
+/// device), the bytes that crossed the link (coded bytes where held coded) and
+/// the bytes read from disk.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct StepBytes {
+    pub copied: u64,
+    pub link: u64,
+    pub disk: u64,
+}
+
 /// `warmup` untimed, then `steps` timed forward calls through `ring`: each timed
-/// call's seconds, and the bytes the ring copied and read from disk in the last.
+/// call's seconds, and what the last one moved.
 pub(crate) fn timed_steps(
     be: &CudaBackend,
     model: &Model,
     net: &mut RefNet,
     ring: &mut Ring<CudaBackend>,
     (warmup, steps): (usize, usize),
-) -> Result<(Vec<f64>, (u64, u64)), String> {
+) -> Result<(Vec<f64>, StepBytes), String> {
     crate::harness::timed((warmup, steps), &|| be.synchronize().map_err(err), &mut || {
         let before = ring.metrics().bytes_copied;
         let m = step(be, model, net, ring, None).map_err(err)?;
-        Ok((ring.metrics().bytes_copied - before, m.disk_bytes_read))
+        Ok(StepBytes { copied: ring.metrics().bytes_copied - before, link: m.link_bytes, disk: m.disk_bytes_read })
     })
 }
 
@@ -105,7 +115,8 @@ pub(crate) fn ring_steps(
     warmup_steps: (usize, usize),
 ) -> Result<(Vec<f64>, u64, Vec<u16>), String> {
     let mut ring = Ring::new(be.clone(), store.clone(), &resolved(plan, inv).map_err(err)?).map_err(err)?;
-    let (times, (bytes, _)) = timed_steps(be, model, net, &mut ring, warmup_steps)?;
+    let (times, moved) = timed_steps(be, model, net, &mut ring, warmup_steps)?;
+    let bytes = moved.copied;
     let out = net.output().map_err(err)?;
     ring.close().map_err(err)?;
     Ok((times, bytes, out))
@@ -243,7 +254,7 @@ pub fn run(model: &Model, opts: &RunOptions) -> Result<RunDoc, String> {
     let resolved = |plan: &Plan, inv: &ComponentInventory| resolved(plan, inv).map_err(err);
     // Timed steps after warm-up, and the bytes the ring copied in the last of them.
     let timed = |net: &mut RefNet, ring: &mut Ring<CudaBackend>| {
-        timed_steps(&be, model, net, ring, (opts.warmup, opts.steps)).map(|(times, (bytes, _))| (times, bytes))
+        timed_steps(&be, model, net, ring, (opts.warmup, opts.steps)).map(|(times, moved)| (times, moved.copied))
     };
     // A streamed run of `rc`: its timed steps, then (with `trace`) one more step with
     // the timeline on, written to `trace`.

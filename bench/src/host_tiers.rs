@@ -34,6 +34,12 @@ pub struct TierRun {
     pub steps_streamed_s: Vec<f64>,
     /// Bytes streamed per step.
     pub step_bytes: u64,
+    /// Bytes a step moved across the link: fewer than `step_bytes` where the
+    /// blocks are held coded. 0 in runs made before it was recorded, whose
+    /// `bandwidth` counted a coded copy's raw bytes too (the bound then divides
+    /// `step_bytes` by it).
+    #[serde(default)]
+    pub link_bytes: u64,
     /// The streamed output equals the resident one, bit for bit.
     pub bitwise_equal: bool,
     /// The output is finite and not constant.
@@ -368,7 +374,11 @@ fn per_run(per: &[(&HostTierRun, &TierRun)], mode: &str) -> Result<PerRun, Strin
         }
         // Every streamed byte crosses the link and every block computes, in every
         // mode: that bounds the step. The disk's share is an estimate, kept apart.
-        let bound = resident.max(m.step_bytes as f64 / m.bandwidth);
+        // The bytes that crossed the link at the link's rate (`bandwidth` counts
+        // link bytes; before `link_bytes` was recorded it counted raw bytes, as
+        // `step_bytes` does).
+        let crossed = if m.link_bytes > 0 { m.link_bytes } else { m.step_bytes };
+        let bound = resident.max(crossed as f64 / m.bandwidth);
         out.resident.push(resident);
         out.bounds.push(bound);
         out.steps.push(step);
@@ -806,7 +816,8 @@ mod run {
                 gib(rss)
             );
             let n = if mode == "disk" { disk_steps } else { steps };
-            let (times, (step_bytes, disk_bytes)) = crate::cuda::timed_steps(&be, model, &mut net, &mut ring, (0, n))?;
+            let (times, moved) = crate::cuda::timed_steps(&be, model, &mut net, &mut ring, (0, n))?;
+            let (step_bytes, disk_bytes, link_bytes) = (moved.copied, moved.disk, moved.link);
             let (end_unix_s, rss_end, rss_file_end) =
                 (unix_s(), host_rss_beyond_page_cache().unwrap_or(0), offload_core::host_rss_file_bytes().unwrap_or(0));
             let out = net.output().map_err(err)?;
@@ -837,6 +848,7 @@ mod run {
                 bandwidth,
                 steps_streamed_s: times,
                 step_bytes,
+                link_bytes,
                 bitwise_equal: bitwise,
                 output_finite_nonconstant: finite && nonconstant,
                 host_ram_budget_bytes: if mode == "disk" { host_ram } else { None },
@@ -864,6 +876,21 @@ mod run {
 mod tests {
     use super::*;
 
+    #[test]
+    fn a_coded_runs_bound_is_its_link_bytes_at_the_links_rate() {
+        // 20 GB a step held coded as 15 GB on the link at 50 GB/s: a 0.3 s bound
+        // (over the 0.25 s resident step); a run made before link bytes were
+        // recorded divides the raw bytes (0.4 s).
+        let r = run(0, 1.0, 1, 0);
+        let mut m = r.modes[0].clone();
+        m.steps_streamed_s = vec![0.31; 3];
+        m.link_bytes = 15_000_000_000;
+        let bound = |m: &TierRun| per_run(&[(&r, m)], "coded").unwrap().bounds[0];
+        assert!((bound(&m) - 0.3).abs() < 1e-12, "{}", bound(&m));
+        m.link_bytes = 0;
+        assert!((bound(&m) - 0.4).abs() < 1e-12, "{}", bound(&m));
+    }
+
     fn run(k: u64, start_mapped: f64, rss_mapped: u64, copied: usize) -> HostTierRun {
         let mode = |mode: &str, start_s: f64, host_rss_bytes: u64, copied_blocks: usize| TierRun {
             mode: mode.into(),
@@ -877,6 +904,7 @@ mod tests {
             // 20 GB a step at 50 GB/s: a 0.4 s bound over a 0.25 s resident step.
             steps_streamed_s: vec![0.404 + k as f64 * 0.001, 0.405, 0.406],
             step_bytes: 20_000_000_000,
+            link_bytes: 0,
             bitwise_equal: true,
             output_finite_nonconstant: true,
             host_ram_budget_bytes: None,

@@ -342,10 +342,8 @@ mod tests {
         assert_eq!(m[0].0.name, "x_embedder.weight");
     }
 
-    /// `tests/data/wan-original-names.txt` (a one-block Wan 2.1 as its own
-    /// checkpoints name it) mapped onto `tests/data/wan-diffusers-names.txt`
-    /// (diffusers' WanTransformer3DModel): a pytest row checks both fixtures
-    /// against diffusers and its own converter.
+    /// `tests/data/qwen-image-diffusers-names.txt` (a one-block Qwen-Image,
+    /// checked against diffusers by a pytest row), with and without the prefix.
     #[test]
     fn qwen_image_names_keep_diffusers_names_and_the_architecture_picks_the_map() {
         let fixture = include_str!("../../tests/data/qwen-image-diffusers-names.txt");
@@ -384,6 +382,10 @@ mod tests {
         assert!(e.contains("\"sd3\"") && e.contains("qwen_image"), "{e}");
     }
 
+    /// `tests/data/wan-original-names.txt` (a one-block Wan 2.1 as its own
+    /// checkpoints name it) mapped onto `tests/data/wan-diffusers-names.txt`
+    /// (diffusers' WanTransformer3DModel): a pytest row checks both fixtures
+    /// against diffusers and its own converter.
     #[test]
     fn wan_names_map_onto_diffusers_wan() {
         let parse = |text: &str| -> Vec<TensorSpec> {

@@ -191,6 +191,11 @@ impl Streamer {
         // depth too); without one (no compute time known) the most streamed bytes,
         // planning for a transfer-bound step whatever the bandwidth.
         let calibrated = calibration.map(|c| calibrated_model(&component, &inventory, &c)).transpose()?;
+        if calibrated.is_some() && coded {
+            return Err(error(format!(
+                "component {component:?}: a calibration plans a ring that is not coded (its cost model has no decode time and no staging buffers): give coded=False"
+            )));
+        }
         if calibrated.is_some() && (budget_bytes.is_none() || !resident_blocks.is_empty()) {
             return Err(error(format!(
                 "component {component:?}: a calibration plans under a device budget with no blocks named resident (give budget_gib, not resident_blocks)"
@@ -451,6 +456,9 @@ fn calibrated_model(component: &str, inventory: &ComponentInventory, json: &str)
         if !(c.compute_s.is_finite() && c.compute_s >= 0.0) {
             return Err(error(format!("component {component:?}: calibration block {}: compute time {} s", c.id, c.compute_s)));
         }
+    }
+    if !m.compute_s().is_finite() {
+        return Err(error(format!("component {component:?}: calibration: the blocks' compute times add up to {} s", m.compute_s())));
     }
     Ok(offload_plan::CostModel { non_block_bytes: 0, ..m })
 }

@@ -501,6 +501,8 @@ def test_a_calibration_plans_with_the_blocks_compute_times():
         offload.enable(model, device="cpu", budget_gib=budget, calibration=dict(cal, blocks=cal["blocks"][:5]))
     with pytest.raises(OffloadError, match="plans under a device budget"):
         offload.enable(model, device="cpu", calibration=cal)
+    with pytest.raises(OffloadError, match="give coded=False"):
+        offload.enable(model, device="cpu", budget_gib=budget, calibration=cal, coded=True)
     assert offload.offloaded(model) is None
     h = offload.enable(model, device="cpu")
     with pytest.raises(OffloadError, match=r"block encoder\.block\.5 has no time in compute_s"):

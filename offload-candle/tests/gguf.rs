@@ -255,3 +255,59 @@ fn a_bfl_named_flux_gguf_streams_under_diffusers_names() {
     ring.close().unwrap();
     let _ = std::fs::remove_file(&p);
 }
+
+/// A Qwen-Image GGUF file as its releases hold it (diffusers' names behind a
+/// `model.diffusion_model.` prefix, `general.architecture = "qwen_image"`),
+/// written by candle's writer: the file's architecture picks the map, the
+/// tensors arrive under `tests/data/qwen-image-diffusers-names.txt`'s names and
+/// shapes (its block twice), and a block streams through the ring with its
+/// quantized bytes as stored.
+#[test]
+fn a_qwen_image_gguf_streams_under_diffusers_names_by_its_architecture() {
+    use offload_core::{gguf_to_diffusers, Renamed};
+    let dev = Device::Cpu;
+    let fixture = include_str!("../../tests/data/qwen-image-diffusers-names.txt");
+    // The fixture's one block and a second like it: a ring streams two or more.
+    let lines: Vec<String> = fixture
+        .lines()
+        .map(str::to_owned)
+        .chain(fixture.lines().filter_map(|l| l.strip_prefix("transformer_blocks.0.")).map(|l| format!("transformer_blocks.1.{l}")))
+        .collect();
+    let mut t: Vec<(String, QTensor)> = Vec::new();
+    for line in &lines {
+        let (name, shape) = line.split_once(' ').unwrap();
+        let shape: Vec<usize> = shape.split('x').map(|d| d.parse().unwrap()).collect();
+        let w = Tensor::randn(0f32, 0.05, shape.as_slice(), &dev).unwrap();
+        let dt = if shape.len() == 2 && shape[1] % 32 == 0 { GgmlDType::Q8_0 } else { GgmlDType::F32 };
+        t.push((format!("model.diffusion_model.{name}"), QTensor::quantize(&w, dt).unwrap()));
+    }
+    let p = path("qwen-image");
+    let arch = gguf_file::Value::String("qwen_image".into());
+    let refs: Vec<(&str, &QTensor)> = t.iter().map(|(n, q)| (n.as_str(), q)).collect();
+    gguf_file::write(&mut std::fs::File::create(&p).unwrap(), &[("general.architecture", &arch)], &refs).unwrap();
+
+    let file = GgufFile::open(&p).unwrap();
+    assert_eq!(file.architecture(), Some("qwen_image"));
+    let mapping = gguf_to_diffusers(file.architecture().unwrap(), file.specs()).unwrap();
+    let renamed = Renamed::new(GgufFile::open(&p).unwrap(), mapping).unwrap();
+    let got: Vec<String> = renamed
+        .specs()
+        .iter()
+        .map(|s| format!("{} {}", s.name, s.shape.iter().map(|d| d.to_string()).collect::<Vec<_>>().join("x")))
+        .collect();
+    assert_eq!(got, lines, "the renamed file is not diffusers' Qwen-Image");
+
+    let inventory = offload_core::DeclaredStacks::new(["transformer_blocks"]).discover("transformer", renamed.specs()).unwrap();
+    let backend = CandleBackend::cpu();
+    let store = Arc::new(HostStore::build(&backend, &inventory, &renamed).unwrap());
+    let plan = resolve(&Plan::layerwise(), std::slice::from_ref(&inventory)).unwrap();
+    let mut ring = Ring::new(backend.clone(), store, &plan.components[0]).unwrap();
+    let g = ring.block("transformer_blocks", 0).unwrap();
+    let w = backend.qtensors(g.slot(), g.layout(), "transformer_blocks.0.").unwrap();
+    let stored = &t.iter().find(|(n, _)| n == "model.diffusion_model.transformer_blocks.0.attn.to_q.weight").unwrap().1;
+    assert_eq!(w["attn.to_q.weight"].dtype(), GgmlDType::Q8_0);
+    assert!(w["attn.to_q.weight"].data().unwrap() == stored.data().unwrap(), "to_q's quantized bytes as stored");
+    g.finish().unwrap();
+    ring.close().unwrap();
+    let _ = std::fs::remove_file(&p);
+}

@@ -33,7 +33,9 @@ fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   for m in ${PY_MODELS:-flux-dev}; do
     for r in $(seq 1 "${PY_REPEATS:-3}"); do
+      # A quantized registry model (flux-dev-gguf-q8_0, ...) names its own storage.
       st=${PY_STORAGE:-bf16}; tag=$m; [ "$st" != bf16 ] && tag=$m-$st
+      storage=; [ -n "${PY_STORAGE:-}" ] && storage="--storage $PY_STORAGE"
       coded=; [ -n "${PY_CODED:-}" ] && { coded=--coded; tag=$tag-coded; }
       budget=; [ -n "${PY_BUDGET_GIB:-}" ] && { budget="--budget-gib $PY_BUDGET_GIB"; tag=$tag-budget$PY_BUDGET_GIB; }
       f="$Z/py-$tag-r$r.json"
@@ -49,7 +51,7 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
       # twice; bench/NOTES.md, 2026-12-02): leaf level is its anchor there.
       modes=offload,block_stream,leaf_stream; [ "$m" = t5-xxl ] && modes=offload,leaf_stream
       timeout "${PY_TIMEOUT:-420}" python3 "$B/zoo_anchor.py" --registry "$B/registry.json" --model "$m" \
-        --mode $modes --storage "$st" $coded $budget ${PY_ARGS:-} --out "$f" 2>&1 | grep -v Warning | tee "${f%.json}.txt" || rc=1
+        --mode $modes $storage $coded $budget ${PY_ARGS:-} --out "$f" 2>&1 | grep -v Warning | tee "${f%.json}.txt" || rc=1
       last=$((SECONDS - t0))
       tar czf "$OUT/py.tgz" -C "$Z" .
     done

@@ -40,9 +40,10 @@ import torch
 
 def fp8_skip_patterns(model, storage):
     """The modules `--storage` keeps out of layerwise casting: `fp8`, diffusers'
-    own (`"auto"`: the class's patterns; Flux's name its adaLN modulation Linears,
-    norm*, so they stay bf16); `fp8-linears`, the class's patterns but `norm`, so
-    those Linears are fp8 too (norms proper are not cast by layerwise casting)."""
+    defaults (`"auto"`: `pos_embed`, `patch_embed`, `norm`, the top-level
+    `proj_in`/`proj_out`; Flux names its adaLN modulation Linears norm*, so they
+    stay bf16); `fp8-linears`, the class's own patterns but `norm`, so those
+    Linears are fp8 too (norms proper are not cast by layerwise casting)."""
     if storage == "fp8-linears":
         return tuple(p for p in (getattr(model, "_skip_layerwise_casting_patterns", None) or ()) if p != "norm")
     return "auto"
@@ -318,12 +319,13 @@ def main():
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--depth", type=int, default=1, help="the package's prefetch depth (mode offload)")
-    ap.add_argument("--storage", choices=("bf16", "fp8", "fp8-linears", "gguf-q8_0", "gguf-q4_k"), default="bf16",
+    ap.add_argument("--storage", choices=("bf16", "fp8", "fp8-linears", "gguf-q8_0", "gguf-q4_k"), default=None,
                     help="fp8: diffusers' layerwise casting (float8_e4m3fn storage, bf16 compute) on every mode, "
-                         "resident included, with the model's own skip patterns (`auto`: Flux's adaLN modulation "
-                         "linears, named norm*, stay bf16); fp8-linears: the same but for the `norm` pattern, so "
+                         "resident included, with its default skip patterns (`auto`: Flux's adaLN modulation "
+                         "linears, named norm*, stay bf16); fp8-linears: the class's patterns but `norm`, so "
                          "every Linear of the blocks is fp8; gguf-q8_0, gguf-q4_k: the blocks' Linears as diffusers' "
-                         "GGUF layers (gguf_quantize_blocks); the rows name the model MODEL-STORAGE")
+                         "GGUF layers (gguf_quantize_blocks); the rows name the model MODEL-STORAGE. A quantized registry "
+                         "model (flux-dev-gguf-q8_0, ...) says its own storage: its rows keep its name")
     ap.add_argument("--coded", action="store_true",
                     help="the package holds the weights coded (offload.enable(coded=True)); the rows name the model MODEL-...-coded")
     ap.add_argument("--budget-gib", type=float, default=None,
@@ -345,6 +347,12 @@ def main():
     import diffusers
 
     spec = next(m for m in json.load(open(a.registry)) if m["name"] == a.model)
+    # A quantized registry model names its storage (and its name carries it already).
+    stored = spec.get("storage", "bf16")
+    if stored != "bf16" and a.storage not in (None, stored):
+        ap.error(f"--storage {a.storage}: {a.model} is stored {stored}")
+    suffix = stored == "bf16"
+    a.storage = a.storage or stored
     cases = [c for c in user_cases(spec["cases"], a.size, a.batch, a.frames) if not a.cases or c["name"] in a.cases.split(",")]
     if a.trace and len(cases) != 1:
         # The timeline stays on once enabled: later cases' timed steps would wait on its events.
@@ -356,7 +364,7 @@ def main():
     if a.storage.startswith("gguf-"):
         n = gguf_quantize_blocks(model, a.storage.split("-", 1)[1])
         torch.cuda.synchronize()
-        a.model = f"{a.model}-{a.storage}"
+        a.model = f"{a.model}-{a.storage}" if suffix else a.model
         print(f"setup: {n} Linears of the blocks as GGUF {a.storage[5:].upper()} in {time.perf_counter() - t0:.1f} s", flush=True)
     elif a.storage != "bf16":
         # The weights stored as fp8, each layer upcast to bf16 for its forward, in
@@ -364,7 +372,7 @@ def main():
         from diffusers.hooks import apply_layerwise_casting
         skip = fp8_skip_patterns(model, a.storage)
         apply_layerwise_casting(model, storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.bfloat16, skip_modules_pattern=skip)
-        a.model = f"{a.model}-{a.storage}"
+        a.model = f"{a.model}-{a.storage}" if suffix else a.model
         print(f"setup: layerwise casting to fp8 (skipping {skip}), "
               f"{sum(p.numel() for p in model.parameters() if p.dtype == torch.float8_e4m3fn) / 1e9:.2f} G weights fp8", flush=True)
     if a.coded:
@@ -373,6 +381,9 @@ def main():
         a.model = f"{a.model}-budget{a.budget_gib:g}"
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    if stored != "bf16" and model_bytes != spec["stored_bytes"]:
+        # The registry's cost of this storage (what the planners count) is not what it made.
+        raise SystemExit(f"{a.model}: stored as {stored} the model holds {model_bytes} bytes, the registry says {spec['stored_bytes']}")
     out, act, ref = [], {}, {}
     for c in cases:
         x = inputs(a.model, c, "cuda", vocab)

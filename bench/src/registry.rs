@@ -155,6 +155,62 @@ pub struct Model {
     pub cases: Vec<Case>,
     /// The reference: a Python class and the config that builds this model.
     pub reference: Value,
+    /// How its weights are stored ([`Storage::Bf16`] but for [`quantized_models`]).
+    pub storage: Storage,
+}
+
+/// How a registry model's weights are stored, as `bench/anchors/zoo_anchor.py
+/// --storage` makes them from the bf16 model (its tag).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum Storage {
+    /// bf16 throughout.
+    Bf16,
+    /// diffusers' layerwise casting with its default skip patterns: the
+    /// supported layers (Linear, Conv) fp8 e4m3 but those under a module named
+    /// `pos_embed`, `patch_embed`, `norm…`, or the top-level `proj_in`/`proj_out`.
+    Fp8,
+    /// Layerwise casting with the class's own skip patterns but `norm`: every
+    /// Linear fp8, modulation projections included (Flux: 11.9 G weights).
+    Fp8Linears,
+    /// The Linears of the block lists whose fan-in is whole blocks of 32, GGUF
+    /// Q8_0 (34 bytes per 32 weights); biases and everything else bf16.
+    GgufQ8_0,
+    /// The same as GGUF Q4_K (144 bytes per 256 weights).
+    GgufQ4K,
+}
+
+impl Storage {
+    /// The tag `zoo_anchor.py --storage` takes (and its rows' names carry).
+    pub fn tag(self) -> &'static str {
+        match self {
+            Storage::Bf16 => "bf16",
+            Storage::Fp8 => "fp8",
+            Storage::Fp8Linears => "fp8-linears",
+            Storage::GgufQ8_0 => "gguf-q8_0",
+            Storage::GgufQ4K => "gguf-q4_k",
+        }
+    }
+}
+
+/// The quantized models: (name, the bf16 model, storage). Named as the bench's
+/// rows name them (`MODEL-STORAGE`); issue 33's `flux-dev-fp8` (every Linear
+/// fp8, 11 GiB) is `flux-dev-fp8-linears` here, `flux-dev-fp8` being what
+/// diffusers' defaults give.
+pub const QUANTIZED: [(&str, &str, Storage); 6] = [
+    ("flux-dev-fp8", "flux-dev", Storage::Fp8),
+    ("flux-dev-fp8-linears", "flux-dev", Storage::Fp8Linears),
+    ("flux-dev-gguf-q8_0", "flux-dev", Storage::GgufQ8_0),
+    ("flux-dev-gguf-q4_k", "flux-dev", Storage::GgufQ4K),
+    ("qwen-image-fp8", "qwen-image", Storage::Fp8),
+    ("wan2.1-t2v-14b-fp8", "wan2.1-t2v-14b", Storage::Fp8),
+];
+
+/// Every quantized model ([`QUANTIZED`]): its bf16 model's parameters and
+/// reference, stored as named. The Rust drivers stream bf16 models; these run
+/// through the Python package (`bench/py-run.sh`, which reads the storage from
+/// the registry file).
+pub fn quantized_models() -> Vec<Model> {
+    QUANTIZED.iter().map(|&(name, of, storage)| Model { name, storage, ..model(of).expect("a registry model") }).collect()
 }
 
 impl Model {
@@ -184,6 +240,59 @@ impl Model {
     /// computes more: `tch::computes`).
     pub fn computed(&self) -> bool {
         self.stacks.iter().all(|s| matches!(s.kind, BlockKind::DualStream | BlockKind::SingleStream) && s.overrides.is_empty())
+    }
+
+    /// Bytes of every parameter as stored ([`Model::storage`]).
+    pub fn stored_bytes(&self) -> u64 {
+        let params = self.params();
+        let block_lists: Vec<&str> = self.stacks.iter().map(|s| s.prefix).collect();
+        params.iter().map(|p| self.stored_param_bytes(p, &params, &block_lists)).sum()
+    }
+
+    /// One parameter's stored bytes, by the rules [`Storage`] names.
+    fn stored_param_bytes(&self, p: &Param, params: &[Param], block_lists: &[&str]) -> u64 {
+        let bf16 = 2 * p.numel() as u64;
+        let Some((module, kind)) = p.name.rsplit_once('.') else { return bf16 };
+        // A supported layer (Linear, Conv): its weight has two or more dimensions.
+        let weight = params.iter().find(|q| q.name == format!("{module}.weight"));
+        let layer = matches!(kind, "weight" | "bias") && weight.is_some_and(|w| w.shape.len() >= 2);
+        let cast = |skip: &[&str]| {
+            // Skipped where any module on the path matches a pattern (a regex search;
+            // `^x$` whole paths), as diffusers' recursion stops at the first match.
+            let mut path = String::new();
+            let skipped = module.split('.').any(|part| {
+                path = if path.is_empty() { part.to_owned() } else { format!("{path}.{part}") };
+                skip.iter().any(|pat| match pat.strip_prefix('^').and_then(|x| x.strip_suffix('$')) {
+                    Some(whole) => path == whole,
+                    None => path.contains(pat),
+                })
+            });
+            if layer && !skipped {
+                p.numel() as u64
+            } else {
+                bf16
+            }
+        };
+        let class_patterns: &[&str] = match self.reference["class"].as_str() {
+            Some("WanTransformer3DModel") => &["patch_embedding", "condition_embedder"],
+            _ => &["pos_embed"],
+        };
+        let gguf = |block: usize, size: usize| {
+            let in_blocks = block_lists.iter().any(|l| module.starts_with(&format!("{l}.")));
+            match (kind, weight) {
+                ("weight", Some(w)) if in_blocks && w.shape.len() == 2 && w.shape[1] % block == 0 => {
+                    (w.shape[0] * w.shape[1] / block * size) as u64
+                }
+                _ => bf16,
+            }
+        };
+        match self.storage {
+            Storage::Bf16 => bf16,
+            Storage::Fp8 => cast(&["pos_embed", "patch_embed", "norm", "^proj_in$", "^proj_out$"]),
+            Storage::Fp8Linears => cast(class_patterns),
+            Storage::GgufQ8_0 => gguf(32, 34),
+            Storage::GgufQ4K => gguf(256, 144),
+        }
     }
 
     /// Bytes of the non-block weights.
@@ -221,6 +330,7 @@ fn base(name: &'static str, hidden: usize, heads: usize, head_dim: usize, mlp: u
         globals: Vec::new(),
         cases: Vec::new(),
         reference: Value::Null,
+        storage: Storage::Bf16,
     }
 }
 
@@ -850,7 +960,13 @@ pub fn models() -> Vec<Model> {
 pub fn model(name: &str) -> Result<Model, String> {
     models().into_iter().find(|m| m.name == name).ok_or_else(|| {
         let known: Vec<&str> = models().iter().map(|m| m.name).collect();
-        format!("no model {name:?} in the registry (models: {})", known.join(", "))
+        match QUANTIZED.iter().find(|q| q.0 == name) {
+            Some((_, of, storage)) => format!(
+                "{name} is {of} stored {}: the Rust drivers stream bf16 models; quantized ones run through the Python package (bench/py-run.sh, PY_MODELS={name})",
+                storage.tag()
+            ),
+            None => format!("no model {name:?} in the registry (models: {})", known.join(", ")),
+        }
     })
 }
 
@@ -872,7 +988,8 @@ pub fn to_json(models: &[Model]) -> Value {
             .map(|m| {
                 let params: serde_json::Map<String, Value> = m.params().into_iter().map(|p| (p.name, json!(p.shape))).collect();
                 json!({"name": m.name, "reference": m.reference, "params": params, "cases": m.cases,
-                       "block_bytes_bf16": m.block_bytes(2), "largest_block_bytes_bf16": m.largest_block_bytes(2)})
+                       "block_bytes_bf16": m.block_bytes(2), "largest_block_bytes_bf16": m.largest_block_bytes(2),
+                       "storage": m.storage.tag(), "stored_bytes": m.stored_bytes()})
             })
             .collect(),
     )

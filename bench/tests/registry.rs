@@ -196,3 +196,46 @@ fn a_bfl_named_flux_dev_maps_onto_the_registrys_parameters() {
     assert_eq!(got.len(), want.len());
     assert_eq!(got, want);
 }
+
+/// Each quantized model's bytes as stored, against what the H200 measured of the
+/// same storage applied to the real class (`model_bytes` in the runs named):
+/// diffusers' layerwise casting with its default and with the class's patterns,
+/// and the bench's GGUF Q8_0 blocks. A rule that casts one layer too many or too
+/// few is off by that layer's bytes.
+#[test]
+fn stored_bytes_are_what_the_runner_measured_of_the_real_class() {
+    let raw = format!("{}/raw", env!("CARGO_MANIFEST_DIR"));
+    for (name, run) in [
+        ("flux-dev-fp8", "2026-12-03-py-8b90021/py-flux-dev-fp8-r1.json"),
+        ("flux-dev-fp8-linears", "2026-12-04-py-8e92f2b-fp8-linears/py-flux-dev-fp8-linears-r1.json"),
+        ("flux-dev-gguf-q8_0", "2026-12-04-py-a62e0cd-fp8-budget-gguf/py-flux-dev-gguf-q8_0-r1.json"),
+    ] {
+        let doc: Value = serde_json::from_str(&std::fs::read_to_string(format!("{raw}/{run}")).unwrap()).unwrap();
+        let measured = doc["cases"][0]["model_bytes"].as_u64().unwrap();
+        let m = registry::quantized_models().into_iter().find(|m| m.name == name).unwrap();
+        assert_eq!(m.stored_bytes(), measured, "{name}");
+    }
+    // bf16 is two bytes a weight; every quantized model stores less than its bf16
+    // model (the ones not yet measured included), Q4_K less than Q8_0.
+    let flux = registry::model("flux-dev").unwrap();
+    assert_eq!(flux.stored_bytes(), 2 * flux.params().iter().map(|p| p.numel() as u64).sum::<u64>());
+    for (name, of, _) in registry::QUANTIZED {
+        let q = registry::quantized_models().into_iter().find(|m| m.name == name).unwrap().stored_bytes();
+        assert!(q < registry::model(of).unwrap().stored_bytes(), "{name}");
+    }
+    let bytes = |n: &str| registry::quantized_models().into_iter().find(|m| m.name == n).unwrap().stored_bytes();
+    assert!(bytes("flux-dev-gguf-q4_k") < bytes("flux-dev-gguf-q8_0"));
+}
+
+/// The registry file the Python bench reads says each quantized model's storage
+/// and bytes; the Rust drivers refuse a quantized model by name, saying where it runs.
+#[test]
+fn quantized_models_are_in_the_registry_file_and_refused_by_the_rust_drivers() {
+    let doc = registry::to_json(&registry::quantized_models());
+    let q8 = doc.as_array().unwrap().iter().find(|m| m["name"] == "flux-dev-gguf-q8_0").unwrap();
+    assert_eq!(q8["storage"], "gguf-q8_0");
+    assert_eq!(q8["reference"], registry::model("flux-dev").unwrap().reference);
+    assert!(q8["stored_bytes"].as_u64().unwrap() < 2 * 12_000_000_000);
+    let e = registry::model("flux-dev-gguf-q8_0").unwrap_err();
+    assert!(e.contains("flux-dev stored gguf-q8_0") && e.contains("py-run.sh"), "{e}");
+}

@@ -193,7 +193,9 @@ fn run(args: &[String]) -> Result<(), String> {
     match args.first().map(String::as_str) {
         Some("registry") => {
             // With a user's case: every model that takes it holds it too (the anchors read it here).
+            // The quantized models too: the Python package's bench reads their storage here.
             let mut models = registry::models();
+            models.extend(registry::quantized_models());
             for m in &mut models {
                 if let Ok(Some(c)) = registry::case_from_args(m, opt(args, "--size"), opt(args, "--batch"), opt(args, "--frames")) {
                     m.cases.push(c);

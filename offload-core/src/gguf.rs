@@ -20,6 +20,35 @@ use std::io::{BufReader, Read};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+/// The metadata key prefix under which ComfyUI-GGUF's converter names the shape
+/// a tensor had before it stored it reshaped (more than four dimensions, or
+/// rows re-cut to whole quant blocks of 256).
+pub const ORIG_SHAPE: &str = "comfy.gguf.orig_shape.";
+
+/// `spec` in the shape `v` names, where its bytes are the same in it: as many
+/// elements, and for a quantized tensor rows of whole blocks (a block of the
+/// stored rows then lies in one row of the original shape). Otherwise the
+/// fault: such a tensor cannot be streamed as stored under its real shape.
+fn original_shape(spec: TensorSpec, v: &GgufValue, nbytes: usize) -> std::result::Result<TensorSpec, String> {
+    let dims = match v {
+        GgufValue::Array(a) => a.iter().map(|d| d.as_u64().and_then(|d| usize::try_from(d).ok())).collect::<Option<Vec<usize>>>(),
+        _ => None,
+    }
+    .ok_or_else(|| format!("{ORIG_SHAPE}{} is {v:?}, not a list of dimensions", spec.name))?;
+    let count = |s: &[usize]| s.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
+    if count(&dims) != count(&spec.shape) {
+        return Err(format!("stored as {:?}, its original shape {dims:?} holds another number of elements", spec.shape));
+    }
+    let original = TensorSpec::new(spec.name.clone(), spec.dtype, dims.clone());
+    match original.nbytes() {
+        Ok(n) if n == nbytes => Ok(original),
+        _ => Err(format!(
+            "stored as {:?} in {:?} blocks that run across the rows of its original shape {dims:?}: it cannot be streamed as stored in that shape",
+            spec.shape, spec.dtype
+        )),
+    }
+}
+
 /// A metadata value.
 #[derive(Clone, Debug, PartialEq)]
 #[allow(missing_docs)]
@@ -278,6 +307,10 @@ impl GgufFile {
             }
             let spec = TensorSpec::new(name.clone(), dtype, shape);
             let nbytes = spec.nbytes().map_err(|e| h.bad(&name, e.to_string()))?;
+            let spec = match metadata.get(&format!("{ORIG_SHAPE}{name}")) {
+                Some(v) => original_shape(spec, v, nbytes).map_err(|fault| h.bad(&name, fault))?,
+                None => spec,
+            };
             specs.push(spec);
             rel.push((offset, nbytes as u64));
         }
@@ -503,6 +536,39 @@ mod tests {
             g.read_into(i, &mut got).unwrap();
             assert!(got == *bytes, "{name}: bytes differ");
         }
+    }
+
+    #[test]
+    fn a_tensor_stored_reshaped_reads_in_its_original_shape_where_its_bytes_allow() {
+        // ComfyUI-GGUF's `comfy.gguf.orig_shape.<name>`: arrays of INT32 (type 5).
+        let shape = |dims: &[u32]| {
+            let mut v = 5u32.to_le_bytes().to_vec();
+            v.extend((dims.len() as u64).to_le_bytes());
+            for d in dims {
+                v.extend(d.to_le_bytes());
+            }
+            v
+        };
+        let meta = vec![
+            ("comfy.gguf.orig_shape.patch.weight", 9, shape(&[2, 3, 1, 2, 2])),
+            ("comfy.gguf.orig_shape.blocks.0.w", 9, shape(&[4, 32])),
+        ];
+        let t: Vec<(&str, &[u64], u32, Vec<u8>)> =
+            vec![("patch.weight", &[24], 0, random(96, 1)), ("blocks.0.w", &[2, 64], 8, random(2 * 2 * 34, 2))];
+        let (_t, p) = file(&write(&meta, &t, 32, 3));
+        let g = GgufFile::open(&p).unwrap();
+        assert_eq!(g.specs()[0].shape, [2, 3, 1, 2, 2], "five dimensions, as the Conv3d had them");
+        assert_eq!(g.specs()[1].shape, [4, 32], "Q8_0 rows of whole blocks: the same bytes");
+        let mut got = vec![0; 2 * 2 * 34];
+        g.read_into(1, &mut got).unwrap();
+        assert!(got == t[1].3);
+        // Blocks of 256 that run across rows of 128, and a shape of another size, are named.
+        let e = err(&write(&[("comfy.gguf.orig_shape.w", 9, shape(&[2, 128]))], &[("w", &[1, 256], 12, random(144, 3))], 32, 3));
+        assert!(e.contains("\"w\"") && e.contains("run across the rows"), "{e}");
+        let e = err(&write(&[("comfy.gguf.orig_shape.w", 9, shape(&[5]))], &[("w", &[4], 0, random(16, 4))], 32, 3));
+        assert!(e.contains("another number of elements"), "{e}");
+        let e = err(&write(&[("comfy.gguf.orig_shape.w", 8, strv("4"))], &[("w", &[4], 0, random(16, 4))], 32, 3));
+        assert!(e.contains("not a list of dimensions"), "{e}");
     }
 
     #[test]

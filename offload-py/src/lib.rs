@@ -489,10 +489,28 @@ impl Streamer {
     }
 }
 
+/// The tensors of a diffusion model's GGUF file as offload streams them: under
+/// diffusers' names, mapped by the architecture the file names
+/// (`general.architecture`: `flux`, `wan`, `qwen_image`), each
+/// `(name, dtype, shape)` with its quant type as stored (`Q8_0`, `Q4_K`, `BF16`, ...).
+/// A file naming no architecture, or one offload does not map, and a tensor
+/// the map does not know are errors naming them.
+#[pyfunction]
+fn gguf_tensors(path: &str) -> PyResult<Vec<(String, String, Vec<usize>)>> {
+    let fail = |e: Error| error(format!("{path}: {e}"));
+    let file = offload_core::GgufFile::open(path).map_err(fail)?;
+    let arch = file
+        .architecture()
+        .ok_or_else(|| error(format!("{path}: no general.architecture (offload maps {})", offload_core::GGUF_ARCHITECTURES.join(", "))))?;
+    let mapping = offload_core::gguf_to_diffusers(arch, file.specs()).map_err(fail)?;
+    Ok(mapping.into_iter().map(|(s, _)| (s.name, format!("{:?}", s.dtype), s.shape)).collect())
+}
+
 /// The engine's module.
 #[pymodule]
 fn _offload(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Streamer>()?;
+    m.add_function(wrap_pyfunction!(gguf_tensors, m)?)?;
     m.add("OffloadError", m.py().get_type::<OffloadError>())?;
     Ok(())
 }

@@ -34,7 +34,7 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   for m in ${PY_MODELS:-flux-dev}; do
     for r in $(seq 1 "${PY_REPEATS:-3}"); do
       # A quantized registry model (flux-dev-gguf-q8_0, ...) names its own storage.
-      st=${PY_STORAGE:-bf16}; tag=$m; [ "$st" != bf16 ] && tag=$m-$st
+      st=${PY_STORAGE:-bf16}; tag=$m; [ "$st" != bf16 ] && [ "${m%-"$st"}" = "$m" ] && tag=$m-$st
       storage=; [ -n "${PY_STORAGE:-}" ] && storage="--storage $PY_STORAGE"
       coded=; [ -n "${PY_CODED:-}" ] && { coded=--coded; tag=$tag-coded; }
       budget=; [ -n "${PY_BUDGET_GIB:-}" ] && { budget="--budget-gib $PY_BUDGET_GIB"; tag=$tag-budget$PY_BUDGET_GIB; }

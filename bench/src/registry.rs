@@ -273,9 +273,11 @@ impl Model {
                 bf16
             }
         };
+        // The class's `_skip_layerwise_casting_patterns` but `norm` (none: every layer cast).
         let class_patterns: &[&str] = match self.reference["class"].as_str() {
             Some("WanTransformer3DModel") => &["patch_embedding", "condition_embedder"],
-            _ => &["pos_embed"],
+            Some("FluxTransformer2DModel" | "QwenImageTransformer2DModel" | "SD3Transformer2DModel") => &["pos_embed"],
+            _ => &[],
         };
         let gguf = |block: usize, size: usize| {
             let in_blocks = block_lists.iter().any(|l| module.starts_with(&format!("{l}.")));

@@ -21,8 +21,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 /// The metadata key prefix under which ComfyUI-GGUF's converter names the shape
-/// a tensor had before it stored it reshaped (more than four dimensions, or
-/// rows re-cut to whole quant blocks of 256).
+/// a tensor had before it stored it reshaped (rows re-cut to whole quant blocks
+/// of 256).
 pub const ORIG_SHAPE: &str = "comfy.gguf.orig_shape.";
 
 /// `spec` in the shape `v` names, where its bytes are the same in it: as many
@@ -131,8 +131,10 @@ fn dtype_of(id: u32) -> std::result::Result<DType, String> {
 
 /// Longest string accepted in the header (a key, a value, a tensor name).
 const MAX_STRING: u64 = 1 << 24;
-/// Most dimensions a tensor may have (ggml's own limit).
-const MAX_DIMS: u32 = 4;
+/// Most dimensions a tensor may have. ggml computes with four, but GGUF files
+/// hold more: ComfyUI-GGUF's `fix_5d_tensors` writes Wan's Conv3d patch
+/// embedding back as a five-dimensional F32 tensor.
+const MAX_DIMS: u32 = 8;
 
 /// A GGUF file: its metadata, its tensors as [`TensorSpec`]s (shapes
 /// outermost first, as everywhere else in offload), and their bytes read as
@@ -557,7 +559,7 @@ mod tests {
             vec![("patch.weight", &[24], 0, random(96, 1)), ("blocks.0.w", &[2, 64], 8, random(2 * 2 * 34, 2))];
         let (_t, p) = file(&write(&meta, &t, 32, 3));
         let g = GgufFile::open(&p).unwrap();
-        assert_eq!(g.specs()[0].shape, [2, 3, 1, 2, 2], "five dimensions, as the Conv3d had them");
+        assert_eq!(g.specs()[0].shape, [2, 3, 1, 2, 2], "its original shape");
         assert_eq!(g.specs()[1].shape, [4, 32], "Q8_0 rows of whole blocks: the same bytes");
         let mut got = vec![0; 2 * 2 * 34];
         g.read_into(1, &mut got).unwrap();
@@ -569,6 +571,11 @@ mod tests {
         assert!(e.contains("another number of elements"), "{e}");
         let e = err(&write(&[("comfy.gguf.orig_shape.w", 8, strv("4"))], &[("w", &[4], 0, random(16, 4))], 32, 3));
         assert!(e.contains("not a list of dimensions"), "{e}");
+        // Five dimensions stored as such (ComfyUI-GGUF's fix_5d_tensors: Wan's Conv3d weight in F32).
+        let (_t5, p5) = file(&write(&[], &[("patch.weight", &[2, 3, 1, 2, 2], 0, random(96, 5))], 32, 3));
+        assert_eq!(GgufFile::open(&p5).unwrap().specs()[0].shape, [2, 3, 1, 2, 2]);
+        let e = err(&write(&[], &[("w", &[1; 9], 0, random(4, 6))], 32, 3));
+        assert!(e.contains("9 dimensions, at most 8"), "{e}");
     }
 
     #[test]

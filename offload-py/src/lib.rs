@@ -506,11 +506,28 @@ fn gguf_tensors(path: &str) -> PyResult<Vec<(String, String, Vec<usize>)>> {
     Ok(mapping.into_iter().map(|(s, _)| (s.name, format!("{:?}", s.dtype), s.shape)).collect())
 }
 
+/// Tensor `name` (diffusers' name, as [`gguf_tensors`] lists it) of a GGUF
+/// file: its bytes as stored (quantized blocks as they are), read through the
+/// same map. An unknown name is an error naming it.
+#[pyfunction]
+fn gguf_read<'py>(py: Python<'py>, path: &str, name: &str) -> PyResult<Bound<'py, PyByteArray>> {
+    let fail = |e: Error| error(format!("{path}: {e}"));
+    let file = offload_core::GgufFile::open(path).map_err(fail)?;
+    let arch = file.architecture().ok_or_else(|| error(format!("{path}: no general.architecture")))?.to_owned();
+    let mapping = offload_core::gguf_to_diffusers(&arch, file.specs()).map_err(fail)?;
+    let renamed = offload_core::Renamed::new(file, mapping).map_err(fail)?;
+    let i = renamed.specs().iter().position(|s| s.name == name).ok_or_else(|| error(format!("{path}: no tensor {name:?}")))?;
+    let mut bytes = vec![0u8; renamed.specs()[i].nbytes().map_err(fail)?];
+    renamed.read_into(i, &mut bytes).map_err(fail)?;
+    Ok(PyByteArray::new(py, &bytes))
+}
+
 /// The engine's module.
 #[pymodule]
 fn _offload(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Streamer>()?;
     m.add_function(wrap_pyfunction!(gguf_tensors, m)?)?;
+    m.add_function(wrap_pyfunction!(gguf_read, m)?)?;
     m.add("OffloadError", m.py().get_type::<OffloadError>())?;
     Ok(())
 }

@@ -264,7 +264,7 @@ fn a_bfl_named_flux_gguf_streams_under_diffusers_names() {
 /// quantized bytes as stored.
 #[test]
 fn a_qwen_image_gguf_streams_under_diffusers_names_by_its_architecture() {
-    use offload_core::{gguf_to_diffusers, Renamed};
+    use offload_core::gguf_under_diffusers_names;
     let dev = Device::Cpu;
     let fixture = include_str!("../../tests/data/qwen-image-diffusers-names.txt");
     // The fixture's one block and a second like it: a ring streams two or more.
@@ -288,8 +288,7 @@ fn a_qwen_image_gguf_streams_under_diffusers_names_by_its_architecture() {
 
     let file = GgufFile::open(&p).unwrap();
     assert_eq!(file.architecture(), Some("qwen_image"));
-    let mapping = gguf_to_diffusers(file.architecture().unwrap(), file.specs()).unwrap();
-    let renamed = Renamed::new(GgufFile::open(&p).unwrap(), mapping).unwrap();
+    let renamed = gguf_under_diffusers_names(file).unwrap();
     let got: Vec<String> = renamed
         .specs()
         .iter()

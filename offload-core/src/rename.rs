@@ -306,6 +306,17 @@ pub fn qwen_image_to_diffusers(specs: &[TensorSpec]) -> Result<Vec<(TensorSpec, 
 /// `general.architecture` names them.
 pub const GGUF_ARCHITECTURES: [&str; 3] = ["flux", "qwen_image", "wan"];
 
+/// `file`'s tensors under diffusers' names, by the architecture it names
+/// ([`gguf_to_diffusers`]): what offload streams from a GGUF release. A file
+/// naming no architecture is an error saying which ones are mapped.
+pub fn gguf_under_diffusers_names(file: crate::GgufFile) -> Result<Renamed<crate::GgufFile>> {
+    let arch = file.architecture().map(str::to_owned).ok_or_else(|| {
+        Error::Plan(format!("{}: no general.architecture (offload maps {})", file.path().display(), GGUF_ARCHITECTURES.join(", ")))
+    })?;
+    let mapping = gguf_to_diffusers(&arch, file.specs())?;
+    Renamed::new(file, mapping)
+}
+
 /// A diffusion model's GGUF tensors under diffusers' names, by the
 /// architecture its metadata names (`general.architecture`, as ComfyUI-GGUF's
 /// converter writes it; [`crate::GgufFile::architecture`]): `flux`

@@ -497,13 +497,8 @@ impl Streamer {
 /// the map does not know are errors naming them.
 #[pyfunction]
 fn gguf_tensors(path: &str) -> PyResult<Vec<(String, String, Vec<usize>)>> {
-    let fail = |e: Error| error(format!("{path}: {e}"));
-    let file = offload_core::GgufFile::open(path).map_err(fail)?;
-    let arch = file
-        .architecture()
-        .ok_or_else(|| error(format!("{path}: no general.architecture (offload maps {})", offload_core::GGUF_ARCHITECTURES.join(", "))))?;
-    let mapping = offload_core::gguf_to_diffusers(arch, file.specs()).map_err(fail)?;
-    Ok(mapping.into_iter().map(|(s, _)| (s.name, format!("{:?}", s.dtype), s.shape)).collect())
+    let renamed = gguf_renamed(path)?;
+    Ok(renamed.specs().iter().map(|s| (s.name.clone(), format!("{:?}", s.dtype), s.shape.clone())).collect())
 }
 
 /// Tensor `name` (diffusers' name, as [`gguf_tensors`] lists it) of a GGUF
@@ -511,15 +506,17 @@ fn gguf_tensors(path: &str) -> PyResult<Vec<(String, String, Vec<usize>)>> {
 /// same map. An unknown name is an error naming it.
 #[pyfunction]
 fn gguf_read<'py>(py: Python<'py>, path: &str, name: &str) -> PyResult<Bound<'py, PyByteArray>> {
-    let fail = |e: Error| error(format!("{path}: {e}"));
-    let file = offload_core::GgufFile::open(path).map_err(fail)?;
-    let arch = file.architecture().ok_or_else(|| error(format!("{path}: no general.architecture")))?.to_owned();
-    let mapping = offload_core::gguf_to_diffusers(&arch, file.specs()).map_err(fail)?;
-    let renamed = offload_core::Renamed::new(file, mapping).map_err(fail)?;
+    let renamed = gguf_renamed(path)?;
     let i = renamed.specs().iter().position(|s| s.name == name).ok_or_else(|| error(format!("{path}: no tensor {name:?}")))?;
-    let mut bytes = vec![0u8; renamed.specs()[i].nbytes().map_err(fail)?];
-    renamed.read_into(i, &mut bytes).map_err(fail)?;
+    let mut bytes = vec![0u8; renamed.specs()[i].nbytes().map_err(|e| error(format!("{path}: {e}")))?];
+    renamed.read_into(i, &mut bytes).map_err(|e| error(format!("{path}: {e}")))?;
     Ok(PyByteArray::new(py, &bytes))
+}
+
+/// The GGUF file at `path` under diffusers' names.
+fn gguf_renamed(path: &str) -> PyResult<offload_core::Renamed<offload_core::GgufFile>> {
+    let file = offload_core::GgufFile::open(path).map_err(|e| error(format!("{path}: {e}")))?;
+    offload_core::gguf_under_diffusers_names(file).map_err(|e| error(format!("{path}: {e}")))
 }
 
 /// The engine's module.

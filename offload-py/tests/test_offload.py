@@ -436,15 +436,22 @@ def test_the_bitwise_check_catches_a_wrong_binding():
     assert not torch.equal(_bits(out), _bits(ref))
 
 
+def _t5_block_and_resident(model):
+    """A T5 encoder block's bytes in its slot (each tensor 256-byte aligned), and
+    the bytes that stay resident (the tensors outside the blocks)."""
+    block = sum(-(-p.numel() * p.element_size() // 256) * 256 for p in model.encoder.block[1].parameters())
+    resident = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".block." not in n)
+    resident += sum(b.numel() * b.element_size() for b in model.buffers())
+    return block, resident
+
+
 def test_a_budget_keeps_the_blocks_it_holds_resident():
     from models import t5
 
     model, inputs, blocks = t5(layers=5)
     with torch.no_grad():
         ref = _out(model(**inputs)).clone()
-    block = sum(-(-p.numel() * p.element_size() // 256) * 256 for p in model.encoder.block[1].parameters())
-    resident = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".block." not in n)
-    resident += sum(b.numel() * b.element_size() for b in model.buffers())
+    block, resident = _t5_block_and_resident(model)
     # Room for the two slots at depth 1 and one more block: one block stays resident.
     h = offload.enable(model, device="cpu", budget_gib=(resident + 3 * block + 1024) / 2**30)
     with torch.no_grad():
@@ -467,9 +474,7 @@ def test_a_calibration_plans_with_the_blocks_compute_times():
     model, inputs, blocks = t5(layers=6)
     with torch.no_grad():
         ref = _out(model(**inputs)).clone()
-    block = sum(-(-p.numel() * p.element_size() // 256) * 256 for p in model.encoder.block[1].parameters())
-    resident = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".block." not in n)
-    resident += sum(b.numel() * b.element_size() for b in model.buffers())
+    block, resident = _t5_block_and_resident(model)
     budget = (resident + 3 * block + 1024) / 2**30
     h = offload.enable(model, device="cpu")
     # Block 3 computes for a second, the others not at all; each copy takes half a

@@ -688,3 +688,59 @@ def test_a_failure_while_the_module_changes_puts_it_back_from_the_store(monkeypa
     assert offload.offloaded(model) is None
     _same_snapshot(before, _snapshot(model))
     assert not model.encoder.block[0]._forward_pre_hooks
+
+
+class _OneBuffer:
+    """A sabotaged engine for the test below: every block lands in one
+    persistent buffer, so a view kept past its block is overwritten."""
+
+    def __init__(self, inner):
+        self.inner, self.buf = inner, None
+
+    def lend(self, stack, index):
+        b = self.inner.lend(stack, index)
+        if isinstance(b, (bytearray, bytes)):
+            if self.buf is None or len(self.buf) < len(b):
+                self.buf = bytearray(len(b))
+            self.buf[: len(b)] = b
+            return self.buf
+        if self.buf is None or self.buf.numel() < b.numel():
+            self.buf = torch.empty(b.numel(), dtype=b.dtype, device=b.device)
+        self.buf[: b.numel()].copy_(b)
+        return self.buf[: b.numel()]
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_a_weight_kept_past_its_block_holds_its_own_bytes(dev):
+    # A reference to block 0's streamed weight, taken inside its forward and kept
+    # through the rest of the step and a second one (every slot reused, depth 1
+    # over five blocks), still reads block 0's bytes; with every block landing
+    # in one buffer (the sabotage) it would read another block's.
+    from models import t5
+
+    model, inputs, _ = t5(layers=5)
+    lin = model.encoder.block[0].layer[0].SelfAttention.q
+    want = _bits(lin.weight).clone()
+
+    def run(sabotage):
+        kept = []
+        h = offload.enable(model, device=dev, depth=1)
+        if sabotage:
+            h.streamer = _OneBuffer(h.streamer)
+        hook = lin.register_forward_hook(lambda m, a, o: kept.append(m.weight) if not kept else None)
+        try:
+            with torch.no_grad():
+                for _ in range(2):
+                    model(**_to(inputs, dev))
+        finally:
+            hook.remove()
+            if sabotage:
+                h.streamer = h.streamer.inner
+            offload.disable(model)
+        return _bits(kept[0])
+
+    assert torch.equal(run(False), want)
+    assert not torch.equal(run(True), want), "the sabotaged engine went unseen"

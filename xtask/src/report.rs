@@ -486,7 +486,9 @@ pub fn python_table(results: &Path) -> Result<Option<String>, String> {
     let d = read_json(&results.join(&name))?;
     let mut md = format!(
         "The Python package (`offload.enable`) on the real diffusers and transformers classes, one H200, bf16 (rows `MODEL-fp8`: \
-         diffusers' layerwise casting, fp8 storage and bf16 compute, in every mode), medians of the processes named with \
+         diffusers' layerwise casting, fp8 storage and bf16 compute, in every mode; `-fp8-linears`: every Linear of the blocks \
+         fp8; `MODEL-gguf-q8_0` and `-gguf-q4_k`: the blocks' Linears as diffusers' GGUF layers, dequantised per layer in every \
+         mode; `-budgetB`: the package planned under B GiB from a traced step), medians of the processes named with \
          [min, max]; resident, the package and diffusers' group offloading ran on the same model object in each process; `d=` \
          is the package's prefetch depth (`bench/results/{name}`, commits `{}`, {}, {}):\n\n",
         d["commit"].as_str().unwrap_or("?"),

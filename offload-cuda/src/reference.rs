@@ -7,6 +7,15 @@
 //! random values. It is the compute the bench room's `cuda` file plugs in, and a
 //! worked example of reading weights from a [`BlockGuard`].
 //!
+//! A linear layer's weight may be stored as fp8 (`F8_E4M3` or `F8_E5M2`, one
+//! byte a weight), with its scale beside it as `X.weight_scale` (f32 or bf16,
+//! one per tensor or one per output channel) or `X.scale_weight` (ComfyUI's, one
+//! per tensor), or none (unscaled): a kernel dequantises it on the compute
+//! stream to `bf16(f32(w) × scale)` in a scratch buffer, exactly
+//! [`offload_core::fp8::dequantize_to_bf16`], and the GEMM reads that. So a
+//! block streamed as stored computes what the bf16 model of the dequantised
+//! weights computes, bit for bit.
+//!
 //! Everything is checked before a launch: the dimensions against bounds that keep
 //! every size product and 32-bit argument in range, each weight's dtype and size
 //! against the dimensions, the guard's backend against this one (same streams),
@@ -90,6 +99,34 @@ extern "C" __global__ void gated_residual(bf16* x, const bf16* y, const bf16* ga
     }
 }
 // dst[r * ldd + c] = src[r * lds + c]
+// fp8 (E4M3: ml_dtypes' float8_e4m3fn; E5M2: IEEE-like) to f32, as offload_core::fp8::fp8_to_f32.
+__device__ __forceinline__ float fp8f(unsigned v, int e5m2) {
+    int eb = e5m2 ? 5 : 4, mb = 7 - eb, bias = e5m2 ? 15 : 7;
+    int e = (v >> mb) & ((1 << eb) - 1), m = v & ((1 << mb) - 1);
+    float r;
+    if (!e5m2 && e == 15 && m == 7) r = __int_as_float(0x7fc00000);
+    else if (e5m2 && e == 31) r = m ? __int_as_float(0x7fc00000) : __int_as_float(0x7f800000);
+    else if (e == 0) r = (float)m / (float)(1 << mb) * ldexpf(1.0f, 1 - bias);
+    else r = (1.0f + (float)m / (float)(1 << mb)) * ldexpf(1.0f, e - bias);
+    return (v & 0x80) ? -r : r;
+}
+// f32 to bf16 rounded to nearest even, NaN kept a quiet NaN (offload_core::fp8::f32_to_bf16).
+__device__ __forceinline__ bf16 bq(float x) {
+    unsigned u = __float_as_uint(x);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (bf16)((u >> 16) | 0x40u);
+    return (bf16)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+// out[i] = bf16(f32(w[i]) * scale[row or 0]); scale_kind 0: none, 1: f32, 2: bf16.
+extern "C" __global__ void dequant_fp8(bf16* out, const unsigned char* w, const void* scale, long long n, long long cols,
+                                       int per_channel, int scale_kind, int e5m2) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        long long k = per_channel ? i / cols : 0;
+        float s = scale_kind == 1 ? ((const float*)scale)[k] : scale_kind == 2 ? f(((const bf16*)scale)[k]) : 1.0f;
+        float x = fp8f(w[i], e5m2);
+        out[i] = bq(scale_kind ? x * s : x);
+    }
+}
+
 extern "C" __global__ void copy_cols(bf16* dst, int ldd, const bf16* src, int lds, long long rows, int cols) {
     long long n = rows * cols;
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
@@ -187,6 +224,7 @@ struct Kernels {
     softmax: CudaFunction,
     residual: CudaFunction,
     copy_cols: CudaFunction,
+    dequant_fp8: CudaFunction,
 }
 
 /// Activations and scratch for one case (bf16 as `u16`).
@@ -212,6 +250,10 @@ pub struct RefNet {
     a: Acts,
     d: RefDims,
     skip_gemm: bool,
+    /// bf16 of the largest linear weight, made on the first fp8 weight: where
+    /// each fp8 weight is dequantised right before its GEMM reads it (both on
+    /// the compute stream, so the next weight's dequantisation waits for it).
+    scratch: std::sync::OnceLock<CudaSlice<u16>>,
 }
 
 fn ptr(s: &CudaSlice<u16>) -> u64 {
@@ -255,6 +297,7 @@ impl RefNet {
             softmax: f("softmax_rows")?,
             residual: f("gated_residual")?,
             copy_cols: f("copy_cols")?,
+            dequant_fp8: f("dequant_fp8")?,
         };
         let blas = CudaBlas::new(s.clone()).map_err(|e| dev("cuBLAS handle", e))?;
         let z = |n: usize| s.alloc_zeros::<u16>(n).map_err(|e| dev("activation alloc", e));
@@ -280,7 +323,7 @@ impl RefNet {
             svec: z(h)?,
             modv: z(12 * h)?,
         };
-        Ok(RefNet { be: be.clone(), blas, k, a, d, skip_gemm: false })
+        Ok(RefNet { be: be.clone(), blas, k, a, d, skip_gemm: false, scratch: std::sync::OnceLock::new() })
     }
 
     /// Skip every cuBLAS call (the outputs are then meaningless): for
@@ -337,9 +380,93 @@ impl RefNet {
         Ok(block.slot().device_ptr() + t.offset as u64)
     }
 
-    /// A linear layer's weight `[out, k]` and bias `[out]`.
+    /// A linear layer's weight `[out, k]` and bias `[out]`; an fp8 weight
+    /// dequantised into the scratch buffer first (see the [module docs](self)).
     fn wb(&self, block: &BlockGuard<'_, CudaBackend>, name: &str, out: usize, k: usize) -> Result<(u64, u64)> {
-        Ok((self.weight(block, &format!("{name}.weight"), out * k)?, self.weight(block, &format!("{name}.bias"), out)?))
+        let wname = format!("{name}.weight");
+        let bias = self.weight(block, &format!("{name}.bias"), out)?;
+        match block.layout().get(&wname).map(|t| t.spec.dtype) {
+            Some(dt @ (DType::F8_E4M3 | DType::F8_E5M2)) => Ok((self.dequantized(block, name, dt, out, k)?, bias)),
+            _ => Ok((self.weight(block, &wname, out * k)?, bias)),
+        }
+    }
+
+    /// The largest linear weight of these dimensions, in values.
+    fn largest_linear(&self) -> usize {
+        let (h, mlp) = (self.d.hidden(), self.d.mlp);
+        (6 * h * h).max(mlp * h).max(h * (h + mlp))
+    }
+
+    /// fp8 weight `{name}.weight` (`[out, k]`, of `dtype`) dequantised into the
+    /// scratch buffer by its scale, if the block holds one: its device address.
+    fn dequantized(&self, block: &BlockGuard<'_, CudaBackend>, name: &str, dtype: DType, out: usize, k: usize) -> Result<u64> {
+        let layout = block.layout();
+        let wname = format!("{name}.weight");
+        let w = layout.get(&wname).ok_or_else(|| Error::BadTensor { tensor: wname.clone(), fault: "not in this block".into() })?;
+        let n = out * k;
+        if w.nbytes != n {
+            return Err(Error::BadTensor {
+                tensor: w.spec.name.clone(),
+                fault: format!("the reference model needs fp8 × {n}, the block holds {:?} {:?}", w.spec.dtype, w.spec.shape),
+            });
+        }
+        // (address, values, kind: 1 f32, 2 bf16) of the scale, if any.
+        let scale = match [format!("{name}.weight_scale"), format!("{name}.scale_weight")].iter().find_map(|s| layout.get(s)) {
+            None => None,
+            Some(t) => {
+                let (kind, size) = match t.spec.dtype {
+                    DType::F32 => (1, 4),
+                    DType::BF16 => (2, 2),
+                    other => {
+                        return Err(Error::BadTensor {
+                            tensor: t.spec.name.clone(),
+                            fault: format!("a scale of dtype {other:?}: the reference model takes f32 or bf16 scales"),
+                        })
+                    }
+                };
+                let values = t.nbytes / size;
+                if t.nbytes % size != 0 || (values != 1 && values != out) {
+                    return Err(Error::BadTensor {
+                        tensor: t.spec.name.clone(),
+                        fault: format!("{} bytes of {:?}: one scale or one per output channel ({out}) expected", t.nbytes, t.spec.dtype),
+                    });
+                }
+                Some((block.slot().device_ptr() + t.offset as u64, values, kind))
+            }
+        };
+        if self.scratch.get().is_none() {
+            let s = self.stream().alloc_zeros::<u16>(self.largest_linear()).map_err(|e| dev("fp8 scratch alloc", e))?;
+            let _ = self.scratch.set(s);
+        }
+        let scratch = ptr(self.scratch.get().expect("set above"));
+        if n > self.largest_linear() {
+            return Err(Error::BadTensor {
+                tensor: wname,
+                fault: format!("{n} values, more than the scratch buffer's {}", self.largest_linear()),
+            });
+        }
+        let wp = block.slot().device_ptr() + w.offset as u64;
+        let (sp, per_channel, kind) = scale.map_or((0u64, 0i32, 0i32), |(p, v, kind)| (p, i32::from(v == out && out > 1), kind));
+        let (n64, cols, e5m2) = (n as i64, k as i64, i32::from(dtype == DType::F8_E5M2));
+        // SAFETY: `wp` holds `n` fp8 bytes and the scale `1` or `out` values of its
+        // kind in the slot the guard keeps alive (checked above); the scratch holds
+        // at least `n` bf16 (checked). The GEMM that reads it is enqueued after
+        // this on the same stream.
+        unsafe {
+            self.stream()
+                .launch_builder(&self.k.dequant_fp8)
+                .arg(&scratch)
+                .arg(&wp)
+                .arg(&sp)
+                .arg(&n64)
+                .arg(&cols)
+                .arg(&per_channel)
+                .arg(&kind)
+                .arg(&e5m2)
+                .launch(grid(n))
+        }
+        .map_err(|e| dev("dequant_fp8", e))?;
+        Ok(scratch)
     }
 
     fn check_guard(&self, block: &BlockGuard<'_, CudaBackend>) -> Result<()> {

@@ -4,6 +4,7 @@
 
 mod coded;
 mod mapped;
+mod reference;
 
 use crate::device::CudaBackend;
 use crate::memory::CudaSlot;

@@ -448,10 +448,9 @@ impl RefNet {
         let wp = block.slot().device_ptr() + w.offset as u64;
         let (sp, per_channel, kind) = scale.map_or((0u64, 0i32, 0i32), |(p, v, kind)| (p, i32::from(v == out && out > 1), kind));
         let (n64, cols, e5m2) = (n as i64, k as i64, i32::from(dtype == DType::F8_E5M2));
-        // SAFETY: `wp` holds `n` fp8 bytes and the scale `1` or `out` values of its
-        // kind in the slot the guard keeps alive (checked above); the scratch holds
-        // at least `n` bf16 (checked). The GEMM that reads it is enqueued after
-        // this on the same stream.
+        // The GEMM that reads the scratch is enqueued after this on the same stream.
+        // SAFETY: `wp` holds `n` fp8 bytes and the scale 1 or `out` values of its kind
+        // in the slot the guard keeps alive, the scratch at least `n` bf16 (checked).
         unsafe {
             self.stream()
                 .launch_builder(&self.k.dequant_fp8)

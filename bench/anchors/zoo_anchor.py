@@ -239,10 +239,16 @@ def time_case(model, x, warmup, steps):
         torch.cuda.reset_peak_memory_stats()
         evs = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
         evs[0].record()
+        # The host's own time a step (the call returning, nothing waited for): near
+        # the device's step where the step is host-bound, well under it otherwise.
+        host = []
         for i in range(steps):
+            t = time.perf_counter()
             out = model(**x)[0]
+            host.append(time.perf_counter() - t)
             evs[i + 1].record()
         torch.cuda.synchronize()
+    time_case.host = host
     times = [evs[i].elapsed_time(evs[i + 1]) / 1e3 for i in range(steps)]
     if isinstance(out, (list, tuple)):  # Z-Image returns one tensor per sample
         out = torch.cat([o.flatten() for o in out])
@@ -390,10 +396,11 @@ def main():
         times, peak, before, _, finite, nonconst = time_case(model, x, a.warmup, a.steps)
         ref[c["name"]] = time_case.last.detach().cpu()
         act[c["name"]] = peak - before
-        print(f"diffusers resident {a.model} {c['name']}: {sorted(times)[len(times) // 2]:.4f} s, activations {act[c['name']] / 2**30:.2f} GiB", flush=True)
+        print(f"diffusers resident {a.model} {c['name']}: {sorted(times)[len(times) // 2]:.4f} s, activations {act[c['name']] / 2**30:.2f} GiB, "
+              f"host {sorted(time_case.host)[len(time_case.host) // 2]:.4f} s a step", flush=True)
         out.append(dict(model=a.model, case=c["name"], resolution=c["resolution"], height=c.get("height", c["resolution"]), frames=c["frames"],
                         tokens=c["image_tokens"] + c["text_tokens"], batch=c["batch"],
-                        mode="resident", steps_s=times, model_bytes=model_bytes, weights_device_bytes=model_bytes,
+                        mode="resident", steps_s=times, host_steps_s=time_case.host, model_bytes=model_bytes, weights_device_bytes=model_bytes,
                         activations_peak_bytes=act[c["name"]], output_finite=finite, output_nonconstant=nonconst))
         del x
     # To the host straight into page-locked tensors: one device-to-host copy each,
@@ -491,10 +498,12 @@ def main():
                 # engine's count leaves out: the row says so, and is not reported.
                 measured = "engine" if not a.coded else "engine, without the decoder's staging buffers"
             label = "offload package" if mode == "offload" else f"diffusers {mode}"
-            print(f"{label} {a.model} {c['name']}: {sorted(times)[len(times) // 2]:.4f} s, weights {w / 2**30:.2f} GiB", flush=True)
+            host = sorted(time_case.host)[len(time_case.host) // 2]
+            print(f"{label} {a.model} {c['name']}: {sorted(times)[len(times) // 2]:.4f} s, weights {w / 2**30:.2f} GiB, "
+                  f"host {host:.4f} s a step", flush=True)
             row = dict(model=a.model, case=c["name"], resolution=c["resolution"], height=c.get("height", c["resolution"]), frames=c["frames"],
                        tokens=c["image_tokens"] + c["text_tokens"], batch=c["batch"],
-                       mode=mode, steps_s=times, model_bytes=model_bytes, weights_device_bytes=w,
+                       mode=mode, steps_s=times, host_steps_s=time_case.host, model_bytes=model_bytes, weights_device_bytes=w,
                        activations_peak_bytes=act[c["name"]], output_finite=finite, output_nonconstant=nonconst)
             if handle is not None:
                 m = handle.metrics()

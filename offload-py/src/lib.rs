@@ -148,7 +148,8 @@ impl Streamer {
     /// (`"transformer_blocks"`). `device`: `None` for the simulated device in
     /// host memory, else a CUDA ordinal with torch's compute stream `stream` (a
     /// `torch.cuda.Stream`). `checkpoint`: a safetensors file holding the same
-    /// tensors, served mapped in place.
+    /// tensors, served mapped in place (the tensors given are then not read: a
+    /// module built on the meta device gives `None` for each).
     #[new]
     /// `calibration`: a cost model as [`calibration`](Self::calibration) writes
     /// it (JSON): with `budget_bytes`, the planner replays the ring with its
@@ -174,6 +175,15 @@ impl Streamer {
         calibration: Option<String>,
     ) -> PyResult<Self> {
         let _ = py;
+        let mut tensors = tensors;
+        if let Some(path) = checkpoint.as_deref() {
+            // Each block laid out in the file's order, so that a block whose tensors
+            // lie in the file as the store lays them out is served in place.
+            let file = offload_core::SafetensorsFile::open(path).map_err(|e| py_err(&component, e))?;
+            let at: std::collections::HashMap<&str, u64> =
+                file.specs().iter().enumerate().map(|(i, s)| (s.name.as_str(), file.data_offset(i))).collect();
+            tensors.sort_by_key(|t| at.get(t.0.as_str()).copied().unwrap_or(u64::MAX));
+        }
         let mut specs = Vec::with_capacity(tensors.len());
         let mut held = Vec::with_capacity(tensors.len());
         for (name, dt, shape, tensor) in tensors {
@@ -230,13 +240,10 @@ impl Streamer {
         let ck = checkpoint.as_deref();
         let ring = match device {
             None => {
-                if ck.is_some() {
-                    return Err(error(format!("component {component:?}: a mapped checkpoint needs a CUDA device")));
-                }
-                AnyRing::Cpu(
-                    build(SimBackend::new(SimConfig::fast()), &component, &inventory, &source, None, &plan)
-                        .map_err(|e| py_err(&component, e))?,
-                )
+                // The simulated device serves a checkpoint's blocks from the mapped
+                // file as the CUDA one does (its host memory takes mapped regions).
+                let sim = SimBackend::new(SimConfig { registers_regions: true, ..SimConfig::fast() });
+                AnyRing::Cpu(build(sim, &component, &inventory, &source, ck, &plan).map_err(|e| py_err(&component, e))?)
             }
             Some(ordinal) => {
                 let stream = stream.ok_or_else(|| error(format!("component {component:?}: a CUDA device needs torch's compute stream")))?;
@@ -342,6 +349,15 @@ impl Streamer {
     /// Host bytes the store holds, and how many of them are page-locked.
     fn host_bytes(&self) -> PyResult<(u64, u64)> {
         Ok(with_ring!(self.held()?.ring()?, r => (r.store().host_bytes(), r.store().pinned_bytes())))
+    }
+
+    /// How the store holds the blocks: `(served in place from the checkpoint,
+    /// copied into the store's own memory, why any was copied)`.
+    fn host_tier(&self) -> PyResult<(usize, usize, Option<String>)> {
+        Ok(with_ring!(self.held()?.ring()?, r => {
+            let t = r.store().tier();
+            (t.mapped, t.copied, t.copy_reason.clone())
+        }))
     }
 
     /// Violations of the ring's protocol the CUDA engine saw (none on the simulated device, which fails instead).
@@ -513,6 +529,25 @@ fn gguf_read<'py>(py: Python<'py>, path: &str, name: &str) -> PyResult<Bound<'py
     Ok(PyByteArray::new(py, &bytes))
 }
 
+/// Every tensor of the safetensors file at `path`: `(name, dtype, shape)`,
+/// dtype as `DType` names it (`BF16`, `F8_E4M3`, ...).
+#[pyfunction]
+fn safetensors_tensors(path: &str) -> PyResult<Vec<(String, String, Vec<usize>)>> {
+    let file = offload_core::SafetensorsFile::open(path).map_err(|e| error(format!("{path}: {e}")))?;
+    Ok(file.specs().iter().map(|s| (s.name.clone(), format!("{:?}", s.dtype), s.shape.clone())).collect())
+}
+
+/// Tensor `name` of the safetensors file at `path`, its bytes as stored. An
+/// unknown name is an error naming it.
+#[pyfunction]
+fn safetensors_read<'py>(py: Python<'py>, path: &str, name: &str) -> PyResult<Bound<'py, PyByteArray>> {
+    let file = offload_core::SafetensorsFile::open(path).map_err(|e| error(format!("{path}: {e}")))?;
+    let i = file.specs().iter().position(|s| s.name == name).ok_or_else(|| error(format!("{path}: no tensor {name:?}")))?;
+    let mut bytes = vec![0u8; file.specs()[i].nbytes().map_err(|e| error(format!("{path}: {e}")))?];
+    file.read_into(i, &mut bytes).map_err(|e| error(format!("{path}: {e}")))?;
+    Ok(PyByteArray::new(py, &bytes))
+}
+
 /// The GGUF file at `path` under diffusers' names.
 fn gguf_renamed(path: &str) -> PyResult<offload_core::Renamed<offload_core::GgufFile>> {
     let file = offload_core::GgufFile::open(path).map_err(|e| error(format!("{path}: {e}")))?;
@@ -525,6 +560,8 @@ fn _offload(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Streamer>()?;
     m.add_function(wrap_pyfunction!(gguf_tensors, m)?)?;
     m.add_function(wrap_pyfunction!(gguf_read, m)?)?;
+    m.add_function(wrap_pyfunction!(safetensors_tensors, m)?)?;
+    m.add_function(wrap_pyfunction!(safetensors_read, m)?)?;
     m.add("OffloadError", m.py().get_type::<OffloadError>())?;
     Ok(())
 }

@@ -305,7 +305,7 @@ def test_bad_arguments_name_the_component():
         offload.enable(model, device="cpu", depth=0)
     with pytest.raises(OffloadError, match="no block list 'nope'"):
         offload.enable(model, device="cpu", blocks=["nope"])
-    with pytest.raises(OffloadError, match="mapped checkpoint needs a CUDA device"):
+    with pytest.raises(OffloadError, match="T5EncoderModel.*/nonexistent.safetensors: No such file"):
         offload.enable(model, device="cpu", checkpoint="/nonexistent.safetensors")
     assert offload.offloaded(model) is None
 
@@ -744,3 +744,62 @@ def test_a_weight_kept_past_its_block_holds_its_own_bytes(dev):
 
     assert torch.equal(run(False), want)
     assert not torch.equal(run(True), want), "the sabotaged engine went unseen"
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_a_module_built_on_the_meta_device_runs_from_its_checkpoint(dev, tmp_path):
+    # Issue 32's host RAM at 1 ×: the model object holds no weights (built on the
+    # meta device), the blocks are served from the checkpoint's pages and the
+    # other tensors read from it onto the device; the output is the model's with
+    # those weights, bit for bit, and disable() puts it back on the meta device.
+    from diffusers import FluxTransformer2DModel
+    from safetensors.torch import save_file
+
+    from models import flux
+
+    # Heads of 128, as Flux's: every block tensor a multiple of 256 bytes, so each
+    # block lies in the file as the store lays it out and is served in place.
+    model, inputs, _ = flux(128)
+    model.to(dev)
+    with torch.no_grad():
+        ref = _out(model(**_to(inputs, dev))).clone()
+    model.to("cpu")
+    path = tmp_path / "flux.safetensors"
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
+    with torch.device("meta"):
+        empty = FluxTransformer2DModel.from_config(model.config).to(torch.bfloat16).eval()
+    assert all(p.is_meta for p in empty.parameters())
+    names = [n for n, _ in empty.named_parameters()]
+    h = offload.enable(empty, device=dev, checkpoint=str(path))
+    assert h.host_tier() == {"in_place": 5, "copied": 0, "copy_reason": None}, h.host_tier()
+    with torch.no_grad():
+        outs = [_out(empty(**_to(inputs, dev))).clone() for _ in range(2)]
+    assert h.violations() == []
+    offload.disable(empty)
+    for o in outs:
+        assert torch.equal(_bits(o), _bits(ref))
+    assert [n for n, _ in empty.named_parameters()] == names and all(p.is_meta for p in empty.parameters())
+    # Without a checkpoint, or with one that lacks a tensor outside the blocks or
+    # holds it in another dtype: named errors, the module left on the meta device.
+    with pytest.raises(OffloadError, match="meta device; give checkpoint="):
+        offload.enable(empty, device=dev)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    del state["proj_out.weight"]
+    save_file(state, str(tmp_path / "lacking.safetensors"))
+    with pytest.raises(OffloadError, match="'proj_out.weight' is on the meta device and not in"):
+        offload.enable(empty, device=dev, checkpoint=str(tmp_path / "lacking.safetensors"))
+    state["proj_out.weight"] = model.state_dict()["proj_out.weight"].float()
+    save_file(state, str(tmp_path / "f32.safetensors"))
+    with pytest.raises(OffloadError, match=r"'proj_out.weight' is BF16 .* F32"):
+        offload.enable(empty, device=dev, checkpoint=str(tmp_path / "f32.safetensors"))
+    assert offload.offloaded(empty) is None and all(p.is_meta for p in empty.parameters())
+    # Heads of 16: a block's norm weights are 32 bytes, the next tensor is not where
+    # the store would lay it: the block is copied, and the reason names it.
+    small, _, _ = flux(16)
+    save_file({k: v.contiguous() for k, v in small.state_dict().items()}, str(tmp_path / "small.safetensors"))
+    with torch.device("meta"):
+        empty = FluxTransformer2DModel.from_config(small.config).to(torch.bfloat16).eval()
+    h = offload.enable(empty, device=dev, checkpoint=str(tmp_path / "small.safetensors"))
+    tier = h.host_tier()
+    offload.disable(empty)
+    assert tier["in_place"] == 0 and tier["copied"] == 5 and "not a multiple of 256" in tier["copy_reason"], tier

@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import torch
 from torch import nn
 
-from ._offload import OffloadError, Streamer
+from ._offload import OffloadError, Streamer, safetensors_read, safetensors_tensors
 
 _STATE = "_offload_state"
 
@@ -97,6 +97,10 @@ class _Moved:
     attr: str
     is_param: bool
     saved: torch.Tensor
+    # A parameter built on the meta device is swapped for a new one holding the
+    # checkpoint's bytes (a meta tensor cannot take real data): `saved` is then
+    # the parameter object itself, put back on disable.
+    swapped: bool = False
 
 
 @dataclass
@@ -149,6 +153,15 @@ class Offloaded:
     def host_bytes(self) -> tuple[int, int]:
         """Host bytes the store holds, and how many are page-locked."""
         return self._engine().host_bytes()
+
+    def host_tier(self) -> dict:
+        """How the host store holds the blocks: ``{"in_place": n, "copied": m,
+        "copy_reason": ...}``. With ``checkpoint=``, a block is served in place
+        from the file's pages when its tensors lie in the file as the store lays
+        them out (one after another, each a multiple of 256 bytes from the
+        block's first); otherwise it is copied, and the reason says why."""
+        mapped, copied, why = self._engine().host_tier()
+        return {"in_place": mapped, "copied": copied, "copy_reason": why}
 
     def enable_trace(self) -> None:
         """Time both streams from now on (a few events per block); write the
@@ -333,7 +346,11 @@ def enable(
     (``"transformer_blocks.0"``). ``coded``: the weights held coded for the
     device (lossless exponent coding, fewer bytes on the link; CUDA).
     ``checkpoint``: a safetensors file with the same tensors, served in place
-    from its pages (no second copy in host memory; CUDA). ``device=None``:
+    from its pages (no second copy in host memory). A module built on the meta
+    device (``with torch.device("meta"):``) takes its weights from it: the
+    blocks' served from the file, the others read onto ``device``; a meta
+    tensor the file lacks is an error naming it, and :func:`disable` puts the
+    module back on the meta device. ``device=None``:
     the current CUDA device, or the simulated device in host memory without
     one. Enabling either completes or leaves the module as it was.
 
@@ -386,19 +403,44 @@ def enable(
             in_block[id(p)] = full
             rewrap = _rewrap(p, component, full)
             owner, attr = _owner(module, full)
-            host = p.detach().as_subclass(torch.Tensor)
-            if host.device.type != "cpu":
-                host = host.to("cpu")
-            host = host.contiguous()
-            tensors.append((full, _DTYPES[p.dtype], list(p.shape), host))
-            # The bytes to restore, in host memory (a parameter on the device gives its memory back).
-            prm = _Param(owner, attr, p, p.data if p.device.type == "cpu" else host, p.device, p.dtype, tuple(p.shape),
-                         pinned=p.device.type == "cpu" and torch.cuda.is_available() and p.is_pinned(), rewrap=rewrap)
+            if p.is_meta:
+                # Built on the meta device: the weights are the checkpoint's, served from
+                # its pages; disable() puts the module back on the meta device.
+                if checkpoint is None:
+                    raise OffloadError(f"component {component!r}: tensor {full!r} is on the meta device; give checkpoint= to serve it from a file")
+                tensors.append((full, _DTYPES[p.dtype], list(p.shape), None))
+                prm = _Param(owner, attr, p, p.data, p.device, p.dtype, tuple(p.shape), rewrap=rewrap)
+            else:
+                host = p.detach().as_subclass(torch.Tensor)
+                if host.device.type != "cpu":
+                    host = host.to("cpu")
+                host = host.contiguous()
+                tensors.append((full, _DTYPES[p.dtype], list(p.shape), host))
+                # The bytes to restore, in host memory (a parameter on the device gives its memory back).
+                prm = _Param(owner, attr, p, p.data if p.device.type == "cpu" else host, p.device, p.dtype, tuple(p.shape),
+                             pinned=p.device.type == "cpu" and torch.cuda.is_available() and p.is_pinned(), rewrap=rewrap)
             state.params[full] = prm
             blk.params.append(prm)
     for full, p in all_params.items():
         if id(p) in in_block and in_block[id(p)] != full:
             raise OffloadError(f"component {component!r}: tensor {in_block[id(p)]!r} is tied to {full!r} outside the blocks; tied weights cannot be streamed")
+
+    # Tensors outside the blocks built on the meta device come from the checkpoint
+    # (checked here, before anything is built); a meta buffer the file does not
+    # hold (a rotary table made at construction) cannot be made here.
+    meta = [(full, t) for full, t in list(all_params.items()) + list(module.named_buffers(remove_duplicate=False))
+            if t is not None and t.is_meta and id(t) not in in_block]
+    if meta:
+        if checkpoint is None:
+            raise OffloadError(f"component {component!r}: tensor {meta[0][0]!r} is on the meta device; give checkpoint= to serve it from a file")
+        in_file = {n: (d, tuple(sh)) for n, d, sh in safetensors_tensors(str(checkpoint))}
+        for full, t in meta:
+            want = (_DTYPES.get(t.dtype), tuple(t.shape))
+            if full not in in_file:
+                raise OffloadError(f"component {component!r}: tensor {full!r} is on the meta device and not in {checkpoint}")
+            if in_file[full] != want:
+                raise OffloadError(f"component {component!r}: tensor {full!r} is {want[0]} {list(want[1])} in the module, "
+                                   f"{in_file[full][0]} {list(in_file[full][1])} in {checkpoint}")
 
     budget_bytes = None
     if budget_gib is not None:
@@ -452,24 +494,48 @@ def enable(
     try:
         with torch.no_grad():
             for p in state.params.values():
-                p.param.data = torch.empty(0, dtype=p.dtype, device=dev)
-            if dev.type == "cuda":
-                seen = set(id(p.param) for p in state.params.values())
-                for full, prm in all_params.items():
-                    if id(prm) in seen:
-                        continue
-                    seen.add(id(prm))
+                if not p.param.is_meta:
+                    p.param.data = torch.empty(0, dtype=p.dtype, device=dev)
+
+            def placed_on(full: str, t: torch.Tensor) -> torch.Tensor:
+                if not t.is_meta:
+                    return t.to(dev)
+                raw = safetensors_read(str(checkpoint), full)
+                data = torch.frombuffer(raw, dtype=torch.uint8) if len(raw) else torch.empty(0, dtype=torch.uint8)
+                return data.view(t.dtype).view(t.shape).to(dev)
+
+            # On the simulated device the resident tensors stay where they are, but
+            # those built on the meta device are made from the checkpoint.
+            def moves(t: torch.Tensor) -> bool:
+                return dev.type == "cuda" or t.is_meta
+
+            seen = set(id(p.param) for p in state.params.values())
+            swaps: dict[int, nn.Parameter] = {}
+            for full, prm in all_params.items():
+                if prm.is_meta and id(prm) not in seen:
+                    # Every name a meta parameter has gets the one new parameter.
                     owner, attr = _owner(module, full)
-                    state.moved.append(_Moved(owner, attr, True, prm.data))
-                    prm.data = prm.data.to(dev)
-                placed: dict[int, torch.Tensor] = {}
-                for full, buf in module.named_buffers(remove_duplicate=False):
-                    if buf is None:
-                        continue
-                    owner, attr = _owner(module, full)
-                    state.moved.append(_Moved(owner, attr, False, buf))
-                    # A buffer shared by two modules stays one tensor on the device.
-                    owner._buffers[attr] = placed.setdefault(id(buf), buf.to(dev))
+                    state.moved.append(_Moved(owner, attr, True, prm, swapped=True))
+                    if id(prm) not in swaps:
+                        swaps[id(prm)] = nn.Parameter(placed_on(full, prm), requires_grad=prm.requires_grad)
+                    owner._parameters[attr] = swaps[id(prm)]
+                    continue
+                if id(prm) in seen or not moves(prm):
+                    continue
+                seen.add(id(prm))
+                owner, attr = _owner(module, full)
+                state.moved.append(_Moved(owner, attr, True, prm.data))
+                prm.data = placed_on(full, prm)
+            placed: dict[int, torch.Tensor] = {}
+            for full, buf in module.named_buffers(remove_duplicate=False):
+                if buf is None or not moves(buf):
+                    continue
+                owner, attr = _owner(module, full)
+                state.moved.append(_Moved(owner, attr, False, buf))
+                # A buffer shared by two modules stays one tensor on the device.
+                if id(buf) not in placed:
+                    placed[id(buf)] = placed_on(full, buf)
+                owner._buffers[attr] = placed[id(buf)]
         for child, blk in block_modules:
             state.hooks.append(child.register_forward_pre_hook(_pre_hook(state, blk)))
             state.hooks.append(child.register_forward_hook(_post_hook(state), always_call=True))
@@ -522,12 +588,14 @@ def _restore(state: Offloaded) -> None:
         for blk in state.blocks.values():
             # Without a kept host copy, the bytes come back from the host store.
             raw = None
-            if any(p.saved is None for p in blk.params):
+            if any(p.saved is None and p.where.type != "meta" for p in blk.params):
                 buf = state._engine().block_bytes(blk.stack, blk.index)
                 raw = torch.frombuffer(buf, dtype=torch.uint8) if len(buf) else torch.empty(0, dtype=torch.uint8)
             for p in blk.params:
                 if p.saved is not None:
                     data = p.saved
+                elif p.where.type == "meta":
+                    data = torch.empty(p.shape, dtype=p.dtype, device="meta")
                 else:
                     # Page-locked again where it was (diffusers' streams need it so).
                     data = torch.empty(p.shape, dtype=p.dtype, pin_memory=p.pinned)
@@ -537,7 +605,8 @@ def _restore(state: Offloaded) -> None:
         for m in state.moved:
             # Into the host tensor it came from (not in use while offloaded).
             now = m.owner._parameters[m.attr] if m.is_param else m.owner._buffers[m.attr]
-            if now is not None and now is not m.saved:
+            # A tensor built on the meta device goes back there (it held no bytes).
+            if now is not None and now is not m.saved and not m.saved.is_meta:
                 m.saved.copy_(now.detach())
         for h in state.hooks:
             h.remove()
@@ -546,7 +615,9 @@ def _restore(state: Offloaded) -> None:
             p.owner._parameters[p.attr] = p.param
             p.param.data = data
         for m in reversed(state.moved):
-            if m.is_param:
+            if m.swapped:
+                m.owner._parameters[m.attr] = m.saved
+            elif m.is_param:
                 m.owner._parameters[m.attr].data = m.saved
             else:
                 m.owner._buffers[m.attr] = m.saved

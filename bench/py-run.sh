@@ -6,7 +6,11 @@
 #                      zoo_anchor.py --mode offload,block_stream,leaf_stream: resident, the package and
 #                      diffusers' group offloading on the same model object in one process; then
 #                      py_merge.py over every process kept
-#   py-run.sh          both
+#   py-run.sh start    issue 32's host RAM at 1 x (py_start.py): the checkpoint of PY_START_MODEL (flux-dev)
+#                      written once to PY_CKPT (/tmp/PY_START_MODEL.safetensors), then PY_REPEATS processes, each
+#                      a model on the meta device enabled with checkpoint= and timed to its first streamed step;
+#                      merged into $PY_DIR/DATE-python-start.json
+#   py-run.sh          test and bench
 # PY_DEADLINE (s) starts no process past it, by PY_EST or the last process's time. PY_ARGS go to each zoo_anchor.py (e.g. "--cases 1024 --depth 1"). PY_STORAGE=fp8 runs every
 # mode with diffusers' layerwise casting (fp8 storage, bf16 compute); the files say MODEL-fp8 (fp8-linears: every Linear of the
 # blocks fp8, MODEL-fp8-linears). PY_CODED=1: the package holds the weights coded (MODEL-…-coded). PY_BUDGET_GIB=B: the
@@ -57,6 +61,19 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
     done
   done
   ls "$Z"/py-*.json >/dev/null 2>&1 && python3 "$B/py_merge.py" --date "$BENCH_DATE" --out "$Z/$BENCH_DATE-python-package.json" --at "${COMMIT:-unknown}" "$Z"/py-*.json 2>&1 | tee "$Z/merge.txt"
+fi
+if [ "$what" = start ]; then
+  m=${PY_START_MODEL:-flux-dev}; ck=${PY_CKPT:-/tmp/$m.safetensors}
+  [ -s "$ck" ] || python3 "$B/py_start.py" write --registry "$B/registry.json" --model "$m" --checkpoint "$ck" 2>&1 | tee "$Z/start-write.txt" || rc=1
+  for r in $(seq 1 "${PY_REPEATS:-3}"); do
+    f="$Z/start-$m-r$r.json"
+    [ -s "$f" ] && continue
+    echo "== start $m r$r (at ${SECONDS} s)"
+    timeout "${PY_TIMEOUT:-420}" python3 "$B/py_start.py" run --registry "$B/registry.json" --model "$m" --checkpoint "$ck" \
+      --commit "${COMMIT:-unknown}" --out "$f" 2>&1 | grep -v Warning | tee "${f%.json}.txt" || rc=1
+    tar czf "$OUT/py.tgz" -C "$Z" .
+  done
+  python3 "$B/py_start.py" merge --date "$BENCH_DATE" --out "$Z/$BENCH_DATE-python-start.json" "$Z"/start-"$m"-r*.json 2>&1 | tee "$Z/start-merge.txt"
 fi
 tar czf "$OUT/py.tgz" -C "$Z" .
 exit $rc

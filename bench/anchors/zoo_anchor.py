@@ -119,7 +119,7 @@ def failed(out, a, cases, mode, e):
         out.append(dict(model=a.model, case=c["name"], mode=mode, error=why))
 
 
-def build(ref):
+def build(ref, device="cuda"):
     mod = importlib.import_module(ref["module"])
     cls = getattr(mod, ref["class"])
     torch.set_default_dtype(torch.bfloat16)
@@ -135,7 +135,7 @@ def build(ref):
     # Materialised once on the GPU and filled there (filling 12-20 B parameters on
     # the runner's CPU takes minutes); the same scheme as offload's runs: linear
     # weights at +-1/sqrt(fan-in), biases +-0.01, norm scales in [0.5, 1.5].
-    m = m.to_empty(device="cuda")
+    m = m.to_empty(device=device)
     # Buffers come out of to_empty uninitialised (NaN is possible): zeros first,
     # then the tables this script knows are remade with their real values.
     with torch.no_grad():
@@ -145,14 +145,14 @@ def build(ref):
     # QwenEmbedRope.pos_freqs) stay on the meta device: build that module again.
     pe = getattr(m, "pos_embed", None)
     if pe is not None and any(getattr(getattr(pe, a, None), "is_meta", False) for a in ("pos_freqs", "neg_freqs")):
-        m.pos_embed = type(pe)(theta=pe.theta, axes_dim=list(pe.axes_dim), scale_rope=pe.scale_rope).to("cuda")
+        m.pos_embed = type(pe)(theta=pe.theta, axes_dim=list(pe.axes_dim), scale_rope=pe.scale_rope).to(device)
     rope = getattr(m, "rope", None)
     if rope is not None and type(rope).__name__ == "WanRotaryPosEmbed":
-        m.rope = type(rope)(rope.attention_head_dim, rope.patch_size, rope.max_seq_len).to("cuda")
+        m.rope = type(rope)(rope.attention_head_dim, rope.patch_size, rope.max_seq_len).to(device)
     # transformers' rotary tables are buffers made at construction: made again.
     for name, sub in list(m.named_modules()):
         if hasattr(sub, "inv_freq") and hasattr(sub, "rope_init_fn"):
-            inv, _ = sub.rope_init_fn(sub.config, torch.device("cuda"))
+            inv, _ = sub.rope_init_fn(sub.config, torch.device(device))
             sub.inv_freq = inv
             sub.original_inv_freq = inv
     torch.manual_seed(0)

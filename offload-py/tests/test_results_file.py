@@ -2,9 +2,12 @@
 the kept runs it names, byte for byte: no figure in it was typed or merged by hand."""
 
 import json
+import os
 import pathlib
 import subprocess
 import sys
+
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -102,3 +105,82 @@ def test_a_step_under_its_bound_names_the_term_that_read_wrong(tmp_path):
         row = json.loads(out.read_text())["cases"][0]
         assert said in row["bound_suspect"], row["bound_suspect"]
         assert row["targets"]["within_1_02_of_bound"] is False
+
+
+def _py_start():
+    sys.path.insert(0, str(ROOT / "bench" / "anchors"))
+    try:
+        import py_start
+    finally:
+        sys.path.pop(0)
+    return py_start
+
+
+def test_the_start_merge_judges_each_target_from_the_runs():
+    # Issue 32's host RAM at 1 x: start <= 2 s, host memory beyond the page cache
+    # <= 1 GiB (a failed reading, 0, is not a pass), every block in place, bitwise.
+    m = _py_start()
+
+    def run(k, start=1.2, rss=900 << 20, **kw):
+        r = dict(model="flux-dev", case="1024", commit="abc", gpu="H200", versions="v", file_bytes=23 << 30, start_s=start,
+                 host_rss_before_enable_bytes=700 << 20, host_rss_first_step_bytes=rss, in_place=57, copied=0, copy_reason=None,
+                 steps_streamed_s=[0.43 + k * 1e-3] * 3, steps_resident_s=[0.17] * 3, step_bytes=22 << 30,
+                 bandwidth_bytes_per_s=55e9, bitwise_equal=True, output_finite=True, output_nonconstant=True)
+        r.update(kw)
+        return r
+
+    files = ["r1.json", "r2.json", "r3.json"]
+    d = m.merge([run(0), run(1, start=1.5), run(2, start=1.1)], files, "2026-12-04")
+    assert d["meets_targets"] is True and d["start_s"] == {"median": 1.2, "min": 1.1, "max": 1.5}, d
+    assert abs(d["ratio_to_bound"]["median"] - 0.431 / ((22 << 30) / 55e9)) < 1e-9, d
+    assert d["runs"] == files
+    for bad, target in [(dict(start=2.1), "start_within_2_s"), (dict(rss=(1 << 30) + 1), "host_rss_within_1_gib"),
+                        (dict(rss=0), "host_rss_within_1_gib"), (dict(copied=1), "every_block_in_place"),
+                        (dict(bitwise_equal=False), "bitwise_equal")]:
+        d = m.merge([run(0), run(1, **bad), run(2)], files, "2026-12-04")
+        assert d["targets"][target] is False and d["meets_targets"] is False, (bad, d["targets"])
+    with pytest.raises(SystemExit, match="at least 3"):
+        m.merge([run(0), run(1)], files[:2], "2026-12-04")
+    with pytest.raises(SystemExit, match="r2.json is .*def"):
+        m.merge([run(0), run(1, commit="def"), run(2)], files, "2026-12-04")
+
+
+def test_a_published_start_file_rebuilds_from_its_runs(tmp_path):
+    for f in sorted((ROOT / "bench" / "results").glob("*-python-start.json")):
+        d = json.loads(f.read_text())
+        out = tmp_path / f.name
+        subprocess.run([sys.executable, str(ROOT / "bench/anchors/py_start.py"), "merge", "--date", d["date"], "--out", str(out), *d["runs"]],
+                       cwd=ROOT, check=True, capture_output=True)
+        assert out.read_bytes() == f.read_bytes(), f"{f.name} is not what py_start.py merge makes of its runs"
+
+
+def test_the_start_bench_runs_end_to_end_on_the_simulated_device(tmp_path):
+    # bench/anchors/py_start.py as the GPU runner runs it (write, three processes,
+    # merge), on the simulated device and a small Flux of the real class whose
+    # block tensors are multiples of 256 bytes: every block served in place from
+    # the checkpoint, each process's first streamed step bitwise equal to the
+    # resident model loaded from the same file.
+    reg = [dict(name="flux-dev", reference=dict(module="diffusers", **{"class": "FluxTransformer2DModel"}, config=dict(
+        patch_size=1, in_channels=64, num_layers=2, num_single_layers=2, attention_head_dim=128, num_attention_heads=2,
+        joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True, axes_dims_rope=[16, 56, 56])),
+        cases=[dict(name="64", resolution=64, height=64, frames=1, batch=1, text_tokens=8, image_tokens=16)])]
+    (tmp_path / "registry.json").write_text(json.dumps(reg))
+    script = str(ROOT / "bench/anchors/py_start.py")
+    common = ["--registry", str(tmp_path / "registry.json"), "--case", "64", "--checkpoint", str(tmp_path / "f.safetensors"),
+              "--device", "cpu"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "offload-py" / "python"), os.environ.get("PYTHONPATH", "")]))
+
+    def run(*args):
+        r = subprocess.run([sys.executable, script, *args], cwd=tmp_path, env=env, capture_output=True, text=True)
+        assert r.returncode == 0, r.stdout + r.stderr
+        return r.stdout
+
+    run("write", *common)
+    runs = [str(tmp_path / f"r{k}.json") for k in range(3)]
+    for f in runs:
+        assert "blocks in place 4, copied 0" in run("run", *common, "--steps", "2", "--commit", "c0ffee", "--out", f)
+    run("merge", "--date", "2026-12-04", "--out", str(tmp_path / "m.json"), *runs)
+    d = json.loads((tmp_path / "m.json").read_text())
+    assert d["processes"] == 3 and d["bitwise_equal"] is True and d["in_place"] == 4 and d["copied"] == 0, d
+    assert d["targets"]["every_block_in_place"] and d["targets"]["bitwise_equal"], d["targets"]
+    assert d["start_s"]["min"] > 0 and d["host_rss_first_step_bytes"]["min"] > 0 and d["ratio_to_bound"]["median"] > 0, d

@@ -10,6 +10,9 @@
 #                      written once to PY_CKPT (/tmp/PY_START_MODEL.safetensors), then PY_REPEATS processes, each
 #                      a model on the meta device enabled with checkpoint= and timed to its first streamed step;
 #                      merged into $PY_DIR/DATE-python-start.json
+#   py-run.sh pipeline issue 32's whole pipeline (py_pipeline.py): PY_REPEATS processes of FluxPipeline (Flux-dev's
+#                      transformer and VAE, random weights, prompt embeddings passed) at 1024², 4 steps, resident,
+#                      the package under PY_BUDGET_GIB (8) and diffusers' offloading; merged into DATE-python-pipeline.json
 #   py-run.sh          test and bench
 # PY_DEADLINE (s) starts no process past it, by PY_EST or the last process's time. PY_ARGS go to each zoo_anchor.py (e.g. "--cases 1024 --depth 1"). PY_STORAGE=fp8 runs every
 # mode with diffusers' layerwise casting (fp8 storage, bf16 compute); the files say MODEL-fp8 (fp8-linears: every Linear of the
@@ -61,6 +64,17 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
     done
   done
   ls "$Z"/py-*.json >/dev/null 2>&1 && python3 "$B/py_merge.py" --date "$BENCH_DATE" --out "$Z/$BENCH_DATE-python-package.json" --at "${COMMIT:-unknown}" "$Z"/py-*.json 2>&1 | tee "$Z/merge.txt"
+fi
+if [ "$what" = pipeline ]; then
+  for r in $(seq 1 "${PY_REPEATS:-3}"); do
+    f="$Z/pipeline-r$r.json"
+    [ -s "$f" ] && continue
+    echo "== pipeline r$r (at ${SECONDS} s)"
+    timeout "${PY_TIMEOUT:-420}" python3 "$B/py_pipeline.py" run --registry "$B/registry.json" --budget-gib "${PY_BUDGET_GIB:-8}" \
+      --commit "${COMMIT:-unknown}" --out "$f" 2>&1 | grep -v Warning | tee "${f%.json}.txt" || rc=1
+    tar czf "$OUT/py.tgz" -C "$Z" .
+  done
+  python3 "$B/py_pipeline.py" merge --date "$BENCH_DATE" --out "$Z/$BENCH_DATE-python-pipeline.json" "$Z"/pipeline-r*.json 2>&1 | tee "$Z/pipeline-merge.txt"
 fi
 if [ "$what" = start ]; then
   m=${PY_START_MODEL:-flux-dev}; ck=${PY_CKPT:-/tmp/$m.safetensors}

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+import meta_checkpoint  # noqa: E402
 import quickstart  # noqa: E402
 
 from test_offload import DEVICES  # noqa: E402
@@ -16,3 +17,9 @@ from test_offload import DEVICES  # noqa: E402
 def test_the_quickstart_runs_and_is_bitwise_equal(dev):
     out = quickstart.main(dev)
     assert torch.isfinite(out.float()).all() and out.float().std() > 0
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_the_meta_device_example_runs_from_its_checkpoint(dev, tmp_path):
+    out, tier = meta_checkpoint.main(str(tmp_path), dev)
+    assert torch.isfinite(out.float()).all() and out.float().std() > 0 and tier["copied"] == 0

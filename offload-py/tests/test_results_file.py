@@ -184,3 +184,63 @@ def test_the_start_bench_runs_end_to_end_on_the_simulated_device(tmp_path):
     assert d["processes"] == 3 and d["bitwise_equal"] is True and d["in_place"] == 4 and d["copied"] == 0, d
     assert d["targets"]["every_block_in_place"] and d["targets"]["bitwise_equal"], d["targets"]
     assert d["start_s"]["min"] > 0 and d["host_rss_first_step_bytes"]["min"] > 0 and d["ratio_to_bound"]["median"] > 0, d
+
+
+def test_the_pipeline_bench_runs_end_to_end_on_the_simulated_device(tmp_path):
+    # bench/anchors/py_pipeline.py as the GPU runner runs it (processes, then the
+    # merge), on the simulated device with a small FluxPipeline of the real classes
+    # (transformer and VAE from configs, prompt embeddings passed in): the package's
+    # image bitwise equal to the resident one; the merge's comparison computed.
+    flux = dict(patch_size=1, in_channels=64, num_layers=2, num_single_layers=2, attention_head_dim=128, num_attention_heads=2,
+                joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True, axes_dims_rope=[16, 56, 56])
+    vae = dict(in_channels=3, out_channels=3, latent_channels=16, block_out_channels=[32, 32], layers_per_block=1, norm_num_groups=32,
+               down_block_types=["DownEncoderBlock2D"] * 2, up_block_types=["UpDecoderBlock2D"] * 2, use_quant_conv=False,
+               use_post_quant_conv=False, scaling_factor=0.3611, shift_factor=0.1159)
+    reg = [dict(name="flux-dev", reference={"module": "diffusers", "class": "FluxTransformer2DModel", "config": flux}, cases=[]),
+           dict(name="flux-vae", reference={"module": "diffusers", "class": "AutoencoderKL", "config": vae}, cases=[])]
+    (tmp_path / "registry.json").write_text(json.dumps(reg))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "offload-py" / "python"), os.environ.get("PYTHONPATH", "")]))
+    script = str(ROOT / "bench/anchors/py_pipeline.py")
+    runs = [str(tmp_path / f"p{k}.json") for k in range(3)]
+    for f in runs:
+        r = subprocess.run([sys.executable, script, "run", "--registry", str(tmp_path / "registry.json"), "--res", "32", "--steps", "2",
+                            "--calls", "1", "--modes", "resident,offload", "--device", "cpu", "--budget-gib", "1", "--commit", "c0ffee",
+                            "--out", f], cwd=tmp_path, env=env, capture_output=True, text=True)
+        assert r.returncode == 0, r.stdout + r.stderr
+    r = subprocess.run([sys.executable, script, "merge", "--date", "2026-12-04", "--out", str(tmp_path / "m.json"), *runs],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    d = json.loads((tmp_path / "m.json").read_text())
+    assert d["processes"] == 3 and d["modes"]["offload"]["bitwise_equal_to_resident"] is True, d
+    assert d["targets"]["bitwise_equal"] is True and d["offload_vs_resident"] > 0, d
+    # No peak is read on the simulated device: nothing fits, and no diffusers mode ran.
+    assert d["targets"]["offload_within_budget"] is False and d["diffusers_best_within_budget"] is None, d
+
+
+def test_the_pipeline_merge_picks_the_fastest_diffusers_mode_within_the_budget():
+    sys.path.insert(0, str(ROOT / "bench" / "anchors"))
+    try:
+        import py_pipeline as m
+    finally:
+        sys.path.pop(0)
+    gib = 1 << 30
+
+    def row(call, peak, equal=True):
+        return dict(calls_s=[call] * 3, peak_device_bytes=peak, weights_device_bytes=peak // 2, bitwise_equal=equal, output_finite=True,
+                    output_nonconstant=True)
+
+    def run(ours=2.0, equal=True):
+        return dict(commit="abc", gpu="H200", versions="v", res=1024, steps=4, budget_gib=8.0,
+                    modes=dict(resident=row(1.0, 30 * gib), offload=row(ours, 7 * gib, equal), model_cpu=row(1.5, 25 * gib),
+                               group_block=row(2.5, 6 * gib), group_leaf=dict(failed="RuntimeError: x")))
+
+    files = ["a", "b", "c"]
+    d = m.merge([run(), run(), run()], files, "2026-12-04")
+    # model_cpu is faster but does not fit 8 GiB: the comparison is against group_block.
+    assert d["diffusers_best_within_budget"] == "group_block" and d["offload_vs_diffusers_best"] == 2.0 / 2.5, d
+    assert d["modes"]["group_leaf"] == {"failed": "RuntimeError: x", "processes": 3}
+    assert d["meets_targets"] is True and d["offload_vs_resident"] == 2.0
+    assert m.merge([run(3.0), run(3.0), run(3.0)], files, "2026-12-04")["targets"]["faster_than_diffusers_best_within_budget"] is False
+    assert m.merge([run(), run(equal=False), run()], files, "2026-12-04")["targets"]["bitwise_equal"] is False
+    with pytest.raises(SystemExit, match="at least 3"):
+        m.merge([run()], files[:1], "2026-12-04")

@@ -474,7 +474,13 @@ fn python_bundle(dir: &Path) -> Result<(), String> {
     for f in ["test_offload.py", "models.py"] {
         std::fs::copy(root().join("offload-py/tests").join(f), tests.join(f)).map_err(|e| format!("{f}: {e}"))?;
     }
-    for f in ["bench/anchors/zoo_anchor.py", "bench/anchors/py_merge.py", "bench/anchors/py_start.py", "bench/py-run.sh"] {
+    for f in [
+        "bench/anchors/zoo_anchor.py",
+        "bench/anchors/py_merge.py",
+        "bench/anchors/py_start.py",
+        "bench/anchors/py_pipeline.py",
+        "bench/py-run.sh",
+    ] {
         let p = root().join(f);
         std::fs::copy(&p, dir.join(p.file_name().unwrap_or_default())).map_err(|e| format!("{f}: {e}"))?;
     }

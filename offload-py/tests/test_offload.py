@@ -803,3 +803,30 @@ def test_a_module_built_on_the_meta_device_runs_from_its_checkpoint(dev, tmp_pat
     tier = h.host_tier()
     offload.disable(empty)
     assert tier["in_place"] == 0 and tier["copied"] == 5 and "not a multiple of 256" in tier["copy_reason"], tier
+
+
+def test_a_component_called_through_another_method_than_forward_ends_its_steps():
+    # A pipeline calls its VAE through decode(), which no forward hook sees: a
+    # block asked for again begins the next step, so its steps end and have
+    # metrics (before, none ever did), the output bitwise the resident one.
+    from diffusers import AutoencoderKL
+
+    from models import _randomize
+
+    vae = _randomize(AutoencoderKL(in_channels=3, out_channels=3, latent_channels=16, block_out_channels=[32, 32], layers_per_block=1,
+                                   norm_num_groups=32, down_block_types=["DownEncoderBlock2D"] * 2,
+                                   up_block_types=["UpDecoderBlock2D"] * 2), 3)
+    z = torch.randn(1, 16, 8, 8, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    with torch.no_grad():
+        ref = vae.decode(z).sample.clone()
+    before = _snapshot(vae)
+    h = offload.enable(vae, device="cpu")
+    with torch.no_grad():
+        outs = [vae.decode(z).sample.clone() for _ in range(3)]
+    m = h.metrics()
+    offload.disable(vae)
+    for o in outs:
+        assert torch.equal(_bits(o), _bits(ref))
+    # The decoder's blocks (its up blocks and its mid block's resnets), once each a step, all prefetched.
+    assert m["blocks"] == 4 and m["misses"] == 0 and h.steps == 2, (m, h.steps)
+    _same_snapshot(before, _snapshot(vae))

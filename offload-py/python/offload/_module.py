@@ -128,13 +128,20 @@ class Offloaded:
         self.steps = 0
         self.module: Optional[nn.Module] = None
         self._bound: Optional[_Block] = None
+        # Blocks run in the step under way: a block asked for again begins the
+        # next step (a component the pipeline calls through another method than
+        # forward, a VAE's decode, has no forward hook to end its steps).
+        self._ran: set = set()
         self._buffer = None
         self._stream = None
 
     # -- public ---------------------------------------------------------------
     def metrics(self) -> dict:
         """The last step's metrics (bytes streamed, prefetch hits, misses, host
-        waits, device bytes, ...; a step is one forward of the module)."""
+        waits, device bytes, ...; a step is one forward of the module, or
+        for a module called through another method, such as a VAE's
+        ``decode``, one pass over its blocks: a block run again begins the
+        next step)."""
         if self.last_metrics is None:
             raise OffloadError(f"component {self.component!r}: no step has ended yet")
         return dict(self.last_metrics)
@@ -206,6 +213,9 @@ class Offloaded:
     def _bind(self, block: _Block) -> None:
         if self._bound is not None:
             self._unbind()
+        if id(block) in self._ran:
+            self._end_step()
+        self._ran.add(id(block))
         buf = self._engine().lend(block.stack, block.index)
         if self.device.type == "cuda":
             cur = torch.cuda.current_stream(self.device)
@@ -252,6 +262,7 @@ class Offloaded:
     def _end_step(self) -> None:
         if self._bound is not None:
             self._unbind()
+        self._ran.clear()
         self.last_metrics = json.loads(self._engine().end_step())
         self.steps += 1
 

@@ -13,6 +13,8 @@
 #   py-run.sh pipeline issue 32's whole pipeline (py_pipeline.py): PY_REPEATS processes of FluxPipeline (Flux-dev's
 #                      transformer and VAE, random weights, prompt embeddings passed) at 1024², 4 steps, resident,
 #                      the package under PY_BUDGET_GIB (8) and diffusers' offloading; merged into DATE-python-pipeline.json
+#   py-run.sh cuda     offload-cuda's unit tests with their GPU rows required (cuda-lib-tests: the reference model's
+#                      fp8 weights among them)
 #   py-run.sh          test and bench
 # PY_DEADLINE (s) starts no process past it, by PY_EST or the last process's time. PY_ARGS go to each zoo_anchor.py (e.g. "--cases 1024 --depth 1"). PY_STORAGE=fp8 runs every
 # mode with diffusers' layerwise casting (fp8 storage, bf16 compute); the files say MODEL-fp8 (fp8-linears: every Linear of the
@@ -64,6 +66,11 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
     done
   done
   ls "$Z"/py-*.json >/dev/null 2>&1 && python3 "$B/py_merge.py" --date "$BENCH_DATE" --out "$Z/$BENCH_DATE-python-package.json" --at "${COMMIT:-unknown}" "$Z"/py-*.json 2>&1 | tee "$Z/merge.txt"
+fi
+if [ "$what" = cuda ]; then
+  echo "== offload-cuda's unit tests (GPU rows required)"
+  OFFLOAD_REQUIRE_DEVICE=1 timeout "${PYTEST_TIMEOUT:-300}" "$B/cuda-lib-tests" 2>&1 | tail -30 | tee "$Z/cuda-lib-tests.txt"
+  grep -q "test result: ok" "$Z/cuda-lib-tests.txt" || rc=1
 fi
 if [ "$what" = pipeline ]; then
   for r in $(seq 1 "${PY_REPEATS:-3}"); do

@@ -455,6 +455,25 @@ fn demo(args: &[String]) -> Result<(), String> {
     run(c)
 }
 
+/// offload-cuda's unit test binary (its GPU tests among them) into `dir` as
+/// `cuda-lib-tests`, not yet stripped.
+fn cuda_lib_tests(dir: &Path) -> Result<(), String> {
+    let mut c = cargo();
+    c.args(["test", "-p", "offload-cuda", "--lib", "--no-run", "--message-format=json"]);
+    let out = c.output().map_err(|e| format!("offload-cuda tests: {e}"))?;
+    if !out.status.success() {
+        return Err(format!("building offload-cuda's tests failed: {}", String::from_utf8_lossy(&out.stderr)));
+    }
+    let exe = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v["target"]["name"] == "offload_cuda" && v["profile"]["test"] == true)
+        .find_map(|v| v["executable"].as_str().map(str::to_owned))
+        .ok_or("offload-cuda's test binary: not named in cargo's output")?;
+    std::fs::copy(&exe, dir.join("cuda-lib-tests")).map_err(|e| format!("cuda-lib-tests: {e}"))?;
+    Ok(())
+}
+
 /// The Python package's part of the bundle: its wheel and diffusers' (with
 /// pytest's) in `.whl/`, the registry as JSON, the package's tests, the
 /// anchor script that runs it beside diffusers, the merge, `py-run.sh`.
@@ -484,7 +503,11 @@ fn python_bundle(dir: &Path) -> Result<(), String> {
         let p = root().join(f);
         std::fs::copy(&p, dir.join(p.file_name().unwrap_or_default())).map_err(|e| format!("{f}: {e}"))?;
     }
-    Ok(())
+    // offload-cuda's GPU tests in the same carry (`py-run.sh cuda`).
+    cuda_lib_tests(dir)?;
+    let mut c = Command::new("strip");
+    c.arg(dir.join("cuda-lib-tests"));
+    run(c)
 }
 
 fn gpu_bundle(args: &[String]) -> Result<(), String> {
@@ -558,19 +581,7 @@ fn gpu_bundle(args: &[String]) -> Result<(), String> {
     run(c)?;
     // offload-cuda's unit tests (the exponent decoder's GPU round trip) and the
     // codec's speed example (gpu-run.sh CODEC=1).
-    let mut c = cargo();
-    c.args(["test", "-p", "offload-cuda", "--lib", "--no-run", "--message-format=json"]);
-    let out = c.output().map_err(|e| format!("offload-cuda tests: {e}"))?;
-    if !out.status.success() {
-        return Err(format!("building offload-cuda's tests failed: {}", String::from_utf8_lossy(&out.stderr)));
-    }
-    let exe = String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter(|v| v["target"]["name"] == "offload_cuda" && v["profile"]["test"] == true)
-        .find_map(|v| v["executable"].as_str().map(str::to_owned))
-        .ok_or("offload-cuda's test binary: not named in cargo's output")?;
-    std::fs::copy(&exe, dir.join("cuda-lib-tests")).map_err(|e| format!("cuda-lib-tests: {e}"))?;
+    cuda_lib_tests(&dir)?;
     let mut c = cargo();
     c.args(["build", "--release", "-p", "offload-cuda", "--example", "codec_speed"]);
     run(c)?;

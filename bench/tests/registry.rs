@@ -148,46 +148,21 @@ fn a_users_case_follows_each_models_patching_and_says_all_of_it() {
 #[test]
 fn a_bfl_named_flux_dev_maps_onto_the_registrys_parameters() {
     let m = registry::model("flux-dev").unwrap();
-    let (h, hd, mlp) = (m.hidden, m.head_dim, m.mlp);
-    let mut bfl: Vec<TensorSpec> = Vec::new();
-    let mut lin = |name: &str, o: usize, i: usize| {
-        bfl.push(TensorSpec::new(format!("model.diffusion_model.{name}.weight"), DType::BF16, [o, i]));
-        bfl.push(TensorSpec::new(format!("model.diffusion_model.{name}.bias"), DType::BF16, [o]));
+    let sizes = offload_core::FluxSizes {
+        hidden: m.hidden,
+        head_dim: m.head_dim,
+        mlp: m.mlp,
+        double: m.stacks[0].count,
+        single: m.stacks[1].count,
+        pooled: m.pooled_dim.unwrap(),
+        text: m.text_dim,
+        in_channels: m.in_channels,
+        out_channels: m.out_channels,
     };
-    for e in ["time_in", "guidance_in"] {
-        lin(&format!("{e}.in_layer"), h, 256);
-        lin(&format!("{e}.out_layer"), h, h);
-    }
-    lin("vector_in.in_layer", h, m.pooled_dim.unwrap());
-    lin("vector_in.out_layer", h, h);
-    lin("txt_in", h, m.text_dim);
-    lin("img_in", h, m.in_channels);
-    for b in 0..m.stacks[0].count {
-        for s in ["img", "txt"] {
-            lin(&format!("double_blocks.{b}.{s}_mod.lin"), 6 * h, h);
-            lin(&format!("double_blocks.{b}.{s}_attn.qkv"), 3 * h, h);
-            lin(&format!("double_blocks.{b}.{s}_attn.proj"), h, h);
-            lin(&format!("double_blocks.{b}.{s}_mlp.0"), mlp, h);
-            lin(&format!("double_blocks.{b}.{s}_mlp.2"), h, mlp);
-        }
-    }
-    for b in 0..m.stacks[1].count {
-        lin(&format!("single_blocks.{b}.modulation.lin"), 3 * h, h);
-        lin(&format!("single_blocks.{b}.linear1"), 3 * h + mlp, h);
-        lin(&format!("single_blocks.{b}.linear2"), h, h + mlp);
-    }
-    lin("final_layer.linear", m.out_channels, h);
-    lin("final_layer.adaLN_modulation.1", 2 * h, h);
-    let mut norms = Vec::new();
-    for b in 0..m.stacks[0].count {
-        norms.extend([format!("double_blocks.{b}.img_attn.norm"), format!("double_blocks.{b}.txt_attn.norm")]);
-    }
-    norms.extend((0..m.stacks[1].count).map(|b| format!("single_blocks.{b}.norm")));
-    for n in norms {
-        for k in ["query_norm", "key_norm"] {
-            bfl.push(TensorSpec::new(format!("model.diffusion_model.{n}.{k}.scale"), DType::BF16, [hd]));
-        }
-    }
+    let bfl: Vec<TensorSpec> = offload_core::flux_bfl_tensors(sizes)
+        .into_iter()
+        .map(|(name, shape)| TensorSpec::new(format!("model.diffusion_model.{name}"), DType::BF16, shape))
+        .collect();
     let mut got: Vec<(String, Vec<usize>)> =
         offload_core::gguf_to_diffusers("flux", &bfl).unwrap().into_iter().map(|(s, _)| (s.name, s.shape)).collect();
     let mut want: Vec<(String, Vec<usize>)> = m.params().into_iter().map(|p| (p.name, p.shape)).collect();

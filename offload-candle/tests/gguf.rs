@@ -170,36 +170,18 @@ fn a_bfl_named_flux_gguf_streams_under_diffusers_names() {
         let dt = if shape.len() == 2 && shape[1] % 32 == 0 { GgmlDType::Q8_0 } else { GgmlDType::F32 };
         QTensor::quantize(&t, dt).unwrap()
     };
-    let mut t: Vec<(String, QTensor)> = Vec::new();
-    let mut lin = |name: &str, o: usize, i: usize| {
-        t.push((format!("{name}.weight"), q(&[o, i])));
-        t.push((format!("{name}.bias"), q(&[o])));
+    let sizes = offload_core::FluxSizes {
+        hidden: h,
+        head_dim: hd,
+        mlp,
+        double: 1,
+        single: 1,
+        pooled: 32,
+        text: 32,
+        in_channels: 8,
+        out_channels: 8,
     };
-    for e in ["time_in", "guidance_in"] {
-        lin(&format!("{e}.in_layer"), h, 256);
-        lin(&format!("{e}.out_layer"), h, h);
-    }
-    lin("vector_in.in_layer", h, 32);
-    lin("vector_in.out_layer", h, h);
-    lin("txt_in", h, 32);
-    lin("img_in", h, 8);
-    for s in ["img", "txt"] {
-        lin(&format!("double_blocks.0.{s}_mod.lin"), 6 * h, h);
-        lin(&format!("double_blocks.0.{s}_attn.qkv"), 3 * h, h);
-        lin(&format!("double_blocks.0.{s}_attn.proj"), h, h);
-        lin(&format!("double_blocks.0.{s}_mlp.0"), mlp, h);
-        lin(&format!("double_blocks.0.{s}_mlp.2"), h, mlp);
-    }
-    lin("single_blocks.0.modulation.lin", 3 * h, h);
-    lin("single_blocks.0.linear1", 3 * h + mlp, h);
-    lin("single_blocks.0.linear2", h, h + mlp);
-    lin("final_layer.linear", 8, h);
-    lin("final_layer.adaLN_modulation.1", 2 * h, h);
-    for n in ["double_blocks.0.img_attn.norm", "double_blocks.0.txt_attn.norm", "single_blocks.0.norm"] {
-        for k in ["query_norm", "key_norm"] {
-            t.push((format!("{n}.{k}.scale"), q(&[hd])));
-        }
-    }
+    let t: Vec<(String, QTensor)> = offload_core::flux_bfl_tensors(sizes).into_iter().map(|(n, shape)| (n, q(&shape))).collect();
     let p = path("bfl");
     let refs: Vec<(&str, &QTensor)> = t.iter().map(|(n, q)| (n.as_str(), q)).collect();
     gguf_file::write(&mut std::fs::File::create(&p).unwrap(), &[], &refs).unwrap();

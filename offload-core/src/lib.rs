@@ -81,8 +81,8 @@ pub use metrics::{host_rss_beyond_page_cache, host_rss_file_bytes, StepMetrics};
 pub use ondemand::OnDemand;
 pub use plan::{resolve, resolve_on, ComponentPlan, PinFallback, Plan, ResidentPolicy, ResolvedComponent, ResolvedPlan, Strategy};
 pub use rename::{
-    flux_bfl_to_diffusers, gguf_to_diffusers, gguf_under_diffusers_names, qwen_image_to_diffusers, wan_to_diffusers, Renamed,
-    GGUF_ARCHITECTURES,
+    flux_bfl_tensors, flux_bfl_to_diffusers, gguf_to_diffusers, gguf_under_diffusers_names, qwen_image_to_diffusers, wan_to_diffusers,
+    FluxSizes, Renamed, GGUF_ARCHITECTURES,
 };
 pub use ring::{BlockGuard, Ring};
 pub use source::{FileIdentity, FileRegion, HostRegion, MemoryTensors, RegionSource, SafetensorsFile, TensorSource};

@@ -79,6 +79,71 @@ impl<S: RegionSource> TensorSource for Renamed<S> {
     }
 }
 
+/// The sizes of a Flux transformer, for [`flux_bfl_tensors`].
+#[derive(Clone, Copy, Debug)]
+pub struct FluxSizes {
+    /// Hidden size (Flux-dev: 3072).
+    pub hidden: usize,
+    /// Head size (128), the query and key norms' length.
+    pub head_dim: usize,
+    /// MLP width (12288).
+    pub mlp: usize,
+    /// Double-stream and single-stream blocks (19, 38).
+    pub double: usize,
+    /// See [`double`](Self::double).
+    pub single: usize,
+    /// Pooled text embedding (768), text embedding (4096), latent channels in and out (64, 64).
+    pub pooled: usize,
+    /// See [`pooled`](Self::pooled).
+    pub text: usize,
+    /// See [`pooled`](Self::pooled).
+    pub in_channels: usize,
+    /// See [`pooled`](Self::pooled).
+    pub out_channels: usize,
+}
+
+/// Every tensor of a Flux transformer (with a guidance embedder) as Black Forest
+/// Labs' checkpoint and the Flux GGUF releases name it, `(name, shape)`, in the
+/// order written here: what [`flux_bfl_to_diffusers`] maps.
+pub fn flux_bfl_tensors(f: FluxSizes) -> Vec<(String, Vec<usize>)> {
+    let (h, mut out) = (f.hidden, Vec::new());
+    let mut lin = |name: String, o: usize, i: usize| {
+        out.push((format!("{name}.weight"), vec![o, i]));
+        out.push((format!("{name}.bias"), vec![o]));
+    };
+    for e in ["time_in", "guidance_in"] {
+        lin(format!("{e}.in_layer"), h, 256);
+        lin(format!("{e}.out_layer"), h, h);
+    }
+    lin("vector_in.in_layer".into(), h, f.pooled);
+    lin("vector_in.out_layer".into(), h, h);
+    lin("txt_in".into(), h, f.text);
+    lin("img_in".into(), h, f.in_channels);
+    for b in 0..f.double {
+        for s in ["img", "txt"] {
+            lin(format!("double_blocks.{b}.{s}_mod.lin"), 6 * h, h);
+            lin(format!("double_blocks.{b}.{s}_attn.qkv"), 3 * h, h);
+            lin(format!("double_blocks.{b}.{s}_attn.proj"), h, h);
+            lin(format!("double_blocks.{b}.{s}_mlp.0"), f.mlp, h);
+            lin(format!("double_blocks.{b}.{s}_mlp.2"), h, f.mlp);
+        }
+    }
+    for b in 0..f.single {
+        lin(format!("single_blocks.{b}.modulation.lin"), 3 * h, h);
+        lin(format!("single_blocks.{b}.linear1"), 3 * h + f.mlp, h);
+        lin(format!("single_blocks.{b}.linear2"), h, h + f.mlp);
+    }
+    lin("final_layer.linear".into(), f.out_channels, h);
+    lin("final_layer.adaLN_modulation.1".into(), 2 * h, h);
+    let norms = (0..f.double).flat_map(|b| ["img", "txt"].map(|s| format!("double_blocks.{b}.{s}_attn.norm")));
+    for n in norms.chain((0..f.single).map(|b| format!("single_blocks.{b}.norm"))) {
+        for k in ["query_norm", "key_norm"] {
+            out.push((format!("{n}.{k}.scale"), vec![f.head_dim]));
+        }
+    }
+    out
+}
+
 /// Flux's tensors as BFL names them (`double_blocks.N.img_attn.qkv.weight`,
 /// `single_blocks.N.linear1.weight`, `final_layer.adaLN_modulation.1.weight`,
 /// …; a `model.diffusion_model.` prefix is dropped) mapped onto diffusers'

@@ -68,6 +68,9 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   ls "$Z"/py-*.json >/dev/null 2>&1 && python3 "$B/py_merge.py" --date "$BENCH_DATE" --out "$Z/$BENCH_DATE-python-package.json" --at "${COMMIT:-unknown}" "$Z"/py-*.json 2>&1 | tee "$Z/merge.txt"
 fi
 if [ "$what" = cuda ]; then
+  echo "== the reference model's fp8 weights (GPU rows required)"
+  OFFLOAD_REQUIRE_DEVICE=1 timeout 120 "$B/cuda-lib-tests" gpu_tests::reference -- --nocapture 2>&1 | tail -30 | tee "$Z/cuda-fp8-tests.txt"
+  grep -q "test result: ok" "$Z/cuda-fp8-tests.txt" || rc=1
   echo "== offload-cuda's unit tests (GPU rows required)"
   OFFLOAD_REQUIRE_DEVICE=1 timeout "${PYTEST_TIMEOUT:-300}" "$B/cuda-lib-tests" 2>&1 | tail -30 | tee "$Z/cuda-lib-tests.txt"
   grep -q "test result: ok" "$Z/cuda-lib-tests.txt" || rc=1

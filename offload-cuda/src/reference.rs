@@ -12,9 +12,12 @@
 //! one per tensor or one per output channel) or `X.scale_weight` (ComfyUI's, one
 //! per tensor), or none (unscaled): a kernel dequantises it on the compute
 //! stream to `bf16(f32(w) × scale)` in a scratch buffer, exactly
-//! [`offload_core::fp8::dequantize_to_bf16`], and the GEMM reads that. So a
-//! block streamed as stored computes what the bf16 model of the dequantised
-//! weights computes, bit for bit.
+//! [`offload_core::fp8::dequantize_to_bf16`] for every value that is not a NaN
+//! (a NaN stays a NaN, its bits as the device makes them), and the GEMM reads
+//! that. So a block streamed as stored computes what the bf16 model of the
+//! dequantised weights computes, bit for bit. The scratch buffer (bf16 of the
+//! largest linear weight: 94 MB for Flux-dev) is allocated at the first fp8
+//! weight and is not in [`RefDims::activation_bytes`].
 //!
 //! Everything is checked before a launch: the dimensions against bounds that keep
 //! every size product and 32-bit argument in range, each weight's dtype and size

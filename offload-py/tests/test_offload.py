@@ -830,3 +830,55 @@ def test_a_component_called_through_another_method_than_forward_ends_its_steps()
     # The decoder's blocks (its up blocks and its mid block's resnets), once each a step, all prefetched.
     assert m["blocks"] == 4 and m["misses"] == 0 and h.steps == 2, (m, h.steps)
     _same_snapshot(before, _snapshot(vae))
+
+
+def test_a_meta_module_with_tied_weights_runs_from_a_checkpoint_that_saved_them_once(tmp_path):
+    # T5's embedding is shared by `shared` and `encoder.embed_tokens`; a checkpoint
+    # saves it under one name (safetensors' save_model): the meta module takes it
+    # for both, one tensor on the device, bitwise the resident output.
+    from safetensors.torch import save_model
+    from transformers import T5EncoderModel
+
+    model, inputs, _ = MODELS["t5"]()
+    with torch.no_grad():
+        ref = _out(model(**inputs)).clone()
+    path = tmp_path / "t5.safetensors"
+    save_model(model, str(path))
+    with torch.device("meta"):
+        empty = T5EncoderModel(model.config).to(torch.bfloat16).eval()
+    assert empty.shared.weight is empty.encoder.embed_tokens.weight
+    h = offload.enable(empty, device="cpu", checkpoint=str(path))
+    assert empty.shared.weight is empty.encoder.embed_tokens.weight and not empty.shared.weight.is_meta
+    with torch.no_grad():
+        out = _out(empty(**inputs)).clone()
+    assert h.violations() == []
+    offload.disable(empty)
+    assert torch.equal(_bits(out), _bits(ref))
+    assert empty.shared.weight is empty.encoder.embed_tokens.weight and empty.shared.weight.is_meta
+
+
+def test_a_block_run_twice_inside_one_forward_is_one_step():
+    # Inside the module's forward a block asked for again is the model's own
+    # doing: one step a forward, whatever it repeats.
+    class Twice(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+
+        def forward(self, x):
+            for b in list(self.blocks) + [self.blocks[0]]:
+                x = b(x)
+            return x
+
+    torch.manual_seed(0)
+    m = Twice().to(torch.bfloat16)
+    x = torch.randn(2, 8, dtype=torch.bfloat16)
+    with torch.no_grad():
+        ref = m(x).clone()
+    h = offload.enable(m, device="cpu")
+    with torch.no_grad():
+        outs = [m(x).clone() for _ in range(2)]
+    assert h.steps == 2 and h.metrics()["blocks"] == 4, (h.steps, h.metrics())
+    offload.disable(m)
+    for o in outs:
+        assert torch.equal(_bits(o), _bits(ref))

@@ -132,6 +132,9 @@ class Offloaded:
         # next step (a component the pipeline calls through another method than
         # forward, a VAE's decode, has no forward hook to end its steps).
         self._ran: set = set()
+        # Inside the module's forward (its pre-hook to its step hook): there a
+        # block run twice is the model's own doing, not the next step.
+        self._in_forward = False
         self._buffer = None
         self._stream = None
 
@@ -213,7 +216,7 @@ class Offloaded:
     def _bind(self, block: _Block) -> None:
         if self._bound is not None:
             self._unbind()
-        if id(block) in self._ran:
+        if id(block) in self._ran and not self._in_forward:
             self._end_step()
         self._ran.add(id(block))
         buf = self._engine().lend(block.stack, block.index)
@@ -263,6 +266,7 @@ class Offloaded:
         if self._bound is not None:
             self._unbind()
         self._ran.clear()
+        self._in_forward = False
         self.last_metrics = json.loads(self._engine().end_step())
         self.steps += 1
 
@@ -439,19 +443,30 @@ def enable(
     # Tensors outside the blocks built on the meta device come from the checkpoint
     # (checked here, before anything is built); a meta buffer the file does not
     # hold (a rotary table made at construction) cannot be made here.
-    meta = [(full, t) for full, t in list(all_params.items()) + list(module.named_buffers(remove_duplicate=False))
-            if t is not None and t.is_meta and id(t) not in in_block]
+    meta: dict[int, list[str]] = {}
+    for full, t in list(all_params.items()) + list(module.named_buffers(remove_duplicate=False)):
+        if t is not None and t.is_meta and id(t) not in in_block:
+            meta.setdefault(id(t), []).append(full)
+    # Per meta tensor, the name the file holds it under: a tensor shared by two
+    # modules (T5's tied embedding) is saved once, under any of its names.
+    from_file: dict[int, str] = {}
     if meta:
         if checkpoint is None:
-            raise OffloadError(f"component {component!r}: tensor {meta[0][0]!r} is on the meta device; give checkpoint= to serve it from a file")
+            first = next(iter(meta.values()))[0]
+            raise OffloadError(f"component {component!r}: tensor {first!r} is on the meta device; give checkpoint= to serve it from a file")
         in_file = {n: (d, tuple(sh)) for n, d, sh in safetensors_tensors(str(checkpoint))}
-        for full, t in meta:
+        tensors_by_id = {id(t): t for _, t in list(all_params.items()) + list(module.named_buffers(remove_duplicate=False)) if t is not None}
+        for key, names in meta.items():
+            t = tensors_by_id[key]
             want = (_DTYPES.get(t.dtype), tuple(t.shape))
-            if full not in in_file:
-                raise OffloadError(f"component {component!r}: tensor {full!r} is on the meta device and not in {checkpoint}")
-            if in_file[full] != want:
-                raise OffloadError(f"component {component!r}: tensor {full!r} is {want[0]} {list(want[1])} in the module, "
-                                   f"{in_file[full][0]} {list(in_file[full][1])} in {checkpoint}")
+            held = [n for n in names if n in in_file]
+            if not held:
+                also = f" (nor as {', '.join(repr(n) for n in names[1:])})" if len(names) > 1 else ""
+                raise OffloadError(f"component {component!r}: tensor {names[0]!r} is on the meta device and not in {checkpoint}{also}")
+            if in_file[held[0]] != want:
+                raise OffloadError(f"component {component!r}: tensor {held[0]!r} is {want[0]} {list(want[1])} in the module, "
+                                   f"{in_file[held[0]][0]} {list(in_file[held[0]][1])} in {checkpoint}")
+            from_file[key] = held[0]
 
     budget_bytes = None
     if budget_gib is not None:
@@ -511,7 +526,7 @@ def enable(
             def placed_on(full: str, t: torch.Tensor) -> torch.Tensor:
                 if not t.is_meta:
                     return t.to(dev)
-                raw = safetensors_read(str(checkpoint), full)
+                raw = safetensors_read(str(checkpoint), from_file.get(id(t), full))
                 data = torch.frombuffer(raw, dtype=torch.uint8) if len(raw) else torch.empty(0, dtype=torch.uint8)
                 return data.view(t.dtype).view(t.shape).to(dev)
 
@@ -550,6 +565,7 @@ def enable(
         for child, blk in block_modules:
             state.hooks.append(child.register_forward_pre_hook(_pre_hook(state, blk)))
             state.hooks.append(child.register_forward_hook(_post_hook(state), always_call=True))
+        state.hooks.append(module.register_forward_pre_hook(_forward_pre_hook(state)))
         state.hooks.append(module.register_forward_hook(_step_hook(state), always_call=True))
         setattr(module, _STATE, state)
         if not keep_host_copy and any(p.pinned for p in state.params.values()):
@@ -578,6 +594,13 @@ def _pre_hook(state: Offloaded, blk: _Block):
 def _post_hook(state: Offloaded):
     def hook(mod, args, output):
         state._unbind()
+
+    return hook
+
+
+def _forward_pre_hook(state: Offloaded):
+    def hook(mod, args):
+        state._in_forward = True
 
     return hook
 

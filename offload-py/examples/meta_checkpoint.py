@@ -11,6 +11,7 @@ from diffusers import FluxTransformer2DModel
 from safetensors.torch import save_file
 
 import offload
+from quickstart import small_inputs
 
 CONFIG = dict(patch_size=1, in_channels=8, num_layers=2, num_single_layers=2, attention_head_dim=128, num_attention_heads=2,
               joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=(16, 56, 56))
@@ -25,11 +26,7 @@ def main(directory, device="cuda" if torch.cuda.is_available() else "cpu"):
     resident = resident.to(torch.bfloat16).eval()
     path = str(Path(directory) / "flux.safetensors")
     save_file(resident.state_dict(), path)
-    inputs = dict(hidden_states=torch.randn(1, 16, 8, dtype=torch.bfloat16, device=device),
-                  encoder_hidden_states=torch.randn(1, 7, 32, dtype=torch.bfloat16, device=device),
-                  pooled_projections=torch.randn(1, 32, dtype=torch.bfloat16, device=device),
-                  timestep=torch.tensor([0.5], dtype=torch.bfloat16, device=device),
-                  img_ids=torch.zeros(16, 3, device=device), txt_ids=torch.zeros(7, 3, device=device), return_dict=False)
+    inputs = small_inputs(device)
     with torch.no_grad():
         want = resident.to(device)(**inputs)[0].cpu()
 

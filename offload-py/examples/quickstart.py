@@ -20,14 +20,19 @@ def small_flux():
     return model.to(torch.bfloat16).eval()
 
 
+def small_inputs(device):
+    """Seeded inputs of one forward of `small_flux` (16 image and 7 text tokens)."""
+    torch.manual_seed(1)
+    return dict(hidden_states=torch.randn(1, 16, 8, dtype=torch.bfloat16, device=device),
+                encoder_hidden_states=torch.randn(1, 7, 32, dtype=torch.bfloat16, device=device),
+                pooled_projections=torch.randn(1, 32, dtype=torch.bfloat16, device=device),
+                timestep=torch.tensor([0.5], dtype=torch.bfloat16, device=device),
+                img_ids=torch.zeros(16, 3, device=device), txt_ids=torch.zeros(7, 3, device=device), return_dict=False)
+
+
 def main(device="cuda" if torch.cuda.is_available() else "cpu"):
     model = small_flux()
-    torch.manual_seed(1)
-    inputs = dict(hidden_states=torch.randn(1, 16, 8, dtype=torch.bfloat16, device=device),
-                  encoder_hidden_states=torch.randn(1, 7, 32, dtype=torch.bfloat16, device=device),
-                  pooled_projections=torch.randn(1, 32, dtype=torch.bfloat16, device=device),
-                  timestep=torch.tensor([0.5], dtype=torch.bfloat16, device=device),
-                  img_ids=torch.zeros(16, 3, device=device), txt_ids=torch.zeros(7, 3, device=device), return_dict=False)
+    inputs = small_inputs(device)
     with torch.no_grad():
         resident = model.to(device)(**inputs)[0].cpu()
     model.to("cpu")

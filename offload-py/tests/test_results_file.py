@@ -107,19 +107,21 @@ def test_a_step_under_its_bound_names_the_term_that_read_wrong(tmp_path):
         assert row["targets"]["within_1_02_of_bound"] is False
 
 
-def _py_start():
+def _anchor(name):
+    """The bench's anchor script `bench/anchors/NAME.py`, imported."""
+    import importlib
+
     sys.path.insert(0, str(ROOT / "bench" / "anchors"))
     try:
-        import py_start
+        return importlib.import_module(name)
     finally:
         sys.path.pop(0)
-    return py_start
 
 
 def test_the_start_merge_judges_each_target_from_the_runs():
     # Issue 32's host RAM at 1 x: start <= 2 s, host memory beyond the page cache
     # <= 1 GiB (a failed reading, 0, is not a pass), every block in place, bitwise.
-    m = _py_start()
+    m = _anchor("py_start")
 
     def run(k, start=1.2, rss=900 << 20, **kw):
         r = dict(model="flux-dev", case="1024", commit="abc", gpu="H200", versions="v", file_bytes=23 << 30, start_s=start,
@@ -218,11 +220,7 @@ def test_the_pipeline_bench_runs_end_to_end_on_the_simulated_device(tmp_path):
 
 
 def test_the_pipeline_merge_picks_the_fastest_diffusers_mode_within_the_budget():
-    sys.path.insert(0, str(ROOT / "bench" / "anchors"))
-    try:
-        import py_pipeline as m
-    finally:
-        sys.path.pop(0)
+    m = _anchor("py_pipeline")
     gib = 1 << 30
 
     def row(call, peak, equal=True):

@@ -490,8 +490,16 @@ fn python_bundle(dir: &Path) -> Result<(), String> {
     run(c)?;
     let tests = dir.join("py-tests");
     std::fs::create_dir_all(&tests).map_err(|e| e.to_string())?;
-    for f in ["test_offload.py", "models.py"] {
+    for f in ["test_offload.py", "test_example.py", "models.py"] {
         std::fs::copy(root().join("offload-py/tests").join(f), tests.join(f)).map_err(|e| format!("{f}: {e}"))?;
+    }
+    // The docs' examples, which test_example.py runs (their CUDA rows too).
+    let examples = dir.join("examples");
+    std::fs::create_dir_all(&examples).map_err(|e| e.to_string())?;
+    for e in std::fs::read_dir(root().join("offload-py/examples")).map_err(|e| format!("offload-py/examples: {e}"))?.flatten() {
+        if e.path().extension().is_some_and(|x| x == "py") {
+            std::fs::copy(e.path(), examples.join(e.file_name())).map_err(|x| format!("{}: {x}", e.path().display()))?;
+        }
     }
     for f in [
         "bench/anchors/zoo_anchor.py",

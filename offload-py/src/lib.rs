@@ -513,8 +513,7 @@ impl Streamer {
 /// the map does not know are errors naming them.
 #[pyfunction]
 fn gguf_tensors(path: &str) -> PyResult<Vec<(String, String, Vec<usize>)>> {
-    let renamed = gguf_renamed(path)?;
-    Ok(renamed.specs().iter().map(|s| (s.name.clone(), format!("{:?}", s.dtype), s.shape.clone())).collect())
+    Ok(spec_rows(gguf_renamed(path)?.specs()))
 }
 
 /// Tensor `name` (diffusers' name, as [`gguf_tensors`] lists it) of a GGUF
@@ -522,29 +521,38 @@ fn gguf_tensors(path: &str) -> PyResult<Vec<(String, String, Vec<usize>)>> {
 /// same map. An unknown name is an error naming it.
 #[pyfunction]
 fn gguf_read<'py>(py: Python<'py>, path: &str, name: &str) -> PyResult<Bound<'py, PyByteArray>> {
-    let renamed = gguf_renamed(path)?;
-    let i = renamed.specs().iter().position(|s| s.name == name).ok_or_else(|| error(format!("{path}: no tensor {name:?}")))?;
-    let mut bytes = vec![0u8; renamed.specs()[i].nbytes().map_err(|e| error(format!("{path}: {e}")))?];
-    renamed.read_into(i, &mut bytes).map_err(|e| error(format!("{path}: {e}")))?;
-    Ok(PyByteArray::new(py, &bytes))
+    read_named(py, &gguf_renamed(path)?, path, name)
 }
 
 /// Every tensor of the safetensors file at `path`: `(name, dtype, shape)`,
 /// dtype as `DType` names it (`BF16`, `F8_E4M3`, ...).
 #[pyfunction]
 fn safetensors_tensors(path: &str) -> PyResult<Vec<(String, String, Vec<usize>)>> {
-    let file = offload_core::SafetensorsFile::open(path).map_err(|e| error(format!("{path}: {e}")))?;
-    Ok(file.specs().iter().map(|s| (s.name.clone(), format!("{:?}", s.dtype), s.shape.clone())).collect())
+    Ok(spec_rows(safetensors_file(path)?.specs()))
 }
 
 /// Tensor `name` of the safetensors file at `path`, its bytes as stored. An
 /// unknown name is an error naming it.
 #[pyfunction]
 fn safetensors_read<'py>(py: Python<'py>, path: &str, name: &str) -> PyResult<Bound<'py, PyByteArray>> {
-    let file = offload_core::SafetensorsFile::open(path).map_err(|e| error(format!("{path}: {e}")))?;
-    let i = file.specs().iter().position(|s| s.name == name).ok_or_else(|| error(format!("{path}: no tensor {name:?}")))?;
-    let mut bytes = vec![0u8; file.specs()[i].nbytes().map_err(|e| error(format!("{path}: {e}")))?];
-    file.read_into(i, &mut bytes).map_err(|e| error(format!("{path}: {e}")))?;
+    read_named(py, &safetensors_file(path)?, path, name)
+}
+
+fn safetensors_file(path: &str) -> PyResult<offload_core::SafetensorsFile> {
+    offload_core::SafetensorsFile::open(path).map_err(|e| error(format!("{path}: {e}")))
+}
+
+/// `(name, dtype, shape)` of each spec, the dtype as `DType` names it.
+fn spec_rows(specs: &[TensorSpec]) -> Vec<(String, String, Vec<usize>)> {
+    specs.iter().map(|s| (s.name.clone(), format!("{:?}", s.dtype), s.shape.clone())).collect()
+}
+
+/// Tensor `name` of `source` (the file at `path`), its bytes as stored; an
+/// unknown name is an error naming it.
+fn read_named<'py>(py: Python<'py>, source: &dyn TensorSource, path: &str, name: &str) -> PyResult<Bound<'py, PyByteArray>> {
+    let i = source.specs().iter().position(|s| s.name == name).ok_or_else(|| error(format!("{path}: no tensor {name:?}")))?;
+    let mut bytes = vec![0u8; source.specs()[i].nbytes().map_err(|e| error(format!("{path}: {e}")))?];
+    source.read_into(i, &mut bytes).map_err(|e| error(format!("{path}: {e}")))?;
     Ok(PyByteArray::new(py, &bytes))
 }
 

@@ -443,21 +443,19 @@ def enable(
     # Tensors outside the blocks built on the meta device come from the checkpoint
     # (checked here, before anything is built); a meta buffer the file does not
     # hold (a rotary table made at construction) cannot be made here.
-    meta: dict[int, list[str]] = {}
+    meta: dict[int, tuple[torch.Tensor, list[str]]] = {}
     for full, t in list(all_params.items()) + list(module.named_buffers(remove_duplicate=False)):
         if t is not None and t.is_meta and id(t) not in in_block:
-            meta.setdefault(id(t), []).append(full)
+            meta.setdefault(id(t), (t, []))[1].append(full)
     # Per meta tensor, the name the file holds it under: a tensor shared by two
     # modules (T5's tied embedding) is saved once, under any of its names.
     from_file: dict[int, str] = {}
     if meta:
         if checkpoint is None:
-            first = next(iter(meta.values()))[0]
+            first = next(iter(meta.values()))[1][0]
             raise OffloadError(f"component {component!r}: tensor {first!r} is on the meta device; give checkpoint= to serve it from a file")
         in_file = {n: (d, tuple(sh)) for n, d, sh in safetensors_tensors(str(checkpoint))}
-        tensors_by_id = {id(t): t for _, t in list(all_params.items()) + list(module.named_buffers(remove_duplicate=False)) if t is not None}
-        for key, names in meta.items():
-            t = tensors_by_id[key]
+        for key, (t, names) in meta.items():
             want = (_DTYPES.get(t.dtype), tuple(t.shape))
             held = [n for n in names if n in in_file]
             if not held:

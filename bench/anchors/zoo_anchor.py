@@ -343,6 +343,8 @@ def main():
                     help="after the package's timed steps, one more step traced on both streams (its blocks' copy, wait and "
                          "compute spans), written beside --out as trace-OUT-CASE.json (Chrome trace); one case a process (the "
                          "timeline stays on once enabled)")
+    ap.add_argument("--profile", action="store_true",
+                    help="after the package's timed steps, three more under cProfile (profile-OUT-CASE.txt beside --out)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     modes = a.mode.split(",")
@@ -528,6 +530,24 @@ def main():
                     path = os.path.join(head, f"trace-{tail.removesuffix('.json')}-{c['name']}.json")
                     handle.write_trace(path)
                     print(f"  trace of one more step: {path}", flush=True)
+                if a.profile:
+                    # Outside the timed steps: where the host's time a step goes.
+                    import cProfile
+                    import io
+                    import pstats
+                    prof = cProfile.Profile()
+                    with torch.no_grad():
+                        prof.enable()
+                        for _ in range(3):
+                            model(**x)
+                        prof.disable()
+                    torch.cuda.synchronize()
+                    head, tail = os.path.split(a.out)
+                    path = os.path.join(head, f"profile-{tail.removesuffix('.json')}-{c['name']}.txt")
+                    text = io.StringIO()
+                    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(40)
+                    open(path, "w").write(f"3 steps of {a.model} {c['name']}, the package's hooks profiled\n" + text.getvalue())
+                    print(f"  profile of three more steps: {path}", flush=True)
             out.append(row)
             del x
     if handle is not None:

@@ -25,6 +25,24 @@ pub struct PyCuda {
     /// torch's stream the engine computes on (a `torch.cuda.Stream`), held for
     /// the backend's life: slot buffers are allocated on it.
     stream: Arc<Py<PyAny>>,
+    /// What making a slot buffer calls, looked up once (it runs for every
+    /// block copied: host time on every block of every step).
+    alloc: Arc<Alloc>,
+}
+
+/// torch's functions a slot buffer is made with.
+struct Alloc {
+    /// The compute stream's raw handle (`cudaStream_t`).
+    handle: u64,
+    /// `torch.empty`, with its keywords (`dtype=torch.uint8, device="cuda:N"`).
+    empty: Py<PyAny>,
+    kwargs: Py<pyo3::types::PyDict>,
+    /// `torch._C._cuda_getCurrentRawStream` where this torch has it: when torch's
+    /// current stream already is the compute stream, the buffer is made without
+    /// entering `torch.cuda.stream` (two Python calls a block).
+    current_raw: Option<Py<PyAny>>,
+    to_dlpack: Py<PyAny>,
+    stream_guard: Py<PyAny>,
 }
 
 impl PyCuda {
@@ -58,7 +76,23 @@ impl PyCuda {
             unsafe { ctx.wrap_borrowed_stream(raw) }
         };
         let inner = CudaBackend::with_compute_stream(ctx, compute)?;
-        Ok(PyCuda { engine: FreshEngine::new(inner, BACKEND), ordinal, stream: Arc::new(stream.unbind()) })
+        let py = stream.py();
+        let alloc = (|| -> PyResult<Alloc> {
+            let torch = py.import("torch")?;
+            let kwargs = pyo3::types::PyDict::new(py);
+            kwargs.set_item("dtype", torch.getattr("uint8")?)?;
+            kwargs.set_item("device", format!("cuda:{ordinal}"))?;
+            Ok(Alloc {
+                handle,
+                empty: torch.getattr("empty")?.unbind(),
+                kwargs: kwargs.unbind(),
+                current_raw: torch.getattr("_C")?.getattr("_cuda_getCurrentRawStream").ok().map(Bound::unbind),
+                to_dlpack: torch.getattr("utils")?.getattr("dlpack")?.getattr("to_dlpack")?.unbind(),
+                stream_guard: torch.getattr("cuda")?.getattr("stream")?.unbind(),
+            })
+        })()
+        .map_err(|e| bad(format!("torch's allocation functions: {e}")))?;
+        Ok(PyCuda { engine: FreshEngine::new(inner, BACKEND), ordinal, stream: Arc::new(stream.unbind()), alloc: Arc::new(alloc) })
     }
 
     /// The transfer engine.
@@ -82,22 +116,29 @@ impl PyCuda {
     }
 
     /// A fresh `uint8` tensor of `len` bytes from torch's caching allocator, made
-    /// here on the compute stream (`torch.empty` under `torch.cuda.stream`), its
-    /// address read from its own DLPack capsule: nobody else holds it.
+    /// here on the compute stream (`torch.empty` with the compute stream current:
+    /// it already is, or `torch.cuda.stream` makes it so), its address read from
+    /// its own DLPack capsule: nobody else holds it.
     fn new_buffer(&self, len: usize) -> Result<(Py<PyAny>, u64)> {
         Python::attach(|py| {
             let fail = |e: PyErr| Error::device(BACKEND, format!("allocating a {len}-byte slot buffer"), e);
+            let a = &*self.alloc;
             let made = (|| -> PyResult<(Py<PyAny>, crate::dlpack::Located)> {
-                let torch = py.import("torch")?;
-                let guard = torch.getattr("cuda")?.call_method1("stream", (self.stream.bind(py),))?;
-                guard.call_method0("__enter__")?;
-                let kw = pyo3::types::PyDict::new(py);
-                kw.set_item("dtype", torch.getattr("uint8")?)?;
-                kw.set_item("device", format!("cuda:{}", self.ordinal))?;
-                let t = torch.call_method("empty", (len.max(1),), Some(&kw));
-                guard.call_method1("__exit__", (py.None(), py.None(), py.None()))?;
-                let t = t?;
-                let capsule = torch.getattr("utils")?.getattr("dlpack")?.call_method1("to_dlpack", (&t,))?;
+                let current = match &a.current_raw {
+                    Some(f) => Some(f.bind(py).call1((self.ordinal,))?.extract::<u64>()?),
+                    None => None,
+                };
+                let empty = || a.empty.bind(py).call((len.max(1),), Some(a.kwargs.bind(py)));
+                let t = if current == Some(a.handle) {
+                    empty()?
+                } else {
+                    let guard = a.stream_guard.bind(py).call1((self.stream.bind(py),))?;
+                    guard.call_method0("__enter__")?;
+                    let t = empty();
+                    guard.call_method1("__exit__", (py.None(), py.None(), py.None()))?;
+                    t?
+                };
+                let capsule = a.to_dlpack.bind(py).call1((&t,))?;
                 Ok((t.unbind(), locate(&capsule, "a slot buffer")?))
             })();
             let (tensor, at) = made.map_err(fail)?;

@@ -108,6 +108,26 @@ class _Block:
     stack: str
     index: int
     params: list = field(default_factory=list)
+    # How the block is bound, worked out once from its layout (`prepare`): it
+    # runs for every block of every step, so the loops touch tuples only.
+    dtypes: tuple = ()
+    views: list = field(default_factory=list)
+    sliced: list = field(default_factory=list)
+    restore: list = field(default_factory=list)
+
+    def prepare(self) -> None:
+        """Split the parameters into those bound by one strided view over the
+        buffer seen as their dtype (offset a multiple of the item size) and
+        those sliced first (any other offset, or no bytes)."""
+        self.views, self.sliced = [], []
+        for p in self.params:
+            size = p.dtype.itemsize
+            if p.nbytes == 0 or p.offset % size:
+                self.sliced.append(p)
+            else:
+                self.views.append((p.owner._parameters, p.attr, p.dtype, p.shape, p.stride, p.offset // size, p.rewrap))
+        self.dtypes = tuple(dict.fromkeys(v[2] for v in self.views))
+        self.restore = [(p.owner._parameters, p.attr, p.param) for p in self.params]
 
 
 class Offloaded:
@@ -235,26 +255,26 @@ class Offloaded:
         # One strided view per parameter over the buffer seen once per dtype
         # (slicing, reinterpreting and reshaping each would be three calls: host
         # time on every block of every step).
-        whole: dict = {}
-        for p in block.params:
-            size = p.dtype.itemsize
-            if p.nbytes == 0 or p.offset % size:
-                view = data[p.offset : p.offset + p.nbytes].view(p.dtype).view(p.shape)
-            else:
-                w = whole.get(p.dtype)
-                if w is None:
-                    n = data.numel() - data.numel() % size
-                    w = whole[p.dtype] = data[:n].view(p.dtype)
-                # as_strided counts its offset from the storage, not from the view.
-                view = w.as_strided(p.shape, p.stride, w.storage_offset() + p.offset // size)
+        n = data.numel()
+        whole = {}
+        for dt in block.dtypes:
+            w = data[: n - n % dt.itemsize].view(dt)
+            # as_strided counts its offset from the storage, not from the view.
+            whole[dt] = (w.as_strided, w.storage_offset())
+        for params, attr, dt, shape, stride, offset, rewrap in block.views:
+            strided, base = whole[dt]
+            view = strided(shape, stride, base + offset)
+            params[attr] = view if rewrap is None else rewrap(view)
+        for p in block.sliced:
+            view = data[p.offset : p.offset + p.nbytes].view(p.dtype).view(p.shape)
             p.owner._parameters[p.attr] = view if p.rewrap is None else p.rewrap(view)
 
     def _unbind(self) -> None:
         block, self._bound = self._bound, None
         if block is None:
             return
-        for p in block.params:
-            p.owner._parameters[p.attr] = p.param
+        for params, attr, param in block.restore:
+            params[attr] = param
         if self._stream is not None:
             self.engine_stream.wait_stream(self._stream)
             self._buffer.record_stream(self._stream)
@@ -513,6 +533,8 @@ def enable(
             p = state.params[tname]
             p.offset, p.nbytes = offset, nbytes
             p.stride = tuple(torch.empty(p.shape, device="meta").stride())
+    for blk in state.blocks.values():
+        blk.prepare()
 
     # From here the module changes; any failure puts back what changed.
     try:

@@ -452,9 +452,12 @@ fn compute_medians(tl: &offload_core::Timeline) -> std::collections::HashMap<Str
 }
 
 /// A calibration's cost model, checked against the module's blocks: the same
-/// blocks in the same order with the same bytes, a positive bandwidth.
+/// blocks in the same order, a positive bandwidth, and each block's bytes those
+/// of the module's block up to the tensors' alignment (a ring served from a
+/// checkpoint lays a block out as the file does, padded otherwise than the host
+/// store's own layout). Each block is planned at the larger of the two counts.
 fn calibrated_model(component: &str, inventory: &ComponentInventory, json: &str) -> PyResult<offload_plan::CostModel> {
-    let m = offload_plan::CostModel::from_json(json).map_err(|e| error(format!("component {component:?}: calibration: {e}")))?;
+    let mut m = offload_plan::CostModel::from_json(json).map_err(|e| error(format!("component {component:?}: calibration: {e}")))?;
     let own = offload_plan::CostModel::from_inventory(inventory, 1.0).map_err(|e| py_err(component, e))?;
     if !(m.bandwidth_bytes_per_s.is_finite() && m.bandwidth_bytes_per_s > 0.0) {
         return Err(error(format!("component {component:?}: calibration: bandwidth {} bytes/s", m.bandwidth_bytes_per_s)));
@@ -462,8 +465,9 @@ fn calibrated_model(component: &str, inventory: &ComponentInventory, json: &str)
     if m.blocks.len() != own.blocks.len() {
         return Err(error(format!("component {component:?}: calibration has {} blocks, the module {}", m.blocks.len(), own.blocks.len())));
     }
-    for (c, o) in m.blocks.iter().zip(&own.blocks) {
-        if c.id != o.id || c.bytes != o.bytes {
+    for ((c, o), spec) in m.blocks.iter_mut().zip(&own.blocks).zip(inventory.blocks()) {
+        let padding = (spec.tensors.len() * offload_core::TENSOR_ALIGN) as u64;
+        if c.id != o.id || c.bytes.abs_diff(o.bytes) >= padding {
             return Err(error(format!(
                 "component {component:?}: calibration block {} ({} bytes) where the module has {} ({} bytes): calibrate this module",
                 c.id, c.bytes, o.id, o.bytes
@@ -472,6 +476,7 @@ fn calibrated_model(component: &str, inventory: &ComponentInventory, json: &str)
         if !(c.compute_s.is_finite() && c.compute_s >= 0.0) {
             return Err(error(format!("component {component:?}: calibration block {}: compute time {} s", c.id, c.compute_s)));
         }
+        c.bytes = c.bytes.max(o.bytes);
     }
     if !m.compute_s().is_finite() {
         return Err(error(format!("component {component:?}: calibration: the blocks' compute times add up to {} s", m.compute_s())));

@@ -437,6 +437,40 @@ def test_the_bitwise_check_catches_a_wrong_binding():
     assert not torch.equal(_bits(out), _bits(ref))
 
 
+def test_a_calibration_taken_from_a_checkpoint_plans_the_module_with_or_without_it(tmp_path):
+    # A ring served from a checkpoint lays its blocks out as the file does, with
+    # other padding than the host store's own layout: its calibration still
+    # plans the same module, served from the file or not (bytes within the
+    # tensors' alignment), and another module's is still refused.
+    from safetensors.torch import save_file
+
+    model, inputs, _ = MODELS["flux"]()
+    with torch.no_grad():
+        ref = _out(model(**inputs)).clone()
+    path = tmp_path / "flux.safetensors"
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
+    h = offload.enable(model, device="cpu", checkpoint=str(path))
+    names = list(offload.find_blocks(model))
+    blocks = [f"{n}.{i}" for n in names for i in range(len(model.get_submodule(n)))]
+    cal = h.calibration(compute_s={b: 0.01 for b in blocks})
+    offload.disable(model)
+    plain = offload.enable(model, device="cpu")
+    own = plain.calibration(compute_s={b: 0.01 for b in blocks})
+    offload.disable(model)
+    # The file's layout is not the store's: the case this test is for.
+    assert [b["bytes"] for b in cal["blocks"]] != [b["bytes"] for b in own["blocks"]], (cal, own)
+    for kw in ({}, {"checkpoint": str(path)}):
+        h = offload.enable(model, device="cpu", budget_gib=1.0, calibration=cal, **kw)
+        with torch.no_grad():
+            out = _out(model(**inputs))
+        offload.disable(model)
+        assert torch.equal(_bits(out), _bits(ref)), kw
+    # Bytes beyond the tensors' alignment are another module's.
+    bad = dict(cal, blocks=[dict(b, bytes=b["bytes"] + (1 << 20)) if i == 1 else b for i, b in enumerate(cal["blocks"])])
+    with pytest.raises(OffloadError, match=r"calibration block .* bytes.*calibrate this module"):
+        offload.enable(model, device="cpu", budget_gib=1.0, calibration=bad)
+
+
 def _t5_block_and_resident(model):
     """A T5 encoder block's bytes in its slot (each tensor 256-byte aligned), and
     the bytes that stay resident (the tensors outside the blocks)."""
@@ -500,7 +534,7 @@ def test_a_calibration_plans_with_the_blocks_compute_times():
     assert m["resident_hits"] == 1, m
 
     # Named errors: another module's calibration, no budget, a block without a time.
-    bad = dict(cal, blocks=[dict(b, bytes=b["bytes"] + 256) if b["id"] == "encoder.block.2" else b for b in cal["blocks"]])
+    bad = dict(cal, blocks=[dict(b, bytes=b["bytes"] + (1 << 20)) if b["id"] == "encoder.block.2" else b for b in cal["blocks"]])
     with pytest.raises(OffloadError, match=r"calibration block encoder\.block\.2 .*calibrate this module"):
         offload.enable(model, device="cpu", budget_gib=budget, calibration=bad)
     with pytest.raises(OffloadError, match="has 5 blocks, the module 6"):

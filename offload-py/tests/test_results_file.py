@@ -147,13 +147,14 @@ def test_the_start_merge_judges_each_target_from_the_runs():
         m.merge([run(0), run(1, commit="def"), run(2)], files, "2026-12-04")
 
 
-def test_a_published_start_file_rebuilds_from_its_runs(tmp_path):
-    for f in sorted((ROOT / "bench" / "results").glob("*-python-start.json")):
+@pytest.mark.parametrize("kind,script", [("start", "py_start.py"), ("pipeline", "py_pipeline.py")])
+def test_a_published_start_or_pipeline_file_rebuilds_from_its_runs(kind, script, tmp_path):
+    for f in sorted((ROOT / "bench" / "results").glob(f"*-python-{kind}.json")):
         d = json.loads(f.read_text())
         out = tmp_path / f.name
-        subprocess.run([sys.executable, str(ROOT / "bench/anchors/py_start.py"), "merge", "--date", d["date"], "--out", str(out), *d["runs"]],
+        subprocess.run([sys.executable, str(ROOT / "bench/anchors" / script), "merge", "--date", d["date"], "--out", str(out), *d["runs"]],
                        cwd=ROOT, check=True, capture_output=True)
-        assert out.read_bytes() == f.read_bytes(), f"{f.name} is not what py_start.py merge makes of its runs"
+        assert out.read_bytes() == f.read_bytes(), f"{f.name} is not what {script} merge makes of its runs"
 
 
 def test_the_start_bench_runs_end_to_end_on_the_simulated_device(tmp_path):

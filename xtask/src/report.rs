@@ -475,14 +475,7 @@ fn span(v: &Value, digits: usize) -> String {
 /// package's step beside resident and diffusers' modes on the same model object,
 /// every figure read from the file.
 pub fn python_table(results: &Path) -> Result<Option<String>, String> {
-    let mut names: Vec<String> = std::fs::read_dir(results)
-        .map_err(|e| format!("{}: {e}", results.display()))?
-        .flatten()
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-        .filter(|n| n.ends_with("-python-package.json"))
-        .collect();
-    names.sort();
-    let Some(name) = names.pop() else { return Ok(None) };
+    let Some(name) = newest(results, "-python-package.json")? else { return Ok(None) };
     let d = read_json(&results.join(&name))?;
     let mut md = format!(
         "The Python package (`offload.enable`) on the real diffusers and transformers classes, one H200, bf16 (rows `MODEL-fp8`: \
@@ -569,7 +562,98 @@ pub fn python_table(results: &Path) -> Result<Option<String>, String> {
             n["why"].as_str().unwrap_or("?")
         );
     }
+    if let Some(runs) = python_runs(results)? {
+        md.push('\n');
+        md.push_str(&runs);
+    }
     Ok(Some(md))
+}
+
+/// The name of the newest file in `results` whose name ends with `suffix`.
+fn newest(results: &Path, suffix: &str) -> Result<Option<String>, String> {
+    let names = std::fs::read_dir(results).map_err(|e| format!("{}: {e}", results.display()))?;
+    Ok(names.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).filter(|n| n.ends_with(suffix)).max())
+}
+
+/// The Python package's whole pipeline call and its start from a checkpoint,
+/// from the newest `*-python-pipeline.json` and `*-python-start.json`
+/// (`bench/anchors/py_pipeline.py` and `py_start.py` merges), every figure and
+/// verdict read from the files.
+pub fn python_runs(results: &Path) -> Result<Option<String>, String> {
+    let mut md = String::new();
+    if let Some(name) = newest(results, "-python-pipeline.json")? {
+        let d = read_json(&results.join(&name))?;
+        let c = &d["case"];
+        let budget = f(&d["budget_gib"]);
+        let _ = writeln!(
+            md,
+            "A whole `{}` call ({}'s transformer and the VAE, random weights, prompt embeddings passed in; {} steps at {}², batch {}), \
+             the package enabled on the pipeline under {budget:.0} GiB beside diffusers' offloading, {} processes, medians with \
+             [min, max] (`bench/results/{name}`, commit `{}`, {}):\n",
+            c["pipeline"].as_str().unwrap_or("?"),
+            c["transformer"].as_str().unwrap_or("?"),
+            c["steps"],
+            c["res"],
+            c["batch"],
+            d["processes"],
+            d["commit"].as_str().unwrap_or("?"),
+            d["versions"].as_str().unwrap_or("?")
+        );
+        md.push_str(&format!(
+            "| mode | call (s) | peak device memory (GiB) | weights on device (GiB) | within {budget:.0} GiB | bitwise equal to resident |\n"
+        ));
+        md.push_str("| --- | --- | --- | --- | --- | --- |\n");
+        // Resident and the package first, then diffusers' modes as the file names them.
+        let modes = d["modes"].as_object().into_iter().flatten();
+        let mut modes: Vec<(&String, &Value)> = modes.collect();
+        modes.sort_by_key(|(m, _)| (["resident", "offload"].iter().position(|k| k == m).unwrap_or(2), m.to_string()));
+        for (mode, r) in modes {
+            let label = if mode == "offload" { "the package (`enable_pipeline`)".to_owned() } else { mode.replace('_', " ") };
+            let _ = writeln!(
+                md,
+                "| {label} | {} | {:.2} | {:.2} | {} | {} |",
+                span(&r["call_s"], 3),
+                gib(&r["peak_device_bytes"]),
+                gib(&r["weights_device_bytes"]),
+                yes(&r["fits_budget"]),
+                yes(&r["bitwise_equal_to_resident"])
+            );
+        }
+        let _ = writeln!(
+            md,
+            "\nThe package's call is {:.3} × diffusers' fastest mode within the budget ({}) and {:.3} × all resident; targets met: {}.",
+            f(&d["offload_vs_diffusers_best"]),
+            d["diffusers_best_within_budget"].as_str().unwrap_or("none").replace('_', " "),
+            f(&d["offload_vs_resident"]),
+            yes(&d["meets_targets"])
+        );
+    }
+    if let Some(name) = newest(results, "-python-start.json")? {
+        let d = read_json(&results.join(&name))?;
+        let gib_span = |v: &Value| format!("{:.2} [{:.2}, {:.2}]", gib(&v["median"]), gib(&v["min"]), gib(&v["max"]));
+        let _ = writeln!(
+            md,
+            "{}A model built on the meta device and enabled with `checkpoint=` on {}'s {:.2} GiB file, {} processes \
+             (`bench/results/{name}`, commit `{}`): {} s from `enable` to the end of the first streamed step (target ≤ 2 s); \
+             host memory beyond the page cache {} GiB then, {} GiB of it before `enable` (target ≤ 1 GiB); {} blocks served \
+             in place, {} copied; streamed step {} s, {} × its bound; bitwise equal to the resident model: {}; targets met: {}.",
+            if md.is_empty() { "" } else { "\n" },
+            d["model"].as_str().unwrap_or("?"),
+            gib(&d["file_bytes"]),
+            d["processes"],
+            d["commit"].as_str().unwrap_or("?"),
+            span(&d["start_s"], 2),
+            gib_span(&d["host_rss_first_step_bytes"]),
+            gib_span(&d["host_rss_before_enable_bytes"]),
+            d["in_place"],
+            d["copied"],
+            span(&d["step_streamed_s"], 3),
+            span(&d["ratio_to_bound"], 3),
+            yes(&d["bitwise_equal"]),
+            yes(&d["meets_targets"])
+        );
+    }
+    Ok((!md.is_empty()).then_some(md))
 }
 
 /// The first line of the README's generated block.

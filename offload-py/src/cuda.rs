@@ -124,11 +124,10 @@ impl PyCuda {
             let fail = |e: PyErr| Error::device(BACKEND, format!("allocating a {len}-byte slot buffer"), e);
             let a = &*self.alloc;
             let made = (|| -> PyResult<(Py<PyAny>, crate::dlpack::Located)> {
-                let current = match &a.current_raw {
-                    Some(f) => Some(f.bind(py).call1((self.ordinal,))?.extract::<u64>()?),
-                    None => None,
-                };
-                let empty = || a.empty.bind(py).call((len.max(1),), Some(a.kwargs.bind(py)));
+                // A probe that fails (another torch's signature) takes the guarded path.
+                let current = a.current_raw.as_ref().and_then(|f| f.bind(py).call1((self.ordinal,)).and_then(|h| h.extract::<u64>()).ok());
+                // A fresh keywords dict each call: a `__torch_function__` mode may change the one it is given.
+                let empty = || a.empty.bind(py).call((len.max(1),), Some(&a.kwargs.bind(py).copy()?));
                 let t = if current == Some(a.handle) {
                     empty()?
                 } else {

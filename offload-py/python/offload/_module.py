@@ -533,7 +533,7 @@ def enable(
             p = state.params[tname]
             p.offset, p.nbytes = offset, nbytes
             p.stride = tuple(torch.empty(p.shape, device="meta").stride())
-    for blk in state.blocks.values():
+    for _, blk in block_modules:
         blk.prepare()
 
     # From here the module changes; any failure puts back what changed.

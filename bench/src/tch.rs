@@ -562,11 +562,17 @@ impl Net<'_> {
     }
 }
 
+/// libtorch's generator is one per process: a seeded section (the weights from
+/// seed 0, a case's inputs from its own seed) holds this lock, so that two
+/// threads (tests run in parallel) cannot draw from each other's seed.
+static SEEDED: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// Fill `vs` with `model`'s parameters (random bf16 on the VarStore's device, seed
 /// 0: linear weights at ±1/√fan-in, biases ±0.01, norm scales in [0.5, 1.5]) and
 /// the block-by-block view of them a step reads.
 fn build<'m>(model: &'m Model, vs: &nn::VarStore) -> Result<Net<'m>, String> {
     let dev = vs.device();
+    let _seeded = SEEDED.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
     tch::manual_seed(0);
     for p in model.params() {
         let segs: Vec<&str> = p.name.split('.').collect();
@@ -598,6 +604,7 @@ fn build<'m>(model: &'m Model, vs: &nn::VarStore) -> Result<Net<'m>, String> {
 }
 
 fn inputs(model: &Model, case: &Case, dev: Device) -> Inputs {
+    let _seeded = SEEDED.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
     tch::manual_seed(case.resolution as i64);
     let r = |s: &[i64]| Tensor::randn(s, (Kind::Float, dev)).to_kind(Kind::BFloat16);
     let (b, n, t) = (case.batch as i64, case.image_tokens as i64, case.text_tokens as i64);

@@ -76,11 +76,23 @@ def merge(runs: list[dict], files: list[str], date: str, min_runs: int = 3) -> d
     fitting = {m: v for m, v in modes.items() if m not in ("resident", "offload") and "failed" not in v and v["fits_budget"]}
     best = min(fitting, key=lambda m: fitting[m]["call_s"]["median"], default=None)
     r0 = runs[0]
+
+    # The results file's common fields (DESIGN.md, Benchmark results): a "step"
+    # here is the whole call; a call's link bytes are not read, so no bound.
+    def row(m: dict) -> dict:
+        return dict(resolution=r0["res"], batch=1, depth=1, budget_bytes=int(budget), step_resident_s=res["call_s"]["median"],
+                    step_streamed_s=m["call_s"]["median"], bandwidth_gbps=None, streamed_bytes=None, bound_s=None,
+                    ratio_to_bound=None, peak_device_bytes=m["peak_device_bytes"], bitwise_equal=m["bitwise_equal_to_resident"])
+
     out = {
         "generated_by": "bench/anchors/py_pipeline.py merge",
         "date": date,
         "commit": r0["commit"],
         "gpu": r0["gpu"],
+        "backend": "python",
+        "model": "flux-dev",
+        "cases": [row(ours)],
+        "anchors": {m: row(v) for m, v in modes.items() if m not in ("resident", "offload") and "failed" not in v},
         "versions": r0["versions"],
         "case": {"pipeline": "FluxPipeline", "transformer": "flux-dev", "res": r0["res"], "steps": r0["steps"], "batch": 1},
         "budget_gib": r0["budget_gib"],
@@ -98,7 +110,8 @@ def merge(runs: list[dict], files: list[str], date: str, min_runs: int = 3) -> d
         "offload_weights_budget_gib": [r["modes"]["offload"].get("weights_budget_gib") for r in runs],
         "method": "call_s: one pipeline call of `steps` denoising steps and the VAE decode, the median over a process's timed calls, "
                   "then the median over processes; peak_device_bytes: torch.cuda.max_memory_allocated over a call (weights and "
-                  "activations); weights_device_bytes: allocated before the call; fits_budget: peak within budget_gib",
+                  "activations); weights_device_bytes: allocated before the call; fits_budget: peak within budget_gib; "
+                  "cases and anchors: the common fields, a step being the whole call (bandwidth, bytes and bound not read: null)",
     }
     out["meets_targets"] = all(out["targets"].values())
     return out

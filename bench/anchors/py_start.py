@@ -70,13 +70,23 @@ def merge(runs: list[dict], files: list[str], date: str, min_runs: int = 3) -> d
         "bitwise_equal": bitwise,
     }
     r0 = runs[0]
+    gbps = statistics.median(r["bandwidth_bytes_per_s"] for r in runs) / 1e9
+    resident_s, streamed_s = col("resident")["median"], col("streamed")["median"]
+    bound_s = max(resident_s, r0["step_bytes"] / (gbps * 1e9))
+    # The results file's common fields (DESIGN.md, Benchmark results): the one
+    # case, medians over the processes; the start's own figures follow.
+    case = dict(model=r0["model"], case=r0["case"], resolution=int(r0["case"]), batch=1, depth=1, budget_bytes=None, step_resident_s=resident_s,
+                step_streamed_s=streamed_s, bandwidth_gbps=gbps, streamed_bytes=r0["step_bytes"], bound_s=bound_s,
+                ratio_to_bound=streamed_s / bound_s, peak_device_bytes=None, bitwise_equal=bitwise)
     return {
         "generated_by": "bench/anchors/py_start.py merge",
         "date": date,
         "commit": r0["commit"],
         "gpu": r0["gpu"],
+        "backend": "python",
         "versions": r0["versions"],
         "model": r0["model"],
+        "cases": [case],
         "case": r0["case"],
         "file_bytes": r0["file_bytes"],
         "processes": len(runs),
@@ -96,7 +106,8 @@ def merge(runs: list[dict], files: list[str], date: str, min_runs: int = 3) -> d
         "method": "start_s: from offload.enable(model, checkpoint=...) on a model built on the meta device to the end of its "
                   "first streamed step (inputs made before); host_rss_first_step_bytes: RssAnon + RssShmem then (the process's "
                   "own memory: torch, the CUDA context, the resident tensors; not the checkpoint's page-cache pages); "
-                  "ratio_to_bound: the median streamed step over max(resident step, bytes a step / the engine's probed bandwidth)",
+                  "ratio_to_bound: the median streamed step over max(resident step, bytes a step / the engine's probed bandwidth); "
+                  "cases[0].peak_device_bytes: not read by this bench (null)",
     }
 
 

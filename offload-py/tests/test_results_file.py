@@ -157,6 +157,19 @@ def test_a_published_start_or_pipeline_file_rebuilds_from_its_runs(kind, script,
         assert out.read_bytes() == f.read_bytes(), f"{f.name} is not what {script} merge makes of its runs"
 
 
+def test_every_python_results_file_holds_the_common_fields():
+    # DESIGN.md, Benchmark results: the fields every results file holds.
+    case_keys = {"resolution", "batch", "depth", "budget_bytes", "step_resident_s", "step_streamed_s", "bandwidth_gbps",
+                 "streamed_bytes", "bound_s", "ratio_to_bound", "peak_device_bytes", "bitwise_equal"}
+    for f in sorted((ROOT / "bench" / "results").glob("*-python-*.json")):
+        d = json.loads(f.read_text())
+        if f.name.endswith("-python-package.json"):
+            continue  # py_merge.py's rows: its own table of per-case fields
+        missing = {"date", "commit", "gpu", "backend", "model", "cases"} - d.keys()
+        assert not missing, f"{f.name}: {missing}"
+        assert d["cases"] and all(case_keys <= c.keys() for c in d["cases"]), f"{f.name}: a case lacks {case_keys}"
+
+
 def test_the_start_bench_runs_end_to_end_on_the_simulated_device(tmp_path):
     # bench/anchors/py_start.py as the GPU runner runs it (write, three processes,
     # merge), on the simulated device and a small Flux of the real class whose

@@ -26,6 +26,16 @@ fn gib(v: &Value) -> f64 {
     v.as_f64().unwrap_or(0.0) / (1u64 << 30) as f64
 }
 
+/// GiB where the file holds a figure, NaN where it holds none (a figure the run
+/// did not read is not zero).
+fn gib_or_nan(v: &Value) -> f64 {
+    if v.is_number() {
+        gib(v)
+    } else {
+        f64::NAN
+    }
+}
+
 /// Device memory for weights: the bench room's `weights_device_bytes`, else the
 /// older files' `peak_device_bytes`.
 fn weights_or_peak(v: &Value) -> &Value {
@@ -67,7 +77,7 @@ fn rows(dir: &Path) -> Result<Vec<Row>, String> {
                 bound_s: c["bound_s"].as_f64().unwrap_or(f64::NAN),
                 ratio: c["ratio_to_bound"].as_f64().unwrap_or(f64::NAN),
                 predicted_s: c["predicted_step_s"].as_f64(),
-                peak_gib: gib(weights_or_peak(c)),
+                peak_gib: gib_or_nan(weights_or_peak(c)),
                 bitwise: c["bitwise_equal"].as_bool().map_or("–".into(), |b| if b { "yes".into() } else { "NO".into() }),
             });
         }
@@ -85,7 +95,7 @@ fn rows(dir: &Path) -> Result<Vec<Row>, String> {
                 bound_s: a["bound_s"].as_f64().unwrap_or(f64::NAN),
                 ratio: a["ratio_to_bound"].as_f64().unwrap_or(f64::NAN),
                 predicted_s: None,
-                peak_gib: gib(weights_or_peak(a)),
+                peak_gib: gib_or_nan(weights_or_peak(a)),
                 bitwise: "–".into(),
             });
         }
@@ -409,7 +419,8 @@ pub fn report(root: &Path) -> Result<(), String> {
         peak.insert(0, ("all resident".into(), total / (1u64 << 30) as f64));
     }
     bars(&plots.join("peak-memory.png"), "device memory for weights", "GiB", &peak, None)?;
-    let newest_planner = rows.iter().filter(|r| r.budget_gib.is_some()).map(|r| r.file.clone()).max();
+    // The planner's own runs (`*-planner*.json`), not other files' budgeted cases (a pipeline's).
+    let newest_planner = rows.iter().filter(|r| r.budget_gib.is_some() && r.file.contains("-planner")).map(|r| r.file.clone()).max();
     let planner: Vec<&Row> = rows.iter().filter(|r| r.budget_gib.is_some() && Some(&r.file) == newest_planner.as_ref()).collect();
     if !planner.is_empty() {
         planner_plot(&plots.join("planner-budget.png"), &planner)?;

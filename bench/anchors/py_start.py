@@ -107,7 +107,9 @@ def merge(runs: list[dict], files: list[str], date: str, min_runs: int = 3) -> d
                   "first streamed step (inputs made before); host_rss_first_step_bytes: RssAnon + RssShmem then (the process's "
                   "own memory: torch, the CUDA context, the resident tensors; not the checkpoint's page-cache pages); "
                   "ratio_to_bound: the median streamed step over max(resident step, bytes a step / the engine's probed bandwidth); "
-                  "cases[0].peak_device_bytes: not read by this bench (null)",
+                  "cases[0]: the common fields from the medians (its ratio_to_bound the median streamed step over the bound of "
+                  "the median resident step and bandwidth, so it may differ from the median of the processes' ratios above); "
+                  "its peak_device_bytes not read by this bench (null)",
     }
 
 

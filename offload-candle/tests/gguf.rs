@@ -75,9 +75,21 @@ fn candles_gguf_file_reads_the_same_in_offloads_reader() {
     let _ = std::fs::remove_file(&p);
 }
 
+/// How a test's host store holds the file's blocks.
+#[derive(Clone, Copy, PartialEq)]
+enum Tier {
+    /// Copied into host memory.
+    Copied,
+    /// Served from the file in place where they lie on the store's grid.
+    Mapped,
+    /// Blocks 1-3 left on disk and read from the file for each copy (block 0 lies
+    /// off the store's grid: see [`write_model`]).
+    Disk,
+}
+
 #[test]
 fn gguf_blocks_stream_as_stored_bitwise_equal_to_candles_resident_quantized_run() {
-    stream_bitwise(false);
+    stream_bitwise(Tier::Copied);
 }
 
 /// The same from the mapped host tier: a block whose tensors lie on the store's
@@ -85,14 +97,45 @@ fn gguf_blocks_stream_as_stored_bitwise_equal_to_candles_resident_quantized_run(
 /// 0 (its first tensor 1056 bytes long) is copied, and counted so, with the reason.
 #[test]
 fn gguf_blocks_from_the_mapped_tier_stream_bitwise_equal_and_count_their_copies() {
-    let tier = stream_bitwise(true);
+    let tier = stream_bitwise(Tier::Mapped);
     // Blocks 1-3 and the resident img_in in place; block 0 copied.
     assert_eq!((tier.mapped, tier.copied), (DEPTH, 1), "{tier:?}");
     assert!(tier.copy_reason.as_deref().is_some_and(|r| r.contains("blocks.0.fc1.weight")), "{tier:?}");
 }
 
-fn stream_bitwise(mapped: bool) -> offload_core::HostTier {
-    let p = path(if mapped { "mapped" } else { "stream" });
+/// The disk tier on a GGUF file: the blocks planned on disk are read from the
+/// file as stored for each copy, bitwise equal to candle's resident run, every
+/// step reading them again.
+#[test]
+fn gguf_blocks_from_the_disk_tier_stream_bitwise_equal() {
+    let tier = stream_bitwise(Tier::Disk);
+    assert_eq!(tier.on_disk, DEPTH - 1, "{tier:?}");
+}
+
+/// A block planned on disk whose tensors do not lie in the file as the store
+/// lays them out (block 0: its first tensor 1056 bytes long, the next off the
+/// 256-byte grid) is refused by name: held in memory it would take host memory
+/// the plan did not count.
+#[test]
+fn a_gguf_block_that_cannot_be_read_from_disk_as_laid_out_is_named() {
+    let p = path("disk-refused");
+    write_model(&p, None);
+    let file = GgufFile::open(&p).unwrap();
+    let inventory = NameDiscovery.discover("transformer", file.specs()).unwrap();
+    let e = HostStore::build_tiered(&CandleBackend::cpu(), &inventory, &file, offload_core::PinOptions::default(), &|_| true)
+        .err()
+        .expect("block 0 cannot be read from the file as laid out")
+        .to_string();
+    let _ = std::fs::remove_file(&p);
+    assert!(e.contains("blocks.0") && e.contains("on disk") && e.contains("GGUF file"), "{e}");
+}
+
+fn stream_bitwise(tier: Tier) -> offload_core::HostTier {
+    let p = path(match tier {
+        Tier::Copied => "stream",
+        Tier::Mapped => "mapped",
+        Tier::Disk => "disk",
+    });
     write_model(&p, None);
     let x = Tensor::randn(0f32, 1.0, (8, HIDDEN), &Device::Cpu).unwrap();
 
@@ -112,9 +155,11 @@ fn stream_bitwise(mapped: bool) -> offload_core::HostTier {
     let file = GgufFile::open(&p).unwrap();
     let inventory = NameDiscovery.discover("transformer", file.specs()).unwrap();
     let backend = CandleBackend::cpu();
-    let store = Arc::new(match mapped {
-        true => HostStore::build_mapped(&backend, &inventory, &file, offload_core::PinOptions::default()).unwrap(),
-        false => HostStore::build(&backend, &inventory, &file).unwrap(),
+    let pin = offload_core::PinOptions::default();
+    let store = Arc::new(match tier {
+        Tier::Copied => HostStore::build(&backend, &inventory, &file).unwrap(),
+        Tier::Mapped => HostStore::build_mapped(&backend, &inventory, &file, pin).unwrap(),
+        Tier::Disk => HostStore::build_tiered(&backend, &inventory, &file, pin, &|id| id.index != 0).unwrap(),
     });
     // A block's bytes are its stored bytes: Q4_K's 144 bytes per 256 weights,
     // Q4_K's again (block 1's fc2), the f32 scale and the bf16 shift.
@@ -123,18 +168,29 @@ fn stream_bitwise(mapped: bool) -> offload_core::HostTier {
     assert_eq!(stored, 2 * (n / 256 * 144) + 4 * HIDDEN + 2 * HIDDEN);
     let plan = resolve(&Plan::layerwise(), std::slice::from_ref(&inventory)).unwrap();
     let mut ring = Ring::new(backend.clone(), store.clone(), &plan.components[0]).unwrap();
+    // Two steps: the second reads the blocks on disk again (none stays in host memory).
     let mut x_s = x.clone();
-    for (i, &fc2) in FC2.iter().enumerate() {
-        let g = ring.block("blocks", i).unwrap();
-        let w = backend.qtensors(g.slot(), g.layout(), &format!("blocks.{i}.")).unwrap();
-        assert_eq!(w["fc2.weight"].dtype(), fc2);
-        x_s = block(&w, &x_s);
-        g.finish().unwrap();
+    for step in 0..2 {
+        x_s = x.clone();
+        for (i, &fc2) in FC2.iter().enumerate() {
+            let g = ring.block("blocks", i).unwrap();
+            let w = backend.qtensors(g.slot(), g.layout(), &format!("blocks.{i}.")).unwrap();
+            assert_eq!(w["fc2.weight"].dtype(), fc2);
+            x_s = block(&w, &x_s);
+            g.finish().unwrap();
+        }
+        let m = ring.end_step().unwrap();
+        // The steady step prefetches every block (the disk tier's first step
+        // may wait for a read: a cold start).
+        assert_eq!(m.blocks, DEPTH as u64, "step {step}: {m}");
+        assert!(m.misses == 0 || (step == 0 && tier == Tier::Disk), "step {step}: {m}");
+        // Each step reads every block on disk from the file once, and only those.
+        let on_disk = store.disk_bytes();
+        assert_eq!(on_disk > 0, tier == Tier::Disk);
+        assert_eq!(m.disk_bytes_read, on_disk, "step {step}: {m}");
     }
-    let m = ring.end_step().unwrap();
     ring.close().unwrap();
     backend.host_device().check().expect("no protocol violation");
-    assert_eq!((m.blocks, m.misses), (DEPTH as u64, 0));
 
     let (r, s) = (x_r.flatten_all().unwrap().to_vec1::<f32>().unwrap(), x_s.flatten_all().unwrap().to_vec1::<f32>().unwrap());
     assert!(r.iter().all(|v| v.is_finite()) && r.iter().any(|v| *v != r[0]), "a finite, non-constant output");

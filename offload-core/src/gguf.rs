@@ -12,7 +12,7 @@
 //! error naming the tensor and the type.
 
 use crate::error::{Error, Result};
-use crate::source::{check_region_is, FileIdentity, FileRegion, HostRegion, RegionSource, TensorSource};
+use crate::source::{check_region_is, CheckpointFile, FileIdentity, FileRegion, HostRegion, RegionSource, TensorSource};
 use crate::tensor::{DType, TensorSpec};
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -390,6 +390,18 @@ impl RegionSource for GgufFile {
     }
     fn tensor_offset(&self, index: usize) -> usize {
         self.offsets[index] as usize
+    }
+}
+
+/// The disk tier reads a block from the file where its tensors lie as the store
+/// lays them out, as for the mapped tier; a block planned on disk that does not
+/// is an error naming it and the tensor.
+impl CheckpointFile for GgufFile {
+    fn file_path(&self) -> &Path {
+        &self.path
+    }
+    fn opened_identity(&self) -> FileIdentity {
+        self.opened
     }
 }
 

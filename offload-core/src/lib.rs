@@ -85,7 +85,7 @@ pub use rename::{
     FluxSizes, Renamed, GGUF_ARCHITECTURES,
 };
 pub use ring::{BlockGuard, Ring};
-pub use source::{FileIdentity, FileRegion, HostRegion, MemoryTensors, RegionSource, SafetensorsFile, TensorSource};
+pub use source::{CheckpointFile, FileIdentity, FileRegion, HostRegion, MemoryTensors, RegionSource, SafetensorsFile, TensorSource};
 pub use store::{probe_bandwidth, HostBlock, HostStore, HostTier, PinOptions};
 pub use tensor::{align_up, BlockLayout, DType, PlacedTensor, TensorSpec, TENSOR_ALIGN};
 pub use timeline::{HostMark, Span, Timeline};

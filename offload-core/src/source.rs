@@ -190,11 +190,6 @@ impl SafetensorsFile {
         &self.path
     }
 
-    /// The file's identity when its header was read.
-    pub(crate) fn identity(&self) -> FileIdentity {
-        self.opened
-    }
-
     /// Where tensor `index`'s bytes start in the file.
     pub fn data_offset(&self, index: usize) -> u64 {
         self.offsets[index]
@@ -305,6 +300,27 @@ pub trait RegionSource: TensorSource {
     fn region(&self) -> Arc<dyn HostRegion>;
     /// Where tensor `index`'s bytes start in the region.
     fn tensor_offset(&self, index: usize) -> usize;
+}
+
+/// A checkpoint file whose blocks the disk tier reads from it as the ring needs
+/// them ([`HostStore::build_tiered`](crate::HostStore::build_tiered)): a
+/// [`RegionSource`] over one file, with the file's path and its identity when
+/// its header was read, so a file replaced or written since is refused.
+/// safetensors ([`SafetensorsFile`]) and GGUF ([`GgufFile`](crate::GgufFile)).
+pub trait CheckpointFile: RegionSource {
+    /// The file's path.
+    fn file_path(&self) -> &Path;
+    /// The file's identity when its header was read.
+    fn opened_identity(&self) -> FileIdentity;
+}
+
+impl CheckpointFile for SafetensorsFile {
+    fn file_path(&self) -> &Path {
+        &self.path
+    }
+    fn opened_identity(&self) -> FileIdentity {
+        self.opened
+    }
 }
 
 /// What identifies a file's contents cheaply: which file it is (device and

@@ -8,7 +8,7 @@ use crate::disk::DiskFile;
 use crate::error::{Error, Result};
 use crate::host::{HostBuf, HostBuffer, HostKind, HostMemory};
 use crate::plan::{ComponentPlan, PinFallback};
-use crate::source::{HostRegion, RegionSource, SafetensorsFile, TensorSource};
+use crate::source::{CheckpointFile, HostRegion, RegionSource, TensorSource};
 use crate::tensor::{BlockLayout, PlacedTensor, TENSOR_ALIGN};
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -353,8 +353,8 @@ impl<B: OffloadBackend> HostStore<B> {
         Self::build_inner(backend, inventory, source, pin, Some((&region, &offset)), None, None)
     }
 
-    /// Build the store of `inventory` from the checkpoint `file`, keeping in host
-    /// memory only the blocks for which `on_disk` is false (the disk tier: host
+    /// Build the store of `inventory` from the checkpoint `file` (safetensors or
+    /// GGUF: [`CheckpointFile`]), keeping in host memory only the blocks for which `on_disk` is false (the disk tier: host
     /// memory smaller than the model). A block on disk has no host buffer: a ring
     /// reads it from the file for each copy, into a few page-locked bounce
     /// buffers it holds, on reader threads, ahead of need (`O_DIRECT` where the
@@ -364,15 +364,15 @@ impl<B: OffloadBackend> HostStore<B> {
     /// (held in memory it would exceed the plan's host memory). The file must be
     /// the one `file`'s header was read from. The non-block tensors are always
     /// held in memory. The plan's choice is [`ResolvedComponent::is_on_disk`](crate::ResolvedComponent::is_on_disk).
-    pub fn build_tiered(
+    pub fn build_tiered<F: CheckpointFile>(
         backend: &B,
         inventory: &ComponentInventory,
-        file: &SafetensorsFile,
+        file: &F,
         pin: PinOptions,
         on_disk: &dyn Fn(&BlockId) -> bool,
     ) -> Result<Self> {
-        let disk = Arc::new(DiskFile::open_expecting(file.path(), file.identity())?);
-        let offset = |i: usize| file.data_offset(i) as usize;
+        let disk = Arc::new(DiskFile::open_expecting(file.file_path(), file.opened_identity())?);
+        let offset = |i: usize| file.tensor_offset(i);
         Self::build_inner(backend, inventory, file, pin, None, Some((&disk, &offset, on_disk)), None)
     }
 

@@ -71,9 +71,22 @@ fn write_sized(path: &std::path::Path, (out, inn): (usize, usize), weights: Weig
             data.push((format!("blocks.{i}.ff.weight_scale"), safetensors::Dtype::F32, vec![out, 1], s));
         }
     }
-    let views: Vec<_> =
-        data.iter().map(|(n, d, s, b)| (n.clone(), safetensors::tensor::TensorView::new(*d, s.clone(), b).expect("valid view"))).collect();
-    std::fs::write(path, safetensors::serialize(views, &None).expect("serializes")).expect("writes");
+    // Laid out as the host store lays blocks out (block by block, each tensor at a
+    // multiple of 256 bytes), so the mapped tier serves every block in place and
+    // the disk tier reads each as one range.
+    let (mut header, mut bytes) = (serde_json::Map::new(), Vec::new());
+    for (name, dtype, shape, b) in &data {
+        bytes.resize(bytes.len().next_multiple_of(256), 0);
+        let at = bytes.len();
+        bytes.extend_from_slice(b);
+        header.insert(name.clone(), serde_json::json!({"dtype": format!("{dtype:?}"), "shape": shape, "data_offsets": [at, bytes.len()]}));
+    }
+    let mut h = serde_json::to_vec(&serde_json::Value::Object(header)).expect("a header");
+    h.resize(h.len().next_multiple_of(8), b' ');
+    let mut out = (h.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(&h);
+    out.extend_from_slice(&bytes);
+    std::fs::write(path, out).expect("writes");
 }
 
 /// One block: x <- x + W x, W dequantised to bf16 from its stored bytes and scales.
@@ -141,11 +154,13 @@ fn fp8_weights_with_per_channel_scales_stream_as_stored_bitwise_equal_to_residen
 
     let inventory = NameDiscovery.discover("transformer", file.specs()).unwrap();
     let plan = resolve(&Plan::layerwise(), std::slice::from_ref(&inventory)).unwrap();
-    for mapped in [false, true] {
+    for tier in ["copied", "mapped tier", "disk tier"] {
         let sim = SimBackend::default_device();
-        let store = Arc::new(match mapped {
-            true => HostStore::build_mapped(&sim, &inventory, &file, PinOptions::default()).unwrap(),
-            false => HostStore::build(&sim, &inventory, &file).unwrap(),
+        let store = Arc::new(match tier {
+            "mapped tier" => HostStore::build_mapped(&sim, &inventory, &file, PinOptions::default()).unwrap(),
+            // Every block left on disk, read from the file as stored for each copy.
+            "disk tier" => HostStore::build_tiered(&sim, &inventory, &file, PinOptions::default(), &|_| true).unwrap(),
+            _ => HostStore::build(&sim, &inventory, &file).unwrap(),
         });
         let (ring, x, m) = stream(&sim, &store, &plan.components[0], &x0);
         // A block holds one byte a weight and four a scale, with at most one
@@ -156,13 +171,25 @@ fn fp8_weights_with_per_channel_scales_stream_as_stored_bitwise_equal_to_residen
         }
         assert_eq!(m.blocks, DEPTH as u64);
         assert!(m.bytes_copied >= (DEPTH * (OUT * IN + 4 * OUT)) as u64, "{} bytes a step", m.bytes_copied);
+        // The file is laid out as the store lays blocks out: served in place, or read from disk, whole.
+        let t = store.tier();
+        let want = match tier {
+            "mapped tier" => (DEPTH, 0, 0),
+            "disk tier" => (0, 0, DEPTH),
+            _ => (0, 0, 0),
+        };
+        assert_eq!((t.mapped, if tier == "mapped tier" { t.copied } else { 0 }, t.on_disk), want, "{tier}: {t:?}");
+        let on_disk: u64 = match tier {
+            "disk tier" => store.blocks().iter().map(|b| b.layout.bytes as u64).sum(),
+            _ => 0,
+        };
+        // A step reads every block on disk once, and (depth 1) the next step's
+        // first block ahead of it.
+        let first = store.blocks()[0].layout.bytes as u64 * (tier == "disk tier") as u64;
+        assert_eq!((store.disk_bytes(), m.disk_bytes_read), (on_disk, on_disk + first), "{tier}: {m}");
         ring.close().unwrap();
         sim.check().expect("no protocol violation");
-        assert!(
-            x.iter().zip(&resident).all(|(a, b)| a.to_bits() == b.to_bits()),
-            "fp8 streamed ({}) differs from resident",
-            if mapped { "mapped tier" } else { "copied" }
-        );
+        assert!(x.iter().zip(&resident).all(|(a, b)| a.to_bits() == b.to_bits()), "fp8 streamed ({tier}) differs from resident");
     }
     let _ = std::fs::remove_file(&path);
 }

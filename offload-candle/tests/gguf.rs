@@ -348,3 +348,88 @@ fn a_qwen_image_gguf_streams_under_diffusers_names_by_its_architecture() {
     ring.close().unwrap();
     let _ = std::fs::remove_file(&p);
 }
+
+/// The mapped and the disk tier under diffusers' names: a BFL-named Flux GGUF
+/// whose tensors are each a whole number of 256 bytes (f32, as candle's writer
+/// lays them one after another), seen through `flux_bfl_to_diffusers`. Every
+/// block's tensors, `to_q`/`to_k`/`to_v` among them (runs of rows of a fused
+/// `qkv`), lie in the file as the store lays them out, so each block is served
+/// in place or read from disk as one range, its bytes those the renaming reads;
+/// `norm_out.linear` (scale and shift swapped: two parts) is not one range, so
+/// the tensors outside the blocks are copied, with the reason naming it.
+#[test]
+fn a_bfl_named_flux_gguf_serves_its_blocks_in_place_and_from_disk_under_diffusers_names() {
+    use offload_core::{flux_bfl_to_diffusers, DeclaredStacks, PinOptions, Renamed};
+    let dev = Device::Cpu;
+    let sizes = offload_core::FluxSizes {
+        hidden: 64,
+        head_dim: 64,
+        mlp: 128,
+        double: 2,
+        single: 2,
+        pooled: 64,
+        text: 64,
+        in_channels: 64,
+        out_channels: 64,
+    };
+    let mut t: Vec<(String, QTensor)> = offload_core::flux_bfl_tensors(sizes)
+        .into_iter()
+        .map(|(n, shape)| (n, QTensor::quantize(&Tensor::randn(0f32, 0.05, shape.as_slice(), &dev).unwrap(), GgmlDType::F32).unwrap()))
+        .collect();
+    // In name order, as a BFL safetensors file holds them and the GGUF
+    // conversions write them: each block's tensors one run of the file.
+    t.sort_by(|a, b| a.0.cmp(&b.0));
+    let p = path("bfl-tiers");
+    let refs: Vec<(&str, &QTensor)> = t.iter().map(|(n, q)| (n.as_str(), q)).collect();
+    gguf_file::write(&mut std::fs::File::create(&p).unwrap(), &[], &refs).unwrap();
+    let open = || {
+        let file = GgufFile::open(&p).unwrap();
+        let map = flux_bfl_to_diffusers(file.specs()).unwrap();
+        Renamed::new(file, map).unwrap()
+    };
+    let renamed = open();
+    let inventory =
+        DeclaredStacks::new(["transformer_blocks", "single_transformer_blocks"]).discover("transformer", renamed.specs()).unwrap();
+    let plan = resolve(&Plan::layerwise(), std::slice::from_ref(&inventory)).unwrap();
+    let blocks = inventory.blocks().count();
+    assert_eq!(blocks, 4);
+    for on_disk in [false, true] {
+        let backend = CandleBackend::cpu();
+        let store = Arc::new(match on_disk {
+            false => HostStore::build_mapped(&backend, &inventory, &renamed, PinOptions::default()).unwrap(),
+            true => HostStore::build_tiered(&backend, &inventory, &renamed, PinOptions::default(), &|_| true).unwrap(),
+        });
+        let tier = store.tier().clone();
+        match on_disk {
+            false => assert_eq!((tier.mapped, tier.copied), (blocks, 1), "{tier:?}"),
+            true => assert_eq!(tier.on_disk, blocks, "{tier:?}"),
+        }
+        if !on_disk {
+            assert!(tier.copy_reason.as_deref().is_some_and(|r| r.contains("norm_out.linear.weight")), "{tier:?}");
+        }
+        let mut ring = Ring::new(backend.clone(), store.clone(), &plan.components[0]).unwrap();
+        let mut checked = 0;
+        for b in inventory.blocks() {
+            let g = ring.block(&b.id.stack, b.id.index).unwrap();
+            let prefix = format!("{}.", b.id);
+            let w = backend.qtensors(g.slot(), g.layout(), &prefix).unwrap();
+            for spec in &b.tensors {
+                let i = renamed.specs().iter().position(|s| s.name == spec.name).unwrap();
+                let mut want = vec![0; spec.nbytes().unwrap()];
+                renamed.read_into(i, &mut want).unwrap();
+                let got = w[spec.name.strip_prefix(&prefix).unwrap()].data().unwrap();
+                assert!(*got == want, "{}: streamed bytes differ ({})", spec.name, if on_disk { "disk" } else { "mapped" });
+                checked += 1;
+            }
+            g.finish().unwrap();
+        }
+        assert!(checked > 4 * blocks, "{checked} tensors checked");
+        let m = ring.end_step().unwrap();
+        // The disk tier's first step may wait for a read (a cold start).
+        assert!(m.misses == 0 || (on_disk && m.misses <= 1), "{m}");
+        assert!(!on_disk || m.disk_bytes_read >= store.disk_bytes(), "{m}");
+        ring.close().unwrap();
+        backend.host_device().check().expect("no protocol violation");
+    }
+    let _ = std::fs::remove_file(&p);
+}

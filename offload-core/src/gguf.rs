@@ -388,8 +388,8 @@ impl RegionSource for GgufFile {
     fn region(&self) -> Arc<dyn HostRegion> {
         self.region.clone()
     }
-    fn tensor_offset(&self, index: usize) -> usize {
-        self.offsets[index] as usize
+    fn tensor_offset(&self, index: usize) -> Option<usize> {
+        Some(self.offsets[index] as usize)
     }
 }
 

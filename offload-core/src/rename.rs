@@ -7,7 +7,7 @@
 //! `convert_flux_transformer_checkpoint_to_diffusers` does.
 
 use crate::error::{Error, Result};
-use crate::source::{RegionSource, TensorSource};
+use crate::source::{CheckpointFile, FileIdentity, HostRegion, RegionSource, TensorSource};
 use crate::tensor::TensorSpec;
 use std::collections::HashMap;
 
@@ -69,13 +69,45 @@ impl<S: RegionSource> TensorSource for Renamed<S> {
         let region = self.inner.region();
         let mut at = 0;
         for &(i, off, len) in &self.parts[index] {
-            region.read_at(self.inner.tensor_offset(i) + off, &mut dst[at..at + len]).map_err(|e| match e {
+            let start = self.inner.tensor_offset(i).ok_or_else(|| {
+                bad(
+                    &self.specs[index].name,
+                    format!("part of {:?}, whose bytes are not one range of {}", self.inner.specs()[i].name, region.origin()),
+                )
+            })?;
+            region.read_at(start + off, &mut dst[at..at + len]).map_err(|e| match e {
                 Error::BadCheckpoint { path, fault, .. } => Error::BadCheckpoint { path, tensor: self.specs[index].name.clone(), fault },
                 e => e,
             })?;
             at += len;
         }
         Ok(())
+    }
+}
+
+/// The mapped host tier (and the disk tier) under the new names: a tensor that
+/// is one run of rows of a file's tensor (a split `qkv`) lies in the file as one
+/// range; one joined from parts (Flux's `norm_out.linear`, scale and shift
+/// swapped) does not, and a block holding one is copied (planned on disk, it is
+/// an error naming it).
+impl<S: RegionSource> RegionSource for Renamed<S> {
+    fn region(&self) -> std::sync::Arc<dyn HostRegion> {
+        self.inner.region()
+    }
+    fn tensor_offset(&self, index: usize) -> Option<usize> {
+        match self.parts[index].as_slice() {
+            &[(i, off, _)] => self.inner.tensor_offset(i).map(|start| start + off),
+            _ => None,
+        }
+    }
+}
+
+impl<S: CheckpointFile> CheckpointFile for Renamed<S> {
+    fn file_path(&self) -> &std::path::Path {
+        self.inner.file_path()
+    }
+    fn opened_identity(&self) -> FileIdentity {
+        self.inner.opened_identity()
     }
 }
 

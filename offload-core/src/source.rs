@@ -219,8 +219,8 @@ impl RegionSource for SafetensorsFile {
     fn region(&self) -> Arc<dyn HostRegion> {
         self.region.clone()
     }
-    fn tensor_offset(&self, index: usize) -> usize {
-        self.offsets[index] as usize
+    fn tensor_offset(&self, index: usize) -> Option<usize> {
+        Some(self.offsets[index] as usize)
     }
 }
 
@@ -298,8 +298,10 @@ pub(crate) fn check_region_is(path: &Path, opened: &FileIdentity, region: &Arc<d
 pub trait RegionSource: TensorSource {
     /// The region holding every tensor.
     fn region(&self) -> Arc<dyn HostRegion>;
-    /// Where tensor `index`'s bytes start in the region.
-    fn tensor_offset(&self, index: usize) -> usize;
+    /// Where tensor `index`'s bytes start in the region; `None` where they are
+    /// not one range of it (a tensor a renaming joins from parts), which the
+    /// host store then copies.
+    fn tensor_offset(&self, index: usize) -> Option<usize>;
 }
 
 /// A checkpoint file whose blocks the disk tier reads from it as the ring needs

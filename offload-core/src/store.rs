@@ -382,8 +382,8 @@ impl<B: OffloadBackend> HostStore<B> {
         inventory: &ComponentInventory,
         source: &dyn TensorSource,
         pin: PinOptions,
-        mapped: Option<(&Arc<dyn HostRegion>, &dyn Fn(usize) -> usize)>,
-        disk: Option<(&Arc<DiskFile>, &dyn Fn(usize) -> usize, &dyn Fn(&BlockId) -> bool)>,
+        mapped: Option<(&Arc<dyn HostRegion>, &dyn Fn(usize) -> Option<usize>)>,
+        disk: Option<(&Arc<DiskFile>, &dyn Fn(usize) -> Option<usize>, &dyn Fn(&BlockId) -> bool)>,
         precoded: Option<(&CodedFile, &(dyn TensorSource + Sync))>,
     ) -> Result<Self> {
         let t0 = std::time::Instant::now();
@@ -417,17 +417,21 @@ impl<B: OffloadBackend> HostStore<B> {
         let by_name: HashMap<&str, usize> = source.specs().iter().enumerate().map(|(i, s)| (s.name.as_str(), i)).collect();
         // Where every tensor of the source starts in the region, in order (to find
         // a tensor of another block lying inside a block's range).
-        let offset_of: Option<&dyn Fn(usize) -> usize> = mapped.map(|m| m.1).or(disk.map(|d| d.1));
+        let offset_of: Option<&dyn Fn(usize) -> Option<usize>> = mapped.map(|m| m.1).or(disk.map(|d| d.1));
         let mut starts: Vec<(usize, usize)> = match offset_of {
-            Some(offset_of) => (0..source.specs().len()).map(|i| (offset_of(i), i)).collect(),
+            Some(offset_of) => (0..source.specs().len()).filter_map(|i| offset_of(i).map(|a| (a, i))).collect(),
             None => Vec::new(),
         };
         starts.sort_unstable();
         let disk_blocks = std::cell::Cell::new((0usize, 0u64));
         // Where a block would be served from in the file, if its tensors lie there
         // as the store lays them out and nothing else lies among them.
-        let place = |specs: &[crate::tensor::TensorSpec], indices: &[(usize, usize, usize)], offset_of: &dyn Fn(usize) -> usize| {
-            let at: Vec<usize> = indices.iter().map(|&(i, _, _)| offset_of(i)).collect();
+        let place = |specs: &[crate::tensor::TensorSpec], indices: &[(usize, usize, usize)], offset_of: &dyn Fn(usize) -> Option<usize>| {
+            let at: Vec<usize> = indices
+                .iter()
+                .zip(specs)
+                .map(|(&(i, _, _), t)| offset_of(i).ok_or_else(|| format!("{}'s bytes are not one range of the file", t.name)))
+                .collect::<std::result::Result<_, _>>()?;
             placement(specs, &at).and_then(|(start, layout)| {
                 let end = start + layout.bytes;
                 let from = starts.partition_point(|&(a, _)| a < start);

@@ -40,13 +40,13 @@ fn a_mapped_checkpoint_reads_through_the_file_and_notices_truncation() {
     let mut w = vec![0u8; 8192];
     f.read_into(0, &mut w).unwrap();
     let mut via = vec![0u8; 8192];
-    r.read_at(f.tensor_offset(0), &mut via).unwrap();
+    r.read_at(f.tensor_offset(0).unwrap(), &mut via).unwrap();
     assert_eq!(w, via);
     assert_eq!(w[5], 36);
     std::fs::OpenOptions::new().write(true).open(&p).unwrap().set_len(64).unwrap();
     let e = r.check().unwrap_err().to_string();
     assert!(e.contains("truncated"), "{e}");
-    assert!(r.read_at(f.tensor_offset(0), &mut via).is_err());
+    assert!(r.read_at(f.tensor_offset(0).unwrap(), &mut via).is_err());
 }
 
 /// A checkpoint of six blocks of random bytes (never zeros) in 256-multiple

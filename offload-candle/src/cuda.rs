@@ -19,7 +19,7 @@ use candle_core::cuda_backend::{CudaDType, CudaDevice, CudaStorage};
 use candle_core::op::BackpropOp;
 use candle_core::{DType as CDType, Device, Storage, Tensor};
 use candle_nn::VarBuilder;
-use offload_core::{BlockGuard, Error, MemoryInfo, OffloadBackend, Result, StreamKind};
+use offload_core::{BlockGuard, Error, OffloadBackend, Result};
 use offload_cuda::checked::CheckedEvent;
 use offload_cuda::{CudaBackend, CudaCounters, FreshEngine, FreshSlot, PinnedHost};
 use std::collections::HashMap;
@@ -154,15 +154,9 @@ impl OffloadBackend for CandleCudaBackend {
     fn name(&self) -> &'static str {
         "candle-cuda"
     }
-    fn host(&self) -> CudaBackend {
-        self.cuda().clone()
-    }
     fn alloc_slot(&self, bytes: usize, purpose: &str) -> Result<CandleSlot> {
         // Whole elements: the slot tensor covers every byte the ring may copy.
         self.engine.alloc_slot(bytes.next_multiple_of(self.dtype.size_in_bytes()), purpose)
-    }
-    fn free_slot(&self, slot: CandleSlot, after: Option<&CheckedEvent>) -> Result<()> {
-        self.engine.free_slot(slot, after)
     }
     fn copy_to_slot(&self, src: &PinnedHost, dst: &mut CandleSlot, bytes: usize, after: Option<&CheckedEvent>) -> Result<CheckedEvent> {
         // `new_buffer` allocates on candle's stream (the engine's compute stream), and
@@ -170,25 +164,5 @@ impl OffloadBackend for CandleCudaBackend {
         // SAFETY: `new_buffer` returns a candle tensor owning the memory at the address it gives.
         unsafe { self.engine.copy_to_slot(src, dst, bytes, after, |len| self.new_buffer(len)) }
     }
-    fn compute_wait(&self, event: &CheckedEvent) -> Result<()> {
-        self.engine.compute_wait(event)
-    }
-    fn record_compute(&self) -> Result<CheckedEvent> {
-        self.engine.record_compute()
-    }
-    fn synchronize(&self) -> Result<()> {
-        self.engine.synchronize()
-    }
-    fn poll_error(&self) -> Result<()> {
-        self.cuda().poll_error()
-    }
-    fn record_timing(&self, on: StreamKind) -> Result<Option<CheckedEvent>> {
-        self.engine.record_timing(on)
-    }
-    fn elapsed_s(&self, from: &CheckedEvent, to: &CheckedEvent) -> Result<Option<f64>> {
-        self.engine.elapsed_s(from, to)
-    }
-    fn memory_info(&self) -> Result<MemoryInfo> {
-        self.engine.memory_info()
-    }
+    offload_cuda::forward_to_fresh_engine!(engine);
 }

@@ -382,12 +382,9 @@ fn a_bfl_named_flux_gguf_serves_its_blocks_in_place_and_from_disk_under_diffuser
     let p = path("bfl-tiers");
     let refs: Vec<(&str, &QTensor)> = t.iter().map(|(n, q)| (n.as_str(), q)).collect();
     gguf_file::write(&mut std::fs::File::create(&p).unwrap(), &[], &refs).unwrap();
-    let open = || {
-        let file = GgufFile::open(&p).unwrap();
-        let map = flux_bfl_to_diffusers(file.specs()).unwrap();
-        Renamed::new(file, map).unwrap()
-    };
-    let renamed = open();
+    let file = GgufFile::open(&p).unwrap();
+    let map = flux_bfl_to_diffusers(file.specs()).unwrap();
+    let renamed = Renamed::new(file, map).unwrap();
     let inventory =
         DeclaredStacks::new(["transformer_blocks", "single_transformer_blocks"]).discover("transformer", renamed.specs()).unwrap();
     let plan = resolve(&Plan::layerwise(), std::slice::from_ref(&inventory)).unwrap();

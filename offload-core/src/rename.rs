@@ -64,18 +64,20 @@ impl<S: RegionSource> TensorSource for Renamed<S> {
         format!("{} (renamed)", self.inner.origin())
     }
     /// The parts read from the source's region (whose reads check the file is
-    /// unchanged), one after another.
+    /// unchanged), one after another; a part of a source tensor that is not one
+    /// range of the region (a renaming of a renaming) through the source's own read.
     fn read_into(&self, index: usize, dst: &mut [u8]) -> Result<()> {
         let region = self.inner.region();
         let mut at = 0;
         for &(i, off, len) in &self.parts[index] {
-            let start = self.inner.tensor_offset(i).ok_or_else(|| {
-                bad(
-                    &self.specs[index].name,
-                    format!("part of {:?}, whose bytes are not one range of {}", self.inner.specs()[i].name, region.origin()),
-                )
-            })?;
-            region.read_at(start + off, &mut dst[at..at + len]).map_err(|e| match e {
+            let read = match self.inner.tensor_offset(i) {
+                Some(start) => region.read_at(start + off, &mut dst[at..at + len]),
+                None => {
+                    let mut whole = vec![0; self.inner.specs()[i].nbytes()?];
+                    self.inner.read_into(i, &mut whole).map(|()| dst[at..at + len].copy_from_slice(&whole[off..off + len]))
+                }
+            };
+            read.map_err(|e| match e {
                 Error::BadCheckpoint { path, fault, .. } => Error::BadCheckpoint { path, tensor: self.specs[index].name.clone(), fault },
                 e => e,
             })?;
@@ -435,6 +437,29 @@ pub fn gguf_to_diffusers(architecture: &str, specs: &[TensorSpec]) -> Result<Vec
 mod tests {
     use super::*;
     use crate::tensor::DType;
+
+    /// A renaming of a renaming: the outer tensor is a run of bytes of an inner
+    /// one joined from two parts (not one range of the file), read through the
+    /// inner renaming; and it is not served as a range of the file.
+    #[test]
+    fn a_part_of_a_joined_tensor_is_read_through_the_renaming_below() {
+        use crate::source::SafetensorsFile;
+        let path = std::env::temp_dir().join(format!("offload-rename-nested-{}.safetensors", std::process::id()));
+        let (a, b) = ([1u8, 2, 3, 4], [5u8, 6, 7, 8]);
+        let views = [("a", &a), ("b", &b)]
+            .map(|(n, v)| (n.to_string(), safetensors::tensor::TensorView::new(safetensors::Dtype::U8, vec![4], v).unwrap()));
+        std::fs::write(&path, safetensors::serialize(views, &None).unwrap()).unwrap();
+        let file = SafetensorsFile::open(&path).unwrap();
+        let (ia, ib) = (file.specs().iter().position(|s| s.name == "a").unwrap(), file.specs().iter().position(|s| s.name == "b").unwrap());
+        let u8s = |n: &str, len: usize| TensorSpec::new(n, DType::U8, [len]);
+        let inner = Renamed::new(file, vec![(u8s("ab", 8), vec![(ib, 0, 4), (ia, 0, 4)])]).unwrap();
+        let outer = Renamed::new(inner, vec![(u8s("x", 4), vec![(0, 2, 4)])]).unwrap();
+        let mut got = [0u8; 4];
+        outer.read_into(0, &mut got).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        assert_eq!(got, [7, 8, 1, 2]);
+        assert_eq!(outer.tensor_offset(0), None, "a part of a joined tensor is not one range of the file");
+    }
 
     #[test]
     fn an_unknown_tensor_or_a_fused_tensor_that_does_not_split_is_named() {

@@ -299,16 +299,23 @@ pub trait RegionSource: TensorSource {
     /// The region holding every tensor.
     fn region(&self) -> Arc<dyn HostRegion>;
     /// Where tensor `index`'s bytes start in the region; `None` where they are
-    /// not one range of it (a tensor a renaming joins from parts), which the
-    /// host store then copies.
+    /// not one range of it (a tensor a renaming joins from parts): the mapped
+    /// tier copies a block holding one, and the disk tier refuses it by name.
     fn tensor_offset(&self, index: usize) -> Option<usize>;
 }
 
 /// A checkpoint file whose blocks the disk tier reads from it as the ring needs
 /// them ([`HostStore::build_tiered`](crate::HostStore::build_tiered)): a
 /// [`RegionSource`] over one file, with the file's path and its identity when
-/// its header was read, so a file replaced or written since is refused.
-/// safetensors ([`SafetensorsFile`]) and GGUF ([`GgufFile`](crate::GgufFile)).
+/// its header was read, so a file replaced or written since is refused:
+/// safetensors ([`SafetensorsFile`]), GGUF ([`GgufFile`](crate::GgufFile)) and
+/// either under other names ([`Renamed`](crate::Renamed)).
+///
+/// The contract an implementation keeps: [`RegionSource::tensor_offset`] is an
+/// offset into the file at [`file_path`](Self::file_path), where that tensor's
+/// bytes lie as [`TensorSource::read_into`] reads them. The disk tier reads
+/// the file at those offsets; an offset into anything else would stream other
+/// bytes than the tensor's.
 pub trait CheckpointFile: RegionSource {
     /// The file's path.
     fn file_path(&self) -> &Path;

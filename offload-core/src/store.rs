@@ -341,8 +341,9 @@ impl<B: OffloadBackend> HostStore<B> {
     /// start in the time it takes to register the region. The region is checked
     /// first (the same file, length and modification time as when opened: a
     /// truncated or replaced file is an error naming it). A block whose tensors do
-    /// not lie in the file as the store lays them out (each at a multiple of
-    /// [`TENSOR_ALIGN`] from the block's first, nothing else between) is copied,
+    /// not lie in the file as the store lays them out (each one range of it, at a
+    /// multiple of [`TENSOR_ALIGN`] from the block's first, spanning no more than
+    /// the store's layout, nothing the store reads between) is copied,
     /// as [`build_with`](Self::build_with) would; so is every block when the
     /// backend cannot register the region, or when `pin.coded` (coded blocks are
     /// copies by nature). [`tier`](Self::tier) says which and why.
@@ -359,8 +360,9 @@ impl<B: OffloadBackend> HostStore<B> {
     /// reads it from the file for each copy, into a few page-locked bounce
     /// buffers it holds, on reader threads, ahead of need (`O_DIRECT` where the
     /// file system allows). Its tensors must lie in the file as the store lays
-    /// them out (each at a multiple of [`TENSOR_ALIGN`] from the block's first,
-    /// nothing else between): a block on disk that does not is an error naming it
+    /// them out (each one range of it, at a multiple of [`TENSOR_ALIGN`] from the
+    /// block's first, spanning no more than the store's layout, nothing the store
+    /// reads between): a block on disk that does not is an error naming it
     /// (held in memory it would exceed the plan's host memory). The file must be
     /// the one `file`'s header was read from. The non-block tensors are always
     /// held in memory. The plan's choice is [`ResolvedComponent::is_on_disk`](crate::ResolvedComponent::is_on_disk).

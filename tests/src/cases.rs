@@ -703,23 +703,16 @@ fn case_dir<H: Harness>(what: &str) -> std::path::PathBuf {
 /// Write `model` to `path` as a safetensors file, block by block in inventory
 /// order, every tensor at a multiple of 256 of the data (as the store lays them out).
 fn write_laid_out(model: &TestModel, path: &std::path::Path) -> Outcome {
-    // Block by block in inventory order, every tensor at a multiple of 256 of the data.
-    let mut header = serde_json::Map::new();
-    let mut data: Vec<u8> = Vec::new();
-    let names: Vec<String> = model.inventory.blocks().flat_map(|b| b.tensors.iter().map(|t| t.name.clone())).collect();
-    for name in names.iter().chain(model.inventory.non_block.iter().map(|t| &t.name)) {
+    let names = model.inventory.blocks().flat_map(|b| b.tensors.iter().map(|t| t.name.as_str()));
+    let mut tensors = Vec::new();
+    for name in names.chain(model.inventory.non_block.iter().map(|t| t.name.as_str())) {
         let bytes = model.tensors.bytes(name).ok_or_else(|| CaseError::Fail(format!("{name}: not in the model")))?;
-        data.resize(data.len().next_multiple_of(256), 0);
-        let at = data.len();
-        data.extend_from_slice(bytes);
-        header.insert(name.clone(), serde_json::json!({"dtype": "U8", "shape": [bytes.len()], "data_offsets": [at, data.len()]}));
+        tensors.push((name, bytes));
     }
-    let mut h = serde_json::to_vec(&serde_json::Value::Object(header)).map_err(|e| CaseError::Fail(e.to_string()))?;
-    h.resize(h.len().next_multiple_of(8), b' ');
-    let mut out = (h.len() as u64).to_le_bytes().to_vec();
-    out.extend_from_slice(&h);
-    out.extend_from_slice(&data);
-    std::fs::write(path, out)?;
+    let shapes: Vec<[usize; 1]> = tensors.iter().map(|(_, b)| [b.len()]).collect();
+    let laid: Vec<(&str, &str, &[usize], &[u8])> =
+        tensors.iter().zip(&shapes).map(|(&(name, bytes), shape)| (name, "U8", shape.as_slice(), bytes)).collect();
+    std::fs::write(path, crate::checkpoint::laid_out_safetensors(&laid))?;
     Ok(())
 }
 

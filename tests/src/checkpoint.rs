@@ -41,3 +41,24 @@ pub fn valid_checkpoint(blocks: usize) -> Vec<u8> {
     views.push(("head.weight".to_owned(), head));
     safetensors::serialize(views, &None).expect("serializes")
 }
+
+/// Bytes of a safetensors file holding `tensors` (name, dtype as the header
+/// names it, shape, bytes) in the order given, each at a multiple of
+/// [`TENSOR_ALIGN`](offload_core::TENSOR_ALIGN) of the data: laid out as the host
+/// store lays blocks out, so the mapped tier serves each block in place and the
+/// disk tier reads each as one range.
+pub fn laid_out_safetensors(tensors: &[(&str, &str, &[usize], &[u8])]) -> Vec<u8> {
+    let (mut header, mut data) = (serde_json::Map::new(), Vec::new());
+    for (name, dtype, shape, bytes) in tensors {
+        data.resize(data.len().next_multiple_of(offload_core::TENSOR_ALIGN), 0);
+        let at = data.len();
+        data.extend_from_slice(bytes);
+        header.insert(name.to_string(), serde_json::json!({"dtype": dtype, "shape": shape, "data_offsets": [at, data.len()]}));
+    }
+    let mut h = serde_json::to_vec(&serde_json::Value::Object(header)).expect("a JSON header");
+    h.resize(h.len().next_multiple_of(8), b' ');
+    let mut out = (h.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(&h);
+    out.extend_from_slice(&data);
+    out
+}

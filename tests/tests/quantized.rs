@@ -71,22 +71,12 @@ fn write_sized(path: &std::path::Path, (out, inn): (usize, usize), weights: Weig
             data.push((format!("blocks.{i}.ff.weight_scale"), safetensors::Dtype::F32, vec![out, 1], s));
         }
     }
-    // Laid out as the host store lays blocks out (block by block, each tensor at a
-    // multiple of 256 bytes), so the mapped tier serves every block in place and
-    // the disk tier reads each as one range.
-    let (mut header, mut bytes) = (serde_json::Map::new(), Vec::new());
-    for (name, dtype, shape, b) in &data {
-        bytes.resize(bytes.len().next_multiple_of(256), 0);
-        let at = bytes.len();
-        bytes.extend_from_slice(b);
-        header.insert(name.clone(), serde_json::json!({"dtype": format!("{dtype:?}"), "shape": shape, "data_offsets": [at, bytes.len()]}));
-    }
-    let mut h = serde_json::to_vec(&serde_json::Value::Object(header)).expect("a header");
-    h.resize(h.len().next_multiple_of(8), b' ');
-    let mut out = (h.len() as u64).to_le_bytes().to_vec();
-    out.extend_from_slice(&h);
-    out.extend_from_slice(&bytes);
-    std::fs::write(path, out).expect("writes");
+    // Block by block, laid out as the host store lays blocks out: the mapped tier
+    // serves every block in place and the disk tier reads each as one range.
+    let dtypes: Vec<String> = data.iter().map(|(_, d, _, _)| format!("{d:?}")).collect();
+    let laid: Vec<(&str, &str, &[usize], &[u8])> =
+        data.iter().zip(&dtypes).map(|((n, _, s, b), d)| (n.as_str(), d.as_str(), s.as_slice(), b.as_slice())).collect();
+    std::fs::write(path, offload_tests::checkpoint::laid_out_safetensors(&laid)).expect("writes");
 }
 
 /// One block: x <- x + W x, W dequantised to bf16 from its stored bytes and scales.

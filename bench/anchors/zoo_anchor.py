@@ -257,6 +257,51 @@ def time_case(model, x, warmup, steps):
     return times, torch.cuda.max_memory_allocated(), before, weights, bool(torch.isfinite(f).all()), bool((f != f.flatten()[0]).any())
 
 
+def kernel_profile(model, x, path):
+    """One more step under torch's profiler (CUPTI): per CUDA stream, its kernels' count, busy time and
+    the gaps between them, written to `path` (JSON) beside the step's Chrome trace (`path` .trace.json.gz).
+    Two modes' files side by side say whether a streamed step's extra time is in its kernels (slower
+    kernels: the copies' traffic) or between them (a stream waiting)."""
+    import gzip
+    import tempfile
+    from torch.profiler import ProfilerActivity, profile
+    with torch.no_grad():
+        model(**x)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            model(**x)
+            torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        raw = open(f.name).read()
+    trace = json.loads(raw)
+    with gzip.open(path.removesuffix(".json") + ".trace.json.gz", "wt") as f:
+        f.write(raw)
+    streams = {}
+    for e in trace.get("traceEvents", []):
+        if e.get("ph") != "X" or e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset"):
+            continue
+        s = streams.setdefault(str(e.get("args", {}).get("stream", e.get("tid"))), [])
+        s.append((float(e["ts"]), float(e["dur"]), e["cat"], e["name"]))
+    summary = {}
+    for sid, evs in streams.items():
+        evs.sort()
+        busy = sum(d for _, d, _, _ in evs)
+        gaps = sum(max(0.0, evs[i + 1][0] - (evs[i][0] + evs[i][1])) for i in range(len(evs) - 1))
+        by_name = {}
+        for _, d, cat, name in evs:
+            by_name[name] = by_name.get(name, 0.0) + d
+        top = sorted(by_name.items(), key=lambda kv: -kv[1])[:15]
+        summary[sid] = dict(events=len(evs), kernels=sum(c == "kernel" for _, _, c, _ in evs),
+                            memcpys=sum(c == "gpu_memcpy" for _, _, c, _ in evs), busy_s=busy / 1e6,
+                            span_s=(evs[-1][0] + evs[-1][1] - evs[0][0]) / 1e6, gaps_s=gaps / 1e6,
+                            top_us={k: v for k, v in top})
+    json.dump(summary, open(path, "w"), indent=1)
+    line = ", ".join(f"stream {k}: {v['kernels']} kernels busy {v['busy_s']:.4f} s, gaps {v['gaps_s']:.4f} s, "
+                     f"{v['memcpys']} copies" for k, v in summary.items())
+    print(f"  kernels of one more step: {line} ({path})", flush=True)
+
+
 def h2d_bandwidth(gib=2, passes=5):
     """Pinned host-to-device bandwidth in this process (bytes/s), the median of `passes` copies of `gib` GiB."""
     src = torch.empty(gib << 30, dtype=torch.uint8, pin_memory=True)
@@ -345,6 +390,9 @@ def main():
                          "timeline stays on once enabled)")
     ap.add_argument("--profile", action="store_true",
                     help="after the package's timed steps, three more under cProfile (profile-OUT-CASE.txt beside --out)")
+    ap.add_argument("--kernels", action="store_true",
+                    help="after each mode's timed steps (resident included), one more step under torch's profiler: "
+                         "kernels-OUT-CASE-MODE.json beside --out (per stream: kernels, busy time, gaps) and its Chrome trace")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     modes = a.mode.split(",")
@@ -398,6 +446,9 @@ def main():
         times, peak, before, _, finite, nonconst = time_case(model, x, a.warmup, a.steps)
         ref[c["name"]] = time_case.last.detach().cpu()
         act[c["name"]] = peak - before
+        if a.kernels:
+            head, tail = os.path.split(a.out)
+            kernel_profile(model, x, os.path.join(head, f"kernels-{tail.removesuffix('.json')}-{c['name']}-resident.json"))
         print(f"diffusers resident {a.model} {c['name']}: {sorted(times)[len(times) // 2]:.4f} s, activations {act[c['name']] / 2**30:.2f} GiB, "
               f"host {sorted(time_case.host)[len(time_case.host) // 2]:.4f} s a step", flush=True)
         out.append(dict(model=a.model, case=c["name"], resolution=c["resolution"], height=c.get("height", c["resolution"]), frames=c["frames"],
@@ -548,6 +599,9 @@ def main():
                     pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(40)
                     open(path, "w").write(f"3 steps of {a.model} {c['name']}, the package's hooks profiled\n" + text.getvalue())
                     print(f"  profile of three more steps: {path}", flush=True)
+            if a.kernels:
+                head, tail = os.path.split(a.out)
+                kernel_profile(model, x, os.path.join(head, f"kernels-{tail.removesuffix('.json')}-{c['name']}-{mode}.json"))
             out.append(row)
             del x
     if handle is not None:

@@ -39,14 +39,21 @@ import torch
 
 
 def fp8_skip_patterns(model, storage):
-    """The modules `--storage` keeps out of layerwise casting: `fp8`, diffusers'
-    defaults (`"auto"`: `pos_embed`, `patch_embed`, `norm`, the top-level
-    `proj_in`/`proj_out`; Flux names its adaLN modulation Linears norm*, so they
-    stay bf16); `fp8-linears`, the class's own patterns but `norm`, so those
-    Linears are fp8 too (norms proper are not cast by layerwise casting)."""
+    """The modules `--storage` keeps out of layerwise casting: `fp8`, those
+    `ModelMixin.enable_layerwise_casting` keeps out (diffusers' defaults
+    `pos_embed`, `patch_embed`, `norm`, the top-level `proj_in`/`proj_out`, then
+    the class's `_keep_in_fp32_modules` and `_skip_layerwise_casting_patterns`:
+    Wan's `condition_embedder` casts its input to its weight's dtype and cannot
+    run fp8; Flux names its adaLN modulation Linears norm*, so they stay bf16);
+    `fp8-linears`, the class's own patterns but `norm`, so those Linears are fp8
+    too (norms proper are not cast by layerwise casting)."""
     if storage == "fp8-linears":
         return tuple(p for p in (getattr(model, "_skip_layerwise_casting_patterns", None) or ()) if p != "norm")
-    return "auto"
+    from diffusers.hooks.layerwise_casting import DEFAULT_SKIP_MODULES_PATTERN
+    pats = tuple(DEFAULT_SKIP_MODULES_PATTERN)
+    for attr in ("_keep_in_fp32_modules", "_skip_layerwise_casting_patterns"):
+        pats += tuple(getattr(model, attr, None) or ())
+    return tuple(dict.fromkeys(pats))
 
 
 def q8_0_bytes(w):

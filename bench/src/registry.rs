@@ -165,9 +165,11 @@ pub struct Model {
 pub enum Storage {
     /// bf16 throughout.
     Bf16,
-    /// diffusers' layerwise casting with its default skip patterns: the
-    /// supported layers (Linear, Conv) fp8 e4m3 but those under a module named
-    /// `pos_embed`, `patch_embed`, `norm…`, or the top-level `proj_in`/`proj_out`.
+    /// diffusers' layerwise casting as `ModelMixin.enable_layerwise_casting`
+    /// skips: the supported layers (Linear, Conv) fp8 e4m3 but those under a
+    /// module named `pos_embed`, `patch_embed`, `norm…`, the top-level
+    /// `proj_in`/`proj_out`, or one of the class's own patterns (Wan's
+    /// `patch_embedding` and `condition_embedder`).
     Fp8,
     /// Layerwise casting with the class's own skip patterns but `norm`: every
     /// Linear fp8, modulation projections included (Flux: 11.9 G weights).
@@ -290,7 +292,11 @@ impl Model {
         };
         match self.storage {
             Storage::Bf16 => bf16,
-            Storage::Fp8 => cast(&["pos_embed", "patch_embed", "norm", "^proj_in$", "^proj_out$"]),
+            Storage::Fp8 => {
+                let mut skip = vec!["pos_embed", "patch_embed", "norm", "^proj_in$", "^proj_out$"];
+                skip.extend_from_slice(class_patterns);
+                cast(&skip)
+            }
             Storage::Fp8Linears => cast(class_patterns),
             Storage::GgufQ8_0 => gguf(32, 34),
             Storage::GgufQ4K => gguf(256, 144),

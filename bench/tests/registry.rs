@@ -174,7 +174,7 @@ fn a_bfl_named_flux_dev_maps_onto_the_registrys_parameters() {
 
 /// Each quantized model's bytes as stored, against what the H200 measured of the
 /// same storage applied to the real class (`model_bytes` in the runs named):
-/// diffusers' layerwise casting with its default and with the class's patterns,
+/// diffusers' layerwise casting as `enable_layerwise_casting` skips and with the class's patterns,
 /// and the bench's GGUF Q8_0 blocks. A rule that casts one layer too many or too
 /// few is off by that layer's bytes.
 #[test]
@@ -184,6 +184,9 @@ fn stored_bytes_are_what_the_runner_measured_of_the_real_class() {
         ("flux-dev-fp8", "2026-12-03-py-8b90021/py-flux-dev-fp8-r1.json"),
         ("flux-dev-fp8-linears", "2026-12-04-py-8e92f2b-fp8-linears/py-flux-dev-fp8-linears-r1.json"),
         ("flux-dev-gguf-q8_0", "2026-12-04-py-a62e0cd-fp8-budget-gguf/py-flux-dev-gguf-q8_0-r1.json"),
+        ("qwen-image-fp8", "2026-12-04-py-0b6eb55-qwen-fp8/py-qwen-image-fp8-r1.json"),
+        // Wan's own patterns keep `patch_embedding` and `condition_embedder` bf16.
+        ("wan2.1-t2v-14b-fp8", "2026-12-04-py-0e7f2f8-wan-fp8/py-wan2.1-t2v-14b-fp8-r1.json"),
     ] {
         let doc: Value = serde_json::from_str(&std::fs::read_to_string(format!("{raw}/{run}")).unwrap()).unwrap();
         let measured = doc["cases"][0]["model_bytes"].as_u64().unwrap();

@@ -35,6 +35,9 @@ def main() -> None:
     ap.add_argument("--copy-gib", type=float, default=4.0)
     ap.add_argument("--chunk-mib", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--profile", action="store_true",
+                    help="also one run of each mode under torch's profiler: per stream its gaps between kernels, "
+                         "the device's and the host's (zoo_anchor.stream_summary), in --out under 'profiled'")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     dev = torch.device("cuda")
@@ -96,6 +99,27 @@ def main() -> None:
         print(f"{m}: chain {med:.3f} ms ({row['us_per_kernel_above_alone']:+.2f} µs a kernel against alone)"
               + (f", copy {row['copy_gbps_median']:.1f} GB/s, chain inside the copy: {row['chain_inside_copy_every_run']}" if m != "alone" else ""),
               flush=True)
+    if a.profile:
+        import os
+        import sys
+        import tempfile
+
+        from torch.profiler import ProfilerActivity, profile
+
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from zoo_anchor import stream_summary
+
+        out["profiled"] = {}
+        for m in modes:
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                run(m)
+            with tempfile.NamedTemporaryFile(suffix=".json") as f:
+                prof.export_chrome_trace(f.name)
+                summary = stream_summary(json.load(open(f.name)), gap_us=2.0)
+            chain_stream = max(summary.values(), key=lambda v: v["kernels"])
+            out["profiled"][m] = {k: v for k, v in chain_stream.items() if k != "top_us"}
+            print(f"{m}, profiled: {chain_stream['long_gaps']} gaps of 2 µs or more ({chain_stream['long_gaps_s'] * 1e3:.3f} ms), "
+                  f"{chain_stream['long_gaps_host_late']} of them the host's", flush=True)
     json.dump(out, open(a.out, "w"), indent=1)
 
 

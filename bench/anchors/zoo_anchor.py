@@ -264,18 +264,66 @@ def time_case(model, x, warmup, steps):
     return times, torch.cuda.max_memory_allocated(), before, weights, bool(torch.isfinite(f).all()), bool((f != f.flatten()[0]).any())
 
 
+def stream_summary(trace: dict, gap_us: float = 5.0) -> dict:
+    """Per CUDA stream of a Chrome trace from torch's profiler: its kernels, copies, busy time and the
+    gaps between them, the 15 names with the most time; and for the gaps of at least `gap_us` µs,
+    how many (and how long) were the host's: the next kernel's launch call (matched by its
+    `correlation`) returned only after the previous work on the stream had ended, so the device had
+    nothing queued. The others are the device's own (a wait on an event, the front end)."""
+    launches = {}
+    for e in trace.get("traceEvents", []):
+        if e.get("ph") == "X" and e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {}):
+            launches[e["args"]["correlation"]] = float(e["ts"]) + float(e.get("dur", 0.0))
+    streams = {}
+    for e in trace.get("traceEvents", []):
+        if e.get("ph") != "X" or e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset"):
+            continue
+        args = e.get("args", {})
+        s = streams.setdefault(str(args.get("stream", e.get("tid"))), [])
+        s.append((float(e["ts"]), float(e["dur"]), e["cat"], e["name"], launches.get(args.get("correlation"))))
+    summary = {}
+    for sid, evs in streams.items():
+        evs.sort(key=lambda ev: ev[0])
+        busy = sum(ev[1] for ev in evs)
+        gaps, host_late, host_late_s, matched = 0.0, 0, 0.0, 0
+        big = []
+        for prev, nxt in zip(evs, evs[1:]):
+            end = prev[0] + prev[1]
+            gap = max(0.0, nxt[0] - end)
+            gaps += gap
+            if gap >= gap_us:
+                big.append(gap)
+                if nxt[4] is not None:
+                    matched += 1
+                    if nxt[4] >= end:
+                        host_late += 1
+                        host_late_s += gap
+        by_name = {}
+        for ev in evs:
+            by_name[ev[3]] = by_name.get(ev[3], 0.0) + ev[1]
+        top = sorted(by_name.items(), key=lambda kv: -kv[1])[:15]
+        summary[sid] = dict(events=len(evs), kernels=sum(ev[2] == "kernel" for ev in evs),
+                            memcpys=sum(ev[2] == "gpu_memcpy" for ev in evs), busy_s=busy / 1e6,
+                            span_s=(evs[-1][0] + evs[-1][1] - evs[0][0]) / 1e6, gaps_s=gaps / 1e6,
+                            gaps_at_least_us=gap_us, long_gaps=len(big), long_gaps_s=sum(big) / 1e6,
+                            long_gaps_with_launch=matched, long_gaps_host_late=host_late,
+                            long_gaps_host_late_s=host_late_s / 1e6, top_us={k: v for k, v in top})
+    return summary
+
+
 def kernel_profile(model, x, path):
-    """One more step under torch's profiler (CUPTI): per CUDA stream, its kernels' count, busy time and
-    the gaps between them, written to `path` (JSON) beside the step's Chrome trace (`path` .trace.json.gz).
+    """One more step under torch's profiler (CUPTI, with the host's calls): per CUDA stream its
+    [`stream_summary`], written to `path` (JSON) beside the step's Chrome trace (`path` .trace.json.gz).
     Two modes' files side by side say whether a streamed step's extra time is in its kernels (slower
-    kernels: the copies' traffic) or between them (a stream waiting)."""
+    kernels: the copies' traffic) or between them, and whether a gap was the host's (the next
+    kernel launched after the stream ran dry) or the device's (a stream waiting)."""
     import gzip
     import tempfile
     from torch.profiler import ProfilerActivity, profile
     with torch.no_grad():
         model(**x)
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             model(**x)
             torch.cuda.synchronize()
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
@@ -284,28 +332,11 @@ def kernel_profile(model, x, path):
     trace = json.loads(raw)
     with gzip.open(path.removesuffix(".json") + ".trace.json.gz", "wt") as f:
         f.write(raw)
-    streams = {}
-    for e in trace.get("traceEvents", []):
-        if e.get("ph") != "X" or e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset"):
-            continue
-        s = streams.setdefault(str(e.get("args", {}).get("stream", e.get("tid"))), [])
-        s.append((float(e["ts"]), float(e["dur"]), e["cat"], e["name"]))
-    summary = {}
-    for sid, evs in streams.items():
-        evs.sort()
-        busy = sum(d for _, d, _, _ in evs)
-        gaps = sum(max(0.0, evs[i + 1][0] - (evs[i][0] + evs[i][1])) for i in range(len(evs) - 1))
-        by_name = {}
-        for _, d, cat, name in evs:
-            by_name[name] = by_name.get(name, 0.0) + d
-        top = sorted(by_name.items(), key=lambda kv: -kv[1])[:15]
-        summary[sid] = dict(events=len(evs), kernels=sum(c == "kernel" for _, _, c, _ in evs),
-                            memcpys=sum(c == "gpu_memcpy" for _, _, c, _ in evs), busy_s=busy / 1e6,
-                            span_s=(evs[-1][0] + evs[-1][1] - evs[0][0]) / 1e6, gaps_s=gaps / 1e6,
-                            top_us={k: v for k, v in top})
+    summary = stream_summary(trace)
     json.dump(summary, open(path, "w"), indent=1)
-    line = ", ".join(f"stream {k}: {v['kernels']} kernels busy {v['busy_s']:.4f} s, gaps {v['gaps_s']:.4f} s, "
-                     f"{v['memcpys']} copies" for k, v in summary.items())
+    line = ", ".join(f"stream {k}: {v['kernels']} kernels busy {v['busy_s']:.4f} s, gaps {v['gaps_s']:.4f} s "
+                     f"({v['long_gaps']} of 5 µs or more, {v['long_gaps_host_late']} the host's), {v['memcpys']} copies"
+                     for k, v in summary.items())
     print(f"  kernels of one more step: {line} ({path})", flush=True)
 
 

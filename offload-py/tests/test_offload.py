@@ -944,3 +944,31 @@ def test_a_block_run_twice_inside_one_forward_is_one_step():
     offload.disable(m)
     for o in outs:
         assert torch.equal(_bits(o), _bits(ref))
+
+
+def test_stream_summary_tells_the_hosts_gaps_from_the_devices():
+    # `zoo_anchor.py --kernels` reads a profiled step: a gap of 5 µs or more before
+    # a kernel launched after the stream ran dry is the host's; one before a kernel
+    # queued long before is the device's (a wait, the front end).
+    za = _zoo_anchor()
+
+    def kernel(ts, dur, corr, stream=7, cat="kernel"):
+        return {"ph": "X", "cat": cat, "name": f"k{corr}", "ts": ts, "dur": dur, "args": {"stream": stream, "correlation": corr}}
+
+    def launch(ts, dur, corr):
+        return {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": dur, "args": {"correlation": corr}}
+
+    trace = {"traceEvents": [
+        launch(0, 2, 1), launch(3, 2, 2), launch(120, 2, 3), launch(130, 1, 4),
+        kernel(10, 50, 1),
+        kernel(70, 40, 2),  # 10 µs after k1 ended at 60, launched at 5: the device's
+        kernel(125, 10, 3),  # 15 µs after k2 ended at 110, its launch returned at 122: the host's
+        kernel(137, 3, 4),  # 2 µs: not a long gap
+        kernel(0, 500, 9, stream=29, cat="gpu_memcpy"),
+    ]}
+    s = za.stream_summary(trace)
+    k = s["7"]
+    assert (k["kernels"], k["long_gaps"], k["long_gaps_with_launch"], k["long_gaps_host_late"]) == (4, 2, 2, 1)
+    assert k["long_gaps_s"] == pytest.approx(25e-6) and k["long_gaps_host_late_s"] == pytest.approx(15e-6)
+    assert k["gaps_s"] == pytest.approx(27e-6) and k["busy_s"] == pytest.approx(103e-6)
+    assert (s["29"]["memcpys"], s["29"]["kernels"]) == (1, 0)

@@ -16,6 +16,7 @@
 #   py-run.sh cuda     offload-cuda's unit tests with their GPU rows required (cuda-lib-tests: the reference model's
 #                      fp8 weights among them)
 #   py-run.sh          test and bench
+# PY_ORDER=alternate runs the modes in reverse in every second process (diffusers' first, the package last).
 # PY_DEADLINE (s) starts no process past it, by PY_EST or the last process's time. PY_ARGS go to each zoo_anchor.py (e.g. "--cases 1024 --depth 1"). PY_STORAGE=fp8 runs every
 # mode with diffusers' layerwise casting (fp8 storage, bf16 compute); the files say MODEL-fp8 (fp8-linears: every Linear of the
 # blocks fp8, MODEL-fp8-linears). PY_CODED=1: the package holds the weights coded (MODEL-…-coded). PY_BUDGET_GIB=B: the
@@ -59,6 +60,11 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
       # diffusers' block level raises on T5EncoderModel (its shared embedding reached
       # twice; bench/NOTES.md, 2026-12-02): leaf level is its anchor there.
       modes=offload,block_stream,leaf_stream; [ "$m" = t5-xxl ] && modes=offload,leaf_stream
+      # PY_ORDER=alternate: every second process runs diffusers' modes first and the
+      # package last, so a GPU that slows as it warms favours neither side.
+      if [ "${PY_ORDER:-}" = alternate ] && [ $((r % 2)) = 0 ]; then
+        modes=leaf_stream,block_stream,offload; [ "$m" = t5-xxl ] && modes=leaf_stream,offload
+      fi
       timeout "${PY_TIMEOUT:-420}" python3 "$B/zoo_anchor.py" --registry "$B/registry.json" --model "$m" \
         --mode $modes $storage $coded $budget ${PY_ARGS:-} --out "$f" 2>&1 | grep -v Warning | tee "${f%.json}.txt" || rc=1
       last=$((SECONDS - t0))

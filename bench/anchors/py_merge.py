@@ -41,6 +41,10 @@ def main():
                 raise SystemExit(f"{f}: named twice")
             commit_of[f] = group[0]
     docs = [(f, json.load(open(f))) for f in commit_of]
+    for f, d in docs:
+        # `zoo_anchor.py --kernels` profiles steps between the timed ones: not a measurement.
+        if d.get("kernels_profiled"):
+            raise SystemExit(f"{f}: a process run with --kernels (profiled steps between the timed ones): not merged")
     groups, failures = {}, {}
     for f, d in docs:
         seen = set()

@@ -51,7 +51,10 @@ def fp8_skip_patterns(model, storage):
         return tuple(p for p in (getattr(model, "_skip_layerwise_casting_patterns", None) or ()) if p != "norm")
     from diffusers.hooks.layerwise_casting import DEFAULT_SKIP_MODULES_PATTERN
     pats = tuple(DEFAULT_SKIP_MODULES_PATTERN)
-    for attr in ("_keep_in_fp32_modules", "_skip_layerwise_casting_patterns"):
+    # `enable_layerwise_casting` is diffusers' (a transformers model has its own
+    # `_keep_in_fp32_modules`, T5's `wo`, which diffusers' casting never reads).
+    attrs = ("_keep_in_fp32_modules", "_skip_layerwise_casting_patterns") if hasattr(model, "enable_layerwise_casting") else ()
+    for attr in attrs:
         pats += tuple(getattr(model, attr, None) or ())
     return tuple(dict.fromkeys(pats))
 
@@ -279,7 +282,10 @@ def stream_summary(trace: dict, gap_us: float = 5.0) -> dict:
         if e.get("ph") != "X" or e.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset"):
             continue
         args = e.get("args", {})
-        s = streams.setdefault(str(args.get("stream", e.get("tid"))), [])
+        key = str(args.get("stream", e.get("tid")))
+        if "device" in args:
+            key = f"{args['device']}:{key}"
+        s = streams.setdefault(key, [])
         s.append((float(e["ts"]), float(e["dur"]), e["cat"], e["name"], launches.get(args.get("correlation"))))
     summary = {}
     for sid, evs in streams.items():
@@ -287,8 +293,11 @@ def stream_summary(trace: dict, gap_us: float = 5.0) -> dict:
         busy = sum(ev[1] for ev in evs)
         gaps, host_late, host_late_s, matched = 0.0, 0, 0.0, 0
         big = []
-        for prev, nxt in zip(evs, evs[1:]):
-            end = prev[0] + prev[1]
+        # From the latest end so far: work on one stream may overlap (a kernel
+        # launched early by programmatic dependent launch), and a short event
+        # inside a long one leaves no gap.
+        end = evs[0][0] + evs[0][1]
+        for nxt in evs[1:]:
             gap = max(0.0, nxt[0] - end)
             gaps += gap
             if gap >= gap_us:
@@ -298,6 +307,7 @@ def stream_summary(trace: dict, gap_us: float = 5.0) -> dict:
                     if nxt[4] >= end:
                         host_late += 1
                         host_late_s += gap
+            end = max(end, nxt[0] + nxt[1])
         by_name = {}
         for ev in evs:
             by_name[ev[3]] = by_name.get(ev[3], 0.0) + ev[1]
@@ -312,7 +322,7 @@ def stream_summary(trace: dict, gap_us: float = 5.0) -> dict:
 
 
 def kernel_profile(model, x, path):
-    """One more step under torch's profiler (CUPTI, with the host's calls): per CUDA stream its
+    """One more step under torch's profiler (CUPTI): per CUDA stream its
     [`stream_summary`], written to `path` (JSON) beside the step's Chrome trace (`path` .trace.json.gz).
     Two modes' files side by side say whether a streamed step's extra time is in its kernels (slower
     kernels: the copies' traffic) or between them, and whether a gap was the host's (the next
@@ -320,10 +330,15 @@ def kernel_profile(model, x, path):
     import gzip
     import tempfile
     from torch.profiler import ProfilerActivity, profile
+    # CUPTI detached when the profiler stops: left attached (torch's default) it
+    # would slow every step timed after this one.
+    os.environ["TEARDOWN_CUPTI"] = "1"
     with torch.no_grad():
         model(**x)
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        # CUDA activity only: it carries the launch calls' records too, and
+        # recording every aten op would slow the host whose gaps are counted.
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
             model(**x)
             torch.cuda.synchronize()
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
@@ -430,7 +445,8 @@ def main():
                     help="after the package's timed steps, three more under cProfile (profile-OUT-CASE.txt beside --out)")
     ap.add_argument("--kernels", action="store_true",
                     help="after each mode's timed steps (resident included), one more step under torch's profiler: "
-                         "kernels-OUT-CASE-MODE.json beside --out (per stream: kernels, busy time, gaps) and its Chrome trace")
+                         "kernels-OUT-CASE-MODE.json beside --out (per stream: kernels, busy time, gaps, the host's and "
+                         "the device's) and its Chrome trace; the file is marked kernels_profiled and py_merge.py refuses it")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     modes = a.mode.split(",")
@@ -649,7 +665,10 @@ def main():
     if "offload" in modes:
         import offload as ours
         versions += f", offload {getattr(ours, '__version__', '0.1.0')}"
-    json.dump(dict(versions=versions, cases=out), open(a.out, "w"), indent=1)
+    doc = dict(versions=versions, cases=out)
+    if a.kernels:
+        doc["kernels_profiled"] = True  # py_merge.py refuses it: profiled steps ran between the timed ones
+    json.dump(doc, open(a.out, "w"), indent=1)
 
 
 if __name__ == "__main__":

@@ -278,6 +278,7 @@ impl Model {
         // The class's `_skip_layerwise_casting_patterns` but `norm` (none: every layer cast).
         let class_patterns: &[&str] = match self.reference["class"].as_str() {
             Some("WanTransformer3DModel") => &["patch_embedding", "condition_embedder"],
+            Some("ZImageTransformer2DModel") => &["t_embedder", "cap_embedder"],
             Some("FluxTransformer2DModel" | "QwenImageTransformer2DModel" | "SD3Transformer2DModel") => &["pos_embed"],
             _ => &[],
         };

@@ -965,6 +965,9 @@ def test_stream_summary_tells_the_hosts_gaps_from_the_devices():
         kernel(125, 10, 3),  # 15 µs after k2 ended at 110, its launch returned at 122: the host's
         kernel(137, 3, 4),  # 2 µs: not a long gap
         kernel(0, 500, 9, stream=29, cat="gpu_memcpy"),
+        # Stream 8: a short kernel inside a long one (launched early) leaves no gap
+        # after it; the next starts 6 µs after the long one ends.
+        kernel(0, 100, 11, stream=8), kernel(10, 5, 12, stream=8), kernel(106, 4, 13, stream=8),
     ]}
     s = za.stream_summary(trace)
     k = s["7"]
@@ -972,3 +975,17 @@ def test_stream_summary_tells_the_hosts_gaps_from_the_devices():
     assert k["long_gaps_s"] == pytest.approx(25e-6) and k["long_gaps_host_late_s"] == pytest.approx(15e-6)
     assert k["gaps_s"] == pytest.approx(27e-6) and k["busy_s"] == pytest.approx(103e-6)
     assert (s["29"]["memcpys"], s["29"]["kernels"]) == (1, 0)
+    assert (s["8"]["long_gaps"], s["8"]["gaps_s"]) == (1, pytest.approx(6e-6))
+    # Two devices' streams of one number are two streams.
+    two = za.stream_summary({"traceEvents": [dict(kernel(0, 5, 1), args={"stream": 7, "device": d}) for d in (0, 1)]})
+    assert sorted(two) == ["0:7", "1:7"]
+
+
+def test_the_benchs_fp8_storage_of_a_transformers_model_is_diffusers_defaults():
+    # diffusers' casting never reads a transformers model's `_keep_in_fp32_modules`
+    # (T5's `wo`): `--storage fp8` on t5-xxl keeps only diffusers' defaults out.
+    from diffusers.hooks.layerwise_casting import DEFAULT_SKIP_MODULES_PATTERN
+
+    model, _, _ = MODELS["t5"]()
+    assert getattr(model, "_keep_in_fp32_modules", None), "the tiny T5 has no fp32 modules to leave out"
+    assert _zoo_anchor().fp8_skip_patterns(model, "fp8") == tuple(DEFAULT_SKIP_MODULES_PATTERN)

@@ -256,3 +256,24 @@ def test_the_pipeline_merge_picks_the_fastest_diffusers_mode_within_the_budget()
     assert m.merge([run(), run(equal=False), run()], files, "2026-12-04")["targets"]["bitwise_equal"] is False
     with pytest.raises(SystemExit, match="at least 3"):
         m.merge([run()], files[:1], "2026-12-04")
+
+
+def test_a_process_with_profiled_steps_is_not_merged(tmp_path):
+    # `zoo_anchor.py --kernels` profiles a step after each mode, between the timed
+    # ones: its file says so, and py_merge.py refuses it by name.
+    common = dict(model="flux-dev", case="1024", tokens=4608, batch=1, weights_device_bytes=1, activations_peak_bytes=1,
+                  output_finite=True, output_nonconstant=True)
+    rows = [dict(common, mode="resident", steps_s=[0.2] * 3),
+            dict(common, mode="offload", steps_s=[0.43] * 3, depth=1, bytes_per_step=22e9, h2d_bytes_per_s=55e9,
+                 bitwise_equal=True, host_syncs_in_timed_steps=0),
+            dict(common, mode="leaf_stream", steps_s=[0.5] * 3)]
+    runs = []
+    for k in range(3):
+        p = tmp_path / f"r{k}.json"
+        p.write_text(json.dumps(dict(versions="test", cases=rows, **({"kernels_profiled": True} if k == 1 else {}))))
+        runs.append(str(p))
+    out = tmp_path / "m.json"
+    done = subprocess.run([sys.executable, str(ROOT / "bench/anchors/py_merge.py"), "--date", "2026-12-03", "--out", str(out),
+                           "--at", "c0ffee", *runs], capture_output=True, text=True)
+    assert done.returncode != 0 and "r1.json" in done.stderr and "--kernels" in done.stderr, done.stderr
+    assert not out.exists()

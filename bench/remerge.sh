@@ -38,7 +38,8 @@ for d in "$R"/*-zoo-* "$R"/2026-11-30-issue15-first-gpu; do
     job "merge-$n-$be-noanchors" merge --min-repeats 1 "$d"/$be-*.json
   done
 done
-# The published files, from the directories each model's runs were kept in.
+# The published files, from the directories each model's runs were kept in
+# (candle's flux-dev anchors are the ones run in its own command, at 07aeb66).
 Z=$R/2026-11-30-zoo
 job results-zoo-tch merge --min-repeats 3 \
   $Z-9c9881b/tch-flux-dev-run*.json $Z-6bf93c4/tch-wan*-run*.json \
@@ -49,7 +50,7 @@ job results-zoo-tch merge --min-repeats 3 \
   $R/2026-12-02-zoo-56ceb12/diffusers-*-run*.json
 job results-zoo-candle merge --min-repeats 3 \
   $Z-07aeb66/candle-*-run*.json $Z-6bf93c4/candle-qwen2.5*-run*.json $Z-6bf93c4/candle-sd3.5*-run*.json $Z-6bf93c4/candle-t5*-run*.json $R/2026-12-02-zoo-56ceb12/candle-*-run*.json \
-  --anchors $Z-9c9881b/diffusers-*-run*.json
+  --anchors $Z-07aeb66/diffusers-*-run*.json
 # Coded runs are run files too.
 for d in "$R"/*-compressed-* "$R"/*-coded-*; do
   n=$(basename "$d")
@@ -90,6 +91,8 @@ for d in "$R"/*-host-tiers-*; do
   job "tiers-$n-shared" merge-host-tiers-shared --min-repeats 1 "$d"/host-tiers-run*.json
 done
 H=$R/2026-12-01-host-tiers-741599f
+# Refused since runs of different plans are (the file it made, superseded by
+# 2026-12-03's, is archived as results/archive/2026-12-01-host-tiers-h200-741599f.json).
 job results-tiers-1201 merge-host-tiers $H/host-tiers-run*.json
 BENCH_DATE=2026-12-03 job results-tiers-1203 merge-host-tiers $R/2026-12-03-host-tiers-975d863/host-tiers-run*.json
 job tiers-mixed merge-host-tiers $H/host-tiers-run1.json $R/2026-12-01-host-tiers-8de303b/host-tiers-run2.json $H/host-tiers-run3.json
@@ -165,7 +168,7 @@ done
 if [ "${COMPARE:-0}" = 1 ]; then
   for pair in results-zoo-tch:2026-12-02-zoo-tch results-zoo-candle:2026-12-02-zoo-candle \
     results-compressed:2026-12-01-compressed-h200 results-pipeline:2026-11-30-pipeline-tch \
-    results-tiers-1201:2026-12-01-host-tiers-h200 results-tiers-1203:2026-12-03-host-tiers-h200 \
+    results-tiers-1203:2026-12-03-host-tiers-h200 \
     results-tiers-shared:2026-12-01-host-tiers-shared-h200; do
     if cmp -s "$OUT/${pair%%:*}.json" "$B/results/${pair#*:}.json"; then echo "same: ${pair#*:}"; else echo "differs: ${pair#*:}"; fi
   done

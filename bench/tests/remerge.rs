@@ -1,7 +1,8 @@
-//! The published files that today's merges rebuild from the committed raw runs,
-//! byte for byte: a refactor of a merge must leave them so. (The other published
-//! files were merged by older code, before fields were added; `bench/remerge.sh`
-//! compares every merge before and after a change instead.)
+//! Every published file of the bench room's merges is what today's merges
+//! rebuild from the committed raw runs, byte for byte: no figure in one was
+//! typed or merged by hand, and a change to a merge that would alter a
+//! published figure fails here. (`bench/remerge.sh` also compares every other
+//! merge, and the argument errors, before and after a change.)
 
 use std::process::Command;
 
@@ -23,6 +24,30 @@ fn merged(date: &str, args: &[&str]) -> String {
     text
 }
 
+/// The files of `bench/raw/DIR` whose names match `pattern` (`*`: any run of
+/// characters), sorted, as paths relative to `bench/raw/` (as the shell's glob
+/// in `bench/remerge.sh` gives them).
+fn glob(dir: &str, pattern: &str) -> Vec<String> {
+    fn matches(p: &str, s: &str) -> bool {
+        match p.split_once('*') {
+            None => p == s,
+            Some((head, rest)) => {
+                s.starts_with(head)
+                    && (0..=s.len() - head.len()).any(|i| s.is_char_boundary(head.len() + i) && matches(rest, &s[head.len() + i..]))
+            }
+        }
+    }
+    let raw = concat!(env!("CARGO_MANIFEST_DIR"), "/raw");
+    let mut names: Vec<String> = std::fs::read_dir(format!("{raw}/{dir}"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| matches(pattern, n))
+        .collect();
+    names.sort();
+    assert!(!names.is_empty(), "nothing in {dir} matches {pattern}");
+    names.into_iter().map(|n| format!("{dir}/{n}")).collect()
+}
+
 fn committed(name: &str) -> String {
     std::fs::read_to_string(format!("{}/results/{name}", env!("CARGO_MANIFEST_DIR"))).unwrap()
 }
@@ -41,5 +66,51 @@ fn the_pipeline_and_host_tier_files_are_rebuilt_byte_for_byte() {
     ] {
         let args: Vec<&str> = std::iter::once(sub).chain(files.iter().map(String::as_str)).collect();
         assert!(merged(date, &args) == committed(name), "{sub} no longer rebuilds {name}");
+    }
+}
+
+#[test]
+fn the_zoo_and_compressed_files_are_rebuilt_byte_for_byte() {
+    let z = |commit: &str| format!("2026-11-30-zoo-{commit}");
+    let n = "2026-12-02-zoo-56ceb12";
+    let all = |parts: &[(String, &str)]| parts.iter().flat_map(|(d, p)| glob(d, p)).collect::<Vec<_>>();
+    let tch = all(&[
+        (z("9c9881b"), "tch-flux-dev-run*.json"),
+        (z("6bf93c4"), "tch-wan*-run*.json"),
+        (z("54bafd4"), "tch-qwen-image-run*.json"),
+        (z("54bafd4"), "tch-qwen2.5*-run*.json"),
+        (z("54bafd4"), "tch-sd3.5*-run*.json"),
+        (n.into(), "tch-*-run*.json"),
+    ]);
+    let tch_anchors = all(&[
+        (z("9c9881b"), "diffusers-*-run*.json"),
+        (z("6bf93c4"), "diffusers-*-run*.json"),
+        (z("54bafd4"), "diffusers-qwen-image-*-run*.json"),
+        (z("54bafd4"), "diffusers-qwen2.5*-run*.json"),
+        (z("54bafd4"), "diffusers-sd3.5*-run*.json"),
+        (n.into(), "diffusers-*-run*.json"),
+    ]);
+    let candle = all(&[
+        (z("07aeb66"), "candle-*-run*.json"),
+        (z("6bf93c4"), "candle-qwen2.5*-run*.json"),
+        (z("6bf93c4"), "candle-sd3.5*-run*.json"),
+        (z("6bf93c4"), "candle-t5*-run*.json"),
+        (n.into(), "candle-*-run*.json"),
+    ]);
+    // candle's flux-dev anchors are the ones run in its own command.
+    let candle_anchors = glob(&z("07aeb66"), "diffusers-*-run*.json");
+    let c = "2026-12-01-compressed-3980ca5";
+    let (coded, codec) = (glob(c, "coded-run*.json"), glob(c, "codec-speed-*.json"));
+    let args = |sub: &str, runs: &[String], flag: &str, more: &[String]| -> Vec<String> {
+        let head = [sub.to_owned(), "--min-repeats".into(), "3".into()];
+        head.into_iter().chain(runs.iter().cloned()).chain(std::iter::once(flag.to_owned())).chain(more.iter().cloned()).collect()
+    };
+    for (a, name) in [
+        (args("merge", &tch, "--anchors", &tch_anchors), "2026-12-02-zoo-tch.json"),
+        (args("merge", &candle, "--anchors", &candle_anchors), "2026-12-02-zoo-candle.json"),
+        (args("merge-compressed", &coded, "--codec", &codec), "2026-12-01-compressed-h200.json"),
+    ] {
+        let a: Vec<&str> = a.iter().map(String::as_str).collect();
+        assert!(merged("2026-12-01", &a) == committed(name), "{} no longer rebuilds {name}", a[0]);
     }
 }

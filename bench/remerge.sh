@@ -167,6 +167,7 @@ done
 
 if [ "${COMPARE:-0}" = 1 ]; then
   for pair in results-zoo-tch:2026-12-02-zoo-tch results-zoo-candle:2026-12-02-zoo-candle \
+    merge-2026-11-30-zoo-07aeb66-cuda:2026-11-30-zoo-cuda \
     results-compressed:2026-12-01-compressed-h200 results-pipeline:2026-11-30-pipeline-tch \
     results-tiers-1203:2026-12-03-host-tiers-h200 \
     results-tiers-shared:2026-12-01-host-tiers-shared-h200; do

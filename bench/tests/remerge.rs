@@ -99,6 +99,8 @@ fn the_zoo_and_compressed_files_are_rebuilt_byte_for_byte() {
     ]);
     // candle's flux-dev anchors are the ones run in its own command.
     let candle_anchors = glob(&z("07aeb66"), "diffusers-*-run*.json");
+    // The cuda file: the reference model's runs and the anchors of their command.
+    let (cuda, cuda_anchors) = (glob(&z("07aeb66"), "cuda-*.json"), glob(&z("07aeb66"), "diffusers-*.json"));
     let c = "2026-12-01-compressed-3980ca5";
     let (coded, codec) = (glob(c, "coded-run*.json"), glob(c, "codec-speed-*.json"));
     let args = |sub: &str, runs: &[String], flag: &str, more: &[String]| -> Vec<String> {
@@ -108,6 +110,7 @@ fn the_zoo_and_compressed_files_are_rebuilt_byte_for_byte() {
     for (a, name) in [
         (args("merge", &tch, "--anchors", &tch_anchors), "2026-12-02-zoo-tch.json"),
         (args("merge", &candle, "--anchors", &candle_anchors), "2026-12-02-zoo-candle.json"),
+        (args("merge", &cuda, "--anchors", &cuda_anchors), "2026-11-30-zoo-cuda.json"),
         (args("merge-compressed", &coded, "--codec", &codec), "2026-12-01-compressed-h200.json"),
     ] {
         let a: Vec<&str> = a.iter().map(String::as_str).collect();

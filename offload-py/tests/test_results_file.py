@@ -24,6 +24,20 @@ def test_the_published_results_file_rebuilds_from_its_runs(tmp_path):
         assert (tmp_path / f.name).read_bytes() == f.read_bytes(), f"{f.name} is not what py_merge.py makes of its runs"
 
 
+@pytest.mark.parametrize("kind", ["start", "pipeline"])
+def test_the_start_and_pipeline_results_files_rebuild_from_their_runs(tmp_path, kind):
+    # Issue 32's host-RAM start and whole-pipeline files: each names its runs, and
+    # is what `py_start.py merge` / `py_pipeline.py merge` make of them, byte for byte.
+    files = sorted((ROOT / "bench" / "results").glob(f"*-python-{kind}.json"))
+    assert files, f"no python-{kind} results file"
+    for f in files:
+        d = json.loads(f.read_text())
+        out = tmp_path / f.name
+        subprocess.run([sys.executable, str(ROOT / f"bench/anchors/py_{kind}.py"), "merge", "--date", d["date"], "--out", str(out),
+                        *d["runs"]], cwd=ROOT, check=True, capture_output=True)
+        assert out.read_bytes() == f.read_bytes(), f"{f.name} is not what py_{kind}.py makes of its runs"
+
+
 def test_the_fp8_target_is_computed_against_the_resident_step(tmp_path):
     # flux-dev-fp8 at 1024²: the package's step over the resident fp8 step, per
     # process, its median held to 1.05 (issue 33), computed by py_merge.py.

@@ -291,3 +291,23 @@ def test_a_process_with_profiled_steps_is_not_merged(tmp_path):
                            "--at", "c0ffee", *runs], capture_output=True, text=True)
     assert done.returncode != 0 and "r1.json" in done.stderr and "--kernels" in done.stderr, done.stderr
     assert not out.exists()
+
+
+def test_the_sabotage_tables_rebuild_from_their_conformance_runs(tmp_path):
+    # Each published sabotage table is what bench/sabotage_table.py makes of the
+    # per-binary tables its GPU run wrote (bench/raw/*-conformance-COMMIT/), byte
+    # for byte, and says every break was caught or names it n/a.
+    files = sorted((ROOT / "bench" / "results").glob("*-sabotage-h200.json"))
+    assert files, "no sabotage table"
+    for f in files:
+        d = json.loads(f.read_text())
+        raw = sorted((ROOT / "bench" / "raw").glob(f"*-conformance-{d['commit']}"))
+        assert len(raw) == 1, f"{f.name}: raw runs for {d['commit']}: {raw}"
+        work = tmp_path / d["commit"]
+        work.mkdir()
+        for part in raw[0].glob("sabotage-*.json"):
+            (work / part.name).write_bytes(part.read_bytes())
+        subprocess.run([sys.executable, str(ROOT / "bench/sabotage_table.py"), str(work), d["date"]], check=True, capture_output=True)
+        assert (work / "sabotage-h200.json").read_bytes() == f.read_bytes(), f"{f.name} is not what sabotage_table.py makes of {raw[0].name}"
+        assert d["all_caught"] and all(r["caught"] in (True, "n/a") for r in d["rows"])
+        assert d["not_applicable"] == [f'{r["backend"]} {r["sabotage"]}' for r in d["rows"] if r["caught"] == "n/a"]

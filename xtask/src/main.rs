@@ -412,26 +412,34 @@ fn codec_bench() -> Result<(), String> {
         let text = std::fs::read_to_string(&out).map_err(|e| format!("{}: {e}", out.display()))?;
         runs.push(serde_json::from_str::<serde_json::Value>(&text).map_err(|e| format!("{}: {e}", out.display()))?);
     }
+    let names = (1..=runs.len())
+        .map(|r| format!("bench/raw/{}/run{r}.json", dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default()));
+    let doc = codec_merge(&runs, names.collect(), &today(), &commit());
+    let out = root().join(format!("bench/results/{}-codec-host.json", today()));
+    std::fs::write(&out, serde_json::to_string_pretty(&doc).unwrap_or_default() + "\n").map_err(|e| format!("{}: {e}", out.display()))?;
+    println!("wrote {}", out.display());
+    Ok(())
+}
+
+/// The codec-host results file from its `codec-bench` runs (their paths as the
+/// file names them): median, min and max of each speed, the rest from the first.
+fn codec_merge(runs: &[serde_json::Value], names: Vec<String>, date: &str, commit: &str) -> serde_json::Value {
     let spread = |k: &str| {
         let mut v: Vec<f64> = runs.iter().filter_map(|r| r[k].as_f64()).collect();
         v.sort_by(f64::total_cmp);
         serde_json::json!({"median": v.get(v.len() / 2), "min": v.first(), "max": v.last()})
     };
-    let doc = serde_json::json!({
-        "date": today(), "commit": commit(), "gpu": "none", "backend": "none",
+    serde_json::json!({
+        "date": date, "commit": commit, "gpu": "none", "backend": "none",
         "model": "one Flux-dev-shaped dual-stream block (diffusers' shapes), normal weights at each tensor's init scale",
-        "runs": (1..=runs.len()).map(|r| format!("bench/raw/{}/run{r}.json", dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default())).collect::<Vec<_>>(),
+        "runs": names,
         "cases": [{
             "case": "codec-host", "host_threads": runs[0]["threads"], "repeats": runs.len(), "block_bytes": runs[0]["block_bytes"],
             "compression_ratio": runs[0]["compression_ratio"], "exponent_entropy_bits": runs[0]["exponent_entropy_bits"],
             "encode_gbps_host": spread("encode_gbps_host"), "decode_gbps_host_reference": spread("decode_gbps_host_reference"),
             "bitwise_equal": runs.iter().all(|r| r["bitwise_equal"] == true),
         }],
-    });
-    let out = root().join(format!("bench/results/{}-codec-host.json", today()));
-    std::fs::write(&out, serde_json::to_string_pretty(&doc).unwrap_or_default() + "\n").map_err(|e| format!("{}: {e}", out.display()))?;
-    println!("wrote {}", out.display());
-    Ok(())
+    })
 }
 
 /// The main job. Where `nvidia-smi` lists a GPU (and `--cpu` is not given) the demo
@@ -756,5 +764,35 @@ fn main() {
     if let Err(e) = r {
         eprintln!("xtask: {e}");
         exit(1);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// Every published codec-host file is what `codec_merge` makes of the runs it
+    /// names, byte for byte (as `cargo xtask bench --codec` writes it).
+    #[test]
+    fn the_codec_host_files_rebuild_from_their_runs() {
+        let results = super::root().join("bench/results");
+        let mut seen = 0;
+        for e in std::fs::read_dir(&results).unwrap() {
+            let path = e.unwrap().path();
+            if !path.to_string_lossy().ends_with("-codec-host.json") {
+                continue;
+            }
+            let text = std::fs::read_to_string(&path).unwrap();
+            let doc: serde_json::Value = serde_json::from_str(&text).unwrap();
+            let names: Vec<String> = doc["runs"].as_array().unwrap().iter().map(|n| n.as_str().unwrap().to_owned()).collect();
+            let runs: Vec<serde_json::Value> =
+                names.iter().map(|n| serde_json::from_str(&std::fs::read_to_string(super::root().join(n)).unwrap()).unwrap()).collect();
+            let rebuilt = super::codec_merge(&runs, names, doc["date"].as_str().unwrap(), doc["commit"].as_str().unwrap());
+            assert!(
+                serde_json::to_string_pretty(&rebuilt).unwrap() + "\n" == text,
+                "{} is not what codec_merge makes of its runs",
+                path.display()
+            );
+            seen += 1;
+        }
+        assert!(seen > 0, "no codec-host results file");
     }
 }

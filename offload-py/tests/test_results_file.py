@@ -311,3 +311,21 @@ def test_the_sabotage_tables_rebuild_from_their_conformance_runs(tmp_path):
         assert (work / "sabotage-h200.json").read_bytes() == f.read_bytes(), f"{f.name} is not what sabotage_table.py makes of {raw[0].name}"
         assert d["all_caught"] and all(r["caught"] in (True, "n/a") for r in d["rows"])
         assert d["not_applicable"] == [f'{r["backend"]} {r["sabotage"]}' for r in d["rows"] if r["caught"] == "n/a"]
+
+
+@pytest.mark.parametrize("name,runs,prefix,date", [
+    ("2026-11-30-vulkan-h200-1c120c6.json", [f"2026-11-30-vulkan-run{k}-1c120c6.json" for k in (1, 2, 3)], "vulkan", ""),
+    ("2026-11-30-vulkan-h200-d9f43c7.json", [f"2026-12-01-gpu-d9f43c7/vulkan-run{k}.json" for k in (1, 2, 3)], "vulkan", ""),
+    ("2026-12-01-vulkan-h200-e366cc3.json", [f"2026-12-01-vulkan-split-e366cc3/vulkan-split-run{k}.json" for k in (1, 2, 3)],
+     "vulkan-split", "2026-12-01"),
+])
+def test_the_vulkan_results_files_rebuild_from_their_runs(tmp_path, name, runs, prefix, date):
+    # Each published Vulkan file is what bench/vulkan_merge.py makes of its three
+    # `vulkan-bench` runs (kept in bench/raw/, some renamed with their commit),
+    # byte for byte; runs made without BENCH_DATE take the merge's.
+    for k, run in enumerate(runs, 1):
+        (tmp_path / f"{prefix}-run{k}.json").write_bytes((ROOT / "bench" / "raw" / run).read_bytes())
+    env = dict(os.environ, BENCH_DATE=date)
+    subprocess.run([sys.executable, str(ROOT / "bench/vulkan_merge.py"), str(tmp_path), prefix], env=env, check=True, capture_output=True)
+    got = (tmp_path / f"{prefix}-h200.json").read_bytes()
+    assert got == (ROOT / "bench" / "results" / name).read_bytes(), f"{name} is not what vulkan_merge.py makes of its runs"

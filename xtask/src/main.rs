@@ -634,6 +634,7 @@ fn gpu_bundle(args: &[String]) -> Result<(), String> {
         "bench/relay-run.sh",
         "bench/coded-probe.sh",
         "bench/sabotage_table.py",
+        "bench/vulkan_merge.py",
     ] {
         let p = root().join(f);
         if p.exists() {

@@ -24,28 +24,16 @@ fn merged(date: &str, args: &[&str]) -> String {
     text
 }
 
-/// The files of `bench/raw/DIR` whose names match `pattern` (`*`: any run of
-/// characters), sorted, as paths relative to `bench/raw/` (as the shell's glob
-/// in `bench/remerge.sh` gives them).
+/// The files of `bench/raw/DIR` whose names match `pattern`, sorted, as paths
+/// relative to `bench/raw/` (as the shell's glob in `bench/remerge.sh` gives them).
 fn glob(dir: &str, pattern: &str) -> Vec<String> {
-    fn matches(p: &str, s: &str) -> bool {
-        match p.split_once('*') {
-            None => p == s,
-            Some((head, rest)) => {
-                s.starts_with(head)
-                    && (0..=s.len() - head.len()).any(|i| s.is_char_boundary(head.len() + i) && matches(rest, &s[head.len() + i..]))
-            }
-        }
-    }
     let raw = concat!(env!("CARGO_MANIFEST_DIR"), "/raw");
-    let mut names: Vec<String> = std::fs::read_dir(format!("{raw}/{dir}"))
+    let names: Vec<String> = glob::glob(&format!("{raw}/{dir}/{pattern}"))
         .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .filter(|n| matches(pattern, n))
+        .map(|p| format!("{dir}/{}", p.unwrap().file_name().unwrap().to_string_lossy()))
         .collect();
-    names.sort();
     assert!(!names.is_empty(), "nothing in {dir} matches {pattern}");
-    names.into_iter().map(|n| format!("{dir}/{n}")).collect()
+    names
 }
 
 fn committed(name: &str) -> String {
@@ -74,22 +62,17 @@ fn the_zoo_and_compressed_files_are_rebuilt_byte_for_byte() {
     let z = |commit: &str| format!("2026-11-30-zoo-{commit}");
     let n = "2026-12-02-zoo-56ceb12";
     let all = |parts: &[(String, &str)]| parts.iter().flat_map(|(d, p)| glob(d, p)).collect::<Vec<_>>();
-    let tch = all(&[
-        (z("9c9881b"), "tch-flux-dev-run*.json"),
-        (z("6bf93c4"), "tch-wan*-run*.json"),
-        (z("54bafd4"), "tch-qwen-image-run*.json"),
-        (z("54bafd4"), "tch-qwen2.5*-run*.json"),
-        (z("54bafd4"), "tch-sd3.5*-run*.json"),
-        (n.into(), "tch-*-run*.json"),
-    ]);
-    let tch_anchors = all(&[
-        (z("9c9881b"), "diffusers-*-run*.json"),
-        (z("6bf93c4"), "diffusers-*-run*.json"),
-        (z("54bafd4"), "diffusers-qwen-image-*-run*.json"),
-        (z("54bafd4"), "diffusers-qwen2.5*-run*.json"),
-        (z("54bafd4"), "diffusers-sd3.5*-run*.json"),
-        (n.into(), "diffusers-*-run*.json"),
-    ]);
+    // tch's runs and the anchors of their commands, model by model (`""`: all in the directory).
+    let tch_parts = [
+        (z("9c9881b"), "flux-dev"),
+        (z("6bf93c4"), "wan"),
+        (z("54bafd4"), "qwen-image"),
+        (z("54bafd4"), "qwen2.5"),
+        (z("54bafd4"), "sd3.5"),
+        (n.to_owned(), ""),
+    ];
+    let of = |who: &str| tch_parts.iter().flat_map(|(d, m)| glob(d, &format!("{who}-{m}*-run*.json"))).collect::<Vec<_>>();
+    let (tch, tch_anchors) = (of("tch"), of("diffusers"));
     let candle = all(&[
         (z("07aeb66"), "candle-*-run*.json"),
         (z("6bf93c4"), "candle-qwen2.5*-run*.json"),

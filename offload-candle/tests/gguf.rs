@@ -172,18 +172,24 @@ fn stream_bitwise(tier: Tier) -> offload_core::HostTier {
     let mut x_s = x.clone();
     for step in 0..2 {
         x_s = x.clone();
+        let mut on_demand = 0;
         for (i, &fc2) in FC2.iter().enumerate() {
             let g = ring.block("blocks", i).unwrap();
+            on_demand += u64::from(g.source() == offload_core::BlockSource::OnDemand);
             let w = backend.qtensors(g.slot(), g.layout(), &format!("blocks.{i}.")).unwrap();
             assert_eq!(w["fc2.weight"].dtype(), fc2);
             x_s = block(&w, &x_s);
             g.finish().unwrap();
         }
         let m = ring.end_step().unwrap();
-        // The steady step prefetches every block (the disk tier's first step
-        // may wait for a read: a cold start).
+        // Every miss counted is a block served on demand, and only those. In memory
+        // the steady step prefetches every block; on disk a block whose read is not
+        // done when its prefetch comes due is fetched on demand instead (the thread
+        // that computes never waits for a read ahead of need), so how many are
+        // missed there depends on the disk's speed: CI once saw one in step 1.
         assert_eq!(m.blocks, DEPTH as u64, "step {step}: {m}");
-        assert!(m.misses == 0 || (step == 0 && tier == Tier::Disk), "step {step}: {m}");
+        assert_eq!((m.misses, m.prefetch_hits + m.misses), (on_demand, DEPTH as u64), "step {step}: {m}");
+        assert!(m.misses == 0 || tier == Tier::Disk, "step {step}: {m}");
         // Each step reads every block on disk from the file once, and only those.
         let on_disk = store.disk_bytes();
         assert_eq!(on_disk > 0, tier == Tier::Disk);
@@ -405,9 +411,10 @@ fn a_bfl_named_flux_gguf_serves_its_blocks_in_place_and_from_disk_under_diffuser
             assert!(tier.copy_reason.as_deref().is_some_and(|r| r.contains("norm_out.linear.weight")), "{tier:?}");
         }
         let mut ring = Ring::new(backend.clone(), store.clone(), &plan.components[0]).unwrap();
-        let mut checked = 0;
+        let (mut checked, mut on_demand) = (0, 0);
         for b in inventory.blocks() {
             let g = ring.block(&b.id.stack, b.id.index).unwrap();
+            on_demand += u64::from(g.source() == offload_core::BlockSource::OnDemand);
             let prefix = format!("{}.", b.id);
             let w = backend.qtensors(g.slot(), g.layout(), &prefix).unwrap();
             for spec in &b.tensors {
@@ -422,8 +429,10 @@ fn a_bfl_named_flux_gguf_serves_its_blocks_in_place_and_from_disk_under_diffuser
         }
         assert!(checked > 4 * blocks, "{checked} tensors checked");
         let m = ring.end_step().unwrap();
-        // The disk tier's first step may wait for a read (a cold start).
-        assert!(m.misses == 0 || (on_disk && m.misses <= 1), "{m}");
+        // Misses are the blocks served on demand; in memory there are none. On disk
+        // their number depends on how fast the reads come back (see `stream_bitwise`).
+        assert_eq!((m.misses, m.prefetch_hits + m.misses), (on_demand, blocks as u64), "{m}");
+        assert!(m.misses == 0 || on_disk, "{m}");
         assert!(!on_disk || m.disk_bytes_read >= store.disk_bytes(), "{m}");
         ring.close().unwrap();
         backend.host_device().check().expect("no protocol violation");

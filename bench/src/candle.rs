@@ -749,71 +749,98 @@ pub fn calibrate_cpu(model: &Model, steps: usize) -> offload_core::Result<Vec<f6
 
 /// Build `model`'s host store (random bf16, pinned) on GPU 0, time every case
 /// resident (every block's weights on the device, no ring), then streamed at
-/// every depth, in this process.
+/// every depth, in this process ([`crate::drive::run`]).
 #[cfg(feature = "candle-cuda")]
 pub fn run(model: &Model, opts: &crate::harness::RunOptions) -> Result<crate::harness::RunDoc, String> {
     if !computes(model) {
         return Err(format!("candle: {}: the bench room has no candle compute for its blocks yet", model.name));
     }
-    use crate::harness::{streamed_row, RunCase, RunDoc, Streamed};
+    crate::drive::run(&mut gpu::CandleRun::new(model, (opts.warmup, opts.steps))?, model, opts)
+}
+
+#[cfg(feature = "candle-cuda")]
+mod gpu {
+    use super::{output, Net, W};
+    use crate::drive::{Driver, Resident, StreamedRun};
+    use crate::harness::{StoreFacts, Streamed};
+    use crate::registry::{Case, Model};
+    use crate::source::{block_inventory, resolved, RegistrySource};
+    use candle_core::{DType, Device, Tensor};
     use offload_candle::CandleCudaBackend;
-    use std::time::Instant;
-    let e = |x: offload_core::Error| format!("candle: {x}");
-    use crate::harness::{gib, median};
-    let be = CandleCudaBackend::new(0, DType::BF16).map_err(e)?;
-    let dev = be.device();
-    let cuda = be.cuda().clone();
-    let cases: Vec<&Case> = opts.cases.iter().map(|c| model.case(c)).collect::<Result<_, _>>()?;
-    let src = RegistrySource::new(model, 0);
-    let inv = block_inventory(model, src.specs()).map_err(e)?;
-    let t = Instant::now();
-    let store = Arc::new(HostStore::build(&be, &inv, &src).map_err(e)?);
-    let facts = crate::harness::store_facts(&be, &store, t).map_err(e)?;
-    let bandwidth = facts.bandwidth;
-    if facts.payload != model.block_bytes(2) {
-        return Err(format!(
-            "candle: the store holds {} bytes of block tensors, the registry says {}",
-            facts.payload,
-            model.block_bytes(2)
-        ));
+    use offload_core::{ComponentInventory, HostStore, OffloadBackend, Plan, Ring, TensorSource};
+    use std::sync::Arc;
+
+    fn e(x: offload_core::Error) -> String {
+        format!("candle: {x}")
     }
-    let resident_bytes = model.global_bytes(2);
-    let net = Net::new(model, &src, &dev).map_err(e)?;
-    let sync = || dev.synchronize().map_err(|x| format!("candle: synchronize: {x}"));
-    let timed = |f: &mut dyn FnMut() -> offload_core::Result<Tensor>| {
-        crate::harness::timed((opts.warmup, opts.steps), &sync, &mut || f().map_err(e))
-    };
-    // Resident: every block's weights on the device, read straight from the source
-    // once, every case timed, then dropped before the ring is made.
-    struct Resident {
-        times: Vec<f64>,
-        out: Vec<u8>,
-        activations: u64,
-        /// With `--budgets` or `--depths auto`: the planner's cost model (per-block compute timed here).
-        cost: Option<offload_plan::CostModel>,
+
+    /// candle's file on GPU 0: the host store built first; the resident runs
+    /// read every block's weights straight from the source (dropped before the
+    /// first ring).
+    pub struct CandleRun<'m> {
+        model: &'m Model,
+        be: CandleCudaBackend,
+        dev: Device,
+        src: RegistrySource,
+        inv: ComponentInventory,
+        store: Arc<HostStore<CandleCudaBackend>>,
+        facts: StoreFacts,
+        net: Net<'m>,
+        direct: Option<Vec<W>>,
+        steps: (usize, usize),
     }
-    let gpu = cuda.device_name().unwrap_or_default();
-    let mut resident = Vec::new();
-    {
-        let direct = net.direct_weights(&src).map_err(e)?;
-        for c in &cases {
+
+    impl<'m> CandleRun<'m> {
+        pub fn new(model: &'m Model, steps: (usize, usize)) -> Result<Self, String> {
+            let be = CandleCudaBackend::new(0, DType::BF16).map_err(e)?;
+            let dev = be.device();
+            let src = RegistrySource::new(model, 0);
+            let inv = block_inventory(model, src.specs()).map_err(e)?;
+            let t = std::time::Instant::now();
+            let store = Arc::new(HostStore::build(&be, &inv, &src).map_err(e)?);
+            let facts = crate::harness::store_facts(&be, &store, t).map_err(e)?;
+            let net = Net::new(model, &src, &dev).map_err(e)?;
+            Ok(CandleRun { model, be, dev, src, inv, store, facts, net, direct: None, steps })
+        }
+
+        fn timed(&self, f: &mut dyn FnMut() -> offload_core::Result<Tensor>) -> Result<(Vec<f64>, Tensor), String> {
+            let sync = || self.dev.synchronize().map_err(|x| format!("candle: synchronize: {x}"));
+            crate::harness::timed(self.steps, &sync, &mut || f().map_err(e))
+        }
+    }
+
+    impl Driver for CandleRun<'_> {
+        const BACKEND: &'static str = "candle";
+
+        fn gpu(&self) -> String {
+            self.be.cuda().device_name().unwrap_or_default()
+        }
+
+        fn resident_bytes(&self) -> u64 {
+            self.model.global_bytes(2)
+        }
+
+        fn resident(&mut self, c: &Case, calibrate: bool) -> Result<Resident, String> {
+            if self.direct.is_none() {
+                self.direct = Some(self.net.direct_weights(&self.src).map_err(e)?);
+            }
+            let (net, cuda, direct) = (&self.net, self.be.cuda(), self.direct.as_deref().expect("set above"));
             let i = net.inputs(c).map_err(e)?;
-            sync()?;
+            self.dev.synchronize().map_err(|x| format!("candle: synchronize: {x}"))?;
             let before = cuda.pool_used_bytes().map_err(e)?.0;
             cuda.reset_pool_peak().map_err(e)?;
-            let (times, rout) = timed(&mut || net.step::<CandleCudaBackend>(None, Some(&direct), &i))?;
+            let (times, rout) = self.timed(&mut || net.step::<CandleCudaBackend>(None, Some(direct), &i))?;
             let activations = cuda.pool_used_bytes().map_err(e)?.1.saturating_sub(before);
             let (out, _) = output(&rout).map_err(e)?;
-            eprintln!("{} {}: resident step {:.4} s, activations {:.2} GiB", model.name, c.name, median(&times), gib(activations));
             // The budget runs' (and `--depths auto`'s) calibration: three more resident steps, each block's
             // compute timed between device synchronisations, in step order.
-            let cost = match opts.budgets_gib.is_empty() && !opts.auto_depth {
-                true => None,
-                false => {
-                    let compute = net.calibrate::<CandleCudaBackend>(&direct, &i, 3).map_err(e)?;
+            let cost = match calibrate {
+                false => None,
+                true => {
+                    let compute = net.calibrate::<CandleCudaBackend>(direct, &i, 3).map_err(e)?;
                     let bytes: std::collections::HashMap<String, u64> =
-                        store.blocks().iter().map(|b| (b.id.to_string(), b.bytes() as u64)).collect();
-                    let ids = model.stacks.iter().flat_map(|s| (0..s.count).map(move |k| format!("{}.{k}", s.prefix)));
+                        self.store.blocks().iter().map(|b| (b.id.to_string(), b.bytes() as u64)).collect();
+                    let ids = self.model.stacks.iter().flat_map(|s| (0..s.count).map(move |k| format!("{}.{k}", s.prefix)));
                     let blocks: Vec<offload_plan::BlockCost> = ids
                         .zip(&compute)
                         .map(|(id, &t)| match bytes.get(&id) {
@@ -821,89 +848,46 @@ pub fn run(model: &Model, opts: &crate::harness::RunOptions) -> Result<crate::ha
                             None => Err(format!("candle: calibration: block {id} is not in the store")),
                         })
                         .collect::<Result<_, _>>()?;
-                    if blocks.len() != store.blocks().len() {
-                        return Err(format!("candle: calibration timed {} blocks of {}", blocks.len(), store.blocks().len()));
+                    if blocks.len() != self.store.blocks().len() {
+                        return Err(format!("candle: calibration timed {} blocks of {}", blocks.len(), self.store.blocks().len()));
                     }
-                    let source = format!("{gpu}, {} {}, resident steps of zoo run --backend candle", model.name, c.name);
-                    Some(crate::budgets::cost_model(bandwidth, blocks, source))
+                    let source = format!("{}, {} {}, resident steps of zoo run --backend candle", self.gpu(), self.model.name, c.name);
+                    Some(crate::budgets::cost_model(self.facts.bandwidth, blocks, source))
                 }
             };
-            resident.push(Resident { times, out, activations, cost });
+            Ok(Resident { times, out, activations, cost })
         }
-    }
-    sync()?;
-    let mut out_cases = Vec::new();
-    let (mut budget_runs, mut calibrations) = (Vec::new(), Vec::new());
-    for (c, r) in cases.iter().zip(&resident) {
-        let i = net.inputs(c).map_err(e)?;
-        let (rtimes, rbytes, activations) = (&r.times, &r.out, r.activations);
-        // The depths given, then (`--depths auto`) the planner's for a fully
-        // streamed ring, asked from this case's calibration before any streamed step.
-        let mut depths: Vec<(usize, Option<crate::harness::PlannerDepth>)> = opts.depths.iter().map(|&d| (d, None)).collect();
-        if opts.auto_depth {
-            let cost = r.cost.as_ref().ok_or("candle: --depths auto without a calibration")?;
-            let at = format!("candle: {} {} --depths auto", model.name, c.name);
-            let choice = offload_plan::streamed_depth(cost, crate::harness::AUTO_DEPTH_MAX, crate::harness::AUTO_DEPTH_TOLERANCE)
-                .map_err(|x| format!("{at}: {x}"))?;
-            let replayed = offload_plan::streamed_replays(cost, crate::harness::AUTO_DEPTH_MAX);
-            eprintln!(
-                "{at}: d={} (replayed {:?} s at d=1..{}, bound {:.4} s)",
-                choice.depth,
-                replayed.iter().map(|x| (x * 1e4).round() / 1e4).collect::<Vec<_>>(),
-                crate::harness::AUTO_DEPTH_MAX,
-                choice.bound_s
-            );
-            depths.push((
-                choice.depth,
-                Some(crate::harness::PlannerDepth {
-                    predicted_step_s: choice.predicted_step_s,
-                    replayed_s_by_depth: replayed,
-                    calibrated_bound_s: choice.bound_s,
-                }),
-            ));
+
+        fn stream(&mut self) -> Result<StoreFacts, String> {
+            self.direct = None;
+            self.dev.synchronize().map_err(|x| format!("candle: synchronize: {x}"))?;
+            Ok(self.facts.clone())
         }
-        for (d, planner_depth) in depths {
-            let rc = resolved(&Plan::layerwise().prefetch_depth(d), &inv).map_err(e)?;
+
+        fn streamed(&mut self, c: &Case, plan: &Plan, r: &Resident, _trace: Option<&str>) -> Result<StreamedRun, String> {
+            let (be, cuda) = (&self.be, self.be.cuda());
+            let i = self.net.inputs(c).map_err(e)?;
+            let rc = resolved(plan, &self.inv).map_err(e)?;
             cuda.synchronize().map_err(e)?;
             be.reset_peak();
             let live_slots = be.counters().live_bytes;
             let before = cuda.pool_used_bytes().map_err(e)?.0;
             cuda.reset_pool_peak().map_err(e)?;
-            let mut ring = Ring::new(be.clone(), store.clone(), &rc).map_err(e)?;
-            let (times, out) = timed(&mut || net.step(Some(&mut ring), None, &i))?;
+            let mut ring = Ring::new(be.clone(), self.store.clone(), &rc).map_err(e)?;
+            let net = &self.net;
+            let (times, out) = self.timed(&mut || net.step(Some(&mut ring), None, &i))?;
             let peak = cuda.pool_used_bytes().map_err(e)?.1;
+            let resident_bytes = self.model.global_bytes(2);
             let weights = be.counters().peak_bytes + resident_bytes;
             let other = before.saturating_sub(live_slots + resident_bytes);
-            let derived = peak.saturating_sub(other).saturating_sub(activations);
-            let misses = ring.metrics().misses;
+            let derived = peak.saturating_sub(other).saturating_sub(r.activations);
+            let (misses, depth) = (ring.metrics().misses, ring.depth());
             ring.close().map_err(e)?;
             let (sbytes, values) = output(&out).map_err(e)?;
-            let s = Streamed { times, equal: &sbytes == rbytes, values, weights, derived, misses };
-            out_cases.push(RunCase { planner_depth, ..streamed_row(model, c, d, (rtimes, activations), &facts, s) });
+            let s = Streamed { times, equal: sbytes == r.out, values, weights, derived, misses };
+            Ok(StreamedRun { s, depth, step_bytes: None, timeline: None })
         }
-        let Some(cost) = &r.cost else { continue };
-        for &budget_gib in &opts.budgets_gib {
-            budget_runs.push(crate::budgets::run(model, c, cost, budget_gib, (rtimes, bandwidth), &mut |choice, plan| {
-                let rc = resolved(plan, &inv).map_err(e)?;
-                cuda.synchronize().map_err(e)?;
-                be.reset_peak();
-                let mut ring = Ring::new(be.clone(), store.clone(), &rc).map_err(e)?;
-                if ring.depth() != choice.depth {
-                    return Err(format!("the ring runs d={}, the planner chose d={}", ring.depth(), choice.depth));
-                }
-                let (times, out) = timed(&mut || net.step(Some(&mut ring), None, &i))?;
-                let (weights, misses) = (be.counters().peak_bytes, ring.metrics().misses);
-                ring.close().map_err(e)?;
-                let (sbytes, values) = output(&out).map_err(e)?;
-                Ok(Streamed { times, equal: &sbytes == rbytes, values, weights, derived: weights, misses })
-            })?);
-        }
-        calibrations.push(crate::budgets::Calibration { model: model.name.into(), case: c.name.clone(), cost: cost.clone() });
     }
-    let mut doc = RunDoc::new(opts, gpu, "candle", &facts, resident_bytes, out_cases);
-    doc.budgets = budget_runs;
-    doc.calibrations = calibrations;
-    Ok(doc)
 }
 
 #[cfg(test)]

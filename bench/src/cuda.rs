@@ -6,12 +6,12 @@
 //! `--trace` (a Chrome trace of one extra streamed step, and of the coded one as
 //! `<stem>-coded.json`), `--no-gemm` (a sanitizer's run) and `--coded`.
 
-use crate::budgets::Calibration;
-use crate::harness::{spread, streamed_row, RunCase, RunDoc, RunOptions, Streamed, TimelineStep};
+use crate::drive::{Driver, Resident, StreamedRun};
+use crate::harness::{spread, CodedFacts, RunCase, RunDoc, RunOptions, StagingRun, StoreFacts, Streamed};
 use crate::registry::{dual_names, BlockKind, Case, Model};
 use crate::source::{bf16_to_f32, block_inventory, resolved, RegistrySource};
 use offload_core::HostBuffer as _;
-use offload_core::{ComponentInventory, HostStore, OffloadBackend, Plan, ResolvedComponent, Ring, StepMetrics, StreamKind};
+use offload_core::{ComponentInventory, HostStore, OffloadBackend, Plan, Ring, StepMetrics, StreamKind};
 use offload_cuda::reference::{DualNames, RefDims, RefNet, HEAD_DIM};
 use offload_cuda::CudaBackend;
 use offload_plan::{BlockCost, CostModel};
@@ -124,7 +124,7 @@ pub(crate) fn ring_steps(
 
 /// The cost model of `steps` resident steps through `ring`: each block's compute
 /// (the median over the steps, in the order blocks ran) and `bandwidth`.
-fn calibrate(
+fn calibrate_blocks(
     be: &CudaBackend,
     model: &Model,
     net: &mut RefNet,
@@ -157,7 +157,7 @@ fn calibrate(
 /// What a streamed run measured.
 struct RingRun {
     times: Vec<f64>,
-    out: Vec<u16>,
+    out: Vec<u8>,
     misses: u64,
     depth: usize,
     /// Bytes the ring copied in the last timed step.
@@ -167,255 +167,264 @@ struct RingRun {
 }
 
 /// Build `model`'s host store (random bf16, pinned) on GPU 0 and, per case, time
-/// the reference model resident (every block loaded once), streamed at every
-/// depth, and under the planner's choice for every budget, in this process.
+/// the reference model resident (every block loaded once), then streamed at every
+/// depth and under the planner's choice for every budget, in this process
+/// ([`crate::drive::run`]).
 pub fn run(model: &Model, opts: &RunOptions) -> Result<RunDoc, String> {
     if !computes(model) {
         return Err(err(format!("{}: the reference model computes dual- and single-stream blocks with heads of 128 only", model.name)));
     }
-    if opts.trace.is_some() && opts.depths.is_empty() {
-        return Err(err("--trace traces a streamed step at the first of --depths: give at least one depth"));
-    }
-    use crate::harness::{gib, median};
-    let be = match opts.high_priority_compute {
-        false => CudaBackend::new(0),
-        true => CudaBackend::new_high_priority_compute(0),
-    }
-    .map_err(err)?;
-    let gpu = be.device_name().unwrap_or_default();
-    let cases: Vec<&Case> = opts.cases.iter().map(|c| model.case(c)).collect::<Result<_, _>>()?;
-    let src = match opts.coded {
-        true => RegistrySource::normal(model, 0),
-        false => RegistrySource::new(model, 0),
-    };
-    // Blocks only: the reference model has no embedders (resident bytes 0).
-    let inv = block_inventory(model, offload_core::TensorSource::specs(&src)).map_err(err)?;
-    let t = Instant::now();
-    let store = Arc::new(HostStore::build(&be, &inv, &src).map_err(err)?);
-    let facts = crate::harness::store_facts(&be, &store, t).map_err(err)?;
-    let (total, bandwidth) = (facts.total, facts.bandwidth);
-    // With --coded: the same weights in a second store, coded for the device
-    // (coding turned on after the raw store is built, which stays raw).
-    let coded = match opts.coded {
-        false => None,
-        true => {
-            let (entropy, per_tensor) = entropies(&store);
-            let largest = store
-                .blocks()
-                .iter()
-                .max_by_key(|b| b.bytes())
-                .map(|b| b.buffer().expect("held in memory").block_bytes().map(<[u8]>::to_vec))
-                .transpose()
-                .map_err(|e| e.to_string())?
-                .unwrap_or_default();
-            let options = offload_cuda::CodingOptions { high_priority_decode: opts.high_priority_decode, ..Default::default() };
-            let t = Instant::now();
-            let sample = offload_core::codec::code_for_device(&largest, options.segment_bytes, options.threads);
-            let encode_gbps = largest.len() as f64 / t.elapsed().as_secs_f64().max(1e-9) / 1e9;
-            drop(sample);
-            let decode_gbps_in_run = decode_speed(&be, &largest).map_err(err)?;
-            drop(largest);
-            be.enable_coding(options).map_err(err)?;
-            let t = Instant::now();
-            // From the raw store's bytes: the same weights, not drawn a second time.
-            let cstore = Arc::new(HostStore::build(&be, &inv, &StoreTensors::new(&store, &src)).map_err(err)?);
-            let build_s = t.elapsed().as_secs_f64();
-            let coded_bytes: u64 = cstore.blocks().iter().map(|b| b.buffer().map_or(0, |h| h.len()) as u64).sum();
-            let (lo, mid, hi) = (per_tensor.first().copied(), per_tensor.get(per_tensor.len() / 2).copied(), per_tensor.last().copied());
-            let f = crate::harness::CodedFacts {
-                coded_bytes,
-                raw_bytes: total,
-                compression_ratio: coded_bytes as f64 / total.max(1) as f64,
-                exponent_entropy_bits: entropy,
-                tensor_entropy_bits_min: lo.unwrap_or(0.0),
-                tensor_entropy_bits_median: mid.unwrap_or(0.0),
-                tensor_entropy_bits_max: hi.unwrap_or(0.0),
-                encode_gbps_host: encode_gbps,
-                encode_threads: options.threads,
-                store_build_s: build_s,
-                staging_peak_bytes: 0,
-                decode_gbps_in_run,
-                high_priority_decode: options.high_priority_decode,
-                high_priority_compute: opts.high_priority_compute,
-            };
-            eprintln!(
-                "coded store: {:.2} GiB for {:.2} GiB ({:.4}), exponent entropy {entropy:.3} bits ({:.3}–{:.3} per tensor), \
-                 host encode {encode_gbps:.2} GB/s on {} threads, built in {build_s:.1} s",
-                gib(coded_bytes),
-                gib(total),
-                f.compression_ratio,
-                f.tensor_entropy_bits_min,
-                f.tensor_entropy_bits_max,
-                options.threads
-            );
-            Some((cstore, f))
+    crate::drive::run(&mut CudaRun::new(model, opts)?, model, opts)
+}
+
+/// cuda's file on GPU 0: one host store (and with `--coded` a second, coded for
+/// the device), one reference model per case, kept from its resident run to its
+/// streamed ones.
+struct CudaRun<'m> {
+    model: &'m Model,
+    opts: &'m RunOptions,
+    be: CudaBackend,
+    inv: ComponentInventory,
+    store: Arc<HostStore<CudaBackend>>,
+    facts: StoreFacts,
+    coded: Option<(Arc<HostStore<CudaBackend>>, CodedFacts)>,
+    nets: Vec<(String, RefNet)>,
+}
+
+/// The reference model's output as bytes (bf16, little-endian).
+fn bytes(out: &[u16]) -> Vec<u8> {
+    out.iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
+impl<'m> CudaRun<'m> {
+    fn new(model: &'m Model, opts: &'m RunOptions) -> Result<Self, String> {
+        use crate::harness::gib;
+        let be = match opts.high_priority_compute {
+            false => CudaBackend::new(0),
+            true => CudaBackend::new_high_priority_compute(0),
         }
-    };
-    let resolved = |plan: &Plan, inv: &ComponentInventory| resolved(plan, inv).map_err(err);
-    // Timed steps after warm-up, and the bytes the ring copied in the last of them.
-    let timed = |net: &mut RefNet, ring: &mut Ring<CudaBackend>| {
-        timed_steps(&be, model, net, ring, (opts.warmup, opts.steps)).map(|(times, moved)| (times, moved.copied))
-    };
-    // A streamed run of `rc`: its timed steps, then (with `trace`) one more step with
-    // the timeline on, written to `trace`.
-    let streamed =
-        |st: &Arc<HostStore<CudaBackend>>, rc: &ResolvedComponent, net: &mut RefNet, trace: Option<&str>| -> Result<RingRun, String> {
-            be.synchronize().map_err(err)?;
-            be.reset_peak();
-            let mut ring = Ring::new(be.clone(), st.clone(), rc).map_err(err)?;
-            let depth = ring.depth();
-            let (times, step_bytes) = timed(net, &mut ring)?;
-            let out = net.output().map_err(err)?;
-            let misses = ring.metrics().misses;
-            let timeline = match trace {
-                Some(path) => {
-                    ring.enable_timeline().map_err(err)?;
-                    let m = step(&be, model, net, &mut ring, None).map_err(err)?;
-                    let tl = ring.timeline().ok_or_else(|| err("the ring recorded no timeline"))?;
-                    tl.write_chrome_trace(path).map_err(|e| err(format!("{path}: {e}")))?;
-                    eprintln!("timeline step: {m}; trace written to {path}");
-                    Some(m)
-                }
-                None => None,
-            };
-            ring.close().map_err(err)?;
-            Ok(RingRun { times, out, misses, depth, step_bytes, weights: be.counters().peak_bytes, timeline })
+        .map_err(err)?;
+        let src = match opts.coded {
+            true => RegistrySource::normal(model, 0),
+            false => RegistrySource::new(model, 0),
         };
-    let mut doc = RunDoc::new(opts, gpu.clone(), "cuda", &facts, 0, Vec::new());
-    for c in &cases {
+        // Blocks only: the reference model has no embedders (resident bytes 0).
+        let inv = block_inventory(model, offload_core::TensorSource::specs(&src)).map_err(err)?;
+        let t = Instant::now();
+        let store = Arc::new(HostStore::build(&be, &inv, &src).map_err(err)?);
+        let facts = crate::harness::store_facts(&be, &store, t).map_err(err)?;
+        // With --coded: the same weights in a second store, coded for the device
+        // (coding turned on after the raw store is built, which stays raw).
+        let coded = match opts.coded {
+            false => None,
+            true => {
+                let (entropy, per_tensor) = entropies(&store);
+                let largest = store
+                    .blocks()
+                    .iter()
+                    .max_by_key(|b| b.bytes())
+                    .map(|b| b.buffer().expect("held in memory").block_bytes().map(<[u8]>::to_vec))
+                    .transpose()
+                    .map_err(|e| e.to_string())?
+                    .unwrap_or_default();
+                let options = offload_cuda::CodingOptions { high_priority_decode: opts.high_priority_decode, ..Default::default() };
+                let t = Instant::now();
+                let sample = offload_core::codec::code_for_device(&largest, options.segment_bytes, options.threads);
+                let encode_gbps = largest.len() as f64 / t.elapsed().as_secs_f64().max(1e-9) / 1e9;
+                drop(sample);
+                let decode_gbps_in_run = decode_speed(&be, &largest).map_err(err)?;
+                drop(largest);
+                be.enable_coding(options).map_err(err)?;
+                let t = Instant::now();
+                // From the raw store's bytes: the same weights, not drawn a second time.
+                let cstore = Arc::new(HostStore::build(&be, &inv, &StoreTensors::new(&store, &src)).map_err(err)?);
+                let build_s = t.elapsed().as_secs_f64();
+                let coded_bytes: u64 = cstore.blocks().iter().map(|b| b.buffer().map_or(0, |h| h.len()) as u64).sum();
+                let (lo, mid, hi) =
+                    (per_tensor.first().copied(), per_tensor.get(per_tensor.len() / 2).copied(), per_tensor.last().copied());
+                let f = CodedFacts {
+                    coded_bytes,
+                    raw_bytes: facts.total,
+                    compression_ratio: coded_bytes as f64 / facts.total.max(1) as f64,
+                    exponent_entropy_bits: entropy,
+                    tensor_entropy_bits_min: lo.unwrap_or(0.0),
+                    tensor_entropy_bits_median: mid.unwrap_or(0.0),
+                    tensor_entropy_bits_max: hi.unwrap_or(0.0),
+                    encode_gbps_host: encode_gbps,
+                    encode_threads: options.threads,
+                    store_build_s: build_s,
+                    staging_peak_bytes: 0,
+                    decode_gbps_in_run,
+                    high_priority_decode: options.high_priority_decode,
+                    high_priority_compute: opts.high_priority_compute,
+                };
+                eprintln!(
+                    "coded store: {:.2} GiB for {:.2} GiB ({:.4}), exponent entropy {entropy:.3} bits ({:.3}–{:.3} per tensor), \
+                     host encode {encode_gbps:.2} GB/s on {} threads, built in {build_s:.1} s",
+                    gib(coded_bytes),
+                    gib(facts.total),
+                    f.compression_ratio,
+                    f.tensor_entropy_bits_min,
+                    f.tensor_entropy_bits_max,
+                    options.threads
+                );
+                Some((cstore, f))
+            }
+        };
+        Ok(CudaRun { model, opts, be, inv, store, facts, coded, nets: Vec::new() })
+    }
+
+    fn net(&mut self, case: &Case) -> Result<&mut RefNet, String> {
+        let i = self.nets.iter().position(|(c, _)| *c == case.name).ok_or_else(|| err(format!("{} was not run resident", case.name)))?;
+        Ok(&mut self.nets[i].1)
+    }
+
+    /// A streamed run of `plan` from `store`: its timed steps, then (with `trace`)
+    /// one more step with the timeline on, written to `trace`.
+    fn ring_run(&mut self, coded: bool, case: &Case, plan: &Plan, trace: Option<&str>) -> Result<RingRun, String> {
+        let (be, model, steps) = (self.be.clone(), self.model, (self.opts.warmup, self.opts.steps));
+        let st = match (coded, &self.coded) {
+            (false, _) => self.store.clone(),
+            (true, Some((cstore, _))) => cstore.clone(),
+            (true, None) => return Err(err("no coded store")),
+        };
+        let rc = resolved(plan, &self.inv).map_err(err)?;
+        let net = self.net(case)?;
+        be.synchronize().map_err(err)?;
+        be.reset_peak();
+        let mut ring = Ring::new(be.clone(), st, &rc).map_err(err)?;
+        let depth = ring.depth();
+        let (times, moved) = timed_steps(&be, model, net, &mut ring, steps)?;
+        let out = bytes(&net.output().map_err(err)?);
+        let misses = ring.metrics().misses;
+        let timeline = match trace {
+            Some(path) => {
+                ring.enable_timeline().map_err(err)?;
+                let m = step(&be, model, net, &mut ring, None).map_err(err)?;
+                let tl = ring.timeline().ok_or_else(|| err("the ring recorded no timeline"))?;
+                tl.write_chrome_trace(path).map_err(|e| err(format!("{path}: {e}")))?;
+                eprintln!("timeline step: {m}; trace written to {path}");
+                Some(m)
+            }
+            None => None,
+        };
+        ring.close().map_err(err)?;
+        Ok(RingRun { times, out, misses, depth, step_bytes: moved.copied, weights: be.counters().peak_bytes, timeline })
+    }
+}
+
+impl Driver for CudaRun<'_> {
+    const BACKEND: &'static str = "cuda";
+
+    fn gpu(&self) -> String {
+        self.be.device_name().unwrap_or_default()
+    }
+
+    fn resident_bytes(&self) -> u64 {
+        0
+    }
+
+    fn resident(&mut self, c: &Case, calibrate: bool) -> Result<Resident, String> {
+        let be = self.be.clone();
         let before = be.pool_used_bytes().map_err(err)?.0;
-        let mut net = RefNet::new(&be, dims(model, c)?, c.resolution as u64).map_err(err)?;
-        net.set_skip_gemm(opts.no_gemm);
+        let mut net = RefNet::new(&be, dims(self.model, c)?, c.resolution as u64).map_err(err)?;
+        net.set_skip_gemm(self.opts.no_gemm);
         be.synchronize().map_err(err)?;
         let activations = be.pool_used_bytes().map_err(err)?.0.saturating_sub(before);
-        let mut ring = Ring::new(be.clone(), store.clone(), &resolved(&Plan::resident(), &inv)?).map_err(err)?;
-        let (rtimes, _) = timed(&mut net, &mut ring)?;
-        let rout = net.output().map_err(err)?;
-        let resident = median(&rtimes);
+        let rc = resolved(&Plan::resident(), &self.inv).map_err(err)?;
+        let mut ring = Ring::new(be.clone(), self.store.clone(), &rc).map_err(err)?;
+        let (times, _) = timed_steps(&be, self.model, &mut net, &mut ring, (self.opts.warmup, self.opts.steps))?;
+        let out = bytes(&net.output().map_err(err)?);
         // The budget runs' calibration: more resident steps, each block's compute
-        // timed on the device (kept out of the timed steps above).
-        // With --coded, the planner's coding choice per depth is asked from it too
-        // (three steps do when no budget run needs more).
-        let cost = match opts.budgets_gib.is_empty() && coded.is_none() {
-            true => None,
-            false => {
-                let source = format!("{gpu}, {} {}, resident steps of zoo run --backend cuda", model.name, c.name);
-                let steps = if opts.budgets_gib.is_empty() { opts.steps.min(3) } else { opts.steps };
-                Some(calibrate(&be, model, &mut net, &mut ring, steps, bandwidth, source)?)
+        // timed on the device (kept out of the timed steps above); three do for the
+        // coded runs' planner when no budget run needs more.
+        let cost = match calibrate {
+            false => None,
+            true => {
+                let source = format!("{}, {} {}, resident steps of zoo run --backend cuda", self.gpu(), self.model.name, c.name);
+                let steps = if self.opts.budgets_gib.is_empty() { self.opts.steps.min(3) } else { self.opts.steps };
+                Some(calibrate_blocks(&be, self.model, &mut net, &mut ring, steps, self.facts.bandwidth, source)?)
             }
         };
         ring.close().map_err(err)?;
-        eprintln!("{} {}: resident step {resident:.4} s, activations {:.2} GiB", model.name, c.name, gib(activations));
-        for (k, &d) in opts.depths.iter().enumerate() {
-            let planner = match (&coded, &cost) {
-                (Some((cstore, f)), Some(cost)) => Some(planner_coding(cost, cstore, f.decode_gbps_in_run, d)?),
-                _ => None,
-            };
-            if let Some(p) = &planner {
-                eprintln!(
-                    "{} {} d={d}: the planner {} (replayed: raw {:.4} s, coded {:.4} s)",
-                    model.name,
-                    c.name,
-                    if p.coded { "codes" } else { "does not code" },
-                    p.predicted_raw_s,
-                    p.predicted_coded_s
-                );
-            }
-            let trace = opts.trace.as_deref().filter(|_| k == 0 && doc.timeline_step.is_none());
-            let s = streamed(&store, &resolved(&Plan::layerwise().prefetch_depth(d), &inv)?, &mut net, trace)?;
-            if let (Some(m), Some(path)) = (&s.timeline, trace) {
-                doc.timeline_step = Some(TimelineStep {
-                    model: model.name.into(),
-                    case: c.name.clone(),
-                    depth: d,
-                    trace: path.into(),
-                    exposed_stall_s: m.exposed_stall_s,
-                    copy_busy_s: m.copy_busy_s,
-                    hidden_copy_share: m.hidden_copy_share(),
-                    bytes_copied: m.bytes_copied,
-                });
-            }
-            let bound = resident.max(total as f64 / bandwidth);
-            // The same depth from the coded store.
-            let mut by_staging = Vec::new();
-            let (coded_times, coded_equal) = match &coded {
-                None => (Vec::new(), None),
-                Some((cstore, _)) => {
-                    // The traced case and depth is traced from the coded store too, beside
-                    // the raw trace (`<trace>` → `<trace stem>-coded.json`).
-                    let coded_trace = trace.map(|p| format!("{}-coded.json", p.strip_suffix(".json").unwrap_or(p)));
-                    let cs = streamed(cstore, &resolved(&Plan::layerwise().prefetch_depth(d), &inv)?, &mut net, coded_trace.as_deref())?;
-                    let ceq = cs.out == rout;
-                    let say = |how: &str, s: &RingRun, eq: bool| {
-                        let step = median(&s.times);
-                        eprintln!(
-                            "{} {} d={d}: coded streamed{how} {step:.4} s ({:.4} × the raw bound), bitwise_equal {eq}, misses {}",
-                            model.name,
-                            c.name,
-                            step / bound,
-                            s.misses
-                        );
-                    };
-                    say("", &cs, ceq);
-                    // The same again with each number of staging buffers asked for,
-                    // then back to the default.
-                    for &n in &opts.staging_buffers {
-                        be.set_staging_buffers(n).map_err(err)?;
-                        let sr = streamed(cstore, &resolved(&Plan::layerwise().prefetch_depth(d), &inv)?, &mut net, None)?;
-                        let eq = sr.out == rout;
-                        say(&format!(" with {n} staging buffers"), &sr, eq);
-                        by_staging.push(crate::harness::StagingRun {
-                            staging_buffers: n,
-                            steps_s: sr.times,
-                            bitwise_equal: eq,
-                            staging_peak_bytes: be.counters().staging_peak_bytes,
-                        });
-                    }
-                    if !opts.staging_buffers.is_empty() {
-                        be.set_staging_buffers(offload_cuda::STAGING_BUFFERS).map_err(err)?;
-                    }
-                    (cs.times, Some(ceq))
-                }
-            };
-            let measured = Streamed {
-                times: s.times,
-                equal: s.out == rout,
-                values: bf16_to_f32(&s.out),
-                weights: s.weights,
-                derived: s.weights,
-                misses: s.misses,
-            };
-            doc.cases.push(RunCase {
-                steps_streamed_coded_s: coded_times,
-                coded_bitwise_equal: coded_equal,
-                coded_by_staging: by_staging,
-                planner,
-                ..streamed_row(model, c, d, (&rtimes, activations), &facts, measured)
+        self.nets.push((c.name.clone(), net));
+        Ok(Resident { times, out, activations, cost })
+    }
+
+    fn stream(&mut self) -> Result<StoreFacts, String> {
+        Ok(self.facts.clone())
+    }
+
+    fn streamed(&mut self, c: &Case, plan: &Plan, r: &Resident, trace: Option<&str>) -> Result<StreamedRun, String> {
+        let s = self.ring_run(false, c, plan, trace)?;
+        let (equal, values) = (s.out == r.out, bf16_to_f32(&u16s(&s.out)));
+        let streamed = Streamed { times: s.times, equal, values, weights: s.weights, derived: s.weights, misses: s.misses };
+        Ok(StreamedRun { s: streamed, depth: s.depth, step_bytes: Some(s.step_bytes), timeline: s.timeline })
+    }
+
+    /// The same depth from the coded store (traced beside the raw trace, as
+    /// `<trace stem>-coded.json`), then with each number of staging buffers asked
+    /// for; and the planner's coding choice at this depth.
+    fn extend_row(&mut self, c: &Case, d: usize, r: &Resident, trace: Option<&str>, row: &mut RunCase) -> Result<(), String> {
+        let Some((cstore, f)) = &self.coded else { return Ok(()) };
+        let (cstore, decode_gbps) = (cstore.clone(), f.decode_gbps_in_run);
+        if let Some(cost) = &r.cost {
+            let p = planner_coding(cost, &cstore, decode_gbps, d)?;
+            eprintln!(
+                "{} {} d={d}: the planner {} (replayed: raw {:.4} s, coded {:.4} s)",
+                self.model.name,
+                c.name,
+                if p.coded { "codes" } else { "does not code" },
+                p.predicted_raw_s,
+                p.predicted_coded_s
+            );
+            row.planner = Some(p);
+        }
+        let bound = crate::harness::median(&r.times).max(self.facts.total as f64 / self.facts.bandwidth);
+        let say = |how: &str, s: &RingRun, eq: bool| {
+            let step = crate::harness::median(&s.times);
+            let ratio = step / bound;
+            eprintln!(
+                "{} {} d={d}: coded streamed{how} {step:.4} s ({ratio:.4} × the raw bound), bitwise_equal {eq}, misses {}",
+                self.model.name, c.name, s.misses
+            );
+        };
+        let plan = Plan::layerwise().prefetch_depth(d);
+        let coded_trace = trace.map(|p| format!("{}-coded.json", p.strip_suffix(".json").unwrap_or(p)));
+        let cs = self.ring_run(true, c, &plan, coded_trace.as_deref())?;
+        say("", &cs, cs.out == r.out);
+        for &n in &self.opts.staging_buffers {
+            self.be.set_staging_buffers(n).map_err(err)?;
+            let sr = self.ring_run(true, c, &plan, None)?;
+            say(&format!(" with {n} staging buffers"), &sr, sr.out == r.out);
+            let staging_peak_bytes = self.be.counters().staging_peak_bytes;
+            row.coded_by_staging.push(StagingRun {
+                staging_buffers: n,
+                bitwise_equal: sr.out == r.out,
+                steps_s: sr.times,
+                staging_peak_bytes,
             });
         }
-        let Some(cost) = cost else { continue };
-        for &budget_gib in &opts.budgets_gib {
-            doc.budgets.push(crate::budgets::run(model, c, &cost, budget_gib, (&rtimes, bandwidth), &mut |choice, plan| {
-                let s = streamed(&store, &resolved(plan, &inv)?, &mut net, None)?;
-                // The ring ran the planner's choice: its depth, and in steady state
-                // exactly the non-resident blocks' bytes per step.
-                if s.depth != choice.depth || s.step_bytes != choice.streamed_bytes {
-                    return Err(err(format!(
-                        "the ring ran d={} copying {} bytes a step, the planner chose d={} streaming {}",
-                        s.depth, s.step_bytes, choice.depth, choice.streamed_bytes
-                    )));
-                }
-                let (equal, values) = (s.out == rout, bf16_to_f32(&s.out));
-                Ok(Streamed { times: s.times, equal, values, weights: s.weights, derived: s.weights, misses: s.misses })
-            })?);
+        if !self.opts.staging_buffers.is_empty() {
+            self.be.set_staging_buffers(offload_cuda::STAGING_BUFFERS).map_err(err)?;
         }
-        doc.calibrations.push(Calibration { model: model.name.into(), case: c.name.clone(), cost });
+        row.coded_bitwise_equal = Some(cs.out == r.out);
+        row.steps_streamed_coded_s = cs.times;
+        Ok(())
     }
-    if let Some((_, mut f)) = coded {
-        f.staging_peak_bytes = be.counters().staging_peak_bytes;
-        doc.coded = Some(f);
+
+    fn finish(&mut self, doc: &mut RunDoc) -> Result<(), String> {
+        if let Some((_, mut f)) = self.coded.take() {
+            f.staging_peak_bytes = self.be.counters().staging_peak_bytes;
+            doc.coded = Some(f);
+        }
+        Ok(())
     }
-    Ok(doc)
+}
+
+/// Little-endian bytes back to bf16 words.
+fn u16s(b: &[u8]) -> Vec<u16> {
+    b.chunks_exact(2).map(|w| u16::from_le_bytes([w[0], w[1]])).collect()
 }
 
 /// Exponent entropy of every weight in `store` (bits per value) and of each

@@ -294,6 +294,7 @@ pub struct CodedFacts {
 
 /// What a run records of its host store once built, and the pinned bandwidth
 /// measured from it: printed on stderr as each backend file's run goes.
+#[derive(Clone, Debug)]
 pub struct StoreFacts {
     /// Bytes of every block as stored and streamed (each tensor at a 256-byte
     /// aligned offset).

@@ -680,83 +680,112 @@ fn stats() -> Result<offload_tch::AllocatorStats, String> {
     offload_tch::allocator_stats(0).map_err(err)
 }
 
-#[cfg(feature = "tch-cuda")]
 /// Build `model` with random bf16 weights on GPU 0, time every case resident,
-/// then streamed at every depth, in this process.
+/// then streamed at every depth, in this process ([`crate::drive::run`]).
+#[cfg(feature = "tch-cuda")]
 pub fn run(model: &Model, opts: &Options) -> Result<RunDoc, String> {
-    use crate::harness::{gib, median};
     if !computes(model) {
         return Err(err(format!("{}: the bench room has no tch compute for its blocks yet", model.name)));
     }
-    let dev = Device::Cuda(0);
-    let be = offload_tch::cuda_backend(0).map_err(err)?;
     let _nograd = tch::no_grad_guard();
-    let cases: Vec<&Case> = opts.cases.iter().map(|c| model.case(c)).collect::<Result<_, _>>()?;
     let t0 = Instant::now();
-    let vs = nn::VarStore::new(dev);
+    let vs = nn::VarStore::new(Device::Cuda(0));
     let net = build(model, &vs)?;
-    let vars = vs.variables();
     tch::Cuda::synchronize(0);
-    eprintln!("{}: {} parameters built in {:.1} s", model.name, vars.len(), t0.elapsed().as_secs_f64());
-    let sync = || {
-        tch::Cuda::synchronize(0);
-        Ok(())
-    };
-    let timed = |i: &Inputs, off: &mut Option<&mut TchOffload<TchCudaBackend>>| {
-        crate::harness::timed((opts.warmup, opts.steps), &sync, &mut || net.step(i, off.as_deref_mut()).map_err(err))
-    };
-    // Resident: every parameter on the GPU.
-    struct Resident {
-        times: Vec<f64>,
-        out: Vec<u8>,
-        activations: u64,
+    eprintln!("{}: {} parameters built in {:.1} s", model.name, vs.variables().len(), t0.elapsed().as_secs_f64());
+    let first = Plan::layerwise().prefetch_depth(opts.depths.first().copied().unwrap_or(1));
+    let be = offload_tch::cuda_backend(0).map_err(err)?;
+    crate::drive::run(&mut TchRun { net, vs: &vs, be, off: None, first, steps: (opts.warmup, opts.steps) }, model, opts)
+}
+
+/// tch's file on GPU 0: every parameter on the device for the resident runs,
+/// then the blocks moved to the host store ([`TchOffload`]) for the streamed ones.
+#[cfg(feature = "tch-cuda")]
+struct TchRun<'m> {
+    net: Net<'m>,
+    vs: &'m nn::VarStore,
+    be: TchCudaBackend,
+    off: Option<TchOffload<TchCudaBackend>>,
+    /// The ring's plan when the blocks move to the host.
+    first: Plan,
+    steps: (usize, usize),
+}
+
+#[cfg(feature = "tch-cuda")]
+impl TchRun<'_> {
+    fn timed(&mut self, i: &Inputs) -> Result<(Vec<f64>, Tensor), String> {
+        let sync = || {
+            tch::Cuda::synchronize(0);
+            Ok(())
+        };
+        let (net, mut off) = (&self.net, self.off.as_mut());
+        crate::harness::timed(self.steps, &sync, &mut || net.step(i, off.as_deref_mut()).map_err(err))
     }
-    let mut resident = Vec::new();
-    for c in &cases {
-        let i = inputs(model, c, dev);
+}
+
+#[cfg(feature = "tch-cuda")]
+impl crate::drive::Driver for TchRun<'_> {
+    const BACKEND: &'static str = "tch";
+
+    fn gpu(&self) -> String {
+        self.be.cuda().device_name().unwrap_or_default()
+    }
+
+    fn resident_bytes(&self) -> u64 {
+        self.net.model.global_bytes(2)
+    }
+
+    fn resident(&mut self, c: &Case, _calibrate: bool) -> Result<crate::drive::Resident, String> {
+        let i = inputs(self.net.model, c, Device::Cuda(0));
         tch::Cuda::synchronize(0);
         let before = stats()?.allocated;
         offload_tch::reset_allocator_peak(0).map_err(err)?;
-        let (times, out) = timed(&i, &mut None)?;
+        let (times, out) = self.timed(&i)?;
         let activations = stats()?.allocated_peak.saturating_sub(before);
-        eprintln!("{} {}: resident step {:.4} s, activations {:.2} GiB", model.name, c.name, median(&times), gib(activations));
-        resident.push(Resident { times, out: host_bytes(&out), activations });
+        Ok(crate::drive::Resident { times, out: host_bytes(&out), activations, cost: None })
     }
-    // Blocks to the host store (their GPU copies are dropped).
-    let t = Instant::now();
-    let plan = Plan::layerwise().prefetch_depth(opts.depths.first().copied().unwrap_or(1));
-    let mut off = TchOffload::new(be.clone(), &vs, "transformer", &prefixes(model), &plan).map_err(err)?;
-    let store = off.ring().store().clone();
-    let facts = crate::harness::store_facts(&be, &store, t).map_err(err)?;
-    let resident_bytes = model.global_bytes(2);
-    // The tensors' own bytes (SD3.5's 64-wide norms leave padding between them).
-    if facts.payload != model.block_bytes(2) {
-        return Err(err(format!("the store holds {} bytes of block tensors, the registry says {}", facts.payload, model.block_bytes(2))));
+
+    fn stream(&mut self) -> Result<crate::harness::StoreFacts, String> {
+        // Blocks to the host store (their GPU copies are dropped).
+        let t = Instant::now();
+        let mut off = TchOffload::new(self.be.clone(), self.vs, "transformer", &prefixes(self.net.model), &self.first).map_err(err)?;
+        let facts = crate::harness::store_facts(&self.be, off.ring().store(), t).map_err(err)?;
+        self.off = Some(off);
+        Ok(facts)
     }
-    let mut out_cases = Vec::new();
-    for (c, r) in cases.iter().zip(&resident) {
-        let i = inputs(model, c, dev);
-        for &d in &opts.depths {
-            off.replan(&Plan::layerwise().prefetch_depth(d)).map_err(err)?;
-            be.synchronize().map_err(err)?;
-            tch::Cuda::synchronize(0);
-            be.reset_peak();
-            let live_slots = be.counters().live_bytes;
-            let before = stats()?.allocated;
-            offload_tch::reset_allocator_peak(0).map_err(err)?;
-            let misses0 = off.ring().metrics().misses;
-            let (times, out) = timed(&i, &mut Some(&mut off))?;
-            let peak = stats()?.allocated_peak;
-            let weights = be.counters().peak_bytes + resident_bytes;
-            let other = before.saturating_sub(live_slots + resident_bytes);
-            let derived = peak.saturating_sub(other).saturating_sub(r.activations);
-            let (equal, values, misses) = (host_bytes(&out) == r.out, host_f32(&out), off.ring().metrics().misses - misses0);
-            let s = crate::harness::Streamed { times, equal, values, weights, derived, misses };
-            out_cases.push(crate::harness::streamed_row(model, c, d, (&r.times, r.activations), &facts, s));
-        }
+
+    fn streamed(
+        &mut self,
+        c: &Case,
+        plan: &Plan,
+        r: &crate::drive::Resident,
+        _trace: Option<&str>,
+    ) -> Result<crate::drive::StreamedRun, String> {
+        let i = inputs(self.net.model, c, Device::Cuda(0));
+        let off = self.off.as_mut().ok_or_else(|| err("streamed before the blocks moved to the host"))?;
+        off.replan(plan).map_err(err)?;
+        self.be.synchronize().map_err(err)?;
+        tch::Cuda::synchronize(0);
+        self.be.reset_peak();
+        let live_slots = self.be.counters().live_bytes;
+        let before = stats()?.allocated;
+        offload_tch::reset_allocator_peak(0).map_err(err)?;
+        let misses0 = off.ring().metrics().misses;
+        let (times, out) = self.timed(&i)?;
+        let off = self.off.as_mut().expect("set above");
+        let peak = stats()?.allocated_peak;
+        let resident_bytes = self.net.model.global_bytes(2);
+        let weights = self.be.counters().peak_bytes + resident_bytes;
+        let other = before.saturating_sub(live_slots + resident_bytes);
+        let derived = peak.saturating_sub(other).saturating_sub(r.activations);
+        let (equal, values, misses) = (host_bytes(&out) == r.out, host_f32(&out), off.ring().metrics().misses - misses0);
+        let s = crate::harness::Streamed { times, equal, values, weights, derived, misses };
+        Ok(crate::drive::StreamedRun { s, depth: off.ring().depth(), step_bytes: None, timeline: None })
     }
-    off.close().map_err(err)?;
-    Ok(RunDoc::new(opts, be.cuda().device_name().unwrap_or_default(), "tch", &facts, resident_bytes, out_cases))
+
+    fn finish(&mut self, _doc: &mut RunDoc) -> Result<(), String> {
+        self.off.take().map_or(Ok(()), |off| off.close().map_err(err))
+    }
 }
 
 /// The same compute on libtorch's CPU device (one thread), resident and then

@@ -755,7 +755,7 @@ pub fn run(model: &Model, opts: &crate::harness::RunOptions) -> Result<crate::ha
     if !computes(model) {
         return Err(format!("candle: {}: the bench room has no candle compute for its blocks yet", model.name));
     }
-    crate::drive::run(&mut gpu::CandleRun::new(model, (opts.warmup, opts.steps))?, model, opts)
+    crate::drive::run(model, opts, || gpu::CandleRun::new(model, (opts.warmup, opts.steps)))
 }
 
 #[cfg(feature = "candle-cuda")]

@@ -174,7 +174,7 @@ pub fn run(model: &Model, opts: &RunOptions) -> Result<RunDoc, String> {
     if !computes(model) {
         return Err(err(format!("{}: the reference model computes dual- and single-stream blocks with heads of 128 only", model.name)));
     }
-    crate::drive::run(&mut CudaRun::new(model, opts)?, model, opts)
+    crate::drive::run(model, opts, || CudaRun::new(model, opts))
 }
 
 /// cuda's file on GPU 0: one host store (and with `--coded` a second, coded for

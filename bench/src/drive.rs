@@ -71,16 +71,21 @@ pub trait Driver {
 }
 
 /// The loop: `opts`' cases of `model` resident, then streamed at every depth
-/// (and the planner's, and under each budget) through `d`, in this process.
-pub fn run<D: Driver>(d: &mut D, model: &Model, opts: &RunOptions) -> Result<RunDoc, String> {
+/// (and the planner's, and under each budget) through the driver `make` builds
+/// once the options are checked, in this process.
+pub fn run<D: Driver>(model: &Model, opts: &RunOptions, make: impl FnOnce() -> Result<D, String>) -> Result<RunDoc, String> {
     let cases: Vec<&Case> = opts.cases.iter().map(|c| model.case(c)).collect::<Result<_, _>>()?;
     if opts.trace.is_some() && opts.depths.is_empty() {
-        return Err("--trace traces a streamed step at the first of --depths: give at least one depth".into());
+        return Err(format!("{}: --trace traces a streamed step at the first of --depths: give at least one depth", D::BACKEND));
     }
+    run_cases(&mut make()?, model, &cases, opts)
+}
+
+fn run_cases<D: Driver>(d: &mut D, model: &Model, cases: &[&Case], opts: &RunOptions) -> Result<RunDoc, String> {
     // A cost model where a budget, `--depths auto` or the coded runs' planner asks for one.
     let calibrate = !opts.budgets_gib.is_empty() || opts.auto_depth || opts.coded;
     let mut residents: Vec<Resident> = Vec::with_capacity(cases.len());
-    for c in &cases {
+    for c in cases {
         let r = d.resident(c, calibrate)?;
         eprintln!("{} {}: resident step {:.4} s, activations {:.2} GiB", model.name, c.name, median(&r.times), gib(r.activations));
         residents.push(r);
@@ -100,7 +105,7 @@ pub fn run<D: Driver>(d: &mut D, model: &Model, opts: &RunOptions) -> Result<Run
         // streamed ring, asked from this case's calibration before any streamed step.
         let mut depths: Vec<(usize, Option<PlannerDepth>)> = opts.depths.iter().map(|&d| (d, None)).collect();
         if opts.auto_depth {
-            let cost = r.cost.as_ref().ok_or("--depths auto without a calibration")?;
+            let cost = r.cost.as_ref().ok_or_else(|| format!("{}: --depths auto without a calibration", D::BACKEND))?;
             depths.push(planner_depth(cost, &format!("{} {} {} --depths auto", D::BACKEND, model.name, c.name))?);
         }
         for (k, (depth, planner_depth)) in depths.into_iter().enumerate() {
@@ -288,7 +293,7 @@ mod tests {
         let (a, b) = (m.cases[0].name.clone(), m.cases[1].name.clone());
         let budget = m.block_bytes(2) as f64 * 0.8 / (1u64 << 30) as f64;
         let o = RunOptions { auto_depth: true, budgets_gib: vec![budget], trace: Some("t.json".into()), ..opts(&m) };
-        let doc = run(&mut Sim::new(m.clone()), &m, &o).unwrap();
+        let doc = run(&m, &o, || Ok(Sim::new(m.clone()))).unwrap();
         assert_eq!(doc.gpu, "simulated (finished)");
         // Two cases × (depths 1, 2 and the planner's), every output the resident one's.
         assert_eq!(doc.cases.len(), 6, "{:?}", doc.cases.iter().map(|c| (&c.case, c.depth)).collect::<Vec<_>>());
@@ -314,7 +319,7 @@ mod tests {
     fn resident_runs_come_first_and_each_row_is_extended() {
         let m = tiny_flux();
         let mut d = Sim::new(m.clone());
-        let doc = run(&mut d, &m, &opts(&m)).unwrap();
+        let doc = run_cases(&mut d, &m, &m.cases.iter().collect::<Vec<_>>(), &opts(&m)).unwrap();
         assert_eq!(doc.cases.len(), 4);
         let (a, b) = (&m.cases[0].name, &m.cases[1].name);
         let want: Vec<String> = [
@@ -339,15 +344,18 @@ mod tests {
     fn a_ring_that_did_not_run_the_planners_choice_or_a_store_off_the_registry_is_refused() {
         let m = tiny_flux();
         let budget = m.block_bytes(2) as f64 * 0.8 / (1u64 << 30) as f64;
-        let mut d = Sim::new(m.clone());
-        d.extra_bytes = 1;
-        let e = run(&mut d, &m, &RunOptions { budgets_gib: vec![budget], ..opts(&m) }).expect_err("refused");
+        let e = run(&m, &RunOptions { budgets_gib: vec![budget], ..opts(&m) }, || Ok(Sim { extra_bytes: 1, ..Sim::new(m.clone()) }))
+            .expect_err("refused");
         assert!(e.contains("the planner chose"), "{e}");
-        let mut d = Sim::new(m.clone());
-        d.payload_off = true;
-        let e = run(&mut d, &m, &opts(&m)).expect_err("refused");
+        let e = run(&m, &opts(&m), || Ok(Sim { payload_off: true, ..Sim::new(m.clone()) })).expect_err("refused");
         assert!(e.contains("the registry says"), "{e}");
-        let e = run(&mut Sim::new(m.clone()), &m, &RunOptions { auto_depth: true, budgets_gib: vec![], ..opts(&m) });
+        let e = run(&m, &RunOptions { auto_depth: true, budgets_gib: vec![], ..opts(&m) }, || Ok(Sim::new(m.clone())));
         assert!(e.is_ok(), "--depths auto calibrates without a budget: {e:?}");
+        // Bad options are refused before the driver is built (it would build a host store).
+        let never = || -> Result<Sim, String> { panic!("the driver was built") };
+        let e = run(&m, &RunOptions { trace: Some("t.json".into()), depths: vec![], ..opts(&m) }, never).expect_err("refused");
+        assert!(e.contains("sim: --trace"), "{e}");
+        let e = run(&m, &RunOptions { cases: vec!["4096".into()], ..opts(&m) }, never).expect_err("refused");
+        assert!(e.contains("no case \"4096\""), "{e}");
     }
 }

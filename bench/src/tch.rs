@@ -688,14 +688,16 @@ pub fn run(model: &Model, opts: &Options) -> Result<RunDoc, String> {
         return Err(err(format!("{}: the bench room has no tch compute for its blocks yet", model.name)));
     }
     let _nograd = tch::no_grad_guard();
-    let t0 = Instant::now();
     let vs = nn::VarStore::new(Device::Cuda(0));
-    let net = build(model, &vs)?;
-    tch::Cuda::synchronize(0);
-    eprintln!("{}: {} parameters built in {:.1} s", model.name, vs.variables().len(), t0.elapsed().as_secs_f64());
-    let first = Plan::layerwise().prefetch_depth(opts.depths.first().copied().unwrap_or(1));
-    let be = offload_tch::cuda_backend(0).map_err(err)?;
-    crate::drive::run(&mut TchRun { net, vs: &vs, be, off: None, first, steps: (opts.warmup, opts.steps) }, model, opts)
+    crate::drive::run(model, opts, || {
+        let be = offload_tch::cuda_backend(0).map_err(err)?;
+        let t0 = Instant::now();
+        let net = build(model, &vs)?;
+        tch::Cuda::synchronize(0);
+        eprintln!("{}: {} parameters built in {:.1} s", model.name, vs.variables().len(), t0.elapsed().as_secs_f64());
+        let first = Plan::layerwise().prefetch_depth(opts.depths.first().copied().unwrap_or(1));
+        Ok(TchRun { net, vs: &vs, be, off: None, first, steps: (opts.warmup, opts.steps) })
+    })
 }
 
 /// tch's file on GPU 0: every parameter on the device for the resident runs,
@@ -735,7 +737,10 @@ impl crate::drive::Driver for TchRun<'_> {
         self.net.model.global_bytes(2)
     }
 
-    fn resident(&mut self, c: &Case, _calibrate: bool) -> Result<crate::drive::Resident, String> {
+    fn resident(&mut self, c: &Case, calibrate: bool) -> Result<crate::drive::Resident, String> {
+        if calibrate {
+            return Err(err("no calibration here: --budgets and --depths auto are cuda's and candle's"));
+        }
         let i = inputs(self.net.model, c, Device::Cuda(0));
         tch::Cuda::synchronize(0);
         let before = stats()?.allocated;

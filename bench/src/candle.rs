@@ -728,165 +728,224 @@ pub fn check_cpu(model: &Model) -> offload_core::Result<CpuCheck> {
     Ok(CpuCheck { bitwise_equal: rb == sb, finite, nonconstant, blocks, output_elements: sv.len(), block_payload_bytes })
 }
 
-/// The budget runs' calibration of `model` on candle's CPU device: per-block
-/// compute times of `steps` resident steps (what `run --budgets` gives the planner
-/// on the GPU), one per block in step order.
-pub fn calibrate_cpu(model: &Model, steps: usize) -> offload_core::Result<Vec<f64>> {
-    let be = CandleBackend::cpu();
-    let src = RegistrySource::new(model, 0);
-    let net = Net::new(model, &src, &be.device())?;
-    let case = model.cases.first().ok_or_else(|| offload_core::Error::Protocol("the model has no case".into()))?;
-    let i = net.inputs(case)?;
-    let direct = net.direct_weights(&src)?;
-    let times = net.calibrate::<CandleBackend>(&direct, &i, steps)?;
-    // Timing is off again: a later step records nothing.
-    net.step::<CandleBackend>(None, Some(&direct), &i)?;
-    if net.timer.borrow().is_some() {
-        return Err(offload_core::Error::Protocol("calibration left the block timer on".into()));
-    }
-    Ok(times)
-}
-
 /// Build `model`'s host store (random bf16, pinned) on GPU 0, time every case
 /// resident (every block's weights on the device, no ring), then streamed at
 /// every depth, in this process ([`crate::drive::run`]).
 #[cfg(feature = "candle-cuda")]
 pub fn run(model: &Model, opts: &crate::harness::RunOptions) -> Result<crate::harness::RunDoc, String> {
+    let be = || offload_candle::CandleCudaBackend::new(0, DType::BF16).map_err(|x| format!("candle: {x}"));
+    run_on(model, opts, be)
+}
+
+/// The same on candle's CPU device over the simulated one (the loop's test in
+/// CI: no activations or allocator peaks there, those fields are 0).
+pub fn run_cpu(model: &Model, opts: &crate::harness::RunOptions) -> Result<crate::harness::RunDoc, String> {
+    run_on(model, opts, || Ok(CandleBackend::cpu()))
+}
+
+fn run_on<B: CandleDevice>(
+    model: &Model,
+    opts: &crate::harness::RunOptions,
+    be: impl FnOnce() -> Result<B, String>,
+) -> Result<crate::harness::RunDoc, String>
+where
+    for<'a> BlockGuard<'a, B>: CandleBlockExt,
+{
     if !computes(model) {
         return Err(format!("candle: {}: the bench room has no candle compute for its blocks yet", model.name));
     }
-    crate::drive::run(model, opts, || gpu::CandleRun::new(model, (opts.warmup, opts.steps)))
+    crate::drive::run(model, opts, || CandleRun::new(model, be()?, (opts.warmup, opts.steps)))
+}
+
+/// What candle's file reads of its device beside the ring: names and memory counters.
+pub trait CandleDevice: OffloadBackend {
+    /// candle's device.
+    fn device(&self) -> Device;
+    /// The GPU's name.
+    fn gpu(&self) -> String;
+    /// The ring's slots: bytes live now and their peak since [`Self::reset_slot_peak`].
+    fn slots(&self) -> (u64, u64);
+    /// Restart the slots' peak at the live bytes.
+    fn reset_slot_peak(&self);
+    /// The allocator's bytes in use and their peak, where the device has one (0 elsewhere).
+    fn pool(&self) -> offload_core::Result<(u64, u64)>;
+    /// Restart the allocator's peak.
+    fn reset_pool_peak(&self) -> offload_core::Result<()>;
+}
+
+impl CandleDevice for CandleBackend {
+    fn device(&self) -> Device {
+        CandleBackend::device(self)
+    }
+    fn gpu(&self) -> String {
+        "CPU (simulated device)".into()
+    }
+    fn slots(&self) -> (u64, u64) {
+        let s = self.host_device().stats();
+        (s.live_bytes, s.peak_bytes)
+    }
+    fn reset_slot_peak(&self) {
+        self.host_device().reset_counters()
+    }
+    fn pool(&self) -> offload_core::Result<(u64, u64)> {
+        Ok((0, 0))
+    }
+    fn reset_pool_peak(&self) -> offload_core::Result<()> {
+        Ok(())
+    }
 }
 
 #[cfg(feature = "candle-cuda")]
-mod gpu {
-    use super::{output, Net, W};
-    use crate::drive::{Driver, Resident, StreamedRun};
-    use crate::harness::{StoreFacts, Streamed};
-    use crate::registry::{Case, Model};
-    use crate::source::{block_inventory, resolved, RegistrySource};
-    use candle_core::{DType, Device, Tensor};
-    use offload_candle::CandleCudaBackend;
-    use offload_core::{ComponentInventory, HostStore, OffloadBackend, Plan, Ring, TensorSource};
-    use std::sync::Arc;
+impl CandleDevice for offload_candle::CandleCudaBackend {
+    fn device(&self) -> Device {
+        offload_candle::CandleCudaBackend::device(self)
+    }
+    fn gpu(&self) -> String {
+        self.cuda().device_name().unwrap_or_default()
+    }
+    fn slots(&self) -> (u64, u64) {
+        let c = self.counters();
+        (c.live_bytes, c.peak_bytes)
+    }
+    fn reset_slot_peak(&self) {
+        self.reset_peak()
+    }
+    fn pool(&self) -> offload_core::Result<(u64, u64)> {
+        self.cuda().pool_used_bytes()
+    }
+    fn reset_pool_peak(&self) -> offload_core::Result<()> {
+        self.cuda().reset_pool_peak()
+    }
+}
 
-    fn e(x: offload_core::Error) -> String {
-        format!("candle: {x}")
+fn e(x: offload_core::Error) -> String {
+    format!("candle: {x}")
+}
+
+/// candle's file in the loop: the host store built first; the resident runs
+/// read every block's weights straight from the source (dropped before the
+/// first ring).
+struct CandleRun<'m, B: OffloadBackend> {
+    model: &'m Model,
+    be: B,
+    dev: Device,
+    src: RegistrySource,
+    inv: offload_core::ComponentInventory,
+    store: Arc<HostStore<B>>,
+    facts: crate::harness::StoreFacts,
+    net: Net<'m>,
+    direct: Option<Vec<W>>,
+    steps: (usize, usize),
+}
+
+impl<'m, B: CandleDevice> CandleRun<'m, B>
+where
+    for<'a> BlockGuard<'a, B>: CandleBlockExt,
+{
+    fn new(model: &'m Model, be: B, steps: (usize, usize)) -> Result<Self, String> {
+        let dev = be.device();
+        let src = RegistrySource::new(model, 0);
+        let inv = block_inventory(model, src.specs()).map_err(e)?;
+        let t = std::time::Instant::now();
+        let store = Arc::new(HostStore::build(&be, &inv, &src).map_err(e)?);
+        let facts = crate::harness::store_facts(&be, &store, t).map_err(e)?;
+        let net = Net::new(model, &src, &dev).map_err(e)?;
+        Ok(CandleRun { model, be, dev, src, inv, store, facts, net, direct: None, steps })
     }
 
-    /// candle's file on GPU 0: the host store built first; the resident runs
-    /// read every block's weights straight from the source (dropped before the
-    /// first ring).
-    pub struct CandleRun<'m> {
-        model: &'m Model,
-        be: CandleCudaBackend,
-        dev: Device,
-        src: RegistrySource,
-        inv: ComponentInventory,
-        store: Arc<HostStore<CandleCudaBackend>>,
-        facts: StoreFacts,
-        net: Net<'m>,
-        direct: Option<Vec<W>>,
-        steps: (usize, usize),
+    fn sync(&self) -> Result<(), String> {
+        self.dev.synchronize().map_err(|x| format!("candle: synchronize: {x}"))
     }
 
-    impl<'m> CandleRun<'m> {
-        pub fn new(model: &'m Model, steps: (usize, usize)) -> Result<Self, String> {
-            let be = CandleCudaBackend::new(0, DType::BF16).map_err(e)?;
-            let dev = be.device();
-            let src = RegistrySource::new(model, 0);
-            let inv = block_inventory(model, src.specs()).map_err(e)?;
-            let t = std::time::Instant::now();
-            let store = Arc::new(HostStore::build(&be, &inv, &src).map_err(e)?);
-            let facts = crate::harness::store_facts(&be, &store, t).map_err(e)?;
-            let net = Net::new(model, &src, &dev).map_err(e)?;
-            Ok(CandleRun { model, be, dev, src, inv, store, facts, net, direct: None, steps })
-        }
+    fn timed(&self, f: &mut dyn FnMut() -> offload_core::Result<Tensor>) -> Result<(Vec<f64>, Tensor), String> {
+        crate::harness::timed(self.steps, &|| self.sync(), &mut || f().map_err(e))
+    }
+}
 
-        fn timed(&self, f: &mut dyn FnMut() -> offload_core::Result<Tensor>) -> Result<(Vec<f64>, Tensor), String> {
-            let sync = || self.dev.synchronize().map_err(|x| format!("candle: synchronize: {x}"));
-            crate::harness::timed(self.steps, &sync, &mut || f().map_err(e))
-        }
+impl<B: CandleDevice> crate::drive::Driver for CandleRun<'_, B>
+where
+    for<'a> BlockGuard<'a, B>: CandleBlockExt,
+{
+    const BACKEND: &'static str = "candle";
+
+    fn gpu(&self) -> String {
+        self.be.gpu()
     }
 
-    impl Driver for CandleRun<'_> {
-        const BACKEND: &'static str = "candle";
+    fn resident_bytes(&self) -> u64 {
+        self.model.global_bytes(2)
+    }
 
-        fn gpu(&self) -> String {
-            self.be.cuda().device_name().unwrap_or_default()
+    fn resident(&mut self, c: &Case, calibrate: bool) -> Result<crate::drive::Resident, String> {
+        if self.direct.is_none() {
+            self.direct = Some(self.net.direct_weights(&self.src).map_err(e)?);
         }
-
-        fn resident_bytes(&self) -> u64 {
-            self.model.global_bytes(2)
-        }
-
-        fn resident(&mut self, c: &Case, calibrate: bool) -> Result<Resident, String> {
-            if self.direct.is_none() {
-                self.direct = Some(self.net.direct_weights(&self.src).map_err(e)?);
-            }
-            let (net, cuda, direct) = (&self.net, self.be.cuda(), self.direct.as_deref().expect("set above"));
-            let i = net.inputs(c).map_err(e)?;
-            self.dev.synchronize().map_err(|x| format!("candle: synchronize: {x}"))?;
-            let before = cuda.pool_used_bytes().map_err(e)?.0;
-            cuda.reset_pool_peak().map_err(e)?;
-            let (times, rout) = self.timed(&mut || net.step::<CandleCudaBackend>(None, Some(direct), &i))?;
-            let activations = cuda.pool_used_bytes().map_err(e)?.1.saturating_sub(before);
-            let (out, _) = output(&rout).map_err(e)?;
-            // The budget runs' (and `--depths auto`'s) calibration: three more resident steps, each block's
-            // compute timed between device synchronisations, in step order.
-            let cost = match calibrate {
-                false => None,
-                true => {
-                    let compute = net.calibrate::<CandleCudaBackend>(direct, &i, 3).map_err(e)?;
-                    let bytes: std::collections::HashMap<String, u64> =
-                        self.store.blocks().iter().map(|b| (b.id.to_string(), b.bytes() as u64)).collect();
-                    let ids = self.model.stacks.iter().flat_map(|s| (0..s.count).map(move |k| format!("{}.{k}", s.prefix)));
-                    let blocks: Vec<offload_plan::BlockCost> = ids
-                        .zip(&compute)
-                        .map(|(id, &t)| match bytes.get(&id) {
-                            Some(&b) => Ok(offload_plan::BlockCost::new(id, b, t)),
-                            None => Err(format!("candle: calibration: block {id} is not in the store")),
-                        })
-                        .collect::<Result<_, _>>()?;
-                    if blocks.len() != self.store.blocks().len() {
-                        return Err(format!("candle: calibration timed {} blocks of {}", blocks.len(), self.store.blocks().len()));
-                    }
-                    let source = format!("{}, {} {}, resident steps of zoo run --backend candle", self.gpu(), self.model.name, c.name);
-                    Some(crate::budgets::cost_model(self.facts.bandwidth, blocks, source))
+        let (net, direct) = (&self.net, self.direct.as_deref().expect("set above"));
+        let i = net.inputs(c).map_err(e)?;
+        self.sync()?;
+        let before = self.be.pool().map_err(e)?.0;
+        self.be.reset_pool_peak().map_err(e)?;
+        let (times, rout) = self.timed(&mut || net.step::<B>(None, Some(direct), &i))?;
+        let activations = self.be.pool().map_err(e)?.1.saturating_sub(before);
+        let (out, _) = output(&rout).map_err(e)?;
+        // The budget runs' (and `--depths auto`'s) calibration: three more resident steps, each block's
+        // compute timed between device synchronisations, in step order.
+        let cost = match calibrate {
+            false => None,
+            true => {
+                let compute = net.calibrate::<B>(direct, &i, 3).map_err(e)?;
+                let bytes: HashMap<String, u64> = self.store.blocks().iter().map(|b| (b.id.to_string(), b.bytes() as u64)).collect();
+                let ids = self.model.stacks.iter().flat_map(|s| (0..s.count).map(move |k| format!("{}.{k}", s.prefix)));
+                let blocks: Vec<offload_plan::BlockCost> = ids
+                    .zip(&compute)
+                    .map(|(id, &t)| match bytes.get(&id) {
+                        Some(&b) => Ok(offload_plan::BlockCost::new(id, b, t)),
+                        None => Err(format!("candle: calibration: block {id} is not in the store")),
+                    })
+                    .collect::<Result<_, _>>()?;
+                if blocks.len() != self.store.blocks().len() {
+                    return Err(format!("candle: calibration timed {} blocks of {}", blocks.len(), self.store.blocks().len()));
                 }
-            };
-            Ok(Resident { times, out, activations, cost })
-        }
+                let source = format!("{}, {} {}, resident steps of zoo run --backend candle", self.gpu(), self.model.name, c.name);
+                Some(crate::budgets::cost_model(self.facts.bandwidth, blocks, source))
+            }
+        };
+        Ok(crate::drive::Resident { times, out, activations, cost })
+    }
 
-        fn stream(&mut self) -> Result<StoreFacts, String> {
-            self.direct = None;
-            self.dev.synchronize().map_err(|x| format!("candle: synchronize: {x}"))?;
-            Ok(self.facts.clone())
-        }
+    fn stream(&mut self) -> Result<crate::harness::StoreFacts, String> {
+        self.direct = None;
+        self.sync()?;
+        Ok(self.facts.clone())
+    }
 
-        fn streamed(&mut self, c: &Case, plan: &Plan, r: &Resident, _trace: Option<&str>) -> Result<StreamedRun, String> {
-            let (be, cuda) = (&self.be, self.be.cuda());
-            let i = self.net.inputs(c).map_err(e)?;
-            let rc = resolved(plan, &self.inv).map_err(e)?;
-            cuda.synchronize().map_err(e)?;
-            be.reset_peak();
-            let live_slots = be.counters().live_bytes;
-            let before = cuda.pool_used_bytes().map_err(e)?.0;
-            cuda.reset_pool_peak().map_err(e)?;
-            let mut ring = Ring::new(be.clone(), self.store.clone(), &rc).map_err(e)?;
-            let net = &self.net;
-            let (times, out) = self.timed(&mut || net.step(Some(&mut ring), None, &i))?;
-            let peak = cuda.pool_used_bytes().map_err(e)?.1;
-            let resident_bytes = self.model.global_bytes(2);
-            let weights = be.counters().peak_bytes + resident_bytes;
-            let other = before.saturating_sub(live_slots + resident_bytes);
-            let derived = peak.saturating_sub(other).saturating_sub(r.activations);
-            let (misses, depth) = (ring.metrics().misses, ring.depth());
-            ring.close().map_err(e)?;
-            let (sbytes, values) = output(&out).map_err(e)?;
-            let s = Streamed { times, equal: sbytes == r.out, values, weights, derived, misses };
-            Ok(StreamedRun { s, depth, step_bytes: None, timeline: None })
-        }
+    fn streamed(
+        &mut self,
+        c: &Case,
+        plan: &Plan,
+        r: &crate::drive::Resident,
+        _: Option<&str>,
+    ) -> Result<crate::drive::StreamedRun, String> {
+        let i = self.net.inputs(c).map_err(e)?;
+        let rc = resolved(plan, &self.inv).map_err(e)?;
+        self.be.synchronize().map_err(e)?;
+        self.be.reset_slot_peak();
+        let live_slots = self.be.slots().0;
+        let before = self.be.pool().map_err(e)?.0;
+        self.be.reset_pool_peak().map_err(e)?;
+        let mut ring = Ring::new(self.be.clone(), self.store.clone(), &rc).map_err(e)?;
+        let net = &self.net;
+        let (times, out) = self.timed(&mut || net.step(Some(&mut ring), None, &i))?;
+        let peak = self.be.pool().map_err(e)?.1;
+        let resident_bytes = self.model.global_bytes(2);
+        let weights = self.be.slots().1 + resident_bytes;
+        let other = before.saturating_sub(live_slots + resident_bytes);
+        let derived = peak.saturating_sub(other).saturating_sub(r.activations);
+        let (misses, depth) = (ring.metrics().misses, ring.depth());
+        ring.close().map_err(e)?;
+        let (sbytes, values) = output(&out).map_err(e)?;
+        let s = crate::harness::Streamed { times, equal: sbytes == r.out, values, weights, derived, misses };
+        Ok(crate::drive::StreamedRun { s, depth, step_bytes: None, timeline: None })
     }
 }
 

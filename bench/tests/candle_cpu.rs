@@ -28,14 +28,41 @@ fn candle_computes_every_registered_model_but_wan_and_the_vae() {
     }
 }
 
+/// `zoo run --backend candle`'s code on the CPU: every tiny model through the
+/// zoo's loop at depths 1 and 2, the planner's depth and under a device budget,
+/// each row bitwise equal to the resident run, finite and varied; the planner's
+/// calibration times every block.
 #[test]
-fn calibration_times_every_block_of_the_step() {
+fn the_zoo_loop_runs_candles_file_at_every_depth_the_planners_and_a_budget() {
     for m in registry::models().into_iter().filter(offload_bench::candle::computes) {
         let tiny = registry::tiny(&m);
         let blocks: usize = tiny.stacks.iter().map(|s| s.count).sum();
-        let t = offload_bench::candle::calibrate_cpu(&tiny, 2).unwrap_or_else(|e| panic!("{}: {e}", m.name));
-        assert_eq!(t.len(), blocks, "{}: one time per block", m.name);
-        assert!(t.iter().all(|&x| x.is_finite() && x > 0.0), "{}: {t:?}", m.name);
+        // A budget under every block's bytes where the model has more than two
+        // (the planner streams some), and at least two of the largest (a ring of
+        // depth 1), with room for the store's alignment.
+        let smallest = tiny.stacks.iter().map(|s| s.bytes(0, 2)).min().unwrap_or(0);
+        let bytes = (tiny.block_bytes(2) - smallest).max(2 * tiny.largest_block_bytes(2));
+        let budget = bytes as f64 * 1.02 / (1u64 << 30) as f64;
+        let opts = offload_bench::harness::RunOptions {
+            cases: vec![tiny.cases[0].name.clone()],
+            depths: vec![1, 2],
+            auto_depth: true,
+            budgets_gib: vec![budget],
+            steps: 1,
+            warmup: 0,
+            ..Default::default()
+        };
+        let doc = offload_bench::candle::run_cpu(&tiny, &opts).unwrap_or_else(|e| panic!("{}: {e}", m.name));
+        assert_eq!(doc.cases.len(), 3, "{}: depths 1, 2 and the planner's", m.name);
+        for c in &doc.cases {
+            assert!(c.bitwise_equal && c.output_finite && c.output_nonconstant, "{} d={}: {c:?}", m.name, c.depth);
+        }
+        assert!(doc.cases[2].planner_depth.is_some(), "{}", m.name);
+        assert_eq!(doc.block_bytes_total, doc.cases[0].streamed_bytes, "{}", m.name);
+        let cost = &doc.calibrations.first().unwrap_or_else(|| panic!("{}: no calibration", m.name)).cost;
+        assert_eq!(cost.blocks.len(), blocks, "{}: one time per block", m.name);
+        assert!(cost.blocks.iter().all(|b| b.compute_s.is_finite() && b.compute_s > 0.0), "{}: {:?}", m.name, cost.blocks);
+        assert!(doc.budgets.len() == 1 && doc.budgets[0].bitwise_equal, "{}: {:?}", m.name, doc.budgets);
     }
 }
 

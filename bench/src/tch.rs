@@ -2,21 +2,15 @@
 //! linears, `scaled_dot_product_attention`), resident and streamed through
 //! [`offload_tch::TchOffload`] in one process.
 
-use crate::harness::{check_output, CpuCheck};
-#[cfg(feature = "tch-cuda")]
 use crate::harness::{RunDoc, RunOptions as Options};
 use crate::registry::{dual_names, BlockKind, Case, DualNames, Model};
 use offload_core::sim::SimBackend;
-#[cfg(feature = "tch-cuda")]
-use offload_core::OffloadBackend;
 use offload_core::{DeclaredStacks, Plan};
 use offload_tch::tch::{self, nn, Device, Kind, Tensor};
 #[cfg(feature = "tch-cuda")]
 use offload_tch::TchCudaBackend;
 use offload_tch::{TchOffload, TchSlots};
 use std::collections::HashMap;
-#[cfg(feature = "tch-cuda")]
-use std::time::Instant;
 
 mod pipeline;
 #[cfg(feature = "tch-cuda")]
@@ -675,6 +669,7 @@ fn host_f32(t: &Tensor) -> Vec<f32> {
     Vec::<f32>::try_from(&t).unwrap_or_default()
 }
 
+/// libtorch's allocator on GPU 0 (the pipeline case's peak).
 #[cfg(feature = "tch-cuda")]
 fn stats() -> Result<offload_tch::AllocatorStats, String> {
     offload_tch::allocator_stats(0).map_err(err)
@@ -684,40 +679,111 @@ fn stats() -> Result<offload_tch::AllocatorStats, String> {
 /// then streamed at every depth, in this process ([`crate::drive::run`]).
 #[cfg(feature = "tch-cuda")]
 pub fn run(model: &Model, opts: &Options) -> Result<RunDoc, String> {
+    run_on(model, opts, Device::Cuda(0), || offload_tch::cuda_backend(0).map_err(err))
+}
+
+/// The same on libtorch's CPU device (one thread), streamed through the
+/// simulated backend: `zoo run --backend tch`'s own code in tests without a GPU
+/// (no allocator there: activations and derived weights are 0).
+pub fn run_cpu(model: &Model, opts: &Options) -> Result<RunDoc, String> {
+    tch::set_num_threads(1);
+    run_on(model, opts, Device::Cpu, || Ok(SimBackend::new(offload_core::sim::SimConfig::fast())))
+}
+
+fn run_on<B: TchDevice>(model: &Model, opts: &Options, dev: Device, be: impl FnOnce() -> Result<B, String>) -> Result<RunDoc, String> {
     if !computes(model) {
         return Err(err(format!("{}: the bench room has no tch compute for its blocks yet", model.name)));
     }
     let _nograd = tch::no_grad_guard();
-    let vs = nn::VarStore::new(Device::Cuda(0));
+    let vs = nn::VarStore::new(dev);
     crate::drive::run(model, opts, || {
-        let be = offload_tch::cuda_backend(0).map_err(err)?;
-        let t0 = Instant::now();
+        let be = be()?;
+        let t0 = std::time::Instant::now();
         let net = build(model, &vs)?;
-        tch::Cuda::synchronize(0);
+        be.sync();
         eprintln!("{}: {} parameters built in {:.1} s", model.name, vs.variables().len(), t0.elapsed().as_secs_f64());
         let first = Plan::layerwise().prefetch_depth(opts.depths.first().copied().unwrap_or(1));
-        Ok(TchRun { net, vs: &vs, be, off: None, first, steps: (opts.warmup, opts.steps) })
+        Ok(TchRun { net, vs: &vs, be, dev, off: None, first, steps: (opts.warmup, opts.steps) })
     })
 }
 
-/// tch's file on GPU 0: every parameter on the device for the resident runs,
-/// then the blocks moved to the host store ([`TchOffload`]) for the streamed ones.
+/// What tch's file reads of its device beside the ring: names and memory counters.
+pub trait TchDevice: TchSlots {
+    /// The GPU's name.
+    fn gpu(&self) -> String;
+    /// Wait for libtorch's work on the device.
+    fn sync(&self);
+    /// The ring's slots: bytes live now and their peak since [`Self::reset_slot_peak`].
+    fn slots(&self) -> (u64, u64);
+    /// Restart the slots' peak at the live bytes.
+    fn reset_slot_peak(&self);
+    /// libtorch's allocated bytes and their peak, where it keeps them (0 elsewhere).
+    fn allocated(&self) -> Result<(u64, u64), String>;
+    /// Restart the allocator's peak.
+    fn reset_allocated_peak(&self) -> Result<(), String>;
+}
+
+impl TchDevice for SimBackend {
+    fn gpu(&self) -> String {
+        "CPU (simulated device)".into()
+    }
+    fn sync(&self) {}
+    fn slots(&self) -> (u64, u64) {
+        let s = self.stats();
+        (s.live_bytes, s.peak_bytes)
+    }
+    fn reset_slot_peak(&self) {
+        self.reset_counters()
+    }
+    fn allocated(&self) -> Result<(u64, u64), String> {
+        Ok((0, 0))
+    }
+    fn reset_allocated_peak(&self) -> Result<(), String> {
+        Ok(())
+    }
+}
+
 #[cfg(feature = "tch-cuda")]
-struct TchRun<'m> {
+impl TchDevice for TchCudaBackend {
+    fn gpu(&self) -> String {
+        self.cuda().device_name().unwrap_or_default()
+    }
+    fn sync(&self) {
+        tch::Cuda::synchronize(0)
+    }
+    fn slots(&self) -> (u64, u64) {
+        let c = self.counters();
+        (c.live_bytes, c.peak_bytes)
+    }
+    fn reset_slot_peak(&self) {
+        self.reset_peak()
+    }
+    fn allocated(&self) -> Result<(u64, u64), String> {
+        stats().map(|s| (s.allocated, s.allocated_peak))
+    }
+    fn reset_allocated_peak(&self) -> Result<(), String> {
+        offload_tch::reset_allocator_peak(0).map_err(err)
+    }
+}
+
+/// tch's file in the loop: every parameter on the device for the resident runs,
+/// then the blocks moved to the host store ([`TchOffload`]) for the streamed ones.
+struct TchRun<'m, B: TchSlots> {
     net: Net<'m>,
     vs: &'m nn::VarStore,
-    be: TchCudaBackend,
-    off: Option<TchOffload<TchCudaBackend>>,
+    be: B,
+    dev: Device,
+    off: Option<TchOffload<B>>,
     /// The ring's plan when the blocks move to the host.
     first: Plan,
     steps: (usize, usize),
 }
 
-#[cfg(feature = "tch-cuda")]
-impl TchRun<'_> {
+impl<B: TchDevice> TchRun<'_, B> {
     fn timed(&mut self, i: &Inputs) -> Result<(Vec<f64>, Tensor), String> {
+        let be = self.be.clone();
         let sync = || {
-            tch::Cuda::synchronize(0);
+            be.sync();
             Ok(())
         };
         let (net, mut off) = (&self.net, self.off.as_mut());
@@ -725,12 +791,11 @@ impl TchRun<'_> {
     }
 }
 
-#[cfg(feature = "tch-cuda")]
-impl crate::drive::Driver for TchRun<'_> {
+impl<B: TchDevice> crate::drive::Driver for TchRun<'_, B> {
     const BACKEND: &'static str = "tch";
 
     fn gpu(&self) -> String {
-        self.be.cuda().device_name().unwrap_or_default()
+        self.be.gpu()
     }
 
     fn resident_bytes(&self) -> u64 {
@@ -741,18 +806,18 @@ impl crate::drive::Driver for TchRun<'_> {
         if calibrate {
             return Err(err("no calibration here: --budgets and --depths auto are cuda's and candle's"));
         }
-        let i = inputs(self.net.model, c, Device::Cuda(0));
-        tch::Cuda::synchronize(0);
-        let before = stats()?.allocated;
-        offload_tch::reset_allocator_peak(0).map_err(err)?;
+        let i = inputs(self.net.model, c, self.dev);
+        self.be.sync();
+        let before = self.be.allocated()?.0;
+        self.be.reset_allocated_peak()?;
         let (times, out) = self.timed(&i)?;
-        let activations = stats()?.allocated_peak.saturating_sub(before);
+        let activations = self.be.allocated()?.1.saturating_sub(before);
         Ok(crate::drive::Resident { times, out: host_bytes(&out), activations, cost: None })
     }
 
     fn stream(&mut self) -> Result<crate::harness::StoreFacts, String> {
-        // Blocks to the host store (their GPU copies are dropped).
-        let t = Instant::now();
+        // Blocks to the host store (their device copies are dropped).
+        let t = std::time::Instant::now();
         let mut off = TchOffload::new(self.be.clone(), self.vs, "transformer", &prefixes(self.net.model), &self.first).map_err(err)?;
         let facts = crate::harness::store_facts(&self.be, off.ring().store(), t).map_err(err)?;
         self.off = Some(off);
@@ -764,23 +829,23 @@ impl crate::drive::Driver for TchRun<'_> {
         c: &Case,
         plan: &Plan,
         r: &crate::drive::Resident,
-        _trace: Option<&str>,
+        _: Option<&str>,
     ) -> Result<crate::drive::StreamedRun, String> {
-        let i = inputs(self.net.model, c, Device::Cuda(0));
+        let i = inputs(self.net.model, c, self.dev);
         let off = self.off.as_mut().ok_or_else(|| err("streamed before the blocks moved to the host"))?;
         off.replan(plan).map_err(err)?;
         self.be.synchronize().map_err(err)?;
-        tch::Cuda::synchronize(0);
-        self.be.reset_peak();
-        let live_slots = self.be.counters().live_bytes;
-        let before = stats()?.allocated;
-        offload_tch::reset_allocator_peak(0).map_err(err)?;
+        self.be.sync();
+        self.be.reset_slot_peak();
+        let live_slots = self.be.slots().0;
+        let before = self.be.allocated()?.0;
+        self.be.reset_allocated_peak()?;
         let misses0 = off.ring().metrics().misses;
         let (times, out) = self.timed(&i)?;
         let off = self.off.as_mut().expect("set above");
-        let peak = stats()?.allocated_peak;
+        let peak = self.be.allocated()?.1;
         let resident_bytes = self.net.model.global_bytes(2);
-        let weights = self.be.counters().peak_bytes + resident_bytes;
+        let weights = self.be.slots().1 + resident_bytes;
         let other = before.saturating_sub(live_slots + resident_bytes);
         let derived = peak.saturating_sub(other).saturating_sub(r.activations);
         let (equal, values, misses) = (host_bytes(&out) == r.out, host_f32(&out), off.ring().metrics().misses - misses0);
@@ -791,33 +856,6 @@ impl crate::drive::Driver for TchRun<'_> {
     fn finish(&mut self, _doc: &mut RunDoc) -> Result<(), String> {
         self.off.take().map_or(Ok(()), |off| off.close().map_err(err))
     }
-}
-
-/// The same compute on libtorch's CPU device (one thread), resident and then
-/// streamed through the simulated backend at depth 1: for [`registry::tiny`]
-/// models in tests without a GPU.
-///
-/// [`registry::tiny`]: crate::registry::tiny
-pub fn check_cpu(model: &Model) -> Result<CpuCheck, String> {
-    if !computes(model) {
-        return Err(err(format!("{}: the bench room has no tch compute for its blocks yet", model.name)));
-    }
-    let _nograd = tch::no_grad_guard();
-    tch::set_num_threads(1);
-    let vs = nn::VarStore::new(Device::Cpu);
-    let net = build(model, &vs)?;
-    let case = model.cases.first().ok_or_else(|| err("the model has no case"))?;
-    let i = inputs(model, case, Device::Cpu);
-    let resident = net.step::<SimBackend>(&i, None).map_err(err)?;
-    let mut off = TchOffload::cpu(&vs, "transformer", &prefixes(model), &Plan::layerwise().prefetch_depth(1)).map_err(err)?;
-    let streamed = net.step(&i, Some(&mut off)).map_err(err)?;
-    let blocks = off.ring().metrics().blocks;
-    let block_payload_bytes = crate::harness::block_payload_bytes(off.ring().store());
-    off.close().map_err(err)?;
-    let values = host_f32(&streamed);
-    let (finite, nonconstant) = check_output(&values);
-    let bitwise_equal = host_bytes(&streamed) == host_bytes(&resident);
-    Ok(CpuCheck { bitwise_equal, finite, nonconstant, blocks, output_elements: values.len(), block_payload_bytes })
 }
 
 #[cfg(test)]

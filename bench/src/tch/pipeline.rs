@@ -3,6 +3,7 @@
 //! each a registry model computed by this file's blocks, chained in one pass.
 
 use super::*;
+use crate::harness::check_output;
 #[cfg(feature = "tch-cuda")]
 use crate::harness::gib;
 #[cfg(feature = "tch-cuda")]

@@ -329,3 +329,30 @@ def test_the_vulkan_results_files_rebuild_from_their_runs(tmp_path, name, runs, 
     subprocess.run([sys.executable, str(ROOT / "bench/vulkan_merge.py"), str(tmp_path), prefix], env=env, check=True, capture_output=True)
     got = (tmp_path / f"{prefix}-h200.json").read_bytes()
     assert got == (ROOT / "bench" / "results" / name).read_bytes(), f"{name} is not what vulkan_merge.py makes of its runs"
+
+
+def test_the_rerun_check_sets_new_medians_against_the_published_spread(tmp_path):
+    # bench/rerun_check.py on a published zoo file: a re-run whose medians sit at
+    # the published ones is within; one whose streamed step left the published
+    # [min, max] is named, and the command fails; a file with no common row fails.
+    published = ROOT / "bench/results/2026-12-02-zoo-tch.json"
+    doc = json.loads(published.read_text())
+
+    def run(new):
+        p = tmp_path / "new.json"
+        p.write_text(json.dumps(new))
+        r = subprocess.run([sys.executable, str(ROOT / "bench/rerun_check.py"), str(p), str(published), "--out", str(tmp_path / "out.json")],
+                           capture_output=True, text=True)
+        return r.returncode, json.loads((tmp_path / "out.json").read_text())
+
+    rc, out = run(doc)
+    assert rc == 0 and out["all_within"] and len(out["rows"]) == len(doc["cases"]), out
+    slower = json.loads(json.dumps(doc))
+    c = slower["cases"][0]
+    c["step_streamed_s"] = c["step_streamed_s_max"] * 1.01
+    rc, out = run(slower)
+    assert rc == 1 and out["outside"] == [f'{c["model"]} {c["case"]} d={c["depth"]}'], out
+    assert out["rows"][0]["step_streamed_s"]["within"] is False and out["rows"][0]["step_resident_s"]["within"] is True
+    none = dict(doc, cases=[dict(c, model="no-such-model")])
+    rc, out = run(none)
+    assert rc == 1 and out["rows"] == [] and not out["all_within"], out

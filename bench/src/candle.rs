@@ -6,7 +6,6 @@
 //! are candle-transformers' own (`mmdit::blocks`), unmodified, fed the registry's
 //! diffusers names mapped to SAI's ([`sai_block`]).
 
-use crate::harness::{check_output, CpuCheck};
 use crate::registry::{dual_names, BlockKind, Case, DualNames, Model};
 use crate::source::{block_inventory, resolved, RegistrySource};
 use candle_core::{DType, Device, Tensor, D};
@@ -699,33 +698,6 @@ fn output(t: &Tensor) -> offload_core::Result<(Vec<u8>, Vec<f32>)> {
         .and_then(|t| t.to_vec1::<f32>())
         .map_err(candle_error("reading the output"))?;
     Ok((v.iter().flat_map(|x| x.to_le_bytes()).collect(), v))
-}
-
-/// A shrunk registry model on candle's CPU device: the resident reference with
-/// every block's weights read straight from the source (no ring), then the same
-/// step streamed at depth 1 through a host store; the outputs compared.
-pub fn check_cpu(model: &Model) -> offload_core::Result<CpuCheck> {
-    if !computes(model) {
-        return Err(offload_core::Error::unsupported("candle (bench room)", format!("{}'s blocks", model.name)));
-    }
-    let be = CandleBackend::cpu();
-    let src = RegistrySource::new(model, 0);
-    let inv = block_inventory(model, src.specs())?;
-    let store = Arc::new(HostStore::build(&be, &inv, &src)?);
-    let net = Net::new(model, &src, &be.device())?;
-    let case = model.cases.first().ok_or_else(|| offload_core::Error::Protocol("the model has no case".into()))?;
-    let i = net.inputs(case)?;
-    let direct = net.direct_weights(&src)?;
-    let resident = net.step::<CandleBackend>(None, Some(&direct), &i)?;
-    let rc = resolved(&Plan::layerwise().prefetch_depth(1), &inv)?;
-    let block_payload_bytes = crate::harness::block_payload_bytes(&store);
-    let mut ring = Ring::new(be.clone(), store, &rc)?;
-    let streamed = net.step(Some(&mut ring), None, &i)?;
-    let blocks = ring.metrics().blocks;
-    ring.close()?;
-    let ((rb, _), (sb, sv)) = (output(&resident)?, output(&streamed)?);
-    let (finite, nonconstant) = check_output(&sv);
-    Ok(CpuCheck { bitwise_equal: rb == sb, finite, nonconstant, blocks, output_elements: sv.len(), block_payload_bytes })
 }
 
 /// Build `model`'s host store (random bf16, pinned) on GPU 0, time every case

@@ -118,6 +118,9 @@ pub struct RunCase {
     pub output_finite: bool,
     /// Output not constant (max ≠ min).
     pub output_nonconstant: bool,
+    /// Elements of the streamed output (batch × tokens × channels: the case's shape).
+    #[serde(default)]
+    pub output_elements: usize,
     /// Blocks that were not prefetched in time.
     pub misses: u64,
     /// With `--coded`: every timed step streamed from the coded store, seconds.
@@ -418,6 +421,7 @@ pub fn streamed_row(
         bitwise_equal: s.equal,
         output_finite: finite,
         output_nonconstant: nonconstant,
+        output_elements: s.values.len(),
         misses: s.misses,
         ..RunCase::head(model, c, d)
     }
@@ -465,25 +469,6 @@ pub struct AnchorDoc {
     pub versions: String,
     /// Timed cases.
     pub cases: Vec<AnchorCase>,
-}
-
-/// What a backend file's CPU check saw (a shrunk registry model, resident then
-/// streamed on the CPU device).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct CpuCheck {
-    /// Streamed output byte-identical to the resident one.
-    pub bitwise_equal: bool,
-    /// Every output element finite.
-    pub finite: bool,
-    /// Output not constant.
-    pub nonconstant: bool,
-    /// Blocks served by the ring in the streamed step.
-    pub blocks: u64,
-    /// Elements of the streamed output (batch × tokens × channels: the case's shape).
-    pub output_elements: usize,
-    /// The host store's block tensor bytes without alignment padding (what the
-    /// GPU run checks against the registry's `block_bytes`).
-    pub block_payload_bytes: u64,
 }
 
 /// Tensor bytes of `store`'s blocks, without the alignment padding between them.

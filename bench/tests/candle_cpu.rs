@@ -1,26 +1,14 @@
-//! candle's file of the bench room on candle's CPU device: the registry's
-//! blocks, shrunk, resident and streamed through the ring; the streamed output
-//! must be byte-identical, finite and varied, and every block served.
+//! candle's file of the bench room on candle's CPU device: `zoo run --backend
+//! candle`'s own code (`candle::run_cpu`) over the registry's blocks, shrunk,
+//! resident and streamed through the ring; every streamed output must be
+//! byte-identical to the resident one, finite and varied.
 #![cfg(feature = "candle")]
 
 use offload_bench::registry;
 
 #[test]
-fn tiny_registry_models_stream_bitwise_equal_on_the_cpu() {
-    for m in registry::models().into_iter().filter(offload_bench::candle::computes) {
-        let tiny = registry::tiny(&m);
-        let blocks: usize = tiny.stacks.iter().map(|s| s.count).sum();
-        let c = offload_bench::candle::check_cpu(&tiny).unwrap_or_else(|e| panic!("{}: {e}", m.name));
-        assert!(c.bitwise_equal, "{}: streamed output differs from resident", m.name);
-        assert!(c.finite && c.nonconstant, "{}: output finite {} varied {}", m.name, c.finite, c.nonconstant);
-        assert_eq!(c.blocks, blocks as u64, "{}: blocks served", m.name);
-        assert_eq!(c.block_payload_bytes, tiny.block_bytes(2), "{}: the store's block tensors against the registry", m.name);
-    }
-}
-
-#[test]
 fn candle_computes_every_registered_model_but_wan_and_the_vae() {
-    // The filter above must keep the models candle's file is meant to run: all but
+    // The loop test's filter must keep the models candle's file is meant to run: all but
     // Wan 2.1 (issue 15 asks candle for SD3.5, Z-Image and the two text encoders)
     // and the VAE (the pipeline case runs on tch).
     for m in registry::models() {
@@ -74,9 +62,11 @@ fn a_users_non_square_batched_case_runs_at_its_own_shape() {
         let mut tiny = registry::tiny(&m);
         let case = registry::case_from_args(&tiny, Some("96x32"), Some("2"), None).unwrap().unwrap();
         assert_eq!((case.name.as_str(), case.image_tokens, case.batch), ("96x32 b2 f1", 12, 2), "{}", m.name);
+        let opts = offload_bench::harness::RunOptions { cases: vec![case.name.clone()], depths: vec![1], steps: 1, ..Default::default() };
         tiny.cases = vec![case];
-        let c = offload_bench::candle::check_cpu(&tiny).unwrap_or_else(|e| panic!("{}: {e}", m.name));
-        assert!(c.bitwise_equal && c.finite && c.nonconstant, "{}: {c:?}", m.name);
+        let doc = offload_bench::candle::run_cpu(&tiny, &opts).unwrap_or_else(|e| panic!("{}: {e}", m.name));
+        let c = &doc.cases[0];
+        assert!(c.bitwise_equal && c.output_finite && c.output_nonconstant, "{}: {c:?}", m.name);
         assert_eq!(c.output_elements, 2 * 12 * 64, "{}: output elements", m.name);
     }
 }

@@ -535,6 +535,8 @@ pub fn python_table(results: &Path) -> Result<Option<String>, String> {
             r["commit"].as_str().unwrap_or(d["commit"].as_str().unwrap_or("?"))
         );
     }
+    // Cases measured again: one line for all of them, each with its count of earlier runs.
+    let mut again = Vec::new();
     for r in d["cases"].as_array().into_iter().flatten() {
         for (mode, why) in r["diffusers_failed"].as_object().into_iter().flatten() {
             let _ = writeln!(
@@ -548,15 +550,18 @@ pub fn python_table(results: &Path) -> Result<Option<String>, String> {
         }
         let gone = r["superseded_runs"].as_array().map_or(0, Vec::len);
         if gone > 0 {
-            let _ = writeln!(
-                md,
-                "\n{} {}: merged from the runs at `{}`; {gone} earlier runs of this case are kept and named in the file \
-                 (`superseded_runs`), `bench/NOTES.md` says why they were run again.",
-                r["model"].as_str().unwrap_or("?"),
-                r["case"].as_str().unwrap_or("?"),
-                r["commit"].as_str().unwrap_or("?")
-            );
+            let (model, case, commit) =
+                (r["model"].as_str().unwrap_or("?"), r["case"].as_str().unwrap_or("?"), r["commit"].as_str().unwrap_or("?"));
+            again.push(format!("{model} {case} ({gone}, now from `{commit}`)"));
         }
+    }
+    if !again.is_empty() {
+        let _ = writeln!(
+            md,
+            "\nMeasured again, each merged from its newest runs only; the earlier runs (how many in brackets) are kept and \
+             named in the file (`superseded_runs`), and `bench/NOTES.md` says why: {}.",
+            again.join(", ")
+        );
     }
     if d["cases"].as_array().into_iter().flatten().any(|r| r["weights_device_gib"]["offload"].is_null()) {
         md.push_str(

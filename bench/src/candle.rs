@@ -907,7 +907,15 @@ where
         self.be.reset_pool_peak().map_err(e)?;
         let mut ring = Ring::new(self.be.clone(), self.store.clone(), &rc).map_err(e)?;
         let net = &self.net;
-        let (times, out) = self.timed(&mut || net.step(Some(&mut ring), None, &i))?;
+        // The bytes the ring copied in the last timed step (the loop holds a budget
+        // run to the planner's streamed bytes).
+        let mut step_bytes = 0;
+        let (times, out) = self.timed(&mut || {
+            let before = ring.metrics().bytes_copied;
+            let out = net.step(Some(&mut ring), None, &i)?;
+            step_bytes = ring.metrics().bytes_copied - before;
+            Ok(out)
+        })?;
         let peak = self.be.pool().map_err(e)?.1;
         let resident_bytes = self.model.global_bytes(2);
         let weights = self.be.slots().1 + resident_bytes;
@@ -917,7 +925,7 @@ where
         ring.close().map_err(e)?;
         let (sbytes, values) = output(&out).map_err(e)?;
         let s = crate::harness::Streamed { times, equal: sbytes == r.out, values, weights, derived, misses };
-        Ok(crate::drive::StreamedRun { s, depth, step_bytes: None, timeline: None })
+        Ok(crate::drive::StreamedRun { s, depth, step_bytes: Some(step_bytes), timeline: None })
     }
 }
 

@@ -37,7 +37,7 @@ fn the_zoo_loop_runs_candles_file_at_every_depth_the_planners_and_a_budget() {
             auto_depth: true,
             budgets_gib: vec![budget],
             steps: 1,
-            warmup: 0,
+            warmup: 1,
             ..Default::default()
         };
         let doc = offload_bench::candle::run_cpu(&tiny, &opts).unwrap_or_else(|e| panic!("{}: {e}", m.name));
@@ -46,7 +46,6 @@ fn the_zoo_loop_runs_candles_file_at_every_depth_the_planners_and_a_budget() {
             assert!(c.bitwise_equal && c.output_finite && c.output_nonconstant, "{} d={}: {c:?}", m.name, c.depth);
         }
         assert!(doc.cases[2].planner_depth.is_some(), "{}", m.name);
-        assert_eq!(doc.block_bytes_total, doc.cases[0].streamed_bytes, "{}", m.name);
         let cost = &doc.calibrations.first().unwrap_or_else(|| panic!("{}: no calibration", m.name)).cost;
         assert_eq!(cost.blocks.len(), blocks, "{}: one time per block", m.name);
         assert!(cost.blocks.iter().all(|b| b.compute_s.is_finite() && b.compute_s > 0.0), "{}: {:?}", m.name, cost.blocks);

@@ -24,10 +24,8 @@ fn tiny_registry_models_stream_bitwise_equal_on_the_cpu() {
         for c in &doc.cases {
             assert!(c.bitwise_equal, "{} d={}: streamed output differs from resident", m.name, c.depth);
             assert!(c.output_finite && c.output_nonconstant, "{} d={}: {c:?}", m.name, c.depth);
-            assert_eq!(c.misses, 0, "{} d={}: every block prefetched after the warm-up", m.name, c.depth);
+            assert_eq!(c.misses, 0, "{} d={}: every block prefetched, the warm-up step's included", m.name, c.depth);
         }
-        // The loop refused a store whose block tensors are not the registry's.
-        assert_eq!(doc.block_bytes_total, doc.cases[0].streamed_bytes, "{}", m.name);
     }
 }
 

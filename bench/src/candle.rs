@@ -916,11 +916,8 @@ where
             step_bytes = ring.metrics().bytes_copied - before;
             Ok(out)
         })?;
-        let peak = self.be.pool().map_err(e)?.1;
-        let resident_bytes = self.model.global_bytes(2);
-        let weights = self.be.slots().1 + resident_bytes;
-        let other = before.saturating_sub(live_slots + resident_bytes);
-        let derived = peak.saturating_sub(other).saturating_sub(r.activations);
+        let memory = (before, live_slots, self.be.pool().map_err(e)?.1);
+        let (weights, derived) = crate::harness::streamed_weights(self.be.slots().1, self.resident_bytes(), memory, r.activations);
         let (misses, depth) = (ring.metrics().misses, ring.depth());
         ring.close().map_err(e)?;
         let (sbytes, values) = output(&out).map_err(e)?;

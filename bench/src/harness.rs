@@ -386,6 +386,15 @@ pub struct Streamed {
     pub misses: u64,
 }
 
+/// A streamed run's weights on the device by both methods: the slots' peak plus
+/// the non-block weights (`resident_bytes`); and the allocator's peak during the
+/// steps (`peak`) less what was allocated before them (`before`) other than the
+/// live slots and the non-block weights, less the resident step's `activations`.
+pub fn streamed_weights(slots_peak: u64, resident_bytes: u64, (before, live_slots, peak): (u64, u64, u64), activations: u64) -> (u64, u64) {
+    let other = before.saturating_sub(live_slots + resident_bytes);
+    (slots_peak + resident_bytes, peak.saturating_sub(other).saturating_sub(activations))
+}
+
 /// The row of a streamed run of `model`'s case `c` at depth `d`: its checks and
 /// progress line, beside the resident steps and `activations` of the same process.
 pub fn streamed_row(

@@ -842,12 +842,9 @@ impl<B: TchDevice> crate::drive::Driver for TchRun<'_, B> {
         self.be.reset_allocated_peak()?;
         let misses0 = off.ring().metrics().misses;
         let (times, out) = self.timed(&i)?;
+        let memory = (before, live_slots, self.be.allocated()?.1);
+        let (weights, derived) = crate::harness::streamed_weights(self.be.slots().1, self.resident_bytes(), memory, r.activations);
         let off = self.off.as_mut().expect("set above");
-        let peak = self.be.allocated()?.1;
-        let resident_bytes = self.net.model.global_bytes(2);
-        let weights = self.be.slots().1 + resident_bytes;
-        let other = before.saturating_sub(live_slots + resident_bytes);
-        let derived = peak.saturating_sub(other).saturating_sub(r.activations);
         let (equal, values, misses) = (host_bytes(&out) == r.out, host_f32(&out), off.ring().metrics().misses - misses0);
         let s = crate::harness::Streamed { times, equal, values, weights, derived, misses };
         Ok(crate::drive::StreamedRun { s, depth: off.ring().depth(), step_bytes: None, timeline: None })

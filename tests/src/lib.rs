@@ -105,6 +105,109 @@ pub fn run_sabotage_one<H: Harness>(sabotage: offload_core::ring::Sabotage) -> S
     SabotageOutcome { sabotage, caught, by, missed_by }
 }
 
+/// One break on one backend, as the table keeps it (owned: it may come from a
+/// child process).
+#[derive(Debug)]
+pub struct BreakRow {
+    /// The break's name (`SkipFreeWait`).
+    pub sabotage: String,
+    /// Whether a case that guards the broken invariant failed.
+    pub caught: bool,
+    /// The cases that failed, with why (or why the row could not run).
+    pub by: Vec<(String, String)>,
+    /// The cases that guard the invariant and passed anyway.
+    pub missed_by: Vec<String>,
+}
+
+impl BreakRow {
+    /// The row as a child prints it.
+    pub fn to_json(&self) -> serde_json::Value {
+        serde_json::json!({"sabotage": self.sabotage, "caught": self.caught, "by": self.by, "missed_by": self.missed_by})
+    }
+
+    /// A row as a child printed it.
+    pub fn from_json(v: &serde_json::Value) -> Option<Self> {
+        let strings = |v: &serde_json::Value| v.as_str().map(str::to_owned);
+        Some(BreakRow {
+            sabotage: strings(&v["sabotage"])?,
+            caught: v["caught"].as_bool()?,
+            by: v["by"].as_array()?.iter().map(|p| Some((strings(&p[0])?, strings(&p[1])?))).collect::<Option<_>>()?,
+            missed_by: v["missed_by"].as_array()?.iter().map(strings).collect::<Option<_>>()?,
+        })
+    }
+}
+
+impl From<SabotageOutcome> for BreakRow {
+    fn from(o: SabotageOutcome) -> Self {
+        BreakRow {
+            sabotage: format!("{:?}", o.sabotage),
+            caught: o.caught,
+            by: o.by.into_iter().map(|(c, w)| (c.to_owned(), w)).collect(),
+            missed_by: o.missed_by.into_iter().map(str::to_owned).collect(),
+        }
+    }
+}
+
+/// The line a child process prints its break's row on.
+pub const ROW_MARK: &str = "sabotage-row: ";
+
+/// One break on `backend` in a child process of the `conformance` binary at
+/// `exe` (`--sabotage-one`),
+/// so that whatever one break leaves behind in its process (a device fault, a
+/// leaked device) does not decide the next break's verdict. A child that dies,
+/// exits with a failure or outlives `OFFLOAD_SABOTAGE_TIMEOUT_S` (default 600 s;
+/// then killed) is a break not caught, with why.
+pub fn break_in_child(exe: &std::path::Path, backend: &str, s: offload_core::ring::Sabotage) -> BreakRow {
+    use std::io::Read;
+    let name = format!("{s:?}");
+    let lost = |why: String| BreakRow { sabotage: name.clone(), caught: false, by: vec![("process".into(), why)], missed_by: Vec::new() };
+    let mut child = match std::process::Command::new(exe)
+        .args(["--sabotage-one", backend, &name])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::inherit())
+        .spawn()
+    {
+        Ok(c) => c,
+        Err(e) => return lost(format!("starting the child process: {e}")),
+    };
+    // Read its output on a thread, so a full pipe cannot stall it while we wait.
+    let Some(mut out) = child.stdout.take() else { return lost("the child's output was not captured".into()) };
+    let reader = std::thread::spawn(move || {
+        let mut text = String::new();
+        let _ = out.read_to_string(&mut text);
+        text
+    });
+    let limit = std::env::var("OFFLOAD_SABOTAGE_TIMEOUT_S").ok().and_then(|v| v.parse::<u64>().ok()).unwrap_or(600);
+    let started = std::time::Instant::now();
+    let status = loop {
+        match child.try_wait() {
+            Ok(Some(status)) => break Ok(status),
+            Ok(None) if started.elapsed().as_secs() >= limit => {
+                let _ = child.kill();
+                let _ = child.wait();
+                break Err(format!("the child process ran past {limit} s and was killed"));
+            }
+            Ok(None) => std::thread::sleep(std::time::Duration::from_millis(20)),
+            Err(e) => break Err(format!("waiting for the child process: {e}")),
+        }
+    };
+    let stdout = reader.join().unwrap_or_default();
+    let status = match status {
+        Ok(st) => st,
+        Err(why) => return lost(why),
+    };
+    let row = stdout.lines().find_map(|l| l.strip_prefix(ROW_MARK));
+    match (row, status.success()) {
+        (Some(row), true) => serde_json::from_str(row)
+            .ok()
+            .as_ref()
+            .and_then(BreakRow::from_json)
+            .unwrap_or_else(|| lost(format!("the child's row does not read: {row}"))),
+        (Some(row), false) => lost(format!("the child process ended ({status}) after its row, so the row does not count: {row}")),
+        (None, _) => lost(format!("the child process ended ({status}) without a row; its output: {}", stdout.trim())),
+    }
+}
+
 /// How a [`CaseError::Skip`] says the case or break does not apply to the row
 /// (a refusal the row makes by design): reported as n/a, never as a pass, and not
 /// failed under `OFFLOAD_REQUIRE_DEVICE=1`.

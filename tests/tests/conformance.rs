@@ -55,27 +55,12 @@ fn vulkan_split_sabotage() {
 fn sabotage_caught(backend: &str) {
     // Each break on its own: one whose guarding cases skipped (no device, a
     // feature the device lacks) is reported skipped, and the others still judged.
+    let exe = std::path::Path::new(env!("CARGO_BIN_EXE_conformance"));
     for s in offload_core::ring::Sabotage::ALL {
-        let out = std::process::Command::new(env!("CARGO_BIN_EXE_conformance"))
-            .args(["--sabotage-one", backend, &format!("{s:?}")])
-            .stderr(std::process::Stdio::inherit())
-            .output()
-            .expect("the conformance binary starts");
-        let text = String::from_utf8_lossy(&out.stdout);
-        let row = text.lines().find_map(|l| l.strip_prefix("sabotage-row: "));
-        let row: serde_json::Value = match (row, out.status.success()) {
-            (Some(row), true) => serde_json::from_str(row).expect("the child's row reads"),
-            _ => panic!("{backend}: {s:?}: the child process ended ({}) without a row: {}", out.status, text.trim()),
-        };
-        let by: Vec<(String, String)> = row["by"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .map(|p| (p[0].as_str().unwrap_or("?").to_owned(), p[1].as_str().unwrap_or("?").to_owned()))
-            .collect();
-        let missed = row["missed_by"].as_array().map_or(0, Vec::len);
+        let row = offload_tests::break_in_child(exe, backend, s);
+        let (by, missed) = (&row.by, row.missed_by.len());
         let na = format!("SKIPPED: {}", offload_tests::NOT_APPLICABLE);
-        if row["caught"] == true || (missed == 0 && !by.is_empty() && by.iter().all(|(_, w)| w.starts_with(&na))) {
+        if row.caught || (missed == 0 && !by.is_empty() && by.iter().all(|(_, w)| w.starts_with(&na))) {
             continue;
         }
         match by.iter().find(|(_, w)| w.starts_with("SKIPPED")) {
@@ -83,7 +68,7 @@ fn sabotage_caught(backend: &str) {
                 let name = format!("{backend} sabotage {s:?} ({case})");
                 offload_tests::report(&name, Err(offload_tests::CaseError::Skip(why.trim_start_matches("SKIPPED: ").to_owned())));
             }
-            None => panic!("{backend}: {s:?} was not caught ({row})"),
+            None => panic!("{backend}: {s:?} was not caught ({row:?})"),
         }
     }
 }

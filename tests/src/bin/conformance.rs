@@ -5,7 +5,7 @@
 //! `--commit` and `--gpu` fill those fields).
 
 use offload_core::ring::Sabotage;
-use offload_tests::{run_sabotage_one, run_suite, SabotageOutcome, Verdict};
+use offload_tests::{break_in_child, run_sabotage_one, run_suite, BreakRow, SabotageOutcome, Verdict, ROW_MARK};
 use std::collections::BTreeMap;
 
 type Row = Vec<(&'static str, &'static str, Verdict)>;
@@ -48,108 +48,6 @@ fn row(backend: &str) -> Option<RowFns> {
     }
 }
 
-/// One break on one backend, as the table keeps it (owned: it may come from a
-/// child process).
-#[derive(Debug)]
-struct BreakRow {
-    sabotage: String,
-    caught: bool,
-    /// The cases that failed, with why (or why the row could not run).
-    by: Vec<(String, String)>,
-    /// The cases that guard the invariant and passed anyway.
-    missed_by: Vec<String>,
-}
-
-impl BreakRow {
-    fn to_json(&self) -> serde_json::Value {
-        serde_json::json!({"sabotage": self.sabotage, "caught": self.caught, "by": self.by, "missed_by": self.missed_by})
-    }
-
-    fn from_json(v: &serde_json::Value) -> Option<Self> {
-        let strings = |v: &serde_json::Value| v.as_str().map(str::to_owned);
-        Some(BreakRow {
-            sabotage: strings(&v["sabotage"])?,
-            caught: v["caught"].as_bool()?,
-            by: v["by"].as_array()?.iter().map(|p| Some((strings(&p[0])?, strings(&p[1])?))).collect::<Option<_>>()?,
-            missed_by: v["missed_by"].as_array()?.iter().map(strings).collect::<Option<_>>()?,
-        })
-    }
-}
-
-impl From<SabotageOutcome> for BreakRow {
-    fn from(o: SabotageOutcome) -> Self {
-        BreakRow {
-            sabotage: format!("{:?}", o.sabotage),
-            caught: o.caught,
-            by: o.by.into_iter().map(|(c, w)| (c.to_owned(), w)).collect(),
-            missed_by: o.missed_by.into_iter().map(str::to_owned).collect(),
-        }
-    }
-}
-
-/// The line a child process prints its break's row on.
-const ROW_MARK: &str = "sabotage-row: ";
-
-/// One break on `backend` in a child process of this binary (`--sabotage-one`),
-/// so that whatever one break leaves behind in its process (a device fault, a
-/// leaked device) does not decide the next break's verdict. A child that dies,
-/// exits with a failure or outlives `OFFLOAD_SABOTAGE_TIMEOUT_S` (default 600 s;
-/// then killed) is a break not caught, with why.
-fn break_in_child(backend: &str, s: Sabotage) -> BreakRow {
-    use std::io::Read;
-    let name = format!("{s:?}");
-    let lost = |why: String| BreakRow { sabotage: name.clone(), caught: false, by: vec![("process".into(), why)], missed_by: Vec::new() };
-    let exe = match std::env::current_exe() {
-        Ok(e) => e,
-        Err(e) => return lost(format!("this binary's path: {e}")),
-    };
-    let mut child = match std::process::Command::new(exe)
-        .args(["--sabotage-one", backend, &name])
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::inherit())
-        .spawn()
-    {
-        Ok(c) => c,
-        Err(e) => return lost(format!("starting the child process: {e}")),
-    };
-    // Read its output on a thread, so a full pipe cannot stall it while we wait.
-    let Some(mut out) = child.stdout.take() else { return lost("the child's output was not captured".into()) };
-    let reader = std::thread::spawn(move || {
-        let mut text = String::new();
-        let _ = out.read_to_string(&mut text);
-        text
-    });
-    let limit = std::env::var("OFFLOAD_SABOTAGE_TIMEOUT_S").ok().and_then(|v| v.parse::<u64>().ok()).unwrap_or(600);
-    let started = std::time::Instant::now();
-    let status = loop {
-        match child.try_wait() {
-            Ok(Some(status)) => break Ok(status),
-            Ok(None) if started.elapsed().as_secs() >= limit => {
-                let _ = child.kill();
-                let _ = child.wait();
-                break Err(format!("the child process ran past {limit} s and was killed"));
-            }
-            Ok(None) => std::thread::sleep(std::time::Duration::from_millis(20)),
-            Err(e) => break Err(format!("waiting for the child process: {e}")),
-        }
-    };
-    let stdout = reader.join().unwrap_or_default();
-    let status = match status {
-        Ok(st) => st,
-        Err(why) => return lost(why),
-    };
-    let row = stdout.lines().find_map(|l| l.strip_prefix(ROW_MARK));
-    match (row, status.success()) {
-        (Some(row), true) => serde_json::from_str(row)
-            .ok()
-            .as_ref()
-            .and_then(BreakRow::from_json)
-            .unwrap_or_else(|| lost(format!("the child's row does not read: {row}"))),
-        (Some(row), false) => lost(format!("the child process ended ({status}) after its row, so the row does not count: {row}")),
-        (None, _) => lost(format!("the child process ended ({status}) without a row; its output: {}", stdout.trim())),
-    }
-}
-
 /// Run every break on every backend, each break in a process of its own, print
 /// it, write the JSON; the number of breaks not caught.
 fn sabotage_table(backends: &[String], path: &str, commit: &str, gpu: &str) -> usize {
@@ -162,7 +60,15 @@ fn sabotage_table(backends: &[String], path: &str, commit: &str, gpu: &str) -> u
             missed += 1;
             continue;
         }
-        let table: Vec<BreakRow> = Sabotage::ALL.iter().map(|&s| break_in_child(b, s)).collect();
+        let exe = match std::env::current_exe() {
+            Ok(e) => e,
+            Err(e) => {
+                println!("{b:<14} (this binary's path: {e})");
+                missed += 1;
+                continue;
+            }
+        };
+        let table: Vec<BreakRow> = Sabotage::ALL.iter().map(|&s| break_in_child(&exe, b, s)).collect();
         for o in table {
             // A break not caught because its guarding cases skipped is a skip
             // (unless a device is required), judged break by break: the row's

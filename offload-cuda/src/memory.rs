@@ -109,9 +109,20 @@ impl HostBytes {
         if let Owner::Lent(_) = self.owner {
             return Err(Error::unsupported(BACKEND, "refilling host bytes lent by a registration"));
         }
+        // The deliberate break (`sabotage_refill_early`) does not wait for the last
+        // copy: it may still read the bytes, so they are written as a device's memory
+        // is, never through a slice (the device then lands torn bytes, which is the break).
+        if self.engine.refill_early.load(Ordering::Relaxed) && self.len > 0 {
+            let mut staged = vec![0u8; self.len];
+            fill(&mut staged)?;
+            for (i, v) in staged.into_iter().enumerate() {
+                // SAFETY: `ptr` is `len` bytes owned by `self` (`i < len`), not lent
+                // (refused above); a volatile write of a byte a copy may be reading.
+                unsafe { std::ptr::write_volatile(self.ptr.add(i), v) };
+            }
+            return Ok(());
+        }
         let last = self.last_copy.get_mut().unwrap_or_else(|e| e.into_inner()).take();
-        // The deliberate break (`sabotage_refill_early`) forgets the copy instead.
-        let last = last.filter(|_| !self.engine.refill_early.load(Ordering::Relaxed));
         if let Some(ev) = last {
             self.engine.bind()?;
             if let Err(e) = ev.synchronize() {
@@ -125,9 +136,7 @@ impl HostBytes {
         }
         // `ptr` is `len` bytes owned by `self` (cuMemHostAlloc memory, or the
         // pageable box given up in `pageable`); `&mut self` excludes every host
-        // view of it; every copy records itself in `last_copy`. (Under the
-        // deliberate break a copy may still be reading it: the device then lands
-        // torn bytes, which no host code reads through this slice.)
+        // view of it; every copy records itself in `last_copy` (waited above).
         // SAFETY: exclusive (just said), and the last copy that read it has completed.
         let bytes = unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) };
         fill(bytes)

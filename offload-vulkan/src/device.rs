@@ -7,7 +7,18 @@ use ash::vk;
 use offload_core::{Error, MemoryInfo, OffloadBackend, Result};
 use std::collections::HashMap;
 use std::ffi::{c_void, CStr, CString};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+
+/// The next backend instance's [`Inner::id`].
+static NEXT_ID: AtomicUsize = AtomicUsize::new(1);
+
+/// Held while an instance and its device are made or destroyed: loaders and
+/// drivers have crashed on concurrent `vkCreateInstance` / `vkCreateDevice` /
+/// `vkDestroyDevice` from several threads (Vulkan-Loader#200, wgpu#5930 and
+/// #10010, whisper.cpp#3638), as tests running in parallel do. Opening a device
+/// is rare and slow anyway; nothing else takes this lock.
+static LIFECYCLE: Mutex<()> = Mutex::new(());
 
 pub(crate) const BACKEND: &str = "vulkan";
 
@@ -34,7 +45,8 @@ pub struct VulkanPoint {
     pub(crate) timeline: Timeline,
     pub(crate) semaphore: vk::Semaphore,
     pub(crate) value: u64,
-    /// The backend instance that issued it (handles of two devices may be equal).
+    /// The backend instance that issued it (handles of two devices may be equal):
+    /// its [`Inner::id`], never reused in the process (an address would be).
     pub(crate) owner: usize,
 }
 
@@ -164,6 +176,12 @@ pub(crate) struct Split {
 }
 
 pub(crate) struct Inner {
+    /// This instance's number in the process (the owner of its points).
+    pub(crate) id: usize,
+    /// Set once the device may still run work the backend no longer tracks (a
+    /// failed wait, a split copy half submitted when the other half failed): from
+    /// then on nothing the device might read or write is freed; it is leaked.
+    pub(crate) lost: std::sync::atomic::AtomicBool,
     _entry: ash::Entry,
     instance: ash::Instance,
     debug: Option<(ash::ext::debug_utils::Instance, vk::DebugUtilsMessengerEXT)>,
@@ -266,7 +284,10 @@ impl VulkanBackend {
         let entry =
             unsafe { ash::Entry::load() }.map_err(|e| Error::unsupported(BACKEND, format!("no Vulkan loader (libvulkan.so.1): {e}")))?;
         let messages: *mut Mutex<Vec<String>> = Box::into_raw(Box::new(Mutex::new(Vec::new())));
-        let built = Self::build(entry, options, messages);
+        let built = {
+            let _one_at_a_time = lock(&LIFECYCLE);
+            Self::build(entry, options, messages)
+        };
         if built.is_err() {
             // SAFETY: no messenger was left alive on failure (`build` destroys what it made).
             drop(unsafe { Box::from_raw(messages) });
@@ -495,6 +516,8 @@ impl VulkanBackend {
             bytes_copied: 0,
         };
         let inner = Inner {
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+            lost: std::sync::atomic::AtomicBool::new(false),
             _entry: entry,
             instance,
             debug,
@@ -731,7 +754,7 @@ impl VulkanBackend {
             Timeline::Copy => st.copy_value = value,
             Timeline::Compute => st.compute_value = value,
         }
-        Ok(VulkanPoint { timeline, semaphore: sem, value, owner: Arc::as_ptr(&self.inner) as usize })
+        Ok(VulkanPoint { timeline, semaphore: sem, value, owner: self.inner.id })
     }
 
     /// Refuse waits on points this backend did not issue.
@@ -742,7 +765,7 @@ impl VulkanBackend {
                 Timeline::Copy => (i.copy_tl, st.copy_value),
                 Timeline::Compute => (i.compute_tl, st.compute_value),
             };
-            if w.owner != Arc::as_ptr(&self.inner) as usize || w.semaphore != own || w.value > issued {
+            if w.owner != self.inner.id || w.semaphore != own || w.value > issued {
                 return Err(Error::Protocol(format!(
                     "{purpose}: a wait on {:?} value {} that this backend did not issue (issued up to {issued})",
                     w.timeline, w.value
@@ -835,7 +858,9 @@ impl VulkanBackend {
             let wi = vk::SemaphoreWaitInfo::default().semaphores(&half_sem).values(&half_val);
             // SAFETY: a wait on a live semaphore of this device.
             if unsafe { i.device.wait_semaphores(&wi, u64::MAX) }.is_err() {
-                tracing::warn!("{purpose}: the first half could not be waited for; its command buffer is leaked");
+                // The half may still read the source and write the slot, and no
+                // timeline value covers it: neither may be freed, nor anything else.
+                i.mark_lost(&format!("{purpose}: the first half could not be waited for"));
                 return Err(vk_err("vkQueueSubmit", purpose, e));
             }
             // SAFETY: `first` completed (just waited for); `second` was never submitted.
@@ -844,7 +869,7 @@ impl VulkanBackend {
         }
         st.copy_value = value;
         st.split_copies += 1;
-        Ok(VulkanPoint { timeline: Timeline::Copy, semaphore: i.copy_tl, value, owner: Arc::as_ptr(&self.inner) as usize })
+        Ok(VulkanPoint { timeline: Timeline::Copy, semaphore: i.copy_tl, value, owner: self.inner.id })
     }
 
     /// The value `timeline`'s semaphore has reached.
@@ -857,8 +882,12 @@ impl VulkanBackend {
         unsafe { self.inner.device.get_semaphore_counter_value(sem) }.unwrap_or(0)
     }
 
-    /// Free command buffers and destroy buffers whose work has completed (never waits).
+    /// Free command buffers and destroy buffers whose work has completed (never
+    /// waits; frees nothing once the device is lost: [`Inner::lost`]).
     pub(crate) fn collect(&self, st: &mut State) {
+        if self.inner.is_lost() {
+            return;
+        }
         let (copy, compute) = (self.reached(Timeline::Copy), self.reached(Timeline::Compute));
         let dev = &self.inner.device;
         st.pending.retain(|&(pool, cmd, tl, v)| {
@@ -943,7 +972,12 @@ impl VulkanBackend {
         let values = [value];
         let wi = vk::SemaphoreWaitInfo::default().semaphores(&sems).values(&values);
         // SAFETY: waits on a live semaphore of this device.
-        unsafe { self.inner.device.wait_semaphores(&wi, u64::MAX) }.map_err(|e| vk_err("vkWaitSemaphores", purpose, e))
+        unsafe { self.inner.device.wait_semaphores(&wi, u64::MAX) }.map_err(|e| {
+            // Without a timeout a wait fails only when the device is lost (or out of
+            // memory): what it waited for may still run, so nothing is freed from now on.
+            self.inner.mark_lost(purpose);
+            vk_err("vkWaitSemaphores", purpose, e)
+        })
     }
 
     pub(crate) fn memory_type(&self, bits: u32, flags: vk::MemoryPropertyFlags) -> Option<u32> {
@@ -951,12 +985,33 @@ impl VulkanBackend {
     }
 }
 
+impl Inner {
+    /// Whether the device may run work the backend no longer tracks ([`Inner::lost`]).
+    pub(crate) fn is_lost(&self) -> bool {
+        self.lost.load(Ordering::SeqCst)
+    }
+
+    /// From now on nothing the device might use is freed (see [`Inner::lost`]).
+    pub(crate) fn mark_lost(&self, why: &str) {
+        if !self.lost.swap(true, Ordering::SeqCst) {
+            tracing::error!("{}: {why}; the device may still run untracked work, so its memory is leaked from now on", self.name);
+        }
+    }
+}
+
 impl Drop for Inner {
     fn drop(&mut self) {
-        // SAFETY: the last handle is gone: wait for the device, then destroy every
+        let _one_at_a_time = lock(&LIFECYCLE);
+        // SAFETY: a wait on the live device.
+        if unsafe { self.device.device_wait_idle() }.is_err() || self.is_lost() {
+            // Work may still run on the device: every object is leaked (the
+            // messenger's sink with it, as the layer may still call it).
+            tracing::error!("{}: the device did not go idle or was lost; the backend's objects are leaked", self.name);
+            return;
+        }
+        // SAFETY: the last handle is gone and the device is idle: destroy every
         // object in reverse order of creation.
         unsafe {
-            let _ = self.device.device_wait_idle();
             let st = self.state.get_mut().unwrap_or_else(|e| e.into_inner());
             for (pool, cmd, _, _) in st.pending.drain(..) {
                 self.device.free_command_buffers(pool, &[cmd]);
@@ -1180,6 +1235,13 @@ impl OffloadBackend for VulkanBackend {
         let msgs = self.validation_messages();
         if let Some(first) = msgs.first() {
             return Err(Error::device(BACKEND, "validation", format!("{} validation error(s); first: {first}", msgs.len())));
+        }
+        if self.inner.is_lost() {
+            return Err(Error::device(
+                BACKEND,
+                "the device",
+                "lost: a wait failed or a split copy was left half done; its memory is leaked",
+            ));
         }
         let mut st = lock(&self.inner.state);
         self.collect(&mut st);

@@ -227,10 +227,15 @@ impl FoldKernel {
 impl Drop for FoldKernel {
     fn drop(&mut self) {
         if let Some(p) = self.last {
+            // A failed wait marks the device lost (`wait_value`).
             let _ = self.backend.wait_value(Timeline::Compute, p.value, "dropping the fold");
         }
+        if self.backend.inner.is_lost() {
+            // A fold may still run and write the accumulator: leaked.
+            return;
+        }
         let dev = self.backend.device();
-        // SAFETY: no submission uses these any more (waited above); null handles are ignored.
+        // SAFETY: no submission uses these any more (waited above, the device not lost); null handles are ignored.
         unsafe {
             for p in [self.spin, self.hash, self.combine] {
                 dev.destroy_pipeline(p, None);

@@ -107,6 +107,63 @@ mod tests {
         b.synchronize().expect("sync");
     }
 
+    /// A point outlives its backend (it is `Copy`): one of a dropped backend is
+    /// refused by the next, even where the next reuses the first's address and
+    /// semaphore handles (as an allocator and lavapipe may).
+    #[test]
+    fn a_point_of_a_dropped_backend_is_refused() {
+        use offload_core::HostMemory as _;
+        use offload_core::OffloadBackend;
+        let open = || {
+            VulkanBackend::new().map_err(|e| {
+                assert!(std::env::var("OFFLOAD_REQUIRE_DEVICE").map_or(true, |v| v != "1"), "OFFLOAD_REQUIRE_DEVICE=1 but {e}");
+                println!("SKIPPED: {e}");
+            })
+        };
+        for _ in 0..8 {
+            let Ok(a) = open() else { return };
+            let stale = a.record_compute().expect("a's point");
+            a.synchronize().expect("sync");
+            drop(a);
+            let Ok(b) = open() else { return };
+            let host = b.host().alloc_pinned(64, "test", &mut |x| {
+                x.fill(5);
+                Ok(())
+            });
+            let (host, mut slot) = (host.expect("host buffer"), b.alloc_slot(64, "test").expect("slot"));
+            let _ = b.record_compute().expect("b's point");
+            assert!(b.copy_to_slot(&host, &mut slot, 64, Some(&stale)).is_err(), "b waited on a dropped backend's point");
+            b.synchronize().expect("sync");
+        }
+    }
+
+    /// Once the device may run work nothing tracks (a failed wait, a split copy
+    /// half whose other half failed), nothing is freed: a slot dropped then stays
+    /// in the garbage for good instead of being destroyed under a copy.
+    #[test]
+    fn a_lost_device_frees_nothing() {
+        use offload_core::OffloadBackend;
+        let b = match VulkanBackend::new() {
+            Ok(b) => b,
+            Err(e) => {
+                assert!(std::env::var("OFFLOAD_REQUIRE_DEVICE").map_or(true, |v| v != "1"), "OFFLOAD_REQUIRE_DEVICE=1 but {e}");
+                println!("SKIPPED: {e}");
+                return;
+            }
+        };
+        let garbage = |b: &VulkanBackend| device::lock(&b.inner.state).garbage.len();
+        drop(b.alloc_slot(64, "kept").expect("slot"));
+        b.synchronize().expect("sync");
+        b.collect(&mut device::lock(&b.inner.state));
+        assert_eq!(garbage(&b), 0, "a slot whose work completed was not destroyed");
+        b.inner.mark_lost("a test");
+        drop(b.alloc_slot(64, "leaked").expect("slot"));
+        b.synchronize().expect("sync");
+        b.collect(&mut device::lock(&b.inner.state));
+        assert_eq!(garbage(&b), 1, "a slot was destroyed after the device was marked lost");
+        assert!(b.poll_error().is_err(), "a lost device passed poll_error");
+    }
+
     #[test]
     fn no_loader_or_device_is_unsupported_not_a_panic() {
         match VulkanBackend::new() {

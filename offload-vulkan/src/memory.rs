@@ -294,18 +294,26 @@ impl VulkanHost {
     /// byte through the mapping (host-coherent: the next submission sees them).
     pub(crate) fn refill(&mut self, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<()> {
         let b = VulkanBackend { inner: self.inner.clone() };
-        // The deliberate break (`sabotage_refill_early`) does not wait.
-        if !self.inner.refill_early.load(Ordering::Relaxed) {
-            b.wait_value(Timeline::Copy, *self.last_copy.get_mut(), "refilling a host buffer")?;
-        }
         if self.len == 0 {
             return fill(&mut []);
         }
+        // The deliberate break (`sabotage_refill_early`) does not wait: a copy may
+        // still read the bytes, so they are written as a device's memory is, never
+        // through a slice (the device then lands torn bytes, which is the break).
+        if self.inner.refill_early.load(Ordering::Relaxed) {
+            let mut staged = vec![0u8; self.len];
+            fill(&mut staged)?;
+            for (i, v) in staged.into_iter().enumerate() {
+                // SAFETY: `ptr` maps `len` bytes owned by `self` (`i < len`); a volatile
+                // write of a byte a copy may be reading, as to memory a device shares.
+                unsafe { std::ptr::write_volatile(self.ptr.add(i), v) };
+            }
+            return Ok(());
+        }
+        b.wait_value(Timeline::Copy, *self.last_copy.get_mut(), "refilling a host buffer")?;
         // `&mut self` excludes every host view and any `copy_to_slot` still running (it
         // borrows the buffer and raises `last_copy` before it returns); every copy that
-        // read the bytes has completed (waited above; under the deliberate break a
-        // copy may still read them: the device then lands torn bytes, which no host
-        // code reads through this slice).
+        // read the bytes has completed (waited above).
         // SAFETY: `ptr` maps `len` bytes owned by `self`, unborrowed and unread (just said).
         let bytes = unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) };
         fill(bytes)
@@ -317,7 +325,12 @@ impl Drop for VulkanHost {
         let b = VulkanBackend { inner: self.inner.clone() };
         let last = self.last_copy.load(Ordering::Relaxed);
         // A copy from this buffer may still be queued: wait for it (teardown only).
-        if let Err(e) = b.wait_value(Timeline::Copy, last, "dropping a host buffer") {
+        // Once the device is lost a copy may be running that no value covers.
+        let waited = match self.inner.is_lost() {
+            true => Err(Error::Protocol("the device was lost".into())),
+            false => b.wait_value(Timeline::Copy, last, "dropping a host buffer"),
+        };
+        if let Err(e) = waited {
             tracing::warn!("a {}-byte Vulkan host buffer is leaked: {e}", self.len);
             // A copy may still read imported pages: they are leaked with it.
             std::mem::forget(self.pages.take());

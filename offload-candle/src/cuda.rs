@@ -21,7 +21,7 @@ use candle_core::{DType as CDType, Device, Storage, Tensor};
 use candle_nn::VarBuilder;
 use offload_core::{BlockGuard, Error, OffloadBackend, Result};
 use offload_cuda::checked::CheckedEvent;
-use offload_cuda::{CudaBackend, CudaCounters, FreshEngine, FreshSlot, PinnedHost};
+use offload_cuda::{CudaBackend, FreshEngine, FreshSlot, PinnedHost};
 use std::collections::HashMap;
 
 /// candle on a CUDA device: the ring's transfer engine is `offload-cuda`'s (with a
@@ -58,35 +58,7 @@ impl CandleCudaBackend {
         Device::Cuda(self.dev.clone())
     }
 
-    /// The transfer engine (streams, the checking mode).
-    pub fn cuda(&self) -> &CudaBackend {
-        self.engine.cuda()
-    }
-
-    /// Counters: the transfer engine's, with live and peak bytes those of the
-    /// ring's slots.
-    pub fn counters(&self) -> CudaCounters {
-        self.engine.counters()
-    }
-
-    /// Violations of the ring's protocol seen so far. Copies here land in fresh
-    /// buffers ordered after all compute, so a broken ring still computes the right
-    /// result; the log (which copy filled a slot, when its tensors were handed out,
-    /// which event released it) shows the break anyway.
-    pub fn violations(&self) -> Vec<String> {
-        self.engine.violations()
-    }
-
-    /// Record that compute is about to read `slot` other than through
-    /// [`tensors`](Self::tensors) (a kernel over the slot's buffer).
-    pub fn note_read(&self, slot: &CandleSlot) {
-        self.engine.note_read(slot);
-    }
-
-    /// Restart the peak at the live bytes.
-    pub fn reset_peak(&self) {
-        self.engine.reset_peak()
-    }
+    offload_cuda::fresh_engine_methods!(engine, CandleSlot);
 
     /// A new buffer of `bytes` (whole elements of the backend's dtype) from
     /// candle's allocator on candle's stream, and its device address.

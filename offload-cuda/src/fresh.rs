@@ -246,6 +246,47 @@ impl FreshEngine {
     }
 }
 
+/// The inherent methods every backend over a [`FreshEngine`] offers as the
+/// engine does (the transfer engine, counters, violations, `note_read`,
+/// `reset_peak`): write `offload_cuda::fresh_engine_methods!(engine, Slot);`
+/// inside the backend's own `impl`, `engine` the field holding the engine and
+/// `Slot` its slot type (a [`FreshSlot`]).
+#[macro_export]
+macro_rules! fresh_engine_methods {
+    ($engine:ident, $slot:ty) => {
+        /// The transfer engine (streams, the checking mode).
+        pub fn cuda(&self) -> &$crate::CudaBackend {
+            self.$engine.cuda()
+        }
+
+        /// Counters: the transfer engine's, with live and peak bytes those of the
+        /// ring's slots (buffers that views keep alive after the ring let them go
+        /// are the framework's).
+        pub fn counters(&self) -> $crate::CudaCounters {
+            self.$engine.counters()
+        }
+
+        /// Violations of the ring's protocol seen so far. Copies land in fresh
+        /// buffers ordered after all compute, so a broken ring still computes the
+        /// right result; the log (which copy filled a slot, when its tensors were
+        /// handed out, which event released it) shows the break anyway.
+        pub fn violations(&self) -> Vec<String> {
+            self.$engine.violations()
+        }
+
+        /// Record that compute is about to read `slot` other than through the
+        /// backend's own views (a kernel over the slot's buffer).
+        pub fn note_read(&self, slot: &$slot) {
+            self.$engine.note_read(slot);
+        }
+
+        /// Restart the peak at the live bytes.
+        pub fn reset_peak(&self) {
+            self.$engine.reset_peak()
+        }
+    };
+}
+
 /// The [`OffloadBackend`] methods a backend over a [`FreshEngine`] forwards as
 /// they are (its host memory, freeing slots, waits, events, timing, memory):
 /// write `offload_cuda::forward_to_fresh_engine!(engine);` inside its

@@ -95,25 +95,7 @@ impl PyCuda {
         Ok(PyCuda { engine: FreshEngine::new(inner, BACKEND), ordinal, stream: Arc::new(stream.unbind()), alloc: Arc::new(alloc) })
     }
 
-    /// The transfer engine.
-    pub fn cuda(&self) -> &CudaBackend {
-        self.engine.cuda()
-    }
-
-    /// Violations of the ring's protocol seen so far.
-    pub fn violations(&self) -> Vec<String> {
-        self.engine.violations()
-    }
-
-    /// The transfer engine's counters, with the slots' live and peak bytes.
-    pub fn counters(&self) -> offload_cuda::CudaCounters {
-        self.engine.counters()
-    }
-
-    /// Record that compute is about to read `slot` (its tensors were handed out).
-    pub fn note_read(&self, slot: &PySlot) {
-        self.engine.note_read(slot);
-    }
+    offload_cuda::fresh_engine_methods!(engine, PySlot);
 
     /// A fresh `uint8` tensor of `len` bytes from torch's caching allocator, made
     /// here on the compute stream (`torch.empty` with the compute stream current:

@@ -5,7 +5,7 @@ use crate::tensors::{tch_err, BACKEND};
 use offload_core::{BlockLayout, Error, OffloadBackend, Result};
 use offload_cuda::checked::CheckedEvent;
 use offload_cuda::cudarc::driver::CudaContext;
-use offload_cuda::{CudaBackend, CudaCounters, FreshEngine, FreshSlot, PinnedHost};
+use offload_cuda::{CudaBackend, FreshEngine, FreshSlot, PinnedHost};
 use std::collections::HashMap;
 use tch::{Device, Kind, Tensor};
 
@@ -100,35 +100,7 @@ pub fn reset_allocator_peak(ordinal: usize) -> Result<()> {
 }
 
 impl TchCudaBackend {
-    /// The transfer engine (streams, the checking mode).
-    pub fn cuda(&self) -> &CudaBackend {
-        self.engine.cuda()
-    }
-
-    /// Counters: the transfer engine's, with live and peak bytes those of the
-    /// ring's slots (buffers that views keep alive after the ring let them go
-    /// are libtorch's).
-    pub fn counters(&self) -> CudaCounters {
-        self.engine.counters()
-    }
-
-    /// Violations of the ring's protocol seen so far (copies land in fresh
-    /// buffers ordered after all compute, so a broken ring still computes the
-    /// right result here; the log shows the break anyway).
-    pub fn violations(&self) -> Vec<String> {
-        self.engine.violations()
-    }
-
-    /// Record that compute is about to read `slot` other than through a bind
-    /// (a kernel over the slot's buffer).
-    pub fn note_read(&self, slot: &TchSlot) {
-        self.engine.note_read(slot);
-    }
-
-    /// Restart the peak at the live bytes.
-    pub fn reset_peak(&self) {
-        self.engine.reset_peak()
-    }
+    offload_cuda::fresh_engine_methods!(engine, TchSlot);
 
     /// A fresh `Uint8` buffer of `len` bytes from libtorch's caching allocator
     /// (on libtorch's stream), and its device address.

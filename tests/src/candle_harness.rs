@@ -214,63 +214,14 @@ fn candle_cuda(copy_spin_us: u64) -> std::result::Result<offload_candle::CandleC
 }
 
 #[cfg(feature = "candle-cuda")]
-impl Harness for CandleCuda {
-    type B = offload_candle::CandleCudaBackend;
-    type Acc = offload_cuda::fold::FoldKernel;
-    const NAME: &'static str = "candle-cuda";
-
-    fn open_mapped(path: &std::path::Path) -> offload_core::Result<offload_core::SafetensorsFile> {
-        offload_cuda::map_checkpoint(path)
-    }
-    fn serves_mapped() -> bool {
-        // offload-cuda's transfer engine registers the file in place.
-        true
-    }
-    fn decodes() -> bool {
-        // offload-cuda's transfer engine decodes coded buffers.
-        true
-    }
-    fn backend() -> std::result::Result<Self::B, CaseError> {
-        candle_cuda(crate::cuda_harness::COPY_SPIN_US)
-    }
-    fn disk_backend(early_refill: bool) -> std::result::Result<Self::B, CaseError> {
-        // The checking mode's spin before each copy keeps copies queued while
-        // the readers refill their buffers.
-        let b = candle_cuda(crate::cuda_harness::DISK_COPY_SPIN_US)?;
-        if early_refill {
-            b.cuda().sabotage_refill_early();
-        }
-        Ok(b)
-    }
-    fn new_acc(b: &Self::B) -> Result<Self::Acc> {
-        crate::cuda_harness::gpu_fold(b.cuda())
-    }
-    fn fold(b: &Self::B, acc: &mut Self::Acc, slot: &offload_candle::CandleSlot, bytes: usize, _waits: &[()]) -> Result<()> {
-        b.note_read(slot);
-        acc.fold(b.cuda(), slot, bytes)
-    }
-    fn read(b: &Self::B, acc: &Self::Acc) -> Result<u64> {
-        acc.read(b.cuda())
-    }
-    fn violations(b: &Self::B) -> Vec<String> {
-        b.violations()
-    }
-    fn live_bytes(b: &Self::B) -> u64 {
-        b.counters().live_bytes
-    }
-    fn peak_bytes(b: &Self::B) -> u64 {
-        b.counters().peak_bytes
-    }
-    fn reset_peak(b: &Self::B) {
-        b.reset_peak()
-    }
-    fn host_syncs(b: &Self::B) -> u64 {
-        b.counters().syncs
-    }
-    fn model_cases() -> Vec<ModelCase> {
-        vec![
-            ModelCase { name: "sd3_joint_blocks", invariant: "6,9", run: sd3_cuda },
-            ModelCase { name: "views_outlive_block", invariant: "10", run: views_cuda },
-        ]
-    }
-}
+crate::cuda_harness::fresh_engine_harness!(
+    CandleCuda,
+    "candle-cuda",
+    offload_candle::CandleCudaBackend,
+    offload_candle::CandleSlot,
+    candle_cuda,
+    vec![
+        ModelCase { name: "sd3_joint_blocks", invariant: "6,9", run: sd3_cuda },
+        ModelCase { name: "views_outlive_block", invariant: "10", run: views_cuda },
+    ]
+);

@@ -23,6 +23,74 @@ pub const FOLD_SPIN_US: u64 = 1000;
 /// See [`FOLD_SPIN_US`].
 pub const FOLD_SPIN_EVERY: u64 = 4;
 
+/// The row of a framework backend over offload-cuda's `FreshEngine` (candle-cuda,
+/// tch-cuda): the transfer engine's checking mode, its mapped and coded host
+/// memory, the fold on the framework's stream over the slot's buffer. `$open(spin)`
+/// opens the backend with each copy spinning `spin` µs; `$cases` are its model cases.
+macro_rules! fresh_engine_harness {
+    ($row:ident, $name:literal, $backend:ty, $slot:ty, $open:path, $cases:expr) => {
+        impl $crate::harness::Harness for $row {
+            type B = $backend;
+            type Acc = offload_cuda::fold::FoldKernel;
+            const NAME: &'static str = $name;
+
+            fn open_mapped(path: &std::path::Path) -> offload_core::Result<offload_core::SafetensorsFile> {
+                offload_cuda::map_checkpoint(path)
+            }
+            fn serves_mapped() -> bool {
+                // offload-cuda's transfer engine registers the file in place.
+                true
+            }
+            fn decodes() -> bool {
+                // offload-cuda's transfer engine decodes coded buffers.
+                true
+            }
+            fn backend() -> std::result::Result<Self::B, $crate::harness::CaseError> {
+                $open($crate::cuda_harness::COPY_SPIN_US)
+            }
+            fn disk_backend(early_refill: bool) -> std::result::Result<Self::B, $crate::harness::CaseError> {
+                // The checking mode's spin before each copy keeps copies queued while
+                // the readers refill their buffers.
+                let b = $open($crate::cuda_harness::DISK_COPY_SPIN_US)?;
+                if early_refill {
+                    b.cuda().sabotage_refill_early();
+                }
+                Ok(b)
+            }
+            fn new_acc(b: &Self::B) -> offload_core::Result<Self::Acc> {
+                $crate::cuda_harness::gpu_fold(b.cuda())
+            }
+            fn fold(b: &Self::B, acc: &mut Self::Acc, slot: &$slot, bytes: usize, _waits: &[()]) -> offload_core::Result<()> {
+                b.note_read(slot);
+                acc.fold(b.cuda(), slot, bytes)
+            }
+            fn read(b: &Self::B, acc: &Self::Acc) -> offload_core::Result<u64> {
+                acc.read(b.cuda())
+            }
+            fn violations(b: &Self::B) -> Vec<String> {
+                b.violations()
+            }
+            fn live_bytes(b: &Self::B) -> u64 {
+                b.counters().live_bytes
+            }
+            fn peak_bytes(b: &Self::B) -> u64 {
+                b.counters().peak_bytes
+            }
+            fn reset_peak(b: &Self::B) {
+                b.reset_peak()
+            }
+            fn host_syncs(b: &Self::B) -> u64 {
+                b.counters().syncs
+            }
+            fn model_cases() -> Vec<$crate::harness::ModelCase> {
+                $cases
+            }
+        }
+    };
+}
+#[cfg(any(feature = "candle-cuda", feature = "tch-cuda"))]
+pub(crate) use fresh_engine_harness;
+
 /// The fold kernel of the GPU rows, with the spin pattern.
 pub fn gpu_fold(b: &CudaBackend) -> Result<FoldKernel> {
     Ok(FoldKernel::new(b, SEED)?.spin_every(FOLD_SPIN_EVERY, FOLD_SPIN_US))

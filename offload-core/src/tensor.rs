@@ -175,9 +175,14 @@ impl BlockLayout {
         let mut end = 0usize;
         for spec in specs {
             let nbytes = spec.nbytes()?;
-            offset = align_up(offset);
+            offset = offset.checked_next_multiple_of(TENSOR_ALIGN).ok_or_else(|| crate::Error::BadTensor {
+                tensor: spec.name.clone(),
+                fault: "the block's bytes before it overflow".into(),
+            })?;
+            end = offset
+                .checked_add(nbytes)
+                .ok_or_else(|| crate::Error::BadTensor { tensor: spec.name.clone(), fault: "its end overflows the block".into() })?;
             tensors.push(PlacedTensor { spec, offset, nbytes });
-            end = offset + nbytes;
             offset = end;
         }
         Ok(BlockLayout { tensors, bytes: end })
@@ -220,5 +225,26 @@ impl BlockLayout {
     /// Sum of tensor sizes without alignment padding.
     pub fn payload_bytes(&self) -> usize {
         self.tensors.iter().map(|t| t.nbytes).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Sizes declared by a caller (the Python package's tensors, a checkpoint's
+    /// header) that add up past the address space are a named error, not an
+    /// overflow: a panic in a debug build, a wrapped layout in a release one.
+    #[test]
+    fn a_block_whose_tensors_overflow_the_address_space_is_a_named_error() {
+        let half = usize::MAX / 2 + 1;
+        let specs = vec![TensorSpec::new("b.0.a", DType::U8, [half]), TensorSpec::new("b.0.b", DType::U8, [half])];
+        let e = BlockLayout::new(specs).expect_err("a layout past usize::MAX").to_string();
+        assert!(e.contains("b.0.b") && e.contains("overflow"), "{e}");
+        let specs = vec![TensorSpec::new("b.0.a", DType::U8, [usize::MAX - 10]), TensorSpec::new("b.0.b", DType::U8, [1])];
+        let e = BlockLayout::new(specs).expect_err("an aligned offset past usize::MAX").to_string();
+        assert!(e.contains("b.0.b") && e.contains("overflow"), "{e}");
+        let fine = BlockLayout::new(vec![TensorSpec::new("b.0.a", DType::U8, [3]), TensorSpec::new("b.0.b", DType::U8, [5])]).unwrap();
+        assert_eq!((fine.tensors[1].offset, fine.bytes), (TENSOR_ALIGN, TENSOR_ALIGN + 5));
     }
 }

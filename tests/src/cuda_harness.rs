@@ -27,6 +27,7 @@ pub const FOLD_SPIN_EVERY: u64 = 4;
 /// tch-cuda): the transfer engine's checking mode, its mapped and coded host
 /// memory, the fold on the framework's stream over the slot's buffer. `$open(spin)`
 /// opens the backend with each copy spinning `spin` µs; `$cases` are its model cases.
+#[cfg(any(feature = "candle-cuda", feature = "tch-cuda"))]
 macro_rules! fresh_engine_harness {
     ($row:ident, $name:literal, $backend:ty, $slot:ty, $open:path, $cases:expr) => {
         impl $crate::harness::Harness for $row {

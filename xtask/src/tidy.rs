@@ -122,8 +122,10 @@ fn crate_imports(text: &str, modules: &[String]) -> Vec<String> {
         }
     };
     for (i, _) in code.match_indices("crate::") {
-        if code[..i].chars().next_back().is_some_and(|c| c.is_alphanumeric() || c == '_') {
-            continue; // `offload_crate::`, say
+        if code[..i].chars().next_back().is_some_and(|c| c.is_alphanumeric() || c == '_' || c == '$') {
+            // `offload_crate::`, say; or a macro's `$crate::`, a path the macro's
+            // caller names where it expands the macro, not this file's import.
+            continue;
         }
         let rest = &code[i + 7..];
         if let Some(group) = rest.strip_prefix('{') {
@@ -254,6 +256,8 @@ mod tests {
         write("core.rs", "//! core\nuse crate::{feature::g, x};\n");
         let p = import_cycles(&src, "offload-cuda").join("\n");
         assert!(p.contains("core → feature → core"), "{p}");
+        write("core.rs", "//! core\nmacro_rules! m { () => { fn f() -> $crate::Backend { todo!() } } }\n");
+        assert!(import_cycles(&src, "offload-cuda").is_empty(), "a macro's `$crate::` path taken for an import");
         write("core.rs", "//! core\nfn f() -> crate::Backend { todo!() }\n");
         let p = import_cycles(&src, "offload-cuda").join("\n");
         let _ = std::fs::remove_dir_all(&dir);

@@ -33,7 +33,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let d = ExponentDecoder::new(&b)?;
     let reps = 10;
     let (decode_s, out) = d.time_decodes(&b, &enc, "codec_speed", reps)?;
-    let back = out.stream().clone_dtoh(&out)?;
+    let back = out.to_host()?;
     let exact = back == raw;
     let decode_gbps = (raw.len() * reps) as f64 / decode_s / 1e9;
     let ratio = enc.len() as f64 / raw.len() as f64;
@@ -48,7 +48,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     for v in DecoderVariant::TIMED.into_iter().filter(|_| variants) {
         let d = ExponentDecoder::with_variant(&b, v)?;
         let (s, out) = d.time_decodes(&b, &enc, "codec_speed", reps)?;
-        let ok = out.stream().clone_dtoh(&out)? == raw;
+        let ok = out.to_host()? == raw;
         all_exact &= ok;
         let gbps = (raw.len() * reps) as f64 / s / 1e9;
         println!("  build {}: {gbps:.1} GB/s of output; bit-exact {ok}", v.name());

@@ -8,9 +8,9 @@
 //! order, copies name their slot, and a copy into (or release of) a slot whose
 //! `after` event does not follow the slot's last read is a violation.
 
-use cudarc::driver::CudaEvent;
+use crate::engine::CudaPoint;
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Mutex, MutexGuard};
 
 /// An event with its place in the log's order and, for a copy, its slot.
 #[derive(Clone)]
@@ -21,7 +21,7 @@ pub struct Checked<E> {
 }
 
 /// A CUDA event with its place in the log's order.
-pub type CheckedEvent = Checked<Arc<CudaEvent>>;
+pub type CheckedEvent = Checked<CudaPoint>;
 
 impl<E> Checked<E> {
     /// The underlying event.

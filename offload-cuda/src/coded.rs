@@ -21,10 +21,11 @@
 //! boundary, naming the block.
 
 use crate::codec::{launches, BLOCK_THREADS};
+use crate::engine::CudaPoint;
 use crate::engine::Engine;
 use crate::error::{dev, driver};
 use crate::memory::HostBytes;
-use cudarc::driver::{result, sys, CudaEvent, CudaFunction, CudaStream};
+use cudarc::driver::{result, sys, CudaFunction, CudaStream};
 use offload_core::codec::{device_segments, Code, DeviceSegment};
 use offload_core::{Error, Result};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -109,7 +110,7 @@ struct StagingRing {
 struct Staging {
     ptr: sys::CUdeviceptr,
     len: usize,
-    last_read: Option<Arc<CudaEvent>>,
+    last_read: Option<CudaPoint>,
 }
 
 // `flag` is page-locked host memory owned by this value, accessed by the host only
@@ -303,8 +304,8 @@ impl Coding {
         dst: sys::CUdeviceptr,
         dst_len: usize,
         bytes: usize,
-        after: Option<&Arc<cudarc::driver::CudaEvent>>,
-    ) -> Result<Arc<cudarc::driver::CudaEvent>> {
+        after: Option<&CudaPoint>,
+    ) -> Result<CudaPoint> {
         let s = &self.engine;
         if !Arc::ptr_eq(src.engine(), s) {
             return Err(Error::Protocol(format!("{}: a coded buffer of another backend instance", ch.purpose)));
@@ -326,12 +327,18 @@ impl Coding {
         // slot's one writer, waits for it, and the coded bytes cross the link early.
         let checking = s.checking.get().is_some();
         if let (Some(ev), true) = (after, checking) {
-            s.copy.wait(ev).map_err(|e| driver("copy stream waiting for a slot's last use", e))?;
+            s.copy.wait(ev.event()).map_err(|e| driver("copy stream waiting for a slot's last use", e))?;
         }
         let len = src.len();
         // Once anything is enqueued, an error must not leave it running unseen:
         // drain both streams; a staging buffer goes back to the ring only if both drained.
-        let drain = || s.copy.synchronize().is_ok() & c.decode.synchronize().is_ok();
+        let drain = || {
+            let drained = s.copy.synchronize().is_ok() & c.decode.synchronize().is_ok();
+            if !drained {
+                s.mark_lost("the copy or decode stream could not be drained after a failed coded copy");
+            }
+            drained
+        };
         let drained = |e: Error| {
             drain();
             e
@@ -349,7 +356,7 @@ impl Coding {
         let (staging, staging_len) = match ring.bufs[i].take() {
             Some(b) if b.len >= len.max(4) => {
                 if let Some(ev) = &b.last_read {
-                    if let Err(e) = s.copy.wait(ev) {
+                    if let Err(e) = s.copy.wait(ev.event()) {
                         ring.bufs[i] = Some(b);
                         return Err(drained(driver("copy stream waiting for a staging buffer's last decode", e)));
                     }
@@ -374,7 +381,7 @@ impl Coding {
                 (p, want)
             }
         };
-        let issued = (|| -> Result<Arc<cudarc::driver::CudaEvent>> {
+        let issued = (|| -> Result<CudaPoint> {
             if staging % 4 != 0 {
                 // The kernel reads the strings' offset tables and streams as aligned words.
                 return Err(Error::Protocol(format!("a staging buffer at {staging:#x}, not 4-byte aligned")));
@@ -390,7 +397,7 @@ impl Coding {
             let copied = s.copy.record_event(None).map_err(|e| driver("recording a coded copy's event", e))?;
             c.decode.wait(&copied).map_err(|e| driver("decode stream waiting for a coded copy", e))?;
             if let (Some(ev), false) = (after, checking) {
-                c.decode.wait(ev).map_err(|e| driver("decode stream waiting for a slot's last use", e))?;
+                c.decode.wait(ev.event()).map_err(|e| driver("decode stream waiting for a slot's last use", e))?;
             }
             // Raw strings are device-to-device copies on the decode stream; the coded
             // ones go to the decoder in launches of up to SEGS strings each (one
@@ -450,7 +457,7 @@ impl Coding {
                     .map_err(|e| driver(format!("checking the decoded bytes of {}", ch.purpose), e))?;
                 }
             }
-            Ok(Arc::new(c.decode.record_event(None).map_err(|e| driver("recording a decode event", e))?))
+            Ok(CudaPoint::new(c.decode.record_event(None).map_err(|e| driver("recording a decode event", e))?))
         })();
         // The buffer goes back to its place in the ring with the decode that read it;
         // after an error both streams are drained, so nothing uses it.

@@ -17,6 +17,35 @@ fn damaged(what: &str, fault: &str) -> Error {
     Error::BadTensor { tensor: what.to_owned(), fault: format!("compressed bytes damaged: {fault}") }
 }
 
+/// Decoded bytes on the device, on the compute stream of the backend that
+/// decoded them. Opaque on purpose: a cudarc `CudaSlice` hands out its stream
+/// and context, whose event tracking is off (see `CudaBackend::ctx`).
+pub struct DecodedBytes(CudaSlice<u8>);
+
+impl std::fmt::Debug for DecodedBytes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "DecodedBytes({} bytes)", self.0.len())
+    }
+}
+
+impl DecodedBytes {
+    /// Bytes held.
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    /// Whether no byte is held.
+    pub fn is_empty(&self) -> bool {
+        self.0.len() == 0
+    }
+
+    /// The bytes, copied to the host after every decode enqueued into them (a host
+    /// synchronisation on their stream).
+    pub fn to_host(&self) -> Result<Vec<u8>> {
+        self.0.stream().clone_dtoh(&self.0).map_err(|e| dev("reading decoded bytes back", e))
+    }
+}
+
 /// The decoding kernel, loaded on one backend's context.
 pub struct ExponentDecoder {
     decode: CudaFunction,
@@ -45,10 +74,10 @@ impl ExponentDecoder {
     /// wait for it (a host synchronisation: for tests and one-off decodes, not the
     /// ring's steady state). `what` names the tensor in errors; damage the kernel
     /// sees is an error, never returned bytes.
-    pub fn decode(&self, b: &CudaBackend, enc: &[u8], what: &str) -> Result<CudaSlice<u8>> {
+    pub fn decode(&self, b: &CudaBackend, enc: &[u8], what: &str) -> Result<DecodedBytes> {
         let mut coded = self.upload(b, enc, what)?;
         let s = &b.engine().compute;
-        let mut out = s.alloc_zeros::<u8>(coded.len).map_err(|e| dev("the decoded buffer", e))?;
+        let mut out = DecodedBytes(s.alloc_zeros::<u8>(coded.len).map_err(|e| dev("the decoded buffer", e))?);
         self.launch(b, &mut coded, &mut out)?;
         coded.finish()?;
         Ok(out)
@@ -100,8 +129,9 @@ impl ExponentDecoder {
     /// [`ExponentDecoder::decode`] with `b`): anything else is an error, so every
     /// buffer the kernel touches is freed in order after it. Damage found by the
     /// kernel is reported by [`DeviceCoded::finish`].
-    pub fn launch(&self, b: &CudaBackend, coded: &mut DeviceCoded, out: &mut CudaSlice<u8>) -> Result<()> {
+    pub fn launch(&self, b: &CudaBackend, coded: &mut DeviceCoded, out: &mut DecodedBytes) -> Result<()> {
         let s = &b.engine().compute;
+        let out = &mut out.0;
         if !Arc::ptr_eq(&coded.stream, s) || !Arc::ptr_eq(out.stream(), s) {
             return Err(Error::Protocol(format!(
                 "decoding {}: the encoded tensor and the output must be on the compute stream of the backend that decodes",
@@ -150,7 +180,7 @@ impl ExponentDecoder {
     /// output), then `reps` launches into the same buffer timed on the host around
     /// enqueue-and-wait (the launches' microseconds are lost in the kernels'
     /// milliseconds). Returns the seconds of the `reps` decodes and the output.
-    pub fn time_decodes(&self, b: &CudaBackend, enc: &[u8], what: &str, reps: usize) -> Result<(f64, CudaSlice<u8>)> {
+    pub fn time_decodes(&self, b: &CudaBackend, enc: &[u8], what: &str, reps: usize) -> Result<(f64, DecodedBytes)> {
         let mut coded = self.upload(b, enc, what)?;
         let mut out = self.decode(b, enc, what)?;
         let t = std::time::Instant::now();
@@ -226,7 +256,7 @@ mod tests {
         for (name, raw) in &cases {
             let enc = encode_bf16(raw);
             assert_eq!(&decode_bf16(&enc, name).unwrap(), raw, "{name}: the CPU reference");
-            let got = b.engine().compute.clone_dtoh(&d.decode(&b, &enc, name).unwrap()).unwrap();
+            let got = d.decode(&b, &enc, name).unwrap().to_host().unwrap();
             assert_eq!(&got, raw, "{name}: GPU decode");
         }
         // Damage: one code length kept, the others dropped — the stream's other

@@ -4,13 +4,14 @@
 //! [`HostMemory`]. Nothing below imports this file.
 
 use crate::coded::{Coding, CodingOptions};
+use crate::engine::CudaPoint;
 use crate::engine::{open_context, Engine};
 use crate::error::{driver, BACKEND};
 use crate::host::PinnedHost;
 use crate::mapped::Registrations;
 use crate::memory::CudaSlot;
 use crate::relay::{Relay, RelayInfo, RelayOptions};
-use cudarc::driver::{sys, CudaContext, CudaEvent, CudaStream};
+use cudarc::driver::{sys, CudaContext, CudaStream};
 use offload_core::{
     Error, Fill, HostBuf, HostCapabilities, HostKind, HostMemory, HostRegion, MemoryInfo, OffloadBackend, Result, StreamKind,
 };
@@ -296,8 +297,8 @@ impl CudaBackend {
         dst: sys::CUdeviceptr,
         dst_len: usize,
         bytes: usize,
-        after: Option<&Arc<CudaEvent>>,
-    ) -> Result<Arc<CudaEvent>> {
+        after: Option<&CudaPoint>,
+    ) -> Result<CudaPoint> {
         let s = self.engine();
         let bytes_src = src.bytes();
         if !Arc::ptr_eq(bytes_src.engine(), s) {
@@ -317,12 +318,12 @@ impl CudaBackend {
         }
         s.bind()?;
         if let Some(ev) = after {
-            s.copy.wait(ev).map_err(|e| driver("copy stream waiting for a slot's last use", e))?;
+            s.copy.wait(ev.event()).map_err(|e| driver("copy stream waiting for a slot's last use", e))?;
         }
         // Once anything is enqueued, an error must not leave it running unseen: the
         // caller gets no event to order the destination's free after, so drain.
         let drained = |e: Error| {
-            let _ = s.copy.synchronize();
+            s.drain_copies();
             e
         };
         match self.shared.relay.get().filter(|r| src.is_plain_pinned() && r.takes(bytes)) {
@@ -344,7 +345,7 @@ impl CudaBackend {
             }
         }
         let ev = bytes_src.record_copy(|| match s.copy.record_event(None) {
-            Ok(ev) => Ok(Arc::new(ev)),
+            Ok(ev) => Ok(CudaPoint::new(ev)),
             Err(e) => Err(drained(driver("recording a copy event", e))),
         })?;
         s.copies.fetch_add(1, Ordering::Relaxed);
@@ -492,7 +493,7 @@ impl HostMemory for CudaBackend {
 impl OffloadBackend for CudaBackend {
     type Host = CudaBackend;
     type Slot = CudaSlot;
-    type Event = Arc<CudaEvent>;
+    type Event = CudaPoint;
     type Wait = ();
 
     fn name(&self) -> &'static str {
@@ -507,25 +508,19 @@ impl OffloadBackend for CudaBackend {
         CudaSlot::alloc(self.engine(), bytes, purpose)
     }
 
-    fn free_slot(&self, slot: CudaSlot, after: Option<&Arc<CudaEvent>>) -> Result<()> {
+    fn free_slot(&self, slot: CudaSlot, after: Option<&CudaPoint>) -> Result<()> {
         if !Arc::ptr_eq(&slot.engine, self.engine()) {
             return Err(Error::Protocol("freeing a slot of another CUDA backend instance".into()));
         }
         if let Some(ev) = after {
             self.bind()?;
-            self.engine().compute.wait(ev).map_err(|e| driver("ordering a slot's release", e))?;
+            self.engine().compute.wait(ev.event()).map_err(|e| driver("ordering a slot's release", e))?;
         }
         drop(slot);
         Ok(())
     }
 
-    fn copy_to_slot(
-        &self,
-        src: &HostBuf<Self>,
-        dst: &mut CudaSlot,
-        bytes: usize,
-        after: Option<&Arc<CudaEvent>>,
-    ) -> Result<Arc<CudaEvent>> {
+    fn copy_to_slot(&self, src: &HostBuf<Self>, dst: &mut CudaSlot, bytes: usize, after: Option<&CudaPoint>) -> Result<CudaPoint> {
         if !Arc::ptr_eq(&dst.engine, self.engine()) {
             return Err(Error::Protocol("copy into a slot of another CUDA backend instance".into()));
         }
@@ -535,7 +530,7 @@ impl OffloadBackend for CudaBackend {
         // wait is already in order.
         if let Some(prev) = &dst.last_copy {
             self.bind()?;
-            self.engine().copy.wait(prev).map_err(|e| driver("ordering a copy after the slot's previous copy", e))?;
+            self.engine().copy.wait(prev.event()).map_err(|e| driver("ordering a copy after the slot's previous copy", e))?;
         }
         // SAFETY: the slot owns `len` bytes of this context; its Drop orders the
         // free after `last_copy`, set to this copy's event below.
@@ -544,12 +539,12 @@ impl OffloadBackend for CudaBackend {
         Ok(ev)
     }
 
-    fn compute_wait(&self, event: &Arc<CudaEvent>) -> Result<()> {
-        self.engine().compute.wait(event).map_err(|e| driver("compute stream waiting for a copy", e))
+    fn compute_wait(&self, event: &CudaPoint) -> Result<()> {
+        self.engine().compute.wait(event.event()).map_err(|e| driver("compute stream waiting for a copy", e))
     }
 
-    fn record_compute(&self) -> Result<Arc<CudaEvent>> {
-        Ok(Arc::new(self.engine().compute.record_event(None).map_err(|e| driver("recording a compute event", e))?))
+    fn record_compute(&self) -> Result<CudaPoint> {
+        Ok(CudaPoint::new(self.engine().compute.record_event(None).map_err(|e| driver("recording a compute event", e))?))
     }
 
     fn synchronize(&self) -> Result<()> {
@@ -562,6 +557,9 @@ impl OffloadBackend for CudaBackend {
     }
 
     fn poll_error(&self) -> Result<()> {
+        if self.engine().is_lost() {
+            return Err(Error::device(BACKEND, "a failed copy", "the copy stream could not be drained; slots are leaked"));
+        }
         if let Some(c) = self.shared.coding.get() {
             c.poll()?;
         }
@@ -584,17 +582,17 @@ impl OffloadBackend for CudaBackend {
         Ok(())
     }
 
-    fn record_timing(&self, on: StreamKind) -> Result<Option<Arc<CudaEvent>>> {
+    fn record_timing(&self, on: StreamKind) -> Result<Option<CudaPoint>> {
         let stream = match on {
             StreamKind::Copy => &self.engine().copy,
             StreamKind::Compute => &self.engine().compute,
         };
         let ev = stream.record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(|e| driver("recording a timing event", e))?;
-        Ok(Some(Arc::new(ev)))
+        Ok(Some(CudaPoint::new(ev)))
     }
 
-    fn elapsed_s(&self, from: &Arc<CudaEvent>, to: &Arc<CudaEvent>) -> Result<Option<f64>> {
-        Ok(Some(from.elapsed_ms(to).map_err(|e| driver("reading a timing event", e))? as f64 / 1e3))
+    fn elapsed_s(&self, from: &CudaPoint, to: &CudaPoint) -> Result<Option<f64>> {
+        Ok(Some(from.event().elapsed_ms(to.event()).map_err(|e| driver("reading a timing event", e))? as f64 / 1e3))
     }
 
     fn memory_info(&self) -> Result<MemoryInfo> {

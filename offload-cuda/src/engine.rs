@@ -46,6 +46,31 @@ pub(crate) unsafe fn open_context(ordinal: usize) -> Result<Arc<CudaContext>> {
     Ok(ctx)
 }
 
+/// A point in one of a backend's streams: [`CudaBackend`](crate::CudaBackend)'s
+/// event (`OffloadBackend::Event`), which a stream can wait for. Opaque on
+/// purpose: cudarc's `CudaEvent` hands out its context, and the backend's
+/// context has cudarc's event tracking off (see `CudaBackend::ctx`), which safe
+/// code must not reach.
+#[derive(Clone)]
+pub struct CudaPoint(Arc<cudarc::driver::CudaEvent>);
+
+impl CudaPoint {
+    pub(crate) fn new(event: cudarc::driver::CudaEvent) -> Self {
+        CudaPoint(Arc::new(event))
+    }
+
+    /// The event, for this crate's own stream waits and timings.
+    pub(crate) fn event(&self) -> &cudarc::driver::CudaEvent {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for CudaPoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("CudaPoint")
+    }
+}
+
 /// The checking mode's spin before each copy (the poison needs nothing).
 pub(crate) struct Checking {
     /// A kernel `spin(u64 ns)` that touches no memory.
@@ -70,6 +95,10 @@ pub(crate) struct Engine {
     /// A deliberate break: refills do not wait for the buffer's last copy
     /// (`CudaBackend::sabotage_refill_early`, feature `sabotage` only).
     pub(crate) refill_early: AtomicBool,
+    /// Set once work the engine no longer tracks may still run (a copy enqueued
+    /// and then failed, and the stream could not be drained): from then on no
+    /// slot or framework buffer a copy might still write is freed; it is leaked.
+    pub(crate) lost: AtomicBool,
 }
 
 impl Engine {
@@ -105,7 +134,28 @@ impl Engine {
             bytes_copied: AtomicU64::new(0),
             checking: OnceLock::new(),
             refill_early: AtomicBool::new(false),
+            lost: AtomicBool::new(false),
         }))
+    }
+
+    /// Drain the copy stream after a failed copy (its enqueued part must not run
+    /// unseen); if that fails too, the engine is lost ([`Engine::lost`]).
+    pub(crate) fn drain_copies(&self) {
+        if self.copy.synchronize().is_err() {
+            self.mark_lost("the copy stream could not be drained after a failed copy");
+        }
+    }
+
+    /// From now on nothing a copy might write is freed (see [`Engine::lost`]).
+    pub(crate) fn mark_lost(&self, why: &str) {
+        if !self.lost.swap(true, std::sync::atomic::Ordering::SeqCst) {
+            tracing::error!("{why}: work may still run on the device, so slots are leaked from now on");
+        }
+    }
+
+    /// Whether the engine is lost ([`Engine::lost`]).
+    pub(crate) fn is_lost(&self) -> bool {
+        self.lost.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// Make the context current on this thread.

@@ -103,6 +103,9 @@ unsafe impl DeviceSlot for CudaSlot {
 
 /// The fold: `acc = (rotl(acc, 7) ^ Σ mix(word_i, i)) · K` per block, on the compute stream.
 pub struct FoldKernel {
+    /// The backend instance whose compute stream the accumulator lives on: the
+    /// only one the kernel folds and reads for (its frees are ordered there).
+    engine: std::sync::Arc<crate::engine::Engine>,
     acc: CudaSlice<u64>,
     hash: CudaFunction,
     combine: CudaFunction,
@@ -121,7 +124,7 @@ impl FoldKernel {
         let combine = module.load_function("fold_combine").map_err(|e| dev("fold_combine", e))?;
         let spin = module.load_function("spin").map_err(|e| dev("spin", e))?;
         let acc = b.engine().compute.clone_htod(&[seed, 0u64]).map_err(|e| dev("accumulator", e))?;
-        Ok(FoldKernel { acc, hash, combine, spin, spin_every: None, folds: 0 })
+        Ok(FoldKernel { engine: b.engine().clone(), acc, hash, combine, spin, spin_every: None, folds: 0 })
     }
 
     /// Make every `every`-th fold spin `us` microseconds on the device before it
@@ -133,8 +136,9 @@ impl FoldKernel {
     }
 
     /// Enqueue the fold of the first `bytes` of `slot` on `b`'s compute stream
-    /// (`slot` must belong to `b`: its free is ordered on that stream).
+    /// (`slot` and the kernel must belong to `b`: their frees are ordered on that stream).
     pub fn fold(&mut self, b: &CudaBackend, slot: &impl DeviceSlot, bytes: usize) -> Result<()> {
+        self.own(b)?;
         if slot.engine_id() != b.engine_id() {
             return Err(Error::Protocol("fold of a slot of another CUDA backend instance".into()));
         }
@@ -166,9 +170,21 @@ impl FoldKernel {
     }
 
     /// Read the accumulator back (an activation, not a weight; waits for compute).
+    /// `b` must be the backend the kernel was made on.
     pub fn read(&self, b: &CudaBackend) -> Result<u64> {
+        self.own(b)?;
         let v = b.engine().compute.clone_dtoh(&self.acc).map_err(|e| dev("reading the accumulator", e))?;
         Ok(v[0])
+    }
+
+    /// Refuse another backend instance than the kernel's: its compute stream is
+    /// not the one the accumulator is freed on (event tracking is off, so nothing
+    /// else would order that free after the other stream's use).
+    fn own(&self, b: &CudaBackend) -> Result<()> {
+        match std::sync::Arc::ptr_eq(&self.engine, b.engine()) {
+            true => Ok(()),
+            false => Err(Error::Protocol("a fold kernel used with another CUDA backend instance than it was made on".into())),
+        }
     }
 }
 

@@ -13,9 +13,9 @@
 
 use crate::checked::{CheckedEvent, ProtocolLog};
 use crate::device::{CudaBackend, CudaCounters};
+use crate::engine::CudaPoint;
 use crate::fold::DeviceSlot;
 use crate::host::PinnedHost;
-use cudarc::driver::CudaEvent;
 use offload_core::{Error, MemoryInfo, OffloadBackend, Result, StreamKind};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -51,7 +51,7 @@ pub struct FreshSlot<T> {
 struct Held<T> {
     buffer: T,
     ptr: u64,
-    last_copy: Arc<CudaEvent>,
+    last_copy: CudaPoint,
 }
 
 impl<T> FreshSlot<T> {
@@ -207,7 +207,17 @@ impl FreshEngine {
         let allocated = self.inner.record_compute()?;
         // SAFETY: `ptr` addresses `dst.len` bytes owned by `buffer` (this function's
         // contract), which the slot keeps until `retire` orders its release after this copy.
-        let ev = unsafe { self.inner.copy_to_device(src, ptr, dst.len, bytes, Some(&allocated))? };
+        let ev = match unsafe { self.inner.copy_to_device(src, ptr, dst.len, bytes, Some(&allocated)) } {
+            Ok(ev) => ev,
+            Err(e) => {
+                if self.inner.engine().is_lost() {
+                    // The failed copy may still write the buffer: the framework must
+                    // never get it back.
+                    std::mem::forget(buffer);
+                }
+                return Err(e);
+            }
+        };
         dst.current = Some(Held { buffer, ptr, last_copy: ev.clone() });
         Ok(self.log.copy(dst.id, after, ev))
     }

@@ -21,7 +21,10 @@
 //! - **Event tracking off, behind `unsafe`.** cudarc's per-slice event tracking is
 //!   off on the context [`CudaBackend::new`] makes (the ring orders its streams
 //!   itself), so the context and streams are reachable only through `unsafe`
-//!   accessors whose callers order cross-stream uses themselves.
+//!   accessors whose callers order cross-stream uses themselves. What the backend
+//!   hands safe code is opaque for the same reason: its events are [`CudaPoint`]s
+//!   and decoded bytes [`DecodedBytes`], not cudarc's `CudaEvent` and `CudaSlice`,
+//!   whose safe `context()` and `stream()` would reach that context.
 //! - **A checking mode for conformance.** [`CudaBackend::enable_checking`] poisons
 //!   each slot and delays each copy on the copy stream, so a missing wait shows up
 //!   as a wrong result on a real device, not as lucky timing.
@@ -57,9 +60,9 @@ pub mod relay;
 
 pub use coded::{CodingOptions, STAGING_BUFFERS};
 pub use cudarc;
-pub use decoder::{DeviceCoded, ExponentDecoder};
+pub use decoder::{DecodedBytes, DeviceCoded, ExponentDecoder};
 pub use device::{CudaBackend, CudaCounters};
-pub use engine::{driver_present, POISON};
+pub use engine::{driver_present, CudaPoint, POISON};
 pub use fold::DeviceSlot;
 pub use fresh::{FreshEngine, FreshSlot};
 pub use host::PinnedHost;

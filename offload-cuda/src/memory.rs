@@ -3,9 +3,10 @@
 //! touch it. What a buffer's bytes mean (a block as it is, coded, a range of a
 //! mapped file) is for the layers above ([`crate::host`]).
 
+use crate::engine::CudaPoint;
 use crate::engine::Engine;
 use crate::error::{driver, is_oom, BACKEND};
-use cudarc::driver::{result, sys, CudaEvent};
+use cudarc::driver::{result, sys};
 use offload_core::{Error, Result};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -29,7 +30,7 @@ pub(crate) struct HostBytes {
     len: usize,
     owner: Owner,
     /// The last copy from the buffer, waited for before it is refilled.
-    last_copy: std::sync::Mutex<Option<Arc<CudaEvent>>>,
+    last_copy: std::sync::Mutex<Option<CudaPoint>>,
     engine: Arc<Engine>,
 }
 
@@ -96,7 +97,7 @@ impl HostBytes {
     /// this buffer, under one lock: of copies enqueued from several threads, the
     /// event kept is the one recorded last on the stream, which every earlier
     /// enqueued copy precedes.
-    pub(crate) fn record_copy(&self, record: impl FnOnce() -> Result<Arc<CudaEvent>>) -> Result<Arc<CudaEvent>> {
+    pub(crate) fn record_copy(&self, record: impl FnOnce() -> Result<CudaPoint>) -> Result<CudaPoint> {
         let mut last = self.last_copy.lock().unwrap_or_else(|e| e.into_inner());
         let ev = record()?;
         *last = Some(ev.clone());
@@ -125,7 +126,7 @@ impl HostBytes {
         let last = self.last_copy.get_mut().unwrap_or_else(|e| e.into_inner()).take();
         if let Some(ev) = last {
             self.engine.bind()?;
-            if let Err(e) = ev.synchronize() {
+            if let Err(e) = ev.event().synchronize() {
                 // The copy's fate is unknown: keep waiting for it on the next refill.
                 *self.last_copy.get_mut().unwrap_or_else(|e| e.into_inner()) = Some(ev);
                 return Err(driver("waiting for a host buffer's last copy before refilling it", e));
@@ -260,7 +261,7 @@ impl CudaSlot {
             // the copy stream even if no copy into the slot ever comes (`Drop`
             // waits for `last_copy`). A failure here frees the slot through `Drop`.
             let ev = engine.copy.record_event(None).map_err(|e| driver("recording a slot's allocation", e))?;
-            slot.last_copy = Some(Arc::new(ev));
+            slot.last_copy = Some(CudaPoint::new(ev));
         }
         Ok(slot)
     }
@@ -271,7 +272,7 @@ impl CudaSlot {
 pub struct CudaSlot {
     pub(crate) ptr: sys::CUdeviceptr,
     pub(crate) len: usize,
-    pub(crate) last_copy: Option<Arc<CudaEvent>>,
+    pub(crate) last_copy: Option<CudaPoint>,
     pub(crate) engine: Arc<Engine>,
 }
 
@@ -295,9 +296,15 @@ impl CudaSlot {
 impl Drop for CudaSlot {
     fn drop(&mut self) {
         let sh = &self.engine;
+        sh.live_bytes.fetch_sub(self.len as u64, Ordering::Relaxed);
+        if sh.is_lost() {
+            // A failed copy may still write it, and no event covers that copy.
+            tracing::warn!("a {}-byte slot is leaked: its backend lost track of a copy", self.len);
+            return;
+        }
         let r = sh.ctx.bind_to_thread().and_then(|()| {
             if let Some(ev) = &self.last_copy {
-                sh.compute.wait(ev)?;
+                sh.compute.wait(ev.event())?;
             }
             if self.len > 0 {
                 // The free is ordered on the compute stream after its reads (the ring's
@@ -310,6 +317,5 @@ impl Drop for CudaSlot {
         if let Err(e) = r {
             tracing::warn!("freeing a {}-byte slot: {e}", self.len);
         }
-        sh.live_bytes.fetch_sub(self.len as u64, Ordering::Relaxed);
     }
 }

@@ -22,10 +22,11 @@
 //! Mapped (registered) and pageable buffers, coded buffers, and copies smaller
 //! than [`RelayOptions::min_relay_bytes`] go direct, as without relay.
 
+use crate::engine::CudaPoint;
 use crate::engine::{open_context, Engine};
 use crate::error::driver;
 use crate::memory::HostBytes;
-use cudarc::driver::{sys, CudaContext, CudaEvent, CudaStream};
+use cudarc::driver::{sys, CudaContext, CudaStream};
 use offload_core::{Error, Result};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -73,7 +74,7 @@ struct Helper {
     staging: Vec<sys::CUdeviceptr>,
     staging_bytes: usize,
     /// The next staging buffer, and each buffer's last forward.
-    ring: Mutex<(usize, Vec<Option<Arc<CudaEvent>>>)>,
+    ring: Mutex<(usize, Vec<Option<CudaPoint>>)>,
     relayed: AtomicU64,
 }
 
@@ -229,7 +230,7 @@ impl Relay {
             // The load touches only the host buffer (immutable while copies from it
             // run) and the staging buffer: it need not wait for the slot, the forward does.
             if let Some(last) = &ring.1[k] {
-                h.load.wait(last).map_err(|e| fail("waiting for the staging buffer's last forward", e))?;
+                h.load.wait(last.event()).map_err(|e| fail("waiting for the staging buffer's last forward", e))?;
             }
             // The staging buffer holds `staging_bytes ≥ n` (`takes`) and is free (its last
             // forward waited for above); `src + offset .. + n` lies in `src`, page-locked
@@ -247,10 +248,10 @@ impl Relay {
             unsafe { sys::cuMemcpyPeerAsync(dst + offset as u64, ctx0.cu_ctx(), h.staging[k], h.ctx.cu_ctx(), n, h.forward.cu_stream()) }
                 .result()
                 .map_err(|e| fail("forwarding a share peer to peer", e))?;
-            let done = Arc::new(h.forward.record_event(None).map_err(|e| fail("recording a forward", e))?);
+            let done = CudaPoint::new(h.forward.record_event(None).map_err(|e| fail("recording a forward", e))?);
             ring.1[k] = Some(done.clone());
             drop(ring);
-            copy.wait(&done).map_err(|e| fail("the copy stream waiting for a forward", e))?;
+            copy.wait(done.event()).map_err(|e| fail("the copy stream waiting for a forward", e))?;
             h.relayed.fetch_add(n as u64, Ordering::Relaxed);
             offset += n;
         }

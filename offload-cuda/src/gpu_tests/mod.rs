@@ -49,3 +49,22 @@ pub(crate) fn noise(n: usize, x: &mut u64) -> Vec<u8> {
         })
         .collect()
 }
+
+/// The fold kernel's accumulator lives on the compute stream of the backend it
+/// was made on, and event tracking is off: folding or reading it for another
+/// backend instance (another stream, no order between them) is refused, as is a
+/// slot of another backend.
+#[test]
+fn a_fold_kernel_refuses_another_backend() {
+    use crate::fold::FoldKernel;
+    use offload_core::OffloadBackend;
+    let (Some(a), Some(b)) = (test_backend(), test_backend()) else { return };
+    let mut fold = FoldKernel::new(&a, 1).expect("fold");
+    let slot_a = a.alloc_slot(4096, "a").expect("slot of a");
+    let slot_b = b.alloc_slot(4096, "b").expect("slot of b");
+    assert!(fold.fold(&b, &slot_b, 4096).is_err(), "a fold kernel of a folded on b's stream");
+    assert!(fold.read(&b).is_err(), "a fold kernel of a read on b's stream");
+    assert!(fold.fold(&a, &slot_b, 4096).is_err(), "a folded b's slot");
+    fold.fold(&a, &slot_a, 4096).expect("a's own slot");
+    fold.read(&a).expect("read on a");
+}

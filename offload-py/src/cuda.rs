@@ -43,6 +43,15 @@ struct Alloc {
     current_raw: Option<Py<PyAny>>,
     to_dlpack: Py<PyAny>,
     stream_guard: Py<PyAny>,
+    /// `torch._C._is_torch_function_mode_enabled` and
+    /// `torch._C._len_torch_dispatch_stack`, where this torch has them: while a
+    /// mode is active (or where they are missing) the buffer is made by
+    /// `guarded`, which no mode can answer for torch.
+    modes: Option<(Py<PyAny>, Py<PyAny>)>,
+    /// `offload._alloc.make`: the buffer made with every mode off, and checked
+    /// to own exactly its memory (a mode could answer `torch.empty` with a view
+    /// of a live tensor, which the engine's copy would then write into).
+    guarded: Py<PyAny>,
 }
 
 impl PyCuda {
@@ -58,6 +67,16 @@ impl PyCuda {
         let class: String = stream.get_type().name().map(|n| n.to_string()).unwrap_or_default();
         if class != "Stream" {
             return Err(bad(format!("the compute stream must be a torch.cuda.Stream, not {class}")));
+        }
+        // `torch.cuda.current_stream()` under `torch.cuda.stream(ExternalStream(p))` is
+        // a plain `Stream` over `p`, which its owner may destroy while the engine
+        // still computes on it: refused by its id (c10 since torch 2.1: an external
+        // stream's id is its handle, even; torch's own are 0 or odd).
+        let id: i64 = stream.getattr("stream_id").and_then(|i| i.extract()).unwrap_or(0);
+        if id != 0 && id & 1 == 0 && torch_at_least(stream.py(), (2, 1)) {
+            return Err(bad("the compute stream is an external stream (torch.cuda.ExternalStream), whose owner may destroy it while \
+                            the module is offloaded: enable on one of torch's streams"
+                .into()));
         }
         let handle: u64 = stream.getattr("cuda_stream").and_then(|h| h.extract()).map_err(|e| bad(format!("the stream's handle: {e}")))?;
         let index: Option<usize> =
@@ -89,6 +108,13 @@ impl PyCuda {
                 current_raw: torch.getattr("_C")?.getattr("_cuda_getCurrentRawStream").ok().map(Bound::unbind),
                 to_dlpack: torch.getattr("utils")?.getattr("dlpack")?.getattr("to_dlpack")?.unbind(),
                 stream_guard: torch.getattr("cuda")?.getattr("stream")?.unbind(),
+                modes: torch
+                    .getattr("_C")
+                    .and_then(|c| {
+                        Ok((c.getattr("_is_torch_function_mode_enabled")?.unbind(), c.getattr("_len_torch_dispatch_stack")?.unbind()))
+                    })
+                    .ok(),
+                guarded: py.import("offload._alloc")?.getattr("make")?.unbind(),
             })
         })()
         .map_err(|e| bad(format!("torch's allocation functions: {e}")))?;
@@ -108,9 +134,16 @@ impl PyCuda {
             let made = (|| -> PyResult<(Py<PyAny>, crate::dlpack::Located)> {
                 // A probe that fails (another torch's signature) takes the guarded path.
                 let current = a.current_raw.as_ref().and_then(|f| f.bind(py).call1((self.ordinal,)).and_then(|h| h.extract::<u64>()).ok());
+                let moded = a.modes.as_ref().is_none_or(|(function, dispatch)| {
+                    function.bind(py).call0().and_then(|b| b.extract::<bool>()).unwrap_or(true)
+                        || dispatch.bind(py).call0().and_then(|n| n.extract::<usize>()).unwrap_or(1) > 0
+                });
                 // A fresh keywords dict each call: a `__torch_function__` mode may change the one it is given.
                 let empty = || a.empty.bind(py).call((len.max(1),), Some(&a.kwargs.bind(py).copy()?));
-                let t = if current == Some(a.handle) {
+                let t = if moded {
+                    let device = format!("cuda:{}", self.ordinal);
+                    a.guarded.bind(py).call1((len.max(1), device, self.stream.bind(py)))?
+                } else if current == Some(a.handle) {
                     empty()?
                 } else {
                     let guard = a.stream_guard.bind(py).call1((self.stream.bind(py),))?;
@@ -122,7 +155,7 @@ impl PyCuda {
                 let capsule = a.to_dlpack.bind(py).call1((&t,))?;
                 Ok((t.unbind(), locate(&capsule, "a slot buffer")?))
             })();
-            let (tensor, at) = made.map_err(fail)?;
+            let (tensor, at) = made.map_err(|e| fail(crate::keep_interrupt(py, e)))?;
             if at.device_type != DL_CUDA || at.device_id as usize != self.ordinal || at.nbytes < len {
                 return Err(Error::Protocol(format!(
                     "torch gave {} bytes on device type {} ordinal {}, not {len} bytes on CUDA device {}",
@@ -132,6 +165,38 @@ impl PyCuda {
             Ok((tensor, at.addr as u64))
         })
     }
+}
+
+impl PyCuda {
+    /// An error while the compute stream is being captured into a CUDA graph
+    /// (`torch.cuda.graph`, `torch.compile(mode="reduce-overhead")`): the graph
+    /// would hold the engine's copies and events and replay them later, from host
+    /// memory and into buffers the engine has let go of by then.
+    pub fn refuse_capture(&self) -> Result<()> {
+        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        // SAFETY: the compute stream is only queried, in its own context.
+        let stream = unsafe { self.cuda().compute_stream() };
+        stream.context().bind_to_thread().map_err(|e| Error::device(BACKEND, "binding the device", e))?;
+        // SAFETY: a query of a live stream handle (torch's, held for the backend's life), writing one enum.
+        unsafe { sys::cuStreamIsCapturing(stream.cu_stream(), &mut status) }
+            .result()
+            .map_err(|e| Error::device(BACKEND, "asking whether the compute stream is being captured", e))?;
+        match status {
+            sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE => Ok(()),
+            _ => Err(Error::unsupported(
+                BACKEND,
+                "the compute stream is being captured into a CUDA graph (torch.cuda.graph, torch.compile's \"reduce-overhead\"): \
+                 a replay would repeat the engine's copies from host memory it no longer holds; run the offloaded module outside capture",
+            )),
+        }
+    }
+}
+
+/// Whether the imported torch's version is at least `(major, minor)`.
+fn torch_at_least(py: Python<'_>, want: (u32, u32)) -> bool {
+    let v: String = py.import("torch").and_then(|t| t.getattr("__version__")?.extract()).unwrap_or_default();
+    let mut parts = v.split(['.', '+']).map(|p| p.parse::<u32>().unwrap_or(0));
+    (parts.next().unwrap_or(0), parts.next().unwrap_or(0)) >= want
 }
 
 impl OffloadBackend for PyCuda {

@@ -34,7 +34,28 @@ pub(crate) fn error(msg: impl Into<String>) -> PyErr {
     OffloadError::new_err(msg.into())
 }
 
+std::thread_local! {
+    /// A `KeyboardInterrupt` or `SystemExit` raised inside a Python call the
+    /// engine made (a progress callback, torch's allocation), kept here to be
+    /// raised again as itself: the engine's error carries only its text, and a
+    /// caller's `except Exception` must not swallow Ctrl-C.
+    static INTERRUPT: std::cell::RefCell<Option<PyErr>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Keep `e` to be raised again as itself ([`INTERRUPT`]) where it is not an
+/// `Exception` (`KeyboardInterrupt`, `SystemExit`); returns it either way.
+pub(crate) fn keep_interrupt(py: Python<'_>, e: PyErr) -> PyErr {
+    if !e.is_instance_of::<pyo3::exceptions::PyException>(py) {
+        INTERRUPT.with(|k| *k.borrow_mut() = Some(e.clone_ref(py)));
+    }
+    e
+}
+
 fn py_err(component: &str, e: Error) -> PyErr {
+    // An interrupt raised inside the call that failed is raised again as itself.
+    if let Some(kept) = INTERRUPT.with(|k| k.borrow_mut().take()) {
+        return kept;
+    }
     error(format!("component {component:?}: {e}"))
 }
 
@@ -55,11 +76,14 @@ impl TensorSource for CapsuleTensors<'_> {
     }
     fn read_into(&self, index: usize, dst: &mut [u8]) -> Result<()> {
         let name = &self.specs[index].name;
-        dlpack::read_host(&self.tensors[index], name, dst).map_err(|e| Error::BadTensor { tensor: name.clone(), fault: e.to_string() })?;
+        let py = self.tensors[index].py();
+        dlpack::read_host(&self.tensors[index], name, dst)
+            .map_err(|e| Error::BadTensor { tensor: name.clone(), fault: keep_interrupt(py, e).to_string() })?;
         let done = self.done.get() + dst.len() as u64;
         self.done.set(done);
         if let Some(p) = &self.progress {
-            p.call1((done, self.total)).map_err(|e| Error::BadTensor { tensor: name.clone(), fault: format!("progress callback: {e}") })?;
+            p.call1((done, self.total))
+                .map_err(|e| Error::BadTensor { tensor: name.clone(), fault: format!("progress callback: {}", keep_interrupt(py, e)) })?;
         }
         Ok(())
     }
@@ -284,6 +308,7 @@ impl Streamer {
                 Ok(PyByteArray::new(py, &bytes).into_any().unbind())
             }
             AnyRing::Cuda(r) => {
+                r.backend().refuse_capture().map_err(fail)?;
                 r.lend(stack, index).map_err(fail)?;
                 let (id, _, slot) = r.lent().ok_or_else(|| error("no block lent"))?;
                 r.backend().note_read(slot);
@@ -313,7 +338,13 @@ impl Streamer {
     /// Give the lent block back: its slot is reused once the compute submitted so far has run.
     fn give_back(&self) -> PyResult<()> {
         let component = self.component.clone();
-        with_ring!(self.held()?.ring()?, r => r.give_back()).map_err(|e| py_err(&component, e))
+        let mut held = self.held()?;
+        let ring = held.ring()?;
+        if let AnyRing::Cuda(r) = ring {
+            // Giving back issues the next copies.
+            r.backend().refuse_capture().map_err(|e| py_err(&component, e))?;
+        }
+        with_ring!(ring, r => r.give_back()).map_err(|e| py_err(&component, e))
     }
 
     /// End a step: its metrics as a JSON object (`StepMetrics`).

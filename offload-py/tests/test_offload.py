@@ -317,13 +317,64 @@ def test_a_failed_enable_leaves_the_module_as_it_was():
     real = mod._progress
     mod._progress = lambda desc, enabled: (None, boom)
     try:
-        with pytest.raises(OffloadError, match="progress callback"):
+        # Ctrl-C inside the engine's call is raised again as itself, not folded into
+        # an OffloadError that a caller's `except Exception` would swallow.
+        with pytest.raises(KeyboardInterrupt, match="stop"):
             offload.enable(model, device="cpu")
     finally:
         mod._progress = real
     assert offload.offloaded(model) is None
     _same_snapshot(before, _snapshot(model))
     assert not model._forward_hooks and not model.transformer_blocks[0]._forward_pre_hooks
+
+    def bad(done, total):
+        raise ValueError("a broken bar")
+
+    mod._progress = lambda desc, enabled: (None, bad)
+    try:
+        with pytest.raises(OffloadError, match="progress callback.*a broken bar"):
+            offload.enable(model, device="cpu")
+    finally:
+        mod._progress = real
+    _same_snapshot(before, _snapshot(model))
+    # Nothing kept from the interrupt above leaks into a later, unrelated error.
+    with pytest.raises(OffloadError, match="no block list"):
+        offload.enable(torch.nn.Linear(2, 2), device="cpu")
+
+
+def test_slot_buffers_are_made_with_every_torch_mode_off_and_owning_their_memory():
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from offload._alloc import make, owns
+
+    live = torch.arange(256, dtype=torch.uint8)
+
+    class Aliasing(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func in (torch.empty, torch._C._VariableFunctions.empty):
+                return live[: args[0]]
+            return func(*args, **(kwargs or {}))
+
+    class AliasingDispatch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.__name__.startswith("empty"):
+                return live[: args[0][0]]
+            return func(*args, **(kwargs or {}))
+
+    with Aliasing():
+        assert torch.empty(16, dtype=torch.uint8).data_ptr() == live.data_ptr(), "the mode did not intercept"
+        t = make(16, "cpu", None)
+    assert t.data_ptr() != live.data_ptr() and t.untyped_storage().nbytes() == 16
+    with AliasingDispatch():
+        t = make(16, "cpu", None)
+    assert t.data_ptr() != live.data_ptr() and t._base is None and t.untyped_storage().nbytes() == 16
+
+    # The check after the allocation: a view, a slice of a larger tensor and a
+    # subclass are refused; a fresh tensor passes.
+    assert not owns(live[:16], 16) and not owns(live[16:32].clone()[0:8], 8) and not owns(live, 16)
+    assert not owns(torch.nn.Parameter(torch.empty(16, dtype=torch.uint8), requires_grad=False), 16)
+    assert owns(torch.empty(16, dtype=torch.uint8), 16)
 
 
 def test_bad_arguments_name_the_component():

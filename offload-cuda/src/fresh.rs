@@ -97,13 +97,14 @@ impl<T> Drop for FreshSlot<T> {
     }
 }
 
-// SAFETY: the buffer owns its memory (`FreshEngine::copy_to_slot`'s contract); the
-// borrow of the slot keeps it alive, and the framework releases it in the order of
-// the engine's compute stream, so kernels enqueued there while borrowed run first.
-// This holds while nobody resizes the buffer's storage through a handle to it
-// (libtorch's `resize_`/`set_` on a shallow copy, Python's `untyped_storage()
-// .resize_(0)` on a lent tensor): the one kernel that reads a `DeviceSlot`, the
-// conformance suite's fold, is run on slots whose buffers no caller holds.
+// The buffer owns its memory (`FreshEngine::copy_to_slot`'s contract) while nobody
+// resizes its storage through a handle to it (libtorch's `resize_`/`set_` on a
+// shallow copy, Python's `untyped_storage().resize_(0)` on a lent tensor): the one
+// kernel that reads a `DeviceSlot`, the conformance suite's fold, runs on slots
+// whose buffers no caller holds.
+// SAFETY: the borrow of the slot keeps the buffer alive, and the framework releases
+// it in the order of the engine's compute stream, so kernels enqueued there while
+// borrowed run first.
 unsafe impl<T> DeviceSlot for FreshSlot<T> {
     fn device_range(&self) -> (u64, usize) {
         self.current.as_ref().map_or((0, 0), |h| (h.ptr, self.len))

@@ -70,13 +70,12 @@ pub use mapped::{map_checkpoint, MappedFile};
 pub use memory::CudaSlot;
 pub use relay::{RelayInfo, RelayOptions};
 
-use offload_core::{BlockGuard, BlockLayout, Error, OffloadBackend, Result};
+use offload_core::{BlockGuard, BlockLayout, OffloadBackend, Result};
 
 /// The device address of tensor `name` (full name, or the part after the block
 /// prefix) of a block laid out as `layout` in `slot`.
 pub fn tensor_ptr(slot: &CudaSlot, layout: &BlockLayout, name: &str) -> Result<u64> {
-    let t = layout.get(name).ok_or_else(|| Error::BadTensor { tensor: name.to_owned(), fault: "not in this block".into() })?;
-    Ok(slot.device_ptr() + t.offset as u64)
+    slot.tensor_ptr(layout, name)
 }
 
 /// Device addresses of a block's tensors, for compute written against raw CUDA.

@@ -380,7 +380,8 @@ impl RefNet {
                 fault: format!("the reference model needs bf16 × {elems}, the block holds {:?} {:?}", t.spec.dtype, t.spec.shape),
             });
         }
-        Ok(block.slot().device_ptr() + t.offset as u64)
+        // Inside the slot (the kernels read every byte of it).
+        block.slot().tensor_ptr(block.layout(), name)
     }
 
     /// A linear layer's weight `[out, k]` and bias `[out]`; an fp8 weight
@@ -434,7 +435,7 @@ impl RefNet {
                         fault: format!("{} bytes of {:?}: one scale or one per output channel ({out}) expected", t.nbytes, t.spec.dtype),
                     });
                 }
-                Some((block.slot().device_ptr() + t.offset as u64, values, kind))
+                Some((block.slot().tensor_ptr(layout, &t.spec.name)?, values, kind))
             }
         };
         if self.scratch.get().is_none() {
@@ -448,7 +449,7 @@ impl RefNet {
                 fault: format!("{n} values, more than the scratch buffer's {}", self.largest_linear()),
             });
         }
-        let wp = block.slot().device_ptr() + w.offset as u64;
+        let wp = block.slot().tensor_ptr(layout, &wname)?;
         let (sp, per_channel, kind) = scale.map_or((0u64, 0i32, 0i32), |(p, v, kind)| (p, i32::from(v == out && out > 1), kind));
         let (n64, cols, e5m2) = (n as i64, k as i64, i32::from(dtype == DType::F8_E5M2));
         // The GEMM that reads the scratch is enqueued after this on the same stream.

@@ -345,6 +345,7 @@ pub fn compress_block(layout: &crate::tensor::BlockLayout, bytes: &[u8], threads
             fault: format!("{} bytes for a {}-byte layout", bytes.len(), layout.bytes),
         });
     }
+    spans(layout, "<block>")?;
     let n = layout.tensors.len();
     let mut parts: Vec<Vec<u8>> = vec![Vec::new(); n];
     let threads = threads.clamp(1, n.max(1));
@@ -415,17 +416,41 @@ pub fn decompress_block_into(layout: &crate::tensor::BlockLayout, compressed: &[
         return Err(damaged(block, format!("{n} parts for {} tensors", layout.tensors.len())));
     }
     let base = 4 + 8 * (n + 1);
+    // The gaps between the tensors (in the order they lie, which need not be the
+    // layout's: a block served in place from a file) are zero.
     let mut end = 0;
+    for (start, stop) in spans(layout, block)? {
+        out[end..start].fill(0);
+        end = stop;
+    }
     for (i, t) in layout.tensors.iter().enumerate() {
         let what = format!("{block}: {}", t.spec.name);
         let (from, to) = (u64_at(compressed, 4 + 8 * i, &what)? as usize, u64_at(compressed, 12 + 8 * i, &what)? as usize);
         let range = base.checked_add(from).zip(base.checked_add(to)).filter(|(a, b)| a <= b);
         let part = range.and_then(|(a, b)| compressed.get(a..b)).ok_or_else(|| damaged(&what, "part outside the block"))?;
-        out[end..t.offset].fill(0);
         decode_bf16_into(part, &mut out[t.offset..t.offset + t.nbytes], &what)?;
-        end = t.offset + t.nbytes;
     }
     Ok(())
+}
+
+/// Each tensor's `(start, end)` in the block, in the order they lie: an error
+/// naming the tensor where one lies outside the layout's bytes or over another
+/// (a layout's fields are public; `BlockLayout::new` and `placed` never do this).
+fn spans(layout: &crate::tensor::BlockLayout, block: &str) -> Result<Vec<(usize, usize)>> {
+    let mut order: Vec<&crate::tensor::PlacedTensor> = layout.tensors.iter().collect();
+    order.sort_by_key(|t| t.offset);
+    let mut end = 0;
+    let mut out = Vec::with_capacity(order.len());
+    for t in order {
+        let stop = t.offset.checked_add(t.nbytes).filter(|&s| s <= layout.bytes && t.offset >= end);
+        let stop = stop.ok_or_else(|| Error::BadTensor {
+            tensor: format!("{block}: {}", t.spec.name),
+            fault: format!("{} bytes at offset {} lie outside the {}-byte block or over another tensor", t.nbytes, t.offset, layout.bytes),
+        })?;
+        out.push((t.offset, stop));
+        end = stop;
+    }
+    Ok(out)
 }
 
 fn damaged(what: &str, fault: impl Into<String>) -> Error {
@@ -1171,6 +1196,35 @@ mod tests {
         let mut out = vec![0u8; w.len()];
         decompress_block_into(&layout, c.as_bytes(), &mut out, "blocks.0").unwrap();
         assert_eq!(out, w);
+    }
+
+    /// A block served in place from a file lays its tensors out in the file's
+    /// order, which need not be the layout's: such a block codes and decodes
+    /// whole, its gap zero; a hand-made layout with a tensor outside the block
+    /// or over another is a named error, not a panic.
+    #[test]
+    fn a_block_laid_out_out_of_order_round_trips_and_a_bad_layout_is_named() {
+        use crate::tensor::{BlockLayout, PlacedTensor};
+        let spec = |n: &str, len: usize| crate::TensorSpec { name: n.into(), dtype: crate::DType::BF16, shape: vec![len] };
+        let (a, b) = (spec("blocks.0.a", 64), spec("blocks.0.b", 100));
+        // `a` after `b` in the buffer, a 56-byte gap after `b`.
+        let layout = BlockLayout::placed(vec![
+            PlacedTensor { spec: a.clone(), offset: 256, nbytes: 128 },
+            PlacedTensor { spec: b.clone(), offset: 0, nbytes: 200 },
+        ])
+        .unwrap();
+        let mut bytes: Vec<u8> = (0..layout.bytes).map(|i| (i * 37 % 251) as u8).collect();
+        bytes[200..256].fill(0);
+        let c = compress_block(&layout, &bytes, 2).unwrap();
+        let mut out = vec![0xAAu8; layout.bytes];
+        decompress_block_into(&layout, c.as_bytes(), &mut out, "blocks.0").unwrap();
+        assert_eq!(out, bytes);
+        let mut bad = layout.clone();
+        bad.tensors[0].offset = 128; // over `b`
+        let e = compress_block(&bad, &bytes, 1).unwrap_err().to_string();
+        assert!(e.contains("blocks.0.a") && e.contains("over another"), "{e}");
+        let e = decompress_block_into(&bad, c.as_bytes(), &mut out, "blocks.0").unwrap_err().to_string();
+        assert!(e.contains("blocks.0.a"), "{e}");
     }
 
     #[test]

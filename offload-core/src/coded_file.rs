@@ -215,6 +215,9 @@ impl CodedFile {
     ) -> Result<CodedFileStats> {
         let t0 = std::time::Instant::now();
         let path = path.as_ref();
+        if piece_bytes == 0 {
+            return Err(Error::Plan(format!("writing {}: hashed pieces of at least one byte", path.display())));
+        }
         // A name of this writer's own: two writers at once never share a file.
         let mut partial = path.as_os_str().to_owned();
         let nonce = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());

@@ -100,11 +100,17 @@ impl DeclaredStacks {
     }
 }
 
+/// A block index as checkpoints write it: decimal digits, no sign, no leading
+/// zero (`"01"` and `"+1"` would otherwise join block 1).
+fn canonical_index(seg: &str) -> bool {
+    !seg.is_empty() && seg.bytes().all(|b| b.is_ascii_digit()) && (seg == "0" || !seg.starts_with('0'))
+}
+
 fn split_block_name(name: &str) -> Option<(&str, usize)> {
     let mut start = 0;
     for seg in name.split('.') {
         let end = start + seg.len();
-        if start > 0 && !seg.is_empty() && seg.bytes().all(|b| b.is_ascii_digit()) && end < name.len() {
+        if start > 0 && canonical_index(seg) && end < name.len() {
             return Some((&name[..start - 1], seg.parse().ok()?));
         }
         start = end + 1;
@@ -185,7 +191,7 @@ impl BlockDiscovery for DeclaredStacks {
         'next: for t in tensors {
             for stack in &self.stacks {
                 if let Some(rest) = t.name.strip_prefix(stack.as_str()).and_then(|r| r.strip_prefix('.')) {
-                    if let Some((index, _)) = rest.split_once('.') {
+                    if let Some((index, _)) = rest.split_once('.').filter(|(i, _)| canonical_index(i)) {
                         if let Ok(index) = index.parse::<usize>() {
                             groups.entry(stack.clone()).or_default().entry(index).or_default().push(t.clone());
                             continue 'next;
@@ -254,5 +260,18 @@ mod tests {
         let inv = d.discover("c", &[t("blocks.0.w"), t("blocks.1.w"), t("head.w")]).unwrap();
         assert_eq!(inv.stacks[0].blocks.len(), 2);
         assert_eq!(inv.non_block.len(), 1);
+    }
+
+    /// `01` and `+1` are no block index: read as numbers they would join block
+    /// 1's tensors to another's, and a short name could then bind the wrong one.
+    #[test]
+    fn only_canonical_indices_name_blocks() {
+        let names = [t("blocks.0.w"), t("blocks.1.w"), t("blocks.01.w"), t("blocks.+1.v")];
+        for inv in [NameDiscovery.discover("c", &names).unwrap(), DeclaredStacks::new(["blocks"]).discover("c", &names).unwrap()] {
+            let blocks = &inv.stacks[0].blocks;
+            assert_eq!(blocks.len(), 2);
+            assert!(blocks.iter().all(|b| b.tensors.len() == 1), "a block took another index's tensor: {blocks:?}");
+            assert_eq!(inv.non_block.len(), 2, "{:?}", inv.non_block);
+        }
     }
 }

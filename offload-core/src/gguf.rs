@@ -282,8 +282,11 @@ impl GgufFile {
                 _ => return Err(h.bad("", format!("general.alignment {v:?} is not a power of two"))),
             },
         };
-        let mut specs = Vec::with_capacity(n_tensors as usize);
-        let mut rel = Vec::with_capacity(n_tensors as usize);
+        // The count is the header's word: grown as tensors are read, not reserved
+        // up front (a damaged count must be an error, not an allocation abort).
+        let reserve = (n_tensors as usize).min(1 << 16);
+        let mut specs = Vec::with_capacity(reserve);
+        let mut rel = Vec::with_capacity(reserve);
         let mut names = std::collections::HashSet::new();
         for _ in 0..n_tensors {
             let name = h.string("a tensor name")?;

@@ -251,10 +251,16 @@ pub fn resolve_on(plan: &Plan, inventory: &[ComponentInventory], memory: Option<
     for inv in inventory {
         let cp = plan.for_component(&inv.name);
         let c = &inv.name;
-        if cp.prefetch_depth == 0 {
-            return Err(Error::Plan(format!("component {c:?}: prefetch_depth must be at least 1")));
-        }
         let blocks = layout_bytes(inv)?;
+        // Deeper than the blocks there are holds slots no block fills (and keeps
+        // the slot arithmetic below far from overflow).
+        if cp.prefetch_depth == 0 || cp.prefetch_depth > blocks.len().max(1) {
+            return Err(Error::Plan(format!(
+                "component {c:?}: prefetch_depth {} must be at least 1 and at most its {} blocks",
+                cp.prefetch_depth,
+                blocks.len()
+            )));
+        }
         let size: HashMap<&BlockId, usize> = blocks.iter().map(|(id, b)| (id, *b)).collect();
         let mut resident = Vec::new();
         for r in &cp.resident_blocks {
@@ -439,6 +445,13 @@ mod tests {
         );
         assert!(resolve(&p, &i).unwrap_err().to_string().contains("twice"));
         assert!(resolve(&Plan::layerwise().prefetch_depth(0), &i).is_err());
+        // Deeper than the 4 blocks: slots no block fills, and `(depth + 1) ×` the
+        // largest block wrapped to a budget that passes for usize::MAX / 2 + 1.
+        assert!(resolve(&Plan::layerwise().prefetch_depth(4), &i).is_ok());
+        for depth in [5, usize::MAX / 2 + 1, usize::MAX] {
+            let e = resolve(&Plan::layerwise().prefetch_depth(depth), &i).unwrap_err().to_string();
+            assert!(e.contains("at most its 4 blocks"), "{depth}: {e}");
+        }
     }
 
     #[test]

@@ -194,7 +194,15 @@ pub fn flux_bfl_to_diffusers(specs: &[TensorSpec]) -> Result<Vec<(TensorSpec, Pa
     let mut rows = |new: String, i: usize, first: usize, n: usize, out: &mut Vec<(TensorSpec, Parts)>| -> Result<()> {
         let s = &specs[i];
         let total = s.shape.first().copied().unwrap_or(1);
-        let row = s.nbytes()? / total.max(1);
+        let nbytes = s.nbytes()?;
+        if nbytes % total.max(1) != 0 {
+            // A 1-D block-quantized tensor: a row is not a whole number of bytes.
+            return Err(Error::BadTensor {
+                tensor: s.name.clone(),
+                fault: format!("{nbytes} bytes of {:?} do not split into its {total} rows", s.dtype),
+            });
+        }
+        let row = nbytes / total.max(1);
         let mut shape = s.shape.clone();
         if let Some(d) = shape.first_mut() {
             *d = n;
@@ -300,10 +308,12 @@ pub fn flux_bfl_to_diffusers(specs: &[TensorSpec]) -> Result<Vec<(TensorSpec, Pa
         if let Some(&i) = by_name.get(format!("final_layer.adaLN_modulation.1.{suffix}").as_str()) {
             let s = &specs[i];
             let total = whole(i);
-            if total % 2 != 0 {
-                return Err(bad(&s.name, format!("{total} rows do not split into shift and scale")));
+            let nbytes = s.nbytes()?;
+            // Halves of whole rows: a 1-D block-quantized tensor's rows are no whole bytes.
+            if total % 2 != 0 || nbytes % total.max(1) != 0 {
+                return Err(bad(&s.name, format!("{total} rows ({nbytes} bytes of {:?}) do not split into shift and scale", s.dtype)));
             }
-            let half = s.nbytes()? / 2;
+            let half = nbytes / 2;
             used[i] = true;
             out.push((TensorSpec::new(format!("norm_out.linear.{suffix}"), s.dtype, s.shape.clone()), vec![(i, half, half), (i, 0, half)]));
         }
@@ -441,6 +451,19 @@ mod tests {
     /// A renaming of a renaming: the outer tensor is a run of bytes of an inner
     /// one joined from two parts (not one range of the file), read through the
     /// inner renaming; and it is not served as a range of the file.
+    /// BFL's final modulation swaps halves of whole rows: a 1-D block-quantized
+    /// tensor (Q8_0 of 96 values: three 34-byte blocks) has no row boundary in
+    /// the middle of its bytes, so it is a named error, not a split block.
+    #[test]
+    fn a_split_through_a_quantized_block_is_refused() {
+        let q = vec![TensorSpec::new("final_layer.adaLN_modulation.1.bias", crate::DType::Q8_0, [96])];
+        let e = flux_bfl_to_diffusers(&q).unwrap_err().to_string();
+        assert!(e.contains("adaLN_modulation.1.bias") && e.contains("do not split"), "{e}");
+        let b = vec![TensorSpec::new("final_layer.adaLN_modulation.1.bias", crate::DType::BF16, [96])];
+        let m = flux_bfl_to_diffusers(&b).unwrap();
+        assert_eq!(m[0].1, vec![(0, 96, 96), (0, 0, 96)], "bf16 halves swapped");
+    }
+
     #[test]
     fn a_part_of_a_joined_tensor_is_read_through_the_renaming_below() {
         use crate::source::SafetensorsFile;

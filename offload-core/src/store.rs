@@ -752,6 +752,10 @@ impl<B: OffloadBackend> HostStore<B> {
 /// benchmarks: it blocks).
 pub fn probe_bandwidth<B: OffloadBackend>(backend: &B, store: &HostStore<B>, passes: usize) -> Result<f64> {
     let total = probe_bytes(store);
+    if total == 0 {
+        // A rate of 0 would plan every streamed block as taking forever.
+        return Err(crate::Error::Plan("probing the bandwidth: no block is held in host memory (all on disk, or none)".into()));
+    }
     let mut slot = backend.alloc_slot(store.largest_block_bytes(), "bandwidth probe")?;
     let mut best = 0.0f64;
     let result = (|| {
@@ -784,6 +788,27 @@ mod tests {
         probe_bandwidth, BlockDiscovery, DType, HostBlock, HostBuffer, HostStore, MemoryTensors, NameDiscovery, PinOptions, RegionSource,
         SafetensorsFile, TensorSource, TensorSpec,
     };
+
+    /// A store with no block in host memory has no rate to report: 0 would plan
+    /// every streamed block as taking forever, so it is an error. A coded file
+    /// hashed in pieces of 0 bytes is refused, not a panic.
+    #[test]
+    fn a_probe_of_nothing_and_pieces_of_nothing_are_errors() {
+        let mut src = MemoryTensors::new();
+        for i in 0..2 {
+            src.push(TensorSpec::new(format!("blocks.{i}.w"), DType::U8, [4096]), vec![i as u8 + 1; 4096]).unwrap();
+        }
+        let inv = NameDiscovery.discover("m", src.specs()).unwrap();
+        let be = SimBackend::new(SimConfig::fast());
+        let empty = crate::ComponentInventory { name: "m".into(), stacks: Vec::new(), non_block: Vec::new() };
+        let store = HostStore::build(&be, &empty, &src).expect("a store of no blocks");
+        let e = probe_bandwidth(&be, &store, 1).unwrap_err().to_string();
+        assert!(e.contains("no block is held in host memory"), "{e}");
+        let path = std::env::temp_dir().join(format!("offload-pieces-0-{}.offload-coded", std::process::id()));
+        let e = crate::CodedFile::write_with(&path, &inv, &src, 1 << 16, 1, 0, 1, &|_, _| {}).unwrap_err().to_string();
+        assert!(e.contains("pieces of at least one byte"), "{e}");
+        assert!(!path.exists());
+    }
 
     #[test]
     fn probe_reports_a_rate_and_frees_its_slot() {

@@ -215,11 +215,26 @@ impl BlockLayout {
         Ok(BlockLayout { tensors, bytes })
     }
 
-    /// The tensor named `name` (full name or the part after the block prefix).
+    /// The tensor named `name`: its full name, or a trailing part of it after a
+    /// `.` (`attn.to_q.weight`). Where several tensors end so, the one whose name
+    /// has the fewest parts before it (`blocks.0.norm.weight`, not
+    /// `blocks.0.attn.norm.weight`, for `norm.weight`); where two tie, none.
     pub fn get(&self, name: &str) -> Option<&PlacedTensor> {
-        self.tensors.iter().find(|t| t.spec.name == name).or_else(|| {
-            self.tensors.iter().find(|t| t.spec.name.ends_with(name) && t.spec.name[..t.spec.name.len() - name.len()].ends_with('.'))
-        })
+        if let Some(t) = self.tensors.iter().find(|t| t.spec.name == name) {
+            return Some(t);
+        }
+        let depth = |t: &PlacedTensor| {
+            let n = &t.spec.name;
+            let head = n.strip_suffix(name).filter(|h| h.ends_with('.'))?;
+            Some(head.matches('.').count())
+        };
+        let mut found = self.tensors.iter().filter_map(|t| depth(t).map(|d| (d, t))).collect::<Vec<_>>();
+        found.sort_by_key(|(d, _)| *d);
+        match found.as_slice() {
+            [(d0, t), (d1, _), ..] if d0 < d1 => Some(t),
+            [(_, t)] => Some(t),
+            _ => None,
+        }
     }
 
     /// Sum of tensor sizes without alignment padding.
@@ -246,5 +261,26 @@ mod tests {
         assert!(e.contains("b.0.b") && e.contains("overflow"), "{e}");
         let fine = BlockLayout::new(vec![TensorSpec::new("b.0.a", DType::U8, [3]), TensorSpec::new("b.0.b", DType::U8, [5])]).unwrap();
         assert_eq!((fine.tensors[1].offset, fine.bytes), (TENSOR_ALIGN, TENSOR_ALIGN + 5));
+    }
+
+    /// A short name is the part after the block prefix: where a nested tensor
+    /// ends the same way (in name order, as checkpoints list them, first), the
+    /// block's own is meant; two equally nested ones are no answer, not a guess.
+    #[test]
+    fn a_short_name_finds_the_blocks_own_tensor_not_a_nested_one() {
+        let l = BlockLayout::new(
+            ["b.0.attn.norm.weight", "b.0.norm.weight", "b.0.x.w", "b.0.y.w", "b.0.z.q"]
+                .into_iter()
+                .map(|n| TensorSpec::new(n, DType::U8, [4]))
+                .collect(),
+        )
+        .unwrap();
+        let name = |n: &str| l.get(n).map(|t| t.spec.name.as_str());
+        assert_eq!(name("norm.weight"), Some("b.0.norm.weight"));
+        assert_eq!(name("attn.norm.weight"), Some("b.0.attn.norm.weight"));
+        assert_eq!(name("b.0.attn.norm.weight"), Some("b.0.attn.norm.weight"));
+        assert_eq!(name("q"), Some("b.0.z.q"));
+        assert_eq!(name("w"), None, "two equally nested tensors end in w");
+        assert_eq!(name("orm.weight"), None, "a part is whole segments");
     }
 }

@@ -82,9 +82,39 @@ impl CostModel {
         })
     }
 
-    /// Read a calibration saved with [`to_json`](Self::to_json).
+    /// Read a calibration saved with [`to_json`](Self::to_json), refused where
+    /// [`validate`](Self::validate) refuses it.
     pub fn from_json(text: &str) -> std::result::Result<Self, serde_json::Error> {
-        serde_json::from_str(text)
+        let model: CostModel = serde_json::from_str(text)?;
+        model.validate().map_err(<serde_json::Error as serde::de::Error>::custom)?;
+        Ok(model)
+    }
+
+    /// An error naming the first number no replay can use: a bandwidth that is
+    /// not finite and positive (0 would make every streamed step infinite and the
+    /// planner's comparisons NaN), a compute or decode time that is not finite and
+    /// at least 0, a block named twice, or staging buffers outside 1 ..= 64.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |what: String| offload_core::Error::Plan(format!("cost model ({}): {what}", self.source));
+        if !(self.bandwidth_bytes_per_s.is_finite() && self.bandwidth_bytes_per_s > 0.0) {
+            return Err(bad(format!("bandwidth {} bytes/s: a finite, positive rate", self.bandwidth_bytes_per_s)));
+        }
+        if !(1..=64).contains(&self.staging_buffers) {
+            return Err(bad(format!("{} staging buffers: 1 to 64", self.staging_buffers)));
+        }
+        let mut seen = std::collections::HashSet::new();
+        for b in &self.blocks {
+            if !(b.compute_s.is_finite() && b.compute_s >= 0.0) {
+                return Err(bad(format!("block {}: compute time {} s", b.id, b.compute_s)));
+            }
+            if let Some(c) = b.coded.filter(|c| !(c.decode_s.is_finite() && c.decode_s >= 0.0)) {
+                return Err(bad(format!("block {}: decode time {} s", b.id, c.decode_s)));
+            }
+            if !seen.insert(b.id.as_str()) {
+                return Err(bad(format!("block {} named twice", b.id)));
+            }
+        }
+        Ok(())
     }
 
     /// The calibration as JSON.

@@ -324,3 +324,32 @@ fn quantized_blocks_cost_their_stored_bytes_and_are_not_planned_coded() {
     assert!(!plan_with_coding(&with(1.001), budget, 1, ResidentPolicy::Auto).unwrap().coded, "GGUF blocks planned coded");
     assert!(plan_with_coding(&with(0.697), budget, 1, ResidentPolicy::Auto).unwrap().coded, "a transfer-bound bf16-like block not coded");
 }
+
+/// A calibration no replay can use is refused by name, from JSON and by the
+/// planner itself: a bandwidth of 0 made every streamed step infinite and every
+/// comparison NaN, so the first candidate won silently.
+#[test]
+fn a_cost_model_no_replay_can_use_is_a_named_error() {
+    let good = model(&[(1000, 0.001), (1000, 0.001), (1000, 0.001)], 1e9, 0);
+    assert!(plan(&good, 1 << 20, 1, ResidentPolicy::Auto).is_ok());
+    assert!(CostModel::from_json(&good.to_json()).is_ok());
+    let bad: [(&str, Box<dyn Fn(&mut CostModel)>); 6] = [
+        ("bandwidth 0", Box::new(|m| m.bandwidth_bytes_per_s = 0.0)),
+        ("bandwidth NaN", Box::new(|m| m.bandwidth_bytes_per_s = f64::NAN)),
+        ("compute time -1", Box::new(|m| m.blocks[1].compute_s = -1.0)),
+        ("compute time NaN", Box::new(|m| m.blocks[2].compute_s = f64::NAN)),
+        ("named twice", Box::new(|m| m.blocks[2].id = "blocks.0".into())),
+        ("0 staging buffers", Box::new(|m| m.staging_buffers = 0)),
+    ];
+    for (what, spoil) in bad {
+        let mut m = good.clone();
+        spoil(&mut m);
+        let e = plan(&m, 1 << 20, 1, ResidentPolicy::Auto).expect_err(what).to_string();
+        assert!(e.contains("cost model (test)"), "{what}: {e}");
+        if m.bandwidth_bytes_per_s.is_finite() && m.blocks.iter().all(|b| b.compute_s.is_finite()) {
+            assert!(CostModel::from_json(&m.to_json()).is_err(), "{what} read back from JSON");
+        }
+    }
+    assert!(plan(&good, 1 << 20, 0, ResidentPolicy::Auto).is_err(), "depth 0");
+    assert!(plan(&good, 1 << 20, usize::MAX, ResidentPolicy::Auto).is_err(), "an absurd depth");
+}

@@ -180,6 +180,16 @@ impl<B: OffloadBackend> Ring<B> {
         if plan.depth == 0 {
             return Err(Error::Plan(format!("component {:?}: prefetch depth must be at least 1", plan.name)));
         }
+        // The plan was resolved against these blocks, not another inventory's (a
+        // resident block the store lacks would otherwise be streamed, silently).
+        let held: std::collections::HashSet<&BlockId> = store.blocks().iter().map(|b| &b.id).collect();
+        let planned: std::collections::HashSet<&BlockId> = plan.blocks.iter().map(|(id, _)| id).collect();
+        if let Some(id) = plan.resident.iter().chain(&plan.on_disk).chain(planned.iter().copied()).find(|id| !held.contains(id)) {
+            return Err(Error::Plan(format!("component {:?}: the plan names block {id}, which the store does not hold", plan.name)));
+        }
+        if let Some(id) = held.iter().find(|id| !planned.contains(*id)) {
+            return Err(Error::Plan(format!("component {:?}: the store holds block {id}, which the plan does not name", plan.name)));
+        }
         let n = store.blocks().len();
         let mut resident_of = vec![None; n];
         let mut ring = Ring {

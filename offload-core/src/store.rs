@@ -810,6 +810,35 @@ mod tests {
         assert!(!path.exists());
     }
 
+    /// A plan resolved against another inventory (a renamed checkpoint's, say)
+    /// is refused by the ring, naming the block, instead of streaming a block
+    /// the plan keeps resident or leaving one the store holds unplanned.
+    #[test]
+    fn a_ring_refuses_a_plan_of_other_blocks() {
+        let tensors = |n: usize| {
+            let mut src = MemoryTensors::new();
+            for i in 0..n {
+                src.push(TensorSpec::new(format!("blocks.{i}.w"), DType::U8, [4096]), vec![i as u8 + 1; 4096]).unwrap();
+            }
+            src
+        };
+        let (three, four) = (tensors(3), tensors(4));
+        let inv3 = NameDiscovery.discover("m", three.specs()).unwrap();
+        let inv4 = NameDiscovery.discover("m", four.specs()).unwrap();
+        let be = SimBackend::new(SimConfig::fast());
+        let store = std::sync::Arc::new(HostStore::build(&be, &inv3, &three).unwrap());
+        let keep3 = crate::Plan::layerwise()
+            .component("m", crate::ComponentPlan { resident_blocks: vec!["blocks.3".into()], ..Default::default() });
+        let rc = crate::resolve(&keep3, std::slice::from_ref(&inv4)).unwrap().components.remove(0);
+        let e = crate::Ring::new(be.clone(), store.clone(), &rc).err().expect("a plan of four blocks on a store of three").to_string();
+        assert!(e.contains("blocks.3") && e.contains("does not hold"), "{e}");
+        let store4 = std::sync::Arc::new(HostStore::build(&be, &inv4, &four).unwrap());
+        let rc3 = crate::resolve(&crate::Plan::layerwise(), std::slice::from_ref(&inv3)).unwrap().components.remove(0);
+        let e = crate::Ring::new(be.clone(), store4, &rc3).err().expect("a plan of three blocks on a store of four").to_string();
+        assert!(e.contains("blocks.3") && e.contains("does not name"), "{e}");
+        assert!(crate::Ring::new(be, store, &rc3).is_ok());
+    }
+
     #[test]
     fn probe_reports_a_rate_and_frees_its_slot() {
         let mut src = MemoryTensors::new();

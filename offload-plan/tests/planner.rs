@@ -333,7 +333,8 @@ fn a_cost_model_no_replay_can_use_is_a_named_error() {
     let good = model(&[(1000, 0.001), (1000, 0.001), (1000, 0.001)], 1e9, 0);
     assert!(plan(&good, 1 << 20, 1, ResidentPolicy::Auto).is_ok());
     assert!(CostModel::from_json(&good.to_json()).is_ok());
-    let bad: [(&str, Box<dyn Fn(&mut CostModel)>); 6] = [
+    type Spoil = Box<dyn Fn(&mut CostModel)>;
+    let bad: [(&str, Spoil); 6] = [
         ("bandwidth 0", Box::new(|m| m.bandwidth_bytes_per_s = 0.0)),
         ("bandwidth NaN", Box::new(|m| m.bandwidth_bytes_per_s = f64::NAN)),
         ("compute time -1", Box::new(|m| m.blocks[1].compute_s = -1.0)),

@@ -57,6 +57,11 @@ pub struct CostModel {
     pub staging_buffers: usize,
 }
 
+/// Whether block `i` is resident under `resident` (a block past its end is streamed).
+fn held(resident: &[bool], i: usize) -> bool {
+    resident.get(i).copied().unwrap_or(false)
+}
+
 /// The decode engine's staging buffers by default (offload-cuda's `STAGING_BUFFERS`).
 pub const DEFAULT_STAGING_BUFFERS: usize = 2;
 
@@ -133,17 +138,19 @@ impl CostModel {
     }
 
     /// The analytical bound of a plan: `max(compute, streamed bytes ÷ bandwidth)`.
+    /// `resident[i]` says whether block `i` is kept on the device; a block past
+    /// the end of `resident` is streamed (here and in every method taking one).
     pub fn bound_s(&self, resident: &[bool]) -> f64 {
-        let streamed: u64 = self.blocks.iter().zip(resident).filter(|(_, r)| !**r).map(|(b, _)| b.bytes).sum();
+        let streamed: u64 = self.blocks.iter().enumerate().filter(|(i, _)| !held(resident, *i)).map(|(_, b)| b.bytes).sum();
         self.compute_s().max(streamed as f64 / self.bandwidth_bytes_per_s)
     }
 
     /// Device bytes for weights under a plan: `(d + 1) ×` the largest streamed
     /// block, plus resident blocks, plus non-block tensors.
     pub fn device_bytes(&self, resident: &[bool], depth: usize) -> u64 {
-        let largest = self.blocks.iter().zip(resident).filter(|(_, r)| !**r).map(|(b, _)| b.bytes).max().unwrap_or(0);
-        let res: u64 = self.blocks.iter().zip(resident).filter(|(_, r)| **r).map(|(b, _)| b.bytes).sum();
-        (depth as u64 + 1) * largest + res + self.non_block_bytes
+        let largest = self.blocks.iter().enumerate().filter(|(i, _)| !held(resident, *i)).map(|(_, b)| b.bytes).max().unwrap_or(0);
+        let res: u64 = self.blocks.iter().enumerate().filter(|(i, _)| held(resident, *i)).map(|(_, b)| b.bytes).sum();
+        (depth as u64).saturating_add(1).saturating_mul(largest).saturating_add(res).saturating_add(self.non_block_bytes)
     }
 
     /// Predict the steady-state step time by replaying the ring's schedule over
@@ -169,7 +176,7 @@ impl CostModel {
         if largest == 0 {
             return 0;
         }
-        self.staging_buffers.max(1) as u64 * largest.next_multiple_of(2 << 20)
+        (self.staging_buffers.max(1) as u64).saturating_mul(largest.next_multiple_of(2 << 20))
     }
 
     /// [`simulate_s`](Self::simulate_s), with the streamed blocks held coded
@@ -181,7 +188,7 @@ impl CostModel {
         if n == 0 {
             return 0.0;
         }
-        let slots = depth + 1;
+        let slots = depth.saturating_add(1);
         let mut copy_free = 0.0f64;
         let mut decode_free = 0.0f64;
         let mut compute_end = 0.0f64;
@@ -190,7 +197,7 @@ impl CostModel {
         let mut step_ends = Vec::new();
         for _step in 0..3 {
             for (i, b) in self.blocks.iter().enumerate() {
-                let ready = if resident[i] {
+                let ready = if held(resident, i) {
                     0.0
                 } else {
                     let k = streamed_end.len();
@@ -209,7 +216,7 @@ impl CostModel {
                     }
                 };
                 compute_end = compute_end.max(ready) + b.compute_s;
-                if !resident[i] {
+                if !held(resident, i) {
                     streamed_end.push(compute_end);
                 }
             }

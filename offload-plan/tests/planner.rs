@@ -354,3 +354,17 @@ fn a_cost_model_no_replay_can_use_is_a_named_error() {
     assert!(plan(&good, 1 << 20, 0, ResidentPolicy::Auto).is_err(), "depth 0");
     assert!(plan(&good, 1 << 20, usize::MAX, ResidentPolicy::Auto).is_err(), "an absurd depth");
 }
+
+/// A `resident` slice shorter than the blocks streams the blocks past its end,
+/// in the replay (which indexed past it and panicked) as in the bound and the
+/// device bytes (which zipped and left them out).
+#[test]
+fn a_short_resident_slice_streams_the_blocks_past_its_end() {
+    let m = model(&[(1000, 0.001), (3000, 0.001), (2000, 0.001)], 1e6, 10);
+    let full = [true, false, false];
+    let short = [true];
+    assert_eq!(m.simulate_s(&short, 1), m.simulate_s(&full, 1));
+    assert_eq!(m.bound_s(&short), m.bound_s(&full));
+    assert_eq!(m.device_bytes(&short, 1), m.device_bytes(&full, 1));
+    assert_eq!(m.device_bytes(&[], 1), 2 * 3000 + 10);
+}

@@ -345,7 +345,7 @@ pub fn compress_block(layout: &crate::tensor::BlockLayout, bytes: &[u8], threads
             fault: format!("{} bytes for a {}-byte layout", bytes.len(), layout.bytes),
         });
     }
-    spans(layout, "<block>")?;
+    spans(layout, "the block")?;
     let n = layout.tensors.len();
     let mut parts: Vec<Vec<u8>> = vec![Vec::new(); n];
     let threads = threads.clamp(1, n.max(1));
@@ -438,7 +438,8 @@ pub fn decompress_block_into(layout: &crate::tensor::BlockLayout, compressed: &[
 /// (a layout's fields are public; `BlockLayout::new` and `placed` never do this).
 fn spans(layout: &crate::tensor::BlockLayout, block: &str) -> Result<Vec<(usize, usize)>> {
     let mut order: Vec<&crate::tensor::PlacedTensor> = layout.tensors.iter().collect();
-    order.sort_by_key(|t| t.offset);
+    // Ties (a 0-byte tensor where another starts) by end, as `BlockLayout::placed` sorts.
+    order.sort_by_key(|t| (t.offset, t.nbytes));
     let mut end = 0;
     let mut out = Vec::with_capacity(order.len());
     for t in order {

@@ -79,7 +79,9 @@ pub use hook::{BlockContext, BlockSource, Hook, TraceRecorder};
 pub use host::{Fill, HostBuf, HostBuffer, HostCapabilities, HostKind, HostMemory};
 pub use metrics::{host_rss_beyond_page_cache, host_rss_file_bytes, StepMetrics};
 pub use ondemand::OnDemand;
-pub use plan::{resolve, resolve_on, ComponentPlan, PinFallback, Plan, ResidentPolicy, ResolvedComponent, ResolvedPlan, Strategy};
+pub use plan::{
+    resolve, resolve_on, ComponentPlan, PinFallback, Plan, ResidentPolicy, ResolvedComponent, ResolvedPlan, Strategy, MAX_PREFETCH_DEPTH,
+};
 pub use rename::{
     flux_bfl_tensors, flux_bfl_to_diffusers, gguf_to_diffusers, gguf_under_diffusers_names, qwen_image_to_diffusers, wan_to_diffusers,
     FluxSizes, Renamed, GGUF_ARCHITECTURES,

@@ -212,12 +212,16 @@ fn layout_bytes(inv: &ComponentInventory) -> Result<Vec<(BlockId, usize)>> {
     inv.blocks().map(|b| Ok((b.id.clone(), BlockLayout::new(b.tensors.clone())?.bytes))).collect()
 }
 
+/// The deepest prefetch a plan may ask for (deeper than any model's blocks; the
+/// bound keeps the slot arithmetic from wrapping).
+pub const MAX_PREFETCH_DEPTH: usize = 1 << 16;
+
 /// Apply `plan` to the components of `inventory`.
 ///
 /// Errors name what is wrong: a plan for a component the model lacks, a component
 /// or tensor owned twice, a resident block that does not exist or is named twice,
-/// a depth of 0, a budget below `(d + 1) ×` the largest streamed block plus the
-/// resident set.
+/// a depth of 0 or past [`MAX_PREFETCH_DEPTH`], a budget below `(d + 1) ×` the
+/// largest streamed block plus the resident set.
 pub fn resolve(plan: &Plan, inventory: &[ComponentInventory]) -> Result<ResolvedPlan> {
     resolve_on(plan, inventory, None)
 }
@@ -251,16 +255,12 @@ pub fn resolve_on(plan: &Plan, inventory: &[ComponentInventory], memory: Option<
     for inv in inventory {
         let cp = plan.for_component(&inv.name);
         let c = &inv.name;
-        let blocks = layout_bytes(inv)?;
-        // Deeper than the blocks there are holds slots no block fills (and keeps
-        // the slot arithmetic below far from overflow).
-        if cp.prefetch_depth == 0 || cp.prefetch_depth > blocks.len().max(1) {
-            return Err(Error::Plan(format!(
-                "component {c:?}: prefetch_depth {} must be at least 1 and at most its {} blocks",
-                cp.prefetch_depth,
-                blocks.len()
-            )));
+        // A ring deeper than its blocks holds a slot per block (harmless); past
+        // MAX_PREFETCH_DEPTH the slot arithmetic below would wrap.
+        if !(1..=MAX_PREFETCH_DEPTH).contains(&cp.prefetch_depth) {
+            return Err(Error::Plan(format!("component {c:?}: prefetch_depth {} must be 1 to {MAX_PREFETCH_DEPTH}", cp.prefetch_depth)));
         }
+        let blocks = layout_bytes(inv)?;
         let size: HashMap<&BlockId, usize> = blocks.iter().map(|(id, b)| (id, *b)).collect();
         let mut resident = Vec::new();
         for r in &cp.resident_blocks {
@@ -445,12 +445,12 @@ mod tests {
         );
         assert!(resolve(&p, &i).unwrap_err().to_string().contains("twice"));
         assert!(resolve(&Plan::layerwise().prefetch_depth(0), &i).is_err());
-        // Deeper than the 4 blocks: slots no block fills, and `(depth + 1) ×` the
-        // largest block wrapped to a budget that passes for usize::MAX / 2 + 1.
-        assert!(resolve(&Plan::layerwise().prefetch_depth(4), &i).is_ok());
-        for depth in [5, usize::MAX / 2 + 1, usize::MAX] {
+        // Deeper than the 4 blocks is a slot per block; past the limit `(depth + 1)
+        // ×` the largest block wrapped to a budget that passed (usize::MAX / 2 + 1).
+        assert!(resolve(&Plan::layerwise().prefetch_depth(6), &i).is_ok());
+        for depth in [MAX_PREFETCH_DEPTH + 1, usize::MAX / 2 + 1, usize::MAX] {
             let e = resolve(&Plan::layerwise().prefetch_depth(depth), &i).unwrap_err().to_string();
-            assert!(e.contains("at most its 4 blocks"), "{depth}: {e}");
+            assert!(e.contains("must be 1 to"), "{depth}: {e}");
         }
     }
 

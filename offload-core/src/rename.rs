@@ -178,6 +178,20 @@ pub fn flux_bfl_tensors(f: FluxSizes) -> Vec<(String, Vec<usize>)> {
     out
 }
 
+/// The bytes of the first `rows` rows of `s` (its outermost dimension): the size
+/// of `s` with that dimension `rows`, an error naming `s` where that is no whole
+/// number of its dtype's blocks (a 1-D block-quantized tensor cut mid-block).
+fn rows_bytes(s: &TensorSpec, rows: usize) -> Result<usize> {
+    let mut shape = s.shape.clone();
+    match shape.first_mut() {
+        Some(d) => *d = rows,
+        None => return Err(Error::BadTensor { tensor: s.name.clone(), fault: "a scalar has no rows to split".into() }),
+    }
+    TensorSpec::new(s.name.clone(), s.dtype, shape)
+        .nbytes()
+        .map_err(|e| Error::BadTensor { tensor: s.name.clone(), fault: format!("{rows} rows do not split it where a block ends ({e})") })
+}
+
 /// Flux's tensors as BFL names them (`double_blocks.N.img_attn.qkv.weight`,
 /// `single_blocks.N.linear1.weight`, `final_layer.adaLN_modulation.1.weight`,
 /// …; a `model.diffusion_model.` prefix is dropped) mapped onto diffusers'
@@ -193,22 +207,15 @@ pub fn flux_bfl_to_diffusers(specs: &[TensorSpec]) -> Result<Vec<(TensorSpec, Pa
     // (new name, source index, first row, rows)
     let mut rows = |new: String, i: usize, first: usize, n: usize, out: &mut Vec<(TensorSpec, Parts)>| -> Result<()> {
         let s = &specs[i];
-        let total = s.shape.first().copied().unwrap_or(1);
-        let nbytes = s.nbytes()?;
-        if nbytes % total.max(1) != 0 {
-            // A 1-D block-quantized tensor: a row is not a whole number of bytes.
-            return Err(Error::BadTensor {
-                tensor: s.name.clone(),
-                fault: format!("{nbytes} bytes of {:?} do not split into its {total} rows", s.dtype),
-            });
-        }
-        let row = nbytes / total.max(1);
         let mut shape = s.shape.clone();
         if let Some(d) = shape.first_mut() {
             *d = n;
         }
+        // Byte offsets of whole rows: for a 1-D block-quantized tensor, where a
+        // block ends (an error naming the tensor otherwise).
+        let (at, len) = (rows_bytes(s, first)?, rows_bytes(s, n)?);
         used[i] = true;
-        out.push((TensorSpec::new(new, s.dtype, shape), vec![(i, first * row, n * row)]));
+        out.push((TensorSpec::new(new, s.dtype, shape), vec![(i, at, len)]));
         Ok(())
     };
     let whole = |i: usize| specs[i].shape.first().copied().unwrap_or(1);
@@ -308,12 +315,11 @@ pub fn flux_bfl_to_diffusers(specs: &[TensorSpec]) -> Result<Vec<(TensorSpec, Pa
         if let Some(&i) = by_name.get(format!("final_layer.adaLN_modulation.1.{suffix}").as_str()) {
             let s = &specs[i];
             let total = whole(i);
-            let nbytes = s.nbytes()?;
-            // Halves of whole rows: a 1-D block-quantized tensor's rows are no whole bytes.
-            if total % 2 != 0 || nbytes % total.max(1) != 0 {
-                return Err(bad(&s.name, format!("{total} rows ({nbytes} bytes of {:?}) do not split into shift and scale", s.dtype)));
+            if total % 2 != 0 {
+                return Err(bad(&s.name, format!("{total} rows do not split into shift and scale")));
             }
-            let half = nbytes / 2;
+            // Halves of whole rows (of a 1-D block-quantized tensor, where a block ends).
+            let half = rows_bytes(s, total / 2)?;
             used[i] = true;
             out.push((TensorSpec::new(format!("norm_out.linear.{suffix}"), s.dtype, s.shape.clone()), vec![(i, half, half), (i, 0, half)]));
         }
@@ -448,12 +454,10 @@ mod tests {
     use super::*;
     use crate::tensor::DType;
 
-    /// A renaming of a renaming: the outer tensor is a run of bytes of an inner
-    /// one joined from two parts (not one range of the file), read through the
-    /// inner renaming; and it is not served as a range of the file.
     /// BFL's final modulation swaps halves of whole rows: a 1-D block-quantized
-    /// tensor (Q8_0 of 96 values: three 34-byte blocks) has no row boundary in
-    /// the middle of its bytes, so it is a named error, not a split block.
+    /// tensor splits only where a block ends (Q8_0 of 96 values is three 34-byte
+    /// blocks: its middle is inside one, a named error, not a split block; of
+    /// 128 values, four blocks, it splits after two).
     #[test]
     fn a_split_through_a_quantized_block_is_refused() {
         let q = vec![TensorSpec::new("final_layer.adaLN_modulation.1.bias", crate::DType::Q8_0, [96])];
@@ -462,8 +466,14 @@ mod tests {
         let b = vec![TensorSpec::new("final_layer.adaLN_modulation.1.bias", crate::DType::BF16, [96])];
         let m = flux_bfl_to_diffusers(&b).unwrap();
         assert_eq!(m[0].1, vec![(0, 96, 96), (0, 0, 96)], "bf16 halves swapped");
+        let q = vec![TensorSpec::new("final_layer.adaLN_modulation.1.bias", crate::DType::Q8_0, [128])];
+        let m = flux_bfl_to_diffusers(&q).unwrap();
+        assert_eq!(m[0].1, vec![(0, 68, 68), (0, 0, 68)], "Q8_0 halves of two blocks each");
     }
 
+    /// A renaming of a renaming: the outer tensor is a run of bytes of an inner
+    /// one joined from two parts (not one range of the file), read through the
+    /// inner renaming; and it is not served as a range of the file.
     #[test]
     fn a_part_of_a_joined_tensor_is_read_through_the_renaming_below() {
         use crate::source::SafetensorsFile;

@@ -238,8 +238,8 @@ pub fn plan_with_coding(model: &CostModel, budget: u64, min_depth: usize, policy
 /// smallest budget that could work.
 pub fn plan(model: &CostModel, budget: u64, min_depth: usize, policy: ResidentPolicy) -> Result<Choice> {
     model.validate()?;
-    if !(1..=MAX_DEPTH).contains(&min_depth) {
-        return Err(Error::Plan(format!("prefetch depth {min_depth}: 1 to {MAX_DEPTH}")));
+    if !(1..=offload_core::MAX_PREFETCH_DEPTH).contains(&min_depth) {
+        return Err(Error::Plan(format!("prefetch depth {min_depth}: 1 to {}", offload_core::MAX_PREFETCH_DEPTH)));
     }
     if model.blocks.len() <= EXHAUSTIVE_MAX && matches!(policy, ResidentPolicy::Auto) {
         if let Some(c) = exhaustive(model, budget, min_depth) {
@@ -248,10 +248,6 @@ pub fn plan(model: &CostModel, budget: u64, min_depth: usize, policy: ResidentPo
     }
     plan_heuristic(model, budget, min_depth, policy)
 }
-
-/// The deepest ring the planner plans (a deeper one holds more slots than any
-/// model has blocks; the bound keeps the depth arithmetic far from overflow).
-pub const MAX_DEPTH: usize = 1 << 16;
 
 /// Inventories up to this many blocks are planned by exhaustive search.
 pub const EXHAUSTIVE_MAX: usize = 12;

@@ -199,6 +199,7 @@ impl Streamer {
         calibration: Option<String>,
     ) -> PyResult<Self> {
         let _ = py;
+        INTERRUPT.with(|k| k.borrow_mut().take());
         let mut tensors = tensors;
         if let Some(path) = checkpoint.as_deref() {
             // Each block laid out in the file's order, so that a block whose tensors
@@ -530,6 +531,9 @@ impl Held<'_> {
 
 impl Streamer {
     fn held(&self) -> PyResult<Held<'_>> {
+        // Every call starts here: an interrupt kept by an earlier call whose error
+        // was not raised is not this call's.
+        INTERRUPT.with(|k| k.borrow_mut().take());
         let c = &self.component;
         match self.ring.try_lock() {
             Ok(guard) => Ok(Held { guard, component: c }),

@@ -6,8 +6,10 @@ touches a benchmark re-runs it on the H200.)
 Both are `zoo merge` files. For every row of NEW (model, case, depth and who
 chose the depth) that PUBLISHED has too, the new medians of the streamed and
 the resident step are set against the published min and max. A new median
-inside them is "within". The report lists every row and names those outside.
-The exit status is 1 if a row is outside or no row matched.
+inside them is "within". The report lists every row, names those outside, and
+names the published rows the re-run left out (`not_rerun`: the verdict covers
+only the rows re-run). Files of two backends are refused. The exit status is 1
+if a row is outside or no row matched, 2 if the backends differ.
 """
 
 from __future__ import annotations
@@ -22,7 +24,10 @@ def key(c: dict) -> tuple:
 
 
 def check(new: dict, published: dict) -> dict:
+    if new["backend"] != published["backend"]:
+        raise ValueError(f'a {new["backend"]} re-run set against a {published["backend"]} file')
     old = {key(c): c for c in published["cases"]}
+    rerun = {key(c) for c in new["cases"]}
     rows = []
     for c in new["cases"]:
         p = old.get(key(c))
@@ -41,6 +46,7 @@ def check(new: dict, published: dict) -> dict:
         "published": {"commit": published["commit"], "date": published["date"], "backend": published["backend"]},
         "rows": rows,
         "outside": [f'{r["model"]} {r["case"]} d={r["depth"]}' for r in rows if not r["within"]],
+        "not_rerun": [f"{k[0]} {k[1]} d={k[2]} ({k[3]})" for k in old if k not in rerun],
         "all_within": bool(rows) and all(r["within"] and r["bitwise_equal"] for r in rows),
     }
 
@@ -55,7 +61,11 @@ def main() -> int:
         new = json.load(f)
     with open(a.published) as f:
         published = json.load(f)
-    doc = check(new, published)
+    try:
+        doc = check(new, published)
+    except ValueError as e:
+        print(f"rerun_check: {e}", file=sys.stderr)
+        return 2
     for r in doc["rows"]:
         s, q = r["step_streamed_s"], r["step_resident_s"]
         print(f'{r["model"]} {r["case"]} d={r["depth"]}: streamed {s["new"]:.4f} s in [{s["published_min"]:.4f}, '
@@ -63,6 +73,8 @@ def main() -> int:
               f'{q["published_max"]:.4f}]: {q["within"]}')
     if not doc["rows"]:
         print("no row of the new file is in the published one", file=sys.stderr)
+    if doc["not_rerun"]:
+        print(f'not re-run (the verdict does not cover them): {", ".join(doc["not_rerun"])}')
     if a.out:
         with open(a.out, "w") as f:
             json.dump(doc, f, indent=2)

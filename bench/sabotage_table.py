@@ -15,6 +15,11 @@ backends = []
 for r in rows:
     if r["backend"] not in backends:
         backends.append(r["backend"])
+# An empty table or a backend that ran only some breaks would pass "all caught"
+# for breaks never run.
+breaks = {b: sorted(r["sabotage"] for r in rows if r["backend"] == b) for b in backends}
+if not rows or len({tuple(v) for v in breaks.values()}) > 1:
+    sys.exit(f"sabotage_table: every backend must run the same breaks: {breaks}")
 doc = {
     "date": date,
     "commit": parts[0]["commit"],

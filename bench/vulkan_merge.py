@@ -7,6 +7,14 @@ A run made without BENCH_DATE has no date: the merge's BENCH_DATE then."""
 import glob, json, os, statistics, sys
 out, prefix = sys.argv[1], sys.argv[2]
 runs = [json.load(open(p)) for p in sorted(glob.glob(os.path.join(out, prefix + "-run*.json")))]
+# Nothing to merge, runs of two builds, or a CUDA bandwidth in some runs only would
+# make a verdict of nothing, of a mix, or a ratio of medians over different runs.
+if not runs:
+    sys.exit(f"vulkan_merge: no {prefix}-run*.json in {out}")
+if len({r["commit"] for r in runs}) > 1:
+    sys.exit(f"vulkan_merge: runs of several commits: {sorted({r['commit'] for r in runs})}")
+if len({r["cuda_bandwidth_gbps"] is None for r in runs}) > 1:
+    sys.exit("vulkan_merge: some runs measured the CUDA bandwidth and some did not")
 def spread(xs):
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
 keys = [(c["case"], c["depth"]) for c in runs[0]["cases"]]
@@ -30,7 +38,7 @@ doc = {"date": runs[0]["date"] or os.environ.get("BENCH_DATE", ""), "commit": ru
     "cuda_bandwidth_gbps": cuda and cuda["median"], "cuda_bandwidth_gbps_min": cuda and cuda["min"], "cuda_bandwidth_gbps_max": cuda and cuda["max"],
     "bandwidth_ratio_to_cuda": cuda and bw["median"] / cuda["median"],
     "meets_bandwidth_target": bool(cuda) and bw["median"] >= 0.9 * cuda["median"],
-    "meets_step_target": all(c["ratio_to_bound"] <= 1.03 and c["bitwise_equal"] for c in cases),
+    "meets_step_target": bool(cases) and all(c["ratio_to_bound"] <= 1.03 and c["bitwise_equal"] for c in cases),
     "cases": cases}
 json.dump(doc, open(os.path.join(out, prefix + "-h200.json"), "w"), indent=1)
 print(json.dumps({k: doc[k] for k in ("bandwidth_gbps", "cuda_bandwidth_gbps", "bandwidth_ratio_to_cuda", "meets_bandwidth_target", "meets_step_target")}))

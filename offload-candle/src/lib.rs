@@ -88,7 +88,7 @@ impl CandleBackend {
                     tensor: t.spec.name.clone(),
                     fault: format!("dtype {:?} has no candle equivalent", t.spec.dtype),
                 })?;
-                let raw = &bytes[t.offset..t.offset + t.nbytes];
+                let raw = t.bytes_in(bytes)?;
                 let tensor = Tensor::from_raw_buffer(raw, dtype, &t.spec.shape, &Device::Cpu)
                     .map_err(|e| Error::BadTensor { tensor: t.spec.name.clone(), fault: e.to_string() })?;
                 let name = t.spec.name.strip_prefix(prefix).unwrap_or(&t.spec.name).to_owned();

@@ -36,7 +36,7 @@ impl CandleBackend {
             for t in &layout.tensors {
                 let bad = |fault: String| Error::BadTensor { tensor: t.spec.name.clone(), fault };
                 let dtype = ggml_dtype(t.spec.dtype).ok_or_else(|| bad(format!("dtype {:?} is not a GGUF type", t.spec.dtype)))?;
-                let raw = &bytes[t.offset..t.offset + t.nbytes];
+                let raw = t.bytes_in(bytes)?;
                 // candle reads the bytes as its block structs: refuse, not panic, on a
                 // length or an address they cannot have.
                 if t.nbytes % dtype.type_size() != 0 || raw.as_ptr() as usize % 4 != 0 {

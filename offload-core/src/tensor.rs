@@ -148,6 +148,18 @@ pub struct PlacedTensor {
     pub nbytes: usize,
 }
 
+impl PlacedTensor {
+    /// The tensor's bytes in `block` (a block buffer laid out as its layout says):
+    /// an error naming the tensor where they lie past its end (a slot and a layout
+    /// of different blocks), never a panic.
+    pub fn bytes_in<'a>(&self, block: &'a [u8]) -> Result<&'a [u8]> {
+        self.offset.checked_add(self.nbytes).and_then(|end| block.get(self.offset..end)).ok_or_else(|| Error::BadTensor {
+            tensor: self.spec.name.clone(),
+            fault: format!("{} bytes at offset {} lie past the {}-byte block buffer", self.nbytes, self.offset, block.len()),
+        })
+    }
+}
+
 /// Alignment of every tensor inside a block buffer, in bytes.
 pub const TENSOR_ALIGN: usize = 256;
 

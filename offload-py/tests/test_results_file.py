@@ -356,3 +356,12 @@ def test_the_rerun_check_sets_new_medians_against_the_published_spread(tmp_path)
     none = dict(doc, cases=[dict(c, model="no-such-model")])
     rc, out = run(none)
     assert rc == 1 and out["rows"] == [] and not out["all_within"], out
+    # A partial re-run: its verdict names the published rows it does not cover.
+    first = dict(doc, cases=doc["cases"][:1])
+    rc, out = run(first)
+    assert rc == 0 and len(out["rows"]) == 1 and len(out["not_rerun"]) == len(doc["cases"]) - 1, out
+    # Another backend's file is refused, not compared.
+    p = tmp_path / "new.json"
+    p.write_text(json.dumps(dict(doc, backend="cuda")))
+    r = subprocess.run([sys.executable, str(ROOT / "bench/rerun_check.py"), str(p), str(published)], capture_output=True, text=True)
+    assert r.returncode == 2 and "backend" not in r.stdout and "cuda re-run" in r.stderr, r

@@ -13,8 +13,10 @@ use tch::{Device, Kind, Tensor};
 /// of device `ordinal`'s primary context), copies on a non-blocking stream of
 /// the same context (`offload-cuda`'s transfer engine). Each copy lands in a
 /// fresh tensor from libtorch's caching allocator, and a block's parameters
-/// are views of it: a view, a derived tensor or a tensor autograd saved for
-/// backward keeps its block's bytes alive after the block is released.
+/// are views of it: a view or a tensor derived from a weight (autograd's saved
+/// transposed weight of a `Linear`, say) keeps its block's bytes alive after the
+/// block is released. A parameter autograd saved itself does not: see
+/// [`TchBlock`](crate::TchBlock).
 #[derive(Clone)]
 pub struct TchCudaBackend {
     engine: FreshEngine,

@@ -38,10 +38,16 @@
 //!   (`offload-cuda`), the default stream waits on each copy's event. Each copy lands
 //!   in a fresh `Uint8` buffer from libtorch's caching allocator and the weights are
 //!   views of it (no copy beyond the host-to-device one).
-//! - **No view outlives its block's bytes.** A view, a tensor derived from a
-//!   parameter, or a tensor autograd saved for `backward()` holds a reference to its
-//!   block's buffer, so it reads that block's weights for as long as it lives — grad
-//!   mode may stay on (CPU: each weight is a copy, so the same holds).
+//! - **No view outlives its block's bytes.** A view or a tensor derived from a
+//!   parameter (a product, `Linear`'s transposed weight that autograd saves) holds
+//!   a reference to its block's buffer, so it reads that block's weights for as
+//!   long as it lives (CPU: each weight is a copy, so the same holds). A parameter
+//!   autograd saves *itself* (LayerNorm's or GroupNorm's affine weight, a
+//!   convolution's kernel, a scale multiplied in) is read when `backward()` runs,
+//!   and after `finish` it points at its empty placeholder: backward through such
+//!   a block after the block is finished fails in libtorch (a shape error). Run
+//!   backward through tch only over blocks of `Linear`s, or use the Python package,
+//!   which gives each block fresh parameter objects.
 //! - **Transactional.** `TchOffload::new` builds the host store and the ring before
 //!   it empties a parameter, and on any error leaves the `VarStore` as it was.
 //! - **Out of the default build.** Without the `libtorch` feature this crate links

@@ -9,7 +9,7 @@ use offload_core::{resolve, BlockDiscovery, BlockGuard, Error, HostStore, Plan, 
 use std::collections::HashMap;
 use std::sync::Arc;
 use tch::nn::VarStore;
-use tch::Tensor;
+use tch::{Device, Tensor};
 
 /// A component of a tch model streamed through a [`Ring`]: its block parameters
 /// live in the host store and point at the ring's slots only while their block
@@ -87,6 +87,21 @@ impl<B: TchSlots> TchOffload<B> {
                     .get(name)
                     .map(Tensor::shallow_clone)
                     .ok_or_else(|| Error::BadTensor { tensor: name.clone(), fault: "discovered but not in the VarStore".into() })?;
+                // A block weight on a third device would meet the slot's in one kernel
+                // (a libtorch panic naming nothing); an empty one is most likely a
+                // VarStore offloaded already, whose weights are placeholders now.
+                if p.device() != Device::Cpu && p.device() != device {
+                    return Err(Error::BadTensor {
+                        tensor: name.clone(),
+                        fault: format!("on {:?}, not the host or {device:?}", p.device()),
+                    });
+                }
+                if p.numel() == 0 {
+                    return Err(Error::BadTensor {
+                        tensor: name.clone(),
+                        fault: "empty in the VarStore: offloaded already? (its weights would stream as nothing)".into(),
+                    });
+                }
                 let empty = Tensor::f_empty([0i64], (kind(&t.spec)?, device)).map_err(|e| tch_err(format!("placeholder for {name}"), e))?;
                 let original = p.f_detach().map_err(|e| tch_err(format!("keeping {name}'s data"), e))?;
                 staged.push((name.clone(), p, empty, original));
@@ -158,9 +173,12 @@ impl<B: TchSlots> TchOffload<B> {
 /// A block whose parameters point at its slot. Finish it (or drop it) before the
 /// next block: its parameters then point at placeholders again and the ring
 /// releases the slot after the compute enqueued so far. On CUDA the weights stay
-/// valid for whatever still refers to them — views, derived tensors, tensors
-/// autograd saved for `backward()` — because each is a view of a libtorch buffer
-/// that lives as long as they do.
+/// valid for whatever still refers to them — views, derived tensors (the
+/// transposed weight autograd saves for a `Linear`) — because each is a view of a
+/// libtorch buffer that lives as long as they do. A parameter autograd saved
+/// itself (a LayerNorm's or GroupNorm's weight, a convolution's kernel, a scale
+/// multiplied in) is read when `backward()` runs: after `finish` that is the
+/// empty placeholder, and backward fails in libtorch.
 pub struct TchBlock<'a, B: TchSlots> {
     guard: Option<BlockGuard<'a, B>>,
     binds: &'a mut Binds,
@@ -214,5 +232,21 @@ mod tests {
             assert_eq!(&buf[off..off + 30], &want[..], "destination offset {off}");
         }
         assert!(src.read_into(0, &mut buf[..29]).unwrap_err().to_string().contains("29 bytes"));
+    }
+
+    /// A VarStore offloaded already holds empty placeholders where its block
+    /// weights were: offloading it again is refused by name, not accepted as
+    /// blocks of nothing that the model's forward then fails on.
+    #[test]
+    fn offloading_a_varstore_twice_is_refused() {
+        let vs = VarStore::new(Device::Cpu);
+        for i in 0..2 {
+            let _ = vs.root().sub("blocks").sub(i.to_string()).var("w", &[4, 4], tch::nn::Init::Randn { mean: 0.0, stdev: 1.0 });
+        }
+        let plan = Plan::layerwise();
+        let first = TchOffload::cpu(&vs, "m", &offload_core::NameDiscovery, &plan).expect("the first offload");
+        let e = TchOffload::cpu(&vs, "m", &offload_core::NameDiscovery, &plan).err().expect("a second offload").to_string();
+        assert!(e.contains("blocks.0.w") && e.contains("offloaded already"), "{e}");
+        drop(first);
     }
 }

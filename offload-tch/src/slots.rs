@@ -37,7 +37,7 @@ impl TchSlots for SimBackend {
     fn bind(&self, slot: &SimSlot, layout: &BlockLayout, params: &mut HashMap<String, Tensor>) -> Result<()> {
         self.read_slot(slot, |bytes| {
             for t in &layout.tensors {
-                let raw = &bytes[t.offset..t.offset + t.nbytes];
+                let raw = t.bytes_in(bytes)?;
                 let v = Tensor::f_from_data_size(raw, &dims(&t.spec), kind(&t.spec)?)
                     .map_err(|e| tch_err(format!("materialising {}", t.spec.name), e))?;
                 param(params, &t.spec.name)?.f_set_data(&v).map_err(|e| tch_err(format!("pointing {} at its slot", t.spec.name), e))?;

@@ -57,10 +57,16 @@ pub fn merge(runs: &[RunDoc], codec: &[Value], min_runs: usize) -> Result<Value,
     if facts.iter().any(|f| f.high_priority_compute != facts[0].high_priority_compute) {
         return Err("runs with and without --high-priority-compute: merge each on its own".into());
     }
-    let decode: Vec<f64> = codec.iter().filter_map(|c| c["decode_gbps"].as_f64()).collect();
-    if decode.len() != codec.len() {
-        return Err("a codec file without decode_gbps".into());
+    // The decoder's speed per buffer size (`mib`): sizes are not repeats of one
+    // measurement, so each has its own median and the figure is the slowest size's.
+    if codec.iter().any(|c| c["decode_gbps"].as_f64().is_none() || c["bit_exact"] == false) {
+        return Err("a codec file without decode_gbps, or one whose decode was not bit-exact".into());
     }
+    let by_mib = crate::harness::group_by(codec, |c| c["mib"].as_u64());
+    let sizes: Vec<(Option<u64>, Vec<f64>)> =
+        by_mib.into_iter().map(|(mib, cs)| (mib, cs.iter().filter_map(|c| c["decode_gbps"].as_f64()).collect())).collect();
+    let slowest = sizes.iter().map(|(_, xs)| med(xs)).fold(f64::INFINITY, f64::min);
+    let decode: Vec<f64> = if sizes.is_empty() { Vec::new() } else { vec![slowest] };
     let first = &runs[0];
     let mut cases = Vec::new();
     let mut all_met = true;
@@ -157,7 +163,8 @@ pub fn merge(runs: &[RunDoc], codec: &[Value], min_runs: usize) -> Result<Value,
         "high_priority_decode": facts[0].high_priority_decode,
         "high_priority_compute": facts[0].high_priority_compute,
         "coded_store_build_s": s(&facts.iter().map(|f| f.store_build_s).collect::<Vec<_>>()),
-        "decode_gbps": if decode.is_empty() { Value::Null } else { json!(med(&decode)) }, "decode_gbps_spread": s(&decode),
+        "decode_gbps": if decode.is_empty() { Value::Null } else { json!(slowest) },
+        "decode_gbps_by_mib": sizes.iter().map(|(mib, xs)| json!({"mib": mib, "runs": xs.len(), "decode_gbps": s(xs)})).collect::<Vec<_>>(),
         "decode_gbps_in_run": s(&facts.iter().map(|f| f.decode_gbps_in_run).filter(|&g| g > 0.0).collect::<Vec<_>>()),
         "bandwidth_gbps": med(&runs.iter().flat_map(|r| r.cases.first()).map(|c| c.bandwidth_gbps).collect::<Vec<_>>()),
         "staging_peak_bytes": facts.iter().map(|f| f.staging_peak_bytes).max(),
@@ -311,7 +318,15 @@ mod tests {
         assert_eq!(d["cases"][1]["raw_step"], "compute-bound");
         assert_eq!(d["cases"][1]["meets_targets"], true, "0.806 ÷ 0.805 within 1 %");
         assert_eq!(d["meets_targets"], true);
-        assert_eq!(d["decode_gbps"], 510.0);
+        assert_eq!(d["decode_gbps"], 510.0, "two runs of one size: their median");
+        // Two sizes are two measurements, not repeats: the slowest size's figure,
+        // each size beside it; a decode that was not bit-exact is refused.
+        let sizes = vec![json!({"mib": 256, "decode_gbps": 700.0}), json!({"mib": 1024, "decode_gbps": 800.0})];
+        let d2 = merge(&runs, &sizes, 3).unwrap();
+        assert_eq!(d2["decode_gbps"], 700.0);
+        assert_eq!(d2["decode_gbps_by_mib"][1]["decode_gbps"]["median"], 800.0);
+        let inexact = vec![json!({"mib": 256, "decode_gbps": 700.0, "bit_exact": false})];
+        assert!(merge(&runs, &inexact, 3).unwrap_err().contains("bit-exact"));
         // Each target can fail: a slow coded step, a compute-bound slowdown, a
         // slow decoder, too few runs, a run without --coded, a bitwise miss.
         let slow = vec![run(1.0, 0.33, 0.806), run(1.0, 0.33, 0.806), run(1.0, 0.33, 0.806)];

@@ -693,17 +693,35 @@ pub fn merge(runs: &[RunDoc], anchors: &[AnchorDoc], min_repeats: usize) -> Resu
         let equal = per.iter().all(|(_, c)| c.bitwise_equal);
         let finite = per.iter().all(|(_, c)| c.output_finite);
         let nonconstant = per.iter().all(|(_, c)| c.output_nonconstant);
-        // The anchors' best offloaded mode at this case: the lowest median.
-        let mut best: Option<(f64, String)> = None;
+        // The anchors' best offloaded mode at this case: the lowest median, of
+        // anchor processes that ran this very case (shape, tokens, batch) and gave
+        // a finite, varied output.
+        let mut best: Option<(f64, String, f64)> = None;
         for ((_, _, mode), per) in anchor_groups.iter().filter(|((am, ac, mode), _)| am == model && ac == case && mode != "resident") {
+            for a in per {
+                let same = (a.resolution, a.tokens, a.batch) == (c0.resolution, c0.tokens, c0.batch)
+                    && (a.height == 0 || a.height == c0.height)
+                    && (a.frames == 0 || a.frames == c0.frames);
+                if !same {
+                    return Err(format!(
+                        "{at}: diffusers {mode} ran {}x{} f{}, {} tokens, batch {}; ours {}x{} f{}, {} tokens, batch {}",
+                        a.resolution, a.height, a.frames, a.tokens, a.batch, c0.resolution, c0.height, c0.frames, c0.tokens, c0.batch
+                    ));
+                }
+                if !(a.output_finite && a.output_nonconstant) {
+                    return Err(format!("{at}: diffusers {mode} gave an output that is not finite or is constant"));
+                }
+            }
             let xs: Vec<f64> = per.iter().map(|a| per_run_median(&a.steps_s)).collect::<Result<_, _>>()?;
-            let m = spread(&xs).ok_or(&at)?.median;
-            if best.as_ref().is_none_or(|(b, _)| m < *b) {
-                best = Some((m, mode.clone()));
+            let sp = spread(&xs).ok_or(&at)?;
+            if best.as_ref().is_none_or(|(b, _, _)| sp.median < *b) {
+                best = Some((sp.median, mode.clone(), sp.min));
             }
         }
         let meets_ratio = ratio <= target.ratio_to_bound;
-        let faster = best.as_ref().map(|(m, _)| s.median <= *m);
+        // Faster only where every process of ours beat every process of that mode
+        // (ours and theirs ran in separate processes of one command: no pairs).
+        let faster = best.as_ref().map(|(_, _, fastest)| s.max < *fastest);
         let meets =
             meets_ratio && equal && finite && nonconstant && weights <= weights_limit && (!target.beat_anchor || faster == Some(true));
         let judged = *by_planner || !planned.contains(&(model.clone(), case.clone()));
@@ -723,8 +741,8 @@ pub fn merge(runs: &[RunDoc], anchors: &[AnchorDoc], min_repeats: usize) -> Resu
             "peak_device_bytes": weights + per.iter().map(|(_, c)| c.activations_peak_bytes).max().unwrap_or(0),
             "bitwise_equal": equal, "output_finite": finite, "output_nonconstant": nonconstant,
             "misses": per.iter().map(|(_, c)| c.misses).sum::<u64>(),
-            "anchor_best_mode": best.as_ref().map(|(_, m)| m.clone()), "anchor_best_step_s": best.as_ref().map(|(m, _)| *m),
-            "ratio_to_anchor_best": best.as_ref().map(|(m, _)| s.median / m), "faster_than_anchor_best": faster,
+            "anchor_best_mode": best.as_ref().map(|(_, m, _)| m.clone()), "anchor_best_step_s": best.as_ref().map(|(m, _, _)| *m),
+            "ratio_to_anchor_best": best.as_ref().map(|(m, _, _)| s.median / m), "faster_than_anchor_best": faster,
             "target_ratio_to_bound": target.ratio_to_bound, "meets_targets": meets,
             "depth_chosen_by": if *by_planner { "planner" } else { "command line" }, "judged": judged,
             "planner_predicted_step_s": spread(&predicted).map(|p| p.median),
@@ -852,6 +870,8 @@ mod tests {
             mode: mode.into(),
             steps_s: vec![s; 5],
             model_bytes: 2_000_000_000,
+            output_finite: true,
+            output_nonconstant: true,
             ..Default::default()
         };
         let anchors: Vec<AnchorDoc> = (0..3)
@@ -860,6 +880,19 @@ mod tests {
                 cases: vec![anchor("resident", 0.1), anchor("block_stream", 0.2 + i as f64 * 0.01), anchor("leaf_stream", 0.15)],
             })
             .collect();
+        // Anchors of another case than ours, or with a broken output, are refused.
+        let mut other = anchors.clone();
+        other[1].cases[2].tokens = 7;
+        assert!(merge(&runs, &other, 3).unwrap_err().contains("diffusers leaf_stream ran"), "another shape taken");
+        other = anchors.clone();
+        other[0].cases[1].output_finite = false;
+        assert!(merge(&runs, &other, 3).unwrap_err().contains("not finite"), "a NaN anchor taken");
+        // Faster only where our slowest process beat their fastest: one leaf-stream
+        // process at 0.125 s beat our slowest (0.13 s), so not faster, though our
+        // median (0.11 s) is under theirs (0.15 s).
+        let mut close = anchors.clone();
+        close[2].cases[2].steps_s = vec![0.125; 5];
+        assert_eq!(merge(&runs, &close, 3).unwrap()["cases"][0]["faster_than_anchor_best"], false);
         let doc = merge(&runs, &anchors, 3).unwrap();
         let c = &doc["cases"][0];
         assert_eq!(c["repeats"], 3);

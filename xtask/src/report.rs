@@ -987,7 +987,7 @@ pub fn readme_tables(results: &Path) -> Result<String, String> {
         let sp = |v: &Value| format!("{:.3} [{:.3}, {:.3}]", f(&v["median"]), f(&v["min"]), f(&v["max"]));
         let _ = writeln!(
             md,
-            "Compressed streaming (`bench/results/{name}`, backend `{}` at {} on an {}, {} process runs; weights {}): coded size {:.3} × raw (exponent entropy {:.2} bits), host encode {:.2} GB/s on {} threads, device decode {} GB/s, pinned bandwidth {:.1} GB/s; targets (a transfer-bound case: coded ÷ bound ≤ 0.78; a compute-bound one: the step the planner chooses within 1.01 × the raw one) met: {}.\n",
+            "Compressed streaming (`bench/results/{name}`, backend `{}` at {} on an {}, {} process runs; weights {}): coded size {:.3} × raw (exponent entropy {:.2} bits), host encode {:.2} GB/s on {} threads, device decode {} GB/s{}, pinned bandwidth {:.1} GB/s; targets (a transfer-bound case: coded ÷ bound ≤ 0.78; a compute-bound one: the step the planner chooses within 1.01 × the raw one) met: {}.\n",
             d["backend"].as_str().unwrap_or("?"),
             d["commit"].as_str().unwrap_or("?"),
             d["gpu"].as_str().unwrap_or("?"),
@@ -998,6 +998,13 @@ pub fn readme_tables(results: &Path) -> Result<String, String> {
             f(&d["encode_gbps_host"]),
             d["encode_threads"],
             d["decode_gbps"].as_f64().map_or("–".into(), |g| format!("{g:.0}")),
+            match d["decode_gbps_by_mib"].as_array() {
+                Some(sizes) if !sizes.is_empty() => {
+                    let runs: Vec<String> = sizes.iter().map(|z| format!("{} MiB: {} run(s)", z["mib"], z["runs"])).collect();
+                    format!(" (the slowest buffer size; {})", runs.join(", "))
+                }
+                _ => String::new(),
+            },
             f(&d["bandwidth_gbps"]),
             yes(&d["meets_targets"]),
         );

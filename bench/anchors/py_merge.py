@@ -52,7 +52,7 @@ def main():
             key = (r["model"], r["case"])
             if "error" in r:
                 # diffusers' mode failed on this model (zoo_anchor.py names it): kept by name.
-                failures.setdefault(key, {}).setdefault(r["mode"], r["error"])
+                failures.setdefault(key, {}).setdefault(f, {}).setdefault(r["mode"], r["error"])
                 continue
             med = statistics.median(r["steps_s"])
             g = groups.setdefault(key, {})
@@ -114,6 +114,10 @@ def main():
             diffusers_s={k: spread(v) for k, v in dmodes.items()},
             bitwise_equal=bitwise, host_syncs_in_timed_steps=syncs, outputs_finite_and_nonconstant=finite,
         )
+        # Against diffusers only where every merged process ran a diffusers mode: a
+        # comparison over fewer processes than the row's is no comparison of it.
+        if vs and len(vs) != len(full):
+            raise SystemExit(f"{model} {case}: {len(vs)} of {len(full)} processes ran a diffusers mode; merge processes of one command only")
         if vs:
             row["vs_diffusers_best"] = spread(vs)
             row["diffusers_best_mode"] = statistics.mode(best_modes)
@@ -123,8 +127,14 @@ def main():
             row["resident_blocks"] = o0["resident_blocks"]
         if o0.get("link_bytes_per_step", o0["bytes_per_step"]) != o0["bytes_per_step"]:
             row["link_bytes_per_step"] = o0["link_bytes_per_step"]
-        if (model, case) in failures:
-            row["diffusers_failed"] = failures[(model, case)]
+        # diffusers' failures in the merged processes only (a superseded run's is not this row's).
+        failed = {}
+        for f, modes in failures.get((model, case), {}).items():
+            if f in full:
+                for mode, err in modes.items():
+                    failed.setdefault(mode, err)
+        if failed:
+            row["diffusers_failed"] = failed
         if row["ratio_to_bound"]["min"] < 0.99:
             # A step faster than its bound: the bound is not one. Say which term read
             # wrong in that process: its resident step (slow) or its bandwidth (low).

@@ -38,6 +38,42 @@ def test_the_start_and_pipeline_results_files_rebuild_from_their_runs(tmp_path, 
         assert out.read_bytes() == f.read_bytes(), f"{f.name} is not what py_{kind}.py makes of its runs"
 
 
+def test_a_comparison_with_diffusers_covers_every_merged_process(tmp_path):
+    # A row compares with diffusers only where every merged process ran a
+    # diffusers mode (else the verdict rests on fewer processes than the row), and
+    # a diffusers failure is named only where a merged process saw it.
+    def run(k, modes, failed=None):
+        common = dict(model="flux-dev", case="1024", tokens=4608, batch=1, weights_device_bytes=1, activations_peak_bytes=1,
+                      output_finite=True, output_nonconstant=True)
+        rows = [dict(common, mode="resident", steps_s=[0.2] * 3),
+                dict(common, mode="offload", steps_s=[0.43] * 3, depth=1, bytes_per_step=22e9, h2d_bytes_per_s=55e9,
+                     bitwise_equal=True, host_syncs_in_timed_steps=0)]
+        rows += [dict(common, mode=m, steps_s=[0.5] * 3) for m in modes]
+        if failed:
+            rows.append(dict(model="flux-dev", case="1024", mode=failed, error="out of memory"))
+        p = tmp_path / f"r{k}.json"
+        p.write_text(json.dumps(dict(versions="test", cases=rows)))
+        return str(p)
+
+    def merge(*at):
+        out = tmp_path / "m.json"
+        args = [sys.executable, str(ROOT / "bench/anchors/py_merge.py"), "--date", "2026-12-03", "--out", str(out)]
+        for commit, runs in at:
+            args += ["--at", commit, *runs]
+        r = subprocess.run(args, capture_output=True, text=True)
+        return r, (json.loads(out.read_text()) if r.returncode == 0 else None)
+
+    r, _ = merge(("c1", [run(0, ["leaf_stream"]), run(1, ["leaf_stream"]), run(2, [])]))
+    assert r.returncode != 0 and "2 of 3 processes ran a diffusers mode" in r.stderr, r
+    # An older command's failure is not the newer row's.
+    old = [run(k + 10, ["leaf_stream"], failed="block_stream") for k in range(3)]
+    new = [run(k + 20, ["leaf_stream", "block_stream"]) for k in range(3)]
+    r, doc = merge(("c1", old), ("c2", new))
+    assert r.returncode == 0 and doc["cases"][0]["commit"] == "c2" and "diffusers_failed" not in doc["cases"][0], (r, doc)
+    r, doc = merge(("c1", old))
+    assert doc["cases"][0]["diffusers_failed"] == {"block_stream": "out of memory"}
+
+
 def test_the_fp8_target_is_computed_against_the_resident_step(tmp_path):
     # flux-dev-fp8 at 1024²: the package's step over the resident fp8 step, per
     # process, its median held to 1.05 (issue 33), computed by py_merge.py.

@@ -312,17 +312,23 @@ def test_a_failed_enable_leaves_the_module_as_it_was():
         if len(calls) == 3:
             raise KeyboardInterrupt("stop")
 
+    import contextlib
+
     import offload._module as mod
 
-    real = mod._progress
-    mod._progress = lambda desc, enabled: (None, boom)
-    try:
-        # Ctrl-C inside the engine's call is raised again as itself, not folded into
-        # an OffloadError that a caller's `except Exception` would swallow.
-        with pytest.raises(KeyboardInterrupt, match="stop"):
-            offload.enable(model, device="cpu")
-    finally:
-        mod._progress = real
+    @contextlib.contextmanager
+    def progress(update):
+        real = mod._progress
+        mod._progress = lambda desc, enabled: (None, update)
+        try:
+            yield
+        finally:
+            mod._progress = real
+
+    # Ctrl-C inside the engine's call is raised again as itself, not folded into
+    # an OffloadError that a caller's `except Exception` would swallow.
+    with progress(boom), pytest.raises(KeyboardInterrupt, match="stop"):
+        offload.enable(model, device="cpu")
     assert offload.offloaded(model) is None
     _same_snapshot(before, _snapshot(model))
     assert not model._forward_hooks and not model.transformer_blocks[0]._forward_pre_hooks
@@ -330,12 +336,8 @@ def test_a_failed_enable_leaves_the_module_as_it_was():
     def bad(done, total):
         raise ValueError("a broken bar")
 
-    mod._progress = lambda desc, enabled: (None, bad)
-    try:
-        with pytest.raises(OffloadError, match="progress callback.*a broken bar"):
-            offload.enable(model, device="cpu")
-    finally:
-        mod._progress = real
+    with progress(bad), pytest.raises(OffloadError, match="progress callback.*a broken bar"):
+        offload.enable(model, device="cpu")
     _same_snapshot(before, _snapshot(model))
     # Nothing kept from the interrupt above leaks into a later, unrelated error.
     with pytest.raises(OffloadError, match="no block list"):

@@ -46,21 +46,38 @@ pub const POISON: u8 = 0xDB;
 #[cfg(test)]
 mod tests {
     use super::*;
+    use offload_core::HostMemory as _;
+    use offload_core::OffloadBackend;
+
+    /// A backend opened with `options`, or `None` after `SKIPPED` where no Vulkan
+    /// loader or device is installed (a failure under `OFFLOAD_REQUIRE_DEVICE=1`;
+    /// any other error a failure).
+    fn open(options: &VulkanOptions) -> Option<VulkanBackend> {
+        match VulkanBackend::with_options(options) {
+            Ok(b) => Some(b),
+            Err(e) => {
+                assert!(e.to_string().contains("unsupported"), "{e}");
+                assert!(std::env::var("OFFLOAD_REQUIRE_DEVICE").map_or(true, |v| v != "1"), "OFFLOAD_REQUIRE_DEVICE=1 but {e}");
+                println!("SKIPPED: {e}");
+                None
+            }
+        }
+    }
+
+    /// A 64-byte host buffer of `byte` and a 64-byte slot of `b`.
+    fn host_and_slot(b: &VulkanBackend, byte: u8) -> (VulkanHost, VulkanSlot) {
+        let host = b.host().alloc_pinned(64, "test", &mut |x| {
+            x.fill(byte);
+            Ok(())
+        });
+        (host.expect("host buffer"), b.alloc_slot(64, "test").expect("slot"))
+    }
 
     /// The validation layer is really on when asked for: an invalid call (a
     /// zero-sized buffer) is reported, and `poll_error` then fails.
     #[test]
     fn validation_errors_are_collected_and_fail_poll_error() {
-        use offload_core::OffloadBackend;
-        let b = match VulkanBackend::with_options(&VulkanOptions { validation: true, ..Default::default() }) {
-            Ok(b) => b,
-            Err(e) => {
-                assert!(e.to_string().contains("unsupported"), "{e}");
-                assert!(std::env::var("OFFLOAD_REQUIRE_DEVICE").map_or(true, |v| v != "1"), "OFFLOAD_REQUIRE_DEVICE=1 but {e}");
-                println!("SKIPPED: {e}");
-                return;
-            }
-        };
+        let Some(b) = open(&VulkanOptions { validation: true, ..Default::default() }) else { return };
         assert!(b.poll_error().is_ok(), "validation errors before any misuse: {:?}", b.validation_messages());
         let ci = ash::vk::BufferCreateInfo::default().size(0).usage(ash::vk::BufferUsageFlags::TRANSFER_SRC);
         // SAFETY: deliberately invalid (size 0) for the layer to report; the buffer,
@@ -80,21 +97,8 @@ mod tests {
     /// error, not a wait on a foreign semaphore or on a value never signalled.
     #[test]
     fn foreign_or_wrong_points_are_refused() {
-        use offload_core::HostMemory as _;
-        use offload_core::OffloadBackend;
-        let (a, b) = match (VulkanBackend::new(), VulkanBackend::new()) {
-            (Ok(a), Ok(b)) => (a, b),
-            (Err(e), _) | (_, Err(e)) => {
-                assert!(std::env::var("OFFLOAD_REQUIRE_DEVICE").map_or(true, |v| v != "1"), "OFFLOAD_REQUIRE_DEVICE=1 but {e}");
-                println!("SKIPPED: {e}");
-                return;
-            }
-        };
-        let host = a.host().alloc_pinned(64, "test", &mut |x| {
-            x.fill(3);
-            Ok(())
-        });
-        let (host, mut slot) = (host.expect("host buffer"), a.alloc_slot(64, "test").expect("slot"));
+        let (Some(a), Some(b)) = (open(&VulkanOptions::default()), open(&VulkanOptions::default())) else { return };
+        let (host, mut slot) = host_and_slot(&a, 3);
         let foreign = b.record_compute().expect("b's point");
         assert!(a.copy_to_slot(&host, &mut slot, 64, Some(&foreign)).is_err(), "a waited on b's semaphore");
         let copy = a.copy_to_slot(&host, &mut slot, 64, None).expect("copy");
@@ -112,25 +116,13 @@ mod tests {
     /// semaphore handles (as an allocator and lavapipe may).
     #[test]
     fn a_point_of_a_dropped_backend_is_refused() {
-        use offload_core::HostMemory as _;
-        use offload_core::OffloadBackend;
-        let open = || {
-            VulkanBackend::new().map_err(|e| {
-                assert!(std::env::var("OFFLOAD_REQUIRE_DEVICE").map_or(true, |v| v != "1"), "OFFLOAD_REQUIRE_DEVICE=1 but {e}");
-                println!("SKIPPED: {e}");
-            })
-        };
         for _ in 0..8 {
-            let Ok(a) = open() else { return };
+            let Some(a) = open(&VulkanOptions::default()) else { return };
             let stale = a.record_compute().expect("a's point");
             a.synchronize().expect("sync");
             drop(a);
-            let Ok(b) = open() else { return };
-            let host = b.host().alloc_pinned(64, "test", &mut |x| {
-                x.fill(5);
-                Ok(())
-            });
-            let (host, mut slot) = (host.expect("host buffer"), b.alloc_slot(64, "test").expect("slot"));
+            let Some(b) = open(&VulkanOptions::default()) else { return };
+            let (host, mut slot) = host_and_slot(&b, 5);
             let _ = b.record_compute().expect("b's point");
             assert!(b.copy_to_slot(&host, &mut slot, 64, Some(&stale)).is_err(), "b waited on a dropped backend's point");
             b.synchronize().expect("sync");
@@ -142,15 +134,7 @@ mod tests {
     /// in the garbage for good instead of being destroyed under a copy.
     #[test]
     fn a_lost_device_frees_nothing() {
-        use offload_core::OffloadBackend;
-        let b = match VulkanBackend::new() {
-            Ok(b) => b,
-            Err(e) => {
-                assert!(std::env::var("OFFLOAD_REQUIRE_DEVICE").map_or(true, |v| v != "1"), "OFFLOAD_REQUIRE_DEVICE=1 but {e}");
-                println!("SKIPPED: {e}");
-                return;
-            }
-        };
+        let Some(b) = open(&VulkanOptions::default()) else { return };
         let garbage = |b: &VulkanBackend| device::lock(&b.inner.state).garbage.len();
         drop(b.alloc_slot(64, "kept").expect("slot"));
         b.synchronize().expect("sync");

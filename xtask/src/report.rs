@@ -1114,8 +1114,15 @@ pub fn readme_tables(results: &Path) -> Result<String, String> {
                 .map(|c| {
                     let counts: Vec<u64> =
                         c["resident_block_count_per_run"].as_array().into_iter().flatten().filter_map(Value::as_u64).collect();
+                    // Each process planned from its own calibration: where the choices
+                    // differ (blocks or depth), the figure is over different plans, said.
+                    let same = c["same_choice_every_run"].as_bool() != Some(false);
                     let resident = match (counts.iter().min(), counts.iter().max()) {
                         (Some(a), Some(b)) if a != b => format!("{a}–{b} blocks resident, the choice differing between runs"),
+                        _ if !same => format!(
+                            "{} blocks resident, the choice (blocks or depth) differing between runs",
+                            c["resident_blocks"].as_array().map_or(0, Vec::len)
+                        ),
                         _ => format!("{} blocks resident", c["resident_blocks"].as_array().map_or(0, Vec::len)),
                     };
                     // Merged files since the candle budget runs carry each row's
@@ -1432,6 +1439,29 @@ mod readme_tests {
             "{md}"
         );
         assert!(md.contains("Coded at build ÷ from the file: 6.5 × [6.0, 7.0]; the file written once in 41.5 s; checks pass: yes"), "{md}");
+    }
+
+    /// Each process plans from its own calibration: a budget row whose runs chose
+    /// differently says so, also where they kept as many blocks (other ones, or
+    /// another depth), not only where the counts differ.
+    #[test]
+    fn a_budget_row_over_different_choices_says_so() {
+        let dir = std::env::temp_dir().join(format!("offload-budget-report-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let row = |gib: u64, counts: [u64; 3], same: bool| {
+            serde_json::json!({"model": "flux-dev", "case": "1024", "budget_bytes": gib << 30, "depth": 1,
+                "resident_blocks": vec!["b"; counts[0] as usize], "resident_block_count_per_run": counts, "same_choice_every_run": same,
+                "step_streamed_s": 0.3, "step_streamed_s_min": 0.29, "step_streamed_s_max": 0.31, "predicted_step_s": 0.3,
+                "prediction_error": 0.01, "step_resident_s": 0.2})
+        };
+        let doc = serde_json::json!({"backend": "cuda", "commit": "c0", "gpu": "NVIDIA H200",
+            "budgets": [row(8, [5, 5, 5], true), row(12, [9, 9, 9], false), row(16, [12, 13, 13], false)]});
+        std::fs::write(dir.join("y-zoo-cuda.json"), doc.to_string()).unwrap();
+        let md = readme_tables(&dir).unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+        assert!(md.contains("8.0 GiB → 0.300 s [0.290, 0.310] (d=1, 5 blocks resident, predicted"), "{md}");
+        assert!(md.contains("9 blocks resident, the choice (blocks or depth) differing between runs"), "{md}");
+        assert!(md.contains("12–13 blocks resident, the choice differing between runs"), "{md}");
     }
 
     #[test]

@@ -697,17 +697,22 @@ pub fn merge(runs: &[RunDoc], anchors: &[AnchorDoc], min_repeats: usize) -> Resu
         // anchor processes that ran this very case (shape, tokens, batch) and gave
         // a finite, varied output.
         let mut best: Option<(f64, String, f64)> = None;
+        let ours = &per;
         for ((_, _, mode), per) in anchor_groups.iter().filter(|((am, ac, mode), _)| am == model && ac == case && mode != "resident") {
-            for a in per {
-                let same = (a.resolution, a.tokens, a.batch) == (c0.resolution, c0.tokens, c0.batch)
-                    && (a.height == 0 || a.height == c0.height)
-                    && (a.frames == 0 || a.frames == c0.frames);
+            // A height or frame count of 0 is a file from before it was recorded.
+            let agree = |x: usize, y: usize| x == 0 || y == 0 || x == y;
+            for (a, (_, c)) in per.iter().flat_map(|a| ours.iter().map(move |o| (a, o))) {
+                let same = (a.resolution, a.tokens, a.batch) == (c.resolution, c.tokens, c.batch)
+                    && agree(a.height, c.height)
+                    && agree(a.frames, c.frames);
                 if !same {
                     return Err(format!(
                         "{at}: diffusers {mode} ran {}x{} f{}, {} tokens, batch {}; ours {}x{} f{}, {} tokens, batch {}",
-                        a.resolution, a.height, a.frames, a.tokens, a.batch, c0.resolution, c0.height, c0.frames, c0.tokens, c0.batch
+                        a.resolution, a.height, a.frames, a.tokens, a.batch, c.resolution, c.height, c.frames, c.tokens, c.batch
                     ));
                 }
+            }
+            for a in per {
                 if !(a.output_finite && a.output_nonconstant) {
                     return Err(format!("{at}: diffusers {mode} gave an output that is not finite or is constant"));
                 }
@@ -884,6 +889,10 @@ mod tests {
         let mut other = anchors.clone();
         other[1].cases[2].tokens = 7;
         assert!(merge(&runs, &other, 3).unwrap_err().contains("diffusers leaf_stream ran"), "another shape taken");
+        // A height of 0 is a file from before heights were recorded, on either side.
+        other = anchors.clone();
+        other[0].cases[2].height = 1024;
+        assert!(merge(&runs, &other, 3).is_ok(), "an old run refused beside a newer anchor");
         other = anchors.clone();
         other[0].cases[1].output_finite = false;
         assert!(merge(&runs, &other, 3).unwrap_err().contains("not finite"), "a NaN anchor taken");

@@ -63,8 +63,10 @@ def test_a_comparison_with_diffusers_covers_every_merged_process(tmp_path):
         r = subprocess.run(args, capture_output=True, text=True)
         return r, (json.loads(out.read_text()) if r.returncode == 0 else None)
 
-    r, _ = merge(("c1", [run(0, ["leaf_stream"]), run(1, ["leaf_stream"]), run(2, [])]))
-    assert r.returncode != 0 and "2 of 3 processes ran a diffusers mode" in r.stderr, r
+    r, doc = merge(("c1", [run(0, ["leaf_stream"]), run(1, ["leaf_stream"]), run(2, [])]))
+    row = doc["cases"][0]
+    assert row["diffusers_not_compared"] == "2 of 3 processes ran a diffusers mode", row
+    assert "vs_diffusers_best" not in row and row["targets"]["faster_than_diffusers_best"] is None, row
     # An older command's failure is not the newer row's.
     old = [run(k + 10, ["leaf_stream"], failed="block_stream") for k in range(3)]
     new = [run(k + 20, ["leaf_stream", "block_stream"]) for k in range(3)]
@@ -401,3 +403,38 @@ def test_the_rerun_check_sets_new_medians_against_the_published_spread(tmp_path)
     p.write_text(json.dumps(dict(doc, backend="cuda")))
     r = subprocess.run([sys.executable, str(ROOT / "bench/rerun_check.py"), str(p), str(published)], capture_output=True, text=True)
     assert r.returncode == 2 and "backend" not in r.stdout and "cuda re-run" in r.stderr, r
+
+
+def test_the_vulkan_and_sabotage_merges_refuse_what_would_pass_vacuously(tmp_path):
+    # vulkan_merge.py: runs of two commits (or none) are no one figure; sabotage_table.py:
+    # backends that ran different breaks (or none) cannot be "all caught".
+    def vk(k, commit):
+        case = dict(case="1024", depth=1, step_streamed_s=0.3, step_resident_s=0.2, bound_s=0.29, ratio_to_bound=1.03,
+                    bandwidth_gbps=50.0, streamed_bytes=1, peak_device_bytes=1, bitwise_equal=True, misses=0)
+        doc = dict(date="2026-12-04", commit=commit, gpu="g", model="m", bandwidth_gbps=50.0, cuda_bandwidth_gbps=54.0, cases=[case])
+        (tmp_path / f"vk-run{k}.json").write_text(json.dumps(doc))
+
+    def vulkan():
+        return subprocess.run([sys.executable, str(ROOT / "bench/vulkan_merge.py"), str(tmp_path), "vk"], capture_output=True, text=True)
+
+    assert vulkan().returncode != 0, "no runs merged"
+    for k, c in enumerate(["a", "a", "a"]):
+        vk(k, c)
+    assert vulkan().returncode == 0
+    vk(3, "b")
+    r = vulkan()
+    assert r.returncode != 0 and "several commits" in r.stderr, r
+
+    sab = tmp_path / "sab"
+    sab.mkdir()
+
+    def table(rows):
+        (sab / "sabotage-x.json").write_text(json.dumps(dict(commit="a", gpu="g", rows=rows)))
+        return subprocess.run([sys.executable, str(ROOT / "bench/sabotage_table.py"), str(sab)], capture_output=True, text=True)
+
+    assert table([]).returncode != 0, "an empty table passed"
+    row = lambda b, s: dict(backend=b, sabotage=s, caught=True)
+    assert table([row("cuda", "SkipWait"), row("vulkan", "SkipWait")]).returncode == 0
+    r = table([row("cuda", "SkipWait"), row("cuda", "EarlyRelease"), row("vulkan", "SkipWait")])
+    assert r.returncode != 0 and "the same breaks" in r.stderr, r
+

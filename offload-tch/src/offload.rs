@@ -96,16 +96,20 @@ impl<B: TchSlots> TchOffload<B> {
                         fault: format!("on {:?}, not the host or {device:?}", p.device()),
                     });
                 }
-                if p.numel() == 0 {
-                    return Err(Error::BadTensor {
-                        tensor: name.clone(),
-                        fault: "empty in the VarStore: offloaded already? (its weights would stream as nothing)".into(),
-                    });
-                }
+
                 let empty = Tensor::f_empty([0i64], (kind(&t.spec)?, device)).map_err(|e| tch_err(format!("placeholder for {name}"), e))?;
                 let original = p.f_detach().map_err(|e| tch_err(format!("keeping {name}'s data"), e))?;
                 staged.push((name.clone(), p, empty, original));
             }
+        }
+        // Every block variable empty: the VarStore's placeholders, offloaded
+        // already (its weights would stream as nothing). One empty parameter in a
+        // model is allowed.
+        if let Some((name, ..)) = staged.first().filter(|_| staged.iter().all(|(_, p, ..)| p.numel() == 0)) {
+            return Err(Error::BadTensor {
+                tensor: name.clone(),
+                fault: "every block variable is empty: is the VarStore offloaded already? (its weights would stream as nothing)".into(),
+            });
         }
         let ring = Ring::new(backend, store, &rc)?;
         let mut params = HashMap::new();

@@ -153,10 +153,19 @@ impl PlacedTensor {
     /// an error naming the tensor where they lie past its end (a slot and a layout
     /// of different blocks), never a panic.
     pub fn bytes_in<'a>(&self, block: &'a [u8]) -> Result<&'a [u8]> {
-        self.offset.checked_add(self.nbytes).and_then(|end| block.get(self.offset..end)).ok_or_else(|| Error::BadTensor {
-            tensor: self.spec.name.clone(),
-            fault: format!("{} bytes at offset {} lie past the {}-byte block buffer", self.nbytes, self.offset, block.len()),
-        })
+        Ok(&block[self.range_in(block.len())?])
+    }
+
+    /// The tensor's byte range in a block buffer of `len` bytes (a host slice or a
+    /// device slot): an error naming the tensor where it reaches past the end.
+    pub fn range_in(&self, len: usize) -> Result<std::ops::Range<usize>> {
+        match self.offset.checked_add(self.nbytes) {
+            Some(end) if end <= len => Ok(self.offset..end),
+            _ => Err(Error::BadTensor {
+                tensor: self.spec.name.clone(),
+                fault: format!("{} bytes at offset {} lie past the {len}-byte block buffer", self.nbytes, self.offset),
+            }),
+        }
     }
 }
 

@@ -298,13 +298,7 @@ impl CudaSlot {
     /// inside it (a kernel given it may read every byte of the tensor).
     pub(crate) fn tensor_ptr(&self, layout: &offload_core::BlockLayout, name: &str) -> Result<u64> {
         let t = layout.get(name).ok_or_else(|| Error::BadTensor { tensor: name.to_owned(), fault: "not in this block".into() })?;
-        if t.offset.checked_add(t.nbytes).is_none_or(|end| end > self.len) {
-            return Err(Error::BadTensor {
-                tensor: name.to_owned(),
-                fault: format!("{} bytes at offset {} lie outside the {}-byte slot", t.nbytes, t.offset, self.len),
-            });
-        }
-        Ok(self.ptr + t.offset as u64)
+        Ok(self.ptr + t.range_in(self.len)?.start as u64)
     }
 }
 

@@ -664,6 +664,14 @@ pub struct DeviceSegment {
     pub coded: Option<(usize, CodedLayout)>,
 }
 
+/// Device bytes of one staging buffer that a decoder copies a coded block of
+/// `coded_len` bytes into: rounded up to 2 MiB, so that blocks of nearly one
+/// size share a buffer (offload-cuda's decode engine allocates so, the planner
+/// and the ring count so).
+pub fn staging_buffer_bytes(coded_len: u64) -> u64 {
+    coded_len.max(4).checked_next_multiple_of(2 << 20).unwrap_or(u64::MAX)
+}
+
 /// Code a block's bytes for a decoder on another device: cut into segments of at
 /// most `segment_bytes` (rounded down to a multiple of 4, at least 4, at most
 /// 1 GiB: a string's offsets are 32-bit), each encoded by [`encode_bf16`] on up

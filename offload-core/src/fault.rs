@@ -99,6 +99,10 @@ impl<H: HostMemory> HostMemory for FaultHost<H> {
         self.inner.capabilities()
     }
 
+    fn decoder_staging_bytes(&self, largest_coded: usize) -> u64 {
+        self.inner.decoder_staging_bytes(largest_coded)
+    }
+
     fn alloc(&self, kind: HostKind<'_>, bytes: usize, purpose: &str, fill: Fill<'_>) -> Result<H::Buffer> {
         // A pageable buffer is the fallback after a failed pin: not counted.
         if matches!(kind, HostKind::Pageable) {

@@ -147,6 +147,16 @@ pub trait HostMemory: Clone + Send + Sync + 'static {
     fn alloc_pinned(&self, bytes: usize, purpose: &str, fill: Fill<'_>) -> Result<Self::Buffer> {
         self.alloc(HostKind::Pinned, bytes, purpose, fill)
     }
+
+    /// Device bytes the decoder holds, beside the ring's slots, to copy coded
+    /// blocks of at most `largest_coded` bytes through (offload-cuda's staging
+    /// buffers: a number of them, each [`staging_buffer_bytes`](crate::codec::staging_buffer_bytes)).
+    /// 0 (the default) where coded blocks decode straight into the slot, or are
+    /// not made. The ring counts them against a plan's device budget.
+    fn decoder_staging_bytes(&self, largest_coded: usize) -> u64 {
+        let _ = largest_coded;
+        0
+    }
 }
 
 /// The host buffer type of backend `B`.

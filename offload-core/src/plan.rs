@@ -221,7 +221,9 @@ pub const MAX_PREFETCH_DEPTH: usize = 1 << 16;
 /// Errors name what is wrong: a plan for a component the model lacks, a component
 /// or tensor owned twice, a resident block that does not exist or is named twice,
 /// a depth of 0 or past [`MAX_PREFETCH_DEPTH`], a budget below `(d + 1) ×` the
-/// largest streamed block plus the resident set.
+/// largest streamed block plus the resident set. A coded store's decoder
+/// staging buffers are counted against the budget when the ring is built
+/// ([`Ring::new`](crate::Ring::new)): only the store knows the coded sizes.
 pub fn resolve(plan: &Plan, inventory: &[ComponentInventory]) -> Result<ResolvedPlan> {
     resolve_on(plan, inventory, None)
 }

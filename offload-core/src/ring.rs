@@ -18,6 +18,7 @@ use crate::backend::{OffloadBackend, StreamKind};
 use crate::discovery::BlockId;
 use crate::error::{Error, Result};
 use crate::hook::{BlockContext, BlockSource, Hook};
+use crate::host::{HostBuffer, HostMemory};
 use crate::metrics::StepMetrics;
 use crate::plan::{ResolvedComponent, Strategy};
 use crate::store::HostStore;
@@ -152,6 +153,26 @@ pub struct Ring<B: OffloadBackend> {
     disk: Option<crate::disk::DiskStream<B>>,
 }
 
+/// A plan's device budget, with the decoder's staging buffers counted: blocks
+/// held coded for the device go through them (resident blocks too), beside the
+/// ring's slots. [`resolve`](crate::resolve) counts the slots, resident blocks
+/// and non-block tensors; only the store knows the coded sizes.
+fn check_staging_budget<B: OffloadBackend>(backend: &B, store: &HostStore<B>, plan: &ResolvedComponent) -> Result<()> {
+    let Some(budget) = plan.budget else { return Ok(()) };
+    let coded = store.blocks().iter().chain(store.non_block()).filter_map(|b| b.buffer().and_then(|buf| buf.held_bytes()));
+    let Some(largest) = coded.max() else { return Ok(()) };
+    let staging = backend.host().decoder_staging_bytes(largest);
+    let need = plan.device_weight_bound.saturating_add(staging);
+    if need > budget {
+        return Err(Error::Plan(format!(
+            "component {:?}: device budget {budget} bytes is below what the plan needs with its blocks coded: {need} bytes \
+             ({} for the weights + {staging} for the decoder's staging buffers, for coded blocks of up to {largest} bytes)",
+            plan.name, plan.device_weight_bound
+        )));
+    }
+    Ok(())
+}
+
 impl<B: OffloadBackend> Ring<B> {
     /// Build the ring of one component: allocate its slots, copy its resident
     /// blocks and non-block tensors, and start prefetching the first blocks.
@@ -190,6 +211,7 @@ impl<B: OffloadBackend> Ring<B> {
         if let Some(id) = held.iter().find(|id| !planned.contains(*id)) {
             return Err(Error::Plan(format!("component {:?}: the store holds block {id}, which the plan does not name", plan.name)));
         }
+        check_staging_budget(&backend, &store, plan)?;
         let n = store.blocks().len();
         let mut resident_of = vec![None; n];
         let mut ring = Ring {

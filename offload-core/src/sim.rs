@@ -61,6 +61,12 @@ pub struct SimConfig {
     /// `pinned_host_bytes`). `false` for a device that is host memory itself
     /// (candle's CPU device): its buffers are ordinary memory, pinned nowhere.
     pub page_locked: bool,
+    /// Device staging buffers a coded copy goes through, as offload-cuda's
+    /// decode engine holds them: each [`staging_buffer_bytes`](crate::codec::staging_buffer_bytes)
+    /// of the largest coded block copied so far, counted in the device's live
+    /// bytes from the first coded copy on (and never freed). 0 (the default): the
+    /// simulated device decodes straight into the slot.
+    pub staging_buffers: usize,
 }
 
 /// Raw bytes per segment of the simulated device's coded blocks.
@@ -79,6 +85,7 @@ impl Default for SimConfig {
             registers_regions: true,
             refill_waits: true,
             page_locked: true,
+            staging_buffers: 0,
         }
     }
 }
@@ -196,6 +203,8 @@ struct State {
     /// no address is reused while the simulator lives.
     registered: Vec<usize>,
     keep: Vec<Arc<dyn crate::HostRegion>>,
+    /// Device bytes the staging buffers hold (see [`SimConfig::staging_buffers`]).
+    staging_bytes: u64,
 }
 
 struct Pending {
@@ -505,6 +514,14 @@ impl HostMemory for SimBackend {
         }
     }
 
+    fn decoder_staging_bytes(&self, largest_coded: usize) -> u64 {
+        let n = self.inner.cfg.staging_buffers as u64;
+        match largest_coded {
+            0 => 0,
+            c => n.saturating_mul(crate::codec::staging_buffer_bytes(c as u64)),
+        }
+    }
+
     fn alloc(&self, kind: HostKind<'_>, bytes: usize, purpose: &str, fill: Fill<'_>) -> Result<SimHost> {
         let cfg = &self.inner.cfg;
         match kind {
@@ -587,6 +604,20 @@ impl OffloadBackend for SimBackend {
         }
         let done = {
             let mut st = lock(&self.inner.state);
+            if let Some(coded) = &src.coded {
+                // The staging buffers grow to the largest coded block, as the decode engine's do.
+                let want = self.decoder_staging_bytes(coded.len());
+                if want > st.staging_bytes {
+                    let (grow, free) = (want - st.staging_bytes, self.inner.cfg.device_bytes.saturating_sub(st.stats.live_bytes));
+                    if grow > free {
+                        let purpose = "the decoder's staging buffers".to_string();
+                        return Err(Error::OutOfDeviceMemory { backend: "sim".into(), requested: grow, free, purpose });
+                    }
+                    st.staging_bytes = want;
+                    st.stats.live_bytes += grow;
+                    st.stats.peak_bytes = st.stats.peak_bytes.max(st.stats.live_bytes);
+                }
+            }
             st.tick += 1;
             let tick = st.tick;
             let Some(info) = st.slots.get(&dst.id) else {

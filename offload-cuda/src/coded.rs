@@ -252,6 +252,11 @@ impl CodedHost {
 }
 
 impl Coding {
+    /// How many staging buffers coded copies take in turn now.
+    pub(crate) fn staging_buffers(&self) -> usize {
+        self.staging.lock().unwrap_or_else(|e| e.into_inner()).bufs.len()
+    }
+
     /// Set how many staging buffers coded copies take in turn from now on
     /// ([`CodingOptions::staging_buffers`]), with coding on. Buffers beyond `n`
     /// are freed in the decode stream's order, after the decodes that read them;
@@ -371,7 +376,7 @@ impl Coding {
                         .map_err(|e| drained(driver("freeing a staging buffer too small", e)))?;
                 }
                 // Rounded up to 2 MiB so that blocks of nearly one size share a buffer.
-                let want = len.max(4).next_multiple_of(2 << 20);
+                let want = offload_core::codec::staging_buffer_bytes(len as u64) as usize;
                 // SAFETY: a stream-ordered allocation on the copy stream, held by the ring
                 // until `Drop` (or a larger block) frees it once nothing uses it.
                 let p = unsafe { result::malloc_async(s.copy.cu_stream(), want) }

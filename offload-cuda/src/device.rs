@@ -473,6 +473,17 @@ impl HostMemory for CudaBackend {
         HostCapabilities { pinned: true, pageable: true, coded: true, mapped: !self.is_coding(), refill: !self.is_coding() }
     }
 
+    /// The decode engine's staging buffers ([`CodingOptions::staging_buffers`]
+    /// of them, [`STAGING_BUFFERS`](crate::coded::STAGING_BUFFERS) before it is made),
+    /// each grown to the largest coded block copied.
+    fn decoder_staging_bytes(&self, largest_coded: usize) -> u64 {
+        let n = self.shared.coding.get().map_or(crate::coded::STAGING_BUFFERS, |c| c.staging_buffers());
+        match largest_coded {
+            0 => 0,
+            c => (n as u64).saturating_mul(offload_core::codec::staging_buffer_bytes(c as u64)),
+        }
+    }
+
     fn alloc(&self, kind: HostKind<'_>, bytes: usize, purpose: &str, fill: Fill<'_>) -> Result<PinnedHost> {
         let engine = self.engine().clone();
         match kind {

@@ -176,7 +176,7 @@ impl CostModel {
         if largest == 0 {
             return 0;
         }
-        (self.staging_buffers.max(1) as u64).saturating_mul(largest.next_multiple_of(2 << 20))
+        (self.staging_buffers.max(1) as u64).saturating_mul(offload_core::codec::staging_buffer_bytes(largest))
     }
 
     /// [`simulate_s`](Self::simulate_s), with the streamed blocks held coded

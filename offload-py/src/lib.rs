@@ -146,18 +146,42 @@ fn build<B: OffloadBackend>(
     Ring::new(backend, Arc::new(store), &rc)
 }
 
-/// Every streamed tensor is in the checkpoint with the module's dtype and shape.
+/// Every streamed tensor is in the checkpoint with the module's dtype and shape,
+/// and where the module holds its weights (not built on the meta device), with
+/// its bytes: the store serves the file's, and `disable` gives them back to the
+/// module, so a fine-tuned or fused module given its base model's file would
+/// otherwise compute with, and end up holding, the file's weights.
 fn check_same(file: &offload_core::SafetensorsFile, module: &CapsuleTensors<'_>) -> Result<()> {
-    for s in &module.specs {
-        match file.specs().iter().find(|f| f.name == s.name) {
-            None => return Err(Error::BadTensor { tensor: s.name.clone(), fault: format!("not in {}", file.path().display()) }),
-            Some(f) if f.dtype != s.dtype || f.shape != s.shape => {
-                return Err(Error::BadTensor {
-                    tensor: s.name.clone(),
-                    fault: format!("{:?} {:?} in the module, {:?} {:?} in {}", s.dtype, s.shape, f.dtype, f.shape, file.path().display()),
-                })
-            }
-            Some(_) => {}
+    let (mut mine, mut theirs) = (Vec::new(), Vec::new());
+    for (i, s) in module.specs.iter().enumerate() {
+        let Some(at) = file.specs().iter().position(|f| f.name == s.name) else {
+            return Err(Error::BadTensor { tensor: s.name.clone(), fault: format!("not in {}", file.path().display()) });
+        };
+        let f = &file.specs()[at];
+        if f.dtype != s.dtype || f.shape != s.shape {
+            return Err(Error::BadTensor {
+                tensor: s.name.clone(),
+                fault: format!("{:?} {:?} in the module, {:?} {:?} in {}", s.dtype, s.shape, f.dtype, f.shape, file.path().display()),
+            });
+        }
+        let tensor = &module.tensors[i];
+        if tensor.is_none() {
+            continue;
+        }
+        let n = s.nbytes()?;
+        mine.resize(n, 0);
+        theirs.resize(n, 0);
+        dlpack::read_host(tensor, &s.name, &mut mine)
+            .map_err(|e| Error::BadTensor { tensor: s.name.clone(), fault: keep_interrupt(tensor.py(), e).to_string() })?;
+        file.read_into(at, &mut theirs)?;
+        if mine != theirs {
+            return Err(Error::BadTensor {
+                tensor: s.name.clone(),
+                fault: format!(
+                    "the module's bytes differ from {}'s (give the file the module was loaded from, or build the module on the meta device)",
+                    file.path().display()
+                ),
+            });
         }
     }
     Ok(())

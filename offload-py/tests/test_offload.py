@@ -1042,3 +1042,144 @@ def test_the_benchs_fp8_storage_of_a_transformers_model_is_diffusers_defaults():
     model, _, _ = MODELS["t5"]()
     assert getattr(model, "_keep_in_fp32_modules", None), "the tiny T5 has no fp32 modules to leave out"
     assert _zoo_anchor().fp8_skip_patterns(model, "fp8") == tuple(DEFAULT_SKIP_MODULES_PATTERN)
+
+
+def test_a_checkpoint_whose_bytes_differ_from_the_modules_is_refused(tmp_path):
+    # The store serves the file's bytes and disable gives them back: a module
+    # holding other weights (fine-tuned, fused) would compute with the file's and
+    # lose its own. Refused by name, the module as it was.
+    from safetensors.torch import save_file
+
+    model, _, _ = MODELS["flux"]()
+    path = tmp_path / "flux.safetensors"
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
+    with torch.no_grad():
+        model.transformer_blocks[0].attn.to_q.weight.add_(1)
+    before = _snapshot(model)
+    with pytest.raises(OffloadError, match=r"transformer_blocks\.0\.attn\.to_q\.weight.*bytes differ from .*flux\.safetensors"):
+        offload.enable(model, device="cpu", checkpoint=str(path))
+    assert offload.offloaded(model) is None
+    _same_snapshot(before, _snapshot(model))
+
+
+def test_streamed_weights_that_require_grad_make_the_backward_a_named_error():
+    # Every parameter trainable (a loaded model's default): the forward is the
+    # resident one, and a backward that would leave the streamed weights'
+    # gradients None is an error naming one instead.
+    model, inputs, _ = MODELS["t5"]()
+    ref = _out(model(**inputs))
+    assert ref.requires_grad
+    with torch.no_grad():
+        ref_no_grad = _out(model(**inputs))
+    before = _snapshot(model)
+    offload.enable(model, device="cpu")
+    out = _out(model(**inputs))
+    assert torch.equal(_bits(out), _bits(ref))
+    with pytest.raises(OffloadError, match=r"T5EncoderModel.*encoder\.block\.\d+\..*gets no gradient"):
+        out.float().square().mean().backward()
+    with torch.no_grad():
+        assert torch.equal(_bits(_out(model(**inputs))), _bits(ref_no_grad))
+    offload.disable(model)
+    _same_snapshot(before, _snapshot(model))
+
+
+def test_state_dict_while_offloaded_is_a_named_error():
+    model, _, _ = MODELS["t5"]()
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    offload.enable(model, device="cpu")
+    with pytest.raises(OffloadError, match=r"T5EncoderModel.*encoder\.block\.0 streams its weights"):
+        model.state_dict()
+    with pytest.raises(OffloadError, match=r"T5EncoderModel.*T5Block streams its weights"):
+        model.encoder.block[1].state_dict()
+    with pytest.raises(OffloadError, match="disable offloading before loading a state_dict"):
+        model.load_state_dict(want)
+    offload.disable(model)
+    got = model.state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(_bits(got[k]), _bits(want[k])) for k in want)
+
+
+def test_converting_an_offloaded_module_is_a_named_error_and_disable_still_restores():
+    model, inputs, _ = MODELS["t5"]()
+    before = _snapshot(model)
+    offload.enable(model, device="cpu")
+    model.float()
+    with pytest.raises(OffloadError, match=r"encoder\.block\.0\..* converted to torch\.float32.*disable, convert, then enable"), torch.no_grad():
+        model(**inputs)
+    # The streamed weights come back as enabled; the tensors the conversion
+    # reached (resident, on the simulated device) keep it, and convert back exactly.
+    offload.disable(model)
+    model.to(torch.bfloat16)
+    _same_snapshot(before, _snapshot(model))
+
+
+def test_enabling_a_module_inside_an_offloaded_one_is_refused():
+    model, inputs, _ = MODELS["t5"]()
+    before = _snapshot(model)
+    offload.enable(model, device="cpu")
+    with pytest.raises(OffloadError, match=r"block\.0\..*already streams in component 'T5EncoderModel'"):
+        offload.enable(model.encoder, device="cpu")
+    offload.disable(model)
+    _same_snapshot(before, _snapshot(model))
+    # Once disabled, the inner module may stream on its own.
+    offload.enable(model.encoder, device="cpu")
+    offload.disable(model.encoder)
+    _same_snapshot(before, _snapshot(model))
+
+
+def test_a_failed_pipeline_enable_leaves_what_the_caller_enabled():
+    t5, _, _ = MODELS["t5"]()
+    flux, _, _ = MODELS["flux"]()
+    h = offload.enable(t5, device="cpu")
+    with pytest.raises(OffloadError, match="already offloaded"):
+        offload.enable_pipeline({"transformer": flux, "text_encoder": t5}, device="cpu")
+    assert offload.offloaded(t5) is h, "the caller's component was disabled"
+    assert offload.offloaded(flux) is None, "the pipeline's own component was left enabled"
+    offload.disable(t5)
+
+
+def test_disable_gives_a_channels_last_kernel_back_channels_last():
+    class Convs(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList(torch.nn.Conv2d(4, 4, 3, padding=1) for _ in range(3))
+
+        def forward(self, x):
+            for b in self.blocks:
+                x = b(x)
+            return x
+
+    torch.manual_seed(3)
+    model = Convs().to(memory_format=torch.channels_last)
+    x = torch.randn(1, 4, 8, 8)
+    with torch.no_grad():
+        ref = model(x)
+    before = _snapshot(model)
+    offload.enable(model, device="cpu")
+    with torch.no_grad():
+        assert torch.equal(model(x), ref)
+    offload.disable(model)
+    _same_snapshot(before, _snapshot(model))
+    for b in model.blocks:
+        assert b.weight.is_contiguous(memory_format=torch.channels_last) and not b.weight.is_contiguous()
+
+
+@pytest.mark.parametrize("kw", [{"depth": -1}, {"depth": 1.5}, {"depth": True}, {"budget_gib": float("nan")}, {"budget_gib": 0},
+                                {"pin_budget_gib": -1}, {"budget_gib": "8"}])
+def test_bad_numbers_are_named_errors(kw):
+    model, _, _ = MODELS["t5"]()
+    with pytest.raises(OffloadError, match=r"T5EncoderModel.*(depth|budget_gib|pin_budget_gib) must be"):
+        offload.enable(model, device="cpu", **kw)
+    assert offload.offloaded(model) is None
+
+
+def test_a_stale_handle_does_not_disable_a_later_enable():
+    model, _, _ = MODELS["t5"]()
+    h1 = offload.enable(model, device="cpu")
+    offload.disable(model)
+    h2 = offload.enable(model, device="cpu")
+    with pytest.raises(OffloadError, match="disabled already"):
+        h1.disable()
+    assert offload.offloaded(model) is h2
+    h2.disable()
+    with pytest.raises(OffloadError, match="disabled already"):
+        h2.disable()

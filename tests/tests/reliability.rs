@@ -4,6 +4,7 @@
 
 use offload_core::sim::{SimBackend, SimConfig};
 use offload_core::HostBuffer as _;
+use offload_core::HostMemory as _;
 use offload_core::{
     resolve, ComponentPlan, Error, FaultInjector, FaultKind, HostStore, OffloadBackend, PinFallback, PinOptions, Plan, Ring,
     SafetensorsFile, TensorSource,
@@ -260,6 +261,45 @@ fn coded_blocks_stream_the_same_bytes_on_the_simulated_device() {
     assert_eq!(again.coded_copies - st.coded_copies, model.len() as u64);
     assert!(again.bytes_copied - st.bytes_copied < raw, "{} bytes on the wire for {raw}", again.bytes_copied - st.bytes_copied);
     assert!(again.violations.is_empty(), "{:?}", again.violations);
+}
+
+/// A coded plan's device budget counts the decoder's staging buffers, which
+/// `resolve` cannot (it does not know the coded sizes): on a simulated device
+/// that stages coded copies as offload-cuda's decode engine does, a budget that
+/// holds the weights but not the staging is refused by the ring, naming the
+/// component and the bytes, and at weights + staging the streamed step stays
+/// within it (the simulator counts the staging it really holds).
+#[test]
+fn a_coded_plan_over_its_budget_by_the_staging_buffers_is_refused() {
+    let model = TestModel::random(&ModelShape { stacks: vec![4], min_bytes: 1 << 20, max_bytes: 3 << 20, ..Default::default() }, 48);
+    let sim = SimBackend::new(SimConfig { max_copy_delay_us: 50, staging_buffers: 2, ..Default::default() });
+    let coded = ComponentPlan { coded: true, ..Default::default() };
+    let store = Arc::new(HostStore::build_with(&sim, &model.inventory, &model.tensors, PinOptions::from_plan(&coded)).unwrap());
+    assert_eq!(store.coded_blocks(), store.blocks().len(), "every block coded");
+    let largest = store.blocks().iter().filter_map(|b| b.buffer().unwrap().held_bytes()).max().unwrap();
+    let staging = 2 * offload_core::codec::staging_buffer_bytes(largest as u64);
+    assert_eq!(sim.host().decoder_staging_bytes(largest), staging);
+    let bound = resolve(&Plan { default: coded.clone(), ..Default::default() }, std::slice::from_ref(&model.inventory)).unwrap().components
+        [0]
+    .device_weight_bound;
+    let with_budget = |bytes: u64| {
+        let plan = Plan { default: ComponentPlan { device_budget_bytes: Some(bytes), ..coded.clone() }, ..Default::default() };
+        resolve(&plan, std::slice::from_ref(&model.inventory)).unwrap().components.remove(0)
+    };
+    // The weights alone fit: resolve passes, the ring refuses.
+    let e = Ring::new(sim.clone(), store.clone(), &with_budget(bound + staging - 1)).err().expect("over budget by the staging");
+    let msg = e.to_string();
+    assert!(matches!(e, Error::Plan(_)) && msg.contains("\"transformer\"") && msg.contains("staging buffers"), "{msg}");
+    assert!(msg.contains(&format!("{bound} for the weights + {staging}")), "{msg}");
+    assert_eq!(sim.stats().live_bytes, 0, "nothing held after the refusal");
+    // At weights + staging it builds, streams the reference, and the device never holds more.
+    let mut ring = Ring::new(sim.clone(), store.clone(), &with_budget(bound + staging)).unwrap();
+    let order: Vec<usize> = (0..model.len()).collect();
+    assert_eq!(run(&mut ring, &sim, &order).unwrap(), model.reference(&order));
+    assert_eq!(run(&mut ring, &sim, &order).unwrap(), model.reference(&order));
+    ring.close().unwrap();
+    let peak = sim.stats().peak_bytes;
+    assert!(peak > bound && peak <= bound + staging, "peak {peak} bytes: weights {bound}, staging {staging}");
 }
 
 /// Coding is kept only where it pays: a block whose coded form would not be

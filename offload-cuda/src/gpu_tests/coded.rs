@@ -82,6 +82,45 @@ fn coded_ring_streams_exact_fp8_bytes() {
     assert!(held < held2, "fp8's code: {held} bytes held, bf16's alone {held2}");
 }
 
+/// On a GPU: the staging buffers the decode engine holds are what the backend
+/// says it holds ([`HostMemory::decoder_staging_bytes`]), and a coded ring whose
+/// budget holds the weights but not them is refused (naming them), while at
+/// weights + staging it streams every block's exact bytes with the engine's
+/// staging peak within the count. Without a device it prints SKIPPED (and fails
+/// under `OFFLOAD_REQUIRE_DEVICE=1`).
+#[test]
+fn a_coded_ring_counts_the_staging_buffers_in_its_budget() {
+    let Some(b) = super::test_backend() else { return };
+    b.enable_coding(CodingOptions { threads: 4, segment_bytes: 256 << 10, ..Default::default() }).unwrap();
+    let mut t = MemoryTensors::new();
+    for i in 0..4u64 {
+        let w = crate::codec::sample_normal_bf16(1_500_000 + 300_000 * i as usize, 0.02, 60 + i);
+        t.push(TensorSpec::new(format!("blocks.{i}.w"), DType::BF16, [w.len() / 2]), w).unwrap();
+    }
+    let inv = NameDiscovery.discover("model", offload_core::TensorSource::specs(&t)).unwrap();
+    let store = Arc::new(HostStore::build(&b, &inv, &t).unwrap());
+    let largest = store.blocks().iter().filter_map(|blk| blk.buffer().unwrap().held_bytes()).max().expect("blocks coded");
+    let staging = b.decoder_staging_bytes(largest);
+    assert_eq!(staging, STAGING_BUFFERS as u64 * offload_core::codec::staging_buffer_bytes(largest as u64));
+    let raw: Vec<Vec<u8>> = store.blocks().iter().map(|blk| blk.buffer().unwrap().block_bytes().unwrap().to_vec()).collect();
+    let resolved = |budget: Option<u64>| {
+        let mut plan = Plan::layerwise();
+        plan.default.device_budget_bytes = budget;
+        resolve(&plan, std::slice::from_ref(&inv)).unwrap().components.remove(0)
+    };
+    let bound = resolved(None).device_weight_bound;
+    let e = Ring::new(b.clone(), store.clone(), &resolved(Some(bound + staging - 1))).err().expect("over budget by the staging");
+    assert!(e.to_string().contains("staging buffers"), "{e}");
+    let mut ring = Ring::new(b.clone(), store.clone(), &resolved(Some(bound + staging))).unwrap();
+    for step in 0..2 {
+        one_step_exact(&b, &mut ring, &raw, step);
+    }
+    ring.close().unwrap();
+    b.poll_error().unwrap();
+    let peak = b.counters().staging_peak_bytes;
+    assert!(peak > 0 && peak <= staging, "staging peak {peak} bytes, counted {staging}");
+}
+
 /// One step of `ring` in order, each block's slot read back after its copy
 /// event and compared with `raw`'s bytes for it.
 fn one_step_exact(b: &CudaBackend, ring: &mut Ring<CudaBackend>, raw: &[Vec<u8>], step: usize) {

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
+import numbers
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional, Sequence
 
@@ -14,6 +17,9 @@ from torch import nn
 from ._offload import OffloadError, Streamer, safetensors_read, safetensors_tensors
 
 _STATE = "_offload_state"
+# Set on a parameter while its bytes stream (the component's name), so that
+# enabling a submodule of an offloaded module is refused.
+_STREAMED_BY = "_offload_streamed_by"
 
 _DTYPES = {
     torch.bool: "BOOL",
@@ -63,6 +69,17 @@ def _is_block_list(m: nn.Module) -> bool:
     return all(any(True for _ in c.parameters()) for c in items)
 
 
+def _contiguous(shape) -> tuple:
+    """The strides of a contiguous tensor of ``shape``."""
+    return tuple(torch.empty(tuple(shape), device="meta").stride())
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill one span of its storage (any order): what
+    ``empty_like`` keeps the strides of."""
+    return tuple(torch.empty_like(t, device="meta").stride()) == tuple(t.stride())
+
+
 def _owner(root: nn.Module, name: str) -> tuple[nn.Module, str]:
     path, _, attr = name.rpartition(".")
     return (root.get_submodule(path) if path else root), attr
@@ -81,12 +98,18 @@ class _Param:
     shape: tuple
     offset: int = 0
     nbytes: int = 0
-    # Contiguous strides of `shape`, for binding the view in one call.
+    # The strides its view is bound with (its `layout`), in one call.
     stride: tuple = ()
     pinned: bool = False
     # A parameter subclass the block's views are wrapped in again (diffusers'
     # GGUFParameter, which carries its quant type), or None for a plain one.
     rewrap: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+    # Its name in the module, for errors.
+    name: str = ""
+    # Its strides: contiguous, or those it had when enabled where it was dense in
+    # another order (a channels-last kernel), its bytes then streamed in that
+    # order, so that each kernel reads them as it did resident; made again on disable.
+    layout: tuple = ()
 
 
 @dataclass
@@ -223,9 +246,12 @@ class Offloaded:
 
     def disable(self) -> None:
         """Put the module back: hooks removed, every parameter and buffer the
-        same object with the same bytes on the device it was on."""
-        if self.module is not None:
-            disable(self.module)
+        same object with the same bytes on the device it was on. An error once
+        this handle's offloading has ended (a later :func:`enable` of the same
+        module has a handle of its own)."""
+        if self.module is None or offloaded(self.module) is not self:
+            raise OffloadError(f"component {self.component!r}: this handle's offloading was disabled already")
+        disable(self.module)
 
     # -- hooks ----------------------------------------------------------------
     def _engine(self) -> Streamer:
@@ -239,6 +265,16 @@ class Offloaded:
         if id(block) in self._ran and not self._in_forward:
             self._end_step()
         self._ran.add(id(block))
+        if block.params:
+            # `module.float()` or `.to(other)` while offloaded converts only the
+            # placeholders: the block's bytes would still be bound as enabled.
+            first = block.params[0]
+            held = first.param
+            if held.dtype != first.dtype or (not held.is_meta and held.device != self.device):
+                raise OffloadError(
+                    f"component {self.component!r}: tensor {first.name!r} was converted to {held.dtype} on {held.device} "
+                    f"while offloaded (it streams as {first.dtype} to {self.device}); disable, convert, then enable again"
+                )
         buf = self._engine().lend(block.stack, block.index)
         if self.device.type == "cuda":
             cur = torch.cuda.current_stream(self.device)
@@ -266,8 +302,17 @@ class Offloaded:
             view = strided(shape, stride, base + offset)
             params[attr] = view if rewrap is None else rewrap(view)
         for p in block.sliced:
-            view = data[p.offset : p.offset + p.nbytes].view(p.dtype).view(p.shape)
+            view = data[p.offset : p.offset + p.nbytes].view(p.dtype).as_strided(p.shape, p.stride)
             p.owner._parameters[p.attr] = view if p.rewrap is None else p.rewrap(view)
+        if torch.is_grad_enabled():
+            # A streamed weight gets no gradient: one that asks for it makes the
+            # backward an error naming it, never a gradient quietly left None.
+            for p in block.params:
+                if p.param.requires_grad:
+                    view = p.owner._parameters[p.attr]
+                    if view.is_floating_point() and not view.requires_grad:
+                        view.requires_grad_(True)
+                        view.register_hook(_no_gradient(self.component, p.name))
 
     def _unbind(self) -> None:
         block, self._bound = self._bound, None
@@ -289,6 +334,59 @@ class Offloaded:
         self._in_forward = False
         self.last_metrics = json.loads(self._engine().end_step())
         self.steps += 1
+
+
+def _no_gradient(component: str, name: str):
+    def hook(grad):
+        raise OffloadError(
+            f"component {component!r}: tensor {name!r} streams and gets no gradient; freeze it "
+            "(requires_grad_(False)) and train an adapter, or run the forward under torch.no_grad()"
+        )
+
+    return hook
+
+
+def _refuse_state_dict(component: str):
+    """A block's state_dict hook while offloaded: its parameters hold placeholders."""
+
+    def hook(module, state_dict, prefix, local_metadata):
+        raise OffloadError(
+            f"component {component!r}: {prefix.rstrip('.') or type(module).__name__} streams its weights, so its "
+            "state_dict would hold empty placeholders; disable offloading first"
+        )
+
+    return hook
+
+
+def _refuse_load_state_dict(component: str):
+    def hook(state_dict, prefix, *args):
+        raise OffloadError(
+            f"component {component!r}: {prefix.rstrip('.') or 'a block'} streams its weights from the engine's store; "
+            "disable offloading before loading a state_dict"
+        )
+
+    return hook
+
+
+def _count(component: str, what: str, value: Any, least: int) -> int:
+    try:
+        n = operator.index(value)
+    except TypeError:
+        raise OffloadError(f"component {component!r}: {what} must be an integer, not {value!r}") from None
+    if isinstance(value, bool) or n < least:
+        raise OffloadError(f"component {component!r}: {what} must be an integer of at least {least}, not {value!r}")
+    return n
+
+
+def _gib(component: str, what: str, value: Any, positive: bool) -> Optional[float]:
+    if value is None:
+        return None
+    if not isinstance(value, numbers.Real):
+        raise OffloadError(f"component {component!r}: {what} must be a number of GiB, not {value!r}")
+    v = float(value)
+    if isinstance(value, bool) or not math.isfinite(v) or v < 0 or (positive and v == 0):
+        raise OffloadError(f"component {component!r}: {what} must be a finite number of GiB{' above 0' if positive else ''}, not {value!r}")
+    return v
 
 
 def _rewrap(p: torch.Tensor, component: str, name: str):
@@ -381,7 +479,9 @@ def enable(
     (``"transformer_blocks.0"``). ``coded``: the weights held coded for the
     device (lossless exponent coding, fewer bytes on the link; CUDA).
     ``checkpoint``: a safetensors file with the same tensors, served in place
-    from its pages (no second copy in host memory). A module built on the meta
+    from its pages (no second copy in host memory); where the module holds
+    its weights, each block tensor's bytes are compared with the file's, and
+    one that differs (a fine-tuned or fused module) is an error naming it. A module built on the meta
     device (``with torch.device("meta"):``) takes its weights from it: the
     blocks' served from the file, the others read onto ``device``; a meta
     tensor the file lacks is an error naming it, and :func:`disable` puts the
@@ -395,6 +495,9 @@ def enable(
     at twice the host memory).
     """
     component = name or type(module).__name__
+    depth = _count(component, "depth", depth, 1)
+    budget_gib = _gib(component, "budget_gib", budget_gib, positive=True)
+    pin_budget_gib = _gib(component, "pin_budget_gib", pin_budget_gib, positive=False)
     _refuse_other_offloading(module, component)
     dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if dev.type == "cuda" and dev.index is None:
@@ -435,6 +538,11 @@ def enable(
                 raise OffloadError(f"component {component!r}: tensor {full!r} has dtype {p.dtype}, which cannot be streamed")
             if id(p) in in_block:
                 raise OffloadError(f"component {component!r}: tensor {full!r} is tied to {in_block[id(p)]!r}; tied weights cannot be streamed")
+            if getattr(p, _STREAMED_BY, None) is not None:
+                raise OffloadError(
+                    f"component {component!r}: tensor {full!r} already streams in component {getattr(p, _STREAMED_BY)!r} "
+                    "(a module around this one is offloaded: disable it first)"
+                )
             in_block[id(p)] = full
             rewrap = _rewrap(p, component, full)
             owner, attr = _owner(module, full)
@@ -444,18 +552,31 @@ def enable(
                 if checkpoint is None:
                     raise OffloadError(f"component {component!r}: tensor {full!r} is on the meta device; give checkpoint= to serve it from a file")
                 tensors.append((full, _DTYPES[p.dtype], list(p.shape), None))
-                prm = _Param(owner, attr, p, p.data, p.device, p.dtype, tuple(p.shape), rewrap=rewrap)
+                prm = _Param(owner, attr, p, p.data, p.device, p.dtype, tuple(p.shape), rewrap=rewrap, name=full,
+                             layout=_contiguous(p.shape))
             else:
                 host = p.detach().as_subclass(torch.Tensor)
                 if host.device.type != "cpu":
-                    host = host.to("cpu")
-                host = host.contiguous()
+                    host = host.to("cpu")  # keeps a dense tensor's strides
+                layout = _contiguous(p.shape)
+                if checkpoint is None and host.stride() != layout and host.numel() and _dense(host):
+                    # Dense in another order: its bytes as they lie, bound with its strides.
+                    layout = tuple(host.stride())
+                    host = host.as_strided((host.numel(),), (1,), host.storage_offset())
+                else:
+                    host = host.contiguous()
                 tensors.append((full, _DTYPES[p.dtype], list(p.shape), host))
                 # The bytes to restore, in host memory (a parameter on the device gives its memory back).
                 prm = _Param(owner, attr, p, p.data if p.device.type == "cpu" else host, p.device, p.dtype, tuple(p.shape),
-                             pinned=p.device.type == "cpu" and torch.cuda.is_available() and p.is_pinned(), rewrap=rewrap)
+                             pinned=p.device.type == "cpu" and torch.cuda.is_available() and p.is_pinned(), rewrap=rewrap, name=full,
+                             layout=layout)
             state.params[full] = prm
             blk.params.append(prm)
+    if not tensors and frozen_some and any(p.requires_grad for child, _ in block_modules for p in child.parameters()):
+        raise OffloadError(
+            f"component {component!r}: every block parameter requires grad while others are frozen, so all of them "
+            "stay resident as trainable adapters and none would stream; freeze the block weights (requires_grad_(False))"
+        )
     for full, p in all_params.items():
         if id(p) in in_block and in_block[id(p)] != full:
             raise OffloadError(f"component {component!r}: tensor {in_block[id(p)]!r} is tied to {full!r} outside the blocks; tied weights cannot be streamed")
@@ -532,7 +653,7 @@ def enable(
         for tname, offset, nbytes in layout:
             p = state.params[tname]
             p.offset, p.nbytes = offset, nbytes
-            p.stride = tuple(torch.empty(p.shape, device="meta").stride())
+            p.stride = p.layout
     for _, blk in block_modules:
         blk.prepare()
 
@@ -585,6 +706,10 @@ def enable(
         for child, blk in block_modules:
             state.hooks.append(child.register_forward_pre_hook(_pre_hook(state, blk)))
             state.hooks.append(child.register_forward_hook(_post_hook(state), always_call=True))
+            state.hooks.append(child._register_state_dict_hook(_refuse_state_dict(component)))
+            state.hooks.append(child._register_load_state_dict_pre_hook(_refuse_load_state_dict(component)))
+        for p in state.params.values():
+            setattr(p.param, _STREAMED_BY, component)
         state.hooks.append(module.register_forward_pre_hook(_forward_pre_hook(state)))
         state.hooks.append(module.register_forward_hook(_step_hook(state), always_call=True))
         setattr(module, _STATE, state)
@@ -651,10 +776,11 @@ def _restore(state: Offloaded) -> None:
                 elif p.where.type == "meta":
                     data = torch.empty(p.shape, dtype=p.dtype, device="meta")
                 else:
-                    # Page-locked again where it was (diffusers' streams need it so).
-                    data = torch.empty(p.shape, dtype=p.dtype, pin_memory=p.pinned)
+                    # Page-locked again where it was (diffusers' streams need it so), in
+                    # the layout it had (a channels-last kernel stays channels-last).
+                    data = torch.empty_strided(p.shape, p.layout, dtype=p.dtype, pin_memory=p.pinned)
                     if p.nbytes:
-                        data.copy_(raw[p.offset : p.offset + p.nbytes].view(p.dtype).view(p.shape))
+                        data.copy_(raw[p.offset : p.offset + p.nbytes].view(p.dtype).as_strided(p.shape, p.layout))
                 back.append((p, data if data.device == p.where else data.to(p.where)))
         for m in state.moved:
             # Into the host tensor it came from (not in use while offloaded).
@@ -668,6 +794,8 @@ def _restore(state: Offloaded) -> None:
         for p, data in back:
             p.owner._parameters[p.attr] = p.param
             p.param.data = data
+            if getattr(p.param, _STREAMED_BY, None) is not None:
+                delattr(p.param, _STREAMED_BY)
         for m in reversed(state.moved):
             if m.swapped:
                 m.owner._parameters[m.attr] = m.saved
@@ -747,11 +875,13 @@ def enable_pipeline(
         raise OffloadError(f"{type(pipe).__name__}: a budget of {budget_gib} GiB is below what streaming needs ({parts})")
     denoiser = max(streamed, key=lambda n: (_calls_per_step(n), need[n]), default=None)
     done: dict = {}
+    moved: dict = {}
     try:
         for n, m in modules.items():
             if n not in streamed:
                 p0 = next(iter(m.parameters()), None)
                 m._offload_moved_from = p0.device if p0 is not None else None
+                moved[n] = m
                 m.to(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
                 continue
             b = None
@@ -759,8 +889,9 @@ def enable_pipeline(
                 b = (need[n] if n != denoiser else budget_gib * _GiB - sum(v for k, v in need.items() if k != n)) / _GiB
             done[n] = enable(m, device=device, depth=depth, budget_gib=b, coded=coded, name=n, progress=progress)
     except BaseException:
+        # Only what this call changed: a component the caller enabled before stays so.
         with contextlib.suppress(Exception):
-            disable_pipeline(modules)
+            disable_pipeline({**moved, **{n: modules[n] for n in done}})
         raise
     return done
 

@@ -247,10 +247,18 @@ impl GgufFile {
     /// dimension a whole number of blocks, its bytes aligned, inside the file
     /// and not overlapping another's, names unique.
     pub fn open(path: impl AsRef<Path>) -> Result<Self> {
-        let path = path.as_ref().to_path_buf();
+        Self::open_then(path.as_ref(), &|| ())
+    }
+
+    /// [`open`](Self::open), calling `after_header` once the header is read
+    /// (tests change the file there); the identity is taken before the header
+    /// is read and compared after, as `SafetensorsFile` does.
+    pub(crate) fn open_then(path: &Path, after_header: &dyn Fn()) -> Result<Self> {
+        let path = path.to_path_buf();
         let io = |source| Error::Io { path: path.clone(), source };
         let file = File::open(&path).map_err(io)?;
-        let len = file.metadata().map_err(io)?.len();
+        let meta = file.metadata().map_err(io)?;
+        let (len, read_from) = (meta.len(), crate::FileIdentity::of(&meta));
         let mut h = Header { r: BufReader::with_capacity(1 << 16, &file), pos: 0, len, path: &path };
         let magic = h.arr::<4>("the magic")?;
         if &magic != b"GGUF" {
@@ -336,8 +344,10 @@ impl GgufFile {
             }
         }
         let offsets = rel.iter().map(|&(a, _)| data_start + a).collect();
+        after_header();
         let region = FileRegion::new(&path, file.try_clone().map_err(io)?)?;
         let opened = region.identity();
+        read_from.compare(&path, &opened)?;
         Ok(GgufFile { path, version, metadata, specs, offsets, alignment, region: Arc::new(region), opened })
     }
 
@@ -623,6 +633,21 @@ mod tests {
         s.extend(b"x");
         assert!(err(&write(&[("s", 8, s)], &[], 32, 3)).contains("longer than"));
         assert!(err(&write(&[("s", 77, vec![])], &[], 32, 3)).contains("unknown value type 77"));
+    }
+
+    #[test]
+    fn a_file_rewritten_while_its_header_is_read_is_refused() {
+        let (_t, p) = file(&write(&[], &[("blocks.0.w", &[32], 8, random(34, 1))], 32, 3));
+        let rewrite = || {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+            let mut bytes = std::fs::read(&p).unwrap();
+            let n = bytes.len();
+            bytes[n - 1] ^= 1;
+            std::fs::write(&p, &bytes).unwrap();
+        };
+        let e = GgufFile::open_then(&p, &rewrite).map(drop).expect_err("refused").to_string();
+        assert!(e.contains("m.gguf") && e.contains("written since"), "{e}");
+        assert!(GgufFile::open(&p).is_ok());
     }
 
     #[test]

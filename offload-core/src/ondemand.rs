@@ -82,9 +82,14 @@ impl<B: OffloadBackend> OnDemand<B> {
         first_err.map_or(Ok(()), Err)
     }
 
-    /// Release the device copy once the kernels enqueued so far have run.
+    /// Release the device copy once the kernels enqueued so far have run, and
+    /// check the store's files again ([`HostStore::check_sources`]): a mapped
+    /// checkpoint changed since the load is an error naming it (the copies may
+    /// have read changed bytes; without a host synchronisation a change made
+    /// while a copy is still queued after this check is not seen).
     pub fn release(mut self) -> Result<()> {
-        self.free_all()
+        let freed = self.free_all();
+        freed.and_then(|()| self.store.check_sources())
     }
 }
 

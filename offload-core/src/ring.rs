@@ -211,6 +211,22 @@ impl<B: OffloadBackend> Ring<B> {
         if let Some(id) = held.iter().find(|id| !planned.contains(*id)) {
             return Err(Error::Plan(format!("component {:?}: the store holds block {id}, which the plan does not name", plan.name)));
         }
+        // A plan that leaves blocks on disk (under a host RAM budget) counts its
+        // host memory with them there: a store that holds them otherwise would
+        // pass the budget unseen.
+        if !plan.on_disk.is_empty() {
+            if let Some(b) = store.blocks().iter().find(|b| plan.is_on_disk(&b.id) != b.disk_offset().is_some()) {
+                let (plan_has, store_has) = match plan.is_on_disk(&b.id) {
+                    true => ("on disk", "in memory"),
+                    false => ("in memory", "on disk"),
+                };
+                return Err(Error::Plan(format!(
+                    "component {:?}: the plan holds block {} {plan_has}, the store {store_has} (build the store with \
+                     HostStore::build_tiered and the plan's is_on_disk)",
+                    plan.name, b.id
+                )));
+            }
+        }
         check_staging_budget(&backend, &store, plan)?;
         let n = store.blocks().len();
         let mut resident_of = vec![None; n];
@@ -871,9 +887,14 @@ impl<B: OffloadBackend> Ring<B> {
 
     /// Wait for outstanding work and release every slot. The host store is
     /// untouched; a new ring can be built from it.
+    ///
+    /// Once the device has drained, the store's files are checked again: a
+    /// change made while the last step's copies were still queued (after its
+    /// `end_step` checked) is an error naming the file, so the last step of a
+    /// run is covered as every other is.
     pub fn close(mut self) -> Result<()> {
         let forgotten = self.release_forgotten();
-        let r = self.backend.synchronize().and(forgotten);
+        let r = self.backend.synchronize().and(forgotten).and_then(|()| self.sabotage_checked_sources());
         self.release_all();
         self.closed = true;
         r

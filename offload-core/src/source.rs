@@ -116,11 +116,20 @@ impl SafetensorsFile {
     /// Open `path` and check its header: dtypes known, shapes agree with byte
     /// ranges, ranges inside the file and not overlapping, names unique.
     pub fn open(path: impl AsRef<Path>) -> Result<Self> {
-        let path = path.as_ref().to_path_buf();
+        Self::open_then(path.as_ref(), &|| ())
+    }
+
+    /// [`open`](Self::open), calling `after_header` once the header is read
+    /// (tests change the file there). The file's identity is taken before the
+    /// header is read and compared after: a file rewritten in between (same
+    /// length, other offsets) is an error, not a header of other bytes.
+    pub(crate) fn open_then(path: &Path, after_header: &dyn Fn()) -> Result<Self> {
+        let path = path.to_path_buf();
         let io = |source| Error::Io { path: path.clone(), source };
         let bad = |tensor: &str, fault: String| Error::BadCheckpoint { path: path.clone(), tensor: tensor.to_owned(), fault };
         let file = File::open(&path).map_err(io)?;
-        let len = file.metadata().map_err(io)?.len();
+        let meta = file.metadata().map_err(io)?;
+        let (len, read_from) = (meta.len(), FileIdentity::of(&meta));
         if len < 8 {
             return Err(bad("", format!("file is {len} bytes, shorter than the 8-byte header length")));
         }
@@ -180,8 +189,10 @@ impl SafetensorsFile {
         for (a, _, i) in ranges {
             offsets[i] = data_start + a;
         }
+        after_header();
         let region = FileRegion::new(&path, file.try_clone().map_err(io)?)?;
         let opened = region.identity;
+        read_from.compare(&path, &opened)?;
         Ok(SafetensorsFile { path, file, specs, offsets, region: Arc::new(region), opened })
     }
 

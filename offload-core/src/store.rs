@@ -1185,6 +1185,61 @@ mod tests {
         }
     }
 
+    /// A change made after the last step's `end_step` (its copies may still be
+    /// queued then) is seen when the ring closes, and when an on-demand
+    /// component is released; a file rewritten while its header is read is
+    /// refused by `open` (the identity is taken before the header).
+    #[test]
+    fn a_change_after_the_last_step_is_an_error_at_close_and_release() {
+        use crate::{resolve, OnDemand, Plan, Ring};
+        let path = temp("after-last-step");
+        write_checkpoint(&path, &disk_model(4, 4096));
+        let file = SafetensorsFile::open(&path).unwrap();
+        let inv = NameDiscovery.discover("m", file.specs()).unwrap();
+        let be = SimBackend::new(SimConfig::fast());
+        let store = std::sync::Arc::new(HostStore::build_mapped(&be, &inv, &file, PinOptions::default()).unwrap());
+        let plan = resolve(&Plan::layerwise(), std::slice::from_ref(&inv)).unwrap();
+        let mut ring = Ring::new(be.clone(), store.clone(), &plan.components[0]).unwrap();
+        for i in 0..4 {
+            drop(ring.block_at(i).unwrap());
+        }
+        ring.end_step().unwrap();
+        let on_demand = OnDemand::load(be.clone(), store.clone()).unwrap();
+        write_in_place(&path, file.data_offset(1) + 3, false);
+        let e = ring.close().unwrap_err().to_string();
+        assert!(e.contains("m.safetensors") && e.contains("since it was opened"), "{e}");
+        let e = on_demand.release().unwrap_err().to_string();
+        assert!(e.contains("m.safetensors"), "{e}");
+        // Rewritten in place while its header is read: refused by open.
+        let at = file.data_offset(0) + 11;
+        let e = SafetensorsFile::open_then(&path, &|| write_in_place(&path, at, true)).map(drop).expect_err("refused").to_string();
+        assert!(e.contains("m.safetensors") && e.contains("since it was opened"), "{e}");
+        assert!(SafetensorsFile::open(&path).is_ok());
+    }
+
+    /// A plan that leaves blocks on disk and a store that holds them otherwise
+    /// (the plan's host RAM count would be wrong) do not make a ring.
+    #[test]
+    fn a_store_whose_disk_blocks_are_not_the_plans_is_refused() {
+        use crate::{resolve, ComponentPlan, Plan, Ring};
+        let path = temp("disk-split");
+        write_checkpoint(&path, &disk_model(4, 4096));
+        let file = SafetensorsFile::open(&path).unwrap();
+        let inv = NameDiscovery.discover("m", file.specs()).unwrap();
+        let be = SimBackend::new(SimConfig::fast());
+        let cp = ComponentPlan { disk_blocks: vec!["blocks.1".into(), "blocks.3".into()], ..Default::default() };
+        let rc = resolve(&Plan::layerwise().component("m", cp), std::slice::from_ref(&inv)).unwrap().components.remove(0);
+        let in_memory = std::sync::Arc::new(HostStore::build(&be, &inv, &file).unwrap());
+        let e = Ring::new(be.clone(), in_memory, &rc).err().expect("refused").to_string();
+        assert!(e.contains("block blocks.1 on disk, the store in memory"), "{e}");
+        let other = std::sync::Arc::new(HostStore::build_tiered(&be, &inv, &file, PinOptions::default(), &|id| id.index == 0).unwrap());
+        let e = Ring::new(be.clone(), other, &rc).err().expect("refused").to_string();
+        assert!(e.contains("block blocks.0 in memory, the store on disk"), "{e}");
+        let planned =
+            std::sync::Arc::new(HostStore::build_tiered(&be, &inv, &file, PinOptions::default(), &|id| rc.is_on_disk(id)).unwrap());
+        Ring::new(be.clone(), planned, &rc).unwrap().close().unwrap();
+    }
+
     /// `blocks` blocks of two tensors (the first `big` bytes) and a non-block
     /// tensor, random bytes.
     fn disk_model(blocks: u64, big: usize) -> Vec<(String, Vec<u8>)> {

@@ -336,7 +336,8 @@ fn on_demand<H: Harness>(_: Sabotage) -> Outcome {
 /// where the row serves the file in place, the step's end is an error naming
 /// the file and every later block is refused (`HostStore::check_sources`);
 /// where it copied the file, the copies do not depend on it and the ring goes
-/// on (and the check's sabotage does not apply: n/a).
+/// on (and the check's sabotage does not apply: n/a). Closing the ring checks
+/// the file again: an error where it serves the file in place.
 fn mapped_source<H: Harness>(s: Sabotage) -> Outcome {
     let model = TestModel::random(&ModelShape { stacks: vec![3, 2], ..Default::default() }, 222);
     let dir = case_dir::<H>("offload-conformance-mapped");
@@ -376,10 +377,12 @@ fn mapped_source<H: Harness>(s: Sabotage) -> Outcome {
     }
     let next = su.run(&mut ring, &order).and_then(|_| ring.end_step().map_err(CaseError::from));
     let after = ring.block_at(order[0]).map(drop);
-    ring.close()?;
+    // Closing checks the file once more (a change during the last step's copies).
+    let closed = ring.close();
     drop(su);
     let _ = std::fs::remove_dir_all(&dir);
     if H::serves_mapped() {
+        ensure!(closed.as_ref().is_err_and(|e| e.to_string().contains("model.safetensors")), "closing over the changed file: {closed:?}");
         let Err(e) = next else {
             return Err(CaseError::Fail("a step over a mapped file written in place (block 2) ended without an error".into()));
         };
@@ -391,6 +394,7 @@ fn mapped_source<H: Harness>(s: Sabotage) -> Outcome {
     } else {
         next?;
         after?;
+        closed?;
     }
     Ok(())
 }

@@ -175,6 +175,10 @@ pub struct ResolvedComponent {
     /// tensors, and the bounce buffers of the blocks on disk.
     #[serde(default)]
     pub host_ram_bytes: u64,
+    /// The page-locked host budget (`host_pin_budget_bytes`), if any: the store's
+    /// page-locked bytes and the ring's page-locked bounce buffers count against it.
+    #[serde(default)]
+    pub pin_budget: Option<u64>,
 }
 
 impl ResolvedComponent {
@@ -324,6 +328,7 @@ pub fn resolve_on(plan: &Plan, inventory: &[ComponentInventory], memory: Option<
             budget,
             on_disk,
             host_ram_bytes,
+            pin_budget: cp.host_pin_budget_bytes,
         });
     }
     Ok(ResolvedPlan { components })

@@ -173,6 +173,37 @@ fn check_staging_budget<B: OffloadBackend>(backend: &B, store: &HostStore<B>, pl
     Ok(())
 }
 
+/// A plan's page-locked host budget, with what the ring page-locks beside the
+/// store: the disk tier's bounce buffers (`d + 2` of the largest streamed block
+/// on disk), or before them the one-off buffer a resident block on disk is
+/// loaded through. The store charged its own buffers at build.
+fn check_pin_budget<B: OffloadBackend>(store: &HostStore<B>, plan: &ResolvedComponent) -> Result<()> {
+    let Some(budget) = plan.pin_budget else { return Ok(()) };
+    let on_disk = store.blocks().iter().filter(|b| b.disk_offset().is_some());
+    let (mut streamed, mut once) = (None::<usize>, 0);
+    for b in on_disk {
+        match plan.is_resident(&b.id) {
+            true => once = once.max(b.bytes()),
+            false => streamed = streamed.max(Some(b.bytes())),
+        }
+    }
+    let bounce = streamed.map_or(0, |b| ((plan.depth + 2) * crate::disk::DiskFile::span(b)) as u64);
+    let need = store.pinned_bytes().saturating_add(bounce.max(once as u64));
+    if need > budget {
+        return Err(Error::Plan(format!(
+            "component {:?}: host pin budget {budget} bytes is below what the ring page-locks: {need} bytes \
+             (the store's {} + the disk tier's {})",
+            plan.name,
+            store.pinned_bytes(),
+            match bounce >= once as u64 {
+                true => format!("{} bounce buffers, {bounce} bytes", plan.depth + 2),
+                false => format!("one-off buffer for a resident block, {once} bytes"),
+            }
+        )));
+    }
+    Ok(())
+}
+
 impl<B: OffloadBackend> Ring<B> {
     /// Build the ring of one component: allocate its slots, copy its resident
     /// blocks and non-block tensors, and start prefetching the first blocks.
@@ -228,6 +259,7 @@ impl<B: OffloadBackend> Ring<B> {
             }
         }
         check_staging_budget(&backend, &store, plan)?;
+        check_pin_budget(&store, plan)?;
         let n = store.blocks().len();
         let mut resident_of = vec![None; n];
         let mut ring = Ring {

@@ -1240,6 +1240,42 @@ mod tests {
         Ring::new(be.clone(), planned, &rc).unwrap().close().unwrap();
     }
 
+    /// The disk tier's bounce buffers are page-locked beside the store: a pin
+    /// budget that holds the store but not them is refused by the ring, naming
+    /// both, and at store + bounce the ring page-locks exactly the bounce bytes
+    /// it counted (the simulator counts what it page-locks).
+    #[test]
+    fn the_disk_tiers_bounce_buffers_count_against_the_pin_budget() {
+        use crate::{resolve, ComponentPlan, Plan, Ring};
+        let path = temp("disk-pin-budget");
+        write_checkpoint(&path, &disk_model(4, 4096));
+        let file = SafetensorsFile::open(&path).unwrap();
+        let inv = NameDiscovery.discover("m", file.specs()).unwrap();
+        let be = SimBackend::new(SimConfig::fast());
+        let with = |budget: Option<u64>| {
+            let cp = ComponentPlan {
+                disk_blocks: vec!["blocks.1".into(), "blocks.3".into()],
+                host_pin_budget_bytes: budget,
+                ..Default::default()
+            };
+            resolve(&Plan::layerwise().component("m", cp), std::slice::from_ref(&inv)).unwrap().components.remove(0)
+        };
+        let rc = with(None);
+        let store = std::sync::Arc::new(HostStore::build_tiered(&be, &inv, &file, PinOptions::default(), &|id| rc.is_on_disk(id)).unwrap());
+        let largest = store.blocks().iter().filter(|b| b.disk_offset().is_some()).map(|b| b.bytes()).max().unwrap();
+        let bounce = (3 * crate::DiskFile::span(largest)) as u64;
+        let pinned = store.pinned_bytes();
+        let e = Ring::new(be.clone(), store.clone(), &with(Some(pinned + bounce - 1))).map(drop).expect_err("refused").to_string();
+        assert!(
+            e.contains("host pin budget")
+                && e.contains(&format!("the store's {pinned} + the disk tier's 3 bounce buffers, {bounce} bytes")),
+            "{e}"
+        );
+        let before = be.stats().pinned_bytes;
+        Ring::new(be.clone(), store.clone(), &with(Some(pinned + bounce))).unwrap().close().unwrap();
+        assert_eq!(be.stats().pinned_bytes - before, bounce, "page-locked by the ring");
+    }
+
     /// `blocks` blocks of two tensors (the first `big` bytes) and a non-block
     /// tensor, random bytes.
     fn disk_model(blocks: u64, big: usize) -> Vec<(String, Vec<u8>)> {

@@ -1183,3 +1183,30 @@ def test_a_stale_handle_does_not_disable_a_later_enable():
     h2.disable()
     with pytest.raises(OffloadError, match="disabled already"):
         h2.disable()
+
+
+def test_a_pipeline_budget_counts_the_buffers_blocks_keep_resident():
+    # Buffers in blocks stay resident (as a per-layer rotary table does): the
+    # pipeline's share for a component counts them, so a budget that holds every
+    # component's resident tensors and slots is enough.
+    t5, t5_in, _ = MODELS["t5"]()
+    flux, flux_in, _ = MODELS["flux"]()
+    for blk in t5.encoder.block:
+        blk.register_buffer("table", torch.randn(64 << 10))  # 256 KiB a block, resident
+    with torch.no_grad():
+        refs = (_out(t5(**t5_in)).clone(), _out(flux(**flux_in)).clone())
+
+    def need(m, blocks):
+        slot = max(sum(-(-p.numel() * p.element_size() // 256) * 256 for p in b.parameters()) for b in blocks)
+        params = sum(p.numel() * p.element_size() for p in m.parameters())
+        buffers = sum(b.numel() * b.element_size() for b in m.buffers())
+        in_blocks = sum(p.numel() * p.element_size() for b in blocks for p in b.parameters())
+        return params + buffers - in_blocks + 2 * slot
+
+    total = need(t5, list(t5.encoder.block)) + need(flux, list(flux.transformer_blocks) + list(flux.single_transformer_blocks))
+    handles = offload.enable_pipeline({"text_encoder": t5, "transformer": flux}, device="cpu", budget_gib=(total + 4096) / (1 << 30))
+    with torch.no_grad():
+        outs = (_out(t5(**t5_in)), _out(flux(**flux_in)))
+    for o, r in zip(outs, refs):
+        assert torch.equal(_bits(o), _bits(r))
+    offload.disable_pipeline(handles)

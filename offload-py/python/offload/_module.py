@@ -616,7 +616,7 @@ def enable(
         if budget_bytes <= 0:
             raise OffloadError(
                 f"component {component!r}: a budget of {budget_gib} GiB does not hold its resident tensors "
-                f"({resident / _GiB:.2f} GiB outside the blocks)"
+                f"({resident} bytes outside the blocks, {resident / _GiB:.3f} GiB)"
             )
 
     if dev.type == "cuda":
@@ -866,9 +866,13 @@ def enable_pipeline(
             need[n] = size(m)
             continue
         blocks = [c for s in stacks for c in m.get_submodule(s).children()]
-        # A block's bytes in its slot: each tensor at a 256-byte-aligned offset.
-        largest = max(sum(-(-p.numel() * p.element_size() // 256) * 256 for p in b.parameters()) for b in blocks)
-        need[n] = size(m) - sum(size(b) for b in blocks) + (depth + 1) * largest
+        # As enable counts: a block's buffers and trainable adapters stay resident;
+        # the rest of its parameters stream, each at a 256-byte-aligned offset of its slot.
+        frozen_some = any(not p.requires_grad for p in m.parameters())
+        moving = [[p for p in b.parameters() if not (frozen_some and p.requires_grad)] for b in blocks]
+        largest = max(sum(-(-p.numel() * p.element_size() // 256) * 256 for p in ps) for ps in moving)
+        each = {id(p): p.numel() * p.element_size() for ps in moving for p in ps}
+        need[n] = size(m) - sum(each.values()) + (depth + 1) * largest
         streamed[n] = need[n]
     if budget_gib is not None and sum(need.values()) > budget_gib * _GiB:
         parts = ", ".join(f"{n} {v / _GiB:.2f} GiB" for n, v in need.items())

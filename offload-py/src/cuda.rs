@@ -192,6 +192,39 @@ impl PyCuda {
     }
 }
 
+/// The CUDA context current on this thread when made, made current again when
+/// dropped. The engine binds its device's primary context to the calling thread
+/// (cudarc binds before its calls); without this, a call for `cuda:1` made while
+/// torch's current device is 0 would leave device 1 current, and the caller's
+/// next `torch.empty(device="cuda")` would land on the other GPU.
+pub struct KeepContext(Option<sys::CUcontext>);
+
+impl KeepContext {
+    /// The context current now (none is made where the driver library is missing).
+    pub fn new() -> Self {
+        if !offload_cuda::driver_present() {
+            return KeepContext(None);
+        }
+        let mut ctx: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: writes one handle; the driver library is present (checked above).
+        let got = unsafe { sys::cuCtxGetCurrent(&mut ctx) }.result();
+        KeepContext(got.ok().map(|()| ctx))
+    }
+}
+
+impl Drop for KeepContext {
+    fn drop(&mut self) {
+        if let Some(ctx) = self.0 {
+            // The context that was current (torch's primary context of its device,
+            // or none) is still alive: the call in between released no context it
+            // did not retain itself.
+            // SAFETY: sets this thread's current context to a live one, or to none.
+            // A failure leaves the engine's context current: nothing in a drop to report it to.
+            let _ = unsafe { sys::cuCtxSetCurrent(ctx) };
+        }
+    }
+}
+
 /// Whether the imported torch's version is at least `(major, minor)`.
 fn torch_at_least(py: Python<'_>, want: (u32, u32)) -> bool {
     let v: String = py.import("torch").and_then(|t| t.getattr("__version__")?.extract()).unwrap_or_default();

@@ -104,7 +104,10 @@ macro_rules! with_ring {
     ($self:expr, $r:ident => $e:expr) => {
         match $self {
             AnyRing::Cpu($r) => $e,
-            AnyRing::Cuda($r) => $e,
+            AnyRing::Cuda($r) => {
+                let _keep = cuda::KeepContext::new();
+                $e
+            }
         }
     };
 }
@@ -295,6 +298,7 @@ impl Streamer {
                 AnyRing::Cpu(build(sim, &component, &inventory, &source, ck, &plan).map_err(|e| py_err(&component, e))?)
             }
             Some(ordinal) => {
+                let _keep = cuda::KeepContext::new();
                 let stream = stream.ok_or_else(|| error(format!("component {component:?}: a CUDA device needs torch's compute stream")))?;
                 let backend = cuda::PyCuda::new(ordinal, stream).map_err(|e| py_err(&component, e))?;
                 if coded {
@@ -487,6 +491,18 @@ impl Streamer {
         match taken {
             Some(ring) => with_ring!(ring, r => r.close()).map_err(|e| py_err(&component, e)),
             None => Ok(()),
+        }
+    }
+}
+
+impl Drop for Streamer {
+    /// A ring not closed (the Python object collected) is dropped with the
+    /// caller's CUDA context kept, as every call is.
+    fn drop(&mut self) {
+        let ring = self.ring.get_mut().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(AnyRing::Cuda(r)) = ring {
+            let _keep = cuda::KeepContext::new();
+            drop(r);
         }
     }
 }

@@ -1210,3 +1210,19 @@ def test_a_pipeline_budget_counts_the_buffers_blocks_keep_resident():
     for o, r in zip(outs, refs):
         assert torch.equal(_bits(o), _bits(r))
     offload.disable_pipeline(handles)
+
+
+@pytest.mark.skipif(not HAS_CUDA or torch.cuda.device_count() < 2, reason="SKIPPED: needs two CUDA devices (a row of its own, as the relay's)")
+def test_a_module_on_the_second_gpu_leaves_torchs_current_device_alone():
+    # The engine binds its device's context to the calling thread; every call
+    # puts the caller's back, so torch's current device stays what it was.
+    model, inputs, _ = MODELS["t5"]()
+    with torch.cuda.device(0):
+        h = offload.enable(model, device="cuda:1")
+        assert torch.cuda.current_device() == 0
+        with torch.no_grad():
+            model(**_to(inputs, "cuda:1"))
+        h.metrics()
+        assert torch.cuda.current_device() == 0, "a step left device 1 current"
+        offload.disable(model)
+        assert torch.cuda.current_device() == 0

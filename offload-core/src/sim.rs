@@ -128,6 +128,9 @@ pub struct SimHost {
     raw: Arc<[u8]>,
     pinned: bool,
     coded: Option<Arc<[u8]>>,
+    /// The region a buffer "registered" in place stands for: `block_bytes`
+    /// checks it, as a device's buffer served from a mapping reads the file.
+    region: Option<Arc<dyn crate::HostRegion>>,
     /// The simulator it came from (refills wait, or report, there).
     sim: Arc<Inner>,
 }
@@ -244,7 +247,7 @@ impl SimBackend {
     fn alloc_ordinary(&self, bytes: usize, fill: Fill<'_>) -> Result<SimHost> {
         let mut v = vec![0u8; bytes];
         fill(&mut v)?;
-        Ok(SimHost { raw: v.into(), pinned: false, coded: None, sim: self.inner.clone() })
+        Ok(SimHost { raw: v.into(), pinned: false, coded: None, region: None, sim: self.inner.clone() })
     }
 
     fn alloc_locked(&self, bytes: usize, purpose: &str, fill: Fill<'_>) -> Result<SimHost> {
@@ -271,7 +274,7 @@ impl SimBackend {
             lock(&self.inner.state).stats.pinned_bytes -= bytes as u64;
             return Err(e);
         }
-        Ok(SimHost { raw: v.into(), pinned: true, coded: None, sim: self.inner.clone() })
+        Ok(SimHost { raw: v.into(), pinned: true, coded: None, region: None, sim: self.inner.clone() })
     }
 
     /// A simulated device with `cfg`.
@@ -393,6 +396,10 @@ impl HostBuffer for SimHost {
     }
 
     fn block_bytes(&self) -> Result<&[u8]> {
+        // Served in place: the file must still hold what the buffer was made from.
+        if let Some(region) = &self.region {
+            region.check()?;
+        }
         Ok(&self.raw)
     }
 
@@ -493,7 +500,13 @@ impl SimBackend {
         }
         let mut v = vec![0u8; bytes];
         region.read_at(offset, &mut v)?;
-        Ok(SimHost { raw: v.into(), pinned: self.inner.cfg.page_locked, coded: None, sim: self.inner.clone() })
+        Ok(SimHost {
+            raw: v.into(),
+            pinned: self.inner.cfg.page_locked,
+            coded: None,
+            region: Some(region.clone()),
+            sim: self.inner.clone(),
+        })
     }
 }
 

@@ -1186,9 +1186,9 @@ mod tests {
     }
 
     /// A change made after the last step's `end_step` (its copies may still be
-    /// queued then) is seen when the ring closes, and when an on-demand
-    /// component is released; a file rewritten while its header is read is
-    /// refused by `open` (the identity is taken before the header).
+    /// queued then) is seen when the ring closes, when an on-demand component is
+    /// released and by a buffer's `block_bytes`; a file rewritten while its
+    /// header is read is refused by `open` (the identity is taken before the header).
     #[test]
     fn a_change_after_the_last_step_is_an_error_at_close_and_release() {
         use crate::{resolve, OnDemand, Plan, Ring};
@@ -1209,6 +1209,10 @@ mod tests {
         let e = ring.close().unwrap_err().to_string();
         assert!(e.contains("m.safetensors") && e.contains("since it was opened"), "{e}");
         let e = on_demand.release().unwrap_err().to_string();
+        assert!(e.contains("m.safetensors"), "{e}");
+        // A buffer served in place no longer gives its bytes (a reference run or
+        // the Python package's disable would read the old ones).
+        let e = store.blocks()[0].buffer().unwrap().block_bytes().map(drop).expect_err("changed").to_string();
         assert!(e.contains("m.safetensors"), "{e}");
         // Rewritten in place while its header is read: refused by open.
         let at = file.data_offset(0) + 11;

@@ -145,15 +145,18 @@ impl PinnedHost {
 
     /// The bytes held (for a coded buffer, the coded bytes; see
     /// [`HostBuffer::block_bytes`]). A buffer served from a mapped checkpoint is
-    /// read from the file on first use (never through the mapping): an error
-    /// naming the file if it can no longer be read (cut short, replaced or
-    /// written since the store was built).
+    /// read from the file on first use (never through the mapping) and checked
+    /// at every later use: an error naming the file if it can no longer be read
+    /// or no longer holds those bytes (cut short, replaced or written since the
+    /// store was built).
     pub fn as_slice(&self) -> Result<&[u8]> {
         let Some(m) = &self.mapped else { return Ok(self.bytes.own_bytes()) };
         if self.bytes.len() == 0 {
             return Ok(&[]);
         }
         if let Some(b) = m.read.get() {
+            // Read once; the file must still hold those bytes at every later call.
+            m.reg.region().check()?;
             return Ok(b);
         }
         let mut b = vec![0u8; self.bytes.len()].into_boxed_slice();

@@ -984,6 +984,18 @@ mod tests {
             r.backend = "cuda".into();
         }
         assert_eq!(merge(&cuda, &[], 3).unwrap()["cases"][0]["meets_targets"], true);
+        // One process's output not bitwise equal, not finite or constant: each alone misses.
+        type Flip = fn(&mut RunCase);
+        let flips: [(&str, Flip); 3] = [
+            ("bitwise", |c| c.bitwise_equal = false),
+            ("finite", |c| c.output_finite = false),
+            ("constant", |c| c.output_nonconstant = false),
+        ];
+        for (what, flip) in flips {
+            let mut one = cuda.clone();
+            flip(&mut one[1].cases[0]);
+            assert_eq!(merge(&one, &[], 3).unwrap()["cases"][0]["meets_targets"], false, "{what}");
+        }
         // Weights beyond (d + 1) × largest + resident.
         cuda[0].cases[0].weights_device_bytes = 211;
         assert_eq!(merge(&cuda, &[], 3).unwrap()["cases"][0]["meets_targets"], false);

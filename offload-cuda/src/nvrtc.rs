@@ -36,7 +36,7 @@ pub(crate) mod check {
                 for var in ["OFFLOAD_REQUIRE_NVRTC", "OFFLOAD_REQUIRE_DEVICE"] {
                     assert!(std::env::var(var).as_deref() != Ok("1"), "{what}: libnvrtc is required ({var}=1): {why}");
                 }
-                println!("SKIPPED: {what}: libnvrtc not found ({why})");
+                eprintln!("SKIPPED: {what}: libnvrtc not found ({why})");
             }
         }
     }

@@ -304,7 +304,13 @@ impl VulkanBackend {
             let have = unsafe { entry.enumerate_instance_layer_properties() }
                 .map_err(|e| vk_err("vkEnumerateInstanceLayerProperties", "validation", e))?;
             if !have.iter().any(|l| l.layer_name_as_c_str().is_ok_and(|n| n == layer)) {
-                return Err(Error::unsupported(BACKEND, "the Khronos validation layer is not installed (Debian: vulkan-validationlayers)"));
+                // Not `Unsupported`: the device may be there, and a test that read this as
+                // "no Vulkan device" would skip every row on a machine missing one package.
+                return Err(Error::device(
+                    BACKEND,
+                    "enabling validation",
+                    "the Khronos validation layer is not installed (Debian: vulkan-validationlayers); or set VulkanOptions::validation to false",
+                ));
             }
             layers.push(layer.as_ptr());
             extensions.push(ash::ext::debug_utils::NAME.as_ptr());

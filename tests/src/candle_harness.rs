@@ -180,7 +180,7 @@ fn sd3_cuda() -> Outcome {
     }
     // SD3's blocks are f32: an f32 backend (the suite's other cases use U8 slots).
     let b = offload_candle::CandleCudaBackend::new(0, candle_core::DType::F32)
-        .map_err(|e| CaseError::Skip(format!("no CUDA device for candle: {e}")))?;
+        .map_err(|e| crate::cuda_harness::absent_or_failed("candle", e))?;
     sd3_case(&b, &b.device(), "cuda")
 }
 
@@ -190,7 +190,7 @@ fn views_cuda() -> Outcome {
         return Err(CaseError::Skip("no CUDA driver library (libcuda.so) on this machine".into()));
     }
     let b = offload_candle::CandleCudaBackend::new(0, candle_core::DType::F32)
-        .map_err(|e| CaseError::Skip(format!("no CUDA device for candle: {e}")))?;
+        .map_err(|e| crate::cuda_harness::absent_or_failed("candle", e))?;
     b.cuda().enable_checking(crate::cuda_harness::COPY_SPIN_US)?;
     views_outlive_block(&b, &b.device())
 }
@@ -208,7 +208,7 @@ fn candle_cuda(copy_spin_us: u64) -> std::result::Result<offload_candle::CandleC
         return Err(CaseError::Skip("no CUDA driver library (libcuda.so) on this machine".into()));
     }
     let b = offload_candle::CandleCudaBackend::new(0, candle_core::DType::U8)
-        .map_err(|e| CaseError::Skip(format!("no CUDA device for candle: {e}")))?;
+        .map_err(|e| crate::cuda_harness::absent_or_failed("candle", e))?;
     b.cuda().enable_checking(copy_spin_us)?;
     Ok(b)
 }

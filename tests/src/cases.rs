@@ -271,7 +271,16 @@ fn transactional<H: Harness>(s: Sabotage) -> Outcome {
                     ring.close()?;
                     break;
                 }
-                Err(_) => {
+                Err(e) => {
+                    // Only the injected fault counts: a failure for any other reason
+                    // is this case's (and would otherwise retry forever).
+                    let text = match &e {
+                        CaseError::Fail(m) | CaseError::Skip(m) => m,
+                    };
+                    ensure!(
+                        text.contains(&format!("injected fault: {kind:?} #{n}")),
+                        "{kind:?} #{n}: the attempt failed for another reason than the injected fault: {text}"
+                    );
                     faults += 1;
                     su.backend.synchronize()?;
                     let live = H::live_bytes(su.inner());

@@ -111,10 +111,32 @@ pub type CudaCoded = CudaRow<1>;
 /// there is no second device with peer access.
 pub type CudaRelay = CudaRow<2>;
 
+/// Whether this machine has no CUDA device to run on: no driver library, or a
+/// driver that sees no device (`cuInit`'s `CUDA_ERROR_NO_DEVICE`, or none counted).
+pub(crate) fn no_cuda_device() -> bool {
+    if !offload_cuda::driver_present() {
+        return true;
+    }
+    match offload_cuda::cudarc::driver::CudaContext::device_count() {
+        Ok(n) => n == 0,
+        Err(e) => e.0 == offload_cuda::cudarc::driver::sys::CUresult::CUDA_ERROR_NO_DEVICE,
+    }
+}
+
+/// What a CUDA row's failed construction is: a skip where the machine has no
+/// CUDA device ([`no_cuda_device`]), and a failure otherwise (a context, a
+/// stream, a library or a framework build that fails on a machine with one).
+pub(crate) fn absent_or_failed(what: &str, e: impl std::fmt::Display) -> CaseError {
+    match no_cuda_device() {
+        true => CaseError::Skip(format!("no CUDA device for {what}: {e}")),
+        false => CaseError::Fail(format!("{what} failed on a machine with a CUDA device: {e}")),
+    }
+}
+
 impl<const MODE: u8> CudaRow<MODE> {
     /// The row's backend on device 0, each copy spinning `copy_spin_us` in the checking mode.
     fn open(copy_spin_us: u64) -> std::result::Result<CudaBackend, CaseError> {
-        let b = CudaBackend::new(0).map_err(|e| CaseError::Skip(format!("no CUDA device: {e}")))?;
+        let b = CudaBackend::new(0).map_err(|e| absent_or_failed("the cuda row", e))?;
         b.enable_checking(copy_spin_us)?;
         if MODE == 1 {
             b.enable_coding(offload_cuda::CodingOptions { threads: 2, segment_bytes: 64 << 10, ..Default::default() })?;

@@ -76,7 +76,7 @@ pub struct TchCuda;
 /// libtorch on device 0, each copy spinning `copy_spin_us` in the checking mode.
 #[cfg(feature = "tch-cuda")]
 fn tch_cuda(copy_spin_us: u64) -> std::result::Result<offload_tch::TchCudaBackend, CaseError> {
-    let b = offload_tch::cuda_backend(0).map_err(|e| CaseError::Skip(format!("no CUDA device for libtorch: {e}")))?;
+    let b = offload_tch::cuda_backend(0).map_err(|e| crate::cuda_harness::absent_or_failed("libtorch", e))?;
     b.cuda().enable_checking(copy_spin_us)?;
     Ok(b)
 }

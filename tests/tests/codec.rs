@@ -14,6 +14,12 @@ fn round_trip(raw: &[u8]) -> Result<(), TestCaseError> {
     Ok(())
 }
 
+/// Whether `raw` is held coded (header mode 1), not raw (mode 0): narrow
+/// exponents must take the coded path, or the property tests only the raw copy.
+fn is_coded(raw: &[u8]) -> bool {
+    encode_bf16(raw)[4] == 1
+}
+
 fn from_u16(v: &[u16]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
@@ -37,12 +43,15 @@ proptest! {
     ) {
         let vals: Vec<u16> = v.iter().map(|&(s, e, m)| (s << 15) | (e << 7) | m).collect();
         round_trip(&from_u16(&vals))?;
+        // Six exponents in 2.6 bits: a chunk's worth and more is coded.
+        prop_assert!(vals.len() < CHUNK_VALUES || is_coded(&from_u16(&vals)), "{} values held raw", vals.len());
     }
 
     #[test]
     fn one_exponent_everywhere_round_trips(e in 0u16..256, n in 1usize..4000, m in prop::collection::vec(0u16..256, 1..64)) {
         let vals: Vec<u16> = (0..n).map(|i| ((m[i % m.len()] & 0x80) << 8) | (e << 7) | (m[i % m.len()] & 0x7f)).collect();
         round_trip(&from_u16(&vals))?;
+        prop_assert!(n < CHUNK_VALUES || is_coded(&from_u16(&vals)), "{n} values of one exponent held raw");
     }
 }
 

@@ -456,6 +456,10 @@ mod tests {
         super::report(&dir).unwrap();
         let md = std::fs::read_to_string(dir.join("bench/REPORT.md")).unwrap();
         assert!(md.contains("| tch flux-dev 1024 d=1 |"), "{md}");
+        // The committed report is what the committed results make, byte for byte
+        // (a hand edit, or a results file changed without `bench --report`, fails).
+        let committed = std::fs::read_to_string(root.join("bench/REPORT.md")).unwrap();
+        assert!(committed == md, "bench/REPORT.md is not what `cargo xtask bench --report` makes of bench/results/");
         for png in ["ratio-to-bound.png", "peak-memory.png", "planner-budget.png", "headline.png"] {
             let bytes = std::fs::read(dir.join("bench/plots").join(png)).unwrap();
             assert_eq!(&bytes[..8], b"\x89PNG\r\n\x1a\n", "{png}");

@@ -17,7 +17,7 @@ pub(crate) fn test_backend() -> Option<CudaBackend> {
         Ok(b) => Some(b),
         Err(e) if !crate::engine::driver_present() => {
             assert!(std::env::var("OFFLOAD_REQUIRE_DEVICE").as_deref() != Ok("1"), "a CUDA device is required: {e}");
-            println!("SKIPPED: no CUDA device ({e})");
+            eprintln!("SKIPPED: no CUDA device ({e})");
             None
         }
         Err(e) => panic!("CUDA driver present but the backend failed: {e}"),

@@ -1,8 +1,9 @@
 //! Documentation truth, checked by `cargo test -p xtask`: every results path that
 //! `README.md`, `ARCHITECTURE.md` and `docs/*.md` name (`bench/results/…`,
-//! `bench/raw/…`, `bench/registry-check/…`) exists and is written out in full, and
-//! every figure the prose quotes in a sentence that names a results file is in one
-//! of the files that sentence names, at the precision quoted.
+//! `bench/raw/…`, `bench/registry-check/…`, `bench/NOTES.md`) exists and is written
+//! out in full, and every figure the prose quotes in a paragraph (or list item, or
+//! table row) that names a results file is in one of the files that paragraph
+//! names, at the precision quoted and with the sign written (`−6.7 %` is not 6.7).
 //!
 //! A figure is a number with a unit (`1.004 ×`, `0.290 s`, `8 ms`, `1.87 GB/s`,
 //! `22.05 GiB`, `6.7 %`, `2.65 bits`, `16 threads`), a number after `≈`, or a
@@ -19,7 +20,7 @@ use crate::report::{README_END, README_START};
 use std::path::{Path, PathBuf};
 
 /// Where the results paths the docs name live.
-const RESULTS_ROOTS: [&str; 3] = ["bench/results/", "bench/raw/", "bench/registry-check/"];
+const RESULTS_ROOTS: [&str; 4] = ["bench/results/", "bench/raw/", "bench/registry-check/", "bench/NOTES.md"];
 
 /// A figure's unit: how a file's number may have been converted to be quoted.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -52,11 +53,13 @@ const UNITS: [(&str, Unit); 12] = [
     ("threads", Unit::Plain),
 ];
 
-/// A quoted figure: its digits as written (no sign) and its unit.
+/// A quoted figure: its digits as written (no sign), its unit, and its sign
+/// where one is written (`+6.7 %`: positive, `−6.7 %`: negative).
 #[derive(Clone, Debug, PartialEq)]
 struct Figure {
     digits: String,
     unit: Unit,
+    negative: Option<bool>,
 }
 
 impl Figure {
@@ -74,7 +77,9 @@ impl Figure {
                 Unit::Gb => vec![v, v / 1e9],
                 Unit::Mb => vec![v, v / 1e6],
             };
-            ways.iter().any(|w| w.is_finite() && format!("{:.*}", decimals, w.abs()) == self.digits)
+            // A written sign must be the number's own (a figure without one reads either way).
+            let signed = |w: f64| self.negative.is_none_or(|neg| (w < 0.0) == neg);
+            ways.iter().any(|&w| w.is_finite() && signed(w) && format!("{:.*}", decimals, w.abs()) == self.digits)
         })
     }
 }
@@ -276,7 +281,13 @@ fn figures(text: &str) -> Vec<Figure> {
                     next = text.len() - rest.len() + inner.len() + 2;
                 }
             }
-            out.extend(group.into_iter().map(|digits| Figure { digits, unit }));
+            let negative = match text[..start].chars().next_back() {
+                Some('−') => Some(true),
+                Some('+') => Some(false),
+                _ => None,
+            };
+            // A range or spread is read as its members are written: the sign, of the first only.
+            out.extend(group.into_iter().enumerate().map(|(k, digits)| Figure { digits, unit, negative: negative.filter(|_| k == 0) }));
             end = next;
         }
         at = end;
@@ -327,8 +338,16 @@ fn check_paths(root: &Path, name: &str, text: &str) -> (usize, Vec<String>) {
 fn check_figures(root: &Path, name: &str, text: &str) -> (usize, Vec<String>) {
     let (mut checked, mut faults) = (0, Vec::new());
     for unit in units(&prose(text)) {
+        // A figure is checked against the sources its paragraph (or list item, or
+        // table row) names, whichever sentence names them: a sentence that names
+        // none quotes those of its paragraph.
+        let files: Vec<String> = named_paths(&unit).into_iter().filter(|p| !p.ends_with('/')).fold(Vec::new(), |mut v, p| {
+            if !v.contains(&p) {
+                v.push(p);
+            }
+            v
+        });
         for sentence in sentences(&unit) {
-            let files: Vec<String> = named_paths(sentence).into_iter().filter(|p| !p.ends_with('/')).collect();
             let quoted = figures(&without_code(sentence));
             if files.is_empty() || quoted.is_empty() {
                 continue;
@@ -529,19 +548,27 @@ mod tests {
         let root = scratch("figures");
         let good = "Intro.\n\nMeasured (`bench/results/x.json`): 0.912 × and 1.39 GiB, 57.4 s [54.7, 59.6], +6.7 %, 12.4 ms,\n\
                     1.87 GB/s, ≈ 0.91 of it, 0.912–1.067 ×; diffusers 0.42.1 at 3980ca5 on 2026-12-01, d=1, 1024², bf16.\n\n\
-                    A step of 0.290 s (`bench/results/y.txt`). Elsewhere 9.999 × and `7.777 ×` with no file named.\n";
+                    A step of 0.290 s (`bench/results/y.txt`).\n\nElsewhere 9.999 × and `7.777 ×` with no file named.\n";
         let (n, faults) = check_figures(&root, "doc", good);
         assert!(faults.is_empty(), "{faults:?}");
         assert_eq!(n, 12, "figures checked");
-        for (from, to) in
-            [("0.912 ×", "0.913 ×"), ("1.39 GiB", "1.38 GiB"), ("59.6]", "59.7]"), ("+6.7 %", "+6.8 %"), ("0.290 s", "0.291 s")]
-        {
+        for (from, to) in [
+            ("0.912 ×", "0.913 ×"),
+            ("1.39 GiB", "1.38 GiB"),
+            ("59.6]", "59.7]"),
+            ("+6.7 %", "+6.8 %"),
+            ("+6.7 %", "−6.7 %"),
+            ("0.290 s", "0.291 s"),
+        ] {
             let bad = good.replacen(from, to, 1);
             let (_, faults) = check_figures(&root, "doc", &bad);
             assert_eq!(faults.len(), 1, "{to}: {faults:?}");
             assert!(faults[0].contains(to.split(' ').next().unwrap().trim_end_matches(']')), "{faults:?}");
         }
-        // The same figures in the generated block, in code or in a sentence naming no file are not checked.
+        // A sentence that names no file quotes those its paragraph names.
+        let (n, faults) = check_figures(&root, "doc", "Measured (`bench/results/y.txt`). A step of 0.291 s, another of 0.290 s.");
+        assert!(n == 2 && faults.len() == 1 && faults[0].contains("0.291"), "{faults:?}");
+        // The same figures in the generated block, in code or in a paragraph naming no file are not checked.
         let outside =
             format!("{README_START}\n\n(`bench/results/x.json`) 5.555 ×\n\n{README_END}\n\n```\n`bench/results/x.json` 5.555 ×\n```\n");
         assert_eq!(check_figures(&root, "doc", &outside), (0, vec![]));

@@ -129,7 +129,8 @@ pub trait Harness: 'static {
         match early_refill {
             false => Self::backend(),
             true => Err(CaseError::Fail(format!(
-                "{}: the row refills host buffers but its harness builds no backend that refills early (Harness::disk_backend)",
+                "{} {}: the row refills host buffers but its harness builds no backend that refills early (Harness::disk_backend)",
+                crate::HARNESS_FAULT,
                 Self::NAME
             ))),
         }

@@ -101,7 +101,7 @@ pub fn run_sabotage_one<H: Harness>(sabotage: offload_core::ring::Sabotage) -> S
             Ok(()) => missed_by.push(case.name),
         }
     }
-    let caught = by.iter().any(|(_, w)| !w.starts_with("SKIPPED"));
+    let caught = caught_by(by.iter().map(|(_, w)| w.as_str()));
     SabotageOutcome { sabotage, caught, by, missed_by }
 }
 
@@ -212,6 +212,16 @@ pub fn break_in_child(exe: &std::path::Path, backend: &str, s: offload_core::rin
 /// (a refusal the row makes by design): reported as n/a, never as a pass, and not
 /// failed under `OFFLOAD_REQUIRE_DEVICE=1`.
 pub const NOT_APPLICABLE: &str = "n/a:";
+
+/// Whether a break is caught by its guarding cases' failures (`why` each): by
+/// one that failed, not skipped and not for a fault of the harness.
+pub fn caught_by<'a>(whys: impl IntoIterator<Item = &'a str>) -> bool {
+    whys.into_iter().any(|w| !w.starts_with("SKIPPED") && !w.starts_with(HARNESS_FAULT))
+}
+
+/// How a failure the harness itself caused begins (a row that cannot build the
+/// backend a break needs): it fails the case, and never counts as the break caught.
+pub const HARNESS_FAULT: &str = "harness:";
 
 /// Turn an outcome into a test result: panic on failure; print `SKIPPED` on a skip,
 /// or panic when `OFFLOAD_REQUIRE_DEVICE=1`.

@@ -445,8 +445,9 @@ fn rings_on_one_device_and_on_two_threads() {
         (0..2).map(|i| TestModel::random(&ModelShape { stacks: vec![3, 2], ..Default::default() }, 20 + i)).collect();
     let handles: Vec<_> = models
         .into_iter()
-        .map(|mut model| {
-            model.inventory.name = format!("component{}", model.inventory.stacks.len());
+        .enumerate()
+        .map(|(i, mut model)| {
+            model.inventory.name = format!("component{i}");
             let sim = sim.clone();
             std::thread::spawn(move || {
                 let store = Arc::new(HostStore::build(&sim, &model.inventory, &model.tensors).unwrap());

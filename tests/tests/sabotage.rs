@@ -65,3 +65,16 @@ fn a_break_whose_process_is_killed_is_not_caught() {
     assert!(ok.status.success(), "{}", String::from_utf8_lossy(&ok.stdout));
     assert!(caught["rows"].as_array().unwrap().iter().all(|r| r["caught"] == true), "{caught}");
 }
+
+/// A break counts as caught only by a case that failed for it: not by a skip,
+/// and not by a harness that could not build the backend the break needs.
+#[test]
+fn a_harness_fault_or_a_skip_does_not_catch_a_break() {
+    use offload_tests::{caught_by, HARNESS_FAULT};
+    assert!(caught_by(["slot 3 overwritten before its last use"]));
+    assert!(!caught_by(["SKIPPED: n/a: this row copies the file"]));
+    let fault = format!("{HARNESS_FAULT} sim: the row builds no backend that refills early");
+    assert!(!caught_by([fault.as_str()]));
+    assert!(caught_by([fault.as_str(), "result differs"]));
+    assert!(!caught_by([]));
+}

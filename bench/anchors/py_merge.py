@@ -29,7 +29,7 @@ def main():
     ap.add_argument("--at", nargs="+", action="append", required=True, metavar="COMMIT RUN",
                     help="a commit, then the run files made at it")
     ap.add_argument("--date", required=True, help="the day the runs were made (YYYY-MM-DD)")
-    ap.add_argument("--gpu", default="NVIDIA H200")
+    ap.add_argument("--gpu", default="NVIDIA H200", help="the GPU of runs that do not record theirs (before 2026-12-05)")
     a = ap.parse_args()
     commit_of, order = {}, []
     for group in a.at:
@@ -160,8 +160,15 @@ def main():
             row["targets"]["within_1_05_of_resident"] = row["vs_resident"]["median"] <= 1.05
         rows.append(row)
     versions = sorted({d.get("versions", "") for _, d in docs})
+    # The GPU the runs recorded (runs from before they did: --gpu); runs on two GPUs are not one file.
+    recorded = {d["gpu"] for _, d in docs if d.get("gpu")}
+    if len(recorded) > 1:
+        raise SystemExit(f"the runs ran on different GPUs: {sorted(recorded)}")
+    if recorded and any(not d.get("gpu") for _, d in docs):
+        raise SystemExit("some runs record their GPU and some do not: merge runs of one kind")
+    gpu = recorded.pop() if recorded else a.gpu
     json.dump(dict(generated_by="bench/anchors/py_merge.py", date=a.date,
-                   commit=", ".join(c for c in order if any(r["commit"] == c for r in rows)), gpu=a.gpu, backend="python",
+                   commit=", ".join(c for c in order if any(r["commit"] == c for r in rows)), gpu=gpu, backend="python",
                    versions=versions, at={c: [f for f in commit_of if commit_of[f] == c] for c in order}, cases=rows,
                    not_merged=incomplete),
               open(a.out, "w"), indent=1)

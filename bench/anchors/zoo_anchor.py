@@ -666,6 +666,8 @@ def main():
         import offload as ours
         versions += f", offload {getattr(ours, '__version__', '0.1.0')}"
     doc = dict(versions=versions, cases=out)
+    if torch.cuda.is_available():
+        doc["gpu"] = torch.cuda.get_device_name()  # py_merge.py takes the GPU from the runs
     if a.kernels:
         doc["kernels_profiled"] = True  # py_merge.py refuses it: profiled steps ran between the timed ones
     json.dump(doc, open(a.out, "w"), indent=1)

@@ -161,6 +161,34 @@ def test_a_constant_or_non_finite_output_misses_its_target(tmp_path):
         assert row["outputs_finite_and_nonconstant"] is (field is None)
 
 
+def test_the_merge_takes_the_gpu_from_the_runs(tmp_path):
+    def run(k, gpu):
+        common = dict(model="flux-dev", case="1024", tokens=4608, batch=1, weights_device_bytes=1, activations_peak_bytes=1,
+                      output_finite=True, output_nonconstant=True)
+        rows = [dict(common, mode="resident", steps_s=[0.1] * 3),
+                dict(common, mode="offload", steps_s=[0.2] * 3, depth=1, bytes_per_step=10e9, h2d_bytes_per_s=50e9,
+                     bitwise_equal=True, host_syncs_in_timed_steps=0)]
+        doc = dict(versions="test", cases=rows)
+        if gpu:
+            doc["gpu"] = gpu
+        p = tmp_path / f"r{k}-{gpu}.json"
+        p.write_text(json.dumps(doc))
+        return str(p)
+
+    def merge(gpus):
+        out = tmp_path / "m.json"
+        r = subprocess.run([sys.executable, str(ROOT / "bench/anchors/py_merge.py"), "--date", "2026-12-05", "--out", str(out),
+                            "--at", "c0ffee", *[run(k, g) for k, g in enumerate(gpus)]], capture_output=True, text=True)
+        return r, (json.loads(out.read_text())["gpu"] if r.returncode == 0 else None)
+
+    assert merge(["NVIDIA B200"] * 3)[1] == "NVIDIA B200", "the runs' GPU, not --gpu's default"
+    assert merge([None] * 3)[1] == "NVIDIA H200", "runs from before they recorded it: --gpu"
+    r, _ = merge(["NVIDIA B200", "NVIDIA H200", "NVIDIA H200"])
+    assert r.returncode != 0 and "different GPUs" in r.stderr
+    r, _ = merge(["NVIDIA B200", None, None])
+    assert r.returncode != 0 and "some runs record their GPU" in r.stderr
+
+
 def test_a_step_under_its_bound_names_the_term_that_read_wrong(tmp_path):
     # One process's resident step read slow (its bound is that step): the row says
     # so, rather than blaming the bandwidth; a bandwidth that read low is named too.

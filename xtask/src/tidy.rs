@@ -51,6 +51,38 @@ fn unsafe_block_or_impl(code: &str) -> bool {
 }
 
 /// Every problem found under `root`, one line each.
+/// The crates a manifest depends on, in any dependency table (`[dependencies]`,
+/// `[dev-dependencies]`, `[build-dependencies]`, a target's), as `name = …`, as
+/// `name.workspace = true`, as a `[dependencies.name]` table, or renamed
+/// (`alias = { package = "name" }`).
+fn dependencies(manifest: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut in_deps = false;
+    for line in manifest.lines().map(str::trim) {
+        if let Some(header) = line.strip_prefix('[').and_then(|l| l.strip_suffix(']')) {
+            let parts: Vec<&str> = header.split('.').map(|p| p.trim().trim_matches(['"', '\''])).collect();
+            in_deps = parts.last().is_some_and(|p| p.ends_with("dependencies"));
+            // `[dependencies.name]`, `[target.'cfg(…)'.dependencies.name]`.
+            if let Some(k) = parts.iter().rposition(|p| p.ends_with("dependencies")).filter(|&k| k + 1 < parts.len()) {
+                out.push(parts[k + 1].to_owned());
+            }
+            continue;
+        }
+        if in_deps && !line.starts_with('#') {
+            if let Some(name) = line.split(['=', '.', ' ']).next().filter(|n| !n.is_empty()) {
+                out.push(name.to_owned());
+            }
+        }
+        if let Some(at) = line.find("package") {
+            let rest = line[at + "package".len()..].trim_start();
+            if let Some(name) = rest.strip_prefix('=').map(|r| r.trim_start().trim_start_matches('"')) {
+                out.push(name.split('"').next().unwrap_or("").to_owned());
+            }
+        }
+    }
+    out
+}
+
 pub fn check(root: &Path) -> Vec<String> {
     let mut files = Vec::new();
     rust_files(root, &mut files);
@@ -90,10 +122,9 @@ pub fn check(root: &Path) -> Vec<String> {
         // The Python package links no libtorch: torch is reached through Python.
         ("offload-py", &["tch", "torch-sys", "candle", "ash", "offload-candle", "offload-tch", "offload-vulkan"][..]),
     ] {
-        let m = manifest(krate);
-        let deps = m.split("[dependencies]").nth(1).unwrap_or("");
+        let deps = dependencies(&manifest(krate));
         for b in banned {
-            if deps.lines().any(|l| l.split(['=', '.', ' ']).next() == Some(b)) {
+            if deps.iter().any(|d| d == b) {
                 problems.push(format!("{krate}/Cargo.toml: depends on {b}, which the design forbids"));
             }
         }
@@ -236,6 +267,39 @@ mod tests {
         assert!(p.contains("outside a backend crate"), "{p}");
         assert!(p.contains("without a `// SAFETY:`"), "{p}");
         assert!(p.contains("depends on cudarc"), "{p}");
+    }
+
+    /// What tidy lets through, and the forms a dependency can take.
+    #[test]
+    fn tidy_lets_through_what_it_should_and_reads_every_dependency_form() {
+        let dir = std::env::temp_dir().join(format!("offload-tidy-ok-{}", std::process::id()));
+        for (krate, body) in [
+            // `unsafe` in a backend crate, with its SAFETY comment within three lines above.
+            ("offload-cuda", concat!("//! ok\n// SAFETY: g is sound here.\n\n", "fn f() { uns", "afe { g() } }\n")),
+            ("offload-core", "//! ok\nfn f() {}\n"),
+        ] {
+            std::fs::create_dir_all(dir.join(krate).join("src")).expect("temp dir");
+            std::fs::write(dir.join(krate).join("src/lib.rs"), body).expect("write");
+        }
+        std::fs::write(dir.join("offload-core/Cargo.toml"), "[package]\n[dependencies]\nserde = \"1\"\n").expect("write");
+        let clean = check(&dir);
+        // A SAFETY comment four lines above is too far; a backend crate depending on another is refused.
+        std::fs::write(dir.join("offload-cuda/src/lib.rs"), concat!("//! far\n// SAFETY: x\n\n\n\n", "fn f() { uns", "afe { g() } }\n"))
+            .expect("write");
+        std::fs::write(dir.join("offload-cuda/Cargo.toml"), "[package]\n[dependencies.ash]\nversion = \"0.38\"\n").expect("write");
+        let p = check(&dir).join("\n");
+        let _ = std::fs::remove_dir_all(&dir);
+        assert!(clean.is_empty(), "{clean:?}");
+        assert!(p.contains("offload-cuda/src/lib.rs:6: `unsafe` without"), "{p}");
+        assert!(p.contains("offload-cuda/Cargo.toml: depends on ash"), "{p}");
+        let forms = "[package]\nname = \"x\"\n[dependencies]\na = \"1\"\nb.workspace = true\nc = { version = \"1\" }\n\
+                     alias = { package = \"d\", version = \"1\" }\n[dependencies.e]\nversion = \"1\"\n\
+                     [target.'cfg(unix)'.dependencies]\nf = \"1\"\n[dev-dependencies]\ng = \"1\"\n[features]\nh = []\n";
+        let deps = dependencies(forms);
+        for want in ["a", "b", "c", "d", "e", "f", "g"] {
+            assert!(deps.iter().any(|d| d == want), "{want} not read: {deps:?}");
+        }
+        assert!(!deps.iter().any(|d| d == "h" || d == "name"), "{deps:?}");
     }
 
     /// The layering check finds a cycle between two files, through a grouped

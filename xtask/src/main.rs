@@ -414,7 +414,7 @@ fn codec_bench() -> Result<(), String> {
     }
     let names = (1..=runs.len())
         .map(|r| format!("bench/raw/{}/run{r}.json", dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default()));
-    let doc = codec_merge(&runs, names.collect(), &today(), &commit());
+    let doc = codec_merge(&runs, names.collect(), &today())?;
     let out = root().join(format!("bench/results/{}-codec-host.json", today()));
     std::fs::write(&out, serde_json::to_string_pretty(&doc).unwrap_or_default() + "\n").map_err(|e| format!("{}: {e}", out.display()))?;
     println!("wrote {}", out.display());
@@ -422,14 +422,20 @@ fn codec_bench() -> Result<(), String> {
 }
 
 /// The codec-host results file from its `codec-bench` runs (their paths as the
-/// file names them): median, min and max of each speed, the rest from the first.
-fn codec_merge(runs: &[serde_json::Value], names: Vec<String>, date: &str, commit: &str) -> serde_json::Value {
+/// file names them): median, min and max of each speed, the rest from the first;
+/// the commit the runs recorded (an error where they differ or none is recorded).
+fn codec_merge(runs: &[serde_json::Value], names: Vec<String>, date: &str) -> Result<serde_json::Value, String> {
+    let commits: std::collections::BTreeSet<&str> = runs.iter().map(|r| r["commit"].as_str().unwrap_or("")).collect();
+    let commit = match commits.iter().collect::<Vec<_>>()[..] {
+        [c] if !c.is_empty() => *c,
+        _ => return Err(format!("codec-host runs: one commit recorded by every run, not {commits:?}")),
+    };
     let spread = |k: &str| {
         let mut v: Vec<f64> = runs.iter().filter_map(|r| r[k].as_f64()).collect();
         v.sort_by(f64::total_cmp);
         serde_json::json!({"median": v.get(v.len() / 2), "min": v.first(), "max": v.last()})
     };
-    serde_json::json!({
+    Ok(serde_json::json!({
         "date": date, "commit": commit, "gpu": "none", "backend": "none",
         "model": "one Flux-dev-shaped dual-stream block (diffusers' shapes), normal weights at each tensor's init scale",
         "runs": names,
@@ -439,7 +445,7 @@ fn codec_merge(runs: &[serde_json::Value], names: Vec<String>, date: &str, commi
             "encode_gbps_host": spread("encode_gbps_host"), "decode_gbps_host_reference": spread("decode_gbps_host_reference"),
             "bitwise_equal": runs.iter().all(|r| r["bitwise_equal"] == true),
         }],
-    })
+    }))
 }
 
 /// The main job. Where `nvidia-smi` lists a GPU (and `--cpu` is not given) the demo
@@ -786,7 +792,7 @@ mod tests {
             let names: Vec<String> = doc["runs"].as_array().unwrap().iter().map(|n| n.as_str().unwrap().to_owned()).collect();
             let runs: Vec<serde_json::Value> =
                 names.iter().map(|n| serde_json::from_str(&std::fs::read_to_string(super::root().join(n)).unwrap()).unwrap()).collect();
-            let rebuilt = super::codec_merge(&runs, names, doc["date"].as_str().unwrap(), doc["commit"].as_str().unwrap());
+            let rebuilt = super::codec_merge(&runs, names, doc["date"].as_str().unwrap()).unwrap();
             assert!(
                 serde_json::to_string_pretty(&rebuilt).unwrap() + "\n" == text,
                 "{} is not what codec_merge makes of its runs",
@@ -795,5 +801,10 @@ mod tests {
             seen += 1;
         }
         assert!(seen > 0, "no codec-host results file");
+        // The commit is the runs' own: runs of two commits, or of none recorded, are refused.
+        let run = |c: &str| serde_json::json!({"commit": c, "threads": 1, "encode_gbps_host": 1.0});
+        assert!(super::codec_merge(&[run("a"), run("b")], vec![], "d").unwrap_err().contains("one commit"));
+        assert!(super::codec_merge(&[run(""), run("")], vec![], "d").is_err());
+        assert_eq!(super::codec_merge(&[run("a"), run("a")], vec![], "d").unwrap()["commit"], "a");
     }
 }

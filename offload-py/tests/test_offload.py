@@ -1234,3 +1234,19 @@ def test_a_module_on_the_second_gpu_leaves_torchs_current_device_alone():
         assert torch.cuda.current_device() == 0, "a step left device 1 current"
         offload.disable(model)
         assert torch.cuda.current_device() == 0
+
+
+def test_block_parameters_sharing_one_storage_are_a_named_error():
+    # Views of one tensor stream as separate bytes and would come back separate.
+    model, _, _ = MODELS["t5"]()
+    attn = model.encoder.block[1].layer[0].SelfAttention
+    fused = torch.cat([attn.q.weight.detach(), attn.k.weight.detach()])
+    n = attn.q.weight.shape[0]
+    attn.q.weight = torch.nn.Parameter(fused[:n])
+    attn.k.weight = torch.nn.Parameter(fused[n:])
+    before = _snapshot(model)
+    with pytest.raises(OffloadError, match=r"encoder\.block\.1\.layer\.0\.SelfAttention\.k\.weight' shares its storage with 'encoder\.block\.1\.layer\.0\.SelfAttention\.q\.weight"):
+        offload.enable(model, device="cpu")
+    assert offload.offloaded(model) is None
+    _same_snapshot(before, _snapshot(model))
+

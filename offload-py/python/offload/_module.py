@@ -527,6 +527,9 @@ def enable(
     all_params = dict(module.named_parameters(remove_duplicate=False))
     frozen_some = any(not p.requires_grad for p in all_params.values())
     in_block: dict[int, str] = {}
+    # Storages of the streamed parameters: two views of one tensor would come back
+    # from disable as two tensors, no longer sharing their bytes.
+    storages: dict[int, str] = {}
     tensors = []
     for child, blk in block_modules:
         base = f"{blk.stack}.{blk.index}."
@@ -544,6 +547,14 @@ def enable(
                     "(a module around this one is offloaded: disable it first)"
                 )
             in_block[id(p)] = full
+            if not p.is_meta and p.numel():
+                at = p.untyped_storage().data_ptr()
+                if at in storages:
+                    raise OffloadError(
+                        f"component {component!r}: tensor {full!r} shares its storage with {storages[at]!r} (views of one "
+                        "tensor); streamed, they would come back from disable as two tensors: give each its own storage first"
+                    )
+                storages[at] = full
             rewrap = _rewrap(p, component, full)
             owner, attr = _owner(module, full)
             if p.is_meta:

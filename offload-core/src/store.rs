@@ -1185,6 +1185,16 @@ mod tests {
         }
     }
 
+    /// A checkpoint of four blocks ([`disk_model`]) at `temp(tag)`, opened, its
+    /// inventory (component "m"), and a fast simulated device.
+    fn four_blocks(tag: &str) -> (std::path::PathBuf, SafetensorsFile, crate::ComponentInventory, SimBackend) {
+        let path = temp(tag);
+        write_checkpoint(&path, &disk_model(4, 4096));
+        let file = SafetensorsFile::open(&path).unwrap();
+        let inv = NameDiscovery.discover("m", file.specs()).unwrap();
+        (path, file, inv, SimBackend::new(SimConfig::fast()))
+    }
+
     /// A change made after the last step's `end_step` (its copies may still be
     /// queued then) is seen when the ring closes, when an on-demand component is
     /// released and by a buffer's `block_bytes`; a file rewritten while its
@@ -1192,11 +1202,7 @@ mod tests {
     #[test]
     fn a_change_after_the_last_step_is_an_error_at_close_and_release() {
         use crate::{resolve, OnDemand, Plan, Ring};
-        let path = temp("after-last-step");
-        write_checkpoint(&path, &disk_model(4, 4096));
-        let file = SafetensorsFile::open(&path).unwrap();
-        let inv = NameDiscovery.discover("m", file.specs()).unwrap();
-        let be = SimBackend::new(SimConfig::fast());
+        let (path, file, inv, be) = four_blocks("after-last-step");
         let store = std::sync::Arc::new(HostStore::build_mapped(&be, &inv, &file, PinOptions::default()).unwrap());
         let plan = resolve(&Plan::layerwise(), std::slice::from_ref(&inv)).unwrap();
         let mut ring = Ring::new(be.clone(), store.clone(), &plan.components[0]).unwrap();
@@ -1226,11 +1232,7 @@ mod tests {
     #[test]
     fn a_store_whose_disk_blocks_are_not_the_plans_is_refused() {
         use crate::{resolve, ComponentPlan, Plan, Ring};
-        let path = temp("disk-split");
-        write_checkpoint(&path, &disk_model(4, 4096));
-        let file = SafetensorsFile::open(&path).unwrap();
-        let inv = NameDiscovery.discover("m", file.specs()).unwrap();
-        let be = SimBackend::new(SimConfig::fast());
+        let (_, file, inv, be) = four_blocks("disk-split");
         let cp = ComponentPlan { disk_blocks: vec!["blocks.1".into(), "blocks.3".into()], ..Default::default() };
         let rc = resolve(&Plan::layerwise().component("m", cp), std::slice::from_ref(&inv)).unwrap().components.remove(0);
         let in_memory = std::sync::Arc::new(HostStore::build(&be, &inv, &file).unwrap());
@@ -1251,11 +1253,7 @@ mod tests {
     #[test]
     fn the_disk_tiers_bounce_buffers_count_against_the_pin_budget() {
         use crate::{resolve, ComponentPlan, Plan, Ring};
-        let path = temp("disk-pin-budget");
-        write_checkpoint(&path, &disk_model(4, 4096));
-        let file = SafetensorsFile::open(&path).unwrap();
-        let inv = NameDiscovery.discover("m", file.specs()).unwrap();
-        let be = SimBackend::new(SimConfig::fast());
+        let (_, file, inv, be) = four_blocks("disk-pin-budget");
         let with = |budget: Option<u64>| {
             let cp = ComponentPlan {
                 disk_blocks: vec!["blocks.1".into(), "blocks.3".into()],

@@ -137,49 +137,41 @@ def test_a_diffusers_mode_that_failed_is_named_and_no_target_is_met_without_an_a
             assert row["diffusers_best_mode"] == "leaf_stream" and row["targets"]["faster_than_diffusers_best"] is True
 
 
+def _flux_run(path, offload_fields=(), gpu=None):
+    """A process's run file of flux-dev 1024 (resident, ours, diffusers' block mode),
+    ours with ``offload_fields`` set, recording ``gpu`` where given; its path."""
+    common = dict(model="flux-dev", case="1024", tokens=4608, batch=1, weights_device_bytes=1, activations_peak_bytes=1,
+                  output_finite=True, output_nonconstant=True)
+    off = dict(common, mode="offload", steps_s=[0.2] * 3, depth=1, bytes_per_step=10e9, h2d_bytes_per_s=50e9,
+               bitwise_equal=True, host_syncs_in_timed_steps=0, **dict(offload_fields))
+    doc = dict(versions="test", cases=[dict(common, mode="resident", steps_s=[0.1] * 3), off, dict(common, mode="block_stream", steps_s=[0.3] * 3)])
+    if gpu:
+        doc["gpu"] = gpu
+    path.write_text(json.dumps(doc))
+    return str(path)
+
+
+def _py_merge(tmp_path, runs):
+    out = tmp_path / "m.json"
+    r = subprocess.run([sys.executable, str(ROOT / "bench/anchors/py_merge.py"), "--date", "2026-12-05", "--out", str(out),
+                        "--at", "c0ffee", *runs], capture_output=True, text=True)
+    return r, (json.loads(out.read_text()) if r.returncode == 0 else None)
+
+
 def test_a_constant_or_non_finite_output_misses_its_target(tmp_path):
     # Bitwise equal is not enough: an output equal to a constant (or non-finite)
     # resident one meets no target of its own.
-    def run(k, field):
-        common = dict(model="flux-dev", case="1024", tokens=4608, batch=1, weights_device_bytes=1, activations_peak_bytes=1,
-                      output_finite=True, output_nonconstant=True)
-        off = dict(common, mode="offload", steps_s=[0.2] * 3, depth=1, bytes_per_step=10e9, h2d_bytes_per_s=50e9,
-                   bitwise_equal=True, host_syncs_in_timed_steps=0)
-        if field and k == 1:
-            off[field] = False
-        rows = [dict(common, mode="resident", steps_s=[0.1] * 3), off, dict(common, mode="block_stream", steps_s=[0.3] * 3)]
-        p = tmp_path / f"r{k}-{field}.json"
-        p.write_text(json.dumps(dict(versions="test", cases=rows)))
-        return str(p)
-
     for field in (None, "output_finite", "output_nonconstant"):
-        out = tmp_path / "m.json"
-        subprocess.run([sys.executable, str(ROOT / "bench/anchors/py_merge.py"), "--date", "2026-12-03", "--out", str(out),
-                        "--at", "c0ffee", *[run(k, field) for k in range(3)]], check=True, capture_output=True)
-        row = json.loads(out.read_text())["cases"][0]
+        runs = [_flux_run(tmp_path / f"r{k}-{field}.json", {field: False} if field and k == 1 else {}) for k in range(3)]
+        row = _py_merge(tmp_path, runs)[1]["cases"][0]
         assert row["targets"]["outputs_finite_and_nonconstant"] is (field is None), (field, row["targets"])
         assert row["outputs_finite_and_nonconstant"] is (field is None)
 
 
 def test_the_merge_takes_the_gpu_from_the_runs(tmp_path):
-    def run(k, gpu):
-        common = dict(model="flux-dev", case="1024", tokens=4608, batch=1, weights_device_bytes=1, activations_peak_bytes=1,
-                      output_finite=True, output_nonconstant=True)
-        rows = [dict(common, mode="resident", steps_s=[0.1] * 3),
-                dict(common, mode="offload", steps_s=[0.2] * 3, depth=1, bytes_per_step=10e9, h2d_bytes_per_s=50e9,
-                     bitwise_equal=True, host_syncs_in_timed_steps=0)]
-        doc = dict(versions="test", cases=rows)
-        if gpu:
-            doc["gpu"] = gpu
-        p = tmp_path / f"r{k}-{gpu}.json"
-        p.write_text(json.dumps(doc))
-        return str(p)
-
     def merge(gpus):
-        out = tmp_path / "m.json"
-        r = subprocess.run([sys.executable, str(ROOT / "bench/anchors/py_merge.py"), "--date", "2026-12-05", "--out", str(out),
-                            "--at", "c0ffee", *[run(k, g) for k, g in enumerate(gpus)]], capture_output=True, text=True)
-        return r, (json.loads(out.read_text())["gpu"] if r.returncode == 0 else None)
+        r, doc = _py_merge(tmp_path, [_flux_run(tmp_path / f"g{k}-{g}.json", gpu=g) for k, g in enumerate(gpus)])
+        return r, (doc["gpu"] if doc else None)
 
     assert merge(["NVIDIA B200"] * 3)[1] == "NVIDIA B200", "the runs' GPU, not --gpu's default"
     assert merge([None] * 3)[1] == "NVIDIA H200", "runs from before they recorded it: --gpu"

@@ -449,6 +449,10 @@ def main():
                          "the device's) and its Chrome trace; the file is marked kernels_profiled and py_merge.py refuses it")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
+    if a.warmup < 1:
+        # A cold first step (allocator, first kernel launches) would be timed, and a
+        # slow resident step flatters every ratio to its bound.
+        raise SystemExit("--warmup 0: warm up at least once")
     modes = a.mode.split(",")
     if a.budget_gib is not None and a.coded:
         ap.error("--budget-gib plans from a calibration, which plans a ring that is not coded: not with --coded")

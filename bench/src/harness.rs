@@ -194,6 +194,20 @@ pub struct RunDoc {
     /// With `--coded`: the coded store's facts.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub coded: Option<CodedFacts>,
+    /// The process that ran it, and when it began (seconds since the epoch): a
+    /// merge counts one process once. 0 in runs from before they were recorded.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub pid: u32,
+    #[serde(default, skip_serializing_if = "is_zero_f64")]
+    pub started_unix_s: f64,
+}
+
+fn is_zero(x: &u32) -> bool {
+    *x == 0
+}
+
+fn is_zero_f64(x: &f64) -> bool {
+    *x == 0.0
 }
 
 /// One extra streamed step with the ring's timeline on, after the timed ones
@@ -251,10 +265,17 @@ impl RunDoc {
             host_rss_bytes: store.rss,
             cases,
             no_gemm: opts.no_gemm,
+            pid: std::process::id(),
+            started_unix_s: *PROCESS_START
+                .get_or_init(|| std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64())),
             ..RunDoc::default()
         }
     }
 }
+
+/// When this process's first run document was made: with the pid, what tells
+/// two processes apart in a merge.
+static PROCESS_START: std::sync::OnceLock<f64> = std::sync::OnceLock::new();
 
 /// What a `--coded` run records of its coded store (the weights drawn normal,
 /// `RegistrySource::normal`).
@@ -578,6 +599,16 @@ pub fn targets(backend: &str) -> Targets {
     }
 }
 
+/// The mode name under which the anchor command runs this project's Python
+/// package (`zoo_anchor.py --mode offload`).
+const OURS_IN_ANCHOR: &str = "offload";
+
+/// Whether an anchor `mode` is one of diffusers' offloaded modes (the ones our
+/// streamed step must beat): not its resident run, not our own package.
+fn offloads(mode: &str) -> bool {
+    mode != "resident" && mode != OURS_IN_ANCHOR
+}
+
 fn per_run_median(xs: &[f64]) -> Result<f64, String> {
     spread(xs).map(|s| s.median).ok_or_else(|| format!("no finite timings in {xs:?}"))
 }
@@ -592,6 +623,14 @@ pub fn merge(runs: &[RunDoc], anchors: &[AnchorDoc], min_repeats: usize) -> Resu
     let first = runs.first().ok_or("no runs to merge")?;
     if let Some(r) = runs.iter().find(|r| r.backend != first.backend) {
         return Err(format!("runs of different backends: {} and {}", first.backend, r.backend));
+    }
+    // One process's run given twice would count as two repeats (runs from before
+    // processes were recorded hold pid 0: not compared).
+    let ids: Vec<(u32, u64)> = runs.iter().map(|r| (r.pid, r.started_unix_s.to_bits())).collect();
+    if let Some((i, j)) =
+        (0..ids.len()).flat_map(|i| (i + 1..ids.len()).map(move |j| (i, j))).find(|&(i, j)| ids[i].0 != 0 && ids[i] == ids[j])
+    {
+        return Err(format!("runs {} and {} are one process's run (pid {}) given twice: a process counts once", i + 1, j + 1, ids[i].0));
     }
     if let Some(r) = runs.iter().find(|r| r.no_gemm) {
         return Err(format!(
@@ -698,7 +737,7 @@ pub fn merge(runs: &[RunDoc], anchors: &[AnchorDoc], min_repeats: usize) -> Resu
         // a finite, varied output.
         let mut best: Option<(f64, String, f64)> = None;
         let ours = &per;
-        for ((_, _, mode), per) in anchor_groups.iter().filter(|((am, ac, mode), _)| am == model && ac == case && mode != "resident") {
+        for ((_, _, mode), per) in anchor_groups.iter().filter(|((am, ac, mode), _)| am == model && ac == case && offloads(mode)) {
             // A height or frame count of 0 is a file from before it was recorded.
             let agree = |x: usize, y: usize| x == 0 || y == 0 || x == y;
             for (a, (_, c)) in per.iter().flat_map(|a| ours.iter().map(move |o| (a, o))) {
@@ -759,7 +798,9 @@ pub fn merge(runs: &[RunDoc], anchors: &[AnchorDoc], min_repeats: usize) -> Resu
             "host_rss_bytes": per.iter().map(|(r, _)| r.host_rss_bytes).max(),
         }));
     }
-    for ((model, case, mode), per) in &anchor_groups {
+    // The anchor command's run of this project's own Python package (`offload`) is
+    // no anchor: `py_merge.py` merges it.
+    for ((model, case, mode), per) in anchor_groups.iter().filter(|((_, _, mode), _)| mode != OURS_IN_ANCHOR) {
         let at = format!("anchor {model} {case} {mode}");
         if per.len() < min_repeats {
             return Err(format!("{at}: {} process runs, at least {min_repeats} needed", per.len()));
@@ -917,6 +958,15 @@ mod tests {
         let block = doc["anchors"].as_array().unwrap().iter().find(|a| a["mode"] == "block_stream").unwrap();
         assert!((block["step_streamed_s"].as_f64().unwrap() - 0.21).abs() < 1e-12);
         assert!((block["ratio_to_bound"].as_f64().unwrap() - 2.1).abs() < 1e-9);
+        // The anchor command's run of our own package is no diffusers mode: never
+        // the best to beat, and no anchor row, however fast.
+        let mut with_ours = anchors.clone();
+        for a in &mut with_ours {
+            a.cases.push(anchor("offload", 0.05));
+        }
+        let doc = merge(&runs, &with_ours, 3).unwrap();
+        assert_eq!(doc["cases"][0]["anchor_best_mode"], "leaf_stream");
+        assert!(doc["anchors"].as_array().unwrap().iter().all(|a| a["mode"] != "offload"), "{}", doc["anchors"]);
     }
 
     #[test]
@@ -961,6 +1011,17 @@ mod tests {
         assert_eq!(doc["commit"], "c, d");
         let commit = |m: &str| doc["cases"].as_array().unwrap().iter().find(|c| c["model"] == m).unwrap()["commit"].clone();
         assert_eq!((commit("m"), commit("n")), ("c".into(), "d".into()));
+    }
+
+    #[test]
+    fn merge_counts_one_process_once() {
+        let mut runs = [run(&[0.1], 0.1, 50.0), run(&[0.11], 0.1, 50.0), run(&[0.12], 0.1, 50.0)];
+        for (k, r) in runs.iter_mut().enumerate() {
+            (r.pid, r.started_unix_s) = (100 + k as u32, 1e9);
+        }
+        assert!(merge(&runs, &[], 3).is_ok());
+        runs[2] = runs[0].clone();
+        assert!(merge(&runs, &[], 3).unwrap_err().contains("runs 1 and 3 are one process's run (pid 100)"));
     }
 
     #[test]

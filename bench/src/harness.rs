@@ -198,8 +198,14 @@ pub struct RunDoc {
     /// merge counts one process once. 0 in runs from before they were recorded.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub pid: u32,
+    /// When the process made its first run document, seconds since the epoch.
     #[serde(default, skip_serializing_if = "is_zero_f64")]
     pub started_unix_s: f64,
+    /// Warm-up steps before the timed ones (`None` in runs from before it was
+    /// recorded). A merge refuses 0: a cold first step would be timed (the
+    /// sanitizer's runs take `--warmup 0`, and are not merged).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub warmup: Option<usize>,
 }
 
 fn is_zero(x: &u32) -> bool {
@@ -266,6 +272,7 @@ impl RunDoc {
             cases,
             no_gemm: opts.no_gemm,
             pid: std::process::id(),
+            warmup: Some(opts.warmup),
             started_unix_s: *PROCESS_START
                 .get_or_init(|| std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64())),
             ..RunDoc::default()
@@ -631,6 +638,9 @@ pub fn merge(runs: &[RunDoc], anchors: &[AnchorDoc], min_repeats: usize) -> Resu
         (0..ids.len()).flat_map(|i| (i + 1..ids.len()).map(move |j| (i, j))).find(|&(i, j)| ids[i].0 != 0 && ids[i] == ids[j])
     {
         return Err(format!("runs {} and {} are one process's run (pid {}) given twice: a process counts once", i + 1, j + 1, ids[i].0));
+    }
+    if let Some(r) = runs.iter().find(|r| r.warmup == Some(0)) {
+        return Err(format!("a {} run at commit {} timed its first, cold step (--warmup 0): not a measurement", r.backend, r.commit));
     }
     if let Some(r) = runs.iter().find(|r| r.no_gemm) {
         return Err(format!(
@@ -1022,6 +1032,9 @@ mod tests {
         assert!(merge(&runs, &[], 3).is_ok());
         runs[2] = runs[0].clone();
         assert!(merge(&runs, &[], 3).unwrap_err().contains("runs 1 and 3 are one process's run (pid 100)"));
+        runs[2].pid = 102;
+        runs[1].warmup = Some(0);
+        assert!(merge(&runs, &[], 3).unwrap_err().contains("--warmup 0"));
     }
 
     #[test]

@@ -344,9 +344,6 @@ fn run(args: &[String]) -> Result<(), String> {
             if steps < 5 {
                 return Err(format!("--steps {steps}: a run times at least 5 steps after warm-up"));
             }
-            if warmup < 1 {
-                return Err("--warmup 0: a cold first step (allocator, kernels' first launch) would be timed; warm up at least once".into());
-            }
             let commit = opt(args, "--commit").unwrap_or("unknown").to_owned();
             let budgets_gib =
                 parsed(list("--budgets", ""), "--budgets", "not a positive number of GiB", |g: &f64| g.is_finite() && *g > 0.0)?;

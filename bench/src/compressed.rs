@@ -86,6 +86,13 @@ pub fn merge(runs: &[RunDoc], codec: &[Value], min_runs: usize) -> Result<Value,
         let (mut res, mut raw, mut cod, mut bound, mut ratio, mut over_raw) = (vec![], vec![], vec![], vec![], vec![], vec![]);
         let mut transfer_bound = Vec::new();
         for x in &per {
+            // A bandwidth of 0 makes the bound infinite and every ratio 0: a pass.
+            if !(x.bandwidth_gbps.is_finite() && x.bandwidth_gbps > 0.0) || x.streamed_bytes == 0 {
+                return Err(format!(
+                    "{} {} d={}: a run measured {} GB/s for {} streamed bytes",
+                    c.model, c.case, c.depth, x.bandwidth_gbps, x.streamed_bytes
+                ));
+            }
             let (r, st, cs) = (med(&x.steps_resident_s), med(&x.steps_streamed_s), med(&x.steps_streamed_coded_s));
             let bytes_s = x.streamed_bytes as f64 / (x.bandwidth_gbps * 1e9);
             let b = r.max(bytes_s);
@@ -144,6 +151,10 @@ pub fn merge(runs: &[RunDoc], codec: &[Value], min_runs: usize) -> Result<Value,
         }));
     }
     let ratio: Vec<f64> = facts.iter().map(|f| f.compression_ratio).collect();
+    // A ratio of 0 (no coded bytes counted) would pass the ratio target.
+    if ratio.iter().any(|r| !(r.is_finite() && *r > 0.0)) {
+        return Err(format!("a coded store's compression ratio is not a measurement: {ratio:?}"));
+    }
     let ratio_met = med(&ratio) <= RATIO_TARGET;
     let decode_met = !decode.is_empty() && med(&decode) >= DECODE_TARGET_GBPS;
     Ok(json!({
@@ -335,6 +346,13 @@ mod tests {
         assert_eq!(merge(&heavy, &codec, 3).unwrap()["cases"][1]["meets_targets"], false);
         assert_eq!(merge(&runs, &[json!({"decode_gbps": 300.0})], 3).unwrap()["meets_targets"], false);
         assert!(merge(&runs[..2], &codec, 3).is_err());
+        // A bandwidth or a compression ratio of 0 is no measurement (each would pass its target).
+        let mut zero = runs.clone();
+        zero[1].cases[0].bandwidth_gbps = 0.0;
+        assert!(merge(&zero, &codec, 3).unwrap_err().contains("0 GB/s"));
+        let mut uncounted = runs.clone();
+        uncounted[2].coded.as_mut().unwrap().compression_ratio = 0.0;
+        assert!(merge(&uncounted, &codec, 3).unwrap_err().contains("compression ratio"));
         let mut plain = runs.clone();
         plain[1].coded = None;
         assert!(merge(&plain, &codec, 3).is_err());

@@ -109,8 +109,23 @@ fn run_cases<D: Driver>(d: &mut D, model: &Model, cases: &[&Case], opts: &RunOpt
             depths.push(planner_depth(cost, &format!("{} {} {} --depths auto", D::BACKEND, model.name, c.name))?);
         }
         for (k, (depth, planner_depth)) in depths.into_iter().enumerate() {
+            // Blocks that all fit in the ring's d + 1 slots keep them between steps:
+            // its steady steps copy nothing. The row says so; a merge refuses it (a
+            // sanitizer's run of one block a stack is not merged).
+            let blocks: usize = model.stacks.iter().map(|s| s.count).sum();
             let trace = opts.trace.as_deref().filter(|_| k == 0 && doc.timeline_step.is_none());
             let s = d.streamed(c, &Plan::layerwise().prefetch_depth(depth), r, trace)?;
+            // The ring ran the depth asked, and where the row streams, its steps copied.
+            if s.depth != depth || (blocks > depth + 1 && s.step_bytes == Some(0)) {
+                return Err(format!(
+                    "{} {} {} d={depth}: the ring ran d={} copying {:?} bytes a step",
+                    D::BACKEND,
+                    model.name,
+                    c.name,
+                    s.depth,
+                    s.step_bytes
+                ));
+            }
             if let (Some(m), Some(path)) = (&s.timeline, trace) {
                 doc.timeline_step = Some(TimelineStep {
                     model: model.name.into(),
@@ -123,7 +138,7 @@ fn run_cases<D: Driver>(d: &mut D, model: &Model, cases: &[&Case], opts: &RunOpt
                     bytes_copied: m.bytes_copied,
                 });
             }
-            let mut row = RunCase { planner_depth, ..streamed_row(model, c, depth, (&r.times, r.activations), &facts, s.s) };
+            let mut row = RunCase { planner_depth, blocks, ..streamed_row(model, c, depth, (&r.times, r.activations), &facts, s.s) };
             d.extend_row(c, depth, r, trace, &mut row)?;
             doc.cases.push(row);
         }
@@ -186,8 +201,9 @@ mod tests {
         store: Arc<HostStore<SimBackend>>,
         /// What the loop asked, in order.
         log: Vec<String>,
-        /// A break: report this many more bytes a step than the ring copied.
-        extra_bytes: u64,
+        /// A break: report this many more bytes a step than the ring copied, in
+        /// every row (`.0`) or in the budget runs only (`.1`: plans with blocks kept resident).
+        extra_bytes: (u64, u64),
         /// A break: a store of other block sizes than the registry's.
         payload_off: bool,
     }
@@ -198,7 +214,7 @@ mod tests {
             let src = RegistrySource::new(&model, 0);
             let inv = block_inventory(&model, src.specs()).unwrap();
             let store = Arc::new(HostStore::build(&be, &inv, &src).unwrap());
-            Sim { model, be, inv, store, log: Vec::new(), extra_bytes: 0, payload_off: false }
+            Sim { model, be, inv, store, log: Vec::new(), extra_bytes: (0, 0), payload_off: false }
         }
 
         /// One step: every block's slot bytes hashed in the registry's order.
@@ -259,7 +275,9 @@ mod tests {
             let equal = out.to_le_bytes().as_slice() == r.out;
             let s = Streamed { times: vec![0.2; 5], equal, values: vec![1.0, 2.0], weights: 1, derived: 1, misses };
             let timeline = trace.map(|_| StepMetrics::default());
-            Ok(StreamedRun { s, depth, step_bytes: Some(copied + self.extra_bytes), timeline })
+            let budget_run = plan.components.values().chain([&plan.default]).any(|c| !c.resident_blocks.is_empty());
+            let extra = self.extra_bytes.0 + if budget_run { self.extra_bytes.1 } else { 0 };
+            Ok(StreamedRun { s, depth, step_bytes: Some(copied + extra), timeline })
         }
         fn extend_row(&mut self, c: &Case, depth: usize, _: &Resident, _: Option<&str>, row: &mut RunCase) -> Result<(), String> {
             self.log.push(format!("extend {} d={depth}", c.name));
@@ -347,9 +365,14 @@ mod tests {
     fn a_ring_that_did_not_run_the_planners_choice_or_a_store_off_the_registry_is_refused() {
         let m = tiny_flux();
         let budget = m.block_bytes(2) as f64 * 0.8 / (1u64 << 30) as f64;
-        let e = run(&m, &RunOptions { budgets_gib: vec![budget], ..opts(&m) }, || Ok(Sim { extra_bytes: 1, ..Sim::new(m.clone()) }))
+        let e = run(&m, &RunOptions { budgets_gib: vec![budget], ..opts(&m) }, || Ok(Sim { extra_bytes: (0, 1), ..Sim::new(m.clone()) }))
             .expect_err("refused");
         assert!(e.contains("the planner chose"), "{e}");
+        // A depth row records the model's blocks (a merge refuses a row whose blocks
+        // all fit in its ring's slots: it never streamed).
+        let blocks: usize = m.stacks.iter().map(|s| s.count).sum();
+        let doc = run(&m, &RunOptions { depths: vec![1, blocks - 1], ..opts(&m) }, || Ok(Sim::new(m.clone()))).unwrap();
+        assert!(doc.cases.iter().all(|c| c.blocks == blocks), "{:?}", doc.cases);
         let e = run(&m, &opts(&m), || Ok(Sim { payload_off: true, ..Sim::new(m.clone()) })).expect_err("refused");
         assert!(e.contains("the registry says"), "{e}");
         let e = run(&m, &RunOptions { auto_depth: true, budgets_gib: vec![], ..opts(&m) }, || Ok(Sim::new(m.clone())));

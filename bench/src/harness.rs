@@ -141,6 +141,11 @@ pub struct RunCase {
     /// before the timed streamed steps (`None`: a depth given on the command line).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub planner_depth: Option<PlannerDepth>,
+    /// The model's blocks (0 in runs from before it was recorded): a row whose
+    /// blocks all fit in its ring's `depth + 1` slots never streamed in steady
+    /// state, and a merge refuses it.
+    #[serde(default, skip_serializing_if = "is_zero_usize")]
+    pub blocks: usize,
 }
 
 /// The planner's coding choice for one case and depth ([`offload_plan::Choice::with_coding`]).
@@ -206,6 +211,10 @@ pub struct RunDoc {
     /// sanitizer's runs take `--warmup 0`, and are not merged).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub warmup: Option<usize>,
+}
+
+fn is_zero_usize(x: &usize) -> bool {
+    *x == 0
 }
 
 fn is_zero(x: &u32) -> bool {
@@ -685,6 +694,9 @@ pub fn merge(runs: &[RunDoc], anchors: &[AnchorDoc], min_repeats: usize) -> Resu
             })
             .collect();
         let at = format!("{model} {case} d={depth}{}", if *by_planner { " (the planner's depth)" } else { "" });
+        if let Some((_, c)) = per.iter().find(|(_, c)| c.blocks != 0 && c.blocks <= c.depth + 1) {
+            return Err(format!("{at}: the model's {} blocks fit in the ring's {} slots: the row never streamed", c.blocks, c.depth + 1));
+        }
         if per.len() < min_repeats {
             return Err(format!("{at}: {} process runs, at least {min_repeats} needed", per.len()));
         }
@@ -1035,6 +1047,10 @@ mod tests {
         runs[2].pid = 102;
         runs[1].warmup = Some(0);
         assert!(merge(&runs, &[], 3).unwrap_err().contains("--warmup 0"));
+        // A row whose blocks all fit in its ring's slots never streamed.
+        runs[1].warmup = Some(1);
+        runs[1].cases[0].blocks = runs[1].cases[0].depth + 1;
+        assert!(merge(&runs, &[], 3).unwrap_err().contains("never streamed"));
     }
 
     #[test]

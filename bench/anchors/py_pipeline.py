@@ -165,10 +165,21 @@ def main() -> None:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
 
     def call():
+        """The image, and the latents the last denoising step left (the image is
+        clamped to [0, 1]: a saturated pixel would hide a wrong weight; the
+        latents do not)."""
         gen = torch.Generator(device="cpu").manual_seed(42)
+        final = {}
+
+        def keep(_pipe, _i, _t, kw):
+            final["latents"] = kw["latents"]
+            return kw
+
         with torch.no_grad():
-            return pipe(prompt_embeds=prompt, pooled_prompt_embeds=pooled, height=a.res, width=a.res, num_inference_steps=a.steps,
-                        guidance_scale=3.5, generator=gen, output_type="pt").images
+            img = pipe(prompt_embeds=prompt, pooled_prompt_embeds=pooled, height=a.res, width=a.res, num_inference_steps=a.steps,
+                       guidance_scale=3.5, generator=gen, output_type="pt", callback_on_step_end=keep,
+                       callback_on_step_end_tensor_inputs=["latents"]).images
+        return img, final["latents"]
 
     def measure(mode):
         call()  # untimed: hooks' first pass, cuBLAS plans
@@ -180,14 +191,16 @@ def main() -> None:
         for _ in range(a.calls):
             sync()
             t = time.perf_counter()
-            img = call()
+            img, latents = call()
             sync()
             times.append(time.perf_counter() - t)
         peak = torch.cuda.max_memory_allocated() if cuda else 0
-        f = img.float()
         print(f"{mode}: {statistics.median(times):.3f} s a call, peak {peak / 2**30:.2f} GiB (weights {weights / 2**30:.2f})", flush=True)
-        return dict(calls_s=times, peak_device_bytes=peak, weights_device_bytes=weights, output_finite=bool(torch.isfinite(f).all()),
-                    output_nonconstant=bool((f != f.flatten()[0]).any())), img.detach().cpu()
+        # Finite and varied: the image and the latents both.
+        fs = [img.float(), latents.float()]
+        return dict(calls_s=times, peak_device_bytes=peak, weights_device_bytes=weights,
+                    output_finite=all(bool(torch.isfinite(f).all()) for f in fs),
+                    output_nonconstant=all(bool((f != f.flatten()[0]).any()) for f in fs)), (img.detach().cpu(), latents.detach().cpu())
 
     out = {}
     ref = None
@@ -237,7 +250,8 @@ def main() -> None:
                 torch.cuda.empty_cache()
         if mode == "resident":
             ref = img
-        row["bitwise_equal"] = bool(img.shape == ref.shape and torch.equal(img, ref))
+        # The image and the last step's latents, each bitwise the resident call's.
+        row["bitwise_equal"] = all(bool(x.shape == r.shape and torch.equal(x, r)) for x, r in zip(img, ref))
         if mode == "offload":
             row["weights_budget_gib"] = weights_gib
         out[mode] = row

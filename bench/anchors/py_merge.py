@@ -76,6 +76,10 @@ def main():
         res, ours, bound, ratio, vs, best_modes, dmodes = [], [], [], [], [], [], {}
         bitwise, syncs, finite = True, 0, True
         for f, m in full.items():
+            # Like for like: every mode of a process timed as many steps.
+            counts = {k: len(v["steps_s"]) for k, v in m.items()}
+            if len(set(counts.values())) > 1:
+                raise SystemExit(f"{f}: {model} {case}: the modes timed different numbers of steps: {counts}")
             o = m["offload"]
             # The bytes that crossed the link (fewer than the block's when coded).
             b = max(m["resident"]["median_s"], o.get("link_bytes_per_step", o["bytes_per_step"]) / o["h2d_bytes_per_s"])

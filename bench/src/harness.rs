@@ -772,6 +772,10 @@ pub fn merge(runs: &[RunDoc], anchors: &[AnchorDoc], min_repeats: usize) -> Resu
                         a.resolution, a.height, a.frames, a.tokens, a.batch, c.resolution, c.height, c.frames, c.tokens, c.batch
                     ));
                 }
+                // Like for like: as many timed steps on both sides.
+                if a.steps_s.len() != c.steps_streamed_s.len() {
+                    return Err(format!("{at}: diffusers {mode} timed {} steps, ours {}", a.steps_s.len(), c.steps_streamed_s.len()));
+                }
             }
             for a in per {
                 if !(a.output_finite && a.output_nonconstant) {
@@ -936,7 +940,7 @@ mod tests {
             model: "m".into(),
             case: "1024".into(),
             mode: mode.into(),
-            steps_s: vec![s; 5],
+            steps_s: vec![s; 3],
             model_bytes: 2_000_000_000,
             output_finite: true,
             output_nonconstant: true,
@@ -963,7 +967,7 @@ mod tests {
         // process at 0.125 s beat our slowest (0.13 s), so not faster, though our
         // median (0.11 s) is under theirs (0.15 s).
         let mut close = anchors.clone();
-        close[2].cases[2].steps_s = vec![0.125; 5];
+        close[2].cases[2].steps_s = vec![0.125; 3];
         assert_eq!(merge(&runs, &close, 3).unwrap()["cases"][0]["faster_than_anchor_best"], false);
         let doc = merge(&runs, &anchors, 3).unwrap();
         let c = &doc["cases"][0];
@@ -988,6 +992,10 @@ mod tests {
         }
         let doc = merge(&runs, &with_ours, 3).unwrap();
         assert_eq!(doc["cases"][0]["anchor_best_mode"], "leaf_stream");
+        // Like for like: an anchor that timed another number of steps is refused.
+        let mut longer = anchors.clone();
+        longer[0].cases[1].steps_s = vec![0.2; 5];
+        assert!(merge(&runs, &longer, 3).unwrap_err().contains("timed 5 steps, ours 3"));
         assert!(doc["anchors"].as_array().unwrap().iter().all(|a| a["mode"] != "offload"), "{}", doc["anchors"]);
     }
 

@@ -168,6 +168,16 @@ def test_a_constant_or_non_finite_output_misses_its_target(tmp_path):
         assert row["outputs_finite_and_nonconstant"] is (field is None)
 
 
+def test_modes_that_timed_different_step_counts_are_not_compared(tmp_path):
+    runs = [_flux_run(tmp_path / f"s{k}.json") for k in range(3)]
+    assert _py_merge(tmp_path, runs)[0].returncode == 0
+    doc = json.loads(pathlib.Path(runs[1]).read_text())
+    doc["cases"][1]["steps_s"] = [0.2] * 5
+    pathlib.Path(runs[1]).write_text(json.dumps(doc))
+    r, _ = _py_merge(tmp_path, runs)
+    assert r.returncode != 0 and "timed different numbers of steps" in r.stderr, r.stderr
+
+
 def test_the_merge_takes_the_gpu_from_the_runs(tmp_path):
     def merge(gpus):
         r, doc = _py_merge(tmp_path, [_flux_run(tmp_path / f"g{k}-{g}.json", gpu=g) for k, g in enumerate(gpus)])

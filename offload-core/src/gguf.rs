@@ -430,10 +430,7 @@ impl TensorSource for GgufFile {
     /// and the tensor, never a weight).
     fn read_into(&self, index: usize, dst: &mut [u8]) -> Result<()> {
         let name = &self.specs[index].name;
-        self.region.read_at(self.offsets[index] as usize, dst).map_err(|e| match e {
-            Error::BadCheckpoint { path, fault, .. } => Error::BadCheckpoint { path, tensor: name.clone(), fault },
-            e => e,
-        })
+        self.region.read_at(self.offsets[index] as usize, dst).map_err(|e| crate::source::naming(e, name))
     }
 }
 

@@ -501,14 +501,20 @@ impl TensorSource for SafetensorsFile {
     /// still naming it): bytes read from a file changed before or during the
     /// read are an error naming the file and the tensor, never a weight.
     fn read_into(&self, index: usize, dst: &mut [u8]) -> Result<()> {
-        let name = || self.specs[index].name.clone();
+        let name = &self.specs[index].name;
         let read = self.file.read_exact_at(dst, self.offsets[index]);
-        let changed = |e: Error| match e {
-            Error::BadCheckpoint { path, fault, .. } => Error::BadCheckpoint { path, tensor: name(), fault },
-            e => e,
-        };
-        self.region_check().map_err(changed)?;
-        read.map_err(|source| Error::Io { path: self.path.clone(), source })
+        self.region_check().map_err(|e| naming(e, name))?;
+        read.map_err(|source| naming(Error::Io { path: self.path.clone(), source }, name))
+    }
+}
+
+/// A checkpoint's error while reading `tensor`, naming it: a file changed, and a
+/// file that can no longer be read (deleted, unreadable), which named no tensor.
+pub(crate) fn naming(e: Error, tensor: &str) -> Error {
+    match e {
+        Error::BadCheckpoint { path, fault, .. } => Error::BadCheckpoint { path, tensor: tensor.to_owned(), fault },
+        Error::Io { path, source } => Error::BadCheckpoint { path, tensor: tensor.to_owned(), fault: format!("reading it: {source}") },
+        e => e,
     }
 }
 

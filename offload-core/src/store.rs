@@ -1224,7 +1224,12 @@ mod tests {
         let at = file.data_offset(0) + 11;
         let e = SafetensorsFile::open_then(&path, &|| write_in_place(&path, at, true)).map(drop).expect_err("refused").to_string();
         assert!(e.contains("m.safetensors") && e.contains("since it was opened"), "{e}");
-        assert!(SafetensorsFile::open(&path).is_ok());
+        let reopened = SafetensorsFile::open(&path).unwrap();
+        // Deleted after it was opened: the read names the file and the tensor.
+        std::fs::remove_file(&path).unwrap();
+        let mut dst = vec![0u8; reopened.specs()[0].nbytes().unwrap()];
+        let e = reopened.read_into(0, &mut dst).unwrap_err().to_string();
+        assert!(e.contains("m.safetensors") && e.contains(&reopened.specs()[0].name), "{e}");
     }
 
     /// A plan that leaves blocks on disk and a store that holds them otherwise

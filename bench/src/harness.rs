@@ -144,7 +144,7 @@ pub struct RunCase {
     /// The model's blocks (0 in runs from before it was recorded): a row whose
     /// blocks all fit in its ring's `depth + 1` slots never streamed in steady
     /// state, and a merge refuses it.
-    #[serde(default, skip_serializing_if = "is_zero_usize")]
+    #[serde(default, skip_serializing_if = "is_default")]
     pub blocks: usize,
 }
 
@@ -201,10 +201,10 @@ pub struct RunDoc {
     pub coded: Option<CodedFacts>,
     /// The process that ran it, and when it began (seconds since the epoch): a
     /// merge counts one process once. 0 in runs from before they were recorded.
-    #[serde(default, skip_serializing_if = "is_zero")]
+    #[serde(default, skip_serializing_if = "is_default")]
     pub pid: u32,
     /// When the process made its first run document, seconds since the epoch.
-    #[serde(default, skip_serializing_if = "is_zero_f64")]
+    #[serde(default, skip_serializing_if = "is_default")]
     pub started_unix_s: f64,
     /// Warm-up steps before the timed ones (`None` in runs from before it was
     /// recorded). A merge refuses 0: a cold first step would be timed (the
@@ -213,16 +213,10 @@ pub struct RunDoc {
     pub warmup: Option<usize>,
 }
 
-fn is_zero_usize(x: &usize) -> bool {
-    *x == 0
-}
-
-fn is_zero(x: &u32) -> bool {
-    *x == 0
-}
-
-fn is_zero_f64(x: &f64) -> bool {
-    *x == 0.0
+/// A field left out of a results file where it holds its default (what runs from
+/// before it was recorded read back as).
+fn is_default<T: Default + PartialEq>(x: &T) -> bool {
+    *x == T::default()
 }
 
 /// One extra streamed step with the ring's timeline on, after the timed ones

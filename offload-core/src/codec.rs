@@ -672,6 +672,16 @@ pub fn staging_buffer_bytes(coded_len: u64) -> u64 {
     coded_len.max(4).checked_next_multiple_of(2 << 20).unwrap_or(u64::MAX)
 }
 
+/// Device bytes of `buffers` staging buffers for coded blocks of up to
+/// `largest_coded` bytes (none where nothing is coded): what the decode engine
+/// holds, and what the planner and the ring count.
+pub fn staging_bytes(buffers: usize, largest_coded: u64) -> u64 {
+    match largest_coded {
+        0 => 0,
+        c => (buffers as u64).saturating_mul(staging_buffer_bytes(c)),
+    }
+}
+
 /// Code a block's bytes for a decoder on another device: cut into segments of at
 /// most `segment_bytes` (rounded down to a multiple of 4, at least 4, at most
 /// 1 GiB: a string's offsets are 32-bit), each encoded by [`encode_bf16`] on up

@@ -153,6 +153,25 @@ pub struct Ring<B: OffloadBackend> {
     disk: Option<crate::disk::DiskStream<B>>,
 }
 
+/// A plan that leaves blocks on disk (under a host RAM budget) counts its host
+/// memory with them there: a store that holds them otherwise would pass the
+/// budget unseen.
+fn check_disk_split<B: OffloadBackend>(store: &HostStore<B>, plan: &ResolvedComponent) -> Result<()> {
+    if plan.on_disk.is_empty() {
+        return Ok(());
+    }
+    let Some(b) = store.blocks().iter().find(|b| plan.is_on_disk(&b.id) != b.disk_offset().is_some()) else { return Ok(()) };
+    let (plan_has, store_has) = match plan.is_on_disk(&b.id) {
+        true => ("on disk", "in memory"),
+        false => ("in memory", "on disk"),
+    };
+    Err(Error::Plan(format!(
+        "component {:?}: the plan holds block {} {plan_has}, the store {store_has} (build the store with \
+         HostStore::build_tiered and the plan's is_on_disk)",
+        plan.name, b.id
+    )))
+}
+
 /// A plan's device budget, with the decoder's staging buffers counted: blocks
 /// held coded for the device go through them (resident blocks too), beside the
 /// ring's slots. [`resolve`](crate::resolve) counts the slots, resident blocks
@@ -242,22 +261,7 @@ impl<B: OffloadBackend> Ring<B> {
         if let Some(id) = held.iter().find(|id| !planned.contains(*id)) {
             return Err(Error::Plan(format!("component {:?}: the store holds block {id}, which the plan does not name", plan.name)));
         }
-        // A plan that leaves blocks on disk (under a host RAM budget) counts its
-        // host memory with them there: a store that holds them otherwise would
-        // pass the budget unseen.
-        if !plan.on_disk.is_empty() {
-            if let Some(b) = store.blocks().iter().find(|b| plan.is_on_disk(&b.id) != b.disk_offset().is_some()) {
-                let (plan_has, store_has) = match plan.is_on_disk(&b.id) {
-                    true => ("on disk", "in memory"),
-                    false => ("in memory", "on disk"),
-                };
-                return Err(Error::Plan(format!(
-                    "component {:?}: the plan holds block {} {plan_has}, the store {store_has} (build the store with \
-                     HostStore::build_tiered and the plan's is_on_disk)",
-                    plan.name, b.id
-                )));
-            }
-        }
+        check_disk_split(&store, plan)?;
         check_staging_budget(&backend, &store, plan)?;
         check_pin_budget(&store, plan)?;
         let n = store.blocks().len();

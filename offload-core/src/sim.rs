@@ -528,11 +528,7 @@ impl HostMemory for SimBackend {
     }
 
     fn decoder_staging_bytes(&self, largest_coded: usize) -> u64 {
-        let n = self.inner.cfg.staging_buffers as u64;
-        match largest_coded {
-            0 => 0,
-            c => n.saturating_mul(crate::codec::staging_buffer_bytes(c as u64)),
-        }
+        crate::codec::staging_bytes(self.inner.cfg.staging_buffers, largest_coded as u64)
     }
 
     fn alloc(&self, kind: HostKind<'_>, bytes: usize, purpose: &str, fill: Fill<'_>) -> Result<SimHost> {

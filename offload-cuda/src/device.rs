@@ -478,10 +478,7 @@ impl HostMemory for CudaBackend {
     /// each grown to the largest coded block copied.
     fn decoder_staging_bytes(&self, largest_coded: usize) -> u64 {
         let n = self.shared.coding.get().map_or(crate::coded::STAGING_BUFFERS, |c| c.staging_buffers());
-        match largest_coded {
-            0 => 0,
-            c => (n as u64).saturating_mul(offload_core::codec::staging_buffer_bytes(c as u64)),
-        }
+        offload_core::codec::staging_bytes(n, largest_coded as u64)
     }
 
     fn alloc(&self, kind: HostKind<'_>, bytes: usize, purpose: &str, fill: Fill<'_>) -> Result<PinnedHost> {

@@ -27,6 +27,19 @@ pub fn driver_present() -> bool {
     true
 }
 
+/// Whether this machine has no CUDA device to run on: no driver library, or a
+/// driver that sees no device (`cuInit`'s `CUDA_ERROR_NO_DEVICE`, or none
+/// counted). What a GPU test skips on; any other failure is a failure.
+pub fn no_device() -> bool {
+    if !driver_present() {
+        return true;
+    }
+    match CudaContext::device_count() {
+        Ok(n) => n == 0,
+        Err(e) => e.0 == sys::CUresult::CUDA_ERROR_NO_DEVICE,
+    }
+}
+
 /// The primary context of device `ordinal`, with cudarc's per-slice event
 /// tracking turned off (the engine orders its streams itself).
 ///

@@ -173,10 +173,7 @@ impl CostModel {
     /// and `_depth` are kept for engines that would hold one per copy in flight).
     pub fn staging_bytes(&self, _resident: &[bool], _depth: usize) -> u64 {
         let largest = self.blocks.iter().filter_map(|b| b.coded.map(|c| c.bytes)).max().unwrap_or(0);
-        if largest == 0 {
-            return 0;
-        }
-        (self.staging_buffers.max(1) as u64).saturating_mul(offload_core::codec::staging_buffer_bytes(largest))
+        offload_core::codec::staging_bytes(self.staging_buffers.max(1), largest)
     }
 
     /// [`simulate_s`](Self::simulate_s), with the streamed blocks held coded

@@ -111,23 +111,11 @@ pub type CudaCoded = CudaRow<1>;
 /// there is no second device with peer access.
 pub type CudaRelay = CudaRow<2>;
 
-/// Whether this machine has no CUDA device to run on: no driver library, or a
-/// driver that sees no device (`cuInit`'s `CUDA_ERROR_NO_DEVICE`, or none counted).
-pub(crate) fn no_cuda_device() -> bool {
-    if !offload_cuda::driver_present() {
-        return true;
-    }
-    match offload_cuda::cudarc::driver::CudaContext::device_count() {
-        Ok(n) => n == 0,
-        Err(e) => e.0 == offload_cuda::cudarc::driver::sys::CUresult::CUDA_ERROR_NO_DEVICE,
-    }
-}
-
 /// What a CUDA row's failed construction is: a skip where the machine has no
-/// CUDA device ([`no_cuda_device`]), and a failure otherwise (a context, a
+/// CUDA device ([`offload_cuda::no_device`]), and a failure otherwise (a context, a
 /// stream, a library or a framework build that fails on a machine with one).
 pub(crate) fn absent_or_failed(what: &str, e: impl std::fmt::Display) -> CaseError {
-    match no_cuda_device() {
+    match offload_cuda::no_device() {
         true => CaseError::Skip(format!("no CUDA device for {what}: {e}")),
         false => CaseError::Fail(format!("{what} failed on a machine with a CUDA device: {e}")),
     }

@@ -98,8 +98,6 @@ class _Param:
     shape: tuple
     offset: int = 0
     nbytes: int = 0
-    # The strides its view is bound with (its `layout`), in one call.
-    stride: tuple = ()
     pinned: bool = False
     # A parameter subclass the block's views are wrapped in again (diffusers'
     # GGUFParameter, which carries its quant type), or None for a plain one.
@@ -148,7 +146,7 @@ class _Block:
             if p.nbytes == 0 or p.offset % size:
                 self.sliced.append(p)
             else:
-                self.views.append((p.owner._parameters, p.attr, p.dtype, p.shape, p.stride, p.offset // size, p.rewrap))
+                self.views.append((p.owner._parameters, p.attr, p.dtype, p.shape, p.layout, p.offset // size, p.rewrap))
         self.dtypes = tuple(dict.fromkeys(v[2] for v in self.views))
         self.restore = [(p.owner._parameters, p.attr, p.param) for p in self.params]
 
@@ -302,7 +300,7 @@ class Offloaded:
             view = strided(shape, stride, base + offset)
             params[attr] = view if rewrap is None else rewrap(view)
         for p in block.sliced:
-            view = data[p.offset : p.offset + p.nbytes].view(p.dtype).as_strided(p.shape, p.stride)
+            view = data[p.offset : p.offset + p.nbytes].view(p.dtype).as_strided(p.shape, p.layout)
             p.owner._parameters[p.attr] = view if p.rewrap is None else p.rewrap(view)
         if torch.is_grad_enabled():
             # A streamed weight gets no gradient: one that asks for it makes the
@@ -664,7 +662,6 @@ def enable(
         for tname, offset, nbytes in layout:
             p = state.params[tname]
             p.offset, p.nbytes = offset, nbytes
-            p.stride = p.layout
     for _, blk in block_modules:
         blk.prepare()
 

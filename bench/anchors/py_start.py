@@ -39,6 +39,26 @@ def rss_beyond_page_cache() -> int:
     return (kib("RssAnon") + kib("RssShmem")) * 1024
 
 
+def dirty_and_writeback() -> tuple[int, int]:
+    """The machine's page-cache bytes not yet written to disk and being written
+    (/proc/meminfo `Dirty`, `Writeback`); (0, 0) where unknown. A start just after
+    the checkpoint was written can share the disk with its write-back."""
+    try:
+        fields = dict(line.split(":", 1) for line in open("/proc/meminfo"))
+    except OSError:
+        return 0, 0
+    kib = lambda k: int(fields.get(k, "0 kB").split()[0]) * 1024  # noqa: E731
+    return kib("Dirty"), kib("Writeback")
+
+
+# The phases of the start each run records since 83fb05d (whose first process
+# missed the 2 s target with no way to tell where the time went): `enable`
+# (the file opened, registered and the hooks placed, device work drained) and
+# the first streamed step after it; with the page cache's dirty and write-back
+# bytes when `enable` began.
+PHASES = ("enable_s", "first_step_s", "dirty_bytes_at_enable", "writeback_bytes_at_enable")
+
+
 def spread(xs):
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
 
@@ -61,6 +81,10 @@ def merge(runs: list[dict], files: list[str], date: str, min_runs: int = 3) -> d
                             ratio=streamed / bound))
     col = lambda k: spread([p[k] for p in per_run])  # noqa: E731
     start, rss = col("start_s"), col("rss")
+    # Runs made before the phases were recorded carry none: the file then has none.
+    phases = {k: spread([r[k] for r in runs]) for k in PHASES} if all(k in r for r in runs for k in PHASES) else {}
+    if phases and any(abs(r["enable_s"] + r["first_step_s"] - r["start_s"]) > 1e-3 for r in runs):
+        raise SystemExit("py_start merge: a run's enable_s + first_step_s is not its start_s")
     in_place = all(r["in_place"] > 0 and r["copied"] == 0 for r in runs)
     bitwise = all(r["bitwise_equal"] and r["output_finite"] and r["output_nonconstant"] for r in runs)
     targets = {
@@ -92,6 +116,7 @@ def merge(runs: list[dict], files: list[str], date: str, min_runs: int = 3) -> d
         "processes": len(runs),
         "runs": files,
         "start_s": start,
+        **({"start_phases": phases} if phases else {}),
         "host_rss_first_step_bytes": rss,
         "host_rss_before_enable_bytes": spread([r["host_rss_before_enable_bytes"] for r in runs]),
         "step_streamed_s": col("streamed"),
@@ -169,16 +194,21 @@ def main() -> None:
     sync()
     before = rss_beyond_page_cache()
     # The model object exists: from here to the end of the first streamed step.
+    dirty, writeback = dirty_and_writeback()
     t0 = time.perf_counter()
     h = offload.enable(model, device=dev, checkpoint=a.checkpoint, progress=False)
+    sync()
+    t1 = time.perf_counter()
     with torch.no_grad():
         first = model(**x)[0]
     sync()
-    start = time.perf_counter() - t0
+    t2 = time.perf_counter()
+    start = t2 - t0
     rss = rss_beyond_page_cache()
     tier = h.host_tier()
     first = first.detach().cpu()
-    print(f"start: {start:.3f} s to the first streamed step, host memory beyond the page cache {rss / 2**30:.2f} GiB "
+    print(f"start: {start:.3f} s to the first streamed step ({t1 - t0:.3f} s enable, {t2 - t1:.3f} s the step; "
+          f"{dirty / 2**30:.2f} GiB dirty, {writeback / 2**30:.2f} GiB in write-back at enable), host memory beyond the page cache {rss / 2**30:.2f} GiB "
           f"({before / 2**30:.2f} before enable), blocks in place {tier['in_place']}, copied {tier['copied']}"
           f"{' (' + tier['copy_reason'] + ')' if tier['copy_reason'] else ''}", flush=True)
 
@@ -217,7 +247,8 @@ def main() -> None:
     fs = [first.float(), last.float()]
     row = dict(model=a.model, case=a.case, commit=a.commit, gpu=torch.cuda.get_device_name() if cuda else "cpu (simulated device)",
                versions=f"diffusers {diffusers.__version__}, torch {torch.__version__}", file_bytes=os.path.getsize(a.checkpoint),
-               start_s=start, host_rss_before_enable_bytes=before, host_rss_first_step_bytes=rss, in_place=tier["in_place"],
+               start_s=start, enable_s=t1 - t0, first_step_s=t2 - t1, dirty_bytes_at_enable=dirty,
+               writeback_bytes_at_enable=writeback, host_rss_before_enable_bytes=before, host_rss_first_step_bytes=rss, in_place=tier["in_place"],
                copied=tier["copied"], copy_reason=tier["copy_reason"], steps_streamed_s=streamed, steps_resident_s=resident,
                step_bytes=step_bytes, bandwidth_bytes_per_s=bandwidth,
                bitwise_equal=bool(torch.equal(out, first) and torch.equal(out, last)),

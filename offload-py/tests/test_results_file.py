@@ -248,6 +248,13 @@ def test_the_start_merge_judges_each_target_from_the_runs():
                         (dict(bitwise_equal=False), "bitwise_equal")]:
         d = m.merge([run(0), run(1, **bad), run(2)], files, "2026-12-04")
         assert d["targets"][target] is False and d["meets_targets"] is False, (bad, d["targets"])
+    assert "start_phases" not in d, "runs without phases make a file without them (the published files rebuild)"
+    phased = lambda k, start, enable: run(k, start=start, enable_s=enable, first_step_s=start - enable,  # noqa: E731
+                                          dirty_bytes_at_enable=0, writeback_bytes_at_enable=0)
+    d = m.merge([phased(0, 1.2, 0.7), phased(1, 1.5, 1.0), phased(2, 1.1, 0.6)], files, "2026-12-04")
+    assert d["start_phases"]["enable_s"] == {"median": 0.7, "min": 0.6, "max": 1.0}, d["start_phases"]
+    with pytest.raises(SystemExit, match="enable_s \\+ first_step_s"):
+        m.merge([phased(0, 1.2, 0.7), dict(phased(1, 1.5, 1.0), first_step_s=0.1), phased(2, 1.1, 0.6)], files, "2026-12-04")
     with pytest.raises(SystemExit, match="at least 3"):
         m.merge([run(0), run(1)], files[:2], "2026-12-04")
     with pytest.raises(SystemExit, match="r2.json is .*def"):
@@ -297,6 +304,12 @@ def test_the_start_bench_runs_end_to_end_on_the_simulated_device(tmp_path):
     assert d["processes"] == 3 and d["bitwise_equal"] is True and d["in_place"] == 4 and d["copied"] == 0, d
     assert d["targets"]["every_block_in_place"] and d["targets"]["bitwise_equal"], d["targets"]
     assert d["start_s"]["min"] > 0 and d["host_rss_first_step_bytes"]["min"] > 0 and d["ratio_to_bound"]["median"] > 0, d
+    # The start's phases, each run's adding up to its start.
+    ph = d["start_phases"]
+    assert ph["enable_s"]["min"] > 0 and ph["first_step_s"]["min"] > 0 and ph["dirty_bytes_at_enable"]["min"] >= 0, ph
+    for f in runs:
+        r = json.loads(open(f).read())
+        assert abs(r["enable_s"] + r["first_step_s"] - r["start_s"]) < 1e-3, r
 
 
 def test_the_pipeline_bench_runs_end_to_end_on_the_simulated_device(tmp_path):

@@ -353,15 +353,17 @@ impl Streamer {
     fn block_bytes(&self, py: Python<'_>, stack: &str, index: usize) -> PyResult<Py<PyAny>> {
         let component = self.component.clone();
         let mut held = self.held()?;
+        let ring = held.ring()?;
         let id = offload_core::BlockId::new(stack, index);
-        let bytes = with_ring!(held.ring()?, r => {
-            let store = r.store().clone();
-            let b = store.position(&id).ok_or_else(|| error(format!("component {component:?}: no block {id}")))?;
-            store
-                .with_buffer(r.backend(), &store.blocks()[b], |buf| buf.block_bytes().map(<[u8]>::to_vec))
-                .map_err(|e| py_err(&component, e))?
+        // The read (a file's pages, a decode) runs with the GIL released.
+        let bytes = py.detach(|| {
+            with_ring!(ring, r => {
+                let store = r.store().clone();
+                let b = store.position(&id).ok_or_else(|| offload_core::Error::Protocol(format!("no block {id}")))?;
+                store.with_buffer(r.backend(), &store.blocks()[b], |buf| buf.block_bytes().map(<[u8]>::to_vec))
+            })
         });
-        Ok(PyByteArray::new(py, &bytes).into_any().unbind())
+        Ok(PyByteArray::new(py, &bytes.map_err(|e| py_err(&component, e))?).into_any().unbind())
     }
 
     /// Give the lent block back: its slot is reused once the compute submitted so far has run.
@@ -401,8 +403,11 @@ impl Streamer {
     /// Host-to-device bandwidth, bytes per second: every block held in memory
     /// copied into one slot, `passes` times, the best pass (as the bench room's
     /// Rust drivers measure it; synchronises the host, so call it between steps).
-    fn probe_bandwidth(&self, passes: usize) -> PyResult<f64> {
-        let r = with_ring!(self.held()?.ring()?, r => offload_core::probe_bandwidth(r.backend(), r.store(), passes));
+    fn probe_bandwidth(&self, py: Python<'_>, passes: usize) -> PyResult<f64> {
+        let mut held = self.held()?;
+        let ring = held.ring()?;
+        // Its copies and host synchronisations run with the GIL released.
+        let r = py.detach(|| with_ring!(ring, r => offload_core::probe_bandwidth(r.backend(), r.store(), passes)));
         r.map_err(|e| py_err(&self.component, e))
     }
 
@@ -456,14 +461,20 @@ impl Streamer {
     /// steps traced since `enable_timeline` (each block's median). A coded ring
     /// is refused: its copies are not its blocks' bytes at the link's rate.
     #[pyo3(signature = (compute_s=None))]
-    fn calibration(&self, compute_s: Option<std::collections::HashMap<String, f64>>) -> PyResult<String> {
+    fn calibration(&self, py: Python<'_>, compute_s: Option<std::collections::HashMap<String, f64>>) -> PyResult<String> {
         let component = self.component.clone();
         let mut held = self.held()?;
         let model = with_ring!(held.ring()?, r => {
             if r.store().coded_blocks() > 0 {
                 return Err(error(format!("component {component:?}: calibrate a ring that is not coded (coded=False): a coded copy is not its block's bytes at the link's rate")));
             }
-            let bandwidth = offload_core::probe_bandwidth(r.backend(), r.store(), 3).map_err(|e| py_err(&component, e))?;
+            // The probe's copies and synchronisations run with the GIL released.
+            // (`r` moved in as `&mut`: a ring is `Send`, not `Sync`.)
+            let probed = py.detach({
+                let r = &mut *r;
+                move || offload_core::probe_bandwidth(r.backend(), r.store(), 3)
+            });
+            let bandwidth = probed.map_err(|e| py_err(&component, e))?;
             let traced = r.timeline().map(compute_medians).unwrap_or_default();
             let mut blocks = Vec::with_capacity(r.store().blocks().len());
             for b in r.store().blocks() {
@@ -485,11 +496,13 @@ impl Streamer {
     }
 
     /// Close the ring: every slot freed after its last use, the host store dropped.
-    fn close(&self) -> PyResult<()> {
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
         let component = self.component.clone();
         let taken = self.held()?.guard.take();
         match taken {
-            Some(ring) => with_ring!(ring, r => r.close()).map_err(|e| py_err(&component, e)),
+            // The device drained and the files re-checked with the GIL released (a
+            // slot buffer dropped then is released by pyo3 once the GIL is back).
+            Some(ring) => py.detach(move || with_ring!(ring, r => r.close())).map_err(|e| py_err(&component, e)),
             None => Ok(()),
         }
     }

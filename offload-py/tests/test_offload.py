@@ -471,6 +471,42 @@ def test_frozen_streamed_weights_with_a_trainable_adapter_give_the_resident_grad
         assert ref[n].float().abs().sum() > 0
 
 
+def test_a_long_host_wait_lets_other_python_threads_run():
+    # The engine's host-side waits (here the bandwidth probe's copies and
+    # synchronisations) run with the GIL released: another thread keeps running
+    # through the call. Held, no line of the other thread runs between the call's
+    # first and last 50 ms.
+    import threading
+    import time
+
+    model, _, _ = MODELS["flux"]()
+    h = offload.enable(model, device="cpu")
+    t = time.perf_counter()
+    h.probe_bandwidth(100)
+    passes = max(100, int(100 * 0.4 / max(time.perf_counter() - t, 1e-6)))
+    stamps, stop = [], threading.Event()
+
+    def other():
+        while not stop.is_set():
+            stamps.append(time.perf_counter())
+            time.sleep(0.001)
+
+    th = threading.Thread(target=other)
+    th.start()
+    try:
+        time.sleep(0.02)
+        t0 = time.perf_counter()
+        h.probe_bandwidth(passes)
+        t1 = time.perf_counter()
+    finally:
+        stop.set()
+        th.join()
+        offload.disable(model)
+    assert t1 - t0 > 0.2, f"the probe took {t1 - t0:.3f} s: too short to tell"
+    inside = [s for s in stamps if t0 + 0.05 < s < t1 - 0.05]
+    assert len(inside) >= 10, f"the other thread ran {len(inside)} times in the {t1 - t0:.2f} s call"
+
+
 def test_metrics_before_any_step_is_a_named_error():
     model, _, _ = MODELS["t5"]()
     h = offload.enable(model, device="cpu")

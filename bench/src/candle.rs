@@ -656,12 +656,13 @@ where
             };
             let w: W = match (&guard, direct) {
                 (Some(g), _) => {
-                    let vb = g.var_builder(DType::BF16)?;
-                    s.block_params(index)
-                        .iter()
-                        .map(|p| vb.get(p.shape.as_slice(), &p.name).map(|t| (p.name.clone(), t)))
-                        .collect::<R<_>>()
-                        .map_err(candle_error("running a bench-room block"))?
+                    // Every tensor of the block read, or the build names those left.
+                    g.build(DType::BF16, |vb| {
+                        s.block_params(index)
+                            .iter()
+                            .map(|p| vb.get(p.shape.as_slice(), &p.name).map(|t| (p.name.clone(), t)))
+                            .collect::<R<_>>()
+                    })?
                 }
                 (None, Some(ws)) => {
                     ws.get(k).cloned().ok_or_else(|| offload_core::Error::Protocol(format!("no direct weights for block {k}")))?

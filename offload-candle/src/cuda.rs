@@ -18,7 +18,6 @@ use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DevicePtr};
 use candle_core::cuda_backend::{CudaDType, CudaDevice, CudaStorage};
 use candle_core::op::BackpropOp;
 use candle_core::{DType as CDType, Device, Storage, Tensor};
-use candle_nn::VarBuilder;
 use offload_core::{BlockGuard, Error, OffloadBackend, Result};
 use offload_cuda::checked::CheckedEvent;
 use offload_cuda::{CudaBackend, FreshEngine, FreshSlot, PinnedHost};
@@ -109,10 +108,10 @@ impl CandleCudaBackend {
 }
 
 impl CandleBlockExt for BlockGuard<'_, CandleCudaBackend> {
-    fn var_builder(&self, dtype: CDType) -> Result<VarBuilder<'static>> {
+    fn block_vars(&self) -> Result<(crate::BlockVars, candle_core::Device)> {
         let prefix = format!("{}.", self.id());
         let map = self.backend().tensors(self.slot(), self.layout(), &prefix)?;
-        Ok(crate::BlockVars::new(self.id().to_string(), map).into_var_builder(dtype, &self.backend().device()))
+        Ok((crate::BlockVars::new(self.id().to_string(), map), self.backend().device()))
     }
 }
 

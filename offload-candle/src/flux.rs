@@ -283,7 +283,7 @@ where
     let (mut img, mut txt) = (img.clone(), txt.clone());
     for i in 0..double {
         let g = ring.block("double_blocks", i)?;
-        let b = DoubleBlock::new(shape, g.var_builder(DType::BF16)?).map_err(err)?;
+        let b = g.build(DType::BF16, |vb| DoubleBlock::new(shape, vb))?;
         (img, txt) = b.forward(&img, &txt, vec).map_err(err)?;
         drop(b);
         g.finish()?;
@@ -291,7 +291,7 @@ where
     let mut x = Tensor::cat(&[txt, img], 1).map_err(err)?;
     for i in 0..single {
         let g = ring.block("single_blocks", i)?;
-        let b = SingleBlock::new(shape, g.var_builder(DType::BF16)?).map_err(err)?;
+        let b = g.build(DType::BF16, |vb| SingleBlock::new(shape, vb))?;
         x = b.forward(&x, vec).map_err(err)?;
         drop(b);
         g.finish()?;

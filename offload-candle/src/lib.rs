@@ -29,7 +29,8 @@ use candle_nn::var_builder::SimpleBackend;
 use candle_nn::{Init, VarBuilder};
 use offload_core::sim::{SimBackend, SimConfig, SimEvent, SimHost, SimSlot};
 use offload_core::{BlockGuard, BlockLayout, DType, Error, MemoryInfo, OffloadBackend, Result, StreamKind};
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
+use std::sync::{Arc, Mutex};
 
 pub mod flux;
 pub mod quantized;
@@ -121,10 +122,46 @@ pub fn candle_dtype(d: DType) -> Option<CDType> {
 
 /// A streamed block as candle sees it.
 pub trait CandleBlockExt {
+    /// The block's tensors, named relative to the block, and the device they are on.
+    fn block_vars(&self) -> Result<(BlockVars, Device)>;
+
     /// A `VarBuilder` over the block's weights, named relative to the block
     /// (`attn.qkv.weight` for `joint_blocks.3.x_block.attn.qkv.weight` is
-    /// `vb.pp("x_block").pp("attn")…`); `dtype` is the builder's dtype.
-    fn var_builder(&self, dtype: CDType) -> Result<VarBuilder<'static>>;
+    /// `vb.pp("x_block").pp("attn")…`); `dtype` is the builder's dtype. It does
+    /// not check that the module built from it reads every tensor the block
+    /// holds: [`build`](Self::build) does.
+    fn var_builder(&self, dtype: CDType) -> Result<VarBuilder<'static>> {
+        let (vars, device) = self.block_vars()?;
+        Ok(vars.into_var_builder(dtype, &device))
+    }
+
+    /// The block's module, made by `make` from a `VarBuilder` over its weights
+    /// (`guard.build(dtype, |vb| Block::new(&cfg, vb))`), then checked to have
+    /// read every tensor the block holds. A tensor no layer read — a checkpoint
+    /// of another variant of the model (a norm the configuration leaves out), a
+    /// misnamed weight — is an error naming the block and the tensors: the block
+    /// would otherwise compute another model than the checkpoint's, and the
+    /// resident model built the same way would agree with it.
+    fn build<T>(&self, dtype: CDType, make: impl FnOnce(VarBuilder<'static>) -> candle_core::Result<T>) -> Result<T> {
+        let (vars, device) = self.block_vars()?;
+        let (block, reads) = (vars.block.clone(), vars.reads.clone());
+        let names: Vec<String> = vars.tensors.keys().cloned().collect();
+        let module =
+            make(vars.into_var_builder(dtype, &device)).map_err(|e| Error::device("candle", format!("building block {block}"), e))?;
+        let read = reads.lock().unwrap_or_else(|e| e.into_inner());
+        let unread: BTreeSet<&str> = names.iter().map(String::as_str).filter(|n| !read.contains(*n)).collect();
+        if !unread.is_empty() {
+            let list: Vec<&str> = unread.into_iter().collect();
+            return Err(Error::BadTensor {
+                tensor: format!("{block}.{}", list[0]),
+                fault: format!(
+                    "block {block} holds tensors its module never read ({}): the checkpoint is of another variant of the model, or a weight is misnamed",
+                    list.join(", ")
+                ),
+            });
+        }
+        Ok(module)
+    }
 }
 
 /// The `VarBuilder` backend of one streamed block: its tensors (views of the slot
@@ -134,12 +171,14 @@ pub trait CandleBlockExt {
 pub struct BlockVars {
     block: String,
     tensors: HashMap<String, Tensor>,
+    /// The names a module read (`get`, `get_unchecked`), for [`CandleBlockExt::build`].
+    reads: Arc<Mutex<BTreeSet<String>>>,
 }
 
 impl BlockVars {
     /// `tensors` of block `block` (e.g. `double_blocks.3`).
     pub fn new(block: impl Into<String>, tensors: HashMap<String, Tensor>) -> Self {
-        BlockVars { block: block.into(), tensors }
+        BlockVars { block: block.into(), tensors, reads: Arc::default() }
     }
 
     /// A `VarBuilder` over these tensors on `device`.
@@ -148,6 +187,9 @@ impl BlockVars {
     }
 
     fn find(&self, name: &str) -> candle_core::Result<&Tensor> {
+        if self.tensors.contains_key(name) {
+            self.reads.lock().unwrap_or_else(|e| e.into_inner()).insert(name.to_owned());
+        }
         self.tensors.get(name).ok_or_else(|| {
             let mut have: Vec<&str> = self.tensors.keys().map(String::as_str).collect();
             have.sort_unstable();
@@ -181,10 +223,10 @@ impl SimpleBackend for BlockVars {
 }
 
 impl CandleBlockExt for BlockGuard<'_, CandleBackend> {
-    fn var_builder(&self, dtype: CDType) -> Result<VarBuilder<'static>> {
+    fn block_vars(&self) -> Result<(BlockVars, Device)> {
         let prefix = format!("{}.", self.id());
         let map = self.backend().tensors(self.slot(), self.layout(), &prefix)?;
-        Ok(BlockVars::new(self.id().to_string(), map).into_var_builder(dtype, &Device::Cpu))
+        Ok((BlockVars::new(self.id().to_string(), map), Device::Cpu))
     }
 }
 

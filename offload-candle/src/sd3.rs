@@ -117,8 +117,7 @@ impl Sd3Blocks {
         let (mut ctx_s, mut x_s) = (context, x);
         for i in 0..self.depth {
             let slot = ring.block("joint_blocks", i)?;
-            let block =
-                MMDiTJointBlock::new(hidden, heads, false, slot.var_builder(DType::F32)?).map_err(ce("building a streamed joint block"))?;
+            let block = slot.build(DType::F32, |vb| MMDiTJointBlock::new(hidden, heads, false, vb))?;
             (ctx_s, x_s) = block.forward(&ctx_s, &x_s, &c).map_err(ce("running a streamed joint block"))?;
             drop(block);
             slot.finish()?;

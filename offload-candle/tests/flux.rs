@@ -94,3 +94,32 @@ fn wrong_tensor_or_shape_names_the_block() {
     g.finish().unwrap();
     ring.close().unwrap();
 }
+
+/// A module that leaves a tensor of its block unread computes another model
+/// than the checkpoint's, and the resident model built the same way agrees with
+/// it: `build` names the block and every tensor left, where `var_builder` lets
+/// it pass. The whole block built through `build` reads everything.
+#[test]
+fn a_block_tensor_no_layer_reads_is_an_error_naming_it() {
+    use offload_candle::flux::DoubleBlock;
+    use offload_candle::CandleBlockExt;
+    let shape = FluxShape { hidden: 64, heads: 4, mlp: 256 };
+    let src = RandomFlux::new(shape, 2, 1, 7);
+    let inv = NameDiscovery.discover("transformer", src.specs()).unwrap();
+    let be = CandleBackend::cpu();
+    let store = Arc::new(HostStore::build(&be, &inv, &src).unwrap());
+    let rc = resolve(&Plan::layerwise(), std::slice::from_ref(&inv)).unwrap().components.remove(0);
+    let mut ring = Ring::new(be.clone(), store, &rc).unwrap();
+    let g = ring.block("double_blocks", 1).unwrap();
+    // One Linear of the block read, the rest left: refused, by name.
+    let only_mod = |vb: candle_nn::VarBuilder<'static>| vb.pp("img_mod").pp("lin").get((6 * 64, 64), "weight");
+    let e = g.build(DType::BF16, only_mod).err().expect("tensors left unread").to_string();
+    assert!(e.contains("double_blocks.1") && e.contains("img_attn.qkv.weight") && e.contains("never read"), "{e}");
+    assert!(!e.contains("img_mod.lin.weight,") && !e.contains("(img_mod.lin.weight"), "the tensor read is not named: {e}");
+    // The unchecked builder lets the same module pass.
+    assert!(only_mod(g.var_builder(DType::BF16).unwrap()).is_ok());
+    // The whole block reads every tensor.
+    g.build(DType::BF16, |vb| DoubleBlock::new(shape, vb)).unwrap();
+    g.finish().unwrap();
+    ring.close().unwrap();
+}

@@ -113,7 +113,7 @@ fn a_block_tensor_no_layer_reads_is_an_error_naming_it() {
     let g = ring.block("double_blocks", 1).unwrap();
     // One Linear of the block read, the rest left: refused, by name.
     let only_mod = |vb: candle_nn::VarBuilder<'static>| vb.pp("img_mod").pp("lin").get((6 * 64, 64), "weight");
-    let e = g.build(DType::BF16, only_mod).err().expect("tensors left unread").to_string();
+    let e = g.build(DType::BF16, only_mod).expect_err("tensors left unread").to_string();
     assert!(e.contains("double_blocks.1") && e.contains("img_attn.qkv.weight") && e.contains("never read"), "{e}");
     assert!(!e.contains("img_mod.lin.weight,") && !e.contains("(img_mod.lin.weight"), "the tensor read is not named: {e}");
     // The unchecked builder lets the same module pass.

@@ -89,6 +89,16 @@ impl TensorSource for VarStoreTensors {
         }
         let kind = kind_of(spec.dtype).ok_or_else(|| Error::BadTensor { tensor: name.clone(), fault: "no tch kind".into() })?;
         let size: Vec<i64> = spec.shape.iter().map(|&d| d as i64).collect();
+        // The variable as it is now: one changed since `new` (`set_data`, a cast)
+        // would be converted or broadcast by `copy_` into another tensor's bytes.
+        let t = &self.tensors[index];
+        let now = (t.f_kind().map_err(|e| tch_err(format!("reading the kind of {name}"), e))?, t.size());
+        if now != (kind, size.clone()) {
+            return Err(Error::BadTensor {
+                tensor: name.clone(),
+                fault: format!("is {:?} {:?} now, {kind:?} {size:?} when the store was planned: the VarStore changed since", now.0, now.1),
+            });
+        }
         if need == 0 {
             return Ok(());
         }

@@ -133,3 +133,27 @@ fn a_bind_that_fails_part_way_is_undone() {
         assert_eq!(n, 0, "blocks.0.{name} still points at the slot after a failed bind");
     }
 }
+
+/// A variable changed after its `VarStoreTensors` was made (another shape that
+/// broadcasts into the planned one, another kind that `copy_` would convert) is
+/// an error naming it when read, not another tensor's bytes in its place.
+#[test]
+fn a_var_store_changed_after_planning_is_an_error_naming_the_tensor() {
+    use offload_core::TensorSource;
+    use offload_tch::VarStoreTensors;
+    for change in ["shape", "kind"] {
+        let (vs, _) = store(2);
+        let src = VarStoreTensors::new(&vs).unwrap();
+        let i = src.specs().iter().position(|s| s.name == "blocks.1.weight").unwrap();
+        let mut dst = vec![0u8; src.specs()[i].nbytes().unwrap()];
+        src.read_into(i, &mut dst).unwrap();
+        let mut w = vs.variables()["blocks.1.weight"].shallow_clone();
+        tch::no_grad(|| match change {
+            // [1, 32] broadcasts into the planned [32, 32].
+            "shape" => w.set_data(&Tensor::ones([1, 32], (Kind::Float, Device::Cpu))),
+            _ => w.set_data(&w.to_kind(Kind::Double)),
+        });
+        let e = src.read_into(i, &mut dst).err().unwrap_or_else(|| panic!("{change}: read as if unchanged")).to_string();
+        assert!(e.contains("blocks.1.weight") && e.contains("changed since"), "{change}: {e}");
+    }
+}

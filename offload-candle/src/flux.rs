@@ -22,8 +22,23 @@ impl FluxShape {
     /// Flux-dev's shapes.
     pub const DEV: FluxShape = FluxShape { hidden: 3072, heads: 24, mlp: 12288 };
 
+    /// `hidden ÷ heads` (0 for 0 heads: [`check`](Self::check) refuses such a shape).
     fn head_dim(&self) -> usize {
-        self.hidden / self.heads
+        self.hidden.checked_div(self.heads).unwrap_or(0)
+    }
+
+    /// Refuses a shape no Flux block has: a size of 0, or heads that do not
+    /// divide the hidden size. The blocks check it when built.
+    pub fn check(&self) -> Result<()> {
+        if self.hidden == 0 || self.heads == 0 || self.mlp == 0 || self.hidden % self.heads != 0 {
+            candle_core::bail!(
+                "a Flux block of hidden {}, {} heads and MLP {}: each must be above 0 and the heads divide the hidden size",
+                self.hidden,
+                self.heads,
+                self.mlp
+            );
+        }
+        Ok(())
     }
 
     /// Every tensor of a double block, relative to the block: name and shape.
@@ -96,6 +111,10 @@ fn attention(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
 /// pick other kernels), but one grouping gives the same bytes every time.
 pub fn attention_chunked(q: &Tensor, k: &Tensor, v: &Tensor, max_scores: usize) -> Result<Tensor> {
     let (b, h, t, hd) = q.dims4()?;
+    if b == 0 || h == 0 || t == 0 {
+        // Nothing to attend from: the empty result (the groupings below need a head and a row).
+        return Tensor::zeros((b, t, h * hd), q.dtype(), q.device());
+    }
     let tk = k.dim(2)?;
     let q = (q * (1.0 / (hd as f64).sqrt()))?;
     let per_head = (b * t * tk).max(1);
@@ -157,6 +176,7 @@ pub struct DoubleBlock {
 impl DoubleBlock {
     /// Build from a block's `VarBuilder` (handle clones only).
     pub fn new(shape: FluxShape, vb: VarBuilder) -> Result<Self> {
+        shape.check()?;
         Ok(DoubleBlock { shape, img: Stream::new(&shape, &vb, "img")?, txt: Stream::new(&shape, &vb, "txt")? })
     }
 
@@ -191,6 +211,7 @@ pub struct SingleBlock {
 impl SingleBlock {
     /// Build from a block's `VarBuilder` (handle clones only).
     pub fn new(shape: FluxShape, vb: VarBuilder) -> Result<Self> {
+        shape.check()?;
         let (h, m, hd) = (shape.hidden, shape.mlp, shape.head_dim());
         Ok(SingleBlock {
             shape,

@@ -123,3 +123,24 @@ fn a_block_tensor_no_layer_reads_is_an_error_naming_it() {
     g.finish().unwrap();
     ring.close().unwrap();
 }
+
+/// No panic on a degenerate shape: 0 tokens or 0 heads give the empty
+/// attention result, and a block of 0 heads (or heads not dividing the hidden
+/// size) is an error saying so.
+#[test]
+fn degenerate_shapes_are_errors_or_empty_not_panics() {
+    use offload_candle::flux::{attention_chunked, DoubleBlock};
+    let dev = Device::Cpu;
+    for (h, t) in [(2, 0), (0, 5)] {
+        let q = Tensor::zeros((1, h, t, 8), DType::F32, &dev).unwrap();
+        let k = Tensor::zeros((1, h, 3, 8), DType::F32, &dev).unwrap();
+        let o = attention_chunked(&q, &k, &k, 1 << 20).unwrap();
+        assert_eq!(o.dims(), &[1, t, h * 8]);
+    }
+    let vb = candle_nn::VarBuilder::zeros(DType::F32, &dev);
+    for bad in [FluxShape { hidden: 64, heads: 0, mlp: 256 }, FluxShape { hidden: 64, heads: 5, mlp: 256 }] {
+        let e = DoubleBlock::new(bad, vb.clone()).err().expect("refused").to_string();
+        assert!(e.contains("heads"), "{e}");
+        let _ = RandomFlux::new(bad, 1, 1, 1); // the specs of a bad shape: no panic
+    }
+}

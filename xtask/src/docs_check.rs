@@ -62,11 +62,31 @@ struct Figure {
     negative: Option<bool>,
 }
 
+impl Unit {
+    /// Whether a JSON number under `key` (its object keys joined by `.`,
+    /// lowercased) can be a figure of this unit: a time only under a key that
+    /// names one (`step_streamed_s`, `start_s.median`), a size under one that
+    /// names bytes; a number of a text file (no key) can be any.
+    fn fits(self, key: Option<&str>) -> bool {
+        let Some(k) = key else { return true };
+        let any = |f: &dyn Fn(&str) -> bool| k.split('.').any(f);
+        match self {
+            Unit::Seconds | Unit::Millis | Unit::Minutes => {
+                any(&|s| s.ends_with("_s") || s.contains("_s_") || s.ends_with("_ms") || s.contains("second") || s.contains("time"))
+            }
+            Unit::GiB | Unit::MiB => k.contains("bytes") || k.contains("gib") || k.contains("mib"),
+            Unit::Gb | Unit::Mb => k.contains("bytes") || any(&|s| s.ends_with("_gb") || s.ends_with("_mb")),
+            Unit::Plain | Unit::Percent => true,
+        }
+    }
+}
+
 impl Figure {
-    /// Whether one of `numbers`, converted as `unit` allows, reads as `digits`.
-    fn found_in(&self, numbers: &[f64]) -> bool {
+    /// Whether one of `numbers` whose key fits the unit ([`Unit::fits`]),
+    /// converted as `unit` allows, reads as `digits`.
+    fn found_in(&self, numbers: &[(f64, Option<String>)]) -> bool {
         let decimals = self.digits.split_once('.').map_or(0, |(_, d)| d.len());
-        numbers.iter().any(|&v| {
+        numbers.iter().filter(|(_, key)| self.unit.fits(key.as_deref())).any(|&(v, _)| {
             let ways: &[f64] = &match self.unit {
                 Unit::Plain | Unit::Seconds => vec![v],
                 Unit::Percent => vec![v, v * 100.0, (v - 1.0) * 100.0],
@@ -295,22 +315,23 @@ fn figures(text: &str) -> Vec<Figure> {
     out
 }
 
-/// Every number in a results file: a JSON file's numeric values, or every
-/// decimal number in a text file.
-fn file_numbers(path: &Path) -> Result<Vec<f64>, String> {
+/// Every number in a results file: a JSON file's numeric values, each with its
+/// key (the object keys above it joined by `.`, lowercased), or every decimal
+/// number in a text file (no key).
+fn file_numbers(path: &Path) -> Result<Vec<(f64, Option<String>)>, String> {
     let text = std::fs::read_to_string(path).map_err(|e| e.to_string())?;
     if path.extension().is_some_and(|e| e == "json") {
-        fn walk(v: &serde_json::Value, out: &mut Vec<f64>) {
+        fn walk(v: &serde_json::Value, key: &str, out: &mut Vec<(f64, Option<String>)>) {
             match v {
-                serde_json::Value::Number(n) => out.extend(n.as_f64()),
-                serde_json::Value::Array(a) => a.iter().for_each(|x| walk(x, out)),
-                serde_json::Value::Object(o) => o.values().for_each(|x| walk(x, out)),
+                serde_json::Value::Number(n) => out.extend(n.as_f64().map(|x| (x, Some(key.to_owned())))),
+                serde_json::Value::Array(a) => a.iter().for_each(|x| walk(x, key, out)),
+                serde_json::Value::Object(o) => o.iter().for_each(|(k, x)| walk(x, &format!("{key}.{}", k.to_lowercase()), out)),
                 _ => {}
             }
         }
         let doc: serde_json::Value = serde_json::from_str(&text).map_err(|e| e.to_string())?;
         let mut out = Vec::new();
-        walk(&doc, &mut out);
+        walk(&doc, "", &mut out);
         return Ok(out);
     }
     let mut out = Vec::new();
@@ -318,7 +339,7 @@ fn file_numbers(path: &Path) -> Result<Vec<f64>, String> {
     while let Some(k) = rest.find(|c: char| c.is_ascii_digit()) {
         let tail = &rest[k..];
         let n = tail.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(tail.len());
-        out.extend(tail[..n].trim_end_matches('.').parse::<f64>().ok());
+        out.extend(tail[..n].trim_end_matches('.').parse::<f64>().ok().map(|x| (x, None)));
         rest = &tail[n..];
     }
     Ok(out)
@@ -565,6 +586,14 @@ mod tests {
             assert_eq!(faults.len(), 1, "{to}: {faults:?}");
             assert!(faults[0].contains(to.split(' ').next().unwrap().trim_end_matches(']')), "{faults:?}");
         }
+        // A JSON number counts for a time or a size only under a key that names one:
+        // 1.067 (`off`) is no time, 57.35 (`start_s`) no size; in a text file any number counts.
+        for (bad, figure) in [("1.067 s", "1.067"), ("57.4 GiB", "57.4"), ("1.87 GB", "1.87")] {
+            let (n, faults) = check_figures(&root, "doc", &format!("Measured (`bench/results/x.json`): {bad}."));
+            assert!(n == 1 && faults.len() == 1 && faults[0].contains(figure), "{bad}: {faults:?}");
+        }
+        let (n, faults) = check_figures(&root, "doc", "Measured (`bench/results/y.txt`): 12 s.");
+        assert!(n == 1 && faults.is_empty(), "{faults:?}");
         // A sentence that names no file quotes those its paragraph names.
         let (n, faults) = check_figures(&root, "doc", "Measured (`bench/results/y.txt`). A step of 0.291 s, another of 0.290 s.");
         assert!(n == 2 && faults.len() == 1 && faults[0].contains("0.291"), "{faults:?}");

@@ -141,7 +141,10 @@ pub trait CandleBlockExt {
     /// of another variant of the model (a norm the configuration leaves out), a
     /// misnamed weight — is an error naming the block and the tensors: the block
     /// would otherwise compute another model than the checkpoint's, and the
-    /// resident model built the same way would agree with it.
+    /// resident model built the same way would agree with it. The check runs
+    /// when `make` returns: a module that reads a weight only in its `forward`
+    /// is refused (build such a module with `var_builder`), and a tensor read
+    /// but then ignored is not seen.
     fn build<T>(&self, dtype: CDType, make: impl FnOnce(VarBuilder<'static>) -> candle_core::Result<T>) -> Result<T> {
         let (vars, device) = self.block_vars()?;
         let (block, reads) = (vars.block.clone(), vars.reads.clone());
@@ -151,11 +154,15 @@ pub trait CandleBlockExt {
         let read = reads.lock().unwrap_or_else(|e| e.into_inner());
         let unread: BTreeSet<&str> = names.iter().map(String::as_str).filter(|n| !read.contains(*n)).collect();
         if !unread.is_empty() {
-            let list: Vec<&str> = unread.into_iter().collect();
+            let mut list: Vec<&str> = unread.into_iter().collect();
+            let first = format!("{block}.{}", list[0]);
+            let more = list.len().saturating_sub(12);
+            list.truncate(12);
+            let more = if more > 0 { format!(" and {more} more") } else { String::new() };
             return Err(Error::BadTensor {
-                tensor: format!("{block}.{}", list[0]),
+                tensor: first,
                 fault: format!(
-                    "block {block} holds tensors its module never read ({}): the checkpoint is of another variant of the model, or a weight is misnamed",
+                    "block {block} holds tensors its module never read ({}{more}): the checkpoint is of another variant of the model, or a weight is misnamed",
                     list.join(", ")
                 ),
             });

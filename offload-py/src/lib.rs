@@ -355,11 +355,12 @@ impl Streamer {
         let mut held = self.held()?;
         let ring = held.ring()?;
         let id = offload_core::BlockId::new(stack, index);
+        let b = with_ring!(&*ring, r => r.store().position(&id));
+        let b = b.ok_or_else(|| error(format!("component {component:?}: no block {id}")))?;
         // The read (a file's pages, a decode) runs with the GIL released.
         let bytes = py.detach(|| {
             with_ring!(ring, r => {
                 let store = r.store().clone();
-                let b = store.position(&id).ok_or_else(|| offload_core::Error::Protocol(format!("no block {id}")))?;
                 store.with_buffer(r.backend(), &store.blocks()[b], |buf| buf.block_bytes().map(<[u8]>::to_vec))
             })
         });
@@ -403,6 +404,9 @@ impl Streamer {
     /// Host-to-device bandwidth, bytes per second: every block held in memory
     /// copied into one slot, `passes` times, the best pass (as the bench room's
     /// Rust drivers measure it; synchronises the host, so call it between steps).
+    /// It runs with the GIL released: compute another thread queues on the
+    /// device meanwhile delays its copies and lowers the figure (and a
+    /// calibration planned from it), so probe with the device otherwise idle.
     fn probe_bandwidth(&self, py: Python<'_>, passes: usize) -> PyResult<f64> {
         let mut held = self.held()?;
         let ring = held.ring()?;

@@ -65,17 +65,28 @@ struct Figure {
 impl Unit {
     /// Whether a JSON number under `key` (its object keys joined by `.`,
     /// lowercased) can be a figure of this unit: a time only under a key that
-    /// names one (`step_streamed_s`, `start_s.median`), a size under one that
-    /// names bytes; a number of a text file (no key) can be any.
+    /// names one (`step_streamed_s`, `start_s.median`, not a rate such as
+    /// `h2d_gb_per_s`), a size under one that names bytes (`streamed_bytes`,
+    /// `bytes_per_step`, not `h2d_bytes_per_s` or `bytes_per_weight`); a number
+    /// of a text file (no key) can be any.
     fn fits(self, key: Option<&str>) -> bool {
         let Some(k) = key else { return true };
         let any = |f: &dyn Fn(&str) -> bool| k.split('.').any(f);
+        let rate = |s: &str| s.contains("_per_s") && !s.contains("_per_step");
         match self {
-            Unit::Seconds | Unit::Millis | Unit::Minutes => {
-                any(&|s| s.ends_with("_s") || s.contains("_s_") || s.ends_with("_ms") || s.contains("second") || s.contains("time"))
-            }
-            Unit::GiB | Unit::MiB => k.contains("bytes") || k.contains("gib") || k.contains("mib"),
-            Unit::Gb | Unit::Mb => k.contains("bytes") || any(&|s| s.ends_with("_gb") || s.ends_with("_mb")),
+            Unit::Seconds | Unit::Millis | Unit::Minutes => any(&|s| {
+                !rate(s)
+                    && (s.ends_with("_s")
+                        || s.contains("_s_")
+                        || s.ends_with("_ms")
+                        || s.contains("second")
+                        || s.ends_with("_time")
+                        || s.contains("time_s"))
+            }),
+            Unit::GiB | Unit::MiB | Unit::Gb | Unit::Mb => any(&|s| {
+                (s.contains("bytes") && !rate(s) && !s.contains("per_weight"))
+                    || ["_gib", "_mib", "_gb", "_mb"].iter().any(|u| s.ends_with(u))
+            }),
             Unit::Plain | Unit::Percent => true,
         }
     }
@@ -558,7 +569,7 @@ mod tests {
         std::fs::create_dir_all(dir.join("bench/results")).unwrap();
         std::fs::create_dir_all(dir.join("bench/raw")).unwrap();
         let doc = serde_json::json!({"ratio": 0.9123, "bytes": 1_487_575_168u64, "start_s": {"median": 57.35003, "min": 54.66, "max": 59.56},
-            "off": 1.067, "gbps": 1.866, "rows": [{"step_s": 0.0124}], "commit": "3980ca5", "version": "0.42.1"});
+            "off": 1.067, "gbps": 1.866, "h2d_gb_per_s": 3.21, "bytes_per_weight": 1.0625, "rows": [{"step_s": 0.0124}], "commit": "3980ca5", "version": "0.42.1"});
         std::fs::write(dir.join("bench/results/x.json"), doc.to_string()).unwrap();
         std::fs::write(dir.join("bench/results/y.txt"), "step 0.290 s, 12 blocks\n").unwrap();
         dir
@@ -588,7 +599,8 @@ mod tests {
         }
         // A JSON number counts for a time or a size only under a key that names one:
         // 1.067 (`off`) is no time, 57.35 (`start_s`) no size; in a text file any number counts.
-        for (bad, figure) in [("1.067 s", "1.067"), ("57.4 GiB", "57.4"), ("1.87 GB", "1.87")] {
+        for (bad, figure) in [("1.067 s", "1.067"), ("57.4 GiB", "57.4"), ("1.87 GB", "1.87"), ("3.21 s", "3.21"), ("1.0625 GB", "1.0625")]
+        {
             let (n, faults) = check_figures(&root, "doc", &format!("Measured (`bench/results/x.json`): {bad}."));
             assert!(n == 1 && faults.len() == 1 && faults[0].contains(figure), "{bad}: {faults:?}");
         }

@@ -70,6 +70,18 @@ fn chunked_attention_matches_the_whole() {
     }
 }
 
+/// A layerwise ring over a small random Flux (hidden 64, 4 heads, 2 double
+/// blocks and `single` single ones, weights from `seed`) on the CPU device.
+fn small_ring(single: usize, seed: u64) -> (FluxShape, Ring<CandleBackend>) {
+    let shape = FluxShape { hidden: 64, heads: 4, mlp: 256 };
+    let src = RandomFlux::new(shape, 2, single, seed);
+    let inv = NameDiscovery.discover("transformer", src.specs()).unwrap();
+    let be = CandleBackend::cpu();
+    let store = Arc::new(HostStore::build(&be, &inv, &src).unwrap());
+    let rc = resolve(&Plan::layerwise(), std::slice::from_ref(&inv)).unwrap().components.remove(0);
+    (shape, Ring::new(be, store, &rc).unwrap())
+}
+
 /// A model that asks a streamed block for a tensor it lacks, or with another
 /// shape, gets an error naming the block and the tensor (not a panic, not a bare
 /// "cannot find tensor").
@@ -77,13 +89,7 @@ fn chunked_attention_matches_the_whole() {
 fn wrong_tensor_or_shape_names_the_block() {
     use offload_candle::flux::{DoubleBlock, SingleBlock};
     use offload_candle::CandleBlockExt;
-    let shape = FluxShape { hidden: 64, heads: 4, mlp: 256 };
-    let src = RandomFlux::new(shape, 2, 2, 5);
-    let inv = NameDiscovery.discover("transformer", src.specs()).unwrap();
-    let be = CandleBackend::cpu();
-    let store = Arc::new(HostStore::build(&be, &inv, &src).unwrap());
-    let rc = resolve(&Plan::layerwise(), std::slice::from_ref(&inv)).unwrap().components.remove(0);
-    let mut ring = Ring::new(be.clone(), store, &rc).unwrap();
+    let (shape, mut ring) = small_ring(2, 5);
     let g = ring.block("double_blocks", 1).unwrap();
     let missing = SingleBlock::new(shape, g.var_builder(DType::BF16).unwrap()).err().expect("a double block has no single-block tensors");
     let msg = missing.to_string();
@@ -103,13 +109,7 @@ fn wrong_tensor_or_shape_names_the_block() {
 fn a_block_tensor_no_layer_reads_is_an_error_naming_it() {
     use offload_candle::flux::DoubleBlock;
     use offload_candle::CandleBlockExt;
-    let shape = FluxShape { hidden: 64, heads: 4, mlp: 256 };
-    let src = RandomFlux::new(shape, 2, 1, 7);
-    let inv = NameDiscovery.discover("transformer", src.specs()).unwrap();
-    let be = CandleBackend::cpu();
-    let store = Arc::new(HostStore::build(&be, &inv, &src).unwrap());
-    let rc = resolve(&Plan::layerwise(), std::slice::from_ref(&inv)).unwrap().components.remove(0);
-    let mut ring = Ring::new(be.clone(), store, &rc).unwrap();
+    let (shape, mut ring) = small_ring(1, 7);
     let g = ring.block("double_blocks", 1).unwrap();
     // One Linear of the block read, the rest left: refused, by name.
     let only_mod = |vb: candle_nn::VarBuilder<'static>| vb.pp("img_mod").pp("lin").get((6 * 64, 64), "weight");

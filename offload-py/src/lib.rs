@@ -410,6 +410,10 @@ impl Streamer {
     fn probe_bandwidth(&self, py: Python<'_>, passes: usize) -> PyResult<f64> {
         let mut held = self.held()?;
         let ring = held.ring()?;
+        if let AnyRing::Cuda(r) = &*ring {
+            // Its copies and waits would be captured into the user's graph as a step's are.
+            r.backend().refuse_capture().map_err(|e| py_err(&self.component, e))?;
+        }
         // Its copies and host synchronisations run with the GIL released.
         let r = py.detach(|| with_ring!(ring, r => offload_core::probe_bandwidth(r.backend(), r.store(), passes)));
         r.map_err(|e| py_err(&self.component, e))
@@ -468,7 +472,12 @@ impl Streamer {
     fn calibration(&self, py: Python<'_>, compute_s: Option<std::collections::HashMap<String, f64>>) -> PyResult<String> {
         let component = self.component.clone();
         let mut held = self.held()?;
-        let model = with_ring!(held.ring()?, r => {
+        let ring = held.ring()?;
+        if let AnyRing::Cuda(r) = &*ring {
+            // The probe's copies and waits would be captured into the user's graph.
+            r.backend().refuse_capture().map_err(|e| py_err(&component, e))?;
+        }
+        let model = with_ring!(ring, r => {
             if r.store().coded_blocks() > 0 {
                 return Err(error(format!("component {component:?}: calibrate a ring that is not coded (coded=False): a coded copy is not its block's bytes at the link's rate")));
             }

@@ -8,7 +8,9 @@ chose the depth) that PUBLISHED has too, the new medians of the streamed and
 the resident step are set against the published min and max. A new median
 inside them is "within". The report lists every row, names those outside, and
 names the published rows the re-run left out (`not_rerun`: the verdict covers
-only the rows re-run). Files of two backends are refused. The exit status is 1
+only the rows re-run). Beside each row, not judged: the link's bandwidth and
+the streamed step's ratio to its bound, new and published (a step time compared
+across machines of one kind moves with the link; the ratio divides it out). Files of two backends are refused. The exit status is 1
 if a row is outside or no row matched, 2 if the backends differ.
 """
 
@@ -39,6 +41,7 @@ def check(new: dict, published: dict) -> dict:
             row[what] = {"new": m, "published": p[what], "published_min": lo, "published_max": hi,
                          "within": lo <= m <= hi, "ratio_to_published": m / p[what]}
         row["within"] = all(row[w]["within"] for w in ("step_streamed_s", "step_resident_s"))
+        row["beside"] = {w: {"new": c.get(w), "published": p.get(w)} for w in ("bandwidth_gbps", "ratio_to_bound")}
         row["bitwise_equal"] = c["bitwise_equal"]
         rows.append(row)
     return {
@@ -71,6 +74,10 @@ def main() -> int:
         print(f'{r["model"]} {r["case"]} d={r["depth"]}: streamed {s["new"]:.4f} s in [{s["published_min"]:.4f}, '
               f'{s["published_max"]:.4f}]: {s["within"]}; resident {q["new"]:.4f} s in [{q["published_min"]:.4f}, '
               f'{q["published_max"]:.4f}]: {q["within"]}')
+        b = r["beside"]
+        if all(isinstance(b[w][k], (int, float)) for w in b for k in ("new", "published")):
+            print(f'  beside: link {b["bandwidth_gbps"]["new"]:.2f} GB/s (published {b["bandwidth_gbps"]["published"]:.2f}), '
+                  f'ratio to the bound {b["ratio_to_bound"]["new"]:.4f} (published {b["ratio_to_bound"]["published"]:.4f})')
     if not doc["rows"]:
         print("no row of the new file is in the published one", file=sys.stderr)
     if doc["not_rerun"]:

@@ -443,6 +443,13 @@ def test_the_rerun_check_sets_new_medians_against_the_published_spread(tmp_path)
 
     rc, out = run(doc)
     assert rc == 0 and out["all_within"] and len(out["rows"]) == len(doc["cases"]), out
+    # The link and the ratio to the bound beside each row, new and published, not judged.
+    c0 = doc["cases"][0]
+    assert out["rows"][0]["beside"] == {w: {"new": c0[w], "published": c0[w]} for w in ("bandwidth_gbps", "ratio_to_bound")}, out
+    faster_link = json.loads(json.dumps(doc))
+    faster_link["cases"][0]["bandwidth_gbps"] = c0["bandwidth_gbps"] * 1.1
+    rc, out = run(faster_link)
+    assert rc == 0 and out["rows"][0]["beside"]["bandwidth_gbps"]["new"] == c0["bandwidth_gbps"] * 1.1, out
     slower = json.loads(json.dumps(doc))
     c = slower["cases"][0]
     c["step_streamed_s"] = c["step_streamed_s_max"] * 1.01

@@ -111,7 +111,10 @@ pub fn candle_dtype(d: DType) -> Option<CDType> {
     Some(match d {
         DType::U8 => CDType::U8,
         DType::U32 => CDType::U32,
+        DType::I16 => CDType::I16,
+        DType::I32 => CDType::I32,
         DType::I64 => CDType::I64,
+        DType::F8_E4M3 => CDType::F8E4M3,
         DType::BF16 => CDType::BF16,
         DType::F16 => CDType::F16,
         DType::F32 => CDType::F32,

@@ -144,3 +144,38 @@ fn degenerate_shapes_are_errors_or_empty_not_panics() {
         let _ = RandomFlux::new(bad, 1, 1, 1); // the specs of a bad shape: no panic
     }
 }
+
+/// A block of I16, I32, I64 and F8 (E4M3) tensors streams to candle's CPU
+/// device with its bytes: each dtype offload and candle share maps to one of
+/// the same size (I16 and I32 were refused before).
+#[test]
+fn integer_and_fp8_tensors_reach_candle_with_their_bytes() {
+    use offload_candle::{candle_dtype, CandleBlockExt};
+    use offload_core::{DType as ODType, MemoryTensors, TensorSpec};
+    let mut src = MemoryTensors::new();
+    let kinds = [(ODType::I16, "a"), (ODType::I32, "b"), (ODType::I64, "c"), (ODType::F8_E4M3, "d")];
+    for b in 0..2 {
+        for (k, (dt, name)) in kinds.iter().enumerate() {
+            let n = 64 * dt.size();
+            let bytes: Vec<u8> = (0..n).map(|i| (i * 37 + k * 11 + b * 3 + 5) as u8).collect();
+            src.push(TensorSpec::new(format!("blocks.{b}.{name}"), *dt, vec![64]), bytes).unwrap();
+            assert_eq!(candle_dtype(*dt).map(|c| c.size_in_bytes()), Some(dt.size()), "{dt:?}");
+        }
+    }
+    let inv = NameDiscovery.discover("m", src.specs()).unwrap();
+    let be = CandleBackend::cpu();
+    let store = Arc::new(HostStore::build(&be, &inv, &src).unwrap());
+    let rc = resolve(&Plan::layerwise(), std::slice::from_ref(&inv)).unwrap().components.remove(0);
+    let mut ring = Ring::new(be, store, &rc).unwrap();
+    let g = ring.block("blocks", 0).unwrap();
+    let (vars, _) = g.block_vars().unwrap();
+    let vb = vars.into_var_builder(DType::F32, &Device::Cpu);
+    for (dt, name) in kinds {
+        let t = vb.get_unchecked_dtype(name, candle_dtype(dt).unwrap()).unwrap();
+        let mut got = Vec::new();
+        t.write_bytes(&mut got).unwrap();
+        assert_eq!(got, src.bytes(&format!("blocks.0.{name}")).unwrap(), "{dt:?}");
+    }
+    g.finish().unwrap();
+    ring.close().unwrap();
+}

@@ -123,6 +123,14 @@ pub fn candle_dtype(d: DType) -> Option<CDType> {
     })
 }
 
+/// Tensor names for an error, in order: the first 12, then how many more.
+fn listed(names: BTreeSet<&str>) -> String {
+    let more = names.len().saturating_sub(12);
+    let shown: Vec<&str> = names.into_iter().take(12).collect();
+    let more = if more > 0 { format!(" and {more} more") } else { String::new() };
+    format!("{}{more}", shown.join(", "))
+}
+
 /// A streamed block as candle sees it.
 pub trait CandleBlockExt {
     /// The block's tensors, named relative to the block, and the device they are on.
@@ -157,16 +165,12 @@ pub trait CandleBlockExt {
         let read = reads.lock().unwrap_or_else(|e| e.into_inner());
         let unread: BTreeSet<&str> = names.iter().map(String::as_str).filter(|n| !read.contains(*n)).collect();
         if !unread.is_empty() {
-            let mut list: Vec<&str> = unread.into_iter().collect();
-            let first = format!("{block}.{}", list[0]);
-            let more = list.len().saturating_sub(12);
-            list.truncate(12);
-            let more = if more > 0 { format!(" and {more} more") } else { String::new() };
+            let first = unread.iter().next().map_or(String::new(), |n| format!("{block}.{n}"));
             return Err(Error::BadTensor {
                 tensor: first,
                 fault: format!(
-                    "block {block} holds tensors its module never read ({}{more}): the checkpoint is of another variant of the model, or a weight is misnamed",
-                    list.join(", ")
+                    "block {block} holds tensors its module never read ({}): the checkpoint is of another variant of the model, or a weight is misnamed",
+                    listed(unread)
                 ),
             });
         }
@@ -201,12 +205,8 @@ impl BlockVars {
             self.reads.lock().unwrap_or_else(|e| e.into_inner()).insert(name.to_owned());
         }
         self.tensors.get(name).ok_or_else(|| {
-            let mut have: Vec<&str> = self.tensors.keys().map(String::as_str).collect();
-            have.sort_unstable();
-            let more = have.len().saturating_sub(12);
-            have.truncate(12);
-            let more = if more > 0 { format!(" and {more} more") } else { String::new() };
-            candle_core::Error::Msg(format!("block {} has no tensor `{name}` (it has: {}{more})", self.block, have.join(", ")))
+            let have: BTreeSet<&str> = self.tensors.keys().map(String::as_str).collect();
+            candle_core::Error::Msg(format!("block {} has no tensor `{name}` (it has: {})", self.block, listed(have)))
         })
     }
 }

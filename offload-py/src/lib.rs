@@ -112,6 +112,27 @@ macro_rules! with_ring {
     };
 }
 
+impl AnyRing {
+    /// An error while the compute stream is captured into a CUDA graph (the
+    /// copies and waits a call issues would be captured and replayed); none on
+    /// the simulated device.
+    fn refuse_capture(&self) -> Result<()> {
+        match self {
+            AnyRing::Cpu(_) => Ok(()),
+            AnyRing::Cuda(r) => r.backend().refuse_capture(),
+        }
+    }
+
+    /// `probe_bandwidth` over this ring's store, `passes` passes, capture
+    /// refused, its copies and host synchronisations with the GIL released
+    /// (compute another thread queues meanwhile delays them: probe with the
+    /// device otherwise idle).
+    fn probe(&mut self, py: Python<'_>, passes: usize) -> Result<f64> {
+        self.refuse_capture()?;
+        py.detach(|| with_ring!(self, r => offload_core::probe_bandwidth(r.backend(), r.store(), passes)))
+    }
+}
+
 /// One component's blocks streamed through a ring: built from the module's
 /// block tensors, asked for a block before its forward and given it back after.
 #[pyclass(module = "offload._offload")]
@@ -329,6 +350,7 @@ impl Streamer {
         let mut held = self.held()?;
         let ring = held.ring()?;
         let fail = |e| py_err(&component, e);
+        ring.refuse_capture().map_err(fail)?;
         match ring {
             AnyRing::Cpu(r) => {
                 r.lend(stack, index).map_err(fail)?;
@@ -337,7 +359,6 @@ impl Streamer {
                 Ok(PyByteArray::new(py, &bytes).into_any().unbind())
             }
             AnyRing::Cuda(r) => {
-                r.backend().refuse_capture().map_err(fail)?;
                 r.lend(stack, index).map_err(fail)?;
                 let (id, _, slot) = r.lent().ok_or_else(|| error("no block lent"))?;
                 r.backend().note_read(slot);
@@ -372,10 +393,8 @@ impl Streamer {
         let component = self.component.clone();
         let mut held = self.held()?;
         let ring = held.ring()?;
-        if let AnyRing::Cuda(r) = ring {
-            // Giving back issues the next copies.
-            r.backend().refuse_capture().map_err(|e| py_err(&component, e))?;
-        }
+        // Giving back issues the next copies.
+        ring.refuse_capture().map_err(|e| py_err(&component, e))?;
         with_ring!(ring, r => r.give_back()).map_err(|e| py_err(&component, e))
     }
 
@@ -408,15 +427,7 @@ impl Streamer {
     /// device meanwhile delays its copies and lowers the figure (and a
     /// calibration planned from it), so probe with the device otherwise idle.
     fn probe_bandwidth(&self, py: Python<'_>, passes: usize) -> PyResult<f64> {
-        let mut held = self.held()?;
-        let ring = held.ring()?;
-        if let AnyRing::Cuda(r) = &*ring {
-            // Its copies and waits would be captured into the user's graph as a step's are.
-            r.backend().refuse_capture().map_err(|e| py_err(&self.component, e))?;
-        }
-        // Its copies and host synchronisations run with the GIL released.
-        let r = py.detach(|| with_ring!(ring, r => offload_core::probe_bandwidth(r.backend(), r.store(), passes)));
-        r.map_err(|e| py_err(&self.component, e))
+        self.held()?.ring()?.probe(py, passes).map_err(|e| py_err(&self.component, e))
     }
 
     /// Host bytes the store holds, and how many of them are page-locked.
@@ -473,21 +484,11 @@ impl Streamer {
         let component = self.component.clone();
         let mut held = self.held()?;
         let ring = held.ring()?;
-        if let AnyRing::Cuda(r) = &*ring {
-            // The probe's copies and waits would be captured into the user's graph.
-            r.backend().refuse_capture().map_err(|e| py_err(&component, e))?;
+        if with_ring!(&*ring, r => r.store().coded_blocks()) > 0 {
+            return Err(error(format!("component {component:?}: calibrate a ring that is not coded (coded=False): a coded copy is not its block's bytes at the link's rate")));
         }
+        let bandwidth = ring.probe(py, 3).map_err(|e| py_err(&component, e))?;
         let model = with_ring!(ring, r => {
-            if r.store().coded_blocks() > 0 {
-                return Err(error(format!("component {component:?}: calibrate a ring that is not coded (coded=False): a coded copy is not its block's bytes at the link's rate")));
-            }
-            // The probe's copies and synchronisations run with the GIL released.
-            // (`r` moved in as `&mut`: a ring is `Send`, not `Sync`.)
-            let probed = py.detach({
-                let r = &mut *r;
-                move || offload_core::probe_bandwidth(r.backend(), r.store(), 3)
-            });
-            let bandwidth = probed.map_err(|e| py_err(&component, e))?;
             let traced = r.timeline().map(compute_medians).unwrap_or_default();
             let mut blocks = Vec::with_capacity(r.store().blocks().len());
             for b in r.store().blocks() {

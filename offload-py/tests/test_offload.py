@@ -537,6 +537,83 @@ def test_cuda_user_stream_and_no_host_sync_in_steady_state():
     offload.disable(model)
 
 
+_CAPTURE = """
+import sys, torch, offload
+sys.path.insert(0, {tests!r})
+from models import MODELS
+model, inputs, _ = MODELS["flux"]()
+x = {{k: (v.to("cuda") if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}}
+h = offload.enable(model, device="cuda", depth=1)
+with torch.no_grad():
+    model(**x)
+if {sabotage}:
+    offload._module._capturing = lambda device: False  # the check on torch's stream gone
+try:
+    with torch.no_grad(), torch.cuda.graph(torch.cuda.CUDAGraph()):
+        model(**x)
+    print("OUTCOME captured without an error")
+except Exception as e:
+    print("OUTCOME", type(e).__name__, str(e).replace(chr(10), " ")[:300])
+"""
+
+
+def _capture_outcome(sabotage: bool) -> str:
+    import subprocess
+
+    script = _CAPTURE.format(tests=str(Path(__file__).parent), sabotage=sabotage)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    lines = [l for l in r.stdout.splitlines() if l.startswith("OUTCOME")]
+    assert lines, f"the capture script printed no outcome (rc {r.returncode}): {r.stderr[-2000:]}"
+    return lines[-1]
+
+
+@NO_CUDA
+def test_cuda_a_forward_probe_or_calibration_under_graph_capture_is_refused_and_the_module_runs_on():
+    """torch.cuda.graph captures on a side stream of its own: a forward, a probe
+    or a calibration under it is a named error before the engine issues
+    anything, and the same module runs bitwise equal outside capture after."""
+    model, inputs, _ = MODELS["flux"]()
+    x = _to(inputs, "cuda")
+    model.to("cuda")
+    with torch.no_grad():
+        ref = _out(model(**x)).clone()
+    model.to("cpu")
+    h = offload.enable(model, device="cuda", depth=1)
+    with torch.no_grad():
+        _out(model(**x))
+    calls = {
+        "forward": lambda: model(**x),
+        "probe_bandwidth": lambda: h.probe_bandwidth(1),
+        "calibration": lambda: h.calibration(),
+    }
+    for name, call in calls.items():
+        with pytest.raises(OffloadError, match="captured into a CUDA graph") as e, torch.no_grad():
+            with torch.cuda.graph(torch.cuda.CUDAGraph()):
+                call()
+        said = str(e.value)
+        assert said.startswith(f"component {h.component!r}: "), said
+        assert (said.split(": ")[1].startswith("block ") if name == "forward" else name in said), said
+    with torch.no_grad():
+        out = _out(model(**x)).clone()
+    assert torch.equal(_bits(out), _bits(ref))
+    assert h.violations() == []
+    assert h.metrics()["forgotten_guards"] == 0
+    offload.disable(model)
+
+
+@NO_CUDA
+def test_cuda_the_capture_test_fails_without_the_check_on_torchs_stream():
+    """Sabotage of the test above, each in its own process (a capture gone wrong
+    may leave the device unusable to the rest): with the check on torch's
+    current stream, the capture is refused by name; without it, it is not (the
+    engine's own check looks at its compute stream, which torch.cuda.graph does
+    not capture)."""
+    assert "captured into a CUDA graph" in _capture_outcome(sabotage=False)
+    broken = _capture_outcome(sabotage=True)
+    assert "captured into a CUDA graph" not in broken, broken
+    print("without the check:", broken)
+
+
 def test_the_bitwise_check_catches_a_wrong_binding():
     """Sabotage: two same-sized tensors of one block bound to each other's bytes
     (what a wrong layout would do); the equality the tests above rely on fails."""

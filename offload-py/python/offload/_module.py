@@ -199,6 +199,7 @@ class Offloaded:
     def probe_bandwidth(self, passes: int = 3) -> float:
         """Host-to-device bytes per second: every streamed block copied, the
         best of ``passes`` passes (synchronises the host; call it between steps)."""
+        self._refuse_capture("probe_bandwidth")
         return self._engine().probe_bandwidth(passes)
 
     def host_bytes(self) -> tuple[int, int]:
@@ -236,6 +237,7 @@ class Offloaded:
         :meth:`enable_trace`, run a step, then this; CUDA), or ``compute_s``
         (``{"transformer_blocks.0": seconds, ...}``, every block). Take it from
         a ring that is not coded."""
+        self._refuse_capture("calibration")
         return json.loads(self._engine().calibration(compute_s))
 
     def violations(self) -> list[str]:
@@ -252,6 +254,19 @@ class Offloaded:
         disable(self.module)
 
     # -- hooks ----------------------------------------------------------------
+    def _refuse_capture(self, what: str) -> None:
+        """An error while torch's current stream on this device is being captured
+        into a CUDA graph. The engine checks its own compute stream; this checks
+        the caller's, which is where ``torch.cuda.graph`` captures (a side stream
+        of its own), so that a capture is refused before the engine issues or
+        waits on anything."""
+        if self.device.type == "cuda" and _capturing(self.device):
+            raise OffloadError(
+                f"component {self.component!r}: {what} while torch's current stream is being captured into a CUDA graph "
+                "(torch.cuda.graph, torch.compile's \"reduce-overhead\"): a replay would repeat the engine's copies from "
+                "host memory it no longer holds; run the offloaded module outside capture"
+            )
+
     def _engine(self) -> Streamer:
         if self.streamer is None:
             raise OffloadError(f"component {self.component!r}: offloading is disabled")
@@ -273,6 +288,7 @@ class Offloaded:
                     f"component {self.component!r}: tensor {first.name!r} was converted to {held.dtype} on {held.device} "
                     f"while offloaded (it streams as {first.dtype} to {self.device}); disable, convert, then enable again"
                 )
+        self._refuse_capture(f"block {block.stack}.{block.index}")
         buf = self._engine().lend(block.stack, block.index)
         if self.device.type == "cuda":
             cur = torch.cuda.current_stream(self.device)
@@ -330,8 +346,21 @@ class Offloaded:
             self._unbind()
         self._ran.clear()
         self._in_forward = False
+        if self.device.type == "cuda" and _capturing(self.device):
+            # A forward refused under capture (nothing was lent): ending the
+            # engine's step would poll its events, which a capture forbids; the
+            # step goes on with the next forward outside capture.
+            return
         self.last_metrics = json.loads(self._engine().end_step())
         self.steps += 1
+
+
+def _capturing(device: torch.device) -> bool:
+    """Whether torch's current stream on ``device`` is being captured into a CUDA graph."""
+    if device.index is None or device.index == torch.cuda.current_device():
+        return torch.cuda.is_current_stream_capturing()
+    with torch.cuda.device(device):
+        return torch.cuda.is_current_stream_capturing()
 
 
 def _no_gradient(component: str, name: str):

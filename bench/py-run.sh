@@ -7,7 +7,7 @@
 #                      diffusers' group offloading on the same model object in one process; then
 #                      py_merge.py over every process kept
 #   py-run.sh start    issue 32's host RAM at 1 x (py_start.py): the checkpoint of PY_START_MODEL (flux-dev)
-#                      written once to PY_CKPT (/tmp/PY_START_MODEL.safetensors), then PY_REPEATS processes, each
+#                      written once to PY_CKPT (/tmp/PY_START_MODEL.safetensors) and synced, then PY_REPEATS processes, each
 #                      a model on the meta device enabled with checkpoint= and timed to its first streamed step;
 #                      merged into $PY_DIR/DATE-python-start.json
 #   py-run.sh pipeline issue 32's whole pipeline (py_pipeline.py): PY_REPEATS processes of FluxPipeline (Flux-dev's
@@ -97,6 +97,10 @@ fi
 if [ "$what" = start ]; then
   m=${PY_START_MODEL:-flux-dev}; ck=${PY_CKPT:-/tmp/$m.safetensors}
   [ -s "$ck" ] || python3 "$B/py_start.py" write --registry "$B/registry.json" --model "$m" --checkpoint "$ck" 2>&1 | tee "$Z/start-write.txt" || rc=1
+  # On disk before the first process, as a user's checkpoint is: its dirty pages'
+  # write-back otherwise lands in the first start (bench/NOTES.md, 2026-12-05).
+  # PY_START_SYNC=0 leaves it as written (the runs before this rule).
+  [ "${PY_START_SYNC:-1}" = 1 ] && sync "$ck"
   for r in $(seq 1 "${PY_REPEATS:-3}"); do
     f="$Z/start-$m-r$r.json"
     [ -s "$f" ] && continue

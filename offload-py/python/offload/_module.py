@@ -135,6 +135,11 @@ class _Block:
     views: list = field(default_factory=list)
     sliced: list = field(default_factory=list)
     restore: list = field(default_factory=list)
+    # Per tensor, what its placeholder was once the module was offloaded: the
+    # dict holding it, its name there, the object, its version counter, dtype,
+    # device and shape (`seal`). A tensor replaced, edited or converted since
+    # would not stream: the block's bytes are the enabled ones.
+    held: list = field(default_factory=list)
 
     def prepare(self) -> None:
         """Split the parameters into those bound by one strided view over the
@@ -149,6 +154,11 @@ class _Block:
                 self.views.append((p.owner._parameters, p.attr, p.dtype, p.shape, p.layout, p.offset // size, p.rewrap))
         self.dtypes = tuple(dict.fromkeys(v[2] for v in self.views))
         self.restore = [(p.owner._parameters, p.attr, p.param) for p in self.params]
+
+    def seal(self) -> None:
+        """Record every placeholder as it is now, once the module is offloaded."""
+        self.held = [(p.owner._parameters, p.attr, p.param, p.param._version, p.param.dtype, p.param.device, p.param.shape, p)
+                     for p in self.params]
 
 
 class Offloaded:
@@ -177,6 +187,7 @@ class Offloaded:
         # block run twice is the model's own doing, not the next step.
         self._in_forward = False
         self._buffer = None
+        self._version: Optional[int] = None
         self._stream = None
 
     # -- public ---------------------------------------------------------------
@@ -267,6 +278,19 @@ class Offloaded:
                 "host memory it no longer holds; run the offloaded module outside capture"
             )
 
+    def _changed(self, p: _Param, now: Any) -> str:
+        """What happened to streamed tensor ``p`` since enable, as an error's text."""
+        again = "disable (which puts back the tensors as enabled), change the module, then enable again"
+        head = f"component {self.component!r}: tensor {p.name!r}"
+        if now is not p.param:
+            what = "removed" if now is None else f"a {type(now).__name__} of {getattr(now, 'dtype', '?')}"
+            return f"{head} was replaced while offloaded (the module now holds {what}); its block streams the enabled bytes, so {again}"
+        if p.param.dtype != p.dtype or (not p.param.is_meta and p.param.device != self.device):
+            return (f"{head} was converted to {p.param.dtype} on {p.param.device} while offloaded (it streams as {p.dtype} to "
+                    f"{self.device}); disable, convert, then enable again")
+        return (f"{head} was changed while offloaded (edited in place or given other data: the module holds an empty "
+                f"placeholder for it); its block streams the enabled bytes, so {again}")
+
     def _engine(self) -> Streamer:
         if self.streamer is None:
             raise OffloadError(f"component {self.component!r}: offloading is disabled")
@@ -278,16 +302,9 @@ class Offloaded:
         if id(block) in self._ran and not self._in_forward:
             self._end_step()
         self._ran.add(id(block))
-        if block.params:
-            # `module.float()` or `.to(other)` while offloaded converts only the
-            # placeholders: the block's bytes would still be bound as enabled.
-            first = block.params[0]
-            held = first.param
-            if held.dtype != first.dtype or (not held.is_meta and held.device != self.device):
-                raise OffloadError(
-                    f"component {self.component!r}: tensor {first.name!r} was converted to {held.dtype} on {held.device} "
-                    f"while offloaded (it streams as {first.dtype} to {self.device}); disable, convert, then enable again"
-                )
+        for params, attr, prm, version, dtype, device, shape, p in block.held:
+            if params.get(attr) is not prm or prm._version != version or prm.dtype != dtype or prm.device != device or prm.shape != shape:
+                raise OffloadError(self._changed(p, params.get(attr)))
         self._refuse_capture(f"block {block.stack}.{block.index}")
         buf = self._engine().lend(block.stack, block.index)
         if self.device.type == "cuda":
@@ -302,6 +319,9 @@ class Offloaded:
         # parameter back and gives the block back.
         self._bound = block
         self._buffer = data
+        # Writes through the views bump the buffer's version counter (an inference
+        # tensor has none: torch refuses in-place writes to it outside inference mode).
+        self._version = None if data.is_inference() else data._version
         # One strided view per parameter over the buffer seen once per dtype
         # (slicing, reinterpreting and reshaping each would be three calls: host
         # time on every block of every step).
@@ -338,12 +358,24 @@ class Offloaded:
             self.engine_stream.wait_stream(self._stream)
             self._buffer.record_stream(self._stream)
             self._stream = None
+        wrote = self._version is not None and self._buffer._version != self._version
         self._buffer = None
         self._engine().give_back()
+        if wrote:
+            raise OffloadError(
+                f"component {self.component!r}: block {block.stack}.{block.index} wrote its streamed weights in place during "
+                "its forward; the write went to a lent copy that the next step no longer holds, so it would be lost. Keep "
+                "state a block updates in a buffer (register_buffer), which stays resident, or make that parameter trainable"
+            )
 
     def _end_step(self) -> None:
-        if self._bound is not None:
-            self._unbind()
+        try:
+            if self._bound is not None:
+                self._unbind()
+        finally:
+            self._end_engine_step()
+
+    def _end_engine_step(self) -> None:
         self._ran.clear()
         self._in_forward = False
         if self.device.type == "cuda" and _capturing(self.device):
@@ -373,23 +405,24 @@ def _no_gradient(component: str, name: str):
     return hook
 
 
-def _refuse_state_dict(component: str):
-    """A block's state_dict hook while offloaded: its parameters hold placeholders."""
+def _refuse_state_dict(component: str, block: str):
+    """The state_dict hook of a block and of each layer in it while offloaded:
+    their parameters hold placeholders."""
 
     def hook(module, state_dict, prefix, local_metadata):
         raise OffloadError(
-            f"component {component!r}: {prefix.rstrip('.') or type(module).__name__} streams its weights, so its "
-            "state_dict would hold empty placeholders; disable offloading first"
+            f"component {component!r}: {block} streams its weights, so the state_dict of "
+            f"{prefix.rstrip('.') or type(module).__name__} would hold empty placeholders; disable offloading first"
         )
 
     return hook
 
 
-def _refuse_load_state_dict(component: str):
+def _refuse_load_state_dict(component: str, block: str):
     def hook(state_dict, prefix, *args):
         raise OffloadError(
-            f"component {component!r}: {prefix.rstrip('.') or 'a block'} streams its weights from the engine's store; "
-            "disable offloading before loading a state_dict"
+            f"component {component!r}: {block} streams its weights from the engine's store, so "
+            f"{prefix.rstrip('.') or 'its layer'} cannot load a state_dict; disable offloading first"
         )
 
     return hook
@@ -618,6 +651,17 @@ def enable(
     for full, p in all_params.items():
         if id(p) in in_block and in_block[id(p)] != full:
             raise OffloadError(f"component {component!r}: tensor {in_block[id(p)]!r} is tied to {full!r} outside the blocks; tied weights cannot be streamed")
+    # A tensor that stays resident viewing a streamed one's storage (a fused tensor
+    # split between a block and the head) would no longer share it after disable.
+    kept = [(n, t) for n, t in all_params.items() if id(t) not in in_block]
+    kept += [(n, b) for n, b in module.named_buffers(remove_duplicate=False) if b is not None]
+    for full, t in kept:
+        if not t.is_meta and t.numel() and t.untyped_storage().data_ptr() in storages:
+            raise OffloadError(
+                f"component {component!r}: tensor {storages[t.untyped_storage().data_ptr()]!r} shares its storage with {full!r}, "
+                "which stays resident (views of one tensor); streamed, they would come back from disable as two tensors: "
+                "give each its own storage first"
+            )
 
     # Tensors outside the blocks built on the meta device come from the checkpoint
     # (checked here, before anything is built); a meta buffer the file does not
@@ -741,10 +785,14 @@ def enable(
                     placed[id(buf)] = placed_on(full, buf)
                 owner._buffers[attr] = placed[id(buf)]
         for child, blk in block_modules:
-            state.hooks.append(child.register_forward_pre_hook(_pre_hook(state, blk)))
+            blk.seal()
+            # First among the block's pre-hooks: one registered before enable reads the weights.
+            state.hooks.append(child.register_forward_pre_hook(_pre_hook(state, blk), prepend=True))
             state.hooks.append(child.register_forward_hook(_post_hook(state), always_call=True))
-            state.hooks.append(child._register_state_dict_hook(_refuse_state_dict(component)))
-            state.hooks.append(child._register_load_state_dict_pre_hook(_refuse_load_state_dict(component)))
+            # On every layer of the block: each holds placeholders.
+            for sub in child.modules():
+                state.hooks.append(sub._register_state_dict_hook(_refuse_state_dict(component, f"{blk.stack}.{blk.index}")))
+                state.hooks.append(sub._register_load_state_dict_pre_hook(_refuse_load_state_dict(component, f"{blk.stack}.{blk.index}")))
         for p in state.params.values():
             setattr(p.param, _STREAMED_BY, component)
         state.hooks.append(module.register_forward_pre_hook(_forward_pre_hook(state)))
@@ -782,6 +830,10 @@ def _post_hook(state: Offloaded):
 
 def _forward_pre_hook(state: Offloaded):
     def hook(mod, args):
+        if state._in_forward:
+            # The last forward never reached its step hook (a KeyboardInterrupt
+            # skips torch's always_call hooks): its step ends here.
+            state._end_step()
         state._in_forward = True
 
     return hook
@@ -938,9 +990,16 @@ def enable_pipeline(
 
 
 def disable_pipeline(pipe: Any) -> None:
-    """Disable every offloaded component of ``pipe`` (see :func:`enable_pipeline`)."""
+    """Disable every offloaded component of ``pipe`` (see :func:`enable_pipeline`):
+    the pipeline, the dict of modules given to :func:`enable_pipeline`, or the
+    handles it returned. Components moved to the device whole (no block lists)
+    go back where they were only when given the pipeline or the modules: the
+    handles name the streamed components alone."""
     comps = getattr(pipe, "components", pipe)
     for m in dict(comps).values():
+        if isinstance(m, Offloaded):
+            # What enable_pipeline returned: each handle's module (None once disabled).
+            m = m.module
         if isinstance(m, nn.Module) and offloaded(m) is not None:
             disable(m)
         elif isinstance(m, nn.Module) and hasattr(m, "_offload_moved_from"):

@@ -297,7 +297,9 @@ impl Streamer {
             }
             _ => (depth, resident_blocks),
         };
-        let planned = (depth, resident_blocks.clone());
+        // Each block as the engine names it (`blocks.01` is block `blocks.1`).
+        let named = |s: &String| offload_core::BlockId::parse(s).map_or_else(|| s.clone(), |id| id.to_string());
+        let planned = (depth, resident_blocks.iter().map(named).collect());
         let plan = Plan {
             default: ComponentPlan {
                 prefetch_depth: depth,

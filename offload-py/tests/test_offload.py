@@ -1510,3 +1510,31 @@ def test_a_users_pre_hook_registered_before_enable_sees_the_weights():
         m(x)
     offload.disable(m)
     assert seen[0] == seen[1], seen
+
+
+def test_a_users_forward_hook_registered_after_enable_sees_the_weights():
+    # The package's post-hook gives the block back: it runs last, after a hook
+    # the user adds while the module is offloaded.
+    m, x = _Lin(), torch.randn(2, 8)
+    seen = []
+
+    def look(mod, args, out):
+        seen.append(mod.weight.sum().item())
+
+    with torch.no_grad():
+        m(x)
+    resident = m.blocks[1].weight.sum().item()
+    offload.enable(m, device="cpu")
+    hook = m.blocks[1].register_forward_hook(look)
+    with torch.no_grad():
+        m(x)
+    hook.remove()
+    offload.disable(m)
+    assert seen == [resident], (seen, resident)
+
+
+def test_a_resident_block_is_planned_under_its_own_name():
+    m = _Lin()
+    h = offload.enable(m, device="cpu", resident_blocks=["blocks.01"])
+    assert h.plan()["resident_blocks"] == ["blocks.1"], h.plan()
+    offload.disable(m)

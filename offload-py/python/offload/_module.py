@@ -140,6 +140,11 @@ class _Block:
     # device and shape (`seal`). A tensor replaced, edited or converted since
     # would not stream: the block's bytes are the enabled ones.
     held: list = field(default_factory=list)
+    # The block's module and the id of the package's post-hook on it, moved to the
+    # end of the module's forward hooks at each bind: a hook the user adds while
+    # offloaded runs before the block is given back, and sees its weights.
+    module: Optional[nn.Module] = None
+    post_hook: int = -1
 
     def prepare(self) -> None:
         """Split the parameters into those bound by one strided view over the
@@ -302,6 +307,9 @@ class Offloaded:
         if id(block) in self._ran and not self._in_forward:
             self._end_step()
         self._ran.add(id(block))
+        hooks = block.module._forward_hooks
+        if next(reversed(hooks), None) != block.post_hook:
+            hooks.move_to_end(block.post_hook)
         for params, attr, prm, version, dtype, device, shape, p in block.held:
             if params.get(attr) is not prm or prm._version != version or prm.dtype != dtype or prm.device != device or prm.shape != shape:
                 raise OffloadError(self._changed(p, params.get(attr)))
@@ -789,6 +797,7 @@ def enable(
             # First among the block's pre-hooks: one registered before enable reads the weights.
             state.hooks.append(child.register_forward_pre_hook(_pre_hook(state, blk), prepend=True))
             state.hooks.append(child.register_forward_hook(_post_hook(state), always_call=True))
+            blk.module, blk.post_hook = child, state.hooks[-1].id
             # On every layer of the block: each holds placeholders.
             for sub in child.modules():
                 state.hooks.append(sub._register_state_dict_hook(_refuse_state_dict(component, f"{blk.stack}.{blk.index}")))

@@ -376,6 +376,11 @@ impl<B: OffloadBackend> DiskStream<B> {
     }
 
     /// Seconds waited and bytes read since the last call.
+    /// Seconds waited and bytes read since the last [`take_counters`](Self::take_counters).
+    pub(crate) fn counters(&self) -> (f64, u64) {
+        (self.waited_s, self.read_bytes)
+    }
+
     pub(crate) fn take_counters(&mut self) -> (f64, u64) {
         (std::mem::take(&mut self.waited_s), std::mem::take(&mut self.read_bytes))
     }

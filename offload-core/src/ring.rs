@@ -223,6 +223,37 @@ fn check_pin_budget<B: OffloadBackend>(store: &HostStore<B>, plan: &ResolvedComp
     Ok(())
 }
 
+/// A plan's device budget against the store's own block sizes. The plan bounds
+/// the ring's device bytes from the inventory it was resolved against; a store
+/// whose blocks are larger (a plan resolved against another inventory with the
+/// same block names, or a file's layout padding a block more) would build a
+/// ring over that budget. The bound grows by what the store's blocks add.
+fn check_device_budget<B: OffloadBackend>(store: &HostStore<B>, plan: &ResolvedComponent) -> Result<()> {
+    let Some(budget) = plan.budget else { return Ok(()) };
+    let planned: std::collections::HashMap<&BlockId, usize> = plan.blocks.iter().map(|(id, b)| (id, *b)).collect();
+    let bound = |size: &dyn Fn(&BlockId, usize) -> usize| -> u64 {
+        let sizes = store.blocks().iter().map(|b| (&b.id, size(&b.id, b.bytes())));
+        let (resident, streamed): (Vec<_>, Vec<_>) = sizes.partition(|(id, _)| plan.is_resident(id));
+        let resident: u64 = resident.iter().map(|(_, b)| *b as u64).sum();
+        let largest = streamed.iter().map(|(_, b)| *b as u64).max().unwrap_or(0);
+        match plan.strategy {
+            Strategy::Layerwise => (plan.depth as u64 + 1) * largest + resident,
+            _ => resident + streamed.iter().map(|(_, b)| *b as u64).sum::<u64>(),
+        }
+    };
+    let held = bound(&|_, bytes| bytes);
+    let was = bound(&|id, bytes| planned.get(id).copied().unwrap_or(bytes));
+    let need = plan.device_weight_bound.saturating_add(held.saturating_sub(was));
+    if need > budget {
+        return Err(Error::Plan(format!(
+            "component {:?}: the store's blocks are larger than those the plan was resolved against: the ring would hold \
+             {need} device bytes, over the budget of {budget} (plan the store's own inventory)",
+            plan.name
+        )));
+    }
+    Ok(())
+}
+
 impl<B: OffloadBackend> Ring<B> {
     /// Build the ring of one component: allocate its slots, copy its resident
     /// blocks and non-block tensors, and start prefetching the first blocks.
@@ -261,6 +292,7 @@ impl<B: OffloadBackend> Ring<B> {
         if let Some(id) = held.iter().find(|id| !planned.contains(*id)) {
             return Err(Error::Plan(format!("component {:?}: the store holds block {id}, which the plan does not name", plan.name)));
         }
+        check_device_budget(&store, plan)?;
         check_disk_split(&store, plan)?;
         check_staging_budget(&backend, &store, plan)?;
         check_pin_budget(&store, plan)?;
@@ -630,6 +662,26 @@ impl<B: OffloadBackend> Ring<B> {
     }
 
     fn acquire(&mut self, b: usize) -> Result<(Loc, BlockSource, Option<B::Wait>)> {
+        // A refused request serves nothing: the learned order and the step's
+        // counts of what was served go back to what they were (the bytes of copies
+        // it issued before failing stay counted: those copies ran).
+        let prev = self.prev;
+        let next = prev.and_then(|p| self.next.get(p).copied());
+        let s = &self.step;
+        let counts = (s.blocks, s.retraces, s.resident_hits, s.prefetch_hits, s.misses);
+        let served = self.acquire_checked(b);
+        if served.is_err() {
+            self.prev = prev;
+            if let (Some(p), Some(n)) = (prev, next) {
+                self.next[p] = n;
+            }
+            let s = &mut self.step;
+            (s.blocks, s.retraces, s.resident_hits, s.prefetch_hits, s.misses) = counts;
+        }
+        served
+    }
+
+    fn acquire_checked(&mut self, b: usize) -> Result<(Loc, BlockSource, Option<B::Wait>)> {
         if let Some(e) = self.sticky.take() {
             return Err(e);
         }
@@ -904,6 +956,12 @@ impl<B: OffloadBackend> Ring<B> {
         let mut t = self.total.clone();
         t.component = self.step.component.clone();
         t.accumulate(&self.step);
+        // The open step's disk reads, which `end_step` moves into its metrics.
+        if let Some(disk) = &self.disk {
+            let (waited_s, read_bytes) = disk.counters();
+            t.disk_wait_s += waited_s;
+            t.disk_bytes_read += read_bytes;
+        }
         t
     }
 

@@ -471,7 +471,9 @@ impl<B: OffloadBackend> HostStore<B> {
                 }
             }
             if let (Some((region, _)), true) = (mapped, mapping.get()) {
-                let cost = if region_charged.get() { 0 } else { region.registered_len() as u64 };
+                // Charged only where the backend's buffers are page-locked (a CPU
+                // device registers the region but locks nothing).
+                let cost = if region_charged.get() || !host.capabilities().pinned { 0 } else { region.registered_len() as u64 };
                 if cost > pinned_left.get() {
                     // Registering it would pass the budget for every block alike.
                     mapping.set(false);
@@ -488,9 +490,11 @@ impl<B: OffloadBackend> HostStore<B> {
                         match host.alloc(HostKind::Mapped { region, offset: start }, layout.bytes, &purpose, &mut |_| Ok(())) {
                             Ok(buffer) => {
                                 tier.borrow_mut().mapped += 1;
-                                if !region_charged.replace(true) {
+                                if !buffer.is_pinned() {
+                                    unpinned_buffers.set(unpinned_buffers.get() + 1);
+                                } else if !region_charged.replace(true) {
                                     let cost = region.registered_len() as u64;
-                                    pinned_left.set(pinned_left.get() - cost);
+                                    pinned_left.set(pinned_left.get().saturating_sub(cost));
                                     pinned_bytes.set(pinned_bytes.get() + cost);
                                 }
                                 let held_bytes = layout.bytes;
@@ -1718,5 +1722,108 @@ mod tests {
         let be = SimBackend::new(SimConfig::fast());
         let e = HostStore::build_tiered(&be, &inv, &file, PinOptions::default(), &|_| true).err().expect("refused").to_string();
         assert!(e.contains("not the one whose header was read"), "{e}");
+    }
+
+    /// `n` blocks of one `len`-byte u8 tensor each, block `i` filled with `i + 1`.
+    fn u8_model(n: usize, len: usize) -> MemoryTensors {
+        let mut src = MemoryTensors::new();
+        for i in 0..n {
+            src.push(TensorSpec::new(format!("blocks.{i}.w"), DType::U8, [len]), vec![i as u8 + 1; len]).unwrap();
+        }
+        src
+    }
+
+    /// A plan resolved against smaller blocks of the same names: its budget held
+    /// them, not the store's; the ring is refused rather than built 8 x over it.
+    #[test]
+    fn a_budget_planned_for_smaller_blocks_refuses_the_ring() {
+        let (small, big) = (u8_model(4, 1024), u8_model(4, 8192));
+        let inv_small = NameDiscovery.discover("m", small.specs()).unwrap();
+        let inv_big = NameDiscovery.discover("m", big.specs()).unwrap();
+        let be = SimBackend::new(SimConfig::fast());
+        let store = std::sync::Arc::new(HostStore::build(&be, &inv_big, &big).unwrap());
+        let cp = crate::ComponentPlan { device_budget_bytes: Some(2048), ..Default::default() };
+        let plan = crate::Plan::layerwise().component("m", cp);
+        let rc = crate::resolve(&plan, std::slice::from_ref(&inv_small)).unwrap().components.remove(0);
+        let e = crate::Ring::new(be.clone(), store.clone(), &rc).err().expect("over its budget").to_string();
+        assert!(e.contains("16384 device bytes, over the budget of 2048"), "{e}");
+        // Planned for the store's own blocks, the same budget is refused at plan time,
+        // and a budget that holds them builds the ring.
+        assert!(crate::resolve(&plan, std::slice::from_ref(&inv_big)).is_err());
+        let cp = crate::ComponentPlan { device_budget_bytes: Some(16384), ..Default::default() };
+        let rc = crate::resolve(&crate::Plan::layerwise().component("m", cp), std::slice::from_ref(&inv_big)).unwrap().components.remove(0);
+        crate::Ring::new(be, store, &rc).unwrap();
+    }
+
+    /// `metrics()` in the middle of a step counts that step's disk reads, as
+    /// `end_step` then reports them.
+    #[test]
+    fn metrics_of_the_open_step_count_its_disk_reads() {
+        let path = temp("open-step-disk");
+        write_checkpoint(&path, &disk_model(4, 8192));
+        let file = SafetensorsFile::open(&path).unwrap();
+        let inv = NameDiscovery.discover("m", file.specs()).unwrap();
+        let be = SimBackend::new(SimConfig::fast());
+        let cp = crate::ComponentPlan { disk_blocks: (0..4).map(|b| format!("blocks.{b}")).collect(), ..Default::default() };
+        let plan = crate::resolve(&crate::Plan::layerwise().component("m", cp), std::slice::from_ref(&inv)).unwrap().components.remove(0);
+        let store =
+            std::sync::Arc::new(HostStore::build_tiered(&be, &inv, &file, PinOptions::default(), &|id| plan.is_on_disk(id)).unwrap());
+        let mut ring = crate::Ring::new(be.clone(), store.clone(), &plan).unwrap();
+        for i in 0..4 {
+            drop(ring.block_at(i).unwrap());
+        }
+        let open = ring.metrics();
+        let closed = ring.end_step().unwrap();
+        assert!(closed.disk_bytes_read > 0);
+        assert_eq!(open.disk_bytes_read, closed.disk_bytes_read, "metrics() of the open step lacks its disk reads");
+    }
+
+    /// A request refused (the prefetch it issues fails) serves nothing: retried
+    /// in the learned order, the step counts each block once, no retrace and no
+    /// miss, as a clean step does.
+    #[test]
+    fn a_refused_request_leaves_the_order_and_the_counts_as_they_were() {
+        let src = u8_model(6, 4096);
+        let inv = NameDiscovery.discover("m", src.specs()).unwrap();
+        let fi = crate::FaultInjector::new(SimBackend::new(SimConfig::fast()));
+        let store = std::sync::Arc::new(HostStore::build(&fi, &inv, &src).unwrap());
+        let rc = crate::resolve(&crate::Plan::layerwise(), std::slice::from_ref(&inv)).unwrap().components.remove(0);
+        let mut ring = crate::Ring::new(fi.clone(), store, &rc).unwrap();
+        for i in 0..6 {
+            drop(ring.block_at(i).unwrap());
+        }
+        let clean = ring.end_step().unwrap();
+        drop(ring.block_at(0).unwrap());
+        drop(ring.block_at(1).unwrap());
+        fi.arm(crate::FaultKind::Copy, 0);
+        ring.block_at(2).err().expect("the prefetch's copy fails");
+        fi.disarm();
+        for i in 2..6 {
+            drop(ring.block_at(i).unwrap());
+        }
+        let m = ring.end_step().unwrap();
+        assert_eq!((m.blocks, m.retraces, m.misses), (6, 0, 0), "{m}");
+        assert_eq!(m.prefetch_hits, clean.prefetch_hits, "{m}");
+    }
+
+    /// On a device that page-locks nothing (candle's CPU device), a store served
+    /// in place from a file pins nothing, says so, and is not refused by a pin
+    /// budget smaller than the file.
+    #[test]
+    fn a_mapped_store_on_a_device_that_locks_nothing_charges_no_pin_budget() {
+        let path = temp("mapped-unlocked");
+        write_checkpoint(&path, &disk_model(4, 4096));
+        let file = SafetensorsFile::open(&path).unwrap();
+        let inv = NameDiscovery.discover("m", file.specs()).unwrap();
+        let be = SimBackend::new(SimConfig { page_locked: false, decodes: false, ..SimConfig::fast() });
+        let store = HostStore::build_mapped(&be, &inv, &file, PinOptions::default()).unwrap();
+        assert_eq!((store.pinned_bytes(), be.stats().pinned_bytes, store.is_pinned()), (0, 0, false));
+        let pin = PinOptions { budget_bytes: Some(16384), fallback: crate::PinFallback::Fail, ..PinOptions::default() };
+        let budgeted = HostStore::build_mapped(&be, &inv, &file, pin).unwrap();
+        assert_eq!((budgeted.tier().mapped, budgeted.tier().copied), (store.tier().mapped, 0), "{:?}", budgeted.tier());
+        // Where buffers are page-locked the whole registration is charged, once.
+        let locked = SimBackend::new(SimConfig { registers_regions: true, ..SimConfig::fast() });
+        let store = HostStore::build_mapped(&locked, &inv, &file, PinOptions::default()).unwrap();
+        assert_eq!(store.pinned_bytes(), std::fs::metadata(&path).unwrap().len());
     }
 }

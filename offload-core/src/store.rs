@@ -392,7 +392,9 @@ impl<B: OffloadBackend> HostStore<B> {
         let tier = std::cell::RefCell::new(HostTier::default());
         // Mapping is tried while it works: the first refusal of the region turns it off.
         let mapping = std::cell::Cell::new(mapped.is_some());
-        if mapped.is_some() && pin.coded {
+        // Coded blocks are held as copies; on a device that cannot decode nothing is
+        // coded, and the blocks are served in place as without `coded`.
+        if mapped.is_some() && pin.coded && backend.host().capabilities().coded {
             tier.borrow_mut().copy_reason = Some("coded blocks are held as copies".into());
             mapping.set(false);
         }
@@ -1825,5 +1827,21 @@ mod tests {
         let locked = SimBackend::new(SimConfig { registers_regions: true, ..SimConfig::fast() });
         let store = HostStore::build_mapped(&locked, &inv, &file, PinOptions::default()).unwrap();
         assert_eq!(store.pinned_bytes(), std::fs::metadata(&path).unwrap().len());
+    }
+
+    /// `coded` on a device that cannot decode codes nothing: the blocks are
+    /// served in place from the file, not copied under a reason that says they
+    /// were held coded.
+    #[test]
+    fn coded_on_a_device_without_a_decoder_still_serves_the_file_in_place() {
+        let path = temp("coded-no-decoder");
+        write_checkpoint(&path, &disk_model(4, 4096));
+        let file = SafetensorsFile::open(&path).unwrap();
+        let inv = NameDiscovery.discover("m", file.specs()).unwrap();
+        let be = SimBackend::new(SimConfig { decodes: false, ..SimConfig::fast() });
+        let store = HostStore::build_mapped(&be, &inv, &file, PinOptions { coded: true, ..Default::default() }).unwrap();
+        let plain = HostStore::build_mapped(&be, &inv, &file, PinOptions::default()).unwrap();
+        assert_eq!(store.coded_blocks(), 0);
+        assert_eq!((store.tier().mapped, store.tier().copied), (plain.tier().mapped, 0), "{:?}", store.tier());
     }
 }

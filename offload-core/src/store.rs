@@ -1658,17 +1658,28 @@ mod tests {
         assert!(e.contains("blocks.9"), "{e}");
     }
 
-    #[test]
-    fn a_read_error_mid_step_names_the_block_and_serves_nothing_half_read() {
-        let path = temp("disk-trunc");
-        write_checkpoint(&path, &disk_model(6, 8192));
+    /// A checkpoint of `n` blocks of `len` bytes at `temp(tag)`, every block on
+    /// disk: its path, the tiered store, its plan and the simulated device.
+    fn all_on_disk(
+        tag: &str,
+        n: usize,
+        len: usize,
+    ) -> (std::path::PathBuf, std::sync::Arc<HostStore<SimBackend>>, crate::ResolvedComponent, SimBackend) {
+        let path = temp(tag);
+        write_checkpoint(&path, &disk_model(n as u64, len));
         let file = SafetensorsFile::open(&path).unwrap();
         let inv = NameDiscovery.discover("m", file.specs()).unwrap();
         let be = SimBackend::new(SimConfig::fast());
-        let cp = crate::ComponentPlan { disk_blocks: (0..6).map(|b| format!("blocks.{b}")).collect(), ..Default::default() };
+        let cp = crate::ComponentPlan { disk_blocks: (0..n).map(|b| format!("blocks.{b}")).collect(), ..Default::default() };
         let plan = crate::resolve(&crate::Plan::layerwise().component("m", cp), std::slice::from_ref(&inv)).unwrap().components.remove(0);
         let store =
             std::sync::Arc::new(HostStore::build_tiered(&be, &inv, &file, PinOptions::default(), &|id| plan.is_on_disk(id)).unwrap());
+        (path, store, plan, be)
+    }
+
+    #[test]
+    fn a_read_error_mid_step_names_the_block_and_serves_nothing_half_read() {
+        let (path, store, plan, be) = all_on_disk("disk-trunc", 6, 8192);
         let mut ring = crate::Ring::new(be.clone(), store.clone(), &plan).unwrap();
         drop(ring.block_at(0).unwrap());
         // The file is cut short mid-step: the next block whose read starts after
@@ -1761,15 +1772,7 @@ mod tests {
     /// `end_step` then reports them.
     #[test]
     fn metrics_of_the_open_step_count_its_disk_reads() {
-        let path = temp("open-step-disk");
-        write_checkpoint(&path, &disk_model(4, 8192));
-        let file = SafetensorsFile::open(&path).unwrap();
-        let inv = NameDiscovery.discover("m", file.specs()).unwrap();
-        let be = SimBackend::new(SimConfig::fast());
-        let cp = crate::ComponentPlan { disk_blocks: (0..4).map(|b| format!("blocks.{b}")).collect(), ..Default::default() };
-        let plan = crate::resolve(&crate::Plan::layerwise().component("m", cp), std::slice::from_ref(&inv)).unwrap().components.remove(0);
-        let store =
-            std::sync::Arc::new(HostStore::build_tiered(&be, &inv, &file, PinOptions::default(), &|id| plan.is_on_disk(id)).unwrap());
+        let (_path, store, plan, be) = all_on_disk("open-step-disk", 4, 8192);
         let mut ring = crate::Ring::new(be.clone(), store.clone(), &plan).unwrap();
         for i in 0..4 {
             drop(ring.block_at(i).unwrap());
@@ -1813,10 +1816,7 @@ mod tests {
     /// budget smaller than the file.
     #[test]
     fn a_mapped_store_on_a_device_that_locks_nothing_charges_no_pin_budget() {
-        let path = temp("mapped-unlocked");
-        write_checkpoint(&path, &disk_model(4, 4096));
-        let file = SafetensorsFile::open(&path).unwrap();
-        let inv = NameDiscovery.discover("m", file.specs()).unwrap();
+        let (path, file, inv, _) = four_blocks("mapped-unlocked");
         let be = SimBackend::new(SimConfig { page_locked: false, decodes: false, ..SimConfig::fast() });
         let store = HostStore::build_mapped(&be, &inv, &file, PinOptions::default()).unwrap();
         assert_eq!((store.pinned_bytes(), be.stats().pinned_bytes, store.is_pinned()), (0, 0, false));
@@ -1834,10 +1834,7 @@ mod tests {
     /// were held coded.
     #[test]
     fn coded_on_a_device_without_a_decoder_still_serves_the_file_in_place() {
-        let path = temp("coded-no-decoder");
-        write_checkpoint(&path, &disk_model(4, 4096));
-        let file = SafetensorsFile::open(&path).unwrap();
-        let inv = NameDiscovery.discover("m", file.specs()).unwrap();
+        let (_path, file, inv, _) = four_blocks("coded-no-decoder");
         let be = SimBackend::new(SimConfig { decodes: false, ..SimConfig::fast() });
         let store = HostStore::build_mapped(&be, &inv, &file, PinOptions { coded: true, ..Default::default() }).unwrap();
         let plain = HostStore::build_mapped(&be, &inv, &file, PinOptions::default()).unwrap();

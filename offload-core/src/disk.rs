@@ -375,12 +375,12 @@ impl<B: OffloadBackend> DiskStream<B> {
         self.top_up(upcoming)
     }
 
-    /// Seconds waited and bytes read since the last call.
     /// Seconds waited and bytes read since the last [`take_counters`](Self::take_counters).
     pub(crate) fn counters(&self) -> (f64, u64) {
         (self.waited_s, self.read_bytes)
     }
 
+    /// Seconds waited and bytes read since the last call.
     pub(crate) fn take_counters(&mut self) -> (f64, u64) {
         (std::mem::take(&mut self.waited_s), std::mem::take(&mut self.read_bytes))
     }

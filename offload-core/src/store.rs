@@ -411,6 +411,9 @@ impl<B: OffloadBackend> HostStore<B> {
         // (`HostRegion::registered_len`), whatever share of it the store serves:
         // charged to the pin budget once, with the first block served.
         let region_charged = std::cell::Cell::new(false);
+        // Whether any block is served in place: the store then keeps the region,
+        // to check its file at every step (page-locked or not).
+        let in_place = std::cell::Cell::new(false);
         let unpinned_buffers = std::cell::Cell::new(0usize);
         // Coded where asked and the backend can: the first refusal turns it off.
         let coding = std::cell::Cell::new(pin.coded);
@@ -492,6 +495,7 @@ impl<B: OffloadBackend> HostStore<B> {
                         match host.alloc(HostKind::Mapped { region, offset: start }, layout.bytes, &purpose, &mut |_| Ok(())) {
                             Ok(buffer) => {
                                 tier.borrow_mut().mapped += 1;
+                                in_place.set(true);
                                 if !buffer.is_pinned() {
                                     unpinned_buffers.set(unpinned_buffers.get() + 1);
                                 } else if !region_charged.replace(true) {
@@ -633,7 +637,7 @@ impl<B: OffloadBackend> HostStore<B> {
             pinned_bytes: pinned_bytes.get(),
             unpinned_buffers: unpinned_buffers.get(),
             coded_blocks: coded_blocks.get(),
-            region: mapped.filter(|_| region_charged.get()).map(|m| m.0.clone()),
+            region: mapped.filter(|_| in_place.get()).map(|m| m.0.clone()),
             tier,
             disk: disk.map(|d| d.0.clone()),
         })
@@ -1825,8 +1829,13 @@ mod tests {
         assert_eq!((budgeted.tier().mapped, budgeted.tier().copied), (store.tier().mapped, 0), "{:?}", budgeted.tier());
         // Where buffers are page-locked the whole registration is charged, once.
         let locked = SimBackend::new(SimConfig { registers_regions: true, ..SimConfig::fast() });
-        let store = HostStore::build_mapped(&locked, &inv, &file, PinOptions::default()).unwrap();
-        assert_eq!(store.pinned_bytes(), std::fs::metadata(&path).unwrap().len());
+        let charged = HostStore::build_mapped(&locked, &inv, &file, PinOptions::default()).unwrap();
+        assert_eq!(charged.pinned_bytes(), std::fs::metadata(&path).unwrap().len());
+        // Not charged, still checked: a change to the file is an error.
+        store.check_sources().unwrap();
+        write_in_place(&path, file.data_offset(1) + 3, false);
+        let e = store.check_sources().expect_err("the file changed").to_string();
+        assert!(e.contains("m.safetensors"), "{e}");
     }
 
     /// `coded` on a device that cannot decode codes nothing: the blocks are

@@ -1538,3 +1538,35 @@ def test_a_resident_block_is_planned_under_its_own_name():
     h = offload.enable(m, device="cpu", resident_blocks=["blocks.01"])
     assert h.plan()["resident_blocks"] == ["blocks.1"], h.plan()
     offload.disable(m)
+
+
+def test_disable_pipeline_leaves_a_later_enable_of_the_same_module_alone():
+    m = _Lin()
+    handles = offload.enable_pipeline({"transformer": m}, device="cpu")
+    offload.disable_pipeline({"transformer": m})
+    again = offload.enable(m, device="cpu")
+    offload.disable_pipeline(handles)  # an ended handle: nothing to do
+    assert offload.offloaded(m) is again
+    offload.disable(m)
+
+
+def test_a_layer_holding_only_a_resident_adapter_still_gives_its_state_dict():
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(8, 8).requires_grad_(False)
+            self.lora = torch.nn.Linear(8, 8)  # trainable: resident
+
+        def forward(self, x):
+            return self.a(x) + self.lora(x)
+
+    m = torch.nn.Module()
+    m.blocks = torch.nn.ModuleList(Block() for _ in range(2))
+    m.forward = lambda x: m.blocks[1](m.blocks[0](x))
+    offload.enable(m, device="cpu")
+    assert list(m.blocks[0].lora.state_dict()) == ["weight", "bias"]
+    with pytest.raises(OffloadError, match="streams its weights"):
+        m.blocks[0].a.state_dict()
+    with pytest.raises(OffloadError, match="streams its weights"):
+        m.blocks[0].state_dict()
+    offload.disable(m)

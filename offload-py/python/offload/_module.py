@@ -798,8 +798,9 @@ def enable(
             state.hooks.append(child.register_forward_pre_hook(_pre_hook(state, blk), prepend=True))
             state.hooks.append(child.register_forward_hook(_post_hook(state), always_call=True))
             blk.module, blk.post_hook = child, state.hooks[-1].id
-            # On every layer of the block: each holds placeholders.
-            for sub in child.modules():
+            # On the block and every layer in it holding a streamed tensor (a layer of
+            # resident adapter weights alone gives its state_dict as before).
+            for sub in dict.fromkeys([child, *(p.owner for p in blk.params)]):
                 state.hooks.append(sub._register_state_dict_hook(_refuse_state_dict(component, f"{blk.stack}.{blk.index}")))
                 state.hooks.append(sub._register_load_state_dict_pre_hook(_refuse_load_state_dict(component, f"{blk.stack}.{blk.index}")))
         for p in state.params.values():
@@ -1007,7 +1008,10 @@ def disable_pipeline(pipe: Any) -> None:
     comps = getattr(pipe, "components", pipe)
     for m in dict(comps).values():
         if isinstance(m, Offloaded):
-            # What enable_pipeline returned: each handle's module (None once disabled).
+            # What enable_pipeline returned: a handle whose offloading has ended
+            # (its module disabled, perhaps enabled again since) has nothing to undo.
+            if m.module is None or offloaded(m.module) is not m:
+                continue
             m = m.module
         if isinstance(m, nn.Module) and offloaded(m) is not None:
             disable(m)

@@ -137,6 +137,9 @@ pub struct Ring<B: OffloadBackend> {
     resident_of: Vec<Option<usize>>,
     non_block: Option<(B::Slot, B::Wait)>,
     lent: Option<Lent>,
+    /// A block a refused request fetched on demand before failing: still in its
+    /// slot and counted as the miss it was, so its retry counts no prefetch hit.
+    fetched_on_demand: Option<usize>,
     broken: Option<String>,
     next: Vec<usize>,
     prev: Option<usize>,
@@ -307,6 +310,7 @@ impl<B: OffloadBackend> Ring<B> {
             resident_of: Vec::new(),
             non_block: None,
             lent: None,
+            fetched_on_demand: None,
             broken: None,
             next: (0..n).map(|i| (i + 1) % n.max(1)).collect(),
             prev: None,
@@ -671,12 +675,19 @@ impl<B: OffloadBackend> Ring<B> {
         let counts = (s.blocks, s.retraces, s.resident_hits, s.prefetch_hits, s.misses);
         let served = self.acquire_checked(b);
         if served.is_err() {
+            // Fetched on demand before the failure, the block stays in its slot:
+            // that fetch stays counted, once, as the miss it was.
+            let fetched = self.step.misses > counts.4 && self.slots.iter().any(|s| s.holds == Some(b));
             self.prev = prev;
             if let (Some(p), Some(n)) = (prev, next) {
                 self.next[p] = n;
             }
             let s = &mut self.step;
             (s.blocks, s.retraces, s.resident_hits, s.prefetch_hits, s.misses) = counts;
+            if fetched {
+                s.misses += 1;
+                self.fetched_on_demand = Some(b);
+            }
         }
         served
     }
@@ -718,7 +729,9 @@ impl<B: OffloadBackend> Ring<B> {
             self.step.resident_hits += 1;
             (Loc::Resident(r), BlockSource::Resident, Some(self.resident[r].2.clone()))
         } else {
+            let retried = self.fetched_on_demand.take() == Some(b);
             let (s, source) = match self.slots.iter().position(|s| s.holds == Some(b)) {
+                Some(s) if retried => (s, BlockSource::OnDemand),
                 Some(s) => {
                     self.step.prefetch_hits += 1;
                     (s, BlockSource::Prefetched)

@@ -1813,6 +1813,23 @@ mod tests {
         let m = ring.end_step().unwrap();
         assert_eq!((m.blocks, m.retraces, m.misses), (6, 0, 0), "{m}");
         assert_eq!(m.prefetch_hits, clean.prefetch_hits, "{m}");
+        // Refused after its on-demand fetch (out of order, the prefetch it then
+        // issues fails): the block stays fetched, counted once as a miss, and
+        // its retry counts no prefetch hit.
+        for i in 0..6 {
+            drop(ring.block_at(i).unwrap());
+        }
+        ring.end_step().unwrap();
+        drop(ring.block_at(0).unwrap());
+        fi.arm(crate::FaultKind::Copy, 1);
+        ring.block_at(3).err().expect("the prefetch's copy fails");
+        fi.disarm();
+        for i in 3..6 {
+            drop(ring.block_at(i).unwrap());
+        }
+        let m = ring.end_step().unwrap();
+        assert_eq!((m.blocks, m.misses), (4, 1), "{m}");
+        assert_eq!(m.prefetch_hits + m.misses + m.resident_hits, m.blocks, "{m}");
     }
 
     /// On a device that page-locks nothing (candle's CPU device), a store served

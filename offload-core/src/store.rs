@@ -1802,15 +1802,21 @@ mod tests {
             drop(ring.block_at(i).unwrap());
         }
         let clean = ring.end_step().unwrap();
-        drop(ring.block_at(0).unwrap());
-        drop(ring.block_at(1).unwrap());
-        fi.arm(crate::FaultKind::Copy, 0);
-        ring.block_at(2).err().expect("the prefetch's copy fails");
-        fi.disarm();
-        for i in 2..6 {
-            drop(ring.block_at(i).unwrap());
-        }
-        let m = ring.end_step().unwrap();
+        // Blocks `served` in turn, then `refused` with copy `fault` failing, then
+        // retried with the rest: the step's metrics.
+        let step = |ring: &mut crate::Ring<_>, served: &[usize], refused: usize, fault: u64| {
+            for &i in served {
+                drop(ring.block_at(i).unwrap());
+            }
+            fi.arm(crate::FaultKind::Copy, fault);
+            ring.block_at(refused).err().expect("the prefetch's copy fails");
+            fi.disarm();
+            for i in refused..6 {
+                drop(ring.block_at(i).unwrap());
+            }
+            ring.end_step().unwrap()
+        };
+        let m = step(&mut ring, &[0, 1], 2, 0);
         assert_eq!((m.blocks, m.retraces, m.misses), (6, 0, 0), "{m}");
         assert_eq!(m.prefetch_hits, clean.prefetch_hits, "{m}");
         // Refused after its on-demand fetch (out of order, the prefetch it then
@@ -1820,14 +1826,7 @@ mod tests {
             drop(ring.block_at(i).unwrap());
         }
         ring.end_step().unwrap();
-        drop(ring.block_at(0).unwrap());
-        fi.arm(crate::FaultKind::Copy, 1);
-        ring.block_at(3).err().expect("the prefetch's copy fails");
-        fi.disarm();
-        for i in 3..6 {
-            drop(ring.block_at(i).unwrap());
-        }
-        let m = ring.end_step().unwrap();
+        let m = step(&mut ring, &[0], 3, 1);
         assert_eq!((m.blocks, m.misses), (4, 1), "{m}");
         assert_eq!(m.prefetch_hits + m.misses + m.resident_hits, m.blocks, "{m}");
     }

@@ -311,8 +311,9 @@ class Offloaded:
         if next(reversed(hooks), None) != block.post_hook:
             hooks.move_to_end(block.post_hook)
         for params, attr, prm, version, dtype, device, shape, p in block.held:
-            if params.get(attr) is not prm or prm._version != version or prm.dtype != dtype or prm.device != device or prm.shape != shape:
-                raise OffloadError(self._changed(p, params.get(attr)))
+            now = params.get(attr)
+            if now is not prm or prm._version != version or prm.dtype != dtype or prm.device != device or prm.shape != shape:
+                raise OffloadError(self._changed(p, now))
         self._refuse_capture(f"block {block.stack}.{block.index}")
         buf = self._engine().lend(block.stack, block.index)
         if self.device.type == "cuda":
@@ -800,9 +801,10 @@ def enable(
             blk.module, blk.post_hook = child, state.hooks[-1].id
             # On the block and every layer in it holding a streamed tensor (a layer of
             # resident adapter weights alone gives its state_dict as before).
+            name = f"{blk.stack}.{blk.index}"
             for sub in dict.fromkeys([child, *(p.owner for p in blk.params)]):
-                state.hooks.append(sub._register_state_dict_hook(_refuse_state_dict(component, f"{blk.stack}.{blk.index}")))
-                state.hooks.append(sub._register_load_state_dict_pre_hook(_refuse_load_state_dict(component, f"{blk.stack}.{blk.index}")))
+                state.hooks.append(sub._register_state_dict_hook(_refuse_state_dict(component, name)))
+                state.hooks.append(sub._register_load_state_dict_pre_hook(_refuse_load_state_dict(component, name)))
         for p in state.params.values():
             setattr(p.param, _STREAMED_BY, component)
         state.hooks.append(module.register_forward_pre_hook(_forward_pre_hook(state)))

@@ -232,9 +232,9 @@ pub(crate) struct DiskStream<B: OffloadBackend> {
     threads: Vec<std::thread::JoinHandle<()>>,
     /// How many there are.
     pub bounces: usize,
-    /// Seconds the ring waited for reads, and bytes read, since the last `take_counters`.
+    /// Seconds the ring waited for reads since the last `take_waited` (the bytes
+    /// read the ring counts itself, in the step that serves each block).
     waited_s: f64,
-    read_bytes: u64,
 }
 
 impl<B: OffloadBackend> DiskStream<B> {
@@ -278,7 +278,7 @@ impl<B: OffloadBackend> DiskStream<B> {
                 .map_err(|e| Error::device(backend.name(), "starting a disk reader thread", e))?;
             threads.push(t);
         }
-        Ok(DiskStream { free, pending: Vec::new(), jobs: Some(tx), threads, bounces: count, waited_s: 0.0, read_bytes: 0 })
+        Ok(DiskStream { free, pending: Vec::new(), jobs: Some(tx), threads, bounces: count, waited_s: 0.0 })
     }
 
     fn issue(&mut self, read: &Read) -> Result<()> {
@@ -346,7 +346,6 @@ impl<B: OffloadBackend> DiskStream<B> {
             self.free.push(buffer);
             return Err(e);
         }
-        self.read_bytes += want.len as u64;
         Ok(buffer)
     }
 
@@ -375,14 +374,14 @@ impl<B: OffloadBackend> DiskStream<B> {
         self.top_up(upcoming)
     }
 
-    /// Seconds waited and bytes read since the last [`take_counters`](Self::take_counters).
-    pub(crate) fn counters(&self) -> (f64, u64) {
-        (self.waited_s, self.read_bytes)
+    /// Seconds waited for reads since the last [`take_waited`](Self::take_waited).
+    pub(crate) fn waited(&self) -> f64 {
+        self.waited_s
     }
 
-    /// Seconds waited and bytes read since the last call.
-    pub(crate) fn take_counters(&mut self) -> (f64, u64) {
-        (std::mem::take(&mut self.waited_s), std::mem::take(&mut self.read_bytes))
+    /// Seconds waited for reads since the last call.
+    pub(crate) fn take_waited(&mut self) -> f64 {
+        std::mem::take(&mut self.waited_s)
     }
 }
 

@@ -43,7 +43,11 @@ pub struct StepMetrics {
     /// Page-locked bounce buffers the ring holds for its blocks on disk (the disk tier).
     #[serde(default)]
     pub host_bounce_bytes: u64,
-    /// Bytes read from disk for blocks on disk.
+    /// Bytes read from disk for the blocks on disk this step served: each read
+    /// counted once, in the step that first serves its block (a read ahead for
+    /// the next step's first block counts there, however fast the disk). A read
+    /// whose block was never served (read ahead, then no longer wanted) is not
+    /// counted.
     #[serde(default)]
     pub disk_bytes_read: u64,
     /// Host seconds the ring waited for reads from disk (the read of a block not

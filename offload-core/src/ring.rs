@@ -95,6 +95,9 @@ struct SlotState<B: OffloadBackend> {
     ready: Option<B::Event>,
     free_after: Option<B::Event>,
     stamp: u64,
+    /// Bytes read from disk for the block it holds, not yet counted: a step
+    /// counts them when it first serves that block.
+    unserved_read: u64,
 }
 
 struct PendingSpan<B: OffloadBackend> {
@@ -357,7 +360,7 @@ impl<B: OffloadBackend> Ring<B> {
             }
             for k in 0..count {
                 let slot = ring.alloc(largest, &format!("{}/slot {k}", plan.name))?;
-                ring.slots.push(SlotState { slot, holds: None, ready: None, free_after: None, stamp: 0 });
+                ring.slots.push(SlotState { slot, holds: None, ready: None, free_after: None, stamp: 0, unserved_read: 0 });
             }
             let on_disk = store
                 .blocks()
@@ -461,8 +464,10 @@ impl<B: OffloadBackend> Ring<B> {
         let st = &mut self.slots[s];
         st.holds = None;
         st.ready = None;
+        st.unserved_read = 0;
         // The copy's span and host mark start once its bytes are in host memory
         // (after a block on disk was read), so the span is the copy's alone.
+        let mut read = 0;
         let (ready, t0) = match block.buffer() {
             Some(buffer) => {
                 self.host_mark(|| format!("issue copy {}", block.id));
@@ -478,6 +483,7 @@ impl<B: OffloadBackend> Ring<B> {
                 let disk =
                     self.disk.as_mut().ok_or_else(|| Error::Protocol(format!("{} is on disk but the ring has no reader", want.name)))?;
                 let bounce = disk.take(&want, &upcoming, self.sabotage == Sabotage::StaleBounce)?;
+                read = want.len as u64;
                 self.host_mark(|| format!("issue copy {}", block.id));
                 let t0 = match self.timing(StreamKind::Copy) {
                     Ok(t0) => t0,
@@ -500,6 +506,7 @@ impl<B: OffloadBackend> Ring<B> {
         let st = &mut self.slots[s];
         st.holds = Some(b);
         st.ready = Some(ready);
+        st.unserved_read = read;
         self.clock += 1;
         st.stamp = self.clock;
         self.step.bytes_copied += block.bytes() as u64;
@@ -751,6 +758,8 @@ impl<B: OffloadBackend> Ring<B> {
             };
             self.clock += 1;
             self.slots[s].stamp = self.clock;
+            // Its read from disk (if any) counts in the step that serves it, once.
+            self.step.disk_bytes_read += std::mem::take(&mut self.slots[s].unserved_read);
             self.prefetch(b, s)?;
             let mut wait = None;
             if self.sabotage != Sabotage::SkipComputeWait {
@@ -920,7 +929,7 @@ impl<B: OffloadBackend> Ring<B> {
         self.step.step_wall_s = self.step_started.elapsed().as_secs_f64();
         self.step_started = Instant::now();
         if let Some(disk) = &mut self.disk {
-            (self.step.disk_wait_s, self.step.disk_bytes_read) = disk.take_counters();
+            self.step.disk_wait_s = disk.take_waited();
         }
         if let Some(tl) = &mut self.timeline {
             let (mut stall, mut busy) = (0.0, 0.0);
@@ -969,11 +978,9 @@ impl<B: OffloadBackend> Ring<B> {
         let mut t = self.total.clone();
         t.component = self.step.component.clone();
         t.accumulate(&self.step);
-        // The open step's disk reads, which `end_step` moves into its metrics.
+        // The open step's wait for disk reads, which `end_step` moves into its metrics.
         if let Some(disk) = &self.disk {
-            let (waited_s, read_bytes) = disk.counters();
-            t.disk_wait_s += waited_s;
-            t.disk_bytes_read += read_bytes;
+            t.disk_wait_s += disk.waited();
         }
         t
     }

@@ -1787,6 +1787,29 @@ mod tests {
         assert_eq!(open.disk_bytes_read, closed.disk_bytes_read, "metrics() of the open step lacks its disk reads");
     }
 
+    /// A step's disk bytes are those of the blocks it served, whatever the disk's
+    /// speed: a read ahead for the next step's first block counts in that step,
+    /// whether or not it was done before this one ended (CI saw both).
+    #[test]
+    fn each_step_counts_the_disk_reads_of_its_own_blocks_however_fast_the_disk() {
+        for pause in [None, Some(std::time::Duration::from_millis(20))] {
+            let (_path, store, plan, be) = all_on_disk("step-disk-bytes", 4, 8192);
+            let mut ring = crate::Ring::new(be.clone(), store.clone(), &plan).unwrap();
+            for step in 0..3 {
+                for i in 0..4 {
+                    drop(ring.block_at(i).unwrap());
+                    // A slow compute: every read ahead is done before the next request.
+                    if let Some(p) = pause {
+                        std::thread::sleep(p);
+                    }
+                }
+                let m = ring.end_step().unwrap();
+                assert_eq!(m.disk_bytes_read, store.disk_bytes(), "step {step}, pause {pause:?}: {m}");
+            }
+            ring.close().unwrap();
+        }
+    }
+
     /// A request refused (the prefetch it issues fails) serves nothing: retried
     /// in the learned order, the step counts each block once, no retrace and no
     /// miss, as a clean step does.

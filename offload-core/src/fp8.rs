@@ -7,13 +7,14 @@
 //! | convention | how it is recognised | weight | scale |
 //! | --- | --- | --- | --- |
 //! | unscaled (diffusers' layerwise casting, plain fp8 releases) | fp8 tensors and none of the markers below | `X.weight` | none (1) |
-//! | ComfyUI `scaled_fp8` | a tensor named `scaled_fp8` | `X.weight` | `X.scale_weight`, per tensor |
+//! | ComfyUI `scaled_fp8` | a tensor named `scaled_fp8` (or `P.scaled_fp8`, under a model's prefix) | `X.weight` | `X.scale_weight`, per tensor |
 //! | `weight_scale` (ComfyUI's newer quantized files, compressed-tensors) | a tensor named `*.weight_scale` | `X.weight` | `X.weight_scale`, per tensor or per output channel |
 //! | torchao float8 weight-only | a tensor named `*._weight_qdata` | `X._weight_qdata` | `X._weight_scale`, per tensor or per output channel |
 //!
 //! A weight its convention gives a scale and whose scale is missing, a scale of
-//! the wrong size or type, or a scale with no fp8 weight is an error naming the
-//! tensor. The dequantised value is `bf16(f32(w) × f32(scale))`
+//! the wrong size or type, a scale with no fp8 weight, or a scale beside an fp8
+//! weight under no convention recognised (`X.weight_scale_inv`) is an error
+//! naming the tensor. The dequantised value is `bf16(f32(w) × f32(scale))`
 //! ([`dequantize_to_bf16`], the CPU reference a device kernel must match).
 
 use crate::error::{Error, Result};
@@ -69,7 +70,9 @@ pub struct Fp8Weights {
 pub fn fp8_weights(specs: &[TensorSpec]) -> Result<Fp8Weights> {
     let by_name: HashMap<&str, &TensorSpec> = specs.iter().map(|s| (s.name.as_str(), s)).collect();
     let is_fp8 = |d: DType| matches!(d, DType::F8_E4M3 | DType::F8_E5M2);
-    let convention = if by_name.contains_key("scaled_fp8") {
+    // ComfyUI's marker, bare or under a model's prefix (`model.diffusion_model.scaled_fp8`).
+    let is_marker = |name: &str| name == "scaled_fp8" || name.ends_with(".scaled_fp8");
+    let convention = if specs.iter().any(|s| is_marker(&s.name)) {
         Fp8Convention::ComfyScaledFp8
     } else if specs.iter().any(|s| s.name.ends_with(".weight_scale")) {
         Fp8Convention::WeightScale
@@ -89,7 +92,7 @@ pub fn fp8_weights(specs: &[TensorSpec]) -> Result<Fp8Weights> {
     let mut weights = Vec::new();
     let mut claimed = std::collections::HashSet::new();
     for s in specs {
-        if !is_fp8(s.dtype) || s.name == "scaled_fp8" {
+        if !is_fp8(s.dtype) || is_marker(&s.name) {
             continue;
         }
         if convention == Fp8Convention::Unscaled {
@@ -135,7 +138,37 @@ pub fn fp8_weights(specs: &[TensorSpec]) -> Result<Fp8Weights> {
             ));
         }
     }
+    if convention == Fp8Convention::Unscaled {
+        refuse_unread_scales(specs, &weights)?;
+    }
     Ok(Fp8Weights { convention, weights })
+}
+
+/// A file read as unscaled must hold no scale beside an fp8 weight: one under a
+/// name no convention reads (`X.weight_scale_inv`, `X.scale_weight` without
+/// ComfyUI's marker) would be dropped, every weight then off by its scale.
+fn refuse_unread_scales(specs: &[TensorSpec], weights: &[Fp8Weight]) -> Result<()> {
+    let stems: HashMap<&str, &str> = weights
+        .iter()
+        .filter_map(|w| {
+            let stem = w.weight.strip_suffix(".weight").or_else(|| w.weight.strip_suffix("._weight_qdata"))?;
+            Some((stem, w.weight.as_str()))
+        })
+        .collect();
+    for s in specs {
+        let Some((stem, last)) = s.name.rsplit_once('.') else { continue };
+        let Some(weight) = stems.get(stem) else { continue };
+        if s.name != *weight && last.to_ascii_lowercase().contains("scale") {
+            return Err(Error::BadTensor {
+                tensor: s.name.clone(),
+                fault: format!(
+                    "a scale beside fp8 weight {weight:?} under no convention this reads (ComfyUI's scaled_fp8 marker with \
+                     X.scale_weight, X.weight_scale, torchao's X._weight_scale): its weights would be read unscaled"
+                ),
+            });
+        }
+    }
+    Ok(())
 }
 
 /// The value of an fp8 byte (`F8_E4M3`: ml_dtypes' `float8_e4m3fn`, no
@@ -364,5 +397,38 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("a.scale_weight") && e.contains("per tensor"), "{e}");
+    }
+
+    /// ComfyUI's full-pipeline files put the marker under the model's prefix
+    /// (`model.diffusion_model.scaled_fp8`): its scales are read all the same.
+    #[test]
+    fn a_prefixed_scaled_fp8_marker_is_the_comfy_convention() {
+        let f = DType::F8_E4M3;
+        let w = fp8_weights(&[
+            t("model.diffusion_model.scaled_fp8", f, &[0]),
+            t("model.diffusion_model.a.weight", f, &[4, 8]),
+            t("model.diffusion_model.a.scale_weight", DType::F32, &[]),
+        ])
+        .unwrap();
+        assert_eq!(w.convention, Fp8Convention::ComfyScaledFp8);
+        assert_eq!(w.weights.len(), 1, "the marker is no weight: {w:?}");
+        assert_eq!(w.weights[0].scale.as_deref(), Some("model.diffusion_model.a.scale_weight"));
+    }
+
+    /// A scale beside an fp8 weight under no convention recognised (Hugging
+    /// Face's block-wise `weight_scale_inv`, a `scale_weight` without ComfyUI's
+    /// marker) is an error naming it, never read as an unscaled file.
+    #[test]
+    fn a_scale_no_convention_reads_is_an_error_not_unscaled() {
+        let f = DType::F8_E4M3;
+        for scale in ["l.weight_scale_inv", "l.scale_weight", "l.weight_scale_2", "l.input_scale"] {
+            let e = fp8_weights(&[t("l.weight", f, &[4, 8]), t(scale, DType::F32, &[1, 1])]).unwrap_err().to_string();
+            assert!(e.contains(scale) && e.contains("l.weight"), "{scale}: {e}");
+        }
+        // torchao's own naming recognised, its scale under another name: the weight is named.
+        let e = fp8_weights(&[t("l._weight_qdata", f, &[4, 8]), t("l._weight_scale_inv", DType::F32, &[4])]).unwrap_err().to_string();
+        assert!(e.contains("l._weight_qdata") && e.contains("without its scale"), "{e}");
+        // A scale-like name beside a weight that is not fp8 is none of this.
+        assert!(fp8_weights(&[t("l.weight", DType::BF16, &[4, 8]), t("l.scale_weight", DType::F32, &[])]).unwrap().weights.is_empty());
     }
 }

@@ -24,7 +24,9 @@ pub struct Renamed<S> {
 
 impl<S: RegionSource> Renamed<S> {
     /// `inner` seen through `mapping` (new spec, its parts). Every part must lie
-    /// inside its tensor and the parts must add up to the new spec's size.
+    /// inside its tensor, be of the new spec's dtype and hold whole elements
+    /// (whole blocks of a quantized type), and the parts must add up to the new
+    /// spec's size.
     pub fn new(inner: S, mapping: Vec<(TensorSpec, Parts)>) -> Result<Self> {
         let (mut specs, mut parts) = (Vec::with_capacity(mapping.len()), Vec::with_capacity(mapping.len()));
         for (spec, p) in mapping {
@@ -34,6 +36,17 @@ impl<S: RegionSource> Renamed<S> {
                 let src = inner.specs().get(i).ok_or_else(|| bad(&spec.name, format!("part of tensor {i}, which the source lacks")))?;
                 if off.checked_add(len).is_none_or(|end| end > src.nbytes().unwrap_or(0)) {
                     return Err(bad(&spec.name, format!("bytes {off}..+{len} of {:?}, which holds {}", src.name, src.nbytes()?)));
+                }
+                // Read as stored: the same type, whole elements (whole blocks of a quantized type).
+                if src.dtype != spec.dtype {
+                    return Err(bad(&spec.name, format!("a {:?} tensor read from {:?}, which is {:?}", spec.dtype, src.name, src.dtype)));
+                }
+                let unit = src.dtype.size();
+                if off % unit != 0 || len % unit != 0 {
+                    return Err(bad(
+                        &spec.name,
+                        format!("bytes {off}..+{len} of {:?} cut an element (or block) of {unit} bytes", src.name),
+                    ));
                 }
                 got += len;
             }
@@ -77,10 +90,7 @@ impl<S: RegionSource> TensorSource for Renamed<S> {
                     self.inner.read_into(i, &mut whole).map(|()| dst[at..at + len].copy_from_slice(&whole[off..off + len]))
                 }
             };
-            read.map_err(|e| match e {
-                Error::BadCheckpoint { path, fault, .. } => Error::BadCheckpoint { path, tensor: self.specs[index].name.clone(), fault },
-                e => e,
-            })?;
+            read.map_err(|e| crate::source::naming(e, &self.specs[index].name))?;
             at += len;
         }
         Ok(())
@@ -273,7 +283,7 @@ pub fn flux_bfl_to_diffusers(specs: &[TensorSpec]) -> Result<Vec<(TensorSpec, Pa
                     return Err(bad(&specs[i].name, format!("{total} rows do not split into q, k and v")));
                 }
                 for (k, p) in parts.iter().enumerate() {
-                    rows(format!("{d}{p}.{suffix}"), i, k * total / 3, total / 3, &mut out)?;
+                    rows(format!("{d}{p}.{suffix}"), i, k * (total / 3), total / 3, &mut out)?;
                 }
             }
         }
@@ -294,7 +304,8 @@ pub fn flux_bfl_to_diffusers(specs: &[TensorSpec]) -> Result<Vec<(TensorSpec, Pa
             let Some(&i) = by_name.get(name.as_str()) else { continue };
             let h = hidden.ok_or_else(|| bad(&specs[i].name, format!("no {b}linear2.weight to size the split by")))?;
             let total = whole(i);
-            if total <= 3 * h {
+            // `h` is a header's number (checked: a zero-width tensor's rows can be any size).
+            if h.checked_mul(3).is_none_or(|qkv| total <= qkv) {
                 return Err(bad(&specs[i].name, format!("{total} rows: q, k, v of {h} and an MLP do not fit")));
             }
             for (k, p) in ["attn.to_q", "attn.to_k", "attn.to_v"].iter().enumerate() {
@@ -338,7 +349,7 @@ pub fn flux_bfl_to_diffusers(specs: &[TensorSpec]) -> Result<Vec<(TensorSpec, Pa
 /// `norm3` trade places), each tensor whole. A name none of them touches keeps
 /// its name (as diffusers' converter keeps it).
 pub fn wan_to_diffusers(specs: &[TensorSpec]) -> Result<Vec<(TensorSpec, Parts)>> {
-    const RENAMES: [(&str, &str); 29] = [
+    const RENAMES: [(&str, &str); 30] = [
         ("time_embedding.0", "condition_embedder.time_embedder.linear_1"),
         ("time_embedding.2", "condition_embedder.time_embedder.linear_2"),
         ("text_embedding.0", "condition_embedder.text_embedder.linear_1"),
@@ -365,6 +376,8 @@ pub fn wan_to_diffusers(specs: &[TensorSpec]) -> Result<Vec<(TensorSpec, Parts)>
         ("img_emb.proj.1", "condition_embedder.image_embedder.ff.net.0.proj"),
         ("img_emb.proj.3", "condition_embedder.image_embedder.ff.net.2"),
         ("img_emb.proj.4", "condition_embedder.image_embedder.norm2"),
+        // Wan's first-last-frame model (FLF2V).
+        ("img_emb.emb_pos", "condition_embedder.image_embedder.pos_embed"),
         ("before_proj", "proj_in"),
         ("after_proj", "proj_out"),
         ("model.diffusion_model.", ""),
@@ -471,6 +484,20 @@ mod tests {
         assert_eq!(m[0].1, vec![(0, 68, 68), (0, 0, 68)], "Q8_0 halves of two blocks each");
     }
 
+    /// Zero-width tensors pass a file's byte checks with any row count: rows
+    /// near `usize::MAX` split or are a named error, never an overflow.
+    #[test]
+    fn row_counts_near_the_top_of_usize_are_an_error_not_an_overflow() {
+        let z = |name: &str, rows: usize| TensorSpec::new(name, DType::BF16, [rows, 0]);
+        let single = [z("single_blocks.0.linear2.weight", 1 << 63), z("single_blocks.0.linear1.weight", (1 << 63) + 1)];
+        let qkv = [z("double_blocks.0.img_attn.qkv.weight", 3 << 62)];
+        let got = std::panic::catch_unwind(|| flux_bfl_to_diffusers(&single).map(|m| m.len()));
+        assert!(matches!(got, Ok(Err(_))), "q, k and v of 2^63 rows each do not fit: {got:?}");
+        // Split in three, as any other fused q, k, v.
+        let got = std::panic::catch_unwind(|| flux_bfl_to_diffusers(&qkv).map(|m| m.len()));
+        assert!(matches!(got, Ok(Ok(3))), "{got:?}");
+    }
+
     /// A renaming of a renaming: the outer tensor is a run of bytes of an inner
     /// one joined from two parts (not one range of the file), read through the
     /// inner renaming; and it is not served as a range of the file.
@@ -492,6 +519,24 @@ mod tests {
         std::fs::remove_file(&path).unwrap();
         assert_eq!(got, [7, 8, 1, 2]);
         assert_eq!(outer.tensor_offset(0), None, "a part of a joined tensor is not one range of the file");
+    }
+
+    /// A caller's mapping that would read bytes as another type, or cut an
+    /// element or a quantized block, is refused naming the tensor.
+    #[test]
+    fn a_mapping_that_reads_bytes_as_another_type_or_cuts_an_element_is_refused() {
+        use crate::source::SafetensorsFile;
+        let path = std::env::temp_dir().join(format!("offload-rename-types-{}.safetensors", std::process::id()));
+        let w = [0u8; 16];
+        let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![4], &w).unwrap();
+        std::fs::write(&path, safetensors::serialize([("w".to_string(), view)], &None).unwrap()).unwrap();
+        let open = || SafetensorsFile::open(&path).unwrap();
+        let e = Renamed::new(open(), vec![(TensorSpec::new("h", DType::BF16, [8]), vec![(0, 0, 16)])]).err().expect("bf16 over f32");
+        assert!(e.to_string().contains("\"h\"") && e.to_string().contains("F32"), "{e}");
+        let e = Renamed::new(open(), vec![(TensorSpec::new("x", DType::F32, [2]), vec![(0, 2, 8)])]).err().expect("mid-element");
+        assert!(e.to_string().contains("\"x\"") && e.to_string().contains("element"), "{e}");
+        assert!(Renamed::new(open(), vec![(TensorSpec::new("x", DType::F32, [2]), vec![(0, 8, 8)])]).is_ok());
+        std::fs::remove_file(&path).unwrap();
     }
 
     #[test]
@@ -573,5 +618,8 @@ mod tests {
         let e =
             wan_to_diffusers(&[t("blocks.0.ffn.0.weight", &[4, 4]), t("blocks.0.ffn.net.0.proj.weight", &[4, 4])]).unwrap_err().to_string();
         assert!(e.contains("blocks.0.ffn.net.0.proj.weight") && e.contains("another tensor"), "{e}");
+        // The first-last-frame model's image position embedding (diffusers' converter's name).
+        let flf = wan_to_diffusers(&[t("model.diffusion_model.img_emb.emb_pos", &[1, 514, 1280])]).unwrap();
+        assert_eq!(flf[0].0.name, "condition_embedder.image_embedder.pos_embed");
     }
 }

@@ -57,12 +57,16 @@ pub struct ComponentPlan {
     /// Hard limit on device bytes for this component's weights, if any.
     pub device_budget_bytes: Option<u64>,
     /// Alternatively: the device's free memory minus this margin, at plan time.
+    /// One reading, shared: the rings of every component resolved together must
+    /// fit it together (on-demand components count their largest).
     pub device_budget_free_minus_bytes: Option<u64>,
     /// Limit on page-locked host bytes, if any.
     pub host_pin_budget_bytes: Option<u64>,
     /// When pinning fails or the pin budget is spent.
     pub pin_fallback: PinFallback,
-    /// How the planner chooses resident blocks.
+    /// How the planner (`offload_plan`) chooses resident blocks when it fills
+    /// `resident_blocks`; [`resolve`] keeps exactly `resident_blocks` and reads
+    /// no policy.
     pub resident_policy: ResidentPolicy,
     /// Blocks kept on the device for good (`"double_blocks.3"`).
     pub resident_blocks: Vec<String>,
@@ -179,6 +183,10 @@ pub struct ResolvedComponent {
     /// page-locked bytes and the ring's page-locked bounce buffers count against it.
     #[serde(default)]
     pub pin_budget: Option<u64>,
+    /// The host RAM budget (`host_ram_budget_bytes`), if any: `host_ram_bytes`
+    /// fits it, with the blocks `on_disk` on disk and no others.
+    #[serde(default)]
+    pub host_ram_budget: Option<u64>,
 }
 
 impl ResolvedComponent {
@@ -329,9 +337,38 @@ pub fn resolve_on(plan: &Plan, inventory: &[ComponentInventory], memory: Option<
             on_disk,
             host_ram_bytes,
             pin_budget: cp.host_pin_budget_bytes,
+            host_ram_budget: cp.host_ram_budget_bytes,
         });
     }
+    check_shared_margin(plan, &components, memory)?;
     Ok(ResolvedPlan { components })
+}
+
+/// A budget of free memory minus a margin reads the device once for every
+/// component: their rings coexist on it, so together they must fit (on-demand
+/// components, loaded one at a time around their use, count their largest).
+fn check_shared_margin(plan: &Plan, components: &[ResolvedComponent], memory: Option<crate::MemoryInfo>) -> Result<()> {
+    let Some(memory) = memory else { return Ok(()) };
+    let margin = components.iter().filter_map(|c| plan.for_component(&c.name).device_budget_free_minus_bytes).max();
+    let Some(margin) = margin else { return Ok(()) };
+    let held = components.iter().filter(|c| c.strategy != Strategy::OnDemand);
+    let on_demand = components.iter().filter(|c| c.strategy == Strategy::OnDemand).map(|c| c.device_weight_bound).max();
+    let total = held.clone().map(|c| c.device_weight_bound).fold(on_demand.unwrap_or(0), u64::saturating_add);
+    let shared = memory.free.saturating_sub(margin);
+    if total <= shared {
+        return Ok(());
+    }
+    let each: Vec<String> = components
+        .iter()
+        .map(|c| format!("{:?} {}{}", c.name, c.device_weight_bound, if c.strategy == Strategy::OnDemand { " (on demand)" } else { "" }))
+        .collect();
+    Err(Error::Plan(format!(
+        "the components' rings together hold {total} device bytes ({}), over the device's {} free bytes minus the \
+         margin of {margin}, {shared}: the margin is shared, not given to each; lower a depth, keep fewer blocks \
+         resident, or give the components device_budget_bytes of their own",
+        each.join(", "),
+        memory.free
+    )))
 }
 
 /// Host memory of a ring with the blocks `on_disk` left on disk: the blocks in
@@ -386,9 +423,12 @@ fn resolve_disk(
     let Some(budget) = cp.host_ram_budget_bytes else {
         return Ok((on_disk.clone(), host_ram_bytes(blocks, resident, &on_disk, depth, non_block_bytes)));
     };
-    if cp.disk_blocks.is_empty() {
+    let in_memory = host_ram_bytes(blocks, resident, &[], depth, non_block_bytes);
+    if cp.disk_blocks.is_empty() && in_memory > budget {
         // Everything on disk first; then bring blocks back into memory, in
-        // inventory order, while the budget holds them.
+        // inventory order, while the budget holds them. (Where every block fits
+        // in memory none goes to disk: with few blocks the bounce buffers alone
+        // can outweigh them.)
         on_disk = blocks.iter().map(|(id, _)| id.clone()).collect();
         if host_ram_bytes(blocks, resident, &on_disk, depth, non_block_bytes) <= budget {
             for (id, _) in blocks {
@@ -401,13 +441,24 @@ fn resolve_disk(
     }
     let need = host_ram_bytes(blocks, resident, &on_disk, depth, non_block_bytes);
     if need > budget {
-        let largest = blocks.iter().map(|(_, b)| *b).max().unwrap_or(0);
+        let each = blocks.iter().map(|(id, b)| (*b as u64, on_disk.contains(id), resident.contains(id)));
+        let (_, bounce) = host_ram_of(each, depth, non_block_bytes);
+        let held: u64 = blocks.iter().filter(|(id, _)| !on_disk.contains(id)).map(|(_, b)| *b as u64).sum();
+        let rest = need - held - non_block_bytes;
         return Err(Error::Plan(format!(
-            "component {c:?}: host RAM budget {budget} bytes is below what the plan needs: {need} bytes (with {} blocks on disk:              {} bounce buffers of up to {} bytes each, d + 2 = {}, plus non-block tensors {non_block_bytes} and the blocks held)",
+            "component {c:?}: host RAM budget {budget} bytes is below what the plan needs: {need} bytes (the {} blocks in \
+             memory {held} + non-block tensors {non_block_bytes} + for the {} on disk {rest}{}); raise \
+             host_ram_budget_bytes{}",
+            blocks.len() - on_disk.len(),
             on_disk.len(),
-            depth + 2,
-            crate::DiskFile::span(largest),
-            depth + 2
+            match rest == bounce && bounce > 0 {
+                true => format!(", d + 2 = {} bounce buffers", depth + 2),
+                false => String::new(),
+            },
+            match depth > 1 && bounce > 0 {
+                true => " or lower prefetch_depth",
+                false => "",
+            }
         )));
     }
     Ok((on_disk, need))
@@ -483,6 +534,38 @@ mod tests {
         let e = resolve_on(&plan, &i, mem(2500)).unwrap_err().to_string();
         assert!(e.contains("device budget 1500 bytes is below"), "{e}");
         assert!(resolve_on(&plan, &i, mem(500)).unwrap_err().to_string().contains("less than the margin"));
+    }
+
+    /// A host RAM budget that holds every block in memory leaves none on disk,
+    /// even where the bounce buffers of a disk tier would outweigh the blocks
+    /// (few, small blocks).
+    #[test]
+    fn a_host_budget_that_holds_every_block_puts_none_on_disk() {
+        let i = [inv("t", 3, 1024)];
+        let all = resolve(&Plan::layerwise(), &i).unwrap().components[0].host_ram_bytes;
+        let cp = ComponentPlan { host_ram_budget_bytes: Some(all), ..Default::default() };
+        let r = resolve(&Plan::layerwise().component("t", cp), &i).unwrap();
+        assert!(r.components[0].on_disk.is_empty() && r.components[0].host_ram_bytes == all, "{:?}", r.components[0]);
+    }
+
+    /// One reading of free memory is shared: components resolved together, each
+    /// within free minus the margin alone, are refused when their rings together
+    /// are not (on-demand components count their largest, loaded one at a time).
+    #[test]
+    fn a_free_minus_margin_budget_is_shared_by_the_components() {
+        let i = [inv("a", 4, 1024), inv("b", 4, 1024), inv("c", 4, 512)];
+        let mem = |free| Some(crate::MemoryInfo { free, total: 1 << 20 });
+        let on_demand = ComponentPlan { strategy: Strategy::OnDemand, ..Default::default() };
+        let plan =
+            Plan { default: ComponentPlan { device_budget_free_minus_bytes: Some(1000), ..Default::default() }, ..Default::default() }
+                .component("c", on_demand.clone());
+        // a and b: 2048 each (d = 1); c on demand, 2048 whole: 6144 in all.
+        let e = resolve_on(&plan, &i, mem(7000)).unwrap_err().to_string();
+        assert!(e.contains("6144") && e.contains("\"a\" 2048") && e.contains("\"b\" 2048") && e.contains("6000"), "{e}");
+        assert!(resolve_on(&plan, &i, mem(7144)).is_ok());
+        // Without a margin budget the components' own budgets stand alone.
+        let plan = Plan::layerwise().component("c", on_demand);
+        assert!(resolve_on(&plan, &i, mem(10)).is_ok());
     }
 
     #[test]

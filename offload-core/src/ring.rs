@@ -159,11 +159,12 @@ pub struct Ring<B: OffloadBackend> {
     disk: Option<crate::disk::DiskStream<B>>,
 }
 
-/// A plan that leaves blocks on disk (under a host RAM budget) counts its host
-/// memory with them there: a store that holds them otherwise would pass the
-/// budget unseen.
+/// A plan that leaves blocks on disk, or has a host RAM budget, counts its host
+/// memory with exactly its blocks on disk there: a store that holds them
+/// otherwise would pass the budget unseen. (Without either, the store's tiers
+/// are the caller's to choose.)
 fn check_disk_split<B: OffloadBackend>(store: &HostStore<B>, plan: &ResolvedComponent) -> Result<()> {
-    if plan.on_disk.is_empty() {
+    if plan.on_disk.is_empty() && plan.host_ram_budget.is_none() {
         return Ok(());
     }
     let Some(b) = store.blocks().iter().find(|b| plan.is_on_disk(&b.id) != b.disk_offset().is_some()) else { return Ok(()) };
@@ -176,26 +177,6 @@ fn check_disk_split<B: OffloadBackend>(store: &HostStore<B>, plan: &ResolvedComp
          HostStore::build_tiered and the plan's is_on_disk)",
         plan.name, b.id
     )))
-}
-
-/// A plan's device budget, with the decoder's staging buffers counted: blocks
-/// held coded for the device go through them (resident blocks too), beside the
-/// ring's slots. [`resolve`](crate::resolve) counts the slots, resident blocks
-/// and non-block tensors; only the store knows the coded sizes.
-fn check_staging_budget<B: OffloadBackend>(backend: &B, store: &HostStore<B>, plan: &ResolvedComponent) -> Result<()> {
-    let Some(budget) = plan.budget else { return Ok(()) };
-    let coded = store.blocks().iter().chain(store.non_block()).filter_map(|b| b.buffer().and_then(|buf| buf.held_bytes()));
-    let Some(largest) = coded.max() else { return Ok(()) };
-    let staging = backend.host().decoder_staging_bytes(largest);
-    let need = plan.device_weight_bound.saturating_add(staging);
-    if need > budget {
-        return Err(Error::Plan(format!(
-            "component {:?}: device budget {budget} bytes is below what the plan needs with its blocks coded: {need} bytes \
-             ({} for the weights + {staging} for the decoder's staging buffers, for coded blocks of up to {largest} bytes)",
-            plan.name, plan.device_weight_bound
-        )));
-    }
-    Ok(())
 }
 
 /// A plan's page-locked host budget, with what the ring page-locks beside the
@@ -229,12 +210,15 @@ fn check_pin_budget<B: OffloadBackend>(store: &HostStore<B>, plan: &ResolvedComp
     Ok(())
 }
 
-/// A plan's device budget against the store's own block sizes. The plan bounds
-/// the ring's device bytes from the inventory it was resolved against; a store
-/// whose blocks are larger (a plan resolved against another inventory with the
-/// same block names, or a file's layout padding a block more) would build a
-/// ring over that budget. The bound grows by what the store's blocks add.
-fn check_device_budget<B: OffloadBackend>(store: &HostStore<B>, plan: &ResolvedComponent) -> Result<()> {
+/// A plan's device budget against what this store makes the ring hold. The
+/// plan bounds the slots, resident blocks and non-block tensors from the
+/// inventory it was resolved against; the store adds what its blocks and
+/// non-block tensors outgrew (a plan resolved against another inventory with
+/// the same block names, a file's layout padding a block more) and, where it
+/// holds blocks coded for the device, the decoder's staging buffers (resident
+/// blocks go through them too). The error names what outgrew the plan, or the
+/// staging.
+fn check_device_budget<B: OffloadBackend>(backend: &B, store: &HostStore<B>, plan: &ResolvedComponent) -> Result<()> {
     let Some(budget) = plan.budget else { return Ok(()) };
     let planned: std::collections::HashMap<&BlockId, usize> = plan.blocks.iter().map(|(id, b)| (id, *b)).collect();
     let bound = |size: &dyn Fn(&BlockId, usize) -> usize| -> u64 {
@@ -243,21 +227,44 @@ fn check_device_budget<B: OffloadBackend>(store: &HostStore<B>, plan: &ResolvedC
         let resident: u64 = resident.iter().map(|(_, b)| *b as u64).sum();
         let largest = streamed.iter().map(|(_, b)| *b as u64).max().unwrap_or(0);
         match plan.strategy {
-            Strategy::Layerwise => (plan.depth as u64 + 1) * largest + resident,
+            Strategy::Layerwise => (plan.depth as u64 + 1).saturating_mul(largest).saturating_add(resident),
             _ => resident + streamed.iter().map(|(_, b)| *b as u64).sum::<u64>(),
         }
     };
     let held = bound(&|_, bytes| bytes);
     let was = bound(&|id, bytes| planned.get(id).copied().unwrap_or(bytes));
-    let need = plan.device_weight_bound.saturating_add(held.saturating_sub(was));
-    if need > budget {
+    let non_block = store.non_block().map_or(0, |b| b.bytes() as u64);
+    let grown = held.saturating_sub(was).saturating_add(non_block.saturating_sub(plan.non_block_bytes));
+    let coded = store.blocks().iter().chain(store.non_block()).filter_map(|b| b.buffer().and_then(|buf| buf.held_bytes()));
+    let largest_coded = coded.max();
+    let staging = largest_coded.map_or(0, |c| backend.host().decoder_staging_bytes(c));
+    let need = plan.device_weight_bound.saturating_add(grown).saturating_add(staging);
+    if need <= budget {
+        return Ok(());
+    }
+    let with_staging = match largest_coded {
+        Some(c) => format!(" + {staging} for the decoder's staging buffers, for coded blocks of up to {c} bytes"),
+        None => String::new(),
+    };
+    if grown == 0 {
         return Err(Error::Plan(format!(
-            "component {:?}: the store's blocks are larger than those the plan was resolved against: the ring would hold \
-             {need} device bytes, over the budget of {budget} (plan the store's own inventory)",
-            plan.name
+            "component {:?}: device budget {budget} bytes is below what the plan needs with its blocks coded: {need} bytes \
+             ({} for the weights{with_staging})",
+            plan.name, plan.device_weight_bound
         )));
     }
-    Ok(())
+    // What outgrew the plan: the first larger block, else the non-block tensors.
+    let larger = store.blocks().iter().find(|b| planned.get(&b.id).is_some_and(|&p| b.bytes() > p));
+    let what = match larger {
+        Some(b) => format!("block {} holds {} bytes, planned {}", b.id, b.bytes(), planned[&b.id]),
+        None => format!("its non-block tensors hold {non_block} bytes, planned {}", plan.non_block_bytes),
+    };
+    Err(Error::Plan(format!(
+        "component {:?}: the store is larger than what the plan was resolved against ({what}): the ring would hold \
+         {need} device bytes ({} planned + {grown} grown{with_staging}), over the budget of {budget} (resolve the plan \
+         against the store's own inventory)",
+        plan.name, plan.device_weight_bound
+    )))
 }
 
 impl<B: OffloadBackend> Ring<B> {
@@ -298,9 +305,8 @@ impl<B: OffloadBackend> Ring<B> {
         if let Some(id) = held.iter().find(|id| !planned.contains(*id)) {
             return Err(Error::Plan(format!("component {:?}: the store holds block {id}, which the plan does not name", plan.name)));
         }
-        check_device_budget(&store, plan)?;
+        check_device_budget(&backend, &store, plan)?;
         check_disk_split(&store, plan)?;
-        check_staging_budget(&backend, &store, plan)?;
         check_pin_budget(&store, plan)?;
         let n = store.blocks().len();
         let mut resident_of = vec![None; n];
@@ -913,7 +919,21 @@ impl<B: OffloadBackend> Ring<B> {
     /// before it, whose last copies can still have been queued when its own
     /// check passed; no earlier step did (a change moves the file's times before
     /// its bytes).
+    ///
+    /// A step whose `end_step` returns an error is closed all the same: its
+    /// counts are in [`metrics`](Self::metrics), and the next step counts only
+    /// its own.
     pub fn end_step(&mut self) -> Result<StepMetrics> {
+        // A step whose checks fail is closed all the same (its counts go to the
+        // totals, none into the next step), and the error returned.
+        let checked = self.end_step_checks();
+        let closed = self.close_step();
+        checked.and(closed)
+    }
+
+    /// What `end_step` reports before closing the step: an error held from a
+    /// dropped guard, a broken ring, the device's deferred errors, a changed file.
+    fn end_step_checks(&mut self) -> Result<()> {
         if let Some(e) = self.sticky.take() {
             return Err(e);
         }
@@ -926,29 +946,18 @@ impl<B: OffloadBackend> Ring<B> {
             self.broken = Some(format!("a file it streams from changed: {e}"));
             return Err(e);
         }
+        Ok(())
+    }
+
+    /// Close the open step: its metrics (with the timeline's spans, where
+    /// collected) moved into the totals, a new step begun.
+    fn close_step(&mut self) -> Result<StepMetrics> {
         self.step.step_wall_s = self.step_started.elapsed().as_secs_f64();
         self.step_started = Instant::now();
         if let Some(disk) = &mut self.disk {
             self.step.disk_wait_s = disk.take_waited();
         }
-        if let Some(tl) = &mut self.timeline {
-            let (mut stall, mut busy) = (0.0, 0.0);
-            for p in tl.pending.drain(..) {
-                let (Some(start_s), Some(dur_s)) =
-                    (self.backend.elapsed_s(&tl.origin, &p.start)?, self.backend.elapsed_s(&p.start, &p.end)?)
-                else {
-                    continue;
-                };
-                if p.stream == "copy" {
-                    busy += dur_s;
-                } else if p.name.starts_with("wait ") {
-                    stall += dur_s;
-                }
-                tl.collected.spans.push(Span { name: p.name, stream: p.stream, component: self.step.component.clone(), start_s, dur_s });
-            }
-            self.step.exposed_stall_s = Some(stall);
-            self.step.copy_busy_s = Some(busy);
-        }
+        let spans = self.collect_spans();
         let step = self.step.clone();
         self.total.component = step.component.clone();
         self.total.accumulate(&step);
@@ -962,7 +971,29 @@ impl<B: OffloadBackend> Ring<B> {
             host_bounce_bytes: step.host_bounce_bytes,
             ..Default::default()
         };
-        Ok(step)
+        spans.map(|()| step)
+    }
+
+    /// The open step's timeline spans read from their events, with its exposed
+    /// stall and copy-busy seconds.
+    fn collect_spans(&mut self) -> Result<()> {
+        let Some(tl) = &mut self.timeline else { return Ok(()) };
+        let (mut stall, mut busy) = (0.0, 0.0);
+        for p in std::mem::take(&mut tl.pending) {
+            let (Some(start_s), Some(dur_s)) = (self.backend.elapsed_s(&tl.origin, &p.start)?, self.backend.elapsed_s(&p.start, &p.end)?)
+            else {
+                continue;
+            };
+            if p.stream == "copy" {
+                busy += dur_s;
+            } else if p.name.starts_with("wait ") {
+                stall += dur_s;
+            }
+            tl.collected.spans.push(Span { name: p.name, stream: p.stream, component: self.step.component.clone(), start_s, dur_s });
+        }
+        self.step.exposed_stall_s = Some(stall);
+        self.step.copy_busy_s = Some(busy);
+        Ok(())
     }
 
     /// The store's files checked, unless the sabotage skips it.

@@ -1259,6 +1259,15 @@ mod tests {
         let planned =
             std::sync::Arc::new(HostStore::build_tiered(&be, &inv, &file, PinOptions::default(), &|id| rc.is_on_disk(id)).unwrap());
         Ring::new(be.clone(), planned, &rc).unwrap().close().unwrap();
+        // A host RAM budget that holds every block in memory puts none on disk: a
+        // store with one there (its bounce buffers uncounted) is refused as well.
+        let all = resolve(&Plan::layerwise(), std::slice::from_ref(&inv)).unwrap().components.remove(0).host_ram_bytes;
+        let cp = ComponentPlan { host_ram_budget_bytes: Some(all), ..Default::default() };
+        let rc = resolve(&Plan::layerwise().component("m", cp), std::slice::from_ref(&inv)).unwrap().components.remove(0);
+        assert!(rc.on_disk.is_empty());
+        let other = std::sync::Arc::new(HostStore::build_tiered(&be, &inv, &file, PinOptions::default(), &|id| id.index == 0).unwrap());
+        let e = Ring::new(be.clone(), other, &rc).err().expect("refused").to_string();
+        assert!(e.contains("block blocks.0 in memory, the store on disk"), "{e}");
     }
 
     /// The disk tier's bounce buffers are page-locked beside the store: a pin
@@ -1614,7 +1623,9 @@ mod tests {
     #[test]
     fn the_disk_tier_serves_the_files_bytes_under_a_host_ram_budget() {
         let path = temp("disk");
-        let tensors = disk_model(6, 8192);
+        // Eight blocks: six on disk outweigh their bounce buffers at either depth
+        // (where they did not, every block would stay in memory).
+        let tensors = disk_model(8, 65536);
         write_checkpoint(&path, &tensors);
         let file = SafetensorsFile::open(&path).unwrap();
         let inv = NameDiscovery.discover("m", file.specs()).unwrap();
@@ -1628,21 +1639,21 @@ mod tests {
             let cp = crate::ComponentPlan { prefetch_depth: depth, host_ram_budget_bytes: Some(budget), ..Default::default() };
             let plan =
                 crate::resolve(&crate::Plan::layerwise().component("m", cp), std::slice::from_ref(&inv)).unwrap().components.remove(0);
-            assert_eq!(plan.on_disk.len(), 4, "{:?}", plan.on_disk);
+            assert_eq!(plan.on_disk.len(), 6, "{:?}", plan.on_disk);
             assert!(plan.host_ram_bytes <= budget);
             let store =
                 std::sync::Arc::new(HostStore::build_tiered(&be, &inv, &file, PinOptions::default(), &|id| plan.is_on_disk(id)).unwrap());
-            assert_eq!((store.tier().on_disk, store.tier().disk_bytes), (4, 4 * block), "{:?}", store.tier());
+            assert_eq!((store.tier().on_disk, store.tier().disk_bytes), (6, 6 * block), "{:?}", store.tier());
             assert_eq!(store.host_bytes(), 2 * block + 512);
             let mut want = tensors.clone();
             want.sort();
             assert_eq!(tensors_of(&be, &store), want, "every tensor as the file holds it");
             // In order, three steps: every block on disk read once a step, bytes equal.
-            let m = serve(&be, &store, &copied, &plan, &[0, 1, 2, 3, 4, 5], 3).unwrap();
-            assert_eq!(m.disk_bytes_read, 4 * block, "{m}");
+            let m = serve(&be, &store, &copied, &plan, &[0, 1, 2, 3, 4, 5, 6, 7], 3).unwrap();
+            assert_eq!(m.disk_bytes_read, 6 * block, "{m}");
             assert_eq!(m.host_bounce_bytes, bounce);
             // Out of the learned order (misses, reads nobody wanted any more): still the right bytes.
-            serve(&be, &store, &copied, &plan, &[5, 0, 3, 1, 4, 2, 2, 5], 2).unwrap();
+            serve(&be, &store, &copied, &plan, &[7, 0, 3, 1, 6, 4, 2, 2, 5, 7], 2).unwrap();
             assert!(be.stats().violations.is_empty(), "{:?}", be.stats().violations);
         }
     }
@@ -1763,13 +1774,70 @@ mod tests {
         let plan = crate::Plan::layerwise().component("m", cp);
         let rc = crate::resolve(&plan, std::slice::from_ref(&inv_small)).unwrap().components.remove(0);
         let e = crate::Ring::new(be.clone(), store.clone(), &rc).err().expect("over its budget").to_string();
-        assert!(e.contains("16384 device bytes, over the budget of 2048"), "{e}");
+        assert!(e.contains("block blocks.0 holds 8192 bytes, planned 1024"), "{e}");
+        assert!(e.contains("would hold 16384 device bytes") && e.contains("over the budget of 2048"), "{e}");
         // Planned for the store's own blocks, the same budget is refused at plan time,
         // and a budget that holds them builds the ring.
         assert!(crate::resolve(&plan, std::slice::from_ref(&inv_big)).is_err());
         let cp = crate::ComponentPlan { device_budget_bytes: Some(16384), ..Default::default() };
         let rc = crate::resolve(&crate::Plan::layerwise().component("m", cp), std::slice::from_ref(&inv_big)).unwrap().components.remove(0);
         crate::Ring::new(be, store, &rc).unwrap();
+    }
+
+    /// Larger blocks than planned and the decoder's staging count together: a
+    /// budget that holds either alone, not both, is refused.
+    #[test]
+    fn grown_blocks_and_the_decoders_staging_count_together_against_the_budget() {
+        let bf16 = |len: usize| {
+            let mut src = MemoryTensors::new();
+            for i in 0..4 {
+                src.push(TensorSpec::new(format!("blocks.{i}.w"), DType::BF16, [len]), normal_bf16(len, 0.02, i as u64)).unwrap();
+            }
+            src
+        };
+        let (small, big) = (bf16(50_000), bf16(100_000));
+        let inv_small = NameDiscovery.discover("m", small.specs()).unwrap();
+        let inv_big = NameDiscovery.discover("m", big.specs()).unwrap();
+        let be = SimBackend::new(SimConfig { staging_buffers: 2, ..SimConfig::fast() });
+        let pin = PinOptions { coded: true, ..Default::default() };
+        let store = std::sync::Arc::new(HostStore::build_with(&be, &inv_big, &big, pin).unwrap());
+        let largest = store.blocks().iter().filter_map(|b| b.buffer().unwrap().held_bytes()).max().expect("coded");
+        let staging = crate::host::HostMemory::decoder_staging_bytes(&crate::OffloadBackend::host(&be), largest);
+        let of = |inv: &crate::ComponentInventory| {
+            crate::resolve(&crate::Plan::layerwise(), std::slice::from_ref(inv)).unwrap().components[0].device_weight_bound
+        };
+        let (planned, held) = (of(&inv_small), of(&inv_big));
+        assert!(held > planned && staging > 0);
+        let with_budget = |bytes: u64| {
+            let cp = crate::ComponentPlan { device_budget_bytes: Some(bytes), ..Default::default() };
+            crate::resolve(&crate::Plan::layerwise().component("m", cp), std::slice::from_ref(&inv_small)).unwrap().components.remove(0)
+        };
+        let need = held + staging;
+        let e = crate::Ring::new(be.clone(), store.clone(), &with_budget(need - 1)).err().expect("over by both").to_string();
+        assert!(e.contains(&format!("{need} device bytes")) && e.contains("staging"), "{e}");
+        crate::Ring::new(be.clone(), store, &with_budget(need)).unwrap().close().unwrap();
+    }
+
+    /// The same check over the non-block tensors (embeddings, final norms): a
+    /// store whose non-block tensors outgrew the plan's is refused, by name.
+    #[test]
+    fn a_budget_planned_for_smaller_non_block_tensors_refuses_the_ring() {
+        let with_head = |head: usize| {
+            let mut m = u8_model(4, 1024);
+            m.push(TensorSpec::new("head.w", DType::U8, [head]), vec![7; head]).unwrap();
+            m
+        };
+        let (small, big) = (with_head(256), with_head(65536));
+        let inv_small = NameDiscovery.discover("m", small.specs()).unwrap();
+        let inv_big = NameDiscovery.discover("m", big.specs()).unwrap();
+        let be = SimBackend::new(SimConfig::fast());
+        let store = std::sync::Arc::new(HostStore::build(&be, &inv_big, &big).unwrap());
+        let cp = crate::ComponentPlan { device_budget_bytes: Some(4096), ..Default::default() };
+        let plan = crate::Plan::layerwise().component("m", cp);
+        let rc = crate::resolve(&plan, std::slice::from_ref(&inv_small)).unwrap().components.remove(0);
+        let e = crate::Ring::new(be.clone(), store.clone(), &rc).err().expect("over its budget").to_string();
+        assert!(e.contains("non-block tensors") && e.contains("over the budget of 4096"), "{e}");
+        assert!(crate::resolve(&plan, std::slice::from_ref(&inv_big)).is_err());
     }
 
     /// `metrics()` in the middle of a step counts that step's disk reads, as
@@ -1852,6 +1920,36 @@ mod tests {
         let m = step(&mut ring, &[0], 3, 1);
         assert_eq!((m.blocks, m.misses), (4, 1), "{m}");
         assert_eq!(m.prefetch_hits + m.misses + m.resident_hits, m.blocks, "{m}");
+    }
+
+    /// A step whose `end_step` fails (a guard's release failed on drop) is
+    /// closed all the same: the next step counts its own blocks, not both steps'.
+    #[test]
+    fn a_failed_end_step_closes_its_step() {
+        let src = u8_model(4, 4096);
+        let inv = NameDiscovery.discover("m", src.specs()).unwrap();
+        let fi = crate::FaultInjector::new(SimBackend::new(SimConfig::fast()));
+        let store = std::sync::Arc::new(HostStore::build(&fi, &inv, &src).unwrap());
+        let rc = crate::resolve(&crate::Plan::layerwise(), std::slice::from_ref(&inv)).unwrap().components.remove(0);
+        let mut ring = crate::Ring::new(fi.clone(), store, &rc).unwrap();
+        for i in 0..4 {
+            let g = ring.block_at(i).unwrap();
+            if i == 3 {
+                // The release event of the last block fails as its guard drops.
+                fi.arm(crate::FaultKind::Event, 0);
+            }
+            drop(g);
+        }
+        fi.disarm();
+        let e = ring.end_step().expect_err("the failed release is reported").to_string();
+        assert!(e.contains("record_compute"), "{e}");
+        for i in 0..4 {
+            drop(ring.block_at(i).unwrap());
+        }
+        let m = ring.end_step().unwrap();
+        assert_eq!(m.blocks, 4, "{m}");
+        assert_eq!(ring.metrics().blocks, 8, "every block served, counted once");
+        ring.close().unwrap();
     }
 
     /// On a device that page-locks nothing (candle's CPU device), a store served

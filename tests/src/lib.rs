@@ -180,13 +180,15 @@ pub fn break_in_child(exe: &std::path::Path, backend: &str, s: offload_core::rin
     let limit = std::env::var("OFFLOAD_SABOTAGE_TIMEOUT_S").ok().and_then(|v| v.parse::<u64>().ok()).unwrap_or(600);
     let started = std::time::Instant::now();
     let status = loop {
+        // The limit before the poll: with a limit of 0 the child is killed before
+        // it can finish, however quick its break.
+        if started.elapsed().as_secs() >= limit {
+            let _ = child.kill();
+            let _ = child.wait();
+            break Err(format!("the child process ran past {limit} s and was killed"));
+        }
         match child.try_wait() {
             Ok(Some(status)) => break Ok(status),
-            Ok(None) if started.elapsed().as_secs() >= limit => {
-                let _ = child.kill();
-                let _ = child.wait();
-                break Err(format!("the child process ran past {limit} s and was killed"));
-            }
             Ok(None) => std::thread::sleep(std::time::Duration::from_millis(20)),
             Err(e) => break Err(format!("waiting for the child process: {e}")),
         }

@@ -191,6 +191,8 @@ class Offloaded:
         # Inside the module's forward (its pre-hook to its step hook): there a
         # block run twice is the model's own doing, not the next step.
         self._in_forward = False
+        # The forward's pre-hook failed: its step hook has no step to end.
+        self._no_step = False
         self._buffer = None
         self._version: Optional[int] = None
         self._stream = None
@@ -842,10 +844,18 @@ def _post_hook(state: Offloaded):
 
 def _forward_pre_hook(state: Offloaded):
     def hook(mod, args):
+        state._no_step = False
         if state._in_forward:
             # The last forward never reached its step hook (a KeyboardInterrupt
             # skips torch's always_call hooks): its step ends here.
-            state._end_step()
+            try:
+                state._end_step()
+            except Exception:
+                # Ending it failed (a block of it wrote its weights): this forward
+                # never starts, and torch's always_call step hook, which it calls
+                # on an Exception, must not close a second, empty step.
+                state._no_step = True
+                raise
         state._in_forward = True
 
     return hook
@@ -853,6 +863,9 @@ def _forward_pre_hook(state: Offloaded):
 
 def _step_hook(state: Offloaded):
     def hook(mod, args, output):
+        if state._no_step:
+            state._no_step = False
+            return
         state._end_step()
 
     return hook

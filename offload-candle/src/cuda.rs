@@ -97,11 +97,15 @@ impl CandleCudaBackend {
                     fault: format!("dtype {:?}, but this CUDA backend streams {:?} blocks", t.spec.dtype, self.dtype),
                 });
             }
+            // A placement a layout makes, inside the slot (the offset then a whole
+            // number of elements: 256-aligned).
+            let range = t.range_in(whole.elem_count() * elt)?;
             let view = whole
-                .narrow(0, t.offset / elt, t.nbytes / elt)
+                .narrow(0, range.start / elt, range.len() / elt)
                 .and_then(|v| v.reshape(t.spec.shape.as_slice()))
                 .map_err(|e| Error::BadTensor { tensor: t.spec.name.clone(), fault: e.to_string() })?;
-            map.insert(t.spec.name.strip_prefix(prefix).unwrap_or(&t.spec.name).to_owned(), view);
+            let name = t.spec.name.strip_prefix(prefix).unwrap_or(&t.spec.name).to_owned();
+            crate::insert_once(&mut map, name, view, &t.spec.name)?;
         }
         Ok(map)
     }

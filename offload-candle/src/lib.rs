@@ -93,7 +93,7 @@ impl CandleBackend {
                 let tensor = Tensor::from_raw_buffer(raw, dtype, &t.spec.shape, &Device::Cpu)
                     .map_err(|e| Error::BadTensor { tensor: t.spec.name.clone(), fault: e.to_string() })?;
                 let name = t.spec.name.strip_prefix(prefix).unwrap_or(&t.spec.name).to_owned();
-                map.insert(name, tensor);
+                crate::insert_once(&mut map, name, tensor, &t.spec.name)?;
             }
             Ok(map)
         })
@@ -129,6 +129,22 @@ fn listed(names: BTreeSet<&str>) -> String {
     let shown: Vec<&str> = names.into_iter().take(12).collect();
     let more = if more > 0 { format!(" and {more} more") } else { String::new() };
     format!("{}{more}", shown.join(", "))
+}
+
+/// Put a block's tensor under its short name: two tensors under one name (a
+/// discovery whose short names collide) are an error naming the second, not
+/// one of them silently lost.
+pub(crate) fn insert_once<T>(map: &mut HashMap<String, T>, name: String, value: T, full: &str) -> Result<()> {
+    match map.entry(name) {
+        std::collections::hash_map::Entry::Occupied(e) => Err(Error::BadTensor {
+            tensor: full.to_owned(),
+            fault: format!("another tensor of its block has the same name {:?} within the block", e.key()),
+        }),
+        std::collections::hash_map::Entry::Vacant(e) => {
+            e.insert(value);
+            Ok(())
+        }
+    }
 }
 
 /// A streamed block as candle sees it.
@@ -200,6 +216,28 @@ impl BlockVars {
         VarBuilder::from_backend(Box::new(self), dtype, device.clone())
     }
 
+    /// `name` converted to `dtype`: an fp8 weight whose scale the block holds
+    /// (`X.weight_scale`, ComfyUI's `X.scale_weight`, torchao's `X._weight_scale`)
+    /// is refused, since the conversion would drop its scale and compute with
+    /// unscaled weights.
+    fn converted(&self, name: &str, t: &Tensor, dtype: CDType, dev: &Device) -> candle_core::Result<Tensor> {
+        if t.dtype() == CDType::F8E4M3 && dtype != CDType::F8E4M3 {
+            let scales = match (name.strip_suffix(".weight"), name.strip_suffix("._weight_qdata")) {
+                (Some(stem), _) => vec![format!("{stem}.weight_scale"), format!("{stem}.scale_weight")],
+                (_, Some(stem)) => vec![format!("{stem}._weight_scale")],
+                _ => Vec::new(),
+            };
+            if let Some(scale) = scales.iter().find(|s| self.tensors.contains_key(s.as_str())) {
+                return Err(candle_core::Error::Msg(format!(
+                    "block {}: tensor `{name}` is fp8 with a scale `{scale}`: read as {dtype:?} it would lose the scale \
+                     (read it as F8E4M3 and apply the scale, as offload_core::fp8::dequantize_to_bf16 does)",
+                    self.block
+                )));
+            }
+        }
+        t.to_device(dev)?.to_dtype(dtype)
+    }
+
     fn find(&self, name: &str) -> candle_core::Result<&Tensor> {
         if self.tensors.contains_key(name) {
             self.reads.lock().unwrap_or_else(|e| e.into_inner()).insert(name.to_owned());
@@ -222,10 +260,10 @@ impl SimpleBackend for BlockVars {
                 s.dims()
             )));
         }
-        t.to_device(dev)?.to_dtype(dtype)
+        self.converted(name, t, dtype, dev)
     }
     fn get_unchecked(&self, name: &str, dtype: CDType, dev: &Device) -> candle_core::Result<Tensor> {
-        self.find(name)?.to_device(dev)?.to_dtype(dtype)
+        self.converted(name, self.find(name)?, dtype, dev)
     }
     fn contains_tensor(&self, name: &str) -> bool {
         self.tensors.contains_key(name)
@@ -283,5 +321,19 @@ impl OffloadBackend for CandleBackend {
     }
     fn memory_info(&self) -> Result<MemoryInfo> {
         self.device.memory_info()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// Two tensors of a block under one short name: the second is an error
+    /// naming it, the first kept (a `HashMap::insert` dropped one unseen).
+    #[test]
+    fn two_tensors_under_one_short_name_are_an_error() {
+        let mut map = std::collections::HashMap::new();
+        super::insert_once(&mut map, "w".to_string(), 1, "blocks.0.w").unwrap();
+        let e = super::insert_once(&mut map, "w".to_string(), 2, "w").unwrap_err().to_string();
+        assert!(e.contains("\"w\"") && e.contains("same name"), "{e}");
+        assert_eq!(map["w"], 1);
     }
 }

@@ -49,7 +49,7 @@ impl CandleBackend {
                 let storage = QStorage::from_data(Cow::Borrowed(raw), &Device::Cpu, dtype).map_err(|e| bad(e.to_string()))?;
                 let q = QTensor::new(storage, t.spec.shape.as_slice()).map_err(|e| bad(e.to_string()))?;
                 let name = t.spec.name.strip_prefix(prefix).unwrap_or(&t.spec.name).to_owned();
-                map.insert(name, Arc::new(q));
+                crate::insert_once(&mut map, name, Arc::new(q), &t.spec.name)?;
             }
             Ok(map)
         })

@@ -179,3 +179,33 @@ fn integer_and_fp8_tensors_reach_candle_with_their_bytes() {
     g.finish().unwrap();
     ring.close().unwrap();
 }
+
+/// An fp8 weight whose scale its block holds is refused when a module reads it
+/// converted to another dtype (the conversion would drop the scale: an unscaled
+/// model, quietly); read as fp8 it is served, and a weight without a scale converts.
+#[test]
+fn an_fp8_weight_with_its_scale_is_not_converted_unscaled() {
+    use offload_candle::CandleBlockExt;
+    use offload_core::{DType as D, MemoryTensors, TensorSpec};
+    let mut src = MemoryTensors::new();
+    for b in 0..2 {
+        src.push(TensorSpec::new(format!("blocks.{b}.l.weight"), D::F8_E4M3, [2, 2]), vec![0x38; 4]).unwrap();
+        src.push(TensorSpec::new(format!("blocks.{b}.l.weight_scale"), D::F32, [1]), 2f32.to_le_bytes().to_vec()).unwrap();
+        src.push(TensorSpec::new(format!("blocks.{b}.m.weight"), D::F8_E4M3, [2, 2]), vec![0x38; 4]).unwrap();
+    }
+    let inv = NameDiscovery.discover("t", src.specs()).unwrap();
+    let be = CandleBackend::cpu();
+    let store = Arc::new(HostStore::build(&be, &inv, &src).unwrap());
+    let rc = resolve(&Plan::layerwise(), std::slice::from_ref(&inv)).unwrap().components.remove(0);
+    let mut ring = Ring::new(be.clone(), store, &rc).unwrap();
+    let g = ring.block("blocks", 0).unwrap();
+    let vb = g.var_builder(DType::F32).unwrap();
+    let e = vb.get((2, 2), "l.weight").expect_err("converted without its scale").to_string();
+    assert!(e.contains("l.weight") && e.contains("l.weight_scale"), "{e}");
+    let fp8 = g.var_builder(DType::F8E4M3).unwrap().get((2, 2), "l.weight").unwrap();
+    assert_eq!(fp8.dtype(), DType::F8E4M3);
+    let plain = vb.get((2, 2), "m.weight").unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    assert_eq!(plain, vec![1.0; 4], "0x38 is 1.0 in e4m3");
+    drop(g);
+    ring.close().unwrap();
+}

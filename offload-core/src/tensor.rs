@@ -157,8 +157,19 @@ impl PlacedTensor {
     }
 
     /// The tensor's byte range in a block buffer of `len` bytes (a host slice or a
-    /// device slot): an error naming the tensor where it reaches past the end.
+    /// device slot): an error naming the tensor where it reaches past the end, or
+    /// where the placement is not one a [`BlockLayout`] makes (`nbytes` other than
+    /// the spec's size, an offset off [`TENSOR_ALIGN`]): a view of it would read
+    /// another tensor's bytes, or past the range.
     pub fn range_in(&self, len: usize) -> Result<std::ops::Range<usize>> {
+        let bad = |fault: String| Error::BadTensor { tensor: self.spec.name.clone(), fault };
+        let size = self.spec.nbytes()?;
+        if self.nbytes != size {
+            return Err(bad(format!("placed as {} bytes, a tensor of {size}", self.nbytes)));
+        }
+        if self.offset % TENSOR_ALIGN != 0 {
+            return Err(bad(format!("at offset {}, not a multiple of {TENSOR_ALIGN}", self.offset)));
+        }
         match self.offset.checked_add(self.nbytes) {
             Some(end) if end <= len => Ok(self.offset..end),
             _ => Err(Error::BadTensor {
@@ -282,6 +293,22 @@ mod tests {
         assert!(e.contains("b.0.b") && e.contains("overflow"), "{e}");
         let fine = BlockLayout::new(vec![TensorSpec::new("b.0.a", DType::U8, [3]), TensorSpec::new("b.0.b", DType::U8, [5])]).unwrap();
         assert_eq!((fine.tensors[1].offset, fine.bytes), (TENSOR_ALIGN, TENSOR_ALIGN + 5));
+    }
+
+    /// A placement no layout makes (a hand-built `PlacedTensor`: fewer bytes than
+    /// its spec, an offset off the alignment) is a named error from `bytes_in`:
+    /// a backend making a tensor of the spec's size from those bytes would read
+    /// past them.
+    #[test]
+    fn a_placement_no_layout_makes_is_a_named_error_not_a_short_read() {
+        let block = vec![0u8; 8192];
+        let spec = TensorSpec::new("b.0.w", DType::F32, [1024]);
+        let short = PlacedTensor { spec: spec.clone(), offset: 0, nbytes: 4 };
+        let e = short.bytes_in(&block).unwrap_err().to_string();
+        assert!(e.contains("b.0.w") && e.contains("placed as 4 bytes, a tensor of 4096"), "{e}");
+        let off = PlacedTensor { spec: spec.clone(), offset: 4, nbytes: 4096 };
+        assert!(off.bytes_in(&block).unwrap_err().to_string().contains("not a multiple of 256"));
+        assert_eq!(PlacedTensor { spec, offset: 256, nbytes: 4096 }.bytes_in(&block).unwrap().len(), 4096);
     }
 
     /// A short name is the part after the block prefix: where a nested tensor

@@ -144,10 +144,13 @@ impl TchSlots for TchCudaBackend {
     fn bind(&self, slot: &TchSlot, layout: &BlockLayout, params: &mut HashMap<String, Tensor>) -> Result<()> {
         let buf = slot.buffer().ok_or_else(|| Error::Protocol("tch slot bound before any copy into it".into()))?;
         self.engine.note_read(slot);
+        let len = buf.numel();
         for t in &layout.tensors {
             let k = kind(&t.spec)?;
+            // A placement a layout makes, inside the slot (offsets then fit an i64).
+            let range = t.range_in(len)?;
             let view = buf
-                .f_narrow(0, t.offset as i64, t.nbytes as i64)
+                .f_narrow(0, range.start as i64, range.len() as i64)
                 .and_then(|v| v.f_view_dtype(k))
                 .and_then(|v| v.f_view(dims(&t.spec).as_slice()))
                 .map_err(|e| tch_err(format!("a view of {} in its slot", t.spec.name), e))?;

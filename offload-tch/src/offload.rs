@@ -44,9 +44,10 @@ impl Binds {
 }
 
 impl TchOffload<SimBackend> {
-    /// Stream `vs`'s blocks on the CPU (host memory as device).
+    /// Stream `vs`'s blocks on the CPU (host memory as device: nothing is
+    /// page-locked, and the store's pinned bytes say so).
     pub fn cpu(vs: &VarStore, component: &str, discovery: &dyn BlockDiscovery, plan: &Plan) -> Result<Self> {
-        Self::new(SimBackend::new(SimConfig::fast()), vs, component, discovery, plan)
+        Self::new(SimBackend::new(SimConfig { page_locked: false, ..SimConfig::fast() }), vs, component, discovery, plan)
     }
 }
 

@@ -157,3 +157,29 @@ fn a_var_store_changed_after_planning_is_an_error_naming_the_tensor() {
         assert!(e.contains("blocks.1.weight") && e.contains("changed since"), "{change}: {e}");
     }
 }
+
+/// A hand-built layout placing fewer bytes than its tensor holds is a named
+/// error from `bind`, not a tensor read past those bytes (libtorch copies the
+/// spec's size from the slice it is given).
+#[test]
+fn a_layout_placing_fewer_bytes_than_its_tensor_is_refused_by_bind() {
+    use offload_core::{PlacedTensor, TensorSpec};
+    let sim = SimBackend::new(SimConfig::fast());
+    let slot = sim.alloc_slot(8192, "t").expect("slot");
+    let spec = TensorSpec::new("b.0.w", offload_core::DType::F32, [1024]);
+    let layout = BlockLayout { tensors: vec![PlacedTensor { spec, offset: 0, nbytes: 4 }], bytes: 4 };
+    let mut params = HashMap::from([("b.0.w".to_string(), Tensor::zeros([1024], (Kind::Float, Device::Cpu)))]);
+    let e = sim.bind(&slot, &layout, &mut params).expect_err("a short placement").to_string();
+    assert!(e.contains("b.0.w") && e.contains("placed as 4 bytes"), "{e}");
+}
+
+/// On the CPU host memory is the device: nothing is page-locked, and a store's
+/// pinned bytes say so (a pin budget is not charged for them).
+#[test]
+fn the_cpu_offload_page_locks_nothing() {
+    let (vs, _m) = store(3);
+    let mut off = TchOffload::cpu(&vs, "model", &NameDiscovery, &Plan::layerwise()).expect("offload");
+    let store = off.ring().store().clone();
+    assert!(store.host_bytes() > 0);
+    assert_eq!(store.pinned_bytes(), 0, "a CPU store reports page-locked bytes");
+}

@@ -3,7 +3,8 @@
 
 use crate::backend::OffloadBackend;
 use crate::discovery::BlockId;
-use crate::error::Result;
+use crate::error::{Error, Result};
+use crate::plan::ResolvedComponent;
 use crate::store::HostStore;
 use crate::tensor::BlockLayout;
 use std::sync::Arc;
@@ -42,6 +43,21 @@ impl<B: OffloadBackend> OnDemand<B> {
             me.waits.push(copied?);
         }
         Ok(me)
+    }
+
+    /// [`load`](Self::load) under a resolved plan: its device budget checked
+    /// against what this store makes the load hold (its own block sizes and, for
+    /// blocks coded for the device, the decoder's staging buffers), and its
+    /// blocks on disk against the plan's, as [`Ring::new`](crate::Ring::new)
+    /// checks a streamed component's. Over the budget is an error naming the
+    /// component, before anything is allocated.
+    pub fn load_planned(backend: B, store: Arc<HostStore<B>>, plan: &ResolvedComponent) -> Result<Self> {
+        if plan.name != store.component() {
+            return Err(Error::Plan(format!("a plan of component {:?} for the store of {:?}", plan.name, store.component())));
+        }
+        crate::ring::check_device_budget(&backend, &store, plan)?;
+        crate::ring::check_disk_split(&store, plan)?;
+        Self::load(backend, store)
     }
 
     /// Block `id`: its layout and slot.

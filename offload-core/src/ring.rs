@@ -163,7 +163,7 @@ pub struct Ring<B: OffloadBackend> {
 /// memory with exactly its blocks on disk there: a store that holds them
 /// otherwise would pass the budget unseen. (Without either, the store's tiers
 /// are the caller's to choose.)
-fn check_disk_split<B: OffloadBackend>(store: &HostStore<B>, plan: &ResolvedComponent) -> Result<()> {
+pub(crate) fn check_disk_split<B: OffloadBackend>(store: &HostStore<B>, plan: &ResolvedComponent) -> Result<()> {
     if plan.on_disk.is_empty() && plan.host_ram_budget.is_none() {
         return Ok(());
     }
@@ -218,7 +218,7 @@ fn check_pin_budget<B: OffloadBackend>(store: &HostStore<B>, plan: &ResolvedComp
 /// holds blocks coded for the device, the decoder's staging buffers (resident
 /// blocks go through them too). The error names what outgrew the plan, or the
 /// staging.
-fn check_device_budget<B: OffloadBackend>(backend: &B, store: &HostStore<B>, plan: &ResolvedComponent) -> Result<()> {
+pub(crate) fn check_device_budget<B: OffloadBackend>(backend: &B, store: &HostStore<B>, plan: &ResolvedComponent) -> Result<()> {
     let Some(budget) = plan.budget else { return Ok(()) };
     let planned: std::collections::HashMap<&BlockId, usize> = plan.blocks.iter().map(|(id, b)| (id, *b)).collect();
     let bound = |size: &dyn Fn(&BlockId, usize) -> usize| -> u64 {
@@ -292,8 +292,14 @@ impl<B: OffloadBackend> Ring<B> {
         if plan.name != store.component() {
             return Err(Error::Plan(format!("plan is for component {:?}, store holds {:?}", plan.name, store.component())));
         }
-        if plan.depth == 0 {
-            return Err(Error::Plan(format!("component {:?}: prefetch depth must be at least 1", plan.name)));
+        if !(1..=crate::MAX_PREFETCH_DEPTH).contains(&plan.depth) {
+            // A plan resolves only depths in range; one deserialized or built by hand may not.
+            return Err(Error::Plan(format!(
+                "component {:?}: prefetch depth {} must be 1 to {}",
+                plan.name,
+                plan.depth,
+                crate::MAX_PREFETCH_DEPTH
+            )));
         }
         // The plan was resolved against these blocks, not another inventory's (a
         // resident block the store lacks would otherwise be streamed, silently).

@@ -1818,6 +1818,48 @@ mod tests {
         crate::Ring::new(be.clone(), store, &with_budget(need)).unwrap().close().unwrap();
     }
 
+    /// A resolved plan made or deserialized by hand with a depth `resolve` never
+    /// gives is refused by `Ring::new`, not carried into its slot arithmetic.
+    #[test]
+    fn a_hand_made_plan_with_a_depth_out_of_range_is_refused() {
+        let src = u8_model(4, 1024);
+        let inv = NameDiscovery.discover("m", src.specs()).unwrap();
+        let be = SimBackend::new(SimConfig::fast());
+        let store = std::sync::Arc::new(HostStore::build(&be, &inv, &src).unwrap());
+        let mut rc = crate::resolve(&crate::Plan::layerwise(), std::slice::from_ref(&inv)).unwrap().components.remove(0);
+        for depth in [0, crate::MAX_PREFETCH_DEPTH + 1, usize::MAX] {
+            rc.depth = depth;
+            let e = crate::Ring::new(be.clone(), store.clone(), &rc).err().expect("out of range").to_string();
+            assert!(e.contains(&format!("prefetch depth {depth} must be 1 to")), "{e}");
+        }
+    }
+
+    /// An on-demand component loaded under its plan is held to the plan's device
+    /// budget as a ring is: the decoder's staging beside its coded blocks, and
+    /// blocks larger than planned, are refused before anything is allocated.
+    #[test]
+    fn an_on_demand_load_under_a_plan_keeps_its_device_budget() {
+        let src = coded_model(5);
+        let inv = NameDiscovery.discover("m", src.specs()).unwrap();
+        let be = SimBackend::new(SimConfig { staging_buffers: 2, ..SimConfig::fast() });
+        let store = std::sync::Arc::new(HostStore::build_with(&be, &inv, &src, PinOptions { coded: true, ..Default::default() }).unwrap());
+        let largest = store.blocks().iter().chain(store.non_block()).filter_map(|b| b.buffer().unwrap().held_bytes()).max().expect("coded");
+        let staging = crate::host::HostMemory::decoder_staging_bytes(&crate::OffloadBackend::host(&be), largest);
+        let with_budget = |bytes: Option<u64>| {
+            let cp = crate::ComponentPlan { strategy: crate::Strategy::OnDemand, device_budget_bytes: bytes, ..Default::default() };
+            crate::resolve(&crate::Plan::layerwise().component("m", cp), std::slice::from_ref(&inv)).unwrap().components.remove(0)
+        };
+        let bound = with_budget(None).device_weight_bound;
+        let e = crate::OnDemand::load_planned(be.clone(), store.clone(), &with_budget(Some(bound + staging - 1)))
+            .err()
+            .expect("over by the staging")
+            .to_string();
+        assert!(e.contains("\"m\"") && e.contains("staging"), "{e}");
+        assert_eq!(be.stats().live_bytes, 0, "nothing allocated before the refusal");
+        let od = crate::OnDemand::load_planned(be.clone(), store, &with_budget(Some(bound + staging))).unwrap();
+        od.release().unwrap();
+    }
+
     /// The same check over the non-block tensors (embeddings, final norms): a
     /// store whose non-block tensors outgrew the plan's is refused, by name.
     #[test]

@@ -119,6 +119,17 @@ impl CostModel {
                 return Err(bad(format!("block {} named twice", b.id)));
             }
         }
+        // Every sum and `(d + 1) ×` product the planner forms stays in range
+        // (sizes past this are no measurement: 2^64 / 65537 bytes is 281 TB).
+        let total = self
+            .blocks
+            .iter()
+            .flat_map(|b| [b.bytes, b.coded.map_or(0, |c| c.bytes)])
+            .try_fold(self.non_block_bytes, u64::checked_add)
+            .and_then(|t| t.checked_mul(offload_core::MAX_PREFETCH_DEPTH as u64 + 1));
+        if total.is_none() {
+            return Err(bad("block sizes past what a device holds (their sums overflow)".into()));
+        }
         Ok(())
     }
 

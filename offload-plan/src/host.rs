@@ -94,6 +94,9 @@ pub fn plan_host_tier(model: &CostModel, resident: &[bool], depth: usize, budget
     if resident.len() != model.blocks.len() {
         return Err(Error::Plan(format!("{} resident flags for {} blocks", resident.len(), model.blocks.len())));
     }
+    if !(1..=offload_core::MAX_PREFETCH_DEPTH).contains(&depth) {
+        return Err(Error::Plan(format!("prefetch depth {depth}: 1 to {}", offload_core::MAX_PREFETCH_DEPTH)));
+    }
     if !(disk_bytes_per_s.is_finite() && disk_bytes_per_s > 0.0) {
         return Err(Error::Plan(format!("disk bandwidth {disk_bytes_per_s} bytes/s is not a measurement")));
     }

@@ -144,7 +144,7 @@ enum Placement {
     Leading,
     /// The last of the class.
     Trailing,
-    /// None beyond the blocks too large for a slot (an explicit plan).
+    /// None (an explicit plan): every block streams through slots of the largest.
     Nothing,
 }
 
@@ -428,6 +428,11 @@ fn bound_fills(
     let mut out: Vec<Choice> = Vec::new();
     let mut thresholds: Vec<u64> = sizes.clone();
     thresholds.push(0);
+    if placement == Placement::Nothing {
+        // Exactly the plan's resident blocks: slots of the largest block, so no
+        // block is kept resident for being larger than a slot.
+        thresholds = sizes.last().copied().into_iter().collect();
+    }
     for &s in &thresholds {
         // s = 0: every block resident (no slots).
         let forced: u64 = model.blocks.iter().filter(|b| s == 0 || b.bytes > s).map(|b| b.bytes).sum();

@@ -368,3 +368,31 @@ fn a_short_resident_slice_streams_the_blocks_past_its_end() {
     assert_eq!(m.device_bytes(&short, 1), m.device_bytes(&full, 1));
     assert_eq!(m.device_bytes(&[], 1), 2 * 3000 + 10);
 }
+
+/// Block sizes whose sums overflow are no calibration: refused by name, not
+/// wrapped (two blocks of 2^63 bytes summed to 0 and planned all resident) or
+/// panicking; a host-tier depth past the maximum is refused as well.
+#[test]
+fn sizes_that_overflow_and_depths_past_the_maximum_are_refused() {
+    let m = model(&[(1 << 63, 0.001), (1 << 63, 0.001)], 1e9, 0);
+    let e = std::panic::catch_unwind(|| plan(&m, 1 << 20, 1, ResidentPolicy::Auto).map(|c| c.predicted_step_s));
+    assert!(matches!(&e, Ok(Err(err)) if err.to_string().contains("overflow")), "{e:?}");
+    let small = model(&[(1 << 20, 0.001), (1 << 20, 0.001)], 1e9, 0);
+    let e = offload_plan::plan_host_tier(&small, &[false, false], usize::MAX, 1 << 30, 1e9).unwrap_err().to_string();
+    assert!(e.contains("prefetch depth"), "{e}");
+}
+
+/// The explicit policy adds no resident block: not even one larger than a
+/// smaller slot would hold (the planner chose smaller slots and kept the larger
+/// blocks resident, against "exactly resident_blocks, nothing added").
+#[test]
+fn the_explicit_policy_keeps_no_block_resident() {
+    let m = model(&[(4 << 20, 0.001), (1 << 20, 0.001), (1 << 20, 0.001), (1 << 20, 0.001)], 1e9, 0);
+    for c in [plan(&m, 64 << 20, 1, ResidentPolicy::Explicit).unwrap(), plan_heuristic(&m, 64 << 20, 1, ResidentPolicy::Explicit).unwrap()]
+    {
+        assert!(c.resident.iter().all(|r| !r), "{:?}", c.resident);
+    }
+    // Streaming every block needs (d + 1) slots of the largest: less is refused.
+    assert!(plan(&m, 8 << 20, 1, ResidentPolicy::Explicit).is_ok());
+    assert!(plan(&m, (8 << 20) - 1, 1, ResidentPolicy::Explicit).is_err());
+}

@@ -30,15 +30,21 @@ struct Binds {
 }
 
 impl Binds {
+    /// Point every bound parameter back at its placeholder. One that fails stays
+    /// in `bound` (still a view of the slot), tried again at the next unbind,
+    /// so no parameter is forgotten while it can read a slot the ring reuses.
     fn unbind(&mut self) -> Result<()> {
         let mut first = None;
+        let mut failed = Vec::new();
         for name in std::mem::take(&mut self.bound) {
             if let (Some(p), Some(e)) = (self.params.get_mut(&name), self.placeholders.get(&name)) {
                 if let Err(err) = p.f_set_data(e) {
                     first.get_or_insert(tch_err(format!("pointing {name} back at its placeholder"), err));
+                    failed.push(name);
                 }
             }
         }
+        self.bound = failed;
         first.map_or(Ok(()), Err)
     }
 }
@@ -119,11 +125,19 @@ impl<B: TchSlots> TchOffload<B> {
             let (done, rest) = staged.split_at_mut(i);
             let (name, p, empty, _) = &mut rest[0];
             if let Err(e) = p.f_set_data(empty) {
-                // Put back every parameter emptied so far.
-                for (_, p, _, original) in done {
-                    let _ = p.f_set_data(original);
+                // Put back every parameter emptied so far; one that cannot be is
+                // named beside the first error, not left empty unseen.
+                let mut lost = Vec::new();
+                for (n, p, _, original) in done.iter_mut() {
+                    if p.f_set_data(original).is_err() {
+                        lost.push(n.as_str());
+                    }
                 }
-                return Err(tch_err(format!("emptying {name}"), e));
+                let e = tch_err(format!("emptying {name}"), e);
+                return Err(match lost.is_empty() {
+                    true => e,
+                    false => Error::Protocol(format!("{e}; putting back {} failed too: the VarStore is not as it was", lost.join(", "))),
+                });
             }
         }
         for (name, p, empty, _) in staged {

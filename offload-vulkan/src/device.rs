@@ -7,7 +7,7 @@ use ash::vk;
 use offload_core::{Error, MemoryInfo, OffloadBackend, Result};
 use std::collections::HashMap;
 use std::ffi::{c_void, CStr, CString};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 /// The next backend instance's [`Inner::id`].
@@ -209,6 +209,11 @@ pub(crate) struct Inner {
     /// A deliberate break: refills do not wait for the buffer's last copy
     /// (`VulkanBackend::sabotage_refill_early`, feature `sabotage` only).
     pub(crate) refill_early: std::sync::atomic::AtomicBool,
+    /// The highest copy-timeline value the host has waited for and seen
+    /// signalled ([`VulkanBackend::wait_value`] alone raises it): a host buffer
+    /// refilled while its last copy's value is above it was written without the
+    /// wait invariant 2 asks for (logged, whether or not the copy had landed).
+    pub(crate) copy_waited: AtomicU64,
 }
 
 // Every Vulkan object here is used under `state`'s lock where the API asks for
@@ -543,6 +548,7 @@ impl VulkanBackend {
             copy_chunk_bytes: options.copy_chunk_bytes.filter(|&c| c > 0),
             host_import,
             refill_early: std::sync::atomic::AtomicBool::new(false),
+            copy_waited: AtomicU64::new(0),
         };
         Ok(VulkanBackend { inner: Arc::new(inner) })
     }
@@ -983,7 +989,11 @@ impl VulkanBackend {
             // memory): what it waited for may still run, so nothing is freed from now on.
             self.inner.mark_lost(purpose);
             vk_err("vkWaitSemaphores", purpose, e)
-        })
+        })?;
+        if timeline == Timeline::Copy {
+            self.inner.copy_waited.fetch_max(value, Ordering::AcqRel);
+        }
+        Ok(())
     }
 
     pub(crate) fn memory_type(&self, bits: u32, flags: vk::MemoryPropertyFlags) -> Option<u32> {
@@ -1165,7 +1175,15 @@ impl OffloadBackend for VulkanBackend {
                 }
             }
         };
-        let waits: Vec<VulkanPoint> = after.copied().into_iter().collect();
+        let mut waits: Vec<VulkanPoint> = after.copied().into_iter().collect();
+        // A slot copied into and never read since (a prefetched block evicted
+        // unread): the release orders nothing after that copy, and submission
+        // order alone orders no two submissions in Vulkan. Wait for it, so two
+        // copies never write the slot at once (a value signalled already costs
+        // nothing).
+        if let (None, Some(c)) = (last_read, st.slots.get(&dst.id).and_then(|t| t.last_copy)) {
+            waits.push(VulkanPoint { timeline: Timeline::Copy, semaphore: self.inner.copy_tl, value: c, owner: self.inner.id });
+        }
         let point = match self.inner.split.is_some() {
             false => {
                 let (pool, cmd) = self.begin(Timeline::Copy, &purpose)?;

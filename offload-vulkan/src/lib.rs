@@ -148,6 +148,54 @@ mod tests {
         assert!(b.poll_error().is_err(), "a lost device passed poll_error");
     }
 
+    /// A refill is checked against the protocol log, not against the race: one
+    /// before the host waited for the buffer's last copy is a violation even when
+    /// that copy has landed (the break's wrong bytes need the copy to run late);
+    /// the waiting refill logs nothing.
+    #[cfg(feature = "sabotage")]
+    #[test]
+    fn a_refill_before_its_copy_was_waited_for_is_logged_however_the_race_went() {
+        let Some(b) = open(&VulkanOptions::default()) else { return };
+        let (mut host, mut slot) = host_and_slot(&b, 9);
+        b.copy_to_slot(&host, &mut slot, 64, None).expect("copy");
+        host.refill(&mut |x| {
+            x.fill(1);
+            Ok(())
+        })
+        .expect("refill");
+        assert!(b.violations().is_empty(), "{:?}", b.violations());
+        b.copy_to_slot(&host, &mut slot, 64, None).expect("copy");
+        // Landed, seen only by polling the semaphore (no wait): still not waited for.
+        let issued = device::lock(&b.inner.state).copy_value;
+        while b.reached(device::Timeline::Copy) < issued {
+            std::thread::yield_now();
+        }
+        b.sabotage_refill_early();
+        host.refill(&mut |x| {
+            x.fill(2);
+            Ok(())
+        })
+        .expect("refill");
+        let v = b.violations();
+        assert!(v.iter().any(|v| v.contains("refilled before the host waited for its last copy")), "{v:?}");
+        b.synchronize().expect("sync");
+    }
+
+    /// Sizes past the address space are an error naming the buffer, not a
+    /// panic (debug) or a wrapped, smaller buffer that copies then overrun (release).
+    #[test]
+    fn a_size_past_the_address_space_is_an_error_not_a_wrapped_buffer() {
+        let Some(b) = open(&VulkanOptions::default()) else { return };
+        for bytes in [usize::MAX - 2, usize::MAX] {
+            let e = b.alloc_slot(bytes, "huge slot").err().expect("refused").to_string();
+            assert!(e.contains("huge slot"), "{e}");
+            let e = b.host().alloc_pinned(bytes, "huge host", &mut |_| Ok(())).err().expect("refused").to_string();
+            assert!(e.contains("huge host"), "{e}");
+        }
+        assert!(b.alloc_slot(1 << 62, "too large").is_err());
+        assert_eq!(b.counters().live_bytes, 0);
+    }
+
     #[test]
     fn no_loader_or_device_is_unsupported_not_a_panic() {
         match VulkanBackend::new() {

@@ -58,8 +58,13 @@ fn make_buffer(
     import: Option<&Import>,
 ) -> Result<(vk::Buffer, vk::DeviceMemory)> {
     let dev = &b.inner.device;
-    // Whole 32-bit words (fills and the fold read words), never empty.
-    let size = (bytes.max(4).next_multiple_of(4)) as u64;
+    // Whole 32-bit words (fills and the fold read words), never empty; a size
+    // past the address space is an error, not a wrapped, smaller buffer.
+    let size = bytes
+        .max(4)
+        .checked_next_multiple_of(4)
+        .ok_or_else(|| Error::device("vulkan", purpose, format!("a buffer of {bytes} bytes overflows the address space")))?
+        as u64;
     let families = &b.inner.families;
     let host = vk::ExternalMemoryHandleTypeFlags::HOST_ALLOCATION_EXT;
     let mut external = vk::ExternalMemoryBufferCreateInfo::default().handle_types(host);
@@ -80,6 +85,12 @@ fn make_buffer(
         // SAFETY: the buffer was never used.
         unsafe { dev.destroy_buffer(buffer, None) }
     };
+    // Every byte the caller was promised lies in the memory bound below (copies
+    // into the buffer are bounded by `bytes`, not by the memory).
+    if req.size < size {
+        destroy();
+        return Err(Error::device("vulkan", purpose, format!("the buffer's memory is {} bytes, {size} asked for", req.size)));
+    }
     // The memory types the imported pages can be, and the allocation's size.
     let (bits, alloc_size) = match (import, &b.inner.host_import) {
         (None, _) => (req.memory_type_bits, req.size),
@@ -208,9 +219,17 @@ impl VulkanHost {
     /// `len` bytes in pages of this process (zeroed, then `fill`ed), aligned and
     /// sized to `align`, imported as the buffer's memory.
     fn imported(b: &VulkanBackend, len: usize, align: usize, purpose: &str, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<Self> {
-        let size = len.max(4).next_multiple_of(align);
-        let host_alloc =
-            |reason: String| Error::HostAlloc { backend: "vulkan".into(), requested: size as u64, purpose: purpose.into(), reason };
+        let host_alloc = |size: usize, reason: String| Error::HostAlloc {
+            backend: "vulkan".into(),
+            requested: size as u64,
+            purpose: purpose.into(),
+            reason,
+        };
+        let size = len
+            .max(4)
+            .checked_next_multiple_of(align)
+            .ok_or_else(|| host_alloc(len, format!("{len} bytes in pages of {align} overflow the address space")))?;
+        let host_alloc = |reason: String| host_alloc(size, reason);
         let layout = std::alloc::Layout::from_size_align(size, align).map_err(|e| host_alloc(format!("pages aligned to {align}: {e}")))?;
         // SAFETY: `layout` has a non-zero size.
         let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
@@ -297,6 +316,21 @@ impl VulkanHost {
         if self.len == 0 {
             return fill(&mut []);
         }
+        // Invariant 2 checked from the protocol log: when the first byte is
+        // written, the buffer's last copy must be one the host waited for
+        // (`copy_waited`, which only a wait raises); one it did not is a
+        // violation, however the race then turns out.
+        let (last, inner) = (*self.last_copy.get_mut(), self.inner.clone());
+        let fill = &mut |bytes: &mut [u8]| {
+            let waited = inner.copy_waited.load(Ordering::Acquire);
+            if last > waited {
+                lock(&inner.state).violations.push(format!(
+                    "a host buffer refilled before the host waited for its last copy (copy value {last}, waited up to \
+                     {waited}; invariant 2, the disk tier)"
+                ));
+            }
+            fill(bytes)
+        };
         // The deliberate break (`sabotage_refill_early`) does not wait: a copy may
         // still read the bytes, so they are written as a device's memory is, never
         // through a slice (the device then lands torn bytes, which is the break).

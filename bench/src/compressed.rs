@@ -44,6 +44,7 @@ pub fn merge(runs: &[RunDoc], codec: &[Value], min_runs: usize) -> Result<Value,
     if runs.len() < min_runs {
         return Err(format!("{} process runs, at least {min_runs} needed", runs.len()));
     }
+    crate::harness::one_gpu("merge-compressed", runs.iter().map(|r| r.gpu.as_str()))?;
     let facts = runs
         .iter()
         .map(|r| r.coded.as_ref().ok_or_else(|| format!("a run at {} made without --coded", r.commit)))

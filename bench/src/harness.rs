@@ -509,6 +509,13 @@ pub struct AnchorDoc {
     pub versions: String,
     /// Timed cases.
     pub cases: Vec<AnchorCase>,
+    /// The GPU it ran on (`torch.cuda.get_device_name()`; absent in anchors from
+    /// before it was recorded).
+    #[serde(default)]
+    pub gpu: Option<String>,
+    /// Kernels were profiled between its timed steps (`zoo_anchor.py --kernels`).
+    #[serde(default)]
+    pub kernels_profiled: bool,
 }
 
 /// Tensor bytes of `store`'s blocks, without the alignment padding between them.
@@ -569,6 +576,17 @@ pub fn enough<'a, T>(what: &str, runs: &'a [T], min_repeats: usize) -> Result<&'
     match runs.len() < min_repeats {
         true => Err(format!("{what}: {} run(s), at least {min_repeats} wanted", runs.len())),
         false => Ok(first),
+    }
+}
+
+/// Runs of one merge were made on one GPU: a median over two kinds of card (an
+/// H100 rerun among H200 runs) is no figure of either. An error naming both.
+pub fn one_gpu<'a>(what: &str, gpus: impl IntoIterator<Item = &'a str>) -> Result<(), String> {
+    let mut gpus = gpus.into_iter();
+    let Some(first) = gpus.next() else { return Ok(()) };
+    match gpus.find(|g| *g != first) {
+        Some(other) => Err(format!("{what}: runs on two GPUs ({first:?} and {other:?}): merge the runs of one")),
+        None => Ok(()),
     }
 }
 
@@ -633,6 +651,15 @@ pub fn merge(runs: &[RunDoc], anchors: &[AnchorDoc], min_repeats: usize) -> Resu
     let first = runs.first().ok_or("no runs to merge")?;
     if let Some(r) = runs.iter().find(|r| r.backend != first.backend) {
         return Err(format!("runs of different backends: {} and {}", first.backend, r.backend));
+    }
+    one_gpu("merge", runs.iter().map(|r| r.gpu.as_str()))?;
+    // The anchors ran beside the runs: on their GPU (anchors from before the GPU
+    // was recorded hold none), and timed without a profiler between their steps.
+    if let Some(g) = anchors.iter().filter_map(|a| a.gpu.as_deref()).find(|g| *g != first.gpu) {
+        return Err(format!("anchors run on {g:?}, the runs on {:?}: anchors run in the same command as ours", first.gpu));
+    }
+    if anchors.iter().any(|a| a.kernels_profiled) {
+        return Err("an anchor run with --kernels (profiled steps ran between its timed ones): not a measurement".into());
     }
     // One process's run given twice would count as two repeats (runs from before
     // processes were recorded hold pid 0: not compared).
@@ -944,8 +971,21 @@ mod tests {
             .map(|i| AnchorDoc {
                 versions: "v".into(),
                 cases: vec![anchor("resident", 0.1), anchor("block_stream", 0.2 + i as f64 * 0.01), anchor("leaf_stream", 0.15)],
+                gpu: None,
+                kernels_profiled: false,
             })
             .collect();
+        // Runs on two GPUs, anchors on another GPU than ours, or profiled, are refused.
+        let mut mixed = runs.clone();
+        mixed[1].gpu = "NVIDIA H100 80GB HBM3".into();
+        assert!(merge(&mixed, &anchors, 3).unwrap_err().contains("two GPUs"), "an H100 run merged with H200 runs");
+        let mut other = anchors.clone();
+        other[0].gpu = Some("NVIDIA H100 80GB HBM3".into());
+        assert!(merge(&runs, &other, 3).unwrap_err().contains("anchors run on"), "anchors of another GPU taken");
+        other[0].gpu = Some(runs[0].gpu.clone());
+        assert!(merge(&runs, &other, 3).is_ok(), "anchors of our GPU refused");
+        other[1].kernels_profiled = true;
+        assert!(merge(&runs, &other, 3).unwrap_err().contains("--kernels"), "a profiled anchor taken");
         // Anchors of another case than ours, or with a broken output, are refused.
         let mut other = anchors.clone();
         other[1].cases[2].tokens = 7;

@@ -112,6 +112,7 @@ pub fn merge(runs: &[PipelineRun], min_runs: usize) -> Result<Value, String> {
     if runs.len() < min_runs {
         return Err(format!("{} pipeline runs, at least {min_runs} needed (separate processes)", runs.len()));
     }
+    crate::harness::one_gpu("merge-pipeline", runs.iter().map(|r| r.gpu.as_str()))?;
     let r0 = &runs[0];
     for r in runs {
         let same = r.steps == r0.steps

@@ -62,6 +62,7 @@ pub const SPEEDUP_TARGET: f64 = 1.8;
 /// model, case and depth): the file.
 pub fn merge(runs: &[RelayRun], min_repeats: usize) -> Result<Value, String> {
     let first = crate::harness::enough("merge-relay", runs, min_repeats)?;
+    crate::harness::one_gpu("merge-relay", runs.iter().map(|r| r.gpu.as_str()))?;
     let mut ratios = Vec::new();
     let mut speedups = Vec::new();
     let mut bounds = Vec::new();

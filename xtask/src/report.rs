@@ -22,18 +22,10 @@ struct Row {
     bitwise: String,
 }
 
-fn gib(v: &Value) -> f64 {
-    v.as_f64().unwrap_or(0.0) / (1u64 << 30) as f64
-}
-
 /// GiB where the file holds a figure, NaN where it holds none (a figure the run
-/// did not read is not zero).
-fn gib_or_nan(v: &Value) -> f64 {
-    if v.is_number() {
-        gib(v)
-    } else {
-        f64::NAN
-    }
+/// did not read is not zero: a table prints it as NaN, never as 0.00).
+fn gib(v: &Value) -> f64 {
+    v.as_f64().map_or(f64::NAN, |b| b / (1u64 << 30) as f64)
 }
 
 /// Device memory for weights: the bench room's `weights_device_bytes`, else the
@@ -77,7 +69,7 @@ fn rows(dir: &Path) -> Result<Vec<Row>, String> {
                 bound_s: c["bound_s"].as_f64().unwrap_or(f64::NAN),
                 ratio: c["ratio_to_bound"].as_f64().unwrap_or(f64::NAN),
                 predicted_s: c["predicted_step_s"].as_f64(),
-                peak_gib: gib_or_nan(weights_or_peak(c)),
+                peak_gib: gib(weights_or_peak(c)),
                 bitwise: c["bitwise_equal"].as_bool().map_or("–".into(), |b| if b { "yes".into() } else { "NO".into() }),
             });
         }
@@ -95,7 +87,7 @@ fn rows(dir: &Path) -> Result<Vec<Row>, String> {
                 bound_s: a["bound_s"].as_f64().unwrap_or(f64::NAN),
                 ratio: a["ratio_to_bound"].as_f64().unwrap_or(f64::NAN),
                 predicted_s: None,
-                peak_gib: gib_or_nan(weights_or_peak(a)),
+                peak_gib: gib(weights_or_peak(a)),
                 bitwise: "–".into(),
             });
         }
@@ -223,6 +215,12 @@ struct Headline {
     diffusers: Vec<(String, f64)>,
 }
 
+/// The GPU a results file was measured on, as its runs recorded it (the tables
+/// name it from the file, never from what the bench room is usually lent).
+fn gpu_of(d: &Value, file: &str) -> Result<String, String> {
+    d["gpu"].as_str().filter(|g| !g.is_empty()).map(str::to_owned).ok_or_else(|| format!("{file}: no \"gpu\": which card measured it?"))
+}
+
 /// The README's headline, from the newest `*-zoo-tch.json` in `results` (the
 /// file that holds every registry model with diffusers beside it): its file
 /// name, a table (per case our streamed step beside diffusers' best offloaded
@@ -239,8 +237,9 @@ fn headline(results: &Path) -> Result<(String, String, Vec<Headline>), String> {
     let mut md = String::new();
     let _ = writeln!(
         md,
-        "Per model, one H200, bf16, medians of {} processes with [min, max] (`bench/results/{newest}`, backend `tch`; \
+        "Per model, one {}, bf16, medians of {} processes with [min, max] (`bench/results/{newest}`, backend `tch`; \
          the full tables, every backend and the other cases: [docs/results.md](docs/results.md)):\n",
+        gpu_of(&d, &newest)?,
         d["repeats"]
     );
     md.push_str("| model | case | streamed, ours (s) | diffusers' best offloaded (s) | ours ÷ diffusers | resident (s) | weights on device, ours (GiB) | bitwise equal to resident |\n");
@@ -492,8 +491,9 @@ fn span(v: &Value, digits: usize) -> String {
 pub fn python_table(results: &Path) -> Result<Option<String>, String> {
     let Some(name) = newest(results, "-python-package.json")? else { return Ok(None) };
     let d = read_json(&results.join(&name))?;
+    let gpu = gpu_of(&d, &name)?;
     let mut md = format!(
-        "The Python package (`offload.enable`) on the real diffusers and transformers classes, one H200, bf16 (rows `MODEL-fp8`: \
+        "The Python package (`offload.enable`) on the real diffusers and transformers classes, one {gpu}, bf16 (rows `MODEL-fp8`: \
          diffusers' layerwise casting, fp8 storage and bf16 compute, in every mode; `-fp8-linears`: every Linear of the blocks \
          fp8; `MODEL-gguf-q8_0` and `-gguf-q4_k`: the blocks' Linears as diffusers' GGUF layers, dequantised per layer in every \
          mode; `-budgetB`: the package planned under B GiB from a traced step), medians of the processes named with \
@@ -1245,6 +1245,22 @@ mod readme_tests {
         assert!(page == want, "docs/results.md's measured tables differ from `cargo xtask bench --report`'s; run it");
     }
 
+    /// The headline names the card the file's runs were measured on, and a file
+    /// that does not say is an error, not "H200" by default.
+    #[test]
+    fn the_headline_names_the_files_gpu() {
+        let dir = std::env::temp_dir().join(format!("offload-headline-gpu-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut doc = serde_json::json!({"backend": "tch", "gpu": "NVIDIA H100 80GB HBM3", "repeats": 3, "cases": []});
+        std::fs::write(dir.join("x-zoo-tch.json"), doc.to_string()).unwrap();
+        let (_, table, _) = headline(&dir).expect("headline");
+        assert!(table.contains("one NVIDIA H100 80GB HBM3, bf16"), "{table}");
+        doc.as_object_mut().unwrap().remove("gpu");
+        std::fs::write(dir.join("x-zoo-tch.json"), doc.to_string()).unwrap();
+        assert!(headline(&dir).err().is_some_and(|e| e.contains("no \"gpu\"")), "a file without its GPU taken");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
     #[test]
     fn the_tables_show_every_case_and_anchor_of_a_zoo_file() {
         let dir = std::env::temp_dir().join(format!("offload-zoo-report-{}", std::process::id()));
@@ -1306,7 +1322,7 @@ mod readme_tests {
         let mut unmeasured = row.clone();
         unmeasured["model"] = "flux-dev".into();
         unmeasured["weights_device_gib"]["offload"] = serde_json::Value::Null;
-        let doc = serde_json::json!({"commit": "c0", "date": "2026-12-03", "versions": ["v"], "cases": [row, planned, unmeasured]});
+        let doc = serde_json::json!({"commit": "c0", "date": "2026-12-03", "gpu": "NVIDIA H200", "versions": ["v"], "cases": [row, planned, unmeasured]});
         std::fs::write(dir.join("2026-12-03-python-package.json"), doc.to_string()).unwrap();
         let md = python_table(&dir).unwrap().expect("a table");
         let _ = std::fs::remove_dir_all(&dir);

@@ -761,7 +761,7 @@ impl VulkanBackend {
             .push_next(&mut tl);
         // SAFETY: the queue is externally synchronised by the state lock the caller
         // holds; the semaphores are this device's; `cmd` per this function's contract.
-        unsafe { i.device.queue_submit(queue, &[submit], vk::Fence::null()) }.map_err(|e| vk_err("vkQueueSubmit", purpose, e))?;
+        unsafe { i.device.queue_submit(queue, &[submit], vk::Fence::null()) }.map_err(|e| i.submit_failed(purpose, e))?;
         match timeline {
             Timeline::Copy => st.copy_value = value,
             Timeline::Compute => st.compute_value = value,
@@ -843,7 +843,7 @@ impl VulkanBackend {
         // holds; the semaphores are this device's; the buffers per this function's contract.
         if let Err(e) = unsafe { i.device.queue_submit(queue, &[a], vk::Fence::null()) } {
             free();
-            return Err(vk_err("vkQueueSubmit", purpose, e));
+            return Err(i.submit_failed(purpose, e));
         }
         st.half_value = half;
         if after_first {
@@ -865,6 +865,7 @@ impl VulkanBackend {
             .push_next(&mut tl_c);
         // SAFETY: as above.
         if let Err(e) = unsafe { i.device.queue_submit(sp.queue, &[b, c], vk::Fence::null()) } {
+            let e = i.submit_failed(purpose, e);
             // The first half is in flight and nothing will signal the copy timeline
             // for it: wait for it here (an error path) so its command buffer can go.
             let wi = vk::SemaphoreWaitInfo::default().semaphores(&half_sem).values(&half_val);
@@ -873,11 +874,11 @@ impl VulkanBackend {
                 // The half may still read the source and write the slot, and no
                 // timeline value covers it: neither may be freed, nor anything else.
                 i.mark_lost(&format!("{purpose}: the first half could not be waited for"));
-                return Err(vk_err("vkQueueSubmit", purpose, e));
+                return Err(e);
             }
             // SAFETY: `first` completed (just waited for); `second` was never submitted.
             unsafe { i.device.free_command_buffers(pool, &[first, second]) };
-            return Err(vk_err("vkQueueSubmit", purpose, e));
+            return Err(e);
         }
         st.copy_value = value;
         st.split_copies += 1;
@@ -890,8 +891,13 @@ impl VulkanBackend {
             Timeline::Copy => self.inner.copy_tl,
             Timeline::Compute => self.inner.compute_tl,
         };
-        // SAFETY: a query of a live semaphore; an error reads as "nothing reached".
-        unsafe { self.inner.device.get_semaphore_counter_value(sem) }.unwrap_or(0)
+        // SAFETY: a query of a live semaphore. An error (a lost device) reads as
+        // "nothing reached", and marks the device lost, so `poll_error` reports it
+        // and nothing is freed under work that may still run.
+        unsafe { self.inner.device.get_semaphore_counter_value(sem) }.unwrap_or_else(|e| {
+            self.inner.mark_lost(&format!("reading a timeline semaphore: {e}"));
+            0
+        })
     }
 
     /// Free command buffers and destroy buffers whose work has completed (never
@@ -1008,6 +1014,15 @@ impl Inner {
     }
 
     /// From now on nothing the device might use is freed (see [`Inner::lost`]).
+    /// A failed `vkQueueSubmit` as an error; a lost device is marked so
+    /// (`poll_error` then reports it, and nothing is freed from now on).
+    pub(crate) fn submit_failed(&self, purpose: &str, e: vk::Result) -> Error {
+        if e == vk::Result::ERROR_DEVICE_LOST {
+            self.mark_lost(&format!("{purpose}: vkQueueSubmit: {e}"));
+        }
+        vk_err("vkQueueSubmit", purpose, e)
+    }
+
     pub(crate) fn mark_lost(&self, why: &str) {
         if !self.lost.swap(true, Ordering::SeqCst) {
             tracing::error!("{}: {why}; the device may still run untracked work, so its memory is leaked from now on", self.name);
@@ -1181,7 +1196,9 @@ impl OffloadBackend for VulkanBackend {
         // order alone orders no two submissions in Vulkan. Wait for it, so two
         // copies never write the slot at once (a value signalled already costs
         // nothing).
-        if let (None, Some(c)) = (last_read, st.slots.get(&dst.id).and_then(|t| t.last_copy)) {
+        // (A torn slot's `u64::MAX` is no value to wait for: its half copy was
+        // waited for, or the device marked lost, when its submit failed.)
+        if let (None, Some(c)) = (last_read, st.slots.get(&dst.id).and_then(|t| t.last_copy).filter(|&c| c != u64::MAX)) {
             waits.push(VulkanPoint { timeline: Timeline::Copy, semaphore: self.inner.copy_tl, value: c, owner: self.inner.id });
         }
         let point = match self.inner.split.is_some() {
@@ -1213,7 +1230,18 @@ impl OffloadBackend for VulkanBackend {
                     return Err(vk_err("vkEndCommandBuffer", &purpose, e));
                 }
                 // SAFETY: recorded primary command buffers of the copy queue's family.
-                let p = unsafe { self.submit_split_locked(&mut st, first, second, &waits, checking, &purpose) }?;
+                let p = match unsafe { self.submit_split_locked(&mut st, first, second, &waits, checking, &purpose) } {
+                    Ok(p) => p,
+                    Err(e) => {
+                        // The first half (and the poison) may have written the slot:
+                        // no copy's point covers its bytes now, so the log refuses
+                        // every read until a copy fills it again.
+                        if let Some(t) = st.slots.get_mut(&dst.id) {
+                            t.last_copy = Some(u64::MAX);
+                        }
+                        return Err(e);
+                    }
+                };
                 st.pending.push((pool, first, Timeline::Copy, p.value));
                 st.pending.push((pool, second, Timeline::Copy, p.value));
                 p

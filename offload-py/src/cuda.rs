@@ -64,15 +64,20 @@ impl PyCuda {
             return Err(Error::unsupported(BACKEND, "no CUDA driver library (libcuda.so) on this machine"));
         }
         let bad = |why: String| Error::unsupported(BACKEND, why);
+        // torch's own class, by identity: an object that only looks like one (its
+        // class named `Stream`, a `cuda_stream` of any number) would hand the engine
+        // a handle no stream stands behind.
         let class: String = stream.get_type().name().map(|n| n.to_string()).unwrap_or_default();
-        if class != "Stream" {
+        let torch_stream =
+            stream.py().import("torch.cuda").and_then(|m| m.getattr("Stream")).map_err(|e| bad(format!("torch.cuda.Stream: {e}")))?;
+        if !stream.get_type().is(&torch_stream) {
             return Err(bad(format!("the compute stream must be a torch.cuda.Stream, not {class}")));
         }
         // `torch.cuda.current_stream()` under `torch.cuda.stream(ExternalStream(p))` is
         // a plain `Stream` over `p`, which its owner may destroy while the engine
         // still computes on it: refused by its id (c10 since torch 2.1: an external
         // stream's id is its handle, even; torch's own are 0 or odd).
-        let id: i64 = stream.getattr("stream_id").and_then(|i| i.extract()).unwrap_or(0);
+        let id: i64 = stream.getattr("stream_id").and_then(|i| i.extract()).map_err(|e| bad(format!("the stream's id: {e}")))?;
         if id != 0 && id & 1 == 0 && torch_at_least(stream.py(), (2, 1)) {
             return Err(bad("the compute stream is an external stream (torch.cuda.ExternalStream), whose owner may destroy it while \
                             the module is offloaded: enable on one of torch's streams"

@@ -56,6 +56,10 @@ pub struct Located {
     pub addr: usize,
     /// Bytes: elements times element size.
     pub nbytes: usize,
+    /// DLPack's type code of its elements (0 int, 1 uint, 2 float, 4 bfloat, 6 bool, …).
+    pub code: u8,
+    /// Bits an element.
+    pub bits: u8,
     /// DLPack's device type ([`DL_CPU`], [`DL_CUDA`], ...).
     pub device_type: i32,
     /// The device's ordinal.
@@ -114,15 +118,49 @@ pub fn locate(capsule: &Bound<'_, PyAny>, what: &str) -> PyResult<Located> {
     if nbytes > 0 && addr == 0 {
         return Err(crate::error(format!("{what}: a null data pointer for {nbytes} bytes")));
     }
-    Ok(Located { addr, nbytes, device_type: t.device.device_type, device_id: t.device.device_id })
+    Ok(Located { addr, nbytes, code: t.dtype.code, bits: t.dtype.bits, device_type: t.device.device_type, device_id: t.device.device_id })
 }
 
-/// Copy the bytes of host tensor `tensor` into `dst` (exactly its size),
-/// through a capsule made here and read before any Python code runs.
-pub fn read_host(tensor: &Bound<'_, PyAny>, what: &str, dst: &mut [u8]) -> PyResult<()> {
+/// Whether DLPack elements of `code` and `bits` are `dtype`'s. fp8 types have
+/// codes of their own (10 and 12 under DLPack 1.1; any code but the integer,
+/// float and bool ones is taken, for torch versions that number them otherwise).
+fn holds(dtype: offload_core::DType, code: u8, bits: u8) -> bool {
+    use offload_core::DType as D;
+    let (int, uint, float, bfloat, bool_) = (0, 1, 2, 4, 6);
+    let want_bits = match dtype {
+        D::BOOL | D::U8 | D::I8 | D::F8_E4M3 | D::F8_E5M2 => 8,
+        D::I16 | D::U16 | D::F16 | D::BF16 => 16,
+        D::I32 | D::U32 | D::F32 => 32,
+        D::I64 | D::U64 | D::F64 => 64,
+        // Block-quantized types are no torch dtype: never handed over as such.
+        _ => return false,
+    };
+    bits == want_bits
+        && match dtype {
+            D::I8 | D::I16 | D::I32 | D::I64 => code == int,
+            D::U8 | D::U16 | D::U32 | D::U64 => code == uint,
+            D::F16 | D::F32 | D::F64 => code == float,
+            D::BF16 => code == bfloat,
+            D::BOOL => code == bool_,
+            _ => ![int, uint, float, bfloat, bool_].contains(&code),
+        }
+}
+
+/// Copy the bytes of host tensor `tensor`, declared `dtype`, into `dst`
+/// (exactly its size), through a capsule made here and read before any Python
+/// code runs. A tensor of another dtype is an error naming it.
+pub fn read_host(tensor: &Bound<'_, PyAny>, what: &str, dtype: offload_core::DType, dst: &mut [u8]) -> PyResult<()> {
     let py = tensor.py();
     let capsule = py.import("torch")?.getattr("utils")?.getattr("dlpack")?.call_method1("to_dlpack", (tensor,))?;
     let at = locate(&capsule, what)?;
+    // Declared and held alike: bf16 bytes read as F32 (the same byte count, other
+    // elements) would stream as another tensor.
+    if !holds(dtype, at.code, at.bits) {
+        return Err(crate::error(format!(
+            "{what}: declared {dtype:?}, the tensor holds elements of DLPack type code {} and {} bits",
+            at.code, at.bits
+        )));
+    }
     if !matches!(at.device_type, DL_CPU | DL_CUDA_HOST) {
         return Err(crate::error(format!("{what}: in device memory (type {}), not host memory", at.device_type)));
     }

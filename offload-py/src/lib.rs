@@ -77,7 +77,7 @@ impl TensorSource for CapsuleTensors<'_> {
     fn read_into(&self, index: usize, dst: &mut [u8]) -> Result<()> {
         let name = &self.specs[index].name;
         let py = self.tensors[index].py();
-        dlpack::read_host(&self.tensors[index], name, dst)
+        dlpack::read_host(&self.tensors[index], name, self.specs[index].dtype, dst)
             .map_err(|e| Error::BadTensor { tensor: name.clone(), fault: keep_interrupt(py, e).to_string() })?;
         let done = self.done.get() + dst.len() as u64;
         self.done.set(done);
@@ -195,7 +195,7 @@ fn check_same(file: &offload_core::SafetensorsFile, module: &CapsuleTensors<'_>)
         let n = s.nbytes()?;
         mine.resize(n, 0);
         theirs.resize(n, 0);
-        dlpack::read_host(tensor, &s.name, &mut mine)
+        dlpack::read_host(tensor, &s.name, s.dtype, &mut mine)
             .map_err(|e| Error::BadTensor { tensor: s.name.clone(), fault: keep_interrupt(tensor.py(), e).to_string() })?;
         file.read_into(at, &mut theirs)?;
         if mine != theirs {
@@ -589,6 +589,10 @@ fn calibrated_model(component: &str, inventory: &ComponentInventory, json: &str)
 struct Held<'a> {
     guard: MutexGuard<'a, Option<AnyRing>>,
     component: &'a str,
+    /// The CUDA context current when the call began, current again when it
+    /// ends: every method's first CUDA call (the capture check binds the
+    /// engine's device) comes after it, so none leaves another device current.
+    _keep: cuda::KeepContext,
 }
 
 impl Held<'_> {
@@ -605,7 +609,7 @@ impl Streamer {
         INTERRUPT.with(|k| k.borrow_mut().take());
         let c = &self.component;
         match self.ring.try_lock() {
-            Ok(guard) => Ok(Held { guard, component: c }),
+            Ok(guard) => Ok(Held { guard, component: c, _keep: cuda::KeepContext::new() }),
             Err(TryLockError::WouldBlock) => Err(error(format!("component {c:?}: in use by another thread"))),
             Err(TryLockError::Poisoned(_)) => {
                 Err(error(format!("component {c:?}: a call panicked inside the engine; disable and enable again")))

@@ -868,6 +868,27 @@ def test_named_block_items_and_a_bad_tensor_are_named_errors():
         Streamer("c", [("blocks.0.w", "Q4", [2], None)], ["blocks"])
 
 
+def test_a_tensor_of_another_dtype_than_declared_is_a_named_error():
+    # The same byte count, other elements: bf16 bytes declared F32 (or fp8 over
+    # u8, i32 over f32) would stream as another tensor, unseen.
+    from offload._offload import Streamer
+
+    for declared, tensor in [
+        ("F32", torch.arange(8, dtype=torch.bfloat16)),
+        ("I32", torch.zeros(4)),
+        ("F8_E4M3", torch.zeros(4, dtype=torch.uint8)),
+        ("U8", torch.zeros(4, dtype=torch.float8_e4m3fn)),
+    ]:
+        n = 4 if declared != "F32" else 4
+        rest = ("blocks.1.w", declared, [n], tensor.clone())
+        with pytest.raises(OffloadError, match=rf"blocks\.0\.w: declared .*{declared.split('_')[0]}"):
+            Streamer("c", [("blocks.0.w", declared, [n], tensor), rest], ["blocks"])
+    # Declared as held, each builds.
+    for dt, name in [(torch.bfloat16, "BF16"), (torch.float8_e4m3fn, "F8_E4M3"), (torch.bool, "BOOL"), (torch.int64, "I64")]:
+        t = torch.zeros(4, dtype=dt)
+        Streamer("c", [("blocks.0.w", name, [4], t), ("blocks.1.w", name, [4], t.clone())], ["blocks"]).close()
+
+
 @pytest.mark.parametrize("keep", [False, True])
 def test_one_host_copy_unless_asked_and_disable_rebuilds_the_same_bytes(keep):
     model, inputs, _ = MODELS["t5"]()

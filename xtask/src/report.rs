@@ -230,9 +230,8 @@ fn headline(results: &Path) -> Result<(String, String, Vec<Headline>), String> {
         .map_err(|e| format!("{}: {e}", results.display()))?
         .flatten()
         .map(|e| e.file_name().to_string_lossy().into_owned())
-        .filter(|n| n.contains("-zoo-tch") && n.ends_with(".json"))
-        .max()
-        .ok_or("no *-zoo-tch*.json under bench/results")?;
+        .filter(|n| n.contains("-zoo-tch") && n.ends_with(".json"));
+    let newest = newest_of(newest, "zoo-tch file")?.ok_or("no *-zoo-tch*.json under bench/results")?;
     let d = read_json(&results.join(&newest))?;
     let mut md = String::new();
     let _ = writeln!(
@@ -592,7 +591,27 @@ pub fn python_table(results: &Path) -> Result<Option<String>, String> {
 /// The name of the newest file in `results` whose name ends with `suffix`.
 fn newest(results: &Path, suffix: &str) -> Result<Option<String>, String> {
     let names = std::fs::read_dir(results).map_err(|e| format!("{}: {e}", results.display()))?;
-    Ok(names.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).filter(|n| n.ends_with(suffix)).max())
+    newest_of(names.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).filter(|n| n.ends_with(suffix)), suffix)
+}
+
+/// The newest of `names` (results files, named `YYYY-MM-DD-…`): the latest
+/// date. Two files of that date are no order (the name's rest would decide it
+/// by its letters): an error naming both, until the superseded one is moved to
+/// `bench/results/archive/`.
+fn newest_of(names: impl IntoIterator<Item = String>, what: &str) -> Result<Option<String>, String> {
+    let mut names: Vec<String> = names.into_iter().collect();
+    names.sort();
+    let Some(last) = names.last() else { return Ok(None) };
+    let date = last.get(..10).unwrap_or(last);
+    let same: Vec<&String> = names.iter().filter(|n| n.get(..10) == Some(date)).collect();
+    if same.len() > 1 {
+        return Err(format!(
+            "results files {} are all the newest {what} ({date}): which one is published is no file name's order; move the \
+             superseded ones to bench/results/archive/",
+            same.iter().map(|n| format!("`{n}`")).collect::<Vec<_>>().join(", ")
+        ));
+    }
+    Ok(Some(last.clone()))
 }
 
 /// The Python package's whole pipeline call and its start from a checkpoint,
@@ -836,8 +855,10 @@ pub fn readme_tables(results: &Path) -> Result<String, String> {
     }
     // Host tiers (`zoo merge-host-tiers`): the mapped and the copying store, the newest file.
     let shared = |n: &&String| n.contains("-host-tiers-shared-");
-    if let Some(name) = names.iter().filter(|n| n.contains("-host-tiers-") && !shared(n) && n.ends_with(".json")).max() {
-        let d = read_json(&results.join(name))?;
+    if let Some(name) =
+        newest_of(names.iter().filter(|n| n.contains("-host-tiers-") && !shared(n) && n.ends_with(".json")).cloned(), "host-tiers file")?
+    {
+        let d = read_json(&results.join(&name))?;
         let modes: Vec<String> = d["cases"]
             .as_array()
             .into_iter()
@@ -910,8 +931,10 @@ pub fn readme_tables(results: &Path) -> Result<String, String> {
         );
     }
     // A coded start from a coded file (`zoo merge-coded-start`), the newest file.
-    if let Some(name) = names.iter().filter(|n| n.contains("-coded-start-") && n.ends_with(".json")).max() {
-        let d = read_json(&results.join(name))?;
+    if let Some(name) =
+        newest_of(names.iter().filter(|n| n.contains("-coded-start-") && n.ends_with(".json")).cloned(), "coded-start file")?
+    {
+        let d = read_json(&results.join(&name))?;
         let modes: Vec<String> = d["cases"]
             .as_array()
             .into_iter()
@@ -958,8 +981,8 @@ pub fn readme_tables(results: &Path) -> Result<String, String> {
         );
     }
     // Processes serving one mapped file at once (`zoo merge-host-tiers-shared`), the newest file.
-    if let Some(name) = names.iter().filter(|n| shared(n) && n.ends_with(".json")).max() {
-        let d = read_json(&results.join(name))?;
+    if let Some(name) = newest_of(names.iter().filter(|n| shared(n) && n.ends_with(".json")).cloned(), "shared host-tiers file")? {
+        let d = read_json(&results.join(&name))?;
         let groups = d["groups"].as_array().map_or(0, Vec::len);
         let procs = d["groups"].as_array().into_iter().flatten().map(|g| g["processes"].as_u64().unwrap_or(0)).max().unwrap_or(0);
         let all = |key: &str| d["groups"].as_array().into_iter().flatten().all(|g| g[key] == true);
@@ -1188,8 +1211,8 @@ pub fn readme_tables(results: &Path) -> Result<String, String> {
             worst * 100.0
         );
     }
-    if let Some(name) = names.iter().filter(|n| n.contains("vulkan") && n.ends_with(".json")).max() {
-        let d = read_json(&results.join(name))?;
+    if let Some(name) = newest_of(names.iter().filter(|n| n.contains("vulkan") && n.ends_with(".json")).cloned(), "Vulkan file")? {
+        let d = read_json(&results.join(&name))?;
         let ratios: Vec<f64> = d["cases"].as_array().into_iter().flatten().map(|c| f(&c["ratio_to_bound"])).collect();
         let _ = writeln!(
             md,
@@ -1243,6 +1266,18 @@ mod readme_tests {
         let page = std::fs::read_to_string(root.join("docs/results.md")).expect("docs/results.md");
         let want = splice_readme(&page, &readme_tables(&root.join("bench/results")).expect("tables")).expect("markers");
         assert!(page == want, "docs/results.md's measured tables differ from `cargo xtask bench --report`'s; run it");
+    }
+
+    /// Of two results files of the newest date none is picked by its name's
+    /// letters (`synced-python-start` after `python-start`): an error naming both.
+    #[test]
+    fn two_results_files_of_the_newest_date_are_an_error_not_a_pick() {
+        let names = |v: &[&str]| v.iter().map(|n| n.to_string()).collect::<Vec<_>>();
+        let e = newest_of(names(&["2026-12-05-python-start.json", "2026-12-05-synced-python-start.json"]), "start").unwrap_err();
+        assert!(e.contains("`2026-12-05-python-start.json`") && e.contains("archive"), "{e}");
+        let one = newest_of(names(&["2026-12-04-python-start.json", "2026-12-05-synced-python-start.json"]), "start").unwrap();
+        assert_eq!(one.as_deref(), Some("2026-12-05-synced-python-start.json"));
+        assert_eq!(newest_of(Vec::new(), "start").unwrap(), None);
     }
 
     /// The headline names the card the file's runs were measured on, and a file

@@ -463,10 +463,16 @@ impl SimBackend {
         });
         let mut raw = vec![0u8; bytes];
         if let Err(e) = structure.and_then(|()| crate::codec::decode_device_block(&coded, &mut raw, purpose)) {
-            if host.pinned {
-                lock(&self.inner.state).stats.pinned_bytes -= coded_len as u64;
+            // Under the store's deliberate break (`Sabotage::TrustCodedFile`) the
+            // simulator holds the coded bytes as a device does, unchecked (a device
+            // decodes at copy time and checks nothing): the case's own check sees
+            // the forged file built, not this decode's refusal.
+            if !crate::store::sabotage::trusts_coded() {
+                if host.pinned {
+                    lock(&self.inner.state).stats.pinned_bytes -= coded_len as u64;
+                }
+                return Err(e);
             }
-            return Err(e);
         }
         Ok(SimHost { raw: raw.into(), coded: Some(coded), ..host })
     }

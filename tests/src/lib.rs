@@ -101,7 +101,7 @@ pub fn run_sabotage_one<H: Harness>(sabotage: offload_core::ring::Sabotage) -> S
             Ok(()) => missed_by.push(case.name),
         }
     }
-    let caught = caught_by(by.iter().map(|(_, w)| w.as_str()));
+    let caught = caught_by(sabotage, by.iter().map(|(_, w)| w.as_str()));
     SabotageOutcome { sabotage, caught, by, missed_by }
 }
 
@@ -215,10 +215,33 @@ pub fn break_in_child(exe: &std::path::Path, backend: &str, s: offload_core::rin
 /// failed under `OFFLOAD_REQUIRE_DEVICE=1`.
 pub const NOT_APPLICABLE: &str = "n/a:";
 
-/// Whether a break is caught by its guarding cases' failures (`why` each): by
-/// one that failed, not skipped and not for a fault of the harness.
-pub fn caught_by<'a>(whys: impl IntoIterator<Item = &'a str>) -> bool {
-    whys.into_iter().any(|w| !w.starts_with("SKIPPED") && !w.starts_with(HARNESS_FAULT))
+/// What a guarding case's failure says when it is the break that failed it:
+/// the invariant the break breaks, as a protocol log reports it, or the wrong
+/// result, budget, count or refusal the break causes. A failure saying
+/// anything else (an error of another check on the way) is no catch.
+pub fn marks(sabotage: offload_core::ring::Sabotage) -> &'static [&'static str] {
+    use offload_core::ring::Sabotage as S;
+    match sabotage {
+        S::SkipComputeWait => &["(invariant 1)", "differs from the resident reference"],
+        S::SkipFreeWait | S::NoReleaseEvent | S::EarlyRelease => &["(invariant 2)", "differs from the resident reference"],
+        S::SyncEveryBlock => &["host synchronisations in"],
+        S::ExtraSlot => &["peak device bytes"],
+        S::TrustPrediction => &["differs from the resident r"],
+        S::LeakOnError => &["still held after the failure"],
+        S::SkipSourceCheck => &["over the changed file"],
+        S::StaleBounce => &["result from the disk tier"],
+        S::TrustCodedFile => &["a forged coded file (its hashes rewritten) built a store"],
+        S::EarlyRefill => &["invariant 2, the disk tier)", "result from the disk tier"],
+        S::None => &[],
+    }
+}
+
+/// Whether `sabotage` is caught by its guarding cases' failures (`why` each):
+/// by one that failed for it (its [`marks`]), not skipped, not for a fault of
+/// the harness, and not for another error on the way (a simulator's own check
+/// refusing a forged file before the case's check ran).
+pub fn caught_by<'a>(sabotage: offload_core::ring::Sabotage, whys: impl IntoIterator<Item = &'a str>) -> bool {
+    whys.into_iter().any(|w| !w.starts_with("SKIPPED") && !w.starts_with(HARNESS_FAULT) && marks(sabotage).iter().any(|m| w.contains(m)))
 }
 
 /// How a failure the harness itself caused begins (a row that cannot build the

@@ -60,7 +60,8 @@ fn sabotage_caught(backend: &str) {
         let row = offload_tests::break_in_child(exe, backend, s);
         let (by, missed) = (&row.by, row.missed_by.len());
         let na = format!("SKIPPED: {}", offload_tests::NOT_APPLICABLE);
-        if row.caught || (missed == 0 && !by.is_empty() && by.iter().all(|(_, w)| w.starts_with(&na))) {
+        assert!(missed == 0, "{backend}: {s:?} passed {:?}, which guard it", row.missed_by);
+        if row.caught || (!by.is_empty() && by.iter().all(|(_, w)| w.starts_with(&na))) {
             continue;
         }
         match by.iter().find(|(_, w)| w.starts_with("SKIPPED")) {
@@ -107,6 +108,7 @@ fn sim_coded_sabotage() {
             row.missed_by,
             row.by
         );
+        assert!(row.missed_by.is_empty(), "sim-coded: {:?} passed {:?}, which guard it", row.sabotage, row.missed_by);
     }
 }
 

@@ -162,6 +162,21 @@ pub trait HostMemory: Clone + Send + Sync + 'static {
 /// The host buffer type of backend `B`.
 pub type HostBuf<B> = <<B as crate::OffloadBackend>::Host as HostMemory>::Buffer;
 
+/// `len` zeroed bytes of ordinary memory, or an [`Error::HostAlloc`] naming
+/// `purpose` where the allocator has none (a size past what it can give is an
+/// error, not `vec!`'s capacity-overflow panic or an abort).
+pub fn zeroed(backend: &str, len: usize, purpose: &str) -> crate::Result<Vec<u8>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(len).map_err(|e| Error::HostAlloc {
+        backend: backend.into(),
+        requested: len as u64,
+        purpose: purpose.into(),
+        reason: format!("ordinary memory: {e}"),
+    })?;
+    v.resize(len, 0);
+    Ok(v)
+}
+
 /// The [`Error::Unsupported`] a [`HostMemory`] returns for a kind it does not make.
 pub fn unsupported_kind(backend: &str, kind: HostKind<'_>, purpose: &str) -> Error {
     let what = match kind {
@@ -206,6 +221,25 @@ mod tests {
         });
         let c = c.expect("a coded buffer");
         assert!(c.is_pinned() && c.held_bytes().is_some() && c.block_bytes().expect("bytes")[..3] == [0, 1, 2]);
+    }
+
+    /// A host buffer larger than the allocator can give is an error naming it,
+    /// not `vec!`'s capacity-overflow panic (candle's CPU device allocates here).
+    #[test]
+    fn a_host_buffer_past_what_memory_holds_is_an_error_not_a_panic() {
+        for page_locked in [false, true] {
+            let sim = SimBackend::new(SimConfig { page_locked, ..SimConfig::fast() });
+            for kind in [HostKind::Pinned, HostKind::Pageable] {
+                let got = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    sim.host().alloc(kind, usize::MAX, "blocks.9", &mut |_| Ok(())).map(drop)
+                }));
+                match got {
+                    Ok(Err(Error::HostAlloc { purpose, .. })) => assert_eq!(purpose, "blocks.9"),
+                    other => panic!("page_locked {page_locked}, {}: {:?}", kind.name(), other.map(|r| r.map_err(|e| e.to_string()))),
+                }
+            }
+            assert_eq!(sim.stats().pinned_bytes, 0, "nothing counted for the refused buffer");
+        }
     }
 
     /// The fault injector interposes on the one allocation call of the inner

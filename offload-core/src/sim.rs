@@ -244,15 +244,15 @@ impl SimBackend {
     /// "Page-locked" host memory of `bytes`, filled by `fill` (within the
     /// configured pinned capacity).
     /// Ordinary memory: not page-locked, not counted.
-    fn alloc_ordinary(&self, bytes: usize, fill: Fill<'_>) -> Result<SimHost> {
-        let mut v = vec![0u8; bytes];
+    fn alloc_ordinary(&self, bytes: usize, purpose: &str, fill: Fill<'_>) -> Result<SimHost> {
+        let mut v = crate::host::zeroed("sim", bytes, purpose)?;
         fill(&mut v)?;
         Ok(SimHost { raw: v.into(), pinned: false, coded: None, region: None, sim: self.inner.clone() })
     }
 
     fn alloc_locked(&self, bytes: usize, purpose: &str, fill: Fill<'_>) -> Result<SimHost> {
         if !self.inner.cfg.page_locked {
-            return self.alloc_ordinary(bytes, fill);
+            return self.alloc_ordinary(bytes, purpose, fill);
         }
         {
             let mut st = lock(&self.inner.state);
@@ -269,11 +269,14 @@ impl SimBackend {
             }
             st.stats.pinned_bytes += bytes as u64;
         }
-        let mut v = vec![0u8; bytes];
-        if let Err(e) = fill(&mut v) {
-            lock(&self.inner.state).stats.pinned_bytes -= bytes as u64;
-            return Err(e);
-        }
+        let filled = crate::host::zeroed("sim", bytes, purpose).and_then(|mut v| fill(&mut v).map(|()| v));
+        let v = match filled {
+            Ok(v) => v,
+            Err(e) => {
+                lock(&self.inner.state).stats.pinned_bytes -= bytes as u64;
+                return Err(e);
+            }
+        };
         Ok(SimHost { raw: v.into(), pinned: true, coded: None, region: None, sim: self.inner.clone() })
     }
 
@@ -542,7 +545,7 @@ impl HostMemory for SimBackend {
         match kind {
             HostKind::Pinned if cfg.coded => self.alloc(HostKind::Coded, bytes, purpose, fill),
             HostKind::Pinned => self.alloc_locked(bytes, purpose, fill),
-            HostKind::Pageable => self.alloc_ordinary(bytes, fill),
+            HostKind::Pageable => self.alloc_ordinary(bytes, purpose, fill),
             HostKind::Coded | HostKind::Precoded { .. } if !cfg.decodes => {
                 Err(Error::unsupported("sim", format!("a device without a decoder (for {purpose})")))
             }

@@ -55,7 +55,7 @@ impl PinnedHost {
         fill: &mut dyn FnMut(&mut [u8]) -> Result<()>,
         purpose: &str,
     ) -> Result<Self> {
-        let mut raw = vec![0u8; len];
+        let mut raw = offload_core::host::zeroed(crate::error::BACKEND, len, purpose)?;
         fill(&mut raw)?;
         let o = coding.options;
         let codes = offload_core::codec::DeviceCodes { fp8_e4m3: o.fp8_code };

@@ -73,7 +73,7 @@ impl HostBytes {
 
     /// `len` bytes of ordinary pageable memory written by `fill`.
     pub(crate) fn pageable(engine: Arc<Engine>, len: usize, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<Self> {
-        let mut bytes = vec![0u8; len].into_boxed_slice();
+        let mut bytes = offload_core::host::zeroed(BACKEND, len, "pageable host memory")?.into_boxed_slice();
         fill(&mut bytes)?;
         // The pointer is the box's own, taken as it is given up (no later move of
         // the box invalidates it); `Drop` rebuilds the box from it.
@@ -109,6 +109,11 @@ impl HostBytes {
     pub(crate) fn refill(&mut self, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<()> {
         if let Owner::Lent(_) = self.owner {
             return Err(Error::unsupported(BACKEND, "refilling host bytes lent by a registration"));
+        }
+        // Once the engine is lost a copy no event covers may still read the bytes:
+        // nothing is written under it.
+        if self.engine.is_lost() {
+            return Err(Error::device(BACKEND, "refilling a host buffer", "the device was lost: a copy may still read it"));
         }
         // The deliberate break (`sabotage_refill_early`) does not wait for the last
         // copy: it may still read the bytes, so they are written as a device's memory

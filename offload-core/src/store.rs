@@ -1920,17 +1920,23 @@ mod tests {
         }
     }
 
+    /// A layerwise ring over `n` blocks of 4 KiB on a simulator behind a fault
+    /// injector (to fail one of its calls).
+    fn faulty_ring(n: usize) -> (crate::FaultInjector<SimBackend>, crate::Ring<crate::FaultInjector<SimBackend>>) {
+        let src = u8_model(n, 4096);
+        let inv = NameDiscovery.discover("m", src.specs()).unwrap();
+        let fi = crate::FaultInjector::new(SimBackend::new(SimConfig::fast()));
+        let store = std::sync::Arc::new(HostStore::build(&fi, &inv, &src).unwrap());
+        let rc = crate::resolve(&crate::Plan::layerwise(), std::slice::from_ref(&inv)).unwrap().components.remove(0);
+        (fi.clone(), crate::Ring::new(fi, store, &rc).unwrap())
+    }
+
     /// A request refused (the prefetch it issues fails) serves nothing: retried
     /// in the learned order, the step counts each block once, no retrace and no
     /// miss, as a clean step does.
     #[test]
     fn a_refused_request_leaves_the_order_and_the_counts_as_they_were() {
-        let src = u8_model(6, 4096);
-        let inv = NameDiscovery.discover("m", src.specs()).unwrap();
-        let fi = crate::FaultInjector::new(SimBackend::new(SimConfig::fast()));
-        let store = std::sync::Arc::new(HostStore::build(&fi, &inv, &src).unwrap());
-        let rc = crate::resolve(&crate::Plan::layerwise(), std::slice::from_ref(&inv)).unwrap().components.remove(0);
-        let mut ring = crate::Ring::new(fi.clone(), store, &rc).unwrap();
+        let (fi, mut ring) = faulty_ring(6);
         for i in 0..6 {
             drop(ring.block_at(i).unwrap());
         }
@@ -1968,12 +1974,7 @@ mod tests {
     /// closed all the same: the next step counts its own blocks, not both steps'.
     #[test]
     fn a_failed_end_step_closes_its_step() {
-        let src = u8_model(4, 4096);
-        let inv = NameDiscovery.discover("m", src.specs()).unwrap();
-        let fi = crate::FaultInjector::new(SimBackend::new(SimConfig::fast()));
-        let store = std::sync::Arc::new(HostStore::build(&fi, &inv, &src).unwrap());
-        let rc = crate::resolve(&crate::Plan::layerwise(), std::slice::from_ref(&inv)).unwrap().components.remove(0);
-        let mut ring = crate::Ring::new(fi.clone(), store, &rc).unwrap();
+        let (fi, mut ring) = faulty_ring(4);
         for i in 0..4 {
             let g = ring.block_at(i).unwrap();
             if i == 3 {

@@ -522,6 +522,23 @@ def test_metrics_before_any_step_is_a_named_error():
     offload.disable(model)
 
 
+def test_no_host_sync_in_steady_state_on_the_simulated_device():
+    # The CUDA row's check, on the CPU: after the first step (which learns the
+    # order), a step synchronises the host nowhere, and computes as resident.
+    model, inputs, _ = MODELS["flux"]()
+    with torch.no_grad():
+        ref = _out(model(**inputs)).clone()
+    h = offload.enable(model, device="cpu", depth=1)
+    with torch.no_grad():
+        _out(model(**inputs))
+        syncs = h.counters()["syncs"]
+        out = _out(model(**inputs)).clone()
+        out2 = _out(model(**inputs)).clone()
+    assert h.counters()["syncs"] == syncs, "a steady-state step synchronised the host"
+    assert torch.equal(_bits(out), _bits(ref)) and torch.equal(_bits(out2), _bits(ref))
+    offload.disable(model)
+
+
 @NO_CUDA
 def test_cuda_user_stream_and_no_host_sync_in_steady_state():
     model, inputs, _ = MODELS["flux"]()

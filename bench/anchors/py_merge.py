@@ -97,6 +97,10 @@ def main():
             bitwise &= bool(o["bitwise_equal"])
             syncs = max(syncs, o["host_syncs_in_timed_steps"])
             finite &= all(v["output_finite"] and v["output_nonconstant"] for v in m.values())
+        # A diffusers mode's spread over fewer processes than the row's is no
+        # figure beside it: such a mode is named with its count, not spread.
+        partial = {k: f"{len(v)} of {len(full)} processes" for k, v in dmodes.items() if len(v) != len(full)}
+        dmodes = {k: v for k, v in dmodes.items() if k not in partial}
         o0 = next(iter(full.values()))["offload"]
         # The package's plan (its depth, the blocks it kept resident) is the planner's
         # in each process: the processes merged must agree on it.
@@ -116,6 +120,7 @@ def main():
                                     **{k: spread([m[k]["weights_device_bytes"] / 2**30 for m in full.values() if k in m]) for k in dmodes}),
             activations_gib=spread([m["resident"]["activations_peak_bytes"] / 2**30 for m in full.values()]),
             diffusers_s={k: spread(v) for k, v in dmodes.items()},
+            **({"diffusers_partial": partial} if partial else {}),
             bitwise_equal=bitwise, host_syncs_in_timed_steps=syncs, outputs_finite_and_nonconstant=finite,
         )
         # Against diffusers only where every merged process ran a diffusers mode: a

@@ -74,6 +74,11 @@ def test_a_comparison_with_diffusers_covers_every_merged_process(tmp_path):
     assert r.returncode == 0 and doc["cases"][0]["commit"] == "c2" and "diffusers_failed" not in doc["cases"][0], (r, doc)
     r, doc = merge(("c1", old))
     assert doc["cases"][0]["diffusers_failed"] == {"block_stream": "out of memory"}
+    # A mode that ran in two of three processes is named with its count, and no
+    # spread of two is shown beside the row's three.
+    r, doc = merge(("c1", [run(30, ["leaf_stream", "block_stream"]), run(31, ["leaf_stream", "block_stream"]), run(32, ["leaf_stream"])]))
+    row = doc["cases"][0]
+    assert set(row["diffusers_s"]) == {"leaf_stream"} and row["diffusers_partial"] == {"block_stream": "2 of 3 processes"}, row
 
 
 def test_the_fp8_target_is_computed_against_the_resident_step(tmp_path):

@@ -248,9 +248,10 @@ pub(crate) fn check_device_budget<B: OffloadBackend>(backend: &B, store: &HostSt
     };
     if grown == 0 {
         return Err(Error::Plan(format!(
-            "component {:?}: device budget {budget} bytes is below what the plan needs with its blocks coded: {need} bytes \
-             ({} for the weights{with_staging})",
-            plan.name, plan.device_weight_bound
+            "component {:?}: device budget {budget} bytes is below what the plan needs{}: {need} bytes ({} for the weights{with_staging})",
+            plan.name,
+            if largest_coded.is_some() { " with its blocks coded" } else { "" },
+            plan.device_weight_bound
         )));
     }
     // What outgrew the plan: the first larger block, else the non-block tensors.

@@ -1572,6 +1572,32 @@ def test_an_interrupted_block_that_wrote_its_weights_is_named_and_closes_only_it
     offload.disable(m)
 
 
+def test_a_users_pre_hook_that_raises_closes_no_empty_step():
+    # A pre-hook registered before enable runs before ours; when it raises, the
+    # forward never began a step, and torch's always_call step hook ends none.
+    m, x = _Lin(), torch.randn(2, 8)
+    fail = [False]
+
+    def guard(mod, args):
+        if fail[0]:
+            raise ValueError("refused by the user's hook")
+
+    m.register_forward_pre_hook(guard)
+    h = offload.enable(m, device="cpu")
+    with torch.no_grad():
+        m(x)
+    before = (h.steps, h.metrics())
+    fail[0] = True
+    with pytest.raises(ValueError, match="refused"), torch.no_grad():
+        m(x)
+    assert (h.steps, h.metrics()) == before, "a forward that never began closed a step"
+    fail[0] = False
+    with torch.no_grad():
+        m(x)
+    assert h.steps == before[0] + 1
+    offload.disable(m)
+
+
 def test_a_users_pre_hook_registered_before_enable_sees_the_weights():
     m, x = _Lin(), torch.randn(2, 8)
     seen = []

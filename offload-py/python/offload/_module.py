@@ -189,10 +189,9 @@ class Offloaded:
         # forward, a VAE's decode, has no forward hook to end its steps).
         self._ran: set = set()
         # Inside the module's forward (its pre-hook to its step hook): there a
-        # block run twice is the model's own doing, not the next step.
+        # block run twice is the model's own doing, not the next step. A step hook
+        # outside it (a pre-hook raised first) has no step to end.
         self._in_forward = False
-        # The forward's pre-hook failed: its step hook has no step to end.
-        self._no_step = False
         self._buffer = None
         self._version: Optional[int] = None
         self._stream = None
@@ -844,18 +843,11 @@ def _post_hook(state: Offloaded):
 
 def _forward_pre_hook(state: Offloaded):
     def hook(mod, args):
-        state._no_step = False
         if state._in_forward:
             # The last forward never reached its step hook (a KeyboardInterrupt
-            # skips torch's always_call hooks): its step ends here.
-            try:
-                state._end_step()
-            except Exception:
-                # Ending it failed (a block of it wrote its weights): this forward
-                # never starts, and torch's always_call step hook, which it calls
-                # on an Exception, must not close a second, empty step.
-                state._no_step = True
-                raise
+            # skips torch's always_call hooks): its step ends here. Should that
+            # fail (a block of it wrote its weights), this forward never starts.
+            state._end_step()
         state._in_forward = True
 
     return hook
@@ -863,8 +855,9 @@ def _forward_pre_hook(state: Offloaded):
 
 def _step_hook(state: Offloaded):
     def hook(mod, args, output):
-        if state._no_step:
-            state._no_step = False
+        # torch calls an always_call hook even when a pre-hook raised (ours ending
+        # an interrupted step, or a user's before it): that forward began no step.
+        if not state._in_forward:
             return
         state._end_step()
 

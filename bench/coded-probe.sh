@@ -29,6 +29,6 @@ for r in $(seq 1 ${PROBE_RUNS:-3}); do
 done
 for v in ${PROBE_VARIANTS:-normal high}; do
   ls $P/coded-$v-run*.json > /dev/null 2>&1 || continue
-  $B/zoo merge-compressed --out $P/compressed-$v.json --min-repeats 1 $P/coded-$v-run*.json --codec $P/codec-speed-256.json 2>&1 | tail -4 | tee $P/merge-$v.txt
+  $B/zoo merge-compressed --out $P/compressed-$v.json --probe --min-repeats 1 $P/coded-$v-run*.json --codec $P/codec-speed-256.json 2>&1 | tail -4 | tee $P/merge-$v.txt
 done
 tar czf $OUT/probe.tgz -C $OUT probe

@@ -34,8 +34,8 @@ for d in "$R"/*-zoo-* "$R"/2026-11-30-issue15-first-gpu; do
     ls "$d"/$be-*.json >/dev/null 2>&1 || continue
     n=$(basename "$d")
     job "merge-$n-$be" merge --min-repeats 3 "$d"/$be-*.json --anchors "$d"/diffusers-*.json
-    job "merge-$n-$be-min1" merge --min-repeats 1 "$d"/$be-*.json --anchors "$d"/diffusers-*.json
-    job "merge-$n-$be-noanchors" merge --min-repeats 1 "$d"/$be-*.json
+    job "merge-$n-$be-min1" merge --probe --min-repeats 1 "$d"/$be-*.json --anchors "$d"/diffusers-*.json
+    job "merge-$n-$be-noanchors" merge --probe --min-repeats 1 "$d"/$be-*.json
   done
 done
 # The published files, from the directories each model's runs were kept in
@@ -55,7 +55,7 @@ job results-zoo-candle merge --min-repeats 3 \
 for d in "$R"/*-compressed-* "$R"/*-coded-*; do
   n=$(basename "$d")
   for f in "$d"/coded-run*.json "$d"/zoo/coded-run*.json "$d"/coded-*-run*.json; do
-    [ -f "$f" ] && job "merge-$n-$(basename "$f" .json)" merge --min-repeats 1 "$f"
+    [ -f "$f" ] && job "merge-$n-$(basename "$f" .json)" merge --probe --min-repeats 1 "$f"
   done
 done
 
@@ -65,30 +65,30 @@ for d in "$R"/*-compressed-* "$R"/*-coded-*; do
   for runs in coded-run coded-normal-run coded-high-run zoo/coded-run; do
     ls "$d"/$runs*.json >/dev/null 2>&1 || continue
     tag=${runs//\//-}
-    job "compressed-$n-$tag" merge-compressed --min-repeats 1 "$d"/$runs*.json --codec $(ls "$d"/codec-speed-*.json "$d"/zoo/codec-speed-*.json 2>/dev/null)
-    job "compressed-$n-$tag-nocodec" merge-compressed --min-repeats 1 "$d"/$runs*.json
+    job "compressed-$n-$tag" merge-compressed --probe --min-repeats 1 "$d"/$runs*.json --codec $(ls "$d"/codec-speed-*.json "$d"/zoo/codec-speed-*.json 2>/dev/null)
+    job "compressed-$n-$tag-nocodec" merge-compressed --probe --min-repeats 1 "$d"/$runs*.json
     job "compressed-$n-$tag-min3" merge-compressed "$d"/$runs*.json --codec $(ls "$d"/codec-speed-*.json "$d"/zoo/codec-speed-*.json 2>/dev/null)
   done
 done
 job results-compressed merge-compressed $R/2026-12-01-compressed-3980ca5/coded-run*.json \
   --codec $R/2026-12-01-compressed-3980ca5/codec-speed-*.json
-job compressed-mixed-priority merge-compressed --min-repeats 1 \
+job compressed-mixed-priority merge-compressed --probe --min-repeats 1 \
   $R/2026-12-01-coded-probe-741599f/coded-normal-run1.json $R/2026-12-01-coded-probe-741599f/coded-high-run1.json
-job compressed-anchors merge-compressed --min-repeats 1 $R/2026-12-01-compressed-3980ca5/coded-run1.json --anchors x.json
+job compressed-anchors merge-compressed --probe --min-repeats 1 $R/2026-12-01-compressed-3980ca5/coded-run1.json --anchors x.json
 
 # `zoo merge-pipeline`.
 P=$Z-6bf93c4
 job results-pipeline merge-pipeline $P/pipeline-run*.json
 job pipeline-min4 merge-pipeline --min-repeats 4 $P/pipeline-run*.json
-job pipeline-min1 merge-pipeline --min-repeats 1 $P/pipeline-run1.json
+job pipeline-min1 merge-pipeline --probe --min-repeats 1 $P/pipeline-run1.json
 
 # The host-tier merges.
 for d in "$R"/*-host-tiers-*; do
   n=$(basename "$d")
   job "tiers-$n" merge-host-tiers "$d"/host-tiers-run*.json
   job "tiers-$n-min4" merge-host-tiers --min-repeats 4 "$d"/host-tiers-run*.json
-  job "tiers-$n-coded-start" merge-coded-start --min-repeats 1 "$d"/host-tiers-run*.json
-  job "tiers-$n-shared" merge-host-tiers-shared --min-repeats 1 "$d"/host-tiers-run*.json
+  job "tiers-$n-coded-start" merge-coded-start --probe --min-repeats 1 "$d"/host-tiers-run*.json
+  job "tiers-$n-shared" merge-host-tiers-shared --probe --min-repeats 1 "$d"/host-tiers-run*.json
 done
 H=$R/2026-12-01-host-tiers-741599f
 # Refused since runs of different plans are (the file it made, superseded by
@@ -98,13 +98,13 @@ BENCH_DATE=2026-12-03 job results-tiers-1203 merge-host-tiers $R/2026-12-03-host
 job tiers-mixed merge-host-tiers $H/host-tiers-run1.json $R/2026-12-01-host-tiers-8de303b/host-tiers-run2.json $H/host-tiers-run3.json
 job results-tiers-shared merge-host-tiers-shared $H/shared-pair*.json
 job tiers-shared-min4 merge-host-tiers-shared --min-repeats 4 $H/shared-pair*.json
-job tiers-shared-as-tiers merge-host-tiers --min-repeats 1 $H/shared-pair*.json
+job tiers-shared-as-tiers merge-host-tiers --probe --min-repeats 1 $H/shared-pair*.json
 job tiers-shared-twice merge-host-tiers-shared $H/shared-pair1-a.json $H/shared-pair1-a.json $H/shared-pair2-*.json $H/shared-pair3-*.json
-job tiers-shared-odd merge-host-tiers-shared --min-repeats 1 $H/shared-pair1-*.json $H/shared-pair2-a.json
+job tiers-shared-odd merge-host-tiers-shared --probe --min-repeats 1 $H/shared-pair1-*.json $H/shared-pair2-a.json
 C=$R/2026-12-02-coded-start-06ca6e2
 job coded-start merge-coded-start $C/coded-start-run1.json
-job coded-start-min1 merge-coded-start --min-repeats 1 $C/coded-start-run1.json
-job coded-start-anchors merge-coded-start --min-repeats 1 $C/coded-start-run1.json --anchors x.json
+job coded-start-min1 merge-coded-start --probe --min-repeats 1 $C/coded-start-run1.json
+job coded-start-anchors merge-coded-start --probe --min-repeats 1 $C/coded-start-run1.json --anchors x.json
 
 # `zoo merge-relay`: no relay run was ever made (no two-GPU machine); three made up here.
 for k in 1 2 3; do

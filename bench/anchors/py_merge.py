@@ -30,7 +30,12 @@ def main():
                     help="a commit, then the run files made at it")
     ap.add_argument("--date", required=True, help="the day the runs were made (YYYY-MM-DD)")
     ap.add_argument("--gpu", default="NVIDIA H200", help="the GPU of runs that do not record theirs (before 2026-12-05)")
+    ap.add_argument("--probe", action="store_true",
+                    help="a diagnostic merge: fewer than three processes allowed, the file marked so (never published)")
     a = ap.parse_args()
+    if a.min_runs < 3 and not a.probe:
+        raise SystemExit(f"--min-runs {a.min_runs}: a published figure is a median of at least three processes "
+                         "(give --probe for a diagnostic merge, marked so and never published)")
     commit_of, order = {}, []
     for group in a.at:
         if len(group) < 2:
@@ -179,7 +184,7 @@ def main():
     json.dump(dict(generated_by="bench/anchors/py_merge.py", date=a.date,
                    commit=", ".join(c for c in order if any(r["commit"] == c for r in rows)), gpu=gpu, backend="python",
                    versions=versions, at={c: [f for f in commit_of if commit_of[f] == c] for c in order}, cases=rows,
-                   not_merged=incomplete),
+                   not_merged=incomplete, **({"probe": True} if a.probe else {})),
               open(a.out, "w"), indent=1)
     for r in rows:
         print(f"{r['model']} {r['case']}: offload {r['offload_s']['median']:.4f} s [{r['offload_s']['min']:.4f}, {r['offload_s']['max']:.4f}], "

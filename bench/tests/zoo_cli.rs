@@ -72,7 +72,7 @@ fn a_host_tier_merge_of_differing_plans_names_the_files() {
         .collect();
     let out = dir.join("merged.json");
     let res = Command::new(env!("CARGO_BIN_EXE_zoo"))
-        .args(["merge-host-tiers", "--min-repeats", "2", "--out", &out.to_string_lossy(), &files[0], &files[1]])
+        .args(["merge-host-tiers", "--probe", "--min-repeats", "2", "--out", &out.to_string_lossy(), &files[0], &files[1]])
         .output()
         .expect("zoo runs");
     let err = String::from_utf8_lossy(&res.stderr).into_owned();
@@ -116,4 +116,40 @@ fn a_users_case_reaches_the_registry_file_and_bad_ones_are_named() {
         assert!(!ok, "{args:?} succeeded");
         assert!(err.contains(says), "{args:?}: {err}");
     }
+}
+
+/// A merge of fewer than three processes is refused unless asked as a probe,
+/// and a probe's file says so (the report refuses to publish it).
+#[test]
+fn a_merge_of_fewer_than_three_processes_is_a_marked_probe_or_refused() {
+    use offload_bench::host_tiers::{HostTierRun, TierRun};
+    let dir = std::env::temp_dir().join(format!("offload-zoo-probe-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mode = |mode: &str| TierRun { mode: mode.into(), bandwidth: 50e9, steps_streamed_s: vec![0.4], ..TierRun::default() };
+    let run = HostTierRun {
+        model: "flux-dev".into(),
+        case: "1024".into(),
+        steps_resident_s: vec![0.25],
+        pid: 7,
+        modes: vec![mode("mapped"), mode("copy")],
+        ..HostTierRun::default()
+    };
+    let file = dir.join("run1.json");
+    std::fs::write(&file, serde_json::to_string(&run).unwrap()).unwrap();
+    let out = dir.join("merged.json");
+    let zoo = |extra: &[&str]| {
+        let mut args = vec!["merge-host-tiers", "--min-repeats", "1", "--out", out.to_str().unwrap()];
+        args.extend_from_slice(extra);
+        args.push(file.to_str().unwrap());
+        Command::new(env!("CARGO_BIN_EXE_zoo")).args(&args).output().expect("zoo runs")
+    };
+    let refused = zoo(&[]);
+    let err = String::from_utf8_lossy(&refused.stderr).into_owned();
+    assert!(!refused.status.success() && err.contains("at least three processes") && err.contains("--probe"), "{err}");
+    assert!(!out.exists());
+    let probe = zoo(&["--probe"]);
+    assert!(probe.status.success(), "{}", String::from_utf8_lossy(&probe.stderr));
+    let doc: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+    assert_eq!(doc["probe"], true, "{doc}");
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -81,6 +81,24 @@ def test_a_comparison_with_diffusers_covers_every_merged_process(tmp_path):
     assert set(row["diffusers_s"]) == {"leaf_stream"} and row["diffusers_partial"] == {"block_stream": "2 of 3 processes"}, row
 
 
+def test_a_merge_of_fewer_than_three_processes_is_a_marked_probe_or_refused(tmp_path):
+    common = dict(model="flux-dev", case="1024", tokens=4608, batch=1, weights_device_bytes=1, activations_peak_bytes=1,
+                  output_finite=True, output_nonconstant=True)
+    rows = [dict(common, mode="resident", steps_s=[0.2] * 3),
+            dict(common, mode="offload", steps_s=[0.43] * 3, depth=1, bytes_per_step=22e9, h2d_bytes_per_s=55e9,
+                 bitwise_equal=True, host_syncs_in_timed_steps=0)]
+    run = tmp_path / "r.json"
+    run.write_text(json.dumps(dict(versions="test", cases=rows)))
+    out = tmp_path / "m.json"
+    args = [sys.executable, str(ROOT / "bench/anchors/py_merge.py"), "--date", "2026-12-05", "--out", str(out),
+            "--min-runs", "1", "--at", "c1", str(run)]
+    r = subprocess.run(args, capture_output=True, text=True)
+    assert r.returncode != 0 and "at least three processes" in r.stderr and not out.exists(), r.stderr
+    r = subprocess.run(args + ["--probe"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(out.read_text())["probe"] is True
+
+
 def test_the_fp8_target_is_computed_against_the_resident_step(tmp_path):
     # flux-dev-fp8 at 1024²: the package's step over the resident fp8 step, per
     # process, its median held to 1.05 (issue 33), computed by py_merge.py.

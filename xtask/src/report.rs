@@ -715,7 +715,11 @@ fn yes(v: &Value) -> &'static str {
 
 fn read_json(path: &Path) -> Result<Value, String> {
     let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
-    serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))
+    let v: Value = serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+    if v["probe"] == true {
+        return Err(format!("{}: a --probe merge (fewer than three processes): not published", path.display()));
+    }
+    Ok(v)
 }
 
 /// A row's case: [`case_label`] where the file names its cases, else the side.
@@ -1278,6 +1282,18 @@ mod readme_tests {
         let one = newest_of(names(&["2026-12-04-python-start.json", "2026-12-05-synced-python-start.json"]), "start").unwrap();
         assert_eq!(one.as_deref(), Some("2026-12-05-synced-python-start.json"));
         assert_eq!(newest_of(Vec::new(), "start").unwrap(), None);
+    }
+
+    /// A `--probe` merge (fewer than three processes) in bench/results is refused,
+    /// not published as a figure.
+    #[test]
+    fn a_probe_merge_is_not_published() {
+        let dir = std::env::temp_dir().join(format!("offload-report-probe-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let doc = serde_json::json!({"backend": "tch", "gpu": "NVIDIA H200", "repeats": 1, "cases": [], "probe": true});
+        std::fs::write(dir.join("x-zoo-tch.json"), doc.to_string()).unwrap();
+        assert!(headline(&dir).err().is_some_and(|e| e.contains("--probe merge")), "a probe merge published");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     /// The headline names the card the file's runs were measured on, and a file

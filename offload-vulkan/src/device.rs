@@ -693,14 +693,23 @@ impl VulkanBackend {
     /// (not freed or reset) until the returned point has completed; every buffer it
     /// uses stays alive until then.
     pub unsafe fn submit_compute(&self, cmd: vk::CommandBuffer, reads: &[&VulkanSlot], waits: &[VulkanPoint]) -> Result<VulkanPoint> {
+        // A slot of another instance would rewrite the log entry of this one's
+        // slot of the same number.
+        if reads.iter().any(|s| !Arc::ptr_eq(&s.inner, &self.inner)) {
+            return Err(Error::Protocol("user compute reads a slot of another Vulkan backend instance".into()));
+        }
         let mut st = lock(&self.inner.state);
-        self.check_reads(&mut st, reads, waits);
         // SAFETY: this function's contract.
-        unsafe { self.submit_locked(&mut st, Timeline::Compute, Some(cmd), waits, "user compute") }
+        let point = unsafe { self.submit_locked(&mut st, Timeline::Compute, Some(cmd), waits, "user compute") }?;
+        self.check_reads(&mut st, reads, waits, point.value);
+        Ok(point)
     }
 
-    pub(crate) fn check_reads(&self, st: &mut State, reads: &[&VulkanSlot], waits: &[VulkanPoint]) {
-        let next = st.compute_value + 1;
+    /// Log the reads of a compute submission that signals `value` (called once it
+    /// is submitted: a refused one read nothing): a read not waiting for its
+    /// slot's copy is a violation; each slot's last read becomes `value`.
+    pub(crate) fn check_reads(&self, st: &mut State, reads: &[&VulkanSlot], waits: &[VulkanPoint], value: u64) {
+        let next = value;
         for s in reads {
             let Some(track) = st.slots.get(&s.id).copied() else {
                 st.violations.push(format!("slot {} read after it was freed", s.id));
@@ -1124,8 +1133,23 @@ impl OffloadBackend for VulkanBackend {
             return Err(Error::Protocol("freeing a Vulkan slot of another backend instance".into()));
         }
         // The slot is destroyed only after every value issued so far, whatever
-        // `after` says; `after` is checked for the protocol log alone.
+        // `after` says; `after` is checked for the protocol log alone, and must be
+        // a compute point this backend issued (another's, or a copy point, would
+        // pass the log's comparison by its number alone).
         let mut st = lock(&self.inner.state);
+        let purpose = format!("the release of slot {}", slot.id);
+        if let Some(a) = after {
+            let foreign = match a.timeline {
+                Timeline::Compute => self.check_waits(&st, std::slice::from_ref(a), &purpose).err(),
+                Timeline::Copy => Some(Error::Protocol(format!("{purpose}: ordered after a copy point, not a compute point"))),
+            };
+            if let Some(e) = foreign {
+                drop(st);
+                // Destroyed by `Drop` all the same, once every value issued so far has passed.
+                drop(slot);
+                return Err(e);
+            }
+        }
         let last_read = st.slots.get(&slot.id).and_then(|t| t.last_read);
         if !Self::covers(&st, last_read, after) {
             st.violations.push(format!("slot {} released before its last read (invariant 2)", slot.id));

@@ -206,10 +206,10 @@ impl FoldKernel {
                 vk::MemoryBarrier::default().src_access_mask(vk::AccessFlags::SHADER_WRITE).dst_access_mask(vk::AccessFlags::HOST_READ);
             dev.cmd_pipeline_barrier(cmd, cs, vk::PipelineStageFlags::HOST, vk::DependencyFlags::empty(), &[to_host], &[], &[]);
         }
-        if let Some((s, _)) = slot {
-            b.check_reads(&mut st, &[s], waits);
-        }
         let point = b.end_and_submit(&mut st, Timeline::Compute, pool, cmd, waits, "the fold")?;
+        if let Some((s, _)) = slot {
+            b.check_reads(&mut st, &[s], waits, point.value);
+        }
         self.last = Some(point);
         Ok(point)
     }

@@ -111,6 +111,43 @@ mod tests {
         b.synchronize().expect("sync");
     }
 
+    /// A slot's release ordered after another backend's point, or after a copy
+    /// point, is refused (the log compared it by its number alone); the slot is
+    /// destroyed all the same.
+    #[test]
+    fn a_release_after_a_foreign_or_copy_point_is_refused() {
+        let (Some(a), Some(b)) = (open(&VulkanOptions::default()), open(&VulkanOptions::default())) else { return };
+        let (host, mut slot) = host_and_slot(&a, 4);
+        let copy = a.copy_to_slot(&host, &mut slot, 64, None).expect("copy");
+        let foreign = b.record_compute().expect("b's point");
+        let e = a.free_slot(slot, Some(&foreign)).expect_err("b's point taken").to_string();
+        assert!(e.contains("did not issue"), "{e}");
+        let slot = a.alloc_slot(64, "test").expect("slot");
+        let e = a.free_slot(slot, Some(&copy)).expect_err("a copy point taken").to_string();
+        assert!(e.contains("copy point"), "{e}");
+        a.synchronize().expect("sync");
+        b.synchronize().expect("sync");
+        a.collect(&mut device::lock(&a.inner.state));
+        assert_eq!(a.counters().live_bytes, 0, "a refused release still destroys the slot");
+    }
+
+    /// A compute submission refused (a wait on another backend's point) read
+    /// nothing: the log records no read of its slot, so the next copy into the
+    /// slot, ordered after nothing, is no violation.
+    #[test]
+    fn a_refused_submission_records_no_read() {
+        let (Some(a), Some(b)) = (open(&VulkanOptions::default()), open(&VulkanOptions::default())) else { return };
+        let (host, mut slot) = host_and_slot(&a, 6);
+        let copy = a.copy_to_slot(&host, &mut slot, 64, None).expect("copy");
+        let mut fold = fold::FoldKernel::new(&a, 1).expect("fold");
+        let foreign = b.record_compute().expect("b's point");
+        assert!(fold.fold(&slot, 64, &[copy, foreign]).is_err(), "a wait on b's point submitted");
+        a.copy_to_slot(&host, &mut slot, 64, None).expect("copy");
+        assert!(a.violations().is_empty(), "{:?}", a.violations());
+        a.synchronize().expect("sync");
+        b.synchronize().expect("sync");
+    }
+
     /// A point outlives its backend (it is `Copy`): one of a dropped backend is
     /// refused by the next, even where the next reuses the first's address and
     /// semaphore handles (as an allocator and lavapipe may).

@@ -852,6 +852,11 @@ pub fn merge(runs: &[RunDoc], anchors: &[AnchorDoc], min_repeats: usize) -> Resu
         if per.len() < min_repeats {
             return Err(format!("{at}: {} process runs, at least {min_repeats} needed", per.len()));
         }
+        // Every anchor row published is checked, not only those compared with ours
+        // (their resident step sets their bound; a case we did not run is shown too).
+        if per.iter().any(|a| !(a.output_finite && a.output_nonconstant)) {
+            return Err(format!("{at}: an output that is not finite or is constant"));
+        }
         let xs: Vec<f64> = per.iter().map(|a| per_run_median(&a.steps_s)).collect::<Result<_, _>>()?;
         let s = spread(&xs).ok_or(&at)?;
         // Their own resident step (median over the processes) and our bandwidth.
@@ -997,6 +1002,10 @@ mod tests {
         other = anchors.clone();
         other[0].cases[1].output_finite = false;
         assert!(merge(&runs, &other, 3).unwrap_err().contains("not finite"), "a NaN anchor taken");
+        // Their resident step is compared with nothing of ours, and is checked all the same.
+        other = anchors.clone();
+        other[2].cases[0].output_nonconstant = false;
+        assert!(merge(&runs, &other, 3).unwrap_err().contains("anchor m 1024 resident"), "a constant resident anchor taken");
         // Faster only where our slowest process beat their fastest: one leaf-stream
         // process at 0.125 s beat our slowest (0.13 s), so not faster, though our
         // median (0.11 s) is under theirs (0.15 s).

@@ -1761,18 +1761,29 @@ mod tests {
         src
     }
 
+    /// A store of `big` on the simulator, and a plan under a device budget of
+    /// `budget` resolved against `small` (the same names, smaller tensors).
+    fn planned_for_smaller(
+        small: &MemoryTensors,
+        big: &MemoryTensors,
+        budget: u64,
+    ) -> (SimBackend, std::sync::Arc<HostStore<SimBackend>>, crate::ComponentInventory, crate::Plan, crate::ResolvedComponent) {
+        let inv_small = NameDiscovery.discover("m", small.specs()).unwrap();
+        let inv_big = NameDiscovery.discover("m", big.specs()).unwrap();
+        let be = SimBackend::new(SimConfig::fast());
+        let store = std::sync::Arc::new(HostStore::build(&be, &inv_big, big).unwrap());
+        let cp = crate::ComponentPlan { device_budget_bytes: Some(budget), ..Default::default() };
+        let plan = crate::Plan::layerwise().component("m", cp);
+        let rc = crate::resolve(&plan, std::slice::from_ref(&inv_small)).unwrap().components.remove(0);
+        (be, store, inv_big, plan, rc)
+    }
+
     /// A plan resolved against smaller blocks of the same names: its budget held
     /// them, not the store's; the ring is refused rather than built 8 x over it.
     #[test]
     fn a_budget_planned_for_smaller_blocks_refuses_the_ring() {
         let (small, big) = (u8_model(4, 1024), u8_model(4, 8192));
-        let inv_small = NameDiscovery.discover("m", small.specs()).unwrap();
-        let inv_big = NameDiscovery.discover("m", big.specs()).unwrap();
-        let be = SimBackend::new(SimConfig::fast());
-        let store = std::sync::Arc::new(HostStore::build(&be, &inv_big, &big).unwrap());
-        let cp = crate::ComponentPlan { device_budget_bytes: Some(2048), ..Default::default() };
-        let plan = crate::Plan::layerwise().component("m", cp);
-        let rc = crate::resolve(&plan, std::slice::from_ref(&inv_small)).unwrap().components.remove(0);
+        let (be, store, inv_big, plan, rc) = planned_for_smaller(&small, &big, 2048);
         let e = crate::Ring::new(be.clone(), store.clone(), &rc).err().expect("over its budget").to_string();
         assert!(e.contains("block blocks.0 holds 8192 bytes, planned 1024"), "{e}");
         assert!(e.contains("would hold 16384 device bytes") && e.contains("over the budget of 2048"), "{e}");
@@ -1870,13 +1881,7 @@ mod tests {
             m
         };
         let (small, big) = (with_head(256), with_head(65536));
-        let inv_small = NameDiscovery.discover("m", small.specs()).unwrap();
-        let inv_big = NameDiscovery.discover("m", big.specs()).unwrap();
-        let be = SimBackend::new(SimConfig::fast());
-        let store = std::sync::Arc::new(HostStore::build(&be, &inv_big, &big).unwrap());
-        let cp = crate::ComponentPlan { device_budget_bytes: Some(4096), ..Default::default() };
-        let plan = crate::Plan::layerwise().component("m", cp);
-        let rc = crate::resolve(&plan, std::slice::from_ref(&inv_small)).unwrap().components.remove(0);
+        let (be, store, inv_big, plan, rc) = planned_for_smaller(&small, &big, 4096);
         let e = crate::Ring::new(be.clone(), store.clone(), &rc).err().expect("over its budget").to_string();
         assert!(e.contains("non-block tensors") && e.contains("over the budget of 4096"), "{e}");
         assert!(crate::resolve(&plan, std::slice::from_ref(&inv_big)).is_err());

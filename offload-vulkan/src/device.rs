@@ -900,9 +900,10 @@ impl VulkanBackend {
             Timeline::Copy => self.inner.copy_tl,
             Timeline::Compute => self.inner.compute_tl,
         };
-        // SAFETY: a query of a live semaphore. An error (a lost device) reads as
-        // "nothing reached", and marks the device lost, so `poll_error` reports it
-        // and nothing is freed under work that may still run.
+        // An error (a lost device) reads as "nothing reached", and marks the device
+        // lost, so `poll_error` reports it and nothing is freed under work that may
+        // still run.
+        // SAFETY: a query of a live semaphore of this device.
         unsafe { self.inner.device.get_semaphore_counter_value(sem) }.unwrap_or_else(|e| {
             self.inner.mark_lost(&format!("reading a timeline semaphore: {e}"));
             0

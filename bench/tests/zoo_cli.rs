@@ -11,17 +11,17 @@ fn run(args: &[&str]) -> (bool, String) {
 #[test]
 fn bad_run_arguments_are_named_errors() {
     for (args, says) in [
-        (&["--model", "flux-dev", "--budget", "8", "--out", "x"][..], "unknown argument \"--budget\""),
-        (&["--model", "flux-dev", "--model", "qwen-image", "--out", "x"][..], "--model given twice"),
+        (&["--model", "flux-dev", "--budget", "8", "--out", "x"][..], "unexpected argument '--budget'"),
+        (&["--model", "flux-dev", "--model", "qwen-image", "--out", "x"][..], "'--model <MODEL>' cannot be used multiple times"),
         (
             &["--backend", "cuda", "--model", "flux-dev", "--trace", "--no-gemm", "--out", "x"][..],
-            "--trace needs a value, not the option --no-gemm",
+            "a value is required for '--trace <TRACE>'",
         ),
         (
             &["--backend", "tch", "--model", "flux-dev", "--budgets", "8", "--out", "x"][..],
             "--budgets is implemented by the cuda and candle backends only, not by tch",
         ),
-        (&["--model", "flux-dev", "--out"][..], "--out needs a value"),
+        (&["--model", "flux-dev", "--out"][..], "a value is required for '--out <OUT>'"),
         (
             &["--backend", "tch", "--model", "flux-dev", "--high-priority-compute", "--out", "x"][..],
             "--high-priority-compute: cuda's file only",
@@ -33,6 +33,29 @@ fn bad_run_arguments_are_named_errors() {
     ] {
         let (ok, err) = run(args);
         assert!(!ok, "{args:?} succeeded");
+        assert!(err.contains(says), "{args:?}: {err}");
+    }
+}
+
+/// Every command refuses an option it does not take (a misspelt
+/// `--host-ram-gb` once ran the host tiers without their disk mode), and a
+/// count of zero.
+#[test]
+fn every_command_names_a_misspelt_option_or_a_zero_count() {
+    for (args, says) in [
+        (
+            &["host-tiers", "--model", "flux-dev", "--file", "f", "--out", "x", "--host-ram-gb", "8"][..],
+            "unexpected argument '--host-ram-gb'",
+        ),
+        (&["host-tiers", "--model", "flux-dev", "--file", "f", "--out", "x", "--steps", "0"][..], "\"0\" is not a count of at least 1"),
+        (&["relay", "--model", "flux-dev", "--out", "x", "--helper", "1"][..], "unexpected argument '--helper'"),
+        (&["merge-relay", "--out", "x", "--anchors", "a.json"][..], "unexpected argument '--anchors'"),
+        (&["entropy", "--model", "flux-dev", "--out", "x", "--thread", "2"][..], "unexpected argument '--thread'"),
+        (&["registry", "--sizes", "512x512"][..], "unexpected argument '--sizes'"),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_zoo")).args(args).output().expect("zoo runs");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} succeeded");
         assert!(err.contains(says), "{args:?}: {err}");
     }
 }

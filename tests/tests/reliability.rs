@@ -467,3 +467,24 @@ fn rings_on_one_device_and_on_two_threads() {
     assert!(sim.stats().violations.is_empty(), "{:?}", sim.stats().violations);
     assert_eq!(sim.stats().live_bytes, 0);
 }
+
+/// `vulkan-bench` refuses a misspelt, repeated, value-less, zero or overflowing
+/// option before any work (a bad `--blocks` once ran 24 blocks; `--steps 0`
+/// indexed an empty median).
+#[cfg(all(feature = "vulkan", feature = "cuda"))]
+#[test]
+fn the_vulkan_bench_names_a_bad_option_before_any_work() {
+    for (args, says) in [
+        (&["--out", "x", "--blocks", "0"][..], "--blocks \"0\": not a count of at least 1"),
+        (&["--out", "x", "--block", "3"][..], "unknown argument \"--block\""),
+        (&["--out", "x", "--steps"][..], "--steps needs a value"),
+        (&["--out", "x", "--steps", "2", "--steps", "3"][..], "--steps given twice"),
+        (&["--out", "x", "--copy-chunk-mib", "abc"][..], "--copy-chunk-mib \"abc\""),
+        (&["--out", "x", "--block-mib", "99999999999999999"][..], "overflows"),
+    ] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_vulkan-bench")).args(args).output().expect("vulkan-bench runs");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} succeeded: {err}");
+        assert!(err.contains(says), "{args:?}: {err}");
+    }
+}

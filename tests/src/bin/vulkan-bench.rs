@@ -28,6 +28,35 @@ fn arg(args: &[String], name: &str) -> Option<String> {
     args.iter().position(|a| a == name).and_then(|i| args.get(i + 1).cloned())
 }
 
+/// The options that take a value, and the flags.
+const VALUED: [&str; 8] = ["--out", "--commit", "--blocks", "--block-mib", "--steps", "--copy-queue", "--copy-chunk-mib", "--host-memory"];
+const FLAGS: [&str; 3] = ["--host-cached", "--no-split-copies", "--split-copies"];
+
+/// Every argument a known option, given once, with a value where it takes one:
+/// a misspelt option is an error, not a default.
+fn check_args(args: &[String]) -> Res<()> {
+    let mut it = args.iter().enumerate();
+    while let Some((i, a)) = it.next() {
+        if args[..i].contains(a) {
+            return Err(format!("{a} given twice"));
+        }
+        if VALUED.contains(&a.as_str()) {
+            it.next().filter(|(_, v)| !v.starts_with("--")).ok_or_else(|| format!("{a} needs a value"))?;
+        } else if !FLAGS.contains(&a.as_str()) {
+            return Err(format!("unknown argument {a:?} (options: {}, {})", VALUED.join(", "), FLAGS.join(", ")));
+        }
+    }
+    Ok(())
+}
+
+/// The count after `name` (at least 1), or `default`.
+fn count(args: &[String], name: &str, default: usize) -> Res<usize> {
+    match arg(args, name) {
+        None => Ok(default),
+        Some(v) => v.parse().ok().filter(|&n| n >= 1).ok_or_else(|| format!("{name} {v:?}: not a count of at least 1")),
+    }
+}
+
 fn model(blocks: usize, bytes: usize) -> Res<MemoryTensors> {
     let mut rng = rand::rngs::StdRng::seed_from_u64(0x0ff1_0ad5);
     let mut t = MemoryTensors::new();
@@ -68,12 +97,15 @@ fn main() {
 
 fn run() -> Res<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
+    check_args(&args)?;
     let out = arg(&args, "--out").ok_or("--out PATH is required")?;
     let commit = arg(&args, "--commit").unwrap_or_default();
-    let blocks: usize = arg(&args, "--blocks").and_then(|v| v.parse().ok()).unwrap_or(24);
-    let mib: usize = arg(&args, "--block-mib").and_then(|v| v.parse().ok()).unwrap_or(256);
-    let steps: usize = arg(&args, "--steps").and_then(|v| v.parse().ok()).unwrap_or(5);
-    let bytes = mib << 20;
+    let (blocks, mib, steps) = (count(&args, "--blocks", 24)?, count(&args, "--block-mib", 256)?, count(&args, "--steps", 5)?);
+    let copy_chunk_bytes = match arg(&args, "--copy-chunk-mib") {
+        None => None,
+        Some(_) => Some(count(&args, "--copy-chunk-mib", 0)?.checked_mul(1 << 20).ok_or("--copy-chunk-mib overflows")? as u64),
+    };
+    let bytes = mib.checked_mul(1 << 20).filter(|b| b.checked_mul(blocks).is_some()).ok_or("--blocks × --block-mib overflows")?;
     let tensors = model(blocks, bytes)?;
     let inventory = NameDiscovery.discover("model", offload_core::TensorSource::specs(&tensors)).map_err(|e| e.to_string())?;
     let total = (blocks * bytes) as f64;
@@ -86,7 +118,7 @@ fn run() -> Res<()> {
             Some(other) => return Err(format!("--copy-queue {other}: transfer, second-compute or compute")),
         },
         host_cached: args.iter().any(|a| a == "--host-cached"),
-        copy_chunk_bytes: arg(&args, "--copy-chunk-mib").and_then(|v| v.parse::<u64>().ok()).map(|m| m << 20),
+        copy_chunk_bytes,
         host_memory: match arg(&args, "--host-memory").as_deref() {
             None | Some("allocated") => offload_vulkan::HostMemory::Allocated,
             Some("imported") => offload_vulkan::HostMemory::Imported,

@@ -66,10 +66,13 @@ impl CudaBackend {
         if engine.checking.get().is_some() {
             return Ok(());
         }
+        let copy_spin_ns = copy_spin_us
+            .checked_mul(1000)
+            .ok_or_else(|| Error::unsupported("cuda", format!("checking mode: a copy spin of {copy_spin_us} µs overflows nanoseconds")))?;
         let ptx = ptx().map_err(|e| dev("compiling the fold kernels", e))?;
         let module = engine.ctx.load_module(ptx.clone()).map_err(|e| dev("loading the fold kernels", e))?;
         let spin = module.load_function("spin").map_err(|e| dev("spin", e))?;
-        let _ = engine.checking.set(Checking { spin, copy_spin_ns: copy_spin_us * 1000 });
+        let _ = engine.checking.set(Checking { spin, copy_spin_ns });
         Ok(())
     }
 }
@@ -129,9 +132,9 @@ impl FoldKernel {
 
     /// Make every `every`-th fold spin `us` microseconds on the device before it
     /// reads (with the checking mode: a copy that does not wait for the fold's read
-    /// poisons its bytes in that time).
+    /// poisons its bytes in that time). A spin past `u64::MAX` nanoseconds is that.
     pub fn spin_every(mut self, every: u64, us: u64) -> Self {
-        self.spin_every = (every > 0).then_some((every, us * 1000));
+        self.spin_every = (every > 0).then_some((every, us.saturating_mul(1000)));
         self
     }
 

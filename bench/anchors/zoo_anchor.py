@@ -672,6 +672,11 @@ def main():
     doc = dict(versions=versions, cases=out)
     if torch.cuda.is_available():
         doc["gpu"] = torch.cuda.get_device_name()  # py_merge.py takes the GPU from the runs
+        try:  # the machine's boot: zoo merge takes anchors only from a boot that ran our runs too
+            with open("/proc/sys/kernel/random/boot_id") as f:
+                doc["boot"] = f.read().strip()
+        except OSError:
+            pass
     if a.kernels:
         doc["kernels_profiled"] = True  # py_merge.py refuses it: profiled steps ran between the timed ones
     json.dump(doc, open(a.out, "w"), indent=1)

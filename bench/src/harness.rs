@@ -211,6 +211,16 @@ pub struct RunDoc {
     /// sanitizer's runs take `--warmup 0`, and are not merged).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub warmup: Option<usize>,
+    /// The machine's boot (`/proc/sys/kernel/random/boot_id`): a merge takes
+    /// anchors only from a boot that ran this model's runs too. `None` in runs
+    /// from before it was recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub boot: Option<String>,
+}
+
+/// This machine's boot id (`/proc/sys/kernel/random/boot_id`), if it has one.
+pub fn boot_id() -> Option<String> {
+    std::fs::read_to_string("/proc/sys/kernel/random/boot_id").ok().map(|s| s.trim().to_owned()).filter(|s| !s.is_empty())
 }
 
 /// A field left out of a results file where it holds its default (what runs from
@@ -276,6 +286,7 @@ impl RunDoc {
             no_gemm: opts.no_gemm,
             pid: std::process::id(),
             warmup: Some(opts.warmup),
+            boot: boot_id(),
             started_unix_s: *PROCESS_START
                 .get_or_init(|| std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64())),
             ..RunDoc::default()
@@ -516,6 +527,10 @@ pub struct AnchorDoc {
     /// Kernels were profiled between its timed steps (`zoo_anchor.py --kernels`).
     #[serde(default)]
     pub kernels_profiled: bool,
+    /// The machine's boot, as [`RunDoc::boot`] (absent in anchors from before it
+    /// was recorded).
+    #[serde(default)]
+    pub boot: Option<String>,
 }
 
 /// Tensor bytes of `store`'s blocks, without the alignment padding between them.
@@ -685,6 +700,22 @@ pub fn merge(runs: &[RunDoc], anchors: &[AnchorDoc], min_repeats: usize) -> Resu
     for (m, rs) in &by_model {
         if let Some(r) = rs.iter().find(|r| r.commit != rs[0].commit) {
             return Err(format!("{m}: runs of different commits ({} and {})", rs[0].commit, r.commit));
+        }
+    }
+    // Anchors ran in the same command as ours: each model's anchors on a machine
+    // boot that ran its runs too. Files from before boots were recorded hold
+    // none; a model's files either all say or none does.
+    for (m, rs) in &by_model {
+        let theirs: Vec<&AnchorDoc> = anchors.iter().filter(|a| a.cases.iter().any(|c| &c.model == m)).collect();
+        let known = rs.iter().filter(|r| r.boot.is_some()).count() + theirs.iter().filter(|a| a.boot.is_some()).count();
+        if known != 0 && known != rs.len() + theirs.len() {
+            return Err(format!("{m}: some runs or anchors record the machine's boot and some do not: files of different commands"));
+        }
+        if let Some(a) = theirs.iter().find(|a| a.boot.is_some() && !rs.iter().any(|r| r.boot == a.boot)) {
+            return Err(format!(
+                "{m}: an anchor ran on boot {} of a machine, where none of the runs did: anchors run in the same command as ours",
+                a.boot.as_deref().unwrap_or_default()
+            ));
         }
     }
     let commit_of = |m: &str| by_model.iter().find(|(cm, _)| cm == m).map(|(_, rs)| rs[0].commit.clone()).unwrap_or_default();
@@ -978,8 +1009,18 @@ mod tests {
                 cases: vec![anchor("resident", 0.1), anchor("block_stream", 0.2 + i as f64 * 0.01), anchor("leaf_stream", 0.15)],
                 gpu: None,
                 kernels_profiled: false,
+                boot: None,
             })
             .collect();
+        // Anchors of a boot none of the model's runs ran on, or files of which
+        // some record the boot and some do not, are refused; the runs' boot is taken.
+        let (mut booted, mut theirs) = (runs.clone(), anchors.clone());
+        booted.iter_mut().for_each(|r| r.boot = Some("a".into()));
+        assert!(merge(&booted, &theirs, 3).unwrap_err().contains("some do not"), "anchors of unknown boot taken");
+        theirs.iter_mut().for_each(|a| a.boot = Some("a".into()));
+        assert!(merge(&booted, &theirs, 3).is_ok(), "anchors of the runs' boot refused");
+        theirs[2].boot = Some("b".into());
+        assert!(merge(&booted, &theirs, 3).unwrap_err().contains("an anchor ran on boot b"), "anchors of another boot taken");
         // Runs on two GPUs, anchors on another GPU than ours, or profiled, are refused.
         let mut mixed = runs.clone();
         mixed[1].gpu = "NVIDIA H100 80GB HBM3".into();

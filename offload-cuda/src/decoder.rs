@@ -49,6 +49,21 @@ impl DecodedBytes {
 /// The decoding kernel, loaded on one backend's context.
 pub struct ExponentDecoder {
     decode: CudaFunction,
+    /// The context the module is loaded on: drained before the module unloads.
+    engine: std::sync::Arc<crate::engine::Engine>,
+}
+
+impl Drop for ExponentDecoder {
+    fn drop(&mut self) {
+        // Launches of this kernel may still be queued on any stream of the
+        // context: let them finish before the module goes with `decode`.
+        if let Err(e) =
+            self.engine.bind().and_then(|()| self.engine.ctx.synchronize().map_err(|e| crate::error::dev("draining the context", e)))
+        {
+            tracing::warn!("the exponent decoder's module is kept loaded: the context could not be drained ({e})");
+            std::mem::forget(self.decode.clone());
+        }
+    }
 }
 
 impl ExponentDecoder {
@@ -66,7 +81,8 @@ impl ExponentDecoder {
         }
         .map_err(|e| dev("compiling the exponent decoder", e))?;
         let module = b.engine().ctx.load_module(ptx).map_err(|e| dev("loading the exponent decoder", e))?;
-        Ok(ExponentDecoder { decode: module.load_function("exp_decode").map_err(|e| dev("exp_decode", e))? })
+        let decode = module.load_function("exp_decode").map_err(|e| dev("exp_decode", e))?;
+        Ok(ExponentDecoder { decode, engine: b.engine().clone() })
     }
 
     /// Decode the encoded string `enc` ([`offload_core::codec::encode_bf16`]) on

@@ -118,6 +118,20 @@ pub struct FoldKernel {
     folds: u64,
 }
 
+impl Drop for FoldKernel {
+    fn drop(&mut self) {
+        // Folds and spins may still be queued on the compute stream: let them
+        // finish before the module goes with the functions (the accumulator is
+        // freed in stream order). If that fails, keep the module loaded.
+        if let Err(e) =
+            self.engine.bind().and_then(|()| self.engine.compute.synchronize().map_err(|e| dev("draining the compute stream", e)))
+        {
+            tracing::warn!("the fold kernels' module is kept loaded: the compute stream could not be drained ({e})");
+            std::mem::forget(self.hash.clone());
+        }
+    }
+}
+
 impl FoldKernel {
     /// Compile (once per process) and load the kernels; the accumulator starts at `seed`.
     pub fn new(b: &CudaBackend, seed: u64) -> Result<Self> {

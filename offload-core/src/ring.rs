@@ -69,11 +69,14 @@ pub enum Sabotage {
     /// ring does nothing different: the conformance suite builds the disk
     /// case's backend with the break (`Harness::disk_backend`).
     EarlyRefill,
+    /// Invariant 9: keep a second page-locked copy of every block the store
+    /// builds (`HostStore::build`; the ring does nothing different).
+    SecondHostCopy,
 }
 
 impl Sabotage {
     /// Every break, for tables.
-    pub const ALL: [Sabotage; 12] = [
+    pub const ALL: [Sabotage; 13] = [
         Sabotage::SkipComputeWait,
         Sabotage::SkipFreeWait,
         Sabotage::NoReleaseEvent,
@@ -86,6 +89,7 @@ impl Sabotage {
         Sabotage::StaleBounce,
         Sabotage::TrustCodedFile,
         Sabotage::EarlyRefill,
+        Sabotage::SecondHostCopy,
     ];
 }
 

@@ -114,7 +114,8 @@ pub struct SimStats {
     pub syncs: u64,
     /// Protocol violations seen, in order.
     pub violations: Vec<String>,
-    /// "Page-locked" host bytes handed out (never returned: the sim does not track host frees).
+    /// "Page-locked" host bytes held now: given back as a buffer drops (a mapped
+    /// region, registered on first use, stays counted while the simulator lives).
     pub pinned_bytes: u64,
     /// Copies of coded blocks (decoded on the copy thread).
     pub coded_copies: u64,
@@ -133,6 +134,17 @@ pub struct SimHost {
     region: Option<Arc<dyn crate::HostRegion>>,
     /// The simulator it came from (refills wait, or report, there).
     sim: Arc<Inner>,
+    /// The page-locked bytes this buffer holds in the simulator's count, given
+    /// back when it drops (a region's registration is counted once, and kept).
+    counted: u64,
+}
+
+impl Drop for SimHost {
+    fn drop(&mut self) {
+        if self.counted > 0 {
+            lock(&self.sim.state).stats.pinned_bytes -= self.counted;
+        }
+    }
 }
 
 /// A slot of simulated device memory.
@@ -247,7 +259,7 @@ impl SimBackend {
     fn alloc_ordinary(&self, bytes: usize, purpose: &str, fill: Fill<'_>) -> Result<SimHost> {
         let mut v = crate::host::zeroed("sim", bytes, purpose)?;
         fill(&mut v)?;
-        Ok(SimHost { raw: v.into(), pinned: false, coded: None, region: None, sim: self.inner.clone() })
+        Ok(SimHost { raw: v.into(), pinned: false, coded: None, region: None, sim: self.inner.clone(), counted: 0 })
     }
 
     fn alloc_locked(&self, bytes: usize, purpose: &str, fill: Fill<'_>) -> Result<SimHost> {
@@ -277,7 +289,7 @@ impl SimBackend {
                 return Err(e);
             }
         };
-        Ok(SimHost { raw: v.into(), pinned: true, coded: None, region: None, sim: self.inner.clone() })
+        Ok(SimHost { raw: v.into(), pinned: true, coded: None, region: None, sim: self.inner.clone(), counted: bytes as u64 })
     }
 
     /// A simulated device with `cfg`.
@@ -435,7 +447,7 @@ impl HostBuffer for SimHost {
 
 impl SimBackend {
     fn alloc_coded(&self, bytes: usize, purpose: &str, fill: Fill<'_>) -> Result<SimHost> {
-        let host = self.alloc_locked(bytes, purpose, fill)?;
+        let mut host = self.alloc_locked(bytes, purpose, fill)?;
         // The simulated device decodes with the CPU reference, which reads every code.
         let codes = crate::codec::DeviceCodes { fp8_e4m3: true };
         let coded = crate::codec::code_for_device_with(&host.raw, SIM_SEGMENT_BYTES, 2, codes);
@@ -445,20 +457,21 @@ impl SimBackend {
             return Ok(host);
         }
         // The page-locked bytes are the coded ones (the raw copy is the simulator's own).
-        let mut st = lock(&self.inner.state);
-        let counted = |n: usize| if host.pinned { n as u64 } else { 0 };
-        st.stats.pinned_bytes = st.stats.pinned_bytes - counted(bytes) + counted(coded.len());
-        if let Err(e) = crate::codec::device_segments(&coded, purpose) {
-            st.stats.pinned_bytes -= counted(coded.len());
-            return Err(e);
+        if host.pinned {
+            let mut st = lock(&self.inner.state);
+            st.stats.pinned_bytes = st.stats.pinned_bytes - host.counted + coded.len() as u64;
+            host.counted = coded.len() as u64;
         }
-        Ok(SimHost { coded: Some(coded.into()), ..host })
+        // On an error the buffer drops, and gives its count back.
+        crate::codec::device_segments(&coded, purpose)?;
+        host.coded = Some(coded.into());
+        Ok(host)
     }
 
     fn alloc_precoded(&self, bytes: usize, coded_len: usize, purpose: &str, fill: Fill<'_>) -> Result<SimHost> {
         // The coded bytes are what is page-locked; the raw ones (the simulator's
         // own, for `block_bytes`) are decoded from them on the host.
-        let host = self.alloc_locked(coded_len, purpose, fill)?;
+        let mut host = self.alloc_locked(coded_len, purpose, fill)?;
         let coded = host.raw.clone();
         let structure = crate::codec::device_segments(&coded, purpose).and_then(|(len, _)| match len == bytes {
             true => Ok(()),
@@ -471,13 +484,13 @@ impl SimBackend {
             // decodes at copy time and checks nothing): the case's own check sees
             // the forged file built, not this decode's refusal.
             if !crate::store::sabotage::trusts_coded() {
-                if host.pinned {
-                    lock(&self.inner.state).stats.pinned_bytes -= coded_len as u64;
-                }
+                // The buffer drops here, and gives its count back.
                 return Err(e);
             }
         }
-        Ok(SimHost { raw: raw.into(), coded: Some(coded), ..host })
+        host.raw = raw.into();
+        host.coded = Some(coded);
+        Ok(host)
     }
 
     fn in_region(&self, region: &Arc<dyn crate::HostRegion>, offset: usize, bytes: usize, purpose: &str) -> Result<SimHost> {
@@ -515,6 +528,7 @@ impl SimBackend {
             coded: None,
             region: Some(region.clone()),
             sim: self.inner.clone(),
+            counted: 0,
         })
     }
 }

@@ -225,13 +225,29 @@ fn precoded_buffer<B: OffloadBackend>(
     })
 }
 
-/// The store's deliberate breaks (`Sabotage::TrustCodedFile`), set per thread
+/// The store's deliberate breaks (`Sabotage::TrustCodedFile`, `Sabotage::SecondHostCopy`), set per thread
 /// by a test around a build; always off without the `sabotage` feature.
 #[doc(hidden)]
 pub mod sabotage {
     #[cfg(feature = "sabotage")]
     thread_local! {
         static TRUST_CODED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+        static SECOND_COPY: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    }
+
+    /// Whether each page-locked block is allocated twice, the second copy kept
+    /// (`Sabotage::SecondHostCopy`).
+    pub(crate) fn keeps_second_copy() -> bool {
+        #[cfg(feature = "sabotage")]
+        return SECOND_COPY.with(|t| t.get());
+        #[cfg(not(feature = "sabotage"))]
+        false
+    }
+
+    /// Keep (or not) a second page-locked copy of every block a store builds, on this thread.
+    #[cfg(feature = "sabotage")]
+    pub fn keep_second_copy(on: bool) {
+        SECOND_COPY.with(|t| t.set(on));
     }
 
     /// Whether a coded file's blocks are trusted without being decoded at load.
@@ -593,6 +609,10 @@ impl<B: OffloadBackend> HostStore<B> {
             // budget was checked against the block's size; a coded block can hold
             // more (its headers, incompressible strings kept raw): then it is
             // dropped and the block held as the fallback says, so the budget holds.
+            if sabotage::keeps_second_copy() && buffer.is_pinned() {
+                // The deliberate break: a second page-locked copy of the block, never given back.
+                std::mem::forget(host.alloc_pinned(layout.bytes, &purpose, &mut |_| Ok(()))?);
+            }
             let mut buffer = buffer;
             let mut held_bytes = buffer.held_bytes().unwrap_or(layout.bytes);
             if buffer.is_pinned() && held_bytes as u64 > pinned_left.get() {
@@ -1298,8 +1318,10 @@ mod tests {
             "{e}"
         );
         let before = be.stats().pinned_bytes;
-        Ring::new(be.clone(), store.clone(), &with(Some(pinned + bounce))).unwrap().close().unwrap();
+        let ring = Ring::new(be.clone(), store.clone(), &with(Some(pinned + bounce))).unwrap();
         assert_eq!(be.stats().pinned_bytes - before, bounce, "page-locked by the ring");
+        ring.close().unwrap();
+        assert_eq!(be.stats().pinned_bytes, before, "the bounce buffers given back at close");
     }
 
     /// `blocks` blocks of two tensors (the first `big` bytes) and a non-block

@@ -158,6 +158,8 @@ pub(crate) struct State {
     pub(crate) checking: bool,
     pub(crate) live_bytes: u64,
     pub(crate) peak_bytes: u64,
+    /// Bytes of host buffers alive (a leaked one stays counted).
+    pub(crate) host_bytes: u64,
     pub(crate) syncs: u64,
     pub(crate) copies: u64,
     pub(crate) bytes_copied: u64,
@@ -266,6 +268,9 @@ pub struct VulkanCounters {
     pub live_bytes: u64,
     /// Peak of `live_bytes` since the last reset.
     pub peak_bytes: u64,
+    /// Host-visible bytes held by this backend's host buffers now (the
+    /// store's; one leaked under a lost device stays counted).
+    pub host_bytes: u64,
     /// Host synchronisations through [`OffloadBackend::synchronize`].
     pub syncs: u64,
     /// Copies submitted.
@@ -522,6 +527,7 @@ impl VulkanBackend {
             checking: false,
             live_bytes: 0,
             peak_bytes: 0,
+            host_bytes: 0,
             syncs: 0,
             copies: 0,
             bytes_copied: 0,
@@ -655,6 +661,7 @@ impl VulkanBackend {
         let st = lock(&self.inner.state);
         VulkanCounters {
             live_bytes: st.live_bytes,
+            host_bytes: st.host_bytes,
             peak_bytes: st.peak_bytes,
             syncs: st.syncs,
             copies: st.copies,

@@ -204,6 +204,8 @@ impl VulkanHost {
             }
         };
         let me = VulkanHost { buffer, memory, ptr, len, pages: None, last_copy: AtomicU64::new(0), inner: b.inner.clone() };
+        // Counted from here: the drop gives it back (or keeps it counted, leaked).
+        lock(&b.inner.state).host_bytes += len as u64;
         if len > 0 {
             // SAFETY: the mapping covers at least `len` bytes, owned exclusively here;
             // zeroed first so `fill` sees initialised memory.
@@ -249,6 +251,7 @@ impl VulkanHost {
         // SAFETY: `Import::new`'s contract, as just said.
         let import = unsafe { Import::new(ptr, size) };
         let (buffer, memory) = make_buffer(b, len, vk::BufferUsageFlags::TRANSFER_SRC, flags, purpose, Some(&import))?;
+        lock(&b.inner.state).host_bytes += len as u64;
         Ok(VulkanHost { buffer, memory, ptr, len, pages: Some(pages), last_copy: AtomicU64::new(0), inner: b.inner.clone() })
     }
 
@@ -381,6 +384,7 @@ impl Drop for VulkanHost {
             dev.destroy_buffer(self.buffer, None);
             dev.free_memory(self.memory, None);
         }
+        lock(&self.inner.state).host_bytes -= self.len as u64;
     }
 }
 

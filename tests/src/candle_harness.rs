@@ -55,6 +55,9 @@ impl Harness for Candle {
     fn host_syncs(b: &CandleBackend) -> u64 {
         b.host_device().stats().syncs
     }
+    fn host_pinned_bytes(b: &CandleBackend) -> Option<u64> {
+        Some(b.host_device().stats().pinned_bytes)
+    }
     fn model_cases() -> Vec<ModelCase> {
         vec![
             ModelCase { name: "sd3_joint_blocks", invariant: "6,9", run: sd3_cpu },

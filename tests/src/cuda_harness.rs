@@ -83,6 +83,9 @@ macro_rules! fresh_engine_harness {
             fn host_syncs(b: &Self::B) -> u64 {
                 b.counters().syncs
             }
+            fn host_pinned_bytes(b: &Self::B) -> Option<u64> {
+                Some(b.counters().pinned_bytes)
+            }
             fn model_cases() -> Vec<$crate::harness::ModelCase> {
                 $cases
             }
@@ -202,6 +205,9 @@ impl<const MODE: u8> Harness for CudaRow<MODE> {
     }
     fn host_syncs(b: &CudaBackend) -> u64 {
         b.counters().syncs
+    }
+    fn host_pinned_bytes(b: &CudaBackend) -> Option<u64> {
+        Some(b.counters().pinned_bytes)
     }
     fn model_cases() -> Vec<ModelCase> {
         if MODE == 1 {

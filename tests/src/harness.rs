@@ -86,6 +86,11 @@ pub trait Harness: 'static {
     fn reset_peak(b: &Self::B);
     /// Host synchronisations so far.
     fn host_syncs(b: &Self::B) -> u64;
+    /// Page-locked host bytes the backend's buffers hold now, by the backend's
+    /// own count (`None`: this row does not count them).
+    fn host_pinned_bytes(_b: &Self::B) -> Option<u64> {
+        None
+    }
     /// Cases of this backend alone, after the shared ones: a real model run with
     /// its framework's own block code (candle: candle-transformers' SD3 joint
     /// blocks), what its tensors do after their block is released (invariant 10),

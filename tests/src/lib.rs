@@ -232,6 +232,7 @@ pub fn marks(sabotage: offload_core::ring::Sabotage) -> &'static [&'static str] 
         S::StaleBounce => &["result from the disk tier"],
         S::TrustCodedFile => &["a forged coded file (its hashes rewritten) built a store"],
         S::EarlyRefill => &["invariant 2, the disk tier)", "result from the disk tier"],
+        S::SecondHostCopy => &["page-locked bytes for the store, which counts"],
         S::None => &[],
     }
 }

@@ -21,6 +21,9 @@ impl<const CODED: bool> Harness for SimRow<CODED> {
     fn backend() -> std::result::Result<SimBackend, CaseError> {
         Ok(SimBackend::new(SimConfig { coded: CODED, ..SimConfig::default() }))
     }
+    fn host_pinned_bytes(b: &SimBackend) -> Option<u64> {
+        Some(b.stats().pinned_bytes)
+    }
     fn new_acc(_: &SimBackend) -> Result<u64> {
         Ok(SEED)
     }

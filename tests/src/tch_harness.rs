@@ -28,6 +28,9 @@ impl Harness for Tch {
     fn backend() -> std::result::Result<SimBackend, CaseError> {
         Ok(SimBackend::new(SimConfig::fast()))
     }
+    fn host_pinned_bytes(b: &SimBackend) -> Option<u64> {
+        Some(b.stats().pinned_bytes)
+    }
     fn disk_backend(early_refill: bool) -> std::result::Result<SimBackend, CaseError> {
         Ok(SimBackend::new(crate::sim_harness::disk_config(SimConfig::fast(), early_refill)))
     }

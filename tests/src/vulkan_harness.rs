@@ -133,6 +133,9 @@ impl<const MODE: u8> Harness for VulkanRow<MODE> {
     fn host_syncs(b: &VulkanBackend) -> u64 {
         b.counters().syncs
     }
+    fn host_pinned_bytes(b: &VulkanBackend) -> Option<u64> {
+        Some(b.counters().host_bytes)
+    }
     fn model_cases() -> Vec<ModelCase> {
         let mut cases = vec![ModelCase { name: "user_signal_release", invariant: "1,2,6", run: user_signal_release::<MODE> }];
         match MODE {

@@ -1,5 +1,5 @@
 """Merge the Vulkan bench's process runs (OUT/PREFIX-run*.json from `vulkan-bench`)
-into OUT/PREFIX-h200.json: per case the median streamed and resident steps with
+into OUT/PREFIX-<gpu>.json (`h200`, `h100`: named by the runs' GPU): per case the median streamed and resident steps with
 min and max, the bound and the ratio; the pinned bandwidth beside the CUDA one
 measured in the same runs. Run by bench/gpu-run.sh:
     python3 vulkan_merge.py OUT PREFIX
@@ -13,6 +13,8 @@ if not runs:
     sys.exit(f"vulkan_merge: no {prefix}-run*.json in {out}")
 if len({r["commit"] for r in runs}) > 1:
     sys.exit(f"vulkan_merge: runs of several commits: {sorted({r['commit'] for r in runs})}")
+if len({r["gpu"] for r in runs}) > 1:
+    sys.exit(f"vulkan_merge: runs on several GPUs: {sorted({r['gpu'] for r in runs})}")
 if len({r["cuda_bandwidth_gbps"] is None for r in runs}) > 1:
     sys.exit("vulkan_merge: some runs measured the CUDA bandwidth and some did not")
 def spread(xs):
@@ -40,7 +42,12 @@ doc = {"date": runs[0]["date"] or os.environ.get("BENCH_DATE", ""), "commit": ru
     "meets_bandwidth_target": bool(cuda) and bw["median"] >= 0.9 * cuda["median"],
     "meets_step_target": bool(cases) and all(c["ratio_to_bound"] <= 1.03 and c["bitwise_equal"] for c in cases),
     "cases": cases}
-json.dump(doc, open(os.path.join(out, prefix + "-h200.json"), "w"), indent=1)
+# The file names the GPU its runs ran on (an H100's runs once went into "-h200.json").
+gpu = runs[0]["gpu"]
+card = next((c for c in ("H200", "H100") if c in gpu), None)
+card = card.lower() if card else "".join(ch if ch.isalnum() else "-" for ch in gpu.lower()).strip("-") or "unknown-gpu"
+with open(os.path.join(out, f"{prefix}-{card}.json"), "w") as f:
+    json.dump(doc, f, indent=1)
 print(json.dumps({k: doc[k] for k in ("bandwidth_gbps", "cuda_bandwidth_gbps", "bandwidth_ratio_to_cuda", "meets_bandwidth_target", "meets_step_target")}))
 for c in cases:
     print(f'{c["case"]:<14} d={c["depth"]} resident {c["step_resident_s"]:.4f} streamed {c["step_streamed_s"]:.4f} [{c["step_streamed_s_min"]:.4f}, {c["step_streamed_s_max"]:.4f}] ratio {c["ratio_to_bound"]:.4f} equal {c["bitwise_equal"]}')

@@ -496,10 +496,10 @@ def test_the_rerun_check_sets_new_medians_against_the_published_spread(tmp_path)
 def test_the_vulkan_and_sabotage_merges_refuse_what_would_pass_vacuously(tmp_path):
     # vulkan_merge.py: runs of two commits (or none) are no one figure; sabotage_table.py:
     # backends that ran different breaks (or none) cannot be "all caught".
-    def vk(k, commit):
+    def vk(k, commit, gpu="NVIDIA H100 80GB HBM3"):
         case = dict(case="1024", depth=1, step_streamed_s=0.3, step_resident_s=0.2, bound_s=0.29, ratio_to_bound=1.03,
                     bandwidth_gbps=50.0, streamed_bytes=1, peak_device_bytes=1, bitwise_equal=True, misses=0)
-        doc = dict(date="2026-12-04", commit=commit, gpu="g", model="m", bandwidth_gbps=50.0, cuda_bandwidth_gbps=54.0, cases=[case])
+        doc = dict(date="2026-12-04", commit=commit, gpu=gpu, model="m", bandwidth_gbps=50.0, cuda_bandwidth_gbps=54.0, cases=[case])
         (tmp_path / f"vk-run{k}.json").write_text(json.dumps(doc))
 
     def vulkan():
@@ -509,6 +509,12 @@ def test_the_vulkan_and_sabotage_merges_refuse_what_would_pass_vacuously(tmp_pat
     for k, c in enumerate(["a", "a", "a"]):
         vk(k, c)
     assert vulkan().returncode == 0
+    # The file names the runs' GPU (an H100's runs once went into "-h200.json").
+    assert (tmp_path / "vk-h100.json").exists() and not (tmp_path / "vk-h200.json").exists()
+    vk(2, "a", gpu="NVIDIA H200")
+    r = vulkan()
+    assert r.returncode != 0 and "several GPUs" in r.stderr, r
+    vk(2, "a")
     vk(3, "b")
     r = vulkan()
     assert r.returncode != 0 and "several commits" in r.stderr, r

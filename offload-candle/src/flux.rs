@@ -27,9 +27,16 @@ impl FluxShape {
         self.hidden.checked_div(self.heads).unwrap_or(0)
     }
 
-    /// Refuses a shape no Flux block has: a size of 0, or heads that do not
-    /// divide the hidden size. The blocks check it when built.
+    /// Refuses a shape no Flux block has: a size of 0, heads that do not
+    /// divide the hidden size, or a weight whose bytes overflow `usize`. The
+    /// blocks check it when built.
     pub fn check(&self) -> Result<()> {
+        // The widest weight is at most max(6h, 3h + m) × (h + m) bf16 elements.
+        let (h, m) = (self.hidden, self.mlp);
+        let widest = || h.checked_mul(6)?.max(h.checked_mul(3)?.checked_add(m)?).checked_mul(h.checked_add(m)?)?.checked_mul(2);
+        if widest().is_none() {
+            candle_core::bail!("a Flux block of hidden {h} and MLP {m}: its weights' sizes overflow");
+        }
         if self.hidden == 0 || self.heads == 0 || self.mlp == 0 || self.hidden % self.heads != 0 {
             candle_core::bail!(
                 "a Flux block of hidden {}, {} heads and MLP {}: each must be above 0 and the heads divide the hidden size",
@@ -41,12 +48,15 @@ impl FluxShape {
         Ok(())
     }
 
-    /// Every tensor of a double block, relative to the block: name and shape.
+    /// Every tensor of a double block, relative to the block: name and shape
+    /// (sizes saturate where they would overflow: such a shape's tensors are
+    /// then refused by their byte count; [`check`](Self::check) names it).
     pub fn double_tensors(&self) -> Vec<(String, Vec<usize>)> {
         let (h, m, hd) = (self.hidden, self.mlp, self.head_dim());
         let mut v = Vec::new();
         for s in ["img", "txt"] {
-            for (n, o, i) in [("_mod.lin", 6 * h, h), ("_attn.qkv", 3 * h, h), ("_attn.proj", h, h), ("_mlp.0", m, h), ("_mlp.2", h, m)] {
+            let (h3, h6) = (h.saturating_mul(3), h.saturating_mul(6));
+            for (n, o, i) in [("_mod.lin", h6, h), ("_attn.qkv", h3, h), ("_attn.proj", h, h), ("_mlp.0", m, h), ("_mlp.2", h, m)] {
                 v.push((format!("{s}{n}.weight"), vec![o, i]));
                 v.push((format!("{s}{n}.bias"), vec![o]));
             }
@@ -56,11 +66,13 @@ impl FluxShape {
         v
     }
 
-    /// Every tensor of a single block, relative to the block: name and shape.
+    /// Every tensor of a single block, relative to the block: name and shape
+    /// (sizes saturate as [`double_tensors`](Self::double_tensors)'s do).
     pub fn single_tensors(&self) -> Vec<(String, Vec<usize>)> {
         let (h, m, hd) = (self.hidden, self.mlp, self.head_dim());
         let mut v = Vec::new();
-        for (n, o, i) in [("modulation.lin", 3 * h, h), ("linear1", 3 * h + m, h), ("linear2", h, h + m)] {
+        let h3 = h.saturating_mul(3);
+        for (n, o, i) in [("modulation.lin", h3, h), ("linear1", h3.saturating_add(m), h), ("linear2", h, h.saturating_add(m))] {
             v.push((format!("{n}.weight"), vec![o, i]));
             v.push((format!("{n}.bias"), vec![o]));
         }

@@ -143,6 +143,13 @@ fn degenerate_shapes_are_errors_or_empty_not_panics() {
         assert!(e.contains("heads"), "{e}");
         let _ = RandomFlux::new(bad, 1, 1, 1); // the specs of a bad shape: no panic
     }
+    // Sizes past usize: refused by name when checked, and the specs neither
+    // panic nor wrap to small tensors (their byte counts are refused).
+    let huge = FluxShape { hidden: 1 << 62, heads: 1, mlp: 1 };
+    let e = DoubleBlock::new(huge, vb.clone()).err().expect("refused").to_string();
+    assert!(e.contains("overflow"), "{e}");
+    let src = RandomFlux::new(huge, 1, 1, 1);
+    assert!(src.specs().iter().any(|s| s.nbytes().is_err()), "a wrapped size would read as a small tensor");
 }
 
 /// A block of I16, I32, I64 and F8 (E4M3) tensors streams to candle's CPU

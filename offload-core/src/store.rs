@@ -229,39 +229,35 @@ fn precoded_buffer<B: OffloadBackend>(
 /// by a test around a build; always off without the `sabotage` feature.
 #[doc(hidden)]
 pub mod sabotage {
-    #[cfg(feature = "sabotage")]
+    use std::cell::Cell;
+
+    // Set only through the setters below, which exist only with the feature.
     thread_local! {
-        static TRUST_CODED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-        static SECOND_COPY: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+        static TRUST_CODED: Cell<bool> = const { Cell::new(false) };
+        static SECOND_COPY: Cell<bool> = const { Cell::new(false) };
+    }
+
+    /// Whether a coded file's blocks are trusted without being decoded at load.
+    pub(crate) fn trusts_coded() -> bool {
+        TRUST_CODED.with(Cell::get)
     }
 
     /// Whether each page-locked block is allocated twice, the second copy kept
     /// (`Sabotage::SecondHostCopy`).
     pub(crate) fn keeps_second_copy() -> bool {
-        #[cfg(feature = "sabotage")]
-        return SECOND_COPY.with(|t| t.get());
-        #[cfg(not(feature = "sabotage"))]
-        false
-    }
-
-    /// Keep (or not) a second page-locked copy of every block a store builds, on this thread.
-    #[cfg(feature = "sabotage")]
-    pub fn keep_second_copy(on: bool) {
-        SECOND_COPY.with(|t| t.set(on));
-    }
-
-    /// Whether a coded file's blocks are trusted without being decoded at load.
-    pub(crate) fn trusts_coded() -> bool {
-        #[cfg(feature = "sabotage")]
-        return TRUST_CODED.with(|t| t.get());
-        #[cfg(not(feature = "sabotage"))]
-        false
+        SECOND_COPY.with(Cell::get)
     }
 
     /// Trust (or not) coded files' blocks without decoding them, on this thread.
     #[cfg(feature = "sabotage")]
     pub fn trust_coded(on: bool) {
         TRUST_CODED.with(|t| t.set(on));
+    }
+
+    /// Keep (or not) a second page-locked copy of every block a store builds, on this thread.
+    #[cfg(feature = "sabotage")]
+    pub fn keep_second_copy(on: bool) {
+        SECOND_COPY.with(|t| t.set(on));
     }
 }
 

@@ -1288,28 +1288,29 @@ mod readme_tests {
     /// not published as a figure.
     #[test]
     fn a_probe_merge_is_not_published() {
-        let dir = std::env::temp_dir().join(format!("offload-report-probe-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
         let doc = serde_json::json!({"backend": "tch", "gpu": "NVIDIA H200", "repeats": 1, "cases": [], "probe": true});
+        assert!(headline_of("probe", &doc).err().is_some_and(|e| e.contains("--probe merge")), "a probe merge published");
+    }
+
+    /// `headline` over a results folder holding `doc` alone (as `x-zoo-tch.json`).
+    fn headline_of(tag: &str, doc: &serde_json::Value) -> Result<(String, String, Vec<Headline>), String> {
+        let dir = std::env::temp_dir().join(format!("offload-headline-{tag}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
         std::fs::write(dir.join("x-zoo-tch.json"), doc.to_string()).unwrap();
-        assert!(headline(&dir).err().is_some_and(|e| e.contains("--probe merge")), "a probe merge published");
+        let got = headline(&dir);
         std::fs::remove_dir_all(&dir).unwrap();
+        got
     }
 
     /// The headline names the card the file's runs were measured on, and a file
     /// that does not say is an error, not "H200" by default.
     #[test]
     fn the_headline_names_the_files_gpu() {
-        let dir = std::env::temp_dir().join(format!("offload-headline-gpu-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
         let mut doc = serde_json::json!({"backend": "tch", "gpu": "NVIDIA H100 80GB HBM3", "repeats": 3, "cases": []});
-        std::fs::write(dir.join("x-zoo-tch.json"), doc.to_string()).unwrap();
-        let (_, table, _) = headline(&dir).expect("headline");
+        let (_, table, _) = headline_of("gpu", &doc).expect("headline");
         assert!(table.contains("one NVIDIA H100 80GB HBM3, bf16"), "{table}");
         doc.as_object_mut().unwrap().remove("gpu");
-        std::fs::write(dir.join("x-zoo-tch.json"), doc.to_string()).unwrap();
-        assert!(headline(&dir).err().is_some_and(|e| e.contains("no \"gpu\"")), "a file without its GPU taken");
-        std::fs::remove_dir_all(&dir).unwrap();
+        assert!(headline_of("gpu", &doc).err().is_some_and(|e| e.contains("no \"gpu\"")), "a file without its GPU taken");
     }
 
     #[test]

@@ -52,7 +52,7 @@ pub enum Error {
         message: String,
     },
     /// A checkpoint is malformed.
-    #[error("bad checkpoint {path}: tensor {tensor:?}: {fault}")]
+    #[error("bad checkpoint {path}{}: {fault}", tensor_at(.tensor))]
     BadCheckpoint {
         /// File path.
         path: PathBuf,
@@ -133,5 +133,15 @@ impl Error {
     /// An [`Error::Device`] for `backend`.
     pub fn device(backend: &str, during: impl Into<String>, message: impl std::fmt::Display) -> Self {
         Error::Device { backend: backend.to_owned(), during: during.into(), message: message.to_string() }
+    }
+}
+
+/// `: tensor "name"` for an error naming a tensor, nothing for one about the
+/// whole file (its header, its identity): a file-level error names no tensor.
+fn tensor_at(tensor: &str) -> String {
+    if tensor.is_empty() {
+        String::new()
+    } else {
+        format!(": tensor {tensor:?}")
     }
 }

@@ -411,9 +411,10 @@ impl HostBuffer for SimHost {
     }
 
     fn block_bytes(&self) -> Result<&[u8]> {
-        // Served in place: the file must still hold what the buffer was made from.
+        // Served in place: the opened file must still hold what the buffer was
+        // made from (its path may name another file since).
         if let Some(region) = &self.region {
-            region.check()?;
+            region.held()?;
         }
         Ok(&self.raw)
     }

@@ -265,6 +265,15 @@ pub trait HostRegion: Send + Sync + 'static {
     /// registers it, before a read, and by a ring at every step boundary
     /// ([`HostStore::check_sources`](crate::HostStore::check_sources)).
     fn check(&self) -> Result<()>;
+    /// Whether the bytes the region reads are still those it was opened with,
+    /// wherever its path points now: a file renamed over the path (or the path
+    /// deleted) leaves the opened file, unlinked, holding what it held, and no
+    /// one can open it by path to write it. What puts a module back after its
+    /// checkpoint was replaced asks this, not [`check`](Self::check), which
+    /// refuses a path that names another file. [`check`](Self::check) by default.
+    fn held(&self) -> Result<()> {
+        self.check()
+    }
     /// The identity of the file the region holds, as recorded when it was
     /// opened; `None` for a region that is not a file. A checkpoint accepts a
     /// region only of its own file ([`SafetensorsFile::set_region`]).
@@ -378,6 +387,22 @@ impl FileIdentity {
         self.compare(path, &now)
     }
 
+    /// Whether the open `file` still holds what it held when this identity was
+    /// recorded, wherever `path` points now: as
+    /// [`check_contents`](Self::check_contents), but a file unlinked since (no
+    /// link left: replaced by a rename, or deleted) may have moved its change
+    /// time, which the unlink itself does; its length and modification time
+    /// must not have moved. A write with its modification time put back before
+    /// the unlink is what this cannot see.
+    pub(crate) fn check_held(&self, path: &Path, file: &File) -> Result<()> {
+        let m = file.metadata().map_err(|source| Error::Io { path: path.to_path_buf(), source })?;
+        let now = FileIdentity::of(&m);
+        if m.nlink() == 0 {
+            return self.compare(path, &FileIdentity { ctime_ns: self.ctime_ns, ..now });
+        }
+        self.compare(path, &now)
+    }
+
     /// A named error saying how `now` differs from this identity, if it does.
     pub(crate) fn compare(&self, path: &Path, now: &FileIdentity) -> Result<()> {
         let bad = |fault: String| Error::BadCheckpoint { path: path.to_path_buf(), tensor: String::new(), fault };
@@ -454,8 +479,10 @@ impl HostRegion for FileRegion {
     fn as_any(&self) -> &dyn std::any::Any {
         self
     }
+    /// Reads through the open file: its bytes as opened ([`held`](HostRegion::held)),
+    /// even where the path has named another file since.
     fn read_at(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
-        self.check()?;
+        self.held()?;
         if offset.checked_add(dst.len()).is_none_or(|end| end > self.len()) {
             return Err(Error::BadCheckpoint {
                 path: self.path.clone(),
@@ -465,11 +492,14 @@ impl HostRegion for FileRegion {
         }
         // A read that fails because the file changed after the check says so; a
         // read that succeeds while the file changed is refused too.
-        self.file.read_exact_at(dst, offset as u64).map_err(|source| match self.check() {
+        self.file.read_exact_at(dst, offset as u64).map_err(|source| match self.held() {
             Err(changed) => changed,
             Ok(()) => Error::Io { path: self.path.clone(), source },
         })?;
-        self.check()
+        self.held()
+    }
+    fn held(&self) -> Result<()> {
+        self.identity.check_held(&self.path, &self.file)
     }
     fn origin(&self) -> String {
         format!("checkpoint {}", self.path.display())

@@ -664,13 +664,17 @@ impl<B: OffloadBackend> HostStore<B> {
     /// ([`build_mapped`](Self::build_mapped)) and the file blocks on disk are
     /// read from ([`build_tiered`](Self::build_tiered)): same file, length,
     /// modification and change times ([`FileIdentity`](crate::FileIdentity)).
+    /// A mapped checkpoint whose path names another file since (a new file
+    /// renamed over it) still serves the opened one, unlinked and unchanged
+    /// ([`HostRegion::held`](crate::HostRegion::held)), as a resident module
+    /// keeps the weights it loaded; one written in place is refused.
     /// A [`Ring`](crate::Ring) asks at every step boundary and refuses every later
     /// step when the answer is an error, which names the file. Blocks copied into
     /// the store's own memory do not depend on the file after the build and are
     /// not checked. Costs a `stat` or two, no reads.
     pub fn check_sources(&self) -> Result<()> {
         if let Some(r) = &self.region {
-            r.check()?;
+            r.held()?;
         }
         if let Some(d) = &self.disk {
             d.check()?;
@@ -1058,6 +1062,48 @@ mod tests {
         assert!(e.to_string().contains("replaced"), "{e}");
         // Nothing was kept on either error.
         assert_eq!(be.stats().pinned_bytes, 0);
+    }
+
+    #[test]
+    fn a_file_renamed_over_still_gives_its_opened_bytes_back_and_a_rewritten_one_does_not() {
+        // What putting a module back reads: a file replaced by a rename is still
+        // the opened one (unlinked, unchanged), so its blocks' bytes are there;
+        // rewritten in place, they are not. The step check refuses both.
+        let path = temp("held-replaced");
+        write_checkpoint(&path, &model(None));
+        let file = SafetensorsFile::open(&path).unwrap();
+        let inv = NameDiscovery.discover("m", file.specs()).unwrap();
+        let be = SimBackend::new(SimConfig { registers_regions: true, ..SimConfig::fast() });
+        let store = HostStore::build_mapped(&be, &inv, &file, PinOptions::default()).unwrap();
+        assert!(store.tier().mapped > 0, "{:?}", store.tier());
+        let before: Vec<Vec<u8>> =
+            store.blocks().iter().map(|b| store.with_buffer(&be, b, |h| h.block_bytes().map(<[u8]>::to_vec)).unwrap()).collect();
+        let other = path.with_extension("new");
+        let flipped: Vec<(String, Vec<u8>)> = model(None).into_iter().map(|(n, b)| (n, b.iter().map(|x| x ^ 0xff).collect())).collect();
+        write_checkpoint(&other, &flipped);
+        std::fs::rename(&other, &path).unwrap();
+        assert!(file.region().check().is_err(), "the path names another file");
+        store.check_sources().expect("the steps go on serving the opened file, as a resident module keeps its weights");
+        file.region().held().expect("the opened file still holds its bytes");
+        for (b, want) in store.blocks().iter().zip(&before) {
+            let got = store.with_buffer(&be, b, |h| h.block_bytes().map(<[u8]>::to_vec)).expect("readable after a rename");
+            assert_eq!(&got, want, "{}", b.id);
+        }
+        // Rewritten in place: the same file, written since.
+        let path = temp("held-rewritten");
+        write_checkpoint(&path, &model(None));
+        let file = SafetensorsFile::open(&path).unwrap();
+        let store = HostStore::build_mapped(&be, &inv, &file, PinOptions::default()).unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        let mut f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+        std::io::Write::write_all(&mut f, b"{").unwrap();
+        drop(f);
+        let e = file.region().held().expect_err("a rewritten file no longer holds its bytes").to_string();
+        assert!(e.contains("written since"), "{e}");
+        assert!(store.check_sources().is_err(), "a step refuses a file written in place");
+        assert!(store.tier().mapped > 0, "{:?}", store.tier());
+        let e = store.with_buffer(&be, &store.blocks()[0], |h| h.block_bytes().map(<[u8]>::to_vec)).expect_err("its bytes are gone");
+        assert!(e.to_string().contains("written since"), "{e}");
     }
 
     #[test]

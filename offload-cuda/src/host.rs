@@ -155,8 +155,10 @@ impl PinnedHost {
             return Ok(&[]);
         }
         if let Some(b) = m.read.get() {
-            // Read once; the file must still hold those bytes at every later call.
-            m.reg.region().check()?;
+            // Read once; the opened file must still hold those bytes at every
+            // later call (its path may name another file since: the bytes mapped
+            // are still the opened file's).
+            m.reg.region().held()?;
             return Ok(b);
         }
         let mut b = vec![0u8; self.bytes.len()].into_boxed_slice();

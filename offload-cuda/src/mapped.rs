@@ -91,6 +91,9 @@ impl HostRegion for MappedFile {
     fn check(&self) -> Result<()> {
         self.region.check()
     }
+    fn held(&self) -> Result<()> {
+        self.region.held()
+    }
     fn file_identity(&self) -> Option<offload_core::FileIdentity> {
         self.region.file_identity()
     }

@@ -8,6 +8,7 @@ import json
 import math
 import numbers
 import operator
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional, Sequence
 
@@ -42,12 +43,91 @@ _GiB = 1 << 30
 _COMPOSES = {"layerwise_casting", "peft_autocast_disable"}
 
 
+def _verb(func) -> str:
+    name = func.__name__.split(".")[0]
+    if name in ("_to_copy", "to", "_has_compatible_shallow_copy_type"):
+        return "converted"
+    if name in ("clone", "_copy_from", "lift_fresh"):
+        return "copied"
+    if name.endswith("_") or name in ("set_", "copy_", "fill_"):
+        return "edited in place"
+    return "read"
+
+
+class _Placeholder(torch.Tensor):
+    """What a streamed parameter's place in the module holds while offloaded: a
+    tensor of its shape, dtype and device with no bytes (``numel()``,
+    ``model.num_parameters()``, ``.device`` and ``.dtype`` are the real ones).
+    Its bytes are in the engine's store and reach the block only around its
+    forward, so every operation on it — an edit in place (also through
+    ``.data``), a read, a conversion, a copy, ``.untyped_storage()``,
+    ``set_`` — raises :class:`OffloadError` naming it, instead of acting on
+    nothing and being silently lost."""
+
+    @staticmethod
+    def __new__(cls, shape, dtype, device, requires_grad, component, name):
+        t = torch.Tensor._make_wrapper_subclass(cls, tuple(shape), dtype=dtype, device=device, requires_grad=requires_grad)
+        t._offload_where = (component, name)
+        return t
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        first = args[0] if args else None
+        if func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default) and isinstance(first, _Placeholder):
+            # `.detach()`, `.data`, `nn.Parameter(...)`: another placeholder of the same tensor.
+            return _Placeholder(first.shape, first.dtype, first.device, False, *first._offload_where)
+        if func is torch.ops.aten.is_pinned.default:
+            return False
+        leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+        at = next((a for a in leaves if isinstance(a, _Placeholder)), None)
+        component, name = at._offload_where if at is not None else ("?", "?")
+        raise OffloadError(_refusal(component, name, f"{_verb(func)} ({func.__name__})"))
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        component, name = self._offload_where
+        return (f"OffloadedParameter({name!r} of component {component!r}, shape={tuple(self.shape)}, dtype={self.dtype}, "
+                f"device={self.device}: streamed, its bytes in the engine's store)")
+
+    @property
+    def data(self):
+        return torch._C.TensorBase.data.__get__(self)
+
+    @data.setter
+    def data(self, value):
+        if value is self:  # `Module.to()` with nothing to change sets it to itself
+            return
+        raise OffloadError(_refusal(*self._offload_where, "given other data (.data = ...)"))
+
+    def untyped_storage(self):
+        raise OffloadError(_refusal(*self._offload_where, "read through its storage (untyped_storage)"))
+
+    def data_ptr(self):
+        raise OffloadError(_refusal(*self._offload_where, "read through its address (data_ptr)"))
+
+    def __reduce_ex__(self, protocol):
+        raise OffloadError(_refusal(*self._offload_where, "copied, pickled or saved"))
+
+    def __deepcopy__(self, memo):
+        raise OffloadError(_refusal(*self._offload_where, "copied, pickled or saved"))
+
+
+def _refusal(component: str, name: str, what: str) -> str:
+    return (f"component {component!r}: tensor {name!r} streams while offloaded and cannot be {what}: its bytes are in the "
+            "engine's store and reach the block only around its forward (a block is a module the model calls; one whose "
+            "weights are used without calling it cannot stream). disable (which puts back the tensors as enabled), change "
+            "the module, then enable again")
+
+
 def find_blocks(module: nn.Module) -> list[str]:
     """The module's block lists: the outermost ``nn.ModuleList`` and
     ``nn.Sequential`` children, at any depth, whose items are at least two
-    modules of one class that hold parameters (``transformer_blocks``,
-    ``encoder.block``, ``layers``). Their items are the blocks; everything
-    else stays resident."""
+    modules of one class that hold parameters and have a forward of their own
+    (``transformer_blocks``, ``encoder.block``, ``layers``). Their items are
+    the blocks; everything else stays resident. A list of lists (diffusers'
+    ``StableCascadeUNet``'s ``down_blocks``) is not one: its items are never
+    called; the lists inside it are looked into instead."""
     found: list[str] = []
 
     def walk(prefix: str, m: nn.Module) -> None:
@@ -64,9 +144,16 @@ def find_blocks(module: nn.Module) -> list[str]:
 
 def _is_block_list(m: nn.Module) -> bool:
     items = list(m.children())
-    if len(items) < 2 or len({type(c) for c in items}) != 1:
+    if len(items) < 2 or len({type(c) for c in items}) != 1 or not _called(items[0]):
         return False
     return all(any(True for _ in c.parameters()) for c in items)
+
+
+def _called(m: nn.Module) -> bool:
+    """Whether ``m`` has a forward of its own: a container without one
+    (``nn.ModuleList``, ``nn.ModuleDict``) is never called, so a block of it
+    would never have its weights bound."""
+    return type(m).forward is not nn.Module.forward
 
 
 def _contiguous(shape) -> tuple:
@@ -108,6 +195,8 @@ class _Param:
     # another order (a channels-last kernel), its bytes then streamed in that
     # order, so that each kernel reads them as it did resident; made again on disable.
     layout: tuple = ()
+    # What the module holds in its place while offloaded (`_Placeholder`).
+    holder: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -158,11 +247,11 @@ class _Block:
             else:
                 self.views.append((p.owner._parameters, p.attr, p.dtype, p.shape, p.layout, p.offset // size, p.rewrap))
         self.dtypes = tuple(dict.fromkeys(v[2] for v in self.views))
-        self.restore = [(p.owner._parameters, p.attr, p.param) for p in self.params]
+        self.restore = [(p.owner._parameters, p.attr, p.holder) for p in self.params]
 
     def seal(self) -> None:
         """Record every placeholder as it is now, once the module is offloaded."""
-        self.held = [(p.owner._parameters, p.attr, p.param, p.param._version, p.param.dtype, p.param.device, p.param.shape, p)
+        self.held = [(p.owner._parameters, p.attr, p.holder, p.holder._version, p.holder.dtype, p.holder.device, p.holder.shape, p)
                      for p in self.params]
 
 
@@ -195,6 +284,19 @@ class Offloaded:
         self._buffer = None
         self._version: Optional[int] = None
         self._stream = None
+        # The thread inside the module (a forward, or a block bound outside one),
+        # and whether a block's bind took it (given back at its unbind): the ring
+        # serves one caller at a time, so a second thread is refused at entry.
+        self._owner: Optional[int] = None
+        self._owned_by_block = False
+        self._lock = threading.Lock()
+
+    def __reduce_ex__(self, protocol):
+        raise OffloadError(f"component {self.component!r}: an offloaded module cannot be copied, pickled or saved (its block "
+                           "weights are in the engine's store); disable it first")
+
+    def __deepcopy__(self, memo):
+        return self.__reduce_ex__(2)
 
     # -- public ---------------------------------------------------------------
     def metrics(self) -> dict:
@@ -284,15 +386,38 @@ class Offloaded:
                 "host memory it no longer holds; run the offloaded module outside capture"
             )
 
+    def _claim(self, by_block: bool) -> None:
+        """Take the module for this thread, or refuse it by name while another
+        thread is inside (before anything is bound or lent)."""
+        me = threading.get_ident()
+        with self._lock:
+            owner = self._owner
+            if owner is None:
+                self._owner, self._owned_by_block = me, by_block
+                return
+        if owner != me:
+            raise OffloadError(
+                f"component {self.component!r}: called from a second thread while another one is inside it: an offloaded "
+                "module serves one caller at a time (its blocks share one ring of device slots). Call it from one thread, "
+                "or enable one copy of the module per thread"
+            )
+
+    def _mine(self) -> bool:
+        return self._owner == threading.get_ident()
+
+    def _release(self) -> None:
+        with self._lock:
+            self._owner, self._owned_by_block = None, False
+
     def _changed(self, p: _Param, now: Any) -> str:
         """What happened to streamed tensor ``p`` since enable, as an error's text."""
         again = "disable (which puts back the tensors as enabled), change the module, then enable again"
         head = f"component {self.component!r}: tensor {p.name!r}"
-        if now is not p.param:
+        if now is not p.holder:
             what = "removed" if now is None else f"a {type(now).__name__} of {getattr(now, 'dtype', '?')}"
             return f"{head} was replaced while offloaded (the module now holds {what}); its block streams the enabled bytes, so {again}"
-        if p.param.dtype != p.dtype or (not p.param.is_meta and p.param.device != self.device):
-            return (f"{head} was converted to {p.param.dtype} on {p.param.device} while offloaded (it streams as {p.dtype} to "
+        if p.holder.dtype != p.dtype or p.holder.device != self.device:
+            return (f"{head} was converted to {p.holder.dtype} on {p.holder.device} while offloaded (it streams as {p.dtype} to "
                     f"{self.device}); disable, convert, then enable again")
         return (f"{head} was changed while offloaded (edited in place or given other data: the module holds an empty "
                 f"placeholder for it); its block streams the enabled bytes, so {again}")
@@ -303,10 +428,13 @@ class Offloaded:
         return self.streamer
 
     def _bind(self, block: _Block) -> None:
+        self._claim(by_block=not self._in_forward)
         if self._bound is not None:
             self._unbind()
         if id(block) in self._ran and not self._in_forward:
             self._end_step()
+        # Again: the unbind or the step's end above gave a block's claim back.
+        self._claim(by_block=not self._in_forward)
         self._ran.add(id(block))
         hooks = block.module._forward_hooks
         if next(reversed(hooks), None) != block.post_hook:
@@ -352,7 +480,7 @@ class Offloaded:
             # A streamed weight gets no gradient: one that asks for it makes the
             # backward an error naming it, never a gradient quietly left None.
             for p in block.params:
-                if p.param.requires_grad:
+                if p.holder.requires_grad:
                     view = p.owner._parameters[p.attr]
                     if view.is_floating_point() and not view.requires_grad:
                         view.requires_grad_(True)
@@ -362,6 +490,8 @@ class Offloaded:
         block, self._bound = self._bound, None
         if block is None:
             return
+        if self._owned_by_block:
+            self._release()
         for params, attr, param in block.restore:
             params[attr] = param
         if self._stream is not None:
@@ -438,25 +568,59 @@ def _refuse_load_state_dict(component: str, block: str):
     return hook
 
 
-def _count(component: str, what: str, value: Any, least: int) -> int:
+# The deepest prefetch asked for: far beyond any model's block count (a depth at
+# or above it streams every block ahead), and within every integer the engine takes.
+_MOST_DEPTH = 1 << 16
+# The largest budget in GiB: its bytes fit the engine's 64-bit counts.
+_MOST_GIB = float(1 << 32)
+
+
+def _count(component: str, what: str, value: Any, least: int, most: int = _MOST_DEPTH) -> int:
+    if isinstance(value, bool):
+        raise OffloadError(f"component {component!r}: {what} must be an integer, not {value!r}")
     try:
         n = operator.index(value)
     except TypeError:
         raise OffloadError(f"component {component!r}: {what} must be an integer, not {value!r}") from None
-    if isinstance(value, bool) or n < least:
-        raise OffloadError(f"component {component!r}: {what} must be an integer of at least {least}, not {value!r}")
+    if n < least or n > most:
+        raise OffloadError(f"component {component!r}: {what} must be an integer from {least} to {most}, not {value!r}")
     return n
 
 
 def _gib(component: str, what: str, value: Any, positive: bool) -> Optional[float]:
     if value is None:
         return None
-    if not isinstance(value, numbers.Real):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise OffloadError(f"component {component!r}: {what} must be a number of GiB, not {value!r}")
     v = float(value)
-    if isinstance(value, bool) or not math.isfinite(v) or v < 0 or (positive and v == 0):
-        raise OffloadError(f"component {component!r}: {what} must be a finite number of GiB{' above 0' if positive else ''}, not {value!r}")
+    if not math.isfinite(v) or v < 0 or (positive and v == 0) or v > _MOST_GIB:
+        raise OffloadError(
+            f"component {component!r}: {what} must be a finite number of GiB{' above 0' if positive else ''}, at most "
+            f"{_MOST_GIB:.0f}, not {value!r}"
+        )
     return v
+
+
+def _names(component: str, what: str, value: Any) -> list:
+    """A list of names given as ``value`` (a string alone is refused: its letters would be taken as names)."""
+    if isinstance(value, (str, bytes)):
+        raise OffloadError(f"component {component!r}: {what} must be a list of names, not the string {value!r} (give [{value!r}])")
+    try:
+        names = list(value)
+    except TypeError:
+        raise OffloadError(f"component {component!r}: {what} must be a list of names, not {value!r}") from None
+    for n in names:
+        if not isinstance(n, str):
+            raise OffloadError(f"component {component!r}: {what} must hold names (strings), not {n!r}")
+    return names
+
+
+def _size(n: int) -> str:
+    """Bytes for a person: in the largest unit that keeps a digit before the point."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.2f} {unit}"
+    return f"{n} bytes"
 
 
 def _rewrap(p: torch.Tensor, component: str, name: str):
@@ -510,6 +674,7 @@ def _progress(desc: str, enabled: Optional[bool]):
     return bar, update
 
 
+@torch.inference_mode(False)
 def enable(
     module: nn.Module,
     *,
@@ -566,6 +731,7 @@ def enable(
     """
     component = name or type(module).__name__
     depth = _count(component, "depth", depth, 1)
+    resident_blocks = _names(component, "resident_blocks", resident_blocks)
     budget_gib = _gib(component, "budget_gib", budget_gib, positive=True)
     pin_budget_gib = _gib(component, "pin_budget_gib", pin_budget_gib, positive=False)
     _refuse_other_offloading(module, component)
@@ -574,7 +740,18 @@ def enable(
         dev = torch.device("cuda", torch.cuda.current_device())
     if dev.type not in ("cpu", "cuda"):
         raise OffloadError(f"component {component!r}: device {dev} is neither cpu (simulated) nor cuda")
-    stacks = list(blocks) if blocks is not None else find_blocks(module)
+    stacks = _names(component, "blocks", blocks) if blocks is not None else find_blocks(module)
+    for i, a in enumerate(stacks):
+        if not a:
+            raise OffloadError(
+                f"component {component!r}: blocks=['']: the module itself as its block list cannot stream (its blocks "
+                "need a name to live under); hold the list in an attribute of a module (self.blocks = ...) and name that"
+            )
+        for b in stacks[:i]:
+            if a == b:
+                raise OffloadError(f"component {component!r}: block list {a!r} is named twice in blocks=")
+            if a.startswith(b + ".") or b.startswith(a + "."):
+                raise OffloadError(f"component {component!r}: block lists {b!r} and {a!r} overlap (one holds the other)")
     if not stacks:
         raise OffloadError(
             f"component {component!r}: {type(module).__name__} has no block list (no ModuleList of two or more "
@@ -590,6 +767,11 @@ def enable(
         except AttributeError as e:
             raise OffloadError(f"component {component!r}: no block list {prefix!r} ({e})") from None
         for i, (cname, child) in enumerate(lst.named_children()):
+            if not _called(child):
+                raise OffloadError(
+                    f"component {component!r}: block list {prefix!r} holds a {type(child).__name__} at {i}, which has no "
+                    "forward and is never called, so its weights could not be bound around one; name the lists inside it"
+                )
             if cname != str(i):
                 raise OffloadError(f"component {component!r}: block list {prefix!r} names its item {i} {cname!r}; blocks are numbered 0, 1, ...")
             block_modules.append((child, _Block(prefix, i)))
@@ -745,6 +927,13 @@ def enable(
         for tname, offset, nbytes in layout:
             p = state.params[tname]
             p.offset, p.nbytes = offset, nbytes
+    for p in state.params.values():
+        p.holder = _Placeholder(p.shape, p.dtype, dev, p.param.requires_grad, component, p.name)
+        # What frameworks set on a parameter (diffusers' GGUF quant type, ...).
+        for k, v in vars(p.param).items():
+            with contextlib.suppress(Exception):
+                setattr(p.holder, k, v)
+        p.holder._is_param = True  # isinstance(..., nn.Parameter), as the parameter it stands for
     for _, blk in block_modules:
         blk.prepare()
 
@@ -753,7 +942,10 @@ def enable(
         with torch.no_grad():
             for p in state.params.values():
                 if not p.param.is_meta:
+                    # The parameter object lets its bytes go (the store holds them);
+                    # its place in the module holds the placeholder.
                     p.param.data = torch.empty(0, dtype=p.dtype, device=dev)
+                p.owner._parameters[p.attr] = p.holder
 
             def placed_on(full: str, t: torch.Tensor) -> torch.Tensor:
                 if not t.is_meta:
@@ -808,6 +1000,7 @@ def enable(
                 state.hooks.append(sub._register_load_state_dict_pre_hook(_refuse_load_state_dict(component, name)))
         for p in state.params.values():
             setattr(p.param, _STREAMED_BY, component)
+            setattr(p.holder, _STREAMED_BY, component)
         state.hooks.append(module.register_forward_pre_hook(_forward_pre_hook(state)))
         state.hooks.append(module.register_forward_hook(_step_hook(state), always_call=True))
         setattr(module, _STATE, state)
@@ -827,60 +1020,109 @@ def enable(
     return state
 
 
+class _Hook:
+    """One of the package's hooks on the module: a callable that refuses, by
+    name, to be pickled or copied with it (``copy.deepcopy``, ``pickle``,
+    ``torch.save`` of an offloaded module), as its placeholders do."""
+
+    __slots__ = ("fn", "component")
+
+    def __init__(self, fn, component: str):
+        self.fn, self.component = fn, component
+
+    def __call__(self, *args):
+        return self.fn(*args)
+
+    def __reduce_ex__(self, protocol):
+        raise OffloadError(f"component {self.component!r}: an offloaded module cannot be copied, pickled or saved (its block "
+                           "weights are in the engine's store); disable it first")
+
+    def __deepcopy__(self, memo):
+        return self.__reduce_ex__(2)
+
+
 def _pre_hook(state: Offloaded, blk: _Block):
     def hook(mod, args):
         state._bind(blk)
 
-    return hook
+    return _Hook(hook, state.component)
 
 
 def _post_hook(state: Offloaded):
     def hook(mod, args, output):
-        state._unbind()
+        # torch calls it even when the pre-hook raised: a thread refused there
+        # leaves the block another thread has bound alone.
+        if state._mine():
+            state._unbind()
 
-    return hook
+    return _Hook(hook, state.component)
 
 
 def _forward_pre_hook(state: Offloaded):
     def hook(mod, args):
-        if state._in_forward:
+        state._claim(by_block=False)
+        state._owned_by_block = False
+        if state._in_forward or state._ran:
             # The last forward never reached its step hook (a KeyboardInterrupt
-            # skips torch's always_call hooks): its step ends here. Should that
-            # fail (a block of it wrote its weights), this forward never starts.
-            state._end_step()
+            # skips torch's always_call hooks), or blocks ran outside a forward
+            # since the last step (a gradient checkpointing recompute in the
+            # backward, a decode): that step ends here, apart from this one.
+            # Should that fail (a block of it wrote its weights), this forward
+            # never starts.
+            try:
+                state._end_step()
+            except BaseException:
+                state._release()
+                raise
         state._in_forward = True
 
-    return hook
+    return _Hook(hook, state.component)
 
 
 def _step_hook(state: Offloaded):
     def hook(mod, args, output):
         # torch calls an always_call hook even when a pre-hook raised (ours ending
-        # an interrupted step, or a user's before it): that forward began no step.
-        if not state._in_forward:
+        # an interrupted step or refusing a second thread, or a user's before
+        # it): that forward began no step.
+        if not state._in_forward or not state._mine():
             return
-        state._end_step()
+        try:
+            state._end_step()
+        finally:
+            state._release()
 
-    return hook
+    return _Hook(hook, state.component)
 
 
-def _restore(state: Offloaded) -> None:
+def _restore(state: Offloaded) -> list:
     """Put the module back. Every copy is made before anything is assigned, so a
     failed copy (out of device memory) leaves the module as it is, still
     offloaded. Resident tensors keep what they hold now (a trained adapter, a
-    recomputed buffer), copied back into the very tensors they came from."""
+    recomputed buffer), copied back into the very tensors they came from.
+
+    A block whose bytes the store can no longer give (served in place from a
+    checkpoint rewritten since) has its tensors put back on the meta device:
+    returned as ``(tensor names, why)`` per block, for the caller to raise once
+    the rest is back."""
+    lost = []
     with torch.no_grad():
         back = []
         for blk in state.blocks.values():
             # Without a kept host copy, the bytes come back from the host store.
             raw = None
+            gone = False
             if any(p.saved is None and p.where.type != "meta" for p in blk.params):
-                buf = state._engine().block_bytes(blk.stack, blk.index)
-                raw = torch.frombuffer(buf, dtype=torch.uint8) if len(buf) else torch.empty(0, dtype=torch.uint8)
+                try:
+                    buf = state._engine().block_bytes(blk.stack, blk.index)
+                except OffloadError as e:
+                    gone = True
+                    lost.append(([p.name for p in blk.params if p.saved is None and p.where.type != "meta"], str(e)))
+                else:
+                    raw = torch.frombuffer(buf, dtype=torch.uint8) if len(buf) else torch.empty(0, dtype=torch.uint8)
             for p in blk.params:
                 if p.saved is not None:
                     data = p.saved
-                elif p.where.type == "meta":
+                elif p.where.type == "meta" or gone:
                     data = torch.empty(p.shape, dtype=p.dtype, device="meta")
                 else:
                     # Page-locked again where it was (diffusers' streams need it so), in
@@ -888,7 +1130,7 @@ def _restore(state: Offloaded) -> None:
                     data = torch.empty_strided(p.shape, p.layout, dtype=p.dtype, pin_memory=p.pinned)
                     if p.nbytes:
                         data.copy_(raw[p.offset : p.offset + p.nbytes].view(p.dtype).as_strided(p.shape, p.layout))
-                back.append((p, data if data.device == p.where else data.to(p.where)))
+                back.append((p, data if data.device == p.where or data.is_meta else data.to(p.where)))
         for m in state.moved:
             # Into the host tensor it came from (not in use while offloaded).
             now = m.owner._parameters[m.attr] if m.is_param else m.owner._buffers[m.attr]
@@ -900,6 +1142,13 @@ def _restore(state: Offloaded) -> None:
         state.hooks.clear()
         for p, data in back:
             p.owner._parameters[p.attr] = p.param
+            if p.holder is not None and p.param.requires_grad != p.holder.requires_grad:
+                # Frozen or unfrozen while offloaded (`requires_grad_` on its placeholder).
+                p.param.requires_grad_(p.holder.requires_grad)
+            if data.is_meta and not p.param.is_meta:
+                # A meta tensor cannot be the data of a parameter on another device.
+                p.param = p.owner._parameters[p.attr] = nn.Parameter(data, requires_grad=p.param.requires_grad)
+                continue
             p.param.data = data
             if getattr(p.param, _STREAMED_BY, None) is not None:
                 delattr(p.param, _STREAMED_BY)
@@ -911,22 +1160,45 @@ def _restore(state: Offloaded) -> None:
             else:
                 m.owner._buffers[m.attr] = m.saved
     state.moved.clear()
+    return lost
 
 
+@torch.inference_mode(False)
 def disable(module: nn.Module) -> None:
     """Stop streaming ``module``: hooks removed, every parameter and buffer the
     same object with the same bytes where it was (resident ones with what they
-    hold now), the engine closed."""
+    hold now), the engine closed; in any grad or inference mode it is called in.
+
+    Where the bytes of a block are gone (served in place from a checkpoint
+    rewritten since; a file renamed over the path leaves them readable), the
+    rest is put back all the same, those tensors become new parameters on the
+    meta device, and an :class:`OffloadError` names them: load them again
+    (``module.load_state_dict(..., strict=False, assign=True)``)."""
     state = getattr(module, _STATE, None)
     if state is None:
         raise OffloadError(f"{type(module).__name__} is not offloaded")
+    if state._owner not in (None, threading.get_ident()):
+        raise OffloadError(f"component {state.component!r}: disable called from a second thread while another one is inside the module")
     if state._bound is not None:
         state._unbind()
-    _restore(state)
+    lost = _restore(state)
     delattr(module, _STATE)
     streamer, state.streamer = state.streamer, None
+    closed = None
     if streamer is not None:
-        streamer.close()
+        try:
+            streamer.close()
+        except OffloadError as e:
+            if not lost:
+                raise
+            closed = e  # the same file's change, said below
+    if lost:
+        names = [n for ns, _ in lost for n in ns]
+        raise OffloadError(
+            f"component {state.component!r}: disabled, but {len(names)} streamed tensors could not be put back (their bytes "
+            f"are gone from the store): {', '.join(repr(n) for n in names)}; each is now a parameter on the meta device, to "
+            f"load again. The store said: {lost[0][1]}"
+        ) from closed
 
 
 def offloaded(module: nn.Module) -> Optional[Offloaded]:
@@ -957,8 +1229,16 @@ def enable_pipeline(
     goes to the denoiser (``transformer`` or ``unet``), whose planner keeps the
     blocks worth keeping resident there. Returns ``{name: Offloaded}``; on any
     error every component enabled so far is disabled again."""
+    who = type(pipe).__name__
+    # Checked as enable checks them, before anything is sized or moved.
+    depth = _count(who, "depth", depth, 1)
+    budget_gib = _gib(who, "budget_gib", budget_gib, positive=True)
     comps = getattr(pipe, "components", pipe)
-    modules = {n: m for n, m in dict(comps).items() if isinstance(m, nn.Module)}
+    try:
+        comps = dict(comps)
+    except (TypeError, ValueError):
+        raise OffloadError(f"{who}: not a pipeline (no .components) nor a dict of modules") from None
+    modules = {n: m for n, m in comps.items() if isinstance(m, nn.Module)}
     if not modules:
         raise OffloadError(f"{type(pipe).__name__}: no torch modules among its components")
 
@@ -982,7 +1262,7 @@ def enable_pipeline(
         need[n] = size(m) - sum(each.values()) + (depth + 1) * largest
         streamed[n] = need[n]
     if budget_gib is not None and sum(need.values()) > budget_gib * _GiB:
-        parts = ", ".join(f"{n} {v / _GiB:.2f} GiB" for n, v in need.items())
+        parts = ", ".join(f"{n} {_size(v)}" for n, v in need.items())
         raise OffloadError(f"{type(pipe).__name__}: a budget of {budget_gib} GiB is below what streaming needs ({parts})")
     denoiser = max(streamed, key=lambda n: (_calls_per_step(n), need[n]), default=None)
     done: dict = {}

@@ -1,0 +1,454 @@
+"""What a demanding user does to an enabled module beyond calling it: edits
+through ``.data``, a checkpoint replaced under it, two threads, lists of lists,
+inference mode, bad arguments, copies and counts. Each is served correctly or
+refused by a named error, and the module keeps working (or comes back whole).
+Each test runs on the simulated device; those taking ``dev`` on CUDA too."""
+
+from __future__ import annotations
+
+import copy
+import io
+import os
+import pickle
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+import offload
+from offload import OffloadError
+
+from models import MODELS
+from test_offload import DEVICES, _bits, _out, _to
+
+
+class _Lin(nn.Module):
+    """Three linear blocks called in order (the issue's `M`)."""
+
+    def __init__(self, n: int = 3, width: int = 8):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(n))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def _setup(dev: str, **kw):
+    m, x = _Lin(), torch.randn(2, 8, device=dev)
+    m.to(dev)
+    with torch.no_grad():
+        ref = m(x).clone()
+    params = {n: p for n, p in m.named_parameters()}
+    m.to("cpu")
+    h = offload.enable(m, device=dev, **kw)
+    return m, x, ref, params, h
+
+
+# Every way of reaching a streamed weight's storage from Python that we know of.
+_EDITS = {
+    "data.mul_": lambda w: w.data.mul_(0),
+    "data.zero_": lambda w: w.data.zero_(),
+    "data.add_": lambda w: w.data.add_(1.0),
+    "data[:] =": lambda w: w.data.__setitem__(slice(None), 0),
+    "data.normal_": lambda w: w.data.normal_(),
+    "data.copy_": lambda w: w.data.copy_(torch.zeros(8, 8)),
+    "data =": lambda w: setattr(w, "data", torch.zeros(8, 8)),
+    "mul_": lambda w: w.mul_(0),
+    "detach().mul_": lambda w: w.detach().mul_(0),
+    "set_": lambda w: w.set_(torch.zeros(8, 8)),
+    "untyped_storage": lambda w: w.untyped_storage(),
+    "data_ptr": lambda w: w.data_ptr(),
+    "nn.init.zeros_": lambda w: nn.init.zeros_(w),
+    "vector_to_parameters": lambda w: torch.nn.utils.vector_to_parameters(torch.zeros(64), [w]),
+    "float()": lambda w: w.float().double(),
+    "clone": lambda w: w.clone(),
+}
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("edit", list(_EDITS))
+def test_an_edit_of_a_streamed_weight_is_refused_by_name_never_silently_lost(edit, dev):
+    # Resident, each edit changes the output (or reads the bytes); offloaded it
+    # would act on nothing: refused at the call, naming the tensor, and the
+    # module streams on, bitwise equal, and comes back whole.
+    m, x, ref, params, _ = _setup(dev)
+    with torch.no_grad(), pytest.raises(OffloadError, match=r"tensor 'blocks\.1\.weight' streams while offloaded and cannot be"):
+        _EDITS[edit](m.blocks[1].weight)
+    with torch.no_grad():
+        assert torch.equal(_bits(m(x)), _bits(ref))
+    offload.disable(m)
+    assert all(p is params[n] for n, p in m.named_parameters())
+    with torch.no_grad():
+        assert torch.equal(_bits(m(x)), _bits(ref))
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_counts_metadata_and_printing_of_a_streamed_weight_are_the_real_ones(dev):
+    m, x, ref, params, _ = _setup(dev)
+    w = m.blocks[1].weight
+    assert isinstance(w, nn.Parameter) and w.shape == (8, 8) and w.dtype == torch.float32 and w.device.type == dev
+    assert sum(p.numel() for p in m.parameters()) == 3 * 72
+    assert "blocks.1.weight" in repr(w) and "streamed" in repr(w)
+    # Freezing while offloaded holds, and comes back with the module.
+    m.requires_grad_(False)
+    offload.disable(m)
+    assert not any(p.requires_grad for p in m.parameters())
+
+
+def test_a_diffusers_model_counts_its_parameters_while_offloaded():
+    model, inputs, _ = MODELS["flux"]()
+    n = model.num_parameters()
+    assert n == sum(p.numel() for p in model.parameters()) and n > 100_000
+    offload.enable(model, device="cpu")
+    assert model.num_parameters() == n and sum(p.numel() for p in model.parameters()) == n
+    assert model.dtype == torch.bfloat16
+    # What diffusers' fuse_qkv_projections reads is a streamed weight: refused by name.
+    with pytest.raises(OffloadError, match=r"tensor 'transformer_blocks\.0\.attn\.to_q\.weight' streams while offloaded"):
+        model.fuse_qkv_projections()
+    with torch.no_grad():
+        model(**inputs)
+    offload.disable(model)
+
+
+def test_a_transformers_model_counts_its_parameters_while_offloaded():
+    model, inputs, _ = MODELS["t5"]()
+    n = model.num_parameters()
+    offload.enable(model, device="cpu")
+    assert model.num_parameters() == n
+    offload.disable(model)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "torch.save"])
+def test_copying_pickling_or_saving_an_offloaded_module_is_a_named_error(how):
+    m, x, ref, params, _ = _setup("cpu")
+    do = {
+        "deepcopy": lambda: copy.deepcopy(m),
+        "pickle": lambda: pickle.dumps(m),
+        "torch.save": lambda: torch.save(m, io.BytesIO()),
+    }[how]
+    with pytest.raises(OffloadError, match=r"cannot be copied, pickled or saved"):
+        do()
+    with torch.no_grad():
+        assert torch.equal(m(x), ref)
+    offload.disable(m)
+    copy.deepcopy(m)
+
+
+def _write(path, m: nn.Module) -> None:
+    from safetensors.torch import save_file
+
+    save_file({k: v.detach().contiguous() for k, v in m.state_dict().items()}, str(path))
+
+
+class _Mixed(nn.Module):
+    """Blocks 0 and 2 lie in a safetensors file as the store lays them out
+    (served in place); block 1's weight does not (63 × 4 bytes of bias before
+    it): copied into the store."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1)
+        self.blocks = nn.ModuleList([nn.Linear(64, 64), nn.Linear(64, 63), nn.Linear(63, 64)])
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_a_checkpoint_renamed_over_under_the_module_still_gives_the_module_back(dev, tmp_path):
+    # The old file stays open and unlinked, holding its bytes: the module goes
+    # on computing with them (as a resident one keeps the weights it loaded),
+    # and disable reads them, as enabled, bit for bit, into the same parameter objects.
+    m, x = _Mixed(), torch.randn(2, 64, device=dev)
+    m.to(dev)
+    with torch.no_grad():
+        ref = m(x).clone()
+    m.to("cpu")
+    path = tmp_path / "m.safetensors"
+    _write(path, m)
+    before = {n: (p, p.detach().clone()) for n, p in m.named_parameters()}
+    h = offload.enable(m, device=dev, checkpoint=str(path))
+    assert h.host_tier()["in_place"] == 2 and h.host_tier()["copied"] == 1, h.host_tier()
+    other = tmp_path / "new.safetensors"
+    flipped = _Mixed()
+    with torch.no_grad():
+        for p in flipped.parameters():
+            p.neg_()
+    _write(other, flipped)
+    os.replace(other, path)
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(_bits(m(x)), _bits(ref))
+    offload.disable(m)
+    assert offload.offloaded(m) is None
+    for n, p in m.named_parameters():
+        assert p is before[n][0] and torch.equal(p.detach().cpu(), before[n][1]), n
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_a_checkpoint_rewritten_in_place_names_what_could_not_be_put_back(dev, tmp_path):
+    # Served in place, blocks 0 and 2 read the file's pages, which now hold other
+    # bytes: disable puts back what the store still holds (block 1, copied), names
+    # the rest, and leaves the module disabled, those tensors on the meta device.
+    m, x = _Mixed(), torch.randn(2, 64)
+    with torch.no_grad():
+        ref = m(x).clone()
+    state = {k: v.clone() for k, v in m.state_dict().items()}
+    # On the device the module was on when enabled (the host: the blocks were there).
+    path = tmp_path / "m.safetensors"
+    _write(path, m)
+    offload.enable(m, device=dev, checkpoint=str(path))
+    raw = bytearray(path.read_bytes())
+    raw[-4096:] = bytes(4096)
+    with open(path, "r+b") as f:  # the same file, written in place
+        f.write(raw)
+    with pytest.raises(OffloadError, match=r"4 streamed tensors could not be put back.*'blocks\.\d\.(weight|bias)'") as e:
+        offload.disable(m)
+    assert "blocks.1." not in str(e.value), "block 1 was copied into the store: it comes back"
+    assert offload.offloaded(m) is None
+    assert torch.equal(m.blocks[1].weight.detach().cpu(), state["blocks.1.weight"])
+    assert m.blocks[0].weight.is_meta and m.blocks[2].bias.is_meta
+    # Usable: load what was lost, and it computes as before.
+    m.load_state_dict(state, assign=True)
+    with torch.no_grad():
+        assert torch.equal(m(x), ref)
+    offload.enable(m, device="cpu")
+    offload.disable(m)
+
+
+class _Waits(nn.Module):
+    """A block that, the first time it is asked to, waits inside its forward
+    until told to go on: another thread then calls while one is inside."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.inside, self.go, self.hold = threading.Event(), threading.Event(), False
+
+    def forward(self, x):
+        if self.hold:
+            self.hold = False
+            self.inside.set()
+            assert self.go.wait(30)
+        return self.lin(x)
+
+
+class _WaitModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(_Waits() for _ in range(3))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_a_second_thread_is_refused_by_name_and_the_first_finishes_bitwise_equal(dev):
+    m, x = _WaitModel().to(dev), torch.randn(2, 8, device=dev)
+    with torch.no_grad():
+        ref = m(x).clone()
+    m.to("cpu")
+    offload.enable(m, device=dev)
+    got = {}
+
+    def first():
+        with torch.no_grad():
+            got["out"] = m(x)
+
+    m.blocks[1].hold = True
+    t = threading.Thread(target=first)
+    t.start()
+    assert m.blocks[1].inside.wait(30)
+    # While the first thread is inside block 1: the module, a block, disable.
+    with pytest.raises(OffloadError, match="second thread"), torch.no_grad():
+        m(x)
+    with pytest.raises(OffloadError, match="second thread"), torch.no_grad():
+        m.blocks[2](x)
+    with pytest.raises(OffloadError, match="second thread"):
+        offload.disable(m)
+    m.blocks[1].go.set()
+    t.join(30)
+    assert torch.equal(_bits(got["out"]), _bits(ref))
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(_bits(m(x)), _bits(ref))
+    offload.disable(m)
+
+
+def test_two_threads_calling_at_once_get_the_resident_output_or_the_named_refusal():
+    m, x, ref, _, _ = _setup("cpu")
+    seen, lock = [], threading.Lock()
+
+    def run():
+        for _ in range(50):
+            try:
+                with torch.no_grad():
+                    out = m(x)
+                r = "equal" if torch.equal(out, ref) else "DIFFERENT"
+            except OffloadError as e:
+                r = "refused" if "second thread" in str(e) else f"other: {e}"
+            with lock:
+                seen.append(r)
+
+    ts = [threading.Thread(target=run) for _ in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    assert len(seen) == 100 and set(seen) <= {"equal", "refused"}, sorted(set(seen))
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(m(x), ref)
+    offload.disable(m)
+
+
+class _Nested(nn.Module):
+    """diffusers' StableCascadeUNet's shape: block lists in a list of lists,
+    each inner list's items called in order."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.down_blocks = nn.ModuleList(nn.ModuleList(nn.Linear(8, 8) for _ in range(2)) for _ in range(2))
+
+    def forward(self, x):
+        for level in self.down_blocks:
+            for b in level:
+                x = b(x)
+        return x
+
+
+def test_a_list_of_lists_streams_its_inner_lists_and_is_refused_as_blocks_by_name():
+    m, x = _Nested(), torch.randn(2, 8)
+    with torch.no_grad():
+        ref = m(x).clone()
+    assert offload.find_blocks(m) == ["down_blocks.0", "down_blocks.1"]
+    offload.enable(m, device="cpu")
+    with torch.no_grad():
+        assert torch.equal(m(x), ref)
+    offload.disable(m)
+    with pytest.raises(OffloadError, match=r"block list 'down_blocks' holds a ModuleList at 0, which has no forward"):
+        offload.enable(m, device="cpu", blocks=["down_blocks"])
+    assert offload.offloaded(m) is None
+
+
+def test_stable_cascade_unet_streams_bitwise_equal_or_is_refused_by_name():
+    from diffusers import StableCascadeUNet
+
+    torch.manual_seed(0)
+    m = StableCascadeUNet(in_channels=4, out_channels=4, timestep_ratio_embedding_dim=8, patch_size=1, conditioning_dim=16,
+                          block_out_channels=(16, 16), num_attention_heads=(2, 2), down_num_layers_per_block=(1, 1),
+                          up_num_layers_per_block=(1, 1), down_blocks_repeat_mappers=(1, 1), up_blocks_repeat_mappers=(1, 1),
+                          block_types_per_layer=(("SDCascadeResBlock", "SDCascadeTimestepBlock", "SDCascadeAttnBlock"),) * 2,
+                          clip_text_in_channels=8, clip_text_pooled_in_channels=8, clip_image_in_channels=8, clip_seq=2,
+                          effnet_in_channels=None, dropout=(0.0, 0.0),
+                          pixel_mapper_in_channels=None, self_attn=True, timestep_conditioning_type=("sca",),
+                          switch_level=None).eval()
+    inputs = dict(sample=torch.randn(1, 4, 8, 8), timestep_ratio=torch.tensor([0.5]),
+                  clip_text_pooled=torch.randn(1, 1, 8), clip_text=torch.randn(1, 2, 8), clip_img=torch.randn(1, 1, 8))
+    with torch.no_grad():
+        ref = m(**inputs).sample.clone()
+    for s in offload.find_blocks(m):
+        assert all(type(c).forward is not nn.Module.forward for c in m.get_submodule(s).children()), s
+    try:
+        offload.enable(m, device="cpu")
+    except OffloadError as e:
+        assert "no block list" in str(e), e
+        return
+    with torch.no_grad():
+        assert torch.equal(_bits(m(**inputs).sample), _bits(ref))
+    offload.disable(m)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_enable_and_disable_in_inference_mode_give_back_ordinary_tensors(dev):
+    m, x = _Lin().to(dev), torch.randn(2, 8, device=dev)
+    with torch.inference_mode():
+        offload.enable(m, device=dev)
+        m(x)
+        offload.disable(m)
+    assert not any(p.is_inference() for p in m.parameters())
+    # A training forward and backward after it.
+    m(x).sum().backward()
+    assert all(p.grad is not None for p in m.parameters())
+
+
+@pytest.mark.parametrize("kw,what", [
+    (dict(budget_gib="8"), "budget_gib must be a number of GiB"),
+    (dict(budget_gib=True), "budget_gib must be a number of GiB"),
+    (dict(budget_gib=1e12), "budget_gib must be a finite number of GiB.*at most"),
+    (dict(depth="2"), "depth must be an integer"),
+    (dict(depth=True), "depth must be an integer"),
+    (dict(depth=2**70), "depth must be an integer from 1 to"),
+])
+def test_bad_arguments_are_refused_by_name_by_enable_and_enable_pipeline(kw, what):
+    m = _Lin()
+    with pytest.raises(OffloadError, match=what):
+        offload.enable_pipeline({"transformer": m}, **kw)
+    with pytest.raises(OffloadError, match=what):
+        offload.enable(m, device="cpu", **kw)
+    assert offload.offloaded(m) is None
+
+
+@pytest.mark.parametrize("kw,what", [
+    (dict(resident_blocks="blocks.0"), r"resident_blocks must be a list of names, not the string 'blocks\.0'"),
+    (dict(blocks=["blocks", "blocks"]), r"block list 'blocks' is named twice"),
+    (dict(blocks=[""]), r"the module itself as its block list cannot stream"),
+    (dict(blocks="blocks"), r"blocks must be a list of names, not the string"),
+])
+def test_misnamed_block_arguments_are_refused_by_name(kw, what):
+    m = _Lin()
+    with pytest.raises(OffloadError, match=what):
+        offload.enable(m, device="cpu", **kw)
+    assert offload.offloaded(m) is None
+    seq = nn.Sequential(*_Lin().blocks)
+    with pytest.raises(OffloadError, match="the module itself as its block list"):
+        offload.enable(seq, device="cpu", blocks=[""])
+
+
+def test_enable_pipelines_budget_error_gives_small_sizes_in_small_units():
+    with pytest.raises(OffloadError, match=r"transformer \d+\.\d\d KiB"):
+        offload.enable_pipeline({"transformer": _Lin()}, budget_gib=1e-9)
+
+
+def test_a_file_level_checkpoint_error_names_no_empty_tensor(tmp_path):
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{notjson")
+    with pytest.raises(OffloadError) as e:
+        offload.enable(_Lin(), device="cpu", checkpoint=str(bad))
+    assert 'tensor ""' not in str(e.value) and "bad.safetensors" in str(e.value), e.value
+
+
+class _Checkpointed(_Lin):
+    def forward(self, x):
+        for b in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(b, x, use_reentrant=False)
+        return x
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_a_checkpointing_recompute_is_a_step_of_its_own_in_the_metrics(dev):
+    m, x = _Checkpointed().to(dev), torch.randn(2, 8, device=dev, requires_grad=True)
+    m.requires_grad_(False)
+    m(x).sum().backward()
+    ref = x.grad.clone()
+    x.grad = None
+    m.to("cpu")
+    h = offload.enable(m, device=dev)
+    for _ in range(2):
+        m(x).sum().backward()
+        assert torch.equal(x.grad, ref)
+        x.grad = None
+    with torch.no_grad():
+        m(x)
+    assert h.metrics()["blocks"] == 3, h.metrics()
+    offload.disable(m)

@@ -452,3 +452,18 @@ def test_a_checkpointing_recompute_is_a_step_of_its_own_in_the_metrics(dev):
         m(x)
     assert h.metrics()["blocks"] == 3, h.metrics()
     offload.disable(m)
+
+
+def test_a_block_whose_bind_failed_outside_a_forward_leaves_the_module_to_other_threads():
+    m, x, ref, _, _ = _setup("cpu")
+    keep = m.blocks[1].weight
+    m.blocks[1].weight = nn.Parameter(torch.zeros(8, 8))
+    with pytest.raises(OffloadError, match="was replaced"), torch.no_grad():
+        m.blocks[1](x)
+    m.blocks[1]._parameters["weight"] = keep
+    got = []
+    t = threading.Thread(target=lambda: got.append(torch.equal(m(x).detach(), ref)))
+    t.start()
+    t.join(30)
+    assert got == [True]
+    offload.disable(m)

@@ -488,10 +488,11 @@ class Offloaded:
 
     def _unbind(self) -> None:
         block, self._bound = self._bound, None
+        if self._owned_by_block:
+            # Given back even where nothing was bound (the bind raised first).
+            self._release()
         if block is None:
             return
-        if self._owned_by_block:
-            self._release()
         for params, attr, param in block.restore:
             params[attr] = param
         if self._stream is not None:

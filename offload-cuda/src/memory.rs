@@ -191,13 +191,23 @@ impl HostBytes {
         }
         // SAFETY: this function's contract, passed on.
         unsafe { self.engine.enqueue_checking(dst, dst_len)? };
-        if bytes > 0 {
+        // In pieces (`Engine::copy_chunk`): a copy the model enqueues on the same
+        // copy engine waits for one piece, not the whole block.
+        let piece = match self.engine.copy_chunk.load(std::sync::atomic::Ordering::Relaxed) {
+            0 => bytes.max(1),
+            n => n,
+        };
+        let mut at = 0;
+        while at < bytes {
+            let n = piece.min(bytes - at);
             // The buffer outlives the copy: its `Drop` drains the copy stream.
-            // SAFETY: `ptr` holds `len ≥ bytes` bytes while `self` lives (above);
-            // `dst` by this function's contract.
-            unsafe { sys::cuMemcpyHtoDAsync_v2(dst, self.ptr as *const _, bytes, self.engine.copy.cu_stream()) }
+            // SAFETY: `ptr` holds `len ≥ bytes ≥ at + n` bytes while `self` lives
+            // (above); `dst .. dst + dst_len` with `dst_len ≥ bytes` by this
+            // function's contract.
+            unsafe { sys::cuMemcpyHtoDAsync_v2(dst + at as u64, self.ptr.add(at) as *const _, n, self.engine.copy.cu_stream()) }
                 .result()
-                .map_err(|e| driver(format!("copying {bytes} bytes to the device"), e))?;
+                .map_err(|e| driver(format!("copying {n} of {bytes} bytes to the device"), e))?;
+            at += n;
         }
         Ok(())
     }

@@ -23,6 +23,11 @@ pub struct StepMetrics {
     pub misses: u64,
     /// Blocks served from the resident set.
     pub resident_hits: u64,
+    /// Blocks copied ahead and overwritten before they were asked for: what a
+    /// model that skips blocks (a cache returning a block's output) costs the
+    /// link beyond the blocks it ran, at most `depth` per skip decision.
+    #[serde(default)]
+    pub wasted_prefetches: u64,
     /// Times the learned order changed (a block followed another than predicted).
     pub retraces: u64,
     /// Block guards never dropped (`mem::forget`) whose release the ring recorded
@@ -94,6 +99,7 @@ impl StepMetrics {
         self.prefetch_hits += other.prefetch_hits;
         self.misses += other.misses;
         self.resident_hits += other.resident_hits;
+        self.wasted_prefetches += other.wasted_prefetches;
         self.retraces += other.retraces;
         self.forgotten_guards += other.forgotten_guards;
         self.host_wait_s += other.host_wait_s;

@@ -102,6 +102,9 @@ struct SlotState<B: OffloadBackend> {
     /// Bytes read from disk for the block it holds, not yet counted: a step
     /// counts them when it first serves that block.
     unserved_read: u64,
+    /// Whether the block it holds was served since its copy: one overwritten
+    /// unserved was a wasted prefetch (a block the model skipped).
+    served: bool,
 }
 
 struct PendingSpan<B: OffloadBackend> {
@@ -377,7 +380,7 @@ impl<B: OffloadBackend> Ring<B> {
             }
             for k in 0..count {
                 let slot = ring.alloc(largest, &format!("{}/slot {k}", plan.name))?;
-                ring.slots.push(SlotState { slot, holds: None, ready: None, free_after: None, stamp: 0, unserved_read: 0 });
+                ring.slots.push(SlotState { slot, holds: None, ready: None, free_after: None, stamp: 0, unserved_read: 0, served: false });
             }
             let on_disk = store
                 .blocks()
@@ -479,9 +482,15 @@ impl<B: OffloadBackend> Ring<B> {
         let block = &store.blocks()[b];
         let after = if self.sabotage == Sabotage::SkipFreeWait { None } else { self.slots[s].free_after.clone() };
         let st = &mut self.slots[s];
+        if st.holds.is_some() && !st.served {
+            // Copied ahead and never asked for: the model skipped it (a cache
+            // returned its output), or went elsewhere.
+            self.step.wasted_prefetches += 1;
+        }
         st.holds = None;
         st.ready = None;
         st.unserved_read = 0;
+        st.served = false;
         // The copy's span and host mark start once its bytes are in host memory
         // (after a block on disk was read), so the span is the copy's alone.
         let mut read = 0;
@@ -775,6 +784,7 @@ impl<B: OffloadBackend> Ring<B> {
             };
             self.clock += 1;
             self.slots[s].stamp = self.clock;
+            self.slots[s].served = true;
             // Its read from disk (if any) counts in the step that serves it, once.
             self.step.disk_bytes_read += std::mem::take(&mut self.slots[s].unserved_read);
             self.prefetch(b, s)?;

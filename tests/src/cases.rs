@@ -228,6 +228,8 @@ fn order_learned<H: Harness>(s: Sabotage) -> Outcome {
     let skipping: Vec<usize> = (0..n).filter(|i| i % 3 != 1).collect();
     let interleaved: Vec<usize> = (0..5).flat_map(|i| [i, i + 5]).collect();
     let repeated: Vec<usize> = (0..n).flat_map(|i| [i, i]).collect();
+    // A cache's hit: only the first block runs, the rest are skipped.
+    let cached: Vec<usize> = vec![0];
     for depth in [1, 2] {
         let mut ring = su.ring(&Plan::layerwise().prefetch_depth(depth), s)?;
         su.check_equal(&mut ring, &su.declared(), "declared order")?;
@@ -237,18 +239,35 @@ fn order_learned<H: Harness>(s: Sabotage) -> Outcome {
             ("skipping", &skipping, true),
             ("interleaved", &interleaved, true),
             ("repeated", &repeated, false),
+            ("cached", &cached, true),
         ] {
             su.check_equal(&mut ring, order, &format!("d={depth} {name}, first pass"))?;
             let first = ring.end_step()?;
-            ensure!(first.misses > 0 && first.retraces > 0, "d={depth} {name}: a new order was not counted ({first})");
+            ensure!(first.retraces > 0, "d={depth} {name}: a new order was not counted ({first})");
+            ensure!(first.misses > 0 || name == "cached", "d={depth} {name}: a new order was not counted ({first})");
+            // Block 1 was copied ahead of block 0 and is skipped: its slot is taken
+            // before it ran, a wasted prefetch.
+            ensure!(name != "skipping" || first.wasted_prefetches > 0, "d={depth} skipping: no wasted prefetch counted ({first})");
             // The second pass still meets one new transition (from this order's last
             // block back to its first); the third is fully predicted.
+            let mut wasted = first.wasted_prefetches;
             for pass in [2, 3] {
                 su.check_equal(&mut ring, order, &format!("d={depth} {name}, pass {pass}"))?;
                 let m = ring.end_step()?;
+                wasted += m.wasted_prefetches;
                 if settles && pass == 3 {
                     ensure!(m.misses == 0 && m.retraces == 0, "d={depth} {name}: order not learned after two passes ({m})");
+                    ensure!(m.wasted_prefetches == 0, "d={depth} {name}: a learned order still copies blocks it skips ({m})");
                 }
+            }
+            if name == "cached" {
+                // One skip decision (block 0 then the next step's block 0): at most
+                // the `depth` blocks copied ahead for it are wasted, and once learned
+                // the skipped blocks never cross the link.
+                ensure!(wasted <= depth as u64, "d={depth} cached: {wasted} prefetches wasted for one skip decision");
+                su.check_equal(&mut ring, order, &format!("d={depth} cached, pass 4"))?;
+                let m = ring.end_step()?;
+                ensure!(m.bytes_copied == 0, "d={depth} cached: skipped blocks still cross the link ({m})");
             }
         }
     }

@@ -68,9 +68,22 @@ class _Placeholder(torch.Tensor):
     def __new__(cls, shape, dtype, device, requires_grad, component, name):
         t = torch.Tensor._make_wrapper_subclass(cls, tuple(shape), dtype=dtype, device=device, requires_grad=requires_grad)
         t._offload_where = (component, name)
+        # The handle, the block and the parameter it stands for (set by enable):
+        # the first use of a weight of the block being run binds that block.
+        t._offload_lazy = None
         return t
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") not in _METADATA:
+            state = _arming(args, kwargs)
+            if state is not None:
+                # Its block is bound now: the call runs on the views in its place.
+                args, kwargs = torch.utils._pytree.tree_map_only(_Placeholder, state._view_of, (args, kwargs))
+                return func(*args, **kwargs)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -92,11 +105,21 @@ class _Placeholder(torch.Tensor):
 
     @property
     def data(self):
+        lazy = self._offload_lazy
+        if lazy is not None and lazy[0]._armed is lazy[1] and lazy[0]._mine():
+            lazy[0]._lend(lazy[1])
+            return lazy[0]._view_of(self).data
         return torch._C.TensorBase.data.__get__(self)
 
     @data.setter
     def data(self, value):
         if value is self:  # `Module.to()` with nothing to change sets it to itself
+            return
+        lazy = self._offload_lazy
+        if lazy is not None and lazy[0]._bound is lazy[1] and lazy[0]._mine():
+            # Its block is bound (`Module._apply` bound it reading this placeholder,
+            # as a layer's cast does around its forward): the view in its place takes it.
+            lazy[0]._view_of(self).data = value
             return
         raise OffloadError(_refusal(*self._offload_where, "given other data (.data = ...)"))
 
@@ -111,6 +134,32 @@ class _Placeholder(torch.Tensor):
 
     def __deepcopy__(self, memo):
         raise OffloadError(_refusal(*self._offload_where, "copied, pickled or saved"))
+
+
+# What a placeholder answers without its bytes: reading them does not bind its block.
+_METADATA = frozenset({"__get__", "__set__", "size", "dim", "numel", "stride", "element_size", "is_floating_point",
+                       "is_complex", "is_contiguous", "requires_grad_", "__repr__", "__format__", "is_pinned", "__hash__",
+                       "nelement", "ndimension", "get_device"})
+
+
+def _arming(args, kwargs) -> Optional["Offloaded"]:
+    """Bind the block of the first placeholder among ``args`` whose block this
+    thread is running and has not bound yet (lazily: a block whose forward never
+    uses its weights, a cache returning its output, is never copied). Its
+    handle, or None."""
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, (list, tuple)):
+            found = _arming(a, {})
+            if found is not None:
+                return found
+        elif type(a) is _Placeholder:
+            lazy = a._offload_lazy
+            if lazy is not None and lazy[0]._armed is lazy[1] and lazy[0]._mine():
+                lazy[0]._lend(lazy[1])
+                return lazy[0]
+            if lazy is not None and lazy[0]._bound is lazy[1] and lazy[0]._mine():
+                return lazy[0]  # bound already: a placeholder kept from before its bind
+    return None
 
 
 def _refusal(component: str, name: str, what: str) -> str:
@@ -234,6 +283,10 @@ class _Block:
     # offloaded runs before the block is given back, and sees its weights.
     module: Optional[nn.Module] = None
     post_hook: int = -1
+    # Bound at the block's start, not at the first use of a weight: a block
+    # holding a parameter subclass (diffusers' GGUFParameter), whose layer calls
+    # the subclass's own methods, which a placeholder does not have.
+    eager: bool = False
 
     def prepare(self) -> None:
         """Split the parameters into those bound by one strided view over the
@@ -247,6 +300,7 @@ class _Block:
             else:
                 self.views.append((p.owner._parameters, p.attr, p.dtype, p.shape, p.layout, p.offset // size, p.rewrap))
         self.dtypes = tuple(dict.fromkeys(v[2] for v in self.views))
+        self.eager = any(p.rewrap is not None for p in self.params)
         self.restore = [(p.owner._parameters, p.attr, p.holder) for p in self.params]
 
     def seal(self) -> None:
@@ -290,6 +344,11 @@ class Offloaded:
         self._owner: Optional[int] = None
         self._owned_by_block = False
         self._lock = threading.Lock()
+        # Lazy binding: the block whose forward runs and whose weights are not
+        # bound yet, and how many blocks this step ran without using them.
+        self._lazy = True
+        self._armed: Optional[_Block] = None
+        self._skipped = 0
 
     def __reduce_ex__(self, protocol):
         raise OffloadError(f"component {self.component!r}: an offloaded module cannot be copied, pickled or saved (its block "
@@ -428,8 +487,24 @@ class Offloaded:
         return self.streamer
 
     def _bind(self, block: _Block) -> None:
+        """The block's pre-hook: armed, its weights bound at their first use
+        (:func:`_arming`), or at once where ``lazy=False``."""
+        self._arm(block)
+        if not self._lazy or block.eager:
+            self._lend(block)
+
+    def _view_of(self, ph: torch.Tensor) -> torch.Tensor:
+        """What the module holds now in place of placeholder ``ph``: its view
+        while its block is bound, else the placeholder."""
+        lazy = ph._offload_lazy
+        if lazy is None or self._bound is not lazy[1]:
+            return ph
+        p = lazy[2]
+        return p.owner._parameters[p.attr]
+
+    def _arm(self, block: _Block) -> None:
         self._claim(by_block=not self._in_forward)
-        if self._bound is not None:
+        if self._bound is not None or self._armed is not None:
             self._unbind()
         if id(block) in self._ran and not self._in_forward:
             self._end_step()
@@ -444,6 +519,11 @@ class Offloaded:
             if now is not prm or prm._version != version or prm.dtype != dtype or prm.device != device or prm.shape != shape:
                 raise OffloadError(self._changed(p, now))
         self._refuse_capture(f"block {block.stack}.{block.index}")
+        self._armed = block
+
+    def _lend(self, block: _Block) -> None:
+        """Bind ``block``'s weights: lent by the engine, views in the module."""
+        self._armed = None
         buf = self._engine().lend(block.stack, block.index)
         if self.device.type == "cuda":
             cur = torch.cuda.current_stream(self.device)
@@ -488,6 +568,10 @@ class Offloaded:
 
     def _unbind(self) -> None:
         block, self._bound = self._bound, None
+        if self._armed is not None:
+            # Run without using its weights (a cache returned its output): never copied.
+            self._armed = None
+            self._skipped += 1
         if self._owned_by_block:
             # Given back even where nothing was bound (the bind raised first).
             self._release()
@@ -511,7 +595,7 @@ class Offloaded:
 
     def _end_step(self) -> None:
         try:
-            if self._bound is not None:
+            if self._bound is not None or self._armed is not None:
                 self._unbind()
         finally:
             self._end_engine_step()
@@ -525,6 +609,8 @@ class Offloaded:
             # step goes on with the next forward outside capture.
             return
         self.last_metrics = json.loads(self._engine().end_step())
+        # Blocks whose forward ran without reading their weights (a cache hit): not copied.
+        self.last_metrics["skipped_blocks"], self._skipped = self._skipped, 0
         self.steps += 1
 
 
@@ -692,6 +778,7 @@ def enable(
     name: Optional[str] = None,
     progress: Optional[bool] = None,
     calibration: Optional[dict] = None,
+    lazy: bool = True,
 ) -> Offloaded:
     """Stream ``module``'s blocks from host memory to ``device``.
 
@@ -724,6 +811,13 @@ def enable(
     module back on the meta device. ``device=None``:
     the current CUDA device, or the simulated device in host memory without
     one. Enabling either completes or leaves the module as it was.
+
+    ``lazy``: a block's weights are bound at their first use in its forward,
+    not when it starts, so a block whose forward never reads them (a cache
+    such as diffusers' FirstBlockCache returned its output) is never copied
+    (``metrics()["skipped_blocks"]``). ``lazy=False`` binds at the block's
+    start, for code that reads a block's weights outside torch's dispatch (an
+    extension handed the parameter itself).
 
     The streamed weights are held once in host memory, in the engine's store:
     the module's own host tensors are let go, and :func:`disable` makes them
@@ -758,8 +852,11 @@ def enable(
             f"component {component!r}: {type(module).__name__} has no block list (no ModuleList of two or more "
             "modules of one class); name one with blocks=[...]"
         )
+    if not isinstance(lazy, bool):
+        raise OffloadError(f"component {component!r}: lazy must be True or False, not {lazy!r}")
     state = Offloaded()
     state.component, state.device, state.module = component, dev, module
+    state._lazy = lazy
 
     block_modules: list[tuple[nn.Module, _Block]] = []
     for prefix in stacks:
@@ -937,6 +1034,8 @@ def enable(
         p.holder._is_param = True  # isinstance(..., nn.Parameter), as the parameter it stands for
     for _, blk in block_modules:
         blk.prepare()
+        for p in blk.params:
+            p.holder._offload_lazy = (state, blk, p)
 
     # From here the module changes; any failure puts back what changed.
     try:
@@ -1180,7 +1279,7 @@ def disable(module: nn.Module) -> None:
         raise OffloadError(f"{type(module).__name__} is not offloaded")
     if state._owner not in (None, threading.get_ident()):
         raise OffloadError(f"component {state.component!r}: disable called from a second thread while another one is inside the module")
-    if state._bound is not None:
+    if state._bound is not None or state._armed is not None:
         state._unbind()
     lost = _restore(state)
     delattr(module, _STATE)

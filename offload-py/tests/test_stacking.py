@@ -1,0 +1,91 @@
+"""What users stack on an offloaded module: a cache that skips blocks (their
+weights never cross the link), and the counters that say so."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import offload
+
+from models import flux
+from test_offload import DEVICES, _bits, _to
+
+# Drift of the input across eight denoising steps: a cache with threshold 0.05
+# computes steps 0, 3 and 6 (a large change) and returns its output on the rest.
+_DRIFT = [0, 0.001, 0.002, 0.2, 0.201, 0.202, 0.5, 0.5005]
+
+
+def _steps(model, inputs, dev):
+    """The eight steps' outputs, and per step whether the blocks after the
+    first computed (a layer inside one ran) or the cache answered."""
+    runs = []
+    h = model.single_transformer_blocks[0].norm.register_forward_hook(lambda *a: runs.append(1))
+    outs, computed, metrics = [], [], []
+    for d in _DRIFT:
+        inp = _to(dict(inputs), dev)
+        inp["hidden_states"] = inp["hidden_states"] * (1 + d)
+        n = len(runs)
+        with torch.no_grad(), model.cache_context("cond"):
+            outs.append(model(**inp)[0].clone())
+        computed.append(len(runs) > n)
+        st = offload.offloaded(model)
+        metrics.append(st.metrics() if st is not None else None)
+    h.remove()
+    return outs, computed, metrics
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("dev", DEVICES)
+def test_blocks_a_cache_skips_are_never_copied_and_the_steps_stay_bitwise_equal(dev, depth):
+    from diffusers import FirstBlockCacheConfig
+
+    model, inputs, _ = flux()
+    model.to(dev)
+    model.enable_cache(FirstBlockCacheConfig(threshold=0.05))
+    ref, ref_computed, _ = _steps(model, inputs, dev)
+    model.disable_cache()
+    assert ref_computed == [True, False, False, True, False, False, True, False], ref_computed
+    model.to("cpu")
+    h = offload.enable(model, device=dev, depth=depth)
+    model.enable_cache(FirstBlockCacheConfig(threshold=0.05))
+    outs, computed, metrics = _steps(model, inputs, dev)
+    assert computed == ref_computed, "the cache decided otherwise than resident"
+    for i, (o, r) in enumerate(zip(outs, ref)):
+        assert torch.equal(_bits(o), _bits(r)), f"step {i}: the streamed output differs from the resident one with the cache"
+    blocks = len(model.transformer_blocks) + len(model.single_transformer_blocks)
+    largest = max(sum(-(-p.numel() * p.element_size() // 256) * 256 for p in b.parameters())
+                  for b in [*model.transformer_blocks, *model.single_transformer_blocks])
+    for i, (m, c) in enumerate(zip(metrics, computed)):
+        if c:
+            assert m["blocks"] == blocks and m["skipped_blocks"] == 0, (i, m)
+        else:
+            # The first block ran (the cache's test); the others were called and
+            # answered by the cache: none of their weights crossed the link, but
+            # for the blocks copied ahead of the skip decision.
+            assert m["blocks"] == 1 and m["skipped_blocks"] == blocks - 1, (i, m)
+            assert m["bytes_copied"] <= depth * largest, (i, m)
+    # Learned: a cached step after a cached step copies nothing.
+    assert metrics[2]["bytes_copied"] == 0 and metrics[5]["bytes_copied"] == 0, metrics
+    # A prefetch is wasted when its slot is reused before the block ran: here the
+    # block copied ahead of each skip runs at the next computed step, so few are.
+    wasted = sum(m["wasted_prefetches"] for m in metrics)
+    assert wasted <= 3 * depth, [m["wasted_prefetches"] for m in metrics]
+    assert h.violations() == []
+    model.disable_cache()
+    offload.disable(model)
+
+
+def test_eager_binding_copies_every_called_block():
+    # lazy=False binds at the block's start: the same run copies every block a
+    # cache answers (what the counters above would show without lazy binding).
+    from diffusers import FirstBlockCacheConfig
+
+    model, inputs, _ = flux()
+    offload.enable(model, device="cpu", lazy=False)
+    model.enable_cache(FirstBlockCacheConfig(threshold=0.05))
+    _, computed, metrics = _steps(model, inputs, "cpu")
+    blocks = len(model.transformer_blocks) + len(model.single_transformer_blocks)
+    assert computed[2] is False and metrics[2]["blocks"] == blocks and metrics[2]["skipped_blocks"] == 0, metrics[2]
+    model.disable_cache()
+    offload.disable(model)

@@ -89,10 +89,16 @@ def main():
     ap.add_argument("out")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--trace", default=None)
+    ap.add_argument("--rope-on-device", action="store_true",
+                    help="pass the rotary tables made on the device (the model makes them on the host, and each block moves them)")
+    ap.add_argument("--chunks", default="0,default", help="copy pieces to run: 0 (one piece), default, or a byte count")
     a = ap.parse_args()
     import offload
 
     m, inputs = build()
+    if a.rope_on_device:
+        cos, sin = m.rope(inputs["hidden_states"])
+        inputs["image_rotary_emb"] = (cos.to("cuda"), sin.to("cuda"))
     blocks = len(m.transformer_blocks)
     block_bytes = sum(p.numel() * p.element_size() for p in m.transformer_blocks.parameters())
     ref, t_res = timed(m, inputs, a.steps)
@@ -101,7 +107,8 @@ def main():
     assert torch.isfinite(f).all() and f.std() > 0, "the resident output is not finite, or constant"
     res = {
         "gpu": torch.cuda.get_device_name(),
-        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or os.environ.get("OFFLOAD_COMMIT", "?"),
+        "commit": os.environ.get("OFFLOAD_COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
+        "rope_on_device": a.rope_on_device,
         "torch": torch.__version__,
         "model": "CogView4Transformer2DModel() default config, bf16, random",
         "case": "1024x1024 (4096 image tokens), 256 text tokens, batch 1",
@@ -113,7 +120,8 @@ def main():
     }
     m.to("cpu")
     torch.cuda.empty_cache()
-    for label, chunk in (("one-piece", "0"), ("default-pieces", None)):
+    runs = {"0": ("one-piece", "0"), "default": ("default-pieces", None)}
+    for label, chunk in [runs.get(c, (f"pieces-{c}", c)) for c in a.chunks.split(",")]:
         if chunk is None:
             os.environ.pop("OFFLOAD_COPY_CHUNK_BYTES", None)
         else:

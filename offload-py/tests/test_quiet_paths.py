@@ -82,6 +82,7 @@ def test_an_edit_of_a_streamed_weight_is_refused_by_name_never_silently_lost(edi
         assert torch.equal(_bits(m(x)), _bits(ref))
     offload.disable(m)
     assert all(p is params[n] for n, p in m.named_parameters())
+    m.to(dev)  # back where it was enabled from (the host), then where the reference ran
     with torch.no_grad():
         assert torch.equal(_bits(m(x)), _bits(ref))
 

@@ -349,6 +349,16 @@ class Offloaded:
         self._lazy = True
         self._armed: Optional[_Block] = None
         self._skipped = 0
+        # Host tensors a block moves to the device itself (a rotary table the
+        # model makes on the host): learned in its first forward (`_Watch`), then
+        # moved once a step, page-locked and without a host sync, before the
+        # block's weights are lent, so the block's own copy finds them there
+        # instead of queueing a pageable copy and a stream sync behind the
+        # prefetch on the copy engine. Per block: the paths of those arguments;
+        # the watch of the block being learned; this step's moved tensors.
+        self._moves: dict = {}
+        self._watch: Optional[tuple] = None
+        self._moved: dict = {}
 
     def __reduce_ex__(self, protocol):
         raise OffloadError(f"component {self.component!r}: an offloaded module cannot be copied, pickled or saved (its block "
@@ -493,6 +503,50 @@ class Offloaded:
         if not self._lazy or block.eager:
             self._lend(block)
 
+    def _inputs(self, block: _Block, args, kwargs):
+        """The block's pre-hook's new arguments on CUDA (or None): its host tensors
+        that it moves to the device, moved once a step (learned in its first forward)."""
+        paths = self._moves.get(id(block))
+        if paths is None:
+            hosts = _host_tensors(args, kwargs)
+            self._moves[id(block)] = ()
+            if hosts:
+                watch = _Watch(hosts)
+                watch.__enter__()
+                self._watch = (block, watch)
+            return None
+        if not paths:
+            return None
+        args, kwargs = list(args), dict(kwargs)
+        for path in paths:
+            where, key, *inner = path
+            box = args if where == "a" else kwargs
+            if (key >= len(box)) if where == "a" else (key not in box):
+                continue
+            top = box[key]
+            t = top[inner[0]] if inner and isinstance(top, (tuple, list)) and inner[0] < len(top) else (None if inner else top)
+            if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+                continue
+            hit = self._moved.get(id(t))
+            if hit is None or hit[0] is not t or hit[1] != t._version:
+                # Page-locked first: the copy is then asynchronous, no host sync.
+                hit = (t, t._version, t.pin_memory().to(self.device, non_blocking=True))
+                self._moved[id(t)] = hit
+            if inner:
+                top = list(top)
+                top[inner[0]] = hit[2]
+                box[key] = tuple(top) if isinstance(box[key], tuple) else top
+            else:
+                box[key] = hit[2]
+        return tuple(args), kwargs
+
+    def _end_watch(self, block: _Block) -> None:
+        if self._watch is not None and self._watch[0] is block:
+            watch = self._watch[1]
+            self._watch = None
+            watch.__exit__(None, None, None)
+            self._moves[id(block)] = tuple(sorted(watch.moved, key=str))
+
     def _view_of(self, ph: torch.Tensor) -> torch.Tensor:
         """What the module holds now in place of placeholder ``ph``: its view
         while its block is bound, else the placeholder."""
@@ -602,6 +656,7 @@ class Offloaded:
 
     def _end_engine_step(self) -> None:
         self._ran.clear()
+        self._moved.clear()
         self._in_forward = False
         if self.device.type == "cuda" and _capturing(self.device):
             # A forward refused under capture (nothing was lent): ending the
@@ -1089,8 +1144,8 @@ def enable(
         for child, blk in block_modules:
             blk.seal()
             # First among the block's pre-hooks: one registered before enable reads the weights.
-            state.hooks.append(child.register_forward_pre_hook(_pre_hook(state, blk), prepend=True))
-            state.hooks.append(child.register_forward_hook(_post_hook(state), always_call=True))
+            state.hooks.append(child.register_forward_pre_hook(_pre_hook(state, blk), prepend=True, with_kwargs=True))
+            state.hooks.append(child.register_forward_hook(_post_hook(state, blk), always_call=True))
             blk.module, blk.post_hook = child, state.hooks[-1].id
             # On the block and every layer in it holding a streamed tensor (a layer of
             # resident adapter weights alone gives its state_dict as before).
@@ -1142,18 +1197,71 @@ class _Hook:
 
 
 def _pre_hook(state: Offloaded, blk: _Block):
-    def hook(mod, args):
+    def hook(mod, args, kwargs):
         state._bind(blk)
+        if state.device.type == "cuda":
+            return state._inputs(blk, args, kwargs)
+        return None
 
     return _Hook(hook, state.component)
 
 
-def _post_hook(state: Offloaded):
+def _host_tensors(args, kwargs) -> dict:
+    """The floating-point host tensors among a block's arguments (and in tuples
+    or lists among them, one level down), by the storage they view: where each
+    is, as a path."""
+    found = {}
+
+    def visit(t, path):
+        if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.is_floating_point() and t.numel():
+            with contextlib.suppress(Exception):
+                found.setdefault(t.untyped_storage().data_ptr(), path)
+
+    for i, a in enumerate(args):
+        visit(a, ("a", i))
+        if isinstance(a, (tuple, list)):
+            for j, b in enumerate(a):
+                visit(b, ("a", i, j))
+    for k, a in kwargs.items():
+        visit(a, ("k", k))
+        if isinstance(a, (tuple, list)):
+            for j, b in enumerate(a):
+                visit(b, ("k", k, j))
+    return found
+
+
+class _Watch(torch.overrides.TorchFunctionMode):
+    """Around a block's first forward: which of its host tensor arguments it
+    moves to the device itself (``.to(device)``, ``.cuda()``, a view of one
+    first, as ``apply_rotary_emb`` does with ``cos[None, None].to(x.device)``)."""
+
+    def __init__(self, hosts: dict):
+        super().__init__()
+        self.hosts, self.moved = hosts, set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in _MOVES and args and isinstance(args[0], torch.Tensor) and args[0].device.type == "cpu" \
+                and isinstance(out, torch.Tensor) and out.device.type == "cuda":
+            with contextlib.suppress(Exception):
+                path = self.hosts.get(args[0].untyped_storage().data_ptr())
+                if path is not None:
+                    self.moved.add(path)
+        return out
+
+
+_MOVES = {torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.type_as}
+
+
+def _post_hook(state: Offloaded, blk: _Block):
     def hook(mod, args, output):
         # torch calls it even when the pre-hook raised: a thread refused there
         # leaves the block another thread has bound alone.
         if state._mine():
-            state._unbind()
+            try:
+                state._unbind()
+            finally:
+                state._end_watch(blk)
 
     return _Hook(hook, state.component)
 

@@ -116,15 +116,17 @@ pub(crate) struct Engine {
     /// copy). A copy the model issues itself (a pageable `.to(device)` of a small
     /// table inside a block, often followed by torch's stream sync) shares the
     /// host-to-device copy engine with the block copies; queued behind a whole
-    /// block's copy it waits for all of it, and the block's compute with it. In
-    /// pieces, it waits for one piece at most ([`DEFAULT_COPY_CHUNK`]).
+    /// block's copy it waits for all of it, and the block's compute with it. The
+    /// hope was that in pieces it would wait for one piece at most; measured, it
+    /// did not ([`DEFAULT_COPY_CHUNK`]).
     pub(crate) copy_chunk: AtomicUsize,
 }
 
-/// The default piece of a block copy: 8 MiB, about 0.15 ms on a 55 GB/s link
-/// (what a model's own copy may wait behind), at a few microseconds of host
-/// time a piece. `OFFLOAD_COPY_CHUNK_BYTES` overrides it (0: one copy a block).
-pub(crate) const DEFAULT_COPY_CHUNK: usize = 8 << 20;
+/// The default piece of a block copy: none (one copy a block). Pieces of 8 MiB
+/// were measured on CogView4 on an H100 (bench/NOTES.md, 2026-12-06): they did
+/// not let the model's own copies through sooner, and one process ran 8 %
+/// slower with them; `OFFLOAD_COPY_CHUNK_BYTES` sets a piece to measure again.
+pub(crate) const DEFAULT_COPY_CHUNK: usize = 0;
 
 /// The copy piece this process starts with: `OFFLOAD_COPY_CHUNK_BYTES`, or
 /// [`DEFAULT_COPY_CHUNK`] where it is unset or not a number.

@@ -508,6 +508,9 @@ class Offloaded:
         that it moves to the device, moved once a step (learned in its first forward)."""
         paths = self._moves.get(id(block))
         if paths is None:
+            if self._watch is not None:
+                # A block called inside another's first forward: learned on a later call.
+                return None
             hosts = _host_tensors(args, kwargs)
             self._moves[id(block)] = ()
             if hosts:

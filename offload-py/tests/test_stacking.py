@@ -89,3 +89,42 @@ def test_eager_binding_copies_every_called_block():
     assert computed[2] is False and metrics[2]["blocks"] == blocks and metrics[2]["skipped_blocks"] == 0, metrics[2]
     model.disable_cache()
     offload.disable(model)
+
+
+class _Transposing(torch.nn.Module):
+    """A block that reads its weight through properties that compute (`w.T`,
+    `w.mT`) and through metadata (`w.shape`) first."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x):
+        assert self.w.shape == (8, 8) and self.w.dtype == torch.float32
+        return x @ self.w.T + self.w.mT.sum(0)
+
+
+class _TransposingModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList(_Transposing() for _ in range(3))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_a_weight_read_through_a_computing_property_binds_its_block(dev):
+    m, x = _TransposingModel().to(dev), torch.randn(2, 8, device=dev)
+    with torch.no_grad():
+        ref = m(x).clone()
+    m.to("cpu")
+    h = offload.enable(m, device=dev)
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(_bits(m(x)), _bits(ref))
+    assert h.metrics()["blocks"] == 3 and h.metrics()["skipped_blocks"] == 0
+    offload.disable(m)

@@ -76,7 +76,7 @@ class _Placeholder(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if getattr(func, "__name__", "") not in _METADATA:
+        if _reads_bytes(func):
             state = _arming(args, kwargs)
             if state is not None:
                 # Its block is bound now: the call runs on the views in its place.
@@ -140,6 +140,19 @@ class _Placeholder(torch.Tensor):
 _METADATA = frozenset({"__get__", "__set__", "size", "dim", "numel", "stride", "element_size", "is_floating_point",
                        "is_complex", "is_contiguous", "requires_grad_", "__repr__", "__format__", "is_pinned", "__hash__",
                        "nelement", "ndimension", "get_device"})
+
+
+# Properties that compute from the bytes (`w.T` in `x @ w.T`): their access binds.
+_COMPUTED_PROPERTIES = frozenset({"T", "mT", "H", "mH", "real", "imag"})
+
+
+def _reads_bytes(func) -> bool:
+    """Whether a torch function on a placeholder needs its bytes (and binds its
+    block): every one but its metadata (shape, dtype, device, requires_grad, ...)."""
+    name = getattr(func, "__name__", "")
+    if name in ("__get__", "__set__"):
+        return getattr(getattr(func, "__self__", None), "__name__", "") in _COMPUTED_PROPERTIES
+    return name not in _METADATA
 
 
 def _arming(args, kwargs) -> Optional["Offloaded"]:

@@ -1,5 +1,5 @@
 """At the bound on models outside the registry: what a block does beside its
-kernels must not serialise it with the prefetch (issue 54). CUDA rows: they
+kernels must not serialise it with the prefetch. CUDA rows: they
 print SKIPPED without a GPU and fail with OFFLOAD_REQUIRE_DEVICE=1."""
 
 from __future__ import annotations

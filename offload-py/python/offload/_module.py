@@ -1175,6 +1175,7 @@ def enable(
         state.hooks.append(module.register_forward_pre_hook(_forward_pre_hook(state)))
         state.hooks.append(module.register_forward_hook(_step_hook(state), always_call=True))
         setattr(module, _STATE, state)
+        _wrap_compiled(state)
         if not keep_host_copy and any(p.pinned for p in state.params.values()):
             # The page-locked host tensors let go sit in torch's pinned-memory cache
             # until it is emptied: without this the host would still hold two copies.
@@ -1214,6 +1215,9 @@ class _Hook:
 
 def _pre_hook(state: Offloaded, blk: _Block):
     def hook(mod, args, kwargs):
+        if torch.compiler.is_compiling():
+            # Traced into a compiled block: its binding is `_Compiled`'s, outside.
+            return None
         state._bind(blk)
         if state.device.type == "cuda":
             return state._inputs(blk, args, kwargs)
@@ -1271,6 +1275,8 @@ _MOVES = {torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.type_as}
 
 def _post_hook(state: Offloaded, blk: _Block):
     def hook(mod, args, output):
+        if torch.compiler.is_compiling():
+            return
         # torch calls it even when the pre-hook raised: a thread refused there
         # leaves the block another thread has bound alone.
         if state._mine():
@@ -1282,8 +1288,47 @@ def _post_hook(state: Offloaded, blk: _Block):
     return _Hook(hook, state.component)
 
 
+class _Compiled:
+    """A compiled block's call (``block.compile()``, diffusers'
+    ``compile_repeated_blocks``), wrapped so that the package binds the block's
+    weights outside the compiled region: the compiled code sees plain tensors
+    in the block's parameters (views of its slot), and no hook of ours."""
+
+    def __init__(self, state: Offloaded, blk: _Block, fn):
+        self.state, self.blk, self.fn = state, blk, fn
+
+    def __call__(self, *args, **kwargs):
+        st, blk = self.state, self.blk
+        st._arm(blk)
+        try:
+            st._lend(blk)
+            return self.fn(*args, **kwargs)
+        finally:
+            if st._mine():
+                st._unbind()
+
+
+def _wrap_compiled(state: Offloaded) -> None:
+    """Wrap each block compiled since the last look (before ``enable``, or
+    after it and before this forward)."""
+    for blk in state.blocks.values():
+        fn = blk.module.__dict__.get("_compiled_call_impl")
+        if fn is not None and not isinstance(fn, _Compiled):
+            blk.module._compiled_call_impl = _Compiled(state, blk, fn)
+
+
+def _unwrap_compiled(state: Offloaded) -> None:
+    for blk in state.blocks.values():
+        fn = blk.module.__dict__.get("_compiled_call_impl")
+        if isinstance(fn, _Compiled):
+            blk.module._compiled_call_impl = fn.fn
+
+
 def _forward_pre_hook(state: Offloaded):
     def hook(mod, args):
+        if torch.compiler.is_compiling():
+            return
+        _wrap_compiled(state)
         state._claim(by_block=False)
         state._owned_by_block = False
         if state._in_forward or state._ran:
@@ -1305,6 +1350,8 @@ def _forward_pre_hook(state: Offloaded):
 
 def _step_hook(state: Offloaded):
     def hook(mod, args, output):
+        if torch.compiler.is_compiling():
+            return
         # torch calls an always_call hook even when a pre-hook raised (ours ending
         # an interrupted step or refusing a second thread, or a user's before
         # it): that forward began no step.
@@ -1405,6 +1452,7 @@ def disable(module: nn.Module) -> None:
         raise OffloadError(f"component {state.component!r}: disable called from a second thread while another one is inside the module")
     if state._bound is not None or state._armed is not None:
         state._unbind()
+    _unwrap_compiled(state)
     lost = _restore(state)
     delattr(module, _STATE)
     streamer, state.streamer = state.streamer, None

@@ -100,3 +100,19 @@ def test_compile_repeated_blocks_with_fullgraph_on_a_streamed_flux(order):
         for _ in range(3):
             assert torch.equal(_bits(model(**inputs)[0]), _bits(ref))
     offload.disable(model)
+
+
+def test_a_whole_compiled_module_still_streams_with_its_graph_breaks():
+    # torch.compile(model) without fullgraph: the package's hooks run where
+    # dynamo breaks the graph, as before; bitwise the resident run.
+    torch._dynamo.reset()
+    m, x = _Blocks(), torch.randn(4, 16)
+    with torch.no_grad():
+        ref = m(x).clone()
+    h = offload.enable(m, device="cpu")
+    cm = torch.compile(m, backend="eager")
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(cm(x), ref)
+    assert h.metrics()["blocks"] == 3
+    offload.disable(m)

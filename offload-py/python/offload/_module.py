@@ -1215,8 +1215,9 @@ class _Hook:
 
 def _pre_hook(state: Offloaded, blk: _Block):
     def hook(mod, args, kwargs):
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() and _wrapped(mod):
             # Traced into a compiled block: its binding is `_Compiled`'s, outside.
+            # (Traced into a compiled model, the hook runs, as a graph break.)
             return None
         state._bind(blk)
         if state.device.type == "cuda":
@@ -1275,7 +1276,7 @@ _MOVES = {torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.type_as}
 
 def _post_hook(state: Offloaded, blk: _Block):
     def hook(mod, args, output):
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() and _wrapped(mod):
             return
         # torch calls it even when the pre-hook raised: a thread refused there
         # leaves the block another thread has bound alone.
@@ -1308,6 +1309,11 @@ class _Compiled:
                 st._unbind()
 
 
+def _wrapped(block: nn.Module) -> bool:
+    """Whether ``block``'s compiled call is wrapped by :class:`_Compiled`."""
+    return isinstance(block.__dict__.get("_compiled_call_impl"), _Compiled)
+
+
 def _wrap_compiled(state: Offloaded) -> None:
     """Wrap each block compiled since the last look (before ``enable``, or
     after it and before this forward)."""
@@ -1326,8 +1332,6 @@ def _unwrap_compiled(state: Offloaded) -> None:
 
 def _forward_pre_hook(state: Offloaded):
     def hook(mod, args):
-        if torch.compiler.is_compiling():
-            return
         _wrap_compiled(state)
         state._claim(by_block=False)
         state._owned_by_block = False
@@ -1350,8 +1354,6 @@ def _forward_pre_hook(state: Offloaded):
 
 def _step_hook(state: Offloaded):
     def hook(mod, args, output):
-        if torch.compiler.is_compiling():
-            return
         # torch calls an always_call hook even when a pre-hook raised (ours ending
         # an interrupted step or refusing a second thread, or a user's before
         # it): that forward began no step.

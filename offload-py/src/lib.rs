@@ -684,5 +684,7 @@ fn _offload(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(safetensors_tensors, m)?)?;
     m.add_function(wrap_pyfunction!(safetensors_read, m)?)?;
     m.add("OffloadError", m.py().get_type::<OffloadError>())?;
+    // The workspace's version; the package's (`pyproject.toml`) is checked equal by a test.
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -13,8 +13,8 @@ wheel serves any torch 2.x.
     offload.disable(pipe.transformer)                    # the module as it was
 """
 
-from ._offload import OffloadError, gguf_read, gguf_tensors, safetensors_read, safetensors_tensors
+from ._offload import OffloadError, __version__, gguf_read, gguf_tensors, safetensors_read, safetensors_tensors
 from ._module import Offloaded, disable, disable_pipeline, enable, enable_pipeline, find_blocks, offloaded
 
-__all__ = ["OffloadError", "Offloaded", "disable", "disable_pipeline", "enable", "enable_pipeline", "find_blocks", "gguf_read", "gguf_tensors",
+__all__ = ["__version__", "OffloadError", "Offloaded", "disable", "disable_pipeline", "enable", "enable_pipeline", "find_blocks", "gguf_read", "gguf_tensors",
            "offloaded", "safetensors_read", "safetensors_tensors"]

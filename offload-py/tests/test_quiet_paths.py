@@ -383,33 +383,37 @@ def test_enable_and_disable_in_inference_mode_give_back_ordinary_tensors(dev):
     assert all(p.grad is not None for p in m.parameters())
 
 
-@pytest.mark.parametrize("kw,what", [
-    (dict(budget_gib="8"), "budget_gib must be a number of GiB"),
-    (dict(budget_gib=True), "budget_gib must be a number of GiB"),
-    (dict(budget_gib=1e12), "budget_gib must be a finite number of GiB.*at most"),
-    (dict(depth="2"), "depth must be an integer"),
-    (dict(depth=True), "depth must be an integer"),
-    (dict(depth=2**70), "depth must be an integer from 1 to"),
+@pytest.mark.parametrize("kw,what,kind", [
+    (dict(budget_gib="8"), "budget_gib must be a number of GiB", TypeError),
+    (dict(budget_gib=True), "budget_gib must be a number of GiB", TypeError),
+    (dict(budget_gib=1e12), "budget_gib must be a finite number of GiB.*at most", ValueError),
+    (dict(depth="2"), "depth must be an integer", TypeError),
+    (dict(depth=True), "depth must be an integer", TypeError),
+    (dict(depth=2**70), "depth must be an integer from 1 to", ValueError),
 ])
-def test_bad_arguments_are_refused_by_name_by_enable_and_enable_pipeline(kw, what):
+def test_bad_arguments_are_refused_by_name_by_enable_and_enable_pipeline(kw, what, kind):
+    # Each an OffloadError, and the TypeError or ValueError Python raises for it.
     m = _Lin()
-    with pytest.raises(OffloadError, match=what):
+    with pytest.raises(OffloadError, match=what) as e:
         offload.enable_pipeline({"transformer": m}, **kw)
-    with pytest.raises(OffloadError, match=what):
+    assert isinstance(e.value, kind), type(e.value).__mro__
+    with pytest.raises(kind, match=what):
         offload.enable(m, device="cpu", **kw)
     assert offload.offloaded(m) is None
 
 
-@pytest.mark.parametrize("kw,what", [
-    (dict(resident_blocks="blocks.0"), r"resident_blocks must be a list of names, not the string 'blocks\.0'"),
-    (dict(blocks=["blocks", "blocks"]), r"block list 'blocks' is named twice"),
-    (dict(blocks=[""]), r"the module itself as its block list cannot stream"),
-    (dict(blocks="blocks"), r"blocks must be a list of names, not the string"),
+@pytest.mark.parametrize("kw,what,kind", [
+    (dict(resident_blocks="blocks.0"), r"resident_blocks must be a list of names, not the string 'blocks\.0'", TypeError),
+    (dict(blocks=["blocks", "blocks"]), r"block list 'blocks' is named twice", ValueError),
+    (dict(blocks=[""]), r"the module itself as its block list cannot stream", ValueError),
+    (dict(blocks="blocks"), r"blocks must be a list of names, not the string", TypeError),
+    (dict(lazy="yes"), r"lazy must be True or False", TypeError),
 ])
-def test_misnamed_block_arguments_are_refused_by_name(kw, what):
+def test_misnamed_block_arguments_are_refused_by_name(kw, what, kind):
     m = _Lin()
-    with pytest.raises(OffloadError, match=what):
+    with pytest.raises(OffloadError, match=what) as e:
         offload.enable(m, device="cpu", **kw)
+    assert isinstance(e.value, kind), type(e.value).__mro__
     assert offload.offloaded(m) is None
     seq = nn.Sequential(*_Lin().blocks)
     with pytest.raises(OffloadError, match="the module itself as its block list"):

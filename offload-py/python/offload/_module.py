@@ -39,6 +39,16 @@ for _name, _code in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2")):
         _DTYPES[getattr(torch, _name)] = _code
 
 _GiB = 1 << 30
+
+
+class _ArgumentTypeError(OffloadError, TypeError):
+    """An argument of the wrong type: an :class:`OffloadError` that is also the
+    ``TypeError`` Python raises for one."""
+
+
+class _ArgumentValueError(OffloadError, ValueError):
+    """An argument of the right type and a wrong value: an :class:`OffloadError`
+    that is also the ``ValueError`` Python raises for one."""
 # diffusers hooks that compose with streaming: layerwise casting (`enable_layerwise_casting`).
 _COMPOSES = {"layerwise_casting", "peft_autocast_disable"}
 
@@ -735,13 +745,13 @@ _MOST_GIB = float(1 << 32)
 
 def _count(component: str, what: str, value: Any, least: int, most: int = _MOST_DEPTH) -> int:
     if isinstance(value, bool):
-        raise OffloadError(f"component {component!r}: {what} must be an integer, not {value!r}")
+        raise _ArgumentTypeError(f"component {component!r}: {what} must be an integer, not {value!r}")
     try:
         n = operator.index(value)
     except TypeError:
-        raise OffloadError(f"component {component!r}: {what} must be an integer, not {value!r}") from None
+        raise _ArgumentTypeError(f"component {component!r}: {what} must be an integer, not {value!r}") from None
     if n < least or n > most:
-        raise OffloadError(f"component {component!r}: {what} must be an integer from {least} to {most}, not {value!r}")
+        raise _ArgumentValueError(f"component {component!r}: {what} must be an integer from {least} to {most}, not {value!r}")
     return n
 
 
@@ -749,10 +759,10 @@ def _gib(component: str, what: str, value: Any, positive: bool) -> Optional[floa
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise OffloadError(f"component {component!r}: {what} must be a number of GiB, not {value!r}")
+        raise _ArgumentTypeError(f"component {component!r}: {what} must be a number of GiB, not {value!r}")
     v = float(value)
     if not math.isfinite(v) or v < 0 or (positive and v == 0) or v > _MOST_GIB:
-        raise OffloadError(
+        raise _ArgumentValueError(
             f"component {component!r}: {what} must be a finite number of GiB{' above 0' if positive else ''}, at most "
             f"{_MOST_GIB:.0f}, not {value!r}"
         )
@@ -762,14 +772,14 @@ def _gib(component: str, what: str, value: Any, positive: bool) -> Optional[floa
 def _names(component: str, what: str, value: Any) -> list:
     """A list of names given as ``value`` (a string alone is refused: its letters would be taken as names)."""
     if isinstance(value, (str, bytes)):
-        raise OffloadError(f"component {component!r}: {what} must be a list of names, not the string {value!r} (give [{value!r}])")
+        raise _ArgumentTypeError(f"component {component!r}: {what} must be a list of names, not the string {value!r} (give [{value!r}])")
     try:
         names = list(value)
     except TypeError:
-        raise OffloadError(f"component {component!r}: {what} must be a list of names, not {value!r}") from None
+        raise _ArgumentTypeError(f"component {component!r}: {what} must be a list of names, not {value!r}") from None
     for n in names:
         if not isinstance(n, str):
-            raise OffloadError(f"component {component!r}: {what} must hold names (strings), not {n!r}")
+            raise _ArgumentTypeError(f"component {component!r}: {what} must hold names (strings), not {n!r}")
     return names
 
 
@@ -909,22 +919,22 @@ def enable(
     stacks = _names(component, "blocks", blocks) if blocks is not None else find_blocks(module)
     for i, a in enumerate(stacks):
         if not a:
-            raise OffloadError(
+            raise _ArgumentValueError(
                 f"component {component!r}: blocks=['']: the module itself as its block list cannot stream (its blocks "
                 "need a name to live under); hold the list in an attribute of a module (self.blocks = ...) and name that"
             )
         for b in stacks[:i]:
             if a == b:
-                raise OffloadError(f"component {component!r}: block list {a!r} is named twice in blocks=")
+                raise _ArgumentValueError(f"component {component!r}: block list {a!r} is named twice in blocks=")
             if a.startswith(b + ".") or b.startswith(a + "."):
-                raise OffloadError(f"component {component!r}: block lists {b!r} and {a!r} overlap (one holds the other)")
+                raise _ArgumentValueError(f"component {component!r}: block lists {b!r} and {a!r} overlap (one holds the other)")
     if not stacks:
         raise OffloadError(
             f"component {component!r}: {type(module).__name__} has no block list (no ModuleList of two or more "
             "modules of one class); name one with blocks=[...]"
         )
     if not isinstance(lazy, bool):
-        raise OffloadError(f"component {component!r}: lazy must be True or False, not {lazy!r}")
+        raise _ArgumentTypeError(f"component {component!r}: lazy must be True or False, not {lazy!r}")
     state = Offloaded()
     state.component, state.device, state.module = component, dev, module
     state._lazy = lazy

@@ -200,10 +200,9 @@ impl HostBytes {
         let mut at = 0;
         while at < bytes {
             let n = piece.min(bytes - at);
-            // The buffer outlives the copy: its `Drop` drains the copy stream.
-            // SAFETY: `ptr` holds `len ≥ bytes ≥ at + n` bytes while `self` lives
-            // (above); `dst .. dst + dst_len` with `dst_len ≥ bytes` by this
-            // function's contract.
+            // The buffer outlives the copy (its `Drop` drains the copy stream);
+            // `dst .. dst + dst_len` with `dst_len ≥ bytes` by this function's contract.
+            // SAFETY: `ptr` holds `len ≥ bytes ≥ at + n` bytes while `self` lives.
             unsafe { sys::cuMemcpyHtoDAsync_v2(dst + at as u64, self.ptr.add(at) as *const _, n, self.engine.copy.cu_stream()) }
                 .result()
                 .map_err(|e| driver(format!("copying {n} of {bytes} bytes to the device"), e))?;

@@ -197,3 +197,19 @@ def gguf_quantize(model: torch.nn.Module, quant: str = "Q8_0") -> torch.nn.Modul
             if m.bias is not None:
                 m.bias = torch.nn.Parameter(torch.randn(m.bias.shape).to(torch.bfloat16) * 0.05, requires_grad=False)
     return model
+
+
+class Chain(torch.nn.Module):
+    """``n`` blocks made by ``make`` (seeded: the same weights every time) in a
+    ``ModuleList`` called ``blocks``, called in order: the smallest model the
+    package streams, around whatever block a test needs."""
+
+    def __init__(self, make, n: int = 3):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList(make() for _ in range(n))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x

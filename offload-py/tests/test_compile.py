@@ -12,7 +12,7 @@ from torch import nn
 
 import offload
 
-from models import flux
+from models import Chain, flux
 from test_offload import DEVICES, _bits, _to
 
 
@@ -27,16 +27,8 @@ def _counting(backend: str, graphs: list):
     return compile_fn
 
 
-class _Blocks(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 16)) for _ in range(3))
-
-    def forward(self, x):
-        for b in self.blocks:
-            x = b(x)
-        return x
+def _Blocks() -> Chain:
+    return Chain(lambda: nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 16)))
 
 
 @pytest.mark.parametrize("dev", DEVICES)

@@ -19,22 +19,15 @@ from torch import nn
 import offload
 from offload import OffloadError
 
-from models import MODELS
+from models import MODELS, Chain
 from test_offload import DEVICES, _bits, _out, _to
 
 
-class _Lin(nn.Module):
+class _Lin(Chain):
     """Three linear blocks called in order (the issue's `M`)."""
 
     def __init__(self, n: int = 3, width: int = 8):
-        super().__init__()
-        torch.manual_seed(0)
-        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(n))
-
-    def forward(self, x):
-        for b in self.blocks:
-            x = b(x)
-        return x
+        super().__init__(lambda: nn.Linear(width, width), n)
 
 
 def _setup(dev: str, **kw):
@@ -240,21 +233,9 @@ class _Waits(nn.Module):
         return self.lin(x)
 
 
-class _WaitModel(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.blocks = nn.ModuleList(_Waits() for _ in range(3))
-
-    def forward(self, x):
-        for b in self.blocks:
-            x = b(x)
-        return x
-
-
 @pytest.mark.parametrize("dev", DEVICES)
 def test_a_second_thread_is_refused_by_name_and_the_first_finishes_bitwise_equal(dev):
-    m, x = _WaitModel().to(dev), torch.randn(2, 8, device=dev)
+    m, x = Chain(_Waits).to(dev), torch.randn(2, 8, device=dev)
     with torch.no_grad():
         ref = m(x).clone()
     m.to("cpu")

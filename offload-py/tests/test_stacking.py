@@ -8,7 +8,7 @@ import torch
 
 import offload
 
-from models import flux
+from models import Chain, flux
 from test_offload import DEVICES, _bits, _to
 
 # Drift of the input across eight denoising steps: a cache with threshold 0.05
@@ -104,21 +104,9 @@ class _Transposing(torch.nn.Module):
         return x @ self.w.T + self.w.mT.sum(0)
 
 
-class _TransposingModel(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.blocks = torch.nn.ModuleList(_Transposing() for _ in range(3))
-
-    def forward(self, x):
-        for b in self.blocks:
-            x = b(x)
-        return x
-
-
 @pytest.mark.parametrize("dev", DEVICES)
 def test_a_weight_read_through_a_computing_property_binds_its_block(dev):
-    m, x = _TransposingModel().to(dev), torch.randn(2, 8, device=dev)
+    m, x = Chain(_Transposing).to(dev), torch.randn(2, 8, device=dev)
     with torch.no_grad():
         ref = m(x).clone()
     m.to("cpu")

@@ -319,6 +319,9 @@ impl OffloadBackend for CandleBackend {
     fn elapsed_s(&self, from: &SimEvent, to: &SimEvent) -> Result<Option<f64>> {
         self.device.elapsed_s(from, to)
     }
+    fn compute_on_host(&self) -> bool {
+        true
+    }
     fn memory_info(&self) -> Result<MemoryInfo> {
         self.device.memory_info()
     }

@@ -129,6 +129,12 @@ pub trait OffloadBackend: Clone + Send + Sync + 'static {
         Ok(None)
     }
 
+    /// Whether this backend's compute runs on the calling host thread (the
+    /// simulated device, a CPU device): its "device" time is the host's.
+    fn compute_on_host(&self) -> bool {
+        false
+    }
+
     /// Free and total device memory.
     fn memory_info(&self) -> Result<MemoryInfo> {
         Err(crate::Error::unsupported(self.name(), "memory_info"))

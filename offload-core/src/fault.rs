@@ -140,6 +140,9 @@ impl<B: OffloadBackend> OffloadBackend for FaultInjector<B> {
     fn elapsed_s(&self, from: &Self::Event, to: &Self::Event) -> Result<Option<f64>> {
         self.inner.elapsed_s(from, to)
     }
+    fn compute_on_host(&self) -> bool {
+        self.inner.compute_on_host()
+    }
     fn alloc_slot(&self, bytes: usize, purpose: &str) -> Result<Self::Slot> {
         self.tick(FaultKind::SlotAlloc, purpose)?;
         self.inner.alloc_slot(bytes, purpose)

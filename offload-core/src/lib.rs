@@ -47,6 +47,7 @@
 pub mod backend;
 pub mod codec;
 pub mod coded_file;
+pub mod diagnose;
 pub mod discovery;
 pub mod disk;
 pub mod error;
@@ -69,6 +70,7 @@ pub mod timeline;
 
 pub use backend::{MemoryInfo, OffloadBackend, StreamKind};
 pub use coded_file::{CodedEntry, CodedFile, CodedFileStats};
+pub use diagnose::{diagnose, BlockWait, Cause, DiagnoseInput, Diagnosis};
 pub use discovery::{BlockDiscovery, BlockId, BlockSpec, ComponentInventory, DeclaredStacks, NameDiscovery, StackSpec};
 pub use disk::DiskFile;
 pub use error::{Error, Result};

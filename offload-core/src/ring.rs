@@ -105,6 +105,8 @@ struct SlotState<B: OffloadBackend> {
     /// Whether the block it holds was served since its copy: one overwritten
     /// unserved was a wasted prefetch (a block the model skipped).
     served: bool,
+    /// The block whose release `free_after` is (for the timeline).
+    released_by: Option<usize>,
 }
 
 struct PendingSpan<B: OffloadBackend> {
@@ -112,6 +114,9 @@ struct PendingSpan<B: OffloadBackend> {
     stream: &'static str,
     start: B::Event,
     end: B::Event,
+    bytes: u64,
+    after: Option<String>,
+    step: u64,
 }
 
 struct TimelineState<B: OffloadBackend> {
@@ -121,6 +126,8 @@ struct TimelineState<B: OffloadBackend> {
     pending: Vec<PendingSpan<B>>,
     block_start: Option<B::Event>,
     collected: Timeline,
+    /// The step being recorded (the ring's closed steps so far).
+    step: u64,
 }
 
 /// The block handed out and not yet released.
@@ -380,7 +387,16 @@ impl<B: OffloadBackend> Ring<B> {
             }
             for k in 0..count {
                 let slot = ring.alloc(largest, &format!("{}/slot {k}", plan.name))?;
-                ring.slots.push(SlotState { slot, holds: None, ready: None, free_after: None, stamp: 0, unserved_read: 0, served: false });
+                ring.slots.push(SlotState {
+                    slot,
+                    holds: None,
+                    ready: None,
+                    free_after: None,
+                    stamp: 0,
+                    unserved_read: 0,
+                    served: false,
+                    released_by: None,
+                });
             }
             let on_disk = store
                 .blocks()
@@ -481,6 +497,10 @@ impl<B: OffloadBackend> Ring<B> {
         let store = self.store.clone();
         let block = &store.blocks()[b];
         let after = if self.sabotage == Sabotage::SkipFreeWait { None } else { self.slots[s].free_after.clone() };
+        let after_block = match (&after, self.timeline.is_some()) {
+            (Some(_), true) => self.slots[s].released_by.map(|p| store.blocks()[p].id.to_string()),
+            _ => None,
+        };
         let st = &mut self.slots[s];
         if st.holds.is_some() && !st.served {
             // Copied ahead and never asked for: the model skipped it (a cache
@@ -527,7 +547,12 @@ impl<B: OffloadBackend> Ring<B> {
             }
         };
         if let Some(start) = t0 {
-            self.push_span(format!("copy {}", block.id), "copy", start, StreamKind::Copy)?;
+            let end = self.backend.record_timing(StreamKind::Copy)?;
+            if let (Some(tl), Some(end)) = (&mut self.timeline, end) {
+                let (name, bytes) = (format!("copy {}", block.id), block.link_bytes() as u64);
+                let step = tl.step;
+                tl.pending.push(PendingSpan { name, stream: "copy", start, end, bytes, after: after_block, step });
+            }
         }
         let st = &mut self.slots[s];
         st.holds = Some(b);
@@ -842,11 +867,17 @@ impl<B: OffloadBackend> Ring<B> {
         self.lent = None;
         // The slot's release event first: nothing below may leave it unrecorded.
         let recorded = match loc {
-            Loc::Stream(s) => self.record_release(s, signal),
+            Loc::Stream(s) => {
+                self.slots[s].released_by = Some(b);
+                self.record_release(s, signal)
+            }
             Loc::Resident(_) => Ok(()),
         };
         let store = self.store.clone();
         let hb = &store.blocks()[b];
+        if self.timeline.is_some() {
+            self.host_mark(|| format!("release {}", hb.id));
+        }
         let ctx = BlockContext { component: store.component(), block: &hb.id, bytes: hb.bytes(), source };
         for h in self.hooks.iter_mut().rev() {
             h.post_forward(&ctx);
@@ -888,7 +919,7 @@ impl<B: OffloadBackend> Ring<B> {
     fn host_mark(&mut self, name: impl FnOnce() -> String) {
         if let Some(tl) = &mut self.timeline {
             let at_s = tl.host_origin.elapsed().as_secs_f64();
-            tl.collected.host.push(crate::timeline::HostMark { name: name(), at_s });
+            tl.collected.host.push(crate::timeline::HostMark { name: name(), at_s, step: tl.step });
         }
     }
 
@@ -902,7 +933,8 @@ impl<B: OffloadBackend> Ring<B> {
     fn push_span(&mut self, name: String, stream: &'static str, start: B::Event, on: StreamKind) -> Result<()> {
         let end = self.backend.record_timing(on)?;
         if let (Some(tl), Some(end)) = (&mut self.timeline, end) {
-            tl.pending.push(PendingSpan { name, stream, start, end });
+            let step = tl.step;
+            tl.pending.push(PendingSpan { name, stream, start, end, bytes: 0, after: None, step });
         }
         Ok(())
     }
@@ -910,8 +942,15 @@ impl<B: OffloadBackend> Ring<B> {
     /// Record a timeline of both streams from now on, and the exposed stall and
     /// copy-busy metrics. Costs a few timing events per block and, at each
     /// [`end_step`](Self::end_step), a wait for them: leave it off when timing
-    /// the steady state. A no-op on backends that cannot time.
+    /// the steady state. Synchronises once, so that the device's clock starts
+    /// with the host's (the host marks and the spans then share a clock, which
+    /// [`diagnose`](Self::diagnose) reads). A no-op on backends that cannot time,
+    /// and where the timeline is on already.
     pub fn enable_timeline(&mut self) -> Result<()> {
+        if self.timeline.is_some() {
+            return Ok(());
+        }
+        self.backend.synchronize()?;
         if let Some(origin) = self.backend.record_timing(StreamKind::Compute)? {
             self.timeline = Some(TimelineState {
                 origin,
@@ -919,9 +958,31 @@ impl<B: OffloadBackend> Ring<B> {
                 pending: Vec::new(),
                 block_start: None,
                 collected: Timeline::default(),
+                step: 0,
             });
         }
         Ok(())
+    }
+
+    /// Stop recording the timeline (what was recorded is dropped with it).
+    pub fn disable_timeline(&mut self) {
+        self.timeline = None;
+    }
+
+    /// Why the last traced step was slower than its bound ([`crate::diagnose`]),
+    /// against the link's rate `link_bytes_per_s` where given (else the step's
+    /// fastest copy). `None` without a timeline or before a traced step closed.
+    pub fn diagnose(&self, link_bytes_per_s: Option<f64>) -> Option<crate::Diagnosis> {
+        let tl = self.timeline.as_ref()?;
+        let step = tl.step.checked_sub(1)?;
+        let input = crate::DiagnoseInput {
+            component: self.store.component(),
+            step,
+            link_bytes_per_s,
+            compute_on_host: self.backend.compute_on_host(),
+            depth: self.depth,
+        };
+        crate::diagnose(&tl.collected, &input)
     }
 
     /// The timeline recorded so far (closed steps), if enabled.
@@ -1003,6 +1064,9 @@ impl<B: OffloadBackend> Ring<B> {
         for p in std::mem::take(&mut tl.pending) {
             let (Some(start_s), Some(dur_s)) = (self.backend.elapsed_s(&tl.origin, &p.start)?, self.backend.elapsed_s(&p.start, &p.end)?)
             else {
+                // Not done yet (a prefetch still in flight on a backend whose
+                // events say so): read at the next step's end, under its own step.
+                tl.pending.push(p);
                 continue;
             };
             if p.stream == "copy" {
@@ -1010,8 +1074,11 @@ impl<B: OffloadBackend> Ring<B> {
             } else if p.name.starts_with("wait ") {
                 stall += dur_s;
             }
-            tl.collected.spans.push(Span { name: p.name, stream: p.stream, component: self.step.component.clone(), start_s, dur_s });
+            let component = self.step.component.clone();
+            let (step, bytes, after) = (p.step, p.bytes, p.after);
+            tl.collected.spans.push(Span { name: p.name, stream: p.stream, component, start_s, dur_s, step, bytes, after });
         }
+        tl.step += 1;
         self.step.exposed_stall_s = Some(stall);
         self.step.copy_busy_s = Some(busy);
         Ok(())

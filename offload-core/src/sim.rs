@@ -67,6 +67,11 @@ pub struct SimConfig {
     /// bytes from the first coded copy on (and never freed). 0 (the default): the
     /// simulated device decodes straight into the slot.
     pub staging_buffers: usize,
+    /// The link's rate: each copy takes its bytes over this many bytes per
+    /// second on the copy thread (beside the random delay), twice that while
+    /// [`SimBackend::share_link`] says something else uses the link. `None`:
+    /// copies take no modelled time.
+    pub link_bytes_per_s: Option<f64>,
 }
 
 /// Raw bytes per segment of the simulated device's coded blocks.
@@ -86,6 +91,7 @@ impl Default for SimConfig {
             refill_waits: true,
             page_locked: true,
             staging_buffers: 0,
+            link_bytes_per_s: None,
         }
     }
 }
@@ -240,6 +246,8 @@ struct Job {
 
 struct Inner {
     cfg: SimConfig,
+    /// Until when another transfer shares the link ([`SimBackend::share_link`]).
+    shared_until: Arc<Mutex<Option<Instant>>>,
     state: Mutex<State>,
     pending: Arc<Pending>,
     tx: Mutex<Sender<Job>>,
@@ -297,6 +305,8 @@ impl SimBackend {
         let (tx, rx) = channel::<Job>();
         let pending = Arc::new(Pending { count: Mutex::new(0), cv: Condvar::new() });
         let p = pending.clone();
+        let shared_until: Arc<Mutex<Option<Instant>>> = Arc::default();
+        let (shared, rate) = (shared_until.clone(), cfg.link_bytes_per_s.filter(|r| *r > 0.0));
         std::thread::Builder::new()
             .name("offload-sim-copy".into())
             .spawn(move || {
@@ -306,6 +316,11 @@ impl SimBackend {
                     }
                     if job.delay_us > 0 {
                         std::thread::sleep(Duration::from_micros(job.delay_us));
+                    }
+                    if let (Some(rate), true) = (rate, job.bytes > 0) {
+                        let shared = lock(&shared).is_some_and(|until| Instant::now() < until);
+                        let secs = job.bytes as f64 / rate * if shared { 2.0 } else { 1.0 };
+                        std::thread::sleep(Duration::from_secs_f64(secs));
                     }
                     let mut dst = lock(&job.dst);
                     match job.coded {
@@ -328,12 +343,21 @@ impl SimBackend {
             .map(drop)
             .unwrap_or_else(|e| tracing::error!("cannot start the simulated copy thread: {e}"));
         let rng = rand::rngs::StdRng::seed_from_u64(cfg.seed);
-        SimBackend { inner: Arc::new(Inner { cfg, state: Mutex::default(), pending, tx: Mutex::new(tx), rng: Mutex::new(rng) }) }
+        SimBackend {
+            inner: Arc::new(Inner { cfg, shared_until, state: Mutex::default(), pending, tx: Mutex::new(tx), rng: Mutex::new(rng) }),
+        }
     }
 
     /// A simulated device with the default configuration.
     pub fn default_device() -> Self {
         Self::new(SimConfig::default())
+    }
+
+    /// Another transfer shares the link for `dur` from now (a model's own
+    /// host-to-device copies): the copies that run meanwhile take twice their
+    /// time (with [`SimConfig::link_bytes_per_s`]).
+    pub fn share_link(&self, dur: Duration) {
+        *lock(&self.inner.shared_until) = Some(Instant::now() + dur);
     }
 
     /// Counters so far.
@@ -585,6 +609,10 @@ impl OffloadBackend for SimBackend {
 
     fn name(&self) -> &'static str {
         "sim"
+    }
+
+    fn compute_on_host(&self) -> bool {
+        true
     }
 
     fn host(&self) -> SimBackend {

@@ -17,6 +17,13 @@ pub struct Span {
     pub start_s: f64,
     /// Duration, seconds.
     pub dur_s: f64,
+    /// The ring's step it was recorded in (0 for the first).
+    pub step: u64,
+    /// Bytes copied (copy spans; 0 otherwise).
+    pub bytes: u64,
+    /// A copy's order: the block whose release (the end of its compute) the copy
+    /// was ordered after, the last block in its slot. `None` for a free slot.
+    pub after: Option<String>,
 }
 
 /// A moment on the host: when the ring's thread asked for a block or issued a
@@ -30,6 +37,8 @@ pub struct HostMark {
     /// agree where the device was idle then (a bench synchronises first); a
     /// mark is then later than the span it caused by how far the host ran ahead.
     pub at_s: f64,
+    /// The ring's step it was recorded in.
+    pub step: u64,
 }
 
 /// Spans collected over steps.
@@ -71,7 +80,7 @@ impl Timeline {
                 dur: s.dur_s * 1e6,
                 pid: 1,
                 tid: if s.stream == "copy" { 1 } else { 2 },
-                args: serde_json::json!({"component": s.component}),
+                args: serde_json::json!({"component": s.component, "step": s.step, "bytes": s.bytes, "after": s.after}),
             };
             events.push(serde_json::to_value(e).unwrap_or_default());
         }

@@ -317,7 +317,10 @@ impl Streamer {
             None => {
                 // The simulated device serves a checkpoint's blocks from the mapped
                 // file as the CUDA one does (its host memory takes mapped regions).
-                let sim = SimBackend::new(SimConfig { registers_regions: true, ..SimConfig::fast() });
+                // OFFLOAD_SIM_LINK_BYTES_PER_S gives the simulated link a rate (its
+                // copies then take time, as a device's do: for tests of the diagnosis).
+                let link = std::env::var("OFFLOAD_SIM_LINK_BYTES_PER_S").ok().and_then(|v| v.parse::<f64>().ok());
+                let sim = SimBackend::new(SimConfig { registers_regions: true, link_bytes_per_s: link, ..SimConfig::fast() });
                 AnyRing::Cpu(build(sim, &component, &inventory, &source, ck, &plan).map_err(|e| py_err(&component, e))?)
             }
             Some(ordinal) => {
@@ -413,12 +416,24 @@ impl Streamer {
         with_ring!(self.held()?.ring()?, r => r.enable_timeline()).map_err(|e| py_err(&component, e))
     }
 
+    /// Stop recording the timeline.
+    fn disable_timeline(&self) -> PyResult<()> {
+        with_ring!(self.held()?.ring()?, r => r.disable_timeline());
+        Ok(())
+    }
+
+    /// Why the last traced step was slower than its bound, as JSON (`Diagnosis`),
+    /// against `link_bytes_per_s` where given; `None` before a traced step ended.
+    #[pyo3(signature = (link_bytes_per_s=None))]
+    fn diagnose(&self, link_bytes_per_s: Option<f64>) -> PyResult<Option<String>> {
+        let d = with_ring!(self.held()?.ring()?, r => r.diagnose(link_bytes_per_s));
+        d.map(|d| serde_json::to_string(&d).map_err(|e| error(e.to_string()))).transpose()
+    }
+
     /// Write the timeline's Chrome trace (Perfetto opens it); the last step ended.
     fn write_trace(&self, path: &str) -> PyResult<()> {
         let tl = with_ring!(self.held()?.ring()?, r => r.timeline().cloned());
-        let tl = tl.ok_or_else(|| {
-            error(format!("component {:?}: no timeline (enable_trace first; the simulated device has none)", self.component))
-        })?;
+        let tl = tl.ok_or_else(|| error(format!("component {:?}: no timeline (enable_trace first)", self.component)))?;
         tl.write_chrome_trace(path).map_err(|e| error(format!("writing {path}: {e}")))
     }
 

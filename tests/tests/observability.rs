@@ -75,3 +75,78 @@ fn timeline_off_records_nothing() {
     let m = ring.end_step().unwrap();
     assert!(ring.timeline().is_none() && m.exposed_stall_s.is_none() && m.hidden_copy_share().is_none());
 }
+
+/// A ring of six 1 MB blocks on a simulated link of 0.1 GB/s (10 ms a copy) at
+/// `depth`, each block computing `compute_ms[b]` on the host thread with
+/// `between_ms` of host work after it; `share` makes the link shared (copies
+/// at half rate) from block 2 of the last step on. The last of three steps
+/// diagnosed against the link's rate when `tell_link`.
+fn diagnosed(depth: usize, compute_ms: [f64; 6], between_ms: f64, share: bool, tell_link: bool) -> offload_core::Diagnosis {
+    use std::time::Duration;
+    let shape = ModelShape { stacks: vec![6], tensors_per_block: 1, min_bytes: 1_000_000, max_bytes: 1_000_000, non_block: 0 };
+    let model = TestModel::random(&shape, 7);
+    let backend = SimBackend::new(SimConfig { link_bytes_per_s: Some(1e8), ..SimConfig::fast() });
+    let store = Arc::new(HostStore::build(&backend, &model.inventory, &model.tensors).unwrap());
+    let rc = resolve(&Plan::layerwise().prefetch_depth(depth), std::slice::from_ref(&model.inventory)).unwrap().components.remove(0);
+    let mut ring = Ring::new(backend.clone(), store, &rc).unwrap();
+    ring.enable_timeline().unwrap();
+    for step in 0..3 {
+        for (b, ms) in compute_ms.iter().enumerate() {
+            if share && step == 2 && b == 2 {
+                backend.share_link(Duration::from_secs(1));
+            }
+            let g = ring.block_at(b).unwrap();
+            backend.read_slot(g.slot(), |m| std::hint::black_box(m.len()));
+            std::thread::sleep(Duration::from_secs_f64(ms / 1e3));
+            g.finish().unwrap();
+            std::thread::sleep(Duration::from_secs_f64(between_ms / 1e3));
+        }
+        ring.end_step().unwrap();
+    }
+    ring.diagnose(tell_link.then_some(1e8)).expect("a traced step")
+}
+
+fn charged(d: &offload_core::Diagnosis, cause: offload_core::Cause) -> f64 {
+    d.causes.iter().find(|(c, _)| *c == cause).map_or(0.0, |(_, s)| *s)
+}
+
+/// Each cause, provoked on the simulated device, is the one the diagnosis
+/// names, in its seconds and its words: a copy-bound step (the link), copies
+/// issued too late behind an uneven block (and not at depth 2), copies slowed
+/// by other traffic on the link, and the host's own time between blocks.
+#[test]
+fn the_diagnosis_names_each_cause_provoked_on_the_simulated_device() {
+    use offload_core::Cause;
+    // The link: 10 ms copies behind 2 ms blocks, back to back.
+    let d = diagnosed(1, [2.0; 6], 0.0, false, false);
+    assert_eq!(d.verdict, Some(Cause::Link), "{}", d.summary);
+    assert!(charged(&d, Cause::Link) > 30e-3 && d.link_gbps > 0.05 && d.link_gbps < 0.11, "{}", d.summary);
+    assert!(d.summary.contains("\n- link: ") && d.summary.contains("copy-bound"), "{}", d.summary);
+
+    // Late: a 0.5 ms block after each 40 ms one; at depth 1 the copy of the block
+    // after the short one is issued only when the short one starts.
+    let uneven = [40.0, 0.5, 40.0, 0.5, 40.0, 0.5];
+    let d = diagnosed(1, uneven, 0.0, false, false);
+    assert_eq!(d.verdict, Some(Cause::Late), "{}", d.summary);
+    let late = charged(&d, Cause::Late);
+    assert!(late > 15e-3, "{}", d.summary);
+    assert!(d.waits.iter().any(|w| w.block == "stack0.2" && w.idle_before_s > 10e-3), "{:?}", d.waits);
+    assert!(d.summary.contains("\n- late: ") && d.summary.contains("1 block(s) ahead"), "{}", d.summary);
+    let deeper = diagnosed(2, uneven, 0.0, false, false);
+    assert!(charged(&deeper, Cause::Late) < late / 4.0 && deeper.wait_s < d.wait_s / 4.0, "{}\n{}", d.summary, deeper.summary);
+
+    // A shared link: 15 ms blocks hide 10 ms copies, not the 20 ms ones the
+    // shared link gives from block 2 on.
+    let d = diagnosed(1, [15.0; 6], 0.0, true, true);
+    assert_eq!(d.verdict, Some(Cause::SharedLink), "{}", d.summary);
+    assert!(d.waits.iter().any(|w| w.copy_gbps < 0.07), "{:?}", d.waits);
+    assert!(d.summary.contains("\n- shared_link: ") && d.summary.contains("something else used the link"), "{}", d.summary);
+    let alone = diagnosed(1, [15.0; 6], 0.0, false, true);
+    assert!(charged(&alone, Cause::SharedLink) < 1e-3 && alone.wait_s < 10e-3, "{}", alone.summary);
+
+    // The host: 30 ms of host work between 15 ms blocks whose copies are hidden.
+    let d = diagnosed(1, [15.0; 6], 30.0, false, false);
+    assert_eq!(d.verdict, Some(Cause::Host), "{}", d.summary);
+    assert!(charged(&d, Cause::Host) > 120e-3 && d.between_s > 120e-3, "{}", d.summary);
+    assert!(d.summary.contains("\n- host: "), "{}", d.summary);
+}

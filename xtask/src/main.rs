@@ -504,9 +504,16 @@ fn python_bundle(dir: &Path) -> Result<(), String> {
     run(c)?;
     let tests = dir.join("py-tests");
     std::fs::create_dir_all(&tests).map_err(|e| e.to_string())?;
-    for f in
-        ["test_offload.py", "test_quiet_paths.py", "test_stacking.py", "test_bound.py", "test_compile.py", "test_example.py", "models.py"]
-    {
+    for f in [
+        "test_offload.py",
+        "test_quiet_paths.py",
+        "test_stacking.py",
+        "test_bound.py",
+        "test_compile.py",
+        "test_diagnose.py",
+        "test_example.py",
+        "models.py",
+    ] {
         std::fs::copy(root().join("offload-py/tests").join(f), tests.join(f)).map_err(|e| format!("{f}: {e}"))?;
     }
     // The docs' examples, which test_example.py runs (their CUDA rows too).

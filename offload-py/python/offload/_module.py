@@ -427,9 +427,59 @@ class Offloaded:
         return {"in_place": mapped, "copied": copied, "copy_reason": why}
 
     def enable_trace(self) -> None:
-        """Time both streams from now on (a few events per block); write the
-        last step with :meth:`write_trace`. CUDA only."""
+        """Time both streams from now on (a few events per block, and a wait
+        for them at each step's end; it synchronises once now): write the last
+        step with :meth:`write_trace`, read it with :meth:`diagnose`. Leave it
+        off when timing the steady state (:meth:`disable_trace`)."""
+        self._refuse_capture("enable_trace")
         self._engine().enable_timeline()
+
+    def disable_trace(self) -> None:
+        """Stop timing the streams (the recorded steps are dropped)."""
+        self._engine().disable_timeline()
+
+    def diagnose(self, link_gbps: Optional[float] = None) -> dict:
+        """Why the last traced step was slower than its bound: call
+        :meth:`enable_trace`, run a step (the first one after enabling learns
+        the block order: run two), then this.
+
+        Each wait of the compute stream for a block's copy is charged to what
+        held the copy back: ``"link"`` (copies back to back at the link's rate:
+        a copy-bound step), ``"late"`` (the copy stream sat idle before the copy:
+        issued too late behind a short block; a larger ``depth`` helps),
+        ``"slot"`` (the copy waited for its slot's previous block to finish),
+        ``"shared_link"`` (the copy ran slower than the link: the model's own
+        host-to-device copies shared it); and ``"host"`` names a host that
+        needed about the device's whole step (Python time per block, or a host
+        synchronisation inside a block). Returns ``{"summary": str, "verdict":
+        cause or None, "causes": {cause: seconds}, "waits": [{"block", "wait_s",
+        "by_cause", "copy_gbps", ...}], "step_s", "compute_s", "wait_s",
+        "between_s", "host_s", "host_blocks", "link_gbps", ...}`` and
+        ``"host_tables"``: the host tensors the package moves once a step for
+        the blocks (their bytes share the link). ``link_gbps``: the link's
+        rate to measure copies against (:meth:`probe_bandwidth` ÷ 1e9), else
+        the step's fastest copy."""
+        if link_gbps is not None and (isinstance(link_gbps, bool) or not isinstance(link_gbps, numbers.Real)):
+            raise _ArgumentTypeError(f"component {self.component!r}: link_gbps must be a number of GB/s, not {link_gbps!r}")
+        if link_gbps is not None and not (math.isfinite(link_gbps) and link_gbps > 0):
+            raise _ArgumentValueError(f"component {self.component!r}: link_gbps must be a finite number above 0, not {link_gbps!r}")
+        raw = self._engine().diagnose(None if link_gbps is None else float(link_gbps) * 1e9)
+        if raw is None:
+            raise OffloadError(f"component {self.component!r}: no traced step to diagnose: call enable_trace(), run a step, "
+                               "then diagnose()")
+        d = json.loads(raw)
+        d["causes"] = {c: s for c, s in d["causes"]}
+        d["host_blocks"] = {b: s for b, s in d["host_blocks"]}
+        for w in d["waits"]:
+            w["by_cause"] = {c: s for c, s in w["by_cause"]}
+        def where(path) -> str:
+            kind, key, *inner = path
+            return (f"args[{key}]" if kind == "a" else f"{key}=") + "".join(f"[{i}]" for i in inner)
+
+        d["host_tables"] = {f"{b.stack}.{b.index}": [where(p) for p in self._moves[id(b)]]
+                            for b in self.blocks.values() if self._moves.get(id(b))}
+        d["host_table_bytes"] = sum(h[2].nbytes for h in self._moved.values())
+        return d
 
     def write_trace(self, path: str) -> None:
         """Write the last step's Chrome trace (Perfetto opens it)."""

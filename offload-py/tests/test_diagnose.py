@@ -1,0 +1,176 @@
+"""Why a step is slower than its bound: each cause, provoked on purpose, is the
+one :meth:`Offloaded.diagnose` names. CPU rows on the simulated device (its
+link given a rate); CUDA rows print SKIPPED without a GPU and fail with
+OFFLOAD_REQUIRE_DEVICE=1."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import offload
+
+from test_offload import NO_CUDA
+
+
+class _Work(nn.Module):
+    """A block of ``weight`` (``n`` × ``n``) that works ``reps`` matmuls on its
+    input's first ``rows`` rows, sleeps ``sleep_s`` on the host, and may
+    synchronise the host with the device or move a host table itself."""
+
+    def __init__(self, n: int, reps: int = 1, sleep_s: float = 0.0, sync: bool = False, table=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(n, n, dtype=torch.bfloat16) / n**0.5, requires_grad=False)
+        self.reps, self.sleep_s, self.sync, self.table = reps, sleep_s, sync, table
+
+    def forward(self, x):
+        n = self.weight.shape[0]
+        y = x[..., :n] if x.shape[-1] >= n else nn.functional.pad(x, (0, n - x.shape[-1]))
+        for _ in range(self.reps):
+            y = y @ self.weight
+        if self.table is not None:
+            y = y + self.table.to(y.device).sum() * 0  # a pageable copy, as a model's own
+        if self.sleep_s:
+            time.sleep(self.sleep_s)
+        if self.sync:
+            y.sum().item()
+        out = x.clone()
+        out[..., : min(n, x.shape[-1])] += y[..., : min(n, x.shape[-1])] * 1e-3
+        return out
+
+
+class _Model(nn.Module):
+    def __init__(self, blocks, between_s: float = 0.0):
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+        self.between_s = between_s
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+            if self.between_s:
+                time.sleep(self.between_s)
+        return x
+
+
+def _diagnosed(model: nn.Module, x: torch.Tensor, device: str, depth: int = 1, link_gbps=None) -> dict:
+    m = offload.enable(model, device=device, depth=depth)
+    try:
+        with torch.no_grad():
+            model(x)  # learns the order
+            m.enable_trace()
+            for _ in range(2):
+                model(x)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return m.diagnose(link_gbps=link_gbps)
+    finally:
+        offload.disable(model)
+
+
+@pytest.fixture
+def sim_link(monkeypatch):
+    # 0.2 GB/s: an 8 MiB block (2048 × 2048 bf16) takes about 42 ms to copy, well
+    # above the package's host time for it (a few ms, more on a loaded machine:
+    # the simulated device's compute is the host's).
+    monkeypatch.setenv("OFFLOAD_SIM_LINK_BYTES_PER_S", "2e8")
+
+
+def test_a_copy_bound_step_is_named_the_link(sim_link):
+    torch.manual_seed(0)
+    d = _diagnosed(_Model([_Work(2048) for _ in range(6)]), torch.randn(1, 2048, dtype=torch.bfloat16), "cpu")
+    assert d["verdict"] == "link", d["summary"]
+    assert d["causes"]["link"] > 60e-3 and d["waits"] and "copy-bound" in d["summary"], d["summary"]
+
+
+def test_a_copy_issued_too_late_behind_a_short_block_is_named_late_and_depth_two_hides_it(sim_link):
+    def model():
+        torch.manual_seed(0)
+        return _Model([_Work(2048, sleep_s=s) for s in (0.1, 0, 0.1, 0, 0.1, 0)])
+
+    x = torch.randn(1, 2048, dtype=torch.bfloat16)
+    d = _diagnosed(model(), x, "cpu")
+    assert d["verdict"] == "late", d["summary"]
+    assert d["causes"]["late"] > 30e-3 and "1 block(s) ahead" in d["summary"], d["summary"]
+    deeper = _diagnosed(model(), x, "cpu", depth=2)
+    assert deeper["causes"].get("late", 0) < d["causes"]["late"] / 4, deeper["summary"]
+
+
+def test_the_hosts_time_between_blocks_is_named_the_host(sim_link):
+    torch.manual_seed(0)
+    model = _Model([_Work(256, sleep_s=0.001) for _ in range(4)], between_s=0.01)
+    d = _diagnosed(model, torch.randn(1, 256, dtype=torch.bfloat16), "cpu")
+    assert d["verdict"] == "host" and d["between_s"] > 30e-3, d["summary"]
+
+
+def test_diagnose_before_a_traced_step_and_a_bad_link_rate_are_named_errors():
+    torch.manual_seed(0)
+    model = _Model([_Work(64) for _ in range(3)])
+    m = offload.enable(model, device="cpu")
+    with pytest.raises(offload.OffloadError, match="no traced step to diagnose"):
+        m.diagnose()
+    with pytest.raises(TypeError, match="link_gbps"):
+        m.diagnose(link_gbps="50")
+    with pytest.raises(ValueError, match="link_gbps"):
+        m.diagnose(link_gbps=0)
+    offload.disable(model)
+
+
+# -- CUDA rows: the same causes on a GPU -------------------------------------
+
+
+def _cuda_link_gbps(model, x) -> float:
+    m = offload.enable(model, device="cuda")
+    with torch.no_grad():
+        model(x)
+    gbps = m.probe_bandwidth() / 1e9
+    offload.disable(model)
+    return gbps
+
+
+@NO_CUDA
+def test_cuda_a_copy_bound_step_is_named_the_link():
+    torch.manual_seed(0)
+    model = _Model([_Work(4096) for _ in range(8)])  # 32 MiB a block, one row of compute
+    d = _diagnosed(model, torch.randn(1, 4096, dtype=torch.bfloat16, device="cuda"), "cuda")
+    assert d["verdict"] == "link", d["summary"]
+    assert d["wait_s"] > 0.5 * d["step_s"], d["summary"]
+
+
+@NO_CUDA
+def test_cuda_a_copy_issued_too_late_behind_a_short_block_is_named_late_and_depth_two_hides_it():
+    def model():
+        torch.manual_seed(0)
+        # A long block (many matmuls on small weights), a short one, a large one (128 MiB): at
+        # depth 1 the large one's copy is issued when the short one starts.
+        return _Model([_Work(*a) for a in [(1024, 400), (1024, 1), (8192, 1)] * 3])
+
+    x = torch.randn(4096, 8192, dtype=torch.bfloat16, device="cuda")
+    d = _diagnosed(model(), x, "cuda")
+    assert d["verdict"] == "late", d["summary"]
+    assert any(w["idle_before_s"] > 1e-4 for w in d["waits"]), d["waits"]
+    deeper = _diagnosed(model(), x, "cuda", depth=2)
+    assert deeper["causes"].get("late", 0) < d["causes"]["late"] / 2, deeper["summary"]
+
+
+@NO_CUDA
+def test_cuda_a_models_own_copies_sharing_the_link_are_named():
+    torch.manual_seed(0)
+    table = torch.randn(32 << 20, dtype=torch.bfloat16)  # 64 MiB, pageable, moved by each block itself
+    x = torch.randn(2048, 4096, dtype=torch.bfloat16, device="cuda")
+    gbps = _cuda_link_gbps(_Model([_Work(4096, reps=20) for _ in range(8)]), x)
+    d = _diagnosed(_Model([_Work(4096, reps=20, table=table) for _ in range(8)]), x, "cuda", link_gbps=gbps)
+    assert d["causes"].get("shared_link", 0) > 0, d["summary"]
+    assert any(w["copy_gbps"] < 0.8 * gbps for w in d["waits"]), (gbps, d["waits"])
+
+
+@NO_CUDA
+def test_cuda_a_host_synchronisation_inside_each_block_is_named_the_host():
+    torch.manual_seed(0)
+    model = _Model([_Work(1024, reps=50, sync=True) for _ in range(8)])
+    d = _diagnosed(model, torch.randn(2048, 1024, dtype=torch.bfloat16, device="cuda"), "cuda")
+    assert d["verdict"] == "host", d["summary"]
+    assert "synchronisation" in d["summary"] and d["host_s"] >= 0.8 * d["step_s"], d["summary"]

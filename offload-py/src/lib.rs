@@ -133,13 +133,23 @@ impl AnyRing {
     }
 }
 
+/// The plan a ring runs, and why.
+#[derive(Clone)]
+struct Planned {
+    depth: usize,
+    resident: Vec<String>,
+    /// `"given"`, `"budget"` (the planner under `budget_gib`) or `"auto"`.
+    chosen_by: &'static str,
+    why: String,
+}
+
 /// One component's blocks streamed through a ring: built from the module's
 /// block tensors, asked for a block before its forward and given it back after.
 #[pyclass(module = "offload._offload")]
 struct Streamer {
     component: String,
     /// The plan the ring runs: its depth and the blocks it keeps resident.
-    planned: (usize, Vec<String>),
+    planned: Mutex<Planned>,
     /// Taken with `try_lock` only: a call from a second thread while another is
     /// inside (which may wait for the GIL the first released) is an error, never a deadlock.
     ring: Mutex<Option<AnyRing>>,
@@ -284,6 +294,7 @@ impl Streamer {
                 "component {component:?}: a calibration plans under a device budget with no blocks named resident (give budget_gib, not resident_blocks)"
             )));
         }
+        let mut why = "as given".to_owned();
         let (depth, resident_blocks) = match budget_bytes {
             Some(budget) if resident_blocks.is_empty() => {
                 let model = match calibrated {
@@ -292,14 +303,32 @@ impl Streamer {
                 };
                 let choice = offload_plan::plan(&model, budget, depth.max(1), offload_core::ResidentPolicy::Auto)
                     .map_err(|e| py_err(&component, e))?;
-                let depth = if model.compute_s() > 0.0 { choice.depth } else { depth };
-                (depth, choice.resident_ids(&model).into_iter().map(str::to_owned).collect())
+                let timed = model.compute_s() > 0.0;
+                let depth = if timed { choice.depth } else { depth };
+                let resident: Vec<String> = choice.resident_ids(&model).into_iter().map(str::to_owned).collect();
+                why = match timed {
+                    true => format!(
+                        "the planner under a device budget of {budget} bytes, replaying the calibration's compute times and \
+                         {:.1} GB/s link: depth {depth} and {} block(s) resident predict a {:.4} s step (resident: {:.4} s)",
+                        model.bandwidth_bytes_per_s / 1e9,
+                        resident.len(),
+                        choice.predicted_step_s,
+                        choice.resident_step_s
+                    ),
+                    false => format!(
+                        "the planner under a device budget of {budget} bytes, by bytes alone (no calibration: a copy-bound \
+                         step assumed): the {} block(s) saving the most streamed bytes resident, depth {depth} as given",
+                        resident.len()
+                    ),
+                };
+                (depth, resident)
             }
             _ => (depth, resident_blocks),
         };
         // Each block as the engine names it (`blocks.01` is block `blocks.1`).
         let named = |s: &String| offload_core::BlockId::parse(s).map_or_else(|| s.clone(), |id| id.to_string());
-        let planned = (depth, resident_blocks.iter().map(named).collect());
+        let chosen_by = if why == "as given" { "given" } else { "budget" };
+        let planned = Mutex::new(Planned { depth, resident: resident_blocks.iter().map(named).collect(), chosen_by, why });
         let plan = Plan {
             default: ComponentPlan {
                 prefetch_depth: depth,
@@ -485,9 +514,95 @@ impl Streamer {
         Ok(["syncs", "copies", "bytes_copied", "live_bytes", "peak_bytes"].into_iter().zip(c).collect())
     }
 
-    /// The plan the ring runs: `(depth, resident block names)`.
-    fn plan(&self) -> (usize, Vec<String>) {
-        self.planned.clone()
+    /// The plan the ring runs: `(depth, resident block names, chosen by, why)`.
+    fn plan(&self) -> (usize, Vec<String>, String, String) {
+        let p = self.planned.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        (p.depth, p.resident, p.chosen_by.to_owned(), p.why)
+    }
+
+    /// Choose the prefetch depth from the last traced step (the default when
+    /// no depth is given): its blocks' compute spans and its copies' rate
+    /// replayed at depths 1 to `max_depth` (`offload_plan`'s replay of the
+    /// ring), the smallest depth within 1 % of the shortest predicted step, no
+    /// deeper than a quarter of the device's free memory allows for the extra
+    /// slots. The ring is rebuilt at that depth if it differs. Returns the
+    /// depth chosen and why.
+    fn choose_depth(&self, max_depth: usize) -> PyResult<(usize, String)> {
+        let component = self.component.clone();
+        let mut held = self.held()?;
+        let ring = held.ring()?;
+        let (now, model, largest, free) = with_ring!(&*ring, r => {
+            let Some(d) = r.diagnose(None) else {
+                return Err(error(format!("component {component:?}: no traced step to choose a depth from")));
+            };
+            let tl = r.timeline().cloned().unwrap_or_default();
+            let last = tl.spans.iter().map(|s| s.step).max().unwrap_or(0);
+            let mut by: std::collections::HashMap<String, Vec<f64>> = Default::default();
+            for s in tl.spans.iter().filter(|s| s.step == last) {
+                if let Some(id) = s.name.strip_prefix("compute ") {
+                    by.entry(id.to_owned()).or_default().push(s.dur_s);
+                }
+            }
+            let bandwidth = if d.copy_s > 0.0 { d.copy_bytes as f64 / d.copy_s } else { 0.0 };
+            let blocks = r.store().blocks().iter().map(|b| {
+                let id = b.id.to_string();
+                // A block the step did not run (a cache skipped it) computes nothing.
+                let t = by.get(&id).map_or(0.0, |v| v.iter().sum::<f64>() / v.len() as f64);
+                offload_plan::BlockCost::new(id, b.link_bytes() as u64, t)
+            }).collect();
+            let largest = r.store().blocks().iter().map(|b| b.bytes() as u64).max().unwrap_or(0);
+            let free = r.backend().memory_info().map(|m| m.free).ok();
+            let model = offload_plan::CostModel { bandwidth_bytes_per_s: bandwidth, blocks, non_block_bytes: 0, source: format!("component {component:?}, a traced step"), staging_buffers: offload_plan::DEFAULT_STAGING_BUFFERS };
+            (r.depth(), model, largest, free)
+        });
+        if model.bandwidth_bytes_per_s <= 0.0 {
+            let why = "depth kept: the traced step copied nothing".to_owned();
+            self.set_planned(now, why.clone(), "auto");
+            return Ok((now, why));
+        }
+        let n = model.blocks.len();
+        let top = max_depth.clamp(1, offload_core::MAX_PREFETCH_DEPTH).min(n.saturating_sub(1).max(1));
+        let none = vec![false; n];
+        let predicted: Vec<f64> = (1..=top).map(|d| model.simulate_s(&none, d)).collect();
+        let best = predicted.iter().copied().fold(f64::INFINITY, f64::min);
+        let mut depth = predicted.iter().position(|p| *p <= best * 1.01).map_or(now, |i| i + 1);
+        let mut memory = String::new();
+        if let Some(free) = free {
+            while depth > now && (depth - now) as u64 * largest > free / 4 {
+                depth -= 1;
+                memory = format!(
+                    "; deeper is predicted faster, but its slots would take more than a quarter of the {:.1} GiB free",
+                    free as f64 / (1u64 << 30) as f64
+                );
+            }
+        }
+        let list = predicted.iter().enumerate().map(|(i, p)| format!("{}: {p:.4} s", i + 1)).collect::<Vec<_>>().join(", ");
+        let mut why = format!(
+            "depth {depth}, chosen from a traced step: its blocks' compute ({:.4} s) and copies ({:.2} GiB at {:.1} GB/s) replayed \
+             at each depth predict {list}; the smallest depth within 1 % of the shortest{memory}",
+            model.compute_s(),
+            model.blocks.iter().map(|b| b.bytes).sum::<u64>() as f64 / (1u64 << 30) as f64,
+            model.bandwidth_bytes_per_s / 1e9
+        );
+        if depth != now {
+            let taken = held.guard.take().ok_or_else(|| error(format!("component {component:?}: closed")))?;
+            let rebuilt = match taken {
+                AnyRing::Cpu(r) => r.at_depth(depth).map(AnyRing::Cpu),
+                AnyRing::Cuda(r) => {
+                    let _keep = cuda::KeepContext::new();
+                    r.at_depth(depth).map(AnyRing::Cuda)
+                }
+            };
+            let ring = rebuilt.map_err(|e| py_err(&component, e))?;
+            let got = with_ring!(&ring, r => r.depth());
+            *held.guard = Some(ring);
+            if got != depth {
+                why = format!("depth {got} kept: the slots of depth {depth} could not be allocated ({why})");
+                depth = got;
+            }
+        }
+        self.set_planned(depth, why.clone(), "auto");
+        Ok((depth, why))
     }
 
     /// This ring's cost model as JSON (`offload_plan::CostModel`, what
@@ -548,6 +663,15 @@ impl Drop for Streamer {
             let _keep = cuda::KeepContext::new();
             drop(r);
         }
+    }
+}
+
+impl Streamer {
+    fn set_planned(&self, depth: usize, why: String, chosen_by: &'static str) {
+        let mut p = self.planned.lock().unwrap_or_else(|e| e.into_inner());
+        p.depth = depth;
+        p.why = why;
+        p.chosen_by = chosen_by;
     }
 }
 

@@ -174,3 +174,56 @@ def test_cuda_a_host_synchronisation_inside_each_block_is_named_the_host():
     d = _diagnosed(model, torch.randn(2048, 1024, dtype=torch.bfloat16, device="cuda"), "cuda")
     assert d["verdict"] == "host", d["summary"]
     assert "synchronisation" in d["summary"] and d["host_s"] >= 0.8 * d["step_s"], d["summary"]
+
+
+# -- the default depth: chosen from the second step -----------------------------
+
+
+def _uneven():
+    torch.manual_seed(0)
+    return _Model([_Work(2048, sleep_s=s) for s in (0.1, 0, 0.1, 0, 0.1, 0)])
+
+
+def test_with_no_depth_given_the_package_times_its_second_step_and_deepens_a_ring_that_copies_late(sim_link):
+    model, x = _uneven(), torch.randn(1, 2048, dtype=torch.bfloat16)
+    m = offload.enable(model, device="cpu")
+    with torch.no_grad():
+        ref = model(x)
+        assert m.plan()["chosen_by"] == "auto" and "until the second step" in m.plan()["why"]
+        model(x)
+        plan = m.plan()
+        assert plan["depth"] == 2 and plan["chosen_by"] == "auto", plan
+        assert "1: " in plan["why"] and "2: " in plan["why"] and "within 1 %" in plan["why"], plan["why"]
+        out = model(x)
+        # Untraced again (the package's own trace ends with the choice), and bitwise equal.
+        with pytest.raises(offload.OffloadError, match="no traced step"):
+            m.diagnose()
+        m.enable_trace()
+        model(x)
+        model(x)
+    assert torch.equal(out.view(torch.int16), ref.view(torch.int16))
+    assert m.diagnose()["causes"].get("late", 0) < 0.02, m.diagnose()["summary"]
+    offload.disable(model)
+
+
+def test_a_given_depth_or_budget_is_kept_and_says_so(sim_link):
+    model, x = _uneven(), torch.randn(1, 2048, dtype=torch.bfloat16)
+    m = offload.enable(model, device="cpu", depth=1)
+    with torch.no_grad():
+        for _ in range(3):
+            model(x)
+    assert m.plan() == {"depth": 1, "resident_blocks": [], "chosen_by": "given", "why": "as given"}
+    offload.disable(model)
+    m = offload.enable(model, device="cpu", budget_gib=1)
+    assert m.plan()["chosen_by"] == "budget" and "budget" in m.plan()["why"], m.plan()
+    offload.disable(model)
+
+
+def test_a_copy_bound_ring_keeps_depth_one(sim_link):
+    model = _Model([_Work(2048) for _ in range(6)])
+    m = offload.enable(model, device="cpu")
+    with torch.no_grad():
+        for _ in range(3):
+            model(torch.randn(1, 2048, dtype=torch.bfloat16))
+    assert m.plan()["depth"] == 1 and m.plan()["chosen_by"] == "auto", m.plan()
+    offload.disable(model)

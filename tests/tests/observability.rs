@@ -150,3 +150,48 @@ fn the_diagnosis_names_each_cause_provoked_on_the_simulated_device() {
     assert!(charged(&d, Cause::Host) > 120e-3 && d.between_s > 120e-3, "{}", d.summary);
     assert!(d.summary.contains("\n- host: "), "{}", d.summary);
 }
+
+/// A ring rebuilt at another depth serves the same bytes from `depth + 1`
+/// slots, keeps the order it learned (no retrace), its totals and nothing of
+/// the old slots; a depth over the plan's budget is refused before the ring is
+/// touched.
+#[test]
+fn a_ring_rebuilt_at_another_depth_serves_the_same_bytes_with_its_learned_order() {
+    let model = TestModel::random(&ModelShape { stacks: vec![6], non_block: 0, ..Default::default() }, 8);
+    let backend = SimBackend::new(SimConfig::default());
+    let store = Arc::new(HostStore::build(&backend, &model.inventory, &model.tensors).unwrap());
+    let rc = resolve(&Plan::layerwise(), std::slice::from_ref(&model.inventory)).unwrap().components.remove(0);
+    let mut ring = Ring::new(backend.clone(), store.clone(), &rc).unwrap();
+    // A learned order other than the inventory's: 0, 2, 4, 1, 3, 5.
+    let order = [0, 2, 4, 1, 3, 5];
+    let step = |ring: &mut Ring<SimBackend>| {
+        for &b in &order {
+            let g = ring.block_at(b).unwrap();
+            assert_eq!(backend.read_slot(g.slot(), |m| m[..model.block_bytes(b).len()].to_vec()), model.block_bytes(b), "block {b}");
+            g.finish().unwrap();
+        }
+        ring.end_step().unwrap()
+    };
+    step(&mut ring);
+    let copies = ring.metrics().copies;
+    assert_eq!(backend.stats().live_slots, 2);
+    let mut ring = ring.at_depth(3).unwrap();
+    assert_eq!((ring.depth(), backend.stats().live_slots), (3, 4));
+    let m = step(&mut ring);
+    assert_eq!((m.retraces, m.misses), (0, 0), "the learned order is kept: {m}");
+    assert!(ring.metrics().copies > copies, "the totals are kept");
+    let ring = ring.at_depth(1).unwrap();
+    assert_eq!((ring.depth(), backend.stats().live_slots), (1, 2));
+    ring.close().unwrap();
+    assert_eq!(backend.stats().live_slots, 0);
+    assert!(backend.stats().violations.is_empty(), "{:?}", backend.stats().violations);
+
+    // Under a budget of two slots, depth 2 is refused and the ring still serves.
+    let budget = 2 * rc.largest_streamed_bytes as u64;
+    let mut plan = Plan::layerwise();
+    plan.default.device_budget_bytes = Some(budget);
+    let planned = resolve(&plan, std::slice::from_ref(&model.inventory)).unwrap().components.remove(0);
+    let ring = Ring::new(backend.clone(), store, &planned).unwrap();
+    let e = ring.at_depth(2).err().expect("over the budget");
+    assert!(e.to_string().contains("over the budget"), "{e}");
+}

@@ -348,6 +348,10 @@ class Offloaded:
         self.engine_stream = None
         self.last_metrics: Optional[dict] = None
         self.steps = 0
+        # The depth is the package's to choose (no depth, budget or calibration
+        # given): the second step is traced, and the depth chosen at its end.
+        self._auto = False
+        self._traced_by_user = False
         self.module: Optional[nn.Module] = None
         self._bound: Optional[_Block] = None
         # Blocks run in the step under way: a block asked for again begins the
@@ -433,10 +437,12 @@ class Offloaded:
         off when timing the steady state (:meth:`disable_trace`)."""
         self._refuse_capture("enable_trace")
         self._engine().enable_timeline()
+        self._traced_by_user = True
 
     def disable_trace(self) -> None:
         """Stop timing the streams (the recorded steps are dropped)."""
         self._engine().disable_timeline()
+        self._traced_by_user = False
 
     def diagnose(self, link_gbps: Optional[float] = None) -> dict:
         """Why the last traced step was slower than its bound: call
@@ -486,10 +492,17 @@ class Offloaded:
         self._engine().write_trace(str(path))
 
     def plan(self) -> dict:
-        """The plan the ring runs: ``{"depth": d, "resident_blocks": [...]}``
-        (the planner's choice under ``budget_gib``, or what was asked)."""
-        depth, resident = self._engine().plan()
-        return {"depth": depth, "resident_blocks": list(resident)}
+        """The plan the ring runs and why: ``{"depth": d, "resident_blocks":
+        [...], "chosen_by": "given" | "budget" | "auto", "why": str}``.
+        ``"auto"`` (no ``depth`` given): the package timed its second step and
+        chose the depth from it (the replay of that step at each depth, ``why``
+        lists the predictions); until then the depth is 1 and ``why`` says the
+        choice is pending. ``"budget"``: the planner's choice under
+        ``budget_gib``; ``"given"``: what was asked."""
+        depth, resident, chosen_by, why = self._engine().plan()
+        if self._auto and chosen_by == "given":
+            chosen_by, why = "auto", "depth 1 until the second step ends: the package then times it and chooses the depth"
+        return {"depth": depth, "resident_blocks": list(resident), "chosen_by": chosen_by, "why": why}
 
     def calibration(self, compute_s: Optional[dict] = None) -> dict:
         """This module's cost model, for :func:`enable`'s ``calibration=``: each
@@ -743,6 +756,21 @@ class Offloaded:
         # Blocks whose forward ran without reading their weights (a cache hit): not copied.
         self.last_metrics["skipped_blocks"], self._skipped = self._skipped, 0
         self.steps += 1
+        if self._auto:
+            self._choose_depth()
+
+    def _choose_depth(self) -> None:
+        """The automatic depth: the second step timed, the depth chosen at its end."""
+        engine = self._engine()
+        if self.steps == 1:
+            engine.enable_timeline()  # synchronises once
+            return
+        self._auto = False
+        try:
+            engine.choose_depth(4)
+        finally:
+            if not self._traced_by_user:
+                engine.disable_timeline()
 
 
 def _capturing(device: torch.device) -> bool:
@@ -897,7 +925,7 @@ def enable(
     module: nn.Module,
     *,
     device: Any = None,
-    depth: int = 1,
+    depth: Optional[int] = None,
     budget_gib: Optional[float] = None,
     resident_blocks: Sequence[str] = (),
     coded: bool = False,
@@ -920,6 +948,12 @@ def enable(
     block's compute. Every other parameter and buffer moves to ``device`` and
     stays there. Parameters that require grad in a module whose other
     parameters are frozen (a trainable adapter) stay resident too.
+
+    ``depth``: how many blocks ahead the copies run. Not given (and no
+    ``budget_gib`` or ``calibration``), the package chooses it: it streams the
+    first step at depth 1, times the second (a wait for the device at its end),
+    replays that step at depths 1 to 4 and keeps the smallest within 1 % of the
+    fastest (:meth:`Offloaded.plan` says what it chose and why).
 
     ``budget_gib``: device memory for the module's weights: the resident
     tensors, the ring's slots, and the blocks the planner keeps resident with
@@ -956,7 +990,8 @@ def enable(
     at twice the host memory).
     """
     component = name or type(module).__name__
-    depth = _count(component, "depth", depth, 1)
+    auto = depth is None and budget_gib is None and calibration is None
+    depth = _count(component, "depth", 1 if depth is None else depth, 1)
     resident_blocks = _names(component, "resident_blocks", resident_blocks)
     budget_gib = _gib(component, "budget_gib", budget_gib, positive=True)
     pin_budget_gib = _gib(component, "pin_budget_gib", pin_budget_gib, positive=False)
@@ -988,6 +1023,7 @@ def enable(
     state = Offloaded()
     state.component, state.device, state.module = component, dev, module
     state._lazy = lazy
+    state._auto = auto
 
     block_modules: list[tuple[nn.Module, _Block]] = []
     for prefix in stacks:

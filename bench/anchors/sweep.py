@@ -1,0 +1,293 @@
+"""The sweep of the classes people run, beyond the registry: one process, one
+JSON. Each model is built from its diffusers or transformers class and config
+(the class's defaults, or a named release's config) on the GPU, filled with
+seeded random bf16 weights at the real size, and measured on the same object:
+
+- ``resident``: the model on the device;
+- ``offload``: this package with defaults (``offload.enable(m, device="cuda")``),
+  its output compared bitwise with the resident one, its link probed
+  (``probe_bandwidth``) and, after the timed steps, one traced step diagnosed
+  (``Offloaded.diagnose``);
+- ``block_stream`` / ``leaf_stream``: diffusers' group offloading (block level,
+  one block per group; leaf level), streams on, pinned; its error named where it
+  raises.
+
+Each mode: 2 warm-up steps, then ``--steps`` timed with CUDA events. Memory as
+in the zoo's anchors: the resident step's activations are its peak above what
+was allocated before it; a mode's weights on the device are its steps' peak
+above the inputs, less those activations.
+
+    python3 sweep.py OUT.json [--models a,b] [--steps 3] [--device cuda|meta]
+
+``--device meta`` builds every model and runs its forward on the meta device:
+a check of the classes, configs and inputs on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import subprocess
+import time
+import traceback
+
+import torch
+
+# name -> (module, class, config, case, video). Configs: the class's defaults
+# unless a release is named (its published config's sizes).
+MODELS = {
+    "cogview4": ("diffusers", "CogView4Transformer2DModel", {}, "1024², 256 text tokens", False),
+    "ltx-video": ("diffusers", "LTXVideoTransformer3DModel", {}, "480×704×121 frames (5280 tokens), 128 text tokens", True),
+    "sana-1600m": ("diffusers", "SanaTransformer2DModel", {}, "1024² (1024 tokens), 300 text tokens", False),
+    "lumina2": ("diffusers", "Lumina2Transformer2DModel", {}, "1024², 256 text tokens", False),
+    "cogvideox-2b": ("diffusers", "CogVideoXTransformer3DModel", {}, "480×720×49 frames (17550 tokens), 226 text tokens", True),
+    "mochi-1": ("diffusers", "MochiTransformer3DModel", {}, "480×848×31 frames (9540 tokens), 256 text tokens", True),
+    "hunyuanvideo": ("diffusers", "HunyuanVideoTransformer3DModel", {}, "320×512×33 frames (5760 tokens), 256 text tokens", True),
+    "chroma": ("diffusers", "ChromaTransformer2DModel", {}, "1024² (4096 tokens), 512 text tokens", False),
+    "skyreels-v2-1.3b": ("diffusers", "SkyReelsV2Transformer3DModel",
+                         dict(num_attention_heads=12, attention_head_dim=128, ffn_dim=8960, num_layers=30),
+                         "480×832×17 frames (7800 tokens), 512 text tokens", True),
+    "llama-3-8b": ("transformers", "LlamaModel",
+                   dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                        num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=8192),
+                   "prefill, 1024 tokens", False),
+    "qwen3-8b": ("transformers", "Qwen3Model",
+                 dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                      num_key_value_heads=8, head_dim=128, vocab_size=151936, rope_theta=1000000.0,
+                      max_position_embeddings=40960),
+                 "prefill, 1024 tokens", False),
+}
+
+
+def inputs(name: str, dev: str) -> dict:
+    """Seeded inputs of each model's case (latents as the pipeline hands them)."""
+    g = torch.Generator(device="cpu").manual_seed(1)
+    r = lambda *s: torch.randn(*s, generator=g).to(torch.bfloat16).to(dev)
+    t = lambda v: torch.tensor([v], device=dev)
+    ones = lambda n: torch.ones(1, n, dtype=torch.bool, device=dev)
+    if name == "cogview4":
+        return dict(hidden_states=r(1, 16, 128, 128), encoder_hidden_states=r(1, 256, 4096), timestep=t(500),
+                    original_size=torch.tensor([[1024, 1024]], device=dev), target_size=torch.tensor([[1024, 1024]], device=dev),
+                    crop_coords=torch.tensor([[0, 0]], device=dev), return_dict=False)
+    if name == "ltx-video":
+        f, h, w = 16, 15, 22
+        return dict(hidden_states=r(1, f * h * w, 128), encoder_hidden_states=r(1, 128, 4096), timestep=t(500),
+                    encoder_attention_mask=ones(128).to(torch.bfloat16), num_frames=f, height=h, width=w, return_dict=False)
+    if name == "sana-1600m":
+        return dict(hidden_states=r(1, 32, 32, 32), encoder_hidden_states=r(1, 300, 2304), timestep=t(500), return_dict=False)
+    if name == "lumina2":
+        return dict(hidden_states=r(1, 16, 128, 128), timestep=t(0.5).to(torch.bfloat16), encoder_hidden_states=r(1, 256, 1024),
+                    encoder_attention_mask=ones(256), return_dict=False)
+    if name == "cogvideox-2b":
+        return dict(hidden_states=r(1, 13, 16, 60, 90), encoder_hidden_states=r(1, 226, 4096), timestep=t(500), return_dict=False)
+    if name == "mochi-1":
+        return dict(hidden_states=r(1, 12, 6, 60, 106), encoder_hidden_states=r(1, 256, 4096), timestep=t(500),
+                    encoder_attention_mask=ones(256), return_dict=False)
+    if name == "hunyuanvideo":
+        return dict(hidden_states=r(1, 16, 9, 40, 64), timestep=t(500), encoder_hidden_states=r(1, 256, 4096),
+                    encoder_attention_mask=ones(256), pooled_projections=r(1, 768), guidance=t(6000.0).to(torch.bfloat16),
+                    return_dict=False)
+    if name == "chroma":
+        ids = torch.zeros(4096, 3, device=dev)
+        ids[:, 1] = torch.arange(4096, device=dev) // 64
+        ids[:, 2] = torch.arange(4096, device=dev) % 64
+        return dict(hidden_states=r(1, 4096, 64), encoder_hidden_states=r(1, 512, 4096), timestep=t(0.5).to(torch.bfloat16),
+                    img_ids=ids, txt_ids=torch.zeros(512, 3, device=dev), return_dict=False)
+    if name.startswith("skyreels"):
+        return dict(hidden_states=r(1, 16, 5, 60, 104), timestep=t(500), encoder_hidden_states=r(1, 512, 4096), return_dict=False)
+    # A decoder LLM's prefill: seeded token ids.
+    vocab = MODELS[name][2]["vocab_size"]
+    return dict(input_ids=torch.randint(vocab, (1, 1024), generator=g).to(dev), use_cache=False, return_dict=False)
+
+
+def build(name: str, dev: str):
+    import importlib
+
+    mod_name, cls_name, config, _, _ = MODELS[name]
+    mod = importlib.import_module(mod_name)
+    cls = getattr(mod, cls_name)
+    with torch.device(dev):
+        if mod_name == "transformers":
+            cfg = getattr(mod, cls_name.replace("Model", "Config"))(**config)
+            cfg._attn_implementation = "sdpa"
+            m = cls(cfg)
+        else:
+            m = cls(**config)
+    m = m.to(torch.bfloat16).eval()
+    if dev == "meta":
+        return m
+    # Seeded weights, filled on the device: linear weights at +-1/sqrt(fan-in),
+    # vectors (biases, norm scales) in [0.5, 1.5] for weights, +-0.01 for biases.
+    g = torch.Generator(device=dev).manual_seed(0)
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if p.dim() == 1:
+                lo, hi = (0.5, 1.5) if n.endswith("weight") else (-0.01, 0.01)
+            else:
+                a = 1.0 / (p[0].numel() ** 0.5)
+                lo, hi = -a, a
+            p.copy_(torch.empty(p.shape, device=dev, dtype=torch.float32).uniform_(lo, hi, generator=g))
+    return m
+
+
+def first(out):
+    while isinstance(out, (tuple, list)):
+        out = out[0]
+    return getattr(out, "last_hidden_state", getattr(out, "sample", out))
+
+
+def timed(m, x, steps: int):
+    with torch.no_grad():
+        for _ in range(2):
+            out = first(m(**x))
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        evs = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
+        evs[0].record()
+        for i in range(steps):
+            out = first(m(**x))
+            evs[i + 1].record()
+        torch.cuda.synchronize()
+    times = [evs[i].elapsed_time(evs[i + 1]) / 1e3 for i in range(steps)]
+    return out, times, torch.cuda.max_memory_allocated(), before
+
+
+def stats(ts):
+    return {"median_s": statistics.median(ts), "min_s": min(ts), "max_s": max(ts), "runs_s": ts}
+
+
+def equal(a, b) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a.view(torch.int16) if a.dtype == torch.bfloat16 else a,
+                                                                           b.view(torch.int16) if b.dtype == torch.bfloat16 else b))
+
+
+def measure(name: str, steps: int) -> dict:
+    import offload
+
+    row = {"model": name, "class": MODELS[name][1], "library": MODELS[name][0], "config": MODELS[name][2] or "the class's defaults",
+           "case": MODELS[name][3], "video": MODELS[name][4]}
+    torch.cuda.empty_cache()
+    x = inputs(name, "cuda")
+    base = torch.cuda.memory_allocated()
+    m = build(name, "cuda")
+    try:
+        stacks = offload.find_blocks(m)
+    except Exception as e:  # named, never hidden
+        stacks = f"{type(e).__name__}: {e}"
+    row["block_lists"] = stacks
+    row["weight_bytes"] = sum(p.numel() * p.element_size() for p in m.parameters())
+    ref, ts, peak, before = timed(m, x, steps)
+    ref = ref.detach().clone()
+    f = ref.float()
+    row["finite"], row["not_constant"] = bool(torch.isfinite(f).all()), bool((f != f.flatten()[0]).any())
+    row["activations_bytes"] = peak - before
+    row["resident"] = {"step": stats(ts), "weights_bytes": row["weight_bytes"]}
+    del f
+    m.to("cpu")
+    torch.cuda.empty_cache()
+
+    def weights_of(peak):
+        return max(0, peak - base - row["activations_bytes"])
+
+    try:
+        h = offload.enable(m, device="cuda")
+        bw = h.probe_bandwidth()
+        out, ts, peak, _ = timed(m, x, steps)
+        met = h.metrics()
+        r = {"step": stats(ts), "bandwidth_bytes_per_s": bw, "bytes_copied": met["bytes_copied"], "metrics": met,
+             "bitwise_equal": equal(out, ref), "weights_bytes": weights_of(peak), "plan": h.plan()}
+        h.enable_trace()
+        timed(m, x, 1)
+        d = h.diagnose(link_gbps=bw / 1e9)
+        r["diagnosis"] = {k: d[k] for k in ("verdict", "causes", "step_s", "compute_s", "wait_s", "between_s", "host_s", "summary")}
+        offload.disable(m)
+    except Exception as e:
+        r = {"error": f"{type(e).__name__}: {e}".splitlines()[0][:400], "traceback": traceback.format_exc()[-2000:]}
+        try:
+            offload.disable(m)
+        except Exception:
+            pass
+    row["offload"] = r
+    print(name, "offload", json.dumps({k: v for k, v in r.items() if k not in ("metrics", "traceback")}, default=str)[:600], flush=True)
+    torch.cuda.empty_cache()
+
+    from diffusers.hooks import apply_group_offloading
+
+    for mode, kind in (("block_stream", "block_level"), ("leaf_stream", "leaf_level")):
+        try:
+            kw = dict(num_blocks_per_group=1) if kind == "block_level" else {}
+            apply_group_offloading(m, onload_device=torch.device("cuda"), offload_device=torch.device("cpu"), offload_type=kind,
+                                   use_stream=True, record_stream=True, **kw)
+            out, ts, peak, _ = timed(m, x, steps)
+            row[mode] = {"step": stats(ts), "bitwise_equal": equal(out, ref), "weights_bytes": weights_of(peak)}
+        except Exception as e:
+            row[mode] = {"error": f"{type(e).__name__}: {e}".splitlines()[0][:400]}
+        _remove_group_offloading(m)
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        print(name, mode, json.dumps(row[mode], default=str)[:300], flush=True)
+    del m, x, ref
+    gc.collect()
+    torch.cuda.empty_cache()
+    return row
+
+
+def _remove_group_offloading(m) -> None:
+    """diffusers' hooks off every submodule, the weights back on the host."""
+    from diffusers.hooks import HookRegistry
+
+    for sub in m.modules():
+        reg = getattr(sub, "_diffusers_hook", None)
+        if isinstance(reg, HookRegistry):
+            for hook_name in list(reg.hooks.keys()):
+                reg.remove_hook(hook_name, recurse=False)
+    m.to("cpu")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--device", default="cuda")
+    a = ap.parse_args()
+    names = a.models.split(",")
+    if a.device == "meta":
+        for n in names:
+            try:
+                m = build(n, "meta")
+                with torch.no_grad():
+                    out = first(m(**inputs(n, "meta")))
+                print(n, "ok", tuple(out.shape), f"{sum(p.numel() for p in m.parameters()) * 2 / 2**30:.2f} GiB", flush=True)
+            except Exception as e:
+                print(n, "FAILED", f"{type(e).__name__}: {e}"[:500], flush=True)
+        return
+    import diffusers
+    import transformers
+
+    import offload
+
+    doc = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "diffusers": diffusers.__version__,
+           "transformers": transformers.__version__, "offload": offload.__version__,
+           "commit": os.environ.get("OFFLOAD_COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                                                        text=True).stdout.strip(),
+           "steps": a.steps, "pid": os.getpid(), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "models": []}
+    for n in names:
+        try:
+            doc["models"].append(measure(n, a.steps))
+        except Exception as e:  # the model's row names its failure; the sweep goes on
+            doc["models"].append({"model": n, "error": f"{type(e).__name__}: {e}".splitlines()[0][:400],
+                                  "traceback": traceback.format_exc()[-2000:]})
+            print(n, "FAILED", doc["models"][-1]["error"], flush=True)
+            gc.collect()
+            torch.cuda.empty_cache()
+        with open(a.out, "w") as fh:
+            json.dump(doc, fh, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""Merge the sweep's process files (``sweep.py``, one per process) into one
+results file: per model, each figure the median over the processes of each
+process's median step, with [min, max] over the processes; the ratio to the
+bound per process (its own resident step and its own probed bandwidth), then
+its median and range; diffusers' best offloaded mode per process; the targets
+judged from those. Nothing is typed: every number comes from the process files.
+
+    python3 sweep_merge.py OUT.json RUN1.json RUN2.json RUN3.json
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+
+GIB = float(1 << 30)
+
+
+def spread(values):
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "runs": values}
+
+
+def merge(docs: list[dict], names: list[str]) -> dict:
+    order = []
+    for d in docs:
+        for m in d["models"]:
+            if m["model"] not in order:
+                order.append(m["model"])
+    rows = []
+    for name in order:
+        runs = [next((m for m in d["models"] if m["model"] == name), None) for d in docs]
+        row = {"model": name, "processes": sum(r is not None for r in runs)}
+        ok = [r for r in runs if r is not None and "error" not in r]
+        errors = sorted({r["error"] for r in runs if r is not None and "error" in r})
+        if errors:
+            row["error"] = errors[0]
+        if not ok:
+            rows.append(row)
+            continue
+        first = ok[0]
+        row.update({k: first[k] for k in ("class", "library", "config", "case", "video", "weight_bytes", "block_lists")})
+        row["resident_s"] = spread([r["resident"]["step"]["median_s"] for r in ok])
+        row["activations_gib"] = statistics.median(r["activations_bytes"] for r in ok) / GIB
+        ours = [r for r in ok if "error" not in r["offload"]]
+        if len(ours) < len(ok):
+            row["offload_error"] = next(r["offload"]["error"] for r in ok if "error" in r["offload"])
+        if ours:
+            bounds = [max(r["resident"]["step"]["median_s"], r["offload"]["bytes_copied"] / r["offload"]["bandwidth_bytes_per_s"]) for r in ours]
+            steps = [r["offload"]["step"]["median_s"] for r in ours]
+            row["offload_s"] = spread(steps)
+            row["bound_s"] = spread(bounds)
+            row["ratio"] = spread([s / b for s, b in zip(steps, bounds)])
+            row["copy_bound"] = statistics.median(
+                r["offload"]["bytes_copied"] / r["offload"]["bandwidth_bytes_per_s"] > r["resident"]["step"]["median_s"] for r in ours) >= 0.5
+            row["bitwise_equal"] = all(r["offload"]["bitwise_equal"] for r in ours)
+            row["offload_weights_gib"] = statistics.median(r["offload"]["weights_bytes"] for r in ours) / GIB
+            row["verdicts"] = sorted({str(r["offload"]["diagnosis"]["verdict"]) for r in ours})
+            row["plan"] = ours[0]["offload"]["plan"]
+        for mode in ("block_stream", "leaf_stream"):
+            done = [r[mode] for r in ok if mode in r and "error" not in r[mode]]
+            if done:
+                row[mode] = {"step_s": spread([m["step"]["median_s"] for m in done]), "bitwise_equal": all(m["bitwise_equal"] for m in done),
+                             "weights_gib": statistics.median(m["weights_bytes"] for m in done) / GIB}
+            else:
+                row[mode] = {"error": next((r[mode]["error"] for r in ok if mode in r), "not run")}
+        # diffusers' best mode: the faster median of the two, per process.
+        best = []
+        for r in ok:
+            times = {m: r[m]["step"]["median_s"] for m in ("block_stream", "leaf_stream") if m in r and "error" not in r[m]}
+            if times:
+                best.append(min(times.items(), key=lambda kv: kv[1]))
+        if best and ours:
+            modes = [m for m, _ in best]
+            row["diffusers_best_mode"] = max(set(modes), key=modes.count)
+            row["diffusers_best_s"] = spread([s for _, s in best])
+            row["ours_over_diffusers"] = spread([s / b for s, (_, b) in zip(steps, best)]) if len(best) == len(steps) else None
+        if ours:
+            at_bound = row["ratio"]["median"] <= 1.02
+            not_slower = (not row["copy_bound"]) or "diffusers_best_s" not in row or row["offload_s"]["median"] <= row["diffusers_best_s"]["median"]
+            finite = all(r["finite"] and r["not_constant"] for r in ok)
+            row["targets"] = {"ratio_at_most_1.02": at_bound, "not_slower_than_diffusers_where_copy_bound": not_slower,
+                              "bitwise_equal": row["bitwise_equal"], "finite_not_constant": finite}
+            row["targets_met"] = all(row["targets"].values())
+        rows.append(row)
+    meta = docs[0]
+    return {"what": "the sweep of diffusers and transformers classes beyond the registry (bench/anchors/sweep.py)",
+            "gpu": sorted({d["gpu"] for d in docs}), "torch": meta["torch"], "diffusers": meta["diffusers"],
+            "transformers": meta["transformers"], "commit": sorted({d["commit"] for d in docs}), "steps_per_process": meta["steps"],
+            "processes": len(docs), "raw": names, "rows": rows}
+
+
+def main():
+    out, *paths = sys.argv[1:]
+    docs = [json.load(open(p)) for p in paths]
+    res = merge(docs, [os.path.basename(p) for p in paths])
+    with open(out, "w") as fh:
+        json.dump(res, fh, indent=1)
+    for r in res["rows"]:
+        print(r["model"], r.get("ratio", {}).get("median"), r.get("targets_met"), r.get("error", ""))
+
+
+if __name__ == "__main__":
+    main()

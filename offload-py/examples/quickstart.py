@@ -37,7 +37,7 @@ def main(device="cuda" if torch.cuda.is_available() else "cpu"):
         resident = model.to(device)(**inputs)[0].cpu()
     model.to("cpu")
 
-    handle = offload.enable(model, device=device, depth=1)  # blocks found in the module tree
+    handle = offload.enable(model, device=device)  # blocks found in the module tree
     with torch.no_grad():
         out = model(**inputs)[0]  # each block's weights reach the device just before it runs
     print(handle.metrics())  # bytes streamed, prefetch hits, misses, host waits, device bytes

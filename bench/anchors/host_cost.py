@@ -1,0 +1,80 @@
+"""Where a streamed step's host time goes (issue 54: the sweep's host-bound
+rows): for each model named (bench/anchors/sweep.py's), the host's time to
+issue one step resident and streamed (the device synchronised before, not
+after: the call's own time), each the median of five, then one streamed step
+under cProfile (its 25 costliest functions by own time). One process, JSON.
+
+    python3 host_cost.py OUT.json --models ltx-video,lumina2
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import sweep  # noqa: E402
+
+
+def host_times(m, x, n=5):
+    out = []
+    with torch.no_grad():
+        for _ in range(2):
+            m(**x)
+        for _ in range(n):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            m(**x)
+            out.append(time.perf_counter() - t)
+        torch.cuda.synchronize()
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--models", default="ltx-video")
+    a = ap.parse_args()
+    import offload
+
+    res = {"gpu": torch.cuda.get_device_name(), "commit": os.environ.get("OFFLOAD_COMMIT", "?"), "models": {}}
+    for name in a.models.split(","):
+        x = sweep.inputs(name, "cuda")
+        m = sweep.build(name, "cuda")
+        r = {"resident_host_s": host_times(m, x)}
+        m.to("cpu")
+        h = offload.enable(m, device="cuda")
+        r["offload_host_s"] = host_times(m, x)
+        r["plan"] = h.plan()
+        prof = cProfile.Profile()
+        torch.cuda.synchronize()
+        with torch.no_grad():
+            prof.enable()
+            m(**x)
+            prof.disable()
+        torch.cuda.synchronize()
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(25)
+        r["profile"] = s.getvalue()
+        offload.disable(m)
+        r["blocks"] = sum(len(m.get_submodule(p)) for p in offload.find_blocks(m))
+        res["models"][name] = r
+        print(name, {k: statistics.median(v) for k, v in r.items() if k.endswith("_s")}, flush=True)
+        print(r["profile"][:3000], flush=True)
+        del m
+        torch.cuda.empty_cache()
+    with open(a.out, "w") as fh:
+        json.dump(res, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

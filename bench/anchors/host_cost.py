@@ -39,6 +39,19 @@ def host_times(m, x, n=5):
     return out
 
 
+def op_table(m, x) -> str:
+    """One step under torch's profiler: its CPU ops by count and self time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.no_grad():
+        m(**x)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            m(**x)
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=22, max_name_column_width=40)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
@@ -51,10 +64,13 @@ def main():
         x = sweep.inputs(name, "cuda")
         m = sweep.build(name, "cuda")
         r = {"resident_host_s": host_times(m, x)}
+        r["resident_ops"] = op_table(m, x)
         m.to("cpu")
         h = offload.enable(m, device="cuda")
         r["offload_host_s"] = host_times(m, x)
         r["plan"] = h.plan()
+        r["offload_ops"] = op_table(m, x)
+        print(name, "resident ops\n", r["resident_ops"][:2500], "\noffload ops\n", r["offload_ops"][:2500], flush=True)
         prof = cProfile.Profile()
         torch.cuda.synchronize()
         with torch.no_grad():

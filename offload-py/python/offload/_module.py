@@ -301,6 +301,7 @@ class _Block:
     # device and shape (`seal`). A tensor replaced, edited or converted since
     # would not stream: the block's bytes are the enabled ones.
     held: list = field(default_factory=list)
+    same: list = field(default_factory=list)
     # The block's module and the id of the package's post-hook on it, moved to the
     # end of the module's forward hooks at each bind: a hook the user adds while
     # offloaded runs before the block is given back, and sees its weights.
@@ -327,9 +328,15 @@ class _Block:
         self.restore = [(p.owner._parameters, p.attr, p.holder) for p in self.params]
 
     def seal(self) -> None:
-        """Record every placeholder as it is now, once the module is offloaded."""
+        """Record every placeholder as it is now, once the module is offloaded.
+        A plain placeholder cannot change (it refuses every edit, conversion and
+        new data): its block checks it is still the one in its place. Another
+        holder (one rewrapped in a parameter class of its own) is checked for
+        edits and conversions as well: each of those reads is a torch function
+        call on a subclass, host time on every block of every step."""
+        self.same = [(p.owner._parameters, p.attr, p.holder, p) for p in self.params if type(p.holder) is _Placeholder]
         self.held = [(p.owner._parameters, p.attr, p.holder, p.holder._version, p.holder.dtype, p.holder.device, p.holder.shape, p)
-                     for p in self.params]
+                     for p in self.params if type(p.holder) is not _Placeholder]
 
 
 class Offloaded:
@@ -657,6 +664,9 @@ class Offloaded:
         hooks = block.module._forward_hooks
         if next(reversed(hooks), None) != block.post_hook:
             hooks.move_to_end(block.post_hook)
+        for params, attr, prm, p in block.same:
+            if params.get(attr) is not prm:
+                raise OffloadError(self._changed(p, params.get(attr)))
         for params, attr, prm, version, dtype, device, shape, p in block.held:
             now = params.get(attr)
             if now is not prm or prm._version != version or prm.dtype != dtype or prm.device != device or prm.shape != shape:

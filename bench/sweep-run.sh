@@ -14,7 +14,7 @@ if [ ! -d /tmp/site/offload ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$R"/.whl/*.whl "$R"/.whl/offload/*.whl
 fi
 export PYTHONPATH=/tmp/site
-groups=${SWEEP_GROUPS:-"cogview4,ltx-video,sana-1600m,lumina2,cogvideox-2b,skyreels-v2-1.3b mochi-1,hunyuanvideo,chroma llama-3-8b,qwen3-8b"}
+groups=${SWEEP_GROUPS:-"cogview4,ltx-video,sana-1600m,lumina2,cogvideox-2b,skyreels-v2-1.3b pixart-sigma,allegro,llama-3.2-3b,qwen3-4b"}
 for r in ${SWEEP_REPEATS:-1 2 3}; do
   g=0
   for models in $groups; do

@@ -50,6 +50,19 @@ MODELS = {
     "skyreels-v2-1.3b": ("diffusers", "SkyReelsV2Transformer3DModel",
                          dict(num_attention_heads=12, attention_head_dim=128, ffn_dim=8960, num_layers=30),
                          "480×832×17 frames (7800 tokens), 512 text tokens", True),
+    "pixart-sigma": ("diffusers", "PixArtTransformer2DModel", dict(caption_channels=4096, interpolation_scale=2, use_additional_conditions=False),
+                     "1024² (4096 tokens), 300 text tokens", False),
+    "allegro": ("diffusers", "AllegroTransformer3DModel", {}, "352×640×40 frames (8800 tokens), 512 text tokens", True),
+    "llama-3.2-3b": ("transformers", "LlamaModel",
+                     dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
+                          num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=8192,
+                          tie_word_embeddings=True),
+                     "prefill, 1024 tokens", False),
+    "qwen3-4b": ("transformers", "Qwen3Model",
+                 dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+                      num_key_value_heads=8, head_dim=128, vocab_size=151936, rope_theta=1000000.0,
+                      max_position_embeddings=40960, tie_word_embeddings=True),
+                 "prefill, 1024 tokens", False),
     "llama-3-8b": ("transformers", "LlamaModel",
                    dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                         num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=8192),
@@ -96,6 +109,11 @@ def inputs(name: str, dev: str) -> dict:
         ids[:, 2] = torch.arange(4096, device=dev) % 64
         return dict(hidden_states=r(1, 4096, 64), encoder_hidden_states=r(1, 512, 4096), timestep=t(0.5).to(torch.bfloat16),
                     img_ids=ids, txt_ids=torch.zeros(512, 3, device=dev), return_dict=False)
+    if name == "pixart-sigma":
+        return dict(hidden_states=r(1, 4, 128, 128), encoder_hidden_states=r(1, 300, 4096), timestep=t(500),
+                    added_cond_kwargs={"resolution": None, "aspect_ratio": None}, return_dict=False)
+    if name == "allegro":
+        return dict(hidden_states=r(1, 4, 10, 44, 80), encoder_hidden_states=r(1, 512, 4096), timestep=t(500), return_dict=False)
     if name.startswith("skyreels"):
         return dict(hidden_states=r(1, 16, 5, 60, 104), timestep=t(500), encoder_hidden_states=r(1, 512, 4096), return_dict=False)
     # A decoder LLM's prefill: seeded token ids.

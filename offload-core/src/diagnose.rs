@@ -9,15 +9,18 @@
 //! block's copy back, read from the copy stream's spans:
 //!
 //! - **shared link**: the copy ran slower than the link's rate (its bytes over
-//!   its transfer time, against the given bandwidth or the step's fastest copy):
+//!   its transfer time, against the given bandwidth or the step's fastest copy),
+//!   or it was issued (the host's mark) while the copy stream was idle and yet
+//!   started later (the copy engine busy with transfers of another stream: on
+//!   an H100 two streams' host-to-device copies run one after the other):
 //!   something else used the link at the time, such as the model's own
 //!   host-to-device copies;
 //! - **slot**: the copy was ordered after the release of the block that last
 //!   used its slot, and that block was still computing when the copy could have
 //!   started (a deeper ring gives it a free slot earlier);
-//! - **late**: the copy stream sat idle before the copy started: it was issued
-//!   too late to hide, `depth` blocks ahead of a block whose compute was shorter
-//!   than the copy (a deeper prefetch issues it earlier);
+//! - **late**: the copy stream sat idle before the copy was issued: it was
+//!   issued too late to hide, `depth` blocks ahead of a block whose compute was
+//!   shorter than the copy (a deeper prefetch issues it earlier);
 //! - **link**: none of those: the copies ran back to back at the link's rate and
 //!   the compute before the block was too short to hide them (a copy-bound
 //!   step; only fewer bytes help: resident blocks, coding, fp8).
@@ -75,6 +78,9 @@ pub struct BlockWait {
     pub copy_gbps: f64,
     /// Seconds the copy stream sat idle before this copy started.
     pub idle_before_s: f64,
+    /// Of those, seconds after the host had issued it (the copy queued behind
+    /// another stream's transfers).
+    pub queued_s: f64,
     /// Seconds the copy waited for its slot's previous block (`after`).
     pub slot_wait_s: f64,
     /// The block whose release the copy was ordered after, if any.
@@ -137,6 +143,8 @@ pub struct DiagnoseInput<'a> {
 const NOISE: f64 = 0.002;
 /// A copy slower than this share of the link's rate shared the link.
 const SLOW: f64 = 0.8;
+/// How far the host's clock and the device's may disagree (seconds).
+const SKEW: f64 = 100e-6;
 /// A host that needs this share of the device's step keeps the device waiting.
 const HOST_BOUND: f64 = 0.8;
 
@@ -203,6 +211,15 @@ pub fn diagnose(timeline: &Timeline, input: &DiagnoseInput<'_>) -> Option<Diagno
             0 => 0.0,
             _ => (c.start_s - end(copies[i - 1])).max(0.0),
         };
+        // When the host issued it (its latest mark before the span began, the
+        // two clocks agreeing to tens of microseconds): an idle stream after that
+        // was another stream's traffic ahead of it on the copy engine.
+        let mark = format!("issue copy {block}");
+        let issued = timeline.host.iter().filter(|m| m.name == mark && m.at_s <= c.start_s + SKEW).map(|m| m.at_s).reduce(f64::max);
+        let queued = match issued {
+            Some(at) => (c.start_s - at.max(c.start_s - idle_before)).clamp(0.0, idle_before),
+            None => 0.0,
+        };
         let gbps = if t > 0.0 { c.bytes as f64 / t / 1e9 } else { 0.0 };
         let slow = match link > 0.0 {
             true if (c.bytes as f64 / link) < SLOW * t => t - c.bytes as f64 / link,
@@ -210,7 +227,8 @@ pub fn diagnose(timeline: &Timeline, input: &DiagnoseInput<'_>) -> Option<Diagno
         };
         let mut left = w.dur_s;
         let mut by_cause = Vec::new();
-        for (cause, s) in [(Cause::SharedLink, slow), (Cause::Slot, slot_wait), (Cause::Late, idle_before)] {
+        let queued = if queued > SKEW { queued } else { 0.0 };
+        for (cause, s) in [(Cause::SharedLink, slow + queued), (Cause::Slot, slot_wait), (Cause::Late, idle_before - queued)] {
             let take = s.min(left);
             if take > 0.0 {
                 by_cause.push((cause, take));
@@ -226,6 +244,7 @@ pub fn diagnose(timeline: &Timeline, input: &DiagnoseInput<'_>) -> Option<Diagno
             by_cause,
             copy_gbps: gbps,
             idle_before_s: idle_before,
+            queued_s: queued,
             slot_wait_s: slot_wait,
             after: c.after.clone(),
         });
@@ -429,6 +448,10 @@ mod tests {
             ],
             host: vec![],
         };
+        // c was issued at 5.0 ms (when the stream went idle): an idle stream later
+        // would be traffic ahead of it; issued at 7.0 ms, it was late.
+        let mut tl = tl;
+        tl.host.push(HostMark { name: "issue copy c".into(), at_s: 7.0e-3, step: 1 });
         let d = diagnose(&tl, &input()).expect("a traced step");
         let w = |b: &str| d.waits.iter().find(|w| w.block == b).expect("a wait");
         assert_eq!(w("b").by_cause, vec![(Cause::Slot, 1e-3)]);
@@ -446,6 +469,29 @@ mod tests {
         for word in ["slot: 1.00 ms", "late: 2.00 ms", "shared_link: 1.00 ms", "link: 1.00 ms", "c 2.00 ms"] {
             assert!(d.summary.contains(word), "{word:?} not in {}", d.summary);
         }
+    }
+
+    /// A copy issued while the copy stream was idle that started only later
+    /// queued behind another stream's transfers on the copy engine: `shared_link`,
+    /// not `late`; issued just before it started, it was `late`.
+    #[test]
+    fn a_copy_issued_early_that_started_late_queued_behind_other_traffic() {
+        let spans = vec![
+            span("compute a", "compute", 0.0, 1.0),
+            copy("a", -2.0, 1.0, 1000, None),
+            // b's copy began at 10 ms; the stream was idle from -1 ms; compute waited 1..11.
+            copy("b", 10.0, 1.0, 1000, None),
+            span("wait b", "compute", 1.0, 10.0),
+            span("compute b", "compute", 11.0, 1.0),
+        ];
+        let mark = |at_ms: f64| HostMark { name: "issue copy b".into(), at_s: at_ms / 1e3, step: 1 };
+        let early = diagnose(&Timeline { spans: spans.clone(), host: vec![mark(0.0)] }, &input()).expect("traced");
+        let w = &early.waits[0];
+        assert!((w.queued_s - 10e-3).abs() < 1e-9 && w.by_cause[0].0 == Cause::SharedLink, "{w:?}");
+        assert_eq!(early.verdict, Some(Cause::SharedLink), "{}", early.summary);
+        let late = diagnose(&Timeline { spans, host: vec![mark(9.99)] }, &input()).expect("traced");
+        assert_eq!(late.verdict, Some(Cause::Late), "{}", late.summary);
+        assert_eq!(late.waits[0].queued_s, 0.0);
     }
 
     /// A host that needs the device's whole step is named, with its slowest

@@ -1240,7 +1240,75 @@ pub fn readme_tables(results: &Path) -> Result<String, String> {
         md.push('\n');
         md.push_str(&py);
     }
+    if let Some(sweep) = sweep_table(results)? {
+        md.push('\n');
+        md.push_str(&sweep);
+    }
     Ok(md)
+}
+
+/// The sweep of classes beyond the registry, from the newest `*-sweep-*.json`
+/// (`bench/anchors/sweep_merge.py`): per model its figures over the processes
+/// (median [min, max]), the ratio to its bound, diffusers' best offloaded mode,
+/// the diagnosis's verdicts and the targets as the merge judged them.
+pub fn sweep_table(results: &Path) -> Result<Option<String>, String> {
+    let mut names: Vec<String> = std::fs::read_dir(results)
+        .map_err(|e| format!("{}: {e}", results.display()))?
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains("-sweep-") && n.ends_with(".json"))
+        .collect();
+    names.sort();
+    let Some(name) = names.pop() else { return Ok(None) };
+    let d = read_json(&results.join(&name))?;
+    let list = |v: &Value| v.as_array().into_iter().flatten().filter_map(Value::as_str).collect::<Vec<_>>().join(", ");
+    let mut md = format!(
+        "`bench/results/{name}`: the package with defaults (`offload.enable(model, device=\"cuda\")`) on diffusers' and \
+         transformers' classes beyond the registry (`bench/anchors/sweep.py`: random bf16 weights at the class's size, built \
+         and measured in one process with resident and diffusers' group offloading on the same object) on an {} at commit \
+         `{}`; {} process files (raw: `{}`), each model in 3 of them; each figure the median of the processes' medians \
+         with [min, max]; the bound is `max(resident step, streamed bytes ÷ pinned bandwidth probed in the same process)`, \
+         the ratio the median of the per-process ratios. *verdict*: `Offloaded.diagnose()` on a traced step after the \
+         timed ones.\n\n",
+        list(&d["gpu"]),
+        list(&d["commit"]),
+        d["processes"],
+        list(&d["raw"])
+    );
+    md.push_str(
+        "| model | class | case | resident (s) | ours (s) | ratio to bound | diffusers' best (s) | ours ÷ diffusers | depth | verdict | bitwise | targets met |\n\
+         | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n",
+    );
+    let spread = |v: &Value, digits: usize| format!("{:.*} [{:.*}, {:.*}]", digits, f(&v["median"]), digits, f(&v["min"]), digits, f(&v["max"]));
+    for r in d["rows"].as_array().into_iter().flatten() {
+        if let Some(e) = r["error"].as_str().filter(|_| r["offload_s"].is_null()) {
+            let _ = writeln!(md, "| {} | – | – | – | – | {e} | – | – | – | – | – | no |", r["model"].as_str().unwrap_or("?"));
+            continue;
+        }
+        let best = match (r["diffusers_best_mode"].as_str(), r["diffusers_best_s"].is_object()) {
+            (Some(m), true) => format!("{:.4} ({})", f(&r["diffusers_best_s"]["median"]), m.replace('_', " ")),
+            _ => "–".into(),
+        };
+        let failed: Vec<&str> =
+            r["targets"].as_object().into_iter().flatten().filter(|(_, v)| **v == Value::Bool(false)).map(|(k, _)| k.as_str()).collect();
+        let _ = writeln!(
+            md,
+            "| {} | `{}` | {} | {:.4} | {} | {} | {} | {:.3} | {} | {} | {} | {} |",
+            r["model"].as_str().unwrap_or("?"),
+            r["class"].as_str().unwrap_or("?"),
+            r["case"].as_str().unwrap_or("?"),
+            f(&r["resident_s"]["median"]),
+            spread(&r["offload_s"], 4),
+            spread(&r["ratio"], 3),
+            best,
+            f(&r["ours_over_diffusers"]["median"]),
+            r["plan"]["depth"],
+            list(&r["verdicts"]).replace("None", "at its bound"),
+            yes(&r["bitwise_equal"]),
+            if failed.is_empty() { "yes".to_owned() } else { format!("no ({})", failed.join(", ").replace('_', " ")) }
+        );
+    }
+    Ok(Some(md))
 }
 
 /// `README.md` with its generated block replaced by `tables`.

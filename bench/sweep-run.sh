@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The sweep of classes beyond the registry on the GPU runner (issue 54 point 4):
+# The sweep of classes beyond the registry on the GPU runner:
 # for each repeat in SWEEP_REPEATS (default "1 2 3"), one process per group of
 # models (bench/anchors/sweep.py: resident, the package with defaults, diffusers'
 # group offloading on the same object), each file kept in $D; then every file

@@ -1,4 +1,4 @@
-"""Where a streamed step's host time goes (issue 54: the sweep's host-bound
+"""Where a streamed step's host time goes (the sweep's host-bound
 rows): for each model named (bench/anchors/sweep.py's), the host's time to
 issue one step resident and streamed (the device synchronised before, not
 after: the call's own time), each the median of five, then one streamed step

@@ -85,10 +85,30 @@ def merge(docs: list[dict], names: list[str]) -> dict:
             row["targets_met"] = all(row["targets"].values())
         rows.append(row)
     meta = docs[0]
+    # The fields every results file holds (DESIGN.md, "Benchmark results"), per model.
+    cases, anchors = [], []
+    for r in rows:
+        if "offload_s" not in r:
+            continue
+        ok = [m for d in docs for m in d["models"] if m["model"] == r["model"] and "error" not in m and "error" not in m["offload"]]
+        cases.append({"model": r["model"], "resolution": r["case"], "batch": 1, "depth": r["plan"]["depth"], "budget_bytes": None,
+                      "step_resident_s": r["resident_s"]["median"], "step_streamed_s": r["offload_s"]["median"],
+                      "bandwidth_gbps": statistics.median(m["offload"]["bandwidth_bytes_per_s"] for m in ok) / 1e9,
+                      "streamed_bytes": statistics.median(m["offload"]["bytes_copied"] for m in ok), "bound_s": r["bound_s"]["median"],
+                      "ratio_to_bound": r["ratio"]["median"],
+                      "peak_device_bytes": int((r["offload_weights_gib"] + r["activations_gib"]) * GIB),
+                      "bitwise_equal": r["bitwise_equal"]})
+        for mode in ("block_stream", "leaf_stream"):
+            m = r.get(mode, {})
+            anchors.append({"model": r["model"], "mode": mode, "error": m["error"]} if "error" in m else
+                           {"model": r["model"], "mode": mode, "step_s": m["step_s"]["median"], "bitwise_equal": m["bitwise_equal"],
+                            "peak_device_bytes": int((m["weights_gib"] + r["activations_gib"]) * GIB)})
+    gpus, commits = sorted({d["gpu"] for d in docs}), sorted({d["commit"] for d in docs})
     return {"what": "the sweep of diffusers and transformers classes beyond the registry (bench/anchors/sweep.py)",
-            "gpu": sorted({d["gpu"] for d in docs}), "torch": meta["torch"], "diffusers": meta["diffusers"],
-            "transformers": meta["transformers"], "commit": sorted({d["commit"] for d in docs}), "steps_per_process": meta["steps"],
-            "processes": len(docs), "raw": names, "rows": rows}
+            "date": min(d["started"] for d in docs)[:10], "commit": ", ".join(commits), "gpu": ", ".join(gpus),
+            "backend": "python (cuda)", "model": "sweep", "torch": meta["torch"], "diffusers": meta["diffusers"],
+            "transformers": meta["transformers"], "steps_per_process": meta["steps"], "processes": len(docs), "raw": names,
+            "rows": rows, "cases": cases, "anchors": anchors}
 
 
 def main():

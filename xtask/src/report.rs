@@ -1247,7 +1247,7 @@ pub fn readme_tables(results: &Path) -> Result<String, String> {
     Ok(md)
 }
 
-/// The sweep of classes beyond the registry, from the newest `*-sweep-*.json`
+/// The sweep of classes beyond the registry, from the newest `*-sweep.json`
 /// (`bench/anchors/sweep_merge.py`): per model its figures over the processes
 /// (median [min, max]), the ratio to its bound, diffusers' best offloaded mode,
 /// the diagnosis's verdicts and the targets as the merge judged them.
@@ -1256,7 +1256,7 @@ pub fn sweep_table(results: &Path) -> Result<Option<String>, String> {
         .map_err(|e| format!("{}: {e}", results.display()))?
         .flatten()
         .map(|e| e.file_name().to_string_lossy().into_owned())
-        .filter(|n| n.contains("-sweep-") && n.ends_with(".json"))
+        .filter(|n| n.ends_with("-sweep.json"))
         .collect();
     names.sort();
     let Some(name) = names.pop() else { return Ok(None) };
@@ -1270,8 +1270,8 @@ pub fn sweep_table(results: &Path) -> Result<Option<String>, String> {
          with [min, max]; the bound is `max(resident step, streamed bytes ÷ pinned bandwidth probed in the same process)`, \
          the ratio the median of the per-process ratios. *verdict*: `Offloaded.diagnose()` on a traced step after the \
          timed ones.\n\n",
-        list(&d["gpu"]),
-        list(&d["commit"]),
+        d["gpu"].as_str().unwrap_or("?"),
+        d["commit"].as_str().unwrap_or("?"),
         d["processes"],
         list(&d["raw"])
     );

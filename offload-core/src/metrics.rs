@@ -7,6 +7,10 @@ use serde::{Deserialize, Serialize};
 pub struct StepMetrics {
     /// Component name.
     pub component: String,
+    /// Whether the step was a backward pass (its blocks asked for in reverse
+    /// to recompute gradients through them): the two passes are counted apart.
+    #[serde(default)]
+    pub backward: bool,
     /// Blocks served.
     pub blocks: u64,
     /// Host-to-device bytes copied: the blocks' own bytes, what lands in the slots.

@@ -159,6 +159,13 @@ pub struct Ring<B: OffloadBackend> {
     fetched_on_demand: Option<usize>,
     broken: Option<String>,
     next: Vec<usize>,
+    /// The order of the other pass (the backward's while the forward runs, and
+    /// the other way round): each pass learns its own ([`Ring::set_backward`]).
+    other_next: Vec<usize>,
+    /// Whether the blocks are asked for by a backward pass now.
+    backward: bool,
+    /// The first block each pass asked for last time (forward, backward).
+    first: [Option<usize>; 2],
     prev: Option<usize>,
     clock: u64,
     hooks: Vec<Box<dyn Hook>>,
@@ -345,6 +352,9 @@ impl<B: OffloadBackend> Ring<B> {
             fetched_on_demand: None,
             broken: None,
             next: (0..n).map(|i| (i + 1) % n.max(1)).collect(),
+            other_next: (0..n).map(|i| (i + n.max(1) - 1) % n.max(1)).collect(),
+            backward: false,
+            first: [None, None],
             prev: None,
             clock: 0,
             hooks: Vec::new(),
@@ -779,11 +789,13 @@ impl<B: OffloadBackend> Ring<B> {
         if self.sabotage == Sabotage::SyncEveryBlock {
             self.backend.synchronize()?;
         }
-        if let Some(p) = self.prev.replace(b) {
-            if self.next[p] != b {
+        match self.prev.replace(b) {
+            Some(p) if self.next[p] != b => {
                 self.next[p] = b;
                 self.step.retraces += 1;
             }
+            Some(_) => {}
+            None => self.first[usize::from(self.backward)] = Some(b),
         }
         self.step.blocks += 1;
         let (loc, source, wait) = if let Some(r) = self.resident_of[b] {
@@ -942,6 +954,38 @@ impl<B: OffloadBackend> Ring<B> {
         Ok(())
     }
 
+    /// Whether the blocks are now asked for by a backward pass (`true`) or a
+    /// forward one. Each pass learns its own order (a backward asks for the
+    /// blocks in reverse, and its first order is the reverse of the
+    /// inventory's), and a step's metrics say which pass it was. Switching
+    /// copies ahead the first blocks the new pass asked for last time. Call it
+    /// between blocks (none lent), at the start of a pass.
+    pub fn set_backward(&mut self, backward: bool) -> Result<()> {
+        if backward == self.backward {
+            return Ok(());
+        }
+        if self.lent.is_some() {
+            return Err(Error::Protocol(format!("component {:?}: the pass changes between blocks, not while one is lent", self.plan.name)));
+        }
+        std::mem::swap(&mut self.next, &mut self.other_next);
+        self.backward = backward;
+        self.step.backward = backward;
+        self.prev = None;
+        let Some(f) = self.first[usize::from(backward)].filter(|&f| self.resident_of.get(f).is_some_and(Option::is_none)) else {
+            return Ok(());
+        };
+        let s = match self.slots.iter().position(|s| s.holds == Some(f)) {
+            Some(s) => s,
+            None => {
+                let keep = self.chain(f, self.depth);
+                let s = self.victim(&keep);
+                self.load(s, f)?;
+                s
+            }
+        };
+        self.prefetch(f, s)
+    }
+
     /// This ring's blocks at prefetch depth `depth`: this ring closed (every
     /// slot freed after its last use), then a ring of `depth + 1` slots built
     /// over the same store and backend, with the order this one learned, its
@@ -975,6 +1019,7 @@ impl<B: OffloadBackend> Ring<B> {
         plan.depth = depth;
         let (backend, store, sabotage) = (self.backend.clone(), self.store.clone(), self.sabotage);
         let (hooks, next, total) = (std::mem::take(&mut self.hooks), self.next.clone(), self.total.clone());
+        let (other_next, backward, first) = (self.other_next.clone(), self.backward, self.first);
         let was = self.plan.clone();
         self.close()?;
         // Slots that cannot be had at the new depth: the ring at its old depth
@@ -988,6 +1033,9 @@ impl<B: OffloadBackend> Ring<B> {
         };
         ring.hooks = hooks;
         ring.next = next;
+        ring.other_next = other_next;
+        ring.backward = backward;
+        ring.first = first;
         ring.total = total;
         Ok(ring)
     }
@@ -1099,6 +1147,7 @@ impl<B: OffloadBackend> Ring<B> {
         tracing::info!(metrics = %step, "offload step");
         self.step = StepMetrics {
             component: step.component.clone(),
+            backward: self.backward,
             device_weight_bytes: step.device_weight_bytes,
             peak_device_weight_bytes: step.device_weight_bytes,
             host_bytes: step.host_bytes,

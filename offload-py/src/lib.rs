@@ -445,6 +445,13 @@ impl Streamer {
         with_ring!(self.held()?.ring()?, r => r.enable_timeline()).map_err(|e| py_err(&component, e))
     }
 
+    /// Whether the blocks are now asked for by a backward pass (each pass
+    /// learns its own order; the next steps' metrics say which pass).
+    fn set_backward(&self, backward: bool) -> PyResult<()> {
+        let component = self.component.clone();
+        with_ring!(self.held()?.ring()?, r => r.set_backward(backward)).map_err(|e| py_err(&component, e))
+    }
+
     /// Stop recording the timeline.
     fn disable_timeline(&self) -> PyResult<()> {
         with_ring!(self.held()?.ring()?, r => r.disable_timeline());

@@ -195,3 +195,36 @@ fn a_ring_rebuilt_at_another_depth_serves_the_same_bytes_with_its_learned_order(
     let e = ring.at_depth(2).err().expect("over the budget");
     assert!(e.to_string().contains("over the budget"), "{e}");
 }
+
+/// A backward pass asks for the blocks in reverse: it learns its own order, so
+/// after the first iteration neither pass retraces or misses, each serves its
+/// blocks' bytes, and each step's metrics say which pass it was.
+#[test]
+fn a_backward_pass_learns_its_own_reverse_order_beside_the_forward() {
+    let model = TestModel::random(&ModelShape { stacks: vec![6], non_block: 0, ..Default::default() }, 9);
+    let backend = SimBackend::new(SimConfig::default());
+    let store = Arc::new(HostStore::build(&backend, &model.inventory, &model.tensors).unwrap());
+    let rc = resolve(&Plan::layerwise().prefetch_depth(2), std::slice::from_ref(&model.inventory)).unwrap().components.remove(0);
+    let mut ring = Ring::new(backend.clone(), store, &rc).unwrap();
+    let mut pass = |ring: &mut Ring<SimBackend>, backward: bool| {
+        ring.set_backward(backward).unwrap();
+        let order: Vec<usize> = if backward { (0..6).rev().collect() } else { (0..6).collect() };
+        for b in order {
+            let g = ring.block_at(b).unwrap();
+            assert_eq!(backend.read_slot(g.slot(), |m| m[..model.block_bytes(b).len()].to_vec()), model.block_bytes(b), "block {b}");
+            g.finish().unwrap();
+        }
+        ring.end_step().unwrap()
+    };
+    for iteration in 0..3 {
+        let f = pass(&mut ring, false);
+        let b = pass(&mut ring, true);
+        assert!(!f.backward && b.backward, "{f}\n{b}");
+        assert_eq!((b.blocks, b.retraces), (6, 0), "the backward's first order is the reverse: {b}");
+        if iteration > 0 {
+            assert_eq!((f.retraces, f.misses, b.misses), (0, 0, 0), "iteration {iteration}:\n{f}\n{b}");
+            assert_eq!(f.prefetch_hits + b.prefetch_hits, 12);
+        }
+    }
+    assert!(backend.stats().violations.is_empty(), "{:?}", backend.stats().violations);
+}

@@ -428,8 +428,7 @@ pub fn report(root: &Path) -> Result<(), String> {
     headline_plot(&plots.join("headline.png"), &file, &cases)?;
     let readme_path = root.join("README.md");
     if let Ok(readme) = std::fs::read_to_string(&readme_path) {
-        let python = python_table(&root.join("bench/results"))?;
-        std::fs::write(&readme_path, splice_readme(&readme, &readme_headline(&table, python.as_deref()))?).map_err(e)?;
+        std::fs::write(&readme_path, splice_readme(&readme, &readme_headline(&table))?).map_err(e)?;
         println!("wrote README.md's headline");
     }
     let results_path = root.join("docs/results.md");
@@ -468,15 +467,8 @@ mod tests {
 
 /// The README's generated block: the headline table and its plot, then the
 /// Python package's table where a results file holds one.
-pub fn readme_headline(table: &str, python: Option<&str>) -> String {
-    let mut s = format!(
-        "{table}\n![per model: our streamed step beside diffusers' offloaded modes and the resident step](bench/plots/headline.png)\n"
-    );
-    if let Some(py) = python {
-        s.push('\n');
-        s.push_str(py);
-    }
-    s
+pub fn readme_headline(table: &str) -> String {
+    format!("{table}\n![per model: our streamed step beside diffusers' offloaded modes and the resident step](bench/plots/headline.png)\n")
 }
 
 fn span(v: &Value, digits: usize) -> String {
@@ -1279,7 +1271,8 @@ pub fn sweep_table(results: &Path) -> Result<Option<String>, String> {
         "| model | class | case | resident (s) | ours (s) | ratio to bound | diffusers' best (s) | ours ÷ diffusers | depth | verdict | bitwise | targets met |\n\
          | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n",
     );
-    let spread = |v: &Value, digits: usize| format!("{:.*} [{:.*}, {:.*}]", digits, f(&v["median"]), digits, f(&v["min"]), digits, f(&v["max"]));
+    let spread =
+        |v: &Value, digits: usize| format!("{:.*} [{:.*}, {:.*}]", digits, f(&v["median"]), digits, f(&v["min"]), digits, f(&v["max"]));
     for r in d["rows"].as_array().into_iter().flatten() {
         if let Some(e) = r["error"].as_str().filter(|_| r["offload_s"].is_null()) {
             let _ = writeln!(md, "| {} | – | – | – | – | {e} | – | – | – | – | – | no |", r["model"].as_str().unwrap_or("?"));
@@ -1330,8 +1323,9 @@ mod readme_tests {
         let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("root");
         let readme = std::fs::read_to_string(root.join("README.md")).expect("README.md");
         let (_, table, cases) = headline(&root.join("bench/results")).expect("headline");
-        let python = python_table(&root.join("bench/results")).expect("python table");
-        let want = splice_readme(&readme, &readme_headline(&table, python.as_deref())).expect("markers");
+        let want = splice_readme(&readme, &readme_headline(&table)).expect("markers");
+        let lines = readme.lines().count();
+        assert!(lines <= 100, "README.md is {lines} lines: the front door is one screen; tables beyond the headline go to docs/results.md");
         assert!(readme == want, "README.md's headline differs from `cargo xtask bench --report`'s; run it");
         // Every registry model of the tch file, each with diffusers beside it.
         assert!(cases.len() >= 8 && cases.iter().all(|c| !c.diffusers.is_empty()), "{} cases", cases.len());

@@ -339,6 +339,19 @@ class _Block:
                      for p in self.params if type(p.holder) is not _Placeholder]
 
 
+class _Saved:
+    """A block weight autograd saved for the backward: where it lies in its block."""
+
+    __slots__ = ("block", "dtype", "shape", "stride", "offset")
+
+    def __init__(self, block, dtype, shape, stride, offset):
+        self.block, self.dtype, self.shape, self.stride, self.offset = block, dtype, shape, stride, offset
+
+
+# Marks a value saved by the hooks beneath ours (`_pack` hands them what is not a weight).
+_Outer = object()
+
+
 class Offloaded:
     """A module whose blocks stream through the Rust engine. Made by
     :func:`enable`; :meth:`disable` (or :func:`disable` on the module) puts it
@@ -383,6 +396,13 @@ class Offloaded:
         self._lazy = True
         self._armed: Optional[_Block] = None
         self._skipped = 0
+        # Backward streaming: the saved-tensor hooks pushed while a block is bound
+        # in grad mode (and the hooks they sit on), whether the engine serves a
+        # backward now, and that backward's step metrics.
+        self._saving: Optional[tuple] = None
+        self._backward = False
+        # The last step of each pass (forward, backward).
+        self._by_pass: list = [None, None]
         # Host tensors a block moves to the device itself (a rotary table the
         # model makes on the host): learned in its first forward (`_Watch`), then
         # moved once a step, page-locked and without a host sync, before the
@@ -402,15 +422,20 @@ class Offloaded:
         return self.__reduce_ex__(2)
 
     # -- public ---------------------------------------------------------------
-    def metrics(self) -> dict:
+    def metrics(self, which: str = "last") -> dict:
         """The last step's metrics (bytes streamed, prefetch hits, misses, host
         waits, device bytes, ...; a step is one forward of the module, or
         for a module called through another method, such as a VAE's
         ``decode``, one pass over its blocks: a block run again begins the
-        next step)."""
-        if self.last_metrics is None:
-            raise OffloadError(f"component {self.component!r}: no step has ended yet")
-        return dict(self.last_metrics)
+        next step; a backward that brings the blocks back is a step of its
+        own, ``"backward": True``). ``which``: ``"last"``, or the last
+        ``"forward"`` or ``"backward"`` step."""
+        if which not in ("last", "forward", "backward"):
+            raise _ArgumentValueError(f"component {self.component!r}: which must be 'last', 'forward' or 'backward', not {which!r}")
+        m = self.last_metrics if which == "last" else self._by_pass[which == "backward"]
+        if m is None:
+            raise OffloadError(f"component {self.component!r}: no {'' if which == 'last' else which + ' '}step has ended yet")
+        return dict(m)
 
     def counters(self) -> dict:
         """The device's counters since enabling: host synchronisations
@@ -710,6 +735,16 @@ class Offloaded:
             view = data[p.offset : p.offset + p.nbytes].view(p.dtype).as_strided(p.shape, p.layout)
             p.owner._parameters[p.attr] = view if p.rewrap is None else p.rewrap(view)
         if torch.is_grad_enabled():
+            # What autograd saves of this block's weights for the backward is
+            # saved as where it lies in the block, not as the block's buffer:
+            # the buffer is let go after the forward, and the backward brings
+            # the block back (`_unpack`). A recompute in the backward (gradient
+            # checkpointing) saves the same way, so a checkpoint finds the same
+            # tensors saved as in the forward.
+            outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+            torch._C._autograd._push_saved_tensors_default_hooks(self._pack, self._unpack)
+            self._saving = (outer,)
+        if torch.is_grad_enabled():
             # A streamed weight gets no gradient: one that asks for it makes the
             # backward an error naming it, never a gradient quietly left None.
             for p in block.params:
@@ -719,7 +754,68 @@ class Offloaded:
                         view.requires_grad_(True)
                         view.register_hook(_no_gradient(self.component, p.name))
 
+    def _pack(self, t):
+        """Autograd saves ``t`` for the backward: one of the bound block's
+        weights (a view of its buffer, as `linear` saves `weight.t()`) is saved
+        as its place in the block; anything else as the hooks below ours save it."""
+        buf, block = self._buffer, self._bound
+        if (block is not None and buf is not None and type(t) is torch.Tensor and not t.requires_grad
+                and t.device == buf.device and t.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()):
+            return _Saved(block, t.dtype, tuple(t.shape), t.stride(),
+                          t.storage_offset() * t.element_size() - buf.storage_offset() * buf.element_size())
+        outer = self._saving[0] if self._saving else None
+        return (_Outer, outer[1], outer[0](t)) if outer else t
+
+    def _unpack(self, saved):
+        """The backward asks for what `_pack` saved: a block's weight comes back
+        from the block lent again (each block once, in the reverse order the
+        engine learns for a backward), the rest from the hooks that saved it."""
+        if isinstance(saved, tuple) and len(saved) == 3 and saved[0] is _Outer:
+            return saved[1](saved[2])
+        if not isinstance(saved, _Saved):
+            return saved
+        if self._bound is not saved.block:
+            self._lend_for_backward(saved.block)
+        buf = self._buffer
+        n = buf.numel()
+        size = saved.dtype.itemsize
+        w = buf[: n - n % size].view(saved.dtype)
+        return w.as_strided(saved.shape, saved.stride, w.storage_offset() + saved.offset // size)
+
+    def _lend_for_backward(self, block: _Block) -> None:
+        """Bind ``block`` for the backward (autograd's thread, between two of its
+        nodes): the block bound before is given back (its kernels enqueued), the
+        engine switched to its backward order at the backward's first block, and
+        the backward's step ended when autograd's pass ends."""
+        if self._bound is not None:
+            self._unbind()
+        if not self._backward:
+            if self._ran or self._in_forward:
+                self._end_step()
+            self._claim(by_block=False)
+            self._engine().set_backward(True)
+            self._backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        self._ran.add(id(block))
+        self._lend(block)
+
+    def _end_backward(self) -> None:
+        """Autograd's pass ended: the last block given back, the backward's step ended."""
+        try:
+            if self._bound is not None:
+                self._unbind()
+        finally:
+            try:
+                self._end_engine_step()
+            finally:
+                self._engine().set_backward(False)
+                self._backward = False
+                self._release()
+
     def _unbind(self) -> None:
+        if self._saving is not None:
+            self._saving = None
+            torch._C._autograd._pop_saved_tensors_default_hooks()
         block, self._bound = self._bound, None
         if self._armed is not None:
             # Run without using its weights (a cache returned its output): never copied.
@@ -765,6 +861,7 @@ class Offloaded:
         self.last_metrics = json.loads(self._engine().end_step())
         # Blocks whose forward ran without reading their weights (a cache hit): not copied.
         self.last_metrics["skipped_blocks"], self._skipped = self._skipped, 0
+        self._by_pass[bool(self.last_metrics.get("backward"))] = self.last_metrics
         self.steps += 1
         if self._auto:
             self._choose_depth()

@@ -206,7 +206,7 @@ fn a_backward_pass_learns_its_own_reverse_order_beside_the_forward() {
     let store = Arc::new(HostStore::build(&backend, &model.inventory, &model.tensors).unwrap());
     let rc = resolve(&Plan::layerwise().prefetch_depth(2), std::slice::from_ref(&model.inventory)).unwrap().components.remove(0);
     let mut ring = Ring::new(backend.clone(), store, &rc).unwrap();
-    let mut pass = |ring: &mut Ring<SimBackend>, backward: bool| {
+    let pass = |ring: &mut Ring<SimBackend>, backward: bool| {
         ring.set_backward(backward).unwrap();
         let order: Vec<usize> = if backward { (0..6).rev().collect() } else { (0..6).collect() };
         for b in order {

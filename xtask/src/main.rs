@@ -511,6 +511,7 @@ fn python_bundle(dir: &Path) -> Result<(), String> {
         "test_bound.py",
         "test_compile.py",
         "test_diagnose.py",
+        "test_training.py",
         "test_example.py",
         "models.py",
     ] {

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 19's d = 1 gap (bench/NOTES.md, eleventh session): the decoder's speed once, then
+# The coded ring's d = 1 gap (bench/NOTES.md): the decoder's speed once, then
 # PROBE_RUNS (default 3) rounds of coded flux-dev processes at 1024², one per variant of
 # PROBE_VARIANTS (default "normal high": the decoder at normal and at high priority,
 # `--high-priority-decode`), each with PROBE_ARGS (default "--depths 1"; e.g.

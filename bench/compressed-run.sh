@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 19's published file: offload-cuda's GPU tests of the decoder and the coded ring
+# The compressed results file: offload-cuda's GPU tests of the decoder and the coded ring
 # (LIB_TESTS=1, default), the decoder's builds (`codec_speed --variants`, 256 MiB and
 # 1 GiB; the ring's build is the file's decode speed), then RUNS (default 3) `zoo run
 # --backend cuda --coded` processes of flux-dev (CASES, default 1024,2048; depths 1 and

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 19: the exponent decoder's builds side by side (`codec_speed --variants`, each
+# The exponent decoder's builds side by side (`codec_speed --variants`, each
 # bit-exact on the same bytes) at 256 MiB and 1 GiB, REPEATS times each (default 3, one
 # process each), then, where ncu reads the counters, one launch of the ring's build
 # profiled (stall reasons, and per-instruction samples). From the repository root on the

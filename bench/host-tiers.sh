@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 17: the host tiers (mapped, disk under HOST_RAM_GIB, default 8, copy), three processes,
+# The host tiers (mapped, disk under HOST_RAM_GIB, default 8, copy), three processes,
 # merged; then SHARED_PAIRS (default 3) pairs of processes serving the mapped file at once
 # (the second started 3 s after the first), merged by merge-host-tiers-shared; under
 # DEADLINE seconds (default 560). From the bundle: bash .bundle/host-tiers.sh

@@ -6,11 +6,11 @@
 #                      zoo_anchor.py --mode offload,block_stream,leaf_stream: resident, the package and
 #                      diffusers' group offloading on the same model object in one process; then
 #                      py_merge.py over every process kept
-#   py-run.sh start    issue 32's host RAM at 1 x (py_start.py): the checkpoint of PY_START_MODEL (flux-dev)
+#   py-run.sh start    host RAM at 1 x (py_start.py): the checkpoint of PY_START_MODEL (flux-dev)
 #                      written once to PY_CKPT (/tmp/PY_START_MODEL.safetensors) and synced, then PY_REPEATS processes, each
 #                      a model on the meta device enabled with checkpoint= and timed to its first streamed step;
 #                      merged into $PY_DIR/DATE-python-start.json
-#   py-run.sh pipeline issue 32's whole pipeline (py_pipeline.py): PY_REPEATS processes of FluxPipeline (Flux-dev's
+#   py-run.sh pipeline the whole pipeline (py_pipeline.py): PY_REPEATS processes of FluxPipeline (Flux-dev's
 #                      transformer and VAE, random weights, prompt embeddings passed) at 1024², 4 steps, resident,
 #                      the package under PY_BUDGET_GIB (8) and diffusers' offloading; merged into DATE-python-pipeline.json
 #   py-run.sh cuda     offload-cuda's unit tests with their GPU rows required (cuda-lib-tests: the reference model's

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 18 on a machine with two GPUs: the cuda-relay conformance row with its breaks,
+# The relay on a machine with two GPUs: the cuda-relay conformance row with its breaks,
 # then `zoo relay` three times (one link against relay, one process each) and
 # `zoo merge-relay`, under DEADLINE seconds (default 540). From the bundle:
 # bash .bundle/relay-run.sh

@@ -8,7 +8,7 @@
 #   zoo-run.sh merge      `zoo merge`: medians, spreads, bounds and the comparison,
 #                         computed from every run's file
 #   zoo-run.sh pipeline   the pipeline case: three `zoo pipeline` processes, merged
-#   zoo-run.sh compressed issue 19's case: the decoder's speed (codec_speed 256, 1024), then three
+#   zoo-run.sh compressed the coded case: the decoder's speed (codec_speed 256, 1024), then three
 #                         `zoo run --backend cuda --coded` processes (flux-dev, COMPRESSED_ARGS,
 #                         default `--cases 1024,2048 --depths 1,2`; ≈ 190 s each, so with
 #                         ZOO_DEADLINE=560 two commands, .zoo-out carried), merged by `zoo merge-compressed`

@@ -168,7 +168,7 @@ def main():
         # Each process's streamed step over its own resident one (what the docs quote).
         row["vs_resident"] = spread([o / r for o, r in zip(ours, res)])
         if model.startswith("flux-dev-fp8") and case == "1024":
-            # Issue 33's target: Flux-dev in fp8 at 1024², batch 1, at or under 1.05 x
+            # The fp8 target: Flux-dev in fp8 at 1024², batch 1, at or under 1.05 x
             # its resident step (the same fp8 weights resident, upcast per layer),
             # whichever Linears are fp8 (MODEL-fp8, -fp8-linears) and coded or not.
             row["targets"]["within_1_05_of_resident"] = row["vs_resident"]["median"] <= 1.05

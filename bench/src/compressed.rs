@@ -1,4 +1,4 @@
-//! The compressed results file (issue 19) from `zoo run --backend cuda --coded`
+//! The compressed results file from `zoo run --backend cuda --coded`
 //! process runs (raw and coded streamed steps of the same weights in one process)
 //! and the decoder's speed files (`codec_speed --json`): per case and depth,
 //! medians over the runs of each run's own median with min and max, the
@@ -193,7 +193,7 @@ pub fn merge(runs: &[RunDoc], codec: &[Value], min_runs: usize) -> Result<Value,
 /// case draws them (`RegistrySource::normal(model, 0)`, the store `zoo run
 /// --coded` builds), computed on the host, `threads` tensors at a time: each
 /// tensor's bits, and per tensor name within its stack (`transformer_blocks.*.attn.to_q.weight`)
-/// the count, min, median and max — issue 19's "exponent entropy per tensor".
+/// the count, min, median and max: the exponent entropy per tensor.
 pub fn tensor_entropies(model: &crate::registry::Model, threads: usize) -> Result<Value, String> {
     use offload_core::codec::{exponent_histogram, histogram_entropy_bits};
     use offload_core::TensorSource;

@@ -634,7 +634,7 @@ pub struct Targets {
     pub beat_anchor: bool,
 }
 
-/// The targets issue 14 sets: tch ≤ 1.02 × and ≤ diffusers' best; others ≤ 1.03 ×.
+/// The targets: tch ≤ 1.02 × and ≤ diffusers' best; others ≤ 1.03 ×.
 pub fn targets(backend: &str) -> Targets {
     match backend {
         "tch" => Targets { ratio_to_bound: 1.02, beat_anchor: true },

@@ -1,4 +1,4 @@
-//! Host tiers (issue 17): one Flux-dev-shaped checkpoint file served by the
+//! Host tiers: one Flux-dev-shaped checkpoint file served by the
 //! copying store (`copy`), the mapped store (`mapped`: blocks served from the page
 //! cache), with `--host-ram-gib` from disk past a host RAM budget (`disk`), and
 //! coded (`coded`, `coded-file`); each timed from opening the file to the end of
@@ -119,7 +119,7 @@ pub struct HostTierRun {
     pub coded_file_bytes: u64,
 }
 
-/// `merge`'s targets (issue 17): a warm start from the mapped store within 2 s,
+/// `merge`'s targets: a warm start from the mapped store within 2 s,
 /// host memory beyond the page cache within 1 GiB, the streamed step within
 /// 1.03 × its bound, bitwise equal.
 pub const START_TARGET_S: f64 = 2.0;

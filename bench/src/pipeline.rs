@@ -1,4 +1,4 @@
-//! The pipeline case (issue 15): a text encoder streamed layer by layer, a DiT
+//! The pipeline case: a text encoder streamed layer by layer, a DiT
 //! for a few denoising steps streamed with planner-chosen resident blocks, and a
 //! VAE decoder loaded whole on demand — in one process, under one device budget —
 //! against the same pipeline with every component resident.

@@ -195,7 +195,7 @@ impl Storage {
 }
 
 /// The quantized models: (name, the bf16 model, storage). Named as the bench's
-/// rows name them (`MODEL-STORAGE`); issue 33's `flux-dev-fp8` (every Linear
+/// rows name them (`MODEL-STORAGE`); `flux-dev-fp8` (every Linear
 /// fp8, 11 GiB) is `flux-dev-fp8-linears` here, `flux-dev-fp8` being what
 /// diffusers' defaults give.
 pub const QUANTIZED: [(&str, &str, Storage); 6] = [

@@ -1,4 +1,4 @@
-//! Issue 18's relay, measured: one process streams the same Flux-dev-shaped model
+//! The relay, measured: one process streams the same Flux-dev-shaped model
 //! through two backends on device 0 of the same machine, one plain (its own host
 //! link) and one with relay on (`CudaBackend::enable_relay`: helper GPUs fetch
 //! shares over their own links and forward them over NVLink), with the resident
@@ -52,7 +52,7 @@ pub struct RelayRun {
     pub output_finite_nonconstant: bool,
 }
 
-/// Targets (issue 18, x2): the relayed step within 1.05 × `max(resident, bytes ÷
+/// Targets (two GPUs): the relayed step within 1.05 × `max(resident, bytes ÷
 /// aggregate bandwidth)`, at least 1.8 × faster than one link, bitwise equal.
 pub const RATIO_TARGET: f64 = 1.05;
 /// See [`RATIO_TARGET`].

@@ -9,7 +9,7 @@ use offload_bench::registry;
 #[test]
 fn candle_computes_every_registered_model_but_wan_and_the_vae() {
     // The loop test's filter must keep the models candle's file is meant to run: all but
-    // Wan 2.1 (issue 15 asks candle for SD3.5, Z-Image and the two text encoders)
+    // Wan 2.1 (candle's registry rows are SD3.5, Z-Image and the two text encoders)
     // and the VAE (the pipeline case runs on tch).
     for m in registry::models() {
         assert_eq!(offload_bench::candle::computes(&m), !["wan2.1-t2v-14b", "flux-vae"].contains(&m.name), "{}", m.name);

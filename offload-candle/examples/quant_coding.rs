@@ -1,4 +1,4 @@
-//! Does coding pay on quantized weights? (issue 33, point 3.) Three of a
+//! Does coding pay on quantized weights? Three of a
 //! Flux-dev block's linear weights (to_q 3072², ff up 12288×3072, ff down
 //! 3072×12288; normal at σ = 1/√fan-in, 85 M values) stored as bf16, as fp8
 //! e4m3 with a per-output-channel scale (amax / 448, the cast nearest-even) and

@@ -59,7 +59,7 @@ pub enum StreamKind {
 ///
 /// 5. what a framework lends user code for a block (tensors, views, autograd's
 ///    saved tensors) either cannot outlive the block or keeps the block's bytes
-///    alive on its own (invariant 10 of `DESIGN.md`); a backend whose slots are
+///    alive on its own (invariant 10 of `ARCHITECTURE.md`); a backend whose slots are
 ///    reused in place documents what the user must not keep.
 ///
 /// Memory safety does not depend on the protocol: a backend keeps every host buffer

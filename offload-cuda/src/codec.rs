@@ -435,7 +435,7 @@ pub struct DecoderVariant {
 impl DecoderVariant {
     /// The build the ring uses.
     /// Exponents decoded 8 at a time (`group8-rows4`): 1.47 × the first build's
-    /// speed at 256 MiB on the H200 (`bench/NOTES.md`, twelfth session).
+    /// speed at 256 MiB on the H200 (`bench/NOTES.md`).
     pub const RING: DecoderVariant = DecoderVariant { group: 8, ..DecoderVariant::FIRST };
 
     /// The build the ring used before grouped refills (`rows4`).

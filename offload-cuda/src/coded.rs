@@ -1,4 +1,4 @@
-//! Coded streaming (issue 19's first ring path): with coding on
+//! Coded streaming: with coding on
 //! ([`CudaBackend::enable_coding`]), every host buffer the backend allocates
 //! holds its block coded for the device ([`offload_core::codec::code_for_device`]:
 //! sign and mantissa bytes as they are, exponents entropy-coded in chunks). A copy

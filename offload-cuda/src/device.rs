@@ -244,7 +244,7 @@ impl CudaBackend {
         self.engine().refill_early.store(true, Ordering::Relaxed);
     }
 
-    /// Relay (issue 18): from now on, each copy of a plain page-locked host buffer
+    /// Relay: from now on, each copy of a plain page-locked host buffer
     /// of at least [`RelayOptions::min_relay_bytes`] is split in shares, one fetched
     /// by this device, one by each helper GPU over its own host link into its
     /// staging and pulled into the slot over NVLink (see [`crate::relay`]). The

@@ -754,7 +754,7 @@ mod tests {
         for d in [dims(24, 12288, 512, 4096), dims(24, 12288, 512, 16384), dims(24, 12288, 512, 6889)] {
             d.check().unwrap();
         }
-        // The review's example: token counts whose sum wraps to 4 in release builds.
+        // Token counts whose sum wraps to 4 in release builds.
         let wrap = dims(1, 1, usize::MAX - (1 << 32) + 1001, (1 << 32) - 996);
         assert!(wrap.check().unwrap_err().to_string().contains("2^20"));
         assert!(dims(1 << 57, 1, 1, 1).check().is_err());

@@ -1,4 +1,4 @@
-//! Relay: one GPU's copies over several GPUs' host links (issue 18).
+//! Relay: one GPU's copies over several GPUs' host links.
 //!
 //! With relay on ([`CudaBackend::enable_relay`]), a copy of a plain page-locked
 //! host buffer into this backend's device is split in shares. This device fetches

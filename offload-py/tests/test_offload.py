@@ -122,7 +122,7 @@ def test_fp8_weights_stream_as_stored_and_upcast_per_layer_as_diffusers_layerwis
     fp8 = {n for n, p in model.named_parameters() if p.dtype == torch.float8_e4m3fn}
     assert fp8, "layerwise casting left no fp8 weight"
     h, before = _streamed_bitwise(model, inputs, dev, f"{name} fp8")
-    streamed = {n: p for n, p in h.params.items()}
+    streamed = {n: p for n, p in h._params.items()}
     assert {n for n in fp8 if n in streamed} and all(streamed[n].dtype == torch.float8_e4m3fn for n in fp8 if n in streamed)
     # The bytes a step are the stored ones, fp8 weights at one byte each: fewer
     # than the same blocks in bf16.
@@ -210,12 +210,12 @@ def test_gguf_weights_stream_as_stored_under_diffusers_gguf_layers(quant, dev):
     assert gguf_names
     model.to(dev)
     h, before = _streamed_bitwise(model, inputs, dev, f"GGUF {quant}")
-    streamed = {n for n in h.params if n in gguf_names}
+    streamed = {n for n in h._params if n in gguf_names}
     assert streamed, "no GGUF weight streamed"
     # The stored bytes cross: each GGUF weight at its quantized size (34 bytes
     # per 32 weights for Q8_0, 144 per 256 for Q4_K), not bf16's two a weight.
     per = {"Q8_0": 34 / 32, "Q4_K": 144 / 256}[quant]
-    assert all(h.params[n].nbytes == weights[n] * per for n in streamed)
+    assert all(h._params[n].nbytes == weights[n] * per for n in streamed)
     assert h.violations() == []
     offload.disable(model)
     model.to(dev)
@@ -650,7 +650,7 @@ def test_the_bitwise_check_catches_a_wrong_binding():
     with torch.no_grad():
         ref = _out(model(**inputs)).clone()
     h = offload.enable(model, device="cpu")
-    blk = next(iter(h.blocks.values()))
+    blk = next(iter(h._blocks.values()))
     a, b = next((p, q) for p in blk.params for q in blk.params if p is not q and p.nbytes == q.nbytes and p.shape == q.shape)
     a.offset, b.offset = b.offset, a.offset
     blk.prepare()  # the binding is worked out from the layout once, at enable
@@ -827,13 +827,13 @@ def test_coded_streaming_is_bitwise_equal(dev, head_dim):
     # The step's metrics count the same bytes on the link as the device.
     assert h.metrics()["link_bytes"] == sent, (h.metrics(), sent)
     assert h.violations() == []
-    stored = sum(p.nbytes for p in h.params.values())
+    stored = sum(p.nbytes for p in h._params.values())
     offload.disable(model)
     for o in outs:
         assert torch.equal(_bits(o), _bits(ref))
     # Never more than the blocks' bytes (a block coding would not shrink is held
     # raw; the layout's alignment padding aside); fewer where the blocks are large.
-    assert sent <= stored + 256 * len(h.params), f"{sent} bytes sent for {stored}"
+    assert sent <= stored + 256 * len(h._params), f"{sent} bytes sent for {stored}"
     if head_dim == 64:
         assert sent < 0.9 * stored, f"{sent} bytes sent for {stored}: coding did not shrink the blocks"
 
@@ -925,8 +925,8 @@ def test_one_host_copy_unless_asked_and_disable_rebuilds_the_same_bytes(keep):
     h = offload.enable(model, device="cpu", keep_host_copy=keep)
     # Between steps a streamed parameter holds an empty placeholder, and the
     # package keeps its old bytes only when asked: the store is the one host copy.
-    assert all(p.param.numel() == 0 for p in h.params.values())
-    assert all((p.saved is not None) == keep for p in h.params.values())
+    assert all(p.param.numel() == 0 for p in h._params.values())
+    assert all((p.saved is not None) == keep for p in h._params.values())
     with torch.no_grad():
         model(**inputs)
     offload.disable(model)
@@ -946,7 +946,7 @@ def test_pinned_host_weights_are_let_go_and_come_back_pinned():
     owned = lambda: torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
     held = owned()
     h = offload.enable(model, device="cuda")
-    streamed_bytes = sum(p.nbytes for p in h.params.values())
+    streamed_bytes = sum(p.nbytes for p in h._params.values())
     assert streamed_bytes > 0 and held - owned() >= streamed_bytes, "the let-go page-locked tensors are still held by torch's cache"
     with torch.no_grad():
         model(**_to(inputs, "cuda"))
@@ -1015,7 +1015,7 @@ def test_a_weight_kept_past_its_block_holds_its_own_bytes(dev):
         kept = []
         h = offload.enable(model, device=dev, depth=1)
         if sabotage:
-            h.streamer = _OneBuffer(h.streamer)
+            h._streamer = _OneBuffer(h._streamer)
         hook = lin.register_forward_hook(lambda m, a, o: kept.append(m.weight) if not kept else None)
         try:
             with torch.no_grad():
@@ -1024,7 +1024,7 @@ def test_a_weight_kept_past_its_block_holds_its_own_bytes(dev):
         finally:
             hook.remove()
             if sabotage:
-                h.streamer = h.streamer.inner
+                h._streamer = h._streamer.inner
             offload.disable(model)
         return _bits(kept[0])
 
@@ -1034,7 +1034,7 @@ def test_a_weight_kept_past_its_block_holds_its_own_bytes(dev):
 
 @pytest.mark.parametrize("dev", DEVICES)
 def test_a_module_built_on_the_meta_device_runs_from_its_checkpoint(dev, tmp_path):
-    # Issue 32's host RAM at 1 ×: the model object holds no weights (built on the
+    # Host RAM at 1 ×: the model object holds no weights (built on the
     # meta device), the blocks are served from the checkpoint's pages and the
     # other tensors read from it onto the device; the output is the model's with
     # those weights, bit for bit, and disable() puts it back on the meta device.

@@ -26,7 +26,7 @@ def test_the_published_results_file_rebuilds_from_its_runs(tmp_path):
 
 @pytest.mark.parametrize("kind", ["start", "pipeline"])
 def test_the_start_and_pipeline_results_files_rebuild_from_their_runs(tmp_path, kind):
-    # Issue 32's host-RAM start and whole-pipeline files: each names its runs, and
+    # The host-RAM start and whole-pipeline files: each names its runs, and
     # is what `py_start.py merge` / `py_pipeline.py merge` make of them, byte for byte.
     files = sorted((ROOT / "bench" / "results").glob(f"*-python-{kind}.json"))
     assert files, f"no python-{kind} results file"
@@ -101,7 +101,7 @@ def test_a_merge_of_fewer_than_three_processes_is_a_marked_probe_or_refused(tmp_
 
 def test_the_fp8_target_is_computed_against_the_resident_step(tmp_path):
     # flux-dev-fp8 at 1024²: the package's step over the resident fp8 step, per
-    # process, its median held to 1.05 (issue 33), computed by py_merge.py.
+    # process, its median held to 1.05, computed by py_merge.py.
     def run(k, ours, resident, model="flux-dev-fp8"):
         common = dict(model=model, case="1024", tokens=4608, batch=1, weights_device_bytes=1, activations_peak_bytes=1,
                       output_finite=True, output_nonconstant=True)
@@ -249,7 +249,7 @@ def _anchor(name):
 
 
 def test_the_start_merge_judges_each_target_from_the_runs():
-    # Issue 32's host RAM at 1 x: start <= 2 s, host memory beyond the page cache
+    # Host RAM at 1 x: start <= 2 s, host memory beyond the page cache
     # <= 1 GiB (a failed reading, 0, is not a pass), every block in place, bitwise.
     m = _anchor("py_start")
 

@@ -1,5 +1,5 @@
 //! The conformance cases, each written once and generic over the [`Harness`].
-//! Each names the invariant of `DESIGN.md` it checks and, where one exists, the
+//! Each names the invariant of `ARCHITECTURE.md` it checks and, where one exists, the
 //! deliberate ring break ([`Sabotage`]) that makes it fail.
 
 use crate::ensure;

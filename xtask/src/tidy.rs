@@ -135,8 +135,8 @@ pub fn check(root: &Path) -> Vec<String> {
     problems
 }
 
-/// The crates whose files must import each other without a cycle (issue 35:
-/// a core the features stand on, never the other way).
+/// The crates whose files must import each other without a cycle (a core the
+/// features stand on, never the other way).
 const LAYERED: [&str; 2] = ["offload-cuda", "offload-tch"];
 
 /// The modules of the crate at `src` that file `rel` (relative to `src`) names

@@ -54,7 +54,7 @@ enum Zoo {
     },
     /// The pipeline runs' medians, spreads, bounds and targets.
     MergePipeline(MergeArgs),
-    /// Issue 19's file from --coded runs and codec_speed outputs.
+    /// The compressed results file from --coded runs and codec_speed outputs.
     MergeCompressed {
         #[command(flatten)]
         merge: MergeArgs,
@@ -76,7 +76,7 @@ enum Zoo {
     /// One process (cuda): the checkpoint written if absent, then the mapped and
     /// the copying store, each from open to its first streamed step.
     HostTiers(HostTierArgs),
-    /// Issue 18: one link and the relay, one process (two GPUs).
+    /// The relay: one link and the relay, one process (two GPUs).
     Relay {
         #[command(flatten)]
         one: OneCase,
@@ -84,9 +84,9 @@ enum Zoo {
         #[arg(long, default_value = "1", value_delimiter = ',')]
         helpers: Vec<usize>,
     },
-    /// Issue 18's file from relay runs.
+    /// The relay's results file from relay runs.
     MergeRelay(MergeArgs),
-    /// Issue 17's file from host-tiers runs of one plan (runs whose plans differ
+    /// The host tiers' results file from host-tiers runs of one plan (runs whose plans differ
     /// refused, their files named).
     MergeHostTiers(MergeArgs),
     /// A coded start from a coded file against coding at build, from host-tiers

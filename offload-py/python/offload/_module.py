@@ -360,14 +360,14 @@ class Offloaded:
     def __init__(self) -> None:
         self.component: str = ""
         self.device: torch.device = torch.device("cpu")
-        self.streamer: Optional[Streamer] = None
-        self.blocks: dict[nn.Module, _Block] = {}
-        self.params: dict[str, _Param] = {}
-        self.moved: list[_Moved] = []
-        self.hooks: list = []
-        self.engine_stream = None
-        self.last_metrics: Optional[dict] = None
-        self.steps = 0
+        self._streamer: Optional[Streamer] = None
+        self._blocks: dict[nn.Module, _Block] = {}
+        self._params: dict[str, _Param] = {}
+        self._moved_tensors: list[_Moved] = []
+        self._hooks: list = []
+        self._engine_stream = None
+        self._last_metrics: Optional[dict] = None
+        self._steps = 0
         # The depth is the package's to choose (no depth, budget or calibration
         # given): the second step is traced, and the depth chosen at its end.
         self._auto = False
@@ -414,6 +414,11 @@ class Offloaded:
         self._watch: Optional[tuple] = None
         self._moved: dict = {}
 
+    @property
+    def steps(self) -> int:
+        """Steps ended since enabling (forward and backward passes alike)."""
+        return self._steps
+
     def __reduce_ex__(self, protocol):
         raise OffloadError(f"component {self.component!r}: an offloaded module cannot be copied, pickled or saved (its block "
                            "weights are in the engine's store); disable it first")
@@ -432,7 +437,7 @@ class Offloaded:
         ``"forward"`` or ``"backward"`` step."""
         if which not in ("last", "forward", "backward"):
             raise _ArgumentValueError(f"component {self.component!r}: which must be 'last', 'forward' or 'backward', not {which!r}")
-        m = self.last_metrics if which == "last" else self._by_pass[which == "backward"]
+        m = self._last_metrics if which == "last" else self._by_pass[which == "backward"]
         if m is None:
             raise OffloadError(f"component {self.component!r}: no {'' if which == 'last' else which + ' '}step has ended yet")
         return dict(m)
@@ -515,7 +520,7 @@ class Offloaded:
             return (f"args[{key}]" if kind == "a" else f"{key}=") + "".join(f"[{i}]" for i in inner)
 
         d["host_tables"] = {f"{b.stack}.{b.index}": [where(p) for p in self._moves[id(b)]]
-                            for b in self.blocks.values() if self._moves.get(id(b))}
+                            for b in self._blocks.values() if self._moves.get(id(b))}
         d["host_table_bytes"] = sum(h[2].nbytes for h in self._moved.values())
         return d
 
@@ -610,9 +615,9 @@ class Offloaded:
                 f"placeholder for it); its block streams the enabled bytes, so {again}")
 
     def _engine(self) -> Streamer:
-        if self.streamer is None:
+        if self._streamer is None:
             raise OffloadError(f"component {self.component!r}: offloading is disabled")
-        return self.streamer
+        return self._streamer
 
     def _bind(self, block: _Block) -> None:
         """The block's pre-hook: armed, its weights bound at their first use
@@ -705,8 +710,8 @@ class Offloaded:
         buf = self._engine().lend(block.stack, block.index)
         if self.device.type == "cuda":
             cur = torch.cuda.current_stream(self.device)
-            if cur != self.engine_stream:
-                cur.wait_stream(self.engine_stream)
+            if cur != self._engine_stream:
+                cur.wait_stream(self._engine_stream)
                 self._stream = cur
             data = buf
         else:
@@ -829,7 +834,7 @@ class Offloaded:
         for params, attr, param in block.restore:
             params[attr] = param
         if self._stream is not None:
-            self.engine_stream.wait_stream(self._stream)
+            self._engine_stream.wait_stream(self._stream)
             self._buffer.record_stream(self._stream)
             self._stream = None
         wrote = self._version is not None and self._buffer._version != self._version
@@ -858,18 +863,18 @@ class Offloaded:
             # engine's step would poll its events, which a capture forbids; the
             # step goes on with the next forward outside capture.
             return
-        self.last_metrics = json.loads(self._engine().end_step())
+        self._last_metrics = json.loads(self._engine().end_step())
         # Blocks whose forward ran without reading their weights (a cache hit): not copied.
-        self.last_metrics["skipped_blocks"], self._skipped = self._skipped, 0
-        self._by_pass[bool(self.last_metrics.get("backward"))] = self.last_metrics
-        self.steps += 1
+        self._last_metrics["skipped_blocks"], self._skipped = self._skipped, 0
+        self._by_pass[bool(self._last_metrics.get("backward"))] = self._last_metrics
+        self._steps += 1
         if self._auto:
             self._choose_depth()
 
     def _choose_depth(self) -> None:
         """The automatic depth: the second step timed, the depth chosen at its end."""
         engine = self._engine()
-        if self.steps == 1:
+        if self._steps == 1:
             engine.enable_timeline()  # synchronises once
             return
         self._auto = False
@@ -1147,7 +1152,7 @@ def enable(
             if cname != str(i):
                 raise OffloadError(f"component {component!r}: block list {prefix!r} names its item {i} {cname!r}; blocks are numbered 0, 1, ...")
             block_modules.append((child, _Block(prefix, i)))
-            state.blocks[child] = block_modules[-1][1]
+            state._blocks[child] = block_modules[-1][1]
     all_params = dict(module.named_parameters(remove_duplicate=False))
     frozen_some = any(not p.requires_grad for p in all_params.values())
     in_block: dict[int, str] = {}
@@ -1205,7 +1210,7 @@ def enable(
                 prm = _Param(owner, attr, p, p.data if p.device.type == "cpu" else host, p.device, p.dtype, tuple(p.shape),
                              pinned=p.device.type == "cpu" and torch.cuda.is_available() and p.is_pinned(), rewrap=rewrap, name=full,
                              layout=layout)
-            state.params[full] = prm
+            state._params[full] = prm
             blk.params.append(prm)
     if not tensors and frozen_some and any(p.requires_grad for child, _ in block_modules for p in child.parameters()):
         raise OffloadError(
@@ -1267,16 +1272,16 @@ def enable(
 
     if dev.type == "cuda":
         # The engine computes on torch's current stream and allocates its buffers there.
-        state.engine_stream = torch.cuda.current_stream(dev)
+        state._engine_stream = torch.cuda.current_stream(dev)
 
     bar, update = _progress(f"offload {component}: host store", progress)
     try:
-        state.streamer = Streamer(
+        state._streamer = Streamer(
             component,
             tensors,
             stacks,
             device=dev.index if dev.type == "cuda" else None,
-            stream=state.engine_stream,
+            stream=state._engine_stream,
             depth=depth,
             budget_bytes=budget_bytes,
             resident_blocks=list(resident_blocks),
@@ -1293,13 +1298,13 @@ def enable(
     del tensors
     if not keep_host_copy:
         # One host copy: the store's. disable() reads the bytes back from it.
-        for p in state.params.values():
+        for p in state._params.values():
             p.saved = None
-    for stack, index, layout in state.streamer.layouts():
+    for stack, index, layout in state._streamer.layouts():
         for tname, offset, nbytes in layout:
-            p = state.params[tname]
+            p = state._params[tname]
             p.offset, p.nbytes = offset, nbytes
-    for p in state.params.values():
+    for p in state._params.values():
         p.holder = _Placeholder(p.shape, p.dtype, dev, p.param.requires_grad, component, p.name)
         # What frameworks set on a parameter (diffusers' GGUF quant type, ...).
         for k, v in vars(p.param).items():
@@ -1314,7 +1319,7 @@ def enable(
     # From here the module changes; any failure puts back what changed.
     try:
         with torch.no_grad():
-            for p in state.params.values():
+            for p in state._params.values():
                 if not p.param.is_meta:
                     # The parameter object lets its bytes go (the store holds them);
                     # its place in the module holds the placeholder.
@@ -1333,13 +1338,13 @@ def enable(
             def moves(t: torch.Tensor) -> bool:
                 return dev.type == "cuda" or t.is_meta
 
-            seen = set(id(p.param) for p in state.params.values())
+            seen = set(id(p.param) for p in state._params.values())
             swaps: dict[int, nn.Parameter] = {}
             for full, prm in all_params.items():
                 if prm.is_meta and id(prm) not in seen:
                     # Every name a meta parameter has gets the one new parameter.
                     owner, attr = _owner(module, full)
-                    state.moved.append(_Moved(owner, attr, True, prm, swapped=True))
+                    state._moved_tensors.append(_Moved(owner, attr, True, prm, swapped=True))
                     if id(prm) not in swaps:
                         swaps[id(prm)] = nn.Parameter(placed_on(full, prm), requires_grad=prm.requires_grad)
                     owner._parameters[attr] = swaps[id(prm)]
@@ -1348,14 +1353,14 @@ def enable(
                     continue
                 seen.add(id(prm))
                 owner, attr = _owner(module, full)
-                state.moved.append(_Moved(owner, attr, True, prm.data))
+                state._moved_tensors.append(_Moved(owner, attr, True, prm.data))
                 prm.data = placed_on(full, prm)
             placed: dict[int, torch.Tensor] = {}
             for full, buf in module.named_buffers(remove_duplicate=False):
                 if buf is None or not moves(buf):
                     continue
                 owner, attr = _owner(module, full)
-                state.moved.append(_Moved(owner, attr, False, buf))
+                state._moved_tensors.append(_Moved(owner, attr, False, buf))
                 # A buffer shared by two modules stays one tensor on the device.
                 if id(buf) not in placed:
                     placed[id(buf)] = placed_on(full, buf)
@@ -1363,23 +1368,23 @@ def enable(
         for child, blk in block_modules:
             blk.seal()
             # First among the block's pre-hooks: one registered before enable reads the weights.
-            state.hooks.append(child.register_forward_pre_hook(_pre_hook(state, blk), prepend=True, with_kwargs=True))
-            state.hooks.append(child.register_forward_hook(_post_hook(state, blk), always_call=True))
-            blk.module, blk.post_hook = child, state.hooks[-1].id
+            state._hooks.append(child.register_forward_pre_hook(_pre_hook(state, blk), prepend=True, with_kwargs=True))
+            state._hooks.append(child.register_forward_hook(_post_hook(state, blk), always_call=True))
+            blk.module, blk.post_hook = child, state._hooks[-1].id
             # On the block and every layer in it holding a streamed tensor (a layer of
             # resident adapter weights alone gives its state_dict as before).
             name = f"{blk.stack}.{blk.index}"
             for sub in dict.fromkeys([child, *(p.owner for p in blk.params)]):
-                state.hooks.append(sub._register_state_dict_hook(_refuse_state_dict(component, name)))
-                state.hooks.append(sub._register_load_state_dict_pre_hook(_refuse_load_state_dict(component, name)))
-        for p in state.params.values():
+                state._hooks.append(sub._register_state_dict_hook(_refuse_state_dict(component, name)))
+                state._hooks.append(sub._register_load_state_dict_pre_hook(_refuse_load_state_dict(component, name)))
+        for p in state._params.values():
             setattr(p.param, _STREAMED_BY, component)
             setattr(p.holder, _STREAMED_BY, component)
-        state.hooks.append(module.register_forward_pre_hook(_forward_pre_hook(state)))
-        state.hooks.append(module.register_forward_hook(_step_hook(state), always_call=True))
+        state._hooks.append(module.register_forward_pre_hook(_forward_pre_hook(state)))
+        state._hooks.append(module.register_forward_hook(_step_hook(state), always_call=True))
         setattr(module, _STATE, state)
         _wrap_compiled(state)
-        if not keep_host_copy and any(p.pinned for p in state.params.values()):
+        if not keep_host_copy and any(p.pinned for p in state._params.values()):
             # The page-locked host tensors let go sit in torch's pinned-memory cache
             # until it is emptied: without this the host would still hold two copies.
             empty = getattr(torch._C, "_host_emptyCache", None)  # torch >= 2.5
@@ -1390,7 +1395,7 @@ def enable(
             _restore(state)
         finally:
             with contextlib.suppress(Exception):
-                state.streamer.close()
+                state._streamer.close()
         raise
     return state
 
@@ -1520,14 +1525,14 @@ def _wrapped(block: nn.Module) -> bool:
 def _wrap_compiled(state: Offloaded) -> None:
     """Wrap each block compiled since the last look (before ``enable``, or
     after it and before this forward)."""
-    for blk in state.blocks.values():
+    for blk in state._blocks.values():
         fn = blk.module.__dict__.get("_compiled_call_impl")
         if fn is not None and not isinstance(fn, _Compiled):
             blk.module._compiled_call_impl = _Compiled(state, blk, fn)
 
 
 def _unwrap_compiled(state: Offloaded) -> None:
-    for blk in state.blocks.values():
+    for blk in state._blocks.values():
         fn = blk.module.__dict__.get("_compiled_call_impl")
         if isinstance(fn, _Compiled):
             blk.module._compiled_call_impl = fn.fn
@@ -1583,7 +1588,7 @@ def _restore(state: Offloaded) -> list:
     lost = []
     with torch.no_grad():
         back = []
-        for blk in state.blocks.values():
+        for blk in state._blocks.values():
             # Without a kept host copy, the bytes come back from the host store.
             raw = None
             gone = False
@@ -1607,15 +1612,15 @@ def _restore(state: Offloaded) -> list:
                     if p.nbytes:
                         data.copy_(raw[p.offset : p.offset + p.nbytes].view(p.dtype).as_strided(p.shape, p.layout))
                 back.append((p, data if data.device == p.where or data.is_meta else data.to(p.where)))
-        for m in state.moved:
+        for m in state._moved_tensors:
             # Into the host tensor it came from (not in use while offloaded).
             now = m.owner._parameters[m.attr] if m.is_param else m.owner._buffers[m.attr]
             # A tensor built on the meta device goes back there (it held no bytes).
             if now is not None and now is not m.saved and not m.saved.is_meta:
                 m.saved.copy_(now.detach())
-        for h in state.hooks:
+        for h in state._hooks:
             h.remove()
-        state.hooks.clear()
+        state._hooks.clear()
         for p, data in back:
             p.owner._parameters[p.attr] = p.param
             if p.holder is not None and p.param.requires_grad != p.holder.requires_grad:
@@ -1628,14 +1633,14 @@ def _restore(state: Offloaded) -> list:
             p.param.data = data
             if getattr(p.param, _STREAMED_BY, None) is not None:
                 delattr(p.param, _STREAMED_BY)
-        for m in reversed(state.moved):
+        for m in reversed(state._moved_tensors):
             if m.swapped:
                 m.owner._parameters[m.attr] = m.saved
             elif m.is_param:
                 m.owner._parameters[m.attr].data = m.saved
             else:
                 m.owner._buffers[m.attr] = m.saved
-    state.moved.clear()
+    state._moved_tensors.clear()
     return lost
 
 
@@ -1660,7 +1665,7 @@ def disable(module: nn.Module) -> None:
     _unwrap_compiled(state)
     lost = _restore(state)
     delattr(module, _STATE)
-    streamer, state.streamer = state.streamer, None
+    streamer, state._streamer = state._streamer, None
     closed = None
     if streamer is not None:
         try:

@@ -1,4 +1,4 @@
-//! Host speed of the exponent codec (issue 19): one Flux-dev-shaped dual-stream
+//! Host speed of the exponent codec: one Flux-dev-shaped dual-stream
 //! block (diffusers' tensor shapes, 0.63 GiB of bf16) with normal weights at each
 //! tensor's init scale (σ = 1/√fan-in; norm scales around 1), compressed with
 //! `compress_block` on every host thread and decoded by the CPU reference decoder,

@@ -513,6 +513,34 @@ mod tests {
         })
     }
 
+    /// ARCHITECTURE.md names every crate of the workspace and every command
+    /// `cargo xtask` has (the first word of each line of its help), and the
+    /// README stays one screen.
+    #[test]
+    fn architecture_names_every_crate_and_command_and_the_readme_is_one_screen() {
+        let root = repo_root();
+        let arch = std::fs::read_to_string(root.join("ARCHITECTURE.md")).expect("ARCHITECTURE.md");
+        let manifest = std::fs::read_to_string(root.join("Cargo.toml")).expect("Cargo.toml");
+        let members = manifest.split("members = [").nth(1).and_then(|m| m.split(']').next()).expect("workspace members");
+        let crates: Vec<&str> = members.split(',').map(|c| c.trim().trim_matches('"')).filter(|c| !c.is_empty()).collect();
+        assert!(crates.len() >= 8, "{crates:?}");
+        let missing: Vec<&&str> = crates.iter().filter(|c| !arch.contains(&format!("{c}/")) && !arch.contains(&format!("`{c}`"))).collect();
+        assert!(missing.is_empty(), "ARCHITECTURE.md does not name the crates {missing:?}");
+        let help = std::fs::read_to_string(root.join("xtask/src/main.rs")).expect("main.rs");
+        let help = help.split("const HELP: &str = \"").nth(1).and_then(|h| h.split("\";").next()).expect("xtask's help");
+        let commands: Vec<&str> = help
+            .lines()
+            .filter(|l| l.starts_with("  ") && l.chars().nth(2).is_some_and(|c| c.is_ascii_lowercase()))
+            .filter_map(|l| l.split_whitespace().next())
+            .collect();
+        assert!(commands.len() >= 9, "{commands:?}");
+        let line = arch.lines().find(|l| l.contains("xtask/src/main.rs")).expect("ARCHITECTURE.md's xtask line");
+        let unnamed: Vec<&&str> = commands.iter().filter(|c| !line.contains(&format!("`{c}`"))).collect();
+        assert!(unnamed.is_empty(), "ARCHITECTURE.md's xtask line does not name {unnamed:?}: {line}");
+        let readme = std::fs::read_to_string(root.join("README.md")).expect("README.md").lines().count();
+        assert!(readme <= 100, "README.md is {readme} lines: tables beyond the headline go to docs/results.md");
+    }
+
     #[test]
     fn every_results_path_the_docs_name_exists() {
         let (named, faults) = every_document(check_paths);

@@ -132,7 +132,87 @@ pub fn check(root: &Path) -> Vec<String> {
     for krate in LAYERED {
         problems.extend(import_cycles(&root.join(krate).join("src"), krate));
     }
+    problems.extend(history(root));
     problems
+}
+
+/// Words that tell where a comment came from rather than what the code does: an
+/// issue, a session, a review, a commit. The code and the docs explain the
+/// code; its history lives in `bench/NOTES.md`, the results files and git.
+const HISTORY: [&str; 4] = ["issue ", " session", "review", "commit "];
+
+/// Comments (Rust `//`, Python and shell `#`) and the guide's pages (`docs/`,
+/// the README, ARCHITECTURE.md) that cite their history: `issue 19`, a session,
+/// a review, `commit abc1234`.
+fn history(root: &Path) -> Vec<String> {
+    let mut files = Vec::new();
+    collect(root, &mut files, &["rs", "py", "sh", "md"]);
+    let mut problems = Vec::new();
+    for f in files {
+        let rel = f.strip_prefix(root).unwrap_or(&f).display().to_string();
+        // This file names the patterns it looks for.
+        if rel == "xtask/src/tidy.rs" {
+            continue;
+        }
+        let md = rel.ends_with(".md");
+        if md && !(rel.starts_with("docs/") || rel == "README.md" || rel == "ARCHITECTURE.md") {
+            continue;
+        }
+        let Ok(text) = std::fs::read_to_string(&f) else { continue };
+        for (i, line) in text.lines().enumerate() {
+            let comment = match (md, rel.ends_with(".rs")) {
+                (true, _) => Some(line),
+                (false, true) => line.find("//").map(|at| &line[at..]),
+                (false, false) => line.trim_start().strip_prefix('#'),
+            };
+            let Some(comment) = comment.map(str::to_lowercase) else { continue };
+            if let Some(word) = HISTORY.iter().find(|w| cites(&comment, w)) {
+                problems.push(format!("{rel}:{}: a comment cites its history ({:?}): say what the code does", i + 1, word.trim()));
+            }
+        }
+    }
+    problems
+}
+
+/// Whether `text` holds `word` as history: `issue 19`, `commit 8531df1`, a
+/// numbered or named session (`twelfth session`, `this session`), `the review`
+/// or `review's`.
+fn cites(text: &str, word: &str) -> bool {
+    text.match_indices(word).any(|(at, _)| {
+        let head = &text[..at];
+        let before = head.chars().next_back().is_none_or(|c| !c.is_alphanumeric());
+        let after = &text[at + word.len()..];
+        let previous = head.split_whitespace().next_back().unwrap_or("").trim_start_matches(|c: char| !c.is_alphanumeric());
+        match word {
+            "issue " => before && after.starts_with(|c: char| c.is_ascii_digit()),
+            "commit " => {
+                let hash = after.get(..7).unwrap_or("");
+                before && hash.len() == 7 && hash.chars().all(|c| c.is_ascii_hexdigit()) && hash.chars().any(|c| c.is_ascii_digit())
+            }
+            " session" => {
+                ["this", "last", "previous", "next", "first", "second", "third"].contains(&previous)
+                    || ["th", "st", "nd", "rd"].iter().any(|s| previous.ends_with(s) && previous.len() > 3 && !previous.ends_with("est"))
+            }
+            _ => before && (head.ends_with("the ") || after.starts_with("'s")),
+        }
+    })
+}
+
+/// Files under `dir` ending in one of `exts`, outside build outputs, run data
+/// and the GPU bundle.
+fn collect(dir: &Path, out: &mut Vec<PathBuf>, exts: &[&str]) {
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    for e in entries.flatten() {
+        let p = e.path();
+        let name = e.file_name().to_string_lossy().into_owned();
+        if p.is_dir() {
+            if !name.starts_with('.') && !["target", "raw", "results", "node_modules", "fuzz"].contains(&name.as_str()) {
+                collect(&p, out, exts);
+            }
+        } else if exts.iter().any(|x| name.ends_with(&format!(".{x}"))) && name != "NOTES.md" {
+            out.push(p);
+        }
+    }
 }
 
 /// The crates whose files must import each other without a cycle (a core the
@@ -267,6 +347,30 @@ mod tests {
         assert!(p.contains("outside a backend crate"), "{p}");
         assert!(p.contains("without a `// SAFETY:`"), "{p}");
         assert!(p.contains("depends on cudarc"), "{p}");
+    }
+
+    /// A comment citing an issue, a session, a review or a commit is caught in
+    /// Rust, Python, shell and the guide's pages; the words in other senses pass.
+    #[test]
+    fn tidy_catches_a_comment_that_cites_its_history() {
+        let dir = std::env::temp_dir().join(format!("offload-tidy-history-{}", std::process::id()));
+        std::fs::create_dir_all(dir.join("offload-core/src")).expect("temp dir");
+        std::fs::create_dir_all(dir.join("docs")).expect("temp dir");
+        std::fs::write(dir.join("offload-core/src/lib.rs"), "//! ok\n// The relay (issue 18).\nfn f() {} // a session of steps is fine\n")
+            .expect("write");
+        std::fs::write(dir.join("run.sh"), "# from the twelfth session\necho issue 3\n").expect("write");
+        std::fs::write(dir.join("t.py"), "x = 1  # the review's example\n# at commit 8531df1\n").expect("write");
+        std::fs::write(
+            dir.join("docs/page.md"),
+            "Short of issue 33's target.\nThe issues list, reviewed code and a commit message pass.\n",
+        )
+        .expect("write");
+        let p = history(&dir).join("\n");
+        let _ = std::fs::remove_dir_all(&dir);
+        for at in ["offload-core/src/lib.rs:2", "run.sh:1", "t.py:2", "docs/page.md:1"] {
+            assert!(p.contains(at), "{at} not caught:\n{p}");
+        }
+        assert!(!p.contains("lib.rs:3") && !p.contains("run.sh:2") && !p.contains("page.md:2"), "{p}");
     }
 
     /// What tidy lets through, and the forms a dependency can take.

@@ -90,8 +90,7 @@ class _Placeholder(torch.Tensor):
             state = _arming(args, kwargs)
             if state is not None:
                 # Its block is bound now: the call runs on the views in its place.
-                args, kwargs = torch.utils._pytree.tree_map_only(_Placeholder, state._view_of, (args, kwargs))
-                return func(*args, **kwargs)
+                return func(*_swap(args, state), **{k: _swap1(v, state) for k, v in kwargs.items()})
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
@@ -144,6 +143,22 @@ class _Placeholder(torch.Tensor):
 
     def __deepcopy__(self, memo):
         raise OffloadError(_refusal(*self._offload_where, "copied, pickled or saved"))
+
+
+def _swap1(a, state):
+    """``a`` with its placeholders (itself, or in a list or tuple, nested) the
+    views in their place: a hand-written map, not pytree's (host time on the
+    first weight use of every block of every step)."""
+    if type(a) is _Placeholder:
+        return state._view_of(a)
+    if isinstance(a, (list, tuple)) and any(type(x) is _Placeholder or isinstance(x, (list, tuple)) for x in a):
+        out = [_swap1(x, state) for x in a]
+        return out if isinstance(a, list) else tuple(out) if type(a) is tuple else type(a)(*out)
+    return a
+
+
+def _swap(args: tuple, state) -> tuple:
+    return tuple(_swap1(a, state) for a in args)
 
 
 # What a placeholder answers without its bytes: reading them does not bind its block.

@@ -157,3 +157,55 @@ def test_gradients_accumulated_over_forwards_and_under_autocast_are_the_resident
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert h.metrics("backward")["backward"] and h.violations() == []
     offload.disable(model)
+
+
+class _LinearWeights(torch.overrides.TorchFunctionMode):
+    """The storages of the weights each `linear` computes with, weakly."""
+
+    def __init__(self):
+        super().__init__()
+        self.refs = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.nn.functional.linear:
+            self.refs.append(StorageWeakRef(args[1].untyped_storage()))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_a_base_stored_in_fp8_trains_as_resident_and_its_compute_casts_are_not_kept(dev):
+    from diffusers.hooks import apply_layerwise_casting
+
+    compute = torch.float32 if dev == "cpu" else torch.bfloat16
+
+    def build():
+        m = _Model()
+        for b in m.blocks:
+            apply_layerwise_casting(b, storage_dtype=torch.float8_e4m3fn, compute_dtype=compute, skip_modules_pattern=("norm", "lora"))
+        return m
+
+    want = _train(build().to(dev), dev)
+    model = build()
+    h = offload.enable(model, device=dev, depth=1)
+    _same(_train(model, dev, handle=h), want)
+
+    def kept(pack=None):
+        old = Offloaded._pack
+        if pack is not None:
+            Offloaded._pack = pack
+        try:
+            x = torch.randn(8, 64, device=dev, requires_grad=True)
+            with _LinearWeights() as seen:
+                out = model(x)
+            alive = sum(not r.expired() for r in seen.refs)
+            out.square().mean().backward()
+        finally:
+            Offloaded._pack = old
+        return alive, len(seen.refs)
+
+    # The casts layerwise casting makes for each Linear's compute: none alive after
+    # the forward (each made again from its block in the backward); all of them
+    # with the weights saved as themselves.
+    assert kept() == (0, 12)
+    assert kept(pack=lambda self, t: t) == (12, 12)
+    offload.disable(model)

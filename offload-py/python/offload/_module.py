@@ -363,6 +363,16 @@ class _Saved:
         self.block, self.dtype, self.shape, self.stride, self.offset = block, dtype, shape, stride, offset
 
 
+class _Cast:
+    """A cast of a block weight autograd saved for the backward (layerwise
+    casting's compute copy): the parameter, the dtype, and where in the cast."""
+
+    __slots__ = ("block", "param", "dtype", "shape", "stride", "offset")
+
+    def __init__(self, block, param, dtype, shape, stride, offset):
+        self.block, self.param, self.dtype, self.shape, self.stride, self.offset = block, param, dtype, shape, stride, offset
+
+
 # Marks a value saved by the hooks beneath ours (`_pack` hands them what is not a weight).
 _Outer = object()
 
@@ -779,10 +789,18 @@ class Offloaded:
         weights (a view of its buffer, as `linear` saves `weight.t()`) is saved
         as its place in the block; anything else as the hooks below ours save it."""
         buf, block = self._buffer, self._bound
-        if (block is not None and buf is not None and type(t) is torch.Tensor and not t.requires_grad
-                and t.device == buf.device and t.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()):
-            return _Saved(block, t.dtype, tuple(t.shape), t.stride(),
-                          t.storage_offset() * t.element_size() - buf.storage_offset() * buf.element_size())
+        if block is not None and buf is not None and type(t) is torch.Tensor and not t.requires_grad and t.device == buf.device:
+            at = t.untyped_storage().data_ptr()
+            if at == buf.untyped_storage().data_ptr():
+                return _Saved(block, t.dtype, tuple(t.shape), t.stride(),
+                              t.storage_offset() * t.element_size() - buf.storage_offset() * buf.element_size())
+            # A weight a layer of the block cast for its compute (diffusers'
+            # layerwise casting puts the cast in the parameter's place): saved as
+            # that cast of its place in the block, made again in the backward.
+            for p in block.params:
+                now = p.owner._parameters.get(p.attr)
+                if type(now) is torch.Tensor and now.dtype == t.dtype and now.untyped_storage().data_ptr() == at:
+                    return _Cast(block, p, t.dtype, tuple(t.shape), t.stride(), t.storage_offset() - now.storage_offset())
         outer = self._saving[0] if self._saving else None
         return (_Outer, outer[1], outer[0](t)) if outer else t
 
@@ -792,6 +810,11 @@ class Offloaded:
         engine learns for a backward), the rest from the hooks that saved it."""
         if isinstance(saved, tuple) and len(saved) == 3 and saved[0] is _Outer:
             return saved[1](saved[2])
+        if isinstance(saved, _Cast):
+            if self._bound is not saved.block:
+                self._lend_for_backward(saved.block)
+            cast = saved.param.owner._parameters[saved.param.attr].to(saved.dtype)
+            return cast.as_strided(saved.shape, saved.stride, cast.storage_offset() + saved.offset)
         if not isinstance(saved, _Saved):
             return saved
         if self._bound is not saved.block:

@@ -10,7 +10,7 @@ from torch import nn
 
 import offload
 
-from test_offload import NO_CUDA, _bits
+from helpers import NO_CUDA, _bits
 
 
 class _TableBlock(nn.Module):

@@ -13,7 +13,7 @@ from torch import nn
 import offload
 
 from models import Chain, flux
-from test_offload import DEVICES, _bits, _to
+from helpers import DEVICES, _bits, _to
 
 
 def _counting(backend: str, graphs: list):

@@ -13,7 +13,7 @@ from torch import nn
 
 import offload
 
-from test_offload import NO_CUDA
+from helpers import NO_CUDA
 
 
 class _Work(nn.Module):
@@ -78,14 +78,6 @@ def _diagnosed(model: nn.Module, x: torch.Tensor, device: str, depth: int = 1, l
         return m.diagnose(link_gbps=link_gbps)
     finally:
         offload.disable(model)
-
-
-@pytest.fixture
-def sim_link(monkeypatch):
-    # 0.2 GB/s: an 8 MiB block (2048 × 2048 bf16) takes about 42 ms to copy, well
-    # above the package's host time for it (a few ms, more on a loaded machine:
-    # the simulated device's compute is the host's).
-    monkeypatch.setenv("OFFLOAD_SIM_LINK_BYTES_PER_S", "2e8")
 
 
 def test_a_copy_bound_step_is_named_the_link(sim_link):

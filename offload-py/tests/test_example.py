@@ -10,7 +10,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 import meta_checkpoint  # noqa: E402
 import quickstart  # noqa: E402
 
-from test_offload import DEVICES  # noqa: E402
+from helpers import DEVICES  # noqa: E402
 
 
 @pytest.mark.parametrize("dev", DEVICES)

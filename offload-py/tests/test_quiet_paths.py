@@ -20,7 +20,7 @@ import offload
 from offload import OffloadError
 
 from models import MODELS, Chain
-from test_offload import DEVICES, _bits, _out, _to
+from helpers import DEVICES, _bits, _out, _to
 
 
 class _Lin(Chain):

@@ -9,7 +9,7 @@ import torch
 import offload
 
 from models import Chain, flux
-from test_offload import DEVICES, _bits, _to
+from helpers import DEVICES, _bits, _to
 
 # Drift of the input across eight denoising steps: a cache with threshold 0.05
 # computes steps 0, 3 and 6 (a large change) and returns its output on the rest.

@@ -14,7 +14,7 @@ from torch.utils.checkpoint import checkpoint
 import offload
 from offload._module import Offloaded
 
-from test_offload import NO_CUDA
+from helpers import NO_CUDA
 
 DEVICES = ["cpu", pytest.param("cuda", marks=NO_CUDA)]
 

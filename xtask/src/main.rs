@@ -503,19 +503,24 @@ fn python_bundle(dir: &Path) -> Result<(), String> {
     c.args(["run", "-q", "-p", "offload-bench", "--bin", "zoo", "--", "registry", "--json"]).arg(dir.join("registry.json"));
     run(c)?;
     let tests = dir.join("py-tests");
+    // Afresh: a test file moved or removed since the last bundle would run there still.
+    let _ = std::fs::remove_dir_all(&tests);
     std::fs::create_dir_all(&tests).map_err(|e| e.to_string())?;
-    for f in [
-        "test_offload.py",
-        "test_quiet_paths.py",
-        "test_stacking.py",
-        "test_bound.py",
-        "test_compile.py",
-        "test_diagnose.py",
-        "test_training.py",
-        "test_example.py",
-        "models.py",
-    ] {
-        std::fs::copy(root().join("offload-py/tests").join(f), tests.join(f)).map_err(|e| format!("{f}: {e}"))?;
+    // Every test file with CUDA rows, and what they import (the results-file and
+    // GGUF-name tests are CPU-only: they read the repository).
+    let dir_tests = root().join("offload-py/tests");
+    let mut files: Vec<String> = std::fs::read_dir(&dir_tests)
+        .map_err(|e| format!("{}: {e}", dir_tests.display()))?
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|f| {
+            f.ends_with(".py")
+                && !["test_results_file.py", "test_gguf_names.py", "test_fixtures.py", "test_package.py"].contains(&f.as_str())
+        })
+        .collect();
+    files.sort();
+    for f in &files {
+        std::fs::copy(dir_tests.join(f), tests.join(f)).map_err(|e| format!("{f}: {e}"))?;
     }
     // The docs' examples, which test_example.py runs (their CUDA rows too).
     let examples = dir.join("examples");

@@ -209,3 +209,27 @@ def test_a_base_stored_in_fp8_trains_as_resident_and_its_compute_casts_are_not_k
     assert kept() == (0, 12)
     assert kept(pack=lambda self, t: t) == (12, 12)
     offload.disable(model)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_a_backward_that_raises_leaves_the_module_usable(dev):
+    want = _train(_Model().to(dev), dev)
+    model = _Model()
+    h = offload.enable(model, device=dev, depth=1)
+
+    def boom(grad):
+        raise RuntimeError("a hook that fails mid-backward")
+
+    hook = model.blocks[3].lora_a.register_hook(boom)
+    with pytest.raises(RuntimeError, match="fails mid-backward"):
+        model(torch.randn(8, 64, device=dev, requires_grad=True)).square().mean().backward()
+    hook.remove()
+    # The next forward ends the backward that never reached its end: training then
+    # gives the resident steps, each pass counted as the pass it is.
+    steps = h.steps
+    got = _train(model, dev, handle=h)
+    _same(got, want)
+    assert h.steps == steps + 1 + 2 * 3, (steps, h.steps)  # the unfinished backward, then each pass of 3 steps
+    for *_, (fwd, bwd) in got:
+        assert not fwd["backward"] and bwd["backward"] and bwd["blocks"] == 6, (fwd, bwd)
+    offload.disable(model)

@@ -842,6 +842,14 @@ class Offloaded:
         self._ran.add(id(block))
         self._lend(block)
 
+    def _end_abandoned_backward(self) -> None:
+        """A backward that raised never reached its end (autograd runs its end
+        callbacks only after a pass that completed): the next forward ends it,
+        from whichever thread autograd used, so the module stays usable."""
+        with self._lock:
+            self._owner, self._owned_by_block = threading.get_ident(), False
+        self._end_backward()
+
     def _end_backward(self) -> None:
         """Autograd's pass ended: the last block given back, the backward's step ended."""
         try:
@@ -1579,6 +1587,8 @@ def _unwrap_compiled(state: Offloaded) -> None:
 def _forward_pre_hook(state: Offloaded):
     def hook(mod, args):
         _wrap_compiled(state)
+        if state._backward:
+            state._end_abandoned_backward()
         state._claim(by_block=False)
         state._owned_by_block = False
         if state._in_forward or state._ran:

@@ -527,8 +527,9 @@ impl Streamer {
         (p.depth, p.resident, p.chosen_by.to_owned(), p.why)
     }
 
-    /// Choose the prefetch depth from the last traced step (the default when
-    /// no depth is given): its blocks' compute spans and its copies' rate
+    /// Choose the prefetch depth from the traced steps (the default when no
+    /// depth is given: the second step alone): each block's median compute span
+    /// and the last step's copies' rate
     /// replayed at depths 1 to `max_depth` (`offload_plan`'s replay of the
     /// ring), the smallest depth within 1 % of the shortest predicted step, no
     /// deeper than a quarter of the device's free memory allows for the extra
@@ -542,19 +543,12 @@ impl Streamer {
             let Some(d) = r.diagnose(None) else {
                 return Err(error(format!("component {component:?}: no traced step to choose a depth from")));
             };
-            let tl = r.timeline().cloned().unwrap_or_default();
-            let last = tl.spans.iter().map(|s| s.step).max().unwrap_or(0);
-            let mut by: std::collections::HashMap<String, Vec<f64>> = Default::default();
-            for s in tl.spans.iter().filter(|s| s.step == last) {
-                if let Some(id) = s.name.strip_prefix("compute ") {
-                    by.entry(id.to_owned()).or_default().push(s.dur_s);
-                }
-            }
+            let traced = r.timeline().map(compute_medians).unwrap_or_default();
             let bandwidth = if d.copy_s > 0.0 { d.copy_bytes as f64 / d.copy_s } else { 0.0 };
             let blocks = r.store().blocks().iter().map(|b| {
                 let id = b.id.to_string();
                 // A block the step did not run (a cache skipped it) computes nothing.
-                let t = by.get(&id).map_or(0.0, |v| v.iter().sum::<f64>() / v.len() as f64);
+                let t = traced.get(&id).copied().unwrap_or(0.0);
                 offload_plan::BlockCost::new(id, b.link_bytes() as u64, t)
             }).collect();
             let largest = r.store().blocks().iter().map(|b| b.bytes() as u64).max().unwrap_or(0);

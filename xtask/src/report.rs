@@ -1244,14 +1244,7 @@ pub fn readme_tables(results: &Path) -> Result<String, String> {
 /// (median [min, max]), the ratio to its bound, diffusers' best offloaded mode,
 /// the diagnosis's verdicts and the targets as the merge judged them.
 pub fn sweep_table(results: &Path) -> Result<Option<String>, String> {
-    let mut names: Vec<String> = std::fs::read_dir(results)
-        .map_err(|e| format!("{}: {e}", results.display()))?
-        .flatten()
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-        .filter(|n| n.ends_with("-sweep.json"))
-        .collect();
-    names.sort();
-    let Some(name) = names.pop() else { return Ok(None) };
+    let Some(name) = newest(results, "-sweep.json")? else { return Ok(None) };
     let d = read_json(&results.join(&name))?;
     let list = |v: &Value| v.as_array().into_iter().flatten().filter_map(Value::as_str).collect::<Vec<_>>().join(", ");
     let mut md = format!(
@@ -1271,8 +1264,6 @@ pub fn sweep_table(results: &Path) -> Result<Option<String>, String> {
         "| model | class | case | resident (s) | ours (s) | ratio to bound | diffusers' best (s) | ours ÷ diffusers | depth | verdict | bitwise | targets met |\n\
          | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n",
     );
-    let spread =
-        |v: &Value, digits: usize| format!("{:.*} [{:.*}, {:.*}]", digits, f(&v["median"]), digits, f(&v["min"]), digits, f(&v["max"]));
     for r in d["rows"].as_array().into_iter().flatten() {
         if let Some(e) = r["error"].as_str().filter(|_| r["offload_s"].is_null()) {
             let _ = writeln!(md, "| {} | – | – | – | – | {e} | – | – | – | – | – | no |", r["model"].as_str().unwrap_or("?"));
@@ -1291,8 +1282,8 @@ pub fn sweep_table(results: &Path) -> Result<Option<String>, String> {
             r["class"].as_str().unwrap_or("?"),
             r["case"].as_str().unwrap_or("?"),
             f(&r["resident_s"]["median"]),
-            spread(&r["offload_s"], 4),
-            spread(&r["ratio"], 3),
+            span(&r["offload_s"], 4),
+            span(&r["ratio"], 3),
             best,
             f(&r["ours_over_diffusers"]["median"]),
             r["plan"]["depth"],

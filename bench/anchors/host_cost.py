@@ -81,11 +81,16 @@ def main():
         s = io.StringIO()
         pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(25)
         r["profile"] = s.getvalue()
+        # The package's own functions and the engine's methods, by cumulative time.
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats("cumtime").print_stats(r"offload|Streamer|torch/cuda|_tensor\.py", 30)
+        r["profile_package"] = s.getvalue()
         offload.disable(m)
         r["blocks"] = sum(len(m.get_submodule(p)) for p in offload.find_blocks(m))
         res["models"][name] = r
         print(name, {k: statistics.median(v) for k, v in r.items() if k.endswith("_s")}, flush=True)
         print(r["profile"][:3000], flush=True)
+        print(r["profile_package"][:4000], flush=True)
         del m
         torch.cuda.empty_cache()
     with open(a.out, "w") as fh:

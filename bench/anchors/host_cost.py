@@ -39,6 +39,49 @@ def host_times(m, x, n=5):
     return out
 
 
+class _GcClock:
+    """Time spent in Python's garbage collector, per generation, while on."""
+
+    def __init__(self):
+        self.s = {0: 0.0, 1: 0.0, 2: 0.0}
+        self.n = {0: 0, 1: 0, 2: 0}
+        self._t = None
+
+    def __call__(self, phase, info):
+        if phase == "start":
+            self._t = time.perf_counter()
+        elif self._t is not None:
+            g = info["generation"]
+            self.s[g] += time.perf_counter() - self._t
+            self.n[g] += 1
+            self._t = None
+
+
+def loop_s(m, x, n=10, collect=True):
+    """Steady-state step: ``n`` steps back to back (the host may run ahead), the
+    wall time over ``n``; and the garbage collector's time in them per generation."""
+    import gc
+
+    clock = _GcClock()
+    with torch.no_grad():
+        for _ in range(2):
+            m(**x)
+        torch.cuda.synchronize()
+        if not collect:
+            gc.disable()
+        gc.callbacks.append(clock)
+        try:
+            t = time.perf_counter()
+            for _ in range(n):
+                m(**x)
+            torch.cuda.synchronize()
+            wall = (time.perf_counter() - t) / n
+        finally:
+            gc.callbacks.remove(clock)
+            gc.enable()
+    return {"step_s": wall, "gc_s": {str(k): v / n for k, v in clock.s.items()}, "gc_n": {str(k): v for k, v in clock.n.items()}}
+
+
 def op_table(m, x) -> str:
     """One step under torch's profiler: its CPU ops by count and self time."""
     from torch.profiler import ProfilerActivity, profile
@@ -64,10 +107,15 @@ def main():
         x = sweep.inputs(name, "cuda")
         m = sweep.build(name, "cuda")
         r = {"resident_host_s": host_times(m, x)}
+        r["resident_loop"] = loop_s(m, x)
+        r["resident_loop_nogc"] = loop_s(m, x, collect=False)
         r["resident_ops"] = op_table(m, x)
         m.to("cpu")
         h = offload.enable(m, device="cuda")
         r["offload_host_s"] = host_times(m, x)
+        r["offload_loop"] = loop_s(m, x)
+        r["offload_loop_nogc"] = loop_s(m, x, collect=False)
+        print(name, {k: r[k] for k in r if "loop" in k}, flush=True)
         r["plan"] = h.plan()
         r["offload_ops"] = op_table(m, x)
         print(name, "resident ops\n", r["resident_ops"][:2500], "\noffload ops\n", r["offload_ops"][:2500], flush=True)

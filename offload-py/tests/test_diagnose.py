@@ -151,23 +151,32 @@ def test_cuda_a_copy_issued_too_late_behind_a_short_block_is_named_late_and_dept
 
     x = torch.randn(4096, 8192, dtype=torch.bfloat16, device="cuda")
     d = _diagnosed(model(), x, "cuda")
-    assert d["verdict"] == "late", d["summary"]
-    assert any(w["idle_before_s"] > 1e-4 for w in d["waits"]), d["waits"]
+    # Which of the two names the wait depends on the host: a host behind the
+    # device issues the large copy when the short block starts (`late`: the copy
+    # stream idle before it); a host ahead issues it earlier, and it waits for the
+    # long block to free its slot (`slot`). Either way one more slot hides it.
+    shallow = d["causes"].get("late", 0) + d["causes"].get("slot", 0)
+    assert d["verdict"] in ("late", "slot") and shallow > 1e-3, d["summary"]
+    assert any(w["by_cause"].get("late", 0) + w["by_cause"].get("slot", 0) > 1e-4 for w in d["waits"]), d["waits"]
     deeper = _diagnosed(model(), x, "cuda", depth=2)
-    assert deeper["causes"].get("late", 0) < d["causes"]["late"] / 2, deeper["summary"]
+    assert deeper["causes"].get("late", 0) + deeper["causes"].get("slot", 0) < shallow / 2, deeper["summary"]
 
 
 @NO_CUDA
 def test_cuda_a_models_own_copies_sharing_the_link_are_named():
     # 64 MiB blocks whose copies their compute about hides, while the model sends
-    # 2 GiB of its own to the device on a side stream: the copies slow down.
+    # 2 GiB of its own to the device on a side stream: the package's copies run
+    # slower beside it, or (an H100 runs two streams' host-to-device copies one
+    # after the other) queue behind it; either is the shared link.
     torch.manual_seed(0)
     x = torch.randn(2048, 5792, dtype=torch.bfloat16, device="cuda")
     gbps = _cuda_link_gbps(_Model([_Work(5792, reps=6) for _ in range(8)]), x)
+    alone = _diagnosed(_Model([_Work(5792, reps=6) for _ in range(8)]), x, "cuda", link_gbps=gbps)
+    assert alone["causes"].get("shared_link", 0) == 0, alone["summary"]
     side = torch.empty(1 << 30, dtype=torch.bfloat16).pin_memory()
     d = _diagnosed(_Model([_Work(5792, reps=6) for _ in range(8)], side=side), x, "cuda", link_gbps=gbps)
-    assert d["causes"].get("shared_link", 0) > 0, d["summary"]
-    assert any(w["copy_gbps"] < 0.8 * gbps for w in d["waits"]), (gbps, d["waits"])
+    assert d["causes"].get("shared_link", 0) > 1e-3, d["summary"]
+    assert any(w["by_cause"].get("shared_link", 0) > 0 for w in d["waits"]), (gbps, d["waits"])
 
 
 @NO_CUDA

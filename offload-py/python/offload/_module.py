@@ -391,6 +391,9 @@ class Offloaded:
         self._moved_tensors: list[_Moved] = []
         self._hooks: list = []
         self._engine_stream = None
+        # The engine's compute stream as torch's raw handle and its device's index:
+        # compared at every block, where making a `torch.cuda.Stream` costs host time.
+        self._engine_raw = (0, 0)
         self._last_metrics: Optional[dict] = None
         self._steps = 0
         # The depth is the package's to choose (no depth, budget or calibration
@@ -734,8 +737,9 @@ class Offloaded:
         self._armed = None
         buf = self._engine().lend(block.stack, block.index)
         if self.device.type == "cuda":
-            cur = torch.cuda.current_stream(self.device)
-            if cur != self._engine_stream:
+            raw, index = self._engine_raw
+            if torch._C._cuda_getCurrentRawStream(index) != raw:
+                cur = torch.cuda.current_stream(self.device)
                 cur.wait_stream(self._engine_stream)
                 self._stream = cur
             data = buf
@@ -1319,6 +1323,7 @@ def enable(
     if dev.type == "cuda":
         # The engine computes on torch's current stream and allocates its buffers there.
         state._engine_stream = torch.cuda.current_stream(dev)
+        state._engine_raw = (state._engine_stream.cuda_stream, state._engine_stream.device.index)
 
     bar, update = _progress(f"offload {component}: host store", progress)
     try:

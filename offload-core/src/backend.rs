@@ -17,9 +17,9 @@
 //!   submitted, and a wait only orders the submission that carries it. There
 //!   `compute_wait` returns a *wait token* ([`OffloadBackend::Wait`], e.g. a
 //!   timeline semaphore and value) that the user's submission reading the block
-//!   must wait on ([`BlockGuard::wait_token`](crate::BlockGuard::wait_token)), and
+//!   must wait on ([`BlockGuard::wait_token`](crate::ring::BlockGuard::wait_token)), and
 //!   the release is either the event the user's submission signals
-//!   ([`BlockGuard::finish_after`](crate::BlockGuard::finish_after)) or one the
+//!   ([`BlockGuard::finish_after`](crate::ring::BlockGuard::finish_after)) or one the
 //!   backend signals after everything submitted so far (`record_compute`, an empty
 //!   submission in queue order).
 //!
@@ -27,7 +27,10 @@
 //! candle's CPU device) treats the calling thread as its compute stream.
 
 use crate::error::Result;
-use crate::host::{HostBuf, HostMemory};
+use crate::host::HostMemory;
+
+/// The host buffer type of backend `B`.
+pub type HostBuf<B> = <<B as OffloadBackend>::Host as HostMemory>::Buffer;
 
 /// Free and total device memory, in bytes.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -137,6 +140,6 @@ pub trait OffloadBackend: Clone + Send + Sync + 'static {
 
     /// Free and total device memory.
     fn memory_info(&self) -> Result<MemoryInfo> {
-        Err(crate::Error::unsupported(self.name(), "memory_info"))
+        Err(crate::error::Error::unsupported(self.name(), "memory_info"))
     }
 }

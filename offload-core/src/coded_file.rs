@@ -5,9 +5,9 @@
 //!
 //! [`CodedFile::write`] lays each block out as the store does
 //! ([`BlockLayout::new`]), codes it with [`codec::code_for_device`] and writes
-//! the coded bytes; [`HostStore::build_from_coded_file`](crate::HostStore::build_from_coded_file)
+//! the coded bytes; [`HostStore::build_from_coded_file`](crate::store::HostStore::build_from_coded_file)
 //! reads them back into the backend's coded host buffers
-//! ([`HostKind::Precoded`](crate::HostKind::Precoded)).
+//! ([`HostKind::Precoded`](crate::host::HostKind::Precoded)).
 //! Nothing in the file is trusted to stand for the weights: at load each
 //! block's coded bytes are checked against the hashes the index holds of them
 //! (damage on disk), and each segment's stored hash of its original bytes
@@ -153,7 +153,7 @@ fn laid_out(
     let layout = BlockLayout::new(specs.to_vec())?;
     let mut raw = vec![0u8; layout.bytes];
     for placed in &layout.tensors {
-        let i = crate::store::source_index(source, by_name, &placed.spec)?;
+        let i = crate::source::source_index(source, by_name, &placed.spec)?;
         source.read_into(i, &mut raw[placed.offset..placed.offset + placed.nbytes])?;
     }
     Ok((layout, raw))

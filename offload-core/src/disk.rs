@@ -4,16 +4,17 @@
 //! A block on disk has no host buffer of its own. For each copy of it, a reader
 //! thread reads its range of the file ([`DiskFile`], `O_DIRECT` where the file
 //! system allows it) into one of a few page-locked *bounce buffers*, refilled
-//! through [`HostBuffer::refill`](crate::HostBuffer::refill),
+//! through [`HostBuffer::refill`](crate::host::HostBuffer::refill),
 //! which first waits for the buffer's last copy. The ring issues each block's
 //! copy from its bounce buffer once the read is done, so a read that fails is an
 //! error naming the block, and the block is never served. Reads run ahead of the
 //! ring in its learned order, on their own threads: they overlap the copies, and
 //! the copies overlap compute.
 
+use crate::backend::HostBuf;
 use crate::backend::OffloadBackend;
 use crate::error::{Error, Result};
-use crate::host::{HostBuf, HostBuffer, HostMemory};
+use crate::host::{HostBuffer, HostMemory};
 use crate::source::FileIdentity;
 use std::fs::File;
 use std::os::unix::fs::FileExt;

@@ -61,7 +61,7 @@ pub enum Error {
         /// What is wrong.
         fault: String,
     },
-    /// A coded file ([`CodedFile`](crate::CodedFile)) cannot serve a block: not
+    /// A coded file ([`CodedFile`](crate::coded_file::CodedFile)) cannot serve a block: not
     /// one, damaged, or made from other weights than the checkpoint's.
     #[error("coded file {path}: {block}: {fault}")]
     CodedFile {

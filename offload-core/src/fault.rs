@@ -1,9 +1,10 @@
 //! A backend wrapper that fails the n-th operation of a kind, for testing that
 //! every error path leaves the model intact and releases what it took.
 
+use crate::backend::HostBuf;
 use crate::backend::{MemoryInfo, OffloadBackend};
 use crate::error::{Error, Result};
-use crate::host::{Fill, HostBuf, HostCapabilities, HostKind, HostMemory};
+use crate::host::{Fill, HostCapabilities, HostKind, HostMemory};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -133,7 +134,7 @@ impl<B: OffloadBackend> OffloadBackend for FaultInjector<B> {
     fn host(&self) -> FaultHost<B::Host> {
         FaultHost { inner: self.inner.host(), counters: self.counters.clone() }
     }
-    fn record_timing(&self, on: crate::StreamKind) -> Result<Option<Self::Event>> {
+    fn record_timing(&self, on: crate::backend::StreamKind) -> Result<Option<Self::Event>> {
         self.tick(FaultKind::Timing, "record_timing")?;
         self.inner.record_timing(on)
     }

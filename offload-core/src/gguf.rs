@@ -258,7 +258,7 @@ impl GgufFile {
         let io = |source| Error::Io { path: path.clone(), source };
         let file = File::open(&path).map_err(io)?;
         let meta = file.metadata().map_err(io)?;
-        let (len, read_from) = (meta.len(), crate::FileIdentity::of(&meta));
+        let (len, read_from) = (meta.len(), crate::source::FileIdentity::of(&meta));
         let mut h = Header { r: BufReader::with_capacity(1 << 16, &file), pos: 0, len, path: &path };
         let magic = h.arr::<4>("the magic")?;
         if &magic != b"GGUF" {
@@ -367,7 +367,7 @@ impl GgufFile {
     }
 
     /// The model architecture the file names (`general.architecture`: `flux`,
-    /// `wan`, `qwen_image`, ...), which [`crate::gguf_to_diffusers`] maps by.
+    /// `wan`, `qwen_image`, ...), which [`crate::rename::gguf_to_diffusers`] maps by.
     pub fn architecture(&self) -> Option<&str> {
         self.metadata.get("general.architecture").and_then(GgufValue::as_str)
     }
@@ -384,7 +384,7 @@ impl GgufFile {
 
     /// Serve the tensors from `region` (the file mapped by a backend) instead of
     /// positioned reads. It must be this file as its header was read (length and
-    /// identity checked), as [`SafetensorsFile::set_region`](crate::SafetensorsFile::set_region) requires.
+    /// identity checked), as [`SafetensorsFile::set_region`](crate::source::SafetensorsFile::set_region) requires.
     pub fn set_region(&mut self, region: Arc<dyn HostRegion>) -> Result<()> {
         check_region_is(&self.path, &self.opened, &region)?;
         self.region = region;

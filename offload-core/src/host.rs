@@ -1,7 +1,7 @@
 //! Host memory, a capability of its own: what a host buffer can be, apart from
-//! the ring's device primitives ([`OffloadBackend`](crate::OffloadBackend)).
+//! the ring's device primitives ([`OffloadBackend`](crate::backend::OffloadBackend)).
 //!
-//! A backend hands out one [`HostMemory`] ([`OffloadBackend::host`](crate::OffloadBackend::host)).
+//! A backend hands out one [`HostMemory`] ([`OffloadBackend::host`](crate::backend::OffloadBackend::host)).
 //! It makes every kind of host buffer through one call, [`HostMemory::alloc`]
 //! with a [`HostKind`], and says up front which kinds it makes
 //! ([`HostMemory::capabilities`]). What can be done with a buffer once it exists
@@ -33,11 +33,11 @@ pub enum HostKind<'a> {
     /// still gives them. `fill` writes the block's plain bytes.
     Coded,
     /// Like [`Coded`](Self::Coded), but the block comes coded already (made ahead
-    /// of time, e.g. read from a [`CodedFile`](crate::CodedFile)): `fill` writes
+    /// of time, e.g. read from a [`CodedFile`](crate::coded_file::CodedFile)): `fill` writes
     /// `coded_len` coded bytes, which must decode to the requested length. Their
     /// structure ([`crate::codec::device_segments`]) is checked before the buffer
     /// is handed out, a named error otherwise; their content is the caller's to
-    /// check ([`HostStore::build_from_coded_file`](crate::HostStore::build_from_coded_file) does).
+    /// check ([`HostStore::build_from_coded_file`](crate::store::HostStore::build_from_coded_file) does).
     Precoded {
         /// Length of the coded bytes `fill` writes.
         coded_len: usize,
@@ -159,13 +159,10 @@ pub trait HostMemory: Clone + Send + Sync + 'static {
     }
 }
 
-/// The host buffer type of backend `B`.
-pub type HostBuf<B> = <<B as crate::OffloadBackend>::Host as HostMemory>::Buffer;
-
 /// `len` zeroed bytes of ordinary memory, or an [`Error::HostAlloc`] naming
 /// `purpose` where the allocator has none (a size past what it can give is an
 /// error, not `vec!`'s capacity-overflow panic or an abort).
-pub fn zeroed(backend: &str, len: usize, purpose: &str) -> crate::Result<Vec<u8>> {
+pub fn zeroed(backend: &str, len: usize, purpose: &str) -> crate::error::Result<Vec<u8>> {
     let mut v = Vec::new();
     v.try_reserve_exact(len).map_err(|e| Error::HostAlloc {
         backend: backend.into(),
@@ -192,7 +189,7 @@ pub fn unsupported_kind(backend: &str, kind: HostKind<'_>, purpose: &str) -> Err
 mod tests {
     use super::*;
     use crate::sim::{SimBackend, SimConfig};
-    use crate::{FaultInjector, FaultKind, OffloadBackend};
+    use crate::{backend::OffloadBackend, fault::FaultInjector, fault::FaultKind};
 
     /// What a host memory says it makes is what it makes: a kind it does not is
     /// refused before `fill` runs; the buffers say what they are.

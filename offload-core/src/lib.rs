@@ -61,6 +61,10 @@ pub mod ondemand;
 pub mod plan;
 pub mod rename;
 pub mod ring;
+#[cfg(feature = "sabotage")]
+pub mod sabotage;
+#[cfg(not(feature = "sabotage"))]
+mod sabotage;
 #[cfg(feature = "sim")]
 pub mod sim;
 pub mod source;
@@ -68,7 +72,7 @@ pub mod store;
 pub mod tensor;
 pub mod timeline;
 
-pub use backend::{MemoryInfo, OffloadBackend, StreamKind};
+pub use backend::{HostBuf, MemoryInfo, OffloadBackend, StreamKind};
 pub use coded_file::{CodedEntry, CodedFile, CodedFileStats};
 pub use diagnose::{diagnose, BlockWait, Cause, DiagnoseInput, Diagnosis};
 pub use discovery::{BlockDiscovery, BlockId, BlockSpec, ComponentInventory, DeclaredStacks, NameDiscovery, StackSpec};
@@ -78,7 +82,7 @@ pub use fault::{FaultInjector, FaultKind};
 pub use fp8::{fp8_weights, Fp8Convention, Fp8Weight, Fp8Weights};
 pub use gguf::{GgufFile, GgufValue};
 pub use hook::{BlockContext, BlockSource, Hook, TraceRecorder};
-pub use host::{Fill, HostBuf, HostBuffer, HostCapabilities, HostKind, HostMemory};
+pub use host::{Fill, HostBuffer, HostCapabilities, HostKind, HostMemory};
 pub use metrics::{host_rss_beyond_page_cache, host_rss_file_bytes, StepMetrics};
 pub use ondemand::OnDemand;
 pub use plan::{

@@ -48,7 +48,7 @@ impl<B: OffloadBackend> OnDemand<B> {
     /// [`load`](Self::load) under a resolved plan: its device budget checked
     /// against what this store makes the load hold (its own block sizes and, for
     /// blocks coded for the device, the decoder's staging buffers), and its
-    /// blocks on disk against the plan's, as [`Ring::new`](crate::Ring::new)
+    /// blocks on disk against the plan's, as [`Ring::new`](crate::ring::Ring::new)
     /// checks a streamed component's. Over the budget is an error naming the
     /// component, before anything is allocated.
     pub fn load_planned(backend: B, store: Arc<HostStore<B>>, plan: &ResolvedComponent) -> Result<Self> {

@@ -78,7 +78,7 @@ pub struct ComponentPlan {
     /// Host memory for this component's weights, if less than the model (the disk
     /// tier): the blocks held in memory, the non-block tensors, and the ring's
     /// `d + 2` bounce buffers for the blocks read from the checkpoint file at each
-    /// use. Store it with [`HostStore::build_tiered`](crate::HostStore::build_tiered).
+    /// use. Store it with [`HostStore::build_tiered`](crate::store::HostStore::build_tiered).
     pub host_ram_budget_bytes: Option<u64>,
     /// Blocks left on disk (`"double_blocks.3"`). Empty with a host RAM budget:
     /// the resolver keeps blocks in memory in inventory order while they fit and
@@ -235,16 +235,16 @@ pub const MAX_PREFETCH_DEPTH: usize = 1 << 16;
 /// a depth of 0 or past [`MAX_PREFETCH_DEPTH`], a budget below `(d + 1) ×` the
 /// largest streamed block plus the resident set. A coded store's decoder
 /// staging buffers are counted against the budget when the ring is built
-/// ([`Ring::new`](crate::Ring::new)): only the store knows the coded sizes.
+/// ([`Ring::new`](crate::ring::Ring::new)): only the store knows the coded sizes.
 pub fn resolve(plan: &Plan, inventory: &[ComponentInventory]) -> Result<ResolvedPlan> {
     resolve_on(plan, inventory, None)
 }
 
 /// [`resolve`] against a device whose memory is `memory` (as
-/// [`OffloadBackend::memory_info`](crate::OffloadBackend::memory_info) reports it),
+/// [`OffloadBackend::memory_info`](crate::backend::OffloadBackend::memory_info) reports it),
 /// so that budgets given as "free memory minus a margin" become bytes. Pure data:
 /// the caller asks the device once and passes the answer in.
-pub fn resolve_on(plan: &Plan, inventory: &[ComponentInventory], memory: Option<crate::MemoryInfo>) -> Result<ResolvedPlan> {
+pub fn resolve_on(plan: &Plan, inventory: &[ComponentInventory], memory: Option<crate::backend::MemoryInfo>) -> Result<ResolvedPlan> {
     let mut names = HashSet::new();
     let mut owner: HashMap<&str, String> = HashMap::new();
     for c in inventory {
@@ -347,7 +347,7 @@ pub fn resolve_on(plan: &Plan, inventory: &[ComponentInventory], memory: Option<
 /// A budget of free memory minus a margin reads the device once for every
 /// component: their rings coexist on it, so together they must fit (on-demand
 /// components, loaded one at a time around their use, count their largest).
-fn check_shared_margin(plan: &Plan, components: &[ResolvedComponent], memory: Option<crate::MemoryInfo>) -> Result<()> {
+fn check_shared_margin(plan: &Plan, components: &[ResolvedComponent], memory: Option<crate::backend::MemoryInfo>) -> Result<()> {
     let Some(memory) = memory else { return Ok(()) };
     let margin = components.iter().filter_map(|c| plan.for_component(&c.name).device_budget_free_minus_bytes).max();
     let Some(margin) = margin else { return Ok(()) };
@@ -373,7 +373,7 @@ fn check_shared_margin(plan: &Plan, components: &[ResolvedComponent], memory: Op
 
 /// Host memory of a ring with the blocks `on_disk` left on disk: the blocks in
 /// memory, the non-block tensors, and the larger of `d + 2` bounce buffers of the
-/// largest streamed block on disk (each [`DiskFile::span`](crate::DiskFile::span)
+/// largest streamed block on disk (each [`DiskFile::span`](crate::disk::DiskFile::span)
 /// bytes) and the one-off buffer of the largest device-resident block on disk.
 pub fn host_ram_bytes(blocks: &[(BlockId, usize)], resident: &[BlockId], on_disk: &[BlockId], depth: usize, non_block_bytes: u64) -> u64 {
     let each = blocks.iter().map(|(id, b)| (*b as u64, on_disk.contains(id), resident.contains(id)));
@@ -394,7 +394,7 @@ pub fn host_ram_of(blocks: impl Iterator<Item = (u64, bool, bool)>, depth: usize
             (true, true) => once = once.max(bytes),
         }
     }
-    let bounce = largest.map_or(0, |b| ((depth + 2) * crate::DiskFile::span(b as usize)) as u64);
+    let bounce = largest.map_or(0, |b| ((depth + 2) * crate::disk::DiskFile::span(b as usize)) as u64);
     (held + non_block_bytes + bounce.max(once), bounce)
 }
 
@@ -529,7 +529,7 @@ mod tests {
         let cp = ComponentPlan { device_budget_free_minus_bytes: Some(1000), ..Default::default() };
         let plan = Plan::layerwise().component("transformer", cp);
         assert!(resolve(&plan, &i).unwrap_err().to_string().contains("resolve_on"));
-        let mem = |free| Some(crate::MemoryInfo { free, total: 1 << 20 });
+        let mem = |free| Some(crate::backend::MemoryInfo { free, total: 1 << 20 });
         assert_eq!(resolve_on(&plan, &i, mem(3048)).unwrap().components[0].budget, Some(2048));
         let e = resolve_on(&plan, &i, mem(2500)).unwrap_err().to_string();
         assert!(e.contains("device budget 1500 bytes is below"), "{e}");
@@ -554,7 +554,7 @@ mod tests {
     #[test]
     fn a_free_minus_margin_budget_is_shared_by_the_components() {
         let i = [inv("a", 4, 1024), inv("b", 4, 1024), inv("c", 4, 512)];
-        let mem = |free| Some(crate::MemoryInfo { free, total: 1 << 20 });
+        let mem = |free| Some(crate::backend::MemoryInfo { free, total: 1 << 20 });
         let on_demand = ComponentPlan { strategy: Strategy::OnDemand, ..Default::default() };
         let plan =
             Plan { default: ComponentPlan { device_budget_free_minus_bytes: Some(1000), ..Default::default() }, ..Default::default() }

@@ -437,7 +437,7 @@ pub const GGUF_ARCHITECTURES: [&str; 3] = ["flux", "qwen_image", "wan"];
 /// `file`'s tensors under diffusers' names, by the architecture it names
 /// ([`gguf_to_diffusers`]): what offload streams from a GGUF release. A file
 /// naming no architecture is an error saying which ones are mapped.
-pub fn gguf_under_diffusers_names(file: crate::GgufFile) -> Result<Renamed<crate::GgufFile>> {
+pub fn gguf_under_diffusers_names(file: crate::gguf::GgufFile) -> Result<Renamed<crate::gguf::GgufFile>> {
     let arch = file.architecture().map(str::to_owned).ok_or_else(|| {
         Error::Plan(format!("{}: no general.architecture (offload maps {})", file.path().display(), GGUF_ARCHITECTURES.join(", ")))
     })?;
@@ -447,7 +447,7 @@ pub fn gguf_under_diffusers_names(file: crate::GgufFile) -> Result<Renamed<crate
 
 /// A diffusion model's GGUF tensors under diffusers' names, by the
 /// architecture its metadata names (`general.architecture`, as ComfyUI-GGUF's
-/// converter writes it; [`crate::GgufFile::architecture`]): `flux`
+/// converter writes it; [`crate::gguf::GgufFile::architecture`]): `flux`
 /// ([`flux_bfl_to_diffusers`]), `wan` ([`wan_to_diffusers`]) or `qwen_image`
 /// ([`qwen_image_to_diffusers`]). Any other architecture is an error naming it.
 pub fn gguf_to_diffusers(architecture: &str, specs: &[TensorSpec]) -> Result<Vec<(TensorSpec, Parts)>> {
@@ -473,13 +473,13 @@ mod tests {
     /// 128 values, four blocks, it splits after two).
     #[test]
     fn a_split_through_a_quantized_block_is_refused() {
-        let q = vec![TensorSpec::new("final_layer.adaLN_modulation.1.bias", crate::DType::Q8_0, [96])];
+        let q = vec![TensorSpec::new("final_layer.adaLN_modulation.1.bias", crate::tensor::DType::Q8_0, [96])];
         let e = flux_bfl_to_diffusers(&q).unwrap_err().to_string();
         assert!(e.contains("adaLN_modulation.1.bias") && e.contains("do not split"), "{e}");
-        let b = vec![TensorSpec::new("final_layer.adaLN_modulation.1.bias", crate::DType::BF16, [96])];
+        let b = vec![TensorSpec::new("final_layer.adaLN_modulation.1.bias", crate::tensor::DType::BF16, [96])];
         let m = flux_bfl_to_diffusers(&b).unwrap();
         assert_eq!(m[0].1, vec![(0, 96, 96), (0, 0, 96)], "bf16 halves swapped");
-        let q = vec![TensorSpec::new("final_layer.adaLN_modulation.1.bias", crate::DType::Q8_0, [128])];
+        let q = vec![TensorSpec::new("final_layer.adaLN_modulation.1.bias", crate::tensor::DType::Q8_0, [128])];
         let m = flux_bfl_to_diffusers(&q).unwrap();
         assert_eq!(m[0].1, vec![(0, 68, 68), (0, 0, 68)], "Q8_0 halves of two blocks each");
     }

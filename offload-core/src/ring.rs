@@ -21,77 +21,12 @@ use crate::hook::{BlockContext, BlockSource, Hook};
 use crate::host::{HostBuffer, HostMemory};
 use crate::metrics::StepMetrics;
 use crate::plan::{ResolvedComponent, Strategy};
+use crate::sabotage::Sabotage;
 use crate::store::HostStore;
 use crate::tensor::BlockLayout;
 use crate::timeline::{Span, Timeline};
 use std::sync::Arc;
 use std::time::Instant;
-
-/// Deliberate protocol breaks, so tests can show that the conformance cases
-/// catch a broken ring. Only settable with the `sabotage` feature.
-#[doc(hidden)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub enum Sabotage {
-    /// Keep the protocol.
-    #[default]
-    None,
-    /// Invariant 1: let compute read a slot without waiting for its copy.
-    SkipComputeWait,
-    /// Invariant 2: copy into a slot without waiting for its last use.
-    SkipFreeWait,
-    /// Invariant 3: synchronize the host on every block.
-    SyncEveryBlock,
-    /// Invariant 5: allocate one slot more than `d + 1`.
-    ExtraSlot,
-    /// Invariant 7: on a miss, serve the predicted block instead of the one asked for.
-    TrustPrediction,
-    /// Invariant 8: leak device slots when building the ring fails.
-    LeakOnError,
-    /// Invariant 2: record no release event (the slot's next copy waits only on
-    /// whatever older event it had).
-    NoReleaseEvent,
-    /// Invariant 2: record the release event when the block is handed out, before
-    /// the compute that reads it.
-    EarlyRelease,
-    /// Invariant 6 on the host tiers: skip the step-boundary check that the files
-    /// a store streams from are unchanged (`HostStore::check_sources`).
-    SkipSourceCheck,
-    /// Invariant 6 on the disk tier: serve a block on disk from the oldest bounce
-    /// buffer whose read is in flight, whichever block it was read for (a stale
-    /// buffer), instead of its own.
-    StaleBounce,
-    /// Invariant 6 on coded files: build a store from a coded file without
-    /// decoding its blocks at load (`HostStore::build_from_coded_file` trusts
-    /// the file's own hashes).
-    TrustCodedFile,
-    /// Invariant 2 on the disk tier: refill a bounce buffer without waiting for
-    /// its last copy to land. The wait is the backend's (`HostBuffer::refill`), so the
-    /// ring does nothing different: the conformance suite builds the disk
-    /// case's backend with the break (`Harness::disk_backend`).
-    EarlyRefill,
-    /// Invariant 9: keep a second page-locked copy of every block the store
-    /// builds (`HostStore::build`; the ring does nothing different).
-    SecondHostCopy,
-}
-
-impl Sabotage {
-    /// Every break, for tables.
-    pub const ALL: [Sabotage; 13] = [
-        Sabotage::SkipComputeWait,
-        Sabotage::SkipFreeWait,
-        Sabotage::NoReleaseEvent,
-        Sabotage::EarlyRelease,
-        Sabotage::SyncEveryBlock,
-        Sabotage::ExtraSlot,
-        Sabotage::TrustPrediction,
-        Sabotage::LeakOnError,
-        Sabotage::SkipSourceCheck,
-        Sabotage::StaleBounce,
-        Sabotage::TrustCodedFile,
-        Sabotage::EarlyRefill,
-        Sabotage::SecondHostCopy,
-    ];
-}
 
 struct SlotState<B: OffloadBackend> {
     slot: B::Slot,
@@ -308,6 +243,12 @@ impl<B: OffloadBackend> Ring<B> {
         Self::build(backend, store, plan, sabotage)
     }
 
+    /// Whether break `s` is set: always `false` without the `sabotage` feature.
+    #[inline]
+    fn breaks(&self, s: Sabotage) -> bool {
+        cfg!(feature = "sabotage") && self.sabotage == s
+    }
+
     fn build(backend: B, store: Arc<HostStore<B>>, plan: &ResolvedComponent, sabotage: Sabotage) -> Result<Self> {
         let _span = tracing::info_span!("ring_new", component = %plan.name, depth = plan.depth).entered();
         if plan.strategy == Strategy::OnDemand {
@@ -316,13 +257,13 @@ impl<B: OffloadBackend> Ring<B> {
         if plan.name != store.component() {
             return Err(Error::Plan(format!("plan is for component {:?}, store holds {:?}", plan.name, store.component())));
         }
-        if !(1..=crate::MAX_PREFETCH_DEPTH).contains(&plan.depth) {
+        if !(1..=crate::plan::MAX_PREFETCH_DEPTH).contains(&plan.depth) {
             // A plan resolves only depths in range; one deserialized or built by hand may not.
             return Err(Error::Plan(format!(
                 "component {:?}: prefetch depth {} must be 1 to {}",
                 plan.name,
                 plan.depth,
-                crate::MAX_PREFETCH_DEPTH
+                crate::plan::MAX_PREFETCH_DEPTH
             )));
         }
         // The plan was resolved against these blocks, not another inventory's (a
@@ -395,7 +336,7 @@ impl<B: OffloadBackend> Ring<B> {
                 .max()
                 .unwrap_or(0);
             let mut count = (ring.depth + 1).min(streamed);
-            if ring.sabotage == Sabotage::ExtraSlot {
+            if ring.breaks(Sabotage::ExtraSlot) {
                 count += 1;
             }
             for k in 0..count {
@@ -432,7 +373,7 @@ impl<B: OffloadBackend> Ring<B> {
         match result {
             Ok(()) => Ok(ring),
             Err(e) => {
-                if ring.sabotage == Sabotage::LeakOnError {
+                if ring.breaks(Sabotage::LeakOnError) {
                     std::mem::forget(ring);
                 } else {
                     ring.release_all();
@@ -450,7 +391,7 @@ impl<B: OffloadBackend> Ring<B> {
         Ok(slot)
     }
 
-    fn load_whole(&mut self, buffer: &crate::HostBuf<B>, bytes: usize, purpose: &str) -> Result<(B::Slot, B::Wait)> {
+    fn load_whole(&mut self, buffer: &crate::backend::HostBuf<B>, bytes: usize, purpose: &str) -> Result<(B::Slot, B::Wait)> {
         let mut slot = self.alloc(bytes, purpose)?;
         let copied = self.backend.copy_to_slot(buffer, &mut slot, bytes, None).and_then(|ready| self.backend.compute_wait(&ready));
         match copied {
@@ -509,7 +450,7 @@ impl<B: OffloadBackend> Ring<B> {
     fn load(&mut self, s: usize, b: usize) -> Result<()> {
         let store = self.store.clone();
         let block = &store.blocks()[b];
-        let after = if self.sabotage == Sabotage::SkipFreeWait { None } else { self.slots[s].free_after.clone() };
+        let after = if self.breaks(Sabotage::SkipFreeWait) { None } else { self.slots[s].free_after.clone() };
         let after_block = match (&after, self.timeline.is_some()) {
             (Some(_), true) => self.slots[s].released_by.map(|p| store.blocks()[p].id.to_string()),
             _ => None,
@@ -539,9 +480,10 @@ impl<B: OffloadBackend> Ring<B> {
                 // copy from the bounce buffer, give the buffer back to read ahead.
                 let upcoming = self.disk_reads_after(b);
                 let want = self.disk_read(b);
+                let stale = self.breaks(Sabotage::StaleBounce);
                 let disk =
                     self.disk.as_mut().ok_or_else(|| Error::Protocol(format!("{} is on disk but the ring has no reader", want.name)))?;
-                let bounce = disk.take(&want, &upcoming, self.sabotage == Sabotage::StaleBounce)?;
+                let bounce = disk.take(&want, &upcoming, stale)?;
                 read = want.len as u64;
                 self.host_mark(|| format!("issue copy {}", block.id));
                 let t0 = match self.timing(StreamKind::Copy) {
@@ -786,7 +728,7 @@ impl<B: OffloadBackend> Ring<B> {
                 self.next.len()
             )));
         }
-        if self.sabotage == Sabotage::SyncEveryBlock {
+        if self.breaks(Sabotage::SyncEveryBlock) {
             self.backend.synchronize()?;
         }
         match self.prev.replace(b) {
@@ -814,7 +756,7 @@ impl<B: OffloadBackend> Ring<B> {
                     tracing::debug!(component = %self.store.component(), block = %self.store.blocks()[b].id, "miss: block fetched on demand");
                     let keep = self.chain(b, self.depth);
                     let s = self.victim(&keep);
-                    if self.sabotage == Sabotage::TrustPrediction && self.slots[s].holds.is_some() {
+                    if self.breaks(Sabotage::TrustPrediction) && self.slots[s].holds.is_some() {
                         (s, BlockSource::OnDemand)
                     } else {
                         self.load(s, b)?;
@@ -829,7 +771,7 @@ impl<B: OffloadBackend> Ring<B> {
             self.step.disk_bytes_read += std::mem::take(&mut self.slots[s].unserved_read);
             self.prefetch(b, s)?;
             let mut wait = None;
-            if self.sabotage != Sabotage::SkipComputeWait {
+            if !self.breaks(Sabotage::SkipComputeWait) {
                 if let Some(ready) = self.slots[s].ready.clone() {
                     let w0 = self.timing(StreamKind::Compute)?;
                     let t = Instant::now();
@@ -841,7 +783,7 @@ impl<B: OffloadBackend> Ring<B> {
                     }
                 }
             }
-            if self.sabotage == Sabotage::EarlyRelease {
+            if self.breaks(Sabotage::EarlyRelease) {
                 self.slots[s].free_after = Some(self.backend.record_compute()?);
             }
             (Loc::Stream(s), source, wait)
@@ -905,7 +847,7 @@ impl<B: OffloadBackend> Ring<B> {
     }
 
     fn record_release(&mut self, s: usize, signal: Option<B::Event>) -> Result<()> {
-        if matches!(self.sabotage, Sabotage::NoReleaseEvent | Sabotage::EarlyRelease) {
+        if self.breaks(Sabotage::NoReleaseEvent) || self.breaks(Sabotage::EarlyRelease) {
             return Ok(());
         }
         let event = match signal {
@@ -995,17 +937,17 @@ impl<B: OffloadBackend> Ring<B> {
     /// (check [`depth`](Self::depth)). Call it between steps (no block lent).
     pub fn at_depth(mut self, depth: usize) -> Result<Self> {
         let mut plan = self.plan.clone();
-        if !(1..=crate::MAX_PREFETCH_DEPTH).contains(&depth) {
+        if !(1..=crate::plan::MAX_PREFETCH_DEPTH).contains(&depth) {
             return Err(Error::Plan(format!(
                 "component {:?}: prefetch depth {depth} must be 1 to {}",
                 plan.name,
-                crate::MAX_PREFETCH_DEPTH
+                crate::plan::MAX_PREFETCH_DEPTH
             )));
         }
         if self.lent.is_some() {
             return Err(Error::Protocol(format!("component {:?}: the depth changes between steps, not while a block is lent", plan.name)));
         }
-        if plan.strategy == crate::Strategy::Layerwise {
+        if plan.strategy == crate::plan::Strategy::Layerwise {
             let largest = plan.largest_streamed_bytes as u64;
             let slots = |d: usize| (d as u64 + 1).saturating_mul(largest);
             plan.device_weight_bound = plan.device_weight_bound.saturating_sub(slots(plan.depth)).saturating_add(slots(depth));
@@ -1070,20 +1012,20 @@ impl<B: OffloadBackend> Ring<B> {
         self.timeline = None;
     }
 
-    /// Why the last traced step was slower than its bound ([`crate::diagnose`]),
+    /// Why the last traced step was slower than its bound ([`crate::diagnose::diagnose`]),
     /// against the link's rate `link_bytes_per_s` where given (else the step's
     /// fastest copy). `None` without a timeline or before a traced step closed.
-    pub fn diagnose(&self, link_bytes_per_s: Option<f64>) -> Option<crate::Diagnosis> {
+    pub fn diagnose(&self, link_bytes_per_s: Option<f64>) -> Option<crate::diagnose::Diagnosis> {
         let tl = self.timeline.as_ref()?;
         let step = tl.step.checked_sub(1)?;
-        let input = crate::DiagnoseInput {
+        let input = crate::diagnose::DiagnoseInput {
             component: self.store.component(),
             step,
             link_bytes_per_s,
             compute_on_host: self.backend.compute_on_host(),
             depth: self.depth,
         };
-        crate::diagnose(&tl.collected, &input)
+        crate::diagnose::diagnose(&tl.collected, &input)
     }
 
     /// The timeline recorded so far (closed steps), if enabled.
@@ -1188,7 +1130,7 @@ impl<B: OffloadBackend> Ring<B> {
 
     /// The store's files checked, unless the sabotage skips it.
     fn sabotage_checked_sources(&self) -> Result<()> {
-        if self.sabotage == Sabotage::SkipSourceCheck {
+        if self.breaks(Sabotage::SkipSourceCheck) {
             return Ok(());
         }
         self.store.check_sources()

@@ -46,7 +46,7 @@ pub struct SimConfig {
     pub decodes: bool,
     /// Whether `host_in_region` works: the simulator "registers" a region by
     /// reading the block's range into its own memory with
-    /// [`HostRegion::read_at`](crate::HostRegion::read_at) (it has no device to
+    /// [`HostRegion::read_at`](crate::source::HostRegion::read_at) (it has no device to
     /// register with; what it tests is the store's choices and the protocol).
     /// `false` simulates a device that cannot register host memory.
     pub registers_regions: bool,
@@ -137,7 +137,7 @@ pub struct SimHost {
     coded: Option<Arc<[u8]>>,
     /// The region a buffer "registered" in place stands for: `block_bytes`
     /// checks it, as a device's buffer served from a mapping reads the file.
-    region: Option<Arc<dyn crate::HostRegion>>,
+    region: Option<Arc<dyn crate::source::HostRegion>>,
     /// The simulator it came from (refills wait, or report, there).
     sim: Arc<Inner>,
     /// The page-locked bytes this buffer holds in the simulator's count, given
@@ -223,7 +223,7 @@ struct State {
     /// Regions "registered" (by address), and the regions themselves, kept so
     /// no address is reused while the simulator lives.
     registered: Vec<usize>,
-    keep: Vec<Arc<dyn crate::HostRegion>>,
+    keep: Vec<Arc<dyn crate::source::HostRegion>>,
     /// Device bytes the staging buffers hold (see [`SimConfig::staging_buffers`]).
     staging_bytes: u64,
 }
@@ -508,7 +508,7 @@ impl SimBackend {
             // simulator holds the coded bytes as a device does, unchecked (a device
             // decodes at copy time and checks nothing): the case's own check sees
             // the forged file built, not this decode's refusal.
-            if !crate::store::sabotage::trusts_coded() {
+            if !crate::sabotage::trusts_coded() {
                 // The buffer drops here, and gives its count back.
                 return Err(e);
             }
@@ -518,7 +518,7 @@ impl SimBackend {
         Ok(host)
     }
 
-    fn in_region(&self, region: &Arc<dyn crate::HostRegion>, offset: usize, bytes: usize, purpose: &str) -> Result<SimHost> {
+    fn in_region(&self, region: &Arc<dyn crate::source::HostRegion>, offset: usize, bytes: usize, purpose: &str) -> Result<SimHost> {
         region.check()?;
         // "Registered" as a device registers it: the whole region page-locked on
         // first use, counted once (`HostRegion::registered_len`); the block's own

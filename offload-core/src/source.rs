@@ -263,7 +263,7 @@ pub trait HostRegion: Send + Sync + 'static {
     /// the same file (device and inode behind the path), the same length,
     /// modification and change times ([`FileIdentity`]). Checked before a store
     /// registers it, before a read, and by a ring at every step boundary
-    /// ([`HostStore::check_sources`](crate::HostStore::check_sources)).
+    /// ([`HostStore::check_sources`](crate::store::HostStore::check_sources)).
     fn check(&self) -> Result<()>;
     /// Whether the bytes the region reads are still those it was opened with,
     /// wherever its path points now: a file renamed over the path (or the path
@@ -289,7 +289,7 @@ pub trait HostRegion: Send + Sync + 'static {
     }
     /// How a backend registered the region, once it has (`"read-only"`, or a
     /// fallback a driver's refusal led to); `None` before, or for a region no
-    /// backend registers. [`HostTier::registration`](crate::HostTier::registration) reports it.
+    /// backend registers. [`HostTier::registration`](crate::store::HostTier::registration) reports it.
     fn registration(&self) -> Option<String> {
         None
     }
@@ -314,7 +314,7 @@ pub(crate) fn check_region_is(path: &Path, opened: &FileIdentity, region: &Arc<d
 
 /// A source whose tensors lie in one [`HostRegion`]: the host store can serve a
 /// block from the region in place when its tensors lie there as the store would
-/// lay them out ([`HostStore::build_mapped`](crate::HostStore::build_mapped)).
+/// lay them out ([`HostStore::build_mapped`](crate::store::HostStore::build_mapped)).
 pub trait RegionSource: TensorSource {
     /// The region holding every tensor.
     fn region(&self) -> Arc<dyn HostRegion>;
@@ -325,11 +325,11 @@ pub trait RegionSource: TensorSource {
 }
 
 /// A checkpoint file whose blocks the disk tier reads from it as the ring needs
-/// them ([`HostStore::build_tiered`](crate::HostStore::build_tiered)): a
+/// them ([`HostStore::build_tiered`](crate::store::HostStore::build_tiered)): a
 /// [`RegionSource`] over one file, with the file's path and its identity when
 /// its header was read, so a file replaced or written since is refused:
-/// safetensors ([`SafetensorsFile`]), GGUF ([`GgufFile`](crate::GgufFile)) and
-/// either under other names ([`Renamed`](crate::Renamed)).
+/// safetensors ([`SafetensorsFile`]), GGUF ([`GgufFile`](crate::gguf::GgufFile)) and
+/// either under other names ([`Renamed`](crate::rename::Renamed)).
 ///
 /// The contract an implementation keeps: [`RegionSource::tensor_offset`] is an
 /// offset into the file at [`file_path`](Self::file_path), where that tensor's
@@ -566,4 +566,22 @@ impl SafetensorsFile {
         }
         self.opened.check_contents(&self.path, &self.file)
     }
+}
+
+/// Where tensor `t` of the model lies in `source` (`by_name`: the source's
+/// tensors by name): an error naming it where the source lacks it or holds it
+/// with another dtype or shape.
+pub(crate) fn source_index(source: &dyn TensorSource, by_name: &std::collections::HashMap<&str, usize>, t: &TensorSpec) -> Result<usize> {
+    let i = *by_name.get(t.name.as_str()).ok_or_else(|| Error::BadTensor {
+        tensor: t.name.clone(),
+        fault: format!("the model expects it but {} lacks it", source.origin()),
+    })?;
+    let have = &source.specs()[i];
+    if have.dtype != t.dtype || have.shape != t.shape {
+        return Err(Error::BadTensor {
+            tensor: t.name.clone(),
+            fault: format!("expected {:?} {:?}, {} has {:?} {:?}", t.dtype, t.shape, source.origin(), have.dtype, have.shape),
+        });
+    }
+    Ok(i)
 }

@@ -1,12 +1,13 @@
 //! The host store: per block one contiguous, exactly sized, immutable buffer
 //! (page-locked where the backend can), every tensor at a 256-byte-aligned offset.
 
+use crate::backend::HostBuf;
 use crate::backend::OffloadBackend;
 use crate::coded_file::{CodedFile, NON_BLOCK};
 use crate::discovery::{BlockId, ComponentInventory};
 use crate::disk::DiskFile;
 use crate::error::{Error, Result};
-use crate::host::{HostBuf, HostBuffer, HostKind, HostMemory};
+use crate::host::{HostBuffer, HostKind, HostMemory};
 use crate::plan::{ComponentPlan, PinFallback};
 use crate::source::{CheckpointFile, HostRegion, RegionSource, TensorSource};
 use crate::tensor::{BlockLayout, PlacedTensor, TENSOR_ALIGN};
@@ -146,24 +147,6 @@ fn placement(specs: &[crate::tensor::TensorSpec], at: &[usize]) -> std::result::
     Ok((start, layout))
 }
 
-/// Where tensor `t` of the model lies in `source` (`by_name`: the source's
-/// tensors by name): an error naming it where the source lacks it or holds it
-/// with another dtype or shape.
-pub(crate) fn source_index(source: &dyn TensorSource, by_name: &HashMap<&str, usize>, t: &crate::tensor::TensorSpec) -> Result<usize> {
-    let i = *by_name.get(t.name.as_str()).ok_or_else(|| Error::BadTensor {
-        tensor: t.name.clone(),
-        fault: format!("the model expects it but {} lacks it", source.origin()),
-    })?;
-    let have = &source.specs()[i];
-    if have.dtype != t.dtype || have.shape != t.shape {
-        return Err(Error::BadTensor {
-            tensor: t.name.clone(),
-            fault: format!("expected {:?} {:?}, {} has {:?} {:?}", t.dtype, t.shape, source.origin(), have.dtype, have.shape),
-        });
-    }
-    Ok(i)
-}
-
 /// A coded host buffer of the block laid out as `layout`, its coded bytes read
 /// from `cf`'s entry `key` and checked there, then against the block's bytes,
 /// read from `source` (tensors at `indices`: source index, offset, length) into
@@ -210,7 +193,7 @@ fn precoded_buffer<B: OffloadBackend>(
         crate::codec::coded_matches(dst, raw, threads, purpose).map_err(|e| {
             fault(format!("{e}: the file was made from other weights than {}, or they changed since (write it again)", source.origin()))
         })?;
-        if sabotage::trusts_coded() {
+        if crate::sabotage::trusts_coded() {
             return Ok(());
         }
         crate::codec::decode_device_block_on(dst, decoded, threads, purpose)
@@ -223,42 +206,6 @@ fn precoded_buffer<B: OffloadBackend>(
             None => Ok(()),
         }
     })
-}
-
-/// The store's deliberate breaks (`Sabotage::TrustCodedFile`, `Sabotage::SecondHostCopy`), set per thread
-/// by a test around a build; always off without the `sabotage` feature.
-#[doc(hidden)]
-pub mod sabotage {
-    use std::cell::Cell;
-
-    // Set only through the setters below, which exist only with the feature.
-    thread_local! {
-        static TRUST_CODED: Cell<bool> = const { Cell::new(false) };
-        static SECOND_COPY: Cell<bool> = const { Cell::new(false) };
-    }
-
-    /// Whether a coded file's blocks are trusted without being decoded at load.
-    pub(crate) fn trusts_coded() -> bool {
-        TRUST_CODED.with(Cell::get)
-    }
-
-    /// Whether each page-locked block is allocated twice, the second copy kept
-    /// (`Sabotage::SecondHostCopy`).
-    pub(crate) fn keeps_second_copy() -> bool {
-        SECOND_COPY.with(Cell::get)
-    }
-
-    /// Trust (or not) coded files' blocks without decoding them, on this thread.
-    #[cfg(feature = "sabotage")]
-    pub fn trust_coded(on: bool) {
-        TRUST_CODED.with(|t| t.set(on));
-    }
-
-    /// Keep (or not) a second page-locked copy of every block a store builds, on this thread.
-    #[cfg(feature = "sabotage")]
-    pub fn keep_second_copy(on: bool) {
-        SECOND_COPY.with(|t| t.set(on));
-    }
 }
 
 /// A block's bytes as the store lays them out, into `dst` (its exact size): the
@@ -377,7 +324,7 @@ impl<B: OffloadBackend> HostStore<B> {
     /// reads between): a block on disk that does not is an error naming it
     /// (held in memory it would exceed the plan's host memory). The file must be
     /// the one `file`'s header was read from. The non-block tensors are always
-    /// held in memory. The plan's choice is [`ResolvedComponent::is_on_disk`](crate::ResolvedComponent::is_on_disk).
+    /// held in memory. The plan's choice is [`ResolvedComponent::is_on_disk`](crate::plan::ResolvedComponent::is_on_disk).
     pub fn build_tiered<F: CheckpointFile>(
         backend: &B,
         inventory: &ComponentInventory,
@@ -464,7 +411,7 @@ impl<B: OffloadBackend> HostStore<B> {
             let layout = BlockLayout::new(specs.to_vec())?;
             let mut indices = Vec::with_capacity(specs.len());
             for (t, placed) in specs.iter().zip(&layout.tensors) {
-                indices.push((source_index(source, &by_name, t)?, placed.offset, placed.nbytes));
+                indices.push((crate::source::source_index(source, &by_name, t)?, placed.offset, placed.nbytes));
             }
             let purpose = format!("{}/{}", inventory.name, id);
             if let (Some((_, offset_of, on_disk)), true) = (disk, is_block) {
@@ -605,7 +552,7 @@ impl<B: OffloadBackend> HostStore<B> {
             // budget was checked against the block's size; a coded block can hold
             // more (its headers, incompressible strings kept raw): then it is
             // dropped and the block held as the fallback says, so the budget holds.
-            if sabotage::keeps_second_copy() && buffer.is_pinned() {
+            if crate::sabotage::keeps_second_copy() && buffer.is_pinned() {
                 // The deliberate break: a second page-locked copy of the block, never given back.
                 std::mem::forget(host.alloc_pinned(layout.bytes, &purpose, &mut |_| Ok(()))?);
             }
@@ -663,12 +610,12 @@ impl<B: OffloadBackend> HostStore<B> {
     /// was built from: the mapped checkpoint blocks are served from in place
     /// ([`build_mapped`](Self::build_mapped)) and the file blocks on disk are
     /// read from ([`build_tiered`](Self::build_tiered)): same file, length,
-    /// modification and change times ([`FileIdentity`](crate::FileIdentity)).
+    /// modification and change times ([`FileIdentity`](crate::source::FileIdentity)).
     /// A mapped checkpoint whose path names another file since (a new file
     /// renamed over it) still serves the opened one, unlinked and unchanged
-    /// ([`HostRegion::held`](crate::HostRegion::held)), as a resident module
+    /// ([`HostRegion::held`](crate::source::HostRegion::held)), as a resident module
     /// keeps the weights it loaded; one written in place is refused.
-    /// A [`Ring`](crate::Ring) asks at every step boundary and refuses every later
+    /// A [`Ring`](crate::ring::Ring) asks at every step boundary and refuses every later
     /// step when the answer is an error, which names the file. Blocks copied into
     /// the store's own memory do not depend on the file after the build and are
     /// not checked. Costs a `stat` or two, no reads.
@@ -784,7 +731,7 @@ pub fn probe_bandwidth<B: OffloadBackend>(backend: &B, store: &HostStore<B>, pas
     let total = probe_bytes(store);
     if total == 0 {
         // A rate of 0 would plan every streamed block as taking forever.
-        return Err(crate::Error::Plan("probing the bandwidth: no block is held in host memory (all on disk, or none)".into()));
+        return Err(crate::error::Error::Plan("probing the bandwidth: no block is held in host memory (all on disk, or none)".into()));
     }
     let mut slot = backend.alloc_slot(store.largest_block_bytes(), "bandwidth probe")?;
     let mut best = 0.0f64;

@@ -207,13 +207,13 @@ impl BlockLayout {
         let mut end = 0usize;
         for spec in specs {
             let nbytes = spec.nbytes()?;
-            offset = offset.checked_next_multiple_of(TENSOR_ALIGN).ok_or_else(|| crate::Error::BadTensor {
+            offset = offset.checked_next_multiple_of(TENSOR_ALIGN).ok_or_else(|| crate::error::Error::BadTensor {
                 tensor: spec.name.clone(),
                 fault: "the block's bytes before it overflow".into(),
             })?;
             end = offset
                 .checked_add(nbytes)
-                .ok_or_else(|| crate::Error::BadTensor { tensor: spec.name.clone(), fault: "its end overflows the block".into() })?;
+                .ok_or_else(|| crate::error::Error::BadTensor { tensor: spec.name.clone(), fault: "its end overflows the block".into() })?;
             tensors.push(PlacedTensor { spec, offset, nbytes });
             offset = end;
         }
@@ -225,7 +225,7 @@ impl BlockLayout {
     /// Every offset must be a multiple of [`TENSOR_ALIGN`], every `nbytes` its
     /// spec's size, and no two tensors may overlap; the size is the end of the last.
     pub fn placed(tensors: Vec<PlacedTensor>) -> Result<Self> {
-        let bad = |t: &PlacedTensor, fault: String| crate::Error::BadTensor { tensor: t.spec.name.clone(), fault };
+        let bad = |t: &PlacedTensor, fault: String| crate::error::Error::BadTensor { tensor: t.spec.name.clone(), fault };
         let mut spans: Vec<(usize, usize, usize)> = Vec::with_capacity(tensors.len());
         for (i, t) in tensors.iter().enumerate() {
             if t.offset % TENSOR_ALIGN != 0 {

@@ -6,7 +6,7 @@
 //! `acc = (rotl(acc, 7) ^ Σ mix(word_i, i)) · K`; [`reference_hash`] and
 //! [`reference_combine`] compute the same on the host.
 
-use crate::device::{lock, vk_err, Timeline, VulkanBackend, VulkanPoint};
+use crate::context::{lock, vk_err, Timeline, VulkanBackend, VulkanPoint};
 use crate::memory::VulkanSlot;
 use ash::vk;
 use offload_core::{Error, Result};

@@ -32,16 +32,14 @@
 //! - **Validation in tests.** [`VulkanOptions::validation`] turns on the Khronos
 //!   validation layer; any error it reports fails `poll_error` (every `end_step`).
 
+mod context;
 mod device;
 pub mod fold;
 mod memory;
 
 pub use ash;
-pub use device::{CopyQueue, HostMemory, Timeline, VulkanBackend, VulkanCounters, VulkanOptions, VulkanPoint};
+pub use context::{CopyQueue, HostMemory, Timeline, VulkanBackend, VulkanCounters, VulkanOptions, VulkanPoint, POISON};
 pub use memory::{VulkanHost, VulkanSlot};
-
-/// Byte the checking mode writes over a slot before each copy into it.
-pub const POISON: u8 = 0xDB;
 
 #[cfg(test)]
 mod tests {
@@ -127,7 +125,7 @@ mod tests {
         assert!(e.contains("copy point"), "{e}");
         a.synchronize().expect("sync");
         b.synchronize().expect("sync");
-        a.collect(&mut device::lock(&a.inner.state));
+        a.collect(&mut context::lock(&a.inner.state));
         assert_eq!(a.counters().live_bytes, 0, "a refused release still destroys the slot");
     }
 
@@ -172,15 +170,15 @@ mod tests {
     #[test]
     fn a_lost_device_frees_nothing() {
         let Some(b) = open(&VulkanOptions::default()) else { return };
-        let garbage = |b: &VulkanBackend| device::lock(&b.inner.state).garbage.len();
+        let garbage = |b: &VulkanBackend| context::lock(&b.inner.state).garbage.len();
         drop(b.alloc_slot(64, "kept").expect("slot"));
         b.synchronize().expect("sync");
-        b.collect(&mut device::lock(&b.inner.state));
+        b.collect(&mut context::lock(&b.inner.state));
         assert_eq!(garbage(&b), 0, "a slot whose work completed was not destroyed");
         b.inner.mark_lost("a test");
         drop(b.alloc_slot(64, "leaked").expect("slot"));
         b.synchronize().expect("sync");
-        b.collect(&mut device::lock(&b.inner.state));
+        b.collect(&mut context::lock(&b.inner.state));
         assert_eq!(garbage(&b), 1, "a slot was destroyed after the device was marked lost");
         assert!(b.poll_error().is_err(), "a lost device passed poll_error");
     }
@@ -203,8 +201,8 @@ mod tests {
         assert!(b.violations().is_empty(), "{:?}", b.violations());
         b.copy_to_slot(&host, &mut slot, 64, None).expect("copy");
         // Landed, seen only by polling the semaphore (no wait): still not waited for.
-        let issued = device::lock(&b.inner.state).copy_value;
-        while b.reached(device::Timeline::Copy) < issued {
+        let issued = context::lock(&b.inner.state).copy_value;
+        while b.reached(context::Timeline::Copy) < issued {
             std::thread::yield_now();
         }
         b.sabotage_refill_early();

@@ -3,15 +3,11 @@
 //! submission can still use them: a host buffer waits for its last copy when it
 //! drops (teardown only), a slot goes to the deferred-destroy list.
 
-use crate::device::{lock, vk_err, Inner, SlotTrack, Timeline, VulkanBackend};
+use crate::context::{lock, vk_err, Inner, SlotTrack, Timeline, VulkanBackend};
 use ash::vk;
 use offload_core::{Error, Result};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-
-pub(crate) fn find_memory_type(props: &vk::PhysicalDeviceMemoryProperties, bits: u32, flags: vk::MemoryPropertyFlags) -> Option<u32> {
-    (0..props.memory_type_count).find(|&i| bits & (1 << i) != 0 && props.memory_types[i as usize].property_flags.contains(flags))
-}
 
 /// Host pages to import as a buffer's memory (`VK_EXT_external_memory_host`).
 struct Import {

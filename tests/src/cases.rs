@@ -5,7 +5,7 @@
 use crate::ensure;
 use crate::harness::{CaseError, Harness, Outcome};
 use crate::model::{ModelShape, TestModel};
-use offload_core::ring::Sabotage;
+use offload_core::sabotage::Sabotage;
 use offload_core::HostBuffer as _;
 use offload_core::{
     resolve, BlockDiscovery, ComponentPlan, FaultInjector, FaultKind, HostStore, NameDiscovery, OffloadBackend, OnDemand, Plan,
@@ -335,9 +335,9 @@ fn one_host_copy<H: Harness>(s: Sabotage) -> Outcome {
         return Err(CaseError::Skip("n/a: this row does not count its page-locked host bytes".into()));
     };
     let model = TestModel::random(&ModelShape::default(), 91);
-    offload_core::store::sabotage::keep_second_copy(s == Sabotage::SecondHostCopy);
+    offload_core::sabotage::keep_second_copy(s == Sabotage::SecondHostCopy);
     let store = HostStore::build(&backend, &model.inventory, &model.tensors);
-    offload_core::store::sabotage::keep_second_copy(false);
+    offload_core::sabotage::keep_second_copy(false);
     let store = store?;
     let held = H::host_pinned_bytes(&backend).unwrap_or(0).saturating_sub(before);
     let (host, payload) = (store.host_bytes(), store.payload_bytes());
@@ -735,9 +735,9 @@ fn coded_file<H: Harness>(s: Sabotage) -> Outcome {
         let piece = offload_core::coded_file::PIECE_BYTES;
         offload_core::CodedFile::write_with(&path, &model.inventory, &model.tensors, 64 << 10, 2, piece, 2, &forged)?;
         let cf = offload_core::CodedFile::open(&path)?;
-        offload_core::store::sabotage::trust_coded(s == Sabotage::TrustCodedFile);
+        offload_core::sabotage::trust_coded(s == Sabotage::TrustCodedFile);
         let built = HostStore::build_from_coded_file(&backend, &model.inventory, &model.tensors, pin, &cf);
-        offload_core::store::sabotage::trust_coded(false);
+        offload_core::sabotage::trust_coded(false);
         match (built, H::decodes()) {
             (Ok(_), true) => return Err(CaseError::Fail("a forged coded file (its hashes rewritten) built a store".into())),
             (Ok(store), false) => {

@@ -49,7 +49,7 @@ fn verdict(o: Outcome) -> Verdict {
 /// becomes a failure when the device is required.
 pub fn run_suite<H: Harness>() -> Vec<(&'static str, &'static str, Verdict)> {
     let mut row: Vec<_> =
-        cases::all::<H>().into_iter().map(|c| (c.name, c.invariant, verdict((c.run)(offload_core::ring::Sabotage::None)))).collect();
+        cases::all::<H>().into_iter().map(|c| (c.name, c.invariant, verdict((c.run)(offload_core::sabotage::Sabotage::None)))).collect();
     for m in H::model_cases() {
         row.push((m.name, m.invariant, verdict((m.run)())));
     }
@@ -60,7 +60,7 @@ pub fn run_suite<H: Harness>() -> Vec<(&'static str, &'static str, Verdict)> {
 #[derive(Clone, Debug)]
 pub struct SabotageOutcome {
     /// The break.
-    pub sabotage: offload_core::ring::Sabotage,
+    pub sabotage: offload_core::sabotage::Sabotage,
     /// Whether a case that guards the broken invariant failed.
     pub caught: bool,
     /// The cases that failed, with why (or why the row could not run).
@@ -69,13 +69,13 @@ pub struct SabotageOutcome {
     pub missed_by: Vec<&'static str>,
 }
 
-/// Run every ring break of [`Sabotage::ALL`](offload_core::ring::Sabotage::ALL)
+/// Run every ring break of [`Sabotage::ALL`](offload_core::sabotage::Sabotage::ALL)
 /// against the cases of harness `H` that guard the broken invariant. A break is
 /// caught when at least one of them fails. A skip (no device) is reported as not
 /// caught, with why; so is a row whose backend does not open (its cases would
 /// all fail for that reason alone, which is not catching a break).
 pub fn run_sabotage<H: Harness>() -> Vec<SabotageOutcome> {
-    offload_core::ring::Sabotage::ALL.iter().map(|&s| run_sabotage_one::<H>(s)).collect()
+    offload_core::sabotage::Sabotage::ALL.iter().map(|&s| run_sabotage_one::<H>(s)).collect()
 }
 
 /// One break of [`run_sabotage`]: the cases of harness `H` that guard the
@@ -83,7 +83,7 @@ pub fn run_sabotage<H: Harness>() -> Vec<SabotageOutcome> {
 /// break in a process of its own through this, so that a break which spoils the
 /// device for the rest of its process (a freed slot still read, say) cannot make
 /// a later break's cases fail for that reason instead of their own.
-pub fn run_sabotage_one<H: Harness>(sabotage: offload_core::ring::Sabotage) -> SabotageOutcome {
+pub fn run_sabotage_one<H: Harness>(sabotage: offload_core::sabotage::Sabotage) -> SabotageOutcome {
     let unopened = match H::backend() {
         Ok(_) => None,
         Err(CaseError::Skip(why)) => Some(format!("SKIPPED: {why}")),
@@ -157,7 +157,7 @@ pub const ROW_MARK: &str = "sabotage-row: ";
 /// leaked device) does not decide the next break's verdict. A child that dies,
 /// exits with a failure or outlives `OFFLOAD_SABOTAGE_TIMEOUT_S` (default 600 s;
 /// then killed) is a break not caught, with why.
-pub fn break_in_child(exe: &std::path::Path, backend: &str, s: offload_core::ring::Sabotage) -> BreakRow {
+pub fn break_in_child(exe: &std::path::Path, backend: &str, s: offload_core::sabotage::Sabotage) -> BreakRow {
     use std::io::Read;
     let name = format!("{s:?}");
     let lost = |why: String| BreakRow { sabotage: name.clone(), caught: false, by: vec![("process".into(), why)], missed_by: Vec::new() };
@@ -219,8 +219,8 @@ pub const NOT_APPLICABLE: &str = "n/a:";
 /// the invariant the break breaks, as a protocol log reports it, or the wrong
 /// result, budget, count or refusal the break causes. A failure saying
 /// anything else (an error of another check on the way) is no catch.
-pub fn marks(sabotage: offload_core::ring::Sabotage) -> &'static [&'static str] {
-    use offload_core::ring::Sabotage as S;
+pub fn marks(sabotage: offload_core::sabotage::Sabotage) -> &'static [&'static str] {
+    use offload_core::sabotage::Sabotage as S;
     match sabotage {
         S::SkipComputeWait => &["(invariant 1)", "differs from the resident reference"],
         S::SkipFreeWait | S::NoReleaseEvent | S::EarlyRelease => &["(invariant 2)", "differs from the resident reference"],
@@ -241,7 +241,7 @@ pub fn marks(sabotage: offload_core::ring::Sabotage) -> &'static [&'static str] 
 /// by one that failed for it (its [`marks`]), not skipped, not for a fault of
 /// the harness, and not for another error on the way (a simulator's own check
 /// refusing a forged file before the case's check ran).
-pub fn caught_by<'a>(sabotage: offload_core::ring::Sabotage, whys: impl IntoIterator<Item = &'a str>) -> bool {
+pub fn caught_by<'a>(sabotage: offload_core::sabotage::Sabotage, whys: impl IntoIterator<Item = &'a str>) -> bool {
     whys.into_iter().any(|w| !w.starts_with("SKIPPED") && !w.starts_with(HARNESS_FAULT) && marks(sabotage).iter().any(|m| w.contains(m)))
 }
 
@@ -280,7 +280,7 @@ macro_rules! conformance_tests {
             use $crate::cases::all;
             fn run(name: &str) {
                 let case = all::<$harness>().into_iter().find(|c| c.name == name).expect("case exists");
-                $crate::report(name, (case.run)(offload_core::ring::Sabotage::None));
+                $crate::report(name, (case.run)(offload_core::sabotage::Sabotage::None));
             }
             #[test]
             fn ready_before_read() {

@@ -56,7 +56,7 @@ fn sabotage_caught(backend: &str) {
     // Each break on its own: one whose guarding cases skipped (no device, a
     // feature the device lacks) is reported skipped, and the others still judged.
     let exe = std::path::Path::new(env!("CARGO_BIN_EXE_conformance"));
-    for s in offload_core::ring::Sabotage::ALL {
+    for s in offload_core::sabotage::Sabotage::ALL {
         let row = offload_tests::break_in_child(exe, backend, s);
         let (by, missed) = (&row.by, row.missed_by.len());
         let na = format!("SKIPPED: {}", offload_tests::NOT_APPLICABLE);

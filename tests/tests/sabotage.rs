@@ -2,7 +2,7 @@
 //! fail: the cases can fail, so their passing means something. (The GPU rows run
 //! the same table in the conformance binary: `conformance --sabotage PATH`.)
 
-use offload_core::ring::Sabotage;
+use offload_core::sabotage::Sabotage;
 use offload_tests::cases::all;
 use offload_tests::run_sabotage;
 use offload_tests::sim_harness::Sim;
@@ -71,7 +71,7 @@ fn a_break_whose_process_is_killed_is_not_caught() {
 /// by a failure of something else.
 #[test]
 fn a_harness_fault_or_a_skip_does_not_catch_a_break() {
-    use offload_core::ring::Sabotage::{EarlyRefill, SkipFreeWait, TrustCodedFile};
+    use offload_core::sabotage::Sabotage::{EarlyRefill, SkipFreeWait, TrustCodedFile};
     use offload_tests::{caught_by, HARNESS_FAULT};
     assert!(caught_by(SkipFreeWait, ["slot 3 overwritten before its last use (invariant 2)"]));
     assert!(!caught_by(SkipFreeWait, ["SKIPPED: n/a: this row copies the file"]));

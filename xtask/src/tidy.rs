@@ -219,7 +219,7 @@ fn collect(dir: &Path, out: &mut Vec<PathBuf>, exts: &[&str]) {
 
 /// The crates whose files must import each other without a cycle (a core the
 /// features stand on, never the other way).
-const LAYERED: [&str; 2] = ["offload-cuda", "offload-tch"];
+const LAYERED: [&str; 4] = ["offload-cuda", "offload-tch", "offload-core", "offload-vulkan"];
 
 /// The modules of the crate at `src` that file `rel` (relative to `src`) names
 /// with `crate::…` paths, outside comments and strings; a name that is not a
@@ -285,7 +285,18 @@ fn import_cycles(src: &Path, krate: &str) -> Vec<String> {
     let mut edges: std::collections::BTreeMap<String, Vec<String>> = Default::default();
     for f in &files {
         let m = module_of(f);
+        if f.file_name().is_some_and(|n| n == "tests.rs") {
+            // A module's tests use the crate as any caller does: not its layering.
+            continue;
+        }
         let Ok(text) = std::fs::read_to_string(f) else { continue };
+        // The same for an inline test module (`#[cfg(…test…)]` then `mod tests`):
+        // the file's text up to it.
+        let lines: Vec<&str> = text.lines().collect();
+        let end = (1..lines.len())
+            .find(|&i| lines[i].starts_with("mod tests") && lines[i - 1].starts_with("#[cfg(") && lines[i - 1].contains("test"))
+            .map_or(lines.len(), |i| i - 1);
+        let text = lines[..end].join("\n");
         let e = edges.entry(m.clone()).or_default();
         if m == "lib" || m == "main" {
             // The root reaches every module it declares.
@@ -427,7 +438,25 @@ mod tests {
         assert!(import_cycles(&src, "offload-cuda").is_empty(), "a macro's `$crate::` path taken for an import");
         write("core.rs", "//! core\nfn f() -> crate::Backend { todo!() }\n");
         let p = import_cycles(&src, "offload-cuda").join("\n");
-        let _ = std::fs::remove_dir_all(&dir);
         assert!(p.contains("core → lib → core"), "{p}");
+        // A module's tests (an inline test module, a sibling `tests.rs`) may use
+        // any module: they are callers, not layers. The code above them is not.
+        write("core.rs", "//! core\nfn f() {}\n#[cfg(all(test, feature = \"sim\"))]\nmod tests {\n    use crate::top::Backend;\n}\n");
+        std::fs::create_dir_all(src.join("feature")).expect("temp dir");
+        write("feature/tests.rs", "use crate::top::Backend;\n");
+        let clean = import_cycles(&src, "offload-cuda");
+        assert!(clean.is_empty(), "{clean:?}");
+        write("core.rs", "//! core\nuse crate::top::Backend;\n#[cfg(test)]\nmod tests {}\n");
+        let p = import_cycles(&src, "offload-cuda").join("\n");
+        let _ = std::fs::remove_dir_all(&dir);
+        assert!(p.contains("core → top → core"), "{p}");
+    }
+
+    /// The engine's crates and every device backend are checked for cycles.
+    #[test]
+    fn the_layered_crates_include_the_core_and_every_backend() {
+        for krate in ["offload-core", "offload-cuda", "offload-tch", "offload-vulkan"] {
+            assert!(LAYERED.contains(&krate), "{krate} is not checked for import cycles");
+        }
     }
 }

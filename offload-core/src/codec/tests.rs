@@ -186,7 +186,7 @@ fn scaled_fp8(rows: usize, cols: usize, seed: u64) -> Vec<u8> {
     f.chunks(cols)
         .flat_map(|row| {
             let amax = row.iter().fold(0f32, |m, x| m.max(x.abs())).max(f32::MIN_POSITIVE);
-            row.iter().map(move |x| crate::fp8::f32_to_fp8(x / (amax / 448.0), crate::DType::F8_E4M3).unwrap())
+            row.iter().map(move |x| crate::fp8::f32_to_fp8(x / (amax / 448.0), crate::tensor::DType::F8_E4M3).unwrap())
         })
         .collect()
 }
@@ -219,7 +219,7 @@ fn fp8_weights_round_trip_and_shrink_to_their_exponent_entropy() {
         assert_eq!(decode_bf16(&encode_fp8_e4m3(&any), "any").unwrap(), any, "{n} bytes");
     }
     // The tensor-by-tensor form codes an fp8 tensor with its own code.
-    let spec = crate::TensorSpec { name: "w".into(), dtype: crate::DType::F8_E4M3, shape: vec![256, 1024] };
+    let spec = crate::tensor::TensorSpec { name: "w".into(), dtype: crate::tensor::DType::F8_E4M3, shape: vec![256, 1024] };
     let layout = crate::tensor::BlockLayout::new(vec![spec]).unwrap();
     let c = compress_block(&layout, &w, 2).unwrap();
     assert!(c.ratio() < 0.86, "compressed block ratio {}", c.ratio());
@@ -235,7 +235,7 @@ fn fp8_weights_round_trip_and_shrink_to_their_exponent_entropy() {
 #[test]
 fn a_block_laid_out_out_of_order_round_trips_and_a_bad_layout_is_named() {
     use crate::tensor::{BlockLayout, PlacedTensor};
-    let spec = |n: &str, len: usize| crate::TensorSpec { name: n.into(), dtype: crate::DType::BF16, shape: vec![len] };
+    let spec = |n: &str, len: usize| crate::tensor::TensorSpec { name: n.into(), dtype: crate::tensor::DType::BF16, shape: vec![len] };
     let (a, b) = (spec("blocks.0.a", 64), spec("blocks.0.b", 100));
     // `a` after `b` in the buffer, a 56-byte gap after `b`.
     let layout = BlockLayout::placed(vec![

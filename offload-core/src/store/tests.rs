@@ -3,8 +3,9 @@
 
 use crate::sim::{SimBackend, SimConfig};
 use crate::{
-    probe_bandwidth, BlockDiscovery, DType, HostBlock, HostBuffer, HostStore, MemoryTensors, NameDiscovery, PinOptions, RegionSource,
-    SafetensorsFile, TensorSource, TensorSpec,
+    discovery::BlockDiscovery, discovery::NameDiscovery, host::HostBuffer, source::MemoryTensors, source::RegionSource,
+    source::SafetensorsFile, source::TensorSource, store::probe_bandwidth, store::HostBlock, store::HostStore, store::PinOptions,
+    tensor::DType, tensor::TensorSpec,
 };
 
 /// A store with no block in host memory has no rate to report: 0 would plan
@@ -18,12 +19,12 @@ fn a_probe_of_nothing_and_pieces_of_nothing_are_errors() {
     }
     let inv = NameDiscovery.discover("m", src.specs()).unwrap();
     let be = SimBackend::new(SimConfig::fast());
-    let empty = crate::ComponentInventory { name: "m".into(), stacks: Vec::new(), non_block: Vec::new() };
+    let empty = crate::discovery::ComponentInventory { name: "m".into(), stacks: Vec::new(), non_block: Vec::new() };
     let store = HostStore::build(&be, &empty, &src).expect("a store of no blocks");
     let e = probe_bandwidth(&be, &store, 1).unwrap_err().to_string();
     assert!(e.contains("no block is held in host memory"), "{e}");
     let path = std::env::temp_dir().join(format!("offload-pieces-0-{}.offload-coded", std::process::id()));
-    let e = crate::CodedFile::write_with(&path, &inv, &src, 1 << 16, 1, 0, 1, &|_, _| {}).unwrap_err().to_string();
+    let e = crate::coded_file::CodedFile::write_with(&path, &inv, &src, 1 << 16, 1, 0, 1, &|_, _| {}).unwrap_err().to_string();
     assert!(e.contains("pieces of at least one byte"), "{e}");
     assert!(!path.exists());
 }
@@ -45,16 +46,16 @@ fn a_ring_refuses_a_plan_of_other_blocks() {
     let inv4 = NameDiscovery.discover("m", four.specs()).unwrap();
     let be = SimBackend::new(SimConfig::fast());
     let store = std::sync::Arc::new(HostStore::build(&be, &inv3, &three).unwrap());
-    let keep3 =
-        crate::Plan::layerwise().component("m", crate::ComponentPlan { resident_blocks: vec!["blocks.3".into()], ..Default::default() });
-    let rc = crate::resolve(&keep3, std::slice::from_ref(&inv4)).unwrap().components.remove(0);
-    let e = crate::Ring::new(be.clone(), store.clone(), &rc).err().expect("a plan of four blocks on a store of three").to_string();
+    let keep3 = crate::plan::Plan::layerwise()
+        .component("m", crate::plan::ComponentPlan { resident_blocks: vec!["blocks.3".into()], ..Default::default() });
+    let rc = crate::plan::resolve(&keep3, std::slice::from_ref(&inv4)).unwrap().components.remove(0);
+    let e = crate::ring::Ring::new(be.clone(), store.clone(), &rc).err().expect("a plan of four blocks on a store of three").to_string();
     assert!(e.contains("blocks.3") && e.contains("does not hold"), "{e}");
     let store4 = std::sync::Arc::new(HostStore::build(&be, &inv4, &four).unwrap());
-    let rc3 = crate::resolve(&crate::Plan::layerwise(), std::slice::from_ref(&inv3)).unwrap().components.remove(0);
-    let e = crate::Ring::new(be.clone(), store4, &rc3).err().expect("a plan of three blocks on a store of four").to_string();
+    let rc3 = crate::plan::resolve(&crate::plan::Plan::layerwise(), std::slice::from_ref(&inv3)).unwrap().components.remove(0);
+    let e = crate::ring::Ring::new(be.clone(), store4, &rc3).err().expect("a plan of three blocks on a store of four").to_string();
     assert!(e.contains("blocks.3") && e.contains("does not name"), "{e}");
-    assert!(crate::Ring::new(be, store, &rc3).is_ok());
+    assert!(crate::ring::Ring::new(be, store, &rc3).is_ok());
 }
 
 #[test]
@@ -85,13 +86,13 @@ fn a_host_fault_lands_on_the_same_block_whether_or_not_coding_fell_back() {
     let inv = NameDiscovery.discover("m", src.specs()).unwrap();
     // The same from a coded file (`alloc_host_precoded` refused instead).
     let path = temp("fault-coded-file").with_extension("offload-coded");
-    crate::CodedFile::write(&path, &inv, &src, crate::sim::SIM_SEGMENT_BYTES, 2).unwrap();
-    let cf = crate::CodedFile::open(&path).unwrap();
+    crate::coded_file::CodedFile::write(&path, &inv, &src, crate::sim::SIM_SEGMENT_BYTES, 2).unwrap();
+    let cf = crate::coded_file::CodedFile::open(&path).unwrap();
     for n in 0..4 {
         let mut failed = Vec::new();
         for how in 0..3 {
-            let be = crate::FaultInjector::new(SimBackend::new(SimConfig { decodes: false, ..SimConfig::fast() }));
-            be.arm(crate::FaultKind::HostAlloc, n);
+            let be = crate::fault::FaultInjector::new(SimBackend::new(SimConfig { decodes: false, ..SimConfig::fast() }));
+            be.arm(crate::fault::FaultKind::HostAlloc, n);
             let pin = PinOptions { coded: how == 1, ..Default::default() };
             let built = match how {
                 2 => HostStore::build_from_coded_file(&be, &inv, &src, pin, &cf),
@@ -340,7 +341,7 @@ fn a_block_with_another_tensor_in_its_padding_or_past_the_pin_budget_is_copied()
     want.sort();
     assert_eq!(tensors_of(&be, &store), want);
     // A pin budget of one block: the rest copied into pageable memory, and said why.
-    let pin = PinOptions { budget_bytes: Some(5200), fallback: crate::PinFallback::Pageable, ..PinOptions::default() };
+    let pin = PinOptions { budget_bytes: Some(5200), fallback: crate::plan::PinFallback::Pageable, ..PinOptions::default() };
     let before = be.stats().pinned_bytes;
     let store = HostStore::build_mapped(&be, &inv, &file, pin).unwrap();
     assert!(store.pinned_bytes() <= 5200, "{}", store.pinned_bytes());
@@ -365,7 +366,7 @@ fn the_mapped_tier_charges_the_whole_registered_file_to_the_pin_budget() {
     want.sort();
     let one_block = HostStore::build(&SimBackend::new(SimConfig::fast()), &inv, &file).unwrap().largest_block_bytes() as u64;
     let be = SimBackend::new(SimConfig::fast());
-    let pin = PinOptions { budget_bytes: Some(one_block), fallback: crate::PinFallback::Pageable, ..PinOptions::default() };
+    let pin = PinOptions { budget_bytes: Some(one_block), fallback: crate::plan::PinFallback::Pageable, ..PinOptions::default() };
     let store = HostStore::build_mapped(&be, &inv, &file, pin).unwrap();
     assert_eq!(store.tier().mapped, 0, "{:?}", store.tier());
     let why = store.tier().copy_reason.clone().unwrap_or_default();
@@ -376,7 +377,7 @@ fn the_mapped_tier_charges_the_whole_registered_file_to_the_pin_budget() {
     assert_eq!(tensors_of(&be, &store), want);
     // A budget of the whole file: every buffer served in place, the file counted once.
     let be = SimBackend::new(SimConfig::fast());
-    let pin = PinOptions { budget_bytes: Some(file_len), fallback: crate::PinFallback::Fail, ..PinOptions::default() };
+    let pin = PinOptions { budget_bytes: Some(file_len), fallback: crate::plan::PinFallback::Fail, ..PinOptions::default() };
     let store = HostStore::build_mapped(&be, &inv, &file, pin).unwrap();
     assert_eq!((store.tier().mapped, store.tier().copied), (7, 0), "{:?}", store.tier());
     assert_eq!((store.pinned_bytes(), be.stats().pinned_bytes), (file_len, file_len));
@@ -407,7 +408,7 @@ fn write_in_place(path: &std::path::Path, at: u64, keep_mtime: bool) {
 /// step's end is an error naming the file and every later block is refused.
 #[test]
 fn a_file_written_in_place_is_refused_at_build_and_at_the_next_step_boundary() {
-    use crate::{resolve, Plan, Ring};
+    use crate::{plan::resolve, plan::Plan, ring::Ring};
     for keep_mtime in [false, true] {
         let path = temp(&format!("in-place-{keep_mtime}"));
         let tensors = disk_model(4, 4096);
@@ -447,7 +448,7 @@ fn a_file_written_in_place_is_refused_at_build_and_at_the_next_step_boundary() {
 
 /// A checkpoint of four blocks ([`disk_model`]) at `temp(tag)`, opened, its
 /// inventory (component "m"), and a fast simulated device.
-fn four_blocks(tag: &str) -> (std::path::PathBuf, SafetensorsFile, crate::ComponentInventory, SimBackend) {
+fn four_blocks(tag: &str) -> (std::path::PathBuf, SafetensorsFile, crate::discovery::ComponentInventory, SimBackend) {
     let path = temp(tag);
     write_checkpoint(&path, &disk_model(4, 4096));
     let file = SafetensorsFile::open(&path).unwrap();
@@ -461,7 +462,7 @@ fn four_blocks(tag: &str) -> (std::path::PathBuf, SafetensorsFile, crate::Compon
 /// header is read is refused by `open` (the identity is taken before the header).
 #[test]
 fn a_change_after_the_last_step_is_an_error_at_close_and_release() {
-    use crate::{resolve, OnDemand, Plan, Ring};
+    use crate::{ondemand::OnDemand, plan::resolve, plan::Plan, ring::Ring};
     let (path, file, inv, be) = four_blocks("after-last-step");
     let store = std::sync::Arc::new(HostStore::build_mapped(&be, &inv, &file, PinOptions::default()).unwrap());
     let plan = resolve(&Plan::layerwise(), std::slice::from_ref(&inv)).unwrap();
@@ -496,7 +497,7 @@ fn a_change_after_the_last_step_is_an_error_at_close_and_release() {
 /// (the plan's host RAM count would be wrong) do not make a ring.
 #[test]
 fn a_store_whose_disk_blocks_are_not_the_plans_is_refused() {
-    use crate::{resolve, ComponentPlan, Plan, Ring};
+    use crate::{plan::resolve, plan::ComponentPlan, plan::Plan, ring::Ring};
     let (_, file, inv, be) = four_blocks("disk-split");
     let cp = ComponentPlan { disk_blocks: vec!["blocks.1".into(), "blocks.3".into()], ..Default::default() };
     let rc = resolve(&Plan::layerwise().component("m", cp), std::slice::from_ref(&inv)).unwrap().components.remove(0);
@@ -525,7 +526,7 @@ fn a_store_whose_disk_blocks_are_not_the_plans_is_refused() {
 /// it counted (the simulator counts what it page-locks).
 #[test]
 fn the_disk_tiers_bounce_buffers_count_against_the_pin_budget() {
-    use crate::{resolve, ComponentPlan, Plan, Ring};
+    use crate::{plan::resolve, plan::ComponentPlan, plan::Plan, ring::Ring};
     let (_, file, inv, be) = four_blocks("disk-pin-budget");
     let with = |budget: Option<u64>| {
         let cp =
@@ -535,7 +536,7 @@ fn the_disk_tiers_bounce_buffers_count_against_the_pin_budget() {
     let rc = with(None);
     let store = std::sync::Arc::new(HostStore::build_tiered(&be, &inv, &file, PinOptions::default(), &|id| rc.is_on_disk(id)).unwrap());
     let largest = store.blocks().iter().filter(|b| b.disk_offset().is_some()).map(|b| b.bytes()).max().unwrap();
-    let bounce = (3 * crate::DiskFile::span(largest)) as u64;
+    let bounce = (3 * crate::disk::DiskFile::span(largest)) as u64;
     let pinned = store.pinned_bytes();
     let e = Ring::new(be.clone(), store.clone(), &with(Some(pinned + bounce - 1))).map(drop).expect_err("refused").to_string();
     assert!(
@@ -567,11 +568,11 @@ fn serve(
     be: &SimBackend,
     store: &std::sync::Arc<HostStore<SimBackend>>,
     want: &HostStore<SimBackend>,
-    plan: &crate::ResolvedComponent,
+    plan: &crate::plan::ResolvedComponent,
     order: &[usize],
     steps: usize,
-) -> crate::Result<crate::StepMetrics> {
-    let mut ring = crate::Ring::new(be.clone(), store.clone(), plan)?;
+) -> crate::error::Result<crate::metrics::StepMetrics> {
+    let mut ring = crate::ring::Ring::new(be.clone(), store.clone(), plan)?;
     let mut m = None;
     for _ in 0..steps {
         for &i in order {
@@ -639,13 +640,13 @@ fn the_probe_counts_a_coded_blocks_bytes_on_the_link() {
 fn a_store_from_a_coded_file_serves_the_same_bytes_as_one_coded_at_build() {
     let checkpoint = temp("coded-file");
     let dir = checkpoint.parent().unwrap().to_path_buf();
-    let path = crate::CodedFile::path_for(&checkpoint);
+    let path = crate::coded_file::CodedFile::path_for(&checkpoint);
     let src = coded_model(7);
     let inv = NameDiscovery.discover("m", src.specs()).unwrap();
-    let stats = crate::CodedFile::write(&path, &inv, &src, crate::sim::SIM_SEGMENT_BYTES, 2).unwrap();
+    let stats = crate::coded_file::CodedFile::write(&path, &inv, &src, crate::sim::SIM_SEGMENT_BYTES, 2).unwrap();
     assert_eq!(stats.entries, 4, "three blocks and the non-block tensors");
     assert!(stats.coded_bytes < stats.raw_bytes, "{stats:?}");
-    let cf = crate::CodedFile::open(&path).unwrap();
+    let cf = crate::coded_file::CodedFile::open(&path).unwrap();
     assert_eq!((cf.component(), cf.segment_bytes(), cf.entries().len()), ("m", crate::sim::SIM_SEGMENT_BYTES, 4));
     let be = SimBackend::new(SimConfig::fast());
     let plain = HostStore::build(&be, &inv, &src).unwrap();
@@ -658,7 +659,7 @@ fn a_store_from_a_coded_file_serves_the_same_bytes_as_one_coded_at_build() {
     let at_build = HostStore::build_with(&be, &inv, &src, PinOptions { coded: true, ..Default::default() }).unwrap();
     assert_eq!(at_build.host_bytes(), store.host_bytes());
     assert_eq!(tensors_of(&be, &store), tensors_of(&be, &plain));
-    let plan = crate::resolve(&crate::Plan::layerwise(), std::slice::from_ref(&inv)).unwrap().components.remove(0);
+    let plan = crate::plan::resolve(&crate::plan::Plan::layerwise(), std::slice::from_ref(&inv)).unwrap().components.remove(0);
     let copies = be.stats().coded_copies;
     serve(&be, &store, &plain, &plan, &[0, 1, 2], 2).unwrap();
     let coded_copies = be.stats().coded_copies - copies;
@@ -678,14 +679,14 @@ fn a_coded_file_damaged_or_made_from_other_weights_is_a_named_error_never_a_wron
     let path = dir.join("m.safetensors.offload-coded");
     let src = coded_model(9);
     let inv = NameDiscovery.discover("m", src.specs()).unwrap();
-    crate::CodedFile::write(&path, &inv, &src, crate::sim::SIM_SEGMENT_BYTES, 2).unwrap();
+    crate::coded_file::CodedFile::write(&path, &inv, &src, crate::sim::SIM_SEGMENT_BYTES, 2).unwrap();
     let good = std::fs::read(&path).unwrap();
     let be = SimBackend::new(SimConfig::fast());
-    let build = |src: &MemoryTensors, inv: &crate::ComponentInventory| {
-        let cf = crate::CodedFile::open(&path)?;
+    let build = |src: &MemoryTensors, inv: &crate::discovery::ComponentInventory| {
+        let cf = crate::coded_file::CodedFile::open(&path)?;
         HostStore::build_from_coded_file(&be, inv, src, PinOptions::default(), &cf).map(|_| ())
     };
-    let entry = crate::CodedFile::open(&path).unwrap().entry("blocks.1").unwrap().clone();
+    let entry = crate::coded_file::CodedFile::open(&path).unwrap().entry("blocks.1").unwrap().clone();
     // One byte of block 1's coded bytes, anywhere in them (its segment table,
     // its stream, its sign-mantissa bytes): damaged, by name.
     for at in [20, entry.len / 2, entry.len - 3] {
@@ -694,21 +695,21 @@ fn a_coded_file_damaged_or_made_from_other_weights_is_a_named_error_never_a_wron
         std::fs::write(&path, &bad).unwrap();
         let e = build(&src, &inv).unwrap_err();
         let msg = e.to_string();
-        assert!(matches!(e, crate::Error::CodedFile { .. }), "{msg}");
+        assert!(matches!(e, crate::error::Error::CodedFile { .. }), "{msg}");
         assert!(msg.contains("m/blocks.1") && msg.contains("damaged") && msg.contains("offload-coded"), "byte {at}: {msg}");
     }
     std::fs::write(&path, &good).unwrap();
     // Several pieces to an entry (pieces of 4 KiB): the damaged one is named.
     let small = dir.join("small.offload-coded");
     crate::coded_file::CodedFile::write_pieces(&small, &inv, &src, crate::sim::SIM_SEGMENT_BYTES, 2, 4096).unwrap();
-    let cf = crate::CodedFile::open(&small).unwrap();
+    let cf = crate::coded_file::CodedFile::open(&small).unwrap();
     let e1 = cf.entry("blocks.1").unwrap().clone();
     assert!(e1.pieces.len() > 10, "{} pieces", e1.pieces.len());
     HostStore::build_from_coded_file(&be, &inv, &src, PinOptions::default(), &cf).unwrap();
     let mut bad = std::fs::read(&small).unwrap();
     bad[(e1.at + 7 * 4096 + 100) as usize] ^= 0x02;
     std::fs::write(&small, &bad).unwrap();
-    let cf = crate::CodedFile::open(&small).unwrap();
+    let cf = crate::coded_file::CodedFile::open(&small).unwrap();
     let msg = HostStore::build_from_coded_file(&be, &inv, &src, PinOptions::default(), &cf).err().unwrap().to_string();
     assert!(msg.contains("m/blocks.1") && msg.contains("piece 7 ") && msg.contains("damaged"), "{msg}");
     std::fs::remove_file(&small).unwrap();
@@ -734,7 +735,7 @@ fn a_coded_file_damaged_or_made_from_other_weights_is_a_named_error_never_a_wron
     assert!(msg.contains("m/blocks.3") && msg.contains("no entry"), "{msg}");
     // The same on a device without a decoder (every entry is checked before any is read).
     let raw_be = SimBackend::new(SimConfig { decodes: false, ..SimConfig::fast() });
-    let cf = crate::CodedFile::open(&path).unwrap();
+    let cf = crate::coded_file::CodedFile::open(&path).unwrap();
     let msg = HostStore::build_from_coded_file(&raw_be, &more_inv, &more, PinOptions::default(), &cf).err().unwrap().to_string();
     assert!(msg.contains("m/blocks.3") && msg.contains("no entry"), "{msg}");
     // An entry the file's index does not hold is refused, not read.
@@ -757,12 +758,12 @@ fn a_coded_file_damaged_or_made_from_other_weights_is_a_named_error_never_a_wron
         }),
     ] {
         std::fs::write(&path, &bytes).unwrap();
-        let e = crate::CodedFile::open(&path).unwrap_err();
-        assert!(matches!(e, crate::Error::CodedFile { .. }) && e.to_string().contains("offload-coded"), "{what}: {e}");
+        let e = crate::coded_file::CodedFile::open(&path).unwrap_err();
+        assert!(matches!(e, crate::error::Error::CodedFile { .. }) && e.to_string().contains("offload-coded"), "{what}: {e}");
     }
     // A write that fails (a tensor the source lacks) leaves no file behind.
     std::fs::remove_file(&path).unwrap();
-    let e = crate::CodedFile::write(&path, &more_inv, &src, crate::sim::SIM_SEGMENT_BYTES, 2).unwrap_err().to_string();
+    let e = crate::coded_file::CodedFile::write(&path, &more_inv, &src, crate::sim::SIM_SEGMENT_BYTES, 2).unwrap_err().to_string();
     assert!(e.contains("blocks.3.w"), "{e}");
     assert!(std::fs::read_dir(&dir).unwrap().next().is_none(), "nothing left at the path or beside it");
     std::fs::remove_dir_all(&dir).unwrap();
@@ -814,10 +815,10 @@ fn a_coded_file_altered_with_its_hashes_rewritten_is_refused_at_load() {
             },
         )
         .unwrap();
-        let cf = crate::CodedFile::open(&path).unwrap();
+        let cf = crate::coded_file::CodedFile::open(&path).unwrap();
         let e = HostStore::build_from_coded_file(&be, &inv, &src, PinOptions::default(), &cf).err().expect("a forged file is refused");
         let msg = e.to_string();
-        assert!(matches!(e, crate::Error::CodedFile { .. }), "{how}: {msg}");
+        assert!(matches!(e, crate::error::Error::CodedFile { .. }), "{how}: {msg}");
         assert!(msg.contains("m/blocks.1") && msg.contains("offload-coded") && msg.contains("damaged or altered"), "{how}: {msg}");
     }
     assert!(swapped.load(std::sync::atomic::Ordering::Relaxed), "two equal-length codes were found and swapped");
@@ -833,7 +834,7 @@ fn a_coded_file_altered_with_its_hashes_rewritten_is_refused_at_load() {
         &|_, _| {},
     )
     .unwrap();
-    let msg = crate::CodedFile::open(&path).unwrap_err().to_string();
+    let msg = crate::coded_file::CodedFile::open(&path).unwrap_err().to_string();
     assert!(msg.contains("format 1") && msg.contains("write it again"), "{msg}");
     std::fs::remove_file(&path).unwrap();
 }
@@ -853,8 +854,11 @@ fn a_refill_before_the_buffers_last_copy_landed_is_a_violation_on_the_simulator(
         let be = SimBackend::new(SimConfig { max_copy_delay_us: 3000, refill_waits: waits, ..SimConfig::fast() });
         let copied = HostStore::build(&be, &inv, &file).unwrap();
         let all: Vec<String> = inv.blocks().map(|b| b.id.to_string()).collect();
-        let cp = crate::ComponentPlan { prefetch_depth: 1, disk_blocks: all, ..Default::default() };
-        let plan = crate::resolve(&crate::Plan::layerwise().component("m", cp), std::slice::from_ref(&inv)).unwrap().components.remove(0);
+        let cp = crate::plan::ComponentPlan { prefetch_depth: 1, disk_blocks: all, ..Default::default() };
+        let plan = crate::plan::resolve(&crate::plan::Plan::layerwise().component("m", cp), std::slice::from_ref(&inv))
+            .unwrap()
+            .components
+            .remove(0);
         let store =
             std::sync::Arc::new(HostStore::build_tiered(&be, &inv, &file, PinOptions::default(), &|id| plan.is_on_disk(id)).unwrap());
         serve(&be, &store, &copied, &plan, &[0, 1, 2, 3, 4, 5], 2).unwrap();
@@ -880,10 +884,13 @@ fn the_disk_tier_serves_the_files_bytes_under_a_host_ram_budget() {
     let block = copied.blocks()[0].bytes() as u64;
     for depth in [1, 2] {
         // Room for two blocks in memory beside the bounce buffers and the head.
-        let bounce = ((depth + 2) * crate::DiskFile::span(block as usize)) as u64;
+        let bounce = ((depth + 2) * crate::disk::DiskFile::span(block as usize)) as u64;
         let budget = 2 * block + bounce + 512;
-        let cp = crate::ComponentPlan { prefetch_depth: depth, host_ram_budget_bytes: Some(budget), ..Default::default() };
-        let plan = crate::resolve(&crate::Plan::layerwise().component("m", cp), std::slice::from_ref(&inv)).unwrap().components.remove(0);
+        let cp = crate::plan::ComponentPlan { prefetch_depth: depth, host_ram_budget_bytes: Some(budget), ..Default::default() };
+        let plan = crate::plan::resolve(&crate::plan::Plan::layerwise().component("m", cp), std::slice::from_ref(&inv))
+            .unwrap()
+            .components
+            .remove(0);
         assert_eq!(plan.on_disk.len(), 6, "{:?}", plan.on_disk);
         assert!(plan.host_ram_bytes <= budget);
         let store =
@@ -909,12 +916,12 @@ fn a_host_ram_budget_smaller_than_one_block_is_refused_by_name() {
     write_checkpoint(&path, &disk_model(4, 8192));
     let file = SafetensorsFile::open(&path).unwrap();
     let inv = NameDiscovery.discover("m", file.specs()).unwrap();
-    let cp = crate::ComponentPlan { host_ram_budget_bytes: Some(4096), ..Default::default() };
-    let e = crate::resolve(&crate::Plan::layerwise().component("m", cp), std::slice::from_ref(&inv)).unwrap_err().to_string();
+    let cp = crate::plan::ComponentPlan { host_ram_budget_bytes: Some(4096), ..Default::default() };
+    let e = crate::plan::resolve(&crate::plan::Plan::layerwise().component("m", cp), std::slice::from_ref(&inv)).unwrap_err().to_string();
     assert!(e.contains("host RAM budget 4096 bytes") && e.contains("bounce buffers"), "{e}");
     // Named blocks on disk, checked like resident ones.
-    let cp = crate::ComponentPlan { disk_blocks: vec!["blocks.9".into()], ..Default::default() };
-    let e = crate::resolve(&crate::Plan::layerwise().component("m", cp), std::slice::from_ref(&inv)).unwrap_err().to_string();
+    let cp = crate::plan::ComponentPlan { disk_blocks: vec!["blocks.9".into()], ..Default::default() };
+    let e = crate::plan::resolve(&crate::plan::Plan::layerwise().component("m", cp), std::slice::from_ref(&inv)).unwrap_err().to_string();
     assert!(e.contains("blocks.9"), "{e}");
 }
 
@@ -924,14 +931,15 @@ fn all_on_disk(
     tag: &str,
     n: usize,
     len: usize,
-) -> (std::path::PathBuf, std::sync::Arc<HostStore<SimBackend>>, crate::ResolvedComponent, SimBackend) {
+) -> (std::path::PathBuf, std::sync::Arc<HostStore<SimBackend>>, crate::plan::ResolvedComponent, SimBackend) {
     let path = temp(tag);
     write_checkpoint(&path, &disk_model(n as u64, len));
     let file = SafetensorsFile::open(&path).unwrap();
     let inv = NameDiscovery.discover("m", file.specs()).unwrap();
     let be = SimBackend::new(SimConfig::fast());
-    let cp = crate::ComponentPlan { disk_blocks: (0..n).map(|b| format!("blocks.{b}")).collect(), ..Default::default() };
-    let plan = crate::resolve(&crate::Plan::layerwise().component("m", cp), std::slice::from_ref(&inv)).unwrap().components.remove(0);
+    let cp = crate::plan::ComponentPlan { disk_blocks: (0..n).map(|b| format!("blocks.{b}")).collect(), ..Default::default() };
+    let plan =
+        crate::plan::resolve(&crate::plan::Plan::layerwise().component("m", cp), std::slice::from_ref(&inv)).unwrap().components.remove(0);
     let store = std::sync::Arc::new(HostStore::build_tiered(&be, &inv, &file, PinOptions::default(), &|id| plan.is_on_disk(id)).unwrap());
     (path, store, plan, be)
 }
@@ -939,7 +947,7 @@ fn all_on_disk(
 #[test]
 fn a_read_error_mid_step_names_the_block_and_serves_nothing_half_read() {
     let (path, store, plan, be) = all_on_disk("disk-trunc", 6, 8192);
-    let mut ring = crate::Ring::new(be.clone(), store.clone(), &plan).unwrap();
+    let mut ring = crate::ring::Ring::new(be.clone(), store.clone(), &plan).unwrap();
     drop(ring.block_at(0).unwrap());
     // The file is cut short mid-step: the next block whose read starts after
     // it fails, by name, and no guard is handed out for it.
@@ -956,7 +964,7 @@ fn a_read_error_mid_step_names_the_block_and_serves_nothing_half_read() {
     }
     let (i, e) = failed.expect("a read of the truncated file fails within the step");
     let msg = e.to_string();
-    assert!(matches!(e, crate::Error::DiskRead { .. }), "{msg}");
+    assert!(matches!(e, crate::error::Error::DiskRead { .. }), "{msg}");
     assert!(msg.contains("m/blocks.") && msg.contains("truncated") && msg.contains("m.safetensors"), "block {i}: {msg}");
     drop(ring);
     assert!(be.stats().violations.is_empty(), "{:?}", be.stats().violations);
@@ -1011,14 +1019,20 @@ fn planned_for_smaller(
     small: &MemoryTensors,
     big: &MemoryTensors,
     budget: u64,
-) -> (SimBackend, std::sync::Arc<HostStore<SimBackend>>, crate::ComponentInventory, crate::Plan, crate::ResolvedComponent) {
+) -> (
+    SimBackend,
+    std::sync::Arc<HostStore<SimBackend>>,
+    crate::discovery::ComponentInventory,
+    crate::plan::Plan,
+    crate::plan::ResolvedComponent,
+) {
     let inv_small = NameDiscovery.discover("m", small.specs()).unwrap();
     let inv_big = NameDiscovery.discover("m", big.specs()).unwrap();
     let be = SimBackend::new(SimConfig::fast());
     let store = std::sync::Arc::new(HostStore::build(&be, &inv_big, big).unwrap());
-    let cp = crate::ComponentPlan { device_budget_bytes: Some(budget), ..Default::default() };
-    let plan = crate::Plan::layerwise().component("m", cp);
-    let rc = crate::resolve(&plan, std::slice::from_ref(&inv_small)).unwrap().components.remove(0);
+    let cp = crate::plan::ComponentPlan { device_budget_bytes: Some(budget), ..Default::default() };
+    let plan = crate::plan::Plan::layerwise().component("m", cp);
+    let rc = crate::plan::resolve(&plan, std::slice::from_ref(&inv_small)).unwrap().components.remove(0);
     (be, store, inv_big, plan, rc)
 }
 
@@ -1028,15 +1042,18 @@ fn planned_for_smaller(
 fn a_budget_planned_for_smaller_blocks_refuses_the_ring() {
     let (small, big) = (u8_model(4, 1024), u8_model(4, 8192));
     let (be, store, inv_big, plan, rc) = planned_for_smaller(&small, &big, 2048);
-    let e = crate::Ring::new(be.clone(), store.clone(), &rc).err().expect("over its budget").to_string();
+    let e = crate::ring::Ring::new(be.clone(), store.clone(), &rc).err().expect("over its budget").to_string();
     assert!(e.contains("block blocks.0 holds 8192 bytes, planned 1024"), "{e}");
     assert!(e.contains("would hold 16384 device bytes") && e.contains("over the budget of 2048"), "{e}");
     // Planned for the store's own blocks, the same budget is refused at plan time,
     // and a budget that holds them builds the ring.
-    assert!(crate::resolve(&plan, std::slice::from_ref(&inv_big)).is_err());
-    let cp = crate::ComponentPlan { device_budget_bytes: Some(16384), ..Default::default() };
-    let rc = crate::resolve(&crate::Plan::layerwise().component("m", cp), std::slice::from_ref(&inv_big)).unwrap().components.remove(0);
-    crate::Ring::new(be, store, &rc).unwrap();
+    assert!(crate::plan::resolve(&plan, std::slice::from_ref(&inv_big)).is_err());
+    let cp = crate::plan::ComponentPlan { device_budget_bytes: Some(16384), ..Default::default() };
+    let rc = crate::plan::resolve(&crate::plan::Plan::layerwise().component("m", cp), std::slice::from_ref(&inv_big))
+        .unwrap()
+        .components
+        .remove(0);
+    crate::ring::Ring::new(be, store, &rc).unwrap();
 }
 
 /// Larger blocks than planned and the decoder's staging count together: a
@@ -1057,20 +1074,23 @@ fn grown_blocks_and_the_decoders_staging_count_together_against_the_budget() {
     let pin = PinOptions { coded: true, ..Default::default() };
     let store = std::sync::Arc::new(HostStore::build_with(&be, &inv_big, &big, pin).unwrap());
     let largest = store.blocks().iter().filter_map(|b| b.buffer().unwrap().held_bytes()).max().expect("coded");
-    let staging = crate::host::HostMemory::decoder_staging_bytes(&crate::OffloadBackend::host(&be), largest);
-    let of = |inv: &crate::ComponentInventory| {
-        crate::resolve(&crate::Plan::layerwise(), std::slice::from_ref(inv)).unwrap().components[0].device_weight_bound
+    let staging = crate::host::HostMemory::decoder_staging_bytes(&crate::backend::OffloadBackend::host(&be), largest);
+    let of = |inv: &crate::discovery::ComponentInventory| {
+        crate::plan::resolve(&crate::plan::Plan::layerwise(), std::slice::from_ref(inv)).unwrap().components[0].device_weight_bound
     };
     let (planned, held) = (of(&inv_small), of(&inv_big));
     assert!(held > planned && staging > 0);
     let with_budget = |bytes: u64| {
-        let cp = crate::ComponentPlan { device_budget_bytes: Some(bytes), ..Default::default() };
-        crate::resolve(&crate::Plan::layerwise().component("m", cp), std::slice::from_ref(&inv_small)).unwrap().components.remove(0)
+        let cp = crate::plan::ComponentPlan { device_budget_bytes: Some(bytes), ..Default::default() };
+        crate::plan::resolve(&crate::plan::Plan::layerwise().component("m", cp), std::slice::from_ref(&inv_small))
+            .unwrap()
+            .components
+            .remove(0)
     };
     let need = held + staging;
-    let e = crate::Ring::new(be.clone(), store.clone(), &with_budget(need - 1)).err().expect("over by both").to_string();
+    let e = crate::ring::Ring::new(be.clone(), store.clone(), &with_budget(need - 1)).err().expect("over by both").to_string();
     assert!(e.contains(&format!("{need} device bytes")) && e.contains("staging"), "{e}");
-    crate::Ring::new(be.clone(), store, &with_budget(need)).unwrap().close().unwrap();
+    crate::ring::Ring::new(be.clone(), store, &with_budget(need)).unwrap().close().unwrap();
 }
 
 /// A resolved plan made or deserialized by hand with a depth `resolve` never
@@ -1081,10 +1101,10 @@ fn a_hand_made_plan_with_a_depth_out_of_range_is_refused() {
     let inv = NameDiscovery.discover("m", src.specs()).unwrap();
     let be = SimBackend::new(SimConfig::fast());
     let store = std::sync::Arc::new(HostStore::build(&be, &inv, &src).unwrap());
-    let mut rc = crate::resolve(&crate::Plan::layerwise(), std::slice::from_ref(&inv)).unwrap().components.remove(0);
-    for depth in [0, crate::MAX_PREFETCH_DEPTH + 1, usize::MAX] {
+    let mut rc = crate::plan::resolve(&crate::plan::Plan::layerwise(), std::slice::from_ref(&inv)).unwrap().components.remove(0);
+    for depth in [0, crate::plan::MAX_PREFETCH_DEPTH + 1, usize::MAX] {
         rc.depth = depth;
-        let e = crate::Ring::new(be.clone(), store.clone(), &rc).err().expect("out of range").to_string();
+        let e = crate::ring::Ring::new(be.clone(), store.clone(), &rc).err().expect("out of range").to_string();
         assert!(e.contains(&format!("prefetch depth {depth} must be 1 to")), "{e}");
     }
 }
@@ -1099,19 +1119,19 @@ fn an_on_demand_load_under_a_plan_keeps_its_device_budget() {
     let be = SimBackend::new(SimConfig { staging_buffers: 2, ..SimConfig::fast() });
     let store = std::sync::Arc::new(HostStore::build_with(&be, &inv, &src, PinOptions { coded: true, ..Default::default() }).unwrap());
     let largest = store.blocks().iter().chain(store.non_block()).filter_map(|b| b.buffer().unwrap().held_bytes()).max().expect("coded");
-    let staging = crate::host::HostMemory::decoder_staging_bytes(&crate::OffloadBackend::host(&be), largest);
+    let staging = crate::host::HostMemory::decoder_staging_bytes(&crate::backend::OffloadBackend::host(&be), largest);
     let with_budget = |bytes: Option<u64>| {
-        let cp = crate::ComponentPlan { strategy: crate::Strategy::OnDemand, device_budget_bytes: bytes, ..Default::default() };
-        crate::resolve(&crate::Plan::layerwise().component("m", cp), std::slice::from_ref(&inv)).unwrap().components.remove(0)
+        let cp = crate::plan::ComponentPlan { strategy: crate::plan::Strategy::OnDemand, device_budget_bytes: bytes, ..Default::default() };
+        crate::plan::resolve(&crate::plan::Plan::layerwise().component("m", cp), std::slice::from_ref(&inv)).unwrap().components.remove(0)
     };
     let bound = with_budget(None).device_weight_bound;
-    let e = crate::OnDemand::load_planned(be.clone(), store.clone(), &with_budget(Some(bound + staging - 1)))
+    let e = crate::ondemand::OnDemand::load_planned(be.clone(), store.clone(), &with_budget(Some(bound + staging - 1)))
         .err()
         .expect("over by the staging")
         .to_string();
     assert!(e.contains("\"m\"") && e.contains("staging"), "{e}");
     assert_eq!(be.stats().live_bytes, 0, "nothing allocated before the refusal");
-    let od = crate::OnDemand::load_planned(be.clone(), store, &with_budget(Some(bound + staging))).unwrap();
+    let od = crate::ondemand::OnDemand::load_planned(be.clone(), store, &with_budget(Some(bound + staging))).unwrap();
     od.release().unwrap();
 }
 
@@ -1126,9 +1146,9 @@ fn a_budget_planned_for_smaller_non_block_tensors_refuses_the_ring() {
     };
     let (small, big) = (with_head(256), with_head(65536));
     let (be, store, inv_big, plan, rc) = planned_for_smaller(&small, &big, 4096);
-    let e = crate::Ring::new(be.clone(), store.clone(), &rc).err().expect("over its budget").to_string();
+    let e = crate::ring::Ring::new(be.clone(), store.clone(), &rc).err().expect("over its budget").to_string();
     assert!(e.contains("non-block tensors") && e.contains("over the budget of 4096"), "{e}");
-    assert!(crate::resolve(&plan, std::slice::from_ref(&inv_big)).is_err());
+    assert!(crate::plan::resolve(&plan, std::slice::from_ref(&inv_big)).is_err());
 }
 
 /// `metrics()` in the middle of a step counts that step's disk reads, as
@@ -1136,7 +1156,7 @@ fn a_budget_planned_for_smaller_non_block_tensors_refuses_the_ring() {
 #[test]
 fn metrics_of_the_open_step_count_its_disk_reads() {
     let (_path, store, plan, be) = all_on_disk("open-step-disk", 4, 8192);
-    let mut ring = crate::Ring::new(be.clone(), store.clone(), &plan).unwrap();
+    let mut ring = crate::ring::Ring::new(be.clone(), store.clone(), &plan).unwrap();
     for i in 0..4 {
         drop(ring.block_at(i).unwrap());
     }
@@ -1153,7 +1173,7 @@ fn metrics_of_the_open_step_count_its_disk_reads() {
 fn each_step_counts_the_disk_reads_of_its_own_blocks_however_fast_the_disk() {
     for pause in [None, Some(std::time::Duration::from_millis(20))] {
         let (_path, store, plan, be) = all_on_disk("step-disk-bytes", 4, 8192);
-        let mut ring = crate::Ring::new(be.clone(), store.clone(), &plan).unwrap();
+        let mut ring = crate::ring::Ring::new(be.clone(), store.clone(), &plan).unwrap();
         for step in 0..3 {
             for i in 0..4 {
                 drop(ring.block_at(i).unwrap());
@@ -1171,13 +1191,13 @@ fn each_step_counts_the_disk_reads_of_its_own_blocks_however_fast_the_disk() {
 
 /// A layerwise ring over `n` blocks of 4 KiB on a simulator behind a fault
 /// injector (to fail one of its calls).
-fn faulty_ring(n: usize) -> (crate::FaultInjector<SimBackend>, crate::Ring<crate::FaultInjector<SimBackend>>) {
+fn faulty_ring(n: usize) -> (crate::fault::FaultInjector<SimBackend>, crate::ring::Ring<crate::fault::FaultInjector<SimBackend>>) {
     let src = u8_model(n, 4096);
     let inv = NameDiscovery.discover("m", src.specs()).unwrap();
-    let fi = crate::FaultInjector::new(SimBackend::new(SimConfig::fast()));
+    let fi = crate::fault::FaultInjector::new(SimBackend::new(SimConfig::fast()));
     let store = std::sync::Arc::new(HostStore::build(&fi, &inv, &src).unwrap());
-    let rc = crate::resolve(&crate::Plan::layerwise(), std::slice::from_ref(&inv)).unwrap().components.remove(0);
-    (fi.clone(), crate::Ring::new(fi, store, &rc).unwrap())
+    let rc = crate::plan::resolve(&crate::plan::Plan::layerwise(), std::slice::from_ref(&inv)).unwrap().components.remove(0);
+    (fi.clone(), crate::ring::Ring::new(fi, store, &rc).unwrap())
 }
 
 /// A request refused (the prefetch it issues fails) serves nothing: retried
@@ -1192,11 +1212,11 @@ fn a_refused_request_leaves_the_order_and_the_counts_as_they_were() {
     let clean = ring.end_step().unwrap();
     // Blocks `served` in turn, then `refused` with copy `fault` failing, then
     // retried with the rest: the step's metrics.
-    let step = |ring: &mut crate::Ring<_>, served: &[usize], refused: usize, fault: u64| {
+    let step = |ring: &mut crate::ring::Ring<_>, served: &[usize], refused: usize, fault: u64| {
         for &i in served {
             drop(ring.block_at(i).unwrap());
         }
-        fi.arm(crate::FaultKind::Copy, fault);
+        fi.arm(crate::fault::FaultKind::Copy, fault);
         ring.block_at(refused).err().expect("the prefetch's copy fails");
         fi.disarm();
         for i in refused..6 {
@@ -1228,7 +1248,7 @@ fn a_failed_end_step_closes_its_step() {
         let g = ring.block_at(i).unwrap();
         if i == 3 {
             // The release event of the last block fails as its guard drops.
-            fi.arm(crate::FaultKind::Event, 0);
+            fi.arm(crate::fault::FaultKind::Event, 0);
         }
         drop(g);
     }
@@ -1253,7 +1273,7 @@ fn a_mapped_store_on_a_device_that_locks_nothing_charges_no_pin_budget() {
     let be = SimBackend::new(SimConfig { page_locked: false, decodes: false, ..SimConfig::fast() });
     let store = HostStore::build_mapped(&be, &inv, &file, PinOptions::default()).unwrap();
     assert_eq!((store.pinned_bytes(), be.stats().pinned_bytes, store.is_pinned()), (0, 0, false));
-    let pin = PinOptions { budget_bytes: Some(16384), fallback: crate::PinFallback::Fail, ..PinOptions::default() };
+    let pin = PinOptions { budget_bytes: Some(16384), fallback: crate::plan::PinFallback::Fail, ..PinOptions::default() };
     let budgeted = HostStore::build_mapped(&be, &inv, &file, pin).unwrap();
     assert_eq!((budgeted.tier().mapped, budgeted.tier().copied), (store.tier().mapped, 0), "{:?}", budgeted.tier());
     // Where buffers are page-locked the whole registration is charged, once.

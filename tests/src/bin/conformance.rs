@@ -4,7 +4,7 @@
 //! whether each was caught (each break in a child process of its own) (`{"commit", "gpu", "rows": [{"backend", "sabotage", "caught"}]}`;
 //! `--commit` and `--gpu` fill those fields).
 
-use offload_core::ring::Sabotage;
+use offload_core::sabotage::Sabotage;
 use offload_tests::{break_in_child, run_sabotage_one, run_suite, BreakRow, SabotageOutcome, Verdict, ROW_MARK};
 use std::collections::BTreeMap;
 

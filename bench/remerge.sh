@@ -11,6 +11,7 @@ ZOO=$(realpath "${1:?usage: remerge.sh ZOO OUT}")
 OUT=${2:?usage: remerge.sh ZOO OUT}
 B=$(cd "$(dirname "$0")" && pwd)
 R=$B/raw
+bash "$B/raw.sh"  # the raw runs, unpacked from bench/raw.tar.gz
 mkdir -p "$OUT"
 # The host-tier and relay merges stamp BENCH_DATE; the others take their runs' dates.
 export BENCH_DATE=2026-12-01
@@ -91,8 +92,8 @@ for d in "$R"/*-host-tiers-*; do
   job "tiers-$n-shared" merge-host-tiers-shared --probe --min-repeats 1 "$d"/host-tiers-run*.json
 done
 H=$R/2026-12-01-host-tiers-741599f
-# Refused since runs of different plans are (the file it made, superseded by
-# 2026-12-03's, is archived as results/archive/2026-12-01-host-tiers-h200-741599f.json).
+# Refused since runs of different plans are (the file it made was superseded by
+# 2026-12-03's and is no longer published).
 job results-tiers-1201 merge-host-tiers $H/host-tiers-run*.json
 BENCH_DATE=2026-12-03 job results-tiers-1203 merge-host-tiers $R/2026-12-03-host-tiers-975d863/host-tiers-run*.json
 job tiers-mixed merge-host-tiers $H/host-tiers-run1.json $R/2026-12-01-host-tiers-8de303b/host-tiers-run2.json $H/host-tiers-run3.json

@@ -22,7 +22,7 @@ def spread(values):
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "runs": values}
 
 
-def merge(docs: list[dict], names: list[str]) -> dict:
+def merge(docs: list[dict], names: list[str], raw_dir: str = "") -> dict:
     order = []
     for d in docs:
         for m in d["models"]:
@@ -107,14 +107,18 @@ def merge(docs: list[dict], names: list[str]) -> dict:
     return {"what": "the sweep of diffusers and transformers classes beyond the registry (bench/anchors/sweep.py)",
             "date": min(d["started"] for d in docs)[:10], "commit": ", ".join(commits), "gpu": ", ".join(gpus),
             "backend": "python (cuda)", "model": "sweep", "torch": meta["torch"], "diffusers": meta["diffusers"],
-            "transformers": meta["transformers"], "steps_per_process": meta["steps"], "processes": len(docs), "raw": names,
+            "transformers": meta["transformers"], "steps_per_process": meta["steps"], "processes": len(docs), "raw_dir": raw_dir, "raw": names,
             "rows": rows, "cases": cases, "anchors": anchors}
 
 
 def main():
     out, *paths = sys.argv[1:]
     docs = [json.load(open(p)) for p in paths]
-    res = merge(docs, [os.path.basename(p) for p in paths])
+    # Where the process files lie, as the repository names it (bench/raw/…).
+    dirs = {os.path.relpath(os.path.dirname(os.path.abspath(p)), os.path.dirname(os.path.abspath(__file__)) + "/../..") for p in paths}
+    if len(dirs) != 1:
+        sys.exit(f"the process files lie in {len(dirs)} directories ({sorted(dirs)}): merge the files of one run directory")
+    res = merge(docs, [os.path.basename(p) for p in paths], dirs.pop())
     with open(out, "w") as fh:
         json.dump(res, fh, indent=1)
     for r in res["rows"]:

@@ -6,9 +6,19 @@
 
 use std::process::Command;
 
+/// `bench/raw/`, unpacked from its archive (`bench/raw.sh`) once a process.
+fn raw() -> &'static str {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let s = Command::new("bash").arg(concat!(env!("CARGO_MANIFEST_DIR"), "/raw.sh")).status().expect("bash runs bench/raw.sh");
+        assert!(s.success(), "bench/raw.sh could not unpack bench/raw.tar.gz ({s})");
+    });
+    concat!(env!("CARGO_MANIFEST_DIR"), "/raw")
+}
+
 /// `zoo ARGS… --out F` from `bench/raw/` with `BENCH_DATE` set, F's text.
 fn merged(date: &str, args: &[&str]) -> String {
-    let raw = concat!(env!("CARGO_MANIFEST_DIR"), "/raw");
+    let raw = raw();
     let out = std::env::temp_dir().join(format!("zoo-remerge-{}-{}.json", std::process::id(), args[0]));
     let res = Command::new(env!("CARGO_BIN_EXE_zoo"))
         .current_dir(raw)
@@ -27,7 +37,7 @@ fn merged(date: &str, args: &[&str]) -> String {
 /// The files of `bench/raw/DIR` whose names match `pattern`, sorted, as paths
 /// relative to `bench/raw/` (as the shell's glob in `bench/remerge.sh` gives them).
 fn glob(dir: &str, pattern: &str) -> Vec<String> {
-    let raw = concat!(env!("CARGO_MANIFEST_DIR"), "/raw");
+    let raw = raw();
     let names: Vec<String> = glob::glob(&format!("{raw}/{dir}/{pattern}"))
         .unwrap()
         .map(|p| format!("{dir}/{}", p.unwrap().file_name().unwrap().to_string_lossy()))

@@ -12,6 +12,12 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _raw_runs():
+    """The raw runs these merges read, unpacked from ``bench/raw.tar.gz`` into ``bench/raw/``."""
+    subprocess.run(["bash", str(ROOT / "bench" / "raw.sh")], check=True)
+
+
 def test_the_published_results_file_rebuilds_from_its_runs(tmp_path):
     files = sorted((ROOT / "bench" / "results").glob("*-python-package.json"))
     assert files, "no Python package results file"

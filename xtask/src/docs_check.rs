@@ -116,7 +116,72 @@ impl Figure {
 }
 
 fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("the workspace root").to_path_buf()
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("the workspace root").to_path_buf();
+    unpack_raw(&root);
+    root
+}
+
+/// The raw runs unpacked into `bench/raw/` from their archive (`bench/raw.sh`),
+/// once a process; a failure to unpack panics here, naming the script.
+fn unpack_raw(root: &Path) {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let s = std::process::Command::new("bash").arg(root.join("bench/raw.sh")).status().expect("bash runs bench/raw.sh");
+        assert!(s.success(), "bench/raw.sh could not unpack bench/raw.tar.gz ({s})");
+    });
+}
+
+/// The raw runs the published results files (`bench/results/*.json`, not the
+/// archived ones) cite that are not in `bench/raw/`, and how many they cite: each
+/// `bench/raw/…` path among a file's strings, and each name of a `raw` list in
+/// the directory its `raw_dir` names.
+fn cited_raw_runs(root: &Path) -> (usize, Vec<String>) {
+    let (mut cited, mut faults) = (0, Vec::new());
+    let mut files: Vec<PathBuf> = std::fs::read_dir(root.join("bench/results"))
+        .map(|d| d.flatten().map(|e| e.path()).filter(|p| p.extension().is_some_and(|x| x == "json")).collect())
+        .unwrap_or_default();
+    files.sort();
+    for f in files {
+        let name = f.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        let Ok(v) = std::fs::read_to_string(&f)
+            .map_err(|e| e.to_string())
+            .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).map_err(|e| e.to_string()))
+        else {
+            faults.push(format!("bench/results/{name} cannot be read as JSON"));
+            continue;
+        };
+        let mut paths = Vec::new();
+        strings(&v, &mut |s| {
+            if s.starts_with("bench/raw/") {
+                paths.push(s.to_owned());
+            }
+        });
+        if let (Some(dir), Some(list)) = (v.get("raw_dir").and_then(|d| d.as_str()), v.get("raw").and_then(|r| r.as_array())) {
+            paths.extend(list.iter().filter_map(|n| n.as_str()).map(|n| format!("{}/{n}", dir.trim_end_matches('/'))));
+        } else if v.get("raw").is_some() {
+            faults.push(format!("bench/results/{name} lists its raw runs without `raw_dir`, the directory that holds them"));
+        }
+        for p in paths {
+            cited += 1;
+            // A string may name a run's directory (`raw_dir`); the rest name files.
+            if !root.join(&p).is_file()
+                && !(p.ends_with(v.get("raw_dir").and_then(|d| d.as_str()).unwrap_or("\0")) && root.join(&p).is_dir())
+            {
+                faults.push(format!("bench/results/{name} cites `{p}`, which is not in bench/raw (bench/raw.tar.gz)"));
+            }
+        }
+    }
+    (cited, faults)
+}
+
+/// Every string of `v`, depth first.
+fn strings(v: &serde_json::Value, f: &mut dyn FnMut(&str)) {
+    match v {
+        serde_json::Value::String(s) => f(s),
+        serde_json::Value::Array(a) => a.iter().for_each(|x| strings(x, f)),
+        serde_json::Value::Object(o) => o.values().for_each(|x| strings(x, f)),
+        _ => {}
+    }
 }
 
 /// The documents checked: README.md, ARCHITECTURE.md and docs/*.md, by name.
@@ -539,6 +604,33 @@ mod tests {
         assert!(unnamed.is_empty(), "ARCHITECTURE.md's xtask line does not name {unnamed:?}: {line}");
         let readme = std::fs::read_to_string(root.join("README.md")).expect("README.md").lines().count();
         assert!(readme <= 100, "README.md is {readme} lines: tables beyond the headline go to docs/results.md");
+    }
+
+    /// Every raw run a published results file cites is kept (in
+    /// `bench/raw.tar.gz`); a file citing one that is not fails, by name.
+    #[test]
+    fn every_raw_run_a_published_result_cites_is_kept() {
+        let root = repo_root();
+        let (cited, faults) = cited_raw_runs(&root);
+        assert!(faults.is_empty(), "{}", faults.join("\n"));
+        assert!(cited >= 90, "only {cited} raw runs cited by the results files: the scan broke");
+        let dir = std::env::temp_dir().join(format!("offload-cited-raw-{}", std::process::id()));
+        std::fs::create_dir_all(dir.join("bench/results")).unwrap();
+        std::fs::create_dir_all(dir.join("bench/raw/2026-01-01-x")).unwrap();
+        std::fs::write(dir.join("bench/raw/2026-01-01-x/r1.json"), "{}").unwrap();
+        let write = |text: &str| std::fs::write(dir.join("bench/results/2026-01-01-x.json"), text).unwrap();
+        write(r#"{"runs": ["bench/raw/2026-01-01-x/r1.json"], "raw_dir": "bench/raw/2026-01-01-x", "raw": ["r1.json"]}"#);
+        assert_eq!(cited_raw_runs(&dir), (3, Vec::new()));
+        write(r#"{"cases": [{"runs": ["bench/raw/2026-01-01-x/r1.json", "bench/raw/2026-01-01-x/r2.json"]}]}"#);
+        let (_, faults) = cited_raw_runs(&dir);
+        assert!(faults.len() == 1 && faults[0].contains("r2.json"), "{faults:?}");
+        write(r#"{"raw_dir": "bench/raw/2026-01-01-x", "raw": ["r3.json"]}"#);
+        let (_, faults) = cited_raw_runs(&dir);
+        assert!(faults.len() == 1 && faults[0].contains("r3.json"), "{faults:?}");
+        write(r#"{"raw": ["r1.json"]}"#);
+        let (_, faults) = cited_raw_runs(&dir);
+        let _ = std::fs::remove_dir_all(&dir);
+        assert!(faults.len() == 1 && faults[0].contains("without `raw_dir`"), "{faults:?}");
     }
 
     #[test]

@@ -588,8 +588,8 @@ fn newest(results: &Path, suffix: &str) -> Result<Option<String>, String> {
 
 /// The newest of `names` (results files, named `YYYY-MM-DD-…`): the latest
 /// date. Two files of that date are no order (the name's rest would decide it
-/// by its letters): an error naming both, until the superseded one is moved to
-/// `bench/results/archive/`.
+/// by its letters): an error naming both, until the superseded one leaves
+/// `bench/results/` (its raw runs stay in `bench/raw.tar.gz` while a published file cites them).
 fn newest_of(names: impl IntoIterator<Item = String>, what: &str) -> Result<Option<String>, String> {
     let mut names: Vec<String> = names.into_iter().collect();
     names.sort();
@@ -598,8 +598,8 @@ fn newest_of(names: impl IntoIterator<Item = String>, what: &str) -> Result<Opti
     let same: Vec<&String> = names.iter().filter(|n| n.get(..10) == Some(date)).collect();
     if same.len() > 1 {
         return Err(format!(
-            "results files {} are all the newest {what} ({date}): which one is published is no file name's order; move the \
-             superseded ones to bench/results/archive/",
+            "results files {} are all the newest {what} ({date}): which one is published is no file name's order; remove the \
+             superseded ones from bench/results/ (git keeps them)",
             same.iter().map(|n| format!("`{n}`")).collect::<Vec<_>>().join(", ")
         ));
     }
@@ -1251,13 +1251,14 @@ pub fn sweep_table(results: &Path) -> Result<Option<String>, String> {
         "`bench/results/{name}`: the package with defaults (`offload.enable(model, device=\"cuda\")`) on diffusers' and \
          transformers' classes beyond the registry (`bench/anchors/sweep.py`: random bf16 weights at the class's size, built \
          and measured in one process with resident and diffusers' group offloading on the same object) on an {} at commit \
-         `{}`; {} process files (raw: `{}`), each model in 3 of them; each figure the median of the processes' medians \
+         `{}`; {} process files (raw, in `{}/`: `{}`), each model in 3 of them; each figure the median of the processes' medians \
          with [min, max]; the bound is `max(resident step, streamed bytes ÷ pinned bandwidth probed in the same process)`, \
          the ratio the median of the per-process ratios. *verdict*: `Offloaded.diagnose()` on a traced step after the \
          timed ones.\n\n",
         d["gpu"].as_str().unwrap_or("?"),
         d["commit"].as_str().unwrap_or("?"),
         d["processes"],
+        d["raw_dir"].as_str().unwrap_or("?"),
         list(&d["raw"])
     );
     md.push_str(
@@ -1331,7 +1332,7 @@ mod readme_tests {
     fn two_results_files_of_the_newest_date_are_an_error_not_a_pick() {
         let names = |v: &[&str]| v.iter().map(|n| n.to_string()).collect::<Vec<_>>();
         let e = newest_of(names(&["2026-12-05-python-start.json", "2026-12-05-synced-python-start.json"]), "start").unwrap_err();
-        assert!(e.contains("`2026-12-05-python-start.json`") && e.contains("archive"), "{e}");
+        assert!(e.contains("`2026-12-05-python-start.json`") && e.contains("superseded"), "{e}");
         let one = newest_of(names(&["2026-12-04-python-start.json", "2026-12-05-synced-python-start.json"]), "start").unwrap();
         assert_eq!(one.as_deref(), Some("2026-12-05-synced-python-start.json"));
         assert_eq!(newest_of(Vec::new(), "start").unwrap(), None);

@@ -16,6 +16,7 @@
 
 pub use offload_core as core;
 pub use offload_core::*;
+pub use offload_formats as formats;
 /// Plans as TOML, the cost model and the planner.
 pub use offload_plan as plan;
 

@@ -148,7 +148,7 @@ fn a_users_case_follows_each_models_patching_and_says_all_of_it() {
 #[test]
 fn a_bfl_named_flux_dev_maps_onto_the_registrys_parameters() {
     let m = registry::model("flux-dev").unwrap();
-    let sizes = offload_core::FluxSizes {
+    let sizes = offload_formats::FluxSizes {
         hidden: m.hidden,
         head_dim: m.head_dim,
         mlp: m.mlp,
@@ -159,12 +159,12 @@ fn a_bfl_named_flux_dev_maps_onto_the_registrys_parameters() {
         in_channels: m.in_channels,
         out_channels: m.out_channels,
     };
-    let bfl: Vec<TensorSpec> = offload_core::flux_bfl_tensors(sizes)
+    let bfl: Vec<TensorSpec> = offload_formats::flux_bfl_tensors(sizes)
         .into_iter()
         .map(|(name, shape)| TensorSpec::new(format!("model.diffusion_model.{name}"), DType::BF16, shape))
         .collect();
     let mut got: Vec<(String, Vec<usize>)> =
-        offload_core::gguf_to_diffusers("flux", &bfl).unwrap().into_iter().map(|(s, _)| (s.name, s.shape)).collect();
+        offload_formats::gguf_to_diffusers("flux", &bfl).unwrap().into_iter().map(|(s, _)| (s.name, s.shape)).collect();
     let mut want: Vec<(String, Vec<usize>)> = m.params().into_iter().map(|p| (p.name, p.shape)).collect();
     got.sort();
     want.sort();

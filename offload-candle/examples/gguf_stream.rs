@@ -7,6 +7,7 @@ use candle_core::quantized::{gguf_file, GgmlDType, QMatMul, QTensor};
 use candle_core::{Device, Module, Tensor};
 use offload_candle::CandleBackend;
 use offload_core::*;
+use offload_formats::*;
 use std::sync::Arc;
 
 fn main() -> Result<()> {

@@ -15,8 +15,8 @@
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 use offload_core::codec::{code_for_device, code_for_device_with, histogram_entropy_bits, DeviceCodes};
-use offload_core::fp8::f32_to_fp8;
 use offload_core::DType;
+use offload_formats::fp8::f32_to_fp8;
 
 /// Normal values (Box–Muller over SplitMix64), standard deviation `sigma`.
 fn normal(n: usize, seed: u64, sigma: f64) -> Vec<f32> {
@@ -48,7 +48,7 @@ fn byte_entropy_bits(bytes: &[u8]) -> f64 {
 }
 
 fn bf16(v: f32) -> [u8; 2] {
-    offload_core::fp8::f32_to_bf16(v).to_le_bytes()
+    offload_formats::fp8::f32_to_bf16(v).to_le_bytes()
 }
 
 /// One format measured: (format, stored bytes, device-coded bytes, order-0 byte

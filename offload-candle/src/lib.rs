@@ -230,7 +230,7 @@ impl BlockVars {
             if let Some(scale) = scales.iter().find(|s| self.tensors.contains_key(s.as_str())) {
                 return Err(candle_core::Error::Msg(format!(
                     "block {}: tensor `{name}` is fp8 with a scale `{scale}`: read as {dtype:?} it would lose the scale \
-                     (read it as F8E4M3 and apply the scale, as offload_core::fp8::dequantize_to_bf16 does)",
+                     (read it as F8E4M3 and apply the scale, as offload_formats::fp8::dequantize_to_bf16 does)",
                     self.block
                 )));
             }

@@ -6,7 +6,8 @@
 use candle_core::quantized::{gguf_file, GgmlDType, QMatMul, QTensor};
 use candle_core::{Device, Module, Tensor};
 use offload_candle::CandleBackend;
-use offload_core::{resolve, BlockDiscovery, GgufFile, HostStore, NameDiscovery, Plan, Ring, TensorSource};
+use offload_core::{resolve, BlockDiscovery, HostStore, NameDiscovery, Plan, Ring, TensorSource};
+use offload_formats::GgufFile;
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -223,7 +224,7 @@ fn a_quant_type_offload_does_not_take_is_named_with_its_tensor() {
 /// streamed through the ring as candle `QTensor`s.
 #[test]
 fn a_bfl_named_flux_gguf_streams_under_diffusers_names() {
-    use offload_core::{flux_bfl_to_diffusers, Renamed};
+    use offload_formats::{flux_bfl_to_diffusers, Renamed};
     let (h, hd, mlp) = (64usize, 32usize, 256usize);
     let dev = Device::Cpu;
     let q = |shape: &[usize]| {
@@ -232,7 +233,7 @@ fn a_bfl_named_flux_gguf_streams_under_diffusers_names() {
         let dt = if shape.len() == 2 && shape[1] % 32 == 0 { GgmlDType::Q8_0 } else { GgmlDType::F32 };
         QTensor::quantize(&t, dt).unwrap()
     };
-    let sizes = offload_core::FluxSizes {
+    let sizes = offload_formats::FluxSizes {
         hidden: h,
         head_dim: hd,
         mlp,
@@ -243,7 +244,7 @@ fn a_bfl_named_flux_gguf_streams_under_diffusers_names() {
         in_channels: 8,
         out_channels: 8,
     };
-    let t: Vec<(String, QTensor)> = offload_core::flux_bfl_tensors(sizes).into_iter().map(|(n, shape)| (n, q(&shape))).collect();
+    let t: Vec<(String, QTensor)> = offload_formats::flux_bfl_tensors(sizes).into_iter().map(|(n, shape)| (n, q(&shape))).collect();
     let p = path("bfl");
     let refs: Vec<(&str, &QTensor)> = t.iter().map(|(n, q)| (n.as_str(), q)).collect();
     gguf_file::write(&mut std::fs::File::create(&p).unwrap(), &[], &refs).unwrap();
@@ -308,7 +309,7 @@ fn a_bfl_named_flux_gguf_streams_under_diffusers_names() {
 /// quantized bytes as stored.
 #[test]
 fn a_qwen_image_gguf_streams_under_diffusers_names_by_its_architecture() {
-    use offload_core::gguf_under_diffusers_names;
+    use offload_formats::gguf_under_diffusers_names;
     let dev = Device::Cpu;
     let fixture = include_str!("../../tests/data/qwen-image-diffusers-names.txt");
     // The fixture's one block and a second like it: a ring streams two or more.
@@ -365,9 +366,10 @@ fn a_qwen_image_gguf_streams_under_diffusers_names_by_its_architecture() {
 /// the tensors outside the blocks are copied, with the reason naming it.
 #[test]
 fn a_bfl_named_flux_gguf_serves_its_blocks_in_place_and_from_disk_under_diffusers_names() {
-    use offload_core::{flux_bfl_to_diffusers, DeclaredStacks, PinOptions, Renamed};
+    use offload_core::{DeclaredStacks, PinOptions};
+    use offload_formats::{flux_bfl_to_diffusers, Renamed};
     let dev = Device::Cpu;
-    let sizes = offload_core::FluxSizes {
+    let sizes = offload_formats::FluxSizes {
         hidden: 64,
         head_dim: 64,
         mlp: 128,
@@ -378,7 +380,7 @@ fn a_bfl_named_flux_gguf_serves_its_blocks_in_place_and_from_disk_under_diffuser
         in_channels: 64,
         out_channels: 64,
     };
-    let mut t: Vec<(String, QTensor)> = offload_core::flux_bfl_tensors(sizes)
+    let mut t: Vec<(String, QTensor)> = offload_formats::flux_bfl_tensors(sizes)
         .into_iter()
         .map(|(n, shape)| (n, QTensor::quantize(&Tensor::randn(0f32, 0.05, shape.as_slice(), &dev).unwrap(), GgmlDType::F32).unwrap()))
         .collect();

@@ -52,14 +52,11 @@ pub mod discovery;
 pub mod disk;
 pub mod error;
 pub mod fault;
-pub mod fp8;
-pub mod gguf;
 pub mod hook;
 pub mod host;
 pub mod metrics;
 pub mod ondemand;
 pub mod plan;
-pub mod rename;
 pub mod ring;
 #[cfg(feature = "sabotage")]
 pub mod sabotage;
@@ -79,8 +76,6 @@ pub use discovery::{BlockDiscovery, BlockId, BlockSpec, ComponentInventory, Decl
 pub use disk::DiskFile;
 pub use error::{Error, Result};
 pub use fault::{FaultInjector, FaultKind};
-pub use fp8::{fp8_weights, Fp8Convention, Fp8Weight, Fp8Weights};
-pub use gguf::{GgufFile, GgufValue};
 pub use hook::{BlockContext, BlockSource, Hook, TraceRecorder};
 pub use host::{Fill, HostBuffer, HostCapabilities, HostKind, HostMemory};
 pub use metrics::{host_rss_beyond_page_cache, host_rss_file_bytes, StepMetrics};
@@ -88,12 +83,8 @@ pub use ondemand::OnDemand;
 pub use plan::{
     resolve, resolve_on, ComponentPlan, PinFallback, Plan, ResidentPolicy, ResolvedComponent, ResolvedPlan, Strategy, MAX_PREFETCH_DEPTH,
 };
-pub use rename::{
-    flux_bfl_tensors, flux_bfl_to_diffusers, gguf_to_diffusers, gguf_under_diffusers_names, qwen_image_to_diffusers, wan_to_diffusers,
-    FluxSizes, Renamed, GGUF_ARCHITECTURES,
-};
 pub use ring::{BlockGuard, Ring};
 pub use source::{CheckpointFile, FileIdentity, FileRegion, HostRegion, MemoryTensors, RegionSource, SafetensorsFile, TensorSource};
 pub use store::{probe_bandwidth, HostBlock, HostStore, HostTier, PinOptions};
-pub use tensor::{align_up, BlockLayout, DType, PlacedTensor, TensorSpec, TENSOR_ALIGN};
+pub use tensor::{align_up, f32_to_fp8, fp8_to_f32, BlockLayout, DType, PlacedTensor, TensorSpec, TENSOR_ALIGN};
 pub use timeline::{HostMark, Span, Timeline};

@@ -299,7 +299,7 @@ pub trait HostRegion: Send + Sync + 'static {
 /// its length and its file's identity (device, inode, length, modification and
 /// change times) checked, so a mapping of another file of the same length, or of
 /// this one written since, is refused.
-pub(crate) fn check_region_is(path: &Path, opened: &FileIdentity, region: &Arc<dyn HostRegion>) -> Result<()> {
+pub fn check_region_is(path: &Path, opened: &FileIdentity, region: &Arc<dyn HostRegion>) -> Result<()> {
     let want = opened.len as usize;
     let bad = |fault: String| Error::BadCheckpoint { path: path.to_path_buf(), tensor: String::new(), fault };
     if region.len() != want {
@@ -328,8 +328,8 @@ pub trait RegionSource: TensorSource {
 /// them ([`HostStore::build_tiered`](crate::store::HostStore::build_tiered)): a
 /// [`RegionSource`] over one file, with the file's path and its identity when
 /// its header was read, so a file replaced or written since is refused:
-/// safetensors ([`SafetensorsFile`]), GGUF ([`GgufFile`](crate::gguf::GgufFile)) and
-/// either under other names ([`Renamed`](crate::rename::Renamed)).
+/// safetensors ([`SafetensorsFile`]), GGUF (`GgufFile`, in `offload-formats`) and
+/// either under other names (`Renamed`, in `offload-formats`).
 ///
 /// The contract an implementation keeps: [`RegionSource::tensor_offset`] is an
 /// offset into the file at [`file_path`](Self::file_path), where that tensor's
@@ -404,7 +404,7 @@ impl FileIdentity {
     }
 
     /// A named error saying how `now` differs from this identity, if it does.
-    pub(crate) fn compare(&self, path: &Path, now: &FileIdentity) -> Result<()> {
+    pub fn compare(&self, path: &Path, now: &FileIdentity) -> Result<()> {
         let bad = |fault: String| Error::BadCheckpoint { path: path.to_path_buf(), tensor: String::new(), fault };
         if (now.dev, now.ino) != (self.dev, self.ino) {
             return Err(bad("another file (device and inode differ from the one opened)".into()));
@@ -540,7 +540,7 @@ impl TensorSource for SafetensorsFile {
 
 /// A checkpoint's error while reading `tensor`, naming it: a file changed, and a
 /// file that can no longer be read (deleted, unreadable), which named no tensor.
-pub(crate) fn naming(e: Error, tensor: &str) -> Error {
+pub fn naming(e: Error, tensor: &str) -> Error {
     match e {
         Error::BadCheckpoint { path, fault, .. } => Error::BadCheckpoint { path, tensor: tensor.to_owned(), fault },
         Error::Io { path, source } => Error::BadCheckpoint { path, tensor: tensor.to_owned(), fault: format!("reading it: {source}") },

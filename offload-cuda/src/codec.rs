@@ -646,7 +646,7 @@ pub(crate) mod tests {
             v.chunks(row)
                 .flat_map(|r| {
                     let scale = r.iter().fold(0f32, |m, x| m.max(x.abs())) / 448.0;
-                    r.iter().map(move |x| offload_core::fp8::f32_to_fp8(x / scale, offload_core::DType::F8_E4M3).unwrap())
+                    r.iter().map(move |x| offload_formats::fp8::f32_to_fp8(x / scale, offload_core::DType::F8_E4M3).unwrap())
                 })
                 .collect()
         };

@@ -12,7 +12,7 @@
 //! one per tensor or one per output channel) or `X.scale_weight` (ComfyUI's, one
 //! per tensor), or none (unscaled): a kernel dequantises it on the compute
 //! stream to `bf16(f32(w) × scale)` in a scratch buffer, exactly
-//! [`offload_core::fp8::dequantize_to_bf16`] for every value that is not a NaN
+//! [`offload_formats::fp8::dequantize_to_bf16`] for every value that is not a NaN
 //! (a NaN stays a NaN, its bits as the device makes them), and the GEMM reads
 //! that. So a block streamed as stored computes what the bf16 model of the
 //! dequantised weights computes, bit for bit. The scratch buffer (bf16 of the
@@ -102,7 +102,7 @@ extern "C" __global__ void gated_residual(bf16* x, const bf16* y, const bf16* ga
     }
 }
 // dst[r * ldd + c] = src[r * lds + c]
-// fp8 (E4M3: ml_dtypes' float8_e4m3fn; E5M2: IEEE-like) to f32, as offload_core::fp8::fp8_to_f32.
+// fp8 (E4M3: ml_dtypes' float8_e4m3fn; E5M2: IEEE-like) to f32, as offload_formats::fp8::fp8_to_f32.
 __device__ __forceinline__ float fp8f(unsigned v, int e5m2) {
     int eb = e5m2 ? 5 : 4, mb = 7 - eb, bias = e5m2 ? 15 : 7;
     int e = (v >> mb) & ((1 << eb) - 1), m = v & ((1 << mb) - 1);
@@ -113,7 +113,7 @@ __device__ __forceinline__ float fp8f(unsigned v, int e5m2) {
     else r = (1.0f + (float)m / (float)(1 << mb)) * ldexpf(1.0f, e - bias);
     return (v & 0x80) ? -r : r;
 }
-// f32 to bf16 rounded to nearest even, NaN kept a quiet NaN (offload_core::fp8::f32_to_bf16).
+// f32 to bf16 rounded to nearest even, NaN kept a quiet NaN (offload_formats::fp8::f32_to_bf16).
 __device__ __forceinline__ bf16 bq(float x) {
     unsigned u = __float_as_uint(x);
     if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (bf16)((u >> 16) | 0x40u);

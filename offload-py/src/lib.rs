@@ -810,9 +810,9 @@ fn read_named<'py>(py: Python<'py>, source: &dyn TensorSource, path: &str, name:
 }
 
 /// The GGUF file at `path` under diffusers' names.
-fn gguf_renamed(path: &str) -> PyResult<offload_core::Renamed<offload_core::GgufFile>> {
-    let file = offload_core::GgufFile::open(path).map_err(|e| error(format!("{path}: {e}")))?;
-    offload_core::gguf_under_diffusers_names(file).map_err(|e| error(format!("{path}: {e}")))
+fn gguf_renamed(path: &str) -> PyResult<offload_formats::Renamed<offload_formats::GgufFile>> {
+    let file = offload_formats::GgufFile::open(path).map_err(|e| error(format!("{path}: {e}")))?;
+    offload_formats::gguf_under_diffusers_names(file).map_err(|e| error(format!("{path}: {e}")))
 }
 
 /// The engine's module.

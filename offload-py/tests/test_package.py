@@ -29,3 +29,16 @@ def test_the_extensions_stub_lists_exactly_what_it_holds():
     methods = {n.name for n in streamer.body if isinstance(n, ast.FunctionDef)} - {"__init__"}
     assert methods == {n for n in vars(_offload.Streamer) if not n.startswith("__")}
     assert (PKG / "py.typed").exists()
+
+
+def test_the_project_metadata_names_its_readme_licenses_and_links():
+    import tomllib
+
+    root = Path(__file__).resolve().parents[1]
+    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    assert (root / project["readme"]).read_text().startswith("# offload")
+    assert project["license"] == "MIT OR Apache-2.0"
+    texts = [(root / f).read_text() for f in project["license-files"]]
+    assert any("Permission is hereby granted" in t for t in texts) and any("Apache License" in t for t in texts)
+    assert {"Homepage", "Documentation", "Repository"} <= set(project["urls"])
+    assert "Typing :: Typed" in project["classifiers"]

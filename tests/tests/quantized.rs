@@ -5,11 +5,10 @@
 //! from the same file, at one byte a weight on the link, and coded (fp8's own
 //! code) at about 0.83 of that. A missing scale is an error naming the weight.
 
-use offload_core::fp8::{dequantize_to_bf16, Granularity};
 use offload_core::sim::SimBackend;
-use offload_core::{
-    fp8_weights, resolve, BlockDiscovery, Fp8Convention, HostStore, NameDiscovery, PinOptions, Plan, Ring, SafetensorsFile, TensorSource,
-};
+use offload_core::{resolve, BlockDiscovery, HostStore, NameDiscovery, PinOptions, Plan, Ring, SafetensorsFile, TensorSource};
+use offload_formats::fp8::{dequantize_to_bf16, Granularity};
+use offload_formats::{fp8_weights, Fp8Convention};
 use rand::{Rng, SeedableRng};
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -59,7 +58,7 @@ fn write_sized(path: &std::path::Path, (out, inn): (usize, usize), weights: Weig
                 for _ in 0..out {
                     let row: Vec<f32> = (0..inn).map(|_| normal()).collect();
                     let scale = row.iter().fold(0f32, |m, v| m.max(v.abs())) / 448.0;
-                    w.extend(row.iter().map(|v| offload_core::fp8::f32_to_fp8(v / scale, offload_core::DType::F8_E4M3).expect("fp8")));
+                    w.extend(row.iter().map(|v| offload_formats::fp8::f32_to_fp8(v / scale, offload_core::DType::F8_E4M3).expect("fp8")));
                     scales.push(scale);
                 }
                 (w, scales)

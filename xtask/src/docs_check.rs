@@ -164,9 +164,9 @@ fn cited_raw_runs(root: &Path) -> (usize, Vec<String>) {
         for p in paths {
             cited += 1;
             // A string may name a run's directory (`raw_dir`); the rest name files.
-            if !root.join(&p).is_file()
-                && !(p.ends_with(v.get("raw_dir").and_then(|d| d.as_str()).unwrap_or("\0")) && root.join(&p).is_dir())
-            {
+            let dir = v.get("raw_dir").and_then(|d| d.as_str()) == Some(p.as_str());
+            let kept = if dir { root.join(&p).is_dir() } else { root.join(&p).is_file() };
+            if !kept {
                 faults.push(format!("bench/results/{name} cites `{p}`, which is not in bench/raw (bench/raw.tar.gz)"));
             }
         }

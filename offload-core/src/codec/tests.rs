@@ -186,7 +186,7 @@ fn scaled_fp8(rows: usize, cols: usize, seed: u64) -> Vec<u8> {
     f.chunks(cols)
         .flat_map(|row| {
             let amax = row.iter().fold(0f32, |m, x| m.max(x.abs())).max(f32::MIN_POSITIVE);
-            row.iter().map(move |x| crate::fp8::f32_to_fp8(x / (amax / 448.0), crate::tensor::DType::F8_E4M3).unwrap())
+            row.iter().map(move |x| crate::tensor::f32_to_fp8(x / (amax / 448.0), crate::tensor::DType::F8_E4M3).unwrap())
         })
         .collect()
 }

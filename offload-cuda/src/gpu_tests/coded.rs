@@ -45,7 +45,7 @@ fn coded_ring_streams_exact_fp8_bytes() {
             .chunks(3072)
             .flat_map(|row| {
                 let scale = row.iter().fold(0f32, |m, v| m.max(v.abs())) / 448.0;
-                row.iter().map(move |v| offload_core::fp8::f32_to_fp8(v / scale, DType::F8_E4M3).unwrap())
+                row.iter().map(move |v| offload_formats::fp8::f32_to_fp8(v / scale, DType::F8_E4M3).unwrap())
             })
             .collect();
         t.push(TensorSpec::new(format!("blocks.{i}.w"), DType::F8_E4M3, [w.len()]), w).unwrap();

@@ -1,10 +1,10 @@
 //! The reference model on a device with fp8 weights streamed as stored.
 use crate::device::CudaBackend;
 use crate::reference::{DualNames, RefDims, RefNet, HEAD_DIM};
-use offload_core::fp8::{dequantize_to_bf16, f32_to_fp8};
 use offload_core::{
     resolve, BlockDiscovery, DType, HostStore, MemoryTensors, NameDiscovery, OffloadBackend, Plan, Ring, TensorSource, TensorSpec,
 };
+use offload_formats::fp8::{dequantize_to_bf16, f32_to_fp8};
 use std::sync::Arc;
 
 const NAMES: DualNames<'static> =
@@ -77,7 +77,7 @@ fn models(h: usize, mlp: usize, scale_dtype: DType) -> (MemoryTensors, MemoryTen
             // A bf16 scale is what the device reads: the weights are quantised by it.
             let scales: Vec<f32> = match var.scale {
                 Some((_, DType::BF16, _)) => {
-                    scales.iter().map(|s| f32::from_bits(u32::from(offload_core::fp8::f32_to_bf16(*s)) << 16)).collect()
+                    scales.iter().map(|s| f32::from_bits(u32::from(offload_formats::fp8::f32_to_bf16(*s)) << 16)).collect()
                 }
                 _ => scales,
             };
@@ -92,7 +92,7 @@ fn models(h: usize, mlp: usize, scale_dtype: DType) -> (MemoryTensors, MemoryTen
             fp8.push(TensorSpec::new(format!("{full}.weight"), var.dtype, [*out, *k]), w).unwrap();
             if let Some((suffix, dt, _)) = var.scale {
                 let bytes: Vec<u8> = match dt {
-                    DType::BF16 => scales.iter().flat_map(|s| offload_core::fp8::f32_to_bf16(*s).to_le_bytes()).collect(),
+                    DType::BF16 => scales.iter().flat_map(|s| offload_formats::fp8::f32_to_bf16(*s).to_le_bytes()).collect(),
                     _ => scales.iter().flat_map(|s| s.to_le_bytes()).collect(),
                 };
                 fp8.push(TensorSpec::new(format!("{full}.{suffix}"), dt, [scales.len()]), bytes).unwrap();
@@ -152,7 +152,7 @@ fn run(b: &CudaBackend, d: RefDims, src: &MemoryTensors, plan: &Plan, steps: usi
 /// `weight_scale` and `scale_weight`; the scales f32, then bf16) streamed as
 /// stored at depth 1, over three steps, gives the resident fp8 run's output and
 /// the bf16 model of the CPU's dequantised weights' output, bit for bit (so the
-/// device's dequantisation is `offload_core::fp8::dequantize_to_bf16` exactly);
+/// device's dequantisation is `offload_formats::fp8::dequantize_to_bf16` exactly);
 /// the output is finite and not constant. A wrong scale changes it; an f16 scale
 /// is refused by name. Without a device it prints SKIPPED (and fails under
 /// `OFFLOAD_REQUIRE_DEVICE=1`).

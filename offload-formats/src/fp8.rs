@@ -17,8 +17,9 @@
 //! naming the tensor. The dequantised value is `bf16(f32(w) × f32(scale))`
 //! ([`dequantize_to_bf16`], the CPU reference a device kernel must match).
 
-use crate::error::{Error, Result};
-use crate::tensor::{DType, TensorSpec};
+use offload_core::error::{Error, Result};
+pub use offload_core::tensor::{f32_to_fp8, fp8_to_f32};
+use offload_core::tensor::{DType, TensorSpec};
 use std::collections::HashMap;
 
 /// How a checkpoint's fp8 weights carry their scales (see the [module docs](self)).
@@ -169,76 +170,6 @@ fn refuse_unread_scales(specs: &[TensorSpec], weights: &[Fp8Weight]) -> Result<(
         }
     }
     Ok(())
-}
-
-/// The value of an fp8 byte (`F8_E4M3`: ml_dtypes' `float8_e4m3fn`, no
-/// infinities, `S.1111.111` NaN; `F8_E5M2`: IEEE-like with infinities and NaNs).
-/// `None` for a dtype that is not fp8.
-pub fn fp8_to_f32(byte: u8, dtype: DType) -> Option<f32> {
-    let (exp_bits, bias) = match dtype {
-        DType::F8_E4M3 => (4u32, 7i32),
-        DType::F8_E5M2 => (5, 15),
-        _ => return None,
-    };
-    let man_bits = 7 - exp_bits;
-    let sign = if byte & 0x80 != 0 { -1.0f32 } else { 1.0 };
-    let e = ((byte >> man_bits) & ((1 << exp_bits) - 1) as u8) as i32;
-    let m = (byte & ((1 << man_bits) - 1) as u8) as f32;
-    let max_e = (1 << exp_bits) - 1;
-    let v = match (dtype, e) {
-        (DType::F8_E4M3, 15) if m as u32 == 7 => f32::NAN,
-        (DType::F8_E5M2, e) if e == max_e => {
-            if m == 0.0 {
-                f32::INFINITY
-            } else {
-                f32::NAN
-            }
-        }
-        (_, 0) => m / (1 << man_bits) as f32 * 2f32.powi(1 - bias),
-        (_, e) => (1.0 + m / (1 << man_bits) as f32) * 2f32.powi(e - bias),
-    };
-    Some(sign * v)
-}
-
-/// The fp8 byte nearest `v` (ties to the even code, as a hardware cast rounds),
-/// saturating at the largest finite value; NaN to NaN. `None` for a dtype that
-/// is not fp8.
-pub fn f32_to_fp8(v: f32, dtype: DType) -> Option<u8> {
-    // The finite non-negative codes in increasing value (codes 0.. up to the largest finite).
-    static TABLES: std::sync::OnceLock<[Vec<(u8, f32)>; 2]> = std::sync::OnceLock::new();
-    let tables = TABLES.get_or_init(|| {
-        [DType::F8_E4M3, DType::F8_E5M2]
-            .map(|d| (0..=0x7fu8).filter_map(|b| fp8_to_f32(b, d).filter(|x| x.is_finite()).map(|x| (b, x))).collect())
-    });
-    let finite = match dtype {
-        DType::F8_E4M3 => &tables[0],
-        DType::F8_E5M2 => &tables[1],
-        _ => return None,
-    };
-    if v.is_nan() {
-        return Some(if dtype == DType::F8_E4M3 { 0x7f } else { 0x7e });
-    }
-    let sign = if v.is_sign_negative() { 0x80 } else { 0 };
-    let a = v.abs();
-    let i = finite.partition_point(|&(_, x)| x < a);
-    let code = match (finite.get(i.wrapping_sub(1)), finite.get(i)) {
-        (_, Some(&(c, x))) if x == a => c,
-        (Some(&(lo, xl)), Some(&(hi, xh))) => match (a - xl).partial_cmp(&(xh - a)) {
-            Some(std::cmp::Ordering::Less) => lo,
-            Some(std::cmp::Ordering::Greater) => hi,
-            _ => {
-                if lo % 2 == 0 {
-                    lo
-                } else {
-                    hi
-                }
-            }
-        },
-        (Some(&(c, _)), None) => c,
-        (None, Some(&(c, _))) => c,
-        (None, None) => return None,
-    };
-    Some(sign | code)
 }
 
 /// `f32` to `bf16` bits, rounded to nearest even (NaN kept a quiet NaN).

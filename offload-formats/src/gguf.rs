@@ -11,9 +11,9 @@
 //! Types read: F32, F16, BF16, Q8_0, Q4_K, Q5_K, Q6_K. Any other type is an
 //! error naming the tensor and the type.
 
-use crate::error::{Error, Result};
-use crate::source::{check_region_is, CheckpointFile, FileIdentity, FileRegion, HostRegion, RegionSource, TensorSource};
-use crate::tensor::{DType, TensorSpec};
+use offload_core::error::{Error, Result};
+use offload_core::source::{check_region_is, CheckpointFile, FileIdentity, FileRegion, HostRegion, RegionSource, TensorSource};
+use offload_core::tensor::{DType, TensorSpec};
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::{BufReader, Read};
@@ -258,7 +258,7 @@ impl GgufFile {
         let io = |source| Error::Io { path: path.clone(), source };
         let file = File::open(&path).map_err(io)?;
         let meta = file.metadata().map_err(io)?;
-        let (len, read_from) = (meta.len(), crate::source::FileIdentity::of(&meta));
+        let (len, read_from) = (meta.len(), offload_core::source::FileIdentity::of(&meta));
         let mut h = Header { r: BufReader::with_capacity(1 << 16, &file), pos: 0, len, path: &path };
         let magic = h.arr::<4>("the magic")?;
         if &magic != b"GGUF" {
@@ -384,7 +384,7 @@ impl GgufFile {
 
     /// Serve the tensors from `region` (the file mapped by a backend) instead of
     /// positioned reads. It must be this file as its header was read (length and
-    /// identity checked), as [`SafetensorsFile::set_region`](crate::source::SafetensorsFile::set_region) requires.
+    /// identity checked), as [`SafetensorsFile::set_region`](offload_core::source::SafetensorsFile::set_region) requires.
     pub fn set_region(&mut self, region: Arc<dyn HostRegion>) -> Result<()> {
         check_region_is(&self.path, &self.opened, &region)?;
         self.region = region;
@@ -430,7 +430,7 @@ impl TensorSource for GgufFile {
     /// and the tensor, never a weight).
     fn read_into(&self, index: usize, dst: &mut [u8]) -> Result<()> {
         let name = &self.specs[index].name;
-        self.region.read_at(self.offsets[index] as usize, dst).map_err(|e| crate::source::naming(e, name))
+        self.region.read_at(self.offsets[index] as usize, dst).map_err(|e| offload_core::source::naming(e, name))
     }
 }
 

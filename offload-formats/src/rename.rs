@@ -6,9 +6,9 @@
 //! `FluxTransformer2DModel`, as diffusers' own
 //! `convert_flux_transformer_checkpoint_to_diffusers` does.
 
-use crate::error::{Error, Result};
-use crate::source::{CheckpointFile, FileIdentity, HostRegion, RegionSource, TensorSource};
-use crate::tensor::TensorSpec;
+use offload_core::error::{Error, Result};
+use offload_core::source::{CheckpointFile, FileIdentity, HostRegion, RegionSource, TensorSource};
+use offload_core::tensor::TensorSpec;
 use std::collections::HashMap;
 
 /// Where a new tensor's bytes lie: (the source's tensor index, byte offset in
@@ -90,7 +90,7 @@ impl<S: RegionSource> TensorSource for Renamed<S> {
                     self.inner.read_into(i, &mut whole).map(|()| dst[at..at + len].copy_from_slice(&whole[off..off + len]))
                 }
             };
-            read.map_err(|e| crate::source::naming(e, &self.specs[index].name))?;
+            read.map_err(|e| offload_core::source::naming(e, &self.specs[index].name))?;
             at += len;
         }
         Ok(())
@@ -465,7 +465,7 @@ pub fn gguf_to_diffusers(architecture: &str, specs: &[TensorSpec]) -> Result<Vec
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::tensor::DType;
+    use offload_core::tensor::DType;
 
     /// BFL's final modulation swaps halves of whole rows: a 1-D block-quantized
     /// tensor splits only where a block ends (Q8_0 of 96 values is three 34-byte
@@ -473,13 +473,13 @@ mod tests {
     /// 128 values, four blocks, it splits after two).
     #[test]
     fn a_split_through_a_quantized_block_is_refused() {
-        let q = vec![TensorSpec::new("final_layer.adaLN_modulation.1.bias", crate::tensor::DType::Q8_0, [96])];
+        let q = vec![TensorSpec::new("final_layer.adaLN_modulation.1.bias", offload_core::tensor::DType::Q8_0, [96])];
         let e = flux_bfl_to_diffusers(&q).unwrap_err().to_string();
         assert!(e.contains("adaLN_modulation.1.bias") && e.contains("do not split"), "{e}");
-        let b = vec![TensorSpec::new("final_layer.adaLN_modulation.1.bias", crate::tensor::DType::BF16, [96])];
+        let b = vec![TensorSpec::new("final_layer.adaLN_modulation.1.bias", offload_core::tensor::DType::BF16, [96])];
         let m = flux_bfl_to_diffusers(&b).unwrap();
         assert_eq!(m[0].1, vec![(0, 96, 96), (0, 0, 96)], "bf16 halves swapped");
-        let q = vec![TensorSpec::new("final_layer.adaLN_modulation.1.bias", crate::tensor::DType::Q8_0, [128])];
+        let q = vec![TensorSpec::new("final_layer.adaLN_modulation.1.bias", offload_core::tensor::DType::Q8_0, [128])];
         let m = flux_bfl_to_diffusers(&q).unwrap();
         assert_eq!(m[0].1, vec![(0, 68, 68), (0, 0, 68)], "Q8_0 halves of two blocks each");
     }
@@ -503,7 +503,7 @@ mod tests {
     /// inner renaming; and it is not served as a range of the file.
     #[test]
     fn a_part_of_a_joined_tensor_is_read_through_the_renaming_below() {
-        use crate::source::SafetensorsFile;
+        use offload_core::source::SafetensorsFile;
         let path = std::env::temp_dir().join(format!("offload-rename-nested-{}.safetensors", std::process::id()));
         let (a, b) = ([1u8, 2, 3, 4], [5u8, 6, 7, 8]);
         let views = [("a", &a), ("b", &b)]
@@ -525,7 +525,7 @@ mod tests {
     /// element or a quantized block, is refused naming the tensor.
     #[test]
     fn a_mapping_that_reads_bytes_as_another_type_or_cuts_an_element_is_refused() {
-        use crate::source::SafetensorsFile;
+        use offload_core::source::SafetensorsFile;
         let path = std::env::temp_dir().join(format!("offload-rename-types-{}.safetensors", std::process::id()));
         let w = [0u8; 16];
         let view = safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![4], &w).unwrap();

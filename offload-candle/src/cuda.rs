@@ -19,22 +19,22 @@ use candle_core::cuda_backend::{CudaDType, CudaDevice, CudaStorage};
 use candle_core::op::BackpropOp;
 use candle_core::{DType as CDType, Device, Storage, Tensor};
 use offload_core::{BlockGuard, Error, OffloadBackend, Result};
-use offload_cuda::checked::CheckedEvent;
-use offload_cuda::{CudaBackend, FreshEngine, FreshSlot, PinnedHost};
+use offload_cuda::protocol_log::CheckedEvent;
+use offload_cuda::{CudaBackend, CudaHostBuffer, FrameworkBufferEngine, FrameworkBufferSlot};
 use std::collections::HashMap;
 
 /// candle on a CUDA device: the ring's transfer engine is `offload-cuda`'s (with a
 /// fresh candle buffer per copy), its compute stream is candle's. Cheap to clone.
 #[derive(Clone)]
 pub struct CandleCudaBackend {
-    engine: FreshEngine,
+    engine: FrameworkBufferEngine,
     dev: CudaDevice,
     dtype: CDType,
 }
 
 /// A ring slot: the last block copied into it, as one 1-D candle tensor of the
-/// backend's dtype that owns its memory ([`FreshSlot::buffer`]).
-pub type CandleSlot = FreshSlot<Tensor>;
+/// backend's dtype that owns its memory ([`FrameworkBufferSlot::buffer`]).
+pub type CandleSlot = FrameworkBufferSlot<Tensor>;
 
 impl CandleCudaBackend {
     /// CUDA device `ordinal`, blocks of dtype `dtype` (every streamed tensor must
@@ -49,7 +49,7 @@ impl CandleCudaBackend {
         // themselves across streams; the ring's raw copies are ordered by events.
         let stream = dev.cuda_stream();
         let inner = CudaBackend::with_compute_stream(stream.context().clone(), stream)?;
-        Ok(CandleCudaBackend { engine: FreshEngine::new(inner, "candle-cuda"), dev, dtype })
+        Ok(CandleCudaBackend { engine: FrameworkBufferEngine::new(inner, "candle-cuda"), dev, dtype })
     }
 
     /// The candle device tensors are made on.
@@ -133,11 +133,11 @@ impl OffloadBackend for CandleCudaBackend {
         // Whole elements: the slot tensor covers every byte the ring may copy.
         self.engine.alloc_slot(bytes.next_multiple_of(self.dtype.size_in_bytes()), purpose)
     }
-    fn copy_to_slot(&self, src: &PinnedHost, dst: &mut CandleSlot, bytes: usize, after: Option<&CheckedEvent>) -> Result<CheckedEvent> {
+    fn copy_to_slot(&self, src: &CudaHostBuffer, dst: &mut CandleSlot, bytes: usize, after: Option<&CheckedEvent>) -> Result<CheckedEvent> {
         // `new_buffer` allocates on candle's stream (the engine's compute stream), and
         // candle frees the buffer on that stream when the last reference drops.
         // SAFETY: `new_buffer` returns a candle tensor owning the memory at the address it gives.
         unsafe { self.engine.copy_to_slot(src, dst, bytes, after, |len| self.new_buffer(len)) }
     }
-    offload_cuda::forward_to_fresh_engine!(engine);
+    offload_cuda::forward_to_framework_buffers!(engine);
 }

@@ -27,7 +27,7 @@
 use candle_core::{DType as CDType, Device, Shape, Tensor};
 use candle_nn::var_builder::SimpleBackend;
 use candle_nn::{Init, VarBuilder};
-use offload_core::sim::{SimBackend, SimConfig, SimEvent, SimHost, SimSlot};
+use offload_core::sim::{SimBackend, SimConfig, SimEvent, SimHostBuffer, SimSlot};
 use offload_core::{BlockGuard, BlockLayout, DType, Error, MemoryInfo, OffloadBackend, Result, StreamKind};
 use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
@@ -298,7 +298,7 @@ impl OffloadBackend for CandleBackend {
     fn free_slot(&self, slot: SimSlot, after: Option<&SimEvent>) -> Result<()> {
         self.device.free_slot(slot, after)
     }
-    fn copy_to_slot(&self, src: &SimHost, dst: &mut SimSlot, bytes: usize, after: Option<&SimEvent>) -> Result<SimEvent> {
+    fn copy_to_slot(&self, src: &SimHostBuffer, dst: &mut SimSlot, bytes: usize, after: Option<&SimEvent>) -> Result<SimEvent> {
         self.device.copy_to_slot(src, dst, bytes, after)
     }
     fn compute_wait(&self, event: &SimEvent) -> Result<()> {

@@ -30,7 +30,7 @@ use crate::error::Result;
 use crate::host::HostMemory;
 
 /// The host buffer type of backend `B`.
-pub type HostBuf<B> = <<B as OffloadBackend>::Host as HostMemory>::Buffer;
+pub type HostBufferOf<B> = <<B as OffloadBackend>::Host as HostMemory>::Buffer;
 
 /// Free and total device memory, in bytes.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -99,7 +99,13 @@ pub trait OffloadBackend: Clone + Send + Sync + 'static {
 
     /// Enqueue on the copy stream: wait for `after` (if any), then copy the first
     /// `bytes` of `src` into `dst`. Returns an event that completes with the copy.
-    fn copy_to_slot(&self, src: &HostBuf<Self>, dst: &mut Self::Slot, bytes: usize, after: Option<&Self::Event>) -> Result<Self::Event>;
+    fn copy_to_slot(
+        &self,
+        src: &HostBufferOf<Self>,
+        dst: &mut Self::Slot,
+        bytes: usize,
+        after: Option<&Self::Event>,
+    ) -> Result<Self::Event>;
 
     /// Order compute after `event`: on a stream API, make the compute stream wait
     /// for it before any later work and return `()`; on an explicit-submission API,

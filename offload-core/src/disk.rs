@@ -11,7 +11,7 @@
 //! ring in its learned order, on their own threads: they overlap the copies, and
 //! the copies overlap compute.
 
-use crate::backend::HostBuf;
+use crate::backend::HostBufferOf;
 use crate::backend::OffloadBackend;
 use crate::error::{Error, Result};
 use crate::host::{HostBuffer, HostMemory};
@@ -199,11 +199,11 @@ pub(crate) struct Read {
     pub name: String,
 }
 
-type Reply<B> = (Result<()>, HostBuf<B>);
+type Reply<B> = (Result<()>, HostBufferOf<B>);
 
 struct Job<B: OffloadBackend> {
     read: Read,
-    buffer: HostBuf<B>,
+    buffer: HostBufferOf<B>,
     reply: mpsc::Sender<Reply<B>>,
 }
 
@@ -227,7 +227,7 @@ impl<B: OffloadBackend> Pending<B> {
 /// A ring's reads from the disk tier: a few bounce buffers, reader threads, and
 /// the reads in flight in the order they were asked for.
 pub(crate) struct DiskStream<B: OffloadBackend> {
-    free: Vec<HostBuf<B>>,
+    free: Vec<HostBufferOf<B>>,
     pending: Vec<Pending<B>>,
     jobs: Option<mpsc::Sender<Job<B>>>,
     threads: Vec<std::thread::JoinHandle<()>>,
@@ -329,7 +329,7 @@ impl<B: OffloadBackend> DiskStream<B> {
     /// served. Give the buffer back with [`put_back`](Self::put_back) once its copy
     /// is issued. `stale` (a deliberate break, `Sabotage::StaleBounce`) serves the
     /// oldest read in flight instead, whichever block it is for.
-    pub(crate) fn take(&mut self, want: &Read, upcoming: &[Read], stale: bool) -> Result<HostBuf<B>> {
+    pub(crate) fn take(&mut self, want: &Read, upcoming: &[Read], stale: bool) -> Result<HostBufferOf<B>> {
         if !self.pending.iter().any(|p| p.block == want.block) {
             while self.free.is_empty() {
                 self.drop_oldest(upcoming)?;
@@ -370,7 +370,7 @@ impl<B: OffloadBackend> DiskStream<B> {
     }
 
     /// Return a bounce buffer after its copy was issued, and read ahead into it.
-    pub(crate) fn put_back(&mut self, buffer: HostBuf<B>, upcoming: &[Read]) -> Result<()> {
+    pub(crate) fn put_back(&mut self, buffer: HostBufferOf<B>, upcoming: &[Read]) -> Result<()> {
         self.free.push(buffer);
         self.top_up(upcoming)
     }

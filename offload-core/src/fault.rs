@@ -1,7 +1,7 @@
 //! A backend wrapper that fails the n-th operation of a kind, for testing that
 //! every error path leaves the model intact and releases what it took.
 
-use crate::backend::HostBuf;
+use crate::backend::HostBufferOf;
 use crate::backend::{MemoryInfo, OffloadBackend};
 use crate::error::{Error, Result};
 use crate::host::{Fill, HostCapabilities, HostKind, HostMemory};
@@ -151,7 +151,13 @@ impl<B: OffloadBackend> OffloadBackend for FaultInjector<B> {
     fn free_slot(&self, slot: Self::Slot, after: Option<&Self::Event>) -> Result<()> {
         self.inner.free_slot(slot, after)
     }
-    fn copy_to_slot(&self, src: &HostBuf<Self>, dst: &mut Self::Slot, bytes: usize, after: Option<&Self::Event>) -> Result<Self::Event> {
+    fn copy_to_slot(
+        &self,
+        src: &HostBufferOf<Self>,
+        dst: &mut Self::Slot,
+        bytes: usize,
+        after: Option<&Self::Event>,
+    ) -> Result<Self::Event> {
         self.tick(FaultKind::Copy, "copy")?;
         self.inner.copy_to_slot(src, dst, bytes, after)
     }

@@ -69,7 +69,7 @@ pub mod store;
 pub mod tensor;
 pub mod timeline;
 
-pub use backend::{HostBuf, MemoryInfo, OffloadBackend, StreamKind};
+pub use backend::{HostBufferOf, MemoryInfo, OffloadBackend, StreamKind};
 pub use coded_file::{CodedEntry, CodedFile, CodedFileStats};
 pub use diagnose::{diagnose, BlockWait, Cause, DiagnoseInput, Diagnosis};
 pub use discovery::{BlockDiscovery, BlockId, BlockSpec, ComponentInventory, DeclaredStacks, NameDiscovery, StackSpec};

@@ -391,7 +391,7 @@ impl<B: OffloadBackend> Ring<B> {
         Ok(slot)
     }
 
-    fn load_whole(&mut self, buffer: &crate::backend::HostBuf<B>, bytes: usize, purpose: &str) -> Result<(B::Slot, B::Wait)> {
+    fn load_whole(&mut self, buffer: &crate::backend::HostBufferOf<B>, bytes: usize, purpose: &str) -> Result<(B::Slot, B::Wait)> {
         let mut slot = self.alloc(bytes, purpose)?;
         let copied = self.backend.copy_to_slot(buffer, &mut slot, bytes, None).and_then(|ready| self.backend.compute_wait(&ready));
         match copied {

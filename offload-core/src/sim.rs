@@ -131,7 +131,7 @@ pub struct SimStats {
 /// the block's bytes, whether pinned, and the block coded for the device where
 /// it is held coded (what a copy then moves and decodes; the simulator keeps the
 /// raw bytes too, for `host_bytes`).
-pub struct SimHost {
+pub struct SimHostBuffer {
     raw: Arc<[u8]>,
     pinned: bool,
     coded: Option<Arc<[u8]>>,
@@ -145,7 +145,7 @@ pub struct SimHost {
     counted: u64,
 }
 
-impl Drop for SimHost {
+impl Drop for SimHostBuffer {
     fn drop(&mut self) {
         if self.counted > 0 {
             lock(&self.sim.state).stats.pinned_bytes -= self.counted;
@@ -264,13 +264,13 @@ impl SimBackend {
     /// "Page-locked" host memory of `bytes`, filled by `fill` (within the
     /// configured pinned capacity).
     /// Ordinary memory: not page-locked, not counted.
-    fn alloc_ordinary(&self, bytes: usize, purpose: &str, fill: Fill<'_>) -> Result<SimHost> {
+    fn alloc_ordinary(&self, bytes: usize, purpose: &str, fill: Fill<'_>) -> Result<SimHostBuffer> {
         let mut v = crate::host::zeroed("sim", bytes, purpose)?;
         fill(&mut v)?;
-        Ok(SimHost { raw: v.into(), pinned: false, coded: None, region: None, sim: self.inner.clone(), counted: 0 })
+        Ok(SimHostBuffer { raw: v.into(), pinned: false, coded: None, region: None, sim: self.inner.clone(), counted: 0 })
     }
 
-    fn alloc_locked(&self, bytes: usize, purpose: &str, fill: Fill<'_>) -> Result<SimHost> {
+    fn alloc_locked(&self, bytes: usize, purpose: &str, fill: Fill<'_>) -> Result<SimHostBuffer> {
         if !self.inner.cfg.page_locked {
             return self.alloc_ordinary(bytes, purpose, fill);
         }
@@ -297,7 +297,7 @@ impl SimBackend {
                 return Err(e);
             }
         };
-        Ok(SimHost { raw: v.into(), pinned: true, coded: None, region: None, sim: self.inner.clone(), counted: bytes as u64 })
+        Ok(SimHostBuffer { raw: v.into(), pinned: true, coded: None, region: None, sim: self.inner.clone(), counted: bytes as u64 })
     }
 
     /// A simulated device with `cfg`.
@@ -425,7 +425,7 @@ impl SimBackend {
     }
 }
 
-impl HostBuffer for SimHost {
+impl HostBuffer for SimHostBuffer {
     fn is_pinned(&self) -> bool {
         self.pinned
     }
@@ -471,7 +471,7 @@ impl HostBuffer for SimHost {
 }
 
 impl SimBackend {
-    fn alloc_coded(&self, bytes: usize, purpose: &str, fill: Fill<'_>) -> Result<SimHost> {
+    fn alloc_coded(&self, bytes: usize, purpose: &str, fill: Fill<'_>) -> Result<SimHostBuffer> {
         let mut host = self.alloc_locked(bytes, purpose, fill)?;
         // The simulated device decodes with the CPU reference, which reads every code.
         let codes = crate::codec::DeviceCodes { fp8_e4m3: true };
@@ -493,7 +493,7 @@ impl SimBackend {
         Ok(host)
     }
 
-    fn alloc_precoded(&self, bytes: usize, coded_len: usize, purpose: &str, fill: Fill<'_>) -> Result<SimHost> {
+    fn alloc_precoded(&self, bytes: usize, coded_len: usize, purpose: &str, fill: Fill<'_>) -> Result<SimHostBuffer> {
         // The coded bytes are what is page-locked; the raw ones (the simulator's
         // own, for `block_bytes`) are decoded from them on the host.
         let mut host = self.alloc_locked(coded_len, purpose, fill)?;
@@ -518,7 +518,7 @@ impl SimBackend {
         Ok(host)
     }
 
-    fn in_region(&self, region: &Arc<dyn crate::source::HostRegion>, offset: usize, bytes: usize, purpose: &str) -> Result<SimHost> {
+    fn in_region(&self, region: &Arc<dyn crate::source::HostRegion>, offset: usize, bytes: usize, purpose: &str) -> Result<SimHostBuffer> {
         region.check()?;
         // "Registered" as a device registers it: the whole region page-locked on
         // first use, counted once (`HostRegion::registered_len`); the block's own
@@ -547,7 +547,7 @@ impl SimBackend {
         }
         let mut v = vec![0u8; bytes];
         region.read_at(offset, &mut v)?;
-        Ok(SimHost {
+        Ok(SimHostBuffer {
             raw: v.into(),
             pinned: self.inner.cfg.page_locked,
             coded: None,
@@ -562,7 +562,7 @@ impl SimBackend {
 /// [`SimConfig::pinned_host_bytes`], pageable ones, coded ones where
 /// [`SimConfig::decodes`], mapped regions where [`SimConfig::registers_regions`].
 impl HostMemory for SimBackend {
-    type Buffer = SimHost;
+    type Buffer = SimHostBuffer;
 
     fn capabilities(&self) -> HostCapabilities {
         let cfg = &self.inner.cfg;
@@ -579,7 +579,7 @@ impl HostMemory for SimBackend {
         crate::codec::staging_bytes(self.inner.cfg.staging_buffers, largest_coded as u64)
     }
 
-    fn alloc(&self, kind: HostKind<'_>, bytes: usize, purpose: &str, fill: Fill<'_>) -> Result<SimHost> {
+    fn alloc(&self, kind: HostKind<'_>, bytes: usize, purpose: &str, fill: Fill<'_>) -> Result<SimHostBuffer> {
         let cfg = &self.inner.cfg;
         match kind {
             HostKind::Pinned if cfg.coded => self.alloc(HostKind::Coded, bytes, purpose, fill),
@@ -655,7 +655,7 @@ impl OffloadBackend for SimBackend {
         Ok(())
     }
 
-    fn copy_to_slot(&self, src: &SimHost, dst: &mut SimSlot, bytes: usize, after: Option<&SimEvent>) -> Result<SimEvent> {
+    fn copy_to_slot(&self, src: &SimHostBuffer, dst: &mut SimSlot, bytes: usize, after: Option<&SimEvent>) -> Result<SimEvent> {
         if bytes > src.raw.len() || bytes > dst.bytes {
             return Err(Error::Protocol(format!(
                 "copy of {bytes} bytes from a {}-byte buffer into a {}-byte slot",

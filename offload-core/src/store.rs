@@ -1,7 +1,7 @@
 //! The host store: per block one contiguous, exactly sized, immutable buffer
 //! (page-locked where the backend can), every tensor at a 256-byte-aligned offset.
 
-use crate::backend::HostBuf;
+use crate::backend::HostBufferOf;
 use crate::backend::OffloadBackend;
 use crate::coded_file::{CodedFile, NON_BLOCK};
 use crate::discovery::{BlockId, ComponentInventory};
@@ -47,7 +47,7 @@ pub struct HostBlock<B: OffloadBackend> {
 /// Where a block's bytes are held.
 enum Held<B: OffloadBackend> {
     /// In a host buffer of its own (or a range of a mapped region).
-    Memory(HostBuf<B>),
+    Memory(HostBufferOf<B>),
     /// In the store's disk file, from this offset, laid out as `layout` says.
     Disk(u64),
 }
@@ -60,7 +60,7 @@ impl<B: OffloadBackend> HostBlock<B> {
 
     /// Its host buffer; `None` for a block on disk, which is read into a bounce
     /// buffer for each copy ([`HostStore::build_tiered`]).
-    pub fn buffer(&self) -> Option<&HostBuf<B>> {
+    pub fn buffer(&self) -> Option<&HostBufferOf<B>> {
         match &self.held {
             Held::Memory(b) => Some(b),
             Held::Disk(_) => None,
@@ -165,7 +165,7 @@ fn precoded_buffer<B: OffloadBackend>(
     source: &(dyn TensorSource + Sync),
     indices: &[(usize, usize, usize)],
     scratch: &std::cell::RefCell<(Vec<u8>, Vec<u8>)>,
-) -> Result<HostBuf<B>> {
+) -> Result<HostBufferOf<B>> {
     let fault = |f: String| Error::CodedFile { path: cf.path().to_path_buf(), block: purpose.to_owned(), fault: f };
     let entry = cf.entry(&key).ok_or_else(|| fault(format!("no entry {key:?} (written for another model?)")))?;
     if entry.raw_bytes != layout.bytes as u64 {
@@ -681,7 +681,7 @@ impl<B: OffloadBackend> HostStore<B> {
     /// memory, else a new one (page-locked where the backend can) read from the
     /// disk file now and dropped after `f`: for a one-off copy (a block kept on
     /// the device, an on-demand load) or a check, never for streaming.
-    pub fn with_buffer<T>(&self, backend: &B, block: &HostBlock<B>, f: impl FnOnce(&HostBuf<B>) -> Result<T>) -> Result<T> {
+    pub fn with_buffer<T>(&self, backend: &B, block: &HostBlock<B>, f: impl FnOnce(&HostBufferOf<B>) -> Result<T>) -> Result<T> {
         match (&block.held, &self.disk) {
             (Held::Memory(b), _) => f(b),
             (Held::Disk(at), Some(file)) => {

@@ -301,7 +301,7 @@ impl Coding {
     ///
     /// `dst .. dst + dst_len` is device memory of this engine's context that
     /// stays allocated until the returned event has completed; `ch` was parsed
-    /// from `src`'s own bytes (`CodedHost::new`, as `PinnedHost` makes them).
+    /// from `src`'s own bytes (`CodedHost::new`, as `CudaHostBuffer` makes them).
     pub(crate) unsafe fn copy(
         &self,
         src: &HostBytes,

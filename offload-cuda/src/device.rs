@@ -7,13 +7,13 @@ use crate::coded::{Coding, CodingOptions};
 use crate::engine::CudaPoint;
 use crate::engine::{open_context, Engine};
 use crate::error::{driver, BACKEND};
-use crate::host::PinnedHost;
+use crate::host::CudaHostBuffer;
 use crate::mapped::Registrations;
 use crate::memory::CudaSlot;
 use crate::relay::{Relay, RelayInfo, RelayOptions};
 use cudarc::driver::{sys, CudaContext, CudaStream};
 use offload_core::{
-    Error, Fill, HostBuf, HostCapabilities, HostKind, HostMemory, HostRegion, MemoryInfo, OffloadBackend, Result, StreamKind,
+    Error, Fill, HostBufferOf, HostCapabilities, HostKind, HostMemory, HostRegion, MemoryInfo, OffloadBackend, Result, StreamKind,
 };
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -293,7 +293,7 @@ impl CudaBackend {
     /// completed (order its free after the event).
     pub unsafe fn copy_to_device(
         &self,
-        src: &PinnedHost,
+        src: &CudaHostBuffer,
         dst: sys::CUdeviceptr,
         dst_len: usize,
         bytes: usize,
@@ -437,7 +437,7 @@ impl CudaBackend {
     }
 
     /// `bytes` at `offset` of `region`, served in place from its registration.
-    fn mapped_host(&self, region: &Arc<dyn HostRegion>, offset: usize, bytes: usize, purpose: &str) -> Result<PinnedHost> {
+    fn mapped_host(&self, region: &Arc<dyn HostRegion>, offset: usize, bytes: usize, purpose: &str) -> Result<CudaHostBuffer> {
         if self.is_coding() {
             // Every block is held coded (a copy by nature): mixing mapped raw blocks
             // with coded ones would let two streams write one slot.
@@ -452,7 +452,7 @@ impl CudaBackend {
         }
         region.check()?;
         let reg = self.shared.regions.register(self.engine(), region, purpose)?;
-        PinnedHost::in_region(reg, offset, bytes)
+        CudaHostBuffer::in_region(reg, offset, bytes)
     }
 
     /// The decode engine for a coded buffer, or why there is none.
@@ -467,7 +467,7 @@ impl CudaBackend {
 /// buffers coded for the device (where NVRTC builds the decoder), ranges of
 /// mapped checkpoints (registered once), and refills of plain buffers.
 impl HostMemory for CudaBackend {
-    type Buffer = PinnedHost;
+    type Buffer = CudaHostBuffer;
 
     fn capabilities(&self) -> HostCapabilities {
         HostCapabilities { pinned: true, pageable: true, coded: true, mapped: !self.is_coding(), refill: !self.is_coding() }
@@ -481,17 +481,17 @@ impl HostMemory for CudaBackend {
         offload_core::codec::staging_bytes(n, largest_coded as u64)
     }
 
-    fn alloc(&self, kind: HostKind<'_>, bytes: usize, purpose: &str, fill: Fill<'_>) -> Result<PinnedHost> {
+    fn alloc(&self, kind: HostKind<'_>, bytes: usize, purpose: &str, fill: Fill<'_>) -> Result<CudaHostBuffer> {
         let engine = self.engine().clone();
         match kind {
             HostKind::Pinned => match self.shared.coding.get().filter(|_| self.is_coding()) {
-                Some(c) => PinnedHost::new_coded(engine, c, bytes, fill, purpose),
-                None => PinnedHost::new(engine, bytes, fill, purpose),
+                Some(c) => CudaHostBuffer::new_coded(engine, c, bytes, fill, purpose),
+                None => CudaHostBuffer::new(engine, bytes, fill, purpose),
             },
-            HostKind::Pageable => PinnedHost::new_pageable(engine, bytes, fill),
-            HostKind::Coded => PinnedHost::new_coded(engine, self.decoder_for(purpose)?, bytes, fill, purpose),
+            HostKind::Pageable => CudaHostBuffer::new_pageable(engine, bytes, fill),
+            HostKind::Coded => CudaHostBuffer::new_coded(engine, self.decoder_for(purpose)?, bytes, fill, purpose),
             HostKind::Precoded { coded_len } => {
-                PinnedHost::new_precoded(engine, self.decoder_for(purpose)?, bytes, coded_len, fill, purpose)
+                CudaHostBuffer::new_precoded(engine, self.decoder_for(purpose)?, bytes, coded_len, fill, purpose)
             }
             HostKind::Mapped { region, offset } => self.mapped_host(region, offset, bytes, purpose),
         }
@@ -528,7 +528,7 @@ impl OffloadBackend for CudaBackend {
         Ok(())
     }
 
-    fn copy_to_slot(&self, src: &HostBuf<Self>, dst: &mut CudaSlot, bytes: usize, after: Option<&CudaPoint>) -> Result<CudaPoint> {
+    fn copy_to_slot(&self, src: &HostBufferOf<Self>, dst: &mut CudaSlot, bytes: usize, after: Option<&CudaPoint>) -> Result<CudaPoint> {
         if !Arc::ptr_eq(&dst.engine, self.engine()) {
             return Err(Error::Protocol("copy into a slot of another CUDA backend instance".into()));
         }

@@ -16,7 +16,7 @@ use std::sync::{Arc, OnceLock};
 /// device ([`CudaBackend::enable_coding`](crate::CudaBackend::enable_coding));
 /// or a range of a registered mapped checkpoint ([`crate::map_checkpoint`]).
 /// What it can do is [`HostBuffer`]'s.
-pub struct PinnedHost {
+pub struct CudaHostBuffer {
     bytes: HostBytes,
     /// `Some` when the bytes are the block coded for the device.
     coded: Option<CodedHost>,
@@ -33,15 +33,15 @@ struct MappedAt {
     read: OnceLock<Box<[u8]>>,
 }
 
-impl PinnedHost {
+impl CudaHostBuffer {
     /// `len` page-locked bytes written by `fill`.
     pub(crate) fn new(engine: Arc<Engine>, len: usize, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>, purpose: &str) -> Result<Self> {
-        Ok(PinnedHost { bytes: HostBytes::pinned(engine, len, fill, purpose)?, coded: None, mapped: None })
+        Ok(CudaHostBuffer { bytes: HostBytes::pinned(engine, len, fill, purpose)?, coded: None, mapped: None })
     }
 
     /// `len` pageable bytes written by `fill`.
     pub(crate) fn new_pageable(engine: Arc<Engine>, len: usize, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<Self> {
-        Ok(PinnedHost { bytes: HostBytes::pageable(engine, len, fill)?, coded: None, mapped: None })
+        Ok(CudaHostBuffer { bytes: HostBytes::pageable(engine, len, fill)?, coded: None, mapped: None })
     }
 
     /// The block of `len` bytes `fill` writes, coded for the device
@@ -63,7 +63,7 @@ impl PinnedHost {
         if coded.len() >= len {
             // Coding does not shrink this block (dense bytes: GGUF blocks, random
             // data): held raw, so a coded store never sends more than the raw bytes.
-            return PinnedHost::new(
+            return CudaHostBuffer::new(
                 engine,
                 len,
                 &mut |dst| {
@@ -75,7 +75,7 @@ impl PinnedHost {
         }
         drop(raw);
         let info = CodedHost::new(coding, &coded, len, purpose)?;
-        let mut me = PinnedHost::new(
+        let mut me = CudaHostBuffer::new(
             engine,
             coded.len(),
             &mut |dst| {
@@ -98,7 +98,7 @@ impl PinnedHost {
         fill: &mut dyn FnMut(&mut [u8]) -> Result<()>,
         purpose: &str,
     ) -> Result<Self> {
-        let mut me = PinnedHost::new(engine, coded_len, fill, purpose)?;
+        let mut me = CudaHostBuffer::new(engine, coded_len, fill, purpose)?;
         me.coded = Some(CodedHost::new(coding, me.bytes.own_bytes(), len, purpose)?);
         Ok(me)
     }
@@ -115,7 +115,7 @@ impl PinnedHost {
         // before it lets go (its `Drop`).
         // SAFETY: `ptr .. ptr + len` lies in the registered mapping (checked above).
         let bytes = unsafe { HostBytes::lent(reg.engine().clone(), ptr, len, reg.clone()) };
-        Ok(PinnedHost { bytes, coded: None, mapped: Some(MappedAt { reg, offset, read: Default::default() }) })
+        Ok(CudaHostBuffer { bytes, coded: None, mapped: Some(MappedAt { reg, offset, read: Default::default() }) })
     }
 
     /// The bytes a copy moves (the coded ones for a coded buffer).
@@ -177,7 +177,7 @@ impl PinnedHost {
     }
 }
 
-impl HostBuffer for PinnedHost {
+impl HostBuffer for CudaHostBuffer {
     fn is_pinned(&self) -> bool {
         self.bytes.is_pinned()
     }
@@ -186,7 +186,7 @@ impl HostBuffer for PinnedHost {
         self.coded.is_some().then(|| self.bytes.len())
     }
 
-    /// The block's own bytes: [`as_slice`](PinnedHost::as_slice) for a plain
+    /// The block's own bytes: [`as_slice`](CudaHostBuffer::as_slice) for a plain
     /// buffer; for a coded one, decoded on the host (for reference runs and
     /// checks, never on the streaming path). A decode is kept while the coded
     /// bytes hash the same, so asking again costs a hash; if they changed, they

@@ -40,32 +40,32 @@
 // buffers made of those (`host`); the backend that wires them (`device`); and
 // what is built on the backend (`fold`, `decoder`, `fresh`, `checked`,
 // `reference`). No file imports one above it (the tidy test checks it).
-pub mod checked;
+pub mod checksum;
 pub mod codec;
 pub mod coded;
 pub mod decoder;
 mod device;
 mod engine;
 mod error;
-pub mod fold;
-pub mod fresh;
+pub mod framework_buffers;
 #[cfg(test)]
 mod gpu_tests;
 mod host;
 pub mod mapped;
 mod memory;
 mod nvrtc;
+pub mod protocol_log;
 pub mod reference;
 pub mod relay;
 
+pub use checksum::DeviceSlot;
 pub use coded::{CodingOptions, STAGING_BUFFERS};
 pub use cudarc;
 pub use decoder::{DecodedBytes, DeviceCoded, ExponentDecoder};
 pub use device::{CudaBackend, CudaCounters};
 pub use engine::{driver_present, no_device, CudaPoint, POISON};
-pub use fold::DeviceSlot;
-pub use fresh::{FreshEngine, FreshSlot};
-pub use host::PinnedHost;
+pub use framework_buffers::{FrameworkBufferEngine, FrameworkBufferSlot};
+pub use host::CudaHostBuffer;
 pub use mapped::{map_checkpoint, MappedFile};
 pub use memory::CudaSlot;
 pub use relay::{RelayInfo, RelayOptions};

@@ -6,21 +6,21 @@
 
 use crate::dlpack::{locate, DL_CUDA};
 use offload_core::{Error, OffloadBackend, Result};
-use offload_cuda::checked::CheckedEvent;
 use offload_cuda::cudarc::driver::{sys, CudaContext};
-use offload_cuda::{CudaBackend, FreshEngine, FreshSlot, PinnedHost};
+use offload_cuda::protocol_log::CheckedEvent;
+use offload_cuda::{CudaBackend, CudaHostBuffer, FrameworkBufferEngine, FrameworkBufferSlot};
 use pyo3::prelude::*;
 use std::sync::Arc;
 
 const BACKEND: &str = "torch-cuda";
 
 /// A ring slot: the torch buffer holding the last block copied into it.
-pub type PySlot = FreshSlot<Py<PyAny>>;
+pub type PySlot = FrameworkBufferSlot<Py<PyAny>>;
 
 /// The backend of the Python package on CUDA device `ordinal`.
 #[derive(Clone)]
 pub struct PyCuda {
-    engine: FreshEngine,
+    engine: FrameworkBufferEngine,
     ordinal: usize,
     /// torch's stream the engine computes on (a `torch.cuda.Stream`), held for
     /// the backend's life: slot buffers are allocated on it.
@@ -123,7 +123,12 @@ impl PyCuda {
             })
         })()
         .map_err(|e| bad(format!("torch's allocation functions: {e}")))?;
-        Ok(PyCuda { engine: FreshEngine::new(inner, BACKEND), ordinal, stream: Arc::new(stream.unbind()), alloc: Arc::new(alloc) })
+        Ok(PyCuda {
+            engine: FrameworkBufferEngine::new(inner, BACKEND),
+            ordinal,
+            stream: Arc::new(stream.unbind()),
+            alloc: Arc::new(alloc),
+        })
     }
 
     offload_cuda::fresh_engine_methods!(engine, PySlot);
@@ -249,11 +254,11 @@ impl OffloadBackend for PyCuda {
     fn alloc_slot(&self, bytes: usize, purpose: &str) -> Result<PySlot> {
         self.engine.alloc_slot(bytes, purpose)
     }
-    fn copy_to_slot(&self, src: &PinnedHost, dst: &mut PySlot, bytes: usize, after: Option<&CheckedEvent>) -> Result<CheckedEvent> {
+    fn copy_to_slot(&self, src: &CudaHostBuffer, dst: &mut PySlot, bytes: usize, after: Option<&CheckedEvent>) -> Result<CheckedEvent> {
         // `new_buffer` makes each buffer itself with `torch.empty` on the engine's compute
         // stream, so torch's caching allocator hands it out and reuses it in that order.
         // SAFETY: `new_buffer` returns a torch tensor owning the checked CUDA memory at its address.
         unsafe { self.engine.copy_to_slot(src, dst, bytes, after, |len| self.new_buffer(len)) }
     }
-    offload_cuda::forward_to_fresh_engine!(engine);
+    offload_cuda::forward_to_framework_buffers!(engine);
 }

@@ -3,9 +3,9 @@
 use crate::slots::{dims, kind, param, TchSlots};
 use crate::tensors::{tch_err, BACKEND};
 use offload_core::{BlockLayout, Error, OffloadBackend, Result};
-use offload_cuda::checked::CheckedEvent;
 use offload_cuda::cudarc::driver::CudaContext;
-use offload_cuda::{CudaBackend, FreshEngine, FreshSlot, PinnedHost};
+use offload_cuda::protocol_log::CheckedEvent;
+use offload_cuda::{CudaBackend, CudaHostBuffer, FrameworkBufferEngine, FrameworkBufferSlot};
 use std::collections::HashMap;
 use tch::{Device, Kind, Tensor};
 
@@ -19,13 +19,13 @@ use tch::{Device, Kind, Tensor};
 /// [`TchBlock`](crate::TchBlock).
 #[derive(Clone)]
 pub struct TchCudaBackend {
-    engine: FreshEngine,
+    engine: FrameworkBufferEngine,
     device: Device,
 }
 
 /// A ring slot: the libtorch buffer (`Uint8`, on the device) holding the last
-/// block copied into it ([`FreshSlot::buffer`]).
-pub type TchSlot = FreshSlot<Tensor>;
+/// block copied into it ([`FrameworkBufferSlot::buffer`]).
+pub type TchSlot = FrameworkBufferSlot<Tensor>;
 
 /// The CUDA backend for libtorch on device `ordinal`.
 pub fn cuda_backend(ordinal: usize) -> Result<TchCudaBackend> {
@@ -39,7 +39,7 @@ pub fn cuda_backend(ordinal: usize) -> Result<TchCudaBackend> {
     let ctx = CudaContext::new(ordinal).map_err(|e| Error::device(BACKEND, format!("opening device {ordinal}"), e))?;
     let compute = ctx.default_stream();
     let inner = CudaBackend::with_compute_stream(ctx, compute)?;
-    Ok(TchCudaBackend { engine: FreshEngine::new(inner, "tch-cuda"), device: Device::Cuda(ordinal) })
+    Ok(TchCudaBackend { engine: FrameworkBufferEngine::new(inner, "tch-cuda"), device: Device::Cuda(ordinal) })
 }
 
 /// libtorch's device allocator statistics for one device, in bytes: what
@@ -127,13 +127,13 @@ impl OffloadBackend for TchCudaBackend {
     fn alloc_slot(&self, bytes: usize, purpose: &str) -> Result<TchSlot> {
         self.engine.alloc_slot(bytes, purpose)
     }
-    fn copy_to_slot(&self, src: &PinnedHost, dst: &mut TchSlot, bytes: usize, after: Option<&CheckedEvent>) -> Result<CheckedEvent> {
+    fn copy_to_slot(&self, src: &CudaHostBuffer, dst: &mut TchSlot, bytes: usize, after: Option<&CheckedEvent>) -> Result<CheckedEvent> {
         // The caching allocator hands memory out in the order of libtorch's stream
         // (the engine's compute stream) and reuses it in that order.
         // SAFETY: `new_buffer` returns a libtorch tensor owning the memory at the address it gives.
         unsafe { self.engine.copy_to_slot(src, dst, bytes, after, |len| self.new_buffer(len)) }
     }
-    offload_cuda::forward_to_fresh_engine!(engine);
+    offload_cuda::forward_to_framework_buffers!(engine);
 }
 
 /// CUDA: weights are views of the slot's libtorch buffer, on libtorch's stream.

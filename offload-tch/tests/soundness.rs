@@ -3,7 +3,7 @@
 //! ring records the release), and a bind that fails part way is undone.
 #![cfg(feature = "libtorch")]
 
-use offload_core::sim::{SimBackend, SimConfig, SimEvent, SimHost, SimSlot};
+use offload_core::sim::{SimBackend, SimConfig, SimEvent, SimHostBuffer, SimSlot};
 use offload_core::{BlockLayout, Error, NameDiscovery, OffloadBackend, Plan, Result};
 use offload_tch::tch::nn::{self, Module};
 use offload_tch::tch::{self, Device, Kind, Tensor};
@@ -95,7 +95,7 @@ impl OffloadBackend for FailingBind {
     fn free_slot(&self, slot: SimSlot, after: Option<&SimEvent>) -> Result<()> {
         self.0.free_slot(slot, after)
     }
-    fn copy_to_slot(&self, src: &SimHost, dst: &mut SimSlot, bytes: usize, after: Option<&SimEvent>) -> Result<SimEvent> {
+    fn copy_to_slot(&self, src: &SimHostBuffer, dst: &mut SimSlot, bytes: usize, after: Option<&SimEvent>) -> Result<SimEvent> {
         self.0.copy_to_slot(src, dst, bytes, after)
     }
     fn compute_wait(&self, event: &SimEvent) -> Result<()> {

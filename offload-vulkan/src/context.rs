@@ -85,7 +85,7 @@ pub struct VulkanOptions {
     /// Split each copy into regions of at most this many bytes (`None`: one region).
     pub copy_chunk_bytes: Option<u64>,
     /// Where host buffers live.
-    pub host_memory: HostMemory,
+    pub host_memory: HostAllocation,
     /// Split each copy in two halves submitted on two queues of the copy queue's
     /// family, where it has a second queue (two copy engines at once), else both
     /// on the copy queue (the same protocol, one engine). The slot's copy point is
@@ -98,7 +98,7 @@ pub struct VulkanOptions {
 
 /// Where the store's host buffers live.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum HostMemory {
+pub enum HostAllocation {
     /// Host-visible, coherent memory the driver allocates (`vkAllocateMemory`).
     Allocated,
     /// Pages this process allocates (aligned to the device's
@@ -116,7 +116,7 @@ impl Default for VulkanOptions {
             copy_queue: CopyQueue::Transfer,
             host_cached: false,
             copy_chunk_bytes: None,
-            host_memory: HostMemory::Allocated,
+            host_memory: HostAllocation::Allocated,
             split_copies: true,
         }
     }

@@ -3,10 +3,10 @@
 //! and the bookkeeping that makes freeing non-blocking and checks the protocol.
 
 use crate::context::{
-    debug_callback, lock, vk_err, CopyQueue, HostMemory, Inner, Queue, Split, State, Timeline, VulkanBackend, VulkanCounters,
+    debug_callback, lock, vk_err, CopyQueue, HostAllocation, Inner, Queue, Split, State, Timeline, VulkanBackend, VulkanCounters,
     VulkanOptions, VulkanPoint, BACKEND, LIFECYCLE, NEXT_ID,
 };
-use crate::memory::{VulkanHost, VulkanSlot};
+use crate::memory::{VulkanHostBuffer, VulkanSlot};
 use ash::vk;
 use offload_core::{Error, MemoryInfo, OffloadBackend, Result};
 use std::collections::HashMap;
@@ -131,8 +131,8 @@ impl VulkanBackend {
         // Host pages imported where asked for and offered: the extension and the
         // alignment an imported pointer (and its size) needs.
         let import_align = match options.host_memory {
-            HostMemory::Allocated => None,
-            HostMemory::Imported => {
+            HostAllocation::Allocated => None,
+            HostAllocation::Imported => {
                 // SAFETY: queries of a live physical device.
                 let offered = match unsafe { instance.enumerate_device_extension_properties(phys) } {
                     Ok(exts) => exts.iter().any(|e| e.extension_name_as_c_str() == Ok(ash::ext::external_memory_host::NAME)),
@@ -342,13 +342,13 @@ impl VulkanBackend {
         self.inner.split.as_ref().map(|sp| if sp.other_queue { 2 } else { 1 })
     }
 
-    /// Where host buffers live: [`HostMemory::Imported`] only where it was asked
+    /// Where host buffers live: [`HostAllocation::Imported`] only where it was asked
     /// for and the device offers `VK_EXT_external_memory_host`.
-    pub fn host_memory(&self) -> HostMemory {
+    pub fn host_memory(&self) -> HostAllocation {
         if self.inner.host_import.is_some() {
-            HostMemory::Imported
+            HostAllocation::Imported
         } else {
-            HostMemory::Allocated
+            HostAllocation::Allocated
         }
     }
 
@@ -732,7 +732,7 @@ impl VulkanBackend {
     }
 }
 
-impl offload_core::HostBuffer for VulkanHost {
+impl offload_core::HostBuffer for VulkanHostBuffer {
     fn is_pinned(&self) -> bool {
         true
     }
@@ -742,22 +742,28 @@ impl offload_core::HostBuffer for VulkanHost {
     }
 
     fn refill(&mut self, fill: offload_core::Fill<'_>) -> Result<()> {
-        VulkanHost::refill(self, fill)
+        VulkanHostBuffer::refill(self, fill)
     }
 }
 
 /// The backend is its own host memory: host-visible, coherent buffers (or
 /// imported pages), which the transfer queue copies from.
 impl offload_core::HostMemory for VulkanBackend {
-    type Buffer = VulkanHost;
+    type Buffer = VulkanHostBuffer;
 
     fn capabilities(&self) -> offload_core::HostCapabilities {
         offload_core::HostCapabilities { pinned: true, refill: true, ..Default::default() }
     }
 
-    fn alloc(&self, kind: offload_core::HostKind<'_>, bytes: usize, purpose: &str, fill: offload_core::Fill<'_>) -> Result<VulkanHost> {
+    fn alloc(
+        &self,
+        kind: offload_core::HostKind<'_>,
+        bytes: usize,
+        purpose: &str,
+        fill: offload_core::Fill<'_>,
+    ) -> Result<VulkanHostBuffer> {
         match kind {
-            offload_core::HostKind::Pinned => VulkanHost::new(self, bytes, purpose, fill),
+            offload_core::HostKind::Pinned => VulkanHostBuffer::new(self, bytes, purpose, fill),
             kind => Err(offload_core::host::unsupported_kind(BACKEND, kind, purpose)),
         }
     }
@@ -813,7 +819,7 @@ impl OffloadBackend for VulkanBackend {
         Ok(())
     }
 
-    fn copy_to_slot(&self, src: &VulkanHost, dst: &mut VulkanSlot, bytes: usize, after: Option<&VulkanPoint>) -> Result<VulkanPoint> {
+    fn copy_to_slot(&self, src: &VulkanHostBuffer, dst: &mut VulkanSlot, bytes: usize, after: Option<&VulkanPoint>) -> Result<VulkanPoint> {
         if !Arc::ptr_eq(&dst.inner, &self.inner) || !Arc::ptr_eq(src.inner(), &self.inner) {
             return Err(Error::Protocol("copy with a buffer or slot of another Vulkan backend instance".into()));
         }

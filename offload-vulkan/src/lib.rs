@@ -17,7 +17,7 @@
 //!   ([`CopyQueue`]), else share the compute queue (lavapipe). Buffers are created
 //!   `CONCURRENT` over both families, so no ownership transfer is needed.
 //! - **Host buffers** are host-visible, coherent, persistently mapped memory,
-//!   zeroed before the store's `fill` — or, with [`HostMemory::Imported`], this
+//!   zeroed before the store's `fill` — or, with [`HostAllocation::Imported`], this
 //!   process's own pages imported with `VK_EXT_external_memory_host` where the
 //!   device offers it (lavapipe and NVIDIA do); **slots** are device-local and go to a
 //!   deferred-destroy list when freed, destroyed once both timelines pass every
@@ -32,14 +32,14 @@
 //! - **Validation in tests.** [`VulkanOptions::validation`] turns on the Khronos
 //!   validation layer; any error it reports fails `poll_error` (every `end_step`).
 
+pub mod checksum;
 mod context;
 mod device;
-pub mod fold;
 mod memory;
 
 pub use ash;
-pub use context::{CopyQueue, HostMemory, Timeline, VulkanBackend, VulkanCounters, VulkanOptions, VulkanPoint, POISON};
-pub use memory::{VulkanHost, VulkanSlot};
+pub use context::{CopyQueue, HostAllocation, Timeline, VulkanBackend, VulkanCounters, VulkanOptions, VulkanPoint, POISON};
+pub use memory::{VulkanHostBuffer, VulkanSlot};
 
 #[cfg(test)]
 mod tests {
@@ -63,7 +63,7 @@ mod tests {
     }
 
     /// A 64-byte host buffer of `byte` and a 64-byte slot of `b`.
-    fn host_and_slot(b: &VulkanBackend, byte: u8) -> (VulkanHost, VulkanSlot) {
+    fn host_and_slot(b: &VulkanBackend, byte: u8) -> (VulkanHostBuffer, VulkanSlot) {
         let host = b.host().alloc_pinned(64, "test", &mut |x| {
             x.fill(byte);
             Ok(())
@@ -103,7 +103,7 @@ mod tests {
         assert!(a.copy_to_slot(&host, &mut slot, 64, Some(&copy)).is_err(), "a copy point was taken as a release");
         let mut b_slot = b.alloc_slot(64, "test").expect("slot of b");
         assert!(b.copy_to_slot(&host, &mut b_slot, 64, None).is_err(), "b copied from a's host buffer");
-        let mut fold = fold::FoldKernel::new(&b, 1).expect("fold");
+        let mut fold = checksum::ChecksumKernel::new(&b, 1).expect("fold");
         assert!(fold.fold(&slot, 64, &[copy]).is_err(), "b's fold read a's slot");
         a.synchronize().expect("sync");
         b.synchronize().expect("sync");
@@ -137,7 +137,7 @@ mod tests {
         let (Some(a), Some(b)) = (open(&VulkanOptions::default()), open(&VulkanOptions::default())) else { return };
         let (host, mut slot) = host_and_slot(&a, 6);
         let copy = a.copy_to_slot(&host, &mut slot, 64, None).expect("copy");
-        let mut fold = fold::FoldKernel::new(&a, 1).expect("fold");
+        let mut fold = checksum::ChecksumKernel::new(&a, 1).expect("fold");
         let foreign = b.record_compute().expect("b's point");
         assert!(fold.fold(&slot, 64, &[copy, foreign]).is_err(), "a wait on b's point submitted");
         a.copy_to_slot(&host, &mut slot, 64, None).expect("copy");

@@ -37,7 +37,7 @@ struct Pages {
 
 impl Drop for Pages {
     fn drop(&mut self) {
-        // SAFETY: allocated with `layout` by `VulkanHost::imported`; whoever owns the
+        // SAFETY: allocated with `layout` by `VulkanHostBuffer::imported`; whoever owns the
         // pages drops them only once no memory object imports them.
         unsafe { std::alloc::dealloc(self.ptr, self.layout) }
     }
@@ -124,7 +124,7 @@ fn make_buffer(
         ai = ai.push_next(&mut imported);
     }
     // SAFETY: as above; an imported pointer stays allocated until the memory is freed
-    // (`VulkanHost`'s drop frees the memory first).
+    // (`VulkanHostBuffer`'s drop frees the memory first).
     let memory = match unsafe { dev.allocate_memory(&ai, None) } {
         Ok(m) => m,
         Err(e) => {
@@ -155,10 +155,10 @@ fn make_buffer(
 }
 
 /// Host memory for one block: a host-visible, coherent buffer mapped for its whole
-/// life (or, with [`HostMemory::Imported`](crate::HostMemory), pages of this
+/// life (or, with [`HostAllocation::Imported`](crate::HostAllocation), pages of this
 /// process imported as the buffer's memory), written once by the store's `fill`,
 /// then immutable; the transfer queue copies from it.
-pub struct VulkanHost {
+pub struct VulkanHostBuffer {
     buffer: vk::Buffer,
     memory: vk::DeviceMemory,
     ptr: *mut u8,
@@ -173,11 +173,11 @@ pub struct VulkanHost {
 // The mapping is plain bytes owned by this value, written only inside `new` (before
 // it is shared) and read afterwards; the handles are used under `Inner`'s lock or in `Drop`.
 // SAFETY: nothing here is touched from two threads without that order (just said).
-unsafe impl Send for VulkanHost {}
+unsafe impl Send for VulkanHostBuffer {}
 // SAFETY: as above: immutable after construction.
-unsafe impl Sync for VulkanHost {}
+unsafe impl Sync for VulkanHostBuffer {}
 
-impl VulkanHost {
+impl VulkanHostBuffer {
     pub(crate) fn new(b: &VulkanBackend, len: usize, purpose: &str, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>) -> Result<Self> {
         if let Some((_, align)) = &b.inner.host_import {
             return Self::imported(b, len, *align, purpose, fill);
@@ -199,7 +199,7 @@ impl VulkanHost {
                 return Err(vk_err("vkMapMemory", purpose, e));
             }
         };
-        let me = VulkanHost { buffer, memory, ptr, len, pages: None, last_copy: AtomicU64::new(0), inner: b.inner.clone() };
+        let me = VulkanHostBuffer { buffer, memory, ptr, len, pages: None, last_copy: AtomicU64::new(0), inner: b.inner.clone() };
         // Counted from here: the drop gives it back (or keeps it counted, leaked).
         lock(&b.inner.state).host_bytes += len as u64;
         if len > 0 {
@@ -241,14 +241,14 @@ impl VulkanHost {
         }
         let flags = vk::MemoryPropertyFlags::HOST_VISIBLE | vk::MemoryPropertyFlags::HOST_COHERENT;
         // `pages` is `size` bytes aligned to `align` (a multiple of the device's
-        // import alignment), kept by the `VulkanHost` made below, whose drop frees
+        // import alignment), kept by the `VulkanHostBuffer` made below, whose drop frees
         // the memory object before the pages (or by this function, which frees them
         // on an error, when `make_buffer` has freed what it made).
         // SAFETY: `Import::new`'s contract, as just said.
         let import = unsafe { Import::new(ptr, size) };
         let (buffer, memory) = make_buffer(b, len, vk::BufferUsageFlags::TRANSFER_SRC, flags, purpose, Some(&import))?;
         lock(&b.inner.state).host_bytes += len as u64;
-        Ok(VulkanHost { buffer, memory, ptr, len, pages: Some(pages), last_copy: AtomicU64::new(0), inner: b.inner.clone() })
+        Ok(VulkanHostBuffer { buffer, memory, ptr, len, pages: Some(pages), last_copy: AtomicU64::new(0), inner: b.inner.clone() })
     }
 
     /// Whether the bytes are this process's pages imported into Vulkan.
@@ -353,7 +353,7 @@ impl VulkanHost {
     }
 }
 
-impl Drop for VulkanHost {
+impl Drop for VulkanHostBuffer {
     fn drop(&mut self) {
         let b = VulkanBackend { inner: self.inner.clone() };
         let last = self.last_copy.load(Ordering::Relaxed);

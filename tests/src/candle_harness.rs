@@ -200,7 +200,7 @@ fn views_cuda() -> Outcome {
 
 /// candle on CUDA with `U8` slots (the cases stream raw bytes of any length),
 /// in the transfer engine's checking mode: the fold runs on candle's stream over
-/// the slot's buffer (`offload_cuda::fold`), with no host read inside it.
+/// the slot's buffer (`offload_cuda::checksum`), with no host read inside it.
 #[cfg(feature = "candle-cuda")]
 pub struct CandleCuda;
 

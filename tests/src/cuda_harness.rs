@@ -1,4 +1,4 @@
-//! The CUDA backend's row: the fold runs as `offload_cuda::fold::FoldKernel` on
+//! The CUDA backend's row: the fold runs as `offload_cuda::checksum::ChecksumKernel` on
 //! the compute stream, so reading a slot early or late changes the result. The
 //! backend runs in its checking mode (each copy first poisons its slot, then
 //! spins, on the copy stream) and every fourth fold spins on the device before it
@@ -8,7 +8,7 @@ use crate::harness::{CaseError, Harness, ModelCase, Outcome};
 use crate::model::SEED;
 use offload_core::{HostBuffer as _, HostMemory as _};
 use offload_core::{OffloadBackend, Result};
-use offload_cuda::fold::FoldKernel;
+use offload_cuda::checksum::ChecksumKernel;
 use offload_cuda::{CudaBackend, CudaSlot};
 
 /// Microseconds each copy spins on the copy stream after poisoning its slot.
@@ -23,7 +23,7 @@ pub const FOLD_SPIN_US: u64 = 1000;
 /// See [`FOLD_SPIN_US`].
 pub const FOLD_SPIN_EVERY: u64 = 4;
 
-/// The row of a framework backend over offload-cuda's `FreshEngine` (candle-cuda,
+/// The row of a framework backend over offload-cuda's `FrameworkBufferEngine` (candle-cuda,
 /// tch-cuda): the transfer engine's checking mode, its mapped and coded host
 /// memory, the fold on the framework's stream over the slot's buffer. `$open(spin)`
 /// opens the backend with each copy spinning `spin` µs; `$cases` are its model cases.
@@ -32,7 +32,7 @@ macro_rules! fresh_engine_harness {
     ($row:ident, $name:literal, $backend:ty, $slot:ty, $open:path, $cases:expr) => {
         impl $crate::harness::Harness for $row {
             type B = $backend;
-            type Acc = offload_cuda::fold::FoldKernel;
+            type Acc = offload_cuda::checksum::ChecksumKernel;
             const NAME: &'static str = $name;
 
             fn open_mapped(path: &std::path::Path) -> offload_core::Result<offload_core::SafetensorsFile> {
@@ -96,8 +96,8 @@ macro_rules! fresh_engine_harness {
 pub(crate) use fresh_engine_harness;
 
 /// The fold kernel of the GPU rows, with the spin pattern.
-pub fn gpu_fold(b: &CudaBackend) -> Result<FoldKernel> {
-    Ok(FoldKernel::new(b, SEED)?.spin_every(FOLD_SPIN_EVERY, FOLD_SPIN_US))
+pub fn gpu_fold(b: &CudaBackend) -> Result<ChecksumKernel> {
+    Ok(ChecksumKernel::new(b, SEED)?.spin_every(FOLD_SPIN_EVERY, FOLD_SPIN_US))
 }
 
 /// The raw CUDA backend on device 0; with `CODED`, its host store coded for the
@@ -149,7 +149,7 @@ impl<const MODE: u8> CudaRow<MODE> {
 
 impl<const MODE: u8> Harness for CudaRow<MODE> {
     type B = CudaBackend;
-    type Acc = FoldKernel;
+    type Acc = ChecksumKernel;
     const NAME: &'static str = match MODE {
         1 => "cuda-coded",
         2 => "cuda-relay",
@@ -159,13 +159,13 @@ impl<const MODE: u8> Harness for CudaRow<MODE> {
     fn backend() -> std::result::Result<CudaBackend, CaseError> {
         Self::open(COPY_SPIN_US)
     }
-    fn new_acc(b: &CudaBackend) -> Result<FoldKernel> {
+    fn new_acc(b: &CudaBackend) -> Result<ChecksumKernel> {
         gpu_fold(b)
     }
-    fn fold(b: &CudaBackend, acc: &mut FoldKernel, slot: &CudaSlot, bytes: usize, _waits: &[()]) -> Result<()> {
+    fn fold(b: &CudaBackend, acc: &mut ChecksumKernel, slot: &CudaSlot, bytes: usize, _waits: &[()]) -> Result<()> {
         acc.fold(b, slot, bytes)
     }
-    fn read(b: &CudaBackend, acc: &FoldKernel) -> Result<u64> {
+    fn read(b: &CudaBackend, acc: &ChecksumKernel) -> Result<u64> {
         acc.read(b)
     }
     fn open_mapped(path: &std::path::Path) -> offload_core::Result<offload_core::SafetensorsFile> {

@@ -72,7 +72,7 @@ impl Harness for Tch {
 
 /// libtorch on CUDA, in the transfer engine's checking mode: each copy lands in
 /// a fresh libtorch buffer; the fold runs on libtorch's stream over it
-/// (`offload_cuda::fold`), with no host read inside it.
+/// (`offload_cuda::checksum`), with no host read inside it.
 #[cfg(feature = "tch-cuda")]
 pub struct TchCuda;
 

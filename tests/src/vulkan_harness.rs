@@ -14,8 +14,8 @@
 use crate::harness::{CaseError, Harness, ModelCase, Outcome};
 use crate::model::{ModelShape, TestModel, SEED};
 use offload_core::{resolve, Error, HostStore, Plan, Result, Ring};
-use offload_vulkan::fold::{reference_combine, reference_hash, FoldKernel};
-use offload_vulkan::{HostMemory, VulkanBackend, VulkanOptions, VulkanSlot};
+use offload_vulkan::checksum::{reference_combine, reference_hash, ChecksumKernel};
+use offload_vulkan::{HostAllocation, VulkanBackend, VulkanOptions, VulkanSlot};
 use std::sync::Arc;
 
 /// Rounds the fold's spin runs on every fourth fold (a late read).
@@ -49,14 +49,14 @@ fn open(mode: u8) -> std::result::Result<VulkanBackend, CaseError> {
 fn open_unchecked(mode: u8) -> std::result::Result<VulkanBackend, CaseError> {
     let validation = std::env::var("OFFLOAD_VULKAN_VALIDATION").map_or(true, |v| v != "0");
     let import = mode == IMPORT;
-    let host_memory = if import { HostMemory::Imported } else { HostMemory::Allocated };
+    let host_memory = if import { HostAllocation::Imported } else { HostAllocation::Allocated };
     let options = VulkanOptions { validation, host_memory, split_copies: mode == SPLIT, ..Default::default() };
     match VulkanBackend::with_options(&options) {
         // lavapipe (CI's device) and NVIDIA's driver (the runner's) offer the
         // extension: there a fallback is a failure.
         Ok(b)
             if import
-                && b.host_memory() != HostMemory::Imported
+                && b.host_memory() != HostAllocation::Imported
                 && (b.device_name().contains("llvmpipe") || b.device_name().contains("NVIDIA")) =>
         {
             Err(CaseError::Fail(format!(
@@ -64,7 +64,7 @@ fn open_unchecked(mode: u8) -> std::result::Result<VulkanBackend, CaseError> {
                 b.device_name()
             )))
         }
-        Ok(b) if import && b.host_memory() != HostMemory::Imported => {
+        Ok(b) if import && b.host_memory() != HostAllocation::Imported => {
             Err(CaseError::Skip(format!("{} has no VK_EXT_external_memory_host", b.device_name())))
         }
         Ok(b) => Ok(b),
@@ -83,7 +83,7 @@ fn validation(b: &VulkanBackend) -> Result<()> {
 
 impl<const MODE: u8> Harness for VulkanRow<MODE> {
     type B = VulkanBackend;
-    type Acc = FoldKernel;
+    type Acc = ChecksumKernel;
     const NAME: &'static str = match MODE {
         IMPORT => "vulkan-import",
         SPLIT => "vulkan-split",
@@ -102,13 +102,19 @@ impl<const MODE: u8> Harness for VulkanRow<MODE> {
         }
         Ok(b)
     }
-    fn new_acc(b: &VulkanBackend) -> Result<FoldKernel> {
-        Ok(FoldKernel::new(b, SEED as u32)?.spin_every(4, SPIN_ROUNDS))
+    fn new_acc(b: &VulkanBackend) -> Result<ChecksumKernel> {
+        Ok(ChecksumKernel::new(b, SEED as u32)?.spin_every(4, SPIN_ROUNDS))
     }
-    fn fold(_: &VulkanBackend, acc: &mut FoldKernel, slot: &VulkanSlot, bytes: usize, waits: &[offload_vulkan::VulkanPoint]) -> Result<()> {
+    fn fold(
+        _: &VulkanBackend,
+        acc: &mut ChecksumKernel,
+        slot: &VulkanSlot,
+        bytes: usize,
+        waits: &[offload_vulkan::VulkanPoint],
+    ) -> Result<()> {
         acc.fold(slot, bytes, waits).map(drop)
     }
-    fn read(b: &VulkanBackend, acc: &FoldKernel) -> Result<u64> {
+    fn read(b: &VulkanBackend, acc: &ChecksumKernel) -> Result<u64> {
         let v = acc.read()?;
         validation(b)?;
         Ok(u64::from(v))
@@ -157,7 +163,7 @@ impl<const MODE: u8> Harness for VulkanRow<MODE> {
 fn fold_step<const MODE: u8>(
     b: &VulkanBackend,
     ring: &mut Ring<VulkanBackend>,
-    acc: &mut FoldKernel,
+    acc: &mut ChecksumKernel,
     model: &TestModel,
     at: &str,
 ) -> Outcome {
@@ -176,7 +182,7 @@ fn fold_step<const MODE: u8>(
 }
 
 /// With imported host memory every block's buffer is this process's pages
-/// (`VulkanHost::is_imported`), holding the block's bytes, and the buffers are
+/// (`VulkanHostBuffer::is_imported`), holding the block's bytes, and the buffers are
 /// freed cleanly after a streamed step (validation on).
 fn host_pages_imported() -> Outcome {
     let b = open(IMPORT)?;
@@ -265,7 +271,7 @@ fn split_halves_at_once() -> Outcome {
         let mut ring = Ring::new(b.clone(), store, &plan.components[0])?;
         let before = b.counters();
         for step in 0..3 {
-            fold_step::<SPLIT>(&b, &mut ring, &mut FoldKernel::new(&b, SEED as u32)?, &model, &format!("d={depth} step {step}"))?;
+            fold_step::<SPLIT>(&b, &mut ring, &mut ChecksumKernel::new(&b, SEED as u32)?, &model, &format!("d={depth} step {step}"))?;
         }
         ring.close()?;
         let c = b.counters();

@@ -56,10 +56,10 @@ pub(crate) fn noise(n: usize, x: &mut u64) -> Vec<u8> {
 /// slot of another backend.
 #[test]
 fn a_fold_kernel_refuses_another_backend() {
-    use crate::fold::FoldKernel;
+    use crate::checksum::ChecksumKernel;
     use offload_core::OffloadBackend;
     let (Some(a), Some(b)) = (test_backend(), test_backend()) else { return };
-    let mut fold = FoldKernel::new(&a, 1).expect("fold");
+    let mut fold = ChecksumKernel::new(&a, 1).expect("fold");
     let slot_a = a.alloc_slot(4096, "a").expect("slot of a");
     let slot_b = b.alloc_slot(4096, "b").expect("slot of b");
     assert!(fold.fold(&b, &slot_b, 4096).is_err(), "a fold kernel of a folded on b's stream");

@@ -16,7 +16,7 @@
 //! Writes one JSON file (DESIGN's schema, plus `bandwidth_gbps`, `cuda_bandwidth_gbps`).
 
 use offload_core::{resolve, BlockDiscovery, DType, HostStore, MemoryTensors, NameDiscovery, Plan, Ring, TensorSpec};
-use offload_vulkan::fold::{reference_combine, reference_hash, FoldKernel};
+use offload_vulkan::checksum::{reference_combine, reference_hash, ChecksumKernel};
 use offload_vulkan::VulkanBackend;
 use rand::{RngCore, SeedableRng};
 use std::sync::Arc;
@@ -69,7 +69,7 @@ fn model(blocks: usize, bytes: usize) -> Res<MemoryTensors> {
 }
 
 /// One timed step: per block, wait token → spin + fold → release. Returns (seconds, fold).
-fn step(ring: &mut Ring<VulkanBackend>, fold: &mut FoldKernel, rounds: u32) -> Res<(f64, u32)> {
+fn step(ring: &mut Ring<VulkanBackend>, fold: &mut ChecksumKernel, rounds: u32) -> Res<(f64, u32)> {
     let t = Instant::now();
     for i in 0..ring.len() {
         let g = ring.block_at(i).map_err(|e| e.to_string())?;
@@ -120,8 +120,8 @@ fn run() -> Res<()> {
         host_cached: args.iter().any(|a| a == "--host-cached"),
         copy_chunk_bytes,
         host_memory: match arg(&args, "--host-memory").as_deref() {
-            None | Some("allocated") => offload_vulkan::HostMemory::Allocated,
-            Some("imported") => offload_vulkan::HostMemory::Imported,
+            None | Some("allocated") => offload_vulkan::HostAllocation::Allocated,
+            Some("imported") => offload_vulkan::HostAllocation::Imported,
             Some(other) => return Err(format!("--host-memory {other}: allocated or imported")),
         },
         // Split by default (as `VulkanOptions`); `--split-copies` kept for older commands.
@@ -155,7 +155,7 @@ fn run() -> Res<()> {
     eprintln!("bandwidth: vulkan {:.2} GB/s, cudarc pinned {:?} GB/s", bandwidth / 1e9, cuda_bandwidth.map(|b| b / 1e9));
 
     // Calibrate the spin: rounds per second of one invocation.
-    let mut fold = FoldKernel::new(&vk, 0x5eed).map_err(|e| e.to_string())?;
+    let mut fold = ChecksumKernel::new(&vk, 0x5eed).map_err(|e| e.to_string())?;
     let cal_rounds = 4_000_000u32;
     fold.spin(None, cal_rounds, &[]).map_err(|e| e.to_string())?;
     fold.read().map_err(|e| e.to_string())?;
@@ -177,10 +177,10 @@ fn run() -> Res<()> {
         {
             let rp = plan(&Plan::resident())?;
             let mut ring = Ring::new(vk.clone(), store.clone(), &rp.components[0]).map_err(|e| e.to_string())?;
-            let mut f = FoldKernel::new(&vk, 0x5eed).map_err(|e| e.to_string())?;
+            let mut f = ChecksumKernel::new(&vk, 0x5eed).map_err(|e| e.to_string())?;
             step(&mut ring, &mut f, rounds)?;
             for _ in 0..steps {
-                f = FoldKernel::new(&vk, 0x5eed).map_err(|e| e.to_string())?;
+                f = ChecksumKernel::new(&vk, 0x5eed).map_err(|e| e.to_string())?;
                 resident_times.push(step(&mut ring, &mut f, rounds)?.0);
             }
             resident_fold = f.read().map_err(|e| e.to_string())?;
@@ -191,12 +191,12 @@ fn run() -> Res<()> {
             let rp = plan(&Plan::layerwise().prefetch_depth(depth))?;
             vk.reset_peak();
             let mut ring = Ring::new(vk.clone(), store.clone(), &rp.components[0]).map_err(|e| e.to_string())?;
-            let mut f = FoldKernel::new(&vk, 0x5eed).map_err(|e| e.to_string())?;
+            let mut f = ChecksumKernel::new(&vk, 0x5eed).map_err(|e| e.to_string())?;
             step(&mut ring, &mut f, rounds)?;
             let mut times = Vec::new();
             let mut folds = Vec::new();
             for _ in 0..steps {
-                f = FoldKernel::new(&vk, 0x5eed).map_err(|e| e.to_string())?;
+                f = ChecksumKernel::new(&vk, 0x5eed).map_err(|e| e.to_string())?;
                 let (s, v) = step(&mut ring, &mut f, rounds)?;
                 times.push(s);
                 folds.push(v);

@@ -34,7 +34,7 @@ pub fn reference_combine(acc: u32, hash: u32) -> u32 {
 }
 
 /// The fold pipeline and its on-device accumulator.
-pub struct FoldKernel {
+pub struct ChecksumKernel {
     backend: VulkanBackend,
     module: vk::ShaderModule,
     set_layout: vk::DescriptorSetLayout,
@@ -53,7 +53,7 @@ pub struct FoldKernel {
 
 // SAFETY: the handles are used under the backend's lock or in `Drop`; the mapped
 // accumulator is read only after waiting for the submissions that write it.
-unsafe impl Send for FoldKernel {}
+unsafe impl Send for ChecksumKernel {}
 
 #[repr(C)]
 struct Params {
@@ -63,13 +63,13 @@ struct Params {
     pad: u32,
 }
 
-impl FoldKernel {
+impl ChecksumKernel {
     /// Build the pipelines; the accumulator starts at `seed`.
     pub fn new(b: &VulkanBackend, seed: u32) -> Result<Self> {
         let dev = b.device();
         let words =
             ash::util::read_spv(&mut std::io::Cursor::new(SPIRV)).map_err(|e| Error::device("vulkan", "reading the fold's SPIR-V", e))?;
-        let mut k = FoldKernel {
+        let mut k = ChecksumKernel {
             backend: b.clone(),
             module: vk::ShaderModule::null(),
             set_layout: vk::DescriptorSetLayout::null(),
@@ -118,7 +118,7 @@ impl FoldKernel {
                 }
             }
         }
-        let acc = crate::memory::VulkanHost::new_storage(b, 16, "the fold's accumulator")?;
+        let acc = crate::memory::VulkanHostBuffer::new_storage(b, 16, "the fold's accumulator")?;
         (k.acc, k.acc_memory, k.acc_ptr) = acc;
         // SAFETY: the mapping holds four u32 and no submission uses it yet.
         unsafe { std::ptr::copy_nonoverlapping([seed, 0, 0, 0].as_ptr(), k.acc_ptr, 4) };
@@ -224,7 +224,7 @@ impl FoldKernel {
     }
 }
 
-impl Drop for FoldKernel {
+impl Drop for ChecksumKernel {
     fn drop(&mut self) {
         if let Some(p) = self.last {
             // A failed wait marks the device lost (`wait_value`).

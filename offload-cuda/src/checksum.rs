@@ -3,7 +3,7 @@
 //! 64-bit atomics, then a sequential combine). The conformance suite runs it as
 //! the "model": reading a slot early, late or in the wrong order changes the result.
 //!
-//! With [`FoldKernel::spin_every`] some folds first spin on the device before they
+//! With [`ChecksumKernel::spin_every`] some folds first spin on the device before they
 //! read, so that, with the backend's checking mode
 //! ([`CudaBackend::enable_checking`]), a copy not ordered after the fold's read
 //! poisons the bytes while the fold is still to read them.
@@ -105,7 +105,7 @@ unsafe impl DeviceSlot for CudaSlot {
 }
 
 /// The fold: `acc = (rotl(acc, 7) ^ Σ mix(word_i, i)) · K` per block, on the compute stream.
-pub struct FoldKernel {
+pub struct ChecksumKernel {
     /// The backend instance whose compute stream the accumulator lives on: the
     /// only one the kernel folds and reads for (its frees are ordered there).
     engine: std::sync::Arc<crate::engine::Engine>,
@@ -118,7 +118,7 @@ pub struct FoldKernel {
     folds: u64,
 }
 
-impl Drop for FoldKernel {
+impl Drop for ChecksumKernel {
     fn drop(&mut self) {
         // Folds and spins may still be queued on the compute stream: let them
         // finish before the module goes with the functions (the accumulator is
@@ -132,7 +132,7 @@ impl Drop for FoldKernel {
     }
 }
 
-impl FoldKernel {
+impl ChecksumKernel {
     /// Compile (once per process) and load the kernels; the accumulator starts at `seed`.
     pub fn new(b: &CudaBackend, seed: u64) -> Result<Self> {
         let ptx = ptx().map_err(|e| dev("compiling the fold kernels", e))?;
@@ -141,7 +141,7 @@ impl FoldKernel {
         let combine = module.load_function("fold_combine").map_err(|e| dev("fold_combine", e))?;
         let spin = module.load_function("spin").map_err(|e| dev("spin", e))?;
         let acc = b.engine().compute.clone_htod(&[seed, 0u64]).map_err(|e| dev("accumulator", e))?;
-        Ok(FoldKernel { engine: b.engine().clone(), acc, hash, combine, spin, spin_every: None, folds: 0 })
+        Ok(ChecksumKernel { engine: b.engine().clone(), acc, hash, combine, spin, spin_every: None, folds: 0 })
     }
 
     /// Make every `every`-th fold spin `us` microseconds on the device before it

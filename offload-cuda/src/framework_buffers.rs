@@ -11,11 +11,11 @@
 //! in a [`ProtocolLog`], which reports a broken release order that these buffers
 //! make harmless.
 
-use crate::checked::{CheckedEvent, ProtocolLog};
+use crate::checksum::DeviceSlot;
 use crate::device::{CudaBackend, CudaCounters};
 use crate::engine::CudaPoint;
-use crate::fold::DeviceSlot;
-use crate::host::PinnedHost;
+use crate::host::CudaHostBuffer;
+use crate::protocol_log::{CheckedEvent, ProtocolLog};
 use offload_core::{Error, MemoryInfo, OffloadBackend, Result, StreamKind};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -30,7 +30,7 @@ struct SlotBytes {
 
 /// The transfer engine with fresh framework buffers. Cheap to clone.
 #[derive(Clone)]
-pub struct FreshEngine {
+pub struct FrameworkBufferEngine {
     inner: CudaBackend,
     name: &'static str,
     bytes: Arc<SlotBytes>,
@@ -39,7 +39,7 @@ pub struct FreshEngine {
 
 /// A ring slot: the buffer `T` (a framework tensor owning its memory) holding the
 /// last block copied into it.
-pub struct FreshSlot<T> {
+pub struct FrameworkBufferSlot<T> {
     id: u64,
     len: usize,
     current: Option<Held<T>>,
@@ -54,7 +54,7 @@ struct Held<T> {
     last_copy: CudaPoint,
 }
 
-impl<T> FreshSlot<T> {
+impl<T> FrameworkBufferSlot<T> {
     /// The buffer of the last block copied into this slot (`None` before the first copy).
     pub fn buffer(&self) -> Option<&T> {
         self.current.as_ref().map(|h| &h.buffer)
@@ -85,7 +85,7 @@ fn retire<T>(engine: &CudaBackend, held: Held<T>) -> Result<()> {
     }
 }
 
-impl<T> Drop for FreshSlot<T> {
+impl<T> Drop for FrameworkBufferSlot<T> {
     fn drop(&mut self) {
         self.bytes.live.fetch_sub(self.len as u64, Ordering::Relaxed);
         // Dropped without `free_slot`: still order the buffer's release after its copy.
@@ -97,7 +97,7 @@ impl<T> Drop for FreshSlot<T> {
     }
 }
 
-// The buffer owns its memory (`FreshEngine::copy_to_slot`'s contract) while nobody
+// The buffer owns its memory (`FrameworkBufferEngine::copy_to_slot`'s contract) while nobody
 // resizes its storage through a handle to it (libtorch's `resize_`/`set_` on a
 // shallow copy, Python's `untyped_storage().resize_(0)` on a lent tensor): the one
 // kernel that reads a `DeviceSlot`, the conformance suite's fold, runs on slots
@@ -105,7 +105,7 @@ impl<T> Drop for FreshSlot<T> {
 // SAFETY: the borrow of the slot keeps the buffer alive, and the framework releases
 // it in the order of the engine's compute stream, so kernels enqueued there while
 // borrowed run first.
-unsafe impl<T> DeviceSlot for FreshSlot<T> {
+unsafe impl<T> DeviceSlot for FrameworkBufferSlot<T> {
     fn device_range(&self) -> (u64, usize) {
         self.current.as_ref().map_or((0, 0), |h| (h.ptr, self.len))
     }
@@ -114,11 +114,11 @@ unsafe impl<T> DeviceSlot for FreshSlot<T> {
     }
 }
 
-impl FreshEngine {
+impl FrameworkBufferEngine {
     /// An engine over `inner` (whose compute stream is the framework's), named
     /// `name` in errors (`"candle-cuda"`, `"tch-cuda"`).
     pub fn new(inner: CudaBackend, name: &'static str) -> Self {
-        FreshEngine { inner, name, bytes: Arc::default(), log: Arc::default() }
+        FrameworkBufferEngine { inner, name, bytes: Arc::default(), log: Arc::default() }
     }
 
     /// The transfer engine (streams, the checking mode).
@@ -146,11 +146,11 @@ impl FreshEngine {
 
     /// Record that compute is about to read `slot` (its tensors were handed out,
     /// or a kernel over its buffer is enqueued).
-    pub fn note_read<T>(&self, slot: &FreshSlot<T>) {
+    pub fn note_read<T>(&self, slot: &FrameworkBufferSlot<T>) {
         self.log.read(slot.id);
     }
 
-    fn own<T>(&self, slot: &FreshSlot<T>, what: &str) -> Result<()> {
+    fn own<T>(&self, slot: &FrameworkBufferSlot<T>, what: &str) -> Result<()> {
         if Arc::ptr_eq(&slot.bytes, &self.bytes) {
             Ok(())
         } else {
@@ -159,18 +159,24 @@ impl FreshEngine {
     }
 
     /// A slot of `bytes` (no buffer until the first copy).
-    pub fn alloc_slot<T>(&self, bytes: usize, purpose: &str) -> Result<FreshSlot<T>> {
+    pub fn alloc_slot<T>(&self, bytes: usize, purpose: &str) -> Result<FrameworkBufferSlot<T>> {
         let free = self.inner.memory_info().map(|m| m.free).unwrap_or(u64::MAX);
         if bytes as u64 > free {
             return Err(Error::OutOfDeviceMemory { backend: self.name.into(), requested: bytes as u64, free, purpose: purpose.into() });
         }
         let live = self.bytes.live.fetch_add(bytes as u64, Ordering::Relaxed) + bytes as u64;
         self.bytes.peak.fetch_max(live, Ordering::Relaxed);
-        Ok(FreshSlot { id: self.log.new_slot(), len: bytes, current: None, bytes: self.bytes.clone(), engine: self.inner.clone() })
+        Ok(FrameworkBufferSlot {
+            id: self.log.new_slot(),
+            len: bytes,
+            current: None,
+            bytes: self.bytes.clone(),
+            engine: self.inner.clone(),
+        })
     }
 
     /// Free a slot after `after`; its buffer is released after its copy.
-    pub fn free_slot<T>(&self, mut slot: FreshSlot<T>, after: Option<&CheckedEvent>) -> Result<()> {
+    pub fn free_slot<T>(&self, mut slot: FrameworkBufferSlot<T>, after: Option<&CheckedEvent>) -> Result<()> {
         self.own(&slot, "freeing")?;
         self.log.free_slot(slot.id, after);
         if let Some(ev) = after {
@@ -193,8 +199,8 @@ impl FreshEngine {
     /// engine's compute stream, and released (when dropped) in that order too.
     pub unsafe fn copy_to_slot<T>(
         &self,
-        src: &PinnedHost,
-        dst: &mut FreshSlot<T>,
+        src: &CudaHostBuffer,
+        dst: &mut FrameworkBufferSlot<T>,
         bytes: usize,
         after: Option<&CheckedEvent>,
         alloc: impl FnOnce(usize) -> Result<(T, u64)>,
@@ -261,11 +267,11 @@ impl FreshEngine {
     }
 }
 
-/// The inherent methods every backend over a [`FreshEngine`] offers as the
+/// The inherent methods every backend over a [`FrameworkBufferEngine`] offers as the
 /// engine does (the transfer engine, counters, violations, `note_read`,
 /// `reset_peak`): write `offload_cuda::fresh_engine_methods!(engine, Slot);`
 /// inside the backend's own `impl`, `engine` the field holding the engine and
-/// `Slot` its slot type (a [`FreshSlot`]).
+/// `Slot` its slot type (a [`FrameworkBufferSlot`]).
 #[macro_export]
 macro_rules! fresh_engine_methods {
     ($engine:ident, $slot:ty) => {
@@ -302,13 +308,13 @@ macro_rules! fresh_engine_methods {
     };
 }
 
-/// The [`OffloadBackend`] methods a backend over a [`FreshEngine`] forwards as
+/// The [`OffloadBackend`] methods a backend over a [`FrameworkBufferEngine`] forwards as
 /// they are (its host memory, freeing slots, waits, events, timing, memory):
-/// write `offload_cuda::forward_to_fresh_engine!(engine);` inside its
+/// write `offload_cuda::forward_to_framework_buffers!(engine);` inside its
 /// `impl OffloadBackend`, `engine` the field holding the engine, and write
 /// `name`, `alloc_slot` and `copy_to_slot` (the framework's buffers) yourself.
 #[macro_export]
-macro_rules! forward_to_fresh_engine {
+macro_rules! forward_to_framework_buffers {
     ($engine:ident) => {
         fn host(&self) -> Self::Host {
             self.$engine.cuda().clone()

@@ -1153,6 +1153,26 @@ def enable(
     """
     component = name or type(module).__name__
     auto = depth is None and budget_gib is None and calibration is None
+    depth, resident_blocks, budget_gib, pin_budget_gib, dev, stacks = _arguments(
+        module, component, depth, resident_blocks, budget_gib, pin_budget_gib, device, blocks, lazy)
+    state = Offloaded()
+    state.component, state.device, state.module = component, dev, module
+    state._lazy = lazy
+    state._auto = auto
+    block_modules = _block_modules(state, module, stacks)
+    all_params, in_block, tensors = _streamed_tensors(state, module, block_modules, checkpoint)
+    from_file = _meta_from_file(module, component, all_params, in_block, checkpoint)
+    budget_bytes = _budget_bytes(module, component, budget_gib, all_params, in_block)
+    _start_engine(state, tensors, stacks, block_modules, depth=depth, budget_bytes=budget_bytes, resident_blocks=resident_blocks,
+                  coded=coded, pin_budget_gib=pin_budget_gib, pageable_fallback=pageable_fallback, checkpoint=checkpoint,
+                  progress=progress, calibration=calibration, keep_host_copy=keep_host_copy)
+    _install(state, module, block_modules, all_params, from_file, checkpoint, keep_host_copy)
+    return state
+
+
+def _arguments(module, component, depth, resident_blocks, budget_gib, pin_budget_gib, device, blocks, lazy):
+    """``enable``'s arguments checked, each error naming the component: the
+    depth, resident blocks, budgets, the device and the block lists."""
     depth = _count(component, "depth", 1 if depth is None else depth, 1)
     resident_blocks = _names(component, "resident_blocks", resident_blocks)
     budget_gib = _gib(component, "budget_gib", budget_gib, positive=True)
@@ -1182,11 +1202,15 @@ def enable(
         )
     if not isinstance(lazy, bool):
         raise _ArgumentTypeError(f"component {component!r}: lazy must be True or False, not {lazy!r}")
-    state = Offloaded()
-    state.component, state.device, state.module = component, dev, module
-    state._lazy = lazy
-    state._auto = auto
+    if not isinstance(lazy, bool):
+        raise _ArgumentTypeError(f"component {component!r}: lazy must be True or False, not {lazy!r}")
+    return depth, resident_blocks, budget_gib, pin_budget_gib, dev, stacks
 
+
+def _block_modules(state: Offloaded, module: nn.Module, stacks: list) -> list:
+    """Every block of the block lists with its `_Block`, each list checked
+    (every item a called module, numbered 0, 1, ...)."""
+    component = state.component
     block_modules: list[tuple[nn.Module, _Block]] = []
     for prefix in stacks:
         try:
@@ -1203,6 +1227,14 @@ def enable(
                 raise OffloadError(f"component {component!r}: block list {prefix!r} names its item {i} {cname!r}; blocks are numbered 0, 1, ...")
             block_modules.append((child, _Block(prefix, i)))
             state._blocks[child] = block_modules[-1][1]
+    return block_modules
+
+
+def _streamed_tensors(state: Offloaded, module: nn.Module, block_modules: list, checkpoint):
+    """The blocks' parameters that stream, each checked (dtype, ties, shared
+    storage, already streamed) and recorded as a `_Param`: every parameter by
+    name, the streamed ones' ids, and the engine's tensor list."""
+    component = state.component
     all_params = dict(module.named_parameters(remove_duplicate=False))
     frozen_some = any(not p.requires_grad for p in all_params.values())
     in_block: dict[int, str] = {}
@@ -1282,6 +1314,12 @@ def enable(
                 "give each its own storage first"
             )
 
+    return all_params, in_block, tensors
+
+
+def _meta_from_file(module: nn.Module, component: str, all_params: dict, in_block: dict, checkpoint) -> dict:
+    """Per resident tensor built on the meta device, the name ``checkpoint``
+    holds it under, checked before anything is built."""
     # Tensors outside the blocks built on the meta device come from the checkpoint
     # (checked here, before anything is built); a meta buffer the file does not
     # hold (a rotary table made at construction) cannot be made here.
@@ -1308,6 +1346,11 @@ def enable(
                                    f"{in_file[held[0]][0]} {list(in_file[held[0]][1])} in {checkpoint}")
             from_file[key] = held[0]
 
+    return from_file
+
+
+def _budget_bytes(module: nn.Module, component: str, budget_gib, all_params: dict, in_block: dict):
+    """The device budget left to the blocks once the resident tensors are held, or None."""
     budget_bytes = None
     if budget_gib is not None:
         # The budget holds the resident tensors first; the blocks get the rest.
@@ -1320,6 +1363,14 @@ def enable(
                 f"({resident} bytes outside the blocks, {resident / _GiB:.3f} GiB)"
             )
 
+    return budget_bytes
+
+
+def _start_engine(state: Offloaded, tensors: list, stacks: list, block_modules: list, *, depth, budget_bytes, resident_blocks, coded,
+                  pin_budget_gib, pageable_fallback, checkpoint, progress, calibration, keep_host_copy) -> None:
+    """The engine built over the streamed tensors (the host store filled), each
+    parameter's place in its block and its placeholder made."""
+    component, dev = state.component, state.device
     if dev.type == "cuda":
         # The engine computes on torch's current stream and allocates its buffers there.
         state._engine_stream = torch.cuda.current_stream(dev)
@@ -1346,7 +1397,7 @@ def enable(
     finally:
         if bar is not None:
             bar.close()
-    del tensors
+    tensors.clear()
     if not keep_host_copy:
         # One host copy: the store's. disable() reads the bytes back from it.
         for p in state._params.values():
@@ -1367,6 +1418,13 @@ def enable(
         for p in blk.params:
             p.holder._offload_lazy = (state, blk, p)
 
+
+
+def _install(state: Offloaded, module: nn.Module, block_modules: list, all_params: dict, from_file: dict, checkpoint,
+             keep_host_copy: bool) -> None:
+    """The module changed: placeholders in the blocks, the resident tensors on
+    the device, the hooks on; any failure puts back what changed."""
+    component, dev = state.component, state.device
     # From here the module changes; any failure puts back what changed.
     try:
         with torch.no_grad():
@@ -1448,7 +1506,6 @@ def enable(
             with contextlib.suppress(Exception):
                 state._streamer.close()
         raise
-    return state
 
 
 class _Hook:

@@ -251,27 +251,7 @@ pub fn diagnose(timeline: &Timeline, input: &DiagnoseInput<'_>) -> Option<Diagno
     }
     waits.sort_by(|a, b| b.wait_s.total_cmp(&a.wait_s));
 
-    // The host: from the first block asked for to the last released, and each block's share.
-    let marks: Vec<_> = timeline.host.iter().filter(|m| m.step == input.step).collect();
-    let at = |prefix: &'static str| marks.iter().filter(move |m| m.name.starts_with(prefix)).map(|m| m.at_s);
-    let host_s = match (at("acquire ").reduce(f64::min), at("release ").reduce(f64::max)) {
-        (Some(a), Some(b)) if b > a => b - a,
-        _ => 0.0,
-    };
-    let mut host_blocks: Vec<(String, f64)> = Vec::new();
-    let mut open: Option<(&str, f64)> = None;
-    for m in &marks {
-        if let Some(b) = m.name.strip_prefix("acquire ") {
-            open = Some((b, m.at_s));
-        } else if let (Some(b), Some((o, t0))) = (m.name.strip_prefix("release "), open) {
-            if b == o {
-                host_blocks.push((b.to_owned(), m.at_s - t0));
-                open = None;
-            }
-        }
-    }
-    host_blocks.sort_by(|a, b| b.1.total_cmp(&a.1));
-    host_blocks.truncate(8);
+    let (host_s, host_blocks) = host_time(timeline, input.step);
 
     let mut causes: Vec<(Cause, f64)> = Vec::new();
     for w in &waits {
@@ -317,6 +297,33 @@ pub fn diagnose(timeline: &Timeline, input: &DiagnoseInput<'_>) -> Option<Diagno
     };
     d.summary = summary(&d, input);
     Some(d)
+}
+
+/// The host's time in step `step`: from the first block asked for to the last
+/// released, and the eight blocks that held the host longest (from each one's
+/// request to its release).
+fn host_time(timeline: &Timeline, step: u64) -> (f64, Vec<(String, f64)>) {
+    let marks: Vec<_> = timeline.host.iter().filter(|m| m.step == step).collect();
+    let at = |prefix: &'static str| marks.iter().filter(move |m| m.name.starts_with(prefix)).map(|m| m.at_s);
+    let host_s = match (at("acquire ").reduce(f64::min), at("release ").reduce(f64::max)) {
+        (Some(a), Some(b)) if b > a => b - a,
+        _ => 0.0,
+    };
+    let mut host_blocks: Vec<(String, f64)> = Vec::new();
+    let mut open: Option<(&str, f64)> = None;
+    for m in &marks {
+        if let Some(b) = m.name.strip_prefix("acquire ") {
+            open = Some((b, m.at_s));
+        } else if let (Some(b), Some((o, t0))) = (m.name.strip_prefix("release "), open) {
+            if b == o {
+                host_blocks.push((b.to_owned(), m.at_s - t0));
+                open = None;
+            }
+        }
+    }
+    host_blocks.sort_by(|a, b| b.1.total_cmp(&a.1));
+    host_blocks.truncate(8);
+    (host_s, host_blocks)
 }
 
 fn blocks_for(d: &Diagnosis, cause: Cause) -> String {

@@ -147,6 +147,344 @@ fn placement(specs: &[crate::tensor::TensorSpec], at: &[usize]) -> std::result::
     Ok((start, layout))
 }
 
+/// A checkpoint region blocks may be served from in place, with each source
+/// tensor's offset in it.
+type MappedRegion<'a> = (&'a Arc<dyn HostRegion>, &'a dyn Fn(usize) -> Option<usize>);
+/// A file blocks may be read from at each step, each source tensor's offset in
+/// it, and which blocks stay on disk.
+type DiskServed<'a> = (&'a Arc<DiskFile>, &'a dyn Fn(usize) -> Option<usize>, &'a dyn Fn(&BlockId) -> bool);
+
+/// One store build: where each block is served from and what it cost so far.
+/// Mapping, coding and the pin budget change as blocks are loaded (the first
+/// refusal of a region or a codec turns it off for the blocks after).
+struct Build<'a, B: OffloadBackend> {
+    backend: &'a B,
+    host: B::Host,
+    inventory: &'a ComponentInventory,
+    source: &'a dyn TensorSource,
+    pin: PinOptions,
+    mapped: Option<MappedRegion<'a>>,
+    disk: Option<DiskServed<'a>>,
+    precoded: Option<(&'a CodedFile, &'a (dyn TensorSource + Sync))>,
+    by_name: HashMap<&'a str, usize>,
+    /// Where every tensor of the source starts in the region, in order (to find
+    /// a tensor of another block lying inside a block's range).
+    starts: Vec<(usize, usize)>,
+    tier: std::cell::RefCell<HostTier>,
+    /// Mapping is tried while it works: the first refusal of the region turns it off.
+    mapping: std::cell::Cell<bool>,
+    pinned_left: std::cell::Cell<u64>,
+    pinned_bytes: std::cell::Cell<u64>,
+    /// Serving a block in place registers the whole region page-locked
+    /// (`HostRegion::registered_len`), whatever share of it the store serves:
+    /// charged to the pin budget once, with the first block served.
+    region_charged: std::cell::Cell<bool>,
+    /// Whether any block is served in place: the store then keeps the region,
+    /// to check its file at every step (page-locked or not).
+    in_place: std::cell::Cell<bool>,
+    unpinned_buffers: std::cell::Cell<usize>,
+    /// Coded where asked and the backend can: the first refusal turns it off.
+    coding: std::cell::Cell<bool>,
+    coded_blocks: std::cell::Cell<usize>,
+    /// The coded file's blocks' raw bytes, read to check the coded ones against.
+    scratch: std::cell::RefCell<(Vec<u8>, Vec<u8>)>,
+    disk_blocks: std::cell::Cell<(usize, u64)>,
+}
+
+impl<'a, B: OffloadBackend> Build<'a, B> {
+    fn new(
+        backend: &'a B,
+        inventory: &'a ComponentInventory,
+        source: &'a dyn TensorSource,
+        pin: PinOptions,
+        mapped: Option<MappedRegion<'a>>,
+        disk: Option<DiskServed<'a>>,
+        precoded: Option<(&'a CodedFile, &'a (dyn TensorSource + Sync))>,
+    ) -> Self {
+        let mut tier = HostTier::default();
+        let mut mapping = mapped.is_some();
+        // Coded blocks are held as copies; on a device that cannot decode nothing is
+        // coded, and the blocks are served in place as without `coded`.
+        if mapped.is_some() && pin.coded && backend.host().capabilities().coded {
+            tier.copy_reason = Some("coded blocks are held as copies".into());
+            mapping = false;
+        }
+        let offset_of: Option<&dyn Fn(usize) -> Option<usize>> = mapped.map(|m| m.1).or(disk.map(|d| d.1));
+        let mut starts: Vec<(usize, usize)> = match offset_of {
+            Some(offset_of) => (0..source.specs().len()).filter_map(|i| offset_of(i).map(|a| (a, i))).collect(),
+            None => Vec::new(),
+        };
+        starts.sort_unstable();
+        Build {
+            backend,
+            host: backend.host(),
+            inventory,
+            source,
+            pin,
+            mapped,
+            disk,
+            precoded,
+            by_name: source.specs().iter().enumerate().map(|(i, s)| (s.name.as_str(), i)).collect(),
+            starts,
+            tier: std::cell::RefCell::new(tier),
+            mapping: std::cell::Cell::new(mapping),
+            pinned_left: std::cell::Cell::new(pin.budget_bytes.unwrap_or(u64::MAX)),
+            pinned_bytes: std::cell::Cell::new(0),
+            region_charged: std::cell::Cell::new(false),
+            in_place: std::cell::Cell::new(false),
+            unpinned_buffers: std::cell::Cell::new(0),
+            coding: std::cell::Cell::new(pin.coded),
+            coded_blocks: std::cell::Cell::new(0),
+            scratch: std::cell::RefCell::new((Vec::new(), Vec::new())),
+            disk_blocks: std::cell::Cell::new((0, 0)),
+        }
+    }
+
+    fn host(&self) -> &B::Host {
+        &self.host
+    }
+
+    /// Why the blocks are copied rather than served in place: the first reason kept.
+    fn copied(&self, why: String) {
+        let mut t = self.tier.borrow_mut();
+        if t.copy_reason.is_none() {
+            t.copy_reason = Some(why);
+        }
+    }
+
+    /// Where a block would be served from in the file, if its tensors lie there
+    /// as the store lays them out and nothing else lies among them.
+    fn place(
+        &self,
+        specs: &[crate::tensor::TensorSpec],
+        indices: &[(usize, usize, usize)],
+        offset_of: &dyn Fn(usize) -> Option<usize>,
+    ) -> std::result::Result<(usize, BlockLayout), String> {
+        let at: Vec<usize> = indices
+            .iter()
+            .zip(specs)
+            .map(|(&(i, _, _), t)| offset_of(i).ok_or_else(|| format!("{}'s bytes are not one range of the file", t.name)))
+            .collect::<std::result::Result<_, _>>()?;
+        placement(specs, &at).and_then(|(start, layout)| {
+            let end = start + layout.bytes;
+            let from = self.starts.partition_point(|&(a, _)| a < start);
+            match self.starts[from..].iter().take_while(|&&(a, _)| a < end).find(|&&(_, i)| !indices.iter().any(|&(j, _, _)| j == i)) {
+                Some(&(_, i)) => Err(format!("{} lies among its tensors in the file", self.source.specs()[i].name)),
+                None => Ok((start, layout)),
+            }
+        })
+    }
+
+    /// Block `id` (its tensors `specs`) held for the store: left on disk where the
+    /// plan says, served in place from the mapped region, or copied into a host buffer.
+    fn load(&self, id: BlockId, specs: &[crate::tensor::TensorSpec], is_block: bool) -> Result<HostBlock<B>> {
+        let layout = BlockLayout::new(specs.to_vec())?;
+        let mut indices = Vec::with_capacity(specs.len());
+        for (t, placed) in specs.iter().zip(&layout.tensors) {
+            indices.push((crate::source::source_index(self.source, &self.by_name, t)?, placed.offset, placed.nbytes));
+        }
+        let purpose = format!("{}/{}", self.inventory.name, id);
+        if let (Some((_, offset_of, on_disk)), true) = (self.disk, is_block) {
+            if on_disk(&id) {
+                match self.place(specs, &indices, offset_of) {
+                    Ok((start, layout)) => {
+                        let (n, b) = self.disk_blocks.get();
+                        self.disk_blocks.set((n + 1, b + layout.bytes as u64));
+                        return Ok(HostBlock { id, layout, held: Held::Disk(start as u64), held_bytes: 0 });
+                    }
+                    // Held in memory instead, it would take host memory the plan
+                    // did not count: refuse, naming the block.
+                    Err(why) => {
+                        return Err(Error::Plan(format!(
+                            "{purpose} is planned on disk but cannot be read from {} as the store lays it out: {why} \
+                             (re-pack the checkpoint, or keep the block in memory)",
+                            self.source.origin()
+                        )))
+                    }
+                }
+            }
+        }
+        if let Some(block) = self.served_in_place(&id, specs, &indices, &purpose)? {
+            return Ok(block);
+        }
+        self.copied_block(id, layout, &indices, purpose, is_block)
+    }
+
+    /// The block served in place from the mapped region, or `None` where it is
+    /// not (no region, mapping turned off, or the block's bytes do not lie there
+    /// as the store lays them out: then the reason is kept and mapping may stop).
+    fn served_in_place(
+        &self,
+        id: &BlockId,
+        specs: &[crate::tensor::TensorSpec],
+        indices: &[(usize, usize, usize)],
+        purpose: &str,
+    ) -> Result<Option<HostBlock<B>>> {
+        if let (Some((region, _)), true) = (self.mapped, self.mapping.get()) {
+            // Charged only where the backend's buffers are page-locked (a CPU
+            // device registers the region but locks nothing).
+            let cost = if self.region_charged.get() || !self.host().capabilities().pinned { 0 } else { region.registered_len() as u64 };
+            if cost > self.pinned_left.get() {
+                // Registering it would pass the budget for every block alike.
+                self.mapping.set(false);
+                self.copied(format!(
+                    "serving blocks in place page-locks the whole of {} ({cost} bytes), more than the {} bytes the pin budget has left",
+                    region.origin(),
+                    self.pinned_left.get()
+                ));
+            }
+        }
+        if let (Some((region, offset_of)), true) = (self.mapped, self.mapping.get()) {
+            match self.place(specs, indices, offset_of) {
+                Ok((start, layout)) => {
+                    match self.host().alloc(HostKind::Mapped { region, offset: start }, layout.bytes, purpose, &mut |_| Ok(())) {
+                        Ok(buffer) => {
+                            self.tier.borrow_mut().mapped += 1;
+                            self.in_place.set(true);
+                            if !buffer.is_pinned() {
+                                self.unpinned_buffers.set(self.unpinned_buffers.get() + 1);
+                            } else if !self.region_charged.replace(true) {
+                                let cost = region.registered_len() as u64;
+                                self.pinned_left.set(self.pinned_left.get().saturating_sub(cost));
+                                self.pinned_bytes.set(self.pinned_bytes.get() + cost);
+                            }
+                            let held_bytes = layout.bytes;
+                            return Ok(Some(HostBlock { id: id.clone(), layout, held: Held::Memory(buffer), held_bytes }));
+                        }
+                        Err(e @ (Error::Unsupported { .. } | Error::HostAlloc { .. })) => {
+                            tracing::warn!("{purpose}: {e}; the component's blocks are copied from {}", region.origin());
+                            self.mapping.set(false);
+                            self.copied(format!("the backend did not register {}: {e}", region.origin()));
+                        }
+                        Err(e) => return Err(e),
+                    }
+                }
+                Err(why) => {
+                    tracing::info!("{purpose}: copied, not served from {}: {why}", region.origin());
+                    self.copied(format!("{purpose}: {why}"));
+                }
+            }
+        }
+        Ok(None)
+    }
+
+    /// The block copied into a host buffer: coded where coding is on, page-locked
+    /// while the pin budget lasts, pageable after it where the fallback allows.
+    fn copied_block(
+        &self,
+        id: BlockId,
+        layout: BlockLayout,
+        indices: &[(usize, usize, usize)],
+        purpose: String,
+        is_block: bool,
+    ) -> Result<HostBlock<B>> {
+        let mut fill = |dst: &mut [u8]| {
+            let mut end = 0;
+            for &(i, off, n) in indices {
+                dst[end..off].fill(0);
+                self.source.read_into(i, &mut dst[off..off + n])?;
+                end = off + n;
+            }
+            Ok(())
+        };
+        let bytes = layout.bytes as u64;
+        let pageable = |why: String, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>| {
+            tracing::warn!("{purpose}: {why}; using pageable host memory (slower copies)");
+            self.host().alloc(HostKind::Pageable, layout.bytes, &purpose, fill)
+        };
+        let mut via_coded = false;
+        let buffer = if bytes > self.pinned_left.get() {
+            match self.pin.fallback {
+                PinFallback::Pageable => pageable(format!("pin budget spent ({} bytes left)", self.pinned_left.get()), &mut fill)?,
+                PinFallback::Fail => {
+                    return Err(Error::HostAlloc {
+                        backend: self.backend.name().into(),
+                        requested: bytes,
+                        purpose,
+                        reason: format!("the plan's pin budget has {} bytes left", self.pinned_left.get()),
+                    })
+                }
+            }
+        } else {
+            // Coded at build, or read coded from the coded file.
+            let coded_alloc = |fill: &mut dyn FnMut(&mut [u8]) -> Result<()>| match self.precoded {
+                Some((cf, source)) => {
+                    let key = if is_block { id.to_string() } else { NON_BLOCK.into() };
+                    match cf.entry(&key) {
+                        // Coding did not shrink this block: held raw from the
+                        // checkpoint, as a build that codes holds it.
+                        Some(e) if e.len >= layout.bytes as u64 => self.host().alloc_pinned(layout.bytes, &purpose, fill),
+                        _ => precoded_buffer(self.backend, cf, key, &layout, &purpose, source, indices, &self.scratch),
+                    }
+                }
+                None => self.host().alloc(HostKind::Coded, layout.bytes, &purpose, fill),
+            };
+            let coded = match self.coding.get() {
+                false => None,
+                true => match coded_alloc(&mut fill) {
+                    Ok(b) => {
+                        // A block coding would not shrink comes back raw: not counted coded.
+                        via_coded = b.held_bytes().is_some();
+                        Some(b)
+                    }
+                    Err(e @ Error::Unsupported { .. }) => {
+                        tracing::warn!("{purpose}: {e}; the component's blocks are held as they are");
+                        self.coding.set(false);
+                        None
+                    }
+                    Err(e @ Error::HostAlloc { .. }) if self.pin.fallback == PinFallback::Pageable => {
+                        Some(pageable(e.to_string(), &mut fill)?)
+                    }
+                    Err(e) => return Err(e),
+                },
+            };
+            match coded {
+                Some(b) => b,
+                None => match self.host().alloc_pinned(layout.bytes, &purpose, &mut fill) {
+                    Ok(b) => b,
+                    Err(e @ Error::HostAlloc { .. }) if self.pin.fallback == PinFallback::Pageable => pageable(e.to_string(), &mut fill)?,
+                    Err(e) => return Err(e),
+                },
+            }
+        };
+        // A coded block holds its coded bytes: those are what is page-locked. The
+        // budget was checked against the block's size; a coded block can hold
+        // more (its headers, incompressible strings kept raw): then it is
+        // dropped and the block held as the fallback says, so the budget holds.
+        if crate::sabotage::keeps_second_copy() && buffer.is_pinned() {
+            // The deliberate break: a second page-locked copy of the block, never given back.
+            std::mem::forget(self.host().alloc_pinned(layout.bytes, &purpose, &mut |_| Ok(()))?);
+        }
+        let mut buffer = buffer;
+        let mut held_bytes = buffer.held_bytes().unwrap_or(layout.bytes);
+        if buffer.is_pinned() && held_bytes as u64 > self.pinned_left.get() {
+            let why = format!("coded as {held_bytes} bytes, over the {} the pin budget has left", self.pinned_left.get());
+            drop(buffer);
+            buffer = match self.pin.fallback {
+                PinFallback::Pageable => pageable(why, &mut fill)?,
+                PinFallback::Fail => {
+                    return Err(Error::HostAlloc {
+                        backend: self.backend.name().into(),
+                        requested: held_bytes as u64,
+                        purpose,
+                        reason: why,
+                    })
+                }
+            };
+            held_bytes = buffer.held_bytes().unwrap_or(layout.bytes);
+            via_coded = false;
+        }
+        self.coded_blocks.set(self.coded_blocks.get() + usize::from(via_coded));
+        if buffer.is_pinned() {
+            self.pinned_left.set(self.pinned_left.get() - held_bytes as u64);
+            self.pinned_bytes.set(self.pinned_bytes.get() + held_bytes as u64);
+        } else {
+            self.unpinned_buffers.set(self.unpinned_buffers.get() + 1);
+        }
+        Ok(HostBlock { id, layout, held: Held::Memory(buffer), held_bytes })
+    }
+}
+
 /// A coded host buffer of the block laid out as `layout`, its coded bytes read
 /// from `cf`'s entry `key` and checked there, then against the block's bytes,
 /// read from `source` (tensors at `indices`: source index, offset, length) into
@@ -337,259 +675,32 @@ impl<B: OffloadBackend> HostStore<B> {
         Self::build_inner(backend, inventory, file, pin, None, Some((&disk, &offset, on_disk)), None)
     }
 
-    #[allow(clippy::type_complexity)]
     fn build_inner(
         backend: &B,
         inventory: &ComponentInventory,
         source: &dyn TensorSource,
         pin: PinOptions,
-        mapped: Option<(&Arc<dyn HostRegion>, &dyn Fn(usize) -> Option<usize>)>,
-        disk: Option<(&Arc<DiskFile>, &dyn Fn(usize) -> Option<usize>, &dyn Fn(&BlockId) -> bool)>,
+        mapped: Option<MappedRegion<'_>>,
+        disk: Option<DiskServed<'_>>,
         precoded: Option<(&CodedFile, &(dyn TensorSource + Sync))>,
     ) -> Result<Self> {
         let t0 = std::time::Instant::now();
-        let tier = std::cell::RefCell::new(HostTier::default());
-        // Mapping is tried while it works: the first refusal of the region turns it off.
-        let mapping = std::cell::Cell::new(mapped.is_some());
-        // Coded blocks are held as copies; on a device that cannot decode nothing is
-        // coded, and the blocks are served in place as without `coded`.
-        if mapped.is_some() && pin.coded && backend.host().capabilities().coded {
-            tier.borrow_mut().copy_reason = Some("coded blocks are held as copies".into());
-            mapping.set(false);
-        }
-        let copied = |why: String| {
-            let mut t = tier.borrow_mut();
-            if t.copy_reason.is_none() {
-                t.copy_reason = Some(why);
-            }
-        };
-        let host = backend.host();
-        let pinned_left = std::cell::Cell::new(pin.budget_bytes.unwrap_or(u64::MAX));
-        let pinned_bytes = std::cell::Cell::new(0u64);
-        // Serving a block in place registers the whole region page-locked
-        // (`HostRegion::registered_len`), whatever share of it the store serves:
-        // charged to the pin budget once, with the first block served.
-        let region_charged = std::cell::Cell::new(false);
-        // Whether any block is served in place: the store then keeps the region,
-        // to check its file at every step (page-locked or not).
-        let in_place = std::cell::Cell::new(false);
-        let unpinned_buffers = std::cell::Cell::new(0usize);
-        // Coded where asked and the backend can: the first refusal turns it off.
-        let coding = std::cell::Cell::new(pin.coded);
-        let coded_blocks = std::cell::Cell::new(0usize);
-        // The coded file's blocks' raw bytes, read to check the coded ones against.
-        let scratch = std::cell::RefCell::new((Vec::new(), Vec::new()));
         let _span = tracing::info_span!("host_store_build", component = %inventory.name).entered();
-        let by_name: HashMap<&str, usize> = source.specs().iter().enumerate().map(|(i, s)| (s.name.as_str(), i)).collect();
-        // Where every tensor of the source starts in the region, in order (to find
-        // a tensor of another block lying inside a block's range).
-        let offset_of: Option<&dyn Fn(usize) -> Option<usize>> = mapped.map(|m| m.1).or(disk.map(|d| d.1));
-        let mut starts: Vec<(usize, usize)> = match offset_of {
-            Some(offset_of) => (0..source.specs().len()).filter_map(|i| offset_of(i).map(|a| (a, i))).collect(),
-            None => Vec::new(),
-        };
-        starts.sort_unstable();
-        let disk_blocks = std::cell::Cell::new((0usize, 0u64));
-        // Where a block would be served from in the file, if its tensors lie there
-        // as the store lays them out and nothing else lies among them.
-        let place = |specs: &[crate::tensor::TensorSpec], indices: &[(usize, usize, usize)], offset_of: &dyn Fn(usize) -> Option<usize>| {
-            let at: Vec<usize> = indices
-                .iter()
-                .zip(specs)
-                .map(|(&(i, _, _), t)| offset_of(i).ok_or_else(|| format!("{}'s bytes are not one range of the file", t.name)))
-                .collect::<std::result::Result<_, _>>()?;
-            placement(specs, &at).and_then(|(start, layout)| {
-                let end = start + layout.bytes;
-                let from = starts.partition_point(|&(a, _)| a < start);
-                match starts[from..].iter().take_while(|&&(a, _)| a < end).find(|&&(_, i)| !indices.iter().any(|&(j, _, _)| j == i)) {
-                    Some(&(_, i)) => Err(format!("{} lies among its tensors in the file", source.specs()[i].name)),
-                    None => Ok((start, layout)),
-                }
-            })
-        };
-        let load = |id: BlockId, specs: &[crate::tensor::TensorSpec], is_block: bool| -> Result<HostBlock<B>> {
-            let layout = BlockLayout::new(specs.to_vec())?;
-            let mut indices = Vec::with_capacity(specs.len());
-            for (t, placed) in specs.iter().zip(&layout.tensors) {
-                indices.push((crate::source::source_index(source, &by_name, t)?, placed.offset, placed.nbytes));
-            }
-            let purpose = format!("{}/{}", inventory.name, id);
-            if let (Some((_, offset_of, on_disk)), true) = (disk, is_block) {
-                if on_disk(&id) {
-                    match place(specs, &indices, offset_of) {
-                        Ok((start, layout)) => {
-                            let (n, b) = disk_blocks.get();
-                            disk_blocks.set((n + 1, b + layout.bytes as u64));
-                            return Ok(HostBlock { id, layout, held: Held::Disk(start as u64), held_bytes: 0 });
-                        }
-                        // Held in memory instead, it would take host memory the plan
-                        // did not count: refuse, naming the block.
-                        Err(why) => {
-                            return Err(Error::Plan(format!(
-                                "{purpose} is planned on disk but cannot be read from {} as the store lays it out: {why} \
-                                 (re-pack the checkpoint, or keep the block in memory)",
-                                source.origin()
-                            )))
-                        }
-                    }
-                }
-            }
-            if let (Some((region, _)), true) = (mapped, mapping.get()) {
-                // Charged only where the backend's buffers are page-locked (a CPU
-                // device registers the region but locks nothing).
-                let cost = if region_charged.get() || !host.capabilities().pinned { 0 } else { region.registered_len() as u64 };
-                if cost > pinned_left.get() {
-                    // Registering it would pass the budget for every block alike.
-                    mapping.set(false);
-                    copied(format!(
-                        "serving blocks in place page-locks the whole of {} ({cost} bytes), more than the {} bytes the pin budget has left",
-                        region.origin(),
-                        pinned_left.get()
-                    ));
-                }
-            }
-            if let (Some((region, offset_of)), true) = (mapped, mapping.get()) {
-                match place(specs, &indices, offset_of) {
-                    Ok((start, layout)) => {
-                        match host.alloc(HostKind::Mapped { region, offset: start }, layout.bytes, &purpose, &mut |_| Ok(())) {
-                            Ok(buffer) => {
-                                tier.borrow_mut().mapped += 1;
-                                in_place.set(true);
-                                if !buffer.is_pinned() {
-                                    unpinned_buffers.set(unpinned_buffers.get() + 1);
-                                } else if !region_charged.replace(true) {
-                                    let cost = region.registered_len() as u64;
-                                    pinned_left.set(pinned_left.get().saturating_sub(cost));
-                                    pinned_bytes.set(pinned_bytes.get() + cost);
-                                }
-                                let held_bytes = layout.bytes;
-                                return Ok(HostBlock { id, layout, held: Held::Memory(buffer), held_bytes });
-                            }
-                            Err(e @ (Error::Unsupported { .. } | Error::HostAlloc { .. })) => {
-                                tracing::warn!("{purpose}: {e}; the component's blocks are copied from {}", region.origin());
-                                mapping.set(false);
-                                copied(format!("the backend did not register {}: {e}", region.origin()));
-                            }
-                            Err(e) => return Err(e),
-                        }
-                    }
-                    Err(why) => {
-                        tracing::info!("{purpose}: copied, not served from {}: {why}", region.origin());
-                        copied(format!("{purpose}: {why}"));
-                    }
-                }
-            }
-            let mut fill = |dst: &mut [u8]| {
-                let mut end = 0;
-                for &(i, off, n) in &indices {
-                    dst[end..off].fill(0);
-                    source.read_into(i, &mut dst[off..off + n])?;
-                    end = off + n;
-                }
-                Ok(())
-            };
-            let bytes = layout.bytes as u64;
-            let pageable = |why: String, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>| {
-                tracing::warn!("{purpose}: {why}; using pageable host memory (slower copies)");
-                host.alloc(HostKind::Pageable, layout.bytes, &purpose, fill)
-            };
-            let mut via_coded = false;
-            let buffer = if bytes > pinned_left.get() {
-                match pin.fallback {
-                    PinFallback::Pageable => pageable(format!("pin budget spent ({} bytes left)", pinned_left.get()), &mut fill)?,
-                    PinFallback::Fail => {
-                        return Err(Error::HostAlloc {
-                            backend: backend.name().into(),
-                            requested: bytes,
-                            purpose,
-                            reason: format!("the plan's pin budget has {} bytes left", pinned_left.get()),
-                        })
-                    }
-                }
-            } else {
-                // Coded at build, or read coded from the coded file.
-                let coded_alloc = |fill: &mut dyn FnMut(&mut [u8]) -> Result<()>| match precoded {
-                    Some((cf, source)) => {
-                        let key = if is_block { id.to_string() } else { NON_BLOCK.into() };
-                        match cf.entry(&key) {
-                            // Coding did not shrink this block: held raw from the
-                            // checkpoint, as a build that codes holds it.
-                            Some(e) if e.len >= layout.bytes as u64 => host.alloc_pinned(layout.bytes, &purpose, fill),
-                            _ => precoded_buffer(backend, cf, key, &layout, &purpose, source, &indices, &scratch),
-                        }
-                    }
-                    None => host.alloc(HostKind::Coded, layout.bytes, &purpose, fill),
-                };
-                let coded = match coding.get() {
-                    false => None,
-                    true => match coded_alloc(&mut fill) {
-                        Ok(b) => {
-                            // A block coding would not shrink comes back raw: not counted coded.
-                            via_coded = b.held_bytes().is_some();
-                            Some(b)
-                        }
-                        Err(e @ Error::Unsupported { .. }) => {
-                            tracing::warn!("{purpose}: {e}; the component's blocks are held as they are");
-                            coding.set(false);
-                            None
-                        }
-                        Err(e @ Error::HostAlloc { .. }) if pin.fallback == PinFallback::Pageable => {
-                            Some(pageable(e.to_string(), &mut fill)?)
-                        }
-                        Err(e) => return Err(e),
-                    },
-                };
-                match coded {
-                    Some(b) => b,
-                    None => match host.alloc_pinned(layout.bytes, &purpose, &mut fill) {
-                        Ok(b) => b,
-                        Err(e @ Error::HostAlloc { .. }) if pin.fallback == PinFallback::Pageable => pageable(e.to_string(), &mut fill)?,
-                        Err(e) => return Err(e),
-                    },
-                }
-            };
-            // A coded block holds its coded bytes: those are what is page-locked. The
-            // budget was checked against the block's size; a coded block can hold
-            // more (its headers, incompressible strings kept raw): then it is
-            // dropped and the block held as the fallback says, so the budget holds.
-            if crate::sabotage::keeps_second_copy() && buffer.is_pinned() {
-                // The deliberate break: a second page-locked copy of the block, never given back.
-                std::mem::forget(host.alloc_pinned(layout.bytes, &purpose, &mut |_| Ok(()))?);
-            }
-            let mut buffer = buffer;
-            let mut held_bytes = buffer.held_bytes().unwrap_or(layout.bytes);
-            if buffer.is_pinned() && held_bytes as u64 > pinned_left.get() {
-                let why = format!("coded as {held_bytes} bytes, over the {} the pin budget has left", pinned_left.get());
-                drop(buffer);
-                buffer = match pin.fallback {
-                    PinFallback::Pageable => pageable(why, &mut fill)?,
-                    PinFallback::Fail => {
-                        return Err(Error::HostAlloc { backend: backend.name().into(), requested: held_bytes as u64, purpose, reason: why })
-                    }
-                };
-                held_bytes = buffer.held_bytes().unwrap_or(layout.bytes);
-                via_coded = false;
-            }
-            coded_blocks.set(coded_blocks.get() + usize::from(via_coded));
-            if buffer.is_pinned() {
-                pinned_left.set(pinned_left.get() - held_bytes as u64);
-                pinned_bytes.set(pinned_bytes.get() + held_bytes as u64);
-            } else {
-                unpinned_buffers.set(unpinned_buffers.get() + 1);
-            }
-            Ok(HostBlock { id, layout, held: Held::Memory(buffer), held_bytes })
-        };
+        let build = Build::new(backend, inventory, source, pin, mapped, disk, precoded);
         let mut blocks = Vec::new();
         let mut index = HashMap::new();
         for b in inventory.blocks() {
             index.insert(b.id.clone(), blocks.len());
-            blocks.push(load(b.id.clone(), &b.tensors, true)?);
+            blocks.push(build.load(b.id.clone(), &b.tensors, true)?);
         }
-        let non_block =
-            if inventory.non_block.is_empty() { None } else { Some(load(BlockId::new("<non-block>", 0), &inventory.non_block, false)?) };
-        let mut tier = tier.into_inner();
-        tier.registration = mapped.filter(|_| region_charged.get()).and_then(|m| m.0.registration());
-        (tier.on_disk, tier.disk_bytes) = disk_blocks.get();
+        let non_block = if inventory.non_block.is_empty() {
+            None
+        } else {
+            Some(build.load(BlockId::new("<non-block>", 0), &inventory.non_block, false)?)
+        };
+        let mut tier = build.tier.into_inner();
+        tier.registration = mapped.filter(|_| build.region_charged.get()).and_then(|m| m.0.registration());
+        (tier.on_disk, tier.disk_bytes) = build.disk_blocks.get();
         tier.copied = blocks.len() + usize::from(non_block.is_some()) - tier.mapped - tier.on_disk;
         tier.build_s = t0.elapsed().as_secs_f64();
         Ok(HostStore {
@@ -597,10 +708,10 @@ impl<B: OffloadBackend> HostStore<B> {
             blocks,
             non_block,
             index,
-            pinned_bytes: pinned_bytes.get(),
-            unpinned_buffers: unpinned_buffers.get(),
-            coded_blocks: coded_blocks.get(),
-            region: mapped.filter(|_| in_place.get()).map(|m| m.0.clone()),
+            pinned_bytes: build.pinned_bytes.get(),
+            unpinned_buffers: build.unpinned_buffers.get(),
+            coded_blocks: build.coded_blocks.get(),
+            region: mapped.filter(|_| build.in_place.get()).map(|m| m.0.clone()),
             tier,
             disk: disk.map(|d| d.0.clone()),
         })

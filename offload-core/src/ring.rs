@@ -24,9 +24,16 @@ use crate::plan::{ResolvedComponent, Strategy};
 use crate::sabotage::Sabotage;
 use crate::store::HostStore;
 use crate::tensor::BlockLayout;
-use crate::timeline::{Span, Timeline};
+
+mod depth;
+mod guard;
+mod passes;
+mod trace;
+
+pub use guard::BlockGuard;
 use std::sync::Arc;
 use std::time::Instant;
+use trace::{PendingSpan, TimelineState};
 
 struct SlotState<B: OffloadBackend> {
     slot: B::Slot,
@@ -42,27 +49,6 @@ struct SlotState<B: OffloadBackend> {
     served: bool,
     /// The block whose release `free_after` is (for the timeline).
     released_by: Option<usize>,
-}
-
-struct PendingSpan<B: OffloadBackend> {
-    name: String,
-    stream: &'static str,
-    start: B::Event,
-    end: B::Event,
-    bytes: u64,
-    after: Option<String>,
-    step: u64,
-}
-
-struct TimelineState<B: OffloadBackend> {
-    origin: B::Event,
-    /// The host's clock when `origin` was recorded.
-    host_origin: Instant,
-    pending: Vec<PendingSpan<B>>,
-    block_start: Option<B::Event>,
-    collected: Timeline,
-    /// The step being recorded (the ring's closed steps so far).
-    step: u64,
 }
 
 /// The block handed out and not yet released.
@@ -872,167 +858,6 @@ impl<B: OffloadBackend> Ring<B> {
         }
     }
 
-    /// With the timeline on, note the host's time now (`name` is made only then).
-    fn host_mark(&mut self, name: impl FnOnce() -> String) {
-        if let Some(tl) = &mut self.timeline {
-            let at_s = tl.host_origin.elapsed().as_secs_f64();
-            tl.collected.host.push(crate::timeline::HostMark { name: name(), at_s, step: tl.step });
-        }
-    }
-
-    fn timing(&self, on: StreamKind) -> Result<Option<B::Event>> {
-        if self.timeline.is_none() {
-            return Ok(None);
-        }
-        self.backend.record_timing(on)
-    }
-
-    fn push_span(&mut self, name: String, stream: &'static str, start: B::Event, on: StreamKind) -> Result<()> {
-        let end = self.backend.record_timing(on)?;
-        if let (Some(tl), Some(end)) = (&mut self.timeline, end) {
-            let step = tl.step;
-            tl.pending.push(PendingSpan { name, stream, start, end, bytes: 0, after: None, step });
-        }
-        Ok(())
-    }
-
-    /// Whether the blocks are now asked for by a backward pass (`true`) or a
-    /// forward one. Each pass learns its own order (a backward asks for the
-    /// blocks in reverse, and its first order is the reverse of the
-    /// inventory's), and a step's metrics say which pass it was. Switching
-    /// copies ahead the first blocks the new pass asked for last time. Call it
-    /// between blocks (none lent), at the start of a pass.
-    pub fn set_backward(&mut self, backward: bool) -> Result<()> {
-        if backward == self.backward {
-            return Ok(());
-        }
-        if self.lent.is_some() {
-            return Err(Error::Protocol(format!("component {:?}: the pass changes between blocks, not while one is lent", self.plan.name)));
-        }
-        std::mem::swap(&mut self.next, &mut self.other_next);
-        self.backward = backward;
-        self.step.backward = backward;
-        self.prev = None;
-        let Some(f) = self.first[usize::from(backward)].filter(|&f| self.resident_of.get(f).is_some_and(Option::is_none)) else {
-            return Ok(());
-        };
-        let s = match self.slots.iter().position(|s| s.holds == Some(f)) {
-            Some(s) => s,
-            None => {
-                let keep = self.chain(f, self.depth);
-                let s = self.victim(&keep);
-                self.load(s, f)?;
-                s
-            }
-        };
-        self.prefetch(f, s)
-    }
-
-    /// This ring's blocks at prefetch depth `depth`: this ring closed (every
-    /// slot freed after its last use), then a ring of `depth + 1` slots built
-    /// over the same store and backend, with the order this one learned, its
-    /// hooks and its totals. A plan under a device budget keeps it: a depth
-    /// whose slots do not fit is refused before anything is closed. Where the
-    /// new slots cannot be allocated, the ring comes back at its old depth
-    /// (check [`depth`](Self::depth)). Call it between steps (no block lent).
-    pub fn at_depth(mut self, depth: usize) -> Result<Self> {
-        let mut plan = self.plan.clone();
-        if !(1..=crate::plan::MAX_PREFETCH_DEPTH).contains(&depth) {
-            return Err(Error::Plan(format!(
-                "component {:?}: prefetch depth {depth} must be 1 to {}",
-                plan.name,
-                crate::plan::MAX_PREFETCH_DEPTH
-            )));
-        }
-        if self.lent.is_some() {
-            return Err(Error::Protocol(format!("component {:?}: the depth changes between steps, not while a block is lent", plan.name)));
-        }
-        if plan.strategy == crate::plan::Strategy::Layerwise {
-            let largest = plan.largest_streamed_bytes as u64;
-            let slots = |d: usize| (d as u64 + 1).saturating_mul(largest);
-            plan.device_weight_bound = plan.device_weight_bound.saturating_sub(slots(plan.depth)).saturating_add(slots(depth));
-        }
-        if let Some(budget) = plan.budget.filter(|b| plan.device_weight_bound > *b) {
-            return Err(Error::Plan(format!(
-                "component {:?}: depth {depth} needs {} device bytes for weights, over the budget of {budget}",
-                plan.name, plan.device_weight_bound
-            )));
-        }
-        plan.depth = depth;
-        let (backend, store, sabotage) = (self.backend.clone(), self.store.clone(), self.sabotage);
-        let (hooks, next, total) = (std::mem::take(&mut self.hooks), self.next.clone(), self.total.clone());
-        let (other_next, backward, first) = (self.other_next.clone(), self.backward, self.first);
-        let was = self.plan.clone();
-        self.close()?;
-        // Slots that cannot be had at the new depth: the ring at its old depth
-        // again (what was just freed), so the caller keeps a ring.
-        let mut ring = match Self::build(backend.clone(), store.clone(), &plan, sabotage) {
-            Ok(ring) => ring,
-            Err(e) => {
-                tracing::warn!(component = %plan.name, depth, "{e}; the ring keeps depth {}", was.depth);
-                Self::build(backend, store, &was, sabotage)?
-            }
-        };
-        ring.hooks = hooks;
-        ring.next = next;
-        ring.other_next = other_next;
-        ring.backward = backward;
-        ring.first = first;
-        ring.total = total;
-        Ok(ring)
-    }
-
-    /// Record a timeline of both streams from now on, and the exposed stall and
-    /// copy-busy metrics. Costs a few timing events per block and, at each
-    /// [`end_step`](Self::end_step), a wait for them: leave it off when timing
-    /// the steady state. Synchronises once, so that the device's clock starts
-    /// with the host's (the host marks and the spans then share a clock, which
-    /// [`diagnose`](Self::diagnose) reads). A no-op on backends that cannot time,
-    /// and where the timeline is on already.
-    pub fn enable_timeline(&mut self) -> Result<()> {
-        if self.timeline.is_some() {
-            return Ok(());
-        }
-        self.backend.synchronize()?;
-        if let Some(origin) = self.backend.record_timing(StreamKind::Compute)? {
-            self.timeline = Some(TimelineState {
-                origin,
-                host_origin: Instant::now(),
-                pending: Vec::new(),
-                block_start: None,
-                collected: Timeline::default(),
-                step: 0,
-            });
-        }
-        Ok(())
-    }
-
-    /// Stop recording the timeline (what was recorded is dropped with it).
-    pub fn disable_timeline(&mut self) {
-        self.timeline = None;
-    }
-
-    /// Why the last traced step was slower than its bound ([`crate::diagnose::diagnose`]),
-    /// against the link's rate `link_bytes_per_s` where given (else the step's
-    /// fastest copy). `None` without a timeline or before a traced step closed.
-    pub fn diagnose(&self, link_bytes_per_s: Option<f64>) -> Option<crate::diagnose::Diagnosis> {
-        let tl = self.timeline.as_ref()?;
-        let step = tl.step.checked_sub(1)?;
-        let input = crate::diagnose::DiagnoseInput {
-            component: self.store.component(),
-            step,
-            link_bytes_per_s,
-            compute_on_host: self.backend.compute_on_host(),
-            depth: self.depth,
-        };
-        crate::diagnose::diagnose(&tl.collected, &input)
-    }
-
-    /// The timeline recorded so far (closed steps), if enabled.
-    pub fn timeline(&self) -> Option<&Timeline> {
-        self.timeline.as_ref().map(|t| &t.collected)
-    }
-
     /// Close the current step: return its metrics and add them to the total.
     /// Reports any error the device raised asynchronously during the step.
     ///
@@ -1100,34 +925,6 @@ impl<B: OffloadBackend> Ring<B> {
         spans.map(|()| step)
     }
 
-    /// The open step's timeline spans read from their events, with its exposed
-    /// stall and copy-busy seconds.
-    fn collect_spans(&mut self) -> Result<()> {
-        let Some(tl) = &mut self.timeline else { return Ok(()) };
-        let (mut stall, mut busy) = (0.0, 0.0);
-        for p in std::mem::take(&mut tl.pending) {
-            let (Some(start_s), Some(dur_s)) = (self.backend.elapsed_s(&tl.origin, &p.start)?, self.backend.elapsed_s(&p.start, &p.end)?)
-            else {
-                // Not done yet (a prefetch still in flight on a backend whose
-                // events say so): read at the next step's end, under its own step.
-                tl.pending.push(p);
-                continue;
-            };
-            if p.stream == "copy" {
-                busy += dur_s;
-            } else if p.name.starts_with("wait ") {
-                stall += dur_s;
-            }
-            let component = self.step.component.clone();
-            let (step, bytes, after) = (p.step, p.bytes, p.after);
-            tl.collected.spans.push(Span { name: p.name, stream: p.stream, component, start_s, dur_s, step, bytes, after });
-        }
-        tl.step += 1;
-        self.step.exposed_stall_s = Some(stall);
-        self.step.copy_busy_s = Some(busy);
-        Ok(())
-    }
-
     /// The store's files checked, unless the sabotage skips it.
     fn sabotage_checked_sources(&self) -> Result<()> {
         if self.breaks(Sabotage::SkipSourceCheck) {
@@ -1182,83 +979,6 @@ impl<B: OffloadBackend> Drop for Ring<B> {
     fn drop(&mut self) {
         if !self.closed {
             self.release_all();
-        }
-    }
-}
-
-/// A block on the device, ready for compute. Dropping it (or [`finish`](Self::finish))
-/// records the event after which its slot may be reused; enqueue every kernel
-/// that reads the block before that. A guard that is never dropped is released
-/// by the ring at its next `block`, `end_step` or `close` (and counted).
-pub struct BlockGuard<'r, B: OffloadBackend> {
-    ring: &'r mut Ring<B>,
-    block: usize,
-    loc: Loc,
-    source: BlockSource,
-    wait: Option<B::Wait>,
-    done: bool,
-}
-
-impl<B: OffloadBackend> BlockGuard<'_, B> {
-    /// The block's id.
-    pub fn id(&self) -> &BlockId {
-        &self.ring.store.blocks()[self.block].id
-    }
-
-    /// Where each tensor sits in the slot.
-    pub fn layout(&self) -> &BlockLayout {
-        &self.ring.store.blocks()[self.block].layout
-    }
-
-    /// The device slot holding the block.
-    pub fn slot(&self) -> &B::Slot {
-        match self.loc {
-            Loc::Stream(s) => &self.ring.slots[s].slot,
-            Loc::Resident(r) => &self.ring.resident[r].1,
-        }
-    }
-
-    /// How the block reached the device.
-    pub fn source(&self) -> BlockSource {
-        self.source
-    }
-
-    /// The backend.
-    pub fn backend(&self) -> &B {
-        &self.ring.backend
-    }
-
-    /// What the compute reading this block must wait on: `()` on stream APIs
-    /// (the wait is already on the compute stream), a wait token for the user's
-    /// submission on explicit-submission APIs ([`OffloadBackend::Wait`]).
-    pub fn wait_token(&self) -> Option<&B::Wait> {
-        self.wait.as_ref()
-    }
-
-    /// Release the block, reporting an error (dropping stores it for the next call).
-    pub fn finish(mut self) -> Result<()> {
-        self.done = true;
-        self.ring.release(self.block, self.loc, self.source, None)
-    }
-
-    /// Release the block after `signal`, an event the user's own compute signals
-    /// after its last read of the block (an explicit-submission API's signal
-    /// semaphore value), instead of an event the backend records. The ring trusts
-    /// it: an event that does not follow the last read lets the next copy into the
-    /// slot race that read (a wrong result, which the backends' protocol logs
-    /// report); the Vulkan backend refuses points it did not issue.
-    pub fn finish_after(mut self, signal: B::Event) -> Result<()> {
-        self.done = true;
-        self.ring.release(self.block, self.loc, self.source, Some(signal))
-    }
-}
-
-impl<B: OffloadBackend> Drop for BlockGuard<'_, B> {
-    fn drop(&mut self) {
-        if !self.done {
-            if let Err(e) = self.ring.release(self.block, self.loc, self.source, None) {
-                self.ring.sticky = Some(e);
-            }
         }
     }
 }

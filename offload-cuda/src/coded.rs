@@ -404,63 +404,14 @@ impl Coding {
             if let (Some(ev), false) = (after, checking) {
                 c.decode.wait(ev.event()).map_err(|e| driver("decode stream waiting for a slot's last use", e))?;
             }
-            // Raw strings are device-to-device copies on the decode stream; the coded
-            // ones go to the decoder in launches of up to SEGS strings each (one
-            // launch per 32 MiB string would leave most of the GPU idle). Each
-            // writes its own range of `dst`, so their order does not matter.
-            for sg in ch.segments.iter().filter(|sg| sg.coded.is_none()) {
-                let (out, enc) = (dst + sg.out_at as u64, staging + sg.enc_at as u64);
-                // A raw string: its bytes follow the 24-byte header. `device_segments`
-                // checked the string holds its header and `out_len` bytes inside the
-                // block; segments tile [0, raw_len) and raw_len ≤ dst_len (checked above).
-                // SAFETY: both ranges are in bounds (just said), ordered as the kernels are.
-                unsafe { sys::cuMemcpyDtoDAsync_v2(out, enc + 24, sg.out_len, c.decode.cu_stream()) }
-                    .result()
-                    .map_err(|e| driver(format!("copying a raw segment of {}", ch.purpose), e))?;
-            }
-            for (batch, blocks) in launches(&ch.segments) {
-                let cfg = cudarc::driver::LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (BLOCK_THREADS, 1, 1), shared_mem_bytes: 0 };
-                use cudarc::driver::PushKernelArg;
-                // What the kernel touches: for each string of `batch`, `device_segments`
-                // checked its layout (offsets monotone in its stream, `n` sign-mantissa
-                // bytes for bf16 or ⌈n / 2⌉ for fp8, the launch's code its strings' own
-                // (`launches`), `chunks` = ⌈n / 1024⌉) and its stored table (2^12 u16s) inside
-                // the block, the string at a multiple of 256 of the 4-aligned staging
-                // buffer (checked above) and padded to whole words (so the kernel's word
-                // reads stay inside it, its offset table and stream 4-aligned); its
-                // output (2n bytes for bf16, n for fp8, at a multiple of 4 of `dst`, 4-aligned: checked above)
-                // lies in `dst`; a launch block decodes the string whose
-                // [first_block, next first_block) holds it (`launches`, tested on the
-                // CPU against the kernel's lookup); the flag is mapped host memory of
-                // this context. Every buffer outlives the kernel: staging is freed only
-                // after this stream drains (or after it on this stream), `dst` by the
-                // caller's contract; the next copy into this staging buffer waits for
-                // the event recorded after these kernels.
-                // SAFETY: every access in bounds and aligned, every buffer alive (above).
-                unsafe { c.decode.launch_builder(&c.kernel).arg(&staging).arg(&dst).arg(&batch).arg(&c.flag_dev).arg(&ch.tag).launch(cfg) }
-                    .map_err(|e| driver(format!("decoding {}", ch.purpose), e))?;
-            }
+            // `dst` holds `raw_len` bytes, 4-aligned, alive until the decode stream
+            // passes these kernels (this function's contract, checked above).
+            // SAFETY: `dst` as just said; `staging` holds `ch`'s coded bytes (the decode
+            // stream waits for their copy), 4-aligned, reused only after the event below.
+            unsafe { c.enqueue_decode(ch, dst, staging) }?;
             if checking {
-                // What the device decoded, checked against the hashes the strings store
-                // of the weights they were made from (the decoder itself checks none):
-                // coded bytes altered with their file's own hashes rewritten raise the flag.
-                for sg in &ch.segments {
-                    let cfg = cudarc::driver::LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1, 1, 1), shared_mem_bytes: 0 };
-                    let (out, stored, len) = (dst + sg.out_at as u64, staging + sg.enc_at as u64 + 16, sg.out_len as u64);
-                    use cudarc::driver::PushKernelArg;
-                    // `out .. out + len` is the segment's range of `dst` (segments tile
-                    // [0, raw_len), raw_len ≤ dst_len: checked above); `stored` is the
-                    // 8 bytes at 16 of the string's 24-byte header inside the staging
-                    // buffer (`device_segments` checked the string holds its header),
-                    // read byte by byte; the flag is this context's mapped host memory;
-                    // every buffer outlives the kernel as the decode's do (above), and it
-                    // runs after the decode and raw copies on this stream.
-                    // SAFETY: every access in bounds, every buffer alive (above).
-                    unsafe {
-                        c.decode.launch_builder(&c.verify).arg(&out).arg(&len).arg(&stored).arg(&c.flag_dev).arg(&ch.tag).launch(cfg)
-                    }
-                    .map_err(|e| driver(format!("checking the decoded bytes of {}", ch.purpose), e))?;
-                }
+                // SAFETY: as for the decode, which these kernels follow on its stream.
+                unsafe { c.enqueue_verify(ch, dst, staging) }?;
             }
             Ok(CudaPoint::new(c.decode.record_event(None).map_err(|e| driver("recording a decode event", e))?))
         })();
@@ -484,6 +435,86 @@ impl Coding {
         s.bytes_copied.fetch_add(len as u64, Ordering::Relaxed);
         c.coded_copies.fetch_add(1, Ordering::Relaxed);
         Ok(ev)
+    }
+
+    /// The decode of `ch` on the decode stream: its raw strings copied device to
+    /// device, its coded ones decoded in launches of up to `SEGS` strings each
+    /// (one launch per 32 MiB string would leave most of the GPU idle). Each
+    /// writes its own range of `dst`, so their order does not matter.
+    ///
+    /// # Safety
+    ///
+    /// `dst` is 4-aligned device memory of this context holding `ch.raw_len`
+    /// bytes; `staging` is 4-aligned and holds `ch`'s coded bytes, the decode
+    /// stream ordered after their copy; both stay allocated until the decode
+    /// stream passes what this enqueues.
+    unsafe fn enqueue_decode(&self, ch: &CodedHost, dst: sys::CUdeviceptr, staging: sys::CUdeviceptr) -> Result<()> {
+        for sg in ch.segments.iter().filter(|sg| sg.coded.is_none()) {
+            let (out, enc) = (dst + sg.out_at as u64, staging + sg.enc_at as u64);
+            // A raw string: its bytes follow the 24-byte header. `device_segments`
+            // checked the string holds its header and `out_len` bytes inside the
+            // block; segments tile [0, raw_len) and `dst` holds raw_len bytes (this function's contract).
+            // SAFETY: both ranges are in bounds (just said), ordered as the kernels are.
+            unsafe { sys::cuMemcpyDtoDAsync_v2(out, enc + 24, sg.out_len, self.decode.cu_stream()) }
+                .result()
+                .map_err(|e| driver(format!("copying a raw segment of {}", ch.purpose), e))?;
+        }
+        for (batch, blocks) in launches(&ch.segments) {
+            let cfg = cudarc::driver::LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (BLOCK_THREADS, 1, 1), shared_mem_bytes: 0 };
+            use cudarc::driver::PushKernelArg;
+            // What the kernel touches: for each string of `batch`, `device_segments`
+            // checked its layout (offsets monotone in its stream, `n` sign-mantissa
+            // bytes for bf16 or ⌈n / 2⌉ for fp8, the launch's code its strings' own
+            // (`launches`), `chunks` = ⌈n / 1024⌉) and its stored table (2^12 u16s) inside
+            // the block, the string at a multiple of 256 of the 4-aligned staging
+            // buffer (this function's contract) and padded to whole words (so the kernel's word
+            // reads stay inside it, its offset table and stream 4-aligned); its
+            // output (2n bytes for bf16, n for fp8, at a multiple of 4 of `dst`, 4-aligned: this function's contract)
+            // lies in `dst`; a launch block decodes the string whose
+            // [first_block, next first_block) holds it (`launches`, tested on the
+            // CPU against the kernel's lookup); the flag is mapped host memory of
+            // this context. Every buffer outlives the kernel: staging is freed only
+            // after this stream drains (or after it on this stream), `dst` by the
+            // caller's contract; the next copy into this staging buffer waits for
+            // the event recorded after these kernels.
+            // SAFETY: every access in bounds and aligned, every buffer alive (above).
+            unsafe {
+                self.decode.launch_builder(&self.kernel).arg(&staging).arg(&dst).arg(&batch).arg(&self.flag_dev).arg(&ch.tag).launch(cfg)
+            }
+            .map_err(|e| driver(format!("decoding {}", ch.purpose), e))?;
+        }
+        Ok(())
+    }
+
+    /// What the device decoded, checked against the hashes the strings store of
+    /// the weights they were made from (the decoder itself checks none): coded
+    /// bytes altered with their file's own hashes rewritten raise the flag.
+    ///
+    /// # Safety
+    ///
+    /// As for [`enqueue_decode`](Self::enqueue_decode), whose kernels these follow on the decode stream.
+    unsafe fn enqueue_verify(&self, ch: &CodedHost, dst: sys::CUdeviceptr, staging: sys::CUdeviceptr) -> Result<()> {
+        // What the device decoded, checked against the hashes the strings store
+        // of the weights they were made from (the decoder itself checks none):
+        // coded bytes altered with their file's own hashes rewritten raise the flag.
+        for sg in &ch.segments {
+            let cfg = cudarc::driver::LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1, 1, 1), shared_mem_bytes: 0 };
+            let (out, stored, len) = (dst + sg.out_at as u64, staging + sg.enc_at as u64 + 16, sg.out_len as u64);
+            use cudarc::driver::PushKernelArg;
+            // `out .. out + len` is the segment's range of `dst` (segments tile
+            // [0, raw_len), `dst` holds raw_len bytes: this function's contract); `stored` is the
+            // 8 bytes at 16 of the string's 24-byte header inside the staging
+            // buffer (`device_segments` checked the string holds its header),
+            // read byte by byte; the flag is this context's mapped host memory;
+            // every buffer outlives the kernel as the decode's do (above), and it
+            // runs after the decode and raw copies on this stream.
+            // SAFETY: every access in bounds, every buffer alive (above).
+            unsafe {
+                self.decode.launch_builder(&self.verify).arg(&out).arg(&len).arg(&stored).arg(&self.flag_dev).arg(&ch.tag).launch(cfg)
+            }
+            .map_err(|e| driver(format!("checking the decoded bytes of {}", ch.purpose), e))?;
+        }
+        Ok(())
     }
 }
 

@@ -87,7 +87,7 @@ h = offload.enable(model, device="cuda", depth=1)
 with torch.no_grad():
     model(**x)
 if {sabotage}:
-    offload._module._capturing = lambda device: False  # the check on torch's stream gone
+    offload._offloaded._capturing = lambda device: False  # the check on torch's stream gone
 try:
     with torch.no_grad(), torch.cuda.graph(torch.cuda.CUDAGraph()):
         model(**x)

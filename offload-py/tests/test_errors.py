@@ -68,7 +68,7 @@ def test_a_failed_enable_leaves_the_module_as_it_was():
 
     import contextlib
 
-    import offload._module as mod
+    import offload._enable as mod
 
     @contextlib.contextmanager
     def progress(update):

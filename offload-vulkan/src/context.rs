@@ -142,6 +142,8 @@ pub(crate) struct SlotTrack {
     pub(crate) last_read: Option<u64>,
 }
 
+/// The backend's bookkeeping, under `Inner::state`'s lock (all zero and empty at first).
+#[derive(Default)]
 pub(crate) struct State {
     /// Last value submitted for signalling on each timeline.
     pub(crate) copy_value: u64,

@@ -133,7 +133,116 @@ pub fn check(root: &Path) -> Vec<String> {
         problems.extend(import_cycles(&root.join(krate).join("src"), krate));
     }
     problems.extend(history(root));
+    problems.extend(long_functions(root));
     problems
+}
+
+/// The crates a user builds on: their functions (tests aside) stay short
+/// enough to read, each at most [`LONGEST_FUNCTION`] lines.
+const LIBRARY: [&str; 9] = [
+    "offload-core",
+    "offload-formats",
+    "offload-plan",
+    "offload-cuda",
+    "offload-candle",
+    "offload-tch",
+    "offload-vulkan",
+    "offload-py",
+    "src",
+];
+
+/// The most lines a library function may have (its signature to its closing brace).
+const LONGEST_FUNCTION: usize = 150;
+
+/// Library functions (Rust and the Python package's) over [`LONGEST_FUNCTION`] lines.
+fn long_functions(root: &Path) -> Vec<String> {
+    let mut files = Vec::new();
+    for krate in LIBRARY {
+        collect(&root.join(krate), &mut files, &["rs", "py"]);
+    }
+    files.sort();
+    let mut problems = Vec::new();
+    for f in files {
+        let rel = f.strip_prefix(root).unwrap_or(&f).display().to_string();
+        // Tests, examples and benches are not the library.
+        if ["/tests/", "/examples/", "/benches/", "/gpu_tests/"].iter().any(|d| rel.contains(d)) || rel.ends_with("tests.rs") {
+            continue;
+        }
+        let Ok(text) = std::fs::read_to_string(&f) else { continue };
+        let found = if rel.ends_with(".py") { python_functions(&text) } else { rust_functions(&text) };
+        for (name, line, len) in found.into_iter().filter(|f| f.2 > LONGEST_FUNCTION) {
+            problems
+                .push(format!("{rel}:{line}: function `{name}` is {len} lines (at most {LONGEST_FUNCTION}): split it into named steps"));
+        }
+    }
+    problems
+}
+
+/// Each Rust function of `text` outside an inline test module: its name, first
+/// line (1-based) and length in lines, by its braces (outside comments and strings).
+fn rust_functions(text: &str) -> Vec<(String, usize, usize)> {
+    let lines: Vec<&str> = text.lines().collect();
+    let end = (1..lines.len())
+        .find(|&i| lines[i].starts_with("mod tests") && lines[i - 1].starts_with("#[cfg(") && lines[i - 1].contains("test"))
+        .map_or(lines.len(), |i| i - 1);
+    let code: Vec<String> = lines[..end].iter().map(|l| strip_strings(l.split("//").next().unwrap_or(""))).collect();
+    let mut out = Vec::new();
+    for (i, l) in code.iter().enumerate() {
+        let Some(at) = l.find("fn ").filter(|&a| a == 0 || !l[..a].ends_with(|c: char| c.is_alphanumeric() || c == '_')) else { continue };
+        let name: String = l[at + 3..].chars().take_while(|c| c.is_alphanumeric() || *c == '_').collect();
+        if name.is_empty() {
+            continue;
+        }
+        // A declaration without a body (a trait's) ends at its `;`, before any `{`.
+        let rest = code[i..].iter().map(|c| c.as_str()).collect::<Vec<_>>().join("\n");
+        let rest = &rest[at..];
+        if rest.find(';').is_some_and(|semi| rest.find('{').is_none_or(|brace| semi < brace)) {
+            continue;
+        }
+        let (mut depth, mut opened) = (0i64, false);
+        for (j, c) in code.iter().enumerate().skip(i) {
+            for ch in c.chars() {
+                match ch {
+                    '{' => (depth, opened) = (depth + 1, true),
+                    '}' => depth -= 1,
+                    _ => {}
+                }
+            }
+            if opened && depth <= 0 {
+                out.push((name.clone(), i + 1, j - i + 1));
+                break;
+            }
+        }
+    }
+    out
+}
+
+/// Each Python function of `text` (`def` at any depth): its name, first line
+/// and length, to the last line indented under it.
+fn python_functions(text: &str) -> Vec<(String, usize, usize)> {
+    let lines: Vec<&str> = text.lines().collect();
+    let indent = |l: &str| l.len() - l.trim_start().len();
+    let mut out = Vec::new();
+    for (i, l) in lines.iter().enumerate() {
+        let t = l.trim_start();
+        let Some(rest) = t.strip_prefix("def ").or_else(|| t.strip_prefix("async def ")) else { continue };
+        let name: String = rest.chars().take_while(|c| c.is_alphanumeric() || *c == '_').collect();
+        let own = indent(l);
+        // The signature may span lines: the body starts after the line ending in `:`.
+        let body = (i..lines.len()).find(|&j| lines[j].trim_end().ends_with(':')).unwrap_or(i);
+        let mut last = body;
+        for (j, m) in lines.iter().enumerate().skip(body + 1) {
+            if m.trim().is_empty() {
+                continue;
+            }
+            if indent(m) <= own {
+                break;
+            }
+            last = j;
+        }
+        out.push((name, i + 1, last - i + 1));
+    }
+    out
 }
 
 /// Words that tell where a comment came from rather than what the code does (a
@@ -450,6 +559,30 @@ mod tests {
         let p = import_cycles(&src, "offload-cuda").join("\n");
         let _ = std::fs::remove_dir_all(&dir);
         assert!(p.contains("core → top → core"), "{p}");
+    }
+
+    /// A library function over the limit is named, in Rust and in Python; tests
+    /// and short functions are not.
+    #[test]
+    fn long_functions_are_caught() {
+        let body = |n: usize| (0..n).map(|i| format!("    let x{i} = {i};\n")).collect::<String>();
+        let rust = format!("//! m\nfn short() {{\n{}}}\nfn long() {{\n{}}}\ntrait T {{ fn decl(&self); }}\n", body(10), body(160));
+        let found = rust_functions(&rust);
+        assert!(found.iter().any(|(n, line, len)| n == "long" && *line == 14 && *len == 162), "{found:?}");
+        assert!(found.iter().any(|(n, _, len)| n == "short" && *len == 12), "{found:?}");
+        assert!(!found.iter().any(|(n, _, _)| n == "decl"), "{found:?}");
+        let tested = format!("//! m\nfn f() {{}}\n#[cfg(test)]\nmod tests {{\n    fn long() {{\n{}    }}\n}}\n", body(160));
+        assert!(rust_functions(&tested).iter().all(|(n, _, _)| n != "long"), "a test module's function counted");
+        let py = format!("def f(\n    a,\n):\n{}\n    return a\n\nclass C:\n    def g(self):\n        pass\n", "    x = 1\n".repeat(151));
+        let found = python_functions(&py);
+        assert!(found.iter().any(|(n, line, len)| n == "f" && *line == 1 && *len == 156), "{found:?}");
+        assert!(found.iter().any(|(n, _, len)| n == "g" && *len == 2), "{found:?}");
+        let dir = std::env::temp_dir().join(format!("offload-tidy-long-{}", std::process::id()));
+        std::fs::create_dir_all(dir.join("offload-core/src")).unwrap();
+        std::fs::write(dir.join("offload-core/src/lib.rs"), &rust).unwrap();
+        let p = long_functions(&dir).join("\n");
+        let _ = std::fs::remove_dir_all(&dir);
+        assert!(p.contains("offload-core/src/lib.rs:14: function `long` is 162 lines"), "{p}");
     }
 
     /// The engine's crates and every device backend are checked for cycles.

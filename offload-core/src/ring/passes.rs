@@ -1,0 +1,40 @@
+//! The pass the blocks are asked for by: a forward, or a backward asking for
+//! them in reverse. Each pass learns its own order.
+
+use super::Ring;
+use crate::backend::OffloadBackend;
+use crate::error::{Error, Result};
+
+impl<B: OffloadBackend> Ring<B> {
+    /// Whether the blocks are now asked for by a backward pass (`true`) or a
+    /// forward one. Each pass learns its own order (a backward asks for the
+    /// blocks in reverse, and its first order is the reverse of the
+    /// inventory's), and a step's metrics say which pass it was. Switching
+    /// copies ahead the first blocks the new pass asked for last time. Call it
+    /// between blocks (none lent), at the start of a pass.
+    pub fn set_backward(&mut self, backward: bool) -> Result<()> {
+        if backward == self.backward {
+            return Ok(());
+        }
+        if self.lent.is_some() {
+            return Err(Error::Protocol(format!("component {:?}: the pass changes between blocks, not while one is lent", self.plan.name)));
+        }
+        std::mem::swap(&mut self.next, &mut self.other_next);
+        self.backward = backward;
+        self.step.backward = backward;
+        self.prev = None;
+        let Some(f) = self.first[usize::from(backward)].filter(|&f| self.resident_of.get(f).is_some_and(Option::is_none)) else {
+            return Ok(());
+        };
+        let s = match self.slots.iter().position(|s| s.holds == Some(f)) {
+            Some(s) => s,
+            None => {
+                let keep = self.chain(f, self.depth);
+                let s = self.victim(&keep);
+                self.load(s, f)?;
+                s
+            }
+        };
+        self.prefetch(f, s)
+    }
+}

@@ -1,0 +1,194 @@
+"""The hooks the package puts on a module and its blocks: around each block's
+forward, around the module's step, and around compiled blocks."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from ._offload import OffloadError
+
+from ._blocks import _Block
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ._offloaded import Offloaded
+
+
+class _Hook:
+    """One of the package's hooks on the module: a callable that refuses, by
+    name, to be pickled or copied with it (``copy.deepcopy``, ``pickle``,
+    ``torch.save`` of an offloaded module), as its placeholders do."""
+
+    __slots__ = ("fn", "component")
+
+    def __init__(self, fn, component: str):
+        self.fn, self.component = fn, component
+
+    def __call__(self, *args):
+        return self.fn(*args)
+
+    def __reduce_ex__(self, protocol):
+        raise OffloadError(f"component {self.component!r}: an offloaded module cannot be copied, pickled or saved (its block "
+                           "weights are in the engine's store); disable it first")
+
+    def __deepcopy__(self, memo):
+        return self.__reduce_ex__(2)
+
+
+def _pre_hook(state: Offloaded, blk: _Block):
+    def hook(mod, args, kwargs):
+        if torch.compiler.is_compiling() and _wrapped(mod):
+            # Traced into a compiled block: its binding is `_Compiled`'s, outside.
+            # (Traced into a compiled model, the hook runs, as a graph break.)
+            return None
+        state._bind(blk)
+        if state.device.type == "cuda":
+            return state._inputs(blk, args, kwargs)
+        return None
+
+    return _Hook(hook, state.component)
+
+
+def _host_tensors(args, kwargs) -> dict:
+    """The floating-point host tensors among a block's arguments (and in tuples
+    or lists among them, one level down), by the storage they view: where each
+    is, as a path."""
+    found = {}
+
+    def visit(t, path):
+        if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.is_floating_point() and t.numel():
+            with contextlib.suppress(Exception):
+                found.setdefault(t.untyped_storage().data_ptr(), path)
+
+    for i, a in enumerate(args):
+        visit(a, ("a", i))
+        if isinstance(a, (tuple, list)):
+            for j, b in enumerate(a):
+                visit(b, ("a", i, j))
+    for k, a in kwargs.items():
+        visit(a, ("k", k))
+        if isinstance(a, (tuple, list)):
+            for j, b in enumerate(a):
+                visit(b, ("k", k, j))
+    return found
+
+
+class _Watch(torch.overrides.TorchFunctionMode):
+    """Around a block's first forward: which of its host tensor arguments it
+    moves to the device itself (``.to(device)``, ``.cuda()``, a view of one
+    first, as ``apply_rotary_emb`` does with ``cos[None, None].to(x.device)``)."""
+
+    def __init__(self, hosts: dict):
+        super().__init__()
+        self.hosts, self.moved = hosts, set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in _MOVES and args and isinstance(args[0], torch.Tensor) and args[0].device.type == "cpu" \
+                and isinstance(out, torch.Tensor) and out.device.type == "cuda":
+            with contextlib.suppress(Exception):
+                path = self.hosts.get(args[0].untyped_storage().data_ptr())
+                if path is not None:
+                    self.moved.add(path)
+        return out
+
+
+_MOVES = {torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.type_as}
+
+
+def _post_hook(state: Offloaded, blk: _Block):
+    def hook(mod, args, output):
+        if torch.compiler.is_compiling() and _wrapped(mod):
+            return
+        # torch calls it even when the pre-hook raised: a thread refused there
+        # leaves the block another thread has bound alone.
+        if state._mine():
+            try:
+                state._unbind()
+            finally:
+                state._end_watch(blk)
+
+    return _Hook(hook, state.component)
+
+
+class _Compiled:
+    """A compiled block's call (``block.compile()``, diffusers'
+    ``compile_repeated_blocks``), wrapped so that the package binds the block's
+    weights outside the compiled region: the compiled code sees plain tensors
+    in the block's parameters (views of its slot), and no hook of ours."""
+
+    def __init__(self, state: Offloaded, blk: _Block, fn):
+        self.state, self.blk, self.fn = state, blk, fn
+
+    def __call__(self, *args, **kwargs):
+        st, blk = self.state, self.blk
+        st._arm(blk)
+        try:
+            st._lend(blk)
+            return self.fn(*args, **kwargs)
+        finally:
+            if st._mine():
+                st._unbind()
+
+
+def _wrapped(block: nn.Module) -> bool:
+    """Whether ``block``'s compiled call is wrapped by :class:`_Compiled`."""
+    return isinstance(block.__dict__.get("_compiled_call_impl"), _Compiled)
+
+
+def _wrap_compiled(state: Offloaded) -> None:
+    """Wrap each block compiled since the last look (before ``enable``, or
+    after it and before this forward)."""
+    for blk in state._blocks.values():
+        fn = blk.module.__dict__.get("_compiled_call_impl")
+        if fn is not None and not isinstance(fn, _Compiled):
+            blk.module._compiled_call_impl = _Compiled(state, blk, fn)
+
+
+def _unwrap_compiled(state: Offloaded) -> None:
+    for blk in state._blocks.values():
+        fn = blk.module.__dict__.get("_compiled_call_impl")
+        if isinstance(fn, _Compiled):
+            blk.module._compiled_call_impl = fn.fn
+
+
+def _forward_pre_hook(state: Offloaded):
+    def hook(mod, args):
+        _wrap_compiled(state)
+        if state._backward:
+            state._end_abandoned_backward()
+        state._claim(by_block=False)
+        state._owned_by_block = False
+        if state._in_forward or state._ran:
+            # The last forward never reached its step hook (a KeyboardInterrupt
+            # skips torch's always_call hooks), or blocks ran outside a forward
+            # since the last step (a gradient checkpointing recompute in the
+            # backward, a decode): that step ends here, apart from this one.
+            # Should that fail (a block of it wrote its weights), this forward
+            # never starts.
+            try:
+                state._end_step()
+            except BaseException:
+                state._release()
+                raise
+        state._in_forward = True
+
+    return _Hook(hook, state.component)
+
+
+def _step_hook(state: Offloaded):
+    def hook(mod, args, output):
+        # torch calls an always_call hook even when a pre-hook raised (ours ending
+        # an interrupted step or refusing a second thread, or a user's before
+        # it): that forward began no step.
+        if not state._in_forward or not state._mine():
+            return
+        try:
+            state._end_step()
+        finally:
+            state._release()
+
+    return _Hook(hook, state.component)

@@ -1,0 +1,620 @@
+"""`Offloaded`: one module's streaming state, its metrics and plan, and the
+binding of a block's weights around its forward (and again in the backward)."""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+import threading
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from ._offload import OffloadError, Streamer
+
+from ._placeholder import _ArgumentTypeError, _ArgumentValueError
+from ._blocks import _Block, _Cast, _Moved, _Outer, _Param, _Saved
+from ._hooks import _Watch, _host_tensors
+
+
+class Offloaded:
+    """A module whose blocks stream through the Rust engine. Made by
+    :func:`enable`; :meth:`disable` (or :func:`disable` on the module) puts it
+    back."""
+
+    def __init__(self) -> None:
+        self.component: str = ""
+        self.device: torch.device = torch.device("cpu")
+        self._streamer: Optional[Streamer] = None
+        self._blocks: dict[nn.Module, _Block] = {}
+        self._params: dict[str, _Param] = {}
+        self._moved_tensors: list[_Moved] = []
+        self._hooks: list = []
+        self._engine_stream = None
+        # The engine's compute stream as torch's raw handle and its device's index:
+        # compared at every block, where making a `torch.cuda.Stream` costs host time.
+        self._engine_raw = (0, 0)
+        self._last_metrics: Optional[dict] = None
+        self._steps = 0
+        # The depth is the package's to choose (no depth, budget or calibration
+        # given): the second step is traced, and the depth chosen at its end.
+        self._auto = False
+        self._traced_by_user = False
+        self.module: Optional[nn.Module] = None
+        self._bound: Optional[_Block] = None
+        # Blocks run in the step under way: a block asked for again begins the
+        # next step (a component the pipeline calls through another method than
+        # forward, a VAE's decode, has no forward hook to end its steps).
+        self._ran: set = set()
+        # Inside the module's forward (its pre-hook to its step hook): there a
+        # block run twice is the model's own doing, not the next step. A step hook
+        # outside it (a pre-hook raised first) has no step to end.
+        self._in_forward = False
+        self._buffer = None
+        self._version: Optional[int] = None
+        self._stream = None
+        # The thread inside the module (a forward, or a block bound outside one),
+        # and whether a block's bind took it (given back at its unbind): the ring
+        # serves one caller at a time, so a second thread is refused at entry.
+        self._owner: Optional[int] = None
+        self._owned_by_block = False
+        self._lock = threading.Lock()
+        # Lazy binding: the block whose forward runs and whose weights are not
+        # bound yet, and how many blocks this step ran without using them.
+        self._lazy = True
+        self._armed: Optional[_Block] = None
+        self._skipped = 0
+        # Backward streaming: the saved-tensor hooks pushed while a block is bound
+        # in grad mode (and the hooks they sit on), whether the engine serves a
+        # backward now, and that backward's step metrics.
+        self._saving: Optional[tuple] = None
+        self._backward = False
+        # The last step of each pass (forward, backward).
+        self._by_pass: list = [None, None]
+        # Host tensors a block moves to the device itself (a rotary table the
+        # model makes on the host): learned in its first forward (`_Watch`), then
+        # moved once a step, page-locked and without a host sync, before the
+        # block's weights are lent, so the block's own copy finds them there
+        # instead of queueing a pageable copy and a stream sync behind the
+        # prefetch on the copy engine. Per block: the paths of those arguments;
+        # the watch of the block being learned; this step's moved tensors.
+        self._moves: dict = {}
+        self._watch: Optional[tuple] = None
+        self._moved: dict = {}
+
+    @property
+    def steps(self) -> int:
+        """Steps ended since enabling (forward and backward passes alike)."""
+        return self._steps
+
+    def __reduce_ex__(self, protocol):
+        raise OffloadError(f"component {self.component!r}: an offloaded module cannot be copied, pickled or saved (its block "
+                           "weights are in the engine's store); disable it first")
+
+    def __deepcopy__(self, memo):
+        return self.__reduce_ex__(2)
+
+    # -- public ---------------------------------------------------------------
+    def metrics(self, which: str = "last") -> dict:
+        """The last step's metrics (bytes streamed, prefetch hits, misses, host
+        waits, device bytes, ...; a step is one forward of the module, or
+        for a module called through another method, such as a VAE's
+        ``decode``, one pass over its blocks: a block run again begins the
+        next step; a backward that brings the blocks back is a step of its
+        own, ``"backward": True``). ``which``: ``"last"``, or the last
+        ``"forward"`` or ``"backward"`` step."""
+        if which not in ("last", "forward", "backward"):
+            raise _ArgumentValueError(f"component {self.component!r}: which must be 'last', 'forward' or 'backward', not {which!r}")
+        m = self._last_metrics if which == "last" else self._by_pass[which == "backward"]
+        if m is None:
+            raise OffloadError(f"component {self.component!r}: no {'' if which == 'last' else which + ' '}step has ended yet")
+        return dict(m)
+
+    def counters(self) -> dict:
+        """The device's counters since enabling: host synchronisations
+        (``syncs``; none in a steady-state step), copies, bytes copied, slot
+        bytes live and at peak."""
+        return dict(self._engine().counters())
+
+    def probe_bandwidth(self, passes: int = 3) -> float:
+        """Host-to-device bytes per second: every streamed block copied, the
+        best of ``passes`` passes (synchronises the host; call it between steps)."""
+        self._refuse_capture("probe_bandwidth")
+        return self._engine().probe_bandwidth(passes)
+
+    def host_bytes(self) -> tuple[int, int]:
+        """Host bytes the store holds, and how many are page-locked."""
+        return self._engine().host_bytes()
+
+    def host_tier(self) -> dict:
+        """How the host store holds the blocks: ``{"in_place": n, "copied": m,
+        "copy_reason": ...}``. With ``checkpoint=``, a block is served in place
+        from the file's pages when its tensors lie in the file as the store lays
+        them out (one after another, each a multiple of 256 bytes from the
+        block's first); otherwise it is copied, and the reason says why."""
+        mapped, copied, why = self._engine().host_tier()
+        return {"in_place": mapped, "copied": copied, "copy_reason": why}
+
+    def enable_trace(self) -> None:
+        """Time both streams from now on (a few events per block, and a wait
+        for them at each step's end; it synchronises once now): write the last
+        step with :meth:`write_trace`, read it with :meth:`diagnose`. Leave it
+        off when timing the steady state (:meth:`disable_trace`)."""
+        self._refuse_capture("enable_trace")
+        self._engine().enable_timeline()
+        self._traced_by_user = True
+
+    def disable_trace(self) -> None:
+        """Stop timing the streams (the recorded steps are dropped)."""
+        self._engine().disable_timeline()
+        self._traced_by_user = False
+
+    def diagnose(self, link_gbps: Optional[float] = None) -> dict:
+        """Why the last traced step was slower than its bound: call
+        :meth:`enable_trace`, run a step (the first one after enabling learns
+        the block order: run two), then this.
+
+        Each wait of the compute stream for a block's copy is charged to what
+        held the copy back: ``"link"`` (copies back to back at the link's rate:
+        a copy-bound step), ``"late"`` (the copy stream sat idle before the copy:
+        issued too late behind a short block; a larger ``depth`` helps),
+        ``"slot"`` (the copy waited for its slot's previous block to finish),
+        ``"shared_link"`` (the copy ran slower than the link: the model's own
+        host-to-device copies shared it); and ``"host"`` names a host that
+        needed about the device's whole step (Python time per block, or a host
+        synchronisation inside a block). Returns ``{"summary": str, "verdict":
+        cause or None, "causes": {cause: seconds}, "waits": [{"block", "wait_s",
+        "by_cause", "copy_gbps", ...}], "step_s", "compute_s", "wait_s",
+        "between_s", "host_s", "host_blocks", "link_gbps", ...}`` and
+        ``"host_tables"``: the host tensors the package moves once a step for
+        the blocks (their bytes share the link). ``link_gbps``: the link's
+        rate to measure copies against (:meth:`probe_bandwidth` ÷ 1e9), else
+        the step's fastest copy."""
+        if link_gbps is not None and (isinstance(link_gbps, bool) or not isinstance(link_gbps, numbers.Real)):
+            raise _ArgumentTypeError(f"component {self.component!r}: link_gbps must be a number of GB/s, not {link_gbps!r}")
+        if link_gbps is not None and not (math.isfinite(link_gbps) and link_gbps > 0):
+            raise _ArgumentValueError(f"component {self.component!r}: link_gbps must be a finite number above 0, not {link_gbps!r}")
+        raw = self._engine().diagnose(None if link_gbps is None else float(link_gbps) * 1e9)
+        if raw is None:
+            raise OffloadError(f"component {self.component!r}: no traced step to diagnose: call enable_trace(), run a step, "
+                               "then diagnose()")
+        d = json.loads(raw)
+        d["causes"] = {c: s for c, s in d["causes"]}
+        d["host_blocks"] = {b: s for b, s in d["host_blocks"]}
+        for w in d["waits"]:
+            w["by_cause"] = {c: s for c, s in w["by_cause"]}
+        def where(path) -> str:
+            kind, key, *inner = path
+            return (f"args[{key}]" if kind == "a" else f"{key}=") + "".join(f"[{i}]" for i in inner)
+
+        d["host_tables"] = {f"{b.stack}.{b.index}": [where(p) for p in self._moves[id(b)]]
+                            for b in self._blocks.values() if self._moves.get(id(b))}
+        d["host_table_bytes"] = sum(h[2].nbytes for h in self._moved.values())
+        return d
+
+    def write_trace(self, path: str) -> None:
+        """Write the last step's Chrome trace (Perfetto opens it)."""
+        self._engine().write_trace(str(path))
+
+    def plan(self) -> dict:
+        """The plan the ring runs and why: ``{"depth": d, "resident_blocks":
+        [...], "chosen_by": "given" | "budget" | "auto", "why": str}``.
+        ``"auto"`` (no ``depth`` given): the package timed its second step and
+        chose the depth from it (the replay of that step at each depth, ``why``
+        lists the predictions); until then the depth is 1 and ``why`` says the
+        choice is pending. ``"budget"``: the planner's choice under
+        ``budget_gib``; ``"given"``: what was asked."""
+        depth, resident, chosen_by, why = self._engine().plan()
+        if self._auto and chosen_by == "given":
+            chosen_by, why = "auto", "depth 1 until the second step ends: the package then times it and chooses the depth"
+        return {"depth": depth, "resident_blocks": list(resident), "chosen_by": chosen_by, "why": why}
+
+    def calibration(self, compute_s: Optional[dict] = None) -> dict:
+        """This module's cost model, for :func:`enable`'s ``calibration=``: each
+        block's bytes and compute time and the link's bandwidth (probed now; it
+        synchronises). The compute times are the traced steps' (call
+        :meth:`enable_trace`, run a step, then this; CUDA), or ``compute_s``
+        (``{"transformer_blocks.0": seconds, ...}``, every block). Take it from
+        a ring that is not coded."""
+        self._refuse_capture("calibration")
+        return json.loads(self._engine().calibration(compute_s))
+
+    def violations(self) -> list[str]:
+        """Breaks of the ring's protocol the engine saw (expected: none)."""
+        return self._engine().violations()
+
+    def disable(self) -> None:
+        """Put the module back: hooks removed, every parameter and buffer the
+        same object with the same bytes on the device it was on. An error once
+        this handle's offloading has ended (a later :func:`enable` of the same
+        module has a handle of its own)."""
+        from ._enable import disable, offloaded
+
+        if self.module is None or offloaded(self.module) is not self:
+            raise OffloadError(f"component {self.component!r}: this handle's offloading was disabled already")
+        disable(self.module)
+
+    # -- hooks ----------------------------------------------------------------
+    def _refuse_capture(self, what: str) -> None:
+        """An error while torch's current stream on this device is being captured
+        into a CUDA graph. The engine checks its own compute stream; this checks
+        the caller's, which is where ``torch.cuda.graph`` captures (a side stream
+        of its own), so that a capture is refused before the engine issues or
+        waits on anything."""
+        if self.device.type == "cuda" and _capturing(self.device):
+            raise OffloadError(
+                f"component {self.component!r}: {what} while torch's current stream is being captured into a CUDA graph "
+                "(torch.cuda.graph, torch.compile's \"reduce-overhead\"): a replay would repeat the engine's copies from "
+                "host memory it no longer holds; run the offloaded module outside capture"
+            )
+
+    def _claim(self, by_block: bool) -> None:
+        """Take the module for this thread, or refuse it by name while another
+        thread is inside (before anything is bound or lent)."""
+        me = threading.get_ident()
+        with self._lock:
+            owner = self._owner
+            if owner is None:
+                self._owner, self._owned_by_block = me, by_block
+                return
+        if owner != me:
+            raise OffloadError(
+                f"component {self.component!r}: called from a second thread while another one is inside it: an offloaded "
+                "module serves one caller at a time (its blocks share one ring of device slots). Call it from one thread, "
+                "or enable one copy of the module per thread"
+            )
+
+    def _mine(self) -> bool:
+        return self._owner == threading.get_ident()
+
+    def _release(self) -> None:
+        with self._lock:
+            self._owner, self._owned_by_block = None, False
+
+    def _changed(self, p: _Param, now: Any) -> str:
+        """What happened to streamed tensor ``p`` since enable, as an error's text."""
+        again = "disable (which puts back the tensors as enabled), change the module, then enable again"
+        head = f"component {self.component!r}: tensor {p.name!r}"
+        if now is not p.holder:
+            what = "removed" if now is None else f"a {type(now).__name__} of {getattr(now, 'dtype', '?')}"
+            return f"{head} was replaced while offloaded (the module now holds {what}); its block streams the enabled bytes, so {again}"
+        if p.holder.dtype != p.dtype or p.holder.device != self.device:
+            return (f"{head} was converted to {p.holder.dtype} on {p.holder.device} while offloaded (it streams as {p.dtype} to "
+                    f"{self.device}); disable, convert, then enable again")
+        return (f"{head} was changed while offloaded (edited in place or given other data: the module holds an empty "
+                f"placeholder for it); its block streams the enabled bytes, so {again}")
+
+    def _engine(self) -> Streamer:
+        if self._streamer is None:
+            raise OffloadError(f"component {self.component!r}: offloading is disabled")
+        return self._streamer
+
+    def _bind(self, block: _Block) -> None:
+        """The block's pre-hook: armed, its weights bound at their first use
+        (:func:`_arming`), or at once where ``lazy=False``."""
+        self._arm(block)
+        if not self._lazy or block.eager:
+            self._lend(block)
+
+    def _inputs(self, block: _Block, args, kwargs):
+        """The block's pre-hook's new arguments on CUDA (or None): its host tensors
+        that it moves to the device, moved once a step (learned in its first forward)."""
+        paths = self._moves.get(id(block))
+        if paths is None:
+            if self._watch is not None:
+                # A block called inside another's first forward: learned on a later call.
+                return None
+            hosts = _host_tensors(args, kwargs)
+            self._moves[id(block)] = ()
+            if hosts:
+                watch = _Watch(hosts)
+                watch.__enter__()
+                self._watch = (block, watch)
+            return None
+        if not paths:
+            return None
+        args, kwargs = list(args), dict(kwargs)
+        for path in paths:
+            where, key, *inner = path
+            box = args if where == "a" else kwargs
+            if (key >= len(box)) if where == "a" else (key not in box):
+                continue
+            top = box[key]
+            t = top[inner[0]] if inner and isinstance(top, (tuple, list)) and inner[0] < len(top) else (None if inner else top)
+            if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+                continue
+            hit = self._moved.get(id(t))
+            if hit is None or hit[0] is not t or hit[1] != t._version:
+                # Page-locked first: the copy is then asynchronous, no host sync.
+                hit = (t, t._version, t.pin_memory().to(self.device, non_blocking=True))
+                self._moved[id(t)] = hit
+            if inner:
+                top = list(top)
+                top[inner[0]] = hit[2]
+                box[key] = tuple(top) if isinstance(box[key], tuple) else top
+            else:
+                box[key] = hit[2]
+        return tuple(args), kwargs
+
+    def _end_watch(self, block: _Block) -> None:
+        if self._watch is not None and self._watch[0] is block:
+            watch = self._watch[1]
+            self._watch = None
+            watch.__exit__(None, None, None)
+            self._moves[id(block)] = tuple(sorted(watch.moved, key=str))
+
+    def _view_of(self, ph: torch.Tensor) -> torch.Tensor:
+        """What the module holds now in place of placeholder ``ph``: its view
+        while its block is bound, else the placeholder."""
+        lazy = ph._offload_lazy
+        if lazy is None or self._bound is not lazy[1]:
+            return ph
+        p = lazy[2]
+        return p.owner._parameters[p.attr]
+
+    def _arm(self, block: _Block) -> None:
+        self._claim(by_block=not self._in_forward)
+        if self._bound is not None or self._armed is not None:
+            self._unbind()
+        if id(block) in self._ran and not self._in_forward:
+            self._end_step()
+        # Again: the unbind or the step's end above gave a block's claim back.
+        self._claim(by_block=not self._in_forward)
+        self._ran.add(id(block))
+        hooks = block.module._forward_hooks
+        if next(reversed(hooks), None) != block.post_hook:
+            hooks.move_to_end(block.post_hook)
+        for params, attr, prm, p in block.same:
+            if params.get(attr) is not prm:
+                raise OffloadError(self._changed(p, params.get(attr)))
+        for params, attr, prm, version, dtype, device, shape, p in block.held:
+            now = params.get(attr)
+            if now is not prm or prm._version != version or prm.dtype != dtype or prm.device != device or prm.shape != shape:
+                raise OffloadError(self._changed(p, now))
+        self._refuse_capture(f"block {block.stack}.{block.index}")
+        self._armed = block
+
+    def _lend(self, block: _Block) -> None:
+        """Bind ``block``'s weights: lent by the engine, views in the module."""
+        self._armed = None
+        buf = self._engine().lend(block.stack, block.index)
+        if self.device.type == "cuda":
+            raw, index = self._engine_raw
+            if torch._C._cuda_getCurrentRawStream(index) != raw:
+                cur = torch.cuda.current_stream(self.device)
+                cur.wait_stream(self._engine_stream)
+                self._stream = cur
+            data = buf
+        else:
+            data = torch.frombuffer(buf, dtype=torch.uint8) if len(buf) else torch.empty(0, dtype=torch.uint8)
+        # Set first: if a view fails, the post hook's unbind still puts every
+        # parameter back and gives the block back.
+        self._bound = block
+        self._buffer = data
+        # Writes through the views bump the buffer's version counter (an inference
+        # tensor has none: torch refuses in-place writes to it outside inference mode).
+        self._version = None if data.is_inference() else data._version
+        # One strided view per parameter over the buffer seen once per dtype
+        # (slicing, reinterpreting and reshaping each would be three calls: host
+        # time on every block of every step).
+        n = data.numel()
+        whole = {}
+        for dt in block.dtypes:
+            w = data[: n - n % dt.itemsize].view(dt)
+            # as_strided counts its offset from the storage, not from the view.
+            whole[dt] = (w.as_strided, w.storage_offset())
+        for params, attr, dt, shape, stride, offset, rewrap in block.views:
+            strided, base = whole[dt]
+            view = strided(shape, stride, base + offset)
+            params[attr] = view if rewrap is None else rewrap(view)
+        for p in block.sliced:
+            view = data[p.offset : p.offset + p.nbytes].view(p.dtype).as_strided(p.shape, p.layout)
+            p.owner._parameters[p.attr] = view if p.rewrap is None else p.rewrap(view)
+        if torch.is_grad_enabled():
+            # What autograd saves of this block's weights for the backward is
+            # saved as where it lies in the block, not as the block's buffer:
+            # the buffer is let go after the forward, and the backward brings
+            # the block back (`_unpack`). A recompute in the backward (gradient
+            # checkpointing) saves the same way, so a checkpoint finds the same
+            # tensors saved as in the forward.
+            outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+            torch._C._autograd._push_saved_tensors_default_hooks(self._pack, self._unpack)
+            self._saving = (outer,)
+        if torch.is_grad_enabled():
+            # A streamed weight gets no gradient: one that asks for it makes the
+            # backward an error naming it, never a gradient quietly left None.
+            for p in block.params:
+                if p.holder.requires_grad:
+                    view = p.owner._parameters[p.attr]
+                    if view.is_floating_point() and not view.requires_grad:
+                        view.requires_grad_(True)
+                        view.register_hook(_no_gradient(self.component, p.name))
+
+    def _pack(self, t):
+        """Autograd saves ``t`` for the backward: one of the bound block's
+        weights (a view of its buffer, as `linear` saves `weight.t()`) is saved
+        as its place in the block; anything else as the hooks below ours save it."""
+        buf, block = self._buffer, self._bound
+        if block is not None and buf is not None and type(t) is torch.Tensor and not t.requires_grad and t.device == buf.device:
+            at = t.untyped_storage().data_ptr()
+            if at == buf.untyped_storage().data_ptr():
+                return _Saved(block, t.dtype, tuple(t.shape), t.stride(),
+                              t.storage_offset() * t.element_size() - buf.storage_offset() * buf.element_size())
+            # A weight a layer of the block cast for its compute (diffusers'
+            # layerwise casting puts the cast in the parameter's place): saved as
+            # that cast of its place in the block, made again in the backward.
+            for p in block.params:
+                now = p.owner._parameters.get(p.attr)
+                if type(now) is torch.Tensor and now.dtype == t.dtype and now.untyped_storage().data_ptr() == at:
+                    return _Cast(block, p, t.dtype, tuple(t.shape), t.stride(), t.storage_offset() - now.storage_offset())
+        outer = self._saving[0] if self._saving else None
+        return (_Outer, outer[1], outer[0](t)) if outer else t
+
+    def _unpack(self, saved):
+        """The backward asks for what `_pack` saved: a block's weight comes back
+        from the block lent again (each block once, in the reverse order the
+        engine learns for a backward), the rest from the hooks that saved it."""
+        if isinstance(saved, tuple) and len(saved) == 3 and saved[0] is _Outer:
+            return saved[1](saved[2])
+        if isinstance(saved, _Cast):
+            if self._bound is not saved.block:
+                self._lend_for_backward(saved.block)
+            cast = saved.param.owner._parameters[saved.param.attr].to(saved.dtype)
+            return cast.as_strided(saved.shape, saved.stride, cast.storage_offset() + saved.offset)
+        if not isinstance(saved, _Saved):
+            return saved
+        if self._bound is not saved.block:
+            self._lend_for_backward(saved.block)
+        buf = self._buffer
+        n = buf.numel()
+        size = saved.dtype.itemsize
+        w = buf[: n - n % size].view(saved.dtype)
+        return w.as_strided(saved.shape, saved.stride, w.storage_offset() + saved.offset // size)
+
+    def _lend_for_backward(self, block: _Block) -> None:
+        """Bind ``block`` for the backward (autograd's thread, between two of its
+        nodes): the block bound before is given back (its kernels enqueued), the
+        engine switched to its backward order at the backward's first block, and
+        the backward's step ended when autograd's pass ends."""
+        if self._bound is not None:
+            self._unbind()
+        if not self._backward:
+            if self._ran or self._in_forward:
+                self._end_step()
+            self._claim(by_block=False)
+            self._engine().set_backward(True)
+            self._backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        self._ran.add(id(block))
+        self._lend(block)
+
+    def _end_abandoned_backward(self) -> None:
+        """A backward that raised never reached its end (autograd runs its end
+        callbacks only after a pass that completed): the next forward ends it,
+        from whichever thread autograd used, so the module stays usable."""
+        with self._lock:
+            self._owner, self._owned_by_block = threading.get_ident(), False
+        self._end_backward()
+
+    def _end_backward(self) -> None:
+        """Autograd's pass ended: the last block given back, the backward's step ended."""
+        try:
+            if self._bound is not None:
+                self._unbind()
+        finally:
+            try:
+                self._end_engine_step()
+            finally:
+                self._engine().set_backward(False)
+                self._backward = False
+                self._release()
+
+    def _unbind(self) -> None:
+        if self._saving is not None:
+            self._saving = None
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+        block, self._bound = self._bound, None
+        if self._armed is not None:
+            # Run without using its weights (a cache returned its output): never copied.
+            self._armed = None
+            self._skipped += 1
+        if self._owned_by_block:
+            # Given back even where nothing was bound (the bind raised first).
+            self._release()
+        if block is None:
+            return
+        for params, attr, param in block.restore:
+            params[attr] = param
+        if self._stream is not None:
+            self._engine_stream.wait_stream(self._stream)
+            self._buffer.record_stream(self._stream)
+            self._stream = None
+        wrote = self._version is not None and self._buffer._version != self._version
+        self._buffer = None
+        self._engine().give_back()
+        if wrote:
+            raise OffloadError(
+                f"component {self.component!r}: block {block.stack}.{block.index} wrote its streamed weights in place during "
+                "its forward; the write went to a lent copy that the next step no longer holds, so it would be lost. Keep "
+                "state a block updates in a buffer (register_buffer), which stays resident, or make that parameter trainable"
+            )
+
+    def _end_step(self) -> None:
+        try:
+            if self._bound is not None or self._armed is not None:
+                self._unbind()
+        finally:
+            self._end_engine_step()
+
+    def _end_engine_step(self) -> None:
+        self._ran.clear()
+        self._moved.clear()
+        self._in_forward = False
+        if self.device.type == "cuda" and _capturing(self.device):
+            # A forward refused under capture (nothing was lent): ending the
+            # engine's step would poll its events, which a capture forbids; the
+            # step goes on with the next forward outside capture.
+            return
+        self._last_metrics = json.loads(self._engine().end_step())
+        # Blocks whose forward ran without reading their weights (a cache hit): not copied.
+        self._last_metrics["skipped_blocks"], self._skipped = self._skipped, 0
+        self._by_pass[bool(self._last_metrics.get("backward"))] = self._last_metrics
+        self._steps += 1
+        if self._auto:
+            self._choose_depth()
+
+    def _choose_depth(self) -> None:
+        """The automatic depth: the second step timed, the depth chosen at its end."""
+        engine = self._engine()
+        if self._steps == 1:
+            engine.enable_timeline()  # synchronises once
+            return
+        self._auto = False
+        try:
+            engine.choose_depth(4)
+        finally:
+            if not self._traced_by_user:
+                engine.disable_timeline()
+
+
+def _capturing(device: torch.device) -> bool:
+    """Whether torch's current stream on ``device`` is being captured into a CUDA graph."""
+    if device.index is None or device.index == torch.cuda.current_device():
+        return torch.cuda.is_current_stream_capturing()
+    with torch.cuda.device(device):
+        return torch.cuda.is_current_stream_capturing()
+
+
+def _no_gradient(component: str, name: str):
+    def hook(grad):
+        raise OffloadError(
+            f"component {component!r}: tensor {name!r} streams and gets no gradient; freeze it "
+            "(requires_grad_(False)) and train an adapter, or run the forward under torch.no_grad()"
+        )
+
+    return hook
+
+
+def _refuse_state_dict(component: str, block: str):
+    """The state_dict hook of a block and of each layer in it while offloaded:
+    their parameters hold placeholders."""
+
+    def hook(module, state_dict, prefix, local_metadata):
+        raise OffloadError(
+            f"component {component!r}: {block} streams its weights, so the state_dict of "
+            f"{prefix.rstrip('.') or type(module).__name__} would hold empty placeholders; disable offloading first"
+        )
+
+    return hook
+
+
+def _refuse_load_state_dict(component: str, block: str):
+    def hook(state_dict, prefix, *args):
+        raise OffloadError(
+            f"component {component!r}: {block} streams its weights from the engine's store, so "
+            f"{prefix.rstrip('.') or 'its layer'} cannot load a state_dict; disable offloading first"
+        )
+
+    return hook

@@ -33,6 +33,7 @@ cargo xtask <command>
   wheel                     the Python package's abi3 wheel (maturin) into .whl/offload/
   pytest                    the Python package's tests (torch, diffusers, transformers from PyPI, cached)
   faults                    inject faults, try bad inputs and plans; writes bench/results/<date>-faults.md
+  house                     the house's counts: tracked files, README lines, import cycles, the longest library function
   gpu-bundle [--candle|--python]
                             build the CUDA, tch and Vulkan binaries and a run script into .bundle/ for the GPU runner
                             (and the Vulkan loader and validation layer as Debian packages into .gl/);
@@ -219,6 +220,27 @@ fn clippy_tch_cuda() -> Result<(), String> {
     ]);
     c.args(["--", "-D", "warnings"]);
     run(c)
+}
+
+/// The counts the house is held to, printed: tracked files (git), the README's
+/// lines, import cycles among the layered crates' files, and the longest
+/// library function (tidy's own readings).
+fn house() -> Result<(), String> {
+    let out = Command::new("git").args(["ls-files"]).current_dir(root()).output().map_err(|e| format!("git ls-files: {e}"))?;
+    let tracked = String::from_utf8_lossy(&out.stdout).lines().count();
+    let readme = std::fs::read_to_string(root().join("README.md")).map_err(|e| format!("README.md: {e}"))?.lines().count();
+    let (cycles, longest) = tidy::house_counts(&root());
+    println!("tracked files: {tracked} (at most 400)");
+    println!("README.md lines: {readme} (at most 100)");
+    println!("import cycles in {}: {}", tidy::LAYERED.join(", "), cycles.len());
+    for c in &cycles {
+        println!("  {c}");
+    }
+    match longest {
+        Some((len, at)) => println!("longest library function: {len} lines ({at}; at most {})", tidy::LONGEST_FUNCTION),
+        None => println!("longest library function: none found"),
+    }
+    Ok(())
 }
 
 fn tidy() -> Result<(), String> {
@@ -764,6 +786,7 @@ fn main() {
         Some("lint") => lint(),
         Some("bench") => bench(&rest),
         Some("gpu-bundle") => gpu_bundle(&rest),
+        Some("house") => house(),
         Some("wheel") => wheel(),
         Some("pytest") => ensure_python_env().and_then(|py| {
             let mut c = cargo();

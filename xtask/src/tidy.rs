@@ -152,16 +152,27 @@ const LIBRARY: [&str; 9] = [
 ];
 
 /// The most lines a library function may have (its signature to its closing brace).
-const LONGEST_FUNCTION: usize = 150;
+pub const LONGEST_FUNCTION: usize = 150;
 
-/// Library functions (Rust and the Python package's) over [`LONGEST_FUNCTION`] lines.
-fn long_functions(root: &Path) -> Vec<String> {
+/// The import cycles of the layered crates, and the longest library function
+/// (its length and where it is), as tidy reads them.
+pub fn house_counts(root: &Path) -> (Vec<String>, Option<(usize, String)>) {
+    let cycles = LAYERED.iter().flat_map(|k| import_cycles(&root.join(k).join("src"), k)).collect();
+    let longest = library_functions(root)
+        .into_iter()
+        .max_by_key(|(_, _, _, len)| *len)
+        .map(|(rel, name, line, len)| (len, format!("{rel}:{line} `{name}`")));
+    (cycles, longest)
+}
+
+/// Every library function (Rust and the Python package's): its file, name, line and length.
+fn library_functions(root: &Path) -> Vec<(String, String, usize, usize)> {
     let mut files = Vec::new();
     for krate in LIBRARY {
         collect(&root.join(krate), &mut files, &["rs", "py"]);
     }
     files.sort();
-    let mut problems = Vec::new();
+    let mut out = Vec::new();
     for f in files {
         let rel = f.strip_prefix(root).unwrap_or(&f).display().to_string();
         // Tests, examples and benches are not the library.
@@ -170,12 +181,20 @@ fn long_functions(root: &Path) -> Vec<String> {
         }
         let Ok(text) = std::fs::read_to_string(&f) else { continue };
         let found = if rel.ends_with(".py") { python_functions(&text) } else { rust_functions(&text) };
-        for (name, line, len) in found.into_iter().filter(|f| f.2 > LONGEST_FUNCTION) {
-            problems
-                .push(format!("{rel}:{line}: function `{name}` is {len} lines (at most {LONGEST_FUNCTION}): split it into named steps"));
-        }
+        out.extend(found.into_iter().map(|(name, line, len)| (rel.clone(), name, line, len)));
     }
-    problems
+    out
+}
+
+/// Library functions (Rust and the Python package's) over [`LONGEST_FUNCTION`] lines.
+fn long_functions(root: &Path) -> Vec<String> {
+    library_functions(root)
+        .into_iter()
+        .filter(|f| f.3 > LONGEST_FUNCTION)
+        .map(|(rel, name, line, len)| {
+            format!("{rel}:{line}: function `{name}` is {len} lines (at most {LONGEST_FUNCTION}): split it into named steps")
+        })
+        .collect()
 }
 
 /// Each Rust function of `text` outside an inline test module: its name, first
@@ -328,7 +347,7 @@ fn collect(dir: &Path, out: &mut Vec<PathBuf>, exts: &[&str]) {
 
 /// The crates whose files must import each other without a cycle (a core the
 /// features stand on, never the other way).
-const LAYERED: [&str; 4] = ["offload-cuda", "offload-tch", "offload-core", "offload-vulkan"];
+pub const LAYERED: [&str; 4] = ["offload-cuda", "offload-tch", "offload-core", "offload-vulkan"];
 
 /// The modules of the crate at `src` that file `rel` (relative to `src`) names
 /// with `crate::…` paths, outside comments and strings; a name that is not a

@@ -1,15 +1,18 @@
 """Merge the per-binary sabotage tables a GPU run wrote (sabotage-<part>.json from
-`conformance --sabotage`) into OUT/sabotage-h200.json, in DESIGN's schema (date,
-commit, gpu, backend, model, cases) with `rows` as issue 13 names them (the same
-objects). Run by bench/gpu-run.sh: python3 sabotage_table.py OUT [DATE]."""
+`conformance --sabotage`) into OUT/sabotage-CARD.json (CARD from the GPU's name:
+h200, h100), in DESIGN's schema (date, commit, gpu, backend, model, cases) with
+`rows` the same objects. Run by bench/gpu-run.sh: python3 sabotage_table.py OUT [DATE]."""
 import glob
 import json
 import os
+import re
 import sys
 
 out = sys.argv[1]
 date = sys.argv[2] if len(sys.argv) > 2 else os.environ.get("BENCH_DATE", "")
-parts = [json.load(open(p)) for p in sorted(glob.glob(os.path.join(out, "sabotage-*.json"))) if not p.endswith("-h200.json")]
+# The merged tables this script writes (sabotage-h200.json, …) are not parts.
+MERGED = re.compile(r"sabotage-(gpu|[a-z]\d+)\.json$")
+parts = [json.load(open(p)) for p in sorted(glob.glob(os.path.join(out, "sabotage-*.json"))) if not MERGED.search(p)]
 rows = [r for p in parts for r in p["rows"]]
 backends = []
 for r in rows:
@@ -33,6 +36,7 @@ doc = {
     "cases": rows,
     "rows": rows,
 }
-json.dump(doc, open(os.path.join(out, "sabotage-h200.json"), "w"), indent=1)
+card = re.search(r"\b([A-Z]\d{2,4})\b", doc["gpu"])
+json.dump(doc, open(os.path.join(out, f"sabotage-{card.group(1).lower() if card else 'gpu'}.json"), "w"), indent=1)
 for r in rows:
     print(f'{r["backend"]:<12} {r["sabotage"]:<16} caught={r["caught"]}')

@@ -422,7 +422,7 @@ def test_the_sabotage_tables_rebuild_from_their_conformance_runs(tmp_path):
     # Each published sabotage table is what bench/sabotage_table.py makes of the
     # per-binary tables its GPU run wrote (bench/raw/*-conformance-COMMIT/), byte
     # for byte, and says every break was caught or names it n/a.
-    files = sorted((ROOT / "bench" / "results").glob("*-sabotage-h200.json"))
+    files = sorted((ROOT / "bench" / "results").glob("*-sabotage-h[0-9]*.json"))
     assert files, "no sabotage table"
     for f in files:
         d = json.loads(f.read_text())
@@ -433,7 +433,8 @@ def test_the_sabotage_tables_rebuild_from_their_conformance_runs(tmp_path):
         for part in raw[0].glob("sabotage-*.json"):
             (work / part.name).write_bytes(part.read_bytes())
         subprocess.run([sys.executable, str(ROOT / "bench/sabotage_table.py"), str(work), d["date"]], check=True, capture_output=True)
-        assert (work / "sabotage-h200.json").read_bytes() == f.read_bytes(), f"{f.name} is not what sabotage_table.py makes of {raw[0].name}"
+        card = f.name.rsplit("-", 1)[1]  # h200.json, h100.json
+        assert (work / f"sabotage-{card}").read_bytes() == f.read_bytes(), f"{f.name} is not what sabotage_table.py makes of {raw[0].name}"
         assert d["all_caught"] and all(r["caught"] in (True, "n/a") for r in d["rows"])
         assert d["not_applicable"] == [f'{r["backend"]} {r["sabotage"]}' for r in d["rows"] if r["caught"] == "n/a"]
 

@@ -24,3 +24,19 @@ pub mod relay;
 pub mod source;
 #[cfg(feature = "tch")]
 pub mod tch;
+
+/// `bench/raw/`: the raw runs the published results cite, unpacked from their
+/// archive (`bench/raw.sh`, once a process) for the tests and merges that read them.
+///
+/// # Panics
+///
+/// Where the archive cannot be unpacked (the script names why).
+pub fn raw_dir() -> std::path::PathBuf {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    let bench = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    ONCE.call_once(|| {
+        let s = std::process::Command::new("bash").arg(bench.join("raw.sh")).status().expect("bash runs bench/raw.sh");
+        assert!(s.success(), "bench/raw.sh could not unpack bench/raw.tar.gz ({s})");
+    });
+    bench.join("raw")
+}

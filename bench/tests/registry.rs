@@ -179,7 +179,7 @@ fn a_bfl_named_flux_dev_maps_onto_the_registrys_parameters() {
 /// few is off by that layer's bytes.
 #[test]
 fn stored_bytes_are_what_the_runner_measured_of_the_real_class() {
-    let raw = format!("{}/raw", env!("CARGO_MANIFEST_DIR"));
+    let raw = offload_bench::raw_dir().display().to_string();
     for (name, run) in [
         ("flux-dev-fp8", "2026-12-03-py-8b90021/py-flux-dev-fp8-r1.json"),
         ("flux-dev-fp8-linears", "2026-12-04-py-8e92f2b-fp8-linears/py-flux-dev-fp8-linears-r1.json"),

@@ -6,19 +6,9 @@
 
 use std::process::Command;
 
-/// `bench/raw/`, unpacked from its archive (`bench/raw.sh`) once a process.
-fn raw() -> &'static str {
-    static ONCE: std::sync::Once = std::sync::Once::new();
-    ONCE.call_once(|| {
-        let s = Command::new("bash").arg(concat!(env!("CARGO_MANIFEST_DIR"), "/raw.sh")).status().expect("bash runs bench/raw.sh");
-        assert!(s.success(), "bench/raw.sh could not unpack bench/raw.tar.gz ({s})");
-    });
-    concat!(env!("CARGO_MANIFEST_DIR"), "/raw")
-}
-
 /// `zoo ARGS… --out F` from `bench/raw/` with `BENCH_DATE` set, F's text.
 fn merged(date: &str, args: &[&str]) -> String {
-    let raw = raw();
+    let raw = offload_bench::raw_dir();
     let out = std::env::temp_dir().join(format!("zoo-remerge-{}-{}.json", std::process::id(), args[0]));
     let res = Command::new(env!("CARGO_BIN_EXE_zoo"))
         .current_dir(raw)
@@ -37,8 +27,8 @@ fn merged(date: &str, args: &[&str]) -> String {
 /// The files of `bench/raw/DIR` whose names match `pattern`, sorted, as paths
 /// relative to `bench/raw/` (as the shell's glob in `bench/remerge.sh` gives them).
 fn glob(dir: &str, pattern: &str) -> Vec<String> {
-    let raw = raw();
-    let names: Vec<String> = glob::glob(&format!("{raw}/{dir}/{pattern}"))
+    let raw = offload_bench::raw_dir();
+    let names: Vec<String> = glob::glob(&format!("{}/{dir}/{pattern}", raw.display()))
         .unwrap()
         .map(|p| format!("{dir}/{}", p.unwrap().file_name().unwrap().to_string_lossy()))
         .collect();

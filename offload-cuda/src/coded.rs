@@ -21,7 +21,7 @@
 //! boundary, naming the block.
 
 use crate::codec::{launches, BLOCK_THREADS};
-use crate::engine::CudaPoint;
+use crate::engine::CudaEvent;
 use crate::engine::Engine;
 use crate::error::{dev, driver};
 use crate::memory::HostBytes;
@@ -110,7 +110,7 @@ struct StagingRing {
 struct Staging {
     ptr: sys::CUdeviceptr,
     len: usize,
-    last_read: Option<CudaPoint>,
+    last_read: Option<CudaEvent>,
 }
 
 // `flag` is page-locked host memory owned by this value, accessed by the host only
@@ -309,8 +309,8 @@ impl Coding {
         dst: sys::CUdeviceptr,
         dst_len: usize,
         bytes: usize,
-        after: Option<&CudaPoint>,
-    ) -> Result<CudaPoint> {
+        after: Option<&CudaEvent>,
+    ) -> Result<CudaEvent> {
         let s = &self.engine;
         if !Arc::ptr_eq(src.engine(), s) {
             return Err(Error::Protocol(format!("{}: a coded buffer of another backend instance", ch.purpose)));
@@ -386,7 +386,7 @@ impl Coding {
                 (p, want)
             }
         };
-        let issued = (|| -> Result<CudaPoint> {
+        let issued = (|| -> Result<CudaEvent> {
             if staging % 4 != 0 {
                 // The kernel reads the strings' offset tables and streams as aligned words.
                 return Err(Error::Protocol(format!("a staging buffer at {staging:#x}, not 4-byte aligned")));
@@ -413,7 +413,7 @@ impl Coding {
                 // SAFETY: as for the decode, which these kernels follow on its stream.
                 unsafe { c.enqueue_verify(ch, dst, staging) }?;
             }
-            Ok(CudaPoint::new(c.decode.record_event(None).map_err(|e| driver("recording a decode event", e))?))
+            Ok(CudaEvent::new(c.decode.record_event(None).map_err(|e| driver("recording a decode event", e))?))
         })();
         // The buffer goes back to its place in the ring with the decode that read it;
         // after an error both streams are drained, so nothing uses it.

@@ -4,7 +4,7 @@
 //! [`HostMemory`]. Nothing below imports this file.
 
 use crate::coded::{Coding, CodingOptions};
-use crate::engine::CudaPoint;
+use crate::engine::CudaEvent;
 use crate::engine::{open_context, Engine};
 use crate::error::{driver, BACKEND};
 use crate::host::CudaHostBuffer;
@@ -297,8 +297,8 @@ impl CudaBackend {
         dst: sys::CUdeviceptr,
         dst_len: usize,
         bytes: usize,
-        after: Option<&CudaPoint>,
-    ) -> Result<CudaPoint> {
+        after: Option<&CudaEvent>,
+    ) -> Result<CudaEvent> {
         let s = self.engine();
         let bytes_src = src.bytes();
         if !Arc::ptr_eq(bytes_src.engine(), s) {
@@ -345,7 +345,7 @@ impl CudaBackend {
             }
         }
         let ev = bytes_src.record_copy(|| match s.copy.record_event(None) {
-            Ok(ev) => Ok(CudaPoint::new(ev)),
+            Ok(ev) => Ok(CudaEvent::new(ev)),
             Err(e) => Err(drained(driver("recording a copy event", e))),
         })?;
         s.copies.fetch_add(1, Ordering::Relaxed);
@@ -501,7 +501,7 @@ impl HostMemory for CudaBackend {
 impl OffloadBackend for CudaBackend {
     type Host = CudaBackend;
     type Slot = CudaSlot;
-    type Event = CudaPoint;
+    type Event = CudaEvent;
     type Wait = ();
 
     fn name(&self) -> &'static str {
@@ -516,7 +516,7 @@ impl OffloadBackend for CudaBackend {
         CudaSlot::alloc(self.engine(), bytes, purpose)
     }
 
-    fn free_slot(&self, slot: CudaSlot, after: Option<&CudaPoint>) -> Result<()> {
+    fn free_slot(&self, slot: CudaSlot, after: Option<&CudaEvent>) -> Result<()> {
         if !Arc::ptr_eq(&slot.engine, self.engine()) {
             return Err(Error::Protocol("freeing a slot of another CUDA backend instance".into()));
         }
@@ -528,7 +528,7 @@ impl OffloadBackend for CudaBackend {
         Ok(())
     }
 
-    fn copy_to_slot(&self, src: &HostBufferOf<Self>, dst: &mut CudaSlot, bytes: usize, after: Option<&CudaPoint>) -> Result<CudaPoint> {
+    fn copy_to_slot(&self, src: &HostBufferOf<Self>, dst: &mut CudaSlot, bytes: usize, after: Option<&CudaEvent>) -> Result<CudaEvent> {
         if !Arc::ptr_eq(&dst.engine, self.engine()) {
             return Err(Error::Protocol("copy into a slot of another CUDA backend instance".into()));
         }
@@ -547,12 +547,12 @@ impl OffloadBackend for CudaBackend {
         Ok(ev)
     }
 
-    fn compute_wait(&self, event: &CudaPoint) -> Result<()> {
+    fn compute_wait(&self, event: &CudaEvent) -> Result<()> {
         self.engine().compute.wait(event.event()).map_err(|e| driver("compute stream waiting for a copy", e))
     }
 
-    fn record_compute(&self) -> Result<CudaPoint> {
-        Ok(CudaPoint::new(self.engine().compute.record_event(None).map_err(|e| driver("recording a compute event", e))?))
+    fn record_compute(&self) -> Result<CudaEvent> {
+        Ok(CudaEvent::new(self.engine().compute.record_event(None).map_err(|e| driver("recording a compute event", e))?))
     }
 
     fn synchronize(&self) -> Result<()> {
@@ -590,16 +590,16 @@ impl OffloadBackend for CudaBackend {
         Ok(())
     }
 
-    fn record_timing(&self, on: StreamKind) -> Result<Option<CudaPoint>> {
+    fn record_timing(&self, on: StreamKind) -> Result<Option<CudaEvent>> {
         let stream = match on {
             StreamKind::Copy => &self.engine().copy,
             StreamKind::Compute => &self.engine().compute,
         };
         let ev = stream.record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(|e| driver("recording a timing event", e))?;
-        Ok(Some(CudaPoint::new(ev)))
+        Ok(Some(CudaEvent::new(ev)))
     }
 
-    fn elapsed_s(&self, from: &CudaPoint, to: &CudaPoint) -> Result<Option<f64>> {
+    fn elapsed_s(&self, from: &CudaEvent, to: &CudaEvent) -> Result<Option<f64>> {
         Ok(Some(from.event().elapsed_ms(to.event()).map_err(|e| driver("reading a timing event", e))? as f64 / 1e3))
     }
 

@@ -65,11 +65,11 @@ pub(crate) unsafe fn open_context(ordinal: usize) -> Result<Arc<CudaContext>> {
 /// context has cudarc's event tracking off (see `CudaBackend::ctx`), which safe
 /// code must not reach.
 #[derive(Clone)]
-pub struct CudaPoint(Arc<cudarc::driver::CudaEvent>);
+pub struct CudaEvent(Arc<cudarc::driver::CudaEvent>);
 
-impl CudaPoint {
+impl CudaEvent {
     pub(crate) fn new(event: cudarc::driver::CudaEvent) -> Self {
-        CudaPoint(Arc::new(event))
+        CudaEvent(Arc::new(event))
     }
 
     /// The event, for this crate's own stream waits and timings.
@@ -78,9 +78,9 @@ impl CudaPoint {
     }
 }
 
-impl std::fmt::Debug for CudaPoint {
+impl std::fmt::Debug for CudaEvent {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("CudaPoint")
+        f.write_str("CudaEvent")
     }
 }
 

@@ -13,7 +13,7 @@
 
 use crate::checksum::DeviceSlot;
 use crate::device::{CudaBackend, CudaCounters};
-use crate::engine::CudaPoint;
+use crate::engine::CudaEvent;
 use crate::host::CudaHostBuffer;
 use crate::protocol_log::{CheckedEvent, ProtocolLog};
 use offload_core::{Error, MemoryInfo, OffloadBackend, Result, StreamKind};
@@ -51,7 +51,7 @@ pub struct FrameworkBufferSlot<T> {
 struct Held<T> {
     buffer: T,
     ptr: u64,
-    last_copy: CudaPoint,
+    last_copy: CudaEvent,
 }
 
 impl<T> FrameworkBufferSlot<T> {

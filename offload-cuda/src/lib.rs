@@ -22,7 +22,7 @@
 //!   off on the context [`CudaBackend::new`] makes (the ring orders its streams
 //!   itself), so the context and streams are reachable only through `unsafe`
 //!   accessors whose callers order cross-stream uses themselves. What the backend
-//!   hands safe code is opaque for the same reason: its events are [`CudaPoint`]s
+//!   hands safe code is opaque for the same reason: its events are [`CudaEvent`]s
 //!   and decoded bytes [`DecodedBytes`], not cudarc's `CudaEvent` and `CudaSlice`,
 //!   whose safe `context()` and `stream()` would reach that context.
 //! - **A checking mode for conformance.** [`CudaBackend::enable_checking`] poisons
@@ -63,7 +63,7 @@ pub use coded::{CodingOptions, STAGING_BUFFERS};
 pub use cudarc;
 pub use decoder::{DecodedBytes, DeviceCoded, ExponentDecoder};
 pub use device::{CudaBackend, CudaCounters};
-pub use engine::{driver_present, no_device, CudaPoint, POISON};
+pub use engine::{driver_present, no_device, CudaEvent, POISON};
 pub use framework_buffers::{FrameworkBufferEngine, FrameworkBufferSlot};
 pub use host::CudaHostBuffer;
 pub use mapped::{map_checkpoint, MappedFile};

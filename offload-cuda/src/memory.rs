@@ -3,7 +3,7 @@
 //! touch it. What a buffer's bytes mean (a block as it is, coded, a range of a
 //! mapped file) is for the layers above ([`crate::host`]).
 
-use crate::engine::CudaPoint;
+use crate::engine::CudaEvent;
 use crate::engine::Engine;
 use crate::error::{driver, is_oom, BACKEND};
 use cudarc::driver::{result, sys};
@@ -30,7 +30,7 @@ pub(crate) struct HostBytes {
     len: usize,
     owner: Owner,
     /// The last copy from the buffer, waited for before it is refilled.
-    last_copy: std::sync::Mutex<Option<CudaPoint>>,
+    last_copy: std::sync::Mutex<Option<CudaEvent>>,
     engine: Arc<Engine>,
 }
 
@@ -97,7 +97,7 @@ impl HostBytes {
     /// this buffer, under one lock: of copies enqueued from several threads, the
     /// event kept is the one recorded last on the stream, which every earlier
     /// enqueued copy precedes.
-    pub(crate) fn record_copy(&self, record: impl FnOnce() -> Result<CudaPoint>) -> Result<CudaPoint> {
+    pub(crate) fn record_copy(&self, record: impl FnOnce() -> Result<CudaEvent>) -> Result<CudaEvent> {
         let mut last = self.last_copy.lock().unwrap_or_else(|e| e.into_inner());
         let ev = record()?;
         *last = Some(ev.clone());
@@ -275,7 +275,7 @@ impl CudaSlot {
             // the copy stream even if no copy into the slot ever comes (`Drop`
             // waits for `last_copy`). A failure here frees the slot through `Drop`.
             let ev = engine.copy.record_event(None).map_err(|e| driver("recording a slot's allocation", e))?;
-            slot.last_copy = Some(CudaPoint::new(ev));
+            slot.last_copy = Some(CudaEvent::new(ev));
         }
         Ok(slot)
     }
@@ -286,7 +286,7 @@ impl CudaSlot {
 pub struct CudaSlot {
     pub(crate) ptr: sys::CUdeviceptr,
     pub(crate) len: usize,
-    pub(crate) last_copy: Option<CudaPoint>,
+    pub(crate) last_copy: Option<CudaEvent>,
     pub(crate) engine: Arc<Engine>,
 }
 

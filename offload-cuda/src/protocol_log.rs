@@ -8,7 +8,7 @@
 //! order, copies name their slot, and a copy into (or release of) a slot whose
 //! `after` event does not follow the slot's last read is a violation.
 
-use crate::engine::CudaPoint;
+use crate::engine::CudaEvent;
 use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard};
 
@@ -21,7 +21,7 @@ pub struct Checked<E> {
 }
 
 /// A CUDA event with its place in the log's order.
-pub type CheckedEvent = Checked<CudaPoint>;
+pub type CheckedEvent = Checked<CudaEvent>;
 
 impl<E> Checked<E> {
     /// The underlying event.

@@ -22,7 +22,7 @@
 //! Mapped (registered) and pageable buffers, coded buffers, and copies smaller
 //! than [`RelayOptions::min_relay_bytes`] go direct, as without relay.
 
-use crate::engine::CudaPoint;
+use crate::engine::CudaEvent;
 use crate::engine::{open_context, Engine};
 use crate::error::driver;
 use crate::memory::HostBytes;
@@ -74,7 +74,7 @@ struct Helper {
     staging: Vec<sys::CUdeviceptr>,
     staging_bytes: usize,
     /// The next staging buffer, and each buffer's last forward.
-    ring: Mutex<(usize, Vec<Option<CudaPoint>>)>,
+    ring: Mutex<(usize, Vec<Option<CudaEvent>>)>,
     relayed: AtomicU64,
 }
 
@@ -248,7 +248,7 @@ impl Relay {
             unsafe { sys::cuMemcpyPeerAsync(dst + offset as u64, ctx0.cu_ctx(), h.staging[k], h.ctx.cu_ctx(), n, h.forward.cu_stream()) }
                 .result()
                 .map_err(|e| fail("forwarding a share peer to peer", e))?;
-            let done = CudaPoint::new(h.forward.record_event(None).map_err(|e| fail("recording a forward", e))?);
+            let done = CudaEvent::new(h.forward.record_event(None).map_err(|e| fail("recording a forward", e))?);
             ring.1[k] = Some(done.clone());
             drop(ring);
             copy.wait(done.event()).map_err(|e| fail("the copy stream waiting for a forward", e))?;

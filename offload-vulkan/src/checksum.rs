@@ -6,7 +6,7 @@
 //! `acc = (rotl(acc, 7) ^ Σ mix(word_i, i)) · K`; [`reference_hash`] and
 //! [`reference_combine`] compute the same on the host.
 
-use crate::context::{lock, vk_err, Timeline, VulkanBackend, VulkanPoint};
+use crate::context::{lock, vk_err, Timeline, VulkanBackend, VulkanEvent};
 use crate::memory::VulkanSlot;
 use ash::vk;
 use offload_core::{Error, Result};
@@ -48,7 +48,7 @@ pub struct ChecksumKernel {
     /// `(every, rounds)`: fold `n` spins `rounds` first when `n % every == every - 1`.
     spin_every: Option<(u64, u32)>,
     folds: u64,
-    last: Option<VulkanPoint>,
+    last: Option<VulkanEvent>,
 }
 
 // SAFETY: the handles are used under the backend's lock or in `Drop`; the mapped
@@ -134,17 +134,17 @@ impl ChecksumKernel {
 
     /// Submit the fold of the first `bytes` of `slot` on the compute queue, waiting
     /// on `waits` (the block's wait token); returns the submission's point.
-    pub fn fold(&mut self, slot: &VulkanSlot, bytes: usize, waits: &[VulkanPoint]) -> Result<VulkanPoint> {
+    pub fn fold(&mut self, slot: &VulkanSlot, bytes: usize, waits: &[VulkanEvent]) -> Result<VulkanEvent> {
         self.run(Some((slot, bytes)), 0, waits)
     }
 
     /// Submit one invocation spinning for `rounds` rounds (the bench's compute of
     /// a chosen length), reading `slot` first if given.
-    pub fn spin(&mut self, slot: Option<(&VulkanSlot, usize)>, rounds: u32, waits: &[VulkanPoint]) -> Result<VulkanPoint> {
+    pub fn spin(&mut self, slot: Option<(&VulkanSlot, usize)>, rounds: u32, waits: &[VulkanEvent]) -> Result<VulkanEvent> {
         self.run(slot, rounds.max(1), waits)
     }
 
-    fn run(&mut self, slot: Option<(&VulkanSlot, usize)>, spin_rounds: u32, waits: &[VulkanPoint]) -> Result<VulkanPoint> {
+    fn run(&mut self, slot: Option<(&VulkanSlot, usize)>, spin_rounds: u32, waits: &[VulkanEvent]) -> Result<VulkanEvent> {
         let b = self.backend.clone();
         if let Some((s, bytes)) = slot {
             if !std::sync::Arc::ptr_eq(&s.inner, &b.inner) {

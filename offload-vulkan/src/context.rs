@@ -44,7 +44,7 @@ pub enum Timeline {
 /// the backend makes them, and it refuses points of another instance or values
 /// it has not issued.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct VulkanPoint {
+pub struct VulkanEvent {
     pub(crate) timeline: Timeline,
     pub(crate) semaphore: vk::Semaphore,
     pub(crate) value: u64,
@@ -53,7 +53,7 @@ pub struct VulkanPoint {
     pub(crate) owner: usize,
 }
 
-impl VulkanPoint {
+impl VulkanEvent {
     /// The timeline.
     pub fn timeline(&self) -> Timeline {
         self.timeline

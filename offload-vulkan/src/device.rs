@@ -4,7 +4,7 @@
 
 use crate::context::{
     debug_callback, lock, vk_err, CopyQueue, HostAllocation, Inner, Queue, Split, State, Timeline, VulkanBackend, VulkanCounters,
-    VulkanOptions, VulkanPoint, BACKEND, LIFECYCLE, NEXT_ID,
+    VulkanEvent, VulkanOptions, BACKEND, LIFECYCLE, NEXT_ID,
 };
 use crate::memory::{VulkanHostBuffer, VulkanSlot};
 use ash::vk;
@@ -442,7 +442,7 @@ impl VulkanBackend {
     /// pool of the compute family, not in use by another submission, and kept
     /// (not freed or reset) until the returned point has completed; every buffer it
     /// uses stays alive until then.
-    pub unsafe fn submit_compute(&self, cmd: vk::CommandBuffer, reads: &[&VulkanSlot], waits: &[VulkanPoint]) -> Result<VulkanPoint> {
+    pub unsafe fn submit_compute(&self, cmd: vk::CommandBuffer, reads: &[&VulkanSlot], waits: &[VulkanEvent]) -> Result<VulkanEvent> {
         // A slot of another instance would rewrite the log entry of this one's
         // slot of the same number.
         if reads.iter().any(|s| !Arc::ptr_eq(&s.inner, &self.inner)) {
@@ -458,7 +458,7 @@ impl VulkanBackend {
     /// Log the reads of a compute submission that signals `value` (called once it
     /// is submitted: a refused one read nothing): a read not waiting for its
     /// slot's copy is a violation; each slot's last read becomes `value`.
-    pub(crate) fn check_reads(&self, st: &mut State, reads: &[&VulkanSlot], waits: &[VulkanPoint], value: u64) {
+    pub(crate) fn check_reads(&self, st: &mut State, reads: &[&VulkanSlot], waits: &[VulkanEvent], value: u64) {
         let next = value;
         for s in reads {
             let Some(track) = st.slots.get(&s.id).copied() else {
@@ -478,7 +478,7 @@ impl VulkanBackend {
     }
 
     /// Whether `after` orders work after the last read `last_read`.
-    pub(crate) fn covers(st: &State, last_read: Option<u64>, after: Option<&VulkanPoint>) -> bool {
+    pub(crate) fn covers(st: &State, last_read: Option<u64>, after: Option<&VulkanEvent>) -> bool {
         match last_read {
             None => true,
             Some(r) => st.synced_compute >= r || after.is_some_and(|a| a.timeline == Timeline::Compute && a.value >= r),
@@ -496,9 +496,9 @@ impl VulkanBackend {
         st: &mut State,
         timeline: Timeline,
         cmd: Option<vk::CommandBuffer>,
-        waits: &[VulkanPoint],
+        waits: &[VulkanEvent],
         purpose: &str,
-    ) -> Result<VulkanPoint> {
+    ) -> Result<VulkanEvent> {
         let i = &self.inner;
         self.check_waits(st, waits, purpose)?;
         let (queue, sem, value) = match timeline {
@@ -525,11 +525,11 @@ impl VulkanBackend {
             Timeline::Copy => st.copy_value = value,
             Timeline::Compute => st.compute_value = value,
         }
-        Ok(VulkanPoint { timeline, semaphore: sem, value, owner: self.inner.id })
+        Ok(VulkanEvent { timeline, semaphore: sem, value, owner: self.inner.id })
     }
 
     /// Refuse waits on points this backend did not issue.
-    fn check_waits(&self, st: &State, waits: &[VulkanPoint], purpose: &str) -> Result<()> {
+    fn check_waits(&self, st: &State, waits: &[VulkanEvent], purpose: &str) -> Result<()> {
         let i = &self.inner;
         for w in waits {
             let (own, issued) = match w.timeline {
@@ -566,10 +566,10 @@ impl VulkanBackend {
         st: &mut State,
         first: vk::CommandBuffer,
         second: vk::CommandBuffer,
-        waits: &[VulkanPoint],
+        waits: &[VulkanEvent],
         after_first: bool,
         purpose: &str,
-    ) -> Result<VulkanPoint> {
+    ) -> Result<VulkanEvent> {
         let i = &self.inner;
         let pool = i.transfer.as_ref().unwrap_or(&i.compute).pool;
         let free = || {
@@ -641,7 +641,7 @@ impl VulkanBackend {
         }
         st.copy_value = value;
         st.split_copies += 1;
-        Ok(VulkanPoint { timeline: Timeline::Copy, semaphore: i.copy_tl, value, owner: self.inner.id })
+        Ok(VulkanEvent { timeline: Timeline::Copy, semaphore: i.copy_tl, value, owner: self.inner.id })
     }
 
     /// The value `timeline`'s semaphore has reached.
@@ -720,9 +720,9 @@ impl VulkanBackend {
         timeline: Timeline,
         pool: vk::CommandPool,
         cmd: vk::CommandBuffer,
-        waits: &[VulkanPoint],
+        waits: &[VulkanEvent],
         purpose: &str,
-    ) -> Result<VulkanPoint> {
+    ) -> Result<VulkanEvent> {
         let dev = &self.inner.device;
         // SAFETY: `cmd` was begun by `begin` and recorded by the caller.
         let ended = unsafe { dev.end_command_buffer(cmd) }.map_err(|e| vk_err("vkEndCommandBuffer", purpose, e));
@@ -782,8 +782,8 @@ impl offload_core::HostMemory for VulkanBackend {
 impl OffloadBackend for VulkanBackend {
     type Host = VulkanBackend;
     type Slot = VulkanSlot;
-    type Event = VulkanPoint;
-    type Wait = VulkanPoint;
+    type Event = VulkanEvent;
+    type Wait = VulkanEvent;
 
     fn name(&self) -> &'static str {
         BACKEND
@@ -797,7 +797,7 @@ impl OffloadBackend for VulkanBackend {
         VulkanSlot::new(self, bytes, purpose)
     }
 
-    fn free_slot(&self, slot: VulkanSlot, after: Option<&VulkanPoint>) -> Result<()> {
+    fn free_slot(&self, slot: VulkanSlot, after: Option<&VulkanEvent>) -> Result<()> {
         if !Arc::ptr_eq(&slot.inner, &self.inner) {
             return Err(Error::Protocol("freeing a Vulkan slot of another backend instance".into()));
         }
@@ -829,7 +829,7 @@ impl OffloadBackend for VulkanBackend {
         Ok(())
     }
 
-    fn copy_to_slot(&self, src: &VulkanHostBuffer, dst: &mut VulkanSlot, bytes: usize, after: Option<&VulkanPoint>) -> Result<VulkanPoint> {
+    fn copy_to_slot(&self, src: &VulkanHostBuffer, dst: &mut VulkanSlot, bytes: usize, after: Option<&VulkanEvent>) -> Result<VulkanEvent> {
         if !Arc::ptr_eq(&dst.inner, &self.inner) || !Arc::ptr_eq(src.inner(), &self.inner) {
             return Err(Error::Protocol("copy with a buffer or slot of another Vulkan backend instance".into()));
         }
@@ -883,7 +883,7 @@ impl OffloadBackend for VulkanBackend {
                 }
             }
         };
-        let mut waits: Vec<VulkanPoint> = after.copied().into_iter().collect();
+        let mut waits: Vec<VulkanEvent> = after.copied().into_iter().collect();
         // A slot copied into and never read since (a prefetched block evicted
         // unread): the release orders nothing after that copy, and submission
         // order alone orders no two submissions in Vulkan. Wait for it, so two
@@ -892,7 +892,7 @@ impl OffloadBackend for VulkanBackend {
         // (A torn slot's `u64::MAX` is no value to wait for: its half copy was
         // waited for, or the device marked lost, when its submit failed.)
         if let (None, Some(c)) = (last_read, st.slots.get(&dst.id).and_then(|t| t.last_copy).filter(|&c| c != u64::MAX)) {
-            waits.push(VulkanPoint { timeline: Timeline::Copy, semaphore: self.inner.copy_tl, value: c, owner: self.inner.id });
+            waits.push(VulkanEvent { timeline: Timeline::Copy, semaphore: self.inner.copy_tl, value: c, owner: self.inner.id });
         }
         let point = match self.inner.split.is_some() {
             false => {
@@ -950,12 +950,12 @@ impl OffloadBackend for VulkanBackend {
         Ok(point)
     }
 
-    fn compute_wait(&self, event: &VulkanPoint) -> Result<VulkanPoint> {
+    fn compute_wait(&self, event: &VulkanEvent) -> Result<VulkanEvent> {
         // Explicit submission: nothing to enqueue; the token goes into the user's submission.
         Ok(*event)
     }
 
-    fn record_compute(&self) -> Result<VulkanPoint> {
+    fn record_compute(&self) -> Result<VulkanEvent> {
         let mut st = lock(&self.inner.state);
         // An empty submission: its signal follows every command submitted before it on the queue.
         // SAFETY: no command buffer.

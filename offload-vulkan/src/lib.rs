@@ -5,7 +5,7 @@
 //!
 //! - **Timeline semaphores are the events.** Copies signal the copy timeline,
 //!   compute submissions the compute timeline; an event is a (timeline, value)
-//!   pair ([`VulkanPoint`]). Nothing in the steady state waits on the host.
+//!   pair ([`VulkanEvent`]). Nothing in the steady state waits on the host.
 //! - **Explicit submission.** `compute_wait` enqueues nothing: it returns the
 //!   block's copy point as a wait token, which the user's submission carries
 //!   ([`VulkanBackend::submit_compute`]); a block's release is an empty submission
@@ -38,7 +38,7 @@ mod device;
 mod memory;
 
 pub use ash;
-pub use context::{CopyQueue, HostAllocation, Timeline, VulkanBackend, VulkanCounters, VulkanOptions, VulkanPoint, POISON};
+pub use context::{CopyQueue, HostAllocation, Timeline, VulkanBackend, VulkanCounters, VulkanEvent, VulkanOptions, POISON};
 pub use memory::{VulkanHostBuffer, VulkanSlot};
 
 #[cfg(test)]

@@ -110,7 +110,7 @@ impl<const MODE: u8> Harness for VulkanRow<MODE> {
         acc: &mut ChecksumKernel,
         slot: &VulkanSlot,
         bytes: usize,
-        waits: &[offload_vulkan::VulkanPoint],
+        waits: &[offload_vulkan::VulkanEvent],
     ) -> Result<()> {
         acc.fold(slot, bytes, waits).map(drop)
     }

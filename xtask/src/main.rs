@@ -696,6 +696,10 @@ fn ci() -> Result<(), String> {
     // lavapipe for the Vulkan tests (Debian's packages, when missing); libtorch.
     ensure_vulkan()?;
     ensure_libtorch()?;
+    // The raw runs the bench's tests and merges read, unpacked from their archive.
+    let mut c = Command::new("bash");
+    c.arg(root().join("bench/raw.sh"));
+    run(c)?;
     // Every command below builds in the dev profile without debug info or
     // incremental caches (a clean clone only pays for them), so the build
     // scripts and proc macros the first one builds serve the rest.

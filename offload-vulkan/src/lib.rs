@@ -36,6 +36,7 @@ pub mod checksum;
 mod context;
 mod device;
 mod memory;
+mod setup;
 
 pub use ash;
 pub use context::{CopyQueue, HostAllocation, Timeline, VulkanBackend, VulkanCounters, VulkanEvent, VulkanOptions, POISON};

@@ -18,12 +18,9 @@ case "${1:-unpack}" in
     sum=$(sha256sum "$A" | cut -d' ' -f1)
     [ -f "$D/.unpacked" ] && [ "$(cat "$D/.unpacked")" = "$sum" ] && exit 0
     mkdir -p "$D"
-    # Unpacked beside itself, then renamed: a reader never sees half a tree.
-    tmp=$(mktemp -d "$B/.raw-unpack.XXXXXX")
-    tar -xzf "$A" -C "$tmp"
-    (cd "$tmp" && find . -type f -print0 | while IFS= read -r -d '' f; do
-      mkdir -p "$D/$(dirname "$f")"; mv -f "$f" "$D/$f"; done)
-    rm -rf "$tmp"
+    # Over what is there: the archive's files replaced, a new run's left alone;
+    # the stamp last, so an unpack cut short is done again.
+    tar -xzf "$A" -C "$D"
     echo "$sum" > "$D/.unpacked"
     ;;
   pack)

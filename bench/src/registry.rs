@@ -9,7 +9,6 @@ use serde::Serialize;
 use serde_json::{json, Value};
 
 mod vae;
-use vae::vae_decoder;
 pub use vae::*;
 
 /// One parameter: its name inside the model (or inside a block) and its shape.

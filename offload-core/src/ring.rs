@@ -73,6 +73,9 @@ pub struct Ring<B: OffloadBackend> {
     slots: Vec<SlotState<B>>,
     resident: Vec<(usize, B::Slot, B::Wait)>,
     resident_of: Vec<Option<usize>>,
+    /// Blocks the caller holds on the device itself from now on
+    /// ([`hold_outside`](Self::hold_outside)): never prefetched again.
+    outside: Vec<bool>,
     non_block: Option<(B::Slot, B::Wait)>,
     lent: Option<Lent>,
     /// A block a refused request fetched on demand before failing: still in its
@@ -274,6 +277,7 @@ impl<B: OffloadBackend> Ring<B> {
             slots: Vec::new(),
             resident: Vec::new(),
             resident_of: Vec::new(),
+            outside: Vec::new(),
             non_block: None,
             lent: None,
             fetched_on_demand: None,
@@ -396,12 +400,35 @@ impl<B: OffloadBackend> Ring<B> {
     }
 
     fn warm(&mut self) -> Result<()> {
-        let Some(first) = (0..self.next.len()).find(|&i| self.resident_of[i].is_none()) else {
+        let Some(first) = (0..self.next.len()).find(|&i| self.streams(i)) else {
             return Ok(());
         };
         let s = self.victim(&[]);
         self.load(s, first)?;
         self.prefetch(first, s)
+    }
+
+    /// Whether block `b` streams through the slots: not resident in the ring,
+    /// not held by the caller.
+    pub(crate) fn streams(&self, b: usize) -> bool {
+        self.resident_of[b].is_none() && !self.outside.get(b).copied().unwrap_or(false)
+    }
+
+    /// Block `index` of `stack` is held on the device by the caller from now
+    /// on (a framework that kept a lent copy of it for good, as the Python
+    /// package's automatic plan does for a host-bound step): no copy of it is
+    /// prefetched again. Asked for all the same, it is served as any block
+    /// the order did not predict (a miss). Call it between blocks.
+    pub fn hold_outside(&mut self, stack: &str, index: usize) -> Result<()> {
+        let b = self.position(stack, index)?;
+        if self.lent.is_some() {
+            return Err(Error::Protocol(format!("component {:?}: a block is held outside between blocks, not while one is lent", self.plan.name)));
+        }
+        if self.outside.len() < self.next.len() {
+            self.outside.resize(self.next.len(), false);
+        }
+        self.outside[b] = true;
+        Ok(())
     }
 
     /// The next `count` streamed blocks after `from` in the learned order.
@@ -416,7 +443,7 @@ impl<B: OffloadBackend> Ring<B> {
             if b == from {
                 break;
             }
-            if self.resident_of[b].is_none() && !out.contains(&b) {
+            if self.streams(b) && !out.contains(&b) {
                 out.push(b);
             }
         }

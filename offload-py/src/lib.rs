@@ -446,6 +446,13 @@ impl Streamer {
     }
 
     /// Whether the blocks are now asked for by a backward pass (each pass
+    /// Block `index` of `stack` is held on the device by the caller from now
+    /// on (kept from a lent copy): never prefetched again.
+    fn hold_outside(&self, stack: &str, index: usize) -> PyResult<()> {
+        let component = self.component.clone();
+        with_ring!(self.held()?.ring()?, r => r.hold_outside(stack, index)).map_err(|e| py_err(&component, e))
+    }
+
     /// learns its own order; the next steps' metrics say which pass).
     fn set_backward(&self, backward: bool) -> PyResult<()> {
         let component = self.component.clone();

@@ -239,3 +239,113 @@ def test_a_copy_bound_ring_keeps_depth_one(sim_link):
             model(torch.randn(1, 2048, dtype=torch.bfloat16))
     assert m.plan()["depth"] == 1 and m.plan()["chosen_by"] == "auto", m.plan()
     offload.disable(model)
+
+
+# -- the automatic plan keeps a host-bound model's blocks resident ------------
+
+
+def _host_bound_model():
+    # The host's time between blocks: the step is the host's, as a model whose
+    # blocks are short against its Python time per block.
+    torch.manual_seed(0)
+    return _Model([_Work(256, sleep_s=0.001) for _ in range(6)], between_s=0.01)
+
+
+_BLOCK = 256 * 256 * 2  # one _Work(256) block's bytes
+
+
+def _steps(model, x, n):
+    with torch.no_grad():
+        return [model(x) for _ in range(n)][-1]
+
+
+def test_a_host_bound_step_keeps_as_many_blocks_resident_as_the_allowance_holds(sim_link):
+    import copy
+
+    model = _host_bound_model()
+    resident = copy.deepcopy(model)
+    x = torch.randn(1, 256, dtype=torch.bfloat16)
+    with torch.no_grad():
+        ref = resident(x)
+    params = [b.weight for b in model.blocks]
+    m = offload.enable(model, device="cpu", auto_resident_gib=2.5 * _BLOCK / 2**30)
+    try:
+        assert m.plan()["resident_blocks"] == []
+        _steps(model, x, 2)  # the first learns the order, the second is timed and the plan chosen
+        plan = m.plan()
+        assert len(plan["resident_blocks"]) == 2 and "host-bound" in plan["why"] and "2 of 6 blocks kept" in plan["why"], plan
+        kept = [model.blocks[int(n.rsplit(".", 1)[1])] for n in plan["resident_blocks"]]
+        assert all(not b._forward_pre_hooks and not b._forward_hooks for b in kept), "a kept block still has the package's hooks"
+        out = _steps(model, x, 2)
+        met = m.metrics()
+        assert met["bytes_copied"] == 4 * _BLOCK, met  # the four blocks streamed, the two kept not copied
+        assert torch.equal(out, ref)
+        # A kept block's tensors are resident ones: an edit is used, and kept by disable.
+        kept[0].weight.data.mul_(2)
+        i = list(model.blocks).index(kept[0])
+        resident.blocks[i].weight.data.mul_(2)
+        with torch.no_grad():
+            assert torch.equal(model(x), resident(x))
+    finally:
+        offload.disable(model)
+    assert [b.weight for b in model.blocks] == params and all(type(p) is nn.Parameter for p in params)
+    for a, b in zip(model.blocks, resident.blocks):
+        assert torch.equal(a.weight, b.weight), "disable lost an edit of a kept block, or a streamed block's bytes"
+
+
+def test_an_allowance_of_zero_keeps_every_block_streamed(sim_link):
+    model = _host_bound_model()
+    x = torch.randn(1, 256, dtype=torch.bfloat16)
+    m = offload.enable(model, device="cpu", auto_resident_gib=0)
+    try:
+        _steps(model, x, 3)
+        assert m.plan()["resident_blocks"] == [] and "0 of 6 blocks kept" in m.plan()["why"]
+        assert m.metrics()["bytes_copied"] == 6 * _BLOCK
+    finally:
+        offload.disable(model)
+
+
+def test_a_copy_bound_step_keeps_no_block_resident_whatever_the_allowance(sim_link):
+    torch.manual_seed(0)
+    model = _Model([_Work(2048) for _ in range(4)])
+    m = offload.enable(model, device="cpu", auto_resident_gib=1.0)
+    try:
+        _steps(model, torch.randn(1, 2048, dtype=torch.bfloat16), 3)
+        assert m.plan()["resident_blocks"] == [] and "host-bound" not in m.plan()["why"], m.plan()
+    finally:
+        offload.disable(model)
+
+
+def test_auto_resident_gib_is_checked_and_only_for_the_packages_own_plan():
+    model = _Model([_Work(64) for _ in range(3)])
+    with pytest.raises(ValueError, match="auto_resident_gib .*resident_blocks"):
+        offload.enable(model, device="cpu", depth=1, auto_resident_gib=1)
+    with pytest.raises(ValueError, match="auto_resident_gib"):
+        offload.enable(model, device="cpu", auto_resident_gib=-1)
+    with pytest.raises(TypeError, match="auto_resident_gib"):
+        offload.enable(model, device="cpu", auto_resident_gib="1")
+    assert offload.offloaded(model) is None
+
+
+@NO_CUDA
+def test_cuda_a_host_bound_model_is_kept_resident_within_a_quarter_of_the_free_memory():
+    import copy
+
+    model = _host_bound_model()
+    resident = copy.deepcopy(model).cuda()
+    x = torch.randn(1, 256, dtype=torch.bfloat16, device="cuda")
+    with torch.no_grad():
+        ref = resident(x)
+    m = offload.enable(model, device="cuda")
+    try:
+        _steps(model, x, 2)
+        plan = m.plan()
+        assert len(plan["resident_blocks"]) == 6 and "a quarter of the device's free memory" in plan["why"], plan
+        out = _steps(model, x, 2)
+        torch.cuda.synchronize()
+        assert m.metrics()["bytes_copied"] == 0, m.metrics()
+        assert torch.equal(out, ref)
+        assert all(b.weight.device.type == "cuda" for b in model.blocks)
+    finally:
+        offload.disable(model)
+    assert all(b.weight.device.type == "cpu" for b in model.blocks)

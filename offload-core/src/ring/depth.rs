@@ -39,7 +39,7 @@ impl<B: OffloadBackend> Ring<B> {
         plan.depth = depth;
         let (backend, store, sabotage) = (self.backend.clone(), self.store.clone(), self.sabotage);
         let (hooks, next, total) = (std::mem::take(&mut self.hooks), self.next.clone(), self.total.clone());
-        let (other_next, backward, first) = (self.other_next.clone(), self.backward, self.first);
+        let (other_next, backward, first, outside) = (self.other_next.clone(), self.backward, self.first, self.outside.clone());
         let was = self.plan.clone();
         self.close()?;
         // Slots that cannot be had at the new depth: the ring at its old depth
@@ -56,6 +56,7 @@ impl<B: OffloadBackend> Ring<B> {
         ring.other_next = other_next;
         ring.backward = backward;
         ring.first = first;
+        ring.outside = outside;
         ring.total = total;
         Ok(ring)
     }

@@ -23,7 +23,7 @@ impl<B: OffloadBackend> Ring<B> {
         self.backward = backward;
         self.step.backward = backward;
         self.prev = None;
-        let Some(f) = self.first[usize::from(backward)].filter(|&f| self.resident_of.get(f).is_some_and(Option::is_none)) else {
+        let Some(f) = self.first[usize::from(backward)].filter(|&f| f < self.resident_of.len() && self.streams(f)) else {
             return Ok(());
         };
         let s = match self.slots.iter().position(|s| s.holds == Some(f)) {

@@ -131,6 +131,12 @@ class _Block:
     # holding a parameter subclass (diffusers' GGUFParameter), whose layer calls
     # the subclass's own methods, which a placeholder does not have.
     eager: bool = False
+    # The handles of the package's pre- and post-hook on the block's module.
+    handles: tuple = ()
+    # Kept resident by the automatic plan (a host-bound step): its buffer, bound
+    # for good, and per tensor the view the module holds (`Offloaded._keep`).
+    kept: Optional[torch.Tensor] = None
+    kept_views: list = field(default_factory=list)
 
     def prepare(self) -> None:
         """Split the parameters into those bound by one strided view over the

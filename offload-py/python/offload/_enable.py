@@ -146,6 +146,7 @@ def enable(
     progress: Optional[bool] = None,
     calibration: Optional[dict] = None,
     lazy: bool = True,
+    auto_resident_gib: Optional[float] = None,
 ) -> Offloaded:
     """Stream ``module``'s blocks from host memory to ``device``.
 
@@ -161,7 +162,15 @@ def enable(
     ``budget_gib`` or ``calibration``), the package chooses it: it streams the
     first step at depth 1, times the second (a wait for the device at its end),
     replays that step at depths 1 to 4 and keeps the smallest within 1 % of the
-    fastest (:meth:`Offloaded.plan` says what it chose and why).
+    fastest (:meth:`Offloaded.plan` says what it chose and why). Where that
+    traced step was host-bound (the host needed about the device's whole step
+    to issue it: Python time per block on a model whose blocks are short), the
+    package also keeps blocks resident, as many as ``auto_resident_gib`` holds
+    (those with the most host time per byte first): each is copied once,
+    bound for good as plain device tensors, and runs with none of the
+    package's per-block hooks, as it would unoffloaded. Not given, that
+    allowance is a quarter of the device's free memory at the choice (none on
+    the simulated device); ``0`` keeps every block streamed.
 
     ``budget_gib``: device memory for the module's weights: the resident
     tensors, the ring's slots, and the blocks the planner keeps resident with
@@ -199,12 +208,19 @@ def enable(
     """
     component = name or type(module).__name__
     auto = depth is None and budget_gib is None and calibration is None
+    allowance = _gib(component, "auto_resident_gib", auto_resident_gib, positive=False)
+    if allowance is not None and not auto:
+        raise _ArgumentValueError(
+            f"component {component!r}: auto_resident_gib is the allowance of the plan the package chooses itself; with depth, "
+            "budget_gib or calibration given the plan is yours: name the blocks to keep in resident_blocks instead"
+        )
     depth, resident_blocks, budget_gib, pin_budget_gib, dev, stacks = _arguments(
         module, component, depth, resident_blocks, budget_gib, pin_budget_gib, device, blocks, lazy)
     state = Offloaded()
     state.component, state.device, state.module = component, dev, module
     state._lazy = lazy
     state._auto = auto
+    state._allowance = None if allowance is None else int(allowance * _GiB)
     block_modules = _block_modules(state, module, stacks)
     all_params, in_block, tensors = _streamed_tensors(state, module, block_modules, checkpoint)
     from_file = _meta_from_file(module, component, all_params, in_block, checkpoint)
@@ -246,8 +262,6 @@ def _arguments(module, component, depth, resident_blocks, budget_gib, pin_budget
             f"component {component!r}: {type(module).__name__} has no block list (no ModuleList of two or more "
             "modules of one class); name one with blocks=[...]"
         )
-    if not isinstance(lazy, bool):
-        raise _ArgumentTypeError(f"component {component!r}: lazy must be True or False, not {lazy!r}")
     if not isinstance(lazy, bool):
         raise _ArgumentTypeError(f"component {component!r}: lazy must be True or False, not {lazy!r}")
     return depth, resident_blocks, budget_gib, pin_budget_gib, dev, stacks
@@ -525,7 +539,7 @@ def _install(state: Offloaded, module: nn.Module, block_modules: list, all_param
             # First among the block's pre-hooks: one registered before enable reads the weights.
             state._hooks.append(child.register_forward_pre_hook(_pre_hook(state, blk), prepend=True, with_kwargs=True))
             state._hooks.append(child.register_forward_hook(_post_hook(state, blk), always_call=True))
-            blk.module, blk.post_hook = child, state._hooks[-1].id
+            blk.module, blk.post_hook, blk.handles = child, state._hooks[-1].id, tuple(state._hooks[-2:])
             # On the block and every layer in it holding a streamed tensor (a layer of
             # resident adapter weights alone gives its state_dict as before).
             name = f"{blk.stack}.{blk.index}"
@@ -554,6 +568,22 @@ def _install(state: Offloaded, module: nn.Module, block_modules: list, all_param
         raise
 
 
+def _kept_back(blk) -> list:
+    """A block the automatic plan kept resident comes back as a resident
+    tensor does, with what its module holds now (an edit made while
+    offloaded), into its parameter objects; a tensor replaced by one of
+    another shape or dtype stays the replacement."""
+    back = []
+    for p, _view in blk.kept_views:
+        now = p.owner._parameters.get(p.attr)
+        if not isinstance(now, torch.Tensor) or now.shape != p.shape or now.dtype != p.dtype:
+            continue
+        data = torch.empty_strided(p.shape, p.layout, dtype=p.dtype, pin_memory=p.pinned)
+        data.copy_(now.detach())
+        back.append((p, data if data.device == p.where else data.to(p.where)))
+    return back
+
+
 def _restore(state: Offloaded) -> list:
     """Put the module back. Every copy is made before anything is assigned, so a
     failed copy (out of device memory) leaves the module as it is, still
@@ -568,6 +598,9 @@ def _restore(state: Offloaded) -> list:
     with torch.no_grad():
         back = []
         for blk in state._blocks.values():
+            if blk.kept is not None:
+                back.extend(_kept_back(blk))
+                continue
             # Without a kept host copy, the bytes come back from the host store.
             raw = None
             gone = False

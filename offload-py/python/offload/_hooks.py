@@ -125,6 +125,8 @@ class _Compiled:
 
     def __call__(self, *args, **kwargs):
         st, blk = self.state, self.blk
+        if blk.kept is not None:
+            return self.fn(*args, **kwargs)
         st._arm(blk)
         try:
             st._lend(blk)
@@ -144,7 +146,7 @@ def _wrap_compiled(state: Offloaded) -> None:
     after it and before this forward)."""
     for blk in state._blocks.values():
         fn = blk.module.__dict__.get("_compiled_call_impl")
-        if fn is not None and not isinstance(fn, _Compiled):
+        if fn is not None and not isinstance(fn, _Compiled) and blk.kept is None:
             blk.module._compiled_call_impl = _Compiled(state, blk, fn)
 
 

@@ -16,7 +16,7 @@ from ._offload import OffloadError, Streamer
 
 from ._placeholder import _ArgumentTypeError, _ArgumentValueError
 from ._blocks import _Block, _Cast, _Moved, _Outer, _Param, _Saved
-from ._hooks import _Watch, _host_tensors
+from ._hooks import _Compiled, _Watch, _host_tensors
 
 
 class Offloaded:
@@ -42,6 +42,11 @@ class Offloaded:
         # given): the second step is traced, and the depth chosen at its end.
         self._auto = False
         self._traced_by_user = False
+        # The device memory the automatic plan may keep host-bound blocks
+        # resident in (None: a quarter of the free memory at the choice), and
+        # why it kept those it kept.
+        self._allowance: Optional[int] = None
+        self._kept_why = ""
         self.module: Optional[nn.Module] = None
         self._bound: Optional[_Block] = None
         # Blocks run in the step under way: a block asked for again begins the
@@ -209,7 +214,8 @@ class Offloaded:
         depth, resident, chosen_by, why = self._engine().plan()
         if self._auto and chosen_by == "given":
             chosen_by, why = "auto", "depth 1 until the second step ends: the package then times it and chooses the depth"
-        return {"depth": depth, "resident_blocks": list(resident), "chosen_by": chosen_by, "why": why}
+        kept = [f"{b.stack}.{b.index}" for b in self._blocks.values() if b.kept is not None]
+        return {"depth": depth, "resident_blocks": list(resident) + kept, "chosen_by": chosen_by, "why": why + self._kept_why}
 
     def calibration(self, compute_s: Optional[dict] = None) -> dict:
         """This module's cost model, for :func:`enable`'s ``calibration=``: each
@@ -396,6 +402,21 @@ class Offloaded:
         # Writes through the views bump the buffer's version counter (an inference
         # tensor has none: torch refuses in-place writes to it outside inference mode).
         self._version = None if data.is_inference() else data._version
+        self._bind_views(block, data)
+        if torch.is_grad_enabled():
+            # What autograd saves of this block's weights for the backward is
+            # saved as where it lies in the block, not as the block's buffer:
+            # the buffer is let go after the forward, and the backward brings
+            # the block back (`_unpack`). A recompute in the backward (gradient
+            # checkpointing) saves the same way, so a checkpoint finds the same
+            # tensors saved as in the forward.
+            outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+            torch._C._autograd._push_saved_tensors_default_hooks(self._pack, self._unpack)
+            self._saving = (outer,)
+            self._refuse_gradients(block)
+
+    def _bind_views(self, block: _Block, data: torch.Tensor) -> None:
+        """Put a view of ``data`` in the module for each of the block's tensors."""
         # One strided view per parameter over the buffer seen once per dtype
         # (slicing, reinterpreting and reshaping each would be three calls: host
         # time on every block of every step).
@@ -412,25 +433,16 @@ class Offloaded:
         for p in block.sliced:
             view = data[p.offset : p.offset + p.nbytes].view(p.dtype).as_strided(p.shape, p.layout)
             p.owner._parameters[p.attr] = view if p.rewrap is None else p.rewrap(view)
-        if torch.is_grad_enabled():
-            # What autograd saves of this block's weights for the backward is
-            # saved as where it lies in the block, not as the block's buffer:
-            # the buffer is let go after the forward, and the backward brings
-            # the block back (`_unpack`). A recompute in the backward (gradient
-            # checkpointing) saves the same way, so a checkpoint finds the same
-            # tensors saved as in the forward.
-            outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
-            torch._C._autograd._push_saved_tensors_default_hooks(self._pack, self._unpack)
-            self._saving = (outer,)
-        if torch.is_grad_enabled():
-            # A streamed weight gets no gradient: one that asks for it makes the
-            # backward an error naming it, never a gradient quietly left None.
-            for p in block.params:
-                if p.holder.requires_grad:
-                    view = p.owner._parameters[p.attr]
-                    if view.is_floating_point() and not view.requires_grad:
-                        view.requires_grad_(True)
-                        view.register_hook(_no_gradient(self.component, p.name))
+
+    def _refuse_gradients(self, block: _Block) -> None:
+        """A streamed weight gets no gradient: one that asks for it makes the
+        backward an error naming it, never a gradient quietly left None."""
+        for p in block.params:
+            if p.holder.requires_grad:
+                view = p.owner._parameters[p.attr]
+                if view.is_floating_point() and not view.requires_grad:
+                    view.requires_grad_(True)
+                    view.register_hook(_no_gradient(self.component, p.name))
 
     def _pack(self, t):
         """Autograd saves ``t`` for the backward: one of the bound block's
@@ -573,10 +585,88 @@ class Offloaded:
             return
         self._auto = False
         try:
+            try:
+                traced = self.diagnose()  # before the depth's choice rebuilds the ring (its timeline with it)
+            except OffloadError:
+                traced = None  # the step lent no block
             engine.choose_depth(4)
+            if traced is not None:
+                self._keep_host_bound(traced)
         finally:
             if not self._traced_by_user:
                 engine.disable_timeline()
+
+    def _keep_host_bound(self, d: dict) -> None:
+        """The automatic plan's resident blocks: where the traced step was
+        host-bound (its diagnosis charges the host with over 1 % of the step:
+        the host took about the device's whole step to issue it),
+        each block kept resident runs with none of the package's host time,
+        as it would unoffloaded. As many as the allowance holds are kept, those
+        with the most host time per byte first."""
+        lost = d["causes"].get("host", 0.0)
+        # On CUDA the diagnosis charges the host only where it needed about the
+        # device's whole step; on the simulated device, whose compute is the
+        # host's, it charges the time between blocks: there the host must be
+        # what the step lost the most time to.
+        if lost <= 0.01 * d["step_s"] or (self.device.type != "cuda" and d["verdict"] != "host"):
+            return
+        if self._allowance is not None:
+            allowance, of = self._allowance, "auto_resident_gib"
+        elif self.device.type == "cuda":
+            allowance, of = torch.cuda.mem_get_info(self.device)[0] // 4, "a quarter of the device's free memory"
+        else:
+            allowance, of = 0, "none on the simulated device unless auto_resident_gib is given"
+        sizes = {f"{b.stack}.{b.index}": (b, sum(p.nbytes for p in b.params)) for b in self._blocks.values()}
+        host = d["host_blocks"]
+        order = sorted(sizes, key=lambda n: -host.get(n, 0.0) / max(sizes[n][1], 1))
+        kept, used, failed = [], 0, ""
+        for name in order:
+            blk, size = sizes[name]
+            if used + size > allowance:
+                continue
+            try:
+                self._keep(blk)
+            except (OffloadError, RuntimeError) as e:
+                failed = f"; keeping {name} failed ({str(e).splitlines()[0][:200]}), the rest stream"
+                break
+            kept.append(name)
+            used += size
+        if self.device.type == "cuda" and kept:
+            self._engine_stream.synchronize()  # every kept block's copy done, for any stream
+        self._kept_why = (
+            f"; the traced step was host-bound (the host lost {lost:.4f} s of a {d['step_s']:.4f} s step): {len(kept)} of "
+            f"{len(sizes)} blocks kept resident ({used / 2**30:.2f} GiB of an allowance of {allowance / 2**30:.2f} GiB: "
+            f"{of}), bound once, with no per-block hooks{failed}"
+        )
+
+    def _keep(self, block: _Block) -> None:
+        """Keep ``block`` resident: copied once more, its views bound for good,
+        its hooks removed. Its tensors then behave as resident ones: an edit
+        is used by the next step and kept by :func:`disable`."""
+        buf = self._engine().lend(block.stack, block.index)
+        try:
+            if self.device.type == "cuda":
+                data = buf
+            else:
+                data = torch.frombuffer(buf, dtype=torch.uint8) if len(buf) else torch.empty(0, dtype=torch.uint8)
+            data = data if data.is_inference() or not data.requires_grad else data.detach()
+            self._bind_views(block, data)
+        except BaseException:
+            for params, attr, param in block.restore:
+                params[attr] = param
+            raise
+        finally:
+            self._engine().give_back()
+        self._engine().hold_outside(block.stack, block.index)
+        with torch.enable_grad():
+            self._refuse_gradients(block)
+        block.kept = data
+        block.kept_views = [(p, p.owner._parameters[p.attr]) for p in block.params]
+        for h in block.handles:
+            h.remove()
+        fn = block.module.__dict__.get("_compiled_call_impl")
+        if isinstance(fn, _Compiled):
+            block.module._compiled_call_impl = fn.fn
 
 
 def _capturing(device: torch.device) -> bool:

@@ -220,8 +220,11 @@ def measure(name: str, steps: int) -> dict:
              "bitwise_equal": equal(out, ref), "weights_bytes": weights_of(peak), "plan": h.plan()}
         h.enable_trace()
         timed(m, x, 1)
-        d = h.diagnose(link_gbps=bw / 1e9)
-        r["diagnosis"] = {k: d[k] for k in ("verdict", "causes", "step_s", "compute_s", "wait_s", "between_s", "host_s", "summary")}
+        try:
+            d = h.diagnose(link_gbps=bw / 1e9)
+            r["diagnosis"] = {k: d[k] for k in ("verdict", "causes", "step_s", "compute_s", "wait_s", "between_s", "host_s", "summary")}
+        except offload.OffloadError as e:  # every block kept resident: no copy to diagnose
+            r["diagnosis"] = {"verdict": None, "causes": {}, "summary": f"OffloadError: {e}"}
         offload.disable(m)
     except Exception as e:
         r = {"error": f"{type(e).__name__}: {e}".splitlines()[0][:400], "traceback": traceback.format_exc()[-2000:]}

@@ -422,7 +422,10 @@ impl<B: OffloadBackend> Ring<B> {
     pub fn hold_outside(&mut self, stack: &str, index: usize) -> Result<()> {
         let b = self.position(stack, index)?;
         if self.lent.is_some() {
-            return Err(Error::Protocol(format!("component {:?}: a block is held outside between blocks, not while one is lent", self.plan.name)));
+            return Err(Error::Protocol(format!(
+                "component {:?}: a block is held outside between blocks, not while one is lent",
+                self.plan.name
+            )));
         }
         if self.outside.len() < self.next.len() {
             self.outside.resize(self.next.len(), false);

@@ -346,6 +346,25 @@ def test_cuda_a_host_bound_model_is_kept_resident_within_a_quarter_of_the_free_m
         assert m.metrics()["bytes_copied"] == 0, m.metrics()
         assert torch.equal(out, ref)
         assert all(b.weight.device.type == "cuda" for b in model.blocks)
+        m.enable_trace()
+        _steps(model, x, 1)
+        with pytest.raises(offload.OffloadError, match="every block is kept resident"):
+            m.diagnose()
     finally:
         offload.disable(model)
     assert all(b.weight.device.type == "cpu" for b in model.blocks)
+
+
+def test_every_block_kept_copies_nothing_and_diagnose_says_why(sim_link):
+    model = _host_bound_model()
+    x = torch.randn(1, 256, dtype=torch.bfloat16)
+    m = offload.enable(model, device="cpu", auto_resident_gib=1.0)
+    try:
+        _steps(model, x, 4)
+        assert len(m.plan()["resident_blocks"]) == 6 and m.metrics()["bytes_copied"] == 0, (m.plan(), m.metrics())
+        m.enable_trace()
+        _steps(model, x, 1)
+        with pytest.raises(offload.OffloadError, match="every block is kept resident"):
+            m.diagnose()
+    finally:
+        offload.disable(model)

@@ -183,6 +183,9 @@ class Offloaded:
             raise _ArgumentValueError(f"component {self.component!r}: link_gbps must be a finite number above 0, not {link_gbps!r}")
         raw = self._engine().diagnose(None if link_gbps is None else float(link_gbps) * 1e9)
         if raw is None:
+            if self._blocks and all(b.kept is not None for b in self._blocks.values()):
+                raise OffloadError(f"component {self.component!r}: nothing to diagnose: every block is kept resident (the "
+                                   "automatic plan found the step host-bound; plan() says why), so no step copies a block")
             raise OffloadError(f"component {self.component!r}: no traced step to diagnose: call enable_trace(), run a step, "
                                "then diagnose()")
         d = json.loads(raw)

@@ -12,11 +12,15 @@ use std::sync::{Arc, OnceLock};
 /// Byte written over a slot by the checking mode before each copy into it.
 pub const POISON: u8 = 0xDB;
 
-/// Whether the CUDA driver library can be loaded on this machine.
+/// Whether the CUDA driver library can be loaded on this machine: looked
+/// for once a process (a failed load is not remembered by cudarc, and every
+/// call into the Python package asks: on a machine without the driver each
+/// look walks the loader's search path for a dozen library names).
 #[cfg(not(feature = "linked"))]
 pub fn driver_present() -> bool {
+    static PRESENT: OnceLock<bool> = OnceLock::new();
     // SAFETY: only tries to open the driver library; no CUDA call is made.
-    unsafe { sys::is_culib_present() }
+    *PRESENT.get_or_init(|| unsafe { sys::is_culib_present() })
 }
 
 /// Whether the CUDA driver library can be loaded on this machine: with cudarc

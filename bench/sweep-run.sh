@@ -14,6 +14,10 @@ if [ ! -d /tmp/site/offload ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$R"/.whl/*.whl "$R"/.whl/offload/*.whl
 fi
 export PYTHONPATH=/tmp/site
+# The commit the wheels were built from (`cargo xtask wheel`): the runner's copy
+# of the tree has no history of its own.
+export OFFLOAD_COMMIT=${OFFLOAD_COMMIT:-$(cat "$R/.whl/COMMIT" 2>/dev/null)}
+[ -n "$OFFLOAD_COMMIT" ] || { echo "no .whl/COMMIT: build the wheels with cargo xtask wheel"; exit 1; }
 groups=${SWEEP_GROUPS:-"cogview4,ltx-video,sana-1600m,lumina2,cogvideox-2b,skyreels-v2-1.3b pixart-sigma,allegro,llama-3.2-3b,qwen3-4b"}
 for r in ${SWEEP_REPEATS:-1 2 3}; do
   g=0

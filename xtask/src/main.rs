@@ -170,8 +170,15 @@ fn python_tests(python: &Path, profile: &str) -> Result<(), String> {
 }
 
 /// `cargo xtask wheel`: the abi3 wheel (maturin, from PyPI into the Python
-/// environment) into `.whl/offload/`.
+/// environment) into `.whl/offload/`, and the commit it was built from (with
+/// `-dirty` where the tree had changes) in `.whl/COMMIT`: the GPU runner's copy
+/// of the tree has no history of its own, so its runs read the commit there.
 fn wheel() -> Result<(), String> {
+    let dirty = Command::new("git").args(["status", "--porcelain", "--untracked-files=no"]).current_dir(root()).output().ok();
+    let dirty = dirty.is_some_and(|o| !o.stdout.is_empty());
+    std::fs::create_dir_all(root().join(".whl")).map_err(|e| format!(".whl: {e}"))?;
+    let stamp = format!("{}{}\n", commit(), if dirty { "-dirty" } else { "" });
+    std::fs::write(root().join(".whl/COMMIT"), stamp).map_err(|e| format!(".whl/COMMIT: {e}"))?;
     let python = ensure_python_env()?;
     let mut c = Command::new(&python);
     c.args(["-m", "pip", "install", "-q", "--disable-pip-version-check", "maturin==1.16.0"]);

@@ -24,7 +24,7 @@ def test_cuda_a_mapped_checkpoint_and_the_trace(tmp_path):
     model.to("cpu")
     path = tmp_path / "flux.safetensors"
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
-    h = offload.enable(model, device="cuda", checkpoint=str(path))
+    h = offload.enable(model, device="cuda", checkpoint=str(path), auto_resident_gib=0)
     h.enable_trace()
     with torch.no_grad():
         out = _out(model(**_to(inputs, "cuda"))).clone()
@@ -46,7 +46,7 @@ def test_cuda_a_mapped_checkpoint_and_the_trace(tmp_path):
     assert any("transformer_blocks.0" in str(e.get("name", "")) for e in events), "the trace names the blocks"
     with pytest.raises(OffloadError, match="not in"):
         other, _, _ = MODELS["t5"]()
-        offload.enable(other, device="cuda", checkpoint=str(path))
+        offload.enable(other, device="cuda", checkpoint=str(path), auto_resident_gib=0)
 
 
 
@@ -78,7 +78,7 @@ def test_pinned_host_weights_are_let_go_and_come_back_pinned():
     before = _snapshot(model)
     owned = lambda: torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
     held = owned()
-    h = offload.enable(model, device="cuda")
+    h = offload.enable(model, device="cuda", auto_resident_gib=0)
     streamed_bytes = sum(p.nbytes for p in h._params.values())
     assert streamed_bytes > 0 and held - owned() >= streamed_bytes, "the let-go page-locked tensors are still held by torch's cache"
     with torch.no_grad():
@@ -135,7 +135,7 @@ def test_a_module_built_on_the_meta_device_runs_from_its_checkpoint(dev, tmp_pat
         empty = FluxTransformer2DModel.from_config(model.config).to(torch.bfloat16).eval()
     assert all(p.is_meta for p in empty.parameters())
     names = [n for n, _ in empty.named_parameters()]
-    h = offload.enable(empty, device=dev, checkpoint=str(path))
+    h = offload.enable(empty, device=dev, checkpoint=str(path), auto_resident_gib=0)
     assert h.host_tier() == {"in_place": 5, "copied": 0, "copy_reason": None}, h.host_tier()
     with torch.no_grad():
         outs = [_out(empty(**_to(inputs, dev))).clone() for _ in range(2)]
@@ -147,16 +147,16 @@ def test_a_module_built_on_the_meta_device_runs_from_its_checkpoint(dev, tmp_pat
     # Without a checkpoint, or with one that lacks a tensor outside the blocks or
     # holds it in another dtype: named errors, the module left on the meta device.
     with pytest.raises(OffloadError, match="meta device; give checkpoint="):
-        offload.enable(empty, device=dev)
+        offload.enable(empty, device=dev, auto_resident_gib=0)
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     del state["proj_out.weight"]
     save_file(state, str(tmp_path / "lacking.safetensors"))
     with pytest.raises(OffloadError, match="'proj_out.weight' is on the meta device and not in"):
-        offload.enable(empty, device=dev, checkpoint=str(tmp_path / "lacking.safetensors"))
+        offload.enable(empty, device=dev, checkpoint=str(tmp_path / "lacking.safetensors"), auto_resident_gib=0)
     state["proj_out.weight"] = model.state_dict()["proj_out.weight"].float()
     save_file(state, str(tmp_path / "f32.safetensors"))
     with pytest.raises(OffloadError, match=r"'proj_out.weight' is BF16 .* F32"):
-        offload.enable(empty, device=dev, checkpoint=str(tmp_path / "f32.safetensors"))
+        offload.enable(empty, device=dev, checkpoint=str(tmp_path / "f32.safetensors"), auto_resident_gib=0)
     assert offload.offloaded(empty) is None and all(p.is_meta for p in empty.parameters())
     # Heads of 16: a block's norm weights are 32 bytes, the next tensor is not where
     # the store would lay it: the block is copied, and the reason names it.
@@ -164,7 +164,7 @@ def test_a_module_built_on_the_meta_device_runs_from_its_checkpoint(dev, tmp_pat
     save_file({k: v.contiguous() for k, v in small.state_dict().items()}, str(tmp_path / "small.safetensors"))
     with torch.device("meta"):
         empty = FluxTransformer2DModel.from_config(small.config).to(torch.bfloat16).eval()
-    h = offload.enable(empty, device=dev, checkpoint=str(tmp_path / "small.safetensors"))
+    h = offload.enable(empty, device=dev, checkpoint=str(tmp_path / "small.safetensors"), auto_resident_gib=0)
     tier = h.host_tier()
     offload.disable(empty)
     assert tier["in_place"] == 0 and tier["copied"] == 5 and "not a multiple of 256" in tier["copy_reason"], tier

@@ -52,9 +52,9 @@ def test_compiled_blocks_stream_bitwise_equal_without_recompiling(backend, order
         with torch.no_grad():
             m(x)
         m.to("cpu")
-        h = offload.enable(m, device=dev)
+        h = offload.enable(m, device=dev, auto_resident_gib=0)
     else:
-        h = offload.enable(m, device=dev)
+        h = offload.enable(m, device=dev, auto_resident_gib=0)
         for b in m.blocks:
             b.compile(fullgraph=True, backend=_counting(backend, graphs))
     seen = []

@@ -601,21 +601,18 @@ class Offloaded:
 
     def _keep_host_bound(self, d: dict) -> None:
         """The automatic plan's resident blocks: where the traced step was
-        host-bound (on CUDA, the host took 60 % of the device's step or more to
-        issue it; on the simulated device, the host is the diagnosis's verdict),
+        host-bound (its diagnosis charges the host with over 1 % of the step: on
+        CUDA the host took about the device's whole step to issue it; on the
+        simulated device the host must be the diagnosis's verdict),
         each block kept resident runs with none of the package's host time,
         as it would unoffloaded. As many as the allowance holds are kept, those
         with the most host time per byte first."""
         lost = d["causes"].get("host", 0.0)
-        if self.device.type == "cuda":
-            # The diagnosis charges the host where it needed about the device's
-            # whole step; from 60 % the package's own host time per block
-            # already tips short blocks over (the host falls behind in places).
-            if lost <= 0.01 * d["step_s"] and d["host_s"] < _HOST_SHARE * d["step_s"]:
-                return
-        elif lost <= 0.01 * d["step_s"] or d["verdict"] != "host":
-            # The simulated device computes on the host: the diagnosis charges
-            # it the time between blocks, which must be what the step lost most to.
+        # On CUDA the diagnosis charges the host only where it needed about the
+        # device's whole step; on the simulated device, whose compute is the
+        # host's, it charges the time between blocks: there the host must be
+        # what the step lost the most time to.
+        if lost <= 0.01 * d["step_s"] or (self.device.type != "cuda" and d["verdict"] != "host"):
             return
         if self._allowance is not None:
             allowance, of = self._allowance, "auto_resident_gib"
@@ -675,11 +672,6 @@ class Offloaded:
         fn = block.module.__dict__.get("_compiled_call_impl")
         if isinstance(fn, _Compiled):
             block.module._compiled_call_impl = fn.fn
-
-
-# The share of the device's step the host may take to issue it before the
-# automatic plan keeps blocks resident (CUDA).
-_HOST_SHARE = 0.6
 
 
 def _capturing(device: torch.device) -> bool:

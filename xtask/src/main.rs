@@ -525,8 +525,11 @@ fn python_bundle(dir: &Path) -> Result<(), String> {
     let whl = root().join(".whl");
     let mut c = Command::new("python3");
     c.args(["-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "-d"]).arg(&whl);
-    // gguf: diffusers' GGUF layers import it (the pytest rows of GGUF weights).
+    // gguf: diffusers' GGUF layers import it (the pytest rows of GGUF weights);
+    // peft and what it imports beyond torch and transformers: the adapters'
+    // training rows.
     c.args(["diffusers==0.42.1", "importlib_metadata", "zipp", "pytest==9.2.0", "pluggy", "iniconfig", "packaging", "gguf==0.19.0"]);
+    c.args(["peft==0.21.2", "accelerate", "psutil"]);
     run(c)?;
     let mut c = cargo();
     c.args(["run", "-q", "-p", "offload-bench", "--bin", "zoo", "--", "registry", "--json"]).arg(dir.join("registry.json"));

@@ -413,6 +413,7 @@ mod tests {
             step: 1,
             bytes: 0,
             after: None,
+            backward: false,
         }
     }
 

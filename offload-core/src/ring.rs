@@ -522,7 +522,7 @@ impl<B: OffloadBackend> Ring<B> {
             if let (Some(tl), Some(end)) = (&mut self.timeline, end) {
                 let (name, bytes) = (format!("copy {}", block.id), block.link_bytes() as u64);
                 let step = tl.step;
-                tl.pending.push(PendingSpan { name, stream: "copy", start, end, bytes, after: after_block, step });
+                tl.pending.push(PendingSpan { name, stream: "copy", start, end, bytes, after: after_block, step, backward: self.backward });
             }
         }
         let st = &mut self.slots[s];

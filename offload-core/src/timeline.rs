@@ -24,6 +24,8 @@ pub struct Span {
     /// A copy's order: the block whose release (the end of its compute) the copy
     /// was ordered after, the last block in its slot. `None` for a free slot.
     pub after: Option<String>,
+    /// Recorded in a backward pass ([`Ring::set_backward`](crate::Ring::set_backward)).
+    pub backward: bool,
 }
 
 /// A moment on the host: when the ring's thread asked for a block or issued a

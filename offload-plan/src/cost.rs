@@ -13,6 +13,11 @@ pub struct BlockCost {
     pub bytes: u64,
     /// Compute time of the block's forward, seconds.
     pub compute_s: f64,
+    /// Compute time of the block's backward, seconds, where the step trains
+    /// (the backward brings every streamed block again, in reverse order);
+    /// `None`: the step is a forward alone. Every block has one, or none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub backward_s: Option<f64>,
     /// The block held coded for the device, where measured (`None`: the block
     /// is never planned coded).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -32,7 +37,13 @@ pub struct CodedCost {
 impl BlockCost {
     /// A block of `bytes` computing for `compute_s`, with no coded form known.
     pub fn new(id: impl Into<String>, bytes: u64, compute_s: f64) -> Self {
-        BlockCost { id: id.into(), bytes, compute_s, coded: None }
+        BlockCost { id: id.into(), bytes, compute_s, backward_s: None, coded: None }
+    }
+
+    /// The same block with a backward computing for `backward_s`.
+    pub fn with_backward(mut self, backward_s: f64) -> Self {
+        self.backward_s = Some(backward_s);
+        self
     }
 }
 
@@ -112,6 +123,16 @@ impl CostModel {
             if !(b.compute_s.is_finite() && b.compute_s >= 0.0) {
                 return Err(bad(format!("block {}: compute time {} s", b.id, b.compute_s)));
             }
+            if let Some(t) = b.backward_s.filter(|t| !(t.is_finite() && *t >= 0.0)) {
+                return Err(bad(format!("block {}: backward time {t} s", b.id)));
+            }
+            if b.backward_s.is_some() != self.blocks[0].backward_s.is_some() {
+                return Err(bad(format!(
+                    "block {} has a backward time and block {} not: a step trains every block or none",
+                    if b.backward_s.is_some() { &b.id } else { &self.blocks[0].id },
+                    if b.backward_s.is_some() { &self.blocks[0].id } else { &b.id }
+                )));
+            }
             if let Some(c) = b.coded.filter(|c| !(c.decode_s.is_finite() && c.decode_s >= 0.0)) {
                 return Err(bad(format!("block {}: decode time {} s", b.id, c.decode_s)));
             }
@@ -138,9 +159,25 @@ impl CostModel {
         serde_json::to_string_pretty(self).unwrap_or_default()
     }
 
-    /// Total compute per step, seconds (the resident step).
+    /// Whether the step trains: a forward, then a backward bringing every
+    /// streamed block again in reverse (every block has a backward time).
+    pub fn trains(&self) -> bool {
+        !self.blocks.is_empty() && self.blocks.iter().all(|b| b.backward_s.is_some())
+    }
+
+    /// Passes a streamed block crosses the link in a step: 2 where it trains.
+    fn passes(&self) -> u64 {
+        if self.trains() {
+            2
+        } else {
+            1
+        }
+    }
+
+    /// Total compute per step, seconds (the resident step): forward and, where
+    /// the step trains, backward.
     pub fn compute_s(&self) -> f64 {
-        self.blocks.iter().map(|b| b.compute_s).sum()
+        self.blocks.iter().map(|b| b.compute_s + b.backward_s.unwrap_or(0.0)).sum()
     }
 
     /// Total block bytes.
@@ -148,12 +185,13 @@ impl CostModel {
         self.blocks.iter().map(|b| b.bytes).sum()
     }
 
-    /// The analytical bound of a plan: `max(compute, streamed bytes ÷ bandwidth)`.
+    /// The analytical bound of a plan: `max(compute, streamed bytes ÷ bandwidth)`,
+    /// the streamed bytes counted once a pass (twice where the step trains).
     /// `resident[i]` says whether block `i` is kept on the device; a block past
     /// the end of `resident` is streamed (here and in every method taking one).
     pub fn bound_s(&self, resident: &[bool]) -> f64 {
         let streamed: u64 = self.blocks.iter().enumerate().filter(|(i, _)| !held(resident, *i)).map(|(_, b)| b.bytes).sum();
-        self.compute_s().max(streamed as f64 / self.bandwidth_bytes_per_s)
+        self.compute_s().max((streamed * self.passes()) as f64 / self.bandwidth_bytes_per_s)
     }
 
     /// Device bytes for weights under a plan: `(d + 1) ×` the largest streamed
@@ -167,7 +205,11 @@ impl CostModel {
     /// Predict the steady-state step time by replaying the ring's schedule over
     /// three steps: `d + 1` slots; the copy of a streamed block starts when the
     /// copy stream is free and its slot's previous block has computed; a block
-    /// computes when the previous one has and its copy has landed.
+    /// computes when the previous one has and its copy has landed. Where the
+    /// step trains, the blocks run forward, then backward in reverse order (each
+    /// streamed block copied again), and a block asked for twice in a row (the
+    /// last of the forward, first of the backward; the last of the backward,
+    /// first of the next forward) is still in its slot: no copy.
     pub fn simulate_s(&self, resident: &[bool], depth: usize) -> f64 {
         self.simulate_coded_s(resident, depth, false)
     }
@@ -196,6 +238,11 @@ impl CostModel {
         if n == 0 {
             return 0.0;
         }
+        // The step's blocks in the order they run, each with its compute time.
+        let mut order: Vec<(usize, f64)> = self.blocks.iter().enumerate().map(|(i, b)| (i, b.compute_s)).collect();
+        if self.trains() {
+            order.extend(self.blocks.iter().enumerate().rev().map(|(i, b)| (i, b.backward_s.unwrap_or(0.0))));
+        }
         let slots = depth.saturating_add(1);
         let mut copy_free = 0.0f64;
         let mut decode_free = 0.0f64;
@@ -203,9 +250,12 @@ impl CostModel {
         // Compute-end times of the streamed blocks, in streaming order.
         let mut streamed_end: Vec<f64> = Vec::new();
         let mut step_ends = Vec::new();
+        let mut last: Option<usize> = None;
         for _step in 0..3 {
-            for (i, b) in self.blocks.iter().enumerate() {
-                let ready = if held(resident, i) {
+            for &(i, t) in &order {
+                let b = &self.blocks[i];
+                let again = last == Some(i) && !held(resident, i);
+                let ready = if held(resident, i) || again {
                     0.0
                 } else {
                     let k = streamed_end.len();
@@ -223,10 +273,16 @@ impl CostModel {
                         }
                     }
                 };
-                compute_end = compute_end.max(ready) + b.compute_s;
-                if !held(resident, i) {
+                compute_end = compute_end.max(ready) + t;
+                if again {
+                    // The same slot, held longer.
+                    if let Some(e) = streamed_end.last_mut() {
+                        *e = compute_end;
+                    }
+                } else if !held(resident, i) {
                     streamed_end.push(compute_end);
                 }
+                last = Some(i);
             }
             step_ends.push(compute_end);
         }

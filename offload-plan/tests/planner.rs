@@ -396,3 +396,60 @@ fn the_explicit_policy_keeps_no_block_resident() {
     assert!(plan(&m, 8 << 20, 1, ResidentPolicy::Explicit).is_ok());
     assert!(plan(&m, (8 << 20) - 1, 1, ResidentPolicy::Explicit).is_err());
 }
+
+fn training(blocks: &[(u64, f64, f64)], bw: f64) -> CostModel {
+    CostModel {
+        bandwidth_bytes_per_s: bw,
+        blocks: blocks
+            .iter()
+            .enumerate()
+            .map(|(i, &(bytes, fwd, bwd))| BlockCost::new(format!("blocks.{i}"), bytes, fwd).with_backward(bwd))
+            .collect(),
+        non_block_bytes: 0,
+        source: "test".into(),
+        staging_buffers: offload_plan::DEFAULT_STAGING_BUFFERS,
+    }
+}
+
+#[test]
+fn a_training_step_copies_each_streamed_block_again_for_the_backward_save_at_the_turns() {
+    // Copy-bound: 1 s a copy, no compute. The step runs F0 F1 F2 B2 B1 B0: F2
+    // and B2 are one block asked for twice in a row (still in its slot), and so
+    // are B0 and the next step's F0: four copies a step, not six.
+    let m = training(&[(1_000_000_000, 0.0, 0.0); 3], 1e9);
+    assert!(m.trains());
+    let t = m.simulate_s(&[], 1);
+    assert!((t - 4.0).abs() < 1e-9, "{t}");
+    // The bound counts each streamed block once a pass; resident blocks cross in neither.
+    assert!((m.bound_s(&[]) - 6.0).abs() < 1e-9);
+    assert!((m.bound_s(&[true, false, false]) - 4.0).abs() < 1e-9);
+    // A forward alone copies three.
+    let f = model(&[(1_000_000_000, 0.0); 3], 1e9, 0);
+    assert!(!f.trains() && (f.simulate_s(&[], 1) - 3.0).abs() < 1e-9);
+}
+
+#[test]
+fn a_compute_bound_training_step_is_its_forward_and_backward_compute() {
+    let m = training(&[(1_000, 1.0, 2.0); 4], 1e9);
+    assert!((m.compute_s() - 12.0).abs() < 1e-9);
+    let t = m.simulate_s(&[], 1);
+    assert!((t - 12.0).abs() < 1e-6, "{t}");
+    // A plan's replay of a training step is no shorter than its bound, as for a forward.
+    for depth in 1..4 {
+        assert!(m.simulate_s(&[false, true, false, false], depth) + 1e-9 >= m.bound_s(&[false, true, false, false]));
+    }
+}
+
+#[test]
+fn a_cost_model_with_some_blocks_training_and_others_not_is_refused() {
+    let mut m = training(&[(1_000, 1.0, 2.0); 2], 1e9);
+    m.blocks[1].backward_s = None;
+    let e = m.validate().unwrap_err().to_string();
+    assert!(e.contains("a step trains every block or none"), "{e}");
+    let mut m = training(&[(1_000, 1.0, 2.0); 2], 1e9);
+    m.blocks[0].backward_s = Some(f64::NAN);
+    assert!(m.validate().unwrap_err().to_string().contains("backward time"));
+    // Its JSON keeps the backward times.
+    let m = training(&[(1_000, 1.0, 2.0); 2], 1e9);
+    assert_eq!(CostModel::from_json(&m.to_json()).unwrap(), m);
+}

@@ -309,8 +309,9 @@ impl Streamer {
                 why = match timed {
                     true => format!(
                         "the planner under a device budget of {budget} bytes, replaying the calibration's compute times and \
-                         {:.1} GB/s link: depth {depth} and {} block(s) resident predict a {:.4} s step (resident: {:.4} s)",
+                         {:.1} GB/s link{}: depth {depth} and {} block(s) resident predict a {:.4} s step (resident: {:.4} s)",
                         model.bandwidth_bytes_per_s / 1e9,
+                        if model.trains() { " over a training step (a forward, then a backward streaming each block again)" } else { "" },
                         resident.len(),
                         choice.predicted_step_s,
                         choice.resident_step_s
@@ -550,7 +551,7 @@ impl Streamer {
             let Some(d) = r.diagnose(None) else {
                 return Err(error(format!("component {component:?}: no traced step to choose a depth from")));
             };
-            let traced = r.timeline().map(compute_medians).unwrap_or_default();
+            let traced = r.timeline().map(|t| compute_medians(t, false)).unwrap_or_default();
             let bandwidth = if d.copy_s > 0.0 { d.copy_bytes as f64 / d.copy_s } else { 0.0 };
             let blocks = r.store().blocks().iter().map(|b| {
                 let id = b.id.to_string();
@@ -617,10 +618,18 @@ impl Streamer {
     /// `calibration=` takes): each block's bytes, its compute time and the
     /// link's bandwidth (probed now: it synchronises). Compute times come from
     /// `compute_s` (`{block: seconds}`, every block named) or else from the
-    /// steps traced since `enable_timeline` (each block's median). A coded ring
-    /// is refused: its copies are not its blocks' bytes at the link's rate.
-    #[pyo3(signature = (compute_s=None))]
-    fn calibration(&self, py: Python<'_>, compute_s: Option<std::collections::HashMap<String, f64>>) -> PyResult<String> {
+    /// forward steps traced since `enable_timeline` (each block's median).
+    /// Backward times (a training step: the backward brings every block again)
+    /// come from `backward_s`, or else from the traced backward steps where
+    /// every block ran in one; with neither, the model is a forward's. A coded
+    /// ring is refused: its copies are not its blocks' bytes at the link's rate.
+    #[pyo3(signature = (compute_s=None, backward_s=None))]
+    fn calibration(
+        &self,
+        py: Python<'_>,
+        compute_s: Option<std::collections::HashMap<String, f64>>,
+        backward_s: Option<std::collections::HashMap<String, f64>>,
+    ) -> PyResult<String> {
         let component = self.component.clone();
         let mut held = self.held()?;
         let ring = held.ring()?;
@@ -629,7 +638,9 @@ impl Streamer {
         }
         let bandwidth = ring.probe(py, 3).map_err(|e| py_err(&component, e))?;
         let model = with_ring!(ring, r => {
-            let traced = r.timeline().map(compute_medians).unwrap_or_default();
+            let traced = r.timeline().map(|t| compute_medians(t, false)).unwrap_or_default();
+            let traced_back = r.timeline().map(|t| compute_medians(t, true)).unwrap_or_default();
+            let every = r.store().blocks().iter().all(|b| traced_back.contains_key(&b.id.to_string()));
             let mut blocks = Vec::with_capacity(r.store().blocks().len());
             for b in r.store().blocks() {
                 let id = b.id.to_string();
@@ -639,10 +650,17 @@ impl Streamer {
                         error(format!("component {component:?}: block {id} ran in no traced step (enable_trace, then run a step; CUDA only), or give compute_s"))
                     })?,
                 };
-                if !(t.is_finite() && t >= 0.0) {
-                    return Err(error(format!("component {component:?}: block {id}: compute time {t} s")));
+                let back = match &backward_s {
+                    Some(given) => Some(given.get(&id).copied().ok_or_else(|| error(format!("component {component:?}: block {id} has no time in backward_s")))?),
+                    None => traced_back.get(&id).copied().filter(|_| every),
+                };
+                for (what, t) in [("compute", Some(t)), ("backward", back)] {
+                    if let Some(t) = t.filter(|t| !(t.is_finite() && *t >= 0.0)) {
+                        return Err(error(format!("component {component:?}: block {id}: {what} time {t} s")));
+                    }
                 }
-                blocks.push(offload_plan::BlockCost::new(id, b.bytes() as u64, t));
+                let cost = offload_plan::BlockCost::new(id, b.bytes() as u64, t);
+                blocks.push(match back { Some(s) => cost.with_backward(s), None => cost });
             }
             offload_plan::CostModel { bandwidth_bytes_per_s: bandwidth, blocks, non_block_bytes: 0, source: format!("component {component:?}"), staging_buffers: offload_plan::DEFAULT_STAGING_BUFFERS }
         });
@@ -683,10 +701,11 @@ impl Streamer {
     }
 }
 
-/// Each block's median compute span in a timeline, by block name.
-fn compute_medians(tl: &offload_core::Timeline) -> std::collections::HashMap<String, f64> {
+/// Each block's median compute span in a timeline's forward steps (or its
+/// backward steps: `backward`), by block name.
+fn compute_medians(tl: &offload_core::Timeline, backward: bool) -> std::collections::HashMap<String, f64> {
     let mut by: std::collections::HashMap<String, Vec<f64>> = Default::default();
-    for s in &tl.spans {
+    for s in tl.spans.iter().filter(|s| s.backward == backward) {
         if let Some(id) = s.name.strip_prefix("compute ") {
             by.entry(id.to_owned()).or_default().push(s.dur_s);
         }

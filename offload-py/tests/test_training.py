@@ -237,3 +237,42 @@ def test_a_backward_that_raises_leaves_the_module_usable(dev):
     for *_, (fwd, bwd) in got:
         assert not fwd["backward"] and bwd["backward"] and bwd["blocks"] == 6, (fwd, bwd)
     offload.disable(model)
+
+
+def test_a_calibration_of_traced_training_steps_has_each_blocks_backward_time_and_plans_with_it():
+    # The simulated device traces its steps as CUDA does: the forward's and the
+    # backward's compute spans apart, so the cost model holds both passes.
+    model = _Model()
+    h = offload.enable(model, device="cpu", depth=1)
+    h.enable_trace()
+    _train(model, "cpu", steps=2)
+    cal = h.calibration()
+    h.disable_trace()
+    offload.disable(model)
+    assert len(cal["blocks"]) == 6
+    assert all(b["compute_s"] > 0 and b.get("backward_s", 0) > 0 for b in cal["blocks"]), cal["blocks"]
+    # Given, they replace the traced ones; one block missing is named.
+    given = {b["id"]: 2 * b["compute_s"] for b in cal["blocks"]}
+    fwd_s = {b["id"]: b["compute_s"] for b in cal["blocks"]}
+    again = offload.enable(_Model(), device="cpu", depth=1)
+    assert [b["backward_s"] for b in again.calibration(fwd_s, backward_s=given)["blocks"]] == list(given.values())
+    with pytest.raises(offload.OffloadError, match="no time in backward_s"):
+        again.calibration(fwd_s, backward_s={k: v for k, v in list(given.items())[1:]})
+    again.disable()
+    # The planner takes a training step's model: the plan trains as resident.
+    planned = _Model()
+    block = cal["blocks"][0]["bytes"]
+    p = offload.enable(planned, device="cpu", budget_gib=5 * block / 2**30, calibration=cal)
+    _same(_train(planned, "cpu"), _train(_Model(), "cpu"))
+    plan = p.plan()
+    assert plan["chosen_by"] == "budget" and "over a training step" in plan["why"], plan
+    offload.disable(planned)
+    # A forward's steps alone: no backward times.
+    fwd = _Model()
+    f = offload.enable(fwd, device="cpu", depth=1)
+    f.enable_trace()
+    with torch.no_grad():
+        fwd(torch.randn(8, 64))
+        fwd(torch.randn(8, 64))
+    assert all("backward_s" not in b for b in f.calibration()["blocks"])
+    offload.disable(fwd)

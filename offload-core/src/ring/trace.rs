@@ -15,6 +15,7 @@ pub(super) struct PendingSpan<B: OffloadBackend> {
     pub(super) bytes: u64,
     pub(super) after: Option<String>,
     pub(super) step: u64,
+    pub(super) backward: bool,
 }
 
 pub(super) struct TimelineState<B: OffloadBackend> {
@@ -48,7 +49,7 @@ impl<B: OffloadBackend> Ring<B> {
         let end = self.backend.record_timing(on)?;
         if let (Some(tl), Some(end)) = (&mut self.timeline, end) {
             let step = tl.step;
-            tl.pending.push(PendingSpan { name, stream, start, end, bytes: 0, after: None, step });
+            tl.pending.push(PendingSpan { name, stream, start, end, bytes: 0, after: None, step, backward: self.backward });
         }
         Ok(())
     }
@@ -123,8 +124,8 @@ impl<B: OffloadBackend> Ring<B> {
                 stall += dur_s;
             }
             let component = self.step.component.clone();
-            let (step, bytes, after) = (p.step, p.bytes, p.after);
-            tl.collected.spans.push(Span { name: p.name, stream: p.stream, component, start_s, dur_s, step, bytes, after });
+            let (step, bytes, after, backward) = (p.step, p.bytes, p.after, p.backward);
+            tl.collected.spans.push(Span { name: p.name, stream: p.stream, component, start_s, dur_s, step, bytes, after, backward });
         }
         tl.step += 1;
         self.step.exposed_stall_s = Some(stall);

@@ -220,15 +220,18 @@ class Offloaded:
         kept = [f"{b.stack}.{b.index}" for b in self._blocks.values() if b.kept is not None]
         return {"depth": depth, "resident_blocks": list(resident) + kept, "chosen_by": chosen_by, "why": why + self._kept_why}
 
-    def calibration(self, compute_s: Optional[dict] = None) -> dict:
+    def calibration(self, compute_s: Optional[dict] = None, backward_s: Optional[dict] = None) -> dict:
         """This module's cost model, for :func:`enable`'s ``calibration=``: each
         block's bytes and compute time and the link's bandwidth (probed now; it
-        synchronises). The compute times are the traced steps' (call
+        synchronises). The compute times are the traced forward steps' (call
         :meth:`enable_trace`, run a step, then this; CUDA), or ``compute_s``
-        (``{"transformer_blocks.0": seconds, ...}``, every block). Take it from
-        a ring that is not coded."""
+        (``{"transformer_blocks.0": seconds, ...}``, every block). A training
+        step's backward times come from ``backward_s``, or from the traced
+        backward steps where every block ran in one: the planner then replays a
+        forward and a backward, each block streamed again in reverse. Take it
+        from a ring that is not coded."""
         self._refuse_capture("calibration")
-        return json.loads(self._engine().calibration(compute_s))
+        return json.loads(self._engine().calibration(compute_s, backward_s))
 
     def violations(self) -> list[str]:
         """Breaks of the ring's protocol the engine saw (expected: none)."""

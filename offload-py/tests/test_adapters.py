@@ -215,3 +215,41 @@ def test_the_equality_fails_when_the_backward_gets_another_blocks_weights(monkey
             _same(got, ref, "sabotaged")
     finally:
         offload.disable(model)
+
+
+def _saved_weights_outside(model, inputs) -> int:
+    """Bytes of 2-D frozen tensors that autograd saved past the package's hooks
+    (to the hooks beneath them) in a forward and backward: weights that would
+    stay on the device from the forward to the backward."""
+    seen = []
+
+    def pack(t):
+        if t.dim() == 2 and min(t.shape) >= 32 and not t.requires_grad:
+            seen.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = _first(model(**inputs)).float().square().mean()
+    loss.backward()
+    return sum(seen)
+
+
+def test_a_gguf_bases_dequantized_weights_are_not_kept_for_the_backward(monkeypatch):
+    pytest.importorskip("gguf")
+    plain, inputs = _with_lora("flux")
+    offload.enable(plain, device="cpu", depth=1)
+    base = _saved_weights_outside(plain, inputs)  # the resident tensors outside the blocks
+    offload.disable(plain)
+    model, inputs = _with_lora("flux", gguf=True)
+    offload.enable(model, device="cpu", depth=1)
+    assert _saved_weights_outside(model, inputs) == base
+    offload.disable(model)
+    # The check can fail: without the hooks around the GGUF layers, each layer's
+    # dequantized weight is saved as itself and kept until the backward.
+    import offload._enable as enabling
+
+    monkeypatch.setattr(enabling, "_gguf_hooks", lambda *a: (lambda *b: None, lambda *b: None))
+    model, inputs = _with_lora("flux", gguf=True)
+    offload.enable(model, device="cpu", depth=1)
+    assert _saved_weights_outside(model, inputs) > base + 10_000
+    offload.disable(model)

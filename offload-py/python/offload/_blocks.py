@@ -184,5 +184,16 @@ class _Cast:
         self.block, self.param, self.dtype, self.shape, self.stride, self.offset = block, param, dtype, shape, stride, offset
 
 
+class _Dequant:
+    """A GGUF layer's dequantized weight autograd saved for the backward
+    (diffusers' ``GGUFLinear`` dequantizes its weight into a new tensor at each
+    forward): the layer, its parameter, and where in the dequantized tensor."""
+
+    __slots__ = ("block", "layer", "param", "shape", "stride", "offset")
+
+    def __init__(self, block, layer, param, shape, stride, offset):
+        self.block, self.layer, self.param, self.shape, self.stride, self.offset = block, layer, param, shape, stride, offset
+
+
 # Marks a value saved by the hooks beneath ours (`_pack` hands them what is not a weight).
 _Outer = object()

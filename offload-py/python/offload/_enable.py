@@ -18,7 +18,7 @@ from ._offload import OffloadError, Streamer, safetensors_read, safetensors_tens
 
 from ._placeholder import _ArgumentTypeError, _ArgumentValueError, _COMPOSES, _DTYPES, _GiB, _Placeholder, _STATE, _STREAMED_BY
 from ._blocks import _Block, _Moved, _Param, _called, _contiguous, _dense, _owner, find_blocks
-from ._hooks import _forward_pre_hook, _post_hook, _pre_hook, _step_hook, _unwrap_compiled, _wrap_compiled
+from ._hooks import _forward_pre_hook, _gguf_hooks, _post_hook, _pre_hook, _step_hook, _unwrap_compiled, _wrap_compiled
 from ._offloaded import Offloaded, _refuse_load_state_dict, _refuse_state_dict
 
 
@@ -540,6 +540,11 @@ def _install(state: Offloaded, module: nn.Module, block_modules: list, all_param
             state._hooks.append(child.register_forward_pre_hook(_pre_hook(state, blk), prepend=True, with_kwargs=True))
             state._hooks.append(child.register_forward_hook(_post_hook(state, blk), always_call=True))
             blk.module, blk.post_hook, blk.handles = child, state._hooks[-1].id, tuple(state._hooks[-2:])
+            for p in blk.params:
+                if p.attr == "weight" and type(p.owner).__name__ == "GGUFLinear" and hasattr(p.owner, "compute_dtype"):
+                    pre, post = _gguf_hooks(state, blk, p.owner, p)
+                    state._hooks.append(p.owner.register_forward_pre_hook(pre))
+                    state._hooks.append(p.owner.register_forward_hook(post, always_call=True))
             # On the block and every layer in it holding a streamed tensor (a layer of
             # resident adapter weights alone gives its state_dict as before).
             name = f"{blk.stack}.{blk.index}"

@@ -99,6 +99,22 @@ class _Watch(torch.overrides.TorchFunctionMode):
 _MOVES = {torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.type_as}
 
 
+def _gguf_hooks(state: Offloaded, blk: _Block, layer: nn.Module, p) -> tuple:
+    """Around a GGUF layer of a streamed block (diffusers' ``GGUFLinear``, which
+    dequantizes its weight into a new tensor at each forward): in grad mode,
+    while it runs, what autograd saves is its dequantized weight, saved as the
+    layer's and made again in the backward (`Offloaded._pack`)."""
+
+    def pre(mod, args):
+        if state._bound is blk and torch.is_grad_enabled():
+            state._gguf = (layer, p, blk)
+
+    def post(mod, args, output):
+        state._gguf = None
+
+    return _Hook(pre, state.component), _Hook(post, state.component)
+
+
 def _post_hook(state: Offloaded, blk: _Block):
     def hook(mod, args, output):
         if torch.compiler.is_compiling() and _wrapped(mod):

@@ -15,7 +15,7 @@ from torch import nn
 from ._offload import OffloadError, Streamer
 
 from ._placeholder import _ArgumentTypeError, _ArgumentValueError
-from ._blocks import _Block, _Cast, _Moved, _Outer, _Param, _Saved
+from ._blocks import _Block, _Cast, _Dequant, _Moved, _Outer, _Param, _Saved
 from ._hooks import _Compiled, _Watch, _host_tensors
 
 
@@ -88,6 +88,10 @@ class Offloaded:
         self._moves: dict = {}
         self._watch: Optional[tuple] = None
         self._moved: dict = {}
+        # The GGUF layer (diffusers' GGUFLinear) of the bound block whose forward
+        # runs in grad mode, with its streamed parameter: what autograd saves
+        # inside it is its dequantized weight (`_pack`).
+        self._gguf: Optional[tuple] = None
 
     @property
     def steps(self) -> int:
@@ -467,6 +471,13 @@ class Offloaded:
                 now = p.owner._parameters.get(p.attr)
                 if type(now) is torch.Tensor and now.dtype == t.dtype and now.untyped_storage().data_ptr() == at:
                     return _Cast(block, p, t.dtype, tuple(t.shape), t.stride(), t.storage_offset() - now.storage_offset())
+            gguf = self._gguf
+            if gguf is not None and gguf[2] is block and t.dim() == 2 and t.numel() == gguf[0].in_features * gguf[0].out_features:
+                # Inside a GGUF layer's forward the one tensor its linear saves
+                # is its dequantized weight (the input is saved only for a weight
+                # that needs a gradient, which a streamed one never does).
+                layer, p, _ = gguf
+                return _Dequant(block, layer, p, tuple(t.shape), t.stride(), t.storage_offset())
         outer = self._saving[0] if self._saving else None
         return (_Outer, outer[1], outer[0](t)) if outer else t
 
@@ -476,6 +487,13 @@ class Offloaded:
         engine learns for a backward), the rest from the hooks that saved it."""
         if isinstance(saved, tuple) and len(saved) == 3 and saved[0] is _Outer:
             return saved[1](saved[2])
+        if isinstance(saved, _Dequant):
+            if self._bound is not saved.block:
+                self._lend_for_backward(saved.block)
+            from diffusers.quantizers.gguf.utils import dequantize_gguf_tensor
+
+            w = dequantize_gguf_tensor(saved.param.owner._parameters[saved.param.attr]).to(saved.layer.compute_dtype)
+            return w.as_strided(saved.shape, saved.stride, saved.offset)
         if isinstance(saved, _Cast):
             if self._bound is not saved.block:
                 self._lend_for_backward(saved.block)

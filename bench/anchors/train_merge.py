@@ -1,0 +1,82 @@
+"""Merge `train_step.py`'s process files into one results file: per model,
+case and checkpointing, each mode's figure the median over the processes of
+each process's median step, with [min, max]; the bound per process
+(`max(resident step, bytes crossing the link in a step ÷ the bandwidth
+probed in that process)`), the ratio to it per process, then their median and
+range; the targets judged from those. Nothing is typed: every number comes
+from the process files.
+
+    python3 train_merge.py OUT.json RUN1.json RUN2.json ...
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+
+
+def spread(values):
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "runs": values}
+
+
+def merge(docs: list[dict], names: list[str], raw_dir: str = "") -> dict:
+    groups: dict = {}
+    for d in docs:
+        groups.setdefault((d["model"], d["case"]["name"], d["checkpointing"]), []).append(d)
+    rows = []
+    for (model, case, ckpt), runs in groups.items():
+        row = {"model": model, "case": case, "checkpointing": ckpt, "processes": len(runs)}
+        for mode in ("resident", "offload", "block_stream"):
+            ok = [r["modes"][mode] for r in runs if mode in r["modes"] and "error" not in r["modes"][mode]]
+            errors = sorted({r["modes"][mode]["error"] for r in runs if mode in r["modes"] and "error" in r["modes"][mode]})
+            entry = {"processes": len(ok)}
+            if errors:
+                entry["error"] = errors[0]
+            if ok:
+                entry["step_s"] = spread([m["step"]["median_s"] for m in ok])
+                entry["finite_not_constant"] = all(m["finite"] and m["not_constant"] for m in ok)
+                if "vs_resident" in ok[0]:
+                    entry["grads_bitwise_equal"] = all(m["vs_resident"]["grads_bitwise_equal"] and m["vs_resident"]["loss_equal"] for m in ok)
+                    entry["max_abs_grad_diff"] = max(m["vs_resident"]["max_abs_grad_diff"] for m in ok)
+            row[mode] = entry
+        res = [r["modes"].get("resident", {}) for r in runs]
+        off = [r["modes"].get("offload", {}) for r in runs]
+        if all("step" in a and "step" in b and r.get("bandwidth_bytes_per_s") for a, b, r in zip(res, off, runs)):
+            bounds = [max(a["step"]["median_s"], b["bytes_per_step"] / r["bandwidth_bytes_per_s"]) for a, b, r in zip(res, off, runs)]
+            row["bound_s"] = spread(bounds)
+            row["ratio"] = spread([b["step"]["median_s"] / x for b, x in zip(off, bounds)])
+            row["resident_repeatable"] = all(a["repeatable"]["grads_bitwise_equal"] for a in res)
+            spread_diff = max(a["repeatable"]["max_abs_grad_diff"] for a in res)
+            row["targets"] = {
+                "ratio_at_most_1.05": row["ratio"]["median"] <= 1.05,
+                # Bitwise where the resident backward repeats itself; else within its own spread.
+                "gradients_equal": row["offload"].get("grads_bitwise_equal", False) if row["resident_repeatable"]
+                else row["offload"].get("max_abs_grad_diff", float("inf")) <= spread_diff,
+                "finite_not_constant": row["offload"].get("finite_not_constant", False),
+            }
+            row["targets_met"] = all(row["targets"].values())
+        rows.append(row)
+    meta = docs[0]
+    return {"what": "a LoRA training step (bench/anchors/train_step.py)", "date": min(d["started"] for d in docs)[:10],
+            "commit": ", ".join(sorted({d["commit"] for d in docs})), "gpu": ", ".join(sorted({d["gpu"] for d in docs})),
+            "torch": meta["torch"], "diffusers": meta["diffusers"], "peft": meta["peft"], "rank": meta["rank"], "depth": meta["depth"],
+            "steps_per_process": meta["steps"], "processes": len(docs), "raw_dir": raw_dir, "raw": names, "rows": rows}
+
+
+def main():
+    out, *paths = sys.argv[1:]
+    docs = [json.load(open(p)) for p in paths]
+    dirs = {os.path.relpath(os.path.dirname(os.path.abspath(p)), os.path.dirname(os.path.abspath(__file__)) + "/../..") for p in paths}
+    if len(dirs) != 1:
+        sys.exit(f"the process files lie in {len(dirs)} directories ({sorted(dirs)}): merge the files of one run directory")
+    res = merge(docs, [os.path.basename(p) for p in paths], dirs.pop())
+    with open(out, "w") as fh:
+        json.dump(res, fh, indent=1)
+    for r in res["rows"]:
+        print(r["model"], r["case"], r["checkpointing"], r.get("ratio", {}).get("median"), r.get("targets_met"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,272 @@
+"""A LoRA training step over a registry model, in one process: the resident
+step (the reference), this project's Python package, and diffusers' group
+offloading (block level, streams on) on the same model object, each from the
+same adapters and optimizer state, one model and case a process.
+
+The step: a rank-16 LoRA (peft, `add_adapter`) on the attention projections
+(`to_q`, `to_k`, `to_v`, `to_out.0`), the base frozen, AdamW on the adapters;
+forward, `out.float().square().mean()`, backward, optimizer step. With
+`--checkpointing`, diffusers' `enable_gradient_checkpointing()`.
+
+Per mode: a check step from the initial adapters (its loss and every adapter
+gradient compared with the resident check step, bitwise, and the largest
+difference), then `--warmup` steps and `--steps` timed with CUDA events. The
+resident check step runs twice: where the two differ (an attention backward
+that accumulates in any order), the run says so and a mode is judged against
+that spread. `--deterministic`: `torch.use_deterministic_algorithms(True)` and
+PyTorch's math attention. Memory as in `zoo_anchor.py`: weights on the device
+apart from the step's activations (peak allocated above what was allocated
+before the timed steps). Bytes crossing the link in a step: the engine's
+metrics of the last forward and the last backward. The pinned host-to-device
+bandwidth is measured in the same process. A mode that fails (out of memory,
+a library's error) is an entry naming its error, never a silent gap.
+
+    python3 train_step.py --registry REG.json --model flux-dev --case 1024 --out F.json [--checkpointing]
+    python3 train_step.py --tiny --device cpu --out F.json   (a small Flux on the simulated device: the script's own check)
+
+`train_merge.py` merges the process files.
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+
+import zoo_anchor as za  # noqa: E402
+
+TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
+RANK = 16
+
+# A small Flux for `--tiny` (the registry's inputs: 64 latent channels, 4096-wide text).
+TINY = {"name": "flux-tiny", "reference": {"module": "diffusers", "class": "FluxTransformer2DModel", "config": {
+    "attention_head_dim": 16, "axes_dims_rope": [4, 6, 6], "guidance_embeds": True, "in_channels": 64, "joint_attention_dim": 4096,
+    "num_attention_heads": 2, "num_layers": 2, "num_single_layers": 2, "patch_size": 1, "pooled_projection_dim": 768}},
+    "cases": [{"name": "64", "batch": 1, "frames": 1, "height": 64, "resolution": 64, "image_tokens": 16, "text_tokens": 8}]}
+
+
+def first(out):
+    while isinstance(out, (tuple, list)):
+        out = out[0]
+    return getattr(out, "sample", out)
+
+
+def add_lora(model):
+    """The base frozen, a rank-16 LoRA on the attention projections with seeded
+    random weights (peft starts B at zero); its initial state, to start every mode from."""
+    from peft import LoraConfig
+
+    model.requires_grad_(False)
+    model.add_adapter(LoraConfig(r=RANK, lora_alpha=RANK, target_modules=TARGETS))
+    g = torch.Generator(device="cpu").manual_seed(3)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_" in n:
+                p.copy_((torch.randn(p.shape, generator=g) * 0.01).to(p.dtype))
+    return {n: p.detach().cpu().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def reset(model, initial):
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n in initial:
+                p.copy_(initial[n].to(p.device))
+            p.grad = None
+
+
+class Clock:
+    """CUDA events on a GPU, the host's clock on the simulated device."""
+
+    def __init__(self, dev):
+        self.cuda = dev == "cuda"
+
+    def sync(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def marks(self, n):
+        if self.cuda:
+            evs = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+            return evs, lambda e: e.record(), lambda a, b: a.elapsed_time(b) / 1e3
+        return [None] * n, None, None
+
+
+def one_step(model, x, opt):
+    opt.zero_grad(set_to_none=True)
+    loss = first(model(**x)).float().square().mean()
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def run_mode(model, x, initial, dev, warmup, steps):
+    """The check step (loss, adapter gradients on the host) from the initial
+    adapters, then the timed steps from them again."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    reset(model, initial)
+    opt = torch.optim.AdamW(trainable, lr=1e-4)
+    loss = one_step(model, x, opt)
+    grads = {n: p.grad.detach().cpu().clone() for n, p in model.named_parameters() if p.requires_grad}
+    check = (float(loss.detach()), grads)
+    reset(model, initial)
+    opt = torch.optim.AdamW(trainable, lr=1e-4)
+    for _ in range(warmup):
+        one_step(model, x, opt)
+    clock = Clock(dev)
+    clock.sync()
+    before = torch.cuda.memory_allocated() if dev == "cuda" else 0
+    if dev == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times, losses = [], []
+    evs, record, elapsed = clock.marks(steps + 1)
+    if record:
+        record(evs[0])
+    for i in range(steps):
+        t = time.perf_counter()
+        losses.append(one_step(model, x, opt))
+        if record:
+            record(evs[i + 1])
+        else:
+            times.append(time.perf_counter() - t)
+    clock.sync()
+    if record:
+        times = [elapsed(evs[i], evs[i + 1]) for i in range(steps)]
+    peak = torch.cuda.max_memory_allocated() if dev == "cuda" else 0
+    losses = [float(v) for v in losses]
+    return check, {"step": za_stats(times), "losses": losses, "finite": all(v == v and abs(v) != float("inf") for v in losses),
+                   "not_constant": len(set(losses)) > 1, "peak_bytes": peak, "before_bytes": before}
+
+
+def za_stats(ts):
+    return {"median_s": statistics.median(ts), "min_s": min(ts), "max_s": max(ts), "runs_s": ts}
+
+
+def compare(check, ref):
+    (la, ga), (lb, gb) = check, ref
+    diffs = [float((ga[n].float() - gb[n].float()).abs().max()) for n in ga]
+    return {"loss_equal": la == lb, "grads_bitwise_equal": all(torch.equal(ga[n], gb[n]) for n in ga),
+            "max_abs_grad_diff": max(diffs) if diffs else 0.0}
+
+
+def failed(e):
+    return {"error": f"{type(e).__name__}: {e}".splitlines()[0][:400], "traceback": traceback.format_exc()[-1500:]}
+
+
+def measure(model, x, dev, args, bandwidth):
+    import offload
+
+    initial = add_lora(model)
+    if args.checkpointing:
+        model.enable_gradient_checkpointing()
+    model.train()
+    modes = {}
+    ref = None
+    # The reference: resident, twice from the same state (is its backward repeatable?).
+    try:
+        model.to(dev)
+        ref, res = run_mode(model, x, initial, dev, args.warmup, args.steps)
+        again, _ = run_mode(model, x, initial, dev, 0, 1)
+        res["repeatable"] = compare(again, ref)
+        res["weights_bytes"] = za.weights_on_device(model) if dev == "cuda" else 0
+        res["activations_bytes"] = max(0, res["peak_bytes"] - res["before_bytes"])
+        modes["resident"] = res
+    except Exception as e:  # out of memory, a library's own error: named
+        modes["resident"] = failed(e)
+    model.to("cpu")
+    if dev == "cuda":
+        torch.cuda.empty_cache()
+    print("resident", json.dumps({k: v for k, v in modes["resident"].items() if k != "traceback"})[:400], flush=True)
+
+    try:
+        h = offload.enable(model, device=dev, depth=args.depth)
+        check, r = run_mode(model, x, initial, dev, args.warmup, args.steps)
+        fwd, bwd = h.metrics("forward"), h.metrics("backward")
+        r["bytes_per_step"] = fwd["bytes_copied"] + bwd["bytes_copied"]
+        r["forward"], r["backward"] = fwd, bwd
+        r["plan"] = h.plan()
+        r["device_weight_bytes"] = bwd.get("peak_device_weight_bytes")
+        r["adapter_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        if ref is not None:
+            r["vs_resident"] = compare(check, ref)
+        offload.disable(model)
+        modes["offload"] = r
+    except Exception as e:
+        modes["offload"] = failed(e)
+        try:
+            offload.disable(model)
+        except Exception:
+            pass
+    print("offload", json.dumps({k: v for k, v in modes["offload"].items() if k not in ("traceback", "forward", "backward")})[:600], flush=True)
+
+    if dev == "cuda" and "block_stream" in args.modes:
+        try:
+            za.offload(model, "block_stream", args.model)
+            check, r = run_mode(model, x, initial, dev, args.warmup, args.steps)
+            if ref is not None:
+                r["vs_resident"] = compare(check, ref)
+            modes["block_stream"] = r
+        except Exception as e:
+            modes["block_stream"] = failed(e)
+        try:
+            za.remove_group_offloading(model)
+        except Exception:
+            pass
+        model.to("cpu")
+        torch.cuda.empty_cache()
+        print("block_stream", json.dumps({k: v for k, v in modes["block_stream"].items() if k != "traceback"})[:400], flush=True)
+    return modes
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--registry")
+    ap.add_argument("--model", default="flux-dev")
+    ap.add_argument("--case", default=None, help="the case's name (default: the first)")
+    ap.add_argument("--checkpointing", action="store_true")
+    ap.add_argument("--deterministic", action="store_true")
+    ap.add_argument("--depth", type=int, default=2)
+    ap.add_argument("--modes", default="resident,offload,block_stream")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    if args.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+    entry = TINY if args.tiny else next(m for m in json.load(open(args.registry)) if m["name"] == args.model)
+    args.model = entry["name"]
+    case = next(c for c in entry["cases"] if args.case in (None, c["name"]))
+    dev = args.device
+    import diffusers
+    import peft
+
+    doc = {"what": "a LoRA training step (bench/anchors/train_step.py)", "model": entry["name"], "case": case,
+           "checkpointing": args.checkpointing, "deterministic": args.deterministic, "depth": args.depth, "rank": RANK,
+           "targets": TARGETS, "warmup": args.warmup, "steps": args.steps, "device": dev,
+           "gpu": torch.cuda.get_device_name() if dev == "cuda" else "none", "torch": torch.__version__,
+           "diffusers": diffusers.__version__, "peft": peft.__version__,
+           "commit": os.environ.get("OFFLOAD_COMMIT", "unknown"), "pid": os.getpid(),
+           "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    doc["bandwidth_bytes_per_s"] = za.h2d_bandwidth() if dev == "cuda" else None
+    model = za.build(entry["reference"], device=dev)
+    x = za.inputs(entry["name"].replace("-tiny", "-dev"), case, dev)
+    if args.deterministic:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel(SDPBackend.MATH):
+            doc["modes"] = measure(model, x, dev, args, doc["bandwidth_bytes_per_s"])
+    else:
+        doc["modes"] = measure(model, x, dev, args, doc["bandwidth_bytes_per_s"])
+    with open(args.out, "w") as fh:
+        json.dump(doc, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

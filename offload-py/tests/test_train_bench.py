@@ -1,0 +1,44 @@
+"""The training bench (``bench/anchors/train_step.py``) runs its whole step on
+the simulated device, and its merge (``train_merge.py``) judges the bound and
+the equality from the process files, failing a row that misses them."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+pytest.importorskip("peft", reason="peft is installed by scripts/python-env.sh")
+
+
+def _run(tmp_path, i):
+    out = tmp_path / f"train-{i}.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    subprocess.run([sys.executable, str(ROOT / "bench/anchors/train_step.py"), "--tiny", "--device", "cpu", "--steps", "2", "--out", str(out)],
+                   check=True, capture_output=True, env=env)
+    return json.loads(out.read_text())
+
+
+def test_the_training_bench_runs_on_the_simulated_device_and_its_merge_judges_each_row(tmp_path):
+    sys.path.insert(0, str(ROOT / "bench/anchors"))
+    import train_merge
+
+    docs = [_run(tmp_path, i) for i in range(2)]
+    for d in docs:
+        off = d["modes"]["offload"]
+        assert "error" not in off and "error" not in d["modes"]["resident"], d["modes"]
+        assert off["vs_resident"]["grads_bitwise_equal"] and off["vs_resident"]["loss_equal"]
+        assert off["bytes_per_step"] > 0 and off["backward"]["backward"]
+    # The simulated device has no link to probe: a rate given here, the bound
+    # and the ratio follow from the files.
+    for d in docs:
+        d["bandwidth_bytes_per_s"] = 1e9
+    row = train_merge.merge(docs, ["a", "b"])["rows"][0]
+    bounds = [max(d["modes"]["resident"]["step"]["median_s"], d["modes"]["offload"]["bytes_per_step"] / 1e9) for d in docs]
+    assert row["bound_s"]["runs"] == bounds and row["targets"]["gradients_equal"]
+    # A row whose gradients differ is not met.
+    docs[0]["modes"]["offload"]["vs_resident"]["grads_bitwise_equal"] = False
+    assert train_merge.merge(docs, ["a", "b"])["rows"][0]["targets"]["gradients_equal"] is False

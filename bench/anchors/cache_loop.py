@@ -1,0 +1,186 @@
+"""A denoising loop with diffusers' FirstBlockCache over a registry model, in
+one process: resident with the cache (the reference), this project's Python
+package with the cache (defaults: `offload.enable(model, device=...)`), and
+diffusers' group offloading (block level, streams on) with the cache, on the
+same model object.
+
+The loop: `--steps` Euler steps of a flow-matching sampler (the latents move by
+`-(1/steps) × the model's output` each step, the timestep from 1 down), the
+cache enabled with `FirstBlockCacheConfig(threshold=--threshold)` in a
+`cache_context`. Per mode: the whole loop timed with CUDA events, each step's
+time, whether each step computed its blocks (a Linear inside the last block
+ran) or the cache answered, each step's output compared bitwise with the
+resident loop's, and for the package each step's bytes copied (the blocks that
+ran and the prefetches wasted on a skip decision). A mode that fails is an
+entry naming its error. The pinned host-to-device bandwidth is measured in the
+same process.
+
+    python3 cache_loop.py --registry REG.json --model flux-dev --case 1024 --out F.json
+    python3 cache_loop.py --tiny --device cpu --out F.json   (a small Flux on the simulated device)
+"""
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+
+import zoo_anchor as za  # noqa: E402
+from train_step import TINY, Clock, first, za_stats  # noqa: E402
+
+
+def last_linear(model):
+    """A Linear inside the model's last block: it runs only where the blocks compute."""
+    for name in ("single_transformer_blocks", "transformer_blocks", "blocks"):
+        blocks = getattr(model, name, None)
+        if blocks is not None and len(blocks):
+            return next(m for m in blocks[-1].modules() if isinstance(m, torch.nn.Linear))
+    raise SystemExit(f"{type(model).__name__}: no block list found")
+
+
+def loop(model, x, steps, dev, scale):
+    """The denoising loop: per step its output (on the host), its time, and
+    whether its blocks computed; the package's metrics per step where enabled."""
+    import offload
+
+    runs = []
+    hook = last_linear(model).register_forward_hook(lambda *a: runs.append(1))
+    lat = x["hidden_states"].clone()
+    outs, computed, metrics, times = [], [], [], []
+    clock = Clock(dev)
+    evs, record, elapsed = clock.marks(steps + 1)
+    clock.sync()
+    if record:
+        record(evs[0])
+    t_all = time.perf_counter()
+    try:
+        for i in range(steps):
+            t = time.perf_counter()
+            inp = dict(x)
+            inp["hidden_states"] = lat
+            inp["timestep"] = torch.full_like(x["timestep"], (1.0 - i / steps) * scale)
+            n = len(runs)
+            with torch.no_grad(), model.cache_context("cond"):
+                out = first(model(**inp))
+            lat = lat - out.to(lat.dtype) / steps
+            if record:
+                record(evs[i + 1])
+            else:
+                times.append(time.perf_counter() - t)
+            computed.append(len(runs) > n)
+            outs.append(out.detach().to("cpu", copy=True))
+            st = offload.offloaded(model)
+            metrics.append(None if st is None else {k: st.metrics()[k] for k in ("bytes_copied", "blocks", "skipped_blocks", "wasted_prefetches")})
+        clock.sync()
+    finally:
+        hook.remove()
+    total = time.perf_counter() - t_all
+    if record:
+        times = [elapsed(evs[i], evs[i + 1]) for i in range(steps)]
+        total = elapsed(evs[0], evs[steps])
+    f = torch.stack([o.float().flatten()[:1024] for o in outs])
+    return {"loop_s": total, "step_s": za_stats(times), "computed": computed, "metrics": metrics,
+            "finite": bool(torch.isfinite(f).all()), "not_constant": bool((f != f.flatten()[0]).any())}, outs
+
+
+def failed(e):
+    return {"error": f"{type(e).__name__}: {e}".splitlines()[0][:400], "traceback": traceback.format_exc()[-1500:]}
+
+
+def measure(model, x, dev, args):
+    import offload
+    from diffusers import FirstBlockCacheConfig
+
+    scale = 1000.0 if args.model.startswith("wan") else 1.0
+    modes, ref = {}, None
+
+    def with_cache(fn):
+        model.enable_cache(FirstBlockCacheConfig(threshold=args.threshold))
+        try:
+            return fn()
+        finally:
+            model.disable_cache()
+
+    try:
+        model.to(dev)
+        r, ref = with_cache(lambda: loop(model, x, args.steps, dev, scale))
+        modes["resident"] = r
+    except Exception as e:
+        modes["resident"] = failed(e)
+    model.to("cpu")
+    if dev == "cuda":
+        torch.cuda.empty_cache()
+    print("resident", json.dumps({k: v for k, v in modes["resident"].items() if k not in ("traceback", "metrics")})[:400], flush=True)
+
+    def judged(r, outs):
+        if ref is not None:
+            r["bitwise_equal_steps"] = [torch.equal(a, b) for a, b in zip(outs, ref)]
+            r["same_cache_decisions"] = r["computed"] == modes["resident"]["computed"]
+        return r
+
+    try:
+        h = offload.enable(model, device=dev)
+        try:
+            r, outs = with_cache(lambda: loop(model, x, args.steps, dev, scale))
+            r["plan"] = h.plan()
+            modes["offload"] = judged(r, outs)
+        finally:
+            offload.disable(model)
+    except Exception as e:
+        modes["offload"] = failed(e)
+    print("offload", json.dumps({k: v for k, v in modes["offload"].items() if k not in ("traceback", "metrics")})[:600], flush=True)
+
+    if dev == "cuda" and "block_stream" in args.modes:
+        try:
+            za.offload(model, "block_stream", args.model)
+            r, outs = with_cache(lambda: loop(model, x, args.steps, dev, scale))
+            modes["block_stream"] = judged(r, outs)
+        except Exception as e:
+            modes["block_stream"] = failed(e)
+        try:
+            za.remove_group_offloading(model)
+        except Exception:
+            pass
+        model.to("cpu")
+        torch.cuda.empty_cache()
+        print("block_stream", json.dumps({k: v for k, v in modes["block_stream"].items() if k not in ("traceback", "metrics")})[:400], flush=True)
+    return modes
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--registry")
+    ap.add_argument("--model", default="flux-dev")
+    ap.add_argument("--case", default=None, help="the case's name (default: the first)")
+    ap.add_argument("--steps", type=int, default=28)
+    ap.add_argument("--threshold", type=float, default=0.2, help="FirstBlockCache's threshold (diffusers' docs use 0.2)")
+    ap.add_argument("--modes", default="resident,offload,block_stream")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    entry = TINY if args.tiny else next(m for m in json.load(open(args.registry)) if m["name"] == args.model)
+    args.model = entry["name"]
+    case = next(c for c in entry["cases"] if args.case in (None, c["name"]))
+    dev = args.device
+    import diffusers
+
+    doc = {"what": "a denoising loop with FirstBlockCache (bench/anchors/cache_loop.py)", "model": entry["name"], "case": case,
+           "steps": args.steps, "threshold": args.threshold, "device": dev,
+           "gpu": torch.cuda.get_device_name() if dev == "cuda" else "none", "torch": torch.__version__,
+           "diffusers": diffusers.__version__, "commit": os.environ.get("OFFLOAD_COMMIT", "unknown"), "pid": os.getpid(),
+           "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    doc["bandwidth_bytes_per_s"] = za.h2d_bandwidth() if dev == "cuda" else None
+    model = za.build(entry["reference"], device=dev)
+    x = za.inputs(entry["name"].replace("-tiny", "-dev"), case, dev)
+    doc["modes"] = measure(model, x, dev, args)
+    with open(args.out, "w") as fh:
+        json.dump(doc, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

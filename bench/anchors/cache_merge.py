@@ -1,0 +1,82 @@
+"""Merge `cache_loop.py`'s process files into one results file: per model and
+case, each mode's whole loop the median over the processes with [min, max];
+per process the bound, `max(resident loop with the cache, bytes the package
+copied over the loop ÷ the bandwidth probed in that process)` (the blocks that
+ran and the prefetches a skip decision wasted), the package's ratio to it, then
+their median and range; the targets judged from those. Nothing is typed: every
+number comes from the process files.
+
+    python3 cache_merge.py OUT.json RUN1.json RUN2.json ...
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+
+
+def spread(values):
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "runs": values}
+
+
+def merge(docs: list[dict], names: list[str], raw_dir: str = "") -> dict:
+    groups: dict = {}
+    for d in docs:
+        groups.setdefault((d["model"], d["case"]["name"]), []).append(d)
+    rows = []
+    for (model, case), runs in groups.items():
+        row = {"model": model, "case": case, "processes": len(runs), "steps": runs[0]["steps"], "threshold": runs[0]["threshold"]}
+        for mode in ("resident", "offload", "block_stream"):
+            got = [r["modes"][mode] for r in runs if mode in r["modes"]]
+            ok = [m for m in got if "error" not in m]
+            entry = {"processes": len(ok)}
+            errors = sorted({m["error"] for m in got if "error" in m})
+            if errors:
+                entry["error"] = errors[0]
+            if ok:
+                entry["loop_s"] = spread([m["loop_s"] for m in ok])
+                entry["computed_steps"] = spread([sum(m["computed"]) for m in ok])
+                entry["finite_not_constant"] = all(m["finite"] and m["not_constant"] for m in ok)
+                if "bitwise_equal_steps" in ok[0]:
+                    entry["bitwise_equal"] = all(all(m["bitwise_equal_steps"]) for m in ok)
+                    entry["same_cache_decisions"] = all(m["same_cache_decisions"] for m in ok)
+            row[mode] = entry
+        res = [r["modes"].get("resident", {}) for r in runs]
+        off = [r["modes"].get("offload", {}) for r in runs]
+        if all("loop_s" in a and "loop_s" in b and r.get("bandwidth_bytes_per_s") for a, b, r in zip(res, off, runs)):
+            copied = [sum(m["bytes_copied"] for m in b["metrics"]) for b in off]
+            bounds = [max(a["loop_s"], c / r["bandwidth_bytes_per_s"]) for a, c, r in zip(res, copied, runs)]
+            row["bytes_copied"] = spread(copied)
+            row["bound_s"] = spread(bounds)
+            row["ratio"] = spread([b["loop_s"] / x for b, x in zip(off, bounds)])
+            row["targets"] = {
+                "ratio_at_most_1.05": row["ratio"]["median"] <= 1.05,
+                "bitwise_equal": row["offload"].get("bitwise_equal", False),
+                "same_cache_decisions": row["offload"].get("same_cache_decisions", False),
+                "finite_not_constant": row["offload"].get("finite_not_constant", False),
+            }
+            row["targets_met"] = all(row["targets"].values())
+        rows.append(row)
+    meta = docs[0]
+    return {"what": "a denoising loop with FirstBlockCache (bench/anchors/cache_loop.py)", "date": min(d["started"] for d in docs)[:10],
+            "commit": ", ".join(sorted({d["commit"] for d in docs})), "gpu": ", ".join(sorted({d["gpu"] for d in docs})),
+            "torch": meta["torch"], "diffusers": meta["diffusers"], "processes": len(docs), "raw_dir": raw_dir, "raw": names, "rows": rows}
+
+
+def main():
+    out, *paths = sys.argv[1:]
+    docs = [json.load(open(p)) for p in paths]
+    dirs = {os.path.relpath(os.path.dirname(os.path.abspath(p)), os.path.dirname(os.path.abspath(__file__)) + "/../..") for p in paths}
+    if len(dirs) != 1:
+        sys.exit(f"the process files lie in {len(dirs)} directories ({sorted(dirs)}): merge the files of one run directory")
+    res = merge(docs, [os.path.basename(p) for p in paths], dirs.pop())
+    with open(out, "w") as fh:
+        json.dump(res, fh, indent=1)
+    for r in res["rows"]:
+        print(r["model"], r["case"], r.get("ratio", {}).get("median"), r.get("targets_met"))
+
+
+if __name__ == "__main__":
+    main()

@@ -17,7 +17,9 @@
 #                      fp8 weights among them)
 #   py-run.sh          test and bench
 # PY_ORDER=alternate runs the modes in reverse in every second process (diffusers' first, the package last).
-# PY_DEADLINE (s) starts no process past it, by PY_EST or the last process's time. PY_ARGS go to each zoo_anchor.py (e.g. "--cases 1024 --depth 1"). PY_STORAGE=fp8 runs every
+# PY_DEADLINE (s) starts no process past it, by PY_EST or the last process's time. PY_ARGS go to each zoo_anchor.py (e.g. "--cases 1024 --depth 1").
+# PY_ARGS="--compile default --warmup 2": every mode with its repeated blocks compiled (resident and the package fullgraph=True,
+# diffusers' modes fullgraph=False; MODEL-compiled; "--compile max-autotune-no-cudagraphs": MODEL-compiled-max-autotune). PY_STORAGE=fp8 runs every
 # mode with diffusers' layerwise casting (fp8 storage, bf16 compute); the files say MODEL-fp8 (fp8-linears: every Linear of the
 # blocks fp8, MODEL-fp8-linears). PY_CODED=1: the package holds the weights coded (MODEL-…-coded). PY_BUDGET_GIB=B: the
 # package planned under B GiB from a traced step's calibration (zoo_anchor.py --budget-gib; MODEL-…-budgetB). Files collect in $PY_DIR

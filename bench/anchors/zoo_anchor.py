@@ -380,6 +380,22 @@ def block_modules(model):
     return [n for n, c in model.named_children() if not isinstance(c, lists) and any(isinstance(g, lists) for g in c.children())]
 
 
+def compile_blocks(model, how, fullgraph):
+    """`--compile`: the model's repeated blocks compiled (diffusers'
+    `compile_repeated_blocks`, else `block.compile()` on every block of its block
+    lists), dynamo's caches reset first so that each mode compiles afresh and no
+    mode runs on another's graphs (or past dynamo's recompile limit, in eager)."""
+    torch._dynamo.reset()
+    kw = dict(fullgraph=fullgraph) if how == "default" else dict(fullgraph=fullgraph, mode=how)
+    if getattr(model, "_repeated_blocks", None):
+        model.compile_repeated_blocks(**kw)
+        return
+    for _, sub in model.named_children():
+        if isinstance(sub, torch.nn.ModuleList):
+            for b in sub:
+                b.compile(**kw)
+
+
 def offload(model, mode, name):
     """diffusers' group offloading in `mode` on `model` (its weights on the host)."""
     t0 = time.perf_counter()
@@ -447,6 +463,10 @@ def main():
                     help="after each mode's timed steps (resident included), one more step under torch's profiler: "
                          "kernels-OUT-CASE-MODE.json beside --out (per stream: kernels, busy time, gaps, the host's and "
                          "the device's) and its Chrome trace; the file is marked kernels_profiled and py_merge.py refuses it")
+    ap.add_argument("--compile", choices=("none", "default", "max-autotune-no-cudagraphs"), default="none",
+                    help="each mode with its repeated blocks compiled (compile_blocks): resident and the package with "
+                         "fullgraph=True, diffusers' group offloading with fullgraph=False as diffusers documents; the rows "
+                         "name the model MODEL-compiled (MODEL-compiled-max-autotune); warm up at least twice")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     if a.warmup < 1:
@@ -493,6 +513,11 @@ def main():
         a.model = f"{a.model}-coded"
     if a.budget_gib is not None:
         a.model = f"{a.model}-budget{a.budget_gib:g}"
+    if a.compile != "none":
+        if a.warmup < 2:
+            ap.error("--compile: warm up at least twice (the first step compiles)")
+        a.model = f"{a.model}-compiled" + ("-max-autotune" if a.compile != "default" else "")
+        compile_blocks(model, a.compile, fullgraph=True)
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     if stored != "bf16" and model_bytes != spec["stored_bytes"]:
@@ -581,9 +606,13 @@ def main():
             # store copied through the engine, the best of three passes.
             engine_bandwidth = handle.probe_bandwidth(3)
             print(f"setup: the engine's probe {engine_bandwidth / 1e9:.1f} GB/s, one 2 GiB torch copy {bandwidth / 1e9:.1f} GB/s", flush=True)
+            if a.compile != "none":
+                compile_blocks(model, a.compile, fullgraph=True)
         else:
             try:
                 offload(model, mode, a.model)
+                if a.compile != "none":
+                    compile_blocks(model, a.compile, fullgraph=False)
             except Exception as e:  # noqa: BLE001 - an anchor that cannot run is named, not fatal
                 failed(out, a, cases, mode, e)
                 continue

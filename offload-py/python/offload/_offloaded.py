@@ -602,10 +602,14 @@ class Offloaded:
             self._choose_depth()
 
     def _choose_depth(self) -> None:
-        """The automatic depth: the second step timed, the depth chosen at its end."""
+        """The automatic depth: the second step timed, the depth chosen at its end
+        (training, at the end of the first forward timed: a backward's blocks
+        compute otherwise, and the depth is the forward's)."""
         engine = self._engine()
         if self._steps == 1:
             engine.enable_timeline()  # synchronises once
+            return
+        if self._last_metrics is not None and self._last_metrics.get("backward"):
             return
         self._auto = False
         try:

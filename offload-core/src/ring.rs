@@ -414,13 +414,15 @@ impl<B: OffloadBackend> Ring<B> {
         self.resident_of[b].is_none() && !self.outside.get(b).copied().unwrap_or(false)
     }
 
-    /// Block `index` of `stack` is held on the device by the caller from now
-    /// on (a framework that kept a lent copy of it for good, as the Python
-    /// package's automatic plan does for a host-bound step): no copy of it is
-    /// prefetched again. Asked for all the same, it is served as any block
-    /// the order did not predict (a miss). Call it between blocks.
-    pub fn hold_outside(&mut self, stack: &str, index: usize) -> Result<()> {
-        let b = self.position(stack, index)?;
+    /// Blocks the caller holds on the device itself from now on (`(stack,
+    /// index)` each; a framework that kept a lent copy of each for good, as the
+    /// Python package's automatic plan does for a host-bound step): none of
+    /// them is prefetched again, and the next step's first streamed blocks are
+    /// copied ahead now, as at any step's end (the slots may hold blocks just
+    /// kept). Asked for all the same, a held block is served as any block the
+    /// order did not predict (a miss). Call it between blocks.
+    pub fn hold_outside(&mut self, blocks: &[(String, usize)]) -> Result<()> {
+        let held = blocks.iter().map(|(stack, index)| self.position(stack, *index)).collect::<Result<Vec<_>>>()?;
         if self.lent.is_some() {
             return Err(Error::Protocol(format!(
                 "component {:?}: a block is held outside between blocks, not while one is lent",
@@ -430,8 +432,27 @@ impl<B: OffloadBackend> Ring<B> {
         if self.outside.len() < self.next.len() {
             self.outside.resize(self.next.len(), false);
         }
-        self.outside[b] = true;
-        Ok(())
+        for b in held {
+            self.outside[b] = true;
+        }
+        // The step's first block, or the first streamed one after it in the learned order.
+        let Some(start) = self.first[usize::from(self.backward)].or(Some(0)).filter(|&f| f < self.next.len()) else {
+            return Ok(());
+        };
+        let Some(f) = Some(start).filter(|&f| self.streams(f)).or_else(|| self.chain(start, 1).first().copied()) else {
+            return Ok(());
+        };
+        let s = match self.slots.iter().position(|s| s.holds == Some(f)) {
+            Some(s) => s,
+            None => {
+                let mut keep = self.chain(f, self.depth);
+                keep.push(f);
+                let s = self.victim(&keep);
+                self.load(s, f)?;
+                s
+            }
+        };
+        self.prefetch(f, s)
     }
 
     /// The next `count` streamed blocks after `from` in the learned order.
@@ -672,6 +693,23 @@ impl<B: OffloadBackend> Ring<B> {
     pub fn lend(&mut self, stack: &str, index: usize) -> Result<()> {
         let b = self.position(stack, index)?;
         self.acquire(b).map(drop)
+    }
+
+    /// Lend a block the caller is about to keep on the device for good
+    /// ([`hold_outside`](Self::hold_outside) follows): served as by
+    /// [`lend`](Self::lend), but the learned order is left as it was (a burst of
+    /// such lends between steps would otherwise be learned as the next step's
+    /// order, and that step would fetch its blocks on demand).
+    pub fn lend_to_keep(&mut self, stack: &str, index: usize) -> Result<()> {
+        let b = self.position(stack, index)?;
+        let (prev, first) = (self.prev, self.first);
+        let next = prev.and_then(|p| self.next.get(p).copied());
+        let served = self.acquire(b).map(drop);
+        (self.prev, self.first) = (prev, first);
+        if let (Some(p), Some(n)) = (prev, next) {
+            self.next[p] = n;
+        }
+        served
     }
 
     /// The block [`lend`](Self::lend) lent and not yet given back: its id, layout and slot.

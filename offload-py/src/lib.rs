@@ -379,8 +379,11 @@ impl Streamer {
 
     /// Lend block `index` of `stack`: ready for compute on the engine's stream.
     /// Returns its bytes: on CUDA the slot's torch buffer (`uint8`), on the
-    /// simulated device a fresh `bytearray` copy of the slot.
-    fn lend(&self, py: Python<'_>, stack: &str, index: usize) -> PyResult<Py<PyAny>> {
+    /// simulated device a fresh `bytearray` copy of the slot. With `keep`, the
+    /// caller keeps the block on the device for good (`hold_outside` follows):
+    /// the learned order is not taught by this lend.
+    #[pyo3(signature = (stack, index, keep = false))]
+    fn lend(&self, py: Python<'_>, stack: &str, index: usize, keep: bool) -> PyResult<Py<PyAny>> {
         let component = self.component.clone();
         let mut held = self.held()?;
         let ring = held.ring()?;
@@ -388,13 +391,13 @@ impl Streamer {
         ring.refuse_capture().map_err(fail)?;
         match ring {
             AnyRing::Cpu(r) => {
-                r.lend(stack, index).map_err(fail)?;
+                (if keep { r.lend_to_keep(stack, index) } else { r.lend(stack, index) }).map_err(fail)?;
                 let (_, _, slot) = r.lent().ok_or_else(|| error("no block lent"))?;
                 let bytes = r.backend().read_slot(slot, <[u8]>::to_vec);
                 Ok(PyByteArray::new(py, &bytes).into_any().unbind())
             }
             AnyRing::Cuda(r) => {
-                r.lend(stack, index).map_err(fail)?;
+                (if keep { r.lend_to_keep(stack, index) } else { r.lend(stack, index) }).map_err(fail)?;
                 let (id, _, slot) = r.lent().ok_or_else(|| error("no block lent"))?;
                 r.backend().note_read(slot);
                 slot.buffer().map(|b| b.clone_ref(py)).ok_or_else(|| error(format!("component {component:?}: block {id} has no buffer")))
@@ -446,14 +449,15 @@ impl Streamer {
         with_ring!(self.held()?.ring()?, r => r.enable_timeline()).map_err(|e| py_err(&component, e))
     }
 
-    /// Whether the blocks are now asked for by a backward pass (each pass
-    /// Block `index` of `stack` is held on the device by the caller from now
-    /// on (kept from a lent copy): never prefetched again.
-    fn hold_outside(&self, stack: &str, index: usize) -> PyResult<()> {
+    /// Blocks (`[(stack, index), ...]`) held on the device by the caller from
+    /// now on (each kept from a lent copy): never prefetched again; the next
+    /// step's first streamed blocks copied ahead now.
+    fn hold_outside(&self, blocks: Vec<(String, usize)>) -> PyResult<()> {
         let component = self.component.clone();
-        with_ring!(self.held()?.ring()?, r => r.hold_outside(stack, index)).map_err(|e| py_err(&component, e))
+        with_ring!(self.held()?.ring()?, r => r.hold_outside(&blocks)).map_err(|e| py_err(&component, e))
     }
 
+    /// Whether the blocks are now asked for by a backward pass (each pass
     /// learns its own order; the next steps' metrics say which pass).
     fn set_backward(&self, backward: bool) -> PyResult<()> {
         let component = self.component.clone();

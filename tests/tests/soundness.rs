@@ -160,3 +160,60 @@ fn lent_blocks_are_ordered_and_a_block_never_given_back_is_counted() {
         sim.check().unwrap_or_else(|e| panic!("d={depth}: {e}"));
     }
 }
+
+/// Blocks a binding keeps on the device for good (the Python package's
+/// automatic plan, for a host-bound step): lent with `lend_to_keep` between
+/// steps, then held outside. The next steps lend only the streamed blocks, each
+/// copied ahead (no miss), with the right bytes, and from the second on copy
+/// each streamed block once and no kept one. Lent with a plain `lend`, the
+/// burst teaches the order and the next step fetches a block on demand: the
+/// property this test holds.
+#[test]
+fn blocks_lent_to_keep_do_not_teach_the_order_and_are_never_copied_again() {
+    for keep_lend in [true, false] {
+        let (sim, model, store) = setup(60);
+        let plan = resolve(&Plan::layerwise().prefetch_depth(1), std::slice::from_ref(&model.inventory)).expect("plan");
+        let mut ring = Ring::new(sim.clone(), store, &plan.components[0]).expect("ring");
+        let stack = model.inventory.stacks[0].name.clone();
+        let all: Vec<usize> = (0..model.len()).collect();
+        for _ in 0..2 {
+            for &b in &all {
+                ring.lend(&stack, b).expect("lend");
+                ring.give_back().expect("give back");
+            }
+            ring.end_step().expect("end step");
+        }
+        let kept = [0usize, 2];
+        for &b in &kept {
+            if keep_lend { ring.lend_to_keep(&stack, b) } else { ring.lend(&stack, b) }.expect("lend to keep");
+            ring.give_back().expect("give back");
+        }
+        ring.end_step().expect("the keeping step");
+        ring.hold_outside(&kept.iter().map(|&b| (stack.clone(), b)).collect::<Vec<_>>()).expect("hold outside");
+        let streamed: Vec<usize> = all.iter().copied().filter(|b| !kept.contains(b)).collect();
+        let mut misses = Vec::new();
+        for step in 0..2 {
+            let (mut acc, mut bytes) = (SEED, 0u64);
+            for &b in &streamed {
+                ring.lend(&stack, b).expect("lend");
+                let (_, layout, slot) = ring.lent().expect("a lent block");
+                acc = fold_combine(acc, sim.read_slot(slot, |m| block_hash(&m[..layout.bytes])));
+                bytes += layout.bytes as u64;
+                ring.give_back().expect("give back");
+            }
+            assert_eq!(acc, model.reference(&streamed), "keep_lend={keep_lend} step {step}: wrong bytes");
+            let m = ring.end_step().expect("end step");
+            misses.push(m.misses);
+            if keep_lend && step == 1 {
+                assert_eq!(m.bytes_copied, bytes, "a kept block copied again, or a streamed one twice: {m}");
+            }
+        }
+        if keep_lend {
+            assert_eq!(misses, [0, 0], "a step after keeping fetched a block on demand");
+        } else {
+            assert!(misses[0] > 0, "plain lends between steps should teach the order (the test's premise)");
+        }
+        ring.close().expect("close");
+        sim.check().unwrap_or_else(|e| panic!("{e}"));
+    }
+}

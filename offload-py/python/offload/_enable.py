@@ -583,6 +583,9 @@ def _kept_back(blk) -> list:
         now = p.owner._parameters.get(p.attr)
         if not isinstance(now, torch.Tensor) or now.shape != p.shape or now.dtype != p.dtype:
             continue
+        if p.holder is not None and p.holder.requires_grad != now.requires_grad:
+            # Frozen or unfrozen while kept: the parameter comes back so.
+            p.holder.requires_grad_(now.requires_grad)
         data = torch.empty_strided(p.shape, p.layout, dtype=p.dtype, pin_memory=p.pinned)
         data.copy_(now.detach())
         back.append((p, data if data.device == p.where else data.to(p.where)))
@@ -650,6 +653,9 @@ def _restore(state: Offloaded) -> list:
             p.param.data = data
             if getattr(p.param, _STREAMED_BY, None) is not None:
                 delattr(p.param, _STREAMED_BY)
+        for blk in state._blocks.values():
+            # The kept buffers let go with the module put back.
+            blk.kept, blk.kept_views = None, []
         for m in reversed(state._moved_tensors):
             if m.swapped:
                 m.owner._parameters[m.attr] = m.saved

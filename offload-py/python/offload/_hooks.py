@@ -106,7 +106,8 @@ def _gguf_hooks(state: Offloaded, blk: _Block, layer: nn.Module, p) -> tuple:
     layer's and made again in the backward (`Offloaded._pack`)."""
 
     def pre(mod, args):
-        if state._bound is blk and torch.is_grad_enabled():
+        # Bound, or armed to bind at its first weight's use (the layer's own).
+        if (state._bound is blk or state._armed is blk) and torch.is_grad_enabled():
             state._gguf = (layer, p, blk)
 
     def post(mod, args, output):

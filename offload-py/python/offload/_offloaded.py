@@ -488,26 +488,31 @@ class Offloaded:
         if isinstance(saved, tuple) and len(saved) == 3 and saved[0] is _Outer:
             return saved[1](saved[2])
         if isinstance(saved, _Dequant):
-            if self._bound is not saved.block:
-                self._lend_for_backward(saved.block)
+            self._bring_back(saved.block)
             from diffusers.quantizers.gguf.utils import dequantize_gguf_tensor
 
             w = dequantize_gguf_tensor(saved.param.owner._parameters[saved.param.attr]).to(saved.layer.compute_dtype)
             return w.as_strided(saved.shape, saved.stride, saved.offset)
         if isinstance(saved, _Cast):
-            if self._bound is not saved.block:
-                self._lend_for_backward(saved.block)
+            self._bring_back(saved.block)
             cast = saved.param.owner._parameters[saved.param.attr].to(saved.dtype)
             return cast.as_strided(saved.shape, saved.stride, cast.storage_offset() + saved.offset)
         if not isinstance(saved, _Saved):
             return saved
-        if self._bound is not saved.block:
-            self._lend_for_backward(saved.block)
-        buf = self._buffer
+        self._bring_back(saved.block)
+        # A block kept resident since its forward saved this: its kept buffer
+        # holds the same bytes, and its views stay bound.
+        buf = self._buffer if saved.block.kept is None else saved.block.kept
         n = buf.numel()
         size = saved.dtype.itemsize
         w = buf[: n - n % size].view(saved.dtype)
         return w.as_strided(saved.shape, saved.stride, w.storage_offset() + saved.offset // size)
+
+    def _bring_back(self, block: _Block) -> None:
+        """The block a saved weight lies in, bound for the backward: lent again,
+        unless it is bound already or kept resident (its views bound for good)."""
+        if self._bound is not block and block.kept is None:
+            self._lend_for_backward(block)
 
     def _lend_for_backward(self, block: _Block) -> None:
         """Bind ``block`` for the backward (autograd's thread, between two of its
@@ -645,7 +650,9 @@ class Offloaded:
             allowance, of = torch.cuda.mem_get_info(self.device)[0] // 4, "a quarter of the device's free memory"
         else:
             allowance, of = 0, "none on the simulated device unless auto_resident_gib is given"
-        sizes = {f"{b.stack}.{b.index}": (b, sum(p.nbytes for p in b.params)) for b in self._blocks.values()}
+        in_ring = set(self._engine().plan()[1])  # resident in the ring already
+        sizes = {f"{b.stack}.{b.index}": (b, sum(p.nbytes for p in b.params)) for b in self._blocks.values()
+                 if f"{b.stack}.{b.index}" not in in_ring}
         host = d["host_blocks"]
         order = sorted(sizes, key=lambda n: -host.get(n, 0.0) / max(sizes[n][1], 1))
         kept, used, failed = [], 0, ""
@@ -662,6 +669,13 @@ class Offloaded:
             used += size
         if self.device.type == "cuda" and kept:
             self._engine_stream.synchronize()  # every kept block's copy done, for any stream
+        if kept:
+            # The copies that kept them close a step of their own, so that the
+            # next step's metrics are its own (the totals count them); then they
+            # are never prefetched again, and the next step's first streamed
+            # block is copied ahead now (a copy of that step).
+            self._engine().end_step()
+            self._engine().hold_outside([(b.stack, b.index) for b in self._blocks.values() if b.kept is not None])
         self._kept_why = (
             f"; the traced step was host-bound (the host took {d['host_s']:.4f} s to issue a {d['step_s']:.4f} s step, "
             f"{lost:.4f} s lost): {len(kept)} of "
@@ -673,7 +687,7 @@ class Offloaded:
         """Keep ``block`` resident: copied once more, its views bound for good,
         its hooks removed. Its tensors then behave as resident ones: an edit
         is used by the next step and kept by :func:`disable`."""
-        buf = self._engine().lend(block.stack, block.index)
+        buf = self._engine().lend(block.stack, block.index, keep=True)
         try:
             if self.device.type == "cuda":
                 data = buf
@@ -687,7 +701,6 @@ class Offloaded:
             raise
         finally:
             self._engine().give_back()
-        self._engine().hold_outside(block.stack, block.index)
         with torch.enable_grad():
             self._refuse_gradients(block)
         block.kept = data

@@ -186,12 +186,27 @@ impl CostModel {
     }
 
     /// The analytical bound of a plan: `max(compute, streamed bytes ÷ bandwidth)`,
-    /// the streamed bytes counted once a pass (twice where the step trains).
-    /// `resident[i]` says whether block `i` is kept on the device; a block past
-    /// the end of `resident` is streamed (here and in every method taking one).
+    /// the streamed bytes as [`per_step`](Self::per_step) counts them (once a
+    /// pass, less the turns' copies where the step trains). `resident[i]` says
+    /// whether block `i` is kept on the device; a block past the end of
+    /// `resident` is streamed (here and in every method taking one).
     pub fn bound_s(&self, resident: &[bool]) -> f64 {
-        let streamed: u64 = self.blocks.iter().enumerate().filter(|(i, _)| !held(resident, *i)).map(|(_, b)| b.bytes).sum();
-        self.compute_s().max((streamed * self.passes()) as f64 / self.bandwidth_bytes_per_s)
+        self.compute_s().max(self.per_step(resident, |b| b.bytes as f64) / self.bandwidth_bytes_per_s)
+    }
+
+    /// A per-block quantity (`of`: bytes, coded bytes, decode time) summed over
+    /// the copies of streamed blocks a step makes: each streamed block once a
+    /// pass; where the step trains, twice, less the two turns, whose block is
+    /// asked for twice in a row and still in its slot (the forward's last block
+    /// is the backward's first; the backward's last, the next forward's first),
+    /// where that block is streamed. So a bound below every replay of the step.
+    pub fn per_step(&self, resident: &[bool], of: impl Fn(&BlockCost) -> f64) -> f64 {
+        let streamed = |i: usize| if held(resident, i) { 0.0 } else { of(&self.blocks[i]) };
+        let once: f64 = (0..self.blocks.len()).map(streamed).sum();
+        if self.passes() == 1 {
+            return once;
+        }
+        (2.0 * once - streamed(0) - streamed(self.blocks.len() - 1)).max(0.0)
     }
 
     /// Device bytes for weights under a plan: `(d + 1) ×` the largest streamed

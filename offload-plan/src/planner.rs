@@ -74,14 +74,14 @@ impl Choice {
         if step < self.predicted_step_s * (1.0 - CODING_GAIN) && self.device_bytes + staging <= budget {
             let streamed =
                 model.blocks.iter().zip(&self.resident).filter(|(_, r)| !**r).map(|(b, _)| b.coded.map_or(b.bytes, |c| c.bytes)).sum();
-            let decode: f64 =
-                model.blocks.iter().zip(&self.resident).filter(|(_, r)| !**r).filter_map(|(b, _)| b.coded.map(|c| c.decode_s)).sum();
+            let decode = model.per_step(&self.resident, |b| b.coded.map_or(0.0, |c| c.decode_s));
+            let moved = model.per_step(&self.resident, |b| b.coded.map_or(b.bytes, |c| c.bytes) as f64);
             return Choice {
                 coded: true,
                 predicted_step_s: step,
                 device_bytes: self.device_bytes + staging,
                 streamed_bytes: streamed,
-                bound_s: model.compute_s().max(streamed as f64 / model.bandwidth_bytes_per_s).max(decode),
+                bound_s: model.compute_s().max(moved / model.bandwidth_bytes_per_s).max(decode),
                 ..self.clone()
             };
         }

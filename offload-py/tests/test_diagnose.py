@@ -401,3 +401,21 @@ def test_blocks_kept_between_a_forward_and_its_backward_give_the_resident_gradie
         offload.disable(model)
     for a, b in zip(model.blocks, resident.blocks):
         assert torch.equal(a.weight, b.weight)
+
+
+def test_calibration_names_the_kept_blocks_whose_times_it_lacks(sim_link):
+    model = _host_bound_model()
+    x = torch.randn(1, 256, dtype=torch.bfloat16)
+    m = offload.enable(model, device="cpu", auto_resident_gib=2.5 * _BLOCK / 2**30)
+    try:
+        _steps(model, x, 2)
+        kept = m.plan()["resident_blocks"]
+        assert len(kept) == 2
+        with pytest.raises(offload.OffloadError, match="kept resident by the automatic plan") as e:
+            m.calibration()
+        assert all(name in str(e.value) for name in kept), str(e.value)
+        # Given every block's time, the cost model holds the kept blocks too.
+        cal = m.calibration(compute_s={f"blocks.{i}": 0.001 for i in range(6)})
+        assert sorted(b["id"] for b in cal["blocks"]) == [f"blocks.{i}" for i in range(6)], cal
+    finally:
+        offload.disable(model)

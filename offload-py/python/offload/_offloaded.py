@@ -233,8 +233,17 @@ class Offloaded:
         step's backward times come from ``backward_s``, or from the traced
         backward steps where every block ran in one: the planner then replays a
         forward and a backward, each block streamed again in reverse. Take it
-        from a ring that is not coded."""
+        from a ring that is not coded. Blocks the automatic plan keeps resident
+        run untraced: their times must be given (``compute_s``, and
+        ``backward_s`` for a training step)."""
         self._refuse_capture("calibration")
+        kept = [f"{b.stack}.{b.index}" for b in self._blocks.values() if b.kept is not None]
+        if kept and compute_s is None:
+            raise OffloadError(
+                f"component {self.component!r}: blocks {', '.join(kept)} are kept resident by the automatic plan (see "
+                "plan()) and ran in no traced step: give every block's time in compute_s (and backward_s for a training "
+                "step), or enable with auto_resident_gib=0 to trace every block"
+            )
         return json.loads(self._engine().calibration(compute_s, backward_s))
 
     def violations(self) -> list[str]:

@@ -126,3 +126,23 @@ def test_a_whole_compiled_module_still_streams_with_its_graph_breaks():
             assert torch.equal(cm(x), ref)
     assert h.metrics()["blocks"] == 3
     offload.disable(m)
+
+
+def test_a_whole_module_compiled_with_fullgraph_is_refused_with_the_packages_reason():
+    # torch.compile(model, fullgraph=True): the package's hooks lend weights
+    # between blocks, outside any graph. Dynamo's error gives the package's
+    # reason and what to do instead, not a builtin of its internals.
+    torch._dynamo.reset()
+    m, x = _Blocks(), torch.randn(4, 16)
+    offload.enable(m, device="cpu")
+    try:
+        cm = torch.compile(m, backend="eager", fullgraph=True)
+        with pytest.raises(Exception, match="compile_repeated_blocks") as e, torch.no_grad():
+            cm(x)
+        assert "get_ident" not in str(e.value), str(e.value)
+        # The module is not left stuck: run eagerly, it streams.
+        with torch.no_grad():
+            m(x)
+    finally:
+        offload.disable(m)
+    torch._dynamo.reset()

@@ -17,17 +17,39 @@ if TYPE_CHECKING:
     from ._offloaded import Offloaded
 
 
+_OUTSIDE_GRAPH = (
+    "offload: the package lends each block's weights between blocks, outside any compiled graph. Compile the blocks "
+    "(block.compile(fullgraph=True), diffusers' compile_repeated_blocks(fullgraph=True)), or the whole module with "
+    "fullgraph=False (the package's hooks then run between graphs)"
+)
+
+
+@torch.compiler.disable(reason=_OUTSIDE_GRAPH)
+def _outside_graph(fn, *args):
+    """``fn(*args)`` run eagerly where dynamo traces a hook of ours: a graph
+    break under ``torch.compile(model)``, and under ``fullgraph=True`` dynamo's
+    error giving :data:`_OUTSIDE_GRAPH` as its reason, never a builtin of the
+    package's internals."""
+    return fn(*args)
+
+
 class _Hook:
     """One of the package's hooks on the module: a callable that refuses, by
     name, to be pickled or copied with it (``copy.deepcopy``, ``pickle``,
-    ``torch.save`` of an offloaded module), as its placeholders do."""
+    ``torch.save`` of an offloaded module), as its placeholders do. Traced by
+    dynamo (a compiled model), it runs outside the graph, unless ``traced(args)``
+    says it is a no-op there (a block whose compiled call binds outside)."""
 
-    __slots__ = ("fn", "component")
+    __slots__ = ("fn", "component", "traced")
 
-    def __init__(self, fn, component: str):
-        self.fn, self.component = fn, component
+    def __init__(self, fn, component: str, traced=None):
+        self.fn, self.component, self.traced = fn, component, traced
 
     def __call__(self, *args):
+        if torch.compiler.is_compiling():
+            if self.traced is not None and self.traced(args):
+                return None
+            return _outside_graph(self.fn, *args)
         return self.fn(*args)
 
     def __reduce_ex__(self, protocol):
@@ -40,16 +62,14 @@ class _Hook:
 
 def _pre_hook(state: Offloaded, blk: _Block):
     def hook(mod, args, kwargs):
-        if torch.compiler.is_compiling() and _wrapped(mod):
-            # Traced into a compiled block: its binding is `_Compiled`'s, outside.
-            # (Traced into a compiled model, the hook runs, as a graph break.)
-            return None
         state._bind(blk)
         if state.device.type == "cuda":
             return state._inputs(blk, args, kwargs)
         return None
 
-    return _Hook(hook, state.component)
+    # Traced into a compiled block, the hook is a no-op: the block's binding is
+    # `_Compiled`'s, outside. (Traced into a compiled model, it runs outside the graph.)
+    return _Hook(hook, state.component, traced=_in_compiled_block)
 
 
 def _host_tensors(args, kwargs) -> dict:
@@ -113,13 +133,16 @@ def _gguf_hooks(state: Offloaded, blk: _Block, layer: nn.Module, p) -> tuple:
     def post(mod, args, output):
         state._gguf = None
 
-    return _Hook(pre, state.component), _Hook(post, state.component)
+    # Traced by dynamo, they are no-ops: a compiled graph's saved tensors are
+    # its own, not packed by autograd's hooks.
+    def traced(args):
+        return True
+
+    return _Hook(pre, state.component, traced=traced), _Hook(post, state.component, traced=traced)
 
 
 def _post_hook(state: Offloaded, blk: _Block):
     def hook(mod, args, output):
-        if torch.compiler.is_compiling() and _wrapped(mod):
-            return
         # torch calls it even when the pre-hook raised: a thread refused there
         # leaves the block another thread has bound alone.
         if state._mine():
@@ -128,7 +151,7 @@ def _post_hook(state: Offloaded, blk: _Block):
             finally:
                 state._end_watch(blk)
 
-    return _Hook(hook, state.component)
+    return _Hook(hook, state.component, traced=_in_compiled_block)
 
 
 class _Compiled:
@@ -151,6 +174,12 @@ class _Compiled:
         finally:
             if st._mine():
                 st._unbind()
+
+
+def _in_compiled_block(args) -> bool:
+    """Whether a block hook's call (its module first) is traced inside the
+    block's own compiled call, which :class:`_Compiled` binds outside."""
+    return _wrapped(args[0])
 
 
 def _wrapped(block: nn.Module) -> bool:

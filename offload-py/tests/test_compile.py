@@ -112,6 +112,53 @@ def test_compile_repeated_blocks_with_fullgraph_on_a_streamed_flux(order):
     offload.disable(model)
 
 
+@pytest.mark.parametrize("how", ["torch.compile", "module.compile"])
+@pytest.mark.parametrize("order", ["before", "after"])
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_a_whole_module_compiled_either_order_streams_bitwise_without_recompiling(backend, order, how):
+    # torch.compile(model) / model.compile() (fullgraph=False), compiled before
+    # enable (and run) or after: the package's hooks run outside the graphs,
+    # the blocks' code is compiled, the output is the resident compiled run's,
+    # and from the first streamed step on no graph is compiled again.
+    torch._dynamo.reset()
+    x = torch.randn(4, 16)
+    ref_model = _Blocks()
+    with torch.no_grad():
+        ref = torch.compile(ref_model, backend=backend)(x).clone()
+    graphs: list = []
+    counting = _counting(backend, graphs)
+    m = _Blocks()
+    m.load_state_dict(ref_model.state_dict())
+
+    def compiled():
+        if how == "torch.compile":
+            return torch.compile(m, backend=counting)
+        m.compile(backend=counting)
+        return m
+
+    if order == "before":
+        cm = compiled()
+        with torch.no_grad():
+            cm(x)
+        h = offload.enable(m, device="cpu", auto_resident_gib=0)
+    else:
+        h = offload.enable(m, device="cpu", auto_resident_gib=0)
+        cm = compiled()
+    seen = []
+    try:
+        with torch.no_grad():
+            for _ in range(4):
+                assert torch.equal(_bits(cm(x)), _bits(ref))
+                assert h.metrics()["blocks"] == 3
+                seen.append(len(graphs))
+        assert seen[0] >= 1, "nothing was compiled"
+        assert seen[1:] == [seen[0]] * 3, seen
+        assert h.violations() == []
+    finally:
+        offload.disable(m)
+        torch._dynamo.reset()
+
+
 def test_a_whole_compiled_module_still_streams_with_its_graph_breaks():
     # torch.compile(model) without fullgraph: the package's hooks run where
     # dynamo breaks the graph, as before; bitwise the resident run.

@@ -76,6 +76,8 @@ pub struct Ring<B: OffloadBackend> {
     /// Blocks the caller holds on the device itself from now on
     /// ([`hold_outside`](Self::hold_outside)): never prefetched again.
     outside: Vec<bool>,
+    /// A block is lent to be kept ([`Ring::lend_to_keep`]): nothing is copied ahead of it.
+    keeping: bool,
     non_block: Option<(B::Slot, B::Wait)>,
     lent: Option<Lent>,
     /// A block a refused request fetched on demand before failing: still in its
@@ -278,6 +280,7 @@ impl<B: OffloadBackend> Ring<B> {
             resident: Vec::new(),
             resident_of: Vec::new(),
             outside: Vec::new(),
+            keeping: false,
             non_block: None,
             lent: None,
             fetched_on_demand: None,
@@ -417,10 +420,12 @@ impl<B: OffloadBackend> Ring<B> {
     /// Blocks the caller holds on the device itself from now on (`(stack,
     /// index)` each; a framework that kept a lent copy of each for good, as the
     /// Python package's automatic plan does for a host-bound step): none of
-    /// them is prefetched again, and the next step's first streamed blocks are
-    /// copied ahead now, as at any step's end (the slots may hold blocks just
-    /// kept). Asked for all the same, a held block is served as any block the
-    /// order did not predict (a miss). Call it between blocks.
+    /// them is prefetched again, and the current pass's first streamed blocks
+    /// are copied ahead now (the slots may hold blocks just kept; a pass that
+    /// starts next is copied ahead by [`set_backward`](Self::set_backward)).
+    /// Asked for all the same, a held block is served from a slot that still
+    /// holds it, else fetched as any block the order did not predict (a miss).
+    /// Call it between blocks.
     pub fn hold_outside(&mut self, blocks: &[(String, usize)]) -> Result<()> {
         let held = blocks.iter().map(|(stack, index)| self.position(stack, *index)).collect::<Result<Vec<_>>>()?;
         if self.lent.is_some() {
@@ -435,24 +440,7 @@ impl<B: OffloadBackend> Ring<B> {
         for b in held {
             self.outside[b] = true;
         }
-        // The step's first block, or the first streamed one after it in the learned order.
-        let Some(start) = self.first[usize::from(self.backward)].or(Some(0)).filter(|&f| f < self.next.len()) else {
-            return Ok(());
-        };
-        let Some(f) = Some(start).filter(|&f| self.streams(f)).or_else(|| self.chain(start, 1).first().copied()) else {
-            return Ok(());
-        };
-        let s = match self.slots.iter().position(|s| s.holds == Some(f)) {
-            Some(s) => s,
-            None => {
-                let mut keep = self.chain(f, self.depth);
-                keep.push(f);
-                let s = self.victim(&keep);
-                self.load(s, f)?;
-                s
-            }
-        };
-        self.prefetch(f, s)
+        self.warm_pass(Some(0))
     }
 
     /// The next `count` streamed blocks after `from` in the learned order.
@@ -702,10 +690,14 @@ impl<B: OffloadBackend> Ring<B> {
     /// order, and that step would fetch its blocks on demand).
     pub fn lend_to_keep(&mut self, stack: &str, index: usize) -> Result<()> {
         let b = self.position(stack, index)?;
-        let (prev, first) = (self.prev, self.first);
+        let (prev, first, retraces) = (self.prev, self.first, self.step.retraces);
         let next = prev.and_then(|p| self.next.get(p).copied());
+        // Nothing copied ahead of it: the blocks after a kept one are not asked
+        // for now.
+        self.keeping = true;
         let served = self.acquire(b).map(drop);
-        (self.prev, self.first) = (prev, first);
+        self.keeping = false;
+        (self.prev, self.first, self.step.retraces) = (prev, first, retraces);
         if let (Some(p), Some(n)) = (prev, next) {
             self.next[p] = n;
         }
@@ -823,7 +815,9 @@ impl<B: OffloadBackend> Ring<B> {
             self.slots[s].served = true;
             // Its read from disk (if any) counts in the step that serves it, once.
             self.step.disk_bytes_read += std::mem::take(&mut self.slots[s].unserved_read);
-            self.prefetch(b, s)?;
+            if !self.keeping {
+                self.prefetch(b, s)?;
+            }
             let mut wait = None;
             if !self.breaks(Sabotage::SkipComputeWait) {
                 if let Some(ready) = self.slots[s].ready.clone() {

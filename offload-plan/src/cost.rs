@@ -199,9 +199,13 @@ impl CostModel {
     /// pass; where the step trains, twice, less the two turns, whose block is
     /// asked for twice in a row and still in its slot (the forward's last block
     /// is the backward's first; the backward's last, the next forward's first),
-    /// where that block is streamed. So a bound below every replay of the step.
+    /// where that block is streamed; a lone block, asked for again and again,
+    /// is never copied again. So a bound below every replay of the step.
     pub fn per_step(&self, resident: &[bool], of: impl Fn(&BlockCost) -> f64) -> f64 {
         let streamed = |i: usize| if held(resident, i) { 0.0 } else { of(&self.blocks[i]) };
+        if self.blocks.len() == 1 {
+            return 0.0; // one block, asked for again and again, stays in its slot
+        }
         let once: f64 = (0..self.blocks.len()).map(streamed).sum();
         if self.passes() == 1 {
             return once;

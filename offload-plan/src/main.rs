@@ -79,7 +79,7 @@ fn main() {
     if !ids.is_empty() && ids.len() < model.blocks.len() {
         println!("    {}", ids.join(", "));
     }
-    println!("  streamed per step: {:.2} GiB; device bytes for weights: {:.2} GiB", gib(choice.streamed_bytes), gib(choice.device_bytes));
+    println!("  streamed blocks: {:.2} GiB; device bytes for weights: {:.2} GiB", gib(choice.streamed_bytes), gib(choice.device_bytes));
     if model.compute_s() > 0.0 {
         println!(
             "  predicted step {:.4} s vs resident {:.4} s ({:.2}×); bound {:.4} s",

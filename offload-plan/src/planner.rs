@@ -27,9 +27,11 @@ pub struct Choice {
     pub resident: Vec<bool>,
     /// Device bytes for weights (and, when `coded`, the staging buffers).
     pub device_bytes: u64,
-    /// Bytes streamed per step.
+    /// Bytes of the streamed blocks, each counted once (a training step copies
+    /// most of them twice: [`CostModel::per_step`](crate::CostModel::per_step)).
     pub streamed_bytes: u64,
-    /// `max(compute, streamed ÷ bandwidth)`.
+    /// `max(compute, the bytes a step copies ÷ bandwidth)` (and, when `coded`,
+    /// the step's decode time).
     pub bound_s: f64,
     /// The replayed schedule's step time.
     pub predicted_step_s: f64,

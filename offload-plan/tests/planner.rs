@@ -449,6 +449,20 @@ fn a_training_steps_replay_is_never_below_its_bound() {
             }
         }
     }
+    // One block, forward only and training: asked for again and again, it stays
+    // in its slot (the replay copies it once, in the first step).
+    for m in [training(&blocks[..1], 1e9), model(&[(3_000_000_000, 0.5)], 1e9, 0)] {
+        for depth in 1..3 {
+            let (t, b) = (m.simulate_s(&[], depth), m.bound_s(&[]));
+            assert!(t + 1e-9 >= b, "one block, trains {}: replay {t} below bound {b}", m.trains());
+        }
+    }
+    // Forward only, uneven blocks: the bound is each streamed block once.
+    let f = model(&[(3_000_000_000, 0.5), (1_000_000_000, 0.2), (2_000_000_000, 1.0)], 1e9, 0);
+    for mask in 0..8u32 {
+        let resident: Vec<bool> = (0..3).map(|i| mask >> i & 1 == 1).collect();
+        assert!(f.simulate_s(&resident, 1) + 1e-9 >= f.bound_s(&resident), "forward, resident {resident:?}");
+    }
 }
 
 #[test]

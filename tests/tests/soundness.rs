@@ -184,11 +184,19 @@ fn blocks_lent_to_keep_do_not_teach_the_order_and_are_never_copied_again() {
             ring.end_step().expect("end step");
         }
         let kept = [0usize, 2];
+        let mut kept_bytes = 0u64;
         for &b in &kept {
             if keep_lend { ring.lend_to_keep(&stack, b) } else { ring.lend(&stack, b) }.expect("lend to keep");
+            kept_bytes += ring.lent().expect("a lent block").1.bytes as u64;
             ring.give_back().expect("give back");
         }
-        ring.end_step().expect("the keeping step");
+        let m = ring.end_step().expect("the keeping step");
+        if keep_lend {
+            // No retrace counted (the order is as it was), and nothing copied
+            // ahead of a kept block: at most the kept blocks themselves.
+            assert_eq!(m.retraces, 0, "{m}");
+            assert!(m.bytes_copied <= kept_bytes, "blocks after a kept one copied ahead: {m}");
+        }
         ring.hold_outside(&kept.iter().map(|&b| (stack.clone(), b)).collect::<Vec<_>>()).expect("hold outside");
         let streamed: Vec<usize> = all.iter().copied().filter(|b| !kept.contains(b)).collect();
         let mut misses = Vec::new();
@@ -216,4 +224,51 @@ fn blocks_lent_to_keep_do_not_teach_the_order_and_are_never_copied_again() {
         ring.close().expect("close");
         sim.check().unwrap_or_else(|e| panic!("{e}"));
     }
+}
+
+/// A training loop whose forward's last block is kept between a forward and
+/// its backward (the automatic plan chooses at a forward step's end): the
+/// backward, whose first block that was, starts from the first block it
+/// streams, copied ahead when the pass switches — no block fetched on demand,
+/// the right bytes in both passes.
+#[test]
+fn a_backward_after_its_first_block_is_kept_starts_copied_ahead() {
+    let (sim, model, store) = setup(61);
+    let plan = resolve(&Plan::layerwise().prefetch_depth(1), std::slice::from_ref(&model.inventory)).expect("plan");
+    let mut ring = Ring::new(sim.clone(), store, &plan.components[0]).expect("ring");
+    let stack = model.inventory.stacks[0].name.clone();
+    let n = model.len();
+    let pass = |ring: &mut Ring<SimBackend>, order: &[usize]| {
+        let mut acc = SEED;
+        for &b in order {
+            ring.lend(&stack, b).expect("lend");
+            let (_, layout, slot) = ring.lent().expect("a lent block");
+            acc = fold_combine(acc, sim.read_slot(slot, |m| block_hash(&m[..layout.bytes])));
+            ring.give_back().expect("give back");
+        }
+        assert_eq!(acc, model.reference(order), "wrong bytes in {order:?}");
+        ring.end_step().expect("end step")
+    };
+    let forward: Vec<usize> = (0..n).collect();
+    let backward: Vec<usize> = forward.iter().rev().copied().collect();
+    for _ in 0..2 {
+        pass(&mut ring, &forward);
+        ring.set_backward(true).expect("backward");
+        pass(&mut ring, &backward);
+        ring.set_backward(false).expect("forward");
+    }
+    pass(&mut ring, &forward);
+    // The forward's last block kept, at the forward's end.
+    ring.lend_to_keep(&stack, n - 1).expect("lend to keep");
+    ring.give_back().expect("give back");
+    ring.end_step().expect("the keeping step");
+    ring.hold_outside(&[(stack.clone(), n - 1)]).expect("hold outside");
+    ring.set_backward(true).expect("backward");
+    let m = pass(&mut ring, &backward[1..]);
+    assert_eq!(m.misses, 0, "the backward's first streamed block was not copied ahead: {m}");
+    ring.set_backward(false).expect("forward");
+    let m = pass(&mut ring, &forward[..n - 1]);
+    assert_eq!(m.misses, 0, "{m}");
+    ring.close().expect("close");
+    sim.check().unwrap_or_else(|e| panic!("{e}"));
 }

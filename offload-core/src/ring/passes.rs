@@ -23,13 +23,25 @@ impl<B: OffloadBackend> Ring<B> {
         self.backward = backward;
         self.step.backward = backward;
         self.prev = None;
-        let Some(f) = self.first[usize::from(backward)].filter(|&f| f < self.resident_of.len() && self.streams(f)) else {
+        self.warm_pass(None)
+    }
+
+    /// Copy ahead the current pass's first streamed block — the first block it
+    /// asked for last time (else `fallback`), or where that one does not
+    /// stream (held outside, resident), the first that does after it in the
+    /// pass's learned order — and the blocks after it, `depth` deep.
+    pub(super) fn warm_pass(&mut self, fallback: Option<usize>) -> Result<()> {
+        let Some(start) = self.first[usize::from(self.backward)].or(fallback).filter(|&f| f < self.next.len()) else {
+            return Ok(());
+        };
+        let Some(f) = Some(start).filter(|&f| self.streams(f)).or_else(|| self.chain(start, 1).first().copied()) else {
             return Ok(());
         };
         let s = match self.slots.iter().position(|s| s.holds == Some(f)) {
             Some(s) => s,
             None => {
-                let keep = self.chain(f, self.depth);
+                let mut keep = self.chain(f, self.depth);
+                keep.push(f);
                 let s = self.victim(&keep);
                 self.load(s, f)?;
                 s

@@ -24,13 +24,19 @@ _OUTSIDE_GRAPH = (
 )
 
 
-@torch.compiler.disable(reason=_OUTSIDE_GRAPH)
 def _outside_graph(fn, *args):
     """``fn(*args)`` run eagerly where dynamo traces a hook of ours: a graph
     break under ``torch.compile(model)``, and under ``fullgraph=True`` dynamo's
-    error giving :data:`_OUTSIDE_GRAPH` as its reason, never a builtin of the
-    package's internals."""
+    error giving :data:`_OUTSIDE_GRAPH` as its reason (torch >= 2.8; before,
+    dynamo names the disabled function), never a builtin of the package's
+    internals."""
     return fn(*args)
+
+
+try:
+    _outside_graph = torch.compiler.disable(_outside_graph, reason=_OUTSIDE_GRAPH)
+except TypeError:  # torch < 2.8: no reason
+    _outside_graph = torch.compiler.disable(_outside_graph)
 
 
 class _Hook:

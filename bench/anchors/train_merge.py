@@ -37,6 +37,15 @@ def merge(docs: list[dict], names: list[str], raw_dir: str = "") -> dict:
             if ok:
                 entry["step_s"] = spread([m["step"]["median_s"] for m in ok])
                 entry["finite_not_constant"] = all(m["finite"] and m["not_constant"] for m in ok)
+                # Device memory, weights and activations apart: the weights the
+                # mode holds (resident: the model's; the package: the engine's
+                # peak of streamed weights on the device), and the peak allocated
+                # above what was allocated before the timed steps.
+                weights = [m.get("weights_bytes", m.get("device_weight_bytes")) for m in ok]
+                if all(isinstance(w, int) for w in weights):
+                    entry["weights_bytes"] = spread(weights)
+                if all("peak_bytes" in m and "before_bytes" in m for m in ok):
+                    entry["activations_bytes"] = spread([max(0, m["peak_bytes"] - m["before_bytes"]) for m in ok])
                 if "vs_resident" in ok[0]:
                     entry["grads_bitwise_equal"] = all(m["vs_resident"]["grads_bitwise_equal"] and m["vs_resident"]["loss_equal"] for m in ok)
                     entry["max_abs_grad_diff"] = max(m["vs_resident"]["max_abs_grad_diff"] for m in ok)

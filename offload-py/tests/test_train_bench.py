@@ -39,6 +39,9 @@ def test_the_training_bench_runs_on_the_simulated_device_and_its_merge_judges_ea
     row = train_merge.merge(docs, ["a", "b"])["rows"][0]
     bounds = [max(d["modes"]["resident"]["step"]["median_s"], d["modes"]["offload"]["bytes_per_step"] / 1e9) for d in docs]
     assert row["bound_s"]["runs"] == bounds and row["targets"]["gradients_equal"]
+    # Memory apart: the engine's streamed weights for ours, the activations for each mode.
+    assert row["offload"]["weights_bytes"]["runs"] == [d["modes"]["offload"]["device_weight_bytes"] for d in docs]
+    assert all("activations_bytes" in row[m] for m in ("resident", "offload")), row
     # A row whose gradients differ is not met.
     docs[0]["modes"]["offload"]["vs_resident"]["grads_bitwise_equal"] = False
     assert train_merge.merge(docs, ["a", "b"])["rows"][0]["targets"]["gradients_equal"] is False

@@ -774,6 +774,10 @@ pub fn readme_tables(results: &Path) -> Result<String, String> {
         md.push('\n');
         md.push_str(&sweep);
     }
+    for table in [train_table(results)?, cache_table(results)?].into_iter().flatten() {
+        md.push('\n');
+        md.push_str(&table);
+    }
     Ok(md)
 }
 
@@ -843,6 +847,9 @@ pub fn splice_readme(readme: &str, tables: &str) -> Result<String, String> {
     }
     Ok(format!("{}{README_START}\n\n{tables}\n{}", &readme[..start], &readme[end..]))
 }
+
+mod loops;
+pub use loops::*;
 
 #[cfg(test)]
 mod readme_tests;

@@ -309,3 +309,69 @@ fn cases_are_named_by_side_tokens_or_name() {
     assert_eq!(case_label(&c("512", 0, 512)), "512 tokens");
     assert_eq!(case_label(&c("480x832x21", 480, 32760)), "480x832x21");
 }
+
+fn spread_of(m: f64) -> serde_json::Value {
+    serde_json::json!({"median": m, "min": m - 0.001, "max": m + 0.001, "runs": [m - 0.001, m, m + 0.001]})
+}
+
+#[test]
+fn a_training_file_becomes_its_table_with_memory_apart_and_the_failed_mode_named() {
+    let dir = std::env::temp_dir().join(format!("offload-train-report-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let gib = |g: f64| serde_json::json!({"median": g * (1u64 << 30) as f64, "min": 0, "max": 0});
+    let row = |model: &str, repeatable: bool, equal: bool| {
+        serde_json::json!({"model": model, "case": "1024", "checkpointing": true, "processes": 3,
+            "resident": {"processes": 3, "step_s": spread_of(1.2), "weights_bytes": gib(22.0), "activations_bytes": gib(9.5)},
+            "offload": {"processes": 3, "step_s": spread_of(1.25), "weights_bytes": gib(0.7), "activations_bytes": gib(9.6),
+                        "grads_bitwise_equal": equal, "max_abs_grad_diff": 0.0},
+            "block_stream": {"processes": 0, "error": "RuntimeError: hooks | not supported"},
+            "bound_s": spread_of(1.2), "ratio": spread_of(1.04), "resident_repeatable": repeatable,
+            "targets": {"ratio_at_most_1.05": true, "gradients_equal": equal, "finite_not_constant": true}, "targets_met": equal})
+    };
+    let doc = serde_json::json!({"what": "a LoRA training step (bench/anchors/train_step.py)", "date": "2026-12-07", "commit": "c0",
+        "gpu": "NVIDIA H100 80GB HBM3", "torch": "2.11.0", "diffusers": "0.42.1", "peft": "0.21.2", "rank": 16, "depth": 1,
+        "steps_per_process": 5, "processes": 3, "raw_dir": "bench/raw/x", "raw": ["a.json", "b.json", "c.json"],
+        "rows": [row("flux-dev", true, true), row("wan", false, false)]});
+    std::fs::write(dir.join("2026-12-07-train.json"), doc.to_string()).unwrap();
+    let md = readme_tables(&dir).unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(md.contains("`bench/results/2026-12-07-train.json`: a LoRA training step") && md.contains("NVIDIA H100"), "{md}");
+    assert!(
+        md.contains(
+            "| flux-dev | 1024 | yes | 1.2000 [1.1990, 1.2010] | 1.2500 [1.2490, 1.2510] | 1.040 [1.039, 1.041] | error: \
+             RuntimeError: hooks \\| not supported | 22.00 / 0.70 | 9.50 / 9.60 | bitwise: yes | yes |"
+        ),
+        "{md}"
+    );
+    assert!(
+        md.contains("| wan | 1024 | yes |") && md.contains("resident not repeatable") && md.contains("**no** (gradients equal)"),
+        "{md}"
+    );
+}
+
+#[test]
+fn a_cache_loop_file_becomes_its_table() {
+    let dir = std::env::temp_dir().join(format!("offload-cache-report-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let doc = serde_json::json!({"what": "a denoising loop with FirstBlockCache (bench/anchors/cache_loop.py)", "date": "2026-12-07",
+        "commit": "c0", "gpu": "NVIDIA H100 80GB HBM3", "torch": "2.11.0", "diffusers": "0.42.1", "processes": 3,
+        "raw_dir": "bench/raw/x", "raw": ["a.json"],
+        "rows": [{"model": "flux-dev", "case": "1024", "processes": 3, "steps": 28, "threshold": 0.05,
+            "resident": {"processes": 3, "loop_s": spread_of(0.9), "computed_steps": spread_of(9.0)},
+            "offload": {"processes": 3, "loop_s": spread_of(1.1), "bitwise_equal": true, "same_cache_decisions": true},
+            "block_stream": {"processes": 3, "loop_s": spread_of(2.5)},
+            "bytes_copied": {"median": 32.0 * (1u64 << 30) as f64, "min": 0, "max": 0},
+            "bound_s": spread_of(1.05), "ratio": spread_of(1.048),
+            "targets": {"ratio_at_most_1.05": true, "bitwise_equal": true, "same_cache_decisions": true, "finite_not_constant": true},
+            "targets_met": true}]});
+    std::fs::write(dir.join("2026-12-07-cache.json"), doc.to_string()).unwrap();
+    let md = readme_tables(&dir).unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(md.contains("`bench/results/2026-12-07-cache.json`: a denoising loop with FirstBlockCache"), "{md}");
+    assert!(
+        md.contains(
+            "| flux-dev | 1024 | 28 (9) | 0.900 [0.899, 0.901] | 1.100 [1.099, 1.101] | 32.00 | 1.048 [1.047, 1.049] | 2.500 [2.499, 2.501] | yes, yes | yes |"
+        ),
+        "{md}"
+    );
+}

@@ -1,0 +1,155 @@
+//! The tables of the loops users stack on a model: a LoRA training step
+//! (`*-train.json`, `bench/anchors/train_merge.py`) and a denoising loop with
+//! a cache (`*-cache.json`, `bench/anchors/cache_merge.py`). Every figure is
+//! read from the file; the targets are the merge's.
+
+use super::*;
+
+const GIB: f64 = (1u64 << 30) as f64;
+
+/// A mode's figure `key` (a spread: median [min, max]), or the mode's error.
+fn mode_span(mode: &Value, key: &str, digits: usize) -> String {
+    if mode[key].is_object() {
+        span(&mode[key], digits)
+    } else if let Some(e) = mode["error"].as_str() {
+        format!("error: {}", e.replace('|', "\\|"))
+    } else {
+        "–".into()
+    }
+}
+
+/// A spread of bytes as GiB (its median), or "–".
+fn gib(v: &Value) -> String {
+    if v.is_object() {
+        format!("{:.2}", f(&v["median"]) / GIB)
+    } else {
+        "–".into()
+    }
+}
+
+/// The targets the merge judged: "yes", or "no (the missed ones)"; "–" where
+/// the row has none (a mode failed).
+fn targets(row: &Value) -> String {
+    let Some(t) = row["targets"].as_object() else { return "–".into() };
+    let missed: Vec<&str> = t.iter().filter(|(_, v)| **v == Value::Bool(false)).map(|(k, _)| k.as_str()).collect();
+    if missed.is_empty() {
+        "yes".into()
+    } else {
+        format!("**no** ({})", missed.join(", ").replace('_', " "))
+    }
+}
+
+fn raw(d: &Value) -> String {
+    d["raw"].as_array().into_iter().flatten().filter_map(Value::as_str).collect::<Vec<_>>().join(", ")
+}
+
+/// The LoRA training step's table, from the newest `*-train.json` in
+/// `results`: per model, case and checkpointing, the resident step, the
+/// package's and diffusers' block-level offloading's, the ratio to the bound
+/// (`max(resident step, bytes crossing the link in a step ÷ bandwidth)`),
+/// device memory as weights and activations apart, and the gradients'
+/// equality as the merge judged it.
+pub fn train_table(results: &Path) -> Result<Option<String>, String> {
+    let Some(name) = newest(results, "-train.json")? else { return Ok(None) };
+    let d = read_json(&results.join(&name))?;
+    let mut md = format!(
+        "`bench/results/{name}`: {} on an {} at commit `{}` (torch {}, diffusers {}, peft {}; rank {}, depth {}); {} process \
+         files (raw, in `{}/`: `{}`), {} timed steps each; each figure the median of the processes' medians with [min, max]; \
+         the bound per process is `max(resident step, bytes the engine copied in the step's two passes ÷ pinned bandwidth \
+         probed in the same process)`. Memory: weights on the device (resident: the model's; ours: the engine's peak of \
+         streamed weights) and the step's activations (peak allocated above what was allocated before the timed steps), GiB.\n\n",
+        d["what"].as_str().unwrap_or("a training step"),
+        d["gpu"].as_str().unwrap_or("?"),
+        d["commit"].as_str().unwrap_or("?"),
+        d["torch"].as_str().unwrap_or("?"),
+        d["diffusers"].as_str().unwrap_or("?"),
+        d["peft"].as_str().unwrap_or("?"),
+        d["rank"],
+        d["depth"],
+        d["processes"],
+        d["raw_dir"].as_str().unwrap_or("?"),
+        raw(&d),
+        d["steps_per_process"],
+    );
+    md.push_str(
+        "| model | case | checkpointing | resident (s) | ours (s) | ratio to bound | diffusers block-level (s) | weights resident / ours | activations resident / ours | gradients | targets met |\n\
+         | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n",
+    );
+    for r in d["rows"].as_array().into_iter().flatten() {
+        let (res, off) = (&r["resident"], &r["offload"]);
+        let grads = match (r["resident_repeatable"].as_bool(), off["grads_bitwise_equal"].as_bool()) {
+            (Some(true), Some(eq)) => format!("bitwise: {}", if eq { "yes" } else { "**no**" }),
+            (Some(false), _) => format!("resident not repeatable; largest difference {:.3e}", f(&off["max_abs_grad_diff"])),
+            _ => "–".into(),
+        };
+        let ratio = if r["ratio"].is_object() { span(&r["ratio"], 3) } else { "–".into() };
+        let _ = writeln!(
+            md,
+            "| {} | {} | {} | {} | {} | {} | {} | {} / {} | {} / {} | {} | {} |",
+            r["model"].as_str().unwrap_or("?"),
+            r["case"].as_str().unwrap_or("?"),
+            if r["checkpointing"] == true { "yes" } else { "no" },
+            mode_span(res, "step_s", 4),
+            mode_span(off, "step_s", 4),
+            ratio,
+            mode_span(&r["block_stream"], "step_s", 4),
+            gib(&res["weights_bytes"]),
+            gib(&off["weights_bytes"]),
+            gib(&res["activations_bytes"]),
+            gib(&off["activations_bytes"]),
+            grads,
+            targets(r),
+        );
+    }
+    Ok(Some(md))
+}
+
+/// The cached denoising loop's table, from the newest `*-cache.json` in
+/// `results`: per model and case, the loop's time resident with the cache,
+/// the package's with the same cache, diffusers' block-level offloading's, the
+/// steps the cache computed, the bytes the package copied, the ratio to the
+/// bound (`max(resident + cache, bytes copied ÷ bandwidth)`), and the
+/// equality step by step as the merge judged it.
+pub fn cache_table(results: &Path) -> Result<Option<String>, String> {
+    let Some(name) = newest(results, "-cache.json")? else { return Ok(None) };
+    let d = read_json(&results.join(&name))?;
+    let mut md = format!(
+        "`bench/results/{name}`: {} on an {} at commit `{}` (torch {}, diffusers {}); {} process files (raw, in `{}/`: \
+         `{}`); each figure the median over the processes with [min, max]; the bound per process is `max(resident loop \
+         with the cache, bytes the engine copied over the loop ÷ pinned bandwidth probed in the same process)`.\n\n",
+        d["what"].as_str().unwrap_or("a cached loop"),
+        d["gpu"].as_str().unwrap_or("?"),
+        d["commit"].as_str().unwrap_or("?"),
+        d["torch"].as_str().unwrap_or("?"),
+        d["diffusers"].as_str().unwrap_or("?"),
+        d["processes"],
+        d["raw_dir"].as_str().unwrap_or("?"),
+        raw(&d),
+    );
+    md.push_str(
+        "| model | case | steps (computed) | resident + cache (s) | ours + cache (s) | copied (GiB) | ratio to bound | diffusers block-level + cache (s) | bitwise, same decisions | targets met |\n\
+         | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n",
+    );
+    for r in d["rows"].as_array().into_iter().flatten() {
+        let (res, off) = (&r["resident"], &r["offload"]);
+        let computed = if res["computed_steps"].is_object() { format!("{:.0}", f(&res["computed_steps"]["median"])) } else { "–".into() };
+        let ratio = if r["ratio"].is_object() { span(&r["ratio"], 3) } else { "–".into() };
+        let _ = writeln!(
+            md,
+            "| {} | {} | {} ({}) | {} | {} | {} | {} | {} | {}, {} | {} |",
+            r["model"].as_str().unwrap_or("?"),
+            r["case"].as_str().unwrap_or("?"),
+            r["steps"],
+            computed,
+            mode_span(res, "loop_s", 3),
+            mode_span(off, "loop_s", 3),
+            gib(&r["bytes_copied"]),
+            ratio,
+            mode_span(&r["block_stream"], "loop_s", 3),
+            yes(&off["bitwise_equal"]),
+            yes(&off["same_cache_decisions"]),
+            targets(r),
+        );
+    }
+    Ok(Some(md))
+}

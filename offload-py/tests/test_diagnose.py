@@ -435,8 +435,9 @@ def test_calibration_names_the_kept_blocks_whose_times_it_lacks(sim_link):
 
 def test_the_host_share_that_keeps_blocks():
     # On CUDA, the host's share of the device's step decides (from 0.6: the
-    # sweep's host-bound models took 0.65-0.82, and straddled the diagnosis's
-    # 0.8 between processes); on the simulated device, the diagnosis's verdict.
+    # sweep's host-bound models took 0.65-1.0, and straddled the diagnosis's
+    # 0.8 between processes), unless the step was copy-bound; on the simulated
+    # device, the diagnosis's verdict.
     from offload._offloaded import _host_bound
 
     def d(host_s, verdict=None, lost=0.0):
@@ -445,6 +446,7 @@ def test_the_host_share_that_keeps_blocks():
     assert _host_bound(d(0.065), cuda=True)  # 65 %: nothing charged to the host, kept all the same
     assert _host_bound(d(0.09, "host", 0.01), cuda=True)
     assert not _host_bound(d(0.055), cuda=True)
+    assert not _host_bound(d(0.09, "link", 0.0), cuda=True)  # copy-bound: the budget's to keep
     assert not _host_bound({"step_s": 0.0, "host_s": 0.0, "verdict": None, "causes": {}}, cuda=True)
     assert not _host_bound(d(0.065), cuda=False)  # the simulated device: the verdict must be the host
     assert _host_bound(d(0.02, "host", 0.005), cuda=False)

@@ -725,17 +725,20 @@ class Offloaded:
 
 
 # On CUDA, blocks are kept where the host took at least this share of the
-# device's step to issue it. The diagnosis charges the host from 0.8; traced
-# steps of models whose offloaded step lost a few per cent to the host took
-# 0.65-0.82 of the device's step, and straddled 0.8 from one process to the
-# next (bench/NOTES.md, the e9cc56c sweep).
+# device's step to issue it and the step was not copy-bound. The diagnosis
+# charges the host from 0.8; traced steps of models whose offloaded step lost
+# a few per cent to the host took 0.65-1.0 of the device's step, straddling 0.8
+# from one process to the next, while copy-bound steps (verdict "link") took
+# 0.3-0.95 (bench/NOTES.md, the sweeps at c96b7fc and e9cc56c).
 _KEEP_HOST_SHARE = 0.6
 
 
 def _host_bound(d: dict, cuda: bool) -> bool:
     """Whether a traced step's diagnosis ``d`` is host-bound enough for the
     automatic plan to keep blocks. On CUDA: the host took at least
-    :data:`_KEEP_HOST_SHARE` of the device's step to issue it. On the simulated
+    :data:`_KEEP_HOST_SHARE` of the device's step to issue it, and the step
+    was not copy-bound (a copy-bound step's blocks are the budget's to keep:
+    kept by default they would take device memory for the link's time). On the simulated
     device, whose compute is the host's (the diagnosis charges the host with
     the time between blocks), the host must be the diagnosis's verdict and
     charged with over 1 % of the step."""
@@ -743,7 +746,7 @@ def _host_bound(d: dict, cuda: bool) -> bool:
     if step <= 0:
         return False
     if cuda:
-        return d["host_s"] >= _KEEP_HOST_SHARE * step
+        return d["verdict"] != "link" and d["host_s"] >= _KEEP_HOST_SHARE * step
     return d["verdict"] == "host" and d["causes"].get("host", 0.0) > 0.01 * step
 
 

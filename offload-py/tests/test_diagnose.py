@@ -320,7 +320,10 @@ def test_a_copy_bound_step_keeps_no_block_resident_whatever_the_allowance(sim_li
     m = offload.enable(model, device="cpu", auto_resident_gib=1.0)
     try:
         _steps(model, torch.randn(1, 2048, dtype=torch.bfloat16), 3)
-        assert m.plan()["resident_blocks"] == [] and "host-bound" not in m.plan()["why"], m.plan()
+        why = m.plan()["why"]
+        assert m.plan()["resident_blocks"] == [] and "host-bound" not in why, m.plan()
+        # The plan says what it read: the host's share of the traced step and its verdict.
+        assert "no block kept: the host took" in why and "verdict" in why, why
     finally:
         offload.disable(model)
 

@@ -652,6 +652,11 @@ class Offloaded:
         the allowance holds are kept, those with the most host time per byte
         first."""
         if not _host_bound(d, self.device.type == "cuda"):
+            share = d["host_s"] / d["step_s"] if d["step_s"] > 0 else 0.0
+            self._kept_why = (
+                f"; no block kept: the host took {d['host_s']:.4f} s to issue the traced {d['step_s']:.4f} s step "
+                f"({share:.2f} of it), verdict {d['verdict'] or 'none'}"
+            )
             return
         lost = d["causes"].get("host", 0.0)
         if self._allowance is not None:

@@ -11,14 +11,8 @@ number comes from the process files.
 
 from __future__ import annotations
 
-import json
-import os
-import statistics
-import sys
+from merging import run, spread
 
-
-def spread(values):
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "runs": values}
 
 
 def merge(docs: list[dict], names: list[str], raw_dir: str = "") -> dict:
@@ -65,18 +59,6 @@ def merge(docs: list[dict], names: list[str], raw_dir: str = "") -> dict:
             "torch": meta["torch"], "diffusers": meta["diffusers"], "processes": len(docs), "raw_dir": raw_dir, "raw": names, "rows": rows}
 
 
-def main():
-    out, *paths = sys.argv[1:]
-    docs = [json.load(open(p)) for p in paths]
-    dirs = {os.path.relpath(os.path.dirname(os.path.abspath(p)), os.path.dirname(os.path.abspath(__file__)) + "/../..") for p in paths}
-    if len(dirs) != 1:
-        sys.exit(f"the process files lie in {len(dirs)} directories ({sorted(dirs)}): merge the files of one run directory")
-    res = merge(docs, [os.path.basename(p) for p in paths], dirs.pop())
-    with open(out, "w") as fh:
-        json.dump(res, fh, indent=1)
-    for r in res["rows"]:
-        print(r["model"], r["case"], r.get("ratio", {}).get("median"), r.get("targets_met"))
-
 
 if __name__ == "__main__":
-    main()
+    run(merge, lambda r: (r["model"], r["case"], r.get("ratio", {}).get("median"), r.get("targets_met")))

@@ -728,7 +728,7 @@ impl<B: OffloadBackend> Ring<B> {
         // A refused request serves nothing: the learned order and the step's
         // counts of what was served go back to what they were (the bytes of copies
         // it issued before failing stay counted: those copies ran).
-        let prev = self.prev;
+        let (prev, first) = (self.prev, self.first);
         let next = prev.and_then(|p| self.next.get(p).copied());
         let s = &self.step;
         let counts = (s.blocks, s.retraces, s.resident_hits, s.prefetch_hits, s.misses);
@@ -737,7 +737,7 @@ impl<B: OffloadBackend> Ring<B> {
             // Fetched on demand before the failure, the block stays in its slot:
             // that fetch stays counted, once, as the miss it was.
             let fetched = self.step.misses > counts.4 && self.slots.iter().any(|s| s.holds == Some(b));
-            self.prev = prev;
+            (self.prev, self.first) = (prev, first);
             if let (Some(p), Some(n)) = (prev, next) {
                 self.next[p] = n;
             }

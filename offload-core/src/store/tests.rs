@@ -1239,6 +1239,38 @@ fn a_refused_request_leaves_the_order_and_the_counts_as_they_were() {
     assert_eq!(m.prefetch_hits + m.misses + m.resident_hits, m.blocks, "{m}");
 }
 
+/// A pass's first request refused leaves the pass's learned first block as it
+/// was: the next time the pass starts, its learned first block is copied
+/// ahead (no miss), not the refused one.
+#[test]
+fn a_refused_first_request_does_not_move_the_passs_first_block() {
+    let (fi, mut ring) = faulty_ring(6);
+    let pass = |ring: &mut crate::ring::Ring<_>, backward: bool| {
+        ring.set_backward(backward).unwrap();
+        let order: Vec<usize> = if backward { (0..6).rev().collect() } else { (0..6).collect() };
+        for i in order {
+            drop(ring.block_at(i).unwrap());
+        }
+        ring.end_step().unwrap()
+    };
+    for _ in 0..2 {
+        pass(&mut ring, false);
+        pass(&mut ring, true);
+    }
+    pass(&mut ring, false);
+    // The backward's first request (block 2, fetched on demand) is refused:
+    // its wait fails.
+    ring.set_backward(true).unwrap();
+    fi.arm(crate::fault::FaultKind::Event, 0);
+    ring.block_at(2).err().expect("the compute stream's wait fails");
+    fi.disarm();
+    ring.end_step().unwrap();
+    pass(&mut ring, false);
+    let m = pass(&mut ring, true);
+    assert_eq!((m.blocks, m.misses), (6, 0), "{m}");
+    ring.close().unwrap();
+}
+
 /// A step whose `end_step` fails (a guard's release failed on drop) is
 /// closed all the same: the next step counts its own blocks, not both steps'.
 #[test]

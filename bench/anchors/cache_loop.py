@@ -23,7 +23,6 @@ import json
 import os
 import sys
 import time
-import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -87,10 +86,6 @@ def loop(model, x, steps, dev, scale):
             "finite": bool(torch.isfinite(f).all()), "not_constant": bool((f != f.flatten()[0]).any())}, outs
 
 
-def failed(e):
-    return {"error": f"{type(e).__name__}: {e}".splitlines()[0][:400], "traceback": traceback.format_exc()[-1500:]}
-
-
 def measure(model, x, dev, args):
     import offload
     from diffusers import FirstBlockCacheConfig
@@ -110,7 +105,7 @@ def measure(model, x, dev, args):
         r, ref = with_cache(lambda: loop(model, x, args.steps, dev, scale))
         modes["resident"] = r
     except Exception as e:
-        modes["resident"] = failed(e)
+        modes["resident"] = za.error_entry(e)
     model.to("cpu")
     if dev == "cuda":
         torch.cuda.empty_cache()
@@ -131,22 +126,11 @@ def measure(model, x, dev, args):
         finally:
             offload.disable(model)
     except Exception as e:
-        modes["offload"] = failed(e)
+        modes["offload"] = za.error_entry(e)
     print("offload", json.dumps({k: v for k, v in modes["offload"].items() if k not in ("traceback", "metrics")})[:600], flush=True)
 
     if dev == "cuda" and "block_stream" in args.modes:
-        try:
-            za.offload(model, "block_stream", args.model)
-            r, outs = with_cache(lambda: loop(model, x, args.steps, dev, scale))
-            modes["block_stream"] = judged(r, outs)
-        except Exception as e:
-            modes["block_stream"] = failed(e)
-        try:
-            za.remove_group_offloading(model)
-        except Exception:
-            pass
-        model.to("cpu")
-        torch.cuda.empty_cache()
+        modes["block_stream"] = za.group_offloaded(model, args.model, lambda: judged(*with_cache(lambda: loop(model, x, args.steps, dev, scale))))
         print("block_stream", json.dumps({k: v for k, v in modes["block_stream"].items() if k not in ("traceback", "metrics")})[:400], flush=True)
     return modes
 

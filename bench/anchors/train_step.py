@@ -32,7 +32,6 @@ import os
 import statistics
 import sys
 import time
-import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -153,10 +152,6 @@ def compare(check, ref):
             "max_abs_grad_diff": max(diffs) if diffs else 0.0}
 
 
-def failed(e):
-    return {"error": f"{type(e).__name__}: {e}".splitlines()[0][:400], "traceback": traceback.format_exc()[-1500:]}
-
-
 def measure(model, x, dev, args, bandwidth):
     import offload
 
@@ -176,7 +171,7 @@ def measure(model, x, dev, args, bandwidth):
         res["activations_bytes"] = max(0, res["peak_bytes"] - res["before_bytes"])
         modes["resident"] = res
     except Exception as e:  # out of memory, a library's own error: named
-        modes["resident"] = failed(e)
+        modes["resident"] = za.error_entry(e)
     model.to("cpu")
     if dev == "cuda":
         torch.cuda.empty_cache()
@@ -196,7 +191,7 @@ def measure(model, x, dev, args, bandwidth):
         offload.disable(model)
         modes["offload"] = r
     except Exception as e:
-        modes["offload"] = failed(e)
+        modes["offload"] = za.error_entry(e)
         try:
             offload.disable(model)
         except Exception:
@@ -204,20 +199,12 @@ def measure(model, x, dev, args, bandwidth):
     print("offload", json.dumps({k: v for k, v in modes["offload"].items() if k not in ("traceback", "forward", "backward")})[:600], flush=True)
 
     if dev == "cuda" and "block_stream" in args.modes:
-        try:
-            za.offload(model, "block_stream", args.model)
+        def group_step():
             check, r = run_mode(model, x, initial, dev, args.warmup, args.steps)
             if ref is not None:
                 r["vs_resident"] = compare(check, ref)
-            modes["block_stream"] = r
-        except Exception as e:
-            modes["block_stream"] = failed(e)
-        try:
-            za.remove_group_offloading(model)
-        except Exception:
-            pass
-        model.to("cpu")
-        torch.cuda.empty_cache()
+            return r
+        modes["block_stream"] = za.group_offloaded(model, args.model, group_step)
         print("block_stream", json.dumps({k: v for k, v in modes["block_stream"].items() if k != "traceback"})[:400], flush=True)
     return modes
 

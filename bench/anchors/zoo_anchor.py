@@ -34,6 +34,7 @@ import json
 import math
 import os
 import time
+import traceback
 
 import torch
 
@@ -425,6 +426,30 @@ def remove_group_offloading(model):
     registry = HookRegistry.check_if_exists_or_initialize(model)
     for hook in (go._GROUP_OFFLOADING, go._LAYER_EXECUTION_TRACKER, go._LAZY_PREFETCH_GROUP_OFFLOADING):
         registry.remove_hook(hook, recurse=True)
+
+
+def error_entry(e: BaseException) -> dict:
+    """A mode's failure as its results entry: the error's first line and the
+    traceback's end (a mode that fails is named, never a silent gap)."""
+    return {"error": f"{type(e).__name__}: {e}".splitlines()[0][:400], "traceback": traceback.format_exc()[-1500:]}
+
+
+def group_offloaded(model, name, run) -> dict:
+    """`run()` under diffusers' block-level group offloading (streams on) on
+    `model`, its weights on the host: the entry `run` returns, or its error
+    named; the hooks removed and the model back on the host after."""
+    try:
+        offload(model, "block_stream", name)
+        entry = run()
+    except Exception as e:
+        entry = error_entry(e)
+    try:
+        remove_group_offloading(model)
+    except Exception:
+        pass
+    model.to("cpu")
+    torch.cuda.empty_cache()
+    return entry
 
 
 def main():

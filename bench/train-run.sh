@@ -4,7 +4,11 @@
 # TRAIN_RUNS ("model:case:ckpt", ckpt 0 or 1), each file kept in $D; then every
 # file so far packed into $OUT/train.tgz. A run whose file exists is kept; one
 # that would start past TRAIN_DEADLINE seconds (default 560) is left for the
-# next command. Needs the wheels in .whl (`cargo xtask wheel`) and the registry
+# next command. TRAIN_ATTENTION (default math): SDPA's backend for every mode
+# (train_step.py --attention): bitwise equality needs a backward that sums in a
+# fixed order, and torch 2.11's default one gave a resident Flux backward an
+# illegal address on the H100 (bench/anchors/sdpa_probe.py names which backend).
+# Needs the wheels in .whl (`cargo xtask wheel`) and the registry
 # (.bundle/registry.json, `cargo xtask gpu-bundle --python`).
 set -uo pipefail
 R=$(cd "$(dirname "$0")/.." && pwd)
@@ -27,7 +31,7 @@ for r in ${TRAIN_REPEATS:-1 2 3}; do
     echo "== $run r$r (at ${SECONDS} s)"
     flag=(); [ "$ckpt" = 1 ] && flag=(--checkpointing)
     timeout $(( ${TRAIN_DEADLINE:-560} - SECONDS )) python3 "$R/bench/anchors/train_step.py" --registry "$R/.bundle/registry.json" \
-      --model "$model" --case "$case" "${flag[@]}" --out "$f" > "${f%.json}.log" 2>&1
+      --model "$model" --case "$case" "${flag[@]}" --attention "${TRAIN_ATTENTION:-math}" --out "$f" > "${f%.json}.log" 2>&1
     echo "   rc $? in $((SECONDS)) s"; grep -E "^(resident|offload|block_stream) " "${f%.json}.log" | cut -c1-300
   done
 done

@@ -18,10 +18,11 @@ from merging import run, spread
 def merge(docs: list[dict], names: list[str], raw_dir: str = "") -> dict:
     groups: dict = {}
     for d in docs:
-        groups.setdefault((d["model"], d["case"]["name"], d["checkpointing"]), []).append(d)
+        # Processes under another attention backend are another row, never pooled.
+        groups.setdefault((d["model"], d["case"]["name"], d["checkpointing"], d.get("attention", "default")), []).append(d)
     rows = []
-    for (model, case, ckpt), runs in groups.items():
-        row = {"model": model, "case": case, "checkpointing": ckpt, "processes": len(runs)}
+    for (model, case, ckpt, attention), runs in groups.items():
+        row = {"model": model, "case": case, "checkpointing": ckpt, "attention": attention, "processes": len(runs)}
         for mode in ("resident", "offload", "block_stream"):
             ok = [r["modes"][mode] for r in runs if mode in r["modes"] and "error" not in r["modes"][mode]]
             errors = sorted({r["modes"][mode]["error"] for r in runs if mode in r["modes"] and "error" in r["modes"][mode]})

@@ -14,7 +14,10 @@ difference), then `--warmup` steps and `--steps` timed with CUDA events. The
 resident check step runs twice: where the two differ (an attention backward
 that accumulates in any order), the run says so and a mode is judged against
 that spread. `--deterministic`: `torch.use_deterministic_algorithms(True)` and
-PyTorch's math attention. Memory as in `zoo_anchor.py`: weights on the device
+PyTorch's math attention; `--attention`: SDPA's backend alone (`math`,
+`cudnn`, ...), recorded in the file. A mode that breaks the process's CUDA
+context (an illegal address in a library's kernel) is named with
+`context_lost`, and the file is written with what ran. Memory as in `zoo_anchor.py`: weights on the device
 apart from the step's activations (peak allocated above what was allocated
 before the timed steps). Bytes crossing the link in a step: the engine's
 metrics of the last forward and the last backward. The pinned host-to-device
@@ -47,6 +50,22 @@ TINY = {"name": "flux-tiny", "reference": {"module": "diffusers", "class": "Flux
     "attention_head_dim": 16, "axes_dims_rope": [4, 6, 6], "guidance_embeds": True, "in_channels": 64, "joint_attention_dim": 4096,
     "num_attention_heads": 2, "num_layers": 2, "num_single_layers": 2, "patch_size": 1, "pooled_projection_dim": 768}},
     "cases": [{"name": "64", "batch": 1, "frames": 1, "height": 64, "resolution": 64, "image_tokens": 16, "text_tokens": 8}]}
+
+
+# SDPA's backends by the names `--attention` takes ("default": torch's own choice).
+BACKENDS = {"default": None, "math": "MATH", "efficient": "EFFICIENT_ATTENTION", "flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION"}
+
+
+def attention(args):
+    """The SDPA backend every mode runs under: `--attention`, or math with `--deterministic`."""
+    import contextlib
+
+    name = BACKENDS["math" if args.deterministic else args.attention]
+    if name is None:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(getattr(SDPBackend, name))
 
 
 def first(out):
@@ -152,14 +171,22 @@ def compare(check, ref):
             "max_abs_grad_diff": max(diffs) if diffs else 0.0}
 
 
-def measure(model, x, dev, args, bandwidth):
+def context_lost(e: BaseException) -> bool:
+    """Whether `e` is a CUDA error that leaves the process's CUDA context
+    unusable (an illegal address, a kernel's failure): no later mode can run."""
+    text = f"{type(e).__name__}: {e}"
+    return type(e).__name__ == "AcceleratorError" or "illegal memory access" in text or "EXECUTION_FAILED" in text
+
+
+def measure(model, x, dev, args, bandwidth, modes):
+    """The modes measured into `modes`, each as it ends (so a process whose
+    CUDA context a library's kernel broke still leaves what ran)."""
     import offload
 
     initial = add_lora(model)
     if args.checkpointing:
         model.enable_gradient_checkpointing()
     model.train()
-    modes = {}
     ref = None
     # The reference: resident, twice from the same state (is its backward repeatable?).
     try:
@@ -172,6 +199,11 @@ def measure(model, x, dev, args, bandwidth):
         modes["resident"] = res
     except Exception as e:  # out of memory, a library's own error: named
         modes["resident"] = za.error_entry(e)
+        if context_lost(e):
+            # The reference's own kernels broke the context: nothing else runs here.
+            modes["resident"]["context_lost"] = True
+            print("resident", modes["resident"]["error"], flush=True)
+            return modes
     model.to("cpu")
     if dev == "cuda":
         torch.cuda.empty_cache()
@@ -216,6 +248,8 @@ def main():
     ap.add_argument("--case", default=None, help="the case's name (default: the first)")
     ap.add_argument("--checkpointing", action="store_true")
     ap.add_argument("--deterministic", action="store_true")
+    ap.add_argument("--attention", default="default", choices=sorted(BACKENDS),
+                    help="SDPA's backend for every mode (`--deterministic` implies math)")
     ap.add_argument("--depth", type=int, default=2)
     ap.add_argument("--modes", default="resident,offload,block_stream")
     ap.add_argument("--warmup", type=int, default=2)
@@ -235,7 +269,8 @@ def main():
     import peft
 
     doc = {"what": "a LoRA training step (bench/anchors/train_step.py)", "model": entry["name"], "case": case,
-           "checkpointing": args.checkpointing, "deterministic": args.deterministic, "depth": args.depth, "rank": RANK,
+           "checkpointing": args.checkpointing, "deterministic": args.deterministic,
+           "attention": "math" if args.deterministic else args.attention, "depth": args.depth, "rank": RANK,
            "targets": TARGETS, "warmup": args.warmup, "steps": args.steps, "device": dev,
            "gpu": torch.cuda.get_device_name() if dev == "cuda" else "none", "torch": torch.__version__,
            "diffusers": diffusers.__version__, "peft": peft.__version__,
@@ -244,13 +279,12 @@ def main():
     doc["bandwidth_bytes_per_s"] = za.h2d_bandwidth() if dev == "cuda" else None
     model = za.build(entry["reference"], device=dev)
     x = za.inputs(entry["name"].replace("-tiny", "-dev"), case, dev)
-    if args.deterministic:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        with sdpa_kernel(SDPBackend.MATH):
-            doc["modes"] = measure(model, x, dev, args, doc["bandwidth_bytes_per_s"])
-    else:
-        doc["modes"] = measure(model, x, dev, args, doc["bandwidth_bytes_per_s"])
+    doc["modes"] = {}
+    try:
+        with attention(args):
+            measure(model, x, dev, args, doc["bandwidth_bytes_per_s"], doc["modes"])
+    except Exception as e:  # the file still says what ran, and what broke
+        doc["error"] = za.error_entry(e)
     with open(args.out, "w") as fh:
         json.dump(doc, fh, indent=1)
 

@@ -31,6 +31,22 @@ NO_CUDA = pytest.mark.skipif(not HAS_CUDA, reason="SKIPPED: torch sees no CUDA d
 DEVICES = ["cpu", pytest.param("cuda", marks=NO_CUDA)]
 
 
+def exact_attention(dev: str):
+    """The attention a bitwise training comparison runs under: on CUDA, SDPA's
+    math backend (torch's fused attention backwards accumulate in any order,
+    and on the GPU runner's torch 2.11 the default one gave a small Flux's
+    *resident* backward NaN and garbage; bench/anchors/sdpa_probe.py probes
+    which backend); on
+    the CPU, torch's default."""
+    import contextlib
+
+    if dev != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(SDPBackend.MATH)
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     t = t.detach().cpu().contiguous()
     return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32) if t.element_size() == 4 else t

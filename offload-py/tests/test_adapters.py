@@ -14,7 +14,7 @@ import torch
 
 import offload
 
-from helpers import NO_CUDA
+from helpers import NO_CUDA, exact_attention
 from models import MODELS
 
 peft = pytest.importorskip("peft", reason="peft is installed by scripts/python-env.sh")
@@ -73,6 +73,11 @@ def _checkpointing(model, name: str) -> None:
 def _train(model, inputs: dict, dev: str, steps: int = 5):
     """``steps`` AdamW steps on the trainable parameters: per step the loss,
     the input's gradient (a float input) and the adapters' gradients."""
+    with exact_attention(dev):
+        return _train_steps(model, inputs, dev, steps)
+
+
+def _train_steps(model, inputs: dict, dev: str, steps: int):
     torch.manual_seed(7)
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     assert trainable, "no trainable adapter"

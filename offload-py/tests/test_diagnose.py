@@ -145,9 +145,12 @@ def test_cuda_a_copy_bound_step_is_named_the_link():
 def test_cuda_a_copy_issued_too_late_behind_a_short_block_is_named_late_and_depth_two_hides_it():
     def model():
         torch.manual_seed(0)
-        # A long block (many matmuls on small weights), a short one, a large one (128 MiB): at
-        # depth 1 the large one's copy is issued when the short one starts.
-        return _Model([_Work(*a) for a in [(1024, 400), (1024, 1), (8192, 1)] * 3])
+        # A long block (100 matmuls of 4096 × 2048 by 2048 × 2048, ~6 ms on an H100
+        # for ~1 ms of the host's: the device's work, not the host's; 400 matmuls on
+        # 1024-wide weights made the host take 0.037 s of a 0.039 s step and the
+        # verdict `host`), a short one, a large one (128 MiB): at depth 1 the large
+        # one's copy is issued when the short one starts.
+        return _Model([_Work(*a) for a in [(2048, 100), (1024, 1), (8192, 1)] * 3])
 
     x = torch.randn(4096, 8192, dtype=torch.bfloat16, device="cuda")
     d = _diagnosed(model(), x, "cuda")

@@ -83,11 +83,16 @@ pub fn train_table(results: &Path) -> Result<Option<String>, String> {
             _ => "–".into(),
         };
         let ratio = if r["ratio"].is_object() { span(&r["ratio"], 3) } else { "–".into() };
+        // Every mode of a row ran under one attention backend; torch's default is not named.
+        let case = match r["attention"].as_str() {
+            Some(a) if a != "default" => format!("{}, {a} attention", r["case"].as_str().unwrap_or("?")),
+            _ => r["case"].as_str().unwrap_or("?").to_owned(),
+        };
         let _ = writeln!(
             md,
             "| {} | {} | {} | {} | {} | {} | {} | {} / {} | {} / {} | {} | {} |",
             r["model"].as_str().unwrap_or("?"),
-            r["case"].as_str().unwrap_or("?"),
+            case,
             if r["checkpointing"] == true { "yes" } else { "no" },
             mode_span(res, "step_s", 4),
             mode_span(off, "step_s", 4),

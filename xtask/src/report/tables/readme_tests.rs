@@ -328,10 +328,12 @@ fn a_training_file_becomes_its_table_with_memory_apart_and_the_failed_mode_named
             "bound_s": spread_of(1.2), "ratio": spread_of(1.04), "resident_repeatable": repeatable,
             "targets": {"ratio_at_most_1.05": true, "gradients_equal": equal, "finite_not_constant": true}, "targets_met": equal})
     };
-    let doc = serde_json::json!({"what": "a LoRA training step (bench/anchors/train_step.py)", "date": "2026-12-07", "commit": "c0",
+    let mut doc = serde_json::json!({"what": "a LoRA training step (bench/anchors/train_step.py)", "date": "2026-12-07", "commit": "c0",
         "gpu": "NVIDIA H100 80GB HBM3", "torch": "2.11.0", "diffusers": "0.42.1", "peft": "0.21.2", "rank": 16, "depth": 1,
         "steps_per_process": 5, "processes": 3, "raw_dir": "bench/raw/x", "raw": ["a.json", "b.json", "c.json"],
         "rows": [row("flux-dev", true, true), row("wan", false, false)]});
+    // A row run under another attention backend than torch's default says so.
+    doc["rows"][1]["attention"] = "math".into();
     std::fs::write(dir.join("2026-12-07-train.json"), doc.to_string()).unwrap();
     let md = readme_tables(&dir).unwrap();
     let _ = std::fs::remove_dir_all(&dir);
@@ -344,7 +346,9 @@ fn a_training_file_becomes_its_table_with_memory_apart_and_the_failed_mode_named
         "{md}"
     );
     assert!(
-        md.contains("| wan | 1024 | yes |") && md.contains("resident not repeatable") && md.contains("**no** (gradients equal)"),
+        md.contains("| wan | 1024, math attention | yes |")
+            && md.contains("resident not repeatable")
+            && md.contains("**no** (gradients equal)"),
         "{md}"
     );
 }

@@ -33,11 +33,11 @@ DEVICES = ["cpu", pytest.param("cuda", marks=NO_CUDA)]
 
 def exact_attention(dev: str):
     """The attention a bitwise training comparison runs under: on CUDA, SDPA's
-    math backend (torch's fused attention backwards accumulate in any order,
-    and on the GPU runner's torch 2.11 the default one gave a small Flux's
-    *resident* backward NaN and garbage; bench/anchors/sdpa_probe.py probes
-    which backend); on
-    the CPU, torch's default."""
+    math backend (torch's fused attention backwards accumulate in any order;
+    and on the GPU runner's torch 2.11, with torch's defaults, a small Flux's
+    *resident* backward gave NaN, the fused attention backward the likeliest
+    cause, not yet proven: bench/anchors/sdpa_probe.py probes each backend);
+    on the CPU, torch's default."""
     import contextlib
 
     if dev != "cuda":

@@ -47,6 +47,33 @@ def test_the_training_bench_runs_on_the_simulated_device_and_its_merge_judges_ea
     assert train_merge.merge(docs, ["a", "b"])["rows"][0]["targets"]["gradients_equal"] is False
 
 
+def test_a_reference_that_breaks_the_cuda_context_is_named_and_nothing_runs_after_it(tmp_path, monkeypatch):
+    # A resident step whose kernel leaves an illegal address (the GPU runner's
+    # resident Flux-dev backward did): the mode names it, no later mode runs on
+    # the broken context, and the modes measured so far reach the file's dict.
+    sys.path.insert(0, str(ROOT / "bench/anchors"))
+    import train_step
+    import zoo_anchor as za
+
+    def broken(*a, **k):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(train_step, "run_mode", broken)
+    model = za.build(train_step.TINY["reference"], device="cpu")
+    x = za.inputs("flux-dev", train_step.TINY["cases"][0], "cpu")
+    args = type("A", (), {"checkpointing": False, "depth": 1, "warmup": 0, "steps": 1, "modes": "resident,offload"})()
+    modes = {}
+    train_step.measure(model, x, "cpu", args, None, modes)
+    assert modes["resident"].get("context_lost") is True and "illegal memory access" in modes["resident"]["error"], modes
+    assert "offload" not in modes, modes
+    # Any other failure of the reference is named and the other modes still run.
+    monkeypatch.setattr(train_step, "run_mode", lambda *a, **k: (_ for _ in ()).throw(MemoryError("out of memory")))
+    model = za.build(train_step.TINY["reference"], device="cpu")
+    modes = {}
+    train_step.measure(model, x, "cpu", args, None, modes)
+    assert "context_lost" not in modes["resident"] and "offload" in modes, modes
+
+
 def test_the_cache_loop_bench_runs_on_the_simulated_device_and_its_merge_judges_each_row(tmp_path):
     sys.path.insert(0, str(ROOT / "bench/anchors"))
     import cache_merge

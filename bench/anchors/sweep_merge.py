@@ -54,6 +54,9 @@ def merge(docs: list[dict], names: list[str], raw_dir: str = "") -> dict:
             row["offload_weights_gib"] = statistics.median(r["offload"]["weights_bytes"] for r in ours) / GIB
             row["verdicts"] = sorted({str(r["offload"]["diagnosis"]["verdict"]) for r in ours})
             row["plan"] = ours[0]["offload"]["plan"]
+            # Each process chose its own plan: its depth and the blocks it kept.
+            row["depths"] = [r["offload"]["plan"]["depth"] for r in ours]
+            row["kept_blocks"] = [len(r["offload"]["plan"]["resident_blocks"]) for r in ours]
         for mode in ("block_stream", "leaf_stream"):
             done = [r[mode] for r in ok if mode in r and "error" not in r[mode]]
             if done:

@@ -795,8 +795,9 @@ pub fn sweep_table(results: &Path) -> Result<Option<String>, String> {
          and measured in one process with resident and diffusers' group offloading on the same object) on an {} at commit \
          `{}`; {} process files (raw, in `{}/`: `{}`), each model in 3 of them; each figure the median of the processes' medians \
          with [min, max]; the bound is `max(resident step, streamed bytes ÷ pinned bandwidth probed in the same process)`, \
-         the ratio the median of the per-process ratios. *verdict*: `Offloaded.diagnose()` on a traced step after the \
-         timed ones.\n\n",
+         the ratio the median of the per-process ratios. *depth*: the depth each process's automatic plan chose, and the \
+         blocks it kept resident where it kept any. *verdict*: `Offloaded.diagnose()` on a traced step after the timed \
+         ones.\n\n",
         d["gpu"].as_str().unwrap_or("?"),
         d["commit"].as_str().unwrap_or("?"),
         d["processes"],
@@ -829,13 +830,32 @@ pub fn sweep_table(results: &Path) -> Result<Option<String>, String> {
             span(&r["ratio"], 3),
             best,
             f(&r["ours_over_diffusers"]["median"]),
-            r["plan"]["depth"],
+            plans(r),
             list(&r["verdicts"]).replace("None", "at its bound"),
             yes(&r["bitwise_equal"]),
             if failed.is_empty() { "yes".to_owned() } else { format!("no ({})", failed.join(", ").replace('_', " ")) }
         );
     }
     Ok(Some(md))
+}
+
+/// A sweep row's depth cell: the depth its processes chose ("1", or "1, 2, 1"
+/// where they differ), then the blocks they kept resident where any kept
+/// ("kept 28", or "kept 0, 20, 20"); files merged before the per-process
+/// fields existed give the first process's depth.
+fn plans(r: &Value) -> String {
+    let all = |v: &Value| -> Vec<u64> { v.as_array().into_iter().flatten().filter_map(Value::as_u64).collect() };
+    let same = |xs: &[u64]| xs.windows(2).all(|w| w[0] == w[1]);
+    let join = |xs: &[u64]| if same(xs) { xs[0].to_string() } else { xs.iter().map(u64::to_string).collect::<Vec<_>>().join(", ") };
+    let depths = all(&r["depths"]);
+    if depths.is_empty() {
+        return r["plan"]["depth"].to_string();
+    }
+    let kept = all(&r["kept_blocks"]);
+    match kept.iter().any(|&k| k > 0) {
+        true => format!("{}; kept {}", join(&depths), join(&kept)),
+        false => join(&depths),
+    }
 }
 
 /// `README.md` with its generated block replaced by `tables`.

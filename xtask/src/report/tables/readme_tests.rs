@@ -379,3 +379,14 @@ fn a_cache_loop_file_becomes_its_table() {
         "{md}"
     );
 }
+
+#[test]
+fn a_sweep_rows_depth_cell_names_each_processs_depth_and_kept_blocks() {
+    let row = |depths: serde_json::Value, kept: serde_json::Value| serde_json::json!({"plan": {"depth": 1}, "depths": depths, "kept_blocks": kept});
+    assert_eq!(plans(&row(serde_json::json!([1, 1, 1]), serde_json::json!([0, 0, 0]))), "1");
+    assert_eq!(plans(&row(serde_json::json!([1, 2, 1]), serde_json::json!([0, 0, 0]))), "1, 2, 1");
+    assert_eq!(plans(&row(serde_json::json!([1, 1, 1]), serde_json::json!([28, 28, 28]))), "1; kept 28");
+    assert_eq!(plans(&row(serde_json::json!([1, 1, 1]), serde_json::json!([0, 20, 20]))), "1; kept 0, 20, 20");
+    // A file merged before the per-process fields: the first process's depth.
+    assert_eq!(plans(&serde_json::json!({"plan": {"depth": 2}})), "2");
+}

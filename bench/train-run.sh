@@ -8,9 +8,11 @@
 # (train_step.py --attention): bitwise equality needs a backward that sums in a
 # fixed order, and torch 2.11's default one gave a resident Flux backward an
 # illegal address on the H100 (bench/anchors/sdpa_probe.py names which backend).
-# Wan 14B's 32760 tokens would need ~85 GB for math attention's scores: it runs
-# under flash attention, and its gradients are judged against the resident
-# run's own spread where its backward does not repeat itself.
+# Math attention keeps each layer's scores for the backward: Wan 14B's 32760
+# tokens would need ~85 GB for one layer's, and Flux-dev without checkpointing
+# ~58 GB over its 57 layers; those rows run under flash or memory-efficient
+# attention, their gradients judged against the resident run's own spread
+# where its backward does not repeat itself.
 # Needs the wheels in .whl (`cargo xtask wheel`) and the registry
 # (.bundle/registry.json, `cargo xtask gpu-bundle --python`).
 set -uo pipefail
@@ -23,18 +25,19 @@ fi
 export PYTHONPATH=/tmp/site
 export OFFLOAD_COMMIT=${OFFLOAD_COMMIT:-$(cat "$R/.whl/COMMIT" 2>/dev/null)}
 [ -n "$OFFLOAD_COMMIT" ] || { echo "no .whl/COMMIT: build the wheels with cargo xtask wheel"; exit 1; }
-runs=${TRAIN_RUNS:-"flux-dev:1024:1 flux-dev:1024:0 qwen-image:1024:1 wan2.1-t2v-14b:480x832x21:1:flash"}
+runs=${TRAIN_RUNS:-"flux-dev:1024:1 flux-dev:1024:0:efficient qwen-image:1024:1 wan2.1-t2v-14b:480x832x21:1:flash"}
 for r in ${TRAIN_REPEATS:-1 2 3}; do
   for run in $runs; do
     IFS=: read -r model case ckpt attention <<< "$run"
-    f="$D/train-$model-$case-c$ckpt-r$r.json"
+    attention=${attention:-${TRAIN_ATTENTION:-math}}
+    f="$D/train-$model-$case-c$ckpt-$attention-r$r.json"
     [ -s "$f" ] && { echo "== $run r$r: kept"; continue; }
     est=${TRAIN_EST:-150}
     if [ $((SECONDS + est)) -gt "${TRAIN_DEADLINE:-560}" ]; then echo "== $run r$r: left for the next command (${SECONDS} s gone)"; continue; fi
     echo "== $run r$r (at ${SECONDS} s)"
     flag=(); [ "$ckpt" = 1 ] && flag=(--checkpointing)
     timeout $(( ${TRAIN_DEADLINE:-560} - SECONDS )) python3 "$R/bench/anchors/train_step.py" --registry "$R/.bundle/registry.json" \
-      --model "$model" --case "$case" "${flag[@]}" --attention "${attention:-${TRAIN_ATTENTION:-math}}" --out "$f" > "${f%.json}.log" 2>&1
+      --model "$model" --case "$case" "${flag[@]}" --attention "$attention" --out "$f" > "${f%.json}.log" 2>&1
     echo "   rc $? in $((SECONDS)) s"; grep -E "^(resident|offload|block_stream) " "${f%.json}.log" | cut -c1-300
   done
 done

@@ -19,7 +19,7 @@ def merge(docs: list[dict], names: list[str], raw_dir: str = "") -> dict:
     groups: dict = {}
     for d in docs:
         # Processes under another attention backend are another row, never pooled.
-        groups.setdefault((d["model"], d["case"]["name"], d["checkpointing"], d.get("attention", "default")), []).append(d)
+        groups.setdefault((d["model"], d["case"]["name"], d["checkpointing"], d.get("attention", "math" if d.get("deterministic") else "default")), []).append(d)
     rows = []
     for (model, case, ckpt, attention), runs in groups.items():
         row = {"model": model, "case": case, "checkpointing": ckpt, "attention": attention, "processes": len(runs)}

@@ -172,8 +172,9 @@ def compare(check, ref):
 
 
 def context_lost(e: BaseException) -> bool:
-    """Whether `e` is a CUDA error that leaves the process's CUDA context
-    unusable (an illegal address, a kernel's failure): no later mode can run."""
+    """Whether `e` is a CUDA error that may leave the process's CUDA context
+    unusable (an illegal address, a kernel's failure; any `AcceleratorError`,
+    erring on the side of running nothing more on it): no later mode runs."""
     text = f"{type(e).__name__}: {e}"
     return type(e).__name__ == "AcceleratorError" or "illegal memory access" in text or "EXECUTION_FAILED" in text
 
@@ -228,6 +229,10 @@ def measure(model, x, dev, args, bandwidth, modes):
             offload.disable(model)
         except Exception:
             pass
+        if context_lost(e):
+            modes["offload"]["context_lost"] = True
+            print("offload", modes["offload"]["error"], flush=True)
+            return modes
     print("offload", json.dumps({k: v for k, v in modes["offload"].items() if k not in ("traceback", "forward", "backward")})[:600], flush=True)
 
     if dev == "cuda" and "block_stream" in args.modes:
@@ -258,6 +263,8 @@ def main():
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    if args.deterministic and args.attention not in ("default", "math"):
+        ap.error("--deterministic runs math attention: give no other --attention")
     if args.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)

@@ -447,8 +447,11 @@ def group_offloaded(model, name, run) -> dict:
         remove_group_offloading(model)
     except Exception:
         pass
-    model.to("cpu")
-    torch.cuda.empty_cache()
+    try:
+        model.to("cpu")
+        torch.cuda.empty_cache()
+    except Exception as e:  # a context the mode broke: the entry still names the mode's own error
+        entry.setdefault("cleanup_error", error_entry(e)["error"])
     return entry
 
 

@@ -66,6 +66,22 @@ def test_a_reference_that_breaks_the_cuda_context_is_named_and_nothing_runs_afte
     train_step.measure(model, x, "cpu", args, None, modes)
     assert modes["resident"].get("context_lost") is True and "illegal memory access" in modes["resident"]["error"], modes
     assert "offload" not in modes, modes
+    # The package's mode breaking it is named the same way (the resident mode's
+    # two runs real, the third call the package's).
+    monkeypatch.undo()
+    real, calls = train_step.run_mode, []
+
+    def third_breaks(*a, **k):
+        calls.append(1)
+        if len(calls) == 3:
+            broken()
+        return real(*a, **k)
+
+    monkeypatch.setattr(train_step, "run_mode", third_breaks)
+    model = za.build(train_step.TINY["reference"], device="cpu")
+    modes = {}
+    train_step.measure(model, x, "cpu", args, None, modes)
+    assert "error" not in modes["resident"] and modes["offload"].get("context_lost") is True, modes
     # Any other failure of the reference is named and the other modes still run.
     monkeypatch.setattr(train_step, "run_mode", lambda *a, **k: (_ for _ in ()).throw(MemoryError("out of memory")))
     model = za.build(train_step.TINY["reference"], device="cpu")

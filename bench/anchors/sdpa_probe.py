@@ -9,6 +9,7 @@ reference does not run).
 
     python3 sdpa_probe.py OUT.json                (every backend, one process each)
     python3 sdpa_probe.py OUT.json --backend math (one backend, in this process)
+    python3 sdpa_probe.py OUT.json --device cpu   (the script's own check, at small shapes)
 """
 
 from __future__ import annotations
@@ -29,13 +30,14 @@ def entry(e: BaseException) -> dict:
     return {"error": f"{type(e).__name__}: {e}".splitlines()[0][:400]}
 
 
-def twice(fn) -> dict:
+def twice(fn, dev: str) -> dict:
     """`fn()` twice: each returns the tensors to compare; finite and bitwise equal?"""
     import torch
 
     try:
         a, b = fn(), fn()
-        torch.cuda.synchronize()
+        if dev == "cuda":
+            torch.cuda.synchronize()
         return {"finite": all(bool(torch.isfinite(t.float()).all()) for t in a + b),
                 "repeatable": all(torch.equal(x, y) for x, y in zip(a, b)),
                 "max_abs": max(float(t.float().abs().max()) for t in a)}
@@ -43,7 +45,7 @@ def twice(fn) -> dict:
         return entry(e)
 
 
-def probe(backend: str) -> dict:
+def probe(backend: str, dev: str) -> dict:
     import contextlib
 
     import torch
@@ -54,9 +56,11 @@ def probe(backend: str) -> dict:
     ctx = (lambda: contextlib.nullcontext()) if backend == "default" else (lambda: sdpa_kernel(getattr(SDPBackend, names[backend])))
     out = {"backend": backend}
 
-    # A bare attention at Flux-dev 1024²: 24 heads of 128, 4096 image + 512 text tokens.
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(1, 24, 4608, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+    # A bare attention at Flux-dev 1024²: 24 heads of 128, 4096 image + 512 text
+    # tokens (on the CPU, the script's own check, 2 heads of 64 tokens).
+    shape = (1, 24, 4608, 128) if dev == "cuda" else (1, 2, 64, 16)
+    g = torch.Generator(device=dev).manual_seed(0)
+    q, k, v = (torch.randn(*shape, device=dev, dtype=torch.bfloat16, generator=g) for _ in range(3))
 
     def bare():
         qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
@@ -65,7 +69,7 @@ def probe(backend: str) -> dict:
         o.float().square().mean().backward()
         return [qq.grad, kk.grad, vv.grad]
 
-    out["flux_dev_attention"] = twice(bare)
+    out["flux_dev_attention"] = twice(bare, dev)
 
     # A small Flux's resident LoRA step (the test's shape: 16 image, 8 text tokens).
     import train_step
@@ -74,9 +78,9 @@ def probe(backend: str) -> dict:
         import zoo_anchor as za
 
         torch.manual_seed(0)
-        model = za.build(train_step.TINY["reference"], device="cuda")
+        model = za.build(train_step.TINY["reference"], device=dev)
         train_step.add_lora(model)
-        x = za.inputs("flux-dev", train_step.TINY["cases"][0], "cuda")
+        x = za.inputs("flux-dev", train_step.TINY["cases"][0], dev)
         key = "hidden_states"
         x[key] = x[key].clone().requires_grad_(True)
         with ctx():
@@ -89,7 +93,7 @@ def probe(backend: str) -> dict:
         # The bare attention broke this process's CUDA context: nothing after it would be its own result.
         out["small_flux_lora"] = {"error": "not run: the bare attention's error broke this process's CUDA context"}
     else:
-        out["small_flux_lora"] = twice(small)
+        out["small_flux_lora"] = twice(small, dev)
     return out
 
 
@@ -97,12 +101,13 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--backend", choices=BACKENDS)
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     a = ap.parse_args()
     if a.backend:
         import torch
 
-        doc = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-               "cudnn": torch.backends.cudnn.version(), **probe(a.backend)}
+        doc = {"gpu": torch.cuda.get_device_name() if a.device == "cuda" else "none", "torch": torch.__version__,
+               "cudnn": torch.backends.cudnn.version() if a.device == "cuda" else None, **probe(a.backend, a.device)}
         with open(a.out, "w") as fh:
             json.dump(doc, fh, indent=1)
         return
@@ -113,7 +118,8 @@ def main():
             os.remove(part)  # a file of an earlier run is not this one's result
         t = time.perf_counter()
         try:
-            r = subprocess.run([sys.executable, __file__, part, "--backend", b], capture_output=True, text=True, timeout=300)
+            r = subprocess.run([sys.executable, __file__, part, "--backend", b, "--device", a.device], capture_output=True, text=True,
+                               timeout=300)
             rc, tail = r.returncode, (r.stderr.strip().splitlines() or ["no output"])[-1][:400]
         except subprocess.TimeoutExpired:
             rc, tail = None, "timed out after 300 s"

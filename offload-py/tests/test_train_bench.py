@@ -112,3 +112,38 @@ def test_the_cache_loop_bench_runs_on_the_simulated_device_and_its_merge_judges_
     assert row["bound_s"]["runs"] == [want] and row["targets"]["bitwise_equal"] and row["targets"]["same_cache_decisions"]
     d["modes"]["offload"]["same_cache_decisions"] = False
     assert cache_merge.merge([d], ["a"])["rows"][0]["targets_met"] is False
+
+
+def test_the_attention_backend_is_run_recorded_and_refused_beside_deterministic(tmp_path):
+    # The training bench under SDPA's math backend on the simulated device:
+    # recorded in its file, the modes still equal; --deterministic (math) with
+    # another backend is refused, not silently overridden.
+    out = tmp_path / "train-math.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    cmd = [sys.executable, str(ROOT / "bench/anchors/train_step.py"), "--tiny", "--device", "cpu", "--steps", "1"]
+    subprocess.run(cmd + ["--attention", "math", "--out", str(out)], check=True, capture_output=True, env=env)
+    doc = json.loads(out.read_text())
+    assert doc["attention"] == "math" and doc["modes"]["offload"]["vs_resident"]["grads_bitwise_equal"], doc["modes"]
+    refused = subprocess.run(cmd + ["--deterministic", "--attention", "flash", "--out", str(tmp_path / "x.json")],
+                             capture_output=True, text=True, env=env)
+    assert refused.returncode != 0 and "--deterministic runs math attention" in refused.stderr, refused.stderr
+
+
+def test_the_sdpa_probe_runs_each_backend_in_its_own_process_and_names_what_fails(tmp_path):
+    # The probe's own check at small shapes on the CPU (on the GPU runner it
+    # names the backend whose backward breaks a resident Flux): every backend
+    # has a row, each part either measured or its error named.
+    out = tmp_path / "sdpa.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    subprocess.run([sys.executable, str(ROOT / "bench/anchors/sdpa_probe.py"), str(out), "--device", "cpu"], check=True,
+                   capture_output=True, env=env)
+    rows = {r["backend"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"default", "cudnn", "flash", "efficient", "math"}, rows
+    for r in rows.values():
+        for part in ("flux_dev_attention", "small_flux_lora"):
+            got = r[part]
+            assert ("error" in got) != ("finite" in got), (r["backend"], part, got)
+    for part in ("flux_dev_attention", "small_flux_lora"):
+        assert rows["math"][part]["finite"] and rows["math"][part]["repeatable"], rows["math"]
+    # A backend the CPU lacks is named, not passed over.
+    assert "No viable backend" in rows["cudnn"]["flux_dev_attention"]["error"]

@@ -5,7 +5,9 @@
 # group offloading on the same object), each file kept in $D; then every file
 # so far packed into $OUT/sweep.tgz. A group whose file exists is kept; one that
 # would start past SWEEP_DEADLINE seconds (default 560) is left for the next
-# command. SWEEP_STEPS: timed steps per mode (default 3). Needs the wheels in .whl (`cargo xtask wheel`).
+# command. SWEEP_STEPS: timed steps per mode (default 3). SWEEP_ARGS: more of
+# sweep.py's options (a probe: `--depth 3`, `--tables-on-device`; give it its
+# own SWEEP_DIR, as its files are not the defaults'). Needs the wheels in .whl (`cargo xtask wheel`).
 set -uo pipefail
 R=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-/tmp/offload-out}; mkdir -p "$OUT"
@@ -27,7 +29,7 @@ for r in ${SWEEP_REPEATS:-1 2 3}; do
     est=${SWEEP_EST:-150}
     if [ $((SECONDS + est)) -gt "${SWEEP_DEADLINE:-560}" ]; then echo "== g$g r$r: left for the next command (${SECONDS} s gone)"; continue; fi
     echo "== g$g r$r $models (at ${SECONDS} s)"
-    timeout $(( ${SWEEP_DEADLINE:-560} - SECONDS )) python3 "$R/bench/anchors/sweep.py" "$f" --models "$models" --steps "${SWEEP_STEPS:-3}" > "$D/sweep-g$g-r$r.log" 2>&1
+    timeout $(( ${SWEEP_DEADLINE:-560} - SECONDS )) python3 "$R/bench/anchors/sweep.py" "$f" --models "$models" --steps "${SWEEP_STEPS:-3}" ${SWEEP_ARGS:-} > "$D/sweep-g$g-r$r.log" 2>&1
     echo "   rc $? in $((SECONDS)) s"; grep -E " offload | FAILED|block_stream|leaf_stream" "$D/sweep-g$g-r$r.log" | cut -c1-260
   done
 done

@@ -18,7 +18,13 @@ in the zoo's anchors: the resident step's activations are its peak above what
 was allocated before it; a mode's weights on the device are its steps' peak
 above the inputs, less those activations.
 
-    python3 sweep.py OUT.json [--models a,b] [--steps 3] [--device cuda|meta]
+    python3 sweep.py OUT.json [--models a,b] [--steps 3] [--device cuda|meta] [--depth N] [--tables-on-device]
+
+``--depth`` and ``--tables-on-device`` make a probe, not the defaults' sweep
+(its files say so, and ``sweep_merge.py`` refuses to pool them with the
+defaults'): the depth given to ``enable``, and the host tensors a module
+keeps in lists (Lumina2's rotary tables) put on the device before any mode,
+for every mode alike.
 
 ``--device meta`` builds every model and runs its forward on the meta device:
 a check of the classes, configs and inputs on a machine without a GPU.
@@ -184,7 +190,20 @@ def equal(a, b) -> bool:
                                                                            b.view(torch.int16) if b.dtype == torch.bfloat16 else b))
 
 
-def measure(name: str, steps: int) -> dict:
+def tables_to(m, dev) -> list[str]:
+    """The host tensors `m`'s modules keep in lists of tensors (neither
+    parameters nor buffers: Lumina2's `rope_embedder.freqs_cis`), moved to
+    `dev` (the same bits); their names."""
+    moved = []
+    for path, mod in m.named_modules():
+        for k, v in list(vars(mod).items()):
+            if isinstance(v, list) and v and all(isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in v):
+                setattr(mod, k, [t.to(dev) for t in v])
+                moved.append(f"{path}.{k}" if path else k)
+    return moved
+
+
+def measure(name: str, steps: int, depth: int | None = None, tables: bool = False) -> dict:
     import offload
 
     row = {"model": name, "class": MODELS[name][1], "library": MODELS[name][0], "config": MODELS[name][2] or "the class's defaults",
@@ -193,6 +212,8 @@ def measure(name: str, steps: int) -> dict:
     x = inputs(name, "cuda")
     base = torch.cuda.memory_allocated()
     m = build(name, "cuda")
+    if tables:
+        row["tables_on_device"] = tables_to(m, "cuda")
     try:
         stacks = offload.find_blocks(m)
     except Exception as e:  # named, never hidden
@@ -214,7 +235,7 @@ def measure(name: str, steps: int) -> dict:
         return max(0, peak - base - row["activations_bytes"])
 
     try:
-        h = offload.enable(m, device="cuda")
+        h = offload.enable(m, device="cuda", **({} if depth is None else {"depth": depth}))
         bw = h.probe_bandwidth()
         out, ts, peak, _ = timed(m, x, steps)
         met = h.metrics()
@@ -286,6 +307,8 @@ def main():
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--depth", type=int, help="the depth given to enable (a probe)")
+    ap.add_argument("--tables-on-device", action="store_true", help="host tensor lists put on the device first (a probe)")
     a = ap.parse_args()
     names = a.models.split(",")
     if a.device == "meta":
@@ -308,9 +331,11 @@ def main():
            "commit": os.environ.get("OFFLOAD_COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                                                         text=True).stdout.strip(),
            "steps": a.steps, "pid": os.getpid(), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "models": []}
+    if a.depth is not None or a.tables_on_device:
+        doc["probe"] = {"depth": a.depth, "tables_on_device": a.tables_on_device}
     for n in names:
         try:
-            doc["models"].append(measure(n, a.steps))
+            doc["models"].append(measure(n, a.steps, a.depth, a.tables_on_device))
         except Exception as e:  # the model's row names its failure; the sweep goes on
             doc["models"].append({"model": n, "error": f"{type(e).__name__}: {e}".splitlines()[0][:400],
                                   "traceback": traceback.format_exc()[-2000:]})

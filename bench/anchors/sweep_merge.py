@@ -10,6 +10,7 @@ judged from those. Nothing is typed: every number comes from the process files.
 
 from __future__ import annotations
 
+import json
 import statistics
 
 from merging import run, spread
@@ -19,6 +20,9 @@ GIB = float(1 << 30)
 
 
 def merge(docs: list[dict], names: list[str], raw_dir: str = "") -> dict:
+    probes = sorted({json.dumps(d.get("probe")) for d in docs})
+    if len(probes) > 1:
+        raise ValueError(f"the process files ran different probes ({', '.join(probes)}): merge each apart")
     order = []
     for d in docs:
         for m in d["models"]:
@@ -103,11 +107,15 @@ def merge(docs: list[dict], names: list[str], raw_dir: str = "") -> dict:
                            {"model": r["model"], "mode": mode, "step_s": m["step_s"]["median"], "bitwise_equal": m["bitwise_equal"],
                             "peak_device_bytes": int((m["weights_gib"] + r["activations_gib"]) * GIB)})
     gpus, commits = sorted({d["gpu"] for d in docs}), sorted({d["commit"] for d in docs})
-    return {"what": "the sweep of diffusers and transformers classes beyond the registry (bench/anchors/sweep.py)",
-            "date": min(d["started"] for d in docs)[:10], "commit": ", ".join(commits), "gpu": ", ".join(gpus),
-            "backend": "python (cuda)", "model": "sweep", "torch": meta["torch"], "diffusers": meta["diffusers"],
-            "transformers": meta["transformers"], "steps_per_process": meta["steps"], "processes": len(docs), "raw_dir": raw_dir, "raw": names,
-            "rows": rows, "cases": cases, "anchors": anchors}
+    out = {"what": "the sweep of diffusers and transformers classes beyond the registry (bench/anchors/sweep.py)",
+           "date": min(d["started"] for d in docs)[:10], "commit": ", ".join(commits), "gpu": ", ".join(gpus),
+           "backend": "python (cuda)", "model": "sweep", "torch": meta["torch"], "diffusers": meta["diffusers"],
+           "transformers": meta["transformers"], "steps_per_process": meta["steps"], "processes": len(docs), "raw_dir": raw_dir, "raw": names,
+           "rows": rows, "cases": cases, "anchors": anchors}
+    if meta.get("probe"):
+        # A forced depth or moved tables: not the defaults' sweep, never published as it.
+        out["probe"], out["probe_args"] = True, meta["probe"]
+    return out
 
 
 

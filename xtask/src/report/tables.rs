@@ -247,7 +247,7 @@ pub(super) fn read_json(path: &Path) -> Result<Value, String> {
     let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
     let v: Value = serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
     if v["probe"] == true {
-        return Err(format!("{}: a --probe merge (fewer than three processes): not published", path.display()));
+        return Err(format!("{}: a --probe merge (fewer than three processes, or a probe's own settings): not published", path.display()));
     }
     Ok(v)
 }

@@ -390,3 +390,15 @@ fn a_sweep_rows_depth_cell_names_each_processs_depth_and_kept_blocks() {
     // A file merged before the per-process fields: the first process's depth.
     assert_eq!(plans(&serde_json::json!({"plan": {"depth": 2}})), "2");
 }
+
+#[test]
+fn a_probe_sweep_is_not_published() {
+    let dir = std::env::temp_dir().join(format!("offload-sweep-probe-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let doc = serde_json::json!({"what": "the sweep", "probe": true, "probe_args": {"depth": 3}, "rows": []});
+    std::fs::write(dir.join("2026-12-07-python-sweep.json"), doc.to_string()).unwrap();
+    let e = sweep_table(&dir).err();
+    let _ = std::fs::remove_dir_all(&dir);
+    // Refused as every results file marked a probe is (`read_json`).
+    assert!(e.as_ref().is_some_and(|e| e.contains("--probe merge")), "a probe sweep published: {e:?}");
+}

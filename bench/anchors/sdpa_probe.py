@@ -52,8 +52,11 @@ def probe(backend: str, dev: str) -> dict:
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    names = {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
-    ctx = (lambda: contextlib.nullcontext()) if backend == "default" else (lambda: sdpa_kernel(getattr(SDPBackend, names[backend])))
+    import train_step
+
+    # The backends by the names train_step.py's --attention takes.
+    name = train_step.BACKENDS[backend]
+    ctx = (lambda: contextlib.nullcontext()) if name is None else (lambda: sdpa_kernel(getattr(SDPBackend, name)))
     out = {"backend": backend}
 
     # A bare attention at Flux-dev 1024²: 24 heads of 128, 4096 image + 512 text
@@ -72,8 +75,6 @@ def probe(backend: str, dev: str) -> dict:
     out["flux_dev_attention"] = twice(bare, dev)
 
     # A small Flux's resident LoRA step (the test's shape: 16 image, 8 text tokens).
-    import train_step
-
     def small():
         import zoo_anchor as za
 

@@ -18,13 +18,16 @@ in the zoo's anchors: the resident step's activations are its peak above what
 was allocated before it; a mode's weights on the device are its steps' peak
 above the inputs, less those activations.
 
-    python3 sweep.py OUT.json [--models a,b] [--steps 3] [--device cuda|meta] [--depth N] [--tables-on-device]
+    python3 sweep.py OUT.json [--models a,b] [--steps 3] [--device cuda|meta] [--depth N] [--tables-on-device] [--copy-beside]
 
-``--depth`` and ``--tables-on-device`` make a probe, not the defaults' sweep
-(its files say so, and ``sweep_merge.py`` refuses to pool them with the
-defaults'): the depth given to ``enable``, and the host tensors a module
-keeps in lists (Lumina2's rotary tables) put on the device before any mode,
-for every mode alike.
+``--depth``, ``--tables-on-device`` and ``--copy-beside`` make a probe, not the
+defaults' sweep (its files say so, and ``sweep_merge.py`` refuses to pool them
+with the defaults'): the depth given to ``enable``; the host tensors a module
+keeps in lists (Lumina2's rotary tables) put on the device before any mode, for
+every mode alike; and the resident step timed once more while a side stream
+copies a pinned host buffer to the device back to back for the whole timed
+span (``resident.step_copy_beside``): how much a link-rate copy alone slows
+the blocks' compute, with no package involved.
 
 ``--device meta`` builds every model and runs its forward on the meta device:
 a check of the classes, configs and inputs on a machine without a GPU.
@@ -203,7 +206,36 @@ def tables_to(m, dev) -> list[str]:
     return moved
 
 
-def measure(name: str, steps: int, depth: int | None = None, tables: bool = False) -> dict:
+def timed_copy_beside(m, x, steps: int, step_s: float) -> tuple[list[float], float]:
+    """The resident step timed while a side stream copies a 256 MiB pinned
+    host buffer to the device back to back, queued for 1.5 × the expected span
+    (warm-up included) before the first step; the timed steps and the copies'
+    rate."""
+    n = 256 << 20
+    src = torch.empty(n, dtype=torch.uint8).pin_memory()
+    dst = torch.empty(n, dtype=torch.uint8, device="cuda")
+    side = torch.cuda.Stream()
+    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with torch.cuda.stream(side):  # the rate, alone
+        t0.record()
+        for _ in range(4):
+            dst.copy_(src, non_blocking=True)
+        t1.record()
+    torch.cuda.synchronize()
+    rate = 4 * n / (t0.elapsed_time(t1) / 1e3)
+    copies = max(4, int(1.5 * (steps + 2) * step_s * rate / n) + 1)
+    with torch.cuda.stream(side):
+        for _ in range(copies):
+            dst.copy_(src, non_blocking=True)
+    _, ts, _, _ = timed(m, x, steps)
+    done = side.query()  # still copying when the last step ended: the copy covered the span
+    torch.cuda.synchronize()
+    if done:
+        raise RuntimeError(f"the side copies ({copies} of 256 MiB) ended before the timed steps did")
+    return ts, rate
+
+
+def measure(name: str, steps: int, depth: int | None = None, tables: bool = False, copy_beside: bool = False) -> dict:
     import offload
 
     row = {"model": name, "class": MODELS[name][1], "library": MODELS[name][0], "config": MODELS[name][2] or "the class's defaults",
@@ -228,6 +260,12 @@ def measure(name: str, steps: int, depth: int | None = None, tables: bool = Fals
     row["activations_bytes"] = peak - before
     row["resident"] = {"step": stats(ts), "weights_bytes": row["weight_bytes"]}
     del f
+    if copy_beside:
+        beside, rate = timed_copy_beside(m, x, steps, statistics.median(ts))
+        row["resident"]["step_copy_beside"] = stats(beside)
+        row["resident"]["copy_beside_bytes_per_s"] = rate
+        print(name, "resident", f"{statistics.median(ts):.4f} s; with a copy beside {statistics.median(beside):.4f} s "
+              f"({rate / 1e9:.1f} GB/s alone)", flush=True)
     m.to("cpu")
     torch.cuda.empty_cache()
 
@@ -309,6 +347,7 @@ def main():
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--depth", type=int, help="the depth given to enable (a probe)")
     ap.add_argument("--tables-on-device", action="store_true", help="host tensor lists put on the device first (a probe)")
+    ap.add_argument("--copy-beside", action="store_true", help="the resident step timed again beside a link-rate copy (a probe)")
     a = ap.parse_args()
     names = a.models.split(",")
     if a.device == "meta":
@@ -331,11 +370,11 @@ def main():
            "commit": os.environ.get("OFFLOAD_COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                                                         text=True).stdout.strip(),
            "steps": a.steps, "pid": os.getpid(), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "models": []}
-    if a.depth is not None or a.tables_on_device:
-        doc["probe"] = {"depth": a.depth, "tables_on_device": a.tables_on_device}
+    if a.depth is not None or a.tables_on_device or a.copy_beside:
+        doc["probe"] = {"depth": a.depth, "tables_on_device": a.tables_on_device, "copy_beside": a.copy_beside}
     for n in names:
         try:
-            doc["models"].append(measure(n, a.steps, a.depth, a.tables_on_device))
+            doc["models"].append(measure(n, a.steps, a.depth, a.tables_on_device, a.copy_beside))
         except Exception as e:  # the model's row names its failure; the sweep goes on
             doc["models"].append({"model": n, "error": f"{type(e).__name__}: {e}".splitlines()[0][:400],
                                   "traceback": traceback.format_exc()[-2000:]})

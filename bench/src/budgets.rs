@@ -53,6 +53,7 @@ pub fn cost_model(bandwidth: f64, blocks: Vec<offload_plan::BlockCost>, source: 
         non_block_bytes: 0,
         source,
         staging_buffers: offload_plan::DEFAULT_STAGING_BUFFERS,
+        step_gap_s: 0.0,
     }
 }
 

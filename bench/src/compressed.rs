@@ -442,6 +442,7 @@ mod tests {
             non_block_bytes: 0,
             source: "test".into(),
             staging_buffers: offload_plan::DEFAULT_STAGING_BUFFERS,
+            step_gap_s: 0.0,
         };
         let fast = coding_choice(&model(0.004), 2);
         assert!(fast.coded, "{fast:?}");

@@ -65,6 +65,67 @@ struct TraceEvent<'a> {
 }
 
 impl Timeline {
+    /// Where the device reached each block of forward step `step` (its first
+    /// span on the compute stream: the wait for its copy, or its compute) and
+    /// how long it computed, in the order reached.
+    fn reached(&self, step: u64) -> Vec<(&str, f64, f64)> {
+        let mut out: Vec<(&str, f64, f64)> = Vec::new();
+        for s in self.spans.iter().filter(|s| s.step == step && s.stream == "compute" && !s.backward) {
+            let (id, computed) = match (s.name.strip_prefix("wait "), s.name.strip_prefix("compute ")) {
+                (Some(id), _) => (id, 0.0),
+                (None, Some(id)) => (id, s.dur_s),
+                _ => continue,
+            };
+            match out.iter_mut().find(|(b, _, _)| *b == id) {
+                Some(e) => {
+                    e.1 = e.1.min(s.start_s);
+                    e.2 += computed;
+                }
+                None => out.push((id, s.start_s, computed)),
+            }
+        }
+        out.sort_by(|a, b| a.1.total_cmp(&b.1));
+        out
+    }
+
+    /// The blocks forward step `step` ran, in the order the device reached
+    /// them, each with its compute seconds: the order a replay of the step
+    /// runs them in (the ring's learned order, not the declaration's).
+    pub fn step_blocks(&self, step: u64) -> Vec<(String, f64)> {
+        self.reached(step).into_iter().map(|(id, _, c)| (id.to_owned(), c)).collect()
+    }
+
+    /// Device seconds between the end of forward step `step - 1`'s last block
+    /// and the moment the device reached step `step`'s first block: the
+    /// model's own work between two steps (and any wait for the host there).
+    /// `None` where either step is not on the timeline.
+    pub fn step_gap_s(&self, step: u64) -> Option<f64> {
+        let before = step.checked_sub(1)?;
+        let end = self
+            .spans
+            .iter()
+            .filter(|s| s.step == before && s.stream == "compute" && !s.backward && s.name.starts_with("compute "))
+            .map(|s| s.start_s + s.dur_s)
+            .reduce(f64::max)?;
+        let first = self.reached(step).first()?.1;
+        Some((first - end).max(0.0))
+    }
+
+    /// For each block of forward step `step`: how long before the device
+    /// reached it the host asked for it (its `acquire` mark), at least 0 —
+    /// small where the host was not ahead (the first block after a host
+    /// synchronisation), by block name.
+    pub fn ask_leads(&self, step: u64) -> Vec<(String, f64)> {
+        self.reached(step)
+            .into_iter()
+            .filter_map(|(id, at, _)| {
+                let mark = format!("acquire {id}");
+                let asked = self.host.iter().filter(|m| m.step == step && m.name == mark).map(|m| m.at_s).reduce(f64::min)?;
+                Some((id.to_owned(), (at - asked).max(0.0)))
+            })
+            .collect()
+    }
+
     /// The Chrome trace event JSON (`{"traceEvents": [...]}`, complete events,
     /// microseconds; one thread per stream).
     pub fn to_chrome_trace(&self) -> String {
@@ -100,5 +161,45 @@ impl Timeline {
     /// Total duration of spans on `stream` whose name starts with `prefix`.
     pub fn total_s(&self, stream: &str, prefix: &str) -> f64 {
         self.spans.iter().filter(|s| s.stream == stream && s.name.starts_with(prefix)).map(|s| s.dur_s).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn span(name: &str, stream: &'static str, start_s: f64, dur_s: f64, step: u64) -> Span {
+        Span { name: name.into(), stream, component: "c".into(), start_s, dur_s, step, bytes: 0, after: None, backward: false }
+    }
+
+    fn mark(name: &str, at_s: f64, step: u64) -> HostMark {
+        HostMark { name: name.into(), at_s, step }
+    }
+
+    /// Two steps of blocks declared `b.0, b.1` but run `b.1, b.0`: the order
+    /// reached, the gap between the steps and each block's ask lead.
+    #[test]
+    fn a_steps_order_gap_and_ask_leads_come_from_its_spans_and_marks() {
+        let tl = Timeline {
+            spans: vec![
+                span("compute b.1", "compute", 0.0, 1.0, 0),
+                span("compute b.0", "compute", 1.0, 1.0, 0),
+                span("copy b.1", "copy", 1.5, 0.5, 1),
+                // Step 1: the model's own work from 2.0 to 2.5, then b.1's wait and compute.
+                span("wait b.1", "compute", 2.5, 0.25, 1),
+                span("compute b.1", "compute", 2.75, 1.0, 1),
+                span("wait b.0", "compute", 3.75, 0.0, 1),
+                span("compute b.0", "compute", 3.75, 2.0, 1),
+            ],
+            host: vec![mark("acquire b.1", 2.45, 1), mark("acquire b.0", 1.0, 1), mark("acquire b.0", 0.5, 0)],
+        };
+        assert_eq!(tl.step_blocks(1), vec![("b.1".to_owned(), 1.0), ("b.0".to_owned(), 2.0)]);
+        assert!((tl.step_gap_s(1).unwrap() - 0.5).abs() < 1e-12);
+        assert_eq!(tl.step_gap_s(0), None, "no step before the first");
+        assert_eq!(tl.step_gap_s(2), None, "no step 2");
+        let leads = tl.ask_leads(1);
+        assert_eq!(leads.len(), 2);
+        assert!((leads[0].1 - 0.05).abs() < 1e-12, "{leads:?}");
+        assert!((leads[1].1 - 2.75).abs() < 1e-12, "{leads:?}");
     }
 }

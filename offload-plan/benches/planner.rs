@@ -16,6 +16,7 @@ fn planner(c: &mut Criterion) {
         non_block_bytes: 1 << 30,
         source: "bench".into(),
         staging_buffers: offload_plan::DEFAULT_STAGING_BUFFERS,
+        step_gap_s: 0.0,
     };
     c.bench_function("planner_200_blocks", |b| b.iter(|| plan(&m, 24 << 30, 2, ResidentPolicy::Auto).expect("fits")));
 }

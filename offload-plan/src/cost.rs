@@ -22,6 +22,15 @@ pub struct BlockCost {
     /// is never planned coded).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub coded: Option<CodedCost>,
+    /// How long before the device reached the block (the end of the block
+    /// before it, or of the step's gap) the host asked for it, seconds, as a
+    /// traced step measured it (`None`: early enough never to matter, the
+    /// replay's assumption where nothing was measured). The ring issues a
+    /// block's copy when the block `depth` before it is asked for, so a block
+    /// asked for late (the first of a step whose forward synchronises the host
+    /// before it) holds back the copies issued with it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ask_lead_s: Option<f64>,
 }
 
 /// What a block costs held coded for the device: both measured together.
@@ -37,7 +46,7 @@ pub struct CodedCost {
 impl BlockCost {
     /// A block of `bytes` computing for `compute_s`, with no coded form known.
     pub fn new(id: impl Into<String>, bytes: u64, compute_s: f64) -> Self {
-        BlockCost { id: id.into(), bytes, compute_s, backward_s: None, coded: None }
+        BlockCost { id: id.into(), bytes, compute_s, backward_s: None, coded: None, ask_lead_s: None }
     }
 
     /// The same block with a backward computing for `backward_s`.
@@ -66,6 +75,14 @@ pub struct CostModel {
     /// calibration does not say): what [`staging_bytes`](Self::staging_bytes) counts.
     #[serde(default = "default_staging_buffers")]
     pub staging_buffers: usize,
+    /// Device time between one step's last block and the next step's first,
+    /// seconds: the model's own work outside its blocks (embeddings, a host
+    /// synchronisation, the output's projection), measured between two traced
+    /// steps (0 where not measured). The replay puts it before each step's
+    /// first block; copies already issued run through it, and none is issued
+    /// in it.
+    #[serde(default)]
+    pub step_gap_s: f64,
 }
 
 /// Whether block `i` is resident under `resident` (a block past its end is streamed).
@@ -95,6 +112,7 @@ impl CostModel {
             non_block_bytes,
             source: "block sizes only".into(),
             staging_buffers: DEFAULT_STAGING_BUFFERS,
+            step_gap_s: 0.0,
         })
     }
 
@@ -115,6 +133,9 @@ impl CostModel {
         if !(self.bandwidth_bytes_per_s.is_finite() && self.bandwidth_bytes_per_s > 0.0) {
             return Err(bad(format!("bandwidth {} bytes/s: a finite, positive rate", self.bandwidth_bytes_per_s)));
         }
+        if !(self.step_gap_s.is_finite() && self.step_gap_s >= 0.0) {
+            return Err(bad(format!("step gap {} s: finite and at least 0", self.step_gap_s)));
+        }
         if !(1..=64).contains(&self.staging_buffers) {
             return Err(bad(format!("{} staging buffers: 1 to 64", self.staging_buffers)));
         }
@@ -132,6 +153,9 @@ impl CostModel {
                     if b.backward_s.is_some() { &b.id } else { &self.blocks[0].id },
                     if b.backward_s.is_some() { &self.blocks[0].id } else { &b.id }
                 )));
+            }
+            if let Some(t) = b.ask_lead_s.filter(|t| !(t.is_finite() && *t >= 0.0)) {
+                return Err(bad(format!("block {}: ask lead {t} s", b.id)));
             }
             if let Some(c) = b.coded.filter(|c| !(c.decode_s.is_finite() && c.decode_s >= 0.0)) {
                 return Err(bad(format!("block {}: decode time {} s", b.id, c.decode_s)));
@@ -223,8 +247,11 @@ impl CostModel {
 
     /// Predict the steady-state step time by replaying the ring's schedule over
     /// three steps: `d + 1` slots; the copy of a streamed block starts when the
-    /// copy stream is free and its slot's previous block has computed; a block
-    /// computes when the previous one has and its copy has landed. Where the
+    /// copy stream is free, its slot's previous block has computed and the
+    /// block `d` before it in streaming order has been asked for (its
+    /// [`ask_lead_s`](BlockCost::ask_lead_s) before the device reached it); a
+    /// block computes when the previous one has and its copy has landed; each
+    /// step begins with the [`step_gap_s`](Self::step_gap_s). Where the
     /// step trains, the blocks run forward, then backward in reverse order (each
     /// streamed block copied again), and a block asked for twice in a row (the
     /// last of the forward, first of the backward; the last of the backward,
@@ -268,18 +295,27 @@ impl CostModel {
         let mut compute_end = 0.0f64;
         // Compute-end times of the streamed blocks, in streaming order.
         let mut streamed_end: Vec<f64> = Vec::new();
+        // When the host asked for each streamed block, in streaming order (the
+        // ring issues copy `k` when block `k - depth` is asked for).
+        let mut asked: Vec<f64> = Vec::new();
         let mut step_ends = Vec::new();
         let mut last: Option<usize> = None;
+        let forward = self.blocks.len();
         for _step in 0..3 {
-            for &(i, t) in &order {
+            compute_end += self.step_gap_s;
+            for (at, &(i, t)) in order.iter().enumerate() {
                 let b = &self.blocks[i];
                 let again = last == Some(i) && !held(resident, i);
+                // The backward's blocks are asked for by autograd: no lead measured.
+                let lead = if at < forward { b.ask_lead_s } else { None };
+                let reached = compute_end;
                 let ready = if held(resident, i) || again {
                     0.0
                 } else {
                     let k = streamed_end.len();
                     let slot_free = if k >= slots { streamed_end[k - slots] } else { 0.0 };
-                    let start = copy_free.max(slot_free);
+                    let issued = if k >= depth.max(1) { asked[k - depth.max(1)] } else { f64::NEG_INFINITY };
+                    let start = copy_free.max(slot_free).max(issued);
                     match b.coded.filter(|_| coded) {
                         None => {
                             copy_free = start + b.bytes as f64 / self.bandwidth_bytes_per_s;
@@ -300,6 +336,7 @@ impl CostModel {
                     }
                 } else if !held(resident, i) {
                     streamed_end.push(compute_end);
+                    asked.push(lead.map_or(f64::NEG_INFINITY, |l| reached - l));
                 }
                 last = Some(i);
             }

@@ -144,6 +144,7 @@ mod tests {
             non_block_bytes: 1_000_000,
             source: "test".into(),
             staging_buffers: crate::cost::DEFAULT_STAGING_BUFFERS,
+            step_gap_s: 0.0,
         }
     }
 
@@ -169,8 +170,14 @@ mod tests {
             for k in 0..38 {
                 blocks.push(BlockCost::new(format!("single_blocks.{k}"), 270_000_000, 4.0e-3 * 270.0 / 640.0 * 1.01 * noise()));
             }
-            let m =
-                CostModel { bandwidth_bytes_per_s: 55e9, blocks, non_block_bytes: 200_000_000, source: "noisy".into(), staging_buffers: 2 };
+            let m = CostModel {
+                bandwidth_bytes_per_s: 55e9,
+                blocks,
+                non_block_bytes: 200_000_000,
+                source: "noisy".into(),
+                staging_buffers: 2,
+                step_gap_s: 0.0,
+            };
             let exact: Vec<usize> = {
                 let per = |i: usize| m.blocks[i].compute_s / m.blocks[i].bytes as f64;
                 let mut o: Vec<usize> = (0..m.blocks.len()).collect();

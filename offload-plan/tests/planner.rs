@@ -12,6 +12,7 @@ fn model(blocks: &[(u64, f64)], bw: f64, non_block: u64) -> CostModel {
         non_block_bytes: non_block,
         source: "test".into(),
         staging_buffers: offload_plan::DEFAULT_STAGING_BUFFERS,
+        step_gap_s: 0.0,
     }
 }
 
@@ -231,6 +232,7 @@ fn codable(c: f64) -> CostModel {
         non_block_bytes: 0,
         source: "test".into(),
         staging_buffers: offload_plan::DEFAULT_STAGING_BUFFERS,
+        step_gap_s: 0.0,
     }
 }
 
@@ -408,6 +410,7 @@ fn training(blocks: &[(u64, f64, f64)], bw: f64) -> CostModel {
         non_block_bytes: 0,
         source: "test".into(),
         staging_buffers: offload_plan::DEFAULT_STAGING_BUFFERS,
+        step_gap_s: 0.0,
     }
 }
 
@@ -489,4 +492,67 @@ fn a_cost_model_with_some_blocks_training_and_others_not_is_refused() {
     // Its JSON keeps the backward times.
     let m = training(&[(1_000, 1.0, 2.0); 2], 1e9);
     assert_eq!(CostModel::from_json(&m.to_json()).unwrap(), m);
+}
+
+/// Lumina2 at 1024² on the H100, as its traced steps measured it: 30 blocks of
+/// 173.8 MB at 54.9 GB/s (3.17 ms of copy each); the two context refiners
+/// run first, over the caption only (0.25 ms), then the two noise refiners and
+/// the 26 layers over the image (3.2 ms). Its forward synchronises the host
+/// (`.tolist()`) before its first block: `gap` of the model's own work between
+/// two steps, and the first block asked for only `lead` before the device
+/// reaches it (every other block, long before).
+fn lumina2_shaped(gap: f64, lead: f64) -> CostModel {
+    let mut blocks = vec![(173_800_000u64, 0.00025); 2];
+    blocks.extend(vec![(173_800_000u64, 0.0032); 28]);
+    let mut m = model(&blocks, 54.9e9, 0);
+    m.step_gap_s = gap;
+    m.blocks[0].ask_lead_s = Some(lead);
+    for b in &mut m.blocks[1..] {
+        b.ask_lead_s = Some(0.02);
+    }
+    m
+}
+
+#[test]
+fn a_first_block_asked_late_holds_back_the_copies_a_shallow_ring_issues_with_it() {
+    let none = vec![false; 30];
+    let replay = |m: &CostModel| (1..=4).map(|d| m.simulate_s(&none, d)).collect::<Vec<_>>();
+    let gap = 0.0015;
+    // Without the step's edges (nothing measured): depths 2 to 4 alike, depth
+    // 1 a little slower (the two cheap blocks' copies).
+    let blind = replay(&lumina2_shaped(0.0, 0.02));
+    assert!(blind[0] > blind[1] && (blind[1] - blind[3]).abs() < 1e-9, "{blind:?}");
+    // The first block asked for as the device gets there, after the gap: at
+    // depth 1 the copy issued with it (the second block's) waits through the
+    // gap, the link idle; deeper rings issued theirs during the step before.
+    let late = replay(&lumina2_shaped(gap, 0.0001));
+    assert!((late[0] - (blind[0] + gap)).abs() < 2e-4, "{late:?} against {blind:?}");
+    assert!(late[0] > late[1] * 1.01, "depth 1 no longer within 1 %: {late:?}");
+    for d in 1..4 {
+        assert!((late[d] - blind[d]).abs() < 1e-9, "depth {}: the copies in flight cover the gap: {late:?}", d + 1);
+    }
+    // Asked for early (the host ahead across the step's edge), the gap costs
+    // a copy-bound step nothing at any depth.
+    let early = replay(&lumina2_shaped(gap, 0.02));
+    for d in 0..4 {
+        assert!(early[d] <= blind[d] + 1e-9, "depth {}: {early:?} against {blind:?}", d + 1);
+    }
+    // The planner's rule on the late edge: depth 2, the smallest within 1 %.
+    assert_eq!(depth_within(&late, late[3], 0.01), 2);
+}
+
+#[test]
+fn a_step_gap_or_ask_lead_that_is_not_a_time_is_refused_by_name() {
+    let mut m = lumina2_shaped(f64::NAN, 0.0);
+    assert!(m.validate().unwrap_err().to_string().contains("step gap"));
+    m.step_gap_s = 0.001;
+    m.blocks[3].ask_lead_s = Some(-1.0);
+    assert!(m.validate().unwrap_err().to_string().contains("blocks.3: ask lead"));
+    m.blocks[3].ask_lead_s = None;
+    assert!(m.validate().is_ok());
+    // Saved and read back, both survive; a calibration without them reads as none.
+    let back = CostModel::from_json(&m.to_json()).unwrap();
+    assert_eq!(back, m);
+    let old = m.to_json().replace("\"step_gap_s\": 0.001", "\"step_gap_s\": 0.0");
+    assert_eq!(CostModel::from_json(&old).unwrap().step_gap_s, 0.0);
 }

@@ -551,22 +551,55 @@ impl Streamer {
         let component = self.component.clone();
         let mut held = self.held()?;
         let ring = held.ring()?;
-        let (now, model, largest, free) = with_ring!(&*ring, r => {
+        let (now, model, largest, free, late_first) = with_ring!(&*ring, r => {
             let Some(d) = r.diagnose(None) else {
                 return Err(error(format!("component {component:?}: no traced step to choose a depth from")));
             };
-            let traced = r.timeline().map(|t| compute_medians(t, false)).unwrap_or_default();
+            // The diagnosed step, in the order the device ran its blocks, with
+            // its edges: the gap since the step before (traced too: the
+            // timeline starts at `enable` when the depth is the package's to
+            // choose) and how long before the device reached each block the
+            // host asked for it.
+            let (order, gap, leads) = match r.timeline() {
+                Some(t) => {
+                    let step = t.spans.iter().filter(|s| s.stream == "compute" && !s.backward).map(|s| s.step).max().unwrap_or(0);
+                    (t.step_blocks(step), t.step_gap_s(step).unwrap_or(0.0), t.ask_leads(step))
+                }
+                None => (Vec::new(), 0.0, Vec::new()),
+            };
             let bandwidth = if d.copy_s > 0.0 { d.copy_bytes as f64 / d.copy_s } else { 0.0 };
-            let blocks = r.store().blocks().iter().map(|b| {
+            let store = r.store().blocks();
+            let cost = |id: &str, t: f64| {
+                let bytes = store.iter().find(|b| b.id.to_string() == id).map_or(0, |b| b.link_bytes() as u64);
+                let mut c = offload_plan::BlockCost::new(id, bytes, t);
+                c.ask_lead_s = leads.iter().find(|(b, _)| b == id).map(|(_, l)| *l);
+                c
+            };
+            let mut blocks: Vec<offload_plan::BlockCost> = order.iter().map(|(id, t)| cost(id, *t)).collect();
+            // A block the step did not run (a cache skipped it) computes nothing.
+            for b in store {
                 let id = b.id.to_string();
-                // A block the step did not run (a cache skipped it) computes nothing.
-                let t = traced.get(&id).copied().unwrap_or(0.0);
-                offload_plan::BlockCost::new(id, b.link_bytes() as u64, t)
-            }).collect();
-            let largest = r.store().blocks().iter().map(|b| b.bytes() as u64).max().unwrap_or(0);
+                if !order.iter().any(|(o, _)| *o == id) {
+                    blocks.push(cost(&id, 0.0));
+                }
+            }
+            // On a backend whose compute runs on the host (the simulated
+            // device) the host is never ahead: its leads say nothing of a sync.
+            let late_first = match (order.first(), leads.first()) {
+                (Some((first, _)), Some((led, lead))) if first == led && *lead < gap && !r.backend().compute_on_host() => Some(*lead),
+                _ => None,
+            };
+            let largest = store.iter().map(|b| b.bytes() as u64).max().unwrap_or(0);
             let free = r.backend().memory_info().map(|m| m.free).ok();
-            let model = offload_plan::CostModel { bandwidth_bytes_per_s: bandwidth, blocks, non_block_bytes: 0, source: format!("component {component:?}, a traced step"), staging_buffers: offload_plan::DEFAULT_STAGING_BUFFERS };
-            (r.depth(), model, largest, free)
+            let model = offload_plan::CostModel {
+                bandwidth_bytes_per_s: bandwidth,
+                blocks,
+                non_block_bytes: 0,
+                source: format!("component {component:?}, a traced step"),
+                staging_buffers: offload_plan::DEFAULT_STAGING_BUFFERS,
+                step_gap_s: gap,
+            };
+            (r.depth(), model, largest, free, late_first)
         });
         if model.bandwidth_bytes_per_s <= 0.0 {
             let why = "depth kept: the traced step copied nothing".to_owned();
@@ -579,6 +612,23 @@ impl Streamer {
         let predicted: Vec<f64> = (1..=top).map(|d| model.simulate_s(&none, d)).collect();
         let best = predicted.iter().copied().fold(f64::INFINITY, f64::min);
         let mut depth = predicted.iter().position(|p| *p <= best * 1.01).map_or(now, |i| i + 1);
+        // A step whose first block the host asks for only as the device gets
+        // there (a forward that synchronises the host before its first block)
+        // with a gap of the model's own work before it: what the model does
+        // in the gap (its own host-to-device copies, queued behind the ring's
+        // copies in flight) the replay does not see. One block more copied
+        // ahead keeps the link busy through it (Lumina2 on an H100: 1.019 ×
+        // its bound at depth 2, 1.000 at depth 3; bench/NOTES.md).
+        let mut edge = String::new();
+        if let Some(lead) = late_first.filter(|_| model.step_gap_s >= 0.01 * best && depth < top) {
+            depth += 1;
+            edge = format!(
+                "; one deeper for the step's edge: {:.2} ms of the model's own work before the first block, which the host asked \
+                 for only {:.2} ms before the device got there",
+                model.step_gap_s * 1e3,
+                lead * 1e3
+            );
+        }
         let mut memory = String::new();
         if let Some(free) = free {
             while depth > now && (depth - now) as u64 * largest > free / 4 {
@@ -592,7 +642,7 @@ impl Streamer {
         let list = predicted.iter().enumerate().map(|(i, p)| format!("{}: {p:.4} s", i + 1)).collect::<Vec<_>>().join(", ");
         let mut why = format!(
             "depth {depth}, chosen from a traced step: its blocks' compute ({:.4} s) and copies ({:.2} GiB at {:.1} GB/s) replayed \
-             at each depth predict {list}; the smallest depth within 1 % of the shortest{memory}",
+             at each depth predict {list}; the smallest depth within 1 % of the shortest{edge}{memory}",
             model.compute_s(),
             model.blocks.iter().map(|b| b.bytes).sum::<u64>() as f64 / (1u64 << 30) as f64,
             model.bandwidth_bytes_per_s / 1e9
@@ -666,7 +716,7 @@ impl Streamer {
                 let cost = offload_plan::BlockCost::new(id, b.bytes() as u64, t);
                 blocks.push(match back { Some(s) => cost.with_backward(s), None => cost });
             }
-            offload_plan::CostModel { bandwidth_bytes_per_s: bandwidth, blocks, non_block_bytes: 0, source: format!("component {component:?}"), staging_buffers: offload_plan::DEFAULT_STAGING_BUFFERS }
+            offload_plan::CostModel { bandwidth_bytes_per_s: bandwidth, blocks, non_block_bytes: 0, source: format!("component {component:?}"), staging_buffers: offload_plan::DEFAULT_STAGING_BUFFERS, step_gap_s: 0.0 }
         });
         Ok(model.to_json())
     }

@@ -244,6 +244,56 @@ def test_a_copy_bound_ring_keeps_depth_one(sim_link):
     offload.disable(model)
 
 
+class _SyncsFirst(nn.Module):
+    """A forward that synchronises the host and works on it before its first
+    block, as Lumina2's does (``.tolist()``, then its embeddings)."""
+
+    def __init__(self, blocks, host_s: float):
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+        self.host_s = host_s
+
+    def forward(self, x):
+        x.sum().item()
+        time.sleep(self.host_s)
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+@NO_CUDA
+def test_cuda_a_forward_that_synchronises_before_its_first_block_gets_a_ring_one_deeper():
+    torch.manual_seed(0)
+    model = _SyncsFirst([_Work(2048, reps=2) for _ in range(8)], host_s=0.003)
+    x = torch.randn(4096, 2048, dtype=torch.bfloat16, device="cuda")
+    m = offload.enable(model, device="cuda")
+    try:
+        with torch.no_grad():
+            ref = None
+            for _ in range(3):
+                out = model(x)
+                ref = out if ref is None else ref
+        plan = m.plan()
+        assert plan["chosen_by"] == "auto" and "one deeper for the step's edge" in plan["why"], plan
+        assert plan["depth"] >= 2, plan
+        assert torch.equal(out.view(torch.int16), ref.view(torch.int16))
+    finally:
+        offload.disable(model)
+
+
+def test_on_the_simulated_device_the_steps_edge_never_deepens_the_ring(sim_link):
+    # Its compute is the host's: the host is never ahead, so a late first ask
+    # says nothing of a synchronisation (the replay alone chooses).
+    model = _SyncsFirst([_Work(2048) for _ in range(6)], host_s=0.01)
+    m = offload.enable(model, device="cpu")
+    with torch.no_grad():
+        for _ in range(3):
+            model(torch.randn(1, 2048, dtype=torch.bfloat16))
+    plan = m.plan()
+    assert plan["chosen_by"] == "auto" and "step's edge" not in plan["why"], plan
+    offload.disable(model)
+
+
 # -- the automatic plan keeps a host-bound model's blocks resident ------------
 
 

@@ -160,9 +160,11 @@ def enable(
 
     ``depth``: how many blocks ahead the copies run. Not given (and no
     ``budget_gib`` or ``calibration``), the package chooses it: it streams the
-    first step at depth 1, times the second (a wait for the device at its end),
-    replays that step at depths 1 to 4 and keeps the smallest within 1 % of the
-    fastest (:meth:`Offloaded.plan` says what it chose and why). Where that
+    first two steps at depth 1 and times them (a wait for the device at
+    ``enable``), replays the second at depths 1 to 4 with the gap between the
+    two and keeps the smallest within 1 % of the fastest, one deeper where the
+    forward asks for its first block only after synchronising the host
+    (:meth:`Offloaded.plan` says what it chose and why). Where that
     traced step was host-bound (the host needed about the device's whole step
     to issue it: Python time per block on a model whose blocks are short), the
     package also keeps blocks resident, as many as ``auto_resident_gib`` holds
@@ -229,6 +231,10 @@ def enable(
                   coded=coded, pin_budget_gib=pin_budget_gib, pageable_fallback=pageable_fallback, checkpoint=checkpoint,
                   progress=progress, calibration=calibration, keep_host_copy=keep_host_copy)
     _install(state, module, block_modules, all_params, from_file, checkpoint, keep_host_copy)
+    if auto:
+        # Timed from the first step (synchronises once, now): the depth's
+        # choice at the second step's end reads the gap between the two.
+        state._engine().enable_timeline()
     return state
 
 

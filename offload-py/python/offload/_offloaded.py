@@ -39,7 +39,7 @@ class Offloaded:
         self._last_metrics: Optional[dict] = None
         self._steps = 0
         # The depth is the package's to choose (no depth, budget or calibration
-        # given): the second step is traced, and the depth chosen at its end.
+        # given): the first two steps are traced, and the depth chosen at the second's end.
         self._auto = False
         self._traced_by_user = False
         # The device memory the automatic plan may keep host-bound blocks
@@ -213,9 +213,10 @@ class Offloaded:
     def plan(self) -> dict:
         """The plan the ring runs and why: ``{"depth": d, "resident_blocks":
         [...], "chosen_by": "given" | "budget" | "auto", "why": str}``.
-        ``"auto"`` (no ``depth`` given): the package timed its second step and
-        chose the depth from it (the replay of that step at each depth, ``why``
-        lists the predictions); until then the depth is 1 and ``why`` says the
+        ``"auto"`` (no ``depth`` given): the package timed its first two steps
+        and chose the depth from the second (the replay of that step at each
+        depth, ``why`` lists the predictions, and says where the ring was made
+        one deeper for a first block asked for late); until then the depth is 1 and ``why`` says the
         choice is pending. ``"budget"``: the planner's choice under
         ``budget_gib``; ``"given"``: what was asked."""
         depth, resident, chosen_by, why = self._engine().plan()
@@ -623,13 +624,14 @@ class Offloaded:
             self._choose_depth()
 
     def _choose_depth(self) -> None:
-        """The automatic depth: the second step timed, the depth chosen at its end
-        (training, at the end of the first forward timed: a backward's blocks
-        compute otherwise, and the depth is the forward's)."""
+        """The automatic depth: the first two steps timed (the timeline starts
+        at :func:`enable`), the depth chosen at the second's end from it and the
+        gap between the two (training, at the end of the first forward timed
+        after the first step: a backward's blocks compute otherwise, and the
+        depth is the forward's)."""
         engine = self._engine()
         if self._steps == 1:
-            engine.enable_timeline()  # synchronises once
-            return
+            return  # the first step: its last block's end is the second's gap
         if self._last_metrics is not None and self._last_metrics.get("backward"):
             return
         self._auto = False

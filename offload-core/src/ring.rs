@@ -12,7 +12,9 @@
 //! The order is learned: for every block the ring remembers which block was asked
 //! for after it last time (initially the declaration order, wrapping from the last
 //! block to the first). A request the order did not predict is a miss: served
-//! correctly, counted, and the order updated (a retrace).
+//! correctly, counted, and the order updated (a retrace). Each pass (forward,
+//! backward) learns its own order, and which pass followed it last: at the
+//! turn of a training step the blocks copied ahead are the next pass's.
 
 use crate::backend::{OffloadBackend, StreamKind};
 use crate::discovery::BlockId;
@@ -92,6 +94,14 @@ pub struct Ring<B: OffloadBackend> {
     backward: bool,
     /// The first block each pass asked for last time (forward, backward).
     first: [Option<usize>; 2],
+    /// For each pass (forward, backward), whether the pass that followed its
+    /// last end was a backward (`Some(true)`), a forward, or not seen yet: at
+    /// a pass's last block the ring copies ahead the blocks of the pass that
+    /// comes next (a training step turns from the forward's last block to the
+    /// backward's, which are still in their slots).
+    follows: [Option<bool>; 2],
+    /// The pass whose step just ended, until the next pass shows itself.
+    ended: Option<bool>,
     prev: Option<usize>,
     clock: u64,
     hooks: Vec<Box<dyn Hook>>,
@@ -289,6 +299,8 @@ impl<B: OffloadBackend> Ring<B> {
             other_next: (0..n).map(|i| (i + n.max(1) - 1) % n.max(1)).collect(),
             backward: false,
             first: [None, None],
+            follows: [None, None],
+            ended: None,
             prev: None,
             clock: 0,
             hooks: Vec::new(),
@@ -462,6 +474,54 @@ impl<B: OffloadBackend> Ring<B> {
         out
     }
 
+    /// The `count` streamed blocks expected after `from`: [`chain`](Self::chain)
+    /// within this pass, and where that wraps to the pass's first block while
+    /// the other pass followed this one last time (a training step's turn), the
+    /// other pass's blocks from its first, in its learned order, instead.
+    fn ahead(&self, from: usize, count: usize) -> Vec<usize> {
+        let (this, other) = (usize::from(self.backward), usize::from(!self.backward));
+        let turn = match (self.follows[this], self.first[this], self.first[other]) {
+            (Some(next), Some(wrap), Some(start)) if next != self.backward => Some((wrap, start)),
+            _ => None,
+        };
+        let Some((wrap, start)) = turn else { return self.chain(from, count) };
+        let mut out = Vec::with_capacity(count);
+        let mut b = from;
+        for _ in 0..self.next.len() {
+            if out.len() == count {
+                return out;
+            }
+            b = self.next[b];
+            if b == from && b != wrap {
+                return out; // the order loops back to `from` before the pass ends
+            }
+            if b == wrap {
+                break;
+            }
+            if self.streams(b) && !out.contains(&b) {
+                out.push(b);
+            }
+        }
+        if b != wrap {
+            return out;
+        }
+        // The other pass, from its first block (`from` itself is in its slot).
+        let mut c = start;
+        for _ in 0..self.other_next.len() {
+            if out.len() == count {
+                break;
+            }
+            if c != from && self.streams(c) && !out.contains(&c) {
+                out.push(c);
+            }
+            c = self.other_next[c];
+            if c == start {
+                break;
+            }
+        }
+        out
+    }
+
     /// The least recently used slot holding none of `keep`, not `except`.
     fn victim_except(&self, keep: &[usize], except: Option<usize>) -> usize {
         let candidates = self.slots.iter().enumerate().filter(|(i, s)| Some(*i) != except && s.holds.is_none_or(|b| !keep.contains(&b)));
@@ -571,7 +631,7 @@ impl<B: OffloadBackend> Ring<B> {
     }
 
     fn prefetch(&mut self, b: usize, current: usize) -> Result<()> {
-        let chain = self.chain(b, self.depth);
+        let chain = self.ahead(b, self.depth);
         for &c in &chain {
             if self.slots.iter().any(|s| s.holds == Some(c)) {
                 continue;
@@ -777,6 +837,9 @@ impl<B: OffloadBackend> Ring<B> {
         if self.breaks(Sabotage::SyncEveryBlock) {
             self.backend.synchronize()?;
         }
+        if let Some(p) = self.ended.take() {
+            self.follows[usize::from(p)] = Some(self.backward);
+        }
         match self.prev.replace(b) {
             Some(p) if self.next[p] != b => {
                 self.next[p] = b;
@@ -964,6 +1027,7 @@ impl<B: OffloadBackend> Ring<B> {
     /// Close the open step: its metrics (with the timeline's spans, where
     /// collected) moved into the totals, a new step begun.
     fn close_step(&mut self) -> Result<StepMetrics> {
+        self.ended = Some(self.backward);
         self.step.step_wall_s = self.step_started.elapsed().as_secs_f64();
         self.step_started = Instant::now();
         if let Some(disk) = &mut self.disk {

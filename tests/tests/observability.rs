@@ -196,6 +196,54 @@ fn a_ring_rebuilt_at_another_depth_serves_the_same_bytes_with_its_learned_order(
     assert!(e.to_string().contains("over the budget"), "{e}");
 }
 
+/// A training step turns at the forward's last block into the backward, which
+/// asks for the same blocks in reverse, and at the backward's last into the
+/// next forward: once the ring has seen the turns, it copies ahead the blocks
+/// the next pass asks for, not its own pass's first ones again. No prefetch is
+/// wasted, and the blocks still in their slots at a turn (`depth + 1` of them)
+/// are not copied again. A ring that only ever runs forwards keeps wrapping to
+/// its first block.
+#[test]
+fn at_a_pass_turn_the_ring_copies_ahead_the_next_passs_blocks() {
+    let model = TestModel::random(&ModelShape { stacks: vec![8], non_block: 0, ..Default::default() }, 11);
+    let backend = SimBackend::new(SimConfig::default());
+    let store = Arc::new(HostStore::build(&backend, &model.inventory, &model.tensors).unwrap());
+    let rc = resolve(&Plan::layerwise().prefetch_depth(2), std::slice::from_ref(&model.inventory)).unwrap().components.remove(0);
+    let mut ring = Ring::new(backend.clone(), store.clone(), &rc).unwrap();
+    let pass = |ring: &mut Ring<SimBackend>, backward: bool| {
+        ring.set_backward(backward).unwrap();
+        let order: Vec<usize> = if backward { (0..8).rev().collect() } else { (0..8).collect() };
+        for b in order {
+            let g = ring.block_at(b).unwrap();
+            assert_eq!(backend.read_slot(g.slot(), |m| m[..model.block_bytes(b).len()].to_vec()), model.block_bytes(b), "block {b}");
+            g.finish().unwrap();
+        }
+        ring.end_step().unwrap()
+    };
+    for iteration in 0..4 {
+        let f = pass(&mut ring, false);
+        let b = pass(&mut ring, true);
+        if iteration > 1 {
+            for m in [&f, &b] {
+                // Three slots: the last three blocks of one pass are the first
+                // three of the next, served from their slots.
+                assert_eq!((m.misses, m.wasted_prefetches, m.copies), (0, 0, 5), "iteration {iteration}:\n{m}");
+            }
+        }
+    }
+    assert!(backend.stats().violations.is_empty(), "{:?}", backend.stats().violations);
+    ring.close().unwrap();
+    // Forwards alone: each step's first blocks copied ahead at the last, as before.
+    let mut ring = Ring::new(backend.clone(), store, &rc).unwrap();
+    for step in 0..3 {
+        let m = pass(&mut ring, false);
+        if step > 0 {
+            assert_eq!((m.misses, m.wasted_prefetches, m.prefetch_hits), (0, 0, 8), "{m}");
+        }
+    }
+    ring.close().unwrap();
+}
+
 /// A backward pass asks for the blocks in reverse: it learns its own order, so
 /// after the first iteration neither pass retraces or misses, each serves its
 /// blocks' bytes, and each step's metrics say which pass it was.

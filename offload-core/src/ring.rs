@@ -13,8 +13,9 @@
 //! for after it last time (initially the declaration order, wrapping from the last
 //! block to the first). A request the order did not predict is a miss: served
 //! correctly, counted, and the order updated (a retrace). Each pass (forward,
-//! backward) learns its own order, and which pass followed it last: at the
-//! turn of a training step the blocks copied ahead are the next pass's.
+//! backward) learns its own order, and which pass follows it (where the same
+//! one did twice in a row): at the turn of a training step the blocks copied
+//! ahead are the next pass's.
 
 use crate::backend::{OffloadBackend, StreamKind};
 use crate::discovery::BlockId;
@@ -94,12 +95,18 @@ pub struct Ring<B: OffloadBackend> {
     backward: bool,
     /// The first block each pass asked for last time (forward, backward).
     first: [Option<usize>; 2],
-    /// For each pass (forward, backward), whether the pass that followed its
-    /// last end was a backward (`Some(true)`), a forward, or not seen yet: at
-    /// a pass's last block the ring copies ahead the blocks of the pass that
-    /// comes next (a training step turns from the forward's last block to the
-    /// backward's, which are still in their slots).
+    /// For each pass (forward, backward), the pass that follows its end,
+    /// where the last two ends were followed by the same one (`Some(true)`: a
+    /// backward); `None` before that, or while they alternate (gradient
+    /// accumulation's forward, forward, backward): at a pass's last block the
+    /// ring then copies ahead the blocks of the pass that comes next (a
+    /// training step turns from the forward's last block to the backward's,
+    /// which are still in their slots).
     follows: [Option<bool>; 2],
+    /// The pass that followed each pass's last end.
+    followed: [Option<bool>; 2],
+    /// The block each pass ended with last time.
+    last: [Option<usize>; 2],
     /// The pass whose step just ended, until the next pass shows itself.
     ended: Option<bool>,
     prev: Option<usize>,
@@ -300,6 +307,8 @@ impl<B: OffloadBackend> Ring<B> {
             backward: false,
             first: [None, None],
             follows: [None, None],
+            followed: [None, None],
+            last: [None, None],
             ended: None,
             prev: None,
             clock: 0,
@@ -475,37 +484,37 @@ impl<B: OffloadBackend> Ring<B> {
     }
 
     /// The `count` streamed blocks expected after `from`: [`chain`](Self::chain)
-    /// within this pass, and where that wraps to the pass's first block while
-    /// the other pass followed this one last time (a training step's turn), the
-    /// other pass's blocks from its first, in its learned order, instead.
+    /// within this pass; where the other pass follows this one
+    /// ([`follows`](Self::follows)), past the block this pass ended with last
+    /// time the other pass's blocks, from its first, in its learned order,
+    /// instead of this pass's first ones again (`from`, in its slot, left out).
     fn ahead(&self, from: usize, count: usize) -> Vec<usize> {
         let (this, other) = (usize::from(self.backward), usize::from(!self.backward));
-        let turn = match (self.follows[this], self.first[this], self.first[other]) {
-            (Some(next), Some(wrap), Some(start)) if next != self.backward => Some((wrap, start)),
-            _ => None,
+        let start = self.first[other].filter(|&s| s < self.other_next.len());
+        let (true, Some(end), Some(start)) = (self.follows[this] == Some(!self.backward), self.last[this], start) else {
+            return self.chain(from, count);
         };
-        let Some((wrap, start)) = turn else { return self.chain(from, count) };
         let mut out = Vec::with_capacity(count);
+        // This pass, up to its end.
         let mut b = from;
+        let mut ended = from == end;
         for _ in 0..self.next.len() {
-            if out.len() == count {
-                return out;
+            if ended || out.len() == count {
+                break;
             }
             b = self.next[b];
-            if b == from && b != wrap {
+            if b == from {
                 return out; // the order loops back to `from` before the pass ends
-            }
-            if b == wrap {
-                break;
             }
             if self.streams(b) && !out.contains(&b) {
                 out.push(b);
             }
+            ended = b == end;
         }
-        if b != wrap {
+        if !ended {
             return out;
         }
-        // The other pass, from its first block (`from` itself is in its slot).
+        // Then the other pass, from its first block.
         let mut c = start;
         for _ in 0..self.other_next.len() {
             if out.len() == count {
@@ -622,7 +631,7 @@ impl<B: OffloadBackend> Ring<B> {
     fn disk_reads_after(&self, b: usize) -> Vec<crate::disk::Read> {
         let Some(disk) = &self.disk else { return Vec::new() };
         let blocks = self.store.blocks();
-        self.chain(b, self.next.len())
+        self.ahead(b, self.next.len())
             .into_iter()
             .filter(|&c| blocks[c].disk_offset().is_some())
             .take(disk.bounces)
@@ -751,6 +760,7 @@ impl<B: OffloadBackend> Ring<B> {
     pub fn lend_to_keep(&mut self, stack: &str, index: usize) -> Result<()> {
         let b = self.position(stack, index)?;
         let (prev, first, retraces) = (self.prev, self.first, self.step.retraces);
+        let (ended, follows, followed) = (self.ended, self.follows, self.followed);
         let next = prev.and_then(|p| self.next.get(p).copied());
         // Nothing copied ahead of it: the blocks after a kept one are not asked
         // for now.
@@ -758,6 +768,7 @@ impl<B: OffloadBackend> Ring<B> {
         let served = self.acquire(b).map(drop);
         self.keeping = false;
         (self.prev, self.first, self.step.retraces) = (prev, first, retraces);
+        (self.ended, self.follows, self.followed) = (ended, follows, followed);
         if let (Some(p), Some(n)) = (prev, next) {
             self.next[p] = n;
         }
@@ -838,7 +849,10 @@ impl<B: OffloadBackend> Ring<B> {
             self.backend.synchronize()?;
         }
         if let Some(p) = self.ended.take() {
-            self.follows[usize::from(p)] = Some(self.backward);
+            let p = usize::from(p);
+            let now = Some(self.backward);
+            self.follows[p] = if self.followed[p] == now { now } else { None };
+            self.followed[p] = now;
         }
         match self.prev.replace(b) {
             Some(p) if self.next[p] != b => {
@@ -863,7 +877,7 @@ impl<B: OffloadBackend> Ring<B> {
                 None => {
                     self.step.misses += 1;
                     tracing::debug!(component = %self.store.component(), block = %self.store.blocks()[b].id, "miss: block fetched on demand");
-                    let keep = self.chain(b, self.depth);
+                    let keep = self.ahead(b, self.depth);
                     let s = self.victim(&keep);
                     if self.breaks(Sabotage::TrustPrediction) && self.slots[s].holds.is_some() {
                         (s, BlockSource::OnDemand)
@@ -1028,6 +1042,9 @@ impl<B: OffloadBackend> Ring<B> {
     /// collected) moved into the totals, a new step begun.
     fn close_step(&mut self) -> Result<StepMetrics> {
         self.ended = Some(self.backward);
+        if let Some(p) = self.prev {
+            self.last[usize::from(self.backward)] = Some(p);
+        }
         self.step.step_wall_s = self.step_started.elapsed().as_secs_f64();
         self.step_started = Instant::now();
         if let Some(disk) = &mut self.disk {

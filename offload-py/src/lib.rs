@@ -560,7 +560,15 @@ impl Streamer {
             // timeline starts at `enable` when the depth is the package's to
             // choose) and how long before the device reached each block the
             // host asked for it.
+            // On a backend whose compute runs on the host (the simulated
+            // device) the host is never ahead and its clock is the device's:
+            // the edges say nothing there (the order is still the step's).
+            let host = r.backend().compute_on_host();
             let (order, gap, leads) = match r.timeline() {
+                Some(t) if host => {
+                    let step = t.spans.iter().filter(|s| s.stream == "compute" && !s.backward).map(|s| s.step).max().unwrap_or(0);
+                    (t.step_blocks(step), 0.0, Vec::new())
+                }
                 Some(t) => {
                     let step = t.spans.iter().filter(|s| s.stream == "compute" && !s.backward).map(|s| s.step).max().unwrap_or(0);
                     (t.step_blocks(step), t.step_gap_s(step).unwrap_or(0.0), t.ask_leads(step))
@@ -583,10 +591,8 @@ impl Streamer {
                     blocks.push(cost(&id, 0.0));
                 }
             }
-            // On a backend whose compute runs on the host (the simulated
-            // device) the host is never ahead: its leads say nothing of a sync.
             let late_first = match (order.first(), leads.first()) {
-                (Some((first, _)), Some((led, lead))) if first == led && *lead < gap && !r.backend().compute_on_host() => Some(*lead),
+                (Some((first, _)), Some((led, lead))) if first == led && *lead < gap => Some(*lead),
                 _ => None,
             };
             let largest = store.iter().map(|b| b.bytes() as u64).max().unwrap_or(0);

@@ -240,7 +240,7 @@ def test_a_copy_bound_ring_keeps_depth_one(sim_link):
     with torch.no_grad():
         for _ in range(3):
             model(torch.randn(1, 2048, dtype=torch.bfloat16))
-    assert m.plan()["depth"] == 1 and m.plan()["chosen_by"] == "auto", m.plan()
+    assert m.plan()["depth"] == 1 and m.plan()["chosen_by"] == "auto", m.plan()["why"]
     offload.disable(model)
 
 

@@ -198,7 +198,7 @@ fn a_ring_rebuilt_at_another_depth_serves_the_same_bytes_with_its_learned_order(
 
 /// A training step turns at the forward's last block into the backward, which
 /// asks for the same blocks in reverse, and at the backward's last into the
-/// next forward: once the ring has seen the turns, it copies ahead the blocks
+/// next forward: once the ring has seen each turn twice, it copies ahead the blocks
 /// the next pass asks for, not its own pass's first ones again. No prefetch is
 /// wasted, and the blocks still in their slots at a turn (`depth + 1` of them)
 /// are not copied again. A ring that only ever runs forwards keeps wrapping to
@@ -220,10 +220,11 @@ fn at_a_pass_turn_the_ring_copies_ahead_the_next_passs_blocks() {
         }
         ring.end_step().unwrap()
     };
-    for iteration in 0..4 {
+    for iteration in 0..5 {
         let f = pass(&mut ring, false);
         let b = pass(&mut ring, true);
-        if iteration > 1 {
+        // A turn is predicted once the same pass followed twice in a row.
+        if iteration > 2 {
             for m in [&f, &b] {
                 // Three slots: the last three blocks of one pass are the first
                 // three of the next, served from their slots.
@@ -232,6 +233,16 @@ fn at_a_pass_turn_the_ring_copies_ahead_the_next_passs_blocks() {
         }
     }
     assert!(backend.stats().violations.is_empty(), "{:?}", backend.stats().violations);
+    ring.close().unwrap();
+    // Gradient accumulation (two forwards, then a backward): the pass after a
+    // forward alternates, so no turn is predicted, and no pass misses.
+    let mut ring = Ring::new(backend.clone(), store.clone(), &rc).unwrap();
+    for cycle in 0..4 {
+        let (f1, f2, b) = (pass(&mut ring, false), pass(&mut ring, false), pass(&mut ring, true));
+        if cycle > 1 {
+            assert_eq!((f1.misses, f2.misses, b.misses), (0, 0, 0), "cycle {cycle}:\n{f1}\n{f2}\n{b}");
+        }
+    }
     ring.close().unwrap();
     // Forwards alone: each step's first blocks copied ahead at the last, as before.
     let mut ring = Ring::new(backend.clone(), store, &rc).unwrap();

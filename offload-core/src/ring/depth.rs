@@ -40,7 +40,7 @@ impl<B: OffloadBackend> Ring<B> {
         let (backend, store, sabotage) = (self.backend.clone(), self.store.clone(), self.sabotage);
         let (hooks, next, total) = (std::mem::take(&mut self.hooks), self.next.clone(), self.total.clone());
         let (other_next, backward, first, outside) = (self.other_next.clone(), self.backward, self.first, self.outside.clone());
-        let (follows, ended) = (self.follows, self.ended);
+        let (follows, followed, last, ended) = (self.follows, self.followed, self.last, self.ended);
         let was = self.plan.clone();
         self.close()?;
         // Slots that cannot be had at the new depth: the ring at its old depth
@@ -58,6 +58,8 @@ impl<B: OffloadBackend> Ring<B> {
         ring.backward = backward;
         ring.first = first;
         ring.follows = follows;
+        ring.followed = followed;
+        ring.last = last;
         ring.ended = ended;
         ring.outside = outside;
         ring.total = total;

@@ -40,7 +40,7 @@ impl<B: OffloadBackend> Ring<B> {
         let s = match self.slots.iter().position(|s| s.holds == Some(f)) {
             Some(s) => s,
             None => {
-                let mut keep = self.chain(f, self.depth);
+                let mut keep = self.ahead(f, self.depth);
                 keep.push(f);
                 let s = self.victim(&keep);
                 self.load(s, f)?;

@@ -559,19 +559,15 @@ impl Streamer {
             // its edges: the gap since the step before (traced too: the
             // timeline starts at `enable` when the depth is the package's to
             // choose) and how long before the device reached each block the
-            // host asked for it.
-            // On a backend whose compute runs on the host (the simulated
-            // device) the host is never ahead and its clock is the device's:
-            // the edges say nothing there (the order is still the step's).
-            let host = r.backend().compute_on_host();
+            // host asked for it. Not on a backend whose compute runs on the
+            // host (the simulated device): its host is never ahead of its
+            // device, and the edges say nothing there.
+            let edges = !r.backend().compute_on_host();
             let (order, gap, leads) = match r.timeline() {
-                Some(t) if host => {
-                    let step = t.spans.iter().filter(|s| s.stream == "compute" && !s.backward).map(|s| s.step).max().unwrap_or(0);
-                    (t.step_blocks(step), 0.0, Vec::new())
-                }
                 Some(t) => {
                     let step = t.spans.iter().filter(|s| s.stream == "compute" && !s.backward).map(|s| s.step).max().unwrap_or(0);
-                    (t.step_blocks(step), t.step_gap_s(step).unwrap_or(0.0), t.ask_leads(step))
+                    let gap = if edges { t.step_gap_s(step).unwrap_or(0.0) } else { 0.0 };
+                    (t.step_blocks(step), gap, if edges { t.ask_leads(step) } else { Vec::new() })
                 }
                 None => (Vec::new(), 0.0, Vec::new()),
             };

@@ -4,7 +4,7 @@
 //! and the stall metrics agree with the spans.
 
 use offload_core::sim::{SimBackend, SimConfig};
-use offload_core::{resolve, HostStore, Plan, Ring};
+use offload_core::{resolve, HostStore, Plan, Ring, StepMetrics};
 use offload_tests::model::{ModelShape, TestModel};
 use std::sync::Arc;
 
@@ -196,6 +196,20 @@ fn a_ring_rebuilt_at_another_depth_serves_the_same_bytes_with_its_learned_order(
     assert!(e.to_string().contains("over the budget"), "{e}");
 }
 
+/// One pass over `model`'s blocks (a forward in order, a backward in
+/// reverse), each lent block's bytes checked, then the step's metrics.
+fn one_pass(ring: &mut Ring<SimBackend>, backend: &SimBackend, model: &TestModel, backward: bool) -> StepMetrics {
+    ring.set_backward(backward).unwrap();
+    let n = ring.len();
+    let order: Vec<usize> = if backward { (0..n).rev().collect() } else { (0..n).collect() };
+    for b in order {
+        let g = ring.block_at(b).unwrap();
+        assert_eq!(backend.read_slot(g.slot(), |m| m[..model.block_bytes(b).len()].to_vec()), model.block_bytes(b), "block {b}");
+        g.finish().unwrap();
+    }
+    ring.end_step().unwrap()
+}
+
 /// A training step turns at the forward's last block into the backward, which
 /// asks for the same blocks in reverse, and at the backward's last into the
 /// next forward: once the ring has seen each turn twice, it copies ahead the blocks
@@ -210,16 +224,7 @@ fn at_a_pass_turn_the_ring_copies_ahead_the_next_passs_blocks() {
     let store = Arc::new(HostStore::build(&backend, &model.inventory, &model.tensors).unwrap());
     let rc = resolve(&Plan::layerwise().prefetch_depth(2), std::slice::from_ref(&model.inventory)).unwrap().components.remove(0);
     let mut ring = Ring::new(backend.clone(), store.clone(), &rc).unwrap();
-    let pass = |ring: &mut Ring<SimBackend>, backward: bool| {
-        ring.set_backward(backward).unwrap();
-        let order: Vec<usize> = if backward { (0..8).rev().collect() } else { (0..8).collect() };
-        for b in order {
-            let g = ring.block_at(b).unwrap();
-            assert_eq!(backend.read_slot(g.slot(), |m| m[..model.block_bytes(b).len()].to_vec()), model.block_bytes(b), "block {b}");
-            g.finish().unwrap();
-        }
-        ring.end_step().unwrap()
-    };
+    let pass = |ring: &mut Ring<SimBackend>, backward: bool| one_pass(ring, &backend, &model, backward);
     for iteration in 0..5 {
         let f = pass(&mut ring, false);
         let b = pass(&mut ring, true);
@@ -265,16 +270,7 @@ fn a_backward_pass_learns_its_own_reverse_order_beside_the_forward() {
     let store = Arc::new(HostStore::build(&backend, &model.inventory, &model.tensors).unwrap());
     let rc = resolve(&Plan::layerwise().prefetch_depth(2), std::slice::from_ref(&model.inventory)).unwrap().components.remove(0);
     let mut ring = Ring::new(backend.clone(), store, &rc).unwrap();
-    let pass = |ring: &mut Ring<SimBackend>, backward: bool| {
-        ring.set_backward(backward).unwrap();
-        let order: Vec<usize> = if backward { (0..6).rev().collect() } else { (0..6).collect() };
-        for b in order {
-            let g = ring.block_at(b).unwrap();
-            assert_eq!(backend.read_slot(g.slot(), |m| m[..model.block_bytes(b).len()].to_vec()), model.block_bytes(b), "block {b}");
-            g.finish().unwrap();
-        }
-        ring.end_step().unwrap()
-    };
+    let pass = |ring: &mut Ring<SimBackend>, backward: bool| one_pass(ring, &backend, &model, backward);
     for iteration in 0..3 {
         let f = pass(&mut ring, false);
         let b = pass(&mut ring, true);

@@ -4,7 +4,7 @@
 //! and the stall metrics agree with the spans.
 
 use offload_core::sim::{SimBackend, SimConfig};
-use offload_core::{resolve, HostStore, Plan, Ring, StepMetrics};
+use offload_core::{resolve, HostStore, Plan, ResolvedComponent, Ring, StepMetrics};
 use offload_tests::model::{ModelShape, TestModel};
 use std::sync::Arc;
 
@@ -196,6 +196,16 @@ fn a_ring_rebuilt_at_another_depth_serves_the_same_bytes_with_its_learned_order(
     assert!(e.to_string().contains("over the budget"), "{e}");
 }
 
+/// A random model of `blocks` blocks in one stack (`seed`), its store on the
+/// simulated device and its plan at depth 2.
+fn depth_two(blocks: usize, seed: u64) -> (TestModel, SimBackend, Arc<HostStore<SimBackend>>, ResolvedComponent) {
+    let model = TestModel::random(&ModelShape { stacks: vec![blocks], non_block: 0, ..Default::default() }, seed);
+    let backend = SimBackend::new(SimConfig::default());
+    let store = Arc::new(HostStore::build(&backend, &model.inventory, &model.tensors).unwrap());
+    let rc = resolve(&Plan::layerwise().prefetch_depth(2), std::slice::from_ref(&model.inventory)).unwrap().components.remove(0);
+    (model, backend, store, rc)
+}
+
 /// One pass over `model`'s blocks (a forward in order, a backward in
 /// reverse), each lent block's bytes checked, then the step's metrics.
 fn one_pass(ring: &mut Ring<SimBackend>, backend: &SimBackend, model: &TestModel, backward: bool) -> StepMetrics {
@@ -219,10 +229,7 @@ fn one_pass(ring: &mut Ring<SimBackend>, backend: &SimBackend, model: &TestModel
 /// its first block.
 #[test]
 fn at_a_pass_turn_the_ring_copies_ahead_the_next_passs_blocks() {
-    let model = TestModel::random(&ModelShape { stacks: vec![8], non_block: 0, ..Default::default() }, 11);
-    let backend = SimBackend::new(SimConfig::default());
-    let store = Arc::new(HostStore::build(&backend, &model.inventory, &model.tensors).unwrap());
-    let rc = resolve(&Plan::layerwise().prefetch_depth(2), std::slice::from_ref(&model.inventory)).unwrap().components.remove(0);
+    let (model, backend, store, rc) = depth_two(8, 11);
     let mut ring = Ring::new(backend.clone(), store.clone(), &rc).unwrap();
     let pass = |ring: &mut Ring<SimBackend>, backward: bool| one_pass(ring, &backend, &model, backward);
     for iteration in 0..5 {
@@ -265,10 +272,7 @@ fn at_a_pass_turn_the_ring_copies_ahead_the_next_passs_blocks() {
 /// blocks' bytes, and each step's metrics say which pass it was.
 #[test]
 fn a_backward_pass_learns_its_own_reverse_order_beside_the_forward() {
-    let model = TestModel::random(&ModelShape { stacks: vec![6], non_block: 0, ..Default::default() }, 9);
-    let backend = SimBackend::new(SimConfig::default());
-    let store = Arc::new(HostStore::build(&backend, &model.inventory, &model.tensors).unwrap());
-    let rc = resolve(&Plan::layerwise().prefetch_depth(2), std::slice::from_ref(&model.inventory)).unwrap().components.remove(0);
+    let (model, backend, store, rc) = depth_two(6, 9);
     let mut ring = Ring::new(backend.clone(), store, &rc).unwrap();
     let pass = |ring: &mut Ring<SimBackend>, backward: bool| one_pass(ring, &backend, &model, backward);
     for iteration in 0..3 {

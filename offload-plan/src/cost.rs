@@ -209,32 +209,36 @@ impl CostModel {
         self.blocks.iter().map(|b| b.bytes).sum()
     }
 
-    /// The analytical bound of a plan: `max(compute, streamed bytes ÷ bandwidth)`,
-    /// the streamed bytes as [`per_step`](Self::per_step) counts them (once a
-    /// pass, less the turns' copies where the step trains). `resident[i]` says
-    /// whether block `i` is kept on the device; a block past the end of
+    /// The analytical bound of a plan at `depth`: `max(compute, streamed bytes ÷
+    /// bandwidth)`, the streamed bytes as [`per_step`](Self::per_step) counts
+    /// them (once a pass, less what stays in the ring's slots). `resident[i]`
+    /// says whether block `i` is kept on the device; a block past the end of
     /// `resident` is streamed (here and in every method taking one).
-    pub fn bound_s(&self, resident: &[bool]) -> f64 {
-        self.compute_s().max(self.per_step(resident, |b| b.bytes as f64) / self.bandwidth_bytes_per_s)
+    pub fn bound_s(&self, resident: &[bool], depth: usize) -> f64 {
+        self.compute_s().max(self.per_step(resident, depth, |b| b.bytes as f64) / self.bandwidth_bytes_per_s)
     }
 
     /// A per-block quantity (`of`: bytes, coded bytes, decode time) summed over
-    /// the copies of streamed blocks a step makes: each streamed block once a
-    /// pass; where the step trains, twice, less the two turns, whose block is
-    /// asked for twice in a row and still in its slot (the forward's last block
-    /// is the backward's first; the backward's last, the next forward's first),
-    /// where that block is streamed; a lone block, asked for again and again,
-    /// is never copied again. So a bound below every replay of the step.
-    pub fn per_step(&self, resident: &[bool], of: impl Fn(&BlockCost) -> f64) -> f64 {
-        let streamed = |i: usize| if held(resident, i) { 0.0 } else { of(&self.blocks[i]) };
-        if self.blocks.len() == 1 {
-            return 0.0; // one block, asked for again and again, stays in its slot
+    /// the copies of streamed blocks a step makes with a ring of `depth + 1`
+    /// slots: none where every streamed block fits the slots (they stay there,
+    /// asked for again and again); else each streamed block once a pass, and,
+    /// where the step trains, twice, less the blocks still in their slots at
+    /// the two turns: the forward's last `depth + 1` streamed blocks are the
+    /// backward's first, the backward's last the next forward's first. So a
+    /// bound below every replay of the step at that depth.
+    pub fn per_step(&self, resident: &[bool], depth: usize, of: impl Fn(&BlockCost) -> f64) -> f64 {
+        let streamed: Vec<f64> = (0..self.blocks.len()).filter(|&i| !held(resident, i)).map(|i| of(&self.blocks[i])).collect();
+        let slots = depth.max(1).saturating_add(1);
+        if streamed.len() <= slots {
+            return 0.0;
         }
-        let once: f64 = (0..self.blocks.len()).map(streamed).sum();
+        let once: f64 = streamed.iter().sum();
         if self.passes() == 1 {
             return once;
         }
-        (2.0 * once - streamed(0) - streamed(self.blocks.len() - 1)).max(0.0)
+        let first: f64 = streamed[..slots].iter().sum();
+        let last: f64 = streamed[streamed.len() - slots..].iter().sum();
+        (2.0 * once - first - last).max(0.0)
     }
 
     /// Device bytes for weights under a plan: `(d + 1) ×` the largest streamed
@@ -289,56 +293,63 @@ impl CostModel {
         if self.trains() {
             order.extend(self.blocks.iter().enumerate().rev().map(|(i, b)| (i, b.backward_s.unwrap_or(0.0))));
         }
-        let slots = depth.saturating_add(1);
+        let slots = depth.max(1).saturating_add(1);
         let mut copy_free = 0.0f64;
         let mut decode_free = 0.0f64;
         let mut compute_end = 0.0f64;
-        // Compute-end times of the streamed blocks, in streaming order.
-        let mut streamed_end: Vec<f64> = Vec::new();
-        // When the host asked for each streamed block, in streaming order (the
-        // ring issues copy `k` when block `k - depth` is asked for).
-        let mut asked: Vec<f64> = Vec::new();
+        // The ring's slots: the block each holds, when its copy landed (or its
+        // decode ended) and when the last block that read it computed.
+        let mut ring: Vec<(Option<usize>, f64, f64)> = vec![(None, 0.0, 0.0); slots];
+        // The streamed blocks in the order they are asked for (hits included):
+        // the block and when the host asked for it (the ring issues a copy
+        // when the block `depth` before it in this walk is asked for).
+        let mut walk: Vec<(usize, f64)> = Vec::new();
         let mut step_ends = Vec::new();
-        let mut last: Option<usize> = None;
         let forward = self.blocks.len();
         for _step in 0..3 {
             compute_end += self.step_gap_s;
             for (at, &(i, t)) in order.iter().enumerate() {
                 let b = &self.blocks[i];
-                let again = last == Some(i) && !held(resident, i);
+                if held(resident, i) {
+                    compute_end += t;
+                    continue;
+                }
                 // The backward's blocks are asked for by autograd: no lead measured.
                 let lead = if at < forward { b.ask_lead_s } else { None };
                 let reached = compute_end;
-                let ready = if held(resident, i) || again {
-                    0.0
-                } else {
-                    let k = streamed_end.len();
-                    let slot_free = if k >= slots { streamed_end[k - slots] } else { 0.0 };
-                    let issued = if k >= depth.max(1) { asked[k - depth.max(1)] } else { f64::NEG_INFINITY };
-                    let start = copy_free.max(slot_free).max(issued);
-                    match b.coded.filter(|_| coded) {
-                        None => {
-                            copy_free = start + b.bytes as f64 / self.bandwidth_bytes_per_s;
-                            copy_free
-                        }
-                        Some(c) => {
-                            copy_free = start + c.bytes as f64 / self.bandwidth_bytes_per_s;
-                            decode_free = decode_free.max(copy_free) + c.decode_s;
-                            decode_free
-                        }
+                let q = walk.len();
+                let s = match ring.iter().position(|r| r.0 == Some(i)) {
+                    // Still in its slot (asked for twice in a row, a pass's
+                    // turn, or every streamed block fitting the slots): no copy.
+                    Some(s) => s,
+                    None => {
+                        // The least recently used slot holding none of the
+                        // `depth` blocks asked for before this one.
+                        let keep: Vec<usize> = walk[q.saturating_sub(depth.max(1))..].iter().map(|w| w.0).collect();
+                        let s = (0..slots)
+                            .filter(|&s| ring[s].0.is_none_or(|h| !keep.contains(&h)))
+                            .min_by(|&a, &c| ring[a].2.total_cmp(&ring[c].2))
+                            .unwrap_or(0);
+                        let issued = if q >= depth.max(1) { walk[q - depth.max(1)].1 } else { f64::NEG_INFINITY };
+                        let start = copy_free.max(ring[s].2).max(issued);
+                        let landed = match b.coded.filter(|_| coded) {
+                            None => {
+                                copy_free = start + b.bytes as f64 / self.bandwidth_bytes_per_s;
+                                copy_free
+                            }
+                            Some(c) => {
+                                copy_free = start + c.bytes as f64 / self.bandwidth_bytes_per_s;
+                                decode_free = decode_free.max(copy_free) + c.decode_s;
+                                decode_free
+                            }
+                        };
+                        ring[s] = (Some(i), landed, 0.0);
+                        s
                     }
                 };
-                compute_end = compute_end.max(ready) + t;
-                if again {
-                    // The same slot, held longer.
-                    if let Some(e) = streamed_end.last_mut() {
-                        *e = compute_end;
-                    }
-                } else if !held(resident, i) {
-                    streamed_end.push(compute_end);
-                    asked.push(lead.map_or(f64::NEG_INFINITY, |l| reached - l));
-                }
-                last = Some(i);
+                compute_end = compute_end.max(ring[s].1) + t;
+                ring[s].2 = compute_end;
+                walk.push((i, lead.map_or(f64::NEG_INFINITY, |l| reached - l)));
             }
             step_ends.push(compute_end);
         }

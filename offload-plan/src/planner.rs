@@ -76,8 +76,8 @@ impl Choice {
         if step < self.predicted_step_s * (1.0 - CODING_GAIN) && self.device_bytes + staging <= budget {
             let streamed =
                 model.blocks.iter().zip(&self.resident).filter(|(_, r)| !**r).map(|(b, _)| b.coded.map_or(b.bytes, |c| c.bytes)).sum();
-            let decode = model.per_step(&self.resident, |b| b.coded.map_or(0.0, |c| c.decode_s));
-            let moved = model.per_step(&self.resident, |b| b.coded.map_or(b.bytes, |c| c.bytes) as f64);
+            let decode = model.per_step(&self.resident, self.depth, |b| b.coded.map_or(0.0, |c| c.decode_s));
+            let moved = model.per_step(&self.resident, self.depth, |b| b.coded.map_or(b.bytes, |c| c.bytes) as f64);
             return Choice {
                 coded: true,
                 predicted_step_s: step,
@@ -268,7 +268,7 @@ fn choice(model: &CostModel, resident: Vec<bool>, depth: usize, exact: bool) -> 
         predicted_step_s: model.simulate_s(&resident, depth),
         resident_step_s: model.compute_s(),
         streamed_bytes: model.blocks.iter().zip(&resident).filter(|(_, r)| !**r).map(|(b, _)| b.bytes).sum(),
-        bound_s: model.bound_s(&resident),
+        bound_s: model.bound_s(&resident, depth),
         resident,
         exact,
         coded: false,
@@ -287,6 +287,10 @@ fn choice(model: &CostModel, resident: Vec<bool>, depth: usize, exact: bool) -> 
 /// start before block `k − 1` has computed, so two cheap blocks in a row expose
 /// their copies. A deeper ring hides them.
 ///
+/// The depths tried stop short of a ring holding every block (at most
+/// `blocks − 2`, and 1 for two blocks or fewer): that ring never copies
+/// again, a resident model, not a streamed one.
+///
 /// `tolerance` must be finite and at least 0 and `max_depth` at least 1;
 /// anything else is an error naming the argument.
 pub fn streamed_depth(model: &CostModel, max_depth: usize, tolerance: f64) -> Result<Choice> {
@@ -299,7 +303,8 @@ pub fn streamed_depth(model: &CostModel, max_depth: usize, tolerance: f64) -> Re
     if model.blocks.is_empty() {
         return Err(Error::Plan("streamed_depth: the cost model has no blocks".into()));
     }
-    let depth = depth_within(&streamed_replays(model, max_depth), model.bound_s(&vec![false; model.blocks.len()]), tolerance);
+    let max_depth = max_depth.min(model.blocks.len().saturating_sub(2).max(1));
+    let depth = depth_within(&streamed_replays(model, max_depth), model.bound_s(&vec![false; model.blocks.len()], max_depth), tolerance);
     Ok(streamed_choice(model, depth))
 }
 
@@ -464,7 +469,7 @@ fn bound_fills(
                 continue;
             }
             let streamed_bytes = model.blocks.iter().zip(&resident).filter(|(_, r)| !**r).map(|(b, _)| b.bytes).sum();
-            let bound_s = model.bound_s(&resident);
+            let bound_s = model.bound_s(&resident, depth);
             if bound_s > prune_above + 1e-9 {
                 continue;
             }

@@ -609,7 +609,8 @@ impl Streamer {
             return Ok((now, why));
         }
         let n = model.blocks.len();
-        let top = max_depth.clamp(1, offload_core::MAX_PREFETCH_DEPTH).min(n.saturating_sub(1).max(1));
+        // Short of a ring holding every block, which would never copy again.
+        let top = max_depth.clamp(1, offload_core::MAX_PREFETCH_DEPTH).min(n.saturating_sub(2).max(1));
         let none = vec![false; n];
         let predicted: Vec<f64> = (1..=top).map(|d| model.simulate_s(&none, d)).collect();
         let best = predicted.iter().copied().fold(f64::INFINITY, f64::min);

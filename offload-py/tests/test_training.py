@@ -139,6 +139,16 @@ def test_gradient_checkpointing_over_streamed_weights_gives_the_resident_steps(d
     # copies in the backward than its blocks.
     for *_, (fwd, bwd) in streamed[1:]:
         assert bwd["copies"] <= 6 + 1, bwd
+    # The recompute that opens the backward (the last block's, before any of its
+    # weights is unpacked) is the backward's: the forward's step is the whole
+    # forward (it was that block alone, its copies left out of the step's
+    # bytes), the backward's every block twice (recompute, then backward).
+    for *_, (fwd, bwd) in streamed:
+        assert (fwd["backward"], fwd["blocks"], bwd["backward"], bwd["blocks"]) == (False, 6, True, 12), (fwd, bwd)
+    # From the third step the ring turns at each pass's end with its two slots
+    # kept: 6 - 2 copies a pass, none wasted.
+    fwd, bwd = streamed[2][3]
+    assert (fwd["copies"], bwd["copies"], fwd["wasted_prefetches"] + bwd["wasted_prefetches"]) == (4, 4, 0), (fwd, bwd)
     offload.disable(model)
 
 

@@ -386,6 +386,12 @@ class Offloaded:
         self._claim(by_block=not self._in_forward)
         if self._bound is not None or self._armed is not None:
             self._unbind()
+        if not self._in_forward and not self._backward and torch._C._current_autograd_node() is not None:
+            # A block run by autograd's pass (a checkpoint's recompute, before
+            # any weight of it is unpacked): the backward's step begins here,
+            # not after a step of the recomputed block alone.
+            if not self._begin_backward(block):
+                return False
         if id(block) in self._ran and not self._in_forward:
             self._end_step()
             if block.kept is not None:
@@ -536,17 +542,26 @@ class Offloaded:
         the backward's step ended when autograd's pass ends."""
         if self._bound is not None:
             self._unbind()
-        if not self._backward:
-            if self._ran or self._in_forward:
-                self._end_step()
-                if block.kept is not None:
-                    return  # kept resident by that step's end (the automatic plan): bound for good
-            self._claim(by_block=False)
-            self._engine().set_backward(True)
-            self._backward = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        if not self._backward and not self._begin_backward(block):
+            return  # kept resident by the forward's end (the automatic plan): bound for good
         self._ran.add(id(block))
         self._lend(block)
+
+    def _begin_backward(self, block: _Block) -> bool:
+        """Autograd's pass asks for ``block`` first: the step before it ends
+        (a forward, or blocks run since outside one), the engine switches to
+        its backward order, and the backward's step is to end with autograd's
+        pass. False where the step's end kept ``block`` resident."""
+        if self._ran or self._in_forward:
+            self._end_step()
+            if block.kept is not None:
+                return False
+        self._claim(by_block=False)
+        self._owned_by_block = False  # held until the backward's end, not a block's
+        self._engine().set_backward(True)
+        self._backward = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        return True
 
     def _end_abandoned_backward(self) -> None:
         """A backward that raised never reached its end (autograd runs its end

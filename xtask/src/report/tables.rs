@@ -809,7 +809,11 @@ pub fn sweep_table(results: &Path) -> Result<Option<String>, String> {
          | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n",
     );
     for r in d["rows"].as_array().into_iter().flatten() {
-        if let Some(e) = r["error"].as_str().filter(|_| r["offload_s"].is_null()) {
+        // A class that could not be built or measured, or that the package
+        // refused in every process (a block layout it does not recognise):
+        // a row naming the error, never figures.
+        let failure = r["error"].as_str().map(str::to_owned).or_else(|| r["offload_error"].as_str().map(|e| format!("the package: {e}")));
+        if let Some(e) = failure.filter(|_| r["offload_s"].is_null()) {
             let _ = writeln!(md, "| {} | – | – | – | – | {e} | – | – | – | – | – | no |", r["model"].as_str().unwrap_or("?"));
             continue;
         }

@@ -402,3 +402,22 @@ fn a_probe_sweep_is_not_published() {
     // Refused as every results file marked a probe is (`read_json`).
     assert!(e.as_ref().is_some_and(|e| e.contains("--probe merge")), "a probe sweep published: {e:?}");
 }
+
+#[test]
+fn a_sweep_row_the_package_refused_names_its_error_and_fails() {
+    let dir = std::env::temp_dir().join(format!("offload-sweep-refused-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let doc = serde_json::json!({"what": "the sweep", "gpu": "G", "commit": "c", "processes": 3, "raw_dir": "r", "raw": ["a.json"],
+        "rows": [
+            {"model": "odd-unet", "processes": 3, "class": "OddUNet", "case": "1024²", "resident_s": {"median": 0.1, "min": 0.1, "max": 0.1},
+             "offload_error": "OffloadError: component 'OddUNet': OddUNet has no block list (no ModuleList of two or more blocks)"},
+            {"model": "broken", "processes": 3, "error": "RuntimeError: CUDA out of memory"}]});
+    std::fs::write(dir.join("2026-12-07-python-sweep.json"), doc.to_string()).unwrap();
+    let md = sweep_table(&dir).unwrap().unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(
+        md.contains("| odd-unet | – | – | – | – | the package: OffloadError: component 'OddUNet': OddUNet has no block list (no ModuleList of two or more blocks) | – | – | – | – | – | no |"),
+        "{md}"
+    );
+    assert!(md.contains("| broken | – | – | – | – | RuntimeError: CUDA out of memory | – | – | – | – | – | no |"), "{md}");
+}

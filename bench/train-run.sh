@@ -13,6 +13,9 @@
 # ~58 GB over its 57 layers; those rows run under flash or memory-efficient
 # attention, their gradients judged against the resident run's own spread
 # where its backward does not repeat itself.
+# TRAIN_DEPTH (default 2): the ring's depth, or auto (the package's choice, from
+# a traced training step; four warm-up iterations then, and "-dauto" in each
+# file's name, as any depth but 2 is named).
 # Needs the wheels in .whl (`cargo xtask wheel`) and the registry
 # (.bundle/registry.json, `cargo xtask gpu-bundle --python`).
 set -uo pipefail
@@ -30,14 +33,17 @@ for r in ${TRAIN_REPEATS:-1 2 3}; do
   for run in $runs; do
     IFS=: read -r model case ckpt attention <<< "$run"
     attention=${attention:-${TRAIN_ATTENTION:-math}}
-    f="$D/train-$model-$case-c$ckpt-$attention-r$r.json"
+    depth=${TRAIN_DEPTH:-2}; tag=""; warm=2
+    [ "$depth" = 2 ] || tag="-d$depth"
+    [ "$depth" = auto ] && warm=4
+    f="$D/train-$model-$case-c$ckpt-$attention$tag-r$r.json"
     [ -s "$f" ] && { echo "== $run r$r: kept"; continue; }
     est=${TRAIN_EST:-150}
     if [ $((SECONDS + est)) -gt "${TRAIN_DEADLINE:-560}" ]; then echo "== $run r$r: left for the next command (${SECONDS} s gone)"; continue; fi
     echo "== $run r$r (at ${SECONDS} s)"
     flag=(); [ "$ckpt" = 1 ] && flag=(--checkpointing)
     timeout $(( ${TRAIN_DEADLINE:-560} - SECONDS )) python3 "$R/bench/anchors/train_step.py" --registry "$R/.bundle/registry.json" \
-      --model "$model" --case "$case" "${flag[@]}" --attention "$attention" --out "$f" > "${f%.json}.log" 2>&1
+      --model "$model" --case "$case" "${flag[@]}" --attention "$attention" --depth "$depth" --warmup "$warm" --out "$f" > "${f%.json}.log" 2>&1
     echo "   rc $? in $((SECONDS)) s"; grep -E "^(resident|offload|block_stream) " "${f%.json}.log" | cut -c1-300
   done
 done

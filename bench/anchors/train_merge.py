@@ -19,10 +19,12 @@ def merge(docs: list[dict], names: list[str], raw_dir: str = "") -> dict:
     groups: dict = {}
     for d in docs:
         # Processes under another attention backend are another row, never pooled.
-        groups.setdefault((d["model"], d["case"]["name"], d["checkpointing"], d.get("attention", "math" if d.get("deterministic") else "default")), []).append(d)
+        # So are processes at another depth (given, or "auto": the package's choice).
+        groups.setdefault((d["model"], d["case"]["name"], d["checkpointing"], d.get("attention", "math" if d.get("deterministic") else "default"),
+                           str(d.get("depth"))), []).append(d)
     rows = []
-    for (model, case, ckpt, attention), runs in groups.items():
-        row = {"model": model, "case": case, "checkpointing": ckpt, "attention": attention, "processes": len(runs)}
+    for (model, case, ckpt, attention, depth), runs in groups.items():
+        row = {"model": model, "case": case, "checkpointing": ckpt, "attention": attention, "depth": depth, "processes": len(runs)}
         for mode in ("resident", "offload", "block_stream"):
             ok = [r["modes"][mode] for r in runs if mode in r["modes"] and "error" not in r["modes"][mode]]
             errors = sorted({r["modes"][mode]["error"] for r in runs if mode in r["modes"] and "error" in r["modes"][mode]})
@@ -47,6 +49,8 @@ def merge(docs: list[dict], names: list[str], raw_dir: str = "") -> dict:
             row[mode] = entry
         res = [r["modes"].get("resident", {}) for r in runs]
         off = [r["modes"].get("offload", {}) for r in runs]
+        # The depth each process's ring ran at (the package's choice under "auto").
+        row["depths"] = [b["plan"]["depth"] for b in off if "plan" in b]
         if all("step" in a and "step" in b and r.get("bandwidth_bytes_per_s") for a, b, r in zip(res, off, runs)):
             bounds = [max(a["step"]["median_s"], b["bytes_per_step"] / r["bandwidth_bytes_per_s"]) for a, b, r in zip(res, off, runs)]
             row["bound_s"] = spread(bounds)

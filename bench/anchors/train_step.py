@@ -211,7 +211,7 @@ def measure(model, x, dev, args, bandwidth, modes):
     print("resident", json.dumps({k: v for k, v in modes["resident"].items() if k != "traceback"})[:400], flush=True)
 
     try:
-        h = offload.enable(model, device=dev, depth=args.depth)
+        h = offload.enable(model, device=dev, depth=None if args.depth == "auto" else int(args.depth))
         check, r = run_mode(model, x, initial, dev, args.warmup, args.steps)
         fwd, bwd = h.metrics("forward"), h.metrics("backward")
         r["bytes_per_step"] = fwd["bytes_copied"] + bwd["bytes_copied"]
@@ -255,7 +255,7 @@ def main():
     ap.add_argument("--deterministic", action="store_true")
     ap.add_argument("--attention", default="default", choices=sorted(BACKENDS),
                     help="SDPA's backend for every mode (`--deterministic` implies math)")
-    ap.add_argument("--depth", type=int, default=2)
+    ap.add_argument("--depth", default="2", help="the ring's depth, or auto (the package's choice from a traced training step)")
     ap.add_argument("--modes", default="resident,offload,block_stream")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=3)
@@ -277,7 +277,7 @@ def main():
 
     doc = {"what": "a LoRA training step (bench/anchors/train_step.py)", "model": entry["name"], "case": case,
            "checkpointing": args.checkpointing, "deterministic": args.deterministic,
-           "attention": "math" if args.deterministic else args.attention, "depth": args.depth, "rank": RANK,
+           "attention": "math" if args.deterministic else args.attention, "depth": args.depth if args.depth == "auto" else int(args.depth), "rank": RANK,
            "targets": TARGETS, "warmup": args.warmup, "steps": args.steps, "device": dev,
            "gpu": torch.cuda.get_device_name() if dev == "cuda" else "none", "torch": torch.__version__,
            "diffusers": diffusers.__version__, "peft": peft.__version__,

@@ -587,6 +587,13 @@ impl Streamer {
                     blocks.push(cost(&id, 0.0));
                 }
             }
+            // A training loop (a backward traced before this forward, every
+            // block in it): the replay runs the forward, then the backward in
+            // reverse with each block's backward time (its recompute's with it).
+            let back = r.timeline().map(last_backward_sums).unwrap_or_default();
+            if !back.is_empty() && blocks.iter().all(|b| back.contains_key(&b.id)) {
+                blocks = blocks.into_iter().map(|b| { let t = back[&b.id]; b.with_backward(t) }).collect();
+            }
             let late_first = match (order.first(), leads.first()) {
                 (Some((first, _)), Some((led, lead))) if first == led && *lead < gap => Some(*lead),
                 _ => None,
@@ -643,8 +650,9 @@ impl Streamer {
             }
         }
         let list = predicted.iter().enumerate().map(|(i, p)| format!("{}: {p:.4} s", i + 1)).collect::<Vec<_>>().join(", ");
+        let what = if model.trains() { "a traced training step (a forward, then its backward in reverse)" } else { "a traced step" };
         let mut why = format!(
-            "depth {depth}, chosen from a traced step: its blocks' compute ({:.4} s) and copies ({:.2} GiB at {:.1} GB/s) replayed \
+            "depth {depth}, chosen from {what}: its blocks' compute ({:.4} s) and copies ({:.2} GiB at {:.1} GB/s) replayed \
              at each depth predict {list}; the smallest depth within 1 % of the shortest{edge}{memory}",
             model.compute_s(),
             model.blocks.iter().map(|b| b.bytes).sum::<u64>() as f64 / (1u64 << 30) as f64,
@@ -760,6 +768,20 @@ impl Streamer {
 
 /// Each block's median compute span in a timeline's forward steps (or its
 /// backward steps: `backward`), by block name.
+/// The last traced backward step's compute seconds per block, a block's spans
+/// summed (a checkpoint's recompute and the block's backward are one block's
+/// backward time); empty where no backward was traced.
+fn last_backward_sums(tl: &offload_core::Timeline) -> std::collections::HashMap<String, f64> {
+    let mut by: std::collections::HashMap<String, f64> = Default::default();
+    let Some(step) = tl.spans.iter().filter(|s| s.backward && s.stream == "compute").map(|s| s.step).max() else { return by };
+    for s in tl.spans.iter().filter(|s| s.backward && s.step == step) {
+        if let Some(id) = s.name.strip_prefix("compute ") {
+            *by.entry(id.to_owned()).or_default() += s.dur_s;
+        }
+    }
+    by
+}
+
 fn compute_medians(tl: &offload_core::Timeline, backward: bool) -> std::collections::HashMap<String, f64> {
     let mut by: std::collections::HashMap<String, Vec<f64>> = Default::default();
     for s in tl.spans.iter().filter(|s| s.backward == backward) {

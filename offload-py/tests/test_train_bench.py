@@ -45,6 +45,12 @@ def test_the_training_bench_runs_on_the_simulated_device_and_its_merge_judges_ea
     # A row whose gradients differ is not met.
     docs[0]["modes"]["offload"]["vs_resident"]["grads_bitwise_equal"] = False
     assert train_merge.merge(docs, ["a", "b"])["rows"][0]["targets"]["gradients_equal"] is False
+    # Processes at another depth (the package's own choice here) are another
+    # row, with the depth each ran at; never pooled with the given depth's.
+    assert row["depth"] == "2" and row["depths"] == [2, 2], row
+    docs[1]["depth"] = "auto"
+    rows = train_merge.merge(docs, ["a", "b"])["rows"]
+    assert [(r["depth"], r["processes"]) for r in rows] == [("2", 1), ("auto", 1)], rows
 
 
 def test_a_reference_that_breaks_the_cuda_context_is_named_and_nothing_runs_after_it(tmp_path, monkeypatch):

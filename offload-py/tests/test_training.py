@@ -288,16 +288,18 @@ def test_a_calibration_of_traced_training_steps_has_each_blocks_backward_time_an
     offload.disable(fwd)
 
 
-def test_the_automatic_depth_of_a_training_loop_is_chosen_from_a_forward_step():
+def test_the_automatic_depth_of_a_training_loop_is_chosen_from_its_forward_and_backward():
     # The second step of a training loop is its first backward: the depth is
-    # chosen at the end of the next forward, from that forward's blocks' compute.
+    # chosen at the end of the next forward, from that forward's blocks' compute
+    # and the traced backward's, the replay running both passes (the turns'
+    # blocks kept in their slots, as the ring does).
     model = _Model()
     h = offload.enable(model, device="cpu")
     _train(model, "cpu", steps=1)
     assert h.plan()["chosen_by"] == "auto" and "until the second step ends" in h.plan()["why"], h.plan()
     _train(model, "cpu", steps=2)
     why = h.plan()["why"]
-    assert "chosen from a traced step" in why, why
+    assert "chosen from a traced training step (a forward, then its backward in reverse)" in why, why
     compute = float(why.split("compute (")[1].split(" s)")[0])
     assert compute > 0, why  # a forward's blocks computed in the traced step
     offload.disable(model)

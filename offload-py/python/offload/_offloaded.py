@@ -642,8 +642,8 @@ class Offloaded:
         """The automatic depth: the first two steps timed (the timeline starts
         at :func:`enable`), the depth chosen at the second's end from it and the
         gap between the two (training, at the end of the first forward timed
-        after the first step: a backward's blocks compute otherwise, and the
-        depth is the forward's)."""
+        after the first step, from that forward and the backward before it:
+        the replay runs both passes)."""
         engine = self._engine()
         if self._steps == 1:
             return  # the first step: its last block's end is the second's gap

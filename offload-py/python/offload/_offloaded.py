@@ -19,6 +19,13 @@ from ._blocks import _Block, _Cast, _Dequant, _Moved, _Outer, _Param, _Saved
 from ._hooks import _Compiled, _Watch, _host_tensors
 
 
+def _in_autograd_pass() -> bool:
+    """Whether autograd's engine is running a node on this thread (a
+    checkpoint's recompute in the backward); False on a torch without the query."""
+    node = getattr(torch._C, "_current_autograd_node", None)
+    return node is not None and node() is not None
+
+
 class Offloaded:
     """A module whose blocks stream through the Rust engine. Made by
     :func:`enable`; :meth:`disable` (or :func:`disable` on the module) puts it
@@ -386,7 +393,7 @@ class Offloaded:
         self._claim(by_block=not self._in_forward)
         if self._bound is not None or self._armed is not None:
             self._unbind()
-        if not self._in_forward and not self._backward and torch._C._current_autograd_node() is not None:
+        if not self._in_forward and not self._backward and _in_autograd_pass():
             # A block run by autograd's pass (a checkpoint's recompute, before
             # any weight of it is unpacked): the backward's step begins here,
             # not after a step of the recomputed block alone.

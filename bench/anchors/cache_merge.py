@@ -20,9 +20,10 @@ from merging import run, spread
 def merge(docs: list[dict], names: list[str], raw_dir: str = "") -> dict:
     groups: dict = {}
     for d in docs:
-        groups.setdefault((d["model"], d["case"]["name"]), []).append(d)
+        # Loops of another schedule, threshold or length are another row, never pooled.
+        groups.setdefault((d["model"], d["case"]["name"], d.get("schedule", "descending"), d["threshold"], d["steps"]), []).append(d)
     rows = []
-    for (model, case), runs in groups.items():
+    for (model, case, *_), runs in groups.items():
         row = {"model": model, "case": case, "processes": len(runs), "steps": runs[0]["steps"], "threshold": runs[0]["threshold"],
                "schedule": runs[0].get("schedule", "descending")}
         for mode in ("resident", "offload", "block_stream"):

@@ -293,7 +293,10 @@ impl CostModel {
         if self.trains() {
             order.extend(self.blocks.iter().enumerate().rev().map(|(i, b)| (i, b.backward_s.unwrap_or(0.0))));
         }
-        let slots = depth.max(1).saturating_add(1);
+        // More slots than streamed blocks hold nothing more (and a huge depth
+        // allocates none).
+        let streamed = (0..n).filter(|&i| !held(resident, i)).count();
+        let slots = depth.max(1).saturating_add(1).min(streamed + 1);
         let mut copy_free = 0.0f64;
         let mut decode_free = 0.0f64;
         let mut compute_end = 0.0f64;

@@ -28,8 +28,8 @@ pub use cost::{BlockCost, CodedCost, CostModel, DEFAULT_STAGING_BUFFERS};
 pub use host::{plan_host_tier, HostChoice};
 pub use offload_core::{ComponentPlan, PinFallback, Plan, ResidentPolicy, Strategy};
 pub use planner::{
-    best_bound, depth_within, plan, plan_heuristic, plan_with_coding, streamed_choice, streamed_depth, streamed_replays, Choice,
-    CODING_GAIN, EXHAUSTIVE_MAX,
+    best_bound, depth_within, depth_within_each, plan, plan_heuristic, plan_with_coding, streamed_choice, streamed_depth, streamed_replays,
+    Choice, CODING_GAIN, EXHAUSTIVE_MAX,
 };
 
 /// Why a plan could not be read or written.

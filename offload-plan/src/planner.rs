@@ -304,7 +304,11 @@ pub fn streamed_depth(model: &CostModel, max_depth: usize, tolerance: f64) -> Re
         return Err(Error::Plan("streamed_depth: the cost model has no blocks".into()));
     }
     let max_depth = max_depth.min(model.blocks.len().saturating_sub(2).max(1));
-    let depth = depth_within(&streamed_replays(model, max_depth), model.bound_s(&vec![false; model.blocks.len()], max_depth), tolerance);
+    let none = vec![false; model.blocks.len()];
+    // Each depth against its own bound: a training step's bound falls with each
+    // slot (the turns keep one more block each), a forward's does not move.
+    let bounds: Vec<f64> = (1..=max_depth).map(|d| model.bound_s(&none, d)).collect();
+    let depth = depth_within_each(&streamed_replays(model, max_depth), &bounds, tolerance);
     Ok(streamed_choice(model, depth))
 }
 
@@ -322,7 +326,15 @@ pub fn streamed_replays(model: &CostModel, max_depth: usize) -> Vec<f64> {
 /// the fastest, the smaller on a tie. What a results file's merge checks a
 /// recorded choice against. Returns 0 when `replayed` is empty.
 pub fn depth_within(replayed: &[f64], bound: f64, tolerance: f64) -> usize {
-    if let Some(i) = replayed.iter().position(|&s| s <= bound * (1.0 + tolerance) * (1.0 + 1e-12)) {
+    depth_within_each(replayed, &vec![bound; replayed.len()], tolerance)
+}
+
+/// [`depth_within`] with each depth's own bound (`bounds[i]` at depth `i + 1`,
+/// as long as `replayed`): the smallest depth whose replay is within
+/// `tolerance` of its bound, else the fastest. A training step's bound falls
+/// with each slot, a forward's stays: there the two rules agree.
+pub fn depth_within_each(replayed: &[f64], bounds: &[f64], tolerance: f64) -> usize {
+    if let Some(i) = replayed.iter().zip(bounds).position(|(&s, &b)| s <= b * (1.0 + tolerance) * (1.0 + 1e-12)) {
         return i + 1;
     }
     let mut best = 0;

@@ -566,3 +566,53 @@ fn a_step_gap_or_ask_lead_that_is_not_a_time_is_refused_by_name() {
     let old = m.to_json().replace("\"step_gap_s\": 0.001", "\"step_gap_s\": 0.0");
     assert_eq!(CostModel::from_json(&old).unwrap().step_gap_s, 0.0);
 }
+
+#[test]
+fn a_training_steps_depth_is_the_smallest_that_reaches_its_own_bound() {
+    // Copy-bound, no compute, eight blocks: each slot more keeps one more block
+    // at each turn, so the bound falls with the depth and every depth meets
+    // its own. The smallest is chosen (each depth costs a slot), not the
+    // deepest, which alone would meet the deepest depth's bound.
+    let m = training(&[(1_000_000_000, 0.0, 0.0); 8], 1e9);
+    for d in 1..=4 {
+        assert!((m.simulate_s(&[], d) - m.bound_s(&[], d)).abs() < 1e-9, "depth {d}");
+    }
+    assert_eq!(streamed_depth(&m, 4, 0.01).unwrap().depth, 1);
+    assert_eq!(offload_plan::depth_within_each(&[12.0, 10.0, 8.0], &[12.0, 10.0, 8.0], 0.0), 1);
+    assert_eq!(offload_plan::depth_within_each(&[13.0, 10.0, 8.0], &[12.0, 10.0, 8.0], 0.0), 2);
+}
+
+#[test]
+fn the_replay_at_an_absurd_depth_holds_only_the_slots_its_blocks_fill() {
+    // Replayed at usize::MAX, the ring holds every streamed block: nothing
+    // crosses after the first step, and no slot beyond them is made.
+    let m = training(&[(1_000_000_000, 0.5, 1.0); 3], 1e9);
+    assert!((m.simulate_s(&[], usize::MAX) - m.compute_s()).abs() < 1e-9);
+    assert_eq!(m.bound_s(&[], usize::MAX), m.compute_s());
+}
+
+#[test]
+fn an_uneven_training_steps_replay_is_never_below_its_bound_at_any_depth() {
+    // Seven uneven blocks, every resident set, depths 1 to 6: the count of the
+    // turns' kept blocks (first and last depth + 1 streamed) holds wherever the
+    // resident blocks sit, also where the kept groups overlap.
+    let blocks = [
+        (3_000_000_000u64, 0.5, 1.5),
+        (1_000_000_000, 0.2, 0.1),
+        (2_000_000_000, 1.0, 0.4),
+        (500_000_000, 0.1, 0.3),
+        (2_500_000_000, 0.3, 0.9),
+        (700_000_000, 0.05, 0.1),
+        (1_800_000_000, 0.6, 0.2),
+    ];
+    for bw in [1e8, 3e9] {
+        let m = training(&blocks, bw);
+        for mask in 0..128u32 {
+            let resident: Vec<bool> = (0..7).map(|i| mask >> i & 1 == 1).collect();
+            for depth in 1..7 {
+                let (t, b) = (m.simulate_s(&resident, depth), m.bound_s(&resident, depth));
+                assert!(t + 1e-9 >= b, "bw {bw} resident {resident:?} depth {depth}: replay {t} below bound {b}");
+            }
+        }
+    }
+}

@@ -591,6 +591,8 @@ impl Streamer {
             // block in it): the replay runs the forward, then the backward in
             // reverse with each block's backward time (its recompute's with it).
             let back = r.timeline().map(last_backward_sums).unwrap_or_default();
+            // A backward that skipped blocks (frozen ones, a cache's) is not
+            // replayed: the forward alone, as before any backward.
             if !back.is_empty() && blocks.iter().all(|b| back.contains_key(&b.id)) {
                 blocks = blocks.into_iter().map(|b| { let t = back[&b.id]; b.with_backward(t) }).collect();
             }
@@ -766,8 +768,6 @@ impl Streamer {
     }
 }
 
-/// Each block's median compute span in a timeline's forward steps (or its
-/// backward steps: `backward`), by block name.
 /// The last traced backward step's compute seconds per block, a block's spans
 /// summed (a checkpoint's recompute and the block's backward are one block's
 /// backward time); empty where no backward was traced.
@@ -782,6 +782,8 @@ fn last_backward_sums(tl: &offload_core::Timeline) -> std::collections::HashMap<
     by
 }
 
+/// Each block's median compute span in a timeline's forward steps (or its
+/// backward steps: `backward`), by block name.
 fn compute_medians(tl: &offload_core::Timeline, backward: bool) -> std::collections::HashMap<String, f64> {
     let mut by: std::collections::HashMap<String, Vec<f64>> = Default::default();
     for s in tl.spans.iter().filter(|s| s.backward == backward) {

@@ -171,9 +171,10 @@ class _Compiled:
 
     def __call__(self, *args, **kwargs):
         st, blk = self.state, self.blk
-        if blk.kept is not None:
+        if blk.kept is not None or not st._arm(blk):
+            # Kept resident (before, or by the step that arming ended): its
+            # views are bound for good, nothing to lend.
             return self.fn(*args, **kwargs)
-        st._arm(blk)
         try:
             st._lend(blk)
             return self.fn(*args, **kwargs)

@@ -52,6 +52,8 @@ fn raw(d: &Value) -> String {
 pub fn train_table(results: &Path) -> Result<Option<String>, String> {
     let Some(name) = newest(results, "-train.json")? else { return Ok(None) };
     let d = read_json(&results.join(&name))?;
+    // The file's depth (its first process's; "auto": the package's choice).
+    let depth = d["depth"].as_str().map_or_else(|| d["depth"].to_string(), str::to_owned);
     let mut md = format!(
         "`bench/results/{name}`: {} on an {} at commit `{}` (torch {}, diffusers {}, peft {}; rank {}, depth {}); {} process \
          files (raw, in `{}/`: `{}`), {} timed steps each; each figure the median of the processes' medians with [min, max]; \
@@ -65,7 +67,7 @@ pub fn train_table(results: &Path) -> Result<Option<String>, String> {
         d["diffusers"].as_str().unwrap_or("?"),
         d["peft"].as_str().unwrap_or("?"),
         d["rank"],
-        d["depth"],
+        depth,
         d["processes"],
         d["raw_dir"].as_str().unwrap_or("?"),
         raw(&d),
@@ -84,10 +86,18 @@ pub fn train_table(results: &Path) -> Result<Option<String>, String> {
         };
         let ratio = if r["ratio"].is_object() { span(&r["ratio"], 3) } else { "–".into() };
         // Every mode of a row ran under one attention backend; torch's default is not named.
-        let case = match r["attention"].as_str() {
+        let mut case = match r["attention"].as_str() {
             Some(a) if a != "default" => format!("{}, {a} attention", r["case"].as_str().unwrap_or("?")),
             _ => r["case"].as_str().unwrap_or("?").to_owned(),
         };
+        // A row at another depth than the file's names it, and each process's.
+        if let Some(own) = r["depth"].as_str().filter(|own| *own != depth) {
+            let ran: Vec<String> = r["depths"].as_array().into_iter().flatten().map(|v| v.to_string()).collect();
+            let _ = write!(case, ", depth {own}");
+            if !ran.is_empty() && !ran.iter().all(|x| x == own) {
+                let _ = write!(case, " ({})", ran.join(", "));
+            }
+        }
         let _ = writeln!(
             md,
             "| {} | {} | {} | {} | {} | {} | {} | {} / {} | {} / {} | {} | {} |",

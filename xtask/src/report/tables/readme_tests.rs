@@ -331,9 +331,14 @@ fn a_training_file_becomes_its_table_with_memory_apart_and_the_failed_mode_named
     let mut doc = serde_json::json!({"what": "a LoRA training step (bench/anchors/train_step.py)", "date": "2026-12-07", "commit": "c0",
         "gpu": "NVIDIA H100 80GB HBM3", "torch": "2.11.0", "diffusers": "0.42.1", "peft": "0.21.2", "rank": 16, "depth": 1,
         "steps_per_process": 5, "processes": 3, "raw_dir": "bench/raw/x", "raw": ["a.json", "b.json", "c.json"],
-        "rows": [row("flux-dev", true, true), row("wan", false, false)]});
+        "rows": [row("flux-dev", true, true), row("wan", false, false), row("qwen", true, true)]});
     // A row run under another attention backend than torch's default says so.
     doc["rows"][1]["attention"] = "math".into();
+    // A row at another depth than the file's (the package's own choice) says
+    // so, with each process's depth where they differ; one at the file's, not.
+    doc["rows"][0]["depth"] = "1".into();
+    doc["rows"][2]["depth"] = "auto".into();
+    doc["rows"][2]["depths"] = serde_json::json!([4, 4, 3]);
     std::fs::write(dir.join("2026-12-07-train.json"), doc.to_string()).unwrap();
     let md = readme_tables(&dir).unwrap();
     let _ = std::fs::remove_dir_all(&dir);
@@ -345,6 +350,7 @@ fn a_training_file_becomes_its_table_with_memory_apart_and_the_failed_mode_named
         ),
         "{md}"
     );
+    assert!(md.contains("depth 1); 3 process") && md.contains("| qwen | 1024, depth auto (4, 4, 3) | yes |"), "{md}");
     assert!(
         md.contains("| wan | 1024, math attention | yes |")
             && md.contains("resident not repeatable")

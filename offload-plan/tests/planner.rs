@@ -446,6 +446,19 @@ fn a_training_step_copies_each_streamed_block_again_for_the_backward_less_what_s
     assert!(f.simulate_s(&[], 4).abs() < 1e-9 && f.bound_s(&[], 4) == 0.0);
 }
 
+/// Every resident set of `m`'s blocks at each of `depths`: the replay is no
+/// shorter than the bound (the bound is a lower bound, as pruning by it needs).
+fn replay_never_below_bound(m: &CostModel, depths: std::ops::Range<usize>) {
+    let n = m.blocks.len();
+    for mask in 0..1u32 << n {
+        let resident: Vec<bool> = (0..n).map(|i| mask >> i & 1 == 1).collect();
+        for depth in depths.clone() {
+            let (t, b) = (m.simulate_s(&resident, depth), m.bound_s(&resident, depth));
+            assert!(t + 1e-9 >= b, "bw {} resident {resident:?} depth {depth}: replay {t} below bound {b}", m.bandwidth_bytes_per_s);
+        }
+    }
+}
+
 #[test]
 fn a_training_steps_replay_is_never_below_its_bound() {
     // Uneven blocks and times, copy-bound and compute-bound, every resident set
@@ -453,14 +466,7 @@ fn a_training_steps_replay_is_never_below_its_bound() {
     // bound of the replay, as the planner's pruning by bound needs.
     let blocks = [(3_000_000_000u64, 0.5, 1.5), (1_000_000_000, 0.2, 0.1), (2_000_000_000, 1.0, 0.4), (500_000_000, 0.1, 0.3)];
     for bw in [1e8, 1e9, 1e10] {
-        let m = training(&blocks, bw);
-        for mask in 0..16u32 {
-            let resident: Vec<bool> = (0..4).map(|i| mask >> i & 1 == 1).collect();
-            for depth in 1..4 {
-                let (t, b) = (m.simulate_s(&resident, depth), m.bound_s(&resident, depth));
-                assert!(t + 1e-9 >= b, "bw {bw} resident {resident:?} depth {depth}: replay {t} below bound {b}");
-            }
-        }
+        replay_never_below_bound(&training(&blocks, bw), 1..4);
     }
     // One block, forward only and training: asked for again and again, it stays
     // in its slot (the replay copies it once, in the first step).
@@ -606,13 +612,6 @@ fn an_uneven_training_steps_replay_is_never_below_its_bound_at_any_depth() {
         (1_800_000_000, 0.6, 0.2),
     ];
     for bw in [1e8, 3e9] {
-        let m = training(&blocks, bw);
-        for mask in 0..128u32 {
-            let resident: Vec<bool> = (0..7).map(|i| mask >> i & 1 == 1).collect();
-            for depth in 1..7 {
-                let (t, b) = (m.simulate_s(&resident, depth), m.bound_s(&resident, depth));
-                assert!(t + 1e-9 >= b, "bw {bw} resident {resident:?} depth {depth}: replay {t} below bound {b}");
-            }
-        }
+        replay_never_below_bound(&training(&blocks, bw), 1..7);
     }
 }

@@ -100,6 +100,9 @@ def measure(model, x, dev, args):
     scale = 1000.0 if args.model.startswith("wan") else 1.0
     modes, ref = {}, None
 
+    def run():
+        return loop(model, x, args.steps, dev, scale, args.schedule == "descending")
+
     def with_cache(fn):
         model.enable_cache(FirstBlockCacheConfig(threshold=args.threshold))
         try:
@@ -109,7 +112,7 @@ def measure(model, x, dev, args):
 
     try:
         model.to(dev)
-        r, ref = with_cache(lambda: loop(model, x, args.steps, dev, scale, args.schedule == "descending"))
+        r, ref = with_cache(run)
         modes["resident"] = r
     except Exception as e:
         modes["resident"] = za.error_entry(e)
@@ -127,7 +130,7 @@ def measure(model, x, dev, args):
     try:
         h = offload.enable(model, device=dev)
         try:
-            r, outs = with_cache(lambda: loop(model, x, args.steps, dev, scale, args.schedule == "descending"))
+            r, outs = with_cache(run)
             r["plan"] = h.plan()
             modes["offload"] = judged(r, outs)
         finally:
@@ -137,7 +140,7 @@ def measure(model, x, dev, args):
     print("offload", json.dumps({k: v for k, v in modes["offload"].items() if k not in ("traceback", "metrics")})[:600], flush=True)
 
     if dev == "cuda" and "block_stream" in args.modes:
-        modes["block_stream"] = za.group_offloaded(model, args.model, lambda: judged(*with_cache(lambda: loop(model, x, args.steps, dev, scale, args.schedule == "descending"))))
+        modes["block_stream"] = za.group_offloaded(model, args.model, lambda: judged(*with_cache(run)))
         print("block_stream", json.dumps({k: v for k, v in modes["block_stream"].items() if k not in ("traceback", "metrics")})[:400], flush=True)
     return modes
 

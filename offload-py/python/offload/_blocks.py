@@ -137,6 +137,10 @@ class _Block:
     # for good, and per tensor the view the module holds (`Offloaded._keep`).
     kept: Optional[torch.Tensor] = None
     kept_views: list = field(default_factory=list)
+    # Its bytes (the span its tensors cover in its buffer) and its place among
+    # the module's blocks: what a compiled graph's ops name it by (`_traced`).
+    nbytes: int = 0
+    at: int = -1
 
     def prepare(self) -> None:
         """Split the parameters into those bound by one strided view over the
@@ -152,6 +156,7 @@ class _Block:
         self.dtypes = tuple(dict.fromkeys(v[2] for v in self.views))
         self.eager = any(p.rewrap is not None for p in self.params)
         self.restore = [(p.owner._parameters, p.attr, p.holder) for p in self.params]
+        self.nbytes = max((p.offset + p.nbytes for p in self.params), default=0)
 
     def seal(self) -> None:
         """Record every placeholder as it is now, once the module is offloaded.

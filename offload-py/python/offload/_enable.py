@@ -542,6 +542,8 @@ def _install(state: Offloaded, module: nn.Module, block_modules: list, all_param
                 owner._buffers[attr] = placed[id(buf)]
         for child, blk in block_modules:
             blk.seal()
+            blk.at = len(state._order)
+            state._order.append(blk)
             # First among the block's pre-hooks: one registered before enable reads the weights.
             state._hooks.append(child.register_forward_pre_hook(_pre_hook(state, blk), prepend=True, with_kwargs=True))
             state._hooks.append(child.register_forward_hook(_post_hook(state, blk), always_call=True))

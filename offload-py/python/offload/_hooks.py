@@ -11,6 +11,7 @@ from torch import nn
 from ._offload import OffloadError
 
 from ._blocks import _Block
+from . import _traced
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -18,9 +19,10 @@ if TYPE_CHECKING:
 
 
 _OUTSIDE_GRAPH = (
-    "offload: the package lends each block's weights between blocks, outside any compiled graph. Compile the blocks "
-    "(block.compile(fullgraph=True), diffusers' compile_repeated_blocks(fullgraph=True)), or the whole module with "
-    "fullgraph=False (the package's hooks then run between graphs)"
+    "offload: in grad mode (or where this torch has no custom ops) the package lends each block's weights between "
+    "blocks, outside any compiled graph. Compile the whole module under torch.no_grad() or torch.inference_mode(), "
+    "compile the blocks (block.compile(fullgraph=True), diffusers' compile_repeated_blocks(fullgraph=True)), or "
+    "compile the whole module with fullgraph=False (the package's hooks then run between graphs)"
 )
 
 
@@ -39,22 +41,32 @@ except TypeError:  # torch < 2.8: no reason
     _outside_graph = torch.compiler.disable(_outside_graph)
 
 
+# A hook's trace that cannot make ops of it (the hook then breaks the graph).
+_UNTRACED = object()
+
+
 class _Hook:
     """One of the package's hooks on the module: a callable that refuses, by
     name, to be pickled or copied with it (``copy.deepcopy``, ``pickle``,
     ``torch.save`` of an offloaded module), as its placeholders do. Traced by
     dynamo (a compiled model), it runs outside the graph, unless ``traced(args)``
-    says it is a no-op there (a block whose compiled call binds outside)."""
+    says it is a no-op there (a block whose compiled call binds outside), or
+    ``trace`` makes it ops the graph holds (in inference: :mod:`._traced`; it
+    returns ``_UNTRACED`` where it cannot)."""
 
-    __slots__ = ("fn", "component", "traced")
+    __slots__ = ("fn", "component", "traced", "trace")
 
-    def __init__(self, fn, component: str, traced=None):
-        self.fn, self.component, self.traced = fn, component, traced
+    def __init__(self, fn, component: str, traced=None, trace=None):
+        self.fn, self.component, self.traced, self.trace = fn, component, traced, trace
 
     def __call__(self, *args):
         if torch.compiler.is_compiling():
             if self.traced is not None and self.traced(args):
                 return None
+            if self.trace is not None and not torch.is_grad_enabled() and _traced.ops() is not None:
+                r = self.trace(*args)
+                if r is not _UNTRACED:
+                    return r
             return _outside_graph(self.fn, *args)
         return self.fn(*args)
 
@@ -73,9 +85,16 @@ def _pre_hook(state: Offloaded, blk: _Block):
             return state._inputs(blk, args, kwargs)
         return None
 
+    def trace(mod, args, kwargs):
+        if not _traced.traceable(blk):
+            return _UNTRACED
+        _traced.lend(state, blk)
+        return None
+
     # Traced into a compiled block, the hook is a no-op: the block's binding is
-    # `_Compiled`'s, outside. (Traced into a compiled model, it runs outside the graph.)
-    return _Hook(hook, state.component, traced=_in_compiled_block)
+    # `_Compiled`'s, outside. (Traced into a compiled model, an op in inference,
+    # else it runs outside the graph.)
+    return _Hook(hook, state.component, traced=_in_compiled_block, trace=trace)
 
 
 def _host_tensors(args, kwargs) -> dict:
@@ -147,17 +166,28 @@ def _gguf_hooks(state: Offloaded, blk: _Block, layer: nn.Module, p) -> tuple:
     return _Hook(pre, state.component, traced=traced), _Hook(post, state.component, traced=traced)
 
 
+def _after_block(state: Offloaded, blk: _Block) -> None:
+    # torch calls the post-hook even when the pre-hook raised: a thread refused
+    # there leaves the block another thread has bound alone.
+    if state._mine():
+        try:
+            state._unbind()
+        finally:
+            state._end_watch(blk)
+
+
 def _post_hook(state: Offloaded, blk: _Block):
     def hook(mod, args, output):
-        # torch calls it even when the pre-hook raised: a thread refused there
-        # leaves the block another thread has bound alone.
-        if state._mine():
-            try:
-                state._unbind()
-            finally:
-                state._end_watch(blk)
+        _after_block(state, blk)
 
-    return _Hook(hook, state.component, traced=_in_compiled_block)
+    def trace(mod, args, output):
+        after = _traced.outputs(output)
+        if after is None or not _traced.traceable(blk):
+            return _UNTRACED
+        _traced.unbind(state, blk, after)
+        return None
+
+    return _Hook(hook, state.component, traced=_in_compiled_block, trace=trace)
 
 
 class _Compiled:
@@ -210,40 +240,56 @@ def _unwrap_compiled(state: Offloaded) -> None:
             blk.module._compiled_call_impl = fn.fn
 
 
+def _begin_forward(state: Offloaded) -> None:
+    _wrap_compiled(state)
+    if state._backward:
+        state._end_abandoned_backward()
+    state._claim(by_block=False)
+    state._owned_by_block = False
+    if state._in_forward or state._ran:
+        # The last forward never reached its step hook (a KeyboardInterrupt
+        # skips torch's always_call hooks, an error inside a compiled graph
+        # skips the rest of its ops), or blocks ran outside a forward since the
+        # last step (a gradient checkpointing recompute in the backward, a
+        # decode): that step ends here, apart from this one. Should that fail
+        # (a block of it wrote its weights), this forward never starts.
+        try:
+            state._end_step()
+        except BaseException:
+            state._release()
+            raise
+    state._in_forward = True
+
+
 def _forward_pre_hook(state: Offloaded):
     def hook(mod, args):
-        _wrap_compiled(state)
-        if state._backward:
-            state._end_abandoned_backward()
-        state._claim(by_block=False)
-        state._owned_by_block = False
-        if state._in_forward or state._ran:
-            # The last forward never reached its step hook (a KeyboardInterrupt
-            # skips torch's always_call hooks), or blocks ran outside a forward
-            # since the last step (a gradient checkpointing recompute in the
-            # backward, a decode): that step ends here, apart from this one.
-            # Should that fail (a block of it wrote its weights), this forward
-            # never starts.
-            try:
-                state._end_step()
-            except BaseException:
-                state._release()
-                raise
-        state._in_forward = True
+        _begin_forward(state)
 
-    return _Hook(hook, state.component)
+    def trace(mod, args):
+        _traced.begin(state)
+        return None
+
+    return _Hook(hook, state.component, trace=trace)
+
+
+def _end_forward(state: Offloaded) -> None:
+    # torch calls an always_call hook even when a pre-hook raised (ours ending
+    # an interrupted step or refusing a second thread, or a user's before it):
+    # that forward began no step.
+    if not state._in_forward or not state._mine():
+        return
+    try:
+        state._end_step()
+    finally:
+        state._release()
 
 
 def _step_hook(state: Offloaded):
     def hook(mod, args, output):
-        # torch calls an always_call hook even when a pre-hook raised (ours ending
-        # an interrupted step or refusing a second thread, or a user's before
-        # it): that forward began no step.
-        if not state._in_forward or not state._mine():
-            return
-        try:
-            state._end_step()
-        finally:
-            state._release()
+        _end_forward(state)
 
-    return _Hook(hook, state.component)
+    def trace(mod, args, output):
+        _traced.end(state)
+        return None
+
+    return _Hook(hook, state.component, trace=trace)

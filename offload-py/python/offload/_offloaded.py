@@ -15,6 +15,7 @@ from torch import nn
 from ._offload import OffloadError, Streamer
 
 from ._placeholder import _ArgumentTypeError, _ArgumentValueError
+from . import _traced
 from ._blocks import _Block, _Cast, _Dequant, _Moved, _Outer, _Param, _Saved
 from ._hooks import _Compiled, _Watch, _host_tensors
 
@@ -36,6 +37,12 @@ class Offloaded:
         self.device: torch.device = torch.device("cpu")
         self._streamer: Optional[Streamer] = None
         self._blocks: dict[nn.Module, _Block] = {}
+        # The blocks in the order enable found them, and the token a compiled
+        # graph's ops name this module by (`_traced`).
+        self._order: list[_Block] = []
+        self._token = _traced.register(self)
+        # Traced: the last block's `unbind` output, which the next op takes.
+        self._receipt = None
         self._params: dict[str, _Param] = {}
         self._moved_tensors: list[_Moved] = []
         self._hooks: list = []

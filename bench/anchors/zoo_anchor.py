@@ -381,13 +381,17 @@ def block_modules(model):
     return [n for n, c in model.named_children() if not isinstance(c, lists) and any(isinstance(g, lists) for g in c.children())]
 
 
-def compile_blocks(model, how, fullgraph):
+def compile_blocks(model, how, fullgraph, whole=False):
     """`--compile`: the model's repeated blocks compiled (diffusers'
     `compile_repeated_blocks`, else `block.compile()` on every block of its block
-    lists), dynamo's caches reset first so that each mode compiles afresh and no
-    mode runs on another's graphs (or past dynamo's recompile limit, in eager)."""
+    lists), or with `whole` the whole module (`model.compile()`), dynamo's caches
+    reset first so that each mode compiles afresh and no mode runs on another's
+    graphs (or past dynamo's recompile limit, in eager)."""
     torch._dynamo.reset()
     kw = dict(fullgraph=fullgraph) if how == "default" else dict(fullgraph=fullgraph, mode=how)
+    if whole:
+        model.compile(**kw)
+        return
     if getattr(model, "_repeated_blocks", None):
         model.compile_repeated_blocks(**kw)
         return
@@ -495,6 +499,10 @@ def main():
                     help="each mode with its repeated blocks compiled (compile_blocks): resident and the package with "
                          "fullgraph=True, diffusers' group offloading with fullgraph=False as diffusers documents; the rows "
                          "name the model MODEL-compiled (MODEL-compiled-max-autotune); warm up at least twice")
+    ap.add_argument("--compile-whole", action="store_true",
+                    help="with --compile: resident and the package compile the whole module (model.compile(fullgraph=True), "
+                         "the package's hooks then ops in the graph); diffusers' modes as --compile gives them; the rows "
+                         "name the model MODEL-compiled-whole")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     if a.warmup < 1:
@@ -541,11 +549,13 @@ def main():
         a.model = f"{a.model}-coded"
     if a.budget_gib is not None:
         a.model = f"{a.model}-budget{a.budget_gib:g}"
+    if a.compile_whole and a.compile == "none":
+        ap.error("--compile-whole: name how with --compile")
     if a.compile != "none":
         if a.warmup < 2:
             ap.error("--compile: warm up at least twice (the first step compiles)")
-        a.model = f"{a.model}-compiled" + ("-max-autotune" if a.compile != "default" else "")
-        compile_blocks(model, a.compile, fullgraph=True)
+        a.model = f"{a.model}-compiled" + ("-max-autotune" if a.compile != "default" else "") + ("-whole" if a.compile_whole else "")
+        compile_blocks(model, a.compile, fullgraph=True, whole=a.compile_whole)
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     if stored != "bf16" and model_bytes != spec["stored_bytes"]:
@@ -635,7 +645,7 @@ def main():
             engine_bandwidth = handle.probe_bandwidth(3)
             print(f"setup: the engine's probe {engine_bandwidth / 1e9:.1f} GB/s, one 2 GiB torch copy {bandwidth / 1e9:.1f} GB/s", flush=True)
             if a.compile != "none":
-                compile_blocks(model, a.compile, fullgraph=True)
+                compile_blocks(model, a.compile, fullgraph=True, whole=a.compile_whole)
         else:
             try:
                 offload(model, mode, a.model)

@@ -19,8 +19,9 @@ if TYPE_CHECKING:
 
 
 _OUTSIDE_GRAPH = (
-    "offload: in grad mode (or where this torch has no custom ops) the package lends each block's weights between "
-    "blocks, outside any compiled graph. Compile the whole module under torch.no_grad() or torch.inference_mode(), "
+    "offload: here the package lends a block's weights between blocks, outside any compiled graph: in grad mode, "
+    "for a block holding a parameter subclass (diffusers' GGUFParameter) or returning other than tensors, or where "
+    "this torch has no custom ops. Compile the whole module under torch.no_grad() or torch.inference_mode(), "
     "compile the blocks (block.compile(fullgraph=True), diffusers' compile_repeated_blocks(fullgraph=True)), or "
     "compile the whole module with fullgraph=False (the package's hooks then run between graphs)"
 )

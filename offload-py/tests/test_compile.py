@@ -296,3 +296,59 @@ def test_a_whole_module_compiled_with_fullgraph_in_grad_mode_is_refused_with_the
     finally:
         offload.disable(m)
     torch._dynamo.reset()
+
+
+class _DictBlock(nn.Module):
+    """A block returning a dict: the ops cannot take its outputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return {"x": nn.functional.gelu(self.up(x))}
+
+
+class _DictBlocks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(_DictBlock() for _ in range(3))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)["x"]
+        return x
+
+
+def test_a_block_the_ops_cannot_give_back_breaks_the_graph_and_still_streams_bitwise():
+    # A block whose output is not tensors: its post-hook stays outside the
+    # graph (a graph break, fullgraph=False) while its lend is an op in it;
+    # the ops and the eager hooks alternate in one step, bitwise the resident
+    # compiled run; with fullgraph=True dynamo gives the package's reason.
+    torch._dynamo.reset()
+    x = torch.randn(4, 16)
+    ref_model = _DictBlocks()
+    with torch.no_grad():
+        ref = torch.compile(ref_model, backend="aot_eager")(x).clone()
+    torch._dynamo.reset()
+    m = _DictBlocks()
+    m.load_state_dict(ref_model.state_dict())
+    h = offload.enable(m, device="cpu", auto_resident_gib=0)
+    graphs: list = []
+    try:
+        cm = torch.compile(m, backend=_counting("aot_eager", graphs))
+        with torch.no_grad():
+            for _ in range(3):
+                assert torch.equal(_bits(cm(x)), _bits(ref))
+                assert h.metrics()["blocks"] == 3
+        ops = _ops_in(graphs)
+        assert ops.get("lend", 0) >= 1 and ops.get("unbind", 0) == 0, ops
+        assert h.violations() == []
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match="returning other than tensors"), torch.no_grad():
+            torch.compile(m, backend="eager", fullgraph=True)(x)
+        with torch.no_grad():
+            assert torch.equal(_bits(m(x)), _bits(ref_model(x)))
+    finally:
+        offload.disable(m)
+        torch._dynamo.reset()

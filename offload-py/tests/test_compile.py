@@ -352,3 +352,108 @@ def test_a_block_the_ops_cannot_give_back_breaks_the_graph_and_still_streams_bit
     finally:
         offload.disable(m)
         torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("when", ["between", "inside"])
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_a_block_kept_resident_between_compiled_calls_stays_kept(backend, when):
+    # The automatic plan keeps a block resident at a step's end (here called
+    # as the plan calls it, between compiled calls): its views are bound for
+    # good and its hooks gone. The graph's next calls must not put the
+    # placeholders back over them (dynamo replays what a trace wrote into the
+    # module); eager calls and disable then find the kept tensors.
+    torch._dynamo.reset()
+    x = torch.randn(4, 16)
+    ref_model = _Blocks()
+    with torch.no_grad():
+        ref = torch.compile(ref_model, backend=backend, fullgraph=True)(x).clone()
+    m = _Blocks()
+    m.load_state_dict(ref_model.state_dict())
+    h = offload.enable(m, device="cpu", auto_resident_gib=0)
+    cm = torch.compile(m, backend=backend, fullgraph=True)
+    try:
+        with torch.no_grad():
+            for _ in range(2):
+                assert torch.equal(_bits(cm(x)), _bits(ref))
+            if when == "between":
+                h._keep(h._order[1])
+            else:
+                # At the step's end, inside the graph's last op, as the plan keeps it.
+                end = h._end_engine_step
+
+                def end_and_keep():
+                    end()
+                    h._keep(h._order[1])
+                    h._end_engine_step = end
+
+                h._end_engine_step = end_and_keep
+            for _ in range(4):
+                assert torch.equal(_bits(cm(x)), _bits(ref))
+                assert type(m.blocks[1].up.weight) is torch.Tensor, type(m.blocks[1].up.weight)
+            assert h.metrics()["blocks"] == 2
+            assert torch.equal(_bits(m(x)), _bits(ref))
+    finally:
+        offload.disable(m)
+        torch._dynamo.reset()
+    with torch.no_grad():
+        assert torch.equal(_bits(m(x)), _bits(ref_model(x)))
+
+
+class _ScaledBlock(nn.Module):
+    """A block ending in a pointwise read of a weight (LayerScale): inductor
+    may fuse it with what follows the block."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(16, 16)
+        self.gamma = nn.Parameter(torch.randn(16))
+
+    def forward(self, x):
+        return x + self.gamma * nn.functional.gelu(self.up(x))
+
+
+class _ScaledBlocks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(_ScaledBlock() for _ in range(4))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x.sum(-1)
+
+
+def test_inductor_reads_no_block_after_its_give_back():
+    # Inductor over the whole module (fp32, where fusing rounds nothing): each
+    # block's bytes are filled with NaN as it is given back, so a kernel that
+    # read them after its unbind would put NaN in the output. Bitwise the
+    # resident compiled run, three steps.
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    x = torch.randn(4, 16)
+    ref_model = _ScaledBlocks()
+    with torch.no_grad():
+        ref = torch.compile(ref_model, fullgraph=True)(x).clone()
+    torch._dynamo.reset()
+    m = _ScaledBlocks()
+    m.load_state_dict(ref_model.state_dict())
+    h = offload.enable(m, device="cpu", auto_resident_gib=0)
+    unbind = h._unbind
+
+    def poisoned():
+        if h._buffer is not None:
+            h._buffer.view(torch.float32).fill_(float("nan"))
+            # Our own write, not the block's: not the error a block writing its weights gets.
+            h._version = None if h._version is None else h._buffer._version
+        unbind()
+
+    h._unbind = poisoned
+    try:
+        cm = torch.compile(m, fullgraph=True)
+        with torch.no_grad():
+            for _ in range(3):
+                assert torch.equal(_bits(cm(x)), _bits(ref))
+        assert h.metrics()["blocks"] == 4
+    finally:
+        offload.disable(m)
+        torch._dynamo.reset()

@@ -160,11 +160,14 @@ def lend(state: Offloaded, blk: _Block) -> None:
 
 def outputs(output) -> Optional[list]:
     """A block's output as the tensors ``unbind`` takes (a tensor, or a tuple
-    or list of tensors and None), or None where it is another structure."""
+    or list of tensors and None, one tensor at least), or None where it is
+    another structure."""
     if isinstance(output, torch.Tensor):
         output = [output]
     if isinstance(output, (tuple, list)) and all(o is None or isinstance(o, torch.Tensor) for o in output):
-        return [o for o in output if o is not None]
+        # None where no tensor comes out (a block that updates its input in place):
+        # nothing would order the kernels reading its bytes before the give-back.
+        return [o for o in output if o is not None] or None
     return None
 
 

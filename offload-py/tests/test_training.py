@@ -172,6 +172,38 @@ def test_gradients_accumulated_over_forwards_and_under_autocast_are_the_resident
     offload.disable(model)
 
 
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("ckpt", ["reentrant", "non-reentrant"])
+def test_a_checkpointed_backward_over_two_forwards_is_one_backward_step(dev, ckpt):
+    # (l1 + l2).backward() over two checkpointed forwards: one autograd pass
+    # that recomputes every block twice. It is one backward step of 24 block
+    # runs (each block twice for its recomputes and twice for its backwards),
+    # not split where a block comes round again; gradients bitwise resident.
+    def run(model, handle=None):
+        torch.manual_seed(3)
+        xs = [torch.randn(8, 64, device=dev, requires_grad=True) for _ in range(2)]
+        seen = []
+        for _ in range(3):
+            for x in xs:
+                x.grad = None
+            model.zero_grad()
+            (model(xs[0]).square().mean() + model(xs[1]).square().mean()).backward()
+            if handle is not None:
+                seen.append((handle.steps, handle.metrics("backward")))
+        return [x.grad for x in xs] + [p.grad for p in model.parameters() if p.requires_grad], seen
+
+    want, _ = run(_Model(ckpt=ckpt).to(dev))
+    model = _Model(ckpt=ckpt)
+    h = offload.enable(model, device=dev, depth=1)
+    got, seen = run(model, h)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    # Three steps an iteration (two forwards, one backward), the backward's all its blocks.
+    assert [n for n, _ in seen] == [3, 6, 9], seen
+    assert all(b["backward"] and b["blocks"] == 24 for _, b in seen), seen
+    assert h.violations() == []
+    offload.disable(model)
+
+
 class _LinearWeights(torch.overrides.TorchFunctionMode):
     """The storages of the weights each `linear` computes with, weakly."""
 

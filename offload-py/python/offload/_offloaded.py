@@ -406,7 +406,10 @@ class Offloaded:
             # not after a step of the recomputed block alone.
             if not self._begin_backward(block):
                 return False
-        if id(block) in self._ran and not self._in_forward:
+        if id(block) in self._ran and not self._in_forward and not self._backward:
+            # (Inside autograd's pass a block comes round again where the pass
+            # recomputes two forwards' checkpoints, `(l1 + l2).backward()`: one
+            # backward step, ended with the pass.)
             self._end_step()
             if block.kept is not None:
                 return False

@@ -95,16 +95,18 @@ impl Timeline {
         self.reached(step).into_iter().map(|(id, _, c)| (id.to_owned(), c)).collect()
     }
 
-    /// Device seconds between the end of forward step `step - 1`'s last block
-    /// and the moment the device reached step `step`'s first block: the
-    /// model's own work between two steps (and any wait for the host there).
-    /// `None` where either step is not on the timeline.
+    /// Device seconds between the end of step `step - 1`'s last block (a
+    /// forward's, or in a training loop the backward's before forward step
+    /// `step`) and the moment the device reached forward step `step`'s first
+    /// block: the model's own work between two steps (an optimizer step, and
+    /// any wait for the host there). `None` where either step is not on the
+    /// timeline.
     pub fn step_gap_s(&self, step: u64) -> Option<f64> {
         let before = step.checked_sub(1)?;
         let end = self
             .spans
             .iter()
-            .filter(|s| s.step == before && s.stream == "compute" && !s.backward && s.name.starts_with("compute "))
+            .filter(|s| s.step == before && s.stream == "compute" && s.name.starts_with("compute "))
             .map(|s| s.start_s + s.dur_s)
             .reduce(f64::max)?;
         let first = self.reached(step).first()?.1;
@@ -201,5 +203,27 @@ mod tests {
         assert_eq!(leads.len(), 2);
         assert!((leads[0].1 - 0.05).abs() < 1e-12, "{leads:?}");
         assert!((leads[1].1 - 2.75).abs() < 1e-12, "{leads:?}");
+    }
+
+    /// A training loop: forward step 0, its backward step 1, forward step 2.
+    /// The gap before step 2 runs from the backward's last block (the
+    /// optimizer's step lies there), not from nothing (it was None: a replay
+    /// of a training step had no gap).
+    #[test]
+    fn a_forward_after_a_backward_has_its_gap_from_the_backwards_last_block() {
+        let back = |name: &str, start_s, dur_s| Span { backward: true, ..span(name, "compute", start_s, dur_s, 1) };
+        let tl = Timeline {
+            spans: vec![
+                span("compute b.0", "compute", 0.0, 1.0, 0),
+                span("compute b.1", "compute", 1.0, 1.0, 0),
+                back("compute b.1", 2.5, 2.0),
+                back("compute b.0", 4.5, 2.0),
+                span("compute b.0", "compute", 7.25, 1.0, 2),
+                span("compute b.1", "compute", 8.25, 1.0, 2),
+            ],
+            host: vec![],
+        };
+        assert!((tl.step_gap_s(2).unwrap() - 0.75).abs() < 1e-12, "{:?}", tl.step_gap_s(2));
+        assert_eq!(tl.step_blocks(1), vec![], "a backward step is not a forward's blocks");
     }
 }

@@ -204,6 +204,37 @@ def test_a_checkpointed_backward_over_two_forwards_is_one_backward_step(dev, ckp
     offload.disable(model)
 
 
+@pytest.mark.parametrize("dev", DEVICES)
+def test_a_whole_module_checkpointed_twice_recomputes_inside_one_backward_step(dev):
+    # checkpoint(model, x) twice, then (l1 + l2).backward(): the pass recomputes
+    # the second forward, runs its blocks' backwards, then recomputes the first
+    # forward while its backward is live. That forward is part of the backward's
+    # step (it ended the backward as an abandoned one: two backward steps).
+    def run(model, handle=None):
+        torch.manual_seed(4)
+        xs = [torch.randn(8, 64, device=dev, requires_grad=True) for _ in range(2)]
+        seen = []
+        for _ in range(3):
+            for x in xs:
+                x.grad = None
+            model.zero_grad()
+            ls = [checkpoint(model, x, use_reentrant=False).square().mean() for x in xs]
+            (ls[0] + ls[1]).backward()
+            if handle is not None:
+                seen.append((handle.steps, handle.metrics("backward")))
+        return [x.grad for x in xs] + [p.grad for p in model.parameters() if p.requires_grad], seen
+
+    want, _ = run(_Model().to(dev))
+    model = _Model()
+    h = offload.enable(model, device=dev, depth=1)
+    got, seen = run(model, h)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert [n for n, _ in seen] == [3, 6, 9], seen
+    assert all(b["backward"] and b["blocks"] == 24 for _, b in seen), seen
+    assert h.violations() == []
+    offload.disable(model)
+
+
 class _LinearWeights(torch.overrides.TorchFunctionMode):
     """The storages of the weights each `linear` computes with, weakly."""
 

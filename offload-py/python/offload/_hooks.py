@@ -42,6 +42,13 @@ except TypeError:  # torch < 2.8: no reason
     _outside_graph = torch.compiler.disable(_outside_graph)
 
 
+def _in_autograd_pass() -> bool:
+    """Whether autograd's engine is running a node on this thread (a
+    checkpoint's recompute in the backward); False on a torch without the query."""
+    node = getattr(torch._C, "_current_autograd_node", None)
+    return node is not None and node() is not None
+
+
 # A hook's trace that cannot make ops of it (the hook then breaks the graph).
 _UNTRACED = object()
 
@@ -243,6 +250,13 @@ def _unwrap_compiled(state: Offloaded) -> None:
 
 def _begin_forward(state: Offloaded) -> None:
     _wrap_compiled(state)
+    if _in_autograd_pass():
+        # A forward inside autograd's pass (a checkpoint of the whole module
+        # recomputed): its blocks are the backward's step, begun here if the
+        # pass has not begun it, ended with the pass; no step of its own.
+        if not state._backward:
+            state._begin_backward(None)
+        return
     if state._backward:
         state._end_abandoned_backward()
     state._claim(by_block=False)

@@ -17,14 +17,7 @@ from ._offload import OffloadError, Streamer
 from ._placeholder import _ArgumentTypeError, _ArgumentValueError
 from . import _traced
 from ._blocks import _Block, _Cast, _Dequant, _Moved, _Outer, _Param, _Saved
-from ._hooks import _Compiled, _Watch, _host_tensors
-
-
-def _in_autograd_pass() -> bool:
-    """Whether autograd's engine is running a node on this thread (a
-    checkpoint's recompute in the backward); False on a torch without the query."""
-    node = getattr(torch._C, "_current_autograd_node", None)
-    return node is not None and node() is not None
+from ._hooks import _Compiled, _Watch, _host_tensors, _in_autograd_pass
 
 
 class Offloaded:
@@ -564,14 +557,15 @@ class Offloaded:
         self._ran.add(id(block))
         self._lend(block)
 
-    def _begin_backward(self, block: _Block) -> bool:
-        """Autograd's pass asks for ``block`` first: the step before it ends
-        (a forward, or blocks run since outside one), the engine switches to
-        its backward order, and the backward's step is to end with autograd's
-        pass. False where the step's end kept ``block`` resident."""
+    def _begin_backward(self, block: Optional[_Block]) -> bool:
+        """Autograd's pass asks for ``block`` first (or runs the module's
+        forward: None): the step before it ends (a forward, or blocks run since
+        outside one), the engine switches to its backward order, and the
+        backward's step is to end with autograd's pass. False where the step's
+        end kept ``block`` resident."""
         if self._ran or self._in_forward:
             self._end_step()
-            if block.kept is not None:
+            if block is not None and block.kept is not None:
                 return False
         self._claim(by_block=False)
         self._owned_by_block = False  # held until the backward's end, not a block's

@@ -112,6 +112,28 @@ def test_compile_repeated_blocks_with_fullgraph_on_a_streamed_flux(order):
     offload.disable(model)
 
 
+def _compiled_whole(m: nn.Module, how: str, order: str, backend, x, dev: str = "cpu", **kw):
+    """``m`` compiled whole (``torch.compile(m)`` or ``m.compile()``) with
+    ``backend`` and ``kw``, before ``enable`` (and run once on ``dev``) or
+    after it: the compiled callable and the handle."""
+
+    def compiled():
+        if how == "torch.compile":
+            return torch.compile(m, backend=backend, **kw)
+        m.compile(backend=backend, **kw)
+        return m
+
+    if order == "before":
+        m.to(dev)
+        cm = compiled()
+        with torch.no_grad():
+            cm(x)
+        m.to("cpu")
+        return cm, offload.enable(m, device=dev, auto_resident_gib=0)
+    h = offload.enable(m, device=dev, auto_resident_gib=0)
+    return compiled(), h
+
+
 @pytest.mark.parametrize("how", ["torch.compile", "module.compile"])
 @pytest.mark.parametrize("order", ["before", "after"])
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
@@ -126,24 +148,9 @@ def test_a_whole_module_compiled_either_order_streams_bitwise_without_recompilin
     with torch.no_grad():
         ref = torch.compile(ref_model, backend=backend)(x).clone()
     graphs: list = []
-    counting = _counting(backend, graphs)
     m = _Blocks()
     m.load_state_dict(ref_model.state_dict())
-
-    def compiled():
-        if how == "torch.compile":
-            return torch.compile(m, backend=counting)
-        m.compile(backend=counting)
-        return m
-
-    if order == "before":
-        cm = compiled()
-        with torch.no_grad():
-            cm(x)
-        h = offload.enable(m, device="cpu", auto_resident_gib=0)
-    else:
-        h = offload.enable(m, device="cpu", auto_resident_gib=0)
-        cm = compiled()
+    cm, h = _compiled_whole(m, how, order, _counting(backend, graphs), x)
     seen = []
     try:
         with torch.no_grad():
@@ -202,31 +209,15 @@ def test_a_whole_module_compiled_with_fullgraph_streams_its_blocks_inside_the_gr
     # no graph break, nothing compiled again after the first streamed step, and
     # the resident compiled run's bytes. (Before: dynamo refused the hooks.)
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()  # graph breaks counted by earlier tests
     x = torch.randn(4, 16, device=dev)
     ref_model = _Blocks().to(dev)
     with torch.no_grad():
         ref = torch.compile(ref_model, backend=backend, fullgraph=True)(x).clone()
     graphs: list = []
-    counting = _counting(backend, graphs)
     m = _Blocks()
     m.load_state_dict(ref_model.state_dict())
-
-    def compiled():
-        if how == "torch.compile":
-            return torch.compile(m, backend=counting, fullgraph=True)
-        m.compile(backend=counting, fullgraph=True)
-        return m
-
-    if order == "before":
-        m.to(dev)
-        cm = compiled()
-        with torch.no_grad():
-            cm(x)
-        m.to("cpu")
-        h = offload.enable(m, device=dev, auto_resident_gib=0)
-    else:
-        h = offload.enable(m, device=dev, auto_resident_gib=0)
-        cm = compiled()
+    cm, h = _compiled_whole(m, how, order, _counting(backend, graphs), x, dev, fullgraph=True)
     seen = []
     try:
         with torch.no_grad():

@@ -172,13 +172,13 @@ def test_gradients_accumulated_over_forwards_and_under_autocast_are_the_resident
     offload.disable(model)
 
 
-@pytest.mark.parametrize("dev", DEVICES)
-@pytest.mark.parametrize("ckpt", ["reentrant", "non-reentrant"])
-def test_a_checkpointed_backward_over_two_forwards_is_one_backward_step(dev, ckpt):
-    # (l1 + l2).backward() over two checkpointed forwards: one autograd pass
-    # that recomputes every block twice. It is one backward step of 24 block
-    # runs (each block twice for its recomputes and twice for its backwards),
-    # not split where a block comes round again; gradients bitwise resident.
+def _one_pass_over_two_forwards(make, dev, forward):
+    """Three iterations of ``(l1 + l2).backward()`` over two forwards
+    (``forward(model, x)``), resident and streamed: the streamed gradients must
+    be the resident ones, and each iteration three steps (two forwards, one
+    backward of 24 block runs: each block recomputed twice and run backward
+    twice)."""
+
     def run(model, handle=None):
         torch.manual_seed(3)
         xs = [torch.randn(8, 64, device=dev, requires_grad=True) for _ in range(2)]
@@ -187,17 +187,16 @@ def test_a_checkpointed_backward_over_two_forwards_is_one_backward_step(dev, ckp
             for x in xs:
                 x.grad = None
             model.zero_grad()
-            (model(xs[0]).square().mean() + model(xs[1]).square().mean()).backward()
+            (forward(model, xs[0]).square().mean() + forward(model, xs[1]).square().mean()).backward()
             if handle is not None:
                 seen.append((handle.steps, handle.metrics("backward")))
         return [x.grad for x in xs] + [p.grad for p in model.parameters() if p.requires_grad], seen
 
-    want, _ = run(_Model(ckpt=ckpt).to(dev))
-    model = _Model(ckpt=ckpt)
+    want, _ = run(make().to(dev))
+    model = make()
     h = offload.enable(model, device=dev, depth=1)
     got, seen = run(model, h)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
-    # Three steps an iteration (two forwards, one backward), the backward's all its blocks.
     assert [n for n, _ in seen] == [3, 6, 9], seen
     assert all(b["backward"] and b["blocks"] == 24 for _, b in seen), seen
     assert h.violations() == []
@@ -205,34 +204,21 @@ def test_a_checkpointed_backward_over_two_forwards_is_one_backward_step(dev, ckp
 
 
 @pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("ckpt", ["reentrant", "non-reentrant"])
+def test_a_checkpointed_backward_over_two_forwards_is_one_backward_step(dev, ckpt):
+    # (l1 + l2).backward() over two checkpointed forwards: one autograd pass
+    # that recomputes every block twice. It is one backward step, not split
+    # where a block comes round again (it was two of 12 blocks).
+    _one_pass_over_two_forwards(lambda: _Model(ckpt=ckpt), dev, lambda m, x: m(x))
+
+
+@pytest.mark.parametrize("dev", DEVICES)
 def test_a_whole_module_checkpointed_twice_recomputes_inside_one_backward_step(dev):
     # checkpoint(model, x) twice, then (l1 + l2).backward(): the pass recomputes
     # the second forward, runs its blocks' backwards, then recomputes the first
-    # forward while its backward is live. That forward is part of the backward's
-    # step (it ended the backward as an abandoned one: two backward steps).
-    def run(model, handle=None):
-        torch.manual_seed(4)
-        xs = [torch.randn(8, 64, device=dev, requires_grad=True) for _ in range(2)]
-        seen = []
-        for _ in range(3):
-            for x in xs:
-                x.grad = None
-            model.zero_grad()
-            ls = [checkpoint(model, x, use_reentrant=False).square().mean() for x in xs]
-            (ls[0] + ls[1]).backward()
-            if handle is not None:
-                seen.append((handle.steps, handle.metrics("backward")))
-        return [x.grad for x in xs] + [p.grad for p in model.parameters() if p.requires_grad], seen
-
-    want, _ = run(_Model().to(dev))
-    model = _Model()
-    h = offload.enable(model, device=dev, depth=1)
-    got, seen = run(model, h)
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
-    assert [n for n, _ in seen] == [3, 6, 9], seen
-    assert all(b["backward"] and b["blocks"] == 24 for _, b in seen), seen
-    assert h.violations() == []
-    offload.disable(model)
+    # forward while its backward is live. Those forwards are the backward's
+    # step (the second ended the backward as an abandoned one: 7 steps an iteration).
+    _one_pass_over_two_forwards(_Model, dev, lambda m, x: checkpoint(m, x, use_reentrant=False))
 
 
 class _LinearWeights(torch.overrides.TorchFunctionMode):

@@ -112,6 +112,19 @@ def test_compile_repeated_blocks_with_fullgraph_on_a_streamed_flux(order):
     offload.disable(model)
 
 
+def _graphs_each_step(cm, x, ref, h, graphs: list) -> list:
+    """Four steps of the compiled ``cm`` over the three-block chain, each the
+    resident compiled run's bytes with its three blocks streamed: how many
+    graphs had been compiled after each."""
+    seen = []
+    with torch.no_grad():
+        for _ in range(4):
+            assert torch.equal(_bits(cm(x)), _bits(ref))
+            assert h.metrics()["blocks"] == 3
+            seen.append(len(graphs))
+    return seen
+
+
 def _compiled_whole(m: nn.Module, how: str, order: str, backend, x, dev: str = "cpu", **kw):
     """``m`` compiled whole (``torch.compile(m)`` or ``m.compile()``) with
     ``backend`` and ``kw``, before ``enable`` (and run once on ``dev``) or
@@ -151,13 +164,8 @@ def test_a_whole_module_compiled_either_order_streams_bitwise_without_recompilin
     m = _Blocks()
     m.load_state_dict(ref_model.state_dict())
     cm, h = _compiled_whole(m, how, order, _counting(backend, graphs), x)
-    seen = []
     try:
-        with torch.no_grad():
-            for _ in range(4):
-                assert torch.equal(_bits(cm(x)), _bits(ref))
-                assert h.metrics()["blocks"] == 3
-                seen.append(len(graphs))
+        seen = _graphs_each_step(cm, x, ref, h, graphs)
         assert seen[0] >= 1, "nothing was compiled"
         assert seen[1:] == [seen[0]] * 3, seen
         assert h.violations() == []
@@ -218,13 +226,8 @@ def test_a_whole_module_compiled_with_fullgraph_streams_its_blocks_inside_the_gr
     m = _Blocks()
     m.load_state_dict(ref_model.state_dict())
     cm, h = _compiled_whole(m, how, order, _counting(backend, graphs), x, dev, fullgraph=True)
-    seen = []
     try:
-        with torch.no_grad():
-            for _ in range(4):
-                assert torch.equal(_bits(cm(x)), _bits(ref))
-                assert h.metrics()["blocks"] == 3
-                seen.append(len(graphs))
+        seen = _graphs_each_step(cm, x, ref, h, graphs)
         assert seen[1:] == [seen[0]] * 3, seen
         assert dict(torch._dynamo.utils.counters["graph_break"]) == {}
         ops = _ops_in(graphs)

@@ -451,3 +451,51 @@ def test_inductor_reads_no_block_after_its_give_back():
     finally:
         offload.disable(m)
         torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_a_compiled_block_returning_a_view_of_its_own_weight_gets_a_copy(dev):
+    # A compiled block's call binds outside its graph: its outputs that view
+    # the slot are copied off it there, as the eager hook does.
+    from test_quiet_paths import _LeakyBlocks, _lent_storages
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    m, x = _LeakyBlocks(), torch.randn(2, 8, device=dev)
+    m.to(dev)
+    with torch.no_grad():
+        _, ref_seen = m(x)
+        ref_seen = [w.clone() for w in ref_seen]
+    m.to("cpu")
+    h = offload.enable(m, device=dev, depth=1)
+    for b in m.blocks:
+        b.compile(backend="eager", fullgraph=True)
+    lent = _lent_storages(h)
+    with torch.no_grad():
+        for _ in range(3):
+            _, seen = m(x)
+            for w, ref in zip(seen, ref_seen):
+                assert w.untyped_storage().data_ptr() not in lent
+                assert torch.equal(_bits(w), _bits(ref))
+    assert lent, "no block was lent"
+    offload.disable(m)
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_a_whole_compiled_block_returning_a_view_of_its_own_weight_is_refused_by_name(backend):
+    # Inside a whole-module graph the output cannot be copied off the slot:
+    # the block is named, and the module still disables whole.
+    from test_quiet_paths import _LeakyBlocks
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    m, x = _LeakyBlocks(), torch.randn(2, 8)
+    with torch.no_grad():
+        ref, _ = m(x)
+    offload.enable(m, device="cpu", auto_resident_gib=0)
+    cm = torch.compile(m, backend=backend, fullgraph=True)
+    with pytest.raises(offload.OffloadError, match=r"block blocks\.0 returns a view of its own streamed weights"), torch.no_grad():
+        cm(x)
+    offload.disable(m)
+    with torch.no_grad():
+        assert torch.equal(_bits(m(x)[0]), _bits(ref))

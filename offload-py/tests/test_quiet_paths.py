@@ -455,3 +455,67 @@ def test_a_block_whose_bind_failed_outside_a_forward_leaves_the_module_to_other_
     t.join(30)
     assert got == [True]
     offload.disable(m)
+
+
+class _Leaky(nn.Module):
+    """A block returning a view of its own weight beside its output."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x):
+        return x @ self.weight.t(), self.weight.t()
+
+
+class _LeakyBlocks(nn.Module):
+    def __init__(self, n: int = 4):
+        super().__init__()
+        self.blocks = nn.ModuleList(_Leaky() for _ in range(n))
+
+    def forward(self, x):
+        seen = []
+        for b in self.blocks:
+            x, w = b(x)
+            seen.append(w)
+        return x, seen
+
+
+def _lent_storages(h) -> set:
+    """The storages the package lends a block's bytes in from now on (each
+    bind's buffer, recorded)."""
+    lent, bind = set(), h._bind_views
+
+    def record(block, data):
+        lent.add(data.untyped_storage().data_ptr())
+        return bind(block, data)
+
+    h._bind_views = record
+    return lent
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_a_block_returning_a_view_of_its_own_weight_gets_a_copy_that_outlives_the_slot(dev):
+    # The slot is reused by a later block: a view of it handed out by a block
+    # would change under its holder (on CUDA) or pin a lent copy (simulated).
+    # Each such tensor comes back copied off the slot, equal to the resident one.
+    torch.manual_seed(0)
+    m, x = _LeakyBlocks(), torch.randn(2, 8, device=dev)
+    m.to(dev)
+    with torch.no_grad():
+        ref_out, ref_seen = m(x)
+        ref_seen = [w.clone() for w in ref_seen]
+    m.to("cpu")
+    h = offload.enable(m, device=dev, depth=1)
+    lent = _lent_storages(h)
+    with torch.no_grad():
+        for _ in range(3):
+            out, seen = m(x)
+            if dev == "cuda":
+                torch.cuda.synchronize()
+            assert torch.equal(_bits(out), _bits(ref_out))
+            for w, ref in zip(seen, ref_seen):
+                assert w.untyped_storage().data_ptr() not in lent
+                assert torch.equal(_bits(w), _bits(ref))
+    assert lent, "no block was lent"
+    offload.disable(m)

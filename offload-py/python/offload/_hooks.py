@@ -4,6 +4,7 @@ forward, around the module's step, and around compiled blocks."""
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import torch
 from torch import nn
@@ -184,9 +185,54 @@ def _after_block(state: Offloaded, blk: _Block) -> None:
             state._end_watch(blk)
 
 
+def _on_the_slot(state: Offloaded, blk: _Block):
+    """Whether a tensor views ``blk``'s lent bytes (a predicate), or None where
+    ``blk`` is not bound from a lent slot."""
+    buf = state._buffer
+    if state._bound is not blk or buf is None:
+        return None
+    at = buf.untyped_storage().data_ptr()
+
+    def own(t) -> bool:
+        if type(t) is not torch.Tensor or t.device != buf.device:
+            return False
+        try:
+            return t.untyped_storage().data_ptr() == at
+        except Exception:
+            return False
+
+    return own
+
+
+def _off_the_slot(state: Offloaded, blk: _Block, output):
+    """``output`` with each tensor in it (or in a tuple, list or dict of it, one
+    level down) that views the block's lent bytes copied off them (a block
+    returning ``self.weight``, or a view of it): the slot is reused by a later
+    block, so such a tensor would change under its holder. None where none
+    does (the common case: nothing to replace)."""
+    own = _on_the_slot(state, blk)
+    if own is None:
+        return None
+    if isinstance(output, torch.Tensor):
+        return output.clone() if own(output) else None
+    if isinstance(output, (tuple, list)) and any(own(o) for o in output):
+        copied = [o.clone() if own(o) else o for o in output]
+        return type(output)._make(copied) if hasattr(type(output), "_make") else type(output)(copied)
+    if isinstance(output, dict) and any(own(o) for o in output.values()):
+        copied = copy.copy(output)
+        for k, o in output.items():
+            if own(o):
+                copied[k] = o.clone()
+        return copied
+    return None
+
+
 def _post_hook(state: Offloaded, blk: _Block):
     def hook(mod, args, output):
-        _after_block(state, blk)
+        try:
+            return _off_the_slot(state, blk, output)
+        finally:
+            _after_block(state, blk)
 
     def trace(mod, args, output):
         after = _traced.outputs(output)
@@ -215,7 +261,9 @@ class _Compiled:
             return self.fn(*args, **kwargs)
         try:
             st._lend(blk)
-            return self.fn(*args, **kwargs)
+            out = self.fn(*args, **kwargs)
+            copied = _off_the_slot(st, blk, out)
+            return out if copied is None else copied
         finally:
             if st._mine():
                 st._unbind()

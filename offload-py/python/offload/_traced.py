@@ -86,10 +86,26 @@ def _ops() -> Optional[tuple]:
 
     @custom_op("offload::unbind", mutates_args=())
     def unbind(token: int, block: int, after: list[torch.Tensor]) -> torch.Tensor:
-        from ._hooks import _after_block
+        from ._hooks import _after_block, _on_the_slot
 
         st = _state(token)
-        _after_block(st, st._order[block])
+        blk = st._order[block]
+        own = _on_the_slot(st, blk)
+        if own is not None and any(own(t) for t in after):
+            # Inside a graph its output cannot be copied off the slot as the
+            # eager hook does: refused, given back all the same.
+            from ._offload import OffloadError
+
+            err = OffloadError(
+                f"component {st.component!r}: block {blk.stack}.{blk.index} returns a view of its own streamed "
+                "weights inside a compiled graph; its slot is reused by a later block, so the view would change. "
+                "Return a copy (.clone()), or compile the blocks instead of the whole module")
+            try:
+                _after_block(st, blk)
+            except Exception as e:
+                raise err from e
+            raise err
+        _after_block(st, blk)
         return torch.empty(0, device=st.device)
 
     @unbind.register_fake

@@ -519,3 +519,47 @@ def test_a_block_returning_a_view_of_its_own_weight_gets_a_copy_that_outlives_th
                 assert torch.equal(_bits(w), _bits(ref))
     assert lent, "no block was lent"
     offload.disable(m)
+
+
+_Pair = __import__("collections").namedtuple("_Pair", "h w")
+
+# A block's output as each structure the post-hook looks into, holding the view.
+_SHAPES = {
+    "tensor": lambda h, w: w,
+    "tuple": lambda h, w: (h, w),
+    "list": lambda h, w: [h, w],
+    "namedtuple": lambda h, w: _Pair(h, w),
+    "dict": lambda h, w: {"h": h, "w": w},
+}
+
+
+class _Shaped(nn.Module):
+    def __init__(self, shape: str):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8, 8))
+        self.shape = shape
+
+    def forward(self, x):
+        return _SHAPES[self.shape](x @ self.weight.t(), self.weight[1:])
+
+
+@pytest.mark.parametrize("shape", list(_SHAPES))
+def test_a_view_of_a_blocks_weight_is_copied_off_the_slot_in_each_output_structure(shape):
+    torch.manual_seed(0)
+    m = nn.Module()
+    m.blocks = nn.ModuleList(_Shaped(shape) for _ in range(3))
+    m.forward = lambda x: [b(x) for b in m.blocks]
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        ref = [b.weight[1:].clone() for b in m.blocks]
+    h = offload.enable(m, device="cpu", depth=1)
+    lent = _lent_storages(h)
+    with torch.no_grad():
+        outs = m(x)
+    for out, r in zip(outs, ref):
+        assert type(out) is type(_SHAPES[shape](x, x))
+        w = out if shape == "tensor" else (out["w"] if shape == "dict" else out[1])
+        assert w.untyped_storage().data_ptr() not in lent
+        assert torch.equal(w, r)
+    assert lent, "no block was lent"
+    offload.disable(m)

@@ -457,28 +457,14 @@ def test_inductor_reads_no_block_after_its_give_back():
 def test_a_compiled_block_returning_a_view_of_its_own_weight_gets_a_copy(dev):
     # A compiled block's call binds outside its graph: its outputs that view
     # the slot are copied off it there, as the eager hook does.
-    from test_quiet_paths import _LeakyBlocks, _lent_storages
+    from test_quiet_paths import _views_of_own_weights_outlive_the_slot
+
+    def compile_blocks(m):
+        for b in m.blocks:
+            b.compile(backend="eager", fullgraph=True)
 
     torch._dynamo.reset()
-    torch.manual_seed(0)
-    m, x = _LeakyBlocks(), torch.randn(2, 8, device=dev)
-    m.to(dev)
-    with torch.no_grad():
-        _, ref_seen = m(x)
-        ref_seen = [w.clone() for w in ref_seen]
-    m.to("cpu")
-    h = offload.enable(m, device=dev, depth=1)
-    for b in m.blocks:
-        b.compile(backend="eager", fullgraph=True)
-    lent = _lent_storages(h)
-    with torch.no_grad():
-        for _ in range(3):
-            _, seen = m(x)
-            for w, ref in zip(seen, ref_seen):
-                assert w.untyped_storage().data_ptr() not in lent
-                assert torch.equal(_bits(w), _bits(ref))
-    assert lent, "no block was lent"
-    offload.disable(m)
+    _views_of_own_weights_outlive_the_slot(dev, compile_blocks)
 
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])

@@ -494,11 +494,10 @@ def _lent_storages(h) -> set:
     return lent
 
 
-@pytest.mark.parametrize("dev", DEVICES)
-def test_a_block_returning_a_view_of_its_own_weight_gets_a_copy_that_outlives_the_slot(dev):
-    # The slot is reused by a later block: a view of it handed out by a block
-    # would change under its holder (on CUDA) or pin a lent copy (simulated).
-    # Each such tensor comes back copied off the slot, equal to the resident one.
+def _views_of_own_weights_outlive_the_slot(dev: str, prepare=lambda m: None) -> None:
+    """Three forwards of `_LeakyBlocks` streamed on ``dev`` at depth 1 (after
+    ``prepare(m)`` on the enabled module): each view of a block's weight it
+    returns is equal to the resident one and lies in no buffer the package lent."""
     torch.manual_seed(0)
     m, x = _LeakyBlocks(), torch.randn(2, 8, device=dev)
     m.to(dev)
@@ -507,6 +506,7 @@ def test_a_block_returning_a_view_of_its_own_weight_gets_a_copy_that_outlives_th
         ref_seen = [w.clone() for w in ref_seen]
     m.to("cpu")
     h = offload.enable(m, device=dev, depth=1)
+    prepare(m)
     lent = _lent_storages(h)
     with torch.no_grad():
         for _ in range(3):
@@ -519,6 +519,14 @@ def test_a_block_returning_a_view_of_its_own_weight_gets_a_copy_that_outlives_th
                 assert torch.equal(_bits(w), _bits(ref))
     assert lent, "no block was lent"
     offload.disable(m)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_a_block_returning_a_view_of_its_own_weight_gets_a_copy_that_outlives_the_slot(dev):
+    # The slot is reused by a later block: a view of it handed out by a block
+    # would change under its holder (on CUDA) or pin a lent copy (simulated).
+    # Each such tensor comes back copied off the slot, equal to the resident one.
+    _views_of_own_weights_outlive_the_slot(dev)
 
 
 _Pair = __import__("collections").namedtuple("_Pair", "h w")

@@ -6,6 +6,7 @@ Each test runs on the simulated device; those taking ``dev`` on CUDA too."""
 
 from __future__ import annotations
 
+import collections
 import copy
 import io
 import os
@@ -529,7 +530,7 @@ def test_a_block_returning_a_view_of_its_own_weight_gets_a_copy_that_outlives_th
     _views_of_own_weights_outlive_the_slot(dev)
 
 
-_Pair = __import__("collections").namedtuple("_Pair", "h w")
+_Pair = collections.namedtuple("_Pair", "h w")
 
 # A block's output as each structure the post-hook looks into, holding the view.
 _SHAPES = {

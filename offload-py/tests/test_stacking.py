@@ -116,3 +116,90 @@ def test_a_weight_read_through_a_computing_property_binds_its_block(dev):
             assert torch.equal(_bits(m(x)), _bits(ref))
     assert h.metrics()["blocks"] == 3 and h.metrics()["skipped_blocks"] == 0
     offload.disable(m)
+
+
+def _block_cache(kind: str):
+    """diffusers' block cache ``kind`` ("first-block" or "mag") for eight
+    steps of the tiny Flux, and the name of its hook on the first block."""
+    if kind == "first-block":
+        from diffusers import FirstBlockCacheConfig
+        from diffusers.hooks.first_block_cache import _FBC_LEADER_BLOCK_HOOK
+
+        return FirstBlockCacheConfig(threshold=0.05), _FBC_LEADER_BLOCK_HOOK
+    from diffusers import MagCacheConfig
+    from diffusers.hooks.mag_cache import _MAG_CACHE_LEADER_BLOCK_HOOK, FLUX_MAG_RATIOS
+
+    # A threshold that lets MagCache skip up to its limit once it may (after its
+    # retention steps): its decision follows the step, not the values.
+    config = MagCacheConfig(threshold=10.0, max_skip_steps=3, retention_ratio=0.2, num_inference_steps=len(_DRIFT),
+                            mag_ratios=FLUX_MAG_RATIOS)
+    return config, _MAG_CACHE_LEADER_BLOCK_HOOK
+
+
+def _cache_decisions(model, inputs, dev, graphs: list, hook_name: str):
+    """The eight steps' outputs under a block cache, with per step whether the
+    cache let the other blocks compute (its own state, read after the step),
+    the package's metrics and how many graphs had been compiled."""
+    head = model.transformer_blocks[0]._diffusers_hook.get_hook(hook_name)
+    outs, computed, metrics, seen = [], [], [], []
+    for d in _DRIFT:
+        inp = _to(dict(inputs), dev)
+        inp["hidden_states"] = inp["hidden_states"] * (1 + d)
+        with torch.no_grad(), model.cache_context("cond"):
+            outs.append(model(**inp)[0].clone())
+            computed.append(head.state_manager.get_state().should_compute)
+        st = offload.offloaded(model)
+        metrics.append(st.metrics() if st is not None else None)
+        seen.append(len(graphs))
+    return outs, computed, metrics, seen
+
+
+@pytest.mark.parametrize("cache", ["first-block", "mag"])
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+@pytest.mark.parametrize("dev", DEVICES)
+def test_blocks_a_cache_skips_are_never_copied_when_the_blocks_are_compiled(dev, backend, cache):
+    # diffusers' FirstBlockCache or MagCache over compile_repeated_blocks
+    # (fullgraph=False: each cache's own decision is compiler-disabled). A
+    # compiled block's weights are bound before its compiled call, so the
+    # package reads the cache's decision first: a block it answers is never lent.
+    from test_compile import _counting
+
+    config, hook_name = _block_cache(cache)
+
+    torch._dynamo.reset()
+    model, inputs, _ = flux()
+    model.to(dev)
+    model.enable_cache(config)
+    ref_graphs: list = []
+    model.compile_repeated_blocks(fullgraph=False, backend=_counting(backend, ref_graphs))
+    ref, ref_computed, _, ref_seen = _cache_decisions(model, inputs, dev, ref_graphs, hook_name)
+    assert ref_computed.count(False) >= 3, ref_computed
+    torch._dynamo.reset()
+    model, inputs, _ = flux()
+    h = offload.enable(model, device=dev, depth=1)
+    model.enable_cache(config)
+    graphs: list = []
+    model.compile_repeated_blocks(fullgraph=False, backend=_counting(backend, graphs))
+    outs, computed, metrics, seen = _cache_decisions(model, inputs, dev, graphs, hook_name)
+    assert computed == ref_computed, "the cache decided otherwise than resident"
+    for i, (o, r) in enumerate(zip(outs, ref)):
+        assert torch.equal(_bits(o), _bits(r)), f"step {i}: the streamed output differs from the resident compiled one"
+    blocks = len(model.transformer_blocks) + len(model.single_transformer_blocks)
+    largest = max(sum(-(-p.numel() * p.element_size() // 256) * 256 for p in b.parameters())
+                  for b in [*model.transformer_blocks, *model.single_transformer_blocks])
+    for i, (m, c) in enumerate(zip(metrics, computed)):
+        if c:
+            assert m["blocks"] == blocks and m["skipped_blocks"] == 0, (i, m)
+        else:
+            assert m["blocks"] == 1 and m["skipped_blocks"] == blocks - 1, (i, m)
+            assert m["bytes_copied"] <= largest, (i, m)
+    # Step by step as many graphs as the resident compiled run made (the cache's
+    # own state recompiles FirstBlockCache's blocks until a second computed
+    # step), and after that none again: the slots' new tensors recompile
+    # nothing. (MagCache's block hooks are compiler-disabled: its blocks run
+    # eagerly inside their compiled call, resident or streamed, no graph made.)
+    assert seen == ref_seen and len(set(seen[4:])) == 1, (seen, ref_seen)
+    assert (seen[0] >= 1) == (cache == "first-block"), seen
+    assert h.violations() == []
+    model.disable_cache()
+    offload.disable(model)

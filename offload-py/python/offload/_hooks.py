@@ -260,6 +260,9 @@ class _Compiled:
             # views are bound for good, nothing to lend.
             return self.fn(*args, **kwargs)
         try:
+            if _answered_by_cache(blk.module):
+                # Armed and never lent: counted as skipped, nothing copied.
+                return self.fn(*args, **kwargs)
             st._lend(blk)
             out = self.fn(*args, **kwargs)
             copied = _off_the_slot(st, blk, out)
@@ -267,6 +270,26 @@ class _Compiled:
         finally:
             if st._mine():
                 st._unbind()
+
+
+# diffusers' block caches whose hook answers a block from its cache, without
+# calling the block's forward, where their state's `should_compute` is False.
+_CACHE_HOOKS = ("FBCBlockHook", "MagCacheBlockHook")
+
+
+def _answered_by_cache(block: nn.Module) -> bool:
+    """Whether a cache hook of diffusers on ``block`` will answer its call from
+    the cache (its forward not run): read before a compiled block's call, whose
+    binding cannot wait for the first weight's use as an eager block's does.
+    False where the block has no such hook, or its state cannot be read."""
+    registry = getattr(block, "_diffusers_hook", None)
+    for hook in getattr(registry, "hooks", {}).values():
+        if type(hook).__name__ in _CACHE_HOOKS:
+            try:
+                return not hook.state_manager.get_state().should_compute
+            except Exception:
+                return False  # no cache context yet: the hook decides; lend
+    return False
 
 
 def _in_compiled_block(args) -> bool:

@@ -154,24 +154,32 @@ def _cache_decisions(model, inputs, dev, graphs: list, hook_name: str):
     return outs, computed, metrics, seen
 
 
+@pytest.mark.parametrize("how", ["blocks", "module"])
 @pytest.mark.parametrize("cache", ["first-block", "mag"])
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 @pytest.mark.parametrize("dev", DEVICES)
-def test_blocks_a_cache_skips_are_never_copied_when_the_blocks_are_compiled(dev, backend, cache):
-    # diffusers' FirstBlockCache or MagCache over compile_repeated_blocks
-    # (fullgraph=False: each cache's own decision is compiler-disabled). A
-    # compiled block's weights are bound before its compiled call, so the
-    # package reads the cache's decision first: a block it answers is never lent.
+def test_blocks_a_cache_skips_are_never_copied_when_compiled(dev, backend, cache, how):
+    # diffusers' FirstBlockCache or MagCache over compile_repeated_blocks or
+    # the whole module compiled (fullgraph=False: each cache's own decision is
+    # compiler-disabled). A compiled block's weights are bound before its
+    # compiled call, and a traced block's by an op at its start, so the package
+    # reads the cache's decision first: a block it answers is never lent.
     from test_compile import _counting
 
     config, hook_name = _block_cache(cache)
+
+    def compiled(model, graphs):
+        if how == "blocks":
+            model.compile_repeated_blocks(fullgraph=False, backend=_counting(backend, graphs))
+        else:
+            model.compile(fullgraph=False, backend=_counting(backend, graphs))
 
     torch._dynamo.reset()
     model, inputs, _ = flux()
     model.to(dev)
     model.enable_cache(config)
     ref_graphs: list = []
-    model.compile_repeated_blocks(fullgraph=False, backend=_counting(backend, ref_graphs))
+    compiled(model, ref_graphs)
     ref, ref_computed, _, ref_seen = _cache_decisions(model, inputs, dev, ref_graphs, hook_name)
     assert ref_computed.count(False) >= 3, ref_computed
     torch._dynamo.reset()
@@ -179,7 +187,7 @@ def test_blocks_a_cache_skips_are_never_copied_when_the_blocks_are_compiled(dev,
     h = offload.enable(model, device=dev, depth=1)
     model.enable_cache(config)
     graphs: list = []
-    model.compile_repeated_blocks(fullgraph=False, backend=_counting(backend, graphs))
+    compiled(model, graphs)
     outs, computed, metrics, seen = _cache_decisions(model, inputs, dev, graphs, hook_name)
     assert computed == ref_computed, "the cache decided otherwise than resident"
     for i, (o, r) in enumerate(zip(outs, ref)):
@@ -191,15 +199,21 @@ def test_blocks_a_cache_skips_are_never_copied_when_the_blocks_are_compiled(dev,
         if c:
             assert m["blocks"] == blocks and m["skipped_blocks"] == 0, (i, m)
         else:
-            assert m["blocks"] == 1 and m["skipped_blocks"] == blocks - 1, (i, m)
+            # The first block at most (FirstBlockCache runs it; MagCache decides
+            # inside its hook, which the compiled block's binding precedes).
+            assert m["blocks"] <= 1 and m["skipped_blocks"] == blocks - m["blocks"], (i, m)
             assert m["bytes_copied"] <= largest, (i, m)
-    # Step by step as many graphs as the resident compiled run made (the cache's
-    # own state recompiles FirstBlockCache's blocks until a second computed
-    # step), and after that none again: the slots' new tensors recompile
-    # nothing. (MagCache's block hooks are compiler-disabled: its blocks run
-    # eagerly inside their compiled call, resident or streamed, no graph made.)
-    assert seen == ref_seen and len(set(seen[4:])) == 1, (seen, ref_seen)
-    assert (seen[0] >= 1) == (cache == "first-block"), seen
+    # Compiled (MagCache's block hooks are compiler-disabled: under
+    # compile_repeated_blocks its blocks run eagerly inside their compiled call,
+    # resident or streamed, no graph made), and no graph again once the cache's
+    # own state has stopped recompiling (a second computed step): the slots'
+    # new tensors recompile nothing. Compiled blocks make, step by step, as
+    # many graphs as the resident compiled run.
+    assert len(set(seen[4:])) == 1, (seen, ref_seen)
+    if how == "blocks":
+        assert seen == ref_seen and (seen[0] >= 1) == (cache == "first-block"), (seen, ref_seen)
+    else:
+        assert seen[0] >= 1, seen
     assert h.violations() == []
     model.disable_cache()
     offload.disable(model)

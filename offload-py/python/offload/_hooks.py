@@ -97,6 +97,9 @@ def _pre_hook(state: Offloaded, blk: _Block):
     def trace(mod, args, kwargs):
         if not _traced.traceable(blk):
             return _UNTRACED
+        if _answered_by_cache(blk.module):
+            # Answered by a cache (dynamo guards on its decision): no op, no copy.
+            return None
         _traced.lend(state, blk)
         return None
 
@@ -238,6 +241,8 @@ def _post_hook(state: Offloaded, blk: _Block):
         after = _traced.outputs(output)
         if after is None or not _traced.traceable(blk):
             return _UNTRACED
+        if _answered_by_cache(blk.module):
+            return None  # never lent (the pre-hook's trace read the same decision)
         _traced.unbind(state, blk, after)
         return None
 
@@ -279,8 +284,9 @@ _CACHE_HOOKS = ("FBCBlockHook", "MagCacheBlockHook")
 
 def _answered_by_cache(block: nn.Module) -> bool:
     """Whether a cache hook of diffusers on ``block`` will answer its call from
-    the cache (its forward not run): read before a compiled block's call, whose
-    binding cannot wait for the first weight's use as an eager block's does.
+    the cache (its forward not run): read before a compiled block's call, and
+    where a block's hooks are traced into a graph, whose binding cannot wait
+    for the first weight's use as an eager block's does.
     False where the block has no such hook, or its state cannot be read."""
     registry = getattr(block, "_diffusers_hook", None)
     for hook in getattr(registry, "hooks", {}).values():

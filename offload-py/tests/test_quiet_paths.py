@@ -532,14 +532,36 @@ def test_a_block_returning_a_view_of_its_own_weight_gets_a_copy_that_outlives_th
 
 _Pair = collections.namedtuple("_Pair", "h w")
 
-# A block's output as each structure the post-hook looks into, holding the view.
+# A block's output as each structure the post-hook looks into, holding the view
+# (at any depth torch's pytree reaches).
 _SHAPES = {
     "tensor": lambda h, w: w,
     "tuple": lambda h, w: (h, w),
     "list": lambda h, w: [h, w],
     "namedtuple": lambda h, w: _Pair(h, w),
     "dict": lambda h, w: {"h": h, "w": w},
+    "nested": lambda h, w: (h, [{"w": w}]),
+    "diffusers-output": lambda h, w: _output(h, w),
 }
+
+
+def _output(h, w):
+    from diffusers.models.modeling_outputs import Transformer2DModelOutput
+
+    return (h, Transformer2DModelOutput(sample=w))
+
+
+def _the_view(shape: str, out):
+    """Where ``_SHAPES[shape]`` put the view of the weight in ``out``."""
+    if shape == "tensor":
+        return out
+    if shape == "dict":
+        return out["w"]
+    if shape == "nested":
+        return out[1][0]["w"]
+    if shape == "diffusers-output":
+        return out[1].sample
+    return out[1]
 
 
 class _Shaped(nn.Module):
@@ -567,7 +589,7 @@ def test_a_view_of_a_blocks_weight_is_copied_off_the_slot_in_each_output_structu
         outs = m(x)
     for out, r in zip(outs, ref):
         assert type(out) is type(_SHAPES[shape](x, x))
-        w = out if shape == "tensor" else (out["w"] if shape == "dict" else out[1])
+        w = _the_view(shape, out)
         assert w.untyped_storage().data_ptr() not in lent
         assert torch.equal(w, r)
     assert lent, "no block was lent"

@@ -4,10 +4,10 @@ forward, around the module's step, and around compiled blocks."""
 from __future__ import annotations
 
 import contextlib
-import copy
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from ._offload import OffloadError
 
@@ -208,26 +208,21 @@ def _on_the_slot(state: Offloaded, blk: _Block):
 
 
 def _off_the_slot(state: Offloaded, blk: _Block, output):
-    """``output`` with each tensor in it (or in a tuple, list or dict of it, one
-    level down) that views the block's lent bytes copied off them (a block
-    returning ``self.weight``, or a view of it): the slot is reused by a later
-    block, so such a tensor would change under its holder. None where none
+    """``output`` with each tensor in it that views the block's lent bytes
+    copied off them (a block returning ``self.weight``, or a view of it): the
+    slot is reused by a later block, so such a tensor would change under its
+    holder. Looked for at any depth of what torch's pytree flattens (tuples,
+    lists, dicts, namedtuples, diffusers' output classes). None where none
     does (the common case: nothing to replace)."""
     own = _on_the_slot(state, blk)
     if own is None:
         return None
     if isinstance(output, torch.Tensor):
         return output.clone() if own(output) else None
-    if isinstance(output, (tuple, list)) and any(own(o) for o in output):
-        copied = [o.clone() if own(o) else o for o in output]
-        return type(output)._make(copied) if hasattr(type(output), "_make") else type(output)(copied)
-    if isinstance(output, dict) and any(own(o) for o in output.values()):
-        copied = copy.copy(output)
-        for k, o in output.items():
-            if own(o):
-                copied[k] = o.clone()
-        return copied
-    return None
+    leaves, spec = pytree.tree_flatten(output)
+    if not any(own(t) for t in leaves):
+        return None
+    return pytree.tree_unflatten([t.clone() if own(t) else t for t in leaves], spec)
 
 
 def _post_hook(state: Offloaded, blk: _Block):

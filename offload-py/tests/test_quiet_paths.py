@@ -459,13 +459,16 @@ def test_a_block_whose_bind_failed_outside_a_forward_leaves_the_module_to_other_
 
 
 class _Leaky(nn.Module):
-    """A block returning a view of its own weight beside its output."""
+    """A block returning a view of its own weight beside its output, and
+    keeping another in an attribute of its own (read after every block ran)."""
 
     def __init__(self):
         super().__init__()
         self.weight = nn.Parameter(torch.randn(8, 8))
+        self.last = None
 
     def forward(self, x):
+        self.last = self.weight[1:]
         return x @ self.weight.t(), self.weight.t()
 
 
@@ -479,7 +482,7 @@ class _LeakyBlocks(nn.Module):
         for b in self.blocks:
             x, w = b(x)
             seen.append(w)
-        return x, seen
+        return x, seen + [b.last for b in self.blocks]
 
 
 def _lent_storages(h) -> set:
@@ -498,7 +501,8 @@ def _lent_storages(h) -> set:
 def _views_of_own_weights_outlive_the_slot(dev: str, prepare=lambda m: None) -> None:
     """Three forwards of `_LeakyBlocks` streamed on ``dev`` at depth 1 (after
     ``prepare(m)`` on the enabled module): each view of a block's weight it
-    returns is equal to the resident one and lies in no buffer the package lent."""
+    returns, or keeps in an attribute, is equal to the resident one and lies in
+    no buffer the package lent."""
     torch.manual_seed(0)
     m, x = _LeakyBlocks(), torch.randn(2, 8, device=dev)
     m.to(dev)
@@ -525,8 +529,9 @@ def _views_of_own_weights_outlive_the_slot(dev: str, prepare=lambda m: None) -> 
 @pytest.mark.parametrize("dev", DEVICES)
 def test_a_block_returning_a_view_of_its_own_weight_gets_a_copy_that_outlives_the_slot(dev):
     # The slot is reused by a later block: a view of it handed out by a block
-    # would change under its holder (on CUDA) or pin a lent copy (simulated).
-    # Each such tensor comes back copied off the slot, equal to the resident one.
+    # (or kept in an attribute of its own) would change under its holder (on
+    # CUDA) or pin a lent copy (simulated). Each such tensor is copied off the
+    # slot, equal to the resident one.
     _views_of_own_weights_outlive_the_slot(dev)
 
 

@@ -141,6 +141,11 @@ class _Block:
     # the module's blocks: what a compiled graph's ops name it by (`_traced`).
     nbytes: int = 0
     at: int = -1
+    # Where the block keeps a view of its lent bytes as a plain attribute of one
+    # of its modules (`self.cache = self.weight`): (module, name) pairs, looked
+    # for after its first lent forward (None before), copied off the slot after
+    # each forward (`_hooks._off_the_slot`).
+    stashes: Optional[list] = None
 
     def prepare(self) -> None:
         """Split the parameters into those bound by one strided view over the

@@ -217,12 +217,27 @@ def _off_the_slot(state: Offloaded, blk: _Block, output):
     own = _on_the_slot(state, blk)
     if own is None:
         return None
+    _stashes_off_the_slot(blk, own)
     if isinstance(output, torch.Tensor):
         return output.clone() if own(output) else None
     leaves, spec = pytree.tree_flatten(output)
     if not any(own(t) for t in leaves):
         return None
     return pytree.tree_unflatten([t.clone() if own(t) else t for t in leaves], spec)
+
+
+def _stashes_off_the_slot(blk: _Block, own) -> None:
+    """Each plain tensor attribute of the block's modules that views its lent
+    bytes (``self.cache = self.weight.t()``) replaced by a copy off the slot,
+    as an output is: found once, after the block's first lent forward, then
+    looked at after each."""
+    if blk.stashes is None:
+        blk.stashes = [(mod, name) for mod in blk.module.modules()
+                       for name, v in vars(mod).items() if isinstance(v, torch.Tensor) and own(v)]
+    for mod, name in blk.stashes:
+        v = mod.__dict__.get(name)
+        if isinstance(v, torch.Tensor) and own(v):
+            mod.__dict__[name] = v.clone()
 
 
 def _post_hook(state: Offloaded, blk: _Block):

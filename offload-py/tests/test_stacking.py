@@ -35,6 +35,25 @@ def _steps(model, inputs, dev):
     return outs, computed, metrics
 
 
+def _same_steps_copying_what_ran(model, outs, ref, computed, ref_computed, metrics, ran: tuple, ahead: int) -> None:
+    """The streamed steps under a cache: the cache decided as resident, every
+    output is the resident one bitwise, a computed step ran every block, and a
+    cached step ran as many as ``ran`` allows, the rest skipped, copying at most
+    ``ahead`` blocks' bytes (the largest's)."""
+    assert computed == ref_computed, "the cache decided otherwise than resident"
+    for i, (o, r) in enumerate(zip(outs, ref)):
+        assert torch.equal(_bits(o), _bits(r)), f"step {i}: the streamed output differs from the resident one with the cache"
+    blocks = len(model.transformer_blocks) + len(model.single_transformer_blocks)
+    largest = max(sum(-(-p.numel() * p.element_size() // 256) * 256 for p in b.parameters())
+                  for b in [*model.transformer_blocks, *model.single_transformer_blocks])
+    for i, (m, c) in enumerate(zip(metrics, computed)):
+        if c:
+            assert m["blocks"] == blocks and m["skipped_blocks"] == 0, (i, m)
+        else:
+            assert m["blocks"] in ran and m["skipped_blocks"] == blocks - m["blocks"], (i, m)
+            assert m["bytes_copied"] <= ahead * largest, (i, m)
+
+
 @pytest.mark.parametrize("depth", [1, 2])
 @pytest.mark.parametrize("dev", DEVICES)
 def test_blocks_a_cache_skips_are_never_copied_and_the_steps_stay_bitwise_equal(dev, depth):
@@ -50,21 +69,10 @@ def test_blocks_a_cache_skips_are_never_copied_and_the_steps_stay_bitwise_equal(
     h = offload.enable(model, device=dev, depth=depth)
     model.enable_cache(FirstBlockCacheConfig(threshold=0.05))
     outs, computed, metrics = _steps(model, inputs, dev)
-    assert computed == ref_computed, "the cache decided otherwise than resident"
-    for i, (o, r) in enumerate(zip(outs, ref)):
-        assert torch.equal(_bits(o), _bits(r)), f"step {i}: the streamed output differs from the resident one with the cache"
-    blocks = len(model.transformer_blocks) + len(model.single_transformer_blocks)
-    largest = max(sum(-(-p.numel() * p.element_size() // 256) * 256 for p in b.parameters())
-                  for b in [*model.transformer_blocks, *model.single_transformer_blocks])
-    for i, (m, c) in enumerate(zip(metrics, computed)):
-        if c:
-            assert m["blocks"] == blocks and m["skipped_blocks"] == 0, (i, m)
-        else:
-            # The first block ran (the cache's test); the others were called and
-            # answered by the cache: none of their weights crossed the link, but
-            # for the blocks copied ahead of the skip decision.
-            assert m["blocks"] == 1 and m["skipped_blocks"] == blocks - 1, (i, m)
-            assert m["bytes_copied"] <= depth * largest, (i, m)
+    # The first block ran (the cache's test); the others were called and
+    # answered by the cache: none of their weights crossed the link, but for
+    # the blocks copied ahead of the skip decision.
+    _same_steps_copying_what_ran(model, outs, ref, computed, ref_computed, metrics, ran=(1,), ahead=depth)
     # Learned: a cached step after a cached step copies nothing.
     assert metrics[2]["bytes_copied"] == 0 and metrics[5]["bytes_copied"] == 0, metrics
     # A prefetch is wasted when its slot is reused before the block ran: here the
@@ -189,20 +197,9 @@ def test_blocks_a_cache_skips_are_never_copied_when_compiled(dev, backend, cache
     graphs: list = []
     compiled(model, graphs)
     outs, computed, metrics, seen = _cache_decisions(model, inputs, dev, graphs, hook_name)
-    assert computed == ref_computed, "the cache decided otherwise than resident"
-    for i, (o, r) in enumerate(zip(outs, ref)):
-        assert torch.equal(_bits(o), _bits(r)), f"step {i}: the streamed output differs from the resident compiled one"
-    blocks = len(model.transformer_blocks) + len(model.single_transformer_blocks)
-    largest = max(sum(-(-p.numel() * p.element_size() // 256) * 256 for p in b.parameters())
-                  for b in [*model.transformer_blocks, *model.single_transformer_blocks])
-    for i, (m, c) in enumerate(zip(metrics, computed)):
-        if c:
-            assert m["blocks"] == blocks and m["skipped_blocks"] == 0, (i, m)
-        else:
-            # The first block at most (FirstBlockCache runs it; MagCache decides
-            # inside its hook, which the compiled block's binding precedes).
-            assert m["blocks"] <= 1 and m["skipped_blocks"] == blocks - m["blocks"], (i, m)
-            assert m["bytes_copied"] <= largest, (i, m)
+    # The first block at most (FirstBlockCache runs it; MagCache decides inside
+    # its hook, which the compiled block's binding precedes).
+    _same_steps_copying_what_ran(model, outs, ref, computed, ref_computed, metrics, ran=(0, 1), ahead=1)
     # Compiled (MagCache's block hooks are compiler-disabled: under
     # compile_repeated_blocks its blocks run eagerly inside their compiled call,
     # resident or streamed, no graph made), and no graph again once the cache's

@@ -1,6 +1,7 @@
 """A denoising loop with diffusers' FirstBlockCache over a registry model, in
 one process: resident with the cache (the reference), this project's Python
-package with the cache (defaults: `offload.enable(model, device=...)`), and
+package with the cache (defaults: `offload.enable(model, device=...)`, and
+`offload_streamed`: every block streamed, `auto_resident_gib=0`), and
 diffusers' group offloading (block level, streams on) with the cache, on the
 same model object.
 
@@ -18,8 +19,11 @@ cache enabled with `FirstBlockCacheConfig(threshold=--threshold)` in a
 time, whether each step computed its blocks (a Linear inside the last block
 ran) or the cache answered, each step's output compared bitwise with the
 resident loop's, and for the package each step's bytes copied (the blocks that
-ran and the prefetches wasted on a skip decision). A mode that fails is an
-entry naming its error. The pinned host-to-device bandwidth is measured in the
+ran and the prefetches wasted on a skip decision). On CUDA, device memory per
+mode, weights and activations apart: `weights_bytes` (resident: the model's;
+the package: the engine's peak of slots and resident blocks plus the module's
+parameters left resident) and `before_bytes`/`peak_bytes` around the loop. A
+mode that fails is an entry naming its error. The pinned host-to-device bandwidth is measured in the
 same process.
 
     python3 cache_loop.py --registry REG.json --model flux-dev --case 1024 --out F.json
@@ -60,6 +64,10 @@ def loop(model, x, steps, dev, scale, descending=False):
     clock = Clock(dev)
     evs, record, elapsed = clock.marks(steps + 1)
     clock.sync()
+    if dev == "cuda":
+        # Activations: the loop's peak allocated above what was allocated before it.
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
     if record:
         record(evs[0])
     t_all = time.perf_counter()
@@ -89,7 +97,8 @@ def loop(model, x, steps, dev, scale, descending=False):
         times = [elapsed(evs[i], evs[i + 1]) for i in range(steps)]
         total = elapsed(evs[0], evs[steps])
     f = torch.stack([o.float().flatten()[:1024] for o in outs])
-    return {"loop_s": total, "step_s": za_stats(times), "computed": computed, "metrics": metrics,
+    memory = {"before_bytes": before, "peak_bytes": torch.cuda.max_memory_allocated()} if dev == "cuda" else {}
+    return {**memory, "loop_s": total, "step_s": za_stats(times), "computed": computed, "metrics": metrics,
             "finite": bool(torch.isfinite(f).all()), "not_constant": bool((f != f.flatten()[0]).any())}, outs
 
 
@@ -113,6 +122,8 @@ def measure(model, x, dev, args):
     try:
         model.to(dev)
         r, ref = with_cache(run)
+        if dev == "cuda":
+            r["weights_bytes"] = za.weights_on_device(model)
         modes["resident"] = r
     except Exception as e:
         modes["resident"] = za.error_entry(e)
@@ -127,17 +138,31 @@ def measure(model, x, dev, args):
             r["same_cache_decisions"] = r["computed"] == modes["resident"]["computed"]
         return r
 
-    try:
-        h = offload.enable(model, device=dev)
+    # The package with its defaults (the automatic plan may keep blocks resident
+    # where a step is host-bound, as a cached step is), and with every block
+    # streamed (auto_resident_gib=0): the ring's slots alone on the device.
+    for mode, kw in (("offload", {}), ("offload_streamed", {"auto_resident_gib": 0})):
+        if mode not in args.modes:
+            continue
         try:
-            r, outs = with_cache(run)
-            r["plan"] = h.plan()
-            modes["offload"] = judged(r, outs)
-        finally:
-            offload.disable(model)
-    except Exception as e:
-        modes["offload"] = za.error_entry(e)
-    print("offload", json.dumps({k: v for k, v in modes["offload"].items() if k not in ("traceback", "metrics")})[:600], flush=True)
+            h = offload.enable(model, device=dev, **kw)
+            try:
+                r, outs = with_cache(run)
+                r["plan"] = h.plan()
+                if dev == "cuda":
+                    # Weights on the device: the engine's slots and resident blocks
+                    # (their peak), and the module's own parameters left resident
+                    # (not the streamed placeholders, not the kept blocks' views).
+                    r["engine_weight_bytes"] = h.metrics()["peak_device_weight_bytes"]
+                    r["module_weight_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters()
+                                                   if type(p) is torch.nn.Parameter and p.device.type == "cuda")
+                    r["weights_bytes"] = r["engine_weight_bytes"] + r["module_weight_bytes"]
+                modes[mode] = judged(r, outs)
+            finally:
+                offload.disable(model)
+        except Exception as e:
+            modes[mode] = za.error_entry(e)
+        print(mode, json.dumps({k: v for k, v in modes[mode].items() if k not in ("traceback", "metrics")})[:600], flush=True)
 
     if dev == "cuda" and "block_stream" in args.modes:
         modes["block_stream"] = za.group_offloaded(model, args.model, lambda: judged(*with_cache(run)))
@@ -154,7 +179,7 @@ def main():
     ap.add_argument("--threshold", type=float, default=0.2, help="FirstBlockCache's threshold (diffusers' docs use 0.2)")
     ap.add_argument("--schedule", default="held", choices=["held", "descending"],
                     help="the timestep held at its first value (random weights: see above) or from 1 down")
-    ap.add_argument("--modes", default="resident,offload,block_stream")
+    ap.add_argument("--modes", default="resident,offload,offload_streamed,block_stream")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--out", required=True)

@@ -111,6 +111,10 @@ def test_the_cache_loop_bench_runs_on_the_simulated_device_and_its_merge_judges_
     assert "error" not in res and "error" not in off, d["modes"]
     assert res["computed"][0] and not all(res["computed"]), res["computed"]  # some steps answered by the cache
     assert all(off["bitwise_equal_steps"]) and off["same_cache_decisions"]
+    # Every block streamed (auto_resident_gib=0): the same steps, judged apart.
+    st = d["modes"]["offload_streamed"]
+    assert "error" not in st and all(st["bitwise_equal_steps"]) and st["same_cache_decisions"], st
+    assert st["plan"]["resident_blocks"] == [], st["plan"]
     skipped = [m["bytes_copied"] for m, c in zip(off["metrics"], off["computed"]) if not c]
     # A step the cache answered copies less than every block (at most its first
     # block and the prefetches ahead of it), and nothing once the ring holds them.
@@ -119,6 +123,8 @@ def test_the_cache_loop_bench_runs_on_the_simulated_device_and_its_merge_judges_
     row = cache_merge.merge([d], ["a"])["rows"][0]
     want = max(res["loop_s"], sum(m["bytes_copied"] for m in off["metrics"]) / 1e9)
     assert row["bound_s"]["runs"] == [want] and row["targets"]["bitwise_equal"] and row["targets"]["same_cache_decisions"]
+    want = max(res["loop_s"], sum(m["bytes_copied"] for m in st["metrics"]) / 1e9)
+    assert row["streamed"]["bound_s"]["runs"] == [want] and row["streamed"]["targets"]["bitwise_equal"], row["streamed"]
     d["modes"]["offload"]["same_cache_decisions"] = False
     assert cache_merge.merge([d], ["a"])["rows"][0]["targets_met"] is False
     # A loop whose every step computed measured no cache: its row fails.

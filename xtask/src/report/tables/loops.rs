@@ -142,16 +142,22 @@ pub fn cache_table(results: &Path) -> Result<Option<String>, String> {
         raw(&d),
     );
     md.push_str(
-        "| model | case | steps (computed) | resident + cache (s) | ours + cache (s) | copied (GiB) | ratio to bound | diffusers block-level + cache (s) | bitwise, same decisions | targets met |\n\
-         | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n",
+        "Ours: the package's defaults (the automatic plan may keep blocks resident where a step is host-bound, as a \
+         cached step is); streamed: every block streamed (`auto_resident_gib=0`), the ring's slots alone. Weights: \
+         device memory holding weights (GiB; resident: the model's; ours: the engine's slots and resident blocks plus \
+         the module's resident parameters).\n\n\
+         | model | case | steps (computed) | resident + cache (s) | ours + cache (s) | copied (GiB) | ratio to bound | \
+         streamed + cache (s) | its ratio | diffusers block-level + cache (s) | weights: resident / ours / streamed | \
+         bitwise, same decisions | targets met (ours; streamed) |\n\
+         | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n",
     );
     for r in d["rows"].as_array().into_iter().flatten() {
-        let (res, off) = (&r["resident"], &r["offload"]);
+        let (res, off, st) = (&r["resident"], &r["offload"], &r["offload_streamed"]);
         let computed = if res["computed_steps"].is_object() { format!("{:.0}", f(&res["computed_steps"]["median"])) } else { "–".into() };
-        let ratio = if r["ratio"].is_object() { span(&r["ratio"], 3) } else { "–".into() };
+        let ratio = |row: &Value| if row["ratio"].is_object() { span(&row["ratio"], 3) } else { "–".into() };
         let _ = writeln!(
             md,
-            "| {} | {} | {} ({}) | {} | {} | {} | {} | {} | {}, {} | {} |",
+            "| {} | {} | {} ({}) | {} | {} | {} | {} | {} | {} | {} | {} / {} / {} | {}, {} | {}; {} |",
             r["model"].as_str().unwrap_or("?"),
             r["case"].as_str().unwrap_or("?"),
             r["steps"],
@@ -159,11 +165,17 @@ pub fn cache_table(results: &Path) -> Result<Option<String>, String> {
             mode_span(res, "loop_s", 3),
             mode_span(off, "loop_s", 3),
             gib(&r["bytes_copied"]),
-            ratio,
+            ratio(r),
+            mode_span(st, "loop_s", 3),
+            ratio(&r["streamed"]),
             mode_span(&r["block_stream"], "loop_s", 3),
+            gib(&res["weights_bytes"]),
+            gib(&off["weights_bytes"]),
+            gib(&st["weights_bytes"]),
             yes(&off["bitwise_equal"]),
             yes(&off["same_cache_decisions"]),
             targets(r),
+            targets(&r["streamed"]),
         );
     }
     Ok(Some(md))

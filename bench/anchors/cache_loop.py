@@ -154,8 +154,7 @@ def measure(model, x, dev, args):
                     # (their peak), and the module's own parameters left resident
                     # (not the streamed placeholders, not the kept blocks' views).
                     r["engine_weight_bytes"] = h.metrics()["peak_device_weight_bytes"]
-                    r["module_weight_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters()
-                                                   if type(p) is torch.nn.Parameter and p.device.type == "cuda")
+                    r["module_weight_bytes"] = za.weights_on_device(model)
                     r["weights_bytes"] = r["engine_weight_bytes"] + r["module_weight_bytes"]
                 modes[mode] = judged(r, outs)
             finally:

@@ -237,8 +237,14 @@ def user_cases(cases, size, batch, frames):
     return keep
 
 
-def weights_on_device(model):
-    return sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type == "cuda")
+def weights_on_device(model, device_type: str = "cuda"):
+    """Bytes of the module's parameters on the device: real parameters only.
+    An offloaded module's streamed weights are placeholders that report the
+    device they stream to (no bytes there), and its kept or lent blocks are
+    plain views of the engine's buffers, which its metrics count
+    (`peak_device_weight_bytes`): neither is counted here."""
+    return sum(p.numel() * p.element_size() for p in model.parameters()
+               if p.device.type == device_type and isinstance(p, torch.nn.Parameter) and type(p).__name__ != "_Placeholder")
 
 
 def time_case(model, x, warmup, steps):

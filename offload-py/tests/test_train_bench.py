@@ -169,3 +169,31 @@ def test_the_sdpa_probe_runs_each_backend_in_its_own_process_and_names_what_fail
         assert rows["math"][part]["finite"] and rows["math"][part]["repeatable"], rows["math"]
     # A backend the CPU lacks is named, not passed over.
     assert "No viable backend" in rows["cudnn"]["flux_dev_attention"]["error"]
+
+
+def test_the_benches_weights_on_the_device_count_no_streamed_placeholder_nor_kept_view():
+    # An offloaded module's streamed weights are placeholders reporting the
+    # device they stream to, and its kept blocks are views of the engine's
+    # buffers (counted by its metrics): the benches' count of the module's own
+    # weights on the device is the parameters left resident, before and after
+    # the plan keeps blocks.
+    sys.path.insert(0, str(ROOT / "bench/anchors"))
+    import zoo_anchor as za
+    import torch
+    from models import flux
+
+    import offload
+
+    model, inputs, _ = flux()
+    blocks = [*model.transformer_blocks, *model.single_transformer_blocks]
+    in_blocks = {id(p) for b in blocks for p in b.parameters()}
+    resident = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in in_blocks)
+    assert 0 < resident < za.weights_on_device(model, "cpu")
+    h = offload.enable(model, device="cpu", auto_resident_gib=1)
+    assert za.weights_on_device(model, "cpu") == resident
+    with torch.no_grad():
+        for _ in range(4):
+            model(**inputs)
+    assert h.plan()["resident_blocks"], "no block was kept: the check below would not see a kept view"
+    assert za.weights_on_device(model, "cpu") == resident
+    offload.disable(model)

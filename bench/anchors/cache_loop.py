@@ -20,11 +20,12 @@ time, whether each step computed its blocks (a Linear inside the last block
 ran) or the cache answered, each step's output compared bitwise with the
 resident loop's, and for the package each step's bytes copied (the blocks that
 ran and the prefetches wasted on a skip decision). On CUDA, device memory per
-mode, weights and activations apart: `weights_bytes` (resident: the model's;
-the package: the engine's peak of slots and resident blocks plus the module's
-parameters left resident) and `before_bytes`/`peak_bytes` around the loop. A
-mode that fails is an entry naming its error. The pinned host-to-device bandwidth is measured in the
-same process.
+mode: `weights_bytes` (resident: the model's; the package: the engine's peak
+of slots and resident blocks plus the module's parameters left resident), and
+apart from it `before_bytes`/`peak_bytes` around the loop (its activations;
+for diffusers' offloading its onloaded blocks too). A mode that fails is an
+entry naming its error. The pinned host-to-device bandwidth is measured in
+the same process.
 
     python3 cache_loop.py --registry REG.json --model flux-dev --case 1024 --out F.json
     python3 cache_loop.py --tiny --device cpu --out F.json   (a small Flux on the simulated device)

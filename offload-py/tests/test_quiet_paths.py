@@ -16,6 +16,7 @@ import threading
 import pytest
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 import offload
 from offload import OffloadError
@@ -485,17 +486,32 @@ class _LeakyBlocks(nn.Module):
         return x, seen + [b.last for b in self.blocks]
 
 
-def _lent_storages(h) -> set:
-    """The storages the package lends a block's bytes in from now on (each
-    bind's buffer, recorded)."""
-    lent, bind = set(), h._bind_views
+class _Lent:
+    """The buffers the package lends a block's bytes in from now on (each
+    bind's buffer, recorded as a weak reference to its storage).
 
-    def record(block, data):
-        lent.add(data.untyped_storage().data_ptr())
-        return bind(block, data)
+    A tensor lies in one when it shares the storage of a lent buffer still
+    alive. A buffer that is gone does not count: on CUDA the lent buffers come
+    from torch's caching allocator, which hands a freed one's address to the
+    next allocation of its size (a copy made off the slot among them), so an
+    address alone cannot tell a copy from a view. A view keeps its buffer alive."""
 
-    h._bind_views = record
-    return lent
+    def __init__(self, h):
+        self.buffers, bind = [], h._bind_views
+
+        def record(block, data):
+            s = data.untyped_storage()
+            self.buffers.append((s.data_ptr(), StorageWeakRef(s)))
+            return bind(block, data)
+
+        h._bind_views = record
+
+    def __contains__(self, t: torch.Tensor) -> bool:
+        at = t.untyped_storage().data_ptr()
+        return any(ptr == at and not ref.expired() for ptr, ref in self.buffers)
+
+    def __bool__(self) -> bool:
+        return bool(self.buffers)
 
 
 def _views_of_own_weights_outlive_the_slot(dev: str, prepare=lambda m: None) -> None:
@@ -512,7 +528,7 @@ def _views_of_own_weights_outlive_the_slot(dev: str, prepare=lambda m: None) -> 
     m.to("cpu")
     h = offload.enable(m, device=dev, depth=1)
     prepare(m)
-    lent = _lent_storages(h)
+    lent = _Lent(h)
     with torch.no_grad():
         for _ in range(3):
             out, seen = m(x)
@@ -520,7 +536,7 @@ def _views_of_own_weights_outlive_the_slot(dev: str, prepare=lambda m: None) -> 
                 torch.cuda.synchronize()
             assert torch.equal(_bits(out), _bits(ref_out))
             for w, ref in zip(seen, ref_seen):
-                assert w.untyped_storage().data_ptr() not in lent
+                assert w not in lent
                 assert torch.equal(_bits(w), _bits(ref))
     assert lent, "no block was lent"
     offload.disable(m)
@@ -589,13 +605,13 @@ def test_a_view_of_a_blocks_weight_is_copied_off_the_slot_in_each_output_structu
     with torch.no_grad():
         ref = [b.weight[1:].clone() for b in m.blocks]
     h = offload.enable(m, device="cpu", depth=1)
-    lent = _lent_storages(h)
+    lent = _Lent(h)
     with torch.no_grad():
         outs = m(x)
     for out, r in zip(outs, ref):
         assert type(out) is type(_SHAPES[shape](x, x))
         w = _the_view(shape, out)
-        assert w.untyped_storage().data_ptr() not in lent
+        assert w not in lent
         assert torch.equal(w, r)
     assert lent, "no block was lent"
     offload.disable(m)

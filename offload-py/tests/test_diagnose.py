@@ -353,6 +353,46 @@ def test_a_host_bound_step_keeps_as_many_blocks_resident_as_the_allowance_holds(
         assert torch.equal(a.weight, b.weight), "disable lost an edit of a kept block, or a streamed block's bytes"
 
 
+def test_the_blocks_left_to_stream_are_spread_over_the_run_order(sim_link):
+    # Kept as one run, the streamed blocks would come back to back, where a
+    # block's copy can outlast its compute (Flux-dev's last 13 of 57 on an
+    # H100): spread, each copy overlaps the kept blocks' compute before it.
+    import copy
+
+    torch.manual_seed(0)
+    model = _Model([_Work(256, sleep_s=0.001) for _ in range(8)], between_s=0.01)
+    resident = copy.deepcopy(model)
+    x = torch.randn(1, 256, dtype=torch.bfloat16)
+    with torch.no_grad():
+        ref = resident(x)
+    m = offload.enable(model, device="cpu", auto_resident_gib=5.5 * _BLOCK / 2**30)
+    try:
+        _steps(model, x, 2)
+        plan = m.plan()
+        kept = sorted(int(n.rsplit(".", 1)[1]) for n in plan["resident_blocks"])
+        # Five fit; the three streamed at 8/4, 2·8/4, 3·8/4: never two side by side, the first kept.
+        assert kept == [0, 1, 3, 5, 7] and "spread over the run order" in plan["why"], plan
+        out = _steps(model, x, 2)
+        assert m.metrics()["blocks"] == 3 and m.metrics()["bytes_copied"] == 3 * _BLOCK, m.metrics()
+        assert torch.equal(out, ref)
+    finally:
+        offload.disable(model)
+
+
+def test_a_spread_of_the_streamed_blocks_fits_the_allowance_or_is_not_made():
+    from offload._offloaded import _spread_streamed
+
+    even = [(f"b.{i}", 10) for i in range(8)]
+    assert _spread_streamed(even, 3, 50) == ["b.0", "b.1", "b.3", "b.5", "b.7"]
+    assert _spread_streamed(even, 0, 80) is None and _spread_streamed(even, 8, 0) is None
+    # Larger blocks where the spread keeps them: one more streamed where they do not fit.
+    sized = [(f"b.{i}", 30 if i in (1, 3) else 10) for i in range(8)]
+    assert _spread_streamed(sized, 3, 90) == ["b.0", "b.1", "b.3", "b.5", "b.7"]
+    assert _spread_streamed(sized, 3, 80) == ["b.0", "b.2", "b.5", "b.7"]
+    # No spread fits (the first block alone is over the allowance).
+    assert _spread_streamed([("b.0", 100), ("b.1", 1), ("b.2", 1)], 1, 50) is None
+
+
 def test_an_allowance_of_zero_keeps_every_block_streamed(sim_link):
     model = _host_bound_model()
     x = torch.randn(1, 256, dtype=torch.bfloat16)

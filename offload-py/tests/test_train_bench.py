@@ -125,6 +125,11 @@ def test_the_cache_loop_bench_runs_on_the_simulated_device_and_its_merge_judges_
     assert row["bound_s"]["runs"] == [want] and row["targets"]["bitwise_equal"] and row["targets"]["same_cache_decisions"]
     want = max(res["loop_s"], sum(m["bytes_copied"] for m in st["metrics"]) / 1e9)
     assert row["streamed"]["bound_s"]["runs"] == [want] and row["streamed"]["targets"]["bitwise_equal"], row["streamed"]
+    # Beside it, each step's own bound summed (a step's copies overlap its own compute only).
+    want = sum(max(t, m["bytes_copied"] / 1e9) for t, m in zip(res["step_s"]["runs_s"], st["metrics"]))
+    assert row["streamed"]["stepwise_bound_s"]["runs"] == [want], row["streamed"]
+    # One untimed loop first (set-up and the automatic plan paid before), recorded and a key of the row.
+    assert d["warmup"] == 1 and row["warmup"] == 1
     d["modes"]["offload"]["same_cache_decisions"] = False
     assert cache_merge.merge([d], ["a"])["rows"][0]["targets_met"] is False
     # A loop whose every step computed measured no cache: its row fails.

@@ -168,7 +168,8 @@ def enable(
     traced step was host-bound (the host needed about the device's whole step
     to issue it: Python time per block on a model whose blocks are short), the
     package also keeps blocks resident, as many as ``auto_resident_gib`` holds
-    (those with the most host time per byte first): each is copied once,
+    (counted with those of the most host time per byte first, the ones left
+    to stream spread evenly over the run order): each is copied once,
     bound for good as plain device tensors, and runs with none of the
     package's per-block hooks, as it would unoffloaded. Not given, that
     allowance is a quarter of the device's free memory at the choice (none on

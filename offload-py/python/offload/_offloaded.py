@@ -677,8 +677,9 @@ class Offloaded:
         """The automatic plan's resident blocks: where the traced step was
         host-bound (:func:`_host_bound`), each block kept resident runs with
         none of the package's host time, as it would unoffloaded. As many as
-        the allowance holds are kept, those with the most host time per byte
-        first."""
+        the allowance holds are kept, counted with those of the most host time
+        per byte first; the ones left to stream are then spread over the run
+        order (:func:`_spread_streamed`) where a spread fits the allowance."""
         if not _host_bound(d, self.device.type == "cuda"):
             share = d["host_s"] / d["step_s"] if d["step_s"] > 0 else 0.0
             self._kept_why = (
@@ -698,11 +699,18 @@ class Offloaded:
                  if f"{b.stack}.{b.index}" not in in_ring}
         host = d["host_blocks"]
         order = sorted(sizes, key=lambda n: -host.get(n, 0.0) / max(sizes[n][1], 1))
-        kept, used, failed = [], 0, ""
+        chosen, fit = [], 0
         for name in order:
+            if fit + sizes[name][1] <= allowance:
+                chosen.append(name)
+                fit += sizes[name][1]
+        spread = _spread_streamed([(n, sizes[n][1]) for n in sizes], len(sizes) - len(chosen), allowance)
+        spread_why = ""
+        if spread is not None:
+            chosen, spread_why = spread, ", the streamed ones spread over the run order"
+        kept, used, failed = [], 0, ""
+        for name in chosen:
             blk, size = sizes[name]
-            if used + size > allowance:
-                continue
             try:
                 self._keep(blk)
             except (OffloadError, RuntimeError) as e:
@@ -725,7 +733,7 @@ class Offloaded:
             f"; the traced step was host-bound (the host took {d['host_s']:.4f} s to issue a {d['step_s']:.4f} s step, "
             f"{lost:.4f} s charged to it): {len(kept)} of "
             f"{len(sizes)} blocks kept resident ({used / 2**30:.2f} GiB of an allowance of {allowance / 2**30:.2f} GiB: "
-            f"{of}), bound once, with no per-block hooks{failed}"
+            f"{of}), bound once, with no per-block hooks{spread_why}{failed}"
         )
 
     def _keep(self, block: _Block) -> None:
@@ -764,6 +772,32 @@ class Offloaded:
 # from one process to the next, while copy-bound steps (verdict "link") took
 # 0.3-0.95 (bench/NOTES.md, the sweeps at c96b7fc and e9cc56c).
 _KEEP_HOST_SHARE = 0.6
+
+
+def _spread_streamed(blocks: list[tuple[str, int]], streamed: int, allowance: int) -> list[str] | None:
+    """The blocks to keep resident so that the ``streamed`` (or a few more)
+    left to stream lie spread evenly over ``blocks`` (names and sizes, in the
+    order the model runs them), the first kept; None where all or none stream,
+    or no spread fits ``allowance``.
+
+    Each streamed block's copy then overlaps the compute of the kept blocks
+    before it. Kept as a run (the first ones, as ties of host time per byte
+    fall), the streamed blocks would come back to back at the step's end,
+    where a block's copy takes longer than its compute and the link sets their
+    pace: Flux-dev's 13 last single blocks of 57 made each computed step 1.10 ×
+    the resident one on the H100 (bench/NOTES.md). Where sizes differ, a spread
+    may need more streamed blocks to fit than the host-time order kept."""
+    n = len(blocks)
+    if streamed <= 0 or streamed >= n:
+        return None
+    for s in range(streamed, n):
+        # s positions at multiples of n / (s + 1): distinct (the step is at
+        # least 1), never the first block nor past the last.
+        out = {(i + 1) * n // (s + 1) for i in range(s)}
+        kept = [name for j, (name, _) in enumerate(blocks) if j not in out]
+        if sum(size for j, (_, size) in enumerate(blocks) if j not in out) <= allowance:
+            return kept
+    return None
 
 
 def _host_bound(d: dict, cuda: bool) -> bool:

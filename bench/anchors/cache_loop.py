@@ -22,7 +22,8 @@ ran) or the cache answered, each step's output compared bitwise with the
 resident loop's, and for the package each step's bytes copied (the blocks that
 ran and the prefetches wasted on a skip decision). On CUDA, device memory per
 mode: `weights_bytes` (resident: the model's; the package: the engine's peak
-of slots and resident blocks plus the module's parameters left resident), and
+of slots and resident blocks, the blocks its automatic plan keeps, and the
+module's parameters left resident), and
 apart from it `before_bytes`/`peak_bytes` around the loop (its activations;
 for diffusers' offloading its onloaded blocks too). A mode that fails is an
 entry naming its error. The pinned host-to-device bandwidth is measured in
@@ -164,9 +165,12 @@ def measure(model, x, dev, args):
                 r["plan"] = h.plan()
                 if dev == "cuda":
                     # Weights on the device: the engine's slots and resident blocks
-                    # (their peak), and the module's own parameters left resident
-                    # (not the streamed placeholders, not the kept blocks' views).
-                    r["engine_weight_bytes"] = h.metrics()["peak_device_weight_bytes"]
+                    # (their peak), the blocks the automatic plan keeps outside the
+                    # ring, and the module's own parameters left resident (not the
+                    # streamed placeholders, not the kept blocks' views).
+                    met = h.metrics()
+                    r["kept_bytes"] = met["kept_bytes"]
+                    r["engine_weight_bytes"] = met["peak_device_weight_bytes"] + met["kept_bytes"]
                     r["module_weight_bytes"] = za.weights_on_device(model)
                     r["weights_bytes"] = r["engine_weight_bytes"] + r["module_weight_bytes"]
                 modes[mode] = judged(r, outs)

@@ -676,8 +676,10 @@ def main():
                 # The package's slots and resident blocks are allocated when it is
                 # enabled, before the step: the peak above does not see them. Its
                 # weights on the device are the module's resident tensors and what
-                # the engine holds for the blocks (its slots and resident blocks).
-                w = weights + handle.metrics()["peak_device_weight_bytes"]
+                # the engine holds for the blocks (its slots and resident blocks),
+                # and the blocks the automatic plan keeps outside the ring.
+                met = handle.metrics()
+                w = weights + met["peak_device_weight_bytes"] + met.get("kept_bytes", 0)
                 # Coded, the decoder's staging buffers hold device memory the
                 # engine's count leaves out: the row says so, and is not reported.
                 measured = "engine" if not a.coded else "engine, without the decoder's staging buffers"

@@ -143,31 +143,39 @@ pub fn cache_table(results: &Path) -> Result<Option<String>, String> {
     );
     md.push_str(
         "Ours: the package's defaults (the automatic plan may keep blocks resident where a step is host-bound, as a \
-         cached step is); streamed: every block streamed (`auto_resident_gib=0`), the ring's slots alone. Weights: \
-         device memory holding weights (GiB; resident: the model's; ours: the engine's slots and resident blocks plus \
-         the module's resident parameters).\n\n\
-         | model | case | steps (computed) | resident + cache (s) | ours + cache (s) | copied (GiB) | ratio to bound | \
-         streamed + cache (s) | its ratio | diffusers block-level + cache (s) | weights: resident / ours / streamed | \
-         bitwise, same decisions | targets met (ours; streamed) |\n\
-         | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n",
+         cached step is); streamed: every block streamed (`auto_resident_gib=0`), the ring's slots alone. Its ratio in \
+         parentheses: to each step's own bound summed, `Σ max(resident step, the step's bytes ÷ bandwidth)` (not \
+         judged; the loop's bound lets a computed step's copies overlap the cached steps' compute, which a ring of \
+         `depth` slots cannot). Warm-up: whole loops run untimed per mode before the timed one. Weights: device \
+         memory holding weights (GiB; resident: the model's; ours: the engine's slots and resident blocks, the blocks \
+         its automatic plan keeps, and the module's resident parameters).\n\n\
+         | model | case | steps (computed) | warm-up | resident + cache (s) | ours + cache (s) | copied (GiB) | \
+         ratio to bound | streamed + cache (s) | its ratio (step-wise) | diffusers block-level + cache (s) | \
+         weights: resident / ours / streamed | bitwise, same decisions | targets met (ours; streamed) |\n\
+         | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n",
     );
     for r in d["rows"].as_array().into_iter().flatten() {
         let (res, off, st) = (&r["resident"], &r["offload"], &r["offload_streamed"]);
         let computed = if res["computed_steps"].is_object() { format!("{:.0}", f(&res["computed_steps"]["median"])) } else { "–".into() };
         let ratio = |row: &Value| if row["ratio"].is_object() { span(&row["ratio"], 3) } else { "–".into() };
+        let streamed_ratio = match &r["streamed"]["stepwise_ratio"] {
+            w if w.is_object() => format!("{} ({})", ratio(&r["streamed"]), span(w, 3)),
+            _ => ratio(&r["streamed"]),
+        };
         let _ = writeln!(
             md,
-            "| {} | {} | {} ({}) | {} | {} | {} | {} | {} | {} | {} | {} / {} / {} | {}, {} | {}; {} |",
+            "| {} | {} | {} ({}) | {} | {} | {} | {} | {} | {} | {} | {} | {} / {} / {} | {}, {} | {}; {} |",
             r["model"].as_str().unwrap_or("?"),
             r["case"].as_str().unwrap_or("?"),
             r["steps"],
             computed,
+            r["warmup"].as_u64().map_or("none".into(), |w| w.to_string()),
             mode_span(res, "loop_s", 3),
             mode_span(off, "loop_s", 3),
             gib(&r["bytes_copied"]),
             ratio(r),
             mode_span(st, "loop_s", 3),
-            ratio(&r["streamed"]),
+            streamed_ratio,
             mode_span(&r["block_stream"], "loop_s", 3),
             gib(&res["weights_bytes"]),
             gib(&off["weights_bytes"]),

@@ -95,7 +95,9 @@ def _pre_hook(state: Offloaded, blk: _Block):
         return None
 
     def trace(mod, args, kwargs):
-        if not _traced.traceable(blk):
+        if not _traced.traceable(blk) or _may_be_answered(blk.module):
+            # (A hook whose decision the package does not read may answer the
+            # call: the block armed outside the graph, bound at its first use.)
             return _UNTRACED
         if _answered_by_cache(blk.module):
             # Answered by a cache (dynamo guards on its decision): no op, no copy.
@@ -249,7 +251,7 @@ def _post_hook(state: Offloaded, blk: _Block):
 
     def trace(mod, args, output):
         after = _traced.outputs(output)
-        if after is None or not _traced.traceable(blk):
+        if after is None or not _traced.traceable(blk) or _may_be_answered(blk.module):
             return _UNTRACED
         if _answered_by_cache(blk.module):
             return None  # never lent (the pre-hook's trace read the same decision)
@@ -278,7 +280,11 @@ class _Compiled:
             if _answered_by_cache(blk.module):
                 # Armed and never lent: counted as skipped, nothing copied.
                 return self.fn(*args, **kwargs)
-            st._lend(blk)
+            if not _may_be_answered(blk.module):
+                st._lend(blk)
+            # Else armed: bound at its first weight's use inside the call, as an
+            # eager block is (a graph break there), never where the hook
+            # answers the call without the block's forward.
             out = self.fn(*args, **kwargs)
             copied = _off_the_slot(st, blk, out)
             return out if copied is None else copied
@@ -306,6 +312,22 @@ def _answered_by_cache(block: nn.Module) -> bool:
             except Exception:
                 return False  # no cache context yet: the hook decides; lend
     return False
+
+
+# diffusers' hooks that may answer a block's call without running its forward,
+# by a decision the package does not read (TaylorSeer's lite mode on whole
+# blocks, LayerSkip, FasterCache, SeaCache, MagCache's first block).
+_MAY_ANSWER = ("TaylorSeerCacheHook", "TransformerBlockSkipHook", "FasterCacheBlockHook", "SeaCacheLeaderBlockHook",
+               "SeaCacheBlockHook", "MagCacheHeadHook")
+
+
+def _may_be_answered(block: nn.Module) -> bool:
+    """Whether ``block``'s call goes through one of :data:`_MAY_ANSWER`: a
+    compiled or traced block is then armed, not bound, before its call, and
+    bound at its first weight's use inside it as an eager block is (a graph
+    break there, where the hook's own decision breaks it already)."""
+    registry = getattr(block, "_diffusers_hook", None)
+    return any(type(h).__name__ in _MAY_ANSWER for h in getattr(registry, "hooks", {}).values())
 
 
 def _in_compiled_block(args) -> bool:

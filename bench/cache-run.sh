@@ -4,7 +4,7 @@
 # CACHE_RUNS ("model:case"), each file kept in $D; then every
 # file so far packed into $OUT/cache.tgz. A run whose file exists is kept; one
 # that would start past CACHE_DEADLINE seconds (default 560) is left for the
-# next command. Needs the wheels in .whl (`cargo xtask wheel`) and the registry
+# next command. CACHE_ARGS go to every cache_loop.py. Needs the wheels in .whl (`cargo xtask wheel`) and the registry
 # (.bundle/registry.json, `cargo xtask gpu-bundle --python`).
 set -uo pipefail
 R=$(cd "$(dirname "$0")/.." && pwd)
@@ -25,8 +25,10 @@ for r in ${CACHE_REPEATS:-1 2 3}; do
     est=${CACHE_EST:-150}
     if [ $((SECONDS + est)) -gt "${CACHE_DEADLINE:-560}" ]; then echo "== $run r$r: left for the next command (${SECONDS} s gone)"; continue; fi
     echo "== $run r$r (at ${SECONDS} s)"
+    # Wan 14B's loop takes minutes: its warm-up loop is three steps (set-up and the automatic plan, chosen at the second).
+    extra=(); case $model in wan*) extra=(--warmup-steps 3);; esac
     timeout $(( ${CACHE_DEADLINE:-560} - SECONDS )) python3 "$R/bench/anchors/cache_loop.py" --registry "$R/.bundle/registry.json" \
-      --model "$model" --case "$case" --out "$f" > "${f%.json}.log" 2>&1
+      --model "$model" --case "$case" "${extra[@]}" ${CACHE_ARGS:-} --out "$f" > "${f%.json}.log" 2>&1
     echo "   rc $? in $((SECONDS)) s"; grep -E "^(resident|offload|block_stream) " "${f%.json}.log" | cut -c1-300
   done
 done

@@ -15,8 +15,9 @@ full-size Flux-dev on an H100 at 7f8bb4d, and on the tiny Flux on the CPU),
 where a trained model's cache skips most steps; held, the latents' drift alone
 moves the residual, and the cache skips as it does in use. The
 cache enabled with `FirstBlockCacheConfig(threshold=--threshold)` in a
-`cache_context`. Per mode: `--warmup` whole loops untimed (default 1: first
-calls' set-up and the package's automatic plan paid before), then the whole loop timed with CUDA events, each step's
+`cache_context`. Per mode: `--warmup` loops untimed (default 1, of
+`--warmup-steps` steps, default the whole loop: first calls' set-up and the
+package's automatic plan paid before), then the whole loop timed with CUDA events, each step's
 time, whether each step computed its blocks (a Linear inside the last block
 ran) or the cache answered, each step's output compared bitwise with the
 resident loop's, and for the package each step's bytes copied (the blocks that
@@ -112,8 +113,8 @@ def measure(model, x, dev, args):
     scale = 1000.0 if args.model.startswith("wan") else 1.0
     modes, ref = {}, None
 
-    def run():
-        return loop(model, x, args.steps, dev, scale, args.schedule == "descending")
+    def run(steps=args.steps):
+        return loop(model, x, steps, dev, scale, args.schedule == "descending")
 
     def with_cache(fn):
         model.enable_cache(FirstBlockCacheConfig(threshold=args.threshold))
@@ -130,7 +131,7 @@ def measure(model, x, dev, args):
         # second step, their copies), are paid once per process as in use, not
         # in the loop measured.
         for _ in range(args.warmup):
-            with_cache(run)
+            with_cache(lambda: run(args.warmup_steps or args.steps))
         return with_cache(run)
 
     try:
@@ -195,7 +196,10 @@ def main():
     ap.add_argument("--threshold", type=float, default=0.2, help="FirstBlockCache's threshold (diffusers' docs use 0.2)")
     ap.add_argument("--schedule", default="held", choices=["held", "descending"],
                     help="the timestep held at its first value (random weights: see above) or from 1 down")
-    ap.add_argument("--warmup", type=int, default=1, help="whole loops run untimed before the timed one, per mode")
+    ap.add_argument("--warmup", type=int, default=1, help="loops run untimed before the timed one, per mode")
+    ap.add_argument("--warmup-steps", type=int, default=0,
+                    help="steps of each warm-up loop (default: the loop's; three are enough for the first calls' set-up "
+                         "and the automatic plan, chosen at the second step: Wan 14B's loop is minutes)")
     ap.add_argument("--modes", default="resident,offload,offload_streamed,block_stream")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true")
@@ -208,7 +212,7 @@ def main():
     import diffusers
 
     doc = {"what": "a denoising loop with FirstBlockCache (bench/anchors/cache_loop.py)", "model": entry["name"], "case": case,
-           "steps": args.steps, "warmup": args.warmup, "threshold": args.threshold, "schedule": args.schedule, "device": dev,
+           "steps": args.steps, "warmup": args.warmup, "warmup_steps": args.warmup_steps or args.steps, "threshold": args.threshold, "schedule": args.schedule, "device": dev,
            "gpu": torch.cuda.get_device_name() if dev == "cuda" else "none", "torch": torch.__version__,
            "diffusers": diffusers.__version__, "commit": os.environ.get("OFFLOAD_COMMIT", "unknown"), "pid": os.getpid(),
            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}

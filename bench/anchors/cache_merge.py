@@ -21,11 +21,13 @@ def merge(docs: list[dict], names: list[str], raw_dir: str = "") -> dict:
     groups: dict = {}
     for d in docs:
         # Loops of another schedule, threshold or length are another row, never pooled.
-        groups.setdefault((d["model"], d["case"]["name"], d.get("schedule", "descending"), d["threshold"], d["steps"], d.get("warmup", 0)), []).append(d)
+        groups.setdefault((d["model"], d["case"]["name"], d.get("schedule", "descending"), d["threshold"], d["steps"], d.get("warmup", 0),
+                                d.get("warmup_steps", d["steps"])), []).append(d)
     rows = []
     for (model, case, *_), runs in groups.items():
         row = {"model": model, "case": case, "processes": len(runs), "steps": runs[0]["steps"], "threshold": runs[0]["threshold"],
-               "schedule": runs[0].get("schedule", "descending"), "warmup": runs[0].get("warmup", 0)}
+               "schedule": runs[0].get("schedule", "descending"), "warmup": runs[0].get("warmup", 0),
+               "warmup_steps": runs[0].get("warmup_steps", runs[0]["steps"])}
         for mode in ("resident", "offload", "offload_streamed", "block_stream"):
             got = [r["modes"][mode] for r in runs if mode in r["modes"]]
             ok = [m for m in got if "error" not in m]

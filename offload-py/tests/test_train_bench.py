@@ -105,7 +105,7 @@ def test_the_cache_loop_bench_runs_on_the_simulated_device_and_its_merge_judges_
     # diffusers' documented threshold (the default): with the timestep held,
     # the latents' drift stays under it on most steps, and the cache skips.
     subprocess.run([sys.executable, str(ROOT / "bench/anchors/cache_loop.py"), "--tiny", "--device", "cpu", "--steps", "8",
-                    "--out", str(out)], check=True, capture_output=True, env=env)
+                    "--warmup-steps", "3", "--out", str(out)], check=True, capture_output=True, env=env)
     d = json.loads(out.read_text())
     res, off = d["modes"]["resident"], d["modes"]["offload"]
     assert "error" not in res and "error" not in off, d["modes"]
@@ -128,8 +128,8 @@ def test_the_cache_loop_bench_runs_on_the_simulated_device_and_its_merge_judges_
     # Beside it, each step's own bound summed (a step's copies overlap its own compute only).
     want = sum(max(t, m["bytes_copied"] / 1e9) for t, m in zip(res["step_s"]["runs_s"], st["metrics"]))
     assert row["streamed"]["stepwise_bound_s"]["runs"] == [want], row["streamed"]
-    # One untimed loop first (set-up and the automatic plan paid before), recorded and a key of the row.
-    assert d["warmup"] == 1 and row["warmup"] == 1
+    # One untimed loop of three steps first (set-up and the automatic plan paid before), recorded and a key of the row.
+    assert d["warmup"] == 1 and row["warmup"] == 1 and d["warmup_steps"] == 3 and row["warmup_steps"] == 3
     d["modes"]["offload"]["same_cache_decisions"] = False
     assert cache_merge.merge([d], ["a"])["rows"][0]["targets_met"] is False
     # A loop whose every step computed measured no cache: its row fails.

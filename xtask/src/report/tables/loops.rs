@@ -146,9 +146,9 @@ pub fn cache_table(results: &Path) -> Result<Option<String>, String> {
          cached step is); streamed: every block streamed (`auto_resident_gib=0`), the ring's slots alone. Its ratio in \
          parentheses: to each step's own bound summed, `Σ max(resident step, the step's bytes ÷ bandwidth)` (not \
          judged; the loop's bound lets a computed step's copies overlap the cached steps' compute, which a ring of \
-         `depth` slots cannot). Warm-up: whole loops run untimed per mode before the timed one. Weights: device \
-         memory holding weights (GiB; resident: the model's; ours: the engine's slots and resident blocks, the blocks \
-         its automatic plan keeps, and the module's resident parameters).\n\n\
+         `depth` slots cannot). Warm-up: loops run untimed per mode before the timed one (whole, unless their steps \
+         are named). Weights: device memory holding weights (GiB; resident: the model's; ours: the engine's slots \
+         and resident blocks, the blocks its automatic plan keeps, and the module's resident parameters).\n\n\
          | model | case | steps (computed) | warm-up | resident + cache (s) | ours + cache (s) | copied (GiB) | \
          ratio to bound | streamed + cache (s) | its ratio (step-wise) | diffusers block-level + cache (s) | \
          weights: resident / ours / streamed | bitwise, same decisions | targets met (ours; streamed) |\n\
@@ -169,7 +169,11 @@ pub fn cache_table(results: &Path) -> Result<Option<String>, String> {
             r["case"].as_str().unwrap_or("?"),
             r["steps"],
             computed,
-            r["warmup"].as_u64().map_or("none".into(), |w| w.to_string()),
+            match (r["warmup"].as_u64(), r["warmup_steps"].as_u64()) {
+                (None, _) => "none".to_string(),
+                (Some(w), Some(n)) if Some(n) != r["steps"].as_u64() => format!("{w} × {n} steps"),
+                (Some(w), _) => w.to_string(),
+            },
             mode_span(res, "loop_s", 3),
             mode_span(off, "loop_s", 3),
             gib(&r["bytes_copied"]),

@@ -366,7 +366,7 @@ fn a_cache_loop_file_becomes_its_table() {
     let doc = serde_json::json!({"what": "a denoising loop with FirstBlockCache (bench/anchors/cache_loop.py)", "date": "2026-12-07",
         "commit": "c0", "gpu": "NVIDIA H100 80GB HBM3", "torch": "2.11.0", "diffusers": "0.42.1", "processes": 3,
         "raw_dir": "bench/raw/x", "raw": ["a.json"],
-        "rows": [{"model": "flux-dev", "case": "1024", "processes": 3, "steps": 28, "threshold": 0.05, "warmup": 1,
+        "rows": [{"model": "flux-dev", "case": "1024", "processes": 3, "steps": 28, "threshold": 0.05, "warmup": 1, "warmup_steps": 28,
             "resident": {"processes": 3, "loop_s": spread_of(0.9), "computed_steps": spread_of(9.0)},
             "offload": {"processes": 3, "loop_s": spread_of(1.1), "bitwise_equal": true, "same_cache_decisions": true,
                 "weights_bytes": spread_of(20.0 * (1u64 << 30) as f64)},

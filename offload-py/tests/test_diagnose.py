@@ -379,6 +379,30 @@ def test_the_blocks_left_to_stream_are_spread_over_the_run_order(sim_link):
         offload.disable(model)
 
 
+class _Backwards(_Model):
+    """Its blocks run last registered first."""
+
+    def forward(self, x):
+        for b in reversed(self.blocks):
+            x = b(x)
+            time.sleep(self.between_s)
+        return x
+
+
+def test_the_spread_follows_the_order_the_blocks_run_in_not_their_registration(sim_link):
+    torch.manual_seed(0)
+    model = _Backwards([_Work(256, sleep_s=0.001) for _ in range(8)], between_s=0.01)
+    x = torch.randn(1, 256, dtype=torch.bfloat16)
+    m = offload.enable(model, device="cpu", auto_resident_gib=5.5 * _BLOCK / 2**30)
+    try:
+        _steps(model, x, 2)
+        kept = sorted(int(n.rsplit(".", 1)[1]) for n in m.plan()["resident_blocks"])
+        # Run positions 0, 1, 3, 5, 7 kept: blocks 7, 6, 4, 2, 0 (the first to run among them).
+        assert kept == [0, 2, 4, 6, 7], m.plan()
+    finally:
+        offload.disable(model)
+
+
 def test_a_kept_block_holds_its_own_bytes_not_a_slot_of_the_largest_block(sim_link):
     # The ring's slots have its largest block's size: a small block kept in
     # its slot's buffer would hold that size for good (Flux-dev's 44 kept
@@ -404,16 +428,45 @@ def test_a_kept_block_holds_its_own_bytes_not_a_slot_of_the_largest_block(sim_li
         assert torch.equal(a.weight, b.weight)
 
 
+def test_blocks_kept_by_a_plan_chosen_in_inference_mode_can_be_edited_after_it(sim_link):
+    # The plan is chosen at the end of a step; run under torch.inference_mode(),
+    # the slot's buffer is an inference tensor, which torch refuses to write
+    # outside inference mode: a kept block takes a plain copy, its views plain.
+    import copy
+
+    model = _host_bound_model()
+    resident = copy.deepcopy(model)
+    x = torch.randn(1, 256, dtype=torch.bfloat16)
+    m = offload.enable(model, device="cpu", auto_resident_gib=2.5 * _BLOCK / 2**30)
+    try:
+        with torch.inference_mode():
+            for _ in range(3):
+                model(x)
+        kept = [model.blocks[int(n.rsplit(".", 1)[1])] for n in m.plan()["resident_blocks"]]
+        assert len(kept) == 2, m.plan()
+        assert not any(b.weight.is_inference() for b in kept)
+        with torch.no_grad():
+            kept[0].weight.mul_(2)
+            resident.blocks[list(model.blocks).index(kept[0])].weight.mul_(2)
+            assert torch.equal(model(x), resident(x))
+    finally:
+        offload.disable(model)
+    for a, b in zip(model.blocks, resident.blocks):
+        assert torch.equal(a.weight, b.weight), "disable lost the edit of a kept block"
+
+
 def test_a_spread_of_the_streamed_blocks_fits_the_allowance_or_is_not_made():
     from offload._offloaded import _spread_streamed
 
     even = [(f"b.{i}", 10) for i in range(8)]
     assert _spread_streamed(even, 3, 50) == ["b.0", "b.1", "b.3", "b.5", "b.7"]
     assert _spread_streamed(even, 0, 80) is None and _spread_streamed(even, 8, 0) is None
-    # Larger blocks where the spread keeps them: one more streamed where they do not fit.
+    # Larger blocks where the spread keeps them: it fits, or the host-time
+    # order's choice stands (a spread keeping fewer blocks is never made).
     sized = [(f"b.{i}", 30 if i in (1, 3) else 10) for i in range(8)]
     assert _spread_streamed(sized, 3, 90) == ["b.0", "b.1", "b.3", "b.5", "b.7"]
-    assert _spread_streamed(sized, 3, 80) == ["b.0", "b.2", "b.5", "b.7"]
+    assert _spread_streamed(sized, 3, 80) is None
+    assert _spread_streamed([("b.0", 4)] + [(f"b.{i}", 1) for i in range(1, 11)], 5, 6) is None
     # No spread fits (the first block alone is over the allowance).
     assert _spread_streamed([("b.0", 100), ("b.1", 1), ("b.2", 1)], 1, 50) is None
 

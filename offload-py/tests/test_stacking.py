@@ -219,9 +219,9 @@ def test_blocks_a_cache_skips_are_never_copied_when_compiled(dev, backend, cache
 
 
 def _skipping(kind: str, model) -> None:
-    """Hooks of diffusers that answer whole blocks by a decision the package
-    does not read: TaylorSeer's lite mode (every block predicted between its
-    compute steps) or LayerSkip (the second double block never run)."""
+    """Hooks of diffusers that answer whole blocks by a decision of their own:
+    TaylorSeer's lite mode (every block predicted between its compute steps)
+    or LayerSkip (the second double block never run)."""
     if kind == "taylorseer-lite":
         from diffusers import TaylorSeerCacheConfig
 
@@ -253,17 +253,21 @@ def _skipping_steps(model, inputs, dev, graphs: list):
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 @pytest.mark.parametrize("dev", DEVICES)
 def test_blocks_a_hook_answers_by_its_own_decision_are_never_copied_when_compiled(dev, backend, kind, how):
-    # A hook whose decision the package does not read (it may keep state of its
-    # own, as TaylorSeer's step count): a compiled or traced block under it is
-    # armed, not bound, before its call, and bound at its first weight's use as
-    # an eager block is. The blocks it answers copy nothing, as eager.
+    # TaylorSeer decides as it counts its steps, compiler-disabled in diffusers
+    # (fullgraph=False): the package cannot read that ahead, so a compiled or
+    # traced block under it is armed, not bound, before its call, and bound at
+    # its first weight's use as an eager block is. LayerSkip's decision is its
+    # dropout, read before the block binds: fullgraph=True holds. Either way
+    # the blocks they answer copy nothing, as eager.
     from test_compile import _counting
+
+    fullgraph = kind == "layer-skip"
 
     def compiled(model, graphs):
         if how == "blocks":
-            model.compile_repeated_blocks(fullgraph=False, backend=_counting(backend, graphs))
+            model.compile_repeated_blocks(fullgraph=fullgraph, backend=_counting(backend, graphs))
         else:
-            model.compile(fullgraph=False, backend=_counting(backend, graphs))
+            model.compile(fullgraph=fullgraph, backend=_counting(backend, graphs))
 
     torch._dynamo.reset()
     model, inputs, _ = flux()
@@ -295,4 +299,18 @@ def test_blocks_a_hook_answers_by_its_own_decision_are_never_copied_when_compile
     # own step counters fail once more; none after it over 16 steps.)
     assert seen[0] >= 1 and len(set(seen[6:])) == 1, seen
     assert h.violations() == []
+    offload.disable(model)
+
+
+def test_compiled_blocks_bind_at_their_start_where_binding_is_eager():
+    # lazy=False (and a GGUF block, which binds eagerly) binds at the block's
+    # start, compiled or not: under TaylorSeer's lite mode every called block
+    # is copied on a predicted step, as eager with lazy=False.
+    torch._dynamo.reset()
+    model, inputs, _ = flux()
+    offload.enable(model, device="cpu", depth=1, lazy=False)
+    _skipping("taylorseer-lite", model)
+    model.compile_repeated_blocks(fullgraph=False, backend="eager")
+    _, ran, _ = _skipping_steps(model, inputs, "cpu", [])
+    assert ran[1] == (5, 0), ran  # a predicted step: every block lent
     offload.disable(model)

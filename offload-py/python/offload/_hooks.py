@@ -4,6 +4,7 @@ forward, around the module's step, and around compiled blocks."""
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 from torch import nn
@@ -100,7 +101,9 @@ def _pre_hook(state: Offloaded, blk: _Block):
             # call: the block armed outside the graph, bound at its first use.)
             return _UNTRACED
         if _answered_by_cache(blk.module):
-            # Answered by a cache (dynamo guards on its decision): no op, no copy.
+            # Answered by a hook (dynamo guards on its decision): counted
+            # skipped by an op, nothing copied.
+            _traced.skip(state, blk)
             return None
         _traced.lend(state, blk)
         return None
@@ -280,7 +283,7 @@ class _Compiled:
             if _answered_by_cache(blk.module):
                 # Armed and never lent: counted as skipped, nothing copied.
                 return self.fn(*args, **kwargs)
-            if not _may_be_answered(blk.module):
+            if blk.eager or not st._lazy or not _may_be_answered(blk.module):
                 st._lend(blk)
             # Else armed: bound at its first weight's use inside the call, as an
             # eager block is (a graph break there), never where the hook
@@ -293,39 +296,53 @@ class _Compiled:
                 st._unbind()
 
 
-# diffusers' block caches whose hook answers a block from its cache, without
-# calling the block's forward, where their state's `should_compute` is False.
-_CACHE_HOOKS = ("FBCBlockHook", "MagCacheBlockHook")
+def _cache_answers(hook) -> bool:
+    # FirstBlockCache's and MagCache's blocks after the first: their shared
+    # state, set by the first block's hook.
+    return not hook.state_manager.get_state().should_compute
+
+
+def _skip_answers(hook) -> bool:
+    # LayerSkip: a block dropped whole (dropout 1) is never run; one with a
+    # smaller dropout always is.
+    return math.isclose(hook.dropout, 1.0)
+
+
+# Hooks of diffusers that answer a block's call without its forward by a
+# decision the package reads before the block binds (how, per class name).
+_READ = {"FBCBlockHook": _cache_answers, "MagCacheBlockHook": _cache_answers, "TransformerBlockSkipHook": _skip_answers}
 
 
 def _answered_by_cache(block: nn.Module) -> bool:
-    """Whether a cache hook of diffusers on ``block`` will answer its call from
-    the cache (its forward not run): read before a compiled block's call, and
-    where a block's hooks are traced into a graph, whose binding cannot wait
-    for the first weight's use as an eager block's does.
-    False where the block has no such hook, or its state cannot be read."""
+    """Whether a hook of diffusers on ``block`` (:data:`_READ`) will answer its
+    call without its forward: read before a compiled block's call, and where a
+    block's hooks are traced into a graph (dynamo guards on what it read),
+    whose binding cannot wait for the first weight's use as an eager block's
+    does. False where the block has no such hook, or its state cannot be read."""
     registry = getattr(block, "_diffusers_hook", None)
     for hook in getattr(registry, "hooks", {}).values():
-        if type(hook).__name__ in _CACHE_HOOKS:
+        read = _READ.get(type(hook).__name__)
+        if read is not None:
             try:
-                return not hook.state_manager.get_state().should_compute
+                return read(hook)
             except Exception:
                 return False  # no cache context yet: the hook decides; lend
     return False
 
 
-# diffusers' hooks that may answer a block's call without running its forward,
-# by a decision the package does not read (TaylorSeer's lite mode on whole
-# blocks, LayerSkip, FasterCache, SeaCache, MagCache's first block).
-_MAY_ANSWER = ("TaylorSeerCacheHook", "TransformerBlockSkipHook", "FasterCacheBlockHook", "SeaCacheLeaderBlockHook",
-               "SeaCacheBlockHook", "MagCacheHeadHook")
+# Hooks of diffusers that may answer a block's call without its forward by a
+# decision the package cannot read ahead, each compiler-disabled in diffusers
+# (a graph break there already): TaylorSeer's (its step counter advances as it
+# decides; whole blocks in its lite mode) and MagCache's first block's. (Not
+# SeaCache's: it did not skip a block of the tiny Flux here, so it is untested.)
+_MAY_ANSWER = ("TaylorSeerCacheHook", "MagCacheHeadHook")
 
 
 def _may_be_answered(block: nn.Module) -> bool:
     """Whether ``block``'s call goes through one of :data:`_MAY_ANSWER`: a
     compiled or traced block is then armed, not bound, before its call, and
     bound at its first weight's use inside it as an eager block is (a graph
-    break there, where the hook's own decision breaks it already)."""
+    break there, beside the one the hook's decision makes)."""
     registry = getattr(block, "_diffusers_hook", None)
     return any(type(h).__name__ in _MAY_ANSWER for h in getattr(registry, "hooks", {}).values())
 

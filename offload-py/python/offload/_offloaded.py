@@ -34,6 +34,8 @@ class Offloaded:
         # The blocks in the order enable found them, and the token a compiled
         # graph's ops name this module by (`_traced`).
         self._order: list[_Block] = []
+        # Each block's place in the order blocks were first called (`_arm`).
+        self._first_called: dict[int, int] = {}
         self._token = _traced.register(self)
         # Traced: the last block's `unbind` output, which the next op takes.
         self._receipt = None
@@ -412,6 +414,8 @@ class Offloaded:
         # Again: the unbind or the step's end above gave a block's claim back.
         self._claim(by_block=not self._in_forward)
         self._ran.add(id(block))
+        if len(self._first_called) < len(self._blocks) and id(block) not in self._first_called:
+            self._first_called[id(block)] = len(self._first_called)
         hooks = block.module._forward_hooks
         if next(reversed(hooks), None) != block.post_hook:
             hooks.move_to_end(block.post_hook)
@@ -701,8 +705,11 @@ class Offloaded:
         else:
             allowance, of = 0, "none on the simulated device unless auto_resident_gib is given"
         in_ring = set(self._engine().plan()[1])  # resident in the ring already
-        sizes = {f"{b.stack}.{b.index}": (b, sum(p.nbytes for p in b.params)) for b in self._blocks.values()
-                 if f"{b.stack}.{b.index}" not in in_ring}
+        # In the order the blocks were first called (the run order; blocks never
+        # called yet after them, as registered), each with the bytes it holds kept.
+        first = self._first_called
+        blocks = sorted(self._blocks.values(), key=lambda b: first.get(id(b), len(first) + b.at))
+        sizes = {f"{b.stack}.{b.index}": (b, b.nbytes) for b in blocks if f"{b.stack}.{b.index}" not in in_ring}
         host = d["host_blocks"]
         order = sorted(sizes, key=lambda n: -host.get(n, 0.0) / max(sizes[n][1], 1))
         chosen, fit = [], 0
@@ -752,17 +759,21 @@ class Offloaded:
                 data = buf
             else:
                 data = torch.frombuffer(buf, dtype=torch.uint8) if len(buf) else torch.empty(0, dtype=torch.uint8)
-            if data.numel() > block.nbytes:
-                # The slot's buffer has the ring's slot size (its largest
-                # block's): kept as it is, a small block would hold that for
-                # good (Flux-dev's 44 kept blocks held 11.7 GB more than their
-                # own 18.4 GB on the H100). Its own span is copied off the slot,
-                # on the engine's stream, after the copy that filled it.
-                on = torch.cuda.stream(self._engine_stream) if self.device.type == "cuda" else contextlib.nullcontext()
-                with on, torch.inference_mode(False):  # a plain tensor: a kept block's weights can be edited
-                    data = data[: block.nbytes].clone()
-            data = data if data.is_inference() or not data.requires_grad else data.detach()
-            self._bind_views(block, data)
+            with torch.inference_mode(False):
+                # A plain tensor and plain views, even where the step that chose
+                # the plan ran in inference mode: a kept block's weights can be
+                # edited afterwards, as resident ones.
+                if data.numel() > block.nbytes or data.is_inference():
+                    # The slot's buffer has the ring's slot size (its largest
+                    # block's): kept as it is, a small block would hold that for
+                    # good (Flux-dev's 44 kept blocks held 11.7 GB more than their
+                    # own 18.4 GB on the H100). Its own span is copied off the
+                    # slot, on the engine's stream, after the copy that filled it.
+                    on = torch.cuda.stream(self._engine_stream) if self.device.type == "cuda" else contextlib.nullcontext()
+                    with on:
+                        data = data[: block.nbytes].clone()
+                data = data if not data.requires_grad else data.detach()
+                self._bind_views(block, data)
         except BaseException:
             for params, attr, param in block.restore:
                 params[attr] = param
@@ -790,29 +801,28 @@ _KEEP_HOST_SHARE = 0.6
 
 
 def _spread_streamed(blocks: list[tuple[str, int]], streamed: int, allowance: int) -> list[str] | None:
-    """The blocks to keep resident so that the ``streamed`` (or a few more)
-    left to stream lie spread evenly over ``blocks`` (names and sizes, in the
-    order the model runs them), the first kept; None where all or none stream,
-    or no spread fits ``allowance``.
+    """The blocks to keep resident so that the ``streamed`` left to stream lie
+    spread evenly over ``blocks`` (names and sizes, in the order the model
+    runs them), the first kept; None where all or none stream, or where that
+    spread does not fit ``allowance`` (the host-time order's choice stands:
+    a spread keeping fewer blocks would keep more of the package's per-block
+    host time, which keeping is for).
 
     Each streamed block's copy then overlaps the compute of the kept blocks
     before it. Kept as a run (the first ones, as ties of host time per byte
     fall), the streamed blocks would come back to back at the step's end,
     where a block's copy takes longer than its compute and the link sets their
     pace: Flux-dev's 13 last single blocks of 57 made each computed step 1.10 ×
-    the resident one on the H100 (bench/NOTES.md). Where sizes differ, a spread
-    may need more streamed blocks to fit than the host-time order kept."""
+    the resident one on the H100 (bench/NOTES.md)."""
     n = len(blocks)
     if streamed <= 0 or streamed >= n:
         return None
-    for s in range(streamed, n):
-        # s positions at multiples of n / (s + 1): distinct (the step is at
-        # least 1), never the first block nor past the last.
-        out = {(i + 1) * n // (s + 1) for i in range(s)}
-        kept = [name for j, (name, _) in enumerate(blocks) if j not in out]
-        if sum(size for j, (_, size) in enumerate(blocks) if j not in out) <= allowance:
-            return kept
-    return None
+    # At multiples of n / (streamed + 1): distinct (the step is at least 1),
+    # never the first block nor past the last.
+    out = {(i + 1) * n // (streamed + 1) for i in range(streamed)}
+    if sum(size for j, (_, size) in enumerate(blocks) if j not in out) > allowance:
+        return None
+    return [name for j, (name, _) in enumerate(blocks) if j not in out]
 
 
 def _host_bound(d: dict, cuda: bool) -> bool:

@@ -51,7 +51,7 @@ def _state(token: int) -> Offloaded:
 
 
 def _ops() -> Optional[tuple]:
-    """The four ops, registered with torch (>= 2.4 for ``custom_op``; the
+    """The five ops, registered with torch (>= 2.4 for ``custom_op``; the
     ordered effect is torch's own, private, API), or None where this torch has
     not the parts: the hooks then break the graph as before."""
     try:
@@ -112,6 +112,20 @@ def _ops() -> Optional[tuple]:
     def _(token, block, after):
         return torch.empty(0, device=_STATES[token].device)
 
+    @custom_op("offload::skip", mutates_args=())
+    def skip(token: int, block: int, after: list[torch.Tensor]) -> torch.Tensor:
+        # A block a hook answers (the graph was traced on its decision): armed
+        # and given back unlent, counted skipped, as an eager block it answers.
+        st = _state(token)
+        blk = st._order[block]
+        if blk.kept is None and st._arm(blk):
+            st._unbind()
+        return torch.empty(0, device=st.device)
+
+    @skip.register_fake
+    def _(token, block, after):
+        return torch.empty(0, device=_STATES[token].device)
+
     @custom_op("offload::end", mutates_args=())
     def end(token: int, after: list[torch.Tensor]) -> None:
         from ._hooks import _end_forward
@@ -122,9 +136,9 @@ def _ops() -> Optional[tuple]:
     def _(token, after):
         return None
 
-    for op in (begin, lend, unbind, end):
+    for op in (begin, lend, unbind, end, skip):
         _register_effectful_op(op._opoverload, _EffectType.ORDERED)
-    return begin, lend, unbind, end
+    return begin, lend, unbind, end, skip
 
 
 # Registered at import (dynamo cannot trace a registration).
@@ -172,6 +186,12 @@ def lend(state: Offloaded, blk: _Block) -> None:
         params[attr] = whole[dt].as_strided(shape, stride, offset)
     for p in blk.sliced:
         p.owner._parameters[p.attr] = torch.empty_strided(p.shape, p.layout, dtype=p.dtype, device=data.device)
+
+
+def skip(state: Offloaded, blk: _Block) -> None:
+    """Traced at the start of a block a hook answers: counted skipped by an op,
+    nothing lent."""
+    state._receipt = _OPS[4](state._token, blk.at, _receipt(state))
 
 
 def outputs(output) -> Optional[list]:

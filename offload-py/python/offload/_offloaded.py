@@ -651,13 +651,17 @@ class Offloaded:
         self._last_metrics = json.loads(self._engine().end_step())
         # Blocks whose forward ran without reading their weights (a cache hit): not copied.
         self._last_metrics["skipped_blocks"], self._skipped = self._skipped, 0
-        # The blocks the automatic plan keeps resident are held outside the
-        # ring: their device bytes, beside the ring's own.
-        self._last_metrics["kept_bytes"] = sum(b.kept.numel() * b.kept.element_size() for b in self._blocks.values() if b.kept is not None)
         self._by_pass[bool(self._last_metrics.get("backward"))] = self._last_metrics
         self._steps += 1
-        if self._auto:
-            self._choose_depth()
+        try:
+            if self._auto:
+                self._choose_depth()
+        finally:
+            # The blocks the automatic plan keeps resident are held outside the
+            # ring: their device bytes, beside the ring's own (counted after the
+            # choice, so the step that kept them says so too).
+            self._last_metrics["kept_bytes"] = sum(b.kept.numel() * b.kept.element_size()
+                                                   for b in self._blocks.values() if b.kept is not None)
 
     def _choose_depth(self) -> None:
         """The automatic depth: the first two steps timed (the timeline starts

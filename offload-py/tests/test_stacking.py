@@ -144,6 +144,14 @@ def _block_cache(kind: str):
     return config, _MAG_CACHE_LEADER_BLOCK_HOOK
 
 
+def _compile(model, how: str, backend, fullgraph: bool) -> None:
+    """``model``'s repeated blocks compiled (``how="blocks"``), or the whole module."""
+    if how == "blocks":
+        model.compile_repeated_blocks(fullgraph=fullgraph, backend=backend)
+    else:
+        model.compile(fullgraph=fullgraph, backend=backend)
+
+
 def _cache_decisions(model, inputs, dev, graphs: list, hook_name: str):
     """The eight steps' outputs under a block cache, with per step whether the
     cache let the other blocks compute (its own state, read after the step),
@@ -177,10 +185,7 @@ def test_blocks_a_cache_skips_are_never_copied_when_compiled(dev, backend, cache
     config, hook_name = _block_cache(cache)
 
     def compiled(model, graphs):
-        if how == "blocks":
-            model.compile_repeated_blocks(fullgraph=False, backend=_counting(backend, graphs))
-        else:
-            model.compile(fullgraph=False, backend=_counting(backend, graphs))
+        _compile(model, how, _counting(backend, graphs), fullgraph=False)
 
     torch._dynamo.reset()
     model, inputs, _ = flux()
@@ -261,13 +266,8 @@ def test_blocks_a_hook_answers_by_its_own_decision_are_never_copied_when_compile
     # the blocks they answer copy nothing, as eager.
     from test_compile import _counting
 
-    fullgraph = kind == "layer-skip"
-
     def compiled(model, graphs):
-        if how == "blocks":
-            model.compile_repeated_blocks(fullgraph=fullgraph, backend=_counting(backend, graphs))
-        else:
-            model.compile(fullgraph=fullgraph, backend=_counting(backend, graphs))
+        _compile(model, how, _counting(backend, graphs), fullgraph=kind == "layer-skip")
 
     torch._dynamo.reset()
     model, inputs, _ = flux()

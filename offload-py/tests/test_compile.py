@@ -467,6 +467,31 @@ def test_a_compiled_block_returning_a_view_of_its_own_weight_gets_a_copy(dev):
     _views_of_own_weights_outlive_the_slot(dev, compile_blocks)
 
 
+@pytest.mark.parametrize("dev", DEVICES)
+def test_a_compiled_block_bound_inside_its_call_returning_a_view_of_its_own_weight_gets_a_copy(dev):
+    # Under a hook whose decision the package cannot read ahead (TaylorSeer's,
+    # here in its warm-up, so every block computes) a compiled block is bound
+    # at its first weight's use inside its call: what it returns or keeps that
+    # views the slot is copied off it all the same.
+    from diffusers import TaylorSeerCacheConfig
+    from diffusers.hooks.hooks import CacheContext, _set_cache_context
+    from diffusers.hooks.taylorseer_cache import apply_taylorseer_cache
+
+    from offload import _hooks
+    from test_quiet_paths import _views_of_own_weights_outlive_the_slot
+
+    def hooked_and_compiled(m):
+        apply_taylorseer_cache(m, TaylorSeerCacheConfig(cache_interval=3, disable_cache_before_step=100, max_order=1,
+                                                        taylor_factors_dtype=torch.float32, use_lite_mode=True))
+        _set_cache_context(m, CacheContext("c"))
+        assert all(_hooks._may_be_answered(b) for b in m.blocks)  # the path bound inside the call
+        for b in m.blocks:
+            b.compile(backend="eager", fullgraph=False)
+
+    torch._dynamo.reset()
+    _views_of_own_weights_outlive_the_slot(dev, hooked_and_compiled)
+
+
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 def test_a_whole_compiled_block_returning_a_view_of_its_own_weight_is_refused_by_name(backend):
     # Inside a whole-module graph the output cannot be copied off the slot:

@@ -124,7 +124,7 @@ def measure(model, x, dev, args):
             model.disable_cache()
 
     def warm_then_timed():
-        # `--warmup` whole loops first, untimed, each with a fresh cache: the
+        # `--warmup` loops first (`--warmup-steps` each), untimed, each with a fresh cache: the
         # first call's kernel set-up (a resident first step took 0.46–0.89 s
         # against 0.18 s for its next computed step on the H100), and the
         # package's automatic plan (its depth and kept blocks, chosen at the

@@ -40,8 +40,8 @@ def merge(docs: list[dict], names: list[str], raw_dir: str = "") -> dict:
                 entry["computed_steps"] = spread([sum(m["computed"]) for m in ok])
                 entry["finite_not_constant"] = all(m["finite"] and m["not_constant"] for m in ok)
                 # Device memory: the weights the mode holds where the file says
-                # (resident: the model's; the package: its engine's peak plus the
-                # module's resident parameters), and the loop's peak allocated
+                # (resident: the model's; the package: its engine's peak, its kept
+                # blocks and the module's resident parameters), and the loop's peak allocated
                 # above what was allocated before it (diffusers' offloading: its
                 # onloaded blocks are in it too).
                 if all("weights_bytes" in m for m in ok):

@@ -315,10 +315,12 @@ class _DictBlocks(nn.Module):
 
 
 def test_a_block_the_ops_cannot_give_back_breaks_the_graph_and_still_streams_bitwise():
-    # A block whose output is not tensors: its post-hook stays outside the
-    # graph (a graph break, fullgraph=False) while its lend is an op in it;
-    # the ops and the eager hooks alternate in one step, bitwise the resident
-    # compiled run; with fullgraph=True dynamo gives the package's reason.
+    # A block whose output is not tensors: its post-hook cannot be an op, so
+    # dynamo breaks the graph at the block's call (fullgraph=False); the
+    # block's hooks then run eagerly around it, binding before its forward
+    # (which dynamo compiles as a frame of its own), while the module's ops
+    # stay in graphs; bitwise the resident compiled run, no recompiles; with
+    # fullgraph=True dynamo gives the package's reason.
     torch._dynamo.reset()
     x = torch.randn(4, 16)
     ref_model = _DictBlocks()
@@ -331,12 +333,15 @@ def test_a_block_the_ops_cannot_give_back_breaks_the_graph_and_still_streams_bit
     graphs: list = []
     try:
         cm = torch.compile(m, backend=_counting("aot_eager", graphs))
+        seen = []
         with torch.no_grad():
             for _ in range(3):
                 assert torch.equal(_bits(cm(x)), _bits(ref))
                 assert h.metrics()["blocks"] == 3
+                seen.append(len(graphs))
         ops = _ops_in(graphs)
-        assert ops.get("lend", 0) >= 1 and ops.get("unbind", 0) == 0, ops
+        assert ops.get("begin") == 1 and ops.get("end") == 1 and ops.get("unbind", 0) == 0, ops
+        assert seen[1:] == [seen[0]] * 2, seen
         assert h.violations() == []
         torch._dynamo.reset()
         with pytest.raises(Exception, match="returning other than tensors"), torch.no_grad():

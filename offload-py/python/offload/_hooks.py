@@ -14,7 +14,7 @@ from ._offload import OffloadError
 
 from ._blocks import _Block
 from . import _traced
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:
     from ._offloaded import Offloaded
@@ -88,9 +88,61 @@ class _Hook:
         return self.__reduce_ex__(2)
 
 
+class _BlockHook(_Hook):
+    """A block's hook (:class:`_Hook`) that dynamo never compiles as a frame of
+    its own, nor what it calls: where torch calls it from eager code under a
+    compiled module (a frame dynamo resumed after a graph break), it runs
+    eagerly, as it would uncompiled, not as a graph of a few ops compiled again
+    for each hook and block (a graph break's worth each). Inlined into a frame
+    dynamo traces, it is traced as before. (The module's own hooks stay
+    :class:`_Hook`: ``torch.compile(model)`` runs them as frames dynamo
+    compiles, where they become the ``begin`` and ``end`` ops.)"""
+
+    __slots__ = ()
+
+    def __call__(self, *args):
+        return _Hook.__call__(self, *args)
+
+
+def _no_frame_of_its_own(code) -> None:
+    # Torch's private API (2.6 and later); without it such a hook becomes a small
+    # graph, as before: correct, with more graphs.
+    try:
+        from torch._dynamo.eval_frame import set_code_exec_strategy
+        from torch._dynamo.types import FrameAction, FrameExecStrategy
+    except (ImportError, AttributeError):
+        return
+    set_code_exec_strategy(code, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
+
+
+_no_frame_of_its_own(_BlockHook.__call__.__code__)
+
+
+def _bind_now(state: Offloaded, block: nn.Module) -> bool:
+    """Whether a block armed by its eager pre-hook binds now rather than at its
+    first weight's use: inside a forward begun by a compiled graph (the
+    module's ``begin`` op), where torch called the hook from eager code between
+    two graphs and dynamo may trace the block's forward as a frame of its own
+    (after a graph break around the block's call): a bind inside that frame
+    would break its graph. Then it binds now unless a hook of diffusers answers
+    the call (a cache's skipped block), or may answer it by a decision that
+    cannot be read ahead. Uncompiled, never: its first weight's use binds it,
+    as cheaply."""
+    if not state._compiled_forward:
+        return False
+    decided = _decision(block)
+    if decided is not None:
+        return not decided
+    return not _may_be_answered(block)
+
+
 def _pre_hook(state: Offloaded, blk: _Block):
     def hook(mod, args, kwargs):
+        if state._calling is blk:
+            return None  # bound by its compiled call (`_Compiled`), outside
         state._bind(blk)
+        if state._armed is blk and _bind_now(state, mod):
+            state._lend(blk)
         if state.device.type == "cuda":
             return state._inputs(blk, args, kwargs)
         return None
@@ -111,7 +163,7 @@ def _pre_hook(state: Offloaded, blk: _Block):
     # Traced into a compiled block, the hook is a no-op: the block's binding is
     # `_Compiled`'s, outside. (Traced into a compiled model, an op in inference,
     # else it runs outside the graph.)
-    return _Hook(hook, state.component, traced=_in_compiled_block, trace=trace)
+    return _BlockHook(hook, state.component, traced=_in_compiled_block, trace=trace)
 
 
 def _host_tensors(args, kwargs) -> dict:
@@ -247,6 +299,8 @@ def _stashes_off_the_slot(blk: _Block, own) -> None:
 
 def _post_hook(state: Offloaded, blk: _Block):
     def hook(mod, args, output):
+        if state._calling is blk:
+            return None  # given back by its compiled call (`_Compiled`), outside
         try:
             return _off_the_slot(state, blk, output)
         finally:
@@ -261,7 +315,7 @@ def _post_hook(state: Offloaded, blk: _Block):
         _traced.unbind(state, blk, after)
         return None
 
-    return _Hook(hook, state.component, traced=_in_compiled_block, trace=trace)
+    return _BlockHook(hook, state.component, traced=_in_compiled_block, trace=trace)
 
 
 class _Compiled:
@@ -278,22 +332,32 @@ class _Compiled:
         if blk.kept is not None or not st._arm(blk):
             # Kept resident (before, or by the step that arming ended): its
             # views are bound for good, nothing to lend.
-            return self.fn(*args, **kwargs)
+            return self._call(args, kwargs)
         try:
             if _answered_by_cache(blk.module):
                 # Armed and never lent: counted as skipped, nothing copied.
-                return self.fn(*args, **kwargs)
+                return self._call(args, kwargs)
             if blk.eager or not st._lazy or not _may_be_answered(blk.module):
                 st._lend(blk)
             # Else armed: bound at its first weight's use inside the call, as an
             # eager block is (a graph break there), never where the hook
             # answers the call without the block's forward.
-            out = self.fn(*args, **kwargs)
+            out = self._call(args, kwargs)
             copied = _off_the_slot(st, blk, out)
             return out if copied is None else copied
         finally:
             if st._mine():
                 st._unbind()
+
+    def _call(self, args, kwargs):
+        # The compiled call, the block's own hooks a no-op inside it (where they
+        # run eagerly, around a graph break in it): its binding is this call's.
+        st = self.state
+        st._calling = self.blk
+        try:
+            return self.fn(*args, **kwargs)
+        finally:
+            st._calling = None
 
 
 def _cache_answers(hook) -> bool:
@@ -308,9 +372,40 @@ def _skip_answers(hook) -> bool:
     return math.isclose(hook.dropout, 1.0)
 
 
-# Hooks of diffusers that answer a block's call without its forward by a
-# decision the package reads before the block binds (how, per class name).
-_READ = {"FBCBlockHook": _cache_answers, "MagCacheBlockHook": _cache_answers, "TransformerBlockSkipHook": _skip_answers}
+def _runs(hook) -> bool:
+    # FirstBlockCache's first block: its hook runs the block, then decides for the rest.
+    return False
+
+
+# Hooks of diffusers whose decision the package reads before the block binds:
+# whether the hook answers the block's call without its forward (per class name).
+_READ = {"FBCBlockHook": _cache_answers, "MagCacheBlockHook": _cache_answers, "TransformerBlockSkipHook": _skip_answers,
+         "FBCHeadBlockHook": _runs}
+
+
+def _decision(block: nn.Module) -> Optional[bool]:
+    """What the hooks of diffusers on ``block`` decided for its call, read
+    before it binds: True where one (:data:`_READ`) answers the call without
+    the block's forward, False where each such hook lets it run, None where
+    the block has none, or one whose decision cannot be read ahead
+    (:data:`_MAY_ANSWER`), or its state cannot be read yet."""
+    registry = block.__dict__.get("_diffusers_hook")
+    if registry is None:
+        return None
+    decided, unread = None, False
+    for hook in getattr(registry, "hooks", {}).values():
+        name = type(hook).__name__
+        read = _READ.get(name)
+        if read is not None:
+            try:
+                if read(hook):
+                    return True
+            except Exception:
+                unread = True  # no cache context yet: the hook decides
+            decided = False
+        elif name in _MAY_ANSWER:
+            unread = True
+    return None if unread else decided
 
 
 def _answered_by_cache(block: nn.Module) -> bool:
@@ -319,15 +414,7 @@ def _answered_by_cache(block: nn.Module) -> bool:
     block's hooks are traced into a graph (dynamo guards on what it read),
     whose binding cannot wait for the first weight's use as an eager block's
     does. False where the block has no such hook, or its state cannot be read."""
-    registry = getattr(block, "_diffusers_hook", None)
-    for hook in getattr(registry, "hooks", {}).values():
-        read = _READ.get(type(hook).__name__)
-        if read is not None:
-            try:
-                return read(hook)
-            except Exception:
-                return False  # no cache context yet: the hook decides; lend
-    return False
+    return _decision(block) is True
 
 
 # Hooks of diffusers that may answer a block's call without its forward by a
@@ -405,6 +492,7 @@ def _begin_forward(state: Offloaded) -> None:
 def _forward_pre_hook(state: Offloaded):
     def hook(mod, args):
         _begin_forward(state)
+        state._compiled_forward = False
 
     def trace(mod, args):
         _traced.begin(state)

@@ -80,6 +80,12 @@ class Offloaded:
         # bound yet, and how many blocks this step ran without using them.
         self._lazy = True
         self._armed: Optional[_Block] = None
+        # The block whose compiled call `_Compiled` runs: its binding is that call's,
+        # so its own hooks, run eagerly inside it (around a graph break), do nothing.
+        self._calling: Optional[_Block] = None
+        # Whether the forward under way was begun by a compiled graph's op (the
+        # module compiled whole), not by the module's eager pre-hook.
+        self._compiled_forward = False
         self._skipped = 0
         # Backward streaming: the saved-tensor hooks pushed while a block is bound
         # in grad mode (and the hooks they sit on), whether the engine serves a

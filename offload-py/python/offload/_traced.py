@@ -63,7 +63,9 @@ def _ops() -> Optional[tuple]:
     def begin(token: int) -> None:
         from ._hooks import _begin_forward
 
-        _begin_forward(_state(token))
+        st = _state(token)
+        _begin_forward(st)
+        st._compiled_forward = True
 
     @begin.register_fake
     def _(token):

@@ -105,8 +105,9 @@ class _BlockHook(_Hook):
 
 
 def _no_frame_of_its_own(code) -> None:
-    # Torch's private API (2.6 and later); without it such a hook becomes a small
-    # graph, as before: correct, with more graphs.
+    # Torch's private API (present in the 2.11 CI runs; not checked on older
+    # torches): without it such a hook becomes a small graph, as before:
+    # correct, with more graphs.
     try:
         from torch._dynamo.eval_frame import set_code_exec_strategy
         from torch._dynamo.types import FrameAction, FrameExecStrategy

@@ -174,6 +174,54 @@ pub fn zeroed(backend: &str, len: usize, purpose: &str) -> crate::error::Result<
     Ok(v)
 }
 
+/// Bytes below which a host copy or zeroing stays on the calling thread: a
+/// thread's start (tens of µs) costs more than it saves on less.
+const PARALLEL_MIN_BYTES: usize = 16 << 20;
+
+/// Threads for a host copy of `len` bytes: one per 16 MiB, at most the
+/// machine's cores and at most 8 (a few threads reach the memory's bandwidth;
+/// one reads pageable memory at a fraction of it).
+fn copy_threads(len: usize) -> usize {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    (len / PARALLEL_MIN_BYTES).clamp(1, cores.min(8))
+}
+
+/// `src` copied into `dst` (the same length, else a panic, as
+/// [`slice::copy_from_slice`]), split over several threads where it is large.
+/// The host store's fill reads each tensor once through this.
+pub fn copy_parallel(dst: &mut [u8], src: &[u8]) {
+    assert_eq!(dst.len(), src.len(), "copy_parallel: destination and source lengths differ");
+    let threads = copy_threads(dst.len());
+    if threads == 1 {
+        dst.copy_from_slice(src);
+        return;
+    }
+    let chunk = dst.len().div_ceil(threads);
+    std::thread::scope(|scope| {
+        for (d, s) in dst.chunks_mut(chunk).zip(src.chunks(chunk)) {
+            scope.spawn(move || d.copy_from_slice(s));
+        }
+    });
+}
+
+/// Every element of `dst` set to `value`, split over several threads where it
+/// is large: a backend zeroes memory it allocated uninitialised this way
+/// (`MaybeUninit<u8>`), before it is read as bytes.
+pub fn fill_parallel<T: Copy + Send + Sync>(dst: &mut [T], value: T) {
+    let bytes = std::mem::size_of_val(dst);
+    let threads = copy_threads(bytes);
+    if threads == 1 {
+        dst.fill(value);
+        return;
+    }
+    let chunk = dst.len().div_ceil(threads);
+    std::thread::scope(|scope| {
+        for d in dst.chunks_mut(chunk) {
+            scope.spawn(move || d.fill(value));
+        }
+    });
+}
+
 /// The [`Error::Unsupported`] a [`HostMemory`] returns for a kind it does not make.
 pub fn unsupported_kind(backend: &str, kind: HostKind<'_>, purpose: &str) -> Error {
     let what = match kind {
@@ -190,6 +238,32 @@ mod tests {
     use super::*;
     use crate::sim::{SimBackend, SimConfig};
     use crate::{backend::OffloadBackend, fault::FaultInjector, fault::FaultKind};
+
+    /// A copy and a zeroing split over threads cover every byte, the last
+    /// uneven chunk too: 40 MiB and 13 varied bytes (two threads or more
+    /// wherever the machine has two cores), and one small copy.
+    #[test]
+    fn parallel_copy_and_zero_cover_every_byte() {
+        let len = (40 << 20) + 13;
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let src: Vec<u8> = (0..len)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x as u8
+            })
+            .collect();
+        let mut dst = vec![0u8; len];
+        copy_parallel(&mut dst, &src);
+        assert!(dst == src, "a byte not copied");
+        let mut small = [0u8; 5];
+        copy_parallel(&mut small, &src[len - 5..]);
+        assert_eq!(small, src[len - 5..]);
+        let mut raw = src;
+        fill_parallel(&mut raw, 0u8);
+        assert!(raw.iter().all(|&b| b == 0), "a byte not zeroed");
+    }
 
     /// What a host memory says it makes is what it makes: a kind it does not is
     /// refused before `fill` runs; the buffers say what they are.

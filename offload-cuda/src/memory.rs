@@ -61,9 +61,12 @@ impl HostBytes {
         engine.pinned_bytes.fetch_add(len as u64, Ordering::Relaxed);
         let me = HostBytes { ptr, len, owner: Owner::Pinned, last_copy: Default::default(), engine };
         if len > 0 {
-            // cuMemHostAlloc's memory is uninitialised: zero it before safe code sees it.
-            // SAFETY: `ptr` points to `len` writable bytes we own exclusively.
-            unsafe { std::ptr::write_bytes(me.ptr, 0, me.len) };
+            // cuMemHostAlloc's memory is uninitialised: zero it (on several threads
+            // where it is large) before safe code sees it as bytes.
+            // SAFETY: `ptr` points to `len` writable bytes we own exclusively; as
+            // `MaybeUninit<u8>` they need no initialisation to be referenced.
+            let raw = unsafe { std::slice::from_raw_parts_mut(me.ptr.cast::<std::mem::MaybeUninit<u8>>(), me.len) };
+            offload_core::host::fill_parallel(raw, std::mem::MaybeUninit::new(0));
             // SAFETY: `ptr` points to `len` initialised bytes we own exclusively until `me` is returned.
             let bytes = unsafe { std::slice::from_raw_parts_mut(me.ptr, me.len) };
             fill(bytes)?;

@@ -168,9 +168,13 @@ pub fn read_host(tensor: &Bound<'_, PyAny>, what: &str, dtype: offload_core::DTy
         return Err(crate::error(format!("{what}: {} bytes in the tensor, {} expected", at.nbytes, dst.len())));
     }
     if at.nbytes > 0 {
-        // The capsule was made just above and no Python code ran since (it could free the memory).
-        // SAFETY: `locate` checked a live dense host tensor of `nbytes` at `addr`; `dst` is ours.
-        unsafe { std::ptr::copy_nonoverlapping(at.addr as *const u8, dst.as_mut_ptr(), at.nbytes) };
+        // The capsule was made just above and no Python code runs until the copy
+        // ends (this thread holds the GIL throughout, and the threads the copy is
+        // split over run no Python): nothing can free or resize the memory.
+        // SAFETY: `locate` checked a live dense host tensor of `nbytes` at `addr`,
+        // which `dst` (ours, exclusively borrowed) cannot overlap.
+        let src = unsafe { std::slice::from_raw_parts(at.addr as *const u8, at.nbytes) };
+        offload_core::host::copy_parallel(dst, src);
     }
     Ok(())
 }

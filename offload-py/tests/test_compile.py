@@ -473,17 +473,22 @@ def test_a_compiled_block_returning_a_view_of_its_own_weight_gets_a_copy(dev):
 
 
 @pytest.mark.parametrize("dev", DEVICES)
-def test_a_compiled_block_bound_inside_its_call_returning_a_view_of_its_own_weight_gets_a_copy(dev):
-    # Under a hook whose decision the package cannot read ahead (TaylorSeer's,
-    # here in its warm-up, so every block computes) a compiled block is bound
-    # at its first weight's use inside its call: what it returns or keeps that
-    # views the slot is copied off it all the same.
+def test_a_compiled_block_bound_inside_its_call_returning_a_view_of_its_own_weight_gets_a_copy(dev, monkeypatch):
+    # Under a hook whose decision the package cannot read ahead a compiled
+    # block is bound at its first weight's use inside its call: what it returns
+    # or keeps that views the slot is copied off it all the same. The one such
+    # hook of diffusers the package knows is MagCache's, on the first block
+    # only; TaylorSeer's (read ahead since) stands in for it here on every
+    # block, taken as unreadable, in its warm-up, so every block computes.
     from diffusers import TaylorSeerCacheConfig
     from diffusers.hooks.hooks import CacheContext, _set_cache_context
     from diffusers.hooks.taylorseer_cache import apply_taylorseer_cache
 
     from offload import _hooks
     from test_quiet_paths import _views_of_own_weights_outlive_the_slot
+
+    monkeypatch.setattr(_hooks, "_MAY_ANSWER", (*_hooks._MAY_ANSWER, "TaylorSeerCacheHook"))
+    monkeypatch.delitem(_hooks._READ, "TaylorSeerCacheHook")
 
     def hooked_and_compiled(m):
         apply_taylorseer_cache(m, TaylorSeerCacheConfig(cache_interval=3, disable_cache_before_step=100, max_order=1,

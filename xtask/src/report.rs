@@ -440,6 +440,15 @@ pub fn report(root: &Path) -> Result<(), String> {
         std::fs::write(&results_path, splice_readme(&page, &tables)?).map_err(e)?;
         println!("wrote docs/results.md's measured tables");
     }
+    for (page, table) in guide_tables(&root.join("bench/results"))? {
+        let path = root.join(page);
+        if let (Ok(text), Some(table)) = (std::fs::read_to_string(&path), table) {
+            if text.contains(README_START) {
+                std::fs::write(&path, splice_readme(&text, &table)?).map_err(e)?;
+                println!("wrote {page}'s measured table");
+            }
+        }
+    }
     println!("wrote bench/REPORT.md and bench/plots/ ({} runs)", rows.len());
     Ok(())
 }

@@ -373,6 +373,20 @@ def _skip_answers(hook) -> bool:
     return math.isclose(hook.dropout, 1.0)
 
 
+def _taylorseer_answers(hook) -> bool:
+    # TaylorSeer: its hook advances the block's own step counter as it
+    # decides (diffusers' TaylorSeerCacheHook._measure_should_compute), so the
+    # call about to come decides at the counter's next value: computed in the
+    # warm-up, at each interval and in the cool-down, predicted otherwise.
+    # Read in eager code only: that decision is compiler-disabled in diffusers,
+    # so a block under it is never traced whole into a graph (were it, dynamo
+    # would guard on the count and compile again at each step).
+    step = hook.state_manager.get_state().current_step + 1
+    before, after = hook.disable_cache_before_step, hook.disable_cache_after_step
+    computes = step < before or (step - before - 1) % hook.cache_interval == 0 or (after is not None and step >= after)
+    return not computes
+
+
 def _runs(hook) -> bool:
     # FirstBlockCache's first block: its hook runs the block, then decides for the rest.
     return False
@@ -381,7 +395,7 @@ def _runs(hook) -> bool:
 # Hooks of diffusers whose decision the package reads before the block binds:
 # whether the hook answers the block's call without its forward (per class name).
 _READ = {"FBCBlockHook": _cache_answers, "MagCacheBlockHook": _cache_answers, "TransformerBlockSkipHook": _skip_answers,
-         "FBCHeadBlockHook": _runs}
+         "FBCHeadBlockHook": _runs, "TaylorSeerCacheHook": _taylorseer_answers}
 
 
 def _decision(block: nn.Module) -> Optional[bool]:
@@ -420,10 +434,10 @@ def _answered_by_cache(block: nn.Module) -> bool:
 
 # Hooks of diffusers that may answer a block's call without its forward by a
 # decision the package cannot read ahead, each compiler-disabled in diffusers
-# (a graph break there already): TaylorSeer's (its step counter advances as it
-# decides; whole blocks in its lite mode) and MagCache's first block's. (Not
-# SeaCache's: it did not skip a block of the tiny Flux here, so it is untested.)
-_MAY_ANSWER = ("TaylorSeerCacheHook", "MagCacheHeadHook")
+# (a graph break there already): MagCache's first block's (it decides from
+# the block's input). (Not SeaCache's: it did not skip a block of the tiny
+# Flux here, so it is untested.)
+_MAY_ANSWER = ("MagCacheHeadHook",)
 
 
 def _may_be_answered(block: nn.Module) -> bool:

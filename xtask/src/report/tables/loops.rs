@@ -192,3 +192,11 @@ pub fn cache_table(results: &Path) -> Result<Option<String>, String> {
     }
     Ok(Some(md))
 }
+
+/// The guide pages that carry a loop's table in a generated block of their
+/// own (the cache loop's in the Python guide's section on caches, the
+/// training step's in the training guide), each with its table: `None` before
+/// the table's first results file.
+pub fn guide_tables(results: &Path) -> Result<Vec<(&'static str, Option<String>)>, String> {
+    Ok(vec![("docs/python.md", cache_table(results)?), ("docs/training.md", train_table(results)?)])
+}

@@ -16,6 +16,13 @@ fn the_readme_tables_are_the_generated_ones() {
     let page = std::fs::read_to_string(root.join("docs/results.md")).expect("docs/results.md");
     let want = splice_readme(&page, &readme_tables(&root.join("bench/results")).expect("tables")).expect("markers");
     assert!(page == want, "docs/results.md's measured tables differ from `cargo xtask bench --report`'s; run it");
+    // The guide pages' own tables, where a results file has them.
+    for (name, table) in guide_tables(&root.join("bench/results")).expect("guide tables") {
+        let Some(table) = table else { continue };
+        let page = std::fs::read_to_string(root.join(name)).expect(name);
+        assert!(page.contains(README_START), "{name} has no generated block for its measured table");
+        assert!(page == splice_readme(&page, &table).expect("markers"), "{name}'s measured table differs from `cargo xtask bench --report`'s; run it");
+    }
 }
 
 /// Of two results files of the newest date none is picked by its name's

@@ -6,6 +6,7 @@ timed on one thread and on several. Prints one JSON line; needs a CUDA device.
     python3 bench/anchors/host_fill_probe.py [--gib 2] [--threads 8]
 """
 import argparse
+import contextlib
 import ctypes
 import json
 import time
@@ -59,7 +60,59 @@ def main() -> None:
         # The fill as offload-cuda does it today: allocate, zero, copy.
         r["fill_gb_s"] = gb / (r["alloc_s"] + r["zero_s"] + r["copy_s"])
     out["by_threads"] = results
+    out["pinning"] = pinning(cuda, n, a.threads)
     print(json.dumps(out))
+
+
+def pinning(cuda, n: int, threads: int) -> dict:
+    """Ways to pin `n` bytes, each timed: `cuMemHostAlloc` of n / threads
+    bytes on each of `threads` threads at once (ctypes lets the GIL go during
+    the call); and ordinary memory (mmap, huge pages advised) touched, then
+    registered with `cuMemHostRegister`, on one thread and with the touch on
+    several."""
+    import mmap
+    from concurrent.futures import ThreadPoolExecutor
+
+    res = {}
+    part = n // threads
+
+    def alloc_one(_):
+        p = ctypes.c_void_p()
+        rc = cuda.cuMemHostAlloc(ctypes.byref(p), ctypes.c_size_t(part), ctypes.c_uint(1))
+        assert rc == 0, f"cuMemHostAlloc: {rc}"
+        return p
+
+    with ThreadPoolExecutor(threads) as ex:
+        t = time.perf_counter()
+        ptrs = list(ex.map(alloc_one, range(threads)))
+        res["alloc_parallel_s"] = time.perf_counter() - t
+    for p in ptrs:
+        cuda.cuMemFreeHost(p)
+    libc = ctypes.CDLL("libc.so.6")
+    for touch_threads in (1, threads):
+        m = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        with contextlib.suppress(Exception):
+            m.madvise(14)  # MADV_HUGEPAGE
+        addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
+        chunk = n // touch_threads
+        t = time.perf_counter()
+        with ThreadPoolExecutor(touch_threads) as ex:
+            list(ex.map(lambda i: libc.memset(ctypes.c_void_p(addr + i * chunk), 0, ctypes.c_size_t(chunk)), range(touch_threads)))
+        touch_s = time.perf_counter() - t
+        t = time.perf_counter()
+        rc = cuda.cuMemHostRegister_v2(ctypes.c_void_p(addr), ctypes.c_size_t(n), ctypes.c_uint(1))
+        reg_s = time.perf_counter() - t
+        res[f"mmap_touch_{touch_threads}_s"] = touch_s
+        res[f"register_after_touch_{touch_threads}_rc"] = rc
+        res[f"register_after_touch_{touch_threads}_s"] = reg_s
+        if rc == 0:
+            cuda.cuMemHostUnregister(ctypes.c_void_p(addr))
+        del addr
+        with contextlib.suppress(BufferError):
+            m.close()
+    gb = n / 1e9
+    res["alloc_parallel_gb_s"] = gb / res["alloc_parallel_s"]
+    return res
 
 
 if __name__ == "__main__":

@@ -75,8 +75,12 @@ def pinning(cuda, n: int, threads: int) -> dict:
 
     res = {}
     part = n // threads
+    # The worker threads have no current context: torch's (the primary one) made current in each.
+    ctx = ctypes.c_void_p()
+    assert cuda.cuCtxGetCurrent(ctypes.byref(ctx)) == 0 and ctx.value, "no current CUDA context"
 
     def alloc_one(_):
+        assert cuda.cuCtxSetCurrent(ctx) == 0, "cuCtxSetCurrent"
         p = ctypes.c_void_p()
         rc = cuda.cuMemHostAlloc(ctypes.byref(p), ctypes.c_size_t(part), ctypes.c_uint(1))
         assert rc == 0, f"cuMemHostAlloc: {rc}"

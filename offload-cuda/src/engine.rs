@@ -124,6 +124,10 @@ pub(crate) struct Engine {
     /// hope was that in pieces it would wait for one piece at most; measured, it
     /// did not ([`DEFAULT_COPY_CHUNK`]).
     pub(crate) copy_chunk: AtomicUsize,
+    /// Whether page-locked host buffers are ordinary memory registered after
+    /// their fill (`cuMemHostRegister`) rather than `cuMemHostAlloc`'s
+    /// ([`pin_by_register_from_env`]).
+    pub(crate) pin_by_register: AtomicBool,
 }
 
 /// The default piece of a block copy: none (one copy a block). Pieces of 8 MiB
@@ -136,6 +140,15 @@ pub(crate) const DEFAULT_COPY_CHUNK: usize = 0;
 /// [`DEFAULT_COPY_CHUNK`] where it is unset or not a number.
 fn copy_chunk_from_env() -> usize {
     std::env::var("OFFLOAD_COPY_CHUNK_BYTES").ok().and_then(|v| v.trim().parse().ok()).unwrap_or(DEFAULT_COPY_CHUNK)
+}
+
+/// Whether this process pins host buffers by registering ordinary memory
+/// after its fill: `OFFLOAD_PIN_BY_REGISTER=1`. An experiment, off by default:
+/// on the H100 runner `cuMemHostAlloc` pins at about 2 GB/s, the fill's bound
+/// (bench/NOTES.md, 2026-12-07); memory the fill's threads fault in, then
+/// registered, may pin faster. Not measured yet.
+fn pin_by_register_from_env() -> bool {
+    std::env::var("OFFLOAD_PIN_BY_REGISTER").is_ok_and(|v| v.trim() == "1")
 }
 
 impl Engine {
@@ -173,6 +186,7 @@ impl Engine {
             refill_early: AtomicBool::new(false),
             lost: AtomicBool::new(false),
             copy_chunk: AtomicUsize::new(copy_chunk_from_env()),
+            pin_by_register: AtomicBool::new(pin_by_register_from_env()),
         }))
     }
 

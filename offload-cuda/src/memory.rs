@@ -20,6 +20,10 @@ enum Owner {
     /// Memory someone else owns and keeps page-locked (a registered mapping),
     /// kept alive by this handle; host code never reads it.
     Lent(#[allow(dead_code)] Arc<dyn Send + Sync>),
+    /// An anonymous private mapping of `map_len` bytes (whole pages), filled,
+    /// then page-locked by `cuMemHostRegister` (`registered`, and only then
+    /// counted in the engine's pinned bytes) ([`HostBytes::registered`]).
+    Mapped { map_len: usize, registered: bool },
 }
 
 /// Host memory a copy reads: page-locked (not write-combined), pageable as a
@@ -45,6 +49,9 @@ impl HostBytes {
     /// `len` page-locked bytes (portable), zeroed, then written by `fill`.
     pub(crate) fn pinned(engine: Arc<Engine>, len: usize, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>, purpose: &str) -> Result<Self> {
         engine.bind()?;
+        if len > 0 && engine.pin_by_register.load(Ordering::Relaxed) {
+            return Self::registered(engine, len, fill, purpose);
+        }
         let ptr = if len == 0 {
             std::ptr::null_mut()
         } else {
@@ -71,6 +78,53 @@ impl HostBytes {
             let bytes = unsafe { std::slice::from_raw_parts_mut(me.ptr, me.len) };
             fill(bytes)?;
         }
+        Ok(me)
+    }
+
+    /// `len` page-locked bytes made another way (`Engine::pin_by_register`): an
+    /// anonymous private mapping (zeroed by the kernel, huge pages advised),
+    /// written by `fill`, whose threads fault its pages in, then registered
+    /// with `cuMemHostRegister`. Where the mapping or the registration fails,
+    /// an [`Error::HostAlloc`] naming `purpose`, nothing kept.
+    fn registered(engine: Arc<Engine>, len: usize, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>, purpose: &str) -> Result<Self> {
+        let refused =
+            |reason: String| Error::HostAlloc { backend: BACKEND.into(), requested: len as u64, purpose: purpose.to_owned(), reason };
+        let map_len = len.next_multiple_of(crate::mapped::page_size());
+        // SAFETY: a new anonymous private mapping; the kernel picks the address;
+        // checked against MAP_FAILED.
+        let p = unsafe {
+            libc::mmap(std::ptr::null_mut(), map_len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0)
+        };
+        if p == libc::MAP_FAILED {
+            return Err(refused(format!("mmap of {map_len} bytes: {}", std::io::Error::last_os_error())));
+        }
+        // Advice only (huge pages: fewer pages to fault in and pin; not inherited
+        // by a child process, as cuMemHostAlloc's memory is not): a refusal changes
+        // nothing.
+        // SAFETY: advice on the whole mapping made just above.
+        unsafe {
+            libc::madvise(p, map_len, libc::MADV_HUGEPAGE);
+            libc::madvise(p, map_len, libc::MADV_DONTFORK);
+        }
+        // From here `Drop` unmaps it, whatever happens to `fill` or the registration.
+        let mut me = HostBytes {
+            ptr: p.cast(),
+            len,
+            owner: Owner::Mapped { map_len, registered: false },
+            last_copy: Default::default(),
+            engine: engine.clone(),
+        };
+        // SAFETY: `ptr` points to `map_len ≥ len` bytes of a fresh anonymous
+        // mapping, which the kernel zero-fills (initialised), owned by `me` alone.
+        let bytes = unsafe { std::slice::from_raw_parts_mut(me.ptr, me.len) };
+        fill(bytes)?;
+        // SAFETY: the range is mapped for `me`'s life; `Drop` unregisters it
+        // before it unmaps it.
+        unsafe { sys::cuMemHostRegister_v2(me.ptr.cast(), map_len, sys::CU_MEMHOSTREGISTER_PORTABLE) }
+            .result()
+            .map_err(|e| refused(format!("cuMemHostRegister of {map_len} bytes: {e}")))?;
+        me.owner = Owner::Mapped { map_len, registered: true };
+        engine.pinned_bytes.fetch_add(len as u64, Ordering::Relaxed);
         Ok(me)
     }
 
@@ -171,6 +225,13 @@ impl HostBytes {
         self.len
     }
 
+    /// Whether the bytes are a mapping of their own registered after their
+    /// fill ([`registered`](Self::registered)).
+    #[cfg(test)]
+    pub(crate) fn is_registered_mapping(&self) -> bool {
+        matches!(self.owner, Owner::Mapped { registered: true, .. })
+    }
+
     /// Whether the bytes are page-locked (allocated so, or lent by a registration).
     pub(crate) fn is_pinned(&self) -> bool {
         !matches!(self.owner, Owner::Pageable)
@@ -242,6 +303,23 @@ impl Drop for HostBytes {
                     tracing::warn!("cuMemFreeHost: {e}");
                 }
                 self.engine.pinned_bytes.fetch_sub(self.len as u64, Ordering::Relaxed);
+            }
+            Owner::Mapped { map_len, registered } => {
+                if registered {
+                    // A registration the driver would not end may still be read by the
+                    // device: the mapping is leaked rather than unmapped under it.
+                    // SAFETY: registered over `ptr` in `registered`; no copy can read it any more.
+                    if let Err(e) = unsafe { sys::cuMemHostUnregister(self.ptr.cast()) }.result() {
+                        tracing::warn!("a {map_len}-byte registered host buffer is leaked: cuMemHostUnregister: {e}");
+                        return;
+                    }
+                    self.engine.pinned_bytes.fetch_sub(self.len as u64, Ordering::Relaxed);
+                }
+                // SAFETY: the mapping made in `registered`, unmapped once, here, no
+                // longer registered (just above) and read by no copy (drained above).
+                if unsafe { libc::munmap(self.ptr.cast(), map_len) } != 0 {
+                    tracing::warn!("munmap of a {map_len}-byte host buffer: {}", std::io::Error::last_os_error());
+                }
             }
         }
     }

@@ -261,3 +261,31 @@ fn each_registration_refused_falls_back_to_the_next() {
     }
     b.refuse_registrations(0);
 }
+
+/// On a GPU: with `pin_by_register` (each buffer an anonymous mapping filled,
+/// then registered with `cuMemHostRegister`), a copied store's blocks are page-locked
+/// mappings of their own, counted in the pinned bytes, and stream the bytes a
+/// store of `cuMemHostAlloc` buffers streams; dropped, the count comes back.
+#[test]
+fn host_buffers_pinned_by_registering_stream_the_same_bytes() {
+    use offload_core::{BlockDiscovery, HostStore, NameDiscovery};
+    use std::sync::atomic::Ordering;
+    let Some(b) = super::test_backend() else { return };
+    let p = model("register");
+    let file = map_checkpoint(&p).unwrap();
+    let inv = NameDiscovery.discover("model", file.specs()).unwrap();
+    let copied = HostStore::build(&b, &inv, &file).unwrap();
+    let before = b.counters().pinned_bytes;
+    b.engine().pin_by_register.store(true, Ordering::Relaxed);
+    let store = HostStore::build(&b, &inv, &file);
+    b.engine().pin_by_register.store(false, Ordering::Relaxed);
+    let store = Arc::new(store.unwrap());
+    for blk in store.blocks() {
+        let buf = blk.buffer().unwrap();
+        assert!(buf.is_pinned() && buf.bytes().is_registered_mapping(), "{}: not a registered mapping", blk.id);
+    }
+    assert_eq!(b.counters().pinned_bytes - before, store.pinned_bytes());
+    slots_hold(&b, &inv, &store, &copied);
+    drop(store);
+    assert_eq!(b.counters().pinned_bytes, before);
+}

@@ -21,7 +21,10 @@ fn the_readme_tables_are_the_generated_ones() {
         let Some(table) = table else { continue };
         let page = std::fs::read_to_string(root.join(name)).expect(name);
         assert!(page.contains(README_START), "{name} has no generated block for its measured table");
-        assert!(page == splice_readme(&page, &table).expect("markers"), "{name}'s measured table differs from `cargo xtask bench --report`'s; run it");
+        assert!(
+            page == splice_readme(&page, &table).expect("markers"),
+            "{name}'s measured table differs from `cargo xtask bench --report`'s; run it"
+        );
     }
 }
 

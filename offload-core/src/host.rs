@@ -174,21 +174,49 @@ pub fn zeroed(backend: &str, len: usize, purpose: &str) -> crate::error::Result<
     Ok(v)
 }
 
-/// Bytes below which a host copy or zeroing stays on the calling thread: a
-/// thread's start (tens of µs) costs more than it saves on less.
+/// A thread's share of a host copy or zeroing: one thread per 16 MiB, so work
+/// under 32 MiB stays on the calling thread (a thread's start, tens of µs,
+/// costs more than it saves on less).
 const PARALLEL_MIN_BYTES: usize = 16 << 20;
 
 /// Threads for a host copy of `len` bytes: one per 16 MiB, at most the
 /// machine's cores and at most 8 (a few threads reach the memory's bandwidth;
 /// one reads pageable memory at a fraction of it).
 fn copy_threads(len: usize) -> usize {
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if len < 2 * PARALLEL_MIN_BYTES {
+        return 1;
+    }
+    static CORES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    let cores = *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
     (len / PARALLEL_MIN_BYTES).clamp(1, cores.min(8))
 }
 
+/// `work` run on each of `parts`, each on a thread of its own where the
+/// system gives one, else on the calling thread: a refused thread (a
+/// process's thread limit) is no error and loses no part.
+fn on_threads<P: Send>(parts: impl Iterator<Item = P>, work: impl Fn(P) + Sync) {
+    let slots: Vec<std::sync::Mutex<Option<P>>> = parts.map(|p| std::sync::Mutex::new(Some(p))).collect();
+    let work = &work;
+    std::thread::scope(|scope| {
+        for slot in &slots {
+            // Captures two shared references: a `Copy` closure, so the calling
+            // thread can run it where the spawn was refused.
+            let run = move || {
+                if let Some(p) = slot.lock().unwrap_or_else(|e| e.into_inner()).take() {
+                    work(p)
+                }
+            };
+            if std::thread::Builder::new().spawn_scoped(scope, run).is_err() {
+                run();
+            }
+        }
+    });
+}
+
 /// `src` copied into `dst` (the same length, else a panic, as
-/// [`slice::copy_from_slice`]), split over several threads where it is large.
-/// The host store's fill reads each tensor once through this.
+/// [`slice::copy_from_slice`]), split over several threads where it is 32 MiB
+/// or more. offload-py's DLPack read copies each tensor into the host store
+/// through this.
 pub fn copy_parallel(dst: &mut [u8], src: &[u8]) {
     assert_eq!(dst.len(), src.len(), "copy_parallel: destination and source lengths differ");
     let threads = copy_threads(dst.len());
@@ -197,16 +225,13 @@ pub fn copy_parallel(dst: &mut [u8], src: &[u8]) {
         return;
     }
     let chunk = dst.len().div_ceil(threads);
-    std::thread::scope(|scope| {
-        for (d, s) in dst.chunks_mut(chunk).zip(src.chunks(chunk)) {
-            scope.spawn(move || d.copy_from_slice(s));
-        }
-    });
+    on_threads(dst.chunks_mut(chunk).zip(src.chunks(chunk)), |(d, s): (&mut [u8], &[u8])| d.copy_from_slice(s));
 }
 
-/// Every element of `dst` set to `value`, split over several threads where it
-/// is large: a backend zeroes memory it allocated uninitialised this way
-/// (`MaybeUninit<u8>`), before it is read as bytes.
+/// Every element of `dst` set to `value` (every one: a backend relies on it),
+/// split over several threads where it is 32 MiB or more: a backend zeroes
+/// memory it allocated uninitialised this way (`MaybeUninit<u8>`), before it
+/// is read as bytes.
 pub fn fill_parallel<T: Copy + Send + Sync>(dst: &mut [T], value: T) {
     let bytes = std::mem::size_of_val(dst);
     let threads = copy_threads(bytes);
@@ -215,11 +240,7 @@ pub fn fill_parallel<T: Copy + Send + Sync>(dst: &mut [T], value: T) {
         return;
     }
     let chunk = dst.len().div_ceil(threads);
-    std::thread::scope(|scope| {
-        for d in dst.chunks_mut(chunk) {
-            scope.spawn(move || d.fill(value));
-        }
-    });
+    on_threads(dst.chunks_mut(chunk), |d: &mut [T]| d.fill(value));
 }
 
 /// The [`Error::Unsupported`] a [`HostMemory`] returns for a kind it does not make.

@@ -26,9 +26,10 @@ enum Owner {
     Mapped { map_len: usize, registered: bool },
 }
 
-/// Host memory a copy reads: page-locked (not write-combined), pageable as a
-/// fallback, or lent by a registration; immutable after it is filled, except
-/// through [`refill`](Self::refill).
+/// Host memory a copy reads: page-locked (not write-combined: `cuMemHostAlloc`'s,
+/// or a mapping of its own registered after its fill), pageable as a fallback,
+/// or lent by a registration; immutable after it is filled, except through
+/// [`refill`](Self::refill).
 pub(crate) struct HostBytes {
     ptr: *mut u8,
     len: usize,
@@ -74,7 +75,8 @@ impl HostBytes {
             // `MaybeUninit<u8>` they need no initialisation to be referenced.
             let raw = unsafe { std::slice::from_raw_parts_mut(me.ptr.cast::<std::mem::MaybeUninit<u8>>(), me.len) };
             offload_core::host::fill_parallel(raw, std::mem::MaybeUninit::new(0));
-            // SAFETY: `ptr` points to `len` initialised bytes we own exclusively until `me` is returned.
+            // SAFETY: `ptr` points to `len` bytes we own exclusively until `me` is
+            // returned, every one written just above (`fill_parallel` sets every element).
             let bytes = unsafe { std::slice::from_raw_parts_mut(me.ptr, me.len) };
             fill(bytes)?;
         }
@@ -82,29 +84,31 @@ impl HostBytes {
     }
 
     /// `len` page-locked bytes made another way (`Engine::pin_by_register`): an
-    /// anonymous private mapping (zeroed by the kernel, huge pages advised),
-    /// written by `fill`, whose threads fault its pages in, then registered
-    /// with `cuMemHostRegister`. Where the mapping or the registration fails,
-    /// an [`Error::HostAlloc`] naming `purpose`, nothing kept.
+    /// anonymous private mapping (zeroed by the kernel, huge pages advised, not
+    /// inherited by a child process), written by `fill` (whose threads fault in
+    /// the pages of the large tensors they copy), then registered with
+    /// `cuMemHostRegister`. Where the mapping, the advice against forking or the
+    /// registration is refused, the way is given up for the engine (one
+    /// warning) and the buffer made by `cuMemHostAlloc`, from the bytes already
+    /// filled where the fill ran (never read twice).
     fn registered(engine: Arc<Engine>, len: usize, fill: &mut dyn FnMut(&mut [u8]) -> Result<()>, purpose: &str) -> Result<Self> {
-        let refused =
-            |reason: String| Error::HostAlloc { backend: BACKEND.into(), requested: len as u64, purpose: purpose.to_owned(), reason };
-        let map_len = len.next_multiple_of(crate::mapped::page_size());
+        let give_up = |why: String| {
+            if engine.pin_by_register.swap(false, Ordering::Relaxed) {
+                tracing::warn!("OFFLOAD_PIN_BY_REGISTER: {why}; page-locked host buffers come from cuMemHostAlloc from now on");
+            }
+        };
+        let Some(map_len) = len.checked_next_multiple_of(crate::mapped::page_size()) else {
+            give_up(format!("{len} bytes do not round up to whole pages"));
+            return Self::pinned(engine, len, fill, purpose);
+        };
         // SAFETY: a new anonymous private mapping; the kernel picks the address;
         // checked against MAP_FAILED.
         let p = unsafe {
             libc::mmap(std::ptr::null_mut(), map_len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0)
         };
         if p == libc::MAP_FAILED {
-            return Err(refused(format!("mmap of {map_len} bytes: {}", std::io::Error::last_os_error())));
-        }
-        // Advice only (huge pages: fewer pages to fault in and pin; not inherited
-        // by a child process, as cuMemHostAlloc's memory is not): a refusal changes
-        // nothing.
-        // SAFETY: advice on the whole mapping made just above.
-        unsafe {
-            libc::madvise(p, map_len, libc::MADV_HUGEPAGE);
-            libc::madvise(p, map_len, libc::MADV_DONTFORK);
+            give_up(format!("mmap of {map_len} bytes: {}", std::io::Error::last_os_error()));
+            return Self::pinned(engine, len, fill, purpose);
         }
         // From here `Drop` unmaps it, whatever happens to `fill` or the registration.
         let mut me = HostBytes {
@@ -114,18 +118,48 @@ impl HostBytes {
             last_copy: Default::default(),
             engine: engine.clone(),
         };
+        // Huge pages: fewer pages to fault in and pin (advice; a refusal changes
+        // nothing). Not inherited by a child process, as cuMemHostAlloc's memory
+        // is not: a child's copy-on-write would move the pages the device reads.
+        // SAFETY: advice on the whole mapping made just above, which `me` owns.
+        let no_fork = unsafe {
+            libc::madvise(p, map_len, libc::MADV_HUGEPAGE);
+            libc::madvise(p, map_len, libc::MADV_DONTFORK)
+        };
+        if no_fork != 0 {
+            give_up(format!("madvise(MADV_DONTFORK): {}", std::io::Error::last_os_error()));
+            drop(me);
+            return Self::pinned(engine, len, fill, purpose);
+        }
         // SAFETY: `ptr` points to `map_len ≥ len` bytes of a fresh anonymous
-        // mapping, which the kernel zero-fills (initialised), owned by `me` alone.
+        // mapping, which the kernel zero-fills (initialised), owned by `me` alone
+        // and used only while `me` lives (below).
         let bytes = unsafe { std::slice::from_raw_parts_mut(me.ptr, me.len) };
         fill(bytes)?;
         // SAFETY: the range is mapped for `me`'s life; `Drop` unregisters it
         // before it unmaps it.
-        unsafe { sys::cuMemHostRegister_v2(me.ptr.cast(), map_len, sys::CU_MEMHOSTREGISTER_PORTABLE) }
-            .result()
-            .map_err(|e| refused(format!("cuMemHostRegister of {map_len} bytes: {e}")))?;
-        me.owner = Owner::Mapped { map_len, registered: true };
-        engine.pinned_bytes.fetch_add(len as u64, Ordering::Relaxed);
-        Ok(me)
+        match unsafe { sys::cuMemHostRegister_v2(me.ptr.cast(), map_len, sys::CU_MEMHOSTREGISTER_PORTABLE) }.result() {
+            Ok(()) => {
+                me.owner = Owner::Mapped { map_len, registered: true };
+                engine.pinned_bytes.fetch_add(len as u64, Ordering::Relaxed);
+                Ok(me)
+            }
+            Err(e) => {
+                give_up(format!("cuMemHostRegister of {map_len} bytes: {e}"));
+                let filled: &[u8] = bytes;
+                let made = Self::pinned(
+                    engine,
+                    len,
+                    &mut |dst| {
+                        offload_core::host::copy_parallel(dst, filled);
+                        Ok(())
+                    },
+                    purpose,
+                );
+                drop(me);
+                made
+            }
+        }
     }
 
     /// `len` bytes of ordinary pageable memory written by `fill`.
@@ -197,8 +231,9 @@ impl HostBytes {
         if self.len == 0 {
             return fill(&mut []);
         }
-        // `ptr` is `len` bytes owned by `self` (cuMemHostAlloc memory, or the
-        // pageable box given up in `pageable`); `&mut self` excludes every host
+        // `ptr` is `len` bytes owned by `self` (cuMemHostAlloc memory, a mapping
+        // of its own registered in `registered`, or the pageable box given up in
+        // `pageable`); `&mut self` excludes every host
         // view of it; every copy records itself in `last_copy` (waited above).
         // SAFETY: exclusive (just said), and the last copy that read it has completed.
         let bytes = unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) };
@@ -232,7 +267,8 @@ impl HostBytes {
         matches!(self.owner, Owner::Mapped { registered: true, .. })
     }
 
-    /// Whether the bytes are page-locked (allocated so, or lent by a registration).
+    /// Whether the bytes are page-locked (allocated so, registered after their
+    /// fill, or lent by a registration).
     pub(crate) fn is_pinned(&self) -> bool {
         !matches!(self.owner, Owner::Pageable)
     }
@@ -281,6 +317,14 @@ impl Drop for HostBytes {
         if self.ptr.is_null() {
             return;
         }
+        if let Owner::Mapped { map_len, registered: false } = self.owner {
+            // Never registered, so never read by a copy: unmapped at once.
+            // SAFETY: the mapping made in `registered`, unmapped once, here.
+            if unsafe { libc::munmap(self.ptr.cast(), map_len) } != 0 {
+                tracing::warn!("munmap of a {map_len}-byte host buffer: {}", std::io::Error::last_os_error());
+            }
+            return;
+        }
         // A copy from this buffer may still be queued: wait for the copy stream
         // (teardown only, never on the streaming path). If the drain fails, a copy
         // may still read the bytes: leak them rather than free them under it.
@@ -304,17 +348,16 @@ impl Drop for HostBytes {
                 }
                 self.engine.pinned_bytes.fetch_sub(self.len as u64, Ordering::Relaxed);
             }
-            Owner::Mapped { map_len, registered } => {
-                if registered {
-                    // A registration the driver would not end may still be read by the
-                    // device: the mapping is leaked rather than unmapped under it.
-                    // SAFETY: registered over `ptr` in `registered`; no copy can read it any more.
-                    if let Err(e) = unsafe { sys::cuMemHostUnregister(self.ptr.cast()) }.result() {
-                        tracing::warn!("a {map_len}-byte registered host buffer is leaked: cuMemHostUnregister: {e}");
-                        return;
-                    }
-                    self.engine.pinned_bytes.fetch_sub(self.len as u64, Ordering::Relaxed);
+            // Registered (an unregistered one went above).
+            Owner::Mapped { map_len, .. } => {
+                // A registration the driver would not end may still be read by the
+                // device: the mapping is leaked rather than unmapped under it.
+                // SAFETY: registered over `ptr` in `registered`; no copy can read it any more.
+                if let Err(e) = unsafe { sys::cuMemHostUnregister(self.ptr.cast()) }.result() {
+                    tracing::warn!("a {map_len}-byte registered host buffer is leaked: cuMemHostUnregister: {e}");
+                    return;
                 }
+                self.engine.pinned_bytes.fetch_sub(self.len as u64, Ordering::Relaxed);
                 // SAFETY: the mapping made in `registered`, unmapped once, here, no
                 // longer registered (just above) and read by no copy (drained above).
                 if unsafe { libc::munmap(self.ptr.cast(), map_len) } != 0 {

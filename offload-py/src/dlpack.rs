@@ -168,11 +168,15 @@ pub fn read_host(tensor: &Bound<'_, PyAny>, what: &str, dtype: offload_core::DTy
         return Err(crate::error(format!("{what}: {} bytes in the tensor, {} expected", at.nbytes, dst.len())));
     }
     if at.nbytes > 0 {
-        // The capsule was made just above and no Python code runs until the copy
-        // ends (this thread holds the GIL throughout, and the threads the copy is
-        // split over run no Python): nothing can free or resize the memory.
+        // The capsule was made just above, and no Python bytecode runs until the
+        // copy ends (this thread holds the GIL throughout; the threads the copy
+        // is split over run none). What the GIL does not exclude, as before the
+        // copy was split: native code of another thread writing or freeing the
+        // tensor meanwhile (a torch op that let the GIL go, a non-blocking copy
+        // still landing in a pinned tensor): the caller's tensors are handed over
+        // at rest (`enable` reads the module's parameters, nothing else).
         // SAFETY: `locate` checked a live dense host tensor of `nbytes` at `addr`,
-        // which `dst` (ours, exclusively borrowed) cannot overlap.
+        // which `dst` (the store's buffer, exclusively borrowed) cannot overlap.
         let src = unsafe { std::slice::from_raw_parts(at.addr as *const u8, at.nbytes) };
         offload_core::host::copy_parallel(dst, src);
     }

@@ -87,7 +87,11 @@ def merge(docs: list[dict], names: list[str], raw_dir: str = "") -> dict:
     meta = docs[0]
     return {"what": "a denoising loop with FirstBlockCache (bench/anchors/cache_loop.py)", "date": min(d["started"] for d in docs)[:10],
             "commit": ", ".join(sorted({d["commit"] for d in docs})), "gpu": ", ".join(sorted({d["gpu"] for d in docs})),
-            "torch": meta["torch"], "diffusers": meta["diffusers"], "processes": len(docs), "raw_dir": raw_dir, "raw": names, "rows": rows}
+            "torch": meta["torch"], "diffusers": meta["diffusers"], "processes": len(docs), "raw_dir": raw_dir, "raw": names,
+            "backend": "python (cuda)", "rows": rows,
+            # One line per row, as every results file has (DESIGN.md, Benchmark results).
+            "cases": [{"model": r["model"], "case": r["case"], "ratio_to_bound": r.get("ratio", {}).get("median"),
+                       "bitwise_equal": r.get("offload", {}).get("bitwise_equal"), "targets_met": r.get("targets_met")} for r in rows]}
 
 
 

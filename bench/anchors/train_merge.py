@@ -70,7 +70,11 @@ def merge(docs: list[dict], names: list[str], raw_dir: str = "") -> dict:
     return {"what": "a LoRA training step (bench/anchors/train_step.py)", "date": min(d["started"] for d in docs)[:10],
             "commit": ", ".join(sorted({d["commit"] for d in docs})), "gpu": ", ".join(sorted({d["gpu"] for d in docs})),
             "torch": meta["torch"], "diffusers": meta["diffusers"], "peft": meta["peft"], "rank": meta["rank"], "depth": meta["depth"],
-            "steps_per_process": meta["steps"], "processes": len(docs), "raw_dir": raw_dir, "raw": names, "rows": rows}
+            "steps_per_process": meta["steps"], "processes": len(docs), "raw_dir": raw_dir, "raw": names,
+            "backend": "python (cuda)", "rows": rows,
+            # One line per row, as every results file has (DESIGN.md, Benchmark results).
+            "cases": [{"model": r["model"], "case": r["case"], "checkpointing": r["checkpointing"],
+                       "ratio_to_bound": r.get("ratio", {}).get("median"), "targets_met": r.get("targets_met")} for r in rows]}
 
 
 

@@ -131,9 +131,9 @@ impl HostBytes {
             drop(me);
             return Self::pinned(engine, len, fill, purpose);
         }
-        // SAFETY: `ptr` points to `map_len ≥ len` bytes of a fresh anonymous
-        // mapping, which the kernel zero-fills (initialised), owned by `me` alone
-        // and used only while `me` lives (below).
+        // A fresh anonymous mapping, which the kernel zero-fills; `bytes` is used
+        // only while `me` lives (below).
+        // SAFETY: `ptr` points to `map_len ≥ len` initialised bytes owned by `me` alone.
         let bytes = unsafe { std::slice::from_raw_parts_mut(me.ptr, me.len) };
         fill(bytes)?;
         // SAFETY: the range is mapped for `me`'s life; `Drop` unregisters it

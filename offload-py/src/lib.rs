@@ -922,8 +922,10 @@ fn gguf_renamed(path: &str) -> PyResult<offload_formats::Renamed<offload_formats
     offload_formats::gguf_under_diffusers_names(file).map_err(|e| error(format!("{path}: {e}")))
 }
 
-/// The engine's module.
-#[pymodule]
+/// The engine's module. It needs the GIL (`gil_used = true`: a free-threaded
+/// interpreter turns the GIL on at its import): the package's hooks and the
+/// DLPack reads count on it to keep Python code from running meanwhile.
+#[pymodule(gil_used = true)]
 fn _offload(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Streamer>()?;
     m.add_function(wrap_pyfunction!(gguf_tensors, m)?)?;

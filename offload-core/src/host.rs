@@ -191,6 +191,20 @@ fn copy_threads(len: usize) -> usize {
     (len / PARALLEL_MIN_BYTES).clamp(1, cores.min(8))
 }
 
+/// Threads a test makes the system refuse (`on_threads`' fallback under test).
+#[cfg(test)]
+static REFUSE_THREADS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// A thread builder; under test, where [`REFUSE_THREADS`] is set, one whose
+/// every spawn the system refuses (a stack no machine can map).
+fn thread_builder() -> std::thread::Builder {
+    #[cfg(test)]
+    if REFUSE_THREADS.load(std::sync::atomic::Ordering::Relaxed) {
+        return std::thread::Builder::new().stack_size(1 << 62);
+    }
+    std::thread::Builder::new()
+}
+
 /// `work` run on each of `parts`, each on a thread of its own where the
 /// system gives one, else on the calling thread: a refused thread (a
 /// process's thread limit) is no error and loses no part.
@@ -206,7 +220,7 @@ fn on_threads<P: Send>(parts: impl Iterator<Item = P>, work: impl Fn(P) + Sync) 
                     work(p)
                 }
             };
-            if std::thread::Builder::new().spawn_scoped(scope, run).is_err() {
+            if thread_builder().spawn_scoped(scope, run).is_err() {
                 run();
             }
         }
@@ -284,6 +298,23 @@ mod tests {
         let mut raw = src;
         fill_parallel(&mut raw, 0u8);
         assert!(raw.iter().all(|&b| b == 0), "a byte not zeroed");
+    }
+
+    /// Where the system refuses every thread, a split copy and zeroing still
+    /// cover every byte, each part run on the calling thread.
+    #[test]
+    fn parallel_copy_and_zero_run_on_the_caller_where_threads_are_refused() {
+        let len = 40 << 20;
+        let src: Vec<u8> = (0..len).map(|i| (i % 251) as u8 | 1).collect();
+        REFUSE_THREADS.store(true, std::sync::atomic::Ordering::Relaxed);
+        assert!(thread_builder().spawn(|| ()).is_err(), "a refused thread was given");
+        let mut dst = vec![0u8; len];
+        copy_parallel(&mut dst, &src);
+        let mut zeroed = src.clone();
+        fill_parallel(&mut zeroed, 0u8);
+        REFUSE_THREADS.store(false, std::sync::atomic::Ordering::Relaxed);
+        assert!(dst == src, "a part not copied");
+        assert!(zeroed.iter().all(|&b| b == 0), "a part not zeroed");
     }
 
     /// What a host memory says it makes is what it makes: a kind it does not is

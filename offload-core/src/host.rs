@@ -274,21 +274,19 @@ mod tests {
     use crate::sim::{SimBackend, SimConfig};
     use crate::{backend::OffloadBackend, fault::FaultInjector, fault::FaultKind};
 
+    /// `len` bytes, none zero, their pattern (period 251) shifting across any
+    /// power-of-two chunk: a chunk copied to the wrong place or left out shows.
+    fn varied(len: usize) -> Vec<u8> {
+        (0..len).map(|i| (i % 251) as u8 | 1).collect()
+    }
+
     /// A copy and a zeroing split over threads cover every byte, the last
     /// uneven chunk too: 40 MiB and 13 varied bytes (two threads or more
     /// wherever the machine has two cores), and one small copy.
     #[test]
     fn parallel_copy_and_zero_cover_every_byte() {
         let len = (40 << 20) + 13;
-        let mut x = 0x9e37_79b9_7f4a_7c15u64;
-        let src: Vec<u8> = (0..len)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                x as u8
-            })
-            .collect();
+        let src = varied(len);
         let mut dst = vec![0u8; len];
         copy_parallel(&mut dst, &src);
         assert!(dst == src, "a byte not copied");
@@ -305,7 +303,7 @@ mod tests {
     #[test]
     fn parallel_copy_and_zero_run_on_the_caller_where_threads_are_refused() {
         let len = 40 << 20;
-        let src: Vec<u8> = (0..len).map(|i| (i % 251) as u8 | 1).collect();
+        let src = varied(len);
         REFUSE_THREADS.store(true, std::sync::atomic::Ordering::Relaxed);
         assert!(thread_builder().spawn(|| ()).is_err(), "a refused thread was given");
         let mut dst = vec![0u8; len];

@@ -13,7 +13,7 @@ process files.
 
 from __future__ import annotations
 
-from merging import run, spread
+from merging import one_commit, run, spread
 
 
 
@@ -28,6 +28,7 @@ def merge(docs: list[dict], names: list[str], raw_dir: str = "") -> dict:
         row = {"model": model, "case": case, "processes": len(runs), "steps": runs[0]["steps"], "threshold": runs[0]["threshold"],
                "schedule": runs[0].get("schedule", "descending"), "warmup": runs[0].get("warmup", 0),
                "warmup_steps": runs[0].get("warmup_steps", runs[0]["steps"])}
+        one_commit(row, runs)
         for mode in ("resident", "offload", "offload_streamed", "block_stream"):
             got = [r["modes"][mode] for r in runs if mode in r["modes"]]
             ok = [m for m in got if "error" not in m]

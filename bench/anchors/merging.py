@@ -17,17 +17,41 @@ def spread(values):
 
 
 def run(merge, line) -> None:
-    """``python3 X_merge.py OUT.json RUN1.json ...``: the process files of one
-    run directory merged by ``merge(docs, names, raw_dir)`` into OUT.json (the
-    directory as the repository names it, ``bench/raw/…``), then ``line(row)``
-    printed for each row."""
+    """``python3 X_merge.py OUT.json RUN1.json ...``: process files merged by
+    ``merge(docs, names, raw_dir)`` into OUT.json, then ``line(row)`` printed
+    for each row. The files of one run directory are named by their file
+    names under ``raw_dir``, the directory as the repository names it
+    (``bench/raw/…``). Files from several run directories (rows measured in
+    different sessions) are named by their paths under ``bench/raw``, which is
+    then ``raw_dir``; the merge keeps each row's processes to one commit."""
     out, *paths = sys.argv[1:]
     docs = [json.load(open(p)) for p in paths]
-    dirs = {os.path.relpath(os.path.dirname(os.path.abspath(p)), os.path.dirname(os.path.abspath(__file__)) + "/../..") for p in paths}
-    if len(dirs) != 1:
-        sys.exit(f"the process files lie in {len(dirs)} directories ({sorted(dirs)}): merge the files of one run directory")
-    res = merge(docs, [os.path.basename(p) for p in paths], dirs.pop())
+    root = os.path.dirname(os.path.abspath(__file__)) + "/../.."
+    dirs = {os.path.relpath(os.path.dirname(os.path.abspath(p)), root) for p in paths}
+    if len(dirs) == 1:
+        raw_dir, names = dirs.pop(), [os.path.basename(p) for p in paths]
+    else:
+        raw_dir = "bench/raw"
+        names = [os.path.relpath(os.path.abspath(p), os.path.join(root, raw_dir)) for p in paths]
+        outside = [n for n in names if n.startswith("..")]
+        if outside:
+            sys.exit(f"{len(outside)} process files lie outside bench/raw ({outside[0]}): merge the committed raw runs")
+    try:
+        res = merge(docs, names, raw_dir)
+    except ValueError as e:
+        sys.exit(str(e))
     with open(out, "w") as fh:
         json.dump(res, fh, indent=1)
     for r in res["rows"]:
         print(*line(r))
+
+
+def one_commit(row: dict, runs: list[dict]) -> None:
+    """``row["commit"]``: the commit its processes ran at. A row pools only
+    processes of one commit (a figure is published from processes at one
+    commit): a row given processes at two is a ``ValueError`` naming both."""
+    commits = sorted({r["commit"] for r in runs})
+    if len(commits) != 1:
+        raise ValueError(f"the row {row['model']} {row['case']} pools processes at {len(commits)} commits "
+                         f"({', '.join(commits)}): merge the processes of one commit per row")
+    row["commit"] = commits[0]

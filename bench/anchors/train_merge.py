@@ -11,7 +11,7 @@ from the process files.
 
 from __future__ import annotations
 
-from merging import run, spread
+from merging import one_commit, run, spread
 
 
 
@@ -25,6 +25,7 @@ def merge(docs: list[dict], names: list[str], raw_dir: str = "") -> dict:
     rows = []
     for (model, case, ckpt, attention, depth), runs in groups.items():
         row = {"model": model, "case": case, "checkpointing": ckpt, "attention": attention, "depth": depth, "processes": len(runs)}
+        one_commit(row, runs)
         for mode in ("resident", "offload", "block_stream"):
             ok = [r["modes"][mode] for r in runs if mode in r["modes"] and "error" not in r["modes"][mode]]
             errors = sorted({r["modes"][mode]["error"] for r in runs if mode in r["modes"] and "error" in r["modes"][mode]})

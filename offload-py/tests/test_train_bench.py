@@ -51,6 +51,12 @@ def test_the_training_bench_runs_on_the_simulated_device_and_its_merge_judges_ea
     docs[1]["depth"] = "auto"
     rows = train_merge.merge(docs, ["a", "b"])["rows"]
     assert [(r["depth"], r["processes"]) for r in rows] == [("2", 1), ("auto", 1)], rows
+    # A row pools the processes of one commit (rows of a file may differ,
+    # each measured in its own session): two commits in one row are refused.
+    assert [r["commit"] for r in rows] == [docs[0]["commit"]] * 2
+    docs[1]["depth"], docs[1]["commit"] = docs[0]["depth"], "another"
+    with pytest.raises(ValueError, match="2 commits"):
+        train_merge.merge(docs, ["a", "b"])
 
 
 def test_a_reference_that_breaks_the_cuda_context_is_named_and_nothing_runs_after_it(tmp_path, monkeypatch):
@@ -139,6 +145,10 @@ def test_the_cache_loop_bench_runs_on_the_simulated_device_and_its_merge_judges_
     d["modes"]["resident"]["computed"] = [True] * len(res["computed"])
     row = cache_merge.merge([d], ["a"])["rows"][0]
     assert row["targets"]["the_cache_answered"] is False and row["targets_met"] is False
+    # A row pools one commit's processes: a second process at another commit is refused.
+    assert row["commit"] == d["commit"]
+    with pytest.raises(ValueError, match="2 commits"):
+        cache_merge.merge([d, {**d, "commit": "another"}], ["a", "b"])
 
 
 def test_the_attention_backend_is_run_recorded_and_refused_beside_deterministic(tmp_path):

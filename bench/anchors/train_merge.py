@@ -47,6 +47,11 @@ def merge(docs: list[dict], names: list[str], raw_dir: str = "") -> dict:
                 if "vs_resident" in ok[0]:
                     entry["grads_bitwise_equal"] = all(m["vs_resident"]["grads_bitwise_equal"] and m["vs_resident"]["loss_equal"] for m in ok)
                     entry["max_abs_grad_diff"] = max(m["vs_resident"]["max_abs_grad_diff"] for m in ok)
+                    # The timed steps' losses, each process's against its own resident
+                    # steps from the same adapters: the optimizer's steps reached the forward alike.
+                    pairs = [(r["modes"][mode], r["modes"].get("resident", {})) for r in runs
+                             if mode in r["modes"] and "error" not in r["modes"][mode]]
+                    entry["losses_equal_resident"] = all("losses" in res and m["losses"] == res["losses"] for m, res in pairs)
             row[mode] = entry
         res = [r["modes"].get("resident", {}) for r in runs]
         off = [r["modes"].get("offload", {}) for r in runs]
@@ -65,6 +70,9 @@ def merge(docs: list[dict], names: list[str], raw_dir: str = "") -> dict:
                 else row["offload"].get("max_abs_grad_diff", float("inf")) <= spread_diff,
                 "finite_not_constant": row["offload"].get("finite_not_constant", False),
             }
+            if row["resident_repeatable"]:
+                # The timed steps' losses too, where the resident steps repeat themselves.
+                row["targets"]["losses_equal"] = row["offload"].get("losses_equal_resident", False)
             row["targets_met"] = all(row["targets"].values())
         rows.append(row)
     meta = docs[0]

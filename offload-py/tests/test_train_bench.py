@@ -42,6 +42,12 @@ def test_the_training_bench_runs_on_the_simulated_device_and_its_merge_judges_ea
     # Memory apart: the engine's streamed weights for ours, the activations for each mode.
     assert row["offload"]["weights_bytes"]["runs"] == [d["modes"]["offload"]["device_weight_bytes"] for d in docs]
     assert all("activations_bytes" in row[m] for m in ("resident", "offload")), row
+    # The timed steps' losses equal the resident steps', and a row whose losses differ is not met.
+    assert row["offload"]["losses_equal_resident"] and row["targets"]["losses_equal"], row
+    docs[1]["modes"]["offload"]["losses"] = docs[1]["modes"]["offload"]["losses"][::-1]
+    row = train_merge.merge(docs, ["a", "b"])["rows"][0]
+    assert not row["offload"]["losses_equal_resident"] and row["targets_met"] is False, row
+    docs[1]["modes"]["offload"]["losses"] = docs[1]["modes"]["offload"]["losses"][::-1]
     # A row whose gradients differ is not met.
     docs[0]["modes"]["offload"]["vs_resident"]["grads_bitwise_equal"] = False
     assert train_merge.merge(docs, ["a", "b"])["rows"][0]["targets"]["gradients_equal"] is False

@@ -79,11 +79,20 @@ pub fn train_table(results: &Path) -> Result<Option<String>, String> {
     );
     for r in d["rows"].as_array().into_iter().flatten() {
         let (res, off) = (&r["resident"], &r["offload"]);
-        let grads = match (r["resident_repeatable"].as_bool(), off["grads_bitwise_equal"].as_bool()) {
+        let mut grads = match (r["resident_repeatable"].as_bool(), off["grads_bitwise_equal"].as_bool()) {
             (Some(true), Some(eq)) => format!("bitwise: {}", if eq { "yes" } else { "**no**" }),
             (Some(false), _) => format!("resident not repeatable; largest difference {:.3e}", f(&off["max_abs_grad_diff"])),
             _ => "–".into(),
         };
+        // The timed steps' losses against the resident steps' (after each optimizer step).
+        if let Some(eq) = off["losses_equal_resident"].as_bool() {
+            let _ = write!(grads, "; losses {}", if eq { "equal" } else { "**differ**" });
+        }
+        // A mode whose losses stayed the same over its optimizer steps: its updates never reached its forward.
+        let mut anchor = mode_span(&r["block_stream"], "step_s", 4);
+        if r["block_stream"]["finite_not_constant"] == false {
+            anchor.push_str(" (losses constant)");
+        }
         let ratio = if r["ratio"].is_object() { span(&r["ratio"], 3) } else { "–".into() };
         // Every mode of a row ran under one attention backend; torch's default is not named.
         let mut case = match r["attention"].as_str() {
@@ -107,7 +116,7 @@ pub fn train_table(results: &Path) -> Result<Option<String>, String> {
             mode_span(res, "step_s", 4),
             mode_span(off, "step_s", 4),
             ratio,
-            mode_span(&r["block_stream"], "step_s", 4),
+            anchor,
             gib(&res["weights_bytes"]),
             gib(&off["weights_bytes"]),
             gib(&res["activations_bytes"]),

@@ -333,7 +333,7 @@ fn a_training_file_becomes_its_table_with_memory_apart_and_the_failed_mode_named
         serde_json::json!({"model": model, "case": "1024", "checkpointing": true, "processes": 3,
             "resident": {"processes": 3, "step_s": spread_of(1.2), "weights_bytes": gib(22.0), "activations_bytes": gib(9.5)},
             "offload": {"processes": 3, "step_s": spread_of(1.25), "weights_bytes": gib(0.7), "activations_bytes": gib(9.6),
-                        "grads_bitwise_equal": equal, "max_abs_grad_diff": 0.0},
+                        "grads_bitwise_equal": equal, "max_abs_grad_diff": 0.0, "losses_equal_resident": equal},
             "block_stream": {"processes": 0, "error": "RuntimeError: hooks | not supported"},
             "bound_s": spread_of(1.2), "ratio": spread_of(1.04), "resident_repeatable": repeatable,
             "targets": {"ratio_at_most_1.05": true, "gradients_equal": equal, "finite_not_constant": true}, "targets_met": equal})
@@ -349,6 +349,8 @@ fn a_training_file_becomes_its_table_with_memory_apart_and_the_failed_mode_named
     doc["rows"][0]["depth"] = "1".into();
     doc["rows"][2]["depth"] = "auto".into();
     doc["rows"][2]["depths"] = serde_json::json!([4, 4, 3]);
+    // A mode whose losses stayed constant over its optimizer steps says so.
+    doc["rows"][2]["block_stream"] = serde_json::json!({"processes": 3, "step_s": spread_of(1.3), "finite_not_constant": false});
     std::fs::write(dir.join("2026-12-07-train.json"), doc.to_string()).unwrap();
     let md = readme_tables(&dir).unwrap();
     let _ = std::fs::remove_dir_all(&dir);
@@ -356,11 +358,12 @@ fn a_training_file_becomes_its_table_with_memory_apart_and_the_failed_mode_named
     assert!(
         md.contains(
             "| flux-dev | 1024 | yes | 1.2000 [1.1990, 1.2010] | 1.2500 [1.2490, 1.2510] | 1.040 [1.039, 1.041] | error: \
-             RuntimeError: hooks \\| not supported | 22.00 / 0.70 | 9.50 / 9.60 | bitwise: yes | yes |"
+             RuntimeError: hooks \\| not supported | 22.00 / 0.70 | 9.50 / 9.60 | bitwise: yes; losses equal | yes |"
         ),
         "{md}"
     );
     assert!(md.contains("depth 1); 3 process") && md.contains("| qwen | 1024, depth auto (4, 4, 3) | yes |"), "{md}");
+    assert!(md.contains("| 1.3000 [1.2990, 1.3010] (losses constant) |") && md.contains("losses **differ**"), "{md}");
     assert!(
         md.contains("| wan | 1024, math attention | yes |")
             && md.contains("resident not repeatable")

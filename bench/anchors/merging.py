@@ -47,11 +47,13 @@ def run(merge, line) -> None:
 
 
 def one_commit(row: dict, runs: list[dict]) -> None:
-    """``row["commit"]``: the commit its processes ran at. A row pools only
-    processes of one commit (a figure is published from processes at one
-    commit): a row given processes at two is a ``ValueError`` naming both."""
-    commits = sorted({r["commit"] for r in runs})
-    if len(commits) != 1:
-        raise ValueError(f"the row {row['model']} {row['case']} pools processes at {len(commits)} commits "
-                         f"({', '.join(commits)}): merge the processes of one commit per row")
-    row["commit"] = commits[0]
+    """``row["commit"]`` and ``row["gpu"]``: the commit its processes ran at,
+    on which card. A row pools only processes of one commit on one kind of
+    card (a figure is published from processes at one commit, compared within
+    one card): a row given two of either is a ``ValueError`` naming both."""
+    for key, what in (("commit", "commits"), ("gpu", "cards")):
+        seen = sorted({r[key] for r in runs})
+        if len(seen) != 1:
+            raise ValueError(f"the row {row['model']} {row['case']} pools processes at {len(seen)} {what} "
+                             f"({', '.join(seen)}): merge the processes of one commit and one card per row")
+        row[key] = seen[0]

@@ -63,6 +63,9 @@ def test_the_training_bench_runs_on_the_simulated_device_and_its_merge_judges_ea
     docs[1]["depth"], docs[1]["commit"] = docs[0]["depth"], "another"
     with pytest.raises(ValueError, match="2 commits"):
         train_merge.merge(docs, ["a", "b"])
+    docs[1]["commit"], docs[1]["gpu"] = docs[0]["commit"], "another card"
+    with pytest.raises(ValueError, match="2 cards"):
+        train_merge.merge(docs, ["a", "b"])
 
 
 def test_a_reference_that_breaks_the_cuda_context_is_named_and_nothing_runs_after_it(tmp_path, monkeypatch):

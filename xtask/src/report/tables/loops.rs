@@ -18,6 +18,16 @@ fn mode_span(mode: &Value, key: &str, digits: usize) -> String {
     }
 }
 
+/// A row's case, with its card where the file's rows ran on several (the
+/// merges keep each row to one card: `bench/anchors/merging.py`).
+fn case_on_card(d: &Value, r: &Value) -> String {
+    let case = r["case"].as_str().unwrap_or("?");
+    match (d["gpu"].as_str(), r["gpu"].as_str()) {
+        (Some(all), Some(own)) if all.contains(", ") => format!("{case}, {own}"),
+        _ => case.to_owned(),
+    }
+}
+
 /// A spread of bytes as GiB (its median), or "–".
 fn gib(v: &Value) -> String {
     if v.is_object() {
@@ -96,8 +106,8 @@ pub fn train_table(results: &Path) -> Result<Option<String>, String> {
         let ratio = if r["ratio"].is_object() { span(&r["ratio"], 3) } else { "–".into() };
         // Every mode of a row ran under one attention backend; torch's default is not named.
         let mut case = match r["attention"].as_str() {
-            Some(a) if a != "default" => format!("{}, {a} attention", r["case"].as_str().unwrap_or("?")),
-            _ => r["case"].as_str().unwrap_or("?").to_owned(),
+            Some(a) if a != "default" => format!("{}, {a} attention", case_on_card(&d, r)),
+            _ => case_on_card(&d, r),
         };
         // A row at another depth than the file's names it, and each process's.
         if let Some(own) = r["depth"].as_str().filter(|own| *own != depth) {
@@ -175,7 +185,7 @@ pub fn cache_table(results: &Path) -> Result<Option<String>, String> {
             md,
             "| {} | {} | {} ({}) | {} | {} | {} | {} | {} | {} | {} | {} | {} / {} / {} | {}, {} | {}; {} |",
             r["model"].as_str().unwrap_or("?"),
-            r["case"].as_str().unwrap_or("?"),
+            case_on_card(&d, r),
             r["steps"],
             computed,
             match (r["warmup"].as_u64(), r["warmup_steps"].as_u64()) {

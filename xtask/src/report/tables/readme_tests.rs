@@ -349,6 +349,9 @@ fn a_training_file_becomes_its_table_with_memory_apart_and_the_failed_mode_named
     doc["rows"][0]["depth"] = "1".into();
     doc["rows"][2]["depth"] = "auto".into();
     doc["rows"][2]["depths"] = serde_json::json!([4, 4, 3]);
+    // Rows on two kinds of card (each row on one): a row names its card.
+    doc["gpu"] = "NVIDIA H100 80GB HBM3, NVIDIA H200".into();
+    doc["rows"][2]["gpu"] = "NVIDIA H200".into();
     // A mode whose losses stayed constant over its optimizer steps says so.
     doc["rows"][2]["block_stream"] = serde_json::json!({"processes": 3, "step_s": spread_of(1.3), "finite_not_constant": false});
     std::fs::write(dir.join("2026-12-07-train.json"), doc.to_string()).unwrap();
@@ -362,7 +365,7 @@ fn a_training_file_becomes_its_table_with_memory_apart_and_the_failed_mode_named
         ),
         "{md}"
     );
-    assert!(md.contains("depth 1); 3 process") && md.contains("| qwen | 1024, depth auto (4, 4, 3) | yes |"), "{md}");
+    assert!(md.contains("depth 1); 3 process") && md.contains("| qwen | 1024, NVIDIA H200, depth auto (4, 4, 3) | yes |"), "{md}");
     assert!(md.contains("| 1.3000 [1.2990, 1.3010] (losses constant) |") && md.contains("losses **differ**"), "{md}");
     assert!(
         md.contains("| wan | 1024, math attention | yes |")

@@ -13,7 +13,9 @@ gradient compared with the resident check step, bitwise, and the largest
 difference), then `--warmup` steps and `--steps` timed with CUDA events. The
 resident check step runs twice: where the two differ (an attention backward
 that accumulates in any order), the run says so and a mode is judged against
-that spread. `--deterministic`: `torch.use_deterministic_algorithms(True)` and
+that spread. After ours' timed steps, one more forward and backward with
+the streams traced (`--trace 1`, the default): each pass's `diagnose()` (why
+it was slower than its bound) in the file as `diagnosed`. `--deterministic`: `torch.use_deterministic_algorithms(True)` and
 PyTorch's math attention; `--attention`: SDPA's backend alone (`math`,
 `cudnn`, ...), recorded in the file. A mode that breaks the process's CUDA
 context (an illegal address in a library's kernel) is named with
@@ -179,6 +181,38 @@ def context_lost(e: BaseException) -> bool:
     return type(e).__name__ == "AcceleratorError" or "illegal memory access" in text or "EXECUTION_FAILED" in text
 
 
+DIAGNOSED = ("summary", "verdict", "causes", "step_s", "compute_s", "wait_s", "between_s", "host_s", "link_gbps")
+
+
+def traced_step(model, x, h, bandwidth):
+    """One more forward and backward with the streams timed (no optimizer
+    step): why each pass was slower than its own bound (`Offloaded.diagnose`,
+    the forward's read when the forward returns, the backward's when it ends),
+    or the error that refused it (every block kept resident: nothing copied)."""
+    import offload
+
+    link = bandwidth / 1e9 if bandwidth else None
+    out = {}
+    for p in model.parameters():
+        p.grad = None
+    h.enable_trace()
+    try:
+        loss = first(model(**x)).float().square().mean()
+        for name, run in (("forward", None), ("backward", loss.backward)):
+            if run is not None:
+                run()
+            try:
+                d = h.diagnose(link_gbps=link)
+                out[name] = {k: d[k] for k in DIAGNOSED if k in d}
+            except offload.OffloadError as e:
+                out[name] = {"error": f"{type(e).__name__}: {e}"}
+    finally:
+        h.disable_trace()
+        for p in model.parameters():
+            p.grad = None
+    return out
+
+
 def measure(model, x, dev, args, bandwidth, modes):
     """The modes measured into `modes`, each as it ends (so a process whose
     CUDA context a library's kernel broke still leaves what ran)."""
@@ -220,6 +254,8 @@ def measure(model, x, dev, args, bandwidth, modes):
         # The ring's slots and resident blocks, and the blocks the automatic plan keeps outside it.
         r["device_weight_bytes"] = bwd.get("peak_device_weight_bytes") + bwd.get("kept_bytes", 0)
         r["adapter_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        if args.trace:
+            r["diagnosed"] = traced_step(model, x, h, bandwidth)
         if ref is not None:
             r["vs_resident"] = compare(check, ref)
         offload.disable(model)
@@ -260,6 +296,8 @@ def main():
     ap.add_argument("--modes", default="resident,offload,block_stream")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--trace", type=int, default=1, help="1: after ours' timed steps, one more traced forward and backward, each "
+                    "pass diagnosed (Offloaded.diagnose) into the file; 0: none")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--out", required=True)

@@ -32,6 +32,10 @@ def test_the_training_bench_runs_on_the_simulated_device_and_its_merge_judges_ea
         assert "error" not in off and "error" not in d["modes"]["resident"], d["modes"]
         assert off["vs_resident"]["grads_bitwise_equal"] and off["vs_resident"]["loss_equal"]
         assert off["bytes_per_step"] > 0 and off["backward"]["backward"]
+        # One traced step after the timed ones: each pass diagnosed apart.
+        for p in ("forward", "backward"):
+            diag = off["diagnosed"][p]
+            assert diag["step_s"] > 0 and diag["summary"].startswith("FluxTransformer2DModel: step"), off["diagnosed"]
     # The simulated device has no link to probe: a rate given here, the bound
     # and the ratio follow from the files.
     for d in docs:

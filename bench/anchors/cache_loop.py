@@ -142,6 +142,7 @@ def measure(model, x, dev, args):
         modes["resident"] = r
     except Exception as e:
         modes["resident"] = za.error_entry(e)
+    za.mark("resident")
     model.to("cpu")
     if dev == "cuda":
         torch.cuda.empty_cache()
@@ -179,10 +180,12 @@ def measure(model, x, dev, args):
                 offload.disable(model)
         except Exception as e:
             modes[mode] = za.error_entry(e)
+        za.mark(mode)
         print(mode, json.dumps({k: v for k, v in modes[mode].items() if k not in ("traceback", "metrics")})[:600], flush=True)
 
     if dev == "cuda" and "block_stream" in args.modes:
         modes["block_stream"] = za.group_offloaded(model, args.model, lambda: judged(*warm_then_timed()))
+        za.mark("block_stream")
         print("block_stream", json.dumps({k: v for k, v in modes["block_stream"].items() if k not in ("traceback", "metrics")})[:400], flush=True)
     return modes
 
@@ -216,10 +219,13 @@ def main():
            "gpu": torch.cuda.get_device_name() if dev == "cuda" else "none", "torch": torch.__version__,
            "diffusers": diffusers.__version__, "commit": os.environ.get("OFFLOAD_COMMIT", "unknown"), "pid": os.getpid(),
            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    za.mark("imported")
     doc["bandwidth_bytes_per_s"] = za.h2d_bandwidth() if dev == "cuda" else None
     model = za.build(entry["reference"], device=dev)
     x = za.inputs(entry["name"].replace("-tiny", "-dev"), case, dev)
+    za.mark("built")
     doc["modes"] = measure(model, x, dev, args)
+    doc["phases_s"] = za.PHASES
     with open(args.out, "w") as fh:
         json.dump(doc, fh, indent=1)
 

@@ -232,6 +232,7 @@ def measure(model, x, dev, args, bandwidth, modes):
         res["weights_bytes"] = za.weights_on_device(model) if dev == "cuda" else 0
         res["activations_bytes"] = max(0, res["peak_bytes"] - res["before_bytes"])
         modes["resident"] = res
+        za.mark("resident")
     except Exception as e:  # out of memory, a library's own error: named
         modes["resident"] = za.error_entry(e)
         if context_lost(e):
@@ -260,6 +261,7 @@ def measure(model, x, dev, args, bandwidth, modes):
             r["vs_resident"] = compare(check, ref)
         offload.disable(model)
         modes["offload"] = r
+        za.mark("offload")
     except Exception as e:
         modes["offload"] = za.error_entry(e)
         try:
@@ -279,6 +281,7 @@ def measure(model, x, dev, args, bandwidth, modes):
                 r["vs_resident"] = compare(check, ref)
             return r
         modes["block_stream"] = za.group_offloaded(model, args.model, group_step)
+        za.mark("block_stream")
         print("block_stream", json.dumps({k: v for k, v in modes["block_stream"].items() if k != "traceback"})[:400], flush=True)
     return modes
 
@@ -322,15 +325,18 @@ def main():
            "diffusers": diffusers.__version__, "peft": peft.__version__,
            "commit": os.environ.get("OFFLOAD_COMMIT", "unknown"), "pid": os.getpid(),
            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    za.mark("imported")
     doc["bandwidth_bytes_per_s"] = za.h2d_bandwidth() if dev == "cuda" else None
     model = za.build(entry["reference"], device=dev)
     x = za.inputs(entry["name"].replace("-tiny", "-dev"), case, dev)
+    za.mark("built")
     doc["modes"] = {}
     try:
         with attention(args):
             measure(model, x, dev, args, doc["bandwidth_bytes_per_s"], doc["modes"])
     except Exception as e:  # the file still says what ran, and what broke
         doc["error"] = za.error_entry(e)
+    doc["phases_s"] = za.PHASES
     with open(args.out, "w") as fh:
         json.dump(doc, fh, indent=1)
 

@@ -362,6 +362,18 @@ def kernel_profile(model, x, path):
     print(f"  kernels of one more step: {line} ({path})", flush=True)
 
 
+# Seconds from this module's import (a script's start) to the end of each
+# phase a script marks (set-up, each mode): where a process's time goes, to
+# plan the GPU runner's commands. Scripts write ``PHASES`` into their file.
+T0 = time.perf_counter()
+PHASES: dict = {}
+
+
+def mark(name: str) -> None:
+    """The seconds since this module's import, as phase ``name``'s end."""
+    PHASES[name] = round(time.perf_counter() - T0, 2)
+
+
 def h2d_bandwidth(gib=2, passes=5):
     """Pinned host-to-device bandwidth in this process (bytes/s), the median of `passes` copies of `gib` GiB."""
     src = torch.empty(gib << 30, dtype=torch.uint8, pin_memory=True)

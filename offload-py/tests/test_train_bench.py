@@ -32,6 +32,9 @@ def test_the_training_bench_runs_on_the_simulated_device_and_its_merge_judges_ea
         assert "error" not in off and "error" not in d["modes"]["resident"], d["modes"]
         assert off["vs_resident"]["grads_bitwise_equal"] and off["vs_resident"]["loss_equal"]
         assert off["bytes_per_step"] > 0 and off["backward"]["backward"]
+        # Where the process's time went, phase by phase, in order.
+        assert list(d["phases_s"]) == ["imported", "built", "resident", "offload"], d["phases_s"]
+        assert sorted(d["phases_s"].values()) == list(d["phases_s"].values()), d["phases_s"]
         # One traced step after the timed ones: each pass diagnosed apart.
         for p in ("forward", "backward"):
             diag = off["diagnosed"][p]
@@ -134,6 +137,7 @@ def test_the_cache_loop_bench_runs_on_the_simulated_device_and_its_merge_judges_
     st = d["modes"]["offload_streamed"]
     assert "error" not in st and all(st["bitwise_equal_steps"]) and st["same_cache_decisions"], st
     assert st["plan"]["resident_blocks"] == [], st["plan"]
+    assert list(d["phases_s"]) == ["imported", "built", "resident", "offload", "offload_streamed"], d["phases_s"]
     skipped = [m["bytes_copied"] for m, c in zip(off["metrics"], off["computed"]) if not c]
     # A step the cache answered copies less than every block (at most its first
     # block and the prefetches ahead of it), and nothing once the ring holds them.

@@ -128,6 +128,9 @@ pub(crate) struct Engine {
     /// their fill (`cuMemHostRegister`) rather than `cuMemHostAlloc`'s
     /// ([`pin_by_register_from_env`]).
     pub(crate) pin_by_register: AtomicBool,
+    /// Tests only: the `cuMemHostRegister` of `pin_by_register` refused as a
+    /// driver would refuse it, to show the fallback (`HostBytes::registered`).
+    pub(crate) refuse_pin_register: AtomicBool,
 }
 
 /// The default piece of a block copy: none (one copy a block). Pieces of 8 MiB
@@ -187,6 +190,7 @@ impl Engine {
             lost: AtomicBool::new(false),
             copy_chunk: AtomicUsize::new(copy_chunk_from_env()),
             pin_by_register: AtomicBool::new(pin_by_register_from_env()),
+            refuse_pin_register: AtomicBool::new(false),
         }))
     }
 

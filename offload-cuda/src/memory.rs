@@ -136,9 +136,16 @@ impl HostBytes {
         // SAFETY: `ptr` points to `map_len ≥ len` initialised bytes owned by `me` alone.
         let bytes = unsafe { std::slice::from_raw_parts_mut(me.ptr, me.len) };
         fill(bytes)?;
-        // SAFETY: the range is mapped for `me`'s life; `Drop` unregisters it
-        // before it unmaps it.
-        match unsafe { sys::cuMemHostRegister_v2(me.ptr.cast(), map_len, sys::CU_MEMHOSTREGISTER_PORTABLE) }.result() {
+        let registered = if engine.refuse_pin_register.load(Ordering::Relaxed) {
+            Err("refused on purpose (Engine::refuse_pin_register)".to_owned())
+        } else {
+            // SAFETY: the range is mapped for `me`'s life; `Drop` unregisters it
+            // before it unmaps it.
+            unsafe { sys::cuMemHostRegister_v2(me.ptr.cast(), map_len, sys::CU_MEMHOSTREGISTER_PORTABLE) }
+                .result()
+                .map_err(|e| e.to_string())
+        };
+        match registered {
             Ok(()) => {
                 me.owner = Owner::Mapped { map_len, registered: true };
                 engine.pinned_bytes.fetch_add(len as u64, Ordering::Relaxed);

@@ -289,3 +289,35 @@ fn host_buffers_pinned_by_registering_stream_the_same_bytes() {
     drop(store);
     assert_eq!(b.counters().pinned_bytes, before);
 }
+
+/// On a GPU: where `cuMemHostRegister` refuses (as a driver may, for a locked-
+/// memory limit), the way is given up for the engine after one refusal, and
+/// the refused buffer and every later one come from `cuMemHostAlloc`: page-
+/// locked, counted, and streaming the bytes a plain store streams (the refused
+/// buffer from the bytes its fill already wrote, never read twice).
+#[test]
+fn a_refused_registration_falls_back_to_allocated_pinned_buffers_with_the_same_bytes() {
+    use offload_core::{BlockDiscovery, HostStore, NameDiscovery};
+    use std::sync::atomic::Ordering;
+    let Some(b) = super::test_backend() else { return };
+    let p = model("register-refused");
+    let file = map_checkpoint(&p).unwrap();
+    let inv = NameDiscovery.discover("model", file.specs()).unwrap();
+    let copied = HostStore::build(&b, &inv, &file).unwrap();
+    let before = b.counters().pinned_bytes;
+    b.engine().pin_by_register.store(true, Ordering::Relaxed);
+    b.engine().refuse_pin_register.store(true, Ordering::Relaxed);
+    let store = HostStore::build(&b, &inv, &file);
+    let given_up = !b.engine().pin_by_register.swap(false, Ordering::Relaxed);
+    b.engine().refuse_pin_register.store(false, Ordering::Relaxed);
+    let store = Arc::new(store.unwrap());
+    assert!(given_up, "a refused registration must give the way up for the engine");
+    for blk in store.blocks() {
+        let buf = blk.buffer().unwrap();
+        assert!(buf.is_pinned() && !buf.bytes().is_registered_mapping(), "{}: not a cuMemHostAlloc buffer", blk.id);
+    }
+    assert_eq!(b.counters().pinned_bytes - before, store.pinned_bytes());
+    slots_hold(&b, &inv, &store, &copied);
+    drop(store);
+    assert_eq!(b.counters().pinned_bytes, before);
+}

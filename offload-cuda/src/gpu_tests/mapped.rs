@@ -262,32 +262,45 @@ fn each_registration_refused_falls_back_to_the_next() {
     b.refuse_registrations(0);
 }
 
+/// A store built with `pin_by_register` on (and its registration refused
+/// where `refuse`), beside a plain copied store of the same file: each block of
+/// the first must be `registered` (a registered mapping) or not, page-locked
+/// either way and counted; both stream the same bytes; dropped, the count comes
+/// back. Returns whether the way was given up for the engine.
+fn pin_by_register_store(b: &CudaBackend, name: &str, refuse: bool, registered: bool) -> bool {
+    use offload_core::{BlockDiscovery, HostStore, NameDiscovery};
+    use std::sync::atomic::Ordering;
+    let p = model(name);
+    let file = map_checkpoint(&p).unwrap();
+    let inv = NameDiscovery.discover("model", file.specs()).unwrap();
+    let copied = HostStore::build(b, &inv, &file).unwrap();
+    let before = b.counters().pinned_bytes;
+    b.engine().pin_by_register.store(true, Ordering::Relaxed);
+    b.engine().refuse_pin_register.store(refuse, Ordering::Relaxed);
+    let store = HostStore::build(b, &inv, &file);
+    let given_up = !b.engine().pin_by_register.swap(false, Ordering::Relaxed);
+    b.engine().refuse_pin_register.store(false, Ordering::Relaxed);
+    let store = Arc::new(store.unwrap());
+    for blk in store.blocks() {
+        let buf = blk.buffer().unwrap();
+        assert!(buf.is_pinned(), "{}: not page-locked", blk.id);
+        assert_eq!(buf.bytes().is_registered_mapping(), registered, "{}: a registered mapping or not", blk.id);
+    }
+    assert_eq!(b.counters().pinned_bytes - before, store.pinned_bytes());
+    slots_hold(b, &inv, &store, &copied);
+    drop(store);
+    assert_eq!(b.counters().pinned_bytes, before);
+    given_up
+}
+
 /// On a GPU: with `pin_by_register` (each buffer an anonymous mapping filled,
 /// then registered with `cuMemHostRegister`), a copied store's blocks are page-locked
 /// mappings of their own, counted in the pinned bytes, and stream the bytes a
 /// store of `cuMemHostAlloc` buffers streams; dropped, the count comes back.
 #[test]
 fn host_buffers_pinned_by_registering_stream_the_same_bytes() {
-    use offload_core::{BlockDiscovery, HostStore, NameDiscovery};
-    use std::sync::atomic::Ordering;
     let Some(b) = super::test_backend() else { return };
-    let p = model("register");
-    let file = map_checkpoint(&p).unwrap();
-    let inv = NameDiscovery.discover("model", file.specs()).unwrap();
-    let copied = HostStore::build(&b, &inv, &file).unwrap();
-    let before = b.counters().pinned_bytes;
-    b.engine().pin_by_register.store(true, Ordering::Relaxed);
-    let store = HostStore::build(&b, &inv, &file);
-    b.engine().pin_by_register.store(false, Ordering::Relaxed);
-    let store = Arc::new(store.unwrap());
-    for blk in store.blocks() {
-        let buf = blk.buffer().unwrap();
-        assert!(buf.is_pinned() && buf.bytes().is_registered_mapping(), "{}: not a registered mapping", blk.id);
-    }
-    assert_eq!(b.counters().pinned_bytes - before, store.pinned_bytes());
-    slots_hold(&b, &inv, &store, &copied);
-    drop(store);
-    assert_eq!(b.counters().pinned_bytes, before);
+    assert!(!pin_by_register_store(&b, "register", false, true), "no registration was refused: the way stays");
 }
 
 /// On a GPU: where `cuMemHostRegister` refuses (as a driver may, for a locked-
@@ -297,27 +310,6 @@ fn host_buffers_pinned_by_registering_stream_the_same_bytes() {
 /// buffer from the bytes its fill already wrote, never read twice).
 #[test]
 fn a_refused_registration_falls_back_to_allocated_pinned_buffers_with_the_same_bytes() {
-    use offload_core::{BlockDiscovery, HostStore, NameDiscovery};
-    use std::sync::atomic::Ordering;
     let Some(b) = super::test_backend() else { return };
-    let p = model("register-refused");
-    let file = map_checkpoint(&p).unwrap();
-    let inv = NameDiscovery.discover("model", file.specs()).unwrap();
-    let copied = HostStore::build(&b, &inv, &file).unwrap();
-    let before = b.counters().pinned_bytes;
-    b.engine().pin_by_register.store(true, Ordering::Relaxed);
-    b.engine().refuse_pin_register.store(true, Ordering::Relaxed);
-    let store = HostStore::build(&b, &inv, &file);
-    let given_up = !b.engine().pin_by_register.swap(false, Ordering::Relaxed);
-    b.engine().refuse_pin_register.store(false, Ordering::Relaxed);
-    let store = Arc::new(store.unwrap());
-    assert!(given_up, "a refused registration must give the way up for the engine");
-    for blk in store.blocks() {
-        let buf = blk.buffer().unwrap();
-        assert!(buf.is_pinned() && !buf.bytes().is_registered_mapping(), "{}: not a cuMemHostAlloc buffer", blk.id);
-    }
-    assert_eq!(b.counters().pinned_bytes - before, store.pinned_bytes());
-    slots_hold(&b, &inv, &store, &copied);
-    drop(store);
-    assert_eq!(b.counters().pinned_bytes, before);
+    assert!(pin_by_register_store(&b, "register-refused", true, false), "a refused registration must give the way up");
 }

@@ -57,6 +57,13 @@ def merge(docs: list[dict], names: list[str], raw_dir: str = "") -> dict:
         off = [r["modes"].get("offload", {}) for r in runs]
         # The depth each process's ring ran at (the package's choice under "auto").
         row["depths"] = [b["plan"]["depth"] for b in off if "plan" in b]
+        # Why each pass was slower than its bound, from each process's traced step
+        # (`train_step.py --trace`): the verdicts seen ("None": at its bound),
+        # or a diagnosis's refusal; absent where no process traced one.
+        traced = [b["diagnosed"] for b in off if "diagnosed" in b]
+        if traced:
+            row["verdicts"] = {p: sorted({str(t[p].get("verdict", t[p].get("error"))) for t in traced if p in t})
+                               for p in ("forward", "backward")}
         if all("step" in a and "step" in b and r.get("bandwidth_bytes_per_s") for a, b, r in zip(res, off, runs)):
             bounds = [max(a["step"]["median_s"], b["bytes_per_step"] / r["bandwidth_bytes_per_s"]) for a, b, r in zip(res, off, runs)]
             row["bound_s"] = spread(bounds)

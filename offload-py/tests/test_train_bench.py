@@ -46,6 +46,9 @@ def test_the_training_bench_runs_on_the_simulated_device_and_its_merge_judges_ea
     row = train_merge.merge(docs, ["a", "b"])["rows"][0]
     bounds = [max(d["modes"]["resident"]["step"]["median_s"], d["modes"]["offload"]["bytes_per_step"] / 1e9) for d in docs]
     assert row["bound_s"]["runs"] == bounds and row["targets"]["gradients_equal"]
+    # The traced passes' verdicts, as the processes gave them.
+    assert row["verdicts"] == {p: sorted({str(d["modes"]["offload"]["diagnosed"][p]["verdict"]) for d in docs})
+                               for p in ("forward", "backward")}, row
     # Memory apart: the engine's streamed weights for ours, the activations for each mode.
     assert row["offload"]["weights_bytes"]["runs"] == [d["modes"]["offload"]["device_weight_bytes"] for d in docs]
     assert all("activations_bytes" in row[m] for m in ("resident", "offload")), row

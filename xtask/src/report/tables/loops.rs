@@ -69,7 +69,9 @@ pub fn train_table(results: &Path) -> Result<Option<String>, String> {
          files (raw, in `{}/`: `{}`), {} timed steps each; each figure the median of the processes' medians with [min, max]; \
          the bound per process is `max(resident step, bytes the engine copied in the step's two passes ÷ pinned bandwidth \
          probed in the same process)`. Memory: weights on the device (resident: the model's; ours: the engine's peak of \
-         streamed weights) and the step's activations (peak allocated above what was allocated before the timed steps), GiB.\n\n",
+         streamed weights) and the step's activations (peak allocated above what was allocated before the timed steps), GiB. \
+         *verdict*: `Offloaded.diagnose()` of each of ours' passes on a traced step after the timed ones, the verdicts \
+         seen over the processes (– where none was traced).\n\n",
         d["what"].as_str().unwrap_or("a training step"),
         d["gpu"].as_str().unwrap_or("?"),
         d["commit"].as_str().unwrap_or("?"),
@@ -84,8 +86,8 @@ pub fn train_table(results: &Path) -> Result<Option<String>, String> {
         d["steps_per_process"],
     );
     md.push_str(
-        "| model | case | checkpointing | resident (s) | ours (s) | ratio to bound | diffusers block-level (s) | weights resident / ours | activations resident / ours | gradients | targets met |\n\
-         | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n",
+        "| model | case | checkpointing | resident (s) | ours (s) | ratio to bound | verdict: forward / backward | diffusers block-level (s) | weights resident / ours | activations resident / ours | gradients | targets met |\n\
+         | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n",
     );
     for r in d["rows"].as_array().into_iter().flatten() {
         let (res, off) = (&r["resident"], &r["offload"]);
@@ -98,6 +100,16 @@ pub fn train_table(results: &Path) -> Result<Option<String>, String> {
         if let Some(eq) = off["losses_equal_resident"].as_bool() {
             let _ = write!(grads, "; losses {}", if eq { "equal" } else { "**differ**" });
         }
+        // Why each of ours' passes was slower than its bound (a traced step per process).
+        let pass = |p: &str| {
+            let seen: Vec<&str> = r["verdicts"][p].as_array().into_iter().flatten().filter_map(Value::as_str).collect();
+            if seen.is_empty() {
+                "–".to_owned()
+            } else {
+                seen.join(", ").replace("None", "at its bound")
+            }
+        };
+        let verdicts = if r["verdicts"].is_object() { format!("{} / {}", pass("forward"), pass("backward")) } else { "–".into() };
         // A mode whose losses stayed the same over its optimizer steps: its updates never reached its forward.
         let mut anchor = mode_span(&r["block_stream"], "step_s", 4);
         if r["block_stream"]["finite_not_constant"] == false {
@@ -119,13 +131,14 @@ pub fn train_table(results: &Path) -> Result<Option<String>, String> {
         }
         let _ = writeln!(
             md,
-            "| {} | {} | {} | {} | {} | {} | {} | {} / {} | {} / {} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} / {} | {} / {} | {} | {} |",
             r["model"].as_str().unwrap_or("?"),
             case,
             if r["checkpointing"] == true { "yes" } else { "no" },
             mode_span(res, "step_s", 4),
             mode_span(off, "step_s", 4),
             ratio,
+            verdicts,
             anchor,
             gib(&res["weights_bytes"]),
             gib(&off["weights_bytes"]),

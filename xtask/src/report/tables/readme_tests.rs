@@ -349,6 +349,8 @@ fn a_training_file_becomes_its_table_with_memory_apart_and_the_failed_mode_named
     doc["rows"][0]["depth"] = "1".into();
     doc["rows"][2]["depth"] = "auto".into();
     doc["rows"][2]["depths"] = serde_json::json!([4, 4, 3]);
+    // The verdicts of ours' traced passes ("None": at its bound); a row with none traced shows "–".
+    doc["rows"][0]["verdicts"] = serde_json::json!({"forward": ["late", "link"], "backward": ["None"]});
     // Rows on two kinds of card (each row on one): a row names its card.
     doc["gpu"] = "NVIDIA H100 80GB HBM3, NVIDIA H200".into();
     doc["rows"][2]["gpu"] = "NVIDIA H200".into();
@@ -360,13 +362,16 @@ fn a_training_file_becomes_its_table_with_memory_apart_and_the_failed_mode_named
     assert!(md.contains("`bench/results/2026-12-07-train.json`: a LoRA training step") && md.contains("NVIDIA H100"), "{md}");
     assert!(
         md.contains(
-            "| flux-dev | 1024 | yes | 1.2000 [1.1990, 1.2010] | 1.2500 [1.2490, 1.2510] | 1.040 [1.039, 1.041] | error: \
-             RuntimeError: hooks \\| not supported | 22.00 / 0.70 | 9.50 / 9.60 | bitwise: yes; losses equal | yes |"
+            "| flux-dev | 1024 | yes | 1.2000 [1.1990, 1.2010] | 1.2500 [1.2490, 1.2510] | 1.040 [1.039, 1.041] | \
+             late, link / at its bound | error: RuntimeError: hooks \\| not supported | 22.00 / 0.70 | 9.50 / 9.60 | bitwise: yes; losses equal | yes |"
         ),
         "{md}"
     );
     assert!(md.contains("depth 1); 3 process") && md.contains("| qwen | 1024, NVIDIA H200, depth auto (4, 4, 3) | yes |"), "{md}");
-    assert!(md.contains("| 1.3000 [1.2990, 1.3010] (losses constant) |") && md.contains("losses **differ**"), "{md}");
+    assert!(
+        md.contains("| 1.040 [1.039, 1.041] | – | 1.3000 [1.2990, 1.3010] (losses constant) |") && md.contains("losses **differ**"),
+        "{md}"
+    );
     assert!(
         md.contains("| wan | 1024, math attention | yes |")
             && md.contains("resident not repeatable")

@@ -15,8 +15,8 @@ resident check step runs twice: where the two differ (an attention backward
 that accumulates in any order), the run says so and a mode is judged against
 that spread. After ours' timed steps, one more forward and backward with
 the streams traced (`--trace 1`, the default): each pass's `diagnose()` (why
-it was slower than its bound) in the file as `diagnosed`. `--deterministic`: `torch.use_deterministic_algorithms(True)` and
-PyTorch's math attention; `--attention`: SDPA's backend alone (`math`,
+it was slower than its bound) in the file as `diagnosed`. `--deterministic`:
+`torch.use_deterministic_algorithms(True)` and PyTorch's math attention; `--attention`: SDPA's backend alone (`math`,
 `cudnn`, ...), recorded in the file. A mode that breaks the process's CUDA
 context (an illegal address in a library's kernel) is named with
 `context_lost`, and the file is written with what ran. Memory as in `zoo_anchor.py`: weights on the device

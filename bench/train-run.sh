@@ -16,6 +16,10 @@
 # TRAIN_DEPTH (default 2): the ring's depth, or auto (the package's choice, from
 # a traced training step; four warm-up iterations then, and "-dauto" in each
 # file's name, as any depth but 2 is named).
+# TRAIN_WARMUP: untimed steps per mode after the check step (default 2; 4 under
+# auto). 1 is enough where the depth is given (the check step, the first after
+# `enable`, learns the block order): Wan 14B's 18-s steps make each one count.
+# The file records it.
 # Needs the wheels in .whl (`cargo xtask wheel`) and the registry
 # (.bundle/registry.json, `cargo xtask gpu-bundle --python`).
 set -uo pipefail
@@ -33,9 +37,9 @@ for r in ${TRAIN_REPEATS:-1 2 3}; do
   for run in $runs; do
     IFS=: read -r model case ckpt attention <<< "$run"
     attention=${attention:-${TRAIN_ATTENTION:-math}}
-    depth=${TRAIN_DEPTH:-2}; tag=""; warm=2
+    depth=${TRAIN_DEPTH:-2}; tag=""; warm=${TRAIN_WARMUP:-2}
     [ "$depth" = 2 ] || tag="-d$depth"
-    [ "$depth" = auto ] && warm=4
+    [ "$depth" = auto ] && warm=${TRAIN_WARMUP:-4}
     f="$D/train-$model-$case-c$ckpt-$attention$tag-r$r.json"
     [ -s "$f" ] && { echo "== $run r$r: kept"; continue; }
     est=${TRAIN_EST:-150}

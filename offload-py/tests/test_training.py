@@ -388,3 +388,49 @@ def test_training_compiled_blocks_or_a_compiled_module_streams_the_backward_as_e
         assert _kept_buffers(build(), "cpu", pack=lambda self, t: t) == 6
     finally:
         torch._dynamo.reset()
+
+
+class _Matmul(torch.autograd.Function):
+    """A hand-written autograd function over a block's weight (as fused kernels
+    and quantized layers write them): it saves the weight it was given, which a
+    block's weight is while its block binds at first use, a placeholder."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(w)
+        return x @ w.t()
+
+    @staticmethod
+    def backward(ctx, g):
+        (w,) = ctx.saved_tensors
+        return g @ w, None
+
+
+class _FunctionBlock(_Block):
+    def forward(self, x):
+        # The block's first use of a weight is inside the function.
+        h = self.down(nn.functional.gelu(_Matmul.apply(x, self.up.weight)))
+        return self.norm(x + h) + (x @ self.lora_a.t()) @ self.lora_b.t()
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("lazy", [True, False])
+def test_a_weight_a_custom_autograd_function_saves_comes_back_for_the_backward(dev, lazy):
+    # The function's forward runs with grad off and reads the weight there: a
+    # block binding at first use binds inside it. What it saved is brought back
+    # in the backward like any saved weight, bitwise the resident steps.
+    def model():
+        m = _Model()
+        torch.manual_seed(2)
+        m.blocks = nn.ModuleList(_FunctionBlock() for _ in range(6))
+        for name, p in m.named_parameters():
+            p.requires_grad_("lora" in name)
+        return m
+
+    resident = _train(model().to(dev), dev)
+    m = model()
+    h = offload.enable(m, device=dev, depth=1, lazy=lazy)
+    streamed = _train(m, dev, handle=h)
+    _same(streamed, resident)
+    assert all(bwd["blocks"] == 6 for *_, (_, bwd) in streamed), [s[-1] for s in streamed]
+    offload.disable(m)

@@ -205,5 +205,17 @@ class _Dequant:
         self.block, self.layer, self.param, self.shape, self.stride, self.offset = block, layer, param, shape, stride, offset
 
 
+class _SavedParam:
+    """A block weight autograd saved as the module held it: the placeholder in
+    its place, which a hand-written autograd function is given where its block
+    binds at the weight's first use (inside the function's forward). Its
+    parameter's view comes back in the backward."""
+
+    __slots__ = ("block", "param")
+
+    def __init__(self, block, param):
+        self.block, self.param = block, param
+
+
 # Marks a value saved by the hooks beneath ours (`_pack` hands them what is not a weight).
 _Outer = object()

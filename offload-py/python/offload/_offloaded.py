@@ -15,9 +15,9 @@ from torch import nn
 
 from ._offload import OffloadError, Streamer
 
-from ._placeholder import _ArgumentTypeError, _ArgumentValueError
+from ._placeholder import _ArgumentTypeError, _ArgumentValueError, _Placeholder
 from . import _traced
-from ._blocks import _Block, _Cast, _Dequant, _Moved, _Outer, _Param, _Saved
+from ._blocks import _Block, _Cast, _Dequant, _Moved, _Outer, _Param, _Saved, _SavedParam
 from ._hooks import _Compiled, _Watch, _host_tensors, _in_autograd_pass
 
 
@@ -434,6 +434,11 @@ class Offloaded:
                 raise OffloadError(self._changed(p, now))
         self._refuse_capture(f"block {block.stack}.{block.index}")
         self._armed = block
+        if torch.is_grad_enabled():
+            # From the block's start, not its first weight's use: that use may
+            # be inside a hand-written autograd function, whose forward runs with
+            # grad off and saves what it was given (`_pack`).
+            self._save_weights_as_places(block)
         return True
 
     def _lend(self, block: _Block) -> None:
@@ -457,17 +462,21 @@ class Offloaded:
         # tensor has none: torch refuses in-place writes to it outside inference mode).
         self._version = None if data.is_inference() else data._version
         self._bind_views(block, data)
-        if torch.is_grad_enabled():
-            # What autograd saves of this block's weights for the backward is
-            # saved as where it lies in the block, not as the block's buffer:
-            # the buffer is let go after the forward, and the backward brings
-            # the block back (`_unpack`). A recompute in the backward (gradient
-            # checkpointing) saves the same way, so a checkpoint finds the same
-            # tensors saved as in the forward.
+        if self._saving is not None or torch.is_grad_enabled():
+            self._save_weights_as_places(block)
+            self._refuse_gradients(block)
+
+    def _save_weights_as_places(self, block: _Block) -> None:
+        """What autograd saves of this block's weights for the backward is
+        saved as where it lies in the block, not as the block's buffer: the
+        buffer is let go after the forward, and the backward brings the block
+        back (`_unpack`). A recompute in the backward (gradient checkpointing)
+        saves the same way, so a checkpoint finds the same tensors saved as in
+        the forward. Once per bind (the hooks are popped at its unbind)."""
+        if self._saving is None:
             outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
             torch._C._autograd._push_saved_tensors_default_hooks(self._pack, self._unpack)
             self._saving = (outer,)
-            self._refuse_gradients(block)
 
     def _bind_views(self, block: _Block, data: torch.Tensor) -> None:
         """Put a view of ``data`` in the module for each of the block's tensors."""
@@ -502,6 +511,12 @@ class Offloaded:
         """Autograd saves ``t`` for the backward: one of the bound block's
         weights (a view of its buffer, as `linear` saves `weight.t()`) is saved
         as its place in the block; anything else as the hooks below ours save it."""
+        if type(t) is _Placeholder:
+            # The module's placeholder itself (a hand-written autograd function
+            # given the weight before its block bound): saved as its parameter.
+            lazy = t._offload_lazy
+            if lazy is not None and lazy[0] is self and lazy[1] in (self._bound, self._armed):
+                return _SavedParam(lazy[1], lazy[2])
         buf, block = self._buffer, self._bound
         if block is not None and buf is not None and type(t) is torch.Tensor and not t.requires_grad and t.device == buf.device:
             at = t.untyped_storage().data_ptr()
@@ -537,6 +552,9 @@ class Offloaded:
 
             w = dequantize_gguf_tensor(saved.param.owner._parameters[saved.param.attr]).to(saved.layer.compute_dtype)
             return w.as_strided(saved.shape, saved.stride, saved.offset)
+        if isinstance(saved, _SavedParam):
+            self._bring_back(saved.block)
+            return saved.param.owner._parameters[saved.param.attr]
         if isinstance(saved, _Cast):
             self._bring_back(saved.block)
             cast = saved.param.owner._parameters[saved.param.attr].to(saved.dtype)

@@ -413,22 +413,45 @@ class _FunctionBlock(_Block):
         return self.norm(x + h) + (x @ self.lora_a.t()) @ self.lora_b.t()
 
 
+class _NoGradFirstBlock(_Block):
+    def forward(self, x):
+        # The block's first use of a weight is under no_grad (a statistic of
+        # it), so a block binding at first use binds with grad off.
+        with torch.no_grad():
+            scale = self.up.weight.abs().amax().clamp(min=1.0)
+        return super().forward(x) / scale
+
+
+def _with_blocks(cls):
+    m = _Model()
+    torch.manual_seed(2)
+    m.blocks = nn.ModuleList(cls() for _ in range(6))
+    for name, p in m.named_parameters():
+        p.requires_grad_("lora" in name)
+    return m
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_a_block_whose_first_weight_use_is_under_no_grad_still_keeps_no_weights_for_the_backward(dev):
+    # Bound with grad off, its later grad-mode uses must still save weights as
+    # their places: saved as views of the lent buffer they would keep every
+    # block alive (and on CUDA read a slot the ring has since refilled).
+    resident = _train(_with_blocks(_NoGradFirstBlock).to(dev), dev)
+    m = _with_blocks(_NoGradFirstBlock)
+    h = offload.enable(m, device=dev, depth=1)
+    _same(_train(m, dev, handle=h), resident)
+    offload.disable(m)
+    assert _kept_buffers(_with_blocks(_NoGradFirstBlock), dev) <= (2 if dev == "cuda" else 0)
+
+
 @pytest.mark.parametrize("dev", DEVICES)
 @pytest.mark.parametrize("lazy", [True, False])
 def test_a_weight_a_custom_autograd_function_saves_comes_back_for_the_backward(dev, lazy):
     # The function's forward runs with grad off and reads the weight there: a
     # block binding at first use binds inside it. What it saved is brought back
     # in the backward like any saved weight, bitwise the resident steps.
-    def model():
-        m = _Model()
-        torch.manual_seed(2)
-        m.blocks = nn.ModuleList(_FunctionBlock() for _ in range(6))
-        for name, p in m.named_parameters():
-            p.requires_grad_("lora" in name)
-        return m
-
-    resident = _train(model().to(dev), dev)
-    m = model()
+    resident = _train(_with_blocks(_FunctionBlock).to(dev), dev)
+    m = _with_blocks(_FunctionBlock)
     h = offload.enable(m, device=dev, depth=1, lazy=lazy)
     streamed = _train(m, dev, handle=h)
     _same(streamed, resident)

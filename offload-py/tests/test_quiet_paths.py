@@ -84,6 +84,46 @@ def test_an_edit_of_a_streamed_weight_is_refused_by_name_never_silently_lost(edi
         assert torch.equal(_bits(m(x)), _bits(ref))
 
 
+class _KernelFirst(nn.Module):
+    """A block whose first use of its weight is a kernel reading its address
+    and storage (as fused and Triton kernels do, handed the parameter)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.seen = []
+
+    def forward(self, x):
+        w = self.lin.weight
+        self.seen.append((w.data_ptr(), w.untyped_storage().data_ptr(), self.lin._parameters["weight"].data_ptr()))
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("lazy", [True, False])
+def test_a_kernel_reading_a_weights_address_inside_its_block_reads_the_bound_bytes(dev, lazy):
+    # Inside its block's forward a weight's address and storage are the bound
+    # view's (its block binding at that first use where binding is lazy); the
+    # output is the resident one. Outside any forward they stay refused (above).
+    torch.manual_seed(0)
+    m, x = Chain(_KernelFirst, 3), torch.randn(2, 8)
+    with torch.no_grad():
+        ref = m.to(dev)(x.to(dev)).clone()
+    m.to("cpu")
+    h = offload.enable(m, device=dev, lazy=lazy, auto_resident_gib=0)
+    for b in m.blocks:
+        b.seen.clear()
+    with torch.no_grad():
+        assert torch.equal(_bits(m(x.to(dev))), _bits(ref))
+    for b in m.blocks:
+        (ptr, storage, view), = b.seen
+        assert ptr == view and storage <= ptr and ptr != 0, b.seen
+    with pytest.raises(OffloadError, match=r"read through its address"):
+        m.blocks[0].lin.weight.data_ptr()
+    assert h.violations() == []
+    offload.disable(m)
+
+
 @pytest.mark.parametrize("dev", DEVICES)
 def test_counts_metadata_and_printing_of_a_streamed_weight_are_the_real_ones(dev):
     m, x, ref, params, _ = _setup(dev)

@@ -62,10 +62,13 @@ class _Placeholder(torch.Tensor):
     tensor of its shape, dtype and device with no bytes (``numel()``,
     ``model.num_parameters()``, ``.device`` and ``.dtype`` are the real ones).
     Its bytes are in the engine's store and reach the block only around its
-    forward, so every operation on it — an edit in place (also through
-    ``.data``), a read, a conversion, a copy, ``.untyped_storage()``,
-    ``set_`` — raises :class:`OffloadError` naming it, instead of acting on
-    nothing and being silently lost."""
+    forward, so every operation on it outside that forward — an edit in
+    place (also through ``.data``), a read, a conversion, a copy,
+    ``.untyped_storage()``, ``.data_ptr()``, ``set_`` — raises
+    :class:`OffloadError` naming it, instead of acting on nothing and being
+    silently lost. Inside its block's forward (the block binding at its
+    weights' first use) it stands for the bound view: an operation, ``.data``,
+    or a kernel reading its address or storage reads the bound bytes."""
 
     @staticmethod
     def __new__(cls, shape, dtype, device, requires_grad, component, name):
@@ -125,10 +128,30 @@ class _Placeholder(torch.Tensor):
             return
         raise OffloadError(_refusal(*self._offload_where, "given other data (.data = ...)"))
 
+    def _in_its_block(self) -> Optional[torch.Tensor]:
+        """The view in this placeholder's place where its block is running on
+        this thread (armed: bound now, as any first use binds it; or bound
+        already), else None."""
+        lazy = self._offload_lazy
+        if lazy is None or not lazy[0]._mine():
+            return None
+        if lazy[0]._armed is lazy[1]:
+            lazy[0]._lend(lazy[1])
+        return lazy[0]._view_of(self) if lazy[0]._bound is lazy[1] else None
+
     def untyped_storage(self):
+        # Inside its block's forward (a kernel reading the weight's storage, as
+        # fused and Triton kernels do, its block binding at first use): the
+        # view's, valid while the block is bound. Elsewhere refused.
+        view = self._in_its_block()
+        if view is not None:
+            return view.untyped_storage()
         raise OffloadError(_refusal(*self._offload_where, "read through its storage (untyped_storage)"))
 
     def data_ptr(self):
+        view = self._in_its_block()
+        if view is not None:
+            return view.data_ptr()
         raise OffloadError(_refusal(*self._offload_where, "read through its address (data_ptr)"))
 
     def __reduce_ex__(self, protocol):

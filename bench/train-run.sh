@@ -20,6 +20,9 @@
 # auto). 1 is enough where the depth is given (the check step, the first after
 # `enable`, learns the block order): Wan 14B's 18-s steps make each one count.
 # The file records it.
+# TRAIN_BUDGET=B: each process also measures the package planned under B GiB of
+# device weights from the ring's traced training step (train_step.py
+# --budget-gib: mode offload_planned; "-bB" in each file's name).
 # Needs the wheels in .whl (`cargo xtask wheel`) and the registry
 # (.bundle/registry.json, `cargo xtask gpu-bundle --python`).
 set -uo pipefail
@@ -40,6 +43,7 @@ for r in ${TRAIN_REPEATS:-1 2 3}; do
     depth=${TRAIN_DEPTH:-2}; tag=""; warm=${TRAIN_WARMUP:-2}
     [ "$depth" = 2 ] || tag="-d$depth"
     [ "$depth" = auto ] && warm=${TRAIN_WARMUP:-4}
+    budget=(); [ -n "${TRAIN_BUDGET:-}" ] && { budget=(--budget-gib "$TRAIN_BUDGET"); tag="$tag-b$TRAIN_BUDGET"; }
     f="$D/train-$model-$case-c$ckpt-$attention$tag-r$r.json"
     [ -s "$f" ] && { echo "== $run r$r: kept"; continue; }
     est=${TRAIN_EST:-150}
@@ -47,8 +51,8 @@ for r in ${TRAIN_REPEATS:-1 2 3}; do
     echo "== $run r$r (at ${SECONDS} s)"
     flag=(); [ "$ckpt" = 1 ] && flag=(--checkpointing)
     timeout $(( ${TRAIN_DEADLINE:-560} - SECONDS )) python3 "$R/bench/anchors/train_step.py" --registry "$R/.bundle/registry.json" \
-      --model "$model" --case "$case" "${flag[@]}" --attention "$attention" --depth "$depth" --warmup "$warm" --out "$f" > "${f%.json}.log" 2>&1
-    echo "   rc $? in $((SECONDS)) s"; grep -E "^(resident|offload|block_stream) " "${f%.json}.log" | cut -c1-300
+      --model "$model" --case "$case" "${flag[@]}" --attention "$attention" --depth "$depth" --warmup "$warm" "${budget[@]}" --out "$f" > "${f%.json}.log" 2>&1
+    echo "   rc $? in $((SECONDS)) s"; grep -E "^(resident|offload|offload_planned|block_stream) " "${f%.json}.log" | cut -c1-300
   done
 done
 tar czf "$OUT/train.tgz" -C "$D" .

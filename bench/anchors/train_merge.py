@@ -15,18 +15,57 @@ from merging import one_commit, run, spread
 
 
 
+def judge(row: dict, mode: str, res: list[dict], off: list[dict], runs: list[dict]) -> dict | None:
+    """The bound per process (`max(resident step, bytes `mode` copied in the
+    step ÷ bandwidth)`), `mode`'s ratio to it, and the targets judged from
+    them and `row[mode]`; None where a process lacks a step or a bandwidth."""
+    if not all("step" in a and "step" in b and r.get("bandwidth_bytes_per_s") for a, b, r in zip(res, off, runs)):
+        return None
+    bounds = [max(a["step"]["median_s"], b["bytes_per_step"] / r["bandwidth_bytes_per_s"]) for a, b, r in zip(res, off, runs)]
+    out = {"bound_s": spread(bounds), "ratio": spread([b["step"]["median_s"] / x for b, x in zip(off, bounds)])}
+    repeatable = all(a["repeatable"]["grads_bitwise_equal"] for a in res)
+    spread_diff = max(a["repeatable"]["max_abs_grad_diff"] for a in res)
+    entry = row[mode]
+    out["targets"] = {
+        "ratio_at_most_1.05": out["ratio"]["median"] <= 1.05,
+        # Bitwise where the resident backward repeats itself; else within its own spread.
+        "gradients_equal": entry.get("grads_bitwise_equal", False) if repeatable
+        else entry.get("max_abs_grad_diff", float("inf")) <= spread_diff,
+        "finite_not_constant": entry.get("finite_not_constant", False),
+    }
+    if repeatable:
+        # The timed steps' losses too, where the resident steps repeat themselves.
+        out["targets"]["losses_equal"] = entry.get("losses_equal_resident", False)
+    out["targets_met"] = all(out["targets"].values())
+    if mode == "offload":
+        out["resident_repeatable"] = repeatable
+    return out
+
+
+def pass_bound(res: dict, off: dict, run: dict) -> float | None:
+    """The resident step plus, for each pass of ours' traced step, the time its
+    copies (the engine's bytes for that pass ÷ bandwidth) outlast that pass's
+    blocks' compute; None where the process traced no step."""
+    diag, bw = off.get("diagnosed", {}), run.get("bandwidth_bytes_per_s")
+    if not bw or not all("compute_s" in diag.get(p, {}) and p in off for p in ("forward", "backward")):
+        return None
+    return res["step"]["median_s"] + sum(max(0.0, off[p]["bytes_copied"] / bw - diag[p]["compute_s"]) for p in ("forward", "backward"))
+
+
 def merge(docs: list[dict], names: list[str], raw_dir: str = "") -> dict:
     groups: dict = {}
     for d in docs:
         # Processes under another attention backend are another row, never pooled.
         # So are processes at another depth (given, or "auto": the package's choice).
         groups.setdefault((d["model"], d["case"]["name"], d["checkpointing"], d.get("attention", "math" if d.get("deterministic") else "default"),
-                           str(d.get("depth"))), []).append(d)
+                           str(d.get("depth")), str(d.get("budget_gib"))), []).append(d)
     rows = []
-    for (model, case, ckpt, attention, depth), runs in groups.items():
+    for (model, case, ckpt, attention, depth, _budget), runs in groups.items():
         row = {"model": model, "case": case, "checkpointing": ckpt, "attention": attention, "depth": depth, "processes": len(runs)}
         one_commit(row, runs)
-        for mode in ("resident", "offload", "block_stream"):
+        for mode in ("resident", "offload", "offload_planned", "block_stream"):
+            if mode == "offload_planned" and not any(mode in r["modes"] for r in runs):
+                continue
             ok = [r["modes"][mode] for r in runs if mode in r["modes"] and "error" not in r["modes"][mode]]
             errors = sorted({r["modes"][mode]["error"] for r in runs if mode in r["modes"] and "error" in r["modes"][mode]})
             entry = {"processes": len(ok)}
@@ -64,23 +103,32 @@ def merge(docs: list[dict], names: list[str], raw_dir: str = "") -> dict:
         if traced:
             row["verdicts"] = {p: sorted({str(t[p].get("verdict", t[p].get("error"))) for t in traced if p in t})
                                for p in ("forward", "backward")}
-        if all("step" in a and "step" in b and r.get("bandwidth_bytes_per_s") for a, b, r in zip(res, off, runs)):
-            bounds = [max(a["step"]["median_s"], b["bytes_per_step"] / r["bandwidth_bytes_per_s"]) for a, b, r in zip(res, off, runs)]
-            row["bound_s"] = spread(bounds)
-            row["ratio"] = spread([b["step"]["median_s"] / x for b, x in zip(off, bounds)])
-            row["resident_repeatable"] = all(a["repeatable"]["grads_bitwise_equal"] for a in res)
-            spread_diff = max(a["repeatable"]["max_abs_grad_diff"] for a in res)
-            row["targets"] = {
-                "ratio_at_most_1.05": row["ratio"]["median"] <= 1.05,
-                # Bitwise where the resident backward repeats itself; else within its own spread.
-                "gradients_equal": row["offload"].get("grads_bitwise_equal", False) if row["resident_repeatable"]
-                else row["offload"].get("max_abs_grad_diff", float("inf")) <= spread_diff,
-                "finite_not_constant": row["offload"].get("finite_not_constant", False),
-            }
-            if row["resident_repeatable"]:
-                # The timed steps' losses too, where the resident steps repeat themselves.
-                row["targets"]["losses_equal"] = row["offload"].get("losses_equal_resident", False)
-            row["targets_met"] = all(row["targets"].values())
+        judged = judge(row, "offload", res, off, runs)
+        if judged:
+            row.update(judged)
+            # Where each pass's copies outlast that pass's own blocks' compute (a
+            # forward copy-bound, a backward compute-bound), a ring holding only its
+            # slots cannot spend one pass's spare link time on the other's copies:
+            # the resident step plus each pass's copies not hidden under its own
+            # compute (ours' traced step). Said beside the bound, not a target.
+            passes = [pass_bound(a, b, r) for a, b, r in zip(res, off, runs)]
+            if all(x is not None for x in passes):
+                row["pass_bound_s"] = spread(passes)
+                row["ratio_to_pass_bound"] = spread([b["step"]["median_s"] / x for b, x in zip(off, passes)])
+        planned = [r["modes"].get("offload_planned", {}) for r in runs]
+        if "offload_planned" in row:
+            # The package planned under a device budget from its ring's traced step:
+            # the bound counts the bytes that plan copies; the weights it holds
+            # (slots and the blocks it keeps) judged against the budget.
+            judged = judge(row, "offload_planned", res, planned, runs) or {}
+            budgets = {r["modes"]["offload_planned"].get("budget_gib") for r in runs if "offload_planned" in r["modes"]}
+            row["planned"] = {"budget_gib": sorted(b for b in budgets if b is not None),
+                              "resident_blocks": [len(b["plan"]["resident_blocks"]) for b in planned if "plan" in b],
+                              "depths": [b["plan"]["depth"] for b in planned if "plan" in b], **judged}
+            if judged and len(row["planned"]["budget_gib"]) == 1:
+                cap = row["planned"]["budget_gib"][0] * (1 << 30)
+                row["planned"]["targets"]["weights_within_budget"] = all(b["device_weight_bytes"] <= cap for b in planned)
+                row["planned"]["targets_met"] = all(row["planned"]["targets"].values())
         rows.append(row)
     meta = docs[0]
     return {"what": "a LoRA training step (bench/anchors/train_step.py)", "date": min(d["started"] for d in docs)[:10],

@@ -184,11 +184,14 @@ def context_lost(e: BaseException) -> bool:
 DIAGNOSED = ("summary", "verdict", "causes", "step_s", "compute_s", "wait_s", "between_s", "host_s", "link_gbps")
 
 
-def traced_step(model, x, h, bandwidth):
+def traced_step(model, x, h, bandwidth, calibrate=False):
     """One more forward and backward with the streams timed (no optimizer
     step): why each pass was slower than its own bound (`Offloaded.diagnose`,
     the forward's read when the forward returns, the backward's when it ends),
-    or the error that refused it (every block kept resident: nothing copied)."""
+    or the error that refused it (every block kept resident: nothing copied).
+    With `calibrate`, also `Offloaded.calibration()` read from this step
+    (before the trace stops: stopping drops the recorded steps), or the error
+    that refused it, as (diagnosed, calibration or None, error or None)."""
     import offload
 
     link = bandwidth / 1e9 if bandwidth else None
@@ -206,18 +209,65 @@ def traced_step(model, x, h, bandwidth):
                 out[name] = {k: d[k] for k in DIAGNOSED if k in d}
             except offload.OffloadError as e:
                 out[name] = {"error": f"{type(e).__name__}: {e}"}
+        cal, refused = None, None
+        if calibrate:
+            try:
+                cal = h.calibration()
+            except offload.OffloadError as e:
+                refused = f"{type(e).__name__}: {e}"
     finally:
         h.disable_trace()
         for p in model.parameters():
             p.grad = None
-    return out
+    return (out, cal, refused) if calibrate else out
+
+
+def ours_mode(model, x, initial, dev, args, bandwidth, ref, modes, key, enable_kw, calibrate):
+    """This package's mode `key`, enabled with `enable_kw`, measured into
+    `modes[key]`; with `calibrate`, the traced step's cost model is returned
+    (`Offloaded.calibration`: each block's forward and backward time) for a
+    plan under a budget."""
+    import offload
+
+    cal = None
+    try:
+        h = offload.enable(model, device=dev, **enable_kw)
+        check, r = run_mode(model, x, initial, dev, args.warmup, args.steps)
+        fwd, bwd = h.metrics("forward"), h.metrics("backward")
+        r["bytes_per_step"] = fwd["bytes_copied"] + bwd["bytes_copied"]
+        r["forward"], r["backward"] = fwd, bwd
+        r["plan"] = h.plan()
+        # The ring's slots and resident blocks, and the blocks the automatic plan keeps outside it.
+        r["device_weight_bytes"] = bwd.get("peak_device_weight_bytes") + bwd.get("kept_bytes", 0)
+        r["adapter_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        if calibrate:
+            r["diagnosed"], cal, refused = traced_step(model, x, h, bandwidth, calibrate=True)
+            if refused:
+                r["calibration_error"] = refused
+        elif args.trace:
+            r["diagnosed"] = traced_step(model, x, h, bandwidth)
+        if ref is not None:
+            r["vs_resident"] = compare(check, ref)
+        offload.disable(model)
+        modes[key] = r
+        za.mark(key)
+    except Exception as e:
+        modes[key] = za.error_entry(e)
+        try:
+            offload.disable(model)
+        except Exception:
+            pass
+        if context_lost(e):
+            modes[key]["context_lost"] = True
+            print(key, modes[key]["error"], flush=True)
+            return None
+    print(key, json.dumps({k: v for k, v in modes[key].items() if k not in ("traceback", "forward", "backward")})[:600], flush=True)
+    return cal
 
 
 def measure(model, x, dev, args, bandwidth, modes):
     """The modes measured into `modes`, each as it ends (so a process whose
     CUDA context a library's kernel broke still leaves what ran)."""
-    import offload
-
     initial = add_lora(model)
     if args.checkpointing:
         model.enable_gradient_checkpointing()
@@ -245,34 +295,24 @@ def measure(model, x, dev, args, bandwidth, modes):
         torch.cuda.empty_cache()
     print("resident", json.dumps({k: v for k, v in modes["resident"].items() if k != "traceback"})[:400], flush=True)
 
-    try:
-        h = offload.enable(model, device=dev, depth=None if args.depth == "auto" else int(args.depth))
-        check, r = run_mode(model, x, initial, dev, args.warmup, args.steps)
-        fwd, bwd = h.metrics("forward"), h.metrics("backward")
-        r["bytes_per_step"] = fwd["bytes_copied"] + bwd["bytes_copied"]
-        r["forward"], r["backward"] = fwd, bwd
-        r["plan"] = h.plan()
-        # The ring's slots and resident blocks, and the blocks the automatic plan keeps outside it.
-        r["device_weight_bytes"] = bwd.get("peak_device_weight_bytes") + bwd.get("kept_bytes", 0)
-        r["adapter_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-        if args.trace:
-            r["diagnosed"] = traced_step(model, x, h, bandwidth)
-        if ref is not None:
-            r["vs_resident"] = compare(check, ref)
-        offload.disable(model)
-        modes["offload"] = r
-        za.mark("offload")
-    except Exception as e:
-        modes["offload"] = za.error_entry(e)
-        try:
-            offload.disable(model)
-        except Exception:
-            pass
-        if context_lost(e):
-            modes["offload"]["context_lost"] = True
-            print("offload", modes["offload"]["error"], flush=True)
-            return modes
-    print("offload", json.dumps({k: v for k, v in modes["offload"].items() if k not in ("traceback", "forward", "backward")})[:600], flush=True)
+    depth = None if args.depth == "auto" else int(args.depth)
+    cal = ours_mode(model, x, initial, dev, args, bandwidth, ref, modes, "offload", dict(depth=depth),
+                    calibrate=args.budget_gib is not None)
+    if modes["offload"].get("context_lost"):
+        return modes
+    if args.budget_gib is not None:
+        # The package planned under a device budget from the traced training
+        # step above (both passes replayed): the blocks whose copies the step
+        # waited for kept resident, as trainers' block swap keeps some blocks.
+        if cal is None:
+            why = modes["offload"].get("calibration_error", modes["offload"].get("error", "no step traced"))
+            modes["offload_planned"] = {"error": f"no calibration from the ring above: {why}"}
+        else:
+            ours_mode(model, x, initial, dev, args, bandwidth, ref, modes, "offload_planned",
+                      dict(depth=depth or 2, budget_gib=args.budget_gib, calibration=cal), calibrate=False)
+            modes["offload_planned"]["budget_gib"] = args.budget_gib
+            if modes["offload_planned"].get("context_lost"):
+                return modes
 
     if dev == "cuda" and "block_stream" in args.modes:
         def group_step():
@@ -297,6 +337,9 @@ def main():
                     help="SDPA's backend for every mode (`--deterministic` implies math)")
     ap.add_argument("--depth", default="2", help="the ring's depth, or auto (the package's choice from a traced training step)")
     ap.add_argument("--modes", default="resident,offload,block_stream")
+    ap.add_argument("--budget-gib", type=float, default=None,
+                    help="also the package planned under this device budget (GiB of weights) from the ring's traced "
+                         "training step (`enable(budget_gib=, calibration=)`): mode offload_planned")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--trace", type=int, default=1, help="1: after ours' timed steps, one more traced forward and backward, each "
@@ -320,6 +363,7 @@ def main():
     doc = {"what": "a LoRA training step (bench/anchors/train_step.py)", "model": entry["name"], "case": case,
            "checkpointing": args.checkpointing, "deterministic": args.deterministic,
            "attention": "math" if args.deterministic else args.attention, "depth": args.depth if args.depth == "auto" else int(args.depth), "rank": RANK,
+           "budget_gib": args.budget_gib,
            "targets": TARGETS, "warmup": args.warmup, "steps": args.steps, "device": dev,
            "gpu": torch.cuda.get_device_name() if dev == "cuda" else "none", "torch": torch.__version__,
            "diffusers": diffusers.__version__, "peft": peft.__version__,

@@ -78,6 +78,51 @@ def test_the_training_bench_runs_on_the_simulated_device_and_its_merge_judges_ea
         train_merge.merge(docs, ["a", "b"])
 
 
+def test_the_package_planned_under_a_budget_from_its_traced_training_step_is_a_mode_of_its_own(tmp_path):
+    # `--budget-gib`: after the ring's timed steps, the traced training step's
+    # calibration plans the package under the budget (both passes replayed);
+    # the planned mode is measured beside the ring, its bound counting the
+    # bytes it copies, its weights judged against the budget.
+    sys.path.insert(0, str(ROOT / "bench/anchors"))
+    import train_merge
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    docs = []
+    for i in range(2):
+        out = tmp_path / f"train-planned-{i}.json"
+        subprocess.run([sys.executable, str(ROOT / "bench/anchors/train_step.py"), "--tiny", "--device", "cpu", "--steps", "2",
+                        "--budget-gib", "0.001", "--out", str(out)], check=True, capture_output=True, env=env)
+        docs.append(json.loads(out.read_text()))
+    for d in docs:
+        off, pl = d["modes"]["offload"], d["modes"]["offload_planned"]
+        assert "error" not in pl and "calibration_error" not in off, pl
+        assert pl["plan"]["chosen_by"] == "budget" and "training step" in pl["plan"]["why"], pl["plan"]
+        # The tiny model fits the budget: every block kept, nothing copied, the same gradients.
+        assert pl["plan"]["resident_blocks"] and pl["bytes_per_step"] < off["bytes_per_step"], pl
+        assert pl["vs_resident"]["grads_bitwise_equal"] and pl["losses"] == d["modes"]["resident"]["losses"]
+        d["bandwidth_bytes_per_s"] = 1e6
+    row = train_merge.merge(docs, ["a", "b"])["rows"][0]
+    planned = row["planned"]
+    want = [max(d["modes"]["resident"]["step"]["median_s"], d["modes"]["offload_planned"]["bytes_per_step"] / 1e6) for d in docs]
+    assert planned["bound_s"]["runs"] == want and planned["budget_gib"] == [0.001], planned
+    assert planned["resident_blocks"] == [len(d["modes"]["offload_planned"]["plan"]["resident_blocks"]) for d in docs]
+    assert planned["targets"]["weights_within_budget"] and planned["targets"]["gradients_equal"], planned
+    # The ring's own row is unchanged by it, and gains the per-pass bound: the
+    # resident step plus each pass's copies not hidden under its own compute.
+    want = [d["modes"]["resident"]["step"]["median_s"] + sum(
+        max(0.0, d["modes"]["offload"][p]["bytes_copied"] / 1e6 - d["modes"]["offload"]["diagnosed"][p]["compute_s"])
+        for p in ("forward", "backward")) for d in docs]
+    assert row["pass_bound_s"]["runs"] == want, row
+    assert row["ratio_to_pass_bound"]["runs"] == [d["modes"]["offload"]["step"]["median_s"] / w for d, w in zip(docs, want)]
+    # A plan holding more than its budget misses its target.
+    docs[0]["modes"]["offload_planned"]["device_weight_bytes"] = 2 * (1 << 30)
+    planned = train_merge.merge(docs, ["a", "b"])["rows"][0]["planned"]
+    assert planned["targets"]["weights_within_budget"] is False and planned["targets_met"] is False, planned
+    # Processes under another budget are another row.
+    docs[1]["budget_gib"] = 0.002
+    assert len(train_merge.merge(docs, ["a", "b"])["rows"]) == 2
+
+
 def test_a_reference_that_breaks_the_cuda_context_is_named_and_nothing_runs_after_it(tmp_path, monkeypatch):
     # A resident step whose kernel leaves an illegal address (the GPU runner's
     # resident Flux-dev backward did): the mode names it, no later mode runs on
@@ -92,7 +137,8 @@ def test_a_reference_that_breaks_the_cuda_context_is_named_and_nothing_runs_afte
     monkeypatch.setattr(train_step, "run_mode", broken)
     model = za.build(train_step.TINY["reference"], device="cpu")
     x = za.inputs("flux-dev", train_step.TINY["cases"][0], "cpu")
-    args = type("A", (), {"checkpointing": False, "depth": 1, "warmup": 0, "steps": 1, "modes": "resident,offload"})()
+    args = type("A", (), {"checkpointing": False, "depth": 1, "warmup": 0, "steps": 1, "modes": "resident,offload",
+                         "budget_gib": None, "trace": 1})()
     modes = {}
     train_step.measure(model, x, "cpu", args, None, modes)
     assert modes["resident"].get("context_lost") is True and "illegal memory access" in modes["resident"]["error"], modes

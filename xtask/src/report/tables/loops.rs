@@ -71,7 +71,11 @@ pub fn train_table(results: &Path) -> Result<Option<String>, String> {
          probed in the same process)`. Memory: weights on the device (resident: the model's; ours: the engine's peak of \
          streamed weights) and the step's activations (peak allocated above what was allocated before the timed steps), GiB. \
          *verdict*: `Offloaded.diagnose()` of each of ours' passes on a traced step after the timed ones, the verdicts \
-         seen over the processes (– where none was traced).\n\n",
+         seen over the processes (– where none was traced). *per-pass bound* (where above the bound): the resident step \
+         plus each pass's copies not hidden under that pass's own blocks' compute (ours' traced step), what a ring holding \
+         only its slots can reach when one pass is copy-bound and the other compute-bound. *ours planned under B GiB*: \
+         the package enabled with `budget_gib=B` and the calibration of the ring's traced step (both passes replayed), its \
+         weights the slots and the blocks it keeps, its bound counting the bytes it copies.\n\n",
         d["what"].as_str().unwrap_or("a training step"),
         d["gpu"].as_str().unwrap_or("?"),
         d["commit"].as_str().unwrap_or("?"),
@@ -98,7 +102,9 @@ pub fn train_table(results: &Path) -> Result<Option<String>, String> {
         };
         // The timed steps' losses against the resident steps' (after each optimizer step).
         if let Some(eq) = off["losses_equal_resident"].as_bool() {
-            let _ = write!(grads, "; losses {}", if eq { "equal" } else { "**differ**" });
+            // Judged only where the resident steps repeat themselves.
+            let differ = if r["resident_repeatable"] == true { "**differ**" } else { "differ" };
+            let _ = write!(grads, "; losses {}", if eq { "equal" } else { differ });
         }
         // Why each of ours' passes was slower than its bound (a traced step per process).
         let pass = |p: &str| {
@@ -115,7 +121,13 @@ pub fn train_table(results: &Path) -> Result<Option<String>, String> {
         if r["block_stream"]["finite_not_constant"] == false {
             anchor.push_str(" (losses constant)");
         }
-        let ratio = if r["ratio"].is_object() { span(&r["ratio"], 3) } else { "–".into() };
+        let mut ratio = if r["ratio"].is_object() { span(&r["ratio"], 3) } else { "–".into() };
+        // Beside it, the ratio to the per-pass bound (each pass's copies not
+        // hidden under its own compute added to the resident step), where a
+        // pass's copies outlast its compute.
+        if r["ratio_to_pass_bound"].is_object() && f(&r["pass_bound_s"]["median"]) > f(&r["bound_s"]["median"]) {
+            let _ = write!(ratio, "; {} × the per-pass bound", span(&r["ratio_to_pass_bound"], 3));
+        }
         // Every mode of a row ran under one attention backend; torch's default is not named.
         let mut case = match r["attention"].as_str() {
             Some(a) if a != "default" => format!("{}, {a} attention", case_on_card(&d, r)),
@@ -147,6 +159,35 @@ pub fn train_table(results: &Path) -> Result<Option<String>, String> {
             grads,
             targets(r),
         );
+        // The package planned under a device budget (`train_step.py --budget-gib`):
+        // a line of its own, its weights the slots and the blocks it kept.
+        let planned = &r["planned"];
+        if planned.is_object() {
+            let p = &r["offload_planned"];
+            let kept: Vec<String> = planned["resident_blocks"].as_array().into_iter().flatten().map(|v| v.to_string()).collect();
+            let budget: Vec<String> = planned["budget_gib"].as_array().into_iter().flatten().map(|v| format!("{}", f(v))).collect();
+            let eq = match (r["resident_repeatable"].as_bool(), p["grads_bitwise_equal"].as_bool()) {
+                (Some(true), Some(eq)) => format!("bitwise: {}", if eq { "yes" } else { "**no**" }),
+                (Some(false), _) => format!("resident not repeatable; largest difference {:.3e}", f(&p["max_abs_grad_diff"])),
+                _ => "–".into(),
+            };
+            let _ = writeln!(
+                md,
+                "| {} | {case}, ours planned under {} GiB ({} blocks kept) | {} | {} | {} | {} | – | – | {} / {} | {} / {} | {eq} | {} |",
+                r["model"].as_str().unwrap_or("?"),
+                budget.join(", "),
+                kept.join(", "),
+                if r["checkpointing"] == true { "yes" } else { "no" },
+                mode_span(res, "step_s", 4),
+                mode_span(p, "step_s", 4),
+                if planned["ratio"].is_object() { span(&planned["ratio"], 3) } else { "–".into() },
+                gib(&res["weights_bytes"]),
+                gib(&p["weights_bytes"]),
+                gib(&res["activations_bytes"]),
+                gib(&p["activations_bytes"]),
+                targets(planned),
+            );
+        }
     }
     Ok(Some(md))
 }

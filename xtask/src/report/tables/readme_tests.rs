@@ -356,6 +356,16 @@ fn a_training_file_becomes_its_table_with_memory_apart_and_the_failed_mode_named
     doc["rows"][2]["gpu"] = "NVIDIA H200".into();
     // A mode whose losses stayed constant over its optimizer steps says so.
     doc["rows"][2]["block_stream"] = serde_json::json!({"processes": 3, "step_s": spread_of(1.3), "finite_not_constant": false});
+    // Losses that differ are marked where the resident steps repeat themselves.
+    doc["rows"][2]["offload"]["losses_equal_resident"] = false.into();
+    // The per-pass bound beside the bound, where it is above it.
+    doc["rows"][1]["pass_bound_s"] = spread_of(1.22);
+    doc["rows"][1]["ratio_to_pass_bound"] = spread_of(1.025);
+    // The package planned under a budget: a line of its own.
+    doc["rows"][0]["planned"] = serde_json::json!({"budget_gib": [10.0], "resident_blocks": [17, 17, 16], "ratio": spread_of(1.02),
+        "targets": {"ratio_at_most_1.05": true, "weights_within_budget": true}, "targets_met": true});
+    doc["rows"][0]["offload_planned"] = serde_json::json!({"processes": 3, "step_s": spread_of(1.22), "weights_bytes": gib(9.5),
+        "activations_bytes": gib(9.6), "grads_bitwise_equal": true});
     std::fs::write(dir.join("2026-12-07-train.json"), doc.to_string()).unwrap();
     let md = readme_tables(&dir).unwrap();
     let _ = std::fs::remove_dir_all(&dir);
@@ -369,7 +379,17 @@ fn a_training_file_becomes_its_table_with_memory_apart_and_the_failed_mode_named
     );
     assert!(md.contains("depth 1); 3 process") && md.contains("| qwen | 1024, NVIDIA H200, depth auto (4, 4, 3) | yes |"), "{md}");
     assert!(
-        md.contains("| 1.040 [1.039, 1.041] | – | 1.3000 [1.2990, 1.3010] (losses constant) |") && md.contains("losses **differ**"),
+        md.contains("| 1.040 [1.039, 1.041] | – | 1.3000 [1.2990, 1.3010] (losses constant) |")
+            && md.contains("bitwise: yes; losses **differ** | yes |")
+            && md.contains("largest difference 0.000e0; losses differ |"),
+        "{md}"
+    );
+    assert!(md.contains("| 1.040 [1.039, 1.041]; 1.025 [1.024, 1.026] × the per-pass bound | – |"), "{md}");
+    assert!(
+        md.contains(
+            "| flux-dev | 1024, ours planned under 10 GiB (17, 17, 16 blocks kept) | yes | 1.2000 [1.1990, 1.2010] | \
+             1.2200 [1.2190, 1.2210] | 1.020 [1.019, 1.021] | – | – | 22.00 / 9.50 | 9.50 / 9.60 | bitwise: yes | yes |"
+        ),
         "{md}"
     );
     assert!(

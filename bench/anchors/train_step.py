@@ -244,6 +244,10 @@ def ours_mode(model, x, initial, dev, args, bandwidth, ref, modes, key, enable_k
             r["diagnosed"], cal, refused = traced_step(model, x, h, bandwidth, calibrate=True)
             if refused:
                 r["calibration_error"] = refused
+            else:
+                # Each block's bytes and traced forward and backward times: what
+                # the plan below replays, kept for replays off the device.
+                r["calibration"] = cal
         elif args.trace:
             r["diagnosed"] = traced_step(model, x, h, bandwidth)
         if ref is not None:

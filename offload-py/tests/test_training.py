@@ -5,6 +5,8 @@ OFFLOAD_REQUIRE_DEVICE=1."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch import nn
@@ -51,9 +53,10 @@ class _Model(nn.Module):
         return x
 
 
-def _train(model: nn.Module, device: str, steps: int = 3, handle=None):
+def _train(model: nn.Module, device: str, steps: int = 3, handle=None, outside=contextlib.nullcontext):
     """``steps`` of SGD on the adapters: each step's loss, input gradient and
-    adapters, and each backward's metrics where streamed."""
+    adapters, and each backward's metrics where streamed (the model called
+    inside ``outside()``)."""
     torch.manual_seed(1)
     xs = [torch.randn(8, 64, device=device) for _ in range(steps)]
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
@@ -61,7 +64,9 @@ def _train(model: nn.Module, device: str, steps: int = 3, handle=None):
     for x in xs:
         x = x.clone().requires_grad_(True)
         opt.zero_grad()
-        loss = model(x).square().mean()
+        with outside():
+            y = model(x)
+        loss = y.square().mean()
         loss.backward()
         opt.step()
         adapters = [p.detach().clone() for p in model.parameters() if p.requires_grad]
@@ -92,8 +97,9 @@ def test_training_over_streamed_weights_gives_the_resident_steps_and_streams_the
     offload.disable(model)
 
 
-def _kept_buffers(model, dev, pack=None):
-    """How many blocks' buffers are still alive after a forward in grad mode."""
+def _kept_buffers(model, dev, pack=None, outside=contextlib.nullcontext):
+    """How many blocks' buffers are still alive after a forward in grad mode
+    (the model called inside ``outside()``)."""
     kept, lend = [], Offloaded._lend
 
     def spy(self, block):
@@ -107,7 +113,8 @@ def _kept_buffers(model, dev, pack=None):
         if pack is not None:
             Offloaded._pack = pack
         x = torch.randn(8, 64, device=dev, requires_grad=True)
-        out = model(x)
+        with outside():
+            out = model(x)
         alive = sum(not r.expired() for r in kept)
         out.square().mean().backward()
     finally:
@@ -422,6 +429,16 @@ class _NoGradFirstBlock(_Block):
         return super().forward(x) / scale
 
 
+class _GradInsideBlock(_Block):
+    def forward(self, x):
+        # Run under no_grad, the block uses a weight (binding with grad off),
+        # then turns grad on inside itself: its later uses build a graph that
+        # saves its weights.
+        scale = self.up.weight.abs().amax().clamp(min=1.0)
+        with torch.enable_grad():
+            return super().forward(x) / scale
+
+
 def _with_blocks(cls):
     m = _Model()
     torch.manual_seed(2)
@@ -442,6 +459,22 @@ def test_a_block_whose_first_weight_use_is_under_no_grad_still_keeps_no_weights_
     _same(_train(m, dev, handle=h), resident)
     offload.disable(m)
     assert _kept_buffers(_with_blocks(_NoGradFirstBlock), dev) <= (2 if dev == "cuda" else 0)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+@pytest.mark.parametrize("lazy", [True, False])
+def test_a_block_run_under_no_grad_that_turns_grad_on_inside_itself_keeps_no_weights_for_the_backward(dev, lazy):
+    # Its graph saves the weights as their places (the hooks are pushed at every
+    # block's start, grad on or off): the backward brings the blocks back,
+    # bitwise the resident steps, and no block's buffer outlives its forward.
+    resident = _train(_with_blocks(_GradInsideBlock).to(dev), dev, outside=torch.no_grad)
+    m = _with_blocks(_GradInsideBlock)
+    h = offload.enable(m, device=dev, depth=1, lazy=lazy)
+    streamed = _train(m, dev, handle=h, outside=torch.no_grad)
+    _same(streamed, resident)
+    assert all(bwd["blocks"] == 6 for *_, (_, bwd) in streamed), [s[-1] for s in streamed]
+    offload.disable(m)
+    assert _kept_buffers(_with_blocks(_GradInsideBlock), dev, outside=torch.no_grad) <= (2 if dev == "cuda" else 0)
 
 
 @pytest.mark.parametrize("dev", DEVICES)

@@ -91,6 +91,8 @@ class Offloaded:
         # in grad mode (and the hooks they sit on), whether the engine serves a
         # backward now, and that backward's step metrics.
         self._saving: Optional[tuple] = None
+        # Whether grad was on at the armed block's start (`_arm`).
+        self._grad_at_arm = False
         self._backward = False
         # The last step of each pass (forward, backward).
         self._by_pass: list = [None, None]
@@ -434,10 +436,17 @@ class Offloaded:
                 raise OffloadError(self._changed(p, now))
         self._refuse_capture(f"block {block.stack}.{block.index}")
         self._armed = block
-        if torch.is_grad_enabled():
+        self._grad_at_arm = torch.is_grad_enabled()
+        if self._grad_at_arm or (not self._backward and torch._C._autograd._saved_tensors_hooks_is_enabled()):
             # From the block's start, not its first weight's use: that use may
             # be inside a hand-written autograd function, whose forward runs with
-            # grad off and saves what it was given (`_pack`).
+            # grad off and saves what it was given (`_pack`). And with grad off
+            # too (half a microsecond a block): a block run under no_grad may turn
+            # grad on inside itself after binding with it off, and autograd would
+            # then save views of the lent buffer. Not in autograd's pass (its
+            # thread-local state is put back when it ends, hooks and all), nor
+            # where torch disabled the hooks (torch.func's transforms): pushing
+            # would raise there.
             self._save_weights_as_places(block)
         return True
 
@@ -462,7 +471,7 @@ class Offloaded:
         # tensor has none: torch refuses in-place writes to it outside inference mode).
         self._version = None if data.is_inference() else data._version
         self._bind_views(block, data)
-        if self._saving is not None or torch.is_grad_enabled():
+        if self._grad_at_arm or torch.is_grad_enabled():
             self._save_weights_as_places(block)
             self._refuse_gradients(block)
 
@@ -627,6 +636,7 @@ class Offloaded:
                 self._release()
 
     def _unbind(self) -> None:
+        self._grad_at_arm = False
         if self._saving is not None:
             self._saving = None
             torch._C._autograd._pop_saved_tensors_default_hooks()

@@ -298,11 +298,35 @@ def _stashes_off_the_slot(blk: _Block, own) -> None:
             mod.__dict__[name] = v.clone()
 
 
+def _graph_built_unsaved(state: Offloaded, blk: _Block, args, output) -> Optional[str]:
+    """Why ``blk``'s forward is refused, or None: bound with grad off (so its
+    weights are not saved as their places) and its output carries a graph
+    built inside it (``torch.enable_grad()`` within a block run under
+    ``no_grad``): autograd saved views of the lent buffer, which the ring
+    refills. Its own inputs passed through are not its graph."""
+    if state._bound is not blk or state._saving is not None:
+        return None
+    if isinstance(output, torch.Tensor):
+        leaves = [output]
+    else:
+        leaves = pytree.tree_leaves(output)
+    inputs = {id(a) for a in pytree.tree_leaves(args) if isinstance(a, torch.Tensor)}
+    if not any(isinstance(t, torch.Tensor) and t.grad_fn is not None and id(t) not in inputs for t in leaves):
+        return None
+    return (f"component {state.component!r}: block {blk.stack}.{blk.index} ran with grad off but returned a tensor with a "
+            "graph built inside it (torch.enable_grad() within a block run under torch.no_grad()): its weights were "
+            "saved for that graph's backward as views of a buffer the ring reuses, so the backward would read other "
+            "weights. Run the block with grad on (call the model outside no_grad), or detach what it returns")
+
+
 def _post_hook(state: Offloaded, blk: _Block):
     def hook(mod, args, output):
         if state._calling is blk:
             return None  # given back by its compiled call (`_Compiled`), outside
         try:
+            refused = None if state._saving is not None else _graph_built_unsaved(state, blk, args, output)
+            if refused is not None:
+                raise OffloadError(refused)
             return _off_the_slot(state, blk, output)
         finally:
             _after_block(state, blk)

@@ -91,8 +91,6 @@ class Offloaded:
         # in grad mode (and the hooks they sit on), whether the engine serves a
         # backward now, and that backward's step metrics.
         self._saving: Optional[tuple] = None
-        # Whether grad was on at the armed block's start (`_arm`).
-        self._grad_at_arm = False
         self._backward = False
         # The last step of each pass (forward, backward).
         self._by_pass: list = [None, None]
@@ -436,17 +434,10 @@ class Offloaded:
                 raise OffloadError(self._changed(p, now))
         self._refuse_capture(f"block {block.stack}.{block.index}")
         self._armed = block
-        self._grad_at_arm = torch.is_grad_enabled()
-        if self._grad_at_arm or (not self._backward and torch._C._autograd._saved_tensors_hooks_is_enabled()):
+        if torch.is_grad_enabled():
             # From the block's start, not its first weight's use: that use may
             # be inside a hand-written autograd function, whose forward runs with
-            # grad off and saves what it was given (`_pack`). And with grad off
-            # too (half a microsecond a block): a block run under no_grad may turn
-            # grad on inside itself after binding with it off, and autograd would
-            # then save views of the lent buffer. Not in autograd's pass (its
-            # thread-local state is put back when it ends, hooks and all), nor
-            # where torch disabled the hooks (torch.func's transforms): pushing
-            # would raise there.
+            # grad off and saves what it was given (`_pack`).
             self._save_weights_as_places(block)
         return True
 
@@ -471,7 +462,7 @@ class Offloaded:
         # tensor has none: torch refuses in-place writes to it outside inference mode).
         self._version = None if data.is_inference() else data._version
         self._bind_views(block, data)
-        if self._grad_at_arm or torch.is_grad_enabled():
+        if self._saving is not None or torch.is_grad_enabled():
             self._save_weights_as_places(block)
             self._refuse_gradients(block)
 
@@ -481,8 +472,12 @@ class Offloaded:
         buffer is let go after the forward, and the backward brings the block
         back (`_unpack`). A recompute in the backward (gradient checkpointing)
         saves the same way, so a checkpoint finds the same tensors saved as in
-        the forward. Once per bind (the hooks are popped at its unbind)."""
-        if self._saving is None:
+        the forward. Once per bind (the hooks are popped at its unbind).
+        Not where torch has disabled the hooks (inside torch.func's
+        transforms, which raise at a push): what a transform saves is consumed
+        within it, and a block whose grad-mode uses continue past it pushed
+        at its start (`_arm`)."""
+        if self._saving is None and torch._C._autograd._saved_tensors_hooks_is_enabled():
             outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
             torch._C._autograd._push_saved_tensors_default_hooks(self._pack, self._unpack)
             self._saving = (outer,)
@@ -636,7 +631,6 @@ class Offloaded:
                 self._release()
 
     def _unbind(self) -> None:
-        self._grad_at_arm = False
         if self._saving is not None:
             self._saving = None
             torch._C._autograd._pop_saved_tensors_default_hooks()

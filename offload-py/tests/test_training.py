@@ -439,6 +439,12 @@ class _GradInsideBlock(_Block):
             return super().forward(x) / scale
 
 
+class _PassThroughBlock(_Block):
+    def forward(self, x):
+        assert float(self.up.weight.abs().sum()) > 0  # its weights used: bound
+        return x
+
+
 class _FuncGradBlock(_Block):
     def forward(self, x):
         # A gradient taken inside the block by torch.func (a guidance term),
@@ -489,6 +495,17 @@ def test_a_block_run_under_no_grad_that_builds_a_graph_inside_itself_is_refused_
     streamed = _train(m, dev, handle=h)
     offload.disable(m)
     _same(streamed, _train(_with_blocks(_GradInsideBlock).to(dev), dev))
+    # A block that hands back its input, which carries a graph from before
+    # (not built inside it), is not refused.
+    m = _with_blocks(_PassThroughBlock)
+    offload.enable(m, device=dev, depth=1, lazy=lazy)
+    y = x * 2
+    assert y.grad_fn is not None
+    try:
+        with torch.no_grad():
+            assert m(y) is y
+    finally:
+        offload.disable(m)
 
 
 @pytest.mark.parametrize("dev", DEVICES)

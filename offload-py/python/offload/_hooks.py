@@ -306,12 +306,14 @@ def _graph_built_unsaved(state: Offloaded, blk: _Block, args, output) -> Optiona
     refills. Its own inputs passed through are not its graph."""
     if state._bound is not blk or state._saving is not None:
         return None
-    if isinstance(output, torch.Tensor):
-        leaves = [output]
-    else:
-        leaves = pytree.tree_leaves(output)
+    # Every block of an inference step comes here: a tensor or a flat tuple
+    # (the common outputs) is looked at without flattening.
+    leaves = (output,) if isinstance(output, torch.Tensor) else output if type(output) is tuple else pytree.tree_leaves(output)
+    graphs = [t for t in leaves if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    if not graphs:
+        return None
     inputs = {id(a) for a in pytree.tree_leaves(args) if isinstance(a, torch.Tensor)}
-    if not any(isinstance(t, torch.Tensor) and t.grad_fn is not None and id(t) not in inputs for t in leaves):
+    if all(id(t) in inputs for t in graphs):
         return None
     return (f"component {state.component!r}: block {blk.stack}.{blk.index} ran with grad off but returned a tensor with a "
             "graph built inside it (torch.enable_grad() within a block run under torch.no_grad()): its weights were "
@@ -324,7 +326,7 @@ def _post_hook(state: Offloaded, blk: _Block):
         if state._calling is blk:
             return None  # given back by its compiled call (`_Compiled`), outside
         try:
-            refused = None if state._saving is not None else _graph_built_unsaved(state, blk, args, output)
+            refused = _graph_built_unsaved(state, blk, args, output)
             if refused is not None:
                 raise OffloadError(refused)
             return _off_the_slot(state, blk, output)

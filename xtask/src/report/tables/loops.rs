@@ -49,6 +49,16 @@ fn targets(row: &Value) -> String {
     }
 }
 
+/// A mode's gradients against the resident step's: bitwise where the
+/// resident backward repeats itself, else its largest difference.
+fn gradients(row: &Value, mode: &Value) -> String {
+    match (row["resident_repeatable"].as_bool(), mode["grads_bitwise_equal"].as_bool()) {
+        (Some(true), Some(eq)) => format!("bitwise: {}", if eq { "yes" } else { "**no**" }),
+        (Some(false), _) => format!("resident not repeatable; largest difference {:.3e}", f(&mode["max_abs_grad_diff"])),
+        _ => "–".into(),
+    }
+}
+
 fn raw(d: &Value) -> String {
     d["raw"].as_array().into_iter().flatten().filter_map(Value::as_str).collect::<Vec<_>>().join(", ")
 }
@@ -95,11 +105,7 @@ pub fn train_table(results: &Path) -> Result<Option<String>, String> {
     );
     for r in d["rows"].as_array().into_iter().flatten() {
         let (res, off) = (&r["resident"], &r["offload"]);
-        let mut grads = match (r["resident_repeatable"].as_bool(), off["grads_bitwise_equal"].as_bool()) {
-            (Some(true), Some(eq)) => format!("bitwise: {}", if eq { "yes" } else { "**no**" }),
-            (Some(false), _) => format!("resident not repeatable; largest difference {:.3e}", f(&off["max_abs_grad_diff"])),
-            _ => "–".into(),
-        };
+        let mut grads = gradients(r, off);
         // The timed steps' losses against the resident steps' (after each optimizer step).
         if let Some(eq) = off["losses_equal_resident"].as_bool() {
             // Judged only where the resident steps repeat themselves.
@@ -166,11 +172,7 @@ pub fn train_table(results: &Path) -> Result<Option<String>, String> {
             let p = &r["offload_planned"];
             let kept: Vec<String> = planned["resident_blocks"].as_array().into_iter().flatten().map(|v| v.to_string()).collect();
             let budget: Vec<String> = planned["budget_gib"].as_array().into_iter().flatten().map(|v| format!("{}", f(v))).collect();
-            let eq = match (r["resident_repeatable"].as_bool(), p["grads_bitwise_equal"].as_bool()) {
-                (Some(true), Some(eq)) => format!("bitwise: {}", if eq { "yes" } else { "**no**" }),
-                (Some(false), _) => format!("resident not repeatable; largest difference {:.3e}", f(&p["max_abs_grad_diff"])),
-                _ => "–".into(),
-            };
+            let eq = gradients(r, p);
             let _ = writeln!(
                 md,
                 "| {} | {case}, ours planned under {} GiB ({} blocks kept) | {} | {} | {} | {} | – | – | {} / {} | {} / {} | {eq} | {} |",

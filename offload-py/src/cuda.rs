@@ -43,11 +43,14 @@ struct Alloc {
     current_raw: Option<Py<PyAny>>,
     to_dlpack: Py<PyAny>,
     stream_guard: Py<PyAny>,
-    /// `torch._C._is_torch_function_mode_enabled` and
-    /// `torch._C._len_torch_dispatch_stack`, where this torch has them: while a
-    /// mode is active (or where they are missing) the buffer is made by
-    /// `guarded`, which no mode can answer for torch.
-    modes: Option<(Py<PyAny>, Py<PyAny>)>,
+    /// `torch._C._is_torch_function_mode_enabled`,
+    /// `torch._C._len_torch_dispatch_stack` and
+    /// `torch._C._functorch.peek_interpreter_stack`, where this torch has them:
+    /// while a mode or one of torch.func's transforms is active (or where they
+    /// are missing) the buffer is made by `guarded`, which none of them can
+    /// answer for torch (inside `torch.func.grad` a plain `torch.empty` gives a
+    /// wrapper without storage).
+    modes: Option<(Py<PyAny>, Py<PyAny>, Py<PyAny>)>,
     /// `offload._alloc.make`: the buffer made with every mode off, and checked
     /// to own exactly its memory (a mode could answer `torch.empty` with a view
     /// of a live tensor, which the engine's copy would then write into).
@@ -116,7 +119,11 @@ impl PyCuda {
                 modes: torch
                     .getattr("_C")
                     .and_then(|c| {
-                        Ok((c.getattr("_is_torch_function_mode_enabled")?.unbind(), c.getattr("_len_torch_dispatch_stack")?.unbind()))
+                        Ok((
+                            c.getattr("_is_torch_function_mode_enabled")?.unbind(),
+                            c.getattr("_len_torch_dispatch_stack")?.unbind(),
+                            c.getattr("_functorch")?.getattr("peek_interpreter_stack")?.unbind(),
+                        ))
                     })
                     .ok(),
                 guarded: py.import("offload._alloc")?.getattr("make")?.unbind(),
@@ -144,9 +151,10 @@ impl PyCuda {
             let made = (|| -> PyResult<(Py<PyAny>, crate::dlpack::Located)> {
                 // A probe that fails (another torch's signature) takes the guarded path.
                 let current = a.current_raw.as_ref().and_then(|f| f.bind(py).call1((self.ordinal,)).and_then(|h| h.extract::<u64>()).ok());
-                let moded = a.modes.as_ref().is_none_or(|(function, dispatch)| {
+                let moded = a.modes.as_ref().is_none_or(|(function, dispatch, transforms)| {
                     function.bind(py).call0().and_then(|b| b.extract::<bool>()).unwrap_or(true)
                         || dispatch.bind(py).call0().and_then(|n| n.extract::<usize>()).unwrap_or(1) > 0
+                        || transforms.bind(py).call0().map(|t| !t.is_none()).unwrap_or(true)
                 });
                 // A fresh keywords dict each call: a `__torch_function__` mode may change the one it is given.
                 let empty = || a.empty.bind(py).call((len.max(1),), Some(&a.kwargs.bind(py).copy()?));

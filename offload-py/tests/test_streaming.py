@@ -301,6 +301,23 @@ def test_slot_buffers_are_made_with_every_torch_mode_off_and_owning_their_memory
     assert not owns(torch.nn.Parameter(torch.empty(16, dtype=torch.uint8), requires_grad=False), 16)
     assert owns(torch.empty(16, dtype=torch.uint8), 16)
 
+    # Inside torch.func's transforms (a block's weight first used in
+    # `torch.func.grad`, binding lazily there) a plain `torch.empty` is a
+    # wrapper without storage, which the engine could not copy into: `make`
+    # turns the transforms off, and `owns` refuses the wrapper.
+    seen = {}
+
+    def inside(x):
+        wrapped = torch.empty(16, dtype=torch.uint8)
+        seen["wrapped"] = owns(wrapped, 16)
+        t = make(16, "cpu", None)
+        seen["made"] = owns(t, 16)
+        torch.utils.dlpack.to_dlpack(t)
+        return (x * x).sum()
+
+    torch.func.grad(inside)(torch.randn(3))
+    assert seen == {"wrapped": False, "made": True}, seen
+
 
 
 @pytest.mark.parametrize("dev", DEVICES)

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 pytest.importorskip("peft", reason="peft is installed by scripts/python-env.sh")
@@ -32,6 +33,8 @@ def test_the_training_bench_runs_on_the_simulated_device_and_its_merge_judges_ea
         assert "error" not in off and "error" not in d["modes"]["resident"], d["modes"]
         assert off["vs_resident"]["grads_bitwise_equal"] and off["vs_resident"]["loss_equal"]
         assert off["bytes_per_step"] > 0 and off["backward"]["backward"]
+        # The reference's own spread: three resident runs from one state.
+        assert d["modes"]["resident"]["repeatable"]["runs"] == 3, d["modes"]["resident"]
         # Where the process's time went, phase by phase, in order.
         assert list(d["phases_s"]) == ["imported", "built", "resident", "offload"], d["phases_s"]
         assert sorted(d["phases_s"].values()) == list(d["phases_s"].values()), d["phases_s"]
@@ -123,6 +126,19 @@ def test_the_package_planned_under_a_budget_from_its_traced_training_step_is_a_m
     assert len(train_merge.merge(docs, ["a", "b"])["rows"]) == 2
 
 
+def test_the_references_spread_is_the_largest_difference_of_any_pair_of_its_three_runs():
+    # Where the resident backward does not repeat itself, ours is held to its
+    # spread: every pair of the three runs counts, not only the first pair.
+    sys.path.insert(0, str(ROOT / "bench/anchors"))
+    import train_step
+
+    g = torch.tensor([1.0, 2.0])
+    runs = [(0.5, {"w": g}), (0.5, {"w": g.clone()}), (0.5, {"w": g + torch.tensor([0.0, 0.25])})]
+    spread = train_step.spread_of(runs)
+    assert spread == {"loss_equal": True, "grads_bitwise_equal": False, "max_abs_grad_diff": 0.25, "runs": 3}, spread
+    assert train_step.spread_of(runs[:2])["grads_bitwise_equal"] is True
+
+
 def test_a_reference_that_breaks_the_cuda_context_is_named_and_nothing_runs_after_it(tmp_path, monkeypatch):
     # A resident step whose kernel leaves an illegal address (the GPU runner's
     # resident Flux-dev backward did): the mode names it, no later mode runs on
@@ -144,13 +160,13 @@ def test_a_reference_that_breaks_the_cuda_context_is_named_and_nothing_runs_afte
     assert modes["resident"].get("context_lost") is True and "illegal memory access" in modes["resident"]["error"], modes
     assert "offload" not in modes, modes
     # The package's mode breaking it is named the same way (the resident mode's
-    # two runs real, the third call the package's).
+    # three runs real, the fourth call the package's).
     monkeypatch.undo()
     real, calls = train_step.run_mode, []
 
     def third_breaks(*a, **k):
         calls.append(1)
-        if len(calls) == 3:
+        if len(calls) == 4:
             broken()
         return real(*a, **k)
 

@@ -453,6 +453,19 @@ class _FuncGradBlock(_Block):
         return super().forward(x) - 1e-3 * g
 
 
+class _InterruptedOnceBlock(_Block):
+    """Interrupted (Ctrl-C) mid-forward where armed, after a weight's use."""
+
+    armed = False
+
+    def forward(self, x):
+        h = self.up(self.norm(x))
+        if _InterruptedOnceBlock.armed:
+            _InterruptedOnceBlock.armed = False
+            raise KeyboardInterrupt
+        return x + self.down(nn.functional.gelu(h)) + (x @ self.lora_a.t()) @ self.lora_b.t()
+
+
 def _with_blocks(cls):
     m = _Model()
     torch.manual_seed(2)
@@ -539,3 +552,27 @@ def test_a_weight_a_custom_autograd_function_saves_comes_back_for_the_backward(d
     _same(streamed, resident)
     assert all(bwd["blocks"] == 6 for *_, (_, bwd) in streamed), [s[-1] for s in streamed]
     offload.disable(m)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_a_users_saved_tensor_hooks_entered_after_an_interrupt_mid_block_keep_working(dev):
+    # An interrupt skips torch's always_call hooks: the block's saved-tensor
+    # hooks stay pushed. A context of the user's entered next sits on them; ours
+    # must not pop theirs (they then chained to themselves: RecursionError) and
+    # go once they are back on top.
+    resident = _train(_with_blocks(_InterruptedOnceBlock).to(dev), dev)
+    m = _with_blocks(_InterruptedOnceBlock)
+    h = offload.enable(m, device=dev, depth=1)
+    _InterruptedOnceBlock.armed = True
+    with pytest.raises(KeyboardInterrupt):
+        m(torch.randn(8, 64, device=dev, requires_grad=True))
+    packed = []
+
+    def users():
+        return torch.autograd.graph.saved_tensors_hooks(lambda t: (packed.append(1), t)[1], lambda t: t)
+
+    streamed = _train(m, dev, handle=h, outside=users)
+    _same(streamed, resident)
+    assert packed, "the user's hooks saw nothing"
+    offload.disable(m)
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None, "hooks left on the stack"

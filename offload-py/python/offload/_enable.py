@@ -694,6 +694,7 @@ def disable(module: nn.Module) -> None:
         raise OffloadError(f"component {state.component!r}: disable called from a second thread while another one is inside the module")
     if state._bound is not None or state._armed is not None:
         state._unbind()
+    state._surface()
     _unwrap_compiled(state)
     lost = _restore(state)
     delattr(module, _STATE)

@@ -91,6 +91,10 @@ class Offloaded:
         # in grad mode (and the hooks they sit on), whether the engine serves a
         # backward now, and that backward's step metrics.
         self._saving: Optional[tuple] = None
+        # Whether a push of ours may sit under hooks pushed since (left by a
+        # block an interrupt ended mid-forward, which skips torch's always_call
+        # hooks): popped when it comes back on top, never by popping another's.
+        self._stale = False
         self._backward = False
         # The last step of each pass (forward, backward).
         self._by_pass: list = [None, None]
@@ -478,9 +482,40 @@ class Offloaded:
         within it, and a block whose grad-mode uses continue past it pushed
         at its start (`_arm`)."""
         if self._saving is None and torch._C._autograd._saved_tensors_hooks_is_enabled():
+            self._surface()
             outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
             torch._C._autograd._push_saved_tensors_default_hooks(self._pack, self._unpack)
             self._saving = (outer,)
+
+    def _ours_on_top(self) -> Optional[bool]:
+        """Whether the top of torch's saved-tensor hooks is ours (our bound
+        `_pack`); None where the stack is empty."""
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        return None if top is None else getattr(top[0], "__self__", None) is self
+
+    def _pop_hooks(self) -> None:
+        """Pop our pushed hooks where they are on top. Where another's are (a
+        context a user entered after an interrupt left ours pushed), ours stay
+        until they come back on top: popping blindly would pop the user's, and
+        their context's exit then ours."""
+        if self._ours_on_top():
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+        else:
+            self._stale = True
+        self._surface()
+
+    def _surface(self) -> None:
+        """Pop pushes of ours left under hooks that have since been popped
+        (none of ours is current here: ``_saving`` is None). Not from
+        autograd's final callback: the backward runs on a copy of the
+        caller's hooks, which a pop there would not change."""
+        while self._stale:
+            on_top = self._ours_on_top()
+            if on_top:
+                torch._C._autograd._pop_saved_tensors_default_hooks()
+            else:
+                self._stale = on_top is not None
+                return
 
     def _bind_views(self, block: _Block, data: torch.Tensor) -> None:
         """Put a view of ``data`` in the module for each of the block's tensors."""
@@ -633,7 +668,7 @@ class Offloaded:
     def _unbind(self) -> None:
         if self._saving is not None:
             self._saving = None
-            torch._C._autograd._pop_saved_tensors_default_hooks()
+            self._pop_hooks()
         block, self._bound = self._bound, None
         if self._armed is not None:
             # Run without using its weights (a cache returned its output): never copied.
@@ -664,6 +699,7 @@ class Offloaded:
         try:
             if self._bound is not None or self._armed is not None:
                 self._unbind()
+            self._surface()
         finally:
             self._end_engine_step()
 

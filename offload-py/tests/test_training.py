@@ -439,6 +439,18 @@ class _GradInsideBlock(_Block):
             return super().forward(x) / scale
 
 
+class _AdapterGraphInsideBlock(_Block):
+    inside = False  # set on one block
+
+    def forward(self, x):
+        # Grad turned on inside a block run under no_grad, over an input that
+        # does not require grad: only the adapters' term builds a graph, and
+        # it saves none of the block's weights.
+        scale = self.up.weight.abs().amax().clamp(min=1.0)
+        with torch.enable_grad() if self.inside else contextlib.nullcontext():
+            return super().forward(x) / scale
+
+
 class _PassThroughBlock(_Block):
     def forward(self, x):
         assert float(self.up.weight.abs().sum()) > 0  # its weights used: bound
@@ -490,7 +502,7 @@ def test_a_block_whose_first_weight_use_is_under_no_grad_still_keeps_no_weights_
 
 @pytest.mark.parametrize("dev", DEVICES)
 @pytest.mark.parametrize("lazy", [True, False])
-def test_a_block_run_under_no_grad_that_builds_a_graph_inside_itself_is_refused_by_name(dev, lazy):
+def test_a_block_run_under_no_grad_that_builds_a_graph_inside_itself_over_its_weights_is_refused_by_name(dev, lazy):
     # Bound with grad off, then grad turned on inside it: autograd saved views
     # of the lent buffer, which the ring refills before the backward. Refused
     # at the block's end, naming it; the module is usable after (nothing kept
@@ -508,6 +520,33 @@ def test_a_block_run_under_no_grad_that_builds_a_graph_inside_itself_is_refused_
     streamed = _train(m, dev, handle=h)
     offload.disable(m)
     _same(streamed, _train(_with_blocks(_GradInsideBlock).to(dev), dev))
+    # A graph built inside over the adapters alone (the last block, its input
+    # requiring no grad) saved none of the block's bytes: not refused, and
+    # its backward gives the resident adapters' gradients. (A block after it
+    # would take an input that requires grad and save its weights: refused.)
+    def adapters_only(model):
+        x = torch.randn(8, 64, device=dev, generator=torch.Generator(dev).manual_seed(3))
+        with torch.no_grad():
+            y = model(x)
+        assert y.grad_fn is not None
+        y.square().mean().backward()
+        grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        assert len(grads) == 2, len(grads)  # the last block's adapters
+        return y.detach(), grads
+
+    def last_builds_over_adapters():
+        m = _with_blocks(_AdapterGraphInsideBlock)
+        m.blocks[-1].inside = True
+        return m
+
+    want = adapters_only(last_builds_over_adapters().to(dev))
+    m = last_builds_over_adapters()
+    offload.enable(m, device=dev, depth=1, lazy=lazy)
+    try:
+        got = adapters_only(m)
+    finally:
+        offload.disable(m)
+    assert torch.equal(got[0], want[0]) and all(torch.equal(a, b) for a, b in zip(got[1], want[1]))
     # A block that hands back its input, which carries a graph from before
     # (not built inside it), is not refused.
     m = _with_blocks(_PassThroughBlock)

@@ -303,7 +303,8 @@ def _graph_built_unsaved(state: Offloaded, blk: _Block, args, output) -> Optiona
     weights are not saved as their places) and its output carries a graph
     built inside it (``torch.enable_grad()`` within a block run under
     ``no_grad``): autograd saved views of the lent buffer, which the ring
-    refills. Its own inputs passed through are not its graph."""
+    refills. Its own inputs passed through are not its graph, nor a graph
+    that saved none of the block's bytes (over its adapters alone)."""
     if state._bound is not blk or state._saving is not None:
         return None
     # Every block of an inference step comes here: a tensor or a flat tuple
@@ -312,13 +313,50 @@ def _graph_built_unsaved(state: Offloaded, blk: _Block, args, output) -> Optiona
     graphs = [t for t in leaves if isinstance(t, torch.Tensor) and t.grad_fn is not None]
     if not graphs:
         return None
-    inputs = {id(a) for a in pytree.tree_leaves(args) if isinstance(a, torch.Tensor)}
+    given = [a for a in pytree.tree_leaves(args) if isinstance(a, torch.Tensor)]
+    inputs = {id(a) for a in given}
     if all(id(t) in inputs for t in graphs):
+        return None
+    # A graph over the adapters alone (inputs that do not require grad) saved
+    # nothing of the block's bytes: only a graph that saved a view of the lent
+    # buffer is refused. The walk stops at the graphs the inputs brought.
+    buf = state._buffer
+    if buf is None or not _saves_a_view_of(graphs, {a.grad_fn for a in given if a.grad_fn is not None}, buf):
         return None
     return (f"component {state.component!r}: block {blk.stack}.{blk.index} ran with grad off but returned a tensor with a "
             "graph built inside it (torch.enable_grad() within a block run under torch.no_grad()): its weights were "
             "saved for that graph's backward as views of a buffer the ring reuses, so the backward would read other "
             "weights. Run the block with grad on (call the model outside no_grad), or detach what it returns")
+
+
+def _saves_a_view_of(outputs, stop, buf: torch.Tensor) -> bool:
+    """Whether a node of the graph behind ``outputs`` (not past the nodes in
+    ``stop``) saved for its backward a tensor on ``buf``'s memory. Walked only
+    where a block run with grad off returned a graph built inside it."""
+    at = buf.untyped_storage().data_ptr()
+
+    def on_buf(v) -> bool:
+        if isinstance(v, torch.Tensor):
+            return v.device == buf.device and v.untyped_storage().data_ptr() == at
+        return isinstance(v, (tuple, list)) and any(on_buf(x) for x in v)
+
+    todo, seen = [t.grad_fn for t in outputs], set()
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen or node in stop:
+            continue
+        seen.add(node)
+        names = [n for n in dir(node) if n.startswith("_saved_")]
+        if hasattr(node, "saved_tensors"):  # a custom autograd Function's
+            names.append("saved_tensors")
+        for name in names:
+            try:
+                if on_buf(getattr(node, name)):
+                    return True
+            except RuntimeError:  # freed by a backward already run
+                continue
+        todo.extend(f for f, _ in node.next_functions)
+    return False
 
 
 def _post_hook(state: Offloaded, blk: _Block):

@@ -18,14 +18,22 @@ fn mode_span(mode: &Value, key: &str, digits: usize) -> String {
     }
 }
 
-/// A row's case, with its card where the file's rows ran on several (the
-/// merges keep each row to one card: `bench/anchors/merging.py`).
+/// A row's case, with its card where the file's rows ran on several, and its
+/// commit where they ran at several (the merges keep each row to one card and
+/// one commit: `bench/anchors/merging.py`).
 fn case_on_card(d: &Value, r: &Value) -> String {
-    let case = r["case"].as_str().unwrap_or("?");
-    match (d["gpu"].as_str(), r["gpu"].as_str()) {
-        (Some(all), Some(own)) if all.contains(", ") => format!("{case}, {own}"),
-        _ => case.to_owned(),
+    let mut case = r["case"].as_str().unwrap_or("?").to_owned();
+    if let (Some(all), Some(own)) = (d["gpu"].as_str(), r["gpu"].as_str()) {
+        if all.contains(", ") {
+            let _ = write!(case, ", {own}");
+        }
     }
+    if let (Some(all), Some(own)) = (d["commit"].as_str(), r["commit"].as_str()) {
+        if all.contains(", ") {
+            let _ = write!(case, ", at `{}`", own.get(..7).unwrap_or(own));
+        }
+    }
+    case
 }
 
 /// A spread of bytes as GiB (its median), or "–".

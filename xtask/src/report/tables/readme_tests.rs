@@ -354,6 +354,9 @@ fn a_training_file_becomes_its_table_with_memory_apart_and_the_failed_mode_named
     // Rows on two kinds of card (each row on one): a row names its card.
     doc["gpu"] = "NVIDIA H100 80GB HBM3, NVIDIA H200".into();
     doc["rows"][2]["gpu"] = "NVIDIA H200".into();
+    // Rows at two commits (each row at one): a row names its commit.
+    doc["commit"] = "c0, c1abcdef99".into();
+    doc["rows"][2]["commit"] = "c1abcdef99".into();
     // A mode whose losses stayed constant over its optimizer steps says so.
     doc["rows"][2]["block_stream"] = serde_json::json!({"processes": 3, "step_s": spread_of(1.3), "finite_not_constant": false});
     // Losses that differ are marked where the resident steps repeat themselves.
@@ -377,7 +380,10 @@ fn a_training_file_becomes_its_table_with_memory_apart_and_the_failed_mode_named
         ),
         "{md}"
     );
-    assert!(md.contains("depth 1); 3 process") && md.contains("| qwen | 1024, NVIDIA H200, depth auto (4, 4, 3) | yes |"), "{md}");
+    assert!(
+        md.contains("depth 1); 3 process") && md.contains("| qwen | 1024, NVIDIA H200, at `c1abcde`, depth auto (4, 4, 3) | yes |"),
+        "{md}"
+    );
     assert!(
         md.contains("| 1.040 [1.039, 1.041] | – | 1.3000 [1.2990, 1.3010] (losses constant) |")
             && md.contains("bitwise: yes; losses **differ** | yes |")

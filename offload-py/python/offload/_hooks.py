@@ -144,8 +144,14 @@ def _pre_hook(state: Offloaded, blk: _Block):
         state._bind(blk)
         if state._armed is blk and _bind_now(state, mod):
             state._lend(blk)
+        # Its keywords, for the grad-off graph check at its end (the post-hook
+        # gets only the positional arguments).
+        state._kwargs_of = (blk, kwargs)
         if state.device.type == "cuda":
-            return state._inputs(blk, args, kwargs)
+            moved = state._inputs(blk, args, kwargs)
+            if moved is not None:
+                state._kwargs_of = (blk, moved[1])
+            return moved
         return None
 
     def trace(mod, args, kwargs):
@@ -313,7 +319,8 @@ def _graph_built_unsaved(state: Offloaded, blk: _Block, args, output) -> Optiona
     graphs = [t for t in leaves if isinstance(t, torch.Tensor) and t.grad_fn is not None]
     if not graphs:
         return None
-    given = [a for a in pytree.tree_leaves(args) if isinstance(a, torch.Tensor)]
+    kw = state._kwargs_of[1] if state._kwargs_of is not None and state._kwargs_of[0] is blk else None
+    given = [a for a in pytree.tree_leaves((args, kw)) if isinstance(a, torch.Tensor)]
     inputs = {id(a) for a in given}
     if all(id(t) in inputs for t in graphs):
         return None
@@ -321,41 +328,78 @@ def _graph_built_unsaved(state: Offloaded, blk: _Block, args, output) -> Optiona
     # nothing of the block's bytes: only a graph that saved a view of the lent
     # buffer is refused. The walk stops at the graphs the inputs brought.
     buf = state._buffer
-    if buf is None or not _saves_a_view_of(graphs, {a.grad_fn for a in given if a.grad_fn is not None}, buf):
+    if buf is None or not _saves_a_view_of(state, graphs, {a.grad_fn for a in given if a.grad_fn is not None}, buf):
         return None
     return (f"component {state.component!r}: block {blk.stack}.{blk.index} ran with grad off but returned a tensor with a "
-            "graph built inside it (torch.enable_grad() within a block run under torch.no_grad()): its weights were "
+            "graph built inside it (torch.enable_grad() within a block run under torch.no_grad(), or a torch.func "
+            "transform over the model, where the package's saved-tensor hooks cannot run): its weights were "
             "saved for that graph's backward as views of a buffer the ring reuses, so the backward would read other "
             "weights. Run the block with grad on (call the model outside no_grad), or detach what it returns")
 
 
-def _saves_a_view_of(outputs, stop, buf: torch.Tensor) -> bool:
+class _SavedByUs(Exception):
+    """Raised by our unpack while the grad-off graph check walks a graph: what
+    our hooks saved is a weight's place, never read back there."""
+
+
+# The most autograd nodes the grad-off graph check walks; past it the block is
+# refused as though a saved view had been found (nothing told either way).
+_WALK_LIMIT = 4096
+
+
+def _saves_a_view_of(state: Offloaded, outputs, stop, buf: torch.Tensor) -> bool:
     """Whether a node of the graph behind ``outputs`` (not past the nodes in
-    ``stop``) saved for its backward a tensor on ``buf``'s memory. Walked only
-    where a block run with grad off returned a graph built inside it."""
+    ``stop``) saved for its backward a tensor on ``buf``'s memory: a node's
+    ``_saved_*`` tensors, a custom Function's ``saved_tensors`` and the
+    tensors it keeps on its ctx; torch.func's wrappers looked through. Walked
+    only where a block run with grad off returned a graph built inside it.
+    What our own hooks saved (a block's weight saved as its place) is not read
+    back (``state._walking``: our unpack refuses, bringing nothing back); a
+    graph too large to walk, or a save that cannot be looked at, counts as
+    found."""
     at = buf.untyped_storage().data_ptr()
+    wrapped, unwrap = torch._C._functorch.is_functorch_wrapped_tensor, torch._C._functorch.get_unwrapped
 
     def on_buf(v) -> bool:
         if isinstance(v, torch.Tensor):
+            while wrapped(v):
+                v = unwrap(v)
             return v.device == buf.device and v.untyped_storage().data_ptr() == at
         return isinstance(v, (tuple, list)) and any(on_buf(x) for x in v)
 
-    todo, seen = [t.grad_fn for t in outputs], set()
-    while todo:
-        node = todo.pop()
-        if node is None or node in seen or node in stop:
-            continue
-        seen.add(node)
+    def saved(node) -> list:
+        out = []
         names = [n for n in dir(node) if n.startswith("_saved_")]
-        if hasattr(node, "saved_tensors"):  # a custom autograd Function's
-            names.append("saved_tensors")
-        for name in names:
+        function = isinstance(node, torch.autograd.function.BackwardCFunction)
+        for name in names + (["saved_tensors"] if function else []):
             try:
-                if on_buf(getattr(node, name)):
-                    return True
-            except RuntimeError:  # freed by a backward already run
+                out.append(getattr(node, name))
+            except _SavedByUs:
+                continue  # a weight saved as its place: no view of the buffer
+            except RuntimeError:
+                continue  # freed by a backward already run, or modified in place (its backward fails anyway)
+        if function:
+            out.extend(vars(node).values())  # tensors kept on the ctx itself
+        return out
+
+    todo, seen = [t.grad_fn for t in outputs], set()
+    state._walking = True
+    try:
+        while todo:
+            node = todo.pop()
+            if node is None or node in seen or node in stop:
                 continue
-        todo.extend(f for f, _ in node.next_functions)
+            seen.add(node)
+            if len(seen) > _WALK_LIMIT:
+                return True
+            try:
+                if on_buf(saved(node)):
+                    return True
+            except Exception:  # a save that cannot be looked at
+                return True
+            todo.extend(f for f, _ in node.next_functions)
+    finally:
+        state._walking = False
     return False
 
 
@@ -369,6 +413,8 @@ def _post_hook(state: Offloaded, blk: _Block):
                 raise OffloadError(refused)
             return _off_the_slot(state, blk, output)
         finally:
+            if state._kwargs_of is not None and state._kwargs_of[0] is blk:
+                state._kwargs_of = None  # its inputs not held past the block
             _after_block(state, blk)
 
     def trace(mod, args, output):

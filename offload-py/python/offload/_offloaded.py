@@ -18,7 +18,7 @@ from ._offload import OffloadError, Streamer
 from ._placeholder import _ArgumentTypeError, _ArgumentValueError, _Placeholder
 from . import _traced
 from ._blocks import _Block, _Cast, _Dequant, _Moved, _Outer, _Param, _Saved, _SavedParam
-from ._hooks import _Compiled, _Watch, _host_tensors, _in_autograd_pass
+from ._hooks import _Compiled, _SavedByUs, _Watch, _host_tensors, _in_autograd_pass
 
 
 class Offloaded:
@@ -95,6 +95,13 @@ class Offloaded:
         # block an interrupt ended mid-forward, which skips torch's always_call
         # hooks): popped when it comes back on top, never by popping another's.
         self._stale = False
+        # The block whose pre-hook ran last and its keyword arguments, and
+        # whether the grad-off graph check is walking a graph (`_hooks`).
+        self._kwargs_of: Optional[tuple] = None
+        self._walking = False
+        # The hooks that push sat on: where a user's context wrapped the block,
+        # its exit popped ours in place of its own, which are left on top.
+        self._stale_outer: Optional[tuple] = None
         self._backward = False
         # The last step of each pass (forward, backward).
         self._by_pass: list = [None, None]
@@ -484,37 +491,47 @@ class Offloaded:
         if self._saving is None and torch._C._autograd._saved_tensors_hooks_is_enabled():
             self._surface()
             outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+            if outer is not None and getattr(outer[0], "__self__", None) is self:
+                # A stale push of ours not popped yet (inside autograd's pass):
+                # never chained to, which would chain ours to themselves.
+                outer = None
             torch._C._autograd._push_saved_tensors_default_hooks(self._pack, self._unpack)
             self._saving = (outer,)
 
-    def _ours_on_top(self) -> Optional[bool]:
-        """Whether the top of torch's saved-tensor hooks is ours (our bound
-        `_pack`); None where the stack is empty."""
+    def _pop_hooks(self, outer: Optional[tuple]) -> None:
+        """Pop our pushed hooks (pushed on ``outer``) where they are on top.
+        An interrupt inside a block skips the pop (torch's always_call hooks do
+        not run for it): ours are then stale. Where another's are on top (a
+        context entered since), ours stay until they come back on top: popping
+        blindly would pop the user's, and their context's exit then ours.
+        Where a user's context wrapped the block, its exit popped ours in place
+        of its own, which are left on top: ``_surface`` pops them."""
         top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        return None if top is None else getattr(top[0], "__self__", None) is self
-
-    def _pop_hooks(self) -> None:
-        """Pop our pushed hooks where they are on top. Where another's are (a
-        context a user entered after an interrupt left ours pushed), ours stay
-        until they come back on top: popping blindly would pop the user's, and
-        their context's exit then ours."""
-        if self._ours_on_top():
+        if top is not None and getattr(top[0], "__self__", None) is self:
             torch._C._autograd._pop_saved_tensors_default_hooks()
         else:
-            self._stale = True
+            self._stale, self._stale_outer = True, outer
         self._surface()
 
     def _surface(self) -> None:
-        """Pop pushes of ours left under hooks that have since been popped
-        (none of ours is current here: ``_saving`` is None). Not from
-        autograd's final callback: the backward runs on a copy of the
-        caller's hooks, which a pop there would not change."""
-        while self._stale:
-            on_top = self._ours_on_top()
-            if on_top:
+        """Pop a stale push of ours (or the user's hooks it sat on, left by
+        their context's exit) once back on top; none of ours is current here
+        (``_saving`` is None). Not inside autograd's pass or its final
+        callback: the backward runs on a copy of the caller's hooks, which a
+        pop there would not change."""
+        if not self._stale or torch._C._current_graph_task_id() != -1:
+            return
+        while True:
+            top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+            if top is None:
+                self._stale, self._stale_outer = False, None
+                return
+            if getattr(top[0], "__self__", None) is self:
                 torch._C._autograd._pop_saved_tensors_default_hooks()
+            elif self._stale_outer is not None and top[0] is self._stale_outer[0]:
+                torch._C._autograd._pop_saved_tensors_default_hooks()
+                self._stale_outer = None
             else:
-                self._stale = on_top is not None
                 return
 
     def _bind_views(self, block: _Block, data: torch.Tensor) -> None:
@@ -583,6 +600,8 @@ class Offloaded:
         """The backward asks for what `_pack` saved: a block's weight comes back
         from the block lent again (each block once, in the reverse order the
         engine learns for a backward), the rest from the hooks that saved it."""
+        if self._walking:
+            raise _SavedByUs()
         if isinstance(saved, tuple) and len(saved) == 3 and saved[0] is _Outer:
             return saved[1](saved[2])
         if isinstance(saved, _Dequant):
@@ -667,8 +686,8 @@ class Offloaded:
 
     def _unbind(self) -> None:
         if self._saving is not None:
-            self._saving = None
-            self._pop_hooks()
+            (outer,), self._saving = self._saving, None
+            self._pop_hooks(outer)
         block, self._bound = self._bound, None
         if self._armed is not None:
             # Run without using its weights (a cache returned its output): never copied.

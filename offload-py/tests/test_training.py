@@ -6,6 +6,7 @@ OFFLOAD_REQUIRE_DEVICE=1."""
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import pytest
 import torch
@@ -113,9 +114,16 @@ def _kept_buffers(model, dev, pack=None, outside=contextlib.nullcontext):
         if pack is not None:
             Offloaded._pack = pack
         x = torch.randn(8, 64, device=dev, requires_grad=True)
-        with outside():
-            out = model(x)
+        with warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
+            with outside():
+                out = model(x)
         alive = sum(not r.expired() for r in kept)
+        # The package's own count agrees: what is alive beyond the ring's two
+        # slots is retained (warned of from the second such step).
+        retained = h.metrics("forward")["retained_blocks"]
+        assert retained == max(0, alive - 2), (retained, alive)
+        assert not any("lent weights" in str(w.message) for w in warned), [str(w.message) for w in warned]
         out.square().mean().backward()
     finally:
         Offloaded._lend, Offloaded._pack = lend, old
@@ -276,8 +284,10 @@ def test_a_base_stored_in_fp8_trains_as_resident_and_its_compute_casts_are_not_k
     # The casts layerwise casting makes for each Linear's compute: none alive after
     # the forward (each made again from its block in the backward); all of them
     # with the weights saved as themselves.
-    assert kept() == (0, 12)
-    assert kept(pack=lambda self, t: t) == (12, 12)
+    assert kept() == (0, 12) and h.metrics("forward")["retained_blocks"] == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the sabotage keeps blocks' bytes too: warned of
+        assert kept(pack=lambda self, t: t) == (12, 12)
     offload.disable(model)
 
 
@@ -697,5 +707,44 @@ def test_a_blocks_keyword_inputs_are_not_held_past_it():
         assert float(y) == float(y)
         # The last block's input is the block before's output, held by nothing now.
         assert seen[-2]() is None, "the last block's keyword input is still held"
+    finally:
+        offload.disable(m)
+
+
+@pytest.mark.parametrize("dev", DEVICES)
+def test_blocks_whose_bytes_something_keeps_are_counted_and_warned_of_by_name(dev):
+    # A forward in grad mode keeps no block's bytes: none retained at any
+    # step's end. A weight kept on a custom Function's ctx (escaping the
+    # saved-tensor hooks) keeps its block's bytes until the backward: counted
+    # per step and warned of once (from the second such step), naming them.
+    m = _Model()
+    h = offload.enable(m, device=dev, depth=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for *_, (fwd, bwd) in _train(m, dev, handle=h):
+            assert fwd["retained_blocks"] == 0 and bwd["retained_blocks"] == 0, (fwd, bwd)
+    offload.disable(m)
+    # The same with autograd saving the weights itself (the package's hooks
+    # sabotaged): every block but the ring's two slots' is retained.
+    old = Offloaded._pack
+    Offloaded._pack = lambda self, t: t
+    try:
+        m = _Model()
+        h = offload.enable(m, device=dev, depth=1)
+        with pytest.warns(UserWarning, match=r"lent weights of 4 block\(s\) \(blocks\.0, blocks\.1, blocks\.2, blocks\.3\)"):
+            _train(m, dev, steps=2)
+        assert h.metrics("forward")["retained_blocks"] == 4
+    finally:
+        Offloaded._pack = old
+        offload.disable(m)
+    # A weight a Function keeps on its ctx, the block bound inside enable_grad.
+    m = _with_blocks(_CtxFunctionBlock)
+    h = offload.enable(m, device=dev, depth=1)
+    try:
+        with pytest.warns(UserWarning, match=r"custom autograd Function"):
+            with torch.no_grad():
+                ys = [m(torch.randn(8, 64, device=dev)) for _ in range(2)]
+        assert h.metrics()["retained_blocks"] == 4 and ys[-1].grad_fn is not None
+        del ys
     finally:
         offload.disable(m)

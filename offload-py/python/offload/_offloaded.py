@@ -4,14 +4,17 @@ binding of a block's weights around its forward (and again in the backward)."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import math
 import numbers
 import threading
+import warnings
 from typing import Any, Optional
 
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from ._offload import OffloadError, Streamer
 
@@ -99,6 +102,13 @@ class Offloaded:
         # whether the grad-off graph check is walking a graph (`_hooks`).
         self._kwargs_of: Optional[tuple] = None
         self._walking = False
+        # Each lend of the step (a weak reference to its bytes, the block): at
+        # the step's end a block's bytes still referenced beyond the ring's
+        # slots are counted (`retained_blocks`) and warned of once.
+        self._lent: list = []
+        self._warned_retained = False
+        self._gc_tries = 0
+        self._held_before = [False, False]  # by pass: forward, backward
         # The hooks that push sat on: where a user's context wrapped the block,
         # its exit popped ours in place of its own, which are left on top.
         self._stale_outer: Optional[tuple] = None
@@ -469,13 +479,17 @@ class Offloaded:
         # parameter back and gives the block back.
         self._bound = block
         self._buffer = data
+        lent = [StorageWeakRef(data.untyped_storage()), block, False]
+        self._lent.append(lent)
         # Writes through the views bump the buffer's version counter (an inference
         # tensor has none: torch refuses in-place writes to it outside inference mode).
         self._version = None if data.is_inference() else data._version
         self._bind_views(block, data)
         if self._saving is not None or torch.is_grad_enabled():
             self._save_weights_as_places(block)
-            self._refuse_gradients(block)
+            # A streamed weight that requires grad is held by its graph (its
+            # backward refused by name): its bytes not counted as retained.
+            lent[2] = self._refuse_gradients(block)
 
     def _save_weights_as_places(self, block: _Block) -> None:
         """What autograd saves of this block's weights for the backward is
@@ -553,15 +567,19 @@ class Offloaded:
             view = data[p.offset : p.offset + p.nbytes].view(p.dtype).as_strided(p.shape, p.layout)
             p.owner._parameters[p.attr] = view if p.rewrap is None else p.rewrap(view)
 
-    def _refuse_gradients(self, block: _Block) -> None:
+    def _refuse_gradients(self, block: _Block) -> bool:
         """A streamed weight gets no gradient: one that asks for it makes the
-        backward an error naming it, never a gradient quietly left None."""
+        backward an error naming it, never a gradient quietly left None.
+        Whether any of the block's weights asked."""
+        asked = False
         for p in block.params:
             if p.holder.requires_grad:
+                asked = True
                 view = p.owner._parameters[p.attr]
                 if view.is_floating_point() and not view.requires_grad:
                     view.requires_grad_(True)
                     view.register_hook(_no_gradient(self.component, p.name))
+        return asked
 
     def _pack(self, t):
         """Autograd saves ``t`` for the backward: one of the bound block's
@@ -734,6 +752,7 @@ class Offloaded:
         self._last_metrics = json.loads(self._engine().end_step())
         # Blocks whose forward ran without reading their weights (a cache hit): not copied.
         self._last_metrics["skipped_blocks"], self._skipped = self._skipped, 0
+        self._last_metrics["retained_blocks"] = self._count_retained(bool(self._last_metrics.get("backward")))
         self._by_pass[bool(self._last_metrics.get("backward"))] = self._last_metrics
         self._steps += 1
         try:
@@ -745,6 +764,44 @@ class Offloaded:
             # choice, so the step that kept them says so too).
             self._last_metrics["kept_bytes"] = sum(b.kept.numel() * b.kept.element_size()
                                                    for b in self._blocks.values() if b.kept is not None)
+
+    def _count_retained(self, backward: bool) -> int:
+        """How many blocks lent in the step ending still have their bytes
+        referenced, beyond the ring's slots (its last ``depth + 1`` lends, which
+        the ring itself may still hold): something outside the package keeps a
+        view of them (a custom autograd Function's ctx, a hook, a list), so
+        device memory grows by a block each. Warned of once, naming them,
+        where they are still held after a garbage collection and the pass's
+        step before held some too."""
+        lent, self._lent = self._lent, []
+        depth, in_ring = self._engine().plan()[:2]
+        # Blocks the plan keeps in the ring (lent from there every step), and
+        # the streamed blocks of its slots' last lends, are the ring's own to hold.
+        if in_ring:
+            lent = [e for e in lent if f"{e[1].stack}.{e[1].index}" not in in_ring]
+        held = [(r, b) for r, b, graphed in lent[: -(depth + 1)] if not graphed and not r.expired()]
+        if held and not self._warned_retained and self._gc_tries < 4:
+            # A view in a reference cycle (a traceback's frames) lives until the
+            # collector runs: collected before the warning, a few times per
+            # handle (milliseconds each). And a compiler tracing the first call
+            # holds its frames' values while it runs: warned of only where the
+            # pass's step before held some too.
+            self._gc_tries += 1
+            gc.collect()
+            held = [(r, b) for r, b in held if not r.expired()]
+            if held and self._held_before[backward]:
+                self._warned_retained = True
+                names = ", ".join(dict.fromkeys(f"{b.stack}.{b.index}" for _, b in held))
+                warnings.warn(
+                    f"component {self.component!r}: the lent weights of {len(held)} block(s) ({names}) were still "
+                    "referenced at the end of the step: something outside the package keeps a view of them (a custom "
+                    "autograd Function that keeps a weight on its ctx instead of save_for_backward, a hook or a list "
+                    "holding a parameter), so each keeps its block's bytes on the device; metrics()['retained_blocks'] "
+                    "counts them per step",
+                    stacklevel=2,
+                )
+        self._held_before[backward] = bool(held)
+        return len(held)
 
     def _choose_depth(self) -> None:
         """The automatic depth: the first two steps timed (the timeline starts

@@ -734,6 +734,20 @@ def test_blocks_whose_bytes_something_keeps_are_counted_and_warned_of_by_name(de
         with pytest.warns(UserWarning, match=r"lent weights of 4 block\(s\) \(blocks\.0, blocks\.1, blocks\.2, blocks\.3\)"):
             _train(m, dev, steps=2)
         assert h.metrics("forward")["retained_blocks"] == 4
+        # Warned of once the step's bookkeeping is done: turned into an error,
+        # the warning leaves the step ended all the same.
+        m2 = _Model()
+        h2 = offload.enable(m2, device=dev, depth=1)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                x = torch.randn(8, 64, device=dev, requires_grad=True)
+                m2(x)
+                with pytest.raises(UserWarning, match="lent weights"):
+                    m2(x)
+            assert h2.metrics()["retained_blocks"] == 4 and "kept_bytes" in h2.metrics(), h2.metrics()
+        finally:
+            offload.disable(m2)
     finally:
         Offloaded._pack = old
         offload.disable(m)
@@ -748,3 +762,57 @@ def test_blocks_whose_bytes_something_keeps_are_counted_and_warned_of_by_name(de
         del ys
     finally:
         offload.disable(m)
+
+
+def test_a_block_lent_twice_from_one_slot_is_the_rings_own_not_retained(monkeypatch):
+    # On CUDA a checkpointed backward lends each block twice (its recompute,
+    # then its backward), the second from the slot the first filled: one
+    # buffer, which the ring still holds at the pass's end. Emulated here (the
+    # simulated device lends a fresh copy each time): the ring's last depth + 1
+    # distinct buffers are its own, not lends counted one by one.
+    import collections
+
+    from offload._enable import offloaded
+
+    frombuffer = torch.frombuffer
+
+    class _Slots:
+        """Two slots, each holding its buffer and the one tensor over it; a
+        block still in one is lent from it again (a prefetch hit)."""
+
+        def __init__(self, real):
+            self.real, self.slots = real, collections.OrderedDict()
+
+        def __getattr__(self, k):
+            return getattr(self.real, k)
+
+        def lend(self, stack, index, *a):
+            raw = self.real.lend(stack, index, *a)
+            if (stack, index) in self.slots:
+                self.slots.move_to_end((stack, index))
+                return self.slots[(stack, index)][0]
+            if len(self.slots) >= 2:
+                self.slots.popitem(last=False)
+            self.slots[(stack, index)] = (raw, frombuffer(raw, dtype=torch.uint8))
+            return raw
+
+    def one_tensor_per_buffer(buf, dtype):
+        for raw, t in getattr(st._streamer, "slots", {}).values():
+            if raw is buf:
+                return t
+        return frombuffer(buf, dtype=dtype)
+
+    monkeypatch.setattr(torch, "frombuffer", one_tensor_per_buffer)
+    m = _Model(ckpt="non-reentrant")
+    h = offload.enable(m, device="cpu", depth=1)
+    st = offloaded(m)
+    st._streamer = _Slots(st._streamer)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            steps = _train(m, "cpu", handle=h)
+    finally:
+        st._streamer = st._streamer.real
+        offload.disable(m)
+    assert all(b["blocks"] == 12 for *_, (_, b) in steps), [b for *_, (_, b) in steps]
+    assert [(f["retained_blocks"], b["retained_blocks"]) for *_, (f, b) in steps] == [(0, 0)] * 3

@@ -109,6 +109,7 @@ class Offloaded:
         self._warned_retained = False
         self._gc_tries = 0
         self._held_before = [False, False]  # by pass: forward, backward
+        self._retained_warning: Optional[str] = None
         # The hooks that push sat on: where a user's context wrapped the block,
         # its exit popped ours in place of its own, which are left on top.
         self._stale_outer: Optional[tuple] = None
@@ -764,22 +765,37 @@ class Offloaded:
             # choice, so the step that kept them says so too).
             self._last_metrics["kept_bytes"] = sum(b.kept.numel() * b.kept.element_size()
                                                    for b in self._blocks.values() if b.kept is not None)
+        # Warned of once the step's bookkeeping is done (a warning turned into
+        # an error leaves the step ended).
+        said, self._retained_warning = self._retained_warning, None
+        if said is not None:
+            warnings.warn(said, stacklevel=2)
 
     def _count_retained(self, backward: bool) -> int:
-        """How many blocks lent in the step ending still have their bytes
-        referenced, beyond the ring's slots (its last ``depth + 1`` lends, which
-        the ring itself may still hold): something outside the package keeps a
-        view of them (a custom autograd Function's ctx, a hook, a list), so
-        device memory grows by a block each. Warned of once, naming them,
-        where they are still held after a garbage collection and the pass's
-        step before held some too."""
+        """How many blocks' lent bytes from the step ending are still
+        referenced, beyond the ring's own (the last ``depth + 1`` distinct
+        buffers it lent, which its slots may still hold: a block lent twice
+        from one slot, as a checkpointed backward does, is one buffer):
+        something outside the package keeps a view of them (a custom autograd
+        Function's ctx, a hook, a list), so device memory grows by a block
+        each. Warned of once, naming them (after the step's bookkeeping,
+        `_end_engine_step`), where they are still held after a garbage
+        collection and the pass's step before held some too."""
         lent, self._lent = self._lent, []
         depth, in_ring = self._engine().plan()[:2]
-        # Blocks the plan keeps in the ring (lent from there every step), and
-        # the streamed blocks of its slots' last lends, are the ring's own to hold.
+        # Blocks the plan keeps in the ring (lent from there every step) are
+        # the ring's own to hold.
         if in_ring:
             lent = [e for e in lent if f"{e[1].stack}.{e[1].index}" not in in_ring]
-        held = [(r, b) for r, b, graphed in lent[: -(depth + 1)] if not graphed and not r.expired()]
+        ring: set = set()
+        for r, _, _ in reversed(lent):
+            if len(ring) == depth + 1:
+                break
+            ring.add(r.cdata)
+        held: dict = {}
+        for r, b, graphed in lent:
+            if not graphed and r.cdata not in ring and not r.expired():
+                held.setdefault(r.cdata, (r, b))
         if held and not self._warned_retained and self._gc_tries < 4:
             # A view in a reference cycle (a traceback's frames) lives until the
             # collector runs: collected before the warning, a few times per
@@ -788,17 +804,16 @@ class Offloaded:
             # pass's step before held some too.
             self._gc_tries += 1
             gc.collect()
-            held = [(r, b) for r, b in held if not r.expired()]
+            held = {k: (r, b) for k, (r, b) in held.items() if not r.expired()}
             if held and self._held_before[backward]:
                 self._warned_retained = True
-                names = ", ".join(dict.fromkeys(f"{b.stack}.{b.index}" for _, b in held))
-                warnings.warn(
+                names = ", ".join(dict.fromkeys(f"{b.stack}.{b.index}" for _, b in held.values()))
+                self._retained_warning = (
                     f"component {self.component!r}: the lent weights of {len(held)} block(s) ({names}) were still "
                     "referenced at the end of the step: something outside the package keeps a view of them (a custom "
                     "autograd Function that keeps a weight on its ctx instead of save_for_backward, a hook or a list "
                     "holding a parameter), so each keeps its block's bytes on the device; metrics()['retained_blocks'] "
-                    "counts them per step",
-                    stacklevel=2,
+                    "counts them per step"
                 )
         self._held_before[backward] = bool(held)
         return len(held)

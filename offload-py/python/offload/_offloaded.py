@@ -506,12 +506,17 @@ class Offloaded:
         if self._saving is None and torch._C._autograd._saved_tensors_hooks_is_enabled():
             self._surface()
             outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
-            if outer is not None and getattr(outer[0], "__self__", None) is self:
+            if self._ours(outer):
                 # A stale push of ours not popped yet (inside autograd's pass):
                 # never chained to, which would chain ours to themselves.
                 outer = None
             torch._C._autograd._push_saved_tensors_default_hooks(self._pack, self._unpack)
             self._saving = (outer,)
+
+    def _ours(self, hooks: Optional[tuple]) -> bool:
+        """Whether ``hooks`` (a pack and unpack pair from torch's stack) are the
+        ones this handle pushes (its bound ``_pack``)."""
+        return hooks is not None and getattr(hooks[0], "__self__", None) is self
 
     def _pop_hooks(self, outer: Optional[tuple]) -> None:
         """Pop our pushed hooks (pushed on ``outer``) where they are on top.
@@ -522,7 +527,7 @@ class Offloaded:
         Where a user's context wrapped the block, its exit popped ours in place
         of its own, which are left on top: ``_surface`` pops them."""
         top = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        if top is not None and getattr(top[0], "__self__", None) is self:
+        if self._ours(top):
             torch._C._autograd._pop_saved_tensors_default_hooks()
         else:
             self._stale, self._stale_outer = True, outer
@@ -541,7 +546,7 @@ class Offloaded:
             if top is None:
                 self._stale, self._stale_outer = False, None
                 return
-            if getattr(top[0], "__self__", None) is self:
+            if self._ours(top):
                 torch._C._autograd._pop_saved_tensors_default_hooks()
             elif self._stale_outer is not None and top[0] is self._stale_outer[0]:
                 torch._C._autograd._pop_saved_tensors_default_hooks()

@@ -8,7 +8,7 @@ import torch
 
 import offload
 
-from models import Chain, flux
+from models import MODELS, Chain, flux
 from helpers import DEVICES, _bits, _to
 
 # Drift of the input across eight denoising steps: a cache with threshold 0.05
@@ -16,11 +16,17 @@ from helpers import DEVICES, _bits, _to
 _DRIFT = [0, 0.001, 0.002, 0.2, 0.201, 0.202, 0.5, 0.5005]
 
 
+def _blocks_of(model) -> list:
+    """The model's blocks, in its block lists' order (:func:`offload.find_blocks`)."""
+    return [b for path in offload.find_blocks(model) for b in model.get_submodule(path)]
+
+
 def _steps(model, inputs, dev):
     """The eight steps' outputs, and per step whether the blocks after the
-    first computed (a layer inside one ran) or the cache answered."""
+    first computed (a layer inside the last block ran) or the cache answered."""
     runs = []
-    h = model.single_transformer_blocks[0].norm.register_forward_hook(lambda *a: runs.append(1))
+    last = next(m for m in _blocks_of(model)[-1].modules() if isinstance(m, torch.nn.Linear))
+    h = last.register_forward_hook(lambda *a: runs.append(1))
     outs, computed, metrics = [], [], []
     for d in _DRIFT:
         inp = _to(dict(inputs), dev)
@@ -43,9 +49,8 @@ def _same_steps_copying_what_ran(model, outs, ref, computed, ref_computed, metri
     assert computed == ref_computed, "the cache decided otherwise than resident"
     for i, (o, r) in enumerate(zip(outs, ref)):
         assert torch.equal(_bits(o), _bits(r)), f"step {i}: the streamed output differs from the resident one with the cache"
-    blocks = len(model.transformer_blocks) + len(model.single_transformer_blocks)
-    largest = max(sum(-(-p.numel() * p.element_size() // 256) * 256 for p in b.parameters())
-                  for b in [*model.transformer_blocks, *model.single_transformer_blocks])
+    blocks = len(_blocks_of(model))
+    largest = max(sum(-(-p.numel() * p.element_size() // 256) * 256 for p in b.parameters()) for b in _blocks_of(model))
     for i, (m, c) in enumerate(zip(metrics, computed)):
         if c:
             assert m["blocks"] == blocks and m["skipped_blocks"] == 0, (i, m)
@@ -79,6 +84,30 @@ def test_blocks_a_cache_skips_are_never_copied_and_the_steps_stay_bitwise_equal(
     # block copied ahead of each skip runs at the next computed step, so few are.
     wasted = sum(m["wasted_prefetches"] for m in metrics)
     assert wasted <= 3 * depth, [m["wasted_prefetches"] for m in metrics]
+    assert h.violations() == []
+    model.disable_cache()
+    offload.disable(model)
+
+
+@pytest.mark.parametrize("name", ["wan", "qwen-image"])
+def test_a_cache_over_wan_or_qwen_image_copies_only_the_blocks_that_ran(name):
+    # Beyond Flux, the other diffusers classes with a cache (their blocks
+    # return one tensor, or a pair in the other order): FirstBlockCache decides
+    # as resident, every step is the resident one bitwise, and a step the cache
+    # answered copies its first block at most; one after another such step, nothing.
+    from diffusers import FirstBlockCacheConfig
+
+    model, inputs, _ = MODELS[name]()
+    model.enable_cache(FirstBlockCacheConfig(threshold=0.05))
+    ref, ref_computed, _ = _steps(model, inputs, "cpu")
+    model.disable_cache()
+    assert ref_computed[0] and ref_computed.count(False) >= 4, ref_computed
+    h = offload.enable(model, device="cpu", depth=1)
+    model.enable_cache(FirstBlockCacheConfig(threshold=0.05))
+    outs, computed, metrics = _steps(model, inputs, "cpu")
+    _same_steps_copying_what_ran(model, outs, ref, computed, ref_computed, metrics, ran=(1,), ahead=1)
+    again = [m["bytes_copied"] for i, m in enumerate(metrics) if i and not computed[i] and not computed[i - 1]]
+    assert again and set(again) == {0}, metrics
     assert h.violations() == []
     model.disable_cache()
     offload.disable(model)

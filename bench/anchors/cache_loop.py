@@ -31,7 +31,7 @@ entry naming its error. The pinned host-to-device bandwidth is measured in
 the same process.
 
     python3 cache_loop.py --registry REG.json --model flux-dev --case 1024 --out F.json
-    python3 cache_loop.py --tiny --device cpu --out F.json   (a small Flux on the simulated device)
+    python3 cache_loop.py --tiny --device cpu --out F.json   (a small Flux on the simulated device; --tiny wan: a small Wan)
 """
 import argparse
 import json
@@ -45,6 +45,16 @@ import torch  # noqa: E402
 
 import zoo_anchor as za  # noqa: E402
 from train_step import TINY, Clock, first, za_stats  # noqa: E402
+
+
+# The tiny models `--tiny` names: Flux's (train_step.TINY), and a Wan of the
+# same inputs as the registry's (16 latent channels, 4096-wide text), three
+# blocks: the loop's Wan path (its timestep scale, its 5-D latents) run on the CPU.
+TINIES = {"flux": TINY, "wan": {"name": "wan-tiny", "reference": {"module": "diffusers", "class": "WanTransformer3DModel", "config": {
+    "attention_head_dim": 16, "cross_attn_norm": True, "eps": 1e-06, "ffn_dim": 32, "freq_dim": 32, "in_channels": 16,
+    "num_attention_heads": 2, "num_layers": 3, "out_channels": 16, "patch_size": [1, 2, 2], "qk_norm": "rms_norm_across_heads",
+    "text_dim": 4096}},
+    "cases": [{"name": "64x64x2", "batch": 1, "frames": 2, "height": 64, "resolution": 64, "image_tokens": 32, "text_tokens": 8}]}}
 
 
 def last_linear(model):
@@ -205,11 +215,14 @@ def main():
                          "and the automatic plan, chosen at the second step: Wan 14B's loop is minutes)")
     ap.add_argument("--modes", default="resident,offload,offload_streamed,block_stream")
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--tiny", nargs="?", const="flux", default=None, choices=sorted(TINIES),
+                    help="a tiny model of that class with random weights (flux when named alone): the loop on the CPU")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    entry = TINY if args.tiny else next(m for m in json.load(open(args.registry)) if m["name"] == args.model)
+    entry = TINIES[args.tiny] if args.tiny else next(m for m in json.load(open(args.registry)) if m["name"] == args.model)
     args.model = entry["name"]
+    # Mode names by the list's items (as a string, "offload" was found in "offload_streamed").
+    args.modes = args.modes.split(",")
     case = next(c for c in entry["cases"] if args.case in (None, c["name"]))
     dev = args.device
     import diffusers

@@ -233,6 +233,25 @@ def test_the_cache_loop_bench_runs_on_the_simulated_device_and_its_merge_judges_
         cache_merge.merge([d, {**d, "commit": "another"}], ["a", "b"])
 
 
+def test_the_cache_loop_bench_runs_a_tiny_wan_as_its_gpu_row_will(tmp_path):
+    # The Wan row's own path (its timestep scale, its 5-D latents, its
+    # one-tensor blocks) before the GPU runs Wan 14B's loop: the cache decides
+    # as resident, every step bitwise, and a step it answered copies less than
+    # the first step's every block.
+    out = tmp_path / "wan.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    subprocess.run([sys.executable, str(ROOT / "bench/anchors/cache_loop.py"), "--tiny", "wan", "--device", "cpu", "--steps", "8",
+                    "--warmup-steps", "3", "--modes", "resident,offload_streamed", "--out", str(out)],
+                   check=True, capture_output=True, env=env)
+    d = json.loads(out.read_text())
+    assert d["model"] == "wan-tiny" and list(d["modes"]) == ["resident", "offload_streamed"], d["modes"].keys()
+    res, st = d["modes"]["resident"], d["modes"]["offload_streamed"]
+    assert res["finite"] and res["not_constant"] and res["computed"][0] and not all(res["computed"]), res
+    assert all(st["bitwise_equal_steps"]) and st["same_cache_decisions"], st
+    skipped = [m["bytes_copied"] for m, c in zip(st["metrics"], st["computed"]) if not c]
+    assert skipped and max(skipped) < st["metrics"][0]["bytes_copied"], st["metrics"]
+
+
 def test_the_attention_backend_is_run_recorded_and_refused_beside_deterministic(tmp_path):
     # The training bench under SDPA's math backend on the simulated device:
     # recorded in its file, the modes still equal; --deterministic (math) with

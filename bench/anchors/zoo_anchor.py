@@ -404,19 +404,27 @@ def compile_blocks(model, how, fullgraph, whole=False):
     `compile_repeated_blocks`, else `block.compile()` on every block of its block
     lists), or with `whole` the whole module (`model.compile()`), dynamo's caches
     reset first so that each mode compiles afresh and no mode runs on another's
-    graphs (or past dynamo's recompile limit, in eager)."""
+    graphs (or past dynamo's recompile limit, in eager). Returns how many
+    modules were compiled; none is an error (a row named compiled would run
+    eager: T5's blocks are `encoder.block`, not a child of the model)."""
     torch._dynamo.reset()
     kw = dict(fullgraph=fullgraph) if how == "default" else dict(fullgraph=fullgraph, mode=how)
     if whole:
         model.compile(**kw)
-        return
+        return 1
     if getattr(model, "_repeated_blocks", None):
         model.compile_repeated_blocks(**kw)
-        return
-    for _, sub in model.named_children():
-        if isinstance(sub, torch.nn.ModuleList):
-            for b in sub:
+    else:
+        import offload as ours
+
+        # The blocks as the package finds them (its block lists at any depth).
+        for path in ours.find_blocks(model):
+            for b in model.get_submodule(path):
                 b.compile(**kw)
+    n = sum(1 for m in model.modules() if "_compiled_call_impl" in m.__dict__)
+    if n == 0:
+        raise SystemExit(f"{type(model).__name__}: --compile compiled no module (no repeated blocks, no block list)")
+    return n
 
 
 def offload(model, mode, name):
@@ -573,7 +581,8 @@ def main():
         if a.warmup < 2:
             ap.error("--compile: warm up at least twice (the first step compiles)")
         a.model = f"{a.model}-compiled" + ("-max-autotune" if a.compile != "default" else "") + ("-whole" if a.compile_whole else "")
-        compile_blocks(model, a.compile, fullgraph=True, whole=a.compile_whole)
+        n = compile_blocks(model, a.compile, fullgraph=True, whole=a.compile_whole)
+        print(f"setup: {n} module(s) compiled ({a.compile}{', whole' if a.compile_whole else ''})", flush=True)
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     if stored != "bf16" and model_bytes != spec["stored_bytes"]:

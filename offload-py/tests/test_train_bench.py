@@ -318,3 +318,20 @@ def test_the_benches_weights_on_the_device_count_no_streamed_placeholder_nor_kep
     assert h.plan()["resident_blocks"], "no block was kept: the check below would not see a kept view"
     assert za.weights_on_device(model, "cpu") == resident
     offload.disable(model)
+
+
+@pytest.mark.parametrize("name", ["flux", "sd3", "qwen-image", "wan", "t5", "qwen2.5-vl-text"])
+def test_the_compiled_registry_rows_compile_every_block_of_each_class(name):
+    # zoo_anchor --compile's blocks: diffusers' repeated blocks, else every
+    # block of the block lists at any depth (T5's are encoder.block: a look at
+    # the model's children alone compiled none, and its row would run eager).
+    sys.path.insert(0, str(ROOT / "bench/anchors"))
+    import torch
+    import zoo_anchor as za
+    from models import MODELS
+
+    model, _, blocks = MODELS[name]()
+    assert za.compile_blocks(model, "default", fullgraph=True) == blocks
+    compiled = [m for m in model.modules() if "_compiled_call_impl" in m.__dict__]
+    assert all(type(m).__name__.endswith(("Block", "Layer", "DecoderLayer")) for m in compiled), compiled
+    torch._dynamo.reset()

@@ -159,9 +159,18 @@ def main():
             why = (f"its process's resident step ({res[k]:.4f} s, the processes' median {statistics.median(res):.4f}) read slow"
                    if bound[k] == res[k] else "the bandwidth probe read below the achieved rate")
             row["bound_suspect"] = f"a step ran at {row['ratio_to_bound']['min']:.3f} x its bound: {why}"
+        # A compiled row (zoo_anchor --compile: MODEL-compiled...) is asked to beat
+        # diffusers' best compiled offloaded mode only where its bound is the link's
+        # (above the resident compiled step): at the resident step both sides run
+        # the same compiled blocks, and which is faster is the run's noise.
+        asked = bool(vs)
+        if vs and "-compiled" in model and statistics.median(bound) <= statistics.median(res):
+            asked = False
+            row["diffusers_not_asked"] = "compiled and compute-bound (its bound is the resident compiled step): not asked to be faster"
         row["targets"] = dict(within_1_02_of_bound=row["ratio_to_bound"]["median"] <= 1.02 and "bound_suspect" not in row,
-                              # None where no diffusers mode ran (each failure named in diffusers_failed).
-                              faster_than_diffusers_best=(row["vs_diffusers_best"]["max"] < 1.0) if vs else None,
+                              # None where no diffusers mode ran (each failure named in diffusers_failed),
+                              # or where not asked (above).
+                              faster_than_diffusers_best=(row["vs_diffusers_best"]["max"] < 1.0) if asked else None,
                               bitwise_equal=bitwise, no_host_sync=syncs == 0,
                               # Equal is not enough: a constant or non-finite output equals itself.
                               outputs_finite_and_nonconstant=finite)

@@ -187,6 +187,36 @@ def _py_merge(tmp_path, runs):
     return r, (json.loads(out.read_text()) if r.returncode == 0 else None)
 
 
+def test_a_compiled_row_is_asked_to_beat_diffusers_only_where_its_bound_is_the_links(tmp_path):
+    # Issue 55: faster than diffusers' best compiled offloaded mode wherever the
+    # bound is above the resident compiled step. Copy-bound (10e9 B at 50e9 B/s:
+    # 0.2 s over a 0.1 s resident step) it is asked; compute-bound (a 0.3 s
+    # resident step) not, and the row says why; an uncompiled row always is.
+    for name, resident, asked in (("flux-dev-compiled", 0.1, True), ("flux-dev-compiled", 0.3, False), ("flux-dev", 0.3, True)):
+        runs = []
+        for k in range(3):
+            p = tmp_path / f"{name}-{resident}-{k}.json"
+            _flux_run(p)
+            d = json.loads(p.read_text())
+            for r in d["cases"]:
+                r["model"] = name
+                if r["mode"] == "offload":
+                    r["steps_s"] = [max(resident, 0.2) * 1.01] * 3
+                if r["mode"] == "resident":
+                    r["steps_s"] = [resident] * 3
+                if r["mode"] == "block_stream":
+                    r["steps_s"] = [max(resident, 0.2) * 1.5] * 3
+            p.write_text(json.dumps(d))
+            runs.append(str(p))
+        r, merged = _py_merge(tmp_path, runs)
+        assert r.returncode == 0, r.stderr
+        row = merged["cases"][0]
+        if asked:
+            assert row["targets"]["faster_than_diffusers_best"] is True and "diffusers_not_asked" not in row, row
+        else:
+            assert row["targets"]["faster_than_diffusers_best"] is None and "compute-bound" in row["diffusers_not_asked"], row
+
+
 def test_a_constant_or_non_finite_output_misses_its_target(tmp_path):
     # Bitwise equal is not enough: an output equal to a constant (or non-finite)
     # resident one meets no target of its own.

@@ -247,6 +247,13 @@ def weights_on_device(model, device_type: str = "cuda"):
                if p.device.type == device_type and isinstance(p, torch.nn.Parameter) and type(p).__name__ != "_Placeholder")
 
 
+def dynamo_frames() -> int:
+    """How many frames dynamo has compiled in this process (its counters)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["frames"]["total"])
+
+
 def time_case(model, x, warmup, steps):
     with torch.no_grad():
         for _ in range(warmup):
@@ -259,6 +266,7 @@ def time_case(model, x, warmup, steps):
         # The host's own time a step (the call returning, nothing waited for): near
         # the device's step where the step is host-bound, well under it otherwise.
         host = []
+        frames = dynamo_frames()
         for i in range(steps):
             t = time.perf_counter()
             out = model(**x)[0]
@@ -266,6 +274,9 @@ def time_case(model, x, warmup, steps):
             evs[i + 1].record()
         torch.cuda.synchronize()
     time_case.host = host
+    # Frames dynamo compiled during the timed steps (a recompilation each): none
+    # once warmed up, where nothing a step changes is guarded on.
+    time_case.frames_compiled = dynamo_frames() - frames
     times = [evs[i].elapsed_time(evs[i + 1]) / 1e3 for i in range(steps)]
     if isinstance(out, (list, tuple)):  # Z-Image returns one tensor per sample
         out = torch.cat([o.flatten() for o in out])
@@ -602,7 +613,8 @@ def main():
         out.append(dict(model=a.model, case=c["name"], resolution=c["resolution"], height=c.get("height", c["resolution"]), frames=c["frames"],
                         tokens=c["image_tokens"] + c["text_tokens"], batch=c["batch"],
                         mode="resident", steps_s=times, host_steps_s=time_case.host, model_bytes=model_bytes, weights_device_bytes=model_bytes,
-                        activations_peak_bytes=act[c["name"]], output_finite=finite, output_nonconstant=nonconst))
+                        activations_peak_bytes=act[c["name"]], output_finite=finite, output_nonconstant=nonconst,
+                        frames_compiled_in_timed_steps=time_case.frames_compiled))
         del x
     # To the host straight into page-locked tensors: one device-to-host copy each,
     # where `model.to("cpu")` would copy into pageable memory and diffusers' hooks
@@ -711,7 +723,8 @@ def main():
             row = dict(model=a.model, case=c["name"], resolution=c["resolution"], height=c.get("height", c["resolution"]), frames=c["frames"],
                        tokens=c["image_tokens"] + c["text_tokens"], batch=c["batch"],
                        mode=mode, steps_s=times, host_steps_s=time_case.host, model_bytes=model_bytes, weights_device_bytes=w,
-                       activations_peak_bytes=act[c["name"]], output_finite=finite, output_nonconstant=nonconst)
+                       activations_peak_bytes=act[c["name"]], output_finite=finite, output_nonconstant=nonconst,
+                       frames_compiled_in_timed_steps=time_case.frames_compiled)
             if handle is not None:
                 m = handle.metrics()
                 got = time_case.last.detach().cpu()

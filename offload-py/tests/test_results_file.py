@@ -214,7 +214,23 @@ def test_a_compiled_row_is_asked_to_beat_diffusers_only_where_its_bound_is_the_l
         if asked:
             assert row["targets"]["faster_than_diffusers_best"] is True and "diffusers_not_asked" not in row, row
         else:
-            assert row["targets"]["faster_than_diffusers_best"] is None and "compute-bound" in row["diffusers_not_asked"], row
+            assert "faster_than_diffusers_best" not in row["targets"] and "compute-bound" in row["diffusers_not_asked"], row
+            assert row["vs_diffusers_best"]["median"] < 1.0
+        if "-compiled" in name:
+            # Runs that did not count dynamo's frames judge no recompilation: not met.
+            assert row["targets"]["no_recompiles_after_warmup"] is None, row
+    # Counted: met where no process compiled a frame in its timed steps, not where one did.
+    for frames, met in (([0, 0, 0], True), ([0, 2, 0], False)):
+        for k, n in enumerate(frames):
+            p = tmp_path / f"flux-dev-compiled-0.1-{k}.json"
+            d = json.loads(p.read_text())
+            for r in d["cases"]:
+                r["frames_compiled_in_timed_steps"] = n
+            p.write_text(json.dumps(d))
+        r, merged = _py_merge(tmp_path, [str(tmp_path / f"flux-dev-compiled-0.1-{k}.json") for k in range(3)])
+        row = merged["cases"][0]
+        assert row["frames_compiled_in_timed_steps"] == frames and row["targets"]["no_recompiles_after_warmup"] is met, row
+
 
 
 def test_a_constant_or_non_finite_output_misses_its_target(tmp_path):

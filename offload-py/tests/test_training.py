@@ -764,6 +764,46 @@ def test_blocks_whose_bytes_something_keeps_are_counted_and_warned_of_by_name(de
         offload.disable(m)
 
 
+class _KeepsEveryOtherStep(_Block):
+    """A block whose forward keeps its weight in a list on every other call
+    (one of two passes under guidance, say), the list emptied on the others."""
+
+    kept: list = []
+    calls = 0
+
+    def forward(self, x):
+        step = type(self).calls // 6  # six blocks a step
+        type(self).calls += 1
+        if step % 2 == 0:
+            type(self).kept.append(self.up.weight[:])  # a view of the lent bytes
+        else:
+            type(self).kept.clear()
+        return super().forward(x)
+
+
+def test_a_hold_every_other_step_is_warned_of():
+    # Held at the end of steps 1, 3, 5 and let go in 2, 4: the hold is not in
+    # two steps in a row, and is warned of all the same, at the third step.
+    m = _with_blocks(_KeepsEveryOtherStep)
+    _KeepsEveryOtherStep.kept.clear()
+    _KeepsEveryOtherStep.calls = 0
+    h = offload.enable(m, device="cpu", depth=1)
+    try:
+        counts = []
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            with torch.no_grad():
+                for _ in range(3):
+                    m(torch.randn(8, 64))
+                    counts.append(h.metrics()["retained_blocks"])
+        said = [str(w.message) for w in seen if "lent weights" in str(w.message)]
+        assert counts == [4, 0, 4], counts
+        assert len(said) == 1 and "blocks.0, blocks.1, blocks.2, blocks.3" in said[0], said
+    finally:
+        _KeepsEveryOtherStep.kept.clear()
+        offload.disable(m)
+
+
 def test_a_block_lent_twice_from_one_slot_is_the_rings_own_not_retained(monkeypatch):
     # On CUDA a checkpointed backward lends each block twice (its recompute,
     # then its backward), the second from the slot the first filled: one

@@ -108,7 +108,7 @@ class Offloaded:
         self._lent: list = []
         self._warned_retained = False
         self._gc_tries = 0
-        self._held_before = [False, False]  # by pass: forward, backward
+        self._held_earlier = [False, False]  # by pass (forward, backward): whether a step of it held lent bytes
         self._retained_warning: Optional[str] = None
         # The hooks that push sat on: where a user's context wrapped the block,
         # its exit popped ours in place of its own, which are left on top.
@@ -785,7 +785,7 @@ class Offloaded:
         Function's ctx, a hook, a list), so device memory grows by a block
         each. Warned of once, naming them (after the step's bookkeeping,
         `_end_engine_step`), where they are still held after a garbage
-        collection and the pass's step before held some too."""
+        collection and an earlier step of the pass held some too."""
         lent, self._lent = self._lent, []
         depth, in_ring = self._engine().plan()[:2]
         # Blocks the plan keeps in the ring (lent from there every step) are
@@ -805,12 +805,13 @@ class Offloaded:
             # A view in a reference cycle (a traceback's frames) lives until the
             # collector runs: collected before the warning, a few times per
             # handle (milliseconds each). And a compiler tracing the first call
-            # holds its frames' values while it runs: warned of only where the
-            # pass's step before held some too.
+            # holds its frames' values while it runs: warned of only where an
+            # earlier step of the pass held some too (not only the step before:
+            # a hold every other step, one pass of two under guidance, warns).
             self._gc_tries += 1
             gc.collect()
             held = {k: (r, b) for k, (r, b) in held.items() if not r.expired()}
-            if held and self._held_before[backward]:
+            if held and self._held_earlier[backward]:
                 self._warned_retained = True
                 names = ", ".join(dict.fromkeys(f"{b.stack}.{b.index}" for _, b in held.values()))
                 self._retained_warning = (
@@ -820,7 +821,7 @@ class Offloaded:
                     "holding a parameter), so each keeps its block's bytes on the device; metrics()['retained_blocks'] "
                     "counts them per step"
                 )
-        self._held_before[backward] = bool(held)
+        self._held_earlier[backward] = self._held_earlier[backward] or bool(held)
         return len(held)
 
     def _choose_depth(self) -> None:

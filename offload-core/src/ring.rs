@@ -775,6 +775,13 @@ impl<B: OffloadBackend> Ring<B> {
         served
     }
 
+    /// Every slot the ring holds now: its streaming slots, then its resident
+    /// blocks' (a backend whose slots hold framework buffers tells from these
+    /// which buffers are the ring's own and which something else keeps alive).
+    pub fn slots(&self) -> impl Iterator<Item = &B::Slot> + '_ {
+        self.slots.iter().map(|s| &s.slot).chain(self.resident.iter().map(|r| &r.1))
+    }
+
     /// The block [`lend`](Self::lend) lent and not yet given back: its id, layout and slot.
     pub fn lent(&self) -> Option<(&BlockId, &BlockLayout, &B::Slot)> {
         let l = self.lent.as_ref()?;

@@ -405,6 +405,18 @@ impl Streamer {
         }
     }
 
+    /// The buffers the ring's slots hold now (on CUDA the torch buffers lent
+    /// from them: a lent buffer among these is the ring's own, one outside them
+    /// still alive is kept by something else). None on the simulated device,
+    /// which lends a fresh copy each time and holds none of them.
+    fn held_buffers(&self, py: Python<'_>) -> PyResult<Vec<Py<PyAny>>> {
+        let mut held = self.held()?;
+        Ok(match held.ring()? {
+            AnyRing::Cpu(_) => Vec::new(),
+            AnyRing::Cuda(r) => r.slots().filter_map(|s| s.buffer().map(|b| b.clone_ref(py))).collect(),
+        })
+    }
+
     /// Block `index` of `stack` as the host store holds it, read back on the host
     /// (decoded where it is held coded; through the file where it is mapped): a
     /// `bytearray` laid out as [`layouts`](Self::layouts) says. For putting the

@@ -188,7 +188,7 @@ def _py_merge(tmp_path, runs):
 
 
 def test_a_compiled_row_is_asked_to_beat_diffusers_only_where_its_bound_is_the_links(tmp_path):
-    # Issue 55: faster than diffusers' best compiled offloaded mode wherever the
+    # A compiled row is asked to be faster than diffusers' best compiled offloaded mode wherever the
     # bound is above the resident compiled step. Copy-bound (10e9 B at 50e9 B/s:
     # 0.2 s over a 0.1 s resident step) it is asked; compute-bound (a 0.3 s
     # resident step) not, and the row says why; an uncompiled row always is.

@@ -778,25 +778,19 @@ class Offloaded:
 
     def _count_retained(self, backward: bool) -> int:
         """How many blocks' lent bytes from the step ending are still
-        referenced, beyond the ring's own (the last ``depth + 1`` distinct
-        buffers it lent, which its slots may still hold: a block lent twice
-        from one slot, as a checkpointed backward does, is one buffer):
+        referenced, beyond the ring's own (the buffers its slots hold now,
+        ``held_buffers``: on CUDA the last blocks copied into them, a block
+        lent twice from one slot, as a checkpointed backward does, among them;
+        the simulated device's ring holds none, each lend a fresh copy):
         something outside the package keeps a view of them (a custom autograd
         Function's ctx, a hook, a list), so device memory grows by a block
         each. Warned of once, naming them (after the step's bookkeeping,
         `_end_engine_step`), where they are still held after a garbage
         collection and an earlier step of the pass held some too."""
         lent, self._lent = self._lent, []
-        depth, in_ring = self._engine().plan()[:2]
-        # Blocks the plan keeps in the ring (lent from there every step) are
-        # the ring's own to hold.
-        if in_ring:
-            lent = [e for e in lent if f"{e[1].stack}.{e[1].index}" not in in_ring]
-        ring: set = set()
-        for r, _, _ in reversed(lent):
-            if len(ring) == depth + 1:
-                break
-            ring.add(r.cdata)
+        if not lent:
+            return 0
+        ring = {StorageWeakRef(b.untyped_storage()).cdata for b in self._engine().held_buffers()}
         held: dict = {}
         for r, b, graphed in lent:
             if not graphed and r.cdata not in ring and not r.expired():

@@ -128,10 +128,6 @@ def main():
             **({"diffusers_partial": partial} if partial else {}),
             bitwise_equal=bitwise, host_syncs_in_timed_steps=syncs, outputs_finite_and_nonconstant=finite,
         )
-        # A compiled row (zoo_anchor --compile: MODEL-compiled...) is asked to beat
-        # diffusers' best compiled offloaded mode only where its bound is the link's
-        # (above the resident compiled step): at the resident step both sides run
-        # the same compiled blocks, and which is faster is the run's noise (below).
         # Against diffusers only where every merged process ran a diffusers mode: a
         # comparison over fewer processes than the row's is no comparison of it (a
         # mode that failed in one process, say): this row says so, the others merge.

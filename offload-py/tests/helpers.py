@@ -47,6 +47,11 @@ def exact_attention(dev: str):
     return sdpa_kernel(SDPBackend.MATH)
 
 
+def blocks_of(model) -> list:
+    """The model's blocks, in its block lists' order (:func:`offload.find_blocks`)."""
+    return [b for path in offload.find_blocks(model) for b in model.get_submodule(path)]
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     t = t.detach().cpu().contiguous()
     return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32) if t.element_size() == 4 else t

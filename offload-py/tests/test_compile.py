@@ -13,7 +13,7 @@ from torch import nn
 import offload
 
 from models import MODELS, Chain, flux
-from helpers import DEVICES, _bits, _to
+from helpers import DEVICES, _bits, _to, blocks_of
 
 
 def _counting(backend: str, graphs: list):
@@ -525,12 +525,6 @@ def test_a_whole_compiled_block_returning_a_view_of_its_own_weight_is_refused_by
         assert torch.equal(_bits(m(x)[0]), _bits(ref))
 
 
-def _each_block(model: nn.Module):
-    """The blocks of ``model``'s block lists (:func:`offload.find_blocks`)."""
-    for path in offload.find_blocks(model):
-        yield from model.get_submodule(path)
-
-
 @pytest.mark.parametrize("order", ["before", "after"])
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_each_real_class_compiled_block_by_block_with_fullgraph_streams_bitwise_without_recompiling(name, order):
@@ -542,7 +536,7 @@ def test_each_real_class_compiled_block_by_block_with_fullgraph_streams_bitwise_
     # nothing more.
     torch._dynamo.reset()
     model, inputs, _ = MODELS[name]()
-    for b in _each_block(model):
+    for b in blocks_of(model):
         b.compile(fullgraph=True, backend=_counting("aot_eager", []))
     with torch.no_grad():
         ref = model(**inputs)[0].clone()
@@ -551,14 +545,14 @@ def test_each_real_class_compiled_block_by_block_with_fullgraph_streams_bitwise_
     counting = _counting("aot_eager", graphs)
     model, inputs, blocks = MODELS[name]()
     if order == "before":
-        for b in _each_block(model):
+        for b in blocks_of(model):
             b.compile(fullgraph=True, backend=counting)
         with torch.no_grad():
             model(**inputs)
         h = offload.enable(model, device="cpu", depth=1)
     else:
         h = offload.enable(model, device="cpu", depth=1)
-        for b in _each_block(model):
+        for b in blocks_of(model):
             b.compile(fullgraph=True, backend=counting)
     seen = []
     with torch.no_grad():

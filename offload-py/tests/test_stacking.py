@@ -9,23 +9,18 @@ import torch
 import offload
 
 from models import MODELS, Chain, flux
-from helpers import DEVICES, _bits, _to
+from helpers import DEVICES, _bits, _to, blocks_of
 
 # Drift of the input across eight denoising steps: a cache with threshold 0.05
 # computes steps 0, 3 and 6 (a large change) and returns its output on the rest.
 _DRIFT = [0, 0.001, 0.002, 0.2, 0.201, 0.202, 0.5, 0.5005]
 
 
-def _blocks_of(model) -> list:
-    """The model's blocks, in its block lists' order (:func:`offload.find_blocks`)."""
-    return [b for path in offload.find_blocks(model) for b in model.get_submodule(path)]
-
-
 def _steps(model, inputs, dev):
     """The eight steps' outputs, and per step whether the blocks after the
     first computed (a layer inside the last block ran) or the cache answered."""
     runs = []
-    last = next(m for m in _blocks_of(model)[-1].modules() if isinstance(m, torch.nn.Linear))
+    last = next(m for m in blocks_of(model)[-1].modules() if isinstance(m, torch.nn.Linear))
     h = last.register_forward_hook(lambda *a: runs.append(1))
     outs, computed, metrics = [], [], []
     for d in _DRIFT:
@@ -49,8 +44,8 @@ def _same_steps_copying_what_ran(model, outs, ref, computed, ref_computed, metri
     assert computed == ref_computed, "the cache decided otherwise than resident"
     for i, (o, r) in enumerate(zip(outs, ref)):
         assert torch.equal(_bits(o), _bits(r)), f"step {i}: the streamed output differs from the resident one with the cache"
-    blocks = len(_blocks_of(model))
-    largest = max(sum(-(-p.numel() * p.element_size() // 256) * 256 for p in b.parameters()) for b in _blocks_of(model))
+    blocks = len(blocks_of(model))
+    largest = max(sum(-(-p.numel() * p.element_size() // 256) * 256 for p in b.parameters()) for b in blocks_of(model))
     for i, (m, c) in enumerate(zip(metrics, computed)):
         if c:
             assert m["blocks"] == blocks and m["skipped_blocks"] == 0, (i, m)
